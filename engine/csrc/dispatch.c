@@ -1,0 +1,85 @@
+/* Run-time kernel selection: the best variant the CPU supports, or a forced one. */
+#include "internal.h"
+
+static int32_t g_variant = ST_VARIANT_AUTO;
+
+int32_t st_cpu_variants(void) {
+    int32_t mask = 1 << ST_VARIANT_REF;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        mask |= 1 << ST_VARIANT_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && (mask & (1 << ST_VARIANT_AVX2)))
+        mask |= 1 << ST_VARIANT_AVX512;
+#endif
+    return mask;
+}
+
+static int32_t resolve(int32_t variant) {
+    if (variant != ST_VARIANT_AUTO) return variant;
+    const int32_t mask = st_cpu_variants();
+    if (mask & (1 << ST_VARIANT_AVX512)) return ST_VARIANT_AVX512;
+    if (mask & (1 << ST_VARIANT_AVX2)) return ST_VARIANT_AVX2;
+    return ST_VARIANT_REF;
+}
+
+static st_status check_variant(int32_t variant) {
+    if (variant < ST_VARIANT_AUTO || variant > ST_VARIANT_AVX512)
+        return st_fail(ST_EINVAL, "unknown kernel variant %d", variant);
+    if (variant != ST_VARIANT_AUTO && !(st_cpu_variants() & (1 << variant)))
+        return st_fail(ST_EUNSUPPORTED, "kernel variant %d is not supported by this CPU", variant);
+    return ST_OK;
+}
+
+st_status st_set_variant(int32_t variant) {
+    const st_status rc = check_variant(variant);
+    if (rc == ST_OK) g_variant = variant;
+    return rc;
+}
+
+int32_t st_get_variant(void) { return resolve(g_variant); }
+
+static dot_q_fn pick_q(int32_t variant, int32_t type) {
+    dot_q_fn f = NULL;
+    if (variant == ST_VARIANT_AVX512) f = st_dot_q_avx512(type);
+    else if (variant == ST_VARIANT_AVX2) f = st_dot_q_avx2(type);
+    return f ? f : st_dot_q_ref(type);
+}
+
+static dot_f_fn pick_f(int32_t variant, int32_t type) {
+    dot_f_fn f = NULL;
+    if (variant == ST_VARIANT_AVX512) f = st_dot_f_avx512(type);
+    else if (variant == ST_VARIANT_AVX2) f = st_dot_f_avx2(type);
+    return f ? f : st_dot_f_ref(type);
+}
+
+axpy_f16_fn st_axpy_f16(void) {
+    const int32_t v = resolve(g_variant);
+    axpy_f16_fn f = v >= ST_VARIANT_AVX2 ? st_axpy_f16_avx2() : NULL;
+    return f ? f : st_axpy_f16_ref();
+}
+
+dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
+dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }
+
+st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_t *qs, const float *d,
+                       const int32_t *sums, int64_t n, float *out) {
+    st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!st_type_supported(type) || st_type_is_float(type))
+        return st_fail(ST_EUNSUPPORTED, "vec_dot_q: type %d is not a supported quantised type", type);
+    if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type))
+        return st_fail(ST_EINVAL, "vec_dot_q: bad arguments (n=%lld)", (long long)n);
+    pick_q(resolve(variant), type)(w, qs, d, sums, n, out);
+    return ST_OK;
+}
+
+st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out) {
+    st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!st_type_is_float(type)) return st_fail(ST_EUNSUPPORTED, "vec_dot_f: type %d is not a float type", type);
+    if (!w || !x || !out || n <= 0) return st_fail(ST_EINVAL, "vec_dot_f: bad arguments (n=%lld)", (long long)n);
+    pick_f(resolve(variant), type)(w, x, n, out);
+    return ST_OK;
+}

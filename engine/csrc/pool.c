@@ -1,0 +1,156 @@
+/* A persistent thread pool pinned to the lane's cores.
+ *
+ * One forward step runs ~6 parallel regions per layer, so waking threads through
+ * the kernel for every region would cost more than the work in decode. Workers
+ * therefore spin on a generation counter between regions and only fall back to a
+ * condition variable after a long idle spin (between steps). Items are handed out
+ * one at a time from an atomic counter, so uneven items (a hot expert) balance. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define SPIN_BEFORE_SLEEP 200000 /* pause iterations (~a few ms) before sleeping */
+
+struct st_pool;
+
+typedef struct {
+    struct st_pool *pool;
+    int index;
+    int core;
+} worker_arg;
+
+struct st_pool {
+    int n_threads;
+    pthread_t *threads;
+    worker_arg *args;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    _Atomic uint64_t generation;
+    _Atomic int64_t next_item;
+    _Atomic int n_done;
+    _Atomic int stop;
+    _Atomic int n_sleeping;
+    st_task_fn fn;
+    void *ctx;
+    int64_t n_items;
+};
+
+static void pin_self(int core) {
+    if (core < 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(core, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set); /* best effort */
+}
+
+static void drain_items(st_pool *p, int thread) {
+    for (;;) {
+        const int64_t i = atomic_fetch_add_explicit(&p->next_item, 1, memory_order_relaxed);
+        if (i >= p->n_items) break;
+        p->fn(p->ctx, i, thread);
+    }
+}
+
+static void *worker_main(void *argp) {
+    worker_arg *a = argp;
+    st_pool *p = a->pool;
+    pin_self(a->core);
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen) {
+            if (atomic_load_explicit(&p->stop, memory_order_relaxed)) return NULL;
+            if (++spins < SPIN_BEFORE_SLEEP) {
+                CPU_RELAX();
+                continue;
+            }
+            pthread_mutex_lock(&p->mu);
+            atomic_fetch_add(&p->n_sleeping, 1);
+            while (atomic_load(&p->generation) == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->cv, &p->mu);
+            atomic_fetch_sub(&p->n_sleeping, 1);
+            pthread_mutex_unlock(&p->mu);
+            spins = 0;
+        }
+        seen = g;
+        drain_items(p, a->index);
+        atomic_fetch_add_explicit(&p->n_done, 1, memory_order_acq_rel);
+    }
+}
+
+st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_cores, st_pool **out) {
+    if (!out) return st_fail(ST_EINVAL, "pool_create: out is NULL");
+    *out = NULL;
+    if (n_threads < 1 || n_threads > 1024) return st_fail(ST_EINVAL, "pool_create: n_threads=%d out of range", n_threads);
+    if (cores && n_cores < 1) return st_fail(ST_EINVAL, "pool_create: empty core list");
+    st_pool *p = calloc(1, sizeof *p);
+    if (!p) return st_fail(ST_ENOMEM, "pool_create: out of memory");
+    p->n_threads = n_threads;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    p->threads = calloc((size_t)n_threads, sizeof *p->threads);
+    p->args = calloc((size_t)n_threads, sizeof *p->args);
+    if (!p->threads || !p->args) {
+        st_pool_destroy(p);
+        return st_fail(ST_ENOMEM, "pool_create: out of memory");
+    }
+    for (int i = 1; i < n_threads; i++) {
+        p->args[i] = (worker_arg){p, i, cores ? cores[i % n_cores] : -1};
+        if (pthread_create(&p->threads[i], NULL, worker_main, &p->args[i]) != 0) {
+            p->n_threads = i; /* destroy joins only the threads that exist */
+            st_pool_destroy(p);
+            return st_fail(ST_ETHREAD, "pool_create: pthread_create failed for worker %d", i);
+        }
+    }
+    *out = p;
+    return ST_OK;
+}
+
+void st_pool_destroy(st_pool *p) {
+    if (!p) return;
+    atomic_store(&p->stop, 1);
+    pthread_mutex_lock(&p->mu);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n_threads; i++)
+        if (p->threads && p->threads[i]) pthread_join(p->threads[i], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p->threads);
+    free(p->args);
+    free(p);
+}
+
+int32_t st_pool_threads(const st_pool *p) { return p ? p->n_threads : 0; }
+
+void st_pool_run(st_pool *p, st_task_fn fn, void *ctx, int64_t n_items) {
+    if (n_items <= 0) return;
+    if (!p || p->n_threads == 1 || n_items == 1) {
+        for (int64_t i = 0; i < n_items; i++) fn(ctx, i, 0);
+        return;
+    }
+    p->fn = fn;
+    p->ctx = ctx;
+    p->n_items = n_items;
+    atomic_store_explicit(&p->next_item, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->n_done, 0, memory_order_relaxed);
+    atomic_fetch_add(&p->generation, 1); /* seq_cst: pairs with n_sleeping */
+    if (atomic_load(&p->n_sleeping) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    drain_items(p, 0);
+    while (atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n_threads - 1) CPU_RELAX();
+}

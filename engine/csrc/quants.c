@@ -1,0 +1,398 @@
+/* Quant types: type table, dequantisation, activation quantisation and the
+ * generic reference dot kernels every SIMD variant is checked against.
+ *
+ * Dequantisation reproduces gguf-py's numpy reference bit for bit, which is why the
+ * operation order below (e.g. (d*q)+m, and d*sc computed first for k-quants)
+ * matters and why the library is built with -ffp-contract=off. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+/* ---- errors ---- */
+static _Thread_local char g_err[512];
+
+const char *st_last_error(void) { return g_err; }
+
+st_status st_fail(st_status code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+/* ---- type table ---- */
+int32_t st_type_block_elems(int32_t type) {
+    switch (type) {
+    case ST_TYPE_F32: case ST_TYPE_F16: case ST_TYPE_BF16: return 1;
+    case ST_TYPE_Q4_0: case ST_TYPE_Q4_1: case ST_TYPE_Q5_0: case ST_TYPE_Q5_1: case ST_TYPE_Q8_0: return QK;
+    case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: return QK_K;
+    default: return 0;
+    }
+}
+
+int32_t st_type_block_bytes(int32_t type) {
+    switch (type) {
+    case ST_TYPE_F32: return 4;
+    case ST_TYPE_F16: case ST_TYPE_BF16: return 2;
+    case ST_TYPE_Q4_0: return sizeof(blk_q4_0);
+    case ST_TYPE_Q4_1: return sizeof(blk_q4_1);
+    case ST_TYPE_Q5_0: return sizeof(blk_q5_0);
+    case ST_TYPE_Q5_1: return sizeof(blk_q5_1);
+    case ST_TYPE_Q8_0: return sizeof(blk_q8_0);
+    case ST_TYPE_Q4_K: return sizeof(blk_q4_k);
+    case ST_TYPE_Q5_K: return sizeof(blk_q5_k);
+    case ST_TYPE_Q6_K: return sizeof(blk_q6_k);
+    default: return 0;
+    }
+}
+
+int32_t st_type_supported(int32_t type) { return st_type_block_elems(type) > 0; }
+
+int st_type_is_float(int32_t type) {
+    return type == ST_TYPE_F32 || type == ST_TYPE_F16 || type == ST_TYPE_BF16;
+}
+
+size_t st_row_bytes(int32_t type, int64_t n) {
+    return (size_t)(n / st_type_block_elems(type)) * (size_t)st_type_block_bytes(type);
+}
+
+/* ---- dequantisation (reference; the only implementation) ---- */
+static void deq_q4_0(const blk_q4_0 *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    for (int l = 0; l < QK / 2; l++) {
+        y[l] = d * (float)((b->qs[l] & 0xF) - 8);
+        y[l + QK / 2] = d * (float)((b->qs[l] >> 4) - 8);
+    }
+}
+
+static void deq_q4_1(const blk_q4_1 *b, float *y) {
+    const float d = f16_to_f32(b->d), m = f16_to_f32(b->m);
+    for (int l = 0; l < QK / 2; l++) {
+        y[l] = d * (float)(b->qs[l] & 0xF) + m;
+        y[l + QK / 2] = d * (float)(b->qs[l] >> 4) + m;
+    }
+}
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void deq_q5_0(const blk_q5_0 *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    const uint32_t qh = load_u32(b->qh);
+    for (int l = 0; l < QK / 2; l++) {
+        const int q0 = (b->qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+        const int q1 = (b->qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        y[l] = d * (float)(q0 - 16);
+        y[l + QK / 2] = d * (float)(q1 - 16);
+    }
+}
+
+static void deq_q5_1(const blk_q5_1 *b, float *y) {
+    const float d = f16_to_f32(b->d), m = f16_to_f32(b->m);
+    const uint32_t qh = load_u32(b->qh);
+    for (int l = 0; l < QK / 2; l++) {
+        const int q0 = (b->qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+        const int q1 = (b->qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        y[l] = d * (float)q0 + m;
+        y[l + QK / 2] = d * (float)q1 + m;
+    }
+}
+
+static void deq_q8_0(const blk_q8_0 *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    for (int l = 0; l < QK; l++) y[l] = (float)b->qs[l] * d;
+}
+
+static void deq_q4_k(const blk_q4_k *b, float *y) {
+    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+    for (int c = 0; c < 4; c++) { /* 64 elements: low nibbles then high nibbles */
+        uint8_t sc, m;
+        get_scale_min_k4(2 * c, b->scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        get_scale_min_k4(2 * c + 1, b->scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        const uint8_t *q = b->qs + 32 * c;
+        for (int l = 0; l < 32; l++) y[64 * c + l] = d1 * (float)(q[l] & 0xF) - m1;
+        for (int l = 0; l < 32; l++) y[64 * c + 32 + l] = d2 * (float)(q[l] >> 4) - m2;
+    }
+}
+
+static void deq_q5_k(const blk_q5_k *b, float *y) {
+    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+    for (int c = 0; c < 4; c++) {
+        uint8_t sc, m;
+        get_scale_min_k4(2 * c, b->scales, &sc, &m);
+        const float d1 = d * (float)sc, m1 = dmin * (float)m;
+        get_scale_min_k4(2 * c + 1, b->scales, &sc, &m);
+        const float d2 = d * (float)sc, m2 = dmin * (float)m;
+        const uint8_t *q = b->qs + 32 * c;
+        for (int l = 0; l < 32; l++) {
+            const int h = (b->qh[l] >> (2 * c)) & 1;
+            y[64 * c + l] = d1 * (float)((q[l] & 0xF) | (h << 4)) - m1;
+        }
+        for (int l = 0; l < 32; l++) {
+            const int h = (b->qh[l] >> (2 * c + 1)) & 1;
+            y[64 * c + 32 + l] = d2 * (float)((q[l] >> 4) | (h << 4)) - m2;
+        }
+    }
+}
+
+/* Q6_K element e of a 128-element half: low 4 bits from ql, high 2 bits from qh. */
+static inline int q6k_value(const blk_q6_k *b, int e) {
+    const int h = e / 128, r = e % 128, g = r / 32, l = r % 32;
+    const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
+    const int lo = (g & 1) ? ql[32 + l] : ql[l];
+    const int low4 = (g < 2) ? (lo & 0xF) : (lo >> 4);
+    const int high2 = (qh[l] >> (2 * g)) & 3;
+    return (low4 | (high2 << 4)) - 32;
+}
+
+static void deq_q6_k(const blk_q6_k *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    for (int s = 0; s < QK_K / 16; s++) {
+        const float ds = d * (float)b->scales[s];
+        for (int l = 0; l < 16; l++) y[16 * s + l] = ds * (float)q6k_value(b, 16 * s + l);
+    }
+}
+
+st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
+    const int32_t be = st_type_block_elems(type);
+    if (!be) return st_fail(ST_EUNSUPPORTED, "dequantize: unsupported quant type %d", type);
+    if (!src || !dst || n < 0 || n % be)
+        return st_fail(ST_EINVAL, "dequantize: n=%lld is not a multiple of the block size %d", (long long)n, be);
+    const int64_t nb = n / be;
+    const uint8_t *p = src;
+    const size_t bb = (size_t)st_type_block_bytes(type);
+    for (int64_t i = 0; i < nb; i++, p += bb) {
+        float *y = dst + i * be;
+        switch (type) {
+        case ST_TYPE_F32: memcpy(y, p, 4); break;
+        case ST_TYPE_F16: { f16_t h; memcpy(&h, p, 2); *y = f16_to_f32(h); } break;
+        case ST_TYPE_BF16: { uint16_t h; memcpy(&h, p, 2); *y = bf16_to_f32(h); } break;
+        case ST_TYPE_Q4_0: deq_q4_0((const blk_q4_0 *)p, y); break;
+        case ST_TYPE_Q4_1: deq_q4_1((const blk_q4_1 *)p, y); break;
+        case ST_TYPE_Q5_0: deq_q5_0((const blk_q5_0 *)p, y); break;
+        case ST_TYPE_Q5_1: deq_q5_1((const blk_q5_1 *)p, y); break;
+        case ST_TYPE_Q8_0: deq_q8_0((const blk_q8_0 *)p, y); break;
+        case ST_TYPE_Q4_K: deq_q4_k((const blk_q4_k *)p, y); break;
+        case ST_TYPE_Q5_K: deq_q5_k((const blk_q5_k *)p, y); break;
+        case ST_TYPE_Q6_K: deq_q6_k((const blk_q6_k *)p, y); break;
+        }
+    }
+    return ST_OK;
+}
+
+/* ---- activation quantisation: int8 per 32-block, float scale, int sums per 16 ---- */
+void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(xb[l]));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        int32_t s0 = 0, s1 = 0;
+        for (int l = 0; l < QK; l++) {
+            const int8_t q = (int8_t)roundf(xb[l] * id);
+            qs[b * QK + l] = q;
+            if (l < 16) s0 += q; else s1 += q;
+        }
+        sums[2 * b] = s0;
+        sums[2 * b + 1] = s1;
+    }
+}
+
+st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
+    if (!x || !qs || !d || !sums || n <= 0 || n % QK)
+        return st_fail(ST_EINVAL, "quantize_act: n=%lld must be a positive multiple of %d", (long long)n, QK);
+    st_quantize_act_row(x, n, qs, d, sums);
+    return ST_OK;
+}
+
+/* ---- reference dot kernels ----
+ * Every quantised type is written as unsigned q in [0, 2^bits) with an integer
+ * offset OFF, so w = S * (q - OFF) (+ M for types with a minimum). With 8-bit
+ * activations a = dx * qa:  dot = sum_sub dx * (S * (sum q*qa - OFF * sum qa) + M * sum qa).
+ * The SIMD variants compute exactly these integer sums, only faster. */
+static inline int32_t sum32(const int32_t *s16, int64_t blk) { return s16[2 * blk] + s16[2 * blk + 1]; }
+
+static void dot_q4_0_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q4_0 *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int32_t isum = 0;
+        for (int l = 0; l < 16; l++) isum += (b[i].qs[l] & 0xF) * a[i * QK + l] + (b[i].qs[l] >> 4) * a[i * QK + 16 + l];
+        acc += f16_to_f32(b[i].d) * d[i] * (float)(isum - 8 * sum32(s, i));
+    }
+    *out = acc;
+}
+
+static void dot_q4_1_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q4_1 *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int32_t isum = 0;
+        for (int l = 0; l < 16; l++) isum += (b[i].qs[l] & 0xF) * a[i * QK + l] + (b[i].qs[l] >> 4) * a[i * QK + 16 + l];
+        acc += d[i] * (f16_to_f32(b[i].d) * (float)isum + f16_to_f32(b[i].m) * (float)sum32(s, i));
+    }
+    *out = acc;
+}
+
+static void dot_q5_0_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q5_0 *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        const uint32_t qh = load_u32(b[i].qh);
+        int32_t isum = 0;
+        for (int l = 0; l < 16; l++) {
+            isum += ((b[i].qs[l] & 0xF) | (((qh >> l) & 1) << 4)) * a[i * QK + l];
+            isum += ((b[i].qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * a[i * QK + 16 + l];
+        }
+        acc += f16_to_f32(b[i].d) * d[i] * (float)(isum - 16 * sum32(s, i));
+    }
+    *out = acc;
+}
+
+static void dot_q5_1_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q5_1 *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        const uint32_t qh = load_u32(b[i].qh);
+        int32_t isum = 0;
+        for (int l = 0; l < 16; l++) {
+            isum += ((b[i].qs[l] & 0xF) | (((qh >> l) & 1) << 4)) * a[i * QK + l];
+            isum += ((b[i].qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * a[i * QK + 16 + l];
+        }
+        acc += d[i] * (f16_to_f32(b[i].d) * (float)isum + f16_to_f32(b[i].m) * (float)sum32(s, i));
+    }
+    *out = acc;
+}
+
+static void dot_q8_0_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q8_0 *b = w;
+    (void)s;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++) {
+        int32_t isum = 0;
+        for (int l = 0; l < QK; l++) isum += b[i].qs[l] * a[i * QK + l];
+        acc += f16_to_f32(b[i].d) * d[i] * (float)isum;
+    }
+    *out = acc;
+}
+
+static void dot_q4_k_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q4_k *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float dd = f16_to_f32(b[i].d), dm = f16_to_f32(b[i].dmin);
+        for (int j = 0; j < 8; j++) { /* sub-block j = activation block 8i+j */
+            uint8_t sc, m;
+            get_scale_min_k4(j, b[i].scales, &sc, &m);
+            const uint8_t *q = b[i].qs + 32 * (j / 2);
+            const int shift = (j & 1) * 4;
+            const int64_t ab = 8 * i + j;
+            int32_t isum = 0;
+            for (int l = 0; l < 32; l++) isum += ((q[l] >> shift) & 0xF) * a[ab * QK + l];
+            acc += d[ab] * (dd * (float)sc * (float)isum - dm * (float)m * (float)sum32(s, ab));
+        }
+    }
+    *out = acc;
+}
+
+static void dot_q5_k_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q5_k *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float dd = f16_to_f32(b[i].d), dm = f16_to_f32(b[i].dmin);
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            get_scale_min_k4(j, b[i].scales, &sc, &m);
+            const uint8_t *q = b[i].qs + 32 * (j / 2);
+            const int shift = (j & 1) * 4;
+            const int64_t ab = 8 * i + j;
+            int32_t isum = 0;
+            for (int l = 0; l < 32; l++)
+                isum += (((q[l] >> shift) & 0xF) | (((b[i].qh[l] >> j) & 1) << 4)) * a[ab * QK + l];
+            acc += d[ab] * (dd * (float)sc * (float)isum - dm * (float)m * (float)sum32(s, ab));
+        }
+    }
+    *out = acc;
+}
+
+static void dot_q6_k_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q6_k *b = w;
+    (void)s;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float dd = f16_to_f32(b[i].d);
+        for (int j = 0; j < 8; j++) {
+            const int64_t ab = 8 * i + j;
+            int32_t isum = 0;
+            for (int half = 0; half < 2; half++) { /* two 16-element scales per 32 */
+                int32_t part = 0;
+                for (int l = 0; l < 16; l++) {
+                    const int e = 32 * j + 16 * half + l;
+                    part += q6k_value(&b[i], e) * a[ab * QK + 16 * half + l];
+                }
+                isum += b[i].scales[2 * j + half] * part;
+            }
+            acc += dd * d[ab] * (float)isum;
+        }
+    }
+    *out = acc;
+}
+
+static void dot_f32_ref(const void *w, const float *x, int64_t n, float *out) {
+    const float *v = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += v[i] * x[i];
+    *out = acc;
+}
+
+static void dot_f16_ref(const void *w, const float *x, int64_t n, float *out) {
+    const f16_t *v = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += f16_to_f32(v[i]) * x[i];
+    *out = acc;
+}
+
+static void dot_bf16_ref(const void *w, const float *x, int64_t n, float *out) {
+    const uint16_t *v = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) acc += bf16_to_f32(v[i]) * x[i];
+    *out = acc;
+}
+
+dot_q_fn st_dot_q_ref(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q4_0: return dot_q4_0_ref;
+    case ST_TYPE_Q4_1: return dot_q4_1_ref;
+    case ST_TYPE_Q5_0: return dot_q5_0_ref;
+    case ST_TYPE_Q5_1: return dot_q5_1_ref;
+    case ST_TYPE_Q8_0: return dot_q8_0_ref;
+    case ST_TYPE_Q4_K: return dot_q4_k_ref;
+    case ST_TYPE_Q5_K: return dot_q5_k_ref;
+    case ST_TYPE_Q6_K: return dot_q6_k_ref;
+    default: return NULL;
+    }
+}
+
+dot_f_fn st_dot_f_ref(int32_t type) {
+    switch (type) {
+    case ST_TYPE_F32: return dot_f32_ref;
+    case ST_TYPE_F16: return dot_f16_ref;
+    case ST_TYPE_BF16: return dot_bf16_ref;
+    default: return NULL;
+    }
+}
+
+static void axpy_f16_ref(float *y, const f16_t *v, float a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * f16_to_f32(v[i]);
+}
+
+axpy_f16_fn st_axpy_f16_ref(void) { return axpy_f16_ref; }

@@ -1,0 +1,153 @@
+/* Strata engine: the C API reached from Python through cffi.
+ *
+ * Conventions
+ *   - Every entry point returns an st_status (0 = ok). On error, st_last_error()
+ *     returns a message for the calling thread. Nothing here calls exit()/abort().
+ *   - Tensors follow GGUF/ggml order: ne[0] is the innermost (contiguous) dimension,
+ *     so a weight matrix W[n_out, n_in] has ne[0] = n_in (row length), ne[1] = n_out.
+ *   - Quant type ids are ggml's (GGMLQuantizationType in gguf-py).
+ *   - Weights are borrowed pointers into the mmap'd GGUF file; nothing is copied.
+ */
+#ifndef STRATA_H
+#define STRATA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef int32_t st_status;
+#define ST_OK 0
+#define ST_EINVAL 1       /* bad argument / shape */
+#define ST_ENOMEM 2       /* allocation failed */
+#define ST_EUNSUPPORTED 3 /* quant type / architecture not supported */
+#define ST_ERANGE 4       /* index out of range (token id, position, block) */
+#define ST_ETHREAD 5      /* thread pool failure */
+
+const char *st_last_error(void);
+
+/* ---- quant types (ggml ids) ---------------------------------------------- */
+#define ST_TYPE_F32 0
+#define ST_TYPE_F16 1
+#define ST_TYPE_Q4_0 2
+#define ST_TYPE_Q4_1 3
+#define ST_TYPE_Q5_0 6
+#define ST_TYPE_Q5_1 7
+#define ST_TYPE_Q8_0 8
+#define ST_TYPE_Q4_K 12
+#define ST_TYPE_Q5_K 13
+#define ST_TYPE_Q6_K 14
+#define ST_TYPE_BF16 30
+
+/* Kernel variants. AUTO picks the best the CPU supports. */
+#define ST_VARIANT_AUTO 0
+#define ST_VARIANT_REF 1
+#define ST_VARIANT_AVX2 2
+#define ST_VARIANT_AVX512 3 /* AVX-512F/BW/VL + VNNI */
+
+int32_t st_type_supported(int32_t type);
+/* Elements per block and bytes per block; 0 for an unsupported type. */
+int32_t st_type_block_elems(int32_t type);
+int32_t st_type_block_bytes(int32_t type);
+
+/* Bitmask of variants this CPU can run: bit v set if variant v is usable. */
+int32_t st_cpu_variants(void);
+/* Force one variant for every kernel (tests, benchmarks); AUTO restores. */
+st_status st_set_variant(int32_t variant);
+int32_t st_get_variant(void);
+
+/* Dequantise n elements (a multiple of the block size) to float32. */
+st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n);
+
+/* Activations are quantised to 8 bits in blocks of 32: qs[n], d[n/32] (scale),
+ * sums[n/32] (sum of the 32 int8 values, used for weight offsets/minimums). */
+st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
+
+/* out = dot(row of weights of `type`, activations) with the given variant.
+ * Quantised types use the 8-bit activations; F32/F16/BF16 use float x. */
+st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_t *qs, const float *d,
+                       const int32_t *sums, int64_t n, float *out);
+st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out);
+
+/* ---- thread pool ------------------------------------------------------------ */
+typedef struct st_pool st_pool;
+/* n_threads workers (the caller's thread counts as worker 0). If cores != NULL,
+ * worker i is pinned to cores[i % n_cores]. */
+st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_cores, st_pool **out);
+void st_pool_destroy(st_pool *pool);
+int32_t st_pool_threads(const st_pool *pool);
+
+/* ---- model -------------------------------------------------------------------- */
+typedef struct {
+    const void *data; /* NULL = absent */
+    int32_t type;
+    int32_t n_dims;
+    int64_t ne[4];
+} st_tensor;
+
+typedef struct {
+    st_tensor attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm;
+    st_tensor ffn_norm;
+    st_tensor ffn_gate, ffn_up, ffn_down;                  /* dense FFN */
+    st_tensor gate_inp, gate_exps, up_exps, down_exps;     /* routed experts */
+    st_tensor gate_inp_shexp, gate_shexp, up_shexp, down_shexp; /* shared expert */
+} st_layer;
+
+#define ST_ARCH_LLAMA 0
+#define ST_ARCH_QWEN3MOE 1
+#define ST_ARCH_QWEN2MOE 2
+
+#define ST_ROPE_NORM 0 /* rotate adjacent pairs (x[2i], x[2i+1]) */
+#define ST_ROPE_NEOX 2 /* rotate halves (x[i], x[i + d/2]) */
+
+typedef struct {
+    int32_t arch;
+    int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_vocab;
+    int32_t n_expert, n_expert_used; /* 0 / 0 for a dense model */
+    int32_t expert_norm;             /* renormalise the top-k weights to sum to 1 */
+    int32_t rope_type, rope_dim;
+    float rope_base, norm_eps;
+    st_tensor token_embd, output_norm, output;
+    st_layer *layers; /* [n_layer], borrowed during st_model_create only */
+} st_model_desc;
+
+typedef struct st_model st_model;
+/* Validates every shape and type against the hyper-parameters. */
+st_status st_model_create(const st_model_desc *desc, st_model **out);
+void st_model_destroy(st_model *m);
+
+/* ---- paged KV cache (F16) ------------------------------------------------------ */
+typedef struct st_kv st_kv;
+st_status st_kv_create(const st_model *m, int32_t n_blocks, int32_t block_size, st_kv **out);
+void st_kv_destroy(st_kv *kv);
+/* Copy the first n_tokens token slots of block src into block dst (all layers):
+ * used for copy-on-write of a partially filled shared block. */
+st_status st_kv_copy_block(st_kv *kv, int32_t src, int32_t dst, int32_t n_tokens);
+
+/* ---- one step -------------------------------------------------------------------- */
+typedef struct {
+    double t_total, t_attn, t_experts, t_dense, t_output; /* seconds */
+    int64_t n_tokens, n_expert_tokens;                     /* routed (token, expert) pairs */
+    int32_t n_active_experts;
+} st_step_stats;
+
+/* A batch: any mix of prefill chunks and decode tokens of many sequences.
+ * Token i belongs to sequence seq[i] at position pos[i]; its K/V are written to
+ * block block_tables[seq[i] * max_blocks + pos[i] / block_size] and it attends to
+ * positions 0..pos[i] of its sequence. Logits are produced for the tokens listed in
+ * logit_idx, into logits[n_logits, n_vocab]. */
+typedef struct {
+    int32_t n_tokens;
+    const int32_t *tokens;
+    const int32_t *pos;
+    const int32_t *seq;
+    int32_t n_seqs;
+    int32_t max_blocks;
+    const int32_t *block_tables; /* [n_seqs, max_blocks] */
+    int32_t n_logits;
+    const int32_t *logit_idx;
+    float *logits;
+    int32_t *expert_hist; /* optional [n_layer, n_expert]: tokens routed per expert */
+} st_batch;
+
+st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats);
+
+#endif

@@ -1,0 +1,56 @@
+"""The compiled C engine (cffi) and the error mapping from C status codes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from engine._strata_c import ffi, lib
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError("the C engine is not built: run `make build` (python -m engine._build)") from exc
+
+__all__ = ["ffi", "lib", "EngineError", "UnsupportedError", "check", "VARIANTS", "available_variants", "ptr"]
+
+
+class EngineError(RuntimeError):
+    """An error reported by the C engine (bad shape, out of memory, ...)."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class UnsupportedError(EngineError):
+    """A quant type, architecture or kernel variant the engine does not support."""
+
+
+class OutOfRangeError(EngineError):
+    """An index (token id, position, KV block) outside its valid range."""
+
+
+_CODE_NAMES = {1: "invalid argument", 2: "out of memory", 3: "unsupported", 4: "out of range", 5: "thread error"}
+
+
+def check(rc: int, what: str = "") -> None:
+    """Raise the matching exception for a non-zero C status."""
+    if rc == 0:
+        return
+    msg = ffi.string(lib.st_last_error()).decode("utf-8", "replace") or _CODE_NAMES.get(rc, f"error {rc}")
+    if what:
+        msg = f"{what}: {msg}"
+    cls = UnsupportedError if rc == lib.ST_EUNSUPPORTED else OutOfRangeError if rc == lib.ST_ERANGE else EngineError
+    raise cls(msg, rc)
+
+
+VARIANTS = {"auto": lib.ST_VARIANT_AUTO, "ref": lib.ST_VARIANT_REF, "avx2": lib.ST_VARIANT_AVX2, "avx512": lib.ST_VARIANT_AVX512}
+
+
+def available_variants() -> list[str]:
+    """Kernel variants this CPU can run, reference first."""
+    mask = lib.st_cpu_variants()
+    return [name for name, v in VARIANTS.items() if v and mask & (1 << v)]
+
+
+def ptr(array: Any, ctype: str = "void *") -> Any:
+    """A C pointer to a numpy array's (or memmap's) data, without copying."""
+    return ffi.cast(ctype, ffi.from_buffer(array))
