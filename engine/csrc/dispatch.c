@@ -54,10 +54,14 @@ static dot_f_fn pick_f(int32_t variant, int32_t type) {
     return f ? f : st_dot_f_ref(type);
 }
 
-axpy_f16_fn st_axpy_f16(void) {
-    const int32_t v = resolve(g_variant);
-    axpy_f16_fn f = v >= ST_VARIANT_AVX2 ? st_axpy_f16_avx2() : NULL;
-    return f ? f : st_axpy_f16_ref();
+cvt_f16_fn st_cvt_f16(void) {
+    cvt_f16_fn f = resolve(g_variant) >= ST_VARIANT_AVX2 ? st_cvt_f16_avx2() : NULL;
+    return f ? f : st_cvt_f16_ref();
+}
+
+axpy_fn st_axpy(void) {
+    axpy_fn f = resolve(g_variant) >= ST_VARIANT_AVX2 ? st_axpy_avx2() : NULL;
+    return f ? f : st_axpy_ref();
 }
 
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
@@ -71,7 +75,7 @@ st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_
         return st_fail(ST_EUNSUPPORTED, "vec_dot_q: type %d is not a supported quantised type", type);
     if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type))
         return st_fail(ST_EINVAL, "vec_dot_q: bad arguments (n=%lld)", (long long)n);
-    pick_q(resolve(variant), type)(w, qs, d, sums, n, out);
+    pick_q(resolve(variant), type)(w, n, 1, &qs, &d, &sums, out);
     return ST_OK;
 }
 

@@ -38,7 +38,7 @@ typedef struct {
     float *h, *pair_out;
     int8_t *hq;
     float *hd;
-    int32_t *hs, *pair_tok, *pairs_by_expert, *expert_start;
+    int32_t *hs, *pair_tok, *pairs_by_expert, *expert_start, *tiles;
 } scratch;
 
 struct st_model {
@@ -193,7 +193,7 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
 static void scratch_free(scratch *s) {
     void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
                     s->aq, s->ad, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hs, s->pair_tok,
-                    s->pairs_by_expert, s->expert_start};
+                    s->pairs_by_expert, s->expert_start, s->tiles};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
     memset(s, 0, sizeof *s);
 }
@@ -239,11 +239,12 @@ static st_status ensure_scratch(st_model *m, size_t T, size_t n_threads, size_t 
         s->pair_tok = malloc(sizeof(int32_t) * P);
         s->pairs_by_expert = malloc(sizeof(int32_t) * P);
         s->expert_start = malloc(sizeof(int32_t) * (ne + 1));
+        s->tiles = malloc(sizeof(int32_t) * 2 * T);
         s->cap_tokens = T;
         s->cap_pairs = P;
         if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->topk_w ||
             !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
-            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start) {
+            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles) {
             scratch_free(s);
             return st_fail(ST_ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
         }
@@ -342,12 +343,27 @@ static acts make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int n
     return a;
 }
 
-static inline float dot_row(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a, int64_t t) {
-    float r;
-    if (st_type_is_float(type)) ff(wrow, a->x + t * a->K, a->K, &r);
-    else fq(wrow, a->q + t * a->K, a->d + t * (a->K / QK), a->s + t * (a->K / 16), a->K, &r);
-    return r;
+/* Dot one weight row with nt (<= ST_MAX_NT) activation rows: idx[i] (or base + i when
+ * idx is NULL). Quantised rows are unpacked once for the whole group. */
+static inline void dot_group(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a,
+                             const int32_t *idx, int64_t base, int nt, float *res) {
+    const int8_t *qp[ST_MAX_NT];
+    const float *dp[ST_MAX_NT];
+    const int32_t *sp[ST_MAX_NT];
+    for (int i = 0; i < nt; i++) {
+        const int64_t t = idx ? idx[i] : base + i;
+        if (st_type_is_float(type)) {
+            ff(wrow, a->x + t * a->K, a->K, &res[i]);
+        } else {
+            qp[i] = a->q + t * a->K;
+            dp[i] = a->d + t * (a->K / QK);
+            sp[i] = a->s + t * (a->K / 16);
+        }
+    }
+    if (!st_type_is_float(type)) fq(wrow, a->K, nt, qp, dp, sp, res);
 }
+
+#define TOKEN_TILE 64 /* activation rows kept hot in cache while a slice of weight rows streams */
 
 /* out[t, r] (stride ldo) = W[r, :] . in[rows[t], :] for r in [0, N), t in [0, T). */
 typedef struct {
@@ -366,10 +382,17 @@ static void linear_task(void *ctx, int64_t item, int thread) {
     (void)thread;
     const linear_ctx *c = ctx;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->N ? r0 + c->chunk : c->N;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *wrow = c->w + (size_t)r * c->row_bytes;
-        for (int64_t t = 0; t < c->T; t++)
-            c->out[t * c->ldo + r] = dot_row(c->type, c->fq, c->ff, wrow, &c->in, c->rows ? c->rows[t] : t);
+    float res[ST_MAX_NT];
+    for (int64_t tile = 0; tile < c->T; tile += TOKEN_TILE) {
+        const int64_t tend = tile + TOKEN_TILE < c->T ? tile + TOKEN_TILE : c->T;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *wrow = c->w + (size_t)r * c->row_bytes;
+            for (int64_t t = tile; t < tend; t += ST_MAX_NT) {
+                const int nt = (int)(tend - t < ST_MAX_NT ? tend - t : ST_MAX_NT);
+                dot_group(c->type, c->fq, c->ff, wrow, &c->in, c->rows ? c->rows + t : NULL, t, nt, res);
+                for (int i = 0; i < nt; i++) c->out[(t + i) * c->ldo + r] = res[i];
+            }
+        }
     }
 }
 
@@ -399,49 +422,73 @@ static void add_bias(float *y, const st_tensor *b, int64_t T, int64_t n) {
 
 /* ------------------------------------------------------------------ attention */
 
+/* Attention works on tiles: up to Q_TILE consecutive tokens of one sequence (a prefill
+ * chunk) share every K/V row they read, which is converted from F16 once per tile. */
+#define Q_TILE 16
+
 typedef struct {
     const st_model *m;
     const st_kv *kv;
     const st_batch *b;
     int layer;
-    float *scores;
-    size_t ctx;
+    const int32_t *tiles; /* [n_tiles, 2]: first batch index, count */
+    float *scratch;       /* per thread: Q_TILE * ctx scores + 2 * head_dim */
+    size_t per_thread;
 } attn_ctx;
 
 static void attn_task(void *vctx, int64_t item, int thread) {
     const attn_ctx *c = vctx;
     const st_model *m = c->m;
     const st_kv *kv = c->kv;
-    const int hd = m->d.head_dim, group = m->d.n_head / m->d.n_head_kv;
-    const int64_t t = item / m->d.n_head;
-    const int h = (int)(item % m->d.n_head), kvh = h / group;
-    const int32_t P = c->b->pos[t], bs = kv->block_size;
-    const int32_t *bt = c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks;
-    const float *q = m->s.q + t * m->q_dim + h * hd;
-    float *sc = c->scores + (size_t)thread * c->ctx;
-    float *out = m->s.att + t * m->q_dim + h * hd;
-    const dot_f_fn dot16 = st_dot_f(ST_TYPE_F16);
-    const axpy_f16_fn axpy = st_axpy_f16();
+    const int hd = m->d.head_dim, n_head = m->d.n_head, group = n_head / m->d.n_head_kv;
+    const int64_t tile = item / n_head;
+    const int h = (int)(item % n_head), kvh = h / group;
+    const int32_t t0 = c->tiles[2 * tile], nq = c->tiles[2 * tile + 1];
+    const int32_t p0 = c->b->pos[t0], p_last = p0 + nq - 1, n_keys = p_last + 1, bs = kv->block_size;
+    const int32_t *bt = c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks;
+    float *sc = c->scratch + (size_t)thread * c->per_thread; /* [nq, n_keys] */
+    float *row = sc + c->per_thread - 2 * (size_t)hd; /* one converted K or V row */
+    const dot_f_fn dot = st_dot_f(ST_TYPE_F32);
+    const cvt_f16_fn cvt = st_cvt_f16();
+    const axpy_fn axpy = st_axpy();
     const float scale = 1.0f / sqrtf((float)hd);
-    float mx = -INFINITY;
-    for (int32_t j = 0; j <= P; j++) {
-        const f16_t *kp = kv->k + kv_offset(kv, c->layer, bt[j / bs], j % bs) + (size_t)kvh * hd;
-        float s;
-        dot16(kp, q, hd, &s);
-        sc[j] = s * scale;
-        if (sc[j] > mx) mx = sc[j];
+    /* scores: query i sees keys 0..p0+i */
+    for (int32_t j = 0; j < n_keys; j++) {
+        cvt(kv->k + kv_offset(kv, c->layer, bt[j / bs], j % bs) + (size_t)kvh * hd, row, hd);
+        for (int32_t i = (j > p0 ? j - p0 : 0); i < nq; i++) {
+            float s;
+            dot(row, m->s.q + (int64_t)(t0 + i) * m->q_dim + h * hd, hd, &s);
+            sc[(size_t)i * n_keys + j] = s * scale;
+        }
     }
-    float sum = 0.0f;
-    for (int32_t j = 0; j <= P; j++) {
-        sc[j] = expf(sc[j] - mx);
-        sum += sc[j];
+    for (int32_t i = 0; i < nq; i++) { /* softmax over each query's visible keys */
+        float *r = sc + (size_t)i * n_keys, mx = -INFINITY, sum = 0.0f;
+        const int32_t nk = p0 + i + 1;
+        for (int32_t j = 0; j < nk; j++) mx = r[j] > mx ? r[j] : mx;
+        for (int32_t j = 0; j < nk; j++) sum += (r[j] = expf(r[j] - mx));
+        const float inv = 1.0f / sum;
+        for (int32_t j = 0; j < nk; j++) r[j] *= inv;
+        memset(m->s.att + (int64_t)(t0 + i) * m->q_dim + h * hd, 0, sizeof(float) * (size_t)hd);
     }
-    memset(out, 0, sizeof(float) * (size_t)hd);
-    const float inv = 1.0f / sum;
-    for (int32_t j = 0; j <= P; j++) {
-        const f16_t *vp = kv->v + kv_offset(kv, c->layer, bt[j / bs], j % bs) + (size_t)kvh * hd;
-        axpy(out, vp, sc[j] * inv, hd);
+    for (int32_t j = 0; j < n_keys; j++) {
+        cvt(kv->v + kv_offset(kv, c->layer, bt[j / bs], j % bs) + (size_t)kvh * hd, row, hd);
+        for (int32_t i = (j > p0 ? j - p0 : 0); i < nq; i++)
+            axpy(m->s.att + (int64_t)(t0 + i) * m->q_dim + h * hd, row, sc[(size_t)i * n_keys + j], hd);
     }
+}
+
+/* Split the batch into attention tiles: runs of one sequence at consecutive positions. */
+static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
+    int32_t n = 0;
+    for (int32_t t = 0; t < b->n_tokens;) {
+        int32_t len = 1;
+        while (t + len < b->n_tokens && len < Q_TILE && b->seq[t + len] == b->seq[t] && b->pos[t + len] == b->pos[t] + len)
+            len++;
+        tiles[2 * n] = t, tiles[2 * n + 1] = len;
+        n++;
+        t += len;
+    }
+    return n;
 }
 
 static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type, const float *inv_freq, int32_t pos) {
@@ -490,8 +537,9 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
             kv->v[off + i] = f32_to_f16(s->v[t * m->kv_dim + i]);
         }
     }
-    attn_ctx ac = {m, kv, b, il, s->scores, s->cap_ctx};
-    st_pool_run(pool, attn_task, &ac, T * d->n_head);
+    const int32_t n_tiles = build_tiles(b, s->tiles);
+    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx};
+    st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * d->n_head);
     const acts ain = make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), s->aq, s->ad, s->as);
     linear(pool, &L->wo, &ain, NULL, T, s->tmp, E);
     for (int64_t i = 0; i < T * E; i++) s->x[i] += s->tmp[i];
@@ -530,13 +578,19 @@ static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
     const ffn_group *g = &c->groups[it.group];
     const dot_q_fn fqg = st_dot_q(c->tg), fqu = st_dot_q(c->tu);
     const dot_f_fn ffg = st_dot_f(c->tg), ffu = st_dot_f(c->tu);
-    for (int32_t r = it.r0; r < it.r1; r++) {
-        const uint8_t *wg = g->wg + (size_t)r * c->rbg, *wu = g->wu + (size_t)r * c->rbu;
-        for (int32_t i = 0; i < g->n_pairs; i++) {
-            const int32_t p = g->pairs[i], t = c->pair_tok[p];
-            const float gv = dot_row(c->tg, fqg, ffg, wg, &c->in, t);
-            const float uv = dot_row(c->tu, fqu, ffu, wu, &c->in, t);
-            c->h[(size_t)p * c->n_ff + r] = silu(gv) * uv;
+    int32_t tok[ST_MAX_NT];
+    float gv[ST_MAX_NT], uv[ST_MAX_NT];
+    for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
+        const int32_t tend = tile + TOKEN_TILE < g->n_pairs ? tile + TOKEN_TILE : g->n_pairs;
+        for (int32_t r = it.r0; r < it.r1; r++) {
+            const uint8_t *wg = g->wg + (size_t)r * c->rbg, *wu = g->wu + (size_t)r * c->rbu;
+            for (int32_t i = tile; i < tend; i += ST_MAX_NT) {
+                const int nt = tend - i < ST_MAX_NT ? tend - i : ST_MAX_NT;
+                for (int j = 0; j < nt; j++) tok[j] = c->pair_tok[g->pairs[i + j]];
+                dot_group(c->tg, fqg, ffg, wg, &c->in, tok, 0, nt, gv);
+                dot_group(c->tu, fqu, ffu, wu, &c->in, tok, 0, nt, uv);
+                for (int j = 0; j < nt; j++) c->h[(size_t)g->pairs[i + j] * c->n_ff + r] = silu(gv[j]) * uv[j];
+            }
         }
     }
 }
@@ -548,11 +602,16 @@ static void ffn_down_task(void *vctx, int64_t item, int thread) {
     const ffn_group *g = &c->groups[it.group];
     const dot_q_fn fq = st_dot_q(c->td);
     const dot_f_fn ff = st_dot_f(c->td);
-    for (int32_t r = it.r0; r < it.r1; r++) {
-        const uint8_t *wd = g->wd + (size_t)r * c->rbd;
-        for (int32_t i = 0; i < g->n_pairs; i++) {
-            const int32_t p = g->pairs[i];
-            c->pair_out[(size_t)p * c->E + r] = dot_row(c->td, fq, ff, wd, &c->hin, p);
+    float res[ST_MAX_NT];
+    for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
+        const int32_t tend = tile + TOKEN_TILE < g->n_pairs ? tile + TOKEN_TILE : g->n_pairs;
+        for (int32_t r = it.r0; r < it.r1; r++) {
+            const uint8_t *wd = g->wd + (size_t)r * c->rbd;
+            for (int32_t i = tile; i < tend; i += ST_MAX_NT) {
+                const int nt = tend - i < ST_MAX_NT ? tend - i : ST_MAX_NT;
+                dot_group(c->td, fq, ff, wd, &c->hin, g->pairs + i, 0, nt, res);
+                for (int j = 0; j < nt; j++) c->pair_out[(size_t)g->pairs[i + j] * c->E + r] = res[j];
+            }
         }
     }
 }
@@ -748,8 +807,9 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     const double t_start = now_s();
     const int64_t T = b->n_tokens, E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
+    const size_t ctx = (size_t)b->max_blocks * (size_t)kv->block_size;
     CHECK(ensure_scratch(m, (size_t)(T > b->n_logits ? T : b->n_logits), (size_t)nt,
-                         (size_t)b->max_blocks * (size_t)kv->block_size));
+                         Q_TILE * ctx + 2 * (size_t)m->d.head_dim));
     scratch *s = &m->s;
     embed_ctx ec = {&m->d.token_embd, b->tokens, s->x, E};
     st_pool_run(pool, embed_task, &ec, T);

@@ -83,9 +83,13 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* ---- kernel table ----
- * dot_q: one weight row (n elements) against 8-bit activations.
+ * dot_q: one weight row (n elements) against the 8-bit activations of nt <= ST_MAX_NT
+ *        tokens (qs[t], d[t], s[t]); the row is unpacked once for all of them. A
+ *        token's result never depends on nt or on the other tokens (batch invariance).
  * dot_f: one weight row against float activations (F32/F16/BF16 weights). */
-typedef void (*dot_q_fn)(const void *w, const int8_t *qs, const float *d, const int32_t *sums, int64_t n, float *out);
+#define ST_MAX_NT 4
+typedef void (*dot_q_fn)(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,
+                         const int32_t *const *s, float *out);
 typedef void (*dot_f_fn)(const void *w, const float *x, int64_t n, float *out);
 
 dot_q_fn st_dot_q_ref(int32_t type);
@@ -95,11 +99,15 @@ dot_f_fn st_dot_f_avx2(int32_t type);
 dot_q_fn st_dot_q_avx512(int32_t type);
 dot_f_fn st_dot_f_avx512(int32_t type);
 
-/* y[0..n) += a * v[0..n) with F16 v (attention's weighted sum of values). */
-typedef void (*axpy_f16_fn)(float *y, const f16_t *v, float a, int64_t n);
-axpy_f16_fn st_axpy_f16_ref(void);
-axpy_f16_fn st_axpy_f16_avx2(void);
-axpy_f16_fn st_axpy_f16(void);
+/* Attention helpers: F16 row -> float, and y += a * x. */
+typedef void (*cvt_f16_fn)(const f16_t *src, float *dst, int64_t n);
+typedef void (*axpy_fn)(float *y, const float *x, float a, int64_t n);
+cvt_f16_fn st_cvt_f16_ref(void);
+cvt_f16_fn st_cvt_f16_avx2(void);
+cvt_f16_fn st_cvt_f16(void);
+axpy_fn st_axpy_ref(void);
+axpy_fn st_axpy_avx2(void);
+axpy_fn st_axpy(void);
 
 /* The kernels for the current variant (falls back to ref per type). */
 dot_q_fn st_dot_q(int32_t type);

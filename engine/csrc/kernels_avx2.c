@@ -9,18 +9,24 @@ static inline __m256i dot_u8s8_256(__m256i u, __m256i a) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
 }
 
-#define DEF_DOT_Q_AVX2(NAME, TYPE)                                                                                \
-    static void NAME(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) { \
-        __m256 acc = _mm256_setzero_ps();                                                                      \
-        float corr = 0.0f;                                                                                     \
-        for (int64_t sb = 0; sb < n_subblocks(n); sb++) {                                                      \
-            const subblk r = load_sub(TYPE, w, sb, d[sb], s);                                                  \
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(a + sb * QK));                             \
-            const __m256 sc = _mm256_setr_m128(_mm_set1_ps(r.s_lo), _mm_set1_ps(r.s_hi));                     \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_256(r.u, av)), sc, acc);                        \
-            corr += r.corr;                                                                                    \
-        }                                                                                                      \
-        *out = hsum256(acc) + corr;                                                                            \
+/* One weight row against nt tokens: each sub-block is unpacked once. */
+#define DEF_DOT_Q_AVX2(NAME, TYPE)                                                                          \
+    static void NAME(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,    \
+                     const int32_t *const *s, float *out) {                                             \
+        __m256 acc[ST_MAX_NT];                                                                           \
+        float corr[ST_MAX_NT];                                                                           \
+        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps(), corr[t] = 0.0f;                       \
+        for (int64_t sb = 0; sb < n_subblocks(n); sb++) {                                                \
+            const subblk r = load_sub(TYPE, w, sb);                                                      \
+            for (int t = 0; t < nt; t++) {                                                               \
+                const float dx = d[t][sb];                                                               \
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(qs[t] + sb * QK));               \
+                const __m256 sc = _mm256_setr_m128(_mm_set1_ps(r.s_lo * dx), _mm_set1_ps(r.s_hi * dx)); \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_256(r.u, av)), sc, acc[t]);        \
+                corr[t] += sub_corr(&r, dx, s[t], sb);                                                   \
+            }                                                                                            \
+        }                                                                                                \
+        for (int t = 0; t < nt; t++) out[t] = hsum256(acc[t]) + corr[t];                                 \
     }
 
 DEF_DOT_Q_AVX2(dot_q4_0_avx2, ST_TYPE_Q4_0)
@@ -32,17 +38,23 @@ DEF_DOT_Q_AVX2(dot_q5_k_avx2, ST_TYPE_Q5_K)
 DEF_DOT_Q_AVX2(dot_q6_k_avx2, ST_TYPE_Q6_K)
 
 /* Q8_0 weights are signed: |w| (unsigned) times sign(w)*a keeps maddubs exact. */
-static void dot_q8_0_avx2(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q8_0_avx2(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,
+                          const int32_t *const *s, float *out) {
     const blk_q8_0 *b = w;
     (void)s;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[ST_MAX_NT];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / QK; i++) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)b[i].qs);
-        const __m256i av = _mm256_loadu_si256((const __m256i *)(a + i * QK));
-        const __m256i p = dot_u8s8_256(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16_to_f32(b[i].d) * d[i]), acc);
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+        const float dw = f16_to_f32(b[i].d);
+        for (int t = 0; t < nt; t++) {
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(qs[t] + i * QK));
+            const __m256i p = dot_u8s8_256(wabs, _mm256_sign_epi8(av, wv));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[t][i]), acc[t]);
+        }
     }
-    *out = hsum256(acc);
+    for (int t = 0; t < nt; t++) out[t] = hsum256(acc[t]);
 }
 
 /* Float weights: 4 independent 8-wide accumulators, scalar tail. */
@@ -72,14 +84,21 @@ DEF_DOT_F_AVX2(dot_f32_avx2, float, LD_F32, ID_F32)
 DEF_DOT_F_AVX2(dot_f16_avx2, f16_t, LD_F16, f16_to_f32)
 DEF_DOT_F_AVX2(dot_bf16_avx2, uint16_t, LD_BF16, bf16_to_f32)
 
-static void axpy_f16_avx2(float *y, const f16_t *v, float a, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
+static void cvt_f16_avx2(const f16_t *src, float *dst, int64_t n) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, LD_F16(v + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * f16_to_f32(v[i]);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, LD_F16(src + i));
+    for (; i < n; i++) dst[i] = f16_to_f32(src[i]);
 }
 
-axpy_f16_fn st_axpy_f16_avx2(void) { return axpy_f16_avx2; }
+static void axpy_avx2(float *y, const float *x, float a, int64_t n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+cvt_f16_fn st_cvt_f16_avx2(void) { return cvt_f16_avx2; }
+axpy_fn st_axpy_avx2(void) { return axpy_avx2; }
 
 dot_q_fn st_dot_q_avx2(int32_t type) {
     switch (type) {
@@ -105,16 +124,8 @@ dot_f_fn st_dot_f_avx2(int32_t type) {
 }
 #else
 #include "internal.h"
-static void axpy_f16_avx2(float *y, const f16_t *v, float a, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, LD_F16(v + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * f16_to_f32(v[i]);
-}
-
-axpy_f16_fn st_axpy_f16_avx2(void) { return axpy_f16_avx2; }
-
 dot_q_fn st_dot_q_avx2(int32_t type) { (void)type; return NULL; }
 dot_f_fn st_dot_f_avx2(int32_t type) { (void)type; return NULL; }
-axpy_f16_fn st_axpy_f16_avx2(void) { return NULL; }
+cvt_f16_fn st_cvt_f16_avx2(void) { return NULL; }
+axpy_fn st_axpy_avx2(void) { return NULL; }
 #endif

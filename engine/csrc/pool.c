@@ -73,7 +73,9 @@ static void *worker_main(void *argp) {
         while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen) {
             if (atomic_load_explicit(&p->stop, memory_order_relaxed)) return NULL;
             if (++spins < SPIN_BEFORE_SLEEP) {
-                CPU_RELAX();
+                /* yield now and then so an oversubscribed machine still makes progress */
+                if (spins % 1024 == 0) sched_yield();
+                else CPU_RELAX();
                 continue;
             }
             pthread_mutex_lock(&p->mu);
@@ -152,5 +154,8 @@ void st_pool_run(st_pool *p, st_task_fn fn, void *ctx, int64_t n_items) {
         pthread_mutex_unlock(&p->mu);
     }
     drain_items(p, 0);
-    while (atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n_threads - 1) CPU_RELAX();
+    for (int spins = 1; atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n_threads - 1; spins++) {
+        if (spins % 1024 == 0) sched_yield();
+        else CPU_RELAX();
+    }
 }

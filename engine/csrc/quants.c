@@ -221,7 +221,7 @@ st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32
  * The SIMD variants compute exactly these integer sums, only faster. */
 static inline int32_t sum32(const int32_t *s16, int64_t blk) { return s16[2 * blk] + s16[2 * blk + 1]; }
 
-static void dot_q4_0_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q4_0_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q4_0 *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK; i++) {
@@ -232,7 +232,7 @@ static void dot_q4_0_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q4_1_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q4_1_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q4_1 *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK; i++) {
@@ -243,7 +243,7 @@ static void dot_q4_1_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q5_0_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q5_0_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q5_0 *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK; i++) {
@@ -258,7 +258,7 @@ static void dot_q5_0_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q5_1_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q5_1_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q5_1 *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK; i++) {
@@ -273,7 +273,7 @@ static void dot_q5_1_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q8_0_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q8_0_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q8_0 *b = w;
     (void)s;
     float acc = 0.0f;
@@ -285,7 +285,7 @@ static void dot_q8_0_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q4_k_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q4_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q4_k *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
@@ -304,7 +304,7 @@ static void dot_q4_k_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q5_k_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q5_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q5_k *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
@@ -324,7 +324,7 @@ static void dot_q5_k_ref(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q6_k_ref(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q6_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q6_k *b = w;
     (void)s;
     float acc = 0.0f;
@@ -346,6 +346,21 @@ static void dot_q6_k_ref(const void *w, const int8_t *a, const float *d, const i
     }
     *out = acc;
 }
+
+/* The reference multi-token form: each token on its own. */
+#define DEF_REF_MULTI(T)                                                                                        \
+    static void dot_##T##_ref(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d, \
+                              const int32_t *const *s, float *out) {                                          \
+        for (int t = 0; t < nt; t++) dot_##T##_one(w, qs[t], d[t], s[t], n, &out[t]);                          \
+    }
+DEF_REF_MULTI(q4_0)
+DEF_REF_MULTI(q4_1)
+DEF_REF_MULTI(q5_0)
+DEF_REF_MULTI(q5_1)
+DEF_REF_MULTI(q8_0)
+DEF_REF_MULTI(q4_k)
+DEF_REF_MULTI(q5_k)
+DEF_REF_MULTI(q6_k)
 
 static void dot_f32_ref(const void *w, const float *x, int64_t n, float *out) {
     const float *v = w;
@@ -391,8 +406,13 @@ dot_f_fn st_dot_f_ref(int32_t type) {
     }
 }
 
-static void axpy_f16_ref(float *y, const f16_t *v, float a, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * f16_to_f32(v[i]);
+static void cvt_f16_ref(const f16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
 }
 
-axpy_f16_fn st_axpy_f16_ref(void) { return axpy_f16_ref; }
+static void axpy_ref(float *y, const float *x, float a, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+cvt_f16_fn st_cvt_f16_ref(void) { return cvt_f16_ref; }
+axpy_fn st_axpy_ref(void) { return axpy_ref; }

@@ -68,82 +68,95 @@ static inline float hsum256(__m256 v) {
 
 static inline int32_t asum32(const int32_t *s16, int64_t blk) { return s16[2 * blk] + s16[2 * blk + 1]; }
 
-/* Per sub-block of 32: unsigned weights u, the float scale of its first and second
- * 16 elements (equal except for Q6_K), and a float correction for offsets/minimums. */
+/* One 32-element weight sub-block: unsigned values u and w = s * (u - off) + m, where
+ * s is s_lo for the first 16 elements and s_hi for the second (equal except Q6_K). */
 typedef struct {
     __m256i u;
-    float s_lo, s_hi, corr;
+    float s_lo, s_hi, off, m;
 } subblk;
 
-/* Expand sub-block `sb` (legacy types: sb = block index; k-quants: sb = 8*block + j)
- * against activation scale dx and sums. Q8_0 is handled separately (signed). */
-static inline subblk load_sub(int32_t type, const void *w, int64_t sb, float dx, const int32_t *s16) {
+/* Sub-block `sb` of a row (legacy types: sb = block index; k-quants: sb = 8*block + j). */
+static inline subblk load_sub(int32_t type, const void *w, int64_t sb) {
     subblk r;
-    const int32_t sa = asum32(s16, sb);
+    r.off = 0.0f, r.m = 0.0f;
     switch (type) {
     case ST_TYPE_Q4_0: {
         const blk_q4_0 *b = (const blk_q4_0 *)w + sb;
         r.u = unpack_nibbles16(b->qs);
-        r.s_lo = r.s_hi = f16_to_f32(b->d) * dx;
-        r.corr = -r.s_lo * (float)(8 * sa);
+        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.off = 8.0f;
         break;
     }
     case ST_TYPE_Q4_1: {
         const blk_q4_1 *b = (const blk_q4_1 *)w + sb;
         r.u = unpack_nibbles16(b->qs);
-        r.s_lo = r.s_hi = f16_to_f32(b->d) * dx;
-        r.corr = f16_to_f32(b->m) * dx * (float)sa;
+        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.m = f16_to_f32(b->m);
         break;
     }
     case ST_TYPE_Q5_0: {
         const blk_q5_0 *b = (const blk_q5_0 *)w + sb;
         r.u = _mm256_or_si256(unpack_nibbles16(b->qs), expand_bits32(ld32(b->qh)));
-        r.s_lo = r.s_hi = f16_to_f32(b->d) * dx;
-        r.corr = -r.s_lo * (float)(16 * sa);
+        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.off = 16.0f;
         break;
     }
     case ST_TYPE_Q5_1: {
         const blk_q5_1 *b = (const blk_q5_1 *)w + sb;
         r.u = _mm256_or_si256(unpack_nibbles16(b->qs), expand_bits32(ld32(b->qh)));
-        r.s_lo = r.s_hi = f16_to_f32(b->d) * dx;
-        r.corr = f16_to_f32(b->m) * dx * (float)sa;
+        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.m = f16_to_f32(b->m);
+        break;
+    }
+    case ST_TYPE_Q8_0: { /* signed -> unsigned by flipping the sign bit (VNNI path only) */
+        const blk_q8_0 *b = (const blk_q8_0 *)w + sb;
+        r.u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b->qs), _mm256_set1_epi8((char)0x80));
+        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.off = 128.0f;
         break;
     }
     case ST_TYPE_Q4_K:
     case ST_TYPE_Q5_K: {
         const int j = (int)(sb % 8);
-        uint8_t sc, m;
-        const uint8_t *scales, *qs;
+        uint8_t sc, mv;
+        const uint8_t *scales;
         float d, dmin;
         if (type == ST_TYPE_Q4_K) {
             const blk_q4_k *b = (const blk_q4_k *)w + sb / 8;
-            scales = b->scales, qs = b->qs, d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
-            r.u = unpack_k4(qs, j);
+            scales = b->scales, d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+            r.u = unpack_k4(b->qs, j);
         } else {
             const blk_q5_k *b = (const blk_q5_k *)w + sb / 8;
-            scales = b->scales, qs = b->qs, d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
-            r.u = _mm256_or_si256(unpack_k4(qs, j), unpack_k5_high(b->qh, j));
+            scales = b->scales, d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+            r.u = _mm256_or_si256(unpack_k4(b->qs, j), unpack_k5_high(b->qh, j));
         }
-        get_scale_min_k4(j, scales, &sc, &m);
-        r.s_lo = r.s_hi = d * (float)sc * dx;
-        r.corr = -dmin * (float)m * dx * (float)sa;
+        get_scale_min_k4(j, scales, &sc, &mv);
+        r.s_lo = r.s_hi = d * (float)sc;
+        r.m = -dmin * (float)mv;
         break;
     }
     case ST_TYPE_Q6_K: {
         const blk_q6_k *b = (const blk_q6_k *)w + sb / 8;
         const int j = (int)(sb % 8);
-        const float d = f16_to_f32(b->d) * dx;
+        const float d = f16_to_f32(b->d);
         r.u = unpack_q6k(b, j);
         r.s_lo = d * (float)b->scales[2 * j];
         r.s_hi = d * (float)b->scales[2 * j + 1];
-        r.corr = -32.0f * (r.s_lo * (float)s16[2 * sb] + r.s_hi * (float)s16[2 * sb + 1]);
+        r.off = 32.0f;
         break;
     }
     default:
         r.u = _mm256_setzero_si256();
-        r.s_lo = r.s_hi = r.corr = 0.0f;
+        r.s_lo = r.s_hi = 0.0f;
     }
     return r;
+}
+
+/* The offset/minimum part of a sub-block's dot with one token (activation scale dx,
+ * sums of its two 16-element halves). */
+static inline float sub_corr(const subblk *r, float dx, const int32_t *s16, int64_t sb) {
+    const float a = (float)s16[2 * sb], b = (float)s16[2 * sb + 1];
+    return dx * (r->m * (a + b) - r->off * (r->s_lo * a + r->s_hi * b));
 }
 
 static inline int64_t n_subblocks(int64_t n) { return n / QK; }
