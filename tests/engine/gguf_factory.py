@@ -1,0 +1,94 @@
+"""Small random GGUF models written directly with gguf-py, for engine tests.
+
+These exercise the engine without Hugging Face in the loop (batching, bad input);
+the HF parity tests build their models through engine.convert_hf instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+
+def make_random_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 96,
+    n_vocab: int = 128,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    seed: int = 0,
+    overrides: dict[str, np.ndarray] | None = None,
+    omit: tuple[str, ...] = (),
+    raw_overrides: dict[str, tuple[np.ndarray, tuple[int, ...], GGMLQuantizationType]] | None = None,
+) -> Path:
+    """Write a random model; `overrides` replaces tensors by name (float data),
+    `raw_overrides` by (raw bytes, logical shape, type), `omit` drops them."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+
+    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def add(name: str, data: np.ndarray, quant: bool = True) -> None:
+        if name in omit:
+            return
+        if raw_overrides and name in raw_overrides:
+            blob, shape, qtype = raw_overrides[name]
+            w.add_tensor(name, blob, raw_shape=shape, raw_dtype=qtype)
+            return
+        if overrides and name in overrides:
+            data = overrides[name]
+        if quant and weight_type != GGMLQuantizationType.F32 and data.ndim >= 2:
+            q = quantize(data, weight_type)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=weight_type)
+        else:
+            w.add_tensor(name, data)
+
+    add("token_embd.weight", mat(n_vocab, n_embd, scale=0.5))
+    add("output_norm.weight", (1.0 + mat(n_embd)).astype(np.float32), quant=False)
+    add("output.weight", mat(n_vocab, n_embd, scale=0.2))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (1.0 + mat(n_embd)).astype(np.float32), quant=False)
+        add(p + "attn_q.weight", mat(n_head * head_dim, n_embd, scale=0.2))
+        add(p + "attn_k.weight", mat(n_head_kv * head_dim, n_embd, scale=0.2))
+        add(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd))
+        add(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
+        add(p + "ffn_norm.weight", (1.0 + mat(n_embd)).astype(np.float32), quant=False)
+        if n_expert:
+            add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, scale=0.5), quant=False)
+            add(p + "ffn_gate_exps.weight", mat(n_expert, n_ff, n_embd))
+            add(p + "ffn_up_exps.weight", mat(n_expert, n_ff, n_embd))
+            add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff))
+        else:
+            add(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            add(p + "ffn_up.weight", mat(n_ff, n_embd))
+            add(p + "ffn_down.weight", mat(n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,0 +1,67 @@
+"""A step over many sequences gives each sequence the logits it gets alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from engine.engine import Engine
+from tests.engine.gguf_factory import make_random_gguf
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0", "Q4_1"])
+def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    qt = GGMLQuantizationType[request.param]
+    return make_random_gguf(tmp_path_factory.mktemp("m") / f"moe-{request.param}.gguf", weight_type=qt,
+                            n_vocab=160, n_expert=8, n_expert_used=2)
+
+
+def test_eight_sequences_batched_equal_alone(model_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 160, size=int(n))) for n in rng.integers(3, 40, size=8)]
+    with Engine.open(model_path, threads=2, kv_tokens=1024) as eng:
+        alone = [eng.logits_for(p) for p in prompts]  # [T_i, V] each
+        slots = [eng.new_slot() for _ in prompts]
+        for s, p in zip(slots, prompts, strict=True):
+            eng.reserve(s, len(p))
+        tokens, pos, seq, want = [], [], [], []
+        for i, p in enumerate(prompts):
+            for j, t in enumerate(p):
+                tokens.append(t), pos.append(j), seq.append(i), want.append(len(tokens) - 1)
+        batched = eng.forward(tokens, pos, seq, [s.blocks for s in slots], want)
+        for s in slots:
+            eng.free_slot(s)
+        assert eng.allocator.free_count == eng.allocator.n_blocks
+    offset = 0
+    for p, ref in zip(prompts, alone, strict=True):
+        got = batched[offset : offset + len(p)]
+        offset += len(p)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err <= 1e-5, err
+
+
+def test_decode_steps_of_mixed_sequences_equal_alone(model_path: Path) -> None:
+    """Interleaved decode: one step holds one token of each of 4 sequences at different lengths."""
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, 160, size=n)) for n in (5, 17, 9, 30)]
+    with Engine.open(model_path, threads=2, kv_tokens=1024) as eng:
+        ref = [eng.generate(p, max_tokens=8).token_ids for p in prompts]
+        slots = [eng.new_slot() for _ in prompts]
+        last = [int(np.argmax(eng.extend(s, p))) for s, p in zip(slots, prompts, strict=True)]
+        outs: list[list[int]] = [[t] for t in last]
+        for _ in range(7):
+            for s in slots:
+                eng.reserve(s, s.n_tokens + 1)
+            logits = eng.forward(last, [s.n_tokens for s in slots], list(range(4)), [s.blocks for s in slots],
+                                 list(range(4)))
+            for s in slots:
+                s.n_tokens += 1
+            last = [int(np.argmax(row)) for row in logits]
+            for o, t in zip(outs, last, strict=True):
+                o.append(t)
+        for s in slots:
+            eng.free_slot(s)
+    assert outs == ref

@@ -1,0 +1,131 @@
+"""One harness for every kernel variant: dequantisation against gguf-py (bitwise), and
+every SIMD dot product against the generic C reference and a float64 oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from engine.native import VARIANTS, available_variants, ffi, lib, ptr
+
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+FLOAT_TYPES = ["F32", "F16", "BF16"]
+# byte offsets of the f16 scale fields in each block (kept finite in random blocks)
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208]}
+N = 256 * 12  # a multiple of every block size; an even and an odd count of 32-blocks below
+
+
+def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for n elements of `name`, with finite random f16 scales."""
+    qt = GGMLQuantizationType[name]
+    if name in FLOAT_TYPES:
+        x = rng.standard_normal(n).astype(np.float32)
+        if name == "F32":
+            return x.view(np.uint8)
+        if name == "F16":
+            return x.astype(np.float16).view(np.uint8)
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    bs, tb = GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(n // bs, tb), dtype=np.uint8)
+    for off in F16_FIELDS[name]:
+        scales = (rng.uniform(-1, 1, size=n // bs) * 0.05).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(-1)
+
+
+def c_dequant(name: str, raw: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.float32)
+    rc = lib.st_dequantize(int(GGMLQuantizationType[name]), ptr(raw), ptr(out, "float *"), n)
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
+def quant_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = x.size
+    qs, d, s = np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 16, np.int32)
+    assert lib.st_quantize_act(ptr(x, "float *"), n, ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *")) == 0
+    return qs, d, s
+
+
+@pytest.mark.parametrize("name", QUANT_TYPES + FLOAT_TYPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dequantize_bitwise_equals_gguf_py(name: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(name, N, rng)
+    ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1).astype(np.float32)
+    out = c_dequant(name, raw, N)
+    assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+
+
+def test_activation_quantisation_matches_definition() -> None:
+    x = np.random.default_rng(3).standard_normal(N).astype(np.float32)
+    qs, d, s = quant_act(x)
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    np.testing.assert_allclose(d, amax / 127, rtol=1e-6)
+    np.testing.assert_array_equal(s, qs.reshape(-1, 16).astype(np.int32).sum(axis=1))
+    # every value within half a quantisation step
+    assert np.all(np.abs(qs.reshape(-1, 32) * d[:, None] - blocks) <= d[:, None] * 0.5 + 1e-7)
+
+
+def dot_q(name: str, variant: str, raw: np.ndarray, qs: np.ndarray, d: np.ndarray, s: np.ndarray, n: int) -> float:
+    out = ffi.new("float *")
+    rc = lib.st_vec_dot_q(int(GGMLQuantizationType[name]), VARIANTS[variant], ptr(raw), ptr(qs, "int8_t *"),
+                          ptr(d, "float *"), ptr(s, "int32_t *"), n, out)
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return float(out[0])
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", QUANT_TYPES)
+@pytest.mark.parametrize("n", [N, N - 256 + 32 * 3])  # even and odd numbers of 32-blocks
+def test_quantised_dot_every_variant(name: str, variant: str, n: int) -> None:
+    if n % GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]:
+        n = N
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        raw = random_blocks(name, n, rng)
+        x = rng.standard_normal(n).astype(np.float32)
+        qs, d, s = quant_act(x)
+        w = c_dequant(name, raw, n).astype(np.float64)
+        xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+        oracle = float(np.dot(w, xa))
+        scale = float(np.abs(w * xa).sum())
+        got = dot_q(name, variant, raw, qs, d, s, n)
+        ref = dot_q(name, "ref", raw, qs, d, s, n)
+        assert abs(got - oracle) <= 1e-4 * scale, (got, oracle)
+        assert abs(got - ref) <= 1e-4 * scale, (got, ref)
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", FLOAT_TYPES)
+def test_float_dot_every_variant(name: str, variant: str) -> None:
+    rng = np.random.default_rng(11)
+    n = N + 5  # exercise the scalar tail
+    raw = random_blocks(name, n, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    w = c_dequant(name, raw, n).astype(np.float64)
+    oracle = float(np.dot(w, x))
+    out = ffi.new("float *")
+    assert lib.st_vec_dot_f(int(GGMLQuantizationType[name]), VARIANTS[variant], ptr(raw), ptr(x, "float *"), n, out) == 0
+    assert abs(out[0] - oracle) <= 1e-5 * float(np.abs(w * x).sum())
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    raw = np.zeros(64, np.uint8)
+    out = np.zeros(64, np.float32)
+    assert lib.st_dequantize(99, ptr(raw), ptr(out, "float *"), 32) == lib.ST_EUNSUPPORTED
+    assert "unsupported" in ffi.string(lib.st_last_error()).decode()
+    assert lib.st_dequantize(int(GGMLQuantizationType.Q4_0), ptr(raw), ptr(out, "float *"), 33) == lib.ST_EINVAL
+    assert lib.st_set_variant(42) == lib.ST_EINVAL
+    assert lib.st_quantize_act(ffi.NULL, 32, ffi.NULL, ffi.NULL, ffi.NULL) == lib.ST_EINVAL
+
+
+def test_forced_variant_switch_round_trips() -> None:
+    for v in available_variants():
+        assert lib.st_set_variant(VARIANTS[v]) == 0
+        assert lib.st_get_variant() == VARIANTS[v]
+    assert lib.st_set_variant(VARIANTS["auto"]) == 0
