@@ -683,7 +683,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
         for (int e = 0; e < ne; e++) sum += (r[e] = expf(r[e] - mx));
         for (int e = 0; e < ne; e++) r[e] /= sum;
         int32_t *ids = s->topk_id + t * k;
-        float *w = s->topk_w + t * k, wsum = 0.0f;
+        float *w = s->topk_w + t * k; /* raw top-k probabilities */
         for (int j = 0; j < k; j++) { /* selection: highest prob, lowest index on ties */
             int best = -1;
             for (int e = 0; e < ne; e++) {
@@ -693,10 +693,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
             }
             ids[j] = best;
             w[j] = r[best];
-            wsum += w[j];
         }
-        if (d->expert_norm)
-            for (int j = 0; j < k; j++) w[j] /= wsum;
     }
     /* group pairs (t * k + j) by expert, in token order inside each expert */
     int32_t *start = s->expert_start;
@@ -727,12 +724,20 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
     free(fill);
     free(groups);
     if (rc != ST_OK) return rc;
-    for (int64_t t = 0; t < T; t++) { /* slot order: independent of the batch */
+    /* Weighted sum in slot order (independent of the batch), in double with one final
+     * rounding: sum_j p_j o_j / sum_j p_j. The products and sums are exact in double,
+     * so experts with identical outputs (an upcycled dense model) give that output
+     * bit for bit, and the routed model reproduces its dense origin exactly. */
+    for (int64_t t = 0; t < T; t++) {
         float *x = s->x + t * E;
-        for (int j = 0; j < k; j++) {
-            const float w = s->topk_w[t * k + j];
-            const float *o = s->pair_out + (size_t)(t * k + j) * E;
-            for (int64_t i = 0; i < E; i++) x[i] += w * o[i];
+        const float *w = s->topk_w + t * k;
+        double den = 0.0;
+        for (int j = 0; j < k; j++) den += (double)w[j];
+        if (!d->expert_norm) den = 1.0;
+        for (int64_t i = 0; i < E; i++) {
+            double num = 0.0;
+            for (int j = 0; j < k; j++) num += (double)w[j] * (double)s->pair_out[(size_t)(t * k + j) * E + i];
+            x[i] += (float)(num / den);
         }
     }
     if (L->gate_shexp.data) { /* shared expert, gated by sigmoid(x . w) when a gate exists */

@@ -1,0 +1,135 @@
+"""The `strata` command: generate, chat, and inspect models from a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from engine.gguf_model import GGUFError
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from engine.engine import Engine
+
+    return Engine.open(args.model, threads=args.threads, kv_tokens=args.kv_tokens)
+
+
+def _stream_text(eng: Any, ids: Iterable[int]) -> str:
+    """Print tokens as they arrive, never splitting a UTF-8 character; return the text."""
+    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = []
+    stops = eng.tokenizer.eot_ids
+    for tok in ids:
+        if tok in stops:
+            break
+        piece = dec.decode(eng.tokenizer.token_bytes(tok))
+        out.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    tail = dec.decode(b"", final=True)
+    sys.stdout.write(tail + "\n")
+    return "".join(out) + tail
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
+            "top_p": args.top_p, "seed": args.seed}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    with _engine(args) as eng:
+        if args.chat:
+            ids = eng.render_chat([{"role": "user", "content": args.prompt}])
+        else:
+            ids = eng.tokenizer.encode(args.prompt, add_special=True, parse_special=True)
+        _stream_text(eng, eng.stream_tokens(ids, **_sampling(args)))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    with _engine(args) as eng:
+        print("strata chat: empty line or Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            reply = _stream_text(eng, eng.stream_tokens(eng.render_chat(messages), **_sampling(args)))
+            messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from engine.gguf_model import open_model
+    from engine.inspect_model import render
+
+    print(render(open_model(args.path), args.ram, args.vram, args.ctx))
+    return 0
+
+
+def cmd_build_default(args: argparse.Namespace) -> int:
+    from engine.default_model import build_default_model, default_model_path
+
+    print(build_default_model(default_model_path(), force=args.force))
+    return 0
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF path (default: the embedded default model)")
+    p.add_argument("--threads", type=int, default=None, help="worker threads (default: all allowed cores)")
+    p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache capacity in tokens")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="strata", description="Strata MoE engine")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _add_run_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.set_defaults(fn=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat on the terminal")
+    _add_run_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(fn=cmd_chat)
+    m = sub.add_parser("model", help="model files")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    i = msub.add_parser("inspect", help="architecture, parameters, quant mix, memory fit")
+    i.add_argument("path")
+    i.add_argument("--ram", type=float, default=None, help="RAM budget in GiB")
+    i.add_argument("--vram", type=float, default=None, help="VRAM budget in GiB")
+    i.add_argument("--ctx", type=int, default=None, help="context length for the KV estimate")
+    i.set_defaults(fn=cmd_inspect)
+    b = msub.add_parser("build-default", help="build the embedded default model")
+    b.add_argument("--force", action="store_true")
+    b.set_defaults(fn=cmd_build_default)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except (GGUFError, ValueError, RuntimeError) as exc:  # typed engine/model errors: one line, no traceback
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

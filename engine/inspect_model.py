@@ -1,0 +1,96 @@
+"""`strata model inspect`: what a GGUF holds and whether it fits a machine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.gguf_model import SUPPORTED_TYPES, ModelFile
+
+GIB = 1024**3
+EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+@dataclass
+class ModelReport:
+    arch: str
+    n_params: int
+    n_active_params: int
+    file_bytes: int
+    quant_mix: dict[str, int]
+    expert_bytes: int  # all routed experts
+    expert_bytes_per_token: int  # routed experts read for one token (top-k of every layer)
+    dense_bytes: int  # everything but routed experts and the embedding table
+    kv_bytes_per_token: int  # F16 K and V over all layers
+    n_ctx_train: int
+
+
+def _n_elems(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def analyse(mf: ModelFile) -> ModelReport:
+    hp = mf.hparams
+    n_params = expert_params = expert_bytes = dense_bytes = 0
+    for name, t in mf.tensors.items():
+        n = _n_elems(t.shape)
+        n_params += n
+        if name.endswith(EXPERT_SUFFIXES):
+            expert_params += n
+            expert_bytes += t.n_bytes
+        elif name != "token_embd.weight" or "output.weight" not in mf.tensors:
+            dense_bytes += t.n_bytes
+    k_frac = hp.n_expert_used / hp.n_expert if hp.n_expert else 0.0
+    return ModelReport(
+        arch=hp.arch,
+        n_params=n_params,
+        n_active_params=int(n_params - expert_params + expert_params * k_frac),
+        file_bytes=mf.size_bytes,
+        quant_mix=mf.quant_mix(),
+        expert_bytes=expert_bytes,
+        expert_bytes_per_token=int(expert_bytes * k_frac),
+        dense_bytes=dense_bytes,
+        kv_bytes_per_token=2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim,
+        n_ctx_train=hp.n_ctx_train,
+    )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None) -> str:
+    r = analyse(mf)
+    hp = mf.hparams
+    ctx = ctx or hp.n_ctx_train
+    kv = r.kv_bytes_per_token * ctx
+    lines = [
+        f"file            {mf.path} ({_fmt_bytes(r.file_bytes)})",
+        f"architecture    {r.arch}: {hp.n_layer} layers, d_model {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv} "
+        f"(head_dim {hp.head_dim}), vocab {hp.n_vocab}, trained context {hp.n_ctx_train}",
+        f"experts         {hp.n_expert} routed, top-{hp.n_expert_used}, FFN width {hp.n_ff_exp}"
+        + (f", shared expert width {hp.n_ff_shexp}" if hp.n_ff_shexp else "")
+        if hp.n_expert else f"experts         none (dense FFN width {hp.n_ff})",
+        f"parameters      {r.n_params / 1e6:.1f} M total, {r.n_active_params / 1e6:.1f} M active per token",
+        "quant mix       " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(r.quant_mix.items(), key=lambda kv: -kv[1])),
+        f"routed experts  {_fmt_bytes(r.expert_bytes)} in all, {_fmt_bytes(r.expert_bytes_per_token)} read per token",
+        f"dense weights   {_fmt_bytes(r.dense_bytes)} (attention, norms, router, shared experts, output)",
+        f"KV cache        {_fmt_bytes(r.kv_bytes_per_token)} per token, {_fmt_bytes(kv)} at context {ctx}",
+    ]
+    if ram_gib is not None:
+        need = r.file_bytes + kv
+        verdict = "fits" if need <= ram_gib * GIB else "does NOT fit"
+        lines.append(f"RAM {ram_gib:g} GiB     {verdict}: weights + KV = {_fmt_bytes(need)} (CPU-only serving)")
+    if vram_gib is not None:
+        need = r.dense_bytes + kv
+        verdict = "fits" if need <= vram_gib * GIB else "does NOT fit"
+        spare = vram_gib * GIB - need
+        lines.append(f"VRAM {vram_gib:g} GiB    {verdict}: dense weights + KV = {_fmt_bytes(need)} (hybrid: experts in RAM)"
+                     + (f"; {_fmt_bytes(spare)} left for resident experts" if spare > 0 else ""))
+    lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
+    return "\n".join(lines)
