@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.block_manager import BlockManager, KVCapacityError
 from engine.gguf_model import ModelFile, build_desc, open_model
-from engine.kv import BlockAllocator, KVCapacityError
 from engine.native import EngineError, check, ffi, lib, ptr
 
 __all__ = ["Engine", "GenerationResult", "StepStats", "SeqSlot", "KVCapacityError", "EngineError"]
@@ -87,7 +87,7 @@ class Engine:
             lib.st_model_destroy(self._model)
             check(rc, "thread pool")
         self._pool = pp[0]
-        self.allocator = BlockAllocator(n_blocks)
+        self.blocks = BlockManager(n_blocks, block_size)
         self.kv_tokens = n_blocks * block_size
         self._tokenizer: Any = None
         self._template: Any = None
@@ -163,10 +163,13 @@ class Engine:
         """Make sure slot has blocks for n_tokens positions."""
         need = -(-n_tokens // self.block_size) - len(slot.blocks)
         if need > 0:
-            slot.blocks.extend(self.allocator.allocate(need))
+            got = self.blocks.allocate(need)
+            if got is None:
+                raise KVCapacityError(f"need {need} KV blocks, {self.blocks.num_free} free of {self.blocks.n_blocks}")
+            slot.blocks.extend(got)
 
     def free_slot(self, slot: SeqSlot) -> None:
-        self.allocator.free(slot.blocks)
+        self.blocks.release(slot.blocks)
         slot.blocks = []
         slot.n_tokens = 0
 
@@ -285,13 +288,14 @@ class Engine:
             out.append(tok)
         finish = "stop" if out and out[-1] in stops else "length"
         gen = out[:-1] if finish == "stop" else out
-        text = self.tokenizer.decode(gen) if self._has_tokenizer() else ""
+        text = self.tokenizer.decode(gen) if self.has_tokenizer else ""
         return GenerationResult(token_ids=gen, text=text, finish_reason=finish, prompt_tokens=len(ids))
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **kw: Any) -> GenerationResult:
         return self.generate(self.render_chat(messages), max_tokens=max_tokens, **kw)
 
-    def _has_tokenizer(self) -> bool:
+    @property
+    def has_tokenizer(self) -> bool:
         return "tokenizer.ggml.tokens" in self.model_file.metadata
 
     @property

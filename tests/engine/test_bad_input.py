@@ -87,7 +87,7 @@ def test_prompt_longer_than_kv_capacity(good: Path) -> None:
         with pytest.raises(KVCapacityError, match="KV cache"):
             eng.generate(list(range(100)), max_tokens=4)
         # nothing leaked, and the engine still works
-        assert eng.allocator.free_count == eng.allocator.n_blocks
+        assert eng.blocks.num_free == eng.blocks.n_blocks
         assert len(eng.generate(list(range(10)), max_tokens=4).token_ids) == 4
 
 

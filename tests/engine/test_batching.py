@@ -34,7 +34,7 @@ def test_eight_sequences_batched_equal_alone(model_path: Path) -> None:
         batched = eng.forward(tokens, pos, seq, [s.blocks for s in slots], want)
         for s in slots:
             eng.free_slot(s)
-        assert eng.allocator.free_count == eng.allocator.n_blocks
+        assert eng.blocks.num_free == eng.blocks.n_blocks
     offset = 0
     for p, ref in zip(prompts, alone, strict=True):
         got = batched[offset : offset + len(p)]

@@ -1,0 +1,432 @@
+"""Continuous batching: requests join and leave the running batch at every step.
+
+One `step()`:
+  1. apply queued aborts (their blocks are free before this step's forward pass);
+  2. decode: one token for every running sequence that has finished its prompt;
+     when blocks run out, preempt the newest running sequence (free its blocks,
+     requeue it; it is recomputed later, mostly from the prefix cache);
+  3. admit waiting requests (FCFS), reusing cached prefix blocks;
+  4. prefill chunks for sequences still in their prompt, shortest remaining first, under
+     the per-step token budget: a long prompt never holds up a short one for long;
+  5. one C forward step over the whole batch; sample the rows that reached the end
+     of their known tokens; detokenise, check stops, finish and free.
+
+The scheduler is driven by one thread (the engine loop); `add` and `abort` may be
+called from any thread: they go through a locked inbox.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from engine.block_manager import BlockManager, KVCapacityError
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine import Engine, StepStats
+from engine.sampling import Sampler, SamplingParams
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full; the server maps this to 429."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class SchedulerConfig(BaseModel):
+    max_num_seqs: int = Field(64, ge=1, description="running sequences per step")
+    max_batch_tokens: int = Field(256, ge=1, description="tokens per step (decode + prefill chunks)")
+    max_waiting: int = Field(256, ge=0, description="requests in the waiting queue")
+    max_waiting_tokens: int = Field(262_144, ge=1, description="prompt tokens in the waiting queue")
+    prefix_cache: bool = True
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] | None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a streaming delta)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    detok: IncrementalDetokenizer | None
+    rng: np.random.Generator
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    n_computed: int = 0  # tokens of all_ids whose K/V are in the cache
+    cached_tokens: int = -1  # prefix-cache hit at first admission
+    first_token_time: float | None = None
+    preemptions: int = 0
+    finish_reason: str | None = None
+    admitted: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def n_total(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class StepReport:
+    """Per-step figures for metrics and logs."""
+
+    stats: StepStats | None
+    n_decode: int
+    n_prefill: int
+    n_running: int
+    n_waiting: int
+    n_preempted: int
+    kv_usage: float
+    wall: float
+    expert_hist: np.ndarray | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or SchedulerConfig()
+        self.blocks: BlockManager = engine.blocks
+        self.blocks.prefix_cache = self.config.prefix_cache
+        self.sampler = Sampler()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._lock = threading.Lock()
+        self._inbox: list[Request] = []
+        self._aborts: set[str] = set()
+        self._n_queued = 0
+        self._queued_tokens = 0
+        self._eos: set[int] = set()
+        try:
+            self._eos = set(engine.tokenizer.eot_ids)
+        except Exception:  # a model file without a tokenizer: only explicit stop ids
+            self._eos = set()
+        self.last_report: StepReport | None = None
+
+    # ------------------------------------------------------------ API (any thread)
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request; raises KVCapacityError if it can never fit, OverloadedError if full."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise ValueError("empty prompt")
+        vocab = self.engine.hparams.n_vocab
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token id out of range [0, {vocab})")
+        n_ctx = self.engine.n_ctx
+        if len(ids) + 1 > n_ctx:
+            raise KVCapacityError(
+                f"prompt of {len(ids)} tokens leaves no room in the context window of {n_ctx} tokens"
+            )
+        rid = request_id or uuid.uuid4().hex
+        detok = None
+        if self.engine.has_tokenizer:
+            detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.skip_special_tokens)
+        rng = params.make_rng()  # seeded: reproducible whatever else is in the batch
+        req = Request(rid, ids, params, time.monotonic(), detok, rng)
+        with self._lock:
+            c = self.config
+            if self._n_queued >= c.max_waiting or self._queued_tokens + len(ids) > c.max_waiting_tokens:
+                raise OverloadedError(
+                    f"server overloaded: {self._n_queued} requests ({self._queued_tokens} prompt tokens) waiting"
+                )
+            self._n_queued += 1
+            self._queued_tokens += len(ids)
+            self._inbox.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self.running or self.waiting or self._inbox or self._aborts)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    # ------------------------------------------------------------ the step (loop thread)
+    def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        outputs: list[RequestOutput] = []
+        self._drain_inbox(outputs)
+        batch, n_preempted = self._schedule(outputs)
+        report = StepReport(None, 0, 0, len(self.running), len(self.waiting), n_preempted, self.blocks.usage, 0.0)
+        if batch:
+            self._run(batch, outputs, report)
+        report.n_running, report.n_waiting = len(self.running), len(self.waiting)
+        report.kv_usage = self.blocks.usage
+        report.wall = time.monotonic() - t0
+        self.last_report = report
+        return outputs
+
+    def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        self.waiting.extend(inbox)
+        if not aborts:
+            return
+        for req in [r for r in self.waiting if r.request_id in aborts]:
+            self.waiting.remove(req)
+            self._dequeued(req)
+            outputs.append(self._finish(req, "abort"))
+        for req in [r for r in self.running if r.request_id in aborts]:
+            self.running.remove(req)
+            outputs.append(self._finish(req, "abort"))
+
+    def _dequeued(self, req: Request) -> None:
+        with self._lock:
+            self._n_queued -= 1
+            self._queued_tokens -= len(req.prompt_ids)
+
+    def _ensure_blocks(self, req: Request, n_tokens: int) -> bool:
+        need = -(-n_tokens // self.blocks.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        got = self.blocks.allocate(need)
+        if got is None:
+            return False
+        req.blocks.extend(got)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks and requeue it at the front for recompute."""
+        self.running.remove(req)
+        self.blocks.release(req.blocks)
+        req.blocks = []
+        req.n_computed = 0
+        req.admitted = False
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+
+    @staticmethod
+    def _decoding(req: Request) -> bool:
+        return bool(req.output_ids) and req.n_computed == req.n_total - 1
+
+    def _victim(self, scheduled: set[str], keep: Request) -> Request | None:
+        """The newest running request not already in this step's batch."""
+        for r in reversed(self.running):
+            if r is not keep and r.request_id not in scheduled:
+                return r
+        return None
+
+    def _grow(self, req: Request, n_tokens: int, scheduled: set[str]) -> tuple[bool, int]:
+        """Blocks for n_tokens, preempting newer requests if needed; (ok, preemptions)."""
+        n = 0
+        while not self._ensure_blocks(req, n_tokens):
+            victim = self._victim(scheduled, req)
+            if victim is None or self.running.index(victim) < self.running.index(req):
+                return False, n
+            self._preempt(victim)
+            n += 1
+        return True, n
+
+    def _schedule(self, outputs: list[RequestOutput]) -> tuple[list[tuple[Request, int]], int]:
+        budget = self.config.max_batch_tokens
+        batch: list[tuple[Request, int]] = []
+        scheduled: set[str] = set()
+        preempted = 0
+        # 1. decode one token for each running sequence, oldest first
+        for req in list(self.running):
+            if budget == 0 or req not in self.running or not self._decoding(req):
+                continue
+            ok, n = self._grow(req, req.n_total, scheduled)
+            preempted += n
+            if ok:
+                batch.append((req, 1))
+                scheduled.add(req.request_id)
+                budget -= 1
+            elif len(self.running) == 1:  # alone and the whole arena is used: cannot grow
+                self.running.remove(req)
+                outputs.append(self._finish(req, "length"))
+            else:  # older requests hold the blocks: wait for them (recompute later)
+                self._preempt(req)
+                preempted += 1
+        # 2. admit waiting requests (FCFS), reusing cached prefix blocks
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            ids = req.all_ids
+            prefix = self.blocks.take_prefix(ids)
+            n_cached = min(len(prefix) * self.blocks.block_size, len(ids) - 1)
+            req.blocks, req.n_computed = prefix, n_cached
+            if not self._ensure_blocks(req, min(len(ids), n_cached + budget)):
+                self.blocks.release(req.blocks)
+                req.blocks, req.n_computed = [], 0
+                break
+            self.waiting.popleft()
+            if req.cached_tokens < 0:  # first admission (not a recompute after preemption)
+                req.cached_tokens = n_cached
+                self._dequeued(req)
+            self.running.append(req)
+        # 3. prefill chunks, shortest remaining first: a short prompt is never stuck behind a long one
+        prefilling = sorted((r for r in self.running if not self._decoding(r) and r.request_id not in scheduled),
+                            key=lambda r: r.n_total - r.n_computed)
+        for req in prefilling:
+            if budget == 0:
+                break
+            if req not in self.running:  # preempted for an earlier one in this loop
+                continue
+            n = min(req.n_total - req.n_computed, budget)
+            ok, k = self._grow(req, req.n_computed + n, scheduled)
+            preempted += k
+            if not ok:
+                n = len(req.blocks) * self.blocks.block_size - req.n_computed
+                if n <= 0:
+                    continue
+            batch.append((req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        return batch, preempted
+
+    def _run(self, batch: list[tuple[Request, int]], outputs: list[RequestOutput], report: StepReport) -> None:
+        tokens: list[int] = []
+        pos: list[int] = []
+        seq: list[int] = []
+        tables: list[list[int]] = []
+        logit_rows: list[int] = []
+        sample_reqs: list[Request] = []
+        for i, (req, n) in enumerate(batch):
+            ids = req.all_ids
+            tokens.extend(ids[req.n_computed : req.n_computed + n])
+            pos.extend(range(req.n_computed, req.n_computed + n))
+            seq.extend([i] * n)
+            tables.append(req.blocks)
+            if req.n_computed + n == req.n_total:
+                logit_rows.append(len(tokens) - 1)
+                sample_reqs.append(req)
+            if n == 1 and req.n_computed == req.n_total - 1:
+                report.n_decode += 1
+            else:
+                report.n_prefill += n
+        hp = self.engine.hparams
+        hist = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int32) if hp.n_expert else None
+        try:
+            logits = self.engine.forward(tokens, pos, seq, tables, logit_rows, expert_hist=hist)
+        except Exception as exc:  # an engine error fails the requests of this step, not the loop
+            for req, _ in batch:
+                if req in self.running:
+                    self.running.remove(req)
+                    outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+            return
+        report.stats = self.engine.last_stats
+        report.expert_hist = hist
+        bs = self.blocks.block_size
+        for req, n in batch:
+            before = req.n_computed
+            req.n_computed += n
+            self.blocks.register_full(req.blocks, req.all_ids, before // bs, req.n_computed // bs)
+        if sample_reqs:
+            res = self.sampler.sample(
+                logits,
+                [r.params for r in sample_reqs],
+                [r.rng for r in sample_reqs],
+                [r.prompt_ids for r in sample_reqs],
+                [r.output_ids for r in sample_reqs],
+            )
+            now = time.monotonic()
+            for i, req in enumerate(sample_reqs):
+                tok = int(res.tokens[i])
+                top = res.top_logprobs[i] if res.top_logprobs else None
+                lp = TokenLogprob(tok, float(res.logprobs[i]), top) if req.params.logprobs is not None else None
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                outputs.append(self._accept(req, tok, lp))
+
+    def _accept(self, req: Request, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        """Append a sampled token, stream its text, and finish the request if it stops."""
+        p = req.params
+        req.output_ids.append(tok)
+        reason = None
+        text = ""
+        emitted_ids = [tok]
+        if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = "stop"
+            emitted_ids = []  # the stop token itself is not part of the text
+        elif req.detok is not None:
+            step = req.detok.push(tok)
+            text = step.delta
+            if step.stopped:
+                reason = "stop"
+        if reason is None:
+            if p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
+                reason = "length"
+            elif req.n_total >= self.engine.n_ctx:
+                reason = "length"
+        if reason is not None:
+            if req.detok is not None:  # release held-back text (a partial stop string, a split character)
+                text += req.detok.finish()
+            self.running.remove(req)
+            self.blocks.release(req.blocks)
+            req.blocks = []
+            req.finish_reason = reason
+        return RequestOutput(req.request_id, emitted_ids, text, [lp] if lp else [], reason is not None, reason,
+                             len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0))
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
+        self.blocks.release(req.blocks)
+        req.blocks = []
+        req.finish_reason = reason
+        return RequestOutput(req.request_id, [], "", [], True, reason, len(req.prompt_ids), len(req.output_ids),
+                             max(req.cached_tokens, 0), error)
+
+    # ------------------------------------------------------------ convenience
+    def run_to_completion(self, max_steps: int = 1_000_000) -> dict[str, list[RequestOutput]]:
+        """Step until idle; outputs grouped by request (tests, offline use)."""
+        out: dict[str, list[RequestOutput]] = {}
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            for o in self.step():
+                out.setdefault(o.request_id, []).append(o)
+        return out
+
+
+def collect_text(outputs: list[RequestOutput]) -> tuple[list[int], str, str | None]:
+    """Concatenate a request's deltas: (token ids, text, finish reason)."""
+    ids: list[int] = []
+    text = []
+    reason = None
+    for o in outputs:
+        ids.extend(o.token_ids)
+        text.append(o.text)
+        if o.finished:
+            reason = o.finish_reason
+    return ids, "".join(text), reason
+
