@@ -61,7 +61,7 @@ class Engine:
     """A loaded model, its KV cache and thread pool."""
 
     def __init__(self, mf: ModelFile, threads: int, cores: Sequence[int] | None, kv_tokens: int,
-                 block_size: int, prefill_chunk: int) -> None:
+                 block_size: int, prefill_chunk: int, max_model_len: int | None = None) -> None:
         self.model_file = mf
         self.hparams = mf.hparams
         self.block_size = block_size
@@ -92,13 +92,18 @@ class Engine:
         self._tokenizer: Any = None
         self._template: Any = None
         self.last_stats: StepStats | None = None
+        self._max_model_len = max_model_len
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
              cores: Sequence[int] | None = None, kv_tokens: int = 4096, block_size: int = 16,
-             prefill_chunk: int = 512) -> Engine:
-        """Open a GGUF model (the embedded default model when path is None)."""
+             prefill_chunk: int = 512, max_model_len: int | None = None) -> Engine:
+        """Open a GGUF model (the embedded default model when path is None).
+
+        max_model_len overrides the context window (default: the trained context,
+        bounded by the KV capacity); beyond the trained context quality is not promised.
+        """
         if path is None:
             from engine.default_model import build_default_model, default_model_path
 
@@ -108,7 +113,9 @@ class Engine:
         n_threads = threads if threads is not None else _default_threads(cores)
         if n_threads < 1:
             raise ValueError(f"threads must be >= 1, got {n_threads}")
-        return cls(open_model(path), n_threads, cores, kv_tokens, block_size, prefill_chunk)
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        return cls(open_model(path), n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len)
 
     def close(self) -> None:
         if getattr(self, "_pool", None) is not None:
@@ -152,8 +159,8 @@ class Engine:
 
     @property
     def n_ctx(self) -> int:
-        """The context window: the trained context, bounded by the KV capacity."""
-        return min(self.hparams.n_ctx_train, self.kv_tokens)
+        """The context window: the trained context (or the override), bounded by the KV capacity."""
+        return min(self._max_model_len or self.hparams.n_ctx_train, self.kv_tokens)
 
     # ------------------------------------------------------------ KV slots
     def new_slot(self) -> SeqSlot:
