@@ -77,9 +77,13 @@ class AsyncEngine:
                         pass
 
     # ------------------------------------------------------------ API
-    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as steps produce them; abort on early exit."""
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams,
+               request_id: str | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
+        """Queue a request; outputs arrive on the returned queue (call from the event loop).
+
+        Raises the scheduler's typed errors (OverloadedError, KVCapacityError, ValueError)
+        at once. The caller must abort(request_id) if it stops reading before the final output.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         rid = request_id or f"req-{id(queue):x}-{time.monotonic_ns()}"
@@ -94,6 +98,12 @@ class AsyncEngine:
                 self._sinks.pop(rid, None)
             raise
         self._wake.set()
+        return rid, queue
+
+    async def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as steps produce them; abort on early exit."""
+        rid, queue = self.submit(prompt_ids, params, request_id)
         finished = False
         try:
             while True:

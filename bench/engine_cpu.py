@@ -1,0 +1,495 @@
+"""Strata's CPU engine against llama.cpp, on the same GGUF, threads and token ids, in one run.
+
+Figures (medians of R runs, each engine alternating first):
+
+- decode tok/s at batch 1: a short prompt is prefilled (untimed), then D single-token steps are
+  timed, each followed by an argmax over the logits. Both engines are fed the *same* D tokens:
+  Strata's greedy continuation, computed once before timing (llama.cpp's own argmax is still
+  taken every step and compared, giving a teacher-forced next-token agreement rate).
+- prefill tok/s: a P-token prompt of random in-vocab ids (fixed seed) on a fresh sequence, in
+  chunks of 512 on both sides (Strata ``prefill_chunk=512``; llama.cpp ``n_batch=n_ubatch=512``),
+  including the last token's logits and their argmax.
+
+Before timing, both engines generate 16 greedy tokens from the same prompt; a mismatch prints a
+warning (with the logit margins at the first divergent step), not an error.
+
+Strata's per-op profile comes from the StepStats of every timed C step (attention / experts /
+dense FFN / output head), plus the share of wall time spent outside C (Python, cffi, argmax).
+
+Usage: ``python -m bench.engine_cpu [--model PATH] [--threads N] [--runs R] [--quick]
+[--json OUT.json] [--markdown] [--llama-flash-attn]``. ``--quick``: 1 run, 32 decode tokens,
+a 500-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from bench.common import (
+    affinity_cores,
+    fmt_num,
+    machine_info,
+    markdown_table,
+    median,
+    quiet_gc,
+    ratio,
+    text_table,
+    write_json,
+)
+
+PROMPT_TEXT = "The history of the printing press begins in"
+SEED = 1234
+CHUNK = 512
+AGREE_TOKENS = 16
+OPS = ("attn", "experts", "dense", "output")
+OP_LABELS = {"attn": "attention", "experts": "experts (MoE FFN)", "dense": "dense FFN",
+             "output": "output (norm + lm head)", "other": "other in C (embed, ...)"}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: Path
+    threads: int
+    runs: int
+    decode_tokens: int
+    prefill_tokens: int
+    quick: bool
+    llama_flash_attn: bool
+    seed: int = SEED
+    chunk: int = CHUNK
+
+    @property
+    def n_ctx(self) -> int:
+        """KV capacity for both engines: the longest sequence, rounded up to 256."""
+        need = max(self.prefill_tokens, 64 + self.decode_tokens + AGREE_TOKENS) + 1
+        return -(-need // 256) * 256
+
+
+class Side(Protocol):
+    """One engine under test: fresh-sequence prefill and single-token decode, returning logits."""
+
+    name: str
+
+    def start(self, ids: Sequence[int]) -> np.ndarray: ...
+
+    def step(self, tok: int) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------- Strata
+class StrataSide:
+    name = "strata"
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, chunk: int) -> None:
+        from engine.engine import Engine, StepStats
+
+        t0 = time.perf_counter()
+        self.eng = Engine.open(path, threads=threads, kv_tokens=n_ctx, prefill_chunk=chunk)
+        self.load_s = time.perf_counter() - t0
+        self.slot = self.eng.new_slot()
+        self.recording: list[StepStats] | None = None
+        inner = self.eng.forward
+
+        def forward(*args: Any, **kw: Any) -> np.ndarray:  # every C step, also those inside extend()
+            out = inner(*args, **kw)
+            if self.recording is not None and self.eng.last_stats is not None:
+                self.recording.append(self.eng.last_stats)
+            return out
+
+        self.eng.forward = forward  # type: ignore[method-assign]
+
+    @property
+    def n_vocab(self) -> int:
+        return self.eng.hparams.n_vocab
+
+    def start(self, ids: Sequence[int]) -> np.ndarray:
+        self.eng.free_slot(self.slot)
+        return self.eng.extend(self.slot, ids)
+
+    def step(self, tok: int) -> np.ndarray:
+        return self.eng.extend(self.slot, [tok])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.eng.tokenizer.encode(text, add_special=True, parse_special=True))
+
+    def close(self) -> None:
+        self.eng.free_slot(self.slot)
+        self.eng.close()
+
+
+# ---------------------------------------------------------------- llama.cpp
+class LlamaSide:
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, chunk: int, flash_attn: bool) -> None:
+        import llama_cpp
+
+        self._get_logits_ith = llama_cpp.llama_get_logits_ith
+        t0 = time.perf_counter()
+        self.llm = llama_cpp.Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                                   n_batch=chunk, n_ubatch=chunk, verbose=False, logits_all=False,
+                                   flash_attn=flash_attn)
+        self.load_s = time.perf_counter() - t0
+        self.n_vocab = int(self.llm.n_vocab())
+
+    def _logits(self) -> np.ndarray:
+        # Llama.eval() with logits_all=False no longer copies logits into llm.scores (0.3.x):
+        # read the last token's row straight from the context (a view, valid until the next eval).
+        p = self._get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+
+    def start(self, ids: Sequence[int]) -> np.ndarray:
+        self.llm.reset()  # n_tokens = 0; eval() then drops every cached position
+        self.llm.eval(ids)
+        return self._logits()
+
+    def step(self, tok: int) -> np.ndarray:
+        self.llm.eval([tok])
+        return self._logits()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.llm.tokenize(text.encode(), add_bos=True, special=True))
+
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if callable(close):
+            close()
+
+
+# ---------------------------------------------------------------- measurements
+def greedy(side: Side, prompt: Sequence[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    """n free-running greedy tokens and the logits each was chosen from."""
+    logits = side.start(prompt)
+    toks: list[int] = []
+    rows: list[np.ndarray] = []
+    for i in range(n):
+        rows.append(np.array(logits, dtype=np.float32, copy=True))
+        toks.append(int(np.argmax(logits)))
+        if i + 1 < n:
+            logits = side.step(toks[-1])
+    return toks, rows
+
+
+def time_decode(side: Side, prompt: Sequence[int], forced: Sequence[int]) -> tuple[float, int]:
+    """Seconds for len(forced) single-token steps fed the forced tokens (argmax taken each step),
+    and how many of the step argmaxes equal the next forced token."""
+    side.start(prompt)
+    agree = 0
+    with quiet_gc():
+        t0 = time.perf_counter()
+        for i, tok in enumerate(forced):
+            nxt = int(np.argmax(side.step(tok)))
+            if i + 1 < len(forced) and nxt == forced[i + 1]:
+                agree += 1
+        dt = time.perf_counter() - t0
+    return dt, agree
+
+
+def time_prefill(side: Side, ids: Sequence[int]) -> float:
+    with quiet_gc():
+        t0 = time.perf_counter()
+        int(np.argmax(side.start(ids)))
+        return time.perf_counter() - t0
+
+
+@dataclass
+class Samples:
+    decode_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+    decode_agree: list[int] = field(default_factory=list)
+    prefill_s: list[float] = field(default_factory=list)
+    prefill_tok_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Profile:
+    """Strata's C step times summed over timed steps, with the wall time of the same regions."""
+
+    n_steps: int = 0
+    n_tokens: int = 0
+    wall_s: float = 0.0
+    t: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("total", *OPS), 0.0))
+
+    def add(self, stats: Sequence[Any], wall_s: float) -> None:
+        self.n_steps += len(stats)
+        self.wall_s += wall_s
+        for s in stats:
+            self.n_tokens += s.n_tokens
+            self.t["total"] += s.t_total
+            for op in OPS:
+                self.t[op] += getattr(s, f"t_{op}")
+
+    def shares(self) -> dict[str, float]:
+        """Share of C step time per op (and 'other'), plus 'outside_c': share of wall time not in C."""
+        tot = self.t["total"]
+        out = {op: self.t[op] / tot if tot else float("nan") for op in OPS}
+        out["other"] = max(0.0, 1.0 - sum(out[op] for op in OPS)) if tot else float("nan")
+        out["outside_c"] = max(0.0, 1.0 - tot / self.wall_s) if self.wall_s else float("nan")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"n_steps": self.n_steps, "n_tokens": self.n_tokens, "wall_s": self.wall_s,
+                "c_seconds": dict(self.t), "shares": self.shares(),
+                "c_ms_per_token": 1e3 * self.t["total"] / self.n_tokens if self.n_tokens else None}
+
+
+def recorded(strata: StrataSide, fn: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    strata.recording = []
+    try:
+        out = fn()
+        return out, strata.recording
+    finally:
+        strata.recording = None
+
+
+def agreement(strata: StrataSide, llama: LlamaSide, prompt: Sequence[int]) -> dict[str, Any]:
+    s_toks, s_rows = greedy(strata, prompt, AGREE_TOKENS)
+    l_toks, l_rows = greedy(llama, prompt, AGREE_TOKENS)
+    first = next((i for i, (a, b) in enumerate(zip(s_toks, l_toks, strict=True)) if a != b), None)
+    out: dict[str, Any] = {"n": AGREE_TOKENS, "identical": first is None, "strata": s_toks,
+                           "llama_cpp": l_toks, "first_divergence": first}
+    if first is not None:
+        a, b = s_toks[first], l_toks[first]
+        out["strata_margin"] = float(s_rows[first][a] - s_rows[first][b])
+        out["llama_cpp_margin"] = float(l_rows[first][b] - l_rows[first][a])
+    return out
+
+
+def model_label(strata: StrataSide, path: Path) -> tuple[str, dict[str, Any]]:
+    hp = strata.eng.hparams
+    size = path.stat().st_size
+    moe = f"{hp.n_expert} experts top-{hp.n_expert_used}" if hp.n_expert else "dense"
+    label = f"{path.name} ({hp.arch}, {hp.n_layer} layers, {moe}, {size / 2**30:.2f} GiB)"
+    info = {"path": str(path), "file_bytes": size, **hp.model_dump()}
+    return label, info
+
+
+# ---------------------------------------------------------------- run
+def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    import llama_cpp
+
+    machine = machine_info()
+    busy = machine["busy_cores_before"]
+    if busy is not None and busy > 0.25:
+        log(f"WARNING: other processes keep {busy:.1f} of {machine['nproc']} cores busy; "
+            f"the figures will be noisy (both engines' thread pools suffer from shared cores)")
+    log(f"loading {cfg.model} with {cfg.threads} threads (n_ctx {cfg.n_ctx}) ...")
+    strata = StrataSide(cfg.model, cfg.threads, cfg.n_ctx, cfg.chunk)
+    llama = LlamaSide(cfg.model, cfg.threads, cfg.n_ctx, cfg.chunk, cfg.llama_flash_attn)
+    try:
+        if strata.n_vocab != llama.n_vocab:
+            raise SystemExit(f"vocabulary sizes differ: strata {strata.n_vocab}, llama.cpp {llama.n_vocab}")
+        label, model_info = model_label(strata, cfg.model)
+        rng = np.random.default_rng(cfg.seed)
+        notes: list[str] = []
+        try:
+            prompt = strata.encode(PROMPT_TEXT)
+            if prompt != llama.encode(PROMPT_TEXT):
+                notes.append("the two tokenizers split the decode prompt differently; Strata's ids are used")
+        except Exception as e:  # a GGUF without tokenizer metadata: random ids
+            notes.append(f"no tokenizer ({type(e).__name__}); the decode prompt is 16 random ids")
+            prompt = rng.integers(0, strata.n_vocab, size=16).tolist()
+        prefill_ids = rng.integers(0, strata.n_vocab, size=cfg.prefill_tokens).tolist()
+
+        # correctness gate (also the warm-up: pages in the weights on both sides)
+        agree = agreement(strata, llama, prompt)
+        if agree["identical"]:
+            log(f"agreement: greedy {AGREE_TOKENS} tokens identical on both engines")
+        else:
+            log(f"WARNING: greedy tokens diverge at step {agree['first_divergence']} of {AGREE_TOKENS} "
+                f"(strata {agree['strata'][agree['first_divergence']]}, margin "
+                f"{agree['strata_margin']:.4f}; llama.cpp {agree['llama_cpp'][agree['first_divergence']]}, "
+                f"margin {agree['llama_cpp_margin']:.4f}); timing continues")
+        forced, _ = greedy(strata, prompt, cfg.decode_tokens)
+        warm = prefill_ids[: min(len(prefill_ids), cfg.chunk)]
+        for side in (strata, llama):
+            time_prefill(side, warm)
+            time_decode(side, prompt, forced[: min(8, len(forced))])
+
+        samples = {s.name: Samples() for s in (strata, llama)}
+        prof = {"decode": Profile(), "prefill": Profile()}
+        for r in range(cfg.runs):
+            order: list[StrataSide | LlamaSide] = [strata, llama] if r % 2 == 0 else [llama, strata]
+            for side in order:
+                if side is strata:
+                    (dt, ag), stats = recorded(strata, lambda: time_decode(strata, prompt, forced))
+                    n_pre = -(-len(prompt) // cfg.chunk)  # the untimed prompt prefill steps come first
+                    prof["decode"].add(stats[n_pre:], dt)
+                else:
+                    dt, ag = time_decode(side, prompt, forced)
+                s = samples[side.name]
+                s.decode_s.append(dt)
+                s.decode_tok_s.append(len(forced) / dt)
+                s.decode_agree.append(ag)
+            for side in order:
+                if side is strata:
+                    dt, stats = recorded(strata, lambda: time_prefill(strata, prefill_ids))
+                    prof["prefill"].add(stats, dt)
+                else:
+                    dt = time_prefill(side, prefill_ids)
+                s = samples[side.name]
+                s.prefill_s.append(dt)
+                s.prefill_tok_s.append(len(prefill_ids) / dt)
+            log(f"run {r + 1}/{cfg.runs}: decode {samples['strata'].decode_tok_s[-1]:.1f} vs "
+                f"{samples['llama.cpp'].decode_tok_s[-1]:.1f} tok/s, prefill "
+                f"{samples['strata'].prefill_tok_s[-1]:.1f} vs {samples['llama.cpp'].prefill_tok_s[-1]:.1f} tok/s")
+
+        medians = {name: {"decode_tok_s": median(s.decode_tok_s), "prefill_tok_s": median(s.prefill_tok_s)}
+                   for name, s in samples.items()}
+        ratios = {k: ratio(medians["strata"][k], medians["llama.cpp"][k]) for k in ("decode_tok_s", "prefill_tok_s")}
+        return {
+            "benchmark": "engine_cpu",
+            "config": {**asdict(cfg), "model": str(cfg.model), "n_ctx": cfg.n_ctx, "prompt_text": PROMPT_TEXT,
+                       "decode_prompt_tokens": len(prompt), "agree_tokens": AGREE_TOKENS},
+            "machine": machine,
+            "versions": {"llama_cpp_python": llama_cpp.__version__, "numpy": np.__version__},
+            "model": {"label": label, **model_info},
+            "load_s": {"strata": strata.load_s, "llama.cpp": llama.load_s},
+            "agreement": agree,
+            "notes": notes,
+            "samples": {name: asdict(s) for name, s in samples.items()},
+            "medians": medians,
+            "ratios": ratios,
+            "strata_profile": {k: p.as_dict() for k, p in prof.items()},
+        }
+    finally:
+        strata.close()
+        llama.close()
+
+
+# ---------------------------------------------------------------- report
+def metric_rows(rep: dict[str, Any]) -> list[tuple[str, str, float, float, float]]:
+    """(key, label, strata, llama.cpp, ratio) per metric."""
+    c, m, r = rep["config"], rep["medians"], rep["ratios"]
+    runs = f"median of {c['runs']}" if c["runs"] > 1 else "1 run"
+    return [
+        ("decode_tok_s", f"decode tok/s, batch 1 ({c['decode_tokens']} steps, {runs})",
+         m["strata"]["decode_tok_s"], m["llama.cpp"]["decode_tok_s"], r["decode_tok_s"]),
+        ("prefill_tok_s", f"prefill tok/s ({c['prefill_tokens']}-token prompt, {runs})",
+         m["strata"]["prefill_tok_s"], m["llama.cpp"]["prefill_tok_s"], r["prefill_tok_s"]),
+    ]
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    mach, c = rep["machine"], rep["config"]
+    head = [
+        f"model:   {rep['model']['label']}",
+        f"machine: {mach['cpu_model']}, {c['threads']} threads (nproc {mach['nproc']}, "
+        f"affinity {mach['affinity_cores']}), commit {mach['git_commit']}, {mach['date']}",
+        f"peer:    llama-cpp-python {rep['versions']['llama_cpp_python']}, n_batch = n_ubatch = {c['chunk']}, "
+        f"flash_attn {'on' if c['llama_flash_attn'] else 'off'}",
+    ]
+    busy = mach.get("busy_cores_before")
+    if busy is not None and busy > 0.25:
+        head.append(f"note:    {busy:.1f} cores were busy with other work before the run: figures are noisy")
+    for note in rep["notes"]:
+        head.append(f"note:    {note}")
+    rows = [(label, fmt_num(s), fmt_num(p), f"{q:.2f}x" if q == q else "-")
+            for _, label, s, p, q in metric_rows(rep)]
+    table = text_table(("metric", "strata", "llama.cpp", "ratio"), rows)
+    dec = rep["samples"]["llama.cpp"]["decode_agree"]
+    steps = max(1, c["decode_tokens"] - 1)
+    agree = (f"teacher-forced next-token agreement of llama.cpp with Strata's greedy sequence: "
+             f"{median(dec):.0f}/{steps} steps")
+    return "\n".join([*head, "", table, "", agree, "", format_profile(rep)])
+
+
+def format_profile(rep: dict[str, Any]) -> str:
+    prof = rep["strata_profile"]
+    phases = ("decode", "prefill")
+    rows: list[tuple[str, ...]] = []
+    for op in (*OPS, "other"):
+        rows.append((OP_LABELS[op], *(f"{100 * prof[p]['shares'][op]:.1f}%" for p in phases)))
+    rows.append(("C step time, ms/token", *(fmt_num(prof[p]["c_ms_per_token"], 3) for p in phases)))
+    rows.append(("outside C (Python, cffi, argmax), % of wall",
+                 *(f"{100 * prof[p]['shares']['outside_c']:.1f}%" for p in phases)))
+    return "Strata per-op profile (share of C step time, all timed steps)\n" + \
+        text_table(("op", *phases), rows)
+
+
+def format_markdown(rep: dict[str, Any]) -> str:
+    mach, c = rep["machine"], rep["config"]
+    date = mach["date"][:10]
+    cpu = f"{mach['cpu_model']}, {c['threads']} thr"
+    model = rep["model"]["label"]
+    rows = [(date, mach["git_commit"], cpu, model, label, fmt_num(s), fmt_num(p), f"{q:.2f}x" if q == q else "-")
+            for _, label, s, p, q in metric_rows(rep)]
+    return markdown_table(("date", "commit", "CPU", "model", "metric", "Strata", "llama.cpp", "Strata / llama.cpp"),
+                          rows, n_text_cols=5)
+
+
+# ---------------------------------------------------------------- CLI
+def default_model() -> Path:
+    from engine.default_model import build_default_model, default_model_path
+
+    return Path(build_default_model(default_model_path()))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_cpu", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the embedded default model)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads for both engines (default: all cores of the process affinity)")
+    ap.add_argument("--runs", type=int, default=None, help="repeats of each measurement (default 3; --quick: 1)")
+    ap.add_argument("--quick", action="store_true", help="1 run, 32 decode tokens, 500-token prompt")
+    ap.add_argument("--decode-tokens", type=int, default=None, help="decode steps (default 128; --quick: 32)")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="prefill prompt length (default 2000; --quick: 500)")
+    ap.add_argument("--json", type=Path, default=None, metavar="OUT.json",
+                    help="write raw samples, medians, profile and machine info")
+    ap.add_argument("--markdown", action="store_true", help="also print a markdown block for docs/benchmarks.md")
+    ap.add_argument("--llama-flash-attn", action="store_true",
+                    help="enable flash attention in llama.cpp (llama-cpp-python defaults it off)")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    threads = a.threads if a.threads is not None else len(affinity_cores())
+    cfg = Config(
+        model=(a.model or default_model()).resolve(),
+        threads=threads,
+        runs=a.runs if a.runs is not None else (1 if a.quick else 3),
+        decode_tokens=a.decode_tokens if a.decode_tokens is not None else (32 if a.quick else 128),
+        prefill_tokens=a.prefill_tokens if a.prefill_tokens is not None else (500 if a.quick else 2000),
+        quick=a.quick,
+        llama_flash_attn=a.llama_flash_attn,
+    )
+    for name in ("threads", "runs", "decode_tokens", "prefill_tokens"):
+        if getattr(cfg, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if not cfg.model.is_file():
+        print(f"error: no such model file: {cfg.model}", file=sys.stderr)
+        return 2
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    rep = run(cfg, log)
+    rep["wall_s"] = time.perf_counter() - t0
+    print(format_report(rep))
+    if a.markdown:
+        print("\n" + format_markdown(rep))
+    if a.json:
+        write_json(a.json, rep)
+        log(f"wrote {a.json}")
+    log(f"done in {rep['wall_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
