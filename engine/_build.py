@@ -13,7 +13,7 @@ from pathlib import Path
 from cffi import FFI
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ["quants.c", "dispatch.c", "kernels_avx2.c", "kernels_avx512.c", "pool.c", "forward.c"]
+SOURCES = ["quants.c", "dispatch.c", "kernels_avx2.c", "kernels_avx512.c", "attention.c", "pool.c", "forward.c"]
 CFLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra"]
 
 

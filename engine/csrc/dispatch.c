@@ -1,4 +1,6 @@
 /* Run-time kernel selection: the best variant the CPU supports, or a forced one. */
+#include <stdlib.h>
+
 #include "internal.h"
 
 static int32_t g_variant = ST_VARIANT_AUTO;
@@ -64,6 +66,12 @@ axpy_fn st_axpy(void) {
     return f ? f : st_axpy_ref();
 }
 
+attn_fn st_attn(void) {
+    const int32_t v = resolve(g_variant);
+    attn_fn f = v == ST_VARIANT_AVX512 ? st_attn_avx512() : v == ST_VARIANT_AVX2 ? st_attn_avx2() : NULL;
+    return f ? f : st_attn_ref();
+}
+
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
 dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }
 
@@ -75,7 +83,21 @@ st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_
         return st_fail(ST_EUNSUPPORTED, "vec_dot_q: type %d is not a supported quantised type", type);
     if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type))
         return st_fail(ST_EINVAL, "vec_dot_q: bad arguments (n=%lld)", (long long)n);
-    pick_q(resolve(variant), type)(w, n, 1, &qs, &d, &sums, out);
+    if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "vec_dot_q: n=%lld exceeds %d", (long long)n, ST_MAX_ROW);
+    float *dx4 = malloc(sizeof(float) * (size_t)(n / 4)), *xs = malloc(sizeof(float) * (size_t)(n / 16));
+    if (!dx4 || !xs) {
+        free(dx4);
+        free(xs);
+        return st_fail(ST_ENOMEM, "vec_dot_q: out of memory");
+    }
+    for (int64_t b = 0; b < n / QK; b++) { /* the derived views, as the quantiser makes them */
+        for (int l = 0; l < QK / 4; l++) dx4[b * (QK / 4) + l] = d[b];
+        xs[2 * b] = d[b] * (float)sums[2 * b], xs[2 * b + 1] = d[b] * (float)sums[2 * b + 1];
+    }
+    const act_row a = {qs, d, sums, dx4, xs};
+    pick_q(resolve(variant), type)(w, n, 1, &a, out);
+    free(dx4);
+    free(xs);
     return ST_OK;
 }
 

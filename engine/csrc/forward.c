@@ -16,7 +16,9 @@
 
 struct st_kv {
     int32_t n_blocks, block_size, n_layer, kv_dim;
-    f16_t *k, *v; /* [n_layer][n_blocks][block_size][kv_dim] */
+    int32_t n_kv, head_dim;
+    f16_t *k; /* [n_layer][n_blocks][n_kv][head_dim][block_size]: slots contiguous */
+    f16_t *v; /* [n_layer][n_blocks][block_size][kv_dim] */
 };
 
 /* Activations entering a linear layer: float rows and, for quantised weights, the
@@ -26,6 +28,7 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *s;
+    const float *dx4, *xs; /* derived views for the SIMD kernels (see internal.h) */
     int64_t K;
 } acts;
 
@@ -33,11 +36,11 @@ typedef struct {
     size_t cap_tokens, cap_pairs, cap_ctx, cap_threads;
     float *x, *xn, *q, *k, *v, *att, *tmp, *router, *topk_w, *scores, *gate_shexp;
     int8_t *aq;
-    float *ad;
+    float *ad, *ad4, *axs;
     int32_t *as, *topk_id;
     float *h, *pair_out;
     int8_t *hq;
-    float *hd;
+    float *hd, *hd4, *hxs;
     int32_t *hs, *pair_tok, *pairs_by_expert, *expert_start, *tiles;
 } scratch;
 
@@ -80,6 +83,9 @@ static st_status check_tensor(const st_tensor *t, const char *what, int layer, i
     if (t->ne[0] % st_type_block_elems(t->type))
         return st_fail(ST_EINVAL, "layer %d: tensor %s row length %lld is not a multiple of its block size %d", layer,
                        what, (long long)t->ne[0], st_type_block_elems(t->type));
+    if (t->ne[0] > ST_MAX_ROW)
+        return st_fail(ST_EUNSUPPORTED, "layer %d: tensor %s row length %lld exceeds %d", layer, what,
+                       (long long)t->ne[0], ST_MAX_ROW);
     if (!st_type_is_float(t->type) && t->ne[0] % QK)
         return st_fail(ST_EINVAL, "layer %d: tensor %s row length %lld is not a multiple of 32", layer, what,
                        (long long)t->ne[0]);
@@ -99,6 +105,8 @@ static st_status validate(st_model *m) {
                        d->n_layer, d->n_embd, d->n_head, d->n_head_kv, d->head_dim, d->n_vocab);
     if (d->n_head % d->n_head_kv)
         return st_fail(ST_EINVAL, "model: head count %d is not a multiple of kv head count %d", d->n_head, d->n_head_kv);
+    if (d->head_dim % 16)
+        return st_fail(ST_EUNSUPPORTED, "model: head_dim %d is not a multiple of 16", d->head_dim);
     if (d->rope_dim < 2 || d->rope_dim > d->head_dim || d->rope_dim % 2)
         return st_fail(ST_EINVAL, "model: rope dimension %d invalid for head_dim %d", d->rope_dim, d->head_dim);
     if (d->rope_type != ST_ROPE_NORM && d->rope_type != ST_ROPE_NEOX)
@@ -192,7 +200,8 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
 
 static void scratch_free(scratch *s) {
     void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
-                    s->aq, s->ad, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hs, s->pair_tok,
+                    s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
+                    s->hxs, s->hs, s->pair_tok,
                     s->pairs_by_expert, s->expert_start, s->tiles};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
     memset(s, 0, sizeof *s);
@@ -230,10 +239,14 @@ static st_status ensure_scratch(st_model *m, size_t T, size_t n_threads, size_t 
         s->gate_shexp = malloc(sizeof(float) * T);
         s->aq = malloc(T * K);
         s->ad = malloc(sizeof(float) * T * (K / QK + 1));
+        s->ad4 = malloc(sizeof(float) * T * (K / 4 + 1));
+        s->axs = malloc(sizeof(float) * T * (K / 16 + 1));
         s->as = malloc(sizeof(int32_t) * T * (K / 16 + 1));
         s->h = malloc(sizeof(float) * P * ffmax);
         s->hq = malloc(P * ffmax);
         s->hd = malloc(sizeof(float) * P * (ffmax / QK + 1));
+        s->hd4 = malloc(sizeof(float) * P * (ffmax / 4 + 1));
+        s->hxs = malloc(sizeof(float) * P * (ffmax / 16 + 1));
         s->hs = malloc(sizeof(int32_t) * P * (ffmax / 16 + 1));
         s->pair_out = malloc(sizeof(float) * P * E);
         s->pair_tok = malloc(sizeof(int32_t) * P);
@@ -244,6 +257,7 @@ static st_status ensure_scratch(st_model *m, size_t T, size_t n_threads, size_t 
         s->cap_pairs = P;
         if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->topk_w ||
             !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
+            !s->ad4 || !s->axs || !s->hd4 || !s->hxs ||
             !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles) {
             scratch_free(s);
             return st_fail(ST_ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
@@ -264,14 +278,17 @@ static st_status ensure_scratch(st_model *m, size_t T, size_t n_threads, size_t 
 st_status st_kv_create(const st_model *m, int32_t n_blocks, int32_t block_size, st_kv **out) {
     if (!m || !out) return st_fail(ST_EINVAL, "kv_create: NULL argument");
     *out = NULL;
-    if (n_blocks < 1 || block_size < 1 || block_size > 4096)
-        return st_fail(ST_EINVAL, "kv_create: n_blocks=%d block_size=%d invalid", n_blocks, block_size);
+    if (n_blocks < 1 || block_size < ST_ATTN_TILE || block_size > 4096 || block_size % ST_ATTN_TILE)
+        return st_fail(ST_EINVAL, "kv_create: n_blocks=%d block_size=%d invalid (block size: a multiple of %d)",
+                       n_blocks, block_size, ST_ATTN_TILE);
     st_kv *kv = calloc(1, sizeof *kv);
     if (!kv) return st_fail(ST_ENOMEM, "kv_create: out of memory");
     kv->n_blocks = n_blocks;
     kv->block_size = block_size;
     kv->n_layer = m->d.n_layer;
     kv->kv_dim = m->kv_dim;
+    kv->n_kv = m->d.n_head_kv;
+    kv->head_dim = m->d.head_dim;
     const size_t n = (size_t)kv->n_layer * (size_t)n_blocks * (size_t)block_size * (size_t)kv->kv_dim;
     kv->k = calloc(n, sizeof(f16_t));
     kv->v = calloc(n, sizeof(f16_t));
@@ -299,10 +316,12 @@ st_status st_kv_copy_block(st_kv *kv, int32_t src, int32_t dst, int32_t n_tokens
     if (!kv) return st_fail(ST_EINVAL, "kv_copy_block: NULL cache");
     if (src < 0 || src >= kv->n_blocks || dst < 0 || dst >= kv->n_blocks || n_tokens < 0 || n_tokens > kv->block_size)
         return st_fail(ST_ERANGE, "kv_copy_block: src=%d dst=%d n=%d out of range", src, dst, n_tokens);
-    const size_t bytes = (size_t)n_tokens * (size_t)kv->kv_dim * sizeof(f16_t);
+    /* K is slot-minor inside a block, so its whole block is copied; V only the rows used */
+    const size_t kbytes = (size_t)kv->block_size * (size_t)kv->kv_dim * sizeof(f16_t);
+    const size_t vbytes = (size_t)n_tokens * (size_t)kv->kv_dim * sizeof(f16_t);
     for (int l = 0; l < kv->n_layer; l++) {
-        memcpy(kv->k + kv_offset(kv, l, dst, 0), kv->k + kv_offset(kv, l, src, 0), bytes);
-        memcpy(kv->v + kv_offset(kv, l, dst, 0), kv->v + kv_offset(kv, l, src, 0), bytes);
+        memcpy(kv->k + kv_offset(kv, l, dst, 0), kv->k + kv_offset(kv, l, src, 0), kbytes);
+        memcpy(kv->v + kv_offset(kv, l, dst, 0), kv->v + kv_offset(kv, l, src, 0), vbytes);
     }
     return ST_OK;
 }
@@ -318,52 +337,61 @@ static void rmsnorm_row(const float *x, const float *w, float *y, int64_t n, flo
 
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* Where quantised activation rows go: the shared layer-input buffers or the expert
+ * hidden-state buffers. */
+typedef struct {
+    int8_t *q;
+    float *d, *dx4, *xs;
+    int32_t *s;
+} act_buf;
+
 typedef struct {
     const float *x;
     int64_t K;
-    int8_t *q;
-    float *d;
-    int32_t *s;
+    act_buf o;
 } quant_ctx;
 
 static void quant_task(void *ctx, int64_t t, int thread) {
     (void)thread;
     const quant_ctx *c = ctx;
-    st_quantize_act_row(c->x + t * c->K, c->K, c->q + t * c->K, c->d + t * (c->K / QK), c->s + t * (c->K / 16));
+    const int64_t K = c->K;
+    st_quantize_act_row(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
+                        c->o.dx4 + t * (K / 4), c->o.xs + t * (K / 16));
 }
 
-/* Float rows x[T, K] -> activations; quantised to the shared scratch when needed. */
-static acts make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, int8_t *q, float *d, int32_t *s) {
-    acts a = {x, NULL, NULL, NULL, K};
+/* Float rows x[T, K] -> activations; quantised into `o` when the weights need it. */
+static acts make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
+    acts a = {x, NULL, NULL, NULL, NULL, NULL, K};
     if (need_q) {
-        quant_ctx c = {x, K, q, d, s};
+        quant_ctx c = {x, K, o};
         st_pool_run(pool, quant_task, &c, T);
-        a.q = q, a.d = d, a.s = s;
+        a.q = o.q, a.d = o.d, a.s = o.s, a.dx4 = o.dx4, a.xs = o.xs;
     }
     return a;
 }
+
+static act_buf layer_buf(scratch *s) { return (act_buf){s->aq, s->ad, s->ad4, s->axs, s->as}; }
+static act_buf hidden_buf(scratch *s) { return (act_buf){s->hq, s->hd, s->hd4, s->hxs, s->hs}; }
 
 /* Dot one weight row with nt (<= ST_MAX_NT) activation rows: idx[i] (or base + i when
  * idx is NULL). Quantised rows are unpacked once for the whole group. */
 static inline void dot_group(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a,
                              const int32_t *idx, int64_t base, int nt, float *res) {
-    const int8_t *qp[ST_MAX_NT];
-    const float *dp[ST_MAX_NT];
-    const int32_t *sp[ST_MAX_NT];
+    if (st_type_is_float(type)) {
+        for (int i = 0; i < nt; i++) ff(wrow, a->x + (idx ? idx[i] : base + i) * a->K, a->K, &res[i]);
+        return;
+    }
+    act_row rows[ST_MAX_NT];
+    const int64_t K = a->K;
     for (int i = 0; i < nt; i++) {
         const int64_t t = idx ? idx[i] : base + i;
-        if (st_type_is_float(type)) {
-            ff(wrow, a->x + t * a->K, a->K, &res[i]);
-        } else {
-            qp[i] = a->q + t * a->K;
-            dp[i] = a->d + t * (a->K / QK);
-            sp[i] = a->s + t * (a->K / 16);
-        }
+        rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->dx4 + t * (K / 4),
+                            a->xs + t * (K / 16)};
     }
-    if (!st_type_is_float(type)) fq(wrow, a->K, nt, qp, dp, sp, res);
+    fq(wrow, K, nt, rows, res);
 }
 
-#define TOKEN_TILE 64 /* activation rows kept hot in cache while a slice of weight rows streams */
+#define TOKEN_TILE ST_MAX_NT /* activation rows per unpacked weight row; they stay hot in cache */
 
 /* out[t, r] (stride ldo) = W[r, :] . in[rows[t], :] for r in [0, N), t in [0, T). */
 typedef struct {
@@ -422,59 +450,33 @@ static void add_bias(float *y, const st_tensor *b, int64_t T, int64_t n) {
 
 /* ------------------------------------------------------------------ attention */
 
-/* Attention works on tiles: up to Q_TILE consecutive tokens of one sequence (a prefill
- * chunk) share every K/V row they read, which is converted from F16 once per tile. */
-#define Q_TILE 16
-
+/* Attention works on tiles: up to ST_ATTN_TILE consecutive tokens of one sequence (a
+ * prefill chunk) share every K/V row they read; one work item per (tile, head). */
 typedef struct {
     const st_model *m;
     const st_kv *kv;
     const st_batch *b;
     int layer;
     const int32_t *tiles; /* [n_tiles, 2]: first batch index, count */
-    float *scratch;       /* per thread: Q_TILE * ctx scores + 2 * head_dim */
+    float *scratch;       /* per thread: per_thread floats */
     size_t per_thread;
+    attn_fn fn;
 } attn_ctx;
 
 static void attn_task(void *vctx, int64_t item, int thread) {
     const attn_ctx *c = vctx;
     const st_model *m = c->m;
     const st_kv *kv = c->kv;
-    const int hd = m->d.head_dim, n_head = m->d.n_head, group = n_head / m->d.n_head_kv;
+    const int n_head = m->d.n_head, group = n_head / m->d.n_head_kv, hd = m->d.head_dim;
     const int64_t tile = item / n_head;
-    const int h = (int)(item % n_head), kvh = h / group;
+    const int h = (int)(item % n_head);
     const int32_t t0 = c->tiles[2 * tile], nq = c->tiles[2 * tile + 1];
-    const int32_t p0 = c->b->pos[t0], p_last = p0 + nq - 1, n_keys = p_last + 1, bs = kv->block_size;
-    const int32_t *bt = c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks;
-    float *sc = c->scratch + (size_t)thread * c->per_thread; /* [nq, n_keys] */
-    float *row = sc + c->per_thread - 2 * (size_t)hd; /* one converted K or V row */
-    const dot_f_fn dot = st_dot_f(ST_TYPE_F32);
-    const cvt_f16_fn cvt = st_cvt_f16();
-    const axpy_fn axpy = st_axpy();
-    const float scale = 1.0f / sqrtf((float)hd);
-    /* scores: query i sees keys 0..p0+i */
-    for (int32_t j = 0; j < n_keys; j++) {
-        cvt(kv->k + kv_offset(kv, c->layer, bt[j / bs], j % bs) + (size_t)kvh * hd, row, hd);
-        for (int32_t i = (j > p0 ? j - p0 : 0); i < nq; i++) {
-            float s;
-            dot(row, m->s.q + (int64_t)(t0 + i) * m->q_dim + h * hd, hd, &s);
-            sc[(size_t)i * n_keys + j] = s * scale;
-        }
-    }
-    for (int32_t i = 0; i < nq; i++) { /* softmax over each query's visible keys */
-        float *r = sc + (size_t)i * n_keys, mx = -INFINITY, sum = 0.0f;
-        const int32_t nk = p0 + i + 1;
-        for (int32_t j = 0; j < nk; j++) mx = r[j] > mx ? r[j] : mx;
-        for (int32_t j = 0; j < nk; j++) sum += (r[j] = expf(r[j] - mx));
-        const float inv = 1.0f / sum;
-        for (int32_t j = 0; j < nk; j++) r[j] *= inv;
-        memset(m->s.att + (int64_t)(t0 + i) * m->q_dim + h * hd, 0, sizeof(float) * (size_t)hd);
-    }
-    for (int32_t j = 0; j < n_keys; j++) {
-        cvt(kv->v + kv_offset(kv, c->layer, bt[j / bs], j % bs) + (size_t)kvh * hd, row, hd);
-        for (int32_t i = (j > p0 ? j - p0 : 0); i < nq; i++)
-            axpy(m->s.att + (int64_t)(t0 + i) * m->q_dim + h * hd, row, sc[(size_t)i * n_keys + j], hd);
-    }
+    const size_t layer_elems = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->kv_dim;
+    const kv_view view = {kv->k + (size_t)c->layer * layer_elems, kv->v + (size_t)c->layer * layer_elems,
+                          c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks, kv->block_size, hd,
+                          kv->n_kv, kv->kv_dim, h / group};
+    c->fn(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
+          m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread);
 }
 
 /* Split the batch into attention tiles: runs of one sequence at consecutive positions. */
@@ -482,7 +484,7 @@ static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
     int32_t n = 0;
     for (int32_t t = 0; t < b->n_tokens;) {
         int32_t len = 1;
-        while (t + len < b->n_tokens && len < Q_TILE && b->seq[t + len] == b->seq[t] && b->pos[t + len] == b->pos[t] + len)
+        while (t + len < b->n_tokens && len < ST_ATTN_TILE && b->seq[t + len] == b->seq[t] && b->pos[t + len] == b->pos[t] + len)
             len++;
         tiles[2 * n] = t, tiles[2 * n + 1] = len;
         n++;
@@ -513,7 +515,7 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
     const int64_t E = d->n_embd;
     for (int64_t t = 0; t < T; t++) rmsnorm_row(s->x + t * E, L->attn_norm.data, s->xn + t * E, E, d->norm_eps);
     const int need_q = !st_type_is_float(L->wq.type) || !st_type_is_float(L->wk.type) || !st_type_is_float(L->wv.type);
-    const acts in = make_acts(pool, s->xn, T, E, need_q, s->aq, s->ad, s->as);
+    const acts in = make_acts(pool, s->xn, T, E, need_q, layer_buf(s));
     linear(pool, &L->wq, &in, NULL, T, s->q, m->q_dim);   /* [T, n_head * hd] */
     linear(pool, &L->wk, &in, NULL, T, s->k, m->kv_dim);  /* [T, n_kv * hd] */
     linear(pool, &L->wv, &in, NULL, T, s->v, m->kv_dim);  /* [T, n_kv * hd] */
@@ -529,18 +531,21 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
         }
         rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
         rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        /* write this token's K/V into its sequence's block */
+        const float scale = 1.0f / sqrtf((float)hd); /* folded into q once */
+        for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
+        /* write this token's K (slot-minor) and V into its sequence's block */
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
-        const size_t off = kv_offset(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size);
+        const int32_t blk = bt[b->pos[t] / kv->block_size], slot = b->pos[t] % kv->block_size;
+        const size_t off = kv_offset(kv, il, blk, slot), kbase = kv_offset(kv, il, blk, 0);
         for (int i = 0; i < m->kv_dim; i++) {
-            kv->k[off + i] = f32_to_f16(k[i]);
+            kv->k[kbase + (size_t)i * (size_t)kv->block_size + (size_t)slot] = f32_to_f16(k[i]);
             kv->v[off + i] = f32_to_f16(s->v[t * m->kv_dim + i]);
         }
     }
     const int32_t n_tiles = build_tiles(b, s->tiles);
-    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx};
+    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx, st_attn()};
     st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * d->n_head);
-    const acts ain = make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), s->aq, s->ad, s->as);
+    const acts ain = make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), layer_buf(s));
     linear(pool, &L->wo, &ain, NULL, T, s->tmp, E);
     for (int64_t i = 0; i < T * E; i++) s->x[i] += s->tmp[i];
 }
@@ -647,7 +652,7 @@ static st_status run_ffn(st_model *m, st_pool *pool, const ffn_group *groups, in
                  s->h, {0}, s->pair_out};
     int32_t n = build_items(groups, n_groups, n_ff, nt, items);
     st_pool_run(pool, ffn_gate_up_task, &c, n);
-    c.hin = make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), s->hq, s->hd, s->hs);
+    c.hin = make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
     n = build_items(groups, n_groups, E, nt, items);
     st_pool_run(pool, ffn_down_task, &c, n);
     free(items);
@@ -666,7 +671,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
     for (int64_t t = 0; t < T; t++) rmsnorm_row(s->x + t * E, L->ffn_norm.data, s->xn + t * E, E, d->norm_eps);
     if (d->n_expert == 0) { /* dense FFN = one group holding every token */
         for (int64_t t = 0; t < T; t++) s->pair_tok[t] = (int32_t)t, s->pairs_by_expert[t] = (int32_t)t;
-        const acts in = make_acts(pool, s->xn, T, E, !st_type_is_float(L->ffn_gate.type), s->aq, s->ad, s->as);
+        const acts in = make_acts(pool, s->xn, T, E, !st_type_is_float(L->ffn_gate.type), layer_buf(s));
         const ffn_group g = {L->ffn_gate.data, L->ffn_up.data, L->ffn_down.data, s->pairs_by_expert, (int32_t)T};
         CHECK(run_ffn(m, pool, &g, 1, &L->ffn_gate, &L->ffn_up, &L->ffn_down, &in, T));
         for (int64_t i = 0; i < T * E; i++) s->x[i] += s->pair_out[i];
@@ -674,7 +679,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
     }
     const int ne = d->n_expert, k = d->n_expert_used;
     /* router: softmax over all experts, top-k, optional renormalisation */
-    const acts rin = make_acts(pool, s->xn, T, E, !st_type_is_float(L->gate_inp.type), s->aq, s->ad, s->as);
+    const acts rin = make_acts(pool, s->xn, T, E, !st_type_is_float(L->gate_inp.type), layer_buf(s));
     linear(pool, &L->gate_inp, &rin, NULL, T, s->router, ne); /* [T, n_expert] */
     for (int64_t t = 0; t < T; t++) {
         float *r = s->router + t * ne;
@@ -719,7 +724,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
     }
     stats->n_expert_tokens += T * k;
     stats->n_active_experts += n_groups;
-    const acts in = make_acts(pool, s->xn, T, E, !st_type_is_float(L->gate_exps.type), s->aq, s->ad, s->as);
+    const acts in = make_acts(pool, s->xn, T, E, !st_type_is_float(L->gate_exps.type), layer_buf(s));
     st_status rc = run_ffn(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k);
     free(fill);
     free(groups);
@@ -750,7 +755,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
             s->gate_shexp[t] = g;
             s->pair_tok[t] = (int32_t)t, s->pairs_by_expert[t] = (int32_t)t;
         }
-        const acts sin = make_acts(pool, s->xn, T, E, !st_type_is_float(L->gate_shexp.type), s->aq, s->ad, s->as);
+        const acts sin = make_acts(pool, s->xn, T, E, !st_type_is_float(L->gate_shexp.type), layer_buf(s));
         const ffn_group g = {L->gate_shexp.data, L->up_shexp.data, L->down_shexp.data, s->pairs_by_expert, (int32_t)T};
         CHECK(run_ffn(m, pool, &g, 1, &L->gate_shexp, &L->up_shexp, &L->down_shexp, &sin, T));
         for (int64_t t = 0; t < T; t++)
@@ -814,7 +819,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     const int nt = st_pool_threads(pool);
     const size_t ctx = (size_t)b->max_blocks * (size_t)kv->block_size;
     CHECK(ensure_scratch(m, (size_t)(T > b->n_logits ? T : b->n_logits), (size_t)nt,
-                         Q_TILE * ctx + 2 * (size_t)m->d.head_dim));
+                         st_attn_scratch_floats(m->d.head_dim, (int32_t)ctx)));
     scratch *s = &m->s;
     embed_ctx ec = {&m->d.token_embd, b->tokens, s->x, E};
     st_pool_run(pool, embed_task, &ec, T);
@@ -833,7 +838,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         for (int32_t i = 0; i < b->n_logits; i++)
             rmsnorm_row(s->x + (int64_t)b->logit_idx[i] * E, m->d.output_norm.data, s->xn + (int64_t)i * E, E,
                         m->d.norm_eps);
-        const acts in = make_acts(pool, s->xn, b->n_logits, E, !st_type_is_float(m->d.output.type), s->aq, s->ad, s->as);
+        const acts in = make_acts(pool, s->xn, b->n_logits, E, !st_type_is_float(m->d.output.type), layer_buf(s));
         linear(pool, &m->d.output, &in, NULL, b->n_logits, b->logits, m->d.n_vocab); /* [n_logits, n_vocab] */
     }
     const double t_end = now_s();

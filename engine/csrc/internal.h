@@ -83,13 +83,24 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* ---- kernel table ----
- * dot_q: one weight row (n elements) against the 8-bit activations of nt <= ST_MAX_NT
- *        tokens (qs[t], d[t], s[t]); the row is unpacked once for all of them. A
- *        token's result never depends on nt or on the other tokens (batch invariance).
+ * One token's 8-bit activations: q[n], d[n/32] (scale), s[n/16] (sums of 16). The SIMD
+ * kernels also read two derived views, made once per activation row:
+ *   dx4[n/4] = d of the block each group of 4 elements belongs to (lane-aligned scales),
+ *   xs[n/16] = d * s (the float weight of each 16-sum in the offset/minimum correction).
+ * dot_q: one weight row (n elements) against nt <= ST_MAX_NT tokens; the row is unpacked
+ *        once for all of them. A token's result never depends on nt or on the other
+ *        tokens (batch invariance).
  * dot_f: one weight row against float activations (F32/F16/BF16 weights). */
-#define ST_MAX_NT 4
-typedef void (*dot_q_fn)(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,
-                         const int32_t *const *s, float *out);
+#define ST_MAX_NT 64
+#define ST_MAX_ROW 65536 /* longest weight row the kernels accept (stack buffers) */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s;
+    const float *dx4;
+    const float *xs;
+} act_row;
+typedef void (*dot_q_fn)(const void *w, int64_t n, int nt, const act_row *a, float *out);
 typedef void (*dot_f_fn)(const void *w, const float *x, int64_t n, float *out);
 
 dot_q_fn st_dot_q_ref(int32_t type);
@@ -109,14 +120,31 @@ axpy_fn st_axpy_ref(void);
 axpy_fn st_axpy_avx2(void);
 axpy_fn st_axpy(void);
 
+/* Attention of one head over the paged KV cache (attention.c). */
+typedef struct {
+    const f16_t *k, *v;  /* this layer's K ([block][n_kv][hd][bs]) and V ([block][bs][kv_dim]) */
+    const int32_t *bt;   /* the sequence's block table */
+    int32_t bs, hd, n_kv, kv_dim, kvh;
+} kv_view;
+/* nq consecutive queries (rows of q, pre-scaled by 1/sqrt(hd)) at positions p0..p0+nq-1;
+ * query i sees keys 0..p0+i. scratch: st_attn_scratch_floats(hd, p0 + nq) floats. */
+typedef void (*attn_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                        int64_t o_stride, float *scratch);
+#define ST_ATTN_TILE 16
+attn_fn st_attn_ref(void);
+attn_fn st_attn_avx2(void);
+attn_fn st_attn_avx512(void);
+attn_fn st_attn(void);
+size_t st_attn_scratch_floats(int hd, int32_t max_keys);
+
 /* The kernels for the current variant (falls back to ref per type). */
 dot_q_fn st_dot_q(int32_t type);
 dot_f_fn st_dot_f(int32_t type);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 
-/* Activation quantisation (vectorised when possible; result bit-identical to ref). */
-void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
+/* Activation quantisation; dx4/xs (the derived views above) are filled when not NULL. */
+void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *dx4, float *xs);
 
 /* Helpers for the k-quant 6-bit scale packing. */
 static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {

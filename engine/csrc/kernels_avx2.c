@@ -9,24 +9,28 @@ static inline __m256i dot_u8s8_256(__m256i u, __m256i a) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
 }
 
-/* One weight row against nt tokens: each sub-block is unpacked once. */
-#define DEF_DOT_Q_AVX2(NAME, TYPE)                                                                          \
-    static void NAME(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,    \
-                     const int32_t *const *s, float *out) {                                             \
-        __m256 acc[ST_MAX_NT];                                                                           \
-        float corr[ST_MAX_NT];                                                                           \
-        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps(), corr[t] = 0.0f;                       \
-        for (int64_t sb = 0; sb < n_subblocks(n); sb++) {                                                \
-            const subblk r = load_sub(TYPE, w, sb);                                                      \
-            for (int t = 0; t < nt; t++) {                                                               \
-                const float dx = d[t][sb];                                                               \
-                const __m256i av = _mm256_loadu_si256((const __m256i *)(qs[t] + sb * QK));               \
-                const __m256 sc = _mm256_setr_m128(_mm_set1_ps(r.s_lo * dx), _mm_set1_ps(r.s_hi * dx)); \
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_256(r.u, av)), sc, acc[t]);        \
-                corr[t] += sub_corr(&r, dx, s[t], sb);                                                   \
-            }                                                                                            \
-        }                                                                                                \
-        for (int t = 0; t < nt; t++) out[t] = hsum256(acc[t]) + corr[t];                                 \
+/* One weight row against nt tokens: the row is unpacked once (UNPACK_ROW), then each
+ * token costs a load, a maddubs/madd, and one scaled FMA per 32 weights. */
+#define DEF_DOT_Q_AVX2(NAME, TYPE)                                                                       \
+    static void NAME(const void *w, int64_t n, int nt, const act_row *a, float *out) {                 \
+        uint8_t u[n];                                                                                  \
+        float sw[n / 4], c[n / 16];                                                                    \
+        UNPACK_ROW(TYPE, w, n, u, sw, c)                                                               \
+        for (int t = 0; t < nt; t++) {                                                                 \
+            __m256 acc = _mm256_setzero_ps(), cacc = _mm256_setzero_ps();                              \
+            for (int64_t i = 0; i < n; i += QK) {                                                      \
+                const __m256i p = dot_u8s8_256(_mm256_loadu_si256((const __m256i *)(u + i)),          \
+                                               _mm256_loadu_si256((const __m256i *)(a[t].q + i)));    \
+                const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sw + i / 4), _mm256_loadu_ps(a[t].dx4 + i / 4)); \
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc);                                 \
+            }                                                                                          \
+            int64_t j = 0;                                                                             \
+            for (; j + 8 <= n / 16; j += 8)                                                            \
+                cacc = _mm256_fmadd_ps(_mm256_loadu_ps(c + j), _mm256_loadu_ps(a[t].xs + j), cacc);    \
+            float corr = hsum256(cacc);                                                                \
+            for (; j < n / 16; j++) corr += c[j] * a[t].xs[j];                                         \
+            out[t] = hsum256(acc) + corr;                                                              \
+        }                                                                                              \
     }
 
 DEF_DOT_Q_AVX2(dot_q4_0_avx2, ST_TYPE_Q4_0)
@@ -38,23 +42,18 @@ DEF_DOT_Q_AVX2(dot_q5_k_avx2, ST_TYPE_Q5_K)
 DEF_DOT_Q_AVX2(dot_q6_k_avx2, ST_TYPE_Q6_K)
 
 /* Q8_0 weights are signed: |w| (unsigned) times sign(w)*a keeps maddubs exact. */
-static void dot_q8_0_avx2(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,
-                          const int32_t *const *s, float *out) {
+static void dot_q8_0_avx2(const void *w, int64_t n, int nt, const act_row *a, float *out) {
     const blk_q8_0 *b = w;
-    (void)s;
-    __m256 acc[ST_MAX_NT];
-    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / QK; i++) {
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)b[i].qs);
-        const __m256i wabs = _mm256_sign_epi8(wv, wv);
-        const float dw = f16_to_f32(b[i].d);
-        for (int t = 0; t < nt; t++) {
-            const __m256i av = _mm256_loadu_si256((const __m256i *)(qs[t] + i * QK));
-            const __m256i p = dot_u8s8_256(wabs, _mm256_sign_epi8(av, wv));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[t][i]), acc[t]);
+    for (int t = 0; t < nt; t++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n / QK; i++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)b[i].qs);
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a[t].q + i * QK));
+            const __m256i p = dot_u8s8_256(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(h2f(b[i].d) * a[t].d[i]), acc);
         }
+        out[t] = hsum256(acc);
     }
-    for (int t = 0; t < nt; t++) out[t] = hsum256(acc[t]);
 }
 
 /* Float weights: 4 independent 8-wide accumulators, scalar tail. */

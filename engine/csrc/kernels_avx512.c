@@ -4,46 +4,41 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #include "simd_unpack.h"
 
-static inline __m512 scales4(float a, float b, float c, float d) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_setr_m128(_mm_set1_ps(a), _mm_set1_ps(b))),
-                              _mm256_setr_m128(_mm_set1_ps(c), _mm_set1_ps(d)), 1);
-}
-
 static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
-/* One weight row against nt tokens: each pair of sub-blocks is unpacked once. */
-#define DEF_DOT_Q_AVX512(NAME, TYPE)                                                                         \
-    static void NAME(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d,     \
-                     const int32_t *const *s, float *out) {                                              \
-        __m512 acc[ST_MAX_NT];                                                                            \
-        float corr[ST_MAX_NT];                                                                            \
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps(), corr[t] = 0.0f;                        \
-        const int64_t nsb = n_subblocks(n);                                                               \
-        int64_t sb = 0;                                                                                   \
-        for (; sb + 2 <= nsb; sb += 2) {                                                                  \
-            const subblk r0 = load_sub(TYPE, w, sb), r1 = load_sub(TYPE, w, sb + 1);                     \
-            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(r0.u), r1.u, 1);                \
-            for (int t = 0; t < nt; t++) {                                                                \
-                const float dx0 = d[t][sb], dx1 = d[t][sb + 1];                                           \
-                const __m512i av = _mm512_loadu_si512((const void *)(qs[t] + sb * QK));                   \
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, av);                    \
-                const __m512 sc = scales4(r0.s_lo * dx0, r0.s_hi * dx0, r1.s_lo * dx1, r1.s_hi * dx1);   \
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t]);                              \
-                corr[t] += sub_corr(&r0, dx0, s[t], sb) + sub_corr(&r1, dx1, s[t], sb + 1);               \
-            }                                                                                             \
-        }                                                                                                 \
-        for (int t = 0; t < nt; t++) {                                                                    \
-            float tail = 0.0f;                                                                            \
-            if (sb < nsb) { /* odd sub-block count: one 256-bit step */                                  \
-                const subblk r = load_sub(TYPE, w, sb);                                                   \
-                const float dx = d[t][sb];                                                                \
-                const __m256i av = _mm256_loadu_si256((const __m256i *)(qs[t] + sb * QK));                \
-                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), r.u, av);                  \
-                const __m256 sc = _mm256_setr_m128(_mm_set1_ps(r.s_lo * dx), _mm_set1_ps(r.s_hi * dx));  \
-                tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), sc)) + sub_corr(&r, dx, s[t], sb);    \
-            }                                                                                             \
-            out[t] = hsum512(acc[t]) + corr[t] + tail;                                                    \
-        }                                                                                                 \
+/* One weight row against nt tokens: the row is unpacked once (UNPACK_ROW), then each
+ * token costs a load, a vpdpbusd and one scaled FMA per 64 weights. */
+#define DEF_DOT_Q_AVX512(NAME, TYPE)                                                                     \
+    static void NAME(const void *w, int64_t n, int nt, const act_row *a, float *out) {                 \
+        uint8_t u[n];                                                                                  \
+        float sw[n / 4], c[n / 16];                                                                    \
+        UNPACK_ROW(TYPE, w, n, u, sw, c)                                                               \
+        const int64_t n64 = n / 64 * 64, nc = n / 16;                                                  \
+        const __mmask16 ctail = (__mmask16)((1u << (nc % 16)) - 1);                                    \
+        for (int t = 0; t < nt; t++) {                                                                 \
+            __m512 acc = _mm512_setzero_ps();                                                          \
+            for (int64_t i = 0; i < n64; i += 64) {                                                    \
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(u + i), \
+                                                      _mm512_loadu_si512(a[t].q + i));                \
+                const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(sw + i / 4), _mm512_loadu_ps(a[t].dx4 + i / 4)); \
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc);                                 \
+            }                                                                                          \
+            float tail = 0.0f;                                                                         \
+            if (n64 < n) { /* an odd 32-element sub-block */                                           \
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(),                          \
+                                                      _mm256_loadu_si256((const __m256i *)(u + n64)),  \
+                                                      _mm256_loadu_si256((const __m256i *)(a[t].q + n64))); \
+                tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_loadu_ps(sw + n64 / 4), \
+                                                                                  _mm256_loadu_ps(a[t].dx4 + n64 / 4)))); \
+            }                                                                                          \
+            __m512 cacc = _mm512_setzero_ps();                                                         \
+            int64_t j = 0;                                                                             \
+            for (; j + 16 <= nc; j += 16)                                                              \
+                cacc = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(a[t].xs + j), cacc);    \
+            if (j < nc)                                                                                \
+                cacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(ctail, c + j), _mm512_maskz_loadu_ps(ctail, a[t].xs + j), cacc); \
+            out[t] = hsum512(acc) + tail + hsum512(cacc);                                              \
+        }                                                                                              \
     }
 
 DEF_DOT_Q_AVX512(dot_q4_0_avx512, ST_TYPE_Q4_0)

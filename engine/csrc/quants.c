@@ -189,7 +189,7 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
 }
 
 /* ---- activation quantisation: int8 per 32-block, float scale, int sums per 16 ---- */
-void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
+void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *dx4, float *xs) {
     for (int64_t b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -204,13 +204,16 @@ void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_
         }
         sums[2 * b] = s0;
         sums[2 * b + 1] = s1;
+        if (dx4)
+            for (int l = 0; l < QK / 4; l++) dx4[b * (QK / 4) + l] = db;
+        if (xs) xs[2 * b] = db * (float)s0, xs[2 * b + 1] = db * (float)s1;
     }
 }
 
 st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
     if (!x || !qs || !d || !sums || n <= 0 || n % QK)
         return st_fail(ST_EINVAL, "quantize_act: n=%lld must be a positive multiple of %d", (long long)n, QK);
-    st_quantize_act_row(x, n, qs, d, sums);
+    st_quantize_act_row(x, n, qs, d, sums, NULL, NULL);
     return ST_OK;
 }
 
@@ -348,10 +351,9 @@ static void dot_q6_k_one(const void *w, const int8_t *a, const float *d, const i
 }
 
 /* The reference multi-token form: each token on its own. */
-#define DEF_REF_MULTI(T)                                                                                        \
-    static void dot_##T##_ref(const void *w, int64_t n, int nt, const int8_t *const *qs, const float *const *d, \
-                              const int32_t *const *s, float *out) {                                          \
-        for (int t = 0; t < nt; t++) dot_##T##_one(w, qs[t], d[t], s[t], n, &out[t]);                          \
+#define DEF_REF_MULTI(T)                                                                 \
+    static void dot_##T##_ref(const void *w, int64_t n, int nt, const act_row *a, float *out) { \
+        for (int t = 0; t < nt; t++) dot_##T##_one(w, a[t].q, a[t].d, a[t].s, n, &out[t]);     \
     }
 DEF_REF_MULTI(q4_0)
 DEF_REF_MULTI(q4_1)

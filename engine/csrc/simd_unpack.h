@@ -29,6 +29,9 @@ static inline __m256i expand_bits32(uint32_t bits) {
     return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
+/* F16C: one instruction instead of the portable bit-twiddling conversion. */
+static inline float h2f(f16_t h) { return _cvtsh_ss(h); }
+
 static inline uint32_t ld32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
@@ -83,35 +86,35 @@ static inline subblk load_sub(int32_t type, const void *w, int64_t sb) {
     case ST_TYPE_Q4_0: {
         const blk_q4_0 *b = (const blk_q4_0 *)w + sb;
         r.u = unpack_nibbles16(b->qs);
-        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.s_lo = r.s_hi = h2f(b->d);
         r.off = 8.0f;
         break;
     }
     case ST_TYPE_Q4_1: {
         const blk_q4_1 *b = (const blk_q4_1 *)w + sb;
         r.u = unpack_nibbles16(b->qs);
-        r.s_lo = r.s_hi = f16_to_f32(b->d);
-        r.m = f16_to_f32(b->m);
+        r.s_lo = r.s_hi = h2f(b->d);
+        r.m = h2f(b->m);
         break;
     }
     case ST_TYPE_Q5_0: {
         const blk_q5_0 *b = (const blk_q5_0 *)w + sb;
         r.u = _mm256_or_si256(unpack_nibbles16(b->qs), expand_bits32(ld32(b->qh)));
-        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.s_lo = r.s_hi = h2f(b->d);
         r.off = 16.0f;
         break;
     }
     case ST_TYPE_Q5_1: {
         const blk_q5_1 *b = (const blk_q5_1 *)w + sb;
         r.u = _mm256_or_si256(unpack_nibbles16(b->qs), expand_bits32(ld32(b->qh)));
-        r.s_lo = r.s_hi = f16_to_f32(b->d);
-        r.m = f16_to_f32(b->m);
+        r.s_lo = r.s_hi = h2f(b->d);
+        r.m = h2f(b->m);
         break;
     }
     case ST_TYPE_Q8_0: { /* signed -> unsigned by flipping the sign bit (VNNI path only) */
         const blk_q8_0 *b = (const blk_q8_0 *)w + sb;
         r.u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b->qs), _mm256_set1_epi8((char)0x80));
-        r.s_lo = r.s_hi = f16_to_f32(b->d);
+        r.s_lo = r.s_hi = h2f(b->d);
         r.off = 128.0f;
         break;
     }
@@ -123,11 +126,11 @@ static inline subblk load_sub(int32_t type, const void *w, int64_t sb) {
         float d, dmin;
         if (type == ST_TYPE_Q4_K) {
             const blk_q4_k *b = (const blk_q4_k *)w + sb / 8;
-            scales = b->scales, d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+            scales = b->scales, d = h2f(b->d), dmin = h2f(b->dmin);
             r.u = unpack_k4(b->qs, j);
         } else {
             const blk_q5_k *b = (const blk_q5_k *)w + sb / 8;
-            scales = b->scales, d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+            scales = b->scales, d = h2f(b->d), dmin = h2f(b->dmin);
             r.u = _mm256_or_si256(unpack_k4(b->qs, j), unpack_k5_high(b->qh, j));
         }
         get_scale_min_k4(j, scales, &sc, &mv);
@@ -138,7 +141,7 @@ static inline subblk load_sub(int32_t type, const void *w, int64_t sb) {
     case ST_TYPE_Q6_K: {
         const blk_q6_k *b = (const blk_q6_k *)w + sb / 8;
         const int j = (int)(sb % 8);
-        const float d = f16_to_f32(b->d);
+        const float d = h2f(b->d);
         r.u = unpack_q6k(b, j);
         r.s_lo = d * (float)b->scales[2 * j];
         r.s_hi = d * (float)b->scales[2 * j + 1];
@@ -152,13 +155,18 @@ static inline subblk load_sub(int32_t type, const void *w, int64_t sb) {
     return r;
 }
 
-/* The offset/minimum part of a sub-block's dot with one token (activation scale dx,
- * sums of its two 16-element halves). */
-static inline float sub_corr(const subblk *r, float dx, const int32_t *s16, int64_t sb) {
-    const float a = (float)s16[2 * sb], b = (float)s16[2 * sb + 1];
-    return dx * (r->m * (a + b) - r->off * (r->s_lo * a + r->s_hi * b));
-}
-
 static inline int64_t n_subblocks(int64_t n) { return n / QK; }
+
+/* Unpack a whole weight row once: u[n] unsigned values, sw[n/4] the scale of each
+ * group of 4 elements, c[n/16] the correction coefficient of each 16-element sum
+ * (m - off * s). Per token, a dot is then sum(u * q * sw * dx4) + sum(c * xs). */
+#define UNPACK_ROW(TYPE, w, n, u, sw, c)                                                                   \
+    for (int64_t sb_ = 0; sb_ < n_subblocks(n); sb_++) {                                                 \
+        const subblk r_ = load_sub(TYPE, w, sb_);                                                        \
+        _mm256_storeu_si256((__m256i *)((u) + sb_ * QK), r_.u);                                         \
+        _mm256_storeu_ps((sw) + sb_ * 8, _mm256_setr_m128(_mm_set1_ps(r_.s_lo), _mm_set1_ps(r_.s_hi))); \
+        (c)[2 * sb_] = r_.m - r_.off * r_.s_lo;                                                          \
+        (c)[2 * sb_ + 1] = r_.m - r_.off * r_.s_hi;                                                      \
+    }
 
 #endif

@@ -1,0 +1,284 @@
+/* Attention over the paged F16 KV cache for one head: a tile of consecutive queries of
+ * one sequence (prefill), or a single query (decode).
+ *
+ * KV layout per layer and block: K is [n_kv][head_dim][block_size] (slots contiguous,
+ * so 16 keys' values of one dimension are one vector load), V is [block_size][kv_dim].
+ *
+ * Both paths compute every (query, key) with the same operations in the same order:
+ * score = fma chain over dimensions, max, exp, a sequential sum over keys, an fma chain
+ * over keys for the values, one division. So a token's output is bit-identical whether
+ * it is decoded alone or sits in a prefill tile with others (batch invariance). The
+ * tile path puts queries in vector lanes; the decode path puts keys in lanes.
+ *
+ * Three variants: the generic reference here, and AVX-512 / AVX2 versions below, each
+ * compiled for its ISA through target attributes and chosen at run time. */
+#include <math.h>
+
+#include "internal.h"
+
+#define LANES 16 /* queries per tile = keys per K load */
+
+static inline const f16_t *k_block(const kv_view *kv, int32_t blk) {
+    return kv->k + ((size_t)kv->bt[blk] * (size_t)kv->n_kv + (size_t)kv->kvh) * (size_t)kv->hd * (size_t)kv->bs;
+}
+
+static inline const f16_t *v_row(const kv_view *kv, int32_t j) {
+    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->kv_dim +
+           (size_t)kv->kvh * (size_t)kv->hd;
+}
+
+/* ------------------------------------------------------------------ reference */
+
+static void attn_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                     int64_t o_stride, float *scratch) {
+    const int hd = kv->hd;
+    const int32_t n_keys = p0 + nq;
+    float *s = scratch; /* [n_keys] scores of one query */
+    for (int i = 0; i < nq; i++) {
+        const float *qi = q + i * q_stride;
+        const int32_t nk = p0 + i + 1;
+        float mx = -INFINITY;
+        for (int32_t j = 0; j < nk; j++) {
+            const f16_t *kb = k_block(kv, j / kv->bs);
+            float acc = 0.0f;
+            for (int d = 0; d < hd; d++) acc = fmaf(qi[d], f16_to_f32(kb[d * kv->bs + j % kv->bs]), acc);
+            s[j] = acc;
+            mx = acc > mx ? acc : mx;
+        }
+        float sum = 0.0f;
+        for (int32_t j = 0; j < nk; j++) sum += (s[j] = expf(s[j] - mx));
+        float *oi = out + i * o_stride;
+        for (int d = 0; d < hd; d++) {
+            float acc = 0.0f;
+            for (int32_t j = 0; j < nk; j++) acc = fmaf(s[j], f16_to_f32(v_row(kv, j)[d]), acc);
+            oi[d] = acc / sum;
+        }
+    }
+    (void)n_keys;
+}
+
+attn_fn st_attn_ref(void) { return attn_ref; }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* ------------------------------------------------------------------ AVX-512 */
+
+#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+
+/* exp(x) to ~1 ulp over the range that matters (x <= 0 here): 2^n * p(r). */
+T512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+T512 static void attn_tile_512(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                               int64_t o_stride, float *scratch) {
+    const int hd = kv->hd, bs = kv->bs;
+    const int32_t n_keys = p0 + nq;
+    float *qt = scratch;               /* [hd][16] queries transposed */
+    float *kf = qt + hd * LANES;       /* [hd][16] one K chunk as float */
+    float *S = kf + hd * LANES;        /* [n_keys][16] scores, then probabilities */
+    for (int d = 0; d < hd; d++)
+        for (int i = 0; i < LANES; i++) qt[d * LANES + i] = i < nq ? q[i * q_stride + d] : 0.0f;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int32_t j0 = 0; j0 < n_keys; j0 += LANES) {
+        const f16_t *kb = k_block(kv, j0 / bs) + j0 % bs;
+        for (int d = 0; d < hd; d++)
+            _mm512_storeu_ps(kf + d * LANES, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kb + d * bs))));
+        const int32_t jn = n_keys - j0 < LANES ? n_keys - j0 : LANES;
+        for (int32_t jj = 0; jj < jn; jj++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d++)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * LANES), _mm512_set1_ps(kf[d * LANES + jj]), acc);
+            _mm512_storeu_ps(S + (size_t)(j0 + jj) * LANES, acc);
+        }
+    }
+    /* query i sees key j when j <= p0 + i, i.e. lane >= j - p0 */
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int32_t j = 0; j < n_keys; j++) {
+        const __mmask16 vis = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(j - p0));
+        mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_loadu_ps(S + (size_t)j * LANES));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    const __mmask16 live = (__mmask16)((1u << nq) - 1);
+    for (int32_t j = 0; j < n_keys; j++) {
+        const __mmask16 vis = _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(j - p0)) & live;
+        const __m512 e = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(_mm512_loadu_ps(S + (size_t)j * LANES), mx)));
+        _mm512_storeu_ps(S + (size_t)j * LANES, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float sums[LANES];
+    _mm512_storeu_ps(sums, sum);
+    for (int c = 0; c < hd; c += 16) {
+        __m512 acc[LANES];
+        for (int i = 0; i < LANES; i++) acc[i] = _mm512_setzero_ps();
+        for (int32_t j = 0; j < n_keys; j++) {
+            const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v_row(kv, j) + c)));
+            const float *p = S + (size_t)j * LANES;
+            for (int i = 0; i < LANES; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), vv, acc[i]);
+        }
+        for (int i = 0; i < nq; i++) _mm512_storeu_ps(out + i * o_stride + c, _mm512_div_ps(acc[i], _mm512_set1_ps(sums[i])));
+    }
+}
+
+T512 static void attn_one_512(const kv_view *kv, const float *q, float *out, int32_t p0, float *scratch) {
+    const int hd = kv->hd, bs = kv->bs;
+    const int32_t n_keys = p0 + 1;
+    float *S = scratch; /* [n_keys rounded up to 16] */
+    for (int32_t j0 = 0; j0 < n_keys; j0 += LANES) {
+        const f16_t *kb = k_block(kv, j0 / bs) + j0 % bs;
+        __m512 acc = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kb + d * bs))), acc);
+        _mm512_storeu_ps(S + j0, acc);
+    }
+    const int32_t full = n_keys / LANES * LANES;
+    __m512 mxv = _mm512_set1_ps(-INFINITY);
+    for (int32_t j = 0; j < full; j += LANES) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(S + j));
+    float mx = _mm512_reduce_max_ps(mxv);
+    for (int32_t j = full; j < n_keys; j++) mx = S[j] > mx ? S[j] : mx;
+    for (int32_t j = 0; j < n_keys; j += LANES) _mm512_storeu_ps(S + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(S + j), _mm512_set1_ps(mx))));
+    float sum = 0.0f; /* sequential over keys: the same order as a tile lane */
+    for (int32_t j = 0; j < n_keys; j++) sum += S[j];
+    for (int c = 0; c < hd; c += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int32_t j = 0; j < n_keys; j++)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v_row(kv, j) + c))), acc);
+        _mm512_storeu_ps(out + c, _mm512_div_ps(acc, _mm512_set1_ps(sum)));
+    }
+}
+
+T512 static void attn_avx512(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                             int64_t o_stride, float *scratch) {
+    if (nq == 1) attn_one_512(kv, q, out, p0, scratch);
+    else attn_tile_512(kv, q, q_stride, nq, p0, out, o_stride, scratch);
+}
+
+/* ------------------------------------------------------------------ AVX2 */
+
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+T256 static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* One 8-lane half of the 16-lane tile at a time keeps the AVX2 code the same shape. */
+T256 static void attn_tile_256(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                               int64_t o_stride, float *scratch) {
+    const int hd = kv->hd, bs = kv->bs;
+    const int32_t n_keys = p0 + nq;
+    float *qt = scratch, *kf = qt + hd * LANES, *S = kf + hd * LANES;
+    for (int d = 0; d < hd; d++)
+        for (int i = 0; i < LANES; i++) qt[d * LANES + i] = i < nq ? q[i * q_stride + d] : 0.0f;
+    for (int32_t j0 = 0; j0 < n_keys; j0 += LANES) {
+        const f16_t *kb = k_block(kv, j0 / bs) + j0 % bs;
+        for (int d = 0; d < hd; d++) {
+            _mm256_storeu_ps(kf + d * LANES, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb + d * bs))));
+            _mm256_storeu_ps(kf + d * LANES + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb + d * bs + 8))));
+        }
+        const int32_t jn = n_keys - j0 < LANES ? n_keys - j0 : LANES;
+        for (int32_t jj = 0; jj < jn; jj++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d++) {
+                const __m256 kv8 = _mm256_set1_ps(kf[d * LANES + jj]);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qt + d * LANES), kv8, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qt + d * LANES + 8), kv8, a1);
+            }
+            _mm256_storeu_ps(S + (size_t)(j0 + jj) * LANES, a0);
+            _mm256_storeu_ps(S + (size_t)(j0 + jj) * LANES + 8, a1);
+        }
+    }
+    float sums[LANES];
+    for (int h = 0; h < 2; h++) {
+        const __m256i lane = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3, 8 * h + 4, 8 * h + 5, 8 * h + 6, 8 * h + 7);
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int32_t j = 0; j < n_keys; j++) {
+            const __m256 vis = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(j - p0 - 1)));
+            mx = _mm256_blendv_ps(mx, _mm256_max_ps(mx, _mm256_loadu_ps(S + (size_t)j * LANES + 8 * h)), vis);
+        }
+        __m256 sum = _mm256_setzero_ps();
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(nq), lane));
+        for (int32_t j = 0; j < n_keys; j++) {
+            const __m256 vis = _mm256_and_ps(live, _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(j - p0 - 1))));
+            float *sp = S + (size_t)j * LANES + 8 * h;
+            const __m256 e = _mm256_and_ps(vis, exp256(_mm256_sub_ps(_mm256_loadu_ps(sp), mx)));
+            _mm256_storeu_ps(sp, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(sums + 8 * h, sum);
+    }
+    for (int c = 0; c < hd; c += 8) {
+        __m256 acc[LANES];
+        for (int i = 0; i < LANES; i++) acc[i] = _mm256_setzero_ps();
+        for (int32_t j = 0; j < n_keys; j++) {
+            const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v_row(kv, j) + c)));
+            const float *p = S + (size_t)j * LANES;
+            for (int i = 0; i < LANES; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), vv, acc[i]);
+        }
+        for (int i = 0; i < nq; i++) _mm256_storeu_ps(out + i * o_stride + c, _mm256_div_ps(acc[i], _mm256_set1_ps(sums[i])));
+    }
+}
+
+T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int32_t p0, float *scratch) {
+    const int hd = kv->hd, bs = kv->bs;
+    const int32_t n_keys = p0 + 1;
+    float *S = scratch;
+    for (int32_t j0 = 0; j0 < n_keys; j0 += 8) {
+        const f16_t *kb = k_block(kv, j0 / bs) + j0 % bs;
+        __m256 acc = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb + d * bs))), acc);
+        _mm256_storeu_ps(S + j0, acc);
+    }
+    float mx = -INFINITY;
+    for (int32_t j = 0; j < n_keys; j++) mx = S[j] > mx ? S[j] : mx;
+    for (int32_t j = 0; j < n_keys; j += 8) _mm256_storeu_ps(S + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(mx))));
+    float sum = 0.0f;
+    for (int32_t j = 0; j < n_keys; j++) sum += S[j];
+    for (int c = 0; c < hd; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int32_t j = 0; j < n_keys; j++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(S[j]), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v_row(kv, j) + c))), acc);
+        _mm256_storeu_ps(out + c, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+    }
+}
+
+T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                           int64_t o_stride, float *scratch) {
+    if (nq == 1) attn_one_256(kv, q, out, p0, scratch);
+    else attn_tile_256(kv, q, q_stride, nq, p0, out, o_stride, scratch);
+}
+
+attn_fn st_attn_avx512(void) { return attn_avx512; }
+attn_fn st_attn_avx2(void) { return attn_avx2; }
+#else
+attn_fn st_attn_avx512(void) { return NULL; }
+attn_fn st_attn_avx2(void) { return NULL; }
+#endif
+
+size_t st_attn_scratch_floats(int hd, int32_t max_keys) {
+    return (size_t)2 * (size_t)hd * LANES + ((size_t)max_keys + LANES) * LANES;
+}
