@@ -6,6 +6,7 @@ many sequences) is a single C call that releases the GIL.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class Engine:
         self._template: Any = None
         self.last_stats: StepStats | None = None
         self._max_model_len = max_model_len
+        # The metadata (a 49k-entry vocabulary, merges) lives as long as the engine; keep
+        # the cyclic GC from re-walking it on every collection during decoding.
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------ lifecycle
     @classmethod

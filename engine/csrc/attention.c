@@ -13,6 +13,7 @@
  * Three variants: the generic reference here, and AVX-512 / AVX2 versions below, each
  * compiled for its ISA through target attributes and chosen at run time. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "internal.h"
 
@@ -281,4 +282,23 @@ attn_fn st_attn_avx2(void) { return NULL; }
 
 size_t st_attn_scratch_floats(int hd, int32_t max_keys) {
     return (size_t)2 * (size_t)hd * LANES + ((size_t)max_keys + LANES) * LANES;
+}
+
+st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                       int32_t nq, int32_t p0, float *out) {
+    if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention: NULL argument");
+    if (block_size < LANES || block_size % LANES || head_dim < 16 || head_dim % 16 || n_kv < 1 || kv_head < 0 ||
+        kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0)
+        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
+                       head_dim, n_kv, kv_head, nq, p0);
+    const st_status rc = st_check_variant(variant);
+    if (rc) return rc;
+    const attn_fn fn = st_attn_variant(variant);
+    float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
+    if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
+    const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
+    fn(&view, q, head_dim, nq, p0, out, head_dim, scratch);
+    free(scratch);
+    return ST_OK;
 }

@@ -66,11 +66,15 @@ axpy_fn st_axpy(void) {
     return f ? f : st_axpy_ref();
 }
 
-attn_fn st_attn(void) {
-    const int32_t v = resolve(g_variant);
+attn_fn st_attn_variant(int32_t variant) {
+    const int32_t v = resolve(variant);
     attn_fn f = v == ST_VARIANT_AVX512 ? st_attn_avx512() : v == ST_VARIANT_AVX2 ? st_attn_avx2() : NULL;
     return f ? f : st_attn_ref();
 }
+
+attn_fn st_attn(void) { return st_attn_variant(g_variant); }
+
+st_status st_check_variant(int32_t variant) { return check_variant(variant); }
 
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
 dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }

@@ -135,6 +135,8 @@ attn_fn st_attn_ref(void);
 attn_fn st_attn_avx2(void);
 attn_fn st_attn_avx512(void);
 attn_fn st_attn(void);
+attn_fn st_attn_variant(int32_t variant);
+st_status st_check_variant(int32_t variant);
 size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 
 /* The kernels for the current variant (falls back to ref per type). */

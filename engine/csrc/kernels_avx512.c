@@ -8,13 +8,53 @@ static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 /* One weight row against nt tokens: the row is unpacked once (UNPACK_ROW), then each
  * token costs a load, a vpdpbusd and one scaled FMA per 64 weights. */
+/* The correction term sum(c * xs), in 16-lane chunks with a masked tail. */
+static inline float corr512(const float *c, const float *xs, int64_t nc) {
+    __m512 cacc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= nc; j += 16) cacc = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(xs + j), cacc);
+    if (j < nc) {
+        const __mmask16 m = (__mmask16)((1u << (nc - j)) - 1);
+        cacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, c + j), _mm512_maskz_loadu_ps(m, xs + j), cacc);
+    }
+    return hsum512(cacc);
+}
+
+static inline __m256 lane_scales(const subblk *r) { return _mm256_setr_m128(_mm_set1_ps(r->s_lo), _mm_set1_ps(r->s_hi)); }
+
+/* One weight row against nt tokens. nt == 1 (decode): unpack in registers as we go.
+ * nt > 1: unpack the row once (UNPACK_ROW), then each token costs a load, a vpdpbusd
+ * and one scaled FMA per 64 weights. Both paths do the same arithmetic per token, so
+ * results are bit-identical (batch invariance). */
 #define DEF_DOT_Q_AVX512(NAME, TYPE)                                                                     \
     static void NAME(const void *w, int64_t n, int nt, const act_row *a, float *out) {                 \
-        uint8_t u[n];                                                                                  \
-        float sw[n / 4], c[n / 16];                                                                    \
-        UNPACK_ROW(TYPE, w, n, u, sw, c)                                                               \
         const int64_t n64 = n / 64 * 64, nc = n / 16;                                                  \
-        const __mmask16 ctail = (__mmask16)((1u << (nc % 16)) - 1);                                    \
+        float c[n / 16];                                                                               \
+        if (nt == 1) {                                                                                 \
+            __m512 acc = _mm512_setzero_ps();                                                          \
+            for (int64_t i = 0; i < n64; i += 64) {                                                    \
+                const subblk r0 = load_sub(TYPE, w, i / QK), r1 = load_sub(TYPE, w, i / QK + 1);       \
+                c[i / 16] = r0.m - r0.off * r0.s_lo, c[i / 16 + 1] = r0.m - r0.off * r0.s_hi;          \
+                c[i / 16 + 2] = r1.m - r1.off * r1.s_lo, c[i / 16 + 3] = r1.m - r1.off * r1.s_hi;      \
+                const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(r0.u), r1.u, 1);           \
+                const __m512 swv = _mm512_insertf32x8(_mm512_castps256_ps512(lane_scales(&r0)), lane_scales(&r1), 1); \
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a->q + i)); \
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(swv, _mm512_loadu_ps(a->dx4 + i / 4)), acc); \
+            }                                                                                          \
+            float tail = 0.0f;                                                                         \
+            if (n64 < n) {                                                                             \
+                const subblk r = load_sub(TYPE, w, n64 / QK);                                          \
+                c[n64 / 16] = r.m - r.off * r.s_lo, c[n64 / 16 + 1] = r.m - r.off * r.s_hi;            \
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), r.u,                     \
+                                                      _mm256_loadu_si256((const __m256i *)(a->q + n64))); \
+                tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(lane_scales(&r), _mm256_loadu_ps(a->dx4 + n64 / 4)))); \
+            }                                                                                          \
+            out[0] = hsum512(acc) + tail + corr512(c, a->xs, nc);                                      \
+            return;                                                                                    \
+        }                                                                                              \
+        uint8_t u[n];                                                                                  \
+        float sw[n / 4];                                                                               \
+        UNPACK_ROW(TYPE, w, n, u, sw, c)                                                               \
         for (int t = 0; t < nt; t++) {                                                                 \
             __m512 acc = _mm512_setzero_ps();                                                          \
             for (int64_t i = 0; i < n64; i += 64) {                                                    \
@@ -31,13 +71,7 @@ static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
                 tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_loadu_ps(sw + n64 / 4), \
                                                                                   _mm256_loadu_ps(a[t].dx4 + n64 / 4)))); \
             }                                                                                          \
-            __m512 cacc = _mm512_setzero_ps();                                                         \
-            int64_t j = 0;                                                                             \
-            for (; j + 16 <= nc; j += 16)                                                              \
-                cacc = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(a[t].xs + j), cacc);    \
-            if (j < nc)                                                                                \
-                cacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(ctail, c + j), _mm512_maskz_loadu_ps(ctail, a[t].xs + j), cacc); \
-            out[t] = hsum512(acc) + tail + hsum512(cacc);                                              \
+            out[t] = hsum512(acc) + tail + corr512(c, a[t].xs, nc);                                    \
         }                                                                                              \
     }
 

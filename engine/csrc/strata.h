@@ -67,6 +67,14 @@ st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_
                        const int32_t *sums, int64_t n, float *out);
 st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out);
 
+/* Attention of one head over caller-provided paged K/V (the layout of st_kv: K is
+ * [block][n_kv][head_dim][block_size] F16, V is [block][block_size][n_kv * head_dim]).
+ * nq queries (rows of q, [nq][head_dim], already scaled) at positions p0..p0+nq-1;
+ * query i attends to keys 0..p0+i. For the kernel test harness and benchmarks. */
+st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                       int32_t nq, int32_t p0, float *out);
+
 /* ---- thread pool ------------------------------------------------------------ */
 typedef struct st_pool st_pool;
 /* n_threads workers (the caller's thread counts as worker 0). If cores != NULL,
