@@ -8,8 +8,8 @@ static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 /* One weight row against nt tokens: the row is unpacked once (UNPACK_ROW), then each
  * token costs a load, a vpdpbusd and one scaled FMA per 64 weights. */
-/* The correction term sum(c * xs), in 16-lane chunks with a masked tail. */
-static inline float corr512(const float *c, const float *xs, int64_t nc) {
+/* The correction term sum(c * xs) as a vector, in 16-lane chunks with a masked tail. */
+static inline __m512 corr512(const float *c, const float *xs, int64_t nc) {
     __m512 cacc = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= nc; j += 16) cacc = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(xs + j), cacc);
@@ -17,8 +17,20 @@ static inline float corr512(const float *c, const float *xs, int64_t nc) {
         const __mmask16 m = (__mmask16)((1u << (nc - j)) - 1);
         cacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, c + j), _mm512_maskz_loadu_ps(m, xs + j), cacc);
     }
-    return hsum512(cacc);
+    return cacc;
 }
+
+/* The odd trailing 32-element sub-block, if any (256-bit). */
+static inline float tail256(const uint8_t *u, const int8_t *q, const float *sw, const float *dx4) {
+    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *)u),
+                                          _mm256_loadu_si256((const __m256i *)q));
+    return hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_loadu_ps(sw), _mm256_loadu_ps(dx4))));
+}
+
+/* One scaled 64-weight step of a token's accumulator. */
+#define STEP64(acc, uv, swv, ar, i) \
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), uv, _mm512_loadu_si512((ar).q + (i)))), \
+                          _mm512_mul_ps(swv, _mm512_loadu_ps((ar).dx4 + (i) / 4)), acc)
 
 static inline __m256 lane_scales(const subblk *r) { return _mm256_setr_m128(_mm_set1_ps(r->s_lo), _mm_set1_ps(r->s_hi)); }
 
@@ -38,40 +50,46 @@ static inline __m256 lane_scales(const subblk *r) { return _mm256_setr_m128(_mm_
                 c[i / 16 + 2] = r1.m - r1.off * r1.s_lo, c[i / 16 + 3] = r1.m - r1.off * r1.s_hi;      \
                 const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(r0.u), r1.u, 1);           \
                 const __m512 swv = _mm512_insertf32x8(_mm512_castps256_ps512(lane_scales(&r0)), lane_scales(&r1), 1); \
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(a->q + i)); \
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(swv, _mm512_loadu_ps(a->dx4 + i / 4)), acc); \
+                STEP64(acc, u, swv, a[0], i);                                                          \
             }                                                                                          \
             float tail = 0.0f;                                                                         \
             if (n64 < n) {                                                                             \
                 const subblk r = load_sub(TYPE, w, n64 / QK);                                          \
+                uint8_t ut[32];                                                                        \
+                float st[8];                                                                           \
                 c[n64 / 16] = r.m - r.off * r.s_lo, c[n64 / 16 + 1] = r.m - r.off * r.s_hi;            \
-                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), r.u,                     \
-                                                      _mm256_loadu_si256((const __m256i *)(a->q + n64))); \
-                tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(lane_scales(&r), _mm256_loadu_ps(a->dx4 + n64 / 4)))); \
+                _mm256_storeu_si256((__m256i *)ut, r.u);                                               \
+                _mm256_storeu_ps(st, lane_scales(&r));                                                 \
+                tail = tail256(ut, a[0].q + n64, st, a[0].dx4 + n64 / 4);                              \
             }                                                                                          \
-            out[0] = hsum512(acc) + tail + corr512(c, a->xs, nc);                                      \
+            out[0] = hsum512(_mm512_add_ps(acc, corr512(c, a[0].xs, nc))) + tail;                      \
             return;                                                                                    \
         }                                                                                              \
         uint8_t u[n];                                                                                  \
         float sw[n / 4];                                                                               \
         UNPACK_ROW(TYPE, w, n, u, sw, c)                                                               \
-        for (int t = 0; t < nt; t++) {                                                                 \
-            __m512 acc = _mm512_setzero_ps();                                                          \
+        int t = 0;                                                                                     \
+        for (; t + 4 <= nt; t += 4) { /* four independent chains share each weight load */            \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
             for (int64_t i = 0; i < n64; i += 64) {                                                    \
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(u + i), \
-                                                      _mm512_loadu_si512(a[t].q + i));                \
-                const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(sw + i / 4), _mm512_loadu_ps(a[t].dx4 + i / 4)); \
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc);                                 \
+                const __m512i uv = _mm512_loadu_si512(u + i);                                          \
+                const __m512 swv = _mm512_loadu_ps(sw + i / 4);                                        \
+                STEP64(a0, uv, swv, a[t], i);                                                          \
+                STEP64(a1, uv, swv, a[t + 1], i);                                                      \
+                STEP64(a2, uv, swv, a[t + 2], i);                                                      \
+                STEP64(a3, uv, swv, a[t + 3], i);                                                      \
             }                                                                                          \
-            float tail = 0.0f;                                                                         \
-            if (n64 < n) { /* an odd 32-element sub-block */                                           \
-                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(),                          \
-                                                      _mm256_loadu_si256((const __m256i *)(u + n64)),  \
-                                                      _mm256_loadu_si256((const __m256i *)(a[t].q + n64))); \
-                tail = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_loadu_ps(sw + n64 / 4), \
-                                                                                  _mm256_loadu_ps(a[t].dx4 + n64 / 4)))); \
-            }                                                                                          \
-            out[t] = hsum512(acc) + tail + corr512(c, a[t].xs, nc);                                    \
+            const __m512 accs[4] = {a0, a1, a2, a3};                                                   \
+            for (int k = 0; k < 4; k++)                                                                \
+                out[t + k] = hsum512(_mm512_add_ps(accs[k], corr512(c, a[t + k].xs, nc))) +           \
+                             (n64 < n ? tail256(u + n64, a[t + k].q + n64, sw + n64 / 4, a[t + k].dx4 + n64 / 4) : 0.0f); \
+        }                                                                                              \
+        for (; t < nt; t++) {                                                                          \
+            __m512 acc = _mm512_setzero_ps();                                                          \
+            for (int64_t i = 0; i < n64; i += 64)                                                      \
+                STEP64(acc, _mm512_loadu_si512(u + i), _mm512_loadu_ps(sw + i / 4), a[t], i);          \
+            out[t] = hsum512(_mm512_add_ps(acc, corr512(c, a[t].xs, nc))) +                            \
+                     (n64 < n ? tail256(u + n64, a[t].q + n64, sw + n64 / 4, a[t].dx4 + n64 / 4) : 0.0f); \
         }                                                                                              \
     }
 
