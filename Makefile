@@ -45,6 +45,7 @@ test: setup
 
 bench: setup
 	$(VPY) -m bench.engine_cpu
+	$(VPY) -m bench.engine_batching
 
 stop:
 	@echo "nothing is running in the background yet (lanes arrive with issue 4)"
