@@ -109,6 +109,19 @@ async def test_chat_logprobs_and_n(client: openai.AsyncOpenAI) -> None:
     assert [c.message.content for c in r2.choices] == [c.message.content for c in r.choices]
 
 
+async def test_chat_stream_n2(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0,
+                                                  n=2, stream=True)
+    texts: dict[int, str] = {0: "", 1: ""}
+    reasons: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert texts[0] == texts[1] != "" and set(reasons) == {0, 1}  # greedy: both choices equal
+
+
 async def test_completions_stream_and_non_stream(client: openai.AsyncOpenAI) -> None:
     full = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
                                            temperature=0, logprobs=2)

@@ -1,0 +1,1 @@
+"""The lane server: one OpenAI-compatible aiohttp process around one pinned engine instance."""

@@ -1,0 +1,118 @@
+"""Run one lane: ``python -m lanes --lane a [--config lane.toml] [--port N] [--host H] [--model PATH]``.
+
+SIGTERM / SIGINT: drain (``/health`` 503, new requests 503 ``server_draining``), wait up to
+``drain_timeout_s`` for in-flight requests, abort the rest, clean up, exit 0. A second signal
+during the drain aborts what is left at once.
+
+Exit codes: 0 clean stop after a signal; 2 bad configuration (one line on stderr);
+3 the engine failed to load or the port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from lanes.config import ConfigError, LaneConfig, load_config
+from lanes.server import STATE, create_app, drain
+
+log = logging.getLogger("strata.lanes")
+
+EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lanes", description="Strata lane: OpenAI-compatible engine server")
+    p.add_argument("--config", type=Path, help="TOML lane config (then STRATA_LANE_* environment overrides)")
+    p.add_argument("--lane", help="lane name; 'a' / 'b' also select port 8101 / 8102 unless set elsewhere")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (0: any free port)")
+    p.add_argument("--model", type=Path, help="GGUF model path (default: the embedded default model)")
+    p.add_argument("--check-config", action="store_true", help="print the resolved config as JSON and exit")
+    return p
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(stream=sys.stderr, level=level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # we write our own request lines
+
+
+async def serve(config: LaneConfig) -> int:
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    await runner.setup()  # starts loading the engine in the background
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("lane=%s cannot listen on %s:%d: %s", config.name, config.host, config.port, e.strerror or e)
+        await runner.cleanup()
+        return EXIT_FAILED
+    addrs = ", ".join(f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple))
+    log.info("lane=%s pid=%d listening on %s (loading the model)", config.name, os.getpid(), addrs)
+
+    st = app[STATE]
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.info("lane=%s got %s: draining", config.name, signal.Signals(signum).name)
+            stop.set()
+        else:
+            log.warning("lane=%s got %s again: aborting %d request(s)", config.name, signal.Signals(signum).name,
+                        len(st.runs))
+            for run in list(st.runs):
+                run.abort_all()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    code = EXIT_OK
+    stop_wait = asyncio.create_task(stop.wait())
+    assert st.load_task is not None
+    await asyncio.wait({stop_wait, st.load_task}, return_when=asyncio.FIRST_COMPLETED)
+    if st.status == "failed":
+        code = EXIT_FAILED
+    else:
+        await stop_wait
+        drained = await drain(app)
+        log.info("lane=%s drain %s", config.name, "complete" if drained else "timed out")
+    stop_wait.cancel()
+    await runner.cleanup()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    log.info("lane=%s stopped (exit %d)", config.name, code)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = {"name": args.lane, "host": args.host, "port": args.port,
+                 "model": str(args.model) if args.model else None}
+    try:
+        config = load_config(args.config, os.environ, overrides)
+    except ConfigError as e:
+        print(f"strata lane: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return EXIT_OK
+    setup_logging(config.log_level)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

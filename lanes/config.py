@@ -1,0 +1,238 @@
+"""Lane configuration: a TOML file, then ``STRATA_LANE_*`` environment overrides.
+
+Precedence (lowest first): field defaults < ``--lane`` preset (name, port) < TOML file <
+environment < explicit overrides (command-line flags). Environment keys are the field
+names upper-cased, nested tables joined by ``__``::
+
+    STRATA_LANE_PORT=8102
+    STRATA_LANE_CORES=auto            # or [0,1,2] or "0-7,16"
+    STRATA_LANE_SCHEDULER__MAX_NUM_SEQS=32
+
+Values are JSON-decoded when they parse as JSON, else taken as strings. Every problem is a
+:class:`ConfigError` whose message is one line naming the key, its value and where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.scheduler import SchedulerConfig
+
+__all__ = ["ENV_PREFIX", "LANE_PORTS", "ConfigError", "LaneConfig", "load_config", "parse_cpu_list"]
+
+ENV_PREFIX = "STRATA_LANE_"
+LANE_PORTS = {"a": 8101, "b": 8102}  # the --lane presets; any other name keeps the default port
+_AUTO_HALF = {"a": 0, "b": 1}  # cores="auto": which half of the allowed CPUs a lane takes
+
+
+class ConfigError(ValueError):
+    """A bad lane configuration; the message is a single line naming the key and value."""
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (the taskset / cgroup cpulist syntax)."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"empty entry in CPU list {text!r}")
+        lo, sep, hi = part.partition("-")
+        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+            raise ValueError(f"bad CPU list entry {part!r} (want N or N-M)")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad CPU range {part!r}")
+        out.extend(range(a, b + 1))
+    return out
+
+
+class LaneConfig(BaseModel):
+    """One lane process: where it listens, which model and cores, how it schedules."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    name: str = Field("a", pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
+    host: str = "127.0.0.1"
+    port: int = Field(8101, ge=0, le=65535, description="0: any free port (tests)")
+    model: Path | None = Field(None, description="GGUF path; None: the embedded default model")
+    served_model_name: str = Field("strata-default", min_length=1, max_length=256)
+    cores: list[int] | Literal["auto"] | None = Field(
+        None, description='CPU ids to pin to; "auto": half of the allowed CPUs (a: first, b: second); None: no pinning'
+    )
+    gpu: int | None = Field(None, ge=0, description="recorded only until the CUDA path exists")
+    threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")
+    kv_tokens: int = Field(8192, ge=16)
+    max_model_len: int | None = Field(None, ge=2)
+    block_size: int = Field(16, ge=1, le=1024)
+    prefill_chunk: int = Field(512, ge=1)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    ping_interval_s: float = Field(3.0, gt=0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("cores", mode="before")
+    @classmethod
+    def _cores_text(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() != "auto":
+            return parse_cpu_list(v)
+        return v.strip().lower() if isinstance(v, str) else v
+
+    @field_validator("cores", mode="after")
+    @classmethod
+    def _cores_valid(cls, v: list[int] | str | None) -> list[int] | str | None:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("empty core list (use null for no pinning)")
+            if any(c < 0 for c in v):
+                raise ValueError("CPU ids must be >= 0")
+            if len(set(v)) != len(v):
+                raise ValueError("duplicate CPU ids")
+        return v
+
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _scheduler_keys(cls, v: Any) -> Any:
+        # SchedulerConfig itself ignores unknown keys; a typo in a lane file must not pass silently.
+        if isinstance(v, Mapping):
+            unknown = sorted(set(v) - set(SchedulerConfig.model_fields))
+            if unknown:
+                raise ValueError(f"unknown scheduler key(s) {unknown}; known: {sorted(SchedulerConfig.model_fields)}")
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    def resolved_cores(self, allowed: Sequence[int] | None = None) -> list[int] | None:
+        """The concrete core list: ``"auto"`` split over ``allowed`` (default: this process's CPUs)."""
+        if self.cores != "auto":
+            return list(self.cores) if self.cores is not None else None
+        cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+        if len(cpus) == 1:
+            return cpus  # one CPU: both lanes share it
+        half = _AUTO_HALF.get(self.name)
+        if half is None:
+            raise ConfigError(f"cores='auto' needs lane name 'a' or 'b', got name={self.name!r}")
+        mid = len(cpus) // 2
+        return cpus[:mid] if half == 0 else cpus[mid:]
+
+    def engine_threads(self, cores: Sequence[int] | None) -> int | None:
+        return self.threads if self.threads is not None else (len(cores) if cores else None)
+
+
+def _decode_env(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any, source: str) -> None:
+    node = tree
+    for key in path[:-1]:
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{source}: {'.'.join(path)} cannot set a sub-key of non-table {key!r}={nxt!r}")
+        node = nxt
+    node[path[-1]] = value
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        out[key] = v
+    return out
+
+
+def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> LaneConfig:
+    """Build a LaneConfig from an optional TOML file, ``STRATA_LANE_*`` variables and overrides.
+
+    ``overrides`` (flat or nested dict, e.g. from command-line flags) win over everything;
+    ``overrides["name"]`` also selects the lane preset (lane "b" listens on 8102 unless told).
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def put(key_path: list[str], value: Any, source: str) -> None:
+        _set_path(merged, key_path, value, source)
+        sources[".".join(key_path)] = source
+
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for key, value in data.items():
+            merged[key] = value
+        for key in _flatten(data):
+            sources[key] = f"file {p}"
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX:
+            continue
+        key_path = [part.lower() for part in var[len(ENV_PREFIX):].split("__")]
+        if any(not part for part in key_path):
+            raise ConfigError(f"environment {var}={env[var]!r}: empty key segment (nested keys use '__')")
+        put(key_path, _decode_env(env[var]), f"environment {var}")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            put(key.split("."), value, f"override {key}")
+    if "port" not in merged and merged.get("name") in LANE_PORTS:
+        merged["port"] = LANE_PORTS[merged["name"]]
+    try:
+        cfg = LaneConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, merged, sources)) from None
+    if cfg.model is not None and not cfg.model.is_file():
+        raise ConfigError(f"model={str(cfg.model)!r} (from {sources.get('model', 'defaults')}): no such file")
+    if cfg.cores == "auto" and cfg.name not in _AUTO_HALF:
+        raise ConfigError(f"cores='auto' (from {sources.get('cores', 'defaults')}) needs lane name 'a' or 'b', "
+                          f"got name={cfg.name!r}")
+    return cfg
+
+
+def _describe(err: ValidationError, merged: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    """One line per problem, joined: ``key=value (from SOURCE): what is wrong``."""
+    parts = []
+    for e in err.errors():
+        loc = [str(x) for x in e.get("loc", ())]
+        # union/literal branches add their own loc segments: keep the real key path only
+        keys: list[str] = []
+        node: Any = merged
+        for seg in loc:
+            if isinstance(node, Mapping) and seg in node:
+                keys.append(seg)
+                node = node[seg]
+            else:
+                break
+        key = ".".join(keys) or ".".join(loc) or "config"
+        src = sources.get(key) or next((s for k, s in sources.items() if k.startswith(key + ".")), "defaults")
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            msg = f"unknown key (known: {', '.join(LaneConfig.model_fields)})"
+        parts.append(f"{key}={node!r} (from {src}): {msg}")
+    seen: list[str] = []
+    for p in parts:  # a union reports the same key once per branch
+        if not any(p.split(" (from")[0] == s.split(" (from")[0] for s in seen):
+            seen.append(p)
+    return "invalid lane config: " + "; ".join(seen)

@@ -1,0 +1,92 @@
+"""Lane configuration: TOML, STRATA_LANE_* overrides, presets, one-line errors naming key and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lanes.config import ConfigError, LaneConfig, load_config, parse_cpu_list
+
+
+def test_defaults() -> None:
+    cfg = load_config(None, {})
+    assert (cfg.name, cfg.host, cfg.port, cfg.model, cfg.served_model_name) == ("a", "127.0.0.1", 8101, None,
+                                                                                "strata-default")
+    assert cfg.kv_tokens == 8192 and cfg.max_body_bytes == 4 * 1024 * 1024 and cfg.drain_timeout_s == 30
+    assert cfg.cores is None and cfg.resolved_cores() is None and cfg.engine_threads(None) is None
+
+
+def test_file_then_env_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "lane.toml"
+    f.write_text('port = 9000\ncores = "0-1"\nkv_tokens = 4096\n[scheduler]\nmax_num_seqs = 8\nmax_waiting = 4\n')
+    env = {"STRATA_LANE_PORT": "9001", "STRATA_LANE_SCHEDULER__MAX_NUM_SEQS": "32", "STRATA_LANE_LOG_LEVEL": "debug",
+           "STRATA_LANE_SERVED_MODEL_NAME": "big-moe", "OTHER": "x"}
+    cfg = load_config(f, env, {"host": "127.0.0.2"})
+    assert cfg.port == 9001 and cfg.host == "127.0.0.2" and cfg.kv_tokens == 4096
+    assert cfg.cores == [0, 1] and cfg.engine_threads(cfg.resolved_cores()) == 2
+    assert cfg.scheduler.max_num_seqs == 32 and cfg.scheduler.max_waiting == 4
+    assert cfg.log_level == "DEBUG" and cfg.served_model_name == "big-moe"
+
+
+def test_lane_presets() -> None:
+    assert load_config(None, {}, {"name": "b"}).port == 8102
+    assert load_config(None, {"STRATA_LANE_PORT": "9100"}, {"name": "b"}).port == 9100
+
+
+@pytest.mark.parametrize(("allowed", "a", "b"), [
+    ([0, 1, 2, 3], [0, 1], [2, 3]),
+    (list(range(32)), list(range(16)), list(range(16, 32))),
+    ([4, 5, 6], [4], [5, 6]),
+    ([7], [7], [7]),  # one CPU: both lanes share it
+])
+def test_auto_cores(allowed: list[int], a: list[int], b: list[int]) -> None:
+    assert LaneConfig(name="a", cores="auto").resolved_cores(allowed) == a
+    assert LaneConfig(name="b", cores="auto").resolved_cores(allowed) == b
+
+
+def test_cpu_list() -> None:
+    assert parse_cpu_list("0-3,8, 10-11") == [0, 1, 2, 3, 8, 10, 11]
+    for bad in ("", "a", "3-1", "1,,2", "1-"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"STRATA_LANE_PORT": "abc"}, "port='abc' (from environment STRATA_LANE_PORT)"),
+    ({"STRATA_LANE_PORT": "70000"}, "port=70000"),
+    ({"STRATA_LANE_KV_TOKENS": "-5"}, "kv_tokens=-5"),
+    ({"STRATA_LANE_SCHEDULER__MAX_NUM_SEQS": "0"}, "scheduler.max_num_seqs=0 (from environment "
+                                                   "STRATA_LANE_SCHEDULER__MAX_NUM_SEQS)"),
+    ({"STRATA_LANE_SCHEDULER__MAX_SEQS": "3"}, "unknown scheduler key(s) ['max_seqs']"),
+    ({"STRATA_LANE_TYPO": "1"}, "typo=1 (from environment STRATA_LANE_TYPO): unknown key"),
+    ({"STRATA_LANE_CORES": "1-x"}, "cores='1-x'"),
+    ({"STRATA_LANE_CORES": "[1, 1]"}, "duplicate CPU ids"),
+    ({"STRATA_LANE_CORES": "auto", "STRATA_LANE_NAME": "c"}, "needs lane name 'a' or 'b'"),
+    ({"STRATA_LANE_LOG_LEVEL": "loud"}, "log_level='loud'"),
+    ({"STRATA_LANE_MODEL": "/no/such/model.gguf"}, "model='/no/such/model.gguf'"),
+    ({"STRATA_LANE_NAME": "Lane A"}, "name='Lane A'"),
+])
+def test_errors_name_key_and_value(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, env)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("port = \n", "not valid TOML"),
+    ("[scheduler]\nmax_waiting = -1\n", "scheduler.max_waiting=-1 (from file"),
+    ("drain_timeout_s = 'long'\n", "drain_timeout_s='long' (from file"),
+])
+def test_file_errors(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "lane.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f, {})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/no/such/lane.toml", {})

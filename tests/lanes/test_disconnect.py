@@ -1,0 +1,100 @@
+"""Clients that hang up free their engine slots at once; the others are not disturbed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from lanes.server import EngineFactory
+from tests.lanes.conftest import Lane, lane_config, running_lane, scrape
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LONG = 2000  # tokens a hung-up request would still generate if it were not aborted
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
+    async with running_lane(lane_config(), engine_factory) as lane:
+        yield lane
+
+
+async def _wait_idle(session: aiohttp.ClientSession, url: str, within: float) -> dict[str, float]:
+    deadline = time.monotonic() + within
+    while True:
+        m = await scrape(session, url)
+        if m["strata_requests_running"] == 0 and m["strata_requests_waiting"] == 0 and m["strata_kv_usage_ratio"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"not idle after {within}s: running={m['strata_requests_running']} " \
+                                            f"waiting={m['strata_requests_waiting']} kv={m['strata_kv_usage_ratio']}"
+        await asyncio.sleep(0.05)
+
+
+async def test_twenty_streams_ten_hang_up(lane: Lane) -> None:
+    hung_up = asyncio.Event()
+    started = 0
+    all_started = asyncio.Event()
+
+    async def client(i: int, session: aiohttp.ClientSession) -> tuple[str, str | None]:
+        nonlocal started
+        closer = i % 2 == 0
+        body = {"prompt": f"Story number {i}:", "stream": True, "temperature": 0, "ignore_eos": True,
+                "max_tokens": LONG if closer else 8}
+        resp = await session.post(lane.url + "/v1/completions", json=body)
+        assert resp.status == 200 and resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers["X-Accel-Buffering"] == "no" and resp.headers["Cache-Control"] == "no-cache"
+        text, reason = [], None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                resp.release()
+                return "done", reason
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text.append(chunk["choices"][0]["text"])
+            reason = chunk["choices"][0]["finish_reason"] or reason
+            if closer and len(text) == 2:
+                started += 1
+                if started == 10:
+                    all_started.set()
+                await hung_up.wait()
+                resp.close()  # drop the connection mid-stream
+                return "closed", None
+        return "eof", reason
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s, \
+            aiohttp.ClientSession() as probe:
+        tasks = [asyncio.create_task(client(i, s)) for i in range(20)]
+        await asyncio.wait_for(all_started.wait(), 30)
+        hung_up.set()
+        # the hung-up ten would run for LONG tokens more: idle within 2 s means they were aborted
+        await _wait_idle(probe, lane.url, within=2.0)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        assert results.count(("closed", None)) == 10
+        assert results.count(("done", "length")) == 10
+        await asyncio.sleep(0.3)  # handlers record a request when they see its end (one poll at most)
+        m = await scrape(probe, lane.url)
+        assert m['strata_requests_total{finish_reason="abort"}'] == 10
+        assert m['strata_requests_total{finish_reason="length"}'] == 10
+
+
+async def test_non_stream_client_timeout_aborts(lane: Lane) -> None:
+    async with aiohttp.ClientSession() as s:
+        aborts = (await scrape(s, lane.url))['strata_requests_total{finish_reason="abort"}']
+        body = {"prompt": "Count:", "temperature": 0, "ignore_eos": True, "max_tokens": LONG}
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.post(lane.url + "/v1/completions", json=body,
+                              timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                await r.read()
+        await _wait_idle(s, lane.url, within=2.0)
+        await asyncio.sleep(0.3)
+        m = await scrape(s, lane.url)
+        assert m['strata_requests_total{finish_reason="abort"}'] == aborts + 1

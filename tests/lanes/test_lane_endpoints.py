@@ -1,0 +1,93 @@
+"""/v1/lane (affinity, identity), /health, /metrics, /tokenize, /detokenize, SSE pings."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import aiohttp
+
+from engine.engine import Engine
+from lanes.server import EngineFactory
+from tests.lanes.conftest import lane_config, running_lane, scrape
+
+METRICS = ["strata_requests_running", "strata_requests_waiting", "strata_kv_usage_ratio",
+           "strata_prefix_cache_hit_tokens_total", "strata_prefix_cache_query_tokens_total",
+           "strata_prompt_tokens_total", "strata_generation_tokens_total",
+           'strata_requests_total{finish_reason="stop"}', "strata_time_to_first_token_seconds_count",
+           "strata_inter_token_seconds_count", "strata_e2e_request_seconds_count", "strata_queue_time_seconds_count",
+           "strata_step_seconds_count", "strata_batch_tokens_count", 'strata_expert_work_share{device="cpu"}',
+           'strata_expert_work_share{device="gpu"}']
+
+
+async def test_lane_reports_configured_affinity(engine_factory: EngineFactory) -> None:
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    async with running_lane(lane_config(name="b", cores=[core], gpu=1), engine_factory) as lane, \
+            aiohttp.ClientSession() as s:
+        async with s.get(lane.url + "/v1/lane") as r:
+            info = await r.json()
+        assert info["cores"] == [core] == info["configured_cores"]
+        assert info["name"] == "b" and info["gpu"] == 1 and info["pid"] == os.getpid()
+        assert info["status"] == "ready" and info["n_ctx"] == lane.state.engine.n_ctx
+        assert info["engine_build"].startswith("strata-")
+        model = info["model"]
+        assert model["path"].endswith(".gguf") and model["size"] > 1 << 20 and len(model["sha256_first_mib"]) == 64
+        assert info["config"]["cores"] == [core] and info["config"]["served_model_name"] == "strata-default"
+    assert os.sched_getaffinity(0) == before  # restored when the app stops
+
+
+async def test_auto_cores_split(engine_factory: EngineFactory) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    async with running_lane(lane_config(name="b", cores="auto"), engine_factory) as lane:
+        want = cpus if len(cpus) == 1 else cpus[len(cpus) // 2:]
+        assert sorted(os.sched_getaffinity(0)) == want == lane.state.cores
+
+
+async def test_health_metrics_tokenize(engine_factory: EngineFactory, lane_engine: Engine) -> None:
+    async with running_lane(lane_config(), engine_factory) as lane, aiohttp.ClientSession() as s:
+        async with s.get(lane.url + "/health") as r:
+            assert r.status == 200 and (await r.json())["status"] == "ready"
+        async with s.post(lane.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+                "stop_token_ids": [], "ignore_eos": False}) as r:
+            assert r.status == 200
+        async with s.post(lane.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1,
+                                                              "stop_token_ids": list(range(lane_engine.hparams.n_vocab))}) as r:
+            assert (await r.json())["choices"][0]["finish_reason"] == "stop"
+        m = await scrape(s, lane.url)
+        for name in METRICS:
+            assert name in m, name
+        assert m["strata_requests_running"] == 0 and m["strata_kv_usage_ratio"] == 0
+        assert m["strata_generation_tokens_total"] >= 4 and m["strata_step_seconds_count"] >= 1
+        assert m['strata_expert_work_share{device="cpu"}'] == 1 and m['strata_expert_work_share{device="gpu"}'] == 0
+        async with s.post(lane.url + "/tokenize", json={"prompt": "Hello world"}) as r:
+            tok = await r.json()
+        assert tok["tokens"] == lane_engine.tokenizer.encode("Hello world")
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == lane_engine.n_ctx
+        msgs = [{"role": "user", "content": "Hello"}]
+        async with s.post(lane.url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}) as r:
+            assert (await r.json())["tokens"] == lane_engine.render_chat(msgs, add_generation_prompt=False)
+        async with s.post(lane.url + "/detokenize", json={"tokens": tok["tokens"]}) as r:
+            assert (await r.json())["prompt"] == "Hello world"
+
+
+async def test_pings_while_waiting_for_first_token(engine_factory: EngineFactory) -> None:
+    """A request stuck behind a full batch gets ': ping' comments until its first token."""
+    from engine.scheduler import SchedulerConfig
+
+    cfg = lane_config(ping_interval_s=0.1, scheduler=SchedulerConfig(max_num_seqs=1))
+    async with running_lane(cfg, engine_factory) as lane, aiohttp.ClientSession() as s:
+        first = {"prompt": "One", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+        blocker = asyncio.create_task(s.post(lane.url + "/v1/completions", json=first))
+        await asyncio.sleep(0.05)
+        body = {"prompt": "Two", "max_tokens": 2, "stream": True, "temperature": 0}
+        async with s.post(lane.url + "/v1/completions", json=body) as r:
+            lines = [raw.decode() async for raw in r.content]
+        resp = await blocker
+        assert resp.status == 200
+        resp.release()
+    events = [ln for ln in lines if ln.strip()]
+    first_data = next(i for i, ln in enumerate(events) if ln.startswith("data: "))
+    assert first_data >= 1 and all(ln.startswith(": ping") for ln in events[:first_data])
+    assert events[-1].strip() == "data: [DONE]"
