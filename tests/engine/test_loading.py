@@ -38,3 +38,34 @@ def test_resident_memory_far_below_file_size() -> None:
         for name in ("token_embd.weight", "blk.0.ffn_gate_exps.weight", "blk.29.attn_q.weight"):
             addr = int(ffi.cast("uintptr_t", ffi.from_buffer(eng.model_file.tensors[name].data)))
             assert any(lo <= addr < hi for lo, hi in spans), name
+
+
+def test_gil_is_released_during_a_step() -> None:
+    """Python threads keep running while C computes a step (the lane's event loop relies on it)."""
+    import threading
+    import time
+
+    import numpy as np
+
+    with Engine.open(build_default_model(default_model_path()), threads=1, kv_tokens=2048) as eng:
+        ids = list(np.random.default_rng(0).integers(100, 40000, size=1024))
+        ticks = 0
+        done = threading.Event()
+
+        def spin() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                time.sleep(0.001)
+
+        th = threading.Thread(target=spin)
+        th.start()
+        slot = eng.new_slot()
+        t0 = time.perf_counter()
+        eng.extend(slot, ids)  # two 512-token C steps
+        elapsed = time.perf_counter() - t0
+        done.set()
+        th.join()
+        eng.free_slot(slot)
+    assert elapsed > 0.2
+    assert ticks > 0.3 * elapsed / 0.001 * 0.5, (ticks, elapsed)
