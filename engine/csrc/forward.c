@@ -373,22 +373,34 @@ static acts make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int n
 static act_buf layer_buf(scratch *s) { return (act_buf){s->aq, s->ad, s->ad4, s->axs, s->as}; }
 static act_buf hidden_buf(scratch *s) { return (act_buf){s->hq, s->hd, s->hd4, s->hxs, s->hs}; }
 
-/* Dot one weight row with nt (<= ST_MAX_NT) activation rows: idx[i] (or base + i when
- * idx is NULL). Quantised rows are unpacked once for the whole group. */
-static inline void dot_group(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a,
-                             const int32_t *idx, int64_t base, int nt, float *res) {
-    if (st_type_is_float(type)) {
-        for (int i = 0; i < nt; i++) ff(wrow, a->x + (idx ? idx[i] : base + i) * a->K, a->K, &res[i]);
-        return;
-    }
-    act_row rows[ST_MAX_NT];
+/* A tile of up to ST_MAX_NT activation rows: idx[i] (or base + i when idx is NULL).
+ * Built once per tile, then dotted with every weight row of a work item. */
+typedef struct {
+    int nt;
+    const int32_t *idx;
+    int64_t base;
+    act_row rows[ST_MAX_NT]; /* quantised views (unused for float weights) */
+} act_tile;
+
+static inline void make_tile(act_tile *tl, const acts *a, const int32_t *idx, int64_t base, int nt) {
+    tl->nt = nt, tl->idx = idx, tl->base = base;
+    if (!a->q) return;
     const int64_t K = a->K;
     for (int i = 0; i < nt; i++) {
         const int64_t t = idx ? idx[i] : base + i;
-        rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->dx4 + t * (K / 4),
-                            a->xs + t * (K / 16)};
+        tl->rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->dx4 + t * (K / 4),
+                                a->xs + t * (K / 16)};
     }
-    fq(wrow, K, nt, rows, res);
+}
+
+/* Dot one weight row with every row of the tile; a quantised row is unpacked once. */
+static inline void dot_tile(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a,
+                            const act_tile *tl, float *res) {
+    if (st_type_is_float(type)) {
+        for (int i = 0; i < tl->nt; i++) ff(wrow, a->x + (tl->idx ? tl->idx[i] : tl->base + i) * a->K, a->K, &res[i]);
+    } else {
+        fq(wrow, a->K, tl->nt, tl->rows, res);
+    }
 }
 
 #define TOKEN_TILE ST_MAX_NT /* activation rows per unpacked weight row; they stay hot in cache */
@@ -411,15 +423,13 @@ static void linear_task(void *ctx, int64_t item, int thread) {
     const linear_ctx *c = ctx;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->N ? r0 + c->chunk : c->N;
     float res[ST_MAX_NT];
+    act_tile tl;
     for (int64_t tile = 0; tile < c->T; tile += TOKEN_TILE) {
-        const int64_t tend = tile + TOKEN_TILE < c->T ? tile + TOKEN_TILE : c->T;
+        const int nt = (int)(c->T - tile < TOKEN_TILE ? c->T - tile : TOKEN_TILE);
+        make_tile(&tl, &c->in, c->rows ? c->rows + tile : NULL, tile, nt);
         for (int64_t r = r0; r < r1; r++) {
-            const uint8_t *wrow = c->w + (size_t)r * c->row_bytes;
-            for (int64_t t = tile; t < tend; t += ST_MAX_NT) {
-                const int nt = (int)(tend - t < ST_MAX_NT ? tend - t : ST_MAX_NT);
-                dot_group(c->type, c->fq, c->ff, wrow, &c->in, c->rows ? c->rows + t : NULL, t, nt, res);
-                for (int i = 0; i < nt; i++) c->out[(t + i) * c->ldo + r] = res[i];
-            }
+            dot_tile(c->type, c->fq, c->ff, c->w + (size_t)r * c->row_bytes, &c->in, &tl, res);
+            for (int i = 0; i < nt; i++) c->out[(tile + i) * c->ldo + r] = res[i];
         }
     }
 }
@@ -585,17 +595,15 @@ static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
     const dot_f_fn ffg = st_dot_f(c->tg), ffu = st_dot_f(c->tu);
     int32_t tok[ST_MAX_NT];
     float gv[ST_MAX_NT], uv[ST_MAX_NT];
+    act_tile tl;
     for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
-        const int32_t tend = tile + TOKEN_TILE < g->n_pairs ? tile + TOKEN_TILE : g->n_pairs;
+        const int nt = g->n_pairs - tile < TOKEN_TILE ? g->n_pairs - tile : TOKEN_TILE;
+        for (int j = 0; j < nt; j++) tok[j] = c->pair_tok[g->pairs[tile + j]];
+        make_tile(&tl, &c->in, tok, 0, nt);
         for (int32_t r = it.r0; r < it.r1; r++) {
-            const uint8_t *wg = g->wg + (size_t)r * c->rbg, *wu = g->wu + (size_t)r * c->rbu;
-            for (int32_t i = tile; i < tend; i += ST_MAX_NT) {
-                const int nt = tend - i < ST_MAX_NT ? tend - i : ST_MAX_NT;
-                for (int j = 0; j < nt; j++) tok[j] = c->pair_tok[g->pairs[i + j]];
-                dot_group(c->tg, fqg, ffg, wg, &c->in, tok, 0, nt, gv);
-                dot_group(c->tu, fqu, ffu, wu, &c->in, tok, 0, nt, uv);
-                for (int j = 0; j < nt; j++) c->h[(size_t)g->pairs[i + j] * c->n_ff + r] = silu(gv[j]) * uv[j];
-            }
+            dot_tile(c->tg, fqg, ffg, g->wg + (size_t)r * c->rbg, &c->in, &tl, gv);
+            dot_tile(c->tu, fqu, ffu, g->wu + (size_t)r * c->rbu, &c->in, &tl, uv);
+            for (int j = 0; j < nt; j++) c->h[(size_t)g->pairs[tile + j] * c->n_ff + r] = silu(gv[j]) * uv[j];
         }
     }
 }
@@ -608,15 +616,13 @@ static void ffn_down_task(void *vctx, int64_t item, int thread) {
     const dot_q_fn fq = st_dot_q(c->td);
     const dot_f_fn ff = st_dot_f(c->td);
     float res[ST_MAX_NT];
+    act_tile tl;
     for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
-        const int32_t tend = tile + TOKEN_TILE < g->n_pairs ? tile + TOKEN_TILE : g->n_pairs;
+        const int nt = g->n_pairs - tile < TOKEN_TILE ? g->n_pairs - tile : TOKEN_TILE;
+        make_tile(&tl, &c->hin, g->pairs + tile, 0, nt);
         for (int32_t r = it.r0; r < it.r1; r++) {
-            const uint8_t *wd = g->wd + (size_t)r * c->rbd;
-            for (int32_t i = tile; i < tend; i += ST_MAX_NT) {
-                const int nt = tend - i < ST_MAX_NT ? tend - i : ST_MAX_NT;
-                dot_group(c->td, fq, ff, wd, &c->hin, g->pairs + i, 0, nt, res);
-                for (int j = 0; j < nt; j++) c->pair_out[(size_t)g->pairs[i + j] * c->E + r] = res[j];
-            }
+            dot_tile(c->td, fq, ff, g->wd + (size_t)r * c->rbd, &c->hin, &tl, res);
+            for (int j = 0; j < nt; j++) c->pair_out[(size_t)g->pairs[tile + j] * c->E + r] = res[j];
         }
     }
 }
