@@ -38,32 +38,47 @@ static inline __m256 lane_scales(const subblk *r) { return _mm256_setr_m128(_mm_
  * nt > 1: unpack the row once (UNPACK_ROW), then each token costs a load, a vpdpbusd
  * and one scaled FMA per 64 weights. Both paths do the same arithmetic per token, so
  * results are bit-identical (batch invariance). */
+/* Up to 4 tokens straight from the packed row: unpack into registers as we go (decode
+ * and small expert groups). Per token the arithmetic equals the unpacked path below. */
+#define FUSED_BODY(TYPE, NT)                                                                             \
+    {                                                                                                  \
+        __m512 acc[NT];                                                                                \
+        for (int k = 0; k < NT; k++) acc[k] = _mm512_setzero_ps();                                     \
+        for (int64_t i = 0; i < n64; i += 64) {                                                        \
+            const subblk r0 = load_sub(TYPE, w, i / QK), r1 = load_sub(TYPE, w, i / QK + 1);           \
+            c[i / 16] = r0.m - r0.off * r0.s_lo, c[i / 16 + 1] = r0.m - r0.off * r0.s_hi;              \
+            c[i / 16 + 2] = r1.m - r1.off * r1.s_lo, c[i / 16 + 3] = r1.m - r1.off * r1.s_hi;          \
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(r0.u), r1.u, 1);               \
+            const __m512 swv = _mm512_insertf32x8(_mm512_castps256_ps512(lane_scales(&r0)), lane_scales(&r1), 1); \
+            for (int k = 0; k < NT; k++) STEP64(acc[k], u, swv, a[k], i);                              \
+        }                                                                                              \
+        uint8_t ut[32];                                                                                \
+        float st[8];                                                                                   \
+        if (n64 < n) {                                                                                 \
+            const subblk r = load_sub(TYPE, w, n64 / QK);                                              \
+            c[n64 / 16] = r.m - r.off * r.s_lo, c[n64 / 16 + 1] = r.m - r.off * r.s_hi;                \
+            _mm256_storeu_si256((__m256i *)ut, r.u);                                                   \
+            _mm256_storeu_ps(st, lane_scales(&r));                                                     \
+        }                                                                                              \
+        for (int k = 0; k < NT; k++)                                                                   \
+            out[k] = hsum512(_mm512_add_ps(acc[k], corr512(c, a[k].xs, nc))) +                         \
+                     (n64 < n ? tail256(ut, a[k].q + n64, st, a[k].dx4 + n64 / 4) : 0.0f);             \
+        return;                                                                                        \
+    }
+
+/* One weight row against nt tokens. nt <= 4: FUSED_BODY. More: unpack the row once
+ * (UNPACK_ROW), then four tokens per pass share each weight load. Every path does the
+ * same arithmetic per token, so results are bit-identical (batch invariance). */
 #define DEF_DOT_Q_AVX512(NAME, TYPE)                                                                     \
     static void NAME(const void *w, int64_t n, int nt, const act_row *a, float *out) {                 \
         const int64_t n64 = n / 64 * 64, nc = n / 16;                                                  \
         float c[n / 16];                                                                               \
-        if (nt == 1) {                                                                                 \
-            __m512 acc = _mm512_setzero_ps();                                                          \
-            for (int64_t i = 0; i < n64; i += 64) {                                                    \
-                const subblk r0 = load_sub(TYPE, w, i / QK), r1 = load_sub(TYPE, w, i / QK + 1);       \
-                c[i / 16] = r0.m - r0.off * r0.s_lo, c[i / 16 + 1] = r0.m - r0.off * r0.s_hi;          \
-                c[i / 16 + 2] = r1.m - r1.off * r1.s_lo, c[i / 16 + 3] = r1.m - r1.off * r1.s_hi;      \
-                const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(r0.u), r1.u, 1);           \
-                const __m512 swv = _mm512_insertf32x8(_mm512_castps256_ps512(lane_scales(&r0)), lane_scales(&r1), 1); \
-                STEP64(acc, u, swv, a[0], i);                                                          \
-            }                                                                                          \
-            float tail = 0.0f;                                                                         \
-            if (n64 < n) {                                                                             \
-                const subblk r = load_sub(TYPE, w, n64 / QK);                                          \
-                uint8_t ut[32];                                                                        \
-                float st[8];                                                                           \
-                c[n64 / 16] = r.m - r.off * r.s_lo, c[n64 / 16 + 1] = r.m - r.off * r.s_hi;            \
-                _mm256_storeu_si256((__m256i *)ut, r.u);                                               \
-                _mm256_storeu_ps(st, lane_scales(&r));                                                 \
-                tail = tail256(ut, a[0].q + n64, st, a[0].dx4 + n64 / 4);                              \
-            }                                                                                          \
-            out[0] = hsum512(_mm512_add_ps(acc, corr512(c, a[0].xs, nc))) + tail;                      \
-            return;                                                                                    \
+        switch (nt) {                                                                                  \
+        case 1: FUSED_BODY(TYPE, 1)                                                                    \
+        case 2: FUSED_BODY(TYPE, 2)                                                                    \
+        case 3: FUSED_BODY(TYPE, 3)                                                                    \
+        case 4: FUSED_BODY(TYPE, 4)                                                                    \
+        default: break;                                                                                \
         }                                                                                              \
         uint8_t u[n];                                                                                  \
         float sw[n / 4];                                                                               \
