@@ -10,10 +10,12 @@ STAMP   := $(VENV)/.installed
 EXT     := engine/_strata_c.so
 MODEL   := var/models/smollm2-135m-moe8.gguf
 CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
+SUPERVISOR_CONF ?= $(CURDIR)/supervisord.conf
+RUN_TIMEOUT     ?= 120
 
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup build model run test bench stop lint clean
+.PHONY: setup build model run test bench stop status lint clean
 
 setup: $(STAMP) $(EXT) $(MODEL)
 
@@ -34,10 +36,10 @@ model: $(MODEL)
 $(MODEL): $(STAMP) engine/default_model.py
 	$(VPY) -m engine.default_model
 
+# The lanes under supervisord (supervisord.conf; state in var/): start if not running, wait
+# until every lane's /health is 200, print where to point a client. `make stop` drains them.
 run: setup
-	@echo "Strata engine ready. Lanes and gateway arrive with the next issues; meanwhile:"
-	@echo "  $(VPY) -m engine.cli chat            # talk to the default model"
-	$(VPY) -m engine.cli generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+	$(VPY) deploy/run.py --config $(SUPERVISOR_CONF) start --timeout $(RUN_TIMEOUT)
 
 test: setup
 	$(VPY) -m ruff check .
@@ -48,7 +50,12 @@ bench: setup
 	$(VPY) -m bench.engine_batching
 
 stop:
-	@echo "nothing is running in the background yet (lanes arrive with issue 4)"
+	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) stop; \
+	else echo "no venv: nothing is running"; fi
+
+status:
+	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) status; \
+	else echo "no venv: nothing is running"; fi
 
 lint: $(STAMP)
 	$(VPY) -m ruff check .

@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""Start, stop and inspect the Strata process table (supervisord.conf) — what ``make run``,
+``make stop`` and ``make status`` call.
+
+    .venv/bin/python deploy/run.py start [--timeout 120]   # start supervisord if needed, wait for /health
+    .venv/bin/python deploy/run.py stop [--timeout 120]    # supervisorctl shutdown, wait for the exit
+    .venv/bin/python deploy/run.py status [--check]        # supervisorctl status + each lane's /health
+
+``start`` is idempotent: with supervisord already up it (re)starts only lanes that are not
+running and waits for them. Each lane's address comes from the lane itself
+(``python -m lanes --check-config``: lane file + ``STRATA_LANE_*`` environment), so the file,
+not this script, is the one place a port is written. supervisord is reached over its unix
+socket with supervisor's own XML-RPC transport (what supervisorctl uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import xmlrpc.client
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "supervisord.conf"
+BIN = Path(sys.executable).parent  # the venv's bin (not resolved: the venv python is a symlink)
+LANE_GROUP = "lanes"
+HEALTH_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 120.0  # > stopwaitsecs (50) of a draining lane
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+@dataclass
+class Lane:
+    program: str  # supervisord program name: lane_a
+    name: str  # lane name: a
+    host: str
+    port: int
+    cores: Any
+
+    @property
+    def base(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def _parser(conf: Path) -> configparser.RawConfigParser:
+    p = configparser.RawConfigParser(inline_comment_prefixes=(";", "#"), strict=False)
+    if not p.read(conf):
+        raise SystemExit(f"run: {conf} does not exist")
+    return p
+
+
+def _here(value: str, conf: Path) -> str:
+    return value.replace("%(here)s", str(conf.resolve().parent))
+
+
+def socket_path(conf: Path) -> Path:
+    url = _here(_parser(conf).get("supervisorctl", "serverurl"), conf)
+    if not url.startswith("unix://"):
+        raise SystemExit(f"run: [supervisorctl] serverurl={url!r}: only unix:// sockets are supported")
+    return Path(url.removeprefix("unix://"))
+
+
+def state_dirs(conf: Path) -> list[Path]:
+    """Parent directories of every file the config names (socket, pidfile, logs): supervisord
+    refuses to start when one is missing."""
+    p = _parser(conf)
+    dirs: set[Path] = set()
+    for section in p.sections():
+        for key, value in p.items(section):
+            if (key == "file" or key.endswith("logfile") or key == "pidfile") and value.upper() not in ("NONE", "AUTO"):
+                dirs.add(Path(_here(value, conf)).parent)
+    return sorted(dirs)
+
+
+def lane_programs(conf: Path) -> dict[str, list[str]]:
+    """``{"lane_a": argv, ...}`` for the members of ``[group:lanes]`` (commands with %(here)s expanded)."""
+    p = _parser(conf)
+    members = [m.strip() for m in p.get(f"group:{LANE_GROUP}", "programs").split(",") if m.strip()]
+    return {m: shlex.split(_here(p.get(f"program:{m}", "command"), conf)) for m in members}
+
+
+def resolve_lane(program: str, argv: list[str]) -> Lane:
+    """What the lane will bind to: its own ``--check-config`` (file + environment), run the same way."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    r = subprocess.run([*argv, "--check-config"], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise SystemExit(f"run: {program} has a bad config (exit {r.returncode}): {r.stderr.strip()}")
+    cfg = json.loads(r.stdout)
+    return Lane(program, cfg["name"], cfg["host"], int(cfg["port"]), cfg["cores"])
+
+
+# ---------------------------------------------------------------------------------------- supervisord
+
+
+def rpc(conf: Path) -> Any:
+    """An XML-RPC proxy to supervisord over the unix socket (supervisor's own transport)."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    transport = SupervisorTransport(None, None, f"unix://{socket_path(conf)}")
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport)
+
+
+def supervisord_pid(conf: Path) -> int | None:
+    """supervisord's pid when it answers on the socket, else None."""
+    if not socket_path(conf).exists():
+        return None
+    try:
+        return int(rpc(conf).supervisor.getPID())
+    except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError):
+        return None
+
+
+def process_states(conf: Path) -> dict[str, dict[str, Any]]:
+    return {p["name"]: p for p in rpc(conf).supervisor.getAllProcessInfo()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie of ours (never, for a daemon) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def supervisorctl(conf: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "supervisorctl"), "-c", str(conf), *args], capture_output=True, text=True)
+
+
+# ---------------------------------------------------------------------------------------- lanes over HTTP
+
+
+def health(lane: Lane, timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, body) of /health; (0, {"error": ...}) when nothing answers."""
+    try:
+        with urllib.request.urlopen(lane.base + "/health", timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError) as e:
+        return 0, {"error": str(getattr(e, "reason", e))}
+
+
+def get_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def port_taken(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
+
+
+def gpus() -> list[str]:
+    """``nvidia-smi -L`` lines; [] without a driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        r = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [ln.strip() for ln in r.stdout.splitlines() if ln.startswith("GPU ")] if r.returncode == 0 else []
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"({path}: {e.strerror})"
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def wait_healthy(conf: Path, lanes: list[Lane], timeout: float, log: Callable[[str], None] = _log) -> bool:
+    """Poll supervisord's states and each lane's /health until all answer 200; print progress."""
+    t0 = time.monotonic()
+    last = ""
+    next_print = 0.0
+    while True:
+        elapsed = time.monotonic() - t0
+        try:
+            states = process_states(conf)
+        except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError) as e:
+            log(f"run: supervisord stopped answering: {e}")
+            return False
+        parts, ready = [], 0
+        for lane in lanes:
+            info = states.get(lane.program, {})
+            state = info.get("statename", "?")
+            if state == "FATAL":
+                log(f"run: {lane.program} is FATAL ({info.get('spawnerr') or 'gave up'}); the end of its log:")
+                log(_tail(Path(info.get("stdout_logfile") or "/dev/null")))
+                log("run: supervisord keeps running (make status; fix, then make run again, or make stop)")
+                return False
+            code, body = health(lane)
+            ready += code == 200
+            parts.append(f"{lane.program} {state} /health " + (str(code) if code else "-")
+                         + (f" {body['status']}" if body.get("status") else ""))
+        line = ", ".join(parts)
+        if ready == len(lanes):
+            log(f"  [{elapsed:5.1f}s] {line}")
+            return True
+        if line != last or elapsed >= next_print:
+            log(f"  [{elapsed:5.1f}s] {line}")
+            last, next_print = line, elapsed + 5.0
+        if elapsed > timeout:
+            log(f"run: lanes not healthy after {timeout:.0f}s; see var/log/ (make status)")
+            return False
+        time.sleep(0.5)
+
+
+def cmd_start(conf: Path, timeout: float) -> int:
+    programs = lane_programs(conf)
+    with ThreadPoolExecutor(len(programs)) as ex:  # both --check-config at once (a second each)
+        lanes = list(ex.map(lambda kv: resolve_lane(*kv), programs.items()))
+    found = gpus()
+    if found:
+        _log(f"run: {len(found)} GPU(s): " + "; ".join(found))
+        _log("     gpu ids are recorded only until the CUDA path exists: set gpu = 0 / 1 in "
+             "deploy/lanes/lane_{a,b}.toml to have /v1/lane report them")
+    pid = supervisord_pid(conf)
+    if pid is None:
+        for lane in lanes:
+            if port_taken(lane.host, lane.port):
+                _log(f"run: {lane.host}:{lane.port} ({lane.program}) is already in use by another process "
+                     f"(another checkout's lanes? `ss -ltnp | grep {lane.port}`); not starting")
+                return 1
+        for d in state_dirs(conf):
+            d.mkdir(parents=True, exist_ok=True)
+        _log(f"run: starting supervisord ({conf})")
+        r = subprocess.run([str(BIN / "supervisord"), "-c", str(conf)], capture_output=True, text=True)
+        if r.returncode != 0:
+            _log(f"run: supervisord failed to start (exit {r.returncode}): {(r.stderr or r.stdout).strip()}")
+            return 1
+        for _ in range(100):  # it daemonises at once; the socket follows within a second
+            pid = supervisord_pid(conf)
+            if pid is not None:
+                break
+            time.sleep(0.1)
+        if pid is None:
+            _log("run: supervisord did not come up; the end of its log:")
+            _log(_tail(conf.parent / "var" / "log" / "supervisord.log"))
+            return 1
+        _log(f"run: supervisord pid {pid}; waiting for the lanes to load the model")
+    else:
+        _log(f"run: supervisord is already running (pid {pid})")
+        states = process_states(conf)
+        for lane in lanes:
+            state = states.get(lane.program, {}).get("statename")
+            if state in ("STOPPED", "EXITED", "FATAL"):
+                _log(f"run: {lane.program} was {state}; starting it")
+                rpc(conf).supervisor.startProcess(f"{LANE_GROUP}:{lane.program}", False)
+    if not wait_healthy(conf, lanes, timeout):
+        return 1
+    _summary(conf, lanes)
+    return 0
+
+
+def _summary(conf: Path, lanes: list[Lane]) -> None:
+    _log("")
+    _log("Strata lanes are up (OpenAI-compatible; any api_key; model \"strata-default\"):")
+    for lane in lanes:
+        try:
+            info = get_json(lane.base + "/v1/lane", timeout=5)
+            extra = f"pid {info['pid']}, cores {info['cores']}, n_ctx {info['n_ctx']}, model {info['served_model_name']}"
+        except (OSError, ValueError, KeyError):
+            extra = ""
+        _log(f"  lane {lane.name}  {lane.base}/v1   {extra}")
+    first = lanes[0]
+    try:
+        t0 = time.monotonic()
+        answer = get_json(first.base + "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+            "max_tokens": 32, "temperature": 0})
+        text = answer["choices"][0]["message"]["content"].strip()
+        _log(f"  first answer from lane {first.name} ({time.monotonic() - t0:.1f}s): {text!r}")
+    except (OSError, ValueError, KeyError) as e:
+        _log(f"  (the first test prompt on lane {first.name} failed: {e})")
+    url = first.base
+    _log("")
+    _log("Try it:")
+    _log(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+    _log("    -d '{\"model\": \"strata-default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], "
+         "\"max_tokens\": 64}'")
+    _log(f"  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
+    _log("    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}], \"stream\": true}'")
+    _log("")
+    _log("  from openai import OpenAI")
+    _log(f"  client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")")
+    _log("  r = client.chat.completions.create(model=\"strata-default\", "
+         "messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
+    _log("  print(r.choices[0].message.content)")
+    _log("")
+    _log("The public gateway (:8080) arrives with a later issue; until then talk to a lane directly.")
+    _log(f"Status: make status    Logs: {conf.parent / 'var' / 'log'}/    "
+         f"Control: {BIN / 'supervisorctl'} -c {conf}    Stop: make stop")
+
+
+def cmd_stop(conf: Path, timeout: float) -> int:
+    pid = supervisord_pid(conf)
+    if pid is None:
+        _log("run: supervisord is not running; nothing to stop")
+        return 0
+    _log(f"run: shutting down supervisord (pid {pid}); lanes drain in-flight requests first")
+    try:
+        rpc(conf).supervisor.shutdown()
+    except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError) as e:
+        _log(f"run: shutdown request failed: {e}")
+    t0 = time.monotonic()
+    next_print = 5.0
+    while _alive(pid):
+        elapsed = time.monotonic() - t0
+        if elapsed > timeout:
+            _log(f"run: supervisord (pid {pid}) still running after {timeout:.0f}s; see var/log/supervisord.log")
+            return 1
+        if elapsed >= next_print:
+            _log(f"  [{elapsed:5.1f}s] waiting for the lanes to drain and exit")
+            next_print += 5.0
+        time.sleep(0.2)
+    _log(f"run: stopped ({time.monotonic() - t0:.1f}s)")
+    return 0
+
+
+def cmd_status(conf: Path, check: bool) -> int:
+    pid = supervisord_pid(conf)
+    if pid is None:
+        _log("supervisord is not running (make run starts it)")
+        return 3 if check else 0
+    r = supervisorctl(conf, "status")
+    _log(f"supervisord pid {pid} ({conf})")
+    _log(r.stdout.rstrip())
+    ok = r.returncode == 0
+    for program, argv in lane_programs(conf).items():
+        try:
+            lane = resolve_lane(program, argv)
+        except SystemExit as e:
+            _log(str(e))
+            ok = False
+            continue
+        code, body = health(lane)
+        ok = ok and code == 200
+        _log(f"{program:<32} {lane.base}/health {code or '-'} {json.dumps(body, separators=(',', ':'))}")
+    return 0 if ok or not check else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deploy/run.py", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="supervisord config (default: the repo's)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start", help="start supervisord if needed and wait until every lane's /health is 200")
+    s.add_argument("--timeout", type=float, default=HEALTH_TIMEOUT_S)
+    s = sub.add_parser("stop", help="supervisorctl shutdown and wait for supervisord to exit (idempotent)")
+    s.add_argument("--timeout", type=float, default=STOP_TIMEOUT_S)
+    s = sub.add_parser("status", help="supervisorctl status and each lane's /health")
+    s.add_argument("--check", action="store_true", help="exit 3 unless everything is RUNNING and healthy")
+    args = p.parse_args(argv)
+    conf = args.config.resolve()
+    if args.cmd == "start":
+        return cmd_start(conf, args.timeout)
+    if args.cmd == "stop":
+        return cmd_stop(conf, args.timeout)
+    return cmd_status(conf, args.check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The repo's supervisord.conf, run for real: real processes, real HTTP, the real default model.
+
+The fixture renders ``supervisord.conf`` into a temp dir changing only state paths and ports:
+``%(here)s/var`` -> the temp dir's ``var``, ``%(here)s/deploy/lanes/lane_X.toml`` -> temp lane
+files (the repo's lane files with a free port, one explicit core each, a small KV arena), every
+other ``%(here)s`` -> the repo root. Then ``supervisord -n -c <rendered>`` (the venv's), and the
+tests drive it with ``supervisorctl -c <rendered>``. Teardown: ``supervisorctl shutdown``, then
+no process whose command line names the temp dir may be left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.default_model import build_default_model, default_model_path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the venv's bin: supervisord, supervisorctl
+PROGRAMS = ("lane_a", "lane_b")
+GROUP = "lanes"
+KV_TOKENS = 2048
+DRAIN_TIMEOUT_S = 30.0  # below the conf's stopwaitsecs (50); the drain test's streams take ~10 s
+READY_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lane_cores() -> dict[str, list[int]]:
+    """One explicit core per lane: the first two allowed CPUs (both the same on a 1-CPU box)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"lane_a": [cpus[0]], "lane_b": [cpus[1] if len(cpus) > 1 else cpus[0]]}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Flat keys, then one level of tables: all a lane file has."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_config(tmp: Path, ports: dict[str, int], cores: dict[str, list[int]]) -> Path:
+    """The repo's supervisord.conf with state paths and lane files moved into ``tmp``."""
+    text = (REPO / "supervisord.conf").read_text()
+    assert "%(here)s/var/" in text, "supervisord.conf no longer keeps its state under %(here)s/var/"
+    for program in PROGRAMS:
+        src = f"%(here)s/deploy/lanes/{program}.toml"
+        assert src in text, f"supervisord.conf no longer runs {program} with {src}"
+        lane = tomllib.loads((REPO / "deploy" / "lanes" / f"{program}.toml").read_text())
+        lane.update(port=ports[program], cores=cores[program], kv_tokens=KV_TOKENS,
+                    drain_timeout_s=DRAIN_TIMEOUT_S, ping_interval_s=1.0)
+        dst = tmp / f"{program}.toml"
+        dst.write_text(dump_toml(lane))
+        text = text.replace(src, str(dst))
+    text = text.replace("%(here)s/var", str(tmp / "var")).replace("%(here)s", str(REPO))
+    for sub in ("var/run", "var/log"):
+        (tmp / sub).mkdir(parents=True, exist_ok=True)
+    sock = tmp / "var" / "run" / "supervisor.sock"
+    assert len(str(sock)) < 100, f"unix socket path too long for AF_UNIX: {sock}"
+    out = tmp / "supervisord.conf"
+    out.write_text(text)
+    return out
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body); (0, {}) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body or b"{}")
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError):
+        return 0, {}
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids (other than ours) whose command line contains ``marker``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+@dataclass
+class Stack:
+    """A running supervisord with the repo's process table, and ways to poke at it."""
+
+    dir: Path
+    conf: Path
+    proc: subprocess.Popen[bytes]
+    ports: dict[str, int]
+    cores: dict[str, list[int]]
+    env: dict[str, str]
+    seen_pids: set[int] = field(default_factory=set)
+
+    def ctl(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "supervisorctl"), "-c", str(self.conf), *args], capture_output=True,
+                              text=True, timeout=timeout, env=self.env)
+
+    def url(self, program: str) -> str:
+        return f"http://127.0.0.1:{self.ports[program]}"
+
+    def state(self, program: str) -> str:
+        """The state word of ``supervisorctl status lanes:<program>`` (RUNNING, STOPPED, ...)."""
+        out = self.ctl("status", f"{GROUP}:{program}").stdout.split()
+        return out[1] if len(out) > 1 else "?"
+
+    def pid(self, program: str) -> int:
+        pid = int(self.ctl("pid", f"{GROUP}:{program}").stdout.strip() or 0)
+        if pid:
+            self.seen_pids.add(pid)
+        return pid
+
+    @property
+    def log_dir(self) -> Path:
+        return self.dir / "var" / "log"
+
+    def supervisord_log(self) -> str:
+        return (self.log_dir / "supervisord.log").read_text(errors="replace")
+
+    def lane_log(self, program: str) -> str:
+        return (self.log_dir / f"{program}.log").read_text(errors="replace")
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.log_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+    def wait_ready(self, program: str, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Until supervisord says RUNNING and /health says 200; returns /v1/lane."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"supervisord exited {self.proc.returncode}:\n{self.supervisord_log()}")
+            state = self.state(program)
+            code, _ = http_get(self.url(program) + "/health", timeout=2)
+            if state == "RUNNING" and code == 200:
+                _, info = http_get(self.url(program) + "/v1/lane")
+                self.seen_pids.add(int(info["pid"]))
+                return info
+            if state == "FATAL" or time.monotonic() > deadline:
+                raise AssertionError(f"{program}: state {state}, /health {code} after {timeout:.0f}s\n"
+                                     f"{self.lane_log(program)[-3000:]}\n{self.supervisord_log()[-3000:]}")
+            time.sleep(0.25)
+
+
+def _shutdown(stack: Stack) -> list[int]:
+    """supervisorctl shutdown; wait; returns the pids left over (then killed) — must be none."""
+    if stack.proc.poll() is None:
+        stack.ctl("shutdown", timeout=30)
+        try:
+            stack.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+            stack.proc.wait()
+    left = processes_mentioning(str(stack.dir))  # lanes, listener, supervisord: all name the temp dir
+    for pid in left:  # only processes started by this fixture: their command line names our temp dir
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    build_default_model(default_model_path())  # once, before two lanes would race to build it
+    tmp = tmp_path_factory.mktemp("sv")
+    ports = {p: free_port() for p in PROGRAMS}
+    cores = lane_cores()
+    conf = render_config(tmp, ports, cores)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_LANE_")}
+    out = open(tmp / "supervisord.stdout", "wb")  # closed in the finally below
+    proc = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], stdout=out,
+                            stderr=subprocess.STDOUT, env=env, cwd=tmp)
+    st = Stack(tmp, conf, proc, ports, cores, env)
+    try:
+        for program in PROGRAMS:
+            st.wait_ready(program)
+        yield st
+    finally:
+        left = _shutdown(st)
+        out.close()
+        assert st.proc.returncode == 0, f"supervisord exited {st.proc.returncode}"
+        assert not left, f"processes left after shutdown (killed): {left}"
