@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -46,17 +47,33 @@ def setup_logging(level: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # we write our own request lines
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before anything else, so a busy port fails fast instead
+    of after a full model load (supervisord would count that as a slow crash)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 async def serve(config: LaneConfig) -> int:
+    try:
+        sock = _bind(config.host, config.port)
+    except OSError as e:
+        log.error("lane=%s cannot listen on %s:%d: %s", config.name, config.host, config.port, e.strerror or e)
+        return EXIT_FAILED
     app = create_app(config)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()  # starts loading the engine in the background
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as e:
-        log.error("lane=%s cannot listen on %s:%d: %s", config.name, config.host, config.port, e.strerror or e)
-        await runner.cleanup()
-        return EXIT_FAILED
+    site = web.SockSite(runner, sock)
+    await site.start()
     addrs = ", ".join(f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple))
     log.info("lane=%s pid=%d listening on %s (loading the model)", config.name, os.getpid(), addrs)
 
