@@ -1,0 +1,113 @@
+"""Run the gateway: ``python -m gateway [--config gateway.toml] [--host H] [--port N] [--check-config]``.
+
+SIGTERM / SIGINT: ``/readyz`` turns 503, the listening socket closes (no new connections),
+requests in flight get up to ``shutdown_timeout_s`` to finish (streams included), the rest
+are cut, the request log is flushed, exit 0.
+
+Exit codes: 0 clean stop after a signal; 2 bad configuration (one line on stderr; also an
+admin key file readable by group/other); 3 the port cannot be bound or the database cannot
+be opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.auth import resolve_admin_key
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.state import GATEWAY
+
+log = logging.getLogger("strata.gateway")
+
+EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="Strata gateway: the public OpenAI-compatible face")
+    p.add_argument("--config", type=Path, help="TOML gateway config (then STRATA_GATEWAY_* environment overrides)")
+    p.add_argument("--host", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="listen port (default 8080; 0: any free port)")
+    p.add_argument("--check-config", action="store_true", help="print the resolved config as JSON and exit")
+    return p
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(stream=sys.stderr, level=level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # we write our own request lines
+
+
+async def serve(config: GatewayConfig) -> int:
+    try:
+        app = create_app(config)
+    except ConfigError as e:
+        log.error("%s", e)
+        return EXIT_CONFIG
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_timeout_s)
+    try:
+        await runner.setup()  # opens the database, polls the lanes once
+    except Exception as e:
+        log.error("gateway cannot start: %s: %s", type(e).__name__, e)
+        return EXIT_FAILED
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("gateway cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
+        await runner.cleanup()
+        return EXIT_FAILED
+    addrs = ", ".join(f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple))
+    log.info("gateway pid=%d listening on %s", os.getpid(), addrs)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if not stop.is_set():
+            log.info("gateway got %s: finishing requests in flight (up to %.0fs)", signal.Signals(signum).name,
+                     config.shutdown_timeout_s)
+            app[GATEWAY].stopping = True
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await stop.wait()
+    # AppRunner.cleanup: close the listener, wait for handlers up to shutdown_timeout, then app cleanup
+    await runner.cleanup()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    log.info("gateway stopped (exit 0)")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = load_config(args.config, os.environ, {"host": args.host, "port": args.port})
+    except ConfigError as e:
+        print(f"strata gateway: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return EXIT_OK
+    try:
+        resolve_admin_key(config)  # a bad admin key source is a config error: refuse before listening
+    except ConfigError as e:
+        print(f"strata gateway: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(config.log_level)
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Gateway configuration: a TOML file, then ``STRATA_GATEWAY_*`` environment overrides.
+
+Precedence (lowest first): field defaults < TOML file < environment < explicit overrides
+(command-line flags). Environment keys are the field names upper-cased; values are
+JSON-decoded when they parse as JSON, else taken as strings::
+
+    STRATA_GATEWAY_PORT=8080
+    STRATA_GATEWAY_LANES='[{"name": "a", "url": "http://127.0.0.1:8101"}]'
+    STRATA_GATEWAY_DB_URL=postgresql+psycopg://strata@db/strata
+
+No secret lives here: API keys are in the database (hashed); the admin key comes from
+``STRATA_ADMIN_KEY`` or the 0600 file named by ``admin_key_file``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["ENV_PREFIX", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "default_db_url", "load_config"]
+
+ENV_PREFIX = "STRATA_GATEWAY_"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def default_db_url() -> str:
+    return f"sqlite:///{REPO_ROOT / 'var' / 'gateway.db'}"
+
+
+class ConfigError(ValueError):
+    """A bad gateway configuration; the message is one line naming the key and value."""
+
+
+class LaneEntry(BaseModel):
+    """One upstream lane. ``weight`` is the starting weight; the admin API changes it at run time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
+    url: str = Field(pattern=r"^https?://[^/\s]+$", description="scheme://host:port, no path")
+    weight: float = Field(1.0, ge=0)
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _strip_slash(cls, v: Any) -> Any:
+        return v.rstrip("/") if isinstance(v, str) else v
+
+
+class GatewayConfig(BaseModel):
+    """The public gateway: where it listens, which lanes it fronts, its limits and its database."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535, description="0: any free port (tests)")
+    lanes: list[LaneEntry] = Field(default_factory=lambda: [
+        LaneEntry(name="a", url="http://127.0.0.1:8101"), LaneEntry(name="b", url="http://127.0.0.1:8102")])
+    db_url: str = Field(default_factory=default_db_url, description="any SQLAlchemy URL")
+    health_interval_s: float = Field(1.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    request_timeout_s: float = Field(900.0, gt=0, description="a whole non-streaming upstream request")
+    first_token_timeout_s: float = Field(120.0, gt=0, description="a stream's first token (and /tokenize)")
+    stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream whose lane sends nothing this long")
+    ping_interval_s: float = Field(3.0, gt=0, description="SSE ': ping' while a stream waits")
+    max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    max_tokens_cap: int | None = Field(None, ge=1, description="global cap on max_tokens (clamped)")
+    min_clamp_tokens: int = Field(16, ge=1)
+    eject_after_failures: int = Field(3, ge=1)
+    eject_cooldown_s: float = Field(10.0, ge=0)
+    log_prompts_default: bool = False
+    retention_days: float = Field(30.0, gt=0)
+    admin_key_file: Path | None = Field(None, description="a 0600 file holding the admin key")
+    key_cache_s: float = Field(10.0, ge=0, description="how long a verified key stays cached")
+    metrics_public: bool = Field(True, description="False: /metrics needs the admin key")
+    shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _unique_lanes(self) -> GatewayConfig:
+        names = [lane.name for lane in self.lanes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"duplicate lane name(s) {dup}")
+        return self
+
+
+def _decode_env(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
+    """Build a GatewayConfig from an optional TOML file, ``STRATA_GATEWAY_*`` variables and overrides."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for key, value in data.items():
+            merged[key] = value
+            sources[key] = f"file {p}"
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX:
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        merged[key] = _decode_env(env[var])
+        sources[key] = f"environment {var}"
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            merged[key] = value
+            sources[key] = f"override {key}"
+    try:
+        return GatewayConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, merged, sources)) from None
+
+
+def _describe(err: ValidationError, merged: Mapping[str, Any], sources: Mapping[str, str]) -> str:
+    parts: list[str] = []
+    for e in err.errors():
+        loc = [str(x) for x in e.get("loc", ())]
+        key = loc[0] if loc else "config"
+        where = ".".join(loc) or "config"
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        if e.get("type") == "extra_forbidden":
+            known = LaneEntry.model_fields if len(loc) > 1 else GatewayConfig.model_fields
+            msg = f"unknown key (known: {', '.join(known)})"
+        value = merged.get(key, "<default>") if len(loc) <= 1 else e.get("input")
+        part = f"{where}={value!r} (from {sources.get(key, 'defaults')}): {msg}"
+        if part not in parts:
+            parts.append(part)
+    return "invalid gateway config: " + "; ".join(parts)

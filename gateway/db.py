@@ -1,0 +1,129 @@
+"""The gateway's SQL database (SQLAlchemy 2 Core): API keys and the request log.
+
+SQLite (WAL, the default, under ``var/``) or any SQLAlchemy URL (PostgreSQL for more than
+one gateway). Every call here is blocking: the app runs them in worker threads.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    insert,
+    select,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+
+__all__ = ["api_keys", "get_pepper", "meta", "metadata", "open_db", "requests"]
+
+metadata = MetaData()
+
+api_keys = Table(
+    "api_keys", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(128), nullable=False),
+    Column("hash", String(64), nullable=False, unique=True),  # hex HMAC-SHA256(pepper, key)
+    Column("prefix", String(16), nullable=False),  # 8 characters after "sk-strata-", for display
+    Column("admin", Boolean, nullable=False, default=False),
+    Column("rpm", Integer, nullable=True),  # None: unlimited
+    Column("tpm", Integer, nullable=True),
+    Column("max_concurrent", Integer, nullable=True),
+    Column("max_tokens", Integer, nullable=True),  # per-request cap on max_tokens (clamped)
+    Column("log_prompts", Boolean, nullable=False, default=False),
+    Column("created", Float, nullable=False),  # unix seconds
+    Column("revoked", Float, nullable=True),  # unix seconds; None: active
+)
+
+requests = Table(
+    "requests", metadata,
+    Column("id", String(64), primary_key=True),  # the gateway request id (gw-...)
+    Column("time", Float, nullable=False),  # arrival, unix seconds
+    Column("key_id", Integer, nullable=True),  # 0: the admin key from env/file
+    Column("lane", String(32), nullable=True),
+    Column("model", String(256), nullable=True),
+    Column("endpoint", String(64), nullable=False),
+    Column("stream", Boolean, nullable=False),
+    Column("prompt_tokens", Integer, nullable=True),
+    Column("cached_tokens", Integer, nullable=True),
+    Column("completion_tokens", Integer, nullable=True),
+    Column("ttft_ms", Float, nullable=True),
+    Column("duration_ms", Float, nullable=False),
+    Column("status", Integer, nullable=False),
+    Column("error_type", String(64), nullable=True),
+    Column("clamped_from", Integer, nullable=True),
+    Column("clamped_to", Integer, nullable=True),
+    Column("retried", Boolean, nullable=False, default=False),
+    Column("prompt_text", Text, nullable=True),  # only for keys with log_prompts
+    Column("response_text", Text, nullable=True),
+    Index("ix_requests_time", "time"),
+    Index("ix_requests_key_time", "key_id", "time"),
+)
+
+meta = Table(
+    "gateway_meta", metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", String(256), nullable=False),
+)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers (admin queries) never block the log writer
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=5000")
+    cur.close()
+
+
+def open_db(url: str) -> Engine:
+    """An engine with the tables created. A SQLite file (and its directory) is made private (0600)."""
+    u = make_url(url)
+    is_sqlite = u.get_backend_name() == "sqlite"
+    db_path: Path | None = None
+    if is_sqlite and u.database and u.database != ":memory:" and not u.database.startswith("file:"):
+        db_path = Path(u.database)
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        if not db_path.exists():
+            fd = os.open(db_path, os.O_CREAT | os.O_WRONLY, 0o600)  # key hashes live here
+            os.close(fd)
+    # hide_parameters: a failed insert must not print prompt text into the server log
+    engine = create_engine(url, pool_pre_ping=not is_sqlite, hide_parameters=True)
+    if is_sqlite:
+        event.listen(engine, "connect", _sqlite_pragmas)
+    metadata.create_all(engine)
+    return engine
+
+
+def get_pepper(engine: Engine) -> bytes:
+    """The per-install secret mixed into key hashes, created on first use and kept in the database.
+
+    Keys are 256-bit random, so the hash needs no slow KDF; the pepper only makes a stolen
+    hash table useless against key lists from another install.
+    """
+    query = select(meta.c.value).where(meta.c.key == "pepper")
+    with engine.connect() as conn:
+        value = conn.execute(query).scalar()
+    if value is None:
+        try:
+            with engine.begin() as conn:
+                conn.execute(insert(meta).values(key="pepper", value=secrets.token_hex(32)))
+        except IntegrityError:  # another process created it first
+            pass
+        with engine.connect() as conn:
+            value = conn.execute(query).scalar_one()
+    return bytes.fromhex(value)

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the gateway, in a per-app registry (tests run several apps in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_DUR_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("strata_gateway_requests", "Answered requests by endpoint, lane and HTTP status",
+                                ["endpoint", "lane", "status"], registry=r)
+        self.duration = Histogram("strata_gateway_request_seconds", "Arrival to the last byte of the answer",
+                                  ["endpoint"], buckets=_DUR_BUCKETS, registry=r)
+        self.ttft = Histogram("strata_gateway_time_to_first_token_seconds",
+                              "Arrival to the first streamed token sent to the client", ["lane"],
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.in_flight = Gauge("strata_gateway_in_flight", "Requests being served by each lane", ["lane"],
+                               registry=r)
+        self.lane_ready = Gauge("strata_gateway_lane_ready", "1 when the lane's health poll says ready", ["lane"],
+                                registry=r)
+        self.lane_weight = Gauge("strata_gateway_lane_weight", "Routing weight (0 or draining: no new requests)",
+                                 ["lane"], registry=r)
+        self.lane_draining = Gauge("strata_gateway_lane_draining", "1 when the lane is drained by the admin",
+                                   ["lane"], registry=r)
+        self.clamped = Counter("strata_gateway_max_tokens_clamped", "max_tokens lowered: to fit the window or a cap",
+                               ["reason"], registry=r)
+        self.context_rejected = Counter("strata_gateway_context_length_exceeded",
+                                        "Requests refused by the window precheck (never sent to a lane)", registry=r)
+        self.retries = Counter("strata_gateway_retries", "Requests retried on another lane, by the lane that failed",
+                               ["lane"], registry=r)
+        self.upstream_failures = Counter("strata_gateway_upstream_failures",
+                                         "Lane failures (connect, timeout, 5xx, broken stream)", ["lane", "kind"],
+                                         registry=r)
+        self.ejections = Counter("strata_gateway_lane_ejections", "Lanes ejected after consecutive failures",
+                                 ["lane"], registry=r)
+        self.rate_limited = Counter("strata_gateway_rate_limited", "429 answers by limit (rpm, tpm, concurrency)",
+                                    ["limit"], registry=r)
+        for reason in ("window", "cap"):
+            self.clamped.labels(reason=reason)

@@ -1,0 +1,563 @@
+"""Generation requests through the gateway: limits, window precheck, dispatch, failover, streaming.
+
+The life of one request (docs/gateway.md tells it in full):
+
+1. the key's rpm / concurrency slot (429), the body (413 / 400), the extras stripped;
+2. a lane is chosen; its ``/tokenize`` counts the prompt; ``max_tokens`` is capped and fitted
+   to the lane's window or the request is refused (400, the lane never sees it); the key's
+   tpm is charged with the prompt (429);
+3. the request goes to the lane with ``X-Request-Id``. A connection error, timeout, 5xx or
+   an error event *before the first token reached the client* retries once on another lane;
+   a 4xx is returned unchanged; after the first token a failure becomes an SSE error event
+   and ``[DONE]``;
+4. streams are forwarded event by event as they arrive (``: ping`` comments while the lane
+   is silent); a client that goes away closes the upstream connection, which makes the lane
+   abort the engine request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough
+from gateway.errors import APIError, error_body
+from gateway.keys import KeyRecord
+from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
+from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
+
+__all__ = ["SSE_HEADERS", "chat_completions", "completions", "read_json"]
+
+log = logging.getLogger("strata.gateway")
+
+Kind = Literal["chat", "completion"]
+T = TypeVar("T")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+POLL_S = 0.25  # how often a waiting handler looks at its client's connection
+_EXTRAS = ("session_id", "collections", "citations")  # additive fields the lanes do not know
+_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class ClientGone(Exception):
+    """The client closed its connection; the upstream request is dropped with it."""
+
+
+def _client_gone(request: web.Request) -> bool:
+    t = request.transport
+    return t is None or t.is_closing()
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def _race(request: web.Request, aw: Awaitable[T], timeout: float) -> T:
+    """Await ``aw`` unless the client leaves (ClientGone) or ``timeout`` passes (TimeoutError); either way
+    ``aw`` is cancelled, which closes its upstream connection."""
+    task = asyncio.ensure_future(aw)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait({task}, timeout=min(POLL_S, left))
+            if done:
+                return task.result()
+            if _client_gone(request):
+                raise ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    """The body as JSON: 413 past ``limit`` (checked on Content-Length before reading), 400 when malformed."""
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"the request body is {request.content_length} bytes; the limit is {limit}",
+                       code="request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the request body is larger than the limit of {limit} bytes",
+                       code="request_too_large") from None
+    if not raw:
+        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        msg = f"request body is not valid JSON: {e}" if isinstance(e, json.JSONDecodeError) else \
+            "request body is not valid JSON"
+        raise APIError(400, msg, code="invalid_json") from None
+
+
+def _error_code(raw: bytes) -> str | None:
+    """The ``code`` (else ``type``) of an OpenAI-shaped error body, for logs and the request log."""
+    try:
+        err = json.loads(raw)["error"]
+        return str(err.get("code") or err.get("type"))[:64]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _record_usage(trace: Trace, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    for name in ("prompt_tokens", "completion_tokens"):
+        if isinstance(usage.get(name), int):
+            setattr(trace, name, usage[name])
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        trace.cached_tokens = details["cached_tokens"]
+
+
+class _SSEParser:
+    """Splits an event stream into the data of each event (comments and blank events dropped)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buf += chunk.replace(b"\r\n", b"\n")
+        events = []
+        while (end := self._buf.find(b"\n\n")) >= 0:
+            block, self._buf = self._buf[:end], self._buf[end + 2:]
+            data = [line[5:].removeprefix(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
+            if data:
+                events.append(b"\n".join(data).decode("utf-8", "replace"))
+        return events
+
+
+async def _pump(up: aiohttp.ClientResponse, q: asyncio.Queue[bytes | BaseException | None]) -> None:
+    try:
+        async for chunk in up.content.iter_any():
+            q.put_nowait(chunk)
+        q.put_nowait(None)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # a broken upstream: the reader decides what it means
+        q.put_nowait(e)
+
+
+class _Call:
+    """One client request across its (at most two) lane attempts."""
+
+    def __init__(self, request: web.Request, gw: Gateway, trace: Trace, key: KeyRecord, kind: Kind,
+                 body: dict[str, Any], affinity: str | None, client_usage: bool) -> None:
+        self.request = request
+        self.gw = gw
+        self.trace = trace
+        self.key = key
+        self.kind = kind
+        self.body = body
+        self.affinity = affinity
+        self.client_usage = client_usage
+        self.stream = bool(body.get("stream"))
+        caps = [c for c in (key.max_tokens, gw.config.max_tokens_cap) if c is not None]
+        self.cap = min(caps) if caps else None
+        self.resp: web.StreamResponse | None = None  # the client's stream once its 200 went out
+        self.first_sent = False  # a token reached the client: no failover any more
+        self.last_write = trace.t0
+        self.texts: dict[int, list[str]] | None = {} if key.log_prompts else None
+        self.clamp: Clamp | None = None
+        self.lane_broke = False  # the lane failed after the first token
+
+    # ------------------------------------------------------------ attempts
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._attempts()
+        except ClientGone:
+            self.trace.client_gone = True
+            return self.resp or web.Response(status=499, reason="Client Closed Request")
+        except APIError as e:
+            if self.resp is None:
+                raise
+            await self._error_event(e.body(), e.code or e.type)  # the 200 is out: say it in the stream
+            return self.resp
+        finally:
+            if self.clamp is not None:
+                self.gw.metrics.clamped.labels(reason=self.clamp.reason).inc()
+
+    async def _attempts(self) -> web.StreamResponse:
+        disp, cfg, trace = self.gw.dispatcher, self.gw.config, self.trace
+        model = self.body.get("model") if isinstance(self.body.get("model"), str) else None
+        tried: set[str] = set()
+        failure: LaneFailure | None = None
+        charged = False
+        for attempt in range(2):
+            lane = disp.choose(self.affinity, tried, model)
+            if lane is None:
+                break
+            if attempt:
+                trace.retried = True
+                assert failure is not None
+                self.gw.metrics.retries.labels(lane=failure.lane).inc()
+                log.warning("id=%s lane=%s failed before the first token (%s: %s); retrying on lane=%s", trace.id,
+                            failure.lane, failure.kind, failure.message, lane.name)
+            tried.add(lane.name)
+            trace.lane = lane.name
+            trace.model = model or lane.model
+            disp.begin(lane)
+            try:
+                plan = await self._precheck(lane)
+                if not charged:
+                    self.gw.limiter.charge_prompt(self.key, plan.prompt_tokens)
+                    charged = True
+                lane_body = dict(self.body)
+                if plan.max_tokens is not None:
+                    lane_body[max_tokens_field(self.body, self.kind)] = plan.max_tokens
+                self.clamp = plan.clamp
+                trace.clamped_from = plan.clamp.original if plan.clamp else None
+                trace.clamped_to = plan.clamp.new if plan.clamp else None
+                if self.stream:
+                    result = await self._stream(lane, lane_body)
+                else:
+                    result = await self._plain(lane, lane_body)
+                if not self.lane_broke:
+                    disp.succeeded(lane)
+                return result
+            except LaneFailure as f:
+                disp.failed(lane, f.kind, f.message)
+                failure = f
+            except Passthrough as p:
+                disp.succeeded(lane)  # a 4xx is the lane working correctly
+                return await self._passthrough(p)
+            finally:
+                disp.end(lane)
+        if failure is None:
+            if model is not None and disp.routable() and not disp.routable(model):
+                raise APIError(404, f"the model {model!r} does not exist or no lane serving it is ready",
+                               code="model_not_found", param="model")
+            raise APIError(503, "no lane is ready to take this request; retry shortly", code="no_lane_available",
+                           retry_after=max(1.0, cfg.health_interval_s))
+        return await self._fail(failure)
+
+    async def _precheck(self, lane: LaneRuntime) -> WindowPlan:
+        cfg = self.gw.config
+        try:
+            plan = await _race(self.request, precheck(
+                self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
+                timeout=cfg.first_token_timeout_s, request_id=self.trace.id), cfg.first_token_timeout_s + 1)
+        except TimeoutError:
+            raise LaneFailure(lane.name, "timeout", "the window precheck timed out") from None
+        except APIError as e:
+            if e.code == "context_length_exceeded":
+                self.gw.metrics.context_rejected.inc()
+                self.trace.prompt_tokens = e.extra.get("n_prompt_tokens")
+            raise
+        self.trace.prompt_tokens = plan.prompt_tokens
+        return plan
+
+    def _headers(self, lane: LaneRuntime) -> dict[str, str]:
+        h = {"X-Request-Id": self.trace.id, "X-Strata-Lane": lane.name}
+        if self.clamp is not None:
+            h["X-Strata-Max-Tokens-Clamped"] = self.clamp.header()
+        return h
+
+    async def _passthrough(self, p: Passthrough) -> web.StreamResponse:
+        code = _error_code(p.body)
+        self.trace.error_type = code
+        if self.resp is not None:
+            try:
+                body = json.loads(p.body)
+            except ValueError:
+                body = error_body(f"the lane answered {p.status}", "invalid_request_error")
+            await self._error_event(body, code)
+            return self.resp
+        headers = {"Content-Type": p.headers.get("Content-Type", "application/json"), "X-Request-Id": self.trace.id}
+        if "Retry-After" in p.headers:
+            headers["Retry-After"] = p.headers["Retry-After"]
+        return web.Response(status=p.status, body=p.body, headers=headers)
+
+    async def _fail(self, f: LaneFailure) -> web.StreamResponse:
+        """Every attempt failed: the last lane's own 5xx if it gave one, else 502 / 504."""
+        if f.status is not None and f.status >= 500 and f.body:
+            code = _error_code(f.body) or "upstream_error"
+            if self.resp is None:
+                headers = {"Content-Type": f.headers.get("Content-Type", "application/json"),
+                           "X-Request-Id": self.trace.id}
+                if "Retry-After" in f.headers:
+                    headers["Retry-After"] = f.headers["Retry-After"]
+                self.trace.error_type = code
+                return web.Response(status=f.status, body=f.body, headers=headers)
+            try:
+                body = json.loads(f.body)
+            except ValueError:
+                body = error_body("the lane failed", "server_error", code=code)
+            await self._error_event(body, code)
+            return self.resp
+        if f.kind == "timeout":
+            raise APIError(504, f"no lane answered in time: {f.message}", code="upstream_timeout", type="server_error")
+        raise APIError(502, f"no lane could serve this request: {f.message}", code="upstream_unavailable",
+                       type="server_error")
+
+    # ------------------------------------------------------------ non-streaming
+    async def _plain(self, lane: LaneRuntime, body: dict[str, Any]) -> web.StreamResponse:
+        session = self.gw.session
+        assert session is not None
+
+        async def call() -> tuple[int, dict[str, str], bytes]:
+            async with session.post(lane.url + _PATHS[self.kind], data=_dumps(body),
+                                    headers={"Content-Type": "application/json", "X-Request-Id": self.trace.id}) as r:
+                return r.status, dict(r.headers), await r.read()
+
+        timeout = self.gw.config.request_timeout_s
+        try:
+            status, headers, raw = await _race(self.request, call(), timeout)
+        except TimeoutError:
+            raise LaneFailure(lane.name, "timeout", f"lane {lane.name} gave no answer within {timeout:.0f}s") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
+        if status >= 500:
+            raise LaneFailure(lane.name, "status", f"lane {lane.name} answered {status}", status, raw, headers)
+        if status >= 400:
+            raise Passthrough(status, raw, headers)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise LaneFailure(lane.name, "status", f"lane {lane.name} sent unreadable JSON") from None
+        _record_usage(self.trace, data.get("usage"))
+        if self.texts is not None:
+            texts = []
+            for ch in data.get("choices") or []:
+                msg = ch.get("message") if isinstance(ch, dict) else None
+                texts.append(msg.get("content") if isinstance(msg, dict) else ch.get("text"))
+            self.trace.response_text = texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
+        return web.Response(status=status, body=raw, content_type="application/json", headers=self._headers(lane))
+
+    # ------------------------------------------------------------ streaming
+    async def _commit(self, lane: LaneRuntime) -> None:
+        self.resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
+        try:
+            await self.resp.prepare(self.request)
+        except ConnectionError:
+            raise ClientGone from None
+
+    async def _write(self, lane: LaneRuntime, data: bytes) -> None:
+        if self.resp is None:
+            await self._commit(lane)
+        assert self.resp is not None
+        try:
+            await self.resp.write(data)
+        except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up
+            raise ClientGone from None
+        self.last_write = time.monotonic()
+
+    async def _error_event(self, body: dict[str, Any], code: str | None) -> None:
+        assert self.resp is not None
+        self.trace.error_type = code
+        try:
+            await self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n")
+            await self.resp.write_eof()
+        except ConnectionError:
+            self.trace.client_gone = True
+
+    async def _stream(self, lane: LaneRuntime, body: dict[str, Any]) -> web.StreamResponse:
+        cfg, session = self.gw.config, self.gw.session
+        assert session is not None
+        t_start = time.monotonic()
+        first_deadline = t_start + cfg.first_token_timeout_s
+        last_up = t_start  # the lane's last byte (its own pings count): a silent lane is a hung lane
+        try:
+            up = await _race(self.request, session.post(
+                lane.url + _PATHS[self.kind], data=_dumps(body),
+                headers={"Content-Type": "application/json", "X-Request-Id": self.trace.id}), cfg.first_token_timeout_s)
+        except TimeoutError:
+            raise LaneFailure(lane.name, "timeout", f"lane {lane.name} did not answer within "
+                              f"{cfg.first_token_timeout_s:.0f}s") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
+        pump: asyncio.Task[None] | None = None
+        clean = False
+        try:
+            if up.status != 200:
+                try:
+                    raw = await _race(self.request, up.read(), 30.0)
+                except (TimeoutError, aiohttp.ClientError, OSError):
+                    raw = b""
+                headers = dict(up.headers)
+                if 400 <= up.status < 500:
+                    raise Passthrough(up.status, raw, headers)
+                raise LaneFailure(lane.name, "status", f"lane {lane.name} answered {up.status}", up.status, raw,
+                                  headers)
+            if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raise LaneFailure(lane.name, "status", f"lane {lane.name} did not answer with an event stream")
+            q: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+            pump = asyncio.create_task(_pump(up, q))
+            parser = _SSEParser()
+            done = False
+            while True:
+                if _client_gone(self.request):
+                    raise ClientGone
+                now = time.monotonic()
+                if not self.first_sent and now >= first_deadline:
+                    raise LaneFailure(lane.name, "timeout", f"lane {lane.name} sent no token within "
+                                      f"{cfg.first_token_timeout_s:.0f}s")
+                if self.first_sent and now - last_up >= cfg.stream_idle_timeout_s:
+                    raise LaneFailure(lane.name, "timeout", f"lane {lane.name} sent nothing for "
+                                      f"{cfg.stream_idle_timeout_s:.0f}s")
+                if not q.empty():
+                    item = q.get_nowait()
+                elif now - self.last_write >= cfg.ping_interval_s:
+                    await self._write(lane, b": ping\n\n")  # keeps clients and proxies from timing out
+                    continue
+                else:
+                    try:
+                        item = await asyncio.wait_for(q.get(), min(POLL_S, cfg.ping_interval_s - (now - self.last_write)))
+                    except TimeoutError:
+                        continue
+                last_up = time.monotonic()
+                if isinstance(item, BaseException):
+                    raise LaneFailure(lane.name, "stream", f"lane {lane.name}'s stream broke: "
+                                      f"{type(item).__name__}: {item}")
+                if item is None:
+                    raise LaneFailure(lane.name, "stream", f"lane {lane.name} ended its stream before [DONE]")
+                for data in parser.feed(item):
+                    if await self._event(lane, data):
+                        done = True
+                        break
+                if done:
+                    await self._write(lane, b"data: [DONE]\n\n")
+                    assert self.resp is not None
+                    with contextlib.suppress(ConnectionError):
+                        await self.resp.write_eof()
+                    clean = True
+                    return self.resp
+        except LaneFailure as f:
+            if not self.first_sent:
+                raise
+            # after the first token there is no failover: the client learns it in the stream
+            self.lane_broke = True
+            self.gw.dispatcher.failed(lane, f.kind, f.message)
+            log.warning("id=%s lane=%s failed mid-stream: %s", self.trace.id, lane.name, f.message)
+            await self._error_event(error_body("the lane failed while streaming this response; the answer is "
+                                               "incomplete", "server_error", code="upstream_error"), "upstream_error")
+            assert self.resp is not None
+            return self.resp
+        finally:
+            if pump is not None:
+                pump.cancel()
+            if self.texts is not None and self.texts:
+                parts = ["".join(self.texts[i]) for i in sorted(self.texts)]
+                self.trace.response_text = parts[0] if len(parts) == 1 else json.dumps(parts, ensure_ascii=False)
+            if clean:
+                up.release()
+            else:
+                up.close()  # drops the connection: the lane aborts the engine request
+
+    async def _event(self, lane: LaneRuntime, data: str) -> bool:
+        """Forward one upstream event; True at ``[DONE]``."""
+        if data == "[DONE]":
+            return True
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise LaneFailure(lane.name, "stream", f"lane {lane.name} sent an unreadable event") from None
+        if not isinstance(obj, dict):
+            raise LaneFailure(lane.name, "stream", f"lane {lane.name} sent an unreadable event")
+        if "error" in obj and not obj.get("choices"):
+            code = _error_code(data.encode()) or "upstream_error"
+            if not self.first_sent:  # nothing reached the client: this lane failed, another may not
+                raise LaneFailure(lane.name, "stream", f"lane {lane.name} failed before the first token: {code}")
+            self.lane_broke = True
+            self.gw.dispatcher.failed(lane, "stream", f"error event {code}")
+            self.trace.error_type = code
+            await self._write(lane, b"data: " + data.encode() + b"\n\n")
+            return False
+        usage = obj.get("usage")
+        out = data.encode()
+        if isinstance(usage, dict):
+            _record_usage(self.trace, usage)
+            if not self.client_usage and not obj.get("choices"):
+                return False  # the usage chunk we asked for ourselves
+        if not self.client_usage and "usage" in obj:
+            del obj["usage"]
+            out = _dumps(obj)
+        if self.texts is not None:
+            for ch in obj.get("choices") or []:
+                delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else None
+                piece = delta.get("content") if delta is not None else ch.get("text")
+                if isinstance(piece, str):
+                    self.texts.setdefault(int(ch.get("index") or 0), []).append(piece)
+        await self._write(lane, b"data: " + out + b"\n\n")
+        if not self.first_sent and obj.get("choices"):
+            self.first_sent = True
+            ttft = time.monotonic() - self.trace.t0
+            self.trace.ttft_ms = round(ttft * 1000, 3)
+            self.gw.metrics.ttft.labels(lane=lane.name).observe(ttft)
+        return False
+
+
+# ---------------------------------------------------------------------------------------- handlers
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    trace = request[TRACE]
+    key = request[PRINCIPAL]
+    trace.log_row = True
+    ticket = gw.limiter.admit(key)
+    try:
+        body = await read_json(request, gw.config.max_body_bytes)
+        if not isinstance(body, dict):
+            raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise _bad("stream", "invalid stream: expected true or false")
+        trace.stream = bool(stream)
+        if kind == "chat":
+            if "messages" not in body:
+                raise _bad("messages", "missing required parameter 'messages'")
+            if not isinstance(body["messages"], list) or not body["messages"]:
+                raise _bad("messages", "invalid messages: expected a non-empty list of messages")
+        elif body.get("prompt") is None:
+            raise _bad("prompt", "missing required parameter 'prompt'")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad("model", "invalid model: expected a string")
+        trace.model = model
+        session_id = body.get("session_id")
+        if session_id is not None and not isinstance(session_id, str):
+            raise _bad("session_id", "invalid session_id: expected a string")
+        for extra in _EXTRAS:
+            body.pop(extra, None)
+        user = body.get("user")
+        affinity = session_id or (user if isinstance(user, str) and user else None)
+        client_usage = False
+        if stream:
+            opts = body.get("stream_options")
+            if opts is not None and not isinstance(opts, dict):
+                raise _bad("stream_options", "invalid stream_options: expected an object")
+            client_usage = bool(opts) and opts.get("include_usage") is True
+            body["stream_options"] = {**(opts or {}), "include_usage": True}  # the request log needs usage
+        if key.log_prompts:
+            trace.prompt_text = json.dumps(body.get("messages") if kind == "chat" else body.get("prompt"),
+                                           ensure_ascii=False)
+        return await _Call(request, gw, trace, key, kind, body, affinity, client_usage).run()
+    finally:
+        gw.limiter.release(ticket)
+        if trace.completion_tokens:
+            gw.limiter.charge(key.id, trace.completion_tokens)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generation(request, "completion")

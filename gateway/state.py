@@ -1,0 +1,82 @@
+"""The per-app state of the gateway (under the typed app key ``GATEWAY``) and the per-request trace."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from sqlalchemy import Engine
+
+from gateway.auth import Authenticator
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.keys import KeyRecord, KeyStore
+from gateway.limits import Limiter
+from gateway.metrics import GatewayMetrics
+from gateway.store import RequestLog
+
+__all__ = ["GATEWAY", "PRINCIPAL", "TRACE", "Gateway", "Trace", "new_request_id"]
+
+
+def new_request_id() -> str:
+    return "gw-" + secrets.token_hex(12)
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    dispatcher: Dispatcher
+    limiter: Limiter
+    admin_key: str | None  # resolved at create_app time; only its hash is kept after startup
+    db: Engine | None = None
+    keys: KeyStore | None = None
+    auth: Authenticator | None = None
+    store: RequestLog | None = None
+    session: aiohttp.ClientSession | None = None
+    stopping: bool = False  # SIGTERM received: /readyz answers 503
+
+
+@dataclass
+class Trace:
+    """What the access log, the metrics and the request log learn about one request."""
+
+    id: str = field(default_factory=new_request_id)
+    t0: float = field(default_factory=time.monotonic)
+    time: float = field(default_factory=time.time)
+    endpoint: str = ""
+    key: KeyRecord | None = None
+    log_row: bool = False  # an authenticated generation request: it gets a request-log row
+    lane: str | None = None
+    model: str | None = None
+    stream: bool = False
+    status: int | None = None  # set by stream handlers (a 200 whose stream ended in an error event)
+    error_type: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_ms: float | None = None
+    clamped_from: int | None = None
+    clamped_to: int | None = None
+    retried: bool = False
+    prompt_text: str | None = None
+    response_text: str | None = None
+    client_gone: bool = False
+
+    def row(self, status: int, duration_ms: float) -> dict[str, Any]:
+        return {"id": self.id, "time": self.time, "key_id": self.key.id if self.key else None, "lane": self.lane,
+                "model": self.model, "endpoint": self.endpoint, "stream": self.stream,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens, "ttft_ms": self.ttft_ms, "duration_ms": duration_ms,
+                "status": status, "error_type": self.error_type, "clamped_from": self.clamped_from,
+                "clamped_to": self.clamped_to, "retried": self.retried, "prompt_text": self.prompt_text,
+                "response_text": self.response_text}
+
+
+GATEWAY = web.AppKey("strata_gateway", Gateway)
+TRACE = web.RequestKey("strata_gateway_trace", Trace)
+PRINCIPAL = web.RequestKey("strata_gateway_principal", KeyRecord)

@@ -1,0 +1,156 @@
+"""The window precheck: count the prompt with the chosen lane's own tokenizer, then fit ``max_tokens``.
+
+The window ``n_ctx`` is the lane's ``max_model_len`` (read by the health poller from its
+``/v1/models``; the ``/tokenize`` answer carries it too and wins, being fresher), never a
+configured constant, so the gateway and the engine cannot disagree about it. The count is
+``POST /tokenize`` on the same lane with the same messages (chat template, generation prompt)
+or prompt, which is exactly what the lane bills as ``prompt_tokens``.
+
+Rules, per prompt (a completion may carry several; the longest decides):
+
+* ``max_tokens`` above the key's or the global cap -> lowered to the cap;
+* prompt + ``max_tokens`` > ``n_ctx`` -> lowered to ``n_ctx - prompt`` when at least
+  ``min_clamp_tokens`` remain, else 400 ``context_length_exceeded`` with ``n_prompt_tokens``
+  and ``n_ctx``; no ``max_tokens`` means "the rest of the window" and only fails when the
+  prompt alone fills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough
+from gateway.errors import APIError
+
+__all__ = ["Clamp", "WindowPlan", "max_tokens_field", "precheck"]
+
+Kind = Literal["chat", "completion"]
+
+
+@dataclass
+class Clamp:
+    original: int
+    new: int
+    reason: Literal["window", "cap"]
+
+    def header(self) -> str:
+        return f"{self.original}->{self.new}"
+
+
+@dataclass
+class WindowPlan:
+    prompt_tokens: int  # all prompts together (billing, tpm)
+    longest_prompt: int
+    n_ctx: int
+    max_tokens: int | None  # the value sent to the lane (None: the lane's default, the rest of the window)
+    clamp: Clamp | None
+
+
+def max_tokens_field(body: dict[str, Any], kind: Kind) -> str:
+    """The client's own name for the limit (chat prefers ``max_completion_tokens``, as the lane does)."""
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+async def _tokenize(session: aiohttp.ClientSession, lane: LaneRuntime, payload: dict[str, Any], timeout: float,
+                    request_id: str) -> tuple[int, int | None]:
+    """(count, max_model_len) from the lane's /tokenize; lane 4xx -> Passthrough, other failures -> LaneFailure."""
+    try:
+        async with session.post(lane.url + "/tokenize", data=json.dumps(payload).encode(),
+                                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            raw = await r.read()
+            headers = {k: v for k, v in r.headers.items() if k in ("Content-Type", "Retry-After")}
+            status = r.status
+    except TimeoutError:
+        raise LaneFailure(lane.name, "timeout", f"/tokenize took longer than {timeout:.0f}s") from None
+    except (aiohttp.ClientError, OSError) as e:
+        raise LaneFailure(lane.name, "connect", f"/tokenize failed: {type(e).__name__}: {e}") from None
+    if status >= 500:
+        raise LaneFailure(lane.name, "status", f"/tokenize answered {status}", status, raw, headers)
+    if status >= 400:
+        raise Passthrough(status, raw, headers)
+    try:
+        data = json.loads(raw)
+        return int(data["count"]), data.get("max_model_len")
+    except (ValueError, KeyError, TypeError):
+        raise LaneFailure(lane.name, "status", "/tokenize gave an unreadable answer", 502) from None
+
+
+async def count_prompt(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind,
+                       timeout: float, request_id: str) -> tuple[list[int], int | None]:
+    """Token counts of every prompt of the request, and the lane's window as /tokenize reported it."""
+    model = body.get("model")
+    base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
+    if kind == "chat":
+        n, n_ctx = await _tokenize(session, lane, {**base, "messages": body["messages"], "add_generation_prompt": True},
+                                   timeout, request_id)
+        return [n], n_ctx
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        n, n_ctx = await _tokenize(session, lane, {**base, "prompt": prompt}, timeout, request_id)
+        return [n], n_ctx
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [len(prompt)], None
+    if isinstance(prompt, list) and prompt:
+        texts = [p for p in prompt if isinstance(p, str)]
+        counts = await asyncio.gather(*(_tokenize(session, lane, {**base, "prompt": t}, timeout, request_id)
+                                        for t in texts))
+        n_ctx = next((c[1] for c in counts), None)
+        out = [c[0] for c in counts] + [len(p) for p in prompt if isinstance(p, list)]
+        return out, n_ctx
+    raise APIError(400, "invalid prompt: expected a string, a list of token ids, or a list of strings or of "
+                   "token-id lists", param="prompt")
+
+
+def fit(counts: list[int], n_ctx: int, kind: Kind, field: str, requested: int | None, cap: int | None,
+        min_clamp: int) -> WindowPlan:
+    """Apply the cap and window rules; raises the 400 ``context_length_exceeded``."""
+    longest = max(counts)
+    prompt_param = "messages" if kind == "chat" else "prompt"
+    room = n_ctx - longest
+    if room < 1:
+        raise APIError(400, f"this model's maximum context length is {n_ctx} tokens; the prompt has {longest} "
+                       "tokens, leaving no room to generate", code="context_length_exceeded", param=prompt_param,
+                       n_prompt_tokens=longest, n_ctx=n_ctx)
+    clamp: Clamp | None = None
+    if requested is None:
+        # "the rest of the window", bounded by the cap (not a clamp: the client asked for nothing)
+        sent = min(cap, room) if cap is not None and cap < room else None
+        return WindowPlan(sum(counts), longest, n_ctx, sent, None)
+    sent = requested
+    if requested < 1:
+        return WindowPlan(sum(counts), longest, n_ctx, requested, None)  # the lane's own 400 names it
+    if cap is not None and sent > cap:
+        sent = cap
+        clamp = Clamp(requested, sent, "cap")
+    if longest + sent > n_ctx:
+        if room < min_clamp:
+            raise APIError(400, f"this model's maximum context length is {n_ctx} tokens; the prompt has {longest} "
+                           f"tokens and {field}={sent} asks for {longest + sent}; only {room} would remain "
+                           f"(fewer than {min_clamp}): shorten the prompt", code="context_length_exceeded",
+                           param=field, n_prompt_tokens=longest, n_ctx=n_ctx)
+        sent = room
+        clamp = Clamp(requested, sent, "window")
+    return WindowPlan(sum(counts), longest, n_ctx, sent, clamp)
+
+
+async def precheck(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind, *,
+                   cap: int | None, min_clamp: int, timeout: float, request_id: str) -> WindowPlan:
+    field = max_tokens_field(body, kind)
+    requested = body.get(field)
+    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
+        raise APIError(400, f"invalid {field}: expected an integer, got {json.dumps(requested)[:40]}", param=field)
+    counts, lane_n_ctx = await count_prompt(session, lane, body, kind, timeout, request_id)
+    n_ctx = lane_n_ctx if isinstance(lane_n_ctx, int) and lane_n_ctx > 0 else lane.n_ctx
+    if n_ctx is None:
+        raise LaneFailure(lane.name, "status", "the lane's window (max_model_len) is unknown", 503)
+    if not counts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return fit(counts, n_ctx, kind, field, requested, cap, min_clamp)

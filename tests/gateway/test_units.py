@@ -1,0 +1,134 @@
+"""The pure parts: limits (with a fake clock), the window rules, lane choice and ejection."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.errors import APIError
+from gateway.keys import KeyRecord
+from gateway.limits import Limiter
+from gateway.metrics import GatewayMetrics
+from gateway.window import fit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rpm_sliding_window() -> None:
+    clock = Clock()
+    lim = Limiter(clock)
+    key = KeyRecord(id=1, name="k", prefix="", rpm=3)
+    for dt in (0, 10, 20):
+        clock.t += dt
+        lim.release(lim.admit(key))
+    with pytest.raises(APIError) as e:
+        lim.admit(key)
+    assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
+    assert e.value.retry_after == pytest.approx(30.0)  # the first request (t=1000) leaves at 1060; now 1030
+    clock.t = 1060.01
+    lim.admit(key)
+
+
+def test_concurrency_and_tpm() -> None:
+    clock = Clock()
+    lim = Limiter(clock)
+    key = KeyRecord(id=2, name="k", prefix="", max_concurrent=2, tpm=100)
+    t1, _ = lim.admit(key), lim.admit(key)
+    with pytest.raises(APIError, match="in flight"):
+        lim.admit(key)
+    lim.release(t1)
+    lim.release(t1)  # twice is harmless
+    lim.admit(key)
+    lim.charge_prompt(key, 500)  # an empty window lets one big prompt through
+    clock.t += 30
+    with pytest.raises(APIError) as e:
+        lim.charge_prompt(key, 10)
+    assert e.value.retry_after == pytest.approx(30.0)
+    clock.t += 31
+    lim.charge_prompt(key, 60)
+    lim.charge(key.id, 30)
+    with pytest.raises(APIError):
+        lim.charge_prompt(key, 20)
+
+
+def test_window_rules() -> None:
+    plan = fit([100], 1000, "chat", "max_tokens", 50, None, 16)
+    assert plan.max_tokens == 50 and plan.clamp is None
+    plan = fit([100], 1000, "chat", "max_tokens", 5000, None, 16)
+    assert plan.max_tokens == 900 and plan.clamp is not None and plan.clamp.header() == "5000->900"
+    plan = fit([100], 1000, "chat", "max_tokens", 5000, 64, 16)
+    assert plan.max_tokens == 64 and plan.clamp.reason == "cap"  # type: ignore[union-attr]
+    plan = fit([100], 1000, "chat", "max_tokens", None, 64, 16)
+    assert plan.max_tokens == 64 and plan.clamp is None  # no limit asked: the cap, not a clamp
+    assert fit([100], 1000, "chat", "max_tokens", None, None, 16).max_tokens is None
+    plan = fit([990, 10], 1000, "completion", "max_tokens", 5, None, 16)
+    assert plan.max_tokens == 5 and plan.prompt_tokens == 1000 and plan.longest_prompt == 990
+    with pytest.raises(APIError) as e:
+        fit([990], 1000, "chat", "max_completion_tokens", 50, None, 16)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_completion_tokens"
+    assert e.value.extra == {"n_prompt_tokens": 990, "n_ctx": 1000}
+    with pytest.raises(APIError) as e:
+        fit([1000], 1000, "completion", "max_tokens", None, None, 16)
+    assert e.value.param == "prompt" and e.value.extra["n_prompt_tokens"] == 1000
+    assert fit([984], 1000, "chat", "max_tokens", 100, None, 16).max_tokens == 16  # exactly min_clamp left
+
+
+def _dispatcher(**kw: object) -> Dispatcher:
+    cfg = GatewayConfig(lanes=[{"name": "a", "url": "http://x:1"}, {"name": "b", "url": "http://x:2", "weight": 3}],
+                        **kw)  # type: ignore[arg-type]
+    d = Dispatcher(cfg, GatewayMetrics())
+    for lane in d.lanes.values():
+        lane.ready, lane.n_ctx, lane.model = True, 1000, "m"
+    return d
+
+
+def test_least_outstanding_per_weight() -> None:
+    d = _dispatcher()
+    a, b = d.lanes["a"], d.lanes["b"]
+    b.in_flight = 2  # 2/3 < 1/1 once a has one
+    a.in_flight = 1
+    assert d.choose(None, set()) is b
+    b.in_flight = 4  # 4/3 > 1/1
+    assert d.choose(None, set()) is a
+    b.in_flight = 3  # 3/3 == 1/1: ties at random
+    assert {d.choose(None, set()).name for _ in range(64)} == {"a", "b"}  # type: ignore[union-attr]
+    assert d.choose(None, {"a"}) is b
+    assert d.choose(None, set(), model="other") is None
+
+
+def test_affinity_is_sticky_and_weighted() -> None:
+    d = _dispatcher()
+    picks = Counter(d.choose(f"user-{i}", set()).name for i in range(4000))  # type: ignore[union-attr]
+    assert 0.70 < picks["b"] / 4000 < 0.80  # weight 3 of 4
+    assert all(d.choose("user-7", set()) is d.choose("user-7", set()) for _ in range(5))
+    moved_to = {d.choose(f"user-{i}", {"a"}).name for i in range(200)}  # type: ignore[union-attr]
+    assert moved_to == {"b"}
+    d.set_lane("b", drain=True)
+    assert {d.choose(f"user-{i}", set()).name for i in range(50)} == {"a"}  # type: ignore[union-attr]
+    d.set_lane("b", drain=False, weight=0)
+    assert d.routable() == [d.lanes["a"]]
+
+
+def test_ejection_and_panic() -> None:
+    d = _dispatcher(eject_after_failures=2, eject_cooldown_s=5)
+    a = d.lanes["a"]
+    d.failed(a, "connect", "refused")
+    d.succeeded(a)  # consecutive failures only
+    d.failed(a, "connect", "refused")
+    assert not a.ejected(time.monotonic())
+    d.failed(a, "connect", "refused")
+    assert a.ejected(time.monotonic()) and a.describe()["ejected_until"] > time.time()
+    assert d.routable() == [d.lanes["b"]]
+    d.failed(d.lanes["b"], "status", "500")
+    d.failed(d.lanes["b"], "status", "500")
+    assert {lane.name for lane in d.routable()} == {"a", "b"}  # all ejected: ejection ignored
