@@ -117,10 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = msub.add_parser("build-default", help="build the embedded default model")
     b.add_argument("--force", action="store_true")
     b.set_defaults(fn=cmd_build_default)
+    sub.add_parser("keys", help="gateway API keys: create (prints the key once), list, revoke")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:  # the gateway's key tool owns its own arguments
+        from gateway.keys import main as keys_main
+
+        return int(keys_main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))

@@ -38,7 +38,7 @@ __all__ = ["STATE", "EngineFactory", "LaneState", "create_app", "drain", "open_e
 
 log = logging.getLogger("strata.lanes")
 
-_QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled every second: logged at DEBUG only
+_QUIET_PATHS = frozenset({"/health", "/metrics", "/v1/models"})  # polled by the gateway: DEBUG only
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -173,6 +173,8 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
         st.status = "draining"
     timeout = st.config.drain_timeout_s if timeout is None else timeout
     log.info("lane=%s draining: %d request(s) in flight, timeout %.0fs", st.config.name, st.inflight, timeout)
+    if st.idle.is_set():  # nothing in flight (wait_for with timeout 0 would report a timeout)
+        return True
     try:
         await asyncio.wait_for(st.idle.wait(), timeout)
         return True
