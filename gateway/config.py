@@ -14,14 +14,14 @@ No secret lives here: API keys are in the database (hashed); the admin key comes
 
 from __future__ import annotations
 
-import json
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lanes.config import decode_env, read_toml
 
 __all__ = ["ENV_PREFIX", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "default_db_url", "load_config"]
 
@@ -95,13 +95,6 @@ class GatewayConfig(BaseModel):
         return self
 
 
-def _decode_env(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
 def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
     """Build a GatewayConfig from an optional TOML file, ``STRATA_GATEWAY_*`` variables and overrides."""
@@ -110,16 +103,7 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
     sources: dict[str, str] = {}
     if path is not None:
         p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(p)!r} does not exist") from None
-        except OSError as e:
-            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        data = read_toml(p, ConfigError)
         for key, value in data.items():
             merged[key] = value
             sources[key] = f"file {p}"
@@ -127,7 +111,7 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
         if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX:
             continue
         key = var[len(ENV_PREFIX):].lower()
-        merged[key] = _decode_env(env[var])
+        merged[key] = decode_env(env[var])
         sources[key] = f"environment {var}"
     for key, value in (overrides or {}).items():
         if value is not None:

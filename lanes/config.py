@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.scheduler import SchedulerConfig
 
-__all__ = ["ENV_PREFIX", "LANE_PORTS", "ConfigError", "LaneConfig", "load_config", "parse_cpu_list"]
+__all__ = ["ENV_PREFIX", "LANE_PORTS", "ConfigError", "LaneConfig", "decode_env", "load_config", "parse_cpu_list",
+           "read_toml"]
 
 ENV_PREFIX = "STRATA_LANE_"
 LANE_PORTS = {"a": 8101, "b": 8102}  # the --lane presets; any other name keeps the default port
@@ -129,7 +130,21 @@ class LaneConfig(BaseModel):
         return self.threads if self.threads is not None else (len(cores) if cores else None)
 
 
-def _decode_env(value: str) -> Any:
+def read_toml(p: Path, error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """A TOML config file as a dict; every failure is a one-line `error` naming the file."""
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"config file {str(p)!r} does not exist") from None
+    except OSError as e:
+        raise error(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise error(f"config file {str(p)!r} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def decode_env(value: str) -> Any:
     try:
         return json.loads(value)
     except ValueError:
@@ -173,16 +188,7 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
 
     if path is not None:
         p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(p)!r} does not exist") from None
-        except OSError as e:
-            raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        data = read_toml(p)
         for key, value in data.items():
             merged[key] = value
         for key in _flatten(data):
@@ -193,7 +199,7 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
         key_path = [part.lower() for part in var[len(ENV_PREFIX):].split("__")]
         if any(not part for part in key_path):
             raise ConfigError(f"environment {var}={env[var]!r}: empty key segment (nested keys use '__')")
-        put(key_path, _decode_env(env[var]), f"environment {var}")
+        put(key_path, decode_env(env[var]), f"environment {var}")
     for key, value in (overrides or {}).items():
         if value is not None:
             put(key.split("."), value, f"override {key}")
