@@ -13,13 +13,12 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from lanes.errors import APIError, error_body, error_response
+from lanes.errors import HTTP_CODES, APIError, error_body, error_response, http_exception_response
 
 __all__ = ["APIError", "error_body", "error_middleware", "error_response"]
 
 log = logging.getLogger("strata.gateway")
 
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -36,17 +35,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        code = _CODES.get(e.status, "http_error")
+        code = HTTP_CODES.get(e.status, "http_error")
         request[ERROR_CODE] = code
-        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-        if e.status == 404:
-            message = f"no route for {request.method} {request.path}"
-        elif e.status == 405:
-            message = f"method {request.method} is not allowed on {request.path}"
-        elif e.status == 413:
-            message = "the request body is too large"
-        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return error_response(e.status, message, code=_CODES.get(e.status), headers=allow)
+        return http_exception_response(request, e)
     except asyncio.CancelledError:
         raise
     except Exception:

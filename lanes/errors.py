@@ -34,7 +34,7 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
-_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 415: "unsupported_media_type"}
 
 
 @dataclass
@@ -109,6 +109,19 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def http_exception_response(request: web.Request, e: web.HTTPException) -> web.Response:
+    """An aiohttp HTTPException (404, 405, 413, ...) in the OpenAI error shape."""
+    message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+    if e.status == 404:
+        message = f"no route for {request.method} {request.path}"
+    elif e.status == 405:
+        message = f"method {request.method} is not allowed on {request.path}"
+    elif e.status == 413:
+        message = "the request body is too large"
+    allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+    return error_response(e.status, message, code=HTTP_CODES.get(e.status), headers=allow)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -119,14 +132,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as e:
         if e.status < 400:  # redirects and the like are not errors
             raise
-        request_info().error = _CODES.get(e.status, "http_error")
-        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-        if e.status == 404:
-            message = f"no route for {request.method} {request.path}"
-        elif e.status == 405:
-            message = f"method {request.method} is not allowed on {request.path}"
-        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-        return error_response(e.status, message, code=_CODES.get(e.status), headers=allow)
+        request_info().error = HTTP_CODES.get(e.status, "http_error")
+        return http_exception_response(request, e)
     except asyncio.CancelledError:
         raise
     except Exception:
