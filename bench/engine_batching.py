@@ -4,9 +4,9 @@ while a long prompt is being prefilled.
 
     python -m bench.engine_batching [--quick] [--model PATH] [--threads N] [--json OUT]
 
-Ratios are against Strata's own single-stream figure measured in the same run
-(llama.cpp's Python binding has no multi-sequence batched decode to compare with;
-its single-stream decode is in bench/engine_cpu.py).
+Ratios are against Strata's own single-stream figure and against llama.cpp decoding the
+same number of sequences in one `llama_decode` batch (its low-level C API through
+llama-cpp-python), both measured in the same run.
 """
 
 from __future__ import annotations
@@ -49,6 +49,58 @@ def decode_throughput(eng: Engine, n_seqs: int, n_tokens: int, budget: int) -> d
             step_times.append(dt)
     return {"tok_s": decoded / decode_time if decode_time else 0.0,
             "step_ms_median": 1e3 * statistics.median(step_times) if step_times else 0.0}
+
+
+def llama_decode_throughput(path: Path, n_seqs: int, n_tokens: int, threads: int) -> float:
+    """llama.cpp: n_seqs sequences of 32 random prompt tokens, then n_tokens greedy steps
+    with one token of every sequence per llama_decode call; aggregate decode tok/s."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    noop = lc.llama_log_callback(lambda level, text, user: None)
+    lc.llama_log_set(noop, ctypes.c_void_p(0))
+    lc.llama_backend_init()
+    model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+    cp = lc.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = max(n_seqs, 1) * (32 + n_tokens + 16), 512, 512
+    cp.n_seq_max, cp.n_threads, cp.n_threads_batch = n_seqs, threads, threads
+    ctx = lc.llama_init_from_model(model, cp)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(512, 0, n_seqs)
+
+    def add(tok: int, pos: int, seq: int, logits: bool) -> None:
+        i = batch.n_tokens
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, pos, 1, logits
+        batch.seq_id[i][0] = seq
+        batch.n_tokens += 1
+
+    def argmax(i: int) -> int:
+        return int(np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), (n_vocab,)).argmax())
+
+    try:
+        rng = np.random.default_rng(n_seqs)
+        last = []
+        for s in range(n_seqs):  # prompts one sequence per call (untimed)
+            batch.n_tokens = 0
+            for j, t in enumerate(rng.integers(100, n_vocab - 100, size=32)):
+                add(int(t), j, s, j == 31)
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed on a prompt")
+            last.append(argmax(31))
+        t0 = time.perf_counter()
+        for k in range(n_tokens):
+            batch.n_tokens = 0
+            for s in range(n_seqs):
+                add(last[s], 32 + k, s, True)
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed on a decode step")
+            last = [argmax(s) for s in range(n_seqs)]
+        return n_seqs * n_tokens / (time.perf_counter() - t0)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
 
 
 def ttft_during_long_prefill(eng: Engine, long_tokens: int, progress: float, budget: int) -> dict[str, float]:
@@ -100,8 +152,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for c in (1, 4, 16, 32):
             r = decode_throughput(eng, c, n_tokens, args.budget)
+            if not args.no_llama:
+                r["llama_tok_s"] = llama_decode_throughput(Path(path), c, n_tokens, threads)
             results["decode"][c] = r
-            print(f"  {c:>2} sequences: {r['tok_s']:.1f} tok/s aggregate", file=sys.stderr)
+            print(f"  {c:>2} sequences: {r['tok_s']:.1f} tok/s aggregate"
+                  + (f" (llama.cpp {r['llama_tok_s']:.1f})" if "llama_tok_s" in r else ""), file=sys.stderr)
         results["ttft"] = ttft_during_long_prefill(eng, long_tokens, 0.25, args.budget)
         results["long_tokens"] = long_tokens
     finally:
@@ -112,8 +167,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> None:
     base = res["decode"][1]["tok_s"] or 1.0
     rows = [(f"decode, {c} concurrent", f"{r['tok_s']:.1f} tok/s", f"{r['tok_s'] / base:.2f}x single",
-             f"{r['step_ms_median']:.1f} ms/step") for c, r in res["decode"].items()]
-    print(text_table(["metric", "aggregate", "vs 1 stream", "step"], rows))
+             f"{r['step_ms_median']:.1f} ms/step",
+             f"{r['llama_tok_s']:.1f} tok/s" if "llama_tok_s" in r else "-",
+             f"{r['tok_s'] / r['llama_tok_s']:.2f}x" if r.get("llama_tok_s") else "-")
+            for c, r in res["decode"].items()]
+    print(text_table(["metric", "Strata", "vs 1 stream", "step", "llama.cpp", "Strata / llama.cpp"], rows))
     t = res["ttft"]
     print(f"\nshort request during a {res['long_tokens']}-token prefill: TTFT {t['ttft_s'] * 1e3:.0f} ms "
           f"= {t['ttft_in_steps']:.2f} step-times ({int(t['steps'])} steps; step {t['step_s_median'] * 1e3:.0f} ms)")
@@ -128,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="16 tokens per sequence, 4k-token long prompt")
     ap.add_argument("--long-tokens", type=int, default=None, help="long prompt length (default 16000)")
     ap.add_argument("--budget", type=int, default=256, help="scheduler tokens per step")
+    ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp peer")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     res = run(args)
