@@ -9,27 +9,70 @@ static inline __m256i dot_u8s8_256(__m256i u, __m256i a) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
 }
 
-/* One weight row against nt tokens: the row is unpacked once (UNPACK_ROW), then each
- * token costs a load, a maddubs/madd, and one scaled FMA per 32 weights. */
+/* The correction term sum(c * xs): 8-lane chunks, then a scalar tail. */
+static inline float corr256(const float *c, const float *xs, int64_t nc) {
+    __m256 cacc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= nc; j += 8) cacc = _mm256_fmadd_ps(_mm256_loadu_ps(c + j), _mm256_loadu_ps(xs + j), cacc);
+    float corr = hsum256(cacc);
+    for (; j < nc; j++) corr += c[j] * xs[j];
+    return corr;
+}
+
+/* One scaled 32-weight step of a token's accumulator. */
+#define STEP32(acc, uv, swv, ar, i)                                                                      \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_256(uv, _mm256_loadu_si256((const __m256i *)((ar).q + (i))))), \
+                          _mm256_mul_ps(swv, _mm256_loadu_ps((ar).dx4 + (i) / 4)), acc)
+
+/* Up to 4 tokens straight from the packed row (decode, small expert groups). */
+#define FUSED_BODY2(TYPE, NT)                                                                            \
+    {                                                                                                  \
+        __m256 acc[NT];                                                                                \
+        for (int k = 0; k < NT; k++) acc[k] = _mm256_setzero_ps();                                     \
+        for (int64_t i = 0; i < n; i += QK) {                                                          \
+            const subblk r = load_sub(TYPE, w, i / QK);                                                \
+            c[i / 16] = r.m - r.off * r.s_lo, c[i / 16 + 1] = r.m - r.off * r.s_hi;                    \
+            const __m256 swv = _mm256_setr_m128(_mm_set1_ps(r.s_lo), _mm_set1_ps(r.s_hi));            \
+            for (int k = 0; k < NT; k++) STEP32(acc[k], r.u, swv, a[k], i);                            \
+        }                                                                                              \
+        for (int k = 0; k < NT; k++) out[k] = hsum256(acc[k]) + corr256(c, a[k].xs, n / 16);           \
+        return;                                                                                        \
+    }
+
+/* One weight row against nt tokens: up to 4 from registers, more from the row unpacked
+ * once (UNPACK_ROW) with four chains per pass; the same arithmetic per token on every path. */
 #define DEF_DOT_Q_AVX2(NAME, TYPE)                                                                       \
     static void NAME(const void *w, int64_t n, int nt, const act_row *a, float *out) {                 \
+        float c[n / 16];                                                                               \
+        switch (nt) {                                                                                  \
+        case 1: FUSED_BODY2(TYPE, 1)                                                                   \
+        case 2: FUSED_BODY2(TYPE, 2)                                                                   \
+        case 3: FUSED_BODY2(TYPE, 3)                                                                   \
+        case 4: FUSED_BODY2(TYPE, 4)                                                                   \
+        default: break;                                                                                \
+        }                                                                                              \
         uint8_t u[n];                                                                                  \
-        float sw[n / 4], c[n / 16];                                                                    \
+        float sw[n / 4];                                                                               \
         UNPACK_ROW(TYPE, w, n, u, sw, c)                                                               \
-        for (int t = 0; t < nt; t++) {                                                                 \
-            __m256 acc = _mm256_setzero_ps(), cacc = _mm256_setzero_ps();                              \
+        int t = 0;                                                                                     \
+        for (; t + 4 <= nt; t += 4) {                                                                  \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                \
             for (int64_t i = 0; i < n; i += QK) {                                                      \
-                const __m256i p = dot_u8s8_256(_mm256_loadu_si256((const __m256i *)(u + i)),          \
-                                               _mm256_loadu_si256((const __m256i *)(a[t].q + i)));    \
-                const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sw + i / 4), _mm256_loadu_ps(a[t].dx4 + i / 4)); \
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc);                                 \
+                const __m256i uv = _mm256_loadu_si256((const __m256i *)(u + i));                       \
+                const __m256 swv = _mm256_loadu_ps(sw + i / 4);                                        \
+                STEP32(a0, uv, swv, a[t], i);                                                          \
+                STEP32(a1, uv, swv, a[t + 1], i);                                                      \
+                STEP32(a2, uv, swv, a[t + 2], i);                                                      \
+                STEP32(a3, uv, swv, a[t + 3], i);                                                      \
             }                                                                                          \
-            int64_t j = 0;                                                                             \
-            for (; j + 8 <= n / 16; j += 8)                                                            \
-                cacc = _mm256_fmadd_ps(_mm256_loadu_ps(c + j), _mm256_loadu_ps(a[t].xs + j), cacc);    \
-            float corr = hsum256(cacc);                                                                \
-            for (; j < n / 16; j++) corr += c[j] * a[t].xs[j];                                         \
-            out[t] = hsum256(acc) + corr;                                                              \
+            const __m256 accs[4] = {a0, a1, a2, a3};                                                   \
+            for (int k = 0; k < 4; k++) out[t + k] = hsum256(accs[k]) + corr256(c, a[t + k].xs, n / 16); \
+        }                                                                                              \
+        for (; t < nt; t++) {                                                                          \
+            __m256 acc = _mm256_setzero_ps();                                                          \
+            for (int64_t i = 0; i < n; i += QK)                                                        \
+                STEP32(acc, _mm256_loadu_si256((const __m256i *)(u + i)), _mm256_loadu_ps(sw + i / 4), a[t], i); \
+            out[t] = hsum256(acc) + corr256(c, a[t].xs, n / 16);                                       \
         }                                                                                              \
     }
 

@@ -9,6 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from engine.engine import Engine
+from engine.native import VARIANTS, available_variants, lib
 from tests.engine.gguf_factory import make_random_gguf
 
 
@@ -19,7 +20,15 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
                             n_vocab=160, n_expert=8, n_expert_used=2)
 
 
-def test_eight_sequences_batched_equal_alone(model_path: Path) -> None:
+@pytest.fixture(params=available_variants())
+def variant(request: pytest.FixtureRequest) -> str:
+    """Every kernel variant must be batch invariant on its own."""
+    assert lib.st_set_variant(VARIANTS[request.param]) == 0
+    yield request.param
+    lib.st_set_variant(VARIANTS["auto"])
+
+
+def test_eight_sequences_batched_equal_alone(model_path: Path, variant: str) -> None:
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 160, size=int(n))) for n in rng.integers(3, 40, size=8)]
     with Engine.open(model_path, threads=2, kv_tokens=1024) as eng:
@@ -41,9 +50,10 @@ def test_eight_sequences_batched_equal_alone(model_path: Path) -> None:
         offset += len(p)
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err <= 1e-5, err
+        assert np.array_equal(got, ref)  # in fact bit-identical: no kernel depends on the batch
 
 
-def test_decode_steps_of_mixed_sequences_equal_alone(model_path: Path) -> None:
+def test_decode_steps_of_mixed_sequences_equal_alone(model_path: Path, variant: str) -> None:
     """Interleaved decode: one step holds one token of each of 4 sequences at different lengths."""
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, 160, size=n)) for n in (5, 17, 9, 30)]

@@ -3,7 +3,8 @@
 The fixture renders ``supervisord.conf`` into a temp dir changing only state paths and ports:
 ``%(here)s/var`` -> the temp dir's ``var``, ``%(here)s/deploy/lanes/lane_X.toml`` -> temp lane
 files (the repo's lane files with a free port, one explicit core each, a small KV arena), every
-other ``%(here)s`` -> the repo root. Then ``supervisord -n -c <rendered>`` (the venv's), and the
+other ``%(here)s`` -> the repo root; ``%(here)s/deploy/gateway.toml`` -> a temp gateway file (the
+repo's with a free port, the temp lanes, a temp SQLite database and a temp 0600 admin key file). Then ``supervisord -n -c <rendered>`` (the venv's), and the
 tests drive it with ``supervisorctl -c <rendered>``. Teardown: ``supervisorctl shutdown``, then
 no process whose command line names the temp dir may be left.
 """
@@ -33,6 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's bin: supervisord, supervisorctl
 PROGRAMS = ("lane_a", "lane_b")
 GROUP = "lanes"
+GATEWAY = "gateway"
+ADMIN_KEY = "test-admin-" + "k" * 24  # only ever in a 0600 temp file and this process
 KV_TOKENS = 2048
 DRAIN_TIMEOUT_S = 30.0  # below the conf's stopwaitsecs (50); the drain test's streams take ~10 s
 READY_TIMEOUT_S = 120.0
@@ -71,8 +74,28 @@ def dump_toml(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_gateway(tmp: Path, ports: dict[str, int]) -> Path:
+    """The repo's deploy/gateway.toml with the temp lanes, port, database and admin key file."""
+    cfg = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
+    secrets = tmp / "var" / "secrets"
+    secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key_file = secrets / "admin.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(ADMIN_KEY + "\n")
+    lanes = [dict(lane, url=f"http://127.0.0.1:{ports['lane_' + lane['name']]}") for lane in cfg.pop("lanes")]
+    cfg.update(port=ports[GATEWAY], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
+               admin_key_file=str(key_file), health_interval_s=0.25, shutdown_timeout_s=5.0, ping_interval_s=1.0)
+    text = dump_toml(cfg)
+    for lane in lanes:
+        text += "\n[[lanes]]\n" + dump_toml(lane)
+    dst = tmp / "gateway.toml"
+    dst.write_text(text)
+    return dst
+
+
 def render_config(tmp: Path, ports: dict[str, int], cores: dict[str, list[int]]) -> Path:
-    """The repo's supervisord.conf with state paths and lane files moved into ``tmp``."""
+    """The repo's supervisord.conf with state paths, lane files and the gateway file moved into ``tmp``."""
     text = (REPO / "supervisord.conf").read_text()
     assert "%(here)s/var/" in text, "supervisord.conf no longer keeps its state under %(here)s/var/"
     for program in PROGRAMS:
@@ -84,6 +107,10 @@ def render_config(tmp: Path, ports: dict[str, int], cores: dict[str, list[int]])
         dst = tmp / f"{program}.toml"
         dst.write_text(dump_toml(lane))
         text = text.replace(src, str(dst))
+    if GATEWAY in ports:
+        src = "%(here)s/deploy/gateway.toml"
+        assert src in text, f"supervisord.conf no longer runs the gateway with {src}"
+        text = text.replace(src, str(render_gateway(tmp, ports)))
     text = text.replace("%(here)s/var", str(tmp / "var")).replace("%(here)s", str(REPO))
     for sub in ("var/run", "var/log"):
         (tmp / sub).mkdir(parents=True, exist_ok=True)
@@ -140,6 +167,34 @@ class Stack:
     def ctl(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(BIN / "supervisorctl"), "-c", str(self.conf), *args], capture_output=True,
                               text=True, timeout=timeout, env=self.env)
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[GATEWAY]}"
+
+    @property
+    def gateway_conf(self) -> Path:
+        return self.dir / "gateway.toml"
+
+    def wait_gateway(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Until the gateway's /readyz is 200 and it sees every lane ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code, _ = http_get(self.gateway_url + "/readyz", timeout=2)
+            if code == 200:
+                req = urllib.request.Request(self.gateway_url + "/v1/admin/lanes",
+                                             headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                try:
+                    with urllib.request.urlopen(req, timeout=5) as r:
+                        lanes = json.loads(r.read())["data"]
+                    if all(lane["ready"] for lane in lanes):
+                        return
+                except (OSError, ValueError):
+                    pass
+            if time.monotonic() > deadline:
+                log = (self.log_dir / "gateway.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"gateway not ready after {timeout:.0f}s\n{log}")
+            time.sleep(0.25)
 
     def url(self, program: str) -> str:
         return f"http://127.0.0.1:{self.ports[program]}"
@@ -211,10 +266,11 @@ def _shutdown(stack: Stack) -> list[int]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     build_default_model(default_model_path())  # once, before two lanes would race to build it
     tmp = tmp_path_factory.mktemp("sv")
-    ports = {p: free_port() for p in PROGRAMS}
+    ports = {p: free_port() for p in (*PROGRAMS, GATEWAY)}
     cores = lane_cores()
     conf = render_config(tmp, ports, cores)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_LANE_")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_")) and k != "STRATA_ADMIN_KEY"}
     out = open(tmp / "supervisord.stdout", "wb")  # closed in the finally below
     proc = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], stdout=out,
                             stderr=subprocess.STDOUT, env=env, cwd=tmp)
@@ -222,6 +278,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         for program in PROGRAMS:
             st.wait_ready(program)
+        st.wait_gateway()
         yield st
     finally:
         left = _shutdown(st)
