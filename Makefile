@@ -15,7 +15,7 @@ RUN_TIMEOUT     ?= 120
 
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup build model run test bench stop status lint clean
+.PHONY: setup build model run test bench stop status switch lint clean
 
 setup: $(STAMP) $(EXT) $(MODEL)
 
@@ -36,8 +36,10 @@ model: $(MODEL)
 $(MODEL): $(STAMP) engine/default_model.py
 	$(VPY) -m engine.default_model
 
-# The lanes under supervisord (supervisord.conf; state in var/): start if not running, wait
-# until every lane's /health is 200, print where to point a client. `make stop` drains them.
+# Lanes + gateway under supervisord (supervisord.conf; state in var/): create the admin key
+# (var/secrets/admin.key, 0600) if missing, start if not running, wait until every lane's
+# /health and the gateway's /readyz are 200, print how to make a key and point a client at
+# :8080. `make stop` drains them.
 run: setup
 	$(VPY) deploy/run.py --config $(SUPERVISOR_CONF) start --timeout $(RUN_TIMEOUT)
 
@@ -48,10 +50,17 @@ test: setup
 bench: setup
 	$(VPY) -m bench.engine_cpu
 	$(VPY) -m bench.engine_batching
+	$(VPY) -m bench.gateway_overhead --json var/bench/gateway_overhead.json
 
 stop:
 	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) stop; \
 	else echo "no venv: nothing is running"; fi
+
+# A/B rollout of one lane: make switch LANE=b CONFIG=path/to/lane_b.toml [SWITCH_ARGS="--step-hold-s 60"]
+# drain in the gateway, swap the lane file, restart, smoke test, 10% -> 50% -> 100%, roll back on failure.
+switch:
+	@test -n "$(LANE)" -a -n "$(CONFIG)" || { echo "usage: make switch LANE=b CONFIG=path/to/lane_b.toml"; exit 2; }
+	$(VPY) deploy/switch_lane.py --supervisor-config $(SUPERVISOR_CONF) --lane $(LANE) --config $(CONFIG) $(SWITCH_ARGS)
 
 status:
 	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) status; \

@@ -2,12 +2,15 @@
 """Start, stop and inspect the Strata process table (supervisord.conf) — what ``make run``,
 ``make stop`` and ``make status`` call.
 
-    .venv/bin/python deploy/run.py start [--timeout 120]   # start supervisord if needed, wait for /health
+    .venv/bin/python deploy/run.py start [--timeout 120]   # start supervisord if needed, wait for /health + /readyz
     .venv/bin/python deploy/run.py stop [--timeout 120]    # supervisorctl shutdown, wait for the exit
-    .venv/bin/python deploy/run.py status [--check]        # supervisorctl status + each lane's /health
+    .venv/bin/python deploy/run.py status [--check]        # supervisorctl status + each lane's /health + gateway /readyz
 
-``start`` is idempotent: with supervisord already up it (re)starts only lanes that are not
-running and waits for them. Each lane's address comes from the lane itself
+``start`` is idempotent: with supervisord already up it (re)starts only programs that are not
+running and waits for them. Before the first start it creates the gateway's admin key file
+(``admin_key_file`` in deploy/gateway.toml, default var/secrets/admin.key: 32 random bytes,
+mode 0600) when it is missing and ``STRATA_ADMIN_KEY`` is not set; the key itself is never
+printed. Each lane's address comes from the lane itself
 (``python -m lanes --check-config``: lane file + ``STRATA_LANE_*`` environment), so the file,
 not this script, is the one place a port is written. supervisord is reached over its unix
 socket with supervisor's own XML-RPC transport (what supervisorctl uses).
@@ -19,6 +22,7 @@ import argparse
 import configparser
 import json
 import os
+import secrets
 import shlex
 import shutil
 import socket
@@ -38,6 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO / "supervisord.conf"
 BIN = Path(sys.executable).parent  # the venv's bin (not resolved: the venv python is a symlink)
 LANE_GROUP = "lanes"
+GATEWAY_PROGRAM = "gateway"
+ADMIN_ENV = "STRATA_ADMIN_KEY"
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 120.0  # > stopwaitsecs (50) of a draining lane
 
@@ -104,6 +110,91 @@ def resolve_lane(program: str, argv: list[str]) -> Lane:
         raise SystemExit(f"run: {program} has a bad config (exit {r.returncode}): {r.stderr.strip()}")
     cfg = json.loads(r.stdout)
     return Lane(program, cfg["name"], cfg["host"], int(cfg["port"]), cfg["cores"])
+
+
+@dataclass
+class Gateway:
+    program: str  # supervisord program name: gateway
+    host: str
+    port: int
+    admin_key_file: Path | None  # resolved against the program's directory
+
+    @property
+    def base(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def _argv_option(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def gateway_program(conf: Path) -> Gateway | None:
+    """The ``[program:gateway]`` of the config, resolved like the gateway resolves it (its
+    ``--config`` file + ``STRATA_GATEWAY_*``); None when the config runs no gateway."""
+    p = _parser(conf)
+    section = f"program:{GATEWAY_PROGRAM}"
+    if not p.has_section(section):
+        return None
+    argv = shlex.split(_here(p.get(section, "command"), conf))
+    cwd = Path(_here(p.get(section, "directory", fallback=str(conf.parent)), conf))
+    cfg_path = _argv_option(argv, "--config")
+    sys.path.insert(0, str(REPO))
+    from gateway.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(Path(cfg_path) if cfg_path else None, os.environ)
+    except ConfigError as e:
+        raise SystemExit(f"run: {GATEWAY_PROGRAM} has a bad config: {e}") from None
+    port = _argv_option(argv, "--port")
+    key_file = cfg.admin_key_file
+    if key_file is not None and not key_file.is_absolute():
+        key_file = cwd / key_file
+    return Gateway(GATEWAY_PROGRAM, _argv_option(argv, "--host") or cfg.host,
+                   int(port) if port else cfg.port, key_file)
+
+
+def ensure_admin_key(gw: Gateway, log: Callable[[str], None] | None = None) -> bool:
+    """Create the admin key file (random, mode 0600) when missing; False when it is unusable."""
+    log = log or _log
+    if os.environ.get(ADMIN_ENV):
+        log(f"run: the gateway's admin key comes from ${ADMIN_ENV}")
+        return True
+    path = gw.admin_key_file
+    if path is None:
+        log("run: the gateway has no admin key (no admin_key_file, no $STRATA_ADMIN_KEY): the admin API "
+            "answers only database keys created with --admin")
+        return True
+    if path.exists():
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log(f"run: {path} has mode {mode:04o}; the gateway refuses it (run: chmod 600 {path})")
+            return False
+        return True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    log(f"run: created the gateway admin key {path} (mode 0600; read it with: cat {path})")
+    return True
+
+
+def read_admin_key(gw: Gateway | None) -> str | None:
+    key = os.environ.get(ADMIN_ENV)
+    if key:
+        return key
+    if gw is None or gw.admin_key_file is None:
+        return None
+    try:
+        return gw.admin_key_file.read_text().strip() or None
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------- supervisord
@@ -204,8 +295,21 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def wait_healthy(conf: Path, lanes: list[Lane], timeout: float, log: Callable[[str], None] = _log) -> bool:
-    """Poll supervisord's states and each lane's /health until all answer 200; print progress."""
+def readyz(gw: Gateway, timeout: float = 2.0) -> int:
+    """HTTP status of the gateway's /readyz; 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(gw.base + "/readyz", timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (OSError, ValueError):
+        return 0
+
+
+def wait_healthy(conf: Path, lanes: list[Lane], timeout: float, log: Callable[[str], None] = _log,
+                 gateway: Gateway | None = None) -> bool:
+    """Poll supervisord's states, each lane's /health and the gateway's /readyz until all answer
+    200; print progress."""
     t0 = time.monotonic()
     last = ""
     next_print = 0.0
@@ -229,15 +333,25 @@ def wait_healthy(conf: Path, lanes: list[Lane], timeout: float, log: Callable[[s
             ready += code == 200
             parts.append(f"{lane.program} {state} /health " + (str(code) if code else "-")
                          + (f" {body['status']}" if body.get("status") else ""))
+        if gateway is not None:
+            info = states.get(gateway.program, {})
+            state = info.get("statename", "?")
+            if state == "FATAL":
+                log(f"run: {gateway.program} is FATAL ({info.get('spawnerr') or 'gave up'}); the end of its log:")
+                log(_tail(Path(info.get("stdout_logfile") or "/dev/null")))
+                return False
+            code = readyz(gateway)
+            ready += code == 200
+            parts.append(f"{gateway.program} {state} /readyz " + (str(code) if code else "-"))
         line = ", ".join(parts)
-        if ready == len(lanes):
+        if ready == len(lanes) + (gateway is not None):
             log(f"  [{elapsed:5.1f}s] {line}")
             return True
         if line != last or elapsed >= next_print:
             log(f"  [{elapsed:5.1f}s] {line}")
             last, next_print = line, elapsed + 5.0
         if elapsed > timeout:
-            log(f"run: lanes not healthy after {timeout:.0f}s; see var/log/ (make status)")
+            log(f"run: not healthy after {timeout:.0f}s; see var/log/ (make status)")
             return False
         time.sleep(0.5)
 
@@ -251,12 +365,16 @@ def cmd_start(conf: Path, timeout: float) -> int:
         _log(f"run: {len(found)} GPU(s): " + "; ".join(found))
         _log("     gpu ids are recorded only until the CUDA path exists: set gpu = 0 / 1 in "
              "deploy/lanes/lane_{a,b}.toml to have /v1/lane report them")
+    gw = gateway_program(conf)
+    if gw is not None and not ensure_admin_key(gw):
+        return 1
     pid = supervisord_pid(conf)
     if pid is None:
-        for lane in lanes:
-            if port_taken(lane.host, lane.port):
-                _log(f"run: {lane.host}:{lane.port} ({lane.program}) is already in use by another process "
-                     f"(another checkout's lanes? `ss -ltnp | grep {lane.port}`); not starting")
+        for prog, host, port in [(ln.program, ln.host, ln.port) for ln in lanes] + (
+                [(gw.program, gw.host, gw.port)] if gw is not None else []):
+            if port_taken(host, port):
+                _log(f"run: {host}:{port} ({prog}) is already in use by another process "
+                     f"(another checkout's stack? `ss -ltnp | grep {port}`); not starting")
                 return 1
         for d in state_dirs(conf):
             d.mkdir(parents=True, exist_ok=True)
@@ -283,10 +401,64 @@ def cmd_start(conf: Path, timeout: float) -> int:
             if state in ("STOPPED", "EXITED", "FATAL"):
                 _log(f"run: {lane.program} was {state}; starting it")
                 rpc(conf).supervisor.startProcess(f"{LANE_GROUP}:{lane.program}", False)
-    if not wait_healthy(conf, lanes, timeout):
+        if gw is not None and states.get(gw.program, {}).get("statename") in ("STOPPED", "EXITED", "FATAL"):
+            _log(f"run: {gw.program} was {states[gw.program]['statename']}; starting it")
+            rpc(conf).supervisor.startProcess(gw.program, False)
+    if not wait_healthy(conf, lanes, timeout, gateway=gw):
         return 1
-    _summary(conf, lanes)
+    if gw is not None:
+        _summary_gateway(conf, lanes, gw)
+    else:
+        _summary(conf, lanes)
     return 0
+
+
+def _summary_gateway(conf: Path, lanes: list[Lane], gw: Gateway) -> None:
+    _log("")
+    _log("Strata is up: the gateway fronts the lanes (OpenAI-compatible; model \"strata-default\"):")
+    _log(f"  gateway  {gw.base}/v1   (listening on {gw.host}:{gw.port}; API key required)")
+    for lane in lanes:
+        try:
+            info = get_json(lane.base + "/v1/lane", timeout=5)
+            extra = f"pid {info['pid']}, cores {info['cores']}, n_ctx {info['n_ctx']}"
+        except (OSError, ValueError, KeyError):
+            extra = ""
+        _log(f"  lane {lane.name}   {lane.base}/v1   (loopback only) {extra}")
+    admin = read_admin_key(gw)
+    if admin:
+        try:
+            t0 = time.monotonic()
+            req = urllib.request.Request(gw.base + "/v1/chat/completions", data=json.dumps({
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+                "max_tokens": 32, "temperature": 0}).encode(),
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {admin}"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                lane_name = r.headers.get("X-Strata-Lane", "?")
+                text = json.loads(r.read())["choices"][0]["message"]["content"].strip()
+            _log(f"  first answer through the gateway (lane {lane_name}, {time.monotonic() - t0:.1f}s): {text!r}")
+        except (OSError, ValueError, KeyError) as e:
+            _log(f"  (the first test prompt through the gateway failed: {e})")
+    where = f"{gw.admin_key_file}" if gw.admin_key_file else f"${ADMIN_ENV}"
+    host = socket.gethostname() if gw.host in ("0.0.0.0", "", "::") else gw.host
+    _log("")
+    _log("Create an API key (printed once; stored hashed in the gateway database):")
+    _log(f"  {BIN / 'strata'} keys create --name me          # --rpm 60 --max-concurrent 4 --log-prompts ...")
+    _log(f"Admin key (admin API /v1/admin/*, never printed): {where}   (cat it to use it)")
+    _log("")
+    _log("Try it:")
+    _log(f"  curl -s {gw.base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\")
+    _log("    -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
+         "\"content\": \"Hi!\"}], \"max_tokens\": 64}'")
+    _log("")
+    _log("  from openai import OpenAI")
+    _log(f"  client = OpenAI(base_url=\"http://{host}:{gw.port}/v1\", api_key=\"sk-strata-...\")")
+    _log("  r = client.chat.completions.create(model=\"strata-default\", "
+         "messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
+    _log("  print(r.choices[0].message.content)")
+    _log("")
+    _log(f"Status: make status    Logs: {conf.parent / 'var' / 'log'}/    "
+         f"Control: {BIN / 'supervisorctl'} -c {conf}    Lane switch: make switch LANE=b CONFIG=...    "
+         "Stop: make stop")
 
 
 def _summary(conf: Path, lanes: list[Lane]) -> None:
@@ -334,7 +506,7 @@ def cmd_stop(conf: Path, timeout: float) -> int:
     if pid is None:
         _log("run: supervisord is not running; nothing to stop")
         return 0
-    _log(f"run: shutting down supervisord (pid {pid}); lanes drain in-flight requests first")
+    _log(f"run: shutting down supervisord (pid {pid}); the gateway and the lanes finish in-flight requests first")
     try:
         rpc(conf).supervisor.shutdown()
     except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError) as e:
@@ -373,6 +545,15 @@ def cmd_status(conf: Path, check: bool) -> int:
         code, body = health(lane)
         ok = ok and code == 200
         _log(f"{program:<32} {lane.base}/health {code or '-'} {json.dumps(body, separators=(',', ':'))}")
+    try:
+        gw = gateway_program(conf)
+    except SystemExit as e:
+        _log(str(e))
+        return 3 if check else 0
+    if gw is not None:
+        code = readyz(gw)
+        ok = ok and code == 200
+        _log(f"{gw.program:<32} {gw.base}/readyz {code or '-'}")
     return 0 if ok or not check else 3
 
 

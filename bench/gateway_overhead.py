@@ -1,0 +1,229 @@
+"""What the gateway adds to a request: the same streamed request straight to a lane and through
+the gateway, alternating, in one run.
+
+    PYTHONPATH=. .venv/bin/python -m bench.gateway_overhead                      # starts a lane + gateway
+    PYTHONPATH=. .venv/bin/python -m bench.gateway_overhead -n 200 --json var/bench/gateway_overhead.json
+    PYTHONPATH=. .venv/bin/python -m bench.gateway_overhead --lane-url http://127.0.0.1:8101 \\
+        --gateway-url http://127.0.0.1:8080 --key sk-strata-...                  # a running stack
+
+Without URLs it starts one lane (``python -m lanes``, default model, 2048-token KV) and the
+gateway (``python -m gateway`` with a temp config, a temp SQLite database and a random admin
+key in its environment) as real processes on free ports, creates a key with the keys CLI, and
+stops both at the end. Each pair of samples sends the identical request (``max_tokens`` 8,
+``temperature`` 0, same prompt, so the prefix cache makes both sides equal) once to the lane
+and once through the gateway, in alternating order, over one keep-alive connection each.
+
+Reported: TTFT (request sent -> first content token read) and total time per request, for
+both paths; the *added* TTFT = gateway - direct per pair (median and p99) and the added
+total time (median). Targets: median added TTFT <= 3 ms, p99 <= 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from bench.common import REPO_ROOT, machine_info, write_json
+
+TARGET_MEDIAN_MS = 3.0
+TARGET_P99_MS = 10.0
+BODY = {"model": "strata-default", "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 8, "temperature": 0, "stream": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.HTTPError):
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"gateway_overhead: {url} not 200 after {timeout:.0f}s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_stack(stack: ExitStack, tmp: Path) -> tuple[str, str, str]:
+    """One lane and the gateway as processes; returns (lane url, gateway url, user key)."""
+    py = sys.executable
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
+               STRATA_ADMIN_KEY=secrets.token_urlsafe(32))
+    lane_port, gw_port = _free_port(), _free_port()
+    lane_log = open(tmp / "lane.log", "wb")
+    stack.callback(lane_log.close)
+    lane = subprocess.Popen([py, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=env, cwd=REPO_ROOT,
+                            stdout=lane_log, stderr=subprocess.STDOUT)
+    stack.callback(_stop, lane)
+    db = f"sqlite:///{tmp / 'gateway.db'}"
+    conf = tmp / "gateway.toml"
+    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "{db}"\nhealth_interval_s = 0.5\n\n'
+                    f'[[lanes]]\nname = "a"\nurl = "http://127.0.0.1:{lane_port}"\n')
+    gw_log = open(tmp / "gateway.log", "wb")
+    stack.callback(gw_log.close)
+    gw = subprocess.Popen([py, "-m", "gateway", "--config", str(conf)], env=env, cwd=REPO_ROOT, stdout=gw_log,
+                          stderr=subprocess.STDOUT)
+    stack.callback(_stop, gw)
+    lane_url, gw_url = f"http://127.0.0.1:{lane_port}", f"http://127.0.0.1:{gw_port}"
+    _wait(lane_url + "/health", 180)
+    _wait(gw_url + "/readyz", 60)
+    r = subprocess.run([py, "-m", "gateway.keys", "--config", str(conf), "create", "--name", "bench"], env=env,
+                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise SystemExit(f"gateway_overhead: key creation failed: {r.stderr.strip()}")
+    return lane_url, gw_url, r.stdout.strip()
+
+
+class Client:
+    """One keep-alive HTTP connection; ``stream()`` -> (ttft_s, total_s, text)."""
+
+    def __init__(self, base: str, key: str | None) -> None:
+        u = urlsplit(base)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.headers = {"Content-Type": "application/json"}
+        if key:
+            self.headers["Authorization"] = f"Bearer {key}"
+        self.conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        self.body = json.dumps(BODY).encode()
+
+    def stream(self) -> tuple[float, float, str]:
+        t0 = time.perf_counter()
+        self.conn.request("POST", "/v1/chat/completions", body=self.body, headers=self.headers)
+        r = self.conn.getresponse()
+        if r.status != 200:
+            raise SystemExit(f"gateway_overhead: HTTP {r.status}: {r.read()[:300]!r}")
+        ttft: float | None = None
+        text = ""
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            obj = json.loads(data)
+            for ch in obj.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += piece
+        r.read()
+        total = time.perf_counter() - t0
+        return (ttft if ttft is not None else total), total, text
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int) -> dict[str, Any]:
+    direct, gateway = Client(lane_url, None), Client(gw_url, key)
+    for _ in range(warmup):
+        direct.stream()
+        gateway.stream()
+    samples: list[dict[str, float]] = []
+    for i in range(n):
+        order = (direct, gateway) if i % 2 == 0 else (gateway, direct)
+        res = {}
+        for c in order:
+            ttft, total, _ = c.stream()
+            res["gw" if c is gateway else "direct"] = (ttft, total)
+        samples.append({"direct_ttft_ms": res["direct"][0] * 1e3, "direct_total_ms": res["direct"][1] * 1e3,
+                        "gateway_ttft_ms": res["gw"][0] * 1e3, "gateway_total_ms": res["gw"][1] * 1e3})
+    added_ttft = [s["gateway_ttft_ms"] - s["direct_ttft_ms"] for s in samples]
+    added_total = [s["gateway_total_ms"] - s["direct_total_ms"] for s in samples]
+    summary = {
+        "n": n,
+        "direct_ttft_median_ms": statistics.median(s["direct_ttft_ms"] for s in samples),
+        "gateway_ttft_median_ms": statistics.median(s["gateway_ttft_ms"] for s in samples),
+        "direct_total_median_ms": statistics.median(s["direct_total_ms"] for s in samples),
+        "gateway_total_median_ms": statistics.median(s["gateway_total_ms"] for s in samples),
+        "added_ttft_median_ms": statistics.median(added_ttft),
+        "added_ttft_p99_ms": _pct(added_ttft, 0.99),
+        "added_total_median_ms": statistics.median(added_total),
+        "target_added_ttft_median_ms": TARGET_MEDIAN_MS,
+        "target_added_ttft_p99_ms": TARGET_P99_MS,
+    }
+    return {"summary": summary, "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gateway_overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", type=int, default=50, help="request pairs (default 50)")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured pairs first (default 3)")
+    p.add_argument("--lane-url", help="a running lane (then also --gateway-url and --key)")
+    p.add_argument("--gateway-url", help="a running gateway in front of that lane")
+    p.add_argument("--key", help="an API key for the running gateway (default: $STRATA_API_KEY)")
+    p.add_argument("--json", type=Path, help="write summary, raw samples and machine info here")
+    args = p.parse_args(argv)
+    with ExitStack() as stack:
+        if args.lane_url or args.gateway_url:
+            key = args.key or os.environ.get("STRATA_API_KEY")
+            if not (args.lane_url and args.gateway_url and key):
+                p.error("a running stack needs --lane-url, --gateway-url and --key (or $STRATA_API_KEY)")
+            lane_url, gw_url = args.lane_url.rstrip("/"), args.gateway_url.rstrip("/")
+        else:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-gwbench-")))
+            print("gateway_overhead: starting a lane and the gateway ...", flush=True)
+            lane_url, gw_url, key = start_stack(stack, tmp)
+        print(f"gateway_overhead: {args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream)",
+              flush=True)
+        report = run(lane_url, gw_url, key, args.n, args.warmup)
+    s = report["summary"]
+    print(f"  TTFT median   direct {s['direct_ttft_median_ms']:8.2f} ms   gateway {s['gateway_ttft_median_ms']:8.2f} ms")
+    print(f"  total median  direct {s['direct_total_median_ms']:8.2f} ms   gateway {s['gateway_total_median_ms']:8.2f} ms")
+    ok_med = s["added_ttft_median_ms"] <= TARGET_MEDIAN_MS
+    ok_p99 = s["added_ttft_p99_ms"] <= TARGET_P99_MS
+    print(f"  added TTFT median {s['added_ttft_median_ms']:6.2f} ms (target <= {TARGET_MEDIAN_MS:g} ms: "
+          f"{'met' if ok_med else 'MISSED'})")
+    print(f"  added TTFT p99    {s['added_ttft_p99_ms']:6.2f} ms (target <= {TARGET_P99_MS:g} ms: "
+          f"{'met' if ok_p99 else 'MISSED'})")
+    print(f"  added time per request (median) {s['added_total_median_ms']:6.2f} ms")
+    if args.json:
+        report["machine"] = machine_info()
+        report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY}
+        write_json(args.json, report)
+        print(f"  wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
