@@ -33,7 +33,7 @@ $(EXT): $(STAMP) $(CSRC)
 	$(VPY) -m engine._build
 
 model: $(MODEL)
-$(MODEL): $(STAMP) engine/default_model.py
+$(MODEL): $(STAMP) $(EXT) engine/default_model.py
 	$(VPY) -m engine.default_model
 
 # Lanes + gateway under supervisord (supervisord.conf; state in var/): create the admin key

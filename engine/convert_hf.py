@@ -42,6 +42,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import LlamaFileType
 
+from engine.gguf_model import abort_gguf, commit_gguf
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ConversionError", "OUTTYPES", "SUPPORTED_ARCHITECTURES", "convert_hf", "main", "permute_qk", "unpermute_qk"]
@@ -648,15 +650,9 @@ def convert_hf(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], outt
             if arr.shape != item.shape:
                 raise ConversionError(f"{item.name}: produced shape {list(arr.shape)}, planned {list(item.shape)}")
             writer.write_tensor_data(_encode(arr, item.qtype))
-        assert writer.fout is not None
-        for fp in writer.fout:
-            fp.flush()
-            os.fsync(fp.fileno())
-        writer.close()
-        os.replace(tmp, out)
+        commit_gguf(writer, tmp, out)
     except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+        abort_gguf(writer, tmp)
         raise
     finally:
         ckpt.close()

@@ -25,6 +25,8 @@ import gguf
 import numpy as np
 from gguf import GGUFValueType as VT
 
+from engine.gguf_model import abort_gguf, commit_gguf
+
 __all__ = ["DefaultModelError", "N_EXPERT", "N_EXPERT_USED", "build_default_model", "default_model_path",
            "is_valid_default_model", "source_model_path"]
 
@@ -182,15 +184,9 @@ def build_default_model(out: Path | None = None, force: bool = False) -> Path:
         for _, data, _ in plan:
             # contiguous copies write ~10x faster than tofile() on a stride-0 view (a few MB each)
             writer.write_tensor_data(np.ascontiguousarray(data))
-        assert writer.fout is not None
-        for fp in writer.fout:
-            fp.flush()
-            os.fsync(fp.fileno())
-        writer.close()
-        os.replace(tmp, out)
+        commit_gguf(writer, tmp, out)
     except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
+        abort_gguf(writer, tmp)
         raise
     return out
 

@@ -15,8 +15,6 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from engine.native import ffi
-
 GGUF_MAGIC = b"GGUF"
 
 # ggml type ids the C engine implements (see engine/csrc/strata.h).
@@ -211,6 +209,25 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
     return ModelFile(path=path, metadata=md, hparams=hp, tensors=tensors)
 
 
+# ---------------------------------------------------------------- writing
+
+def commit_gguf(writer: Any, tmp: Path, out: Path) -> None:
+    """Finish a gguf.GGUFWriter that wrote to `tmp`: flush to disk, then rename over `out`,
+    so readers never see a half-written model."""
+    assert writer.fout is not None
+    for fp in writer.fout:
+        fp.flush()
+        os.fsync(fp.fileno())
+    writer.close()
+    os.replace(tmp, out)
+
+
+def abort_gguf(writer: Any, tmp: Path) -> None:
+    """Drop a partly written GGUF after a failure."""
+    writer.close()
+    tmp.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------- C descriptor
 
 _LAYER_TENSORS = {
@@ -225,6 +242,8 @@ _LAYER_TENSORS = {
 
 
 def _fill(dst: Any, t: TensorRef | None, keep: list[Any]) -> None:
+    from engine.native import ffi
+
     if t is None:
         dst.data = ffi.NULL
         return
@@ -239,6 +258,8 @@ def _fill(dst: Any, t: TensorRef | None, keep: list[Any]) -> None:
 
 def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
     """A filled st_model_desc plus the cffi objects that must outlive it."""
+    from engine.native import ffi  # here, so reading and writing GGUF needs no C build
+
     hp = mf.hparams
     keep: list[Any] = []
     desc = ffi.new("st_model_desc *")

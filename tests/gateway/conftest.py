@@ -4,14 +4,12 @@ the real gateway app in-process on a free port, a real SQLite file per module.""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -25,6 +23,7 @@ from gateway.state import GATEWAY, Gateway
 from lanes.config import LaneConfig
 from lanes.server import STATE
 from lanes.server import create_app as create_lane_app
+from tests.http_helpers import scrape, sse  # noqa: F401  (re-exported to the gateway tests)
 
 KV_TOKENS = 1024  # the test window (n_ctx = min(trained 8192, KV))
 ADMIN_KEY = "test-admin-key-0123456789"
@@ -114,27 +113,5 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    async with session.get(url + "/metrics") as r:
-        assert r.status == 200
-        text = await r.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-async def sse(resp: aiohttp.ClientResponse) -> list[str]:
-    """Every SSE line of a response (comments included), without line ends."""
-    lines = []
-    async for raw in resp.content:
-        line = raw.decode().rstrip("\n")
-        if line:
-            lines.append(line)
-    return lines

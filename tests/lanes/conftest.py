@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -18,6 +16,7 @@ from engine.engine import Engine
 from engine.scheduler import SchedulerConfig
 from lanes.config import LaneConfig
 from lanes.server import STATE, EngineFactory, create_app
+from tests.http_helpers import scrape, sse  # noqa: F401  (re-exported to the lane tests)
 
 KV_TOKENS = 2048  # the test window (n_ctx = min(trained 8192, KV))
 
@@ -76,17 +75,3 @@ async def running_lane(config: LaneConfig, factory: EngineFactory | None, *, wai
         await runner.cleanup()
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    async with session.get(url + "/metrics") as r:
-        assert r.status == 200
-        text = await r.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
