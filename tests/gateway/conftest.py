@@ -23,7 +23,6 @@ from gateway.state import GATEWAY, Gateway
 from lanes.config import LaneConfig
 from lanes.server import STATE
 from lanes.server import create_app as create_lane_app
-from tests.http_helpers import scrape, sse  # noqa: F401  (re-exported to the gateway tests)
 
 KV_TOKENS = 1024  # the test window (n_ctx = min(trained 8192, KV))
 ADMIN_KEY = "test-admin-key-0123456789"

@@ -13,7 +13,8 @@ import pytest
 
 from gateway.dispatch import rendezvous_score
 from lanes.server import drain
-from tests.gateway.conftest import ADMIN_KEY, GW, auth, gateway_config, running_gateway, running_lane, scrape
+from tests.gateway.conftest import ADMIN_KEY, GW, auth, gateway_config, running_gateway, running_lane
+from tests.http_helpers import scrape
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -21,9 +21,8 @@ from tests.gateway.conftest import (
     gateway_config,
     running_gateway,
     running_lane,
-    scrape,
-    sse,
 )
+from tests.http_helpers import scrape, sse
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -16,7 +16,6 @@ from engine.engine import Engine
 from engine.scheduler import SchedulerConfig
 from lanes.config import LaneConfig
 from lanes.server import STATE, EngineFactory, create_app
-from tests.http_helpers import scrape, sse  # noqa: F401  (re-exported to the lane tests)
 
 KV_TOKENS = 2048  # the test window (n_ctx = min(trained 8192, KV))
 

@@ -12,7 +12,8 @@ import pytest
 import pytest_asyncio
 
 from lanes.server import EngineFactory
-from tests.lanes.conftest import Lane, lane_config, running_lane, scrape
+from tests.http_helpers import scrape
+from tests.lanes.conftest import Lane, lane_config, running_lane
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

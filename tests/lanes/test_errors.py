@@ -21,7 +21,8 @@ from aiohttp import web
 from engine.engine import Engine
 from engine.scheduler import SchedulerConfig
 from lanes.server import EngineFactory, drain
-from tests.lanes.conftest import KV_TOKENS, Lane, lane_config, running_lane, scrape
+from tests.http_helpers import scrape
+from tests.lanes.conftest import KV_TOKENS, Lane, lane_config, running_lane
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

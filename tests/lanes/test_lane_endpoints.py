@@ -9,7 +9,8 @@ import aiohttp
 
 from engine.engine import Engine
 from lanes.server import EngineFactory
-from tests.lanes.conftest import lane_config, running_lane, scrape
+from tests.http_helpers import scrape
+from tests.lanes.conftest import lane_config, running_lane
 
 METRICS = ["strata_requests_running", "strata_requests_waiting", "strata_kv_usage_ratio",
            "strata_prefix_cache_hit_tokens_total", "strata_prefix_cache_query_tokens_total",
