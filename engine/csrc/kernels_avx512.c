@@ -10,14 +10,18 @@ static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
  * token costs a load, a vpdpbusd and one scaled FMA per 64 weights. */
 /* The correction term sum(c * xs) as a vector, in 16-lane chunks with a masked tail. */
 static inline __m512 corr512(const float *c, const float *xs, int64_t nc) {
-    __m512 cacc = _mm512_setzero_ps();
+    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(); /* two chains: half the FMA latency */
     int64_t j = 0;
-    for (; j + 16 <= nc; j += 16) cacc = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(xs + j), cacc);
+    for (; j + 32 <= nc; j += 32) {
+        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(xs + j), c0);
+        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(c + j + 16), _mm512_loadu_ps(xs + j + 16), c1);
+    }
+    for (; j + 16 <= nc; j += 16) c0 = _mm512_fmadd_ps(_mm512_loadu_ps(c + j), _mm512_loadu_ps(xs + j), c0);
     if (j < nc) {
         const __mmask16 m = (__mmask16)((1u << (nc - j)) - 1);
-        cacc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, c + j), _mm512_maskz_loadu_ps(m, xs + j), cacc);
+        c1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, c + j), _mm512_maskz_loadu_ps(m, xs + j), c1);
     }
-    return cacc;
+    return _mm512_add_ps(c0, c1);
 }
 
 /* The odd trailing 32-element sub-block, if any (256-bit). */
