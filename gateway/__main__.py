@@ -25,6 +25,7 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.auth import resolve_admin_key
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.db import safe_url
 from gateway.state import GATEWAY
 
 log = logging.getLogger("strata.gateway")
@@ -98,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata gateway: {e}", file=sys.stderr)
         return EXIT_CONFIG
     if args.check_config:
-        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        shown = config.model_dump(mode="json")
+        shown["db_url"] = safe_url(config.db_url)  # never print a database password
+        print(json.dumps(shown, indent=2))
         return EXIT_OK
     try:
         resolve_admin_key(config)  # a bad admin key source is a config error: refuse before listening

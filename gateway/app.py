@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.auth import Authenticator, resolve_admin_key
 from gateway.config import GatewayConfig
-from gateway.db import open_db
+from gateway.db import open_db, safe_url
 from gateway.dispatch import Dispatcher
 from gateway.errors import ERROR_CODE, APIError, error_middleware
 from gateway.keys import KeySpec, KeyStore
@@ -90,7 +90,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
              asyncio.create_task(_retention(gw), name="gateway-retention")]
     log.info("gateway ready: lanes %s, db %s", ", ".join(f"{lane.name}={lane.url}"
                                                          for lane in gw.dispatcher.lanes.values()),
-             _safe_url(cfg.db_url))
+             safe_url(cfg.db_url))
     yield
     for t in tasks:
         t.cancel()
@@ -100,16 +100,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await gw.session.close()
     await asyncio.to_thread(gw.store.close)
     gw.db.dispose()
-
-
-def _safe_url(url: str) -> str:
-    """A database URL without its password (for logs)."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<unparsable url>"
 
 
 async def _retention(gw: Gateway) -> None:

@@ -1,7 +1,9 @@
 """The gateway's SQL database (SQLAlchemy 2 Core): API keys and the request log.
 
 SQLite (WAL, the default, under ``var/``) or any SQLAlchemy URL (PostgreSQL for more than
-one gateway). Every call here is blocking: the app runs them in worker threads.
+one gateway, e.g. ``postgresql+psycopg://user:password@host/db``). Every call here is
+blocking: the app runs them in worker threads. Values are kept within what every backend
+stores (``INT_MIN``..``INT_MAX`` for integers, text without NUL): PostgreSQL refuses the rest.
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ from sqlalchemy import (
     event,
     insert,
     select,
+    text,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
-__all__ = ["api_keys", "get_pepper", "meta", "metadata", "open_db", "requests"]
+__all__ = ["INT_MAX", "INT_MIN", "api_keys", "check_text", "get_pepper", "meta", "metadata", "open_db",
+           "requests", "safe_url"]
+
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # an SQL INTEGER column (PostgreSQL int4)
+_SCHEMA_LOCK = 0x5374726174610001  # pg_advisory_xact_lock key: gateways starting at once create tables in turn
 
 metadata = MetaData()
 
@@ -90,8 +97,28 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def check_text(value: str) -> str:
+    """``value`` if every backend can store it (PostgreSQL refuses NUL and unencodable surrogates)."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (a lone surrogate is not)") from None
+    return value
+
+
+def safe_url(url: str) -> str:
+    """A database URL without its password (for logs and error messages)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparsable url>"
+
+
 def open_db(url: str) -> Engine:
-    """An engine with the tables created. A SQLite file (and its directory) is made private (0600)."""
+    """An engine with the tables created. A SQLite file (and its directory) is made private (0600);
+    the WAL pragmas and the file mode are for SQLite only."""
     u = make_url(url)
     is_sqlite = u.get_backend_name() == "sqlite"
     db_path: Path | None = None
@@ -105,7 +132,12 @@ def open_db(url: str) -> Engine:
     engine = create_engine(url, pool_pre_ping=not is_sqlite, hide_parameters=True)
     if is_sqlite:
         event.listen(engine, "connect", _sqlite_pragmas)
-    metadata.create_all(engine)
+    with engine.begin() as conn:
+        if u.get_backend_name() == "postgresql":
+            # CREATE TABLE is not atomic with its existence check: two gateways starting on an empty
+            # database would both create (one fails); the lock lasts until this transaction ends
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
+        metadata.create_all(conn)
     return engine
 
 

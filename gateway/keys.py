@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import Engine, insert, select, update
 
-from gateway.db import api_keys, get_pepper, open_db
+from gateway.db import INT_MAX, INT_MIN, api_keys, check_text, get_pepper, open_db, safe_url
 
 __all__ = ["KEY_PREFIX", "KeyRecord", "KeySpec", "KeyStore", "main"]
 
@@ -64,11 +64,16 @@ class KeySpec(BaseModel):
 
     name: str = Field(min_length=1, max_length=128)
     admin: bool = False
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    rpm: int | None = Field(None, ge=1, le=INT_MAX)  # le: an SQL INTEGER on every backend
+    tpm: int | None = Field(None, ge=1, le=INT_MAX)
+    max_concurrent: int | None = Field(None, ge=1, le=INT_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     log_prompts: bool | None = None  # None: the gateway's log_prompts_default
+
+    @field_validator("name")
+    @classmethod
+    def _storable(cls, v: str) -> str:
+        return check_text(v)
 
 
 def _record(row: Any) -> KeyRecord:
@@ -108,12 +113,16 @@ class KeyStore:
             return [_record(r) for r in conn.execute(select(*_COLUMNS).order_by(api_keys.c.id))]
 
     def get(self, key_id: int) -> KeyRecord | None:
+        if not INT_MIN <= key_id <= INT_MAX:  # no such id (and PostgreSQL refuses the comparison)
+            return None
         with self.engine.connect() as conn:
             row = conn.execute(select(*_COLUMNS).where(api_keys.c.id == key_id)).first()
         return _record(row) if row is not None else None
 
     def revoke(self, key_id: int) -> KeyRecord | None:
         """Revoke a key (idempotent: an already revoked key keeps its first revocation time)."""
+        if not INT_MIN <= key_id <= INT_MAX:
+            return None
         with self.engine.begin() as conn:
             conn.execute(update(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked.is_(None))
                          .values(revoked=time.time()))
@@ -175,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = KeyStore(open_db(cfg.db_url))
     except Exception as e:  # a bad URL or an unreachable server: one line, no traceback
-        print(f"strata keys: cannot open the database {cfg.db_url!r}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"strata keys: cannot open the database {safe_url(cfg.db_url)!r}: {type(e).__name__}: {e}",
+              file=sys.stderr)
         return 2
     try:
         if args.cmd == "create":

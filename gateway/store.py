@@ -18,9 +18,9 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import Engine, delete, insert, select
+from sqlalchemy import Engine, Integer, delete, insert, select
 
-from gateway.db import requests
+from gateway.db import INT_MAX, INT_MIN, check_text, requests
 
 __all__ = ["RequestLog", "RequestQuery"]
 
@@ -48,7 +48,7 @@ class RequestQuery(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    key_id: int | None = None
+    key_id: int | None = Field(None, ge=INT_MIN, le=INT_MAX)
     lane: str | None = None
     status: str | None = Field(None, pattern=r"^([1-5][0-9][0-9]|[1-5]xx)$", description="200, 429, 4xx, 5xx ...")
     since: float | None = None
@@ -59,6 +59,37 @@ class RequestQuery(BaseModel):
     @classmethod
     def _times(cls, v: Any) -> Any:
         return _parse_time(v)
+
+    @field_validator("lane")
+    @classmethod
+    def _storable(cls, v: str | None) -> str | None:
+        return None if v is None else check_text(v)
+
+
+def _fit(row: dict[str, Any]) -> dict[str, Any]:
+    """A row every backend stores as is: PostgreSQL refuses (and would lose the whole row for)
+    NUL characters, lone surrogates, strings over a column's length and integers outside
+    INTEGER, all of which a client can put in ``model``, the prompt or ``max_tokens``. NUL and
+    surrogates become U+FFFD / '?', long strings are cut, integers saturate."""
+    out = dict(row)
+    for name, value in row.items():
+        col = requests.c.get(name)
+        if col is None:
+            continue
+        if isinstance(value, str):
+            if "\x00" in value:
+                value = value.replace("\x00", "\ufffd")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                value = value.encode("utf-8", "replace").decode("utf-8")
+            length = getattr(col.type, "length", None)
+            if length is not None and len(value) > length:
+                value = value[:length]
+            out[name] = value
+        elif isinstance(value, int) and not isinstance(value, bool) and isinstance(col.type, Integer):
+            out[name] = min(max(value, INT_MIN), INT_MAX)
+    return out
 
 
 class RequestLog:
@@ -107,7 +138,7 @@ class RequestLog:
     def _write(self, rows: list[dict[str, Any]]) -> None:
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(requests), rows)
+                conn.execute(insert(requests), [_fit(r) for r in rows])
         except Exception as e:  # the log must never take the gateway down
             if len(rows) > 1:
                 for row in rows:  # one bad row must not cost the whole batch
