@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ class Engine:
         self._template: Any = None
         self.last_stats: StepStats | None = None
         self._max_model_len = max_model_len
+        self._step_lock = threading.Lock()
         # The metadata (a 49k-entry vocabulary, merges) lives as long as the engine; keep
         # the cyclic GC from re-walking it on every collection during decoding.
         gc.collect()
@@ -219,7 +221,8 @@ class Engine:
         else:
             b.expert_hist = ffi.NULL
         st = ffi.new("st_step_stats *")
-        check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
+        with self._step_lock:  # one step at a time: the model's scratch and the pool are shared
+            check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
         self.last_stats = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense,
                                     st.t_output, int(st.n_expert_tokens), int(st.n_active_experts))
         return logits
