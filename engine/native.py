@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 try:
@@ -45,10 +46,24 @@ def check(rc: int, what: str = "") -> None:
 VARIANTS = {"auto": lib.ST_VARIANT_AUTO, "ref": lib.ST_VARIANT_REF, "avx2": lib.ST_VARIANT_AVX2, "avx512": lib.ST_VARIANT_AVX512}
 
 
+def _variant_from_env() -> None:
+    """STRATA_KERNEL_VARIANT=ref|avx2|avx512|auto forces the kernels process-wide (benchmarks,
+    debugging on a machine whose best ISA is not the deployment's)."""
+    name = os.environ.get("STRATA_KERNEL_VARIANT", "").strip().lower()
+    if not name:
+        return
+    if name not in VARIANTS:
+        raise ValueError(f"STRATA_KERNEL_VARIANT={name!r}: expected one of {', '.join(VARIANTS)}")
+    check(lib.st_set_variant(VARIANTS[name]), "STRATA_KERNEL_VARIANT")
+
+
 def available_variants() -> list[str]:
     """Kernel variants this CPU can run, reference first."""
     mask = lib.st_cpu_variants()
     return [name for name, v in VARIANTS.items() if v and mask & (1 << v)]
+
+
+_variant_from_env()
 
 
 def ptr(array: Any, ctype: str = "void *") -> Any:

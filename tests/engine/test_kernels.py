@@ -196,3 +196,17 @@ def test_attention_rejects_bad_shapes() -> None:
     rc = lib.st_attention(0, ptr(z), ptr(z), ptr(bt, "int32_t *"), 10, 64, 1, 0, ptr(q, "float *"), 1, 0,
                           ptr(out, "float *"))
     assert rc == lib.ST_EINVAL and "bad shape" in ffi.string(lib.st_last_error()).decode()
+
+
+def test_variant_forced_from_environment() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from engine.native import lib; print(lib.st_get_variant())"
+    env = dict(os.environ, STRATA_KERNEL_VARIANT="ref")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(VARIANTS["ref"])
+    env["STRATA_KERNEL_VARIANT"] = "sse9"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "STRATA_KERNEL_VARIANT='sse9'" in bad.stderr
