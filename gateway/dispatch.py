@@ -63,6 +63,14 @@ class Passthrough(Exception):
         self.headers = headers
 
 
+def check_lane_status(lane: str, what: str, status: int, raw: bytes, headers: dict[str, str]) -> None:
+    """A lane's 5xx is a LaneFailure (may fail over); its 4xx a Passthrough (never retried)."""
+    if status >= 500:
+        raise LaneFailure(lane, "status", f"{what} answered {status}", status, raw, headers)
+    if status >= 400:
+        raise Passthrough(status, raw, headers)
+
+
 @dataclass
 class LaneRuntime:
     name: str

@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 from aiohttp import web
 
-from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough
+from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status
 from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
@@ -319,10 +319,7 @@ class _Call:
             raise LaneFailure(lane.name, "timeout", f"lane {lane.name} gave no answer within {timeout:.0f}s") from None
         except (aiohttp.ClientError, OSError) as e:
             raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
-        if status >= 500:
-            raise LaneFailure(lane.name, "status", f"lane {lane.name} answered {status}", status, raw, headers)
-        if status >= 400:
-            raise Passthrough(status, raw, headers)
+        check_lane_status(lane.name, f"lane {lane.name}", status, raw, headers)
         try:
             data = json.loads(raw)
         except ValueError:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough
+from gateway.dispatch import LaneFailure, LaneRuntime, check_lane_status
 from gateway.errors import APIError
 
 __all__ = ["Clamp", "WindowPlan", "max_tokens_field", "precheck"]
@@ -72,10 +72,7 @@ async def _tokenize(session: aiohttp.ClientSession, lane: LaneRuntime, payload: 
         raise LaneFailure(lane.name, "timeout", f"/tokenize took longer than {timeout:.0f}s") from None
     except (aiohttp.ClientError, OSError) as e:
         raise LaneFailure(lane.name, "connect", f"/tokenize failed: {type(e).__name__}: {e}") from None
-    if status >= 500:
-        raise LaneFailure(lane.name, "status", f"/tokenize answered {status}", status, raw, headers)
-    if status >= 400:
-        raise Passthrough(status, raw, headers)
+    check_lane_status(lane.name, "/tokenize", status, raw, headers)
     try:
         data = json.loads(raw)
         return int(data["count"]), data.get("max_model_len")
