@@ -39,11 +39,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: the repo's packages (common, gateway) must import
+    sys.path.insert(0, str(REPO))
+
+from common.config import ADMIN_ENV  # noqa: E402
+
 DEFAULT_CONFIG = REPO / "supervisord.conf"
 BIN = Path(sys.executable).parent  # the venv's bin (not resolved: the venv python is a symlink)
 LANE_GROUP = "lanes"
 GATEWAY_PROGRAM = "gateway"
-ADMIN_ENV = "STRATA_ADMIN_KEY"
 HEALTH_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 120.0  # > stopwaitsecs (50) of a draining lane
 
@@ -144,7 +148,6 @@ def gateway_program(conf: Path) -> Gateway | None:
     argv = shlex.split(_here(p.get(section, "command"), conf))
     cwd = Path(_here(p.get(section, "directory", fallback=str(conf.parent)), conf))
     cfg_path = _argv_option(argv, "--config")
-    sys.path.insert(0, str(REPO))
     from gateway.config import ConfigError, load_config
 
     try:

@@ -50,8 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from deploy.run import (  # noqa: E402  (the repo root must be importable first)
-    ADMIN_ENV,
+from common.config import ADMIN_ENV  # noqa: E402  (the repo root must be importable first)
+from deploy.run import (  # noqa: E402
     DEFAULT_CONFIG,
     LANE_GROUP,
     Lane,

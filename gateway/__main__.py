@@ -22,6 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from common.http import setup_logging
 from gateway.app import create_app
 from gateway.auth import resolve_admin_key
 from gateway.config import ConfigError, GatewayConfig, load_config
@@ -40,12 +41,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="listen port (default 8080; 0: any free port)")
     p.add_argument("--check-config", action="store_true", help="print the resolved config as JSON and exit")
     return p
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(stream=sys.stderr, level=level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # we write our own request lines
 
 
 async def serve(config: GatewayConfig) -> int:

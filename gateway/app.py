@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
 from gateway.auth import Authenticator, resolve_admin_key
 from gateway.config import GatewayConfig
 from gateway.db import open_db, safe_url
@@ -31,7 +32,7 @@ from gateway.errors import ERROR_CODE, APIError, error_middleware
 from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import chat_completions, completions, read_json
+from gateway.proxy import chat_completions, completions
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.store import RequestLog, RequestQuery
 
@@ -123,47 +124,45 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-@web.middleware
-async def _access_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """One log line per request (never key material or prompt text), metrics, the request-log row."""
+def _begin(request: web.Request) -> Trace:
     trace = Trace(endpoint=_endpoint(request))
     request[TRACE] = trace
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        if not resp.prepared:
-            resp.headers.setdefault("X-Request-Id", trace.id)
-        return resp
-    except asyncio.CancelledError:
+    return trace
+
+
+def _finish(request: web.Request, trace: Trace, resp: web.StreamResponse | None, status: int) -> None:
+    """One log line per request (never key material or prompt text), metrics, the request-log row."""
+    if resp is not None and not resp.prepared:
+        resp.headers.setdefault("X-Request-Id", trace.id)
+    if status == CLIENT_CLOSED:  # the handler was cancelled: the client left
         trace.client_gone = True
-        raise
-    finally:
-        if trace.client_gone:
-            status = 499  # nginx's "client closed request"
-        gw = request.app[GATEWAY]
-        dur = time.monotonic() - trace.t0
-        error = trace.error_type or request.get(ERROR_CODE)
-        trace.error_type = error
-        gw.metrics.requests.labels(endpoint=trace.endpoint, lane=trace.lane or "-", status=str(status)).inc()
-        gw.metrics.duration.labels(endpoint=trace.endpoint).observe(dur)
-        if trace.log_row and gw.store is not None:
-            gw.store.record(trace.row(status, round(dur * 1000, 3)))
-        fields = [f"id={trace.id}", f"{request.method} {request.path}", f"status={status}"]
-        if trace.key is not None:
-            fields.append(f"key={trace.key.id}")
-        if trace.lane:
-            fields.append(f"lane={trace.lane}")
-        if error:
-            fields.append(f"error={error}")
-        if trace.log_row:
-            fields += [f"stream={int(trace.stream)}", f"retried={int(trace.retried)}",
-                       f"prompt_tokens={trace.prompt_tokens}", f"completion_tokens={trace.completion_tokens}",
-                       f"ttft={trace.ttft_ms / 1000:.3f}" if trace.ttft_ms is not None else "ttft=-"]
-            if trace.clamped_from is not None:
-                fields.append(f"clamp={trace.clamped_from}->{trace.clamped_to}")
-        fields.append(f"dur={dur:.3f}")
-        log.log(logging.DEBUG if request.path in _QUIET_PATHS else logging.INFO, " ".join(fields))
+    if trace.client_gone:
+        status = CLIENT_CLOSED
+    gw = request.app[GATEWAY]
+    dur = time.monotonic() - trace.t0
+    error = trace.error_type or request.get(ERROR_CODE)
+    trace.error_type = error
+    gw.metrics.requests.labels(endpoint=trace.endpoint, lane=trace.lane or "-", status=str(status)).inc()
+    gw.metrics.duration.labels(endpoint=trace.endpoint).observe(dur)
+    if trace.log_row and gw.store is not None:
+        gw.store.record(trace.row(status, round(dur * 1000, 3)))
+    fields = [f"id={trace.id}", f"{request.method} {request.path}", f"status={status}"]
+    if trace.key is not None:
+        fields.append(f"key={trace.key.id}")
+    if trace.lane:
+        fields.append(f"lane={trace.lane}")
+    if error:
+        fields.append(f"error={error}")
+    if trace.log_row:
+        fields += [f"stream={int(trace.stream)}", f"retried={int(trace.retried)}",
+                   f"prompt_tokens={trace.prompt_tokens}", f"completion_tokens={trace.completion_tokens}",
+                   f"ttft={trace.ttft_ms / 1000:.3f}" if trace.ttft_ms is not None else "ttft=-"]
+        if trace.clamped_from is not None:
+            fields.append(f"clamp={trace.clamped_from}->{trace.clamped_to}")
+    log_request(log, request, fields, dur, _QUIET_PATHS)
+
+
+_access_middleware = make_access_middleware(_begin, _finish)
 
 
 @web.middleware

@@ -17,13 +17,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.config import ADMIN_ENV
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import APIError
 from gateway.keys import KeyRecord, KeyStore
 
 __all__ = ["ADMIN_ENV", "Authenticator", "resolve_admin_key"]
 
-ADMIN_ENV = "STRATA_ADMIN_KEY"
 MIN_ADMIN_KEY_LEN = 16
 _CACHE_MAX = 10_000
 

@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lanes.config import decode_env, read_toml
+from common.config import ConfigError as _BaseConfigError
+from common.config import decode_env, read_toml
 
 __all__ = ["ENV_PREFIX", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "default_db_url", "load_config"]
 
@@ -33,7 +34,7 @@ def default_db_url() -> str:
     return f"sqlite:///{REPO_ROOT / 'var' / 'gateway.db'}"
 
 
-class ConfigError(ValueError):
+class ConfigError(_BaseConfigError):
     """A bad gateway configuration; the message is one line naming the key and value."""
 
 

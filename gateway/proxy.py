@@ -28,20 +28,20 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 from aiohttp import web
 
+from common.http import SSE_HEADERS, client_gone, read_json
 from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status
 from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
 
-__all__ = ["SSE_HEADERS", "chat_completions", "completions", "read_json"]
+__all__ = ["chat_completions", "completions"]
 
 log = logging.getLogger("strata.gateway")
 
 Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 POLL_S = 0.25  # how often a waiting handler looks at its client's connection
 _EXTRAS = ("session_id", "collections", "citations")  # additive fields the lanes do not know
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
@@ -49,11 +49,6 @@ _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 class ClientGone(Exception):
     """The client closed its connection; the upstream request is dropped with it."""
-
-
-def _client_gone(request: web.Request) -> bool:
-    t = request.transport
-    return t is None or t.is_closing()
 
 
 def _dumps(obj: Any) -> bytes:
@@ -73,33 +68,13 @@ async def _race(request: web.Request, aw: Awaitable[T], timeout: float) -> T:
             done, _ = await asyncio.wait({task}, timeout=min(POLL_S, left))
             if done:
                 return task.result()
-            if _client_gone(request):
+            if client_gone(request):
                 raise ClientGone
     finally:
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-
-
-async def read_json(request: web.Request, limit: int) -> Any:
-    """The body as JSON: 413 past ``limit`` (checked on Content-Length before reading), 400 when malformed."""
-    if request.content_length is not None and request.content_length > limit:
-        raise APIError(413, f"the request body is {request.content_length} bytes; the limit is {limit}",
-                       code="request_too_large")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise APIError(413, f"the request body is larger than the limit of {limit} bytes",
-                       code="request_too_large") from None
-    if not raw:
-        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        msg = f"request body is not valid JSON: {e}" if isinstance(e, json.JSONDecodeError) else \
-            "request body is not valid JSON"
-        raise APIError(400, msg, code="invalid_json") from None
 
 
 def _error_code(raw: bytes) -> str | None:
@@ -395,7 +370,7 @@ class _Call:
             parser = _SSEParser()
             done = False
             while True:
-                if _client_gone(self.request):
+                if client_gone(self.request):
                     raise ClientGone
                 now = time.monotonic()
                 if not self.first_sent and now >= first_deadline:

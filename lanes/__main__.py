@@ -22,6 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from common.http import setup_logging
 from lanes.config import ConfigError, LaneConfig, load_config
 from lanes.server import STATE, create_app, drain
 
@@ -39,12 +40,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="GGUF model path (default: the embedded default model)")
     p.add_argument("--check-config", action="store_true", help="print the resolved config as JSON and exit")
     return p
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(stream=sys.stderr, level=level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # we write our own request lines
 
 
 def _bind(host: str, port: int) -> socket.socket:

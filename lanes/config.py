@@ -14,15 +14,15 @@ Values are JSON-decoded when they parse as JSON, else taken as strings. Every pr
 
 from __future__ import annotations
 
-import json
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from common.config import ConfigError as _BaseConfigError
+from common.config import decode_env, read_toml
 from engine.scheduler import SchedulerConfig
 
 __all__ = ["ENV_PREFIX", "LANE_PORTS", "ConfigError", "LaneConfig", "decode_env", "load_config", "parse_cpu_list",
@@ -33,7 +33,7 @@ LANE_PORTS = {"a": 8101, "b": 8102}  # the --lane presets; any other name keeps 
 _AUTO_HALF = {"a": 0, "b": 1}  # cores="auto": which half of the allowed CPUs a lane takes
 
 
-class ConfigError(ValueError):
+class ConfigError(_BaseConfigError):
     """A bad lane configuration; the message is a single line naming the key and value."""
 
 
@@ -130,27 +130,6 @@ class LaneConfig(BaseModel):
         return self.threads if self.threads is not None else (len(cores) if cores else None)
 
 
-def read_toml(p: Path, error: type[ValueError] = ConfigError) -> dict[str, Any]:
-    """A TOML config file as a dict; every failure is a one-line `error` naming the file."""
-    try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise error(f"config file {str(p)!r} does not exist") from None
-    except OSError as e:
-        raise error(f"config file {str(p)!r} cannot be read: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise error(f"config file {str(p)!r} is not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as e:
-        raise error(f"config file {str(p)!r} is not valid TOML: {e}") from None
-
-
-def decode_env(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
 def _set_path(tree: dict[str, Any], path: list[str], value: Any, source: str) -> None:
     node = tree
     for key in path[:-1]:
@@ -188,7 +167,7 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
 
     if path is not None:
         p = Path(path)
-        data = read_toml(p)
+        data = read_toml(p, ConfigError)
         for key, value in data.items():
             merged[key] = value
         for key in _flatten(data):

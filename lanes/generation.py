@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from common.http import SSE_HEADERS, client_gone
 from engine.block_manager import KVCapacityError
 from engine.sampling import SamplingParams
 from engine.scheduler import OverloadedError, RequestOutput, TokenLogprob
@@ -27,11 +28,10 @@ from lanes.errors import APIError, request_info
 from lanes.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, sampling_params
 from lanes.state import LaneState
 
-__all__ = ["SSE_HEADERS", "Run", "generate", "json_response"]
+__all__ = ["Run", "generate", "json_response"]
 
 log = logging.getLogger("strata.lanes")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _POLL_S = 0.25  # how often a waiting handler looks at its client's connection
 
 
@@ -52,11 +52,6 @@ def _dumps(obj: Any) -> bytes:
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=_dumps(obj), status=status, content_type="application/json", headers=headers)
-
-
-def _client_gone(request: web.Request) -> bool:
-    t = request.transport
-    return t is None or t.is_closing()
 
 
 def _finite(x: float) -> float:
@@ -361,7 +356,7 @@ async def _collect(request: web.Request, st: LaneState, run: Run) -> web.StreamR
     gone = True  # until the loop ends normally: cancellation counts as a gone client
     try:
         while run.pending:
-            if _client_gone(request):
+            if client_gone(request):
                 break
             item = await run.next(_POLL_S)
             if item is not None:
@@ -387,7 +382,7 @@ async def _stream(request: web.Request, st: LaneState, run: Run) -> web.StreamRe
         await resp.prepare(request)
         last_write = time.monotonic()
         while run.pending:
-            if _client_gone(request):
+            if client_gone(request):
                 break
             item = await run.next(min(_POLL_S, ping))
             now = time.monotonic()

@@ -11,24 +11,24 @@ disconnects, streaming) lives in :mod:`lanes.generation`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
 from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatTemplateError
 from engine.engine import Engine
 from lanes.buildinfo import engine_build_id, model_fingerprint
 from lanes.config import LaneConfig
-from lanes.errors import APIError, begin_request, error_middleware
+from lanes.errors import APIError, RequestInfo, begin_request, error_middleware
 from lanes.generation import generate, json_response
 from lanes.metrics import LaneMetrics
 from lanes.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
@@ -192,32 +192,27 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
 # ---------------------------------------------------------------------------------------- middleware
 
 
-@web.middleware
-async def _access_log_middleware(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-    """One line per request: ids, status, tokens, TTFT, duration. Never prompt or output text."""
+def _begin(request: web.Request) -> RequestInfo:
     xrid = request.headers.get("X-Request-Id", "")
-    info = begin_request(xrid if _REQUEST_ID.match(xrid) else "")
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    except asyncio.CancelledError:
-        status = 499
-        raise
-    finally:
-        if info.client_gone:
-            status = 499  # nginx's "client closed request"
-        st = request.app[STATE]
-        fields = [f"lane={st.config.name}", f"{request.method} {request.path}", f"status={status}"]
-        if info.xrid:
-            fields.append(f"xrid={info.xrid}")
-        if info.error:
-            fields.append(f"error={info.error}")
-            st.metrics.errors.labels(code=info.error.split(" ", 1)[0]).inc()
-        fields += [f"{k}={v}" for k, v in info.fields.items()]
-        fields.append(f"dur={time.monotonic() - info.t0:.3f}")
-        log.log(logging.DEBUG if request.path in _QUIET_PATHS else logging.INFO, " ".join(fields))
+    return begin_request(xrid if _REQUEST_ID.match(xrid) else "")
+
+
+def _finish(request: web.Request, info: RequestInfo, resp: web.StreamResponse | None, status: int) -> None:
+    """One line per request: ids, status, tokens, TTFT, duration. Never prompt or output text."""
+    if info.client_gone:
+        status = CLIENT_CLOSED
+    st = request.app[STATE]
+    fields = [f"lane={st.config.name}", f"{request.method} {request.path}", f"status={status}"]
+    if info.xrid:
+        fields.append(f"xrid={info.xrid}")
+    if info.error:
+        fields.append(f"error={info.error}")
+        st.metrics.errors.labels(code=info.error.split(" ", 1)[0]).inc()
+    fields += [f"{k}={v}" for k, v in info.fields.items()]
+    log_request(log, request, fields, time.monotonic() - info.t0, _QUIET_PATHS)
+
+
+_access_log_middleware = make_access_middleware(_begin, _finish)
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -243,18 +238,6 @@ def _engine_for_text(st: LaneState) -> Engine:
     if st.engine is None or st.status not in ("ready", "draining"):
         raise _unavailable(st)
     return st.engine
-
-
-async def _read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past client_max_size
-    if not raw:
-        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, absurd nesting
-        msg = f"request body is not valid JSON: {e}" if isinstance(e, json.JSONDecodeError) else \
-            "request body is not valid JSON"
-        raise APIError(400, msg, code="invalid_json") from None
 
 
 def _check_model(st: LaneState, name: str | None) -> None:
@@ -302,7 +285,7 @@ async def _generation_entry(request: web.Request, kind: Literal["chat", "complet
     st.inflight += 1  # counted before the first await, so a drain that starts now waits for us
     st.idle.clear()
     try:
-        body = await _read_json(request)
+        body = await read_json(request)
         engine = st.engine
         if st.status != "ready" or engine is None:
             raise _unavailable(st)
@@ -358,7 +341,7 @@ async def get_model(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     st = _state(request)
     engine = _engine_for_text(st)
-    req = parse_body(TokenizeRequest, await _read_json(request))
+    req = parse_body(TokenizeRequest, await read_json(request))
     _check_model(st, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
@@ -372,7 +355,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     st = _state(request)
     engine = _engine_for_text(st)
-    req = parse_body(DetokenizeRequest, await _read_json(request))
+    req = parse_body(DetokenizeRequest, await read_json(request))
     _check_model(st, req.model)
     vocab = engine.tokenizer.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)

@@ -1,4 +1,9 @@
-"""The `strata` command: generate, chat, and inspect models from a terminal."""
+"""The `strata` command: generate, chat and inspect models from a terminal; ``strata keys`` manages
+the gateway's API keys.
+
+Engine subcommands import the engine only when they run: ``strata keys`` and ``strata --help``
+work without the C build.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,6 @@ import codecs
 import sys
 from collections.abc import Iterable
 from typing import Any
-
-from engine.gguf_model import GGUFError
 
 
 def _engine(args: argparse.Namespace) -> Any:
@@ -130,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
-    except (GGUFError, ValueError, RuntimeError) as exc:  # typed engine/model errors: one line, no traceback
-        print(f"strata: error: {exc}", file=sys.stderr)
+    except (ValueError, RuntimeError, ImportError) as exc:  # typed engine/model errors, an unbuilt engine
+        print(f"strata: error: {exc}", file=sys.stderr)  # one line, no traceback
         return 2
     except KeyboardInterrupt:
         return 130

@@ -1,0 +1,5 @@
+"""Pieces shared by the lanes and the gateway: OpenAI-shaped errors, HTTP helpers, config loading.
+
+Nothing here imports the engine (or ``lanes`` / ``gateway``): the gateway, ``strata keys`` and
+the deploy scripts use it without the C build (docs/architecture.md, layering).
+"""
