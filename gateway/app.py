@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
-from gateway.auth import Authenticator, resolve_admin_key
+from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
 from gateway.config import GatewayConfig
 from gateway.db import open_db, safe_url
 from gateway.dispatch import Dispatcher
@@ -51,7 +51,7 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     metrics = GatewayMetrics()
     gw = Gateway(config=config, metrics=metrics, dispatcher=Dispatcher(config, metrics),
                  limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc()),
-                 admin_key=admin_key)
+                 admin_key=admin_key, client_address=ClientAddress(config.trusted_proxies))
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[_access_middleware, error_middleware, _auth_middleware])
     app[GATEWAY] = gw
@@ -78,9 +78,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = gw.config
     gw.db = await asyncio.to_thread(open_db, cfg.db_url)
     gw.keys = await asyncio.to_thread(KeyStore, gw.db)
-    gw.auth = Authenticator(gw.keys, gw.admin_key, cfg.key_cache_s, cfg.log_prompts_default)
+    gw.auth = Authenticator(gw.keys, gw.admin_key, cfg.key_cache_s, cfg.log_prompts_default,
+                            negative_size=cfg.negative_cache_size, negative_s=cfg.negative_cache_s,
+                            fail_limit=cfg.auth_fail_limit, fail_window_s=cfg.auth_fail_window_s,
+                            on_event=lambda result: gw.metrics.auth_failures.labels(result=result).inc())
     gw.admin_key = None  # only its hash is needed from here on
-    gw.store = RequestLog(gw.db, cfg.retention_days)
+    gw.store = RequestLog(gw.db, cfg.retention_days, max_queue=cfg.log_queue_max, retry_max_s=cfg.log_retry_max_s,
+                          on_drop=lambda reason, n: gw.metrics.log_dropped.labels(reason=reason).inc(n))
+    store = gw.store
+    gw.metrics.log_queued.set_function(lambda: store.queued)
     gw.store.start()
     # no total timeout: streams are bounded by the gateway's own deadlines
     gw.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -172,7 +178,8 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
     needs_admin = path.startswith("/v1/admin/") or (path == "/metrics" and not gw.config.metrics_public)
     if path.startswith("/v1/") or needs_admin:
         assert gw.auth is not None
-        key = await gw.auth.authenticate(request.headers.get("Authorization"))
+        address = gw.client_address.of(request.remote, request.headers.get("X-Forwarded-For"))
+        key = await gw.auth.authenticate(request.headers.get("Authorization"), address)
         request[PRINCIPAL] = key
         request[TRACE].key = key
         if needs_admin and not key.admin:
@@ -286,6 +293,8 @@ async def admin_create_key(request: web.Request) -> web.Response:
     assert gw.keys is not None
     spec = _validate(KeySpec, await read_json(request, gw.config.max_body_bytes))
     key, rec = await asyncio.to_thread(gw.keys.create, spec, gw.config.log_prompts_default)
+    assert gw.auth is not None
+    gw.auth.key_created()
     log.info("admin key=%d created key id=%d name=%r admin=%s", request[PRINCIPAL].id, rec.id, rec.name, rec.admin)
     return _json({"key": key, **rec.public()}, status=201)
 

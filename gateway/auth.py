@@ -5,24 +5,33 @@ answer is cached for ``key_cache_s`` so the hot path is one HMAC and a dict look
 revoked through the admin API leaves the cache at once, one revoked with the CLI within
 ``key_cache_s``. The admin key from ``STRATA_ADMIN_KEY`` or ``admin_key_file`` is checked in
 constant time and acts as key id 0 with no limits. No key material is ever logged.
+
+Made-up keys cost no database work once seen (a bounded LRU of their HMACs answers 401 for
+``negative_cache_s``; creating a key through the admin API empties it) and each client
+address may fail ``auth_fail_limit`` times per ``auth_fail_window_s`` before it gets 429 with
+``Retry-After`` (the address is the peer, or the ``X-Forwarded-For`` hop added by a proxy
+listed in ``trusted_proxies``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ADMIN_ENV
 from gateway.config import ConfigError, GatewayConfig
 from gateway.errors import APIError
-from gateway.keys import KeyRecord, KeyStore
+from gateway.keys import KEY_PREFIX, KeyRecord, KeyStore
 
-__all__ = ["ADMIN_ENV", "Authenticator", "resolve_admin_key"]
+__all__ = ["ADMIN_ENV", "Authenticator", "ClientAddress", "resolve_admin_key"]
 
 MIN_ADMIN_KEY_LEN = 16
 _CACHE_MAX = 10_000
@@ -65,34 +74,187 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", type="invalid_request_error")
 
 
+class ClientAddress:
+    """The client's address as the limits see it: the peer, or the ``X-Forwarded-For`` entry added
+    by the last trusted proxy. IPv6 clients are counted per /64 (one host usually owns the whole
+    prefix, so rotating addresses inside it must not reset the count)."""
+
+    def __init__(self, trusted: list[str]) -> None:
+        self.trusted = [ipaddress.ip_network(t, strict=False) for t in trusted]
+
+    def _is_trusted(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return any(addr in net for net in self.trusted)
+
+    @staticmethod
+    def _parse(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+        text = text.strip()
+        if text.startswith("[") and "]" in text:  # [v6]:port
+            text = text[1:text.index("]")]
+        elif text.count(":") == 1:  # v4:port
+            text = text.partition(":")[0]
+        try:
+            return ipaddress.ip_address(text)
+        except ValueError:
+            return None
+
+    def of(self, peer: str | None, forwarded_for: str | None) -> str:
+        addr = self._parse(peer) if peer else None
+        if addr is None:
+            return peer or "unknown"
+        if forwarded_for and self.trusted and self._is_trusted(addr):
+            # rightmost first: entries left of the last trusted hop are whatever the client wrote
+            for hop in reversed(forwarded_for.split(",")):
+                hop_addr = self._parse(hop)
+                if hop_addr is None:
+                    break
+                addr = hop_addr
+                if not self._is_trusted(hop_addr):
+                    break
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is None:
+            return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+        return str(addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else addr)
+
+
+@dataclass
+class _Failures:
+    start: float  # the window's start
+    count: int = 0  # failed authentications in this window
+    pending: int = 0  # database lookups in flight for this address (may still fail)
+    blocked_until: float = 0.0
+
+
 class Authenticator:
-    def __init__(self, store: KeyStore, admin_key: str | None, cache_s: float, log_prompts_default: bool) -> None:
+    """Keys to records, with three defences against a flood of made-up keys: a bounded cache of
+    unknown keys' HMACs (401 from memory), one database lookup per key digest at a time, and a
+    per-address budget of failed authentications (429 with Retry-After once spent, before any
+    lookup). A key that is already cached as valid (or the admin key) passes even from a blocked
+    address: it costs no database work."""
+
+    def __init__(self, store: KeyStore, admin_key: str | None, cache_s: float, log_prompts_default: bool, *,
+                 negative_size: int = 10_000, negative_s: float = 60.0, fail_limit: int = 30,
+                 fail_window_s: float = 60.0, max_addresses: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_event: Callable[[str], None] | None = None) -> None:
         self.store = store
         self._admin_digest = store.hash(admin_key) if admin_key else None
         self.admin_record = KeyRecord(id=0, name="admin", prefix="", admin=True, log_prompts=log_prompts_default)
         self.cache_s = cache_s
         self._cache: dict[str, tuple[KeyRecord, float]] = {}  # digest -> (record, expiry)
+        self.negative_size = negative_size
+        self.negative_s = negative_s
+        self._negative: OrderedDict[str, float] = OrderedDict()  # digest -> expiry, oldest first
+        self._lookups: dict[str, asyncio.Future[KeyRecord | None]] = {}  # digest -> its lookup in flight
+        self.fail_limit = fail_limit
+        self.fail_window_s = fail_window_s
+        self.max_addresses = max_addresses
+        self._failures: OrderedDict[str, _Failures] = OrderedDict()  # address -> counts, least recent first
+        self._clock = clock
+        self._on_event = on_event or (lambda event: None)
+        self.db_lookups = 0  # key lookups that reached the database
 
-    async def authenticate(self, authorization: str | None) -> KeyRecord:
+    # ------------------------------------------------------------ per-address failure budget
+    def _entry(self, address: str, now: float) -> _Failures:
+        f = self._failures.get(address)
+        if f is None:
+            f = self._failures[address] = _Failures(start=now)
+            while len(self._failures) > self.max_addresses:
+                self._failures.popitem(last=False)
+        else:
+            self._failures.move_to_end(address)
+            if now - f.start >= self.fail_window_s and f.blocked_until <= now:
+                f.start, f.count = now, 0
+        return f
+
+    def _check_blocked(self, f: _Failures, now: float, lookup: bool) -> None:
+        """429 when the address is blocked, or when a database lookup would exceed its budget."""
+        if f.blocked_until > now:
+            wait = f.blocked_until - now
+        elif lookup and f.count + f.pending >= self.fail_limit:
+            wait = 1.0  # the lookups in flight may still succeed
+        else:
+            return
+        self._on_event("blocked")
+        raise APIError(429, f"too many failed authentications from this address; retry in {wait:.0f}s",
+                           code="too_many_auth_failures", retry_after=max(1.0, wait))
+
+    def _fail(self, f: _Failures, now: float, message: str) -> APIError:
+        f.count += 1
+        if f.count >= self.fail_limit and f.blocked_until <= now:
+            f.blocked_until = now + self.fail_window_s
+        self._on_event("failed")
+        return _unauthorized(message)
+
+    # ------------------------------------------------------------ unknown keys
+    def _negative_hit(self, digest: str, now: float) -> bool:
+        expiry = self._negative.get(digest)
+        if expiry is None:
+            return False
+        if expiry <= now:
+            del self._negative[digest]
+            return False
+        return True
+
+    def _remember_unknown(self, digest: str, now: float) -> None:
+        if self.negative_size <= 0 or self.negative_s <= 0:
+            return
+        self._negative[digest] = now + self.negative_s
+        self._negative.move_to_end(digest)
+        while len(self._negative) > self.negative_size:
+            self._negative.popitem(last=False)
+
+    def key_created(self) -> None:
+        """A key was created through the admin API: no cached "unknown" answer may hide it."""
+        self._negative.clear()
+
+    async def _lookup(self, digest: str) -> KeyRecord | None:
+        """One database lookup per digest at a time: concurrent requests with the same key share it (a
+        task of its own, so a waiter that goes away cancels nothing for the others)."""
+        task = self._lookups.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._query(digest))
+            self._lookups[digest] = task
+            task.add_done_callback(lambda _: self._lookups.pop(digest, None))
+        return await asyncio.shield(task)
+
+    async def _query(self, digest: str) -> KeyRecord | None:
+        self.db_lookups += 1
+        return await asyncio.to_thread(self.store.lookup_hash, digest)
+
+    # ------------------------------------------------------------ the entry point
+    async def authenticate(self, authorization: str | None, address: str = "unknown") -> KeyRecord:
+        now = self._clock()
+        f = self._entry(address, now)
         if not authorization:
-            raise _unauthorized("no API key: send 'Authorization: Bearer <key>'")
+            self._check_blocked(f, now, lookup=False)
+            raise self._fail(f, now, "no API key: send 'Authorization: Bearer <key>'")
         scheme, _, key = authorization.strip().partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise _unauthorized("the Authorization header must be 'Bearer <key>'")
+            self._check_blocked(f, now, lookup=False)
+            raise self._fail(f, now, "the Authorization header must be 'Bearer <key>'")
         if len(key) > 256:
-            raise _unauthorized("invalid API key")
+            self._check_blocked(f, now, lookup=False)
+            raise self._fail(f, now, "invalid API key")
         digest = self.store.hash(key)
         if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
             return self.admin_record
-        now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and hit[1] > now:
             return hit[0]
-        record = await asyncio.to_thread(self.store.lookup, key)
+        if self._negative_hit(digest, now) or not key.startswith(KEY_PREFIX):
+            self._check_blocked(f, now, lookup=False)
+            raise self._fail(f, now, "invalid or revoked API key")
+        self._check_blocked(f, now, lookup=True)
+        f.pending += 1
+        try:
+            record = await self._lookup(digest)
+        finally:
+            f.pending -= 1
+        now = self._clock()
         if record is None:
             self._cache.pop(digest, None)
-            raise _unauthorized("invalid or revoked API key")
+            self._remember_unknown(digest, now)
+            raise self._fail(f, now, "invalid or revoked API key")
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
         self._cache[digest] = (record, now + self.cache_s)

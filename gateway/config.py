@@ -14,6 +14,7 @@ No secret lives here: API keys are in the database (hashed); the admin key comes
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,6 +72,9 @@ class GatewayConfig(BaseModel):
     ping_interval_s: float = Field(3.0, gt=0, description="SSE ': ping' while a stream waits")
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
     max_tokens_cap: int | None = Field(None, ge=1, description="global cap on max_tokens (clamped)")
+    default_max_tokens: int | None = Field(
+        1024, ge=1, description="max_tokens of a request that names none (a key's own default wins); "
+        "None: the rest of the window")
     min_clamp_tokens: int = Field(16, ge=1)
     eject_after_failures: int = Field(3, ge=1)
     eject_cooldown_s: float = Field(10.0, ge=0)
@@ -78,6 +82,16 @@ class GatewayConfig(BaseModel):
     retention_days: float = Field(30.0, gt=0)
     admin_key_file: Path | None = Field(None, description="a 0600 file holding the admin key")
     key_cache_s: float = Field(10.0, ge=0, description="how long a verified key stays cached")
+    negative_cache_size: int = Field(10_000, ge=0, description="unknown keys remembered (0: none)")
+    negative_cache_s: float = Field(60.0, ge=0, description="how long an unknown key is answered 401 from memory")
+    auth_fail_limit: int = Field(30, ge=1, description="failed authentications per client address and window "
+                                 "before 429")
+    auth_fail_window_s: float = Field(60.0, gt=0, description="the window of auth_fail_limit (also the block time)")
+    trusted_proxies: list[str] = Field(default_factory=list, description="addresses or networks (CIDR) whose "
+                                       "X-Forwarded-For names the client; empty: the peer address is the client")
+    log_queue_max: int = Field(10_000, ge=1, description="request-log rows waiting for the database; more are "
+                               "dropped (counted)")
+    log_retry_max_s: float = Field(30.0, gt=0, description="longest pause between writes while the database fails")
     metrics_public: bool = Field(True, description="False: /metrics needs the admin key")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -86,6 +100,16 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _upper(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for item in v:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.0/8)") from None
+        return v
 
     @model_validator(mode="after")
     def _unique_lanes(self) -> GatewayConfig:

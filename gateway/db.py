@@ -27,10 +27,11 @@ from sqlalchemy import (
     create_engine,
     event,
     insert,
+    inspect,
     select,
     text,
 )
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import IntegrityError
 
 __all__ = ["INT_MAX", "INT_MIN", "api_keys", "check_text", "get_pepper", "meta", "metadata", "open_db",
@@ -52,6 +53,7 @@ api_keys = Table(
     Column("tpm", Integer, nullable=True),
     Column("max_concurrent", Integer, nullable=True),
     Column("max_tokens", Integer, nullable=True),  # per-request cap on max_tokens (clamped)
+    Column("default_max_tokens", Integer, nullable=True),  # max_tokens of a request naming none (None: gateway's)
     Column("log_prompts", Boolean, nullable=False, default=False),
     Column("created", Float, nullable=False),  # unix seconds
     Column("revoked", Float, nullable=True),  # unix seconds; None: active
@@ -117,14 +119,17 @@ def safe_url(url: str) -> str:
 
 
 def open_db(url: str) -> Engine:
-    """An engine with the tables created. A SQLite file (and its directory) is made private (0600);
+    """An engine with the tables created. A new SQLite file is created 0600 and a directory made for it
+    0700 (key hashes live there; an existing directory keeps its mode);
     the WAL pragmas and the file mode are for SQLite only."""
     u = make_url(url)
     is_sqlite = u.get_backend_name() == "sqlite"
     db_path: Path | None = None
     if is_sqlite and u.database and u.database != ":memory:" and not u.database.startswith("file:"):
         db_path = Path(u.database)
-        db_path.parent.mkdir(parents=True, exist_ok=True)
+        if not db_path.parent.exists():
+            db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(db_path.parent, 0o700)  # whatever the umask
         if not db_path.exists():
             fd = os.open(db_path, os.O_CREAT | os.O_WRONLY, 0o600)  # key hashes live here
             os.close(fd)
@@ -138,7 +143,20 @@ def open_db(url: str) -> Engine:
             # database would both create (one fails); the lock lasts until this transaction ends
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
         metadata.create_all(conn)
+        _add_missing_columns(conn)
     return engine
+
+
+def _add_missing_columns(conn: Connection) -> None:
+    """Columns added since a table was first created (create_all never alters an existing table).
+    Each must be nullable, so existing rows stay valid."""
+    for table in (api_keys, requests):
+        have = {c["name"] for c in inspect(conn).get_columns(table.name)}
+        for col in table.columns:
+            if col.name not in have:
+                assert col.nullable, col.name
+                kind = col.type.compile(dialect=conn.dialect)
+                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{col.name}" {kind}'))
 
 
 def get_pepper(engine: Engine) -> bytes:

@@ -1,7 +1,7 @@
 """API keys: creation (shown once), listing, revocation, lookup by hash; and their CLI.
 
     python -m gateway.keys create --name alice [--admin] [--rpm 60] [--tpm 100000] [--max-concurrent 4]
-                                  [--max-tokens 2048] [--log-prompts] [--json]
+                                  [--max-tokens 2048] [--default-max-tokens 512] [--log-prompts] [--json]
     python -m gateway.keys list [--json]
     python -m gateway.keys revoke 3
 
@@ -47,6 +47,7 @@ class KeyRecord:
     tpm: int | None = None
     max_concurrent: int | None = None
     max_tokens: int | None = None
+    default_max_tokens: int | None = None
     log_prompts: bool = False
     created: float = 0.0
     revoked: float | None = None
@@ -68,6 +69,7 @@ class KeySpec(BaseModel):
     tpm: int | None = Field(None, ge=1, le=INT_MAX)
     max_concurrent: int | None = Field(None, ge=1, le=INT_MAX)
     max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
+    default_max_tokens: int | None = Field(None, ge=1, le=INT_MAX)  # None: the gateway's default_max_tokens
     log_prompts: bool | None = None  # None: the gateway's log_prompts_default
 
     @field_validator("name")
@@ -79,6 +81,7 @@ class KeySpec(BaseModel):
 def _record(row: Any) -> KeyRecord:
     return KeyRecord(id=row.id, name=row.name, prefix=row.prefix, admin=bool(row.admin), rpm=row.rpm,
                      tpm=row.tpm, max_concurrent=row.max_concurrent, max_tokens=row.max_tokens,
+                     default_max_tokens=row.default_max_tokens,
                      log_prompts=bool(row.log_prompts), created=row.created, revoked=row.revoked)
 
 
@@ -101,6 +104,7 @@ class KeyStore:
         key = KEY_PREFIX + body
         values = dict(name=spec.name, hash=self.hash(key), prefix=body[:8], admin=spec.admin, rpm=spec.rpm,
                       tpm=spec.tpm, max_concurrent=spec.max_concurrent, max_tokens=spec.max_tokens,
+                      default_max_tokens=spec.default_max_tokens,
                       log_prompts=log_prompts_default if spec.log_prompts is None else spec.log_prompts,
                       created=time.time(), revoked=None)
         with self.engine.begin() as conn:
@@ -157,6 +161,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tpm", type=int, help="tokens (prompt + completion) per minute")
     c.add_argument("--max-concurrent", type=int, help="requests in flight at once")
     c.add_argument("--max-tokens", type=int, help="cap on max_tokens per request (larger values are clamped)")
+    c.add_argument("--default-max-tokens", type=int,
+                   help="max_tokens of a request that names none (default: the gateway's default_max_tokens)")
     c.add_argument("--log-prompts", action="store_true", default=None,
                    help="keep prompt and response text in the request log for this key")
     c.add_argument("--json", action="store_true", help="print the key and its record as JSON")
@@ -192,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 spec = KeySpec(name=args.name, admin=args.admin, rpm=args.rpm, tpm=args.tpm,
                                max_concurrent=args.max_concurrent, max_tokens=args.max_tokens,
+                               default_max_tokens=args.default_max_tokens,
                                log_prompts=args.log_prompts)
             except ValidationError as e:
                 problems = "; ".join(f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
@@ -212,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps([k.public() for k in keys]))
                 return 0
             print(f"{'id':>4}  {'name':<20} {'key':<22} {'admin':<5} {'rpm':>6} {'tpm':>8} {'conc':>4} "
-                  f"{'maxtok':>6} {'logp':<4} {'created':<19}  revoked")
+                  f"{'maxtok':>6} {'deftok':>6} {'logp':<4} {'created':<19}  revoked")
             for k in keys:
                 print(f"{k.id:>4}  {k.name[:20]:<20} {KEY_PREFIX + k.prefix + '…':<22} {'yes' if k.admin else 'no':<5} "
                       f"{k.rpm or '-':>6} {k.tpm or '-':>8} {k.max_concurrent or '-':>4} {k.max_tokens or '-':>6} "
-                      f"{'yes' if k.log_prompts else 'no':<4} {_fmt_time(k.created):<19}  {_fmt_time(k.revoked)}")
+                      f"{k.default_max_tokens or '-':>6} {'yes' if k.log_prompts else 'no':<4} {_fmt_time(k.created):<19}  {_fmt_time(k.revoked)}")
             return 0
         rec = store.revoke(args.id)
         if rec is None:

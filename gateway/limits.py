@@ -2,9 +2,12 @@
 
 Both rates are sliding 60-second windows of exact events (a deque per key), so a burst is
 refused as soon as the window holds ``rpm`` requests and ``Retry-After`` is the exact time
-until the oldest one leaves it. Tokens are charged twice: the prompt (counted by the window
-precheck) when the request is admitted, the completion when it ends. One gateway process
-holds the counters; several gateways behind a balancer each enforce the limit on their own.
+until the oldest one leaves it. Tokens are *reserved* when a request is admitted: its prompt
+(counted by the window precheck) plus everything it may generate (``max_tokens`` per choice),
+so requests running in parallel cannot overshoot ``tpm``; when the request ends the
+reservation shrinks to what it used (prompt + completion) and the rest is refunded, also
+after an error or a client that went away. One gateway process holds the counters; several
+gateways behind a balancer each enforce the limit on their own.
 """
 
 from __future__ import annotations
@@ -17,15 +20,26 @@ from dataclasses import dataclass, field
 from gateway.errors import APIError
 from gateway.keys import KeyRecord
 
-__all__ = ["WINDOW_S", "Limiter", "Ticket"]
+__all__ = ["WINDOW_S", "Limiter", "Reservation", "Ticket"]
 
 WINDOW_S = 60.0
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Tokens held in a key's tpm window for one request; :meth:`Limiter.settle` sets what it really used."""
+
+    key_id: int
+    time: float
+    tokens: int
+    in_window: bool = True  # False once it is older than the window (nothing left to refund)
+    settled: bool = False
 
 
 @dataclass
 class _KeyState:
     requests: deque[float] = field(default_factory=deque)
-    tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    tokens: deque[Reservation] = field(default_factory=deque)
     token_sum: int = 0
     concurrent: int = 0
 
@@ -33,8 +47,10 @@ class _KeyState:
         horizon = now - WINDOW_S
         while self.requests and self.requests[0] <= horizon:
             self.requests.popleft()
-        while self.tokens and self.tokens[0][0] <= horizon:
-            self.token_sum -= self.tokens.popleft()[1]
+        while self.tokens and self.tokens[0].time <= horizon:
+            r = self.tokens.popleft()
+            r.in_window = False
+            self.token_sum -= r.tokens
 
 
 @dataclass
@@ -80,42 +96,44 @@ class Limiter:
         st.concurrent += 1
         return Ticket(key.id)
 
-    def charge_prompt(self, key: KeyRecord, tokens: int) -> None:
-        """Admit ``tokens`` prompt tokens against tpm (429 when the window is full), and count them.
+    def reserve(self, key: KeyRecord, prompt_tokens: int, max_new_tokens: int) -> Reservation:
+        """Hold ``prompt_tokens + max_new_tokens`` in the key's tpm window, or 429 when they do not fit.
 
-        A key whose window is empty is always let through, so a single prompt larger than
+        A key whose window is empty is always let through, so a single request larger than
         the whole tpm allowance is slow rather than refused forever.
         """
         now = self._clock()
         st = self._state(key.id)
         st.prune(now)
-        if key.tpm is not None and st.token_sum > 0 and st.token_sum + tokens > key.tpm:
+        want = max(0, prompt_tokens) + max(0, max_new_tokens)
+        if key.tpm is not None and st.token_sum > 0 and st.token_sum + want > key.tpm:
             self._on_limited("tpm")
-            need = st.token_sum + tokens - key.tpm
+            need = st.token_sum + want - key.tpm
             freed, wait = 0, WINDOW_S
-            for t, n in st.tokens:  # the time until enough tokens have left the window
-                freed += n
+            for r in st.tokens:  # the time until enough tokens have left the window
+                freed += r.tokens
                 if freed >= need:
-                    wait = t + WINDOW_S - now
+                    wait = r.time + WINDOW_S - now
                     break
-            raise _limited(f"this key's limit of {key.tpm} tokens per minute is reached "
-                           f"({st.token_sum} used, this prompt has {tokens}); retry in {wait:.0f}s", wait, "tpm")
-        self.charge(key.id, tokens)
+            raise _limited(f"this key's limit of {key.tpm} tokens per minute is reached ({st.token_sum} used or "
+                           f"reserved; this request needs {want}: {prompt_tokens} prompt + up to {max_new_tokens} "
+                           f"to generate); retry in {wait:.0f}s", wait, "tpm")
+        r = Reservation(key.id, now, want)
+        st.tokens.append(r)
+        st.token_sum += want
+        return r
 
-    def charge(self, key_id: int, tokens: int) -> None:
-        """Count tokens already spent (the completion, once the request ends)."""
-        if tokens > 0:
-            st = self._state(key_id)
-            st.tokens.append((self._clock(), tokens))
-            st.token_sum += tokens
+    def settle(self, r: Reservation, used_tokens: int) -> None:
+        """The request ended having used ``used_tokens``: the rest of its reservation is refunded (once)."""
+        if r.settled:
+            return
+        r.settled = True
+        used = max(0, used_tokens)
+        if r.in_window:
+            self._state(r.key_id).token_sum += used - r.tokens
+            r.tokens = used
 
     def release(self, ticket: Ticket) -> None:
         if not ticket.released:
             ticket.released = True
             self._state(ticket.key_id).concurrent -= 1
-
-    def usage(self, key_id: int) -> dict[str, int]:
-        st = self._state(key_id)
-        st.prune(self._clock())
-        return {"requests_last_minute": len(st.requests), "tokens_last_minute": st.token_sum,
-                "in_flight": st.concurrent}

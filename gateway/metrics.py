@@ -41,5 +41,17 @@ class GatewayMetrics:
                                  ["lane"], registry=r)
         self.rate_limited = Counter("strata_gateway_rate_limited", "429 answers by limit (rpm, tpm, concurrency)",
                                     ["limit"], registry=r)
+        self.auth_failures = Counter("strata_gateway_auth_failures",
+                                     "Refused authentications: failed (401) and blocked (429, too many failures "
+                                     "from one address)", ["result"], registry=r)
+        self.log_dropped = Counter("strata_gateway_request_log_dropped",
+                                   "Request-log rows lost: the queue was full, or the database refused the row",
+                                   ["reason"], registry=r)
+        self.log_queued = Gauge("strata_gateway_request_log_queued", "Request-log rows waiting for the database",
+                                registry=r)
         for reason in ("window", "cap"):
             self.clamped.labels(reason=reason)
+        for result in ("failed", "blocked"):
+            self.auth_failures.labels(result=result)
+        for reason in ("queue_full", "rejected"):
+            self.log_dropped.labels(reason=reason)

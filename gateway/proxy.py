@@ -3,9 +3,10 @@
 The life of one request (docs/gateway.md tells it in full):
 
 1. the key's rpm / concurrency slot (429), the body (413 / 400), the extras stripped;
-2. a lane is chosen; its ``/tokenize`` counts the prompt; ``max_tokens`` is capped and fitted
-   to the lane's window or the request is refused (400, the lane never sees it); the key's
-   tpm is charged with the prompt (429);
+2. a lane is chosen; its ``/tokenize`` counts the prompt; ``max_tokens`` (the default when
+   the request names none) is capped and fitted to the lane's window or the request is
+   refused (400, the lane never sees it); the key's tpm reserves the prompt plus
+   ``max_tokens`` per choice (429), the unused part is refunded when the request ends;
 3. the request goes to the lane with ``X-Request-Id``. A connection error, timeout, 5xx or
    an error event *before the first token reached the client* retries once on another lane;
    a 4xx is returned unchanged; after the first token a failure becomes an SSE error event
@@ -32,6 +33,7 @@ from common.http import SSE_HEADERS, client_gone, read_json
 from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status
 from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
+from gateway.limits import Reservation
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
 
@@ -141,6 +143,10 @@ class _Call:
         self.stream = bool(body.get("stream"))
         caps = [c for c in (key.max_tokens, gw.config.max_tokens_cap) if c is not None]
         self.cap = min(caps) if caps else None
+        self.default_max_tokens = key.default_max_tokens or gw.config.default_max_tokens
+        n = body.get("n")
+        self.n_choices = min(n, 64) if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        self.reservation: Reservation | None = None  # the tokens held against the key's tpm
         self.resp: web.StreamResponse | None = None  # the client's stream once its 200 went out
         self.first_sent = False  # a token reached the client: no failover any more
         self.last_write = trace.t0
@@ -169,7 +175,6 @@ class _Call:
         model = self.body.get("model") if isinstance(self.body.get("model"), str) else None
         tried: set[str] = set()
         failure: LaneFailure | None = None
-        charged = False
         for attempt in range(2):
             lane = disp.choose(self.affinity, tried, model)
             if lane is None:
@@ -186,9 +191,9 @@ class _Call:
             disp.begin(lane)
             try:
                 plan = await self._precheck(lane)
-                if not charged:
-                    self.gw.limiter.charge_prompt(self.key, plan.prompt_tokens)
-                    charged = True
+                if self.reservation is None:  # the prompt and all it may generate, refunded in part at the end
+                    self.reservation = self.gw.limiter.reserve(
+                        self.key, plan.prompt_tokens, plan.max_new_tokens * plan.n_prompts * self.n_choices)
                 lane_body = dict(self.body)
                 if plan.max_tokens is not None:
                     lane_body[max_tokens_field(self.body, self.kind)] = plan.max_tokens
@@ -223,7 +228,8 @@ class _Call:
         try:
             plan = await _race(self.request, precheck(
                 self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
-                timeout=cfg.first_token_timeout_s, request_id=self.trace.id), cfg.first_token_timeout_s + 1)
+                timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
+                cfg.first_token_timeout_s + 1)
         except TimeoutError:
             raise LaneFailure(lane.name, "timeout", "the window precheck timed out") from None
         except APIError as e:
@@ -463,6 +469,8 @@ class _Call:
                 if isinstance(piece, str):
                     self.texts.setdefault(int(ch.get("index") or 0), []).append(piece)
         await self._write(lane, b"data: " + out + b"\n\n")
+        if obj.get("choices"):
+            self.trace.streamed_chunks += 1
         if not self.first_sent and obj.get("choices"):
             self.first_sent = True
             ttft = time.monotonic() - self.trace.t0
@@ -484,6 +492,7 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
     key = request[PRINCIPAL]
     trace.log_row = True
     ticket = gw.limiter.admit(key)
+    call: _Call | None = None
     try:
         body = await read_json(request, gw.config.max_body_bytes)
         if not isinstance(body, dict):
@@ -520,11 +529,14 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         if key.log_prompts:
             trace.prompt_text = json.dumps(body.get("messages") if kind == "chat" else body.get("prompt"),
                                            ensure_ascii=False)
-        return await _Call(request, gw, trace, key, kind, body, affinity, client_usage).run()
+        call = _Call(request, gw, trace, key, kind, body, affinity, client_usage)
+        return await call.run()
     finally:
         gw.limiter.release(ticket)
-        if trace.completion_tokens:
-            gw.limiter.charge(key.id, trace.completion_tokens)
+        if call is not None and call.reservation is not None:
+            # what was used: the lane's usage, else (a stream cut short) the chunks that reached the client
+            completion = trace.completion_tokens if trace.completion_tokens is not None else trace.streamed_chunks
+            gw.limiter.settle(call.reservation, (trace.prompt_tokens or 0) + completion)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 from sqlalchemy import Engine
 
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, ClientAddress
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.keys import KeyRecord, KeyStore
@@ -33,6 +33,7 @@ class Gateway:
     dispatcher: Dispatcher
     limiter: Limiter
     admin_key: str | None  # resolved at create_app time; only its hash is kept after startup
+    client_address: ClientAddress  # who a request is from, for the failed-authentication limit
     db: Engine | None = None
     keys: KeyStore | None = None
     auth: Authenticator | None = None
@@ -54,11 +55,11 @@ class Trace:
     lane: str | None = None
     model: str | None = None
     stream: bool = False
-    status: int | None = None  # set by stream handlers (a 200 whose stream ended in an error event)
     error_type: str | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     completion_tokens: int | None = None
+    streamed_chunks: int = 0  # stream chunks with choices sent to the client (a floor on tokens generated)
     ttft_ms: float | None = None
     clamped_from: int | None = None
     clamped_to: int | None = None

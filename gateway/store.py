@@ -5,15 +5,23 @@ writer thread; ``flush`` waits until everything queued so far is written (the ad
 does so, so it reads its own writes). Retention deletes rows older than ``retention_days``.
 Key material never reaches a row; prompt and response text only for keys with
 ``log_prompts``.
+
+The queue holds at most ``log_queue_max`` rows: while the database is down rows wait there
+(a batch is retried whole, with exponential backoff up to ``log_retry_max_s``) and rows
+arriving at a full queue are dropped and counted, so an outage costs a bounded amount of
+memory. A batch the database refuses while it is up is written row by row, and only the
+rows it refuses are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -93,60 +101,130 @@ def _fit(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class RequestLog:
-    def __init__(self, engine: Engine, retention_days: float) -> None:
+    def __init__(self, engine: Engine, retention_days: float, *, max_queue: int = 10_000,
+                 retry_max_s: float = 30.0, on_drop: Callable[[str, int], None] | None = None) -> None:
         self.engine = engine
         self.retention_s = retention_days * 86400.0
-        self._q: queue.SimpleQueue[dict[str, Any] | threading.Event | None] = queue.SimpleQueue()
+        self.max_queue = max_queue
+        self.retry_max_s = retry_max_s
+        self._on_drop = on_drop or (lambda reason, n: None)
+        self._rows: deque[dict[str, Any]] = deque()  # oldest first; a batch leaves only once it is written
+        self._cond = threading.Condition()
+        self._queued_total = 0  # rows ever accepted into the queue
+        self._done_total = 0  # rows ever taken off it (written, or refused by the database)
+        self._stop = False
         self._thread = threading.Thread(target=self._writer, name="strata-gateway-log", daemon=True)
-        self.dropped = 0  # rows lost to database errors
+        self.dropped = 0  # rows lost: queue full or refused by the database
+        self.outage = False  # the last write attempt found the database unavailable
+        self.attempts = 0  # INSERT statements tried (one per batch; row by row only for a refused batch)
 
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def queued(self) -> int:
+        return len(self._rows)
+
     def record(self, row: dict[str, Any]) -> None:
-        self._q.put(row)
+        with self._cond:
+            if len(self._rows) >= self.max_queue:
+                self._drop("queue_full", 1)
+                return
+            self._rows.append(row)
+            self._queued_total += 1
+            self._cond.notify_all()
+
+    def _drop(self, reason: str, n: int) -> None:
+        with self._cond:
+            self.dropped += n
+        self._on_drop(reason, n)
+
+    def _wait_written(self, target: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done_total >= target, timeout)
 
     async def flush(self, timeout: float = 5.0) -> bool:
-        marker = threading.Event()
-        self._q.put(marker)
-        return await asyncio.to_thread(marker.wait, timeout)
+        """Wait until every row queued so far has been written (False after ``timeout``)."""
+        with self._cond:
+            target = self._queued_total
+        return await asyncio.to_thread(self._wait_written, target, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is queued, then stop the writer (blocking)."""
+        """Write what is queued (one attempt), then stop the writer (blocking)."""
         if self._thread.is_alive():
-            self._q.put(None)
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
             self._thread.join(timeout)
 
     def _writer(self) -> None:
-        stop = False
-        while not stop:
-            items = [self._q.get()]
-            while len(items) < _BATCH:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            rows = [i for i in items if isinstance(i, dict)]
-            if rows:
-                self._write(rows)
-            for i in items:
-                if isinstance(i, threading.Event):
-                    i.set()
-                elif i is None:
-                    stop = True
+        delay = 0.0
+        while True:
+            with self._cond:
+                if delay:  # backing off: only close() cuts the pause short
+                    self._cond.wait_for(lambda: self._stop, timeout=delay)
+                else:
+                    self._cond.wait_for(lambda: bool(self._rows) or self._stop)
+                stopping = self._stop
+                batch = list(itertools.islice(self._rows, _BATCH))
+            if not batch:
+                if stopping:
+                    return
+                continue
+            taken = self._write(batch)
+            with self._cond:
+                for _ in range(taken):
+                    self._rows.popleft()
+                self._done_total += taken
+                self._cond.notify_all()
+            if taken:
+                delay = 0.0
+                continue
+            if stopping:  # the database is down and we are told to stop: what is queued is lost
+                with self._cond:
+                    n = len(self._rows)
+                    self._rows.clear()
+                    self._done_total += n
+                    self._cond.notify_all()
+                self._drop("shutdown", n)
+                log.error("request log: %d row(s) lost at shutdown: the database is unavailable", n)
+                return
+            delay = min(self.retry_max_s, max(0.5, delay * 2))
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
+    def _database_up(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(select(1))
+            return True
+        except Exception:
+            return False
+
+    def _write(self, rows: list[dict[str, Any]]) -> int:
+        """Write ``rows`` (oldest first); the number taken off the queue (0: the database is down)."""
+        self.attempts += 1
         try:
             with self.engine.begin() as conn:
                 conn.execute(insert(requests), [_fit(r) for r in rows])
         except Exception as e:  # the log must never take the gateway down
-            if len(rows) > 1:
-                for row in rows:  # one bad row must not cost the whole batch
-                    self._write([row])
-                return
-            self.dropped += 1
-            # the engine hides bound parameters: prompt text never reaches the server log
+            if not self._database_up():
+                if not self.outage:
+                    self.outage = True
+                    # the engine hides bound parameters: prompt text never reaches the server log
+                    log.error("request log: the database is unavailable (%s: %s); keeping up to %d row(s) and "
+                              "retrying", type(e).__name__, str(e).splitlines()[0], self.max_queue)
+                return 0
+            if len(rows) > 1:  # the database is up and refused this batch: one bad row must not cost the rest
+                for i, row in enumerate(rows):
+                    if self._write([row]) == 0:
+                        return i
+                return len(rows)
+            self._drop("rejected", 1)
             log.error("request log: a row was lost: %s: %s", type(e).__name__, str(e).splitlines()[0])
+            return 1
+        if self.outage:
+            self.outage = False
+            log.warning("request log: the database is back; writing the queued rows")
+        return len(rows)
 
     # ------------------------------------------------------------ blocking queries (worker threads)
     def purge(self, now: float | None = None) -> int:

@@ -11,8 +11,11 @@ Rules, per prompt (a completion may carry several; the longest decides):
 * ``max_tokens`` above the key's or the global cap -> lowered to the cap;
 * prompt + ``max_tokens`` > ``n_ctx`` -> lowered to ``n_ctx - prompt`` when at least
   ``min_clamp_tokens`` remain, else 400 ``context_length_exceeded`` with ``n_prompt_tokens``
-  and ``n_ctx``; no ``max_tokens`` means "the rest of the window" and only fails when the
-  prompt alone fills it.
+  and ``n_ctx``;
+* no ``max_tokens``: the default (the key's ``default_max_tokens``, else the gateway's),
+  bounded by the caps and by the rest of the window (not a clamp: the client asked for
+  nothing); with no default at all it means "the rest of the window". It only fails when
+  the prompt alone fills the window.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class WindowPlan:
     n_ctx: int
     max_tokens: int | None  # the value sent to the lane (None: the lane's default, the rest of the window)
     clamp: Clamp | None
+    n_prompts: int = 1
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens one choice may generate (what the lane will stop at)."""
+        return self.max_tokens if self.max_tokens is not None else self.n_ctx - self.longest_prompt
 
 
 def max_tokens_field(body: dict[str, Any], kind: Kind) -> str:
@@ -107,7 +116,7 @@ async def count_prompt(session: aiohttp.ClientSession, lane: LaneRuntime, body: 
 
 
 def fit(counts: list[int], n_ctx: int, kind: Kind, field: str, requested: int | None, cap: int | None,
-        min_clamp: int) -> WindowPlan:
+        min_clamp: int, default: int | None = None) -> WindowPlan:
     """Apply the cap and window rules; raises the 400 ``context_length_exceeded``."""
     longest = max(counts)
     prompt_param = "messages" if kind == "chat" else "prompt"
@@ -117,13 +126,15 @@ def fit(counts: list[int], n_ctx: int, kind: Kind, field: str, requested: int | 
                        "tokens, leaving no room to generate", code="context_length_exceeded", param=prompt_param,
                        n_prompt_tokens=longest, n_ctx=n_ctx)
     clamp: Clamp | None = None
+    n = len(counts)
     if requested is None:
-        # "the rest of the window", bounded by the cap (not a clamp: the client asked for nothing)
-        sent = min(cap, room) if cap is not None and cap < room else None
-        return WindowPlan(sum(counts), longest, n_ctx, sent, None)
+        # the default, bounded by the cap and the window (not a clamp: the client asked for nothing)
+        limits = [x for x in (default, cap) if x is not None]
+        sent = min([*limits, room]) if limits else None
+        return WindowPlan(sum(counts), longest, n_ctx, sent, None, n)
     sent = requested
     if requested < 1:
-        return WindowPlan(sum(counts), longest, n_ctx, requested, None)  # the lane's own 400 names it
+        return WindowPlan(sum(counts), longest, n_ctx, requested, None, n)  # the lane's own 400 names it
     if cap is not None and sent > cap:
         sent = cap
         clamp = Clamp(requested, sent, "cap")
@@ -135,11 +146,12 @@ def fit(counts: list[int], n_ctx: int, kind: Kind, field: str, requested: int | 
                            param=field, n_prompt_tokens=longest, n_ctx=n_ctx)
         sent = room
         clamp = Clamp(requested, sent, "window")
-    return WindowPlan(sum(counts), longest, n_ctx, sent, clamp)
+    return WindowPlan(sum(counts), longest, n_ctx, sent, clamp, n)
 
 
 async def precheck(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind, *,
-                   cap: int | None, min_clamp: int, timeout: float, request_id: str) -> WindowPlan:
+                   cap: int | None, min_clamp: int, timeout: float, request_id: str,
+                   default: int | None = None) -> WindowPlan:
     field = max_tokens_field(body, kind)
     requested = body.get(field)
     if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
@@ -150,4 +162,4 @@ async def precheck(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict
         raise LaneFailure(lane.name, "status", "the lane's window (max_model_len) is unknown", 503)
     if not counts:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    return fit(counts, n_ctx, kind, field, requested, cap, min_clamp)
+    return fit(counts, n_ctx, kind, field, requested, cap, min_clamp, default)

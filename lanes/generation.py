@@ -262,7 +262,7 @@ class Run:
                 t_text, t_raw = self._token_text(tid)
                 top.append({"token": t_text, "logprob": _finite(v), "bytes": t_raw})
             content.append({"token": text, "logprob": _finite(lp.logprob), "bytes": raw, "top_logprobs": top})
-        return {"content": content}
+        return {"content": content, "refusal": None}  # OpenAI requires both keys; this server never refuses
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -280,7 +280,7 @@ class Run:
         for c in self.choices:
             text = "".join(c.text)
             if self.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
                                 "logprobs": self.chat_logprobs(c.logprobs) if self.want_logprobs else None,
                                 "finish_reason": c.finish_reason})
             else:

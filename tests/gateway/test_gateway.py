@@ -22,7 +22,7 @@ from tests.gateway.conftest import (
     running_gateway,
     running_lane,
 )
-from tests.http_helpers import scrape, sse
+from tests.http_helpers import eventually, scrape, sse
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -38,7 +38,7 @@ async def lanes(gateway_engines: tuple) -> AsyncIterator[dict[str, Lane]]:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw(lanes: dict[str, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
     cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": n, "url": lane.url} for n, lane in lanes.items()],
-                         ping_interval_s=0.05)
+                         ping_interval_s=0.05, default_max_tokens=64)
     async with running_gateway(cfg) as g:
         assert [lane.name for lane in g.state.dispatcher.routable()] == ["a", "b"]
         yield g
@@ -239,6 +239,55 @@ async def test_key_cap_clamps_max_tokens(gw: GW, http: aiohttp.ClientSession) ->
         assert (await r.json())["usage"]["completion_tokens"] == 8
 
 
+async def test_default_max_tokens(gw: GW, http: aiohttp.ClientSession, key: str, lanes: dict[str, Lane]) -> None:
+    body = {"prompt": "Once upon a time", "ignore_eos": True}  # names no max_tokens: the gateway's default (64)
+    async with http.post(gw.url + "/v1/completions", json=body, headers=auth(key)) as r:
+        assert r.status == 200 and "X-Strata-Max-Tokens-Clamped" not in r.headers
+        data = await r.json()
+        assert data["usage"]["completion_tokens"] == 64 and data["choices"][0]["finish_reason"] == "length"
+    async with http.post(gw.url + "/v1/admin/keys", json={"name": "short", "default_max_tokens": 5},
+                         headers=auth(ADMIN_KEY)) as r:
+        assert r.status == 201
+        created = await r.json()
+    assert created["default_max_tokens"] == 5
+    chat = {"messages": [{"role": "user", "content": "Tell me a story."}], "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    async with http.post(gw.url + "/v1/chat/completions", json=chat, headers=auth(created["key"])) as r:
+        lines = await sse(r)
+    usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 5  # the key's own default wins
+    async with http.post(gw.url + "/v1/chat/completions", json={**chat, "max_tokens": 7, "stream": False},
+                         headers=auth(created["key"])) as r:
+        assert (await r.json())["usage"]["completion_tokens"] == 7  # a value the client names is kept
+    # the window stays the hard limit: 20 tokens left of it, the default (64) becomes 20 (no 400, no clamp)
+    msgs = await _prompt_leaving(http, lanes["a"], 20)
+    long = {"messages": msgs, "ignore_eos": True, "session_id": "long-prompt"}
+    async with http.post(gw.url + "/v1/chat/completions", json=long, headers=auth(key)) as r:
+        assert r.status == 200 and "X-Strata-Max-Tokens-Clamped" not in r.headers
+        assert (await r.json())["usage"]["completion_tokens"] == 20
+
+
+async def test_tpm_reserves_max_tokens(gw: GW, http: aiohttp.ClientSession, lanes: dict[str, Lane]) -> None:
+    async with http.post(lanes["a"].url + "/tokenize", json={"messages": QUESTION}) as r:
+        p = (await r.json())["count"]
+    m = 200
+    key = gw.key("tpm-parallel", tpm=3 * (p + m) + 10)
+    body = {"messages": QUESTION, "max_tokens": m, "temperature": 0}
+
+    async def one() -> tuple[int, dict]:
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth(key)) as r:
+            return r.status, await r.json()
+    results = await asyncio.gather(*(one() for _ in range(8)))
+    statuses = sorted(s for s, _ in results)
+    assert statuses == [200] * 3 + [429] * 5, statuses  # only what fits: 3 x (prompt + max_tokens)
+    assert all(b["error"]["limit"] == "tpm" for s, b in results if s == 429)
+    used = [b["usage"] for s, b in results if s == 200]
+    assert all(u["prompt_tokens"] == p and u["completion_tokens"] < m // 2 for u in used), used
+    # the unused part came back when they ended: one more fits at once (3 x max_tokens were held before)
+    status, data = await one()
+    assert status == 200, data
+
+
 # ---------------------------------------------------------------------------------------- errors and limits
 
 
@@ -356,9 +405,9 @@ async def test_client_disconnect_frees_the_lane(gw: GW, http: aiohttp.ClientSess
             break
         await asyncio.sleep(0.05)
     assert lane.state.aeng.scheduler.num_running == 0
-    await asyncio.sleep(0.3)
-    row = (await _requests(http, gw, limit="1"))[0]
-    assert row["status"] == 499 and row["stream"] is True
+    rows = await eventually(lambda: _requests(http, gw, limit="1"), lambda rows: bool(rows) and rows[0]["status"] == 499,
+                            5.0, "the request-log row of the client that left")
+    assert rows[0]["stream"] is True
 
 
 # ---------------------------------------------------------------------------------------- request log

@@ -49,16 +49,43 @@ def test_concurrency_and_tpm() -> None:
     lim.release(t1)
     lim.release(t1)  # twice is harmless
     lim.admit(key)
-    lim.charge_prompt(key, 500)  # an empty window lets one big prompt through
+    big = lim.reserve(key, 400, 100)  # an empty window lets one big request through
     clock.t += 30
     with pytest.raises(APIError) as e:
-        lim.charge_prompt(key, 10)
+        lim.reserve(key, 10, 0)
     assert e.value.retry_after == pytest.approx(30.0)
-    clock.t += 31
-    lim.charge_prompt(key, 60)
-    lim.charge(key.id, 30)
+    lim.settle(big, 450)  # it ended: 50 refunded, still too much for another request
     with pytest.raises(APIError):
-        lim.charge_prompt(key, 20)
+        lim.reserve(key, 10, 0)
+    clock.t += 31
+    r = lim.reserve(key, 60, 0)
+    lim.settle(r, 90)  # used more than reserved (a longer prompt count): charged in full
+    with pytest.raises(APIError):
+        lim.reserve(key, 20, 0)
+
+
+def test_tpm_reserves_max_tokens_and_refunds() -> None:
+    clock = Clock()
+    lim = Limiter(clock)
+    key = KeyRecord(id=3, name="k", prefix="", tpm=1000)
+    held = [lim.reserve(key, 50, 250) for _ in range(3)]  # 900 held: parallel requests cannot overshoot
+    with pytest.raises(APIError) as e:
+        lim.reserve(key, 50, 250)
+    assert e.value.extra["limit"] == "tpm" and "900 used or reserved" in e.value.message
+    assert e.value.retry_after == pytest.approx(60.0)
+    lim.settle(held[0], 50 + 10)  # it stopped after 10 tokens: 240 come back
+    lim.settle(held[0], 50 + 300)  # settled once only
+    clock.t += 5
+    lim.reserve(key, 50, 250)  # 660 + 300 = 960 fits
+    lim.settle(held[1], 0)  # failed before the lane saw it (settled with what it used: nothing)
+    lim.settle(held[2], 50)  # the client left before any token
+    lim.reserve(key, 50, 250)  # 60 + 0 + 50 + 300 + 300 = 710
+    lim.reserve(key, 40, 0)
+    with pytest.raises(APIError):
+        lim.reserve(key, 1, 300)
+    other = KeyRecord(id=4, name="o", prefix="")  # no tpm: never refused
+    for _ in range(10):
+        lim.reserve(other, 10**6, 10**6)
 
 
 def test_window_rules() -> None:
@@ -81,6 +108,22 @@ def test_window_rules() -> None:
         fit([1000], 1000, "completion", "max_tokens", None, None, 16)
     assert e.value.param == "prompt" and e.value.extra["n_prompt_tokens"] == 1000
     assert fit([984], 1000, "chat", "max_tokens", 100, None, 16).max_tokens == 16  # exactly min_clamp left
+
+
+def test_default_max_tokens() -> None:
+    plan = fit([100], 1000, "chat", "max_tokens", None, None, 16, default=256)
+    assert plan.max_tokens == 256 and plan.clamp is None and plan.max_new_tokens == 256
+    assert fit([100], 1000, "chat", "max_tokens", None, 64, 16, default=256).max_tokens == 64  # the cap is lower
+    plan = fit([990], 1000, "chat", "max_tokens", None, None, 16, default=256)
+    assert plan.max_tokens == 10 and plan.clamp is None  # the window stays the hard limit; no 400 for 10 < 16
+    assert fit([100], 1000, "chat", "max_tokens", 500, None, 16, default=256).max_tokens == 500  # asked: kept
+    plan = fit([100], 1000, "chat", "max_tokens", None, None, 16)
+    assert plan.max_tokens is None and plan.max_new_tokens == 900  # no default: the rest of the window
+    plan = fit([100, 300], 1000, "completion", "max_tokens", None, None, 16, default=50)
+    assert plan.n_prompts == 2 and plan.prompt_tokens == 400 and plan.max_new_tokens == 50
+    with pytest.raises(APIError) as e:
+        fit([1000], 1000, "chat", "max_tokens", None, None, 16, default=256)
+    assert e.value.code == "context_length_exceeded"
 
 
 def _dispatcher(**kw: object) -> Dispatcher:
