@@ -152,7 +152,8 @@ def test_cli_prints_path(built: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_llama_cpp_upcycled_equals_dense(built: Path) -> None:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
+
     logits = []
     for path in (dm.source_model_path(), built):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)

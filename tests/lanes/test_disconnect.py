@@ -12,8 +12,10 @@ import pytest
 import pytest_asyncio
 
 from lanes.server import EngineFactory
-from tests.http_helpers import scrape
+from tests.http_helpers import eventually, scrape
 from tests.lanes.conftest import Lane, lane_config, running_lane
+
+ABORTS = 'strata_requests_total{finish_reason="abort"}'
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -81,21 +83,21 @@ async def test_twenty_streams_ten_hang_up(lane: Lane) -> None:
         results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         assert results.count(("closed", None)) == 10
         assert results.count(("done", "length")) == 10
-        await asyncio.sleep(0.3)  # handlers record a request when they see its end (one poll at most)
-        m = await scrape(probe, lane.url)
-        assert m['strata_requests_total{finish_reason="abort"}'] == 10
+        # handlers record a request when they see its end (one poll at most)
+        m = await eventually(lambda: scrape(probe, lane.url), lambda m: m.get(ABORTS, 0) >= 10, 5.0, "10 aborts counted")
+        assert m[ABORTS] == 10
         assert m['strata_requests_total{finish_reason="length"}'] == 10
 
 
 async def test_non_stream_client_timeout_aborts(lane: Lane) -> None:
     async with aiohttp.ClientSession() as s:
-        aborts = (await scrape(s, lane.url))['strata_requests_total{finish_reason="abort"}']
+        aborts = (await scrape(s, lane.url)).get(ABORTS, 0)
         body = {"prompt": "Count:", "temperature": 0, "ignore_eos": True, "max_tokens": LONG}
         with pytest.raises(asyncio.TimeoutError):
             async with s.post(lane.url + "/v1/completions", json=body,
                               timeout=aiohttp.ClientTimeout(total=0.5)) as r:
                 await r.read()
         await _wait_idle(s, lane.url, within=2.0)
-        await asyncio.sleep(0.3)
-        m = await scrape(s, lane.url)
-        assert m['strata_requests_total{finish_reason="abort"}'] == aborts + 1
+        m = await eventually(lambda: scrape(s, lane.url), lambda m: m.get(ABORTS, 0) >= aborts + 1, 5.0,
+                             "the abort counted")
+        assert m[ABORTS] == aborts + 1

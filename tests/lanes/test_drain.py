@@ -8,6 +8,7 @@ import json
 import aiohttp
 
 from lanes.server import EngineFactory, drain
+from tests.http_helpers import eventually
 from tests.lanes.conftest import Lane, lane_config, running_lane
 
 
@@ -41,7 +42,7 @@ async def test_drain_lets_streams_finish(engine_factory: EngineFactory) -> None:
         streams = [asyncio.create_task(_stream(s, lane, 16, ev)) for ev in started]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 20)
         draining = asyncio.create_task(drain(lane.app, timeout=30))
-        await asyncio.sleep(0)
+        await eventually(lambda: lane.state.status, lambda st: st == "draining", 5.0, "the lane draining")
         async with s.get(lane.url + "/health") as r:
             assert r.status == 503 and (await r.json())["status"] == "draining"
         async with s.post(lane.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as r:

@@ -9,7 +9,7 @@ import aiohttp
 
 from engine.engine import Engine
 from lanes.server import EngineFactory
-from tests.http_helpers import scrape
+from tests.http_helpers import eventually, scrape
 from tests.lanes.conftest import lane_config, running_lane
 
 METRICS = ["strata_requests_running", "strata_requests_waiting", "strata_kv_usage_ratio",
@@ -81,7 +81,8 @@ async def test_pings_while_waiting_for_first_token(engine_factory: EngineFactory
     async with running_lane(cfg, engine_factory) as lane, aiohttp.ClientSession() as s:
         first = {"prompt": "One", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
         blocker = asyncio.create_task(s.post(lane.url + "/v1/completions", json=first))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: lane.state.aeng.scheduler.num_running, lambda n: n == 1, 10.0, "the blocker running",
+                         interval=0.01)
         body = {"prompt": "Two", "max_tokens": 2, "stream": True, "temperature": 0}
         async with s.post(lane.url + "/v1/completions", json=body) as r:
             lines = [raw.decode() async for raw in r.content]
