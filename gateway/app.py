@@ -28,6 +28,8 @@ from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
 from gateway.config import GatewayConfig
 from gateway.db import open_db, safe_url
 from gateway.dispatch import Dispatcher
+from gateway.documents.api import add_routes as add_document_routes
+from gateway.documents.api import rag_context
 from gateway.errors import ERROR_CODE, APIError, error_middleware
 from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
@@ -56,6 +58,7 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
                           middlewares=[_access_middleware, error_middleware, _auth_middleware])
     app[GATEWAY] = gw
     app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(rag_context(config.rag))  # after _lifecycle: it needs the database
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
@@ -70,6 +73,7 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     r.add_post("/v1/admin/keys", admin_create_key)
     r.add_delete("/v1/admin/keys/{id}", admin_revoke_key)
     r.add_get("/v1/admin/requests", admin_requests)
+    add_document_routes(app)  # /v1/collections..., /v1/embeddings
     return app
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from gateway.documents.config import DEFAULT_EMBED_MODEL
 
-__all__ = ["EmbedError", "Embedder", "resolve_model_dir"]
+__all__ = ["EmbedError", "Embedder", "get_embedder", "resolve_model_dir"]
 
 
 class EmbedError(RuntimeError):
@@ -139,3 +139,17 @@ class Embedder:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_SHARED: dict[tuple[str, int, int], Embedder] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def get_embedder(model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32) -> Embedder:
+    """One Embedder per (model, threads, batch) per process: a model is loaded once, however many apps run."""
+    key = (model, threads, batch)
+    with _SHARED_LOCK:
+        e = _SHARED.get(key)
+        if e is None:
+            e = _SHARED[key] = Embedder(model, threads=threads, batch=batch)
+        return e

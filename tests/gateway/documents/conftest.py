@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.documents.embed import Embedder
+from gateway.documents.embed import Embedder, get_embedder
 
 
 @pytest.fixture(scope="session")
 def embedder() -> Iterator[Embedder]:
-    e = Embedder(threads=1, batch=32)
+    """The process-wide instance the gateways of these tests use too (loaded once)."""
+    e = get_embedder()
     e.encode(["warm up"])
     yield e
-    e.close()

@@ -1,0 +1,363 @@
+"""The documents service: ingestion jobs, index versions and search, for the API and the chat path.
+
+Ingestion of one document (one at a time, in upload order, on a background task):
+
+    queued -> extracting (child process) -> embedding (chunks, then vectors on the embed thread)
+           -> a new collection version is built (worker thread) and published (one SQL transaction)
+           -> ready;   any error on the way -> failed with the reason, the collection untouched.
+
+A restarted gateway re-queues every document whose job never finished (its upload is kept
+until then) and fails one that was interrupted ``MAX_ATTEMPTS`` times or whose upload is gone.
+The served version is whatever the collection row names: a half-built directory is never named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine
+
+from gateway.documents.chunk import chunk_blocks
+from gateway.documents.config import RagConfig
+from gateway.documents.embed import Embedder, get_embedder
+from gateway.documents.extract import ExtractionError, ExtractLimits, extract_file
+from gateway.documents.index import IndexVersion, Mode, build_version, load_version, prune_versions
+from gateway.documents.store import ChunkRow, Conflict, DocStore
+
+__all__ = ["MAX_ATTEMPTS", "Passage", "RagService"]
+
+log = logging.getLogger("strata.gateway.documents")
+
+MAX_ATTEMPTS = 3
+
+
+@dataclass
+class Passage:
+    chunk_id: str
+    document_id: str
+    document: str
+    collection_id: str
+    page: int | None
+    heading: list[str]
+    char_start: int
+    char_end: int
+    text: str
+    score: float
+    dense_score: float | None = None
+    bm25_score: float | None = None
+
+    def public(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def citation(self, n: int) -> dict[str, Any]:
+        return {"index": n, "document": self.document, "document_id": self.document_id, "page": self.page,
+                "chunk_id": self.chunk_id, "collection_id": self.collection_id, "score": round(self.score, 6),
+                "heading": self.heading, "char_start": self.char_start, "char_end": self.char_end}
+
+
+def _model_tag(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class RagService:
+    def __init__(self, cfg: RagConfig, db: Engine, embedder: Embedder | None = None) -> None:
+        self.cfg = cfg
+        self.root = cfg.resolved_data_dir()
+        self.uploads = self.root / "uploads"
+        self.uploads.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.store = DocStore(db)
+        self.embedder = embedder or get_embedder(cfg.embed_model, threads=cfg.embed_threads, batch=cfg.embed_batch)
+        self.limits = ExtractLimits(max_pages=cfg.max_pdf_pages, max_chars=cfg.max_extracted_chars,
+                                    max_uncompressed_bytes=cfg.max_uncompressed_bytes,
+                                    max_ratio=cfg.max_compression_ratio, max_stream_bytes=cfg.max_stream_bytes,
+                                    timeout_s=cfg.extract_timeout_s, memory_mb=cfg.extract_memory_mb)
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+        self.current: str | None = None  # the document being ingested
+        self._cache: dict[str, IndexVersion] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._worker: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        for doc in await asyncio.to_thread(self.store.unfinished):
+            did = doc["id"]
+            if doc["attempts"] >= MAX_ATTEMPTS:
+                await asyncio.to_thread(self.store.set_status, did, "failed", reason=(
+                    f"ingestion was interrupted {doc['attempts']} times (the gateway stopped while working on it)"))
+                self._drop_upload(did)
+            elif not self.upload_path(did).is_file():
+                await asyncio.to_thread(self.store.set_status, did, "failed",
+                                        reason="the upload was lost when the gateway stopped; upload it again")
+            else:
+                log.info("documents: resuming ingestion of %s (%s, attempt %d)", did, doc["name"], doc["attempts"] + 1)
+                await asyncio.to_thread(self.store.set_status, did, "queued", progress=0.0)
+                self.queue.put_nowait(did)
+        for tmp in self.uploads.glob("upload-*"):  # a request cut off mid-upload
+            tmp.unlink(missing_ok=True)
+        self._worker = asyncio.create_task(self._run(), name="documents-ingest")
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        # the embedder is shared by the process (get_embedder): it outlives this service
+
+    def upload_path(self, did: str) -> Path:
+        return self.uploads / did
+
+    def _drop_upload(self, did: str) -> None:
+        self.upload_path(did).unlink(missing_ok=True)
+
+    def _vectors_path(self, cid: str, did: str) -> Path:
+        return self.root / "collections" / cid / "vectors" / f"{did}.{_model_tag(self.embedder.version_key)}.npy"
+
+    def _lock(self, cid: str) -> asyncio.Lock:
+        return self._locks.setdefault(cid, asyncio.Lock())
+
+    # ------------------------------------------------------------------ ingestion
+    async def submit(self, did: str) -> None:
+        self.queue.put_nowait(did)
+
+    async def _run(self) -> None:
+        while True:
+            did = await self.queue.get()
+            self.current = did
+            try:
+                await self._ingest(did)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # never kill the worker: the document fails, the next one goes on
+                log.exception("documents: ingestion of %s failed", did)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self.store.set_status, did, "failed",
+                                            reason=f"internal error: {type(e).__name__}: {e}")
+            finally:
+                self.current = None
+
+    async def _ingest(self, did: str) -> None:
+        st = self.store
+        doc = await asyncio.to_thread(st.get_document, did)
+        if doc is None or doc["status"] not in ("queued", "extracting", "embedding"):
+            return
+        cid = doc["collection_id"]
+        if not await asyncio.to_thread(st.set_status, did, "extracting", progress=2.0, start=True):
+            return
+        try:
+            extracted = await asyncio.to_thread(extract_file, self.upload_path(did), doc["format"], self.limits)
+        except ExtractionError as e:
+            log.info("documents: %s (%s) failed extraction: %s", did, doc["name"], e)
+            await asyncio.to_thread(st.set_status, did, "failed", reason=str(e))
+            self._drop_upload(did)
+            return
+        chunks = await asyncio.to_thread(chunk_blocks, extracted.blocks, self.embedder.count_tokens,
+                                         self.cfg.chunk_tokens, self.cfg.chunk_overlap)
+        if not await asyncio.to_thread(st.set_status, did, "embedding", progress=10.0, pages=extracted.pages,
+                                       n_chunks=len(chunks)):
+            return
+
+        last = [0.0]
+
+        async def progress(done: int, total: int) -> None:
+            pct = 10.0 + 85.0 * done / max(1, total)
+            if pct - last[0] >= 5 or done == total:
+                last[0] = pct
+                await asyncio.to_thread(st.set_status, did, "embedding", progress=pct)
+
+        vectors = await self.embedder.aencode([c.embed_text() for c in chunks], progress)
+        rows = [{"id": f"{did}-{c.ordinal}", "ordinal": c.ordinal, "page": c.page, "heading": c.heading,
+                 "char_start": c.char_start, "char_end": c.char_end, "tokens": c.tokens, "text": c.text}
+                for c in chunks]
+        await asyncio.to_thread(self._save_vectors, cid, did, vectors)
+        await asyncio.to_thread(st.save_chunks, did, cid, rows)
+        try:
+            await self.publish(cid, ready=did, n_chunks=len(chunks))
+        except Conflict as e:  # deleted meanwhile (the collection or the document)
+            log.info("documents: %s not published: %s", did, e)
+            return
+        self._drop_upload(did)
+        log.info("documents: %s (%s) ready: %s pages, %d chunks", did, doc["name"], extracted.pages, len(chunks))
+
+    def _save_vectors(self, cid: str, did: str, vectors: np.ndarray) -> None:
+        path = self._vectors_path(cid, did)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, vectors)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _vectors(self, cid: str, did: str, rows: list[ChunkRow]) -> np.ndarray:
+        """A document's chunk vectors; re-embedded from the stored chunk text when missing or of another model."""
+        path = self._vectors_path(cid, did)
+        if path.is_file():
+            v = np.load(path)
+            if v.shape == (len(rows), self.embedder.dim):
+                return v
+        v = self.embedder.encode([r.embed_text() for r in rows])
+        self._save_vectors(cid, did, v)
+        return v
+
+    def _build(self, cid: str, version: int, docs: list[str]) -> tuple[str, int]:
+        rows = self.store.chunk_rows(document_ids=docs) if docs else []
+        by_doc: dict[str, list[ChunkRow]] = {}
+        for r in rows:
+            by_doc.setdefault(r.document_id, []).append(r)
+        ids: list[str] = []
+        texts: list[str] = []
+        vecs: list[np.ndarray] = []
+        for did in docs:
+            rs = by_doc.get(did, [])
+            if not rs:
+                continue
+            vecs.append(self._vectors(cid, did, rs))
+            ids += [r.id for r in rs]
+            texts += [r.embed_text() for r in rs]
+        matrix = np.concatenate(vecs) if vecs else np.zeros((0, self.embedder.dim), dtype=np.float32)
+        name = build_version(self.root, cid, version, ids, matrix, texts, self.embedder.version_key,
+                             hnsw_above=self.cfg.hnsw_above)
+        return name, len(ids)
+
+    async def publish(self, cid: str, *, ready: str | None = None, remove: list[str] | None = None,
+                      n_chunks: int | None = None) -> None:
+        """Build and serve a new version of ``cid``: its ready documents, plus ``ready``, minus ``remove`` and
+        minus older documents of ``ready``'s name. Raises Conflict when the collection or ``ready`` is gone."""
+        remove = list(remove or [])
+        async with self._lock(cid):
+            for _attempt in range(5):
+                coll = await asyncio.to_thread(self.store.get_collection, None, cid)
+                if coll is None:
+                    raise Conflict("the collection was deleted")
+                docs = await asyncio.to_thread(self.store.ready_documents, cid)
+                drop = set(remove)
+                if ready is not None:
+                    new = await asyncio.to_thread(self.store.get_document, ready, cid)
+                    if new is None:
+                        raise Conflict("the document was deleted while it was being ingested")
+                    drop |= {d["id"] for d in docs if d["name"] == new["name"] and d["id"] != ready}
+                keep = [d["id"] for d in docs if d["id"] not in drop and d["id"] != ready]
+                if ready is not None:
+                    keep.append(ready)
+                version = coll["version"] + 1
+                name, _ = await asyncio.to_thread(self._build, cid, version, keep)
+                try:
+                    await asyncio.to_thread(self.store.publish, cid, coll["version"], version, name,
+                                            self.embedder.version_key, ready=ready, remove=sorted(drop),
+                                            n_chunks=n_chunks)
+                except Conflict:
+                    shutil.rmtree(self.root / "collections" / cid / name, ignore_errors=True)
+                    if await asyncio.to_thread(self.store.get_collection, None, cid) is None:
+                        raise
+                    if ready is not None and await asyncio.to_thread(self.store.get_document, ready) is None:
+                        raise
+                    continue  # another gateway published first: build again on top of it
+                for did in drop:
+                    self._forget_vectors(cid, did)
+                self._cache.pop(cid, None)
+                keep_dirs = {name} | ({coll["index_dir"]} if coll["index_dir"] else set())
+                await asyncio.to_thread(prune_versions, self.root, cid, keep_dirs, below=version)
+                return
+            raise Conflict("the collection kept changing while its index was being built; try again")
+
+    def _forget_vectors(self, cid: str, did: str) -> None:
+        base = self.root / "collections" / cid / "vectors"
+        for p in base.glob(f"{did}.*.npy"):
+            p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ deletes
+    async def delete_document(self, cid: str, did: str) -> None:
+        doc = await asyncio.to_thread(self.store.get_document, did, cid)
+        if doc is None:
+            return
+        if doc["status"] == "ready":
+            await self.publish(cid, remove=[did])  # the version without it, and its rows, in one step
+        else:
+            await asyncio.to_thread(self.store.delete_document, did)
+            self._forget_vectors(cid, did)
+        self._drop_upload(did)
+
+    async def delete_collection(self, cid: str) -> None:
+        async with self._lock(cid):
+            dids = await asyncio.to_thread(self.store.delete_collection, cid)
+            self._cache.pop(cid, None)
+            for did in dids:
+                self._drop_upload(did)
+            await asyncio.to_thread(shutil.rmtree, self.root / "collections" / cid, True)
+
+    # ------------------------------------------------------------------ search
+    async def _index(self, coll: dict[str, Any]) -> IndexVersion | None:
+        name = coll.get("index_dir")
+        if not name:
+            return None
+        cached = self._cache.get(coll["id"])
+        if cached is not None and cached.path.name == name:
+            return cached
+        try:
+            idx = await asyncio.to_thread(load_version, self.root, coll["id"], name)
+        except FileNotFoundError:
+            log.error("documents: collection %s names index %s, which is missing under %s (is the data "
+                      "directory shared by every gateway?)", coll["id"], name, self.root)
+            return None
+        self._cache[coll["id"]] = idx
+        return idx
+
+    async def search(self, colls: list[dict[str, Any]], query: str, k: int, mode: Mode = "hybrid") -> list[Passage]:
+        """The best ``k`` passages over ``colls`` (collection rows), best first."""
+        indexes = [(c, await self._index(c)) for c in colls]
+        indexes = [(c, i) for c, i in indexes if i is not None and len(i)]
+        if not indexes or k < 1 or not query.strip():
+            return []
+        qvec = None
+        if mode != "bm25":
+            qvec = (await self.embedder.aencode([query]))[0]
+        hits = []
+        for c, idx in indexes:
+            m: Mode = mode if idx.model == self.embedder.version_key else "bm25"  # other model: not comparable
+            for h in await asyncio.to_thread(idx.search, qvec, query, k, m):
+                hits.append((c, h))
+        hits.sort(key=lambda ch: -ch[1].score)
+        hits = hits[:k]
+        rows = {r.id: r for r in await asyncio.to_thread(self.store.chunk_rows, ids=[h.chunk_id for _, h in hits])}
+        out = []
+        for c, h in hits:
+            r = rows.get(h.chunk_id)
+            if r is None:  # published away between the index load and now
+                continue
+            out.append(Passage(r.id, r.document_id, r.document, c["id"], r.page, r.heading, r.char_start, r.char_end,
+                               r.text, h.score, h.dense_score, h.bm25_score))
+        return out
+
+    async def reindex_stale(self) -> None:
+        """Rebuild collections whose served version was built with another embedding model."""
+        # kept small: collections are listed per key, so walk the rows directly
+        from sqlalchemy import select
+
+        from gateway.documents.store import collections
+
+        def stale() -> list[str]:
+            with self.store.db.connect() as conn:
+                return list(conn.execute(select(collections.c.id).where(
+                    collections.c.version > 0, collections.c.model != self.embedder.version_key)).scalars())
+
+        for cid in await asyncio.to_thread(stale):
+            log.info("documents: collection %s was indexed with another embedding model; re-embedding", cid)
+            with contextlib.suppress(Conflict):
+                await self.publish(cid)
+
+
+def safe_filename(name: str) -> str:
+    """A display name for an upload: the last path component, printable, at most 255 characters."""
+    base = re.split(r"[\\/]", name)[-1]
+    base = "".join(ch for ch in base if ch.isprintable()).strip()
+    return base[:255] or "upload"
