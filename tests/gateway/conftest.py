@@ -3,7 +3,6 @@ the real gateway app in-process on a free port, a real SQLite file per module.""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ from gateway.config import GatewayConfig
 from gateway.keys import KeySpec
 from gateway.state import GATEWAY, Gateway
 from lanes.config import LaneConfig
-from lanes.server import STATE
-from lanes.server import create_app as create_lane_app
+from tests.lanes.conftest import Lane
+from tests.lanes.conftest import running_lane as serve_lane
 
 KV_TOKENS = 1024  # the test window (n_ctx = min(trained 8192, KV))
 ADMIN_KEY = "test-admin-key-0123456789"
@@ -40,36 +39,13 @@ def gateway_engines() -> Iterator[tuple[Engine, Engine]]:
         eng.close()
 
 
-@dataclass
-class Lane:
-    app: web.Application
-    runner: web.AppRunner
-    url: str
-
-    @property
-    def state(self) -> Any:
-        return self.app[STATE]
-
-
 @asynccontextmanager
 async def running_lane(name: str, engine: Engine, *, shutdown_timeout: float = 2.0) -> AsyncIterator[Lane]:
+    """A real lane around an already loaded engine (the lanes' own test server, tests/lanes/conftest.py)."""
     config = LaneConfig(name=name, port=0, kv_tokens=KV_TOKENS, ping_interval_s=0.2,
                         scheduler=SchedulerConfig(max_num_seqs=16, max_batch_tokens=256))
-    app = create_lane_app(config, lambda cfg, cores: engine)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    lane = Lane(app, runner, f"http://127.0.0.1:{runner.addresses[0][1]}")
-    try:
-        for _ in range(600):
-            if lane.state.status in ("ready", "failed"):
-                break
-            await asyncio.sleep(0.05)
-        assert lane.state.status == "ready", lane.state.error
+    async with serve_lane(config, lambda cfg, cores: engine, shutdown_timeout=shutdown_timeout) as lane:
         yield lane
-    finally:
-        await runner.cleanup()  # a no-op when a test already stopped it
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from engine.engine import Engine
 from engine.scheduler import SchedulerConfig
 from lanes.config import LaneConfig
 from lanes.server import STATE, EngineFactory, create_app
+from tests.http_helpers import eventually
 
 KV_TOKENS = 2048  # the test window (n_ctx = min(trained 8192, KV))
 
@@ -45,6 +45,7 @@ def lane_config(**kw: Any) -> LaneConfig:
 class Lane:
     app: web.Application
     url: str  # http://127.0.0.1:PORT
+    runner: web.AppRunner  # a test may stop the lane early (cleanup again at the end is a no-op)
 
     @property
     def state(self) -> Any:
@@ -53,21 +54,19 @@ class Lane:
 
 @asynccontextmanager
 async def running_lane(config: LaneConfig, factory: EngineFactory | None, *, wait_ready: bool = True,
-                       app: web.Application | None = None) -> AsyncIterator[Lane]:
-    """A lane app on a free loopback port (a real socket, so real clients and disconnects)."""
+                       app: web.Application | None = None, shutdown_timeout: float = 2.0) -> AsyncIterator[Lane]:
+    """A lane app on a free loopback port (a real socket, so real clients and disconnects); the gateway
+    tests run their lanes through it too."""
     app = app or create_app(config, factory)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    lane = Lane(app, f"http://127.0.0.1:{port}")
+    lane = Lane(app, f"http://127.0.0.1:{port}", runner)
     try:
         if wait_ready:
-            for _ in range(600):
-                if lane.state.status in ("ready", "failed"):
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(lambda: lane.state.status, lambda st: st in ("ready", "failed"), 30.0, "the lane loaded")
             assert lane.state.status == "ready", lane.state.error
         yield lane
     finally:
