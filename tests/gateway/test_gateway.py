@@ -38,7 +38,7 @@ async def lanes(gateway_engines: tuple) -> AsyncIterator[dict[str, Lane]]:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw(lanes: dict[str, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
     cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": n, "url": lane.url} for n, lane in lanes.items()],
-                         ping_interval_s=0.05, default_max_tokens=64)
+                         ping_interval_s=0.05, default_max_tokens=48)
     async with running_gateway(cfg) as g:
         assert [lane.name for lane in g.state.dispatcher.routable()] == ["a", "b"]
         yield g
@@ -240,11 +240,11 @@ async def test_key_cap_clamps_max_tokens(gw: GW, http: aiohttp.ClientSession) ->
 
 
 async def test_default_max_tokens(gw: GW, http: aiohttp.ClientSession, key: str, lanes: dict[str, Lane]) -> None:
-    body = {"prompt": "Once upon a time", "ignore_eos": True}  # names no max_tokens: the gateway's default (64)
+    body = {"prompt": "Once upon a time", "ignore_eos": True}  # names no max_tokens: the gateway's default (48)
     async with http.post(gw.url + "/v1/completions", json=body, headers=auth(key)) as r:
         assert r.status == 200 and "X-Strata-Max-Tokens-Clamped" not in r.headers
         data = await r.json()
-        assert data["usage"]["completion_tokens"] == 64 and data["choices"][0]["finish_reason"] == "length"
+        assert data["usage"]["completion_tokens"] == 48 and data["choices"][0]["finish_reason"] == "length"
     async with http.post(gw.url + "/v1/admin/keys", json={"name": "short", "default_max_tokens": 5},
                          headers=auth(ADMIN_KEY)) as r:
         assert r.status == 201
@@ -259,12 +259,13 @@ async def test_default_max_tokens(gw: GW, http: aiohttp.ClientSession, key: str,
     async with http.post(gw.url + "/v1/chat/completions", json={**chat, "max_tokens": 7, "stream": False},
                          headers=auth(created["key"])) as r:
         assert (await r.json())["usage"]["completion_tokens"] == 7  # a value the client names is kept
-    # the window stays the hard limit: 20 tokens left of it, the default (64) becomes 20 (no 400, no clamp)
-    msgs = await _prompt_leaving(http, lanes["a"], 20)
+    # the window stays the hard limit: 40 tokens left of it, the default (48) becomes 40 (no 400, no clamp);
+    # the prompt of test_window_clamp, on the same lane: its prefix cache is warm
+    msgs = await _prompt_leaving(http, lanes["a"], 40)
     long = {"messages": msgs, "ignore_eos": True, "session_id": "long-prompt"}
     async with http.post(gw.url + "/v1/chat/completions", json=long, headers=auth(key)) as r:
         assert r.status == 200 and "X-Strata-Max-Tokens-Clamped" not in r.headers
-        assert (await r.json())["usage"]["completion_tokens"] == 20
+        assert (await r.json())["usage"]["completion_tokens"] == 40
 
 
 async def test_tpm_reserves_max_tokens(gw: GW, http: aiohttp.ClientSession, lanes: dict[str, Lane]) -> None:
