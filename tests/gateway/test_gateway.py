@@ -12,6 +12,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from gateway.keys import KeySpec
 from tests.gateway.conftest import (
     ADMIN_KEY,
     GW,
@@ -389,8 +390,10 @@ async def test_drain_and_weight(gw: GW, http: aiohttp.ClientSession, key: str) -
     assert (await put("a", {"drain": "yes"}))[0] == 400
 
 
-async def test_client_disconnect_frees_the_lane(gw: GW, http: aiohttp.ClientSession, key: str,
+async def test_client_disconnect_frees_the_lane(gw: GW, http: aiohttp.ClientSession,
                                                 lanes: dict[str, Lane]) -> None:
+    assert gw.state.keys is not None
+    key, rec = gw.state.keys.create(KeySpec(name="leaver", tpm=10**6))
     body = {"prompt": "A long story:", "max_tokens": 900, "ignore_eos": True, "stream": True}
     r = await http.post(gw.url + "/v1/completions", json=body, headers=auth(key))
     lane = lanes[r.headers["X-Strata-Lane"]]
@@ -409,6 +412,9 @@ async def test_client_disconnect_frees_the_lane(gw: GW, http: aiohttp.ClientSess
     rows = await eventually(lambda: _requests(http, gw, limit="1"), lambda rows: bool(rows) and rows[0]["status"] == 499,
                             5.0, "the request-log row of the client that left")
     assert rows[0]["stream"] is True
+    # its tpm reservation (prompt + 900) shrank to the prompt and the chunks that reached the client
+    held = gw.state.limiter._keys[rec.id].token_sum
+    assert rows[0]["prompt_tokens"] + 3 <= held <= rows[0]["prompt_tokens"] + 60, held
 
 
 # ---------------------------------------------------------------------------------------- request log

@@ -49,9 +49,9 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: py
     out, err = capsys.readouterr()
     key = out.strip()
     assert key.startswith(KEY_PREFIX) and "\n" not in key and "shown only this once" in err and key not in err
-    assert main([*db, "create", "--name", "bot", "--log-prompts", "--json"]) == 0
+    assert main([*db, "create", "--name", "bot", "--log-prompts", "--default-max-tokens", "256", "--json"]) == 0
     made = json.loads(capsys.readouterr().out)
-    assert made["log_prompts"] is True and made["key"].startswith(KEY_PREFIX)
+    assert made["log_prompts"] is True and made["key"].startswith(KEY_PREFIX) and made["default_max_tokens"] == 256
     assert main([*db, "list"]) == 0
     listing = capsys.readouterr().out
     assert "ops" in listing and "bot" in listing and key not in listing and made["key"] not in listing
@@ -63,3 +63,5 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert main([*db, "revoke", "42"]) == 1
     assert main([*db, "create", "--name", "x", "--rpm", "0"]) == 2
     assert "--rpm" in capsys.readouterr().err
+    assert main([*db, "create", "--name", "x", "--default-max-tokens", "0"]) == 2
+    assert "--default-max-tokens" in capsys.readouterr().err
