@@ -97,11 +97,13 @@ class StrataSide:
         t0 = time.perf_counter()
         self.eng = Engine.open(path, threads=threads, kv_tokens=n_ctx, prefill_chunk=chunk)
         self.load_s = time.perf_counter() - t0
-        self.slot = self.eng.new_slot()
+        # raw steps over blocks held for the whole run (the harness picks the tokens, not a scheduler)
+        self.blocks = self.eng.blocks.allocate(self.eng.blocks.n_blocks) or []
+        self.n_tokens = 0
         self.recording: list[StepStats] | None = None
         inner = self.eng.forward
 
-        def forward(*args: Any, **kw: Any) -> np.ndarray:  # every C step, also those inside extend()
+        def forward(*args: Any, **kw: Any) -> np.ndarray:  # every C step, also those inside prefill()
             out = inner(*args, **kw)
             if self.recording is not None and self.eng.last_stats is not None:
                 self.recording.append(self.eng.last_stats)
@@ -114,17 +116,20 @@ class StrataSide:
         return self.eng.hparams.n_vocab
 
     def start(self, ids: Sequence[int]) -> np.ndarray:
-        self.eng.free_slot(self.slot)
-        return self.eng.extend(self.slot, ids)
+        out = self.eng.prefill(ids, self.blocks, 0)
+        self.n_tokens = len(ids)
+        return out
 
     def step(self, tok: int) -> np.ndarray:
-        return self.eng.extend(self.slot, [tok])
+        out = self.eng.prefill([tok], self.blocks, self.n_tokens)
+        self.n_tokens += 1
+        return out
 
     def encode(self, text: str) -> list[int]:
         return list(self.eng.tokenizer.encode(text, add_special=True, parse_special=True))
 
     def close(self) -> None:
-        self.eng.free_slot(self.slot)
+        self.eng.blocks.release(self.blocks)
         self.eng.close()
 
 

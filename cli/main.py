@@ -8,7 +8,6 @@ work without the C build.
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -20,39 +19,40 @@ def _engine(args: argparse.Namespace) -> Any:
     return Engine.open(args.model, threads=args.threads, kv_tokens=args.kv_tokens)
 
 
-def _stream_text(eng: Any, ids: Iterable[int]) -> str:
-    """Print tokens as they arrive, never splitting a UTF-8 character; return the text."""
-    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+def _stream_text(outputs: Iterable[Any]) -> str:
+    """Print the text deltas of ``Engine.stream`` as they arrive (the scheduler's detokenizer
+    never splits a UTF-8 character and drops the end token); return the text."""
     out = []
-    stops = eng.tokenizer.eot_ids
-    for tok in ids:
-        if tok in stops:
-            break
-        piece = dec.decode(eng.tokenizer.token_bytes(tok))
-        out.append(piece)
-        sys.stdout.write(piece)
+    for o in outputs:
+        if o.error:
+            raise RuntimeError(o.error)
+        out.append(o.text)
+        sys.stdout.write(o.text)
         sys.stdout.flush()
-    tail = dec.decode(b"", final=True)
-    sys.stdout.write(tail + "\n")
-    return "".join(out) + tail
+    sys.stdout.write("\n")
+    return "".join(out)
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
-            "top_p": args.top_p, "seed": args.seed}
+def _sampling(args: argparse.Namespace) -> Any:
+    from engine.sampling import SamplingParams
+
+    return SamplingParams.parse(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # bad values fail before the model loads
     with _engine(args) as eng:
         if args.chat:
             ids = eng.render_chat([{"role": "user", "content": args.prompt}])
         else:
             ids = eng.tokenizer.encode(args.prompt, add_special=True, parse_special=True)
-        _stream_text(eng, eng.stream_tokens(ids, **_sampling(args)))
+        _stream_text(eng.stream(ids, params))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -66,7 +66,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 break
             messages.append({"role": "user", "content": line})
-            reply = _stream_text(eng, eng.stream_tokens(eng.render_chat(messages), **_sampling(args)))
+            reply = _stream_text(eng.stream(eng.render_chat(messages), params))
             messages.append({"role": "assistant", "content": reply})
     return 0
 

@@ -2,17 +2,21 @@
 
 Python schedules *steps*; one step (any mix of prefill chunks and decode tokens of
 many sequences) is a single C call that releases the GIL.
+
+There is one generation path: ``generate``, ``chat`` and ``stream`` (the CLI) run through
+:class:`engine.scheduler.Scheduler`, the same code a lane serves with. ``forward`` and
+``prefill`` are raw steps over block ids the caller holds (oracles, benchmarks, ``logits_for``).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
+from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,7 +24,11 @@ from engine.block_manager import BlockManager, KVCapacityError
 from engine.gguf_model import ModelFile, build_desc, open_model
 from engine.native import EngineError, check, ffi, lib, ptr
 
-__all__ = ["Engine", "GenerationResult", "StepStats", "SeqSlot", "KVCapacityError", "EngineError"]
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+    from engine.scheduler import RequestOutput
+
+__all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError"]
 
 
 @dataclass
@@ -35,14 +43,6 @@ class StepStats:
     t_output: float
     n_expert_tokens: int
     n_active_experts: int
-
-
-@dataclass
-class SeqSlot:
-    """One sequence's place in the paged KV cache."""
-
-    blocks: list[int] = field(default_factory=list)
-    n_tokens: int = 0  # tokens whose K/V are in the cache
 
 
 @dataclass
@@ -96,10 +96,6 @@ class Engine:
         self.last_stats: StepStats | None = None
         self._max_model_len = max_model_len
         self._step_lock = threading.Lock()
-        # The metadata (a 49k-entry vocabulary, merges) lives as long as the engine; keep
-        # the cyclic GC from re-walking it on every collection during decoding.
-        gc.collect()
-        gc.freeze()
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -169,24 +165,6 @@ class Engine:
         """The context window: the trained context (or the override), bounded by the KV capacity."""
         return min(self._max_model_len or self.hparams.n_ctx_train, self.kv_tokens)
 
-    # ------------------------------------------------------------ KV slots
-    def new_slot(self) -> SeqSlot:
-        return SeqSlot()
-
-    def reserve(self, slot: SeqSlot, n_tokens: int) -> None:
-        """Make sure slot has blocks for n_tokens positions."""
-        need = -(-n_tokens // self.block_size) - len(slot.blocks)
-        if need > 0:
-            got = self.blocks.allocate(need)
-            if got is None:
-                raise KVCapacityError(f"need {need} KV blocks, {self.blocks.num_free} free of {self.blocks.n_blocks}")
-            slot.blocks.extend(got)
-
-    def free_slot(self, slot: SeqSlot) -> None:
-        self.blocks.release(slot.blocks)
-        slot.blocks = []
-        slot.n_tokens = 0
-
     # ------------------------------------------------------------ the step
     def forward(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
                 block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int],
@@ -200,6 +178,8 @@ class Engine:
         max_blocks = max(1, max((len(bt) for bt in block_tables), default=1))
         bt = np.full((len(block_tables), max_blocks), -1, dtype=np.int32)
         for i, row in enumerate(block_tables):
+            if isinstance(row, array) and row.typecode == "i" and row.itemsize == 4:
+                row = np.frombuffer(row, dtype=np.int32)  # the scheduler's tables: a memcpy, not a list walk
             bt[i, : len(row)] = row
         tok = np.ascontiguousarray(tokens, dtype=np.int32)
         ps = np.ascontiguousarray(pos, dtype=np.int32)
@@ -227,84 +207,102 @@ class Engine:
                                     st.t_output, int(st.n_expert_tokens), int(st.n_active_experts))
         return logits
 
-    def extend(self, slot: SeqSlot, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append tokens to one sequence (chunked); logits of the last token or of all."""
+    def prefill(self, token_ids: Sequence[int], blocks: Sequence[int], start: int = 0,
+                all_logits: bool = False) -> np.ndarray:
+        """Raw steps over blocks the caller holds: compute token_ids at positions start.. of one
+        sequence in ``prefill_chunk`` pieces; logits of the last token [n_vocab], or of all
+        [T, n_vocab]. Serving never uses this (the scheduler plans its own steps)."""
         if not token_ids:
             raise ValueError("no tokens to process")
-        total = slot.n_tokens + len(token_ids)
-        if total > self.kv_tokens:
-            raise KVCapacityError(
-                f"sequence of {total} tokens exceeds the KV cache capacity of {self.kv_tokens} tokens"
-            )
-        self.reserve(slot, total)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        end = start + len(token_ids)
+        if end > len(blocks) * self.block_size:
+            raise KVCapacityError(f"{end} positions need {-(-end // self.block_size)} KV blocks, "
+                                  f"{len(blocks)} given")
         outs = []
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            chunk = list(token_ids[start : start + self.prefill_chunk])
-            pos = list(range(slot.n_tokens, slot.n_tokens + len(chunk)))
+        table = [list(blocks)]
+        for off in range(0, len(token_ids), self.prefill_chunk):
+            chunk = [int(t) for t in token_ids[off : off + self.prefill_chunk]]
+            p0 = start + off
             want = list(range(len(chunk))) if all_logits else (
-                [len(chunk) - 1] if start + len(chunk) == len(token_ids) else [])
-            out = self.forward(chunk, pos, [0] * len(chunk), [slot.blocks], want)
-            slot.n_tokens += len(chunk)
-            if len(want):
+                [len(chunk) - 1] if off + len(chunk) == len(token_ids) else [])
+            out = self.forward(chunk, list(range(p0, p0 + len(chunk))), [0] * len(chunk), table, want)
+            if want:
                 outs.append(out)
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][0]
 
     def logits_for(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Logits at every position of a fresh sequence: [T, n_vocab]."""
-        slot = self.new_slot()
-        try:
-            return self.extend(slot, token_ids, all_logits=True)
-        finally:
-            self.free_slot(slot)
-
-    # ------------------------------------------------------------ generation
-    def stream_tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
-                      top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                      stop_ids: set[int] | None = None) -> Iterator[int]:
-        """Yield generated token ids for one sequence (greedy when temperature == 0)."""
-        from engine.sampling import sample_one
-
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if len(prompt_ids) + 1 > self.kv_tokens:
+        """Logits at every position of a fresh sequence: [T, n_vocab] (oracle tests)."""
+        if not token_ids:
+            raise ValueError("no tokens to process")
+        if len(token_ids) > self.kv_tokens:
             raise KVCapacityError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the KV cache ({self.kv_tokens} tokens)"
+                f"sequence of {len(token_ids)} tokens exceeds the KV cache capacity of {self.kv_tokens} tokens"
             )
-        rng = np.random.default_rng(seed)
-        stops = stop_ids if stop_ids is not None else self._default_stops()
-        slot = self.new_slot()
+        need = -(-len(token_ids) // self.block_size)
+        blocks = self.blocks.allocate(need)
+        if blocks is None:
+            raise KVCapacityError(f"need {need} KV blocks, {self.blocks.num_free} free of {self.blocks.n_blocks}")
         try:
-            logits = self.extend(slot, prompt_ids)
-            for _ in range(max_tokens):
-                tok = sample_one(logits, temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
-                yield tok
-                if tok in stops or slot.n_tokens + 1 > self.kv_tokens:
-                    return
-                logits = self.extend(slot, [tok])
+            return self.prefill(token_ids, blocks, all_logits=True)
         finally:
-            self.free_slot(slot)
+            self.blocks.release(blocks)
 
-    def _default_stops(self) -> set[int]:
-        try:
-            return set(self.tokenizer.eot_ids)
-        except Exception:  # a model without tokenizer metadata: no stop tokens
-            return set()
+    # ------------------------------------------------------------ generation (through the scheduler)
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """One request through a private :class:`~engine.scheduler.Scheduler` on this thread:
+        its outputs (text deltas, the final one ``finished``) as steps produce them.
 
-    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationResult:
-        """Generate from a text prompt or token ids (no chat template applied)."""
+        Closing the iterator early aborts the request and frees its KV blocks. Safe beside a
+        lane's scheduler on the same engine (blocks are locked, C steps serialised), though
+        the two then share the arena and the step rate.
+        """
+        from engine.scheduler import Scheduler
+
         ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) \
             else list(prompt)
-        stops = self._default_stops()
-        out: list[int] = []
-        for tok in self.stream_tokens(ids, max_tokens, temperature, top_k, top_p, seed, stops):
-            out.append(tok)
-        finish = "stop" if out and out[-1] in stops else "length"
-        gen = out[:-1] if finish == "stop" else out
-        text = self.tokenizer.decode(gen) if self.has_tokenizer else ""
-        return GenerationResult(token_ids=gen, text=text, finish_reason=finish, prompt_tokens=len(ids))
+        sched = Scheduler(self)
+        rid = sched.add(ids, params)
+        done = False
+        try:
+            while not done:
+                try:
+                    outs = sched.step()
+                except Exception as exc:
+                    sched.fail_all(f"{type(exc).__name__}: {exc}")  # frees the blocks
+                    done = True
+                    raise
+                for o in outs:
+                    done = done or o.finished
+                    yield o
+        finally:
+            if not done:
+                sched.abort(rid)
+                sched.step()  # applies the abort: the blocks are free when this returns
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 **params: Any) -> GenerationResult:
+        """Generate from a text prompt or token ids (no chat template applied); greedy by
+        default. Extra keyword arguments are :class:`~engine.sampling.SamplingParams` fields."""
+        from engine.sampling import SamplingParams
+
+        sp = SamplingParams.parse(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  seed=seed, **params)
+        ids = self.tokenizer.encode(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) \
+            else [int(t) for t in prompt]
+        toks: list[int] = []
+        text: list[str] = []
+        finish = "length"
+        for o in self.stream(ids, sp):
+            toks.extend(o.token_ids)
+            text.append(o.text)
+            if o.finished:
+                if o.error:
+                    raise EngineError(o.error)
+                finish = o.finish_reason or "length"
+        return GenerationResult(token_ids=toks, text="".join(text), finish_reason=finish, prompt_tokens=len(ids))
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256, **kw: Any) -> GenerationResult:
         return self.generate(self.render_chat(messages), max_tokens=max_tokens, **kw)

@@ -343,7 +343,8 @@ def sample_one(logits: np.ndarray, *, temperature: float = 0.0, top_k: int = 0, 
                rng: np.random.Generator | None = None) -> int:
     """Greedy when temperature == 0, else temperature / top-k / top-p sampling of one row.
 
-    Kept for ``Engine.stream_tokens``; temperatures above 2 are still accepted here.
+    A one-row convenience (no penalties, no seed bookkeeping); temperatures above 2 are still
+    accepted here.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")

@@ -13,24 +13,44 @@ One `step()`:
 
 The scheduler is driven by one thread (the engine loop); `add` and `abort` may be
 called from any thread: they go through a locked inbox.
+
+Per-step Python work does not grow with context length: a request keeps ONE token list
+(prompt, then output, appended in place) and the chain digests of its full blocks, extended
+only when a block completes; a step touches only the tokens it computes.
+
+Failure: if `step()` raises, the driver calls `fail_all()`: every running, waiting and queued
+request ends with an error output, and the scheduler refuses new work (`EngineFailedError`).
+A step whose plan is inconsistent (a chunk of n <= 0 tokens, a chunk past the known tokens)
+is refused with `SchedulerError` before anything is computed.
+
+Test-only fault injection: the environment variable ``STRATA_TEST_FAULT`` (read once per
+scheduler) makes a step raise on purpose, e.g. ``sample_raise_after_n_steps:3`` (the 4th
+step that samples raises after its forward pass) or ``detok_raise_after_n_steps:N``. Tests
+set it to prove the failure path through a real lane; nothing else may.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
+from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, Field
 
-from engine.block_manager import BlockManager, KVCapacityError
+from engine.block_manager import BlockManager, KVCapacityError, extend_digests
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine, StepStats
 from engine.sampling import Sampler, SamplingParams
+
+FAULT_ENV = "STRATA_TEST_FAULT"
+_FAULT_KINDS = ("sample_raise_after_n_steps", "detok_raise_after_n_steps")
 
 
 class OverloadedError(RuntimeError):
@@ -39,6 +59,28 @@ class OverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class EngineFailedError(RuntimeError):
+    """The engine loop failed: everything in flight was failed and no new request is taken."""
+
+
+class SchedulerError(RuntimeError):
+    """The scheduler refused an inconsistent step (a bug, never bad input): nothing was computed."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by the test-only ``STRATA_TEST_FAULT`` switch."""
+
+
+def parse_fault(value: str | None) -> tuple[str, int] | None:
+    """``"kind:N"`` -> (kind, N); None when unset. A malformed value is an error, not ignored."""
+    if not value:
+        return None
+    kind, sep, n = value.partition(":")
+    if kind not in _FAULT_KINDS or not sep or not n.isdigit():
+        raise ValueError(f"{FAULT_ENV}={value!r}: expected one of {', '.join(_FAULT_KINDS)} followed by ':N'")
+    return kind, int(n)
 
 
 class SchedulerConfig(BaseModel):
@@ -72,30 +114,50 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+def _table(blocks: Sequence[int] = ()) -> array[int]:
+    return array("i", blocks)
+
+
+# A request's place: queued (never admitted yet: counted against max_waiting), running,
+# preempted (back in the waiting queue for recompute: no longer counted), done.
+State = Literal["queued", "running", "preempted", "done"]
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
-    prompt_ids: list[int]
+    token_ids: list[int]  # the prompt, then every accepted output token (appended in place)
+    n_prompt: int
     params: SamplingParams
     arrival: float
     detok: IncrementalDetokenizer | None
     rng: np.random.Generator
-    output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    n_computed: int = 0  # tokens of all_ids whose K/V are in the cache
+    digests: list[bytes] = field(default_factory=list)  # chain digests of token_ids' full blocks
+    blocks: array[int] = field(default_factory=_table)  # block table; int32, so a step copies it as bytes
+    n_computed: int = 0  # tokens of token_ids whose K/V are in the cache
     cached_tokens: int = -1  # prefix-cache hit at first admission
     first_token_time: float | None = None
     preemptions: int = 0
     finish_reason: str | None = None
-    admitted: bool = False
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+    state: State = "queued"
 
     @property
     def n_total(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
+
+    @property
+    def n_output(self) -> int:
+        return len(self.token_ids) - self.n_prompt
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """A copy of the prompt (penalties, tests); the step itself never copies."""
+        return self.token_ids[: self.n_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        """A copy of the output so far."""
+        return self.token_ids[self.n_prompt :]
 
 
 @dataclass
@@ -113,30 +175,38 @@ class StepReport:
     expert_hist: np.ndarray | None = None
 
 
+_NO_IDS: list[int] = []
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.engine = engine
         self.config = config or SchedulerConfig()
         self.blocks: BlockManager = engine.blocks
-        self.blocks.prefix_cache = self.config.prefix_cache
+        self._cache = self.config.prefix_cache and self.blocks.prefix_cache
         self.sampler = Sampler()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._lock = threading.Lock()
         self._inbox: list[Request] = []
         self._aborts: set[str] = set()
-        self._n_queued = 0
-        self._queued_tokens = 0
+        self._n_queued = 0  # requests in state "queued" (changed only by _move)
+        self._queued_tokens = 0  # their prompt tokens
+        self._failed: str | None = None
         self._eos: set[int] = set()
         try:
             self._eos = set(engine.tokenizer.eot_ids)
         except Exception:  # a model file without a tokenizer: only explicit stop ids
             self._eos = set()
         self.last_report: StepReport | None = None
+        self.fault = parse_fault((os.environ if environ is None else environ).get(FAULT_ENV))
+        self._fault_steps = 0
 
     # ------------------------------------------------------------ API (any thread)
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request; raises KVCapacityError if it can never fit, OverloadedError if full."""
+        """Queue a request; raises KVCapacityError if it can never fit, OverloadedError if full,
+        EngineFailedError once the engine loop has failed."""
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise ValueError("empty prompt")
@@ -146,15 +216,20 @@ class Scheduler:
         n_ctx = self.engine.n_ctx
         if len(ids) + 1 > n_ctx:
             raise KVCapacityError(
-                f"prompt of {len(ids)} tokens leaves no room in the context window of {n_ctx} tokens"
+                f"prompt of {len(ids)} tokens leaves no room in the context window of {n_ctx} tokens "
+                f"(KV cache of {self.engine.kv_tokens} tokens)"
             )
         rid = request_id or uuid.uuid4().hex
         detok = None
         if self.engine.has_tokenizer:
             detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.skip_special_tokens)
         rng = params.make_rng()  # seeded: reproducible whatever else is in the batch
-        req = Request(rid, ids, params, time.monotonic(), detok, rng)
+        req = Request(rid, ids, len(ids), params, time.monotonic(), detok, rng)
+        if self._cache:
+            extend_digests(req.digests, ids, self.blocks.block_size)  # once, in the caller's thread
         with self._lock:
+            if self._failed is not None:
+                raise EngineFailedError(self._failed)
             c = self.config
             if self._n_queued >= c.max_waiting or self._queued_tokens + len(ids) > c.max_waiting_tokens:
                 raise OverloadedError(
@@ -181,8 +256,32 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self._inbox)
 
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) counted against max_waiting / max_waiting_tokens."""
+        with self._lock:
+            return self._n_queued, self._queued_tokens
+
+    @property
+    def failed(self) -> str | None:
+        """Why the scheduler was failed (``fail_all``), or None."""
+        return self._failed
+
+    # ------------------------------------------------------------ the one state change
+    def _move(self, req: Request, state: State) -> None:
+        """Every change of a request's state goes through here, so the waiting-queue counters
+        change exactly once per request: when it leaves "queued" (first admission, abort,
+        failure), whatever happens to it afterwards (preemption, abort while preempted)."""
+        if req.state == "queued" and state != "queued":
+            with self._lock:
+                self._n_queued -= 1
+                self._queued_tokens -= req.n_prompt
+        req.state = state
+
     # ------------------------------------------------------------ the step (loop thread)
     def step(self) -> list[RequestOutput]:
+        if self._failed is not None:
+            raise EngineFailedError(self._failed)
         t0 = time.monotonic()
         outputs: list[RequestOutput] = []
         self._drain_inbox(outputs)
@@ -196,6 +295,27 @@ class Scheduler:
         self.last_report = report
         return outputs
 
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Fail every request (running, waiting, not yet seen) with ``reason`` and refuse new
+        ones from now on; returns their final outputs. Called by the driver after ``step``
+        raised: the scheduler's state may be half-updated, so nothing is computed any more."""
+        with self._lock:
+            self._failed = reason
+            inbox, self._inbox = self._inbox, []
+            self._aborts.clear()
+        reqs = [*self.running, *self.waiting, *inbox]
+        self.running = []
+        self.waiting.clear()
+        outputs = []
+        for req in reqs:
+            try:
+                self.blocks.release(req.blocks)
+            except ValueError:  # half-updated by the failed step; the arena is not used again
+                pass
+            req.blocks = _table()
+            outputs.append(self._finish(req, "abort", error=reason))
+        return outputs
+
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -205,16 +325,10 @@ class Scheduler:
             return
         for req in [r for r in self.waiting if r.request_id in aborts]:
             self.waiting.remove(req)
-            self._dequeued(req)
             outputs.append(self._finish(req, "abort"))
         for req in [r for r in self.running if r.request_id in aborts]:
             self.running.remove(req)
             outputs.append(self._finish(req, "abort"))
-
-    def _dequeued(self, req: Request) -> None:
-        with self._lock:
-            self._n_queued -= 1
-            self._queued_tokens -= len(req.prompt_ids)
 
     def _ensure_blocks(self, req: Request, n_tokens: int) -> bool:
         need = -(-n_tokens // self.blocks.block_size) - len(req.blocks)
@@ -230,15 +344,15 @@ class Scheduler:
         """Free a running request's blocks and requeue it at the front for recompute."""
         self.running.remove(req)
         self.blocks.release(req.blocks)
-        req.blocks = []
+        req.blocks = _table()
         req.n_computed = 0
-        req.admitted = False
         req.preemptions += 1
+        self._move(req, "preempted")
         self.waiting.appendleft(req)
 
     @staticmethod
     def _decoding(req: Request) -> bool:
-        return bool(req.output_ids) and req.n_computed == req.n_total - 1
+        return req.n_total > req.n_prompt and req.n_computed == req.n_total - 1
 
     def _victim(self, scheduled: set[str], keep: Request) -> Request | None:
         """The newest running request not already in this step's batch."""
@@ -265,7 +379,7 @@ class Scheduler:
         preempted = 0
         # 1. decode one token for each running sequence, oldest first
         for req in list(self.running):
-            if budget == 0 or req not in self.running or not self._decoding(req):
+            if budget == 0 or req.state != "running" or not self._decoding(req):
                 continue
             ok, n = self._grow(req, req.n_total, scheduled)
             preempted += n
@@ -280,20 +394,21 @@ class Scheduler:
                 self._preempt(req)
                 preempted += 1
         # 2. admit waiting requests (FCFS), reusing cached prefix blocks
+        bs = self.blocks.block_size
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             req = self.waiting[0]
-            ids = req.all_ids
-            prefix = self.blocks.take_prefix(ids)
-            n_cached = min(len(prefix) * self.blocks.block_size, len(ids) - 1)
-            req.blocks, req.n_computed = prefix, n_cached
+            ids = req.token_ids
+            prefix = self.blocks.take_prefix(ids, req.digests) if self._cache else []
+            n_cached = min(len(prefix) * bs, len(ids) - 1)
+            req.blocks, req.n_computed = _table(prefix), n_cached
             if not self._ensure_blocks(req, min(len(ids), n_cached + budget)):
                 self.blocks.release(req.blocks)
-                req.blocks, req.n_computed = [], 0
+                req.blocks, req.n_computed = _table(), 0
                 break
             self.waiting.popleft()
             if req.cached_tokens < 0:  # first admission (not a recompute after preemption)
                 req.cached_tokens = n_cached
-                self._dequeued(req)
+            self._move(req, "running")
             self.running.append(req)
         # 3. prefill chunks, shortest remaining first: a short prompt is never stuck behind a long one
         prefilling = sorted((r for r in self.running if not self._decoding(r) and r.request_id not in scheduled),
@@ -301,13 +416,13 @@ class Scheduler:
         for req in prefilling:
             if budget == 0:
                 break
-            if req not in self.running:  # preempted for an earlier one in this loop
+            if req.state != "running":  # preempted for an earlier one in this loop
                 continue
             n = min(req.n_total - req.n_computed, budget)
             ok, k = self._grow(req, req.n_computed + n, scheduled)
             preempted += k
             if not ok:
-                n = len(req.blocks) * self.blocks.block_size - req.n_computed
+                n = len(req.blocks) * bs - req.n_computed
                 if n <= 0:
                     continue
             batch.append((req, n))
@@ -316,22 +431,28 @@ class Scheduler:
         return batch, preempted
 
     def _run(self, batch: list[tuple[Request, int]], outputs: list[RequestOutput], report: StepReport) -> None:
+        for req, n in batch:  # refuse an inconsistent plan before anything is computed
+            if n <= 0 or req.n_computed + n > req.n_total or req.state != "running":
+                raise SchedulerError(
+                    f"refusing a chunk of {n} tokens for request {req.request_id} "
+                    f"({req.n_computed} of {req.n_total} tokens computed, state {req.state})"
+                )
         tokens: list[int] = []
         pos: list[int] = []
         seq: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[array[int]] = []
         logit_rows: list[int] = []
         sample_reqs: list[Request] = []
         for i, (req, n) in enumerate(batch):
-            ids = req.all_ids
-            tokens.extend(ids[req.n_computed : req.n_computed + n])
-            pos.extend(range(req.n_computed, req.n_computed + n))
+            start = req.n_computed
+            tokens.extend(req.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
             seq.extend([i] * n)
             tables.append(req.blocks)
-            if req.n_computed + n == req.n_total:
+            if start + n == req.n_total:
                 logit_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
-            if n == 1 and req.n_computed == req.n_total - 1:
+            if n == 1 and start == req.n_total - 1:
                 report.n_decode += 1
             else:
                 report.n_prefill += n
@@ -341,7 +462,7 @@ class Scheduler:
             logits = self.engine.forward(tokens, pos, seq, tables, logit_rows, expert_hist=hist)
         except Exception as exc:  # an engine error fails the requests of this step, not the loop
             for req, _ in batch:
-                if req in self.running:
+                if req.state == "running":
                     self.running.remove(req)
                     outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
             return
@@ -351,15 +472,19 @@ class Scheduler:
         for req, n in batch:
             before = req.n_computed
             req.n_computed += n
-            self.blocks.register_full(req.blocks, req.all_ids, before // bs, req.n_computed // bs)
+            if self._cache and req.n_computed // bs > before // bs:
+                self.blocks.register_full(req.blocks, req.token_ids, req.digests, before // bs, req.n_computed // bs)
         if sample_reqs:
+            self._inject("sample_raise_after_n_steps")
             res = self.sampler.sample(
                 logits,
                 [r.params for r in sample_reqs],
                 [r.rng for r in sample_reqs],
-                [r.prompt_ids for r in sample_reqs],
-                [r.output_ids for r in sample_reqs],
+                # only rows with penalties read their history: no per-step copy for the others
+                [r.prompt_ids if r.params.has_penalties else _NO_IDS for r in sample_reqs],
+                [r.output_ids if r.params.has_penalties else _NO_IDS for r in sample_reqs],
             )
+            detok_fault = self._fault_due("detok_raise_after_n_steps")
             now = time.monotonic()
             for i, req in enumerate(sample_reqs):
                 tok = int(res.tokens[i])
@@ -367,12 +492,25 @@ class Scheduler:
                 lp = TokenLogprob(tok, float(res.logprobs[i]), top) if req.params.logprobs is not None else None
                 if req.first_token_time is None:
                     req.first_token_time = now
-                outputs.append(self._accept(req, tok, lp))
+                outputs.append(self._accept(req, tok, lp, detok_fault))
 
-    def _accept(self, req: Request, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+    def _fault_due(self, kind: str) -> bool:
+        """The test-only fault switch (``STRATA_TEST_FAULT``): True on every step after the N-th."""
+        if self.fault is None or self.fault[0] != kind:
+            return False
+        self._fault_steps += 1
+        return self._fault_steps > self.fault[1]
+
+    def _inject(self, kind: str) -> None:
+        if self._fault_due(kind):
+            raise InjectedFault(f"{FAULT_ENV}={kind}:{self.fault[1] if self.fault else 0} (test-only fault)")
+
+    def _accept(self, req: Request, tok: int, lp: TokenLogprob | None, detok_fault: bool = False) -> RequestOutput:
         """Append a sampled token, stream its text, and finish the request if it stops."""
         p = req.params
-        req.output_ids.append(tok)
+        req.token_ids.append(tok)
+        if self._cache:
+            extend_digests(req.digests, req.token_ids, self.blocks.block_size)  # only a newly full block
         reason = None
         text = ""
         emitted_ids = [tok]
@@ -380,12 +518,14 @@ class Scheduler:
             reason = "stop"
             emitted_ids = []  # the stop token itself is not part of the text
         elif req.detok is not None:
+            if detok_fault:
+                raise InjectedFault(f"{FAULT_ENV}=detok_raise_after_n_steps (test-only fault)")
             step = req.detok.push(tok)
             text = step.delta
             if step.stopped:
                 reason = "stop"
         if reason is None:
-            if p.max_tokens is not None and len(req.output_ids) >= p.max_tokens:
+            if p.max_tokens is not None and req.n_output >= p.max_tokens:
                 reason = "length"
             elif req.n_total >= self.engine.n_ctx:
                 reason = "length"
@@ -394,16 +534,18 @@ class Scheduler:
                 text += req.detok.finish()
             self.running.remove(req)
             self.blocks.release(req.blocks)
-            req.blocks = []
+            req.blocks = _table()
             req.finish_reason = reason
+            self._move(req, "done")
         return RequestOutput(req.request_id, emitted_ids, text, [lp] if lp else [], reason is not None, reason,
-                             len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0))
+                             req.n_prompt, req.n_output, max(req.cached_tokens, 0))
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         self.blocks.release(req.blocks)
-        req.blocks = []
+        req.blocks = _table()
         req.finish_reason = reason
-        return RequestOutput(req.request_id, [], "", [], True, reason, len(req.prompt_ids), len(req.output_ids),
+        self._move(req, "done")
+        return RequestOutput(req.request_id, [], "", [], True, reason, req.n_prompt, req.n_output,
                              max(req.cached_tokens, 0), error)
 
     # ------------------------------------------------------------ convenience

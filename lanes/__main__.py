@@ -4,14 +4,22 @@ SIGTERM / SIGINT: drain (``/health`` 503, new requests 503 ``server_draining``),
 ``drain_timeout_s`` for in-flight requests, abort the rest, clean up, exit 0. A second signal
 during the drain aborts what is left at once.
 
+Engine loop failure: every request in flight gets a typed error (500 ``engine_error``, or an
+SSE error event and ``[DONE]``), ``/health`` answers 503 ``failed`` (the gateway stops
+sending and fails over), and once the handlers have answered (and ``FAILED_HOLD_S`` more, so
+health pollers see why) the process exits 4: supervisord (``autorestart=true``) starts a fresh
+lane. A lane that stayed up would never recover its engine; one that exited at once would cut
+off the error answers.
+
 Exit codes: 0 clean stop after a signal; 2 bad configuration (one line on stderr);
-3 the engine failed to load or the port cannot be bound.
+3 the engine failed to load or the port cannot be bound; 4 the engine loop failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -23,12 +31,15 @@ from pathlib import Path
 from aiohttp import web
 
 from common.http import setup_logging
+from engine.scheduler import FAULT_ENV
 from lanes.config import ConfigError, LaneConfig, load_config
-from lanes.server import STATE, create_app, drain
+from lanes.server import STATE, LaneState, create_app, drain
 
 log = logging.getLogger("strata.lanes")
 
-EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 3
+EXIT_OK, EXIT_CONFIG, EXIT_FAILED, EXIT_ENGINE_FAILED = 0, 2, 3, 4
+FAILED_HOLD_S = 1.0  # after an engine loop failure: /health says "failed" this long before the exit
+FAILED_ANSWER_S = 10.0  # at most this long for in-flight handlers to send their error answers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +75,9 @@ async def serve(config: LaneConfig) -> int:
     except OSError as e:
         log.error("lane=%s cannot listen on %s:%d: %s", config.name, config.host, config.port, e.strerror or e)
         return EXIT_FAILED
+    if os.environ.get(FAULT_ENV):
+        log.warning("lane=%s %s=%s is set: test-only fault injection is active", config.name, FAULT_ENV,
+                    os.environ[FAULT_ENV])
     app = create_app(config)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()  # starts loading the engine in the background
@@ -94,20 +108,49 @@ async def serve(config: LaneConfig) -> int:
 
     code = EXIT_OK
     stop_wait = asyncio.create_task(stop.wait())
+    fail_wait = asyncio.create_task(st.engine_failed.wait())
     assert st.load_task is not None
     await asyncio.wait({stop_wait, st.load_task}, return_when=asyncio.FIRST_COMPLETED)
     if st.status == "failed":
         code = EXIT_FAILED
     else:
-        await stop_wait
-        drained = await drain(app)
-        log.info("lane=%s drain %s", config.name, "complete" if drained else "timed out")
+        if st.status == "ready":
+            freeze_heap()
+        await asyncio.wait({stop_wait, fail_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if stop_wait.done():
+            drained = await drain(app)
+            log.info("lane=%s drain %s", config.name, "complete" if drained else "timed out")
+        if st.engine_failed.is_set():
+            code = EXIT_ENGINE_FAILED
+            await _answer_then_exit(st)
     stop_wait.cancel()
+    fail_wait.cancel()
     await runner.cleanup()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
     log.info("lane=%s stopped (exit %d)", config.name, code)
     return code
+
+
+def freeze_heap() -> None:
+    """Once the model is loaded: its metadata (a 49k-entry vocabulary, merges) and the tokenizer
+    live as long as the process, so move them out of the cyclic GC's reach; collections during
+    decoding then stop re-walking them. Process-wide, hence here in the lane's entry point and
+    not in the Engine (a library must not change its host process's GC)."""
+    gc.collect()
+    gc.freeze()
+
+
+async def _answer_then_exit(st: LaneState) -> None:
+    """After an engine loop failure: let the handlers send their typed errors, keep /health at
+    503 "failed" a moment, then return (the caller exits non-zero)."""
+    log.error("lane=%s engine loop failed: answering %d request(s) in flight, then exiting %d for a restart",
+              st.config.name, st.inflight, EXIT_ENGINE_FAILED)
+    try:
+        await asyncio.wait_for(st.idle.wait(), FAILED_ANSWER_S)
+    except TimeoutError:
+        log.warning("lane=%s %d handler(s) still running after the engine failed", st.config.name, st.inflight)
+    await asyncio.sleep(FAILED_HOLD_S)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from aiohttp import web
 from common.http import SSE_HEADERS, client_gone
 from engine.block_manager import KVCapacityError
 from engine.sampling import SamplingParams
-from engine.scheduler import OverloadedError, RequestOutput, TokenLogprob
+from engine.scheduler import EngineFailedError, OverloadedError, RequestOutput, TokenLogprob
 from lanes.errors import APIError, request_info
 from lanes.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, sampling_params
 from lanes.state import LaneState
@@ -128,6 +128,10 @@ class Run:
             self.abort_all()
             raise APIError(429, f"the lane is overloaded: {e}", code="server_overloaded",
                            retry_after=e.retry_after) from None
+        except EngineFailedError:
+            self.abort_all()
+            raise APIError(503, "the lane's engine failed; retry on another lane", code="engine_failed",
+                           retry_after=5) from None
         except KVCapacityError as e:
             self.abort_all()
             raise APIError(400, str(e), code="context_length_exceeded", param=param,

@@ -125,7 +125,9 @@ async def _load_engine(st: LaneState) -> None:
         engine = await asyncio.to_thread(st.engine_factory, cfg, cores)
         st.engine = engine
         st.build_id, st.model_info, st.template_error = await asyncio.to_thread(_warm_up, engine)
-        st.aeng = AsyncEngine(engine, cfg.scheduler, on_step=st.metrics.on_step)
+        loop = asyncio.get_running_loop()
+        st.aeng = AsyncEngine(engine, cfg.scheduler, on_step=st.metrics.on_step,
+                              on_failure=lambda exc: loop.call_soon_threadsafe(engine_loop_failed, st, exc))
     except Exception as e:
         st.status = "failed"
         st.error = f"{type(e).__name__}: {e}"
@@ -137,6 +139,17 @@ async def _load_engine(st: LaneState) -> None:
         st.status = "ready"
     log.info("lane=%s ready in %.1fs model=%s n_ctx=%d cores=%s threads=%d build=%s", cfg.name,
              time.monotonic() - t0, engine.model_path, engine.n_ctx, st.cores, engine.threads, st.build_id)
+
+
+def engine_loop_failed(st: LaneState, exc: BaseException) -> None:
+    """On the event loop, after the engine loop failed everything in flight: /health turns 503
+    ``failed`` (the gateway stops sending), new requests get 503 ``engine_failed``."""
+    if st.status in ("stopped", "failed"):
+        return
+    st.status = "failed"
+    st.error = f"engine loop failed: {type(exc).__name__}: {exc}"
+    log.error("lane=%s %s", st.config.name, st.error)
+    st.engine_failed.set()
 
 
 async def _stop_engine(st: LaneState) -> None:
@@ -229,7 +242,10 @@ def _unavailable(st: LaneState) -> APIError:
         return APIError(503, "the lane is draining and takes no new requests", code="server_draining",
                         retry_after=5)
     if st.status == "failed":
-        return APIError(503, "the lane's engine failed to load", code="engine_failed")
+        if st.aeng is None:
+            return APIError(503, "the lane's engine failed to load", code="engine_failed")
+        return APIError(503, "the lane's engine failed; the lane is restarting", code="engine_failed",
+                        retry_after=5)
     return APIError(503, "the lane is shutting down", code="server_stopping")
 
 
@@ -366,13 +382,13 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     st = _state(request)
+    if st.aeng is not None and st.aeng.loop_error is not None:  # its callback may not have run yet
+        engine_loop_failed(st, st.aeng.loop_error)
     body: dict[str, Any] = {"status": st.status, "lane": st.config.name}
     if st.status == "ready" and st.aeng is not None:
         sched = st.aeng.scheduler
         body.update(running=sched.num_running, waiting=sched.num_waiting, kv_usage=sched.blocks.usage,
                     inflight=st.inflight)
-        if st.aeng.loop_error is not None:
-            body["engine_loop_error"] = f"{type(st.aeng.loop_error).__name__}: {st.aeng.loop_error}"
         return json_response(body)
     if st.status == "draining":
         body["inflight"] = st.inflight

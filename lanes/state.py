@@ -26,8 +26,10 @@ Status = Literal["loading", "ready", "draining", "failed", "stopped"]
 
 @dataclass
 class LaneState:
-    """Everything the handlers share. ``status`` moves loading -> ready -> draining -> stopped
-    (or loading -> failed); ``inflight`` counts generation handlers, ``idle`` is set at zero."""
+    """Everything the handlers share. ``status`` moves loading -> ready -> draining -> stopped,
+    or to failed (the model did not load, or the engine loop failed: ``engine_failed`` is set
+    and ``python -m lanes`` exits non-zero so that supervisord restarts the lane);
+    ``inflight`` counts generation handlers, ``idle`` is set at zero."""
 
     config: LaneConfig
     metrics: LaneMetrics
@@ -48,6 +50,7 @@ class LaneState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     runs: set[Run] = field(default_factory=set)  # generation requests with engine work in flight
     load_task: asyncio.Task[None] | None = None
+    engine_failed: asyncio.Event = field(default_factory=asyncio.Event)  # the engine loop failed after load
 
     def __post_init__(self) -> None:
         self.idle.set()

@@ -33,16 +33,14 @@ def test_eight_sequences_batched_equal_alone(model_path: Path, variant: str) -> 
     prompts = [list(rng.integers(0, 160, size=int(n))) for n in rng.integers(3, 40, size=8)]
     with Engine.open(model_path, threads=2, kv_tokens=1024) as eng:
         alone = [eng.logits_for(p) for p in prompts]  # [T_i, V] each
-        slots = [eng.new_slot() for _ in prompts]
-        for s, p in zip(slots, prompts, strict=True):
-            eng.reserve(s, len(p))
+        tables = [eng.blocks.allocate(-(-len(p) // eng.block_size)) for p in prompts]
         tokens, pos, seq, want = [], [], [], []
         for i, p in enumerate(prompts):
             for j, t in enumerate(p):
                 tokens.append(t), pos.append(j), seq.append(i), want.append(len(tokens) - 1)
-        batched = eng.forward(tokens, pos, seq, [s.blocks for s in slots], want)
-        for s in slots:
-            eng.free_slot(s)
+        batched = eng.forward(tokens, pos, seq, tables, want)
+        for t in tables:
+            eng.blocks.release(t)
         assert eng.blocks.num_free == eng.blocks.n_blocks
     offset = 0
     for p, ref in zip(prompts, alone, strict=True):
@@ -58,20 +56,17 @@ def test_decode_steps_of_mixed_sequences_equal_alone(model_path: Path, variant: 
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, 160, size=n)) for n in (5, 17, 9, 30)]
     with Engine.open(model_path, threads=2, kv_tokens=1024) as eng:
-        ref = [eng.generate(p, max_tokens=8).token_ids for p in prompts]
-        slots = [eng.new_slot() for _ in prompts]
-        last = [int(np.argmax(eng.extend(s, p))) for s, p in zip(slots, prompts, strict=True)]
+        ref = [eng.generate(p, max_tokens=8, ignore_eos=True).token_ids for p in prompts]
+        tables = [eng.blocks.allocate(-(-(len(p) + 8) // eng.block_size)) for p in prompts]
+        last = [int(np.argmax(eng.prefill(p, t))) for p, t in zip(prompts, tables, strict=True)]
+        n_tokens = [len(p) for p in prompts]
         outs: list[list[int]] = [[t] for t in last]
         for _ in range(7):
-            for s in slots:
-                eng.reserve(s, s.n_tokens + 1)
-            logits = eng.forward(last, [s.n_tokens for s in slots], list(range(4)), [s.blocks for s in slots],
-                                 list(range(4)))
-            for s in slots:
-                s.n_tokens += 1
+            logits = eng.forward(last, n_tokens, list(range(4)), tables, list(range(4)))
+            n_tokens = [n + 1 for n in n_tokens]
             last = [int(np.argmax(row)) for row in logits]
             for o, t in zip(outs, last, strict=True):
                 o.append(t)
-        for s in slots:
-            eng.free_slot(s)
+        for t in tables:
+            eng.blocks.release(t)
     assert outs == ref

@@ -60,12 +60,12 @@ def test_gil_is_released_during_a_step() -> None:
 
         th = threading.Thread(target=spin)
         th.start()
-        slot = eng.new_slot()
+        blocks = eng.blocks.allocate(-(-len(ids) // eng.block_size))
         t0 = time.perf_counter()
-        eng.extend(slot, ids)  # two 512-token C steps
+        eng.prefill(ids, blocks)  # two 512-token C steps
         elapsed = time.perf_counter() - t0
         done.set()
         th.join()
-        eng.free_slot(slot)
+        eng.blocks.release(blocks)
     assert elapsed > 0.2
     assert ticks > 0.3 * elapsed / 0.001 * 0.5, (ticks, elapsed)

@@ -206,3 +206,154 @@ async def test_async_stream_and_cancellation_frees_the_slot(engine: Engine, prom
         assert engine.blocks.num_free == engine.blocks.n_blocks
     finally:
         aeng.shutdown()
+
+
+# ---------------------------------------------------------------------------- accounting and failure
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import gguf
+
+    return make_random_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_vocab=300, n_layer=2,
+                            weight_type=gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_aborting_preempted_requests_keeps_the_queue_counters_exact(tiny_path: Path) -> None:
+    """Requests preempted back to the waiting queue and then aborted must not be counted out
+    twice: the max_waiting limit (the lane's 429) has to hold exactly, round after round."""
+    rng = np.random.default_rng(7)
+    params = SamplingParams.parse(temperature=0.0, max_tokens=60, ignore_eos=True)
+    with Engine.open(tiny_path, threads=1, kv_tokens=128, block_size=16) as eng:  # 8 blocks: far too few
+        sched = Scheduler(eng, SchedulerConfig(max_waiting=6, max_batch_tokens=64))
+        aborted_preempted = 0
+        for _ in range(25):
+            rids = [sched.add([int(t) for t in rng.integers(0, 300, size=20)], params) for _ in range(6)]
+            for _ in range(400):
+                sched.step()
+                victims = [r for r in sched.waiting if r.preemptions > 0]
+                if victims:
+                    break
+            assert victims, "the arena was meant to force preemption"
+            for r in victims:
+                sched.abort(r.request_id)
+            sched.step()
+            aborted_preempted += len(victims)
+            for rid in rids:
+                sched.abort(rid)
+            sched.step()
+            assert not sched.has_work()
+            assert sched.queued == (0, 0)
+        assert aborted_preempted >= 25
+        for _ in range(6):  # the limit is still exactly max_waiting
+            sched.add([1, 2, 3], params)
+        with pytest.raises(OverloadedError):
+            sched.add([1, 2, 3], params)
+        for rid in [r.request_id for r in sched.waiting] + [r.request_id for r in sched._inbox]:
+            sched.abort(rid)
+        sched.step()
+        assert sched.queued == (0, 0)
+        assert eng.blocks.num_free == eng.blocks.n_blocks
+
+
+def test_a_zero_token_chunk_is_refused_before_any_compute(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling raises after a request's last prefill chunk: its tokens are all computed and no
+    token was added. Stepping again must refuse the 0-token chunk, not compute it with logit
+    row len(tokens) - 1 (another request's row, or -1)."""
+    from engine.scheduler import SchedulerError
+
+    params = SamplingParams.parse(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with Engine.open(tiny_path, threads=1, kv_tokens=512) as eng:
+        sched = Scheduler(eng)
+        sched.add(list(range(5, 40)), params)
+        real = sched.sampler.sample
+        calls = {"n": 0}
+
+        def failing(*a: object, **kw: object) -> object:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("sampler blew up")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(sched.sampler, "sample", failing)
+        with pytest.raises(RuntimeError, match="sampler blew up"):
+            sched.step()
+        forwards = {"n": 0}
+        real_forward = eng.forward
+        monkeypatch.setattr(eng, "forward", lambda *a, **kw: (forwards.__setitem__("n", forwards["n"] + 1),
+                                                              real_forward(*a, **kw))[1])
+        with pytest.raises(SchedulerError, match="chunk of 0 tokens"):
+            sched.step()
+        assert forwards["n"] == 0
+        outs = sched.fail_all("test")
+        assert len(outs) == 1 and outs[0].finished and outs[0].error == "test"
+        assert eng.blocks.num_free == eng.blocks.n_blocks
+
+
+def test_fail_all_ends_everything_and_refuses_new_work(tiny_path: Path) -> None:
+    from engine.scheduler import EngineFailedError
+
+    params = SamplingParams.parse(temperature=0.0, max_tokens=50, ignore_eos=True)
+    with Engine.open(tiny_path, threads=1, kv_tokens=128) as eng:
+        sched = Scheduler(eng, SchedulerConfig(max_batch_tokens=32))
+        rids = [sched.add(list(range(1, 30)), params) for _ in range(8)]  # running, waiting and inbox
+        sched.step()
+        sched.step()
+        late = sched.add(list(range(1, 10)), params)  # still in the inbox
+        assert sched.running and sched.waiting
+        outs = sched.fail_all("engine loop failed: boom")
+        assert sorted(o.request_id for o in outs) == sorted([*rids, late])
+        assert all(o.finished and o.error == "engine loop failed: boom" for o in outs)
+        assert sched.queued == (0, 0) and not sched.has_work()
+        assert eng.blocks.num_free == eng.blocks.n_blocks
+        with pytest.raises(EngineFailedError):
+            sched.add([1, 2], params)
+        with pytest.raises(EngineFailedError):
+            sched.step()
+
+
+def test_fault_switch_is_parsed_strictly() -> None:
+    from engine.scheduler import parse_fault
+
+    assert parse_fault(None) is None and parse_fault("") is None
+    assert parse_fault("sample_raise_after_n_steps:3") == ("sample_raise_after_n_steps", 3)
+    for bad in ("sample_raise_after_n_steps", "sample_raise_after_n_steps:x", "explode:1"):
+        with pytest.raises(ValueError, match="STRATA_TEST_FAULT"):
+            parse_fault(bad)
+
+
+async def test_async_engine_loop_failure_fails_every_request(tiny_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The injected fault through the real loop thread: every request in flight gets an error
+    output, on_failure runs once, and new submissions are refused."""
+    from engine.scheduler import EngineFailedError
+
+    monkeypatch.setenv("STRATA_TEST_FAULT", "sample_raise_after_n_steps:3")
+    params = SamplingParams.parse(temperature=0.0, max_tokens=100, ignore_eos=True)
+    failures: list[BaseException] = []
+    with Engine.open(tiny_path, threads=1, kv_tokens=2048) as eng:
+        aeng = AsyncEngine(eng, SchedulerConfig(max_batch_tokens=16), on_failure=failures.append)
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(aeng.generate(list(range(1, 20 + i)), params) for i in range(6))), 60)
+            for outs in results:
+                assert outs[-1].finished and outs[-1].finish_reason == "abort"
+                assert "InjectedFault" in (outs[-1].error or "")
+            assert len(failures) == 1 and aeng.failed
+            with pytest.raises(EngineFailedError):
+                aeng.submit([1, 2, 3], params)
+            assert eng.blocks.num_free == eng.blocks.n_blocks
+        finally:
+            aeng.shutdown()
+
+
+def test_engine_generate_runs_through_the_scheduler(engine: Engine, prompts: list[list[int]], alone: list) -> None:
+    """Engine.generate / Engine.stream are the scheduler's path: the same tokens and text as a
+    scheduler run; closing a stream early frees its blocks."""
+    res = engine.generate(prompts[0], max_tokens=16)
+    assert (res.token_ids, res.text, res.finish_reason) == alone[0]
+    it = engine.stream(prompts[1], greedy(100))
+    next(it)
+    next(it)
+    it.close()
+    assert engine.blocks.num_free == engine.blocks.n_blocks
