@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -31,6 +32,10 @@ from aiohttp import web
 
 from common.http import SSE_HEADERS, client_gone, read_json
 from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status
+from gateway.documents.api import get_rag
+from gateway.documents.chat import RagContext, fit_passages, parse_collections
+from gateway.documents.chat import citations as rag_citations
+from gateway.documents.chat import prepare as rag_prepare
 from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
@@ -153,6 +158,7 @@ class _Call:
         self.texts: dict[int, list[str]] | None = {} if key.log_prompts else None
         self.clamp: Clamp | None = None
         self.lane_broke = False  # the lane failed after the first token
+        self.rag: RagContext | None = None  # retrieved passages (the `collections` field)
 
     # ------------------------------------------------------------ attempts
     async def run(self) -> web.StreamResponse:
@@ -226,7 +232,8 @@ class _Call:
     async def _precheck(self, lane: LaneRuntime) -> WindowPlan:
         cfg = self.gw.config
         try:
-            plan = await _race(self.request, precheck(
+            check = precheck if self.rag is None else functools.partial(fit_passages, ctx=self.rag)
+            plan = await _race(self.request, check(
                 self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
                 timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
                 cfg.first_token_timeout_s + 1)
@@ -244,6 +251,8 @@ class _Call:
         h = {"X-Request-Id": self.trace.id, "X-Strata-Lane": lane.name}
         if self.clamp is not None:
             h["X-Strata-Max-Tokens-Clamped"] = self.clamp.header()
+        if self.rag is not None:
+            h["X-Strata-Rag-Passages"] = self.rag.header()  # used/retrieved: fewer when the window is short
         return h
 
     async def _passthrough(self, p: Passthrough) -> web.StreamResponse:
@@ -312,6 +321,9 @@ class _Call:
                 msg = ch.get("message") if isinstance(ch, dict) else None
                 texts.append(msg.get("content") if isinstance(msg, dict) else ch.get("text"))
             self.trace.response_text = texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
+        if self.rag is not None and isinstance(data, dict):
+            data["citations"] = rag_citations(self.rag)
+            raw = _dumps(data)
         return web.Response(status=status, body=raw, content_type="application/json", headers=self._headers(lane))
 
     # ------------------------------------------------------------ streaming
@@ -406,6 +418,10 @@ class _Call:
                         done = True
                         break
                 if done:
+                    if self.rag is not None:  # the citations ride in one last chunk, before [DONE]
+                        await self._write(lane, b"data: " + _dumps({
+                            "id": self.trace.id, "object": "chat.completion.chunk", "created": int(time.time()),
+                            "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)}) + b"\n\n")
                     await self._write(lane, b"data: [DONE]\n\n")
                     assert self.resp is not None
                     with contextlib.suppress(ConnectionError):
@@ -515,6 +531,9 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         session_id = body.get("session_id")
         if session_id is not None and not isinstance(session_id, str):
             raise _bad("session_id", "invalid session_id: expected a string")
+        refs = parse_collections(body)
+        if refs is not None and kind != "chat":
+            raise _bad("collections", "collections works with /v1/chat/completions only")
         for extra in _EXTRAS:
             body.pop(extra, None)
         user = body.get("user")
@@ -530,6 +549,8 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
             trace.prompt_text = json.dumps(body.get("messages") if kind == "chat" else body.get("prompt"),
                                            ensure_ascii=False)
         call = _Call(request, gw, trace, key, kind, body, affinity, client_usage)
+        if refs:
+            call.rag = await rag_prepare(get_rag(request), key.id, refs, body["messages"], gw.config.rag.top_k)
         return await call.run()
     finally:
         gw.limiter.release(ticket)
