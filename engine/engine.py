@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
-from engine.gguf_model import ModelFile, build_desc, open_model
+from engine.gguf_model import ModelFile, create_native_model, open_model
 from engine.native import EngineError, check, ffi, lib, ptr
 
 if TYPE_CHECKING:
@@ -70,10 +70,8 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.threads = threads
         self.cores = list(cores) if cores else None
-        self._desc, self._keep = build_desc(mf)
-        pm = ffi.new("st_model **")
-        check(lib.st_model_create(self._desc, pm), str(mf.path))
-        self._model = pm[0]
+        # a file the C checks refuse raises GGUFError carrying the C message
+        self._model, self._desc, self._keep = create_native_model(mf)
         n_blocks = max(1, -(-kv_tokens // block_size))
         pk = ffi.new("st_kv **")
         rc = lib.st_kv_create(self._model, n_blocks, block_size, pk)

@@ -7,7 +7,9 @@ shared by every process (lane) that maps the same file.
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,14 +34,27 @@ DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
 class GGUFError(ValueError):
     """A GGUF file that cannot be used, with the file and the problem named."""
 
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+    def __init__(self, path: str | os.PathLike[str], problem: str, code: int = 0) -> None:
         super().__init__(f"{path}: {problem}")
         self.path = str(path)
         self.problem = problem
+        self.code = code  # the C status when the C engine refused the model, else 0
 
 
 class UnsupportedModelError(GGUFError):
     """A valid GGUF whose architecture or quant type Strata does not run."""
+
+
+# Bounds on hyper-parameters, the same as the C engine's (ST_MAX_* in engine/csrc/internal.h):
+# checked here before anything is allocated from them, and again in C.
+MAX_LAYERS = 4096
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_ROW = 65536
+MAX_EXPERTS = 4096
+MAX_EXPERTS_USED = 64
+MAX_VOCAB = 1 << 24
+MAX_CTX = 1 << 31
 
 
 class HParams(BaseModel):
@@ -84,6 +99,7 @@ class ModelFile:
     metadata: dict[str, Any]
     hparams: HParams
     tensors: dict[str, TensorRef]
+    mapping: np.ndarray | None = None  # the whole file, read-only (uint8); every tensor is a view of it
 
     @property
     def size_bytes(self) -> int:
@@ -107,6 +123,141 @@ def read_metadata(reader: Any) -> dict[str, Any]:
     return {k: _field_value(f) for k, f in reader.fields.items()}
 
 
+# ---------------------------------------------------------------- layout check
+# gguf-py trusts the counts and lengths in the file: a corrupt count can make it loop for
+# ages over an empty view or build huge lists. The header, metadata and tensor-info
+# sections are therefore walked here first, with every count bounded by the bytes left.
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_T_STRING, _T_ARRAY, _T_UINT32 = 8, 9, 4
+_MAX_DIM = 1 << 40  # any single tensor extent (as in C)
+
+
+class _Walker:
+    def __init__(self, path: Path, buf: Any, size: int) -> None:
+        self.path, self.buf, self.size, self.pos = path, buf, size, 0
+
+    def fail(self, what: str) -> GGUFError:
+        return GGUFError(self.path, f"corrupt GGUF: {what} (at byte {self.pos})")
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise GGUFError(self.path, f"truncated or corrupt GGUF: {what} needs {n} bytes at byte {self.pos}, "
+                                       f"file has {self.size}")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = struct.unpack_from("<I", self.buf, self.pos)
+        self.pos += 4
+        return int(v)
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = struct.unpack_from("<Q", self.buf, self.pos)
+        self.pos += 8
+        return int(v)
+
+    def string(self, what: str) -> bytes:
+        n = self.u64(f"{what} length")
+        self.need(n, what)
+        v = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return v
+
+    def count(self, n: int, min_item: int, what: str) -> int:
+        if n * min_item > self.size - self.pos:
+            raise self.fail(f"{what} {n} cannot fit in the {self.size - self.pos} bytes left")
+        return n
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> int | None:
+        """Skip one value; return it when it is a uint32 scalar (for general.alignment)."""
+        if vtype in _SCALAR_SIZES:
+            size = _SCALAR_SIZES[vtype]
+            self.need(size, what)
+            v = struct.unpack_from("<I", self.buf, self.pos)[0] if vtype == _T_UINT32 else None
+            self.pos += size
+            return v
+        if vtype == _T_STRING:
+            n = self.u64(what)
+            self.need(n, what)
+            self.pos += n
+            return None
+        if vtype == _T_ARRAY:
+            if depth >= 3:
+                raise self.fail(f"{what}: arrays nested too deep")
+            itype = self.u32(f"{what} item type")
+            n = self.u64(f"{what} length")
+            if itype in _SCALAR_SIZES:
+                self.count(n, _SCALAR_SIZES[itype], f"{what} length")
+                self.pos += n * _SCALAR_SIZES[itype]
+            elif itype in (_T_STRING, _T_ARRAY):
+                self.count(n, 8 if itype == _T_STRING else 12, f"{what} length")
+                for _ in range(n):
+                    self.value(itype, what, depth + 1)
+            else:
+                raise self.fail(f"{what}: array of unknown type {itype}")
+            return None
+        raise self.fail(f"{what}: unknown value type {vtype}")
+
+
+def _check_layout(path: Path) -> None:
+    """Walk the header, metadata and tensor infos; raise GGUFError on anything gguf-py
+    would choke on or that cannot fit in the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        w = _Walker(path, buf, size)
+        w.pos = 4
+        version = w.u32("version")
+        if version not in (2, 3):
+            raise GGUFError(path, f"unsupported GGUF version {version} (expected 2 or 3)")
+        n_tensors = w.count(w.u64("tensor count"), 8 + 4 + 8 + 4 + 8, "tensor count")
+        n_kv = w.count(w.u64("metadata count"), 8 + 4 + 1, "metadata count")
+        alignment = 32
+        keys: set[bytes] = set()
+        for i in range(n_kv):
+            key = w.string(f"metadata key {i}")
+            if key in keys:
+                raise w.fail(f"duplicate metadata key {key[:80]!r}")
+            keys.add(key)
+            vtype = w.u32(f"type of {key[:80]!r}")
+            v = w.value(vtype, f"value of {key[:80]!r}")
+            if key == b"general.alignment":
+                if vtype != _T_UINT32 or v is None or v == 0 or v & (v - 1):
+                    raise w.fail("general.alignment must be a uint32 power of two")
+                alignment = v
+        infos: list[tuple[bytes, list[int], int, int]] = []
+        names: set[bytes] = set()
+        for i in range(n_tensors):
+            name = w.string(f"tensor {i} name")
+            if name in names:
+                raise w.fail(f"duplicate tensor {name[:80]!r}")
+            names.add(name)
+            n_dims = w.u32(f"tensor {name[:80]!r} dimension count")
+            if not 1 <= n_dims <= 4:
+                raise w.fail(f"tensor {name[:80]!r} has {n_dims} dimensions")
+            dims = [w.u64(f"tensor {name[:80]!r} dimension") for _ in range(n_dims)]
+            infos.append((name, dims, w.u32(f"tensor {name[:80]!r} type"), w.u64(f"tensor {name[:80]!r} offset")))
+        data_start = -(-w.pos // alignment) * alignment
+        for name, dims, tid, off in infos:
+            label = name[:80].decode("utf-8", "replace")
+            try:
+                qt = GGMLQuantizationType(tid)
+            except ValueError:
+                raise UnsupportedModelError(path, f"tensor {label!r} has unknown quant type id {tid}") from None
+            block, type_size = GGML_QUANT_SIZES[qt]
+            if any(d < 1 or d > _MAX_DIM for d in dims) or dims[0] % block:
+                raise GGUFError(path, f"corrupt GGUF: tensor {label!r} has impossible shape {dims}")
+            n_elems = 1
+            for d in dims:
+                n_elems *= d
+            end = data_start + off + n_elems // block * type_size
+            if off % alignment or end > size:
+                raise GGUFError(path, f"truncated or corrupt GGUF: tensor {label!r} spans bytes "
+                                      f"{data_start + off}..{end} of a {size}-byte file")
+
+
 def _open_reader(path: Path) -> Any:
     from gguf import GGUFReader
 
@@ -115,13 +266,16 @@ def _open_reader(path: Path) -> Any:
     if not path.is_file():
         raise GGUFError(path, "not a regular file")
     with path.open("rb") as fh:
-        head = fh.read(8)
+        head = fh.read(24)
     if len(head) < 8:
         raise GGUFError(path, f"file too short to be GGUF ({len(head)} bytes)")
     if head[:4] != GGUF_MAGIC:
         raise GGUFError(path, f"bad magic {head[:4]!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
+    _check_layout(path)
     try:
         return GGUFReader(path, "r")
+    except MemoryError:
+        raise
     except Exception as exc:  # gguf-py raises ValueError/IndexError/struct errors on damage
         raise GGUFError(path, f"corrupt or truncated GGUF ({type(exc).__name__}: {exc})") from exc
 
@@ -132,6 +286,24 @@ def _get(md: dict[str, Any], key: str, default: Any = None, *, path: Path) -> An
     if default is None:
         raise GGUFError(path, f"missing metadata key {key!r}")
     return default
+
+
+def _as_int(v: Any, key: str, lo: int, hi: int, path: Path) -> int:
+    """A metadata integer within [lo, hi], or a GGUFError naming the key."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise GGUFError(path, f"metadata {key!r} must be an integer, got {type(v).__name__}")
+    if not lo <= int(v) <= hi:
+        raise GGUFError(path, f"metadata {key!r} = {int(v)} is out of range [{lo}, {hi}]")
+    return int(v)
+
+
+def _as_float(v: Any, key: str, path: Path) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise GGUFError(path, f"metadata {key!r} must be a number, got {type(v).__name__}")
+    f = float(v)
+    if not np.isfinite(f):
+        raise GGUFError(path, f"metadata {key!r} = {f} is not finite")
+    return f
 
 
 def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> HParams:
@@ -146,46 +318,75 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
     def g(key: str, default: Any = None) -> Any:
         return _get(md, f"{arch}.{key}", default, path=path)
 
-    n_embd = int(g("embedding_length"))
-    n_head = int(g("attention.head_count"))
-    head_dim = int(g("attention.key_length", n_embd // max(n_head, 1)))
+    def gi(key: str, lo: int, hi: int, default: Any = None) -> int:
+        return _as_int(g(key, default), f"{arch}.{key}", lo, hi, path)
+
+    def gf(key: str, default: float) -> float:
+        return _as_float(g(key, default), f"{arch}.{key}", path)
+
+    n_embd = gi("embedding_length", 1, MAX_ROW)
+    n_head = gi("attention.head_count", 1, MAX_HEADS)
+    head_dim = gi("attention.key_length", 1, MAX_HEAD_DIM, n_embd // n_head or 1)
     if "token_embd.weight" not in tensors:
         raise GGUFError(path, "missing tensor 'token_embd.weight'")
-    n_vocab = int(tensors["token_embd.weight"].shape[1])
-    n_expert = int(g("expert_count", 0))
-    gating = int(g("expert_gating_func", 1))
+    emb = tensors["token_embd.weight"]
+    if len(emb.shape) != 2:
+        raise GGUFError(path, f"tensor 'token_embd.weight' has {len(emb.shape)} dimensions, expected 2")
+    n_vocab = int(emb.shape[1])
+    if n_vocab > MAX_VOCAB:
+        raise GGUFError(path, f"vocabulary of {n_vocab} tokens exceeds {MAX_VOCAB}")
+    n_expert = gi("expert_count", 0, MAX_EXPERTS, 0)
+    gating = g("expert_gating_func", 1)
     if n_expert and gating != 1:
         raise UnsupportedModelError(path, f"expert gating function {gating} is not supported (only softmax)")
     n_ff_exp = 0
     if n_expert and "blk.0.ffn_gate_exps.weight" in tensors:
-        n_ff_exp = int(tensors["blk.0.ffn_gate_exps.weight"].shape[1])
+        shape = tensors["blk.0.ffn_gate_exps.weight"].shape
+        n_ff_exp = int(shape[1]) if len(shape) > 1 else 0
+    norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch])
+    if not isinstance(norm, (bool, int, np.bool_, np.integer)):
+        raise GGUFError(path, f"metadata '{arch}.expert_weights_norm' must be a bool, got {type(norm).__name__}")
     return HParams(
         arch=arch,
-        n_layer=int(g("block_count")),
+        n_layer=gi("block_count", 1, MAX_LAYERS),
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=int(g("attention.head_count_kv", n_head)),
+        n_head_kv=gi("attention.head_count_kv", 1, MAX_HEADS, n_head),
         head_dim=head_dim,
         n_vocab=n_vocab,
-        n_ctx_train=int(g("context_length", 2048)),
+        n_ctx_train=gi("context_length", 1, MAX_CTX, 2048),
         n_expert=n_expert,
-        n_expert_used=int(g("expert_used_count", 0)),
-        expert_norm=bool(g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch])),
-        n_ff=int(g("feed_forward_length", 0)),
+        n_expert_used=gi("expert_used_count", 0, MAX_EXPERTS_USED, 0),
+        expert_norm=bool(norm),
+        n_ff=gi("feed_forward_length", 0, 1 << 40, 0),
         n_ff_exp=n_ff_exp,
-        n_ff_shexp=int(g("expert_shared_feed_forward_length", 0)),
+        n_ff_shexp=gi("expert_shared_feed_forward_length", 0, 1 << 40, 0),
         rope_type=ROPE_NORM if arch == "llama" else ROPE_NEOX,
-        rope_dim=int(g("rope.dimension_count", head_dim)),
-        rope_base=float(g("rope.freq_base", 10000.0)),
-        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_dim=gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim),
+        rope_base=gf("rope.freq_base", 10000.0),
+        norm_eps=gf("attention.layer_norm_rms_epsilon", 1e-5),
     )
 
 
 def open_model(path: str | os.PathLike[str]) -> ModelFile:
-    """Open and validate a GGUF model; raise GGUFError naming the file and problem."""
+    """Open and validate a GGUF model; raise GGUFError naming the file and problem.
+
+    Whatever a damaged file makes the parser raise becomes a GGUFError, except
+    MemoryError: that would mean an allocation sized by the file, which the layout
+    check exists to prevent, so it is not hidden."""
     path = Path(path)
+    try:
+        return _open_model(path)
+    except (GGUFError, MemoryError):
+        raise
+    except Exception as exc:
+        raise GGUFError(path, f"corrupt GGUF ({type(exc).__name__}: {exc})") from exc
+
+
+def _open_model(path: Path) -> ModelFile:
     reader = _open_reader(path)
     size = path.stat().st_size
+    mapping = np.asarray(reader.data).reshape(-1).view(np.uint8)
     tensors: dict[str, TensorRef] = {}
     for t in reader.tensors:
         tid = int(t.tensor_type)
@@ -206,7 +407,7 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
     # the tensor views keep the mapping alive, so the parsed fields can go.
     reader.fields.clear()
     reader.tensors = []
-    return ModelFile(path=path, metadata=md, hparams=hp, tensors=tensors)
+    return ModelFile(path=path, metadata=md, hparams=hp, tensors=tensors, mapping=mapping)
 
 
 # ---------------------------------------------------------------- writing
@@ -254,22 +455,29 @@ def _fill(dst: Any, t: TensorRef | None, keep: list[Any]) -> None:
     dst.n_dims = len(t.shape)
     for i in range(4):
         dst.ne[i] = t.shape[i] if i < len(t.shape) else 1
+    dst.n_bytes = t.n_bytes
 
 
 def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
-    """A filled st_model_desc plus the cffi objects that must outlive it."""
+    """A filled st_model_desc plus the cffi objects that must outlive it. The C side
+    checks every value again (shapes, byte lengths, extents inside the mapping)."""
     from engine.native import ffi  # here, so reading and writing GGUF needs no C build
 
     hp = mf.hparams
+    if mf.mapping is None:
+        raise GGUFError(mf.path, "the model file is not mapped")
     keep: list[Any] = []
     desc = ffi.new("st_model_desc *")
-    layers = ffi.new("st_layer[]", hp.n_layer)
-    keep += [desc, layers]
+    layers = ffi.new("st_layer[]", hp.n_layer)  # n_layer <= MAX_LAYERS (checked in _hparams)
+    mapping = ffi.from_buffer(mf.mapping)
+    keep += [desc, layers, mapping]
     desc.arch = ARCH_IDS[hp.arch]
     for k in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_vocab", "n_expert", "n_expert_used",
               "rope_type", "rope_dim", "rope_base", "norm_eps"):
         setattr(desc, k, getattr(hp, k))
     desc.expert_norm = int(hp.expert_norm)
+    desc.map_data = mapping
+    desc.map_bytes = mf.mapping.nbytes
     t = mf.tensors
     _fill(desc.token_embd, t["token_embd.weight"], keep)
     if "output_norm.weight" not in t:
@@ -281,3 +489,20 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
             _fill(getattr(layers[il], field_name), t.get(f"blk.{il}.{suffix}"), keep)
     desc.layers = layers
     return desc, keep
+
+
+def create_native_model(mf: ModelFile) -> tuple[Any, Any, list[Any]]:
+    """The C model for an opened file: (st_model *, its descriptor, the cffi objects that
+    must outlive it). A file the C checks refuse raises GGUFError (UnsupportedModelError
+    for an unsupported type or shape) carrying the C message; free the model with
+    lib.st_model_destroy."""
+    from engine.native import ffi, lib
+
+    desc, keep = build_desc(mf)
+    pm = ffi.new("st_model **")
+    rc = lib.st_model_create(desc, pm)
+    if rc != lib.ST_OK:
+        msg = ffi.string(lib.st_last_error()).decode("utf-8", "replace") or f"error {rc}"
+        cls = UnsupportedModelError if rc == lib.ST_EUNSUPPORTED else GGUFError
+        raise cls(mf.path, msg, int(rc))
+    return pm[0], desc, keep

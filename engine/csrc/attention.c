@@ -18,6 +18,7 @@
 #include "internal.h"
 
 #define LANES 16 /* queries per tile = keys per K load */
+_Static_assert(LANES == ST_ATTN_TILE, "a prefill tile fills the vector lanes");
 
 static inline const f16_t *k_block(const kv_view *kv, int32_t blk) {
     return kv->k + ((size_t)kv->bt[blk] * (size_t)kv->n_kv + (size_t)kv->kvh) * (size_t)kv->hd * (size_t)kv->bs;
@@ -282,23 +283,4 @@ attn_fn st_attn_avx2(void) { return NULL; }
 
 size_t st_attn_scratch_floats(int hd, int32_t max_keys) {
     return (size_t)2 * (size_t)hd * LANES + ((size_t)max_keys + LANES) * LANES;
-}
-
-st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
-                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
-                       int32_t nq, int32_t p0, float *out) {
-    if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention: NULL argument");
-    if (block_size < LANES || block_size % LANES || head_dim < 16 || head_dim % 16 || n_kv < 1 || kv_head < 0 ||
-        kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0)
-        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
-                       head_dim, n_kv, kv_head, nq, p0);
-    const st_status rc = st_check_variant(variant);
-    if (rc) return rc;
-    const attn_fn fn = st_attn_variant(variant);
-    float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
-    if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
-    const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
-    fn(&view, q, head_dim, nq, p0, out, head_dim, scratch);
-    free(scratch);
-    return ST_OK;
 }

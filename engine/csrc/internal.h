@@ -2,6 +2,8 @@
 #ifndef STRATA_INTERNAL_H
 #define STRATA_INTERNAL_H
 
+#include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -110,16 +112,6 @@ dot_f_fn st_dot_f_avx2(int32_t type);
 dot_q_fn st_dot_q_avx512(int32_t type);
 dot_f_fn st_dot_f_avx512(int32_t type);
 
-/* Attention helpers: F16 row -> float, and y += a * x. */
-typedef void (*cvt_f16_fn)(const f16_t *src, float *dst, int64_t n);
-typedef void (*axpy_fn)(float *y, const float *x, float a, int64_t n);
-cvt_f16_fn st_cvt_f16_ref(void);
-cvt_f16_fn st_cvt_f16_avx2(void);
-cvt_f16_fn st_cvt_f16(void);
-axpy_fn st_axpy_ref(void);
-axpy_fn st_axpy_avx2(void);
-axpy_fn st_axpy(void);
-
 /* Attention of one head over the paged KV cache (attention.c). */
 typedef struct {
     const f16_t *k, *v;  /* this layer's K ([block][n_kv][hd][bs]) and V ([block][bs][kv_dim]) */
@@ -131,17 +123,16 @@ typedef struct {
 typedef void (*attn_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
                         int64_t o_stride, float *scratch);
 #define ST_ATTN_TILE 16
+/* The variants, defined in attention.c (which depends on nothing else). */
 attn_fn st_attn_ref(void);
 attn_fn st_attn_avx2(void);
 attn_fn st_attn_avx512(void);
-attn_fn st_attn(void);
-attn_fn st_attn_variant(int32_t variant);
-st_status st_check_variant(int32_t variant);
 size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 
-/* The kernels for the current variant (falls back to ref per type). */
+/* The kernels for the current variant, chosen in variants.c (falls back to ref per type). */
 dot_q_fn st_dot_q(int32_t type);
 dot_f_fn st_dot_f(int32_t type);
+attn_fn st_attn(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 
@@ -164,5 +155,153 @@ typedef void (*st_task_fn)(void *ctx, int64_t item, int thread);
 /* Runs fn(ctx, i, thread) for i in [0, n_items) across the pool; items are handed
  * out one at a time from an atomic counter so a slow item never stalls the rest. */
 void st_pool_run(st_pool *pool, st_task_fn fn, void *ctx, int64_t n_items);
+
+/* ======================================================================= the CPU step
+ * Shared by model.c (descriptor validation, scratch), kv.c (paged KV cache), linear.c
+ * (norms, activation quantisation, linear layers), moe.c (router and experts) and
+ * forward.c (the step). A GPU backend keeps its own state and reuses only strata.h
+ * and the validation in model.c. */
+
+#define CHECK(expr)                   \
+    do {                              \
+        const st_status rc_ = (expr); \
+        if (rc_ != ST_OK) return rc_; \
+    } while (0)
+
+/* Bounds on hyper-parameters: far above any real model, low enough that every size
+ * derived from them fits in 64 bits and nothing is allocated from an absurd value. */
+#define ST_MAX_LAYERS 4096
+#define ST_MAX_HEADS 1024
+#define ST_MAX_HEAD_DIM 1024
+#define ST_MAX_VOCAB (1 << 24)
+#define ST_MAX_EXPERTS 4096
+#define ST_MAX_EXPERTS_USED 64
+#define ST_MAX_BLOCK_SIZE 4096
+#define ST_MAX_DIM ((int64_t)1 << 40) /* any single tensor extent */
+
+/* ---- paged KV cache (kv.c) ---- */
+struct st_kv {
+    int32_t n_blocks, block_size, n_layer, kv_dim;
+    int32_t n_kv, head_dim;
+    f16_t *k; /* [n_layer][n_blocks][n_kv][head_dim][block_size]: slots contiguous */
+    f16_t *v; /* [n_layer][n_blocks][block_size][kv_dim] */
+};
+
+static inline size_t kv_offset(const st_kv *kv, int layer, int32_t block, int32_t slot) {
+    return (((size_t)layer * (size_t)kv->n_blocks + (size_t)block) * (size_t)kv->block_size + (size_t)slot) *
+           (size_t)kv->kv_dim;
+}
+
+/* Write one token's k[kv_dim] and v[kv_dim] (float) into slot `slot` of `block`. */
+void st_kv_store(st_kv *kv, int layer, int32_t block, int32_t slot, const float *k, const float *v);
+
+/* ---- the model and its scratch buffers (model.c) ---- */
+
+/* Activations entering a linear layer: float rows and, for quantised weights, the
+ * same rows as 8-bit blocks. Row stride = K. */
+typedef struct {
+    const float *x;
+    const int8_t *q;
+    const float *d;
+    const int32_t *s;
+    const float *dx4, *xs; /* derived views for the SIMD kernels (see above) */
+    int64_t K;
+} acts;
+
+typedef struct {
+    size_t cap_tokens, cap_pairs, cap_ctx, cap_threads;
+    float *x, *xn;             /* [T, E] residual stream, normalised copy */
+    float *q, *k, *v, *att;    /* [T, q_dim], [T, kv_dim] x2, [T, q_dim] */
+    float *tmp;                /* [T, max(E, q_dim)] */
+    float *router;             /* [T, n_expert] */
+    float *topk_w;             /* [T, k] */
+    float *scores;             /* [n_threads, cap_ctx] attention scratch */
+    float *gate_shexp;         /* [T] */
+    int8_t *aq;                /* layer input, quantised: [T, max_k] */
+    float *ad, *ad4, *axs;
+    int32_t *as, *topk_id;     /* topk_id: [T, k] */
+    float *h, *pair_out;       /* [P, ff] hidden, [P, E] expert output per pair */
+    int8_t *hq;                /* hidden, quantised: [P, ff] */
+    float *hd, *hd4, *hxs;
+    int32_t *hs, *pair_tok;    /* pair_tok: [P] token of each pair */
+    int32_t *pairs_by_expert;  /* [P] */
+    int32_t *expert_start;     /* [n_expert + 1] */
+    int32_t *tiles;            /* [T, 2] attention tiles */
+} scratch;
+
+struct st_model {
+    st_model_desc d;
+    st_layer *layers;
+    int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
+    float *inv_freq; /* [rope_dim / 2] */
+    scratch s;
+};
+
+/* Grow the scratch buffers to hold T tokens (and their expert pairs), n_threads
+ * attention rows of ctx floats. */
+st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx);
+
+/* ---- step primitives (linear.c) ---- */
+void st_rmsnorm_row(const float *x, const float *w, float *y, int64_t n, float eps);
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Where quantised activation rows go: the layer-input buffers or the expert hidden-state
+ * buffers. */
+typedef struct {
+    int8_t *q;
+    float *d, *dx4, *xs;
+    int32_t *s;
+} act_buf;
+
+static inline act_buf layer_buf(scratch *s) { return (act_buf){s->aq, s->ad, s->ad4, s->axs, s->as}; }
+static inline act_buf hidden_buf(scratch *s) { return (act_buf){s->hq, s->hd, s->hd4, s->hxs, s->hs}; }
+
+/* Float rows x[T, K] -> activations; quantised into `o` when the weights need it. */
+acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o);
+
+/* A tile of up to ST_MAX_NT activation rows: idx[i] (or base + i when idx is NULL).
+ * Built once per tile, then dotted with every weight row of a work item. */
+typedef struct {
+    int nt;
+    const int32_t *idx;
+    int64_t base;
+    act_row rows[ST_MAX_NT]; /* quantised views (unused for float weights) */
+} act_tile;
+
+static inline void make_tile(act_tile *tl, const acts *a, const int32_t *idx, int64_t base, int nt) {
+    tl->nt = nt, tl->idx = idx, tl->base = base;
+    if (!a->q) return;
+    const int64_t K = a->K;
+    for (int i = 0; i < nt; i++) {
+        const int64_t t = idx ? idx[i] : base + i;
+        tl->rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->dx4 + t * (K / 4),
+                                a->xs + t * (K / 16)};
+    }
+}
+
+/* Dot one weight row with every row of the tile; a quantised row is unpacked once. */
+static inline void dot_tile(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a,
+                            const act_tile *tl, float *res) {
+    if (st_type_is_float(type)) {
+        for (int i = 0; i < tl->nt; i++) ff(wrow, a->x + (tl->idx ? tl->idx[i] : tl->base + i) * a->K, a->K, &res[i]);
+    } else {
+        fq(wrow, a->K, tl->nt, tl->rows, res);
+    }
+}
+
+#define TOKEN_TILE ST_MAX_NT /* activation rows per unpacked weight row; they stay hot in cache */
+
+/* out[t, r] (stride ldo) = W[r, :] . in[rows[t], :] for r in [0, W->ne[1]), t in [0, T). */
+void st_linear(st_pool *pool, const st_tensor *W, const acts *in, const int32_t *rows, int64_t T, float *out,
+               int64_t ldo);
+/* y[T, n] += bias[n] when the bias exists. */
+void st_add_bias(float *y, const st_tensor *b, int64_t T, int64_t n);
+
+/* ---- feed-forward blocks (moe.c); input: s->xn [T, E] (normalised) ---- */
+/* One SwiGLU FFN over every token (a dense FFN or a shared expert): s->pair_out[T, E]. */
+st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, const st_tensor *up,
+                            const st_tensor *down, int64_t T);
+/* The routed-expert block of layer il, added into s->x. */
+st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats);
 
 #endif

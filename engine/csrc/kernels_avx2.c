@@ -126,22 +126,6 @@ DEF_DOT_F_AVX2(dot_f32_avx2, float, LD_F32, ID_F32)
 DEF_DOT_F_AVX2(dot_f16_avx2, f16_t, LD_F16, f16_to_f32)
 DEF_DOT_F_AVX2(dot_bf16_avx2, uint16_t, LD_BF16, bf16_to_f32)
 
-static void cvt_f16_avx2(const f16_t *src, float *dst, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, LD_F16(src + i));
-    for (; i < n; i++) dst[i] = f16_to_f32(src[i]);
-}
-
-static void axpy_avx2(float *y, const float *x, float a, int64_t n) {
-    const __m256 av = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-cvt_f16_fn st_cvt_f16_avx2(void) { return cvt_f16_avx2; }
-axpy_fn st_axpy_avx2(void) { return axpy_avx2; }
-
 dot_q_fn st_dot_q_avx2(int32_t type) {
     switch (type) {
     case ST_TYPE_Q4_0: return dot_q4_0_avx2;
@@ -168,6 +152,4 @@ dot_f_fn st_dot_f_avx2(int32_t type) {
 #include "internal.h"
 dot_q_fn st_dot_q_avx2(int32_t type) { (void)type; return NULL; }
 dot_f_fn st_dot_f_avx2(int32_t type) { (void)type; return NULL; }
-cvt_f16_fn st_cvt_f16_avx2(void) { return NULL; }
-axpy_fn st_axpy_avx2(void) { return NULL; }
 #endif

@@ -1,4 +1,5 @@
-/* A persistent thread pool pinned to the lane's cores.
+/* A persistent thread pool. Its threads (workers 1..n-1) are pinned to the cores
+ * the lane was given; worker 0 is the calling thread, which the pool leaves alone.
  *
  * One forward step runs ~6 parallel regions per layer, so waking threads through
  * the kernel for every region would cost more than the work in decode. Workers

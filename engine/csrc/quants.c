@@ -407,14 +407,3 @@ dot_f_fn st_dot_f_ref(int32_t type) {
     default: return NULL;
     }
 }
-
-static void cvt_f16_ref(const f16_t *src, float *dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
-}
-
-static void axpy_ref(float *y, const float *x, float a, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
-cvt_f16_fn st_cvt_f16_ref(void) { return cvt_f16_ref; }
-axpy_fn st_axpy_ref(void) { return axpy_ref; }

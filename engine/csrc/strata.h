@@ -57,8 +57,10 @@ int32_t st_get_variant(void);
 /* Dequantise n elements (a multiple of the block size) to float32. */
 st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n);
 
-/* Activations are quantised to 8 bits in blocks of 32: qs[n], d[n/32] (scale),
- * sums[n/32] (sum of the 32 int8 values, used for weight offsets/minimums). */
+/* Activations are quantised to 8 bits in blocks of 32. n is a positive multiple of 32;
+ * the caller provides qs[n], d[n/32] (one scale per 32 values) and sums[n/16] (the sum
+ * of each 16 consecutive int8 values, used for weight offsets/minimums). Nothing past
+ * those lengths is written or read (here and in st_vec_dot_q). */
 st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
 
 /* out = dot(row of weights of `type`, activations) with the given variant.
@@ -77,18 +79,25 @@ st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, co
 
 /* ---- thread pool ------------------------------------------------------------ */
 typedef struct st_pool st_pool;
-/* n_threads workers (the caller's thread counts as worker 0). If cores != NULL,
- * worker i is pinned to cores[i % n_cores]. */
+/* n_threads workers; the thread that calls st_forward runs worker 0's share itself.
+ * If cores != NULL, the pool's own threads (workers 1..n_threads-1) are each pinned
+ * to cores[i % n_cores] (best effort: a core the process may not use is skipped
+ * silently). The calling thread is never pinned here: it keeps the affinity of the
+ * process or thread that owns it, so cores[0] is the caller's to use. */
 st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_cores, st_pool **out);
 void st_pool_destroy(st_pool *pool);
 int32_t st_pool_threads(const st_pool *pool);
 
 /* ---- model -------------------------------------------------------------------- */
+/* A weight tensor inside the model file's mapping. n_bytes must equal the size its
+ * type and shape imply, and [data, data + n_bytes) must lie inside the mapping given
+ * in st_model_desc; st_model_create checks both. */
 typedef struct {
     const void *data; /* NULL = absent */
     int32_t type;
-    int32_t n_dims;
+    int32_t n_dims;   /* 1..4; ne[i] = 1 for i >= n_dims */
     int64_t ne[4];
+    int64_t n_bytes;  /* (keep last: the CUDA backend relies on this layout) */
 } st_tensor;
 
 typedef struct {
@@ -115,10 +124,16 @@ typedef struct {
     float rope_base, norm_eps;
     st_tensor token_embd, output_norm, output;
     st_layer *layers; /* [n_layer], borrowed during st_model_create only */
+    /* The mapping every tensor lives in (the whole GGUF file); tensors outside it are
+     * refused. It must outlive the model. */
+    const void *map_data;
+    int64_t map_bytes;
 } st_model_desc;
 
 typedef struct st_model st_model;
-/* Validates every shape and type against the hyper-parameters. */
+/* Validates the hyper-parameters (bounded: see ST_MAX_* in internal.h) and every
+ * tensor's type, shape, byte length and extent before anything is allocated from them;
+ * an invalid descriptor gives ST_EINVAL / ST_EUNSUPPORTED / ST_ERANGE with a message. */
 st_status st_model_create(const st_model_desc *desc, st_model **out);
 void st_model_destroy(st_model *m);
 
@@ -126,9 +141,6 @@ void st_model_destroy(st_model *m);
 typedef struct st_kv st_kv;
 st_status st_kv_create(const st_model *m, int32_t n_blocks, int32_t block_size, st_kv **out);
 void st_kv_destroy(st_kv *kv);
-/* Copy the first n_tokens token slots of block src into block dst (all layers):
- * used for copy-on-write of a partially filled shared block. */
-st_status st_kv_copy_block(st_kv *kv, int32_t src, int32_t dst, int32_t n_tokens);
 
 /* ---- one step -------------------------------------------------------------------- */
 typedef struct {

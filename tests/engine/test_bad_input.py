@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from engine.engine import Engine, EngineError, KVCapacityError
-from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
+from engine.gguf_model import GGUFError, UnsupportedModelError, build_desc, open_model
+from engine.native import ffi, lib
 from tests.engine.gguf_factory import make_random_gguf
 
 
@@ -70,16 +72,103 @@ def test_unsupported_quant_type(tmp_path: Path) -> None:
 
 
 def test_wrong_tensor_shape(tmp_path: Path) -> None:
+    """A shape the C checks refuse is the typed load error, carrying the C message."""
     path = make_random_gguf(tmp_path / "shape.gguf",
                             overrides={"blk.1.attn_k.weight": np.zeros((40, 64), np.float32)})
-    with pytest.raises(EngineError, match=r"layer 1: tensor attn_k has ne\[1\]=40, expected 32"):
+    with pytest.raises(GGUFError, match=r"layer 1: tensor attn_k has ne\[1\]=40, expected 32") as ei:
         Engine.open(path, threads=1, kv_tokens=64)
+    assert ei.value.path == str(path) and ei.value.code == lib.ST_EINVAL
 
 
 def test_missing_tensor(tmp_path: Path) -> None:
     path = make_random_gguf(tmp_path / "missing.gguf", omit=("blk.0.ffn_down_exps.weight",))
-    with pytest.raises(EngineError, match="layer 0: tensor ffn_down_exps is missing"):
+    with pytest.raises(GGUFError, match="layer 0: tensor ffn_down_exps is missing"):
         Engine.open(path, threads=1, kv_tokens=64)
+
+
+def _patch_metadata_u32(path: Path, key: str, value: int) -> None:
+    from gguf import GGUFReader
+
+    r = GGUFReader(path, "r+")
+    r.fields[key].parts[-1][0] = value
+    r.data.flush()
+    del r
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("llama.block_count", 0xFFFFFFFF, r"'llama.block_count' = 4294967295 is out of range"),
+    ("llama.attention.head_count", 1 << 20, "out of range"),
+    ("llama.embedding_length", 0, "out of range"),
+])
+def test_absurd_hyper_parameters_are_refused_before_allocation(good: Path, tmp_path: Path, key: str, value: int,
+                                                               match: str) -> None:
+    bad = tmp_path / "hp.gguf"
+    shutil.copy(good, bad)
+    _patch_metadata_u32(bad, key, value)
+    with pytest.raises(GGUFError, match=match):
+        Engine.open(bad, threads=1, kv_tokens=64)
+
+
+def _desc(good: Path) -> tuple[Any, list[Any]]:
+    mf = open_model(good)
+    desc, keep = build_desc(mf)
+    return desc, keep + [mf]
+
+
+def _create(desc: Any) -> tuple[int, str]:
+    pm = ffi.new("st_model **")
+    rc = lib.st_model_create(desc, pm)
+    if rc == 0:
+        lib.st_model_destroy(pm[0])
+    return rc, ffi.string(lib.st_last_error()).decode()
+
+
+def test_c_accepts_the_descriptor_python_builds(good: Path) -> None:
+    desc, _keep = _desc(good)
+    assert _create(desc)[0] == 0
+
+
+def test_c_checks_byte_length_against_type_and_shape(good: Path) -> None:
+    desc, _keep = _desc(good)
+    desc.layers[1].wq.n_bytes -= 1
+    rc, msg = _create(desc)
+    assert rc == lib.ST_EINVAL and "layer 1: tensor attn_q holds" in msg and "need" in msg
+
+
+def test_c_checks_every_tensor_lies_inside_the_mapping(good: Path) -> None:
+    desc, _keep = _desc(good)
+    desc.map_bytes -= 1  # the last tensor now ends one byte past the mapping
+    rc, msg = _create(desc)
+    assert rc == lib.ST_ERANGE and "outside the model file" in msg
+    desc, _keep = _desc(good)
+    desc.layers[0].wv.data = ffi.cast("void *", int(ffi.cast("uintptr_t", desc.map_data)) - 64)
+    rc, msg = _create(desc)
+    assert rc == lib.ST_ERANGE and "layer 0: tensor attn_v" in msg
+    desc, _keep = _desc(good)
+    desc.map_data = ffi.NULL
+    rc, msg = _create(desc)
+    assert rc == lib.ST_EINVAL and "mapping" in msg
+
+
+def test_c_bounds_dimensions_in_64_bits(good: Path) -> None:
+    desc, _keep = _desc(good)
+    desc.n_layer = 1 << 30  # refused before the layer table is allocated
+    assert _create(desc)[0] == lib.ST_EINVAL
+    desc, _keep = _desc(good)
+    desc.n_head, desc.head_dim, desc.n_head_kv = 1024, 1024, 1024  # 2^20 > the longest row, no 32-bit wrap
+    rc, msg = _create(desc)
+    assert rc == lib.ST_EUNSUPPORTED and "exceeds the longest row" in msg
+    desc, _keep = _desc(good)
+    t = desc.layers[0].gate_exps
+    t.ne[1], t.ne[2] = 1 << 40, 1 << 40  # bytes would wrap 64 bits
+    rc, msg = _create(desc)
+    assert rc in (lib.ST_EINVAL, lib.ST_ERANGE) and "gate_exps" in msg
+    desc, _keep = _desc(good)
+    desc.layers[0].attn_norm.ne[0] = -64
+    assert _create(desc)[0] == lib.ST_EINVAL
+    desc, _keep = _desc(good)
+    desc.rope_base = float("nan")
+    assert _create(desc)[0] == lib.ST_EINVAL
 
 
 def test_prompt_longer_than_kv_capacity(good: Path) -> None:

@@ -71,6 +71,41 @@ def test_activation_quantisation_matches_definition() -> None:
     assert np.all(np.abs(qs.reshape(-1, 32) * d[:, None] - blocks) <= d[:, None] * 0.5 + 1e-7)
 
 
+GUARD = 64  # elements of sentinel after each buffer
+
+
+def guarded(n: int, dtype: type, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """A buffer of exactly n elements followed by a guard region of sentinels."""
+    full = np.full(n + GUARD, fill, dtype=dtype)
+    return full[:n], full
+
+
+@pytest.mark.parametrize("n", [32, 96, N])
+def test_activation_buffers_are_exactly_the_documented_sizes(n: int) -> None:
+    """strata.h: qs[n], d[n/32], sums[n/16]. Nothing past them is written (quantise) or
+    read (dot: a poisoned guard would change the result)."""
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    qs, qs_full = guarded(n, np.int8, 0x5A)
+    d, d_full = guarded(n // 32, np.float32, 0)
+    s, s_full = guarded(n // 16, np.int32, 0x5A5A5A5A)
+    d_full[n // 32:] = np.float32(1e30)
+    rc = lib.st_quantize_act(ptr(x, "float *"), n, ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *"))
+    assert rc == 0
+    assert np.all(qs_full[n:] == 0x5A) and np.all(d_full[n // 32:] == np.float32(1e30))
+    assert np.all(s_full[n // 16:] == 0x5A5A5A5A)
+    np.testing.assert_array_equal(s, qs.reshape(-1, 16).astype(np.int32).sum(axis=1))
+    # the dot product reads the same lengths: poisoning the guards changes nothing
+    rng = np.random.default_rng(1)
+    for name in ("Q4_0", "Q4_1", "Q8_0") if n % 256 else QUANT_TYPES:
+        raw = random_blocks(name, n, rng)
+        for variant in available_variants():
+            before = dot_q(name, variant, raw, qs, d, s, n)
+            qs_full[n:], s_full[n // 16:] = 127, 1 << 30
+            after = dot_q(name, variant, raw, qs, d, s, n)
+            qs_full[n:], s_full[n // 16:] = 0x5A, 0x5A5A5A5A
+            assert before == after and np.isfinite(before), (name, variant)
+
+
 def dot_q(name: str, variant: str, raw: np.ndarray, qs: np.ndarray, d: np.ndarray, s: np.ndarray, n: int) -> float:
     out = ffi.new("float *")
     rc = lib.st_vec_dot_q(int(GGMLQuantizationType[name]), VARIANTS[variant], ptr(raw), ptr(qs, "int8_t *"),

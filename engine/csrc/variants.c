@@ -1,4 +1,7 @@
-/* Run-time kernel selection: the best variant the CPU supports, or a forced one. */
+/* Kernel variants (reference, AVX2, AVX-512): run-time selection of the best one the
+ * CPU supports or a forced one, and the entry points that run one variant's kernel
+ * directly (the kernel test harness and benchmarks). The kernels themselves live in
+ * quants.c, kernels_*.c and attention.c and know nothing of this selection. */
 #include <stdlib.h>
 
 #include "internal.h"
@@ -56,25 +59,13 @@ static dot_f_fn pick_f(int32_t variant, int32_t type) {
     return f ? f : st_dot_f_ref(type);
 }
 
-cvt_f16_fn st_cvt_f16(void) {
-    cvt_f16_fn f = resolve(g_variant) >= ST_VARIANT_AVX2 ? st_cvt_f16_avx2() : NULL;
-    return f ? f : st_cvt_f16_ref();
-}
-
-axpy_fn st_axpy(void) {
-    axpy_fn f = resolve(g_variant) >= ST_VARIANT_AVX2 ? st_axpy_avx2() : NULL;
-    return f ? f : st_axpy_ref();
-}
-
-attn_fn st_attn_variant(int32_t variant) {
+static attn_fn attn_variant(int32_t variant) {
     const int32_t v = resolve(variant);
     attn_fn f = v == ST_VARIANT_AVX512 ? st_attn_avx512() : v == ST_VARIANT_AVX2 ? st_attn_avx2() : NULL;
     return f ? f : st_attn_ref();
 }
 
-attn_fn st_attn(void) { return st_attn_variant(g_variant); }
-
-st_status st_check_variant(int32_t variant) { return check_variant(variant); }
+attn_fn st_attn(void) { return attn_variant(g_variant); }
 
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
 dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }
@@ -111,5 +102,25 @@ st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float
     if (!st_type_is_float(type)) return st_fail(ST_EUNSUPPORTED, "vec_dot_f: type %d is not a float type", type);
     if (!w || !x || !out || n <= 0) return st_fail(ST_EINVAL, "vec_dot_f: bad arguments (n=%lld)", (long long)n);
     pick_f(resolve(variant), type)(w, x, n, out);
+    return ST_OK;
+}
+
+st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                       int32_t nq, int32_t p0, float *out) {
+    if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention: NULL argument");
+    if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 16 ||
+        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || n_kv < 1 || n_kv > ST_MAX_HEADS || kv_head < 0 ||
+        kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0 || p0 > INT32_MAX - nq)
+        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
+                       head_dim, n_kv, kv_head, nq, p0);
+    const st_status rc = check_variant(variant);
+    if (rc) return rc;
+    const attn_fn fn = attn_variant(variant);
+    float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
+    if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
+    const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
+    fn(&view, q, head_dim, nq, p0, out, head_dim, scratch);
+    free(scratch);
     return ST_OK;
 }

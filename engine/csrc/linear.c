@@ -1,0 +1,90 @@
+/* Step primitives shared by the attention and FFN blocks: RMSNorm, quantisation of
+ * activation rows for the integer kernels, and a linear layer spread over the pool.
+ * The tile helpers (make_tile, dot_tile) are inline in internal.h so that every
+ * parallel task inlines them. */
+#include <math.h>
+
+#include "internal.h"
+
+void st_rmsnorm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * (double)x[i];
+    const float scale = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * scale);
+}
+
+typedef struct {
+    const float *x;
+    int64_t K;
+    act_buf o;
+} quant_ctx;
+
+static void quant_task(void *ctx, int64_t t, int thread) {
+    (void)thread;
+    const quant_ctx *c = ctx;
+    const int64_t K = c->K;
+    st_quantize_act_row(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
+                        c->o.dx4 + t * (K / 4), c->o.xs + t * (K / 16));
+}
+
+acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
+    acts a = {x, NULL, NULL, NULL, NULL, NULL, K};
+    if (need_q) {
+        quant_ctx c = {x, K, o};
+        st_pool_run(pool, quant_task, &c, T);
+        a.q = o.q, a.d = o.d, a.s = o.s, a.dx4 = o.dx4, a.xs = o.xs;
+    }
+    return a;
+}
+
+typedef struct {
+    const uint8_t *w;
+    int32_t type;
+    size_t row_bytes;
+    int64_t N, T, chunk, ldo;
+    const int32_t *rows; /* NULL: identity */
+    acts in;
+    float *out;
+    dot_q_fn fq;
+    dot_f_fn ff;
+} linear_ctx;
+
+static void linear_task(void *ctx, int64_t item, int thread) {
+    (void)thread;
+    const linear_ctx *c = ctx;
+    const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->N ? r0 + c->chunk : c->N;
+    float res[ST_MAX_NT];
+    act_tile tl;
+    for (int64_t tile = 0; tile < c->T; tile += TOKEN_TILE) {
+        const int nt = (int)(c->T - tile < TOKEN_TILE ? c->T - tile : TOKEN_TILE);
+        make_tile(&tl, &c->in, c->rows ? c->rows + tile : NULL, tile, nt);
+        for (int64_t r = r0; r < r1; r++) {
+            dot_tile(c->type, c->fq, c->ff, c->w + (size_t)r * c->row_bytes, &c->in, &tl, res);
+            for (int i = 0; i < nt; i++) c->out[(tile + i) * c->ldo + r] = res[i];
+        }
+    }
+}
+
+static int64_t pick_chunk(int64_t N, int64_t T, int n_threads) {
+    /* Enough items to balance (>= 8 per thread) but each large enough to amortise. */
+    int64_t chunk = N / (8 * (int64_t)n_threads);
+    const int64_t min_chunk = T >= 16 ? 4 : 16;
+    if (chunk < min_chunk) chunk = min_chunk;
+    if (chunk > 256) chunk = 256;
+    return chunk;
+}
+
+void st_linear(st_pool *pool, const st_tensor *W, const acts *in, const int32_t *rows, int64_t T, float *out,
+               int64_t ldo) {
+    linear_ctx c = {W->data, W->type, st_row_bytes(W->type, W->ne[0]), W->ne[1], T, 0, ldo, rows, *in, out,
+                    st_dot_q(W->type), st_dot_f(W->type)};
+    c.chunk = pick_chunk(c.N, T, st_pool_threads(pool));
+    st_pool_run(pool, linear_task, &c, (c.N + c.chunk - 1) / c.chunk);
+}
+
+void st_add_bias(float *y, const st_tensor *b, int64_t T, int64_t n) {
+    if (!b->data) return;
+    const float *bv = b->data;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) y[t * n + i] += bv[i];
+}

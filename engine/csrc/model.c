@@ -1,0 +1,292 @@
+/* The model: validation of the descriptor handed over from Python, creation and
+ * destruction, and the scratch buffers a step works in.
+ *
+ * Nothing in the descriptor is trusted. Hyper-parameters are bounded (ST_MAX_*) and
+ * products of them are formed in 64 bits before anything is sized by them; every
+ * tensor's type and shape are checked against the hyper-parameters, its byte length
+ * against its type and shape, and its byte range against the mapping it lives in. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+/* ------------------------------------------------------------------ validation */
+
+static void scratch_free(scratch *s);
+
+/* Bytes of a tensor of `type` and shape ne, or -1 when the shape is impossible (an
+ * extent < 1 or > ST_MAX_DIM, a row not made of whole blocks, a size past 2^63). */
+static int64_t tensor_bytes(int32_t type, const int64_t ne[4]) {
+    const int32_t be = st_type_block_elems(type), bb = st_type_block_bytes(type);
+    if (be <= 0 || bb <= 0) return -1;
+    for (int i = 0; i < 4; i++)
+        if (ne[i] < 1 || ne[i] > ST_MAX_DIM) return -1;
+    if (ne[0] % be) return -1;
+    int64_t bytes = ne[0] / be * bb; /* one row: at most 2^40 / 1 * 34 */
+    for (int i = 1; i < 4; i++)
+        if (__builtin_mul_overflow(bytes, ne[i], &bytes)) return -1;
+    return bytes;
+}
+
+/* Checks one tensor: present when required, of a supported type (F32 for float_only),
+ * of shape [ne0, ne1, ne2] in its first n_dims dimensions and 1 beyond, rows the
+ * kernels accept, n_bytes equal to what type and shape imply, and the bytes inside
+ * the mapping. */
+static st_status check_tensor(const st_model_desc *d, const st_tensor *t, const char *what, int layer,
+                              int required, int n_dims, int64_t ne0, int64_t ne1, int64_t ne2, int float_only) {
+    char where[96];
+    if (layer < 0) snprintf(where, sizeof where, "model: tensor %s", what);
+    else snprintf(where, sizeof where, "layer %d: tensor %s", layer, what);
+    if (!t->data) {
+        if (required) return st_fail(ST_EINVAL, "%s is missing", where);
+        return ST_OK;
+    }
+    if (!st_type_supported(t->type))
+        return st_fail(ST_EUNSUPPORTED, "%s has unsupported quant type %d", where, t->type);
+    if (float_only && t->type != ST_TYPE_F32)
+        return st_fail(ST_EUNSUPPORTED, "%s must be F32 (got type %d)", where, t->type);
+    if (t->n_dims < 1 || t->n_dims > 4) return st_fail(ST_EINVAL, "%s has %d dims", where, t->n_dims);
+    const int64_t want[3] = {ne0, ne1, ne2};
+    for (int i = 0; i < n_dims; i++) {
+        if (t->ne[i] != want[i])
+            return st_fail(ST_EINVAL, "%s has ne[%d]=%lld, expected %lld", where, i, (long long)t->ne[i],
+                           (long long)want[i]);
+    }
+    for (int i = n_dims; i < 4; i++) {
+        if (t->ne[i] != 1) return st_fail(ST_EINVAL, "%s has %d dims, expected %d", where, t->n_dims, n_dims);
+    }
+    if (t->ne[0] % st_type_block_elems(t->type))
+        return st_fail(ST_EINVAL, "%s row length %lld is not a multiple of its block size %d", where,
+                       (long long)t->ne[0], st_type_block_elems(t->type));
+    if (t->ne[0] > ST_MAX_ROW)
+        return st_fail(ST_EUNSUPPORTED, "%s row length %lld exceeds %d", where, (long long)t->ne[0], ST_MAX_ROW);
+    if (!st_type_is_float(t->type) && t->ne[0] % QK)
+        return st_fail(ST_EINVAL, "%s row length %lld is not a multiple of 32", where, (long long)t->ne[0]);
+    const int64_t bytes = tensor_bytes(t->type, t->ne);
+    if (bytes < 0)
+        return st_fail(ST_ERANGE, "%s has an impossible shape [%lld, %lld, %lld, %lld]", where, (long long)t->ne[0],
+                       (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3]);
+    if (t->n_bytes != bytes)
+        return st_fail(ST_EINVAL, "%s holds %lld bytes, its type and shape need %lld", where, (long long)t->n_bytes,
+                       (long long)bytes);
+    const uintptr_t base = (uintptr_t)d->map_data, p = (uintptr_t)t->data;
+    if (p < base || p - base > (uint64_t)d->map_bytes || (uint64_t)d->map_bytes - (p - base) < (uint64_t)bytes)
+        return st_fail(ST_ERANGE, "%s (%lld bytes at offset %lld) lies outside the model file's %lld bytes", where,
+                       (long long)bytes, (long long)(p - base), (long long)d->map_bytes);
+    return ST_OK;
+}
+
+/* Hyper-parameters alone, before anything is allocated from them. */
+static st_status check_hparams(const st_model_desc *d) {
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if (d->n_layer < 1 || d->n_layer > ST_MAX_LAYERS || d->n_embd < 1 || d->n_embd > ST_MAX_ROW || d->n_head < 1 ||
+        d->n_head > ST_MAX_HEADS || d->n_head_kv < 1 || d->n_head_kv > d->n_head || d->head_dim < 2 ||
+        d->head_dim > ST_MAX_HEAD_DIM || d->n_vocab < 1 || d->n_vocab > ST_MAX_VOCAB)
+        return st_fail(ST_EINVAL, "model: bad hyper-parameters (layers=%d embd=%d heads=%d/%d head_dim=%d vocab=%d)",
+                       d->n_layer, d->n_embd, d->n_head, d->n_head_kv, d->head_dim, d->n_vocab);
+    if (d->n_head % d->n_head_kv)
+        return st_fail(ST_EINVAL, "model: head count %d is not a multiple of kv head count %d", d->n_head, d->n_head_kv);
+    if (d->head_dim % 16) return st_fail(ST_EUNSUPPORTED, "model: head_dim %d is not a multiple of 16", d->head_dim);
+    const int64_t q_dim = (int64_t)d->n_head * d->head_dim; /* <= 2^20, and the row length of attn_output */
+    if (q_dim > ST_MAX_ROW)
+        return st_fail(ST_EUNSUPPORTED, "model: %d heads x %d = %lld exceeds the longest row %d", d->n_head,
+                       d->head_dim, (long long)q_dim, ST_MAX_ROW);
+    if (d->rope_dim < 2 || d->rope_dim > d->head_dim || d->rope_dim % 2)
+        return st_fail(ST_EINVAL, "model: rope dimension %d invalid for head_dim %d", d->rope_dim, d->head_dim);
+    if (d->rope_type != ST_ROPE_NORM && d->rope_type != ST_ROPE_NEOX)
+        return st_fail(ST_EUNSUPPORTED, "model: rope type %d unsupported", d->rope_type);
+    if (!isfinite(d->rope_base) || d->rope_base <= 0.0f || !isfinite(d->norm_eps) || d->norm_eps < 0.0f)
+        return st_fail(ST_EINVAL, "model: rope base %g / norm epsilon %g invalid", (double)d->rope_base,
+                       (double)d->norm_eps);
+    if (d->n_expert < 0 || d->n_expert > ST_MAX_EXPERTS || d->n_expert_used < 0 ||
+        (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert ||
+                             d->n_expert_used > ST_MAX_EXPERTS_USED)) ||
+        (d->n_expert == 0 && d->n_expert_used != 0))
+        return st_fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used,
+                       d->n_expert);
+    if (!d->map_data || d->map_bytes < 1)
+        return st_fail(ST_EINVAL, "model: the mapping the tensors live in is not given (map_data/map_bytes)");
+    if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
+    return ST_OK;
+}
+
+/* A width read from a tensor (FFN rows): positive and at most a kernel row, since the
+ * down projection takes it as its row length. */
+static st_status check_width(int64_t w, const char *what, int layer) {
+    if (w < 1 || w > ST_MAX_ROW)
+        return st_fail(ST_EINVAL, "layer %d: %s width %lld out of range [1, %d]", layer, what, (long long)w, ST_MAX_ROW);
+    return ST_OK;
+}
+
+static st_status validate(st_model *m) {
+    const st_model_desc *d = &m->d;
+    const int64_t E = d->n_embd;
+    CHECK(check_tensor(d, &d->token_embd, "token_embd", -1, 1, 2, E, d->n_vocab, 1, 0));
+    CHECK(check_tensor(d, &d->output_norm, "output_norm", -1, 1, 1, E, 1, 1, 1));
+    CHECK(check_tensor(d, &d->output, "output", -1, 1, 2, E, d->n_vocab, 1, 0));
+    m->n_ff = m->n_ff_exp = m->n_ff_shexp = 0;
+    for (int il = 0; il < d->n_layer; il++) {
+        const st_layer *L = &m->layers[il];
+        CHECK(check_tensor(d, &L->attn_norm, "attn_norm", il, 1, 1, E, 1, 1, 1));
+        CHECK(check_tensor(d, &L->wq, "attn_q", il, 1, 2, E, m->q_dim, 1, 0));
+        CHECK(check_tensor(d, &L->wk, "attn_k", il, 1, 2, E, m->kv_dim, 1, 0));
+        CHECK(check_tensor(d, &L->wv, "attn_v", il, 1, 2, E, m->kv_dim, 1, 0));
+        CHECK(check_tensor(d, &L->wo, "attn_output", il, 1, 2, m->q_dim, E, 1, 0));
+        CHECK(check_tensor(d, &L->bq, "attn_q.bias", il, 0, 1, m->q_dim, 1, 1, 1));
+        CHECK(check_tensor(d, &L->bk, "attn_k.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
+        CHECK(check_tensor(d, &L->bv, "attn_v.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
+        const int qk_norm = d->arch == ST_ARCH_QWEN3MOE;
+        CHECK(check_tensor(d, &L->q_norm, "attn_q_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
+        CHECK(check_tensor(d, &L->k_norm, "attn_k_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
+        if (!L->q_norm.data != !L->k_norm.data)
+            return st_fail(ST_EINVAL, "layer %d: attn_q_norm and attn_k_norm come together", il);
+        CHECK(check_tensor(d, &L->ffn_norm, "ffn_norm", il, 1, 1, E, 1, 1, 1));
+        if (d->n_expert > 0) {
+            const int64_t ff = L->gate_exps.data ? L->gate_exps.ne[1] : 0;
+            CHECK(check_tensor(d, &L->gate_exps, "ffn_gate_exps", il, 1, 3, E, ff, d->n_expert, 0));
+            CHECK(check_width(ff, "expert FFN", il));
+            if (il == 0) m->n_ff_exp = (int32_t)ff;
+            if (ff != m->n_ff_exp) return st_fail(ST_EINVAL, "layer %d: expert FFN width differs", il);
+            CHECK(check_tensor(d, &L->gate_inp, "ffn_gate_inp", il, 1, 2, E, d->n_expert, 1, 0));
+            CHECK(check_tensor(d, &L->up_exps, "ffn_up_exps", il, 1, 3, E, ff, d->n_expert, 0));
+            CHECK(check_tensor(d, &L->down_exps, "ffn_down_exps", il, 1, 3, ff, E, d->n_expert, 0));
+            if (L->gate_shexp.data) {
+                const int64_t sf = L->gate_shexp.ne[1];
+                CHECK(check_tensor(d, &L->gate_shexp, "ffn_gate_shexp", il, 1, 2, E, sf, 1, 0));
+                CHECK(check_width(sf, "shared expert", il));
+                if (il == 0) m->n_ff_shexp = (int32_t)sf;
+                if (sf != m->n_ff_shexp) return st_fail(ST_EINVAL, "layer %d: shared expert width differs", il);
+                CHECK(check_tensor(d, &L->up_shexp, "ffn_up_shexp", il, 1, 2, E, sf, 1, 0));
+                CHECK(check_tensor(d, &L->down_shexp, "ffn_down_shexp", il, 1, 2, sf, E, 1, 0));
+                CHECK(check_tensor(d, &L->gate_inp_shexp, "ffn_gate_inp_shexp", il, 0, 1, E, 1, 1, 1));
+            } else if (m->n_ff_shexp) {
+                return st_fail(ST_EINVAL, "layer %d: shared expert missing", il);
+            }
+        } else {
+            const int64_t ff = L->ffn_gate.data ? L->ffn_gate.ne[1] : 0;
+            CHECK(check_tensor(d, &L->ffn_gate, "ffn_gate", il, 1, 2, E, ff, 1, 0));
+            CHECK(check_width(ff, "FFN", il));
+            if (il == 0) m->n_ff = (int32_t)ff;
+            if (ff != m->n_ff) return st_fail(ST_EINVAL, "layer %d: FFN width differs", il);
+            CHECK(check_tensor(d, &L->ffn_up, "ffn_up", il, 1, 2, E, ff, 1, 0));
+            CHECK(check_tensor(d, &L->ffn_down, "ffn_down", il, 1, 2, ff, E, 1, 0));
+        }
+    }
+    return ST_OK;
+}
+
+st_status st_model_create(const st_model_desc *desc, st_model **out) {
+    if (!desc || !out) return st_fail(ST_EINVAL, "model_create: NULL argument");
+    *out = NULL;
+    CHECK(check_hparams(desc));
+    st_model *m = calloc(1, sizeof *m);
+    if (!m) return st_fail(ST_ENOMEM, "model_create: out of memory");
+    m->d = *desc;
+    m->layers = calloc((size_t)desc->n_layer, sizeof *m->layers);
+    if (!m->layers) {
+        free(m);
+        return st_fail(ST_ENOMEM, "model_create: out of memory");
+    }
+    memcpy(m->layers, desc->layers, (size_t)desc->n_layer * sizeof *m->layers);
+    m->d.layers = m->layers;
+    m->q_dim = desc->n_head * desc->head_dim; /* bounded by check_hparams */
+    m->kv_dim = desc->n_head_kv * desc->head_dim;
+    const st_status rc = validate(m);
+    if (rc != ST_OK) {
+        st_model_destroy(m);
+        return rc;
+    }
+    m->max_k = m->d.n_embd;
+    if (m->q_dim > m->max_k) m->max_k = m->q_dim;
+    if (m->n_ff > m->max_k) m->max_k = m->n_ff;
+    if (m->n_ff_shexp > m->max_k) m->max_k = m->n_ff_shexp;
+    m->inv_freq = malloc(sizeof(float) * (size_t)(m->d.rope_dim / 2));
+    if (!m->inv_freq) {
+        st_model_destroy(m);
+        return st_fail(ST_ENOMEM, "model_create: out of memory");
+    }
+    for (int i = 0; i < m->d.rope_dim / 2; i++)
+        m->inv_freq[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+    *out = m;
+    return ST_OK;
+}
+
+void st_model_destroy(st_model *m) {
+    if (!m) return;
+    scratch_free(&m->s);
+    free(m->inv_freq);
+    free(m->layers);
+    free(m);
+}
+
+/* ------------------------------------------------------------------ scratch */
+
+static void scratch_free(scratch *s) {
+    void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
+                    s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
+                    s->hxs, s->hs, s->pair_tok,
+                    s->pairs_by_expert, s->expert_start, s->tiles};
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
+    memset(s, 0, sizeof *s);
+}
+
+/* Grow the scratch buffers to hold T tokens (and their expert pairs). */
+st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx) {
+    scratch *s = &m->s;
+    const st_model_desc *d = &m->d;
+    const size_t k = d->n_expert > 0 ? (size_t)d->n_expert_used : 1;
+    const size_t P = T * k + T; /* routed pairs + one shared/dense pair per token */
+    const size_t ffw = (size_t)(m->n_ff_exp > m->n_ff ? m->n_ff_exp : m->n_ff);
+    const size_t ffmax = ffw > (size_t)m->n_ff_shexp ? ffw : (size_t)m->n_ff_shexp;
+    if (T > s->cap_tokens) {
+        scratch_free(s);
+        const size_t E = (size_t)d->n_embd, K = (size_t)m->max_k, ne = d->n_expert > 0 ? (size_t)d->n_expert : 1;
+        s->x = malloc(sizeof(float) * T * E);
+        s->xn = malloc(sizeof(float) * T * E);
+        s->q = malloc(sizeof(float) * T * (size_t)m->q_dim);
+        s->k = malloc(sizeof(float) * T * (size_t)m->kv_dim);
+        s->v = malloc(sizeof(float) * T * (size_t)m->kv_dim);
+        s->att = malloc(sizeof(float) * T * (size_t)m->q_dim);
+        s->tmp = malloc(sizeof(float) * T * (E > (size_t)m->q_dim ? E : (size_t)m->q_dim));
+        s->router = malloc(sizeof(float) * T * ne);
+        s->topk_w = malloc(sizeof(float) * T * k);
+        s->topk_id = malloc(sizeof(int32_t) * T * k);
+        s->gate_shexp = malloc(sizeof(float) * T);
+        s->aq = malloc(T * K);
+        s->ad = malloc(sizeof(float) * T * (K / QK + 1));
+        s->ad4 = malloc(sizeof(float) * T * (K / 4 + 1));
+        s->axs = malloc(sizeof(float) * T * (K / 16 + 1));
+        s->as = malloc(sizeof(int32_t) * T * (K / 16 + 1));
+        s->h = malloc(sizeof(float) * P * ffmax);
+        s->hq = malloc(P * ffmax);
+        s->hd = malloc(sizeof(float) * P * (ffmax / QK + 1));
+        s->hd4 = malloc(sizeof(float) * P * (ffmax / 4 + 1));
+        s->hxs = malloc(sizeof(float) * P * (ffmax / 16 + 1));
+        s->hs = malloc(sizeof(int32_t) * P * (ffmax / 16 + 1));
+        s->pair_out = malloc(sizeof(float) * P * E);
+        s->pair_tok = malloc(sizeof(int32_t) * P);
+        s->pairs_by_expert = malloc(sizeof(int32_t) * P);
+        s->expert_start = malloc(sizeof(int32_t) * (ne + 1));
+        s->tiles = malloc(sizeof(int32_t) * 2 * T);
+        s->cap_tokens = T;
+        s->cap_pairs = P;
+        if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->topk_w ||
+            !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
+            !s->ad4 || !s->axs || !s->hd4 || !s->hxs ||
+            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles) {
+            scratch_free(s);
+            return st_fail(ST_ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
+        }
+    }
+    if (n_threads > s->cap_threads || ctx > s->cap_ctx) { /* per-thread attention score rows */
+        free(s->scores);
+        s->scores = malloc(sizeof(float) * n_threads * ctx);
+        s->cap_ctx = s->scores ? ctx : 0;
+        s->cap_threads = s->scores ? n_threads : 0;
+        if (!s->scores) return st_fail(ST_ENOMEM, "forward: out of memory for attention scores (ctx %zu)", ctx);
+    }
+    return ST_OK;
+}
+

@@ -1,0 +1,251 @@
+/* Feed-forward blocks: the router, grouping of tokens by expert, the grouped SwiGLU
+ * expert FFN, the weighted combination and the shared expert. A dense FFN is the
+ * grouped FFN with one group holding every token.
+ *
+ * Grouping lets one expert's weight rows be unpacked once for all tokens routed to it
+ * (gate and up fused in one pass), and work items are sized so that a hot expert is
+ * cut into thin row slices while a cold one gets a few wide ones. */
+#include <math.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+/* One group = one expert's weights and the (token, slot) pairs routed to it. */
+typedef struct {
+    const uint8_t *wg, *wu, *wd;
+    const int32_t *pairs;
+    int32_t n_pairs;
+} ffn_group;
+
+typedef struct {
+    int32_t group, r0, r1;
+} ffn_item;
+
+typedef struct {
+    const ffn_group *groups;
+    const ffn_item *items;
+    int32_t tg, tu, td;
+    size_t rbg, rbu, rbd;
+    int64_t n_ff, E;
+    acts in;             /* token rows */
+    const int32_t *pair_tok;
+    float *h;            /* [P, n_ff] */
+    acts hin;            /* h rows, quantised */
+    float *pair_out;     /* [P, E] */
+} ffn_ctx;
+
+static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
+    (void)thread;
+    const ffn_ctx *c = vctx;
+    const ffn_item it = c->items[item];
+    const ffn_group *g = &c->groups[it.group];
+    const dot_q_fn fqg = st_dot_q(c->tg), fqu = st_dot_q(c->tu);
+    const dot_f_fn ffg = st_dot_f(c->tg), ffu = st_dot_f(c->tu);
+    int32_t tok[ST_MAX_NT];
+    float gv[ST_MAX_NT], uv[ST_MAX_NT];
+    act_tile tl;
+    for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
+        const int nt = g->n_pairs - tile < TOKEN_TILE ? g->n_pairs - tile : TOKEN_TILE;
+        for (int j = 0; j < nt; j++) tok[j] = c->pair_tok[g->pairs[tile + j]];
+        make_tile(&tl, &c->in, tok, 0, nt);
+        for (int32_t r = it.r0; r < it.r1; r++) {
+            dot_tile(c->tg, fqg, ffg, g->wg + (size_t)r * c->rbg, &c->in, &tl, gv);
+            dot_tile(c->tu, fqu, ffu, g->wu + (size_t)r * c->rbu, &c->in, &tl, uv);
+            for (int j = 0; j < nt; j++) c->h[(size_t)g->pairs[tile + j] * c->n_ff + r] = silu(gv[j]) * uv[j];
+        }
+    }
+}
+
+static void ffn_down_task(void *vctx, int64_t item, int thread) {
+    (void)thread;
+    const ffn_ctx *c = vctx;
+    const ffn_item it = c->items[item];
+    const ffn_group *g = &c->groups[it.group];
+    const dot_q_fn fq = st_dot_q(c->td);
+    const dot_f_fn ff = st_dot_f(c->td);
+    float res[ST_MAX_NT];
+    act_tile tl;
+    for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
+        const int nt = g->n_pairs - tile < TOKEN_TILE ? g->n_pairs - tile : TOKEN_TILE;
+        make_tile(&tl, &c->hin, g->pairs + tile, 0, nt);
+        for (int32_t r = it.r0; r < it.r1; r++) {
+            dot_tile(c->td, fq, ff, g->wd + (size_t)r * c->rbd, &c->hin, &tl, res);
+            for (int j = 0; j < nt; j++) c->pair_out[(size_t)g->pairs[tile + j] * c->E + r] = res[j];
+        }
+    }
+}
+
+/* Build (group, row-range) items: chunks sized so that items carry similar work. */
+static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t rows, int n_threads, ffn_item *items) {
+    /* ~8 items per thread in all, each carrying about the same rows x pairs of work:
+     * a hot expert gets thin row slices, a cold one a few wide ones. */
+    int64_t total_pairs = 0;
+    for (int32_t g = 0; g < n_groups; g++) total_pairs += groups[g].n_pairs;
+    int32_t n = 0;
+    for (int32_t g = 0; g < n_groups; g++) {
+        if (!groups[g].n_pairs) continue;
+        int64_t chunk = rows * total_pairs / (8 * (int64_t)n_threads * (int64_t)groups[g].n_pairs);
+        if (chunk < 8) chunk = 8;
+        if (chunk > rows) chunk = rows;
+        for (int64_t r = 0; r < rows; r += chunk)
+            items[n++] = (ffn_item){g, (int32_t)r, (int32_t)(r + chunk < rows ? r + chunk : rows)};
+    }
+    return n;
+}
+
+/* The grouped FFN: for every group, h = silu(x Wg) * (x Wu) over its pairs, then
+ * pair_out = h Wd. Pair p reads token row pair_tok[p] of `in`; h and pair_out are
+ * indexed by pair. */
+static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups, int32_t n_groups,
+                             const st_tensor *tg, const st_tensor *tu, const st_tensor *td, const acts *in,
+                             int64_t n_pairs) {
+    scratch *s = &m->s;
+    const int64_t n_ff = tg->ne[1], E = m->d.n_embd;
+    const int nt = st_pool_threads(pool);
+    const int64_t widest = n_ff > E ? n_ff : E;
+    ffn_item *items = malloc(sizeof(ffn_item) * (size_t)n_groups * (size_t)(widest / 8 + 2));
+    if (!items) return st_fail(ST_ENOMEM, "forward: out of memory (expert items)");
+    ffn_ctx c = {groups, items, tg->type, tu->type, td->type, st_row_bytes(tg->type, tg->ne[0]),
+                 st_row_bytes(tu->type, tu->ne[0]), st_row_bytes(td->type, td->ne[0]), n_ff, E, *in, s->pair_tok,
+                 s->h, {0}, s->pair_out};
+    int32_t n = build_items(groups, n_groups, n_ff, nt, items);
+    st_pool_run(pool, ffn_gate_up_task, &c, n);
+    c.hin = st_make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
+    n = build_items(groups, n_groups, E, nt, items);
+    st_pool_run(pool, ffn_down_task, &c, n);
+    free(items);
+    return ST_OK;
+}
+
+st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, const st_tensor *up,
+                            const st_tensor *down, int64_t T) {
+    scratch *s = &m->s;
+    for (int64_t t = 0; t < T; t++) s->pair_tok[t] = (int32_t)t, s->pairs_by_expert[t] = (int32_t)t;
+    const int need_q = !st_type_is_float(gate->type) || !st_type_is_float(up->type); /* types may differ */
+    const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
+    const ffn_group g = {gate->data, up->data, down->data, s->pairs_by_expert, (int32_t)T};
+    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T);
+}
+
+/* Router: logits = xn . gate_inp, softmax over all experts, then the top k by
+ * probability (lowest index on ties): topk_id[T, k], topk_w[T, k] (raw probabilities). */
+static void route(st_model *m, st_pool *pool, const st_layer *L, int64_t T) {
+    scratch *s = &m->s;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const acts rin = st_make_acts(pool, s->xn, T, m->d.n_embd, !st_type_is_float(L->gate_inp.type), layer_buf(s));
+    st_linear(pool, &L->gate_inp, &rin, NULL, T, s->router, ne); /* [T, n_expert] */
+    for (int64_t t = 0; t < T; t++) {
+        float *r = s->router + t * ne;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int e = 0; e < ne; e++) mx = r[e] > mx ? r[e] : mx;
+        for (int e = 0; e < ne; e++) sum += (r[e] = expf(r[e] - mx));
+        for (int e = 0; e < ne; e++) r[e] /= sum;
+        int32_t *ids = s->topk_id + t * k;
+        float *w = s->topk_w + t * k;
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            for (int e = 0; e < ne; e++) {
+                int used = 0;
+                for (int u = 0; u < j; u++) used |= ids[u] == e;
+                if (!used && (best < 0 || r[e] > r[best])) best = e;
+            }
+            ids[j] = best;
+            w[j] = r[best];
+        }
+    }
+}
+
+static inline const uint8_t *expert_ptr(const st_tensor *t, int e) {
+    return (const uint8_t *)t->data + (size_t)e * (size_t)t->ne[1] * st_row_bytes(t->type, t->ne[0]);
+}
+
+/* Group the pairs p = t * k + j by expert, in token order inside each expert: fills
+ * pair_tok, pairs_by_expert, expert_start and one ffn_group per active expert;
+ * returns the number of groups. Counts tokens per expert into hist[n_expert] if given. */
+static int32_t group_by_expert(st_model *m, const st_layer *L, int64_t T, int32_t *fill, ffn_group *groups,
+                               int32_t *hist) {
+    scratch *s = &m->s;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    int32_t *start = s->expert_start;
+    memset(start, 0, sizeof(int32_t) * (size_t)(ne + 1));
+    for (int64_t p = 0; p < T * k; p++) start[s->topk_id[p] + 1]++, s->pair_tok[p] = (int32_t)(p / k);
+    for (int e = 0; e < ne; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(int32_t) * (size_t)ne);
+    for (int64_t p = 0; p < T * k; p++) s->pairs_by_expert[fill[s->topk_id[p]]++] = (int32_t)p;
+    int32_t n_groups = 0;
+    for (int e = 0; e < ne; e++) {
+        const int32_t cnt = start[e + 1] - start[e];
+        if (hist) hist[e] += cnt;
+        if (!cnt) continue;
+        groups[n_groups++] = (ffn_group){expert_ptr(&L->gate_exps, e), expert_ptr(&L->up_exps, e),
+                                         expert_ptr(&L->down_exps, e), s->pairs_by_expert + start[e], cnt};
+    }
+    return n_groups;
+}
+
+/* Weighted sum in slot order (independent of the batch), in double with one final
+ * rounding: sum_j p_j o_j / sum_j p_j. The products and sums are exact in double,
+ * so experts with identical outputs (an upcycled dense model) give that output
+ * bit for bit, and the routed model reproduces its dense origin exactly. */
+static void combine(st_model *m, int64_t T) {
+    scratch *s = &m->s;
+    const int64_t E = m->d.n_embd;
+    const int k = m->d.n_expert_used;
+    for (int64_t t = 0; t < T; t++) {
+        float *x = s->x + t * E;
+        const float *w = s->topk_w + t * k;
+        double den = 0.0;
+        for (int j = 0; j < k; j++) den += (double)w[j];
+        if (!m->d.expert_norm) den = 1.0;
+        for (int64_t i = 0; i < E; i++) {
+            double num = 0.0;
+            for (int j = 0; j < k; j++) num += (double)w[j] * (double)s->pair_out[(size_t)(t * k + j) * E + i];
+            x[i] += (float)(num / den);
+        }
+    }
+}
+
+/* The shared expert, over every token, gated by sigmoid(xn . w) when a gate exists. */
+static st_status shared_expert(st_model *m, st_pool *pool, const st_layer *L, int64_t T) {
+    scratch *s = &m->s;
+    const int64_t E = m->d.n_embd;
+    for (int64_t t = 0; t < T; t++) {
+        float g = 1.0f;
+        if (L->gate_inp_shexp.data) {
+            st_dot_f(ST_TYPE_F32)(L->gate_inp_shexp.data, s->xn + t * E, E, &g);
+            g = 1.0f / (1.0f + expf(-g));
+        }
+        s->gate_shexp[t] = g;
+    }
+    CHECK(st_ffn_all_tokens(m, pool, &L->gate_shexp, &L->up_shexp, &L->down_shexp, T));
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < E; i++) s->x[t * E + i] += s->gate_shexp[t] * s->pair_out[t * E + i];
+    return ST_OK;
+}
+
+st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats) {
+    const st_layer *L = &m->layers[il];
+    scratch *s = &m->s;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    route(m, pool, L, T);
+    int32_t *fill = malloc(sizeof(int32_t) * (size_t)ne);
+    ffn_group *groups = malloc(sizeof(ffn_group) * (size_t)ne);
+    if (!fill || !groups) {
+        free(fill);
+        free(groups);
+        return st_fail(ST_ENOMEM, "forward: out of memory (expert groups)");
+    }
+    const int32_t n_groups =
+        group_by_expert(m, L, T, fill, groups, b->expert_hist ? b->expert_hist + (size_t)il * (size_t)ne : NULL);
+    stats->n_expert_tokens += T * k;
+    stats->n_active_experts += n_groups;
+    const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
+    const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
+    const st_status rc = ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k);
+    free(fill);
+    free(groups);
+    if (rc != ST_OK) return rc;
+    combine(m, T);
+    if (L->gate_shexp.data) CHECK(shared_expert(m, pool, L, T));
+    return ST_OK;
+}
