@@ -1,0 +1,242 @@
+"""GPU engine benchmark (issue 9): a synthetic Qwen3-30B-A3B-shaped model built on the machine.
+
+    python -m bench.engine_gpu [--layers 48] [--skew 1.0] [--quick] [--json out.json]
+
+Builds a ``qwen3moe`` GGUF of the real shapes (48 layers, hidden 2048, 32 query / 4 KV heads
+of 128, 128 experts top-8, expert FFN 768, vocabulary 151,936 fed as token ids): Q4_K
+attention and experts, Q6_K output head, F16 embedding, F32 norms and router, random but
+well-conditioned (weights ~ N(0, 1/K) in distribution). Routing skew: expert popularity
+follows a Zipf law of exponent --skew (0 = uniform), produced by a shared direction in the
+embeddings that the router rows weigh by log-popularity; the measured share of the 8 most
+used experts is printed.
+
+It prints Strata's decode tok/s at batch 1 (128 tokens), aggregate decode tok/s at 8 and 32
+concurrent distinct sequences, prefill tok/s for 512- and 4,096-token prompts, and the HBM
+floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth).
+llama.cpp is not measured here (see docs/gpu-runs.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+
+SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
+             n_ff_exp=768, n_vocab=151936)
+QUICK = dict(n_layer=4, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=32, n_expert_used=4,
+             n_ff_exp=512, n_vocab=8192)
+
+
+def _q4k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Random Q4_K rows [rows, k/256*144] with scales giving weights of std ~ 1/sqrt(k), mean ~ 0."""
+    nb = rows * (k // 256)
+    raw = np.frombuffer(rng.bytes(nb * 144), np.uint8).reshape(nb, 144).copy()
+    d = np.float16(0.0069 / np.sqrt(k))  # std(w) ~ d * E[sc] * std(q) ~ 145 d
+    raw[:, 0:2] = np.array([d], np.float16).view(np.uint8)
+    raw[:, 2:4] = np.array([d * 7.5], np.float16).view(np.uint8)  # mins cancel the mean of q
+    return raw.reshape(rows, (k // 256) * 144)
+
+
+def _q6k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    nb = rows * (k // 256)
+    raw = np.frombuffer(rng.bytes(nb * 210), np.uint8).reshape(nb, 210).copy()
+    raw[:, 192:208] = rng.integers(16, 48, size=(nb, 16), dtype=np.uint8)
+    raw[:, 208:210] = np.array([np.float16(0.0017 / np.sqrt(k))], np.float16).view(np.uint8)
+    return raw.reshape(rows, (k // 256) * 210)
+
+
+def build_model(path: Path, shape: dict, skew: float, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    tmp = path.with_suffix(".tmp")
+    L, E, H, KV, hd = shape["n_layer"], shape["n_embd"], shape["n_head"], shape["n_head_kv"], shape["head_dim"]
+    ne, k, ff, V = shape["n_expert"], shape["n_expert_used"], shape["n_ff_exp"], shape["n_vocab"]
+    w = GGUFWriter(str(tmp), "qwen3moe")
+    w.add_block_count(L)
+    w.add_context_length(32768)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(6144)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(ne)
+    w.add_expert_used_count(k)
+    w.add_expert_feed_forward_length(ff)
+
+    def raw(name: str, blob: np.ndarray, qt: QT) -> None:
+        w.add_tensor(name, blob, raw_shape=blob.shape, raw_dtype=qt)
+
+    c = np.ones(E, np.float32) / np.sqrt(E)  # the shared direction the router reads popularity from
+    emb = rng.standard_normal((V, E), dtype=np.float32)
+    emb += (2.0 * np.sqrt(E)) * c if skew > 0 else 0.0
+    w.add_tensor("token_embd.weight", emb.astype(np.float16))
+    del emb
+    w.add_tensor("output_norm.weight", np.ones(E, np.float32))
+    raw("output.weight", _q6k(rng, V, E), QT.Q6_K)
+    pop = 1.0 / np.arange(1, ne + 1) ** skew if skew > 0 else np.ones(ne)
+    pop = pop[rng.permutation(ne)]
+    for i in range(L):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(E, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(E, np.float32))
+        w.add_tensor(p + "attn_q_norm.weight", np.ones(hd, np.float32))
+        w.add_tensor(p + "attn_k_norm.weight", np.ones(hd, np.float32))
+        raw(p + "attn_q.weight", _q4k(rng, H * hd, E), QT.Q4_K)
+        raw(p + "attn_k.weight", _q4k(rng, KV * hd, E), QT.Q4_K)
+        raw(p + "attn_v.weight", _q4k(rng, KV * hd, E), QT.Q4_K)
+        raw(p + "attn_output.weight", _q4k(rng, E, H * hd), QT.Q4_K)
+        router = rng.standard_normal((ne, E)).astype(np.float32) * (1.0 / np.sqrt(E))
+        # xn . c is ~0.9 sqrt(E) (the embeddings' shared part over their RMS), so this adds about
+        # log(popularity) to each expert's logit on top of unit-variance noise
+        router += (np.log(pop)[:, None] * c[None, :] / (0.9 * np.sqrt(E))).astype(np.float32)
+        w.add_tensor(p + "ffn_gate_inp.weight", router.astype(np.float32))
+        raw(p + "ffn_gate_exps.weight", _q4k(rng, ne * ff, E).reshape(ne, ff, -1), QT.Q4_K)
+        raw(p + "ffn_up_exps.weight", _q4k(rng, ne * ff, E).reshape(ne, ff, -1), QT.Q4_K)
+        raw(p + "ffn_down_exps.weight", _q4k(rng, ne * E, ff).reshape(ne, E, -1), QT.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), via torch."""
+    import torch
+
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record()
+        b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / float(np.median(times))
+
+
+def bytes_per_token(mf: object) -> int:
+    from engine.inspect_model import analyse
+
+    r = analyse(mf)  # type: ignore[arg-type]
+    emb_row = mf.tensors["token_embd.weight"].n_bytes // mf.hparams.n_vocab  # type: ignore[attr-defined]
+    return r.dense_bytes + r.expert_bytes_per_token + emb_row
+
+
+def run(args: argparse.Namespace) -> dict:
+    from engine.engine import Engine
+
+    shape = QUICK if args.quick else dict(SHAPE, n_layer=args.layers)
+    path = Path(args.model_dir) / (f"qwen3moe-synth-{shape['n_layer']}L-skew{args.skew:g}"
+                                   f"{'-quick' if args.quick else ''}.gguf")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if not path.exists():
+        build_model(path, shape, args.skew)
+    t_build = time.perf_counter() - t0
+    bw = copy_bandwidth() if args.device != "cpu" else float("nan")
+    t0 = time.perf_counter()
+    eng = Engine.open(path, device=args.device, kv_tokens=40 * 1024, block_size=16, prefill_chunk=512)
+    t_load = time.perf_counter() - t0
+    V, bs = eng.hparams.n_vocab, eng.block_size
+    rng = np.random.default_rng(1)
+    res: dict = {"model": str(path), "file_gib": path.stat().st_size / 2**30, "build_s": t_build, "load_s": t_load,
+                 "copy_bw_gbs": bw / 1e9, "gemm_min": None}
+    hist = np.zeros((eng.hparams.n_layer, eng.hparams.n_expert), np.int32)
+
+    def blocks(n_tok: int) -> list[int]:
+        got = eng.blocks.allocate(-(-n_tok // bs))
+        assert got is not None
+        return got
+
+    def prefill(n: int) -> float:
+        ids = [int(t) for t in rng.integers(0, V, size=n)]
+        b = blocks(n)
+        try:
+            eng.prefill(ids[:16], b)  # warm (scratch sized, kernels loaded)
+            t = time.perf_counter()
+            eng.prefill(ids, b)
+            return n / (time.perf_counter() - t)
+        finally:
+            eng.blocks.release(b)
+
+    def decode(n_seq: int, steps: int, prompt: int = 32) -> tuple[float, object]:
+        tabs = [blocks(prompt + steps + 1) for _ in range(n_seq)]
+        try:
+            last = []
+            for tb in tabs:
+                ids = [int(t) for t in rng.integers(0, V, size=prompt)]
+                last.append(int(np.argmax(eng.prefill(ids, tb))))
+            pos = prompt
+            for s in range(steps + 2):  # two warm-up steps
+                if s == 2:
+                    t = time.perf_counter()
+                logits = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
+                                     expert_hist=hist)
+                last = [int(x) for x in logits.argmax(axis=1)]
+                pos += 1
+            return n_seq * steps / (time.perf_counter() - t), eng.last_stats
+        finally:
+            for tb in tabs:
+                eng.blocks.release(tb)
+
+    res["prefill_512_tok_s"] = prefill(512)
+    if not args.quick:
+        res["prefill_4096_tok_s"] = prefill(4096)
+    hist[:] = 0
+    res["decode_b1_tok_s"], st1 = decode(1, 128)
+    res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    top = np.sort(hist.sum(axis=0))[::-1]
+    res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
+    res["decode_b8_tok_s"], _ = decode(8, 64)
+    res["decode_b32_tok_s"], st32 = decode(32, 64)
+    res["decode_b32_stats_ms"] = {k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    bpt = bytes_per_token(eng.model_file)
+    res["bytes_per_token_mib"] = bpt / 2**20
+    res["hbm_floor_tok_s"] = bw / bpt
+    res["floor_share_b1"] = res["decode_b1_tok_s"] / res["hbm_floor_tok_s"]
+    res["gpu_weight_gib"] = eng._gpu.weight_bytes / 2**30 if eng._gpu else 0.0
+    eng.close()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="GPU engine benchmark on a synthetic Qwen3-30B-A3B-shaped model")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (0 = uniform)")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--model-dir", default="/tmp/strata-bench")
+    ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    res = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    print(f"{'metric':<28}{'Strata GPU':>14}")
+    for k in ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "prefill_512_tok_s", "prefill_4096_tok_s",
+              "hbm_floor_tok_s", "floor_share_b1", "top8_expert_share"):
+        if k in res:
+            print(f"{k:<28}{res[k]:>14.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Builds the GPU engine, ``engine/_strata_cuda.so``, with nvcc: ``python -m engine._build_cuda``.
+
+Without nvcc it prints one line and succeeds (CPU-only machines, CI without CUDA). The library
+is loaded only when a GPU is asked for (engine/cuda_backend.py, cffi ABI mode), so nothing on
+the CPU path depends on it.
+
+    python -m engine._build_cuda            # sm_89 + sm_90 + PTX, skipped when up to date
+    python -m engine._build_cuda --check    # compile one architecture to a temporary file (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_SRC = ROOT / "engine" / "csrc" / "cuda"
+MAIN = CUDA_SRC / "strata_cuda.cu"
+TARGET = ROOT / "engine" / "_strata_cuda.so"
+# RTX 40xx (sm_89), H100/H200 (sm_90), and PTX for anything newer (the driver compiles it)
+ARCHS = ["-gencode=arch=compute_89,code=sm_89", "-gencode=arch=compute_90,code=sm_90",
+         "-gencode=arch=compute_90,code=compute_90"]
+CHECK_ARCHS = ["-gencode=arch=compute_90,code=sm_90"]
+FLAGS = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-Wall,-Wextra", "--threads", "0",
+         "-Werror", "all-warnings"]
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under $CUDA_HOME or /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if base and (Path(base) / "bin" / "nvcc").is_file():
+            return str(Path(base) / "bin" / "nvcc")
+    return None
+
+
+def sources() -> list[Path]:
+    return sorted(CUDA_SRC.glob("*.cu")) + sorted(CUDA_SRC.glob("*.cuh")) + sorted(CUDA_SRC.glob("*.h")) + [
+        ROOT / "engine" / "csrc" / "strata.h"]
+
+
+def up_to_date(target: Path = TARGET) -> bool:
+    return target.exists() and target.stat().st_mtime >= max(p.stat().st_mtime for p in sources())
+
+
+def compile_cuda(nvcc: str, out: Path, archs: list[str]) -> None:
+    cmd = [nvcc, *FLAGS, *archs, "-o", str(out), str(MAIN)]
+    subprocess.run(cmd, check=True, cwd=str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="compile for sm_90 only, to a temporary file")
+    ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    args = ap.parse_args(argv)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("engine._build_cuda: nvcc not found, GPU engine not built (CPU only)")
+        return 0
+    t0 = time.monotonic()
+    if args.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            compile_cuda(nvcc, Path(tmp) / "check.so", CHECK_ARCHS)
+        print(f"engine._build_cuda: CUDA sources compile (sm_90, {time.monotonic() - t0:.0f} s)")
+        return 0
+    if up_to_date() and not args.force:
+        return 0
+    tmp_out = TARGET.with_suffix(".so.tmp")
+    try:
+        compile_cuda(nvcc, tmp_out, ARCHS)
+        os.replace(tmp_out, TARGET)
+    finally:
+        tmp_out.unlink(missing_ok=True)
+    print(f"engine._build_cuda: built {TARGET.relative_to(ROOT)} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+/* Quant blocks on the GPU: dequantisation (bitwise equal to quants.c) and the
+ * "sub-block" view the integer kernels use.
+ *
+ * Every quantised type is read in 32-element sub-blocks, each described as
+ *   q[32] : signed 8-bit values (offsets already subtracted), packed 4 per int
+ *   A, B  : float scale and minimum, c0, c1: integer scales of the two 16-halves
+ * so that with 8-bit activations a = ad * qa (sum over the sub-block of qa = asum):
+ *   dot(sub-block) = ad * (A * (c0 * sum_lo(q*qa) + c1 * sum_hi(q*qa)) + B * asum).
+ * Q4_0 / Q5_0 / Q8_0: A = d, B = 0.  Q4_1 / Q5_1: A = d, B = m (q unsigned).
+ * Q4_K / Q5_K: A = d*sc, B = -(dmin*m).  Q6_K: A = d, c0/c1 = the two int8 scales.
+ * This is the same integer arithmetic as quants.c's reference dots; only the float
+ * rounding order of the scale products differs (<= 1 ulp per sub-block). */
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define STG_F32 0
+#define STG_F16 1
+#define STG_Q4_0 2
+#define STG_Q4_1 3
+#define STG_Q5_0 6
+#define STG_Q5_1 7
+#define STG_Q8_0 8
+#define STG_Q4_K 12
+#define STG_Q5_K 13
+#define STG_Q6_K 14
+#define STG_BF16 30
+
+template <int T> struct qt;
+template <> struct qt<STG_Q4_0> { static constexpr int BE = 32, BB = 18; };
+template <> struct qt<STG_Q4_1> { static constexpr int BE = 32, BB = 20; };
+template <> struct qt<STG_Q5_0> { static constexpr int BE = 32, BB = 22; };
+template <> struct qt<STG_Q5_1> { static constexpr int BE = 32, BB = 24; };
+template <> struct qt<STG_Q8_0> { static constexpr int BE = 32, BB = 34; };
+template <> struct qt<STG_Q4_K> { static constexpr int BE = 256, BB = 144; };
+template <> struct qt<STG_Q5_K> { static constexpr int BE = 256, BB = 176; };
+template <> struct qt<STG_Q6_K> { static constexpr int BE = 256, BB = 210; };
+template <> struct qt<STG_F32> { static constexpr int BE = 1, BB = 4; };
+template <> struct qt<STG_F16> { static constexpr int BE = 1, BB = 2; };
+template <> struct qt<STG_BF16> { static constexpr int BE = 1, BB = 2; };
+
+static inline int stg_block_elems(int t) {
+    switch (t) {
+    case STG_F32: case STG_F16: case STG_BF16: return 1;
+    case STG_Q4_0: case STG_Q4_1: case STG_Q5_0: case STG_Q5_1: case STG_Q8_0: return 32;
+    case STG_Q4_K: case STG_Q5_K: case STG_Q6_K: return 256;
+    default: return 0;
+    }
+}
+static inline int stg_block_bytes(int t) {
+    switch (t) {
+    case STG_F32: return 4;
+    case STG_F16: case STG_BF16: return 2;
+    case STG_Q4_0: return 18;
+    case STG_Q4_1: return 20;
+    case STG_Q5_0: return 22;
+    case STG_Q5_1: return 24;
+    case STG_Q8_0: return 34;
+    case STG_Q4_K: return 144;
+    case STG_Q5_K: return 176;
+    case STG_Q6_K: return 210;
+    default: return 0;
+    }
+}
+static inline int stg_is_float(int t) { return t == STG_F32 || t == STG_F16 || t == STG_BF16; }
+static inline int64_t stg_row_bytes(int t, int64_t n) { return n / stg_block_elems(t) * stg_block_bytes(t); }
+
+__device__ __forceinline__ float ld_f16(const uint8_t *p) {
+    return __half2float(__ushort_as_half(*(const uint16_t *)p));
+}
+__device__ __forceinline__ float bf16f(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+__device__ __forceinline__ uint32_t ld_u32_2a(const uint8_t *p) { /* 2-byte aligned 32-bit load */
+    const uint16_t *h = (const uint16_t *)p;
+    return (uint32_t)h[0] | ((uint32_t)h[1] << 16);
+}
+__device__ __forceinline__ uint32_t ld_u32_4a(const uint8_t *p) { return *(const uint32_t *)p; }
+
+__device__ __forceinline__ void scale_min_k4(int j, const uint8_t *q, int &d, int &m) {
+    if (j < 4) {
+        d = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Spread 4 bits (b0..b3) of v into bit 4 of 4 bytes. */
+__device__ __forceinline__ uint32_t bits_to_b4(uint32_t v) {
+    return ((v & 1u) << 4) | ((v & 2u) << 11) | ((v & 4u) << 18) | ((v & 8u) << 25);
+}
+
+struct sub_w {
+    int q[8];
+    float A, B;
+    int c0, c1;
+};
+
+/* Sub-block j (32 elements) of a weight row. */
+template <int T> __device__ __forceinline__ void unpack_sub(const uint8_t *row, int j, sub_w &s);
+
+template <> __device__ __forceinline__ void unpack_sub<STG_Q4_0>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 18;
+    s.A = ld_f16(b), s.B = 0.0f, s.c0 = s.c1 = 1;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t v = ld_u32_2a(b + 2 + 4 * i);
+        s.q[i] = (int)__vsub4(v & 0x0F0F0F0Fu, 0x08080808u);
+        s.q[4 + i] = (int)__vsub4((v >> 4) & 0x0F0F0F0Fu, 0x08080808u);
+    }
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q4_1>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 20;
+    s.A = ld_f16(b), s.B = ld_f16(b + 2), s.c0 = s.c1 = 1;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t v = ld_u32_4a(b + 4 + 4 * i);
+        s.q[i] = (int)(v & 0x0F0F0F0Fu);
+        s.q[4 + i] = (int)((v >> 4) & 0x0F0F0F0Fu);
+    }
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q5_0>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 22;
+    s.A = ld_f16(b), s.B = 0.0f, s.c0 = s.c1 = 1;
+    const uint32_t qh = ld_u32_2a(b + 2);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t v = ld_u32_2a(b + 6 + 4 * i);
+        s.q[i] = (int)__vsub4((v & 0x0F0F0F0Fu) | bits_to_b4(qh >> (4 * i)), 0x10101010u);
+        s.q[4 + i] = (int)__vsub4(((v >> 4) & 0x0F0F0F0Fu) | bits_to_b4(qh >> (16 + 4 * i)), 0x10101010u);
+    }
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q5_1>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 24;
+    s.A = ld_f16(b), s.B = ld_f16(b + 2), s.c0 = s.c1 = 1;
+    const uint32_t qh = ld_u32_4a(b + 4);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t v = ld_u32_4a(b + 8 + 4 * i);
+        s.q[i] = (int)((v & 0x0F0F0F0Fu) | bits_to_b4(qh >> (4 * i)));
+        s.q[4 + i] = (int)(((v >> 4) & 0x0F0F0F0Fu) | bits_to_b4(qh >> (16 + 4 * i)));
+    }
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q8_0>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 34;
+    s.A = ld_f16(b), s.B = 0.0f, s.c0 = s.c1 = 1;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = (int)ld_u32_2a(b + 2 + 4 * i);
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q4_K>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 144;
+    const int sb = j & 7;
+    int sc, m;
+    scale_min_k4(sb, b + 4, sc, m);
+    s.A = ld_f16(b) * (float)sc, s.B = -(ld_f16(b + 2) * (float)m), s.c0 = s.c1 = 1;
+    const uint4 *qp = (const uint4 *)(b + 16 + 32 * (sb >> 1));
+    const uint4 v0 = qp[0], v1 = qp[1];
+    const uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    const int sh = (sb & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = (int)((w[i] >> sh) & 0x0F0F0F0Fu);
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q5_K>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 176;
+    const int sb = j & 7;
+    int sc, m;
+    scale_min_k4(sb, b + 4, sc, m);
+    s.A = ld_f16(b) * (float)sc, s.B = -(ld_f16(b + 2) * (float)m), s.c0 = s.c1 = 1;
+    const uint4 *qp = (const uint4 *)(b + 48 + 32 * (sb >> 1));
+    const uint4 *hp = (const uint4 *)(b + 16);
+    const uint4 v0 = qp[0], v1 = qp[1], h0 = hp[0], h1 = hp[1];
+    const uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+    const uint32_t h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+    const int sh = (sb & 1) * 4;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = (int)(((w[i] >> sh) & 0x0F0F0F0Fu) | (((h[i] >> sb) & 0x01010101u) << 4));
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q6_K>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 210;
+    const int sb = j & 7, h = sb >> 2, g = sb & 3;
+    const uint8_t *ql = b + 64 * h + ((g & 1) ? 32 : 0), *qh = b + 128 + 32 * h;
+    s.A = ld_f16(b + 208), s.B = 0.0f;
+    s.c0 = (int)(int8_t)b[192 + 2 * sb], s.c1 = (int)(int8_t)b[192 + 2 * sb + 1];
+    const int lsh = g < 2 ? 0 : 4, hsh = 2 * g;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t lo = (ld_u32_2a(ql + 4 * i) >> lsh) & 0x0F0F0F0Fu;
+        const uint32_t hi = ((ld_u32_2a(qh + 4 * i) >> hsh) & 0x03030303u) << 4;
+        s.q[i] = (int)__vsub4(lo | hi, 0x20202020u);
+    }
+}
+
+/* ---- dequantisation of one block (bitwise equal to quants.c: no contraction) ---- */
+template <int T> __device__ __forceinline__ void deq_block(const uint8_t *b, float *y);
+
+template <> __device__ __forceinline__ void deq_block<STG_F32>(const uint8_t *b, float *y) { y[0] = *(const float *)b; }
+template <> __device__ __forceinline__ void deq_block<STG_F16>(const uint8_t *b, float *y) { y[0] = ld_f16(b); }
+template <> __device__ __forceinline__ void deq_block<STG_BF16>(const uint8_t *b, float *y) {
+    y[0] = bf16f(*(const uint16_t *)b);
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q4_0>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b);
+    for (int l = 0; l < 16; l++) {
+        y[l] = __fmul_rn(d, (float)((b[2 + l] & 0xF) - 8));
+        y[l + 16] = __fmul_rn(d, (float)((b[2 + l] >> 4) - 8));
+    }
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q4_1>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b), m = ld_f16(b + 2);
+    for (int l = 0; l < 16; l++) {
+        y[l] = __fadd_rn(__fmul_rn(d, (float)(b[4 + l] & 0xF)), m);
+        y[l + 16] = __fadd_rn(__fmul_rn(d, (float)(b[4 + l] >> 4)), m);
+    }
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q5_0>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b);
+    const uint32_t qh = ld_u32_2a(b + 2);
+    for (int l = 0; l < 16; l++) {
+        const int q0 = (b[6 + l] & 0xF) | (((qh >> l) & 1) << 4);
+        const int q1 = (b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        y[l] = __fmul_rn(d, (float)(q0 - 16));
+        y[l + 16] = __fmul_rn(d, (float)(q1 - 16));
+    }
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q5_1>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b), m = ld_f16(b + 2);
+    const uint32_t qh = ld_u32_4a(b + 4);
+    for (int l = 0; l < 16; l++) {
+        const int q0 = (b[8 + l] & 0xF) | (((qh >> l) & 1) << 4);
+        const int q1 = (b[8 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        y[l] = __fadd_rn(__fmul_rn(d, (float)q0), m);
+        y[l + 16] = __fadd_rn(__fmul_rn(d, (float)q1), m);
+    }
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q8_0>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b);
+    for (int l = 0; l < 32; l++) y[l] = __fmul_rn((float)(int8_t)b[2 + l], d);
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q4_K>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b), dmin = ld_f16(b + 2);
+    for (int c = 0; c < 4; c++) {
+        int sc, m;
+        scale_min_k4(2 * c, b + 4, sc, m);
+        const float d1 = __fmul_rn(d, (float)sc), m1 = __fmul_rn(dmin, (float)m);
+        scale_min_k4(2 * c + 1, b + 4, sc, m);
+        const float d2 = __fmul_rn(d, (float)sc), m2 = __fmul_rn(dmin, (float)m);
+        const uint8_t *q = b + 16 + 32 * c;
+        for (int l = 0; l < 32; l++) y[64 * c + l] = __fsub_rn(__fmul_rn(d1, (float)(q[l] & 0xF)), m1);
+        for (int l = 0; l < 32; l++) y[64 * c + 32 + l] = __fsub_rn(__fmul_rn(d2, (float)(q[l] >> 4)), m2);
+    }
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q5_K>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b), dmin = ld_f16(b + 2);
+    const uint8_t *qh = b + 16;
+    for (int c = 0; c < 4; c++) {
+        int sc, m;
+        scale_min_k4(2 * c, b + 4, sc, m);
+        const float d1 = __fmul_rn(d, (float)sc), m1 = __fmul_rn(dmin, (float)m);
+        scale_min_k4(2 * c + 1, b + 4, sc, m);
+        const float d2 = __fmul_rn(d, (float)sc), m2 = __fmul_rn(dmin, (float)m);
+        const uint8_t *q = b + 48 + 32 * c;
+        for (int l = 0; l < 32; l++)
+            y[64 * c + l] = __fsub_rn(__fmul_rn(d1, (float)((q[l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4))), m1);
+        for (int l = 0; l < 32; l++)
+            y[64 * c + 32 + l] =
+                __fsub_rn(__fmul_rn(d2, (float)((q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4))), m2);
+    }
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q6_K>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b + 208);
+    for (int s = 0; s < 16; s++) {
+        const float ds = __fmul_rn(d, (float)(int8_t)b[192 + s]);
+        for (int l = 0; l < 16; l++) {
+            const int e = 16 * s + l, h = e / 128, r = e % 128, g = r / 32, ll = r % 32;
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            const int lo = (g & 1) ? ql[32 + ll] : ql[ll];
+            const int low4 = g < 2 ? (lo & 0xF) : (lo >> 4);
+            const int high2 = (qh[ll] >> (2 * g)) & 3;
+            y[e] = __fmul_rn(ds, (float)((low4 | (high2 << 4)) - 32));
+        }
+    }
+}
+
+/* Float weight element i of a row. */
+template <int T> __device__ __forceinline__ float wf(const uint8_t *row, int64_t i);
+template <> __device__ __forceinline__ float wf<STG_F32>(const uint8_t *row, int64_t i) { return ((const float *)row)[i]; }
+template <> __device__ __forceinline__ float wf<STG_F16>(const uint8_t *row, int64_t i) {
+    return __half2float(((const __half *)row)[i]);
+}
+template <> __device__ __forceinline__ float wf<STG_BF16>(const uint8_t *row, int64_t i) {
+    return bf16f(((const uint16_t *)row)[i]);
+}

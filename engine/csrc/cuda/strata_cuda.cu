@@ -1,0 +1,1029 @@
+/* Strata GPU engine: model upload, paged KV cache in VRAM, and the step (stg_forward),
+ * plus the kernel-harness entry points. See strata_cuda.h for the contract and
+ * kernels.cuh for the kernels. The forward pass mirrors forward.c operation for
+ * operation (same 8-bit activation blocks, same router, same double-precision expert
+ * sum), so the CPU path is the oracle for every result. */
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+extern "C" {
+#include "../strata.h"
+#include "strata_cuda.h"
+}
+#include "kernels.cuh"
+
+/* ------------------------------------------------------------------ errors */
+
+static thread_local char g_err[512];
+
+extern "C" const char *stg_last_error(void) { return g_err; }
+
+static stg_status fail(stg_status code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static stg_status fail(stg_status code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static stg_status cuda_fail(cudaError_t e, const char *what) {
+    const stg_status code = e == cudaErrorMemoryAllocation ? ST_ENOMEM : ST_EINVAL;
+    return fail(code, "%s: CUDA error %d (%s)", what, (int)e, cudaGetErrorString(e));
+}
+
+#define CU(call, what)                                 \
+    do {                                               \
+        const cudaError_t e_ = (call);                 \
+        if (e_ != cudaSuccess) return cuda_fail(e_, what); \
+    } while (0)
+#define CHECK(expr)                      \
+    do {                                 \
+        const stg_status rc_ = (expr);   \
+        if (rc_ != ST_OK) return rc_;    \
+    } while (0)
+#define LAUNCHED(what) CU(cudaGetLastError(), what)
+
+/* ------------------------------------------------------------------ devices */
+
+extern "C" int32_t stg_device_count(void) {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e == cudaErrorNoDevice) {
+        fail(ST_EUNSUPPORTED, "no CUDA device is visible (CUDA_VISIBLE_DEVICES=%s)",
+             getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "<unset>");
+        return 0;
+    }
+    if (e != cudaSuccess) {
+        fail(ST_EUNSUPPORTED, "no usable NVIDIA driver: %s (CUDA error %d)", cudaGetErrorString(e), (int)e);
+        return -1;
+    }
+    return n;
+}
+
+extern "C" stg_status stg_device_info(int32_t device, char *name, int32_t name_len, int64_t *total_mem,
+                                      int64_t *free_mem, int32_t *cc_major, int32_t *cc_minor) {
+    const int n = stg_device_count();
+    if (n < 0) return ST_EUNSUPPORTED;
+    if (device < 0 || device >= n) return fail(ST_ERANGE, "CUDA device %d does not exist (%d visible)", device, n);
+    cudaDeviceProp p;
+    CU(cudaGetDeviceProperties(&p, device), "device_info");
+    if (name && name_len > 0) snprintf(name, (size_t)name_len, "%s", p.name);
+    if (cc_major) *cc_major = p.major;
+    if (cc_minor) *cc_minor = p.minor;
+    CU(cudaSetDevice(device), "device_info");
+    size_t fr = 0, tot = 0;
+    CU(cudaMemGetInfo(&fr, &tot), "device_info");
+    if (total_mem) *total_mem = (int64_t)tot;
+    if (free_mem) *free_mem = (int64_t)fr;
+    return ST_OK;
+}
+
+/* ------------------------------------------------------------------ type dispatch */
+
+#define QUANT_CASES(F)       \
+    F(STG_Q4_0) F(STG_Q4_1) F(STG_Q5_0) F(STG_Q5_1) F(STG_Q8_0) F(STG_Q4_K) F(STG_Q5_K) F(STG_Q6_K)
+#define FLOAT_CASES(F) F(STG_F32) F(STG_F16) F(STG_BF16)
+
+/* ------------------------------------------------------------------ model */
+
+struct dtensor {
+    const uint8_t *d = nullptr; /* device bytes; NULL = absent */
+    int type = 0;
+    int64_t ne[4] = {1, 1, 1, 1};
+    int64_t row_bytes = 0, expert_stride = 0;
+    const float *f() const { return (const float *)d; }
+};
+
+struct dlayer {
+    dtensor attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, gate_inp,
+        gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
+};
+
+struct scratch {
+    int64_t cap_t = 0, cap_l = 0, cap_bt = 0;
+    float *x, *xn, *q, *k, *v, *att, *router, *probs, *topk_w, *h, *h2, *pair_out, *gsh, *logits, *xl;
+    int8_t *aq, *hq;
+    float *ad, *hd;
+    int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
+    int32_t *h_ints; /* pinned host staging for the batch's index arrays */
+    int64_t cap_ints;
+};
+
+struct stg_model {
+    int device;
+    st_model_desc d;
+    std::vector<dlayer> L;
+    dtensor token_embd, output_norm, output;
+    int32_t q_dim, kv_dim, n_ff, n_ff_exp, n_ff_shexp, max_k, ff_max;
+    uint8_t *arena = nullptr;
+    int64_t arena_bytes = 0;
+    float *inv_freq = nullptr;
+    int32_t *hist = nullptr; /* [n_layer, n_expert] */
+    cudaStream_t stream = nullptr;
+    std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
+    scratch s;
+    std::vector<void *> allocs;
+};
+
+struct stg_kv {
+    stg_model *m;
+    int32_t n_blocks, block_size, n_layer, kv_dim;
+    __half *k, *v;
+    int64_t layer_elems;
+};
+
+static int64_t tensor_bytes(const st_tensor &t) {
+    const int be = stg_block_elems(t.type);
+    if (!be) return -1;
+    int64_t rows = 1;
+    for (int i = 1; i < 4; i++) rows *= t.ne[i] > 0 ? t.ne[i] : 1;
+    return stg_row_bytes(t.type, t.ne[0]) * rows;
+}
+
+/* Shape checks: what the kernels rely on (forward.c's validate is the full check and runs
+ * first from Python; these keep the C API safe on its own). */
+static stg_status check_t(const st_tensor &t, const char *what, int layer, bool required, int64_t ne0, int64_t ne1,
+                          int64_t ne2, bool f32_only) {
+    if (!t.data) return required ? fail(ST_EINVAL, "layer %d: tensor %s is missing", layer, what) : ST_OK;
+    if (!stg_block_elems(t.type))
+        return fail(ST_EUNSUPPORTED, "layer %d: tensor %s has unsupported quant type %d", layer, what, t.type);
+    if (f32_only && t.type != STG_F32)
+        return fail(ST_EUNSUPPORTED, "layer %d: tensor %s must be F32 (got type %d)", layer, what, t.type);
+    const int64_t want[3] = {ne0, ne1, ne2};
+    for (int i = 0; i < 3; i++)
+        if (t.ne[i] != want[i])
+            return fail(ST_EINVAL, "layer %d: tensor %s has ne[%d]=%lld, expected %lld", layer, what, i,
+                        (long long)t.ne[i], (long long)want[i]);
+    if (t.ne[3] != 1) return fail(ST_EINVAL, "layer %d: tensor %s has a 4th dimension", layer, what);
+    if (!stg_is_float(t.type) && t.ne[0] % 32)
+        return fail(ST_EINVAL, "layer %d: tensor %s row length %lld is not a multiple of its block", layer, what,
+                    (long long)t.ne[0]);
+    if (t.ne[0] % stg_block_elems(t.type))
+        return fail(ST_EINVAL, "layer %d: tensor %s row length %lld is not a multiple of its block size", layer,
+                    what, (long long)t.ne[0]);
+    return ST_OK;
+}
+
+static stg_status validate(stg_model *m, const st_layer *layers) {
+    const st_model_desc *d = &m->d;
+    if (d->n_layer < 1 || d->n_embd < 32 || d->n_head < 1 || d->n_head_kv < 1 || d->n_vocab < 1 ||
+        d->n_head % d->n_head_kv)
+        return fail(ST_EINVAL, "model: bad hyper-parameters (layers=%d embd=%d heads=%d/%d vocab=%d)", d->n_layer,
+                    d->n_embd, d->n_head, d->n_head_kv, d->n_vocab);
+    if (d->head_dim < 16 || d->head_dim % 16 || d->head_dim > 256)
+        return fail(ST_EUNSUPPORTED, "model: head_dim %d unsupported on the GPU (a multiple of 16, at most 256)",
+                    d->head_dim);
+    if (d->rope_dim < 2 || d->rope_dim > d->head_dim || d->rope_dim % 2 ||
+        (d->rope_type != ST_ROPE_NORM && d->rope_type != ST_ROPE_NEOX))
+        return fail(ST_EINVAL, "model: rope dimension %d / type %d invalid", d->rope_dim, d->rope_type);
+    if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
+        return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    const int64_t E = d->n_embd;
+    CHECK(check_t(d->token_embd, "token_embd", -1, true, E, d->n_vocab, 1, false));
+    CHECK(check_t(d->output_norm, "output_norm", -1, true, E, 1, 1, true));
+    CHECK(check_t(d->output, "output", -1, true, E, d->n_vocab, 1, false));
+    m->n_ff = m->n_ff_exp = m->n_ff_shexp = 0;
+    for (int il = 0; il < d->n_layer; il++) {
+        const st_layer &l = layers[il];
+        CHECK(check_t(l.attn_norm, "attn_norm", il, true, E, 1, 1, true));
+        CHECK(check_t(l.wq, "attn_q", il, true, E, m->q_dim, 1, false));
+        CHECK(check_t(l.wk, "attn_k", il, true, E, m->kv_dim, 1, false));
+        CHECK(check_t(l.wv, "attn_v", il, true, E, m->kv_dim, 1, false));
+        CHECK(check_t(l.wo, "attn_output", il, true, m->q_dim, E, 1, false));
+        CHECK(check_t(l.bq, "attn_q.bias", il, false, m->q_dim, 1, 1, true));
+        CHECK(check_t(l.bk, "attn_k.bias", il, false, m->kv_dim, 1, 1, true));
+        CHECK(check_t(l.bv, "attn_v.bias", il, false, m->kv_dim, 1, 1, true));
+        CHECK(check_t(l.q_norm, "attn_q_norm", il, d->arch == ST_ARCH_QWEN3MOE, d->head_dim, 1, 1, true));
+        CHECK(check_t(l.k_norm, "attn_k_norm", il, d->arch == ST_ARCH_QWEN3MOE || l.q_norm.data, d->head_dim, 1, 1, true));
+        CHECK(check_t(l.ffn_norm, "ffn_norm", il, true, E, 1, 1, true));
+        if (d->n_expert > 0) {
+            const int64_t ff = l.gate_exps.ne[1];
+            if (il == 0) m->n_ff_exp = (int32_t)ff;
+            if (ff != m->n_ff_exp || ff < 1) return fail(ST_EINVAL, "layer %d: expert FFN width differs", il);
+            CHECK(check_t(l.gate_inp, "ffn_gate_inp", il, true, E, d->n_expert, 1, false));
+            CHECK(check_t(l.gate_exps, "ffn_gate_exps", il, true, E, ff, d->n_expert, false));
+            CHECK(check_t(l.up_exps, "ffn_up_exps", il, true, E, ff, d->n_expert, false));
+            CHECK(check_t(l.down_exps, "ffn_down_exps", il, true, ff, E, d->n_expert, false));
+            if (l.gate_shexp.data) {
+                const int64_t sf = l.gate_shexp.ne[1];
+                if (il == 0) m->n_ff_shexp = (int32_t)sf;
+                if (sf != m->n_ff_shexp || sf < 1) return fail(ST_EINVAL, "layer %d: shared expert width differs", il);
+                CHECK(check_t(l.gate_shexp, "ffn_gate_shexp", il, true, E, sf, 1, false));
+                CHECK(check_t(l.up_shexp, "ffn_up_shexp", il, true, E, sf, 1, false));
+                CHECK(check_t(l.down_shexp, "ffn_down_shexp", il, true, sf, E, 1, false));
+                CHECK(check_t(l.gate_inp_shexp, "ffn_gate_inp_shexp", il, false, E, 1, 1, true));
+            } else if (m->n_ff_shexp) {
+                return fail(ST_EINVAL, "layer %d: shared expert missing", il);
+            }
+        } else {
+            const int64_t ff = l.ffn_gate.ne[1];
+            if (il == 0) m->n_ff = (int32_t)ff;
+            if (ff != m->n_ff || ff < 1) return fail(ST_EINVAL, "layer %d: FFN width differs", il);
+            CHECK(check_t(l.ffn_gate, "ffn_gate", il, true, E, ff, 1, false));
+            CHECK(check_t(l.ffn_up, "ffn_up", il, true, E, ff, 1, false));
+            CHECK(check_t(l.ffn_down, "ffn_down", il, true, ff, E, 1, false));
+        }
+    }
+    return ST_OK;
+}
+
+template <typename P> static stg_status dalloc(stg_model *m, P **p, size_t n) {
+    void *v = nullptr;
+    const cudaError_t e = cudaMalloc(&v, n > 0 ? n : 1);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(ST_ENOMEM, "cannot allocate %zu bytes of GPU memory (%s)", n, cudaGetErrorString(e));
+    }
+    m->allocs.push_back(v);
+    *p = (P *)v;
+    return ST_OK;
+}
+
+/* Every weight in one VRAM arena, each tensor 256-byte aligned; a host tensor shared by
+ * two fields (tied output/embedding) is uploaded once. */
+static stg_status upload(stg_model *m, const st_layer *layers) {
+    std::vector<const st_tensor *> all = {&m->d.token_embd, &m->d.output_norm, &m->d.output};
+    std::vector<dtensor *> dst = {&m->token_embd, &m->output_norm, &m->output};
+    m->L.resize((size_t)m->d.n_layer);
+    for (int il = 0; il < m->d.n_layer; il++) {
+        const st_layer &s = layers[il];
+        dlayer &l = m->L[(size_t)il];
+        const st_tensor *src[] = {&s.attn_norm, &s.wq, &s.wk, &s.wv, &s.wo, &s.bq, &s.bk, &s.bv, &s.q_norm,
+                                  &s.k_norm, &s.ffn_norm, &s.ffn_gate, &s.ffn_up, &s.ffn_down, &s.gate_inp,
+                                  &s.gate_exps, &s.up_exps, &s.down_exps, &s.gate_inp_shexp, &s.gate_shexp,
+                                  &s.up_shexp, &s.down_shexp};
+        dtensor *dd[] = {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.bq, &l.bk, &l.bv, &l.q_norm,
+                         &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
+                         &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
+                         &l.up_shexp, &l.down_shexp};
+        for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) all.push_back(src[i]), dst.push_back(dd[i]);
+    }
+    std::map<const void *, int64_t> offset; /* host pointer -> arena offset */
+    int64_t total = 0;
+    for (const st_tensor *t : all) {
+        if (!t->data || offset.count(t->data)) continue;
+        offset[t->data] = total;
+        total += (tensor_bytes(*t) + 255) / 256 * 256;
+    }
+    CHECK(dalloc(m, &m->arena, (size_t)total));
+    m->arena_bytes = total;
+    std::map<const void *, bool> done;
+    for (size_t i = 0; i < all.size(); i++) {
+        const st_tensor *t = all[i];
+        if (!t->data) continue;
+        dtensor *o = dst[i];
+        o->d = m->arena + offset[t->data];
+        o->type = t->type;
+        for (int k = 0; k < 4; k++) o->ne[k] = t->ne[k] > 0 ? t->ne[k] : 1;
+        o->row_bytes = stg_row_bytes(t->type, t->ne[0]);
+        o->expert_stride = o->row_bytes * o->ne[1];
+        if (t->n_bytes != tensor_bytes(*t))
+            return fail(ST_EINVAL, "tensor of type %d holds %lld bytes, its shape needs %lld", t->type,
+                        (long long)t->n_bytes, (long long)tensor_bytes(*t));
+        if (done[t->data]) continue;
+        done[t->data] = true;
+        CU(cudaMemcpy((void *)o->d, t->data, (size_t)tensor_bytes(*t), cudaMemcpyHostToDevice), "upload weights");
+    }
+    return ST_OK;
+}
+
+extern "C" void stg_model_destroy(stg_model *m) {
+    if (!m) return;
+    cudaSetDevice(m->device);
+    if (m->stream) cudaStreamSynchronize(m->stream);
+    for (void *p : m->allocs) cudaFree(p);
+    if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
+    for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
+    if (m->stream) cudaStreamDestroy(m->stream);
+    delete m;
+}
+
+extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_model **out) {
+    const st_model_desc *desc = (const st_model_desc *)vdesc;
+    if (!desc || !out || !desc->layers) return fail(ST_EINVAL, "model_create: NULL argument");
+    *out = nullptr;
+    const int n = stg_device_count();
+    if (n < 0) return ST_EUNSUPPORTED;
+    if (device < 0 || device >= n) return fail(ST_ERANGE, "CUDA device %d does not exist (%d visible)", device, n);
+    CU(cudaSetDevice(device), "model_create");
+    stg_model *m = new stg_model();
+    m->device = device;
+    m->d = *desc;
+    m->d.layers = nullptr;
+    m->q_dim = desc->n_head * desc->head_dim;
+    m->kv_dim = desc->n_head_kv * desc->head_dim;
+    stg_status rc = validate(m, desc->layers);
+    if (rc == ST_OK) rc = upload(m, desc->layers);
+    if (rc == ST_OK) {
+        m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});
+        m->ff_max = std::max({m->n_ff, m->n_ff_exp, m->n_ff_shexp});
+        std::vector<float> inv(m->d.rope_dim / 2);
+        for (int i = 0; i < m->d.rope_dim / 2; i++)
+            inv[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+        rc = dalloc(m, &m->inv_freq, inv.size() * sizeof(float));
+        if (rc == ST_OK && cudaMemcpy(m->inv_freq, inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice))
+            rc = fail(ST_EINVAL, "model_create: cannot upload rope frequencies");
+        const size_t nh = (size_t)m->d.n_layer * (size_t)std::max(1, m->d.n_expert);
+        if (rc == ST_OK) rc = dalloc(m, &m->hist, nh * sizeof(int32_t));
+    }
+    if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
+        rc = fail(ST_EINVAL, "model_create: cannot create a CUDA stream");
+    if (rc == ST_OK) {
+        m->ev.resize((size_t)(3 * m->d.n_layer + 3));
+        for (auto &e : m->ev)
+            if (cudaEventCreate(&e) != cudaSuccess) {
+                e = nullptr;
+                rc = fail(ST_EINVAL, "model_create: cannot create CUDA events");
+            }
+    }
+    if (rc != ST_OK) {
+        stg_model_destroy(m);
+        return rc;
+    }
+    *out = m;
+    return ST_OK;
+}
+
+extern "C" int64_t stg_model_weight_bytes(const stg_model *m) { return m ? m->arena_bytes : 0; }
+
+/* ------------------------------------------------------------------ KV cache */
+
+extern "C" stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out) {
+    if (!m || !out) return fail(ST_EINVAL, "kv_create: NULL argument");
+    *out = nullptr;
+    if (n_blocks < 1 || block_size < 16 || block_size > 4096 || block_size % 16)
+        return fail(ST_EINVAL, "kv_create: n_blocks=%d block_size=%d invalid (block size: a multiple of 16)", n_blocks,
+                    block_size);
+    CU(cudaSetDevice(m->device), "kv_create");
+    stg_kv *kv = new stg_kv();
+    kv->m = m;
+    kv->n_blocks = n_blocks, kv->block_size = block_size, kv->n_layer = m->d.n_layer, kv->kv_dim = m->kv_dim;
+    kv->layer_elems = (int64_t)n_blocks * block_size * m->kv_dim;
+    const size_t bytes = (size_t)kv->layer_elems * (size_t)kv->n_layer * sizeof(__half);
+    if (cudaMalloc(&kv->k, bytes) != cudaSuccess || cudaMalloc(&kv->v, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(kv->k);
+        delete kv;
+        return fail(ST_ENOMEM, "kv_create: cannot allocate %zu bytes of KV cache in VRAM", 2 * bytes);
+    }
+    /* zeroed so a stray read of an unwritten slot is finite, as on the CPU (calloc) */
+    if (cudaMemset(kv->k, 0, bytes) != cudaSuccess || cudaMemset(kv->v, 0, bytes) != cudaSuccess) {
+        cudaFree(kv->k);
+        cudaFree(kv->v);
+        delete kv;
+        return fail(ST_EINVAL, "kv_create: cannot clear the KV cache");
+    }
+    *out = kv;
+    return ST_OK;
+}
+
+extern "C" void stg_kv_destroy(stg_kv *kv) {
+    if (!kv) return;
+    cudaSetDevice(kv->m->device);
+    cudaFree(kv->k);
+    cudaFree(kv->v);
+    delete kv;
+}
+
+extern "C" int64_t stg_kv_bytes(const stg_kv *kv) {
+    return kv ? 2 * kv->layer_elems * kv->n_layer * (int64_t)sizeof(__half) : 0;
+}
+
+/* ------------------------------------------------------------------ launches */
+
+struct acts_d {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s;
+    const float *x;
+};
+
+static int gemm_min_pairs() {
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("STRATA_GPU_GEMM_MIN");
+        v = e ? atoi(e) : 32;
+        if (v < 1) v = 1;
+    }
+    return v;
+}
+
+/* Quantise rows x[R, K] into (q, d, s). */
+static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K, int8_t *q, float *d, int32_t *s) {
+    const int64_t warps = R * (K / 32);
+    if (warps == 0) return ST_OK;
+    k_quant_act<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, st>>>(x, K, R, q, d, s);
+    LAUNCHED("quantize activations");
+    return ST_OK;
+}
+
+template <int T, bool SW> static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count,
+                                               cudaStream_t st) {
+    if (path == STG_PATH_REF) {
+        k_linear_ref<T><<<dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st>>>(a);
+    } else if (path == STG_PATH_GEMM) {
+        k_linear_gemm<T, SW><<<dim3((unsigned)((a.N + GM - 1) / GM), (unsigned)((max_count + GN - 1) / GN),
+                                    (unsigned)max_groups), 256, 0, st>>>(a);
+    } else {
+        const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
+        if (nt >= 8) k_linear_q<T, 8, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        else if (nt >= 4) k_linear_q<T, 4, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        else if (nt >= 2) k_linear_q<T, 2, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        else k_linear_q<T, 1, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+    }
+}
+template <int T, bool SW> static void launch_f(const lin_args &a, int path, int nt, int max_groups, cudaStream_t st) {
+    if (path == STG_PATH_REF) {
+        k_linear_ref<T><<<dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st>>>(a);
+        return;
+    }
+    const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
+    if (nt >= 8) k_linear_f<T, 8, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+    else if (nt >= 4) k_linear_f<T, 4, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+    else if (nt >= 2) k_linear_f<T, 2, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+    else k_linear_f<T, 1, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+}
+
+/* One linear layer over groups of pairs. W2 (optional, same type) makes it SWIGLU.
+ * expected: pairs a group is expected to hold (picks the kernel); max_count: an upper
+ * bound on any group's pairs (sizes the GEMM grid). */
+static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, const lin_groups &g, int max_groups,
+                         int expected, int max_count, const acts_d &in, float *out, int64_t ldo, int mode,
+                         int path = STG_PATH_AUTO) {
+    lin_args a;
+    a.w = W.d, a.w2 = W2 ? W2->d : nullptr;
+    a.expert_stride = W.expert_stride, a.row_bytes = W.row_bytes;
+    a.N = (int32_t)W.ne[1], a.K = (int32_t)W.ne[0];
+    a.g = g;
+    a.aq = in.q, a.ad = in.d, a.as = in.s, a.x = in.x;
+    a.out = out, a.ldo = ldo, a.mode = W2 ? MODE_SWIGLU : mode;
+    if (max_groups < 1 || max_count < 1) return ST_OK;
+    const bool q = !stg_is_float(W.type);
+    if (path == STG_PATH_AUTO) path = q && expected >= gemm_min_pairs() ? STG_PATH_GEMM : STG_PATH_MATVEC;
+    if (path == STG_PATH_GEMM && !q) path = STG_PATH_MATVEC;
+    int nt = 1;
+    while (nt < expected && nt < 8) nt *= 2;
+    switch (W.type) {
+#define CASE_Q(T)                                                         \
+    case T:                                                               \
+        if (W2) launch_q<T, true>(a, path, nt, max_groups, max_count, st); \
+        else launch_q<T, false>(a, path, nt, max_groups, max_count, st);  \
+        break;
+        QUANT_CASES(CASE_Q)
+#undef CASE_Q
+#define CASE_F(T)                                           \
+    case T:                                                 \
+        if (W2) launch_f<T, true>(a, path, nt, max_groups, st); \
+        else launch_f<T, false>(a, path, nt, max_groups, st);   \
+        break;
+        FLOAT_CASES(CASE_F)
+#undef CASE_F
+    default: return fail(ST_EUNSUPPORTED, "linear: quant type %d", W.type);
+    }
+    LAUNCHED("linear");
+    return ST_OK;
+}
+
+/* h = silu(Wg . x) * (Wu . x): one fused launch, or three when the two weights have
+ * different quant types (gate into tmp, up into h, then the product). */
+static stg_status swiglu(cudaStream_t st, const dtensor &Wg, const dtensor &Wu, const lin_groups &g, int max_groups,
+                         int expected, int max_count, const acts_d &in, float *h, int64_t ldo, float *tmp,
+                         int64_t n_rows) {
+    if (Wg.type == Wu.type) return linear(st, Wg, &Wu, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE);
+    CHECK(linear(st, Wg, nullptr, g, max_groups, expected, max_count, in, tmp, ldo, MODE_STORE));
+    CHECK(linear(st, Wu, nullptr, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE));
+    const int64_t n = n_rows * ldo;
+    k_silu_mul<<<(unsigned)((n + 255) / 256), 256, 0, st>>>(h, tmp, n);
+    LAUNCHED("silu");
+    return ST_OK;
+}
+
+/* ------------------------------------------------------------------ scratch */
+
+static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_bt) {
+    scratch &s = m->s;
+    const st_model_desc &d = m->d;
+    const int64_t E = d.n_embd, k = d.n_expert > 0 ? d.n_expert_used : 1, ne = std::max(1, d.n_expert);
+    if (T > s.cap_t || L > s.cap_l) {
+        T = std::max(T, s.cap_t), L = std::max(L, s.cap_l);
+        /* scratch buffers are freed with the model; a growing batch leaves the old ones
+         * allocated only until the model goes (growth is rare: it is sized by the
+         * scheduler's token budget) */
+        const int64_t P = T * k + T, K = m->max_k, F = std::max<int64_t>(m->ff_max, 32);
+        CHECK(dalloc(m, &s.x, sizeof(float) * T * E));
+        CHECK(dalloc(m, &s.xn, sizeof(float) * T * E));
+        CHECK(dalloc(m, &s.q, sizeof(float) * T * m->q_dim));
+        CHECK(dalloc(m, &s.k, sizeof(float) * T * m->kv_dim));
+        CHECK(dalloc(m, &s.v, sizeof(float) * T * m->kv_dim));
+        CHECK(dalloc(m, &s.att, sizeof(float) * T * m->q_dim));
+        CHECK(dalloc(m, &s.router, sizeof(float) * T * ne));
+        CHECK(dalloc(m, &s.probs, sizeof(float) * T * ne));
+        CHECK(dalloc(m, &s.topk_w, sizeof(float) * T * k));
+        CHECK(dalloc(m, &s.topk_id, sizeof(int32_t) * T * k));
+        CHECK(dalloc(m, &s.pair_tok, sizeof(int32_t) * P));
+        CHECK(dalloc(m, &s.list, sizeof(int32_t) * P));
+        CHECK(dalloc(m, &s.gexp, sizeof(int32_t) * ne));
+        CHECK(dalloc(m, &s.gstart, sizeof(int32_t) * ne));
+        CHECK(dalloc(m, &s.gcount, sizeof(int32_t) * ne));
+        CHECK(dalloc(m, &s.n_groups, sizeof(int32_t)));
+        CHECK(dalloc(m, &s.aq, (size_t)(T * K)));
+        CHECK(dalloc(m, &s.ad, sizeof(float) * T * K / 32));
+        CHECK(dalloc(m, &s.as, sizeof(int32_t) * T * K / 16));
+        CHECK(dalloc(m, &s.h, sizeof(float) * P * F));
+        CHECK(dalloc(m, &s.h2, sizeof(float) * P * F));
+        CHECK(dalloc(m, &s.hq, (size_t)(P * F)));
+        CHECK(dalloc(m, &s.hd, sizeof(float) * P * F / 32));
+        CHECK(dalloc(m, &s.hs, sizeof(int32_t) * P * F / 16));
+        CHECK(dalloc(m, &s.pair_out, sizeof(float) * P * E));
+        CHECK(dalloc(m, &s.gsh, sizeof(float) * T));
+        CHECK(dalloc(m, &s.xl, sizeof(float) * L * E));
+        CHECK(dalloc(m, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
+        s.cap_t = T, s.cap_l = L;
+    }
+    const int64_t n_ints = 4 * s.cap_t + s.cap_l + n_bt;
+    if (n_ints > s.cap_ints) {
+        if (s.h_ints) cudaFreeHost(s.h_ints);
+        s.h_ints = nullptr;
+        CU(cudaMallocHost(&s.h_ints, sizeof(int32_t) * (size_t)n_ints), "pinned staging");
+        CHECK(dalloc(m, &s.ints, sizeof(int32_t) * (size_t)n_ints));
+        s.cap_ints = n_ints;
+    }
+    return ST_OK;
+}
+
+/* ------------------------------------------------------------------ the step */
+
+static stg_status validate_batch(const stg_model *m, const stg_kv *kv, const st_batch *b) {
+    if (b->n_tokens < 1) return fail(ST_EINVAL, "forward: empty batch");
+    if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
+        return fail(ST_EINVAL, "forward: batch is missing arrays");
+    if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || !b->logits)))
+        return fail(ST_EINVAL, "forward: logits requested without buffers");
+    for (int32_t i = 0; i < b->n_tokens; i++) {
+        if (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab)
+            return fail(ST_ERANGE, "forward: token id %d out of range [0, %d)", b->tokens[i], m->d.n_vocab);
+        if (b->seq[i] < 0 || b->seq[i] >= b->n_seqs)
+            return fail(ST_ERANGE, "forward: sequence index %d out of range", b->seq[i]);
+        if (b->pos[i] < 0 || b->pos[i] / kv->block_size >= b->max_blocks)
+            return fail(ST_ERANGE, "forward: position %d exceeds the sequence's KV capacity (%d tokens)", b->pos[i],
+                        b->max_blocks * kv->block_size);
+        const int32_t *bt = b->block_tables + (size_t)b->seq[i] * (size_t)b->max_blocks;
+        for (int32_t j = 0; j <= b->pos[i] / kv->block_size; j++)
+            if (bt[j] < 0 || bt[j] >= kv->n_blocks)
+                return fail(ST_ERANGE, "forward: block %d of sequence %d is %d, outside [0, %d)", j, b->seq[i], bt[j],
+                            kv->n_blocks);
+    }
+    for (int32_t i = 0; i < b->n_logits; i++)
+        if (b->logit_idx[i] < 0 || b->logit_idx[i] >= b->n_tokens)
+            return fail(ST_ERANGE, "forward: logit index %d out of range", b->logit_idx[i]);
+    return ST_OK;
+}
+
+static stg_status embed(stg_model *m, const int32_t *tokens, int32_t T) {
+    const dtensor &t = m->token_embd;
+    const int64_t E = m->d.n_embd;
+    cudaStream_t st = m->stream;
+    switch (t.type) {
+#define CASE_E(TY)                                                                         \
+    case TY: k_embed<TY><<<T, 128, 0, st>>>(t.d, t.row_bytes, tokens, E, m->s.x); break;
+        QUANT_CASES(CASE_E)
+        FLOAT_CASES(CASE_E)
+#undef CASE_E
+    default: return fail(ST_EUNSUPPORTED, "embedding type %d", t.type);
+    }
+    LAUNCHED("embedding");
+    return ST_OK;
+}
+
+static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, bool need_q, stg_status *rc) {
+    scratch &s = m->s;
+    *rc = need_q ? quantize(m->stream, x, T, K, s.aq, s.ad, s.as) : ST_OK;
+    return acts_d{s.aq, s.ad, s.as, x};
+}
+
+static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
+                                  const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks) {
+    const dlayer &L = m->L[(size_t)il];
+    scratch &s = m->s;
+    const st_model_desc &d = m->d;
+    cudaStream_t st = m->stream;
+    const int64_t E = d.n_embd;
+    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps);
+    LAUNCHED("rmsnorm");
+    stg_status rc;
+    const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
+    const acts_d in = layer_acts(m, s.xn, T, E, nq, &rc);
+    CHECK(rc);
+    lin_groups g = {};
+    g.n_pairs = T;
+    CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
+    CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE));
+    CHECK(linear(st, L.wv, nullptr, g, 1, T, T, in, s.v, m->kv_dim, MODE_STORE));
+    qkv_args qa;
+    qa.q = s.q, qa.k = s.k, qa.v = s.v;
+    qa.bq = L.bq.f(), qa.bk = L.bk.f(), qa.bv = L.bv.f(), qa.q_norm = L.q_norm.f(), qa.k_norm = L.k_norm.f();
+    qa.inv_freq = m->inv_freq;
+    qa.pos = d_pos, qa.seq = d_seq, qa.block_tables = d_bt, qa.max_blocks = max_blocks;
+    qa.n_head = d.n_head, qa.n_kv = d.n_head_kv, qa.hd = d.head_dim, qa.rope_dim = d.rope_dim;
+    qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
+    qa.scale = 1.0f / sqrtf((float)d.head_dim);
+    qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
+    k_qkv_post<<<T, 256, 0, st>>>(qa);
+    LAUNCHED("qkv");
+    attn_args aa;
+    aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
+    aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
+    aa.block_size = kv->block_size;
+    k_attention<<<dim3((unsigned)T, (unsigned)((d.n_head + ATT_WARPS - 1) / ATT_WARPS)), ATT_WARPS * 32, 0, st>>>(aa);
+    LAUNCHED("attention");
+    const acts_d ain = layer_acts(m, s.att, T, m->q_dim, !stg_is_float(L.wo.type), &rc);
+    CHECK(rc);
+    return linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
+}
+
+/* Dense FFN (or a shared expert) over all T tokens of xn: result into pair_out[T, E]. */
+static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dtensor &Wu, const dtensor &Wd) {
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    const int64_t E = m->d.n_embd, F = Wg.ne[1];
+    stg_status rc;
+    const acts_d in = layer_acts(m, s.xn, T, E, !stg_is_float(Wg.type), &rc);
+    CHECK(rc);
+    lin_groups g = {};
+    g.n_pairs = T;
+    CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T));
+    if (!stg_is_float(Wd.type)) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
+    return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E, MODE_STORE);
+}
+
+static stg_status ffn_block(stg_model *m, int il, int32_t T) {
+    const dlayer &L = m->L[(size_t)il];
+    scratch &s = m->s;
+    const st_model_desc &d = m->d;
+    cudaStream_t st = m->stream;
+    const int64_t E = d.n_embd;
+    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps);
+    LAUNCHED("rmsnorm");
+    if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
+        CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down));
+        k_add_scaled<<<(unsigned)((T * E + 255) / 256), 256, 0, st>>>(s.x, s.pair_out, nullptr, T, E);
+        LAUNCHED("residual");
+        return ST_OK;
+    }
+    const int ne = d.n_expert, k = d.n_expert_used;
+    stg_status rc;
+    const acts_d rin = layer_acts(m, s.xn, T, E, !stg_is_float(L.gate_inp.type), &rc);
+    CHECK(rc);
+    lin_groups g1 = {};
+    g1.n_pairs = T;
+    CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
+    k_router<<<(T + 63) / 64, 64, 0, st>>>(s.router, T, ne, k, s.topk_id, s.topk_w, s.probs);
+    LAUNCHED("router");
+    const int32_t P = T * k;
+    k_group<<<1, 1024, 2 * ne * sizeof(int32_t), st>>>(s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount, s.n_groups,
+                                                       s.list, s.pair_tok, m->hist + (int64_t)il * ne);
+    LAUNCHED("group");
+    /* gate+up over every (token, expert) pair, grouped by expert: one launch */
+    lin_groups ge = {};
+    ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
+    ge.list = s.list, ge.in_map = s.pair_tok;
+    const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
+    const int64_t F = m->n_ff_exp;
+    const acts_d ein = layer_acts(m, s.xn, T, E, !stg_is_float(L.gate_exps.type), &rc);
+    CHECK(rc);
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P));
+    if (!stg_is_float(L.down_exps.type)) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
+    lin_groups gd = ge;
+    gd.in_map = nullptr; /* down reads the pair's own hidden row */
+    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E,
+                 MODE_STORE));
+    k_combine<<<(unsigned)((T * E + 255) / 256), 256, 0, st>>>(s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm);
+    LAUNCHED("combine");
+    if (L.gate_shexp.d) {
+        k_shexp_gate<<<(T + 3) / 4, 128, 0, st>>>(s.xn, L.gate_inp_shexp.d ? L.gate_inp_shexp.f() : nullptr, T, E,
+                                                  s.gsh);
+        LAUNCHED("shared expert gate");
+        CHECK(dense_ffn(m, T, L.gate_shexp, L.up_shexp, L.down_shexp));
+        k_add_scaled<<<(unsigned)((T * E + 255) / 256), 256, 0, st>>>(s.x, s.pair_out, s.gsh, T, E);
+        LAUNCHED("shared expert add");
+    }
+    return ST_OK;
+}
+
+extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, void *vstats) {
+    const st_batch *b = (const st_batch *)vbatch;
+    if (!m || !kv || !b) return fail(ST_EINVAL, "forward: NULL argument");
+    if (kv->m != m || kv->n_layer != m->d.n_layer || kv->kv_dim != m->kv_dim)
+        return fail(ST_EINVAL, "forward: KV cache was created for another model");
+    CHECK(validate_batch(m, kv, b));
+    st_step_stats local;
+    st_step_stats *stt = vstats ? (st_step_stats *)vstats : &local;
+    memset(stt, 0, sizeof *stt);
+    CU(cudaSetDevice(m->device), "forward");
+    const int32_t T = b->n_tokens, NL = b->n_logits;
+    const int64_t n_bt = (int64_t)b->n_seqs * b->max_blocks, E = m->d.n_embd;
+    CHECK(ensure_scratch(m, T, NL, n_bt));
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    cudaEvent_t *ev = m->ev.data();
+    const int nL = m->d.n_layer;
+    CU(cudaEventRecord(ev[3 * nL], st), "forward");
+    /* one upload of the batch's index arrays */
+    int32_t *hi = s.h_ints;
+    memcpy(hi, b->tokens, sizeof(int32_t) * T);
+    memcpy(hi + T, b->pos, sizeof(int32_t) * T);
+    memcpy(hi + 2 * T, b->seq, sizeof(int32_t) * T);
+    if (NL) memcpy(hi + 3 * T, b->logit_idx, sizeof(int32_t) * NL);
+    memcpy(hi + 3 * T + NL, b->block_tables, sizeof(int32_t) * n_bt);
+    const int64_t n_ints = 3 * T + NL + n_bt;
+    CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
+    const int32_t *d_tok = s.ints, *d_pos = s.ints + T, *d_seq = s.ints + 2 * T, *d_lidx = s.ints + 3 * T,
+                  *d_bt = s.ints + 3 * T + NL;
+    const bool moe = m->d.n_expert > 0;
+    if (moe) CU(cudaMemsetAsync(m->hist, 0, sizeof(int32_t) * nL * m->d.n_expert, st), "forward");
+    CHECK(embed(m, d_tok, T));
+    for (int il = 0; il < nL; il++) {
+        CU(cudaEventRecord(ev[3 * il], st), "forward");
+        CHECK(attention_block(m, kv, il, T, d_pos, d_seq, d_bt, b->max_blocks));
+        CU(cudaEventRecord(ev[3 * il + 1], st), "forward");
+        CHECK(ffn_block(m, il, T));
+        CU(cudaEventRecord(ev[3 * il + 2], st), "forward");
+    }
+    CU(cudaEventRecord(ev[3 * nL + 1], st), "forward");
+    if (NL > 0) {
+        k_rmsnorm<<<NL, 256, 0, st>>>(s.x, d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps);
+        LAUNCHED("output norm");
+        stg_status rc;
+        const acts_d in = layer_acts(m, s.xl, NL, E, !stg_is_float(m->output.type), &rc);
+        CHECK(rc);
+        lin_groups g = {};
+        g.n_pairs = NL;
+        CHECK(linear(st, m->output, nullptr, g, 1, NL, NL, in, s.logits, m->d.n_vocab, MODE_STORE));
+        CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
+           "forward: logits");
+    }
+    CU(cudaEventRecord(ev[3 * nL + 2], st), "forward");
+    std::vector<int32_t> hist;
+    if (moe && b->expert_hist) {
+        hist.resize((size_t)nL * m->d.n_expert);
+        CU(cudaMemcpyAsync(hist.data(), m->hist, sizeof(int32_t) * hist.size(), cudaMemcpyDeviceToHost, st),
+           "forward: histogram");
+    }
+    CU(cudaStreamSynchronize(st), "forward");
+    CU(cudaGetLastError(), "forward");
+    int64_t pairs = 0;
+    int32_t active = 0;
+    if (moe) {
+        if (hist.empty()) {
+            hist.resize((size_t)nL * m->d.n_expert);
+            CU(cudaMemcpy(hist.data(), m->hist, sizeof(int32_t) * hist.size(), cudaMemcpyDeviceToHost), "forward");
+        }
+        for (size_t i = 0; i < hist.size(); i++) {
+            pairs += hist[i], active += hist[i] > 0;
+            if (b->expert_hist) b->expert_hist[i] += hist[i];
+        }
+    }
+    float ms = 0.0f;
+    for (int il = 0; il < nL; il++) {
+        cudaEventElapsedTime(&ms, ev[3 * il], ev[3 * il + 1]);
+        stt->t_attn += 1e-3 * ms;
+        cudaEventElapsedTime(&ms, ev[3 * il + 1], ev[3 * il + 2]);
+        if (moe) stt->t_experts += 1e-3 * ms;
+        else stt->t_dense += 1e-3 * ms;
+    }
+    cudaEventElapsedTime(&ms, ev[3 * nL + 1], ev[3 * nL + 2]);
+    stt->t_output = 1e-3 * ms;
+    cudaEventElapsedTime(&ms, ev[3 * nL], ev[3 * nL + 2]);
+    stt->t_total = 1e-3 * ms;
+    stt->n_tokens = T;
+    stt->n_expert_tokens = pairs;
+    stt->n_active_experts = active;
+    return ST_OK;
+}
+
+/* ------------------------------------------------------------------ kernel harness */
+
+/* A device buffer freed at scope exit (harness only). */
+struct dbuf {
+    void *p = nullptr;
+    ~dbuf() {
+        if (p) cudaFree(p);
+    }
+    template <typename P> P *as() const { return (P *)p; }
+};
+
+static stg_status harness_device(void) {
+    const int n = stg_device_count();
+    if (n < 0) return ST_EUNSUPPORTED;
+    if (n == 0) return fail(ST_EUNSUPPORTED, "no CUDA device");
+    CU(cudaSetDevice(0), "harness");
+    return ST_OK;
+}
+
+static stg_status up(dbuf &b, const void *src, size_t n) {
+    CU(cudaMalloc(&b.p, n ? n : 1), "harness alloc");
+    if (src && n) CU(cudaMemcpy(b.p, src, n, cudaMemcpyHostToDevice), "harness upload");
+    return ST_OK;
+}
+static stg_status down(void *dst, const dbuf &b, size_t n) {
+    CU(cudaDeviceSynchronize(), "harness kernel");
+    CU(cudaMemcpy(dst, b.p, n, cudaMemcpyDeviceToHost), "harness download");
+    return ST_OK;
+}
+
+extern "C" stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
+    const int be = stg_block_elems(type);
+    if (!be) return fail(ST_EUNSUPPORTED, "dequantize: unsupported quant type %d", type);
+    if (!src || !dst || n <= 0 || n % be) return fail(ST_EINVAL, "dequantize: n=%lld invalid", (long long)n);
+    CHECK(harness_device());
+    const int64_t nb = n / be;
+    dbuf s, d;
+    CHECK(up(s, src, (size_t)(nb * stg_block_bytes(type))));
+    CHECK(up(d, nullptr, sizeof(float) * (size_t)n));
+    const unsigned grid = (unsigned)((nb + 127) / 128);
+    switch (type) {
+#define CASE_D(T) case T: k_dequant<T><<<grid, 128>>>(s.as<uint8_t>(), d.as<float>(), nb); break;
+        QUANT_CASES(CASE_D)
+        FLOAT_CASES(CASE_D)
+#undef CASE_D
+    }
+    LAUNCHED("dequantize");
+    return down(dst, d, sizeof(float) * (size_t)n);
+}
+
+extern "C" stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64_t k, int8_t *qs, float *d,
+                                            int32_t *sums) {
+    if (!x || !qs || !d || !sums || n_tok < 1 || k < 32 || k % 32) return fail(ST_EINVAL, "quantize_act: bad shape");
+    CHECK(harness_device());
+    dbuf bx, bq, bd, bs;
+    const size_t n = (size_t)(n_tok * k);
+    CHECK(up(bx, x, sizeof(float) * n));
+    CHECK(up(bq, nullptr, n));
+    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
+    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
+    CHECK(down(qs, bq, n));
+    CHECK(down(d, bd, sizeof(float) * n / 32));
+    return down(sums, bs, sizeof(int32_t) * n / 16);
+}
+
+extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows,
+                                      int64_t k, const float *x, int64_t n_tok, float *out) {
+    const int be = stg_block_elems(type);
+    if (!be) return fail(ST_EUNSUPPORTED, "linear: unsupported quant type %d", type);
+    if (!w || !x || !out || n_rows < 1 || n_tok < 1 || k < 32 || k % 32 || k % be || path < 0 || path > 3)
+        return fail(ST_EINVAL, "linear: bad arguments (rows=%lld k=%lld tokens=%lld path=%d)", (long long)n_rows,
+                    (long long)k, (long long)n_tok, path);
+    CHECK(harness_device());
+    dtensor W;
+    W.type = type, W.ne[0] = k, W.ne[1] = n_rows, W.row_bytes = stg_row_bytes(type, k);
+    W.expert_stride = W.row_bytes * n_rows;
+    dbuf bw, bw2, bx, bq, bd, bs, bo;
+    CHECK(up(bw, w, (size_t)W.expert_stride));
+    W.d = bw.as<uint8_t>();
+    dtensor W2 = W;
+    if (w2) {
+        CHECK(up(bw2, w2, (size_t)W.expert_stride));
+        W2.d = bw2.as<uint8_t>();
+    }
+    const size_t n = (size_t)(n_tok * k);
+    CHECK(up(bx, x, sizeof(float) * n));
+    CHECK(up(bq, nullptr, n));
+    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
+    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up(bo, nullptr, sizeof(float) * (size_t)(n_tok * n_rows)));
+    if (!stg_is_float(type)) CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
+    lin_groups g = {};
+    g.n_pairs = (int32_t)n_tok;
+    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
+    CHECK(linear(0, W, w2 ? &W2 : nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
+                 path));
+    return down(out, bo, sizeof(float) * (size_t)(n_tok * n_rows));
+}
+
+extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                                         const int32_t *block_table, int32_t n_table, int32_t block_size,
+                                         int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q, int32_t nq,
+                                         int32_t p0, float *out) {
+    if (!k || !v || !block_table || !q || !out || n_blocks < 1 || block_size < 16 || block_size % 16 ||
+        head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || kv_head < 0 || kv_head >= n_kv || nq < 1 ||
+        p0 < 0 || (p0 + nq - 1) / block_size >= n_table)
+        return fail(ST_EINVAL, "attention: bad arguments");
+    for (int32_t j = 0; j <= (p0 + nq - 1) / block_size; j++)
+        if (block_table[j] < 0 || block_table[j] >= n_blocks) return fail(ST_ERANGE, "attention: block out of range");
+    CHECK(harness_device());
+    const int64_t kd = (int64_t)n_kv * head_dim, cache = (int64_t)n_blocks * block_size * kd;
+    /* the heads of every kv group but kv_head's first get zero queries */
+    std::vector<float> qf((size_t)(nq * kd), 0.0f);
+    std::vector<int32_t> ints((size_t)(2 * nq + n_table));
+    for (int i = 0; i < nq; i++) {
+        memcpy(&qf[(size_t)(i * kd + kv_head * head_dim)], q + (int64_t)i * head_dim, sizeof(float) * head_dim);
+        ints[(size_t)i] = p0 + i;
+        ints[(size_t)(nq + i)] = 0;
+    }
+    memcpy(&ints[(size_t)(2 * nq)], block_table, sizeof(int32_t) * n_table);
+    dbuf bk, bv, bq, bo, bi, bsc;
+    CHECK(up(bk, k, sizeof(uint16_t) * cache));
+    CHECK(up(bv, v, sizeof(uint16_t) * cache));
+    CHECK(up(bq, qf.data(), sizeof(float) * qf.size()));
+    CHECK(up(bo, nullptr, sizeof(float) * qf.size()));
+    CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
+    attn_args a;
+    a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
+    a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
+    a.max_blocks = n_table, a.n_head = n_kv, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    if (path == STG_PATH_REF) {
+        CHECK(up(bsc, nullptr, sizeof(float) * (size_t)(nq * n_kv) * (size_t)(p0 + nq)));
+        k_attention_ref<<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
+    } else {
+        k_attention<<<dim3((unsigned)nq, (unsigned)((n_kv + ATT_WARPS - 1) / ATT_WARPS)), ATT_WARPS * 32>>>(a);
+    }
+    LAUNCHED("attention");
+    std::vector<float> o(qf.size());
+    CHECK(down(o.data(), bo, sizeof(float) * o.size()));
+    for (int i = 0; i < nq; i++)
+        memcpy(out + (int64_t)i * head_dim, &o[(size_t)(i * kd + kv_head * head_dim)], sizeof(float) * head_dim);
+    return ST_OK;
+}
+
+extern "C" stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y) {
+    if (!x || !w || !y || n_rows < 1 || n < 1) return fail(ST_EINVAL, "rmsnorm: bad arguments");
+    CHECK(harness_device());
+    dbuf bx, bw, by;
+    CHECK(up(bx, x, sizeof(float) * (size_t)(n_rows * n)));
+    CHECK(up(bw, w, sizeof(float) * (size_t)n));
+    CHECK(up(by, nullptr, sizeof(float) * (size_t)(n_rows * n)));
+    k_rmsnorm<<<(unsigned)n_rows, 256>>>(bx.as<float>(), nullptr, bw.as<float>(), by.as<float>(), n, eps);
+    LAUNCHED("rmsnorm");
+    return down(y, by, sizeof(float) * (size_t)(n_rows * n));
+}
+
+/* RoPE alone: k_qkv_post with no norms or biases and a q scale of 1 (its K/V go to a
+ * scratch cache: token i owns blocks i*nb .. i*nb+nb-1). */
+extern "C" stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
+                                    int32_t rope_dim, int32_t rope_type, float rope_base) {
+    if (!x || !pos || n_tok < 1 || n_heads < 1 || head_dim < 2 || rope_dim < 2 || rope_dim > head_dim ||
+        rope_dim % 2 || (rope_type != ST_ROPE_NORM && rope_type != ST_ROPE_NEOX))
+        return fail(ST_EINVAL, "rope: bad arguments");
+    int32_t max_pos = 0;
+    for (int i = 0; i < n_tok; i++) {
+        if (pos[i] < 0 || pos[i] > (1 << 20)) return fail(ST_ERANGE, "rope: position %d out of range", pos[i]);
+        max_pos = std::max(max_pos, pos[i]);
+    }
+    CHECK(harness_device());
+    const int bs = 16, nb = max_pos / bs + 1;
+    std::vector<float> inv((size_t)rope_dim / 2);
+    for (int i = 0; i < rope_dim / 2; i++)
+        inv[(size_t)i] = (float)(1.0 / pow((double)rope_base, (double)(2 * i) / (double)rope_dim));
+    const int64_t qd = (int64_t)n_heads * head_dim;
+    std::vector<int32_t> ints((size_t)(2 * n_tok + n_tok * nb));
+    for (int i = 0; i < n_tok; i++) {
+        ints[(size_t)i] = pos[i], ints[(size_t)(n_tok + i)] = i;
+        for (int j = 0; j < nb; j++) ints[(size_t)(2 * n_tok + i * nb + j)] = i * nb + j;
+    }
+    const size_t cache = sizeof(__half) * (size_t)n_tok * nb * bs * head_dim;
+    dbuf bq, bk, bv, bi, bf, bkc, bvc;
+    CHECK(up(bq, x, sizeof(float) * (size_t)(n_tok * qd)));
+    CHECK(up(bk, nullptr, sizeof(float) * (size_t)(n_tok * head_dim)));
+    CHECK(up(bv, nullptr, sizeof(float) * (size_t)(n_tok * head_dim)));
+    CU(cudaMemset(bk.p, 0, sizeof(float) * (size_t)(n_tok * head_dim)), "rope");
+    CU(cudaMemset(bv.p, 0, sizeof(float) * (size_t)(n_tok * head_dim)), "rope");
+    CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
+    CHECK(up(bf, inv.data(), sizeof(float) * inv.size()));
+    CHECK(up(bkc, nullptr, cache));
+    CHECK(up(bvc, nullptr, cache));
+    qkv_args a = {};
+    a.q = bq.as<float>(), a.k = bk.as<float>(), a.v = bv.as<float>(), a.inv_freq = bf.as<float>();
+    a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
+    a.max_blocks = nb, a.n_head = n_heads, a.n_kv = 1, a.hd = head_dim, a.rope_dim = rope_dim, a.rope_type = rope_type;
+    a.block_size = bs, a.eps = 1e-6f, a.scale = 1.0f, a.kc = bkc.as<__half>(), a.vc = bvc.as<__half>();
+    k_qkv_post<<<n_tok, 256>>>(a);
+    LAUNCHED("rope");
+    return down(x, bq, sizeof(float) * (size_t)(n_tok * qd));
+}
+
+extern "C" stg_status stg_test_router(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t *ids,
+                                      float *w) {
+    if (!logits || !ids || !w || n_tok < 1 || n_expert < 1 || k < 1 || k > n_expert)
+        return fail(ST_EINVAL, "router: bad arguments");
+    CHECK(harness_device());
+    dbuf bl, bi, bw, bp;
+    CHECK(up(bl, logits, sizeof(float) * (size_t)n_tok * n_expert));
+    CHECK(up(bi, nullptr, sizeof(int32_t) * (size_t)n_tok * k));
+    CHECK(up(bw, nullptr, sizeof(float) * (size_t)n_tok * k));
+    CHECK(up(bp, nullptr, sizeof(float) * (size_t)n_tok * n_expert));
+    k_router<<<(n_tok + 63) / 64, 64>>>(bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>(),
+                                        bp.as<float>());
+    LAUNCHED("router");
+    CHECK(down(ids, bi, sizeof(int32_t) * (size_t)n_tok * k));
+    return down(w, bw, sizeof(float) * (size_t)n_tok * k);
+}

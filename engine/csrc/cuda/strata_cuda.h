@@ -1,0 +1,69 @@
+/* Strata GPU engine: the C API of engine/_strata_cuda.so, reached from Python through
+ * cffi in ABI mode (ffi.dlopen; engine/cuda_backend.py feeds this header to cdef).
+ *
+ * Conventions (as strata.h): every entry point returns an st_status (0 = ok) and leaves a
+ * per-thread message for stg_last_error(); nothing calls exit()/abort(). The model, batch
+ * and stats structs are strata.h's own (st_model_desc, st_batch, st_step_stats); they are
+ * passed as void pointers so this header stays independent of strata.h's layout.
+ *
+ * Weights are uploaded once, in their GGUF quant format, from the host pointers of the
+ * descriptor (the mmap). The KV cache lives in VRAM in the CPU engine's paged layout:
+ * K [layer][block][n_kv][head_dim][block_size] F16, V [layer][block][block_size][kv_dim] F16,
+ * so the scheduler's block tables mean the same thing on both devices. */
+#ifndef STRATA_CUDA_H
+#define STRATA_CUDA_H
+
+#include <stdint.h>
+
+typedef int32_t stg_status;
+typedef struct stg_model stg_model;
+typedef struct stg_kv stg_kv;
+
+const char *stg_last_error(void);
+
+/* Number of CUDA devices (>= 0), or -1 when no usable driver is present (message set). */
+int32_t stg_device_count(void);
+/* name: a buffer of name_len bytes; memory in bytes; compute capability. */
+stg_status stg_device_info(int32_t device, char *name, int32_t name_len, int64_t *total_mem, int64_t *free_mem,
+                           int32_t *cc_major, int32_t *cc_minor);
+
+/* desc: a const st_model_desc * (strata.h). Validates shapes like st_model_create, then
+ * uploads every weight to `device`. */
+stg_status stg_model_create(int32_t device, const void *desc, stg_model **out);
+void stg_model_destroy(stg_model *m);
+/* VRAM held by the weights, in bytes. */
+int64_t stg_model_weight_bytes(const stg_model *m);
+
+stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out);
+void stg_kv_destroy(stg_kv *kv);
+int64_t stg_kv_bytes(const stg_kv *kv);
+
+/* One step with st_forward's contract: batch is a const st_batch *, stats an
+ * st_step_stats * (may be NULL); times come from CUDA events. */
+stg_status stg_forward(stg_model *m, stg_kv *kv, const void *batch, void *stats);
+
+/* ---- kernel harness (tests, benchmarks): host buffers in, host buffers out ---- */
+#define STG_PATH_REF 0    /* the generic reference kernel: one thread per output */
+#define STG_PATH_MATVEC 1 /* warp per weight row, up to 8 tokens per pass (decode) */
+#define STG_PATH_GEMM 2   /* tiled int8 dp4a matrix-matrix kernel (prefill, big batches) */
+#define STG_PATH_AUTO 3   /* what stg_forward picks for this many tokens */
+
+stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n);
+/* x[n_tok, k] float rows -> 8-bit blocks like st_quantize_act: qs[n_tok*k], d[n_tok*k/32], sums[n_tok*k/16]. */
+stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64_t k, int8_t *qs, float *d, int32_t *sums);
+/* out[n_tok, n_rows] = W[n_rows, k] . x[n_tok, k]^T (x quantised to 8 bits on the GPU for quant types);
+ * with w2 (same type and shape) the fused gate/up form: out = silu(W . x) * (W2 . x). */
+stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows, int64_t k,
+                           const float *x, int64_t n_tok, float *out);
+/* st_attention's contract for one kv head's queries; path: STG_PATH_REF or STG_PATH_AUTO. */
+stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                              const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
+                              int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, float *out);
+stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
+/* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
+stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
+                         int32_t rope_dim, int32_t rope_type, float rope_base);
+/* logits[n_tok, n_expert] -> top-k ids and weights (softmax probabilities, raw). */
+stg_status stg_test_router(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t *ids, float *w);
+
+#endif

