@@ -16,7 +16,7 @@ from typing import Any
 def _engine(args: argparse.Namespace) -> Any:
     from engine.engine import Engine
 
-    return Engine.open(args.model, threads=args.threads, kv_tokens=args.kv_tokens)
+    return Engine.open(args.model, threads=args.threads, kv_tokens=args.kv_tokens, device=args.device)
 
 
 def _stream_text(outputs: Iterable[Any]) -> str:
@@ -90,6 +90,7 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF path (default: the embedded default model)")
     p.add_argument("--threads", type=int, default=None, help="worker threads (default: all allowed cores)")
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache capacity in tokens")
+    p.add_argument("--device", default="cpu", help='cpu, cuda:N (the whole model on that GPU) or auto')
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)

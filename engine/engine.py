@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
+from engine.cuda_backend import DeviceSpec, resolve_device
 from engine.gguf_model import ModelFile, create_native_model, open_model
 from engine.native import EngineError, check, ffi, lib, ptr
 
@@ -63,7 +64,8 @@ class Engine:
     """A loaded model, its KV cache and thread pool."""
 
     def __init__(self, mf: ModelFile, threads: int, cores: Sequence[int] | None, kv_tokens: int,
-                 block_size: int, prefill_chunk: int, max_model_len: int | None = None) -> None:
+                 block_size: int, prefill_chunk: int, max_model_len: int | None = None,
+                 device: DeviceSpec | None = None) -> None:
         self.model_file = mf
         self.hparams = mf.hparams
         self.block_size = block_size
@@ -73,15 +75,25 @@ class Engine:
         # a file the C checks refuse raises GGUFError carrying the C message
         self._model, self._desc, self._keep = create_native_model(mf)
         n_blocks = max(1, -(-kv_tokens // block_size))
+        self.device = device or DeviceSpec("cpu")
+        self._gpu: Any = None
+        if self.device.kind == "cuda":  # weights and KV in VRAM; the C model above only validated the file
+            from engine.cuda_backend import CudaModel
+
+            try:
+                self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size)
+            except BaseException:
+                lib.st_model_destroy(self._model)
+                raise
         pk = ffi.new("st_kv **")
-        rc = lib.st_kv_create(self._model, n_blocks, block_size, pk)
+        rc = lib.st_kv_create(self._model, 1 if self._gpu else n_blocks, block_size, pk)
         if rc:
             lib.st_model_destroy(self._model)
             check(rc, "KV cache")
         self._kv = pk[0]
         pp = ffi.new("st_pool **")
         core_arr = ffi.new("int32_t[]", self.cores) if self.cores else ffi.NULL
-        rc = lib.st_pool_create(threads, core_arr, len(self.cores) if self.cores else 0, pp)
+        rc = lib.st_pool_create(1 if self._gpu else threads, core_arr, len(self.cores) if self.cores else 0, pp)
         if rc:
             lib.st_kv_destroy(self._kv)
             lib.st_model_destroy(self._model)
@@ -99,8 +111,11 @@ class Engine:
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
              cores: Sequence[int] | None = None, kv_tokens: int = 4096, block_size: int = 16,
-             prefill_chunk: int = 512, max_model_len: int | None = None) -> Engine:
+             prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu") -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
+
+        device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
+        when a GPU is usable); a GPU that cannot be used raises DeviceUnavailableError.
 
         max_model_len overrides the context window (default: the trained context,
         bounded by the KV capacity); beyond the trained context quality is not promised.
@@ -116,9 +131,13 @@ class Engine:
             raise ValueError(f"threads must be >= 1, got {n_threads}")
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-        return cls(open_model(path), n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len)
+        spec = resolve_device(device)
+        return cls(open_model(path), n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec)
 
     def close(self) -> None:
+        if getattr(self, "_gpu", None) is not None:
+            self._gpu.close()
+            self._gpu = None
         if getattr(self, "_pool", None) is not None:
             lib.st_pool_destroy(self._pool)
             lib.st_kv_destroy(self._kv)
@@ -200,7 +219,10 @@ class Engine:
             b.expert_hist = ffi.NULL
         st = ffi.new("st_step_stats *")
         with self._step_lock:  # one step at a time: the model's scratch and the pool are shared
-            check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
+            if self._gpu is not None:
+                self._gpu.forward(b, st)
+            else:
+                check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
         self.last_stats = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense,
                                     st.t_output, int(st.n_expert_tokens), int(st.n_active_experts))
         return logits

@@ -57,6 +57,21 @@ def analyse(mf: ModelFile) -> ModelReport:
     )
 
 
+def gpu_bytes(mf: ModelFile, kv_bytes: int, step_tokens: int = 512, logit_rows: int = 64) -> int:
+    """VRAM for the whole model on the GPU (engine/csrc/cuda): every weight once (a tied output
+    shares the embedding), the KV cache, and the step buffers for `step_tokens` tokens."""
+    hp = mf.hparams
+    weights = sum((t.n_bytes + 255) // 256 * 256 for t in mf.tensors.values())
+    k = hp.n_expert_used if hp.n_expert else 1
+    ff = max(hp.n_ff, hp.n_ff_exp, hp.n_ff_shexp, 32)
+    q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
+    k_max = max(hp.n_embd, q_dim, hp.n_ff, hp.n_ff_shexp)
+    per_token = 4 * (2 * hp.n_embd + 2 * q_dim + 2 * kv_dim + 2 * max(hp.n_expert, 1) + 2 * k) + k_max * 1.5
+    per_pair = ff * (4 + 4 + 1.5) + 4 * hp.n_embd + 8
+    scratch = step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd)
+    return int(weights + kv_bytes + scratch)
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= size:
@@ -92,5 +107,10 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         spare = vram_gib * GIB - need
         lines.append(f"VRAM {vram_gib:g} GiB    {verdict}: dense weights + KV = {_fmt_bytes(need)} (hybrid: experts in RAM)"
                      + (f"; {_fmt_bytes(spare)} left for resident experts" if spare > 0 else ""))
+    if vram_gib is not None:
+        need = gpu_bytes(mf, kv)
+        verdict = "fits" if need <= vram_gib * GIB else "does NOT fit"
+        lines.append(f"VRAM {vram_gib:g} GiB    {verdict}: all weights + KV + step buffers = {_fmt_bytes(need)} "
+                     f"(device cuda: the whole model on the GPU)")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)

@@ -67,7 +67,10 @@ class LaneConfig(BaseModel):
     cores: list[int] | Literal["auto"] | None = Field(
         None, description='CPU ids to pin to; "auto": half of the allowed CPUs (a: first, b: second); None: no pinning'
     )
-    gpu: int | None = Field(None, ge=0, description="recorded only until the CUDA path exists")
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$",
+                        description='"cpu", "cuda" (the GPU `gpu`), "cuda:N", or "auto" (a GPU when one is usable)')
+    gpu: int | None = Field(None, ge=0, description="which GPU for device cuda/auto (default 0; supervisord may set "
+                                                    "CUDA_VISIBLE_DEVICES per lane, then 0 is the lane's own GPU)")
     threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")
     kv_tokens: int = Field(8192, ge=16)
     max_model_len: int | None = Field(None, ge=2)
@@ -125,6 +128,14 @@ class LaneConfig(BaseModel):
             raise ConfigError(f"cores='auto' needs lane name 'a' or 'b', got name={self.name!r}")
         mid = len(cpus) // 2
         return cpus[:mid] if half == 0 else cpus[mid:]
+
+    def engine_device(self) -> str:
+        """The device string for Engine.open: "cpu", "auto" or "cuda:N"."""
+        if self.device == "cuda":
+            return f"cuda:{self.gpu or 0}"
+        if self.device.startswith("cuda:") and self.gpu is not None and int(self.device[5:]) != self.gpu:
+            raise ConfigError(f"device={self.device!r} and gpu={self.gpu} name different GPUs")
+        return self.device
 
     def engine_threads(self, cores: Sequence[int] | None) -> int | None:
         return self.threads if self.threads is not None else (len(cores) if cores else None)

@@ -46,7 +46,8 @@ def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
     """The default engine factory: the configured model (or the embedded default) on `cores`."""
     return Engine.open(config.model, threads=config.engine_threads(cores), cores=cores,
                        kv_tokens=config.kv_tokens, max_model_len=config.max_model_len,
-                       block_size=config.block_size, prefill_chunk=config.prefill_chunk)
+                       block_size=config.block_size, prefill_chunk=config.prefill_chunk,
+                       device=config.engine_device())
 
 
 def pin_process(cores: Sequence[int]) -> None:
@@ -397,6 +398,15 @@ async def health(request: web.Request) -> web.Response:
     return json_response(body, status=503)
 
 
+def _gpu_info(eng: Any) -> dict[str, Any] | None:
+    """The GPU a lane's engine runs on (None on the CPU): name, memory, what the model holds there."""
+    gpu = getattr(eng, "_gpu", None)
+    if gpu is None:
+        return None
+    return {"index": gpu.info.index, "name": gpu.info.name, "total_bytes": gpu.info.total_bytes,
+            "weight_bytes": gpu.weight_bytes, "kv_bytes": gpu.kv_bytes}
+
+
 async def lane_info(request: web.Request) -> web.Response:
     st = _state(request)
     eng = st.engine
@@ -408,6 +418,8 @@ async def lane_info(request: web.Request) -> web.Response:
         "configured_cores": st.cores,
         "threads": eng.threads if eng else None,
         "gpu": st.config.gpu,
+        "device": str(getattr(eng, "device", "cpu")) if eng else st.config.device,
+        "gpu_info": _gpu_info(eng),
         "model": st.model_info,
         "engine_build": st.build_id,
         "served_model_name": st.config.served_model_name,
