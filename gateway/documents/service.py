@@ -83,6 +83,7 @@ class RagService:
                                     timeout_s=cfg.extract_timeout_s, memory_mb=cfg.extract_memory_mb)
         self.queue: asyncio.Queue[str] = asyncio.Queue()
         self.current: str | None = None  # the document being ingested
+        self._task: asyncio.Task[None] | None = None  # its ingestion
         self._cache: dict[str, IndexVersion] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._worker: asyncio.Task[None] | None = None
@@ -133,10 +134,14 @@ class RagService:
         while True:
             did = await self.queue.get()
             self.current = did
+            self._task = asyncio.create_task(self._ingest(did), name=f"ingest-{did}")
             try:
-                await self._ingest(did)
+                await asyncio.shield(self._task)
             except asyncio.CancelledError:
-                raise
+                if not self._task.cancelled():  # the worker itself is being stopped
+                    self._task.cancel()
+                    raise
+                log.info("documents: ingestion of %s stopped (the document was deleted)", did)
             except Exception as e:  # never kill the worker: the document fails, the next one goes on
                 log.exception("documents: ingestion of %s failed", did)
                 with contextlib.suppress(Exception):
@@ -144,6 +149,7 @@ class RagService:
                                             reason=f"internal error: {type(e).__name__}: {e}")
             finally:
                 self.current = None
+                self._task = None
 
     async def _ingest(self, did: str) -> None:
         st = self.store
@@ -283,6 +289,8 @@ class RagService:
         if doc["status"] == "ready":
             await self.publish(cid, remove=[did])  # the version without it, and its rows, in one step
         else:
+            if self.current == did and self._task is not None:
+                self._task.cancel()  # stops between embedding batches; an extraction child ends on its own limits
             await asyncio.to_thread(self.store.delete_document, did)
             self._forget_vectors(cid, did)
         self._drop_upload(did)
