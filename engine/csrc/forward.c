@@ -147,6 +147,10 @@ static void embed_task(void *vctx, int64_t t, int thread) {
 
 static st_status validate_batch(const st_model *m, const st_kv *kv, const st_batch *b) {
     if (b->n_tokens < 1) return st_fail(ST_EINVAL, "forward: empty batch");
+    /* (token, expert) pairs are indexed in 32 bits: T * (k + 1) must fit */
+    if ((int64_t)b->n_tokens * (int64_t)(m->d.n_expert_used + 1) > INT32_MAX)
+        return st_fail(ST_ERANGE, "forward: %d tokens x %d experts exceed the step's pair index range", b->n_tokens,
+                       m->d.n_expert_used + 1);
     if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
         return st_fail(ST_EINVAL, "forward: batch is missing arrays");
     if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || !b->logits)))
