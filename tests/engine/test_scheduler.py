@@ -357,3 +357,15 @@ def test_engine_generate_runs_through_the_scheduler(engine: Engine, prompts: lis
     next(it)
     it.close()
     assert engine.blocks.num_free == engine.blocks.n_blocks
+
+
+def test_engine_leaves_the_garbage_collector_alone(tiny_path: Path) -> None:
+    """gc.freeze() is process-wide: the lane's entry point calls it after the load, a library
+    constructor must not (a test process or any host would have its GC changed under it)."""
+    import gc
+
+    before = gc.get_freeze_count()
+    junk = [[i] for i in range(1000)]  # objects a freeze would move to the permanent generation
+    with Engine.open(tiny_path, threads=1, kv_tokens=64):
+        assert gc.get_freeze_count() == before
+    del junk
