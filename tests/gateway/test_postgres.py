@@ -26,6 +26,7 @@ from sqlalchemy.engine import make_url
 
 from gateway.auth import Authenticator
 from gateway.db import INT_MAX, open_db
+from gateway.documents.store import rag_metadata
 from gateway.errors import APIError
 from gateway.keys import KEY_PREFIX, KeyRecord, KeySpec, KeyStore, main
 from gateway.state import Trace
@@ -90,6 +91,39 @@ def pg(pg_url: str) -> Iterator[PG]:
         with admin.begin() as c:
             c.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def test_old_database_gets_new_columns(pg: PG) -> None:
+    """A database made before ``api_keys.default_max_tokens`` existed: gateways starting at once add the
+    column once (under the advisory lock), and the old keys stay valid."""
+    with pg.admin.begin() as c:
+        c.execute(text(f'CREATE TABLE "{pg.schema}".api_keys (id SERIAL PRIMARY KEY, name VARCHAR(128) NOT NULL, '
+                       "hash VARCHAR(64) NOT NULL UNIQUE, prefix VARCHAR(16) NOT NULL, admin BOOLEAN NOT NULL, "
+                       "rpm INTEGER, tpm INTEGER, max_concurrent INTEGER, max_tokens INTEGER, "
+                       "log_prompts BOOLEAN NOT NULL, created FLOAT NOT NULL, revoked FLOAT)"))
+        c.execute(text(f'INSERT INTO "{pg.schema}".api_keys (name, hash, prefix, admin, log_prompts, created) '
+                       "VALUES ('old', 'h', 'abcdefgh', false, false, 1.0)"))
+    errors: list[Exception] = []
+    stores: list[KeyStore] = []
+
+    def start() -> None:
+        try:
+            stores.append(KeyStore(open_db(pg.url)))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store = stores[0]
+    assert [(k.name, k.default_max_tokens) for k in store.list()] == [("old", None)]
+    _, rec = store.create(KeySpec(name="new", default_max_tokens=64))
+    assert store.get(rec.id).default_max_tokens == 64  # type: ignore[union-attr]
+    for s in stores:
+        s.engine.dispose()
 
 
 def test_tables_and_concurrent_start(pg: PG) -> None:
@@ -250,7 +284,7 @@ async def test_gateway_end_to_end(pg_url: str, gateway_engines: tuple, pg: PG, t
             key, key_id = made["key"], made["id"]
             async with http.post(gw.url + "/v1/admin/keys", headers=admin, json={"name": "pg-quiet"}) as r:
                 quiet = await r.json()
-            assert pg.tables() == TABLES
+            assert pg.tables() == TABLES | set(rag_metadata.tables)  # the app adds the documents tables
 
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
             raw = await client.chat.completions.with_raw_response.create(
