@@ -115,7 +115,8 @@ async def serve(config: LaneConfig) -> int:
         code = EXIT_FAILED
     else:
         if st.status == "ready":
-            freeze_heap()
+            log.info("lane=%s heap frozen after the load: %d objects out of the GC's reach", config.name,
+                     freeze_heap())
         await asyncio.wait({stop_wait, fail_wait}, return_when=asyncio.FIRST_COMPLETED)
         if stop_wait.done():
             drained = await drain(app)
@@ -132,13 +133,14 @@ async def serve(config: LaneConfig) -> int:
     return code
 
 
-def freeze_heap() -> None:
+def freeze_heap() -> int:
     """Once the model is loaded: its metadata (a 49k-entry vocabulary, merges) and the tokenizer
     live as long as the process, so move them out of the cyclic GC's reach; collections during
     decoding then stop re-walking them. Process-wide, hence here in the lane's entry point and
     not in the Engine (a library must not change its host process's GC)."""
     gc.collect()
     gc.freeze()
+    return gc.get_freeze_count()
 
 
 async def _answer_then_exit(st: LaneState) -> None:

@@ -104,4 +104,6 @@ async def test_engine_loop_failure_fails_requests_health_503_and_exit_4() -> Non
     text = "".join(log)
     assert code == EXIT_ENGINE_FAILED, text[-3000:]
     assert "test-only fault injection is active" in text
+    frozen = re.search(r"heap frozen after the load: (\d+) objects", text)  # gc.freeze in the entry point
+    assert frozen and int(frozen.group(1)) > 10_000, text[-3000:]
     assert "engine loop failed" in text and f"stopped (exit {EXIT_ENGINE_FAILED})" in text
