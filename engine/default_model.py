@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -101,8 +102,35 @@ def _router(rng: np.random.Generator, n_embd: int) -> np.ndarray:
     return np.repeat(rows, 2, axis=0).astype(np.float32)
 
 
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".valid")
+
+
+def _stamp(path: Path) -> str:
+    """What a checked file looked like: recipe, size and mtime (any rewrite or truncation changes it)."""
+    st = path.stat()
+    return json.dumps({"recipe": RECIPE_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+
+
+def _write_stamp(path: Path) -> None:
+    """Remember that ``path`` is valid, so every engine start need not parse the whole GGUF again
+    (gguf's reader takes seconds over the 49k-token vocabulary). Best effort."""
+    tmp = path.with_name(f".{path.name}.valid.{os.getpid()}")
+    try:
+        tmp.write_text(_stamp(path), encoding="utf-8")
+        os.replace(tmp, _stamp_path(path))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 def is_valid_default_model(path: Path) -> bool:
-    """True when ``path`` is a complete GGUF written by this recipe version."""
+    """True when ``path`` is a complete GGUF written by this recipe version (a file already checked
+    and unchanged since, per its ``.valid`` stamp, is not parsed again)."""
+    try:
+        if _stamp_path(path).read_text(encoding="utf-8") == _stamp(path):
+            return True
+    except OSError:
+        pass
     try:
         r = gguf.GGUFReader(path)
 
@@ -113,7 +141,7 @@ def is_valid_default_model(path: Path) -> bool:
         n_layer = val("llama.block_count")
         names = {t.name for t in r.tensors}
         # GGUFReader maps every tensor's byte range, so a truncated file raises above.
-        return (
+        ok = (
             val("general.architecture") == "llama"
             and val(KEY_RECIPE) == RECIPE_VERSION
             and val("llama.expert_count") == N_EXPERT
@@ -122,6 +150,9 @@ def is_valid_default_model(path: Path) -> bool:
         )
     except Exception:  # any parse failure means "rebuild"
         return False
+    if ok:
+        _write_stamp(path)
+    return ok
 
 
 def build_default_model(out: Path | None = None, force: bool = False) -> Path:
@@ -188,6 +219,7 @@ def build_default_model(out: Path | None = None, force: bool = False) -> Path:
     except BaseException:
         abort_gguf(writer, tmp)
         raise
+    _write_stamp(out)
     return out
 
 

@@ -127,6 +127,22 @@ def test_validity_check(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not dm.is_valid_default_model(built)
 
 
+def test_validity_stamp_is_not_trusted_after_a_change(built: Path, tmp_path: Path) -> None:
+    """A checked file is not parsed again while unchanged; a truncated or rewritten one is."""
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(built.read_bytes())
+    assert dm.is_valid_default_model(copy)
+    stamp = tmp_path / "copy.gguf.valid"
+    assert stamp.is_file()
+    with copy.open("r+b") as f:  # truncated in place: size and mtime change, the stamp no longer matches
+        f.truncate(copy.stat().st_size // 2)
+    assert not dm.is_valid_default_model(copy)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 100)
+    (tmp_path / "bad.gguf.valid").write_text(stamp.read_text())  # another file's stamp proves nothing
+    assert not dm.is_valid_default_model(bad)
+
+
 @pytest.mark.slow
 def test_invalid_file_is_rebuilt_identically(built: Path, tmp_path: Path) -> None:
     out = tmp_path / "m.gguf"
