@@ -211,6 +211,8 @@ def _check_layout(path: Path) -> None:
         w.pos = 4
         version = w.u32("version")
         if version not in (2, 3):
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+                raise UnsupportedModelError(path, "big-endian GGUF files are not supported")
             raise GGUFError(path, f"unsupported GGUF version {version} (expected 2 or 3)")
         n_tensors = w.count(w.u64("tensor count"), 8 + 4 + 8 + 4 + 8, "tensor count")
         n_kv = w.count(w.u64("metadata count"), 8 + 4 + 1, "metadata count")
