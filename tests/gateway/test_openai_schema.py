@@ -143,6 +143,17 @@ async def test_generation_responses(via: str, lane: Lane, gw: GW, http: aiohttp.
             check("Model", await r.json())
 
 
+async def test_embeddings_response(gw: GW, http: aiohttp.ClientSession) -> None:
+    """The gateway's own /v1/embeddings (the documents service's embedding model, float format: the spec
+    does not describe base64)."""
+    async with http.post(gw.url + "/v1/embeddings", json={"input": ["the cat sat", "on the mat"]},
+                         headers=auth(ADMIN_KEY)) as r:
+        assert r.status == 200, await r.text()
+        check("CreateEmbeddingResponse", await r.json())
+    got, body = await _error(http, "POST", gw.url + "/v1/embeddings", json={"input": []}, headers=auth(ADMIN_KEY))
+    assert got == 400
+
+
 async def _error(http: aiohttp.ClientSession, method: str, url: str, **kw: Any) -> tuple[int, dict[str, Any]]:
     async with http.request(method, url, **kw) as r:
         body = await r.json()
