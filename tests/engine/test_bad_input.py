@@ -197,3 +197,21 @@ def test_file_is_not_modified_by_loading(good: Path, tmp_path: Path) -> None:
     with Engine.open(copy, threads=1, kv_tokens=64) as eng:
         eng.generate([1, 2, 3], max_tokens=2)
     assert copy.read_bytes() == before
+
+
+@pytest.mark.parametrize(("offset", "value", "match"), [
+    (8, 1 << 62, "tensor count"),       # header: tensor count
+    (16, (1 << 64) - 1, "metadata count"),  # header: metadata count
+    (24, 1 << 60, "metadata key 0"),    # the first key's string length
+    (4, 1 << 24, "version"),
+])
+def test_huge_counts_and_lengths_are_refused_before_parsing(good: Path, tmp_path: Path, offset: int, value: int,
+                                                            match: str) -> None:
+    """gguf-py trusts these; the layout check bounds every one by the bytes left."""
+    bad = tmp_path / "counts.gguf"
+    data = bytearray(good.read_bytes())
+    size = 4 if offset == 4 else 8
+    data[offset:offset + size] = value.to_bytes(size, "little")
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=match):
+        open_model(bad)
