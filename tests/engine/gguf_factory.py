@@ -30,9 +30,14 @@ def make_random_gguf(
     overrides: dict[str, np.ndarray] | None = None,
     omit: tuple[str, ...] = (),
     raw_overrides: dict[str, tuple[np.ndarray, tuple[int, ...], GGMLQuantizationType]] | None = None,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    n_ff_shexp: int = 0,
 ) -> Path:
     """Write a random model; `overrides` replaces tensors by name (float data),
-    `raw_overrides` by (raw bytes, logical shape, type), `omit` drops them."""
+    `raw_overrides` by (raw bytes, logical shape, type), `omit` drops them. `qkv_bias`
+    adds q/k/v biases (qwen2moe), `qk_norm` per-head q/k norms (qwen3moe), `n_ff_shexp`
+    a gated shared expert of that width (qwen2moe)."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     w = GGUFWriter(str(path), arch)
@@ -48,6 +53,8 @@ def make_random_gguf(
     if n_expert:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
+    if n_ff_shexp:
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", n_ff_shexp)
 
     def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -77,12 +84,24 @@ def make_random_gguf(
         add(p + "attn_k.weight", mat(n_head_kv * head_dim, n_embd, scale=0.2))
         add(p + "attn_v.weight", mat(n_head_kv * head_dim, n_embd))
         add(p + "attn_output.weight", mat(n_embd, n_head * head_dim))
+        if qkv_bias:
+            add(p + "attn_q.bias", mat(n_head * head_dim), quant=False)
+            add(p + "attn_k.bias", mat(n_head_kv * head_dim), quant=False)
+            add(p + "attn_v.bias", mat(n_head_kv * head_dim), quant=False)
+        if qk_norm:
+            add(p + "attn_q_norm.weight", (1.0 + mat(head_dim)).astype(np.float32), quant=False)
+            add(p + "attn_k_norm.weight", (1.0 + mat(head_dim)).astype(np.float32), quant=False)
         add(p + "ffn_norm.weight", (1.0 + mat(n_embd)).astype(np.float32), quant=False)
         if n_expert:
             add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, scale=0.5), quant=False)
             add(p + "ffn_gate_exps.weight", mat(n_expert, n_ff, n_embd))
             add(p + "ffn_up_exps.weight", mat(n_expert, n_ff, n_embd))
             add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff))
+            if n_ff_shexp:
+                add(p + "ffn_gate_inp_shexp.weight", mat(n_embd, scale=0.5), quant=False)
+                add(p + "ffn_gate_shexp.weight", mat(n_ff_shexp, n_embd))
+                add(p + "ffn_up_shexp.weight", mat(n_ff_shexp, n_embd))
+                add(p + "ffn_down_shexp.weight", mat(n_embd, n_ff_shexp))
         else:
             add(p + "ffn_gate.weight", mat(n_ff, n_embd))
             add(p + "ffn_up.weight", mat(n_ff, n_embd))

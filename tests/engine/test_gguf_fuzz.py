@@ -129,9 +129,13 @@ def build_seeds(work: Path) -> list[Path]:
     from tests.engine.gguf_factory import make_random_gguf
 
     tiny = dict(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=32, n_vocab=32)
-    return [
+    return [  # every architecture and optional tensor the C validation knows, a float and a quant type
         make_random_gguf(work / "seed_moe_f32.gguf", n_expert=2, n_expert_used=1, **tiny),
         make_random_gguf(work / "seed_dense_q8.gguf", n_expert=0, weight_type=GGMLQuantizationType.Q8_0, **tiny),
+        make_random_gguf(work / "seed_qwen2moe_f16.gguf", arch="qwen2moe", n_expert=2, n_expert_used=2,
+                         qkv_bias=True, n_ff_shexp=32, weight_type=GGMLQuantizationType.F16, **tiny),
+        make_random_gguf(work / "seed_qwen3moe_q4.gguf", arch="qwen3moe", n_expert=2, n_expert_used=1,
+                         qk_norm=True, weight_type=GGMLQuantizationType.Q4_0, **tiny),
     ]
 
 
