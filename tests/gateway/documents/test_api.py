@@ -19,6 +19,7 @@ from gateway.documents.store import documents, jobs
 from tests.gateway.conftest import GW, gateway_config, running_gateway
 from tests.gateway.documents.helpers import auth, create_collection, search, upload, wait_done
 from tests.gateway.documents.samples import billion_laughs_docx, make_docx, make_pdf, pdf_bomb, zip_bomb_docx
+from tests.http_helpers import eventually
 
 NO_LANE = [{"name": "a", "url": "http://127.0.0.1:9"}]  # nothing listens: these tests need no lane
 
@@ -271,3 +272,29 @@ async def test_embeddings_endpoint(gw: GW) -> None:
         assert (await post({"input": [""]}))[0] == 400
         assert (await post({"input": "x", "dimensions": 99}))[0] == 400
         assert (await post({"nope": 1}))[0] == 400
+
+
+async def test_delete_during_ingestion_stops_it(gw: GW) -> None:
+    key = gw.key("k")
+    big = "\n\n".join(" ".join(f"Paragraph {i} sentence {j} about shipping crates." for j in range(12))
+                      for i in range(300)).encode()
+    async with aiohttp.ClientSession() as s:
+        cid = (await create_collection(s, gw.url, key, "c"))["id"]
+        _, doc = await upload(s, gw.url, key, cid, "big.txt", big)
+        url = f"{gw.url}/v1/collections/{cid}/documents/{doc['id']}"
+
+        async def status() -> str:
+            async with s.get(url, headers=auth(key)) as r:
+                return str((await r.json())["status"])
+
+        await eventually(status, lambda st: st == "embedding", 60, "embedding to start", interval=0.02)
+        async with s.delete(url, headers=auth(key)) as r:
+            assert r.status == 200
+        async with s.get(url, headers=auth(key)) as r:
+            assert r.status == 404
+        svc = gw.app[RAG]
+        await eventually(lambda: svc.current, lambda cur: cur is None, 30, "the worker to let go of it")
+        _, small = await upload(s, gw.url, key, cid, "small.txt", b"The next document still gets ingested.")
+        assert (await wait_done(s, gw.url, key, cid, small["id"]))["status"] == "ready"
+        hits = await search(s, gw.url, key, cid, "shipping crates paragraph", 10)
+        assert all(h["document"] == "small.txt" for h in hits)
