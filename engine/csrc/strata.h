@@ -81,9 +81,9 @@ st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, co
 typedef struct st_pool st_pool;
 /* n_threads workers; the thread that calls st_forward runs worker 0's share itself.
  * If cores != NULL, the pool's own threads (workers 1..n_threads-1) are each pinned
- * to cores[i % n_cores] (best effort: a core the process may not use is skipped
- * silently). The calling thread is never pinned here: it keeps the affinity of the
- * process or thread that owns it, so cores[0] is the caller's to use. */
+ * to cores[i % n_cores] (best effort: a thread whose core is outside the process's
+ * allowed set stays unpinned). The calling thread is never pinned here: it keeps the
+ * affinity of the process or thread that owns it, so cores[0] is the caller's to use. */
 st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_cores, st_pool **out);
 void st_pool_destroy(st_pool *pool);
 int32_t st_pool_threads(const st_pool *pool);
