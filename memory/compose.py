@@ -1,0 +1,144 @@
+"""Context composition: a session's history fitted to a token budget, deterministically.
+
+The composed chat, in order (docs/memory.md):
+
+1. **head** — one system message: the system prompt (the request's, else the session's) and
+   the running summary in a delimited block. It changes only when the summary does, so a lane's
+   prefix cache (the session keeps its lane by affinity) serves it turn after turn;
+2. **recent turns verbatim** — the newest turns no summary covers, oldest first; when they do not
+   all fit, the oldest are left out (they stay reachable by retrieval). Appending a turn leaves
+   everything before it byte-identical, so the cached prefix grows with the conversation;
+3. **retrieved turns** — older turns most similar to the new message (cosine of the embedding
+   model's vectors), shown in turn order in one system message that says later turns supersede
+   earlier ones (a corrected fact wins);
+4. the request's own messages (the new user message).
+
+The budget is in estimated tokens (:func:`estimate_tokens`, deliberately high for English); the
+gateway then counts the result with the lane's own tokenizer and composes again with a smaller
+budget when it does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memory.store import Summary, Turn
+
+__all__ = ["RETRIEVED_BEGIN", "RETRIEVED_END", "SUMMARY_BEGIN", "SUMMARY_END", "Composition", "Scored",
+           "compose", "estimate_tokens", "render_turn"]
+
+SUMMARY_BEGIN = "<<<CONVERSATION SUMMARY>>>"
+SUMMARY_END = "<<<END OF CONVERSATION SUMMARY>>>"
+RETRIEVED_BEGIN = "<<<EARLIER TURNS>>>"
+RETRIEVED_END = "<<<END OF EARLIER TURNS>>>"
+_SUMMARY_INTRO = "Summary of the earlier part of this conversation (older turns, condensed):"
+_RETRIEVED_INTRO = ("Earlier turns of this conversation that may be relevant to the next message, in the order they "
+                    "were said. Where they disagree, the later turn is the correct one.")
+MESSAGE_OVERHEAD = 6  # role markers and separators a chat template adds per message (estimated tokens)
+
+
+def estimate_tokens(text: str) -> int:
+    """An upper-leaning token estimate (UTF-8 bytes / 3): BPE vocabularies average ~4 bytes per token on
+    English, so this over-counts and the exact count seldom needs a second composition."""
+    return len(text.encode("utf-8", "replace")) // 3 + 1
+
+
+@dataclass(frozen=True)
+class Scored:
+    turn: Turn
+    score: float
+
+
+@dataclass
+class Composition:
+    messages: list[dict[str, Any]]
+    summary_turns: int  # turns the summary in the head covers (0: no summary)
+    recent: int  # turns verbatim
+    retrieved: int  # older turns retrieved by similarity
+    dropped: int  # unsummarised turns left out for the budget (retrievable)
+    total_turns: int  # stored turns in the session
+    estimated_tokens: int
+    head: str  # the head system message's text (byte-stable between summaries)
+
+    def header(self) -> str:
+        return (f"turns={self.total_turns}; summary={self.summary_turns}; recent={self.recent}; "
+                f"retrieved={self.retrieved}; dropped={self.dropped}")
+
+
+def render_turn(t: Turn) -> str:
+    cut = "" if t.complete else " (interrupted)"
+    return f"[turn {t.seq}, {t.role}{cut}] {t.content}"
+
+
+def _head(system: str | None, summary: Summary | None) -> str:
+    parts = [system.rstrip()] if system and system.strip() else []
+    if summary is not None and summary.text.strip():
+        body = summary.text.strip().replace("<<<", "‹‹‹").replace(">>>", "›››")
+        parts.append(f"{_SUMMARY_INTRO}\n{SUMMARY_BEGIN}\n{body}\n{SUMMARY_END}")
+    return "\n\n".join(parts)
+
+
+def _retrieved_block(chosen: list[Turn]) -> str:
+    lines = [_RETRIEVED_INTRO, RETRIEVED_BEGIN]
+    lines += [render_turn(t).replace("<<<", "‹‹‹").replace(">>>", "›››") for t in sorted(chosen, key=lambda t: t.seq)]
+    lines.append(RETRIEVED_END)
+    return "\n".join(lines)
+
+
+def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Turn], candidates: Sequence[Scored],
+            new_messages: Sequence[dict[str, Any]], budget: int, top_k: int, retrieve_share: float,
+            total_turns: int) -> Composition:
+    """Fit the session into ``budget`` estimated tokens (the new messages included).
+
+    ``recent``: the newest unsummarised turns in seq order; ``candidates``: older turns with their
+    similarity to the new message, best first (ties broken by seq, so the result is deterministic).
+    """
+    head = _head(system, summary)
+    used = sum(estimate_tokens(str(m.get("content") or "")) + MESSAGE_OVERHEAD for m in new_messages)
+    if head:
+        used += estimate_tokens(head) + MESSAGE_OVERHEAD
+    room = max(0, budget - used)
+    in_recent = {t.id for t in recent}
+    pool = [c for c in candidates if c.turn.id not in in_recent]
+    want = pool[:top_k]
+    reserve = 0
+    if want and top_k > 0:
+        need = sum(estimate_tokens(render_turn(c.turn)) + 1 for c in want) + estimate_tokens(_RETRIEVED_INTRO) + 24
+        reserve = min(need, int(room * retrieve_share))
+    # recent turns, newest first, while they fit beside the retrieval reserve
+    take: list[Turn] = []
+    spent = 0
+    for t in reversed(recent):
+        cost = t.tokens + MESSAGE_OVERHEAD
+        if spent + cost > room - reserve:
+            break
+        take.append(t)
+        spent += cost
+    take.reverse()
+    dropped = len(recent) - len(take)
+    kept_ids = {t.id for t in take}
+    # retrieved turns: the best first, within what is left (a turn shown verbatim is not repeated)
+    chosen: list[Turn] = []
+    left = room - spent - estimate_tokens(_RETRIEVED_INTRO) - 24 - MESSAGE_OVERHEAD
+    for c in candidates:
+        if len(chosen) >= top_k:
+            break
+        if c.turn.id in kept_ids:
+            continue
+        cost = estimate_tokens(render_turn(c.turn)) + 1
+        if cost <= left:
+            chosen.append(c.turn)
+            left -= cost
+    messages: list[dict[str, Any]] = []
+    if head:
+        messages.append({"role": "system", "content": head})
+    messages += [{"role": t.role, "content": t.content} for t in take]
+    if chosen:
+        block = _retrieved_block(chosen)
+        messages.append({"role": "system", "content": block})
+        spent += estimate_tokens(block) + MESSAGE_OVERHEAD
+    messages += [dict(m) for m in new_messages]
+    return Composition(messages, summary.last_seq if summary is not None else 0, len(take), len(chosen), dropped,
+                       total_turns, used + spent, head)

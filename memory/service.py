@@ -1,0 +1,289 @@
+"""Session memory at run time: loading a session for composition, storing turns, vectors, summarisation.
+
+One :class:`MemoryService` per gateway process. Blocking store calls run in worker threads;
+embeddings run on the shared embedding model's worker thread (the RAG model: the same vectors
+space as document search). Turn vectors are written in the background after a reply is stored,
+and backfilled when a request finds some missing (a gateway killed in between), so a killed
+process loses no retrievability. A per-session cache keeps the vector matrix in memory; it grows
+by the rows added since (turn ids only increase) and is dropped with the session.
+
+Summarisation (:meth:`MemoryService.summarise`) runs as a background task after a reply when the
+unsummarised history passes ``summarize_after_tokens``; a failure is logged and retried later
+with back-off by the sweeper; nothing waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from memory.compose import Composition, Scored, compose, estimate_tokens
+from memory.config import MemoryConfig
+from memory.store import MemoryStore, Session, Summary, Turn
+
+__all__ = ["SUMMARY_SYSTEM", "Complete", "Loaded", "MemoryService", "summary_prompt"]
+
+log = logging.getLogger("strata.memory")
+
+# (messages, max_tokens, temperature) -> the reply text; raises on failure
+Complete = Callable[[list[dict[str, Any]], int, float], Awaitable[str]]
+
+SUMMARY_SYSTEM = (
+    "You keep the running summary of a conversation between a user and an assistant. Rewrite the summary so it "
+    "also covers the new turns. Keep every fact the user stated: names, numbers, codes, dates, places, "
+    "preferences and decisions. When a fact was corrected, keep only the corrected value. Write short plain "
+    "sentences. Reply with the summary only.")
+_BACKFILL_PER_REQUEST = 256  # turns embedded while a request waits (a gateway killed before its background work)
+_TURN_CHARS_IN_SUMMARY = 1500
+
+
+class Embeds(Protocol):
+    version_key: str
+
+    async def aencode(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def summary_prompt(previous: Summary | None, turns: Sequence[Turn]) -> list[dict[str, Any]]:
+    """The fixed summarisation prompt: the previous summary and the turns to fold in."""
+    lines = []
+    for t in turns:
+        body = t.content if len(t.content) <= _TURN_CHARS_IN_SUMMARY else t.content[:_TURN_CHARS_IN_SUMMARY] + " ..."
+        lines.append(f"{'User' if t.role == 'user' else 'Assistant'}: {body}")
+    prev = previous.text.strip() if previous is not None and previous.text.strip() else "(none yet)"
+    user = f"Current summary:\n{prev}\n\nNew turns:\n" + "\n".join(lines) + "\n\nThe updated summary:"
+    return [{"role": "system", "content": SUMMARY_SYSTEM}, {"role": "user", "content": user}]
+
+
+@dataclass
+class _VecCache:
+    last_id: int = 0
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    mat: np.ndarray | None = None
+
+
+@dataclass
+class Loaded:
+    """What a request needs to compose, loaded once (the budget may take several compositions)."""
+
+    session: Session
+    summary: Summary | None
+    recent: list[Turn]
+    candidates: list[Scored]
+    load_ms: float
+
+    def compose(self, cfg: MemoryConfig, system: str | None, new_messages: Sequence[dict[str, Any]],
+                budget: int) -> Composition:
+        return compose(system=system if system is not None else self.session.system, summary=self.summary,
+                       recent=self.recent, candidates=self.candidates, new_messages=new_messages, budget=budget,
+                       top_k=cfg.retrieve_top_k, retrieve_share=cfg.retrieve_share,
+                       total_turns=self.session.n_turns)
+
+
+class MemoryService:
+    def __init__(self, store: MemoryStore, cfg: MemoryConfig, embedder: Embeds | None,
+                 complete: Complete | None = None) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.embedder = embedder
+        self.complete = complete
+        self._cache: dict[int, _VecCache] = {}
+        self._locks: dict[int, asyncio.Lock] = {}
+        self._summarising: set[int] = set()
+        self._retry: dict[int, tuple[float, int]] = {}  # session pk -> (next attempt, failures)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.summaries_written = 0
+        self.summary_failures = 0
+
+    # ------------------------------------------------------------ sessions
+    async def session(self, key_id: int, sid: str) -> Session | None:
+        return await asyncio.to_thread(self.store.get_session, key_id, sid)
+
+    async def delete(self, key_id: int, sid: str) -> bool:
+        s = await asyncio.to_thread(self.store.get_session, key_id, sid)
+        if s is None:
+            return False
+        ok = await asyncio.to_thread(self.store.delete_session, key_id, sid)
+        self._cache.pop(s.pk, None)
+        self._retry.pop(s.pk, None)
+        return ok
+
+    # ------------------------------------------------------------ loading for composition
+    async def load(self, session: Session, query: str) -> Loaded:
+        t0 = time.perf_counter()
+        summary = await asyncio.to_thread(self.store.summary, session.pk)
+        after = summary.last_seq if summary is not None else 0
+        recent = await asyncio.to_thread(self.store.turns, session.pk, after_seq=after,
+                                         newest=self.cfg.recent_turns_max)
+        candidates: list[Scored] = []
+        if self.embedder is not None and self.cfg.retrieve_top_k > 0 and query.strip() and session.n_turns:
+            candidates = await self._retrieve(session, query, recent)
+        return Loaded(session, summary, recent, candidates, (time.perf_counter() - t0) * 1000)
+
+    async def _retrieve(self, session: Session, query: str, recent: list[Turn]) -> list[Scored]:
+        assert self.embedder is not None
+        await self.embed_missing(session.pk, limit=_BACKFILL_PER_REQUEST)
+        ids, mat = await self._vectors(session.pk)
+        if mat is None or not len(ids):
+            return []
+        q = (await self.embedder.aencode([query[:4000]]))[0]
+        scores = mat @ q  # (n,) cosine: both sides L2-normalised
+        n_want = self.cfg.retrieve_top_k + len(recent)
+        if len(scores) > n_want:
+            top = np.argpartition(-scores, n_want - 1)[:n_want]
+        else:
+            top = np.arange(len(scores))
+        # best first, ties by turn id: deterministic
+        order = sorted((int(i) for i in top), key=lambda i: (-float(scores[i]), int(ids[i])))
+        keep = [(int(ids[i]), float(scores[i])) for i in order if scores[i] >= self.cfg.retrieve_min_score]
+        if not keep:
+            return []
+        by_id = {t.id: t for t in await asyncio.to_thread(self.store.turns_by_id, [i for i, _ in keep])}
+        return [Scored(by_id[i], s) for i, s in keep if i in by_id]
+
+    async def _vectors(self, pk: int) -> tuple[np.ndarray, np.ndarray | None]:
+        assert self.embedder is not None
+        c = self._cache.setdefault(pk, _VecCache())
+        ids, mat = await asyncio.to_thread(self.store.load_vectors, pk, self.embedder.version_key, c.last_id)
+        if len(ids):
+            c.ids = np.concatenate([c.ids, ids])
+            c.mat = mat if c.mat is None else np.concatenate([c.mat, mat])
+            c.last_id = int(ids[-1])
+        return c.ids, c.mat
+
+    async def embed_missing(self, pk: int, limit: int = 512) -> int:
+        """Embed turns of the session that have no vector yet (background after each reply, bounded backfill)."""
+        if self.embedder is None:
+            return 0
+        lock = self._locks.setdefault(pk, asyncio.Lock())
+        async with lock:
+            todo = await asyncio.to_thread(self.store.missing_vectors, pk, self.embedder.version_key, limit)
+            if not todo:
+                return 0
+            vecs = await self.embedder.aencode([t.content[:4000] or " " for t in todo])
+            return await asyncio.to_thread(self.store.put_vectors, pk, self.embedder.version_key,
+                                           [t.id for t in todo], vecs)
+
+    # ------------------------------------------------------------ storing a reply
+    async def remember(self, session: Session, user_messages: Sequence[dict[str, Any]], reply: str, *,
+                       complete: bool, reply_tokens: int | None, request_id: str | None) -> list[Turn]:
+        """Store the request's user message(s) and the reply in one transaction, then start the background
+        work (vectors, summarisation). Shielded: a cancelled request still finishes the write."""
+        items: list[tuple[str, str, int, bool]] = []
+        for m in user_messages:
+            content = m.get("content") if isinstance(m.get("content"), str) else _text(m.get("content"))
+            items.append((str(m.get("role") or "user"), content[:self.cfg.max_turn_chars],
+                          estimate_tokens(content), True))
+        tokens = reply_tokens if reply_tokens is not None and complete else estimate_tokens(reply)
+        items.append(("assistant", reply[:self.cfg.max_turn_chars], max(1, tokens), complete))
+        stored = await asyncio.shield(asyncio.to_thread(self.store.append, session.pk, items, request_id))
+        self._spawn(self._after(session.pk), f"memory-after-{session.pk}")
+        return stored
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _after(self, pk: int) -> None:
+        try:
+            await self.embed_missing(pk)
+        except Exception as e:  # retried by the next request's backfill
+            log.warning("memory: embedding turns of session pk=%d failed: %s: %s", pk, type(e).__name__, e)
+        if self.cfg.summarize and self.complete is not None:
+            await self.summarise(pk)
+
+    # ------------------------------------------------------------ summarisation
+    async def summarise(self, pk: int, *, force: bool = False) -> bool:
+        """Fold the oldest unsummarised turns into the running summary when the history is long enough.
+        True when a new summary was stored. Never raises: a failure schedules a retry."""
+        if pk in self._summarising or self.complete is None:
+            return False
+        nxt = self._retry.get(pk)
+        if nxt is not None and time.monotonic() < nxt[0] and not force:
+            return False
+        self._summarising.add(pk)
+        try:
+            return await self._summarise(pk, force)
+        except Exception as e:
+            fails = (self._retry.get(pk, (0.0, 0))[1]) + 1
+            delay = self.cfg.summary_retry_s * min(16, 2 ** (fails - 1))
+            self._retry[pk] = (time.monotonic() + delay, fails)
+            self.summary_failures += 1
+            log.warning("memory: summarising session pk=%d failed (%d in a row; retry in %.0fs): %s: %s", pk, fails,
+                        delay, type(e).__name__, e)
+            return False
+        finally:
+            self._summarising.discard(pk)
+
+    async def _summarise(self, pk: int, force: bool) -> bool:
+        assert self.complete is not None
+        cfg = self.cfg
+        prev = await asyncio.to_thread(self.store.summary, pk)
+        after = prev.last_seq if prev is not None else 0
+        n, tokens = await asyncio.to_thread(self.store.pending_tokens, pk, after)
+        if n <= cfg.summary_keep_turns or (tokens < cfg.summarize_after_tokens and not force):
+            self._retry.pop(pk, None)
+            return False
+        pending = await asyncio.to_thread(self.store.turns, pk, after_seq=after)
+        foldable = pending[:max(0, len(pending) - cfg.summary_keep_turns)]
+        fold: list[Turn] = []
+        spent = 0
+        for t in foldable:
+            cost = min(t.tokens, _TURN_CHARS_IN_SUMMARY // 3) + 4
+            if fold and spent + cost > cfg.summary_input_tokens:
+                break
+            fold.append(t)
+            spent += cost
+        if not fold:
+            return False
+        text = await asyncio.wait_for(self.complete(summary_prompt(prev, fold), cfg.summary_max_tokens,
+                                                    cfg.summary_temperature), cfg.summary_timeout_s)
+        text = text.strip()
+        if not text:
+            raise ValueError("the lane returned an empty summary")
+        first = prev.first_seq if prev is not None else fold[0].seq
+        ok = await asyncio.to_thread(self.store.put_summary, pk, first, fold[-1].seq, text, estimate_tokens(text),
+                                     after)
+        self._retry.pop(pk, None)
+        if ok:
+            self.summaries_written += 1
+            log.info("memory: session pk=%d summary now covers turns %d..%d", pk, first, fold[-1].seq)
+        return ok
+
+    async def sweep(self) -> None:
+        """Retry failed summarisations whose back-off has passed (the gateway runs this periodically)."""
+        now = time.monotonic()
+        for pk, (when, _) in list(self._retry.items()):
+            if when <= now:
+                await self.summarise(pk)
+
+    async def run_sweeper(self, every_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.sweep()
+            except Exception as e:  # never let the loop die
+                log.warning("memory: summary sweep failed: %s: %s", type(e).__name__, e)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Wait (bounded) for background work, then cancel what is left (shutdown, tests)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+        for t in list(self._tasks):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return "" if content is None else str(content)
