@@ -140,6 +140,9 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     state: State = "queued"
+    # the same tokens as int64, for requests with penalties only: the sampler gets O(1) views
+    # of prompt and output instead of converting two Python lists every step
+    history: np.ndarray | None = None
 
     @property
     def n_total(self) -> int:
@@ -225,6 +228,9 @@ class Scheduler:
             detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.skip_special_tokens)
         rng = params.make_rng()  # seeded: reproducible whatever else is in the batch
         req = Request(rid, ids, len(ids), params, time.monotonic(), detok, rng)
+        if params.has_penalties:
+            req.history = np.zeros(max(2 * len(ids), 64), dtype=np.int64)
+            req.history[: len(ids)] = ids
         if self._cache:
             extend_digests(req.digests, ids, self.blocks.block_size)  # once, in the caller's thread
         with self._lock:
@@ -480,9 +486,9 @@ class Scheduler:
                 logits,
                 [r.params for r in sample_reqs],
                 [r.rng for r in sample_reqs],
-                # only rows with penalties read their history: no per-step copy for the others
-                [r.prompt_ids if r.params.has_penalties else _NO_IDS for r in sample_reqs],
-                [r.output_ids if r.params.has_penalties else _NO_IDS for r in sample_reqs],
+                # only rows with penalties read their history, as views: no per-step copy
+                [r.history[: r.n_prompt] if r.history is not None else _NO_IDS for r in sample_reqs],
+                [r.history[r.n_prompt : r.n_total] if r.history is not None else _NO_IDS for r in sample_reqs],
             )
             detok_fault = self._fault_due("detok_raise_after_n_steps")
             now = time.monotonic()
@@ -509,6 +515,10 @@ class Scheduler:
         """Append a sampled token, stream its text, and finish the request if it stops."""
         p = req.params
         req.token_ids.append(tok)
+        if req.history is not None:
+            if req.n_total > len(req.history):  # amortised O(1): double the buffer
+                req.history = np.concatenate([req.history, np.zeros_like(req.history)])
+            req.history[req.n_total - 1] = tok
         if self._cache:
             extend_digests(req.digests, req.token_ids, self.blocks.block_size)  # only a newly full block
         reason = None

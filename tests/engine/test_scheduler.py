@@ -369,3 +369,30 @@ def test_engine_leaves_the_garbage_collector_alone(tiny_path: Path) -> None:
     with Engine.open(tiny_path, threads=1, kv_tokens=64):
         assert gc.get_freeze_count() == before
     del junk
+
+
+def test_penalties_see_the_whole_history_through_the_scheduler(tiny_path: Path) -> None:
+    """Penalty rows get their history as views of a growing int64 buffer (no per-step list
+    copies); the tokens must equal a plain loop that hands the sampler Python lists, across
+    the buffer's growth (64 slots for a 35-token prompt and 60 new tokens)."""
+    from engine.sampling import Sampler
+
+    params = SamplingParams.parse(temperature=0.0, max_tokens=60, ignore_eos=True, repetition_penalty=1.3,
+                                  frequency_penalty=0.5, presence_penalty=0.2)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 300, size=35)]
+    with Engine.open(tiny_path, threads=1, kv_tokens=256) as eng:
+        sched = Scheduler(eng, SchedulerConfig(prefix_cache=False))
+        rid = sched.add(prompt, params)
+        got = collect_text(sched.run_to_completion()[rid])[0]
+        blocks = eng.blocks.allocate(-(-(len(prompt) + 60) // eng.block_size))
+        try:
+            logits = eng.prefill(prompt, blocks)
+            out: list[int] = []
+            for _ in range(60):
+                tok = int(Sampler().sample(logits[None, :], [params], [None], [prompt], [out]).tokens[0])
+                out.append(tok)
+                logits = eng.prefill([tok], blocks, len(prompt) + len(out) - 1)
+        finally:
+            eng.blocks.release(blocks)
+    assert got == out
+    assert len(set(out)) > 10  # the penalties really steered it (greedy alone repeats a few tokens)

@@ -85,7 +85,10 @@ def engine() -> Iterator[Engine]:
     eng.close()
 
 
-def test_per_step_overhead_is_flat_in_context_length(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("penalties", [False, True], ids=["plain", "penalties"])
+def test_per_step_overhead_is_flat_in_context_length(engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                                     penalties: bool) -> None:
+    """Also with penalties, whose rows read the whole history (as array views, never list copies)."""
     stub = _StubLib(engine.hparams.n_vocab)
     monkeypatch.setattr(engine_mod, "lib", stub)
     digests = 0
@@ -97,7 +100,8 @@ def test_per_step_overhead_is_flat_in_context_length(engine: Engine, monkeypatch
         return real_digest(parent, tokens)
 
     rng = np.random.default_rng(0)
-    params = SamplingParams.parse(temperature=0.0, max_tokens=STEPS + 8, ignore_eos=True)
+    extra = {"repetition_penalty": 1.1, "presence_penalty": 0.5} if penalties else {}  # TOKEN still wins
+    params = SamplingParams.parse(temperature=0.0, max_tokens=STEPS + 8, ignore_eos=True, **extra)
     scheds = {}
     for n in (SHORT, LONG):
         sched = Scheduler(engine, SchedulerConfig(max_batch_tokens=1024))
@@ -118,7 +122,7 @@ def test_per_step_overhead_is_flat_in_context_length(engine: Engine, monkeypatch
             times[n].append(time.perf_counter() - t0)
             assert len(outs) == 1 and outs[0].token_ids == [TOKEN] and not outs[0].finished
     short, long = statistics.median(times[SHORT]), statistics.median(times[LONG])
-    print(f"per-step Python time outside C: {SHORT} tokens {short * 1e6:.0f} us, {LONG} tokens "
+    print(f"per-step Python time outside C{' (penalties)' if penalties else ''}: {SHORT} tokens {short * 1e6:.0f} us, {LONG} tokens "
           f"{long * 1e6:.0f} us (ratio {long / short:.2f})")
     assert long < 1.5 * short, (short, long)
     # tokens read: the one token each step computes, plus a block's tokens when it completes
