@@ -157,8 +157,13 @@ def _clean(text: str) -> str:
     return re.sub(r"[ \t\f\v\u00a0]+", " ", text).strip()
 
 
-def _paragraphs(text: str, page: int | None = None) -> list[Block]:
-    return [Block(p, "para", 0, page) for p in (_clean(x) for x in re.split(r"\n\s*\n", text)) if p]
+def _paragraphs(text: str, page: int | None = None, unwrap: bool = False) -> list[Block]:
+    """Blocks split at blank lines; ``unwrap`` joins the lines of a paragraph (a PDF's line wrapping is layout,
+    not text: "52.3 million\neuros" must read as one phrase)."""
+    parts = (_clean(x) for x in re.split(r"\n\s*\n", text))
+    if unwrap:
+        parts = (re.sub(r"\s*\n\s*", " ", x) for x in parts)
+    return [Block(p, "para", 0, page) for p in parts if p]
 
 
 # ---------------------------------------------------------------------------------------- per format
@@ -199,7 +204,7 @@ def _extract_pdf(path: Path, lim: ExtractLimits) -> Extracted:
                 chars += len(text)
                 if chars > lim.max_chars:
                     raise ExtractionError(f"the PDF holds more than {lim.max_chars} characters of text")
-                out.blocks += _paragraphs(text, i)
+                out.blocks += _paragraphs(text, i, unwrap=True)
             return out
     except LimitReachedError as e:
         raise ExtractionError(f"a PDF stream is too large when decompressed (limit {cap} bytes): {e}") from None

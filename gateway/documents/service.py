@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ __all__ = ["MAX_ATTEMPTS", "Passage", "RagService"]
 log = logging.getLogger("strata.gateway.documents")
 
 MAX_ATTEMPTS = 3
+_BATCH_DOCS = 32  # documents published together at most
+_BATCH_S = 10.0  # how long the first of them may wait for the others
 
 
 @dataclass
@@ -131,51 +134,90 @@ class RagService:
         self.queue.put_nowait(did)
 
     async def _run(self) -> None:
+        """Ingest queued documents one by one; documents of one collection that were queued together are
+        published as one new version (a version per document would rebuild the index once per upload)."""
         while True:
             did = await self.queue.get()
-            self.current = did
-            self._task = asyncio.create_task(self._ingest(did), name=f"ingest-{did}")
-            try:
-                await asyncio.shield(self._task)
-            except asyncio.CancelledError:
-                if not self._task.cancelled():  # the worker itself is being stopped
-                    self._task.cancel()
-                    raise
-                log.info("documents: ingestion of %s stopped (the document was deleted)", did)
-            except Exception as e:  # never kill the worker: the document fails, the next one goes on
-                log.exception("documents: ingestion of %s failed", did)
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(self.store.set_status, did, "failed",
-                                            reason=f"internal error: {type(e).__name__}: {e}")
-            finally:
-                self.current = None
-                self._task = None
+            batch: list[tuple[str, str, int]] = []
+            t0 = time.monotonic()
+            while True:
+                prepared = await self._prepare(did)
+                if prepared is not None:
+                    if batch and batch[0][0] != prepared[0]:
+                        await self._publish_batch(batch)
+                        batch = []
+                    batch.append(prepared)
+                if self.queue.empty() or len(batch) >= _BATCH_DOCS or time.monotonic() - t0 > _BATCH_S:
+                    break
+                did = self.queue.get_nowait()
+            if batch:
+                await self._publish_batch(batch)
 
-    async def _ingest(self, did: str) -> None:
+    async def _prepare(self, did: str) -> tuple[str, str, int] | None:
+        """Extract, chunk and embed one document: (collection, document, chunks), or None when it failed or
+        is gone. Never raises (but for its own cancellation)."""
+        self.current = did
+        self._task = asyncio.create_task(self._ingest(did), name=f"ingest-{did}")
+        try:
+            return await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            if not self._task.cancelled():  # the worker itself is being stopped
+                self._task.cancel()
+                raise
+            log.info("documents: ingestion of %s stopped (the document was deleted)", did)
+        except Exception as e:  # never kill the worker: the document fails, the next one goes on
+            log.exception("documents: ingestion of %s failed", did)
+            await self._fail(did, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.current = None
+            self._task = None
+        return None
+
+    async def _fail(self, did: str, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.store.set_status, did, "failed", reason=reason)
+        self._drop_upload(did)
+
+    async def _publish_batch(self, batch: list[tuple[str, str, int]]) -> None:
+        cid = batch[0][0]
+        try:
+            published = await self.publish(cid, ready={did: n for _, did, n in batch})
+        except Conflict as e:  # the collection was deleted meanwhile
+            log.info("documents: %d document(s) not published: %s", len(batch), e)
+            return
+        except Exception as e:
+            log.exception("documents: publishing %d document(s) to %s failed", len(batch), cid)
+            for _, did, _n in batch:
+                await self._fail(did, f"internal error while indexing: {type(e).__name__}: {e}")
+            return
+        for did in published:
+            self._drop_upload(did)
+        log.info("documents: collection %s: %d document(s) ready", cid, len(published))
+
+    async def _ingest(self, did: str) -> tuple[str, str, int] | None:
         st = self.store
         doc = await asyncio.to_thread(st.get_document, did)
         if doc is None or doc["status"] not in ("queued", "extracting", "embedding"):
-            return
+            return None
         cid = doc["collection_id"]
         if not await asyncio.to_thread(st.set_status, did, "extracting", progress=2.0, start=True):
-            return
+            return None
         try:
             extracted = await asyncio.to_thread(extract_file, self.upload_path(did), doc["format"], self.limits)
         except ExtractionError as e:
             log.info("documents: %s (%s) failed extraction: %s", did, doc["name"], e)
-            await asyncio.to_thread(st.set_status, did, "failed", reason=str(e))
-            self._drop_upload(did)
-            return
+            await self._fail(did, str(e))
+            return None
         chunks = await asyncio.to_thread(chunk_blocks, extracted.blocks, self.embedder.count_tokens,
                                          self.cfg.chunk_tokens, self.cfg.chunk_overlap)
         if not await asyncio.to_thread(st.set_status, did, "embedding", progress=10.0, pages=extracted.pages,
                                        n_chunks=len(chunks)):
-            return
+            return None
 
         last = [0.0]
 
         async def progress(done: int, total: int) -> None:
-            pct = 10.0 + 85.0 * done / max(1, total)
+            pct = 10.0 + 85.0 * done / max(1, total)  # 95 once embedded, 97 saved, 100 published
             if pct - last[0] >= 5 or done == total:
                 last[0] = pct
                 await asyncio.to_thread(st.set_status, did, "embedding", progress=pct)
@@ -186,13 +228,9 @@ class RagService:
                 for c in chunks]
         await asyncio.to_thread(self._save_vectors, cid, did, vectors)
         await asyncio.to_thread(st.save_chunks, did, cid, rows)
-        try:
-            await self.publish(cid, ready=did, n_chunks=len(chunks))
-        except Conflict as e:  # deleted meanwhile (the collection or the document)
-            log.info("documents: %s not published: %s", did, e)
-            return
-        self._drop_upload(did)
-        log.info("documents: %s (%s) ready: %s pages, %d chunks", did, doc["name"], extracted.pages, len(chunks))
+        await asyncio.to_thread(st.set_status, did, "embedding", progress=97.0)
+        log.info("documents: %s (%s) embedded: %s pages, %d chunks", did, doc["name"], extracted.pages, len(chunks))
+        return cid, did, len(chunks)
 
     def _save_vectors(self, cid: str, did: str, vectors: np.ndarray) -> None:
         path = self._vectors_path(cid, did)
@@ -235,10 +273,11 @@ class RagService:
                              hnsw_above=self.cfg.hnsw_above)
         return name, len(ids)
 
-    async def publish(self, cid: str, *, ready: str | None = None, remove: list[str] | None = None,
-                      n_chunks: int | None = None) -> None:
-        """Build and serve a new version of ``cid``: its ready documents, plus ``ready``, minus ``remove`` and
-        minus older documents of ``ready``'s name. Raises Conflict when the collection or ``ready`` is gone."""
+    async def publish(self, cid: str, *, ready: dict[str, int] | None = None,
+                      remove: list[str] | None = None) -> list[str]:
+        """Build and serve a new version of ``cid``: its ready documents, plus ``ready`` (document id -> chunks),
+        minus ``remove`` and minus older documents with the name of a ``ready`` one. Returns the ``ready``
+        documents published (those deleted meanwhile are left out). Raises Conflict when the collection is gone."""
         remove = list(remove or [])
         async with self._lock(cid):
             for _attempt in range(5):
@@ -246,34 +285,35 @@ class RagService:
                 if coll is None:
                     raise Conflict("the collection was deleted")
                 docs = await asyncio.to_thread(self.store.ready_documents, cid)
-                drop = set(remove)
-                if ready is not None:
-                    new = await asyncio.to_thread(self.store.get_document, ready, cid)
-                    if new is None:
-                        raise Conflict("the document was deleted while it was being ingested")
-                    drop |= {d["id"] for d in docs if d["name"] == new["name"] and d["id"] != ready}
-                keep = [d["id"] for d in docs if d["id"] not in drop and d["id"] != ready]
-                if ready is not None:
-                    keep.append(ready)
+                new = []
+                for did in ready or {}:
+                    d = await asyncio.to_thread(self.store.get_document, did, cid)
+                    if d is not None:
+                        new.append(d)
+                new.sort(key=lambda d: (d["created"], d["id"]))
+                latest = {d["name"]: d["id"] for d in new}  # two versions of one name in a batch: the newer wins
+                drop = set(remove) | {d["id"] for d in new if latest[d["name"]] != d["id"]}
+                drop |= {d["id"] for d in docs if d["name"] in latest and d["id"] not in latest.values()}
+                adding = [d["id"] for d in new if d["id"] not in drop]
+                keep = [d["id"] for d in docs if d["id"] not in drop and d["id"] not in adding] + adding
+                if ready and not adding and not remove:
+                    return []  # everything it was asked to add is gone: no new version
                 version = coll["version"] + 1
                 name, _ = await asyncio.to_thread(self._build, cid, version, keep)
                 try:
                     await asyncio.to_thread(self.store.publish, cid, coll["version"], version, name,
-                                            self.embedder.version_key, ready=ready, remove=sorted(drop),
-                                            n_chunks=n_chunks)
+                                            self.embedder.version_key, ready={d: (ready or {})[d] for d in adding},
+                                            remove=sorted(drop))
                 except Conflict:
                     shutil.rmtree(self.root / "collections" / cid / name, ignore_errors=True)
-                    if await asyncio.to_thread(self.store.get_collection, None, cid) is None:
-                        raise
-                    if ready is not None and await asyncio.to_thread(self.store.get_document, ready) is None:
-                        raise
-                    continue  # another gateway published first: build again on top of it
+                    continue  # another gateway published first, or a document went away: build again
                 for did in drop:
                     self._forget_vectors(cid, did)
+                    self._drop_upload(did)
                 self._cache.pop(cid, None)
                 keep_dirs = {name} | ({coll["index_dir"]} if coll["index_dir"] else set())
                 await asyncio.to_thread(prune_versions, self.root, cid, keep_dirs, below=version)
-                return
+                return adding
             raise Conflict("the collection kept changing while its index was being built; try again")
 
     def _forget_vectors(self, cid: str, did: str) -> None:

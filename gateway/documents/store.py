@@ -287,9 +287,10 @@ class DocStore:
                          r["char_start"], r["char_end"], r["text"]) for r in rows]
 
     def publish(self, cid: str, expected_version: int, version: int, index_dir: str, model: str, *,
-                ready: str | None, remove: list[str], n_chunks: int | None = None) -> None:
-        """Make ``index_dir`` the served version, mark ``ready`` ready and drop ``remove``, atomically.
-        Raises Conflict when the collection moved on (or was deleted) meanwhile."""
+                ready: dict[str, int], remove: list[str]) -> None:
+        """Make ``index_dir`` the served version, mark ``ready`` (document id -> chunks) ready and drop
+        ``remove``, atomically. Raises Conflict when the collection moved on, or it or a ``ready`` document
+        was deleted meanwhile (then nothing changes)."""
         now = time.time()
         with self.db.begin() as conn:
             n = conn.execute(update(collections).where(collections.c.id == cid,
@@ -297,12 +298,12 @@ class DocStore:
                              .values(version=version, index_dir=index_dir, model=model)).rowcount
             if n != 1:
                 raise Conflict("the collection changed while its index was being built")
-            if ready is not None:
-                m = conn.execute(update(documents).where(documents.c.id == ready).values(
+            for did, n_chunks in ready.items():
+                m = conn.execute(update(documents).where(documents.c.id == did).values(
                     status="ready", progress=100.0, updated=now, chunks=n_chunks, reason=None)).rowcount
                 if m != 1:  # deleted meanwhile: undo the whole publish
-                    raise Conflict("the document was deleted while it was being ingested")
-                conn.execute(update(jobs).where(jobs.c.document_id == ready, jobs.c.status.notin_(("ready", "failed")))
+                    raise Conflict("a document was deleted while it was being ingested")
+                conn.execute(update(jobs).where(jobs.c.document_id == did, jobs.c.status.notin_(("ready", "failed")))
                              .values(status="ready", finished=now))
             if remove:
                 conn.execute(delete(chunks).where(chunks.c.document_id.in_(remove)))
