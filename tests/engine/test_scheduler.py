@@ -374,7 +374,7 @@ def test_engine_leaves_the_garbage_collector_alone(tiny_path: Path) -> None:
 def test_penalties_see_the_whole_history_through_the_scheduler(tiny_path: Path) -> None:
     """Penalty rows get their history as views of a growing int64 buffer (no per-step list
     copies); the tokens must equal a plain loop that hands the sampler Python lists, across
-    the buffer's growth (64 slots for a 35-token prompt and 60 new tokens)."""
+    the buffer's growth (70 slots for a 35-token prompt and 60 new tokens)."""
     from engine.sampling import Sampler
 
     params = SamplingParams.parse(temperature=0.0, max_tokens=60, ignore_eos=True, repetition_penalty=1.3,
