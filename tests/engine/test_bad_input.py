@@ -215,3 +215,16 @@ def test_huge_counts_and_lengths_are_refused_before_parsing(good: Path, tmp_path
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match=match):
         open_model(bad)
+
+
+def test_python_bounds_mirror_the_c_bounds() -> None:
+    """gguf_model refuses absurd hyper-parameters with the same limits st_model_create uses."""
+    import re
+
+    import engine.gguf_model as gm
+
+    header = (Path(gm.__file__).parent / "csrc" / "internal.h").read_text()
+    c = {k: int(a) << int(b or 0) for k, a, b in re.findall(r"#define ST_MAX_(\w+) \(?(\d+)(?: << (\d+))?", header)}
+    assert {k: c[k] for k in ("LAYERS", "HEADS", "HEAD_DIM", "ROW", "EXPERTS", "EXPERTS_USED", "VOCAB")} == {
+        "LAYERS": gm.MAX_LAYERS, "HEADS": gm.MAX_HEADS, "HEAD_DIM": gm.MAX_HEAD_DIM, "ROW": gm.MAX_ROW,
+        "EXPERTS": gm.MAX_EXPERTS, "EXPERTS_USED": gm.MAX_EXPERTS_USED, "VOCAB": gm.MAX_VOCAB}
