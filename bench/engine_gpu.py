@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> dict:
     V, bs = eng.hparams.n_vocab, eng.block_size
     rng = np.random.default_rng(1)
     res: dict = {"model": str(path), "file_gib": path.stat().st_size / 2**30, "build_s": t_build, "load_s": t_load,
-                 "copy_bw_gbs": bw / 1e9, "gemm_min": None}
+                 "copy_bw_gbs": bw / 1e9}
     hist = np.zeros((eng.hparams.n_layer, eng.hparams.n_expert), np.int32)
 
     def blocks(n_tok: int) -> list[int]:
@@ -197,6 +198,9 @@ def run(args: argparse.Namespace) -> dict:
             for tb in tabs:
                 eng.blocks.release(tb)
 
+    os.environ["STRATA_GPU_GEMM_MIN"] = "64"  # the tiled dp4a GEMM (opt-in: not batch invariant)
+    res["prefill_512_gemm_tok_s"] = prefill(512)
+    del os.environ["STRATA_GPU_GEMM_MIN"]
     res["prefill_512_tok_s"] = prefill(512)
     if not args.quick:
         res["prefill_4096_tok_s"] = prefill(4096)
@@ -205,6 +209,9 @@ def run(args: argparse.Namespace) -> dict:
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     top = np.sort(hist.sum(axis=0))[::-1]
     res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
+    os.environ["STRATA_GPU_LAYER_EVENTS"] = "0"  # what the per-layer timing events cost
+    res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128)
+    del os.environ["STRATA_GPU_LAYER_EVENTS"]
     res["decode_b8_tok_s"], _ = decode(8, 64)
     res["decode_b32_tok_s"], st32 = decode(32, 64)
     res["decode_b32_stats_ms"] = {k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
@@ -231,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
     print(f"{'metric':<28}{'Strata GPU':>14}")
-    for k in ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "prefill_512_tok_s", "prefill_4096_tok_s",
+    for k in ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "prefill_512_tok_s",
+              "prefill_512_gemm_tok_s", "prefill_4096_tok_s", "decode_b1_no_layer_events_tok_s",
               "hbm_floor_tok_s", "floor_share_b1", "top8_expert_share"):
         if k in res:
             print(f"{k:<28}{res[k]:>14.3f}")

@@ -20,7 +20,11 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+/* expf / cosf / sinf as the CPU's libm gives them (correctly rounded in practice): through
+ * double, so the GPU does not add its own last-bit differences to the 8-bit activation
+ * rounding that follows (a one-ulp change can move a value across a rounding boundary). */
+__device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + exp_cr(-x)); }
 
 /* ------------------------------------------------------------ dequantisation */
 
@@ -349,8 +353,11 @@ __global__ void k_linear_ref(lin_args a) {
 /* ------------------------------------------------------------ norms, rope, KV */
 
 /* y[r] = w * (x[r] * 1/sqrt(mean(x^2) + eps)), the sum of squares in double like rmsnorm_row.
- * Rows r = rows[i] when rows != NULL (output row i). One block per row. */
-__global__ void k_rmsnorm(const float *x, const int32_t *rows, const float *w, float *y, int64_t n, float eps) {
+ * Rows r = rows[i] when rows != NULL (output row i). One block per row. With aq != NULL
+ * (n a multiple of 32) the normalised row is also quantised to 8-bit blocks, exactly as
+ * k_quant_act would (one launch instead of two). */
+__global__ void k_rmsnorm(const float *x, const int32_t *rows, const float *w, float *y, int64_t n, float eps,
+                          int8_t *aq, float *ad, int32_t *as) {
     __shared__ double red[32];
     const int64_t r = rows ? rows[blockIdx.x] : blockIdx.x;
     const float *xr = x + r * n;
@@ -367,7 +374,27 @@ __global__ void k_rmsnorm(const float *x, const int32_t *rows, const float *w, f
     }
     __syncthreads();
     const float scale = (float)(1.0 / sqrt(red[0] / (double)n + (double)eps));
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) y[(int64_t)blockIdx.x * n + i] = __fmul_rn(w[i], __fmul_rn(xr[i], scale));
+    float *yr = y + (int64_t)blockIdx.x * n;
+    if (!aq) {
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], scale));
+        return;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+    const int64_t nb = n / 32, row = blockIdx.x;
+    for (int64_t b = warp; b < nb; b += nw) {
+        const int64_t i = 32 * b + lane;
+        const float v = __fmul_rn(w[i], __fmul_rn(xr[i], scale));
+        yr[i] = v;
+        const float amax = warp_max(fabsf(v));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const int q = (int)roundf(v * id);
+        aq[row * n + i] = (int8_t)q;
+        int sm = q;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) sm += __shfl_xor_sync(0xffffffffu, sm, o);
+        if (lane == 0) ad[row * nb + b] = d, as[row * (n / 16) + 2 * b] = sm;
+        if (lane == 16) as[row * (n / 16) + 2 * b + 1] = sm;
+    }
 }
 
 /* Per-head RMSNorm over hd elements of a row, in place (q/k norms). One warp per head. */
@@ -414,7 +441,7 @@ __global__ void k_qkv_post(qkv_args a) {
         if (a.q_norm) head_rmsnorm(hv, isq ? a.q_norm : a.k_norm, a.hd, a.eps, lane);
         for (int i = lane; i < a.rope_dim / 2; i += 32) {
             const float theta = __fmul_rn((float)p, a.inv_freq[i]);
-            rope_pair(hv, i, a.rope_dim, a.rope_type, cosf(theta), sinf(theta));
+            rope_pair(hv, i, a.rope_dim, a.rope_type, (float)cos((double)theta), (float)sin((double)theta));
         }
         __syncwarp();
         if (isq)
@@ -439,46 +466,53 @@ struct attn_args {
     int32_t max_blocks, n_head, n_kv, hd, block_size;
 };
 
-/* Flash-decoding style: one warp per (token, head), online softmax over the sequence's
- * keys 0..pos in passes of 32 keys (lane = key for the scores: K is slot-contiguous, so a
- * dimension of 32 keys is one coalesced read; lane = dimension for the values). */
+/* Flash-decoding style: one block per (token, head); its ATT_WARPS warps take interleaved
+ * passes of 32 keys each with an online softmax (lane = key for the scores: K is
+ * slot-contiguous, so one dimension of 32 keys is one coalesced read; lane = dimension for
+ * the values), and the warps' partial (max, sum, output) are merged at the end. */
 #define ATT_WARPS 4
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
-    __shared__ float qs[ATT_WARPS][256];
+    __shared__ float qs[256];
+    __shared__ float part[ATT_WARPS][256 + 2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x, h = blockIdx.y * ATT_WARPS + warp;
-    if (h >= a.n_head) return;
+    const int t = blockIdx.x, h = blockIdx.y;
     const int hd = a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv);
     const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
-    for (int i = lane; i < hd; i += 32) qs[warp][i] = q[i];
-    __syncwarp();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
+    __syncthreads();
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     const int32_t n_keys = a.pos[t] + 1;
     float m = -INFINITY, l = 0.0f, acc[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
-    for (int32_t j0 = 0; j0 < n_keys; j0 += 32) {
+    for (int32_t j0 = 32 * warp; j0 < n_keys; j0 += 32 * ATT_WARPS) {
         const int32_t j = j0 + lane;
         const bool ok = j < n_keys;
-        int64_t koff = 0, voff = 0;
+        int64_t voff = 0;
         float s = -INFINITY;
         if (ok) {
             const int64_t blk = bt[j / a.block_size];
             const int slot = j % a.block_size;
-            koff = (blk * kd + (int64_t)kvh * hd) * a.block_size + slot;
+            const int64_t koff = (blk * kd + (int64_t)kvh * hd) * a.block_size + slot;
             voff = (blk * a.block_size + slot) * kd + (int64_t)kvh * hd;
             const __half *kp = a.kc + koff;
-            float dot = 0.0f;
-            for (int d = 0; d < hd; d++) dot = fmaf(qs[warp][d], __half2float(kp[(int64_t)d * a.block_size]), dot);
-            s = dot;
+            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains: loads in flight */
+            for (int d = 0; d < hd; d += 4) {
+                d0 = fmaf(qs[d], __half2float(kp[(int64_t)d * a.block_size]), d0);
+                d1 = fmaf(qs[d + 1], __half2float(kp[(int64_t)(d + 1) * a.block_size]), d1);
+                d2 = fmaf(qs[d + 2], __half2float(kp[(int64_t)(d + 2) * a.block_size]), d2);
+                d3 = fmaf(qs[d + 3], __half2float(kp[(int64_t)(d + 3) * a.block_size]), d3);
+            }
+            s = (d0 + d1) + (d2 + d3);
         }
         const float mn = fmaxf(m, warp_max(s));
-        const float corr = expf(m - mn); /* 0 on the first pass (m = -inf) */
+        const float corr = expf(m - mn); /* 0 on the warp's first pass (m = -inf) */
         const float pj = ok ? expf(s - mn) : 0.0f;
         l = l * corr + warp_sum(pj);
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
         const int nk = n_keys - j0 < 32 ? n_keys - j0 : 32;
+#pragma unroll 4
         for (int jj = 0; jj < nk; jj++) {
             const float pb = __shfl_sync(0xffffffffu, pj, jj);
             const int64_t vo = __shfl_sync(0xffffffffu, voff, jj);
@@ -491,11 +525,25 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
         m = mn;
     }
-    float *o = a.out + (int64_t)t * a.n_head * hd + h * hd;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const int d = lane + 32 * i;
-        if (d < hd) o[d] = acc[i] / l;
+        if (d < hd) part[warp][d] = acc[i];
+    }
+    if (lane == 0) part[warp][256] = m, part[warp][257] = l;
+    __syncthreads();
+    float M = -INFINITY;
+    for (int wi = 0; wi < ATT_WARPS; wi++) M = fmaxf(M, part[wi][256]);
+    float L = 0.0f, sc[ATT_WARPS];
+    for (int wi = 0; wi < ATT_WARPS; wi++) {
+        sc[wi] = part[wi][257] > 0.0f ? expf(part[wi][256] - M) : 0.0f; /* a warp with no keys adds nothing */
+        L += part[wi][257] * sc[wi];
+    }
+    float *o = a.out + (int64_t)t * a.n_head * hd + h * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float v = 0.0f;
+        for (int wi = 0; wi < ATT_WARPS; wi++) v += part[wi][d] * sc[wi];
+        o[d] = v / L;
     }
 }
 
@@ -532,28 +580,45 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
 
 /* ------------------------------------------------------------ routing */
 
-/* One thread per token: softmax over the experts, top-k (ties to the lower index), exactly
- * the CPU order of operations. */
-__global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, int32_t *ids, float *w, float *probs) {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+/* One warp per token: softmax over the experts (the sum taken in expert order by one lane,
+ * as the CPU does), then top-k by warp argmax (highest probability, lowest index on ties:
+ * the CPU's rule). Shared memory: ne floats per warp. */
+#define ROUTER_WARPS 4
+__global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, int32_t *ids, float *w) {
+    extern __shared__ float rs[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
     if (t >= T) return;
     const float *r = logits + (int64_t)t * ne;
-    float *p = probs + (int64_t)t * ne;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int e = 0; e < ne; e++) mx = r[e] > mx ? r[e] : mx;
-    for (int e = 0; e < ne; e++) sum += (p[e] = expf(r[e] - mx));
-    for (int e = 0; e < ne; e++) p[e] = p[e] / sum;
-    int32_t *id = ids + (int64_t)t * k;
-    float *wt = w + (int64_t)t * k;
+    float *p = rs + warp * ne;
+    float mx = -INFINITY;
+    for (int e = lane; e < ne; e += 32) mx = fmaxf(mx, r[e]);
+    mx = warp_max(mx);
+    for (int e = lane; e < ne; e += 32) p[e] = exp_cr(r[e] - mx);
+    __syncwarp();
+    float sum = 0.0f;
+    if (lane == 0)
+        for (int e = 0; e < ne; e++) sum += p[e];
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    for (int e = lane; e < ne; e += 32) p[e] = p[e] / sum;
+    __syncwarp();
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int e = 0; e < ne; e++) {
-            bool used = false;
-            for (int u = 0; u < j; u++) used |= id[u] == e;
-            if (!used && (best < 0 || p[e] > p[best])) best = e;
+        float bv = -1.0f;
+        int bi = ne;
+        for (int e = lane; e < ne; e += 32)
+            if (p[e] > bv) bv = p[e], bi = e; /* ascending e: ties keep the lower index */
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
         }
-        id[j] = best;
-        wt[j] = p[best];
+        if (lane == 0) {
+            ids[(int64_t)t * k + j] = bi;
+            w[(int64_t)t * k + j] = bv;
+            p[bi] = -2.0f; /* taken */
+        }
+        __syncwarp();
     }
 }
 
@@ -608,7 +673,7 @@ __global__ void k_shexp_gate(const float *xn, const float *w, int32_t T, int64_t
     if (w)
         for (int64_t i = lane; i < E; i += 32) acc = fmaf(w[i], xn[(int64_t)t * E + i], acc);
     acc = warp_sum(acc);
-    if (lane == 0) g[t] = w ? 1.0f / (1.0f + expf(-acc)) : 1.0f;
+    if (lane == 0) g[t] = w ? 1.0f / (1.0f + exp_cr(-acc)) : 1.0f;
 }
 
 /* x[t, i] += g[t] * y[t, i] (g NULL: x += y) */

@@ -109,12 +109,20 @@ struct dlayer {
 
 struct scratch {
     int64_t cap_t = 0, cap_l = 0, cap_bt = 0;
-    float *x, *xn, *q, *k, *v, *att, *router, *probs, *topk_w, *h, *h2, *pair_out, *gsh, *logits, *xl;
+    float *x, *xn, *q, *k, *v, *att, *router, *topk_w, *h, *h2, *pair_out, *gsh, *logits, *xl;
     int8_t *aq, *hq;
     float *ad, *hd;
     int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
     int32_t *h_ints; /* pinned host staging for the batch's index arrays */
     int64_t cap_ints;
+    int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
+};
+
+struct graph_entry {
+    const stg_kv *kv;
+    int32_t T, NL, mb, n_seq_rows;
+    bool layer_events;
+    cudaGraphExec_t exec;
 };
 
 struct stg_model {
@@ -131,7 +139,13 @@ struct stg_model {
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
     std::vector<void *> allocs;
+    std::vector<graph_entry> graphs;
 };
+
+static void drop_graphs(stg_model *m) {
+    for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);
+    m->graphs.clear();
+}
 
 struct stg_kv {
     stg_model *m;
@@ -300,6 +314,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
     if (!m) return;
     cudaSetDevice(m->device);
     if (m->stream) cudaStreamSynchronize(m->stream);
+    drop_graphs(m);
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
@@ -389,6 +404,8 @@ extern "C" stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t bloc
 extern "C" void stg_kv_destroy(stg_kv *kv) {
     if (!kv) return;
     cudaSetDevice(kv->m->device);
+    cudaStreamSynchronize(kv->m->stream);
+    drop_graphs(kv->m); /* they point into this cache */
     cudaFree(kv->k);
     cudaFree(kv->v);
     delete kv;
@@ -407,14 +424,15 @@ struct acts_d {
     const float *x;
 };
 
+/* Pairs per group from which the tiled GEMM replaces the matvec kernel: off unless
+ * STRATA_GPU_GEMM_MIN is set. The GEMM sums a dot product's sub-blocks in another order
+ * than the matvec kernel, so with it a sequence's logits would depend on what else is in
+ * its batch (which kernel its group got); the matvec kernel's order depends on nothing
+ * but the row, which keeps steps batch invariant, as on the CPU. */
 static int gemm_min_pairs() {
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("STRATA_GPU_GEMM_MIN");
-        v = e ? atoi(e) : 32;
-        if (v < 1) v = 1;
-    }
-    return v;
+    const char *e = getenv("STRATA_GPU_GEMM_MIN");
+    const int v = e ? atoi(e) : INT32_MAX;
+    return v < 1 ? 1 : v;
 }
 
 /* Quantise rows x[R, K] into (q, d, s). */
@@ -514,6 +532,7 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
     const st_model_desc &d = m->d;
     const int64_t E = d.n_embd, k = d.n_expert > 0 ? d.n_expert_used : 1, ne = std::max(1, d.n_expert);
     if (T > s.cap_t || L > s.cap_l) {
+        drop_graphs(m);
         T = std::max(T, s.cap_t), L = std::max(L, s.cap_l);
         /* scratch buffers are freed with the model; a growing batch leaves the old ones
          * allocated only until the model goes (growth is rare: it is sized by the
@@ -526,7 +545,6 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc(m, &s.v, sizeof(float) * T * m->kv_dim));
         CHECK(dalloc(m, &s.att, sizeof(float) * T * m->q_dim));
         CHECK(dalloc(m, &s.router, sizeof(float) * T * ne));
-        CHECK(dalloc(m, &s.probs, sizeof(float) * T * ne));
         CHECK(dalloc(m, &s.topk_w, sizeof(float) * T * k));
         CHECK(dalloc(m, &s.topk_id, sizeof(int32_t) * T * k));
         CHECK(dalloc(m, &s.pair_tok, sizeof(int32_t) * P));
@@ -551,6 +569,7 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
     }
     const int64_t n_ints = 4 * s.cap_t + s.cap_l + n_bt;
     if (n_ints > s.cap_ints) {
+        drop_graphs(m);
         if (s.h_ints) cudaFreeHost(s.h_ints);
         s.h_ints = nullptr;
         CU(cudaMallocHost(&s.h_ints, sizeof(int32_t) * (size_t)n_ints), "pinned staging");
@@ -617,12 +636,11 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     const st_model_desc &d = m->d;
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
-    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps);
+    const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
+    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
     LAUNCHED("rmsnorm");
     stg_status rc;
-    const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    const acts_d in = layer_acts(m, s.xn, T, E, nq, &rc);
-    CHECK(rc);
+    const acts_d in{s.aq, s.ad, s.as, s.xn};
     lin_groups g = {};
     g.n_pairs = T;
     CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
@@ -643,21 +661,21 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
-    k_attention<<<dim3((unsigned)T, (unsigned)((d.n_head + ATT_WARPS - 1) / ATT_WARPS)), ATT_WARPS * 32, 0, st>>>(aa);
+    k_attention<<<dim3((unsigned)T, (unsigned)d.n_head), ATT_WARPS * 32, 0, st>>>(aa);
     LAUNCHED("attention");
     const acts_d ain = layer_acts(m, s.att, T, m->q_dim, !stg_is_float(L.wo.type), &rc);
     CHECK(rc);
     return linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
 }
 
-/* Dense FFN (or a shared expert) over all T tokens of xn: result into pair_out[T, E]. */
+/* Dense FFN (or a shared expert) over all T tokens of xn (quantised in aq by the norm):
+ * result into pair_out[T, E]. */
 static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dtensor &Wu, const dtensor &Wd) {
     scratch &s = m->s;
     cudaStream_t st = m->stream;
     const int64_t E = m->d.n_embd, F = Wg.ne[1];
-    stg_status rc;
-    const acts_d in = layer_acts(m, s.xn, T, E, !stg_is_float(Wg.type), &rc);
-    CHECK(rc);
+    const acts_d in{s.aq, s.ad, s.as, s.xn};
+    (void)E;
     lin_groups g = {};
     g.n_pairs = T;
     CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T));
@@ -671,7 +689,10 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const st_model_desc &d = m->d;
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
-    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps);
+    /* xn quantised once for every quantised weight that reads it (router, experts, shared, dense) */
+    const bool nq = !stg_is_float(L.ffn_gate.d ? L.ffn_gate.type : L.gate_exps.type) ||
+                    (L.gate_inp.d && !stg_is_float(L.gate_inp.type)) || (L.gate_shexp.d && !stg_is_float(L.gate_shexp.type));
+    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
     LAUNCHED("rmsnorm");
     if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
         CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down));
@@ -680,13 +701,12 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         return ST_OK;
     }
     const int ne = d.n_expert, k = d.n_expert_used;
-    stg_status rc;
-    const acts_d rin = layer_acts(m, s.xn, T, E, !stg_is_float(L.gate_inp.type), &rc);
-    CHECK(rc);
+    const acts_d rin{s.aq, s.ad, s.as, s.xn};
     lin_groups g1 = {};
     g1.n_pairs = T;
     CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
-    k_router<<<(T + 63) / 64, 64, 0, st>>>(s.router, T, ne, k, s.topk_id, s.topk_w, s.probs);
+    k_router<<<(T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st>>>(
+        s.router, T, ne, k, s.topk_id, s.topk_w);
     LAUNCHED("router");
     const int32_t P = T * k;
     k_group<<<1, 1024, 2 * ne * sizeof(int32_t), st>>>(s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount, s.n_groups,
@@ -698,8 +718,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     ge.list = s.list, ge.in_map = s.pair_tok;
     const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
     const int64_t F = m->n_ff_exp;
-    const acts_d ein = layer_acts(m, s.xn, T, E, !stg_is_float(L.gate_exps.type), &rc);
-    CHECK(rc);
+    const acts_d ein = rin;
     CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P));
     if (!stg_is_float(L.down_exps.type)) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
     lin_groups gd = ge;
@@ -719,6 +738,88 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     return ST_OK;
 }
 
+/* The device work of one step (everything between the batch upload and the logits
+ * download): captured once per shape as a CUDA graph for small batches. */
+struct step_shape {
+    int32_t T, NL, mb;
+    const int32_t *d_tok, *d_pos, *d_seq, *d_lidx, *d_bt;
+    bool capturing;    /* inside a graph capture: events become record nodes */
+    bool layer_events; /* per-layer attention / FFN times (STRATA_GPU_LAYER_EVENTS=0: off) */
+};
+
+/* An event record that also works inside a capture (there a plain record would only
+ * express a dependency; the External flag makes it a node that records at each replay). */
+static cudaError_t record(cudaEvent_t e, cudaStream_t st, bool capturing) {
+    return cudaEventRecordWithFlags(e, st, capturing ? cudaEventRecordExternal : cudaEventRecordDefault);
+}
+
+static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    cudaEvent_t *ev = m->ev.data();
+    const int nL = m->d.n_layer;
+    const int64_t E = m->d.n_embd;
+    if (m->d.n_expert > 0) CU(cudaMemsetAsync(m->hist, 0, sizeof(int32_t) * nL * m->d.n_expert, st), "forward");
+    CHECK(embed(m, sh.d_tok, sh.T));
+    for (int il = 0; il < nL; il++) {
+        if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
+        CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb));
+        if (sh.layer_events) CU(record(ev[3 * il + 1], st, sh.capturing), "forward");
+        CHECK(ffn_block(m, il, sh.T));
+        if (sh.layer_events) CU(record(ev[3 * il + 2], st, sh.capturing), "forward");
+    }
+    CU(record(ev[3 * nL + 1], st, sh.capturing), "forward");
+    if (sh.NL > 0) {
+        const bool nq = !stg_is_float(m->output.type);
+        k_rmsnorm<<<sh.NL, 256, 0, st>>>(s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
+                                          nq ? s.aq : nullptr, s.ad, s.as);
+        LAUNCHED("output norm");
+        const acts_d in{s.aq, s.ad, s.as, s.xl};
+        lin_groups g = {};
+        g.n_pairs = sh.NL;
+        CHECK(linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE));
+    }
+    return ST_OK;
+}
+
+#define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
+#define GRAPH_CACHE 64
+
+static bool graphs_enabled(int32_t T) {
+    const char *e = getenv("STRATA_GPU_GRAPHS");
+    return T <= GRAPH_MAX_TOKENS && !(e && e[0] == '0');
+}
+
+/* Replay the graph of this shape, capturing it first; a shape that cannot be captured
+ * runs eagerly. Graphs hold scratch pointers: ensure_scratch drops them on growth. */
+static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh) {
+    cudaStream_t st = m->stream;
+    for (const graph_entry &g : m->graphs)
+        if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
+            g.layer_events == sh.layer_events) {
+            CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
+            return ST_OK;
+        }
+    if (m->graphs.size() >= GRAPH_CACHE) drop_graphs(m);
+    CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "forward: capture");
+    step_shape cap = sh;
+    cap.capturing = true;
+    const stg_status rc = run_step(m, kv, cap);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ce = cudaStreamEndCapture(st, &graph);
+    cudaGraphExec_t exec = nullptr;
+    if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+        cudaGraphDestroy(graph);
+        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, exec});
+        CU(cudaGraphLaunch(exec, st), "forward: graph launch");
+        return ST_OK;
+    }
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    if (rc != ST_OK) return rc;
+    return run_step(m, kv, sh); /* not capturable here: run it as is */
+}
+
 extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, void *vstats) {
     const st_batch *b = (const st_batch *)vbatch;
     if (!m || !kv || !b) return fail(ST_EINVAL, "forward: NULL argument");
@@ -729,13 +830,18 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     st_step_stats *stt = vstats ? (st_step_stats *)vstats : &local;
     memset(stt, 0, sizeof *stt);
     CU(cudaSetDevice(m->device), "forward");
+    cudaGetLastError(); /* a failed call elsewhere must not be reported by this step's first check */
     const int32_t T = b->n_tokens, NL = b->n_logits;
-    const int64_t n_bt = (int64_t)b->n_seqs * b->max_blocks, E = m->d.n_embd;
+    /* block tables padded to a multiple of 16 columns (-1), so a graph serves a range of lengths */
+    const int32_t mb = (b->max_blocks + 15) / 16 * 16;
+    const int64_t n_bt = (int64_t)b->n_seqs * mb;
     CHECK(ensure_scratch(m, T, NL, n_bt));
     scratch &s = m->s;
+    s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
     cudaEvent_t *ev = m->ev.data();
     const int nL = m->d.n_layer;
+    const bool moe = m->d.n_expert > 0;
     CU(cudaEventRecord(ev[3 * nL], st), "forward");
     /* one upload of the batch's index arrays */
     int32_t *hi = s.h_ints;
@@ -743,34 +849,20 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     memcpy(hi + T, b->pos, sizeof(int32_t) * T);
     memcpy(hi + 2 * T, b->seq, sizeof(int32_t) * T);
     if (NL) memcpy(hi + 3 * T, b->logit_idx, sizeof(int32_t) * NL);
-    memcpy(hi + 3 * T + NL, b->block_tables, sizeof(int32_t) * n_bt);
+    int32_t *hbt = hi + 3 * T + NL;
+    for (int32_t r = 0; r < b->n_seqs; r++) {
+        memcpy(hbt + (int64_t)r * mb, b->block_tables + (int64_t)r * b->max_blocks, sizeof(int32_t) * b->max_blocks);
+        for (int32_t c = b->max_blocks; c < mb; c++) hbt[(int64_t)r * mb + c] = -1;
+    }
     const int64_t n_ints = 3 * T + NL + n_bt;
     CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
-    const int32_t *d_tok = s.ints, *d_pos = s.ints + T, *d_seq = s.ints + 2 * T, *d_lidx = s.ints + 3 * T,
-                  *d_bt = s.ints + 3 * T + NL;
-    const bool moe = m->d.n_expert > 0;
-    if (moe) CU(cudaMemsetAsync(m->hist, 0, sizeof(int32_t) * nL * m->d.n_expert, st), "forward");
-    CHECK(embed(m, d_tok, T));
-    for (int il = 0; il < nL; il++) {
-        CU(cudaEventRecord(ev[3 * il], st), "forward");
-        CHECK(attention_block(m, kv, il, T, d_pos, d_seq, d_bt, b->max_blocks));
-        CU(cudaEventRecord(ev[3 * il + 1], st), "forward");
-        CHECK(ffn_block(m, il, T));
-        CU(cudaEventRecord(ev[3 * il + 2], st), "forward");
-    }
-    CU(cudaEventRecord(ev[3 * nL + 1], st), "forward");
-    if (NL > 0) {
-        k_rmsnorm<<<NL, 256, 0, st>>>(s.x, d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps);
-        LAUNCHED("output norm");
-        stg_status rc;
-        const acts_d in = layer_acts(m, s.xl, NL, E, !stg_is_float(m->output.type), &rc);
-        CHECK(rc);
-        lin_groups g = {};
-        g.n_pairs = NL;
-        CHECK(linear(st, m->output, nullptr, g, 1, NL, NL, in, s.logits, m->d.n_vocab, MODE_STORE));
+    const char *le = getenv("STRATA_GPU_LAYER_EVENTS");
+    const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
+                        false, !(le && le[0] == '0')};
+    CHECK(graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh));
+    if (NL > 0)
         CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
            "forward: logits");
-    }
     CU(cudaEventRecord(ev[3 * nL + 2], st), "forward");
     std::vector<int32_t> hist;
     if (moe && b->expert_hist) {
@@ -792,18 +884,21 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
             if (b->expert_hist) b->expert_hist[i] += hist[i];
         }
     }
-    float ms = 0.0f;
-    for (int il = 0; il < nL; il++) {
-        cudaEventElapsedTime(&ms, ev[3 * il], ev[3 * il + 1]);
-        stt->t_attn += 1e-3 * ms;
-        cudaEventElapsedTime(&ms, ev[3 * il + 1], ev[3 * il + 2]);
-        if (moe) stt->t_experts += 1e-3 * ms;
-        else stt->t_dense += 1e-3 * ms;
+    auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
+            cudaGetLastError();
+            return 0.0;
+        }
+        return 1e-3 * ms;
+    };
+    for (int il = 0; il < nL && sh.layer_events; il++) {
+        stt->t_attn += elapsed(ev[3 * il], ev[3 * il + 1]);
+        if (moe) stt->t_experts += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
+        else stt->t_dense += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
     }
-    cudaEventElapsedTime(&ms, ev[3 * nL + 1], ev[3 * nL + 2]);
-    stt->t_output = 1e-3 * ms;
-    cudaEventElapsedTime(&ms, ev[3 * nL], ev[3 * nL + 2]);
-    stt->t_total = 1e-3 * ms;
+    stt->t_output = elapsed(ev[3 * nL + 1], ev[3 * nL + 2]);
+    stt->t_total = elapsed(ev[3 * nL], ev[3 * nL + 2]);
     stt->n_tokens = T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;
@@ -945,7 +1040,7 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
         CHECK(up(bsc, nullptr, sizeof(float) * (size_t)(nq * n_kv) * (size_t)(p0 + nq)));
         k_attention_ref<<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
     } else {
-        k_attention<<<dim3((unsigned)nq, (unsigned)((n_kv + ATT_WARPS - 1) / ATT_WARPS)), ATT_WARPS * 32>>>(a);
+        k_attention<<<dim3((unsigned)nq, (unsigned)n_kv), ATT_WARPS * 32>>>(a);
     }
     LAUNCHED("attention");
     std::vector<float> o(qf.size());
@@ -962,7 +1057,8 @@ extern "C" stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n
     CHECK(up(bx, x, sizeof(float) * (size_t)(n_rows * n)));
     CHECK(up(bw, w, sizeof(float) * (size_t)n));
     CHECK(up(by, nullptr, sizeof(float) * (size_t)(n_rows * n)));
-    k_rmsnorm<<<(unsigned)n_rows, 256>>>(bx.as<float>(), nullptr, bw.as<float>(), by.as<float>(), n, eps);
+    k_rmsnorm<<<(unsigned)n_rows, 256>>>(bx.as<float>(), nullptr, bw.as<float>(), by.as<float>(), n, eps, nullptr,
+                                          nullptr, nullptr);
     LAUNCHED("rmsnorm");
     return down(y, by, sizeof(float) * (size_t)(n_rows * n));
 }
@@ -1021,8 +1117,8 @@ extern "C" stg_status stg_test_router(const float *logits, int32_t n_tok, int32_
     CHECK(up(bi, nullptr, sizeof(int32_t) * (size_t)n_tok * k));
     CHECK(up(bw, nullptr, sizeof(float) * (size_t)n_tok * k));
     CHECK(up(bp, nullptr, sizeof(float) * (size_t)n_tok * n_expert));
-    k_router<<<(n_tok + 63) / 64, 64>>>(bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>(),
-                                        bp.as<float>());
+    k_router<<<(n_tok + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * n_expert * sizeof(float)>>>(
+        bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>());
     LAUNCHED("router");
     CHECK(down(ids, bi, sizeof(int32_t) * (size_t)n_tok * k));
     return down(w, bw, sizeof(float) * (size_t)n_tok * k);

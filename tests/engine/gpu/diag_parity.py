@@ -22,7 +22,9 @@ from tests.engine import hf_models as H
 def main(argv: list[str]) -> int:
     cases = [tuple(a.split(":")) for a in argv] or [("qwen2moe", "q5_0"), ("qwen2moe", "f32"), ("mixtral", "q4_1"),
                                                       ("qwen3moe", "q8_0")]
-    prompt = [int(t) for t in np.random.default_rng(7).integers(0, 300, size=40)]
+    rng = np.random.default_rng(42)  # the prompt of test_gpu_models
+    _ = [[int(t) for t in rng.integers(0, 300, size=int(n))] for n in rng.integers(5, 40, size=16)]
+    prompt = [int(t) for t in rng.integers(0, 300, size=40)]
     print("STRATA_GPU_GEMM_MIN =", os.environ.get("STRATA_GPU_GEMM_MIN", "(default)"))
     with tempfile.TemporaryDirectory() as tmp:
         for arch, qt in cases:

