@@ -266,6 +266,29 @@ def get_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0
         return json.loads(r.read())
 
 
+FIRST_PROMPT = "What is the capital of France? Answer in one sentence."  # the tiny default model gets it right
+
+
+def first_answer(base: str, key: str | None = None) -> str:
+    """Ask ``base`` (a lane or the gateway) the first prompt, greedily: a line naming the answer
+    and who gave it, or why none came."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    body = {"messages": [{"role": "user", "content": FIRST_PROMPT}], "max_tokens": 32, "temperature": 0}
+    t0 = time.monotonic()
+    try:
+        req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            lane = r.headers.get("X-Strata-Lane")
+            text = json.loads(r.read())["choices"][0]["message"]["content"].strip()
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        return f"(the first test prompt failed: {e})"
+    took = f"{time.monotonic() - t0:.1f}s"
+    where = f"through the gateway (lane {lane}, {took})" if lane else f"({took})"
+    return f"first answer {where}: {text!r}"
+
+
 def port_taken(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
@@ -429,18 +452,7 @@ def _summary_gateway(conf: Path, lanes: list[Lane], gw: Gateway) -> None:
         _log(f"  lane {lane.name}   {lane.base}/v1   (loopback only) {extra}")
     admin = read_admin_key(gw)
     if admin:
-        try:
-            t0 = time.monotonic()
-            req = urllib.request.Request(gw.base + "/v1/chat/completions", data=json.dumps({
-                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-                "max_tokens": 32, "temperature": 0}).encode(),
-                headers={"Content-Type": "application/json", "Authorization": f"Bearer {admin}"})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                lane_name = r.headers.get("X-Strata-Lane", "?")
-                text = json.loads(r.read())["choices"][0]["message"]["content"].strip()
-            _log(f"  first answer through the gateway (lane {lane_name}, {time.monotonic() - t0:.1f}s): {text!r}")
-        except (OSError, ValueError, KeyError) as e:
-            _log(f"  (the first test prompt through the gateway failed: {e})")
+        _log(f"  {first_answer(gw.base, admin)}")
     where = f"{gw.admin_key_file}" if gw.admin_key_file else f"${ADMIN_ENV}"
     host = socket.gethostname() if gw.host in ("0.0.0.0", "", "::") else gw.host
     _log("")
@@ -448,15 +460,15 @@ def _summary_gateway(conf: Path, lanes: list[Lane], gw: Gateway) -> None:
     _log(f"  {BIN / 'strata'} keys create --name me          # --rpm 60 --max-concurrent 4 --log-prompts ...")
     _log(f"Admin key (admin API /v1/admin/*, never printed): {where}   (cat it to use it)")
     _log("")
-    _log("Try it:")
+    _log("Try it (the tiny default model answers short questions best at temperature 0; README.md says more):")
     _log(f"  curl -s {gw.base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\")
     _log("    -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
-         "\"content\": \"Hi!\"}], \"max_tokens\": 64}'")
+         "\"content\": \"Hi!\"}], \"max_tokens\": 64, \"temperature\": 0}'")
     _log("")
     _log("  from openai import OpenAI")
     _log(f"  client = OpenAI(base_url=\"http://{host}:{gw.port}/v1\", api_key=\"sk-strata-...\")")
     _log("  r = client.chat.completions.create(model=\"strata-default\", "
-         "messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
+         "temperature=0, messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
     _log("  print(r.choices[0].message.content)")
     _log("")
     _log(f"Status: make status    Logs: {conf.parent / 'var' / 'log'}/    "
@@ -475,31 +487,24 @@ def _summary(conf: Path, lanes: list[Lane]) -> None:
             extra = ""
         _log(f"  lane {lane.name}  {lane.base}/v1   {extra}")
     first = lanes[0]
-    try:
-        t0 = time.monotonic()
-        answer = get_json(first.base + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-            "max_tokens": 32, "temperature": 0})
-        text = answer["choices"][0]["message"]["content"].strip()
-        _log(f"  first answer from lane {first.name} ({time.monotonic() - t0:.1f}s): {text!r}")
-    except (OSError, ValueError, KeyError) as e:
-        _log(f"  (the first test prompt on lane {first.name} failed: {e})")
+    _log(f"  lane {first.name}: {first_answer(first.base)}")
     url = first.base
     _log("")
     _log("Try it:")
     _log(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
     _log("    -d '{\"model\": \"strata-default\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], "
-         "\"max_tokens\": 64}'")
+         "\"max_tokens\": 64, \"temperature\": 0}'")
     _log(f"  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
-    _log("    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}], \"stream\": true}'")
+    _log("    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Name three primary colors.\"}], "
+         "\"temperature\": 0, \"stream\": true}'")
     _log("")
     _log("  from openai import OpenAI")
     _log(f"  client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")")
     _log("  r = client.chat.completions.create(model=\"strata-default\", "
-         "messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
+         "temperature=0, messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
     _log("  print(r.choices[0].message.content)")
     _log("")
-    _log("The public gateway (:8080) arrives with a later issue; until then talk to a lane directly.")
+    _log("(This process table has no [program:gateway]: clients talk to the lanes directly.)")
     _log(f"Status: make status    Logs: {conf.parent / 'var' / 'log'}/    "
          f"Control: {BIN / 'supervisorctl'} -c {conf}    Stop: make stop")
 

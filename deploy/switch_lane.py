@@ -53,6 +53,7 @@ if str(REPO) not in sys.path:
 from common.config import ADMIN_ENV  # noqa: E402  (the repo root must be importable first)
 from deploy.run import (  # noqa: E402
     DEFAULT_CONFIG,
+    FIRST_PROMPT,
     LANE_GROUP,
     Lane,
     gateway_program,
@@ -191,7 +192,7 @@ class Switch:
             time.sleep(0.25)
 
     def smoke(self, timeout: float) -> None:
-        body = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        body = {"messages": [{"role": "user", "content": FIRST_PROMPT}],
                 "max_tokens": 8, "temperature": 0}
         req = urllib.request.Request(self.lane_url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json", "X-Request-Id": "switch-smoke"})

@@ -30,6 +30,7 @@ import aiohttp
 import openai
 import pytest
 
+from tests.http_helpers import wait_until
 from tests.integration.conftest import ADMIN_KEY, BIN, REPO, Stack, dump_toml, http_get
 
 pytestmark = pytest.mark.slow
@@ -265,6 +266,12 @@ class Load:
         self._thread.start()
         return self
 
+    def answered(self, n: int, within: float = 60.0) -> None:
+        """Wait until ``n`` more requests have been answered (the load is really flowing)."""
+        target = self.ok + n
+        wait_until(lambda: (self.ok, len(self.failures)), lambda v: v[0] >= target or v[1] > 0, within,
+                   f"{n} more answered requests")
+
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(60)
@@ -292,9 +299,9 @@ def test_rollout_and_rollback(stack: Stack, key: str, lane_b_file: dict[str, Any
     new = tmp_path / "lane_b_new.toml"
     new.write_text(dump_toml({**lane_b_file, "kv_tokens": old_kv - 512}))
     with Load(stack, key) as load:
-        time.sleep(1)
+        load.answered(3)
         r = switch(stack, new)
-        time.sleep(1)
+        load.answered(3)  # traffic keeps flowing after the switch
     assert r.returncode == 0, r.stdout + r.stderr
     assert not load.failures, load.failures[:3]
     assert load.ok > 5
@@ -321,9 +328,9 @@ def test_rollout_and_rollback(stack: Stack, key: str, lane_b_file: dict[str, Any
     broken.write_text(dump_toml({**lane_b_file, "model": str(bad_model)}))
     pid_before = stack.pid("lane_b")
     with Load(stack, key) as load:
-        time.sleep(1)
+        load.answered(3)
         r = switch(stack, broken)
-        time.sleep(1)
+        load.answered(3)
     assert r.returncode == 1, r.stdout + r.stderr
     assert not load.failures, load.failures[:3]
     last = history(stack)[-1]
