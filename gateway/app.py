@@ -37,6 +37,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import chat_completions, completions
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.store import RequestLog, RequestQuery
+from memory.api import add_routes as add_session_routes
+from memory.api import memory_context
 
 __all__ = ["create_app"]
 
@@ -59,6 +61,8 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     app[GATEWAY] = gw
     app.cleanup_ctx.append(_lifecycle)
     app.cleanup_ctx.append(rag_context(config.rag))  # after _lifecycle: it needs the database
+    app.cleanup_ctx.append(memory_context(config.memory, config.rag.embed_model, config.rag.embed_threads,
+                                          config.rag.embed_batch))
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
@@ -74,6 +78,7 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     r.add_delete("/v1/admin/keys/{id}", admin_revoke_key)
     r.add_get("/v1/admin/requests", admin_requests)
     add_document_routes(app)  # /v1/collections..., /v1/embeddings
+    add_session_routes(app)  # /v1/sessions...
     return app
 
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
 from gateway.documents.config import RagConfig
+from memory.config import MemoryConfig
 
 __all__ = ["ENV_PREFIX", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "default_db_url", "load_config"]
 
@@ -97,6 +98,7 @@ class GatewayConfig(BaseModel):
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     rag: RagConfig = Field(default_factory=RagConfig, description="documents and retrieval (docs/rag.md)")
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="session memory (docs/memory.md)")
 
     @field_validator("log_level", mode="before")
     @classmethod

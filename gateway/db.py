@@ -80,6 +80,7 @@ requests = Table(
     Column("retried", Boolean, nullable=False, default=False),
     Column("prompt_text", Text, nullable=True),  # only for keys with log_prompts
     Column("response_text", Text, nullable=True),
+    Column("memory", String(128), nullable=True),  # session memory counts of the composed prompt
     Index("ix_requests_time", "time"),
     Index("ix_requests_key_time", "key_id", "time"),
 )

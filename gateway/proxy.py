@@ -41,6 +41,9 @@ from gateway.keys import KeyRecord
 from gateway.limits import Reservation
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
+from memory.api import get_memory
+from memory.chat import MemoryContext, fit_memory, is_memory_session, session_ref
+from memory.chat import prepare as memory_prepare
 
 __all__ = ["chat_completions", "completions"]
 
@@ -159,6 +162,7 @@ class _Call:
         self.clamp: Clamp | None = None
         self.lane_broke = False  # the lane failed after the first token
         self.rag: RagContext | None = None  # retrieved passages (the `collections` field)
+        self.memory: MemoryContext | None = None  # session memory (a `sess_...` session_id)
 
     # ------------------------------------------------------------ attempts
     async def run(self) -> web.StreamResponse:
@@ -175,6 +179,8 @@ class _Call:
         finally:
             if self.clamp is not None:
                 self.gw.metrics.clamped.labels(reason=self.clamp.reason).inc()
+            if self.memory is not None and not self.memory.stored and self.first_sent:
+                await self._remember(complete=False)  # cut by a disconnect or a lane failure: what was streamed
 
     async def _attempts(self) -> web.StreamResponse:
         disp, cfg, trace = self.gw.dispatcher, self.gw.config, self.trace
@@ -201,6 +207,10 @@ class _Call:
                     self.reservation = self.gw.limiter.reserve(
                         self.key, plan.prompt_tokens, plan.max_new_tokens * plan.n_prompts * self.n_choices)
                 lane_body = dict(self.body)
+                if self.memory is not None:
+                    trace.memory = self.memory.header()
+                    if self.key.log_prompts:  # the request log shows what the lane got: the composed prompt
+                        trace.prompt_text = json.dumps(lane_body.get("messages"), ensure_ascii=False)
                 if plan.max_tokens is not None:
                     lane_body[max_tokens_field(self.body, self.kind)] = plan.max_tokens
                 self.clamp = plan.clamp
@@ -233,6 +243,8 @@ class _Call:
         cfg = self.gw.config
         try:
             check = precheck if self.rag is None else functools.partial(fit_passages, ctx=self.rag)
+            if self.memory is not None:  # compose first: the precheck counts the composed prompt (+ passages)
+                check = functools.partial(fit_memory, mem=self.memory, rag=self.rag)
             plan = await _race(self.request, check(
                 self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
                 timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
@@ -253,7 +265,28 @@ class _Call:
             h["X-Strata-Max-Tokens-Clamped"] = self.clamp.header()
         if self.rag is not None:
             h["X-Strata-Rag-Passages"] = self.rag.header()  # used/retrieved: fewer when the window is short
+        if self.memory is not None and self.memory.comp is not None:
+            h["X-Strata-Memory"] = self.memory.header()
         return h
+
+    def _reply_text(self) -> str:
+        parts = (self.texts or {}).get(0) or []
+        return "".join(parts)
+
+    async def _remember(self, *, complete: bool) -> None:
+        """Store the request's new message(s) and the reply (once); a failure is logged, never raised: the
+        client's answer is already on its way."""
+        mem = self.memory
+        if mem is None or mem.stored:
+            return
+        mem.stored = True
+        try:
+            await mem.svc.remember(mem.loaded.session, mem.new_messages, self._reply_text(), complete=complete,
+                                   reply_tokens=self.trace.completion_tokens, request_id=self.trace.id)
+        except Exception as e:
+            self.trace.error_type = self.trace.error_type or "memory_store_failed"
+            log.error("id=%s session=%s: storing the turn failed: %s: %s", self.trace.id,
+                      mem.loaded.session.id, type(e).__name__, e)
 
     async def _passthrough(self, p: Passthrough) -> web.StreamResponse:
         code = _error_code(p.body)
@@ -320,7 +353,11 @@ class _Call:
             for ch in data.get("choices") or []:
                 msg = ch.get("message") if isinstance(ch, dict) else None
                 texts.append(msg.get("content") if isinstance(msg, dict) else ch.get("text"))
-            self.trace.response_text = texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
+            if self.key.log_prompts:
+                self.trace.response_text = texts[0] if len(texts) == 1 else json.dumps(texts, ensure_ascii=False)
+            if self.memory is not None:
+                self.texts = {0: [texts[0] if texts and isinstance(texts[0], str) else ""]}
+                await self._remember(complete=True)
         if self.rag is not None and isinstance(data, dict):
             data["citations"] = rag_citations(self.rag)
             raw = _dumps(data)
@@ -418,6 +455,7 @@ class _Call:
                         done = True
                         break
                 if done:
+                    await self._remember(complete=True)  # a session's turns are stored before the client's [DONE]
                     if self.rag is not None:  # the citations ride in one last chunk, before [DONE]
                         await self._write(lane, b"data: " + _dumps({
                             "id": self.trace.id, "object": "chat.completion.chunk", "created": int(time.time()),
@@ -442,7 +480,7 @@ class _Call:
         finally:
             if pump is not None:
                 pump.cancel()
-            if self.texts is not None and self.texts:
+            if self.texts is not None and self.texts and self.key.log_prompts:
                 parts = ["".join(self.texts[i]) for i in sorted(self.texts)]
                 self.trace.response_text = parts[0] if len(parts) == 1 else json.dumps(parts, ensure_ascii=False)
             if clean:
@@ -528,10 +566,10 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         if model is not None and not isinstance(model, str):
             raise _bad("model", "invalid model: expected a string")
         trace.model = model
-        session_id = body.get("session_id")
-        if session_id is not None and not isinstance(session_id, str):
-            raise _bad("session_id", "invalid session_id: expected a string")
+        session_id = session_ref(request, body)
         refs = parse_collections(body)
+        if is_memory_session(session_id) and kind != "chat":
+            raise _bad("session_id", "session memory works with /v1/chat/completions only")
         if refs is not None and kind != "chat":
             raise _bad("collections", "collections works with /v1/chat/completions only")
         for extra in _EXTRAS:
@@ -549,6 +587,12 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
             trace.prompt_text = json.dumps(body.get("messages") if kind == "chat" else body.get("prompt"),
                                            ensure_ascii=False)
         call = _Call(request, gw, trace, key, kind, body, affinity, client_usage)
+        if is_memory_session(session_id):
+            assert session_id is not None
+            call.memory = await memory_prepare(get_memory(request), key.id, session_id, body["messages"])
+            call.texts = {}  # the reply is stored as a turn (logged only for keys with log_prompts)
+            if refs is None and call.memory.loaded.session.collections:
+                refs = call.memory.loaded.session.collections  # the session's own collections
         if refs:
             call.rag = await rag_prepare(get_rag(request), key.id, refs, body["messages"], gw.config.rag.top_k)
         return await call.run()

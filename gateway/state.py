@@ -67,6 +67,7 @@ class Trace:
     prompt_text: str | None = None
     response_text: str | None = None
     client_gone: bool = False
+    memory: str | None = None  # session memory's composition counts (X-Strata-Memory)
 
     def row(self, status: int, duration_ms: float) -> dict[str, Any]:
         return {"id": self.id, "time": self.time, "key_id": self.key.id if self.key else None, "lane": self.lane,
@@ -75,7 +76,7 @@ class Trace:
                 "completion_tokens": self.completion_tokens, "ttft_ms": self.ttft_ms, "duration_ms": duration_ms,
                 "status": status, "error_type": self.error_type, "clamped_from": self.clamped_from,
                 "clamped_to": self.clamped_to, "retried": self.retried, "prompt_text": self.prompt_text,
-                "response_text": self.response_text}
+                "response_text": self.response_text, "memory": self.memory}
 
 
 GATEWAY = web.AppKey("strata_gateway", Gateway)

@@ -5,12 +5,12 @@ The composed chat, in order (docs/memory.md):
 1. **head** — one system message: the system prompt (the request's, else the session's) and
    the running summary in a delimited block. It changes only when the summary does, so a lane's
    prefix cache (the session keeps its lane by affinity) serves it turn after turn;
-2. **recent turns verbatim** — the newest turns no summary covers, oldest first; when they do not
+2. **retrieved turns** — older turns most similar to the new message (cosine of the embedding
+   model's vectors), shown in turn order in one system message that says later turns supersede
+   earlier ones (a corrected fact wins). Only present once the history outgrows the budget;
+3. **recent turns verbatim** — the newest turns no summary covers, oldest first; when they do not
    all fit, the oldest are left out (they stay reachable by retrieval). Appending a turn leaves
    everything before it byte-identical, so the cached prefix grows with the conversation;
-3. **retrieved turns** — older turns most similar to the new message (cosine of the embedding
-   model's vectors), shown in turn order in one system message that says later turns supersede
-   earlier ones (a corrected fact wins);
 4. the request's own messages (the new user message).
 
 The budget is in estimated tokens (:func:`estimate_tokens`, deliberately high for English); the
@@ -34,8 +34,8 @@ SUMMARY_END = "<<<END OF CONVERSATION SUMMARY>>>"
 RETRIEVED_BEGIN = "<<<EARLIER TURNS>>>"
 RETRIEVED_END = "<<<END OF EARLIER TURNS>>>"
 _SUMMARY_INTRO = "Summary of the earlier part of this conversation (older turns, condensed):"
-_RETRIEVED_INTRO = ("Earlier turns of this conversation that may be relevant to the next message, in the order they "
-                    "were said. Where they disagree, the later turn is the correct one.")
+_RETRIEVED_INTRO = ("Earlier turns of this conversation that may matter for the next message, in the order they were "
+                    "said. Where they disagree with each other or with what follows, the later turn is the correct one.")
 MESSAGE_OVERHEAD = 6  # role markers and separators a chat template adds per message (estimated tokens)
 
 
@@ -87,6 +87,20 @@ def _retrieved_block(chosen: list[Turn]) -> str:
     return "\n".join(lines)
 
 
+def _fit_recent(recent: Sequence[Turn], room: int) -> list[Turn]:
+    """The newest turns whose cost fits ``room``, in order."""
+    take: list[Turn] = []
+    spent = 0
+    for t in reversed(recent):
+        cost = t.tokens + MESSAGE_OVERHEAD
+        if spent + cost > room:
+            break
+        take.append(t)
+        spent += cost
+    take.reverse()
+    return take
+
+
 def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Turn], candidates: Sequence[Scored],
             new_messages: Sequence[dict[str, Any]], budget: int, top_k: int, retrieve_share: float,
             total_turns: int) -> Composition:
@@ -100,23 +114,15 @@ def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Tur
     if head:
         used += estimate_tokens(head) + MESSAGE_OVERHEAD
     room = max(0, budget - used)
-    in_recent = {t.id for t in recent}
-    pool = [c for c in candidates if c.turn.id not in in_recent]
-    want = pool[:top_k]
-    reserve = 0
+    take = _fit_recent(recent, room)
+    # room for retrieval: the best candidates that the verbatim turns leave out, up to a share of the budget
+    kept = {t.id for t in take}
+    want = [c for c in candidates if c.turn.id not in kept][:top_k]
     if want and top_k > 0:
-        need = sum(estimate_tokens(render_turn(c.turn)) + 1 for c in want) + estimate_tokens(_RETRIEVED_INTRO) + 24
-        reserve = min(need, int(room * retrieve_share))
-    # recent turns, newest first, while they fit beside the retrieval reserve
-    take: list[Turn] = []
-    spent = 0
-    for t in reversed(recent):
-        cost = t.tokens + MESSAGE_OVERHEAD
-        if spent + cost > room - reserve:
-            break
-        take.append(t)
-        spent += cost
-    take.reverse()
+        need = sum(estimate_tokens(render_turn(c.turn)) + 1 for c in want) + estimate_tokens(_RETRIEVED_INTRO) \
+            + 24 + MESSAGE_OVERHEAD
+        take = _fit_recent(recent, room - min(need, int(room * retrieve_share)))
+    spent = sum(t.tokens + MESSAGE_OVERHEAD for t in take)
     dropped = len(recent) - len(take)
     kept_ids = {t.id for t in take}
     # retrieved turns: the best first, within what is left (a turn shown verbatim is not repeated)
@@ -134,11 +140,11 @@ def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Tur
     messages: list[dict[str, Any]] = []
     if head:
         messages.append({"role": "system", "content": head})
-    messages += [{"role": t.role, "content": t.content} for t in take]
-    if chosen:
+    if chosen:  # older than every verbatim turn: it goes before them, so the conversation reads in order
         block = _retrieved_block(chosen)
         messages.append({"role": "system", "content": block})
         spent += estimate_tokens(block) + MESSAGE_OVERHEAD
+    messages += [{"role": t.role, "content": t.content} for t in take]
     messages += [dict(m) for m in new_messages]
     return Composition(messages, summary.last_seq if summary is not None else 0, len(take), len(chosen), dropped,
                        total_turns, used + spent, head)

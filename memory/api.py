@@ -1,0 +1,187 @@
+"""HTTP API of sessions (every route per key: another key's session is a 404, never a 403).
+
+    POST   /v1/sessions                {"title", "system", "collections"}  -> 201 the session
+    GET    /v1/sessions                ?limit=                             -> the key's sessions, newest activity first
+    GET    /v1/sessions/{id}                                               -> the session, its turns and summary
+    GET    /v1/sessions/{id}/export                                        -> JSON: the session and its ``turns``
+    DELETE /v1/sessions/{id}                                               -> gone: turns, summaries, vectors
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from common.http import read_json
+from gateway.errors import APIError
+from gateway.state import GATEWAY, PRINCIPAL
+from memory.config import MemoryConfig
+from memory.service import MemoryService
+from memory.store import MemoryStore, Session
+
+__all__ = ["MEMORY", "add_routes", "get_memory", "memory_context"]
+
+log = logging.getLogger("strata.memory")
+
+MEMORY = web.AppKey("strata_memory", MemoryService)
+_DISABLED = web.AppKey("strata_memory_disabled", str)
+
+
+def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embed_batch: int) -> Any:
+    """A cleanup_ctx: the service starts after the gateway's database (append it after the gateway's own)."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        if not cfg.enabled:
+            app[_DISABLED] = "session memory is disabled in this gateway's config ([memory] enabled = false)"
+            yield
+            return
+        from memory.chat import lane_completer
+
+        gw = app[GATEWAY]
+        assert gw.db is not None
+        try:
+            store = await asyncio.to_thread(MemoryStore, gw.db)
+        except Exception as e:
+            log.error("session memory is off: %s: %s", type(e).__name__, e)
+            app[_DISABLED] = f"session memory is unavailable on this gateway: {e}"
+            yield
+            return
+        embedder = None
+        try:
+            from gateway.documents.embed import get_embedder
+
+            embedder = await asyncio.to_thread(get_embedder, embed_model, threads=embed_threads, batch=embed_batch)
+        except Exception as e:  # memory still works: summary and recent turns, no retrieval
+            log.warning("session memory: no embedding model, older turns are not retrieved: %s: %s",
+                        type(e).__name__, e)
+        svc = MemoryService(store, cfg, embedder, lane_completer(gw))
+        app[MEMORY] = svc
+        tasks = [asyncio.create_task(svc.run_sweeper(), name="memory-sweeper")]
+        if embedder is not None:
+            tasks.append(asyncio.create_task(embedder.warm(), name="memory-embed-warm"))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await svc.drain()
+            for t in tasks:
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    return ctx
+
+
+def get_memory(request: web.Request) -> MemoryService:
+    svc = request.app.get(MEMORY)
+    if svc is None:
+        raise APIError(503, request.app.get(_DISABLED) or "session memory is not ready", code="memory_unavailable")
+    return svc
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/sessions", create_session)
+    r.add_get("/v1/sessions", list_sessions)
+    r.add_get("/v1/sessions/{sid}", get_session)
+    r.add_get("/v1/sessions/{sid}/export", export_session)
+    r.add_delete("/v1/sessions/{sid}", delete_session)
+
+
+class SessionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    title: str | None = Field(None, max_length=256)
+    system: str | None = Field(None, max_length=100_000)
+    collections: list[str] = Field(default_factory=list, max_length=8)
+
+    @field_validator("title", "system")
+    @classmethod
+    def _storable(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
+
+async def _spec(request: web.Request) -> SessionSpec:
+    raw = await request.read()
+    if not raw.strip():
+        return SessionSpec()
+    body = await read_json(request, request.app[GATEWAY].config.max_body_bytes)
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return SessionSpec.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc") or ()
+        param = str(loc[0]) if loc else None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field (known: {', '.join(SessionSpec.model_fields)})"
+        raise APIError(400, f"invalid {param or 'body'}: {msg}", param=param) from None
+
+
+async def _session(request: web.Request, svc: MemoryService) -> Session:
+    sid = request.match_info["sid"]
+    s = await svc.session(request[PRINCIPAL].id, sid)
+    if s is None:  # another key's session looks exactly like a missing one
+        raise APIError(404, f"no session {sid!r}", code="session_not_found", param="session_id")
+    return s
+
+
+async def create_session(request: web.Request) -> web.Response:
+    svc = get_memory(request)
+    spec = await _spec(request)
+    s = await asyncio.to_thread(svc.store.create_session, request[PRINCIPAL].id, title=spec.title,
+                                system=spec.system, collections=spec.collections,
+                                limit=svc.cfg.max_sessions_per_key)
+    if s is None:
+        raise APIError(409, f"this key already has {svc.cfg.max_sessions_per_key} sessions; delete some first",
+                       code="too_many_sessions")
+    return web.json_response(s.public(), status=201)
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    svc = get_memory(request)
+    try:
+        limit = int(request.query.get("limit", "100"))
+    except ValueError:
+        raise APIError(400, "invalid limit: expected an integer", param="limit") from None
+    if not 1 <= limit <= 1000:
+        raise APIError(400, "invalid limit: expected 1 to 1000", param="limit")
+    rows = await asyncio.to_thread(svc.store.list_sessions, request[PRINCIPAL].id, limit)
+    return web.json_response({"object": "list", "data": [s.public() for s in rows]})
+
+
+async def _full(svc: MemoryService, s: Session) -> dict[str, Any]:
+    ts = await asyncio.to_thread(svc.store.turns, s.pk)
+    sm = await asyncio.to_thread(svc.store.summary, s.pk)
+    return {**s.public(), "turns": [t.public() for t in ts], "summary": sm.public() if sm is not None else None}
+
+
+async def get_session(request: web.Request) -> web.Response:
+    svc = get_memory(request)
+    return web.json_response(await _full(svc, await _session(request, svc)))
+
+
+async def export_session(request: web.Request) -> web.Response:
+    svc = get_memory(request)
+    s = await _session(request, svc)
+    body = {"object": "session.export", "exported": int(time.time()), "session": s.public(), **{
+        k: v for k, v in (await _full(svc, s)).items() if k in ("turns", "summary")}}
+    return web.json_response(body, headers={"Content-Disposition": f'attachment; filename="{s.id}.json"'})
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    svc = get_memory(request)
+    s = await _session(request, svc)
+    await svc.delete(request[PRINCIPAL].id, s.id)
+    return web.json_response({"id": s.id, "object": "session.deleted", "deleted": True})
