@@ -1,4 +1,4 @@
-"""Layering: the gateway, ``strata keys`` and the shared package work without the engine.
+"""Layering: the gateway, session memory, ``strata keys`` and the shared package work without the engine.
 
 Each check runs in a fresh interpreter whose import system refuses ``engine`` (and with it the C
 extension ``_strata_c``) and ``lanes``: an import of either anywhere below the gateway fails
@@ -29,9 +29,9 @@ sys.meta_path.insert(0, _Refuse())
 
 IMPORT_ALL = BLOCKER + '''
 import importlib, json, pkgutil
-import common, gateway
+import common, gateway, memory
 names = []
-for pkg in (common, gateway):
+for pkg in (common, gateway, memory):
     for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         importlib.import_module(info.name)
         names.append(info.name)
@@ -91,7 +91,8 @@ def test_every_gateway_module_imports_without_engine(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert {"gateway.app", "gateway.proxy", "gateway.keys", "gateway.__main__", "common.errors",
-            "common.http", "common.config"} <= set(out["imported"])
+            "common.http", "common.config", "memory.store", "memory.compose", "memory.service", "memory.chat",
+            "memory.api"} <= set(out["imported"])
     assert out["blocked_loaded"] == []
 
 
