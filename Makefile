@@ -12,7 +12,12 @@ STAMP_TEST  := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
 EXT     := engine/_strata_c.so
 MODEL   := var/models/smollm2-135m-moe8.gguf
-CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h engine/csrc/cuda/*) engine/_build.py engine/_build_cuda.py
+CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
+CUDA_LIB := engine/_strata_cuda.so
+CUDA_SRC := $(wildcard engine/csrc/cuda/* engine/csrc/*.h) engine/_build_cuda.py
+# A GPU is visible: setup builds the CUDA engine too (minutes of nvcc that a CPU-only box does
+# not need; `make build` builds it anyway, and without nvcc it only says so).
+HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
 SUPERVISOR_CONF ?= $(CURDIR)/supervisord.conf
 RUN_TIMEOUT     ?= 120
 
@@ -22,7 +27,7 @@ export PYTHONPATH := $(CURDIR)
 
 # The C extension and the default model need only the runtime install: they build side by side.
 setup:
-	@$(MAKE) --no-print-directory -j2 --output-sync=target $(EXT) $(MODEL)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target $(EXT) $(MODEL) $(if $(HAVE_GPU),$(CUDA_LIB))
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -49,9 +54,11 @@ $(STAMP_BENCH): $(STAMP_RUN)
 	$(PIP) install -q --no-build-isolation -e '.[bench]'
 	touch $@
 
-build: $(EXT)
+build: $(EXT) $(CUDA_LIB)
 $(EXT): $(CSRC) | $(STAMP_RUN)
 	$(VPY) -m engine._build
+
+$(CUDA_LIB): $(CUDA_SRC) | $(STAMP_RUN)
 	$(VPY) -m engine._build_cuda
 
 model: $(MODEL)
