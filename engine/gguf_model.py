@@ -164,6 +164,12 @@ class _Walker:
         self.pos += n
         return v
 
+    def unique(self, name: bytes, seen: set[bytes], what: str) -> bytes:
+        if name in seen:
+            raise self.fail(f"duplicate {what} {name[:80]!r}")
+        seen.add(name)
+        return name
+
     def count(self, n: int, min_item: int, what: str) -> int:
         if n * min_item > self.size - self.pos:
             raise self.fail(f"{what} {n} cannot fit in the {self.size - self.pos} bytes left")
@@ -219,10 +225,7 @@ def _check_layout(path: Path) -> None:
         alignment = 32
         keys: set[bytes] = set()
         for i in range(n_kv):
-            key = w.string(f"metadata key {i}")
-            if key in keys:
-                raise w.fail(f"duplicate metadata key {key[:80]!r}")
-            keys.add(key)
+            key = w.unique(w.string(f"metadata key {i}"), keys, "metadata key")
             vtype = w.u32(f"type of {key[:80]!r}")
             v = w.value(vtype, f"value of {key[:80]!r}")
             if key == b"general.alignment":
@@ -232,10 +235,7 @@ def _check_layout(path: Path) -> None:
         infos: list[tuple[bytes, list[int], int, int]] = []
         names: set[bytes] = set()
         for i in range(n_tensors):
-            name = w.string(f"tensor {i} name")
-            if name in names:
-                raise w.fail(f"duplicate tensor {name[:80]!r}")
-            names.add(name)
+            name = w.unique(w.string(f"tensor {i} name"), names, "tensor")
             n_dims = w.u32(f"tensor {name[:80]!r} dimension count")
             if not 1 <= n_dims <= 4:
                 raise w.fail(f"tensor {name[:80]!r} has {n_dims} dimensions")

@@ -112,11 +112,25 @@ static st_status check_hparams(const st_model_desc *d) {
     return ST_OK;
 }
 
-/* A width read from a tensor (FFN rows): positive and at most a kernel row, since the
- * down projection takes it as its row length. */
-static st_status check_width(int64_t w, const char *what, int layer) {
-    if (w < 1 || w > ST_MAX_ROW)
-        return st_fail(ST_EINVAL, "layer %d: %s width %lld out of range [1, %d]", layer, what, (long long)w, ST_MAX_ROW);
+/* A SwiGLU FFN of layer il: gate and up [n_embd -> ff], down [ff -> n_embd], stacked
+ * n_exp times (routed experts) or single (n_exp = 0). ff comes from gate's rows: at most
+ * a kernel row, since down takes it as its row length, and the same in every layer
+ * (*width holds layer 0's; 0 while unset, so a layer with it when layer 0 had none
+ * differs too). */
+static st_status check_ffn(const st_model_desc *d, int il, const char *const names[3], const st_tensor *gate,
+                           const st_tensor *up, const st_tensor *down, int64_t n_exp, int32_t *width) {
+    const int64_t E = d->n_embd, ff = gate->data ? gate->ne[1] : 0, n = n_exp ? n_exp : 1;
+    const int n_dims = n_exp ? 3 : 2;
+    CHECK(check_tensor(d, gate, names[0], il, 1, n_dims, E, ff, n, 0));
+    if (ff < 1 || ff > ST_MAX_ROW)
+        return st_fail(ST_EINVAL, "layer %d: %s width %lld out of range [1, %d]", il, names[0], (long long)ff,
+                       ST_MAX_ROW);
+    if (il == 0) *width = (int32_t)ff;
+    if (ff != *width)
+        return st_fail(ST_EINVAL, "layer %d: %s width %lld differs from layer 0's %d", il, names[0], (long long)ff,
+                       *width);
+    CHECK(check_tensor(d, up, names[1], il, 1, n_dims, E, ff, n, 0));
+    CHECK(check_tensor(d, down, names[2], il, 1, n_dims, ff, E, n, 0));
     return ST_OK;
 }
 
@@ -144,34 +158,17 @@ static st_status validate(st_model *m) {
             return st_fail(ST_EINVAL, "layer %d: attn_q_norm and attn_k_norm come together", il);
         CHECK(check_tensor(d, &L->ffn_norm, "ffn_norm", il, 1, 1, E, 1, 1, 1));
         if (d->n_expert > 0) {
-            const int64_t ff = L->gate_exps.data ? L->gate_exps.ne[1] : 0;
-            CHECK(check_tensor(d, &L->gate_exps, "ffn_gate_exps", il, 1, 3, E, ff, d->n_expert, 0));
-            CHECK(check_width(ff, "expert FFN", il));
-            if (il == 0) m->n_ff_exp = (int32_t)ff;
-            if (ff != m->n_ff_exp) return st_fail(ST_EINVAL, "layer %d: expert FFN width differs", il);
             CHECK(check_tensor(d, &L->gate_inp, "ffn_gate_inp", il, 1, 2, E, d->n_expert, 1, 0));
-            CHECK(check_tensor(d, &L->up_exps, "ffn_up_exps", il, 1, 3, E, ff, d->n_expert, 0));
-            CHECK(check_tensor(d, &L->down_exps, "ffn_down_exps", il, 1, 3, ff, E, d->n_expert, 0));
-            if (L->gate_shexp.data) {
-                const int64_t sf = L->gate_shexp.ne[1];
-                CHECK(check_tensor(d, &L->gate_shexp, "ffn_gate_shexp", il, 1, 2, E, sf, 1, 0));
-                CHECK(check_width(sf, "shared expert", il));
-                if (il == 0) m->n_ff_shexp = (int32_t)sf;
-                if (sf != m->n_ff_shexp) return st_fail(ST_EINVAL, "layer %d: shared expert width differs", il);
-                CHECK(check_tensor(d, &L->up_shexp, "ffn_up_shexp", il, 1, 2, E, sf, 1, 0));
-                CHECK(check_tensor(d, &L->down_shexp, "ffn_down_shexp", il, 1, 2, sf, E, 1, 0));
+            static const char *exps[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+            CHECK(check_ffn(d, il, exps, &L->gate_exps, &L->up_exps, &L->down_exps, d->n_expert, &m->n_ff_exp));
+            if (L->gate_shexp.data || m->n_ff_shexp) {
+                static const char *shexp[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+                CHECK(check_ffn(d, il, shexp, &L->gate_shexp, &L->up_shexp, &L->down_shexp, 0, &m->n_ff_shexp));
                 CHECK(check_tensor(d, &L->gate_inp_shexp, "ffn_gate_inp_shexp", il, 0, 1, E, 1, 1, 1));
-            } else if (m->n_ff_shexp) {
-                return st_fail(ST_EINVAL, "layer %d: shared expert missing", il);
             }
         } else {
-            const int64_t ff = L->ffn_gate.data ? L->ffn_gate.ne[1] : 0;
-            CHECK(check_tensor(d, &L->ffn_gate, "ffn_gate", il, 1, 2, E, ff, 1, 0));
-            CHECK(check_width(ff, "FFN", il));
-            if (il == 0) m->n_ff = (int32_t)ff;
-            if (ff != m->n_ff) return st_fail(ST_EINVAL, "layer %d: FFN width differs", il);
-            CHECK(check_tensor(d, &L->ffn_up, "ffn_up", il, 1, 2, E, ff, 1, 0));
-            CHECK(check_tensor(d, &L->ffn_down, "ffn_down", il, 1, 2, ff, E, 1, 0));
+            static const char *dense[3] = {"ffn_gate", "ffn_up", "ffn_down"};
+            CHECK(check_ffn(d, il, dense, &L->ffn_gate, &L->ffn_up, &L->ffn_down, 0, &m->n_ff));
         }
     }
     return ST_OK;
