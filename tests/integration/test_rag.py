@@ -135,7 +135,7 @@ async def test_ingesting_200_pages_leaves_chat_latency_alone_then_kill_and_resum
           f"GET /v1/models p90: {probe_before * 1000:.1f} ms / {probe_during * 1000:.1f} ms")
     assert n_during >= 8, "ingestion finished before enough samples were taken"
     # extraction or embedding on the event loop would add whole seconds; the slack is the noise of a shared box
-    assert during <= max(2 * before, before + 0.040), (before, during)
+    assert during <= max(2 * before, before + 0.075), (before, during)
     assert probe_during <= max(3 * probe_before, 0.050), (probe_before, probe_during)
 
     # SIGKILL the gateway while the document is embedding: supervisord restarts it
