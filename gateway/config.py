@@ -160,7 +160,12 @@ def _describe(err: ValidationError, merged: Mapping[str, Any], sources: Mapping[
         where = ".".join(loc) or "config"
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         if e.get("type") == "extra_forbidden":
-            known = LaneEntry.model_fields if len(loc) > 1 else GatewayConfig.model_fields
+            known = GatewayConfig.model_fields
+            if len(loc) > 1:  # a key inside a table: that table's own fields ([rag], [memory], [[lanes]])
+                table = GatewayConfig.model_fields.get(loc[0])
+                sub = table.annotation if table is not None else None
+                known = sub.model_fields if isinstance(sub, type) and issubclass(sub, BaseModel) \
+                    else LaneEntry.model_fields
             msg = f"unknown key (known: {', '.join(known)})"
         value = merged.get(key, "<default>") if len(loc) <= 1 else e.get("input")
         part = f"{where}={value!r} (from {sources.get(key, 'defaults')}): {msg}"
