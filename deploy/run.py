@@ -439,17 +439,31 @@ def cmd_start(conf: Path, timeout: float) -> int:
     return 0
 
 
+def _lane_line(lane: Lane, note: str = "") -> str:
+    try:
+        info = get_json(lane.base + "/v1/lane", timeout=5)
+        extra = f"pid {info['pid']}, cores {info['cores']}, n_ctx {info['n_ctx']}, model {info['served_model_name']}"
+    except (OSError, ValueError, KeyError):
+        extra = ""
+    return f"  lane {lane.name}   {lane.base}/v1   {note}{extra}"
+
+
+def _openai_snippet(base_url: str, api_key: str) -> None:
+    _log("")
+    _log("  from openai import OpenAI")
+    _log(f"  client = OpenAI(base_url=\"{base_url}\", api_key=\"{api_key}\")")
+    _log("  r = client.chat.completions.create(model=\"strata-default\", "
+         "temperature=0, messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
+    _log("  print(r.choices[0].message.content)")
+    _log("")
+
+
 def _summary_gateway(conf: Path, lanes: list[Lane], gw: Gateway) -> None:
     _log("")
     _log("Strata is up: the gateway fronts the lanes (OpenAI-compatible; model \"strata-default\"):")
     _log(f"  gateway  {gw.base}/v1   (listening on {gw.host}:{gw.port}; API key required)")
     for lane in lanes:
-        try:
-            info = get_json(lane.base + "/v1/lane", timeout=5)
-            extra = f"pid {info['pid']}, cores {info['cores']}, n_ctx {info['n_ctx']}"
-        except (OSError, ValueError, KeyError):
-            extra = ""
-        _log(f"  lane {lane.name}   {lane.base}/v1   (loopback only) {extra}")
+        _log(_lane_line(lane, "(loopback only) "))
     admin = read_admin_key(gw)
     if admin:
         _log(f"  {first_answer(gw.base, admin)}")
@@ -464,13 +478,7 @@ def _summary_gateway(conf: Path, lanes: list[Lane], gw: Gateway) -> None:
     _log(f"  curl -s {gw.base}/v1/chat/completions -H \"Authorization: Bearer $KEY\" \\")
     _log("    -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
          "\"content\": \"Hi!\"}], \"max_tokens\": 64, \"temperature\": 0}'")
-    _log("")
-    _log("  from openai import OpenAI")
-    _log(f"  client = OpenAI(base_url=\"http://{host}:{gw.port}/v1\", api_key=\"sk-strata-...\")")
-    _log("  r = client.chat.completions.create(model=\"strata-default\", "
-         "temperature=0, messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
-    _log("  print(r.choices[0].message.content)")
-    _log("")
+    _openai_snippet(f"http://{host}:{gw.port}/v1", "sk-strata-...")
     _log(f"Status: make status    Logs: {conf.parent / 'var' / 'log'}/    "
          f"Control: {BIN / 'supervisorctl'} -c {conf}    Lane switch: make switch LANE=b CONFIG=...    "
          "Stop: make stop")
@@ -480,12 +488,7 @@ def _summary(conf: Path, lanes: list[Lane]) -> None:
     _log("")
     _log("Strata lanes are up (OpenAI-compatible; any api_key; model \"strata-default\"):")
     for lane in lanes:
-        try:
-            info = get_json(lane.base + "/v1/lane", timeout=5)
-            extra = f"pid {info['pid']}, cores {info['cores']}, n_ctx {info['n_ctx']}, model {info['served_model_name']}"
-        except (OSError, ValueError, KeyError):
-            extra = ""
-        _log(f"  lane {lane.name}  {lane.base}/v1   {extra}")
+        _log(_lane_line(lane))
     first = lanes[0]
     _log(f"  lane {first.name}: {first_answer(first.base)}")
     url = first.base
@@ -497,13 +500,7 @@ def _summary(conf: Path, lanes: list[Lane]) -> None:
     _log(f"  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' \\")
     _log("    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Name three primary colors.\"}], "
          "\"temperature\": 0, \"stream\": true}'")
-    _log("")
-    _log("  from openai import OpenAI")
-    _log(f"  client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")")
-    _log("  r = client.chat.completions.create(model=\"strata-default\", "
-         "temperature=0, messages=[{\"role\": \"user\", \"content\": \"Hi!\"}])")
-    _log("  print(r.choices[0].message.content)")
-    _log("")
+    _openai_snippet(f"{url}/v1", "unused")
     _log("(This process table has no [program:gateway]: clients talk to the lanes directly.)")
     _log(f"Status: make status    Logs: {conf.parent / 'var' / 'log'}/    "
          f"Control: {BIN / 'supervisorctl'} -c {conf}    Stop: make stop")
