@@ -298,3 +298,16 @@ async def test_delete_during_ingestion_stops_it(gw: GW) -> None:
         assert (await wait_done(s, gw.url, key, cid, small["id"]))["status"] == "ready"
         hits = await search(s, gw.url, key, cid, "shipping crates paragraph", 10)
         assert all(h["document"] == "small.txt" for h in hits)
+
+
+@pytest.mark.parametrize("rag,why", [({"enabled": False}, "disabled in this gateway's config"),
+                                     ({"embed_model": "/nonexistent/model"}, "no sentence-transformers model")])
+async def test_documents_unavailable_is_a_typed_503(tmp_path: Path, rag: dict[str, Any], why: str) -> None:
+    async with running_gateway(gateway_config(tmp_path, NO_LANE, rag=rag)) as g, aiohttp.ClientSession() as s:
+        key = g.key("k")
+        for method, path in (("POST", "/v1/collections"), ("GET", "/v1/collections"), ("POST", "/v1/embeddings")):
+            async with s.request(method, g.url + path, json={"name": "x", "input": "x"}, headers=auth(key)) as r:
+                err = (await r.json())["error"]
+                assert r.status == 503 and err["code"] == "documents_unavailable" and why in err["message"]
+        async with s.get(g.url + "/healthz") as r:
+            assert r.status == 200  # the rest of the gateway serves
