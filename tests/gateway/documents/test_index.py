@@ -79,4 +79,4 @@ async def test_aencode_reports_progress(embedder: Embedder) -> None:
     seen: list[tuple[int, int]] = []
     v = await embedder.aencode([f"text {i}" for i in range(70)], lambda d, t: seen.append((d, t)))
     assert v.shape == (70, 384)
-    assert seen == [(32, 70), (64, 70), (70, 70)]
+    assert seen == [(16, 70), (32, 70), (48, 70), (64, 70), (70, 70)]
