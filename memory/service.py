@@ -94,6 +94,7 @@ class MemoryService:
         self.embedder = embedder
         self.complete = complete
         self._cache: dict[int, _VecCache] = {}
+        self._embedded_upto: dict[int, int] = {}  # session pk -> every turn up to this id has a vector
         self._locks: dict[int, asyncio.Lock] = {}
         self._summarising: set[int] = set()
         self._retry: dict[int, tuple[float, int]] = {}  # session pk -> (next attempt, failures)
@@ -111,6 +112,7 @@ class MemoryService:
             return False
         ok = await asyncio.to_thread(self.store.delete_session, key_id, sid)
         self._cache.pop(s.pk, None)
+        self._embedded_upto.pop(s.pk, None)
         self._retry.pop(s.pk, None)
         return ok
 
@@ -163,12 +165,19 @@ class MemoryService:
             return 0
         lock = self._locks.setdefault(pk, asyncio.Lock())
         async with lock:
-            todo = await asyncio.to_thread(self.store.missing_vectors, pk, self.embedder.version_key, limit)
-            if not todo:
+            upto = self._embedded_upto.get(pk, 0)
+            last = await asyncio.to_thread(self.store.last_turn_id, pk)  # before the check: no turn slips past
+            if last <= upto:
                 return 0
-            vecs = await self.embedder.aencode([t.content[:4000] or " " for t in todo])
-            return await asyncio.to_thread(self.store.put_vectors, pk, self.embedder.version_key,
-                                           [t.id for t in todo], vecs)
+            todo = await asyncio.to_thread(self.store.missing_vectors, pk, self.embedder.version_key, limit, upto)
+            n = 0
+            if todo:
+                vecs = await self.embedder.aencode([t.content[:4000] or " " for t in todo])
+                n = await asyncio.to_thread(self.store.put_vectors, pk, self.embedder.version_key,
+                                            [t.id for t in todo], vecs)
+            if len(todo) < limit:  # every turn up to `last` has its vector now: later checks start there
+                self._embedded_upto[pk] = last
+            return n
 
     # ------------------------------------------------------------ storing a reply
     async def remember(self, session: Session, user_messages: Sequence[dict[str, Any]], reply: str, *,

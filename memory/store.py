@@ -368,13 +368,18 @@ class MemoryStore:
         return True
 
     # ------------------------------------------------------------ vectors
-    def missing_vectors(self, session_pk: int, model: str, limit: int) -> list[Turn]:
-        """Turns of the session without a vector of ``model`` (oldest first)."""
-        have = select(vectors.c.turn_id).where(vectors.c.session_pk == session_pk, vectors.c.model == model)
-        q = select(turns).where(turns.c.session_pk == session_pk, turns.c.id.not_in(have)).order_by(
-            turns.c.seq).limit(limit)
+    def missing_vectors(self, session_pk: int, model: str, limit: int, after_turn_id: int = 0) -> list[Turn]:
+        """Turns of the session (with id > ``after_turn_id``) without a vector of ``model``, oldest first."""
+        have = select(vectors.c.turn_id).where(vectors.c.turn_id == turns.c.id, vectors.c.model == model).exists()
+        q = select(turns).where(turns.c.session_pk == session_pk, turns.c.id > after_turn_id, ~have).order_by(
+            turns.c.id).limit(limit)
         with self.engine.connect() as c:
             return [_turn(r) for r in c.execute(q)]
+
+    def last_turn_id(self, session_pk: int) -> int:
+        with self.engine.connect() as c:
+            return int(c.execute(select(func.coalesce(func.max(turns.c.id), 0)).where(
+                turns.c.session_pk == session_pk)).scalar_one())
 
     def put_vectors(self, session_pk: int, model: str, turn_ids: Sequence[int], vecs: np.ndarray) -> int:
         """Store vectors (rows of ``vecs``: float32, one per turn id); a turn already done or gone is skipped."""
