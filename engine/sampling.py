@@ -6,7 +6,8 @@ draws the same tokens whatever else shares its batch.
 
 Per row the order is (vLLM / llama.cpp order):
 
-1. penalties on a private copy of the row: repetition (prompt + output), then frequency and
+0. (scheduler) a constrained row's disallowed tokens are set to -inf (engine.constraints);
+1. ``logit_bias`` and penalties on a private copy of the row: repetition (prompt + output), then frequency and
    presence (output only);
 2. ``temperature == 0``: argmax (ties: lowest token id), no random draw;
 3. otherwise ``logits / temperature`` -> top-k -> top-p -> min-p, then ONE uniform draw
@@ -43,6 +44,7 @@ __all__ = [
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; we are lenient but bounded)
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's limit
+MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's limit)
 TOP_P_CANDIDATES = 1024  # candidate set partitioned out for top-p before any sort
 _U64 = (1 << 64) - 1
 
@@ -95,6 +97,22 @@ class SamplingParams(BaseModel):
     """Report the chosen token's log-prob and this many top alternatives; None: no report."""
     skip_special_tokens: bool = True
     """Leave control tokens out of the returned text."""
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    """Token id -> bias in [-100, 100] added to its logit before anything else (OpenAI)."""
+    grammar: str | None = None
+    """An llguidance grammar (see engine.constraints) every output must follow; None: free text."""
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _bias_entries(cls, v: dict[int, float]) -> dict[int, float]:
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed, got {len(v)}")
+        for tid, b in v.items():
+            if tid < 0:
+                raise ValueError(f"token id {tid} must be >= 0")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"bias {b} of token {tid} must be in [-100, 100]")
+        return v
 
     @field_validator("top_k", mode="after")
     @classmethod
@@ -157,6 +175,11 @@ class SamplingParams(BaseModel):
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def rewrites_row(self) -> bool:
+        """The row is copied and changed before sampling (penalties or logit_bias)."""
+        return self.has_penalties or bool(self.logit_bias)
+
     def make_rng(self) -> np.random.Generator:
         """The request's generator: seeded from ``seed`` (negative seeds taken mod 2**64)."""
         return np.random.default_rng(None if self.seed is None else self.seed & _U64)
@@ -179,9 +202,13 @@ def _as_ids(x: Sequence[int] | np.ndarray | None) -> np.ndarray:
 
 
 def _apply_penalties(row: np.ndarray, p: SamplingParams, prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
-    """Penalised float32 copy of ``row`` (the caller's logits are never modified)."""
+    """Biased and penalised float32 copy of ``row`` (the caller's logits are never modified)."""
     z = row.astype(np.float32, copy=True)
     v = z.size
+    if p.logit_bias:
+        ids_b = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+        ok = ids_b < v
+        z[ids_b[ok]] += np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))[ok]
     if p.repetition_penalty != 1.0 and (prompt.size or output.size):
         seen = np.zeros(v, dtype=bool)  # O(len + V) mask beats np.unique's sort on long prompts
         seen[prompt] = True
@@ -290,7 +317,7 @@ class Sampler:
         tokens = np.empty(b, dtype=np.int32)
         rows: list[np.ndarray] = [logits[i] for i in range(b)]  # views; replaced where penalised
         for i, p in enumerate(params):
-            if p.has_penalties:
+            if p.rewrites_row:
                 rows[i] = _apply_penalties(
                     logits[i], p,
                     _as_ids(prompt_ids[i] if prompt_ids is not None else None),
@@ -301,11 +328,11 @@ class Sampler:
         # maximum, i.e. the lowest token id among ties.
         # top_k == 1 is greedy too, and takes no random draw.
         greedy = [i for i, p in enumerate(params) if p.greedy or p.top_k == 1]
-        plain = [i for i in greedy if not params[i].has_penalties]
+        plain = [i for i in greedy if not params[i].rewrites_row]
         if plain:
             tokens[plain] = np.argmax(logits[plain], axis=1)
         for i in greedy:
-            if params[i].has_penalties:
+            if params[i].rewrites_row:
                 tokens[i] = int(np.argmax(rows[i]))
 
         greedy_set = set(greedy)

@@ -31,6 +31,7 @@ set it to prove the failure path through a real lane; nothing else may.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ import uuid
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,9 +47,12 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from engine.block_manager import BlockManager, KVCapacityError, extend_digests
+from engine.constraints import Constraint, GrammarCompiler, apply_mask, mask_words
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import Engine, StepStats
 from engine.sampling import Sampler, SamplingParams
+
+log = logging.getLogger("strata.engine")
 
 FAULT_ENV = "STRATA_TEST_FAULT"
 _FAULT_KINDS = ("sample_raise_after_n_steps", "detok_raise_after_n_steps")
@@ -143,6 +148,9 @@ class Request:
     # the same tokens as int64, for requests with penalties only: the sampler gets O(1) views
     # of prompt and output instead of converting two Python lists every step
     history: np.ndarray | None = None
+    # grammar state of a constrained request (params.grammar): it has consumed exactly the
+    # output tokens, so a preemption (recompute of the same tokens) leaves it valid
+    constraint: Constraint | None = None
 
     @property
     def n_total(self) -> int:
@@ -205,6 +213,7 @@ class Scheduler:
         self.last_report: StepReport | None = None
         self.fault = parse_fault((os.environ if environ is None else environ).get(FAULT_ENV))
         self._fault_steps = 0
+        self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks during the C step
 
     # ------------------------------------------------------------ API (any thread)
     def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -228,6 +237,11 @@ class Scheduler:
             detok = IncrementalDetokenizer(self.engine.tokenizer, params.stop, params.skip_special_tokens)
         rng = params.make_rng()  # seeded: reproducible whatever else is in the batch
         req = Request(rid, ids, len(ids), params, time.monotonic(), detok, rng)
+        if params.grammar is not None:  # GrammarError (a ValueError) if it does not compile
+            req.constraint = GrammarCompiler.for_tokenizer(self.engine.tokenizer).matcher(params.grammar)
+        vocab_bias = [t for t in params.logit_bias if t >= vocab]
+        if vocab_bias:
+            raise ValueError(f"logit_bias token id {vocab_bias[0]} out of range [0, {vocab})")
         if params.has_penalties:
             req.history = np.zeros(max(2 * len(ids), 64), dtype=np.int64)
             req.history[: len(ids)] = ids
@@ -464,14 +478,18 @@ class Scheduler:
                 report.n_prefill += n
         hp = self.engine.hparams
         hist = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int32) if hp.n_expert else None
+        masks = self._start_masks(sample_reqs)  # grammar masks, computed while the C step runs
         try:
             logits = self.engine.forward(tokens, pos, seq, tables, logit_rows, expert_hist=hist)
         except Exception as exc:  # an engine error fails the requests of this step, not the loop
+            if masks is not None:
+                masks[2].result()
             for req, _ in batch:
                 if req.state == "running":
                     self.running.remove(req)
                     outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
             return
+        dead = self._apply_masks(logits, masks)
         report.stats = self.engine.last_stats
         report.expert_hist = hist
         bs = self.blocks.block_size
@@ -493,12 +511,53 @@ class Scheduler:
             detok_fault = self._fault_due("detok_raise_after_n_steps")
             now = time.monotonic()
             for i, req in enumerate(sample_reqs):
+                if i in dead:  # the grammar admits no token at all: end it rather than hang
+                    log.warning("request %s: grammar dead end after %d tokens (%s); finishing with stop",
+                                req.request_id, req.n_output, dead[i])
+                    self.running.remove(req)
+                    outputs.append(self._finish(req, "stop"))
+                    continue
                 tok = int(res.tokens[i])
                 top = res.top_logprobs[i] if res.top_logprobs else None
                 lp = TokenLogprob(tok, float(res.logprobs[i]), top) if req.params.logprobs is not None else None
                 if req.first_token_time is None:
                     req.first_token_time = now
                 outputs.append(self._accept(req, tok, lp, detok_fault))
+
+    def _start_masks(self, sample_reqs: list[Request]) -> tuple[list[int], np.ndarray, Future[None]] | None:
+        """Submit the grammar masks of this step's constrained rows to the mask thread.
+
+        llguidance drops the GIL while it computes, as the C step does, so the masks are ready
+        (or nearly) when the logits are. None when no row is constrained: unconstrained
+        batches pay nothing."""
+        rows = [i for i, r in enumerate(sample_reqs) if r.constraint is not None]
+        if not rows:
+            return None
+        bits = np.zeros((len(rows), mask_words(self.engine.hparams.n_vocab)), dtype=np.int32)
+        cons = [sample_reqs[i].constraint for i in rows]
+
+        def fill() -> None:
+            for k, c in enumerate(cons):
+                assert c is not None
+                c.fill(bits[k])
+
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="strata-mask")
+        return rows, bits, self._mask_pool.submit(fill)
+
+    def _apply_masks(self, logits: np.ndarray,
+                     masks: tuple[list[int], np.ndarray, Future[None]] | None) -> dict[int, str]:
+        """Mask the constrained rows of ``logits`` in place; rows whose grammar allows nothing
+        are left as they are and returned (row -> why), to be finished instead of sampled."""
+        dead: dict[int, str] = {}
+        if masks is None:
+            return dead
+        rows, bits, fut = masks
+        fut.result()
+        for k, i in enumerate(rows):
+            if apply_mask(logits[i], bits[k]) == 0:
+                dead[i] = "no token allowed"
+        return dead
 
     def _fault_due(self, kind: str) -> bool:
         """The test-only fault switch (``STRATA_TEST_FAULT``): True on every step after the N-th."""
@@ -527,13 +586,22 @@ class Scheduler:
         if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
             emitted_ids = []  # the stop token itself is not part of the text
-        elif req.detok is not None:
-            if detok_fault:
-                raise InjectedFault(f"{FAULT_ENV}=detok_raise_after_n_steps (test-only fault)")
-            step = req.detok.push(tok)
-            text = step.delta
-            if step.stopped:
-                reason = "stop"
+        else:
+            if req.detok is not None:
+                if detok_fault:
+                    raise InjectedFault(f"{FAULT_ENV}=detok_raise_after_n_steps (test-only fault)")
+                step = req.detok.push(tok)
+                text = step.delta
+                if step.stopped:
+                    reason = "stop"
+            c = req.constraint
+            if c is not None and reason is None:
+                if not c.consume(tok):  # cannot happen with the mask applied; never loop on it
+                    log.warning("request %s: grammar rejected token %d (%s); finishing with stop",
+                                req.request_id, tok, c.error)
+                    reason = "stop"
+                elif c.done:  # the grammar is complete: only end-of-generation could follow
+                    reason = "stop"
         if reason is None:
             if p.max_tokens is not None and req.n_output >= p.max_tokens:
                 reason = "length"
