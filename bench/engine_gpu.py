@@ -201,6 +201,18 @@ def run(args: argparse.Namespace) -> dict:
     os.environ["STRATA_GPU_GEMM_MIN"] = "64"  # the tiled dp4a GEMM (opt-in: not batch invariant)
     res["prefill_512_gemm_tok_s"] = prefill(512)
     del os.environ["STRATA_GPU_GEMM_MIN"]
+    if args.profile:  # kernel times of batch-1 decode, by CUPTI through torch's profiler
+        import torch.profiler as tp
+
+        os.environ["STRATA_GPU_GRAPHS"] = "0"
+        decode(1, 4)
+        with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
+            decode(1, 16)
+        del os.environ["STRATA_GPU_GRAPHS"]
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
+        print(table)
+        if args.json:
+            Path(args.json).with_suffix(".profile.txt").write_text(table)
     res["prefill_512_tok_s"] = prefill(512)
     if not args.quick:
         res["prefill_4096_tok_s"] = prefill(4096)
@@ -209,6 +221,10 @@ def run(args: argparse.Namespace) -> dict:
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     top = np.sort(hist.sum(axis=0))[::-1]
     res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
+    res["graphs_cached_failed_note"] = eng._gpu.graph_status() if eng._gpu else None
+    os.environ["STRATA_GPU_GRAPHS"] = "0"  # plain launches, for comparison
+    res["decode_b1_no_graphs_tok_s"], _ = decode(1, 64)
+    del os.environ["STRATA_GPU_GRAPHS"]
     os.environ["STRATA_GPU_LAYER_EVENTS"] = "0"  # what the per-layer timing events cost
     res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128)
     del os.environ["STRATA_GPU_LAYER_EVENTS"]
@@ -232,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="print the kernel times of batch-1 decode")
     args = ap.parse_args(argv)
     res = run(args)
     if args.json:
@@ -240,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'metric':<28}{'Strata GPU':>14}")
     for k in ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "prefill_512_tok_s",
               "prefill_512_gemm_tok_s", "prefill_4096_tok_s", "decode_b1_no_layer_events_tok_s",
+              "decode_b1_no_graphs_tok_s",
               "hbm_floor_tok_s", "floor_share_b1", "top8_expert_share"):
         if k in res:
             print(f"{k:<28}{res[k]:>14.3f}")

@@ -184,6 +184,13 @@ class CudaModel:
         self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
         self.info = gpu_info(index)
 
+    def graph_status(self) -> tuple[int, int, str]:
+        """(CUDA graphs cached, captures that failed, the last failure's message)."""
+        failed = self.ffi.new("int32_t *")
+        note = self.ffi.new("char[256]")
+        n = int(self.lib.stg_model_graphs(self._model, failed, note, 256))
+        return n, int(failed[0]), self.ffi.string(note).decode("utf-8", "replace")
+
     def forward(self, batch: Any, stats: Any) -> None:
         """batch / stats: cdata of the CPU engine's ffi (st_batch *, st_step_stats *)."""
         if self._model is None:

@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
             rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
             acc[t] = acc2[t] = 0.0f;
         }
+#pragma unroll 4
         for (int i = lane; i < a.K; i += WARP) {
             const float w = wf<T>(wrow, i), w2 = SW ? wf<T>(wrow2, i) : 0.0f;
 #pragma unroll
@@ -496,12 +497,18 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             const int64_t koff = (blk * kd + (int64_t)kvh * hd) * a.block_size + slot;
             voff = (blk * a.block_size + slot) * kd + (int64_t)kvh * hd;
             const __half *kp = a.kc + koff;
-            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains: loads in flight */
-            for (int d = 0; d < hd; d += 4) {
-                d0 = fmaf(qs[d], __half2float(kp[(int64_t)d * a.block_size]), d0);
-                d1 = fmaf(qs[d + 1], __half2float(kp[(int64_t)(d + 1) * a.block_size]), d1);
-                d2 = fmaf(qs[d + 2], __half2float(kp[(int64_t)(d + 2) * a.block_size]), d2);
-                d3 = fmaf(qs[d + 3], __half2float(kp[(int64_t)(d + 3) * a.block_size]), d3);
+            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
+            for (int c = 0; c < hd; c += 16) { /* 16 loads issued before the first use */
+                float kf[16];
+#pragma unroll
+                for (int u = 0; u < 16; u++) kf[u] = __half2float(kp[(int64_t)(c + u) * a.block_size]);
+#pragma unroll
+                for (int u = 0; u < 16; u += 4) {
+                    d0 = fmaf(qs[c + u], kf[u], d0);
+                    d1 = fmaf(qs[c + u + 1], kf[u + 1], d1);
+                    d2 = fmaf(qs[c + u + 2], kf[u + 2], d2);
+                    d3 = fmaf(qs[c + u + 3], kf[u + 3], d3);
+                }
             }
             s = (d0 + d1) + (d2 + d3);
         }
@@ -512,16 +519,24 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
         const int nk = n_keys - j0 < 32 ? n_keys - j0 : 32;
-#pragma unroll 4
-        for (int jj = 0; jj < nk; jj++) {
-            const float pb = __shfl_sync(0xffffffffu, pj, jj);
-            const int64_t vo = __shfl_sync(0xffffffffu, voff, jj);
-            const __half *vp = a.vc + vo;
+        for (int jj0 = 0; jj0 < nk; jj0 += 4) { /* 4 keys' values loaded before use */
+            float pb[4], vv[4][8];
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int d = lane + 32 * i;
-                if (d < hd) acc[i] = fmaf(pb, __half2float(vp[d]), acc[i]);
+            for (int u = 0; u < 4; u++) {
+                const int jj = jj0 + u < nk ? jj0 + u : nk - 1; /* past the end: weight 0 below */
+                pb[u] = __shfl_sync(0xffffffffu, pj, jj);
+                if (jj0 + u >= nk) pb[u] = 0.0f;
+                const __half *vp = a.vc + __shfl_sync(0xffffffffu, voff, jj);
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int d = lane + 32 * i;
+                    vv[u][i] = d < hd ? __half2float(vp[d]) : 0.0f;
+                }
             }
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[i] = fmaf(pb[u], vv[u][i], acc[i]);
         }
         m = mn;
     }

@@ -140,6 +140,8 @@ struct stg_model {
     scratch s;
     std::vector<void *> allocs;
     std::vector<graph_entry> graphs;
+    int32_t graph_failures = 0;
+    char graph_note[256] = "";
 };
 
 static void drop_graphs(stg_model *m) {
@@ -369,6 +371,13 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_mo
 }
 
 extern "C" int64_t stg_model_weight_bytes(const stg_model *m) { return m ? m->arena_bytes : 0; }
+
+extern "C" int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len) {
+    if (!m) return 0;
+    if (n_failed) *n_failed = m->graph_failures;
+    if (note && note_len > 0) snprintf(note, (size_t)note_len, "%s", m->graph_note);
+    return (int32_t)m->graphs.size();
+}
 
 /* ------------------------------------------------------------------ KV cache */
 
@@ -637,7 +646,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
+    k_rmsnorm<<<T, 1024, 0, st>>>(s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
     LAUNCHED("rmsnorm");
     stg_status rc;
     const acts_d in{s.aq, s.ad, s.as, s.xn};
@@ -655,7 +664,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
     qa.scale = 1.0f / sqrtf((float)d.head_dim);
     qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
-    k_qkv_post<<<T, 256, 0, st>>>(qa);
+    k_qkv_post<<<T, 1024, 0, st>>>(qa);
     LAUNCHED("qkv");
     attn_args aa;
     aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
@@ -692,7 +701,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     /* xn quantised once for every quantised weight that reads it (router, experts, shared, dense) */
     const bool nq = !stg_is_float(L.ffn_gate.d ? L.ffn_gate.type : L.gate_exps.type) ||
                     (L.gate_inp.d && !stg_is_float(L.gate_inp.type)) || (L.gate_shexp.d && !stg_is_float(L.gate_shexp.type));
-    k_rmsnorm<<<T, 256, 0, st>>>(s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
+    k_rmsnorm<<<T, 1024, 0, st>>>(s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
     LAUNCHED("rmsnorm");
     if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
         CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down));
@@ -771,7 +780,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     CU(record(ev[3 * nL + 1], st, sh.capturing), "forward");
     if (sh.NL > 0) {
         const bool nq = !stg_is_float(m->output.type);
-        k_rmsnorm<<<sh.NL, 256, 0, st>>>(s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
+        k_rmsnorm<<<sh.NL, 1024, 0, st>>>(s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
                                           nq ? s.aq : nullptr, s.ad, s.as);
         LAUNCHED("output norm");
         const acts_d in{s.aq, s.ad, s.as, s.xl};
@@ -815,6 +824,9 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         return ST_OK;
     }
     if (graph) cudaGraphDestroy(graph);
+    m->graph_failures++;
+    snprintf(m->graph_note, sizeof m->graph_note, "capture of a %d-token step failed: %.200s", sh.T,
+             rc != ST_OK ? g_err : cudaGetErrorString(ce != cudaSuccess ? ce : cudaGetLastError()));
     cudaGetLastError();
     if (rc != ST_OK) return rc;
     return run_step(m, kv, sh); /* not capturable here: run it as is */

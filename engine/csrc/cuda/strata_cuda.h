@@ -33,6 +33,9 @@ stg_status stg_model_create(int32_t device, const void *desc, stg_model **out);
 void stg_model_destroy(stg_model *m);
 /* VRAM held by the weights, in bytes. */
 int64_t stg_model_weight_bytes(const stg_model *m);
+/* CUDA graphs cached for decode-sized steps, and how many captures failed (the last
+ * failure's message in note, note_len bytes; those steps ran as plain launches). */
+int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len);
 
 stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out);
 void stg_kv_destroy(stg_kv *kv);
