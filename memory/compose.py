@@ -5,12 +5,15 @@ The composed chat, in order (docs/memory.md):
 1. **head** — one system message: the system prompt (the request's, else the session's) and
    the running summary in a delimited block. It changes only when the summary does, so a lane's
    prefix cache (the session keeps its lane by affinity) serves it turn after turn;
-2. **retrieved turns** — older turns most similar to the new message (cosine of the embedding
-   model's vectors), shown in turn order in one system message that says later turns supersede
-   earlier ones (a corrected fact wins). Only present once the history outgrows the budget;
-3. **recent turns verbatim** — the newest turns no summary covers, oldest first; when they do not
-   all fit, the oldest are left out (they stay reachable by retrieval). Appending a turn leaves
-   everything before it byte-identical, so the cached prefix grows with the conversation;
+2. **recent turns verbatim** — the newest turns no summary covers, oldest first. When they do not
+   all fit, the first one kept is the oldest whose turn number is 1 modulo :data:`STRIDE` that
+   lets the rest fit: the start stays put for several turns and then jumps, instead of sliding by
+   one turn every request (which would change the prompt right after the head each time and cost
+   a full prefill). Appending a turn leaves everything before it byte-identical;
+3. **retrieved turns** — older turns most similar to the new message (cosine of the embedding
+   model's vectors), in turn order, in one system message placed after the verbatim turns (so it
+   never disturbs the cached prefix) that says they are older than the conversation above, which
+   wins where they disagree, and that among them the later turn wins (a corrected fact wins);
 4. the request's own messages (the new user message).
 
 The budget is in estimated tokens (:func:`estimate_tokens`, deliberately high for English); the
@@ -26,7 +29,7 @@ from typing import Any
 
 from memory.store import Summary, Turn
 
-__all__ = ["RETRIEVED_BEGIN", "RETRIEVED_END", "SUMMARY_BEGIN", "SUMMARY_END", "Composition", "Scored",
+__all__ = ["RETRIEVED_BEGIN", "RETRIEVED_END", "SUMMARY_BEGIN", "SUMMARY_END", "STRIDE", "Composition", "Scored",
            "compose", "estimate_tokens", "render_turn"]
 
 SUMMARY_BEGIN = "<<<CONVERSATION SUMMARY>>>"
@@ -34,8 +37,10 @@ SUMMARY_END = "<<<END OF CONVERSATION SUMMARY>>>"
 RETRIEVED_BEGIN = "<<<EARLIER TURNS>>>"
 RETRIEVED_END = "<<<END OF EARLIER TURNS>>>"
 _SUMMARY_INTRO = "Summary of the earlier part of this conversation (older turns, condensed):"
-_RETRIEVED_INTRO = ("Earlier turns of this conversation that may matter for the next message, in the order they were "
-                    "said. Where they disagree with each other or with what follows, the later turn is the correct one.")
+_RETRIEVED_INTRO = ("Older turns of this conversation that may matter for the next message, in the order they were "
+                    "said; all of them come before the conversation above. Where they disagree with the conversation "
+                    "above, the conversation above is correct; among them, the later turn is the correct one.")
+STRIDE = 8  # the verbatim window's start moves in steps of this many turns (prefix-cache friendly)
 MESSAGE_OVERHEAD = 6  # role markers and separators a chat template adds per message (estimated tokens)
 
 
@@ -88,17 +93,22 @@ def _retrieved_block(chosen: list[Turn]) -> str:
 
 
 def _fit_recent(recent: Sequence[Turn], room: int) -> list[Turn]:
-    """The newest turns whose cost fits ``room``, in order."""
-    take: list[Turn] = []
-    spent = 0
-    for t in reversed(recent):
-        cost = t.tokens + MESSAGE_OVERHEAD
-        if spent + cost > room:
-            break
-        take.append(t)
-        spent += cost
-    take.reverse()
-    return take
+    """The newest turns that fit ``room``, in order, starting at an aligned turn (seq % STRIDE == 1) when
+    one lets the rest fit, else at whatever turn does."""
+    costs = [t.tokens + MESSAGE_OVERHEAD for t in recent]
+    total = sum(costs)
+    if total <= room:
+        return list(recent)
+    suffix = total
+    first_fit = None
+    for i, t in enumerate(recent):
+        if suffix <= room:
+            if t.seq % STRIDE == 1:
+                return list(recent[i:])
+            if first_fit is None:
+                first_fit = i
+        suffix -= costs[i]
+    return list(recent[first_fit:]) if first_fit is not None else []
 
 
 def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Turn], candidates: Sequence[Scored],
@@ -140,11 +150,11 @@ def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Tur
     messages: list[dict[str, Any]] = []
     if head:
         messages.append({"role": "system", "content": head})
-    if chosen:  # older than every verbatim turn: it goes before them, so the conversation reads in order
+    messages += [{"role": t.role, "content": t.content} for t in take]
+    if chosen:  # after the verbatim turns: what changes from request to request comes last
         block = _retrieved_block(chosen)
         messages.append({"role": "system", "content": block})
         spent += estimate_tokens(block) + MESSAGE_OVERHEAD
-    messages += [{"role": t.role, "content": t.content} for t in take]
     messages += [dict(m) for m in new_messages]
     return Composition(messages, summary.last_seq if summary is not None else 0, len(take), len(chosen), dropped,
                        total_turns, used + spent, head)

@@ -56,8 +56,11 @@ def summary_prompt(previous: Summary | None, turns: Sequence[Turn]) -> list[dict
     for t in turns:
         body = t.content if len(t.content) <= _TURN_CHARS_IN_SUMMARY else t.content[:_TURN_CHARS_IN_SUMMARY] + " ..."
         lines.append(f"{'User' if t.role == 'user' else 'Assistant'}: {body}")
-    prev = previous.text.strip() if previous is not None and previous.text.strip() else "(none yet)"
-    user = f"Current summary:\n{prev}\n\nNew turns:\n" + "\n".join(lines) + "\n\nThe updated summary:"
+    turns_text = "\n".join(lines)
+    if previous is not None and previous.text.strip():
+        user = f"Current summary:\n{previous.text.strip()}\n\nNew turns:\n{turns_text}\n\nThe updated summary:"
+    else:
+        user = f"Conversation:\n{turns_text}\n\nThe summary:"
     return [{"role": "system", "content": SUMMARY_SYSTEM}, {"role": "user", "content": user}]
 
 

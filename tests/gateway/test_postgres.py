@@ -31,6 +31,7 @@ from gateway.errors import APIError
 from gateway.keys import KEY_PREFIX, KeyRecord, KeySpec, KeyStore, main
 from gateway.state import Trace
 from gateway.store import RequestLog, RequestQuery
+from memory.store import metadata as memory_metadata
 from tests.gateway.conftest import ADMIN_KEY, auth, gateway_config, running_gateway, running_lane
 
 PG_ENV = "STRATA_TEST_PG_URL"
@@ -284,7 +285,8 @@ async def test_gateway_end_to_end(pg_url: str, gateway_engines: tuple, pg: PG, t
             key, key_id = made["key"], made["id"]
             async with http.post(gw.url + "/v1/admin/keys", headers=admin, json={"name": "pg-quiet"}) as r:
                 quiet = await r.json()
-            assert pg.tables() == TABLES | set(rag_metadata.tables)  # the app adds the documents tables
+            # the app adds the documents tables and the session memory tables
+            assert pg.tables() == TABLES | set(rag_metadata.tables) | set(memory_metadata.tables)
 
             client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
             raw = await client.chat.completions.with_raw_response.create(

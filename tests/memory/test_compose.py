@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memory.compose import (
     RETRIEVED_BEGIN,
+    STRIDE,
     SUMMARY_BEGIN,
     Scored,
     compose,
@@ -44,11 +45,26 @@ def test_budget_drops_oldest_and_retrieves_relevant_older_turns() -> None:
     c = run(recent=rec, candidates=cands, budget=600, total_turns=50)
     assert c.dropped > 0 and c.recent == 40 - c.dropped
     assert c.retrieved == 2 and c.estimated_tokens <= 600
-    block = c.messages[1]["content"]
-    assert c.messages[1]["role"] == "system" and RETRIEVED_BEGIN in block
+    block = c.messages[-2]["content"]
+    assert c.messages[-2]["role"] == "system" and RETRIEVED_BEGIN in block
     assert block.index("[turn 1, user] My code is 4417.") < block.index(f"[turn {old[3].seq},")  # turn order
-    kept = [m["content"] for m in c.messages[2:-1]]
+    kept = [m["content"] for m in c.messages[1:-2]]
     assert kept == [t.content for t in rec[c.dropped:]]  # the newest turns, verbatim, in order
+    assert rec[c.dropped].seq % STRIDE == 1  # an aligned start
+
+
+def test_verbatim_start_moves_in_strides() -> None:
+    """As the conversation grows past the budget the first verbatim turn stays put for several turns (the
+    lane's cached prefix stays valid), then jumps by a stride."""
+    starts = []
+    for n in range(30, 60):
+        c = run(recent=turns(n), budget=600, total_turns=n)
+        kept = [m["content"] for m in c.messages[1:-1]]
+        assert kept == [t.content for t in turns(n)[c.dropped:]]
+        starts.append(c.dropped + 1)
+    assert all(s % STRIDE == 1 for s in starts)
+    changes = sum(1 for a, b in zip(starts, starts[1:], strict=False) if a != b)
+    assert 0 < changes <= len(starts) // (STRIDE // 2)
 
 
 def test_a_turn_shown_verbatim_is_not_repeated() -> None:

@@ -18,7 +18,7 @@ import pytest_asyncio
 from multidict import CIMultiDict
 
 from memory.api import MEMORY
-from memory.compose import SUMMARY_BEGIN
+from memory.compose import RETRIEVED_BEGIN, SUMMARY_BEGIN
 from memory.service import MemoryService
 from tests.gateway.conftest import (
     ADMIN_KEY,
@@ -203,9 +203,14 @@ async def test_correction_wins(gw: GW) -> None:
         row = await request_log(s, gw, headers["X-Request-Id"])
         text = row["prompt_text"]
         assert "C7" in text, "the correction was not composed in"
-        if "gate B12." in text:  # both composed in: the correction comes later, and the prompt says later wins
-            assert text.index("gate C7") > text.index("gate B12.")
-            assert "the later turn is the correct one" in text
+        if "gate B12." in text:  # the old value only as older, retrieved context, which the prompt ranks lower
+            block = text[text.index(RETRIEVED_BEGIN):]
+            assert "gate B12." in block and "gate B12." not in text[:text.index(RETRIEVED_BEGIN)]
+            if "gate C7" in block:  # both retrieved: in turn order, and the later turn is the correct one
+                assert block.index("gate C7") > block.index("gate B12.")
+                assert "the later turn is the correct one" in text
+            else:  # the correction is verbatim, above the block, and the block defers to it
+                assert "the conversation above is correct" in text
 
 
 async def test_interrupted_stream_is_stored_incomplete(gw: GW) -> None:
@@ -299,8 +304,9 @@ async def test_summarisation_folds_old_turns_into_the_head(gw: GW) -> None:
         assert f"summary={sm.last_seq}" in headers["X-Strata-Memory"]
         sent = json.loads((await request_log(s, gw, headers["X-Request-Id"]))["prompt_text"])
         assert sent[0]["role"] == "system" and SUMMARY_BEGIN in sent[0]["content"] and sm.text in sent[0]["content"]
-        # the turns after the summary are verbatim, in order
-        assert [m["content"] for m in sent[-5:-1]] == [t[1] for t in items[-svc.cfg.summary_keep_turns:]]
+        # the turns after the summary are verbatim, in order, right after the head
+        assert [m["content"] for m in sent[1:1 + svc.cfg.summary_keep_turns]] == \
+            [t[1] for t in items[-svc.cfg.summary_keep_turns:]]
 
 
 async def test_summary_failure_never_blocks_chat(gw: GW) -> None:
@@ -332,8 +338,8 @@ async def test_summary_failure_never_blocks_chat(gw: GW) -> None:
     assert sess.pk not in svc._retry
 
 
-def test_vectors_are_unit_norm(gw: GW) -> None:
+async def test_vectors_are_unit_norm(gw: GW) -> None:
     emb = svc_of(gw).embedder
     assert emb is not None
-    v = emb.encode(["hello there"])  # type: ignore[attr-defined]
+    v = await emb.aencode(["hello there"])
     assert v.shape == (1, 384) and abs(float(np.linalg.norm(v[0])) - 1) < 1e-4
