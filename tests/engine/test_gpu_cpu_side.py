@@ -78,3 +78,41 @@ def test_missing_library_names_the_build(tiny: Path, monkeypatch: pytest.MonkeyP
     with Engine.open(tiny, device="auto", kv_tokens=64) as eng:  # auto falls back to the CPU
         assert str(eng.device) == "cpu"
         assert eng.generate([1, 2, 3], max_tokens=2, ignore_eos=True).token_ids
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="this machine has a usable GPU")
+def test_cli_device_without_gpu_is_one_line_error(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    assert main(["generate", "--model", str(tiny), "--device", "cuda:0", "--prompt", "hi", "--kv-tokens", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("strata: error:") and "\n" not in err
+    assert any(w in err for w in ("not built", "driver", "device"))
+
+
+def test_lane_config_device_fields() -> None:
+    from pydantic import ValidationError
+
+    from lanes.config import ConfigError, LaneConfig
+
+    assert LaneConfig().engine_device() == "cpu"
+    assert LaneConfig(device="cuda").engine_device() == "cuda:0"
+    assert LaneConfig(device="cuda", gpu=1).engine_device() == "cuda:1"
+    assert LaneConfig(device="cuda:2").engine_device() == "cuda:2"
+    assert LaneConfig(device="auto").engine_device() == "auto"
+    with pytest.raises(ValidationError):
+        LaneConfig(device="tpu")
+    with pytest.raises(ConfigError, match="name different GPUs"):
+        LaneConfig(device="cuda:0", gpu=1).engine_device()
+
+
+def test_inspect_reports_whole_model_vram_fit(tiny: Path) -> None:
+    from engine.gguf_model import open_model
+    from engine.inspect_model import gpu_bytes, render
+
+    mf = open_model(tiny)
+    need = gpu_bytes(mf, 0)
+    assert need > sum(t.n_bytes for t in mf.tensors.values())  # weights plus step buffers
+    fits = render(mf, None, need / 2**30 * 1.01, 16)
+    assert "fits: all weights + KV + step buffers" in fits
+    assert "does NOT fit: all weights + KV + step buffers" in render(mf, None, need / 2**30 / 100, 16)

@@ -117,7 +117,7 @@ def cpu_linear(name: str, w: np.ndarray, rows: int, k: int, x: np.ndarray) -> np
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    return (x / (1.0 + np.exp(-x.astype(np.float64)))).astype(np.float32)
 
 
 @pytest.mark.parametrize("n_tok", [1, 3, 8, 70])
