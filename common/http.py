@@ -11,16 +11,18 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, ValidationError
 
 from common.errors import APIError, Handler, Middleware
 
 __all__ = ["CLIENT_CLOSED", "SSE_HEADERS", "client_gone", "log_request", "make_access_middleware", "read_json",
-           "setup_logging"]
+           "setup_logging", "validate_body"]
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 CLIENT_CLOSED = 499  # nginx's "client closed request": what the access log reports for a client that left
 
 C = TypeVar("C")
+M = TypeVar("M", bound=BaseModel)
 
 
 def client_gone(request: web.Request) -> bool:
@@ -48,6 +50,22 @@ async def read_json(request: web.Request, limit: int | None = None) -> Any:
         msg = f"request body is not valid JSON: {e}" if isinstance(e, json.JSONDecodeError) else \
             "request body is not valid JSON"
         raise APIError(400, msg, code="invalid_json") from None
+
+
+def validate_body(model: type[M], body: Any) -> M:
+    """A decoded JSON body (or query dict) as ``model``; the first problem is a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err.get("loc") or ()
+        param = str(loc[0]) if loc else None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field (known: {', '.join(model.model_fields)})"
+        raise APIError(400, f"invalid {param or 'body'}: {msg}", param=param) from None
 
 
 def make_access_middleware(begin: Callable[[web.Request], C],

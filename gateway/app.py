@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
+from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json, validate_body
 from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
 from gateway.config import GatewayConfig
 from gateway.db import open_db, safe_url
@@ -258,21 +258,6 @@ class LanePatch(BaseModel):
     drain: bool | None = None
 
 
-def _validate(model: type[BaseModel], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = err.get("loc") or ()
-        param = str(loc[0]) if loc else None
-        msg = str(err.get("msg", "invalid value"))
-        if err.get("type") == "extra_forbidden":
-            msg = f"unknown field (known: {', '.join(model.model_fields)})"
-        raise APIError(400, f"invalid {param or 'body'}: {msg}", param=param) from None
-
-
 async def admin_lanes(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     return _json({"object": "list", "data": [lane.describe() for lane in gw.dispatcher.lanes.values()]})
@@ -284,7 +269,7 @@ async def admin_set_lane(request: web.Request) -> web.Response:
     if name not in gw.dispatcher.lanes:
         raise APIError(404, f"no lane named {name!r} (known: {', '.join(gw.dispatcher.lanes)})",
                        code="lane_not_found")
-    patch = _validate(LanePatch, await read_json(request, gw.config.max_body_bytes))
+    patch = validate_body(LanePatch, await read_json(request, gw.config.max_body_bytes))
     lane = gw.dispatcher.set_lane(name, weight=patch.weight, drain=patch.drain)
     assert lane is not None
     return _json(lane.describe())
@@ -300,7 +285,7 @@ async def admin_keys(request: web.Request) -> web.Response:
 async def admin_create_key(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     assert gw.keys is not None
-    spec = _validate(KeySpec, await read_json(request, gw.config.max_body_bytes))
+    spec = validate_body(KeySpec, await read_json(request, gw.config.max_body_bytes))
     key, rec = await asyncio.to_thread(gw.keys.create, spec, gw.config.log_prompts_default)
     assert gw.auth is not None
     gw.auth.key_created()
@@ -326,7 +311,7 @@ async def admin_revoke_key(request: web.Request) -> web.Response:
 async def admin_requests(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     assert gw.store is not None
-    q = _validate(RequestQuery, dict(request.query))
+    q = validate_body(RequestQuery, dict(request.query))
     await gw.store.flush(timeout=2.0)  # read your own writes
     rows = await asyncio.to_thread(gw.store.query, q)
     return _json({"object": "list", "data": rows})

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.http import read_json
+from common.http import read_json, validate_body
 from gateway.errors import APIError
 from gateway.state import GATEWAY, PRINCIPAL
 from memory.config import MemoryConfig
@@ -114,19 +114,7 @@ async def _spec(request: web.Request) -> SessionSpec:
     raw = await request.read()
     if not raw.strip():
         return SessionSpec()
-    body = await read_json(request, request.app[GATEWAY].config.max_body_bytes)
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        return SessionSpec.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = err.get("loc") or ()
-        param = str(loc[0]) if loc else None
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        if err.get("type") == "extra_forbidden":
-            msg = f"unknown field (known: {', '.join(SessionSpec.model_fields)})"
-        raise APIError(400, f"invalid {param or 'body'}: {msg}", param=param) from None
+    return validate_body(SessionSpec, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
 
 
 async def _session(request: web.Request, svc: MemoryService) -> Session:

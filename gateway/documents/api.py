@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import BodyPartReader, web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import make_url
 
-from common.http import read_json
+from common.http import read_json, validate_body
 from gateway.documents.config import RagConfig
 from gateway.documents.extract import FileTypeError, detect_format
 from gateway.documents.service import RagService, safe_filename
@@ -134,19 +134,7 @@ class EmbeddingSpec(BaseModel):
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    body = await read_json(request, request.app[GATEWAY].config.max_body_bytes)
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = err.get("loc") or ()
-        param = str(loc[0]) if loc else None
-        msg = str(err.get("msg", "invalid value"))
-        if err.get("type") == "extra_forbidden":
-            msg = f"unknown field (known: {', '.join(model.model_fields)})"
-        raise APIError(400, f"invalid {param or 'body'}: {msg}", param=param) from None
+    return validate_body(model, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
 
 
 def _key_id(request: web.Request) -> int:
