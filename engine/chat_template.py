@@ -205,5 +205,73 @@ class ChatTemplate:
         except Exception as e:  # template code is untrusted: any runtime failure is its failure
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
+    @property
+    def supports_tools(self) -> bool:
+        """The template renders ``tools`` itself (it reads the variable); otherwise
+        :func:`with_tools` writes the documented fallback prompt."""
+        return "tools" in self.source
+
+    def render_with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          add_generation_prompt: bool = True) -> str:
+        """``render`` for a chat that may define tools and hold tool calls and tool results."""
+        if self.supports_tools:
+            return self.render(messages, add_generation_prompt, tools=tools or None)
+        return self.render(with_tools(messages, tools), add_generation_prompt)
+
     def __repr__(self) -> str:
         return f"ChatTemplate(fallback={self.is_fallback}, {len(self.source)} chars)"
+
+
+TOOL_PROMPT = (
+    "You can call these functions (JSON schema of each one's arguments):\n{tools}\n"
+    "To call one, answer with only a JSON object of the form "
+    '{{"name": <function name>, "arguments": <object of arguments>}} and nothing else. '
+    "A function's result comes back in a message with the role 'tool'; then answer the user."
+)
+
+
+def _call_text(calls: list[Any]) -> str:
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(fn, Mapping):
+            continue
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            parsed = args
+        out.append(json.dumps({"name": fn.get("name"), "arguments": parsed}, ensure_ascii=False))
+    return "\n".join(out)
+
+
+def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The fallback for templates that do not render tools: the tool definitions go into the
+    system message (:data:`TOOL_PROMPT`), an assistant's ``tool_calls`` become its text in the
+    same ``{"name", "arguments"}`` form the model is asked to answer in, and ``tool`` results
+    are plain messages of role ``tool``. Messages without tools pass through (content None
+    becomes "")."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = m.get("content") or ""
+            m["content"] = (text + "\n" if text else "") + _call_text(calls)
+        if m.get("content") is None:
+            m["content"] = ""
+        m.pop("tool_call_id", None)
+        m.pop("name", None)
+        out.append(m)
+    if tools:
+        lines = []
+        for t in tools:
+            fn = t.get("function", {}) if isinstance(t, Mapping) else {}
+            lines.append(json.dumps({"name": fn.get("name"), "description": fn.get("description", ""),
+                                     "parameters": fn.get("parameters", {"type": "object"})}, ensure_ascii=False))
+        prompt = TOOL_PROMPT.format(tools="\n".join(lines))
+        if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -95,8 +95,10 @@ async def count_prompt(session: aiohttp.ClientSession, lane: LaneRuntime, body: 
     model = body.get("model")
     base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
     if kind == "chat":
-        n, n_ctx = await _tokenize(session, lane, {**base, "messages": body["messages"], "add_generation_prompt": True},
-                                   timeout, request_id)
+        payload = {**base, "messages": body["messages"], "add_generation_prompt": True}
+        if body.get("tools"):  # tool definitions are rendered into the prompt: count them too
+            payload.update(tools=body["tools"], tool_choice=body.get("tool_choice"))
+        n, n_ctx = await _tokenize(session, lane, payload, timeout, request_id)
         return [n], n_ctx
     prompt = body["prompt"]
     if isinstance(prompt, str):

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from common.http import SSE_HEADERS, client_gone
 from engine.block_manager import KVCapacityError
+from engine.constraints import GrammarCompiler, GrammarError
 from engine.sampling import SamplingParams
 from engine.scheduler import EngineFailedError, OverloadedError, RequestOutput, TokenLogprob
 from lanes.errors import APIError, request_info
@@ -56,6 +57,25 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
+
+
+def parse_tool_call(text: str, names: list[str]) -> dict[str, Any] | None:
+    """``{"name": ..., "arguments": {...}}`` (the whole answer, optionally inside
+    ``<tool_call>`` tags) naming one of ``names`` -> an OpenAI tool call; anything else: None."""
+    t = text.strip()
+    if t.startswith("<tool_call>") and t.endswith("</tool_call>"):
+        t = t[len("<tool_call>"): -len("</tool_call>")].strip()
+    if not t.startswith("{"):
+        return None
+    try:
+        obj = json.loads(t)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
+        return None
+    args = json.dumps(obj["arguments"], ensure_ascii=False, separators=(",", ":"))
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": obj["name"], "arguments": args}}
 
 
 @dataclass
@@ -102,6 +122,10 @@ class Run:
         self.pumps: list[asyncio.Task[None]] = []
         self.tokenizer = st.engine.tokenizer if st.engine is not None else None
         self.info.fields["id"] = self.id
+        # tools: "forced" / "auto" answers may be tool calls, so their text is held back until
+        # the choice ends (a stream then sends the call, or the text, in one delta)
+        self.tool_mode, tools = req.tool_mode() if isinstance(req, ChatRequest) else ("none", [])
+        self.tool_names = [t["function"]["name"] for t in tools]
 
     # ---------------------------------------------------------------- engine side
     def submit(self) -> None:
@@ -279,14 +303,26 @@ class Run:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def tool_call(self, c: _Choice) -> dict[str, Any] | None:
+        """The finished choice's answer as a tool call, when tools are on and it is one."""
+        if self.tool_mode == "none" or c.finish_reason != "stop":
+            return None
+        return parse_tool_call("".join(c.text), self.tool_names)
+
     def response(self) -> dict[str, Any]:
         choices = []
         for c in self.choices:
             text = "".join(c.text)
             if self.kind == "chat":
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                call = self.tool_call(c)
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                reason = c.finish_reason
+                if call is not None:
+                    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+                    reason = "tool_calls"
+                choices.append({"index": c.index, "message": message,
                                 "logprobs": self.chat_logprobs(c.logprobs) if self.want_logprobs else None,
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": reason})
             else:
                 choices.append({"index": c.index, "text": text,
                                 "logprobs": self.completion_logprobs(c.logprobs, 0) if self.want_logprobs else None,
@@ -305,6 +341,8 @@ class Run:
         return d
 
     def stream_chunks(self, c: _Choice, out: RequestOutput, text: str, lps: list[TokenLogprob]) -> list[dict]:
+        if self.kind == "chat" and self.tool_mode != "none":
+            return self._tool_stream_chunks(c, out)
         chunks = []
         if text or lps or (not c.started and not out.finished):
             if self.kind == "chat":
@@ -330,6 +368,34 @@ class Run:
         return chunks
 
 
+    def _tool_stream_chunks(self, c: _Choice, out: RequestOutput) -> list[dict]:
+        """With tools on, a choice streams once it ends: a tool call as OpenAI's tool_calls
+        deltas (the call's id and name, then its arguments), or else its text as content."""
+        if not out.finished or out.finish_reason not in ("stop", "length"):
+            return []
+        call = self.tool_call(c)
+        chunks = []
+        if call is not None:
+            head = {"index": 0, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}}
+            chunks.append(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": None,
+                                                                   "tool_calls": [head]},
+                                       "logprobs": None, "finish_reason": None}]))
+            args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+            chunks.append(self.chunk([{"index": c.index, "delta": {"tool_calls": [args]}, "logprobs": None,
+                                       "finish_reason": None}]))
+            reason = "tool_calls"
+        else:
+            lps = c.logprobs
+            chunks.append(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": "".join(c.text)},
+                                       "logprobs": self.chat_logprobs(lps) if lps and self.want_logprobs else None,
+                                       "finish_reason": None}]))
+            reason = out.finish_reason
+        c.started = True
+        chunks.append(self.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+        return chunks
+
+
 async def generate(request: web.Request, st: LaneState, kind: Literal["chat", "completion"],
                    req: ChatRequest | CompletionRequest, prompts: list[list[int]]) -> web.StreamResponse:
     engine = st.engine
@@ -342,6 +408,18 @@ async def generate(request: web.Request, st: LaneState, kind: Literal["chat", "c
         raise APIError(400, f"at most {MAX_CHOICES} completions per request (prompts x n), "
                        f"got {len(prompts) * (req.n or 1)}", param="n")
     prompt_param = "messages" if kind == "chat" else "prompt"
+    n_vocab = engine.hparams.n_vocab
+    for tid in req.engine_logit_bias():
+        if tid >= n_vocab:
+            raise APIError(400, f"invalid logit_bias: token id {tid} is out of range [0, {n_vocab})",
+                           param="logit_bias")
+    grammar, grammar_param = req.grammar()
+    if grammar is not None:  # compiled off the loop: the first one also builds the vocabulary (~1 s)
+        try:
+            await asyncio.to_thread(GrammarCompiler.for_tokenizer(engine.tokenizer).check, grammar)
+        except GrammarError as e:
+            raise APIError(400, f"the schema cannot be used: {e}", param=grammar_param,
+                           code="invalid_schema") from None
     params = []
     for ids in prompts:
         if not ids:

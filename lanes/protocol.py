@@ -1,9 +1,19 @@
 """Request bodies of the lane API (pydantic), and their translation to engine parameters.
 
 Unknown fields are tolerated (OpenAI clients send extras such as ``user`` metadata or new
-options); fields we cannot honour and that would change the answer (``tools``, ``logit_bias``,
-``echo``, ``suffix``, a JSON ``response_format``, ``best_of`` > ``n``) are rejected with a 400
-naming them. Value ranges of sampling parameters are checked by ``SamplingParams.parse``.
+options); fields we cannot honour and that would change the answer (``echo``, ``suffix``,
+``best_of`` > ``n``) are rejected with a 400 naming them. Value ranges of sampling parameters
+are checked by ``SamplingParams.parse``.
+
+Structured output: ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with a
+``tool_choice`` of ``required`` or a named function become a grammar (engine.constraints) the
+engine enforces token by token. A forced tool call is generated as ``{"name": ..., "arguments":
+{...}}`` and returned as ``message.tool_calls``; with ``auto`` the model is told the same format
+and an answer of exactly that shape is returned as a tool call (see docs/gateway.md).
+
+Strict input: message roles are OpenAI's (``system``, ``developer``, ``user``, ``assistant``,
+``tool``, ``function``), anything else is a 400 naming it; text that is not valid Unicode (a lone
+UTF-16 surrogate escaped in the JSON) is a 400 naming where it is.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.constraints import GrammarError, json_schema_grammar
 from engine.sampling import SamplingParams, SamplingParamsError
 from lanes.errors import APIError
 
@@ -20,6 +31,8 @@ __all__ = ["MAX_CHOICES", "MAX_N", "ChatRequest", "CompletionRequest", "Detokeni
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # engine requests one HTTP request may start (prompts x n)
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
@@ -60,12 +73,95 @@ class _GenerationBody(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _common_checks(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias",
-                           code="unsupported_parameter")
+        self.engine_logit_bias()
+
+    def engine_logit_bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids (JSON object keys are strings)."""
+        out: dict[int, float] = {}
+        for k, v in (self.logit_bias or {}).items():
+            try:
+                tid = int(k)
+            except ValueError:
+                raise APIError(400, f"invalid logit_bias: key {_short(k)} is not a token id",
+                               param="logit_bias") from None
+            if tid < 0:
+                raise APIError(400, f"invalid logit_bias: token id {tid} must be >= 0", param="logit_bias")
+            out[tid] = v
+        return out
+
+    def grammar(self) -> tuple[str | None, str]:
+        """The llguidance grammar this request is decoded under (None: free text) and the
+        parameter it comes from (for error messages)."""
+        return None, "response_format"
 
     def _sampling_kwargs(self) -> dict[str, Any]:
-        return {k: v for k in _SAMPLING_KEYS if (v := getattr(self, k)) is not None}
+        kw = {k: v for k in _SAMPLING_KEYS if (v := getattr(self, k)) is not None}
+        if self.logit_bias:
+            kw["logit_bias"] = self.engine_logit_bias()
+        grammar, _ = self.grammar()
+        if grammar is not None:
+            kw["grammar"] = grammar
+        return kw
+
+
+def check_text(value: Any, where: str, param: str) -> None:
+    """Every string inside ``value`` must be encodable Unicode (no lone UTF-16 surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{where} contains text that is not valid Unicode (a lone UTF-16 surrogate "
+                           f"at character {e.start})", param=param, code="invalid_text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, where, param)
+            check_text(v, f"{where}.{k}", param)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_text(v, f"{where}[{i}]", param)
+
+
+def check_messages(messages: list[dict[str, Any]]) -> None:
+    """Known roles and valid Unicode text only; ``tool`` messages need a ``tool_call_id``."""
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param="messages")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise APIError(400, f"messages[{i}].role must be a string, got {_short(role)}", param="messages")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}]: unknown role {_short(role)} (expected one of "
+                           f"{', '.join(ROLES)})", param="messages", code="invalid_role")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise APIError(400, f"messages[{i}]: a tool message needs a string tool_call_id", param="messages")
+        check_text(msg, f"messages[{i}]", "messages")
+
+
+def _tool_names(tools: list[Any]) -> list[str]:
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                           param="tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"tools[{i}].function.name must be a non-empty string", param="tools")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: function names must be unique", param="tools")
+    return names
+
+
+def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """The JSON shape of one call of ``tool``: ``{"name": <its name>, "arguments": <its parameters>}``."""
+    fn = tool["function"]
+    return {"type": "object",
+            "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"], "additionalProperties": False}
 
 
 class ChatRequest(_GenerationBody):
@@ -86,14 +182,68 @@ class ChatRequest(_GenerationBody):
 
     def check(self) -> None:
         self._common_checks()
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported by this server", param="tools",
-                           code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format",
-                           code="unsupported_parameter")
+        check_messages(self.messages)
+        check_text(self.tools, "tools", "tools")
+        self.tool_mode()
+        self.grammar()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+
+    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
+        """(mode, tools the model may call): mode is "none" (no tools), "auto" (the model may
+        answer with a call), or "forced" (``required`` or a named function: a call is enforced)."""
+        tools = self.tools or []
+        names = _tool_names(tools)
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise APIError(400, f"invalid tool_choice {_short(choice)}: expected 'none', 'auto', 'required' "
+                               "or {\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+            if choice != "none" and not tools:
+                raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+            if choice == "none" or not tools:
+                return "none", []
+            return ("forced" if choice == "required" else "auto"), tools
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError(400, "invalid tool_choice: expected 'none', 'auto', 'required' or "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        if name not in names:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+        return "forced", [tools[names.index(name)]]
+
+    def grammar(self) -> tuple[str | None, str]:
+        mode, tools = self.tool_mode()
+        try:
+            if mode == "forced":
+                schemas = [tool_call_schema(t) for t in tools]
+                return json_schema_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "tools"
+            rf = self.response_format
+            if rf is None:
+                return None, "response_format"
+            kind = rf.get("type")
+            if kind == "text":
+                return None, "response_format"
+            if kind == "json_object":
+                return json_schema_grammar({"type": "object"}), "response_format"
+            if kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                    raise APIError(400, "response_format json_schema needs {\"name\": ..., \"schema\": {...}}",
+                                   param="response_format")
+                schema = spec.get("schema", {})
+                if not isinstance(schema, dict | bool):
+                    raise APIError(400, "response_format json_schema.schema must be a JSON schema object",
+                                   param="response_format")
+                return json_schema_grammar(schema), "response_format"
+        except GrammarError as e:
+            raise APIError(400, f"the schema cannot be used: {e}", param="tools" if mode == "forced"
+                           else "response_format", code="invalid_schema") from None
+        raise APIError(400, f"invalid response_format type {_short(kind)}: expected 'text', 'json_object' or "
+                       "'json_schema'", param="response_format")
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -112,6 +262,7 @@ class CompletionRequest(_GenerationBody):
 
     def check(self) -> None:
         self._common_checks()
+        check_text(self.prompt, "prompt", "prompt")
         if self.echo:
             raise APIError(400, "echo is not supported by this server", param="echo", code="unsupported_parameter")
         if self.suffix:
@@ -140,6 +291,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # counted in the prompt as the chat request would render them
+    tool_choice: Any = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
 

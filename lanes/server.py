@@ -31,7 +31,15 @@ from lanes.config import LaneConfig
 from lanes.errors import APIError, RequestInfo, begin_request, error_middleware
 from lanes.generation import generate, json_response
 from lanes.metrics import LaneMetrics
-from lanes.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
+from lanes.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_messages,
+    check_text,
+    parse_body,
+)
 from lanes.state import STATE, EngineFactory, LaneState
 
 __all__ = ["STATE", "EngineFactory", "LaneState", "create_app", "drain", "open_engine", "pin_process"]
@@ -280,14 +288,24 @@ def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _render_with_tools(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                       add_generation_prompt: bool) -> list[int]:
+    text = engine.chat_template.render_with_tools(messages, tools, add_generation_prompt)
+    return engine.tokenizer.encode(text, add_special=True, parse_special=True)
+
+
 async def _render_chat(st: LaneState, engine: Engine, messages: list[dict[str, Any]],
-                       add_generation_prompt: bool = True) -> list[int]:
+                       add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
     if st.template_error is not None:
         raise APIError(400, f"the model's chat template cannot be used: {st.template_error}",
                        param="messages", code="chat_template_error")
+    check_messages(messages)
     try:
+        msgs = _normalize_messages(messages)
+        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs):
+            return await asyncio.to_thread(_render_with_tools, engine, msgs, tools, add_generation_prompt)
         # off the event loop: a long conversation takes a while to tokenize
-        return await asyncio.to_thread(engine.render_chat, _normalize_messages(messages), add_generation_prompt)
+        return await asyncio.to_thread(engine.render_chat, msgs, add_generation_prompt)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="chat_template_error") from None
 
@@ -310,7 +328,8 @@ async def _generation_entry(request: web.Request, kind: Literal["chat", "complet
             chat = parse_body(ChatRequest, body)
             chat.check()
             _check_model(st, chat.model)
-            ids = await _render_chat(st, engine, chat.messages)
+            tools = chat.tools if chat.tool_mode()[0] != "none" else None
+            ids = await _render_chat(st, engine, chat.messages, tools=tools)
             return await generate(request, st, "chat", chat, [ids])
         comp = parse_body(CompletionRequest, body)
         comp.check()
@@ -363,7 +382,9 @@ async def tokenize(request: web.Request) -> web.Response:
     if (req.prompt is None) == (req.messages is None):
         raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
     if req.messages is not None:
-        ids = await _render_chat(st, engine, req.messages, req.add_generation_prompt)
+        check_text(req.tools, "tools", "tools")
+        tools = req.tools if req.tools and req.tool_choice != "none" else None
+        ids = await _render_chat(st, engine, req.messages, req.add_generation_prompt, tools=tools)
     else:
         ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt or "", req.add_special_tokens, True)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.n_ctx})

@@ -9,7 +9,13 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engine.constraints import GrammarCompiler, GrammarError, any_json_grammar, apply_mask, json_schema_grammar
+from engine.constraints import (
+    GrammarCompiler,
+    GrammarError,
+    any_json_grammar,
+    apply_mask,
+    json_schema_grammar,
+)
 from engine.default_model import build_default_model, default_model_path
 from engine.engine import Engine
 from engine.sampling import SamplingParams
@@ -76,7 +82,7 @@ def test_schema_output_parses_and_validates(engine: Engine) -> None:
     g = json_schema_grammar(PERSON)
     jobs = [(chat(engine, q), params(grammar=g)) for q in
             ("Describe a person as JSON.", "Who wrote Hamlet? Answer in JSON.", "Hi!")]
-    for ids, text, reason in run(engine, jobs):
+    for _ids, text, reason in run(engine, jobs):
         assert reason == "stop", text
         jsonschema.validate(json.loads(text), PERSON)
 
