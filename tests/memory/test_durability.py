@@ -22,7 +22,11 @@ import aiohttp
 import pytest
 
 from memory.store import MemoryStore, open_engine
-from tests.gateway.conftest import auth, running_lane
+from tests.gateway.conftest import (
+    auth,
+    gateway_engines,  # noqa: F401  (the fixture)
+    running_lane,
+)
 from tests.memory import _writer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +122,7 @@ async def _drain(proc: asyncio.subprocess.Process) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="function")
-async def test_sigkill_the_gateway_while_chatting(gateway_engines: tuple, tmp_path: Path) -> None:
+async def test_sigkill_the_gateway_while_chatting(gateway_engines: tuple, tmp_path: Path) -> None:  # noqa: F811
     """The real gateway process, SIGKILLed at random points while two clients chat in one session each;
     restarted each time. Every turn whose HTTP response completed is in the database afterwards."""
     path = tmp_path / "gw.db"
@@ -130,7 +134,8 @@ async def test_sigkill_the_gateway_while_chatting(gateway_engines: tuple, tmp_pa
     key = out.decode().strip()
     rng = random.Random(7)
     done: dict[str, list[str]] = {}  # session -> messages whose response completed
-    kills = 4
+    statuses: list[tuple[int, bytes]] = []  # answers other than 200 (reported on failure)
+    kills = 5
     async with running_lane("a", gateway_engines[0]) as lane:
         env = _env(STRATA_GATEWAY_DB_URL=db, STRATA_GATEWAY_PORT="0", STRATA_GATEWAY_HOST="127.0.0.1",
                    STRATA_GATEWAY_LANES=json.dumps([{"name": "a", "url": lane.url}]),
@@ -151,17 +156,24 @@ async def test_sigkill_the_gateway_while_chatting(gateway_engines: tuple, tmp_pa
                         body = {"messages": [{"role": "user", "content": msg}], "session_id": sid, "max_tokens": 2}
                         try:
                             async with s.post(url + "/v1/chat/completions", json=body, headers=auth(key)) as r:
-                                await r.read()
+                                raw = await r.read()
                                 ok = r.status == 200
+                                if not ok:
+                                    statuses.append((r.status, raw[:200]))
                         except (aiohttp.ClientError, OSError):
                             return  # the gateway died under us: this response never completed
                         if ok:
                             done[sid].append(msg)
                         n += 1
 
+                before = sum(len(v) for v in done.values())
                 tasks = [asyncio.create_task(client(sid)) for sid in done]
+                deadline = time.monotonic() + 90
+                while sum(len(v) for v in done.values()) == before:  # this life is serving: turns are being written
+                    assert time.monotonic() < deadline, f"no turn completed in life {life}: {statuses[:3]}"
+                    await asyncio.sleep(0.05)
                 if life < kills:
-                    await asyncio.sleep(rng.uniform(1.0, 3.0))
+                    await asyncio.sleep(rng.uniform(0.1, 1.5))
                     gw.send_signal(signal.SIGKILL)
                     await gw.wait()
                     await asyncio.wait(tasks, timeout=10)
@@ -183,5 +195,5 @@ async def test_sigkill_the_gateway_while_chatting(gateway_engines: tuple, tmp_pa
             roles = [r[0] for r in c.execute("SELECT role FROM memory_turns WHERE session_pk = ? ORDER BY seq", (pk,))]
             assert roles == ["user", "assistant"] * (len(roles) // 2) and len(roles) % 2 == 0
     total = sum(len(v) for v in done.values())
-    assert total >= kills, f"too few completed turns to mean anything: {total}"
+    assert total >= kills, f"too few completed turns to mean anything: {total} {statuses[:3]}"
     print(f"\n{kills} gateway kills: {total} completed turns, all stored")
