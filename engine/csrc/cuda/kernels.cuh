@@ -148,6 +148,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
             rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
             acc[t] = acc2[t] = 0.0f;
         }
+#pragma unroll 2
         for (int j = lane; j < nsb; j += WARP) {
             sub_w s, s2;
             unpack_sub<T>(wrow, j, s);
@@ -214,6 +215,47 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
             for (int t = 0; t < NT; t++)
                 if (rows[t] >= 0) store_out(a, pair_at(a.g, start, p0 + t), r, acc[t], acc2[t]);
         }
+    }
+}
+
+/* Float weights with few rows (routers: n_expert rows): a block of LIN_WARPS warps per row,
+ * the warps splitting the row, their sums added in warp order. The order depends only on
+ * the weight's shape, so results stay batch invariant. */
+template <int T, int NT>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) {
+    __shared__ float part[LIN_WARPS][NT];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int r = blockIdx.x;
+    int e, start, count;
+    if (!group_of(a.g, blockIdx.y, e, start, count)) return;
+    const uint8_t *wrow = a.w + e * a.expert_stride + (int64_t)r * a.row_bytes;
+    for (int p0 = 0; p0 < count; p0 += NT) {
+        int rows[NT];
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
+            acc[t] = 0.0f;
+        }
+#pragma unroll 4
+        for (int i = warp * WARP + lane; i < a.K; i += LIN_WARPS * WARP) {
+            const float w = wf<T>(wrow, i);
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (rows[t] >= 0) acc[t] = fmaf(w, a.x[(int64_t)rows[t] * a.K + i], acc[t]);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            acc[t] = warp_sum(acc[t]);
+            if (lane == 0) part[warp][t] = acc[t];
+        }
+        __syncthreads();
+        if (threadIdx.x < NT && rows[threadIdx.x] >= 0) {
+            float v = 0.0f;
+            for (int wi = 0; wi < LIN_WARPS; wi++) v += part[wi][threadIdx.x];
+            store_out(a, pair_at(a.g, start, p0 + threadIdx.x), r, v, 0.0f);
+        }
+        __syncthreads();
     }
 }
 

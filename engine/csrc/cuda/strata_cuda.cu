@@ -473,6 +473,14 @@ template <int T, bool SW> static void launch_f(const lin_args &a, int path, int 
         k_linear_ref<T><<<dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st>>>(a);
         return;
     }
+    if (!SW && a.N <= 1024) { /* few rows (a router): a block per row keeps the GPU busy */
+        const dim3 grid((unsigned)a.N, (unsigned)max_groups);
+        if (nt >= 8) k_linear_f_rows<T, 8><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        else if (nt >= 4) k_linear_f_rows<T, 4><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        else if (nt >= 2) k_linear_f_rows<T, 2><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        else k_linear_f_rows<T, 1><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        return;
+    }
     const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
     if (nt >= 8) k_linear_f<T, 8, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
     else if (nt >= 4) k_linear_f<T, 4, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
