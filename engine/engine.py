@@ -44,6 +44,7 @@ class StepStats:
     t_output: float
     n_expert_tokens: int
     n_active_experts: int
+    pool_idle_share: float = 0.0  # share of the pool's thread time spent waiting in parallel regions
 
 
 @dataclass
@@ -224,7 +225,8 @@ class Engine:
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
         self.last_stats = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense,
-                                    st.t_output, int(st.n_expert_tokens), int(st.n_active_experts))
+                                    st.t_output, int(st.n_expert_tokens), int(st.n_active_experts),
+                                    float(st.pool_idle_share))
         return logits
 
     def prefill(self, token_ids: Sequence[int], blocks: Sequence[int], start: int = 0,

@@ -188,6 +188,8 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     st_step_stats local = {0};
     st_step_stats *st = stats ? stats : &local;
     memset(st, 0, sizeof *st);
+    double busy0, total0;
+    st_pool_times(pool, &busy0, &total0);
     const double t_start = now_s();
     const int64_t T = b->n_tokens, E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
@@ -219,5 +221,9 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     st->t_output = t_end - t_out;
     st->t_total = t_end - t_start;
     st->n_tokens = T;
+    double busy1, total1;
+    st_pool_times(pool, &busy1, &total1);
+    st->pool_idle_share = total1 > total0 ? 1.0 - (busy1 - busy0) / (total1 - total0) : 0.0;
+    if (st->pool_idle_share < 0.0) st->pool_idle_share = 0.0; /* clock granularity */
     return ST_OK;
 }

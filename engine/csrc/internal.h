@@ -155,6 +155,10 @@ typedef void (*st_task_fn)(void *ctx, int64_t item, int thread);
 /* Runs fn(ctx, i, thread) for i in [0, n_items) across the pool; items are handed
  * out one at a time from an atomic counter so a slow item never stalls the rest. */
 void st_pool_run(st_pool *pool, st_task_fn fn, void *ctx, int64_t n_items);
+/* Cumulative thread time of the pool's parallel regions (seconds): *busy = time workers
+ * spent draining items, *total = region wall time x n_threads. Read before and after a
+ * step; the difference gives the step's idle share. */
+void st_pool_times(const st_pool *pool, double *busy, double *total);
 
 /* ======================================================================= the CPU step
  * Shared by model.c (descriptor validation, scratch), kv.c (paged KV cache), linear.c

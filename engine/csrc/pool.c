@@ -11,6 +11,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -29,6 +30,8 @@ typedef struct {
     struct st_pool *pool;
     int index;
     int core;
+    double busy; /* seconds spent draining items; written by this worker only */
+    char pad[40]; /* keep each worker's counter on its own cache line */
 } worker_arg;
 
 struct st_pool {
@@ -45,7 +48,14 @@ struct st_pool {
     st_task_fn fn;
     void *ctx;
     int64_t n_items;
+    double busy0, total; /* the caller's (worker 0's) busy time; region wall x n_threads */
 };
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 static void pin_self(int core) {
     if (core < 0) return;
@@ -87,7 +97,9 @@ static void *worker_main(void *argp) {
             spins = 0;
         }
         seen = g;
+        const double t0 = mono_s();
         drain_items(p, a->index);
+        a->busy += mono_s() - t0; /* published by the release below */
         atomic_fetch_add_explicit(&p->n_done, 1, memory_order_acq_rel);
     }
 }
@@ -109,7 +121,7 @@ st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_core
         return st_fail(ST_ENOMEM, "pool_create: out of memory");
     }
     for (int i = 1; i < n_threads; i++) {
-        p->args[i] = (worker_arg){p, i, cores ? cores[i % n_cores] : -1};
+        p->args[i] = (worker_arg){.pool = p, .index = i, .core = cores ? cores[i % n_cores] : -1};
         if (pthread_create(&p->threads[i], NULL, worker_main, &p->args[i]) != 0) {
             p->n_threads = i; /* destroy joins only the threads that exist */
             st_pool_destroy(p);
@@ -139,8 +151,13 @@ int32_t st_pool_threads(const st_pool *p) { return p ? p->n_threads : 0; }
 
 void st_pool_run(st_pool *p, st_task_fn fn, void *ctx, int64_t n_items) {
     if (n_items <= 0) return;
+    const double t_start = mono_s();
     if (!p || p->n_threads == 1 || n_items == 1) {
         for (int64_t i = 0; i < n_items; i++) fn(ctx, i, 0);
+        if (p) { /* the other workers sat idle through this region */
+            const double dt = mono_s() - t_start;
+            p->busy0 += dt, p->total += dt * p->n_threads;
+        }
         return;
     }
     p->fn = fn;
@@ -155,8 +172,19 @@ void st_pool_run(st_pool *p, st_task_fn fn, void *ctx, int64_t n_items) {
         pthread_mutex_unlock(&p->mu);
     }
     drain_items(p, 0);
+    p->busy0 += mono_s() - t_start;
     for (int spins = 1; atomic_load_explicit(&p->n_done, memory_order_acquire) < p->n_threads - 1; spins++) {
         if (spins % 1024 == 0) sched_yield();
         else CPU_RELAX();
     }
+    p->total += (mono_s() - t_start) * p->n_threads;
+}
+
+void st_pool_times(const st_pool *p, double *busy, double *total) {
+    double b = 0.0, t = 0.0;
+    if (p) {
+        b = p->busy0, t = p->total;
+        for (int i = 1; i < p->n_threads; i++) b += p->args[i].busy;
+    }
+    *busy = b, *total = t;
 }

@@ -68,6 +68,11 @@ st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32
 st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_t *qs, const float *d,
                        const int32_t *sums, int64_t n, float *out);
 st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out);
+/* One weight row against nt (1..64) token rows at once, through the variant's
+ * multi-token path (the one grouped experts and batched linears use): qs[nt, n],
+ * d[nt, n/32], sums[nt, n/16], out[nt]. For the harness's batched == alone check. */
+st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
+                              const float *d, const int32_t *sums, int64_t n, float *out);
 
 /* Attention of one head over caller-provided paged K/V (the layout of st_kv: K is
  * [block][n_kv][head_dim][block_size] F16, V is [block][block_size][n_kv * head_dim]).
@@ -147,6 +152,10 @@ typedef struct {
     double t_total, t_attn, t_experts, t_dense, t_output; /* seconds */
     int64_t n_tokens, n_expert_tokens;                     /* routed (token, expert) pairs */
     int32_t n_active_experts;
+    /* Share of the pool's thread time spent waiting in parallel regions (0..1): worker
+     * time not inside a work item over n_threads x region wall time. (Added last: the
+     * CUDA backend includes this header.) */
+    double pool_idle_share;
 } st_step_stats;
 
 /* A batch: any mix of prefill chunks and decode tokens of many sequences.

@@ -96,6 +96,40 @@ st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_
     return ST_OK;
 }
 
+st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
+                              const float *d, const int32_t *sums, int64_t n, float *out) {
+    st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!st_type_supported(type) || st_type_is_float(type))
+        return st_fail(ST_EUNSUPPORTED, "vec_dot_q_tokens: type %d is not a supported quantised type", type);
+    if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT)
+        return st_fail(ST_EINVAL, "vec_dot_q_tokens: bad arguments (n=%lld nt=%d)", (long long)n, nt);
+    if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "vec_dot_q_tokens: n=%lld exceeds %d", (long long)n, ST_MAX_ROW);
+    /* dx4[nt, n/4], xs[nt, n/16]: the derived views, as the quantiser makes them */
+    float *dx4 = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 4));
+    float *xs = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 16));
+    if (!dx4 || !xs) {
+        free(dx4);
+        free(xs);
+        return st_fail(ST_ENOMEM, "vec_dot_q_tokens: out of memory");
+    }
+    act_row rows[ST_MAX_NT];
+    for (int32_t t = 0; t < nt; t++) {
+        const float *dt = d + (size_t)t * (size_t)(n / QK);
+        const int32_t *st = sums + (size_t)t * (size_t)(n / 16);
+        float *dx = dx4 + (size_t)t * (size_t)(n / 4), *x = xs + (size_t)t * (size_t)(n / 16);
+        for (int64_t b = 0; b < n / QK; b++) {
+            for (int l = 0; l < QK / 4; l++) dx[b * (QK / 4) + l] = dt[b];
+            x[2 * b] = dt[b] * (float)st[2 * b], x[2 * b + 1] = dt[b] * (float)st[2 * b + 1];
+        }
+        rows[t] = (act_row){qs + (size_t)t * (size_t)n, dt, st, dx, x};
+    }
+    pick_q(resolve(variant), type)(w, n, nt, rows, out);
+    free(dx4);
+    free(xs);
+    return ST_OK;
+}
+
 st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out) {
     st_status rc = check_variant(variant);
     if (rc) return rc;

@@ -70,3 +70,18 @@ def test_decode_steps_of_mixed_sequences_equal_alone(model_path: Path, variant: 
         for t in tables:
             eng.blocks.release(t)
     assert outs == ref
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_step_reports_pool_idle_share(model_path: Path, threads: int) -> None:
+    """st_step_stats.pool_idle_share: the caller alone is never idle; two threads wait somewhere
+    (at least on each region's join), but not all the time."""
+    with Engine.open(model_path, threads=threads, kv_tokens=256) as eng:
+        eng.logits_for([1, 2, 3, 4, 5, 6, 7, 8])
+        assert eng.last_stats is not None
+        share = eng.last_stats.pool_idle_share
+    assert np.isfinite(share)
+    if threads == 1:
+        assert share == 0.0
+    else:
+        assert 0.0 < share < 1.0

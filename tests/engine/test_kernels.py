@@ -135,6 +135,62 @@ def test_quantised_dot_every_variant(name: str, variant: str, n: int) -> None:
         assert abs(got - ref) <= 1e-4 * scale, (got, ref)
 
 
+def dot_q_tokens(name: str, variant: str, raw: np.ndarray, qs: np.ndarray, d: np.ndarray, s: np.ndarray,
+                 n: int) -> np.ndarray:
+    """One weight row against every token row of qs [nt, n] through the multi-token path."""
+    nt = qs.shape[0]
+    out = np.empty(nt, np.float32)
+    rc = lib.st_vec_dot_q_tokens(int(GGMLQuantizationType[name]), VARIANTS[variant], ptr(raw), nt,
+                                 ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *"), n,
+                                 ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
+# 1 token (decode), 2..4 (the fused in-register paths), 5..13 (the unpacked row shared by
+# four-token passes plus a remainder) and 64 (the largest tile)
+TOKEN_COUNTS = [1, 2, 3, 4, 5, 8, 13, 64]
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", QUANT_TYPES)
+@pytest.mark.parametrize("n", [N, N - 256 + 32 * 3])  # even and odd numbers of 32-blocks
+def test_multi_token_dot_equals_alone_bitwise_every_variant(name: str, variant: str, n: int) -> None:
+    """Batched == alone inside the kernel: each token of an nt-token pass gets exactly the bits
+    the one-token pass gives it, for every token count path, and stays within 1e-4 of the
+    reference variant."""
+    if n % GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]:
+        n = N
+    rng = np.random.default_rng(11)
+    raw = random_blocks(name, n, rng)
+    x = rng.standard_normal((max(TOKEN_COUNTS), n)).astype(np.float32)
+    acts = [quant_act(row) for row in x]
+    qs = np.stack([a[0] for a in acts])
+    d = np.stack([a[1] for a in acts])
+    s = np.stack([a[2] for a in acts])
+    alone = np.array([dot_q(name, variant, raw, qs[t], d[t], s[t], n) for t in range(len(x))], np.float32)
+    ref = np.array([dot_q(name, "ref", raw, qs[t], d[t], s[t], n) for t in range(len(x))], np.float64)
+    w = c_dequant(name, raw, n).astype(np.float64)
+    for nt in TOKEN_COUNTS:
+        got = dot_q_tokens(name, variant, raw, qs[:nt].copy(), d[:nt].copy(), s[:nt].copy(), n)
+        assert np.array_equal(got.view(np.uint32), alone[:nt].view(np.uint32)), (name, variant, nt)
+        for t in range(nt):
+            xa = (qs[t].reshape(-1, 32) * d[t][:, None].astype(np.float64)).reshape(-1)
+            scale = float(np.abs(w * xa).sum())
+            assert abs(float(got[t]) - ref[t]) <= 1e-4 * scale, (name, variant, nt, t)
+
+
+def test_multi_token_dot_rejects_bad_token_counts() -> None:
+    raw = random_blocks("Q4_1", 64, np.random.default_rng(0))
+    qs, d, s = quant_act(np.ones(64, np.float32))
+    out = np.empty(1, np.float32)
+    for nt in (0, -1, 65):
+        rc = lib.st_vec_dot_q_tokens(int(GGMLQuantizationType["Q4_1"]), VARIANTS["ref"], ptr(raw), nt,
+                                     ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *"), 64,
+                                     ptr(out, "float *"))
+        assert rc != 0 and b"nt=" in ffi.string(lib.st_last_error())
+
+
 @pytest.mark.parametrize("variant", available_variants())
 @pytest.mark.parametrize("name", FLOAT_TYPES)
 def test_float_dot_every_variant(name: str, variant: str) -> None:
