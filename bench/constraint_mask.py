@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from engine.constraints import GrammarCompiler, json_schema_grammar, mask_words
+from engine.constraints import GrammarCompiler, apply_mask, json_schema_grammar, mask_words
 from engine.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -81,6 +81,32 @@ def bench_outlines(tok: Tokenizer, ids: list[int]) -> tuple[float, list[float]]:
     return t_compile, times
 
 
+def batch_cost(tok: Tokenizer, ids: list[int], rows: int = 16) -> None:
+    """What the scheduler adds per step for ``rows`` constrained sequences: fill every mask (done
+    in the mask thread while the C step runs) and apply them to the logits (on the loop thread)."""
+    comp = GrammarCompiler.for_tokenizer(tok)
+    g = json_schema_grammar(SCHEMA)
+    cons = [comp.matcher(g) for _ in range(rows)]
+    bits = np.zeros((rows, mask_words(tok.vocab_size)), dtype=np.int32)
+    logits = np.random.default_rng(0).standard_normal((rows, tok.vocab_size)).astype(np.float32)
+    fill_t, apply_t = [], []
+    for t in ids:
+        t0 = time.perf_counter()
+        for k, c in enumerate(cons):
+            c.fill(bits[k])
+        t1 = time.perf_counter()
+        for k in range(rows):
+            apply_mask(logits[k], bits[k])
+        t2 = time.perf_counter()
+        fill_t.append(t1 - t0)
+        apply_t.append(t2 - t1)
+        for c in cons:
+            assert c.consume(t)
+    print(f"{rows} constrained rows per step: fill median {statistics.median(fill_t) * 1e3:.2f} ms "
+          f"(max {max(fill_t) * 1e3:.2f}), apply median {statistics.median(apply_t) * 1e3:.2f} ms "
+          f"(max {max(apply_t) * 1e3:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="var/models/smollm2-135m-moe8.gguf")
@@ -93,6 +119,7 @@ def main() -> None:
         us = [x * 1e6 for x in times]
         print(f"{name:14s} compile {comp * 1e3:8.1f} ms  mask/token median {statistics.median(us):8.1f} us  "
               f"p90 {sorted(us)[int(0.9 * len(us))]:8.1f} us  max {max(us):8.1f} us")
+    batch_cost(tok, ids)
 
 
 if __name__ == "__main__":
