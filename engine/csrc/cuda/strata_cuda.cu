@@ -116,6 +116,7 @@ struct scratch {
     int32_t *h_ints; /* pinned host staging for the batch's index arrays */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
+    std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
 };
 
 struct graph_entry {
@@ -252,16 +253,23 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     return ST_OK;
 }
 
-template <typename P> static stg_status dalloc(stg_model *m, P **p, size_t n) {
+/* A device allocation recorded in `list` (freed with it). */
+template <typename P> static stg_status dalloc_in(std::vector<void *> &list, P **p, size_t n) {
     void *v = nullptr;
     const cudaError_t e = cudaMalloc(&v, n > 0 ? n : 1);
     if (e != cudaSuccess) {
         cudaGetLastError();
         return fail(ST_ENOMEM, "cannot allocate %zu bytes of GPU memory (%s)", n, cudaGetErrorString(e));
     }
-    m->allocs.push_back(v);
+    list.push_back(v);
     *p = (P *)v;
     return ST_OK;
+}
+template <typename P> static stg_status dalloc(stg_model *m, P **p, size_t n) { return dalloc_in(m->allocs, p, n); }
+
+static void free_list(std::vector<void *> &list) {
+    for (void *p : list) cudaFree(p);
+    list.clear();
 }
 
 /* Every weight in one VRAM arena, each tensor 256-byte aligned; a host tensor shared by
@@ -317,6 +325,8 @@ extern "C" void stg_model_destroy(stg_model *m) {
     cudaSetDevice(m->device);
     if (m->stream) cudaStreamSynchronize(m->stream);
     drop_graphs(m);
+    free_list(m->s.step_allocs);
+    free_list(m->s.ints_allocs);
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
@@ -549,49 +559,58 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
     const st_model_desc &d = m->d;
     const int64_t E = d.n_embd, k = d.n_expert > 0 ? d.n_expert_used : 1, ne = std::max(1, d.n_expert);
     if (T > s.cap_t || L > s.cap_l) {
+        /* the old buffers go (nothing is in flight: steps end synchronised, and the graphs
+         * that point at them are dropped); sizes at least double up to 512 tokens, so a
+         * batch growing one sequence at a time reallocates a few times, not every step */
         drop_graphs(m);
-        T = std::max(T, s.cap_t), L = std::max(L, s.cap_l);
-        /* scratch buffers are freed with the model; a growing batch leaves the old ones
-         * allocated only until the model goes (growth is rare: it is sized by the
-         * scheduler's token budget) */
+        CU(cudaStreamSynchronize(m->stream), "scratch");
+        free_list(s.step_allocs);
+        const int64_t old_t = s.cap_t, old_l = s.cap_l;
+        s.cap_t = s.cap_l = 0; /* until the new set is complete */
+        T = std::max({T, old_t, std::min<int64_t>(2 * old_t, 512)});
+        L = std::max({L, old_l, std::min<int64_t>(2 * old_l, 512)});
         const int64_t P = T * k + T, K = m->max_k, F = std::max<int64_t>(m->ff_max, 32);
-        CHECK(dalloc(m, &s.x, sizeof(float) * T * E));
-        CHECK(dalloc(m, &s.xn, sizeof(float) * T * E));
-        CHECK(dalloc(m, &s.q, sizeof(float) * T * m->q_dim));
-        CHECK(dalloc(m, &s.k, sizeof(float) * T * m->kv_dim));
-        CHECK(dalloc(m, &s.v, sizeof(float) * T * m->kv_dim));
-        CHECK(dalloc(m, &s.att, sizeof(float) * T * m->q_dim));
-        CHECK(dalloc(m, &s.router, sizeof(float) * T * ne));
-        CHECK(dalloc(m, &s.topk_w, sizeof(float) * T * k));
-        CHECK(dalloc(m, &s.topk_id, sizeof(int32_t) * T * k));
-        CHECK(dalloc(m, &s.pair_tok, sizeof(int32_t) * P));
-        CHECK(dalloc(m, &s.list, sizeof(int32_t) * P));
-        CHECK(dalloc(m, &s.gexp, sizeof(int32_t) * ne));
-        CHECK(dalloc(m, &s.gstart, sizeof(int32_t) * ne));
-        CHECK(dalloc(m, &s.gcount, sizeof(int32_t) * ne));
-        CHECK(dalloc(m, &s.n_groups, sizeof(int32_t)));
-        CHECK(dalloc(m, &s.aq, (size_t)(T * K)));
-        CHECK(dalloc(m, &s.ad, sizeof(float) * T * K / 32));
-        CHECK(dalloc(m, &s.as, sizeof(int32_t) * T * K / 16));
-        CHECK(dalloc(m, &s.h, sizeof(float) * P * F));
-        CHECK(dalloc(m, &s.h2, sizeof(float) * P * F));
-        CHECK(dalloc(m, &s.hq, (size_t)(P * F)));
-        CHECK(dalloc(m, &s.hd, sizeof(float) * P * F / 32));
-        CHECK(dalloc(m, &s.hs, sizeof(int32_t) * P * F / 16));
-        CHECK(dalloc(m, &s.pair_out, sizeof(float) * P * E));
-        CHECK(dalloc(m, &s.gsh, sizeof(float) * T));
-        CHECK(dalloc(m, &s.xl, sizeof(float) * L * E));
-        CHECK(dalloc(m, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
+        CHECK(dalloc_in(s.step_allocs, &s.x, sizeof(float) * T * E));
+        CHECK(dalloc_in(s.step_allocs, &s.xn, sizeof(float) * T * E));
+        CHECK(dalloc_in(s.step_allocs, &s.q, sizeof(float) * T * m->q_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.k, sizeof(float) * T * m->kv_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.v, sizeof(float) * T * m->kv_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.att, sizeof(float) * T * m->q_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.router, sizeof(float) * T * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.topk_w, sizeof(float) * T * k));
+        CHECK(dalloc_in(s.step_allocs, &s.topk_id, sizeof(int32_t) * T * k));
+        CHECK(dalloc_in(s.step_allocs, &s.pair_tok, sizeof(int32_t) * P));
+        CHECK(dalloc_in(s.step_allocs, &s.list, sizeof(int32_t) * P));
+        CHECK(dalloc_in(s.step_allocs, &s.gexp, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.gstart, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.gcount, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.n_groups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.aq, (size_t)(T * K)));
+        CHECK(dalloc_in(s.step_allocs, &s.ad, sizeof(float) * T * K / 32));
+        CHECK(dalloc_in(s.step_allocs, &s.as, sizeof(int32_t) * T * K / 16));
+        CHECK(dalloc_in(s.step_allocs, &s.h, sizeof(float) * P * F));
+        CHECK(dalloc_in(s.step_allocs, &s.h2, sizeof(float) * P * F));
+        CHECK(dalloc_in(s.step_allocs, &s.hq, (size_t)(P * F)));
+        CHECK(dalloc_in(s.step_allocs, &s.hd, sizeof(float) * P * F / 32));
+        CHECK(dalloc_in(s.step_allocs, &s.hs, sizeof(int32_t) * P * F / 16));
+        CHECK(dalloc_in(s.step_allocs, &s.pair_out, sizeof(float) * P * E));
+        CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
+        CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
+        CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
         s.cap_t = T, s.cap_l = L;
     }
     const int64_t n_ints = 4 * s.cap_t + s.cap_l + n_bt;
     if (n_ints > s.cap_ints) {
         drop_graphs(m);
+        CU(cudaStreamSynchronize(m->stream), "scratch");
         if (s.h_ints) cudaFreeHost(s.h_ints);
         s.h_ints = nullptr;
-        CU(cudaMallocHost(&s.h_ints, sizeof(int32_t) * (size_t)n_ints), "pinned staging");
-        CHECK(dalloc(m, &s.ints, sizeof(int32_t) * (size_t)n_ints));
-        s.cap_ints = n_ints;
+        free_list(s.ints_allocs);
+        s.cap_ints = 0;
+        const int64_t want = std::max(n_ints, 2 * s.cap_t + n_ints / 2); /* headroom for longer tables */
+        CU(cudaMallocHost(&s.h_ints, sizeof(int32_t) * (size_t)want), "pinned staging");
+        CHECK(dalloc_in(s.ints_allocs, &s.ints, sizeof(int32_t) * (size_t)want));
+        s.cap_ints = want;
     }
     return ST_OK;
 }
