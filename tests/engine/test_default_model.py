@@ -180,3 +180,50 @@ def test_llama_cpp_upcycled_equals_dense(built: Path) -> None:
         finally:
             llm.close()
     np.testing.assert_array_equal(logits[0], logits[1])
+
+
+def test_q4_k_quantiser_round_trips_through_gguf_py() -> None:
+    """quantize_q4_k writes ggml's block_q4_K layout: gguf-py's dequantiser reads it back within
+    4-bit error, and values on the 4-bit grid come back as the same codes (up to the f16 rounding
+    of the super-block scale)."""
+    x = np.random.default_rng(5).standard_normal((4, 512)).astype(np.float32) * 0.05
+    y = gguf.quants.dequantize(dm.quantize_q4_k(x), gguf.GGMLQuantizationType.Q4_K).reshape(x.shape)
+    assert np.sqrt(np.mean((y - x) ** 2)) <= 0.1 * np.sqrt(np.mean(x**2))
+    codes = np.random.default_rng(6).integers(0, 16, size=(2, 256)).astype(np.float32)
+    codes[:, ::32] = 0  # every sub-block spans 0..15: scale 1, offset 0
+    codes[:, 1::32] = 15
+    z = gguf.quants.dequantize(dm.quantize_q4_k(codes), gguf.GGMLQuantizationType.Q4_K).reshape(codes.shape)
+    assert np.array_equal(np.rint(z), codes) and np.abs(z - codes).max() < 0.01
+    with pytest.raises(dm.DefaultModelError, match="multiple of 256"):
+        dm.quantize_q4_k(np.zeros((1, 576), np.float32))
+
+
+@pytest.fixture(scope="module")
+def built_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return dm.build_default_model(tmp_path_factory.mktemp("default_model_k") / "moe8-q4k.gguf", quant="k")
+
+
+def test_k_quant_build(built: Path, built_k: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The k-quant build: down experts Q4_K (the only 256-divisible rows), everything else as in the
+    Q4_1 build; each build's validity check refuses the other; the engine's next-token logits on
+    it stay close to the Q4_1 build's."""
+    from engine.engine import Engine
+
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(built_k).tensors}
+    base = {t.name: t.tensor_type for t in gguf.GGUFReader(built).tensors}
+    assert types.keys() == base.keys()
+    for name, qt in types.items():
+        want = gguf.GGMLQuantizationType.Q4_K if name.endswith("ffn_down_exps.weight") else base[name]
+        assert qt == want, name
+    assert dm.is_valid_default_model(built_k, "k") and not dm.is_valid_default_model(built_k)
+    assert not dm.is_valid_default_model(built, "k")
+    monkeypatch.setenv("STRATA_MODEL_DIR", str(tmp_path))
+    assert dm.default_model_path("k") == tmp_path / "smollm2-135m-moe8-q4k.gguf"
+    with pytest.raises(dm.DefaultModelError, match="unknown default-model build"):
+        dm.default_model_path("q2")
+    prompt = [1, 504, 3458, 282, 4649, 314, 216]
+    with Engine.open(built, threads=2, kv_tokens=256) as eng:
+        ref = eng.logits_for(prompt)[-1]
+    with Engine.open(built_k, threads=2, kv_tokens=256) as eng:
+        got = eng.logits_for(prompt)[-1]
+    assert np.corrcoef(ref, got)[0, 1] > 0.98
