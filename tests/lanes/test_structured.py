@@ -262,3 +262,26 @@ async def test_bad_requests_are_typed_400s(lane: Lane, http: aiohttp.ClientSessi
             assert "surrogate" in err["error"]["message"]
     status, _ = await chat(http, lane.url, {"messages": ASK, "max_tokens": 2})
     assert status == 200  # the lane keeps serving
+
+
+async def test_gateway_window_counts_tool_definitions(lane: Lane, gw_url: str, http: aiohttp.ClientSession) -> None:
+    """Tool definitions are part of the prompt: the gateway's precheck counts them and clamps
+    max_tokens to fit (not counted, the lane would refuse the request as too long)."""
+    pick = {"type": "function", "function": {
+        "name": "pick", "description": " ".join(f"Option {i} means colour number {i}." for i in range(40)),
+        "parameters": {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+                       "additionalProperties": False}}}
+    counts = []
+    for extra in ({}, {"tools": [pick]}):
+        async with http.post(lane.url + "/tokenize", json={"messages": ASK, **extra}) as r:
+            counts.append((await r.json())["count"])
+    n_ctx = lane.state.engine.n_ctx
+    assert counts[1] > counts[0] + 300 and counts[1] < n_ctx - 100
+    body = {"messages": ASK, "tools": [pick], "tool_choice": {"type": "function", "function": {"name": "pick"}},
+            "max_tokens": n_ctx - counts[0] - 1, "temperature": 0}
+    async with http.post(gw_url + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
+        out = await r.json()
+        assert r.status == 200, out
+    call = out["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "pick" and json.loads(call["function"]["arguments"])["n"] in (1, 2, 3)
