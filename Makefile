@@ -96,6 +96,7 @@ test: setup $(STAMP_TEST)
 
 bench: setup $(STAMP_BENCH)
 	$(VPY) -m bench.engine_cpu
+	$(VPY) -m bench.engine_cpu --model $$($(VPY) -m engine.default_model --quant k)
 	$(VPY) -m bench.engine_batching
 	$(VPY) -m bench.gateway_overhead --json var/bench/gateway_overhead.json
 
