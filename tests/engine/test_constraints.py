@@ -158,3 +158,26 @@ def test_bad_logit_bias_is_rejected(engine: Engine) -> None:
     sched = Scheduler(engine)
     with pytest.raises(ValueError, match="out of range"):
         sched.add(chat(engine, "hi"), params(logit_bias={10**7: 1.0}))
+
+
+def test_tool_rendering_native_and_fallback(engine: Engine) -> None:
+    from engine.chat_template import TOOL_PROMPT, ChatTemplate
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add",
+                                               "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "1+2?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\":1}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    # the default model's template does not read tools: the documented fallback prompt
+    tpl = engine.chat_template
+    assert not tpl.supports_tools
+    text = tpl.render_with_tools(history, tools)
+    assert TOOL_PROMPT.split("{tools}")[0] in text and '"name": "add"' in text
+    assert '{"name": "add", "arguments": {"a": 1}}' in text and "<|im_start|>tool\n3<|im_end|>" in text
+    # a template that renders tools itself gets them as the variable, history untouched
+    native = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                          "{% for m in messages %}{{ m.role }}:{{ m.tool_calls[0].function.name if m.tool_calls "
+                          "else m.content }};{% endfor %}")
+    assert native.supports_tools
+    assert native.render_with_tools(history, tools) == "[add]user:1+2?;assistant:add;tool:3;"
