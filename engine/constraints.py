@@ -150,10 +150,13 @@ class Constraint:
 def apply_mask(row: np.ndarray, bits: np.ndarray) -> int:
     """Set disallowed tokens of one logits row to -inf in place; returns how many stay allowed.
 
-    ``bits`` is int32 [ceil(V/32)]: bit j of word w allows token 32*w + j.
+    ``bits`` is int32 [ceil(V/32)]: bit j of word w allows token 32*w + j. A mask that allows
+    nothing leaves the row untouched (the caller ends that request instead of sampling it).
     """
     v = row.shape[0]
     # little-endian words: byte 4w + j//8, bit j%8 is token 32w + j
     allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:v].view(bool)
-    row[~allowed] = -np.inf
-    return int(np.count_nonzero(allowed))
+    n = int(np.count_nonzero(allowed))
+    if n:
+        row[~allowed] = -np.inf
+    return n

@@ -489,7 +489,7 @@ class Scheduler:
                     self.running.remove(req)
                     outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
             return
-        dead = self._apply_masks(logits, masks)
+        dead = self._apply_masks(logits, masks, sample_reqs)
         report.stats = self.engine.last_stats
         report.expert_hist = hist
         bs = self.blocks.block_size
@@ -545,17 +545,21 @@ class Scheduler:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="strata-mask")
         return rows, bits, self._mask_pool.submit(fill)
 
-    def _apply_masks(self, logits: np.ndarray,
-                     masks: tuple[list[int], np.ndarray, Future[None]] | None) -> dict[int, str]:
-        """Mask the constrained rows of ``logits`` in place; rows whose grammar allows nothing
-        are left as they are and returned (row -> why), to be finished instead of sampled."""
+    def _apply_masks(self, logits: np.ndarray, masks: tuple[list[int], np.ndarray, Future[None]] | None,
+                     sample_reqs: list[Request]) -> dict[int, str]:
+        """Mask the constrained rows of ``logits`` in place; rows whose grammar is in its error
+        state or allows nothing are returned (row -> why), to be finished instead of sampled."""
         dead: dict[int, str] = {}
         if masks is None:
             return dead
         rows, bits, fut = masks
         fut.result()
         for k, i in enumerate(rows):
-            if apply_mask(logits[i], bits[k]) == 0:
+            c = sample_reqs[i].constraint
+            err = c.error if c is not None else None
+            if err:
+                dead[i] = err
+            elif apply_mask(logits[i], bits[k]) == 0:
                 dead[i] = "no token allowed"
         return dead
 

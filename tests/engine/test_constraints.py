@@ -68,6 +68,8 @@ def test_apply_mask_bit_order() -> None:
         bits[t // 32] |= np.int32(1 << (t % 32)) if t % 32 != 31 else np.int32(-(1 << 31))
     assert apply_mask(row, bits) == 4
     assert np.flatnonzero(np.isfinite(row)).tolist() == [0, 31, 32, 69]
+    row = np.ones(70, dtype=np.float32)
+    assert apply_mask(row, np.zeros(3, dtype=np.int32)) == 0 and np.all(row == 1)  # dead end: untouched
 
 
 def test_bad_schema_is_a_grammar_error(engine: Engine) -> None:
@@ -181,3 +183,18 @@ def test_tool_rendering_native_and_fallback(engine: Engine) -> None:
                           "else m.content }};{% endfor %}")
     assert native.supports_tools
     assert native.render_with_tools(history, tools) == "[add]user:1+2?;assistant:add;tool:3;"
+
+
+def test_grammar_dead_end_finishes_with_stop(engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A matcher in its error state allows nothing: the request ends with stop and a log line."""
+    sched = Scheduler(engine, SchedulerConfig(prefix_cache=False))
+    rid = sched.add(chat(engine, "JSON please."), params(8, grammar=json_schema_grammar(PERSON)))
+    req = sched._inbox[-1]
+    assert req.constraint is not None
+    req.constraint.consume(engine.tokenizer.encode("zzz", add_special=False)[0])  # not a JSON start
+    assert req.constraint.error
+    with caplog.at_level("WARNING", logger="strata.engine"):
+        ids, text, reason = collect_text(sched.run_to_completion(max_steps=50)[rid])
+    assert (ids, reason) == ([], "stop")
+    assert "grammar" in caplog.text and rid in caplog.text
+    assert not sched.has_work()
