@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -15,16 +13,13 @@ import aiohttp
 import pytest
 
 from tests.gateway.conftest import auth, running_lane
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.http_helpers import REPO, child_env, child_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_GATEWAY_", "STRATA_ADMIN_KEY"))}
-    env.update(PYTHONPATH=str(REPO), **extra)
-    return env
+    return child_env(("STRATA_GATEWAY_", "STRATA_ADMIN_KEY"), **extra)
 
 
 async def _run(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
@@ -65,24 +60,8 @@ async def test_sigterm_finishes_the_stream_then_exits_0(gateway_engines: tuple, 
         env = _env(STRATA_GATEWAY_DB_URL=db, STRATA_GATEWAY_PORT="0", STRATA_GATEWAY_HOST="127.0.0.1",
                    STRATA_GATEWAY_LANES=json.dumps([{"name": "a", "url": lane.url}]),
                    STRATA_GATEWAY_ADMIN_KEY_FILE=str(admin_file))
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", env=env, cwd=REPO,
-                                                    stderr=asyncio.subprocess.PIPE)
-        assert proc.stderr is not None
-        log: list[str] = []
-        try:
-            port = None
-            while port is None:
-                line = (await asyncio.wait_for(proc.stderr.readline(), 60)).decode()
-                assert line, "gateway exited early: " + "".join(log)
-                log.append(line)
-                if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-                    port = int(m.group(1))
-
-            async def pump() -> None:
-                async for raw in proc.stderr:  # type: ignore[union-attr]
-                    log.append(raw.decode())
-            reader = asyncio.create_task(pump())
-            url = f"http://127.0.0.1:{port}"
+        async with child_server("gateway", env=env, what="gateway") as gw:
+            proc, url, log = gw.proc, gw.url, gw.log
             async with aiohttp.ClientSession() as s:
                 async with s.get(url + "/v1/admin/lanes", headers=auth("file-admin-key-0123456789")) as r:
                     assert r.status == 200 and (await r.json())["data"][0]["ready"]
@@ -97,13 +76,8 @@ async def test_sigterm_finishes_the_stream_then_exits_0(gateway_engines: tuple, 
                                 proc.send_signal(signal.SIGTERM)
                 assert lines[-1] == "data: [DONE]"
                 assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
-            assert await asyncio.wait_for(proc.wait(), 30) == 0
-            await reader
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-    text = "".join(log)
+            assert await gw.wait_exit(30) == 0
+    text = gw.text
     assert "zebra" not in text and key not in text and "file-admin-key" not in text
     req = next(ln for ln in log if "POST /v1/completions" in ln)
     for part in ("status=200", "key=1", "lane=a", "stream=1", "completion_tokens=24", "ttft=", "dur="):

@@ -8,30 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from lanes.__main__ import EXIT_ENGINE_FAILED
-from tests.http_helpers import sse
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_LANE_") and k != "STRATA_TEST_FAULT"}
-    env.update(PYTHONPATH=str(REPO), **extra)
-    return env
-
-
-async def _read_stderr(stream: asyncio.StreamReader, log: list[str]) -> None:
-    while line := await stream.readline():
-        log.append(line.decode())
+from tests.http_helpers import child_env, child_server, sse, wait_healthy
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -42,31 +25,12 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tup
 
 
 async def test_engine_loop_failure_fails_requests_health_503_and_exit_4() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lanes", "--lane", "a", "--port", "0",
-        env=_env(STRATA_LANE_KV_TOKENS="2048", STRATA_LANE_THREADS="1",
-                 STRATA_TEST_FAULT="sample_raise_after_n_steps:12"),
-        stderr=asyncio.subprocess.PIPE, cwd=REPO)
-    assert proc.stderr is not None
-    log: list[str] = []
-    try:
-        port = None
-        while port is None:
-            line = (await asyncio.wait_for(proc.stderr.readline(), 60)).decode()
-            assert line, "lane exited early: " + "".join(log)
-            log.append(line)
-            if m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
-                port = int(m.group(1))
-        url = f"http://127.0.0.1:{port}"
-        reader = asyncio.create_task(_read_stderr(proc.stderr, log))
+    env = child_env(("STRATA_LANE_", "STRATA_TEST_FAULT"), STRATA_LANE_KV_TOKENS="2048", STRATA_LANE_THREADS="1",
+                    STRATA_TEST_FAULT="sample_raise_after_n_steps:12")
+    async with child_server("lanes", "--lane", "a", "--port", "0", env=env, what="lane") as lane:
+        url = lane.url
         async with aiohttp.ClientSession() as s:
-            deadline = time.monotonic() + 120
-            while True:
-                async with s.get(url + "/health") as r:
-                    if r.status == 200:
-                        break
-                assert time.monotonic() < deadline, "lane never became ready"
-                await asyncio.sleep(0.1)
+            await wait_healthy(s, url)
             base = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
             bodies = [
                 {**base, "prompt": "Once upon a time", "stream": True},
@@ -95,13 +59,8 @@ async def test_engine_loop_failure_fails_requests_health_503_and_exit_4() -> Non
             async with s.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
                 assert r.status == 503
                 assert (await r.json())["error"]["code"] == "engine_failed"
-        code = await asyncio.wait_for(proc.wait(), 30)
-        await reader
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    text = "".join(log)
+        code = await lane.wait_exit(30)
+    text = lane.text
     assert code == EXIT_ENGINE_FAILED, text[-3000:]
     assert "test-only fault injection is active" in text
     frozen = re.search(r"heap frozen after the load: (\d+) objects", text)  # gc.freeze in the entry point
