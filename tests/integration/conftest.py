@@ -11,6 +11,7 @@ no process whose command line names the temp dir may be left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,15 +263,20 @@ def _shutdown(stack: Stack) -> list[int]:
     return left
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@contextlib.contextmanager
+def start_stack(tmp: Path, edit_config: Callable[[str], str] | None = None,
+                drop_env: tuple[str, ...] = ()) -> Iterator[Stack]:
+    """supervisord with both lanes and the gateway on free ports under ``tmp``, ready; shut down and
+    checked on the way out. ``edit_config`` may rewrite the rendered supervisord.conf (fault tests);
+    ``drop_env`` names more variables kept from the children."""
     build_default_model(default_model_path())  # once, before two lanes would race to build it
-    tmp = tmp_path_factory.mktemp("sv")
     ports = {p: free_port() for p in (*PROGRAMS, GATEWAY)}
     cores = lane_cores()
     conf = render_config(tmp, ports, cores)
+    if edit_config is not None:
+        conf.write_text(edit_config(conf.read_text()))
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_")) and k != "STRATA_ADMIN_KEY"}
+           if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_")) and k not in ("STRATA_ADMIN_KEY", *drop_env)}
     out = open(tmp / "supervisord.stdout", "wb")  # closed in the finally below
     proc = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], stdout=out,
                             stderr=subprocess.STDOUT, env=env, cwd=tmp)
@@ -285,3 +291,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         out.close()
         assert st.proc.returncode == 0, f"supervisord exited {st.proc.returncode}"
         assert not left, f"processes left after shutdown (killed): {left}"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with start_stack(tmp_path_factory.mktemp("sv")) as st:
+        yield st

@@ -6,7 +6,6 @@ gets a 200), lane a exits 4, and supervisord (``autorestart=true``) brings it ba
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,18 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.default_model import build_default_model, default_model_path
-from tests.integration.conftest import (
-    BIN,
-    GATEWAY,
-    PROGRAMS,
-    REPO,
-    Stack,
-    _shutdown,
-    free_port,
-    lane_cores,
-    render_config,
-)
+from tests.integration.conftest import BIN, REPO, Stack, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -34,35 +22,20 @@ FAULT = "sample_raise_after_n_steps:6"
 ENV_LINE = 'environment=PYTHONPATH="%(here)s",PYTHONUNBUFFERED="1"'
 
 
-@pytest.fixture(scope="module")
-def faulty_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    build_default_model(default_model_path())
-    tmp = tmp_path_factory.mktemp("svf")
-    ports = {p: free_port() for p in (*PROGRAMS, GATEWAY)}
-    cores = lane_cores()
-    conf = render_config(tmp, ports, cores)
-    text = conf.read_text()
+def _inject_fault(text: str) -> str:
+    """Lane a's environment line gains the test-only fault switch; lane b stays healthy."""
     head, sep, rest = text.partition("[program:lane_a]")
     section, sep2, tail = rest.partition("[program:lane_b]")
     env_line = ENV_LINE.replace("%(here)s", str(REPO))
     assert env_line in section, "supervisord.conf's lane environment line changed"
     section = section.replace(env_line, env_line + f',STRATA_TEST_FAULT="{FAULT}"')
-    conf.write_text(head + sep + section + sep2 + tail)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_")) and k not in ("STRATA_ADMIN_KEY", "STRATA_TEST_FAULT")}
-    out = open(tmp / "supervisord.stdout", "wb")  # closed in the finally below
-    proc = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], stdout=out,
-                            stderr=subprocess.STDOUT, env=env, cwd=tmp)
-    st = Stack(tmp, conf, proc, ports, cores, env)
-    try:
-        for program in PROGRAMS:
-            st.wait_ready(program)
-        st.wait_gateway()
+    return head + sep + section + sep2 + tail
+
+
+@pytest.fixture(scope="module")
+def faulty_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with start_stack(tmp_path_factory.mktemp("svf"), _inject_fault, drop_env=("STRATA_TEST_FAULT",)) as st:
         yield st
-    finally:
-        left = _shutdown(st)
-        out.close()
-        assert not left, f"processes left after shutdown (killed): {left}"
 
 
 def _make_key(stack: Stack) -> str:
