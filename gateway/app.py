@@ -37,6 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import chat_completions, completions
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.store import RequestLog, RequestQuery
+from gateway.web import add_routes as add_web_routes
 from memory.api import add_routes as add_session_routes
 from memory.api import memory_context
 
@@ -79,6 +80,7 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     r.add_get("/v1/admin/requests", admin_requests)
     add_document_routes(app)  # /v1/collections..., /v1/embeddings
     add_session_routes(app)  # /v1/sessions...
+    add_web_routes(app)  # /, /static/..., /v1/admin/overview
     return app
 
 

@@ -89,6 +89,9 @@ class LaneMetrics:
                               registry=r)
         self.batch_tokens = Histogram("strata_batch_tokens", "Tokens in one engine step",
                                       buckets=_BATCH_BUCKETS, registry=r)
+        self.last_step = Gauge("strata_last_step_seconds", "The last engine step's frame by part "
+                               "(wall = the whole step as the loop saw it)", ["part"], registry=r)
+        self.last_step_tokens = Gauge("strata_last_step_tokens", "Tokens in the last engine step", registry=r)
         self.expert_share = Gauge("strata_expert_work_share", "Share of routed-expert token work per device",
                                   ["device"], registry=r)
         self.info = Gauge("strata_lane_info", "Lane identity (value 1)", ["lane", "engine_build", "model"],
@@ -135,8 +138,14 @@ class LaneMetrics:
     def on_step(self, report: StepReport) -> None:
         self._last_step_wall = report.wall
         self.step.observe(report.wall)
+        self.last_step.labels(part="wall").set(report.wall)
         if report.stats is not None:
-            self.batch_tokens.observe(report.stats.n_tokens)
+            st = report.stats
+            self.batch_tokens.observe(st.n_tokens)
+            self.last_step_tokens.set(st.n_tokens)
+            for part, v in (("total", st.t_total), ("attn", st.t_attn), ("experts", st.t_experts),
+                            ("dense", st.t_dense), ("output", st.t_output)):
+                self.last_step.labels(part=part).set(v)
         if report.n_preempted:
             self.preemptions.inc(report.n_preempted)
         aeng = self.aeng

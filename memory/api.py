@@ -3,6 +3,7 @@
     POST   /v1/sessions                {"title", "system", "collections"}  -> 201 the session
     GET    /v1/sessions                ?limit=                             -> the key's sessions, newest activity first
     GET    /v1/sessions/{id}                                               -> the session, its turns and summary
+    PATCH  /v1/sessions/{id}           {"title"}                           -> the renamed session
     GET    /v1/sessions/{id}/export                                        -> JSON: the session and its ``turns``
     DELETE /v1/sessions/{id}                                               -> gone: turns, summaries, vectors
 """
@@ -92,6 +93,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/sessions", create_session)
     r.add_get("/v1/sessions", list_sessions)
     r.add_get("/v1/sessions/{sid}", get_session)
+    r.add_patch("/v1/sessions/{sid}", rename_session)
     r.add_get("/v1/sessions/{sid}/export", export_session)
     r.add_delete("/v1/sessions/{sid}", delete_session)
 
@@ -103,6 +105,18 @@ class SessionSpec(BaseModel):
     collections: list[str] = Field(default_factory=list, max_length=8)
 
     @field_validator("title", "system")
+    @classmethod
+    def _storable(cls, v: str | None) -> str | None:
+        if v is not None and "\x00" in v:
+            raise ValueError("must not contain NUL characters")
+        return v
+
+
+class RenameSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    title: str | None = Field(max_length=256)
+
+    @field_validator("title")
     @classmethod
     def _storable(cls, v: str | None) -> str | None:
         if v is not None and "\x00" in v:
@@ -158,6 +172,16 @@ async def _full(svc: MemoryService, s: Session) -> dict[str, Any]:
 async def get_session(request: web.Request) -> web.Response:
     svc = get_memory(request)
     return web.json_response(await _full(svc, await _session(request, svc)))
+
+
+async def rename_session(request: web.Request) -> web.Response:
+    svc = get_memory(request)
+    s = await _session(request, svc)
+    spec = validate_body(RenameSpec, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
+    renamed = await asyncio.to_thread(svc.store.rename_session, request[PRINCIPAL].id, s.id, spec.title)
+    if renamed is None:  # deleted in between
+        raise APIError(404, f"no session {s.id!r}", code="session_not_found", param="session_id")
+    return web.json_response(renamed.public())
 
 
 async def export_session(request: web.Request) -> web.Response:

@@ -282,6 +282,14 @@ class MemoryStore:
         with self.engine.connect() as c:
             return [_session(r) for r in c.execute(q)]
 
+    def rename_session(self, key_id: int, sid: str, title: str | None) -> Session | None:
+        """Sets the title of the key's session; None when it is not the key's (or does not exist)."""
+        with self.engine.begin() as c:
+            n = c.execute(update(sessions).where(sessions.c.id == sid, sessions.c.key_id == key_id)
+                          .values(title=title)).rowcount
+            row = c.execute(select(sessions).where(sessions.c.id == sid)).first() if n else None
+        return _session(row) if row is not None else None
+
     def delete_session(self, key_id: int, sid: str) -> bool:
         """Removes the session with its turns, summaries and vectors in one transaction."""
         with self.engine.begin() as c:
