@@ -314,7 +314,7 @@
     showError(null);
     if (!state.session && !(await newSession(text.slice(0, 60)))) return;
     $("prompt").value = "";
-    addMessage("user", text);
+    const userBox = addMessage("user", text);
     const box = addMessage("assistant", "");
     const body = box.querySelector(".body");
     box.setAttribute("aria-busy", "true");
@@ -333,6 +333,8 @@
     };
     if (state.model) req.model = state.model;
     if (maxTokens > 0) req.max_tokens = maxTokens;
+    const temperature = parseFloat($("temperature").value);
+    if (temperature >= 0) req.temperature = temperature;
     if (state.attached.size) req.collections = [...state.attached];
     try {
       const r = await api("POST", "/v1/chat/completions", req, { raw: true, signal: ctl.signal });
@@ -386,7 +388,12 @@
     if (stopped) meta.push("stopped");
     if (meta.length) box.append(el("div", { class: "meta", text: meta.join(" - ") }));
     $("last-info").textContent = meta.join(" - ");
-    if (!answer && !stopped && $("error").hidden === false) box.remove();
+    if (!answer && !stopped && $("error").hidden === false) {
+      // nothing was answered or stored: take the message back so it can be edited and resent
+      box.remove();
+      userBox.remove();
+      if (!$("prompt").value) $("prompt").value = text;
+    }
     bumpSession();
     $("prompt").focus();
   }
