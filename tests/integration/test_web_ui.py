@@ -59,7 +59,9 @@ def page(browser: Any, stack: Stack) -> Iterator[Any]:
     pg.set_default_timeout(TIMEOUT_MS)
     errors: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" and "status of 4" not in m.text else None)
+    # an HTTP error status the page handles still logs "Failed to load resource": not a page error
+    pg.on("console", lambda m: errors.append(m.text)
+          if m.type == "error" and "Failed to load resource" not in m.text else None)
     offsite: list[str] = []
     pg.on("request", lambda r: offsite.append(r.url) if not r.url.startswith((stack.gateway_url, "blob:", "data:"))
           else None)
@@ -106,7 +108,7 @@ def test_key_entry(page: Any, user_key: str) -> None:
     _wait(page, "document.getElementById('key-status').textContent.includes('not accepted')")
     page.fill("#key-input", user_key)
     page.click("#key-form button[type=submit]")
-    page.wait_for_selector("#key-panel", state="hidden")
+    page.wait_for_selector("body[data-state='ready']")
     assert page.evaluate("localStorage.getItem('strata.apiKey')") == user_key
     assert user_key not in page.url
     assert page.is_hidden("#tab-operator")  # not an admin key
@@ -275,3 +277,41 @@ def test_operator_view(page: Any) -> None:
     assert any("ms wall" in f and "experts" in f for f in frames), frames  # a lane that has stepped
     page.click("#tab-chat")
     assert page.is_visible("#chat-view")
+
+
+def _use_key(page: Any, key: str) -> None:
+    page.click("#key-button")
+    page.fill("#key-input", key)
+    page.click("#key-form button[type=submit]")
+    page.wait_for_selector("body[data-state='ready']")
+
+
+def _send_failing(page: Any, text: str) -> str:
+    """Sends ``text`` expecting no answer; returns the error shown."""
+    n = page.locator(".msg.assistant").count()
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+    page.wait_for_selector("#error:not([hidden])")
+    page.wait_for_selector("#stop:disabled")
+    assert page.locator(".msg.assistant").count() == n
+    page.fill("#prompt", "")
+    return page.inner_text("#error")
+
+
+def test_rate_limit_and_no_lane_in_plain_words(page: Any, stack: Stack, user_key: str) -> None:
+    limited = _api(stack, "POST", "/v1/admin/keys", ADMIN_KEY, {"name": "web-ui-rpm1", "rpm": 1})["key"]
+    _use_key(page, limited)
+    _send(page, "Hi.")
+    error = _send_failing(page, "Hi again.")
+    assert error.startswith("Rate limited") and "Try again in" in error, error
+    _use_key(page, user_key)
+    try:
+        for lane in ("a", "b"):
+            _api(stack, "PUT", f"/v1/admin/lanes/{lane}", ADMIN_KEY, {"drain": True})
+        error = _send_failing(page, "Anyone there?")
+        assert error.startswith("No lane is available"), error
+    finally:
+        for lane in ("a", "b"):
+            _api(stack, "PUT", f"/v1/admin/lanes/{lane}", ADMIN_KEY, {"drain": False})
+    _send(page, "Thanks!")
+    assert page.is_hidden("#error")

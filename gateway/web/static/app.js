@@ -121,12 +121,20 @@
   }
 
   async function start() {
+    document.body.dataset.state = "loading"; // "ready" once the key's sessions and collections are shown
     if (!state.key) { openKeyPanel("Enter an API key to start."); return; }
     if (!(await checkKey())) return;
+    // another key sees other sessions and collections: nothing of the previous key's is kept
+    state.session = null;
+    state.attached.clear();
+    for (const t of state.polls.values()) clearTimeout(t);
+    state.polls.clear();
+    showError(null);
     await Promise.all([loadSessions(), loadCollections()]);
     if (state.sessions.length) await openSession(state.sessions[0].id);
     else renderMessages([]);
     $("prompt").focus();
+    document.body.dataset.state = "ready";
   }
 
   // ------------------------------------------------------------------ sessions
