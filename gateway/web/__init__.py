@@ -103,8 +103,8 @@ def lane_figures(metrics_text: str) -> dict[str, Any]:
 
 
 async def _lane_view(session: aiohttp.ClientSession, base: dict[str, Any]) -> dict[str, Any]:
-    view = dict(base, device=None, cores=None, gpu=None, gpu_info=None, threads=None, status=None, figures=None,
-                error=None)
+    view = dict(base, device=None, cores=None, gpu=None, gpu_info=None, threads=None, status=None,
+                figures=None, error=None)
     timeout = aiohttp.ClientTimeout(total=_LANE_TIMEOUT_S)
     try:
         async with session.get(base["url"] + "/v1/lane", timeout=timeout) as r:

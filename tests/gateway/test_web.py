@@ -26,8 +26,8 @@ async def lane(gateway_engines: tuple) -> AsyncIterator[Lane]:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw(lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
-    cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": "a", "url": lane.url}], default_max_tokens=16,
-                         rag={"enabled": False})
+    cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": "a", "url": lane.url}],
+                         default_max_tokens=16, rag={"enabled": False})
     async with running_gateway(cfg) as g:
         yield g
 
@@ -105,8 +105,8 @@ async def test_overview_is_admin_only_and_reads_the_lanes(gw: GW, http: aiohttp.
 async def test_overview_reports_an_unreachable_lane(tmp_path: Path, http: aiohttp.ClientSession,
                                                     lane: Lane) -> None:
     cfg = gateway_config(tmp_path, [{"name": "a", "url": lane.url},
-                                    {"name": "dead", "url": f"http://127.0.0.1:{_dead_port()}"}], rag={"enabled": False},
-                         memory={"enabled": False})
+                                    {"name": "dead", "url": f"http://127.0.0.1:{_dead_port()}"}],
+                         rag={"enabled": False}, memory={"enabled": False})
     async with running_gateway(cfg) as g:
         async with http.get(g.url + "/v1/admin/overview", headers=auth(ADMIN_KEY)) as r:
             assert r.status == 200
@@ -123,7 +123,8 @@ async def test_rename_session(gw: GW, http: aiohttp.ClientSession) -> None:
     async with http.post(gw.url + "/v1/sessions", json={"title": "first"}, headers=auth(k1)) as r:
         assert r.status == 201
         sid = (await r.json())["id"]
-    async with http.patch(gw.url + f"/v1/sessions/{sid}", json={"title": "renamed <b>"}, headers=auth(k1)) as r:
+    url = gw.url + f"/v1/sessions/{sid}"
+    async with http.patch(url, json={"title": "renamed <b>"}, headers=auth(k1)) as r:
         assert r.status == 200 and (await r.json())["title"] == "renamed <b>"
     async with http.get(gw.url + f"/v1/sessions/{sid}", headers=auth(k1)) as r:
         assert (await r.json())["title"] == "renamed <b>"

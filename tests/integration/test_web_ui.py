@@ -36,8 +36,8 @@ MARKUP_DOC = ("# <img src=x onerror=\"window.__pwned=1\"> Harbor rules <script>w
 
 def _api(stack: Stack, method: str, path: str, key: str, body: Any = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(stack.gateway_url + path, data=data, method=method,
-                                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    req = urllib.request.Request(stack.gateway_url + path, data=data, method=method, headers=headers)
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
 
@@ -63,8 +63,8 @@ def page(browser: Any, stack: Stack) -> Iterator[Any]:
     pg.on("console", lambda m: errors.append(m.text)
           if m.type == "error" and "Failed to load resource" not in m.text else None)
     offsite: list[str] = []
-    pg.on("request", lambda r: offsite.append(r.url) if not r.url.startswith((stack.gateway_url, "blob:", "data:"))
-          else None)
+    own = (stack.gateway_url, "blob:", "data:")
+    pg.on("request", lambda r: offsite.append(r.url) if not r.url.startswith(own) else None)
     pg.goto(stack.gateway_url + "/")
     yield pg
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,8 @@ def test_streamed_answer(page: Any) -> None:
     page.evaluate("""() => { window.__states = new Set();
         new MutationObserver(() => { const m = document.querySelectorAll('.msg.assistant .body');
             if (m.length) window.__states.add(m[m.length - 1].textContent); })
-        .observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true}); }""")
+        .observe(document.getElementById('messages'),
+                 {subtree: true, childList: true, characterData: true}); }""")
     msg = _send(page, "What is the capital of France? Answer in one sentence.")
     text = msg.locator(".body").inner_text()
     assert "Paris" in text
@@ -219,8 +220,8 @@ def test_markup_in_documents_and_answers_is_text(page: Any, tmp_path: Path) -> N
     _wait(page, "document.querySelectorAll('.doc[data-status=\"ready\"]').length === 2",
                            timeout=120_000)
     page.fill("#max-tokens", "40")
-    msg = _send(page, "Repeat exactly: <script>window.__pwned=3</script> <img src=x onerror=\"window.__pwned=4\">"
-                " Where must boats dock?")
+    msg = _send(page, "Repeat exactly: <script>window.__pwned=3</script> "
+                "<img src=x onerror=\"window.__pwned=4\"> Where must boats dock?")
     cites = msg.locator(".citations").inner_text()
     assert "rules.md" in cites
     assert "<img src=x" in cites and "<script>" in cites, cites  # the heading, shown as text
