@@ -232,6 +232,30 @@ def test_markup_in_documents_and_answers_is_text(page: Any, tmp_path: Path) -> N
     page.fill("#max-tokens", "24")
 
 
+MARKUP_ANSWER = "<img src=x onerror=\"window.__pwned=5\"> <script>window.__pwned=6</script> **bold**"
+
+
+def test_markup_in_a_stored_answer_is_text(page: Any, stack: Stack, user_key: str) -> None:
+    """A model answer that is markup, made certain by a JSON schema with a const (greedy or not, the
+    lane can only write it), stored by session memory and shown when the session is opened."""
+    sid = _api(stack, "POST", "/v1/sessions", user_key, {"title": "markup answer"})["id"]
+    schema = {"type": "object", "properties": {"a": {"const": MARKUP_ANSWER}}, "required": ["a"],
+              "additionalProperties": False}
+    out = _api(stack, "POST", "/v1/chat/completions", user_key, {
+        "session_id": sid, "messages": [{"role": "user", "content": "Answer."}], "max_tokens": 80, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}})
+    assert json.loads(out["choices"][0]["message"]["content"]) == {"a": MARKUP_ANSWER}
+    page.reload()
+    page.wait_for_selector("body[data-state='ready']")
+    page.click(f"#session-list li[data-id='{sid}'] .open")
+    _wait(page, "document.querySelector('.msg.assistant') && "
+                "document.querySelector('.msg.assistant').textContent.includes('onerror')")
+    text = page.locator(".msg.assistant").first.inner_text()
+    assert "<img src=x" in text and "<script>window.__pwned=6</script>" in text, text
+    assert page.locator("#messages script, #messages img").count() == 0
+    assert _pwned(page) is None
+
+
 def test_errors_in_plain_words(page: Any) -> None:
     n = page.locator(".msg.assistant").count()
     page.fill("#prompt", "word " * 4000)  # far past the 2048-token window of the test lanes
