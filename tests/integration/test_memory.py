@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
 from tests.integration.conftest import ADMIN_KEY, Stack
 
@@ -35,13 +36,13 @@ def _key(stack: Stack, name: str) -> str:
 
 
 async def _chat(s: aiohttp.ClientSession, url: str, key: str, sid: str, text: str,
-                max_tokens: int) -> tuple[dict[str, Any], dict[str, str]]:
+                max_tokens: int) -> tuple[dict[str, Any], CIMultiDict[str]]:
     body = {"messages": [{"role": "user", "content": text}], "session_id": sid, "max_tokens": max_tokens,
             "temperature": 0}
     async with s.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
         data = await r.json()
         assert r.status == 200, data
-        return data, {k: v for k, v in r.headers.items()}
+        return data, CIMultiDict(r.headers)  # header names are case-insensitive
 
 
 async def test_planted_facts_survive_sixty_filler_turns(stack: Stack) -> None:
