@@ -37,7 +37,7 @@ def check(rc: int, what: str = "") -> None:
     if rc == 0:
         return
     msg = ffi.string(lib.st_last_error()).decode("utf-8", "replace") or _CODE_NAMES.get(rc, f"error {rc}")
-    if what:
+    if what and not msg.startswith(f"{what}:"):  # C messages often name their entry point already
         msg = f"{what}: {msg}"
     cls = UnsupportedError if rc == lib.ST_EUNSUPPORTED else OutOfRangeError if rc == lib.ST_ERANGE else EngineError
     raise cls(msg, rc)
