@@ -55,8 +55,10 @@ $(STAMP_RAG): $(STAMP_RUN)
 # CPU (-march=native), but without AMX: CPUs that report AMX inside VMs whose kernel does not grant
 # the tile state kill the process with SIGILL in ggml's AMX matmul (seen on this workplace's Xeons).
 # --no-cache-dir: pip's wheel cache would hand back a build made with other flags or on another CPU.
+# LLAVA_BUILD=OFF: the multimodal library (mtmd, clip) is never used here and is a large share of the
+# compile; llama_cpp imports it only for its llava chat handlers.
 LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CPP_INSTALL := CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)'" \
+LLAMA_CPP_INSTALL := CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)'" \
 	$(PIP) install -q --no-cache-dir 'llama-cpp-python>=0.3.9,<0.4'
 
 # Tests: on top of serving + documents (CPU torch already in), llama.cpp and then the `test` extra
