@@ -106,7 +106,9 @@ async def fit_memory(session: aiohttp.ClientSession, lane: LaneRuntime, body: di
     if rag is not None and rag.passages:
         block = rag_compose([], rag.passages)[0]["content"]
         rag_est = estimate_tokens(block)
-    budget = n_ctx - reserve - rag_est - 16
+    tools = body.get("tools") if body.get("tool_choice") != "none" else None
+    tools_est = estimate_tokens(json.dumps(tools)) if tools else 0  # rendered into the prompt by the lane
+    budget = n_ctx - reserve - rag_est - tools_est - 16
     plan: WindowPlan | None = None
     for attempt in range(_MAX_ATTEMPTS):
         comp = mem.loaded.compose(mem.svc.cfg, mem.system, mem.new_messages, budget)
