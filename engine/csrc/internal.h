@@ -86,12 +86,14 @@ static inline float bf16_to_f32(uint16_t h) {
 
 /* ---- kernel table ----
  * One token's 8-bit activations: q[n], d[n/32] (scale), s[n/16] (sums of 16). The SIMD
- * kernels also read two derived views, made once per activation row:
- *   dx4[n/4] = d of the block each group of 4 elements belongs to (lane-aligned scales),
- *   xs[n/16] = d * s (the float weight of each 16-sum in the offset/minimum correction).
- * dot_q: one weight row (n elements) against nt <= ST_MAX_NT tokens; the row is unpacked
- *        once for all of them. A token's result never depends on nt or on the other
- *        tokens (batch invariance).
+ * kernels also read two derived views, made once per activation row by the quantiser:
+ *   xs[n/16]  = d * s (the float weight of each 16-sum in the offset/minimum correction),
+ *   xs8[n/4]  = the same, laid out for the micro-kernels' lanes: per 32-block, xs of its
+ *               first 16 elements four times, then xs of its second 16 four times.
+ * dot_q: nr weight rows (row r at w + r * row_bytes, n elements each) against nt <= ST_MAX_NT
+ *        tokens: out[t * ldo + r]. Rows are taken in register blocks and each block is
+ *        unpacked once for all tokens. A (row, token) result never depends on nr, nt or the
+ *        other rows and tokens (batch invariance: the harness checks it bit for bit).
  * dot_f: one weight row against float activations (F32/F16/BF16 weights). */
 #define ST_MAX_NT 64
 #define ST_MAX_ROW 65536 /* longest weight row the kernels accept (stack buffers) */
@@ -99,10 +101,11 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *s;
-    const float *dx4;
+    const float *xs8;
     const float *xs;
 } act_row;
-typedef void (*dot_q_fn)(const void *w, int64_t n, int nt, const act_row *a, float *out);
+typedef void (*dot_q_fn)(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
+                         int64_t ldo);
 typedef void (*dot_f_fn)(const void *w, const float *x, int64_t n, float *out);
 
 dot_q_fn st_dot_q_ref(int32_t type);
@@ -136,8 +139,8 @@ attn_fn st_attn(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 
-/* Activation quantisation; dx4/xs (the derived views above) are filled when not NULL. */
-void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *dx4, float *xs);
+/* Activation quantisation; xs8/xs (the derived views above) are filled when not NULL. */
+void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs);
 
 /* Helpers for the k-quant 6-bit scale packing. */
 static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
@@ -208,7 +211,7 @@ typedef struct {
     const int8_t *q;
     const float *d;
     const int32_t *s;
-    const float *dx4, *xs; /* derived views for the SIMD kernels (see above) */
+    const float *xs8, *xs; /* derived views for the SIMD kernels (see above) */
     int64_t K;
 } acts;
 
@@ -222,7 +225,7 @@ typedef struct {
     float *scores;             /* [n_threads, cap_ctx] attention scratch */
     float *gate_shexp;         /* [T] */
     int8_t *aq;                /* layer input, quantised: [T, max_k] */
-    float *ad, *ad4, *axs;
+    float *ad, *ad4, *axs;     /* ad4: the xs8 view [T, max_k/4] */
     int32_t *as, *topk_id;     /* topk_id: [T, k] */
     float *h, *pair_out;       /* [P, ff] hidden, [P, E] expert output per pair */
     int8_t *hq;                /* hidden, quantised: [P, ff] */
@@ -253,7 +256,7 @@ static inline float silu(float x) { return x / (1.0f + expf(-x)); }
  * buffers. */
 typedef struct {
     int8_t *q;
-    float *d, *dx4, *xs;
+    float *d, *xs8, *xs;
     int32_t *s;
 } act_buf;
 
@@ -278,18 +281,23 @@ static inline void make_tile(act_tile *tl, const acts *a, const int32_t *idx, in
     const int64_t K = a->K;
     for (int i = 0; i < nt; i++) {
         const int64_t t = idx ? idx[i] : base + i;
-        tl->rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->dx4 + t * (K / 4),
+        tl->rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->xs8 + t * (K / 4),
                                 a->xs + t * (K / 16)};
     }
 }
 
-/* Dot one weight row with every row of the tile; a quantised row is unpacked once. */
-static inline void dot_tile(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, const acts *a,
-                            const act_tile *tl, float *res) {
+/* Dot nr <= ST_ROW_BLOCK consecutive weight rows (stride row_bytes) with every row of the
+ * tile: res[t * ST_ROW_BLOCK + r]. A quantised row block is unpacked once for all tokens. */
+#define ST_ROW_BLOCK 8
+static inline void dot_tile(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_t *wrow, size_t row_bytes, int nr,
+                            const acts *a, const act_tile *tl, float *res) {
     if (st_type_is_float(type)) {
-        for (int i = 0; i < tl->nt; i++) ff(wrow, a->x + (tl->idx ? tl->idx[i] : tl->base + i) * a->K, a->K, &res[i]);
+        for (int r = 0; r < nr; r++)
+            for (int i = 0; i < tl->nt; i++)
+                ff(wrow + (size_t)r * row_bytes, a->x + (tl->idx ? tl->idx[i] : tl->base + i) * a->K, a->K,
+                   &res[i * ST_ROW_BLOCK + r]);
     } else {
-        fq(wrow, a->K, tl->nt, tl->rows, res);
+        fq(wrow, row_bytes, nr, a->K, tl->nt, tl->rows, res, ST_ROW_BLOCK);
     }
 }
 

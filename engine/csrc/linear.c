@@ -24,7 +24,7 @@ static void quant_task(void *ctx, int64_t t, int thread) {
     const quant_ctx *c = ctx;
     const int64_t K = c->K;
     st_quantize_act_row(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
-                        c->o.dx4 + t * (K / 4), c->o.xs + t * (K / 16));
+                        c->o.xs8 + t * (K / 4), c->o.xs + t * (K / 16));
 }
 
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
@@ -32,7 +32,7 @@ acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_
     if (need_q) {
         quant_ctx c = {x, K, o};
         st_pool_run(pool, quant_task, &c, T);
-        a.q = o.q, a.d = o.d, a.s = o.s, a.dx4 = o.dx4, a.xs = o.xs;
+        a.q = o.q, a.d = o.d, a.s = o.s, a.xs8 = o.xs8, a.xs = o.xs;
     }
     return a;
 }
@@ -53,14 +53,16 @@ static void linear_task(void *ctx, int64_t item, int thread) {
     (void)thread;
     const linear_ctx *c = ctx;
     const int64_t r0 = item * c->chunk, r1 = r0 + c->chunk < c->N ? r0 + c->chunk : c->N;
-    float res[ST_MAX_NT];
+    float res[ST_MAX_NT * ST_ROW_BLOCK];
     act_tile tl;
     for (int64_t tile = 0; tile < c->T; tile += TOKEN_TILE) {
         const int nt = (int)(c->T - tile < TOKEN_TILE ? c->T - tile : TOKEN_TILE);
         make_tile(&tl, &c->in, c->rows ? c->rows + tile : NULL, tile, nt);
-        for (int64_t r = r0; r < r1; r++) {
-            dot_tile(c->type, c->fq, c->ff, c->w + (size_t)r * c->row_bytes, &c->in, &tl, res);
-            for (int i = 0; i < nt; i++) c->out[(tile + i) * c->ldo + r] = res[i];
+        for (int64_t r = r0; r < r1; r += ST_ROW_BLOCK) {
+            const int nr = (int)(r1 - r < ST_ROW_BLOCK ? r1 - r : ST_ROW_BLOCK);
+            dot_tile(c->type, c->fq, c->ff, c->w + (size_t)r * c->row_bytes, c->row_bytes, nr, &c->in, &tl, res);
+            for (int i = 0; i < nt; i++)
+                for (int j = 0; j < nr; j++) c->out[(tile + i) * c->ldo + r + j] = res[i * ST_ROW_BLOCK + j];
         }
     }
 }

@@ -42,16 +42,20 @@ static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
     const dot_q_fn fqg = st_dot_q(c->tg), fqu = st_dot_q(c->tu);
     const dot_f_fn ffg = st_dot_f(c->tg), ffu = st_dot_f(c->tu);
     int32_t tok[ST_MAX_NT];
-    float gv[ST_MAX_NT], uv[ST_MAX_NT];
+    float gv[ST_MAX_NT * ST_ROW_BLOCK], uv[ST_MAX_NT * ST_ROW_BLOCK];
     act_tile tl;
     for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
         const int nt = g->n_pairs - tile < TOKEN_TILE ? g->n_pairs - tile : TOKEN_TILE;
         for (int j = 0; j < nt; j++) tok[j] = c->pair_tok[g->pairs[tile + j]];
         make_tile(&tl, &c->in, tok, 0, nt);
-        for (int32_t r = it.r0; r < it.r1; r++) {
-            dot_tile(c->tg, fqg, ffg, g->wg + (size_t)r * c->rbg, &c->in, &tl, gv);
-            dot_tile(c->tu, fqu, ffu, g->wu + (size_t)r * c->rbu, &c->in, &tl, uv);
-            for (int j = 0; j < nt; j++) c->h[(size_t)g->pairs[tile + j] * c->n_ff + r] = silu(gv[j]) * uv[j];
+        for (int32_t r = it.r0; r < it.r1; r += ST_ROW_BLOCK) {
+            const int nr = it.r1 - r < ST_ROW_BLOCK ? it.r1 - r : ST_ROW_BLOCK;
+            dot_tile(c->tg, fqg, ffg, g->wg + (size_t)r * c->rbg, c->rbg, nr, &c->in, &tl, gv);
+            dot_tile(c->tu, fqu, ffu, g->wu + (size_t)r * c->rbu, c->rbu, nr, &c->in, &tl, uv);
+            for (int j = 0; j < nt; j++) {
+                float *h = c->h + (size_t)g->pairs[tile + j] * c->n_ff + r;
+                for (int i = 0; i < nr; i++) h[i] = silu(gv[j * ST_ROW_BLOCK + i]) * uv[j * ST_ROW_BLOCK + i];
+            }
         }
     }
 }
@@ -63,14 +67,18 @@ static void ffn_down_task(void *vctx, int64_t item, int thread) {
     const ffn_group *g = &c->groups[it.group];
     const dot_q_fn fq = st_dot_q(c->td);
     const dot_f_fn ff = st_dot_f(c->td);
-    float res[ST_MAX_NT];
+    float res[ST_MAX_NT * ST_ROW_BLOCK];
     act_tile tl;
     for (int32_t tile = 0; tile < g->n_pairs; tile += TOKEN_TILE) {
         const int nt = g->n_pairs - tile < TOKEN_TILE ? g->n_pairs - tile : TOKEN_TILE;
         make_tile(&tl, &c->hin, g->pairs + tile, 0, nt);
-        for (int32_t r = it.r0; r < it.r1; r++) {
-            dot_tile(c->td, fq, ff, g->wd + (size_t)r * c->rbd, &c->hin, &tl, res);
-            for (int j = 0; j < nt; j++) c->pair_out[(size_t)g->pairs[tile + j] * c->E + r] = res[j];
+        for (int32_t r = it.r0; r < it.r1; r += ST_ROW_BLOCK) {
+            const int nr = it.r1 - r < ST_ROW_BLOCK ? it.r1 - r : ST_ROW_BLOCK;
+            dot_tile(c->td, fq, ff, g->wd + (size_t)r * c->rbd, c->rbd, nr, &c->hin, &tl, res);
+            for (int j = 0; j < nt; j++) {
+                float *o = c->pair_out + (size_t)g->pairs[tile + j] * c->E + r;
+                for (int i = 0; i < nr; i++) o[i] = res[j * ST_ROW_BLOCK + i];
+            }
         }
     }
 }

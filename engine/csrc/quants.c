@@ -189,7 +189,7 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
 }
 
 /* ---- activation quantisation: int8 per 32-block, float scale, int sums per 16 ---- */
-void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *dx4, float *xs) {
+void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs) {
     for (int64_t b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -204,9 +204,10 @@ void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_
         }
         sums[2 * b] = s0;
         sums[2 * b + 1] = s1;
-        if (dx4)
-            for (int l = 0; l < QK / 4; l++) dx4[b * (QK / 4) + l] = db;
-        if (xs) xs[2 * b] = db * (float)s0, xs[2 * b + 1] = db * (float)s1;
+        const float x0 = db * (float)s0, x1 = db * (float)s1;
+        if (xs8)
+            for (int l = 0; l < 4; l++) xs8[b * 8 + l] = x0, xs8[b * 8 + 4 + l] = x1;
+        if (xs) xs[2 * b] = x0, xs[2 * b + 1] = x1;
     }
 }
 
@@ -350,10 +351,14 @@ static void dot_q6_k_one(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-/* The reference multi-token form: each token on its own. */
-#define DEF_REF_MULTI(T)                                                                 \
-    static void dot_##T##_ref(const void *w, int64_t n, int nt, const act_row *a, float *out) { \
-        for (int t = 0; t < nt; t++) dot_##T##_one(w, a[t].q, a[t].d, a[t].s, n, &out[t]);     \
+/* The reference multi-row, multi-token form: each (row, token) on its own. */
+#define DEF_REF_MULTI(T)                                                                                     \
+    static void dot_##T##_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,  \
+                              float *out, int64_t ldo) {                                                     \
+        for (int r = 0; r < nr; r++)                                                                         \
+            for (int t = 0; t < nt; t++)                                                                     \
+                dot_##T##_one((const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, a[t].s, n,         \
+                              &out[t * ldo + r]);                                                            \
     }
 DEF_REF_MULTI(q4_0)
 DEF_REF_MULTI(q4_1)

@@ -73,6 +73,10 @@ st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float
  * d[nt, n/32], sums[nt, n/16], out[nt]. For the harness's batched == alone check. */
 st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
                               const float *d, const int32_t *sums, int64_t n, float *out);
+/* nr (1..8) consecutive weight rows against nt (1..64) token rows: the register-blocked
+ * micro-kernel the step uses. out[nt, nr]. For the harness's blocked == alone check. */
+st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
+                            const float *d, const int32_t *sums, int64_t n, float *out);
 
 /* Attention of one head over caller-provided paged K/V (the layout of st_kv: K is
  * [block][n_kv][head_dim][block_size] F16, V is [block][block_size][n_kv * head_dim]).

@@ -70,64 +70,58 @@ attn_fn st_attn(void) { return attn_variant(g_variant); }
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
 dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }
 
-st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_t *qs, const float *d,
-                       const int32_t *sums, int64_t n, float *out) {
+/* nr rows x nt tokens through the variant's kernel, building the derived activation views
+ * exactly as the quantiser does. out[t * nr + r]. */
+static st_status dot_q_block(const char *what, int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt,
+                             const int8_t *qs, const float *d, const int32_t *sums, int64_t n, float *out) {
     st_status rc = check_variant(variant);
     if (rc) return rc;
     if (!st_type_supported(type) || st_type_is_float(type))
-        return st_fail(ST_EUNSUPPORTED, "vec_dot_q: type %d is not a supported quantised type", type);
-    if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type))
-        return st_fail(ST_EINVAL, "vec_dot_q: bad arguments (n=%lld)", (long long)n);
-    if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "vec_dot_q: n=%lld exceeds %d", (long long)n, ST_MAX_ROW);
-    float *dx4 = malloc(sizeof(float) * (size_t)(n / 4)), *xs = malloc(sizeof(float) * (size_t)(n / 16));
-    if (!dx4 || !xs) {
-        free(dx4);
-        free(xs);
-        return st_fail(ST_ENOMEM, "vec_dot_q: out of memory");
-    }
-    for (int64_t b = 0; b < n / QK; b++) { /* the derived views, as the quantiser makes them */
-        for (int l = 0; l < QK / 4; l++) dx4[b * (QK / 4) + l] = d[b];
-        xs[2 * b] = d[b] * (float)sums[2 * b], xs[2 * b + 1] = d[b] * (float)sums[2 * b + 1];
-    }
-    const act_row a = {qs, d, sums, dx4, xs};
-    pick_q(resolve(variant), type)(w, n, 1, &a, out);
-    free(dx4);
-    free(xs);
-    return ST_OK;
-}
-
-st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
-                              const float *d, const int32_t *sums, int64_t n, float *out) {
-    st_status rc = check_variant(variant);
-    if (rc) return rc;
-    if (!st_type_supported(type) || st_type_is_float(type))
-        return st_fail(ST_EUNSUPPORTED, "vec_dot_q_tokens: type %d is not a supported quantised type", type);
-    if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT)
-        return st_fail(ST_EINVAL, "vec_dot_q_tokens: bad arguments (n=%lld nt=%d)", (long long)n, nt);
-    if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "vec_dot_q_tokens: n=%lld exceeds %d", (long long)n, ST_MAX_ROW);
-    /* dx4[nt, n/4], xs[nt, n/16]: the derived views, as the quantiser makes them */
-    float *dx4 = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 4));
+        return st_fail(ST_EUNSUPPORTED, "%s: type %d is not a supported quantised type", what, type);
+    if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
+        nr < 1 || nr > ST_ROW_BLOCK)
+        return st_fail(ST_EINVAL, "%s: bad arguments (n=%lld nr=%d nt=%d)", what, (long long)n, nr, nt);
+    if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "%s: n=%lld exceeds %d", what, (long long)n, ST_MAX_ROW);
+    float *xs8 = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 4));
     float *xs = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 16));
-    if (!dx4 || !xs) {
-        free(dx4);
+    if (!xs8 || !xs) {
+        free(xs8);
         free(xs);
-        return st_fail(ST_ENOMEM, "vec_dot_q_tokens: out of memory");
+        return st_fail(ST_ENOMEM, "%s: out of memory", what);
     }
     act_row rows[ST_MAX_NT];
     for (int32_t t = 0; t < nt; t++) {
         const float *dt = d + (size_t)t * (size_t)(n / QK);
         const int32_t *st = sums + (size_t)t * (size_t)(n / 16);
-        float *dx = dx4 + (size_t)t * (size_t)(n / 4), *x = xs + (size_t)t * (size_t)(n / 16);
+        float *x8 = xs8 + (size_t)t * (size_t)(n / 4), *x = xs + (size_t)t * (size_t)(n / 16);
         for (int64_t b = 0; b < n / QK; b++) {
-            for (int l = 0; l < QK / 4; l++) dx[b * (QK / 4) + l] = dt[b];
             x[2 * b] = dt[b] * (float)st[2 * b], x[2 * b + 1] = dt[b] * (float)st[2 * b + 1];
+            for (int l = 0; l < 4; l++) x8[b * 8 + l] = x[2 * b], x8[b * 8 + 4 + l] = x[2 * b + 1];
         }
-        rows[t] = (act_row){qs + (size_t)t * (size_t)n, dt, st, dx, x};
+        rows[t] = (act_row){qs + (size_t)t * (size_t)n, dt, st, x8, x};
     }
-    pick_q(resolve(variant), type)(w, n, nt, rows, out);
-    free(dx4);
+    float res[ST_MAX_NT * ST_ROW_BLOCK];
+    pick_q(resolve(variant), type)(w, st_row_bytes(type, n), nr, n, nt, rows, res, ST_ROW_BLOCK);
+    for (int32_t t = 0; t < nt; t++)
+        for (int32_t r = 0; r < nr; r++) out[t * nr + r] = res[t * ST_ROW_BLOCK + r];
+    free(xs8);
     free(xs);
     return ST_OK;
+}
+
+st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_t *qs, const float *d,
+                       const int32_t *sums, int64_t n, float *out) {
+    return dot_q_block("vec_dot_q", type, variant, w, 1, 1, qs, d, sums, n, out);
+}
+
+st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
+                              const float *d, const int32_t *sums, int64_t n, float *out) {
+    return dot_q_block("vec_dot_q_tokens", type, variant, w, 1, nt, qs, d, sums, n, out);
+}
+
+st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
+                            const float *d, const int32_t *sums, int64_t n, float *out) {
+    return dot_q_block("vec_dot_q_rows", type, variant, w, nr, nt, qs, d, sums, n, out);
 }
 
 st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out) {

@@ -180,6 +180,64 @@ def test_multi_token_dot_equals_alone_bitwise_every_variant(name: str, variant: 
             assert abs(float(got[t]) - ref[t]) <= 1e-4 * scale, (name, variant, nt, t)
 
 
+def dot_q_rows(name: str, variant: str, raw: np.ndarray, nr: int, qs: np.ndarray, d: np.ndarray, s: np.ndarray,
+               n: int) -> np.ndarray:
+    """nr consecutive weight rows (raw holds them back to back) against every token row of qs
+    [nt, n] through the register-blocked micro-kernel: [nt, nr]."""
+    nt = qs.shape[0]
+    out = np.empty((nt, nr), np.float32)
+    rc = lib.st_vec_dot_q_rows(int(GGMLQuantizationType[name]), VARIANTS[variant], ptr(raw), nr, nt,
+                               ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *"), n, ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
+ROW_COUNTS = [1, 2, 3, 4, 5, 8]  # one register block of rows, a short one, two (full and short)
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", QUANT_TYPES)
+@pytest.mark.parametrize("n", [N - 256 + 32 * 3, 256 * 3])  # odd and even numbers of 32-blocks
+def test_row_blocked_dot_equals_alone_bitwise_every_variant(name: str, variant: str, n: int) -> None:
+    """Every (row, token) of an nr x nt micro-kernel pass gets exactly the bits of that row
+    and token alone, for every row-block and token-count path, within 1e-4 of the reference."""
+    if n % GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]:
+        n = 256 * 3
+    rng = np.random.default_rng(13)
+    nr_max, nt_max = max(ROW_COUNTS), max(TOKEN_COUNTS)
+    rows = [random_blocks(name, n, rng) for _ in range(nr_max)]
+    raw = np.concatenate(rows)
+    x = rng.standard_normal((nt_max, n)).astype(np.float32)
+    x[1] *= 1e-3  # tokens of very different magnitudes share a pass
+    acts = [quant_act(row) for row in x]
+    qs = np.stack([a[0] for a in acts])
+    d = np.stack([a[1] for a in acts])
+    s = np.stack([a[2] for a in acts])
+    alone = np.array([[dot_q(name, variant, rows[r], qs[t], d[t], s[t], n) for r in range(nr_max)]
+                      for t in range(nt_max)], np.float32)
+    ref = np.array([[dot_q(name, "ref", rows[r], qs[t], d[t], s[t], n) for r in range(nr_max)]
+                    for t in range(nt_max)], np.float64)
+    w = np.stack([c_dequant(name, r, n) for r in rows]).astype(np.float64)  # [nr, n]
+    xa = (qs.reshape(nt_max, -1, 32) * d[:, :, None].astype(np.float64)).reshape(nt_max, n)
+    scale = np.abs(xa) @ np.abs(w).T  # [nt, nr]: sum |w * a|
+    assert np.all(np.abs(alone - ref) <= 1e-4 * scale), (name, variant)
+    for nr in ROW_COUNTS:
+        for nt in TOKEN_COUNTS:
+            got = dot_q_rows(name, variant, raw, nr, qs[:nt].copy(), d[:nt].copy(), s[:nt].copy(), n)
+            assert np.array_equal(got.view(np.uint32), alone[:nt, :nr].view(np.uint32)), (name, variant, nr, nt)
+
+
+def test_row_blocked_dot_rejects_bad_row_counts() -> None:
+    raw = np.zeros(18 * 8, np.uint8)
+    qs, d, s = np.zeros(32, np.int8), np.ones(1, np.float32), np.zeros(2, np.int32)
+    out = np.empty(16, np.float32)
+    for nr in (0, 9, -1):
+        rc = lib.st_vec_dot_q_rows(int(GGMLQuantizationType["Q4_0"]), VARIANTS["ref"], ptr(raw), nr, 1,
+                                   ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *"), 32,
+                                   ptr(out, "float *"))
+        assert rc == lib.ST_EINVAL
+
+
 def test_multi_token_dot_rejects_bad_token_counts() -> None:
     raw = random_blocks("Q4_1", 64, np.random.default_rng(0))
     qs, d, s = quant_act(np.ones(64, np.float32))
