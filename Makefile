@@ -96,11 +96,21 @@ test: setup $(STAMP_TEST)
 	$(VPY) -m ruff check .
 	$(VPY) -m pytest -q
 
+# make bench: the engine and gateway comparisons, then every harness scenario (docs/bench.md) in full
+# mode on a throwaway stack with a llama.cpp peer. make bench QUICK=1 (CI): only the scenarios, quick,
+# on a throwaway stack, then checks that the report and results.json exist, every scenario completed
+# and every correctness check passed. Reports: var/bench/<UTC timestamp>/report.md.
+QUICK ?=
 bench: setup $(STAMP_BENCH)
+ifeq ($(QUICK),)
 	$(VPY) -m bench.engine_cpu
 	$(VPY) -m bench.engine_cpu --model $$($(VPY) -m engine.default_model --quant k)
 	$(VPY) -m bench.engine_batching
 	$(VPY) -m bench.gateway_overhead --json var/bench/gateway_overhead.json
+	$(VPY) -m bench.harness.ci --llama
+else
+	$(VPY) -m bench.harness.ci --quick
+endif
 
 stop:
 	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) stop; \

@@ -1,5 +1,5 @@
 """The `strata` command: generate, chat and inspect models from a terminal; ``strata keys`` manages
-the gateway's API keys.
+the gateway's API keys; ``strata bench`` runs the benchmark scenarios against a stack.
 
 Engine subcommands import the engine only when they run: ``strata keys`` and ``strata --help``
 work without the C build.
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true")
     b.set_defaults(fn=cmd_build_default)
     sub.add_parser("keys", help="gateway API keys: create (prints the key once), list, revoke")
+    sub.add_parser("bench", help="benchmark scenarios against a running stack (run), diff results (compare)")
     return ap
 
 
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.keys import main as keys_main
 
         return int(keys_main(argv[1:]))
+    if argv[:1] == ["bench"]:  # the harness owns its own arguments (bench/harness/cli.py)
+        from bench.harness.cli import main as bench_main
+
+        return int(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args))
