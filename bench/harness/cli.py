@@ -50,6 +50,23 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def redact(argv: list[str]) -> list[str]:
+    """The command line as the report shows it: the API key's value replaced (reports get shared)."""
+    out, hide = [], False
+    for arg in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif arg == "--key":
+            out.append(arg)
+            hide = True
+        elif arg.startswith("--key="):
+            out.append("--key=***")
+        else:
+            out.append(arg)
+    return out
+
+
 def _admin_key(path: Path | None) -> str | None:
     if path is not None:
         try:
@@ -100,7 +117,7 @@ async def _run(args: argparse.Namespace, argv: list[str], names: list[str], admi
             print(f"bench: target {target.kind} {target.url} (window {target.n_ctx}, lanes "
                   f"{[x.get('name') for x in target.lanes]}); peers {[p.label for p in peers]}; report in {out}",
                   file=sys.stderr, flush=True)
-            results = await run_scenarios(names, target, peers, out, args.quick, conf, ["strata", "bench", *argv],
+            results = await run_scenarios(names, target, peers, out, args.quick, conf, ["strata", "bench", *redact(argv)],
                                           progress=not args.no_progress and sys.stderr.isatty())
         finally:
             for p in peers:

@@ -85,18 +85,37 @@ def make_task(rng: random.Random, n_events: int, kind: QuestionKind) -> Task:
     """A story and one question of ``kind`` with its true answer."""
     story, w = simulate(rng, n_events)
     if kind == "where_person":
-        p = rng.choice(sorted(w.where))
-        return Task(story, f"Where is {p}?", w.where[p], kind)
-    if kind == "where_object":
+        question = f"Where is {rng.choice(sorted(w.where))}?"
+    elif kind == "where_object":
         known = sorted(o for o in OBJECTS if w.object_room(o) is not None)
         if not known:  # nobody touched anything: ask about a person instead
             return make_task(rng, n_events, "where_person")
-        o = rng.choice(known)
-        room = w.object_room(o)
-        assert room is not None
-        return Task(story, f"Where is the {o}?", room, kind)
-    p = rng.choice(sorted(w.where))
-    return Task(story, f"How many objects is {p} carrying?", COUNT_WORDS[w.carrying(p)], kind)
+        question = f"Where is the {rng.choice(known)}?"
+    else:
+        question = f"How many objects is {rng.choice(sorted(w.where))} carrying?"
+    answer = answer_of(w, question)
+    assert answer is not None
+    return Task(story, question, answer, kind)
+
+
+def answer_of(w: World, question: str) -> str | None:
+    """The answer the world gives to one of the three question forms (None: it cannot say)."""
+    if m := re.fullmatch(r"Where is the (\w+)\?", question):
+        return w.object_room(m.group(1))
+    if m := re.fullmatch(r"Where is (\w+)\?", question):
+        return w.where.get(m.group(1))
+    if m := re.fullmatch(r"How many objects is (\w+) carrying\?", question):
+        return COUNT_WORDS[w.carrying(m.group(1))] if m.group(1) in w.where else None
+    raise ValueError(f"not a world question: {question!r}")
+
+
+_WORLD_SENTENCE = re.compile(r"\b(?:" + "|".join(PEOPLE) + r") \w+ (?:up |down |to )?the \w+\.")
+
+
+def answer_from_text(text: str, question: str) -> str | None:
+    """The answer that the world sentences found anywhere in ``text`` (in order, filler around them)
+    support: how the scenario checks that a prompt, as sent, still holds its whole story."""
+    return answer_of(replay(_WORLD_SENTENCE.findall(text)), question)
 
 
 def replay(story: list[str]) -> World:

@@ -82,3 +82,10 @@ def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["compare", str(a), str(b), "--threshold", "0.6"]) == 0
     (tmp_path / "bad.json").write_text("nope")
     assert main(["compare", str(a), str(tmp_path / "bad.json")]) == 2
+
+
+def test_the_reported_command_line_hides_the_key() -> None:
+    from bench.harness.cli import redact
+
+    assert redact(["run", "--key", "sk-strata-secret", "--quick"]) == ["run", "--key", "***", "--quick"]
+    assert redact(["run", "--key=sk-strata-secret"]) == ["run", "--key=***"]

@@ -96,3 +96,28 @@ def test_interleave_keeps_story_order_and_all_filler() -> None:
 def test_replay_refuses_a_foreign_sentence() -> None:
     with pytest.raises(ValueError, match="not a world sentence"):
         replay(["The committee admired the distant hills before the rain began."])
+
+
+def test_a_prompt_as_sent_still_answers_its_question() -> None:
+    from bench.harness.haystack import filler_sentences
+    from bench.harness.scenarios.babilong import prompt
+    from bench.harness.world import answer_from_text
+
+    rng = random.Random(9)
+    changed = 0
+    for i in range(30):
+        task = make_task(rng, 10, ["where_person", "where_object", "count"][i % 3])  # type: ignore[arg-type]
+        text = prompt(task, 40, i)
+        assert answer_from_text(text, task.question) == task.answer
+        assert all(s not in " ".join(filler_sentences(40, i)) for s in task.story)
+        cut = text.replace(task.story[-1], "")  # a prompt that lost its last event
+        changed += answer_from_text(cut, task.question) != task.answer
+    assert changed > 0  # the check can fail
+
+
+def test_answer_of_refuses_other_questions() -> None:
+    from bench.harness.world import World, answer_of
+
+    with pytest.raises(ValueError, match="not a world question"):
+        answer_of(World(), "What is the pass key?")
+    assert answer_of(World(), "Where is Mary?") is None

@@ -1,6 +1,10 @@
 """babilong: bAbI-style questions (where is a person, where is an object, how many objects does a
 person carry) about a story from the world simulator (bench/harness/world.py), its sentences spread
-through generated filler at several lengths; exact-match accuracy per length and question kind."""
+through generated filler at several lengths; exact-match accuracy per length and question kind.
+
+The checks gate the task pipeline, not the model: every prompt, as sent, must still hold a story that
+answers its question (read back from the prompt text alone), and every question must be answered.
+The default 135M model answers these at about chance; its accuracy is reported."""
 
 from __future__ import annotations
 
@@ -11,13 +15,12 @@ from bench.harness.haystack import filler_sentences, fit
 from bench.harness.plots import lines
 from bench.harness.prompts import chat
 from bench.harness.result import ScenarioResult
-from bench.harness.world import Task, extract, interleave, is_correct, make_task
+from bench.harness.world import Task, answer_from_text, extract, interleave, is_correct, make_task
 
 NAME = "babilong"
 CORRECTNESS = True
 KINDS = ("gateway", "lane")
 KINDS_Q = ("where_person", "where_object", "count")
-THRESHOLD = 0.5  # where-person accuracy of the story alone (chance: 1 in 6 rooms)
 INSTRUCTION = ("Read the story and answer the question with a single word.\n\nStory:\n")
 
 
@@ -53,11 +56,15 @@ async def run(ctx: Context, res: ScenarioResult) -> None:
     sem = asyncio.Semaphore(max(1, len(t.lanes) or 1))
     bar = ctx.bar(len(jobs), "babilong")
 
+    errors = 0
+
     async def ask(job: tuple[int, Task, str]) -> tuple[int, Task, bool, str]:
+        nonlocal errors
         length, task, text = job
         async with sem:
             r = await t.chat(chat(text), max_tokens=8)
         bar.update(1)
+        errors += not r.ok
         return length, task, bool(r.ok and is_correct(r.text, task)), r.text if r.ok else f"error: {r.error}"
 
     answers = await asyncio.gather(*(ask(j) for j in jobs))
@@ -77,9 +84,13 @@ async def run(ctx: Context, res: ScenarioResult) -> None:
         rows.append(row)
     res.table(f"Exact-match accuracy ({per_kind} questions per kind and length, {n_events}-event stories)",
               ["filler tokens", *KINDS_Q, "all"], rows)
-    base = [a for a in answers if a[0] == 0 and a[1].kind == "where_person"]
-    res.check("where_person accuracy, story only", sum(a[2] for a in base) / len(base) if base else None, ">=",
-              THRESHOLD, "chance is 1/6; longer contexts and the other kinds are reported, not gated")
+    # the gate is on the task pipeline, not on the model: every prompt as sent still holds a story that
+    # answers its question (nothing lost to fitting or interleaving), and every question got an answer
+    supported = sum(answer_from_text(text, task.question) == task.answer for _, task, text in jobs)
+    res.check("prompts whose text supports the expected answer", supported / len(jobs), "==", 1.0)
+    res.check("questions without an answer (HTTP or stream errors)", errors, "==", 0)
+    res.notes.append("chance is 1/6 for where questions; the 135M default model answers bAbI-style questions at "
+                     "about chance, so accuracy is reported and not gated")
     res.data["answers"] = [{"length": a[0], "kind": a[1].kind, "answer": a[1].answer, "correct": a[2],
                             "extracted": extract(a[3], a[1].kind), "reply": a[3][:60]} for a in answers]
     res.plots.append(lines(ctx.out / "babilong.png", "bAbI-style accuracy against filler length", "filler tokens",
