@@ -225,13 +225,14 @@ class ChatTemplate:
 TOOL_PROMPT = (
     "You can call these functions (JSON schema of each one's arguments):\n{tools}\n"
     "To call one, answer with only a JSON object of the form "
-    '{{"name": <function name>, "arguments": <object of arguments>}} and nothing else. '
+    '{{"name": <function name>, "arguments": <object of arguments>}} and nothing else; '
+    "to call several at once, answer with only a JSON array of such objects. "
     "A function's result comes back in a message with the role 'tool'; then answer the user."
 )
 
 
 def _call_text(calls: list[Any]) -> str:
-    out = []
+    out: list[dict[str, Any]] = []
     for c in calls:
         fn = c.get("function") if isinstance(c, Mapping) else None
         if not isinstance(fn, Mapping):
@@ -241,8 +242,9 @@ def _call_text(calls: list[Any]) -> str:
             parsed = json.loads(args) if isinstance(args, str) else args
         except ValueError:
             parsed = args
-        out.append(json.dumps({"name": fn.get("name"), "arguments": parsed}, ensure_ascii=False))
-    return "\n".join(out)
+        out.append({"name": fn.get("name"), "arguments": parsed})
+    # the form the model is told to answer in: one object, or an array of several
+    return json.dumps(out[0] if len(out) == 1 else out, ensure_ascii=False) if out else ""
 
 
 def with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

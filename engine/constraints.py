@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 __all__ = ["Constraint", "GrammarCompiler", "GrammarError", "any_json_grammar", "apply_mask",
-           "json_schema_grammar", "mask_words"]
+           "json_schema_grammar", "mask_words", "text_or_json_grammar"]
 
 
 class GrammarError(ValueError):
@@ -50,6 +50,26 @@ def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), overrides={"whitespace_flexible": False})  # type: ignore[arg-type]
+    except ValueError as e:
+        raise GrammarError(f"invalid JSON schema: {e}") from None
+
+
+# free text of a tool-enabled answer: not empty, and not starting with white space, "{" or "[" (the
+# start of a call), so an answer that begins like a call must be a well-formed one
+_FREE_TEXT = r"/[^{\[ \t\r\n](?s:.)*/"
+
+
+def text_or_json_grammar(schema: dict[str, Any] | bool) -> str:
+    """Either a JSON value valid under ``schema`` (compact) or free text that cannot be mistaken
+    for its beginning (see ``_FREE_TEXT``): a chat answer under ``tool_choice: auto``."""
+    import llguidance
+
+    if not isinstance(schema, dict | bool):
+        raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    body = {**schema, "x-guidance": {"whitespace_flexible": False}} if isinstance(schema, dict) else schema
+    lark = f"start: value | text\nvalue: %json {json.dumps(body)}\ntext: FREE\nFREE: {_FREE_TEXT}\n"
+    try:
+        return llguidance.LLMatcher.grammar_from_lark(lark)
     except ValueError as e:
         raise GrammarError(f"invalid JSON schema: {e}") from None
 

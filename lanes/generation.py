@@ -28,6 +28,7 @@ from engine.scheduler import EngineFailedError, OverloadedError, RequestOutput, 
 from lanes.errors import APIError, request_info
 from lanes.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, sampling_params
 from lanes.state import LaneState
+from lanes.tools import ToolCallScanner
 
 __all__ = ["Run", "generate", "json_response"]
 
@@ -59,25 +60,6 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def parse_tool_call(text: str, names: list[str]) -> dict[str, Any] | None:
-    """``{"name": ..., "arguments": {...}}`` (the whole answer, optionally inside
-    ``<tool_call>`` tags) naming one of ``names`` -> an OpenAI tool call; anything else: None."""
-    t = text.strip()
-    if t.startswith("<tool_call>") and t.endswith("</tool_call>"):
-        t = t[len("<tool_call>"): -len("</tool_call>")].strip()
-    if not t.startswith("{"):
-        return None
-    try:
-        obj = json.loads(t)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names or not isinstance(obj.get("arguments"), dict):
-        return None
-    args = json.dumps(obj["arguments"], ensure_ascii=False, separators=(",", ":"))
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": obj["name"], "arguments": args}}
-
-
 @dataclass
 class _Choice:
     index: int
@@ -97,6 +79,8 @@ class _Choice:
     error: str | None = None
     done: bool = False
     started: bool = False  # a stream chunk was sent for this choice
+    tools: ToolCallScanner | None = None  # tools on: what the answer is (text or calls), as it grows
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of text held back while undecided
 
 
 class Run:
@@ -122,8 +106,7 @@ class Run:
         self.pumps: list[asyncio.Task[None]] = []
         self.tokenizer = st.engine.tokenizer if st.engine is not None else None
         self.info.fields["id"] = self.id
-        # tools: "forced" / "auto" answers may be tool calls, so their text is held back until
-        # the choice ends (a stream then sends the call, or the text, in one delta)
+        # tools: an answer may be tool calls; ToolCallScanner tells (see lanes/tools.py)
         self.tool_mode, tools = req.tool_mode() if isinstance(req, ChatRequest) else ("none", [])
         self.tool_names = [t["function"]["name"] for t in tools]
 
@@ -147,7 +130,9 @@ class Run:
                     except BaseException:
                         self.st.metrics.forget(rid)
                         raise
-                    self.choices.append(_Choice(index, rid, queue, len(ids), i == 0, t_submit))
+                    self.choices.append(_Choice(index, rid, queue, len(ids), i == 0, t_submit,
+                                                tools=ToolCallScanner(self.tool_names)
+                                                if self.tool_mode != "none" else None))
         except OverloadedError as e:
             self.abort_all()
             raise APIError(429, f"the lane is overloaded: {e}", code="server_overloaded",
@@ -198,6 +183,8 @@ class Run:
                 m.itl.observe((now - c.t_last_token) / len(out.token_ids))
             c.t_last_token = now
         c.text.append(out.text)
+        if c.tools is not None:
+            c.tools.feed(out.text)
         c.logprobs.extend(lps)
         c.completion_tokens = out.completion_tokens
         c.cached_tokens = out.cached_tokens
@@ -303,22 +290,22 @@ class Run:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def tool_call(self, c: _Choice) -> dict[str, Any] | None:
-        """The finished choice's answer as a tool call, when tools are on and it is one."""
-        if self.tool_mode == "none" or c.finish_reason != "stop":
+    def tool_calls(self, c: _Choice) -> list[dict[str, Any]] | None:
+        """The finished choice's answer as tool calls, when tools are on and it is only calls."""
+        if c.tools is None or c.finish_reason != "stop":
             return None
-        return parse_tool_call("".join(c.text), self.tool_names)
+        return c.tools.result()
 
     def response(self) -> dict[str, Any]:
         choices = []
         for c in self.choices:
             text = "".join(c.text)
             if self.kind == "chat":
-                call = self.tool_call(c)
+                calls = self.tool_calls(c)
                 message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
                 reason = c.finish_reason
-                if call is not None:
-                    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}
+                if calls is not None:
+                    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
                     reason = "tool_calls"
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": self.chat_logprobs(c.logprobs) if self.want_logprobs else None,
@@ -341,8 +328,8 @@ class Run:
         return d
 
     def stream_chunks(self, c: _Choice, out: RequestOutput, text: str, lps: list[TokenLogprob]) -> list[dict]:
-        if self.kind == "chat" and self.tool_mode != "none":
-            return self._tool_stream_chunks(c, out)
+        if c.tools is not None:
+            return self._tool_stream_chunks(c, out, lps)
         chunks = []
         if text or lps or (not c.started and not out.finished):
             if self.kind == "chat":
@@ -368,32 +355,53 @@ class Run:
         return chunks
 
 
-    def _tool_stream_chunks(self, c: _Choice, out: RequestOutput) -> list[dict]:
-        """With tools on, a choice streams once it ends: a tool call as OpenAI's tool_calls
-        deltas (the call's id and name, then its arguments), or else its text as content."""
-        if not out.finished or out.finish_reason not in ("stop", "length"):
-            return []
-        call = self.tool_call(c)
-        chunks = []
-        if call is not None:
-            head = {"index": 0, "id": call["id"], "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""}}
-            chunks.append(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": None,
-                                                                   "tool_calls": [head]},
-                                       "logprobs": None, "finish_reason": None}]))
-            args = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
-            chunks.append(self.chunk([{"index": c.index, "delta": {"tool_calls": [args]}, "logprobs": None,
-                                       "finish_reason": None}]))
-            reason = "tool_calls"
-        else:
-            lps = c.logprobs
-            chunks.append(self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": "".join(c.text)},
-                                       "logprobs": self.chat_logprobs(lps) if lps and self.want_logprobs else None,
-                                       "finish_reason": None}]))
+    def _tool_stream_chunks(self, c: _Choice, out: RequestOutput, lps: list[TokenLogprob]) -> list[dict]:
+        """With tools on: text streams as content once the answer is known to be text; calls stream
+        as OpenAI ``tool_calls`` deltas as they are written (head with id and name, then argument
+        pieces); an answer in ``<tool_call>`` tags is sent when it ends."""
+        sc = c.tools
+        assert sc is not None
+        ended = out.finished and out.finish_reason in ("stop", "length")
+        if out.finished and not ended:
+            return []  # abort / engine error: the caller ends the stream
+        entries: list[dict[str, Any]] = []
+        if sc.kind == "text" or (ended and sc.kind is None):
+            c.held_logprobs.extend(lps)
+            text = sc.take_text()
+            if text or c.held_logprobs:
+                entries.append(self._delta(c, {"content": text}, c.held_logprobs))
+                c.held_logprobs = []
             reason = out.finish_reason
-        c.started = True
-        chunks.append(self.chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}]))
+        elif sc.kind == "json":
+            for d in sc.take_deltas():
+                entries.append(self._delta(c, {"tool_calls": [d.openai()]}))
+            calls = sc.result() if ended and out.finish_reason == "stop" else None
+            if ended and calls is None and not sc.streamed_calls:  # not a call after all: the text
+                entries.append(self._delta(c, {"content": sc.take_text()}))
+            reason = "tool_calls" if calls is not None else out.finish_reason
+        else:  # tagged (or undecided): only the end tells
+            calls = self.tool_calls(c) if ended else None
+            if calls is not None:
+                for k, call in enumerate(calls):
+                    entries.append(self._delta(c, {"tool_calls": [{"index": k, **call}]}))
+            elif ended:
+                entries.append(self._delta(c, {"content": sc.take_text()}, c.logprobs if self.want_logprobs else []))
+            reason = "tool_calls" if calls is not None else out.finish_reason
+        chunks = [self.chunk([e]) for e in entries]
+        if ended:
+            delta: dict[str, Any] = {} if c.started else {"role": "assistant", "content": ""}
+            c.started = True
+            chunks.append(self.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason}]))
         return chunks
+
+    def _delta(self, c: _Choice, delta: dict[str, Any], lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """One choice entry of a chunk; the choice's first also carries the role (and content
+        null when it starts with tool calls, as OpenAI sends it)."""
+        if not c.started:
+            delta = {"role": "assistant", **({"content": None} if "tool_calls" in delta else {}), **delta}
+            c.started = True
+        return {"index": c.index, "delta": delta, "logprobs": self.chat_logprobs(lps) if lps else None,
+                "finish_reason": None}
 
 
 async def generate(request: web.Request, st: LaneState, kind: Literal["chat", "completion"],

@@ -6,10 +6,11 @@ options); fields we cannot honour and that would change the answer (``echo``, ``
 are checked by ``SamplingParams.parse``.
 
 Structured output: ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with a
-``tool_choice`` of ``required`` or a named function become a grammar (engine.constraints) the
-engine enforces token by token. A forced tool call is generated as ``{"name": ..., "arguments":
-{...}}`` and returned as ``message.tool_calls``; with ``auto`` the model is told the same format
-and an answer of exactly that shape is returned as a tool call (see docs/gateway.md).
+``tool_choice`` of ``required``, a named function or ``auto`` become a grammar (engine.constraints,
+lanes.tools) the engine enforces token by token. A tool call is generated as ``{"name": ...,
+"arguments": {...}}`` (several as a JSON array unless ``parallel_tool_calls`` is false) and
+returned as ``message.tool_calls``; with ``auto`` the answer may instead be text (see
+docs/gateway.md).
 
 Strict input: message roles are OpenAI's (``system``, ``developer``, ``user``, ``assistant``,
 ``tool``, ``function``), anything else is a 400 naming it; text that is not valid Unicode (a lone
@@ -18,13 +19,14 @@ UTF-16 surrogate escaped in the JSON) is a 400 naming where it is.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.constraints import GrammarError, json_schema_grammar
 from engine.sampling import SamplingParams, SamplingParamsError
 from lanes.errors import APIError
+from lanes.tools import tools_grammar
 
 __all__ = ["MAX_CHOICES", "MAX_N", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",
            "parse_body"]
@@ -156,14 +158,6 @@ def _tool_names(tools: list[Any]) -> list[str]:
     return names
 
 
-def tool_call_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    """The JSON shape of one call of ``tool``: ``{"name": <its name>, "arguments": <its parameters>}``."""
-    fn = tool["function"]
-    return {"type": "object",
-            "properties": {"name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 class ChatRequest(_GenerationBody):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -171,6 +165,7 @@ class ChatRequest(_GenerationBody):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
     response_format: dict[str, Any] | None = None
 
     @property
@@ -189,7 +184,7 @@ class ChatRequest(_GenerationBody):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
-    def tool_mode(self) -> tuple[str, list[dict[str, Any]]]:
+    def tool_mode(self) -> tuple[Literal["none", "auto", "forced"], list[dict[str, Any]]]:
         """(mode, tools the model may call): mode is "none" (no tools), "auto" (the model may
         answer with a call), or "forced" (``required`` or a named function: a call is enforced)."""
         tools = self.tools or []
@@ -217,31 +212,36 @@ class ChatRequest(_GenerationBody):
 
     def grammar(self) -> tuple[str | None, str]:
         mode, tools = self.tool_mode()
+        parallel = self.parallel_tool_calls is not False
+        answer = self._answer_schema()
+        param = "tools" if mode == "forced" or (mode == "auto" and answer is None) else "response_format"
         try:
-            if mode == "forced":
-                schemas = [tool_call_schema(t) for t in tools]
-                return json_schema_grammar(schemas[0] if len(schemas) == 1 else {"anyOf": schemas}), "tools"
-            rf = self.response_format
-            if rf is None:
-                return None, "response_format"
-            kind = rf.get("type")
-            if kind == "text":
-                return None, "response_format"
-            if kind == "json_object":
-                return json_schema_grammar({"type": "object"}), "response_format"
-            if kind == "json_schema":
-                spec = rf.get("json_schema")
-                if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-                    raise APIError(400, "response_format json_schema needs {\"name\": ..., \"schema\": {...}}",
-                                   param="response_format")
-                schema = spec.get("schema", {})
-                if not isinstance(schema, dict | bool):
-                    raise APIError(400, "response_format json_schema.schema must be a JSON schema object",
-                                   param="response_format")
-                return json_schema_grammar(schema), "response_format"
+            if mode == "none":
+                return (None if answer is None else json_schema_grammar(answer)), param
+            return tools_grammar(mode, tools, parallel, answer if mode == "auto" else None), param
         except GrammarError as e:
-            raise APIError(400, f"the schema cannot be used: {e}", param="tools" if mode == "forced"
-                           else "response_format", code="invalid_schema") from None
+            raise APIError(400, f"the schema cannot be used: {e}", param=param, code="invalid_schema") from None
+
+    def _answer_schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema ``response_format`` asks for (None: free text)."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+                raise APIError(400, "response_format json_schema needs {\"name\": ..., \"schema\": {...}}",
+                               param="response_format")
+            schema = spec.get("schema", {})
+            if not isinstance(schema, dict | bool):
+                raise APIError(400, "response_format json_schema.schema must be a JSON schema object",
+                               param="response_format")
+            return schema
         raise APIError(400, f"invalid response_format type {_short(kind)}: expected 'text', 'json_object' or "
                        "'json_schema'", param="response_format")
 
