@@ -1,0 +1,318 @@
+/* The register-blocked int8 micro-kernel on 256-bit vectors, shared by the AVX2 variant
+ * (maddubs + madd) and the AVX-512 VNNI variant (vpdpbusd on 256-bit registers, AVX512VL).
+ * Included after a `#pragma GCC target(...)` with GEMM_VNNI set to 0 or 1; each including
+ * file gets its own static copy compiled for its ISA. The integer sums are exact on both
+ * paths and the float operations are the same, so the two variants give the same bits. */
+#ifndef STRATA_GEMM_INT8_H
+#define STRATA_GEMM_INT8_H
+
+#include "simd_unpack.h"
+
+/* ---- the register-blocked int8 micro-kernel ----
+ * MR = 4 weight rows x up to 4 tokens per pass. For one 32-element block b the four rows'
+ * unsigned codes sit in four registers (blk4); per token, four maddubs+madd products are
+ * reduced by two hadd levels to one vector whose lanes are (row, half-block):
+ *   lanes 0..3 = rows 0..3, elements 0..15;  lanes 4..7 = rows 0..3, elements 16..31,
+ * converted once, scaled by s(row, half) * d(token, b) and accumulated, then the offset /
+ * minimum correction c(row, half) * xs8(token, b) is added to the same lanes. A (row,
+ * token) result is lane r + lane 4+r at the end. The operations on one lane depend only on
+ * that row and that token, so any number of rows or tokens gives the same bits. */
+#define MR 4
+
+typedef struct {
+    __m256i u[MR]; /* unsigned codes (Q8_0: |w|) */
+    __m256i sg[MR]; /* Q8_0 only: the signed weights, for sign(a, w) */
+    __m256 s, c;   /* scale and correction per (row, half) lane */
+} blk4;
+
+/* Scale (s) and correction (c = m - off * s) lanes of the four rows' sub-blocks of one
+ * K-quant super-block, unpacked once per row block and super-block: [j][lane]. */
+typedef struct {
+    float s[8][8], c[8][8];
+} kscales;
+
+static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, const uint8_t *const *rows, int64_t i,
+                                                                 kscales *ks) {
+    for (int r = 0; r < MR; r++) {
+        if (type == ST_TYPE_Q6_K) {
+            const blk_q6_k *q = (const blk_q6_k *)rows[r] + i;
+            const float d = h2f(q->d);
+            for (int j = 0; j < 8; j++) {
+                const float lo = d * (float)q->scales[2 * j], hi = d * (float)q->scales[2 * j + 1];
+                ks->s[j][r] = lo, ks->s[j][MR + r] = hi;
+                ks->c[j][r] = 0.0f - 32.0f * lo, ks->c[j][MR + r] = 0.0f - 32.0f * hi;
+            }
+        } else { /* Q4_K, Q5_K: same header layout up to the scales */
+            const blk_q4_k *q = type == ST_TYPE_Q4_K ? (const blk_q4_k *)rows[r] + i : NULL;
+            const blk_q5_k *q5 = type == ST_TYPE_Q5_K ? (const blk_q5_k *)rows[r] + i : NULL;
+            const float d = h2f(q ? q->d : q5->d), dmin = h2f(q ? q->dmin : q5->dmin);
+            const uint8_t *sc = q ? q->scales : q5->scales;
+            for (int j = 0; j < 8; j++) {
+                uint8_t sv, mv;
+                get_scale_min_k4(j, sc, &sv, &mv);
+                const float sf = d * (float)sv, m = -dmin * (float)mv;
+                ks->s[j][r] = ks->s[j][MR + r] = sf;
+                ks->c[j][r] = ks->c[j][MR + r] = m - 0.0f * sf;
+            }
+        }
+    }
+}
+
+static inline int is_kquant(int32_t type) { return type == ST_TYPE_Q4_K || type == ST_TYPE_Q5_K || type == ST_TYPE_Q6_K; }
+
+/* The f16 pair at the head of each row's block b (d, and m or padding): [d0 m0 d1 m1 ...]. */
+static inline __m256 head4(const uint8_t *const *rows, int64_t b, size_t bs) {
+    const __m128i h = _mm_setr_epi32((int)ld32(rows[0] + b * bs), (int)ld32(rows[1] + b * bs),
+                                     (int)ld32(rows[2] + b * bs), (int)ld32(rows[3] + b * bs));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline __attribute__((always_inline)) void load_blk4(int32_t type, const uint8_t *const *rows, int64_t b,
+                                                            kscales *ks, blk4 *k) {
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6), odd = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+    if (type == ST_TYPE_Q8_0) {
+        for (int r = 0; r < MR; r++) {
+            const blk_q8_0 *q = (const blk_q8_0 *)rows[r] + b;
+            k->sg[r] = _mm256_loadu_si256((const __m256i *)q->qs);
+            k->u[r] = _mm256_sign_epi8(k->sg[r], k->sg[r]);
+        }
+        k->s = _mm256_permutevar8x32_ps(head4(rows, b, sizeof(blk_q8_0)), even);
+        k->c = _mm256_setzero_ps();
+        return;
+    }
+    for (int r = 0; r < MR; r++) k->u[r] = load_sub(type, rows[r], b).u; /* only the codes: the rest is dead */
+    if (is_kquant(type)) {
+        if (b % 8 == 0) unpack_kscales(type, rows, b / 8, ks);
+        k->s = _mm256_loadu_ps(ks->s[b % 8]);
+        k->c = _mm256_loadu_ps(ks->c[b % 8]);
+        return;
+    }
+    const size_t bs = type == ST_TYPE_Q4_0 ? sizeof(blk_q4_0) : type == ST_TYPE_Q4_1 ? sizeof(blk_q4_1)
+                      : type == ST_TYPE_Q5_0 ? sizeof(blk_q5_0) : sizeof(blk_q5_1);
+    const __m256 dm = head4(rows, b, bs);
+    k->s = _mm256_permutevar8x32_ps(dm, even);
+    if (type == ST_TYPE_Q4_1 || type == ST_TYPE_Q5_1) {
+        k->c = _mm256_permutevar8x32_ps(dm, odd); /* m - 0 * s */
+    } else { /* offset 8 (Q4_0) or 16 (Q5_0) */
+        k->c = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(type == ST_TYPE_Q4_0 ? 8.0f : 16.0f), k->s));
+    }
+}
+
+static inline __m256i madd_ones(__m256i x) { return _mm256_madd_epi16(x, _mm256_set1_epi16(1)); }
+
+/* Sums of 4 adjacent u8 x s8 products per int32 lane: vpdpbusd where VNNI exists, else
+ * maddubs + madd (exact here: no pair of products reaches the int16 limit). */
+static inline __m256i dot4(__m256i u, __m256i a) {
+#if GEMM_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+#else
+    return madd_ones(_mm256_maddubs_epi16(u, a));
+#endif
+}
+
+/* One block of four rows against one token: the lane layout described above. */
+static inline __attribute__((always_inline)) __m256 step4(int32_t type, const blk4 *k, const act_row *a, int64_t b,
+                                                          __m256 acc) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)(a->q + b * QK));
+    __m256i p[MR];
+    for (int r = 0; r < MR; r++)
+        p[r] = dot4(k->u[r], type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(av, k->sg[r]) : av);
+#ifdef USE_HADD
+    const __m256i red = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+#else
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+    const __m256i red = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+#endif
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(k->s, _mm256_broadcast_ss(a->d + b)), acc);
+    if (type != ST_TYPE_Q8_0) acc = _mm256_fmadd_ps(k->c, _mm256_loadu_ps(a->xs8 + b * 8), acc);
+    return acc;
+}
+
+static inline void finish4(const __m256 *acc, int nt, int nr, float *out, int64_t ldo) {
+    for (int t = 0; t < nt; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[t]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = v[r] + v[MR + r];
+    }
+}
+
+/* NT (1..4) tokens straight from the packed rows: each block unpacked into registers. */
+static inline __attribute__((always_inline)) void fused4(int32_t type, const uint8_t *const *rows, int64_t nb, int NT,
+                                                         const act_row *a, float *out, int nr, int64_t ldo) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    kscales ks;
+    for (int64_t b = 0; b < nb; b++) {
+        blk4 k;
+        load_blk4(type, rows, b, &ks, &k);
+        for (int t = 0; t < NT; t++) acc[t] = step4(type, &k, &a[t], b, acc[t]);
+    }
+    finish4(acc, NT, nr, out, ldo);
+}
+
+/* ---- many tokens: eight rows interleaved by 4-byte groups ----
+ * With more than 4 tokens an 8-row block is unpacked once into blk8: for each 32-element
+ * block, eight vectors w[j] holding elements 4j..4j+3 of rows 0..7 (one dword per row, an
+ * 8x8 dword transpose of the unpacked rows). A token's four bytes 4j..4j+3, broadcast to
+ * every dword, then multiply all eight rows in one maddubs, and the partial sums of a
+ * half-block are added in 16 bits before one madd (no overflow: |a| <= 127, codes <= 31 for
+ * four terms, <= 63 for two, Q8_0 one), so the integer work per 32 weights drops from a
+ * maddubs, a madd and a share of the lane reduction to a maddubs and an add. The float work
+ * per lane - fma(float(isum), s * d), then fma(c, xs), per block in order, lo + hi at the
+ * end - is the 4-row path's, so both give the same bits. */
+typedef struct {
+    __m256i w[8];               /* chunk j of the eight rows (Q8_0: signed weights) */
+    __m256 s_lo, s_hi, c_lo, c_hi; /* per-row scale and correction of each half-block */
+} blk8;
+
+static inline void transpose8x8_epi32(__m256i *v) {
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    v[0] = _mm256_permute2x128_si256(u0, u4, 0x20), v[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    v[2] = _mm256_permute2x128_si256(u2, u6, 0x20), v[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    v[4] = _mm256_permute2x128_si256(u0, u4, 0x31), v[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    v[6] = _mm256_permute2x128_si256(u2, u6, 0x31), v[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+static inline __attribute__((always_inline)) void load_blk8(int32_t type, const uint8_t *const *rows, int64_t b,
+                                                            kscales *ks, blk8 *k) {
+    blk4 lo, hi;
+    load_blk4(type, rows, b, &ks[0], &lo);
+    load_blk4(type, rows + MR, b, &ks[1], &hi);
+    for (int r = 0; r < MR; r++) {
+        k->w[r] = type == ST_TYPE_Q8_0 ? lo.sg[r] : lo.u[r];
+        k->w[MR + r] = type == ST_TYPE_Q8_0 ? hi.sg[r] : hi.u[r];
+    }
+    transpose8x8_epi32(k->w);
+    k->s_lo = _mm256_permute2f128_ps(lo.s, hi.s, 0x20), k->s_hi = _mm256_permute2f128_ps(lo.s, hi.s, 0x31);
+    k->c_lo = _mm256_permute2f128_ps(lo.c, hi.c, 0x20), k->c_hi = _mm256_permute2f128_ps(lo.c, hi.c, 0x31);
+}
+
+/* Integer sums of one half-block (elements 16h..16h+15) of the eight rows against one token. */
+static inline __attribute__((always_inline)) __m256i half8(int32_t type, const __m256i *w, const int8_t *q) {
+    __m256i av[4];
+    for (int j = 0; j < 4; j++) {
+        av[j] = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(q + 4 * j)));
+        if (type == ST_TYPE_Q8_0) av[j] = _mm256_sign_epi8(av[j], w[j]);
+    }
+    const __m256i u0 = type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(w[0], w[0]) : w[0];
+    const __m256i u1 = type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(w[1], w[1]) : w[1];
+    const __m256i u2 = type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(w[2], w[2]) : w[2];
+    const __m256i u3 = type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(w[3], w[3]) : w[3];
+#if GEMM_VNNI
+    __m256i acc = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u0, av[0]);
+    acc = _mm256_dpbusd_epi32(acc, u1, av[1]);
+    acc = _mm256_dpbusd_epi32(acc, u2, av[2]);
+    return _mm256_dpbusd_epi32(acc, u3, av[3]);
+#else
+    const __m256i m0 = _mm256_maddubs_epi16(u0, av[0]), m1 = _mm256_maddubs_epi16(u1, av[1]);
+    const __m256i m2 = _mm256_maddubs_epi16(u2, av[2]), m3 = _mm256_maddubs_epi16(u3, av[3]);
+    if (type == ST_TYPE_Q8_0)
+        return _mm256_add_epi32(_mm256_add_epi32(madd_ones(m0), madd_ones(m1)), _mm256_add_epi32(madd_ones(m2), madd_ones(m3)));
+    if (type == ST_TYPE_Q6_K)
+        return _mm256_add_epi32(madd_ones(_mm256_add_epi16(m0, m1)), madd_ones(_mm256_add_epi16(m2, m3)));
+    return madd_ones(_mm256_add_epi16(_mm256_add_epi16(m0, m1), _mm256_add_epi16(m2, m3)));
+#endif
+}
+
+/* NT tokens against an 8-row block unpacked into kb[nb]. */
+static inline __attribute__((always_inline)) void buffered8(int32_t type, const blk8 *kb, int64_t nb, int NT,
+                                                            const act_row *a, float *out, int nr, int64_t ldo) {
+    __m256 lo[4], hi[4];
+    for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const blk8 *k = &kb[b];
+        for (int t = 0; t < NT; t++) {
+            const int8_t *q = a[t].q + b * QK;
+            const __m256 d = _mm256_broadcast_ss(a[t].d + b);
+            lo[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half8(type, k->w, q)), _mm256_mul_ps(k->s_lo, d), lo[t]);
+            hi[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half8(type, k->w + 4, q + 16)), _mm256_mul_ps(k->s_hi, d), hi[t]);
+            if (type != ST_TYPE_Q8_0) {
+                lo[t] = _mm256_fmadd_ps(k->c_lo, _mm256_broadcast_ss(a[t].xs8 + b * 8), lo[t]);
+                hi[t] = _mm256_fmadd_ps(k->c_hi, _mm256_broadcast_ss(a[t].xs8 + b * 8 + 4), hi[t]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        float vl[8], vh[8];
+        _mm256_storeu_ps(vl, lo[t]);
+        _mm256_storeu_ps(vh, hi[t]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = vl[r] + vh[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm256(int32_t type, const void *w, size_t row_bytes, int nr,
+                                                            int64_t n, int nt, const act_row *a, float *out,
+                                                            int64_t ldo) {
+    const int64_t nb = n / QK;
+    if (nt > 4) {
+        for (int r0 = 0; r0 < nr; r0 += 2 * MR) {
+            const int nrr = nr - r0 < 2 * MR ? nr - r0 : 2 * MR;
+            const uint8_t *rows[2 * MR]; /* a short row block repeats its last row (results dropped) */
+            for (int r = 0; r < 2 * MR; r++)
+                rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
+            blk8 kb[nb]; /* the row block unpacked once: 384 bytes per 32-element block */
+            kscales ks[2];
+            for (int64_t b = 0; b < nb; b++) load_blk8(type, rows, b, ks, &kb[b]);
+            float *o = out + r0;
+            int t = 0;
+            for (; t + 4 <= nt; t += 4) buffered8(type, kb, nb, 4, a + t, o + t * ldo, nrr, ldo);
+            switch (nt - t) {
+            case 1: buffered8(type, kb, nb, 1, a + t, o + t * ldo, nrr, ldo); break;
+            case 2: buffered8(type, kb, nb, 2, a + t, o + t * ldo, nrr, ldo); break;
+            case 3: buffered8(type, kb, nb, 3, a + t, o + t * ldo, nrr, ldo); break;
+            default: break;
+            }
+        }
+        return;
+    }
+    for (int r0 = 0; r0 < nr; r0 += MR) {
+        const int nrr = nr - r0 < MR ? nr - r0 : MR;
+        const uint8_t *rows[MR]; /* a short row block repeats its last row (results dropped) */
+        for (int r = 0; r < MR; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
+        float *o = out + r0;
+        switch (nt) {
+        case 1: fused4(type, rows, nb, 1, a, o, nrr, ldo); break;
+        case 2: fused4(type, rows, nb, 2, a, o, nrr, ldo); break;
+        case 3: fused4(type, rows, nb, 3, a, o, nrr, ldo); break;
+        default: fused4(type, rows, nb, 4, a, o, nrr, ldo); break;
+        }
+    }
+}
+
+#define DEF_GEMM(NAME, TYPE)                                                                           \
+    static void NAME(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out, \
+                     int64_t ldo) {                                                                    \
+        gemm256(TYPE, w, row_bytes, nr, n, nt, a, out, ldo);                                           \
+    }
+
+DEF_GEMM(gemm_q4_0, ST_TYPE_Q4_0)
+DEF_GEMM(gemm_q4_1, ST_TYPE_Q4_1)
+DEF_GEMM(gemm_q5_0, ST_TYPE_Q5_0)
+DEF_GEMM(gemm_q5_1, ST_TYPE_Q5_1)
+DEF_GEMM(gemm_q8_0, ST_TYPE_Q8_0)
+DEF_GEMM(gemm_q4_k, ST_TYPE_Q4_K)
+DEF_GEMM(gemm_q5_k, ST_TYPE_Q5_K)
+DEF_GEMM(gemm_q6_k, ST_TYPE_Q6_K)
+
+static dot_q_fn gemm_pick(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q4_0: return gemm_q4_0;
+    case ST_TYPE_Q4_1: return gemm_q4_1;
+    case ST_TYPE_Q5_0: return gemm_q5_0;
+    case ST_TYPE_Q5_1: return gemm_q5_1;
+    case ST_TYPE_Q8_0: return gemm_q8_0;
+    case ST_TYPE_Q4_K: return gemm_q4_k;
+    case ST_TYPE_Q5_K: return gemm_q5_k;
+    case ST_TYPE_Q6_K: return gemm_q6_k;
+    default: return NULL;
+    }
+}
+
+#endif
