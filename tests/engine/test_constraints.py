@@ -177,6 +177,12 @@ def test_tool_rendering_native_and_fallback(engine: Engine) -> None:
     text = tpl.render_with_tools(history, tools)
     assert TOOL_PROMPT.split("{tools}")[0] in text and '"name": "add"' in text
     assert '{"name": "add", "arguments": {"a": 1}}' in text and "<|im_start|>tool\n3<|im_end|>" in text
+    # several calls in one answer: the JSON array the prompt asks for
+    two = [{**history[1], "tool_calls": [history[1]["tool_calls"][0],  # type: ignore[index]
+                                         {"id": "call_2", "type": "function",
+                                          "function": {"name": "add", "arguments": "{\"a\":2}"}}]}]
+    assert '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]' in \
+        tpl.render_with_tools(two, tools)
     # a template that renders tools itself gets them as the variable, history untouched
     native = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
                           "{% for m in messages %}{{ m.role }}:{{ m.tool_calls[0].function.name if m.tool_calls "
