@@ -365,8 +365,9 @@ class Run:
         if out.finished and not ended:
             return []  # abort / engine error: the caller ends the stream
         entries: list[dict[str, Any]] = []
+        if sc.kind in (None, "text"):
+            c.held_logprobs.extend(lps)  # undecided text keeps its logprobs until it is sent
         if sc.kind == "text" or (ended and sc.kind is None):
-            c.held_logprobs.extend(lps)
             text = sc.take_text()
             if text or c.held_logprobs:
                 entries.append(self._delta(c, {"content": text}, c.held_logprobs))

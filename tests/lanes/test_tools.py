@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from engine.constraints import GrammarCompiler
-from engine.default_model import build_default_model, default_model_path
-from engine.tokenizer import Tokenizer
+from engine.engine import Engine
 from lanes.tools import MAX_TOOL_CALLS, ToolCallScanner, parse_tool_calls, tools_grammar
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
@@ -26,8 +25,9 @@ TWO = '[{"name":"add","arguments":{"a":1,"b":2}},{"name":"get_weather","argument
 
 
 @pytest.fixture(scope="module")
-def compiler() -> GrammarCompiler:
-    return GrammarCompiler.for_tokenizer(Tokenizer.from_gguf(build_default_model(default_model_path())))
+def compiler(lane_engine: Engine) -> GrammarCompiler:
+    """The default model's vocabulary (the lane tests' shared engine: no second tokenizer load)."""
+    return GrammarCompiler.for_tokenizer(lane_engine.tokenizer)
 
 
 def walk(compiler: GrammarCompiler, grammar: str, text: str) -> str:
