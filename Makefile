@@ -94,7 +94,7 @@ run: setup
 
 test: setup $(STAMP_TEST)
 	$(VPY) -m ruff check .
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q --durations=30
 
 # make bench: the engine and gateway comparisons, then every harness scenario (docs/bench.md) in full
 # mode on a throwaway stack with a llama.cpp peer. make bench QUICK=1 (CI): only the scenarios, quick,
