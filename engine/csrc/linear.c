@@ -3,6 +3,7 @@
  * The tile helpers (make_tile, dot_tile) are inline in internal.h so that every
  * parallel task inlines them. */
 #include <math.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -67,20 +68,39 @@ static void linear_task(void *ctx, int64_t item, int thread) {
     }
 }
 
-static int64_t pick_chunk(int64_t N, int64_t T, int n_threads) {
+size_t st_l2_bytes(void) {
+    static size_t cached;
+    if (!cached) {
+        const long v = sysconf(_SC_LEVEL2_CACHE_SIZE); /* per core; 0 or -1 where unknown */
+        cached = v >= (64 << 10) && v <= (64L << 20) ? (size_t)v : (size_t)512 << 10;
+    }
+    return cached;
+}
+
+int64_t st_tile_rows(int64_t rows, int64_t want, size_t bytes_per_row) {
+    /* At most half the L2 of weights per tile: with more than TOKEN_TILE tokens the tile's
+     * rows are read once per token tile, and the second pass must still find them there. */
+    int64_t cap = (int64_t)(st_l2_bytes() / 2 / (bytes_per_row ? bytes_per_row : 1));
+    if (want > cap) want = cap;
+    want = (want + ST_ROW_BLOCK - 1) / ST_ROW_BLOCK * ST_ROW_BLOCK; /* whole register row blocks */
+    if (want < ST_ROW_BLOCK) want = ST_ROW_BLOCK;
+    return want < rows ? want : rows;
+}
+
+static int64_t pick_chunk(int64_t N, int64_t T, int n_threads, size_t row_bytes) {
     /* Enough items to balance (>= 8 per thread) but each large enough to amortise. */
     int64_t chunk = N / (8 * (int64_t)n_threads);
-    const int64_t min_chunk = T >= 16 ? 4 : 16;
+    const int64_t min_chunk = T >= 16 ? ST_ROW_BLOCK : 16;
     if (chunk < min_chunk) chunk = min_chunk;
     if (chunk > 256) chunk = 256;
-    return chunk;
+    return st_tile_rows(N, chunk, row_bytes);
 }
 
 void st_linear(st_pool *pool, const st_tensor *W, const acts *in, const int32_t *rows, int64_t T, float *out,
                int64_t ldo) {
     linear_ctx c = {W->data, W->type, st_row_bytes(W->type, W->ne[0]), W->ne[1], T, 0, ldo, rows, *in, out,
                     st_dot_q(W->type), st_dot_f(W->type)};
-    c.chunk = pick_chunk(c.N, T, st_pool_threads(pool));
+    c.chunk = pick_chunk(c.N, T, st_pool_threads(pool), c.row_bytes);
     st_pool_run(pool, linear_task, &c, (c.N + c.chunk - 1) / c.chunk);
 }
 

@@ -83,18 +83,19 @@ static void ffn_down_task(void *vctx, int64_t item, int thread) {
     }
 }
 
-/* Build (group, row-range) items: chunks sized so that items carry similar work. */
-static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t rows, int n_threads, ffn_item *items) {
-    /* ~8 items per thread in all, each carrying about the same rows x pairs of work:
-     * a hot expert gets thin row slices, a cold one a few wide ones. */
+/* Build (group, row-range) tiles: each carries about the same rows x pairs of work, and its
+ * weights (bytes_per_row per row) fit in half of L2 (st_tile_rows). Workers take them one
+ * at a time from the pool's atomic counter, so whoever finishes early steals the next. */
+static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t rows, int n_threads,
+                           size_t bytes_per_row, ffn_item *items) {
+    /* ~8 items per thread in all: a hot expert gets thin row slices, a cold one wide ones. */
     int64_t total_pairs = 0;
     for (int32_t g = 0; g < n_groups; g++) total_pairs += groups[g].n_pairs;
     int32_t n = 0;
     for (int32_t g = 0; g < n_groups; g++) {
         if (!groups[g].n_pairs) continue;
-        int64_t chunk = rows * total_pairs / (8 * (int64_t)n_threads * (int64_t)groups[g].n_pairs);
-        if (chunk < 8) chunk = 8;
-        if (chunk > rows) chunk = rows;
+        const int64_t chunk = st_tile_rows(
+            rows, rows * total_pairs / (8 * (int64_t)n_threads * (int64_t)groups[g].n_pairs), bytes_per_row);
         for (int64_t r = 0; r < rows; r += chunk)
             items[n++] = (ffn_item){g, (int32_t)r, (int32_t)(r + chunk < rows ? r + chunk : rows)};
     }
@@ -116,10 +117,10 @@ static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups
     ffn_ctx c = {groups, items, tg->type, tu->type, td->type, st_row_bytes(tg->type, tg->ne[0]),
                  st_row_bytes(tu->type, tu->ne[0]), st_row_bytes(td->type, td->ne[0]), n_ff, E, *in, s->pair_tok,
                  s->h, {0}, s->pair_out};
-    int32_t n = build_items(groups, n_groups, n_ff, nt, items);
+    int32_t n = build_items(groups, n_groups, n_ff, nt, c.rbg + c.rbu, items);
     st_pool_run(pool, ffn_gate_up_task, &c, n);
     c.hin = st_make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
-    n = build_items(groups, n_groups, E, nt, items);
+    n = build_items(groups, n_groups, E, nt, c.rbd, items);
     st_pool_run(pool, ffn_down_task, &c, n);
     free(items);
     return ST_OK;
