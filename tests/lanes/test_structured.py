@@ -143,6 +143,10 @@ async def test_generated_schemas_always_validate(lane: Lane, gw_url: str, http: 
     the gateway and half straight to the lane, half streamed: every answer parses and validates."""
     rng = random.Random(15)
     schemas = [random_schema(rng) for _ in range(N_SCHEMAS)]
+    text = json.dumps(schemas)
+    for kind in ("object", "array", "enum", "number", "integer", "string", "bool"):  # what the generator covers
+        assert text.count(f'_{kind}"') >= 20, kind
+    assert sum(len(s["required"]) < len(s["properties"]) for s in schemas) >= 20  # optional fields
     sched = lane.state.aeng.scheduler
     most = 0
 
@@ -252,18 +256,18 @@ async def test_forced_tool_calls_round_trip(lane: Lane, stream: bool) -> None:
             assert final.choices[0].message.content
 
 
-async def test_tool_call_streams_as_incremental_deltas(lane: Lane) -> None:
+async def test_tool_call_streams_as_incremental_deltas(lane: Lane, gw_url: str) -> None:
     """A call streams as OpenAI does: a head (index, id, type, name, arguments "") as soon as the
     name is written, then pieces of the arguments as they are generated; joined, they are the
-    non-streamed call, and the openai client's accumulation rebuilds it."""
+    non-streamed call, and the openai client's accumulation rebuilds it (through the gateway)."""
     kw: dict[str, Any] = {"model": "strata-default", "messages": ASK, "tools": TOOLS,
                           "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
                           "max_tokens": 64, "temperature": 0}
     async with client(lane.url) as c:
         whole = (await c.chat.completions.create(**kw)).choices[0].message.tool_calls
         deltas, reason = await stream_calls(c, kw)
-        async with c.chat.completions.stream(**kw) as st:
-            rebuilt = (await st.get_final_completion()).choices[0].message.tool_calls
+    async with client(gw_url, ADMIN_KEY) as c, c.chat.completions.stream(**kw) as st:
+        rebuilt = (await st.get_final_completion()).choices[0].message.tool_calls
     assert reason == "tool_calls" and whole and len(whole) == 1
     head, rest = deltas[0], deltas[1:]
     assert head.index == 0 and head.id and head.id.startswith("call_") and head.type == "function"
