@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                     "1024, which keeps window-long prompts to seconds on one core; full 8192, the model's own)")
     ap.add_argument("--llama", action="store_true", help="also a llama.cpp server peer for single/concurrency")
     ap.add_argument("--out", type=Path, default=REPO / "var" / "bench")
+    ap.add_argument("--soak-s", type=float, default=None, help="soak's duration (default 600; quick 60)")
     ap.add_argument("--keep", action="store_true", help="keep the stack's temp folder (logs)")
     args = ap.parse_args(argv)
     names = parse_scenarios(args.scenarios)
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--out", str(args.out)]
             if args.quick:
                 run_argv.append("--quick")
+            if args.soak_s is not None:
+                run_argv += ["--soak-s", str(args.soak_s)]
             with contextlib.ExitStack() as peers:
                 if args.llama:
                     from engine.default_model import default_model_path

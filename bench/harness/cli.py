@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                    "(a plain lane URL, a llama.cpp server); repeatable")
     r.add_argument("--with-lane", action="store_true", help="add the gateway's first lane as a peer")
     r.add_argument("--out", type=Path, default=REPO / "var" / "bench", help="reports go to OUT/<timestamp>/")
+    r.add_argument("--soak-s", type=float, default=None, help="soak's duration in seconds (default 600; quick 60)")
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     c = sub.add_parser("compare", help="diff two results.json files and flag regressions")
     c.add_argument("a", type=Path, help="the baseline results.json")
@@ -81,6 +82,8 @@ async def run_cmd(args: argparse.Namespace, argv: list[str]) -> int:
     from bench.harness.runner import parse_scenarios
 
     names = parse_scenarios(args.scenarios)
+    if args.soak_s is not None and not 5 <= args.soak_s <= 86400:
+        raise ValueError(f"--soak-s {args.soak_s:g}: expected 5 to 86400 seconds")
     admin = _admin_key(args.admin_key_file)
     conf = args.supervisor_config.resolve() if args.supervisor_config else None
     if conf is not None and not conf.is_file():
@@ -118,7 +121,7 @@ async def _run(args: argparse.Namespace, argv: list[str], names: list[str], admi
                   f"{[x.get('name') for x in target.lanes]}); peers {[p.label for p in peers]}; report in {out}",
                   file=sys.stderr, flush=True)
             results = await run_scenarios(names, target, peers, out, args.quick, conf, ["strata", "bench", *redact(argv)],
-                                          progress=not args.no_progress and sys.stderr.isatty())
+                                          progress=not args.no_progress and sys.stderr.isatty(), soak_s=args.soak_s)
         finally:
             for p in peers:
                 await p.__aexit__(None, None, None)

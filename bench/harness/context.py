@@ -34,6 +34,7 @@ class Context:
     supervisor_conf: Path | None = None  # crash and switch drive supervisord through it
     progress: bool = True
     seed: int = 1234
+    soak_s: float | None = None  # soak's duration (default: 600 full, 60 quick)
 
     def bar(self, total: int | None, desc: str) -> tqdm:  # type: ignore[type-arg]
         return tqdm(total=total, desc=desc, file=sys.stderr, disable=not self.progress, leave=False,

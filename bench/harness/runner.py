@@ -45,7 +45,7 @@ def new_run_dir(root: Path) -> Path:
 
 async def run_scenarios(names: list[str], target: Target, peers: list[Target], out: Path, quick: bool,
                         supervisor_conf: Path | None, command: list[str], progress: bool = True,
-                        log: Any = None) -> dict[str, Any]:
+                        log: Any = None, soak_s: float | None = None) -> dict[str, Any]:
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     results: dict[str, Any] = {
         "version": RESULTS_VERSION, "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -54,7 +54,7 @@ async def run_scenarios(names: list[str], target: Target, peers: list[Target], o
         "peers": [{"url": p.url, "kind": p.kind, "label": p.label} for p in peers],
         "machine": machine_info(), "scenarios": {}}
     ctx = Context(target=target, quick=quick, out=out, peers=peers, supervisor_conf=supervisor_conf,
-                  progress=progress)
+                  progress=progress, soak_s=soak_s)
     t_all = time.monotonic()
     for name in names:
         mod = SCENARIOS[name]

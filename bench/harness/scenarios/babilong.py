@@ -34,8 +34,8 @@ def prompt(task: Task, n_filler: int, seed: int) -> str:
 async def run(ctx: Context, res: ScenarioResult) -> None:
     t = ctx.target
     n_ctx = t.n_ctx or 2048
-    lengths = [0] + [x for x in ctx.q([1024], [1024, 4096, 16384]) if x < n_ctx - 64] + ctx.q([], [n_ctx - 64])
-    per_kind = ctx.q(4, 20)
+    lengths = [0] + [x for x in ctx.q([512], [1024, 4096, 16384]) if x < n_ctx - 64] + ctx.q([], [n_ctx - 64])
+    per_kind = ctx.q(3, 20)
     n_events = ctx.q(6, 10)
     rng = ctx.rng(NAME)
     jobs: list[tuple[int, Task, str]] = []

@@ -24,11 +24,11 @@ MEDIUM = " ".join(filler_sentences(40, 3)) + "\n\nWhich sentence above is the lo
 
 async def run(ctx: Context, res: ScenarioResult) -> None:
     t = ctx.target
-    duration = ctx.q(60.0, 600.0)
+    duration = ctx.soak_s or ctx.q(60.0, 600.0)
     workers = ctx.q(3, 6)
     interval = ctx.q(2.0, 5.0)
     max_drift = ctx.q(3.0, 2.0)  # a minute on a shared 2-core box is noisy; ten minutes less so
-    max_rss_slope = ctx.q(120.0, 20.0)  # MiB per minute: a minute holds warm-up growth (allocator, caches)
+    max_rss_slope = ctx.q(50.0, 20.0)  # MiB per minute: a minute holds warm-up growth (allocator, caches)
     pids = await process_pids(t, ctx.supervisor_conf)
     stop = asyncio.Event()
     t0 = time.monotonic()
