@@ -135,6 +135,8 @@ async def fit_memory(session: aiohttp.ClientSession, lane: LaneRuntime, body: di
             break
         budget -= max(32, over + 16)  # the estimate was low for this text: compose smaller and count again
     assert plan is not None
+    if mem.comp is not None:
+        mem.svc.composed(mem.loaded, mem.comp)
     return plan
 
 

@@ -6,10 +6,15 @@ The composed chat, in order (docs/memory.md):
    the running summary in a delimited block. It changes only when the summary does, so a lane's
    prefix cache (the session keeps its lane by affinity) serves it turn after turn;
 2. **recent turns verbatim** — the newest turns no summary covers, oldest first. When they do not
-   all fit, the first one kept is the oldest whose turn number is 1 modulo :data:`STRIDE` that
-   lets the rest fit: the start stays put for several turns and then jumps, instead of sliding by
-   one turn every request (which would change the prompt right after the head each time and cost
-   a full prefill). Appending a turn leaves everything before it byte-identical;
+   all fit, the first one kept is the start of a *block*: the turns are cut into blocks of about
+   ``block`` estimated tokens (half the budget by default), each starting at a user turn and
+   counted from the first turn loaded, so the boundaries stay where they are as the conversation
+   grows. The oldest block start that lets the rest fit is kept: the start stays put while the
+   conversation grows by a block, then jumps by one, instead of sliding by a turn or two every
+   request (each move changes the prompt right after the head and costs a full prefill). Appending
+   a turn leaves everything before it byte-identical. When the turns do not all fit, a share of the
+   budget is kept for retrieved turns whether or not this request finds any, so the verbatim room
+   does not depend on the new message's retrieval results;
 3. **retrieved turns** — older turns most similar to the new message (cosine of the embedding
    model's vectors), in turn order, in one system message placed after the verbatim turns (so it
    never disturbs the cached prefix) that says they are older than the conversation above, which
@@ -29,8 +34,8 @@ from typing import Any
 
 from memory.store import Summary, Turn
 
-__all__ = ["RETRIEVED_BEGIN", "RETRIEVED_END", "SUMMARY_BEGIN", "SUMMARY_END", "STRIDE", "Composition", "Scored",
-           "compose", "estimate_tokens", "render_turn"]
+__all__ = ["BLOCK_SHARE", "RETRIEVED_BEGIN", "RETRIEVED_END", "SUMMARY_BEGIN", "SUMMARY_END", "Composition",
+           "Scored", "compose", "estimate_tokens", "render_turn"]
 
 SUMMARY_BEGIN = "<<<CONVERSATION SUMMARY>>>"
 SUMMARY_END = "<<<END OF CONVERSATION SUMMARY>>>"
@@ -40,7 +45,8 @@ _SUMMARY_INTRO = "Summary of the earlier part of this conversation (older turns,
 _RETRIEVED_INTRO = ("Older turns of this conversation that may matter for the next message, in the order they were "
                     "said; all of them come before the conversation above. Where they disagree with the conversation "
                     "above, the conversation above is correct; among them, the later turn is the correct one.")
-STRIDE = 8  # the verbatim window's start moves in steps of this many turns (prefix-cache friendly)
+BLOCK_SHARE = 0.5  # default block size, as a share of the budget: how far the verbatim start jumps when it moves
+MIN_BLOCK = 32  # smallest block tried before a start at any turn
 MESSAGE_OVERHEAD = 6  # role markers and separators a chat template adds per message (estimated tokens)
 
 
@@ -92,46 +98,65 @@ def _retrieved_block(chosen: list[Turn]) -> str:
     return "\n".join(lines)
 
 
-def _fit_recent(recent: Sequence[Turn], room: int) -> list[Turn]:
-    """The newest turns that fit ``room``, in order, starting at an aligned turn (seq % STRIDE == 1) when
-    one lets the rest fit, else at whatever turn does."""
+def _block_starts(recent: Sequence[Turn], block: int) -> list[int]:
+    """Indices where a block starts: the first turn, then the first user turn after at least ``block``
+    estimated tokens. Counted from the first turn, so appending turns never moves an earlier boundary."""
+    starts = [0] if recent else []
+    acc = 0
+    for i, t in enumerate(recent):
+        if i and acc >= block and t.role == "user":
+            starts.append(i)
+            acc = 0
+        acc += t.tokens + MESSAGE_OVERHEAD
+    return starts
+
+
+def _fit_recent(recent: Sequence[Turn], room: int, block: int) -> list[Turn]:
+    """The newest turns that fit ``room``, in order, from the oldest block start that lets the rest fit. When
+    even the newest block is too long (a long system prompt or message leaves little room), blocks of half
+    the size, and so on down to :data:`MIN_BLOCK`; then the oldest user turn that fits, else any turn."""
     costs = [t.tokens + MESSAGE_OVERHEAD for t in recent]
     total = sum(costs)
     if total <= room:
         return list(recent)
-    suffix = total
-    first_fit = None
-    for i, t in enumerate(recent):
-        if suffix <= room:
-            if t.seq % STRIDE == 1:
+    suffix = [0] * (len(recent) + 1)
+    for i in range(len(recent) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + costs[i]
+    size = block
+    while size >= MIN_BLOCK:
+        for i in _block_starts(recent, size):
+            if suffix[i] <= room:
                 return list(recent[i:])
-            if first_fit is None:
-                first_fit = i
-        suffix -= costs[i]
-    return list(recent[first_fit:]) if first_fit is not None else []
+        size //= 2
+    fits = [i for i in range(len(recent)) if suffix[i] <= room]
+    users = [i for i in fits if recent[i].role == "user"]
+    if users or fits:
+        return list(recent[(users or fits)[0]:])
+    return []
 
 
 def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Turn], candidates: Sequence[Scored],
             new_messages: Sequence[dict[str, Any]], budget: int, top_k: int, retrieve_share: float,
-            total_turns: int) -> Composition:
+            total_turns: int, block: int | None = None) -> Composition:
     """Fit the session into ``budget`` estimated tokens (the new messages included).
 
     ``recent``: the newest unsummarised turns in seq order; ``candidates``: older turns with their
-    similarity to the new message, best first (ties broken by seq, so the result is deterministic).
+    similarity to the new message, best first (ties broken by seq, so the result is deterministic);
+    ``block``: the verbatim start's step in estimated tokens (default: :data:`BLOCK_SHARE` of the budget).
     """
     head = _head(system, summary)
     used = sum(estimate_tokens(str(m.get("content") or "")) + MESSAGE_OVERHEAD for m in new_messages)
     if head:
         used += estimate_tokens(head) + MESSAGE_OVERHEAD
     room = max(0, budget - used)
-    take = _fit_recent(recent, room)
-    # room for retrieval: the best candidates that the verbatim turns leave out, up to a share of the budget
-    kept = {t.id for t in take}
-    want = [c for c in candidates if c.turn.id not in kept][:top_k]
-    if want and top_k > 0:
-        need = sum(estimate_tokens(render_turn(c.turn)) + 1 for c in want) + estimate_tokens(_RETRIEVED_INTRO) \
-            + 24 + MESSAGE_OVERHEAD
-        take = _fit_recent(recent, room - min(need, int(room * retrieve_share)))
+    # the budget rounded down to 256 first: a request naming another max_tokens keeps the same boundaries
+    step = max(1, int(budget // 256 * 256 * BLOCK_SHARE) if block is None else block)
+    verbatim_room = room
+    if top_k > 0 and sum(t.tokens + MESSAGE_OVERHEAD for t in recent) > room:
+        # the history has outgrown the budget: keep the retrieval share whatever this request retrieves, so
+        # the verbatim start does not move with the new message's search results
+        verbatim_room = room - int(room * retrieve_share)
+    take = _fit_recent(recent, verbatim_room, step)
     spent = sum(t.tokens + MESSAGE_OVERHEAD for t in take)
     dropped = len(recent) - len(take)
     kept_ids = {t.id for t in take}
@@ -152,9 +177,9 @@ def compose(*, system: str | None, summary: Summary | None, recent: Sequence[Tur
         messages.append({"role": "system", "content": head})
     messages += [{"role": t.role, "content": t.content} for t in take]
     if chosen:  # after the verbatim turns: what changes from request to request comes last
-        block = _retrieved_block(chosen)
-        messages.append({"role": "system", "content": block})
-        spent += estimate_tokens(block) + MESSAGE_OVERHEAD
+        text = _retrieved_block(chosen)
+        messages.append({"role": "system", "content": text})
+        spent += estimate_tokens(text) + MESSAGE_OVERHEAD
     messages += [dict(m) for m in new_messages]
     return Composition(messages, summary.last_seq if summary is not None else 0, len(take), len(chosen), dropped,
                        total_turns, used + spent, head)

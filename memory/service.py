@@ -8,8 +8,10 @@ process loses no retrievability. A per-session cache keeps the vector matrix in 
 by the rows added since (turn ids only increase) and is dropped with the session.
 
 Summarisation (:meth:`MemoryService.summarise`) runs as a background task after a reply when the
-unsummarised history passes ``summarize_after_tokens``; a failure is logged and retried later
-with back-off by the sweeper; nothing waits for it.
+unsummarised history passes ``summarize_after_tokens`` *and* a composition has left turns out of the
+lane's prompt; it folds only such turns (while everything fits verbatim a summary would only lose
+detail and change the cached head). A failure is logged and retried later with back-off by the
+sweeper; nothing waits for it.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class MemoryService:
         self._locks: dict[int, asyncio.Lock] = {}
         self._summarising: set[int] = set()
         self._retry: dict[int, tuple[float, int]] = {}  # session pk -> (next attempt, failures)
+        self._left_out: dict[int, int] = {}  # session pk -> newest unsummarised seq a composition left out
         self._tasks: set[asyncio.Task[Any]] = set()
         self.summaries_written = 0
         self.summary_failures = 0
@@ -117,15 +120,17 @@ class MemoryService:
         self._cache.pop(s.pk, None)
         self._embedded_upto.pop(s.pk, None)
         self._retry.pop(s.pk, None)
+        self._left_out.pop(s.pk, None)
         return ok
 
     # ------------------------------------------------------------ loading for composition
     async def load(self, session: Session, query: str) -> Loaded:
         t0 = time.perf_counter()
         summary = await asyncio.to_thread(self.store.summary, session.pk)
-        after = summary.last_seq if summary is not None else 0
+        after = _load_from(summary.last_seq if summary is not None else 0, session.n_turns,
+                           self.cfg.recent_turns_max)
         recent = await asyncio.to_thread(self.store.turns, session.pk, after_seq=after,
-                                         newest=self.cfg.recent_turns_max)
+                                         newest=2 * self.cfg.recent_turns_max)
         candidates: list[Scored] = []
         if self.embedder is not None and self.cfg.retrieve_top_k > 0 and query.strip() and session.n_turns:
             candidates = await self._retrieve(session, query, recent)
@@ -181,6 +186,12 @@ class MemoryService:
             if len(todo) < limit:  # every turn up to `last` has its vector now: later checks start there
                 self._embedded_upto[pk] = last
             return n
+
+    def composed(self, loaded: Loaded, comp: Composition) -> None:
+        """Note what the composition sent to the lane left out: summarisation folds only such turns."""
+        if comp.dropped > 0:
+            pk = loaded.session.pk
+            self._left_out[pk] = max(self._left_out.get(pk, 0), loaded.recent[comp.dropped - 1].seq)
 
     # ------------------------------------------------------------ storing a reply
     async def remember(self, session: Session, user_messages: Sequence[dict[str, Any]], reply: str, *,
@@ -241,11 +252,14 @@ class MemoryService:
         prev = await asyncio.to_thread(self.store.summary, pk)
         after = prev.last_seq if prev is not None else 0
         n, tokens = await asyncio.to_thread(self.store.pending_tokens, pk, after)
-        if n <= cfg.summary_keep_turns or (tokens < cfg.summarize_after_tokens and not force):
+        left_out = self._left_out.get(pk, 0)
+        if n <= cfg.summary_keep_turns or (not force and (tokens < cfg.summarize_after_tokens or left_out <= after)):
             self._retry.pop(pk, None)
             return False
         pending = await asyncio.to_thread(self.store.turns, pk, after_seq=after)
         foldable = pending[:max(0, len(pending) - cfg.summary_keep_turns)]
+        if not force:  # only what the verbatim window already leaves out: the turns the lane sees stay verbatim
+            foldable = [t for t in foldable if t.seq <= left_out]
         fold: list[Turn] = []
         spent = 0
         for t in foldable:
@@ -293,6 +307,17 @@ class MemoryService:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+
+
+def _load_from(summarised: int, n_turns: int, most: int) -> int:
+    """The seq after which the recent turns are loaded: the summary's end, moved forward in steps of half of
+    ``most`` when more than ``most`` turns are unsummarised. Steps, not a sliding window: the first turn
+    loaded anchors the verbatim blocks (memory.compose), so it must stay put while the session grows."""
+    excess = n_turns - summarised - most
+    if excess <= 0:
+        return summarised
+    step = max(1, most // 2)
+    return summarised + -(-excess // step) * step
 
 
 def _text(content: Any) -> str:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from memory.compose import (
+    BLOCK_SHARE,
+    MESSAGE_OVERHEAD,
     RETRIEVED_BEGIN,
-    STRIDE,
     SUMMARY_BEGIN,
     Scored,
     compose,
@@ -50,21 +51,42 @@ def test_budget_drops_oldest_and_retrieves_relevant_older_turns() -> None:
     assert block.index("[turn 1, user] My code is 4417.") < block.index(f"[turn {old[3].seq},")  # turn order
     kept = [m["content"] for m in c.messages[1:-2]]
     assert kept == [t.content for t in rec[c.dropped:]]  # the newest turns, verbatim, in order
-    assert rec[c.dropped].seq % STRIDE == 1  # an aligned start
+    assert rec[c.dropped].role == "user"  # the verbatim part starts with a user turn
 
 
-def test_verbatim_start_moves_in_strides() -> None:
-    """As the conversation grows past the budget the first verbatim turn stays put for several turns (the
-    lane's cached prefix stays valid), then jumps by a stride."""
+def test_verbatim_start_moves_in_blocks() -> None:
+    """As the conversation grows past the budget the first verbatim turn stays put while the conversation
+    grows by a block (the lane's cached prefix stays valid), then jumps by a block: never one turn at a time."""
     starts = []
-    for n in range(30, 60):
+    for n in range(30, 90):
         c = run(recent=turns(n), budget=600, total_turns=n)
         kept = [m["content"] for m in c.messages[1:-1]]
         assert kept == [t.content for t in turns(n)[c.dropped:]]
         starts.append(c.dropped + 1)
-    assert all(s % STRIDE == 1 for s in starts)
-    changes = sum(1 for a, b in zip(starts, starts[1:], strict=False) if a != b)
-    assert 0 < changes <= len(starts) // (STRIDE // 2)
+    block = int(600 // 256 * 256 * BLOCK_SHARE)  # the default: a share of the budget rounded down to 256
+    per_turn = 20 + MESSAGE_OVERHEAD
+    assert all(s % 2 == 1 for s in starts)  # user turns
+    jumps = [b - a for a, b in zip(starts, starts[1:], strict=False) if a != b]
+    assert jumps and all(j * per_turn >= block for j in jumps), jumps
+    assert len(jumps) <= 60 * per_turn // block + 1
+
+
+def test_verbatim_start_ignores_the_retrieval_results() -> None:
+    """The verbatim part is the same whether or not this request retrieves anything: only the block after it
+    changes."""
+    rec = turns(60, start=11)
+    fact = Turn(id=1, seq=1, role="user", content="My code is 4417.", tokens=6, created=0.0, complete=True)
+    a = run(recent=rec, budget=700, total_turns=70)
+    b = run(recent=rec, candidates=[Scored(fact, 0.9)], budget=700, total_turns=70)
+    assert a.dropped == b.dropped and a.retrieved == 0 and b.retrieved == 1
+    assert b.messages[:-2] == a.messages[:-1]
+
+
+def test_short_turns_do_not_move_the_start_every_request() -> None:
+    """Many short turns (a stride counted in turns would jump every request): the start moves rarely."""
+    rec = turns(400, tokens=3)
+    starts = {run(recent=rec[:n], budget=600, total_turns=n).dropped for n in range(200, 400, 2)}
+    assert len(starts) <= 100 * 2 * (3 + MESSAGE_OVERHEAD) // int(600 // 256 * 256 * BLOCK_SHARE) + 2
 
 
 def test_a_turn_shown_verbatim_is_not_repeated() -> None:
@@ -98,3 +120,10 @@ def test_tiny_budget_keeps_only_the_new_message() -> None:
 
 def test_estimate_over_counts_english() -> None:
     assert estimate_tokens("The capital of France is Paris.") >= 7
+
+
+def test_a_long_system_prompt_still_gets_a_block_start() -> None:
+    """When the room left by the head is smaller than a block, smaller blocks are tried before any turn."""
+    rec = turns(60)
+    starts = {run(system="Rules. " * 250, recent=rec[:n], budget=900, total_turns=n).dropped for n in range(40, 60, 2)}
+    assert len(starts) <= 5  # not one move per request (sliding by a turn would give 10)
