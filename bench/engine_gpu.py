@@ -12,7 +12,10 @@ used experts is printed.
 
 It prints Strata's decode tok/s at batch 1 (128 tokens), aggregate decode tok/s at 8 and 32
 concurrent distinct sequences, prefill tok/s for 512- and 4,096-token prompts, and the HBM
-floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth).
+floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth); the
+median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
+comparison, batch 1 without graphs, per-layer events, PDL or the fused router launch, prefill
+with the matvec kernel only, and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
 llama.cpp is not measured here (see docs/gpu-runs.md).
 """
 
@@ -178,7 +181,9 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             eng.blocks.release(b)
 
-    def decode(n_seq: int, steps: int, prompt: int = 32) -> tuple[float, object]:
+    gpu_ms: dict[str, float] = {}  # median device time of a timed decode step (st_step_stats.t_total)
+
+    def decode(n_seq: int, steps: int, prompt: int = 32, tag: str = "") -> tuple[float, object]:
         tabs = [blocks(prompt + steps + 1) for _ in range(n_seq)]
         try:
             last = []
@@ -186,30 +191,40 @@ def run(args: argparse.Namespace) -> dict:
                 ids = [int(t) for t in rng.integers(0, V, size=prompt)]
                 last.append(int(np.argmax(eng.prefill(ids, tb))))
             pos = prompt
+            step_t = []
             for s in range(steps + 2):  # two warm-up steps
                 if s == 2:
                     t = time.perf_counter()
                 logits = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
                                      expert_hist=hist)
+                if s >= 2:
+                    step_t.append(eng.last_stats.t_total)
                 last = [int(x) for x in logits.argmax(axis=1)]
                 pos += 1
-            return n_seq * steps / (time.perf_counter() - t), eng.last_stats
+            rate = n_seq * steps / (time.perf_counter() - t)
+            if tag:
+                gpu_ms[tag] = 1e3 * float(np.median(step_t))
+            return rate, eng.last_stats
         finally:
             for tb in tabs:
                 eng.blocks.release(tb)
 
-    os.environ["STRATA_GPU_GEMM_MIN"] = "64"  # the tiled dp4a GEMM (opt-in: not batch invariant)
-    res["prefill_512_gemm_tok_s"] = prefill(512)
+    os.environ["STRATA_GPU_GEMM_MIN"] = "1000000"  # the matvec kernel only (the tensor-core GEMM off)
+    res["prefill_512_matvec_tok_s"] = prefill(512)
     del os.environ["STRATA_GPU_GEMM_MIN"]
-    if args.profile:  # kernel times of batch-1 decode, by CUPTI through torch's profiler
+    if args.profile:  # kernel times of decode at 1 and 32 sequences, by CUPTI through torch's profiler
         import torch.profiler as tp
 
         os.environ["STRATA_GPU_GRAPHS"] = "0"
-        decode(1, 4)
-        with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
-            decode(1, 16)
+        tables = []
+        for n_seq in (1, 32):
+            decode(n_seq, 4)
+            with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
+                decode(n_seq, 16)
+            tables.append(f"== {n_seq} sequence(s), 16 steps, graphs off\n" + prof.key_averages().table(
+                sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
         del os.environ["STRATA_GPU_GRAPHS"]
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
+        table = "\n".join(tables)
         print(table)
         if args.json:
             Path(args.json).with_suffix(".profile.txt").write_text(table)
@@ -217,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
     if not args.quick:
         res["prefill_4096_tok_s"] = prefill(4096)
     hist[:] = 0
-    res["decode_b1_tok_s"], st1 = decode(1, 128)
+    res["decode_b1_tok_s"], st1 = decode(1, 128, tag="b1")
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     top = np.sort(hist.sum(axis=0))[::-1]
     res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
@@ -226,11 +241,24 @@ def run(args: argparse.Namespace) -> dict:
     res["decode_b1_no_graphs_tok_s"], _ = decode(1, 64)
     del os.environ["STRATA_GPU_GRAPHS"]
     os.environ["STRATA_GPU_LAYER_EVENTS"] = "0"  # what the per-layer timing events cost
-    res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128)
+    res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128, tag="b1_no_events")
     del os.environ["STRATA_GPU_LAYER_EVENTS"]
-    res["decode_b8_tok_s"], _ = decode(8, 64)
-    res["decode_b32_tok_s"], st32 = decode(32, 64)
+    os.environ["STRATA_GPU_ROUTE_SPLIT"] = "1"  # router logits and routing as two launches, for comparison
+    res["decode_b1_route_split_tok_s"], _ = decode(1, 128, tag="b1_route_split")
+    del os.environ["STRATA_GPU_ROUTE_SPLIT"]
+    os.environ["STRATA_GPU_PDL"] = "0"  # without programmatic dependent launch, for comparison
+    res["decode_b1_no_pdl_tok_s"], _ = decode(1, 128, tag="b1_no_pdl")
+    del os.environ["STRATA_GPU_PDL"]
+    res["decode_b8_tok_s"], st8 = decode(8, 64, tag="b8")
+    res["decode_b8_stats_ms"] = {k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    res["decode_b32_tok_s"], st32 = decode(32, 64, tag="b32")
+    for gm in args.gemm_min.split(","):  # other GEMM thresholds (pairs per group), same results, other speed
+        os.environ["STRATA_GPU_GEMM_MIN"] = gm
+        res[f"decode_b8_gemm_min{gm}_tok_s"], _ = decode(8, 32, tag=f"b8_gemm_min{gm}")
+        res[f"decode_b32_gemm_min{gm}_tok_s"], _ = decode(32, 32, tag=f"b32_gemm_min{gm}")
+        del os.environ["STRATA_GPU_GEMM_MIN"]
     res["decode_b32_stats_ms"] = {k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    res["decode_step_gpu_ms"] = gpu_ms
     bpt = bytes_per_token(eng.model_file)
     res["bytes_per_token_mib"] = bpt / 2**20
     res["hbm_floor_tok_s"] = bw / bpt
@@ -248,19 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true", help="print the kernel times of batch-1 decode")
+    ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences")
+    ap.add_argument("--gemm-min", default="2,4,1000000",
+                    help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
     args = ap.parse_args(argv)
     res = run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
-    print(f"{'metric':<28}{'Strata GPU':>14}")
-    for k in ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "prefill_512_tok_s",
-              "prefill_512_gemm_tok_s", "prefill_4096_tok_s", "decode_b1_no_layer_events_tok_s",
-              "decode_b1_no_graphs_tok_s",
-              "hbm_floor_tok_s", "floor_share_b1", "top8_expert_share"):
-        if k in res:
-            print(f"{k:<28}{res[k]:>14.3f}")
+    print(f"{'metric':<36}{'Strata GPU':>14}")
+    for k, v in res.items():
+        if isinstance(v, float) and k not in ("file_gib", "build_s", "load_s"):
+            print(f"{k:<36}{v:>14.3f}")
     return 0
 
 

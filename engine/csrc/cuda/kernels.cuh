@@ -26,6 +26,27 @@ __device__ __forceinline__ float warp_max(float v) {
 __device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + exp_cr(-x)); }
 
+/* Programmatic dependent launch (sm_90): a kernel of the step lets the next one be scheduled
+ * at once (launch_dependents) and waits for its predecessor's completion and memory before
+ * touching anything the predecessor wrote or reads (wait). Before its wait a kernel may
+ * only read weights. Without the launch attribute (or before sm_90) both are no-ops. */
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l1(const void *p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
+#define PDL_ENTER() \
+    do {            \
+        pdl_trigger(); \
+        pdl_wait();    \
+    } while (0)
+
 /* ------------------------------------------------------------ dequantisation */
 
 /* y[n] = dequant(src); one thread per block. */
@@ -37,6 +58,7 @@ template <int T> __global__ void k_dequant(const uint8_t *src, float *y, int64_t
 /* Embedding rows: x[t, :] = dequant(table[tokens[t], :]); grid (T), block over blocks of the row. */
 template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes, const int32_t *tokens, int64_t E,
                                          float *x) {
+    PDL_ENTER();
     const int t = blockIdx.x;
     const uint8_t *row = table + (int64_t)tokens[t] * row_bytes;
     for (int64_t b = threadIdx.x; b < E / qt<T>::BE; b += blockDim.x)
@@ -45,24 +67,30 @@ template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes
 
 /* ------------------------------------------------------------ activation quantisation */
 
-/* One warp per 32-block: rows x[R, K] (row r at x + rows[r] * K when rows != NULL)
- * -> aq[R, K], ad[R, K/32], as[R, K/16]. Same arithmetic as st_quantize_act_row. */
+/* One 32-block of 8-bit activations from the warp's 32 values (lane i holds element i):
+ * q = round(v / (amax / 127)), the scale, and the two sums of 16, exactly as
+ * st_quantize_act_row. Shared by every kernel that quantises its output. */
+__device__ __forceinline__ void quant_block32(float v, int lane, int8_t *aq, float *ad, int32_t *as2) {
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = (int)roundf(v * id);
+    aq[lane] = (int8_t)q;
+    int s = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o); /* sums of 16 */
+    if (lane == 0) *ad = d, as2[0] = s;
+    if (lane == 16) as2[1] = s;
+}
+
+/* One warp per 32-block: rows x[R, K] -> aq[R, K], ad[R, K/32], as[R, K/16]. */
 __global__ void k_quant_act(const float *x, int64_t K, int64_t n_rows, int8_t *aq, float *ad, int32_t *as) {
+    PDL_ENTER();
     const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const int lane = threadIdx.x % WARP;
     const int64_t nb = K / 32;
     if (gw >= n_rows * nb) return;
     const int64_t r = gw / nb, b = gw % nb;
-    const float v = x[r * K + b * 32 + lane];
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    const int q = (int)roundf(v * id);
-    aq[r * K + b * 32 + lane] = (int8_t)q;
-    int s = q;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o); /* sums of 16 */
-    if (lane == 0) ad[r * nb + b] = d, as[r * (K / 16) + 2 * b] = s;
-    if (lane == 16) as[r * (K / 16) + 2 * b + 1] = s;
+    quant_block32(x[r * K + b * 32 + lane], lane, aq + r * K + b * 32, ad + r * nb + b, as + r * (K / 16) + 2 * b);
 }
 
 /* ------------------------------------------------------------ linear layers */
@@ -83,10 +111,22 @@ struct lin_groups {
 #define MODE_ADD 1    /* out += result (residual) */
 #define MODE_SWIGLU 2 /* out = silu(W . x) * (W2 . x) */
 
+/* Up to 3 weights of one type and row length in one launch (q, k, v): rows [seg_row[i],
+ * seg_row[i+1]) of the launch read seg_w[i] and write seg_out[i] (leading dimension
+ * seg_ldo[i]). n_seg < 2: the single weight w into out. */
+struct lin_seg {
+    int32_t n_seg;
+    int32_t seg_row[4];
+    const uint8_t *seg_w[3];
+    float *seg_out[3];
+    int64_t seg_ldo[3];
+};
+
 struct lin_args {
     const uint8_t *w, *w2;
     int64_t expert_stride, row_bytes;
     int32_t N, K;
+    lin_seg seg;
     lin_groups g;
     const int8_t *aq;
     const float *ad;
@@ -110,11 +150,29 @@ __device__ __forceinline__ bool group_of(const lin_groups &g, int gi, int &e, in
 __device__ __forceinline__ int pair_at(const lin_groups &g, int start, int i) { return g.list ? g.list[start + i] : start + i; }
 __device__ __forceinline__ int in_row(const lin_groups &g, int p) { return g.in_map ? g.in_map[p] : p; }
 
-__device__ __forceinline__ void store_out(const lin_args &a, int p, int r, float v, float v2) {
-    float *o = a.out + (int64_t)p * a.ldo + r;
+__device__ __forceinline__ void store_at(const lin_args &a, float *o, float v, float v2) {
     if (a.mode == MODE_ADD) *o += v;
     else if (a.mode == MODE_SWIGLU) *o = silu_f(v) * v2;
     else *o = v;
+}
+__device__ __forceinline__ void store_out(const lin_args &a, int p, int r, float v, float v2) {
+    float *o = a.out + (int64_t)p * a.ldo + r;
+    store_at(a, o, v, v2);
+}
+/* The weight row and output column of launch row r (segments: q, k, v in one launch). */
+__device__ __forceinline__ void seg_of(const lin_args &a, int r, const uint8_t *&w, float *&out, int64_t &ldo,
+                                       int &rr) {
+    w = a.w, out = a.out, ldo = a.ldo, rr = r;
+    if (a.seg.n_seg > 1) {
+        const int i = (r >= a.seg.seg_row[1]) + (a.seg.n_seg > 2 && r >= a.seg.seg_row[2]);
+        w = a.seg.seg_w[i], out = a.seg.seg_out[i], ldo = a.seg.seg_ldo[i], rr = r - a.seg.seg_row[i];
+    }
+}
+
+/* A sub-block's contribution ad * (A * isum + B * asum), every rounding explicit so that the
+ * matvec and the tensor-core GEMM (which must agree bitwise) compile it identically. */
+__device__ __forceinline__ float sub_val(float ad, float A, float B, int isum, int asum) {
+    return __fmul_rn(ad, __fadd_rn(__fmul_rn(A, (float)isum), __fmul_rn(B, (float)asum)));
 }
 
 __device__ __forceinline__ float sub_dot(const sub_w &s, const int8_t *aq, float ad, const int32_t *as) {
@@ -127,19 +185,33 @@ __device__ __forceinline__ float sub_dot(const sub_w &s, const int8_t *aq, float
     hi = __dp4a(s.q[5], a1.y, hi);
     hi = __dp4a(s.q[6], a1.z, hi);
     hi = __dp4a(s.q[7], a1.w, hi);
-    return ad * (s.A * (float)(s.c0 * lo + s.c1 * hi) + s.B * (float)(as[0] + as[1]));
+    return sub_val(ad, s.A, s.B, s.c0 * lo + s.c1 * hi, as[0] + as[1]);
 }
 
 /* Matvec path: one warp per weight row, NT pairs per pass, lanes over 32-sub-blocks. */
 template <int T, int NT, bool SW>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int r = blockIdx.x * LIN_WARPS + warp;
+    const int r0 = blockIdx.x * LIN_WARPS + warp;
     int e, start, count;
-    if (r >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
-    const uint8_t *wrow = a.w + e * a.expert_stride + (int64_t)r * a.row_bytes;
+    pdl_trigger();
+    if (a.g.gexp) pdl_wait(); /* routed: the expert ids come from the predecessor */
+    if (r0 >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
+    const uint8_t *w0;
+    float *out;
+    int64_t ldo;
+    int r;
+    seg_of(a, r0, w0, out, ldo, r);
+    const uint8_t *wrow = w0 + e * a.expert_stride + (int64_t)r * a.row_bytes;
     const uint8_t *wrow2 = SW ? a.w2 + e * a.expert_stride + (int64_t)r * a.row_bytes : nullptr;
     const int nsb = a.K / 32;
+    if (!a.g.gexp) { /* dense: this warp's weight rows start moving while the predecessor finishes */
+        for (int64_t off = (int64_t)lane * 128; off < a.row_bytes; off += 32 * 128) {
+            prefetch_l1(wrow + off);
+            if (SW) prefetch_l1(wrow2 + off);
+        }
+        pdl_wait();
+    }
     for (int p0 = 0; p0 < count; p0 += NT) {
         int rows[NT];
         float acc[NT], acc2[NT];
@@ -160,8 +232,8 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
                 const int8_t *q = a.aq + base + 32 * j;
                 const float d = a.ad[base / 32 + j];
                 const int32_t *sm = a.as + base / 16 + 2 * j;
-                acc[t] += sub_dot(s, q, d, sm);
-                if (SW) acc2[t] += sub_dot(s2, q, d, sm);
+                acc[t] = __fadd_rn(acc[t], sub_dot(s, q, d, sm));
+                if (SW) acc2[t] = __fadd_rn(acc2[t], sub_dot(s2, q, d, sm));
             }
         }
 #pragma unroll
@@ -172,7 +244,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
         if (lane == 0) {
 #pragma unroll
             for (int t = 0; t < NT; t++)
-                if (rows[t] >= 0) store_out(a, pair_at(a.g, start, p0 + t), r, acc[t], acc2[t]);
+                if (rows[t] >= 0) store_at(a, out + (int64_t)pair_at(a.g, start, p0 + t) * ldo + r, acc[t], acc2[t]);
         }
     }
 }
@@ -180,6 +252,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
 /* Float weights (F32/F16/BF16) against float activations: warp per row, lanes over elements. */
 template <int T, int NT, bool SW>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
+    PDL_ENTER();
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int r = blockIdx.x * LIN_WARPS + warp;
     int e, start, count;
@@ -221,8 +294,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
 /* Float weights with few rows (routers: n_expert rows): a block of LIN_WARPS warps per row,
  * the warps splitting the row, their sums added in warp order. The order depends only on
  * the weight's shape, so results stay batch invariant. */
-template <int T, int NT>
-__global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) {
+template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_args &a) {
     __shared__ float part[LIN_WARPS][NT];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int r = blockIdx.x;
@@ -258,107 +330,194 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) 
         __syncthreads();
     }
 }
+template <int T, int NT>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) {
+    PDL_ENTER();
+    f_rows_body<T, NT>(a);
+}
 
-/* Tiled matrix-matrix path for quantised weights: a block computes a tile of GM weight
- * rows x GN pairs of one group. Per 32-sub-block step, the weight sub-blocks are unpacked
- * to int8 in shared memory (with their A, B, c0, c1) and the pairs' activation blocks
- * are staged next to them; each thread then forms 4 x 4 outputs with dp4a. */
-#define GM 64
-#define GN 64
-#define GKS 4 /* sub-blocks per shared-memory stage (128 elements) */
+/* Tiled matrix-matrix path on the tensor cores, bitwise equal to the matvec kernel.
+ *
+ * A block computes MM_BM = 64 weight rows x MM_BN = 16 pairs of one group (4 warps, each 16
+ * rows x 2 n-tiles of 8). Per 32-element sub-block the integer dot products come from
+ * `mma.sync` m16n8k32 s8 x s8 -> s32 (Q6_K: two m16n8k16, its two half-scales differ),
+ * exact like dp4a; every float operation after that is the matvec's, in the matvec's order:
+ * sub-block values v_j = ad * (A * isum + B * asum) with explicit roundings, summed per
+ * residue i = j mod 32 in increasing j (a matvec lane's loop), and the 32 residue sums
+ * combined as the warp butterfly does (pairs i, i + 16 first, then + 8, + 4, + 2, + 1).
+ * The k loop walks the residues in bit-reversed order, so that tree is built left to right
+ * with five pending partial sums per output. Hence a token's result does not depend on
+ * which kernel its batch picked, and the GEMM can serve any step size. */
+#define MM_BM 64
+#define MM_BN 16
+#define MM_WP 72 /* padded row count of a staged weight word plane (conflict-free fragments) */
+#define MM_XP 24 /* padded pair count of a staged activation word plane */
+
+__device__ __forceinline__ void mma_k32(const int (&a)[4], int b0, int b1, int (&d)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%10,%11,%12,%13};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+__device__ __forceinline__ void mma_k16(int a0, int a1, int b0, int (&d)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+/* Push residue sum v (the ii-th in bit-reversed order) into the butterfly tree L[0..4];
+ * the 32nd push leaves the dot product in L[4]. Branches are uniform across the block. */
+__device__ __forceinline__ void tree_push(float (&L)[5], float v, int ii) {
+    if (!(ii & 1)) { L[0] = v; return; }
+    v = L[0] + v;
+    if (!(ii & 2)) { L[1] = v; return; }
+    v = L[1] + v;
+    if (!(ii & 4)) { L[2] = v; return; }
+    v = L[2] + v;
+    if (!(ii & 8)) { L[3] = v; return; }
+    v = L[3] + v;
+    if (!(ii & 16)) { L[4] = v; return; }
+    L[4] = L[4] + v;
+}
+
 template <int T, bool SW>
-__global__ void __launch_bounds__(256) k_linear_gemm(lin_args a) {
-    __shared__ int ws[SW ? 2 : 1][GKS][GM][9]; /* 8 ints + pad */
-    __shared__ float wA[SW ? 2 : 1][GKS][GM], wB[SW ? 2 : 1][GKS][GM];
-    __shared__ int wc[SW ? 2 : 1][GKS][GM][2];
-    __shared__ int xs[GKS][GN][9];
-    __shared__ float xd[GKS][GN];
-    __shared__ int xsum[GKS][GN];
-    __shared__ int prow[GN];
+__global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
+    PDL_ENTER();
+    constexpr int NW = SW ? 2 : 1, GK = SW ? 4 : 8; /* weights; sub-blocks per stage */
+    constexpr bool Q6 = T == STG_Q6_K;
+    __shared__ int ws[NW][GK][8][MM_WP];
+    __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
+    __shared__ int wc[Q6 ? NW : 1][GK][MM_BM][2];
+    __shared__ int xs[GK][8][MM_XP];
+    __shared__ float xd[GK][MM_BN];
+    __shared__ int xsum[GK][MM_BN];
+    __shared__ int prow[MM_BN];
     int e, start, count;
     if (!group_of(a.g, blockIdx.z, e, start, count)) return;
-    const int m0 = blockIdx.x * GM, n0 = blockIdx.y * GN;
+    const int m0 = blockIdx.x * MM_BM, n0 = blockIdx.y * MM_BN;
     if (n0 >= count) return;
-    const int tid = threadIdx.x;
-    const int tm = tid % 16, tn = tid / 16; /* thread's rows tm + 16*i, pairs tn + 16*j */
-    if (tid < GN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
-    const uint8_t *wbase = a.w + e * a.expert_stride;
-    const uint8_t *wbase2 = SW ? a.w2 + e * a.expert_stride : nullptr;
-    float acc[4][4], acc2[4][4];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
+    if (tid < MM_BN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
+    const uint8_t *wbase = a.w + e * a.expert_stride, *wbase2 = SW ? a.w2 + e * a.expert_stride : nullptr;
+    const int nsb = a.K / 32, C = (nsb + 31) / 32, nq = 32 * C;
+    float cur[NW][2][4], L[NW][2][4][5];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int w = 0; w < NW; w++)
 #pragma unroll
-        for (int j = 0; j < 4; j++) acc[i][j] = acc2[i][j] = 0.0f;
-    const int nsb = a.K / 32;
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int o = 0; o < 4; o++) {
+                cur[w][nt][o] = 0.0f;
+#pragma unroll
+                for (int l = 0; l < 5; l++) L[w][nt][o][l] = 0.0f;
+            }
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8; /* this thread's two rows in the tile */
     __syncthreads();
-    for (int j0 = 0; j0 < nsb; j0 += GKS) {
-        /* stage: GKS x GM weight sub-blocks (x2 for SWIGLU) and GKS x GN activation blocks */
-        for (int it = tid; it < GKS * GM * (SW ? 2 : 1); it += 256) {
-            const int which = it / (GKS * GM), rem = it % (GKS * GM), ks = rem / GM, m = rem % GM;
-            const int j = j0 + ks, r = m0 + m;
-            sub_w s;
-            if (j < nsb && r < a.N) {
-                unpack_sub<T>((which ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, s);
+    for (int q0 = 0; q0 < nq; q0 += GK) {
+        /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
+         * every global load of the stage is issued before the first shared-memory store */
+        constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
+        sub_w sv[WI];
+#pragma unroll
+        for (int u = 0; u < WI; u++) {
+            const int it = tid + 128 * u;
+            const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
+            const int q = q0 + kk, j = 32 * (q % C) + (int)(__brev((unsigned)(q / C)) >> 27), r = m0 + m;
+            if (q < nq && j < nsb && r < a.N) {
+                unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; i++) s.q[i] = 0;
-                s.A = s.B = 0.0f, s.c0 = s.c1 = 0;
+                for (int i = 0; i < 8; i++) sv[u].q[i] = 0;
+                sv[u].A = sv[u].B = 0.0f, sv[u].c0 = sv[u].c1 = 0;
             }
-#pragma unroll
-            for (int i = 0; i < 8; i++) ws[which][ks][m][i] = s.q[i];
-            wA[which][ks][m] = s.A, wB[which][ks][m] = s.B, wc[which][ks][m][0] = s.c0, wc[which][ks][m][1] = s.c1;
         }
-        for (int it = tid; it < GKS * GN * 8; it += 256) {
-            const int ks = it / (GN * 8), rem = it % (GN * 8), n = rem / 8, i = rem % 8;
-            const int j = j0 + ks, row = prow[n];
-            const bool ok = j < nsb && row >= 0;
-            xs[ks][n][i] = ok ? ((const int *)(a.aq + (int64_t)row * a.K + 32 * j))[i] : 0;
-            if (i == 0) {
-                xd[ks][n] = ok ? a.ad[(int64_t)row * (a.K / 32) + j] : 0.0f;
-                xsum[ks][n] = ok ? a.as[(int64_t)row * (a.K / 16) + 2 * j] + a.as[(int64_t)row * (a.K / 16) + 2 * j + 1] : 0;
+        /* activations: one (sub-block, pair) per thread, 32 bytes in two 16-byte loads */
+        int4 xa = make_int4(0, 0, 0, 0), xb = xa;
+        float xdv = 0.0f;
+        int xsv = 0;
+        const int xkk = tid / MM_BN, xn = tid % MM_BN;
+        const bool xon = xkk < GK;
+        if (xon) {
+            const int q = q0 + xkk, j = 32 * (q % C) + (int)(__brev((unsigned)(q / C)) >> 27), row = prow[xn];
+            if (q < nq && j < nsb && row >= 0) {
+                const int4 *src = (const int4 *)(a.aq + (int64_t)row * a.K + 32 * j);
+                xa = src[0], xb = src[1];
+                xdv = a.ad[(int64_t)row * nsb + j];
+                xsv = a.as[(int64_t)row * (a.K / 16) + 2 * j] + a.as[(int64_t)row * (a.K / 16) + 2 * j + 1];
             }
+        }
+#pragma unroll
+        for (int u = 0; u < WI; u++) {
+            const int it = tid + 128 * u;
+            const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
+#pragma unroll
+            for (int i = 0; i < 8; i++) ws[w][kk][i][m] = sv[u].q[i];
+            wA[w][kk][m] = sv[u].A, wB[w][kk][m] = sv[u].B;
+            if (Q6) wc[Q6 ? w : 0][kk][m][0] = sv[u].c0, wc[Q6 ? w : 0][kk][m][1] = sv[u].c1;
+        }
+        if (xon) {
+            xs[xkk][0][xn] = xa.x, xs[xkk][1][xn] = xa.y, xs[xkk][2][xn] = xa.z, xs[xkk][3][xn] = xa.w;
+            xs[xkk][4][xn] = xb.x, xs[xkk][5][xn] = xb.y, xs[xkk][6][xn] = xb.z, xs[xkk][7][xn] = xb.w;
+            xd[xkk][xn] = xdv, xsum[xkk][xn] = xsv;
         }
         __syncthreads();
+        for (int kk = 0; kk < GK; kk++) {
+            const int q = q0 + kk;
+            if (q >= nq) break;
+            const int ii = q / C, c = q % C, j = 32 * c + (int)(__brev((unsigned)ii) >> 27);
+            if (j < nsb) {
 #pragma unroll
-        for (int ks = 0; ks < GKS; ks++) {
-            int xv[4][8];
+                for (int w = 0; w < NW; w++) {
+                    const int(*W)[MM_WP] = ws[w][kk];
+                    const float Alo = wA[w][kk][r_lo], Ahi = wA[w][kk][r_hi], Blo = wB[w][kk][r_lo],
+                                Bhi = wB[w][kk][r_hi];
 #pragma unroll
-            for (int jn = 0; jn < 4; jn++)
+                    for (int nt = 0; nt < 2; nt++) {
+                        const int nb = nt * 8;
+                        int d[4];
+                        if (Q6) {
+                            int lo[4], hi[4];
+                            mma_k16(W[t4][r_lo], W[t4][r_hi], xs[kk][t4][nb + g], lo);
+                            mma_k16(W[4 + t4][r_lo], W[4 + t4][r_hi], xs[kk][4 + t4][nb + g], hi);
+                            const int *clo = wc[Q6 ? w : 0][kk][r_lo], *chi = wc[Q6 ? w : 0][kk][r_hi];
+                            d[0] = clo[0] * lo[0] + clo[1] * hi[0], d[1] = clo[0] * lo[1] + clo[1] * hi[1];
+                            d[2] = chi[0] * lo[2] + chi[1] * hi[2], d[3] = chi[0] * lo[3] + chi[1] * hi[3];
+                        } else {
+                            const int af[4] = {W[t4][r_lo], W[t4][r_hi], W[4 + t4][r_lo], W[4 + t4][r_hi]};
+                            mma_k32(af, xs[kk][t4][nb + g], xs[kk][4 + t4][nb + g], d);
+                        }
 #pragma unroll
-                for (int i = 0; i < 8; i++) xv[jn][i] = xs[ks][tn + 16 * jn][i];
-#pragma unroll
-            for (int w2i = 0; w2i < (SW ? 2 : 1); w2i++) {
-#pragma unroll
-                for (int im = 0; im < 4; im++) {
-                    const int m = tm + 16 * im;
-                    int wv[8];
-#pragma unroll
-                    for (int i = 0; i < 8; i++) wv[i] = ws[w2i][ks][m][i];
-                    const float A = wA[w2i][ks][m], B = wB[w2i][ks][m];
-                    const int c0 = wc[w2i][ks][m][0], c1 = wc[w2i][ks][m][1];
-#pragma unroll
-                    for (int jn = 0; jn < 4; jn++) {
-                        int lo = 0, hi = 0;
-#pragma unroll
-                        for (int i = 0; i < 4; i++) lo = __dp4a(wv[i], xv[jn][i], lo);
-#pragma unroll
-                        for (int i = 4; i < 8; i++) hi = __dp4a(wv[i], xv[jn][i], hi);
-                        const int n = tn + 16 * jn;
-                        const float v = xd[ks][n] * (A * (float)(c0 * lo + c1 * hi) + B * (float)xsum[ks][n]);
-                        if (w2i == 0) acc[im][jn] += v;
-                        else acc2[im][jn] += v;
+                        for (int o = 0; o < 4; o++) {
+                            const int n = nb + 2 * t4 + (o & 1);
+                            const float A = o < 2 ? Alo : Ahi, B = o < 2 ? Blo : Bhi;
+                            const float v = __fmul_rn(xd[kk][n], __fadd_rn(__fmul_rn(A, (float)d[o]),
+                                                                           __fmul_rn(B, (float)xsum[kk][n])));
+                            cur[w][nt][o] = __fadd_rn(cur[w][nt][o], v);
+                        }
                     }
                 }
+            }
+            if (c == C - 1) { /* residue complete: into the tree, and start the next */
+#pragma unroll
+                for (int w = 0; w < NW; w++)
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                        for (int o = 0; o < 4; o++) {
+                            tree_push(L[w][nt][o], cur[w][nt][o], ii);
+                            cur[w][nt][o] = 0.0f;
+                        }
             }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int im = 0; im < 4; im++)
+    for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-        for (int jn = 0; jn < 4; jn++) {
-            const int r = m0 + tm + 16 * im, n = n0 + tn + 16 * jn;
-            if (r < a.N && n < count) store_out(a, pair_at(a.g, start, n), r, acc[im][jn], acc2[im][jn]);
+        for (int o = 0; o < 4; o++) {
+            const int r = m0 + (o < 2 ? r_lo : r_hi), n = n0 + nt * 8 + 2 * t4 + (o & 1);
+            if (r < a.N && n < count)
+                store_out(a, pair_at(a.g, start, n), r, L[0][nt][o][4], SW ? L[NW - 1][nt][o][4] : 0.0f);
         }
 }
 
@@ -381,6 +540,7 @@ __device__ float ref_dot(const lin_args &a, const uint8_t *wrow, int64_t base) {
 
 template <int T>
 __global__ void k_linear_ref(lin_args a) {
+    PDL_ENTER();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     int e, start, count;
     if (r >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
@@ -395,17 +555,46 @@ __global__ void k_linear_ref(lin_args a) {
 
 /* ------------------------------------------------------------ norms, rope, KV */
 
+/* The expert sum of a token folded into the next RMSNorm (saves a launch per layer):
+ * x[r] += sum_j w_j o_j / sum_j w_j (or / 1), in double with one final rounding, as the CPU. */
+struct combine_args {
+    const float *pair_out, *w; /* NULL: nothing pending */
+    int32_t k, norm;
+};
+
+__device__ __forceinline__ float combined(const combine_args &c, float x, int64_t r, int64_t i, int64_t E) {
+    const float *wt = c.w + r * c.k;
+    double den = 0.0, num = 0.0;
+    for (int j = 0; j < c.k; j++) den += (double)wt[j];
+    if (!c.norm) den = 1.0;
+    for (int j = 0; j < c.k; j++) num += (double)wt[j] * (double)c.pair_out[(r * c.k + j) * E + i];
+    return x + (float)(num / den);
+}
+
 /* y[r] = w * (x[r] * 1/sqrt(mean(x^2) + eps)), the sum of squares in double like rmsnorm_row.
  * Rows r = rows[i] when rows != NULL (output row i). One block per row. With aq != NULL
  * (n a multiple of 32) the normalised row is also quantised to 8-bit blocks, exactly as
- * k_quant_act would (one launch instead of two). */
-__global__ void k_rmsnorm(const float *x, const int32_t *rows, const float *w, float *y, int64_t n, float eps,
-                          int8_t *aq, float *ad, int32_t *as) {
+ * k_quant_act would (one launch instead of two). With c.pair_out the pending expert sum
+ * is first added to x[r] (written back when rows == NULL; the output head's rows only
+ * read it, so a row listed twice is safe). Each thread handles elements tid + k*blockDim
+ * in every pass, so it reads back only what it wrote itself. */
+__global__ void k_rmsnorm(float *x, const int32_t *rows, const float *w, float *y, int64_t n, float eps,
+                          int8_t *aq, float *ad, int32_t *as, combine_args c) {
+    PDL_ENTER();
     __shared__ double red[32];
     const int64_t r = rows ? rows[blockIdx.x] : blockIdx.x;
-    const float *xr = x + r * n;
+    float *xr = x + r * n;
+    float *yr = y + (int64_t)blockIdx.x * n;
     double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = xr[i];
+        if (c.pair_out) {
+            v = combined(c, v, r, i, n);
+            if (!rows) xr[i] = v;
+        }
+        yr[i] = v;
+        ss += (double)v * (double)v;
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
@@ -417,30 +606,21 @@ __global__ void k_rmsnorm(const float *x, const int32_t *rows, const float *w, f
     }
     __syncthreads();
     const float scale = (float)(1.0 / sqrt(red[0] / (double)n + (double)eps));
-    float *yr = y + (int64_t)blockIdx.x * n;
     if (!aq) {
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(xr[i], scale));
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
         return;
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
     const int64_t nb = n / 32, row = blockIdx.x;
     for (int64_t b = warp; b < nb; b += nw) {
-        const int64_t i = 32 * b + lane;
-        const float v = __fmul_rn(w[i], __fmul_rn(xr[i], scale));
+        const int64_t i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
+        const float v = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
         yr[i] = v;
-        const float amax = warp_max(fabsf(v));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const int q = (int)roundf(v * id);
-        aq[row * n + i] = (int8_t)q;
-        int sm = q;
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) sm += __shfl_xor_sync(0xffffffffu, sm, o);
-        if (lane == 0) ad[row * nb + b] = d, as[row * (n / 16) + 2 * b] = sm;
-        if (lane == 16) as[row * (n / 16) + 2 * b + 1] = sm;
+        quant_block32(v, lane, aq + row * n + 32 * b, ad + row * nb + b, as + row * (n / 16) + 2 * b);
     }
 }
 
-/* Per-head RMSNorm over hd elements of a row, in place (q/k norms). One warp per head. */
+/* Per-head RMSNorm over hd elements held in shared memory, in place (q/k norms). One warp. */
 __device__ void head_rmsnorm(float *v, const float *w, int hd, float eps, int lane) {
     double ss = 0.0;
     for (int i = lane; i < hd; i += 32) ss += (double)v[i] * (double)v[i];
@@ -468,34 +648,45 @@ struct qkv_args {
     __half *kc, *vc; /* this layer's K / V arena */
 };
 
-/* One block per token: biases, q/k norms, RoPE, q scaling, K/V written to the cache. */
-__global__ void k_qkv_post(qkv_args a) {
-    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-    const int qd = a.n_head * a.hd, kd = a.n_kv * a.hd;
-    float *q = a.q + (int64_t)t * qd, *k = a.k + (int64_t)t * kd, *v = a.v + (int64_t)t * kd;
-    if (a.bq) for (int i = threadIdx.x; i < qd; i += blockDim.x) q[i] += a.bq[i];
-    if (a.bk) for (int i = threadIdx.x; i < kd; i += blockDim.x) k[i] += a.bk[i];
-    if (a.bv) for (int i = threadIdx.x; i < kd; i += blockDim.x) v[i] += a.bv[i];
-    __syncthreads();
+/* Biases, q/k norms, RoPE, q scaling, K/V written to the cache: one warp per head of one
+ * token (q heads, then k heads, then v heads), QKV_WARPS heads per block, grid (T, heads
+ * / QKV_WARPS). The head is staged in shared memory so the norm and the rotation (whose
+ * pairs cross lanes) never go back to global memory in between. */
+#define QKV_WARPS 4
+__global__ void __launch_bounds__(QKV_WARPS * 32) k_qkv_post(qkv_args a) {
+    PDL_ENTER();
+    __shared__ float hs[QKV_WARPS][256];
+    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int h = blockIdx.y * QKV_WARPS + warp;
+    if (h >= a.n_head + 2 * a.n_kv) return;
+    const int qd = a.n_head * a.hd, kd = a.n_kv * a.hd, hd = a.hd;
+    const int kind = h < a.n_head ? 0 : h < a.n_head + a.n_kv ? 1 : 2; /* q, k, v */
+    const int hh = kind == 0 ? h : kind == 1 ? h - a.n_head : h - a.n_head - a.n_kv;
+    float *src = kind == 0 ? a.q + (int64_t)t * qd : kind == 1 ? a.k + (int64_t)t * kd : a.v + (int64_t)t * kd;
+    src += hh * hd;
+    const float *bias = kind == 0 ? a.bq : kind == 1 ? a.bk : a.bv;
+    float *v = hs[warp];
+    for (int i = lane; i < hd; i += 32) v[i] = bias ? src[i] + bias[hh * hd + i] : src[i];
+    __syncwarp();
     const int32_t p = a.pos[t];
-    for (int h = warp; h < a.n_head + a.n_kv; h += nw) {
-        const bool isq = h < a.n_head;
-        float *hv = isq ? q + h * a.hd : k + (h - a.n_head) * a.hd;
-        if (a.q_norm) head_rmsnorm(hv, isq ? a.q_norm : a.k_norm, a.hd, a.eps, lane);
+    if (kind < 2) {
+        if (a.q_norm) head_rmsnorm(v, kind == 0 ? a.q_norm : a.k_norm, hd, a.eps, lane);
         for (int i = lane; i < a.rope_dim / 2; i += 32) {
             const float theta = __fmul_rn((float)p, a.inv_freq[i]);
-            rope_pair(hv, i, a.rope_dim, a.rope_type, (float)cos((double)theta), (float)sin((double)theta));
+            rope_pair(v, i, a.rope_dim, a.rope_type, (float)cos((double)theta), (float)sin((double)theta));
         }
         __syncwarp();
-        if (isq)
-            for (int i = lane; i < a.hd; i += 32) hv[i] = __fmul_rn(hv[i], a.scale);
     }
-    __syncthreads();
+    if (kind == 0) {
+        for (int i = lane; i < hd; i += 32) src[i] = __fmul_rn(v[i], a.scale);
+        return;
+    }
     const int32_t blk = a.block_tables[(int64_t)a.seq[t] * a.max_blocks + p / a.block_size], slot = p % a.block_size;
     const int64_t kbase = (int64_t)blk * kd * a.block_size;
-    for (int i = threadIdx.x; i < kd; i += blockDim.x) {
-        a.kc[kbase + (int64_t)i * a.block_size + slot] = __float2half_rn(k[i]);
-        a.vc[kbase + (int64_t)slot * kd + i] = __float2half_rn(v[i]);
+    for (int i = lane; i < hd; i += 32) {
+        const int c = hh * hd + i;
+        if (kind == 1) a.kc[kbase + (int64_t)c * a.block_size + slot] = __float2half_rn(v[i]);
+        else a.vc[kbase + (int64_t)slot * kd + c] = __float2half_rn(v[i]);
     }
 }
 
@@ -507,80 +698,126 @@ struct attn_args {
     const __half *kc, *vc;
     const int32_t *pos, *seq, *block_tables;
     int32_t max_blocks, n_head, n_kv, hd, block_size;
+    int32_t stages;                 /* 2: the next chunk's copies fly while this one is used */
+    int8_t *aq;                     /* non-NULL: also quantise the output rows (hd % 32 == 0) */
+    float *ad;
+    int32_t *as;
 };
 
-/* Flash-decoding style: one block per (token, head); its ATT_WARPS warps take interleaved
- * passes of 32 keys each with an online softmax (lane = key for the scores: K is
- * slot-contiguous, so one dimension of 32 keys is one coalesced read; lane = dimension for
- * the values), and the warps' partial (max, sum, output) are merged at the end. */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Paged attention, flash-decoding style: one block per (token, head); its ATT_WARPS warps
+ * take interleaved chunks of ATT_CK = 16 keys (a chunk never crosses a KV block: block sizes
+ * are multiples of 16). A warp copies its chunk's K [hd][16] and V [16][hd] into its own
+ * shared memory with 16-byte asynchronous copies (every load of the chunk in flight at
+ * once, the next chunk's while this one is used when `stages` is 2), then: scores with lane
+ * = key (two lanes per key, even / odd dimensions, added in a fixed order), an online
+ * softmax, values with lane = dimension. The warps' partial (max, sum, output) are merged
+ * at the end; with aq the output is quantised to 8-bit blocks in the same pass (bitwise
+ * k_quant_act). Dynamic shared memory: ATT_WARPS * stages * 2 * 16 * hd halves. */
 #define ATT_WARPS 4
+#define ATT_CK 16
+static inline size_t att_smem_bytes(int hd, int stages) {
+    return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
+}
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
+    PDL_ENTER();
+    extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ float qs[256];
     __shared__ float part[ATT_WARPS][256 + 2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x, h = blockIdx.y;
-    const int hd = a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv);
+    const int hd = a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv), bs = a.block_size;
+    const int S = a.stages;
+    __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
     const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
-    __syncthreads();
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
-    const int32_t n_keys = a.pos[t] + 1;
+    const int32_t n_keys = a.pos[t] + 1, n_chunks = (n_keys + ATT_CK - 1) / ATT_CK;
+    __syncthreads();
+    /* copies of chunk ci (block blk) into stage st */
+    auto issue = [&](int ci, int st, int32_t blk) {
+        const int slot0 = (ci * ATT_CK) % bs;
+        __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;
+        const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * hd) * bs + slot0;
+        const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * hd;
+        const int vp = hd / 8; /* 16-byte pieces per V row */
+        for (int it = lane; it < 2 * hd; it += 32) {
+            const int d = it >> 1, pc = it & 1;
+            cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
+            const int jj = it / vp, pv = it % vp;
+            cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+        }
+        cp_async_commit();
+    };
     float m = -INFINITY, l = 0.0f, acc[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) acc[i] = 0.0f;
-    for (int32_t j0 = 32 * warp; j0 < n_keys; j0 += 32 * ATT_WARPS) {
-        const int32_t j = j0 + lane;
-        const bool ok = j < n_keys;
-        int64_t voff = 0;
-        float s = -INFINITY;
-        if (ok) {
-            const int64_t blk = bt[j / a.block_size];
-            const int slot = j % a.block_size;
-            const int64_t koff = (blk * kd + (int64_t)kvh * hd) * a.block_size + slot;
-            voff = (blk * a.block_size + slot) * kd + (int64_t)kvh * hd;
-            const __half *kp = a.kc + koff;
-            float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
-            for (int c = 0; c < hd; c += 16) { /* 16 loads issued before the first use */
-                float kf[16];
-#pragma unroll
-                for (int u = 0; u < 16; u++) kf[u] = __half2float(kp[(int64_t)(c + u) * a.block_size]);
-#pragma unroll
-                for (int u = 0; u < 16; u += 4) {
-                    d0 = fmaf(qs[c + u], kf[u], d0);
-                    d1 = fmaf(qs[c + u + 1], kf[u + 1], d1);
-                    d2 = fmaf(qs[c + u + 2], kf[u + 2], d2);
-                    d3 = fmaf(qs[c + u + 3], kf[u + 3], d3);
-                }
+    int ci = warp;
+    int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
+    if (S == 2 && ci < n_chunks) {
+        issue(ci, 0, blk_next);
+        const int cn = ci + ATT_WARPS;
+        blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
+    }
+    const int key = lane & 15, half = lane >> 4;
+    for (int it = 0; ci < n_chunks; it++, ci += ATT_WARPS) {
+        int st = 0;
+        if (S == 1) {
+            issue(ci, 0, blk_next);
+            const int cn = ci + ATT_WARPS;
+            blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0; /* in flight during this chunk */
+            cp_async_wait<0>();
+        } else {
+            st = it & 1;
+            const int cn = ci + ATT_WARPS;
+            if (cn < n_chunks) {
+                issue(cn, st ^ 1, blk_next);
+                const int cnn = cn + ATT_WARPS;
+                blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
             }
-            s = (d0 + d1) + (d2 + d3);
         }
+        __syncwarp();
+        const __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;
+        const int nk = n_keys - ci * ATT_CK < ATT_CK ? n_keys - ci * ATT_CK : ATT_CK;
+        float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
+        for (int d = half; d < hd; d += 8) {
+            d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
+            d1 = fmaf(qs[d + 2], __half2float(ks[(d + 2) * ATT_CK + key]), d1);
+            d2 = fmaf(qs[d + 4], __half2float(ks[(d + 4) * ATT_CK + key]), d2);
+            d3 = fmaf(qs[d + 6], __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+        }
+        float sv = (d0 + d1) + (d2 + d3);
+        const float so = __shfl_xor_sync(0xffffffffu, sv, 16);
+        sv = half ? so + sv : sv + so; /* the even half first on both lanes */
+        const bool ok = key < nk;
+        const float s = ok ? sv : -INFINITY;
         const float mn = fmaxf(m, warp_max(s));
-        const float corr = expf(m - mn); /* 0 on the warp's first pass (m = -inf) */
+        const float corr = expf(m - mn); /* 0 on the warp's first chunk (m = -inf) */
         const float pj = ok ? expf(s - mn) : 0.0f;
-        l = l * corr + warp_sum(pj);
+        l = l * corr + warp_sum(half ? 0.0f : pj);
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
-        const int nk = n_keys - j0 < 32 ? n_keys - j0 : 32;
-        for (int jj0 = 0; jj0 < nk; jj0 += 4) { /* 4 keys' values loaded before use */
-            float pb[4], vv[4][8];
+        for (int jj = 0; jj < nk; jj++) {
+            const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int jj = jj0 + u < nk ? jj0 + u : nk - 1; /* past the end: weight 0 below */
-                pb[u] = __shfl_sync(0xffffffffu, pj, jj);
-                if (jj0 + u >= nk) pb[u] = 0.0f;
-                const __half *vp = a.vc + __shfl_sync(0xffffffffu, voff, jj);
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const int d = lane + 32 * i;
-                    vv[u][i] = d < hd ? __half2float(vp[d]) : 0.0f;
-                }
+            for (int i = 0; i < 8; i++) {
+                const int d = lane + 32 * i;
+                if (d < hd) acc[i] = fmaf(pb, __half2float(vs[jj * hd + d]), acc[i]);
             }
-#pragma unroll
-            for (int u = 0; u < 4; u++)
-#pragma unroll
-                for (int i = 0; i < 8; i++) acc[i] = fmaf(pb[u], vv[u][i], acc[i]);
         }
         m = mn;
+        __syncwarp(); /* the stage is refilled two chunks later */
     }
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -596,11 +833,17 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         sc[wi] = part[wi][257] > 0.0f ? expf(part[wi][256] - M) : 0.0f; /* a warp with no keys adds nothing */
         L += part[wi][257] * sc[wi];
     }
-    float *o = a.out + (int64_t)t * a.n_head * hd + h * hd;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    const int64_t row0 = (int64_t)t * a.n_head * hd + h * hd;
+    float *o = a.out + row0;
+    for (int d0 = warp * 32; d0 < hd; d0 += ATT_WARPS * 32) { /* a warp per 32 dimensions */
+        const int d = d0 + lane;
         float v = 0.0f;
-        for (int wi = 0; wi < ATT_WARPS; wi++) v += part[wi][d] * sc[wi];
-        o[d] = v / L;
+        if (d < hd) {
+            for (int wi = 0; wi < ATT_WARPS; wi++) v += part[wi][d] * sc[wi];
+            v = v / L;
+            o[d] = v;
+        }
+        if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
     }
 }
 
@@ -639,15 +882,8 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
 
 /* One warp per token: softmax over the experts (the sum taken in expert order by one lane,
  * as the CPU does), then top-k by warp argmax (highest probability, lowest index on ties:
- * the CPU's rule). Shared memory: ne floats per warp. */
-#define ROUTER_WARPS 4
-__global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, int32_t *ids, float *w) {
-    extern __shared__ float rs[];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x * ROUTER_WARPS + warp;
-    if (t >= T) return;
-    const float *r = logits + (int64_t)t * ne;
-    float *p = rs + warp * ne;
+ * the CPU's rule). p: ne floats of shared memory for this warp. */
+__device__ void route_token(const float *r, float *p, int32_t ne, int32_t k, int lane, int32_t *ids, float *w) {
     float mx = -INFINITY;
     for (int e = lane; e < ne; e += 32) mx = fmaxf(mx, r[e]);
     mx = warp_max(mx);
@@ -671,20 +907,30 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
             if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
         }
         if (lane == 0) {
-            ids[(int64_t)t * k + j] = bi;
-            w[(int64_t)t * k + j] = bv;
+            ids[j] = bi;
+            w[j] = bv;
             p[bi] = -2.0f; /* taken */
         }
         __syncwarp();
     }
 }
 
-/* Group the T*k (token, slot) pairs by expert, on the device (one block): per-expert
- * counts, the compact list of active experts (ascending), pairs listed per expert, each
- * pair's token, and the step's per-layer histogram. */
-__global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp, int32_t *gstart,
-                        int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist) {
-    extern __shared__ int32_t sh[]; /* cnt[ne], fill[ne] */
+#define ROUTER_WARPS 4
+__global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, int32_t *ids, float *w) {
+    PDL_ENTER();
+    extern __shared__ float rs[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = blockIdx.x * ROUTER_WARPS + warp;
+    if (t >= T) return;
+    route_token(logits + (int64_t)t * ne, rs + warp * ne, ne, k, lane, ids + (int64_t)t * k, w + (int64_t)t * k);
+}
+
+/* Group the T*k (token, slot) pairs by expert (one block): per-expert counts, the compact
+ * list of active experts (ascending), pairs listed per expert, each pair's token, and the
+ * step's per-layer histogram. sh: 2 * ne ints of shared memory. */
+__device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp,
+                            int32_t *gstart, int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok,
+                            int32_t *hist, int32_t *sh) {
     int32_t *cnt = sh, *fill = sh + ne;
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -693,14 +939,26 @@ __global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t 
         pair_tok[p] = p / k;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int32_t s = 0, g = 0;
-        for (int e = 0; e < ne; e++) {
-            fill[e] = s;
-            if (cnt[e]) gexp[g] = e, gstart[g] = s, gcount[g] = cnt[e], g++;
-            s += cnt[e];
+    if (threadIdx.x < 32) { /* exclusive scan of the counts by one warp, experts in order */
+        const int lane = threadIdx.x;
+        int32_t base = 0, g = 0;
+        for (int e0 = 0; e0 < ne; e0 += 32) {
+            const int e = e0 + lane;
+            const int32_t c = e < ne ? cnt[e] : 0;
+            int32_t incl = c, act = c > 0;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int32_t u = __shfl_up_sync(0xffffffffu, incl, o), ua = __shfl_up_sync(0xffffffffu, act, o);
+                if (lane >= o) incl += u, act += ua;
+            }
+            if (e < ne) {
+                fill[e] = base + incl - c;
+                if (c) gexp[g + act - 1] = e, gstart[g + act - 1] = base + incl - c, gcount[g + act - 1] = c;
+            }
+            base += __shfl_sync(0xffffffffu, incl, 31);
+            g += __shfl_sync(0xffffffffu, act, 31);
         }
-        *n_groups = g;
+        if (lane == 0) *n_groups = g;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < ne; e += blockDim.x) hist[e] += cnt[e];
@@ -709,21 +967,79 @@ __global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t 
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) list[atomicAdd(&fill[ids[p]], 1)] = p;
 }
 
-/* x[t] += sum_j w_j o_j / sum_j w_j (or / 1), in double with one final rounding, as the CPU. */
+__global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp, int32_t *gstart,
+                        int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist) {
+    PDL_ENTER();
+    extern __shared__ int32_t gsh[];
+    group_pairs(ids, n_pairs, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gsh);
+}
+
+/* Router and grouping in one launch for small steps (one block of ROUTE_WARPS warps,
+ * tokens spread over the warps): one launch and one dependency fewer per layer.
+ * Shared memory: ROUTE_WARPS * ne floats + 2 * ne ints. */
+#define ROUTE_WARPS 32
+__global__ void __launch_bounds__(ROUTE_WARPS * 32) k_route(const float *logits, int32_t T, int32_t ne, int32_t k,
+                                                            int32_t *ids, float *w, int32_t *gexp, int32_t *gstart,
+                                                            int32_t *gcount, int32_t *n_groups, int32_t *list,
+                                                            int32_t *pair_tok, int32_t *hist) {
+    PDL_ENTER();
+    extern __shared__ float rsh[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int t = warp; t < T; t += ROUTE_WARPS)
+        route_token(logits + (int64_t)t * ne, rsh + warp * ne, ne, k, lane, ids + (int64_t)t * k, w + (int64_t)t * k);
+    __syncthreads(); /* ids written above are read below by other threads of the block */
+    group_pairs(ids, T * k, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist,
+                (int32_t *)(rsh + ROUTE_WARPS * ne));
+}
+
+/* Router logits, softmax/top-k and grouping in one launch for steps of at most 8 tokens:
+ * block b computes router row b for every token exactly as k_linear_f_rows does, then the
+ * last block to finish (a device counter, reset by that block) reads every logit back
+ * past L1 and routes and groups as k_route. Saves a kernel boundary per layer at decode.
+ * Shared memory: LIN_WARPS * ne floats + 2 * ne ints + 8 * ne floats of logits. */
+struct route_args {
+    int32_t *counter;
+    int32_t T, ne, k;
+    int32_t *ids, *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist;
+    float *w;
+};
+template <int T, int NT>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
+    PDL_ENTER();
+    extern __shared__ float rrs[];
+    __shared__ int last;
+    f_rows_body<T, NT>(a);
+    __threadfence(); /* this block's logits visible before it is counted */
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(r.counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *lg = rrs + LIN_WARPS * r.ne + 2 * r.ne; /* [T][ne] logits, read past L1 */
+    for (int i = threadIdx.x; i < r.T * r.ne; i += blockDim.x) lg[i] = __ldcg(a.out + i);
+    __syncthreads();
+    for (int t = warp; t < r.T; t += LIN_WARPS)
+        route_token(lg + (int64_t)t * r.ne, rrs + warp * r.ne, r.ne, r.k, lane, r.ids + (int64_t)t * r.k,
+                    r.w + (int64_t)t * r.k);
+    __syncthreads();
+    group_pairs(r.ids, r.T * r.k, r.k, r.ne, r.gexp, r.gstart, r.gcount, r.n_groups, r.list, r.pair_tok, r.hist,
+                (int32_t *)(rrs + LIN_WARPS * r.ne));
+    if (threadIdx.x == 0) *r.counter = 0; /* every block has counted: ready for the next layer */
+}
+
+/* x[t] += the expert sum (see combined()), when it cannot wait for the next norm. */
 __global__ void k_combine(float *x, const float *pair_out, const float *w, int32_t T, int32_t k, int64_t E, int norm) {
+    PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)T * E) return;
-    const int64_t t = i / E, c = i % E;
-    const float *wt = w + t * k;
-    double den = 0.0, num = 0.0;
-    for (int j = 0; j < k; j++) den += (double)wt[j];
-    if (!norm) den = 1.0;
-    for (int j = 0; j < k; j++) num += (double)wt[j] * (double)pair_out[(t * k + j) * E + c];
-    x[i] += (float)(num / den);
+    const combine_args c{pair_out, w, k, norm};
+    x[i] = combined(c, x[i], i / E, i % E, E);
 }
 
 /* Shared-expert gate: g[t] = sigmoid(w . xn[t]) (1 without a gate tensor). Warp per token. */
 __global__ void k_shexp_gate(const float *xn, const float *w, int32_t T, int64_t E, float *g) {
+    PDL_ENTER();
     const int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (t >= T) return;
     float acc = 0.0f;
@@ -735,12 +1051,14 @@ __global__ void k_shexp_gate(const float *xn, const float *w, int32_t T, int64_t
 
 /* x[t, i] += g[t] * y[t, i] (g NULL: x += y) */
 __global__ void k_add_scaled(float *x, const float *y, const float *g, int32_t T, int64_t E) {
+    PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (int64_t)T * E) x[i] += g ? g[i / E] * y[i] : y[i];
 }
 
 /* h = silu(g) * h */
 __global__ void k_silu_mul(float *h, const float *g, int64_t n) {
+    PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) h[i] = silu_f(g[i]) * h[i];
 }

@@ -147,12 +147,29 @@ template <> __device__ __forceinline__ void unpack_sub<STG_Q8_0>(const uint8_t *
 #pragma unroll
     for (int i = 0; i < 8; i++) s.q[i] = (int)ld_u32_2a(b + 2 + 4 * i);
 }
+/* Scale and min j of a K-quant block from its 12 packed bytes held in 3 words (no byte loads). */
+__device__ __forceinline__ void scale_min_k4_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, int &d, int &m) {
+    const uint32_t q[3] = {s0, s1, s2};
+    auto byte = [&](int i) -> int { return (int)((q[i >> 2] >> (8 * (i & 3))) & 0xFFu); };
+    if (j < 4) {
+        d = byte(j) & 63;
+        m = byte(j + 4) & 63;
+    } else {
+        d = (byte(j + 4) & 0xF) | ((byte(j - 4) >> 6) << 4);
+        m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
+    }
+}
 template <> __device__ __forceinline__ void unpack_sub<STG_Q4_K>(const uint8_t *row, int j, sub_w &s) {
     const uint8_t *b = row + (int64_t)(j >> 3) * 144;
     const int sb = j & 7;
+    /* d, dmin and the 12 scale bytes in one load: blocks are 16-byte aligned (144 = 9 x 16,
+     * rows a whole number of blocks, tensors 256-byte aligned in the arena) */
+    const uint4 hd = *(const uint4 *)b;
     int sc, m;
-    scale_min_k4(sb, b + 4, sc, m);
-    s.A = ld_f16(b) * (float)sc, s.B = -(ld_f16(b + 2) * (float)m), s.c0 = s.c1 = 1;
+    scale_min_k4_w(sb, hd.y, hd.z, hd.w, sc, m);
+    const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xFFFFu)));
+    const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
+    s.A = d * (float)sc, s.B = -(dmin * (float)m), s.c0 = s.c1 = 1;
     const uint4 *qp = (const uint4 *)(b + 16 + 32 * (sb >> 1));
     const uint4 v0 = qp[0], v1 = qp[1];
     const uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};

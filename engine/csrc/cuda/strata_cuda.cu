@@ -94,6 +94,8 @@ extern "C" stg_status stg_device_info(int32_t device, char *name, int32_t name_l
 
 /* ------------------------------------------------------------------ model */
 
+static stg_status attention_setup(void);
+
 struct dtensor {
     const uint8_t *d = nullptr; /* device bytes; NULL = absent */
     int type = 0;
@@ -122,12 +124,14 @@ struct scratch {
 struct graph_entry {
     const stg_kv *kv;
     int32_t T, NL, mb, n_seq_rows;
-    bool layer_events;
+    bool layer_events, pdl, route_split;
+    int32_t gemm_min;
     cudaGraphExec_t exec;
 };
 
 struct stg_model {
     int device;
+    int cc_major = 0;
     st_model_desc d;
     std::vector<dlayer> L;
     dtensor token_embd, output_norm, output;
@@ -136,6 +140,7 @@ struct stg_model {
     int64_t arena_bytes = 0;
     float *inv_freq = nullptr;
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
+    int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
     cudaStream_t stream = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
@@ -143,6 +148,7 @@ struct stg_model {
     std::vector<graph_entry> graphs;
     int32_t graph_failures = 0;
     char graph_note[256] = "";
+    combine_args pending = {}; /* an expert sum not yet added to the residual (see take_combine) */
 };
 
 static void drop_graphs(stg_model *m) {
@@ -344,6 +350,7 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_mo
     CU(cudaSetDevice(device), "model_create");
     stg_model *m = new stg_model();
     m->device = device;
+    cudaDeviceGetAttribute(&m->cc_major, cudaDevAttrComputeCapabilityMajor, device);
     m->d = *desc;
     m->d.layers = nullptr;
     m->q_dim = desc->n_head * desc->head_dim;
@@ -361,7 +368,11 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_mo
             rc = fail(ST_EINVAL, "model_create: cannot upload rope frequencies");
         const size_t nh = (size_t)m->d.n_layer * (size_t)std::max(1, m->d.n_expert);
         if (rc == ST_OK) rc = dalloc(m, &m->hist, nh * sizeof(int32_t));
+        if (rc == ST_OK) rc = dalloc(m, &m->route_counter, sizeof(int32_t));
+        if (rc == ST_OK && cudaMemset(m->route_counter, 0, sizeof(int32_t)) != cudaSuccess)
+            rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
     }
+    if (rc == ST_OK) rc = attention_setup();
     if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
         rc = fail(ST_EINVAL, "model_create: cannot create a CUDA stream");
     if (rc == ST_OK) {
@@ -436,6 +447,22 @@ extern "C" int64_t stg_kv_bytes(const stg_kv *kv) {
 
 /* ------------------------------------------------------------------ launches */
 
+/* Kernels of a step are launched with programmatic dependent launch where the device has
+ * it (sm_90; g_pdl set per step, STRATA_GPU_PDL=0 turns it off): each may be scheduled
+ * while its predecessor finishes, prefetching weights, and waits (griddepcontrol.wait)
+ * before touching activations. Errors surface through cudaGetLastError (LAUNCHED). */
+static thread_local bool g_pdl = false;
+template <typename... KArgs, typename... Args>
+static void launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at, cfg.numAttrs = g_pdl ? 1 : 0;
+    (void)cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+}
+
 struct acts_d {
     const int8_t *q;
     const float *d;
@@ -443,22 +470,38 @@ struct acts_d {
     const float *x;
 };
 
-/* Pairs per group from which the tiled GEMM replaces the matvec kernel: off unless
- * STRATA_GPU_GEMM_MIN is set. The GEMM sums a dot product's sub-blocks in another order
- * than the matvec kernel, so with it a sequence's logits would depend on what else is in
- * its batch (which kernel its group got); the matvec kernel's order depends on nothing
- * but the row, which keeps steps batch invariant, as on the CPU. */
-static int gemm_min_pairs() {
+/* Pairs per group (expected) from which the tensor-core GEMM replaces the matvec kernel
+ * (STRATA_GPU_GEMM_MIN overrides; 0 or less: always). Both kernels produce bitwise the same
+ * results (k_linear_gemm keeps the matvec's summation order), so the choice changes speed
+ * only: a sequence's logits do not depend on what else is in its batch either way. */
+/* STRATA_GPU_ROUTE_SPLIT=1: router logits and routing as separate launches (comparison). */
+static bool route_split() {
+    const char *e = getenv("STRATA_GPU_ROUTE_SPLIT");
+    return e && e[0] == '1';
+}
+
+static thread_local int g_gemm_min = 2; /* read per step (stg_forward); graphs are keyed by it */
+static int gemm_min_env() {
     const char *e = getenv("STRATA_GPU_GEMM_MIN");
-    const int v = e ? atoi(e) : INT32_MAX;
+    const int v = e && e[0] ? atoi(e) : 2;
     return v < 1 ? 1 : v;
+}
+static int gemm_min_pairs() { return g_gemm_min; }
+
+/* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
+ * from gemm_min pairs per group, and only with enough tiles to fill the GPU (a dense q or
+ * o projection at 8-32 tokens has 64-128 tiles of 64 rows, each a serial pass over K: the
+ * matvec's thousands of warps finish first there). Same results either way. */
+static bool use_gemm(int64_t N, int groups, int expected) {
+    const int64_t tiles = (N + MM_BM - 1) / MM_BM * groups * ((expected + MM_BN - 1) / MM_BN);
+    return expected >= gemm_min_pairs() && tiles >= 256;
 }
 
 /* Quantise rows x[R, K] into (q, d, s). */
 static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K, int8_t *q, float *d, int32_t *s) {
     const int64_t warps = R * (K / 32);
     if (warps == 0) return ST_OK;
-    k_quant_act<<<(unsigned)((warps * 32 + 255) / 256), 256, 0, st>>>(x, K, R, q, d, s);
+    launch_k(k_quant_act, (unsigned)((warps * 32 + 255) / 256), 256, 0, st, x, K, R, q, d, s);
     LAUNCHED("quantize activations");
     return ST_OK;
 }
@@ -466,36 +509,37 @@ static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K
 template <int T, bool SW> static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count,
                                                cudaStream_t st) {
     if (path == STG_PATH_REF) {
-        k_linear_ref<T><<<dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st>>>(a);
+        launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
     } else if (path == STG_PATH_GEMM) {
-        k_linear_gemm<T, SW><<<dim3((unsigned)((a.N + GM - 1) / GM), (unsigned)((max_count + GN - 1) / GN),
-                                    (unsigned)max_groups), 256, 0, st>>>(a);
+        launch_k(k_linear_gemm<T, SW>, dim3((unsigned)((a.N + MM_BM - 1) / MM_BM),
+                                            (unsigned)((max_count + MM_BN - 1) / MM_BN), (unsigned)max_groups),
+                 128, 0, st, a);
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
-        if (nt >= 8) k_linear_q<T, 8, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-        else if (nt >= 4) k_linear_q<T, 4, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-        else if (nt >= 2) k_linear_q<T, 2, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-        else k_linear_q<T, 1, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
+        else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
+        else if (nt >= 2) launch_k(k_linear_q<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);
+        else launch_k(k_linear_q<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
     }
 }
 template <int T, bool SW> static void launch_f(const lin_args &a, int path, int nt, int max_groups, cudaStream_t st) {
     if (path == STG_PATH_REF) {
-        k_linear_ref<T><<<dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st>>>(a);
+        launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
         return;
     }
     if (!SW && a.N <= 1024) { /* few rows (a router): a block per row keeps the GPU busy */
         const dim3 grid((unsigned)a.N, (unsigned)max_groups);
-        if (nt >= 8) k_linear_f_rows<T, 8><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-        else if (nt >= 4) k_linear_f_rows<T, 4><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-        else if (nt >= 2) k_linear_f_rows<T, 2><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-        else k_linear_f_rows<T, 1><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+        if (nt >= 8) launch_k(k_linear_f_rows<T, 8>, grid, LIN_WARPS * 32, 0, st, a);
+        else if (nt >= 4) launch_k(k_linear_f_rows<T, 4>, grid, LIN_WARPS * 32, 0, st, a);
+        else if (nt >= 2) launch_k(k_linear_f_rows<T, 2>, grid, LIN_WARPS * 32, 0, st, a);
+        else launch_k(k_linear_f_rows<T, 1>, grid, LIN_WARPS * 32, 0, st, a);
         return;
     }
     const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
-    if (nt >= 8) k_linear_f<T, 8, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-    else if (nt >= 4) k_linear_f<T, 4, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-    else if (nt >= 2) k_linear_f<T, 2, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
-    else k_linear_f<T, 1, SW><<<grid, LIN_WARPS * 32, 0, st>>>(a);
+    if (nt >= 8) launch_k(k_linear_f<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else if (nt >= 4) launch_k(k_linear_f<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else if (nt >= 2) launch_k(k_linear_f<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else launch_k(k_linear_f<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
 }
 
 /* One linear layer over groups of pairs. W2 (optional, same type) makes it SWIGLU.
@@ -503,18 +547,21 @@ template <int T, bool SW> static void launch_f(const lin_args &a, int path, int 
  * bound on any group's pairs (sizes the GEMM grid). */
 static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, const lin_groups &g, int max_groups,
                          int expected, int max_count, const acts_d &in, float *out, int64_t ldo, int mode,
-                         int path = STG_PATH_AUTO) {
+                         int path = STG_PATH_AUTO, const lin_seg *seg = nullptr) {
     lin_args a;
     a.w = W.d, a.w2 = W2 ? W2->d : nullptr;
     a.expert_stride = W.expert_stride, a.row_bytes = W.row_bytes;
     a.N = (int32_t)W.ne[1], a.K = (int32_t)W.ne[0];
+    a.seg = {};
+    if (seg) a.seg = *seg, a.N = seg->seg_row[seg->n_seg];
     a.g = g;
     a.aq = in.q, a.ad = in.d, a.as = in.s, a.x = in.x;
     a.out = out, a.ldo = ldo, a.mode = W2 ? MODE_SWIGLU : mode;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
-    if (path == STG_PATH_AUTO) path = q && expected >= gemm_min_pairs() ? STG_PATH_GEMM : STG_PATH_MATVEC;
+    if (path == STG_PATH_AUTO) path = q && use_gemm(a.N, max_groups, expected) ? STG_PATH_GEMM : STG_PATH_MATVEC;
     if (path == STG_PATH_GEMM && !q) path = STG_PATH_MATVEC;
+    if (seg && (path != STG_PATH_MATVEC || !q)) return fail(ST_EINVAL, "linear: row segments need the matvec path");
     int nt = 1;
     while (nt < expected && nt < 8) nt *= 2;
     switch (W.type) {
@@ -547,7 +594,7 @@ static stg_status swiglu(cudaStream_t st, const dtensor &Wg, const dtensor &Wu, 
     CHECK(linear(st, Wg, nullptr, g, max_groups, expected, max_count, in, tmp, ldo, MODE_STORE));
     CHECK(linear(st, Wu, nullptr, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE));
     const int64_t n = n_rows * ldo;
-    k_silu_mul<<<(unsigned)((n + 255) / 256), 256, 0, st>>>(h, tmp, n);
+    launch_k(k_silu_mul, (unsigned)((n + 255) / 256), 256, 0, st, h, tmp, n);
     LAUNCHED("silu");
     return ST_OK;
 }
@@ -649,7 +696,7 @@ static stg_status embed(stg_model *m, const int32_t *tokens, int32_t T) {
     cudaStream_t st = m->stream;
     switch (t.type) {
 #define CASE_E(TY)                                                                         \
-    case TY: k_embed<TY><<<T, 128, 0, st>>>(t.d, t.row_bytes, tokens, E, m->s.x); break;
+    case TY: launch_k(k_embed<TY>, T, 128, 0, st, t.d, t.row_bytes, tokens, E, m->s.x); break;
         QUANT_CASES(CASE_E)
         FLOAT_CASES(CASE_E)
 #undef CASE_E
@@ -665,6 +712,31 @@ static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, boo
     return acts_d{s.aq, s.ad, s.as, x};
 }
 
+/* k_attention with its dynamic shared memory (two chunk stages up to head_dim 128, one above:
+ * at most 64 KiB, within every targeted GPU's limit once opted in). */
+#define ATT_SMEM_MAX 65536
+static stg_status attention_setup(void) { /* once per device, outside any capture */
+    CU(cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
+    return ST_OK;
+}
+
+static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st) {
+    aa.stages = aa.hd <= 128 ? 2 : 1;
+    const size_t smem = att_smem_bytes(aa.hd, aa.stages);
+    if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
+    launch_k(k_attention, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, smem, st, aa);
+    LAUNCHED("attention");
+    return ST_OK;
+}
+
+/* The routed experts' weighted sum waits in pair_out for the next RMSNorm (which adds it to
+ * the residual first); take_combine hands it over once. */
+static combine_args take_combine(stg_model *m) {
+    const combine_args c = m->pending;
+    m->pending = combine_args{};
+    return c;
+}
+
 static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
                                   const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks) {
     const dlayer &L = m->L[(size_t)il];
@@ -673,15 +745,27 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    k_rmsnorm<<<T, 1024, 0, st>>>(s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
+    launch_k(k_rmsnorm, T, 1024, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
+                                  take_combine(m));
     LAUNCHED("rmsnorm");
-    stg_status rc;
     const acts_d in{s.aq, s.ad, s.as, s.xn};
     lin_groups g = {};
     g.n_pairs = T;
-    CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
-    CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE));
-    CHECK(linear(st, L.wv, nullptr, g, 1, T, T, in, s.v, m->kv_dim, MODE_STORE));
+    if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T)) {
+        /* q, k and v in one matvec launch (same type and row length) */
+        lin_seg sg = {};
+        sg.n_seg = 3;
+        sg.seg_row[0] = 0, sg.seg_row[1] = m->q_dim, sg.seg_row[2] = m->q_dim + m->kv_dim;
+        sg.seg_row[3] = m->q_dim + 2 * m->kv_dim;
+        sg.seg_w[0] = L.wq.d, sg.seg_w[1] = L.wk.d, sg.seg_w[2] = L.wv.d;
+        sg.seg_out[0] = s.q, sg.seg_out[1] = s.k, sg.seg_out[2] = s.v;
+        sg.seg_ldo[0] = m->q_dim, sg.seg_ldo[1] = sg.seg_ldo[2] = m->kv_dim;
+        CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE, STG_PATH_AUTO, &sg));
+    } else {
+        CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
+        CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE));
+        CHECK(linear(st, L.wv, nullptr, g, 1, T, T, in, s.v, m->kv_dim, MODE_STORE));
+    }
     qkv_args qa;
     qa.q = s.q, qa.k = s.k, qa.v = s.v;
     qa.bq = L.bq.f(), qa.bk = L.bk.f(), qa.bv = L.bv.f(), qa.q_norm = L.q_norm.f(), qa.k_norm = L.k_norm.f();
@@ -691,15 +775,19 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
     qa.scale = 1.0f / sqrtf((float)d.head_dim);
     qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
-    k_qkv_post<<<T, 1024, 0, st>>>(qa);
+    launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)), QKV_WARPS * 32, 0, st, qa);
     LAUNCHED("qkv");
-    attn_args aa;
+    /* the output projection's 8-bit input comes out of the attention kernel itself */
+    const bool oq = !stg_is_float(L.wo.type);
+    const bool fused_q = oq && d.head_dim % 32 == 0;
+    attn_args aa = {};
     aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
-    k_attention<<<dim3((unsigned)T, (unsigned)d.n_head), ATT_WARPS * 32, 0, st>>>(aa);
-    LAUNCHED("attention");
-    const acts_d ain = layer_acts(m, s.att, T, m->q_dim, !stg_is_float(L.wo.type), &rc);
+    aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
+    CHECK(launch_attention(aa, T, st));
+    stg_status rc = ST_OK;
+    const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
     CHECK(rc);
     return linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
 }
@@ -728,11 +816,12 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     /* xn quantised once for every quantised weight that reads it (router, experts, shared, dense) */
     const bool nq = !stg_is_float(L.ffn_gate.d ? L.ffn_gate.type : L.gate_exps.type) ||
                     (L.gate_inp.d && !stg_is_float(L.gate_inp.type)) || (L.gate_shexp.d && !stg_is_float(L.gate_shexp.type));
-    k_rmsnorm<<<T, 1024, 0, st>>>(s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as);
+    launch_k(k_rmsnorm, T, 1024, 0, st, s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
+                                  take_combine(m));
     LAUNCHED("rmsnorm");
     if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
         CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down));
-        k_add_scaled<<<(unsigned)((T * E + 255) / 256), 256, 0, st>>>(s.x, s.pair_out, nullptr, T, E);
+        launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, nullptr, T, E);
         LAUNCHED("residual");
         return ST_OK;
     }
@@ -740,14 +829,47 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const acts_d rin{s.aq, s.ad, s.as, s.xn};
     lin_groups g1 = {};
     g1.n_pairs = T;
-    CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
-    k_router<<<(T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st>>>(
-        s.router, T, ne, k, s.topk_id, s.topk_w);
-    LAUNCHED("router");
     const int32_t P = T * k;
-    k_group<<<1, 1024, 2 * ne * sizeof(int32_t), st>>>(s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount, s.n_groups,
-                                                       s.list, s.pair_tok, m->hist + (int64_t)il * ne);
-    LAUNCHED("group");
+    const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);
+    if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024 && !route_split()) {
+        /* decode: router logits, routing and grouping in one launch */
+        lin_args a = {};
+        a.w = L.gate_inp.d, a.row_bytes = L.gate_inp.row_bytes, a.expert_stride = L.gate_inp.expert_stride;
+        a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
+        a.mode = MODE_STORE;
+        route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
+                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w};
+        int nt = 1;
+        while (nt < T) nt *= 2;
+        switch (L.gate_inp.type) {
+#define CASE_RR(TY)                                                                                   \
+    case TY:                                                                                          \
+        if (nt == 8) launch_k(k_router_route<TY, 8>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);          \
+        else if (nt == 4) launch_k(k_router_route<TY, 4>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);     \
+        else if (nt == 2) launch_k(k_router_route<TY, 2>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);     \
+        else launch_k(k_router_route<TY, 1>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);                  \
+        break;
+            FLOAT_CASES(CASE_RR)
+#undef CASE_RR
+        }
+        LAUNCHED("router + route");
+    } else {
+    CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
+    const size_t route_smem = (size_t)ROUTE_WARPS * ne * sizeof(float) + 2 * (size_t)ne * sizeof(int32_t);
+    if (T <= 2 * ROUTE_WARPS && route_smem <= 48 * 1024) { /* small steps: one launch for both */
+        launch_k(k_route, 1, ROUTE_WARPS * 32, route_smem, st, s.router, T, ne, k, s.topk_id, s.topk_w, s.gexp, s.gstart,
+                                                         s.gcount, s.n_groups, s.list, s.pair_tok,
+                                                         m->hist + (int64_t)il * ne);
+        LAUNCHED("route");
+    } else {
+        launch_k(k_router, (T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st, 
+            s.router, T, ne, k, s.topk_id, s.topk_w);
+        LAUNCHED("router");
+        launch_k(k_group, 1, 1024, 2 * ne * sizeof(int32_t), st, s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount,
+                                                           s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne);
+        LAUNCHED("group");
+    }
+    }
     /* gate+up over every (token, expert) pair, grouped by expert: one launch */
     lin_groups ge = {};
     ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
@@ -761,16 +883,17 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     gd.in_map = nullptr; /* down reads the pair's own hidden row */
     CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E,
                  MODE_STORE));
-    k_combine<<<(unsigned)((T * E + 255) / 256), 256, 0, st>>>(s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm);
-    LAUNCHED("combine");
-    if (L.gate_shexp.d) {
-        k_shexp_gate<<<(T + 3) / 4, 128, 0, st>>>(s.xn, L.gate_inp_shexp.d ? L.gate_inp_shexp.f() : nullptr, T, E,
-                                                  s.gsh);
-        LAUNCHED("shared expert gate");
-        CHECK(dense_ffn(m, T, L.gate_shexp, L.up_shexp, L.down_shexp));
-        k_add_scaled<<<(unsigned)((T * E + 255) / 256), 256, 0, st>>>(s.x, s.pair_out, s.gsh, T, E);
-        LAUNCHED("shared expert add");
+    if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
+        m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm};
+        return ST_OK;
     }
+    launch_k(k_combine, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm);
+    LAUNCHED("combine");
+    launch_k(k_shexp_gate, (T + 3) / 4, 128, 0, st, s.xn, L.gate_inp_shexp.d ? L.gate_inp_shexp.f() : nullptr, T, E, s.gsh);
+    LAUNCHED("shared expert gate");
+    CHECK(dense_ffn(m, T, L.gate_shexp, L.up_shexp, L.down_shexp));
+    launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.gsh, T, E);
+    LAUNCHED("shared expert add");
     return ST_OK;
 }
 
@@ -796,7 +919,12 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     const int nL = m->d.n_layer;
     const int64_t E = m->d.n_embd;
     if (m->d.n_expert > 0) CU(cudaMemsetAsync(m->hist, 0, sizeof(int32_t) * nL * m->d.n_expert, st), "forward");
-    CHECK(embed(m, sh.d_tok, sh.T));
+    m->pending = combine_args{};
+    const bool pdl = g_pdl;
+    g_pdl = false; /* the first kernel follows a copy, not a kernel */
+    const stg_status erc = embed(m, sh.d_tok, sh.T);
+    g_pdl = pdl;
+    CHECK(erc);
     for (int il = 0; il < nL; il++) {
         if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
         CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb));
@@ -807,14 +935,15 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     CU(record(ev[3 * nL + 1], st, sh.capturing), "forward");
     if (sh.NL > 0) {
         const bool nq = !stg_is_float(m->output.type);
-        k_rmsnorm<<<sh.NL, 1024, 0, st>>>(s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
-                                          nq ? s.aq : nullptr, s.ad, s.as);
+        launch_k(k_rmsnorm, sh.NL, 1024, 0, st, s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
+                                          nq ? s.aq : nullptr, s.ad, s.as, take_combine(m));
         LAUNCHED("output norm");
         const acts_d in{s.aq, s.ad, s.as, s.xl};
         lin_groups g = {};
         g.n_pairs = sh.NL;
         CHECK(linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE));
     }
+    m->pending = combine_args{}; /* no logits: the last layer's sum is never needed */
     return ST_OK;
 }
 
@@ -832,7 +961,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaStream_t st = m->stream;
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
-            g.layer_events == sh.layer_events) {
+            g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min &&
+            g.route_split == route_split()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -846,7 +976,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaGraphExec_t exec = nullptr;
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
-        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, exec});
+        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -898,7 +1028,12 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     const char *le = getenv("STRATA_GPU_LAYER_EVENTS");
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, !(le && le[0] == '0')};
-    CHECK(graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh));
+    const char *pe = getenv("STRATA_GPU_PDL");
+    g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
+    g_gemm_min = gemm_min_env();
+    const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
+    g_pdl = false;
+    CHECK(src);
     if (NL > 0)
         CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
            "forward: logits");
@@ -956,6 +1091,8 @@ struct dbuf {
 };
 
 static stg_status harness_device(void) {
+    g_pdl = false;
+    g_gemm_min = gemm_min_env();
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
     if (n == 0) return fail(ST_EUNSUPPORTED, "no CUDA device");
@@ -1071,17 +1208,18 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
     CHECK(up(bq, qf.data(), sizeof(float) * qf.size()));
     CHECK(up(bo, nullptr, sizeof(float) * qf.size()));
     CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
-    attn_args a;
+    attn_args a = {};
     a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
     a.max_blocks = n_table, a.n_head = n_kv, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
     if (path == STG_PATH_REF) {
         CHECK(up(bsc, nullptr, sizeof(float) * (size_t)(nq * n_kv) * (size_t)(p0 + nq)));
         k_attention_ref<<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
+        LAUNCHED("attention");
     } else {
-        k_attention<<<dim3((unsigned)nq, (unsigned)n_kv), ATT_WARPS * 32>>>(a);
+        CHECK(attention_setup());
+        CHECK(launch_attention(a, nq, 0));
     }
-    LAUNCHED("attention");
     std::vector<float> o(qf.size());
     CHECK(down(o.data(), bo, sizeof(float) * o.size()));
     for (int i = 0; i < nq; i++)
@@ -1097,7 +1235,7 @@ extern "C" stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n
     CHECK(up(bw, w, sizeof(float) * (size_t)n));
     CHECK(up(by, nullptr, sizeof(float) * (size_t)(n_rows * n)));
     k_rmsnorm<<<(unsigned)n_rows, 256>>>(bx.as<float>(), nullptr, bw.as<float>(), by.as<float>(), n, eps, nullptr,
-                                          nullptr, nullptr);
+                                          nullptr, nullptr, combine_args{});
     LAUNCHED("rmsnorm");
     return down(y, by, sizeof(float) * (size_t)(n_rows * n));
 }
@@ -1141,7 +1279,7 @@ extern "C" stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok,
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
     a.max_blocks = nb, a.n_head = n_heads, a.n_kv = 1, a.hd = head_dim, a.rope_dim = rope_dim, a.rope_type = rope_type;
     a.block_size = bs, a.eps = 1e-6f, a.scale = 1.0f, a.kc = bkc.as<__half>(), a.vc = bvc.as<__half>();
-    k_qkv_post<<<n_tok, 256>>>(a);
+    k_qkv_post<<<dim3((unsigned)n_tok, (unsigned)((n_heads + 2 + QKV_WARPS - 1) / QKV_WARPS)), QKV_WARPS * 32>>>(a);
     LAUNCHED("rope");
     return down(x, bq, sizeof(float) * (size_t)(n_tok * qd));
 }

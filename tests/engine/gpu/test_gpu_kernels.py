@@ -139,6 +139,28 @@ def test_linear_every_path_matches_cpu_reference(g: tuple, name: str, n_tok: int
             assert rel_err(out, want) <= 1e-3, (name, path, second is not None, rel_err(out, want))
 
 
+@pytest.mark.parametrize(("k", "n_tok"), [(768, 5), (2304, 19), (4096, 40)])
+@pytest.mark.parametrize("name", QUANT)
+def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int) -> None:
+    """The tensor-core GEMM keeps the matvec's summation order: identical bits, so which kernel a
+    step picks (by its size) cannot change a sequence's result. k = 2304: 72 sub-blocks, residues
+    with 3 and 2 terms; 80 rows and n_tok pairs: partial tiles."""
+    rng = np.random.default_rng(k + n_tok)
+    rows = 80
+    w, w2 = random_blocks(name, rows * k, rng), random_blocks(name, rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    for second in (None, w2):
+        outs = []
+        for path in ("matvec", "gemm"):
+            out = np.full((n_tok, rows), np.nan, np.float32)
+            gcheck(g, g[1].stg_test_linear(tid(name), PATHS[path], gptr(g, w), g[0].NULL if second is None else
+                                           gptr(g, second), rows, k, gptr(g, x, "float *"), n_tok,
+                                           gptr(g, out, "float *")))
+            outs.append(out)
+        assert np.isfinite(outs[0]).all()
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (name, second is not None)
+
+
 def _attention_case(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: int):  # noqa: ANN202
     n_blocks = -(-n_keys // bs) + 3
     table = rng.permutation(n_blocks).astype(np.int32)[: -(-n_keys // bs)]
