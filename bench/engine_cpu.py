@@ -16,9 +16,17 @@ warning (with the logit margins at the first divergent step), not an error.
 Strata's per-op profile comes from the StepStats of every timed C step (attention / experts /
 dense FFN / output head), plus the share of wall time spent outside C (Python, cffi, argmax).
 
-Usage: ``python -m bench.engine_cpu [--model PATH] [--threads N] [--runs R] [--quick]
-[--json OUT.json] [--markdown] [--llama-flash-attn]``. ``--quick``: 1 run, 32 decode tokens,
-a 500-token prompt.
+Then, in the same run: aggregate decode tok/s at 1, 4, 16 and 32 concurrent sequences (Strata
+through its scheduler, llama.cpp one token of every sequence per ``llama_decode``), the weight
+bytes streamed per second at batch 1 and the int8 multiply-accumulates per second at 16
+sequences (from the GGUF's tensor sizes), beside the machine's measured read bandwidth (numpy,
+all threads, 1 GiB) and the micro-kernel's rate with its weights in cache (the variant's peak).
+
+Usage: ``python -m bench.engine_cpu [--model PATH | --synthetic] [--threads N] [--runs R] [--quick]
+[--no-batching] [--json OUT.json] [--markdown] [--llama-flash-attn]``. ``--quick``: 1 run, 32
+decode tokens, a 500-token prompt, 16 tokens per sequence when batching. ``--synthetic``: the
+8-expert top-2 model ~10x the default (bench/synthetic_moe.py, built under var/bench/ on first
+use).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ class Config:
     prefill_tokens: int
     quick: bool
     llama_flash_attn: bool
+    batching: bool = True
     seed: int = SEED
     chunk: int = CHUNK
 
@@ -280,8 +289,119 @@ def model_label(strata: StrataSide, path: Path) -> tuple[str, dict[str, Any]]:
     return label, info
 
 
+# ---------------------------------------------------------------- machine limits and traffic
+def weight_traffic(path: Path) -> dict[str, float]:
+    """Weight bytes read and multiply-accumulates per decoded token, from the GGUF tensor table:
+    every 2-D+ weight once, routed experts at n_expert_used / n_expert of their size, the
+    output head (or the tied embedding) once; norms, embedding lookups and attention scores
+    are left out (small at these context lengths)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    arch = r.get_field("general.architecture").contents()
+    ne_f, nu_f = r.get_field(f"{arch}.expert_count"), r.get_field(f"{arch}.expert_used_count")
+    frac = (int(nu_f.contents()) / int(ne_f.contents())) if ne_f is not None and nu_f is not None else 1.0
+    names = {t.name for t in r.tensors}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    nbytes = macs = 0.0
+    for t in r.tensors:
+        if len(t.shape) < 2 or (t.name == "token_embd.weight" and head != t.name):
+            continue
+        f = frac if "_exps." in t.name else 1.0
+        nbytes += f * int(t.n_bytes)
+        macs += f * int(t.n_elements)
+    return {"bytes_per_token": nbytes, "macs_per_token": macs}
+
+
+def read_bandwidth_gb_s(threads: int, nbytes: int = 1 << 30, reps: int = 3) -> float:
+    """Memory read bandwidth: `threads` threads summing disjoint parts of a 1 GiB array (numpy
+    releases the GIL), best of `reps`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = np.ones(nbytes // 8, np.int64)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(ex.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    del parts, a
+    return nbytes / best / 1e9
+
+
+def kernel_peak_gmac_s(threads: int, seconds: float = 0.5) -> dict[str, Any]:
+    """The int8 micro-kernel's rate with weights in cache: 8 rows x 4096 Q4_1 against 64 tokens
+    (st_vec_dot_q_rows, the step's kernel), `threads` threads at once (cffi releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.native import VARIANTS, lib, ptr
+
+    n, nr, nt, q41 = 4096, 8, 64, 3
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(nr, n // 32, 20), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:4] = np.frombuffer(np.float16(-0.08).tobytes(), np.uint8)
+    raw = raw.reshape(-1)
+    qs = rng.integers(-127, 128, size=(nt, n), dtype=np.int8)
+    d = np.full((nt, n // 32), 0.01, np.float32)
+    sums = qs.reshape(nt, -1, 16).astype(np.int32).sum(axis=2)
+    variant = int(lib.st_get_variant())
+
+    def worker(_: int) -> float:
+        out = np.empty(nt * nr, np.float32)
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            lib.st_vec_dot_q_rows(q41, variant, ptr(raw), nr, nt, ptr(qs, "int8_t *"), ptr(d, "float *"),
+                                  ptr(sums, "int32_t *"), n, ptr(out, "float *"))
+            calls += 1
+        return calls * n * nr * nt / (time.perf_counter() - t0) / 1e9
+
+    with ThreadPoolExecutor(threads) as ex:
+        rates = list(ex.map(worker, range(threads)))
+    name = next((k for k, v in VARIANTS.items() if v == variant), str(variant))
+    return {"variant": name, "gmac_s": float(sum(rates)), "threads": threads}
+
+
+def batching(path: Path, threads: int, n_tokens: int, counts: Sequence[int], log: Callable[[str], None]
+             ) -> dict[int, dict[str, float]]:
+    """Aggregate decode tok/s at each count of concurrent sequences: Strata through its scheduler
+    (decode-only steps timed), llama.cpp with one token of every sequence per llama_decode."""
+    from bench.engine_batching import decode_throughput, llama_decode_throughput
+    from engine.engine import Engine
+
+    kv = max(counts) * (32 + n_tokens + 32)
+    out: dict[int, dict[str, float]] = {}
+    eng = Engine.open(path, threads=threads, kv_tokens=kv, max_model_len=kv)
+    try:
+        for c in counts:
+            r = decode_throughput(eng, c, n_tokens, 256)
+            r["llama_tok_s"] = llama_decode_throughput(path, c, n_tokens, threads)
+            out[c] = r
+            log(f"batching: {c} sequences: {r['tok_s']:.1f} vs {r['llama_tok_s']:.1f} tok/s aggregate")
+    finally:
+        eng.close()
+    return out
+
+
 # ---------------------------------------------------------------- run
 def run(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
+    rep = run_single(cfg, log)
+    traffic = weight_traffic(cfg.model)
+    rep["traffic"] = traffic
+    rep["machine_limits"] = {"read_gb_s": read_bandwidth_gb_s(cfg.threads), "kernel": kernel_peak_gmac_s(cfg.threads)}
+    dec = rep["medians"]["strata"]["decode_tok_s"]
+    rep["derived"] = {"decode_gb_s": traffic["bytes_per_token"] * dec / 1e9}
+    if cfg.batching:
+        counts = (1, 4, 16, 32)
+        b = batching(cfg.model, cfg.threads, 16 if cfg.quick else 64, counts, log)
+        rep["batching"] = {str(c): v for c, v in b.items()}
+        rep["derived"]["gmac_s_16"] = traffic["macs_per_token"] * b[16]["tok_s"] / 1e9
+        rep["derived"]["llama_gmac_s_16"] = traffic["macs_per_token"] * b[16]["llama_tok_s"] / 1e9
+    return rep
+
+
+def run_single(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]:
     import llama_cpp
 
     machine = machine_info()
@@ -383,7 +503,30 @@ def metric_rows(rep: dict[str, Any]) -> list[tuple[str, str, float, float, float
          m["strata"]["decode_tok_s"], m["llama.cpp"]["decode_tok_s"], r["decode_tok_s"]),
         ("prefill_tok_s", f"prefill tok/s ({c['prefill_tokens']}-token prompt, {runs})",
          m["strata"]["prefill_tok_s"], m["llama.cpp"]["prefill_tok_s"], r["prefill_tok_s"]),
+    ] + [
+        (f"batch_{k}", f"aggregate decode tok/s, {k} sequences (1 run)", v["tok_s"], v["llama_tok_s"],
+         ratio(v["tok_s"], v["llama_tok_s"]))
+        for k, v in rep.get("batching", {}).items()
     ]
+
+
+def limits_lines(rep: dict[str, Any]) -> list[str]:
+    """Achieved weight streaming and int8 rates beside the machine's measured limits."""
+    if "traffic" not in rep:
+        return []
+    t, lim, der = rep["traffic"], rep["machine_limits"], rep["derived"]
+    k = lim["kernel"]
+    out = [f"batch 1: {t['bytes_per_token'] / 1e6:.0f} MB of weights per token -> {der['decode_gb_s']:.1f} GB/s "
+           f"(machine read bandwidth {lim['read_gb_s']:.1f} GB/s: numpy, {rep['config']['threads']} threads, 1 GiB)"]
+    if "gmac_s_16" in der:
+        b = rep["batching"]
+        out.append(f"16 sequences: {t['macs_per_token'] / 1e6:.0f} MMAC per token -> {der['gmac_s_16']:.1f} GMAC/s "
+                   f"(llama.cpp {der['llama_gmac_s_16']:.1f}); kernel peak {k['gmac_s']:.1f} GMAC/s "
+                   f"({k['variant']}, {k['threads']} threads, weights in cache); "
+                   f"16 seqs = {b['16']['tok_s'] / b['1']['tok_s']:.2f}x single stream")
+    else:
+        out.append(f"kernel peak {k['gmac_s']:.1f} GMAC/s ({k['variant']}, {k['threads']} threads, weights in cache)")
+    return out
 
 
 def format_report(rep: dict[str, Any]) -> str:
@@ -407,7 +550,7 @@ def format_report(rep: dict[str, Any]) -> str:
     steps = max(1, c["decode_tokens"] - 1)
     agree = (f"teacher-forced next-token agreement of llama.cpp with Strata's greedy sequence: "
              f"{median(dec):.0f}/{steps} steps")
-    return "\n".join([*head, "", table, "", agree, "", format_profile(rep)])
+    return "\n".join([*head, "", table, "", *limits_lines(rep), "", agree, "", format_profile(rep)])
 
 
 def format_profile(rep: dict[str, Any]) -> str:
@@ -454,6 +597,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, metavar="OUT.json",
                     help="write raw samples, medians, profile and machine info")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown block for docs/benchmarks.md")
+    ap.add_argument("--synthetic", action="store_true",
+                    help="bench the synthetic 8-expert top-2 model ~10x the default (built on first use under "
+                         "var/bench/, not committed; see bench/synthetic_moe.py)")
+    ap.add_argument("--no-batching", action="store_true",
+                    help="skip aggregate decode at 1/4/16/32 sequences (and the GMAC/s figure)")
     ap.add_argument("--llama-flash-attn", action="store_true",
                     help="enable flash attention in llama.cpp (llama-cpp-python defaults it off)")
     return ap.parse_args(argv)
@@ -462,6 +610,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     threads = a.threads if a.threads is not None else len(affinity_cores())
+    if a.synthetic and a.model is None:
+        from bench.synthetic_moe import build_synthetic_model
+
+        print("building the synthetic 10x model (once) ...", file=sys.stderr, flush=True)
+        a.model = build_synthetic_model()
     cfg = Config(
         model=(a.model or default_model()).resolve(),
         threads=threads,
@@ -470,6 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefill_tokens=a.prefill_tokens if a.prefill_tokens is not None else (500 if a.quick else 2000),
         quick=a.quick,
         llama_flash_attn=a.llama_flash_attn,
+        batching=not a.no_batching,
     )
     for name in ("threads", "runs", "decode_tokens", "prefill_tokens"):
         if getattr(cfg, name) < 1:
