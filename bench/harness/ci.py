@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-    runs = sorted(set(args.out.glob("*")) - before)
+    runs = sorted(p for p in set(args.out.glob("*")) - before if p.is_dir())  # others write files there too
     if not runs:
         print("bench: FAIL: no report folder was written", file=sys.stderr)
         return 1
