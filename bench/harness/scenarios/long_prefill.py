@@ -70,10 +70,10 @@ async def run(ctx: Context, res: ScenarioResult) -> None:
             bar.update(1)
             if short.ok and short.ttft_s is not None:
                 during.setdefault(label, []).append(short.ttft_s)
-                lanes_seen.setdefault(label, []).append(f"{long_r.lane or '-'}/{short.lane or '-'}")
+                lanes_seen.setdefault(label, []).append(f"{long_r.lane or 'same'}/{short.lane or 'same'}")
     bar.close()
     idle_med = median(idle)
-    irows = [["alone", "-", f"{idle_med:.3f}" if idle_med else "-", "-"]]
+    irows = [["alone", len(idle), f"{idle_med:.3f}" if idle_med else "-", "-"]]
     for label, vals in during.items():
         m = median(vals)
         irows.append([f"during a {measured}-token prefill, {label}", len(vals), f"{m:.3f}" if m else "-",
