@@ -39,7 +39,9 @@ def llama_server(model: Path, n_ctx: int, log: Path) -> Iterator[str | None]:
     port = free_port()
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-                                 "--port", str(port), "--n_threads", "1", "--n_ctx", str(n_ctx)], stdout=out,
+                                 "--port", str(port), "--n_threads", "1", "--n_ctx", str(n_ctx),
+                                 "--interrupt_requests", "False"],  # queue concurrent requests, never cut one off
+                                stdout=out,
                                 stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

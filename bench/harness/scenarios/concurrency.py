@@ -40,6 +40,8 @@ async def run(ctx: Context, res: ScenarioResult) -> None:
             wall = time.monotonic() - t0
             ok = [r for r in results if r.ok]
             failed = len(results) - len(ok)
+            if failed:
+                res.notes.append(f"{t.label} at {n}: {failed} failed, e.g. {next(r.error for r in results if not r.ok)}")
             toks = sum(r.completion_tokens or 0 for r in ok)
             ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
             itls = [x for r in ok for x in r.itl_s]
