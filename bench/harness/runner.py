@@ -91,9 +91,10 @@ def write_results(path: Path, results: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def verify(results: dict[str, Any], names: list[str] | None = None) -> list[str]:
-    """What CI checks: every scenario completed (none errored or skipped) and every check of a
-    correctness scenario passed. Returns the problems (empty: all good)."""
+def verify(results: dict[str, Any], names: list[str] | None = None, allow_skipped: bool = False) -> list[str]:
+    """What CI checks: every scenario completed (none errored or, unless ``allow_skipped``, skipped
+    as not applying to the target) and every check of a correctness scenario passed. Returns the
+    problems (empty: all good)."""
     problems = []
     scen = results.get("scenarios") or {}
     for name in names or list(scen):
@@ -101,9 +102,11 @@ def verify(results: dict[str, Any], names: list[str] | None = None) -> list[str]
         if r is None:
             problems.append(f"{name}: not in results.json")
             continue
+        if r["status"] == "skipped" and allow_skipped:
+            continue
         if r["status"] in ("error", "skipped"):
             problems.append(f"{name}: {r['status']}: {r.get('error')}")
-        if r.get("correctness"):
+        if r.get("correctness") and r["status"] != "skipped":
             if not r.get("checks"):
                 problems.append(f"{name}: a correctness scenario with no checks")
             for c in r.get("checks") or []:

@@ -113,3 +113,10 @@ def test_heatmap_png(tmp_path: Path) -> None:
 
     name = heatmap(tmp_path / "h.png", "t", ["256", "1024"], ["10%", "90%"], [[1.0, 0.0], [None, 1.0]], "x", "y")
     assert name == "h.png" and (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_skipped_scenarios_fail_ci_but_not_a_run_against_a_lane() -> None:
+    r = ScenarioResult("rag", status="skipped", correctness=True, error="does not apply to a lane target")
+    res = {"scenarios": {"rag": r.to_json()}}
+    assert verify(res) == ["rag: skipped: does not apply to a lane target"]
+    assert verify(res, allow_skipped=True) == []
