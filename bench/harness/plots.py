@@ -47,7 +47,7 @@ def lines(path: Path, title: str, xlabel: str, panels: list[tuple[str, dict[str,
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         if logx:
             ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 1 2 4 8, not 2^n
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))  # 1 2 4 8, not 2^n
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
