@@ -194,13 +194,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     assert c is not None
     recalls: dict[str, float] = {}
     lat: list[float] = []
+    cpu: list[float] = []
     for mode in ("dense", "bm25", "hybrid"):
         hits = 0
+        svc.embedder.forget_queries()  # every timed search pays its query's forward pass
         for fact in facts:
-            q0 = time.perf_counter()
+            q0, c0 = time.perf_counter(), time.process_time()
             found = await svc.search([c], fact.question, 5, mode)  # type: ignore[arg-type]
             if mode == "hybrid":
                 lat.append((time.perf_counter() - q0) * 1000)
+                cpu.append((time.process_time() - c0) * 1000)  # all threads: less sensitive to other load
             hits += any(fact.value in " ".join(p.text.split()) for p in found)
         recalls[mode] = hits / len(facts)
 
@@ -231,7 +234,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "docs_per_s": round(len(files) / t_ingest, 2), "pdf_pages_timed": args.pdf_pages,
         "pdf_ingest_s": round(t_pdf, 2), "pages_per_s": round(pages_per_s, 2),
         "recall_at_5": {k: round(v, 4) for k, v in recalls.items()},
-        "search_ms": {"p50": round(p50, 2), "p99": round(p99, 2), "n": len(lat)}, "targets": TARGETS,
+        "search_ms": {"p50": round(p50, 2), "p99": round(p99, 2), "n": len(lat),
+                      "cpu_p50": round(statistics.median(cpu), 2)}, "targets": TARGETS,
     }
     shutil.rmtree(tmp, ignore_errors=True)
     return report
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
           f"the corpus at {r['docs_per_s']:.2f} documents/s ({r['docs']} documents, {r['chunks']} chunks, "
           f"{r['ingest_s']:.1f} s); embed_threads={r['embed_threads']}")
     print(f"search (hybrid, k=5, {r['facts']} queries): p50 {r['search_ms']['p50']:.1f} ms, "
-          f"p99 {r['search_ms']['p99']:.1f} ms")
+          f"p99 {r['search_ms']['p99']:.1f} ms; CPU time p50 {r['search_ms']['cpu_p50']:.1f} ms")
     print(f"machine: {r['machine']['cpu_model']}, {r['machine']['affinity_cores']} cores, "
           f"load {r['machine']['loadavg']}, commit {r['machine']['git_commit']}")
     if args.json:

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -51,6 +51,8 @@ class Embeds(Protocol):
 
     async def aencode(self, texts: Sequence[str]) -> np.ndarray: ...
 
+    async def aencode_query(self, text: str) -> np.ndarray: ...
+
 
 def summary_prompt(previous: Summary | None, turns: Sequence[Turn]) -> list[dict[str, Any]]:
     """The fixed summarisation prompt: the previous summary and the turns to fold in."""
@@ -66,11 +68,43 @@ def summary_prompt(previous: Summary | None, turns: Sequence[Turn]) -> list[dict
     return [{"role": "system", "content": SUMMARY_SYSTEM}, {"role": "user", "content": user}]
 
 
-@dataclass
 class _VecCache:
-    last_id: int = 0
-    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    mat: np.ndarray | None = None
+    """A session's turn vectors in memory, in turn-id order; grows in place (capacity doubling), so a new
+    turn does not copy the whole matrix."""
+
+    def __init__(self) -> None:
+        self.last_id = 0
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._buf: np.ndarray | None = None
+        self.n = 0
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[:self.n]
+
+    @property
+    def mat(self) -> np.ndarray:
+        assert self._buf is not None or self.n == 0
+        return self._buf[:self.n] if self._buf is not None else np.zeros((0, 0), dtype=np.float32)
+
+    def extend(self, ids: np.ndarray, mat: np.ndarray) -> None:
+        keep = ids > self.last_id  # a concurrent request of the session may have added them already
+        if not keep.any():
+            return
+        ids, mat = ids[keep], mat[keep]
+        need = self.n + len(ids)
+        if self._buf is None or need > len(self._buf) or self._buf.shape[1] != mat.shape[1]:
+            cap = max(need, 2 * (len(self._buf) if self._buf is not None else 0), 256)
+            buf = np.empty((cap, mat.shape[1]), dtype=np.float32)
+            new_ids = np.empty(cap, dtype=np.int64)
+            if self._buf is not None and self.n:
+                buf[:self.n] = self._buf[:self.n]
+                new_ids[:self.n] = self._ids[:self.n]
+            self._buf, self._ids = buf, new_ids
+        self._buf[self.n:need] = mat
+        self._ids[self.n:need] = ids
+        self.n = need
+        self.last_id = int(ids[-1])
 
 
 @dataclass
@@ -100,6 +134,7 @@ class MemoryService:
         self.complete = complete
         self._cache: dict[int, _VecCache] = {}
         self._embedded_upto: dict[int, int] = {}  # session pk -> every turn up to this id has a vector
+        self._embedded_seq: dict[int, int] = {}  # ... and up to this seq: a request compares its n_turns, no query
         self._locks: dict[int, asyncio.Lock] = {}
         self._summarising: set[int] = set()
         self._retry: dict[int, tuple[float, int]] = {}  # session pk -> (next attempt, failures)
@@ -119,6 +154,7 @@ class MemoryService:
         ok = await asyncio.to_thread(self.store.delete_session, key_id, sid)
         self._cache.pop(s.pk, None)
         self._embedded_upto.pop(s.pk, None)
+        self._embedded_seq.pop(s.pk, None)
         self._retry.pop(s.pk, None)
         self._left_out.pop(s.pk, None)
         return ok
@@ -126,46 +162,57 @@ class MemoryService:
     # ------------------------------------------------------------ loading for composition
     async def load(self, session: Session, query: str) -> Loaded:
         t0 = time.perf_counter()
-        summary = await asyncio.to_thread(self.store.summary, session.pk)
-        after = _load_from(summary.last_seq if summary is not None else 0, session.n_turns,
-                           self.cfg.recent_turns_max)
-        recent = await asyncio.to_thread(self.store.turns, session.pk, after_seq=after,
-                                         newest=2 * self.cfg.recent_turns_max)
-        candidates: list[Scored] = []
+        pk = session.pk
+        qvec: asyncio.Future[np.ndarray] | None = None
+        cache: _VecCache | None = None
         if self.embedder is not None and self.cfg.retrieve_top_k > 0 and query.strip() and session.n_turns:
-            candidates = await self._retrieve(session, query, recent)
+            # the query's forward pass runs on the embedding thread while the rows load on a worker thread
+            qvec = asyncio.ensure_future(self.embedder.aencode_query(query[:4000]))
+            cache = self._cache.setdefault(pk, _VecCache())
+        try:
+            summary, recent, ids, mat = await asyncio.to_thread(self._rows, session,
+                                                                cache.last_id if cache is not None else None)
+            candidates: list[Scored] = []
+            if qvec is not None and cache is not None:
+                cache.extend(ids, mat)
+                if session.n_turns > self._embedded_seq.get(pk, 0):  # turns without vectors (rare: see embed_missing)
+                    await self.embed_missing(pk, limit=_BACKFILL_PER_REQUEST)
+                    assert self.embedder is not None
+                    cache.extend(*await asyncio.to_thread(self.store.load_vectors, pk, self.embedder.version_key,
+                                                          cache.last_id))
+                candidates = await self._rank(cache, await qvec, len(recent))
+        finally:
+            if qvec is not None and not qvec.done():
+                qvec.cancel()
         return Loaded(session, summary, recent, candidates, (time.perf_counter() - t0) * 1000)
 
-    async def _retrieve(self, session: Session, query: str, recent: list[Turn]) -> list[Scored]:
-        assert self.embedder is not None
-        await self.embed_missing(session.pk, limit=_BACKFILL_PER_REQUEST)
-        ids, mat = await self._vectors(session.pk)
-        if mat is None or not len(ids):
+    def _rows(self, session: Session, vectors_after: int | None
+              ) -> tuple[Summary | None, list[Turn], np.ndarray, np.ndarray]:
+        """Blocking: the summary, the recent turns and (``vectors_after`` not None) the vectors added since."""
+        summary = self.store.summary(session.pk)
+        after = _load_from(summary.last_seq if summary is not None else 0, session.n_turns,
+                           self.cfg.recent_turns_max)
+        recent = self.store.turns(session.pk, after_seq=after, newest=2 * self.cfg.recent_turns_max)
+        if vectors_after is None or self.embedder is None:
+            return summary, recent, np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.float32)
+        ids, mat = self.store.load_vectors(session.pk, self.embedder.version_key, vectors_after)
+        return summary, recent, ids, mat
+
+    async def _rank(self, cache: _VecCache, q: np.ndarray, n_recent: int) -> list[Scored]:
+        """Older turns by similarity to the query, best first, ties by turn id (deterministic)."""
+        ids, mat = cache.ids, cache.mat
+        if not len(ids):
             return []
-        q = (await self.embedder.aencode([query[:4000]]))[0]
         scores = mat @ q  # (n,) cosine: both sides L2-normalised
-        n_want = self.cfg.retrieve_top_k + len(recent)
-        if len(scores) > n_want:
-            top = np.argpartition(-scores, n_want - 1)[:n_want]
-        else:
-            top = np.arange(len(scores))
-        # best first, ties by turn id: deterministic
-        order = sorted((int(i) for i in top), key=lambda i: (-float(scores[i]), int(ids[i])))
-        keep = [(int(ids[i]), float(scores[i])) for i in order if scores[i] >= self.cfg.retrieve_min_score]
-        if not keep:
+        n_want = self.cfg.retrieve_top_k + n_recent  # the recent turns may take some of the best places
+        top = np.argpartition(-scores, n_want - 1)[:n_want] if len(scores) > n_want else np.arange(len(scores))
+        top = top[scores[top] >= self.cfg.retrieve_min_score]
+        if not len(top):
             return []
+        order = top[np.lexsort((ids[top], -scores[top]))]
+        keep = [(int(ids[i]), float(scores[i])) for i in order]
         by_id = {t.id: t for t in await asyncio.to_thread(self.store.turns_by_id, [i for i, _ in keep])}
         return [Scored(by_id[i], s) for i, s in keep if i in by_id]
-
-    async def _vectors(self, pk: int) -> tuple[np.ndarray, np.ndarray | None]:
-        assert self.embedder is not None
-        c = self._cache.setdefault(pk, _VecCache())
-        ids, mat = await asyncio.to_thread(self.store.load_vectors, pk, self.embedder.version_key, c.last_id)
-        if len(ids):
-            c.ids = np.concatenate([c.ids, ids])
-            c.mat = mat if c.mat is None else np.concatenate([c.mat, mat])
-            c.last_id = int(ids[-1])
-        return c.ids, c.mat
 
     async def embed_missing(self, pk: int, limit: int = 512) -> int:
         """Embed turns of the session that have no vector yet (background after each reply, bounded backfill)."""
@@ -174,8 +221,10 @@ class MemoryService:
         lock = self._locks.setdefault(pk, asyncio.Lock())
         async with lock:
             upto = self._embedded_upto.get(pk, 0)
-            last = await asyncio.to_thread(self.store.last_turn_id, pk)  # before the check: no turn slips past
+            # before the check: no turn slips past
+            last, last_seq = await asyncio.to_thread(self.store.last_turn, pk)
             if last <= upto:
+                self._embedded_seq[pk] = max(self._embedded_seq.get(pk, 0), last_seq)
                 return 0
             todo = await asyncio.to_thread(self.store.missing_vectors, pk, self.embedder.version_key, limit, upto)
             n = 0
@@ -185,6 +234,7 @@ class MemoryService:
                                             [t.id for t in todo], vecs)
             if len(todo) < limit:  # every turn up to `last` has its vector now: later checks start there
                 self._embedded_upto[pk] = last
+                self._embedded_seq[pk] = max(self._embedded_seq.get(pk, 0), last_seq)
             return n
 
     def composed(self, loaded: Loaded, comp: Composition) -> None:

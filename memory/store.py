@@ -384,6 +384,14 @@ class MemoryStore:
         with self.engine.connect() as c:
             return [_turn(r) for r in c.execute(q)]
 
+    def last_turn(self, session_pk: int) -> tuple[int, int]:
+        """(id, seq) of the session's newest turn; (0, 0) when it has none."""
+        q = select(turns.c.id, turns.c.seq).where(turns.c.session_pk == session_pk).order_by(
+            turns.c.seq.desc()).limit(1)
+        with self.engine.connect() as c:
+            row = c.execute(q).first()
+        return (int(row[0]), int(row[1])) if row is not None else (0, 0)
+
     def last_turn_id(self, session_pk: int) -> int:
         with self.engine.connect() as c:
             return int(c.execute(select(func.coalesce(func.max(turns.c.id), 0)).where(

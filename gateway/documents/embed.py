@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,7 @@ from gateway.documents.config import DEFAULT_EMBED_MODEL
 __all__ = ["SLICE", "EmbedError", "Embedder", "get_embedder", "resolve_model_dir"]
 
 SLICE = 16  # texts per submission to the embedding thread
+QUERY_CACHE = 256  # recent query vectors kept: a chat with a session and collections embeds its query once
 
 
 class EmbedError(RuntimeError):
@@ -58,6 +60,7 @@ class Embedder:
         self._lock = threading.Lock()
         self._use = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-embed")
+        self._queries: OrderedDict[str, asyncio.Future[np.ndarray]] = OrderedDict()  # used on the event loop only
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(self.dir / "tokenizer.json"))
@@ -126,15 +129,37 @@ class Embedder:
         """Encode on the worker thread in slices of ``SLICE`` texts (a query queued behind a long document waits
         for one slice, not the document); ``progress(done, total)`` after each."""
         loop = asyncio.get_running_loop()
-        out = []
         total = len(texts)
+        # longest first, so each slice holds texts of about one length: a batch is padded to its longest text
+        order = sorted(range(total), key=lambda i: -len(texts[i]))
+        out = np.zeros((total, self.dim), dtype=np.float32)
         for i in range(0, total, SLICE):
-            out.append(await loop.run_in_executor(self._pool, self.encode, texts[i:i + SLICE]))
+            part = order[i:i + SLICE]
+            out[part] = await loop.run_in_executor(self._pool, self.encode, [texts[j] for j in part])
             if progress is not None:
                 r = progress(min(total, i + SLICE), total)
                 if asyncio.iscoroutine(r):
                     await r
-        return np.concatenate(out) if out else np.zeros((0, self.dim), dtype=np.float32)
+        return out
+
+    async def aencode_query(self, text: str) -> np.ndarray:
+        """One query's vector (dim,), on the worker thread; the same text asked again (the memory and the
+        document search of one request, a retried request) shares one forward pass."""
+        loop = asyncio.get_running_loop()
+        fut = self._queries.get(text)
+        if fut is None or fut.get_loop() is not loop or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
+            fut = asyncio.ensure_future(loop.run_in_executor(self._pool, self.encode, [text]))
+            self._queries[text] = fut
+            while len(self._queries) > QUERY_CACHE:
+                self._queries.popitem(last=False)
+        else:
+            self._queries.move_to_end(text)
+        # shielded: one caller giving up must not cancel the forward pass another caller awaits
+        return (await asyncio.shield(fut))[0]
+
+    def forget_queries(self) -> None:
+        """Drop the remembered query vectors (benchmarks that time the forward pass)."""
+        self._queries.clear()
 
     async def acount_tokens(self, texts: list[str]) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.count_tokens, texts)

@@ -368,7 +368,7 @@ class RagService:
             return []
         qvec = None
         if mode != "bm25":
-            qvec = (await self.embedder.aencode([query]))[0]
+            qvec = await self.embedder.aencode_query(query)
         hits = []
         for c, idx in indexes:
             m: Mode = mode if idx.model == self.embedder.version_key else "bm25"  # other model: not comparable
