@@ -80,6 +80,8 @@ def run_batch(engine: Engine, n: int, params: SamplingParams) -> tuple[list[floa
     rids = [sched.add(engine.render_chat([{"role": "user", "content": f"List people who like {t}, as JSON."}]),
                       params) for t in TOPICS[:n]]
     parts = {"start": _Timed(), "wait_apply": _Timed(), "consume": _Timed()}
+    forward = _Timed()  # the C step alone (does the mask thread slow it down?)
+    engine.forward = forward.wrap(Engine.forward.__get__(engine))  # type: ignore[method-assign]
     sched._start_masks = parts["start"].wrap(sched._start_masks)  # type: ignore[method-assign]
     sched._apply_masks = parts["wait_apply"].wrap(sched._apply_masks)  # type: ignore[method-assign]
     for r in [*sched._inbox, *sched.waiting]:  # queued by add(), admitted at the first step
@@ -91,12 +93,13 @@ def run_batch(engine: Engine, n: int, params: SamplingParams) -> tuple[list[floa
     while sched.has_work():
         full = len(sched.running) == n and all(r.n_output > 0 for r in sched.running)
         before = {k: p.spent for k, p in parts.items()}
+        before_fwd = forward.spent
         t0 = time.perf_counter()
         out = sched.step()
         dt = time.perf_counter() - t0
         if full and len(out) == n and all(not o.finished for o in out):
             times.append(dt)
-            overhead.append({k: p.spent - before[k] for k, p in parts.items()})
+            overhead.append({k: p.spent - before[k] for k, p in parts.items()} | {"forward": forward.spent - before_fwd})
         for o in out:
             if o.finished:
                 produced[o.request_id] = o.completion_tokens
@@ -104,6 +107,7 @@ def run_batch(engine: Engine, n: int, params: SamplingParams) -> tuple[list[floa
                     raise RuntimeError(f"{o.request_id} ended with {o.finish_reason!r} before max_tokens")
     if sorted(produced) != sorted(rids) or set(produced.values()) != {params.max_tokens}:
         raise RuntimeError(f"unequal work: {produced}")
+    del engine.forward  # back to the class's method
     return times, overhead
 
 
@@ -144,11 +148,13 @@ def main() -> None:
             steps: dict[str, list[float]] = {"free": [], "json": []}
             rates: dict[str, list[float]] = {"free": [], "json": []}
             grammar_parts: list[dict[str, float]] = []
+            forward_parts: dict[str, list[dict[str, float]]] = {"free": [], "json": []}
             for r in range(a.rounds):
                 for mode in (("free", "json") if r % 2 == 0 else ("json", "free")):
                     t, g = run_batch(engine, n, modes[mode])
                     steps[mode] += t
                     rates[mode].append(n * len(t) / sum(t))
+                    forward_parts[mode] += g
                     if mode == "json":
                         grammar_parts += g
             paired = [j / f for j, f in zip(rates["json"], rates["free"], strict=True)]
@@ -156,13 +162,15 @@ def main() -> None:
             p10 = {m: sorted(steps[m])[len(steps[m]) // 10] for m in steps}
             # the grammar's share of each constrained step: a ratio inside the same step, so load
             # from other jobs inflates both parts alike
-            grammar_s = [sum(g.values()) for g in grammar_parts]
+            grammar_s = [sum(v for k, v in g.items() if k != "forward") for g in grammar_parts]
+            fwd = {m: statistics.median(x["forward"] for x in forward_parts[m]) for m in forward_parts}
             share = statistics.median(g / t for g, t in zip(grammar_s, steps["json"], strict=True))
-            by_part = {k: statistics.median(g[k] for g in grammar_parts) for k in grammar_parts[0]}
+            by_part = {k: statistics.median(g[k] for g in grammar_parts) for k in grammar_parts[0] if k != "forward"}
             row = {"n": n, "rates": rates, "paired_ratios": paired, "median_paired_ratio": statistics.median(paired),
                    "median_step_s": med, "p10_step_s": p10, "step_ratio": med["free"] / med["json"],
                    "p10_step_ratio": p10["free"] / p10["json"], "grammar_share_median": share,
                    "grammar_s_median": statistics.median(grammar_s), "grammar_s_median_by_part": by_part,
+                   "forward_s_median": fwd,
                    "steps": steps, "grammar_parts": grammar_parts}
             report["rows"].append(row)
             print(f"{n:2d} sequences: unconstrained {statistics.median(rates['free']):7.1f} tok/s, "
@@ -173,7 +181,8 @@ def main() -> None:
                   f"vs {p10['json'] * 1e3:.1f} ms -> {row['p10_step_ratio']:.3f}; grammar work on the critical path "
                   f"{row['grammar_s_median'] * 1e3:.2f} ms/step ("
                   + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in by_part.items())
-                  + f") = {share * 100:.2f}% of the step (-> ratio {1 - share:.3f})", flush=True)
+                  + f") = {share * 100:.2f}% of the step (-> ratio {1 - share:.3f}); C step alone median "
+                  f"{fwd['free'] * 1e3:.1f} vs {fwd['json'] * 1e3:.1f} ms", flush=True)
     report["load_after"] = os.getloadavg()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in report['load_after'])}", flush=True)
     if a.json:
