@@ -489,11 +489,14 @@ static int gemm_min_env() {
 static int gemm_min_pairs() { return g_gemm_min; }
 
 /* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
- * from gemm_min pairs per group, and only with enough tiles to fill the GPU (a dense q or
- * o projection at 8-32 tokens has 64-128 tiles of 64 rows, each a serial pass over K: the
- * matvec's thousands of warps finish first there). Same results either way. */
+ * from gemm_min pairs per group, only with enough tiles to fill the GPU (a dense q or o
+ * projection at 8-32 tokens has 64-128 tiles of 64 rows, each a serial pass over K: the
+ * matvec's thousands of warps finish first there), and for a single group (a dense layer,
+ * the output head) only from 64 rows (measured: the 151,936-row Q6_K head at 8 and 32
+ * tokens is faster on the matvec). Same results either way. */
 static bool use_gemm(int64_t N, int groups, int expected) {
     const int64_t tiles = (N + MM_BM - 1) / MM_BM * groups * ((expected + MM_BN - 1) / MM_BN);
+    if (groups == 1 && expected < 64) return false;
     return expected >= gemm_min_pairs() && tiles >= 256;
 }
 
