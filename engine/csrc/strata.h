@@ -77,6 +77,10 @@ st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int3
  * micro-kernel the step uses. out[nt, nr]. For the harness's blocked == alone check. */
 st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
                             const float *d, const int32_t *sums, int64_t n, float *out);
+/* The micro-kernel's rate with its weights in cache, for benchmarks: 8 rows x n of `type`
+ * (random codes, small scales) against nt (1..64) token rows, run until `seconds` of this
+ * thread's CPU time have passed; *gmac_s = multiply-accumulates per CPU second / 1e9. */
+st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s);
 
 /* Attention of one head over caller-provided paged K/V (the layout of st_kv: K is
  * [block][n_kv][head_dim][block_size] F16, V is [block][block_size][n_kv * head_dim]).

@@ -3,6 +3,7 @@
  * directly (the kernel test harness and benchmarks). The kernels themselves live in
  * quants.c, kernels_*.c and attention.c and know nothing of this selection. */
 #include <stdlib.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -150,5 +151,57 @@ st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, co
     const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
     fn(&view, q, head_dim, nq, p0, out, head_dim, scratch);
     free(scratch);
+    return ST_OK;
+}
+
+static double thread_cpu_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s) {
+    st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!st_type_supported(type) || st_type_is_float(type))
+        return st_fail(ST_EUNSUPPORTED, "kernel_rate: type %d is not a supported quantised type", type);
+    if (!gmac_s || n <= 0 || n > ST_MAX_ROW || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
+        !(seconds > 0.0 && seconds <= 60.0))
+        return st_fail(ST_EINVAL, "kernel_rate: bad arguments (n=%lld nt=%d)", (long long)n, nt);
+    const size_t rb = st_row_bytes(type, n);
+    uint8_t *w = malloc(rb * ST_ROW_BLOCK);
+    int8_t *q = malloc((size_t)n * (size_t)nt);
+    float *d = malloc(sizeof(float) * (size_t)(n / QK) * (size_t)nt);
+    float *xs8 = malloc(sizeof(float) * (size_t)(n / 4) * (size_t)nt), *xs = malloc(sizeof(float) * (size_t)(n / 16) * (size_t)nt);
+    int32_t *s = malloc(sizeof(int32_t) * (size_t)(n / 16) * (size_t)nt);
+    float *x = malloc(sizeof(float) * (size_t)n);
+    if (!w || !q || !d || !xs8 || !xs || !s || !x) {
+        free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+        return st_fail(ST_ENOMEM, "kernel_rate: out of memory");
+    }
+    uint32_t r = 12345u;
+    for (size_t i = 0; i < rb * ST_ROW_BLOCK; i++) r = r * 1664525u + 1013904223u, w[i] = (uint8_t)(r >> 24);
+    for (size_t i = 1; i < rb * ST_ROW_BLOCK; i += 2) w[i] &= 0x3b; /* f16 fields wherever they fall stay finite */
+    act_row rows[ST_MAX_NT];
+    for (int32_t t = 0; t < nt; t++) {
+        for (int64_t i = 0; i < n; i++) r = r * 1664525u + 1013904223u, x[i] = (float)(r >> 8) / 16777216.0f - 0.5f;
+        const size_t o = (size_t)t;
+        st_quantize_act_row(x, n, q + o * (size_t)n, d + o * (size_t)(n / QK), s + o * (size_t)(n / 16),
+                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / 16));
+        rows[t] = (act_row){q + o * (size_t)n, d + o * (size_t)(n / QK), s + o * (size_t)(n / 16),
+                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / 16)};
+    }
+    const dot_q_fn f = pick_q(resolve(variant), type);
+    float out[ST_MAX_NT * ST_ROW_BLOCK];
+    int64_t calls = 0;
+    const double t0 = thread_cpu_s();
+    double dt = 0.0;
+    do {
+        f(w, rb, ST_ROW_BLOCK, n, nt, rows, out, ST_ROW_BLOCK);
+        calls++;
+        dt = thread_cpu_s() - t0;
+    } while (dt < seconds);
+    *gmac_s = (double)calls * ST_ROW_BLOCK * (double)n * nt / dt / 1e9;
+    free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
     return ST_OK;
 }

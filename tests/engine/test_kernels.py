@@ -359,3 +359,16 @@ def test_variant_forced_from_environment() -> None:
     env["STRATA_KERNEL_VARIANT"] = "sse9"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "STRATA_KERNEL_VARIANT='sse9'" in bad.stderr
+
+
+def test_kernel_rate_runs_and_rejects_bad_arguments() -> None:
+    """st_kernel_rate (the benchmark's in-cache micro-kernel rate): a positive rate for a short
+    run, typed errors for bad shapes and types."""
+    out = ffi.new("double *")
+    q41 = int(GGMLQuantizationType["Q4_1"])
+    assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.01, out) == 0 and out[0] > 0
+    assert lib.st_kernel_rate(q41, VARIANTS["auto"], 100, 8, 0.01, out) == lib.ST_EINVAL
+    assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 65, 0.01, out) == lib.ST_EINVAL
+    assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.0, out) == lib.ST_EINVAL
+    assert lib.st_kernel_rate(int(GGMLQuantizationType["F32"]), VARIANTS["auto"], 256, 8, 0.01, out) == \
+        lib.ST_EUNSUPPORTED
