@@ -138,6 +138,7 @@ PROMPTS = ["Describe a fruit.", "Tell me about a planet.", "Make up a user profi
            "List some settings for a game.", "What is the weather like?"]
 
 
+@pytest.mark.slow  # ~110 engine steps of up to 32 sequences: minutes on a loaded 2-core machine
 async def test_generated_schemas_always_validate(lane: Lane, gw_url: str, http: aiohttp.ClientSession) -> None:
     """Must-show 1: 100 seeded schemas x prompts, all at once (the lane batches them), half through
     the gateway and half straight to the lane, half streamed: every answer parses and validates."""
