@@ -22,7 +22,7 @@ class MemoryConfig(BaseModel):
                                     "max_tokens (at most a quarter of the window)")
     summarize: bool = True
     summarize_after_tokens: int = Field(768, ge=64, description="unsummarised history (estimated tokens) that "
-                                        "starts a summarisation")
+                                        "starts a summarisation, once a composition has left turns out")
     summary_keep_turns: int = Field(6, ge=0, description="newest turns never folded into the summary")
     summary_input_tokens: int = Field(768, ge=64, description="turns folded by one summarisation call, at most")
     summary_max_tokens: int = Field(160, ge=16, le=4096, description="the summary's length limit (the lane's "
