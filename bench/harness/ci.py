@@ -73,6 +73,14 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+class Expired(BaseException):  # not an Exception: no scenario handler may swallow it
+    """The whole run took longer than --timeout-s."""
+
+
+def _expired(signum: int, frame: object) -> None:
+    raise Expired
+
+
 def check_run(out: Path, names: list[str]) -> list[str]:
     """CI's checks of one run folder."""
     from bench.harness.runner import verify
@@ -102,9 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "var" / "bench")
     ap.add_argument("--soak-s", type=float, default=None, help="soak's duration (default 600; quick 60)")
     ap.add_argument("--keep", action="store_true", help="keep the stack's temp folder (logs)")
+    ap.add_argument("--timeout-s", type=int, default=None, help="give up (stack shut down, exit 1) after this long "
+                    "(default: quick 1800, full none)")
     args = ap.parse_args(argv)
     names = parse_scenarios(args.scenarios)
     signal.signal(signal.SIGTERM, _terminate)  # a CI timeout still shuts the throwaway stack down
+    limit = args.timeout_s if args.timeout_s is not None else (1800 if args.quick else 0)
+    if limit > 0:  # a hung request must not hold CI until its own limit
+        signal.signal(signal.SIGALRM, _expired)
+        signal.alarm(limit)
     kv = args.kv_tokens or (1024 if args.quick else 8192)
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="sbench-", dir="/tmp"))  # short: supervisord's socket path is limited
@@ -132,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 took = time.monotonic() - t1
     except StackError as e:
         print(f"bench: {e}", file=sys.stderr)
+        return 1
+    except Expired:
+        print(f"bench: FAIL: not done after {limit} s (--timeout-s); the stack was shut down", file=sys.stderr)
         return 1
     finally:
         if not args.keep:
