@@ -54,11 +54,17 @@ def compare(a: dict[str, Any], b: dict[str, Any], threshold: float = 0.10,
             rel = None
             if va is not None and vb is not None:
                 rel = (vb - va) / abs(va) if abs(va) > min_abs else (0.0 if abs(vb - va) <= min_abs else math.inf)
-            worse = rel is not None and ((better == "higher" and rel < -threshold) or
-                                         (better == "lower" and rel > threshold))
+            noise = float(ma.get("noise") or 0.0)
+            if va is not None and vb is not None and abs(vb - va) <= noise:
+                rel = 0.0 if rel is None or math.isinf(rel) else rel
+                quiet = True
+            else:
+                quiet = False
+            worse = not quiet and rel is not None and ((better == "higher" and rel < -threshold) or
+                                                       (better == "lower" and rel > threshold))
             gone = better is not None and va is not None and vb is None  # measured before, not any more
-            improved = rel is not None and ((better == "higher" and rel > threshold) or
-                                            (better == "lower" and rel < -threshold))
+            improved = not quiet and rel is not None and ((better == "higher" and rel > threshold) or
+                                                          (better == "lower" and rel < -threshold))
             changes.append(Change(name, metric, va, vb, rel, better, worse or gone, improved))
         checks_b = {c["name"]: c for c in rb.get("checks") or []}
         for c in ra.get("checks") or []:

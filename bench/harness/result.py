@@ -45,11 +45,13 @@ class ScenarioResult:
     error: str | None = None
     data: dict[str, Any] = field(default_factory=dict)  # raw series for plots and later analysis
 
-    def metric(self, name: str, value: float | None, unit: str = "", better: Better = None) -> None:
+    def metric(self, name: str, value: float | None, unit: str = "", better: Better = None,
+               noise: float = 0.0) -> None:
+        """``noise``: an absolute change below it is never a regression (slopes near zero, say)."""
         if value is not None and isinstance(value, float) and not math.isfinite(value):
             value = None
         self.metrics[name] = {"value": None if value is None else round(float(value), 4), "unit": unit,
-                              "better": better}
+                              "better": better, "noise": noise}
 
     def check(self, name: str, value: float | None, op: Literal[">=", "<=", "=="], threshold: float,
               note: str = "") -> bool:

@@ -89,3 +89,13 @@ def test_the_reported_command_line_hides_the_key() -> None:
 
     assert redact(["run", "--key", "sk-strata-secret", "--quick"]) == ["run", "--key", "***", "--quick"]
     assert redact(["run", "--key=sk-strata-secret"]) == ["run", "--key=***"]
+
+
+def test_changes_inside_a_figures_noise_are_not_flagged() -> None:
+    a = results({"slope": (0.1, "lower")})
+    b = results({"slope": (3.0, "lower")})
+    a["scenarios"]["single"]["metrics"]["slope"]["noise"] = 5.0
+    changes, _ = compare(a, b)
+    assert not changes[0].regression and not changes[0].improvement
+    b = results({"slope": (9.0, "lower")})
+    assert compare(a, b)[0][0].regression

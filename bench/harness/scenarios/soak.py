@@ -99,12 +99,12 @@ async def run(ctx: Context, res: ScenarioResult) -> None:
         sl = slope(xs, ys)
         if key.startswith("rss:"):
             series_rss[key[4:]] = ([x * 60 for x in xs], ys)
-            res.metric(f"rss_slope_mb_min:{key[4:]}", sl, "MiB/min", "lower")
+            res.metric(f"rss_slope_mb_min:{key[4:]}", sl, "MiB/min", "lower", noise=5.0)
             rows.append([f"RSS slope {key[4:]} MiB/min (now {ys[-1]:.0f} MiB)", _f(sl), f"<= {max_rss_slope:g}",
                          _pf(sl is not None and sl <= max_rss_slope)])
             worst = max(worst, sl or 0.0)
         else:
-            res.metric(f"kv_slope_per_min:{key[3:]}", sl, "/min", "lower")
+            res.metric(f"kv_slope_per_min:{key[3:]}", sl, "/min", "lower", noise=0.2)
             rows.append([f"KV usage slope {key[3:]} per min (max {max(ys):.2f})", _f(sl, 4), "-", "-"])
     if series_rss:
         res.check("worst RSS slope MiB/min", worst, "<=", max_rss_slope)
