@@ -105,6 +105,7 @@ bench: setup $(STAMP_BENCH)
 ifeq ($(QUICK),)
 	$(VPY) -m bench.engine_cpu
 	$(VPY) -m bench.engine_cpu --model $$($(VPY) -m engine.default_model --quant k)
+	$(VPY) -m bench.engine_cpu --synthetic --no-batching
 	$(VPY) -m bench.engine_batching
 	$(VPY) -m bench.gateway_overhead --json var/bench/gateway_overhead.json
 	$(VPY) -m bench.harness.ci --llama
