@@ -158,7 +158,8 @@ def wait_ready(st: Stack, timeout: float) -> None:
         time.sleep(0.25)
 
 
-def _leftovers(marker: str) -> list[int]:
+def processes_mentioning(marker: str) -> list[int]:
+    """Pids (other than ours) whose command line contains ``marker``, zombies left out."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -199,7 +200,7 @@ def throwaway_stack(tmp: Path, kv_tokens: int = 4096, timeout: float = 180.0) ->
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for pid in _leftovers(str(tmp)):  # only processes whose command line names our temp folder
+        for pid in processes_mentioning(str(tmp)):  # only processes whose command line names our temp folder
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         out.close()

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from bench.harness.stack import free_port, processes_mentioning
 from engine.default_model import build_default_model, default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,12 +40,6 @@ ADMIN_KEY = "test-admin-" + "k" * 24  # only ever in a 0600 temp file and this p
 KV_TOKENS = 2048
 DRAIN_TIMEOUT_S = 30.0  # below the conf's stopwaitsecs (50); the drain test's streams take ~10 s
 READY_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lane_cores() -> dict[str, list[int]]:
@@ -135,22 +129,6 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, dict[str, Any]]:
             return e.code, {}
     except (OSError, ValueError):
         return 0, {}
-
-
-def processes_mentioning(marker: str) -> list[int]:
-    """Pids (other than ours) whose command line contains ``marker``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            out.append(int(entry.name))
-    return out
 
 
 @dataclass
