@@ -16,7 +16,10 @@ floor for batch-1 decode (weight bytes read per token / measured device copy ban
 median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
 comparison, batch 1 without graphs, per-layer events, PDL or the fused router launch, prefill
 with the matvec kernel only, and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
-llama.cpp is not measured here (see docs/gpu-runs.md).
+With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
+llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
+llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
+with the ratios against the issue's targets.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -74,6 +78,10 @@ def build_model(path: Path, shape: dict, skew: float, seed: int = 0) -> Path:
     w.add_expert_count(ne)
     w.add_expert_used_count(k)
     w.add_expert_feed_forward_length(ff)
+    # no tokenizer, but a vocabulary size: llama.cpp then loads the file with V dummy tokens (its
+    # benchmarks feed random ids, as this one does); Strata reads no tokenizer unless asked to
+    w.add_tokenizer_model("no_vocab")
+    w.add_vocab_size(V)
 
     def raw(name: str, blob: np.ndarray, qt: QT) -> None:
         w.add_tensor(name, blob, raw_shape=blob.shape, raw_dtype=qt)
@@ -144,12 +152,20 @@ def bytes_per_token(mf: object) -> int:
     return r.dense_bytes + r.expert_bytes_per_token + emb_row
 
 
+def _shape(args: argparse.Namespace) -> dict:
+    return QUICK if args.quick else dict(SHAPE, n_layer=args.layers)
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    return Path(args.model_dir) / (f"qwen3moe-synth-{_shape(args)['n_layer']}L-skew{args.skew:g}"
+                                   f"{'-quick' if args.quick else ''}.gguf")
+
+
 def run(args: argparse.Namespace) -> dict:
     from engine.engine import Engine
 
-    shape = QUICK if args.quick else dict(SHAPE, n_layer=args.layers)
-    path = Path(args.model_dir) / (f"qwen3moe-synth-{shape['n_layer']}L-skew{args.skew:g}"
-                                   f"{'-quick' if args.quick else ''}.gguf")
+    shape = _shape(args)
+    path = _model_path(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not path.exists():
@@ -268,6 +284,64 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
+# The issue's targets: Strata over llama.cpp on the same file, same machine, same run.
+TARGETS = {"decode_b1": 1.25, "decode_b8": None, "decode_b32": 1.0, "prefill_512": 0.7, "prefill_4096": 0.7}
+
+
+def run_llama(bin_dir: Path, model: Path, timeout_s: float = 420.0) -> dict:
+    """llama.cpp with CUDA on the same GGUF: all layers on the GPU, flash attention on.
+
+    llama-bench gives prefill 512 / 4,096 (pp, n_batch 2048, n_ubatch 512: its defaults) and
+    decode at batch 1 (tg128 from an empty context); llama-batched-bench gives aggregate decode
+    at 8 and 32 sequences of distinct random 32-token prompts, 64 tokens each (as Strata's).
+    Returns tok/s by the same keys as Strata's results, plus the raw outputs' paths' content.
+    """
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    out: dict = {}
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "512,4096",
+           "-n", "128", "-r", "3", "-o", "json"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    out["llama_bench_s"] = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-2000:]}")
+    for r in json.loads(p.stdout):
+        if r["n_gen"] == 0:
+            out[f"prefill_{r['n_prompt']}_tok_s"] = float(r["avg_ts"])
+        elif r["n_prompt"] == 0:
+            out["decode_b1_tok_s"] = float(r["avg_ts"])
+        out.setdefault("build", f"{r.get('build_commit', '?')} ({r.get('build_number', '?')}), "
+                                f"{r.get('gpu_info', '?')}, backends {r.get('backends', '?')}")
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-ngl", "99", "-fa", "on", "-c", "8192",
+           "-b", "2048", "-ub", "512", "-npp", "32", "-ntg", "64", "-npl", "8,32", "--output-format", "jsonl"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    out["llama_batched_bench_s"] = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-batched-bench failed ({p.returncode}): {p.stderr[-2000:]}")
+    for line in (p.stdout + "\n" + p.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            r = json.loads(line)
+            out[f"decode_b{r['pl']}_tok_s"] = float(r["speed_tg"])
+    return out
+
+
+def print_table(res: dict, peer: dict | None) -> None:
+    """The headline: Strata, llama.cpp, the ratio and the issue's target for each figure."""
+    print(f"{'metric (tok/s)':<22}{'Strata GPU':>12}{'llama.cpp':>12}{'ratio':>8}{'target':>8}")
+    for k, tgt in TARGETS.items():
+        s = res.get(f"{k}_tok_s")
+        p = (peer or {}).get(f"{k}_tok_s")
+        ratio = f"{s / p:.2f}x" if s and p else "-"
+        print(f"{k:<22}{s if s else float('nan'):>12.1f}{p if p else float('nan'):>12.1f}{ratio:>8}"
+              f"{(f'{tgt:.2f}x' if tgt else '-'):>8}")
+    print(f"{'hbm_floor_b1':<22}{res.get('hbm_floor_tok_s', float('nan')):>12.1f}"
+          f"   (Strata reaches {100 * res.get('floor_share_b1', float('nan')):.1f}%"
+          + (f", llama.cpp {100 * peer['decode_b1_tok_s'] / res['hbm_floor_tok_s']:.1f}%)"
+             if peer and "decode_b1_tok_s" in peer and "hbm_floor_tok_s" in res else ")"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GPU engine benchmark on a synthetic Qwen3-30B-A3B-shaped model")
     ap.add_argument("--layers", type=int, default=48)
@@ -279,8 +353,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences")
     ap.add_argument("--gemm-min", default="2,4,1000000",
                     help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
+    ap.add_argument("--llama-bin", default=None,
+                    help="folder with llama.cpp's llama-bench and llama-batched-bench built with CUDA "
+                         "(tests/engine/gpu/build_llama_cuda.sh): measured on the same file after Strata")
+    ap.add_argument("--llama-only", action="store_true", help="build the model and measure llama.cpp only")
+    ap.add_argument("--build-only", action="store_true", help="only write the model file (if missing) and exit")
     args = ap.parse_args(argv)
-    res = run(args)
+    if args.build_only:
+        path = _model_path(args)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            build_model(path, _shape(args), args.skew)
+        print(f"model: {path} ({path.stat().st_size / 2**30:.2f} GiB)")
+        return 0
+    res = run(args) if not args.llama_only else {"model": str(_model_path(args))}
+    peer = None
+    if args.llama_bin:
+        if args.llama_only and not Path(res["model"]).exists():
+            Path(res["model"]).parent.mkdir(parents=True, exist_ok=True)
+            build_model(Path(res["model"]), _shape(args), args.skew)
+        try:
+            peer = run_llama(Path(args.llama_bin), Path(res["model"]))
+        except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
+            print(f"llama.cpp not measured: {type(e).__name__}: {e}")
+        res["llama_cpp"] = peer
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
@@ -288,7 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in res.items():
         if isinstance(v, float) and k not in ("file_gib", "build_s", "load_s"):
             print(f"{k:<36}{v:>14.3f}")
+    print_table(res, peer)
     return 0
+
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench and llama-batched-bench with CUDA on the GPU machine, for the
+# peer column of bench/engine_gpu.py (docs/gpu-runs.md). The source is the llama.cpp vendored in
+# the llama-cpp-python source distribution of the version in .venv, carried as a trimmed tarball
+# (.llama/, ignored by git; see docs/engine.md "GPU benchmark against llama.cpp" for how it is made).
+#
+#   build_llama_cuda.sh SRC.tar.gz BUILD_DIR [PACK_DIR]
+#
+# Shared libraries, so that the binaries can come back through $OUT in a few pieces (PACK_DIR:
+# bin.tar.xz split into 15 MiB parts) and be carried into a later call instead of rebuilt.
+# Prints one line: where the binaries are, or why not.
+set -u
+src=${1:?source tarball}; b=${2:?build dir}; pack=${3:-}
+if [ -x "$b/bin/llama-bench" ] && [ -x "$b/bin/llama-batched-bench" ]; then
+  echo "llama.cpp: already built in $b"; exit 0
+fi
+command -v cmake >/dev/null && command -v nvcc >/dev/null || { echo "llama.cpp: no cmake or nvcc"; exit 1; }
+s=$(mktemp -d)
+tar xzf "$src" -C "$s" || { echo "llama.cpp: cannot unpack $src"; exit 1; }
+extra=()
+# cuBLAS: the toolkit's if it has one, else the pip package torch uses (nvidia-cublas)
+if ! ls /usr/local/cuda/lib64/libcublas.so >/dev/null 2>&1; then
+  lib=$(python3 - <<'EOF'
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+hits = [p for r in roots for p in glob.glob(os.path.join(r, "nvidia", "**", "libcublas.so*"), recursive=True)]
+print(os.path.dirname(sorted(hits)[0]) if hits else "")
+EOF
+)
+  [ -n "$lib" ] || { echo "llama.cpp: no cuBLAS found (toolkit or pip)"; exit 1; }
+  inc=$(dirname "$lib")/include
+  c=$(mktemp -d)
+  for n in cublas cublasLt; do ln -sf "$(ls "$lib"/lib$n.so* | head -1)" "$c/lib$n.so"; done
+  extra+=("-DCUDA_cublas_LIBRARY=$c/libcublas.so" "-DCUDA_cublasLt_LIBRARY=$c/libcublasLt.so"
+          "-DCMAKE_CXX_FLAGS=-I$inc" "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_BUILD_RPATH=$lib")
+  echo "cuBLAS from $lib" >&2
+fi
+t0=$(date +%s)
+cmake -S "$s/llama.cpp" -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+  -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_NATIVE=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF "${extra[@]}" >&2 \
+  || { echo "llama.cpp: cmake configure failed"; exit 1; }
+cmake --build "$b" --target llama-bench llama-batched-bench -j "$(nproc)" >&2 \
+  || { echo "llama.cpp: build failed"; exit 1; }
+echo "llama.cpp: built in $b in $(( $(date +%s) - t0 )) s"
+if [ -n "$pack" ]; then
+  mkdir -p "$pack"
+  (cd "$b" && XZ_OPT="-T0 -6" tar cJf - bin/llama-bench bin/llama-batched-bench $(find bin -name '*.so*')) \
+    | split -b 15M - "$pack/llama-bin.tar.xz.part-"
+  ls -la "$pack" >&2
+fi
