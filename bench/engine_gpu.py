@@ -14,7 +14,9 @@ It prints Strata's decode tok/s at batch 1 (128 tokens), aggregate decode tok/s 
 concurrent distinct sequences, prefill tok/s for 512- and 4,096-token prompts, and the HBM
 floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth); the
 median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
-comparison, batch 1 without graphs, per-layer events, PDL or the fused router launch, prefill
+comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
+fused router launch, or either decode fusion (q/k/v post-processing in attention, the down
+input quantised by gate/up), prefill
 with the matvec kernel only, and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
@@ -199,7 +201,11 @@ def run(args: argparse.Namespace) -> dict:
 
     gpu_ms: dict[str, float] = {}  # median device time of a timed decode step (st_step_stats.t_total)
 
-    def decode(n_seq: int, steps: int, prompt: int = 32, tag: str = "") -> tuple[float, object]:
+    def decode(n_seq: int, steps: int, prompt: int = 32, tag: str = "", prof: object = None,
+               sample: bool = True) -> tuple[float, object]:
+        """Aggregate decode tok/s of n_seq sequences (greedy: the host argmax picks each next
+        token; sample=False feeds random ids instead, as llama-batched-bench does). prof: a
+        torch profiler started after the prompts' prefill and stopped after the last step."""
         tabs = [blocks(prompt + steps + 1) for _ in range(n_seq)]
         try:
             last = []
@@ -210,14 +216,19 @@ def run(args: argparse.Namespace) -> dict:
             step_t = []
             for s in range(steps + 2):  # two warm-up steps
                 if s == 2:
+                    if prof is not None:
+                        prof.start()  # type: ignore[attr-defined]
                     t = time.perf_counter()
                 logits = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
                                      expert_hist=hist)
                 if s >= 2:
                     step_t.append(eng.last_stats.t_total)
-                last = [int(x) for x in logits.argmax(axis=1)]
+                last = [int(x) for x in logits.argmax(axis=1)] if sample else \
+                    [int(x) for x in rng.integers(0, V, size=n_seq)]
                 pos += 1
             rate = n_seq * steps / (time.perf_counter() - t)
+            if prof is not None:
+                prof.stop()  # type: ignore[attr-defined]
             if tag:
                 gpu_ms[tag] = 1e3 * float(np.median(step_t))
             return rate, eng.last_stats
@@ -231,15 +242,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.profile:  # kernel times of decode at 1 and 32 sequences, by CUPTI through torch's profiler
         import torch.profiler as tp
 
-        os.environ["STRATA_GPU_GRAPHS"] = "0"
+        # graphs and PDL off: each kernel's time is its own (with PDL a kernel's span includes
+        # its wait for the predecessor), the decode steps only (not the prompts' prefill)
+        os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"
         tables = []
         for n_seq in (1, 32):
             decode(n_seq, 4)
-            with tp.profile(activities=[tp.ProfilerActivity.CUDA]) as prof:
-                decode(n_seq, 16)
-            tables.append(f"== {n_seq} sequence(s), 16 steps, graphs off\n" + prof.key_averages().table(
-                sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
-        del os.environ["STRATA_GPU_GRAPHS"]
+            prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+            decode(n_seq, 16, prof=prof)
+            tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
+                          prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
+                                                    max_name_column_width=60))
+        del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
         table = "\n".join(tables)
         print(table)
         if args.json:
@@ -258,7 +272,13 @@ def run(args: argparse.Namespace) -> dict:
     del os.environ["STRATA_GPU_GRAPHS"]
     os.environ["STRATA_GPU_LAYER_EVENTS"] = "0"  # what the per-layer timing events cost
     res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128, tag="b1_no_events")
+    os.environ["STRATA_GPU_LAYER_EVENTS"] = "1"  # on every step (the default samples one step in 16)
+    res["decode_b1_all_layer_events_tok_s"], _ = decode(1, 128, tag="b1_all_events")
     del os.environ["STRATA_GPU_LAYER_EVENTS"]
+    for env, key in (("STRATA_GPU_FUSED_QKV", "no_fused_qkv"), ("STRATA_GPU_FUSED_QUANT", "no_fused_quant")):
+        os.environ[env] = "0"  # the decode fusions off, one at a time, for comparison
+        res[f"decode_b1_{key}_tok_s"], _ = decode(1, 128, tag=f"b1_{key}")
+        del os.environ[env]
     os.environ["STRATA_GPU_ROUTE_SPLIT"] = "1"  # router logits and routing as two launches, for comparison
     res["decode_b1_route_split_tok_s"], _ = decode(1, 128, tag="b1_route_split")
     del os.environ["STRATA_GPU_ROUTE_SPLIT"]
@@ -268,6 +288,9 @@ def run(args: argparse.Namespace) -> dict:
     res["decode_b8_tok_s"], st8 = decode(8, 64, tag="b8")
     res["decode_b8_stats_ms"] = {k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     res["decode_b32_tok_s"], st32 = decode(32, 64, tag="b32")
+    # the host's greedy pick (argmax over 32 x 151,936 logits) left out, as llama-batched-bench does
+    res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", sample=False)
+    res["decode_b1_random_next_tok_s"], _ = decode(1, 128, tag="b1_random_next", sample=False)
     for gm in args.gemm_min.split(","):  # other GEMM thresholds (pairs per group), same results, other speed
         os.environ["STRATA_GPU_GEMM_MIN"] = gm
         res[f"decode_b8_gemm_min{gm}_tok_s"], _ = decode(8, 32, tag=f"b8_gemm_min{gm}")

@@ -135,6 +135,14 @@ struct lin_args {
     float *out;
     int64_t ldo;
     int mode;
+    /* matvec SWIGLU only (N % 32 == 0, ldo == N): also quantise the output rows to 8-bit
+     * blocks (hq[P, N], hd[P, N/32], hs[P, N/16], exactly k_quant_act's layout and values),
+     * done by the last of the 32 / LIN_WARPS blocks of each 32-row chunk to finish (qcnt: a
+     * counter per (group, chunk), 0 between launches). NULL: not fused. */
+    int8_t *hq;
+    float *hd;
+    int32_t *hs;
+    int32_t *qcnt;
 };
 
 __device__ __forceinline__ bool group_of(const lin_groups &g, int gi, int &e, int &start, int &count) {
@@ -245,6 +253,26 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
 #pragma unroll
             for (int t = 0; t < NT; t++)
                 if (rows[t] >= 0) store_at(a, out + (int64_t)pair_at(a.g, start, p0 + t) * ldo + r, acc[t], acc2[t]);
+        }
+    }
+    if (SW && a.hq) { /* the down projection's 8-bit input, one launch fewer (no block exited early: N % 32 == 0) */
+        __shared__ int last;
+        constexpr int per_chunk = 32 / LIN_WARPS;
+        const int c = (int)blockIdx.x / per_chunk;
+        __threadfence(); /* this block's outputs are visible before it is counted */
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int32_t *ctr = a.qcnt + (int64_t)blockIdx.y * (a.N / 32) + c;
+            last = atomicAdd(ctr, 1) == per_chunk - 1;
+            if (last) *ctr = 0; /* every block of the chunk has counted: ready for the next launch */
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        for (int i = warp; i < count; i += LIN_WARPS) {
+            const int64_t p = pair_at(a.g, start, i);
+            const float v = __ldcg(a.out + p * a.ldo + 32 * c + lane); /* other blocks' rows: not via L1 */
+            quant_block32(v, lane, a.hq + p * a.N + 32 * c, a.hd + p * (a.N / 32) + c, a.hs + p * (a.N / 16) + 2 * c);
         }
     }
 }
@@ -653,23 +681,19 @@ struct qkv_args {
  * / QKV_WARPS). The head is staged in shared memory so the norm and the rotation (whose
  * pairs cross lanes) never go back to global memory in between. */
 #define QKV_WARPS 4
-__global__ void __launch_bounds__(QKV_WARPS * 32) k_qkv_post(qkv_args a) {
-    PDL_ENTER();
-    __shared__ float hs[QKV_WARPS][256];
-    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int h = blockIdx.y * QKV_WARPS + warp;
-    if (h >= a.n_head + 2 * a.n_kv) return;
+
+/* Head hh of kind 0 (q), 1 (k) or 2 (v) of token t: bias, then for q and k the head norm and
+ * RoPE, into v[hd] (shared memory, one warp). The one definition k_qkv_post and the fused
+ * decode attention both use, so either gives the same bits. */
+__device__ __forceinline__ void qkv_head(const qkv_args &a, int t, int kind, int hh, float *v, int lane) {
     const int qd = a.n_head * a.hd, kd = a.n_kv * a.hd, hd = a.hd;
-    const int kind = h < a.n_head ? 0 : h < a.n_head + a.n_kv ? 1 : 2; /* q, k, v */
-    const int hh = kind == 0 ? h : kind == 1 ? h - a.n_head : h - a.n_head - a.n_kv;
-    float *src = kind == 0 ? a.q + (int64_t)t * qd : kind == 1 ? a.k + (int64_t)t * kd : a.v + (int64_t)t * kd;
-    src += hh * hd;
+    const float *src = (kind == 0 ? a.q + (int64_t)t * qd : kind == 1 ? a.k + (int64_t)t * kd : a.v + (int64_t)t * kd) +
+                       hh * hd;
     const float *bias = kind == 0 ? a.bq : kind == 1 ? a.bk : a.bv;
-    float *v = hs[warp];
     for (int i = lane; i < hd; i += 32) v[i] = bias ? src[i] + bias[hh * hd + i] : src[i];
     __syncwarp();
-    const int32_t p = a.pos[t];
     if (kind < 2) {
+        const int32_t p = a.pos[t];
         if (a.q_norm) head_rmsnorm(v, kind == 0 ? a.q_norm : a.k_norm, hd, a.eps, lane);
         for (int i = lane; i < a.rope_dim / 2; i += 32) {
             const float theta = __fmul_rn((float)p, a.inv_freq[i]);
@@ -677,10 +701,12 @@ __global__ void __launch_bounds__(QKV_WARPS * 32) k_qkv_post(qkv_args a) {
         }
         __syncwarp();
     }
-    if (kind == 0) {
-        for (int i = lane; i < hd; i += 32) src[i] = __fmul_rn(v[i], a.scale);
-        return;
-    }
+}
+
+/* K (kind 1) or V (kind 2) head hh of token t from v[hd] into its cache slot. */
+__device__ __forceinline__ void kv_store(const qkv_args &a, int t, int kind, int hh, const float *v, int lane) {
+    const int kd = a.n_kv * a.hd, hd = a.hd;
+    const int32_t p = a.pos[t];
     const int32_t blk = a.block_tables[(int64_t)a.seq[t] * a.max_blocks + p / a.block_size], slot = p % a.block_size;
     const int64_t kbase = (int64_t)blk * kd * a.block_size;
     for (int i = lane; i < hd; i += 32) {
@@ -688,6 +714,24 @@ __global__ void __launch_bounds__(QKV_WARPS * 32) k_qkv_post(qkv_args a) {
         if (kind == 1) a.kc[kbase + (int64_t)c * a.block_size + slot] = __float2half_rn(v[i]);
         else a.vc[kbase + (int64_t)slot * kd + c] = __float2half_rn(v[i]);
     }
+}
+
+__global__ void __launch_bounds__(QKV_WARPS * 32) k_qkv_post(qkv_args a) {
+    PDL_ENTER();
+    __shared__ float hs[QKV_WARPS][256];
+    const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int h = blockIdx.y * QKV_WARPS + warp;
+    if (h >= a.n_head + 2 * a.n_kv) return;
+    const int kind = h < a.n_head ? 0 : h < a.n_head + a.n_kv ? 1 : 2; /* q, k, v */
+    const int hh = kind == 0 ? h : kind == 1 ? h - a.n_head : h - a.n_head - a.n_kv;
+    float *v = hs[warp];
+    qkv_head(a, t, kind, hh, v, lane);
+    if (kind == 0) {
+        float *dst = a.q + (int64_t)t * a.n_head * a.hd + hh * a.hd;
+        for (int i = lane; i < a.hd; i += 32) dst[i] = __fmul_rn(v[i], a.scale);
+        return;
+    }
+    kv_store(a, t, kind, hh, v, lane);
 }
 
 /* ------------------------------------------------------------ attention */
@@ -702,6 +746,12 @@ struct attn_args {
     int8_t *aq;                     /* non-NULL: also quantise the output rows (hd % 32 == 0) */
     float *ad;
     int32_t *as;
+    /* fused: k_qkv_post's work done here (steps whose tokens all belong to different
+     * sequences: decode). q holds the raw q rows then; each block prepares its own q head and
+     * its kv head's new K and V (the first q head of each kv group also writes them to the
+     * cache) and uses the new key from shared memory, not from the slot being written. */
+    int32_t fused;
+    qkv_args qa;
 };
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
@@ -737,8 +787,22 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     const int hd = a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv), bs = a.block_size;
     const int S = a.stages;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
-    const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
+    __shared__ __half kvnew[2][256]; /* fused: this token's K and V of head kvh */
+    if (a.fused) {
+        if (warp < 3) { /* warp 0: q head h; 1: k head kvh; 2: v head kvh (part[] is free until the merge) */
+            float *v = part[warp];
+            qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);
+            if (warp == 0) {
+                for (int i = lane; i < hd; i += 32) qs[i] = __fmul_rn(v[i], a.qa.scale);
+            } else {
+                for (int i = lane; i < hd; i += 32) kvnew[warp - 1][i] = __float2half_rn(v[i]);
+                if (h % (a.n_head / a.n_kv) == 0) kv_store(a.qa, t, warp, kvh, v, lane);
+            }
+        }
+    } else {
+        const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
+    }
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     const int32_t n_keys = a.pos[t] + 1, n_chunks = (n_keys + ATT_CK - 1) / ATT_CK;
     __syncthreads();
@@ -788,8 +852,13 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             }
         }
         __syncwarp();
-        const __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;
+        __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;
         const int nk = n_keys - ci * ATT_CK < ATT_CK ? n_keys - ci * ATT_CK : ATT_CK;
+        if (a.fused && nk <= ATT_CK && ci == (n_keys - 1) / ATT_CK) { /* the new key: this step's own K / V */
+            const int kp = n_keys - 1 - ci * ATT_CK;
+            for (int d = lane; d < hd; d += 32) ks[d * ATT_CK + kp] = kvnew[0][d], vs[kp * hd + d] = kvnew[1][d];
+            __syncwarp();
+        }
         float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
         for (int d = half; d < hd; d += 8) {
             d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);

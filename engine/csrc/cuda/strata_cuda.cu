@@ -126,6 +126,7 @@ struct graph_entry {
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, pdl, route_split;
     int32_t gemm_min;
+    bool fused_quant, fuse_qkv;
     cudaGraphExec_t exec;
 };
 
@@ -141,6 +142,7 @@ struct stg_model {
     float *inv_freq = nullptr;
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
     int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
+    int32_t *quant_counter = nullptr; /* fused SWIGLU quantisation: per (group, 32-row chunk), 0 between launches */
     cudaStream_t stream = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
@@ -149,6 +151,16 @@ struct stg_model {
     int32_t graph_failures = 0;
     char graph_note[256] = "";
     combine_args pending = {}; /* an expert sum not yet added to the residual (see take_combine) */
+    /* per graph-sized step size: steps run, and the attention / experts / dense shares of
+     * t_total measured on the last one with per-layer events (see stg_forward) */
+    struct split {
+        int64_t steps = 0;
+        bool have = false;
+        double attn = 0.0, experts = 0.0, dense = 0.0;
+    };
+    std::map<int32_t, split> splits;
+    std::vector<int32_t> hist_h; /* the step's expert histogram, copied back with the logits */
+    std::vector<char> seq_seen;  /* stg_forward's distinct-sequence check */
 };
 
 static void drop_graphs(stg_model *m) {
@@ -371,6 +383,10 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_mo
         if (rc == ST_OK) rc = dalloc(m, &m->route_counter, sizeof(int32_t));
         if (rc == ST_OK && cudaMemset(m->route_counter, 0, sizeof(int32_t)) != cudaSuccess)
             rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
+        const size_t nq = (size_t)std::max(1, m->d.n_expert) * (size_t)(m->ff_max / 32 + 1);
+        if (rc == ST_OK) rc = dalloc(m, &m->quant_counter, nq * sizeof(int32_t));
+        if (rc == ST_OK && cudaMemset(m->quant_counter, 0, nq * sizeof(int32_t)) != cudaSuccess)
+            rc = fail(ST_EINVAL, "model_create: cannot clear the quantisation counters");
     }
     if (rc == ST_OK) rc = attention_setup();
     if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
@@ -487,6 +503,9 @@ static int gemm_min_env() {
     return v < 1 ? 1 : v;
 }
 static int gemm_min_pairs() { return g_gemm_min; }
+/* STRATA_GPU_FUSED_QUANT=0: the down projection's input quantised by its own launch (comparison). */
+static thread_local bool g_fused_quant = true; /* read per step (stg_forward); graphs are keyed by it */
+static bool fused_quant_on() { return g_fused_quant; }
 
 /* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
  * from gemm_min pairs per group, only with enough tiles to fill the GPU (a dense q or o
@@ -548,9 +567,18 @@ template <int T, bool SW> static void launch_f(const lin_args &a, int path, int 
 /* One linear layer over groups of pairs. W2 (optional, same type) makes it SWIGLU.
  * expected: pairs a group is expected to hold (picks the kernel); max_count: an upper
  * bound on any group's pairs (sizes the GEMM grid). */
+/* Where a SWIGLU matvec may also quantise its output (lin_args.hq); `done` says whether it did. */
+struct fused_quant {
+    int8_t *q;
+    float *d;
+    int32_t *s;
+    int32_t *cnt;
+    bool *done;
+};
+
 static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, const lin_groups &g, int max_groups,
                          int expected, int max_count, const acts_d &in, float *out, int64_t ldo, int mode,
-                         int path = STG_PATH_AUTO, const lin_seg *seg = nullptr) {
+                         int path = STG_PATH_AUTO, const lin_seg *seg = nullptr, const fused_quant *fq = nullptr) {
     lin_args a;
     a.w = W.d, a.w2 = W2 ? W2->d : nullptr;
     a.expert_stride = W.expert_stride, a.row_bytes = W.row_bytes;
@@ -560,10 +588,16 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     a.g = g;
     a.aq = in.q, a.ad = in.d, a.as = in.s, a.x = in.x;
     a.out = out, a.ldo = ldo, a.mode = W2 ? MODE_SWIGLU : mode;
+    a.hq = nullptr, a.hd = nullptr, a.hs = nullptr, a.qcnt = nullptr;
+    if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
     if (path == STG_PATH_AUTO) path = q && use_gemm(a.N, max_groups, expected) ? STG_PATH_GEMM : STG_PATH_MATVEC;
     if (path == STG_PATH_GEMM && !q) path = STG_PATH_MATVEC;
+    if (fq && W2 && q && path == STG_PATH_MATVEC && !seg && a.N % 32 == 0 && ldo == a.N && fused_quant_on()) {
+        a.hq = fq->q, a.hd = fq->d, a.hs = fq->s, a.qcnt = fq->cnt;
+        *fq->done = true;
+    }
     if (seg && (path != STG_PATH_MATVEC || !q)) return fail(ST_EINVAL, "linear: row segments need the matvec path");
     int nt = 1;
     while (nt < expected && nt < 8) nt *= 2;
@@ -592,8 +626,10 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
  * different quant types (gate into tmp, up into h, then the product). */
 static stg_status swiglu(cudaStream_t st, const dtensor &Wg, const dtensor &Wu, const lin_groups &g, int max_groups,
                          int expected, int max_count, const acts_d &in, float *h, int64_t ldo, float *tmp,
-                         int64_t n_rows) {
-    if (Wg.type == Wu.type) return linear(st, Wg, &Wu, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE);
+                         int64_t n_rows, const fused_quant *fq = nullptr) {
+    if (fq) *fq->done = false;
+    if (Wg.type == Wu.type)
+        return linear(st, Wg, &Wu, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE, STG_PATH_AUTO, nullptr, fq);
     CHECK(linear(st, Wg, nullptr, g, max_groups, expected, max_count, in, tmp, ldo, MODE_STORE));
     CHECK(linear(st, Wu, nullptr, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE));
     const int64_t n = n_rows * ldo;
@@ -741,7 +777,7 @@ static combine_args take_combine(stg_model *m) {
 }
 
 static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
-                                  const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks) {
+                                  const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
     const st_model_desc &d = m->d;
@@ -778,8 +814,11 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
     qa.scale = 1.0f / sqrtf((float)d.head_dim);
     qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
-    launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)), QKV_WARPS * 32, 0, st, qa);
-    LAUNCHED("qkv");
+    if (!fuse_qkv) {
+        launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)),
+                 QKV_WARPS * 32, 0, st, qa);
+        LAUNCHED("qkv");
+    }
     /* the output projection's 8-bit input comes out of the attention kernel itself */
     const bool oq = !stg_is_float(L.wo.type);
     const bool fused_q = oq && d.head_dim % 32 == 0;
@@ -788,6 +827,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
+    aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
     CHECK(launch_attention(aa, T, st));
     stg_status rc = ST_OK;
     const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
@@ -805,8 +845,10 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
     (void)E;
     lin_groups g = {};
     g.n_pairs = T;
-    CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T));
-    if (!stg_is_float(Wd.type)) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, m->quant_counter, &fused};
+    CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T, stg_is_float(Wd.type) ? nullptr : &fq));
+    if (!stg_is_float(Wd.type) && !fused) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
     return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E, MODE_STORE);
 }
 
@@ -880,8 +922,11 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
     const int64_t F = m->n_ff_exp;
     const acts_d ein = rin;
-    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P));
-    if (!stg_is_float(L.down_exps.type)) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, m->quant_counter, &fused};
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P,
+                 stg_is_float(L.down_exps.type) ? nullptr : &fq));
+    if (!stg_is_float(L.down_exps.type) && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
     lin_groups gd = ge;
     gd.in_map = nullptr; /* down reads the pair's own hidden row */
     CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E,
@@ -907,6 +952,7 @@ struct step_shape {
     const int32_t *d_tok, *d_pos, *d_seq, *d_lidx, *d_bt;
     bool capturing;    /* inside a graph capture: events become record nodes */
     bool layer_events; /* per-layer attention / FFN times (STRATA_GPU_LAYER_EVENTS=0: off) */
+    bool fuse_qkv;     /* every token of another sequence: q/k/v post-processing inside attention */
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -930,7 +976,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     CHECK(erc);
     for (int il = 0; il < nL; il++) {
         if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
-        CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb));
+        CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb, sh.fuse_qkv));
         if (sh.layer_events) CU(record(ev[3 * il + 1], st, sh.capturing), "forward");
         CHECK(ffn_block(m, il, sh.T));
         if (sh.layer_events) CU(record(ev[3 * il + 2], st, sh.capturing), "forward");
@@ -951,6 +997,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
 }
 
 #define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
+#define LAYER_EVENT_PERIOD 16 /* graph-sized steps: per-layer events on one step in 16 */
 #define GRAPH_CACHE 64
 
 static bool graphs_enabled(int32_t T) {
@@ -965,6 +1012,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min &&
+            g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv &&
             g.route_split == route_split()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
@@ -979,7 +1027,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaGraphExec_t exec = nullptr;
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
-        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min, exec});
+        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
+                                         g_fused_quant, sh.fuse_qkv, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1028,12 +1077,39 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     }
     const int64_t n_ints = 3 * T + NL + n_bt;
     CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
+    /* Per-layer events cost about 7% of a batch-1 decode step (runs 12-18: 96 record nodes in
+     * a 3.3 ms graph), so graph-sized steps record them on the first step of each size and then
+     * every LAYER_EVENT_PERIOD-th; the others report t_total (always measured) split by the
+     * shares of the last measured step of their size. STRATA_GPU_LAYER_EVENTS=1: every step;
+     * 0: never (then t_attn / t_experts / t_dense stay 0). Eager steps always record them. */
     const char *le = getenv("STRATA_GPU_LAYER_EVENTS");
+    bool layer_events = true;
+    const bool sampled = !(le && le[0]) && graphs_enabled(T);
+    if (le && le[0]) layer_events = le[0] != '0';
+    else if (sampled) {
+        stg_model::split &sp = m->splits[T];
+        layer_events = !sp.have || sp.steps % LAYER_EVENT_PERIOD == 0;
+        sp.steps++;
+    }
+    /* q/k/v post-processing inside attention when no token reads another's new K/V of this
+     * step: every token of a different sequence (decode). STRATA_GPU_FUSED_QKV=0: never. */
+    const char *fqk = getenv("STRATA_GPU_FUSED_QKV");
+    bool fuse_qkv = !(fqk && fqk[0] == '0') && m->d.head_dim <= 256;
+    if (fuse_qkv) {
+        std::vector<char> &seen = m->seq_seen;
+        seen.assign((size_t)b->n_seqs, 0);
+        for (int32_t i = 0; i < T && fuse_qkv; i++) {
+            if (seen[(size_t)b->seq[i]]) fuse_qkv = false;
+            seen[(size_t)b->seq[i]] = 1;
+        }
+    }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
-                        false, !(le && le[0] == '0')};
+                        false, layer_events, fuse_qkv};
     const char *pe = getenv("STRATA_GPU_PDL");
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
     g_gemm_min = gemm_min_env();
+    const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
+    g_fused_quant = !(fqe && fqe[0] == '0');
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
@@ -1041,8 +1117,8 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
         CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
            "forward: logits");
     CU(cudaEventRecord(ev[3 * nL + 2], st), "forward");
-    std::vector<int32_t> hist;
-    if (moe && b->expert_hist) {
+    std::vector<int32_t> &hist = m->hist_h; /* always: the stats count pairs and active experts */
+    if (moe) {
         hist.resize((size_t)nL * m->d.n_expert);
         CU(cudaMemcpyAsync(hist.data(), m->hist, sizeof(int32_t) * hist.size(), cudaMemcpyDeviceToHost, st),
            "forward: histogram");
@@ -1052,10 +1128,6 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     int64_t pairs = 0;
     int32_t active = 0;
     if (moe) {
-        if (hist.empty()) {
-            hist.resize((size_t)nL * m->d.n_expert);
-            CU(cudaMemcpy(hist.data(), m->hist, sizeof(int32_t) * hist.size(), cudaMemcpyDeviceToHost), "forward");
-        }
         for (size_t i = 0; i < hist.size(); i++) {
             pairs += hist[i], active += hist[i] > 0;
             if (b->expert_hist) b->expert_hist[i] += hist[i];
@@ -1076,6 +1148,19 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     }
     stt->t_output = elapsed(ev[3 * nL + 1], ev[3 * nL + 2]);
     stt->t_total = elapsed(ev[3 * nL], ev[3 * nL + 2]);
+    if (sampled && stt->t_total > 0.0) {
+        const auto it = m->splits.find(T);
+        if (it != m->splits.end()) {
+            stg_model::split &sp = it->second;
+            if (sh.layer_events) {
+                sp.attn = stt->t_attn / stt->t_total, sp.experts = stt->t_experts / stt->t_total;
+                sp.dense = stt->t_dense / stt->t_total, sp.have = true;
+            } else if (sp.have) {
+                stt->t_attn = sp.attn * stt->t_total, stt->t_experts = sp.experts * stt->t_total;
+                stt->t_dense = sp.dense * stt->t_total;
+            }
+        }
+    }
     stt->n_tokens = T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;
@@ -1182,6 +1267,55 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
     CHECK(linear(0, W, w2 ? &W2 : nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
                  path));
     return down(out, bo, sizeof(float) * (size_t)(n_tok * n_rows));
+}
+
+extern "C" stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,
+                                            const float *x, int64_t n_tok, float *out, int8_t *hq, float *hd,
+                                            int32_t *hs) {
+    const int be = stg_block_elems(type);
+    if (!be || stg_is_float(type)) return fail(ST_EUNSUPPORTED, "swiglu_quant: unsupported quant type %d", type);
+    if (!w || !w2 || !x || !out || !hq || !hd || !hs || n_rows < 32 || n_rows % 32 || n_tok < 1 || k < 32 ||
+        k % 32 || k % be)
+        return fail(ST_EINVAL, "swiglu_quant: bad arguments (rows=%lld k=%lld tokens=%lld)", (long long)n_rows,
+                    (long long)k, (long long)n_tok);
+    CHECK(harness_device());
+    g_fused_quant = true;
+    dtensor W;
+    W.type = type, W.ne[0] = k, W.ne[1] = n_rows, W.row_bytes = stg_row_bytes(type, k);
+    W.expert_stride = W.row_bytes * n_rows;
+    dbuf bw, bw2, bx, bq, bd, bs, bo, bhq, bhd, bhs, bc;
+    CHECK(up(bw, w, (size_t)W.expert_stride));
+    W.d = bw.as<uint8_t>();
+    dtensor W2 = W;
+    CHECK(up(bw2, w2, (size_t)W.expert_stride));
+    W2.d = bw2.as<uint8_t>();
+    const size_t n = (size_t)(n_tok * k), no = (size_t)(n_tok * n_rows);
+    CHECK(up(bx, x, sizeof(float) * n));
+    CHECK(up(bq, nullptr, n));
+    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
+    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up(bo, nullptr, sizeof(float) * no));
+    CHECK(up(bhq, nullptr, no));
+    CHECK(up(bhd, nullptr, sizeof(float) * no / 32));
+    CHECK(up(bhs, nullptr, sizeof(int32_t) * no / 16));
+    CHECK(up(bc, nullptr, sizeof(int32_t) * (size_t)(n_rows / 32)));
+    CU(cudaMemset(bc.p, 0, sizeof(int32_t) * (size_t)(n_rows / 32)), "harness");
+    CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
+    lin_groups g = {};
+    g.n_pairs = (int32_t)n_tok;
+    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
+    bool done = false;
+    const fused_quant fq{bhq.as<int8_t>(), bhd.as<float>(), bhs.as<int32_t>(), bc.as<int32_t>(), &done};
+    for (int rep = 0; rep < 2; rep++) { /* twice: the chunk counters must be back at 0 after a launch */
+        CU(cudaMemset(bhq.p, 0x7f, no), "harness");
+        CHECK(linear(0, W, &W2, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows, MODE_STORE, STG_PATH_MATVEC,
+                     nullptr, &fq));
+        if (!done) return fail(ST_EINVAL, "swiglu_quant: the launch did not fuse the quantisation");
+    }
+    CHECK(down(out, bo, sizeof(float) * no));
+    CHECK(down(hq, bhq, no));
+    CHECK(down(hd, bhd, sizeof(float) * no / 32));
+    return down(hs, bhs, sizeof(int32_t) * no / 16);
 }
 
 extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,

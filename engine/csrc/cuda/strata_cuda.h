@@ -58,6 +58,11 @@ stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64_t k, int8_
  * with w2 (same type and shape) the fused gate/up form: out = silu(W . x) * (W2 . x). */
 stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows, int64_t k,
                            const float *x, int64_t n_tok, float *out);
+/* The fused gate/up matvec that also quantises its output for the down projection (as
+ * stg_forward runs it at decode): out[n_tok, n_rows] = silu(W . x) * (W2 . x) and its 8-bit
+ * blocks hq[n_tok * n_rows], hd[/32], hs[/16] (n_rows a multiple of 32; launched twice). */
+stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,
+                                 const float *x, int64_t n_tok, float *out, int8_t *hq, float *hd, int32_t *hs);
 /* st_attention's contract for one kv head's queries; path: STG_PATH_REF or STG_PATH_AUTO. */
 stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                               const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,

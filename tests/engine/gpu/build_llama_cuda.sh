@@ -4,15 +4,23 @@
 # the llama-cpp-python source distribution of the version in .venv, carried as a trimmed tarball
 # (.llama/, ignored by git; see docs/engine.md "GPU benchmark against llama.cpp" for how it is made).
 #
-#   build_llama_cuda.sh SRC.tar.gz BUILD_DIR [PACK_DIR]
+#   build_llama_cuda.sh SRC.tar.gz BUILD_DIR [PACK_DIR]   build (make SRC with pack_llama_src.sh)
+#   build_llama_cuda.sh PACK_DIR BUILD_DIR                unpack binaries an earlier call packed
 #
 # Shared libraries, so that the binaries can come back through $OUT in a few pieces (PACK_DIR:
-# bin.tar.xz split into 15 MiB parts) and be carried into a later call instead of rebuilt.
-# Prints one line: where the binaries are, or why not.
+# llama-bin.tar.xz split into 15 MiB parts) and be carried into a later call instead of rebuilt
+# (unpacked to the same BUILD_DIR: their run path points there). Prints one line: where the
+# binaries are, or why not.
 set -u
 src=${1:?source tarball}; b=${2:?build dir}; pack=${3:-}
 if [ -x "$b/bin/llama-bench" ] && [ -x "$b/bin/llama-batched-bench" ]; then
   echo "llama.cpp: already built in $b"; exit 0
+fi
+if [ -d "$src" ]; then
+  ls "$src"/llama-bin.tar.xz.part-* >/dev/null 2>&1 || { echo "llama.cpp: no packed binaries in $src"; exit 1; }
+  mkdir -p "$b" && cat "$src"/llama-bin.tar.xz.part-* | tar xJf - -C "$b" \
+    && [ -x "$b/bin/llama-bench" ] && echo "llama.cpp: unpacked into $b" && exit 0
+  echo "llama.cpp: cannot unpack $src"; exit 1
 fi
 command -v cmake >/dev/null && command -v nvcc >/dev/null || { echo "llama.cpp: no cmake or nvcc"; exit 1; }
 s=$(mktemp -d)

@@ -161,6 +161,30 @@ def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int) -> 
         assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (name, second is not None)
 
 
+@pytest.mark.parametrize("n_tok", [1, 3, 11])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
+def test_swiglu_fused_quantisation_bitwise(g: tuple, name: str, n_tok: int) -> None:
+    """The decode gate/up matvec quantises its own output for the down projection (the last
+    block of each 32-row chunk): the float rows must be the plain matvec's and the 8-bit blocks
+    the CPU's st_quantize_act of them, bit for bit, on a second launch too (counters reset)."""
+    rng = np.random.default_rng(7 + n_tok)
+    rows, k = 96, 768
+    w, w2 = random_blocks(name, rows * k, rng), random_blocks(name, rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    plain = np.full((n_tok, rows), np.nan, np.float32)
+    gcheck(g, g[1].stg_test_linear(tid(name), PATHS["matvec"], gptr(g, w), gptr(g, w2), rows, k,
+                                   gptr(g, x, "float *"), n_tok, gptr(g, plain, "float *")))
+    out = np.full((n_tok, rows), np.nan, np.float32)
+    hq, hd, hs = np.zeros((n_tok, rows), np.int8), np.zeros((n_tok, rows // 32), np.float32), \
+        np.zeros((n_tok, rows // 16), np.int32)
+    gcheck(g, g[1].stg_test_swiglu_quant(tid(name), gptr(g, w), gptr(g, w2), rows, k, gptr(g, x, "float *"), n_tok,
+                                         gptr(g, out, "float *"), gptr(g, hq, "int8_t *"), gptr(g, hd, "float *"),
+                                         gptr(g, hs, "int32_t *")))
+    assert np.isfinite(out).all() and np.array_equal(out.view(np.uint32), plain.view(np.uint32))
+    cq, cd, cs = cpu_quant(out)
+    assert np.array_equal(cq, hq) and np.array_equal(cd.view(np.uint32), hd.view(np.uint32)) and np.array_equal(cs, hs)
+
+
 def _attention_case(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: int):  # noqa: ANN202
     n_blocks = -(-n_keys // bs) + 3
     table = rng.permutation(n_blocks).astype(np.int32)[: -(-n_keys // bs)]

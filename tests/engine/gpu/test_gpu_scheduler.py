@@ -118,25 +118,49 @@ def test_abort_frees_blocks_at_once(gpu: Engine, prompts: list[list[int]], alone
     assert gpu.blocks.num_free == gpu.blocks.n_blocks
 
 
+def decode_logits(gpu: Engine, steps: int = 3, n_seq: int = 6) -> np.ndarray:
+    """Logits of `steps` decode steps of n_seq sequences after a 20-token prefill each."""
+    seqs = np.random.default_rng(9).integers(0, VOCAB, size=(n_seq, 20 + steps)).tolist()
+    tabs = [gpu.blocks.allocate(-(-(20 + steps) // gpu.block_size)) for _ in range(n_seq)]
+    try:
+        for tb, p in zip(tabs, seqs, strict=True):
+            gpu.prefill(p[:20], tb)
+        outs = []
+        for step in range(steps):  # the first step captures, the next replay
+            toks = [p[20 + step] for p in seqs]
+            outs.append(gpu.forward(toks, [20 + step] * n_seq, list(range(n_seq)), tabs, list(range(n_seq))))
+        return np.stack(outs)
+    finally:
+        for tb in tabs:
+            gpu.blocks.release(tb)
+
+
 def test_graph_replay_equals_eager_launches(gpu: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-sized steps replay a captured CUDA graph; the logits are those of plain launches."""
-    seqs = np.random.default_rng(9).integers(0, VOCAB, size=(6, 24)).tolist()
-
-    def decode_logits() -> np.ndarray:
-        tabs = [gpu.blocks.allocate(2) for _ in range(6)]
-        try:
-            for tb, p in zip(tabs, seqs, strict=True):
-                gpu.prefill(p[:20], tb)
-            outs = []
-            for step in range(3):  # the first step captures, the next replay
-                toks = [p[20 + step] for p in seqs]
-                outs.append(gpu.forward(toks, [20 + step] * 6, list(range(6)), tabs, list(range(6))))
-            return np.stack(outs)
-        finally:
-            for tb in tabs:
-                gpu.blocks.release(tb)
-
-    with_graphs = decode_logits()
+    with_graphs = decode_logits(gpu)
     monkeypatch.setenv("STRATA_GPU_GRAPHS", "0")
-    assert np.array_equal(decode_logits(), with_graphs)
+    assert np.array_equal(decode_logits(gpu), with_graphs)
 
+
+def test_fused_decode_kernels_equal_separate_launches(gpu: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps fold q/k/v post-processing into attention and the down projection's input
+    quantisation into gate/up; the logits are bitwise those of the separate launches."""
+    fused = decode_logits(gpu)
+    monkeypatch.setenv("STRATA_GPU_FUSED_QKV", "0")
+    monkeypatch.setenv("STRATA_GPU_FUSED_QUANT", "0")
+    assert np.array_equal(decode_logits(gpu), fused)
+
+
+def test_step_stats_split_on_every_step(gpu: Engine) -> None:
+    """Per-layer events run on one graph step in 16; the others still report an attention /
+    experts split (the last measured shares of their step size times their own total)."""
+    tabs = [gpu.blocks.allocate(4)]
+    try:
+        gpu.prefill(list(range(1, 21)), tabs[0])
+        for step in range(20):
+            gpu.forward([5], [20 + step], [0], tabs, [0])
+            st = gpu.last_stats
+            assert st.t_total > 0 and st.t_attn > 0 and st.t_experts > 0, (step, st)
+            assert st.t_attn + st.t_experts + st.t_output <= st.t_total * 1.1, (step, st)
+    finally:
+        gpu.blocks.release(tabs[0])
