@@ -134,17 +134,22 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distances", default="10,50,200")
     p.add_argument("--real-vectors", action="store_true", help="embed the timing session's turns for real")
     p.add_argument("--skip-recall", action="store_true")
+    p.add_argument("--backend", choices=["auto", "onnx", "torch"], default="auto",
+                   help="the embedding forward pass (auto: ONNX Runtime when setup exported the model)")
+    p.add_argument("--embed-threads", type=int, default=1)
+    p.add_argument("--precision", choices=["fp32", "int8"], default="fp32", help="int8: the quantised export")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         url = a.db_url or f"sqlite:///{Path(tmp) / 'memory.db'}"
         store = MemoryStore(open_engine(url))
-        emb = get_embedder()
+        emb = get_embedder(threads=a.embed_threads, backend=a.backend, precision=a.precision)
         svc = MemoryService(store, MemoryConfig(), emb)
         rng = random.Random(1)
         results: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                    "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-                                   "db": url.split(":")[0], "embedding_model": emb.version_key}
+                                   "db": url.split(":")[0], "embedding_model": emb.version_key,
+                                   "backend": emb.backend, "embed_threads": emb.threads}
         if not a.skip_recall:
             results["recall"] = await recall(svc, [int(x) for x in a.distances.split(",")], rng)
         results["composition"] = await timing(svc, a.turns, a.queries, a.real_vectors, rng)

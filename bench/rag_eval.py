@@ -166,7 +166,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"corpus: {len(files)} documents, {len(facts)} facts, {pdf_pages} PDF pages "
           f"({time.perf_counter() - t0:.1f} s to generate)", file=sys.stderr)
 
-    cfg = RagConfig(data_dir=tmp / "rag", embed_threads=args.embed_threads, embed_batch=args.embed_batch)
+    cfg = RagConfig(data_dir=tmp / "rag", embed_threads=args.embed_threads, embed_batch=args.embed_batch,
+                    embed_backend=args.backend, embed_precision=args.precision)
     svc = RagService(cfg, open_db(f"sqlite:///{tmp / 'gw.db'}"))
     await svc.embedder.warm()
     await svc.start()
@@ -230,7 +231,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
     report = {
         "machine": info, "docs": len(files), "facts": len(facts), "pdf_pages": pdf_pages, "chunks": chunks,
-        "failed": len(failed), "embed_threads": args.embed_threads, "ingest_s": round(t_ingest, 2),
+        "failed": len(failed), "embed_threads": args.embed_threads, "backend": svc.embedder.backend,
+        "precision": svc.embedder.precision, "ingest_s": round(t_ingest, 2),
         "docs_per_s": round(len(files) / t_ingest, 2), "pdf_pages_timed": args.pdf_pages,
         "pdf_ingest_s": round(t_pdf, 2), "pages_per_s": round(pages_per_s, 2),
         "recall_at_5": {k: round(v, 4) for k, v in recalls.items()},
@@ -247,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--facts-per-doc", type=int, default=5)
     ap.add_argument("--embed-threads", type=int, default=1)
     ap.add_argument("--embed-batch", type=int, default=32)
+    ap.add_argument("--backend", choices=["auto", "onnx", "torch"], default="auto",
+                    help="the embedding forward pass (auto: ONNX Runtime when setup exported the model)")
+    ap.add_argument("--precision", choices=["fp32", "int8"], default="fp32", help="int8: the quantised export")
     ap.add_argument("--pdf-pages", type=int, default=200, help="pages of the PDF whose ingestion is timed")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text_table(["retrieval", "recall@5"], rows))
     print(f"ingestion: a {r['pdf_pages_timed']}-page PDF at {r['pages_per_s']:.1f} pages/s ({r['pdf_ingest_s']:.1f} s); "
           f"the corpus at {r['docs_per_s']:.2f} documents/s ({r['docs']} documents, {r['chunks']} chunks, "
-          f"{r['ingest_s']:.1f} s); embed_threads={r['embed_threads']}")
+          f"{r['ingest_s']:.1f} s); embed_threads={r['embed_threads']}, backend={r['backend']} {r['precision']}")
     print(f"search (hybrid, k=5, {r['facts']} queries): p50 {r['search_ms']['p50']:.1f} ms, "
           f"p99 {r['search_ms']['p99']:.1f} ms; CPU time p50 {r['search_ms']['cpu_p50']:.1f} ms")
     print(f"machine: {r['machine']['cpu_model']}, {r['machine']['affinity_cores']} cores, "

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +26,9 @@ from memory.config import MemoryConfig
 from memory.service import MemoryService
 from memory.store import MemoryStore, Session
 
+if TYPE_CHECKING:
+    from gateway.documents.embed import Backend, Precision
+
 __all__ = ["MEMORY", "add_routes", "get_memory", "memory_context"]
 
 log = logging.getLogger("strata.memory")
@@ -34,8 +37,11 @@ MEMORY = web.AppKey("strata_memory", MemoryService)
 _DISABLED = web.AppKey("strata_memory_disabled", str)
 
 
-def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embed_batch: int) -> Any:
-    """A cleanup_ctx: the service starts after the gateway's database (append it after the gateway's own)."""
+def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embed_batch: int,
+                   embed_backend: Backend | None = None, embed_precision: Precision | None = None) -> Any:
+    """A cleanup_ctx: the service starts after the gateway's database (append it after the gateway's own).
+    The embedding settings are the ``[rag]`` ones; backend and precision None: those of the documents' model
+    instance when it exists (one model per process), else the defaults."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         if not cfg.enabled:
@@ -57,7 +63,8 @@ def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embe
         try:
             from gateway.documents.embed import get_embedder
 
-            embedder = await asyncio.to_thread(get_embedder, embed_model, threads=embed_threads, batch=embed_batch)
+            embedder = await asyncio.to_thread(get_embedder, embed_model, threads=embed_threads,
+                                              batch=embed_batch, backend=embed_backend, precision=embed_precision)
         except Exception as e:  # memory still works: summary and recent turns, no retrieval
             log.warning("session memory: no embedding model, older turns are not retrieved: %s: %s",
                         type(e).__name__, e)

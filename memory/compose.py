@@ -72,10 +72,11 @@ class Composition:
     total_turns: int  # stored turns in the session
     estimated_tokens: int
     head: str  # the head system message's text (byte-stable between summaries)
+    note: str = ""  # why a part was skipped, e.g. retrieval while the embedding model loads
 
     def header(self) -> str:
         return (f"turns={self.total_turns}; summary={self.summary_turns}; recent={self.recent}; "
-                f"retrieved={self.retrieved}; dropped={self.dropped}")
+                f"retrieved={self.retrieved}; dropped={self.dropped}") + (f"; {self.note}" if self.note else "")
 
 
 def render_turn(t: Turn) -> str:

@@ -49,6 +49,9 @@ _TURN_CHARS_IN_SUMMARY = 1500
 class Embeds(Protocol):
     version_key: str
 
+    @property
+    def ready(self) -> bool: ...  # the model is loaded (a query costs a forward pass, not the first load)
+
     async def aencode(self, texts: Sequence[str]) -> np.ndarray: ...
 
     async def aencode_query(self, text: str) -> np.ndarray: ...
@@ -116,13 +119,16 @@ class Loaded:
     recent: list[Turn]
     candidates: list[Scored]
     load_ms: float
+    note: str = ""  # reported in the composition's header (retrieval skipped while the model loads)
 
     def compose(self, cfg: MemoryConfig, system: str | None, new_messages: Sequence[dict[str, Any]],
                 budget: int) -> Composition:
-        return compose(system=system if system is not None else self.session.system, summary=self.summary,
+        comp = compose(system=system if system is not None else self.session.system, summary=self.summary,
                        recent=self.recent, candidates=self.candidates, new_messages=new_messages, budget=budget,
                        top_k=cfg.retrieve_top_k, retrieve_share=cfg.retrieve_share,
                        total_turns=self.session.n_turns)
+        comp.note = self.note
+        return comp
 
 
 class MemoryService:
@@ -165,7 +171,14 @@ class MemoryService:
         pk = session.pk
         qvec: asyncio.Future[np.ndarray] | None = None
         cache: _VecCache | None = None
-        if self.embedder is not None and self.cfg.retrieve_top_k > 0 and query.strip() and session.n_turns:
+        note = ""
+        retrieve = self.embedder is not None and self.cfg.retrieve_top_k > 0 and bool(query.strip()) \
+            and session.n_turns > 0
+        if retrieve and self.embedder is not None and not self.embedder.ready:
+            # a new gateway's model takes a minute or more to load: compose from the summary and the recent
+            # turns now rather than stall the request (the turns' vectors are backfilled once it is loaded)
+            retrieve, note = False, "retrieval=skipped (embedding model loading)"
+        if retrieve and self.embedder is not None:
             # the query's forward pass runs on the embedding thread while the rows load on a worker thread
             qvec = asyncio.ensure_future(self.embedder.aencode_query(query[:4000]))
             cache = self._cache.setdefault(pk, _VecCache())
@@ -184,7 +197,7 @@ class MemoryService:
         finally:
             if qvec is not None and not qvec.done():
                 qvec.cancel()
-        return Loaded(session, summary, recent, candidates, (time.perf_counter() - t0) * 1000)
+        return Loaded(session, summary, recent, candidates, (time.perf_counter() - t0) * 1000, note)
 
     def _rows(self, session: Session, vectors_after: int | None
               ) -> tuple[Summary | None, list[Turn], np.ndarray, np.ndarray]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from gateway.documents.extract import Block
 
-__all__ = ["Chunk", "chunk_blocks", "document_text"]
+__all__ = ["Chunk", "chunk_blocks", "document_text", "text_length"]
 
 Counter = Callable[[list[str]], list[int]]  # texts -> token counts (no special tokens)
 _SEP = "\n\n"
@@ -49,6 +49,12 @@ class _Unit:
 
 def document_text(blocks: Sequence[Block]) -> str:
     return _SEP.join(b.text for b in blocks)
+
+
+def text_length(blocks: Sequence[Block]) -> int:
+    """Characters ``blocks`` take in the document's text, with the separator that follows them: the
+    ``offset`` of the part after them."""
+    return sum(len(b.text) + len(_SEP) for b in blocks)
 
 
 def _split_long(text: str, base: int, size: int, count: Counter) -> list[_Unit]:
@@ -84,8 +90,13 @@ def _split_long(text: str, base: int, size: int, count: Counter) -> list[_Unit]:
     return units
 
 
-def chunk_blocks(blocks: Sequence[Block], count: Counter, size: int = 200, overlap: int = 40) -> list[Chunk]:
-    """Chunks of at most ``size`` tokens (a single word longer than that is the only exception)."""
+def chunk_blocks(blocks: Sequence[Block], count: Counter, size: int = 200, overlap: int = 40, *,
+                 offset: int = 0, ordinal: int = 0) -> list[Chunk]:
+    """Chunks of at most ``size`` tokens (a single word longer than that is the only exception).
+
+    ``offset`` / ``ordinal``: where ``blocks`` start in the document's text and the ordinal of their first
+    chunk, for a document chunked a part at a time (a PDF's pages as they are extracted: a chunk never spans
+    two pages, so parts cut at page boundaries chunk exactly as the whole document would)."""
     if overlap >= size:
         raise ValueError("overlap must be smaller than size")
     text = document_text(blocks)
@@ -129,7 +140,7 @@ def chunk_blocks(blocks: Sequence[Block], count: Counter, size: int = 200, overl
                 tokens += units[j].tokens
                 j += 1
             a, b = units[first].start, units[j - 1].end
-            chunks.append(Chunk(len(chunks), text[a:b], a, b, tokens, page, list(heading)))
+            chunks.append(Chunk(ordinal + len(chunks), text[a:b], offset + a, offset + b, tokens, page, list(heading)))
             if j >= len(units) or overlap == 0:
                 continue
             # step back over the last units (never all of them: every chunk must move forward)

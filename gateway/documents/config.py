@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,7 +22,12 @@ class RagConfig(BaseModel):
     embed_model: str = Field(DEFAULT_EMBED_MODEL, description="the packaged model's name, or a local "
                              "sentence-transformers directory")
     embed_batch: int = Field(32, ge=1, le=1024)
-    embed_threads: int = Field(1, ge=1, le=64, description="torch CPU threads for embedding")
+    embed_threads: int = Field(1, ge=1, le=64, description="CPU threads of one embedding forward pass")
+    embed_backend: Literal["auto", "onnx", "torch"] = Field(
+        "auto", description="where the forward pass runs: auto = ONNX Runtime when setup exported the model, "
+        "else torch")
+    embed_precision: Literal["fp32", "int8"] = Field(
+        "fp32", description="int8: the int8-quantised ONNX export (faster; other vectors, so another index key)")
     max_upload_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     max_pdf_pages: int = Field(1000, ge=1)
     max_extracted_chars: int = Field(20_000_000, ge=1000, description="text kept from one document")

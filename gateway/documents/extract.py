@@ -26,14 +26,16 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Literal
 
 __all__ = ["FORMATS", "SUPPORTED_TYPES", "Block", "Extracted", "ExtractLimits", "ExtractionError", "FileTypeError",
-           "detect_format", "extract_file", "extract_in_process"]
+           "PAGE_BATCH", "Emit", "detect_format", "extract_file", "extract_in_process", "extract_stream"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,10 +83,16 @@ class Extracted:
     format: str
     blocks: list[Block] = field(default_factory=list)
     pages: int | None = None
+    streamed: int = 0  # blocks already handed to an ``emit`` callback (not in ``blocks``)
 
     @property
     def chars(self) -> int:
         return sum(len(b.text) for b in self.blocks)
+
+
+# (blocks, pages read so far, pages in all) -> None: a PDF's blocks in page order, a part at a time
+Emit = Callable[[list[Block], int, int], None]
+PAGE_BATCH = 8  # PDF pages per part handed over while the rest is extracted
 
 
 # ---------------------------------------------------------------------------------------- type detection
@@ -169,7 +177,9 @@ def _paragraphs(text: str, page: int | None = None, unwrap: bool = False) -> lis
 # ---------------------------------------------------------------------------------------- per format
 
 
-def _extract_pdf(path: Path, lim: ExtractLimits) -> Extracted:
+def _extract_pdf(path: Path, lim: ExtractLimits, emit: Emit | None = None) -> Extracted:
+    """With ``emit``, every ``PAGE_BATCH`` pages' blocks are handed over as soon as they are read (and not kept):
+    the parent embeds them while the next pages are extracted."""
     import logging
 
     from pypdf import PdfReader, apply_configuration
@@ -196,6 +206,7 @@ def _extract_pdf(path: Path, lim: ExtractLimits) -> Extracted:
                 raise ExtractionError("the PDF has no pages")
             out = Extracted("pdf", pages=n)
             chars = 0
+            pending: list[Block] = []
             for i, page in enumerate(reader.pages, start=1):
                 contents = page.get_contents()
                 if contents is not None:
@@ -204,7 +215,13 @@ def _extract_pdf(path: Path, lim: ExtractLimits) -> Extracted:
                 chars += len(text)
                 if chars > lim.max_chars:
                     raise ExtractionError(f"the PDF holds more than {lim.max_chars} characters of text")
-                out.blocks += _paragraphs(text, i, unwrap=True)
+                pending += _paragraphs(text, i, unwrap=True)
+                if emit is not None and (i % PAGE_BATCH == 0 or i == n):
+                    if pending:
+                        emit(pending, i, n)
+                    out.streamed += len(pending)
+                    pending = []
+            out.blocks = pending
             return out
     except LimitReachedError as e:
         raise ExtractionError(f"a PDF stream is too large when decompressed (limit {cap} bytes): {e}") from None
@@ -428,18 +445,20 @@ _EXTRACTORS = {"pdf": _extract_pdf, "docx": _extract_docx, "html": _extract_html
                "txt": _extract_txt}
 
 
-def extract_in_process(path: Path, fmt: str, lim: ExtractLimits) -> Extracted:
-    """Extract in this process (the child calls this; tests may too). Raises ExtractionError."""
+def extract_in_process(path: Path, fmt: str, lim: ExtractLimits, emit: Emit | None = None) -> Extracted:
+    """Extract in this process (the child calls this; tests may too). Raises ExtractionError. With ``emit``, a
+    PDF's pages are handed over in parts as they are read (``streamed`` counts them); other formats return
+    all their blocks at once."""
     if fmt not in _EXTRACTORS:
         raise FileTypeError(f"unsupported format {fmt!r}; supported: {SUPPORTED_TYPES}")
     if path.stat().st_size == 0:
         raise ExtractionError("the file is empty")
     if fmt in ("md", "html", "txt") and path.stat().st_size > lim.max_chars * 4:
         raise ExtractionError(f"the file is larger than the text limit ({lim.max_chars} characters)")
-    out = _EXTRACTORS[fmt](path, lim)
+    out = _extract_pdf(path, lim, emit) if fmt == "pdf" else _EXTRACTORS[fmt](path, lim)
     if out.chars > lim.max_chars:
         raise ExtractionError(f"the document holds more than {lim.max_chars} characters of text")
-    if not out.blocks:
+    if not out.blocks and not out.streamed:
         raise ExtractionError("no text found in the document (a scanned PDF needs OCR, which is not supported)")
     return out
 
@@ -458,24 +477,65 @@ def _limit_child(memory_mb: int, cpu_s: int) -> None:  # runs in the child betwe
 
 def extract_file(path: Path, fmt: str, lim: ExtractLimits) -> Extracted:
     """Extract ``path`` in a child process under ``lim`` (blocking: call it from a worker thread)."""
+    blocks: list[Block] = []
+    out = extract_stream(path, fmt, lim, lambda part, _done, _total: blocks.extend(part))
+    out.blocks = blocks
+    return out
+
+
+def extract_stream(path: Path, fmt: str, lim: ExtractLimits, on_part: Emit,
+                   stop: threading.Event | None = None) -> Extracted:
+    """Extract ``path`` in a child process under ``lim``, calling ``on_part(blocks, pages_done, pages)`` for each
+    part as the child reads it (a PDF: every ``PAGE_BATCH`` pages; other formats: one part). Blocking: call it
+    from a worker thread. The answer's ``blocks`` are empty (they went to ``on_part``). A part may arrive before
+    the extraction fails: the caller discards what it did with the parts on ``ExtractionError``. ``stop`` set
+    (the document was deleted) kills the child at the next part."""
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     cmd = [sys.executable, "-m", "gateway.documents.extract", fmt, str(path), json.dumps(asdict(lim))]
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    answer: dict[str, Any] | None = None
+    garbage = b""
+    timed_out = threading.Event()
+    with tempfile.TemporaryFile() as err:
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=REPO_ROOT,
-                                    preexec_fn=lambda: _limit_child(lim.memory_mb, int(lim.timeout_s) + 1))
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env,
+                                    cwd=REPO_ROOT, preexec_fn=lambda: _limit_child(lim.memory_mb, int(lim.timeout_s) + 1))
         except OSError as e:
             raise ExtractionError(f"could not start the extraction process: {e}") from None
-        try:
-            rc = proc.wait(timeout=lim.timeout_s)
-        except subprocess.TimeoutExpired:
+
+        def expire() -> None:
+            timed_out.set()
             proc.kill()
-            proc.wait()
-            raise ExtractionError(f"extraction took longer than {lim.timeout_s:g}s and was stopped") from None
-        out.seek(0)
-        raw = out.read()
+
+        watchdog = threading.Timer(lim.timeout_s, expire)  # the wall clock covers the whole extraction
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # one JSON object a line: parts, then the answer
+                if stop is not None and stop.is_set():
+                    proc.kill()
+                    raise ExtractionError("extraction stopped: the document was deleted")
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    garbage = line[:300]
+                    break
+                if "part" in msg and answer is None:
+                    on_part([Block(**b) for b in msg["part"]], int(msg["done"]), int(msg["pages"]))
+                else:
+                    answer = msg
+            rc = proc.wait()
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if timed_out.is_set():
+            raise ExtractionError(f"extraction took longer than {lim.timeout_s:g}s and was stopped")
         err.seek(0, os.SEEK_END)
         err.seek(max(0, err.tell() - 2000))
         tail = err.read().decode("utf-8", "replace").strip().splitlines()
@@ -485,16 +545,14 @@ def extract_file(path: Path, fmt: str, lim: ExtractLimits) -> Extracted:
         why = {"SIGXCPU": "it used more CPU time than allowed", "SIGKILL": "it was killed",
                "SIGSEGV": "it crashed (probably out of memory)"}.get(name, f"signal {name}")
         raise ExtractionError(f"the extraction process died: {why}")
-    try:
-        answer = json.loads(raw)
-    except ValueError:
-        last = tail[-1] if tail else ""
+    if answer is None:
+        last = tail[-1] if tail else garbage.decode("utf-8", "replace")
         if "MemoryError" in last:
             raise ExtractionError(f"extraction ran out of memory (limit {lim.memory_mb} MiB)") from None
         raise ExtractionError(f"the extraction process failed (exit {rc}): {last[:300]}") from None
     if not answer.get("ok"):
         raise ExtractionError(str(answer.get("reason") or "extraction failed"))
-    return Extracted(answer["format"], [Block(**b) for b in answer["blocks"]], answer.get("pages"))
+    return Extracted(answer["format"], [], answer.get("pages"), streamed=int(answer.get("blocks", 0)))
 
 
 def _child_main(argv: list[str]) -> int:
@@ -502,10 +560,20 @@ def _child_main(argv: list[str]) -> int:
     warnings.simplefilter("ignore")
     fmt, path, lim_json = argv
     lim = ExtractLimits(**json.loads(lim_json))
+
+    def send(msg: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(msg, ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+
+    def part(blocks: list[Block], done: int, pages: int) -> None:
+        send({"part": [asdict(b) for b in blocks], "done": done, "pages": pages})
+
     try:
-        res = extract_in_process(Path(path), fmt, lim)
+        res = extract_in_process(Path(path), fmt, lim, part)
+        if res.blocks:
+            part(res.blocks, res.pages or 0, res.pages or 0)
         answer: dict[str, Any] = {"ok": True, "format": res.format, "pages": res.pages,
-                                  "blocks": [asdict(b) for b in res.blocks]}
+                                  "blocks": res.streamed + len(res.blocks)}
     except ExtractionError as e:
         answer = {"ok": False, "reason": str(e)}
     except MemoryError:
@@ -514,8 +582,7 @@ def _child_main(argv: list[str]) -> int:
         answer = {"ok": False, "reason": "the document is nested too deeply to parse"}
     except Exception as e:  # a parser bug on a hostile file: a reason, never a traceback to the user
         answer = {"ok": False, "reason": f"could not parse the {fmt.upper()} file: {type(e).__name__}: {e}"[:500]}
-    sys.stdout.write(json.dumps(answer, ensure_ascii=False))
-    sys.stdout.flush()
+    send(answer)
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Ingestion of one document (one at a time, in upload order, on a background task):
 
-    queued -> extracting (child process) -> embedding (chunks, then vectors on the embed thread)
+    queued -> extracting (child process) -> embedding (chunks, then vectors on the embed thread, while the
+           child extracts the next pages of a PDF)
            -> a new collection version is built (worker thread) and published (one SQL transaction)
            -> ready;   any error on the way -> failed with the reason, the collection untouched.
 
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,10 +31,10 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine
 
-from gateway.documents.chunk import chunk_blocks
+from gateway.documents.chunk import Chunk, chunk_blocks, text_length
 from gateway.documents.config import RagConfig
-from gateway.documents.embed import Embedder, get_embedder
-from gateway.documents.extract import ExtractionError, ExtractLimits, extract_file
+from gateway.documents.embed import SLICE, Embedder, get_embedder
+from gateway.documents.extract import Block, Extracted, ExtractionError, ExtractLimits, extract_stream
 from gateway.documents.index import IndexVersion, Mode, build_version, load_version, prune_versions
 from gateway.documents.store import ChunkRow, Conflict, DocStore
 
@@ -79,7 +82,8 @@ class RagService:
         self.uploads = self.root / "uploads"
         self.uploads.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.store = DocStore(db)
-        self.embedder = embedder or get_embedder(cfg.embed_model, threads=cfg.embed_threads, batch=cfg.embed_batch)
+        self.embedder = embedder or get_embedder(cfg.embed_model, threads=cfg.embed_threads, batch=cfg.embed_batch,
+                                                   backend=cfg.embed_backend, precision=cfg.embed_precision)
         self.limits = ExtractLimits(max_pages=cfg.max_pdf_pages, max_chars=cfg.max_extracted_chars,
                                     max_uncompressed_bytes=cfg.max_uncompressed_bytes,
                                     max_ratio=cfg.max_compression_ratio, max_stream_bytes=cfg.max_stream_bytes,
@@ -195,6 +199,9 @@ class RagService:
         log.info("documents: collection %s: %d document(s) ready", cid, len(published))
 
     async def _ingest(self, did: str) -> tuple[str, str, int] | None:
+        """Extract, chunk and embed one document, pipelined: the child process reads a PDF's next pages while
+        this process chunks and embeds the pages it has sent (a chunk never spans two pages, so the parts chunk
+        exactly as the whole would). Nothing is saved until the extraction has succeeded."""
         st = self.store
         doc = await asyncio.to_thread(st.get_document, did)
         if doc is None or doc["status"] not in ("queued", "extracting", "embedding"):
@@ -202,33 +209,73 @@ class RagService:
         cid = doc["collection_id"]
         if not await asyncio.to_thread(st.set_status, did, "extracting", progress=2.0, start=True):
             return None
+        loop = asyncio.get_running_loop()
+        parts: asyncio.Queue[tuple[list[Block], int, int] | None] = asyncio.Queue()
+        stop = threading.Event()
+
+        def on_part(blocks: list[Block], done: int, total: int) -> None:  # the extraction thread
+            loop.call_soon_threadsafe(parts.put_nowait, (blocks, done, total))
+
+        extraction = asyncio.ensure_future(asyncio.to_thread(extract_stream, self.upload_path(did), doc["format"],
+                                                             self.limits, on_part, stop))
+        def finished(f: asyncio.Future[Extracted]) -> None:
+            # after the thread's last part (both reach the loop in the order the thread scheduled them)
+            parts.put_nowait(None)
+            if not f.cancelled():
+                f.exception()  # retrieved here too: an ingestion that stopped early never awaits it
+
+        extraction.add_done_callback(finished)
+        chunks: list[Chunk] = []
+        vectors: list[np.ndarray] = []
+        offset = 0
+        embedded = 0.0  # share of the document's pages embedded
+        shown = [0.0]  # the progress last written
+
+        async def progress(n: int, of: int, lo: float, hi: float) -> None:
+            pct = 10.0 + 85.0 * (lo + (hi - lo) * n / max(1, of))  # 95 embedded, 97 saved, 100 published
+            if pct - shown[0] >= 5:
+                shown[0] = pct
+                await asyncio.to_thread(st.set_status, did, "embedding", progress=pct)
+
         try:
-            extracted = await asyncio.to_thread(extract_file, self.upload_path(did), doc["format"], self.limits)
+            while (item := await parts.get()) is not None:
+                blocks, done, total = item
+                while not parts.empty() and len(blocks) < 4 * SLICE:  # take what queued up meanwhile: fuller batches
+                    more = parts.get_nowait()
+                    if more is None:
+                        parts.put_nowait(None)
+                        break
+                    blocks, done, total = blocks + more[0], more[1], more[2]
+                new = await asyncio.to_thread(chunk_blocks, blocks, self.embedder.count_tokens, self.cfg.chunk_tokens,
+                                              self.cfg.chunk_overlap, offset=offset, ordinal=len(chunks))
+                offset += text_length(blocks)
+                if not shown[0]:
+                    if not await asyncio.to_thread(st.set_status, did, "embedding", progress=10.0, pages=total or None):
+                        return None
+                    shown[0] = 10.0
+                share = done / total if total else 1.0
+                vectors.append(await self.embedder.aencode(
+                    [c.embed_text() for c in new], functools.partial(progress, lo=embedded, hi=share)))
+                embedded = share
+                chunks += new
+            extracted = await extraction
         except ExtractionError as e:
             log.info("documents: %s (%s) failed extraction: %s", did, doc["name"], e)
             await self._fail(did, str(e))
             return None
-        chunks = await asyncio.to_thread(chunk_blocks, extracted.blocks, self.embedder.count_tokens,
-                                         self.cfg.chunk_tokens, self.cfg.chunk_overlap)
-        if not await asyncio.to_thread(st.set_status, did, "embedding", progress=10.0, pages=extracted.pages,
-                                       n_chunks=len(chunks)):
+        finally:
+            stop.set()  # a cancelled ingestion (the document was deleted) stops the child at its next part
+        if not chunks:
+            await self._fail(did, "no text found in the document")
             return None
-
-        last = [0.0]
-
-        async def progress(done: int, total: int) -> None:
-            pct = 10.0 + 85.0 * done / max(1, total)  # 95 once embedded, 97 saved, 100 published
-            if pct - last[0] >= 5 or done == total:
-                last[0] = pct
-                await asyncio.to_thread(st.set_status, did, "embedding", progress=pct)
-
-        vectors = await self.embedder.aencode([c.embed_text() for c in chunks], progress)
         rows = [{"id": f"{did}-{c.ordinal}", "ordinal": c.ordinal, "page": c.page, "heading": c.heading,
                  "char_start": c.char_start, "char_end": c.char_end, "tokens": c.tokens, "text": c.text}
                 for c in chunks]
-        await asyncio.to_thread(self._save_vectors, cid, did, vectors)
+        await asyncio.to_thread(self._save_vectors, cid, did, np.concatenate(vectors))
         await asyncio.to_thread(st.save_chunks, did, cid, rows)
-        await asyncio.to_thread(st.set_status, did, "embedding", progress=97.0)
+        if not await asyncio.to_thread(st.set_status, did, "embedding", progress=97.0, pages=extracted.pages,
+                                       n_chunks=len(chunks)):
+            return None
         log.info("documents: %s (%s) embedded: %s pages, %d chunks", did, doc["name"], extracted.pages, len(chunks))
         return cid, did, len(chunks)
 

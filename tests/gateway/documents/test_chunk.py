@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.documents.chunk import chunk_blocks, document_text
+from gateway.documents.chunk import Chunk, chunk_blocks, document_text, text_length
 from gateway.documents.embed import Embedder
 from gateway.documents.extract import Block
 
@@ -57,3 +57,16 @@ def test_a_sentence_longer_than_a_chunk_is_split_by_words(embedder: Embedder) ->
 def test_bad_overlap() -> None:
     with pytest.raises(ValueError):
         chunk_blocks([], lambda t: [len(x) for x in t], size=10, overlap=10)
+
+
+def test_a_document_chunked_a_part_at_a_time_is_chunked_as_a_whole(embedder: Embedder) -> None:
+    """Ingestion chunks a PDF's pages as the extraction child sends them: same chunks, ordinals, offsets."""
+    pages = [[Block(f"Page {p} paragraph {i}: " + "words of filler text " * (3 + (p * i) % 7), "para", 0, p)
+              for i in range(4)] for p in range(1, 6)]
+    whole = chunk_blocks([b for page in pages for b in page], embedder.count_tokens, size=48, overlap=12)
+    parted: list[Chunk] = []
+    offset = 0
+    for part in (pages[0] + pages[1], pages[2], pages[3] + pages[4]):
+        parted += chunk_blocks(part, embedder.count_tokens, size=48, overlap=12, offset=offset, ordinal=len(parted))
+        offset += text_length(part)
+    assert parted == whole and len(whole) > 5

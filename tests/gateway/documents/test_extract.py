@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from gateway.documents.extract import (
+    PAGE_BATCH,
+    Block,
     ExtractionError,
     ExtractLimits,
     FileTypeError,
@@ -15,6 +17,8 @@ from gateway.documents.extract import (
     decode_text,
     detect_format,
     extract_file,
+    extract_in_process,
+    extract_stream,
 )
 from tests.gateway.documents.samples import billion_laughs_docx, make_docx, make_pdf, pdf_bomb, zip_bomb_docx
 
@@ -28,6 +32,24 @@ def test_pdf_pages_and_paragraphs(tmp_path: Path) -> None:
     assert out.pages == 3
     assert [b.page for b in out.blocks if "QX-41" in b.text] == [3]
     assert any(b.page == 1 and "Alpha" in b.text for b in out.blocks)
+
+
+def test_pdf_pages_arrive_in_parts_while_the_child_reads(tmp_path: Path) -> None:
+    n = 2 * PAGE_BATCH + 3
+    pdf = make_pdf(tmp_path / "p.pdf", [f"Page {i} says hello.\n\nSecond paragraph of page {i}." for i in range(1, n + 1)])
+    parts: list[tuple[list[Block], int, int]] = []
+    out = extract_stream(pdf, "pdf", LIM, lambda blocks, done, total: parts.append((blocks, done, total)))
+    assert [(done, total) for _, done, total in parts] == [(PAGE_BATCH, n), (2 * PAGE_BATCH, n), (n, n)]
+    joined = [b for blocks, _, _ in parts for b in blocks]
+    assert out.pages == n and out.blocks == [] and out.streamed == len(joined) >= n
+    assert joined == extract_in_process(pdf, "pdf", LIM).blocks  # the parts, joined, are exactly the document
+    # a limit reached after the first part still fails the whole extraction (the caller drops the parts)
+    chars_per_page = max(sum(len(b.text) for b in joined if b.page == p) for p in range(1, n + 1))
+    parts.clear()
+    with pytest.raises(ExtractionError, match="more than"):
+        extract_stream(pdf, "pdf", ExtractLimits(timeout_s=30.0, max_chars=chars_per_page * (PAGE_BATCH + 2)),
+                       lambda blocks, done, total: parts.append((blocks, done, total)))
+    assert [done for _, done, _ in parts] == [PAGE_BATCH]
 
 
 def test_docx_headings_paragraphs_table_rows(tmp_path: Path) -> None:
