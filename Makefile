@@ -21,6 +21,10 @@ CUDA_SRC := $(wildcard engine/csrc/cuda/* engine/csrc/*.h) engine/_build_cuda.py
 HAVE_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
 SUPERVISOR_CONF ?= $(CURDIR)/supervisord.conf
 RUN_TIMEOUT     ?= 120
+# pytest-xdist workers for make test: the suite is mostly one busy process waiting on lanes it
+# started, so two workers (one test file each at a time) fill a 2-core CI box; TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS    ?= 2
 
 export PYTHONPATH := $(CURDIR)
 
@@ -57,19 +61,28 @@ $(STAMP_RAG): $(STAMP_RUN)
 # --no-cache-dir: pip's wheel cache would hand back a build made with other flags or on another CPU.
 # LLAVA_BUILD=OFF: the multimodal library (mtmd, clip) is never used here and is a large share of the
 # compile; llama_cpp imports it only for its llava chat handlers.
+# The wheel is built into build/llama-wheel/ (pip's own isolated build environment, so it can run beside
+# the documents install without touching the venv), then installed with its dependencies.
 LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CPP_INSTALL := CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)'" \
-	$(PIP) install -q --no-cache-dir 'llama-cpp-python>=0.3.9,<0.4'
+LLAMA_WHEEL_DIR  := build/llama-wheel
+STAMP_LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/.built
+LLAMA_CPP_INSTALL := $(PIP) install -q --no-cache-dir $(LLAMA_WHEEL_DIR)/llama_cpp_python-*.whl
+
+$(STAMP_LLAMA_WHEEL): | $(STAMP_RUN)
+	rm -rf $(LLAMA_WHEEL_DIR)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)'" \
+		$(PIP) wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEEL_DIR) 'llama-cpp-python>=0.3.9,<0.4'
+	touch $@
 
 # Tests: on top of serving + documents (CPU torch already in), llama.cpp and then the `test` extra
 # (pytest, ruff, transformers, openai, psycopg, jsonschema, fpdf2).
-$(STAMP_TEST): $(STAMP_RAG)
+$(STAMP_TEST): $(STAMP_RAG) $(STAMP_LLAMA_WHEEL)
 	$(LLAMA_CPP_INSTALL)
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $@
 
 # Benchmarks: the `bench` extra (the llama.cpp peer).
-$(STAMP_BENCH): $(STAMP_RUN)
+$(STAMP_BENCH): $(STAMP_RUN) $(STAMP_LLAMA_WHEEL)
 	$(LLAMA_CPP_INSTALL)
 	$(PIP) install -q --no-build-isolation -e '.[bench]'
 	touch $@
@@ -92,9 +105,13 @@ $(MODEL): engine/default_model.py | $(STAMP_RUN)
 run: setup
 	$(VPY) deploy/run.py --config $(SUPERVISOR_CONF) start --timeout $(RUN_TIMEOUT)
 
-test: setup $(STAMP_TEST)
+# The llama.cpp wheel (minutes of C++ on every core) builds while the documents install downloads.
+test: $(STAMP_RUN)
+	@$(MAKE) --no-print-directory -j4 --output-sync=target $(EXT) $(MODEL) $(STAMP_RAG) $(STAMP_LLAMA_WHEEL) \
+		$(if $(HAVE_GPU),$(CUDA_LIB))
+	@$(MAKE) --no-print-directory $(STAMP_TEST)
 	$(VPY) -m ruff check .
-	$(VPY) -m pytest -q --durations=30
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # make bench: the engine and gateway comparisons, then every harness scenario (docs/bench.md) in full
 # mode on a throwaway stack with a llama.cpp peer. make bench QUICK=1 (CI): only the scenarios, quick,
