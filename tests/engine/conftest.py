@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.assets import smollm2_dense_gguf
+from engine.default_model import build_default_model, default_model_path
+from engine.engine import Engine
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +49,17 @@ def llama_vocab_loader() -> Callable[[Path | str], Any]:
 def smollm_llama(smollm_gguf_path: Path) -> Any:
     """Cached ``llama_cpp.Llama(vocab_only=True)`` for the default GGUF."""
     return _load_llama_vocab(smollm_gguf_path)
+
+
+# The default MoE model and one engine on it per module (the scheduler and constraint tests). Modules
+# that need another model or engine settings define their own ``model_path`` / ``engine``.
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return build_default_model(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Iterator[Engine]:
+    eng = Engine.open(model_path, threads=2, kv_tokens=8192)
+    yield eng
+    eng.close()

@@ -16,7 +16,6 @@ from engine.constraints import (
     apply_mask,
     json_schema_grammar,
 )
-from engine.default_model import build_default_model, default_model_path
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, collect_text
@@ -31,18 +30,6 @@ PERSON = {
     "required": ["name", "age", "colour"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return build_default_model(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def engine(model_path: Path) -> Engine:
-    eng = Engine.open(model_path, threads=2, kv_tokens=8192)
-    yield eng
-    eng.close()
 
 
 def chat(engine: Engine, text: str) -> list[int]:

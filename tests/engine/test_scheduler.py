@@ -10,7 +10,6 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.block_manager import KVCapacityError
-from engine.default_model import build_default_model, default_model_path
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import OverloadedError, Scheduler, SchedulerConfig, collect_text
@@ -22,18 +21,6 @@ TOPICS = ["the sea", "mountains", "a robot", "coffee", "rain", "a city at night"
 
 def greedy(n: int = 16, **kw: object) -> SamplingParams:
     return SamplingParams.parse(temperature=0.0, max_tokens=n, **kw)
-
-
-@pytest.fixture(scope="module")
-def model_path() -> Path:
-    return build_default_model(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def engine(model_path: Path) -> Engine:
-    eng = Engine.open(model_path, threads=2, kv_tokens=8192)
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")

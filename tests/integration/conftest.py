@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from bench.harness.stack import free_port, processes_mentioning
+from bench.harness.stack import dump_toml, free_port, processes_mentioning
 from engine.default_model import build_default_model, default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,27 +46,6 @@ def lane_cores() -> dict[str, list[int]]:
     """One explicit core per lane: the first two allowed CPUs (both the same on a 1-CPU box)."""
     cpus = sorted(os.sched_getaffinity(0))
     return {"lane_a": [cpus[0]], "lane_b": [cpus[1] if len(cpus) > 1 else cpus[0]]}
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {v!r} as TOML")
-
-
-def dump_toml(data: dict[str, Any]) -> str:
-    """Flat keys, then one level of tables: all a lane file has."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    for k, v in data.items():
-        if isinstance(v, dict):
-            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
-    return "\n".join(lines) + "\n"
 
 
 def render_gateway(tmp: Path, ports: dict[str, int]) -> Path:
