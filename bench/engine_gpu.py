@@ -15,8 +15,8 @@ concurrent distinct sequences, prefill tok/s for 512- and 4,096-token prompts, a
 floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth); the
 median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
 comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
-fused router launch, or either decode fusion (q/k/v post-processing in attention, the down
-input quantised by gate/up), prefill
+fused router launch or the q/k/v fusion (post-processing in attention), with the opt-in down
+input quantisation by gate/up, prefill
 with the matvec kernel only, and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
@@ -275,8 +275,8 @@ def run(args: argparse.Namespace) -> dict:
     os.environ["STRATA_GPU_LAYER_EVENTS"] = "1"  # on every step (the default samples one step in 16)
     res["decode_b1_all_layer_events_tok_s"], _ = decode(1, 128, tag="b1_all_events")
     del os.environ["STRATA_GPU_LAYER_EVENTS"]
-    for env, key in (("STRATA_GPU_FUSED_QKV", "no_fused_qkv"), ("STRATA_GPU_FUSED_QUANT", "no_fused_quant")):
-        os.environ[env] = "0"  # the decode fusions off, one at a time, for comparison
+    for env, key, val in (("STRATA_GPU_FUSED_QKV", "no_fused_qkv", "0"), ("STRATA_GPU_FUSED_QUANT", "fused_quant", "1")):
+        os.environ[env] = val  # q/k/v fusion off / the opt-in quantisation fusion on, for comparison
         res[f"decode_b1_{key}_tok_s"], _ = decode(1, 128, tag=f"b1_{key}")
         del os.environ[env]
     os.environ["STRATA_GPU_ROUTE_SPLIT"] = "1"  # router logits and routing as two launches, for comparison

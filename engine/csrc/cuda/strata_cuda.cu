@@ -503,8 +503,10 @@ static int gemm_min_env() {
     return v < 1 ? 1 : v;
 }
 static int gemm_min_pairs() { return g_gemm_min; }
-/* STRATA_GPU_FUSED_QUANT=0: the down projection's input quantised by its own launch (comparison). */
-static thread_local bool g_fused_quant = true; /* read per step (stg_forward); graphs are keyed by it */
+/* STRATA_GPU_FUSED_QUANT=1: the gate/up matvec also quantises its output for the down
+ * projection. Off by default: measured no faster (runs 19-21: +0.1, 0.0 and +0.1 ms per
+ * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
+static thread_local bool g_fused_quant = false; /* read per step (stg_forward); graphs are keyed by it */
 static bool fused_quant_on() { return g_fused_quant; }
 
 /* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
@@ -1109,7 +1111,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
     g_gemm_min = gemm_min_env();
     const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
-    g_fused_quant = !(fqe && fqe[0] == '0');
+    g_fused_quant = fqe && fqe[0] == '1';
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
