@@ -137,7 +137,8 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=["auto", "onnx", "torch"], default="auto",
                    help="the embedding forward pass (auto: ONNX Runtime when setup exported the model)")
     p.add_argument("--embed-threads", type=int, default=1)
-    p.add_argument("--precision", choices=["fp32", "int8"], default="fp32", help="int8: the quantised export")
+    p.add_argument("--precision", choices=["fp32", "int8"], default="fp32",
+                    help="int8: the quantised export")
     p.add_argument("--json", type=Path, help="write the results here")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embed-batch", type=int, default=32)
     ap.add_argument("--backend", choices=["auto", "onnx", "torch"], default="auto",
                     help="the embedding forward pass (auto: ONNX Runtime when setup exported the model)")
-    ap.add_argument("--precision", choices=["fp32", "int8"], default="fp32", help="int8: the quantised export")
+    ap.add_argument("--precision", choices=["fp32", "int8"], default="fp32",
+                    help="int8: the quantised export")
     ap.add_argument("--pdf-pages", type=int, default=200, help="pages of the PDF whose ingestion is timed")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)

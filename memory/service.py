@@ -138,6 +138,10 @@ class MemoryService:
         self.cfg = cfg
         self.embedder = embedder
         self.complete = complete
+        if embedder is not None:
+            from gateway.documents.embed import single_threaded_blas
+
+            single_threaded_blas()  # the similarity over a session's vectors is one BLAS matrix-vector product
         self._cache: dict[int, _VecCache] = {}
         self._embedded_upto: dict[int, int] = {}  # session pk -> every turn up to this id has a vector
         self._embedded_seq: dict[int, int] = {}  # ... and up to this seq: a request compares its n_turns, no query

@@ -11,8 +11,9 @@ forward pass runs in ONNX Runtime when setup exported the model (``python -m
 gateway.documents.onnx_export``) and onnxruntime is installed (``backend="auto"``), else in torch.
 The fp32 export reproduces the torch model's vectors (checked at export: cosine >= 0.99999), so both
 backends share one index key and a gateway may switch between them without re-embedding.
-``precision="int8"`` runs the int8-quantised export instead: other vectors (cosine ~0.99 to fp32), so
-another index key (``<model>-int8:<dim>``); it needs the export and never falls back to torch.
+The int8-quantised export (``precision="int8"``) is ~1.6x faster but gives other vectors (cosine ~0.99 to
+fp32; hybrid recall@5 0.952 vs 0.964 on bench/rag_eval.py), so another index key (``<model>-int8:<dim>``:
+switching re-embeds the collections at start), and it never falls back to torch. fp32 is the default.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np
 
 from gateway.documents.config import DEFAULT_EMBED_MODEL
 
-__all__ = ["SLICE", "Backend", "EmbedError", "Embedder", "Precision", "get_embedder", "resolve_model_dir"]
+__all__ = ["SLICE", "Backend", "EmbedError", "Embedder", "Precision", "get_embedder", "resolve_model_dir",
+           "single_threaded_blas"]
 
 log = logging.getLogger("strata.gateway.documents")
 
@@ -43,6 +45,19 @@ SMALL_BATCH_TOKENS = 512  # a forward pass this small (a query) runs on one thre
 
 SLICE = 16  # texts per submission to the embedding thread
 QUERY_CACHE = 256  # recent query vectors kept: a chat with a session and collections embeds its query once
+
+
+@functools.lru_cache(maxsize=1)
+def single_threaded_blas() -> bool:
+    """Limit numpy's BLAS to one thread in this process (once). Its threaded matrix-vector product waits for a
+    second core that the lanes and the event loop hold: 12 ms for a session's 10,000 x 384 vectors at load 9
+    on the 2-core VM, 1.0 ms on one thread. False when threadpoolctl is missing (then nothing changes)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return False
+    threadpool_limits(1, user_api="blas")
+    return True
 
 
 class EmbedError(RuntimeError):
@@ -73,8 +88,7 @@ class Embedder:
         self.dir = resolve_model_dir(model)
         self.batch = batch
         self.threads = threads
-        self.precision = precision
-        self.onnx_path = self._find_onnx(backend, precision, onnx_root)
+        self.onnx_path, self.precision = self._find_onnx(backend, precision, onnx_root)
         self.backend: Literal["onnx", "torch"] = "onnx" if self.onnx_path is not None else "torch"
         self._model: Any = None
         self._lock = threading.Lock()
@@ -89,28 +103,30 @@ class Embedder:
         self.dim = self._read_dim()
         self.max_seq_length = self._read_max_len()
 
-    def _find_onnx(self, backend: Backend, precision: Precision, root: Path | None) -> Path | None:
+    def _find_onnx(self, backend: Backend, precision: Precision,
+                   root: Path | None) -> tuple[Path | None, Precision]:
+        """(the ONNX file to run or None for torch, the precision that gives)."""
         if backend == "torch":
-            if precision != "fp32":
-                raise EmbedError(f"embed_precision = \"{precision}\" needs the ONNX backend, not torch")
-            return None
+            if precision == "int8":
+                raise EmbedError('embed_precision = "int8" needs the ONNX backend, not torch')
+            return None, "fp32"
         from gateway.documents.onnx_export import find_export
 
-        path = find_export(self.name, self.dir, root, int8=precision == "int8")
         why = None
-        if path is None:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            why = "onnxruntime is not installed (the rag extra installs it)"
+        if why is None:
+            path = find_export(self.name, self.dir, root, int8=precision == "int8")
+            if path is not None:
+                return path, precision
             why = (f"no {'int8 ' if precision == 'int8' else ''}ONNX export of {self.name} matching its weights "
                    f"(setup builds it: python -m gateway.documents.onnx_export)")
-        else:
-            try:
-                import onnxruntime  # noqa: F401
-            except ImportError:
-                why, path = "onnxruntime is not installed (the rag extra installs it)", None
-        if why is not None:
-            if backend == "onnx" or precision != "fp32":  # int8 vectors have no torch equivalent: no fallback
-                raise EmbedError(f"embed_backend = \"{backend}\", embed_precision = \"{precision}\": {why}")
-            log.warning("embeddings run in torch, several times slower per query: %s", why)
-        return path
+        if backend == "onnx" or precision == "int8":  # int8 vectors have no torch equivalent: no fallback
+            raise EmbedError(f'embed_backend = "{backend}", embed_precision = "{precision}": {why}')
+        log.warning("embeddings run in torch (fp32), several times slower: %s", why)
+        return None, "fp32"
 
     def _read_dim(self) -> int:
         for cfg in (self.dir / "1_Pooling" / "config.json", self.dir / "config.json"):

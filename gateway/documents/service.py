@@ -33,7 +33,7 @@ from sqlalchemy import Engine
 
 from gateway.documents.chunk import Chunk, chunk_blocks, text_length
 from gateway.documents.config import RagConfig
-from gateway.documents.embed import SLICE, Embedder, get_embedder
+from gateway.documents.embed import SLICE, Embedder, get_embedder, single_threaded_blas
 from gateway.documents.extract import Block, Extracted, ExtractionError, ExtractLimits, extract_stream
 from gateway.documents.index import IndexVersion, Mode, build_version, load_version, prune_versions
 from gateway.documents.store import ChunkRow, Conflict, DocStore
@@ -82,6 +82,7 @@ class RagService:
         self.uploads = self.root / "uploads"
         self.uploads.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.store = DocStore(db)
+        single_threaded_blas()
         self.embedder = embedder or get_embedder(cfg.embed_model, threads=cfg.embed_threads, batch=cfg.embed_batch,
                                                    backend=cfg.embed_backend, precision=cfg.embed_precision)
         self.limits = ExtractLimits(max_pages=cfg.max_pdf_pages, max_chars=cfg.max_extracted_chars,

@@ -1,5 +1,5 @@
-"""The embedding forward pass in ONNX Runtime (the setup-time export) against torch: the same vectors, one index
-key, and a typed error when the ONNX backend is asked for without an export."""
+"""The embedding forward pass in ONNX Runtime (the setup-time export) against torch: fp32 gives the torch vectors
+under the same index key; int8 gives close vectors under its own key; typed errors for impossible settings."""
 
 from __future__ import annotations
 
@@ -16,22 +16,32 @@ TEXTS = ["fire assembly point", "The approved budget of the North Harbor Bridge 
          "Ledger page 7 line 3: crate 262 of type 3 left dock 7 on the morning shift. " * 20]
 
 
-def test_onnx_backend_without_an_export_is_a_typed_error(tmp_path: Path) -> None:
+def test_impossible_backend_settings_are_typed_errors(tmp_path: Path) -> None:
     with pytest.raises(EmbedError, match="no ONNX export"):
         Embedder(backend="onnx", onnx_root=tmp_path)
+    with pytest.raises(EmbedError, match="no int8 ONNX export"):
+        Embedder(precision="int8", onnx_root=tmp_path)  # int8 never falls back: its vectors are another model's
+    with pytest.raises(EmbedError, match="needs the ONNX backend"):
+        Embedder(backend="torch", precision="int8")
+    fallback = Embedder(onnx_root=tmp_path)  # auto without an export: torch, fp32, loaded on first use
+    assert fallback.backend == "torch" and fallback.version_key == "all-MiniLM-L6-v2:384"
 
 
-def test_onnx_forward_gives_the_torch_vectors(embedder: Embedder, tmp_path: Path) -> None:
+def test_onnx_forward_gives_the_torch_vectors(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime")
-    root = None if find_export(embedder.name, resolve_model_dir(embedder.name)) is not None else tmp_path
-    if root is not None:  # setup did not build it (make setup does): build one here (~10 s)
+    name = "all-MiniLM-L6-v2"
+    root = None
+    if find_export(name, resolve_model_dir(name)) is None or find_export(name, resolve_model_dir(name), int8=True) is None:
+        root = tmp_path  # setup did not build it (make setup does): build one here (~30 s)
         export(root=root)
-    ort = embedder if embedder.backend == "onnx" else Embedder(backend="onnx", onnx_root=root)
-    pt = embedder if embedder.backend == "torch" else Embedder(backend="torch")
-    assert ort.backend == "onnx" and pt.backend == "torch" and ort.version_key == pt.version_key
-    a, b = ort.encode(TEXTS), pt.encode(TEXTS)  # one padded batch of very different lengths
-    assert a.shape == b.shape == (len(TEXTS), 384)
-    assert np.allclose(np.linalg.norm(a, axis=1), 1.0, atol=1e-5)
-    assert float((a * b).sum(1).min()) > 0.99999
-    single = ort.encode(TEXTS[:1])[0]  # no padding: the same vector as inside the batch
-    assert float(single @ a[0]) > 0.99999
+    pt = Embedder(backend="torch")
+    a, b = Embedder(precision="fp32", onnx_root=root), Embedder(precision="int8", onnx_root=root)
+    assert (a.backend, a.precision, b.backend, b.precision) == ("onnx", "fp32", "onnx", "int8")
+    assert a.version_key == pt.version_key == "all-MiniLM-L6-v2:384" and b.version_key == "all-MiniLM-L6-v2-int8:384"
+    ref, fp32, int8 = pt.encode(TEXTS), a.encode(TEXTS), b.encode(TEXTS)  # one padded batch of very unequal lengths
+    assert fp32.shape == int8.shape == (len(TEXTS), 384)
+    assert np.allclose(np.linalg.norm(int8, axis=1), 1.0, atol=1e-5)
+    assert float((fp32 * ref).sum(1).min()) > 0.99999
+    assert 0.95 < float((int8 * ref).sum(1).min()) < 0.99999  # close, but not the same model for an index
+    single = a.encode(TEXTS[:1])[0]  # no padding (the one-thread query session): the same vector as in the batch
+    assert float(single @ fp32[0]) > 0.99999
