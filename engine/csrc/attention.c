@@ -235,10 +235,14 @@ T256 static void attn_tile_256(const kv_view *kv, const float *q, int64_t q_stri
     for (int c = 0; c < hd; c += 8) {
         __m256 acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = _mm256_setzero_ps();
-        for (int32_t j = 0; j < n_keys; j++) {
-            const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v_row(kv, j) + c)));
-            const float *p = S + (size_t)j * LANES;
-            for (int i = 0; i < LANES; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), vv, acc[i]);
+        for (int32_t j0 = 0; j0 < n_keys; j0 += bs) { /* keys in order, one block table lookup per block */
+            const f16_t *vb = v_row(kv, j0) + c;
+            const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
+            for (int32_t jj = 0; jj < jn; jj++) {
+                const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->kv_dim)));
+                const float *p = S + (size_t)(j0 + jj) * LANES;
+                for (int i = 0; i < LANES; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), vv, acc[i]);
+            }
         }
         for (int i = 0; i < nq; i++) _mm256_storeu_ps(out + i * o_stride + c, _mm256_div_ps(acc[i], _mm256_set1_ps(sums[i])));
     }
@@ -260,10 +264,15 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
     for (int32_t j = 0; j < n_keys; j += 8) _mm256_storeu_ps(S + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(mx))));
     float sum = 0.0f;
     for (int32_t j = 0; j < n_keys; j++) sum += S[j];
-    for (int c = 0; c < hd; c += 8) {
+    for (int c = 0; c < hd; c += 8) { /* keys in order; v_row (a division) once per block, not per key */
         __m256 acc = _mm256_setzero_ps();
-        for (int32_t j = 0; j < n_keys; j++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(S[j]), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v_row(kv, j) + c))), acc);
+        for (int32_t j0 = 0; j0 < n_keys; j0 += bs) {
+            const f16_t *vb = v_row(kv, j0) + c;
+            const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
+            for (int32_t jj = 0; jj < jn; jj++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(S[j0 + jj]),
+                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->kv_dim))), acc);
+        }
         _mm256_storeu_ps(out + c, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
     }
 }

@@ -139,8 +139,13 @@ attn_fn st_attn(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 
-/* Activation quantisation; xs8/xs (the derived views above) are filled when not NULL. */
+/* Activation quantisation; xs8/xs (the derived views above) are filled when not NULL.
+ * st_quantize_act_row is the scalar definition; st_quant_act() gives the current variant's
+ * version (AVX2 where it runs), which produces the same bytes and floats. */
 void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs);
+typedef void (*quant_act_fn)(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs);
+quant_act_fn st_quant_act_avx2(void);
+quant_act_fn st_quant_act(void);
 
 /* Helpers for the k-quant 6-bit scale packing. */
 static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {

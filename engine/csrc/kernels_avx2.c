@@ -36,6 +36,48 @@ DEF_DOT_F_AVX2(dot_bf16_avx2, uint16_t, LD_BF16, bf16_to_f32)
 
 dot_q_fn st_dot_q_avx2(int32_t type) { return gemm_pick(type); }
 
+/* Activation quantisation, the scalar definition (quants.c) vectorised with the same float
+ * operations: amax / 127, 1 / d, x * id rounded half away from zero (roundf: truncate, then
+ * step away from zero when the exact remainder is >= 0.5), integer sums. Same bytes and
+ * floats as st_quantize_act_row; the harness compares the two. */
+static void quant_act_avx2(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k), mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float db = _mm_cvtss_f32(m4) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            const __m256 s = _mm256_mul_ps(v[k], _mm256_set1_ps(id));
+            const __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(s, t)), half, _CMP_GE_OQ);
+            q[k] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, s)))));
+        }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(qs + b * QK), _mm256_permutevar8x32_epi32(p, order));
+        int32_t s2[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256i a = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+            __m128i r = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+            r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0x4e));
+            r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 0xb1));
+            s2[h] = _mm_cvtsi128_si32(r);
+        }
+        sums[2 * b] = s2[0], sums[2 * b + 1] = s2[1];
+        const float x0 = db * (float)s2[0], x1 = db * (float)s2[1];
+        if (xs8) _mm256_storeu_ps(xs8 + b * 8, _mm256_setr_m128(_mm_set1_ps(x0), _mm_set1_ps(x1)));
+        if (xs) xs[2 * b] = x0, xs[2 * b + 1] = x1;
+    }
+}
+
+quant_act_fn st_quant_act_avx2(void) { return quant_act_avx2; }
+
 dot_f_fn st_dot_f_avx2(int32_t type) {
     switch (type) {
     case ST_TYPE_F32: return dot_f32_avx2;
@@ -47,5 +89,6 @@ dot_f_fn st_dot_f_avx2(int32_t type) {
 #else
 #include "internal.h"
 dot_q_fn st_dot_q_avx2(int32_t type) { (void)type; return NULL; }
+quant_act_fn st_quant_act_avx2(void) { return NULL; }
 dot_f_fn st_dot_f_avx2(int32_t type) { (void)type; return NULL; }
 #endif

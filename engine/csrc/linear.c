@@ -18,20 +18,21 @@ typedef struct {
     const float *x;
     int64_t K;
     act_buf o;
+    quant_act_fn fn;
 } quant_ctx;
 
 static void quant_task(void *ctx, int64_t t, int thread) {
     (void)thread;
     const quant_ctx *c = ctx;
     const int64_t K = c->K;
-    st_quantize_act_row(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
-                        c->o.xs8 + t * (K / 4), c->o.xs + t * (K / 16));
+    c->fn(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
+          c->o.xs8 + t * (K / 4), c->o.xs + t * (K / 16));
 }
 
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
     acts a = {x, NULL, NULL, NULL, NULL, NULL, K};
     if (need_q) {
-        quant_ctx c = {x, K, o};
+        quant_ctx c = {x, K, o, st_quant_act()};
         st_pool_run(pool, quant_task, &c, T);
         a.q = o.q, a.d = o.d, a.s = o.s, a.xs8 = o.xs8, a.xs = o.xs;
     }

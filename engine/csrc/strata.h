@@ -62,6 +62,9 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n);
  * of each 16 consecutive int8 values, used for weight offsets/minimums). Nothing past
  * those lengths is written or read (here and in st_vec_dot_q). */
 st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
+/* The same through one variant's quantiser (the step uses the current variant's); every
+ * variant gives the bytes and floats of st_quantize_act. For the kernel harness. */
+st_status st_quantize_act_variant(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
 
 /* out = dot(row of weights of `type`, activations) with the given variant.
  * Quantised types use the 8-bit activations; F32/F16/BF16 use float x. */

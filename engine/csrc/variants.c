@@ -69,6 +69,22 @@ static attn_fn attn_variant(int32_t variant) {
 attn_fn st_attn(void) { return attn_variant(g_variant); }
 
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
+
+static quant_act_fn quant_variant(int32_t variant) {
+    const quant_act_fn f = resolve(variant) != ST_VARIANT_REF ? st_quant_act_avx2() : NULL; /* AVX-512 CPUs run it too */
+    return f ? f : st_quantize_act_row;
+}
+
+quant_act_fn st_quant_act(void) { return quant_variant(g_variant); }
+
+st_status st_quantize_act_variant(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
+    const st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!x || !qs || !d || !sums || n <= 0 || n % QK)
+        return st_fail(ST_EINVAL, "quantize_act_variant: n=%lld must be a positive multiple of %d", (long long)n, QK);
+    quant_variant(variant)(x, n, qs, d, sums, NULL, NULL);
+    return ST_OK;
+}
 dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }
 
 /* nr rows x nt tokens through the variant's kernel, building the derived activation views

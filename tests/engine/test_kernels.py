@@ -71,6 +71,31 @@ def test_activation_quantisation_matches_definition() -> None:
     assert np.all(np.abs(qs.reshape(-1, 32) * d[:, None] - blocks) <= d[:, None] * 0.5 + 1e-7)
 
 
+@pytest.mark.parametrize("variant", available_variants())
+def test_activation_quantisation_every_variant_bitwise(variant: str) -> None:
+    """The step quantises with the current variant's quantiser (AVX2 where it runs): the same
+    bytes, scales and sums as the scalar definition, including exact .5 ties (rounded away from
+    zero), an all-zero block and values of very different magnitudes."""
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal(N).astype(np.float32)
+    x[:32] = 0.0
+    x[32:64] = (rng.integers(-254, 255, size=32) / 2).astype(np.float32)  # d = 1: x * id are exact halves
+    x[63] = 127.0
+    x[64:96] *= np.float32(1e-30)
+    x[96:128] *= np.float32(3e4)
+    x[128:160] = -x[128:160]
+    ref = quant_act(x)
+    qs, d, s = np.empty(N, np.int8), np.empty(N // 32, np.float32), np.empty(N // 16, np.int32)
+    rc = lib.st_quantize_act_variant(VARIANTS[variant], ptr(x, "float *"), N, ptr(qs, "int8_t *"), ptr(d, "float *"),
+                                     ptr(s, "int32_t *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    assert np.array_equal(qs, ref[0]) and np.array_equal(d.view(np.uint32), ref[1].view(np.uint32))
+    assert np.array_equal(s, ref[2])
+    assert np.array_equal(qs[32:64], np.trunc(x[32:64] + np.copysign(0.5, x[32:64])).astype(np.int8))  # ties away from 0
+    assert lib.st_quantize_act_variant(VARIANTS[variant], ptr(x, "float *"), 33, ptr(qs, "int8_t *"),
+                                       ptr(d, "float *"), ptr(s, "int32_t *")) == lib.ST_EINVAL
+
+
 GUARD = 64  # elements of sentinel after each buffer
 
 
