@@ -252,28 +252,44 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
     const int hd = kv->hd, bs = kv->bs;
     const int32_t n_keys = p0 + 1;
     float *S = scratch;
-    for (int32_t j0 = 0; j0 < n_keys; j0 += 8) {
-        const f16_t *kb = k_block(kv, j0 / bs) + j0 % bs;
-        __m256 acc = _mm256_setzero_ps();
-        for (int d = 0; d < hd; d++)
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb + d * bs))), acc);
-        _mm256_storeu_ps(S + j0, acc);
+    /* Scores, 8 keys per vector; up to four vectors of keys at once so that four independent
+     * fma chains hide the fma latency (each lane's chain over d is unchanged). */
+    for (int32_t j0 = 0; j0 < n_keys; j0 += 32) {
+        const int ng = n_keys - j0 >= 32 ? 4 : (n_keys - j0 + 7) / 8;
+        const f16_t *kb[4];
+        for (int g = 0; g < 4; g++) {
+            const int32_t j = j0 + 8 * (g < ng ? g : 0);
+            kb[g] = k_block(kv, j / bs) + j % bs;
+        }
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int d = 0; d < hd; d++) {
+            const __m256 qd = _mm256_set1_ps(q[d]);
+            for (int g = 0; g < 4; g++)
+                acc[g] = _mm256_fmadd_ps(qd, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb[g] + d * bs))), acc[g]);
+        }
+        for (int g = 0; g < ng; g++) _mm256_storeu_ps(S + j0 + 8 * g, acc[g]);
     }
     float mx = -INFINITY;
     for (int32_t j = 0; j < n_keys; j++) mx = S[j] > mx ? S[j] : mx;
     for (int32_t j = 0; j < n_keys; j += 8) _mm256_storeu_ps(S + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(mx))));
     float sum = 0.0f;
     for (int32_t j = 0; j < n_keys; j++) sum += S[j];
-    for (int c = 0; c < hd; c += 8) { /* keys in order; v_row (a division) once per block, not per key */
-        __m256 acc = _mm256_setzero_ps();
+    /* Values: 16 dims (two vectors) at a time, keys in order (each lane's fma chain over keys is
+     * unchanged), v_row (a division) once per KV block instead of once per key. */
+    for (int c = 0; c < hd; c += 16) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int32_t j0 = 0; j0 < n_keys; j0 += bs) {
             const f16_t *vb = v_row(kv, j0) + c;
             const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
-            for (int32_t jj = 0; jj < jn; jj++)
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(S[j0 + jj]),
-                                      _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->kv_dim))), acc);
+            for (int32_t jj = 0; jj < jn; jj++) {
+                const __m256 p = _mm256_set1_ps(S[j0 + jj]);
+                const f16_t *vr = vb + (size_t)jj * kv->kv_dim;
+                a0 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)vr)), a0);
+                a1 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8))), a1);
+            }
         }
-        _mm256_storeu_ps(out + c, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+        _mm256_storeu_ps(out + c, _mm256_div_ps(a0, _mm256_set1_ps(sum)));
+        _mm256_storeu_ps(out + c + 8, _mm256_div_ps(a1, _mm256_set1_ps(sum)));
     }
 }
 
