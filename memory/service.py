@@ -181,7 +181,7 @@ class MemoryService:
         if retrieve and self.embedder is not None and not self.embedder.ready:
             # a new gateway's model takes a minute or more to load: compose from the summary and the recent
             # turns now rather than stall the request (the turns' vectors are backfilled once it is loaded)
-            retrieve, note = False, "retrieval=skipped (embedding model loading)"
+            retrieve, note = False, "retrieval=skipped (embedding model not loaded)"
         if retrieve and self.embedder is not None:
             # the query's forward pass runs on the embedding thread while the rows load on a worker thread
             qvec = asyncio.ensure_future(self.embedder.aencode_query(query[:4000]))

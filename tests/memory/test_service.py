@@ -88,7 +88,7 @@ def test_composes_without_retrieval_while_the_model_loads(tmp_path: Path) -> Non
     loaded = asyncio.run(svc.load(s, "and the cat?"))
     comp = loaded.compose(cfg, None, new, 1200)
     assert comp.recent > 0 and comp.dropped > 0 and comp.retrieved == 0 and not model.queries
-    assert comp.header().endswith("; retrieval=skipped (embedding model loading)")
+    assert comp.header().endswith("; retrieval=skipped (embedding model not loaded)")
     model.ready = True  # loaded: the same request now retrieves older turns, and the header says nothing more
     comp = asyncio.run(svc.load(s, "and the cat?")).compose(cfg, None, new, 1200)
     assert model.queries == ["and the cat?"] and comp.retrieved > 0 and "skipped" not in comp.header()

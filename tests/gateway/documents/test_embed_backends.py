@@ -27,7 +27,7 @@ def test_impossible_backend_settings_are_typed_errors(tmp_path: Path) -> None:
     assert fallback.backend == "torch" and fallback.version_key == "all-MiniLM-L6-v2:384"
 
 
-def test_onnx_forward_gives_the_torch_vectors(tmp_path: Path) -> None:
+def test_onnx_forward_gives_the_torch_vectors(embedder: Embedder, tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime")
     name = "all-MiniLM-L6-v2"
     root = None
@@ -35,7 +35,9 @@ def test_onnx_forward_gives_the_torch_vectors(tmp_path: Path) -> None:
         root = tmp_path  # setup did not build it (make setup does): build one here (~30 s)
         export(root=root)
     pt = Embedder(backend="torch")
-    a, b = Embedder(precision="fp32", onnx_root=root), Embedder(precision="int8", onnx_root=root)
+    shared = root is None and embedder.backend == "onnx" and embedder.precision == "fp32"  # the default: loaded
+    a = embedder if shared else Embedder(precision="fp32", onnx_root=root)
+    b = Embedder(precision="int8", onnx_root=root)
     assert (a.backend, a.precision, b.backend, b.precision) == ("onnx", "fp32", "onnx", "int8")
     assert a.version_key == pt.version_key == "all-MiniLM-L6-v2:384" and b.version_key == "all-MiniLM-L6-v2-int8:384"
     ref, fp32, int8 = pt.encode(TEXTS), a.encode(TEXTS), b.encode(TEXTS)  # one padded batch of very unequal lengths
