@@ -48,6 +48,9 @@ async def gw(lanes: tuple[Lane, Lane], tmp_path_factory: pytest.TempPathFactory)
                          memory={"summarize_after_tokens": 100_000, "summary_input_tokens": 300,
                                  "summary_max_tokens": 64, "summary_keep_turns": 4, "retrieve_min_score": 0.2})
     async with running_gateway(cfg) as g:
+        emb = g.app[MEMORY].embedder
+        if emb is not None:  # until the model is loaded requests compose without retrieval; these tests retrieve
+            await emb.warm()  # type: ignore[attr-defined]
         yield g
 
 
