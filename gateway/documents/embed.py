@@ -170,7 +170,7 @@ class Embedder:
                 transformers.utils.logging.disable_progress_bar()
                 transformers.utils.logging.set_verbosity_error()
 
-                torch.set_num_threads(self.threads)
+                torch.set_num_threads(self.threads if self.onnx_path is None else 1)  # ORT: torch only pools
                 model = SentenceTransformer(str(self.dir), device="cpu", local_files_only=True)
                 if self.onnx_path is not None:
                     # sentence-transformers keeps tokenising, pooling and normalising; only the forward changes
