@@ -47,8 +47,48 @@ typedef struct {
     float s[8][8], c[8][8];
 } kscales;
 
+/* The eight 6-bit scales (sv) and minimums (mv) of a Q4_K/Q5_K super-block, as bytes j = 0..7:
+ * get_scale_min_k4 on four bytes at a time (12 scale bytes = three 32-bit words). */
+static inline void kq_scales_mins(const uint8_t *sc, __m128i *sv, __m128i *mv) {
+    const uint32_t u0 = ld32(sc), u1 = ld32(sc + 4), u2 = ld32(sc + 8);
+    const uint32_t s_lo = u0 & 0x3f3f3f3fu, m_lo = u1 & 0x3f3f3f3fu;
+    const uint32_t s_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+    const uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+    *sv = _mm_setr_epi32((int)s_lo, (int)s_hi, 0, 0);
+    *mv = _mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0);
+}
+
 static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, const uint8_t *const *rows, int64_t i,
                                                                  kscales *ks) {
+    if (type == ST_TYPE_Q4_K || type == ST_TYPE_Q5_K) {
+        /* Vectorised (the scalar loop below cost as much as the dot itself at one token): per
+         * row the same sf = d * sv and m = -dmin * mv, then a 4x8 transpose into [j][lane]. */
+        __m256 S[MR], C[MR];
+        for (int r = 0; r < MR; r++) {
+            const blk_q4_k *q = type == ST_TYPE_Q4_K ? (const blk_q4_k *)rows[r] + i : NULL;
+            const blk_q5_k *q5 = type == ST_TYPE_Q5_K ? (const blk_q5_k *)rows[r] + i : NULL;
+            const float d = h2f(q ? q->d : q5->d), dmin = h2f(q ? q->dmin : q5->dmin);
+            __m128i sv, mv;
+            kq_scales_mins(q ? q->scales : q5->scales, &sv, &mv);
+            S[r] = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sv)));
+            const __m256 m = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mv)));
+            C[r] = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_setzero_ps(), S[r])); /* m - 0 * s, as the other types */
+        }
+        for (int w = 0; w < 2; w++) {
+            const __m256 *V = w ? C : S;
+            float(*dst)[8] = w ? ks->c : ks->s;
+            const __m256 t0 = _mm256_unpacklo_ps(V[0], V[1]), t1 = _mm256_unpackhi_ps(V[0], V[1]);
+            const __m256 t2 = _mm256_unpacklo_ps(V[2], V[3]), t3 = _mm256_unpackhi_ps(V[2], V[3]);
+            const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                                 _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+            for (int j = 0; j < 4; j++) { /* u[j] = rows 0..3 of sub-block j | of sub-block j + 4 */
+                const __m128 lo = _mm256_castps256_ps128(u[j]), hi = _mm256_extractf128_ps(u[j], 1);
+                _mm_storeu_ps(dst[j], lo), _mm_storeu_ps(dst[j] + MR, lo);
+                _mm_storeu_ps(dst[j + 4], hi), _mm_storeu_ps(dst[j + 4] + MR, hi);
+            }
+        }
+        return;
+    }
     for (int r = 0; r < MR; r++) {
         if (type == ST_TYPE_Q6_K) {
             const blk_q6_k *q = (const blk_q6_k *)rows[r] + i;
