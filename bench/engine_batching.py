@@ -29,7 +29,9 @@ from engine.scheduler import Scheduler, SchedulerConfig
 
 
 def decode_throughput(eng: Engine, n_seqs: int, n_tokens: int, budget: int) -> dict[str, float]:
-    """Aggregate decode tok/s over steps that carry only decode tokens."""
+    """Aggregate decode tok/s over steps that carry only decode tokens, with the median step, the
+    median time per step outside the C forward call (scheduler, sampler, detokenizer) and the
+    median share of the pool's thread time spent waiting inside the step."""
     rng = np.random.default_rng(n_seqs)
     sched = Scheduler(eng, SchedulerConfig(max_num_seqs=max(n_seqs, 1), max_batch_tokens=budget, prefix_cache=False))
     params = SamplingParams.parse(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
@@ -38,6 +40,8 @@ def decode_throughput(eng: Engine, n_seqs: int, n_tokens: int, budget: int) -> d
     decode_time = 0.0
     decoded = 0
     step_times: list[float] = []
+    outside: list[float] = []
+    idle: list[float] = []
     while sched.has_work():
         t0 = time.perf_counter()
         sched.step()
@@ -47,8 +51,14 @@ def decode_throughput(eng: Engine, n_seqs: int, n_tokens: int, budget: int) -> d
             decode_time += dt
             decoded += rep.n_decode
             step_times.append(dt)
+            st = eng.last_stats
+            if st is not None:
+                outside.append(dt - st.t_total)
+                idle.append(st.pool_idle_share)
     return {"tok_s": decoded / decode_time if decode_time else 0.0,
-            "step_ms_median": 1e3 * statistics.median(step_times) if step_times else 0.0}
+            "step_ms_median": 1e3 * statistics.median(step_times) if step_times else 0.0,
+            "outside_c_ms_median": 1e3 * statistics.median(outside) if outside else 0.0,
+            "pool_idle_median": statistics.median(idle) if idle else 0.0}
 
 
 def llama_decode_throughput(path: Path, n_seqs: int, n_tokens: int, threads: int) -> float:
@@ -167,11 +177,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> None:
     base = res["decode"][1]["tok_s"] or 1.0
     rows = [(f"decode, {c} concurrent", f"{r['tok_s']:.1f} tok/s", f"{r['tok_s'] / base:.2f}x single",
-             f"{r['step_ms_median']:.1f} ms/step",
+             f"{r['step_ms_median']:.1f} ms/step", f"{r['outside_c_ms_median']:.1f} ms",
+             f"{100 * r['pool_idle_median']:.0f}%",
              f"{r['llama_tok_s']:.1f} tok/s" if "llama_tok_s" in r else "-",
              f"{r['tok_s'] / r['llama_tok_s']:.2f}x" if r.get("llama_tok_s") else "-")
             for c, r in res["decode"].items()]
-    print(text_table(["metric", "Strata", "vs 1 stream", "step", "llama.cpp", "Strata / llama.cpp"], rows))
+    print(text_table(["metric", "Strata", "vs 1 stream", "step", "outside C", "pool idle", "llama.cpp",
+                      "Strata / llama.cpp"], rows))
     t = res["ttft"]
     print(f"\nshort request during a {res['long_tokens']}-token prefill: TTFT {t['ttft_s'] * 1e3:.0f} ms "
           f"= {t['ttft_in_steps']:.2f} step-times ({int(t['steps'])} steps; step {t['step_s_median'] * 1e3:.0f} ms)")

@@ -512,6 +512,9 @@ def limits_lines(rep: dict[str, Any]) -> list[str]:
                    f"(llama.cpp {der['llama_gmac_s_16']:.1f}); kernel peak {k['gmac_s']:.1f} GMAC/s "
                    f"({k['variant']}, {k['threads']} threads x thread CPU time, weights in cache); "
                    f"16 seqs = {b['16']['tok_s'] / b['1']['tok_s']:.2f}x single stream")
+        out.append("per step outside C (scheduler, sampler) / pool idle share, 1 / 16 sequences: " + " / ".join(
+            f"{b[k].get('outside_c_ms_median', float('nan')):.1f} ms, {100 * b[k].get('pool_idle_median', float('nan')):.0f}%"
+            for k in ("1", "16")))
     else:
         out.append(f"kernel peak {k['gmac_s']:.1f} GMAC/s ({k['variant']}, {k['threads']} threads, weights in cache)")
     return out
