@@ -321,8 +321,18 @@ async def test_async_engine_loop_failure_fails_every_request(tiny_path: Path,
     with Engine.open(tiny_path, threads=1, kv_tokens=2048) as eng:
         aeng = AsyncEngine(eng, SchedulerConfig(max_batch_tokens=16), on_failure=failures.append)
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*(aeng.generate(list(range(1, 20 + i)), params) for i in range(6))), 60)
+            # all six submitted in one go: between gather's tasks the event loop polls (GIL
+            # released), and on a loaded box the loop thread could reach step 3 before the last
+            # submit, which then raises EngineFailedError instead of joining the batch
+            queues = [aeng.submit(list(range(1, 20 + i)), params)[1] for i in range(6)]
+
+            async def drain(queue: asyncio.Queue) -> list:
+                outs = [await queue.get()]
+                while not outs[-1].finished:
+                    outs.append(await queue.get())
+                return outs
+
+            results = await asyncio.wait_for(asyncio.gather(*(drain(q) for q in queues)), 60)
             for outs in results:
                 assert outs[-1].finished and outs[-1].finish_reason == "abort"
                 assert "InjectedFault" in (outs[-1].error or "")
