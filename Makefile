@@ -118,7 +118,7 @@ test: $(STAMP_RUN)
 		$(if $(HAVE_GPU),$(CUDA_LIB))
 	@$(MAKE) --no-print-directory $(STAMP_TEST)
 	$(VPY) -m ruff check .
-	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 # make bench: the engine and gateway comparisons, then every harness scenario (docs/bench.md) in full
 # mode on a throwaway stack with a llama.cpp peer. make bench QUICK=1 (CI): only the scenarios, quick,

@@ -1,0 +1,45 @@
+"""Suite-wide collection order: the longest test files first.
+
+``make test`` runs two pytest-xdist workers with ``--dist loadfile --no-loadscope-reorder``: one
+file is one unit of work, handed out in collection order. xdist's own order (most tests first)
+put the few-but-long integration files last, so the run ended with one worker busy for minutes
+while the other idled. Starting the long files first lets the many short files fill in behind
+them. The list comes from CI's ``--durations`` output (seconds per file, setup included, at
+2-core CI speed); a stale entry costs only some parallelism, never a result.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+# slowest first; each ~30 s or more of one worker in CI
+LONG_FILES = (
+    "tests/integration/test_memory.py",  # ~145 s
+    "tests/integration/test_gateway_stack.py",  # ~140 s
+    "tests/integration/test_rag.py",  # ~105 s
+    "tests/integration/test_supervisord.py",  # ~85 s
+    "tests/engine/test_default_model.py",  # ~85 s
+    "tests/engine/test_gpu_cpu_side.py",  # ~70 s (the CUDA compile check, where nvcc exists)
+    "tests/memory/test_durability.py",  # ~60 s
+    "tests/integration/test_engine_failure_stack.py",  # ~55 s
+    "tests/engine/test_gguf_fuzz.py",  # ~46 s
+    "tests/integration/test_web_ui.py",  # ~40 s
+    "tests/lanes/test_structured.py",  # ~35 s
+    "tests/engine/test_loading.py",  # ~30 s
+)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    per_file: dict[str, int] = {}
+    for item in items:
+        per_file[item.location[0]] = per_file.get(item.location[0], 0) + 1
+    order = {id(item): i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        path = item.location[0]  # relative to rootdir, '/'-separated
+        # the long files by rank; after them xdist's default (files with more tests first)
+        return (rank.get(path, len(rank)), -per_file[path], order[id(item)])
+
+    items.sort(key=key)
