@@ -73,3 +73,25 @@ async def running_lane(config: LaneConfig, factory: EngineFactory | None, *, wai
         await runner.cleanup()
 
 
+
+
+def engine_steps(lane: Lane) -> int:
+    """Engine steps this lane has run (its step histogram's count): progress counted in work, which a busy box
+    slows but does not change, where seconds would."""
+    for metric in lane.state.metrics.step.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):
+                return int(sample.value)
+    raise AssertionError("the lane's step histogram has no count")
+
+
+async def idle_within_steps(lane: Lane, since: int, max_steps: int, what: str, within: float = 120.0) -> int:
+    """Wait until the lane runs nothing and holds no KV, then check that at most ``max_steps`` engine steps ran
+    since ``since`` (a request left running would have cost its remaining tokens in steps). The wall-clock
+    ``within`` only keeps a broken lane from hanging the test. Returns the steps counted."""
+    sched = lane.state.aeng.scheduler
+    await eventually(lambda: (sched.num_running, sched.num_waiting, sched.blocks.usage),
+                     lambda v: v == (0, 0, 0), within, what)
+    steps = engine_steps(lane) - since
+    assert steps <= max_steps, f"{what}: {steps} engine steps ran first (at most {max_steps} expected)"
+    return steps

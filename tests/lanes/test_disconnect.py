@@ -28,15 +28,28 @@ async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
         yield lane
 
 
-async def _wait_idle(session: aiohttp.ClientSession, url: str, within: float) -> dict[str, float]:
+STEPS = "strata_step_seconds_count"
+# engine steps a hang-up may still cost: the lane notices it at its next write or ping (ping_interval_s 0.2),
+# a few steps; the hung-up requests would need up to LONG more steps if they were not aborted
+ABORT_STEPS = LONG // 8
+
+
+async def _wait_idle(session: aiohttp.ClientSession, url: str, since_steps: float, within: float = 120.0
+                     ) -> dict[str, float]:
+    """Until the lane has nothing running, waiting or in KV; then at most ``ABORT_STEPS`` engine steps may have
+    run since ``since_steps``. Counted in steps, not seconds: a busy box slows the steps, not their number."""
     deadline = time.monotonic() + within
     while True:
         m = await scrape(session, url)
         if m["strata_requests_running"] == 0 and m["strata_requests_waiting"] == 0 and m["strata_kv_usage_ratio"] == 0:
-            return m
+            break
         assert time.monotonic() < deadline, f"not idle after {within}s: running={m['strata_requests_running']} " \
                                             f"waiting={m['strata_requests_waiting']} kv={m['strata_kv_usage_ratio']}"
         await asyncio.sleep(0.05)
+    steps = m[STEPS] - since_steps
+    print(f"idle {steps:.0f} engine steps after the hang-up")
+    assert steps <= ABORT_STEPS, f"{steps:.0f} engine steps ran after the hang-up before the lane was idle"
+    return m
 
 
 async def test_twenty_streams_ten_hang_up(lane: Lane) -> None:
@@ -76,11 +89,11 @@ async def test_twenty_streams_ten_hang_up(lane: Lane) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s, \
             aiohttp.ClientSession() as probe:
         tasks = [asyncio.create_task(client(i, s)) for i in range(20)]
-        await asyncio.wait_for(all_started.wait(), 30)
+        await asyncio.wait_for(all_started.wait(), 60)
+        steps = (await scrape(probe, lane.url))[STEPS]
         hung_up.set()
-        # the hung-up ten would run for LONG tokens more (minutes at ten sequences on two cores): idle
-        # within 15 s means they were aborted; the margin is for a box busy with other tests
-        await _wait_idle(probe, lane.url, within=15.0)
+        # the hung-up ten would run for up to LONG more steps: idle within a few steps means they were aborted
+        await _wait_idle(probe, lane.url, steps)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
         assert results.count(("closed", None)) == 10
         assert results.count(("done", "length")) == 10
@@ -98,7 +111,8 @@ async def test_non_stream_client_timeout_aborts(lane: Lane) -> None:
             async with s.post(lane.url + "/v1/completions", json=body,
                               timeout=aiohttp.ClientTimeout(total=0.5)) as r:
                 await r.read()
-        await _wait_idle(s, lane.url, within=15.0)  # LONG tokens would take minutes: idle means aborted
+        steps = (await scrape(s, lane.url))[STEPS]
+        await _wait_idle(s, lane.url, steps)  # LONG more steps unless it was aborted
         m = await eventually(lambda: scrape(s, lane.url), lambda m: m.get(ABORTS, 0) >= aborts + 1, 5.0,
                              "the abort counted")
         assert m[ABORTS] == aborts + 1
