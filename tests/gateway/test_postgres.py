@@ -1,18 +1,14 @@
 """The gateway's database on a real PostgreSQL server: keys, the request log, the admin API.
 
-``STRATA_TEST_PG_URL`` names the server: a ``postgresql+psycopg://user:password@host:port/db``
-URL of a database where the tests may create schemas (.ci/postgres.sh makes one in CI). Each
-test gets a fresh schema (the URL's ``search_path``), dropped at its end. Without the variable
-the tests skip, except in CI (``CI`` set, as .ci/run does), where they fail: CI must provide it.
+``STRATA_TEST_PG_URL`` names the server (tests/pg.py: skipped without it, failed without it in CI).
+Each test gets a fresh schema (the URL's ``search_path``), dropped at its end.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +17,7 @@ import aiohttp
 import openai
 import pytest
 from pydantic import ValidationError
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
 from gateway.auth import Authenticator
@@ -33,29 +29,14 @@ from gateway.state import Trace
 from gateway.store import RequestLog, RequestQuery
 from memory.store import metadata as memory_metadata
 from tests.gateway.conftest import ADMIN_KEY, auth, gateway_config, running_gateway, running_lane
+from tests.pg import fresh_schema, server_url
 
-PG_ENV = "STRATA_TEST_PG_URL"
 TABLES = {"api_keys", "requests", "gateway_meta"}
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
 @pytest.fixture(scope="session")
 def pg_url() -> str:
-    """The server's URL; skip without one (a developer without PostgreSQL), fail in CI."""
-    url = os.environ.get(PG_ENV, "").strip()
-    if not url:
-        why = f"{PG_ENV} is not set: no PostgreSQL server to test the gateway database against"
-        if _in_ci():
-            pytest.fail(f"{why}, and CI={os.environ['CI']!r}: CI must provide one (.ci/run runs "
-                        ".ci/postgres.sh)", pytrace=False)
-        pytest.skip(f"{why} (set it to postgresql+psycopg://user:password@127.0.0.1:5432/db to run these)")
-    if make_url(url).get_backend_name() != "postgresql":
-        pytest.fail(f"{PG_ENV} must be a postgresql+psycopg:// URL, got {make_url(url).drivername!r}",
-                    pytrace=False)
-    return url
+    return server_url("the gateway database")
 
 
 @dataclass
@@ -81,17 +62,28 @@ class PG:
 
 @pytest.fixture
 def pg(pg_url: str) -> Iterator[PG]:
-    schema = f"strata_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(pg_url)
-    with admin.begin() as c:
-        c.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(pg_url).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield PG(url.render_as_string(hide_password=False), schema, admin)
-    finally:
-        with admin.begin() as c:
-            c.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_schema(pg_url, "strata_test") as (url, schema, admin):
+        yield PG(url, schema, admin)
+
+
+def _start_at_once(url: str, n: int) -> list[KeyStore]:
+    """``n`` gateways' key stores opened on ``url`` at the same moment (threads); any error fails the test."""
+    errors: list[Exception] = []
+    stores: list[KeyStore] = []
+
+    def start() -> None:
+        try:
+            stores.append(KeyStore(open_db(url)))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return stores
 
 
 def test_old_database_gets_new_columns(pg: PG) -> None:
@@ -104,21 +96,7 @@ def test_old_database_gets_new_columns(pg: PG) -> None:
                        "log_prompts BOOLEAN NOT NULL, created FLOAT NOT NULL, revoked FLOAT)"))
         c.execute(text(f'INSERT INTO "{pg.schema}".api_keys (name, hash, prefix, admin, log_prompts, created) '
                        "VALUES ('old', 'h', 'abcdefgh', false, false, 1.0)"))
-    errors: list[Exception] = []
-    stores: list[KeyStore] = []
-
-    def start() -> None:
-        try:
-            stores.append(KeyStore(open_db(pg.url)))
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    stores = _start_at_once(pg.url, 3)
     store = stores[0]
     assert [(k.name, k.default_max_tokens) for k in store.list()] == [("old", None)]
     _, rec = store.create(KeySpec(name="new", default_max_tokens=64))
@@ -129,21 +107,7 @@ def test_old_database_gets_new_columns(pg: PG) -> None:
 
 def test_tables_and_concurrent_start(pg: PG) -> None:
     """Gateways starting at once on an empty database: one creates the tables, all share one pepper."""
-    stores: list[KeyStore] = []
-    errors: list[Exception] = []
-
-    def start() -> None:
-        try:
-            stores.append(KeyStore(open_db(pg.url)))
-        except Exception as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    stores = _start_at_once(pg.url, 6)
     assert pg.tables() == TABLES  # in the test's schema, not public
     assert len({s.hash("sk-strata-same") for s in stores}) == 1
     with pg.admin.connect() as c:

@@ -6,49 +6,20 @@ the PostgreSQL cases skip, except in CI (``CI`` set), where they fail.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 from memory.store import MemoryStore, open_engine
-
-PG_ENV = "STRATA_TEST_PG_URL"
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-def pg_base_url() -> str:
-    url = os.environ.get(PG_ENV, "").strip()
-    if not url:
-        why = f"{PG_ENV} is not set: no PostgreSQL server to test session memory against"
-        if _in_ci():
-            pytest.fail(f"{why}, and CI is set: CI must provide one (.ci/run runs .ci/postgres.sh)", pytrace=False)
-        pytest.skip(why)
-    return url
+from tests.pg import fresh_schema, server_url
 
 
 @pytest.fixture
 def pg_schema_url() -> Iterator[str]:
     """A URL whose search_path is a fresh schema, dropped at the end."""
-    base = pg_base_url()
-    schema = f"strata_mem_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base)
-    with admin.begin() as c:
-        c.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as c:
-            c.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with fresh_schema(server_url("session memory"), "strata_mem") as (url, _, _):
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
