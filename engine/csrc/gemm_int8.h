@@ -253,6 +253,63 @@ static inline __attribute__((always_inline)) void load_blk8(int32_t type, const 
     k->c_lo = _mm256_permute2f128_ps(lo.c, hi.c, 0x20), k->c_hi = _mm256_permute2f128_ps(lo.c, hi.c, 0x31);
 }
 
+/* Q4_0 / Q4_1: the 8-row block from the packed nibbles. Byte i of a block holds elements i
+ * (low nibble) and 16 + i (high nibble), so dword j of the 16 packed bytes carries chunk j of
+ * both halves: a 4x4 dword transpose of the packed rows (rows r and r + 4 share a register)
+ * followed by a mask and a shift gives w[j] and w[4 + j], about half the shuffles of
+ * unpacking each row and transposing 8x8. Scales: the eight (d, m) f16 pairs in one
+ * register, split into d and m words, converted once. Same codes and floats as load_blk8. */
+static inline __attribute__((always_inline)) void load_blk8_q4(int32_t type, const uint8_t *const *rows, int64_t b,
+                                                               blk8 *k) {
+    const size_t bs = type == ST_TYPE_Q4_0 ? sizeof(blk_q4_0) : sizeof(blk_q4_1);
+    const size_t qo = type == ST_TYPE_Q4_0 ? offsetof(blk_q4_0, qs) : offsetof(blk_q4_1, qs);
+    const size_t o = (size_t)b * bs;
+    __m256i v[MR];
+    for (int r = 0; r < MR; r++)
+        v[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rows[r] + o + qo))),
+                                       _mm_loadu_si128((const __m128i *)(rows[r + MR] + o + qo)), 1);
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    const __m256i p[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                          _mm256_unpackhi_epi64(t1, t3)};
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++)
+        k->w[j] = _mm256_and_si256(p[j], m4), k->w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(p[j], 4), m4);
+    const __m256i h = _mm256_setr_epi32((int)ld32(rows[0] + o), (int)ld32(rows[1] + o), (int)ld32(rows[2] + o),
+                                        (int)ld32(rows[3] + o), (int)ld32(rows[4] + o), (int)ld32(rows[5] + o),
+                                        (int)ld32(rows[6] + o), (int)ld32(rows[7] + o));
+    /* [d0..d3 m0..m3 | d4..d7 m4..m7] as 16-bit words, then [d0..d7 | m0..m7] */
+    const __m256i dm = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(h, 16)), 0xD8);
+    const __m256 sv = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    k->s_lo = k->s_hi = sv;
+    k->c_lo = k->c_hi = type == ST_TYPE_Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1))
+                                             : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(8.0f), sv));
+}
+
+/* Q4_K: the 32 packed bytes of sub-blocks j and j + 1 (j even) hold sub-block j in the low
+ * nibbles and j + 1 in the high ones, element e at byte e; one 8x8 dword transpose of the
+ * packed rows gives both sub-blocks' blk8 (kb[0], kb[1]). Scales from kscales as load_blk4. */
+static inline __attribute__((always_inline)) void load_blk8_q4k_pair(const uint8_t *const *rows, int64_t b,
+                                                                     kscales *ks, blk8 *kb) {
+    const int j = (int)(b % 8);
+    if (j == 0) unpack_kscales(ST_TYPE_Q4_K, rows, b / 8, &ks[0]), unpack_kscales(ST_TYPE_Q4_K, rows + MR, b / 8, &ks[1]);
+    __m256i v[2 * MR];
+    for (int r = 0; r < 2 * MR; r++)
+        v[r] = _mm256_loadu_si256((const __m256i *)(((const blk_q4_k *)rows[r] + b / 8)->qs + 32 * (j / 2)));
+    transpose8x8_epi32(v);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 8; c++)
+        kb[0].w[c] = _mm256_and_si256(v[c], m4), kb[1].w[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
+    for (int i = 0; i < 2; i++) {
+        blk8 *k = &kb[i];
+        k->s_lo = _mm256_set_m128(_mm_loadu_ps(ks[1].s[j + i]), _mm_loadu_ps(ks[0].s[j + i]));
+        k->s_hi = _mm256_set_m128(_mm_loadu_ps(ks[1].s[j + i] + MR), _mm_loadu_ps(ks[0].s[j + i] + MR));
+        k->c_lo = _mm256_set_m128(_mm_loadu_ps(ks[1].c[j + i]), _mm_loadu_ps(ks[0].c[j + i]));
+        k->c_hi = _mm256_set_m128(_mm_loadu_ps(ks[1].c[j + i] + MR), _mm_loadu_ps(ks[0].c[j + i] + MR));
+    }
+}
+
 /* Integer sums of one half-block (elements 16h..16h+15) of the eight rows against one token. */
 static inline __attribute__((always_inline)) __m256i half8(int32_t type, const __m256i *w, const int8_t *q) {
     __m256i av[4];
@@ -322,7 +379,14 @@ static inline __attribute__((always_inline)) void gemm256(int32_t type, const vo
             const size_t step = 2 * MR * (row_bytes / (size_t)nb);
             for (int64_t b = 0; b < nb; b++) {
                 prefetch_slice(next, b, step); /* lands while the tokens below run */
-                load_blk8(type, rows, b, ks, &kb[b]);
+                if (type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1) {
+                    load_blk8_q4(type, rows, b, &kb[b]);
+                } else if (type == ST_TYPE_Q4_K) {
+                    prefetch_slice(next, b + 1, step);
+                    load_blk8_q4k_pair(rows, b, ks, &kb[b]);
+                    b++;
+                } else
+                    load_blk8(type, rows, b, ks, &kb[b]);
             }
             float *o = out + r0;
             int t = 0;
