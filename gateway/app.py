@@ -28,8 +28,8 @@ from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
 from gateway.config import GatewayConfig
 from gateway.db import open_db, safe_url
 from gateway.dispatch import Dispatcher
+from gateway.documents.api import RAG, rag_context
 from gateway.documents.api import add_routes as add_document_routes
-from gateway.documents.api import rag_context
 from gateway.errors import ERROR_CODE, APIError, error_middleware
 from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
@@ -38,8 +38,8 @@ from gateway.proxy import chat_completions, completions
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.store import RequestLog, RequestQuery
 from gateway.web import add_routes as add_web_routes
+from memory.api import MEMORY, memory_context
 from memory.api import add_routes as add_session_routes
-from memory.api import memory_context
 
 __all__ = ["create_app"]
 
@@ -237,12 +237,24 @@ async def healthz(request: web.Request) -> web.Response:
     return _json({"status": "alive"})
 
 
+def _retrieval(app: web.Application) -> str:
+    """The embedding model behind document search and memory retrieval: ``ready``, ``loading`` (requests are
+    served without it meanwhile: BM25 alone, memory without retrieval) or ``off``. Not part of readiness."""
+    for svc in (app.get(RAG), app.get(MEMORY)):
+        emb = getattr(svc, "embedder", None)
+        if emb is not None:
+            return "ready" if emb.ready else "loading"
+    return "off"
+
+
 async def readyz(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     ready = [lane.name for lane in gw.dispatcher.routable()]
+    retrieval = _retrieval(request.app)
     if gw.stopping or not ready:
-        return _json({"status": "stopping" if gw.stopping else "no_lane_ready", "lanes": ready}, status=503)
-    return _json({"status": "ready", "lanes": ready})
+        return _json({"status": "stopping" if gw.stopping else "no_lane_ready", "lanes": ready,
+                      "retrieval": retrieval}, status=503)
+    return _json({"status": "ready", "lanes": ready, "retrieval": retrieval})
 
 
 async def metrics_handler(request: web.Request) -> web.Response:
