@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json, validate_body
+from common.http import CLIENT_CLOSED, log_request, make_access_middleware, validate_body
 from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
 from gateway.config import GatewayConfig
 from gateway.db import open_db, safe_url
@@ -35,7 +35,7 @@ from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import chat_completions, completions
-from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
+from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, json_body
 from gateway.store import RequestLog, RequestQuery
 from gateway.web import add_routes as add_web_routes
 from memory.api import MEMORY, memory_context
@@ -283,7 +283,7 @@ async def admin_set_lane(request: web.Request) -> web.Response:
     if name not in gw.dispatcher.lanes:
         raise APIError(404, f"no lane named {name!r} (known: {', '.join(gw.dispatcher.lanes)})",
                        code="lane_not_found")
-    patch = validate_body(LanePatch, await read_json(request, gw.config.max_body_bytes))
+    patch = await json_body(request, LanePatch)
     lane = gw.dispatcher.set_lane(name, weight=patch.weight, drain=patch.drain)
     assert lane is not None
     return _json(lane.describe())
@@ -299,7 +299,7 @@ async def admin_keys(request: web.Request) -> web.Response:
 async def admin_create_key(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     assert gw.keys is not None
-    spec = validate_body(KeySpec, await read_json(request, gw.config.max_body_bytes))
+    spec = await json_body(request, KeySpec)
     key, rec = await asyncio.to_thread(gw.keys.create, spec, gw.config.log_prompts_default)
     assert gw.auth is not None
     gw.auth.key_created()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from pydantic import BaseModel
 from sqlalchemy import Engine
 
+from common.http import read_json, validate_body
 from gateway.auth import Authenticator, ClientAddress
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
@@ -19,7 +21,7 @@ from gateway.limits import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.store import RequestLog
 
-__all__ = ["GATEWAY", "PRINCIPAL", "TRACE", "Gateway", "Trace", "new_request_id"]
+__all__ = ["GATEWAY", "PRINCIPAL", "TRACE", "Gateway", "Trace", "json_body", "new_request_id"]
 
 
 def new_request_id() -> str:
@@ -82,3 +84,10 @@ class Trace:
 GATEWAY = web.AppKey("strata_gateway", Gateway)
 TRACE = web.RequestKey("strata_gateway_trace", Trace)
 PRINCIPAL = web.RequestKey("strata_gateway_principal", KeyRecord)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def json_body(request: web.Request, model: type[M]) -> M:
+    """The request's JSON body, at most the gateway's ``max_body_bytes``, as ``model`` (a typed 400 otherwise)."""
+    return validate_body(model, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
