@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import os
@@ -29,13 +30,12 @@ from aiohttp import BodyPartReader, web
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import make_url
 
-from common.http import read_json, validate_body
 from gateway.documents.config import RagConfig
 from gateway.documents.extract import FileTypeError, detect_format
 from gateway.documents.service import RagService, safe_filename
 from gateway.documents.store import Conflict
 from gateway.errors import APIError
-from gateway.state import GATEWAY, PRINCIPAL
+from gateway.state import GATEWAY, PRINCIPAL, json_body
 
 __all__ = ["RAG", "add_routes", "get_rag", "rag_context"]
 
@@ -66,11 +66,20 @@ def rag_context(cfg: RagConfig) -> Any:
             return
         app[RAG] = svc
         await svc.start()
-        asyncio.get_running_loop().create_task(svc.reindex_stale(), name="documents-reindex")
+        loop = asyncio.get_running_loop()
+        # searches are BM25-only until the model is loaded: load it now, not on the first upload (a no-op
+        # when session memory has already started loading the same shared model)
+        tasks = [loop.create_task(svc.embedder.warm(), name="documents-embed-warm"),
+                 loop.create_task(svc.reindex_stale(), name="documents-reindex")]
         try:
             yield
         finally:
+            for t in tasks:
+                t.cancel()
             await svc.stop()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
 
     return ctx
 
@@ -133,10 +142,6 @@ class EmbeddingSpec(BaseModel):
     user: str | None = None
 
 
-async def _body(request: web.Request, model: type[BaseModel]) -> Any:
-    return validate_body(model, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
-
-
 def _key_id(request: web.Request) -> int:
     return request[PRINCIPAL].id
 
@@ -181,7 +186,7 @@ async def _document(request: web.Request, svc: RagService, coll: dict[str, Any])
 
 async def create_collection(request: web.Request) -> web.Response:
     svc = get_rag(request)
-    spec = await _body(request, CollectionSpec)
+    spec = await json_body(request, CollectionSpec)
     try:
         coll = await asyncio.to_thread(svc.store.create_collection, _key_id(request), spec.name,
                                        svc.embedder.version_key, svc.cfg.max_collections_per_key)
@@ -301,12 +306,13 @@ async def delete_document(request: web.Request) -> web.Response:
 async def search(request: web.Request) -> web.Response:
     svc = get_rag(request)
     coll = await _collection(request, svc)
-    spec = await _body(request, SearchSpec)
+    spec = await json_body(request, SearchSpec)
     t0 = time.monotonic()
-    passages = await svc.search([coll], spec.query, min(spec.top_k, svc.cfg.max_top_k), spec.mode)
-    return web.json_response({"object": "list", "collection_id": coll["id"], "version": coll["version"],
-                              "data": [p.public() for p in passages],
-                              "took_ms": round((time.monotonic() - t0) * 1000, 2)})
+    mode, note = svc.serving_mode(spec.mode)  # hybrid from BM25 alone while the embedding model loads
+    passages = await svc.search([coll], spec.query, min(spec.top_k, svc.cfg.max_top_k), mode)
+    body = {"object": "list", "collection_id": coll["id"], "version": coll["version"], "mode": mode,
+            "data": [p.public() for p in passages], "took_ms": round((time.monotonic() - t0) * 1000, 2)}
+    return web.json_response(body, headers={"X-Strata-Retrieval": note} if note else None)
 
 
 # ---------------------------------------------------------------------------------------- embeddings
@@ -316,7 +322,7 @@ _MAX_INPUTS = 2048
 
 async def embeddings(request: web.Request) -> web.Response:
     svc = get_rag(request)
-    spec = await _body(request, EmbeddingSpec)
+    spec = await json_body(request, EmbeddingSpec)
     emb = svc.embedder
     names = {emb.name, f"sentence-transformers/{emb.name}"}
     if spec.model is not None and spec.model not in names:

@@ -37,9 +37,10 @@ class RagContext:
     passages: list[Passage]
     used: int = 0  # passages that fitted the window
     extra: dict[str, Any] = field(default_factory=dict)
+    note: str = ""  # why retrieval was not the usual hybrid (BM25 alone while the embedding model loads)
 
     def header(self) -> str:
-        return f"{self.used}/{len(self.passages)}"
+        return f"{self.used}/{len(self.passages)}" + (f"; {self.note}" if self.note else "")
 
 
 def parse_collections(body: dict[str, Any]) -> list[str] | None:
@@ -109,8 +110,9 @@ async def prepare(svc: RagService, key_id: int, refs: list[str], messages: list[
             raise APIError(404, f"no collection {ref!r}", code="collection_not_found", param="collections")
         colls.append(c)
     query = query_text(messages)
-    passages = await svc.search(colls, query, top_k) if query else []
-    return RagContext(list(messages), passages)
+    mode, note = svc.serving_mode("hybrid")  # never wait for the embedding model's first load
+    passages = await svc.search(colls, query, top_k, mode) if query else []
+    return RagContext(list(messages), passages, note=note if query else "")
 
 
 async def fit_passages(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind,

@@ -38,11 +38,12 @@ from gateway.documents.extract import Block, Extracted, ExtractionError, Extract
 from gateway.documents.index import IndexVersion, Mode, build_version, load_version, prune_versions
 from gateway.documents.store import ChunkRow, Conflict, DocStore
 
-__all__ = ["MAX_ATTEMPTS", "Passage", "RagService"]
+__all__ = ["BM25_ONLY", "MAX_ATTEMPTS", "Passage", "RagService"]
 
 log = logging.getLogger("strata.gateway.documents")
 
 MAX_ATTEMPTS = 3
+BM25_ONLY = "retrieval=bm25 (embedding model not loaded)"  # the note of a hybrid search served by BM25 alone
 _BATCH_DOCS = 32  # documents published together at most
 _BATCH_S = 10.0  # how long the first of them may wait for the others
 
@@ -408,8 +409,18 @@ class RagService:
         self._cache[coll["id"]] = idx
         return idx
 
+    def serving_mode(self, mode: Mode) -> tuple[Mode, str]:
+        """The mode a search runs in now and, when that is not the one asked for, why (for a response header).
+        A new gateway's embedding model takes tens of seconds to load; the chunks' BM25 index needs no model,
+        so ``hybrid`` is served from BM25 alone until then instead of stalling the request. ``dense`` cannot
+        be served without the model and waits for it."""
+        if mode == "hybrid" and not self.embedder.ready:
+            return "bm25", BM25_ONLY
+        return mode, ""
+
     async def search(self, colls: list[dict[str, Any]], query: str, k: int, mode: Mode = "hybrid") -> list[Passage]:
-        """The best ``k`` passages over ``colls`` (collection rows), best first."""
+        """The best ``k`` passages over ``colls`` (collection rows), best first. Callers that must not wait for
+        the embedding model pass the mode :meth:`serving_mode` gives."""
         indexes = [(c, await self._index(c)) for c in colls]
         indexes = [(c, i) for c, i in indexes if i is not None and len(i)]
         if not indexes or k < 1 or not query.strip():

@@ -11,8 +11,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from gateway.documents.api import RAG
 from gateway.documents.chat import BEGIN, END, compose, query_text
-from gateway.documents.service import Passage
+from gateway.documents.embed import Embedder
+from gateway.documents.service import BM25_ONLY, Passage
 from tests.gateway.conftest import GW, KV_TOKENS, Lane, gateway_config, running_gateway, running_lane
 from tests.gateway.documents.helpers import auth, create_collection, search, upload, wait_done
 from tests.gateway.documents.samples import make_docx, make_pdf
@@ -108,6 +110,42 @@ async def test_bad_collections(setup: dict[str, Any]) -> None:
     async with setup["s"].post(f"{g.url}/v1/completions", json={"prompt": "x", "collections": ["handbook"]},
                                headers=auth(setup["key"])) as r:
         assert r.status == 400 and (await r.json())["error"]["param"] == "collections"
+
+
+async def test_bm25_only_while_the_embedding_model_loads(setup: dict[str, Any]) -> None:
+    """A new gateway's model takes tens of seconds to load: meanwhile a chat with collections and a hybrid search
+    are served from the chunks' BM25 index, say so, and neither waits for (nor starts) the model's load."""
+    g: GW = setup["gw"]
+    svc = g.app[RAG]
+    loaded = svc.embedder
+    fresh = Embedder()  # the same model, never loaded: what a starting gateway holds
+    assert not fresh.ready and fresh.version_key == loaded.version_key
+    svc.embedder = fresh
+    try:
+        st, headers, body = await _chat(setup, [{"role": "user", "content": FIRE_Q}], collections=["handbook"],
+                                        max_tokens=4)
+        assert st == 200, body
+        n = len(body["citations"])
+        assert headers["X-Strata-Rag-Passages"] == f"{n}/{n}; {BM25_ONLY}"
+        assert body["citations"][0]["document"] == "safety.pdf" and body["citations"][0]["page"] == 3
+        async with setup["s"].post(f"{g.url}/v1/collections/{setup['cid']}/search", json={"query": FIRE_Q},
+                                   headers=auth(setup["key"])) as r:
+            found = await r.json()
+            assert r.status == 200 and r.headers["X-Strata-Retrieval"] == BM25_ONLY, found
+        assert found["mode"] == "bm25" and found["data"][0]["page"] == 3
+        assert all(h["dense_score"] is None for h in found["data"])
+        async with setup["s"].get(f"{g.url}/readyz") as r:  # what a client waiting for retrieval polls
+            assert r.status == 200 and (await r.json())["retrieval"] == "loading"
+        assert not fresh.ready  # nothing loaded the model on the way
+    finally:
+        svc.embedder = loaded
+        fresh.close()
+    async with setup["s"].get(f"{g.url}/readyz") as r:
+        assert (await r.json())["retrieval"] == "ready"
+    async with setup["s"].post(f"{g.url}/v1/collections/{setup['cid']}/search", json={"query": FIRE_Q},
+                               headers=auth(setup["key"])) as r:
+        found = await r.json()
+        assert "X-Strata-Retrieval" not in r.headers and found["mode"] == "hybrid"  # the model is there: hybrid
 
 
 async def _count(lane: Lane, s: aiohttp.ClientSession, messages: list[Any]) -> int:
