@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.http import read_json, validate_body
 from gateway.errors import APIError
-from gateway.state import GATEWAY, PRINCIPAL
+from gateway.state import GATEWAY, PRINCIPAL, json_body
 from memory.config import MemoryConfig
 from memory.service import MemoryService
 from memory.store import MemoryStore, Session
@@ -105,37 +104,33 @@ def add_routes(app: web.Application) -> None:
     r.add_delete("/v1/sessions/{sid}", delete_session)
 
 
+def _storable(v: str | None) -> str | None:
+    if v is not None and "\x00" in v:  # the databases' text columns cannot hold it
+        raise ValueError("must not contain NUL characters")
+    return v
+
+
 class SessionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     title: str | None = Field(None, max_length=256)
     system: str | None = Field(None, max_length=100_000)
     collections: list[str] = Field(default_factory=list, max_length=8)
 
-    @field_validator("title", "system")
-    @classmethod
-    def _storable(cls, v: str | None) -> str | None:
-        if v is not None and "\x00" in v:
-            raise ValueError("must not contain NUL characters")
-        return v
+    storable = field_validator("title", "system")(_storable)
 
 
 class RenameSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     title: str | None = Field(max_length=256)
 
-    @field_validator("title")
-    @classmethod
-    def _storable(cls, v: str | None) -> str | None:
-        if v is not None and "\x00" in v:
-            raise ValueError("must not contain NUL characters")
-        return v
+    storable = field_validator("title")(_storable)
 
 
 async def _spec(request: web.Request) -> SessionSpec:
     raw = await request.read()
     if not raw.strip():
         return SessionSpec()
-    return validate_body(SessionSpec, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
+    return await json_body(request, SessionSpec)
 
 
 async def _session(request: web.Request, svc: MemoryService) -> Session:
@@ -184,7 +179,7 @@ async def get_session(request: web.Request) -> web.Response:
 async def rename_session(request: web.Request) -> web.Response:
     svc = get_memory(request)
     s = await _session(request, svc)
-    spec = validate_body(RenameSpec, await read_json(request, request.app[GATEWAY].config.max_body_bytes))
+    spec = await json_body(request, RenameSpec)
     renamed = await asyncio.to_thread(svc.store.rename_session, request[PRINCIPAL].id, s.id, spec.title)
     if renamed is None:  # deleted in between
         raise APIError(404, f"no session {s.id!r}", code="session_not_found", param="session_id")
