@@ -125,7 +125,11 @@ def render(tmp: Path, ports: dict[str, int], kv_tokens: int) -> tuple[Path, Path
     gw = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
     lanes = [dict(x, url=f"http://127.0.0.1:{ports['lane_' + x['name']]}") for x in gw.pop("lanes")]
     gw.update(port=ports["gateway"], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
-              admin_key_file=str(key_file), health_interval_s=0.25, shutdown_timeout_s=5.0)
+              admin_key_file=str(key_file), health_interval_s=0.25, shutdown_timeout_s=5.0,
+              # a window-long prompt on a one-core lane: 8,192 tokens took ~130 s to the first token
+              # with a neighbour on the other core, past the 120 s default (the gateway then retried
+              # on the other lane and failed there too)
+              first_token_timeout_s=max(120.0, 0.06 * kv_tokens))
     gtext = dump_toml(gw) + "".join("\n[[lanes]]\n" + dump_toml(x) for x in lanes)
     (tmp / "gateway.toml").write_text(gtext)
     src = "%(here)s/deploy/gateway.toml"
