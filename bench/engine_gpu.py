@@ -188,14 +188,19 @@ def run(args: argparse.Namespace) -> dict:
         assert got is not None
         return got
 
-    def prefill(n: int) -> float:
+    def prefill(n: int, prof: object = None) -> float:
         ids = [int(t) for t in rng.integers(0, V, size=n)]
         b = blocks(n)
         try:
             eng.prefill(ids[:16], b)  # warm (scratch sized, kernels loaded)
+            if prof is not None:
+                prof.start()  # type: ignore[attr-defined]
             t = time.perf_counter()
             eng.prefill(ids, b)
-            return n / (time.perf_counter() - t)
+            rate = n / (time.perf_counter() - t)
+            if prof is not None:
+                prof.stop()  # type: ignore[attr-defined]
+            return rate
         finally:
             eng.blocks.release(b)
 
@@ -251,6 +256,13 @@ def run(args: argparse.Namespace) -> dict:
             prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
             decode(n_seq, 16, prof=prof)
             tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
+                          prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
+                                                    max_name_column_width=60))
+        for n_tok in (512, 4096):  # prefill: one timed prompt each (warmed first)
+            prefill(n_tok)
+            prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+            prefill(n_tok, prof=prof)
+            tables.append(f"== prefill of {n_tok} tokens, graphs and PDL off\n" +
                           prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
                                                     max_name_column_width=60))
         del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
@@ -373,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences")
+    ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences and of prefill at 512 and 4,096 tokens")
     ap.add_argument("--gemm-min", default="2,4,1000000",
                     help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
     ap.add_argument("--llama-bin", default=None,

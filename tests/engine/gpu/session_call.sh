@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One whole call on the GPU machine (docs/gpu-runs.md), carrying .whl, .llama and
+# engine/_strata_cuda.so: the wheels also into the image's own Python (the stack test's
+# `make switch` and the lanes' --check-config reset PYTHONPATH to the repository), llama.cpp's
+# binaries from the carried pack, then device_run.sh: every GPU test (the whole stack of
+# tests/engine/gpu/test_gpu_stack.py included, its report in $OUT/stack.json) and the benchmark
+# with llama.cpp in the same run. At most 8 files come back: pip/probe/build logs, pytest.log,
+# stack.json, bench.log, bench.json, bench.profile.txt (with --profile).
+#
+#   session_call.sh [tests|bench|all] [bench.engine_gpu args...]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../../.." || exit 1
+what=${1:-all}; shift || true
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > /tmp/site-pip.log 2>&1 \
+    || echo "wheels into the image's Python failed: $(tail -2 /tmp/site-pip.log)"
+if [ "$what" != tests ]; then bash tests/engine/gpu/build_llama_cuda.sh .llama/bin-pack /tmp/llama-build; fi
+cat > /tmp/session_steps.sh <<EOF
+set -u
+if [ "$what" != tests ]; then (python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1) & fi
+if [ "$what" != bench ]; then
+  t0=\$(date +%s)
+  STRATA_STACK_REPORT=$OUT/stack.json python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs --durations=6 \
+      tests/engine/gpu tests/engine/test_gpu_cpu_side.py -k "not compile" > $OUT/pytest.log 2>&1
+  echo "pytest exit \$? in \$(( \$(date +%s) - t0 )) s"; tail -22 $OUT/pytest.log
+fi
+wait
+if [ "$what" != tests ]; then
+  t0=\$(date +%s)
+  python3 -m bench.engine_gpu --llama-bin /tmp/llama-build/bin --json $OUT/bench.json $* > $OUT/bench.log 2>&1
+  echo "bench exit \$? in \$(( \$(date +%s) - t0 )) s"; tail -45 $OUT/bench.log
+fi
+EOF
+bash tests/engine/gpu/device_run.sh sh "bash /tmp/session_steps.sh"
