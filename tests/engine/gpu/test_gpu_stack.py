@@ -15,10 +15,10 @@ from tests.engine.gpu._env import requires_gpu
 pytestmark = [*requires_gpu, pytest.mark.slow]
 
 pytest.importorskip("supervisor", reason="supervisor (a serving dependency) is needed to run the stack")
-H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) is needed to build the random model")
 
 
 def test_stack_lane_a_on_gpu_then_lane_b_switched_onto_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) is needed to build the random model")
     from tests.engine.gpu.stack_on_gpu import StackCheckError, build_model, run
 
     model = build_model(tmp_path_factory.mktemp("gpu_stack_model"))
