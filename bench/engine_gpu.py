@@ -17,7 +17,7 @@ median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock 
 comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
 fused router launch or the q/k/v fusion (post-processing in attention), with the opt-in down
 input quantisation by gate/up, prefill
-with the matvec kernel only, and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
+with the matvec kernel only and with the opt-in query-tile attention (STRATA_GPU_ATT_TILE=1), and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
 llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
@@ -258,11 +258,14 @@ def run(args: argparse.Namespace) -> dict:
             tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
                           prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
                                                     max_name_column_width=60))
-        for n_tok in (512, 4096):  # prefill: one timed prompt each (warmed first)
+        for n_tok, tile in ((512, "0"), (4096, "0"), (4096, "1")):  # prefill: one timed prompt each (warmed first)
+            os.environ["STRATA_GPU_ATT_TILE"] = tile
             prefill(n_tok)
             prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
             prefill(n_tok, prof=prof)
-            tables.append(f"== prefill of {n_tok} tokens, graphs and PDL off\n" +
+            del os.environ["STRATA_GPU_ATT_TILE"]
+            tables.append(f"== prefill of {n_tok} tokens, query-tile attention {'on' if tile == '1' else 'off'}, "
+                          "graphs and PDL off\n" +
                           prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
                                                     max_name_column_width=60))
         del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
@@ -273,6 +276,11 @@ def run(args: argparse.Namespace) -> dict:
     res["prefill_512_tok_s"] = prefill(512)
     if not args.quick:
         res["prefill_4096_tok_s"] = prefill(4096)
+    os.environ["STRATA_GPU_ATT_TILE"] = "1"  # the opt-in prefill attention with query tiles
+    res["prefill_512_att_tile_tok_s"] = prefill(512)
+    if not args.quick:
+        res["prefill_4096_att_tile_tok_s"] = prefill(4096)
+    del os.environ["STRATA_GPU_ATT_TILE"]
     hist[:] = 0
     res["decode_b1_tok_s"], st1 = decode(1, 128, tag="b1")
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}

@@ -758,6 +758,48 @@ static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, boo
 #define ATT_SMEM_MAX 65536
 static stg_status attention_setup(void) { /* once per device, outside any capture */
     CU(cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
+    CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
+       "attention setup");
+    CU(cudaFuncSetAttribute(k_attention_tile<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
+       "attention setup");
+    CU(cudaFuncSetAttribute(k_attention_tile<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
+       "attention setup");
+    return ST_OK;
+}
+
+/* Query tiles (k_attention_tile) for a model: head_dim 32, 64 or 128 and G = n_head / n_kv
+ * dividing ATT_TR; 0 otherwise. Tokens per tile. */
+static int att_tile_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
+    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128)) return 0;
+    const int G = n_head / n_kv;
+    return G <= ATT_TR && ATT_TR % G == 0 ? ATT_TR / G : 0;
+}
+/* STRATA_GPU_ATT_TILE=1: eager prefill steps use k_attention_tile. Opt-in until a GPU run
+ * has checked it (test_attention_tile_bitwise_equals_k_attention) and measured it. */
+static bool att_tile_on() {
+    const char *e = getenv("STRATA_GPU_ATT_TILE");
+    return e && e[0] == '1';
+}
+/* Tiles of a step: runs of consecutive tokens of one sequence, at most tq tokens each, packed
+ * as first_token * 32 + count. Returns how many were written to out (at most T). */
+static int32_t att_tiles(const int32_t *seq, int32_t T, int tq, int32_t *out) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < T;) {
+        int32_t j = i + 1;
+        while (j < T && j - i < tq && seq[j] == seq[i]) j++;
+        out[n++] = i * 32 + (j - i);
+        i = j;
+    }
+    return n;
+}
+static stg_status launch_attention_tile(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, cudaStream_t st) {
+    const size_t smem = att_smem_bytes(aa.hd, 2);
+    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv);
+    if (aa.hd == 128) launch_k(k_attention_tile<128>, grid, ATT_WARPS * 32, smem, st, aa, d_tiles);
+    else if (aa.hd == 64) launch_k(k_attention_tile<64>, grid, ATT_WARPS * 32, smem, st, aa, d_tiles);
+    else if (aa.hd == 32) launch_k(k_attention_tile<32>, grid, ATT_WARPS * 32, smem, st, aa, d_tiles);
+    else return fail(ST_EUNSUPPORTED, "attention tiles: head_dim %d", aa.hd);
+    LAUNCHED("attention (query tiles)");
     return ST_OK;
 }
 
@@ -779,7 +821,8 @@ static combine_args take_combine(stg_model *m) {
 }
 
 static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
-                                  const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv) {
+                                  const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv,
+                                  const int32_t *d_tiles, int32_t n_tiles) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
     const st_model_desc &d = m->d;
@@ -830,7 +873,12 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
-    CHECK(launch_attention(aa, T, st));
+    if (n_tiles > 0 && !fuse_qkv) {
+        aa.stages = 2;
+        CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
+    } else {
+        CHECK(launch_attention(aa, T, st));
+    }
     stg_status rc = ST_OK;
     const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
     CHECK(rc);
@@ -955,6 +1003,8 @@ struct step_shape {
     bool capturing;    /* inside a graph capture: events become record nodes */
     bool layer_events; /* per-layer attention / FFN times (STRATA_GPU_LAYER_EVENTS=0: off) */
     bool fuse_qkv;     /* every token of another sequence: q/k/v post-processing inside attention */
+    const int32_t *d_tiles; /* query tiles of prefill attention (eager steps only; n_tiles 0: none) */
+    int32_t n_tiles;
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -978,7 +1028,8 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     CHECK(erc);
     for (int il = 0; il < nL; il++) {
         if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
-        CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb, sh.fuse_qkv));
+        CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb, sh.fuse_qkv, sh.d_tiles,
+                              sh.n_tiles));
         if (sh.layer_events) CU(record(ev[3 * il + 1], st, sh.capturing), "forward");
         CHECK(ffn_block(m, il, sh.T));
         if (sh.layer_events) CU(record(ev[3 * il + 2], st, sh.capturing), "forward");
@@ -1077,7 +1128,13 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
         memcpy(hbt + (int64_t)r * mb, b->block_tables + (int64_t)r * b->max_blocks, sizeof(int32_t) * b->max_blocks);
         for (int32_t c = b->max_blocks; c < mb; c++) hbt[(int64_t)r * mb + c] = -1;
     }
-    const int64_t n_ints = 3 * T + NL + n_bt;
+    /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
+     * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
+    const int tq = att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
+    int32_t n_tiles = 0;
+    const bool tiles_wanted = tq > 0 && att_tile_on() && !graphs_enabled(T);
+    if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
+    const int64_t n_ints = 3 * T + NL + n_bt + n_tiles;
     CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
     /* Per-layer events cost about 7% of a batch-1 decode step (runs 12-18: 96 record nodes in
      * a 3.3 ms graph), so graph-sized steps record them on the first step of each size and then
@@ -1106,7 +1163,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
         }
     }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
-                        false, layer_events, fuse_qkv};
+                        false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles};
     const char *pe = getenv("STRATA_GPU_PDL");
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
     g_gemm_min = gemm_min_env();
@@ -1363,6 +1420,62 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
     CHECK(down(o.data(), bo, sizeof(float) * o.size()));
     for (int i = 0; i < nq; i++)
         memcpy(out + (int64_t)i * head_dim, &o[(size_t)(i * kd + kv_head * head_dim)], sizeof(float) * head_dim);
+    return ST_OK;
+}
+
+/* Every query head of one sequence's nq tokens at positions p0.. (q[nq, n_head * hd], pre-scaled)
+ * through k_attention (tile 0) or k_attention_tile (tile 1, as an eager prefill step would run
+ * it), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
+extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                                               const int32_t *block_table, int32_t n_table, int32_t block_size,
+                                               int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
+                                               int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
+    if (!k || !v || !block_table || !q || !out || n_blocks < 1 || block_size < 16 || block_size % 16 ||
+        head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
+        p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
+        return fail(ST_EINVAL, "attention heads: bad arguments");
+    for (int32_t j = 0; j <= (p0 + nq - 1) / block_size; j++)
+        if (block_table[j] < 0 || block_table[j] >= n_blocks) return fail(ST_ERANGE, "attention: block out of range");
+    const int tq = att_tile_tokens(n_head, n_kv, head_dim);
+    if (tile && !tq) return fail(ST_EUNSUPPORTED, "attention tiles: n_head %d / n_kv %d / head_dim %d", n_head, n_kv,
+                                 head_dim);
+    CHECK(harness_device());
+    const int64_t kd = (int64_t)n_kv * head_dim, cache = (int64_t)n_blocks * block_size * kd;
+    const int64_t qd = (int64_t)n_head * head_dim, nout = (int64_t)nq * qd;
+    std::vector<int32_t> ints((size_t)(3 * nq + n_table));
+    for (int i = 0; i < nq; i++) ints[(size_t)i] = p0 + i, ints[(size_t)(nq + i)] = 0;
+    memcpy(&ints[(size_t)(2 * nq)], block_table, sizeof(int32_t) * n_table);
+    int32_t n_tiles = 0;
+    if (tile) n_tiles = att_tiles(&ints[(size_t)nq], nq, tq, &ints[(size_t)(2 * nq + n_table)]);
+    dbuf bk, bv, bq, bo, bi, baq, bad, bas;
+    CHECK(up(bk, k, sizeof(uint16_t) * cache));
+    CHECK(up(bv, v, sizeof(uint16_t) * cache));
+    CHECK(up(bq, q, sizeof(float) * nout));
+    CHECK(up(bo, nullptr, sizeof(float) * nout));
+    CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
+    attn_args a = {};
+    a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
+    a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
+    a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    if (aq) {
+        CHECK(up(baq, nullptr, (size_t)nout));
+        CHECK(up(bad, nullptr, sizeof(float) * (size_t)nout / 32));
+        CHECK(up(bas, nullptr, sizeof(int32_t) * (size_t)nout / 16));
+        a.aq = baq.as<int8_t>(), a.ad = bad.as<float>(), a.as = bas.as<int32_t>();
+    }
+    CHECK(attention_setup());
+    if (tile) {
+        a.stages = 2;
+        CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
+    } else {
+        CHECK(launch_attention(a, nq, 0));
+    }
+    CHECK(down(out, bo, sizeof(float) * nout));
+    if (aq) {
+        CHECK(down(aq, baq, (size_t)nout));
+        CHECK(down(ad, bad, sizeof(float) * (size_t)nout / 32));
+        CHECK(down(as, bas, sizeof(int32_t) * (size_t)nout / 16));
+    }
     return ST_OK;
 }
 

@@ -67,6 +67,13 @@ stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, in
 stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                               const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
                               int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, float *out);
+/* Every query head of one sequence's nq tokens (q[nq, n_head * head_dim], pre-scaled) through the
+ * decode kernel (tile 0) or the prefill query-tile kernel (tile 1); out[nq, n_head * head_dim];
+ * aq/ad/as (all or none): also the output's 8-bit blocks. */
+stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                                    const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
+                                    int32_t n_head, int32_t n_kv, const float *q, int32_t nq, int32_t p0, float *out,
+                                    int8_t *aq, float *ad, int32_t *as);
 stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
 /* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
 stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,

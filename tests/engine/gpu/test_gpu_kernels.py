@@ -3,8 +3,9 @@
 Dequantisation and activation quantisation must be bitwise equal to the CPU's; matrix
 products (every quant type, every GPU path: reference, matvec, tiled dp4a GEMM) within 1e-3
 of max|ref| of the CPU reference dot on the same 8-bit activations; paged attention (decode
-and prefill tiles, both GPU paths) within 1e-3 of the CPU reference; RMSNorm, RoPE (both
-layouts) and the router against the CPU formulas.
+and prefill tiles, both GPU paths) within 1e-3 of the CPU reference, and the prefill query-tile
+kernel bitwise equal to the decode kernel; RMSNorm, RoPE (both layouts) and the router against
+the CPU formulas.
 """
 
 from __future__ import annotations
@@ -211,6 +212,44 @@ def test_attention_matches_cpu_reference(g: tuple, hd: int, bs: int, n_kv: int, 
                                           gptr(g, table, "int32_t *"), len(table), bs, hd, n_kv, kvh,
                                           gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *")))
         assert rel_err(out, ref) <= 1e-3, (path, rel_err(out, ref))
+
+
+@pytest.mark.parametrize(("hd", "bs", "n_head", "n_kv", "nq", "p0"), [
+    (128, 16, 32, 4, 37, 0),  # Qwen3-30B-A3B's heads: 8 query heads per kv head, 2 tokens per tile
+    (128, 16, 32, 4, 20, 913),  # a later chunk: keys before the step, chunk boundaries inside tiles
+    (64, 32, 8, 8, 19, 5),  # no grouping: 16 tokens per tile
+    (32, 16, 4, 2, 33, 64)])  # the small test models' shape
+def test_attention_tile_bitwise_equals_k_attention(g: tuple, hd: int, bs: int, n_head: int, n_kv: int, nq: int,
+                                                   p0: int) -> None:
+    """The prefill query-tile kernel gives every (token, head) exactly k_attention's bits (floats and the
+    output's 8-bit blocks), so a token's result does not depend on its step; both within 1e-3 of the CPU."""
+    rng = np.random.default_rng(hd + nq + p0)
+    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
+    qd = n_head * hd
+    q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
+    outs = []
+    for tile in (0, 1):
+        out = np.full((nq, qd), np.nan, np.float32)
+        aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
+            np.zeros((nq, qd // 16), np.int32)
+        gcheck(g, g[1].stg_test_attention_heads(tile, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
+                                                gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
+                                                gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
+                                                gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
+                                                gptr(g, as_, "int32_t *")))
+        outs.append((out, aq, ad, as_))
+    (o0, q0, d0, s0), (o1, q1, d1, s1) = outs
+    assert np.isfinite(o1).all()
+    assert np.array_equal(o0.view(np.uint32), o1.view(np.uint32)), np.abs(o0 - o1).max()
+    assert np.array_equal(q0, q1) and np.array_equal(d0.view(np.uint32), d1.view(np.uint32)) and np.array_equal(s0, s1)
+    G = n_head // n_kv
+    for h in (0, n_head - 1):  # against the CPU reference for a first and a last head
+        ref = np.empty((nq, hd), np.float32)
+        qh = np.ascontiguousarray(q[:, h * hd : (h + 1) * hd])
+        assert lib.st_attention(lib.ST_VARIANT_REF, ptr(k, "uint16_t *"), ptr(v, "uint16_t *"),
+                                ptr(table, "int32_t *"), bs, hd, n_kv, h // G, ptr(qh, "float *"), nq, p0,
+                                ptr(ref, "float *")) == 0
+        assert rel_err(o1[:, h * hd : (h + 1) * hd], ref) <= 1e-3
 
 
 def test_rmsnorm_matches_cpu_formula(g: tuple) -> None:
