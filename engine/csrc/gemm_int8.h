@@ -18,9 +18,13 @@
  * token) result is lane r + lane 4+r at the end. The operations on one lane depend only on
  * that row and that token, so any number of rows or tokens gives the same bits. */
 #define MR 4
-#ifndef GEMM_BUF_MIN
-#define GEMM_BUF_MIN 5 /* token count from which 8-row blocks are unpacked once and shared */
-#endif
+/* Token count from which 8-row blocks are unpacked once and shared (buffered8). The 4-bit
+ * types build the block from the packed nibbles (load_blk8_q4*), cheap enough to pay from 3
+ * tokens (Q4_1, 1 thread: 3 tokens ~31 -> ~39 GMAC/s in L2, ~31 -> ~33 streamed from DRAM;
+ * 4 tokens ~31-36 -> ~38-44); Q4_K from 4; the others unpack row by row and wait for 5. */
+static inline int buf_min(int32_t type) {
+    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 ? 3 : type == ST_TYPE_Q4_K ? 4 : 5;
+}
 
 /* Software prefetch of the next register block of rows. A work tile's rows are consecutive
  * in memory, so the rows after the current block are the next bytes of one linear stream;
@@ -337,13 +341,18 @@ static inline __attribute__((always_inline)) __m256i half8(int32_t type, const _
 #endif
 }
 
-/* NT tokens against an 8-row block unpacked into kb[nb]. */
-static inline __attribute__((always_inline)) void buffered8(int32_t type, const blk8 *kb, int64_t nb, int NT,
-                                                            const act_row *a, float *out, int nr, int64_t ldo) {
+/* NT tokens against blocks [b0, b1) of an 8-row block unpacked into kb[b - b0]. With acc
+ * NULL the row block is taken in one pass (b0 = 0, b1 = nb) and the results are written to
+ * out; otherwise the per-lane accumulators (low and high half per token) live in acc[2 * t],
+ * acc[2 * t + 1] between calls, so a row block can be taken in K chunks with every lane
+ * still summed over its blocks in order (the same bits as one pass). */
+static inline __attribute__((always_inline)) void buffered8(int32_t type, const blk8 *kb, int64_t b0, int64_t b1,
+                                                            int NT, const act_row *a, __m256 *acc, float *out,
+                                                            int nr, int64_t ldo) {
     __m256 lo[4], hi[4];
-    for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const blk8 *k = &kb[b];
+    for (int t = 0; t < NT; t++) lo[t] = acc ? acc[2 * t] : _mm256_setzero_ps(), hi[t] = acc ? acc[2 * t + 1] : lo[t];
+    for (int64_t b = b0; b < b1; b++) {
+        const blk8 *k = &kb[b - b0];
         for (int t = 0; t < NT; t++) {
             const int8_t *q = a[t].q + b * QK;
             const __m256 d = _mm256_broadcast_ss(a[t].d + b);
@@ -355,6 +364,10 @@ static inline __attribute__((always_inline)) void buffered8(int32_t type, const 
             }
         }
     }
+    if (acc) {
+        for (int t = 0; t < NT; t++) acc[2 * t] = lo[t], acc[2 * t + 1] = hi[t];
+        return;
+    }
     for (int t = 0; t < NT; t++) {
         float vl[8], vh[8];
         _mm256_storeu_ps(vl, lo[t]);
@@ -363,40 +376,90 @@ static inline __attribute__((always_inline)) void buffered8(int32_t type, const 
     }
 }
 
+/* Unpack blocks [b0, b1) of an 8-row block into kb[b - b0], prefetching the next block's rows. */
+static inline __attribute__((always_inline)) void unpack8(int32_t type, const uint8_t *const *rows, int64_t b0,
+                                                          int64_t b1, kscales *ks, blk8 *kb, const uint8_t *next,
+                                                          size_t step) {
+    for (int64_t b = b0; b < b1; b++) {
+        prefetch_slice(next, b, step); /* lands while the tokens run */
+        if (type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1) {
+            load_blk8_q4(type, rows, b, &kb[b - b0]);
+        } else if (type == ST_TYPE_Q4_K) { /* sub-blocks in pairs: b0, b1 even */
+            prefetch_slice(next, b + 1, step);
+            load_blk8_q4k_pair(rows, b, ks, &kb[b - b0]);
+            b++;
+        } else {
+            load_blk8(type, rows, b, ks, &kb[b - b0]);
+        }
+    }
+}
+
+/* All tokens against blocks [b0, b1), four per pass (acc, out: as buffered8). */
+static inline __attribute__((always_inline)) void tokens8(int32_t type, const blk8 *kb, int64_t b0, int64_t b1, int nt,
+                                                          const act_row *a, __m256 *acc, float *out, int nr,
+                                                          int64_t ldo) {
+    int t = 0;
+    for (; t + 4 <= nt; t += 4)
+        buffered8(type, kb, b0, b1, 4, a + t, acc ? acc + 2 * t : NULL, out + t * ldo, nr, ldo);
+    __m256 *at = acc ? acc + 2 * t : NULL;
+    switch (nt - t) {
+    case 1: buffered8(type, kb, b0, b1, 1, a + t, at, out + t * ldo, nr, ldo); break;
+    case 2: buffered8(type, kb, b0, b1, 2, a + t, at, out + t * ldo, nr, ldo); break;
+    case 3: buffered8(type, kb, b0, b1, 3, a + t, at, out + t * ldo, nr, ldo); break;
+    default: break;
+    }
+}
+
+/* K chunking of the buffered path. With long rows (> 32 blocks) and few tokens the row block
+ * is unpacked and consumed 8 blocks (3 KiB of blk8) at a time: the next rows' prefetches are
+ * then spread over the whole pass instead of issued in one burst before it, and buffer,
+ * activations and prefetched lines stay within L1. On 1536-wide Q4_1 rows streamed from DRAM
+ * (1 thread) 3/4/5/8 tokens went 26/30/33/41 -> 32/36/39/43 GMAC/s; with 576-wide rows, or 16+
+ * tokens, or weights in cache, one chunk (the whole row) was as fast or faster. */
+static inline int64_t kchunk(int64_t nb, int nt) { return nb > 32 && nt < 16 ? 8 : nb; }
+
+/* The K-chunked pass over one 8-row block (kchunk): accumulators in memory between chunks. */
+static inline __attribute__((always_inline)) void chunked8(int32_t type, const uint8_t *const *rows, int64_t nb,
+                                                           int64_t ch, int nt, const act_row *a, kscales *ks, blk8 *kb,
+                                                           const uint8_t *next, size_t step, float *o, int nrr,
+                                                           int64_t ldo) {
+    __m256 acc[2 * ST_MAX_NT];
+    for (int t = 0; t < 2 * nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += ch) {
+        const int64_t b1 = nb - b0 < ch ? nb : b0 + ch;
+        unpack8(type, rows, b0, b1, ks, kb, next, step);
+        tokens8(type, kb, b0, b1, nt, a, acc, o, nrr, ldo);
+    }
+    for (int t = 0; t < nt; t++) {
+        float vl[8], vh[8];
+        _mm256_storeu_ps(vl, acc[2 * t]);
+        _mm256_storeu_ps(vh, acc[2 * t + 1]);
+        for (int r = 0; r < nrr; r++) o[t * ldo + r] = vl[r] + vh[r];
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm256(int32_t type, const void *w, size_t row_bytes, int nr,
                                                             int64_t n, int nt, const act_row *a, float *out,
                                                             int64_t ldo) {
     const int64_t nb = n / QK;
-    if (nt >= GEMM_BUF_MIN) {
+    if (nt >= buf_min(type)) {
         for (int r0 = 0; r0 < nr; r0 += 2 * MR) {
             const int nrr = nr - r0 < 2 * MR ? nr - r0 : 2 * MR;
             const uint8_t *rows[2 * MR]; /* a short row block repeats its last row (results dropped) */
             for (int r = 0; r < 2 * MR; r++)
                 rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
-            blk8 kb[nb]; /* the row block unpacked once: 384 bytes per 32-element block */
+            const int64_t ch = kchunk(nb, nt);
+            blk8 kb[ch]; /* one K chunk of the row block, unpacked once: 384 bytes per block */
             kscales ks[2];
             const uint8_t *next = (const uint8_t *)w + (size_t)(r0 + 2 * MR) * row_bytes;
             const size_t step = 2 * MR * (row_bytes / (size_t)nb);
-            for (int64_t b = 0; b < nb; b++) {
-                prefetch_slice(next, b, step); /* lands while the tokens below run */
-                if (type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1) {
-                    load_blk8_q4(type, rows, b, &kb[b]);
-                } else if (type == ST_TYPE_Q4_K) {
-                    prefetch_slice(next, b + 1, step);
-                    load_blk8_q4k_pair(rows, b, ks, &kb[b]);
-                    b++;
-                } else
-                    load_blk8(type, rows, b, ks, &kb[b]);
-            }
             float *o = out + r0;
-            int t = 0;
-            for (; t + 4 <= nt; t += 4) buffered8(type, kb, nb, 4, a + t, o + t * ldo, nrr, ldo);
-            switch (nt - t) {
-            case 1: buffered8(type, kb, nb, 1, a + t, o + t * ldo, nrr, ldo); break;
-            case 2: buffered8(type, kb, nb, 2, a + t, o + t * ldo, nrr, ldo); break;
-            case 3: buffered8(type, kb, nb, 3, a + t, o + t * ldo, nrr, ldo); break;
-            default: break;
+            if (ch == nb) {
+                unpack8(type, rows, 0, nb, ks, kb, next, step);
+                tokens8(type, kb, 0, nb, nt, a, NULL, o, nrr, ldo);
+                continue;
             }
+            chunked8(type, rows, nb, ch, nt, a, ks, kb, next, step, o, nrr, ldo);
         }
         return;
     }
