@@ -17,7 +17,8 @@ median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock 
 comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
 fused router launch or the q/k/v fusion (post-processing in attention), with the opt-in down
 input quantisation by gate/up, prefill
-with the matvec kernel only and with the opt-in query-tile attention (STRATA_GPU_ATT_TILE=1), and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
+with the matvec kernel only, with the opt-in query-tile attention (STRATA_GPU_ATT_TILE=1) and
+the opt-in routed GEMM over the grouping's tile list (STRATA_GPU_GEMM_TILES=1; also at 32 sequences), and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
 llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
@@ -280,7 +281,13 @@ def run(args: argparse.Namespace) -> dict:
     res["prefill_512_att_tile_tok_s"] = prefill(512)
     if not args.quick:
         res["prefill_4096_att_tile_tok_s"] = prefill(4096)
+    os.environ["STRATA_GPU_GEMM_TILES"] = "1"  # and the opt-in routed GEMM over the grouping's tile list
+    res["prefill_512_att_tile_gemm_tiles_tok_s"] = prefill(512)
+    if not args.quick:
+        res["prefill_4096_att_tile_gemm_tiles_tok_s"] = prefill(4096)
     del os.environ["STRATA_GPU_ATT_TILE"]
+    res["decode_b32_gemm_tiles_tok_s"], _ = decode(32, 64, tag="b32_gemm_tiles")
+    del os.environ["STRATA_GPU_GEMM_TILES"]
     hist[:] = 0
     res["decode_b1_tok_s"], st1 = decode(1, 128, tag="b1")
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}

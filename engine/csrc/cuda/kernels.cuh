@@ -104,7 +104,10 @@ struct lin_groups {
     const int32_t *gexp, *gstart, *gcount; /* NULL: one group (expert 0, start 0, count n_pairs) */
     const int32_t *n_groups;               /* device scalar; NULL: gridDim.y */
     const int32_t *list, *in_map;
-    int32_t n_pairs;
+    int32_t n_pairs; /* with gexp: at most this many pairs in all groups together (sizes a tiled GEMM grid) */
+    /* with gexp: group_pairs' GEMM tiles (group << 16 | tile) and their device count; the GEMM
+     * launch gets them only when it runs a block per tile (gridDim.z == 1), else NULL */
+    const int32_t *tiles, *n_tiles;
 };
 
 #define MODE_STORE 0
@@ -424,10 +427,17 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     __shared__ float xd[GK][MM_BN];
     __shared__ int xsum[GK][MM_BN];
     __shared__ int prow[MM_BN];
-    int e, start, count;
-    if (!group_of(a.g, blockIdx.z, e, start, count)) return;
-    const int m0 = blockIdx.x * MM_BM, n0 = blockIdx.y * MM_BN;
-    if (n0 >= count) return;
+    int e, start, count, n0;
+    if (a.g.tiles) { /* a block per tile of the groups (group_pairs' list) */
+        const int32_t nt = *a.g.n_tiles, tl = a.g.tiles[blockIdx.y]; /* both loads in flight: the list has room */
+        if ((int)blockIdx.y >= nt || !group_of(a.g, tl >> 16, e, start, count)) return;
+        n0 = (tl & 0xFFFF) * MM_BN;
+    } else {
+        if (!group_of(a.g, blockIdx.z, e, start, count)) return;
+        n0 = blockIdx.y * MM_BN;
+        if (n0 >= count) return;
+    }
+    const int m0 = blockIdx.x * MM_BM;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
     if (tid < MM_BN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
     const uint8_t *wbase = a.w + e * a.expert_stride, *wbase2 = SW ? a.w2 + e * a.expert_stride : nullptr;
@@ -1218,10 +1228,13 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
 
 /* Group the T*k (token, slot) pairs by expert (one block): per-expert counts, the compact
  * list of active experts (ascending), pairs listed per expert, each pair's token, and the
- * step's per-layer histogram. sh: 2 * ne ints of shared memory. */
+ * step's per-layer histogram; and the GEMM's tiles of MM_BN pairs (group << 16 | tile of the
+ * group, *n_gtiles of them, at most n_pairs / MM_BN + groups), so that a routed GEMM launch
+ * has a block per real tile instead of (the largest group's tiles) x (groups), most of which
+ * found nothing to do at prefill. sh: 2 * ne ints of shared memory. */
 __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp,
                             int32_t *gstart, int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok,
-                            int32_t *hist, int32_t *sh) {
+                            int32_t *hist, int32_t *gtiles, int32_t *n_gtiles, int32_t *sh) {
     int32_t *cnt = sh, *fill = sh + ne;
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -1232,24 +1245,30 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
     __syncthreads();
     if (threadIdx.x < 32) { /* exclusive scan of the counts by one warp, experts in order */
         const int lane = threadIdx.x;
-        int32_t base = 0, g = 0;
+        int32_t base = 0, g = 0, tb = 0;
         for (int e0 = 0; e0 < ne; e0 += 32) {
             const int e = e0 + lane;
-            const int32_t c = e < ne ? cnt[e] : 0;
-            int32_t incl = c, act = c > 0;
+            const int32_t c = e < ne ? cnt[e] : 0, nt = (c + MM_BN - 1) / MM_BN;
+            int32_t incl = c, act = c > 0, tincl = nt;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                const int32_t u = __shfl_up_sync(0xffffffffu, incl, o), ua = __shfl_up_sync(0xffffffffu, act, o);
-                if (lane >= o) incl += u, act += ua;
+                const int32_t u = __shfl_up_sync(0xffffffffu, incl, o), ua = __shfl_up_sync(0xffffffffu, act, o),
+                              ut = __shfl_up_sync(0xffffffffu, tincl, o);
+                if (lane >= o) incl += u, act += ua, tincl += ut;
             }
             if (e < ne) {
                 fill[e] = base + incl - c;
-                if (c) gexp[g + act - 1] = e, gstart[g + act - 1] = base + incl - c, gcount[g + act - 1] = c;
+                if (c) {
+                    const int gi = g + act - 1, t0 = tb + tincl - nt;
+                    gexp[gi] = e, gstart[gi] = base + incl - c, gcount[gi] = c;
+                    for (int i = 0; i < nt; i++) gtiles[t0 + i] = gi << 16 | i;
+                }
             }
             base += __shfl_sync(0xffffffffu, incl, 31);
             g += __shfl_sync(0xffffffffu, act, 31);
+            tb += __shfl_sync(0xffffffffu, tincl, 31);
         }
-        if (lane == 0) *n_groups = g;
+        if (lane == 0) *n_groups = g, *n_gtiles = tb;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < ne; e += blockDim.x) hist[e] += cnt[e];
@@ -1259,10 +1278,11 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
 }
 
 __global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp, int32_t *gstart,
-                        int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist) {
+                        int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist,
+                        int32_t *gtiles, int32_t *n_gtiles) {
     PDL_ENTER();
     extern __shared__ int32_t gsh[];
-    group_pairs(ids, n_pairs, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gsh);
+    group_pairs(ids, n_pairs, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles, gsh);
 }
 
 /* Router and grouping in one launch for small steps (one block of ROUTE_WARPS warps,
@@ -1272,14 +1292,15 @@ __global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t 
 __global__ void __launch_bounds__(ROUTE_WARPS * 32) k_route(const float *logits, int32_t T, int32_t ne, int32_t k,
                                                             int32_t *ids, float *w, int32_t *gexp, int32_t *gstart,
                                                             int32_t *gcount, int32_t *n_groups, int32_t *list,
-                                                            int32_t *pair_tok, int32_t *hist) {
+                                                            int32_t *pair_tok, int32_t *hist, int32_t *gtiles,
+                                                            int32_t *n_gtiles) {
     PDL_ENTER();
     extern __shared__ float rsh[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int t = warp; t < T; t += ROUTE_WARPS)
         route_token(logits + (int64_t)t * ne, rsh + warp * ne, ne, k, lane, ids + (int64_t)t * k, w + (int64_t)t * k);
     __syncthreads(); /* ids written above are read below by other threads of the block */
-    group_pairs(ids, T * k, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist,
+    group_pairs(ids, T * k, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles,
                 (int32_t *)(rsh + ROUTE_WARPS * ne));
 }
 
@@ -1293,6 +1314,7 @@ struct route_args {
     int32_t T, ne, k;
     int32_t *ids, *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist;
     float *w;
+    int32_t *gtiles, *n_gtiles;
 };
 template <int T, int NT>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
@@ -1315,7 +1337,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, r
                     r.w + (int64_t)t * r.k);
     __syncthreads();
     group_pairs(r.ids, r.T * r.k, r.k, r.ne, r.gexp, r.gstart, r.gcount, r.n_groups, r.list, r.pair_tok, r.hist,
-                (int32_t *)(rrs + LIN_WARPS * r.ne));
+                r.gtiles, r.n_gtiles, (int32_t *)(rrs + LIN_WARPS * r.ne));
     if (threadIdx.x == 0) *r.counter = 0; /* every block has counted: ready for the next layer */
 }
 

@@ -115,6 +115,7 @@ struct scratch {
     int8_t *aq, *hq;
     float *ad, *hd;
     int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
+    int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
@@ -126,7 +127,7 @@ struct graph_entry {
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, pdl, route_split;
     int32_t gemm_min;
-    bool fused_quant, fuse_qkv;
+    bool fused_quant, fuse_qkv, gemm_tiles;
     cudaGraphExec_t exec;
 };
 
@@ -508,6 +509,15 @@ static int gemm_min_pairs() { return g_gemm_min; }
  * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
 static thread_local bool g_fused_quant = false; /* read per step (stg_forward); graphs are keyed by it */
 static bool fused_quant_on() { return g_fused_quant; }
+/* STRATA_GPU_GEMM_TILES=1: routed GEMM launches run a block per tile of group_pairs' list
+ * instead of (largest group's tiles) x (groups) (at a 512-token prefill step 12 x 32 x 128
+ * blocks for gate/up, ~94% of them empty). Opt-in until a GPU run has checked it
+ * (test_routed_gemm_tiles_bitwise_equal_matvec) and measured it; same results either way. */
+static thread_local bool g_gemm_tiles = false; /* read per step (stg_forward); graphs are keyed by it */
+static bool gemm_tiles_env() {
+    const char *e = getenv("STRATA_GPU_GEMM_TILES");
+    return e && e[0] == '1';
+}
 
 /* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
  * from gemm_min pairs per group, only with enough tiles to fill the GPU (a dense q or o
@@ -535,9 +545,18 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
     if (path == STG_PATH_REF) {
         launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
     } else if (path == STG_PATH_GEMM) {
-        launch_k(k_linear_gemm<T, SW>, dim3((unsigned)((a.N + MM_BM - 1) / MM_BM),
-                                            (unsigned)((max_count + MM_BN - 1) / MM_BN), (unsigned)max_groups),
-                 128, 0, st, a);
+        const unsigned mt = (unsigned)((a.N + MM_BM - 1) / MM_BM);
+        const int64_t per_group = (int64_t)((max_count + MM_BN - 1) / MM_BN) * max_groups;
+        const int64_t listed = a.g.gexp && a.g.tiles && g_gemm_tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
+                                                                       : INT64_MAX;
+        if (listed < per_group) { /* a block per tile of group_pairs' list */
+            launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)listed, 1), 128, 0, st, a);
+        } else {
+            lin_args b = a;
+            b.g.tiles = b.g.n_tiles = nullptr;
+            launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN), (unsigned)max_groups),
+                     128, 0, st, b);
+        }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
         if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
@@ -673,6 +692,8 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gstart, sizeof(int32_t) * ne));
         CHECK(dalloc_in(s.step_allocs, &s.gcount, sizeof(int32_t) * ne));
         CHECK(dalloc_in(s.step_allocs, &s.n_groups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.gtiles, sizeof(int32_t) * ((P + MM_BN - 1) / MM_BN + ne)));
+        CHECK(dalloc_in(s.step_allocs, &s.n_gtiles, sizeof(int32_t)));
         CHECK(dalloc_in(s.step_allocs, &s.aq, (size_t)(T * K)));
         CHECK(dalloc_in(s.step_allocs, &s.ad, sizeof(float) * T * K / 32));
         CHECK(dalloc_in(s.step_allocs, &s.as, sizeof(int32_t) * T * K / 16));
@@ -933,7 +954,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
         a.mode = MODE_STORE;
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
-                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w};
+                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles};
         int nt = 1;
         while (nt < T) nt *= 2;
         switch (L.gate_inp.type) {
@@ -954,14 +975,15 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     if (T <= 2 * ROUTE_WARPS && route_smem <= 48 * 1024) { /* small steps: one launch for both */
         launch_k(k_route, 1, ROUTE_WARPS * 32, route_smem, st, s.router, T, ne, k, s.topk_id, s.topk_w, s.gexp, s.gstart,
                                                          s.gcount, s.n_groups, s.list, s.pair_tok,
-                                                         m->hist + (int64_t)il * ne);
+                                                         m->hist + (int64_t)il * ne, s.gtiles, s.n_gtiles);
         LAUNCHED("route");
     } else {
         launch_k(k_router, (T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st, 
             s.router, T, ne, k, s.topk_id, s.topk_w);
         LAUNCHED("router");
         launch_k(k_group, 1, 1024, 2 * ne * sizeof(int32_t), st, s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount,
-                                                           s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne);
+                                                           s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
+                                                           s.gtiles, s.n_gtiles);
         LAUNCHED("group");
     }
     }
@@ -969,6 +991,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     lin_groups ge = {};
     ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
     ge.list = s.list, ge.in_map = s.pair_tok;
+    ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
     const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
     const int64_t F = m->n_ff_exp;
     const acts_d ein = rin;
@@ -1065,7 +1088,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min &&
-            g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv &&
+            g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
             g.route_split == route_split()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
@@ -1081,7 +1104,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
-                                         g_fused_quant, sh.fuse_qkv, exec});
+                                         g_fused_quant, sh.fuse_qkv, g_gemm_tiles, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1169,6 +1192,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_gemm_min = gemm_min_env();
     const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
     g_fused_quant = fqe && fqe[0] == '1';
+    g_gemm_tiles = gemm_tiles_env();
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
@@ -1240,6 +1264,7 @@ struct dbuf {
 static stg_status harness_device(void) {
     g_pdl = false;
     g_gemm_min = gemm_min_env();
+    g_gemm_tiles = false;
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
     if (n == 0) return fail(ST_EUNSUPPORTED, "no CUDA device");
@@ -1326,6 +1351,65 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
     CHECK(linear(0, W, w2 ? &W2 : nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
                  path));
     return down(out, bo, sizeof(float) * (size_t)(n_tok * n_rows));
+}
+
+/* Routed experts as a MoE layer runs them: the n_tok * k_used pairs (ids[p]: pair p's expert,
+ * p / k_used its token) grouped by k_group, then one grouped launch over the stacked experts
+ * w[n_expert][n_rows] (w2: the gate/up form); out[pair, n_rows]. path: STG_PATH_MATVEC or
+ * STG_PATH_GEMM; tiles 1: the GEMM's block per tile of group_pairs' list, 0: its grid of
+ * (largest group's tiles) x (groups). */
+extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
+                                             int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
+                                             const int32_t *ids, int32_t k_used, float *out) {
+    const int be = stg_block_elems(type);
+    if (!be || stg_is_float(type)) return fail(ST_EUNSUPPORTED, "routed linear: unsupported quant type %d", type);
+    if (!w || !x || !ids || !out || n_expert < 1 || n_rows < 1 || n_tok < 1 || k_used < 1 || k_used > n_expert ||
+        k < 32 || k % 32 || k % be || (path != STG_PATH_MATVEC && path != STG_PATH_GEMM))
+        return fail(ST_EINVAL, "routed linear: bad arguments");
+    const int32_t P = n_tok * k_used;
+    for (int32_t p = 0; p < P; p++)
+        if (ids[p] < 0 || ids[p] >= n_expert) return fail(ST_ERANGE, "routed linear: expert id %d", ids[p]);
+    CHECK(harness_device());
+    dtensor W;
+    W.type = type, W.ne[0] = k, W.ne[1] = n_rows, W.row_bytes = stg_row_bytes(type, k);
+    W.expert_stride = W.row_bytes * n_rows;
+    const size_t wb = (size_t)(W.expert_stride * n_expert);
+    dbuf bw, bw2, bx, bq, bd, bs, bo, bids, bg;
+    CHECK(up(bw, w, wb));
+    W.d = bw.as<uint8_t>();
+    dtensor W2 = W;
+    if (w2) {
+        CHECK(up(bw2, w2, wb));
+        W2.d = bw2.as<uint8_t>();
+    }
+    const size_t n = (size_t)n_tok * (size_t)k;
+    CHECK(up(bx, x, sizeof(float) * n));
+    CHECK(up(bq, nullptr, n));
+    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
+    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up(bo, nullptr, sizeof(float) * (size_t)P * (size_t)n_rows));
+    CHECK(up(bids, ids, sizeof(int32_t) * (size_t)P));
+    /* gexp, gstart, gcount [ne]; n_groups; list, pair_tok [P]; hist [ne]; tiles [P / MM_BN + ne]; n_tiles */
+    const int64_t nt_max = (P + MM_BN - 1) / MM_BN + n_expert;
+    CHECK(up(bg, nullptr, sizeof(int32_t) * (size_t)(4 * n_expert + 2 * P + nt_max + 2)));
+    int32_t *gexp = bg.as<int32_t>(), *gstart = gexp + n_expert, *gcount = gstart + n_expert,
+            *n_groups = gcount + n_expert, *list = n_groups + 1, *pair_tok = list + P, *hist = pair_tok + P,
+            *gtiles = hist + n_expert, *n_gtiles = gtiles + nt_max;
+    CU(cudaMemset(hist, 0, sizeof(int32_t) * (size_t)n_expert), "routed linear");
+    CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
+    k_group<<<1, 1024, 2 * n_expert * sizeof(int32_t)>>>(bids.as<int32_t>(), P, k_used, n_expert, gexp, gstart, gcount,
+                                                         n_groups, list, pair_tok, hist, gtiles, n_gtiles);
+    LAUNCHED("routed linear: group");
+    lin_groups g = {};
+    g.gexp = gexp, g.gstart = gstart, g.gcount = gcount, g.n_groups = n_groups, g.list = list, g.in_map = pair_tok;
+    g.n_pairs = P;
+    g.tiles = gtiles, g.n_tiles = n_gtiles;
+    g_gemm_tiles = tiles != 0;
+    const int max_groups = std::min(n_expert, P), expected = (P + n_expert - 1) / n_expert;
+    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
+    CHECK(linear(0, W, w2 ? &W2 : nullptr, g, max_groups, expected, n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
+                 path));
+    return down(out, bo, sizeof(float) * (size_t)P * (size_t)n_rows);
 }
 
 extern "C" stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,

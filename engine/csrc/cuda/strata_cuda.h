@@ -63,6 +63,13 @@ stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void
  * blocks hq[n_tok * n_rows], hd[/32], hs[/16] (n_rows a multiple of 32; launched twice). */
 stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,
                                  const float *x, int64_t n_tok, float *out, int8_t *hq, float *hd, int32_t *hs);
+/* Routed experts as a MoE layer runs them: pairs p = token * k_used + slot with expert ids[p],
+ * grouped on the GPU, then one grouped launch over the stacked experts w[n_expert][n_rows]
+ * (w2: the fused gate/up form); out[n_tok * k_used, n_rows]. path: STG_PATH_MATVEC or
+ * STG_PATH_GEMM; tiles 1: the GEMM runs a block per tile of the grouping's tile list. */
+stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
+                                  int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
+                                  const int32_t *ids, int32_t k_used, float *out);
 /* st_attention's contract for one kv head's queries; path: STG_PATH_REF or STG_PATH_AUTO. */
 stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                               const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,

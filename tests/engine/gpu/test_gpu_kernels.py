@@ -162,6 +162,42 @@ def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int) -> 
         assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (name, second is not None)
 
 
+@pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(70, 4, 8), (300, 8, 32), (5, 2, 8)])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
+def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, k_used: int, n_expert: int) -> None:
+    """Routed experts (grouped on the GPU, skewed popularity: groups of 1 to ~100 pairs): the GEMM
+    over the grouping's tile list, the GEMM over its (largest group) x (groups) grid and the matvec
+    give the same bits for every pair, gate/up form too; one expert's pairs against the CPU."""
+    rng = np.random.default_rng(n_tok * n_expert)
+    rows, k = 80, 512
+    w = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
+    w2 = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    pop = 1.0 / np.arange(1, n_expert + 1)  # Zipf-like: expert 0 in most tokens
+    ids = np.stack([rng.choice(n_expert, k_used, replace=False, p=pop / pop.sum()) for _ in range(n_tok)])
+    ids = ids.astype(np.int32).reshape(-1)
+    P = n_tok * k_used
+    for second in (None, w2):
+        outs = []
+        for path, tiles in (("matvec", 0), ("gemm", 1), ("gemm", 0)):
+            out = np.full((P, rows), np.nan, np.float32)
+            gcheck(g, g[1].stg_test_routed_linear(tid(name), PATHS[path], tiles, gptr(g, w),
+                                                  g[0].NULL if second is None else gptr(g, second), n_expert, rows, k,
+                                                  gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                                  gptr(g, out, "float *")))
+            outs.append(out)
+        assert np.isfinite(outs[0]).all()
+        for o in outs[1:]:
+            assert np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)), (name, second is not None)
+        if second is None:
+            plain = outs[0]
+    e = int(ids[0])
+    pairs = np.flatnonzero(ids == e)
+    rb = w.size // (n_expert * rows)
+    ref = cpu_linear(name, w[e * rows * rb : (e + 1) * rows * rb], rows, k, x[pairs // k_used])
+    assert rel_err(plain[pairs], ref) <= 1e-3
+
+
 @pytest.mark.parametrize("n_tok", [1, 3, 11])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
 def test_swiglu_fused_quantisation_bitwise(g: tuple, name: str, n_tok: int) -> None:
