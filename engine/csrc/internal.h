@@ -147,6 +147,14 @@ typedef void (*quant_act_fn)(const float *x, int64_t n, int8_t *qs, float *d, in
 quant_act_fn st_quant_act_avx2(void);
 quant_act_fn st_quant_act(void);
 
+/* h[i] = silu(g[i]) * u[i], the expert FFN's gate. st_silu_mul_ref is the definition (libm
+ * expf); st_silu_mul() gives the variant's version (AVX2: a vectorised exp within ~2 ulp,
+ * each element independent of its position, so batch invariance holds per variant). */
+typedef void (*silu_mul_fn)(const float *g, const float *u, float *h, int64_t n);
+void st_silu_mul_ref(const float *g, const float *u, float *h, int64_t n);
+silu_mul_fn st_silu_mul_avx2(void);
+silu_mul_fn st_silu_mul(void);
+
 /* Helpers for the k-quant 6-bit scale packing. */
 static inline void get_scale_min_k4(int j, const uint8_t *q, uint8_t *d, uint8_t *m) {
     if (j < 4) {

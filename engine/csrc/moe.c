@@ -41,6 +41,7 @@ static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
     const ffn_group *g = &c->groups[it.group];
     const dot_q_fn fqg = st_dot_q(c->tg), fqu = st_dot_q(c->tu);
     const dot_f_fn ffg = st_dot_f(c->tg), ffu = st_dot_f(c->tu);
+    const silu_mul_fn silu_mul = st_silu_mul();
     int32_t tok[ST_MAX_NT];
     float gv[ST_MAX_NT * ST_ROW_BLOCK], uv[ST_MAX_NT * ST_ROW_BLOCK];
     act_tile tl;
@@ -53,8 +54,7 @@ static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
             dot_tile(c->tg, fqg, ffg, g->wg + (size_t)r * c->rbg, c->rbg, nr, &c->in, &tl, gv);
             dot_tile(c->tu, fqu, ffu, g->wu + (size_t)r * c->rbu, c->rbu, nr, &c->in, &tl, uv);
             for (int j = 0; j < nt; j++) {
-                float *h = c->h + (size_t)g->pairs[tile + j] * c->n_ff + r;
-                for (int i = 0; i < nr; i++) h[i] = silu(gv[j * ST_ROW_BLOCK + i]) * uv[j * ST_ROW_BLOCK + i];
+                silu_mul(gv + j * ST_ROW_BLOCK, uv + j * ST_ROW_BLOCK, c->h + (size_t)g->pairs[tile + j] * c->n_ff + r, nr);
             }
         }
     }

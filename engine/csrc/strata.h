@@ -65,6 +65,8 @@ st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32
 /* The same through one variant's quantiser (the step uses the current variant's); every
  * variant gives the bytes and floats of st_quantize_act. For the kernel harness. */
 st_status st_quantize_act_variant(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
+/* h = silu(g) * u elementwise through one variant (the expert FFN's gate); n >= 1. */
+st_status st_silu_mul_variant(int32_t variant, const float *g, const float *u, float *h, int64_t n);
 
 /* out = dot(row of weights of `type`, activations) with the given variant.
  * Quantised types use the 8-bit activations; F32/F16/BF16 use float x. */

@@ -77,6 +77,21 @@ static quant_act_fn quant_variant(int32_t variant) {
 
 quant_act_fn st_quant_act(void) { return quant_variant(g_variant); }
 
+static silu_mul_fn silu_variant(int32_t variant) {
+    const silu_mul_fn f = resolve(variant) != ST_VARIANT_REF ? st_silu_mul_avx2() : NULL; /* AVX-512 CPUs too */
+    return f ? f : st_silu_mul_ref;
+}
+
+silu_mul_fn st_silu_mul(void) { return silu_variant(g_variant); }
+
+st_status st_silu_mul_variant(int32_t variant, const float *g, const float *u, float *h, int64_t n) {
+    const st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!g || !u || !h || n < 1) return st_fail(ST_EINVAL, "silu_mul_variant: bad arguments (n=%lld)", (long long)n);
+    silu_variant(variant)(g, u, h, n);
+    return ST_OK;
+}
+
 st_status st_quantize_act_variant(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
     const st_status rc = check_variant(variant);
     if (rc) return rc;
