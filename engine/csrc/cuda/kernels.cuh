@@ -324,7 +324,9 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
 
 /* Float weights with few rows (routers: n_expert rows): a block of LIN_WARPS warps per row,
  * the warps splitting the row, their sums added in warp order. The order depends only on
- * the weight's shape, so results stay batch invariant. */
+ * the weight's shape, so results stay batch invariant. Passes of NT pairs are independent
+ * (each starts from zero), so blockIdx.z takes every gridDim.z-th one: a 512-token router
+ * is 64 passes, which one block per row (128 blocks) used to walk in turn. */
 template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_args &a) {
     __shared__ float part[LIN_WARPS][NT];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -332,7 +334,7 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_a
     int e, start, count;
     if (!group_of(a.g, blockIdx.y, e, start, count)) return;
     const uint8_t *wrow = a.w + e * a.expert_stride + (int64_t)r * a.row_bytes;
-    for (int p0 = 0; p0 < count; p0 += NT) {
+    for (int p0 = (int)blockIdx.z * NT; p0 < count; p0 += (int)gridDim.z * NT) {
         int rows[NT];
         float acc[NT];
 #pragma unroll

@@ -565,13 +565,14 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
         else launch_k(k_linear_q<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
     }
 }
-template <int T, bool SW> static void launch_f(const lin_args &a, int path, int nt, int max_groups, cudaStream_t st) {
+template <int T, bool SW> static void launch_f(const lin_args &a, int path, int nt, int max_groups, int max_count,
+                                               cudaStream_t st) {
     if (path == STG_PATH_REF) {
         launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
         return;
     }
-    if (!SW && a.N <= 1024) { /* few rows (a router): a block per row keeps the GPU busy */
-        const dim3 grid((unsigned)a.N, (unsigned)max_groups);
+    if (!SW && a.N <= 1024) { /* few rows (a router): a block per row and pass of nt pairs keeps the GPU busy */
+        const dim3 grid((unsigned)a.N, (unsigned)max_groups, (unsigned)std::min((max_count + nt - 1) / nt, 65535));
         if (nt >= 8) launch_k(k_linear_f_rows<T, 8>, grid, LIN_WARPS * 32, 0, st, a);
         else if (nt >= 4) launch_k(k_linear_f_rows<T, 4>, grid, LIN_WARPS * 32, 0, st, a);
         else if (nt >= 2) launch_k(k_linear_f_rows<T, 2>, grid, LIN_WARPS * 32, 0, st, a);
@@ -632,8 +633,8 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
 #undef CASE_Q
 #define CASE_F(T)                                           \
     case T:                                                 \
-        if (W2) launch_f<T, true>(a, path, nt, max_groups, st); \
-        else launch_f<T, false>(a, path, nt, max_groups, st);   \
+        if (W2) launch_f<T, true>(a, path, nt, max_groups, max_count, st); \
+        else launch_f<T, false>(a, path, nt, max_groups, max_count, st);   \
         break;
         FLOAT_CASES(CASE_F)
 #undef CASE_F
