@@ -14,10 +14,6 @@ void st_rmsnorm_row(const float *x, const float *w, float *y, int64_t n, float e
     for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * scale);
 }
 
-void st_silu_mul_ref(const float *g, const float *u, float *h, int64_t n) {
-    for (int64_t i = 0; i < n; i++) h[i] = silu(g[i]) * u[i];
-}
-
 typedef struct {
     const float *x;
     int64_t K;

@@ -412,3 +412,8 @@ dot_f_fn st_dot_f_ref(int32_t type) {
     default: return NULL;
     }
 }
+
+/* The expert gate's definition (internal.h); the variants' versions are checked against it. */
+void st_silu_mul_ref(const float *g, const float *u, float *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) h[i] = silu(g[i]) * u[i];
+}
