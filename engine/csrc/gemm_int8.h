@@ -85,10 +85,12 @@ static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, c
             const __m256 t2 = _mm256_unpacklo_ps(V[2], V[3]), t3 = _mm256_unpackhi_ps(V[2], V[3]);
             const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
                                  _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
-            for (int j = 0; j < 4; j++) { /* u[j] = rows 0..3 of sub-block j | of sub-block j + 4 */
-                const __m128 lo = _mm256_castps256_ps128(u[j]), hi = _mm256_extractf128_ps(u[j], 1);
-                _mm_storeu_ps(dst[j], lo), _mm_storeu_ps(dst[j] + MR, lo);
-                _mm_storeu_ps(dst[j + 4], hi), _mm_storeu_ps(dst[j + 4] + MR, hi);
+            /* u[j] = rows 0..3 of sub-block j | of sub-block j + 4. Whole 256-bit stores: the
+             * kernel reads each row back with one 256-bit load soon after, which a pair of
+             * 128-bit stores cannot forward to (a stall per load). */
+            for (int j = 0; j < 4; j++) {
+                _mm256_storeu_ps(dst[j], _mm256_permute2f128_ps(u[j], u[j], 0x00));
+                _mm256_storeu_ps(dst[j + 4], _mm256_permute2f128_ps(u[j], u[j], 0x11));
             }
         }
         return;
