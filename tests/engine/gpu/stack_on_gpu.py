@@ -5,8 +5,8 @@ state paths, the model and the device changed; ``cores = "auto"`` kept, so lane 
 half of the CPUs and lane B the second half), run by supervisord as ``make run`` runs them:
 
 1. lane A on ``device_a`` (``cuda:0``), lane B on ``device_b`` (``cpu``): both ready, both answer
-   chat completions through the gateway (``X-Strata-Lane``), ``/v1/lane`` reports each lane's
-   device, GPU and cores (disjoint halves);
+   chat completions through the gateway (``X-Strata-Lane``) and give the same greedy completion,
+   ``/v1/lane`` reports each lane's device, GPU and cores (disjoint halves);
 2. a load generator (closed loop, streamed and plain chat completions through the gateway) runs
    while ``make switch LANE=b CONFIG=<lane B moved to device_switch>`` (deploy/switch_lane.py:
    drain, swap, restart, smoke test, 10/50/100%) completes;
@@ -336,6 +336,24 @@ def answer_through_gateway(st: GpuStack, key: str, lanes: set[str], timeout: flo
     return seen
 
 
+def same_greedy_text(st: GpuStack, key: str, timeout: float = 120.0) -> dict[str, str]:
+    """The same greedy completion through the gateway from each lane (GPU and CPU engines agree on
+    this model and prompt: test_gpu_lane.py); returns lane -> text."""
+    body = {"model": "strata-default", "prompt": "hello there", "max_tokens": 12, "temperature": 0}
+    texts: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while set(texts) != {"a", "b"}:
+        if time.monotonic() > deadline:
+            raise StackCheckError(f"the completion did not reach both lanes: {sorted(texts)}")
+        code, headers, raw = _req("POST", st.url("gateway") + "/v1/completions", body, key)
+        if code != 200:
+            raise StackCheckError(f"completion through the gateway: HTTP {code} {raw[:200]!r}")
+        texts[headers.get("X-Strata-Lane", "?")] = json.loads(raw)["choices"][0]["text"]
+    if texts["a"] != texts["b"]:
+        raise StackCheckError(f"lanes a and b disagree on a greedy completion: {texts}")
+    return texts
+
+
 def switch_lane_b(st: GpuStack, new_file: Path, hold_s: float) -> tuple[int, str, list[str]]:
     """``make switch LANE=b CONFIG=new_file`` against the rendered stack (the same script directly without make)."""
     key_file = st.dir / "var" / "secrets" / "admin.key"
@@ -395,6 +413,9 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
         key = str(body["key"])
         report["answered_before"] = answer_through_gateway(st, key, {"a", "b"})
         st.say(f"both lanes answered through the gateway: {report['answered_before']}")
+        report["greedy_text"] = same_greedy_text(st, key)
+        st.say(f"the same greedy completion from lane a ({device_a}) and lane b ({device_b}): "
+               f"{report['greedy_text']['a']!r}")
 
         lane_b = tomllib.loads((work / "lane_b.toml").read_text())
         moved = dict(lane_b, device=device_switch)
