@@ -392,6 +392,26 @@ def print_table(res: dict, peer: dict | None) -> None:
              if peer and "decode_b1_tok_s" in peer and "hbm_floor_tok_s" in res else ")"))
 
 
+def prefill_once(args: argparse.Namespace, n: int) -> int:
+    """One n-token prefill after a 16-token warm-up (so that a profiler wrapped around the process
+    sees the 512-token step's kernels after the small step's), on the file the benchmark builds."""
+    from engine.engine import Engine
+
+    path = _model_path(args)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_model(path, _shape(args), args.skew)
+    with Engine.open(path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512) as eng:
+        ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
+        b = eng.blocks.allocate(-(-n // eng.block_size))
+        assert b is not None
+        eng.prefill(ids[:16], b)
+        t = time.perf_counter()
+        eng.prefill(ids, b)
+        print(f"prefill of {n} tokens: {n / (time.perf_counter() - t):.0f} tok/s (under the profiler)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GPU engine benchmark on a synthetic Qwen3-30B-A3B-shaped model")
     ap.add_argument("--layers", type=int, default=48)
@@ -408,7 +428,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(tests/engine/gpu/build_llama_cuda.sh): measured on the same file after Strata")
     ap.add_argument("--llama-only", action="store_true", help="build the model and measure llama.cpp only")
     ap.add_argument("--build-only", action="store_true", help="only write the model file (if missing) and exit")
+    ap.add_argument("--prefill-only", type=int, default=0, metavar="N",
+                    help="load the model, warm up with 16 tokens, run one N-token prefill and exit (a target for ncu)")
     args = ap.parse_args(argv)
+    if args.prefill_only:
+        return prefill_once(args, args.prefill_only)
     if args.build_only:
         path = _model_path(args)
         path.parent.mkdir(parents=True, exist_ok=True)

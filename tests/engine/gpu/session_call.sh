@@ -7,7 +7,12 @@
 # with llama.cpp in the same run. At most 8 files come back: pip/probe/build logs, pytest.log,
 # stack.json, bench.log, bench.json, bench.profile.txt (with --profile).
 #
-#   session_call.sh [tests|bench|all] [bench.engine_gpu args...]
+#   session_call.sh [tests|bench|all|ncu] [bench.engine_gpu args...]
+#
+# ncu: Nsight Compute (--clock-control none, as the device notes ask) on one 512-token prefill
+# step (the GEMM launches and the grouping of layer 0: occupancy, stall reasons, memory
+# throughput) and on the last 512-token chunk of a 4,096-token prompt with the query-tile
+# attention; text reports in $OUT/ncu.txt (builds the bench model if it is missing).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,6 +20,9 @@ cd "$(dirname "$0")/../../.." || exit 1
 what=${1:-all}; shift || true
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > /tmp/site-pip.log 2>&1 \
     || echo "wheels into the image's Python failed: $(tail -2 /tmp/site-pip.log)"
+if [ "$what" = ncu ]; then
+  exec bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"
+fi
 if [ "$what" != tests ]; then bash tests/engine/gpu/build_llama_cuda.sh .llama/bin-pack /tmp/llama-build; fi
 cat > /tmp/session_steps.sh <<EOF
 set -u
