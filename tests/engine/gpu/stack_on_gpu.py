@@ -24,8 +24,9 @@ stack machinery with a switch that only changes lane B's KV size.
 
 Without ``--model`` a small random Qwen3-MoE with a byte-level tokenizer and a chat template is
 built (torch + transformers): the default model's source package cannot travel to the GPU box.
-Where the lanes' Python has no ``.venv`` (the GPU box), the rendered programs run under this
-interpreter and its ``PYTHONPATH``; supervisord is ``python -m supervisor.supervisord``.
+Where the repository has no ``.venv`` (the GPU box), a wrapper in the temp folder takes the venv
+python's place: this interpreter with this ``PYTHONPATH`` (the carried wheels) added even where a
+caller resets it; supervisord is ``python -m supervisor.supervisord``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class GpuStack:
     conf: Path
     ports: dict[str, int]
     env: dict[str, str]
+    python: str  # what runs every Python program of the stack (see render)
     proc: subprocess.Popen[bytes] | None = None
     log: list[str] = field(default_factory=list)
 
@@ -111,19 +113,28 @@ class GpuStack:
             return ""
 
     def ctl(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args],
+        return subprocess.run([self.python, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args],
                               capture_output=True, text=True, timeout=timeout, env=self.env)
 
 
-def render(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int) -> GpuStack:
+def render(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int, wrap: bool = False) -> GpuStack:
     """supervisord.conf + lane files + gateway file under ``tmp`` (see the module doc)."""
     ports = {p: free_port() for p in (*PROGRAMS, "gateway")}
     text = (REPO / "supervisord.conf").read_text()
-    venv_py = "%(here)s/.venv/bin/python"
-    if not (REPO / ".venv" / "bin" / "python").exists():  # the GPU box: this interpreter runs everything
-        text = text.replace(venv_py, sys.executable)
     pythonpath = os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                if p and Path(p).resolve() != REPO]])
+    python = str(REPO / ".venv" / "bin" / "python")
+    if wrap or not Path(python).exists():
+        # the GPU box has no venv: a wrapper runs this interpreter with this PYTHONPATH (the carried
+        # wheels), also where a caller resets PYTHONPATH to the repository (make switch; the
+        # lanes' --check-config run by deploy/run.py), and takes the venv python's place
+        wrapper = tmp / "bin" / "python"
+        wrapper.parent.mkdir(parents=True, exist_ok=True)
+        wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH="{pythonpath}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+                           f'exec "{sys.executable}" "$@"\n')
+        wrapper.chmod(0o755)
+        python = str(wrapper)
+        text = text.replace("%(here)s/.venv/bin/python", python)
     if 'PYTHONPATH="%(here)s"' not in text:
         raise StackCheckError("supervisord.conf no longer sets PYTHONPATH=\"%(here)s\" for its programs")
     text = text.replace('PYTHONPATH="%(here)s"', f'PYTHONPATH="{pythonpath}"')
@@ -155,7 +166,7 @@ def render(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int)
     conf.write_text(text)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_")) and k != "STRATA_ADMIN_KEY"}
-    return GpuStack(tmp, conf, ports, env)
+    return GpuStack(tmp, conf, ports, env, python)
 
 
 def wait_ready(st: GpuStack, timeout: float) -> None:
@@ -361,9 +372,9 @@ def switch_lane_b(st: GpuStack, new_file: Path, hold_s: float) -> tuple[int, str
             "--health-timeout-s", "180", "--smoke-timeout-s", "120", "--state-dir", str(st.dir / "var" / "rollout")]
     if shutil.which("make"):
         cmd = ["make", "--no-print-directory", "-C", str(REPO), "switch", "LANE=b", f"CONFIG={new_file}",
-               f"SUPERVISOR_CONF={st.conf}", f"VPY={sys.executable}", "SWITCH_ARGS=" + " ".join(args)]
+               f"SUPERVISOR_CONF={st.conf}", f"VPY={st.python}", "SWITCH_ARGS=" + " ".join(args)]
     else:
-        cmd = [sys.executable, str(REPO / "deploy" / "switch_lane.py"), "--supervisor-config", str(st.conf),
+        cmd = [st.python, str(REPO / "deploy" / "switch_lane.py"), "--supervisor-config", str(st.conf),
                "--lane", "b", "--config", str(new_file), *args]
     env = {**st.env, "PYTHONPATH": st.env.get("PYTHONPATH", str(REPO))}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
@@ -378,14 +389,14 @@ def build_model(out_dir: Path) -> Path:
 
 
 def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Path, kv_tokens: int = 2048,
-        hold_s: float = 3.0, clients: int = 4) -> dict[str, Any]:
+        hold_s: float = 3.0, clients: int = 4, wrap: bool = False) -> dict[str, Any]:
     """The whole check; returns a report (also on failure: raised with the report in ``args[1]``)."""
     report: dict[str, Any] = {"devices": {"a": device_a, "b": device_b, "b_after_switch": device_switch},
                               "model": str(model), "kv_tokens": kv_tokens}
-    st = render(work, model, device_a, device_b, kv_tokens)
+    st = render(work, model, device_a, device_b, kv_tokens, wrap)
     t0 = time.monotonic()
     out = open(work / "supervisord.stdout", "wb")  # noqa: SIM115 - closed in the finally below
-    st.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-n", "-c", str(st.conf)],
+    st.proc = subprocess.Popen([st.python, "-m", "supervisor.supervisord", "-n", "-c", str(st.conf)],
                                stdout=out, stderr=subprocess.STDOUT, env=st.env, cwd=work)
     try:
         wait_ready(st, 240.0)
@@ -489,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-s", type=float, default=3.0, help="each traffic step of the switch (make switch: 30)")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--wrap-python", action="store_true",
+                   help="run the stack through the PYTHONPATH wrapper even with a .venv (as on the GPU box)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="stk", dir="/tmp") as d:  # short: supervisord's socket path
         work = Path(d)
@@ -496,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         (work / "s").mkdir()
         try:
             report = run(model, args.device_a, args.device_b, args.device_switch, work / "s", args.kv_tokens,
-                         args.hold_s, args.clients)
+                         args.hold_s, args.clients, args.wrap_python)
             rc = 0
         except StackCheckError as e:
             report = e.args[1] if len(e.args) > 1 else {"ok": False, "error": str(e)}
