@@ -51,47 +51,45 @@ typedef struct {
     float s[8][8], c[8][8];
 } kscales;
 
-/* The eight 6-bit scales (sv) and minimums (mv) of a Q4_K/Q5_K super-block, as bytes j = 0..7:
- * get_scale_min_k4 on four bytes at a time (12 scale bytes = three 32-bit words). */
-static inline void kq_scales_mins(const uint8_t *sc, __m128i *sv, __m128i *mv) {
-    const uint32_t u0 = ld32(sc), u1 = ld32(sc + 4), u2 = ld32(sc + 8);
-    const uint32_t s_lo = u0 & 0x3f3f3f3fu, m_lo = u1 & 0x3f3f3f3fu;
-    const uint32_t s_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
-    const uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
-    *sv = _mm_setr_epi32((int)s_lo, (int)s_hi, 0, 0);
-    *mv = _mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0);
-}
-
 static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, const uint8_t *const *rows, int64_t i,
                                                                  kscales *ks) {
     if (type == ST_TYPE_Q4_K || type == ST_TYPE_Q5_K) {
-        /* Vectorised (the scalar loop below cost as much as the dot itself at one token): per
-         * row the same sf = d * sv and m = -dmin * mv, then a 4x8 transpose into [j][lane]. */
-        __m256 S[MR], C[MR];
-        for (int r = 0; r < MR; r++) {
-            const blk_q4_k *q = type == ST_TYPE_Q4_K ? (const blk_q4_k *)rows[r] + i : NULL;
-            const blk_q5_k *q5 = type == ST_TYPE_Q5_K ? (const blk_q5_k *)rows[r] + i : NULL;
-            const float d = h2f(q ? q->d : q5->d), dmin = h2f(q ? q->dmin : q5->dmin);
-            __m128i sv, mv;
-            kq_scales_mins(q ? q->scales : q5->scales, &sv, &mv);
-            S[r] = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sv)));
-            const __m256 m = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mv)));
-            C[r] = _mm256_sub_ps(m, _mm256_mul_ps(_mm256_setzero_ps(), S[r])); /* m - 0 * s, as the other types */
-        }
-        for (int w = 0; w < 2; w++) {
-            const __m256 *V = w ? C : S;
-            float(*dst)[8] = w ? ks->c : ks->s;
-            const __m256 t0 = _mm256_unpacklo_ps(V[0], V[1]), t1 = _mm256_unpackhi_ps(V[0], V[1]);
-            const __m256 t2 = _mm256_unpacklo_ps(V[2], V[3]), t3 = _mm256_unpackhi_ps(V[2], V[3]);
-            const __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-                                 _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
-            /* u[j] = rows 0..3 of sub-block j | of sub-block j + 4. Whole 256-bit stores: the
-             * kernel reads each row back with one 256-bit load soon after, which a pair of
-             * 128-bit stores cannot forward to (a stall per load). */
-            for (int j = 0; j < 4; j++) {
-                _mm256_storeu_ps(dst[j], _mm256_permute2f128_ps(u[j], u[j], 0x00));
-                _mm256_storeu_ps(dst[j + 4], _mm256_permute2f128_ps(u[j], u[j], 0x11));
-            }
+        /* The four rows at once (the scalar loop had cost as much as the dot itself at one
+         * token; one row at a time, still ~40% of it): each row's 16-byte header (d, dmin,
+         * 12 scale bytes) is one register, a 4x4 dword transpose gives [d|dmin], u0, u1, u2
+         * of the four rows, get_scale_min_k4 runs on those words, and one byte shuffle per
+         * sub-block pair then yields [rows 0..3 of sub-block j | of sub-block j + 4]. Per
+         * value the same float operations as before: d * sv, -dmin * mv, m - 0 * s. */
+        const size_t bsz = type == ST_TYPE_Q4_K ? sizeof(blk_q4_k) : sizeof(blk_q5_k);
+        __m128i h[MR];
+        for (int r = 0; r < MR; r++) h[r] = _mm_loadu_si128((const __m128i *)(rows[r] + (size_t)i * bsz));
+        const __m128i t0 = _mm_unpacklo_epi32(h[0], h[1]), t1 = _mm_unpackhi_epi32(h[0], h[1]);
+        const __m128i t2 = _mm_unpacklo_epi32(h[2], h[3]), t3 = _mm_unpackhi_epi32(h[2], h[3]);
+        const __m128i dd = _mm_unpacklo_epi64(t0, t2), u0 = _mm_unpackhi_epi64(t0, t2);
+        const __m128i u1 = _mm_unpacklo_epi64(t1, t3), u2 = _mm_unpackhi_epi64(t1, t3);
+        const __m128i m6 = _mm_set1_epi8(0x3f), m4 = _mm_set1_epi8(0x0f), m2 = _mm_set1_epi8(0x03);
+        const __m128i s_lo = _mm_and_si128(u0, m6), m_lo = _mm_and_si128(u1, m6);
+        const __m128i s_hi = _mm_or_si128(_mm_and_si128(u2, m4), _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u0, 6), m2), 4));
+        const __m128i m_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi32(u2, 4), m4),
+                                          _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(u1, 6), m2), 4));
+        const __m128i pick_d = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m128i pick_m = _mm_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+        const __m128 d4 = _mm_cvtph_ps(_mm_shuffle_epi8(dd, pick_d));
+        const __m128 nm4 = _mm_xor_ps(_mm_cvtph_ps(_mm_shuffle_epi8(dd, pick_m)), _mm_set1_ps(-0.0f)); /* -dmin */
+        const __m256 d8 = _mm256_set_m128(d4, d4), nm8 = _mm256_set_m128(nm4, nm4);
+        const __m256i sv = _mm256_set_m128i(s_hi, s_lo), mv = _mm256_set_m128i(m_hi, m_lo);
+        for (int j = 0; j < 4; j++) {
+            const __m256i pick = _mm256_setr_epi8(j, -1, -1, -1, 4 + j, -1, -1, -1, 8 + j, -1, -1, -1, 12 + j, -1, -1, -1,
+                                                  j, -1, -1, -1, 4 + j, -1, -1, -1, 8 + j, -1, -1, -1, 12 + j, -1, -1, -1);
+            const __m256 S = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(sv, pick)));
+            const __m256 M = _mm256_mul_ps(nm8, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(mv, pick)));
+            const __m256 C = _mm256_sub_ps(M, _mm256_mul_ps(_mm256_setzero_ps(), S)); /* m - 0 * s, as the other types */
+            /* S, C = rows 0..3 of sub-block j | of sub-block j + 4; whole 256-bit stores, which
+             * the kernel's 256-bit loads right after can forward from. */
+            _mm256_storeu_ps(ks->s[j], _mm256_permute2f128_ps(S, S, 0x00));
+            _mm256_storeu_ps(ks->s[j + 4], _mm256_permute2f128_ps(S, S, 0x11));
+            _mm256_storeu_ps(ks->c[j], _mm256_permute2f128_ps(C, C, 0x00));
+            _mm256_storeu_ps(ks->c[j + 4], _mm256_permute2f128_ps(C, C, 0x11));
         }
         return;
     }
