@@ -121,6 +121,7 @@ class Stack:
     cores: dict[str, list[int]]
     env: dict[str, str]
     seen_pids: set[int] = field(default_factory=set)
+    started_s: float = 0.0  # supervisord's start to both lanes and the gateway ready: this run's baseline
 
     def ctl(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(BIN / "supervisorctl"), "-c", str(self.conf), *args], capture_output=True,
@@ -153,6 +154,18 @@ class Stack:
                 log = (self.log_dir / "gateway.log").read_text(errors="replace")[-3000:]
                 raise AssertionError(f"gateway not ready after {timeout:.0f}s\n{log}")
             time.sleep(0.25)
+
+    def wait_retrieval(self, timeout: float = 300.0) -> None:
+        """Until the gateway's embedding model is loaded (``retrieval`` in /readyz): before that, memory composes
+        without retrieval and document search is BM25 alone. The model loads in the background from the gateway's
+        start (over a minute on a busy box)."""
+        deadline = time.monotonic() + timeout
+        while (state := http_get(self.gateway_url + "/readyz", timeout=5)[1].get("retrieval")) != "ready":
+            if time.monotonic() > deadline:
+                log = (self.log_dir / "gateway.log").read_text(errors="replace")[-3000:]
+                raise AssertionError(f"the gateway's embedding model is not loaded after {timeout:.0f}s "
+                                     f"(retrieval: {state})\n{log}")
+            time.sleep(0.5)
 
     def url(self, program: str) -> str:
         return f"http://127.0.0.1:{self.ports[program]}"
@@ -238,10 +251,12 @@ def start_stack(tmp: Path, edit_config: Callable[[str], str] | None = None,
     proc = subprocess.Popen([str(BIN / "supervisord"), "-n", "-c", str(conf)], stdout=out,
                             stderr=subprocess.STDOUT, env=env, cwd=tmp)
     st = Stack(tmp, conf, proc, ports, cores, env)
+    t0 = time.monotonic()
     try:
         for program in PROGRAMS:
             st.wait_ready(program)
         st.wait_gateway()
+        st.started_s = time.monotonic() - t0
         yield st
     finally:
         left = _shutdown(st)

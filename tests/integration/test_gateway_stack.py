@@ -224,8 +224,9 @@ def test_failover_when_a_lane_dies(stack: Stack, key: str) -> None:
             assert row["status"] == 200 and row["error_type"] is None, row
             assert row["lane"] == res["lane"]
 
-    info = stack.wait_ready("lane_a", timeout=90)  # supervisord restarted it
+    info = stack.wait_ready("lane_a")  # supervisord restarted it
     assert info["pid"] != old_pid
+    stack.wait_gateway()  # the gateway's health check has seen it back
     deadline = time.monotonic() + 40
     lanes_seen: set[str] = set()
     while "a" not in lanes_seen:

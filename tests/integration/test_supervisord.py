@@ -79,10 +79,13 @@ def test_crash_recovery(stack: Stack) -> None:
     assert old and stack.state("lane_a") == "RUNNING"
     os.kill(old, signal.SIGKILL)
     t0 = time.monotonic()
-    info = stack.wait_ready("lane_a", timeout=90)  # supervisord restarts it; /health 200 again
+    # supervisord restarts it; /health 200 again. One lane's restart may take as long as the stack's first start
+    # took for both (measured in the same run, so a busy box moves both), and at least 60 s is allowed
+    allowed = max(60.0, 1.5 * stack.started_s)
+    info = stack.wait_ready("lane_a", timeout=allowed + 30)
     recovered_s = time.monotonic() - t0
     assert info["pid"] != old and info["pid"] == stack.pid("lane_a")
-    assert recovered_s < 60
+    assert recovered_s < allowed, (recovered_s, stack.started_s)
 
     record: dict[str, Any] | None = None
     for _ in range(100):  # the listener writes as supervisord hands it the event
@@ -129,7 +132,8 @@ async def test_drain_on_supervisorctl_stop(stack: Stack) -> None:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=stack.env)
 
         health: dict[str, Any] = {}
-        for _ in range(200):  # SIGTERM lands within a moment: /health turns 503 draining
+        deadline = time.monotonic() + 60  # supervisorctl's own start is slow on a busy box
+        while time.monotonic() < deadline and stop.returncode is None:  # then SIGTERM: /health turns 503 draining
             async with session.get(url + "/health") as r:
                 if r.status == 503:
                     health = await r.json()

@@ -133,9 +133,21 @@ def test_streamed_answer(page: Any) -> None:
     assert page.locator("#session-list li").count() == 1  # the first message made a session
 
 
+def _lane_aborts(stack: Stack) -> float:
+    """Requests the two lanes ended as aborted (their /metrics)."""
+    total = 0.0
+    for program in ("lane_a", "lane_b"):
+        with urllib.request.urlopen(stack.url(program) + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith('strata_requests_total{finish_reason="abort"} '):
+                    total += float(line.split()[-1])
+    return total
+
+
 def test_stop_a_long_answer(page: Any, stack: Stack) -> None:
     page.fill("#max-tokens", "600")
     n = page.locator(".msg.assistant").count()
+    aborts = _lane_aborts(stack)
     page.fill("#prompt", "Write a very long story about a dragon who learns to bake bread.")
     page.click("#send")
     _wait(page, f"""() => {{ const m = document.querySelectorAll('.msg.assistant .body');
@@ -147,14 +159,17 @@ def test_stop_a_long_answer(page: Any, stack: Stack) -> None:
     assert "incomplete" in (msg.get_attribute("class") or "")
     assert "stopped" in msg.locator(".meta").inner_text()
     assert page.is_hidden("#error")
-    # the stop reached the lanes: nothing keeps generating
-    deadline = time.monotonic() + 15
+    # the stop reached the lanes: nothing keeps generating, and the request ended as aborted there (not by
+    # running out its 600 tokens, which a slow box could also take long enough to pass a time limit)
+    deadline = time.monotonic() + 60
     while True:
         lanes = _api(stack, "GET", "/v1/admin/overview", ADMIN_KEY)["lanes"]
-        if all(lane["figures"]["running"] == 0 for lane in lanes):
-            break
-        assert time.monotonic() < deadline, f"a lane still runs the stopped request: {lanes}"
+        if all(lane["figures"]["running"] == 0 for lane in lanes) and _lane_aborts(stack) > aborts:
+            break  # (a lane counts a request when its handler sees the end: a poll after the engine's)
+        assert time.monotonic() < deadline, \
+            f"the stopped request still runs or was not aborted: {lanes}; aborts {_lane_aborts(stack)} (was {aborts})"
         time.sleep(0.2)
+    assert _lane_aborts(stack) == aborts + 1
     page.fill("#max-tokens", "24")
 
 
@@ -297,7 +312,7 @@ def test_operator_view(page: Any) -> None:
     assert row.nth(1).inner_text().startswith("ready") and row.nth(2).inner_text().startswith("cpu")
     # the second refresh has a tokens/s figure; the last step's frame has its parts
     _wait(page, "!document.querySelector(\"#lane-rows tr[data-lane='a'] td:nth-child(7)\")"
-                           ".textContent.includes('...')", timeout=10_000)
+                           ".textContent.includes('...')")  # the page's default wait: a busy box renders late
     frames = [page.locator(f"#lane-rows tr[data-lane='{n}'] td").nth(7).inner_text() for n in "ab"]
     assert any("ms wall" in f and "experts" in f for f in frames), frames  # a lane that has stepped
     page.click("#tab-chat")
