@@ -98,7 +98,8 @@ async def test_twenty_streams_ten_hang_up(lane: Lane) -> None:
         assert results.count(("closed", None)) == 10
         assert results.count(("done", "length")) == 10
         # handlers record a request when they see its end (one poll at most)
-        m = await eventually(lambda: scrape(probe, lane.url), lambda m: m.get(ABORTS, 0) >= 10, 5.0, "10 aborts counted")
+        m = await eventually(lambda: scrape(probe, lane.url), lambda m: m.get(ABORTS, 0) >= 10, 30.0,
+                             "10 aborts counted")
         assert m[ABORTS] == 10
         assert m['strata_requests_total{finish_reason="length"}'] == 10
 
@@ -113,6 +114,6 @@ async def test_non_stream_client_timeout_aborts(lane: Lane) -> None:
                 await r.read()
         steps = (await scrape(s, lane.url))[STEPS]
         await _wait_idle(s, lane.url, steps)  # LONG more steps unless it was aborted
-        m = await eventually(lambda: scrape(s, lane.url), lambda m: m.get(ABORTS, 0) >= aborts + 1, 5.0,
+        m = await eventually(lambda: scrape(s, lane.url), lambda m: m.get(ABORTS, 0) >= aborts + 1, 30.0,
                              "the abort counted")
         assert m[ABORTS] == aborts + 1
