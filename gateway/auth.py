@@ -23,7 +23,7 @@ import stat
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.config import ADMIN_ENV
@@ -119,7 +119,10 @@ class ClientAddress:
 class _Failures:
     start: float  # the window's start
     count: int = 0  # failed authentications in this window
-    pending: int = 0  # database lookups in flight for this address (may still fail)
+    # digest -> this address's requests waiting on its database lookup. The budget counts distinct
+    # lookups (len), not waiters: 32 streams of one valid key whose cache entry just expired share
+    # one lookup and must not spend 32 of a 30-failure budget.
+    pending: dict[str, int] = field(default_factory=dict)
     blocked_until: float = 0.0
 
 
@@ -169,7 +172,7 @@ class Authenticator:
         """429 when the address is blocked, or when a database lookup would exceed its budget."""
         if f.blocked_until > now:
             wait = f.blocked_until - now
-        elif lookup and f.count + f.pending >= self.fail_limit:
+        elif lookup and f.count + len(f.pending) >= self.fail_limit:
             wait = 1.0  # the lookups in flight may still succeed
         else:
             return
@@ -244,12 +247,16 @@ class Authenticator:
         if self._negative_hit(digest, now) or not key.startswith(KEY_PREFIX):
             self._check_blocked(f, now, lookup=False)
             raise self._fail(f, now, "invalid or revoked API key")
-        self._check_blocked(f, now, lookup=True)
-        f.pending += 1
+        if digest not in f.pending:  # joining a lookup already in flight costs the budget nothing
+            self._check_blocked(f, now, lookup=True)
+        f.pending[digest] = f.pending.get(digest, 0) + 1
         try:
             record = await self._lookup(digest)
         finally:
-            f.pending -= 1
+            if f.pending[digest] > 1:
+                f.pending[digest] -= 1
+            else:
+                del f.pending[digest]
         now = self._clock()
         if record is None:
             self._cache.pop(digest, None)

@@ -155,6 +155,23 @@ async def test_lookups_in_flight_count_against_the_budget(store: KeyStore) -> No
     q.close()
 
 
+async def test_many_streams_of_one_valid_key_share_one_lookup_and_no_budget(store: KeyStore) -> None:
+    """32 streams of one valid key arriving together (a fresh gateway, or the cache entry just expired)
+    wait on one database lookup; they must not spend the address's failure budget (the full benchmark
+    run's 32-stream level got 429 'too many failed authentications' for a valid key)."""
+    clock = Clock()
+    a = _auth(store, clock, fail_limit=5)
+    good, _ = store.create(KeySpec(name="good"))
+    q = KeyQueries(store.engine)
+    for _ in range(2):  # first uncached, then again after the cache entry expired
+        results = await asyncio.gather(*(a.authenticate(f"Bearer {good}", "10.0.0.1") for _ in range(32)),
+                                       return_exceptions=True)
+        assert [getattr(r, "name", r) for r in results] == ["good"] * 32
+        clock.t += 11  # past key_cache_s (10 s)
+    assert q.n == 2
+    q.close()
+
+
 def test_client_address() -> None:
     plain = ClientAddress([])
     assert plain.of("192.0.2.1", None) == "192.0.2.1"
