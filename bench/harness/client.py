@@ -187,7 +187,10 @@ class Target:
         if stream:
             body["stream_options"] = {"include_usage": True}
         if ignore_eos:
-            body["ignore_eos"] = True
+            if self.kind == "llama":  # llama-cpp-python's server ignores ignore_eos; min_tokens holds EOS back
+                body["min_tokens"] = max_tokens
+            else:
+                body["ignore_eos"] = True
         sent = time.monotonic()
         res = ChatResult(ok=False, status=0, sent=sent, total_s=0.0)
         try:
