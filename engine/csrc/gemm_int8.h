@@ -175,6 +175,20 @@ static inline __attribute__((always_inline)) __m256 step4(int32_t type, const bl
                                                           __m256 acc) {
     const __m256i av = _mm256_loadu_si256((const __m256i *)(a->q + b * QK));
     __m256i p[MR];
+#if !GEMM_VNNI
+    if (type != ST_TYPE_Q8_0 && type != ST_TYPE_Q6_K) {
+        /* Codes <= 31: the four rows' maddubs pairs are reduced across rows in 16 bits (each
+         * sum holds 8 products, |sum| <= 8 * 31 * 127 < 2^15) and widened by one madd at the
+         * end, instead of one madd per row: the same exact sums, 3 fewer multiplies. */
+        for (int r = 0; r < MR; r++) p[r] = _mm256_maddubs_epi16(k->u[r], av);
+        const __m256i x01 = _mm256_add_epi16(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+        const __m256i x23 = _mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+        const __m256i red =
+            madd_ones(_mm256_add_epi16(_mm256_unpacklo_epi64(x01, x23), _mm256_unpackhi_epi64(x01, x23)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(k->s, _mm256_broadcast_ss(a->d + b)), acc);
+        return _mm256_fmadd_ps(k->c, _mm256_loadu_ps(a->xs8 + b * 8), acc);
+    }
+#endif
     for (int r = 0; r < MR; r++)
         p[r] = dot4(k->u[r], type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(av, k->sg[r]) : av);
 #ifdef USE_HADD
