@@ -6,6 +6,7 @@ answers naming the value are reported beside it. Every turn must be stored exact
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from bench.harness.client import TargetError
@@ -17,6 +18,34 @@ NAME = "memory"
 CORRECTNESS = True
 KINDS = ("gateway",)
 THRESHOLD = 0.9
+RETRIEVAL_WAIT_S = (180.0, 300.0)  # quick, full: a fresh gateway loads its embedding model in the background
+
+
+async def wait_retrieval(ctx: Context, res: ScenarioResult) -> str | None:
+    """Until the gateway's embedding model is loaded (``/readyz`` ``retrieval``), at most RETRIEVAL_WAIT_S: before
+    that a session request composes without retrieval, and recall would measure the model's load, not memory.
+    Reports the wait, and says so when it gave up (then measures anyway). Returns the last state seen."""
+    t = ctx.target
+    limit = ctx.q(*RETRIEVAL_WAIT_S)
+    t0 = time.monotonic()
+    state: str | None = None
+    while True:
+        _, body = await t.get_json(t.url + "/readyz")
+        state = body.get("retrieval") if isinstance(body, dict) else None
+        if state != "loading" or time.monotonic() - t0 > limit:
+            break  # ready, off, or a gateway that does not say (nothing to wait for)
+        await asyncio.sleep(0.5)
+    waited = time.monotonic() - t0
+    res.metric("retrieval_wait_s", waited, "s")
+    if state == "loading":
+        res.notes.append(f"gave up waiting for the gateway's embedding model after {waited:.0f} s: measured anyway, "
+                         "and turns composed before it loaded could not retrieve older facts")
+    elif state == "off":
+        res.notes.append("the gateway has no embedding model (retrieval off): recall comes from the summary and "
+                         "the recent turns only")
+    elif waited >= 1.0:
+        res.notes.append(f"waited {waited:.0f} s for the gateway's embedding model before measuring")
+    return state
 
 
 async def run(ctx: Context, res: ScenarioResult) -> None:
@@ -27,6 +56,7 @@ async def run(ctx: Context, res: ScenarioResult) -> None:
     t = ctx.target
     if not t.admin_key:
         raise TargetError("memory needs the admin key (a key with prompt logging and the request log)")
+    await wait_retrieval(ctx, res)
     key = await t.create_key(f"bench-memory-{ctx.seed}", log_prompts=True)
     headers = t.headers(key)
     distances = ctx.q([6], [10, 50, 200])
