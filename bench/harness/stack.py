@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -35,10 +36,39 @@ class StackError(RuntimeError):
     """The throwaway stack did not come up (the message carries the end of the logs)."""
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, for a process that binds it seconds later (a lane binds after its Python
+    start, 20 s on a loaded box). Not the kernel's bind-to-0 pick: that comes from the ephemeral
+    range, where every outgoing connection takes its local port and another pytest-xdist worker's
+    stack takes its picks, and CI once lost a lane's port that way. So: a random port below the
+    ephemeral range, in a slice of its own per xdist worker, checked bindable."""
+    low = _ephemeral_low()
+    if low <= 12000:  # an unusual range: fall back to the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    slices = 8
+    size = (low - 10000) // slices
+    start = 10000 + (index % slices) * size
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(start, start + size)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {start}-{start + size - 1}")
 
 
 def _toml(v: Any) -> str:

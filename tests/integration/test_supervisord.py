@@ -100,9 +100,14 @@ def test_crash_recovery(stack: Stack) -> None:
     assert "exited: lane_a (terminated by SIGKILL; not expected)" in stack.supervisord_log()
 
 
+STREAM_TOKENS = 64
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, i: int, started: asyncio.Event,
                   counter: list[int]) -> list[str]:
-    body = {"model": MODEL, "prompt": f"Story number {i}: once upon a time", "max_tokens": 120,
+    # 64 tokens: long enough to be mid-stream when the drain is seen, short enough that 5 streams
+    # finish inside the lane's 30 s drain on a core shared with a loaded CI box (120 did not, at load 6)
+    body = {"model": MODEL, "prompt": f"Story number {i}: once upon a time", "max_tokens": STREAM_TOKENS,
             "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     events: list[str] = []
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -155,7 +160,7 @@ async def test_drain_on_supervisorctl_stop(stack: Stack) -> None:
         assert not any("error" in c for c in chunks), chunks[-2:]
         reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
         assert reasons == ["length"], chunks[-2:]
-        assert chunks[-1]["usage"]["completion_tokens"] == 120, chunks[-1]
+        assert chunks[-1]["usage"]["completion_tokens"] == STREAM_TOKENS, chunks[-1]
 
     out, _ = await asyncio.wait_for(stop.communicate(), 90)
     assert stop.returncode == 0 and f"{GROUP}:lane_b: stopped" in out.decode(), out.decode()
