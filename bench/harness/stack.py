@@ -132,6 +132,23 @@ class Stack:
             return str(json.loads(r.read())["key"])
 
 
+def write_gateway_config(tmp: Path, ports: dict[str, int], admin_key: str, **overrides: Any) -> Path:
+    """``tmp/gateway.toml``: the repository's deploy/gateway.toml on the stack's ports, with a temp
+    SQLite database and the admin key in a new 0600 file (returned); ``overrides`` on top."""
+    secrets_dir = tmp / "var" / "secrets"
+    secrets_dir.mkdir(parents=True, mode=0o700)
+    key_file = secrets_dir / "admin.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(admin_key + "\n")
+    gw = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
+    lanes = [dict(x, url=f"http://127.0.0.1:{ports['lane_' + x['name']]}") for x in gw.pop("lanes")]
+    gw.update(port=ports["gateway"], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
+              admin_key_file=str(key_file), health_interval_s=0.25, **overrides)
+    (tmp / "gateway.toml").write_text(dump_toml(gw) + "".join("\n[[lanes]]\n" + dump_toml(x) for x in lanes))
+    return key_file
+
+
 def render(tmp: Path, ports: dict[str, int], kv_tokens: int) -> tuple[Path, Path, str]:
     """(supervisord.conf, admin key file, admin key) of a stack under ``tmp``."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -145,23 +162,12 @@ def render(tmp: Path, ports: dict[str, int], kv_tokens: int) -> tuple[Path, Path
         lane.update(port=ports[program], cores=cores[program], kv_tokens=kv_tokens, ping_interval_s=1.0)
         (tmp / f"{program}.toml").write_text(dump_toml(lane))
         text = text.replace(src, str(tmp / f"{program}.toml"))
-    secrets_dir = tmp / "var" / "secrets"
-    secrets_dir.mkdir(parents=True, mode=0o700)
     key = "bench-admin-" + secrets.token_urlsafe(24)
-    key_file = secrets_dir / "admin.key"
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    gw = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
-    lanes = [dict(x, url=f"http://127.0.0.1:{ports['lane_' + x['name']]}") for x in gw.pop("lanes")]
-    gw.update(port=ports["gateway"], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
-              admin_key_file=str(key_file), health_interval_s=0.25, shutdown_timeout_s=5.0,
-              # a window-long prompt on a one-core lane: 8,192 tokens took ~130 s to the first token
-              # with a neighbour on the other core, past the 120 s default (the gateway then retried
-              # on the other lane and failed there too)
-              first_token_timeout_s=max(120.0, 0.06 * kv_tokens))
-    gtext = dump_toml(gw) + "".join("\n[[lanes]]\n" + dump_toml(x) for x in lanes)
-    (tmp / "gateway.toml").write_text(gtext)
+    # a window-long prompt on a one-core lane: 8,192 tokens took ~130 s to the first token with a
+    # neighbour on the other core, past the 120 s default (the gateway then retried on the other
+    # lane and failed there too)
+    key_file = write_gateway_config(tmp, ports, key, shutdown_timeout_s=5.0,
+                                    first_token_timeout_s=max(120.0, 0.06 * kv_tokens))
     src = "%(here)s/deploy/gateway.toml"
     if src not in text:
         raise StackError(f"supervisord.conf no longer runs the gateway with {src}")

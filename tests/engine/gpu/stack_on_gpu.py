@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.stack import dump_toml, free_port, processes_mentioning
+from bench.harness.stack import dump_toml, free_port, processes_mentioning, write_gateway_config
 
 REPO = Path(__file__).resolve().parents[3]
 PROGRAMS = ("lane_a", "lane_b")
@@ -147,17 +147,7 @@ def render(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int,
                     drain_timeout_s=20.0, ping_interval_s=1.0)
         (tmp / f"{program}.toml").write_text(dump_toml(lane))
         text = text.replace(src, str(tmp / f"{program}.toml"))
-    secrets_dir = tmp / "var" / "secrets"
-    secrets_dir.mkdir(parents=True, mode=0o700)
-    key_file = secrets_dir / "admin.key"
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(ADMIN_KEY + "\n")
-    gw = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
-    lanes = [dict(x, url=f"http://127.0.0.1:{ports['lane_' + x['name']]}") for x in gw.pop("lanes")]
-    gw.update(port=ports["gateway"], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
-              admin_key_file=str(key_file), health_interval_s=0.25, shutdown_timeout_s=10.0)
-    (tmp / "gateway.toml").write_text(dump_toml(gw) + "".join("\n[[lanes]]\n" + dump_toml(x) for x in lanes))
+    write_gateway_config(tmp, ports, ADMIN_KEY, shutdown_timeout_s=10.0)
     text = text.replace("%(here)s/deploy/gateway.toml", str(tmp / "gateway.toml"))
     text = text.replace("%(here)s/var", str(tmp / "var")).replace("%(here)s", str(REPO))
     for sub in ("var/run", "var/log"):
