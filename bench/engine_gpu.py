@@ -17,8 +17,9 @@ median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock 
 comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
 fused router launch or the q/k/v fusion (post-processing in attention), with the opt-in down
 input quantisation by gate/up, prefill
-with the matvec kernel only, with the opt-in query-tile attention (STRATA_GPU_ATT_TILE=1) and
-the opt-in routed GEMM over the grouping's tile list (STRATA_GPU_GEMM_TILES=1; also at 32 sequences), and 8 / 32 sequences at other GEMM thresholds (--gemm-min).
+with the matvec kernel only, without the routed GEMM's tile list (STRATA_GPU_GEMM_TILES=0; also at
+32 sequences) and also without the query-tile attention (STRATA_GPU_ATT_TILE=0), and 8 / 32
+sequences at other GEMM thresholds (--gemm-min).
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
 llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> dict:
             tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
                           prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
                                                     max_name_column_width=60))
-        for n_tok, tile in ((512, "0"), (4096, "0"), (4096, "1")):  # prefill: one timed prompt each (warmed first)
+        for n_tok, tile in ((512, "1"), (4096, "1"), (4096, "0")):  # prefill: one timed prompt each (warmed first)
             os.environ["STRATA_GPU_ATT_TILE"] = tile
             prefill(n_tok)
             prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
@@ -274,20 +275,17 @@ def run(args: argparse.Namespace) -> dict:
         print(table)
         if args.json:
             Path(args.json).with_suffix(".profile.txt").write_text(table)
-    res["prefill_512_tok_s"] = prefill(512)
+    res["prefill_512_tok_s"] = prefill(512)  # the defaults: query-tile attention, routed GEMM over the tile list
     if not args.quick:
         res["prefill_4096_tok_s"] = prefill(4096)
-    os.environ["STRATA_GPU_ATT_TILE"] = "1"  # the opt-in prefill attention with query tiles
-    res["prefill_512_att_tile_tok_s"] = prefill(512)
+    os.environ["STRATA_GPU_GEMM_TILES"] = "0"  # the routed GEMM over (largest group's tiles) x (groups), comparison
+    res["prefill_512_no_gemm_tiles_tok_s"] = prefill(512)
+    res["decode_b32_no_gemm_tiles_tok_s"], _ = decode(32, 64, tag="b32_no_gemm_tiles")
+    os.environ["STRATA_GPU_ATT_TILE"] = "0"  # and the prefill attention without query tiles (both off: run 22's)
+    res["prefill_512_no_tiles_tok_s"] = prefill(512)
     if not args.quick:
-        res["prefill_4096_att_tile_tok_s"] = prefill(4096)
-    os.environ["STRATA_GPU_GEMM_TILES"] = "1"  # and the opt-in routed GEMM over the grouping's tile list
-    res["prefill_512_att_tile_gemm_tiles_tok_s"] = prefill(512)
-    if not args.quick:
-        res["prefill_4096_att_tile_gemm_tiles_tok_s"] = prefill(4096)
-    del os.environ["STRATA_GPU_ATT_TILE"]
-    res["decode_b32_gemm_tiles_tok_s"], _ = decode(32, 64, tag="b32_gemm_tiles")
-    del os.environ["STRATA_GPU_GEMM_TILES"]
+        res["prefill_4096_no_tiles_tok_s"] = prefill(4096)
+    del os.environ["STRATA_GPU_ATT_TILE"], os.environ["STRATA_GPU_GEMM_TILES"]
     hist[:] = 0
     res["decode_b1_tok_s"], st1 = decode(1, 128, tag="b1")
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}

@@ -509,14 +509,14 @@ static int gemm_min_pairs() { return g_gemm_min; }
  * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
 static thread_local bool g_fused_quant = false; /* read per step (stg_forward); graphs are keyed by it */
 static bool fused_quant_on() { return g_fused_quant; }
-/* STRATA_GPU_GEMM_TILES=1: routed GEMM launches run a block per tile of group_pairs' list
- * instead of (largest group's tiles) x (groups) (at a 512-token prefill step 12 x 32 x 128
- * blocks for gate/up, ~94% of them empty). Opt-in until a GPU run has checked it
- * (test_routed_gemm_tiles_bitwise_equal_matvec) and measured it; same results either way. */
-static thread_local bool g_gemm_tiles = false; /* read per step (stg_forward); graphs are keyed by it */
+/* Routed GEMM launches run a block per tile of group_pairs' list instead of (largest group's
+ * tiles) x (groups) (at a 512-token prefill step 12 x 32 x 128 blocks for gate/up, ~94% of
+ * them empty); same results either way (test_routed_gemm_tiles_bitwise_equal_matvec, run 23:
+ * pp512 3,283 -> 3,428 tok/s with the query tiles on). STRATA_GPU_GEMM_TILES=0: the grid. */
+static thread_local bool g_gemm_tiles = true; /* read per step (stg_forward); graphs are keyed by it */
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
-    return e && e[0] == '1';
+    return !(e && e[0] == '0');
 }
 
 /* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
@@ -796,11 +796,12 @@ static int att_tile_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
     const int G = n_head / n_kv;
     return G <= ATT_TR && ATT_TR % G == 0 ? ATT_TR / G : 0;
 }
-/* STRATA_GPU_ATT_TILE=1: eager prefill steps use k_attention_tile. Opt-in until a GPU run
- * has checked it (test_attention_tile_bitwise_equals_k_attention) and measured it. */
+/* Eager prefill steps use k_attention_tile (bitwise k_attention's results: run 24's
+ * test_attention_tile_bitwise_equals_k_attention; run 23 measured pp512 2,850 -> 3,283 and
+ * pp4096 1,348 -> 2,472 tok/s); STRATA_GPU_ATT_TILE=0 turns it off (comparison). */
 static bool att_tile_on() {
     const char *e = getenv("STRATA_GPU_ATT_TILE");
-    return e && e[0] == '1';
+    return !(e && e[0] == '0');
 }
 /* Tiles of a step: runs of consecutive tokens of one sequence, at most tq tokens each, packed
  * as first_token * 32 + count. Returns how many were written to out (at most T). */
