@@ -401,12 +401,18 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
         build_model(path, _shape(args), args.skew)
     with Engine.open(path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512) as eng:
         ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
-        b = eng.blocks.allocate(-(-n // eng.block_size))
-        assert b is not None
-        eng.prefill(ids[:16], b)
-        t = time.perf_counter()
-        eng.prefill(ids, b)
-        print(f"prefill of {n} tokens: {n / (time.perf_counter() - t):.0f} tok/s (under the profiler)")
+        rates = []
+        for _ in range(max(1, args.repeat)):  # each on fresh blocks (no prefix reuse)
+            b = eng.blocks.allocate(-(-n // eng.block_size))
+            assert b is not None
+            eng.prefill(ids[:16], b)
+            t = time.perf_counter()
+            eng.prefill(ids, b)
+            rates.append(n / (time.perf_counter() - t))
+            eng.blocks.release(b)
+        lib = os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")
+        print(f"prefill of {n} tokens ({lib}): median {float(np.median(rates)):.0f} tok/s over {len(rates)} "
+              f"({', '.join(f'{r:.0f}' for r in rates)})")
     return 0
 
 
@@ -428,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-only", action="store_true", help="only write the model file (if missing) and exit")
     ap.add_argument("--prefill-only", type=int, default=0, metavar="N",
                     help="load the model, warm up with 16 tokens, run one N-token prefill and exit (a target for ncu)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="R",
+                    help="with --prefill-only: R prefills (each after its 16-token warm-up), the median printed; "
+                         "STRATA_CUDA_LIB=other.so times another build the same way")
     args = ap.parse_args(argv)
     if args.prefill_only:
         return prefill_once(args, args.prefill_only)

@@ -12,6 +12,7 @@ the library was not built (no nvcc at build time), no NVIDIA driver, or no devic
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 from engine.native import EngineError, OutOfRangeError, UnsupportedError
 
 __all__ = ["DeviceUnavailableError", "DeviceSpec", "GpuInfo", "parse_device", "resolve_device", "gpu_info",
-           "load", "CudaModel", "LIB_PATH", "HEADER"]
+           "load", "lib_path", "CudaModel", "LIB_PATH", "HEADER"]
 
 ROOT = Path(__file__).resolve().parent
 LIB_PATH = ROOT / "_strata_cuda.so"
@@ -83,22 +84,30 @@ def _cdef() -> str:
     return "\n".join(keep)
 
 
+def lib_path() -> Path:
+    """The library load() opens: $STRATA_CUDA_LIB where set (another build of the same sources, so
+    that one device call can time two versions of a kernel), else LIB_PATH."""
+    env = os.environ.get("STRATA_CUDA_LIB")
+    return Path(env) if env else LIB_PATH
+
+
 def load() -> tuple[Any, Any]:
     """(ffi, lib) of the GPU engine; DeviceUnavailableError when it is not built or cannot load."""
     global _loaded
     with _lock:
         if _loaded is not None:
             return _loaded
-        if not LIB_PATH.exists():
+        path = lib_path()
+        if not path.exists():
             raise DeviceUnavailableError(
-                f"the GPU engine is not built ({LIB_PATH.name} is missing: nvcc was not found when the engine was "
+                f"the GPU engine is not built ({path.name} is missing: nvcc was not found when the engine was "
                 "built; install the CUDA toolkit and run `python -m engine._build_cuda`)", "build")
         from cffi import FFI
 
         ffi = FFI()
         ffi.cdef(_cdef())
         try:
-            lib = ffi.dlopen(str(LIB_PATH))
+            lib = ffi.dlopen(str(path))
         except OSError as exc:
             raise DeviceUnavailableError(f"the GPU engine cannot be loaded ({exc}); is the NVIDIA driver installed?",
                                          "driver") from exc
