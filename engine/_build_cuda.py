@@ -6,6 +6,7 @@ the CPU path depends on it.
 
     python -m engine._build_cuda            # sm_89 + sm_90 + PTX, skipped when up to date
     python -m engine._build_cuda --check    # compile one architecture to a temporary file (CI)
+    python -m engine._build_cuda --sm90-out engine/_strata_cuda_base.so   # sm_90 only, another file
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compile for sm_90 only, to a temporary file")
     ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--sm90-out", type=Path, default=None, metavar="PATH",
+                    help="compile for sm_90 only to PATH (a second, smaller library: a before/after of a kernel "
+                         "change in one H200 call, loaded through STRATA_CUDA_LIB)")
     args = ap.parse_args(argv)
     nvcc = find_nvcc()
     if nvcc is None:
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             compile_cuda(nvcc, Path(tmp) / "check.so", CHECK_ARCHS)
         print(f"engine._build_cuda: CUDA sources compile (sm_90, {time.monotonic() - t0:.0f} s)")
+        return 0
+    if args.sm90_out is not None:
+        compile_cuda(nvcc, args.sm90_out.resolve(), CHECK_ARCHS)
+        print(f"engine._build_cuda: built {args.sm90_out} (sm_90, {time.monotonic() - t0:.0f} s)")
         return 0
     if up_to_date() and not args.force:
         return 0

@@ -22,8 +22,8 @@ what=${1:-all}; shift || true
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > /tmp/site-pip.log 2>&1 \
     || echo "wheels into the image's Python failed: $(tail -2 /tmp/site-pip.log)"
 # ab: one 512- and one 4,096-token prefill, 3 times each, with the carried library and with
-# OTHER.so (another build of the CUDA sources carried beside it, e.g. engine/_strata_cuda_base.so
-# built before a kernel change): a before/after in the same call on the same machine.
+# OTHER.so (another version of the CUDA sources, built for sm_90 only by `python -m
+# engine._build_cuda --sm90-out OTHER.so` and carried too): a before/after in the same call.
 if [ "$what" = ab ]; then
   other=${1:?ab needs the other library}
   exec bash tests/engine/gpu/device_run.sh sh "python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1 &&
