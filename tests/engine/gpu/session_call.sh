@@ -8,7 +8,7 @@
 # stack.json, bench.log, bench.json, bench.profile.txt (with --profile).
 #
 #   session_call.sh [tests|bench|all|ncu] [bench.engine_gpu args...]
-#   session_call.sh ab OTHER.so        (after another mode in the same call, or alone)
+#   session_call.sh ab OTHER.so [MORE.so...]   (after another mode in the same call, or alone)
 #
 # ncu: Nsight Compute (--clock-control none, as the device notes ask) on one 512-token prefill
 # step (the GEMM launches and the grouping of layer 0: occupancy, stall reasons, memory
@@ -22,13 +22,15 @@ what=${1:-all}; shift || true
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > /tmp/site-pip.log 2>&1 \
     || echo "wheels into the image's Python failed: $(tail -2 /tmp/site-pip.log)"
 # ab: one 512- and one 4,096-token prefill, 3 times each, with the carried library and with
-# OTHER.so (another version of the CUDA sources, built for sm_90 only by `python -m
+# each OTHER.so (another version of the CUDA sources, built for sm_90 only by `python -m
 # engine._build_cuda --sm90-out OTHER.so` and carried too): a before/after in the same call.
 if [ "$what" = ab ]; then
-  other=${1:?ab needs the other library}
+  [ $# -ge 1 ] || { echo "ab needs at least one other library"; exit 2; }
+  libs="$PWD/engine/_strata_cuda.so"
+  for l in "$@"; do libs="$libs $(realpath "$l")"; done
   exec bash tests/engine/gpu/device_run.sh sh "python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1 &&
-    for n in 512 4096; do python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1;
-      STRATA_CUDA_LIB=$other python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1; done"
+    for n in 512 4096; do for l in $libs; do
+      STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1; done; done"
 fi
 if [ "$what" = ncu ]; then
   exec bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"
