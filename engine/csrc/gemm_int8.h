@@ -18,13 +18,10 @@
  * token) result is lane r + lane 4+r at the end. The operations on one lane depend only on
  * that row and that token, so any number of rows or tokens gives the same bits. */
 #define MR 4
-/* Token count from which 8-row blocks are unpacked once and shared (buffered8). The 4-bit
- * types build the block from the packed nibbles (load_blk8_q4*), cheap enough to pay from 3
- * tokens (Q4_1, 1 thread: 3 tokens ~31 -> ~39 GMAC/s in L2, ~31 -> ~33 streamed from DRAM;
- * 4 tokens ~31-36 -> ~38-44); Q4_K from 4; the others unpack row by row and wait for 5. */
-static inline int buf_min(int32_t type) {
-    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 ? 3 : type == ST_TYPE_Q4_K ? 4 : 5;
-}
+/* Token count from which the (row, half) lane types (Q5_0, Q5_1, Q5_K, Q8_0, Q6_K) unpack
+ * 8-row blocks once and share them (buffered8); they unpack row by row, which pays from 5. The
+ * Q4 types take the one-lane path further down, with its own switch point. */
+#define BUF_MIN 5
 
 /* Software prefetch of the next register block of rows. A work tile's rows are consecutive
  * in memory, so the rows after the current block are the next bytes of one linear stream;
@@ -452,11 +449,170 @@ static inline __attribute__((always_inline)) void chunked8(int32_t type, const u
     }
 }
 
+/* ---- one lane per row: Q4_0, Q4_1, Q4_K ----
+ * These types have one scale s and one correction c per 32-element block and codes <= 15, so
+ * the two half-blocks need not be separate lanes: the block's exact integer sum is taken
+ * whole (in 16 bits until one widening madd: 16 products per pair, |sum| <= 30480) and a
+ * vector lane holds one row. Per (row, token) and block, in order:
+ *     acc = fma(float(isum), s * d, acc);  acc = fma(c, xs, acc)
+ * with xs = d * (s0 + s1), the activation block's 32-sum weight; the result is acc. Against
+ * the (row, half) lanes that halves the float work and the widening madds per block. Both
+ * paths use the 8-row interleaved block (blk8, from the packed nibbles), so a (row, token)
+ * result is the same bits at any token count (batch invariance):
+ *  - fused (1-2 tokens): each block built in registers and used at once;
+ *  - buffered (3+ tokens): built once per row block (or K chunk) and read by every token,
+ *    LANE_TP per pass, each weight vector loaded once per pass (AVX2).
+ * Single-thread A/B of the two builds in one process (rows in L2, Zen 3, loaded box): Q4_1
+ * 576-wide rows 1 / 2 / 8 / 16 tokens +8-10 / +18 / +5 / +5-10%, Q4_K 1536-wide rows 1 / 2
+ * tokens +20 / +20%, 4 tokens within noise. Q5_0/Q5_1/Q5_K (codes <= 31) and Q8_0 (no
+ * correction term, |w| * a pairs that cannot be added in 16 bits) measured slower this way at
+ * 1-4 tokens, and Q6_K has a scale per half: they keep the (row, half) lanes below. */
+#define LANE_TP 4      /* tokens per buffered pass */
+#define LANE_FUSED_MAX 2 /* tokens up to which the fused path runs (3 tokens: a tie) */
+
+static inline int one_lane(int32_t type) {
+    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_K;
+}
+
+/* Exact integer sums of one 32-element block of the eight rows (blk8 chunks w[0..7]) against
+ * one token: lanes = rows 0..7. */
+static inline __attribute__((always_inline)) __m256i sum8(const __m256i *w, const int8_t *q) {
+    __m256i av[8];
+    for (int j = 0; j < 8; j++) av[j] = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(q + 4 * j)));
+#if GEMM_VNNI
+    __m256i x = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], av[0]);
+    __m256i y = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[4], av[4]);
+    for (int j = 1; j < 4; j++) x = _mm256_dpbusd_epi32(x, w[j], av[j]), y = _mm256_dpbusd_epi32(y, w[4 + j], av[4 + j]);
+    return _mm256_add_epi32(x, y);
+#else
+    __m256i m[8];
+    for (int j = 0; j < 8; j++) m[j] = _mm256_maddubs_epi16(w[j], av[j]);
+    const __m256i lo = _mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3]));
+    const __m256i hi = _mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7]));
+    return madd_ones(_mm256_add_epi16(lo, hi));
+#endif
+}
+
+/* The float step of one lane vector: the block's sums isum, scales s and corrections c. */
+static inline __attribute__((always_inline)) __m256 lane_fma(__m256i isum, __m256 s, __m256 c, const act_row *a,
+                                                             int64_t b, __m256 acc) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_broadcast_ss(a->d + b)), acc);
+    return _mm256_fmadd_ps(c, _mm256_broadcast_ss(a->xs + b), acc);
+}
+
+static inline void lane_store(const __m256 *acc, int nt, int nr, float *out, int64_t ldo) {
+    for (int t = 0; t < nt; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[t]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = v[r];
+    }
+}
+
+/* NT <= LANE_TP tokens against blocks [b0, b1) of a buffered row block (kb[b - b0]); the
+ * accumulators acc[t] carry over K chunks. */
+static inline __attribute__((always_inline)) void lane_tokens(const blk8 *kb, int64_t b0, int64_t b1, int NT,
+                                                              const act_row *a, __m256 *acc) {
+    __m256 v[LANE_TP];
+    for (int t = 0; t < NT; t++) v[t] = acc[t];
+    for (int64_t b = b0; b < b1; b++) {
+        const blk8 *k = &kb[b - b0];
+#if GEMM_VNNI
+        for (int t = 0; t < NT; t++) v[t] = lane_fma(sum8(k->w, a[t].q + b * QK), k->s_lo, k->c_lo, &a[t], b, v[t]);
+#else
+        /* Weight vector j outermost: loaded once per pass and multiplied with every token's
+         * bytes 4j..4j+3; each token's products summed in 16 bits (the same exact sums as sum8). */
+        __m256i m[LANE_TP];
+        for (int j = 0; j < 8; j++) {
+            const __m256i wj = _mm256_load_si256(&k->w[j]);
+            for (int t = 0; t < NT; t++) {
+                const __m256i av =
+                    _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(a[t].q + b * QK + 4 * j)));
+                const __m256i pr = _mm256_maddubs_epi16(wj, av);
+                m[t] = j ? _mm256_add_epi16(m[t], pr) : pr;
+            }
+        }
+        for (int t = 0; t < NT; t++) v[t] = lane_fma(madd_ones(m[t]), k->s_lo, k->c_lo, &a[t], b, v[t]);
+#endif
+    }
+    for (int t = 0; t < NT; t++) acc[t] = v[t];
+}
+
+static inline __attribute__((always_inline)) void lane_all(const blk8 *kb, int64_t b0, int64_t b1, int nt,
+                                                           const act_row *a, __m256 *acc) {
+    int t = 0;
+    for (; t + LANE_TP <= nt; t += LANE_TP) lane_tokens(kb, b0, b1, LANE_TP, a + t, acc + t);
+    switch (nt - t) {
+    case 1: lane_tokens(kb, b0, b1, 1, a + t, acc + t); break;
+    case 2: lane_tokens(kb, b0, b1, 2, a + t, acc + t); break;
+    case 3: lane_tokens(kb, b0, b1, 3, a + t, acc + t); break;
+    default: break;
+    }
+}
+
+/* Few tokens: each block of the eight rows built in registers and used at once. */
+static inline __attribute__((always_inline)) void lane_fused(int32_t type, const uint8_t *const *rows, int64_t nb,
+                                                             int NT, const act_row *a, float *out, int nr, int64_t ldo,
+                                                             const uint8_t *next, size_t step) {
+    __m256 acc[LANE_FUSED_MAX];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    kscales ks[2];
+    for (int64_t b = 0; b < nb; b++) {
+        blk8 k[2];
+        prefetch_slice(next, b, step);
+        if (type == ST_TYPE_Q4_K) { /* sub-blocks in pairs */
+            prefetch_slice(next, b + 1, step);
+            load_blk8_q4k_pair(rows, b, ks, k);
+            for (int i = 0; i < 2; i++)
+                for (int t = 0; t < NT; t++)
+                    acc[t] = lane_fma(sum8(k[i].w, a[t].q + (b + i) * QK), k[i].s_lo, k[i].c_lo, &a[t], b + i, acc[t]);
+            b++;
+            continue;
+        }
+        load_blk8_q4(type, rows, b, &k[0]);
+        for (int t = 0; t < NT; t++) acc[t] = lane_fma(sum8(k[0].w, a[t].q + b * QK), k[0].s_lo, k[0].c_lo, &a[t], b, acc[t]);
+    }
+    lane_store(acc, NT, nr, out, ldo);
+}
+
+static inline __attribute__((always_inline)) void gemm_lane(int32_t type, const void *w, size_t row_bytes, int nr,
+                                                            int64_t n, int nt, const act_row *a, float *out,
+                                                            int64_t ldo) {
+    const int64_t nb = n / QK;
+    for (int r0 = 0; r0 < nr; r0 += 2 * MR) {
+        const int nrr = nr - r0 < 2 * MR ? nr - r0 : 2 * MR;
+        const uint8_t *rows[2 * MR]; /* a short row block repeats its last row (results dropped) */
+        for (int r = 0; r < 2 * MR; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
+        const uint8_t *next = (const uint8_t *)w + (size_t)(r0 + 2 * MR) * row_bytes;
+        const size_t step = 2 * MR * (row_bytes / (size_t)nb);
+        float *o = out + r0;
+        if (nt <= LANE_FUSED_MAX) {
+            if (nt == 1) lane_fused(type, rows, nb, 1, a, o, nrr, ldo, next, step);
+            else lane_fused(type, rows, nb, 2, a, o, nrr, ldo, next, step);
+            continue;
+        }
+        const int64_t ch = kchunk(nb, nt);
+        blk8 kb[ch]; /* one K chunk of the row block, unpacked once: 384 bytes per block */
+        kscales ks[2];
+        __m256 acc[ST_MAX_NT];
+        for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t b0 = 0; b0 < nb; b0 += ch) {
+            const int64_t b1 = nb - b0 < ch ? nb : b0 + ch;
+            unpack8(type, rows, b0, b1, ks, kb, next, step);
+            lane_all(kb, b0, b1, nt, a, acc);
+        }
+        lane_store(acc, nt, nrr, o, ldo);
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm256(int32_t type, const void *w, size_t row_bytes, int nr,
                                                             int64_t n, int nt, const act_row *a, float *out,
                                                             int64_t ldo) {
     const int64_t nb = n / QK;
-    if (nt >= buf_min(type)) {
+    if (one_lane(type)) {
+        gemm_lane(type, w, row_bytes, nr, n, nt, a, out, ldo);
+        return;
+    }
+    if (nt >= BUF_MIN) {
         for (int r0 = 0; r0 < nr; r0 += 2 * MR) {
             const int nrr = nr - r0 < 2 * MR ? nr - r0 : 2 * MR;
             const uint8_t *rows[2 * MR]; /* a short row block repeats its last row (results dropped) */

@@ -87,9 +87,10 @@ static inline float bf16_to_f32(uint16_t h) {
 /* ---- kernel table ----
  * One token's 8-bit activations: q[n], d[n/32] (scale), s[n/16] (sums of 16). The SIMD
  * kernels also read two derived views, made once per activation row by the quantiser:
- *   xs[n/16]  = d * s (the float weight of each 16-sum in the offset/minimum correction),
- *   xs8[n/4]  = the same, laid out for the micro-kernels' lanes: per 32-block, xs of its
- *               first 16 elements four times, then xs of its second 16 four times.
+ *   xs[n/32]  = d * (s0 + s1), the float weight of each 32-sum in the offset/minimum
+ *               correction (the one-lane kernels of Q4_0/Q4_1/Q4_K),
+ *   xs8[n/4]  = d * s per 16-sum, laid out for the (row, half) lanes of the other types: per
+ *               32-block, that of its first 16 elements four times, then of its second 16.
  * dot_q: nr weight rows (row r at w + r * row_bytes, n elements each) against nt <= ST_MAX_NT
  *        tokens: out[t * ldo + r]. Rows are taken in register blocks and each block is
  *        unpacked once for all tokens. A (row, token) result never depends on nr, nt or the
@@ -295,7 +296,7 @@ static inline void make_tile(act_tile *tl, const acts *a, const int32_t *idx, in
     for (int i = 0; i < nt; i++) {
         const int64_t t = idx ? idx[i] : base + i;
         tl->rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->xs8 + t * (K / 4),
-                                a->xs + t * (K / 16)};
+                                a->xs + t * (K / QK)};
     }
 }
 

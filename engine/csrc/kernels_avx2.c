@@ -72,7 +72,7 @@ static void quant_act_avx2(const float *x, int64_t n, int8_t *qs, float *d, int3
         sums[2 * b] = s2[0], sums[2 * b + 1] = s2[1];
         const float x0 = db * (float)s2[0], x1 = db * (float)s2[1];
         if (xs8) _mm256_storeu_ps(xs8 + b * 8, _mm256_setr_m128(_mm_set1_ps(x0), _mm_set1_ps(x1)));
-        if (xs) xs[2 * b] = x0, xs[2 * b + 1] = x1;
+        if (xs) xs[b] = db * (float)(s2[0] + s2[1]);
     }
 }
 

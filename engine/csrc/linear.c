@@ -26,7 +26,7 @@ static void quant_task(void *ctx, int64_t t, int thread) {
     const quant_ctx *c = ctx;
     const int64_t K = c->K;
     c->fn(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
-          c->o.xs8 + t * (K / 4), c->o.xs + t * (K / 16));
+          c->o.xs8 + t * (K / 4), c->o.xs + t * (K / QK));
 }
 
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {

@@ -207,7 +207,7 @@ void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_
         const float x0 = db * (float)s0, x1 = db * (float)s1;
         if (xs8)
             for (int l = 0; l < 4; l++) xs8[b * 8 + l] = x0, xs8[b * 8 + 4 + l] = x1;
-        if (xs) xs[2 * b] = x0, xs[2 * b + 1] = x1;
+        if (xs) xs[b] = db * (float)(s0 + s1);
     }
 }
 

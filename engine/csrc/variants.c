@@ -115,7 +115,7 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
         return st_fail(ST_EINVAL, "%s: bad arguments (n=%lld nr=%d nt=%d)", what, (long long)n, nr, nt);
     if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "%s: n=%lld exceeds %d", what, (long long)n, ST_MAX_ROW);
     float *xs8 = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 4));
-    float *xs = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 16));
+    float *xs = malloc(sizeof(float) * (size_t)nt * (size_t)(n / QK));
     if (!xs8 || !xs) {
         free(xs8);
         free(xs);
@@ -125,10 +125,11 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
     for (int32_t t = 0; t < nt; t++) {
         const float *dt = d + (size_t)t * (size_t)(n / QK);
         const int32_t *st = sums + (size_t)t * (size_t)(n / 16);
-        float *x8 = xs8 + (size_t)t * (size_t)(n / 4), *x = xs + (size_t)t * (size_t)(n / 16);
+        float *x8 = xs8 + (size_t)t * (size_t)(n / 4), *x = xs + (size_t)t * (size_t)(n / QK);
         for (int64_t b = 0; b < n / QK; b++) {
-            x[2 * b] = dt[b] * (float)st[2 * b], x[2 * b + 1] = dt[b] * (float)st[2 * b + 1];
-            for (int l = 0; l < 4; l++) x8[b * 8 + l] = x[2 * b], x8[b * 8 + 4 + l] = x[2 * b + 1];
+            const float x0 = dt[b] * (float)st[2 * b], x1 = dt[b] * (float)st[2 * b + 1];
+            for (int l = 0; l < 4; l++) x8[b * 8 + l] = x0, x8[b * 8 + 4 + l] = x1;
+            x[b] = dt[b] * (float)(st[2 * b] + st[2 * b + 1]);
         }
         rows[t] = (act_row){qs + (size_t)t * (size_t)n, dt, st, x8, x};
     }
@@ -203,7 +204,7 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     uint8_t *w = malloc(rb * ST_ROW_BLOCK);
     int8_t *q = malloc((size_t)n * (size_t)nt);
     float *d = malloc(sizeof(float) * (size_t)(n / QK) * (size_t)nt);
-    float *xs8 = malloc(sizeof(float) * (size_t)(n / 4) * (size_t)nt), *xs = malloc(sizeof(float) * (size_t)(n / 16) * (size_t)nt);
+    float *xs8 = malloc(sizeof(float) * (size_t)(n / 4) * (size_t)nt), *xs = malloc(sizeof(float) * (size_t)(n / QK) * (size_t)nt);
     int32_t *s = malloc(sizeof(int32_t) * (size_t)(n / 16) * (size_t)nt);
     float *x = malloc(sizeof(float) * (size_t)n);
     if (!w || !q || !d || !xs8 || !xs || !s || !x) {
@@ -218,9 +219,9 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
         for (int64_t i = 0; i < n; i++) r = r * 1664525u + 1013904223u, x[i] = (float)(r >> 8) / 16777216.0f - 0.5f;
         const size_t o = (size_t)t;
         st_quantize_act_row(x, n, q + o * (size_t)n, d + o * (size_t)(n / QK), s + o * (size_t)(n / 16),
-                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / 16));
+                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / QK));
         rows[t] = (act_row){q + o * (size_t)n, d + o * (size_t)(n / QK), s + o * (size_t)(n / 16),
-                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / 16)};
+                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / QK)};
     }
     const dot_q_fn f = pick_q(resolve(variant), type);
     float out[ST_MAX_NT * ST_ROW_BLOCK];

@@ -34,16 +34,16 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < rb * (size_t)N; i++) w[i] = (uint8_t)rand();
     for (size_t i = 1; i < rb * (size_t)N; i += 2) w[i] &= 0x3b; /* keep f16 fields finite wherever they fall */
     float *x = malloc(sizeof(float) * (size_t)K), *xs8 = malloc(sizeof(float) * (size_t)K / 4 * (size_t)nt);
-    float *xs = malloc(sizeof(float) * (size_t)K / 16 * (size_t)nt), *d = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt);
+    float *xs = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt), *d = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt);
     int8_t *q = malloc((size_t)K * (size_t)nt);
     int32_t *s = malloc(sizeof(int32_t) * (size_t)K / 16 * (size_t)nt);
     act_row a[ST_MAX_NT];
     for (int t = 0; t < nt; t++) {
         for (int i = 0; i < K; i++) x[i] = (float)rand() / (float)RAND_MAX - 0.5f;
         st_quantize_act_row(x, K, q + (size_t)t * K, d + (size_t)t * (K / 32), s + (size_t)t * (K / 16),
-                            xs8 + (size_t)t * (K / 4), xs + (size_t)t * (K / 16));
+                            xs8 + (size_t)t * (K / 4), xs + (size_t)t * (K / 32));
         a[t] = (act_row){q + (size_t)t * K, d + (size_t)t * (K / 32), s + (size_t)t * (K / 16), xs8 + (size_t)t * (K / 4),
-                         xs + (size_t)t * (K / 16)};
+                         xs + (size_t)t * (K / 32)};
     }
     float out[ST_MAX_NT * ST_ROW_BLOCK];
     const dot_q_fn f = st_dot_q(type);
