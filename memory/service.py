@@ -161,13 +161,19 @@ class MemoryService:
         s = await asyncio.to_thread(self.store.get_session, key_id, sid)
         if s is None:
             return False
-        ok = await asyncio.to_thread(self.store.delete_session, key_id, sid)
-        self._cache.pop(s.pk, None)
-        self._embedded_upto.pop(s.pk, None)
-        self._embedded_seq.pop(s.pk, None)
-        self._retry.pop(s.pk, None)
-        self._left_out.pop(s.pk, None)
+        # under the session's lock: an embedding in flight for the last reply writes its state before it is
+        # dropped here, not after (a client deleting right after its last reply left state behind)
+        async with self._locks.setdefault(s.pk, asyncio.Lock()):
+            ok = await asyncio.to_thread(self.store.delete_session, key_id, sid)
+            self._forget(s.pk)
         return ok
+
+    def _forget(self, pk: int) -> None:
+        """Drop what this process holds for a session that is gone. Session and turn ids are never reused
+        (memory.store), so a leftover could not mislead a later session, but it would stay forever."""
+        for held in (self._cache, self._embedded_upto, self._embedded_seq, self._locks, self._retry,
+                     self._left_out):
+            held.pop(pk, None)
 
     # ------------------------------------------------------------ loading for composition
     async def load(self, session: Session, query: str) -> Loaded:
@@ -240,6 +246,9 @@ class MemoryService:
             upto = self._embedded_upto.get(pk, 0)
             # before the check: no turn slips past
             last, last_seq = await asyncio.to_thread(self.store.last_turn, pk)
+            if last == 0:  # no turns: the session was deleted (turns go only with it; callers follow a stored turn)
+                self._forget(pk)
+                return 0
             if last <= upto:
                 self._embedded_seq[pk] = max(self._embedded_seq.get(pk, 0), last_seq)
                 return 0
@@ -272,7 +281,11 @@ class MemoryService:
                           estimate_tokens(content), True))
         tokens = reply_tokens if reply_tokens is not None and complete else estimate_tokens(reply)
         items.append(("assistant", reply[:self.cfg.max_turn_chars], max(1, tokens), complete))
-        stored = await asyncio.shield(asyncio.to_thread(self.store.append, session.pk, items, request_id))
+        try:
+            stored = await asyncio.shield(asyncio.to_thread(self.store.append, session.pk, items, request_id))
+        except KeyError:  # deleted while the request ran: drop what its loading and composition noted
+            self._forget(session.pk)
+            raise
         self._spawn(self._after(session.pk), f"memory-after-{session.pk}")
         return stored
 

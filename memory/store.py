@@ -6,10 +6,13 @@ SIGKILLed) or PostgreSQL for several gateways. Every call is blocking: the gatew
 worker threads.
 
 Schema versions are rows of ``memory_schema``; :data:`MIGRATIONS` lists each version's step.
-``migrate`` applies the missing steps in order, under ``pg_advisory_xact_lock`` on PostgreSQL
-(gateways starting together migrate in turn) and retried on SQLite (DDL there is not
-transactional, so a second process may see "already exists": every step is idempotent). A
-database newer than this code is refused rather than guessed at.
+``migrate`` applies the missing steps in order in one transaction, under ``pg_advisory_xact_lock``
+on PostgreSQL and ``BEGIN IMMEDIATE`` (the write lock) on SQLite, so gateways starting together
+migrate in turn; a SQLite process that waited too long for the lock retries, and every step is
+idempotent. A database newer than this code is refused rather than guessed at.
+
+Ids are never reused (AUTOINCREMENT on SQLite, sequences on PostgreSQL): a gateway keeps per-session
+state keyed by them, which must never apply to a later session.
 
 Turn numbers (``seq``) are dense per session: ``append`` bumps ``memory_sessions.n_turns`` first,
 which takes the row's write lock (PostgreSQL) or the database's (SQLite) until commit, so two
@@ -52,6 +55,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.schema import CreateTable
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "MemoryStore", "SchemaError", "Session", "Summary", "Turn",
            "metadata", "migrate", "open_engine", "schema_version"]
@@ -72,6 +76,7 @@ sessions = Table(
     Column("last_active", Float, nullable=False),
     Column("n_turns", Integer, nullable=False, default=0),
     Index("ix_memory_sessions_key", "key_id", "last_active"),
+    sqlite_autoincrement=True,  # ids are never reused: see _v2
 )
 
 turns = Table(
@@ -86,6 +91,7 @@ turns = Table(
     Column("complete", Boolean, nullable=False),  # False: a reply cut by a disconnect or a lane failure
     Column("request_id", String(64), nullable=True),
     UniqueConstraint("session_pk", "seq", name="uq_memory_turns_seq"),
+    sqlite_autoincrement=True,
 )
 
 summaries = Table(
@@ -98,6 +104,7 @@ summaries = Table(
     Column("tokens", Integer, nullable=False),
     Column("created", Float, nullable=False),
     UniqueConstraint("session_pk", "last_seq", name="uq_memory_summaries_last"),
+    sqlite_autoincrement=True,
 )
 
 vectors = Table(
@@ -125,9 +132,38 @@ def _v1(conn: Connection) -> None:
     metadata.create_all(conn, tables=[sessions, turns, summaries, vectors], checkfirst=True)
 
 
-# (version, note, step): append only; a step must be idempotent (SQLite DDL is not transactional)
+def _v2(conn: Connection) -> None:
+    """SQLite: rebuild the tables whose ids were ``INTEGER PRIMARY KEY`` without AUTOINCREMENT, which hands a
+    deleted highest id to the next row: a new session got a deleted one's pk and turn ids, and per-session
+    state of a gateway (memory.service) keyed by them applied to the wrong session. Rows keep their ids; each
+    table's sequence starts at its highest id. A table already made with AUTOINCREMENT (a new database, whose
+    v1 step used these definitions) is left alone. PostgreSQL: nothing to do (sequences never go back)."""
+    if conn.dialect.name != "sqlite":
+        return
+    for t in (sessions, turns, summaries):
+        ddl = conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :n"),
+                           {"n": t.name}).scalar()
+        if ddl is None or "AUTOINCREMENT" in ddl.upper():
+            continue
+        new = t.to_metadata(MetaData(), name=f"{t.name}_v2")
+        conn.execute(text(f'DROP TABLE IF EXISTS "{new.name}"'))
+        conn.execute(CreateTable(new))  # the table alone: its indexes are made below, under the old names
+        cols = ", ".join(f'"{c.name}"' for c in t.columns)
+        conn.execute(text(f'INSERT INTO "{new.name}" ({cols}) SELECT {cols} FROM "{t.name}"'))
+        conn.execute(text(f'DROP TABLE "{t.name}"'))
+        conn.execute(text(f'ALTER TABLE "{new.name}" RENAME TO "{t.name}"'))
+        pk = next(iter(t.primary_key.columns)).name
+        conn.execute(text("DELETE FROM sqlite_sequence WHERE name IN (:a, :b)"), {"a": t.name, "b": new.name})
+        conn.execute(text(f'INSERT INTO sqlite_sequence (name, seq) SELECT :n, COALESCE(MAX("{pk}"), 0) '
+                          f'FROM "{t.name}"'), {"n": t.name})
+        for ix in t.indexes:
+            ix.create(conn, checkfirst=True)
+
+
+# (version, note, step): append only; a step must be idempotent (a database may be between two versions)
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "sessions, turns, summaries, turn vectors", _v1),
+    (2, "SQLite: session, turn and summary ids never reused (AUTOINCREMENT)", _v2),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -141,6 +177,10 @@ def _migrate_once(engine: Engine) -> int:
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _LOCK_KEY})
+        elif conn.dialect.name == "sqlite" and not conn.connection.driver_connection.in_transaction:
+            # Python's sqlite3 runs DDL outside a transaction unless one is open: open it (with the write lock,
+            # so processes starting together migrate in turn), and a step that rebuilds a table is all or nothing
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
         have = schema_version(conn)
         if have > SCHEMA_VERSION:
             raise SchemaError(f"the database's memory schema is version {have}; this gateway knows up to "

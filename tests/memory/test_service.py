@@ -1,11 +1,14 @@
-"""memory.service without lanes or an embedding model: when summarisation runs and what it folds, and the
-recent turns' loading window (it anchors the verbatim blocks, so it moves in steps)."""
+"""memory.service without lanes or an embedding model: when summarisation runs and what it folds, the recent
+turns' loading window (it anchors the verbatim blocks, so it moves in steps), and that a deleted session leaves
+no state behind for a later one."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from memory.config import MemoryConfig
 from memory.service import MemoryService, _load_from
@@ -99,3 +102,129 @@ def test_a_new_embedder_is_not_ready_until_loaded() -> None:
 
     e = Embedder(backend="torch")  # reads the tokenizer only; the model loads on first use
     assert e.ready is False
+
+
+class _Words:
+    """Stands in for the embedding model: a text's vector marks whether it names the planted fact's word, so the
+    question scores 1.0 against the fact's turn and 0.0 against every filler. With ``gate`` set, turn embeddings
+    wait for it: a background embedding held in flight."""
+
+    version_key = "test-words:2"
+    ready = True
+
+    def __init__(self) -> None:
+        self.gate: asyncio.Event | None = None
+        self.waiting = False
+
+    @staticmethod
+    def _vec(text: str) -> Any:
+        import numpy as np
+
+        return np.array([1.0, 0.0] if "locker" in text.lower() else [0.0, 1.0], dtype=np.float32)
+
+    async def aencode(self, texts: Any) -> Any:
+        import numpy as np
+
+        if self.gate is not None:
+            self.waiting = True
+            await self.gate.wait()
+        return np.stack([self._vec(t) for t in texts])
+
+    async def aencode_query(self, text: str) -> Any:
+        return self._vec(text)
+
+
+def _held(svc: MemoryService) -> dict[str, Any]:
+    """The service's per-session state, by attribute (empty dicts when nothing is held)."""
+    names = ("_cache", "_embedded_upto", "_embedded_seq", "_locks", "_retry", "_left_out", "_summarising")
+    return {n: getattr(svc, n) for n in names if getattr(svc, n)}
+
+
+@pytest.mark.parametrize("new_key", [1, 2], ids=["same-key", "other-key"])
+def test_a_session_deleted_during_its_embedding_leaves_nothing_for_the_next(tmp_path: Path, new_key: int) -> None:
+    """The harness's memory scenario: each distance a new session, deleted right after its last reply while that
+    reply's embedding ran. The next session used to get the deleted one's pk and turn ids and inherit its
+    "embedded up to turn N", so its oldest turns (the planted fact) never got vectors and were never retrieved."""
+    model = _Words()
+    cfg = MemoryConfig()  # default retrieve_min_score 0.25, top_k 4
+    svc = MemoryService(MemoryStore(open_engine(f"sqlite:///{tmp_path / 'm.db'}")), cfg, model, None)
+    filler = "filler about the weather in some town, nothing to remember here " * 5  # ~110 estimated tokens
+
+    async def say(s: Any, text: str) -> None:
+        await svc.remember(s, [{"role": "user", "content": text}], "Noted, thanks.", complete=True,
+                           reply_tokens=4, request_id=None)
+
+    async def scenario() -> None:
+        old = svc.store.create_session(1)
+        assert old is not None
+        for i in range(10):
+            await say(old, f"{i}: {filler}")
+        await svc.drain()
+        model.gate = asyncio.Event()
+        await say(old, "the last question")  # its embedding starts in the background and is held
+        for _ in range(500):
+            if model.waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert model.waiting
+        deleting = asyncio.ensure_future(svc.delete(1, old.id))
+        await asyncio.wait({deleting}, timeout=0.5)  # the old code deleted here, before the embedding ended
+        model.gate.set()
+        assert await deleting is True
+        model.gate = None
+        await svc.drain()
+        assert _held(svc) == {}  # a deleted session leaves nothing behind
+
+        new = svc.store.create_session(new_key)
+        assert new is not None and new.pk > old.pk  # ids are never reused
+        await say(new, "My locker code is 4417.")
+        for i in range(30):
+            await say(new, f"{i}: {filler}")
+        await svc.drain()
+        s = svc.store.get_session(new_key, new.id)
+        assert s is not None
+        q = "What is my locker code?"
+        comp = (await svc.load(s, q)).compose(cfg, None, [{"role": "user", "content": q}], 1200)
+        assert comp.dropped > 2  # the fact's exchange is far outside the verbatim window
+        assert comp.retrieved >= 1 and any("4417" in m["content"] for m in comp.messages)
+        assert await svc.delete(new_key, new.id) is True
+        assert _held(svc) == {}
+
+    asyncio.run(scenario())
+
+
+def test_late_writers_of_a_deleted_session_leave_nothing(tmp_path: Path) -> None:
+    """A request that loaded a session, then found it deleted when storing its reply, and an embedding or a
+    summary that starts after the deletion: none of them leaves state for the gone session."""
+    model = _Words()
+    calls: list[list[dict[str, Any]]] = []
+
+    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> str:
+        calls.append(messages)
+        return "summary"
+
+    svc = MemoryService(MemoryStore(open_engine(f"sqlite:///{tmp_path / 'm.db'}")),
+                        MemoryConfig(retrieve_min_score=0.0), model, complete)
+
+    async def scenario() -> None:
+        s = svc.store.create_session(1)
+        assert s is not None
+        svc.store.append(s.pk, [("user" if i % 2 == 0 else "assistant", f"turn {i} " + "z" * 300, 100, True)
+                                for i in range(30)])
+        s = svc.store.get_session(1, s.id)
+        assert s is not None
+        loaded = await svc.load(s, "locker?")
+        comp = loaded.compose(svc.cfg, None, [{"role": "user", "content": "locker?"}], 1200)
+        svc.composed(loaded, comp)
+        assert comp.dropped > 0 and svc._left_out and svc._cache
+        assert svc.store.delete_session(1, s.id)  # another gateway (or this one's route) deleted it meanwhile
+        with pytest.raises(KeyError):
+            await svc.remember(s, [{"role": "user", "content": "locker?"}], "ok", complete=True, reply_tokens=1,
+                               request_id=None)
+        assert _held(svc) == {}
+        assert await svc.embed_missing(s.pk) == 0 and await svc.summarise(s.pk, force=True) is False
+        assert (await svc.load(s, "locker?")).candidates == []
+        await svc.drain()
+        assert _held(svc) == {} and not calls
+
+    asyncio.run(scenario())
