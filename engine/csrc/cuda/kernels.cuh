@@ -402,19 +402,41 @@ __device__ __forceinline__ void mma_k16(int a0, int a1, int b0, int (&d)[4]) {
                  : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-/* Push residue sum v (the ii-th in bit-reversed order) into the butterfly tree L[0..4];
- * the 32nd push leaves the dot product in L[4]. Branches are uniform across the block. */
-__device__ __forceinline__ void tree_push(float (&L)[5], float v, int ii) {
-    if (!(ii & 1)) { L[0] = v; return; }
+/* The k loop's schedule entry for canonical position q (see k_linear_gemm): -1 past the end;
+ * else bits 0-15 the sub-block j (0xFFFF: j >= nsb, nothing to multiply), bit 21 set where
+ * the residue completes (c == C - 1), bits 22-24 the tree level its push reaches (the
+ * trailing ones of its bit-reversed index ii: tree_push's branch, decided once per stage). */
+__device__ __forceinline__ int gemm_qentry(int q, int nq, int C, int nsb) {
+    if (q >= nq) return -1;
+    const int ii = q / C, c = q - ii * C, j = 32 * c + (int)(__brev((unsigned)ii) >> 27);
+    return (j < nsb ? j : 0xFFFF) | (c == C - 1 ? 1 << 21 : 0) | ((__ffs(~ii) - 1) << 22);
+}
+
+/* Push residue sum v (the ii-th in bit-reversed order) into the butterfly tree L[0..4],
+ * LV = the trailing ones of ii (the levels this push completes); the 32nd push leaves the
+ * dot product in L[4]. LV is uniform, so one branch serves all of a thread's outputs. */
+template <int LV> __device__ __forceinline__ void tree_push_lv(float (&L)[5], float v) {
+    if (LV == 0) { L[0] = v; return; }
     v = L[0] + v;
-    if (!(ii & 2)) { L[1] = v; return; }
+    if (LV == 1) { L[1] = v; return; }
     v = L[1] + v;
-    if (!(ii & 4)) { L[2] = v; return; }
+    if (LV == 2) { L[2] = v; return; }
     v = L[2] + v;
-    if (!(ii & 8)) { L[3] = v; return; }
+    if (LV == 3) { L[3] = v; return; }
     v = L[3] + v;
-    if (!(ii & 16)) { L[4] = v; return; }
+    if (LV == 4) { L[4] = v; return; }
     L[4] = L[4] + v;
+}
+template <int LV, int NW> __device__ __forceinline__ void tree_push_all(float (&L)[NW][2][4][5], float (&cur)[NW][2][4]) {
+#pragma unroll
+    for (int w = 0; w < NW; w++)
+#pragma unroll
+        for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+            for (int o = 0; o < 4; o++) {
+                tree_push_lv<LV>(L[w][nt][o], cur[w][nt][o]);
+                cur[w][nt][o] = 0.0f;
+            }
 }
 
 template <int T, bool SW>
@@ -427,8 +449,9 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     __shared__ int wc[Q6 ? NW : 1][GK][MM_BM][2];
     __shared__ int xs[GK][8][MM_XP];
     __shared__ float xd[GK][MM_BN];
-    __shared__ int xsum[GK][MM_BN];
+    __shared__ float xsf[GK][MM_BN]; /* the activation sub-block sums, converted once per stage */
     __shared__ int prow[MM_BN];
+    __shared__ int qtab[2][GK]; /* gemm_qentry of this stage's and the next stage's positions */
     int e, start, count, n0;
     if (a.g.tiles) { /* a block per tile of the groups (group_pairs' list) */
         const int32_t nt = *a.g.n_tiles, tl = a.g.tiles[blockIdx.y]; /* both loads in flight: the list has room */
@@ -456,8 +479,10 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                 for (int l = 0; l < 5; l++) L[w][nt][o][l] = 0.0f;
             }
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8; /* this thread's two rows in the tile */
+    /* the schedule (q -> j, ii, residue end) once per position, not per thread and use */
+    if (tid < GK) qtab[0][tid] = gemm_qentry(tid, nq, C, nsb);
     __syncthreads();
-    for (int q0 = 0; q0 < nq; q0 += GK) {
+    for (int q0 = 0, p = 0; q0 < nq; q0 += GK, p ^= 1) {
         /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
          * every global load of the stage is issued before the first shared-memory store */
         constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
@@ -466,8 +491,8 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         for (int u = 0; u < WI; u++) {
             const int it = tid + 128 * u;
             const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
-            const int q = q0 + kk, j = 32 * (q % C) + (int)(__brev((unsigned)(q / C)) >> 27), r = m0 + m;
-            if (q < nq && j < nsb && r < a.N) {
+            const int qe = qtab[p][kk], j = qe & 0xFFFF, r = m0 + m;
+            if (qe >= 0 && j != 0xFFFF && r < a.N) {
                 unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
             } else {
 #pragma unroll
@@ -482,8 +507,8 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         const int xkk = tid / MM_BN, xn = tid % MM_BN;
         const bool xon = xkk < GK;
         if (xon) {
-            const int q = q0 + xkk, j = 32 * (q % C) + (int)(__brev((unsigned)(q / C)) >> 27), row = prow[xn];
-            if (q < nq && j < nsb && row >= 0) {
+            const int qe = qtab[p][xkk], j = qe & 0xFFFF, row = prow[xn];
+            if (qe >= 0 && j != 0xFFFF && row >= 0) {
                 const int4 *src = (const int4 *)(a.aq + (int64_t)row * a.K + 32 * j);
                 xa = src[0], xb = src[1];
                 xdv = a.ad[(int64_t)row * nsb + j];
@@ -502,14 +527,16 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         if (xon) {
             xs[xkk][0][xn] = xa.x, xs[xkk][1][xn] = xa.y, xs[xkk][2][xn] = xa.z, xs[xkk][3][xn] = xa.w;
             xs[xkk][4][xn] = xb.x, xs[xkk][5][xn] = xb.y, xs[xkk][6][xn] = xb.z, xs[xkk][7][xn] = xb.w;
-            xd[xkk][xn] = xdv, xsum[xkk][xn] = xsv;
+            xd[xkk][xn] = xdv, xsf[xkk][xn] = (float)xsv;
         }
         __syncthreads();
+        /* the next stage's schedule: qtab[p ^ 1] was last read before this stage's first barrier */
+        if (tid < GK) qtab[p ^ 1][tid] = gemm_qentry(q0 + GK + tid, nq, C, nsb);
+#pragma unroll
         for (int kk = 0; kk < GK; kk++) {
-            const int q = q0 + kk;
-            if (q >= nq) break;
-            const int ii = q / C, c = q % C, j = 32 * c + (int)(__brev((unsigned)ii) >> 27);
-            if (j < nsb) {
+            const int qe = qtab[p][kk];
+            if (qe < 0) break;
+            if ((qe & 0xFFFF) != 0xFFFF) {
 #pragma unroll
                 for (int w = 0; w < NW; w++) {
                     const int(*W)[MM_WP] = ws[w][kk];
@@ -535,22 +562,21 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                             const int n = nb + 2 * t4 + (o & 1);
                             const float A = o < 2 ? Alo : Ahi, B = o < 2 ? Blo : Bhi;
                             const float v = __fmul_rn(xd[kk][n], __fadd_rn(__fmul_rn(A, (float)d[o]),
-                                                                           __fmul_rn(B, (float)xsum[kk][n])));
+                                                                           __fmul_rn(B, xsf[kk][n])));
                             cur[w][nt][o] = __fadd_rn(cur[w][nt][o], v);
                         }
                     }
                 }
             }
-            if (c == C - 1) { /* residue complete: into the tree, and start the next */
-#pragma unroll
-                for (int w = 0; w < NW; w++)
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                        for (int o = 0; o < 4; o++) {
-                            tree_push(L[w][nt][o], cur[w][nt][o], ii);
-                            cur[w][nt][o] = 0.0f;
-                        }
+            if (qe & (1 << 21)) { /* residue complete: into the tree, and start the next */
+                switch ((qe >> 22) & 7) {
+                case 0: tree_push_all<0, NW>(L, cur); break;
+                case 1: tree_push_all<1, NW>(L, cur); break;
+                case 2: tree_push_all<2, NW>(L, cur); break;
+                case 3: tree_push_all<3, NW>(L, cur); break;
+                case 4: tree_push_all<4, NW>(L, cur); break;
+                default: tree_push_all<5, NW>(L, cur); break;
+                }
             }
         }
         __syncthreads();
