@@ -41,6 +41,20 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 __device__ __forceinline__ void prefetch_l1(const void *p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
+
+/* Asynchronous global -> shared copies (the attention kernels, the GEMM's staged Q4_K bytes). */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #define PDL_ENTER() \
     do {            \
         pdl_trigger(); \
@@ -439,14 +453,59 @@ template <int LV, int NW> __device__ __forceinline__ void tree_push_all(float (&
             }
 }
 
+/* Q4_K GEMMs stage their bytes through shared memory with cp.async: the next stage's weight
+ * and activation bytes are copied while this stage's mma work runs (other types load them
+ * at the start of each stage). Dynamic shared memory: 48 bytes per (weight, sub-block, row)
+ * (the block's d / dmin / scales and the 32 bytes of nibbles) and per (sub-block, pair)
+ * (32 bytes of 8-bit values, the scale, the two 16-value sums). Set up by gemm_setup. */
+template <int T> __host__ __device__ constexpr bool gemm_raw() { return T == STG_Q4_K; }
+template <int T, bool SW> __host__ __device__ constexpr int gemm_raw_bytes() {
+    return gemm_raw<T>() ? 48 * ((SW ? 2 * 4 : 8) * MM_BM + (SW ? 4 : 8) * MM_BN) : 0;
+}
+
+/* A Q4_K GEMM stage's bytes (schedule tab) copied with cp.async into this thread's own slots of
+ * the dynamic shared memory: the same thread unpacks them, so its cp.async.wait_group is all
+ * the ordering needed. Weight slot it = (weight, sub-block, row) as k_linear_gemm's fill;
+ * activation slot NW * GK * MM_BM + tid: 32 bytes of values, then the scale and the two sums. */
+template <bool SW>
+__device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, uint4 *dyn, int tid, int m0,
+                                           const uint8_t *wbase, const uint8_t *wbase2, int xkk, int xrow, int nsb) {
+    constexpr int GK = SW ? 4 : 8, WI = (SW ? 2 : 1) * GK * MM_BM / 128;
+#pragma unroll
+    for (int u = 0; u < WI; u++) {
+        const int it = tid + 128 * u;
+        const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
+        const int qe = tab[kk], j = qe & 0xFFFF, r = m0 + m;
+        if (qe >= 0 && j != 0xFFFF && r < a.N) {
+            const uint8_t *b = (w ? wbase2 : wbase) + (int64_t)r * a.row_bytes + (int64_t)(j >> 3) * 144;
+            const uint8_t *qb = b + 16 + 32 * ((j & 7) >> 1);
+            uint4 *d = dyn + 3 * it;
+            cp_async16(d, b), cp_async16(d + 1, qb), cp_async16(d + 2, qb + 16);
+        }
+    }
+    if (xkk < GK) {
+        const int qe = tab[xkk], j = qe & 0xFFFF;
+        if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
+            const int8_t *src = a.aq + (int64_t)xrow * a.K + 32 * j;
+            const int32_t *ss = a.as + (int64_t)xrow * (a.K / 16) + 2 * j;
+            uint4 *d = dyn + 3 * ((SW ? 2 : 1) * GK * MM_BM + tid);
+            int *dw = (int *)(d + 2);
+            cp_async16(d, src), cp_async16(d + 1, src + 16);
+            cp_async4(dw, a.ad + (int64_t)xrow * nsb + j), cp_async4(dw + 1, ss), cp_async4(dw + 2, ss + 1);
+        }
+    }
+    cp_async_commit();
+}
+
 template <int T, bool SW>
 __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = SW ? 4 : 8; /* weights; sub-blocks per stage */
-    constexpr bool Q6 = T == STG_Q6_K;
+    constexpr bool Q6 = T == STG_Q6_K, RAW = gemm_raw<T>();
+    extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * MM_BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
-    __shared__ int wc[Q6 ? NW : 1][GK][MM_BM][2];
+    __shared__ int wc[Q6 ? NW : 1][Q6 ? GK : 1][Q6 ? MM_BM : 1][2];
     __shared__ int xs[GK][8][MM_XP];
     __shared__ float xd[GK][MM_BN];
     __shared__ float xsf[GK][MM_BN]; /* the activation sub-block sums, converted once per stage */
@@ -479,13 +538,19 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                 for (int l = 0; l < 5; l++) L[w][nt][o][l] = 0.0f;
             }
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8; /* this thread's two rows in the tile */
-    /* the schedule (q -> j, ii, residue end) once per position, not per thread and use */
-    if (tid < GK) qtab[0][tid] = gemm_qentry(tid, nq, C, nsb);
+    /* the schedule (q -> j, ii, residue end) once per position, not per thread and use;
+     * qtab[p] holds the current stage's, qtab[p ^ 1] the next one's */
+    if (tid < GK) qtab[0][tid] = gemm_qentry(tid, nq, C, nsb), qtab[1][tid] = gemm_qentry(GK + tid, nq, C, nsb);
     __syncthreads();
+    constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
+    const int xkk = tid / MM_BN, xn = tid % MM_BN; /* activations: one (sub-block, pair) per thread */
+    const bool xon = xkk < GK;
+    const int xrow = xon ? prow[xn] : -1;
+    if constexpr (RAW) gemm_issue<SW>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk, xrow, nsb);
     for (int q0 = 0, p = 0; q0 < nq; q0 += GK, p ^= 1) {
         /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
          * every global load of the stage is issued before the first shared-memory store */
-        constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
+        if constexpr (RAW) cp_async_wait<0>();
         sub_w sv[WI];
 #pragma unroll
         for (int u = 0; u < WI; u++) {
@@ -493,26 +558,36 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
             const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
             const int qe = qtab[p][kk], j = qe & 0xFFFF, r = m0 + m;
             if (qe >= 0 && j != 0xFFFF && r < a.N) {
-                unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
+                (void)w;
+                if constexpr (RAW) {
+                    const uint4 *d = gemm_dyn + 3 * it;
+                    unpack_q4k(d[0], d[1], d[2], j & 7, sv[u]);
+                } else {
+                    unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
+                }
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; i++) sv[u].q[i] = 0;
                 sv[u].A = sv[u].B = 0.0f, sv[u].c0 = sv[u].c1 = 0;
             }
         }
-        /* activations: one (sub-block, pair) per thread, 32 bytes in two 16-byte loads */
+        /* activations: 32 bytes (two 16-byte loads), the scale and the two 16-value sums */
         int4 xa = make_int4(0, 0, 0, 0), xb = xa;
         float xdv = 0.0f;
         int xsv = 0;
-        const int xkk = tid / MM_BN, xn = tid % MM_BN;
-        const bool xon = xkk < GK;
         if (xon) {
-            const int qe = qtab[p][xkk], j = qe & 0xFFFF, row = prow[xn];
-            if (qe >= 0 && j != 0xFFFF && row >= 0) {
-                const int4 *src = (const int4 *)(a.aq + (int64_t)row * a.K + 32 * j);
-                xa = src[0], xb = src[1];
-                xdv = a.ad[(int64_t)row * nsb + j];
-                xsv = a.as[(int64_t)row * (a.K / 16) + 2 * j] + a.as[(int64_t)row * (a.K / 16) + 2 * j + 1];
+            const int qe = qtab[p][xkk], j = qe & 0xFFFF;
+            if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
+                if constexpr (RAW) {
+                    const int4 *d = (const int4 *)(gemm_dyn + 3 * (NW * GK * MM_BM + tid));
+                    const int4 e2 = d[2];
+                    xa = d[0], xb = d[1], xdv = __int_as_float(e2.x), xsv = e2.y + e2.z;
+                } else {
+                    const int4 *src = (const int4 *)(a.aq + (int64_t)xrow * a.K + 32 * j);
+                    xa = src[0], xb = src[1];
+                    xdv = a.ad[(int64_t)xrow * nsb + j];
+                    xsv = a.as[(int64_t)xrow * (a.K / 16) + 2 * j] + a.as[(int64_t)xrow * (a.K / 16) + 2 * j + 1];
+                }
             }
         }
 #pragma unroll
@@ -522,7 +597,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
 #pragma unroll
             for (int i = 0; i < 8; i++) ws[w][kk][i][m] = sv[u].q[i];
             wA[w][kk][m] = sv[u].A, wB[w][kk][m] = sv[u].B;
-            if (Q6) wc[Q6 ? w : 0][kk][m][0] = sv[u].c0, wc[Q6 ? w : 0][kk][m][1] = sv[u].c1;
+            if constexpr (Q6) wc[Q6 ? w : 0][kk][m][0] = sv[u].c0, wc[Q6 ? w : 0][kk][m][1] = sv[u].c1;
         }
         if (xon) {
             xs[xkk][0][xn] = xa.x, xs[xkk][1][xn] = xa.y, xs[xkk][2][xn] = xa.z, xs[xkk][3][xn] = xa.w;
@@ -530,8 +605,11 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
             xd[xkk][xn] = xdv, xsf[xkk][xn] = (float)xsv;
         }
         __syncthreads();
-        /* the next stage's schedule: qtab[p ^ 1] was last read before this stage's first barrier */
-        if (tid < GK) qtab[p ^ 1][tid] = gemm_qentry(q0 + GK + tid, nq, C, nsb);
+        /* the next stage's bytes fly while this stage's mma work runs (every thread has
+         * unpacked its slots of this stage before the barrier) */
+        if constexpr (RAW) {
+            if (q0 + GK < nq) gemm_issue<SW>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk, xrow, nsb);
+        }
 #pragma unroll
         for (int kk = 0; kk < GK; kk++) {
             const int qe = qtab[p][kk];
@@ -546,7 +624,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                     for (int nt = 0; nt < 2; nt++) {
                         const int nb = nt * 8;
                         int d[4];
-                        if (Q6) {
+                        if constexpr (Q6) {
                             int lo[4], hi[4];
                             mma_k16(W[t4][r_lo], W[t4][r_hi], xs[kk][t4][nb + g], lo);
                             mma_k16(W[4 + t4][r_lo], W[4 + t4][r_hi], xs[kk][4 + t4][nb + g], hi);
@@ -580,6 +658,8 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
             }
         }
         __syncthreads();
+        /* the schedule two stages on: qtab[p] was last read before this barrier */
+        if (tid < GK) qtab[p][tid] = gemm_qentry(q0 + 2 * GK + tid, nq, C, nsb);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; nt++)
@@ -796,14 +876,6 @@ struct attn_args {
     qkv_args qa;
 };
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 /* Paged attention, flash-decoding style: one block per (token, head); its ATT_WARPS warps
  * take interleaved chunks of ATT_CK = 16 keys (a chunk never crosses a KV block: block sizes

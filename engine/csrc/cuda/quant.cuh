@@ -159,23 +159,27 @@ __device__ __forceinline__ void scale_min_k4_w(int j, uint32_t s0, uint32_t s1, 
         m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
     }
 }
-template <> __device__ __forceinline__ void unpack_sub<STG_Q4_K>(const uint8_t *row, int j, sub_w &s) {
-    const uint8_t *b = row + (int64_t)(j >> 3) * 144;
-    const int sb = j & 7;
-    /* d, dmin and the 12 scale bytes in one load: blocks are 16-byte aligned (144 = 9 x 16,
-     * rows a whole number of blocks, tensors 256-byte aligned in the arena) */
-    const uint4 hd = *(const uint4 *)b;
+/* Sub-block sb of a Q4_K block from its first 16 bytes (d, dmin, 12 scale bytes) and the 32
+ * bytes of nibbles it shares with sb ^ 1: the matvec (unpack_sub) and the GEMM's staged copy
+ * (k_linear_gemm, bytes copied to shared memory) both unpack through this, the same bits. */
+__device__ __forceinline__ void unpack_q4k(uint4 hd, uint4 v0, uint4 v1, int sb, sub_w &s) {
     int sc, m;
     scale_min_k4_w(sb, hd.y, hd.z, hd.w, sc, m);
     const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xFFFFu)));
     const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
     s.A = d * (float)sc, s.B = -(dmin * (float)m), s.c0 = s.c1 = 1;
-    const uint4 *qp = (const uint4 *)(b + 16 + 32 * (sb >> 1));
-    const uint4 v0 = qp[0], v1 = qp[1];
     const uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
     const int sh = (sb & 1) * 4;
 #pragma unroll
     for (int i = 0; i < 8; i++) s.q[i] = (int)((w[i] >> sh) & 0x0F0F0F0Fu);
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q4_K>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 144;
+    const int sb = j & 7;
+    /* d, dmin and the 12 scale bytes in one load: blocks are 16-byte aligned (144 = 9 x 16,
+     * rows a whole number of blocks, tensors 256-byte aligned in the arena) */
+    const uint4 *qp = (const uint4 *)(b + 16 + 32 * (sb >> 1));
+    unpack_q4k(*(const uint4 *)b, qp[0], qp[1], sb, s);
 }
 template <> __device__ __forceinline__ void unpack_sub<STG_Q5_K>(const uint8_t *row, int j, sub_w &s) {
     const uint8_t *b = row + (int64_t)(j >> 3) * 176;

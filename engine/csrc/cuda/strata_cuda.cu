@@ -550,12 +550,12 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
         const int64_t listed = a.g.gexp && a.g.tiles && g_gemm_tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
                                                                        : INT64_MAX;
         if (listed < per_group) { /* a block per tile of group_pairs' list */
-            launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)listed, 1), 128, 0, st, a);
+            launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st, a);
         } else {
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
             launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN), (unsigned)max_groups),
-                     128, 0, st, b);
+                     128, gemm_raw_bytes<T, SW>(), st, b);
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
@@ -778,7 +778,28 @@ static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, boo
 /* k_attention with its dynamic shared memory (two chunk stages up to head_dim 128, one above:
  * at most 64 KiB, within every targeted GPU's limit once opted in). */
 #define ATT_SMEM_MAX 65536
-static stg_status attention_setup(void) { /* once per device, outside any capture */
+/* The GEMMs that stage bytes in dynamic shared memory (gemm_raw): their size opted in (with the
+ * static arrays over 48 KiB) and the largest shared-memory carve-out, so that 3 blocks fit an SM. */
+template <int T, bool SW> static stg_status gemm_setup_one(void) {
+    if constexpr (gemm_raw_bytes<T, SW>() > 0) {
+        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                gemm_raw_bytes<T, SW>()), "gemm setup");
+        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                cudaSharedmemCarveoutMaxShared), "gemm setup");
+    }
+    return ST_OK;
+}
+static stg_status gemm_setup(void) {
+#define SETUP_GEMM(T)                          \
+    CHECK((gemm_setup_one<T, false>()));       \
+    CHECK((gemm_setup_one<T, true>()));
+    QUANT_CASES(SETUP_GEMM)
+#undef SETUP_GEMM
+    return ST_OK;
+}
+
+static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
+    CHECK(gemm_setup());
     CU(cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
        "attention setup");
@@ -1271,7 +1292,7 @@ static stg_status harness_device(void) {
     if (n < 0) return ST_EUNSUPPORTED;
     if (n == 0) return fail(ST_EUNSUPPORTED, "no CUDA device");
     CU(cudaSetDevice(0), "harness");
-    return ST_OK;
+    return gemm_setup();
 }
 
 static stg_status up(dbuf &b, const void *src, size_t n) {
