@@ -321,6 +321,11 @@ def run(args: argparse.Namespace) -> dict:
         res[f"decode_b8_gemm_min{gm}_tok_s"], _ = decode(8, 32, tag=f"b8_gemm_min{gm}")
         res[f"decode_b32_gemm_min{gm}_tok_s"], _ = decode(32, 32, tag=f"b32_gemm_min{gm}")
         del os.environ["STRATA_GPU_GEMM_MIN"]
+    # single-group launches (the output head) through the GEMM from 8 pairs: same results, other speed
+    os.environ["STRATA_GPU_GEMM_DENSE_MIN"] = "8"
+    res["decode_b8_dense_gemm_tok_s"], _ = decode(8, 32, tag="b8_dense_gemm")
+    res["decode_b32_dense_gemm_tok_s"], _ = decode(32, 32, tag="b32_dense_gemm")
+    del os.environ["STRATA_GPU_GEMM_DENSE_MIN"]
     res["decode_b32_stats_ms"] = {k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     res["decode_step_gpu_ms"] = gpu_ms
     bpt = bytes_per_token(eng.model_file)

@@ -126,7 +126,7 @@ struct graph_entry {
     const stg_kv *kv;
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, pdl, route_split;
-    int32_t gemm_min;
+    int32_t gemm_min, gemm_dense;
     bool fused_quant, fuse_qkv, gemm_tiles;
     cudaGraphExec_t exec;
 };
@@ -504,6 +504,15 @@ static int gemm_min_env() {
     return v < 1 ? 1 : v;
 }
 static int gemm_min_pairs() { return g_gemm_min; }
+/* Pairs from which a single-group launch (a dense layer, the output head) may take the GEMM
+ * (STRATA_GPU_GEMM_DENSE_MIN overrides the default 64: a measurement knob for the 151,936-row
+ * head at 8-32 sequences, where the matvec won before the GEMM's v2 / v4 changes). */
+static thread_local int g_gemm_dense = 64; /* read per step (stg_forward); graphs are keyed by it */
+static int gemm_dense_env() {
+    const char *e = getenv("STRATA_GPU_GEMM_DENSE_MIN");
+    const int v = e && e[0] ? atoi(e) : 64;
+    return v < 1 ? 1 : v;
+}
 /* STRATA_GPU_FUSED_QUANT=1: the gate/up matvec also quantises its output for the down
  * projection. Off by default: measured no faster (runs 19-21: +0.1, 0.0 and +0.1 ms per
  * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
@@ -523,11 +532,11 @@ static bool gemm_tiles_env() {
  * from gemm_min pairs per group, only with enough tiles to fill the GPU (a dense q or o
  * projection at 8-32 tokens has 64-128 tiles of 64 rows, each a serial pass over K: the
  * matvec's thousands of warps finish first there), and for a single group (a dense layer,
- * the output head) only from 64 rows (measured: the 151,936-row Q6_K head at 8 and 32
- * tokens is faster on the matvec). Same results either way. */
+ * the output head) only from gemm_dense pairs (64; measured before GEMM v2: the 151,936-row
+ * Q6_K head at 8 and 32 tokens is faster on the matvec). Same results either way. */
 static bool use_gemm(int64_t N, int groups, int expected) {
     const int64_t tiles = (N + MM_BM - 1) / MM_BM * groups * ((expected + MM_BN - 1) / MM_BN);
-    if (groups == 1 && expected < 64) return false;
+    if (groups == 1 && expected < g_gemm_dense) return false;
     return expected >= gemm_min_pairs() && tiles >= 256;
 }
 
@@ -1110,7 +1119,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaStream_t st = m->stream;
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
-            g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min &&
+            g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
             g.route_split == route_split()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
@@ -1127,7 +1136,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
-                                         g_fused_quant, sh.fuse_qkv, g_gemm_tiles, exec});
+                                         g_gemm_dense, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1213,6 +1222,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     const char *pe = getenv("STRATA_GPU_PDL");
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
     g_gemm_min = gemm_min_env();
+    g_gemm_dense = gemm_dense_env();
     const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
     g_fused_quant = fqe && fqe[0] == '1';
     g_gemm_tiles = gemm_tiles_env();
@@ -1287,6 +1297,7 @@ struct dbuf {
 static stg_status harness_device(void) {
     g_pdl = false;
     g_gemm_min = gemm_min_env();
+    g_gemm_dense = gemm_dense_env();
     g_gemm_tiles = false;
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
