@@ -149,8 +149,12 @@ template <> __device__ __forceinline__ void unpack_sub<STG_Q8_0>(const uint8_t *
 }
 /* Scale and min j of a K-quant block from its 12 packed bytes held in 3 words (no byte loads). */
 __device__ __forceinline__ void scale_min_k4_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, int &d, int &m) {
-    const uint32_t q[3] = {s0, s1, s2};
-    auto byte = [&](int i) -> int { return (int)((q[i >> 2] >> (8 * (i & 3))) & 0xFFu); };
+    /* words picked by selects, not an array indexed at run time (the GEMM's j comes from
+     * shared memory: an array would live on the stack) */
+    auto byte = [&](int i) -> int {
+        const uint32_t w = i < 4 ? s0 : (i < 8 ? s1 : s2);
+        return (int)((w >> (8 * (i & 3))) & 0xFFu);
+    };
     if (j < 4) {
         d = byte(j) & 63;
         m = byte(j + 4) & 63;
