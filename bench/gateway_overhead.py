@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,17 +39,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench.common import REPO_ROOT, machine_info, write_json
+from bench.harness.stack import free_port
 
 TARGET_MEDIAN_MS = 3.0
 TARGET_P99_MS = 10.0
 BODY = {"model": "strata-default", "messages": [{"role": "user", "content": "Name three colours."}],
         "max_tokens": 8, "temperature": 0, "stream": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(url: str, timeout: float) -> None:
@@ -82,7 +76,7 @@ def start_stack(stack: ExitStack, tmp: Path) -> tuple[str, str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
                STRATA_ADMIN_KEY=secrets.token_urlsafe(32))
-    lane_port, gw_port = _free_port(), _free_port()
+    lane_port, gw_port = free_port(), free_port()
     lane_log = open(tmp / "lane.log", "wb")
     stack.callback(lane_log.close)
     lane = subprocess.Popen([py, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=env, cwd=REPO_ROOT,

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from bench.harness.stack import dump_toml, free_port, processes_mentioning
+from bench.harness.stack import dump_toml, free_port, processes_mentioning, write_gateway_config
 from engine.default_model import build_default_model, default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,22 +50,8 @@ def lane_cores() -> dict[str, list[int]]:
 
 def render_gateway(tmp: Path, ports: dict[str, int]) -> Path:
     """The repo's deploy/gateway.toml with the temp lanes, port, database and admin key file."""
-    cfg = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
-    secrets = tmp / "var" / "secrets"
-    secrets.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key_file = secrets / "admin.key"
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(ADMIN_KEY + "\n")
-    lanes = [dict(lane, url=f"http://127.0.0.1:{ports['lane_' + lane['name']]}") for lane in cfg.pop("lanes")]
-    cfg.update(port=ports[GATEWAY], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
-               admin_key_file=str(key_file), health_interval_s=0.25, shutdown_timeout_s=5.0, ping_interval_s=1.0)
-    text = dump_toml(cfg)
-    for lane in lanes:
-        text += "\n[[lanes]]\n" + dump_toml(lane)
-    dst = tmp / "gateway.toml"
-    dst.write_text(text)
-    return dst
+    write_gateway_config(tmp, ports, ADMIN_KEY, shutdown_timeout_s=5.0, ping_interval_s=1.0)
+    return tmp / "gateway.toml"
 
 
 def render_config(tmp: Path, ports: dict[str, int], cores: dict[str, list[int]]) -> Path:
