@@ -12,7 +12,7 @@ import pytest
 
 from memory.config import MemoryConfig
 from memory.service import MemoryService, _load_from
-from memory.store import MemoryStore, open_engine
+from memory.store import MemoryStore, Session, open_engine
 
 
 def _service(tmp_path: Path, calls: list[list[dict[str, Any]]]) -> MemoryService:
@@ -24,17 +24,24 @@ def _service(tmp_path: Path, calls: list[list[dict[str, Any]]]) -> MemoryService
     return MemoryService(MemoryStore(open_engine(f"sqlite:///{tmp_path / 'm.db'}")), cfg, None, complete)
 
 
+def _session_with_turns(svc: MemoryService, n: int, label: str, body: str, tokens: int) -> Session:
+    """A new session of key 1 holding ``n`` alternating user/assistant turns ``f"{label} {i} " + body`` of
+    ``tokens`` estimated tokens each, read back (so its ``n_turns`` counts them)."""
+    s = svc.store.create_session(1)
+    assert s is not None
+    svc.store.append(s.pk, [("user" if i % 2 == 0 else "assistant", f"{label} {i} " + body, tokens, True)
+                            for i in range(n)])
+    s = svc.store.get_session(1, s.id)
+    assert s is not None
+    return s
+
+
 def test_summary_folds_only_what_the_lane_no_longer_sees(tmp_path: Path) -> None:
     calls: list[list[dict[str, Any]]] = []
     svc = _service(tmp_path, calls)
-    s = svc.store.create_session(1)
-    assert s is not None
-    svc.store.append(s.pk, [("user" if i % 2 == 0 else "assistant", f"line {i} " + "x" * 60, 30, True)
-                            for i in range(20)])
+    s = _session_with_turns(svc, 20, "line", "x" * 60, 30)
     # everything still fits verbatim (no composition left a turn out): no summary, however long the history
     assert asyncio.run(svc.summarise(s.pk)) is False and not calls
-    s = svc.store.get_session(1, s.id)
-    assert s is not None
     loaded = asyncio.run(svc.load(s, "what was my cat called?"))
     comp = loaded.compose(svc.cfg, None, [{"role": "user", "content": "what was my cat called?"}], 400)
     assert comp.dropped > 0
@@ -81,12 +88,7 @@ def test_composes_without_retrieval_while_the_model_loads(tmp_path: Path) -> Non
     model = _LoadingModel()
     cfg = MemoryConfig(retrieve_min_score=0.0)
     svc = MemoryService(MemoryStore(open_engine(f"sqlite:///{tmp_path / 'm.db'}")), cfg, model, None)
-    s = svc.store.create_session(1)
-    assert s is not None
-    svc.store.append(s.pk, [("user" if i % 2 == 0 else "assistant", f"turn {i} " + "y" * 300, 100, True)
-                            for i in range(40)])
-    s = svc.store.get_session(1, s.id)
-    assert s is not None
+    s = _session_with_turns(svc, 40, "turn", "y" * 300, 100)
     new = [{"role": "user", "content": "and the cat?"}]
     loaded = asyncio.run(svc.load(s, "and the cat?"))
     comp = loaded.compose(cfg, None, new, 1200)
@@ -207,12 +209,7 @@ def test_late_writers_of_a_deleted_session_leave_nothing(tmp_path: Path) -> None
                         MemoryConfig(retrieve_min_score=0.0), model, complete)
 
     async def scenario() -> None:
-        s = svc.store.create_session(1)
-        assert s is not None
-        svc.store.append(s.pk, [("user" if i % 2 == 0 else "assistant", f"turn {i} " + "z" * 300, 100, True)
-                                for i in range(30)])
-        s = svc.store.get_session(1, s.id)
-        assert s is not None
+        s = _session_with_turns(svc, 30, "turn", "z" * 300, 100)
         loaded = await svc.load(s, "locker?")
         comp = loaded.compose(svc.cfg, None, [{"role": "user", "content": "locker?"}], 1200)
         svc.composed(loaded, comp)
