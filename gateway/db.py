@@ -33,9 +33,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.schema import CreateTable
 
 __all__ = ["INT_MAX", "INT_MIN", "api_keys", "check_text", "get_pepper", "meta", "metadata", "open_db",
-           "requests", "safe_url"]
+           "rebuild_with_autoincrement", "requests", "safe_url"]
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1  # an SQL INTEGER column (PostgreSQL int4)
 _SCHEMA_LOCK = 0x5374726174610001  # pg_advisory_xact_lock key: gateways starting at once create tables in turn
@@ -57,6 +58,8 @@ api_keys = Table(
     Column("log_prompts", Boolean, nullable=False, default=False),
     Column("created", Float, nullable=False),  # unix seconds
     Column("revoked", Float, nullable=True),  # unix seconds; None: active
+    # ids are never reused: a key's id owns its sessions and collections (see rebuild_with_autoincrement)
+    sqlite_autoincrement=True,
 )
 
 requests = Table(
@@ -143,9 +146,51 @@ def open_db(url: str) -> Engine:
             # CREATE TABLE is not atomic with its existence check: two gateways starting on an empty
             # database would both create (one fails); the lock lasts until this transaction ends
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _SCHEMA_LOCK})
+        elif is_sqlite and not conn.connection.driver_connection.in_transaction:
+            # Python's sqlite3 runs DDL outside a transaction unless one is open: open it with the write lock,
+            # so a table rebuild below is all or nothing and gateways starting together go in turn
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
         metadata.create_all(conn)
         _add_missing_columns(conn)
+        rebuild_with_autoincrement(conn, [api_keys])
     return engine
+
+
+def rebuild_with_autoincrement(conn: Connection, tables: list[Table]) -> list[str]:
+    """SQLite: rebuild each of ``tables`` that exists without AUTOINCREMENT; returns the names rebuilt.
+
+    A plain ``INTEGER PRIMARY KEY`` hands a deleted highest id to the next row, so whatever refers
+    to that id (a key's sessions and collections, a session's per-gateway state) would pass to a
+    new row. The rebuild keeps every row and id (the columns both definitions have), the table's
+    constraints and its indexes (under their own names), and starts the table's sequence at its
+    highest id. Run it inside one transaction (SQLite: ``BEGIN IMMEDIATE``) so that a failure
+    leaves the old table. Not SQLite: nothing to do (PostgreSQL's sequences never go back).
+    """
+    if conn.dialect.name != "sqlite":
+        return []
+    done = []
+    for t in tables:
+        ddl = conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :n"),
+                           {"n": t.name}).scalar()
+        if ddl is None or "AUTOINCREMENT" in ddl.upper():
+            continue
+        assert t.dialect_options["sqlite"]["autoincrement"], t.name
+        new = t.to_metadata(MetaData(), name=f"{t.name}__rebuild")
+        have = {c["name"] for c in inspect(conn).get_columns(t.name)}
+        conn.execute(text(f'DROP TABLE IF EXISTS "{new.name}"'))
+        conn.execute(CreateTable(new))  # the table alone: its indexes are made below, under the old names
+        cols = ", ".join(f'"{c.name}"' for c in t.columns if c.name in have)
+        conn.execute(text(f'INSERT INTO "{new.name}" ({cols}) SELECT {cols} FROM "{t.name}"'))
+        conn.execute(text(f'DROP TABLE "{t.name}"'))
+        conn.execute(text(f'ALTER TABLE "{new.name}" RENAME TO "{t.name}"'))
+        pk = next(iter(t.primary_key.columns)).name
+        conn.execute(text("DELETE FROM sqlite_sequence WHERE name IN (:a, :b)"), {"a": t.name, "b": new.name})
+        conn.execute(text(f'INSERT INTO sqlite_sequence (name, seq) SELECT :n, COALESCE(MAX("{pk}"), 0) '
+                          f'FROM "{t.name}"'), {"n": t.name})
+        for ix in t.indexes:
+            ix.create(conn, checkfirst=True)
+        done.append(t.name)
+    return done
 
 
 def _add_missing_columns(conn: Connection) -> None:

@@ -55,7 +55,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.schema import CreateTable
+
+from gateway.db import rebuild_with_autoincrement
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "MemoryStore", "SchemaError", "Session", "Summary", "Turn",
            "metadata", "migrate", "open_engine", "schema_version"]
@@ -137,27 +138,9 @@ def _v2(conn: Connection) -> None:
     deleted highest id to the next row: a new session got a deleted one's pk and turn ids, and per-session
     state of a gateway (memory.service) keyed by them applied to the wrong session. Rows keep their ids; each
     table's sequence starts at its highest id. A table already made with AUTOINCREMENT (a new database, whose
-    v1 step used these definitions) is left alone. PostgreSQL: nothing to do (sequences never go back)."""
-    if conn.dialect.name != "sqlite":
-        return
-    for t in (sessions, turns, summaries):
-        ddl = conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = :n"),
-                           {"n": t.name}).scalar()
-        if ddl is None or "AUTOINCREMENT" in ddl.upper():
-            continue
-        new = t.to_metadata(MetaData(), name=f"{t.name}_v2")
-        conn.execute(text(f'DROP TABLE IF EXISTS "{new.name}"'))
-        conn.execute(CreateTable(new))  # the table alone: its indexes are made below, under the old names
-        cols = ", ".join(f'"{c.name}"' for c in t.columns)
-        conn.execute(text(f'INSERT INTO "{new.name}" ({cols}) SELECT {cols} FROM "{t.name}"'))
-        conn.execute(text(f'DROP TABLE "{t.name}"'))
-        conn.execute(text(f'ALTER TABLE "{new.name}" RENAME TO "{t.name}"'))
-        pk = next(iter(t.primary_key.columns)).name
-        conn.execute(text("DELETE FROM sqlite_sequence WHERE name IN (:a, :b)"), {"a": t.name, "b": new.name})
-        conn.execute(text(f'INSERT INTO sqlite_sequence (name, seq) SELECT :n, COALESCE(MAX("{pk}"), 0) '
-                          f'FROM "{t.name}"'), {"n": t.name})
-        for ix in t.indexes:
-            ix.create(conn, checkfirst=True)
+    v1 step used these definitions) is left alone. PostgreSQL: nothing to do (sequences never go back).
+    The rebuild is gateway.db's, shared with the gateway's api_keys."""
+    rebuild_with_autoincrement(conn, [sessions, turns, summaries])
 
 
 # (version, note, step): append only; a step must be idempotent (a database may be between two versions)

@@ -119,6 +119,18 @@ def test_tables_and_concurrent_start(pg: PG) -> None:
         s.engine.dispose()
 
 
+def test_key_ids_are_never_reused_after_a_delete(pg: PG) -> None:
+    """A key's id owns its sessions and collections: PostgreSQL's sequence must not hand a deleted top id out again
+    (SQLite needed AUTOINCREMENT for this: tests/gateway/test_keys.py)."""
+    store = KeyStore(open_db(pg.url))
+    store.create(KeySpec(name="a"))
+    _, top = store.create(KeySpec(name="b"))
+    with pg.admin.begin() as c:
+        c.execute(text(f'DELETE FROM "{pg.schema}".api_keys WHERE id = :i'), {"i": top.id})
+    assert store.create(KeySpec(name="c"))[1].id > top.id
+    store.engine.dispose()
+
+
 async def test_keys(pg: PG, capsys: pytest.CaptureFixture[str]) -> None:
     store = KeyStore(open_db(pg.url))
     key, rec = store.create(KeySpec(name="alice", rpm=10, log_prompts=None), log_prompts_default=True)

@@ -235,7 +235,7 @@ def test_a_v1_sqlite_database_keeps_every_row_and_stops_reusing_ids(tmp_path: Pa
         ddl = dict(c.execute(text("SELECT name, sql FROM sqlite_master WHERE type = 'table'")).all())
         ixs = set(c.execute(text("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")).scalars())
         seqs = dict(c.execute(text("SELECT name, seq FROM sqlite_sequence")).all())
-    assert all("AUTOINCREMENT" in ddl[n] for n in names[:3]) and not any(n.endswith("_v2") for n in ddl)
+    assert all("AUTOINCREMENT" in ddl[n] for n in names[:3]) and not any(n.endswith("__rebuild") for n in ddl)
     assert ixs == {"ix_memory_sessions_key", "ix_memory_vectors_session"}
     assert seqs == {"memory_sessions": 7, "memory_turns": 9, "memory_summaries": 2}
     assert [t.seq for t in store.turns(3)] == [1, 2, 3] and store.summary(3).text == "the code is 4417"  # type: ignore[union-attr]
