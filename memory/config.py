@@ -31,6 +31,9 @@ class MemoryConfig(BaseModel):
     summary_retry_s: float = Field(30.0, gt=0, description="first pause before a failed summarisation is retried "
                                    "(doubles up to 16x)")
     summary_timeout_s: float = Field(120.0, gt=0)
+    vector_cache_mb: float = Field(256.0, ge=0, description="memory for the turn vectors of recently used "
+                                   "sessions (MiB); the least recently used are dropped past it and reloaded from "
+                                   "the database on their next request (0: reload every time)")
     max_sessions_per_key: int = Field(10_000, ge=1)
     max_turn_chars: int = Field(200_000, ge=100, description="longest message stored as a turn")
 

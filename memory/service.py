@@ -5,7 +5,10 @@ embeddings run on the shared embedding model's worker thread (the RAG model: the
 space as document search). Turn vectors are written in the background after a reply is stored,
 and backfilled when a request finds some missing (a gateway killed in between), so a killed
 process loses no retrievability. A per-session cache keeps the vector matrix in memory; it grows
-by the rows added since (turn ids only increase) and is dropped with the session.
+by the rows added since (turn ids only increase) and is dropped with the session. The caches of
+all sessions together stay within ``vector_cache_mb``: past it the least recently used are dropped,
+and such a session's next request reloads its vectors from the database (the same rows: same
+retrieval).
 
 Summarisation (:meth:`MemoryService.summarise`) runs as a background task after a reply when the
 unsummarised history passes ``summarize_after_tokens`` *and* a composition has left turns out of the
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -86,6 +90,11 @@ class _VecCache:
         return self._ids[:self.n]
 
     @property
+    def nbytes(self) -> int:
+        """Memory held (the allocated capacity, not just the rows in use)."""
+        return self._ids.nbytes + (self._buf.nbytes if self._buf is not None else 0)
+
+    @property
     def mat(self) -> np.ndarray:
         assert self._buf is not None or self.n == 0
         return self._buf[:self.n] if self._buf is not None else np.zeros((0, 0), dtype=np.float32)
@@ -142,7 +151,9 @@ class MemoryService:
             from gateway.documents.embed import single_threaded_blas
 
             single_threaded_blas()  # the similarity over a session's vectors is one BLAS matrix-vector product
-        self._cache: dict[int, _VecCache] = {}
+        self._cache: OrderedDict[int, _VecCache] = OrderedDict()  # least recently used first
+        self._cache_budget = int(cfg.vector_cache_mb * 2**20)
+        self.cache_evictions = 0
         self._embedded_upto: dict[int, int] = {}  # session pk -> every turn up to this id has a vector
         self._embedded_seq: dict[int, int] = {}  # ... and up to this seq: a request compares its n_turns, no query
         self._locks: dict[int, asyncio.Lock] = {}
@@ -192,6 +203,7 @@ class MemoryService:
             # the query's forward pass runs on the embedding thread while the rows load on a worker thread
             qvec = asyncio.ensure_future(self.embedder.aencode_query(query[:4000]))
             cache = self._cache.setdefault(pk, _VecCache())
+            self._cache.move_to_end(pk)
         try:
             summary, recent, ids, mat = await asyncio.to_thread(self._rows, session,
                                                                 cache.last_id if cache is not None else None)
@@ -203,11 +215,24 @@ class MemoryService:
                     assert self.embedder is not None
                     cache.extend(*await asyncio.to_thread(self.store.load_vectors, pk, self.embedder.version_key,
                                                           cache.last_id))
+                self._fit_cache()  # this request keeps its own reference, even if its session's entry goes
                 candidates = await self._rank(cache, await qvec, len(recent))
         finally:
             if qvec is not None and not qvec.done():
                 qvec.cancel()
         return Loaded(session, summary, recent, candidates, (time.perf_counter() - t0) * 1000, note)
+
+    def cache_bytes(self) -> int:
+        return sum(c.nbytes for c in self._cache.values())
+
+    def _fit_cache(self) -> None:
+        """Drop the least recently used sessions' vectors until all fit the budget (a session larger than the
+        budget on its own is not kept either: it reloads on each request)."""
+        total = self.cache_bytes()
+        while total > self._cache_budget and self._cache:
+            _, dropped = self._cache.popitem(last=False)
+            total -= dropped.nbytes
+            self.cache_evictions += 1
 
     def _rows(self, session: Session, vectors_after: int | None
               ) -> tuple[Summary | None, list[Turn], np.ndarray, np.ndarray]:

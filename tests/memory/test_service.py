@@ -225,3 +225,35 @@ def test_late_writers_of_a_deleted_session_leave_nothing(tmp_path: Path) -> None
         assert _held(svc) == {} and not calls
 
     asyncio.run(scenario())
+
+
+def test_the_vector_cache_stays_within_its_budget_and_an_evicted_session_retrieves_the_same(tmp_path: Path) -> None:
+    """Sessions' vectors are cached least recently used first within ``vector_cache_mb``; a session dropped
+    from the cache reloads its vectors from the database and retrieves exactly what it did before."""
+    model = _Words()
+    one = 256 * (2 * 4 + 8)  # one session's cache at its smallest capacity: 256 rows of 2 floats and an id
+    cfg = MemoryConfig(vector_cache_mb=2.5 * one / 2**20)  # room for two sessions, not three
+    svc = MemoryService(MemoryStore(open_engine(f"sqlite:///{tmp_path / 'm.db'}")), cfg, model, None)
+    q = "What is my locker code?"
+
+    async def scenario() -> None:
+        sessions, first = [], []
+        for n in range(3):
+            s = _session_with_turns(svc, 40, f"s{n}", "filler about the weather " * 8, 60)
+            svc.store.append(s.pk, [("user", f"My locker code is 44{n}7.", 8, True)])
+            s = svc.store.get_session(1, s.id)
+            assert s is not None
+            await svc.embed_missing(s.pk)
+            loaded = await svc.load(s, q)
+            assert svc.cache_bytes() <= 2.5 * one and len(svc._cache) <= 2  # the budget holds after every load
+            first.append([(c.turn.id, c.score) for c in loaded.candidates])
+            sessions.append(s)
+        assert list(svc._cache) == [sessions[1].pk, sessions[2].pk] and svc.cache_evictions == 1
+        for n, s in enumerate(sessions):  # in this order each session was just dropped: every load reloads
+            loaded = await svc.load(s, q)
+            assert [(c.turn.id, c.score) for c in loaded.candidates] == first[n]
+            assert loaded.candidates[0].turn.content == f"My locker code is 44{n}7." and loaded.candidates[0].score == 1
+            assert svc.cache_bytes() <= 2.5 * one
+        assert svc.cache_evictions == 4  # each of those loads dropped the least recently used session
+
+    asyncio.run(scenario())
