@@ -10,7 +10,10 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 [ -n "$NCU" ] || { echo "ncu: not found"; exit 1; }
 python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1 || { tail -5 /tmp/model-build.log; exit 1; }
 secs=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats
+      --section SchedulerStats)
+# the pipe utilisation and instruction-mix tables (charts in the GUI) only with --print-details all
+"$NCU" --help 2>/dev/null | grep -q -- --print-details && secs+=(--print-details all)
 {
   echo "== 512-token prefill step: GEMMs and grouping of layer 0 (+ layer 1's q), GEMM tile list on"
   STRATA_GPU_PDL=0 STRATA_GPU_GEMM_TILES=1 timeout 240 "$NCU" --clock-control none -k 'regex:k_linear_gemm|k_group' \

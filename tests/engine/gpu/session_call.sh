@@ -9,6 +9,7 @@
 #
 #   session_call.sh [tests|bench|all|ncu] [bench.engine_gpu args...]
 #   session_call.sh ab OTHER.so [MORE.so...]   (after another mode in the same call, or alone)
+#   session_call.sh try OTHER.so [MORE.so...]  (each one's bitwise tests, ab, ncu of the first)
 #
 # ncu: Nsight Compute (--clock-control none, as the device notes ask) on one 512-token prefill
 # step (the GEMM launches and the grouping of layer 0: occupancy, stall reasons, memory
@@ -34,6 +35,23 @@ if [ "$what" = ab ]; then
 fi
 if [ "$what" = ncu ]; then
   exec bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"
+fi
+# try: for each OTHER.so the bitwise kernel and model tests ($OUT/try-NAME.log), then ab against the
+# carried library, then the first OTHER.so's SASS ($OUT/sass.txt.gz) and Nsight Compute with it (NCU=0
+# skips that): a candidate's whole check in one setup.
+if [ "$what" = try ]; then
+  [ $# -ge 1 ] || { echo "try needs at least one other library"; exit 2; }
+  libs="$PWD/engine/_strata_cuda.so"; first=$(realpath "$1")
+  for l in "$@"; do libs="$libs $(realpath "$l")"; done
+  exec bash tests/engine/gpu/device_run.sh sh "(python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1) &
+    for l in $libs; do [ \$l = $PWD/engine/_strata_cuda.so ] && continue; n=\$(basename \$l .so)
+      STRATA_CUDA_LIB=\$l python3 -m pytest -q -p no:cacheprovider -o addopts='' tests/engine/gpu/test_gpu_kernels.py \
+        tests/engine/gpu/test_gpu_models.py > $OUT/try-\$n.log 2>&1; echo \"\$n: pytest exit \$?: \$(tail -1 $OUT/try-\$n.log)\"; done
+    wait
+    for n in 512 4096; do for l in $libs; do
+      STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1; done; done
+    cuobjdump --dump-sass $first 2>&1 | gzip > $OUT/sass.txt.gz
+    [ \"\${NCU:-1}\" = 0 ] || STRATA_CUDA_LIB=$first bash tests/engine/gpu/ncu_prefill.sh"
 fi
 if [ "$what" != tests ]; then bash tests/engine/gpu/build_llama_cuda.sh .llama/bin-pack /tmp/llama-build; fi
 cat > /tmp/session_steps.sh <<EOF
