@@ -194,13 +194,16 @@ __device__ __forceinline__ void seg_of(const lin_args &a, int r, const uint8_t *
     }
 }
 
-/* A sub-block's contribution ad * (A * isum + B * asum), every rounding explicit so that the
- * matvec and the tensor-core GEMM (which must agree bitwise) compile it identically. */
-__device__ __forceinline__ float sub_val(float ad, float A, float B, int isum, int asum) {
-    return __fmul_rn(ad, __fadd_rn(__fmul_rn(A, (float)isum), __fmul_rn(B, (float)asum)));
+/* A sub-block's contribution added to acc: fma(A, ad * isum, fma(B, ad * asum, acc)), every
+ * rounding explicit so that the matvec and the tensor-core GEMM (which must agree bitwise)
+ * compile it identically. Two FMAs, one product and the conversion per output and sub-block
+ * (the GEMM keeps ad * asum per pair and sub-block in shared memory): the GEMM's epilogue,
+ * which runs per mma output, was six float operations as ad * (A * isum + B * asum) + acc. */
+__device__ __forceinline__ float sub_acc(float acc, float ad, float A, float B, int isum, float adsum) {
+    return __fmaf_rn(A, __fmul_rn(ad, (float)isum), __fmaf_rn(B, adsum, acc));
 }
 
-__device__ __forceinline__ float sub_dot(const sub_w &s, const int8_t *aq, float ad, const int32_t *as) {
+__device__ __forceinline__ float sub_dot(float acc, const sub_w &s, const int8_t *aq, float ad, const int32_t *as) {
     const int4 a0 = ((const int4 *)aq)[0], a1 = ((const int4 *)aq)[1];
     int lo = __dp4a(s.q[0], a0.x, 0);
     lo = __dp4a(s.q[1], a0.y, lo);
@@ -210,7 +213,7 @@ __device__ __forceinline__ float sub_dot(const sub_w &s, const int8_t *aq, float
     hi = __dp4a(s.q[5], a1.y, hi);
     hi = __dp4a(s.q[6], a1.z, hi);
     hi = __dp4a(s.q[7], a1.w, hi);
-    return sub_val(ad, s.A, s.B, s.c0 * lo + s.c1 * hi, as[0] + as[1]);
+    return sub_acc(acc, ad, s.A, s.B, s.c0 * lo + s.c1 * hi, __fmul_rn(ad, (float)(as[0] + as[1])));
 }
 
 /* Matvec path: one warp per weight row, NT pairs per pass, lanes over 32-sub-blocks. */
@@ -257,8 +260,8 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
                 const int8_t *q = a.aq + base + 32 * j;
                 const float d = a.ad[base / 32 + j];
                 const int32_t *sm = a.as + base / 16 + 2 * j;
-                acc[t] = __fadd_rn(acc[t], sub_dot(s, q, d, sm));
-                if (SW) acc2[t] = __fadd_rn(acc2[t], sub_dot(s2, q, d, sm));
+                acc[t] = sub_dot(acc[t], s, q, d, sm);
+                if (SW) acc2[t] = sub_dot(acc2[t], s2, q, d, sm);
             }
         }
 #pragma unroll
@@ -389,12 +392,13 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) 
 
 /* Tiled matrix-matrix path on the tensor cores, bitwise equal to the matvec kernel.
  *
- * A block computes MM_BM = 64 weight rows x MM_BN = 16 pairs of one group (4 warps, each 16
- * rows x 2 n-tiles of 8). Per 32-element sub-block the integer dot products come from
+ * A block computes MM_BM = 64 weight rows x BN pairs of one group (4 warps, each 16 rows x
+ * BN / 8 n-tiles of 8): BN = MM_BN = 16, or MM_BN_WIDE = 32 for the plain form of a dense layer
+ * with enough tiles (the weight unpacking, its L2 requests and fragment loads per mma halve). Per 32-element sub-block the integer dot products come from
  * `mma.sync` m16n8k32 s8 x s8 -> s32 (Q6_K: two m16n8k16, its two half-scales differ),
  * exact like dp4a; every float operation after that is the matvec's, in the matvec's order:
- * sub-block values v_j = ad * (A * isum + B * asum) with explicit roundings, summed per
- * residue i = j mod 32 in increasing j (a matvec lane's loop), and the 32 residue sums
+ * each sub-block added into its residue's sum as sub_acc does (two FMAs with explicit roundings),
+ * residues i = j mod 32 summed in increasing j (a matvec lane's loop), and the 32 residue sums
  * combined as the warp butterfly does (pairs i, i + 16 first, then + 8, + 4, + 2, + 1).
  * The k loop walks the residues in bit-reversed order, so that tree is built left to right
  * with five pending partial sums per output. Hence a token's result does not depend on
@@ -402,7 +406,10 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) 
 #define MM_BM 64
 #define MM_BN 16
 #define MM_WP 72 /* padded row count of a staged weight word plane (conflict-free fragments) */
-#define MM_XP 24 /* padded pair count of a staged activation word plane */
+#define MM_BN_WIDE 32 /* dense plain GEMMs with enough tiles: each weight sub-block unpacked and
+                        * loaded once for 32 pairs (k_linear_gemm's BN) */
+/* padded pair count of a staged activation word plane (conflict-free fragments and stores) */
+template <int BN> __host__ __device__ constexpr int mm_xp() { return BN + 8; }
 
 __device__ __forceinline__ void mma_k32(const int (&a)[4], int b0, int b1, int (&d)[4]) {
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -441,11 +448,12 @@ template <int LV> __device__ __forceinline__ void tree_push_lv(float (&L)[5], fl
     if (LV == 4) { L[4] = v; return; }
     L[4] = L[4] + v;
 }
-template <int LV, int NW> __device__ __forceinline__ void tree_push_all(float (&L)[NW][2][4][5], float (&cur)[NW][2][4]) {
+template <int LV, int NW, int NT>
+__device__ __forceinline__ void tree_push_all(float (&L)[NW][NT][4][5], float (&cur)[NW][NT][4]) {
 #pragma unroll
     for (int w = 0; w < NW; w++)
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int o = 0; o < 4; o++) {
                 tree_push_lv<LV>(L[w][nt][o], cur[w][nt][o]);
@@ -459,18 +467,19 @@ template <int LV, int NW> __device__ __forceinline__ void tree_push_all(float (&
  * (the block's d / dmin / scales and the 32 bytes of nibbles) and per (sub-block, pair)
  * (32 bytes of 8-bit values, the scale, the two 16-value sums). Set up by gemm_setup. */
 template <int T> __host__ __device__ constexpr bool gemm_raw() { return T == STG_Q4_K; }
-template <int T, bool SW> __host__ __device__ constexpr int gemm_raw_bytes() {
-    return gemm_raw<T>() ? 48 * ((SW ? 2 * 4 : 8) * MM_BM + (SW ? 4 : 8) * MM_BN) : 0;
+template <int T, bool SW, int BN = MM_BN> __host__ __device__ constexpr int gemm_raw_bytes() {
+    return gemm_raw<T>() ? 48 * ((SW ? 2 * 4 : 8) * MM_BM + (SW ? 4 : 8) * BN) : 0;
 }
 
 /* A Q4_K GEMM stage's bytes (schedule tab) copied with cp.async into this thread's own slots of
  * the dynamic shared memory: the same thread unpacks them, so its cp.async.wait_group is all
  * the ordering needed. Weight slot it = (weight, sub-block, row) as k_linear_gemm's fill;
- * activation slot NW * GK * MM_BM + tid: 32 bytes of values, then the scale and the two sums. */
-template <bool SW>
+ * activation slot NW * GK * MM_BM + (sub-block, pair) entry: 32 bytes of values, then the scale
+ * and the two sums (entry tid + 128 u: sub-block xkk0 + u * 128 / BN, pair tid % BN). */
+template <bool SW, int BN>
 __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, uint4 *dyn, int tid, int m0,
-                                           const uint8_t *wbase, const uint8_t *wbase2, int xkk, int xrow, int nsb) {
-    constexpr int GK = SW ? 4 : 8, WI = (SW ? 2 : 1) * GK * MM_BM / 128;
+                                           const uint8_t *wbase, const uint8_t *wbase2, int xkk0, int xrow, int nsb) {
+    constexpr int GK = SW ? 4 : 8, WI = (SW ? 2 : 1) * GK * MM_BM / 128, XE = (GK * BN + 127) / 128;
 #pragma unroll
     for (int u = 0; u < WI; u++) {
         const int it = tid + 128 * u;
@@ -483,12 +492,15 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
             cp_async16(d, b), cp_async16(d + 1, qb), cp_async16(d + 2, qb + 16);
         }
     }
-    if (xkk < GK) {
+#pragma unroll
+    for (int u = 0; u < XE; u++) {
+        const int xkk = xkk0 + u * (128 / BN);
+        if (xkk >= GK) break;
         const int qe = tab[xkk], j = qe & 0xFFFF;
         if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
             const int8_t *src = a.aq + (int64_t)xrow * a.K + 32 * j;
             const int32_t *ss = a.as + (int64_t)xrow * (a.K / 16) + 2 * j;
-            uint4 *d = dyn + 3 * ((SW ? 2 : 1) * GK * MM_BM + tid);
+            uint4 *d = dyn + 3 * ((SW ? 2 : 1) * GK * MM_BM + tid + 128 * u);
             int *dw = (int *)(d + 2);
             cp_async16(d, src), cp_async16(d + 1, src + 16);
             cp_async4(dw, a.ad + (int64_t)xrow * nsb + j), cp_async4(dw + 1, ss), cp_async4(dw + 2, ss + 1);
@@ -497,40 +509,42 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
     cp_async_commit();
 }
 
-template <int T, bool SW>
+template <int T, bool SW, int BN>
 __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = SW ? 4 : 8; /* weights; sub-blocks per stage */
+    constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
+    static_assert(BN == MM_BN || (BN == MM_BN_WIDE && !SW), "BN: 16, or 32 for the plain form");
     constexpr bool Q6 = T == STG_Q6_K, RAW = gemm_raw<T>();
-    extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * MM_BN][3] */
+    extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
     __shared__ int wc[Q6 ? NW : 1][Q6 ? GK : 1][Q6 ? MM_BM : 1][2];
-    __shared__ int xs[GK][8][MM_XP];
-    __shared__ float xd[GK][MM_BN];
-    __shared__ float xsf[GK][MM_BN]; /* the activation sub-block sums, converted once per stage */
-    __shared__ int prow[MM_BN];
+    __shared__ int xs[GK][8][XP];
+    __shared__ float xd[GK][BN];
+    __shared__ float xsf[GK][BN]; /* ad * the activation sub-block sum (sub_acc), once per stage */
+    __shared__ int prow[BN];
     __shared__ int qtab[2][GK]; /* gemm_qentry of this stage's and the next stage's positions */
     int e, start, count, n0;
-    if (a.g.tiles) { /* a block per tile of the groups (group_pairs' list) */
+    if (BN == MM_BN && a.g.tiles) { /* a block per tile of the groups (group_pairs' list, tiles of MM_BN) */
         const int32_t nt = *a.g.n_tiles, tl = a.g.tiles[blockIdx.y]; /* both loads in flight: the list has room */
         if ((int)blockIdx.y >= nt || !group_of(a.g, tl >> 16, e, start, count)) return;
-        n0 = (tl & 0xFFFF) * MM_BN;
+        n0 = (tl & 0xFFFF) * BN;
     } else {
         if (!group_of(a.g, blockIdx.z, e, start, count)) return;
-        n0 = blockIdx.y * MM_BN;
+        n0 = blockIdx.y * BN;
         if (n0 >= count) return;
     }
     const int m0 = blockIdx.x * MM_BM;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
-    if (tid < MM_BN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
+    if (tid < BN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
     const uint8_t *wbase = a.w + e * a.expert_stride, *wbase2 = SW ? a.w2 + e * a.expert_stride : nullptr;
     const int nsb = a.K / 32, C = (nsb + 31) / 32, nq = 32 * C;
-    float cur[NW][2][4], L[NW][2][4][5];
+    float cur[NW][NT][4], L[NW][NT][4][5];
 #pragma unroll
     for (int w = 0; w < NW; w++)
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int o = 0; o < 4; o++) {
                 cur[w][nt][o] = 0.0f;
@@ -543,10 +557,10 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     if (tid < GK) qtab[0][tid] = gemm_qentry(tid, nq, C, nsb), qtab[1][tid] = gemm_qentry(GK + tid, nq, C, nsb);
     __syncthreads();
     constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
-    const int xkk = tid / MM_BN, xn = tid % MM_BN; /* activations: one (sub-block, pair) per thread */
-    const bool xon = xkk < GK;
-    const int xrow = xon ? prow[xn] : -1;
-    if constexpr (RAW) gemm_issue<SW>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk, xrow, nsb);
+    /* activations: (sub-block, pair) entries tid + 128 u, u < XE: pair xn, sub-blocks xkk0 + u * 128 / BN */
+    const int xkk0 = tid / BN, xn = tid % BN;
+    const int xrow = xkk0 < GK ? prow[xn] : -1;
+    if constexpr (RAW) gemm_issue<SW, BN>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
     for (int q0 = 0, p = 0; q0 < nq; q0 += GK, p ^= 1) {
         /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
          * every global load of the stage is issued before the first shared-memory store */
@@ -572,21 +586,25 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
             }
         }
         /* activations: 32 bytes (two 16-byte loads), the scale and the two 16-value sums */
-        int4 xa = make_int4(0, 0, 0, 0), xb = xa;
-        float xdv = 0.0f;
-        int xsv = 0;
-        if (xon) {
+        int4 xa[XE], xb[XE];
+        float xdv[XE];
+        int xsv[XE];
+#pragma unroll
+        for (int u = 0; u < XE; u++) {
+            const int xkk = xkk0 + u * (128 / BN);
+            xa[u] = xb[u] = make_int4(0, 0, 0, 0), xdv[u] = 0.0f, xsv[u] = 0;
+            if (xkk >= GK) continue;
             const int qe = qtab[p][xkk], j = qe & 0xFFFF;
             if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
                 if constexpr (RAW) {
-                    const int4 *d = (const int4 *)(gemm_dyn + 3 * (NW * GK * MM_BM + tid));
+                    const int4 *d = (const int4 *)(gemm_dyn + 3 * (NW * GK * MM_BM + tid + 128 * u));
                     const int4 e2 = d[2];
-                    xa = d[0], xb = d[1], xdv = __int_as_float(e2.x), xsv = e2.y + e2.z;
+                    xa[u] = d[0], xb[u] = d[1], xdv[u] = __int_as_float(e2.x), xsv[u] = e2.y + e2.z;
                 } else {
                     const int4 *src = (const int4 *)(a.aq + (int64_t)xrow * a.K + 32 * j);
-                    xa = src[0], xb = src[1];
-                    xdv = a.ad[(int64_t)xrow * nsb + j];
-                    xsv = a.as[(int64_t)xrow * (a.K / 16) + 2 * j] + a.as[(int64_t)xrow * (a.K / 16) + 2 * j + 1];
+                    xa[u] = src[0], xb[u] = src[1];
+                    xdv[u] = a.ad[(int64_t)xrow * nsb + j];
+                    xsv[u] = a.as[(int64_t)xrow * (a.K / 16) + 2 * j] + a.as[(int64_t)xrow * (a.K / 16) + 2 * j + 1];
                 }
             }
         }
@@ -599,16 +617,19 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
             wA[w][kk][m] = sv[u].A, wB[w][kk][m] = sv[u].B;
             if constexpr (Q6) wc[Q6 ? w : 0][kk][m][0] = sv[u].c0, wc[Q6 ? w : 0][kk][m][1] = sv[u].c1;
         }
-        if (xon) {
-            xs[xkk][0][xn] = xa.x, xs[xkk][1][xn] = xa.y, xs[xkk][2][xn] = xa.z, xs[xkk][3][xn] = xa.w;
-            xs[xkk][4][xn] = xb.x, xs[xkk][5][xn] = xb.y, xs[xkk][6][xn] = xb.z, xs[xkk][7][xn] = xb.w;
-            xd[xkk][xn] = xdv, xsf[xkk][xn] = (float)xsv;
+#pragma unroll
+        for (int u = 0; u < XE; u++) {
+            const int xkk = xkk0 + u * (128 / BN);
+            if (xkk >= GK) continue;
+            xs[xkk][0][xn] = xa[u].x, xs[xkk][1][xn] = xa[u].y, xs[xkk][2][xn] = xa[u].z, xs[xkk][3][xn] = xa[u].w;
+            xs[xkk][4][xn] = xb[u].x, xs[xkk][5][xn] = xb[u].y, xs[xkk][6][xn] = xb[u].z, xs[xkk][7][xn] = xb[u].w;
+            xd[xkk][xn] = xdv[u], xsf[xkk][xn] = __fmul_rn(xdv[u], (float)xsv[u]);
         }
         __syncthreads();
         /* the next stage's bytes fly while this stage's mma work runs (every thread has
          * unpacked its slots of this stage before the barrier) */
         if constexpr (RAW) {
-            if (q0 + GK < nq) gemm_issue<SW>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk, xrow, nsb);
+            if (q0 + GK < nq) gemm_issue<SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
         }
 #pragma unroll
         for (int kk = 0; kk < GK; kk++) {
@@ -621,7 +642,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                     const float Alo = wA[w][kk][r_lo], Ahi = wA[w][kk][r_hi], Blo = wB[w][kk][r_lo],
                                 Bhi = wB[w][kk][r_hi];
 #pragma unroll
-                    for (int nt = 0; nt < 2; nt++) {
+                    for (int nt = 0; nt < NT; nt++) {
                         const int nb = nt * 8;
                         int d[4];
                         if constexpr (Q6) {
@@ -639,21 +660,19 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                         for (int o = 0; o < 4; o++) {
                             const int n = nb + 2 * t4 + (o & 1);
                             const float A = o < 2 ? Alo : Ahi, B = o < 2 ? Blo : Bhi;
-                            const float v = __fmul_rn(xd[kk][n], __fadd_rn(__fmul_rn(A, (float)d[o]),
-                                                                           __fmul_rn(B, xsf[kk][n])));
-                            cur[w][nt][o] = __fadd_rn(cur[w][nt][o], v);
+                            cur[w][nt][o] = sub_acc(cur[w][nt][o], xd[kk][n], A, B, d[o], xsf[kk][n]);
                         }
                     }
                 }
             }
             if (qe & (1 << 21)) { /* residue complete: into the tree, and start the next */
                 switch ((qe >> 22) & 7) {
-                case 0: tree_push_all<0, NW>(L, cur); break;
-                case 1: tree_push_all<1, NW>(L, cur); break;
-                case 2: tree_push_all<2, NW>(L, cur); break;
-                case 3: tree_push_all<3, NW>(L, cur); break;
-                case 4: tree_push_all<4, NW>(L, cur); break;
-                default: tree_push_all<5, NW>(L, cur); break;
+                case 0: tree_push_all<0, NW, NT>(L, cur); break;
+                case 1: tree_push_all<1, NW, NT>(L, cur); break;
+                case 2: tree_push_all<2, NW, NT>(L, cur); break;
+                case 3: tree_push_all<3, NW, NT>(L, cur); break;
+                case 4: tree_push_all<4, NW, NT>(L, cur); break;
+                default: tree_push_all<5, NW, NT>(L, cur); break;
                 }
             }
         }
@@ -662,7 +681,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         if (tid < GK) qtab[p][tid] = gemm_qentry(q0 + 2 * GK + tid, nq, C, nsb);
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int o = 0; o < 4; o++) {
             const int r = m0 + (o < 2 ? r_lo : r_hi), n = n0 + nt * 8 + 2 * t4 + (o & 1);
@@ -682,7 +701,7 @@ __device__ float ref_dot(const lin_args &a, const uint8_t *wrow, int64_t base) {
         for (int j = 0; j < a.K / 32; j++) {
             sub_w s;
             unpack_sub<T>(wrow, j, s);
-            acc += sub_dot(s, a.aq + base + 32 * j, a.ad[base / 32 + j], a.as + base / 16 + 2 * j);
+            acc = sub_dot(acc, s, a.aq + base + 32 * j, a.ad[base / 32 + j], a.as + base / 16 + 2 * j);
         }
     }
     return acc;

@@ -126,7 +126,7 @@ struct graph_entry {
     const stg_kv *kv;
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, pdl, route_split;
-    int32_t gemm_min, gemm_dense;
+    int32_t gemm_min, gemm_dense, gemm_wide;
     bool fused_quant, fuse_qkv, gemm_tiles;
     cudaGraphExec_t exec;
 };
@@ -513,6 +513,15 @@ static int gemm_dense_env() {
     const int v = e && e[0] ? atoi(e) : 64;
     return v < 1 ? 1 : v;
 }
+/* Blocks of MM_BN_WIDE pairs from which a dense plain GEMM runs 32 pairs per block instead of 16
+ * (STRATA_GPU_GEMM_WIDE_MIN overrides the default 256, about two blocks per SM: below that the
+ * 16-pair tiles keep more SMs busy). Same results either way. */
+static thread_local int g_gemm_wide_min = 256; /* read per step (stg_forward); graphs are keyed by it */
+static int gemm_wide_env() {
+    const char *e = getenv("STRATA_GPU_GEMM_WIDE_MIN");
+    const int v = e && e[0] ? atoi(e) : 256;
+    return v < 1 ? 1 : v;
+}
 /* STRATA_GPU_FUSED_QUANT=1: the gate/up matvec also quantises its output for the down
  * projection. Off by default: measured no faster (runs 19-21: +0.1, 0.0 and +0.1 ms per
  * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
@@ -558,13 +567,20 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
         const int64_t per_group = (int64_t)((max_count + MM_BN - 1) / MM_BN) * max_groups;
         const int64_t listed = a.g.gexp && a.g.tiles && g_gemm_tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
                                                                        : INT64_MAX;
+        const int64_t wide = (max_count + MM_BN_WIDE - 1) / MM_BN_WIDE;
         if (listed < per_group) { /* a block per tile of group_pairs' list */
-            launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st, a);
+            launch_k(k_linear_gemm<T, SW, MM_BN>, dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st, a);
+        } else if (!SW && !a.g.gexp && mt * wide >= g_gemm_wide_min) {
+            /* a dense layer with enough tiles of 32 pairs: half the weight unpacking per mma */
+            lin_args b = a;
+            b.g.tiles = b.g.n_tiles = nullptr;
+            launch_k(k_linear_gemm<T, false, MM_BN_WIDE>, dim3(mt, (unsigned)wide, 1), 128,
+                     gemm_raw_bytes<T, false, MM_BN_WIDE>(), st, b);
         } else {
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
-            launch_k(k_linear_gemm<T, SW>, dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN), (unsigned)max_groups),
-                     128, gemm_raw_bytes<T, SW>(), st, b);
+            launch_k(k_linear_gemm<T, SW, MM_BN>, dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
+                     (unsigned)max_groups), 128, gemm_raw_bytes<T, SW>(), st, b);
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
@@ -789,19 +805,20 @@ static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, boo
 #define ATT_SMEM_MAX 65536
 /* The GEMMs that stage bytes in dynamic shared memory (gemm_raw): their size opted in (with the
  * static arrays over 48 KiB) and the largest shared-memory carve-out, so that 3 blocks fit an SM. */
-template <int T, bool SW> static stg_status gemm_setup_one(void) {
-    if constexpr (gemm_raw_bytes<T, SW>() > 0) {
-        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                gemm_raw_bytes<T, SW>()), "gemm setup");
-        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW>, cudaFuncAttributePreferredSharedMemoryCarveout,
+template <int T, bool SW, int BN> static stg_status gemm_setup_one(void) {
+    if constexpr (gemm_raw_bytes<T, SW, BN>() > 0) {
+        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                gemm_raw_bytes<T, SW, BN>()), "gemm setup");
+        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW, BN>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                 cudaSharedmemCarveoutMaxShared), "gemm setup");
     }
     return ST_OK;
 }
 static stg_status gemm_setup(void) {
-#define SETUP_GEMM(T)                          \
-    CHECK((gemm_setup_one<T, false>()));       \
-    CHECK((gemm_setup_one<T, true>()));
+#define SETUP_GEMM(T)                                  \
+    CHECK((gemm_setup_one<T, false, MM_BN>()));        \
+    CHECK((gemm_setup_one<T, false, MM_BN_WIDE>()));   \
+    CHECK((gemm_setup_one<T, true, MM_BN>()));
     QUANT_CASES(SETUP_GEMM)
 #undef SETUP_GEMM
     return ST_OK;
@@ -1119,7 +1136,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaStream_t st = m->stream;
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
-            g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense &&
+            g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
             g.route_split == route_split()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
@@ -1136,7 +1153,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
-                                         g_gemm_dense, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, exec});
+                                         g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1223,6 +1240,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
     g_gemm_min = gemm_min_env();
     g_gemm_dense = gemm_dense_env();
+    g_gemm_wide_min = gemm_wide_env();
     const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
     g_fused_quant = fqe && fqe[0] == '1';
     g_gemm_tiles = gemm_tiles_env();
@@ -1298,6 +1316,7 @@ static stg_status harness_device(void) {
     g_pdl = false;
     g_gemm_min = gemm_min_env();
     g_gemm_dense = gemm_dense_env();
+    g_gemm_wide_min = gemm_wide_env();
     g_gemm_tiles = false;
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;

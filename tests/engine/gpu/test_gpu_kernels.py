@@ -142,24 +142,27 @@ def test_linear_every_path_matches_cpu_reference(g: tuple, name: str, n_tok: int
 
 @pytest.mark.parametrize(("k", "n_tok"), [(768, 5), (2304, 19), (4096, 40)])
 @pytest.mark.parametrize("name", QUANT)
-def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int) -> None:
+def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tensor-core GEMM keeps the matvec's summation order: identical bits, so which kernel a
     step picks (by its size) cannot change a sequence's result. k = 2304: 72 sub-blocks, residues
-    with 3 and 2 terms; 80 rows and n_tok pairs: partial tiles."""
+    with 3 and 2 terms; 80 rows and n_tok pairs: partial tiles. The plain form also with 32 pairs
+    per block (STRATA_GPU_GEMM_WIDE_MIN=1: a dense layer's wide tiles from the first block)."""
     rng = np.random.default_rng(k + n_tok)
     rows = 80
     w, w2 = random_blocks(name, rows * k, rng), random_blocks(name, rows * k, rng)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     for second in (None, w2):
         outs = []
-        for path in ("matvec", "gemm"):
+        for path, wide in (("matvec", "256"), ("gemm", "1000000"), ("gemm", "1")):
+            monkeypatch.setenv("STRATA_GPU_GEMM_WIDE_MIN", wide)
             out = np.full((n_tok, rows), np.nan, np.float32)
             gcheck(g, g[1].stg_test_linear(tid(name), PATHS[path], gptr(g, w), g[0].NULL if second is None else
                                            gptr(g, second), rows, k, gptr(g, x, "float *"), n_tok,
                                            gptr(g, out, "float *")))
             outs.append(out)
         assert np.isfinite(outs[0]).all()
-        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (name, second is not None)
+        for i, out in enumerate(outs[1:]):
+            assert np.array_equal(outs[0].view(np.uint32), out.view(np.uint32)), (name, second is not None, i)
 
 
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(70, 4, 8), (300, 8, 32), (5, 2, 8)])
