@@ -461,6 +461,20 @@ __device__ __forceinline__ void tree_push_all(float (&L)[NW][NT][4][5], float (&
             }
 }
 
+/* tree_push_all at a level known only at run time (one uniform branch) */
+template <int NW, int NT> __device__ __forceinline__ void tree_push_any(int lv, float (&L)[NW][NT][4][5],
+                                                                       float (&cur)[NW][NT][4]) {
+    switch (lv) {
+    case 0: tree_push_all<0, NW, NT>(L, cur); break;
+    case 1: tree_push_all<1, NW, NT>(L, cur); break;
+    case 2: tree_push_all<2, NW, NT>(L, cur); break;
+    case 3: tree_push_all<3, NW, NT>(L, cur); break;
+    case 4: tree_push_all<4, NW, NT>(L, cur); break;
+    default: tree_push_all<5, NW, NT>(L, cur); break;
+    }
+}
+__host__ __device__ constexpr int trailing_ones(int r) { return (r & 1) ? 1 + trailing_ones(r >> 1) : 0; }
+
 /* Q4_K GEMMs stage their bytes through shared memory with cp.async: the next stage's weight
  * and activation bytes are copied while this stage's mma work runs (other types load them
  * at the start of each stage). Dynamic shared memory: 48 bytes per (weight, sub-block, row)
@@ -509,12 +523,13 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
     cp_async_commit();
 }
 
-template <int T, bool SW, int BN>
+template <int T, bool SW, int BN, int CS>
 __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = SW ? 4 : 8; /* weights; sub-blocks per stage */
     constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
     static_assert(BN == MM_BN || (BN == MM_BN_WIDE && !SW), "BN: 16, or 32 for the plain form");
+    static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
     constexpr bool Q6 = T == STG_Q6_K, RAW = gemm_raw<T>();
     extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
@@ -631,49 +646,57 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         if constexpr (RAW) {
             if (q0 + GK < nq) gemm_issue<SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
         }
+        /* stage sub-block kk's mma and float work into cur */
+        auto kk_mma = [&](int kk) {
 #pragma unroll
-        for (int kk = 0; kk < GK; kk++) {
-            const int qe = qtab[p][kk];
-            if (qe < 0) break;
-            if ((qe & 0xFFFF) != 0xFFFF) {
+            for (int w = 0; w < NW; w++) {
+                const int(*W)[MM_WP] = ws[w][kk];
+                const float Alo = wA[w][kk][r_lo], Ahi = wA[w][kk][r_hi], Blo = wB[w][kk][r_lo], Bhi = wB[w][kk][r_hi];
 #pragma unroll
-                for (int w = 0; w < NW; w++) {
-                    const int(*W)[MM_WP] = ws[w][kk];
-                    const float Alo = wA[w][kk][r_lo], Ahi = wA[w][kk][r_hi], Blo = wB[w][kk][r_lo],
-                                Bhi = wB[w][kk][r_hi];
+                for (int nt = 0; nt < NT; nt++) {
+                    const int nb = nt * 8;
+                    int d[4];
+                    if constexpr (Q6) {
+                        int lo[4], hi[4];
+                        mma_k16(W[t4][r_lo], W[t4][r_hi], xs[kk][t4][nb + g], lo);
+                        mma_k16(W[4 + t4][r_lo], W[4 + t4][r_hi], xs[kk][4 + t4][nb + g], hi);
+                        const int *clo = wc[Q6 ? w : 0][kk][r_lo], *chi = wc[Q6 ? w : 0][kk][r_hi];
+                        d[0] = clo[0] * lo[0] + clo[1] * hi[0], d[1] = clo[0] * lo[1] + clo[1] * hi[1];
+                        d[2] = chi[0] * lo[2] + chi[1] * hi[2], d[3] = chi[0] * lo[3] + chi[1] * hi[3];
+                    } else {
+                        const int af[4] = {W[t4][r_lo], W[t4][r_hi], W[4 + t4][r_lo], W[4 + t4][r_hi]};
+                        mma_k32(af, xs[kk][t4][nb + g], xs[kk][4 + t4][nb + g], d);
+                    }
 #pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const int nb = nt * 8;
-                        int d[4];
-                        if constexpr (Q6) {
-                            int lo[4], hi[4];
-                            mma_k16(W[t4][r_lo], W[t4][r_hi], xs[kk][t4][nb + g], lo);
-                            mma_k16(W[4 + t4][r_lo], W[4 + t4][r_hi], xs[kk][4 + t4][nb + g], hi);
-                            const int *clo = wc[Q6 ? w : 0][kk][r_lo], *chi = wc[Q6 ? w : 0][kk][r_hi];
-                            d[0] = clo[0] * lo[0] + clo[1] * hi[0], d[1] = clo[0] * lo[1] + clo[1] * hi[1];
-                            d[2] = chi[0] * lo[2] + chi[1] * hi[2], d[3] = chi[0] * lo[3] + chi[1] * hi[3];
-                        } else {
-                            const int af[4] = {W[t4][r_lo], W[t4][r_hi], W[4 + t4][r_lo], W[4 + t4][r_hi]};
-                            mma_k32(af, xs[kk][t4][nb + g], xs[kk][4 + t4][nb + g], d);
-                        }
-#pragma unroll
-                        for (int o = 0; o < 4; o++) {
-                            const int n = nb + 2 * t4 + (o & 1);
-                            const float A = o < 2 ? Alo : Ahi, B = o < 2 ? Blo : Bhi;
-                            cur[w][nt][o] = sub_acc(cur[w][nt][o], xd[kk][n], A, B, d[o], xsf[kk][n]);
-                        }
+                    for (int o = 0; o < 4; o++) {
+                        const int n = nb + 2 * t4 + (o & 1);
+                        const float A = o < 2 ? Alo : Ahi, B = o < 2 ? Blo : Bhi;
+                        cur[w][nt][o] = sub_acc(cur[w][nt][o], xd[kk][n], A, B, d[o], xsf[kk][n]);
                     }
                 }
             }
-            if (qe & (1 << 21)) { /* residue complete: into the tree, and start the next */
-                switch ((qe >> 22) & 7) {
-                case 0: tree_push_all<0, NW, NT>(L, cur); break;
-                case 1: tree_push_all<1, NW, NT>(L, cur); break;
-                case 2: tree_push_all<2, NW, NT>(L, cur); break;
-                case 3: tree_push_all<3, NW, NT>(L, cur); break;
-                case 4: tree_push_all<4, NW, NT>(L, cur); break;
-                default: tree_push_all<5, NW, NT>(L, cur); break;
-                }
+        };
+        if constexpr (CS > 0) {
+            /* CS = C sub-blocks per residue (K/32 in (16 (CS / 2), 32 CS]): a stage holds GK / CS whole
+             * residues, so each push sits at a fixed kk and, but for the stage's last residue, at a level
+             * known at compile time (its bit-reversed index's trailing ones); a sub-block past the row's
+             * end is zero data (mma 0, sub_acc(cur, 0, 0, 0, 0, 0) == cur: cur is never -0), not a
+             * branch. The stage's mma work is then one basic block the compiler can interleave. */
+            constexpr int R = GK / CS;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+#pragma unroll
+                for (int c = 0; c < CS; c++) kk_mma(r * CS + c);
+                if (r < R - 1) tree_push_any<NW, NT>(trailing_ones(r), L, cur);
+                else tree_push_any<NW, NT>((qtab[p][GK - 1] >> 22) & 7, L, cur);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < GK; kk++) {
+                const int qe = qtab[p][kk];
+                if (qe < 0) break;
+                if ((qe & 0xFFFF) != 0xFFFF) kk_mma(kk);
+                if (qe & (1 << 21)) tree_push_any<NW, NT>((qe >> 22) & 7, L, cur); /* residue complete */
             }
         }
         __syncthreads();

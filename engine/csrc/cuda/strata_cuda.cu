@@ -558,6 +558,19 @@ static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K
     return ST_OK;
 }
 
+/* k_linear_gemm's variant for a row of K: Q4_K with C = 1, 2 or 4 sub-blocks per residue (K/32 up
+ * to 128) runs the stage-aligned k loop (CS = C), anything else the general one. Same results. */
+using gemm_fn = void (*)(lin_args);
+template <int T, bool SW, int BN> static gemm_fn gemm_kernel(int K) {
+    if constexpr (gemm_raw<T>()) {
+        const int C = (K / 32 + 31) / 32;
+        if (C == 1) return k_linear_gemm<T, SW, BN, 1>;
+        if (C == 2) return k_linear_gemm<T, SW, BN, 2>;
+        if (C == 4) return k_linear_gemm<T, SW, BN, 4>;
+    }
+    return k_linear_gemm<T, SW, BN, 0>;
+}
+
 template <int T, bool SW> static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count,
                                                cudaStream_t st) {
     if (path == STG_PATH_REF) {
@@ -569,17 +582,18 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
                                                                        : INT64_MAX;
         const int64_t wide = (max_count + MM_BN_WIDE - 1) / MM_BN_WIDE;
         if (listed < per_group) { /* a block per tile of group_pairs' list */
-            launch_k(k_linear_gemm<T, SW, MM_BN>, dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st, a);
+            launch_k(gemm_kernel<T, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st,
+                     a);
         } else if (!SW && !a.g.gexp && mt * wide >= g_gemm_wide_min) {
             /* a dense layer with enough tiles of 32 pairs: half the weight unpacking per mma */
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
-            launch_k(k_linear_gemm<T, false, MM_BN_WIDE>, dim3(mt, (unsigned)wide, 1), 128,
+            launch_k(gemm_kernel<T, false, MM_BN_WIDE>(a.K), dim3(mt, (unsigned)wide, 1), 128,
                      gemm_raw_bytes<T, false, MM_BN_WIDE>(), st, b);
         } else {
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
-            launch_k(k_linear_gemm<T, SW, MM_BN>, dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
+            launch_k(gemm_kernel<T, SW, MM_BN>(a.K), dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
                      (unsigned)max_groups), 128, gemm_raw_bytes<T, SW>(), st, b);
         }
     } else {
@@ -807,10 +821,13 @@ static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, boo
  * static arrays over 48 KiB) and the largest shared-memory carve-out, so that 3 blocks fit an SM. */
 template <int T, bool SW, int BN> static stg_status gemm_setup_one(void) {
     if constexpr (gemm_raw_bytes<T, SW, BN>() > 0) {
-        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                gemm_raw_bytes<T, SW, BN>()), "gemm setup");
-        CU(cudaFuncSetAttribute(k_linear_gemm<T, SW, BN>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                cudaSharedmemCarveoutMaxShared), "gemm setup");
+        for (const int K : {1024, 2048, 4096, 3072}) { /* CS = 1, 2, 4 and the general loop (C = 3) */
+            const gemm_fn f = gemm_kernel<T, SW, BN>(K);
+            CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm_raw_bytes<T, SW, BN>()),
+               "gemm setup");
+            CU(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+               "gemm setup");
+        }
     }
     return ST_OK;
 }
