@@ -185,6 +185,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         kv->head_dim != m->d.head_dim)
         return st_fail(ST_EINVAL, "forward: KV cache was created for another model");
     CHECK(validate_batch(m, kv, b));
+    st_model_repack(m); /* first step only; a CPU step, so a model that only validated a file for the GPU never repacks */
     st_step_stats local = {0};
     st_step_stats *st = stats ? stats : &local;
     memset(st, 0, sizeof *st);

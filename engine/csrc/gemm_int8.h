@@ -276,6 +276,17 @@ static inline __attribute__((always_inline)) void load_blk8(int32_t type, const 
  * register, split into d and m words, converted once. Same codes and floats as load_blk8. */
 static inline __attribute__((always_inline)) void load_blk8_q4(int32_t type, const uint8_t *const *rows, int64_t b,
                                                                blk8 *k) {
+    if (type == ST_TYPE_Q4_1_R8) { /* repacked at load: the same registers by plain loads (internal.h) */
+        const uint8_t *g = rows[0] + (size_t)b * ST_R8_ROWS * sizeof(blk_q4_1);
+        const __m256i m4 = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < 4; j++) {
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(g + 32 + 32 * j));
+            k->w[j] = _mm256_and_si256(p, m4), k->w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+        }
+        k->s_lo = k->s_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        k->c_lo = k->c_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        return;
+    }
     const size_t bs = type == ST_TYPE_Q4_0 ? sizeof(blk_q4_0) : sizeof(blk_q4_1);
     const size_t qo = type == ST_TYPE_Q4_0 ? offsetof(blk_q4_0, qs) : offsetof(blk_q4_1, qs);
     const size_t o = (size_t)b * bs;
@@ -393,7 +404,7 @@ static inline __attribute__((always_inline)) void unpack8(int32_t type, const ui
                                                           size_t step) {
     for (int64_t b = b0; b < b1; b++) {
         prefetch_slice(next, b, step); /* lands while the tokens run */
-        if (type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1) {
+        if (type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_1_R8) {
             load_blk8_q4(type, rows, b, &kb[b - b0]);
         } else if (type == ST_TYPE_Q4_K) { /* sub-blocks in pairs: b0, b1 even */
             prefetch_slice(next, b + 1, step);
@@ -471,7 +482,7 @@ static inline __attribute__((always_inline)) void chunked8(int32_t type, const u
 #define LANE_FUSED_MAX 2 /* tokens up to which the fused path runs (3 tokens: a tie) */
 
 static inline int one_lane(int32_t type) {
-    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_K;
+    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_K || type == ST_TYPE_Q4_1_R8;
 }
 
 /* Exact integer sums of one 32-element block of the eight rows (blk8 chunks w[0..7]) against
@@ -656,6 +667,7 @@ static inline __attribute__((always_inline)) void gemm256(int32_t type, const vo
 
 DEF_GEMM(gemm_q4_0, ST_TYPE_Q4_0)
 DEF_GEMM(gemm_q4_1, ST_TYPE_Q4_1)
+DEF_GEMM(gemm_q4_1_r8, ST_TYPE_Q4_1_R8)
 DEF_GEMM(gemm_q5_0, ST_TYPE_Q5_0)
 DEF_GEMM(gemm_q5_1, ST_TYPE_Q5_1)
 DEF_GEMM(gemm_q8_0, ST_TYPE_Q8_0)
@@ -667,6 +679,7 @@ static dot_q_fn gemm_pick(int32_t type) {
     switch (type) {
     case ST_TYPE_Q4_0: return gemm_q4_0;
     case ST_TYPE_Q4_1: return gemm_q4_1;
+    case ST_TYPE_Q4_1_R8: return gemm_q4_1_r8;
     case ST_TYPE_Q5_0: return gemm_q5_0;
     case ST_TYPE_Q5_1: return gemm_q5_1;
     case ST_TYPE_Q8_0: return gemm_q8_0;

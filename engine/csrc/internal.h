@@ -13,6 +13,7 @@ st_status st_fail(st_status code, const char *fmt, ...) __attribute__((format(pr
 
 #define QK 32    /* block size of the legacy quants and of the activation blocks */
 #define QK_K 256 /* super-block size of the k-quants */
+#define ST_R8_ROWS 8 /* rows per group of ST_TYPE_Q4_1_R8 (strata.h) */
 
 /* ---- block layouts (exactly as in GGUF files) ---- */
 typedef uint16_t f16_t;
@@ -256,7 +257,14 @@ struct st_model {
     int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
     float *inv_freq; /* [rope_dim / 2] */
     scratch s;
+    int repack_done;      /* st_model_repack ran (whatever it decided) */
+    void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */
+    size_t repack_bytes;
 };
+
+/* Repack the Q4_1 weight tensors whose row count is a multiple of 8 into ST_TYPE_Q4_1_R8
+ * (once; STRATA_REPACK=0 disables it). Failure keeps the file's tensors. */
+void st_model_repack(st_model *m);
 
 /* Grow the scratch buffers to hold T tokens (and their expert pairs), n_threads
  * attention rows of ctx floats. */

@@ -9,6 +9,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -210,10 +213,77 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
     return ST_OK;
 }
 
+/* ------------------------------------------------------------------ repacking */
+
+static int repackable(const st_tensor *t) {
+    return t->data && t->type == ST_TYPE_Q4_1 && t->ne[1] % ST_R8_ROWS == 0; /* no group spans two experts */
+}
+
+/* The tensors st_model_repack considers: every Q4_1 matrix the step reads through the
+ * quantised kernels (not token_embd, which is read row by row). */
+static int repack_list(st_model *m, st_tensor **out) {
+    int n = 0;
+    for (int il = 0; il < m->d.n_layer; il++) {
+        st_layer *L = &m->layers[il];
+        st_tensor *c[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->ffn_gate, &L->ffn_up, &L->ffn_down, &L->gate_exps,
+                          &L->up_exps, &L->down_exps, &L->gate_shexp, &L->up_shexp, &L->down_shexp};
+        for (size_t i = 0; i < sizeof c / sizeof c[0]; i++)
+            if (repackable(c[i])) out[n++] = c[i];
+    }
+    if (repackable(&m->d.output) && m->d.output.data != m->d.token_embd.data) out[n++] = &m->d.output;
+    return n;
+}
+
+/* Why: with plain Q4_1 the kernel gathers each 8-row block from eight rows 360-960 bytes
+ * apart and transposes them; repacked, a row block is one contiguous stream of 160-byte
+ * blocks loaded as is (same registers, same bits). Resident memory stays near the file's
+ * size: the repacked copy replaces the file pages, which are dropped from this process
+ * (they stay in the page cache, reclaimable). */
+void st_model_repack(st_model *m) {
+    if (m->repack_done) return;
+    m->repack_done = 1;
+    const char *env = getenv("STRATA_REPACK");
+    if (env && env[0] == '0') return;
+    st_tensor **list = malloc(sizeof(st_tensor *) * ((size_t)m->d.n_layer * 13 + 1));
+    if (!list) return;
+    const int n = repack_list(m, list);
+    size_t total = 0;
+    for (int i = 0; i < n; i++) total += (size_t)list[i]->n_bytes;
+    if (!total) {
+        free(list);
+        return;
+    }
+    void *buf = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) { /* keep the file's tensors */
+        free(list);
+        return;
+    }
+    const long page = sysconf(_SC_PAGESIZE);
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        st_tensor *t = list[i];
+        uint8_t *dst = (uint8_t *)buf + off;
+        st_repack_q4_1(t->data, dst, t->ne[1] * t->ne[2] * t->ne[3], t->ne[0]); /* shape checked: cannot fail */
+        /* drop the file pages wholly inside this tensor from the process (not from the file) */
+        const uintptr_t lo = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+        const uintptr_t hi = ((uintptr_t)t->data + (uintptr_t)t->n_bytes) & ~((uintptr_t)page - 1);
+        if (page > 0 && hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        t->data = dst;
+        t->type = ST_TYPE_Q4_1_R8;
+        off += (size_t)t->n_bytes;
+    }
+    free(list);
+    m->repack = buf;
+    m->repack_bytes = total;
+}
+
+size_t st_model_repacked_bytes(const st_model *m) { return m ? m->repack_bytes : 0; }
+
 void st_model_destroy(st_model *m) {
     if (!m) return;
     scratch_free(&m->s);
     free(m->inv_freq);
+    if (m->repack) munmap(m->repack, m->repack_bytes);
     free(m->layers);
     free(m);
 }

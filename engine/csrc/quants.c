@@ -28,6 +28,7 @@ int32_t st_type_block_elems(int32_t type) {
     switch (type) {
     case ST_TYPE_F32: case ST_TYPE_F16: case ST_TYPE_BF16: return 1;
     case ST_TYPE_Q4_0: case ST_TYPE_Q4_1: case ST_TYPE_Q5_0: case ST_TYPE_Q5_1: case ST_TYPE_Q8_0: return QK;
+    case ST_TYPE_Q4_1_R8: return QK;
     case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: return QK_K;
     default: return 0;
     }
@@ -38,7 +39,7 @@ int32_t st_type_block_bytes(int32_t type) {
     case ST_TYPE_F32: return 4;
     case ST_TYPE_F16: case ST_TYPE_BF16: return 2;
     case ST_TYPE_Q4_0: return sizeof(blk_q4_0);
-    case ST_TYPE_Q4_1: return sizeof(blk_q4_1);
+    case ST_TYPE_Q4_1: case ST_TYPE_Q4_1_R8: return sizeof(blk_q4_1);
     case ST_TYPE_Q5_0: return sizeof(blk_q5_0);
     case ST_TYPE_Q5_1: return sizeof(blk_q5_1);
     case ST_TYPE_Q8_0: return sizeof(blk_q8_0);
@@ -49,7 +50,8 @@ int32_t st_type_block_bytes(int32_t type) {
     }
 }
 
-int32_t st_type_supported(int32_t type) { return st_type_block_elems(type) > 0; }
+/* The file types; ST_TYPE_Q4_1_R8 exists only after repacking. */
+int32_t st_type_supported(int32_t type) { return type != ST_TYPE_Q4_1_R8 && st_type_block_elems(type) > 0; }
 
 int st_type_is_float(int32_t type) {
     return type == ST_TYPE_F32 || type == ST_TYPE_F16 || type == ST_TYPE_BF16;
@@ -390,10 +392,54 @@ static void dot_bf16_ref(const void *w, const float *x, int64_t n, float *out) {
     *out = acc;
 }
 
+/* One tensor's rows in groups of 8, block by block (the layout in strata.h). */
+static void repack_q4_1(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n) {
+    const size_t rb = st_row_bytes(ST_TYPE_Q4_1, n), bs = sizeof(blk_q4_1);
+    for (int64_t g = 0; g < rows; g += ST_R8_ROWS) {
+        const uint8_t *in = src + (size_t)g * rb;
+        uint8_t *out = dst + (size_t)g * rb;
+        for (int64_t b = 0; b < n / QK; b++) {
+            uint8_t *o = out + (size_t)b * ST_R8_ROWS * bs;
+            for (int r = 0; r < ST_R8_ROWS; r++) {
+                const uint8_t *blk = in + (size_t)r * rb + (size_t)b * bs;
+                memcpy(o + 2 * r, blk, 2);           /* d */
+                memcpy(o + 16 + 2 * r, blk + 2, 2);  /* m */
+                for (int j = 0; j < 4; j++) memcpy(o + 32 + 32 * j + 4 * r, blk + 4 + 4 * j, 4);
+            }
+        }
+    }
+}
+
+st_status st_repack_q4_1(const void *src, void *dst, int64_t rows, int64_t n) {
+    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < QK || n % QK || n > ST_MAX_ROW)
+        return st_fail(ST_EINVAL, "repack_q4_1: bad arguments (rows=%lld n=%lld)", (long long)rows, (long long)n);
+    repack_q4_1(src, dst, rows, n);
+    return ST_OK;
+}
+
+/* The reference for repacked Q4_1: each row's blocks rebuilt from its group (w is the start of
+ * the group of nr <= 8 rows), then the Q4_1 reference. */
+static void dot_q4_1_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
+                            float *out, int64_t ldo) {
+    blk_q4_1 row[ST_MAX_ROW / QK];
+    const uint8_t *g = w;
+    for (int r = 0; r < nr; r++) {
+        for (int64_t b = 0; b < n / QK; b++) {
+            const uint8_t *p = g + (size_t)b * ST_R8_ROWS * sizeof(blk_q4_1);
+            memcpy(&row[b].d, p + 2 * r, 2);
+            memcpy(&row[b].m, p + 16 + 2 * r, 2);
+            for (int j = 0; j < 4; j++) memcpy(row[b].qs + 4 * j, p + 32 + 32 * j + 4 * r, 4);
+        }
+        for (int t = 0; t < nt; t++) dot_q4_1_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
+    }
+    (void)row_bytes;
+}
+
 dot_q_fn st_dot_q_ref(int32_t type) {
     switch (type) {
     case ST_TYPE_Q4_0: return dot_q4_0_ref;
     case ST_TYPE_Q4_1: return dot_q4_1_ref;
+    case ST_TYPE_Q4_1_R8: return dot_q4_1_r8_ref;
     case ST_TYPE_Q5_0: return dot_q5_0_ref;
     case ST_TYPE_Q5_1: return dot_q5_1_ref;
     case ST_TYPE_Q8_0: return dot_q8_0_ref;

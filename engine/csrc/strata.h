@@ -35,6 +35,11 @@ const char *st_last_error(void);
 #define ST_TYPE_Q4_K 12
 #define ST_TYPE_Q5_K 13
 #define ST_TYPE_Q6_K 14
+/* Q4_1 rows repacked at load in groups of 8 (st_repack_q4_1): never a file type. Per group and
+ * 32-column block, 160 bytes: the eight rows' d (f16), their m, then bytes 4j..4j+3 of the
+ * codes of rows 0..7 for j = 0..3. Row r still starts at r * row_bytes when r is a multiple
+ * of 8, so kernels are called on whole groups. */
+#define ST_TYPE_Q4_1_R8 1003
 #define ST_TYPE_BF16 30
 
 /* Kernel variants. AUTO picks the best the CPU supports. */
@@ -79,7 +84,11 @@ st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float
 st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
                               const float *d, const int32_t *sums, int64_t n, float *out);
 /* nr (1..8) consecutive weight rows against nt (1..64) token rows: the register-blocked
- * micro-kernel the step uses. out[nt, nr]. For the harness's blocked == alone check. */
+ * micro-kernel the step uses. out[nt, nr]. For the harness's blocked == alone check.
+ * ST_TYPE_Q4_1_R8 is accepted here only, with w holding a whole group of 8 rows. */
+/* Repack rows (a multiple of 8) Q4_1 rows of n elements from src into dst (the same size) as
+ * ST_TYPE_Q4_1_R8. */
+st_status st_repack_q4_1(const void *src, void *dst, int64_t rows, int64_t n);
 st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
                             const float *d, const int32_t *sums, int64_t n, float *out);
 /* The micro-kernel's rate with its weights in cache, for benchmarks: 8 rows x n of `type`
@@ -154,6 +163,9 @@ typedef struct st_model st_model;
  * an invalid descriptor gives ST_EINVAL / ST_EUNSUPPORTED / ST_ERANGE with a message. */
 st_status st_model_create(const st_model_desc *desc, st_model **out);
 void st_model_destroy(st_model *m);
+/* Bytes of weights the model holds repacked (0 before its first CPU step, with
+ * STRATA_REPACK=0, or when nothing qualifies). */
+size_t st_model_repacked_bytes(const st_model *m);
 
 /* ---- paged KV cache (F16) ------------------------------------------------------ */
 typedef struct st_kv st_kv;

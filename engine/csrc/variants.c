@@ -105,10 +105,12 @@ dot_f_fn st_dot_f(int32_t type) { return pick_f(resolve(g_variant), type); }
 /* nr rows x nt tokens through the variant's kernel, building the derived activation views
  * exactly as the quantiser does. out[t * nr + r]. */
 static st_status dot_q_block(const char *what, int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt,
+                             int group_ok,
                              const int8_t *qs, const float *d, const int32_t *sums, int64_t n, float *out) {
     st_status rc = check_variant(variant);
     if (rc) return rc;
-    if (!st_type_supported(type) || st_type_is_float(type))
+    /* a repacked type reads a whole group of 8 rows: only where the caller passes row blocks */
+    if ((!st_type_supported(type) && !(group_ok && type == ST_TYPE_Q4_1_R8)) || st_type_is_float(type))
         return st_fail(ST_EUNSUPPORTED, "%s: type %d is not a supported quantised type", what, type);
     if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
         nr < 1 || nr > ST_ROW_BLOCK)
@@ -144,17 +146,17 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
 
 st_status st_vec_dot_q(int32_t type, int32_t variant, const void *w, const int8_t *qs, const float *d,
                        const int32_t *sums, int64_t n, float *out) {
-    return dot_q_block("vec_dot_q", type, variant, w, 1, 1, qs, d, sums, n, out);
+    return dot_q_block("vec_dot_q", type, variant, w, 1, 1, 0, qs, d, sums, n, out);
 }
 
 st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int32_t nt, const int8_t *qs,
                               const float *d, const int32_t *sums, int64_t n, float *out) {
-    return dot_q_block("vec_dot_q_tokens", type, variant, w, 1, nt, qs, d, sums, n, out);
+    return dot_q_block("vec_dot_q_tokens", type, variant, w, 1, nt, 0, qs, d, sums, n, out);
 }
 
 st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
                             const float *d, const int32_t *sums, int64_t n, float *out) {
-    return dot_q_block("vec_dot_q_rows", type, variant, w, nr, nt, qs, d, sums, n, out);
+    return dot_q_block("vec_dot_q_rows", type, variant, w, nr, nt, 1, qs, d, sums, n, out);
 }
 
 st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float *x, int64_t n, float *out) {

@@ -252,6 +252,80 @@ def test_row_blocked_dot_equals_alone_bitwise_every_variant(name: str, variant: 
             assert np.array_equal(got.view(np.uint32), alone[:nt, :nr].view(np.uint32)), (name, variant, nr, nt)
 
 
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("n", [N - 256 + 32 * 3, 576])  # odd and even numbers of 32-blocks
+def test_repacked_q4_1_equals_plain_bitwise_every_variant(variant: str, n: int) -> None:
+    """Q4_1 rows repacked in groups of 8 (st_repack_q4_1, what the model does at load) give
+    exactly the plain rows' bits through the micro-kernel, for every row and token count; the
+    plain rows are held to the reference by the tests above."""
+    rng = np.random.default_rng(17)
+    rows = 16
+    raw = np.concatenate([random_blocks("Q4_1", n, rng) for _ in range(rows)])
+    packed = np.zeros_like(raw)
+    assert lib.st_repack_q4_1(ptr(raw), ptr(packed), rows, n) == 0, ffi.string(lib.st_last_error())
+    assert not np.array_equal(packed, raw) and np.array_equal(np.sort(packed), np.sort(raw))  # same bytes, moved
+    x = rng.standard_normal((max(TOKEN_COUNTS), n)).astype(np.float32)
+    x[1] *= 1e-3
+    acts = [quant_act(row) for row in x]
+    qs, d, s = (np.stack([a[i] for a in acts]) for i in range(3))
+    rb = raw.nbytes // rows
+    for g in (0, 8):  # both groups: the second one starts at row 8's offset, as in a tensor
+        for nr in (8, 5, 1):
+            for nt in TOKEN_COUNTS:
+                q_t, d_t, s_t = qs[:nt].copy(), d[:nt].copy(), s[:nt].copy()  # alive through the calls
+                args = (nr, nt, ptr(q_t, "int8_t *"), ptr(d_t, "float *"), ptr(s_t, "int32_t *"), n)
+                want, got = np.empty((nt, nr), np.float32), np.empty((nt, nr), np.float32)
+                assert lib.st_vec_dot_q_rows(int(GGMLQuantizationType["Q4_1"]), VARIANTS[variant],
+                                             ptr(raw[g * rb:]), *args, ptr(want, "float *")) == 0
+                assert lib.st_vec_dot_q_rows(lib.ST_TYPE_Q4_1_R8, VARIANTS[variant], ptr(packed[g * rb:]), *args,
+                                             ptr(got, "float *")) == 0, ffi.string(lib.st_last_error())
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (variant, g, nr, nt)
+
+
+def test_repacked_type_is_refused_where_a_group_is_not_given() -> None:
+    """The repacked type is never a file type, and single-row entry points refuse it; bad
+    repack shapes are errors."""
+    assert lib.st_type_supported(lib.ST_TYPE_Q4_1_R8) == 0
+    raw = random_blocks("Q4_1", 64, np.random.default_rng(0))
+    qs, d, s = quant_act(np.ones(64, np.float32))
+    out = np.empty(1, np.float32)
+    rc = lib.st_vec_dot_q_tokens(lib.ST_TYPE_Q4_1_R8, VARIANTS["ref"], ptr(raw), 1, ptr(qs, "int8_t *"),
+                                 ptr(d, "float *"), ptr(s, "int32_t *"), 64, ptr(out, "float *"))
+    assert rc == lib.ST_EUNSUPPORTED
+    dst = np.zeros_like(raw)
+    for rows, n in ((1, 64), (7, 64), (8, 48), (8, 0)):
+        assert lib.st_repack_q4_1(ptr(raw), ptr(dst), rows, n) == lib.ST_EINVAL
+
+
+def test_model_repacked_at_first_step_gives_the_same_logits(model_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's Q4_1 matrices are repacked at the first CPU step (unless
+    STRATA_REPACK=0) and the logits of prefills and 4-sequence decode steps are the plain
+    build's bits (the kernel-level test above covers every variant)."""
+    from engine.engine import Engine
+    from engine.gguf_model import open_model
+
+    mf = open_model(model_path)  # parsed once (the slow part of opening), two C models on it
+    ids = list(range(100, 124))
+    out = {}
+    for repack in ("0", "1"):
+        monkeypatch.setenv("STRATA_REPACK", repack)
+        with Engine(mf, 2, None, 1024, 16, 512) as eng:
+            assert lib.st_model_repacked_bytes(eng._model) == 0  # nothing before the first step
+            res = []
+            for n in (24, 3):
+                tables = [eng.blocks.allocate(2) for _ in range(4)]
+                res.append(eng.prefill(ids[:n], tables[0], start=0))
+                for i, t in enumerate(tables[1:]):
+                    eng.prefill(ids[i:i + 2], t, start=0)
+                res.append(eng.forward([5, 6, 7, 8], [n, 2, 2, 2], [0, 1, 2, 3], tables, [0, 1, 2, 3]))
+                for t in tables:
+                    eng.blocks.release(t)
+            out[repack] = (res, lib.st_model_repacked_bytes(eng._model))
+    assert out["0"][1] == 0 and out["1"][1] > 100_000_000  # the experts and attention matrices
+    for a, b in zip(out["0"][0], out["1"][0], strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_row_blocked_dot_rejects_bad_row_counts() -> None:
     raw = np.zeros(18 * 8, np.uint8)
     qs, d, s = np.zeros(32, np.int8), np.ones(1, np.float32), np.zeros(2, np.int32)

@@ -4,7 +4,8 @@
  *       engine/csrc/tools/kernel_check.c engine/csrc/{quants,kernels_avx2,kernels_avx512,variants,attention}.c -lm
  * For every quantised type and every variant this CPU runs: each (row, token) of an nr x nt
  * micro-kernel pass (nr 1..8, nt 1..64) equals that row and token alone bit for bit, and is
- * within 1e-4 of the reference kernel relative to sum |w * a| (the Python harness's rules).
+ * within 1e-4 of the reference kernel relative to sum |w * a| (the Python harness's rules);
+ * Q4_1 rows repacked in groups of 8 (ST_TYPE_Q4_1_R8) give the plain rows' bits.
  * Exit status 0 when everything passes. */
 #include <math.h>
 #include <stdio.h>
@@ -96,6 +97,22 @@ int main(void) {
                                                blocked[t * nr + r], alone[t][r]);
                                 }
                     }
+                if (type == ST_TYPE_Q4_1) { /* the rows repacked at load: the same bits as alone */
+                    uint8_t *w8 = malloc(rb * 8);
+                    st_repack_q4_1(w, w8, 8, n);
+                    for (size_t a = 0; a < sizeof nrs / sizeof *nrs; a++)
+                        for (size_t b = 0; b < sizeof nts / sizeof *nts; b++) {
+                            const int nr = nrs[a], nt = nts[b];
+                            st_vec_dot_q_rows(ST_TYPE_Q4_1_R8, v, w8, nr, nt, q, d, s, n, blocked);
+                            checked++;
+                            for (int t = 0; t < nt; t++)
+                                for (int r = 0; r < nr; r++)
+                                    if (memcmp(&blocked[t * nr + r], &alone[t][r], 4) && fails++ < 20)
+                                        printf("FAIL repacked != alone: variant %d n %lld nr %d nt %d (r %d t %d)\n", v,
+                                               (long long)n, nr, nt, r, t);
+                        }
+                    free(w8);
+                }
                 free(w), free(wf), free(q), free(d), free(x), free(s);
             }
         printf("variant %d checked\n", v);
