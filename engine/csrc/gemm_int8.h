@@ -615,12 +615,56 @@ static inline __attribute__((always_inline)) void gemm_lane(int32_t type, const 
     }
 }
 
+/* Repacked Q8_0 (ST_TYPE_Q8_0_R8): blk8 of block b of the group at g by plain loads, the
+ * registers load_blk8 builds from eight plain rows (signed codes, d per row, no correction). */
+static inline __attribute__((always_inline)) void load_blk8_q8r8(const uint8_t *g, int64_t b, blk8 *k) {
+    const uint8_t *p = g + (size_t)b * ST_R8_ROWS * sizeof(blk_q8_0);
+    for (int j = 0; j < 8; j++) k->w[j] = _mm256_loadu_si256((const __m256i *)(p + 16 + 32 * j));
+    k->s_lo = k->s_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    k->c_lo = k->c_hi = _mm256_setzero_ps();
+}
+
+/* The group is one contiguous stream, so every token count takes the buffered path (the
+ * same bits as the 4-row path, see above), K-chunked as for plain rows. */
+static inline __attribute__((always_inline)) void gemm_q8r8(const void *w, size_t row_bytes, int nr, int64_t n, int nt,
+                                                            const act_row *a, float *out, int64_t ldo) {
+    const int64_t nb = n / QK, ch = kchunk(nb, nt);
+    const uint8_t *g = w;
+    const uint8_t *next = g + ST_R8_ROWS * row_bytes;
+    const size_t step = ST_R8_ROWS * sizeof(blk_q8_0);
+    blk8 kb[ch];
+    __m256 acc[2 * ST_MAX_NT];
+    for (int t = 0; t < 2 * nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += ch) {
+        const int64_t b1 = nb - b0 < ch ? nb : b0 + ch;
+        for (int64_t b = b0; b < b1; b++) {
+            prefetch_slice(next, b, step);
+            load_blk8_q8r8(g, b, &kb[b - b0]);
+        }
+        if (ch == nb) {
+            tokens8(ST_TYPE_Q8_0, kb, 0, nb, nt, a, NULL, out, nr, ldo);
+            return;
+        }
+        tokens8(ST_TYPE_Q8_0, kb, b0, b1, nt, a, acc, out, nr, ldo);
+    }
+    for (int t = 0; t < nt; t++) {
+        float vl[8], vh[8];
+        _mm256_storeu_ps(vl, acc[2 * t]);
+        _mm256_storeu_ps(vh, acc[2 * t + 1]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = vl[r] + vh[r];
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm256(int32_t type, const void *w, size_t row_bytes, int nr,
                                                             int64_t n, int nt, const act_row *a, float *out,
                                                             int64_t ldo) {
     const int64_t nb = n / QK;
     if (one_lane(type)) {
         gemm_lane(type, w, row_bytes, nr, n, nt, a, out, ldo);
+        return;
+    }
+    if (type == ST_TYPE_Q8_0_R8) {
+        gemm_q8r8(w, row_bytes, nr, n, nt, a, out, ldo);
         return;
     }
     if (nt >= BUF_MIN) {
@@ -668,6 +712,7 @@ static inline __attribute__((always_inline)) void gemm256(int32_t type, const vo
 DEF_GEMM(gemm_q4_0, ST_TYPE_Q4_0)
 DEF_GEMM(gemm_q4_1, ST_TYPE_Q4_1)
 DEF_GEMM(gemm_q4_1_r8, ST_TYPE_Q4_1_R8)
+DEF_GEMM(gemm_q8_0_r8, ST_TYPE_Q8_0_R8)
 DEF_GEMM(gemm_q5_0, ST_TYPE_Q5_0)
 DEF_GEMM(gemm_q5_1, ST_TYPE_Q5_1)
 DEF_GEMM(gemm_q8_0, ST_TYPE_Q8_0)
@@ -680,6 +725,7 @@ static dot_q_fn gemm_pick(int32_t type) {
     case ST_TYPE_Q4_0: return gemm_q4_0;
     case ST_TYPE_Q4_1: return gemm_q4_1;
     case ST_TYPE_Q4_1_R8: return gemm_q4_1_r8;
+    case ST_TYPE_Q8_0_R8: return gemm_q8_0_r8;
     case ST_TYPE_Q5_0: return gemm_q5_0;
     case ST_TYPE_Q5_1: return gemm_q5_1;
     case ST_TYPE_Q8_0: return gemm_q8_0;

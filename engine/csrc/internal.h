@@ -262,8 +262,9 @@ struct st_model {
     size_t repack_bytes;
 };
 
-/* Repack the Q4_1 weight tensors whose row count is a multiple of 8 into ST_TYPE_Q4_1_R8
- * (once; STRATA_REPACK=0 disables it). Failure keeps the file's tensors. */
+/* Repack the Q4_1 and Q8_0 weight tensors whose row count is a multiple of 8 into
+ * ST_TYPE_Q4_1_R8 / ST_TYPE_Q8_0_R8 (once; STRATA_REPACK=0 disables it). Failure keeps the
+ * file's tensors. */
 void st_model_repack(st_model *m);
 
 /* Grow the scratch buffers to hold T tokens (and their expert pairs), n_threads

@@ -216,11 +216,12 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
 /* ------------------------------------------------------------------ repacking */
 
 static int repackable(const st_tensor *t) {
-    return t->data && t->type == ST_TYPE_Q4_1 && t->ne[1] % ST_R8_ROWS == 0; /* no group spans two experts */
+    return t->data && (t->type == ST_TYPE_Q4_1 || t->type == ST_TYPE_Q8_0) &&
+           t->ne[1] % ST_R8_ROWS == 0; /* no group spans two experts */
 }
 
-/* The tensors st_model_repack considers: every Q4_1 matrix the step reads through the
- * quantised kernels (not token_embd, which is read row by row). */
+/* The tensors st_model_repack considers: every Q4_1 or Q8_0 matrix the step reads through
+ * the quantised kernels (not token_embd, which is read row by row). */
 static int repack_list(st_model *m, st_tensor **out) {
     int n = 0;
     for (int il = 0; il < m->d.n_layer; il++) {
@@ -263,13 +264,15 @@ void st_model_repack(st_model *m) {
     for (int i = 0; i < n; i++) {
         st_tensor *t = list[i];
         uint8_t *dst = (uint8_t *)buf + off;
-        st_repack_q4_1(t->data, dst, t->ne[1] * t->ne[2] * t->ne[3], t->ne[0]); /* shape checked: cannot fail */
+        const int64_t rows = t->ne[1] * t->ne[2] * t->ne[3]; /* shape checked: the repack cannot fail */
+        if (t->type == ST_TYPE_Q4_1) st_repack_q4_1(t->data, dst, rows, t->ne[0]);
+        else st_repack_q8_0(t->data, dst, rows, t->ne[0]);
         /* drop the file pages wholly inside this tensor from the process (not from the file) */
         const uintptr_t lo = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
         const uintptr_t hi = ((uintptr_t)t->data + (uintptr_t)t->n_bytes) & ~((uintptr_t)page - 1);
         if (page > 0 && hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
         t->data = dst;
-        t->type = ST_TYPE_Q4_1_R8;
+        t->type = t->type == ST_TYPE_Q4_1 ? ST_TYPE_Q4_1_R8 : ST_TYPE_Q8_0_R8;
         off += (size_t)t->n_bytes;
     }
     free(list);

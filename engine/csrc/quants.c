@@ -28,7 +28,7 @@ int32_t st_type_block_elems(int32_t type) {
     switch (type) {
     case ST_TYPE_F32: case ST_TYPE_F16: case ST_TYPE_BF16: return 1;
     case ST_TYPE_Q4_0: case ST_TYPE_Q4_1: case ST_TYPE_Q5_0: case ST_TYPE_Q5_1: case ST_TYPE_Q8_0: return QK;
-    case ST_TYPE_Q4_1_R8: return QK;
+    case ST_TYPE_Q4_1_R8: case ST_TYPE_Q8_0_R8: return QK;
     case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: return QK_K;
     default: return 0;
     }
@@ -42,7 +42,7 @@ int32_t st_type_block_bytes(int32_t type) {
     case ST_TYPE_Q4_1: case ST_TYPE_Q4_1_R8: return sizeof(blk_q4_1);
     case ST_TYPE_Q5_0: return sizeof(blk_q5_0);
     case ST_TYPE_Q5_1: return sizeof(blk_q5_1);
-    case ST_TYPE_Q8_0: return sizeof(blk_q8_0);
+    case ST_TYPE_Q8_0: case ST_TYPE_Q8_0_R8: return sizeof(blk_q8_0);
     case ST_TYPE_Q4_K: return sizeof(blk_q4_k);
     case ST_TYPE_Q5_K: return sizeof(blk_q5_k);
     case ST_TYPE_Q6_K: return sizeof(blk_q6_k);
@@ -51,7 +51,9 @@ int32_t st_type_block_bytes(int32_t type) {
 }
 
 /* The file types; ST_TYPE_Q4_1_R8 exists only after repacking. */
-int32_t st_type_supported(int32_t type) { return type != ST_TYPE_Q4_1_R8 && st_type_block_elems(type) > 0; }
+int32_t st_type_supported(int32_t type) {
+    return type != ST_TYPE_Q4_1_R8 && type != ST_TYPE_Q8_0_R8 && st_type_block_elems(type) > 0;
+}
 
 int st_type_is_float(int32_t type) {
     return type == ST_TYPE_F32 || type == ST_TYPE_F16 || type == ST_TYPE_BF16;
@@ -417,6 +419,44 @@ st_status st_repack_q4_1(const void *src, void *dst, int64_t rows, int64_t n) {
     return ST_OK;
 }
 
+static void repack_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n) {
+    const size_t rb = st_row_bytes(ST_TYPE_Q8_0, n), bs = sizeof(blk_q8_0);
+    for (int64_t g = 0; g < rows; g += ST_R8_ROWS) {
+        const uint8_t *in = src + (size_t)g * rb;
+        uint8_t *out = dst + (size_t)g * rb;
+        for (int64_t b = 0; b < n / QK; b++) {
+            uint8_t *o = out + (size_t)b * ST_R8_ROWS * bs;
+            for (int r = 0; r < ST_R8_ROWS; r++) {
+                const uint8_t *blk = in + (size_t)r * rb + (size_t)b * bs;
+                memcpy(o + 2 * r, blk, 2); /* d */
+                for (int j = 0; j < 8; j++) memcpy(o + 16 + 32 * j + 4 * r, blk + 2 + 4 * j, 4);
+            }
+        }
+    }
+}
+
+st_status st_repack_q8_0(const void *src, void *dst, int64_t rows, int64_t n) {
+    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < QK || n % QK || n > ST_MAX_ROW)
+        return st_fail(ST_EINVAL, "repack_q8_0: bad arguments (rows=%lld n=%lld)", (long long)rows, (long long)n);
+    repack_q8_0(src, dst, rows, n);
+    return ST_OK;
+}
+
+static void dot_q8_0_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
+                            float *out, int64_t ldo) {
+    blk_q8_0 row[ST_MAX_ROW / QK];
+    const uint8_t *g = w;
+    for (int r = 0; r < nr; r++) {
+        for (int64_t b = 0; b < n / QK; b++) {
+            const uint8_t *p = g + (size_t)b * ST_R8_ROWS * sizeof(blk_q8_0);
+            memcpy(&row[b].d, p + 2 * r, 2);
+            for (int j = 0; j < 8; j++) memcpy(row[b].qs + 4 * j, p + 16 + 32 * j + 4 * r, 4);
+        }
+        for (int t = 0; t < nt; t++) dot_q8_0_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
+    }
+    (void)row_bytes;
+}
+
 /* The reference for repacked Q4_1: each row's blocks rebuilt from its group (w is the start of
  * the group of nr <= 8 rows), then the Q4_1 reference. */
 static void dot_q4_1_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
@@ -440,6 +480,7 @@ dot_q_fn st_dot_q_ref(int32_t type) {
     case ST_TYPE_Q4_0: return dot_q4_0_ref;
     case ST_TYPE_Q4_1: return dot_q4_1_ref;
     case ST_TYPE_Q4_1_R8: return dot_q4_1_r8_ref;
+    case ST_TYPE_Q8_0_R8: return dot_q8_0_r8_ref;
     case ST_TYPE_Q5_0: return dot_q5_0_ref;
     case ST_TYPE_Q5_1: return dot_q5_1_ref;
     case ST_TYPE_Q8_0: return dot_q8_0_ref;

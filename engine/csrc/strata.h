@@ -40,6 +40,9 @@ const char *st_last_error(void);
  * codes of rows 0..7 for j = 0..3. Row r still starts at r * row_bytes when r is a multiple
  * of 8, so kernels are called on whole groups. */
 #define ST_TYPE_Q4_1_R8 1003
+/* Q8_0 rows repacked the same way (st_repack_q8_0): per group and block, 272 bytes: the eight
+ * d (f16), then bytes 4j..4j+3 of rows 0..7 for j = 0..7. */
+#define ST_TYPE_Q8_0_R8 1008
 #define ST_TYPE_BF16 30
 
 /* Kernel variants. AUTO picks the best the CPU supports. */
@@ -85,10 +88,11 @@ st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int3
                               const float *d, const int32_t *sums, int64_t n, float *out);
 /* nr (1..8) consecutive weight rows against nt (1..64) token rows: the register-blocked
  * micro-kernel the step uses. out[nt, nr]. For the harness's blocked == alone check.
- * ST_TYPE_Q4_1_R8 is accepted here only, with w holding a whole group of 8 rows. */
+ * The repacked types (ST_TYPE_*_R8) are accepted here only, with w holding a whole group of 8 rows. */
 /* Repack rows (a multiple of 8) Q4_1 rows of n elements from src into dst (the same size) as
  * ST_TYPE_Q4_1_R8. */
 st_status st_repack_q4_1(const void *src, void *dst, int64_t rows, int64_t n);
+st_status st_repack_q8_0(const void *src, void *dst, int64_t rows, int64_t n);
 st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
                             const float *d, const int32_t *sums, int64_t n, float *out);
 /* The micro-kernel's rate with its weights in cache, for benchmarks: 8 rows x n of `type`

@@ -110,7 +110,8 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
     st_status rc = check_variant(variant);
     if (rc) return rc;
     /* a repacked type reads a whole group of 8 rows: only where the caller passes row blocks */
-    if ((!st_type_supported(type) && !(group_ok && type == ST_TYPE_Q4_1_R8)) || st_type_is_float(type))
+    if ((!st_type_supported(type) && !(group_ok && (type == ST_TYPE_Q4_1_R8 || type == ST_TYPE_Q8_0_R8))) ||
+        st_type_is_float(type))
         return st_fail(ST_EUNSUPPORTED, "%s: type %d is not a supported quantised type", what, type);
     if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
         nr < 1 || nr > ST_ROW_BLOCK)

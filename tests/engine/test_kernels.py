@@ -252,17 +252,22 @@ def test_row_blocked_dot_equals_alone_bitwise_every_variant(name: str, variant: 
             assert np.array_equal(got.view(np.uint32), alone[:nt, :nr].view(np.uint32)), (name, variant, nr, nt)
 
 
+REPACKED = {"Q4_1": ("ST_TYPE_Q4_1_R8", "st_repack_q4_1"), "Q8_0": ("ST_TYPE_Q8_0_R8", "st_repack_q8_0")}
+
+
 @pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", list(REPACKED))
 @pytest.mark.parametrize("n", [N - 256 + 32 * 3, 576])  # odd and even numbers of 32-blocks
-def test_repacked_q4_1_equals_plain_bitwise_every_variant(variant: str, n: int) -> None:
-    """Q4_1 rows repacked in groups of 8 (st_repack_q4_1, what the model does at load) give
+def test_repacked_rows_equal_plain_bitwise_every_variant(variant: str, name: str, n: int) -> None:
+    """Rows repacked in groups of 8 (st_repack_*, what the model does at its first step) give
     exactly the plain rows' bits through the micro-kernel, for every row and token count; the
     plain rows are held to the reference by the tests above."""
+    rtype, repack = getattr(lib, REPACKED[name][0]), getattr(lib, REPACKED[name][1])
     rng = np.random.default_rng(17)
     rows = 16
-    raw = np.concatenate([random_blocks("Q4_1", n, rng) for _ in range(rows)])
+    raw = np.concatenate([random_blocks(name, n, rng) for _ in range(rows)])
     packed = np.zeros_like(raw)
-    assert lib.st_repack_q4_1(ptr(raw), ptr(packed), rows, n) == 0, ffi.string(lib.st_last_error())
+    assert repack(ptr(raw), ptr(packed), rows, n) == 0, ffi.string(lib.st_last_error())
     assert not np.array_equal(packed, raw) and np.array_equal(np.sort(packed), np.sort(raw))  # same bytes, moved
     x = rng.standard_normal((max(TOKEN_COUNTS), n)).astype(np.float32)
     x[1] *= 1e-3
@@ -275,30 +280,32 @@ def test_repacked_q4_1_equals_plain_bitwise_every_variant(variant: str, n: int) 
                 q_t, d_t, s_t = qs[:nt].copy(), d[:nt].copy(), s[:nt].copy()  # alive through the calls
                 args = (nr, nt, ptr(q_t, "int8_t *"), ptr(d_t, "float *"), ptr(s_t, "int32_t *"), n)
                 want, got = np.empty((nt, nr), np.float32), np.empty((nt, nr), np.float32)
-                assert lib.st_vec_dot_q_rows(int(GGMLQuantizationType["Q4_1"]), VARIANTS[variant],
+                assert lib.st_vec_dot_q_rows(int(GGMLQuantizationType[name]), VARIANTS[variant],
                                              ptr(raw[g * rb:]), *args, ptr(want, "float *")) == 0
-                assert lib.st_vec_dot_q_rows(lib.ST_TYPE_Q4_1_R8, VARIANTS[variant], ptr(packed[g * rb:]), *args,
+                assert lib.st_vec_dot_q_rows(rtype, VARIANTS[variant], ptr(packed[g * rb:]), *args,
                                              ptr(got, "float *")) == 0, ffi.string(lib.st_last_error())
-                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (variant, g, nr, nt)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (variant, name, g, nr, nt)
 
 
 def test_repacked_type_is_refused_where_a_group_is_not_given() -> None:
     """The repacked type is never a file type, and single-row entry points refuse it; bad
     repack shapes are errors."""
-    assert lib.st_type_supported(lib.ST_TYPE_Q4_1_R8) == 0
-    raw = random_blocks("Q4_1", 64, np.random.default_rng(0))
+    raw = random_blocks("Q8_0", 64, np.random.default_rng(0))
     qs, d, s = quant_act(np.ones(64, np.float32))
     out = np.empty(1, np.float32)
-    rc = lib.st_vec_dot_q_tokens(lib.ST_TYPE_Q4_1_R8, VARIANTS["ref"], ptr(raw), 1, ptr(qs, "int8_t *"),
-                                 ptr(d, "float *"), ptr(s, "int32_t *"), 64, ptr(out, "float *"))
-    assert rc == lib.ST_EUNSUPPORTED
     dst = np.zeros_like(raw)
-    for rows, n in ((1, 64), (7, 64), (8, 48), (8, 0)):
-        assert lib.st_repack_q4_1(ptr(raw), ptr(dst), rows, n) == lib.ST_EINVAL
+    for rtype_name, repack_name in REPACKED.values():
+        rtype, repack = getattr(lib, rtype_name), getattr(lib, repack_name)
+        assert lib.st_type_supported(rtype) == 0
+        rc = lib.st_vec_dot_q_tokens(rtype, VARIANTS["ref"], ptr(raw), 1, ptr(qs, "int8_t *"), ptr(d, "float *"),
+                                     ptr(s, "int32_t *"), 64, ptr(out, "float *"))
+        assert rc == lib.ST_EUNSUPPORTED
+        for rows, n in ((1, 64), (7, 64), (8, 48), (8, 0)):
+            assert repack(ptr(raw), ptr(dst), rows, n) == lib.ST_EINVAL
 
 
 def test_model_repacked_at_first_step_gives_the_same_logits(model_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The default model's Q4_1 matrices are repacked at the first CPU step (unless
+    """The default model's Q4_1 and Q8_0 matrices are repacked at the first CPU step (unless
     STRATA_REPACK=0) and the logits of prefills and 4-sequence decode steps are the plain
     build's bits (the kernel-level test above covers every variant)."""
     from engine.engine import Engine
@@ -321,7 +328,7 @@ def test_model_repacked_at_first_step_gives_the_same_logits(model_path, monkeypa
                 for t in tables:
                     eng.blocks.release(t)
             out[repack] = (res, lib.st_model_repacked_bytes(eng._model))
-    assert out["0"][1] == 0 and out["1"][1] > 100_000_000  # the experts and attention matrices
+    assert out["0"][1] == 0 and out["1"][1] > 100_000_000  # the experts, attention matrices and head
     for a, b in zip(out["0"][0], out["1"][0], strict=True):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 

@@ -5,7 +5,7 @@
  * For every quantised type and every variant this CPU runs: each (row, token) of an nr x nt
  * micro-kernel pass (nr 1..8, nt 1..64) equals that row and token alone bit for bit, and is
  * within 1e-4 of the reference kernel relative to sum |w * a| (the Python harness's rules);
- * Q4_1 rows repacked in groups of 8 (ST_TYPE_Q4_1_R8) give the plain rows' bits.
+ * Q4_1 and Q8_0 rows repacked in groups of 8 (ST_TYPE_*_R8) give the plain rows' bits.
  * Exit status 0 when everything passes. */
 #include <math.h>
 #include <stdio.h>
@@ -97,13 +97,15 @@ int main(void) {
                                                blocked[t * nr + r], alone[t][r]);
                                 }
                     }
-                if (type == ST_TYPE_Q4_1) { /* the rows repacked at load: the same bits as alone */
+                if (type == ST_TYPE_Q4_1 || type == ST_TYPE_Q8_0) { /* repacked at load: the same bits as alone */
                     uint8_t *w8 = malloc(rb * 8);
-                    st_repack_q4_1(w, w8, 8, n);
+                    if (type == ST_TYPE_Q4_1) st_repack_q4_1(w, w8, 8, n);
+                    else st_repack_q8_0(w, w8, 8, n);
                     for (size_t a = 0; a < sizeof nrs / sizeof *nrs; a++)
                         for (size_t b = 0; b < sizeof nts / sizeof *nts; b++) {
                             const int nr = nrs[a], nt = nts[b];
-                            st_vec_dot_q_rows(ST_TYPE_Q4_1_R8, v, w8, nr, nt, q, d, s, n, blocked);
+                            st_vec_dot_q_rows(type == ST_TYPE_Q4_1 ? ST_TYPE_Q4_1_R8 : ST_TYPE_Q8_0_R8, v, w8, nr, nt, q,
+                                              d, s, n, blocked);
                             checked++;
                             for (int t = 0; t < nt; t++)
                                 for (int r = 0; r < nr; r++)
