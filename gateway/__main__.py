@@ -80,6 +80,10 @@ async def serve(config: GatewayConfig) -> int:
     await stop.wait()
     # AppRunner.cleanup: close the listener, wait for handlers up to shutdown_timeout, then app cleanup
     await runner.cleanup()
+    # the embedding model's process: stopped now, not at exit after a model load or an encode in flight
+    from gateway.documents.embed import close_all
+
+    await asyncio.to_thread(close_all)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
     log.info("gateway stopped (exit 0)")
