@@ -30,11 +30,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gateway.documents.embed import EmbedError
 from memory.compose import Composition, Scored, compose, estimate_tokens
 from memory.config import MemoryConfig
 from memory.store import MemoryStore, Session, Summary, Turn
 
-__all__ = ["SUMMARY_SYSTEM", "Complete", "Loaded", "MemoryService", "summary_prompt"]
+__all__ = ["RETRIEVAL_FAILED", "RETRIEVAL_LOADING", "SUMMARY_SYSTEM", "Complete", "Loaded", "MemoryService", "summary_prompt"]
 
 log = logging.getLogger("strata.memory")
 
@@ -46,6 +47,8 @@ SUMMARY_SYSTEM = (
     "also covers the new turns. Keep every fact the user stated: names, numbers, codes, dates, places, "
     "preferences and decisions. When a fact was corrected, keep only the corrected value. Write short plain "
     "sentences. Reply with the summary only.")
+RETRIEVAL_LOADING = "retrieval=skipped (embedding model not loaded)"  # notes of the composition's header
+RETRIEVAL_FAILED = "retrieval=skipped (embedding model failed; restarting)"
 _BACKFILL_PER_REQUEST = 256  # turns embedded while a request waits (a gateway killed before its background work)
 _TURN_CHARS_IN_SUMMARY = 1500
 
@@ -198,7 +201,7 @@ class MemoryService:
         if retrieve and self.embedder is not None and not self.embedder.ready:
             # a new gateway's model takes a minute or more to load: compose from the summary and the recent
             # turns now rather than stall the request (the turns' vectors are backfilled once it is loaded)
-            retrieve, note = False, "retrieval=skipped (embedding model not loaded)"
+            retrieve, note = False, RETRIEVAL_LOADING
         if retrieve and self.embedder is not None:
             # the query's forward pass runs on the embedding thread while the rows load on a worker thread
             qvec = asyncio.ensure_future(self.embedder.aencode_query(query[:4000]))
@@ -210,16 +213,23 @@ class MemoryService:
             candidates: list[Scored] = []
             if qvec is not None and cache is not None:
                 cache.extend(ids, mat)
-                if session.n_turns > self._embedded_seq.get(pk, 0):  # turns without vectors (rare: see embed_missing)
-                    await self.embed_missing(pk, limit=_BACKFILL_PER_REQUEST)
-                    assert self.embedder is not None
-                    cache.extend(*await asyncio.to_thread(self.store.load_vectors, pk, self.embedder.version_key,
-                                                          cache.last_id))
-                self._fit_cache()  # this request keeps its own reference, even if its session's entry goes
-                candidates = await self._rank(cache, await qvec, len(recent))
+                try:
+                    if session.n_turns > self._embedded_seq.get(pk, 0):  # turns without vectors (see embed_missing)
+                        await self.embed_missing(pk, limit=_BACKFILL_PER_REQUEST)
+                        assert self.embedder is not None
+                        cache.extend(*await asyncio.to_thread(self.store.load_vectors, pk,
+                                                              self.embedder.version_key, cache.last_id))
+                    self._fit_cache()  # this request keeps its own reference, even if its session's entry goes
+                    candidates = await self._rank(cache, await qvec, len(recent))
+                except EmbedError as e:
+                    # the model's process died (a new one is loading): compose as while it loads, not a 500
+                    log.warning("memory: retrieval skipped, the embedding failed: %s", e)
+                    candidates, note = [], RETRIEVAL_FAILED
         finally:
             if qvec is not None and not qvec.done():
                 qvec.cancel()
+            elif qvec is not None and not qvec.cancelled():
+                qvec.exception()  # retrieved: an EmbedError the backfill's failure left unawaited is no warning
         return Loaded(session, summary, recent, candidates, (time.perf_counter() - t0) * 1000, note)
 
     def cache_bytes(self) -> int:
