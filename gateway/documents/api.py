@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import make_url
 
 from gateway.documents.config import RagConfig
+from gateway.documents.embed import EmbedError
 from gateway.documents.extract import FileTypeError, detect_format
 from gateway.documents.service import RagService, safe_filename
 from gateway.documents.store import Conflict
@@ -308,11 +309,20 @@ async def search(request: web.Request) -> web.Response:
     coll = await _collection(request, svc)
     spec = await json_body(request, SearchSpec)
     t0 = time.monotonic()
-    mode, note = svc.serving_mode(spec.mode)  # hybrid from BM25 alone while the embedding model loads
-    passages = await svc.search([coll], spec.query, min(spec.top_k, svc.cfg.max_top_k), mode)
+    try:  # hybrid from BM25 alone while the embedding model loads or after its process died
+        passages, mode, note = await svc.retrieve([coll], spec.query, min(spec.top_k, svc.cfg.max_top_k), spec.mode)
+    except EmbedError as e:  # dense: nothing to serve it without the model
+        raise _embed_unavailable(e) from None
     body = {"object": "list", "collection_id": coll["id"], "version": coll["version"], "mode": mode,
             "data": [p.public() for p in passages], "took_ms": round((time.monotonic() - t0) * 1000, 2)}
     return web.json_response(body, headers={"X-Strata-Retrieval": note} if note else None)
+
+
+def _embed_unavailable(e: EmbedError) -> APIError:
+    """A request that needs the embedding model when its encode failed (its process died: a new one is
+    loading): a typed 503 the client may retry, not a 500."""
+    return APIError(503, f"the embedding model is unavailable: {e}", code="embedding_model_unavailable",
+                    retry_after=5)
 
 
 # ---------------------------------------------------------------------------------------- embeddings
@@ -336,7 +346,10 @@ async def embeddings(request: web.Request) -> web.Response:
     if spec.dimensions is not None and spec.dimensions != emb.dim:
         raise APIError(400, f"this model only makes {emb.dim}-dimensional embeddings", param="dimensions")
     counts = await emb.acount_tokens(texts)
-    vecs = await emb.aencode(texts)
+    try:
+        vecs = await emb.aencode(texts)
+    except EmbedError as e:
+        raise _embed_unavailable(e) from None
     data = []
     for i, v in enumerate(vecs):
         value: Any = base64.b64encode(v.astype("<f4").tobytes()).decode() if spec.encoding_format == "base64" \

@@ -37,7 +37,7 @@ class RagContext:
     passages: list[Passage]
     used: int = 0  # passages that fitted the window
     extra: dict[str, Any] = field(default_factory=dict)
-    note: str = ""  # why retrieval was not the usual hybrid (BM25 alone while the embedding model loads)
+    note: str = ""  # why retrieval was not the usual hybrid (BM25 alone: the embedding model loads or failed)
 
     def header(self) -> str:
         return f"{self.used}/{len(self.passages)}" + (f"; {self.note}" if self.note else "")
@@ -110,9 +110,11 @@ async def prepare(svc: RagService, key_id: int, refs: list[str], messages: list[
             raise APIError(404, f"no collection {ref!r}", code="collection_not_found", param="collections")
         colls.append(c)
     query = query_text(messages)
-    mode, note = svc.serving_mode("hybrid")  # never wait for the embedding model's first load
-    passages = await svc.search(colls, query, top_k, mode) if query else []
-    return RagContext(list(messages), passages, note=note if query else "")
+    if not query:
+        return RagContext(list(messages), [])
+    # never waits for the embedding model's first load, nor fails when its process died: BM25 alone then
+    passages, _, note = await svc.retrieve(colls, query, top_k)
+    return RagContext(list(messages), passages, note=note)
 
 
 async def fit_passages(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind,

@@ -7,6 +7,10 @@ Ingestion of one document (one at a time, in upload order, on a background task)
            -> a new collection version is built (worker thread) and published (one SQL transaction)
            -> ready;   any error on the way -> failed with the reason, the collection untouched.
 
+A slice whose encode fails with EmbedError (the embedding model's process died; a new one is started) is
+encoded again once per document, by the new process; a second failure fails the document. Nothing is saved
+before every chunk has its vector, so a failed document leaves no vectors, chunks or index behind.
+
 A restarted gateway re-queues every document whose job never finished (its upload is kept
 until then) and fails one that was interrupted ``MAX_ATTEMPTS`` times or whose upload is gone.
 The served version is whatever the collection row names: a half-built directory is never named.
@@ -24,6 +28,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,17 +38,18 @@ from sqlalchemy import Engine
 
 from gateway.documents.chunk import Chunk, chunk_blocks, text_length
 from gateway.documents.config import RagConfig
-from gateway.documents.embed import SLICE, Embedder, get_embedder, single_threaded_blas
+from gateway.documents.embed import SLICE, Embedder, EmbedError, get_embedder, single_threaded_blas
 from gateway.documents.extract import Block, Extracted, ExtractionError, ExtractLimits, extract_stream
 from gateway.documents.index import IndexVersion, Mode, build_version, load_version, prune_versions
 from gateway.documents.store import ChunkRow, Conflict, DocStore
 
-__all__ = ["BM25_ONLY", "MAX_ATTEMPTS", "Passage", "RagService"]
+__all__ = ["BM25_DOWN", "BM25_ONLY", "MAX_ATTEMPTS", "Passage", "RagService"]
 
 log = logging.getLogger("strata.gateway.documents")
 
 MAX_ATTEMPTS = 3
 BM25_ONLY = "retrieval=bm25 (embedding model not loaded)"  # the note of a hybrid search served by BM25 alone
+BM25_DOWN = "retrieval=bm25 (embedding model failed; restarting)"  # ... because the query's encode failed
 _BATCH_DOCS = 32  # documents published together at most
 _BATCH_S = 10.0  # how long the first of them may wait for the others
 
@@ -96,6 +102,7 @@ class RagService:
         self._cache: dict[str, IndexVersion] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._worker: asyncio.Task[None] | None = None
+        self.embed_retries = 0  # slices encoded again after an EmbedError (the model's process died)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -232,6 +239,7 @@ class RagService:
         offset = 0
         embedded = 0.0  # share of the document's pages embedded
         shown = [0.0]  # the progress last written
+        retry = [True]  # one slice of the document may be encoded again after an EmbedError
 
         async def progress(n: int, of: int, lo: float, hi: float) -> None:
             pct = 10.0 + 85.0 * (lo + (hi - lo) * n / max(1, of))  # 95 embedded, 97 saved, 100 published
@@ -256,14 +264,19 @@ class RagService:
                         return None
                     shown[0] = 10.0
                 share = done / total if total else 1.0
-                vectors.append(await self.embedder.aencode(
-                    [c.embed_text() for c in new], functools.partial(progress, lo=embedded, hi=share)))
+                vectors.append(await self._encode(did, [c.embed_text() for c in new], retry,
+                                                  functools.partial(progress, lo=embedded, hi=share)))
                 embedded = share
                 chunks += new
             extracted = await extraction
         except ExtractionError as e:
             log.info("documents: %s (%s) failed extraction: %s", did, doc["name"], e)
             await self._fail(did, str(e))
+            return None
+        except EmbedError as e:
+            log.error("documents: %s (%s): embedding failed again after a retry: %s", did, doc["name"], e)
+            await self._fail(did, f"the embedding model failed twice while embedding this document, the second "
+                                  f"time on a retry ({e}); upload it again")
             return None
         finally:
             stop.set()  # a cancelled ingestion (the document was deleted) stops the child at its next part
@@ -280,6 +293,30 @@ class RagService:
             return None
         log.info("documents: %s (%s) embedded: %s pages, %d chunks", did, doc["name"], extracted.pages, len(chunks))
         return cid, did, len(chunks)
+
+    async def _encode(self, did: str, texts: list[str], retry: list[bool],
+                      progress: Callable[[int, int], Awaitable[None]]) -> np.ndarray:
+        """``texts``' vectors, a slice at a time as Embedder.aencode batches them (longest first), so a slice
+        cut off by the model's process dying is encoded again alone (once per document: ``retry[0]``), after
+        the new process has loaded; EmbedError when that retry fails too (or the model cannot load)."""
+        total = len(texts)
+        order = sorted(range(total), key=lambda i: -len(texts[i]))
+        out = np.zeros((total, self.embedder.dim), dtype=np.float32)
+        for i in range(0, total, SLICE):
+            part = order[i:i + SLICE]
+            batch = [texts[j] for j in part]
+            try:
+                out[part] = await self.embedder.aencode(batch)
+            except EmbedError as e:
+                if not retry[0]:
+                    raise
+                retry[0] = False
+                self.embed_retries += 1
+                log.warning("documents: %s: a slice of %d chunks failed to embed (%s); encoding it again", did,
+                            len(batch), e)
+                out[part] = await self.embedder.aencode(batch)  # waits for the new process's load
+            await progress(min(total, i + SLICE), total)
+        return out
 
     def _save_vectors(self, cid: str, did: str, vectors: np.ndarray) -> None:
         path = self._vectors_path(cid, did)
@@ -298,7 +335,13 @@ class RagService:
             v = np.load(path)
             if v.shape == (len(rows), self.embedder.dim):
                 return v
-        v = self.embedder.encode([r.embed_text() for r in rows])
+        texts = [r.embed_text() for r in rows]
+        try:
+            v = self.embedder.encode(texts)
+        except EmbedError as e:  # the model's process died: once more, with the new one
+            self.embed_retries += 1
+            log.warning("documents: re-embedding %s failed (%s); trying again", did, e)
+            v = self.embedder.encode(texts)
         self._save_vectors(cid, did, v)
         return v
 
@@ -417,6 +460,20 @@ class RagService:
         if mode == "hybrid" and not self.embedder.ready:
             return "bm25", BM25_ONLY
         return mode, ""
+
+    async def retrieve(self, colls: list[dict[str, Any]], query: str, k: int,
+                       mode: Mode = "hybrid") -> tuple[list[Passage], Mode, str]:
+        """:meth:`search` in the mode :meth:`serving_mode` gives: (passages, mode served, note). A hybrid search
+        whose query encode fails (EmbedError: the model's process died and is being restarted) is served from
+        BM25 alone with the note ``BM25_DOWN``, as while the model loads; ``dense`` raises it."""
+        served, note = self.serving_mode(mode)
+        try:
+            return await self.search(colls, query, k, served), served, note
+        except EmbedError as e:
+            if served != "hybrid":
+                raise
+            log.warning("documents: a query's embedding failed (%s); served from BM25 alone", e)
+            return await self.search(colls, query, k, "bm25"), "bm25", BM25_DOWN
 
     async def search(self, colls: list[dict[str, Any]], query: str, k: int, mode: Mode = "hybrid") -> list[Passage]:
         """The best ``k`` passages over ``colls`` (collection rows), best first. Callers that must not wait for
