@@ -14,10 +14,11 @@ stops both at the end. Each pair of samples sends the identical request (``max_t
 and once through the gateway, in alternating order, over one keep-alive connection each.
 
 Before the first pair it waits until the gateway's embedding model (document search and session
-memory) has loaded (``/readyz`` ``retrieval`` no longer ``loading``): the gateway loads it in the
-background after it starts (~30 s here), and while it imports torch and sentence-transformers the
-event loop stalls, which added 40-375 ms to requests of the first pairs (a start-up cost, reported
-separately as ``retrieval_wait_s``, not the per-request cost this measures). The measured request
+memory) has loaded (``/readyz`` ``retrieval`` no longer ``loading``): the gateway starts it in a child
+process after it starts (tens of seconds here). The gateway's event loop no longer stalls meanwhile
+(the child imports torch, not the gateway), but the child's load keeps a core busy, which on a small box
+slows lane and gateway alike: a start-up cost, reported separately as ``retrieval_wait_s``, not the
+per-request cost this measures. The measured request
 names no session and no collections: the plain path (auth, window precheck, dispatch, relay).
 
 Reported: TTFT (request sent -> first content token read) and total time per request, for
