@@ -54,6 +54,12 @@ class _Failing:
             raise EmbedError("the embedding model's process died during this request (signal 9)")
         return await self.real.aencode(texts, progress)
 
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        if self.encodes:
+            self.encodes -= 1
+            raise EmbedError("the embedding model's process died during this request (signal 9)")
+        return self.real.encode(texts)
+
     async def aencode_query(self, text: str) -> np.ndarray:
         if self.queries:
             self.queries -= 1
@@ -117,6 +123,16 @@ async def test_a_second_failure_fails_the_document_and_leaves_nothing(gw: GW, em
         assert await asyncio.to_thread(svc.store.chunk_rows, document_ids=[doc2["id"]]) == []
         coll = await asyncio.to_thread(svc.store.get_collection, None, cid)
         assert coll is not None and coll["version"] == 1  # the first document's version only
+        # a publish that re-embeds a document whose vectors file is gone retries once as well
+        path = svc._vectors_path(cid, doc["id"])
+        before = np.load(path)
+        path.unlink()
+        svc.embedder = _Failing(embedder, encodes=1)  # type: ignore[assignment]
+        try:
+            await svc.publish(cid)
+        finally:
+            svc.embedder = embedder
+        assert svc.embed_retries == 3 and float(np.abs(np.load(path) - before).max()) <= 1e-5
 
 
 async def test_a_failed_query_encode_is_served_from_bm25(gw: GW, embedder: Embedder) -> None:
