@@ -18,11 +18,10 @@ import pytest
 
 from gateway.documents.api import RAG
 from gateway.documents.chat import prepare
-from gateway.documents.embed import Embedder, EmbedError
+from gateway.documents.embed import Embedder, EmbedError, _Child
 from gateway.documents.service import BM25_DOWN, RagService
 from tests.gateway.conftest import GW, gateway_config, running_gateway
-from tests.gateway.documents.helpers import auth, create_collection, document, search, upload, wait_done
-from tests.http_helpers import eventually
+from tests.gateway.documents.helpers import auth, create_collection, search, upload, wait_done
 
 NO_LANE = [{"name": "a", "url": "http://127.0.0.1:9"}]  # nothing listens: these tests need no lane
 # ~200-token paragraphs (one chunk each): 20 chunks, two slices (16 + 5 with the fact)
@@ -67,7 +66,8 @@ class _Failing:
         return await self.real.aencode_query(text)
 
 
-async def test_ingestion_survives_a_kill_of_the_embedding_process(gw: GW, embedder: Embedder) -> None:
+async def test_ingestion_survives_a_kill_of_the_embedding_process(gw: GW, embedder: Embedder,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     svc: RagService = gw.app[RAG]
     own = Embedder()  # its own process (forked from the warm forkserver), killed below
     svc.embedder = own
@@ -75,15 +75,25 @@ async def test_ingestion_survives_a_kill_of_the_embedding_process(gw: GW, embedd
         await own.warm()
         pid = own.child_pid
         assert pid is not None
+        # The process is SIGKILLed as the first slice's encode goes to it (after the Embedder found it alive):
+        # the request is in flight on a dead process on every machine, however fast its encodes are.
+        real_encode = _Child.encode
+        killed: list[int] = []
+
+        def kill_then_encode(child: _Child, texts: Sequence[str]) -> np.ndarray:
+            if not killed and child.pid == pid:
+                os.kill(pid, signal.SIGKILL)
+                child.proc.join(10)
+                killed.append(pid)
+            return real_encode(child, texts)
+
+        monkeypatch.setattr(_Child, "encode", kill_then_encode)
         key = gw.key()
         async with aiohttp.ClientSession() as s:
             cid = (await create_collection(s, gw.url, key, "ledger"))["id"]
             _, doc = await upload(s, gw.url, key, cid, "ledger.md", (LEDGER + FACT).encode())
-            await eventually(lambda: document(s, gw.url, key, cid, doc["id"]), lambda d: d["status"] == "embedding",
-                             60, "embedding started", interval=0.02)
-            await asyncio.sleep(0.3)  # inside the first slice's encode
-            os.kill(pid, signal.SIGKILL)
             done = await wait_done(s, gw.url, key, cid, doc["id"])
+            assert killed == [pid]
             assert done["status"] == "ready", done
             assert svc.embed_retries == 1 and own.child_pid not in (None, pid)
             n = done["chunks"]
