@@ -327,13 +327,13 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->aq = malloc(T * K);
         s->ad = malloc(sizeof(float) * T * (K / QK + 1));
         s->ad4 = malloc(sizeof(float) * T * (K / 4 + 1));
-        s->axs = malloc(sizeof(float) * T * (K / 16 + 1));
+        s->axs = malloc(sizeof(float) * T * (K / QK + 1)); /* xs: one float per 32-block */
         s->as = malloc(sizeof(int32_t) * T * (K / 16 + 1));
         s->h = malloc(sizeof(float) * P * ffmax);
         s->hq = malloc(P * ffmax);
         s->hd = malloc(sizeof(float) * P * (ffmax / QK + 1));
         s->hd4 = malloc(sizeof(float) * P * (ffmax / 4 + 1));
-        s->hxs = malloc(sizeof(float) * P * (ffmax / 16 + 1));
+        s->hxs = malloc(sizeof(float) * P * (ffmax / QK + 1));
         s->hs = malloc(sizeof(int32_t) * P * (ffmax / 16 + 1));
         s->pair_out = malloc(sizeof(float) * P * E);
         s->pair_tok = malloc(sizeof(int32_t) * P);
