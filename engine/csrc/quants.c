@@ -394,52 +394,42 @@ static void dot_bf16_ref(const void *w, const float *x, int64_t n, float *out) {
     *out = acc;
 }
 
-/* One tensor's rows in groups of 8, block by block (the layout in strata.h). */
-static void repack_q4_1(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n) {
-    const size_t rb = st_row_bytes(ST_TYPE_Q4_1, n), bs = sizeof(blk_q4_1);
+/* One tensor's rows in groups of 8, block by block (the layout in strata.h): per 32-column block, each of the
+ * block's `halves` f16 fields (d; for Q4_1 also m) of the eight rows side by side, then for each 4-byte word j
+ * of the codes the eight rows' word j. */
+static void repack_rows8(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n, int type, size_t bs,
+                         int halves) {
+    const size_t rb = st_row_bytes(type, n);
+    const int words = (int)(bs - 2 * (size_t)halves) / 4;
     for (int64_t g = 0; g < rows; g += ST_R8_ROWS) {
         const uint8_t *in = src + (size_t)g * rb;
         uint8_t *out = dst + (size_t)g * rb;
         for (int64_t b = 0; b < n / QK; b++) {
             uint8_t *o = out + (size_t)b * ST_R8_ROWS * bs;
+            uint8_t *codes = o + 2 * ST_R8_ROWS * halves;
             for (int r = 0; r < ST_R8_ROWS; r++) {
                 const uint8_t *blk = in + (size_t)r * rb + (size_t)b * bs;
-                memcpy(o + 2 * r, blk, 2);           /* d */
-                memcpy(o + 16 + 2 * r, blk + 2, 2);  /* m */
-                for (int j = 0; j < 4; j++) memcpy(o + 32 + 32 * j + 4 * r, blk + 4 + 4 * j, 4);
+                for (int h = 0; h < halves; h++) memcpy(o + 2 * ST_R8_ROWS * h + 2 * r, blk + 2 * h, 2);
+                for (int j = 0; j < words; j++) memcpy(codes + 32 * j + 4 * r, blk + 2 * halves + 4 * j, 4);
             }
         }
     }
+}
+
+static st_status repack_checked(const char *what, const void *src, void *dst, int64_t rows, int64_t n, int type,
+                                size_t bs, int halves) {
+    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < QK || n % QK || n > ST_MAX_ROW)
+        return st_fail(ST_EINVAL, "%s: bad arguments (rows=%lld n=%lld)", what, (long long)rows, (long long)n);
+    repack_rows8(src, dst, rows, n, type, bs, halves);
+    return ST_OK;
 }
 
 st_status st_repack_q4_1(const void *src, void *dst, int64_t rows, int64_t n) {
-    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < QK || n % QK || n > ST_MAX_ROW)
-        return st_fail(ST_EINVAL, "repack_q4_1: bad arguments (rows=%lld n=%lld)", (long long)rows, (long long)n);
-    repack_q4_1(src, dst, rows, n);
-    return ST_OK;
-}
-
-static void repack_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n) {
-    const size_t rb = st_row_bytes(ST_TYPE_Q8_0, n), bs = sizeof(blk_q8_0);
-    for (int64_t g = 0; g < rows; g += ST_R8_ROWS) {
-        const uint8_t *in = src + (size_t)g * rb;
-        uint8_t *out = dst + (size_t)g * rb;
-        for (int64_t b = 0; b < n / QK; b++) {
-            uint8_t *o = out + (size_t)b * ST_R8_ROWS * bs;
-            for (int r = 0; r < ST_R8_ROWS; r++) {
-                const uint8_t *blk = in + (size_t)r * rb + (size_t)b * bs;
-                memcpy(o + 2 * r, blk, 2); /* d */
-                for (int j = 0; j < 8; j++) memcpy(o + 16 + 32 * j + 4 * r, blk + 2 + 4 * j, 4);
-            }
-        }
-    }
+    return repack_checked("repack_q4_1", src, dst, rows, n, ST_TYPE_Q4_1, sizeof(blk_q4_1), 2);
 }
 
 st_status st_repack_q8_0(const void *src, void *dst, int64_t rows, int64_t n) {
-    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < QK || n % QK || n > ST_MAX_ROW)
-        return st_fail(ST_EINVAL, "repack_q8_0: bad arguments (rows=%lld n=%lld)", (long long)rows, (long long)n);
-    repack_q8_0(src, dst, rows, n);
-    return ST_OK;
+    return repack_checked("repack_q8_0", src, dst, rows, n, ST_TYPE_Q8_0, sizeof(blk_q8_0), 1);
 }
 
 static void dot_q8_0_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
