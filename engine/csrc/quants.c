@@ -432,34 +432,35 @@ st_status st_repack_q8_0(const void *src, void *dst, int64_t rows, int64_t n) {
     return repack_checked("repack_q8_0", src, dst, rows, n, ST_TYPE_Q8_0, sizeof(blk_q8_0), 1);
 }
 
+/* The inverse of repack_rows8 for row r of a group (g is the group's start): its blocks in the file layout. */
+static void row_from_group(const uint8_t *g, int r, int64_t n, size_t bs, int halves, uint8_t *row) {
+    const int words = (int)(bs - 2 * (size_t)halves) / 4;
+    for (int64_t b = 0; b < n / QK; b++) {
+        const uint8_t *p = g + (size_t)b * ST_R8_ROWS * bs;
+        const uint8_t *codes = p + 2 * ST_R8_ROWS * halves;
+        uint8_t *blk = row + (size_t)b * bs;
+        for (int h = 0; h < halves; h++) memcpy(blk + 2 * h, p + 2 * ST_R8_ROWS * h + 2 * r, 2);
+        for (int j = 0; j < words; j++) memcpy(blk + 2 * halves + 4 * j, codes + 32 * j + 4 * r, 4);
+    }
+}
+
+/* The references for repacked rows: each row's blocks rebuilt from its group (w is the start of the group of
+ * nr <= 8 rows), then the plain type's reference. */
 static void dot_q8_0_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
                             float *out, int64_t ldo) {
     blk_q8_0 row[ST_MAX_ROW / QK];
-    const uint8_t *g = w;
     for (int r = 0; r < nr; r++) {
-        for (int64_t b = 0; b < n / QK; b++) {
-            const uint8_t *p = g + (size_t)b * ST_R8_ROWS * sizeof(blk_q8_0);
-            memcpy(&row[b].d, p + 2 * r, 2);
-            for (int j = 0; j < 8; j++) memcpy(row[b].qs + 4 * j, p + 16 + 32 * j + 4 * r, 4);
-        }
+        row_from_group(w, r, n, sizeof(blk_q8_0), 1, (uint8_t *)row);
         for (int t = 0; t < nt; t++) dot_q8_0_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
     }
     (void)row_bytes;
 }
 
-/* The reference for repacked Q4_1: each row's blocks rebuilt from its group (w is the start of
- * the group of nr <= 8 rows), then the Q4_1 reference. */
 static void dot_q4_1_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
                             float *out, int64_t ldo) {
     blk_q4_1 row[ST_MAX_ROW / QK];
-    const uint8_t *g = w;
     for (int r = 0; r < nr; r++) {
-        for (int64_t b = 0; b < n / QK; b++) {
-            const uint8_t *p = g + (size_t)b * ST_R8_ROWS * sizeof(blk_q4_1);
-            memcpy(&row[b].d, p + 2 * r, 2);
-            memcpy(&row[b].m, p + 16 + 2 * r, 2);
-            for (int j = 0; j < 4; j++) memcpy(row[b].qs + 4 * j, p + 32 + 32 * j + 4 * r, 4);
-        }
+        row_from_group(w, r, n, sizeof(blk_q4_1), 2, (uint8_t *)row);
         for (int t = 0; t < nt; t++) dot_q4_1_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
     }
     (void)row_bytes;
