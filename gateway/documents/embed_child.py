@@ -136,12 +136,10 @@ def serve(conn: Connection, model_dir: Path, onnx_path: Path | None, threads: in
     watch: list[Any] = [conn] + ([parent.sentinel] if parent is not None else [])
     if parent is not None and not parent.is_alive():
         return
-    try:
-        from threadpoolctl import threadpool_limits
+    # imported here, not at the top: embed.py starts this module's forkserver
+    from gateway.documents.embed import single_threaded_blas
 
-        threadpool_limits(1, user_api="blas")  # numpy here only copies; a BLAS pool would wait for busy cores
-    except ImportError:
-        pass
+    single_threaded_blas()  # numpy here only copies; a BLAS pool would wait for busy cores
     try:
         model = build_model(model_dir, onnx_path, threads)
     except Exception as e:
