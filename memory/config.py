@@ -34,6 +34,10 @@ class MemoryConfig(BaseModel):
     vector_cache_mb: float = Field(256.0, ge=0, description="memory for the turn vectors of recently used "
                                    "sessions (MiB); the least recently used are dropped past it and reloaded from "
                                    "the database on their next request (0: reload every time)")
+    session_state_max: int = Field(20_000, ge=1, description="sessions whose small per-session state (what is "
+                                   "embedded, what a composition left out, summary retries) this process keeps; "
+                                   "the least recently used past it are forgotten and re-read from the database "
+                                   "on their next request")
     max_sessions_per_key: int = Field(10_000, ge=1)
     max_turn_chars: int = Field(200_000, ge=100, description="longest message stored as a turn")
 

@@ -8,7 +8,11 @@ process loses no retrievability. A per-session cache keeps the vector matrix in 
 by the rows added since (turn ids only increase) and is dropped with the session. The caches of
 all sessions together stay within ``vector_cache_mb``: past it the least recently used are dropped,
 and such a session's next request reloads its vectors from the database (the same rows: same
-retrieval).
+retrieval). The small per-session entries (how far turns are embedded, what a composition left
+out, a summary's retry) are kept for the ``session_state_max`` most recently used sessions; a
+forgotten session's next request asks the database again which turns lack vectors (one query) and
+its next composition that leaves turns out notes them again, so it works as before, only not
+from memory. Sessions' locks are held only while someone uses them (weak references).
 
 Summarisation (:meth:`MemoryService.summarise`) runs as a background task after a reply when the
 unsummarised history passes ``summarize_after_tokens`` *and* a composition has left turns out of the
@@ -23,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -159,7 +164,10 @@ class MemoryService:
         self.cache_evictions = 0
         self._embedded_upto: dict[int, int] = {}  # session pk -> every turn up to this id has a vector
         self._embedded_seq: dict[int, int] = {}  # ... and up to this seq: a request compares its n_turns, no query
-        self._locks: dict[int, asyncio.Lock] = {}
+        # a lock lives while a coroutine holds or waits for it: nothing to bound
+        self._locks: weakref.WeakValueDictionary[int, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._recent: OrderedDict[int, None] = OrderedDict()  # sessions with small state here, LRU first
+        self.state_evictions = 0
         self._summarising: set[int] = set()
         self._retry: dict[int, tuple[float, int]] = {}  # session pk -> (next attempt, failures)
         self._left_out: dict[int, int] = {}  # session pk -> newest unsummarised seq a composition left out
@@ -186,13 +194,30 @@ class MemoryService:
         """Drop what this process holds for a session that is gone. Session and turn ids are never reused
         (memory.store), so a leftover could not mislead a later session, but it would stay forever."""
         for held in (self._cache, self._embedded_upto, self._embedded_seq, self._locks, self._retry,
-                     self._left_out):
+                     self._left_out, self._recent):
             held.pop(pk, None)
+
+    def _touch(self, pk: int) -> None:
+        """The session was used now: keep its small state, forget the least recently used sessions' past
+        ``session_state_max`` (never a session being summarised: its task writes its state when done)."""
+        recent = self._recent
+        recent[pk] = None
+        recent.move_to_end(pk)
+        for _ in range(len(recent) - self.cfg.session_state_max):
+            old = next(iter(recent))
+            if old in self._summarising:
+                recent.move_to_end(old)
+                continue
+            del recent[old]
+            for held in (self._cache, self._embedded_upto, self._embedded_seq, self._retry, self._left_out):
+                held.pop(old, None)
+            self.state_evictions += 1
 
     # ------------------------------------------------------------ loading for composition
     async def load(self, session: Session, query: str) -> Loaded:
         t0 = time.perf_counter()
         pk = session.pk
+        self._touch(pk)
         qvec: asyncio.Future[np.ndarray] | None = None
         cache: _VecCache | None = None
         note = ""
@@ -286,6 +311,7 @@ class MemoryService:
                 return 0
             if last <= upto:
                 self._embedded_seq[pk] = max(self._embedded_seq.get(pk, 0), last_seq)
+                self._touch(pk)
                 return 0
             todo = await asyncio.to_thread(self.store.missing_vectors, pk, self.embedder.version_key, limit, upto)
             n = 0
@@ -296,6 +322,7 @@ class MemoryService:
             if len(todo) < limit:  # every turn up to `last` has its vector now: later checks start there
                 self._embedded_upto[pk] = last
                 self._embedded_seq[pk] = max(self._embedded_seq.get(pk, 0), last_seq)
+            self._touch(pk)
             return n
 
     def composed(self, loaded: Loaded, comp: Composition) -> None:
@@ -303,6 +330,7 @@ class MemoryService:
         if comp.dropped > 0:
             pk = loaded.session.pk
             self._left_out[pk] = max(self._left_out.get(pk, 0), loaded.recent[comp.dropped - 1].seq)
+            self._touch(pk)
 
     # ------------------------------------------------------------ storing a reply
     async def remember(self, session: Session, user_messages: Sequence[dict[str, Any]], reply: str, *,
@@ -354,6 +382,7 @@ class MemoryService:
             fails = (self._retry.get(pk, (0.0, 0))[1]) + 1
             delay = self.cfg.summary_retry_s * min(16, 2 ** (fails - 1))
             self._retry[pk] = (time.monotonic() + delay, fails)
+            self._touch(pk)
             self.summary_failures += 1
             log.warning("memory: summarising session pk=%d failed (%d in a row; retry in %.0fs): %s: %s", pk, fails,
                         delay, type(e).__name__, e)

@@ -257,3 +257,38 @@ def test_the_vector_cache_stays_within_its_budget_and_an_evicted_session_retriev
         assert svc.cache_evictions == 4  # each of those loads dropped the least recently used session
 
     asyncio.run(scenario())
+
+
+def test_per_session_state_is_bounded_and_a_forgotten_session_retrieves_the_same(tmp_path: Path) -> None:
+    """The small per-session entries (embedded up to, left out, retries) are kept for the ``session_state_max``
+    most recently used sessions only; a forgotten session's next request rebuilds them from the database and
+    retrieves exactly what it did before."""
+    model = _Words()
+    cfg = MemoryConfig(session_state_max=3)
+    svc = MemoryService(MemoryStore(open_engine(f"sqlite:///{tmp_path / 'm.db'}")), cfg, model, None)
+    q = "What is my locker code?"
+    small = ("_embedded_upto", "_embedded_seq", "_retry", "_left_out", "_cache", "_recent")
+
+    async def scenario() -> None:
+        sessions, first = [], []
+        for n in range(8):
+            s = _session_with_turns(svc, 6, f"s{n}", "filler about the weather", 10)
+            svc.store.append(s.pk, [("user", f"My locker code is 44{n}7.", 8, True)])
+            s = svc.store.get_session(1, s.id)
+            assert s is not None
+            await svc.embed_missing(s.pk)
+            loaded = await svc.load(s, q)
+            svc.composed(loaded, loaded.compose(svc.cfg, None, [{"role": "user", "content": q}], 60))
+            assert all(len(getattr(svc, name)) <= 3 for name in small)  # the bound holds after every request
+            first.append([(c.turn.id, c.score) for c in loaded.candidates])
+            sessions.append(s)
+        assert list(svc._recent) == [s.pk for s in sessions[-3:]] and svc.state_evictions == 5 and svc._left_out
+        assert not svc._locks  # no lock outlives its use
+        s0 = sessions[0]
+        assert s0.pk not in svc._embedded_seq and s0.pk not in svc._left_out
+        loaded = await svc.load(s0, q)  # forgotten: asks the database which turns lack vectors, none do
+        assert [(c.turn.id, c.score) for c in loaded.candidates] == first[0]
+        assert loaded.candidates[0].turn.content == "My locker code is 4407."
+        assert svc._embedded_seq[s0.pk] == s0.n_turns and list(svc._recent)[-1] == s0.pk
+
+    asyncio.run(scenario())
