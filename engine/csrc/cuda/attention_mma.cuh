@@ -1,0 +1,345 @@
+/* Prefill attention on the tensor cores (flash style, online softmax): `mma.sync` m16n8k16
+ * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged f16 KV cache.
+ *
+ * Included by strata_cuda.cu after its launch helpers (launch_k, fail, CHECK): the host side
+ * below launches with them.
+ *
+ * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
+ * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
+ * rows (token, query head of the group) share every K/V stage; each of the 4 warps owns 16
+ * rows (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside
+ * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
+ * stage measured nothing: run 35).
+ *
+ * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
+ * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
+ * error at the fp32 accumulation's level, since K is f16 already in the cache. The
+ * probabilities p = exp2(s * log2e - m) enter p.v rounded to f16 (relative 2^-11 at most
+ * per weight; V is f16 already); the row sum l is taken over the fp32 p. Per row: online
+ * max / rescale per 64-key stage, then out = acc / l. Rows are independent (an mma output
+ * element depends on its own row of A only; a stage whose keys a row cannot see adds exact
+ * zeros to it), so a row's result does not depend on the other rows of its tile or step, but
+ * it is not the decode kernel's: see att_mma_min_run for where each kernel runs.
+ *
+ * Layouts (PTX ISA, m16n8k16 .f16, groupID g = lane >> 2, t = lane % 4): A regs {a0,a1} row g,
+ * cols 2t, 2t+1; {a2,a3} row g+8; {a4,a5} row g, cols 2t+8, 2t+9; {a6,a7} row g+8, cols 2t+8..;
+ * B {b0,b1} rows (k) 2t, 2t+1, col (n) g; {b2,b3} rows 2t+8, 2t+9; C/D {c0,c1} row g, cols 2t,
+ * 2t+1; {c2,c3} row g+8. K is staged as the cache holds it, [dim][key], V as [key][dim]; both
+ * B operands then come from `ldmatrix .trans` (thread (g, t) of an 8x8 matrix gets its
+ * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
+#pragma once
+#include "kernels.cuh"
+
+#define AMMA_WARPS 4
+#define AMMA_ROWS (AMMA_WARPS * 16)
+#define AMMA_BC 64
+#define AMMA_KP (AMMA_BC + 8) /* padded K stage row (one dimension, halves): ldmatrix rows in distinct banks */
+
+template <int HD> __host__ __device__ constexpr int amma_vp() { return HD + 8; } /* padded V stage row */
+template <int HD> __host__ __device__ constexpr size_t amma_stage_halves() {
+    return (size_t)HD * AMMA_KP + (size_t)AMMA_BC * amma_vp<HD>();
+}
+#define AMMA_NS 2 /* K/V stages in flight */
+template <int HD> constexpr size_t amma_smem_bytes() { return AMMA_NS * amma_stage_halves<HD>() * sizeof(__half); }
+/* the output rows are staged in the same memory at the end ([AMMA_ROWS][HD + 8] floats) */
+static_assert((size_t)AMMA_ROWS * (32 + 8) * 4 <= amma_smem_bytes<32>(), "output staging");
+static_assert((size_t)AMMA_ROWS * (128 + 8) * 4 <= amma_smem_bytes<128>(), "output staging");
+
+__device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* four 8x8 b16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i */
+__device__ __forceinline__ void amma_ldsm_t(uint32_t (&r)[4], const __half *p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+}
+__device__ __forceinline__ uint32_t amma_pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi); /* .x (low 16 bits) = lo */
+    return *(const uint32_t *)&h;
+}
+
+/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G); QSPLIT: q as f16 hi + lo. */
+template <int HD, bool QSPLIT>
+__global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args a, const int32_t *tiles) {
+    PDL_ENTER();
+    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = AMMA_NS;
+    constexpr float LOG2E = 1.4426950408889634f;
+    extern __shared__ __align__(16) unsigned char att_dyn[];
+    __shared__ int32_t rn[AMMA_ROWS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
+    const int G = a.n_head / a.n_kv, kvh = blockIdx.y, kd = a.n_kv * HD, bs = a.block_size;
+    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 7, nrows = (tile & 127) * G;
+    if (threadIdx.x < AMMA_ROWS) rn[threadIdx.x] = (int)threadIdx.x < nrows ? a.pos[t0 + threadIdx.x / G] + 1 : 0;
+    __syncthreads();
+    int32_t max_keys = 0, wmax = 0, wmin = 0x7fffffff; /* keys seen by the block; by this warp's rows */
+    for (int r = 0; r < AMMA_ROWS; r++) max_keys = max(max_keys, rn[r]);
+    for (int r = warp * 16; r < warp * 16 + 16; r++)
+        if (rn[r] > 0) wmax = max(wmax, rn[r]), wmin = min(wmin, rn[r]);
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    /* padding rows (past the tile's tokens) see the warp's keys: finite, then discarded */
+    const int32_t lim_lo = rn[r_lo] > 0 ? rn[r_lo] : wmax, lim_hi = rn[r_hi] > 0 ? rn[r_hi] : wmax;
+    const bool active = wmax > 0;
+
+    /* q fragments for the whole head dimension, kept in registers */
+    uint32_t qh[KS][4], ql[QSPLIT ? KS : 1][4];
+    {
+        const float *qr[2] = {nullptr, nullptr};
+        const int rows[2] = {r_lo, r_hi};
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+            if (rows[i] < nrows)
+                qr[i] = a.q + (int64_t)(t0 + rows[i] / G) * a.n_head * HD + (int64_t)(kvh * G + rows[i] % G) * HD;
+#pragma unroll
+        for (int kk = 0; kk < KS; kk++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) { /* reg i: row (i & 1 ? g + 8 : g), cols 16 kk + 2t (+ 8 for i >= 2) */
+                const float *p = qr[i & 1];
+                const float2 x = p ? *(const float2 *)(p + 16 * kk + 2 * t4 + (i >= 2 ? 8 : 0)) : make_float2(0.0f, 0.0f);
+                const __half hx = __float2half_rn(x.x), hy = __float2half_rn(x.y);
+                qh[kk][i] = amma_pack(__half2float(hx), __half2float(hy));
+                if constexpr (QSPLIT) ql[kk][i] = amma_pack(x.x - __half2float(hx), x.y - __half2float(hy));
+            }
+    }
+
+    const int32_t *bt = a.block_tables + (int64_t)a.seq[t0] * a.max_blocks;
+    const int n_kt = (max_keys + AMMA_BC - 1) / AMMA_BC;
+    __half *const stage0 = (__half *)att_dyn;
+    /* K of stage kt: HD rows x 4 chunks x 2 pieces of 16 bytes; a thread keeps its chunk and piece */
+    const int kc_p = threadIdx.x & 1, kc_c = (threadIdx.x >> 1) & 3;
+    auto issue = [&](int kt) { /* stage kt's copies into slot kt % NS, as one commit group (empty past the end) */
+        if (kt < n_kt) {
+            __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(), *vs = ks + HD * AMMA_KP;
+            const int j0 = kt * AMMA_BC;
+            int32_t blk[4], slot[4]; /* the four 16-key chunks' KV blocks, loaded together, and first slots */
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int jb = j0 + 16 * c;
+                blk[c] = jb < max_keys ? bt[jb / bs] : 0, slot[c] = jb % bs;
+            }
+            if (j0 + 16 * kc_c < max_keys) { /* chunks past the last key stay stale: their scores are masked */
+                const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
+                const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
+                const __half *kg = a.kc + ((int64_t)b * kd + (int64_t)kvh * HD) * bs + sl + 8 * kc_p;
+#pragma unroll
+                for (int d = threadIdx.x >> 3; d < HD; d += AMMA_WARPS * 32 / 8)
+                    cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
+            }
+            constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
+#pragma unroll
+            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += AMMA_WARPS * 32) {
+                const int j = i / VPC, pc = i % VPC, c = j >> 4;
+                __half *dst = vs + j * VP + 8 * pc;
+                if (j0 + j < max_keys) {
+                    const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
+                    const int sl = (c == 0 ? slot[0] : c == 1 ? slot[1] : c == 2 ? slot[2] : slot[3]) + (j & 15);
+                    cp_async16(dst, a.vc + ((int64_t)b * bs + sl) * kd + (int64_t)kvh * HD + 8 * pc);
+                } else {
+                    *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u); /* p = 0 there, and 0 * stale NaN would not be 0 */
+                }
+            }
+        }
+        cp_async_commit();
+    };
+
+    float o[DT][4];
+#pragma unroll
+    for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f; /* l: this thread's share of the row sum */
+    const int mi = lane >> 3, mr = lane & 7; /* ldmatrix: matrix and row this lane addresses */
+#pragma unroll
+    for (int kt = 0; kt < NS - 1; kt++) issue(kt);
+    for (int kt = 0; kt < n_kt; kt++) {
+        issue(kt + NS - 1);         /* into the slot read by the previous stage (past its barrier) */
+        cp_async_wait<NS - 1>();    /* stage kt's group is complete: NS - 1 newer groups may fly */
+        __syncthreads();
+        const int j0 = kt * AMMA_BC;
+        if (active && j0 < wmax) {
+            const __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(), *vs = ks + HD * AMMA_KP;
+            float s[NT][4];
+#pragma unroll
+            for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+#pragma unroll
+                for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
+                    uint32_t b[4];
+                    amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
+                    if constexpr (QSPLIT) {
+                        amma_f16(s[2 * np], ql[kk], b[0], b[1]);
+                        amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
+                    }
+                    amma_f16(s[2 * np], qh[kk], b[0], b[1]);
+                    amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
+                }
+            }
+            /* causal / length mask (only where a row of the warp ends inside this stage), log2 domain */
+            const bool mask = j0 + AMMA_BC > wmin;
+            float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int key = j0 + 8 * nt + 2 * t4 + e;
+                    float v0 = s[nt][e] * LOG2E, v1 = s[nt][2 + e] * LOG2E;
+                    if (mask) {
+                        if (key >= lim_lo) v0 = -INFINITY;
+                        if (key >= lim_hi) v1 = -INFINITY;
+                    }
+                    s[nt][e] = v0, s[nt][2 + e] = v1;
+                    mx_lo = fmaxf(mx_lo, v0), mx_hi = fmaxf(mx_hi, v1);
+                }
+#pragma unroll
+            for (int o2 = 1; o2 <= 2; o2 <<= 1) { /* the 4 lanes of a row */
+                mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o2));
+                mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o2));
+            }
+            /* every row sees key 0 in stage 0, so the running max is finite from then on */
+            const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+            const float c_lo = exp2f(m_lo - mn_lo), c_hi = exp2f(m_hi - mn_hi); /* 0 on the first stage */
+            m_lo = mn_lo, m_hi = mn_hi;
+            float sum_lo = 0.0f, sum_hi = 0.0f;
+            uint32_t pa[NT / 2][4]; /* P as the A operand of p.v: S's C fragments, two n-tiles per k step */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const float p0 = exp2f(s[nt][0] - mn_lo), p1 = exp2f(s[nt][1] - mn_lo);
+                const float p2 = exp2f(s[nt][2] - mn_hi), p3 = exp2f(s[nt][3] - mn_hi);
+                sum_lo += p0 + p1, sum_hi += p2 + p3;
+                pa[nt / 2][(nt & 1) * 2] = amma_pack(p0, p1);
+                pa[nt / 2][(nt & 1) * 2 + 1] = amma_pack(p2, p3);
+            }
+            l_lo = fmaf(l_lo, c_lo, sum_lo), l_hi = fmaf(l_hi, c_hi, sum_hi);
+#pragma unroll
+            for (int i = 0; i < DT; i++) o[i][0] *= c_lo, o[i][1] *= c_lo, o[i][2] *= c_hi, o[i][3] *= c_hi;
+#pragma unroll
+            for (int k2 = 0; k2 < NT / 2; k2++) {
+#pragma unroll
+                for (int dp = 0; dp < DT / 2; dp++) { /* dim n-tiles 2dp, 2dp + 1; keys 16k2..+7, +8..+15 */
+                    uint32_t b[4];
+                    amma_ldsm_t(b, vs + (16 * k2 + 8 * (mi & 1) + mr) * VP + 8 * (2 * dp + (mi >> 1)));
+                    amma_f16(o[2 * dp], pa[k2], b[0], b[1]);
+                    amma_f16(o[2 * dp + 1], pa[k2], b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads(); /* the slot is refilled by the next iteration's copies */
+    }
+    cp_async_wait<0>(); /* only empty groups are left; the output rows reuse the stages */
+#pragma unroll
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o2);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o2);
+    }
+    /* every copy is done and every warp past its last stage: the stages become the output rows */
+    float *os = (float *)att_dyn;
+    constexpr int OP = HD + 8; /* float2 stores of a half-warp in distinct banks */
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < DT; i++) {
+            *(float2 *)&os[r_lo * OP + 8 * i + 2 * t4] = make_float2(o[i][0] / l_lo, o[i][1] / l_lo);
+            *(float2 *)&os[r_hi * OP + 8 * i + 2 * t4] = make_float2(o[i][2] / l_hi, o[i][3] / l_hi);
+        }
+    }
+    __syncwarp();
+    for (int r = warp * 16; r < warp * 16 + 16 && r < nrows; r++) {
+        const int64_t row0 = (int64_t)(t0 + r / G) * a.n_head * HD + (int64_t)(kvh * G + r % G) * HD;
+#pragma unroll
+        for (int d0 = 0; d0 < HD; d0 += 32) {
+            const float v = os[r * OP + d0 + lane];
+            a.out[row0 + d0 + lane] = v;
+            if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
+        }
+    }
+}
+
+/* ------------------------------------------------------------ host side */
+
+/* STRATA_GPU_ATT_MMA: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention,
+ * as before); 1 = tensor cores with q as one f16; unset / 2 = tensor cores with q as f16 hi + lo. */
+static int att_mma_mode() {
+    const char *e = getenv("STRATA_GPU_ATT_MMA");
+    if (e && e[0] == '0') return 0;
+    if (e && e[0] == '1') return 1;
+    return 2;
+}
+/* Runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32 query-tile
+ * kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails that a
+ * graph step would compute, so that a short sequence's tokens do not depend on how it was
+ * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their
+ * tokens are within tolerance (not bitwise) of what another chunking gives.
+ * STRATA_GPU_ATT_MMA_MIN overrides (>= 1). */
+#define ATT_MMA_MIN_RUN 64
+static int32_t att_mma_min_run() {
+    const char *e = getenv("STRATA_GPU_ATT_MMA_MIN");
+    const long v = e && e[0] ? strtol(e, nullptr, 10) : ATT_MMA_MIN_RUN;
+    return v >= 1 && v <= 0x7fffffff ? (int32_t)v : ATT_MMA_MIN_RUN;
+}
+/* Tokens per mma tile for a model: head_dim 32, 64 or 128 and G = n_head / n_kv dividing 16
+ * (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
+static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
+    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128)) return 0;
+    const int G = n_head / n_kv;
+    return G <= 16 && 16 % G == 0 ? AMMA_ROWS / G : 0;
+}
+/* A step's prefill tiles: runs shorter than min_run as query tiles of tq tokens (first * 32 +
+ * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 128 + count)
+ * in out[n_old, n_old + n_mma). At most T entries in all. */
+static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int32_t min_run, int32_t *out,
+                            int32_t *n_old, int32_t *n_mma) {
+    int32_t n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int32_t i = 0; i < T;) {
+            int32_t j = i + 1;
+            while (j < T && seq[j] == seq[i]) j++;
+            const bool long_run = j - i >= min_run;
+            if (long_run == (pass == 1)) {
+                const int32_t step = long_run ? tqm : tq, mul = long_run ? 128 : 32;
+                for (int32_t f = i; f < j; f += step) out[n++] = f * mul + std::min(step, j - f);
+            }
+            i = j;
+        }
+        if (pass == 0) *n_old = n;
+    }
+    *n_mma = n - *n_old;
+}
+
+static stg_status attention_mma_setup(void) {
+#define AMMA_SETUP(HD)                                                                                        \
+    CU(cudaFuncSetAttribute(k_attention_mma<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,            \
+                            (int)amma_smem_bytes<HD>()),                                                       \
+       "attention (mma) setup");                                                                              \
+    CU(cudaFuncSetAttribute(k_attention_mma<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,           \
+                            (int)amma_smem_bytes<HD>()),                                                       \
+       "attention (mma) setup");
+    AMMA_SETUP(32)
+    AMMA_SETUP(64)
+    AMMA_SETUP(128)
+#undef AMMA_SETUP
+    return ST_OK;
+}
+
+/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as att_mma_mode. */
+static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
+                                       cudaStream_t st) {
+    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);
+    const bool split = mode != 1;
+#define AMMA_LAUNCH(HD)                                                                                             \
+    if (split) launch_k(k_attention_mma<HD, true>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);            \
+    else launch_k(k_attention_mma<HD, false>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);
+    if (aa.hd == 128) {
+        AMMA_LAUNCH(128)
+    } else if (aa.hd == 64) {
+        AMMA_LAUNCH(64)
+    } else if (aa.hd == 32) {
+        AMMA_LAUNCH(32)
+    } else {
+        return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
+    }
+#undef AMMA_LAUNCH
+    LAUNCHED("attention (mma tiles)");
+    return ST_OK;
+}
