@@ -203,7 +203,8 @@ class Engine:
         ps = np.ascontiguousarray(pos, dtype=np.int32)
         sq = np.ascontiguousarray(seq, dtype=np.int32)
         li = np.ascontiguousarray(logit_idx, dtype=np.int32)
-        logits = np.empty((len(li), self.hparams.n_vocab), dtype=np.float32)
+        shape = (len(li), self.hparams.n_vocab)  # on a GPU in page-locked memory: the copy is a DMA
+        logits = self._gpu.host_array(shape, np.float32) if self._gpu is not None else np.empty(shape, np.float32)
         b = ffi.new("st_batch *")
         b.n_tokens = n
         b.tokens, b.pos, b.seq = ptr(tok, "int32_t *"), ptr(ps, "int32_t *"), ptr(sq, "int32_t *")
