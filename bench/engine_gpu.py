@@ -243,6 +243,40 @@ def run(args: argparse.Namespace) -> dict:
             for tb in tabs:
                 eng.blocks.release(tb)
 
+    if args.profile_decode or args.decode_only:  # decode only: kernel times (profile) and rates
+        tables = []
+        if args.profile_decode:
+            import torch.profiler as tp
+
+            os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"  # as --profile
+            for n_seq in (1, 32):
+                decode(n_seq, 4)
+                prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+                decode(n_seq, 16, prof=prof)
+                tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
+                              prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                                        max_name_column_width=70))
+            del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
+        for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL)
+            res[f"decode_b{n_seq}_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}")
+        res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", sample=False)
+        if args.decode_only:  # the split dense GEMM and the pinned logits off, for comparison
+            for env, tag in (("STRATA_GPU_DENSE_SPLIT", "no_dense_split"), ("STRATA_GPU_PINNED", "pageable")):
+                os.environ[env] = "0"
+                res[f"decode_b8_{tag}_tok_s"], _ = decode(8, 64, tag=f"b8_{tag}")
+                res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
+                del os.environ[env]
+        res["decode_step_gpu_ms"] = gpu_ms
+        lib = Path(os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")).name
+        print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"
+                                               for k, v in res.items() if k.startswith("decode_b")))
+        if tables:
+            table = "\n".join(tables)
+            print(table)
+            if args.json:
+                Path(args.json).with_suffix(".profile.txt").write_text(table)
+        eng.close()
+        return res
     os.environ["STRATA_GPU_GEMM_MIN"] = "1000000"  # the matvec kernel only (the tensor-core GEMM off)
     res["prefill_512_matvec_tok_s"] = prefill(512)
     del os.environ["STRATA_GPU_GEMM_MIN"]
@@ -315,6 +349,10 @@ def run(args: argparse.Namespace) -> dict:
     res["decode_b32_tok_s"], st32 = decode(32, 64, tag="b32")
     # the host's greedy pick (argmax over 32 x 151,936 logits) left out, as llama-batched-bench does
     res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", sample=False)
+    for env, tag in (("STRATA_GPU_DENSE_SPLIT", "no_dense_split"), ("STRATA_GPU_PINNED", "pageable")):
+        os.environ[env] = "0"  # dense layers on the matvec / the logits into pageable memory
+        res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
+        del os.environ[env]
     res["decode_b1_random_next_tok_s"], _ = decode(1, 128, tag="b1_random_next", sample=False)
     for gm in args.gemm_min.split(","):  # other GEMM thresholds (pairs per group), same results, other speed
         os.environ["STRATA_GPU_GEMM_MIN"] = gm
@@ -430,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences and of prefill at 512 and 4,096 tokens")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="only the kernel times of decode at 1 and 32 sequences (graphs and PDL off) and the "
+                         "decode rates at 1, 8 and 32 sequences (no prefill figures)")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM and "
+                         "the pinned logits (a before/after of a decode change; STRATA_CUDA_LIB)")
     ap.add_argument("--gemm-min", default="2,4,1000000",
                     help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
     ap.add_argument("--llama-bin", default=None,

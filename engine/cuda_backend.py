@@ -163,6 +163,61 @@ def resolve_device(device: str | None) -> DeviceSpec:
     return spec
 
 
+# ------------------------------------------------------------------ pinned host arrays
+
+class _PinnedPool:
+    """Page-locked host memory for step outputs (the logits): a device-to-host copy into it is a
+    DMA, not the driver's staged copy into pageable memory. Each array owns its buffer (freed back
+    to this pool when the array and every view of it are gone), so a caller may keep what a step
+    returned; buffers are reused by size class, at most _KEEP of each and _CAP bytes in all."""
+
+    _KEEP = 4
+    _CAP = 512 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[int]] = {}
+        self._cached = 0
+
+    def array(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape)) * dt.itemsize
+        if n == 0:
+            return np.empty(shape, dt)
+        size = max(4096, 1 << (n - 1).bit_length())  # size classes: powers of two
+        ffi, lib = load()
+        addr = None
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                addr = free.pop()
+                self._cached -= size
+        if addr is None:
+            alloc = getattr(lib, "stg_host_alloc", None)
+            if alloc is None:  # a library built before it existed (STRATA_CUDA_LIB): pageable memory
+                return np.empty(shape, dt)
+            pp = ffi.new("void **")
+            _check(ffi, lib, alloc(size, pp), "pinned host memory")
+            addr = int(ffi.cast("uintptr_t", pp[0]))
+        raw = ffi.gc(ffi.cast("char *", addr), lambda p, size=size: self._release(size, p), size=size)
+        return np.frombuffer(ffi.buffer(raw, n), dt).reshape(shape)  # the buffer keeps `raw` alive
+
+    def _release(self, size: int, p: Any) -> None:
+        ffi, lib = load()
+        with self._lock:
+            keep = len(self._free.get(size, ())) < self._KEEP and self._cached + size <= self._CAP
+            if keep:
+                self._free.setdefault(size, []).append(int(ffi.cast("uintptr_t", p)))
+                self._cached += size
+        if not keep:
+            lib.stg_host_free(p)
+
+
+_pinned = _PinnedPool()
+
+
 # ------------------------------------------------------------------ a model on the GPU
 
 def _addr(cpu_ffi: Any, cdata: Any) -> int:
@@ -199,6 +254,14 @@ class CudaModel:
         note = self.ffi.new("char[256]")
         n = int(self.lib.stg_model_graphs(self._model, failed, note, 256))
         return n, int(failed[0]), self.ffi.string(note).decode("utf-8", "replace")
+
+    def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""
+        if os.environ.get("STRATA_GPU_PINNED") == "0":  # pageable, for comparison
+            import numpy as np
+
+            return np.empty(shape, dtype)
+        return _pinned.array(shape, dtype)
 
     def forward(self, batch: Any, stats: Any) -> None:
         """batch / stats: cdata of the CPU engine's ffi (st_batch *, st_step_stats *)."""

@@ -160,6 +160,11 @@ struct lin_args {
     float *hd;
     int32_t *hs;
     int32_t *qcnt;
+    /* GEMM plain form of a dense launch only: ksplit 2 or 4 splits the k loop over gridDim.z = ksplit
+     * blocks, each writing its part of the butterfly tree to kpart[z][pair][N] (k_ksplit_combine adds
+     * them as the tree's top levels do and stores by mode); 0 or 1: no split */
+    float *kpart;
+    int32_t ksplit;
 };
 
 __device__ __forceinline__ bool group_of(const lin_groups &g, int gi, int &e, int &start, int &count) {
@@ -546,7 +551,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         if ((int)blockIdx.y >= nt || !group_of(a.g, tl >> 16, e, start, count)) return;
         n0 = (tl & 0xFFFF) * BN;
     } else {
-        if (!group_of(a.g, blockIdx.z, e, start, count)) return;
+        if (!group_of(a.g, a.ksplit > 1 ? 0 : (int)blockIdx.z, e, start, count)) return;
         n0 = blockIdx.y * BN;
         if (n0 >= count) return;
     }
@@ -555,6 +560,11 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     if (tid < BN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
     const uint8_t *wbase = a.w + e * a.expert_stride, *wbase2 = SW ? a.w2 + e * a.expert_stride : nullptr;
     const int nsb = a.K / 32, C = (nsb + 31) / 32, nq = 32 * C;
+    /* split k loop (a.ksplit S = 2 or 4, block z): positions [z nq / S, (z + 1) nq / S), i.e. the residues
+     * of walk indices [32 z / S, 32 (z + 1) / S) in bit-reversed order: one subtree of the butterfly each
+     * (multiples of GK: nq / S = 32 C / S) */
+    const int ks = !SW && a.ksplit > 1 ? a.ksplit : 1, kz = ks > 1 ? (int)blockIdx.z : 0;
+    const int q_beg = kz * (nq / ks), q_end = q_beg + nq / ks;
     float cur[NW][NT][4], L[NW][NT][4][5];
 #pragma unroll
     for (int w = 0; w < NW; w++)
@@ -569,14 +579,15 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8; /* this thread's two rows in the tile */
     /* the schedule (q -> j, ii, residue end) once per position, not per thread and use;
      * qtab[p] holds the current stage's, qtab[p ^ 1] the next one's */
-    if (tid < GK) qtab[0][tid] = gemm_qentry(tid, nq, C, nsb), qtab[1][tid] = gemm_qentry(GK + tid, nq, C, nsb);
+    if (tid < GK)
+        qtab[0][tid] = gemm_qentry(q_beg + tid, nq, C, nsb), qtab[1][tid] = gemm_qentry(q_beg + GK + tid, nq, C, nsb);
     __syncthreads();
     constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
     /* activations: (sub-block, pair) entries tid + 128 u, u < XE: pair xn, sub-blocks xkk0 + u * 128 / BN */
     const int xkk0 = tid / BN, xn = tid % BN;
     const int xrow = xkk0 < GK ? prow[xn] : -1;
     if constexpr (RAW) gemm_issue<SW, BN>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
-    for (int q0 = 0, p = 0; q0 < nq; q0 += GK, p ^= 1) {
+    for (int q0 = q_beg, p = 0; q0 < q_end; q0 += GK, p ^= 1) {
         /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
          * every global load of the stage is issued before the first shared-memory store */
         if constexpr (RAW) cp_async_wait<0>();
@@ -644,7 +655,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
         /* the next stage's bytes fly while this stage's mma work runs (every thread has
          * unpacked its slots of this stage before the barrier) */
         if constexpr (RAW) {
-            if (q0 + GK < nq) gemm_issue<SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
+            if (q0 + GK < q_end) gemm_issue<SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
         }
         /* stage sub-block kk's mma and float work into cur */
         auto kk_mma = [&](int kk) {
@@ -708,9 +719,30 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
 #pragma unroll
         for (int o = 0; o < 4; o++) {
             const int r = m0 + (o < 2 ? r_lo : r_hi), n = n0 + nt * 8 + 2 * t4 + (o & 1);
-            if (r < a.N && n < count)
+            if (r >= a.N || n >= count) continue;
+            if (ks > 1) { /* this block's subtree: 16 residues end in L[4] (0 + the sum for z = 1); 8 residues
+                           * in L[3] for even z, in L[4] for odd z (there L[3] was 0) */
+                const float v = ks == 2 || (kz & 1) ? L[0][nt][o][4] : L[0][nt][o][3];
+                a.kpart[((int64_t)kz * count + n) * a.N + r] = v;
+            } else {
                 store_out(a, pair_at(a.g, start, n), r, L[0][nt][o][4], SW ? L[NW - 1][nt][o][4] : 0.0f);
+            }
         }
+}
+
+/* The parts of a split GEMM (a dense launch: pair p = row p) added as the butterfly's top levels
+ * do: S = 2: P0 + P1; S = 4: (P0 + P1) + (P2 + P3); then stored by mode (store or residual add). */
+__global__ void k_ksplit_combine(const float *part, int32_t S, int32_t count, int32_t N, float *out, int64_t ldo,
+                                 int mode) {
+    PDL_ENTER();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)count * N) return;
+    const int64_t plane = (int64_t)count * N;
+    float v = part[i] + part[plane + i];
+    if (S == 4) v = v + (part[2 * plane + i] + part[3 * plane + i]);
+    float *o = out + i / N * ldo + i % N;
+    if (mode == MODE_ADD) *o += v;
+    else *o = v;
 }
 
 /* Reference linear kernel: one thread per (output row, pair), sub-blocks in order; the

@@ -116,6 +116,8 @@ struct scratch {
     float *ad, *hd;
     int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
+    float *kpart;      /* the split dense GEMM's parts (g_kpart) */
+    int64_t kpart_cap; /* floats */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
@@ -128,6 +130,7 @@ struct graph_entry {
     bool layer_events, pdl, route_split;
     int32_t gemm_min, gemm_dense, gemm_wide;
     bool fused_quant, fuse_qkv, gemm_tiles;
+    int32_t dense_split;
     cudaGraphExec_t exec;
 };
 
@@ -417,6 +420,17 @@ extern "C" int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char 
     return (int32_t)m->graphs.size();
 }
 
+extern "C" stg_status stg_host_alloc(int64_t bytes, void **out) {
+    if (!out || bytes < 1) return fail(ST_EINVAL, "host alloc: bad arguments (%lld bytes)", (long long)bytes);
+    *out = nullptr;
+    CU(cudaHostAlloc(out, (size_t)bytes, cudaHostAllocPortable), "host alloc");
+    return ST_OK;
+}
+
+extern "C" void stg_host_free(void *p) {
+    if (p && cudaFreeHost(p) != cudaSuccess) cudaGetLastError();
+}
+
 /* ------------------------------------------------------------------ KV cache */
 
 extern "C" stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out) {
@@ -522,6 +536,24 @@ static int gemm_wide_env() {
     const int v = e && e[0] ? atoi(e) : 256;
     return v < 1 ? 1 : v;
 }
+/* Pairs from which a dense quantised layer too small for the GEMM's grid (use_gemm: fewer than 256
+ * tiles, e.g. q / k / v / o at 16-64 tokens) runs the GEMM with its k loop split over KSPLIT
+ * blocks per tile (lin_args.ksplit; k_ksplit_combine adds the parts as the butterfly's top levels
+ * do, so the result is the matvec's bit for bit) instead of the matvec, which unpacks each weight
+ * row once per 8 pairs. STRATA_GPU_DENSE_SPLIT overrides the default 16; 0: never. */
+#define KSPLIT 4
+#define KSPLIT_MAX_T 64
+static thread_local int g_dense_split = 16; /* read per step (stg_forward); graphs are keyed by it */
+static int dense_split_env() {
+    const char *e = getenv("STRATA_GPU_DENSE_SPLIT");
+    const int v = e && e[0] ? atoi(e) : 16;
+    return v < 0 ? 0 : v;
+}
+/* the split GEMM's parts: KSPLIT x KSPLIT_MAX_T x the widest dense layer (scratch), set per step */
+static thread_local float *g_kpart = nullptr;
+static thread_local int64_t g_kpart_cap = 0; /* floats */
+/* whether a dense layer of T tokens takes the split GEMM (q, k and v then run as three launches) */
+static bool dense_split_on(int32_t T) { return g_dense_split > 0 && T >= g_dense_split && T <= KSPLIT_MAX_T && g_kpart; }
 /* STRATA_GPU_FUSED_QUANT=1: the gate/up matvec also quantises its output for the down
  * projection. Off by default: measured no faster (runs 19-21: +0.1, 0.0 and +0.1 ms per
  * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
@@ -581,7 +613,18 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
         const int64_t listed = a.g.gexp && a.g.tiles && g_gemm_tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
                                                                        : INT64_MAX;
         const int64_t wide = (max_count + MM_BN_WIDE - 1) / MM_BN_WIDE;
-        if (listed < per_group) { /* a block per tile of group_pairs' list */
+        if (a.ksplit > 1) { /* a dense plain layer, its k loop split over grid z (lin_args.ksplit) */
+            const bool wide = max_count > MM_BN;
+            const int bn = wide ? MM_BN_WIDE : MM_BN;
+            const dim3 grid(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)a.ksplit);
+            if (wide)
+                launch_k(gemm_kernel<T, false, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<T, false, MM_BN_WIDE>(), st,
+                         a);
+            else launch_k(gemm_kernel<T, false, MM_BN>(a.K), grid, 128, gemm_raw_bytes<T, false>(), st, a);
+            const int64_t n = (int64_t)max_count * a.N;
+            launch_k(k_ksplit_combine, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
+                     max_count, a.N, a.out, a.ldo, a.mode);
+        } else if (listed < per_group) { /* a block per tile of group_pairs' list */
             launch_k(gemm_kernel<T, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st,
                      a);
         } else if (!SW && !a.g.gexp && mt * wide >= g_gemm_wide_min) {
@@ -650,10 +693,17 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     a.aq = in.q, a.ad = in.d, a.as = in.s, a.x = in.x;
     a.out = out, a.ldo = ldo, a.mode = W2 ? MODE_SWIGLU : mode;
     a.hq = nullptr, a.hd = nullptr, a.hs = nullptr, a.qcnt = nullptr;
+    a.kpart = nullptr, a.ksplit = 0;
     if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
-    if (path == STG_PATH_AUTO) path = q && use_gemm(a.N, max_groups, expected) ? STG_PATH_GEMM : STG_PATH_MATVEC;
+    const bool gemm = q && use_gemm(a.N, max_groups, expected);
+    /* a dense plain layer the GEMM's grid would not fill: the GEMM with its k loop split (see g_dense_split) */
+    const bool split = q && !gemm && !W2 && !seg && !g.gexp && max_groups == 1 && g_dense_split > 0 &&
+                       expected >= g_dense_split && max_count <= KSPLIT_MAX_T && g_kpart &&
+                       (int64_t)KSPLIT * max_count * a.N <= g_kpart_cap && (path == STG_PATH_AUTO || path == STG_PATH_GEMM);
+    if (split) path = STG_PATH_GEMM, a.kpart = g_kpart, a.ksplit = KSPLIT;
+    if (path == STG_PATH_AUTO) path = gemm ? STG_PATH_GEMM : STG_PATH_MATVEC;
     if (path == STG_PATH_GEMM && !q) path = STG_PATH_MATVEC;
     if (fq && W2 && q && path == STG_PATH_MATVEC && !seg && a.N % 32 == 0 && ldo == a.N && fused_quant_on()) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s, a.qcnt = fq->cnt;
@@ -746,6 +796,8 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
         CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
         CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
+        s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) * std::max<int64_t>({m->q_dim, E, m->kv_dim});
+        CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
         s.cap_t = T, s.cap_l = L;
     }
     const int64_t n_ints = 4 * s.cap_t + s.cap_l + n_bt;
@@ -922,7 +974,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     const acts_d in{s.aq, s.ad, s.as, s.xn};
     lin_groups g = {};
     g.n_pairs = T;
-    if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T)) {
+    if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T) &&
+        !dense_split_on(T)) {
         /* q, k and v in one matvec launch (same type and row length) */
         lin_seg sg = {};
         sg.n_seg = 3;
@@ -1155,7 +1208,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
-            g.route_split == route_split()) {
+            g.route_split == route_split() && g.dense_split == g_dense_split) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -1170,7 +1223,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
-                                         g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, exec});
+                                         g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles,
+                                         g_dense_split, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1261,6 +1315,8 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
     g_fused_quant = fqe && fqe[0] == '1';
     g_gemm_tiles = gemm_tiles_env();
+    g_dense_split = dense_split_env();
+    g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
@@ -1335,6 +1391,8 @@ static stg_status harness_device(void) {
     g_gemm_dense = gemm_dense_env();
     g_gemm_wide_min = gemm_wide_env();
     g_gemm_tiles = false;
+    g_dense_split = dense_split_env();
+    g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
     if (n == 0) return fail(ST_EUNSUPPORTED, "no CUDA device");
@@ -1418,8 +1476,13 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
     lin_groups g = {};
     g.n_pairs = (int32_t)n_tok;
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
-    CHECK(linear(0, W, w2 ? &W2 : nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
-                 path));
+    dbuf bp; /* the split GEMM's parts (STRATA_GPU_DENSE_SPLIT decides whether the GEMM path splits) */
+    CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * (size_t)(n_tok * n_rows)));
+    g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * n_tok * n_rows;
+    const stg_status rc = linear(0, W, w2 ? &W2 : nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows,
+                                 MODE_STORE, path);
+    g_kpart = nullptr, g_kpart_cap = 0;
+    CHECK(rc);
     return down(out, bo, sizeof(float) * (size_t)(n_tok * n_rows));
 }
 

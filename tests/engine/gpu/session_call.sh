@@ -37,8 +37,9 @@ if [ "$what" = ncu ]; then
   exec bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"
 fi
 # try: for each OTHER.so the bitwise kernel and model tests ($OUT/try-NAME.log), then ab against the
-# carried library, then the first OTHER.so's SASS ($OUT/sass.txt.gz) and Nsight Compute with it (NCU=0
-# skips that): a candidate's whole check in one setup.
+# carried library, the decode rates of each (bench --decode-only), the first OTHER.so's decode profile
+# ($OUT/prof.profile.txt, prof.json), its SASS with SASS=1 ($OUT/sass.txt.gz) and Nsight Compute with
+# it (NCU=0 skips that): a candidate's whole check in one setup.
 if [ "$what" = try ]; then
   [ $# -ge 1 ] || { echo "try needs at least one other library"; exit 2; }
   libs="$PWD/engine/_strata_cuda.so"; first=$(realpath "$1")
@@ -50,7 +51,10 @@ if [ "$what" = try ]; then
     wait
     for n in 512 4096; do for l in $libs; do
       STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1; done; done
-    cuobjdump --dump-sass $first 2>&1 | gzip > $OUT/sass.txt.gz
+    for l in $libs; do STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --decode-only 2>&1 | grep '^decode ('; done
+    STRATA_CUDA_LIB=$first python3 -m bench.engine_gpu --profile-decode --json $OUT/prof.json > /tmp/prof.log 2>&1 \
+      || tail -5 /tmp/prof.log
+    [ \"\${SASS:-0}\" = 0 ] || cuobjdump --dump-sass $first 2>&1 | gzip > $OUT/sass.txt.gz
     [ \"\${NCU:-1}\" = 0 ] || STRATA_CUDA_LIB=$first bash tests/engine/gpu/ncu_prefill.sh"
 fi
 if [ "$what" != tests ]; then bash tests/engine/gpu/build_llama_cuda.sh .llama/bin-pack /tmp/llama-build; fi

@@ -146,15 +146,19 @@ def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int, mon
     """The tensor-core GEMM keeps the matvec's summation order: identical bits, so which kernel a
     step picks (by its size) cannot change a sequence's result. k = 2304: 72 sub-blocks, residues
     with 3 and 2 terms; 80 rows and n_tok pairs: partial tiles. The plain form also with 32 pairs
-    per block (STRATA_GPU_GEMM_WIDE_MIN=1: a dense layer's wide tiles from the first block)."""
+    per block (STRATA_GPU_GEMM_WIDE_MIN=1: a dense layer's wide tiles from the first block), and
+    with its k loop split over 4 blocks (STRATA_GPU_DENSE_SPLIT=1: the parts added by
+    k_ksplit_combine as the butterfly's top levels; 16 pairs per block at 5 tokens, 32 above)."""
     rng = np.random.default_rng(k + n_tok)
     rows = 80
     w, w2 = random_blocks(name, rows * k, rng), random_blocks(name, rows * k, rng)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     for second in (None, w2):
         outs = []
-        for path, wide in (("matvec", "256"), ("gemm", "1000000"), ("gemm", "1")):
+        for path, wide, split in (("matvec", "256", "0"), ("gemm", "1000000", "0"), ("gemm", "1", "0"),
+                                  ("gemm", "256", "1")):
             monkeypatch.setenv("STRATA_GPU_GEMM_WIDE_MIN", wide)
+            monkeypatch.setenv("STRATA_GPU_DENSE_SPLIT", split)
             out = np.full((n_tok, rows), np.nan, np.float32)
             gcheck(g, g[1].stg_test_linear(tid(name), PATHS[path], gptr(g, w), g[0].NULL if second is None else
                                            gptr(g, second), rows, k, gptr(g, x, "float *"), n_tok,

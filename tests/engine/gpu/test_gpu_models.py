@@ -115,3 +115,23 @@ def test_default_model_gpu_matches_cpu() -> None:
                   "a garden", "winter", "a train", "music", "a cat", "the desert", "a river", "friendship"]
         prompts = [probe.render_chat([{"role": "user", "content": f"Write one sentence about {t}."}]) for t in topics]
     check_model(path, prompts)
+
+
+def test_step_logits_in_pinned_memory_stay_the_callers(gguf_paths: dict) -> None:
+    """A GPU step's logits land in page-locked memory from the backend's pool (a DMA instead of
+    the driver's staged copy); the array a step returned must not change under the next step,
+    and its buffer goes back to the pool only once the caller drops it."""
+    from engine import cuda_backend
+
+    with Engine.open(gguf_paths[("mixtral", "f32")], device="cuda:0", kv_tokens=512) as gpu:
+        b1, b2 = gpu.blocks.allocate(1), gpu.blocks.allocate(1)
+        assert b1 is not None and b2 is not None
+        first = gpu.prefill([1, 2, 3, 4, 5], b1)
+        kept = first.copy()
+        second = gpu.prefill([7, 8, 9], b2)
+        assert not np.shares_memory(first, second)
+        assert np.array_equal(first, kept) and not np.array_equal(first, second)
+        cached = cuda_backend._pinned._cached
+        del first, second
+        assert cuda_backend._pinned._cached > cached  # both buffers back in the pool
+        assert np.array_equal(gpu.prefill([1, 2, 3, 4, 5], gpu.blocks.allocate(1)), kept)
