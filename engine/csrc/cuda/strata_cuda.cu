@@ -869,6 +869,7 @@ static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, boo
 /* k_attention with its dynamic shared memory (two chunk stages up to head_dim 128, one above:
  * at most 64 KiB, within every targeted GPU's limit once opted in). */
 #define ATT_SMEM_MAX 65536
+#include "attention_mma.cuh" /* tensor-core prefill attention; here because its host side launches with launch_k */
 /* The GEMMs that stage bytes in dynamic shared memory (gemm_raw): their size opted in (with the
  * static arrays over 48 KiB) and the largest shared-memory carve-out, so that 3 blocks fit an SM. */
 template <int T, bool SW, int BN> static stg_status gemm_setup_one(void) {
@@ -902,6 +903,7 @@ static stg_status attention_setup(void) { /* once per device, outside any captur
        "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
        "attention setup");
+    CHECK(attention_mma_setup());
     return ST_OK;
 }
 
@@ -919,6 +921,10 @@ static bool att_tile_on() {
     const char *e = getenv("STRATA_GPU_ATT_TILE");
     return !(e && e[0] == '0');
 }
+/* This step's mma tiles (attention_mma.cuh), after its n_tiles query tiles in d_tiles, and their q
+ * mode; set per step by stg_forward (0 for graph steps). */
+static thread_local int32_t g_att_mma_tiles = 0;
+static thread_local int g_att_mma_mode = 2;
 /* Tiles of a step: runs of consecutive tokens of one sequence, at most tq tokens each, packed
  * as first_token * 32 + count. Returns how many were written to out (at most T). */
 static int32_t att_tiles(const int32_t *seq, int32_t T, int tq, int32_t *out) {
@@ -1013,9 +1019,11 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
-    if (n_tiles > 0 && !fuse_qkv) {
+    if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
-        CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
+        if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
+        if (g_att_mma_tiles > 0)
+            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles, g_att_mma_mode, st));
     } else {
         CHECK(launch_attention(aa, T, st));
     }
@@ -1274,10 +1282,13 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
     const int tq = att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
-    int32_t n_tiles = 0;
+    int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && att_tile_on() && !graphs_enabled(T);
-    if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
-    const int64_t n_ints = 3 * T + NL + n_bt + n_tiles;
+    /* runs of at least att_mma_min_run() tokens on the tensor cores (attention_mma.cuh) */
+    const int mma_mode = att_mma_mode(), tqm = mma_mode ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
+    if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, att_mma_min_run(), hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
+    else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
+    const int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
     CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
     /* Per-layer events cost about 7% of a batch-1 decode step (runs 12-18: 96 record nodes in
      * a 3.3 ms graph), so graph-sized steps record them on the first step of each size and then
@@ -1307,6 +1318,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles};
+    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     const char *pe = getenv("STRATA_GPU_PDL");
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
     g_gemm_min = gemm_min_env();
@@ -1647,8 +1659,8 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
                                                const int32_t *block_table, int32_t n_table, int32_t block_size,
                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
                                                int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
-    if (!k || !v || !block_table || !q || !out || n_blocks < 1 || block_size < 16 || block_size % 16 ||
-        head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
+    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 3 || n_blocks < 1 || block_size < 16 ||
+        block_size % 16 || head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
         p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
         return fail(ST_EINVAL, "attention heads: bad arguments");
     for (int32_t j = 0; j <= (p0 + nq - 1) / block_size; j++)
@@ -1662,8 +1674,10 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     std::vector<int32_t> ints((size_t)(3 * nq + n_table));
     for (int i = 0; i < nq; i++) ints[(size_t)i] = p0 + i, ints[(size_t)(nq + i)] = 0;
     memcpy(&ints[(size_t)(2 * nq)], block_table, sizeof(int32_t) * n_table);
-    int32_t n_tiles = 0;
-    if (tile) n_tiles = att_tiles(&ints[(size_t)nq], nq, tq, &ints[(size_t)(2 * nq + n_table)]);
+    int32_t n_tiles = 0, n_mma = 0;
+    if (tile >= 2) att_split_tiles(&ints[(size_t)nq], nq, tq, att_mma_tokens(n_head, n_kv, head_dim), 1,
+                                   &ints[(size_t)(2 * nq + n_table)], &n_tiles, &n_mma);
+    else if (tile) n_tiles = att_tiles(&ints[(size_t)nq], nq, tq, &ints[(size_t)(2 * nq + n_table)]);
     dbuf bk, bv, bq, bo, bi, baq, bad, bas;
     CHECK(up(bk, k, sizeof(uint16_t) * cache));
     CHECK(up(bv, v, sizeof(uint16_t) * cache));
@@ -1681,7 +1695,9 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
         a.aq = baq.as<int8_t>(), a.ad = bad.as<float>(), a.as = bas.as<int32_t>();
     }
     CHECK(attention_setup());
-    if (tile) {
+    if (tile >= 2) {
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, tile == 2 ? 2 : 1, 0));
+    } else if (tile) {
         a.stages = 2;
         CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
     } else {
