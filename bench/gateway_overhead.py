@@ -94,8 +94,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_stack(stack: ExitStack, tmp: Path) -> tuple[str, str, str]:
-    """One lane and the gateway as processes; returns (lane url, gateway url, user key)."""
+def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "") -> tuple[str, str, str]:
+    """One lane and the gateway as processes (``gateway_toml``: extra lines of its config); returns (lane url,
+    gateway url, user key)."""
     py = sys.executable
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
@@ -108,7 +109,7 @@ def start_stack(stack: ExitStack, tmp: Path) -> tuple[str, str, str]:
     stack.callback(_stop, lane)
     db = f"sqlite:///{tmp / 'gateway.db'}"
     conf = tmp / "gateway.toml"
-    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "{db}"\nhealth_interval_s = 0.5\n\n'
+    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "{db}"\nhealth_interval_s = 0.5\n{gateway_toml}\n'
                     f'[[lanes]]\nname = "a"\nurl = "http://127.0.0.1:{lane_port}"\n')
     gw_log = open(tmp / "gateway.log", "wb")
     stack.callback(gw_log.close)
@@ -203,6 +204,25 @@ def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int) -> dict[str, 
     return {"summary": summary, "samples": samples}
 
 
+def stage_report(tmp: Path, n: int) -> dict[str, Any]:
+    """Medians of the gateway's per-stage times (``trace_stages``: ms since the request arrived) over the last
+    ``n`` generation requests, and the mean TTFT the lane itself logged for direct and relayed requests (its log
+    has 1 ms resolution: means, not medians)."""
+    stages: dict[str, list[float]] = {}
+    lines = [ln for ln in (tmp / "gateway.log").read_text(errors="replace").splitlines() if " stages=" in ln][-n:]
+    for ln in lines:
+        for part in ln.split(" stages=", 1)[1].split()[0].split(","):
+            name, ms = part.rsplit(":", 1)
+            stages.setdefault(name, []).append(float(ms))
+    lane: dict[str, list[float]] = {"direct": [], "gateway": []}
+    for ln in (tmp / "lane.log").read_text(errors="replace").splitlines():
+        if "POST /v1/chat/completions" in ln and " ttft=" in ln:
+            ttft = float(ln.split(" ttft=", 1)[1].split()[0]) * 1000
+            lane["gateway" if "xrid=gw-" in ln else "direct"].append(ttft)
+    return {"gateway_stage_median_ms": {k: round(statistics.median(v), 3) for k, v in stages.items()},
+            "lane_ttft_mean_ms": {k: round(statistics.fmean(v[-n:]), 3) for k, v in lane.items() if v}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gateway_overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("-n", type=int, default=50, help="request pairs (default 50)")
@@ -211,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-url", help="a running gateway in front of that lane")
     p.add_argument("--key", help="an API key for the running gateway (default: $STRATA_API_KEY)")
     p.add_argument("--json", type=Path, help="write summary, raw samples and machine info here")
+    p.add_argument("--count-via-lane", action="store_true",
+                   help="the started gateway counts prompts with the lane's /tokenize (count_locally = false), "
+                        "as before the local count: for an A/B of the window precheck")
+    p.add_argument("--stages", action="store_true",
+                   help="the started gateway logs per-stage times (trace_stages); their medians are reported")
     args = p.parse_args(argv)
     with ExitStack() as stack:
         if args.lane_url or args.gateway_url:
@@ -221,11 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-gwbench-")))
             print("gateway_overhead: starting a lane and the gateway ...", flush=True)
-            lane_url, gw_url, key = start_stack(stack, tmp)
+            extra = ("count_locally = false\n" if args.count_via_lane else "") + \
+                ("trace_stages = true\n" if args.stages else "")
+            lane_url, gw_url, key = start_stack(stack, tmp, extra)
         retrieval, waited = wait_retrieval(gw_url, 600)
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream)", flush=True)
         report = run(lane_url, gw_url, key, args.n, args.warmup)
+        if args.stages and not args.lane_url:
+            time.sleep(0.5)  # the last access-log lines
+            report["stages"] = stage_report(tmp, args.n)
     s = report["summary"]
     print(f"  TTFT median   direct {s['direct_ttft_median_ms']:8.2f} ms   gateway {s['gateway_ttft_median_ms']:8.2f} ms")
     print(f"  total median  direct {s['direct_total_median_ms']:8.2f} ms   gateway {s['gateway_total_median_ms']:8.2f} ms")
@@ -236,9 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  added TTFT p99    {s['added_ttft_p99_ms']:6.2f} ms (target <= {TARGET_P99_MS:g} ms: "
           f"{'met' if ok_p99 else 'MISSED'})")
     print(f"  added time per request (median) {s['added_total_median_ms']:6.2f} ms")
+    if "stages" in report:
+        st = report["stages"]
+        print("  gateway stages, median ms since arrival: " +
+              ", ".join(f"{k} {v:.2f}" for k, v in st["gateway_stage_median_ms"].items()))
+        print("  lane's own TTFT, mean ms: " + ", ".join(f"{k} {v:.2f}" for k, v in st["lane_ttft_mean_ms"].items()))
     if args.json:
         report["machine"] = machine_info()
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
+                            "count_via_lane": args.count_via_lane,
                             "retrieval_wait_s": round(waited, 2)}
         write_json(args.json, report)
         print(f"  wrote {args.json}")

@@ -115,6 +115,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError):
             await t
+    await gw.dispatcher.tokenizers.close()
     await gw.session.close()
     await asyncio.to_thread(gw.store.close)
     gw.db.dispose()
@@ -143,6 +144,8 @@ def _endpoint(request: web.Request) -> str:
 
 def _begin(request: web.Request) -> Trace:
     trace = Trace(endpoint=_endpoint(request))
+    if request.app[GATEWAY].config.trace_stages:
+        trace.stages = []
     request[TRACE] = trace
     return trace
 
@@ -176,6 +179,8 @@ def _finish(request: web.Request, trace: Trace, resp: web.StreamResponse | None,
                    f"ttft={trace.ttft_ms / 1000:.3f}" if trace.ttft_ms is not None else "ttft=-"]
         if trace.clamped_from is not None:
             fields.append(f"clamp={trace.clamped_from}->{trace.clamped_to}")
+    if trace.stages:
+        fields.append("stages=" + ",".join(f"{name}:{(t - trace.t0) * 1000:.2f}" for name, t in trace.stages))
     log_request(log, request, fields, dur, _QUIET_PATHS)
 
 

@@ -78,6 +78,10 @@ class GatewayConfig(BaseModel):
         1024, ge=1, description="max_tokens of a request that names none (a key's own default wins); "
         "None: the rest of the window")
     min_clamp_tokens: int = Field(16, ge=1)
+    trace_stages: bool = Field(False, description="diagnosis: each generation request's access-log line gets the "
+                               "times of its stages (stages=name:ms since arrival,...)")
+    count_locally: bool = Field(True, description="the window precheck counts prompts with the lane's tokenizer "
+                                "loaded in the gateway (no /tokenize round trip; /tokenize when it cannot)")
     eject_after_failures: int = Field(3, ge=1)
     eject_cooldown_s: float = Field(10.0, ge=0)
     log_prompts_default: bool = False

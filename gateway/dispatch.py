@@ -31,6 +31,7 @@ import aiohttp
 
 from gateway.config import GatewayConfig, LaneEntry
 from gateway.metrics import GatewayMetrics
+from gateway.tokencount import LocalCounter, TokenizerCache
 
 __all__ = ["Dispatcher", "LaneFailure", "LaneRuntime", "Passthrough", "rendezvous_score"]
 
@@ -88,6 +89,8 @@ class LaneRuntime:
     last_error: str | None = None
     last_poll: float | None = None  # unix time
     models_mono: float = 0.0  # when /v1/models was last read
+    tokenizer_digest: str | None = None  # the card's tokenizer_digest (None: the lane serves no tokenizer)
+    counter: LocalCounter | None = None  # that tokenizer, once loaded here (gateway/tokencount.py)
 
     def ejected(self, now: float) -> bool:
         return self.ejected_mono > now
@@ -102,7 +105,7 @@ class LaneRuntime:
                 "ejected_until": ejected_until, "weight": self.weight, "draining": self.draining,
                 "in_flight": self.in_flight, "engine_build": self.engine_build, "n_ctx": self.n_ctx,
                 "model": self.model, "consecutive_failures": self.failures, "last_error": self.last_error,
-                "last_poll": self.last_poll}
+                "last_poll": self.last_poll, "local_count": self.counter is not None}
 
 
 def rendezvous_score(key: str, lane: str, weight: float) -> float:
@@ -117,6 +120,7 @@ class Dispatcher:
         self.metrics = metrics
         self.lanes: dict[str, LaneRuntime] = {e.name: self._runtime(e) for e in config.lanes}
         self.session: aiohttp.ClientSession | None = None
+        self.tokenizers = TokenizerCache()
 
     def _runtime(self, e: LaneEntry) -> LaneRuntime:
         self.metrics.lane_weight.labels(lane=e.name).set(e.weight)
@@ -146,6 +150,8 @@ class Dispatcher:
                     if isinstance(n_ctx, int) and n_ctx > 0:
                         lane.n_ctx, lane.model = n_ctx, card.get("id")
                         lane.engine_build = card.get("engine_build")
+                        digest = card.get("tokenizer_digest")
+                        lane.tokenizer_digest = digest if isinstance(digest, str) and digest else None
                         lane.models_mono = time.monotonic()
                         ready = True
                     else:
@@ -163,6 +169,8 @@ class Dispatcher:
         if error:
             lane.last_error = error
         self.metrics.lane_ready.labels(lane=lane.name).set(1 if ready else 0)
+        if self.config.count_locally:
+            self.tokenizers.attach(lane, self.session)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self.poll_lane(lane) for lane in self.lanes.values()))

@@ -124,15 +124,12 @@ class _SSEParser:
         return events
 
 
-async def _pump(up: aiohttp.ClientResponse, q: asyncio.Queue[bytes | BaseException | None]) -> None:
-    try:
-        async for chunk in up.content.iter_any():
-            q.put_nowait(chunk)
-        q.put_nowait(None)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:  # a broken upstream: the reader decides what it means
-        q.put_nowait(e)
+class _EventStream(web.StreamResponse):
+    """The client's event stream. Its status line and headers leave with the first event, in one write, not
+    in a send of their own just before it: one wake-up of the client instead of two at the moment the first
+    token is relayed (aiohttp's own ``Response`` buffers them the same way)."""
+
+    _send_headers_immediately = False
 
 
 class _Call:
@@ -203,6 +200,7 @@ class _Call:
             disp.begin(lane)
             try:
                 plan = await self._precheck(lane)
+                trace.mark("counted")
                 if self.reservation is None:  # the prompt and all it may generate, refunded in part at the end
                     self.reservation = self.gw.limiter.reserve(
                         self.key, plan.prompt_tokens, plan.max_new_tokens * plan.n_prompts * self.n_choices)
@@ -365,7 +363,7 @@ class _Call:
 
     # ------------------------------------------------------------ streaming
     async def _commit(self, lane: LaneRuntime) -> None:
-        self.resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
+        self.resp = _EventStream(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
         try:
             await self.resp.prepare(self.request)
         except ConnectionError:
@@ -396,6 +394,7 @@ class _Call:
         t_start = time.monotonic()
         first_deadline = t_start + cfg.first_token_timeout_s
         last_up = t_start  # the lane's last byte (its own pings count): a silent lane is a hung lane
+        self.trace.mark("post")
         try:
             up = await _race(self.request, session.post(
                 lane.url + _PATHS[self.kind], data=_dumps(body),
@@ -405,7 +404,7 @@ class _Call:
                               f"{cfg.first_token_timeout_s:.0f}s") from None
         except (aiohttp.ClientError, OSError) as e:
             raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
-        pump: asyncio.Task[None] | None = None
+        self.trace.mark("headers")
         clean = False
         try:
             if up.status != 200:
@@ -420,8 +419,7 @@ class _Call:
                                   headers)
             if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 raise LaneFailure(lane.name, "status", f"lane {lane.name} did not answer with an event stream")
-            q: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
-            pump = asyncio.create_task(_pump(up, q))
+            content = up.content
             parser = _SSEParser()
             done = False
             while True:
@@ -434,17 +432,32 @@ class _Call:
                 if self.first_sent and now - last_up >= cfg.stream_idle_timeout_s:
                     raise LaneFailure(lane.name, "timeout", f"lane {lane.name} sent nothing for "
                                       f"{cfg.stream_idle_timeout_s:.0f}s")
-                if not q.empty():
-                    item = q.get_nowait()
-                elif now - self.last_write >= cfg.ping_interval_s:
+                # the upstream is read here, not by a task feeding a queue: the first token reaches the client
+                # without two more turns of the event loop (bytes; None: the lane closed; an exception: broken)
+                item: bytes | Exception | None
+                ping_in = cfg.ping_interval_s - (now - self.last_write)
+                try:
+                    if ping_in <= 0:
+                        item = content.read_nowait()  # what has arrived goes first, then the ping
+                    else:
+                        wait = asyncio.timeout(min(POLL_S, ping_in))
+                        try:
+                            async with wait:
+                                item = await content.readany()
+                        except TimeoutError:
+                            if not wait.expired():  # the stream's own error, not our poll interval
+                                raise
+                            continue
+                except Exception as e:  # a broken upstream (reset, bad chunked encoding ...)
+                    item = e
+                if item == b"" and not content.at_eof():  # (only from read_nowait) nothing yet, a ping is due
                     await self._write(lane, b": ping\n\n")  # keeps clients and proxies from timing out
                     continue
-                else:
-                    try:
-                        item = await asyncio.wait_for(q.get(), min(POLL_S, cfg.ping_interval_s - (now - self.last_write)))
-                    except TimeoutError:
-                        continue
+                if item == b"":
+                    item = None
                 last_up = time.monotonic()
+                if not self.first_sent:
+                    self.trace.mark("chunk")
                 if isinstance(item, BaseException):
                     raise LaneFailure(lane.name, "stream", f"lane {lane.name}'s stream broke: "
                                       f"{type(item).__name__}: {item}")
@@ -478,8 +491,6 @@ class _Call:
             assert self.resp is not None
             return self.resp
         finally:
-            if pump is not None:
-                pump.cancel()
             if self.texts is not None and self.texts and self.key.log_prompts:
                 parts = ["".join(self.texts[i]) for i in sorted(self.texts)]
                 self.trace.response_text = parts[0] if len(parts) == 1 else json.dumps(parts, ensure_ascii=False)
@@ -529,6 +540,7 @@ class _Call:
             self.first_sent = True
             ttft = time.monotonic() - self.trace.t0
             self.trace.ttft_ms = round(ttft * 1000, 3)
+            self.trace.mark("first_token")
             self.gw.metrics.ttft.labels(lane=lane.name).observe(ttft)
         return False
 
@@ -549,6 +561,7 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
     call: _Call | None = None
     try:
         body = await read_json(request, gw.config.max_body_bytes)
+        trace.mark("body")
         if not isinstance(body, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
         stream = body.get("stream")

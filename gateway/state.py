@@ -70,6 +70,11 @@ class Trace:
     response_text: str | None = None
     client_gone: bool = False
     memory: str | None = None  # session memory's composition counts (X-Strata-Memory)
+    stages: list[tuple[str, float]] | None = None  # (stage, monotonic time) when config.trace_stages is on
+
+    def mark(self, stage: str) -> None:
+        if self.stages is not None:
+            self.stages.append((stage, time.monotonic()))
 
     def row(self, status: int, duration_ms: float) -> dict[str, Any]:
         return {"id": self.id, "time": self.time, "key_id": self.key.id if self.key else None, "lane": self.lane,

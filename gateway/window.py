@@ -29,6 +29,7 @@ import aiohttp
 
 from gateway.dispatch import LaneFailure, LaneRuntime, check_lane_status
 from gateway.errors import APIError
+from gateway.tokencount import count_locally
 
 __all__ = ["Clamp", "WindowPlan", "max_tokens_field", "precheck"]
 
@@ -69,7 +70,11 @@ def max_tokens_field(body: dict[str, Any], kind: Kind) -> str:
 
 async def _tokenize(session: aiohttp.ClientSession, lane: LaneRuntime, payload: dict[str, Any], timeout: float,
                     request_id: str) -> tuple[int, int | None]:
-    """(count, max_model_len) from the lane's /tokenize; lane 4xx -> Passthrough, other failures -> LaneFailure."""
+    """(count, max_model_len): counted here with the lane's own tokenizer when it is loaded (max_model_len None:
+    the card's), else by the lane's /tokenize; lane 4xx -> Passthrough, other failures -> LaneFailure."""
+    n = await count_locally(lane, payload)
+    if n is not None:
+        return n, None
     try:
         async with session.post(lane.url + "/tokenize", data=json.dumps(payload).encode(),
                                 headers={"Content-Type": "application/json", "X-Request-Id": request_id},

@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.constraints import GrammarError, json_schema_grammar
 from engine.sampling import SamplingParams, SamplingParamsError
 from lanes.errors import APIError
+from lanes.prompt import check_messages, check_text
+from lanes.prompt import short as _short
 from lanes.tools import tools_grammar
 
 __all__ = ["MAX_CHOICES", "MAX_N", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",
@@ -33,8 +35,6 @@ __all__ = ["MAX_CHOICES", "MAX_N", "ChatRequest", "CompletionRequest", "Detokeni
 
 MAX_N = 16  # choices per prompt
 MAX_CHOICES = 64  # engine requests one HTTP request may start (prompts x n)
-
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
@@ -104,39 +104,6 @@ class _GenerationBody(_Body):
         if grammar is not None:
             kw["grammar"] = grammar
         return kw
-
-
-def check_text(value: Any, where: str, param: str) -> None:
-    """Every string inside ``value`` must be encodable Unicode (no lone UTF-16 surrogate)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(400, f"{where} contains text that is not valid Unicode (a lone UTF-16 surrogate "
-                           f"at character {e.start})", param=param, code="invalid_text") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_text(k, where, param)
-            check_text(v, f"{where}.{k}", param)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_text(v, f"{where}[{i}]", param)
-
-
-def check_messages(messages: list[dict[str, Any]]) -> None:
-    """Known roles and valid Unicode text only; ``tool`` messages need a ``tool_call_id``."""
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise APIError(400, f"messages[{i}] must be an object", param="messages")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise APIError(400, f"messages[{i}].role must be a string, got {_short(role)}", param="messages")
-        if role not in ROLES:
-            raise APIError(400, f"messages[{i}]: unknown role {_short(role)} (expected one of "
-                           f"{', '.join(ROLES)})", param="messages", code="invalid_role")
-        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
-            raise APIError(400, f"messages[{i}]: a tool message needs a string tool_call_id", param="messages")
-        check_text(msg, f"messages[{i}]", "messages")
 
 
 def _tool_names(tools: list[Any]) -> list[str]:
@@ -310,11 +277,6 @@ _EXPECTED = {  # union-typed fields: one plain sentence instead of one pydantic 
     "stop": "a string or a list of strings",
     "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
 }
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _path(node: Any, loc: list[Any]) -> str:

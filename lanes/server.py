@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,15 +31,15 @@ from lanes.config import LaneConfig
 from lanes.errors import APIError, RequestInfo, begin_request, error_middleware
 from lanes.generation import generate, json_response
 from lanes.metrics import LaneMetrics
-from lanes.protocol import (
-    ChatRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+from lanes.prompt import (
+    chat_ids,
     check_messages,
     check_text,
-    parse_body,
+    normalize_messages,
+    text_ids,
+    tokenizer_document,
 )
+from lanes.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from lanes.state import STATE, EngineFactory, LaneState
 
 __all__ = ["STATE", "EngineFactory", "LaneState", "create_app", "drain", "open_engine", "pin_process"]
@@ -91,6 +91,7 @@ def create_app(config: LaneConfig, engine_factory: EngineFactory | None = None) 
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/lane", lane_info)
+    app.router.add_get("/v1/lane/tokenizer", tokenizer_info)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -103,7 +104,7 @@ async def _engine_ctx(app: web.Application) -> Any:
     await _stop_engine(st)
 
 
-def _warm_up(engine: Engine) -> tuple[str, dict[str, Any] | None, str | None]:
+def _warm_up(engine: Engine) -> tuple[str, dict[str, Any] | None, str | None, tuple[bytes, str] | None]:
     """Slow first-use work done in the loading thread, not in the first request."""
     build = engine_build_id()
     try:
@@ -116,7 +117,9 @@ def _warm_up(engine: Engine) -> tuple[str, dict[str, Any] | None, str | None]:
         template_error = None
     except ChatTemplateError as e:  # completions still work; chat answers 400
         template_error = str(e)
-    return build, info, template_error
+    md = getattr(getattr(engine, "model_file", None), "metadata", None)
+    doc = tokenizer_document(md) if isinstance(md, Mapping) else None  # the gateway counts with it
+    return build, info, template_error, doc
 
 
 async def _load_engine(st: LaneState) -> None:
@@ -133,7 +136,8 @@ async def _load_engine(st: LaneState) -> None:
         st.cores = cores
         engine = await asyncio.to_thread(st.engine_factory, cfg, cores)
         st.engine = engine
-        st.build_id, st.model_info, st.template_error = await asyncio.to_thread(_warm_up, engine)
+        st.build_id, st.model_info, st.template_error, doc = await asyncio.to_thread(_warm_up, engine)
+        st.tokenizer_doc, st.tokenizer_digest = doc if doc is not None else (None, None)
         loop = asyncio.get_running_loop()
         st.aeng = AsyncEngine(engine, cfg.scheduler, on_step=st.metrics.on_step,
                               on_failure=lambda exc: loop.call_soon_threadsafe(engine_loop_failed, st, exc))
@@ -271,29 +275,6 @@ def _check_model(st: LaneState, name: str | None) -> None:
                        f"{st.config.served_model_name!r}", code="model_not_found", param="model")
 
 
-def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Text content parts become one string (templates expect strings); other parts are refused."""
-    out = []
-    for i, msg in enumerate(messages):
-        content = msg.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported",
-                                   param="messages")
-                texts.append(part["text"])
-            msg = {**msg, "content": "\n".join(texts)}
-        out.append(msg)
-    return out
-
-
-def _render_with_tools(engine: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> list[int]:
-    text = engine.chat_template.render_with_tools(messages, tools, add_generation_prompt)
-    return engine.tokenizer.encode(text, add_special=True, parse_special=True)
-
-
 async def _render_chat(st: LaneState, engine: Engine, messages: list[dict[str, Any]],
                        add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
     if st.template_error is not None:
@@ -301,11 +282,10 @@ async def _render_chat(st: LaneState, engine: Engine, messages: list[dict[str, A
                        param="messages", code="chat_template_error")
     check_messages(messages)
     try:
-        msgs = _normalize_messages(messages)
-        if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in msgs):
-            return await asyncio.to_thread(_render_with_tools, engine, msgs, tools, add_generation_prompt)
+        msgs = normalize_messages(messages)
         # off the event loop: a long conversation takes a while to tokenize
-        return await asyncio.to_thread(engine.render_chat, msgs, add_generation_prompt)
+        return await asyncio.to_thread(chat_ids, engine.tokenizer, engine.chat_template, msgs, tools,
+                                       add_generation_prompt)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages", code="chat_template_error") from None
 
@@ -337,7 +317,7 @@ async def _generation_entry(request: web.Request, kind: Literal["chat", "complet
         prompts = []
         for p in comp.prompts():
             if isinstance(p, str):
-                prompts.append(await asyncio.to_thread(engine.tokenizer.encode, p, True, True))
+                prompts.append(await asyncio.to_thread(text_ids, engine.tokenizer, p))
             else:
                 prompts.append(list(p))
         return await generate(request, st, "completion", comp, prompts)
@@ -358,7 +338,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 def _model_card(st: LaneState) -> dict[str, Any]:
     return {"id": st.config.served_model_name, "object": "model", "created": st.created, "owned_by": "strata",
             "max_model_len": st.engine.n_ctx if st.engine else None, "lane": st.config.name,
-            "engine_build": st.build_id}
+            "engine_build": st.build_id, "tokenizer_digest": st.tokenizer_digest}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -386,8 +366,19 @@ async def tokenize(request: web.Request) -> web.Response:
         tools = req.tools if req.tools and req.tool_choice != "none" else None
         ids = await _render_chat(st, engine, req.messages, req.add_generation_prompt, tools=tools)
     else:
-        ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt or "", req.add_special_tokens, True)
+        ids = await asyncio.to_thread(text_ids, engine.tokenizer, req.prompt or "", req.add_special_tokens)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": engine.n_ctx})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """The model's ``tokenizer.*`` metadata (tokens, merges, chat template ...) as JSON, for a gateway that
+    counts prompts itself (lanes/prompt.py); its SHA-256 is the card's ``tokenizer_digest``."""
+    st = _state(request)
+    _engine_for_text(st)
+    if st.tokenizer_doc is None:
+        raise APIError(404, "this lane's engine serves no tokenizer metadata", code="not_found")
+    return web.Response(body=st.tokenizer_doc, content_type="application/json",
+                        headers={"X-Strata-Tokenizer-Digest": st.tokenizer_digest or ""})
 
 
 async def detokenize(request: web.Request) -> web.Response:

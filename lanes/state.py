@@ -42,6 +42,8 @@ class LaneState:
     build_id: str | None = None
     model_info: dict[str, Any] | None = None
     template_error: str | None = None
+    tokenizer_doc: bytes | None = None  # the tokenizer.* metadata as JSON (GET /v1/lane/tokenizer), None: not served
+    tokenizer_digest: str | None = None  # its SHA-256, in the model card
     cores: list[int] | None = None
     prior_affinity: set[int] | None = None  # restored at shutdown (matters for in-process use)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,126 @@
+"""The window precheck's local count (gateway/tokencount.py): the lane's tokenizer loaded in the gateway
+must count exactly what the lane's own /tokenize counts, and replace the round trip once loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from gateway.tokencount import LocalCounter
+from tests.gateway.conftest import KV_TOKENS, GW, auth, gateway_config, running_gateway, running_lane
+from tests.http_helpers import eventually
+from tests.lanes.conftest import Lane
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}, "required": ["city"]}}}]
+CHATS: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": "Name three colours."}]},
+    {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2 + 2?"}]},
+    {"messages": [{"role": "user", "content": "Say hello in Chinese: 你好，世界! 🌍 <|im_start|> tabs\tand\n\nlines"}],
+     "add_generation_prompt": False},
+    {"messages": [{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]}]},
+    {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, "tool_choice": "auto"},
+    {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, "tool_choice": "none"},
+    {"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}], "tools": TOOLS},
+]
+PROMPTS = ["Once upon a time", "", "<|im_start|>user\nspecial text<|im_end|>", "naïve café " * 40]
+REFUSED: list[dict[str, Any]] = [  # the lane answers these with a 4xx: the local count must leave them to it
+    {"messages": [{"role": "wizard", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "tool", "content": "no id"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "model": "another-model"},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": {"not": "a list"}},
+    {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def lane(gateway_engines: tuple) -> AsyncIterator[Lane]:
+    async with running_lane("a", gateway_engines[0]) as a:
+        yield a
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def _lane_count(http: aiohttp.ClientSession, lane: Lane, payload: dict[str, Any]) -> tuple[int, Any]:
+    async with http.post(lane.url + "/tokenize", json=payload) as r:
+        return r.status, await r.json()
+
+
+async def test_local_count_equals_the_lanes(lane: Lane, http: aiohttp.ClientSession) -> None:
+    async with http.get(lane.url + "/v1/models") as r:
+        card = (await r.json())["data"][0]
+    async with http.get(lane.url + "/v1/lane/tokenizer") as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert hashlib.sha256(raw).hexdigest() == card["tokenizer_digest"] == r.headers["X-Strata-Tokenizer-Digest"]
+    counter = LocalCounter(card["tokenizer_digest"], json.loads(raw))
+    model = card["id"]
+    for payload in [*CHATS, *({"prompt": p} for p in PROMPTS)]:
+        status, body = await _lane_count(http, lane, payload)
+        assert status == 200, body
+        assert counter.count(payload, model) == body["count"], payload
+        assert counter.count({**payload, "model": model}, model) == body["count"]
+    for payload in REFUSED:
+        status, _ = await _lane_count(http, lane, payload)
+        assert 400 <= status < 500, payload
+        assert counter.count(payload, model) is None, payload
+
+
+async def test_the_gateway_counts_without_tokenize(lane: Lane, http: aiohttp.ClientSession, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    cfg = gateway_config(tmp_path, [{"name": "a", "url": lane.url}], default_max_tokens=8)
+    async with running_gateway(cfg) as gw:
+        rt = gw.state.dispatcher.lanes["a"]
+        await eventually(lambda: rt.counter, lambda c: c is not None, 30.0, "the gateway loaded the lane's tokenizer")
+        key = gw.key("user")
+        long = [{"role": "user", "content": "go " * 1500}]  # longer than the window: refused by the gateway
+        status, lane_says = await _lane_count(http, lane, {"messages": long})
+        assert status == 200 and lane_says["count"] > KV_TOKENS
+        caplog.set_level(logging.INFO, logger="strata.lanes")
+        caplog.clear()
+        async with http.post(gw.url + "/v1/chat/completions", json={"messages": long}, headers=auth(key)) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["code"] == "context_length_exceeded"
+            assert err["n_prompt_tokens"] == lane_says["count"] and err["n_ctx"] == KV_TOKENS
+        body = {"messages": CHATS[0]["messages"], "max_tokens": 5000, "temperature": 0, "stop": [" ", "."]}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth(key)) as r:
+            assert r.status == 200
+            n = (await _lane_count(http, lane, CHATS[0]))[1]["count"]
+            assert r.headers["X-Strata-Max-Tokens-Clamped"] == f"5000->{KV_TOKENS - n}"
+            assert (await r.json())["usage"]["prompt_tokens"] == n
+        lines = [rec.getMessage() for rec in caplog.records if rec.name == "strata.lanes"]
+        assert sum("POST /tokenize" in m for m in lines) == 1  # the test's own, none from the gateway
+        assert sum("POST /v1/chat/completions" in m for m in lines) == 1
+        await _no_local_count(gw, http, key, caplog)
+
+
+async def _no_local_count(gw: GW, http: aiohttp.ClientSession, key: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A body only the lane can judge still goes to /tokenize, and its 400 comes back unchanged."""
+    caplog.clear()
+    bad = {"messages": [{"role": "wizard", "content": "hi"}]}
+    async with http.post(gw.url + "/v1/chat/completions", json=bad, headers=auth(key)) as r:
+        assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_role"
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "strata.lanes"]
+    assert sum("POST /tokenize" in m for m in lines) == 1
