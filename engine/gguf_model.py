@@ -114,23 +114,28 @@ class ModelFile:
         return mix
 
 
-def _field_value(f: Any) -> Any:
-    v = f.contents()
-    return v
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    return {k: _field_value(f) for k, f in reader.fields.items()}
-
-
-# ---------------------------------------------------------------- layout check
-# gguf-py trusts the counts and lengths in the file: a corrupt count can make it loop for
-# ages over an empty view or build huge lists. The header, metadata and tensor-info
-# sections are therefore walked here first, with every count bounded by the bytes left.
+# ---------------------------------------------------------------- reading
+# One pass over the header, metadata and tensor infos, with every count bounded by the bytes
+# left before anything is built from it (a corrupt count must not loop for ages or allocate
+# the world). Numeric arrays are read with numpy in one call and strings sliced straight from
+# the mapping: gguf-py's reader builds several numpy views per element, which took 5-10 s for
+# a 49k-token vocabulary. Values are plain Python objects, as gguf-py's ``contents()`` gives them.
 
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
+                 11: "<i8", 12: "<f8"}
 _T_STRING, _T_ARRAY, _T_UINT32 = 8, 9, 4
 _MAX_DIM = 1 << 40  # any single tensor extent (as in C)
+_U64 = struct.Struct("<Q")
+
+
+@dataclass
+class _TensorInfo:
+    name: str
+    dims: list[int]
+    type_id: int
+    offset: int  # from the start of the data section
 
 
 class _Walker:
@@ -153,7 +158,7 @@ class _Walker:
 
     def u64(self, what: str) -> int:
         self.need(8, what)
-        (v,) = struct.unpack_from("<Q", self.buf, self.pos)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
         self.pos += 8
         return int(v)
 
@@ -164,7 +169,15 @@ class _Walker:
         self.pos += n
         return v
 
-    def unique(self, name: bytes, seen: set[bytes], what: str) -> bytes:
+    def text(self, what: str) -> str:
+        """A string that must be UTF-8 (keys, names, string values: gguf-py decodes them strictly too)."""
+        raw = self.string(what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not UTF-8 ({e.reason} at byte {e.start} of it)") from None
+
+    def unique(self, name: str, seen: set[str], what: str) -> str:
         if name in seen:
             raise self.fail(f"duplicate {what} {name[:80]!r}")
         seen.add(name)
@@ -175,19 +188,39 @@ class _Walker:
             raise self.fail(f"{what} {n} cannot fit in the {self.size - self.pos} bytes left")
         return n
 
-    def value(self, vtype: int, what: str, depth: int = 0) -> int | None:
-        """Skip one value; return it when it is a uint32 scalar (for general.alignment)."""
+    def strings(self, n: int, what: str) -> list[str]:
+        """``n`` length-prefixed UTF-8 strings (a vocabulary: one tight loop, no per-item objects but the str)."""
+        buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        try:
+            for _ in range(n):
+                if pos + 8 > size:
+                    self.pos = pos
+                    self.need(8, f"{what} item length")
+                (ln,) = unpack(buf, pos)
+                pos += 8
+                if ln > size - pos:
+                    self.pos = pos
+                    self.need(ln, f"{what} item")
+                append(buf[pos:pos + ln].decode("utf-8"))
+                pos += ln
+        except UnicodeDecodeError as e:
+            self.pos = pos
+            raise self.fail(f"{what}: item {len(out)} is not UTF-8 ({e.reason})") from None
+        self.pos = pos
+        return out
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        """One metadata value, as a Python object (scalars, str, lists)."""
         if vtype in _SCALAR_SIZES:
             size = _SCALAR_SIZES[vtype]
             self.need(size, what)
-            v = struct.unpack_from("<I", self.buf, self.pos)[0] if vtype == _T_UINT32 else None
+            (v,) = struct.unpack_from(_SCALAR_FMT[vtype], self.buf, self.pos)
             self.pos += size
             return v
         if vtype == _T_STRING:
-            n = self.u64(what)
-            self.need(n, what)
-            self.pos += n
-            return None
+            return self.text(what)
         if vtype == _T_ARRAY:
             if depth >= 3:
                 raise self.fail(f"{what}: arrays nested too deep")
@@ -195,20 +228,23 @@ class _Walker:
             n = self.u64(f"{what} length")
             if itype in _SCALAR_SIZES:
                 self.count(n, _SCALAR_SIZES[itype], f"{what} length")
+                # tolist() copies: no view of the mapping outlives the walk
+                items = np.frombuffer(self.buf, _SCALAR_DTYPE[itype], n, self.pos).tolist()
                 self.pos += n * _SCALAR_SIZES[itype]
-            elif itype in (_T_STRING, _T_ARRAY):
-                self.count(n, 8 if itype == _T_STRING else 12, f"{what} length")
-                for _ in range(n):
-                    self.value(itype, what, depth + 1)
-            else:
-                raise self.fail(f"{what}: array of unknown type {itype}")
-            return None
+                return items
+            if itype == _T_STRING:
+                self.count(n, 8, f"{what} length")
+                return self.strings(n, what)
+            if itype == _T_ARRAY:
+                self.count(n, 12, f"{what} length")
+                return [self.value(itype, what, depth + 1) for _ in range(n)]
+            raise self.fail(f"{what}: array of unknown type {itype}")
         raise self.fail(f"{what}: unknown value type {vtype}")
 
 
-def _check_layout(path: Path) -> None:
-    """Walk the header, metadata and tensor infos; raise GGUFError on anything gguf-py
-    would choke on or that cannot fit in the file."""
+def _read_layout(path: Path) -> tuple[dict[str, Any], list[_TensorInfo], int]:
+    """Header, metadata and tensor infos: (metadata, tensor infos, data section start); raise GGUFError on
+    anything that cannot be parsed or cannot fit in the file."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = path.stat().st_size
@@ -222,47 +258,54 @@ def _check_layout(path: Path) -> None:
             raise GGUFError(path, f"unsupported GGUF version {version} (expected 2 or 3)")
         n_tensors = w.count(w.u64("tensor count"), 8 + 4 + 8 + 4 + 8, "tensor count")
         n_kv = w.count(w.u64("metadata count"), 8 + 4 + 1, "metadata count")
+        # gguf-py listed the header as metadata too
+        md: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
         alignment = 32
-        keys: set[bytes] = set()
+        keys: set[str] = set()
         for i in range(n_kv):
-            key = w.unique(w.string(f"metadata key {i}"), keys, "metadata key")
+            key = w.unique(w.text(f"metadata key {i}"), keys, "metadata key")
             vtype = w.u32(f"type of {key[:80]!r}")
             v = w.value(vtype, f"value of {key[:80]!r}")
-            if key == b"general.alignment":
-                if vtype != _T_UINT32 or v is None or v == 0 or v & (v - 1):
+            if key == "general.alignment":
+                if vtype != _T_UINT32 or not isinstance(v, int) or v == 0 or v & (v - 1):
                     raise w.fail("general.alignment must be a uint32 power of two")
                 alignment = v
-        infos: list[tuple[bytes, list[int], int, int]] = []
-        names: set[bytes] = set()
+            md[key] = v
+        infos: list[_TensorInfo] = []
+        names: set[str] = set()
         for i in range(n_tensors):
-            name = w.unique(w.string(f"tensor {i} name"), names, "tensor")
+            name = w.unique(w.text(f"tensor {i} name"), names, "tensor")
             n_dims = w.u32(f"tensor {name[:80]!r} dimension count")
             if not 1 <= n_dims <= 4:
                 raise w.fail(f"tensor {name[:80]!r} has {n_dims} dimensions")
             dims = [w.u64(f"tensor {name[:80]!r} dimension") for _ in range(n_dims)]
-            infos.append((name, dims, w.u32(f"tensor {name[:80]!r} type"), w.u64(f"tensor {name[:80]!r} offset")))
+            infos.append(_TensorInfo(name, dims, w.u32(f"tensor {name[:80]!r} type"),
+                                     w.u64(f"tensor {name[:80]!r} offset")))
         data_start = -(-w.pos // alignment) * alignment
-        for name, dims, tid, off in infos:
-            label = name[:80].decode("utf-8", "replace")
-            try:
-                qt = GGMLQuantizationType(tid)
-            except ValueError:
-                raise UnsupportedModelError(path, f"tensor {label!r} has unknown quant type id {tid}") from None
-            block, type_size = GGML_QUANT_SIZES[qt]
-            if any(d < 1 or d > _MAX_DIM for d in dims) or dims[0] % block:
-                raise GGUFError(path, f"corrupt GGUF: tensor {label!r} has impossible shape {dims}")
-            n_elems = 1
-            for d in dims:
-                n_elems *= d
-            end = data_start + off + n_elems // block * type_size
-            if off % alignment or end > size:
-                raise GGUFError(path, f"truncated or corrupt GGUF: tensor {label!r} spans bytes "
-                                      f"{data_start + off}..{end} of a {size}-byte file")
+    for t in infos:
+        label = t.name[:80]
+        try:
+            qt = GGMLQuantizationType(t.type_id)
+        except ValueError:
+            raise UnsupportedModelError(path, f"tensor {label!r} has unknown quant type id {t.type_id}") from None
+        block, type_size = GGML_QUANT_SIZES[qt]
+        if any(d < 1 or d > _MAX_DIM for d in t.dims) or t.dims[0] % block:
+            raise GGUFError(path, f"corrupt GGUF: tensor {label!r} has impossible shape {t.dims}")
+        end = data_start + t.offset + _n_bytes(t.dims, block, type_size)
+        if t.offset % alignment or end > size:
+            raise GGUFError(path, f"truncated or corrupt GGUF: tensor {label!r} spans bytes "
+                                  f"{data_start + t.offset}..{end} of a {size}-byte file")
+    return md, infos, data_start
 
 
-def _open_reader(path: Path) -> Any:
-    from gguf import GGUFReader
+def _n_bytes(dims: list[int], block: int, type_size: int) -> int:
+    n_elems = 1
+    for d in dims:
+        n_elems *= d
+    return n_elems // block * type_size
 
+
+def _check_header(path: Path) -> None:
     if not path.exists():
         raise GGUFError(path, "file not found")
     if not path.is_file():
@@ -273,13 +316,6 @@ def _open_reader(path: Path) -> Any:
         raise GGUFError(path, f"file too short to be GGUF ({len(head)} bytes)")
     if head[:4] != GGUF_MAGIC:
         raise GGUFError(path, f"bad magic {head[:4]!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
-    _check_layout(path)
-    try:
-        return GGUFReader(path, "r")
-    except MemoryError:
-        raise
-    except Exception as exc:  # gguf-py raises ValueError/IndexError/struct errors on damage
-        raise GGUFError(path, f"corrupt or truncated GGUF ({type(exc).__name__}: {exc})") from exc
 
 
 def _get(md: dict[str, Any], key: str, default: Any = None, *, path: Path) -> Any:
@@ -386,29 +422,25 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
 
 
 def _open_model(path: Path) -> ModelFile:
-    reader = _open_reader(path)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _check_header(path)
+    md, infos, data_start = _read_layout(path)
     size = path.stat().st_size
-    mapping = np.asarray(reader.data).reshape(-1).view(np.uint8)
+    mapping = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # the views below keep the map alive
     tensors: dict[str, TensorRef] = {}
-    for t in reader.tensors:
-        tid = int(t.tensor_type)
+    for t in infos:
+        tid = t.type_id
+        qt = GGMLQuantizationType(tid)  # known: _read_layout checked it
         if tid not in SUPPORTED_TYPES:
-            raise UnsupportedModelError(
-                path, f"tensor {t.name!r} has unsupported quant type {t.tensor_type.name} (id {tid})"
-            )
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise GGUFError(path, f"truncated: tensor {t.name!r} ends at byte {end}, file has {size}")
-        data = np.asarray(t.data).reshape(-1).view(np.uint8)
-        if data.nbytes != int(t.n_bytes):
-            raise GGUFError(path, f"tensor {t.name!r} holds {data.nbytes} bytes, expected {int(t.n_bytes)}")
-        tensors[t.name] = TensorRef(t.name, tid, tuple(int(x) for x in t.shape), data, int(t.n_bytes))
-    md = read_metadata(reader)
+            raise UnsupportedModelError(path, f"tensor {t.name!r} has unsupported quant type {qt.name} (id {tid})")
+        block, type_size = GGML_QUANT_SIZES[qt]
+        n_bytes = _n_bytes(t.dims, block, type_size)
+        start = data_start + t.offset
+        if start + n_bytes > size:
+            raise GGUFError(path, f"truncated: tensor {t.name!r} ends at byte {start + n_bytes}, file has {size}")
+        tensors[t.name] = TensorRef(t.name, tid, tuple(t.dims), mapping[start:start + n_bytes], n_bytes)
     hp = _hparams(md, tensors, path)
-    # gguf-py keeps a numpy object per metadata item (~170 MB for a 49k vocabulary);
-    # the tensor views keep the mapping alive, so the parsed fields can go.
-    reader.fields.clear()
-    reader.tensors = []
     return ModelFile(path=path, metadata=md, hparams=hp, tensors=tensors, mapping=mapping)
 
 
