@@ -35,7 +35,10 @@ log = logging.getLogger("strata.gateway")
 
 INLINE_CHARS = 8192  # longer prompts are counted in a worker thread, not on the event loop
 _RETRY_S = 30.0  # a tokenizer that failed to load is tried again after this long
-_KEEP = 4  # tokenizers kept for digests no lane names any more (a lane switching back and forth)
+_KEEP = 4  # tokenizers kept, newest last (a lane switching models back and forth)
+# Built tokenizers by digest, shared by every app of the process: the same digest is the same tokenizer,
+# so a process that starts several gateway apps (the test suite) builds each once.
+_BUILT: dict[str, LocalCounter] = {}
 
 
 class LocalCounter:
@@ -114,7 +117,7 @@ class TokenizerCache:
     precheck uses ``/tokenize``)."""
 
     def __init__(self) -> None:
-        self.counters: dict[str, LocalCounter] = {}
+        self.counters = _BUILT
         self._loading: dict[str, asyncio.Task[None]] = {}
         self._failed: dict[str, float] = {}  # digest -> monotonic time of the last failure
 

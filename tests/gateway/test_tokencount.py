@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from gateway.tokencount import LocalCounter
-from tests.gateway.conftest import KV_TOKENS, GW, auth, gateway_config, running_gateway, running_lane
+from tests.gateway.conftest import GW, KV_TOKENS, auth, gateway_config, running_gateway, running_lane
 from tests.http_helpers import eventually
 from tests.lanes.conftest import Lane
 
