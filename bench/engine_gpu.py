@@ -266,6 +266,9 @@ def run(args: argparse.Namespace) -> dict:
                 res[f"decode_b8_{tag}_tok_s"], _ = decode(8, 64, tag=f"b8_{tag}")
                 res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
                 del os.environ[env]
+            os.environ["STRATA_GPU_DENSE_SPLIT"] = "8"  # 8 sequences' dense layers on the split GEMM too
+            res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
+            del os.environ["STRATA_GPU_DENSE_SPLIT"]
         res["decode_step_gpu_ms"] = gpu_ms
         lib = Path(os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")).name
         print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"

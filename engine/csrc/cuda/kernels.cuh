@@ -788,6 +788,21 @@ struct combine_args {
 
 __device__ __forceinline__ float combined(const combine_args &c, float x, int64_t r, int64_t i, int64_t E) {
     const float *wt = c.w + r * c.k;
+    if (c.k <= 8) { /* every load issued before the first use (the loop below waits on each in turn), same sums */
+        float wv[8], pv[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < c.k) wv[j] = wt[j], pv[j] = c.pair_out[(r * c.k + j) * E + i];
+        double den = 0.0, num = 0.0;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < c.k) den += (double)wv[j];
+        if (!c.norm) den = 1.0;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < c.k) num += (double)wv[j] * (double)pv[j];
+        return x + (float)(num / den);
+    }
     double den = 0.0, num = 0.0;
     for (int j = 0; j < c.k; j++) den += (double)wt[j];
     if (!c.norm) den = 1.0;
@@ -800,42 +815,84 @@ __device__ __forceinline__ float combined(const combine_args &c, float x, int64_
  * (n a multiple of 32) the normalised row is also quantised to 8-bit blocks, exactly as
  * k_quant_act would (one launch instead of two). With c.pair_out the pending expert sum
  * is first added to x[r] (written back when rows == NULL; the output head's rows only
- * read it, so a row listed twice is safe). Each thread handles elements tid + k*blockDim
- * in every pass, so it reads back only what it wrote itself. */
-__global__ void k_rmsnorm(float *x, const int32_t *rows, const float *w, float *y, int64_t n, float eps,
-                          int8_t *aq, float *ad, int32_t *as, combine_args c) {
+ * read it, so a row listed twice is safe). Thread tid handles elements tid + k * blockDim;
+ * up to RMS_RN of them (rows up to 2,048 elements) stay in registers between the two
+ * passes, so the second reloads nothing but w (loaded before the barrier), and a warp's
+ * elements of one pass are one 32-block for the quantisation; longer rows go through y. The
+ * block's sum: each warp's by shuffles, then every warp adds the warps' partials the same way
+ * (one barrier, no serial loop by one thread). */
+#ifndef RMS_THREADS
+#define RMS_THREADS 1024 /* the block of every k_rmsnorm launch */
+#endif
+#define RMS_RN (2048 / RMS_THREADS) /* register slots: rows up to 2,048 elements */
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t *rows, const float *w, float *y, int64_t n,
+                                                  float eps, int8_t *aq, float *ad, int32_t *as, combine_args c) {
     PDL_ENTER();
     __shared__ double red[32];
     const int64_t r = rows ? rows[blockIdx.x] : blockIdx.x;
     float *xr = x + r * n;
     float *yr = y + (int64_t)blockIdx.x * n;
+    const int bd = blockDim.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = bd / 32;
+    const bool inreg = n <= (int64_t)RMS_RN * bd;
+    float vr[RMS_RN], wr[RMS_RN];
     double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = xr[i];
-        if (c.pair_out) {
-            v = combined(c, v, r, i, n);
-            if (!rows) xr[i] = v;
-        }
-        yr[i] = v;
-        ss += (double)v * (double)v;
-    }
+    if (inreg) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int i = 0; i < (int)(blockDim.x / 32); i++) t += red[i];
-        red[0] = t;
+        for (int k = 0; k < RMS_RN; k++) {
+            const int64_t i = threadIdx.x + (int64_t)k * bd;
+            float v = 0.0f;
+            wr[k] = 0.0f;
+            if (i < n) {
+                v = xr[i];
+                wr[k] = w[i];
+                if (c.pair_out) {
+                    v = combined(c, v, r, i, n);
+                    if (!rows) xr[i] = v;
+                }
+                ss += (double)v * (double)v;
+            }
+            vr[k] = v;
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < n; i += bd) {
+            float v = xr[i];
+            if (c.pair_out) {
+                v = combined(c, v, r, i, n);
+                if (!rows) xr[i] = v;
+            }
+            yr[i] = v;
+            ss += (double)v * (double)v;
+        }
     }
+    ss = warp_sum_d(ss);
+    if (lane == 0) red[warp] = ss;
     __syncthreads();
-    const float scale = (float)(1.0 / sqrt(red[0] / (double)n + (double)eps));
-    if (!aq) {
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) yr[i] = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
+    const double tot = warp_sum_d(lane < nw ? red[lane] : 0.0);
+    const float scale = (float)(1.0 / sqrt(tot / (double)n + (double)eps));
+    const int64_t nb = n / 32, row = blockIdx.x;
+    if (inreg) {
+#pragma unroll
+        for (int k = 0; k < RMS_RN; k++) {
+            const int64_t i = threadIdx.x + (int64_t)k * bd;
+            if (i >= n) continue; /* warp-uniform when n % 32 == 0 (always with aq) */
+            const float v = __fmul_rn(wr[k], __fmul_rn(vr[k], scale));
+            yr[i] = v;
+            if (aq) {
+                const int64_t b = i / 32;
+                quant_block32(v, lane, aq + row * n + 32 * b, ad + row * nb + b, as + row * (n / 16) + 2 * b);
+            }
+        }
         return;
     }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-    const int64_t nb = n / 32, row = blockIdx.x;
+    if (!aq) {
+        for (int64_t i = threadIdx.x; i < n; i += bd) yr[i] = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
+        return;
+    }
     for (int64_t b = warp; b < nb; b += nw) {
         const int64_t i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
         const float v = __fmul_rn(w[i], __fmul_rn(yr[i], scale));

@@ -974,7 +974,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    launch_k(k_rmsnorm, T, 1024, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
+    launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
     const acts_d in{s.aq, s.ad, s.as, s.xn};
@@ -1059,7 +1059,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     /* xn quantised once for every quantised weight that reads it (router, experts, shared, dense) */
     const bool nq = !stg_is_float(L.ffn_gate.d ? L.ffn_gate.type : L.gate_exps.type) ||
                     (L.gate_inp.d && !stg_is_float(L.gate_inp.type)) || (L.gate_shexp.d && !stg_is_float(L.gate_shexp.type));
-    launch_k(k_rmsnorm, T, 1024, 0, st, s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
+    launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
     if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
@@ -1187,7 +1187,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     CU(record(ev[3 * nL + 1], st, sh.capturing), "forward");
     if (sh.NL > 0) {
         const bool nq = !stg_is_float(m->output.type);
-        launch_k(k_rmsnorm, sh.NL, 1024, 0, st, s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
+        launch_k(k_rmsnorm, sh.NL, RMS_THREADS, 0, st, s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
                                           nq ? s.aq : nullptr, s.ad, s.as, take_combine(m));
         LAUNCHED("output norm");
         const acts_d in{s.aq, s.ad, s.as, s.xl};
@@ -1719,7 +1719,7 @@ extern "C" stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n
     CHECK(up(bx, x, sizeof(float) * (size_t)(n_rows * n)));
     CHECK(up(bw, w, sizeof(float) * (size_t)n));
     CHECK(up(by, nullptr, sizeof(float) * (size_t)(n_rows * n)));
-    k_rmsnorm<<<(unsigned)n_rows, 256>>>(bx.as<float>(), nullptr, bw.as<float>(), by.as<float>(), n, eps, nullptr,
+    k_rmsnorm<<<(unsigned)n_rows, RMS_THREADS>>>(bx.as<float>(), nullptr, bw.as<float>(), by.as<float>(), n, eps, nullptr,
                                           nullptr, nullptr, combine_args{});
     LAUNCHED("rmsnorm");
     return down(y, by, sizeof(float) * (size_t)(n_rows * n));

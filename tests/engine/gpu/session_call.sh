@@ -37,9 +37,9 @@ if [ "$what" = ncu ]; then
   exec bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"
 fi
 # try: for each OTHER.so the bitwise kernel and model tests ($OUT/try-NAME.log), then ab against the
-# carried library, the decode rates of each (bench --decode-only), the first OTHER.so's decode profile
-# ($OUT/prof.profile.txt, prof.json), its SASS with SASS=1 ($OUT/sass.txt.gz) and Nsight Compute with
-# it (NCU=0 skips that): a candidate's whole check in one setup.
+# carried library (PREFILL=0 skips it), the decode rates of each (bench --decode-only), the first
+# OTHER.so's decode profile ($OUT/prof.profile.txt, prof.json; PROFILE=0 skips it), its SASS with SASS=1
+# ($OUT/sass.txt.gz) and Nsight Compute with it (NCU=0 skips that): a candidate's whole check in one setup.
 if [ "$what" = try ]; then
   [ $# -ge 1 ] || { echo "try needs at least one other library"; exit 2; }
   libs="$PWD/engine/_strata_cuda.so"; first=$(realpath "$1")
@@ -49,11 +49,11 @@ if [ "$what" = try ]; then
       STRATA_CUDA_LIB=\$l python3 -m pytest -q -p no:cacheprovider -o addopts='' tests/engine/gpu/test_gpu_kernels.py \
         tests/engine/gpu/test_gpu_models.py > $OUT/try-\$n.log 2>&1; echo \"\$n: pytest exit \$?: \$(tail -1 $OUT/try-\$n.log)\"; done
     wait
-    for n in 512 4096; do for l in $libs; do
+    [ \"\${PREFILL:-1}\" = 0 ] || for n in 512 4096; do for l in $libs; do
       STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1; done; done
     for l in $libs; do STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --decode-only 2>&1 | grep '^decode ('; done
-    STRATA_CUDA_LIB=$first python3 -m bench.engine_gpu --profile-decode --json $OUT/prof.json > /tmp/prof.log 2>&1 \
-      || tail -5 /tmp/prof.log
+    [ \"\${PROFILE:-1}\" = 0 ] || STRATA_CUDA_LIB=$first python3 -m bench.engine_gpu --profile-decode \
+      --json $OUT/prof.json > /tmp/prof.log 2>&1 || tail -5 /tmp/prof.log
     [ \"\${SASS:-0}\" = 0 ] || cuobjdump --dump-sass $first 2>&1 | gzip > $OUT/sass.txt.gz
     [ \"\${NCU:-1}\" = 0 ] || STRATA_CUDA_LIB=$first bash tests/engine/gpu/ncu_prefill.sh"
 fi
