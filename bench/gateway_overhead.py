@@ -21,6 +21,11 @@ slows lane and gateway alike: a start-up cost, reported separately as ``retrieva
 per-request cost this measures. The measured request
 names no session and no collections: the plain path (auth, window precheck, dispatch, relay).
 
+``--stages`` turns on the started gateway's ``trace_stages`` and reports the median time of each of its
+stages and the lane's own TTFT for direct and relayed requests (from the two processes' logs);
+``--count-via-lane`` starts the gateway with ``count_locally = false`` (the window precheck asks the
+lane's ``/tokenize``), for an A/B of the precheck.
+
 Reported: TTFT (request sent -> first content token read) and total time per request, for
 both paths; the *added* TTFT = gateway - direct per pair (median and p99) and the added
 total time (median). Targets: median added TTFT <= 3 ms, p99 <= 10 ms.
