@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
+from common.tokenizer import Tokenizer
 from engine.constraints import GrammarCompiler, apply_mask, json_schema_grammar, mask_words
-from engine.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -26,7 +26,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):

@@ -1,11 +1,11 @@
-"""How a lane turns a chat or a prompt into token ids, shared with the gateway's local count.
+"""How a chat or a prompt becomes token ids: the lane's rendering, shared with the gateway's local count.
 
 The lane's ``/tokenize`` and its generation requests render and encode through
 :func:`chat_ids` / :func:`text_ids`; the gateway's window precheck (gateway/tokencount.py)
 calls the same functions with a tokenizer and template built from the same metadata (served by
 the lane at ``GET /v1/lane/tokenizer``), so both count the same tokens by construction, not by
-a second implementation. This module imports neither the C engine nor the lane's request
-models: the gateway must import without the C build.
+a second implementation. Like all of ``common`` it imports neither the engine nor the lanes: the
+gateway must import without the C build (tests/common/test_layering.py).
 """
 
 from __future__ import annotations

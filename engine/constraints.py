@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.tokenizer import Tokenizer
+    from common.tokenizer import Tokenizer
 
 __all__ = ["Constraint", "GrammarCompiler", "GrammarError", "any_json_grammar", "apply_mask",
            "json_schema_grammar", "mask_words", "text_or_json_grammar"]

@@ -161,7 +161,7 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
-            from engine.tokenizer import Tokenizer
+            from common.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_metadata(self.model_file.metadata)
         return self._tokenizer
@@ -169,7 +169,7 @@ class Engine:
     @property
     def chat_template(self) -> Any:
         if self._template is None:
-            from engine.chat_template import ChatTemplate
+            from common.chat_template import ChatTemplate
 
             self._template = ChatTemplate.from_metadata(self.model_file.metadata, self.tokenizer)
         return self._template

@@ -4,7 +4,7 @@ A ``POST /tokenize`` to the lane before every dispatch cost ~3.3 ms of the gatew
 (docs/benchmarks.md "What the gateway costs"). Instead the gateway builds the lane's tokenizer
 and chat template once from the lane's ``tokenizer.*`` metadata (``GET /v1/lane/tokenizer``,
 checked against the ``tokenizer_digest`` of its model card, cached per digest) and counts with
-the same functions the lane counts with (lanes/prompt.py), so the number is the lane's exactly.
+the same functions the lane counts with (common/prompt.py), so the number is the lane's exactly.
 
 Whenever it cannot say what the lane would (no tokenizer yet or a lane that serves none, a body
 the lane would refuse, a template that fails, another model name) :meth:`LocalCounter.count`
@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from lanes.prompt import chat_ids, check_messages, check_text, normalize_messages, text_ids
+from common.chat_template import ChatTemplate, ChatTemplateError
+from common.prompt import chat_ids, check_messages, check_text, normalize_messages, text_ids
+from common.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gateway.dispatch import LaneRuntime
@@ -45,9 +47,6 @@ class LocalCounter:
     """A lane's tokenizer and chat template, built from its ``tokenizer.*`` metadata."""
 
     def __init__(self, digest: str, metadata: Mapping[str, Any]) -> None:
-        from engine.chat_template import ChatTemplate, ChatTemplateError
-        from engine.tokenizer import Tokenizer
-
         self.digest = digest
         self.tokenizer = Tokenizer.from_metadata(metadata)
         try:

@@ -23,11 +23,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.prompt import check_messages, check_text
+from common.prompt import short as _short
 from engine.constraints import GrammarError, json_schema_grammar
 from engine.sampling import SamplingParams, SamplingParamsError
 from lanes.errors import APIError
-from lanes.prompt import check_messages, check_text
-from lanes.prompt import short as _short
 from lanes.tools import tools_grammar
 
 __all__ = ["MAX_CHOICES", "MAX_N", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",

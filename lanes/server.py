@@ -22,16 +22,9 @@ from typing import Any, Literal
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.chat_template import ChatTemplateError
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
-from engine.async_engine import AsyncEngine
-from engine.chat_template import ChatTemplateError
-from engine.engine import Engine
-from lanes.buildinfo import engine_build_id, model_fingerprint
-from lanes.config import LaneConfig
-from lanes.errors import APIError, RequestInfo, begin_request, error_middleware
-from lanes.generation import generate, json_response
-from lanes.metrics import LaneMetrics
-from lanes.prompt import (
+from common.prompt import (
     chat_ids,
     check_messages,
     check_text,
@@ -39,6 +32,13 @@ from lanes.prompt import (
     text_ids,
     tokenizer_document,
 )
+from engine.async_engine import AsyncEngine
+from engine.engine import Engine
+from lanes.buildinfo import engine_build_id, model_fingerprint
+from lanes.config import LaneConfig
+from lanes.errors import APIError, RequestInfo, begin_request, error_middleware
+from lanes.generation import generate, json_response
+from lanes.metrics import LaneMetrics
 from lanes.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from lanes.state import STATE, EngineFactory, LaneState
 
@@ -372,7 +372,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def tokenizer_info(request: web.Request) -> web.Response:
     """The model's ``tokenizer.*`` metadata (tokens, merges, chat template ...) as JSON, for a gateway that
-    counts prompts itself (lanes/prompt.py); its SHA-256 is the card's ``tokenizer_digest``."""
+    counts prompts itself (common/prompt.py); its SHA-256 is the card's ``tokenizer_digest``."""
     st = _state(request)
     _engine_for_text(st)
     if st.tokenizer_doc is None:

@@ -2,7 +2,7 @@
 
 The model calls a tool by answering ``{"name": <function>, "arguments": {...}}``, or several at
 once with a JSON array of such objects (at most :data:`MAX_TOOL_CALLS`), the form the fallback
-tool prompt teaches (engine.chat_template.TOOL_PROMPT). The grammar (:func:`tools_grammar`)
+tool prompt teaches (common.chat_template.TOOL_PROMPT). The grammar (:func:`tools_grammar`)
 enforces it:
 
 * ``required`` or a named function: the answer *is* one call (``parallel_tool_calls: false``) or

@@ -10,6 +10,10 @@ them. The list comes from CI's ``--durations`` output (seconds per file, setup i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 # slowest first; each ~30 s or more of one worker in CI
@@ -43,3 +47,45 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         return (rank.get(path, len(rank)), -per_file[path], order[id(item)])
 
     items.sort(key=key)
+
+
+# The default dense GGUF, its metadata and llama.cpp as the tokenizer oracle: the engine's tests and
+# the tokenizer / chat template tests of tests/common.
+@pytest.fixture(scope="session")
+def smollm_gguf_path() -> Path:
+    from engine.assets import smollm2_dense_gguf  # here, not at the top: gateway tests need no engine
+
+    return smollm2_dense_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm_metadata(smollm_gguf_path: Path) -> dict[str, Any]:
+    """Every metadata field of the default GGUF as ``{key: field.contents()}``."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm_gguf_path))
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def _load_llama_vocab(path: Path | str) -> Any:
+    """llama-cpp-python over a GGUF with only its vocabulary loaded: the tokenizer oracle.
+
+    llama-cpp-python is a required test dependency: without it the oracle tests fail, never skip.
+    """
+    try:
+        import llama_cpp
+    except ImportError as e:  # pragma: no cover - environment problem
+        pytest.fail(f"llama_cpp (llama-cpp-python) is required for the tokenizer oracle tests: {e}")
+    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def llama_vocab_loader() -> Callable[[Path | str], Any]:
+    """``path -> llama_cpp.Llama(vocab_only=True)``, for GGUFs a test writes itself."""
+    return _load_llama_vocab
+
+
+@pytest.fixture(scope="session")
+def smollm_llama(smollm_gguf_path: Path) -> Any:
+    """Cached ``llama_cpp.Llama(vocab_only=True)`` for the default GGUF."""
+    return _load_llama_vocab(smollm_gguf_path)

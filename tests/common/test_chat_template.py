@@ -1,4 +1,4 @@
-"""engine.chat_template: rendering equals llama-cpp-python's Jinja2ChatFormatter; failures are typed."""
+"""common.chat_template: rendering equals llama-cpp-python's Jinja2ChatFormatter; failures are typed."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from engine.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
-from engine.tokenizer import Tokenizer
+from common.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from common.tokenizer import Tokenizer
 
 CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
     "user_only": [{"role": "user", "content": "hi"}],

@@ -1,4 +1,4 @@
-"""engine.tokenizer against llama.cpp (llama-cpp-python, vocab-only) on the same GGUF files.
+"""common.tokenizer against llama.cpp (llama-cpp-python, vocab-only) on the same GGUF files.
 
 The default SmolLM2 GGUF is checked directly. The other pre-tokenizers and the SentencePiece
 path are checked on GGUFs written here: SmolLM2's vocabulary with another ``tokenizer.ggml.pre``
@@ -18,7 +18,7 @@ from typing import Any
 import gguf
 import pytest
 
-from engine.tokenizer import SUPPORTED_PRE, Tokenizer, TokenizerError
+from common.tokenizer import SUPPORTED_PRE, Tokenizer, TokenizerError
 
 CORPUS = [
     "Hello world",
@@ -44,7 +44,7 @@ CORPUS = [
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
     "text<|im_end|>more<|endoftext|><|endoftext|>",
     "<|im_start <|im_end| |im_start|> partial markers",
-    "<repo_name>strata<file_sep>engine/tokenizer.py",
+    "<repo_name>strata<file_sep>common/tokenizer.py",
     "<s>hi</s><unk> <0x41>",
     "unicode numbers ٣٤٥ ² Ⅻ ½",
     "combining e\u0301 and zwj a\u200db",

@@ -150,7 +150,7 @@ def test_bad_logit_bias_is_rejected(engine: Engine) -> None:
 
 
 def test_tool_rendering_native_and_fallback(engine: Engine) -> None:
-    from engine.chat_template import TOOL_PROMPT, ChatTemplate
+    from common.chat_template import TOOL_PROMPT, ChatTemplate
 
     tools = [{"type": "function", "function": {"name": "add", "description": "Add",
                                                "parameters": {"type": "object"}}}]

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from engine.detokenizer import DetokStep, IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 TEXTS = [
     "你好，世界！今天天气很好。",
