@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -55,6 +56,11 @@ async def serve(config: GatewayConfig) -> int:
     except Exception as e:
         log.error("gateway cannot start: %s: %s", type(e).__name__, e)
         return EXIT_FAILED
+    # What start-up built (modules, the app, its pools) lives as long as the process: frozen out of the cyclic
+    # collector's reach, a full collection walks only what requests create, not ~470,000 objects (a 0.45-0.5 s
+    # stall of the event loop measured on the 2-core VM, 2026-12-02)
+    gc.collect()
+    gc.freeze()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     try:
         await site.start()
