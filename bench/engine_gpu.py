@@ -269,6 +269,9 @@ def run(args: argparse.Namespace) -> dict:
             os.environ["STRATA_GPU_DENSE_SPLIT"] = "8"  # 8 sequences' dense layers on the split GEMM too
             res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
             del os.environ["STRATA_GPU_DENSE_SPLIT"]
+            os.environ["STRATA_GPU_GEMM_DENSE_MIN"] = "32"  # the head on the GEMM from 32 pairs (run 39's lead)
+            res["decode_b32_head_gemm32_tok_s"], _ = decode(32, 64, tag="b32_head_gemm32")
+            del os.environ["STRATA_GPU_GEMM_DENSE_MIN"]
         res["decode_step_gpu_ms"] = gpu_ms
         lib = Path(os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")).name
         print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"
