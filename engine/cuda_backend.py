@@ -169,10 +169,13 @@ class _PinnedPool:
     """Page-locked host memory for step outputs (the logits): a device-to-host copy into it is a
     DMA, not the driver's staged copy into pageable memory. Each array owns its buffer (freed back
     to this pool when the array and every view of it are gone), so a caller may keep what a step
-    returned; buffers are reused by size class, at most _KEEP of each and _CAP bytes in all."""
+    returned; buffers are reused by size class, at most _KEEP of each and _CAP bytes in all. Arrays
+    over _LARGE bytes (all logits of a long prefill chunk, which an oracle may ask for: 311 MB at
+    512 tokens of a 151,936 vocabulary) stay pageable, so that rarely used gigabytes are not page-locked."""
 
     _KEEP = 4
     _CAP = 512 << 20
+    _LARGE = 64 << 20  # decode-sized outputs: 32 sequences' logits are 19.4 MB
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -184,7 +187,7 @@ class _PinnedPool:
 
         dt = np.dtype(dtype)
         n = int(np.prod(shape)) * dt.itemsize
-        if n == 0:
+        if n == 0 or n > self._LARGE:
             return np.empty(shape, dt)
         size = max(4096, 1 << (n - 1).bit_length())  # size classes: powers of two
         ffi, lib = load()
