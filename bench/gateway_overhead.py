@@ -99,17 +99,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "") -> tuple[str, str, str]:
-    """One lane and the gateway as processes (``gateway_toml``: extra lines of its config); returns (lane url,
-    gateway url, user key)."""
+def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores: str | None = None
+                ) -> tuple[str, str, str]:
+    """One lane and the gateway as processes (``gateway_toml``: extra lines of its config; ``lane_cores``: the
+    lane's ``cores``, e.g. ``auto`` as ``make run`` pins it); returns (lane url, gateway url, user key)."""
     py = sys.executable
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
                STRATA_ADMIN_KEY=secrets.token_urlsafe(32))
+    lane_env = {**env, "STRATA_LANE_CORES": lane_cores} if lane_cores else env
     lane_port, gw_port = free_port(), free_port()
     lane_log = open(tmp / "lane.log", "wb")
     stack.callback(lane_log.close)
-    lane = subprocess.Popen([py, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=env, cwd=REPO_ROOT,
+    lane = subprocess.Popen([py, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=lane_env, cwd=REPO_ROOT,
                             stdout=lane_log, stderr=subprocess.STDOUT)
     stack.callback(_stop, lane)
     db = f"sqlite:///{tmp / 'gateway.db'}"
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--count-via-lane", action="store_true",
                    help="the started gateway counts prompts with the lane's /tokenize (count_locally = false), "
                         "as before the local count: for an A/B of the window precheck")
+    p.add_argument("--lane-cores", help="the started lane's cores (STRATA_LANE_CORES): 'auto' pins lane a to the "
+                   "first half of the CPUs as `make run` does (default: unpinned, one engine thread per CPU)")
     p.add_argument("--stages", action="store_true",
                    help="the started gateway logs per-stage times (trace_stages); their medians are reported")
     args = p.parse_args(argv)
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             print("gateway_overhead: starting a lane and the gateway ...", flush=True)
             extra = ("count_locally = false\n" if args.count_via_lane else "") + \
                 ("trace_stages = true\n" if args.stages else "")
-            lane_url, gw_url, key = start_stack(stack, tmp, extra)
+            lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores)
         retrieval, waited = wait_retrieval(gw_url, 600)
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream)", flush=True)
@@ -279,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report["machine"] = machine_info()
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
-                            "count_via_lane": args.count_via_lane,
+                            "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
                             "retrieval_wait_s": round(waited, 2)}
         write_json(args.json, report)
         print(f"  wrote {args.json}")
