@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import DetokStep, IncrementalDetokenizer
 from common.tokenizer import Tokenizer
+from engine.detokenizer import DetokStep, IncrementalDetokenizer
 
 TEXTS = [
     "你好，世界！今天天气很好。",
