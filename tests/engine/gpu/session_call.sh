@@ -37,7 +37,7 @@ if [ "$what" = ncu ]; then
   exec bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"
 fi
 # try: for each OTHER.so the bitwise kernel and model tests ($OUT/try-NAME.log), then ab against the
-# carried library (PREFILL=0 skips it), the decode rates of each (bench --decode-only), the first
+# carried library (PREFILL=0 skips it), the decode rates of each (bench --decode-only; DECODE_ARGS=--lean: its short form), the first
 # OTHER.so's decode profile ($OUT/prof.profile.txt, prof.json; PROFILE=0 skips it), its SASS with SASS=1
 # ($OUT/sass.txt.gz) and Nsight Compute with it (NCU=0 skips that): a candidate's whole check in one setup.
 if [ "$what" = try ]; then
@@ -51,7 +51,7 @@ if [ "$what" = try ]; then
     wait
     [ \"\${PREFILL:-1}\" = 0 ] || for n in 512 4096; do for l in $libs; do
       STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --prefill-only \$n --repeat 3 2>&1 | tail -1; done; done
-    for l in $libs; do STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --decode-only 2>&1 | grep '^decode ('; done
+    for l in $libs; do STRATA_CUDA_LIB=\$l python3 -m bench.engine_gpu --decode-only ${DECODE_ARGS:-} 2>&1 | grep '^decode ('; done
     [ \"\${PROFILE:-1}\" = 0 ] || STRATA_CUDA_LIB=$first python3 -m bench.engine_gpu --profile-decode \
       --json $OUT/prof.json > /tmp/prof.log 2>&1 || tail -5 /tmp/prof.log
     [ \"\${SASS:-0}\" = 0 ] || cuobjdump --dump-sass $first 2>&1 | gzip > $OUT/sass.txt.gz
