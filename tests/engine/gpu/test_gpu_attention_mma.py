@@ -20,21 +20,11 @@ from engine.engine import Engine
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
+from tests.engine.gpu._kernel_helpers import cpu_quant, gptr
 
 pytestmark = requires_gpu
 
 MMA_SPLIT, MMA_F16 = 2, 3  # stg_test_attention_heads' `tile`: q as f16 hi + lo (default) / as one f16
-
-
-@pytest.fixture(scope="module")
-def g() -> tuple:
-    from engine.cuda_backend import load
-
-    return load()
-
-
-def gptr(g: tuple, a: np.ndarray, ctype: str = "void *"):  # noqa: ANN201
-    return g[0].cast(ctype, g[0].from_buffer(a))
 
 
 def case(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: int) -> tuple:
@@ -74,15 +64,6 @@ def cpu_heads(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray,
                                     min(16, nq - i), p0 + i, ptr(rh[i:], "float *")) == 0
         ref[:, h * hd : (h + 1) * hd] = rh
     return ref
-
-
-def cpu_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    T, K = x.shape
-    qs, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32)
-    for t in range(T):
-        assert lib.st_quantize_act(ptr(x[t], "float *"), K, ptr(qs[t], "int8_t *"), ptr(d[t], "float *"),
-                                   ptr(s[t], "int32_t *")) == 0
-    return qs, d, s
 
 
 @pytest.mark.parametrize(("hd", "bs", "n_head", "n_kv", "nq", "p0"), [

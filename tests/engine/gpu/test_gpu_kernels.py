@@ -16,6 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.native import ffi, lib, ptr
 from tests.engine.gpu._env import rel_err, requires_gpu
+from tests.engine.gpu._kernel_helpers import cpu_quant, gcheck, gptr
 
 pytestmark = requires_gpu
 
@@ -24,22 +25,6 @@ FLOAT = ["F32", "F16", "BF16"]
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
               "Q6_K": [208]}
 PATHS = {"ref": 0, "matvec": 1, "gemm": 2, "auto": 3}
-
-
-@pytest.fixture(scope="module")
-def g() -> tuple:
-    from engine.cuda_backend import load
-
-    return load()
-
-
-def gcheck(g: tuple, rc: int) -> None:
-    gffi, glib = g
-    assert rc == 0, gffi.string(glib.stg_last_error()).decode()
-
-
-def gptr(g: tuple, a: np.ndarray, ctype: str = "void *"):  # noqa: ANN201
-    return g[0].cast(ctype, g[0].from_buffer(a))
 
 
 def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -72,15 +57,6 @@ def test_dequantize_bitwise_equals_cpu(g: tuple, name: str) -> None:
     gpu = np.full(n, np.nan, np.float32)
     gcheck(g, g[1].stg_test_dequantize(tid(name), gptr(g, raw), gptr(g, gpu, "float *"), n))
     assert np.array_equal(cpu.view(np.uint32), gpu.view(np.uint32))
-
-
-def cpu_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    T, K = x.shape
-    qs, d, s = np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32)
-    for t in range(T):
-        assert lib.st_quantize_act(ptr(x[t], "float *"), K, ptr(qs[t], "int8_t *"), ptr(d[t], "float *"),
-                                   ptr(s[t], "int32_t *")) == 0
-    return qs, d, s
 
 
 def test_quantize_activations_bitwise_equal_cpu(g: tuple) -> None:
