@@ -30,6 +30,8 @@ import importlib.util
 import json
 import logging
 import multiprocessing
+import os
+import signal
 import threading
 import weakref
 from collections import OrderedDict
@@ -396,9 +398,26 @@ def get_embedder(model: str = DEFAULT_EMBED_MODEL, *, threads: int = 1, batch: i
 
 
 def close_all() -> None:
-    """Stop the shared models' processes (the gateway's exit: at once, not after a load or encode in flight)."""
+    """Stop the shared models' processes and their forkserver (the gateway's exit: at once, not after a load or
+    encode in flight)."""
     with _SHARED_LOCK:
         embedders = list(_SHARED.values())
         _SHARED.clear()
     for e in embedders:
         e.close()
+    _end_forkserver()
+
+
+def _end_forkserver() -> None:
+    """End this process's forkserver. A first start waits in ``Process.start()`` until the forkserver has
+    imported torch (its preload: tens of seconds on a loaded box) on an executor thread, and the interpreter
+    joins executor threads at exit: a SIGTERM in that window held the gateway's exit for as long (22 s after
+    "gateway stopped" in a test on the 2-core VM; supervisord kills a gateway that takes longer than its
+    stopwaitsecs). Without the forkserver that wait fails at once (EOF: the start raises, the thread ends).
+    multiprocessing keeps the forkserver's pid privately; where it has none there is nothing to end."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if isinstance(pid, int) and pid > 0:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
