@@ -243,19 +243,26 @@ def run(args: argparse.Namespace) -> dict:
             for tb in tabs:
                 eng.blocks.release(tb)
 
+    def decode_tables(rows: int, width: int) -> list[str]:
+        """Kernel times of 16 decode steps at 1 and 32 sequences, by CUPTI through torch's profiler (the
+        caller turns graphs and PDL off: with PDL a kernel's span includes its wait for the predecessor)."""
+        import torch.profiler as tp
+
+        tables = []
+        for n_seq in (1, 32):
+            decode(n_seq, 4)
+            prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+            decode(n_seq, 16, prof=prof)
+            tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
+                          prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
+                                                    max_name_column_width=width))
+        return tables
+
     if args.profile_decode or args.decode_only:  # decode only: kernel times (profile) and rates
         tables = []
         if args.profile_decode:
-            import torch.profiler as tp
-
             os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"  # as --profile
-            for n_seq in (1, 32):
-                decode(n_seq, 4)
-                prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
-                decode(n_seq, 16, prof=prof)
-                tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
-                              prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
-                                                        max_name_column_width=70))
+            tables = decode_tables(40, 70)
             del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL)
             res[f"decode_b{n_seq}_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}")
@@ -300,14 +307,7 @@ def run(args: argparse.Namespace) -> dict:
         # graphs and PDL off: each kernel's time is its own (with PDL a kernel's span includes
         # its wait for the predecessor), the decode steps only (not the prompts' prefill)
         os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"
-        tables = []
-        for n_seq in (1, 32):
-            decode(n_seq, 4)
-            prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
-            decode(n_seq, 16, prof=prof)
-            tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
-                          prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
-                                                    max_name_column_width=60))
+        tables = decode_tables(18, 60)
         for n_tok, tile in ((512, "1"), (4096, "1"), (4096, "0")):  # prefill: one timed prompt each (warmed first)
             os.environ["STRATA_GPU_ATT_TILE"] = tile
             prefill(n_tok)
