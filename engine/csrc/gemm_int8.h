@@ -363,6 +363,17 @@ static inline __attribute__((always_inline)) __m256i half8(int32_t type, const _
 #endif
 }
 
+/* Per-lane results of 8-row blocks kept as (low half, high half) pairs, acc[2 * t] and acc[2 * t + 1]
+ * for token t: row r's result is the sum of the two halves' lane r. */
+static inline void halves_store(const __m256 *acc, int nt, int nr, float *out, int64_t ldo) {
+    for (int t = 0; t < nt; t++) {
+        float vl[8], vh[8];
+        _mm256_storeu_ps(vl, acc[2 * t]);
+        _mm256_storeu_ps(vh, acc[2 * t + 1]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = vl[r] + vh[r];
+    }
+}
+
 /* NT tokens against blocks [b0, b1) of an 8-row block unpacked into kb[b - b0]. With acc
  * NULL the row block is taken in one pass (b0 = 0, b1 = nb) and the results are written to
  * out; otherwise the per-lane accumulators (low and high half per token) live in acc[2 * t],
@@ -386,16 +397,10 @@ static inline __attribute__((always_inline)) void buffered8(int32_t type, const 
             }
         }
     }
-    if (acc) {
-        for (int t = 0; t < NT; t++) acc[2 * t] = lo[t], acc[2 * t + 1] = hi[t];
-        return;
-    }
-    for (int t = 0; t < NT; t++) {
-        float vl[8], vh[8];
-        _mm256_storeu_ps(vl, lo[t]);
-        _mm256_storeu_ps(vh, hi[t]);
-        for (int r = 0; r < nr; r++) out[t * ldo + r] = vl[r] + vh[r];
-    }
+    __m256 pairs[2 * 4];
+    __m256 *dst = acc ? acc : pairs; /* acc: carried to the next K chunk; else summed into out now */
+    for (int t = 0; t < NT; t++) dst[2 * t] = lo[t], dst[2 * t + 1] = hi[t];
+    if (!acc) halves_store(pairs, NT, nr, out, ldo);
 }
 
 /* Unpack blocks [b0, b1) of an 8-row block into kb[b - b0], prefetching the next block's rows. */
@@ -452,12 +457,7 @@ static inline __attribute__((always_inline)) void chunked8(int32_t type, const u
         unpack8(type, rows, b0, b1, ks, kb, next, step);
         tokens8(type, kb, b0, b1, nt, a, acc, o, nrr, ldo);
     }
-    for (int t = 0; t < nt; t++) {
-        float vl[8], vh[8];
-        _mm256_storeu_ps(vl, acc[2 * t]);
-        _mm256_storeu_ps(vh, acc[2 * t + 1]);
-        for (int r = 0; r < nrr; r++) o[t * ldo + r] = vl[r] + vh[r];
-    }
+    halves_store(acc, nt, nrr, o, ldo);
 }
 
 /* ---- one lane per row: Q4_0, Q4_1, Q4_K ----
@@ -647,12 +647,7 @@ static inline __attribute__((always_inline)) void gemm_q8r8(const void *w, size_
         }
         tokens8(ST_TYPE_Q8_0, kb, b0, b1, nt, a, acc, out, nr, ldo);
     }
-    for (int t = 0; t < nt; t++) {
-        float vl[8], vh[8];
-        _mm256_storeu_ps(vl, acc[2 * t]);
-        _mm256_storeu_ps(vh, acc[2 * t + 1]);
-        for (int r = 0; r < nr; r++) out[t * ldo + r] = vl[r] + vh[r];
-    }
+    halves_store(acc, nt, nr, out, ldo);
 }
 
 static inline __attribute__((always_inline)) void gemm256(int32_t type, const void *w, size_t row_bytes, int nr,
