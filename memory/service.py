@@ -193,8 +193,13 @@ class MemoryService:
     def _forget(self, pk: int) -> None:
         """Drop what this process holds for a session that is gone. Session and turn ids are never reused
         (memory.store), so a leftover could not mislead a later session, but it would stay forever."""
-        for held in (self._cache, self._embedded_upto, self._embedded_seq, self._locks, self._retry,
-                     self._left_out, self._recent):
+        self._drop_state(pk)
+        self._locks.pop(pk, None)
+
+    def _drop_state(self, pk: int) -> None:
+        """Forget a session's vectors and small state (not its lock: a request may hold it); its next request
+        reloads what it needs from the database."""
+        for held in (self._cache, self._embedded_upto, self._embedded_seq, self._retry, self._left_out, self._recent):
             held.pop(pk, None)
 
     def _touch(self, pk: int) -> None:
@@ -208,9 +213,7 @@ class MemoryService:
             if old in self._summarising:
                 recent.move_to_end(old)
                 continue
-            del recent[old]
-            for held in (self._cache, self._embedded_upto, self._embedded_seq, self._retry, self._left_out):
-                held.pop(old, None)
+            self._drop_state(old)
             self.state_evictions += 1
 
     # ------------------------------------------------------------ loading for composition
