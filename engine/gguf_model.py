@@ -136,6 +136,7 @@ class _TensorInfo:
     dims: list[int]
     type_id: int
     offset: int  # from the start of the data section
+    n_bytes: int = 0  # the data's size, set once the shape and type are checked
 
 
 class _Walker:
@@ -291,7 +292,8 @@ def _read_layout(path: Path) -> tuple[dict[str, Any], list[_TensorInfo], int]:
         block, type_size = GGML_QUANT_SIZES[qt]
         if any(d < 1 or d > _MAX_DIM for d in t.dims) or t.dims[0] % block:
             raise GGUFError(path, f"corrupt GGUF: tensor {label!r} has impossible shape {t.dims}")
-        end = data_start + t.offset + _n_bytes(t.dims, block, type_size)
+        t.n_bytes = _n_bytes(t.dims, block, type_size)
+        end = data_start + t.offset + t.n_bytes
         if t.offset % alignment or end > size:
             raise GGUFError(path, f"truncated or corrupt GGUF: tensor {label!r} spans bytes "
                                   f"{data_start + t.offset}..{end} of a {size}-byte file")
@@ -422,24 +424,19 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
 
 
 def _open_model(path: Path) -> ModelFile:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
 
     _check_header(path)
-    md, infos, data_start = _read_layout(path)
-    size = path.stat().st_size
+    md, infos, data_start = _read_layout(path)  # every tensor's type known, its bytes inside the file
     mapping = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # the views below keep the map alive
     tensors: dict[str, TensorRef] = {}
     for t in infos:
         tid = t.type_id
-        qt = GGMLQuantizationType(tid)  # known: _read_layout checked it
         if tid not in SUPPORTED_TYPES:
-            raise UnsupportedModelError(path, f"tensor {t.name!r} has unsupported quant type {qt.name} (id {tid})")
-        block, type_size = GGML_QUANT_SIZES[qt]
-        n_bytes = _n_bytes(t.dims, block, type_size)
+            raise UnsupportedModelError(path, f"tensor {t.name!r} has unsupported quant type "
+                                              f"{GGMLQuantizationType(tid).name} (id {tid})")
         start = data_start + t.offset
-        if start + n_bytes > size:
-            raise GGUFError(path, f"truncated: tensor {t.name!r} ends at byte {start + n_bytes}, file has {size}")
-        tensors[t.name] = TensorRef(t.name, tid, tuple(t.dims), mapping[start:start + n_bytes], n_bytes)
+        tensors[t.name] = TensorRef(t.name, tid, tuple(t.dims), mapping[start:start + t.n_bytes], t.n_bytes)
     hp = _hparams(md, tensors, path)
     return ModelFile(path=path, metadata=md, hparams=hp, tensors=tensors, mapping=mapping)
 
