@@ -124,3 +124,48 @@ async def _no_local_count(gw: GW, http: aiohttp.ClientSession, key: str, caplog:
         assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_role"
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "strata.lanes"]
     assert sum("POST /tokenize" in m for m in lines) == 1
+
+
+@pytest.mark.parametrize(("status", "body", "digest_of"), [
+    (200, None, b"another document"),  # the lane's real, loadable tokenizer, but not what its card names
+    (404, b'{"error": "none"}', b'{"error": "none"}'),  # a lane that serves none
+    (200, b"{not json", b"{not json"),  # the digest matches, the document is broken
+])
+async def test_a_bad_tokenizer_document_leaves_the_count_to_the_lane(
+        lane: Lane, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, status: int,
+        body: bytes | None, digest_of: bytes) -> None:
+    """Whatever the lane's tokenizer endpoint answers that is not its card's tokenizer, the gateway keeps no
+    counter (the precheck asks /tokenize) and says why; it tries again later, not on every poll."""
+    from aiohttp import web
+
+    from gateway.dispatch import LaneRuntime
+    from gateway.tokencount import TokenizerCache
+
+    if body is None:
+        async with http.get(lane.url + "/v1/lane/tokenizer") as r:
+            body = await r.read()
+
+    async def serve(_: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/lane/tokenizer", serve)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        lane = LaneRuntime(name="x", url=f"http://127.0.0.1:{port}", weight=1.0,
+                           tokenizer_digest=hashlib.sha256(digest_of).hexdigest())
+        cache = TokenizerCache()
+        with caplog.at_level(logging.WARNING, logger="strata.gateway"):
+            cache.attach(lane, http)
+            task = cache._loading[lane.tokenizer_digest]
+            await task
+        assert lane.counter is None and lane.tokenizer_digest not in cache.counters
+        assert "not loaded (prompts are counted by /tokenize)" in caplog.text
+        cache.attach(lane, http)  # within the retry interval: no second fetch
+        assert not cache._loading and lane.counter is None
+    finally:
+        await runner.cleanup()
