@@ -266,12 +266,15 @@ def run(args: argparse.Namespace) -> dict:
             del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL)
             res[f"decode_b{n_seq}_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}")
-        if args.lean:  # head on the GEMM from 32 / 64 pairs, q/k/v as 3 launches, routed 8-pair tiles (run 40's knobs)
-            for env, v, tag in (("STRATA_GPU_GEMM_DENSE_MIN", "32", "head_gemm32"),
-                                ("STRATA_GPU_GEMM_DENSE_MIN", "64", "head_gemm64"), ("STRATA_GPU_QKV_SPLIT", "0", "qkv3"),
-                                ("STRATA_GPU_GEMM_BN8", "1", "bn8")):
+        if args.lean:  # one row per --knob "N:ENV=V" (N sequences with ENV=V), e.g. a default's old value
+            for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "32:STRATA_GPU_QKV_SPLIT=0"]:
+                n_s, _, kv = spec.partition(":")
+                env, _, v = kv.partition("=")
+                if not n_s.isdigit() or not env or not v:
+                    raise SystemExit(f"--knob: expected N:ENV=VALUE, got {spec!r}")
+                tag = f"b{n_s}_{env.removeprefix('STRATA_GPU_').lower()}_{v}"
                 os.environ[env] = v
-                res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
+                res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
                 del os.environ[env]
         else:
             res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", sample=False)
@@ -489,8 +492,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM and "
                          "the pinned logits (a before/after of a decode change; STRATA_CUDA_LIB)")
     ap.add_argument("--lean", action="store_true",
-                    help="with --decode-only: only 1, 8 and 32 sequences, and 32 with the head on the GEMM from "
-                         "32 and from 64 pairs, with q/k/v as three launches and with STRATA_GPU_GEMM_BN8=1 (a short device call)")
+                    help="with --decode-only: only 1, 8 and 32 sequences, then one row per --knob (default: 32 "
+                         "sequences with the head on the GEMM from 64 pairs, and with q/k/v as three launches)")
+    ap.add_argument("--knob", action="append", metavar="N:ENV=VALUE",
+                    help="with --lean: also decode N sequences with the variable ENV set to VALUE (repeatable)")
     ap.add_argument("--gemm-min", default="2,4,1000000",
                     help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
     ap.add_argument("--llama-bin", default=None,

@@ -559,6 +559,10 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t4 = lane & 3;
     if (tid < BN) prow[tid] = n0 + tid < count ? in_row(a.g, pair_at(a.g, start, n0 + tid)) : -1;
     const uint8_t *wbase = a.w + e * a.expert_stride, *wbase2 = SW ? a.w2 + e * a.expert_stride : nullptr;
+    if (a.seg.n_seg > 1) { /* q / k / v in one split launch: the tile's weight (segments start at multiples of MM_BM) */
+        const int i = (m0 >= a.seg.seg_row[1]) + (a.seg.n_seg > 2 && m0 >= a.seg.seg_row[2]);
+        wbase = a.seg.seg_w[i] - (int64_t)a.seg.seg_row[i] * a.row_bytes; /* indexed by rows m0 + m of all segments */
+    }
     const int nsb = a.K / 32, C = (nsb + 31) / 32, nq = 32 * C;
     /* split k loop (a.ksplit S = 2 or 4, block z): positions [z nq / S, (z + 1) nq / S), i.e. the residues
      * of walk indices [32 z / S, 32 (z + 1) / S) in bit-reversed order: one subtree of the butterfly each
@@ -733,14 +737,19 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
 /* The parts of a split GEMM (a dense launch: pair p = row p) added as the butterfly's top levels
  * do: S = 2: P0 + P1; S = 4: (P0 + P1) + (P2 + P3); then stored by mode (store or residual add). */
 __global__ void k_ksplit_combine(const float *part, int32_t S, int32_t count, int32_t N, float *out, int64_t ldo,
-                                 int mode) {
+                                 int mode, lin_seg sg) {
     PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)count * N) return;
     const int64_t plane = (int64_t)count * N;
     float v = part[i] + part[plane + i];
     if (S == 4) v = v + (part[2 * plane + i] + part[3 * plane + i]);
-    float *o = out + i / N * ldo + i % N;
+    const int32_t r = (int32_t)(i % N);
+    float *o = out + i / N * ldo + r;
+    if (sg.n_seg > 1) { /* row segments (q / k / v): each into its own output */
+        const int j = (r >= sg.seg_row[1]) + (sg.n_seg > 2 && r >= sg.seg_row[2]);
+        o = sg.seg_out[j] + i / N * sg.seg_ldo[j] + (r - sg.seg_row[j]);
+    }
     if (mode == MODE_ADD) *o += v;
     else *o = v;
 }

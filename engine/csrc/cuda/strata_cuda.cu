@@ -131,6 +131,7 @@ struct graph_entry {
     int32_t gemm_min, gemm_dense, gemm_wide;
     bool fused_quant, fuse_qkv, gemm_tiles;
     int32_t dense_split;
+    bool qkv_split;
     cudaGraphExec_t exec;
 };
 
@@ -519,12 +520,13 @@ static int gemm_min_env() {
 }
 static int gemm_min_pairs() { return g_gemm_min; }
 /* Pairs from which a single-group launch (a dense layer, the output head) may take the GEMM
- * (STRATA_GPU_GEMM_DENSE_MIN overrides the default 64: a measurement knob for the 151,936-row
- * head at 8-32 sequences, where the matvec won before the GEMM's v2 / v4 changes). */
-static thread_local int g_gemm_dense = 64; /* read per step (stg_forward); graphs are keyed by it */
+ * (STRATA_GPU_GEMM_DENSE_MIN overrides the default 32). In practice only the 151,936-row head
+ * qualifies at decode (q / k / v / o have too few tiles): run 39 measured it on the GEMM at 32
+ * sequences 0.6-0.95 ms per step faster than the matvec, at 8 sequences 0.4 ms slower. */
+static thread_local int g_gemm_dense = 32; /* read per step (stg_forward); graphs are keyed by it */
 static int gemm_dense_env() {
     const char *e = getenv("STRATA_GPU_GEMM_DENSE_MIN");
-    const int v = e && e[0] ? atoi(e) : 64;
+    const int v = e && e[0] ? atoi(e) : 32;
     return v < 1 ? 1 : v;
 }
 /* Blocks of MM_BN_WIDE pairs from which a dense plain GEMM runs 32 pairs per block instead of 16
@@ -554,6 +556,14 @@ static thread_local float *g_kpart = nullptr;
 static thread_local int64_t g_kpart_cap = 0; /* floats */
 /* whether a dense layer of T tokens takes the split GEMM (q, k and v then run as three launches) */
 static bool dense_split_on(int32_t T) { return g_dense_split > 0 && T >= g_dense_split && T <= KSPLIT_MAX_T && g_kpart; }
+/* q, k and v as one split GEMM launch over their stacked rows (row segments, as the fused matvec
+ * has them) instead of three: k and v alone are 8 row tiles each at Qwen3-30B's shapes, too few
+ * blocks to cover their latency. STRATA_GPU_QKV_SPLIT=0: three launches. Same results. */
+static thread_local bool g_qkv_split = true; /* read per step (stg_forward); graphs are keyed by it */
+static bool qkv_split_env() {
+    const char *e = getenv("STRATA_GPU_QKV_SPLIT");
+    return !(e && e[0] == '0');
+}
 /* STRATA_GPU_FUSED_QUANT=1: the gate/up matvec also quantises its output for the down
  * projection. Off by default: measured no faster (runs 19-21: +0.1, 0.0 and +0.1 ms per
  * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
@@ -573,8 +583,8 @@ static bool gemm_tiles_env() {
  * from gemm_min pairs per group, only with enough tiles to fill the GPU (a dense q or o
  * projection at 8-32 tokens has 64-128 tiles of 64 rows, each a serial pass over K: the
  * matvec's thousands of warps finish first there), and for a single group (a dense layer,
- * the output head) only from gemm_dense pairs (64; measured before GEMM v2: the 151,936-row
- * Q6_K head at 8 and 32 tokens is faster on the matvec). Same results either way. */
+ * the output head) only from gemm_dense pairs (32: the 151,936-row Q6_K head at 8 tokens is
+ * faster on the matvec, at 32 on the GEMM (run 39)). Same results either way. */
 static bool use_gemm(int64_t N, int groups, int expected) {
     const int64_t tiles = (N + MM_BM - 1) / MM_BM * groups * ((expected + MM_BN - 1) / MM_BN);
     if (groups == 1 && expected < g_gemm_dense) return false;
@@ -623,7 +633,7 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
             else launch_k(gemm_kernel<T, false, MM_BN>(a.K), grid, 128, gemm_raw_bytes<T, false>(), st, a);
             const int64_t n = (int64_t)max_count * a.N;
             launch_k(k_ksplit_combine, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
-                     max_count, a.N, a.out, a.ldo, a.mode);
+                     max_count, a.N, a.out, a.ldo, a.mode, a.seg);
         } else if (listed < per_group) { /* a block per tile of group_pairs' list */
             launch_k(gemm_kernel<T, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st,
                      a);
@@ -697,9 +707,15 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
-    const bool gemm = q && use_gemm(a.N, max_groups, expected);
+    const bool gemm = q && !seg && use_gemm(a.N, max_groups, expected);
+    /* row segments on the split GEMM: each segment whole tiles of MM_BM rows */
+    const bool seg_split = seg && g_qkv_split && seg->n_seg >= 2 && seg->n_seg <= 3 && [&] {
+        for (int i = 0; i <= seg->n_seg; i++)
+            if (seg->seg_row[i] % MM_BM) return false;
+        return true;
+    }();
     /* a dense plain layer the GEMM's grid would not fill: the GEMM with its k loop split (see g_dense_split) */
-    const bool split = q && !gemm && !W2 && !seg && !g.gexp && max_groups == 1 && g_dense_split > 0 &&
+    const bool split = q && !gemm && !W2 && (!seg || seg_split) && !g.gexp && max_groups == 1 && g_dense_split > 0 &&
                        expected >= g_dense_split && max_count <= KSPLIT_MAX_T && g_kpart &&
                        (int64_t)KSPLIT * max_count * a.N <= g_kpart_cap && (path == STG_PATH_AUTO || path == STG_PATH_GEMM);
     if (split) path = STG_PATH_GEMM, a.kpart = g_kpart, a.ksplit = KSPLIT;
@@ -709,7 +725,8 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s, a.qcnt = fq->cnt;
         *fq->done = true;
     }
-    if (seg && (path != STG_PATH_MATVEC || !q)) return fail(ST_EINVAL, "linear: row segments need the matvec path");
+    if (seg && !split && (path != STG_PATH_MATVEC || !q))
+        return fail(ST_EINVAL, "linear: row segments need the matvec path or the split GEMM");
     int nt = 1;
     while (nt < expected && nt < 8) nt *= 2;
     switch (W.type) {
@@ -796,7 +813,7 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
         CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
         CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
-        s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) * std::max<int64_t>({m->q_dim, E, m->kv_dim});
+        s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) * std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E});
         CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
         s.cap_t = T, s.cap_l = L;
     }
@@ -981,8 +998,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     lin_groups g = {};
     g.n_pairs = T;
     if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T) &&
-        !dense_split_on(T)) {
-        /* q, k and v in one matvec launch (same type and row length) */
+        (!dense_split_on(T) || g_qkv_split)) {
+        /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch */
         lin_seg sg = {};
         sg.n_seg = 3;
         sg.seg_row[0] = 0, sg.seg_row[1] = m->q_dim, sg.seg_row[2] = m->q_dim + m->kv_dim;
@@ -1216,7 +1233,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
-            g.route_split == route_split() && g.dense_split == g_dense_split) {
+            g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -1232,7 +1249,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
                                          g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles,
-                                         g_dense_split, exec});
+                                         g_dense_split, g_qkv_split, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1328,6 +1345,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_fused_quant = fqe && fqe[0] == '1';
     g_gemm_tiles = gemm_tiles_env();
     g_dense_split = dense_split_env();
+    g_qkv_split = qkv_split_env();
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
@@ -1404,6 +1422,7 @@ static stg_status harness_device(void) {
     g_gemm_wide_min = gemm_wide_env();
     g_gemm_tiles = false;
     g_dense_split = dense_split_env();
+    g_qkv_split = qkv_split_env();
     g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
@@ -1496,6 +1515,56 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
     g_kpart = nullptr, g_kpart_cap = 0;
     CHECK(rc);
     return down(out, bo, sizeof(float) * (size_t)(n_tok * n_rows));
+}
+
+/* q / k / v as the attention block runs them: n_seg (2 or 3) weights of rows[i] rows each (w: their
+ * rows stacked; uploaded as separate buffers) in one row-segmented launch: path STG_PATH_MATVEC (the
+ * fused matvec) or STG_PATH_GEMM (the split GEMM, where STRATA_GPU_DENSE_SPLIT allows n_tok and
+ * every segment is whole tiles of 64 rows; else ST_EINVAL). out: each segment's [n_tok, rows[i]]. */
+extern "C" stg_status stg_test_linear_seg(int32_t type, int32_t path, const void *w, int32_t n_seg,
+                                          const int64_t *rows, int64_t k, const float *x, int64_t n_tok, float *out) {
+    const int be = stg_block_elems(type);
+    if (!be || stg_is_float(type)) return fail(ST_EUNSUPPORTED, "linear_seg: unsupported quant type %d", type);
+    if (!w || !rows || !x || !out || n_seg < 2 || n_seg > 3 || n_tok < 1 || n_tok > KSPLIT_MAX_T || k < 32 ||
+        k % 32 || k % be || (path != STG_PATH_MATVEC && path != STG_PATH_GEMM))
+        return fail(ST_EINVAL, "linear_seg: bad arguments");
+    int64_t total = 0;
+    for (int i = 0; i < n_seg; i++) {
+        if (rows[i] < 1) return fail(ST_EINVAL, "linear_seg: segment %d has %lld rows", i, (long long)rows[i]);
+        total += rows[i];
+    }
+    CHECK(harness_device());
+    const int64_t rb = stg_row_bytes(type, k);
+    dbuf bw[3], bo[3], bx, bq, bd, bs, bp;
+    lin_seg sg = {};
+    sg.n_seg = n_seg;
+    for (int i = 0, r0 = 0; i < n_seg; r0 += (int)rows[i], i++) {
+        CHECK(up(bw[i], (const uint8_t *)w + r0 * rb, (size_t)(rb * rows[i])));
+        CHECK(up(bo[i], nullptr, sizeof(float) * (size_t)(n_tok * rows[i])));
+        sg.seg_row[i] = r0, sg.seg_w[i] = bw[i].as<uint8_t>(), sg.seg_out[i] = bo[i].as<float>(), sg.seg_ldo[i] = rows[i];
+    }
+    sg.seg_row[n_seg] = (int32_t)total;
+    dtensor W;
+    W.type = type, W.ne[0] = k, W.ne[1] = rows[0], W.row_bytes = rb, W.expert_stride = rb * rows[0];
+    W.d = bw[0].as<uint8_t>();
+    const size_t n = (size_t)(n_tok * k);
+    CHECK(up(bx, x, sizeof(float) * n));
+    CHECK(up(bq, nullptr, n));
+    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
+    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
+    lin_groups g = {};
+    g.n_pairs = (int32_t)n_tok;
+    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
+    CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * (size_t)(n_tok * total)));
+    g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * n_tok * total;
+    const stg_status rc = linear(0, W, nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo[0].as<float>(), rows[0],
+                                 MODE_STORE, path, &sg);
+    g_kpart = nullptr, g_kpart_cap = 0;
+    CHECK(rc);
+    for (int i = 0; i < n_seg; out += n_tok * rows[i], i++)
+        CHECK(down(out, bo[i], sizeof(float) * (size_t)(n_tok * rows[i])));
+    return ST_OK;
 }
 
 /* Routed experts as a MoE layer runs them: the n_tok * k_used pairs (ids[p]: pair p's expert,

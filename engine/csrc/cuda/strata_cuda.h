@@ -65,6 +65,11 @@ stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64_t k, int8_
  * with w2 (same type and shape) the fused gate/up form: out = silu(W . x) * (W2 . x). */
 stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows, int64_t k,
                            const float *x, int64_t n_tok, float *out);
+/* q / k / v as one row-segmented launch (n_seg = 2 or 3 weights of rows[i] rows, w their rows stacked):
+ * path STG_PATH_MATVEC (the fused matvec) or STG_PATH_GEMM (the split GEMM; ST_EINVAL where it does
+ * not apply); out holds each segment's [n_tok, rows[i]] one after another. */
+stg_status stg_test_linear_seg(int32_t type, int32_t path, const void *w, int32_t n_seg, const int64_t *rows,
+                               int64_t k, const float *x, int64_t n_tok, float *out);
 /* The fused gate/up matvec that also quantises its output for the down projection (as
  * stg_forward runs it at decode): out[n_tok, n_rows] = silu(W . x) * (W2 . x) and its 8-bit
  * blocks hq[n_tok * n_rows], hd[/32], hs[/16] (n_rows a multiple of 32; launched twice). */

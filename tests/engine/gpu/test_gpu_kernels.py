@@ -145,6 +145,40 @@ def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int, mon
             assert np.array_equal(outs[0].view(np.uint32), out.view(np.uint32)), (name, second is not None, i)
 
 
+@pytest.mark.parametrize("n_tok", [5, 19, 40])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
+def test_qkv_segments_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q / k / v in one row-segmented launch (separate weight buffers and outputs, as the attention
+    block has them): the fused matvec and the split GEMM over the stacked rows (STRATA_GPU_DENSE_SPLIT=1,
+    the default STRATA_GPU_QKV_SPLIT) give each segment the bits of its own plain matvec; with
+    STRATA_GPU_QKV_SPLIT=0 the GEMM path refuses segments (typed error)."""
+    rng = np.random.default_rng(n_tok)
+    k, rows = 768, [192, 64, 64]
+    w = random_blocks(name, sum(rows) * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    monkeypatch.setenv("STRATA_GPU_DENSE_SPLIT", "1")
+    row_bytes = w.size // sum(rows)
+    ref = []
+    for i, r in enumerate(rows):
+        wi = np.ascontiguousarray(w[sum(rows[:i]) * row_bytes:(sum(rows[:i]) + r) * row_bytes])
+        out = np.full((n_tok, r), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear(tid(name), PATHS["matvec"], gptr(g, wi), g[0].NULL, r, k, gptr(g, x, "float *"),
+                                       n_tok, gptr(g, out, "float *")))
+        ref.append(out.reshape(-1))
+    ref_all = np.concatenate(ref)
+    assert np.isfinite(ref_all).all()
+    seg_rows = np.array(rows, np.int64)
+    for path in ("matvec", "gemm"):
+        out = np.full(ref_all.size, np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear_seg(tid(name), PATHS[path], gptr(g, w), len(rows), gptr(g, seg_rows, "int64_t *"),
+                                           k, gptr(g, x, "float *"), n_tok, gptr(g, out, "float *")))
+        assert np.array_equal(ref_all.view(np.uint32), out.view(np.uint32)), path
+    monkeypatch.setenv("STRATA_GPU_QKV_SPLIT", "0")
+    out = np.full(ref_all.size, np.nan, np.float32)
+    assert g[1].stg_test_linear_seg(tid(name), PATHS["gemm"], gptr(g, w), len(rows), gptr(g, seg_rows, "int64_t *"), k,
+                                    gptr(g, x, "float *"), n_tok, gptr(g, out, "float *")) != 0
+
+
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(70, 4, 8), (300, 8, 32), (5, 2, 8)])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
 def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, k_used: int, n_expert: int) -> None:
