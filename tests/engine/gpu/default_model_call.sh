@@ -6,6 +6,7 @@
 # call). .dm1/ and .dm2/ are ignored (.git/info/exclude) and never committed.
 #
 #   here:    bash tests/engine/gpu/default_model_call.sh prepare   # split, sha256s, gzipped CUDA library
+#            (CUDA_LIB=PATH: that library instead of engine/_strata_cuda.so)
 #   call A:  bash tests/engine/gpu/default_model_call.sh a          # carry .dm1
 #   call B:  bash tests/engine/gpu/default_model_call.sh b          # carry .dm2 .whl (right after A;
 #            MODULE=0: the default-model test and its numbers only, not the rest of test_gpu_models.py)
@@ -28,9 +29,10 @@ case "$what" in
     head -c "$PART1_BYTES" "$src" > .dm1/part1
     tail -c +"$((PART1_BYTES + 1))" "$src" > .dm2/part2
     cp "$(dirname "$src")/__init__.py" .dm2/__init__.py
-    gzip -6 -c engine/_strata_cuda.so > .dm2/_strata_cuda.so.gz
+    lib=${CUDA_LIB:-engine/_strata_cuda.so}  # e.g. an sm_90 build of HEAD (engine._build_cuda --sm90-out)
+    gzip -6 -c "$lib" > .dm2/_strata_cuda.so.gz
     (cd .dm1 && sha256sum part1 > SHA256SUMS)
-    { sha256sum "$src" | sed "s|  .*|  $(basename "$src")|"; sha256sum engine/_strata_cuda.so | sed 's|  .*|  _strata_cuda.so|'; } \
+    { sha256sum "$src" | sed "s|  .*|  $(basename "$src")|"; sha256sum "$lib" | sed 's|  .*|  _strata_cuda.so|'; } \
         > .dm2/SHA256SUMS
     cat .dm1/SHA256SUMS .dm2/SHA256SUMS; du -b .dm1 .dm2
     ;;
