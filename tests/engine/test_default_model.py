@@ -22,6 +22,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def built_reader(built: Path) -> gguf.GGUFReader:
+    """gguf-py's reader of the built file, shared by the read-only tests: each parse walks the 49k-token
+    vocabulary element by element (seconds)."""
+    return gguf.GGUFReader(built)
+
+
+@pytest.fixture(scope="module")
 def source() -> gguf.GGUFReader:
     return gguf.GGUFReader(dm.source_model_path())
 
@@ -39,8 +46,8 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def test_expert_metadata(built: Path) -> None:
-    r = gguf.GGUFReader(built)
+def test_expert_metadata(built_reader: gguf.GGUFReader) -> None:
+    r = built_reader
     assert _kv(r, "general.architecture") == "llama"
     assert _kv(r, "llama.expert_count") == 8
     assert _kv(r, "llama.expert_used_count") == 2
@@ -49,8 +56,8 @@ def test_expert_metadata(built: Path) -> None:
     assert _kv(r, "llama.expert_gating_func") == int(gguf.ExpertGatingFuncType.SOFTMAX)
 
 
-def test_source_metadata_preserved(built: Path, source: gguf.GGUFReader) -> None:
-    r = gguf.GGUFReader(built)
+def test_source_metadata_preserved(built_reader: gguf.GGUFReader, source: gguf.GGUFReader) -> None:
+    r = built_reader
     for name, field in source.fields.items():
         if name.startswith("GGUF."):
             continue
@@ -63,9 +70,9 @@ def test_source_metadata_preserved(built: Path, source: gguf.GGUFReader) -> None
     assert _kv(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q4_1)
 
 
-def test_experts_are_byte_copies_of_the_dense_ffn(built: Path, source: gguf.GGUFReader) -> None:
+def test_experts_are_byte_copies_of_the_dense_ffn(built_reader: gguf.GGUFReader, source: gguf.GGUFReader) -> None:
     src = {t.name: t for t in source.tensors}
-    out = {t.name: t for t in gguf.GGUFReader(built).tensors}
+    out = {t.name: t for t in built_reader.tensors}
     n_layer = _kv(source, "llama.block_count")
     assert len(out) == len(src) + n_layer  # 3 dense FFN tensors -> router + 3 expert tensors
     for i in range(n_layer):
@@ -84,8 +91,8 @@ def test_experts_are_byte_copies_of_the_dense_ffn(built: Path, source: gguf.GGUF
         assert out[name].tensor_type == t.tensor_type and bytes(out[name].data) == bytes(t.data), name
 
 
-def test_router_is_f32_seeded_and_paired(built: Path, source: gguf.GGUFReader) -> None:
-    out = {t.name: t for t in gguf.GGUFReader(built).tensors}
+def test_router_is_f32_seeded_and_paired(built_reader: gguf.GGUFReader, source: gguf.GGUFReader) -> None:
+    out = {t.name: t for t in built_reader.tensors}
     n_layer = _kv(source, "llama.block_count")
     routers = []
     for i in range(n_layer):
@@ -102,8 +109,8 @@ def test_router_is_f32_seeded_and_paired(built: Path, source: gguf.GGUFReader) -
     assert not np.array_equal(routers[0], routers[1])
 
 
-def test_routing_spreads_tokens_over_pairs(built: Path) -> None:
-    w = np.asarray({t.name: t for t in gguf.GGUFReader(built).tensors}["blk.0.ffn_gate_inp.weight"].data)
+def test_routing_spreads_tokens_over_pairs(built_reader: gguf.GGUFReader) -> None:
+    w = np.asarray({t.name: t for t in built_reader.tensors}["blk.0.ffn_gate_inp.weight"].data)
     x = np.random.default_rng(0).standard_normal((256, 576)).astype(np.float32)
     top2 = np.argsort(-(x @ w.reshape(8, 576).T), axis=1, kind="stable")[:, :2]
     assert np.all(top2[:, 0] // 2 == top2[:, 1] // 2)  # always a pair
@@ -203,14 +210,15 @@ def built_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dm.build_default_model(tmp_path_factory.mktemp("default_model_k") / "moe8-q4k.gguf", quant="k")
 
 
-def test_k_quant_build(built: Path, built_k: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_k_quant_build(built: Path, built_reader: gguf.GGUFReader, built_k: Path, monkeypatch: pytest.MonkeyPatch,
+                      tmp_path: Path) -> None:
     """The k-quant build: down experts Q4_K (the only 256-divisible rows), everything else as in the
     Q4_1 build; each build's validity check refuses the other; the engine's next-token logits on
     it stay close to the Q4_1 build's."""
     from engine.engine import Engine
 
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(built_k).tensors}
-    base = {t.name: t.tensor_type for t in gguf.GGUFReader(built).tensors}
+    base = {t.name: t.tensor_type for t in built_reader.tensors}
     assert types.keys() == base.keys()
     for name, qt in types.items():
         want = gguf.GGMLQuantizationType.Q4_K if name.endswith("ffn_down_exps.weight") else base[name]
