@@ -33,7 +33,7 @@ import numpy as np
 from gguf import GGUFValueType as VT
 from gguf.quants import dequantize
 
-from engine.gguf_model import abort_gguf, commit_gguf
+from engine.gguf_model import abort_gguf, commit_gguf, open_model
 
 __all__ = ["QUANTS", "DefaultModelError", "N_EXPERT", "N_EXPERT_USED", "build_default_model",
            "default_model_path", "is_valid_default_model", "quantize_q4_k", "source_model_path"]
@@ -181,25 +181,22 @@ def is_valid_default_model(path: Path, quant: str = "q4_1") -> bool:
     except OSError:
         pass
     try:
-        r = gguf.GGUFReader(path)
-
-        def val(key: str) -> Any:
-            f = r.get_field(key)
-            return None if f is None else f.contents()
-
-        n_layer = val("llama.block_count")
-        names = {t.name for t in r.tensors}
-        # GGUFReader maps every tensor's byte range, so a truncated file raises above.
-        down = {t.name: t.tensor_type for t in r.tensors}.get("blk.0.ffn_down_exps.weight")
+        # the engine's own reader (what the lanes open it with): gguf-py's takes seconds over the vocabulary.
+        # It checks that every tensor's bytes lie inside the file, so a truncated file raises here.
+        mf = open_model(path)
+        md, tensors = mf.metadata, mf.tensors
+        n_layer = md.get("llama.block_count")
+        down = tensors.get("blk.0.ffn_down_exps.weight")
         ok = (
             quant in QUANTS
-            and down == QUANTS[quant][1]
-            and val("general.architecture") == "llama"
-            and val(KEY_RECIPE) == RECIPE_VERSION
-            and val("llama.expert_count") == N_EXPERT
+            and down is not None and down.type_id == QUANTS[quant][1]
+            and md.get("general.architecture") == "llama"
+            and md.get(KEY_RECIPE) == RECIPE_VERSION
+            and md.get("llama.expert_count") == N_EXPERT
             and isinstance(n_layer, int)
-            and all(f"blk.{i}.ffn_{k}_exps.weight" in names for i in range(n_layer) for k in _FFN_KINDS)
+            and all(f"blk.{i}.ffn_{k}_exps.weight" in tensors for i in range(n_layer) for k in _FFN_KINDS)
         )
+        del mf, md, tensors, down  # the tensors are views of a mapping of the file: release it
     except Exception:  # any parse failure means "rebuild"
         return False
     if ok:
