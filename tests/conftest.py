@@ -16,19 +16,24 @@ from typing import Any
 
 import pytest
 
-# slowest first; each ~30 s or more of one worker in CI
+# slowest first; each ~30 s or more of one worker in CI (seconds: the fresh-clone runs of session 7, setup
+# included; the documents files vary most: the first of them on a worker starts its embedding model)
 LONG_FILES = (
-    "tests/integration/test_memory.py",  # ~145 s
-    "tests/integration/test_gateway_stack.py",  # ~140 s
-    "tests/integration/test_rag.py",  # ~105 s
-    "tests/integration/test_supervisord.py",  # ~85 s
-    "tests/engine/test_default_model.py",  # ~85 s
-    "tests/engine/test_gpu_cpu_side.py",  # ~70 s (the CUDA compile check, where nvcc exists)
-    "tests/memory/test_durability.py",  # ~60 s
-    "tests/integration/test_engine_failure_stack.py",  # ~55 s
-    "tests/engine/test_gguf_fuzz.py",  # ~46 s
-    "tests/integration/test_web_ui.py",  # ~40 s
-    "tests/lanes/test_structured.py",  # ~35 s
+    "tests/integration/test_memory.py",  # ~200 s
+    "tests/integration/test_gateway_stack.py",  # ~135 s
+    "tests/engine/test_gpu_cpu_side.py",  # ~125 s (the CUDA compile check, where nvcc exists)
+    "tests/integration/test_rag.py",  # ~100 s
+    "tests/gateway/documents/test_embed_process.py",  # 25-145 s
+    "tests/lanes/test_structured.py",  # ~60 s
+    "tests/common/test_layering.py",  # 45-80 s (fresh interpreters importing the gateway)
+    "tests/integration/test_web_ui.py",  # ~55 s
+    "tests/gateway/documents/test_embed_backends.py",  # ~55 s
+    "tests/memory/test_durability.py",  # ~50 s
+    "tests/gateway/documents/test_embed_crash.py",  # 20-55 s
+    "tests/integration/test_supervisord.py",  # ~40 s
+    "tests/engine/test_default_model.py",  # ~35 s
+    "tests/integration/test_engine_failure_stack.py",  # ~30 s
+    "tests/engine/test_gguf_fuzz.py",  # ~30 s
     "tests/engine/test_loading.py",  # ~30 s
 )
 
