@@ -65,11 +65,11 @@ def smollm_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_metadata(smollm_gguf_path: Path) -> dict[str, Any]:
-    """Every metadata field of the default GGUF as ``{key: field.contents()}`` of gguf-py's reader, read by the
-    engine's reader (0.35 s instead of gguf-py's 5 s; tests/engine/test_gguf_reader.py holds the two equal)."""
-    from engine.gguf_model import open_model
+    """Every metadata field of the default GGUF as ``{key: field.contents()}`` of gguf-py's reader, read by
+    common/gguf_meta.py (0.35 s instead of gguf-py's 5 s; tests/engine/test_gguf_reader.py holds the two equal)."""
+    from common.gguf_meta import read_metadata
 
-    return open_model(smollm_gguf_path).metadata
+    return read_metadata(smollm_gguf_path)
 
 
 def _load_llama_vocab(path: Path | str) -> Any:

@@ -169,10 +169,18 @@ def test_token_lookup(smollm_tok: Tokenizer) -> None:
         smollm_tok.decode([0, -1])
 
 
-def test_from_gguf_equals_from_metadata(smollm_gguf_path: Path, smollm_tok: Tokenizer) -> None:
+def test_from_gguf_equals_from_metadata(smollm_gguf_path: Path, smollm_tok: Tokenizer, tmp_path: Path) -> None:
     tok = Tokenizer.from_gguf(smollm_gguf_path)
     for text in CORPUS:
         assert tok.encode(text) == smollm_tok.encode(text)
+    with smollm_gguf_path.open("rb") as f:
+        head = f.read(4096)  # cut inside the vocabulary
+    for name, data in (("not.gguf", b"this is not a gguf file"), ("cut.gguf", head)):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TokenizerError, match="cannot read GGUF"):  # typed, whatever the damage
+            Tokenizer.from_gguf(tmp_path / name)
+    with pytest.raises(TokenizerError, match="cannot read GGUF"):
+        Tokenizer.from_gguf(tmp_path / "absent.gguf")
 
 
 def test_encode_is_fast(smollm_tok: Tokenizer) -> None:

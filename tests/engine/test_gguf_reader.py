@@ -10,6 +10,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
+from common.gguf_meta import read_metadata
 from engine.gguf_model import open_model
 
 _SCALARS: list[tuple[str, GGUFValueType, Any]] = [
@@ -58,6 +59,8 @@ def test_metadata_and_tensors_equal_gguf_py(tmp_path: Path) -> None:
     mf = open_model(path)
     want = {k: f.contents() for k, f in r.fields.items()}
     assert list(mf.metadata) == list(want)  # the same keys in the same order (header fields first)
+    md = read_metadata(path)  # the metadata-only walk (the tokenizer's) gives the same
+    assert md == mf.metadata and list(md) == list(want)
     for k, v in want.items():
         got = mf.metadata[k]
         assert got == v and type(got) is type(v), k
