@@ -1423,8 +1423,58 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
 
 /* One warp per token: softmax over the experts (the sum taken in expert order by one lane,
  * as the CPU does), then top-k by warp argmax (highest probability, lowest index on ties:
- * the CPU's rule). p: ne floats of shared memory for this warp. */
-__device__ void route_token(const float *r, float *p, int32_t ne, int32_t k, int lane, int32_t *ids, float *w) {
+ * the CPU's rule). p: ne floats of shared memory for this warp. Up to 32 * RT_MAX experts the
+ * probabilities stay in registers and each of the k rounds is two warp reductions (redux.sync)
+ * of an order-preserving key instead of a scan of shared memory and ten shuffles: same ids and
+ * weights, bit for bit. */
+#define RT_MAX 8
+__device__ void route_token(const float *r, float *p, int32_t ne, int32_t k, int lane, int32_t *ids, float *w,
+                            bool fast = false) {
+    if (fast && ne <= 32 * RT_MAX) {
+        float v[RT_MAX];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < RT_MAX; i++) {
+            const int e = lane + 32 * i;
+            v[i] = e < ne ? r[e] : -INFINITY;
+            if (e < ne) mx = fmaxf(mx, v[i]);
+        }
+        mx = warp_max(mx);
+#pragma unroll
+        for (int i = 0; i < RT_MAX; i++)
+            if (lane + 32 * i < ne) p[lane + 32 * i] = v[i] = exp_cr(v[i] - mx);
+        __syncwarp();
+        float sum = 0.0f;
+        if (lane == 0)
+            for (int e = 0; e < ne; e++) sum += p[e];
+        sum = __shfl_sync(0xffffffffu, sum, 0);
+        /* key: the probability's bits + 1 (p >= 0, so unsigned order is float order); 0: not
+         * selectable (past ne, taken, NaN - which the scan's p > -1 never picked either) */
+        unsigned key[RT_MAX];
+#pragma unroll
+        for (int i = 0; i < RT_MAX; i++) {
+            const float q = v[i] / sum;
+            key[i] = lane + 32 * i < ne && q == q ? __float_as_uint(q) + 1u : 0u;
+        }
+        __syncwarp(); /* lane 0's reads of p done before this warp's next token writes it */
+        for (int j = 0; j < k; j++) {
+            unsigned best = 0;
+            int bi = ne;
+#pragma unroll
+            for (int i = 0; i < RT_MAX; i++)
+                if (key[i] > best) best = key[i], bi = lane + 32 * i; /* ascending e: ties keep the lower index */
+            const unsigned m = __reduce_max_sync(0xffffffffu, best);
+            const int wi = (int)__reduce_min_sync(0xffffffffu, best == m ? (unsigned)bi : 0xffffffffu);
+#pragma unroll
+            for (int i = 0; i < RT_MAX; i++)
+                if (lane + 32 * i == wi) key[i] = 0u; /* taken */
+            if (lane == 0) {
+                ids[j] = wi;
+                w[j] = m ? __uint_as_float(m - 1u) : -1.0f;
+            }
+        }
+        return;
+    }
     float mx = -INFINITY;
     for (int e = lane; e < ne; e += 32) mx = fmaxf(mx, r[e]);
     mx = warp_max(mx);
@@ -1457,13 +1507,57 @@ __device__ void route_token(const float *r, float *p, int32_t ne, int32_t k, int
 }
 
 #define ROUTER_WARPS 4
-__global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, int32_t *ids, float *w) {
+__global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, int32_t *ids, float *w, int32_t fast) {
     PDL_ENTER();
     extern __shared__ float rs[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x * ROUTER_WARPS + warp;
     if (t >= T) return;
-    route_token(logits + (int64_t)t * ne, rs + warp * ne, ne, k, lane, ids + (int64_t)t * k, w + (int64_t)t * k);
+    route_token(logits + (int64_t)t * ne, rs + warp * ne, ne, k, lane, ids + (int64_t)t * k, w + (int64_t)t * k,
+                fast != 0);
+}
+
+/* group_pairs for at most 32 pairs, by the first warp of the block: the pairs sorted by (expert,
+ * pair) with a bitonic sort across the lanes, so that lane i holds list[i]; an expert's run of
+ * lanes gives its group (start, count, its tiles), the runs' heads counted by ballots. The same
+ * groups, starts, counts and tiles as the block's scan; within a group the pairs are listed in
+ * ascending order instead of arrival order (a pair's result does not depend on its place). */
+__device__ void group_pairs_warp(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t *gexp, int32_t *gstart,
+                                 int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist,
+                                 int32_t *gtiles, int32_t *n_gtiles) {
+    const int lane = threadIdx.x % 32;
+    const bool valid = lane < n_pairs;
+    if (valid) pair_tok[lane] = lane / k;
+    int32_t key = valid ? ids[lane] << 5 | lane : 0x7fffffff; /* expert ids < 2^26 */
+#pragma unroll
+    for (int sz = 2; sz <= 32; sz <<= 1)
+#pragma unroll
+        for (int j = sz >> 1; j > 0; j >>= 1) {
+            const int32_t o = __shfl_xor_sync(0xffffffffu, key, j);
+            const bool up = (lane & sz) == 0, low = (lane & j) == 0;
+            key = low == up ? min(key, o) : max(key, o);
+        }
+    const int32_t e = key >> 5, prev = __shfl_up_sync(0xffffffffu, e, 1);
+    const bool head = valid && (lane == 0 || e != prev);
+    const unsigned heads = __ballot_sync(0xffffffffu, head);
+    const unsigned above = lane == 31 ? 0u : heads & (0xffffffffu << (lane + 1));
+    const int32_t c = head ? (above ? __ffs(above) - 1 : n_pairs) - lane : 0;
+    const int32_t nt = (c + MM_BN - 1) / MM_BN;
+    int32_t tincl = nt; /* inclusive scan of the heads' tile counts */
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int32_t u = __shfl_up_sync(0xffffffffu, tincl, o);
+        if (lane >= o) tincl += u;
+    }
+    if (valid) list[lane] = key & 31;
+    if (head) {
+        const int gi = __popc(heads & ((2u << lane) - 1u)) - 1;
+        gexp[gi] = e, gstart[gi] = lane, gcount[gi] = c;
+        for (int i = 0; i < nt; i++) gtiles[tincl - nt + i] = gi << 16 | i;
+        hist[e] += c;
+    }
+    const int32_t tiles = __shfl_sync(0xffffffffu, tincl, 31);
+    if (lane == 0) *n_groups = __popc(heads), *n_gtiles = tiles;
 }
 
 /* Group the T*k (token, slot) pairs by expert (one block): per-expert counts, the compact
@@ -1474,7 +1568,12 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
  * found nothing to do at prefill. sh: 2 * ne ints of shared memory. */
 __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp,
                             int32_t *gstart, int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok,
-                            int32_t *hist, int32_t *gtiles, int32_t *n_gtiles, int32_t *sh) {
+                            int32_t *hist, int32_t *gtiles, int32_t *n_gtiles, int32_t *sh, bool fast = false) {
+    if (fast && n_pairs <= 32) { /* decode (up to 4 tokens of 8 pairs): one warp, no shared memory, no barrier */
+        if (threadIdx.x < 32) group_pairs_warp(ids, n_pairs, k, gexp, gstart, gcount, n_groups, list, pair_tok, hist,
+                                               gtiles, n_gtiles);
+        return;
+    }
     int32_t *cnt = sh, *fill = sh + ne;
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -1519,10 +1618,11 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
 
 __global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp, int32_t *gstart,
                         int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist,
-                        int32_t *gtiles, int32_t *n_gtiles) {
+                        int32_t *gtiles, int32_t *n_gtiles, int32_t fast) {
     PDL_ENTER();
     extern __shared__ int32_t gsh[];
-    group_pairs(ids, n_pairs, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles, gsh);
+    group_pairs(ids, n_pairs, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles, gsh,
+                fast != 0);
 }
 
 /* Router and grouping in one launch for small steps (one block of ROUTE_WARPS warps,
@@ -1555,6 +1655,7 @@ struct route_args {
     int32_t *ids, *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist;
     float *w;
     int32_t *gtiles, *n_gtiles;
+    int32_t fast; /* the register / one-warp router tail (STRATA_GPU_ROUTE_FAST) */
 };
 template <int T, int NT>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
@@ -1574,10 +1675,10 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, r
     __syncthreads();
     for (int t = warp; t < r.T; t += LIN_WARPS)
         route_token(lg + (int64_t)t * r.ne, rrs + warp * r.ne, r.ne, r.k, lane, r.ids + (int64_t)t * r.k,
-                    r.w + (int64_t)t * r.k);
+                    r.w + (int64_t)t * r.k, r.fast != 0);
     __syncthreads();
     group_pairs(r.ids, r.T * r.k, r.k, r.ne, r.gexp, r.gstart, r.gcount, r.n_groups, r.list, r.pair_tok, r.hist,
-                r.gtiles, r.n_gtiles, (int32_t *)(rrs + LIN_WARPS * r.ne));
+                r.gtiles, r.n_gtiles, (int32_t *)(rrs + LIN_WARPS * r.ne), r.fast != 0);
     if (threadIdx.x == 0) *r.counter = 0; /* every block has counted: ready for the next layer */
 }
 

@@ -132,6 +132,7 @@ struct graph_entry {
     bool fused_quant, fuse_qkv, gemm_tiles;
     int32_t dense_split;
     bool qkv_split;
+    int32_t knobs; /* g_knobs() */
     cudaGraphExec_t exec;
 };
 
@@ -574,6 +575,26 @@ static bool fused_quant_on() { return g_fused_quant; }
  * them empty); same results either way (test_routed_gemm_tiles_bitwise_equal_matvec, run 23:
  * pp512 3,283 -> 3,428 tok/s with the query tiles on). STRATA_GPU_GEMM_TILES=0: the grid. */
 static thread_local bool g_gemm_tiles = true; /* read per step (stg_forward); graphs are keyed by it */
+/* STRATA_GPU_ROUTE_FAST (default 1): the decode router tail (k_router_route, steps of <= 8 tokens)
+ * keeps the probabilities in registers and takes the top k by warp reductions (route_token), and
+ * groups <= 32 pairs by one warp (group_pairs_warp); 0: the shared-memory scan and the block's
+ * grouping. Same ids, weights and groups (run 42: batch 1 -0.09 ms, 8 sequences -0.12 ms per step).
+ * Larger steps (k_route, k_router + k_group) keep the block forms: not measured there.
+ * STRATA_GPU_ATT_STAGES (1 or 2; default 2 up to head_dim 128): k_attention's chunk stages at
+ * decode, a measurement knob (run 42: 1 stage -0.2 ms at 32 sequences in a noisy row).
+ * Both read per step (stg_forward) and by the harness; graphs are keyed by them. */
+static thread_local bool g_route_fast = true;
+static thread_local int g_att_stages = 0;
+static int env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && e[0] ? atoi(e) : dflt;
+}
+static void read_knobs() {
+    g_route_fast = env_int("STRATA_GPU_ROUTE_FAST", 1) != 0;
+    const int as = env_int("STRATA_GPU_ATT_STAGES", 0);
+    g_att_stages = as == 1 || as == 2 ? as : 0;
+}
+static int32_t g_knobs() { return (int32_t)g_route_fast | g_att_stages << 1; }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
     return !(e && e[0] == '0');
@@ -966,7 +987,7 @@ static stg_status launch_attention_tile(const attn_args &aa, const int32_t *d_ti
 }
 
 static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st) {
-    aa.stages = aa.hd <= 128 ? 2 : 1;
+    aa.stages = aa.hd <= 128 ? (g_att_stages ? g_att_stages : 2) : 1;
     const size_t smem = att_smem_bytes(aa.hd, aa.stages);
     if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
     launch_k(k_attention, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, smem, st, aa);
@@ -1098,7 +1119,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
         a.mode = MODE_STORE;
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
-                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles};
+                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, g_route_fast};
         int nt = 1;
         while (nt < T) nt *= 2;
         switch (L.gate_inp.type) {
@@ -1123,11 +1144,11 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         LAUNCHED("route");
     } else {
         launch_k(k_router, (T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st, 
-            s.router, T, ne, k, s.topk_id, s.topk_w);
+            s.router, T, ne, k, s.topk_id, s.topk_w, 0);
         LAUNCHED("router");
         launch_k(k_group, 1, 1024, 2 * ne * sizeof(int32_t), st, s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount,
                                                            s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
-                                                           s.gtiles, s.n_gtiles);
+                                                           s.gtiles, s.n_gtiles, 0);
         LAUNCHED("group");
     }
     }
@@ -1233,7 +1254,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
-            g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split) {
+            g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split &&
+            g.knobs == g_knobs()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -1249,7 +1271,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
                                          g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles,
-                                         g_dense_split, g_qkv_split, exec});
+                                         g_dense_split, g_qkv_split, g_knobs(), exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1346,6 +1368,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_gemm_tiles = gemm_tiles_env();
     g_dense_split = dense_split_env();
     g_qkv_split = qkv_split_env();
+    read_knobs();
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
@@ -1423,6 +1446,7 @@ static stg_status harness_device(void) {
     g_gemm_tiles = false;
     g_dense_split = dense_split_env();
     g_qkv_split = qkv_split_env();
+    read_knobs();
     g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
@@ -1612,7 +1636,8 @@ extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t
     CU(cudaMemset(hist, 0, sizeof(int32_t) * (size_t)n_expert), "routed linear");
     CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     k_group<<<1, 1024, 2 * n_expert * sizeof(int32_t)>>>(bids.as<int32_t>(), P, k_used, n_expert, gexp, gstart, gcount,
-                                                         n_groups, list, pair_tok, hist, gtiles, n_gtiles);
+                                                         n_groups, list, pair_tok, hist, gtiles, n_gtiles,
+                                                         (int32_t)g_route_fast); /* the harness tests the fast form */
     LAUNCHED("routed linear: group");
     lin_groups g = {};
     g.gexp = gexp, g.gstart = gstart, g.gcount = gcount, g.n_groups = n_groups, g.list = list, g.in_map = pair_tok;
@@ -1849,7 +1874,7 @@ extern "C" stg_status stg_test_router(const float *logits, int32_t n_tok, int32_
     CHECK(up(bw, nullptr, sizeof(float) * (size_t)n_tok * k));
     CHECK(up(bp, nullptr, sizeof(float) * (size_t)n_tok * n_expert));
     k_router<<<(n_tok + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * n_expert * sizeof(float)>>>(
-        bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>());
+        bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>(), (int32_t)g_route_fast);
     LAUNCHED("router");
     CHECK(down(ids, bi, sizeof(int32_t) * (size_t)n_tok * k));
     return down(w, bw, sizeof(float) * (size_t)n_tok * k);
