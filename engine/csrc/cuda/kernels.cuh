@@ -413,6 +413,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) 
 #define MM_WP 72 /* padded row count of a staged weight word plane (conflict-free fragments) */
 #define MM_BN_WIDE 32 /* dense plain GEMMs with enough tiles: each weight sub-block unpacked and
                         * loaded once for 32 pairs (k_linear_gemm's BN) */
+#define MM_BN_FAST 64 /* the prefill form's widest tile (k_linear_gemm's FAST) */
 /* padded pair count of a staged activation word plane (conflict-free fragments and stores) */
 template <int BN> __host__ __device__ constexpr int mm_xp() { return BN + 8; }
 
@@ -486,8 +487,11 @@ __host__ __device__ constexpr int trailing_ones(int r) { return (r & 1) ? 1 + tr
  * (the block's d / dmin / scales and the 32 bytes of nibbles) and per (sub-block, pair)
  * (32 bytes of 8-bit values, the scale, the two 16-value sums). Set up by gemm_setup. */
 template <int T> __host__ __device__ constexpr bool gemm_raw() { return T == STG_Q4_K; }
+/* sub-blocks per k stage: 8 for the plain form's 16 / 32 pairs, 4 for the gate/up form and the prefill
+ * form's 64 pairs (3 blocks' shared memory per SM) */
+template <bool SW, int BN> __host__ __device__ constexpr int gemm_gk() { return SW || BN == MM_BN_FAST ? 4 : 8; }
 template <int T, bool SW, int BN = MM_BN> __host__ __device__ constexpr int gemm_raw_bytes() {
-    return gemm_raw<T>() ? 48 * ((SW ? 2 * 4 : 8) * MM_BM + (SW ? 4 : 8) * BN) : 0;
+    return gemm_raw<T>() ? 48 * ((SW ? 2 : 1) * gemm_gk<SW, BN>() * MM_BM + gemm_gk<SW, BN>() * BN) : 0;
 }
 
 /* A Q4_K GEMM stage's bytes (schedule tab) copied with cp.async into this thread's own slots of
@@ -498,7 +502,7 @@ template <int T, bool SW, int BN = MM_BN> __host__ __device__ constexpr int gemm
 template <bool SW, int BN>
 __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, uint4 *dyn, int tid, int m0,
                                            const uint8_t *wbase, const uint8_t *wbase2, int xkk0, int xrow, int nsb) {
-    constexpr int GK = SW ? 4 : 8, WI = (SW ? 2 : 1) * GK * MM_BM / 128, XE = (GK * BN + 127) / 128;
+    constexpr int GK = gemm_gk<SW, BN>(), WI = (SW ? 2 : 1) * GK * MM_BM / 128, XE = (GK * BN + 127) / 128;
 #pragma unroll
     for (int u = 0; u < WI; u++) {
         const int it = tid + 128 * u;
@@ -528,12 +532,14 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
     cp_async_commit();
 }
 
-template <int T, bool SW, int BN, int CS>
-__global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
+template <int T, bool SW, int BN, int CS, bool FAST = false>
+__global__ void __launch_bounds__(128, FAST && BN == MM_BN_FAST ? 3 : 1) k_linear_gemm(lin_args a) {
     PDL_ENTER();
-    constexpr int NW = SW ? 2 : 1, GK = SW ? 4 : 8; /* weights; sub-blocks per stage */
+    constexpr int NW = SW ? 2 : 1, GK = gemm_gk<SW, BN>(); /* weights; sub-blocks per stage */
     constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
-    static_assert(BN == MM_BN || (BN == MM_BN_WIDE && !SW), "BN: 16, or 32 for the plain form");
+    static_assert(BN == MM_BN || (BN == MM_BN_WIDE && !SW) || (FAST && (BN == MM_BN_WIDE || BN == MM_BN_FAST)),
+                  "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
+    static_assert(!FAST || (gemm_raw<T>() && CS > 0), "the prefill form: Q4_K with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
     constexpr bool Q6 = T == STG_Q6_K, RAW = gemm_raw<T>();
     extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
@@ -546,10 +552,13 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     __shared__ int prow[BN];
     __shared__ int qtab[2][GK]; /* gemm_qentry of this stage's and the next stage's positions */
     int e, start, count, n0;
-    if (BN == MM_BN && a.g.tiles) { /* a block per tile of the groups (group_pairs' list, tiles of MM_BN) */
+    if ((BN == MM_BN || FAST) && a.g.tiles) { /* a block per tile of the groups (group_pairs' list, tiles of MM_BN) */
         const int32_t nt = *a.g.n_tiles, tl = a.g.tiles[blockIdx.y]; /* both loads in flight: the list has room */
         if ((int)blockIdx.y >= nt || !group_of(a.g, tl >> 16, e, start, count)) return;
-        n0 = (tl & 0xFFFF) * BN;
+        /* the prefill form's wider tiles: the listed tiles whose index is a multiple of BN / MM_BN, each
+         * with the next ones of its group (the others exit at once) */
+        if (FAST && (tl & 0xFFFF) % (BN / MM_BN)) return;
+        n0 = (tl & 0xFFFF) * MM_BN;
     } else {
         if (!group_of(a.g, a.ksplit > 1 ? 0 : (int)blockIdx.z, e, start, count)) return;
         n0 = blockIdx.y * BN;
@@ -567,7 +576,9 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
     /* split k loop (a.ksplit S = 2 or 4, block z): positions [z nq / S, (z + 1) nq / S), i.e. the residues
      * of walk indices [32 z / S, 32 (z + 1) / S) in bit-reversed order: one subtree of the butterfly each
      * (multiples of GK: nq / S = 32 C / S) */
-    const int ks = !SW && a.ksplit > 1 ? a.ksplit : 1, kz = ks > 1 ? (int)blockIdx.z : 0;
+    const int ks = !SW && !FAST && a.ksplit > 1 ? a.ksplit : 1, kz = ks > 1 ? (int)blockIdx.z : 0;
+    /* the prefill form skips the mma and float work of n-tiles wholly past the group's end (block-uniform) */
+    const int nvt = FAST ? min(NT, (count - n0 + 7) / 8) : NT;
     const int q_beg = kz * (nq / ks), q_end = q_beg + nq / ks;
     float cur[NW][NT][4], L[NW][NT][4][5];
 #pragma unroll
@@ -669,6 +680,7 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                 const float Alo = wA[w][kk][r_lo], Ahi = wA[w][kk][r_hi], Blo = wB[w][kk][r_lo], Bhi = wB[w][kk][r_hi];
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
+                    if (FAST && nt >= nvt) break;
                     const int nb = nt * 8;
                     int d[4];
                     if constexpr (Q6) {
@@ -702,8 +714,10 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
             for (int r = 0; r < R; r++) {
 #pragma unroll
                 for (int c = 0; c < CS; c++) kk_mma(r * CS + c);
-                if (r < R - 1) tree_push_any<NW, NT>(trailing_ones(r), L, cur);
-                else tree_push_any<NW, NT>((qtab[p][GK - 1] >> 22) & 7, L, cur);
+                if constexpr (!FAST) {
+                    if (r < R - 1) tree_push_any<NW, NT>(trailing_ones(r), L, cur);
+                    else tree_push_any<NW, NT>((qtab[p][GK - 1] >> 22) & 7, L, cur);
+                }
             }
         } else {
 #pragma unroll
@@ -711,7 +725,9 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                 const int qe = qtab[p][kk];
                 if (qe < 0) break;
                 if ((qe & 0xFFFF) != 0xFFFF) kk_mma(kk);
-                if (qe & (1 << 21)) tree_push_any<NW, NT>((qe >> 22) & 7, L, cur); /* residue complete */
+                if constexpr (!FAST) {
+                    if (qe & (1 << 21)) tree_push_any<NW, NT>((qe >> 22) & 7, L, cur); /* residue complete */
+                }
             }
         }
         __syncthreads();
@@ -728,6 +744,8 @@ __global__ void __launch_bounds__(128) k_linear_gemm(lin_args a) {
                            * in L[3] for even z, in L[4] for odd z (there L[3] was 0) */
                 const float v = ks == 2 || (kz & 1) ? L[0][nt][o][4] : L[0][nt][o][3];
                 a.kpart[((int64_t)kz * count + n) * a.N + r] = v;
+            } else if constexpr (FAST) {
+                store_out(a, pair_at(a.g, start, n), r, cur[0][nt][o], SW ? cur[NW - 1][nt][o] : 0.0f);
             } else {
                 store_out(a, pair_at(a.g, start, n), r, L[0][nt][o][4], SW ? L[NW - 1][nt][o][4] : 0.0f);
             }

@@ -599,6 +599,50 @@ static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
     return !(e && e[0] == '0');
 }
+/* The prefill form of the Q4_K GEMM (k_linear_gemm's FAST: one float sum per output in the walk
+ * order instead of the matvec's butterfly tree, so tiles of 32 or 64 pairs fit the registers; within
+ * rounding of the matvec, not bitwise). An eager step takes it for every Q4_K layer but the output
+ * head (row lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the launch's size) when each
+ * of its tokens belongs to a run of at least STRATA_GPU_GEMM_FAST_MIN (default 64, as the tensor-core
+ * attention's runs; 0: never) consecutive tokens of one sequence: a long prompt's tokens then get the
+ * same bits whether it is prefilled whole or in chunks of at least that many tokens; a step that also
+ * holds short runs (decode tokens) keeps the bitwise kernels for all its tokens.
+ * STRATA_GPU_GEMM_FAST_BN: 32 or 64 forces the tile width (measurement), else chosen per launch. */
+#define GEMM_FAST_MIN_RUN 64
+static thread_local bool g_gemm_fast = false; /* set per step (stg_forward); graph steps: false */
+static thread_local int g_gemm_fast_bn = 0;
+static int32_t gemm_fast_min_run() {
+    const char *e = getenv("STRATA_GPU_GEMM_FAST_MIN");
+    const long v = e && e[0] ? strtol(e, nullptr, 10) : GEMM_FAST_MIN_RUN;
+    return v >= 0 && v <= 0x7fffffff ? (int32_t)v : GEMM_FAST_MIN_RUN;
+}
+static int gemm_fast_bn_env() {
+    const char *e = getenv("STRATA_GPU_GEMM_FAST_BN");
+    const int v = e && e[0] ? atoi(e) : 0;
+    return v == MM_BN_WIDE || v == MM_BN_FAST ? v : 0;
+}
+/* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
+static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
+    if (min_run < 1 || T < min_run) return false;
+    for (int32_t i = 0; i < T;) {
+        int32_t j = i + 1;
+        while (j < T && seq[j] == seq[i]) j++;
+        if (j - i < min_run) return false;
+        i = j;
+    }
+    return true;
+}
+/* the harness: the prefill form when STRATA_GPU_GEMM_FAST_MIN is set (>= 1) and its n_tok tokens,
+ * taken as one run, reach it; unset: the bitwise kernels the harness's tests compare */
+static bool harness_fast(int64_t n_tok) {
+    const char *e = getenv("STRATA_GPU_GEMM_FAST_MIN");
+    return e && e[0] && gemm_fast_min_run() >= 1 && n_tok >= gemm_fast_min_run();
+}
+static bool gemm_fast_layer(const dtensor &W) {
+    if (W.type != STG_Q4_K) return false;
+    const int64_t C = (W.ne[0] / 32 + 31) / 32;
+    return C == 1 || C == 2 || C == 4;
+}
 
 /* The GEMM for a launch of `groups` groups of about `expected` pairs over N weight rows:
  * from gemm_min pairs per group, only with enough tiles to fill the GPU (a dense q or o
@@ -632,6 +676,35 @@ template <int T, bool SW, int BN> static gemm_fn gemm_kernel(int K) {
         if (C == 4) return k_linear_gemm<T, SW, BN, 4>;
     }
     return k_linear_gemm<T, SW, BN, 0>;
+}
+template <bool SW, int BN> static gemm_fn gemm_fast_kernel(int K) {
+    const int C = (K / 32 + 31) / 32;
+    if (C == 1) return k_linear_gemm<STG_Q4_K, SW, BN, 1, true>;
+    if (C == 2) return k_linear_gemm<STG_Q4_K, SW, BN, 2, true>;
+    return k_linear_gemm<STG_Q4_K, SW, BN, 4, true>;
+}
+/* The prefill form (g_gemm_fast): routed launches over group_pairs' tile list (64 pairs from 32
+ * expected per group), dense ones over a grid of 64-pair tiles where that still gives g_gemm_wide_min
+ * blocks, else 32. */
+template <bool SW> static void launch_fast(const lin_args &a, int max_groups, int max_count, int expected,
+                                           cudaStream_t st) {
+    const unsigned mt = (unsigned)((a.N + MM_BM - 1) / MM_BM);
+    const bool listed = a.g.gexp && a.g.tiles && g_gemm_tiles;
+    int bn = g_gemm_fast_bn;
+    if (!bn) {
+        if (a.g.gexp) bn = expected >= MM_BN_WIDE ? MM_BN_FAST : MM_BN_WIDE;
+        else bn = (int64_t)mt * ((max_count + MM_BN_FAST - 1) / MM_BN_FAST) >= g_gemm_wide_min ? MM_BN_FAST : MM_BN_WIDE;
+    }
+    lin_args b = a;
+    b.kpart = nullptr, b.ksplit = 0;
+    dim3 grid(mt, (unsigned)((a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups), 1); /* the list's entries */
+    if (!listed) {
+        b.g.tiles = b.g.n_tiles = nullptr;
+        grid = dim3(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)max_groups);
+    }
+    if (bn == MM_BN_FAST)
+        launch_k(gemm_fast_kernel<SW, MM_BN_FAST>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_FAST>(), st, b);
+    else launch_k(gemm_fast_kernel<SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_WIDE>(), st, b);
 }
 
 template <int T, bool SW> static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count,
@@ -728,6 +801,12 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
+    if (g_gemm_fast && !seg && gemm_fast_layer(W) && (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
+        if (W2) launch_fast<true>(a, max_groups, max_count, expected, st);
+        else launch_fast<false>(a, max_groups, max_count, expected, st);
+        LAUNCHED("linear (prefill form)");
+        return ST_OK;
+    }
     const bool gemm = q && !seg && use_gemm(a.N, max_groups, expected);
     /* row segments on the split GEMM: each segment whole tiles of MM_BM rows */
     const bool seg_split = seg && g_qkv_split && seg->n_seg >= 2 && seg->n_seg <= 3 && [&] {
@@ -929,6 +1008,17 @@ static stg_status gemm_setup(void) {
     CHECK((gemm_setup_one<T, true, MM_BN>()));
     QUANT_CASES(SETUP_GEMM)
 #undef SETUP_GEMM
+    for (const int K : {1024, 2048, 4096}) { /* the prefill form: CS = 1, 2, 4 */
+        const gemm_fn fs[4] = {gemm_fast_kernel<false, MM_BN_WIDE>(K), gemm_fast_kernel<false, MM_BN_FAST>(K),
+                               gemm_fast_kernel<true, MM_BN_WIDE>(K), gemm_fast_kernel<true, MM_BN_FAST>(K)};
+        const int bytes[4] = {gemm_raw_bytes<STG_Q4_K, false, MM_BN_WIDE>(), gemm_raw_bytes<STG_Q4_K, false, MM_BN_FAST>(),
+                              gemm_raw_bytes<STG_Q4_K, true, MM_BN_WIDE>(), gemm_raw_bytes<STG_Q4_K, true, MM_BN_FAST>()};
+        for (int i = 0; i < 4; i++) {
+            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes[i]), "gemm setup");
+            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+               "gemm setup");
+        }
+    }
     return ST_OK;
 }
 
@@ -1019,8 +1109,9 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     lin_groups g = {};
     g.n_pairs = T;
     if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T) &&
-        (!dense_split_on(T) || g_qkv_split)) {
-        /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch */
+        (!dense_split_on(T) || g_qkv_split) && !(g_gemm_fast && gemm_fast_layer(L.wq))) {
+        /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch; in a
+         * step on the prefill form three launches of it */
         lin_seg sg = {};
         sg.n_seg = 3;
         sg.seg_row[0] = 0, sg.seg_row[1] = m->q_dim, sg.seg_row[2] = m->q_dim + m->kv_dim;
@@ -1231,7 +1322,11 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
         const acts_d in{s.aq, s.ad, s.as, s.xl};
         lin_groups g = {};
         g.n_pairs = sh.NL;
-        CHECK(linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE));
+        const bool fast = g_gemm_fast;
+        g_gemm_fast = false; /* the head keeps the bitwise kernels (a few rows of logits: the matvec) */
+        const stg_status hrc = linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE);
+        g_gemm_fast = fast;
+        CHECK(hrc);
     }
     m->pending = combine_args{}; /* no logits: the last layer's sum is never needed */
     return ST_OK;
@@ -1369,6 +1464,8 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_dense_split = dense_split_env();
     g_qkv_split = qkv_split_env();
     read_knobs();
+    g_gemm_fast = !graphs_enabled(T) && all_runs_long(b->seq, T, gemm_fast_min_run());
+    g_gemm_fast_bn = gemm_fast_bn_env();
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
@@ -1447,6 +1544,7 @@ static stg_status harness_device(void) {
     g_dense_split = dense_split_env();
     g_qkv_split = qkv_split_env();
     read_knobs();
+    g_gemm_fast = false, g_gemm_fast_bn = gemm_fast_bn_env();
     g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
@@ -1534,6 +1632,7 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
     dbuf bp; /* the split GEMM's parts (STRATA_GPU_DENSE_SPLIT decides whether the GEMM path splits) */
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * (size_t)(n_tok * n_rows)));
     g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * n_tok * n_rows;
+    g_gemm_fast = harness_fast(n_tok);
     const stg_status rc = linear(0, W, w2 ? &W2 : nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows,
                                  MODE_STORE, path);
     g_kpart = nullptr, g_kpart_cap = 0;
@@ -1644,6 +1743,7 @@ extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t
     g.n_pairs = P;
     g.tiles = gtiles, g.n_tiles = n_gtiles;
     g_gemm_tiles = tiles != 0;
+    g_gemm_fast = harness_fast(n_tok);
     const int max_groups = std::min(n_expert, P), expected = (P + n_expert - 1) / n_expert;
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
     CHECK(linear(0, W, w2 ? &W2 : nullptr, g, max_groups, expected, n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
