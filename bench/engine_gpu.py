@@ -165,6 +165,23 @@ def _model_path(args: argparse.Namespace) -> Path:
                                    f"{'-quick' if args.quick else ''}.gguf")
 
 
+class _ProfilerRange:
+    """cudaProfilerStart / Stop around a region (for ncu --profile-from-start off), the device synchronised
+    at both ends so that only the region's kernels fall inside."""
+
+    def start(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+
+    def stop(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
 def run(args: argparse.Namespace) -> dict:
     from engine.engine import Engine
 
@@ -258,6 +275,10 @@ def run(args: argparse.Namespace) -> dict:
                                                     max_name_column_width=width))
         return tables
 
+    if args.ncu_step:  # one decode step of N sequences inside cudaProfilerStart / Stop (ncu --profile-from-start off)
+        decode(args.ncu_step, 1, prof=_ProfilerRange())
+        eng.close()
+        return res
     if args.profile_decode or args.decode_only:  # decode only: kernel times (profile) and rates
         tables = []
         if args.profile_decode:
@@ -505,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-only", action="store_true", help="only write the model file (if missing) and exit")
     ap.add_argument("--prefill-only", type=int, default=0, metavar="N",
                     help="load the model, warm up with 16 tokens, run one N-token prefill and exit (a target for ncu)")
+    ap.add_argument("--ncu-step", type=int, default=0, metavar="N",
+                    help="load the model, prefill N prompts, run two decode steps of N sequences, then one more "
+                         "inside cudaProfilerStart / Stop and exit (a target for ncu --profile-from-start off)")
     ap.add_argument("--repeat", type=int, default=1, metavar="R",
                     help="with --prefill-only: R prefills (each after its 16-token warm-up), the median printed; "
                          "STRATA_CUDA_LIB=other.so times another build the same way")
