@@ -1,0 +1,176 @@
+"""The prefill form of the Q4_K GEMM (k_linear_gemm's FAST: one float sum per output in the k walk's
+order instead of the matvec's butterfly tree, tiles of 32 or 64 pairs).
+
+It is not bitwise equal to the matvec, so it is held to rounding of it (and to the issue's 1e-3 of
+the CPU reference); what must stay bitwise is that an output does not depend on its tile: tile width,
+tile list or grid, and which other tokens share the launch. On a whole model, eager steps whose
+every token is in a run of >= STRATA_GPU_GEMM_FAST_MIN (64) tokens take it: logits within twice the
+spread of the CPU's own kernel variants (at least 1e-2) of the CPU, chunked prefill (chunks >= 64)
+bitwise equal to whole, and STRATA_GPU_GEMM_FAST_MIN=0 brings back the bitwise kernels. The harness (stg_test_linear /
+stg_test_routed_linear) takes the form only while that variable is set, its tokens as one run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from engine.default_model import quantize_q4_k
+from engine.engine import Engine
+from engine.native import VARIANTS, _variant_from_env, lib
+from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.gpu._env import rel_err, requires_gpu
+from tests.engine.gpu._kernel_helpers import gcheck, gptr
+from tests.engine.gpu.test_gpu_kernels import PATHS, cpu_linear, random_blocks, tid
+
+pytestmark = requires_gpu
+
+Q4_K = tid("Q4_K")
+ROUND = 1e-5  # the prefill form against the matvec: another order of the same fp32 additions
+
+
+def dense(g: tuple, w: np.ndarray, w2: np.ndarray | None, rows: int, k: int, x: np.ndarray, path: str) -> np.ndarray:
+    out = np.full((x.shape[0], rows), np.nan, np.float32)
+    gcheck(g, g[1].stg_test_linear(Q4_K, PATHS[path], gptr(g, w), g[0].NULL if w2 is None else gptr(g, w2), rows, k,
+                                   gptr(g, x, "float *"), x.shape[0], gptr(g, out, "float *")))
+    assert np.isfinite(out).all()
+    return out
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize(("k", "n_tok"), [(768, 70), (2048, 133), (4096, 40)])  # C = 1, 2, 4; partial tiles
+def test_dense_prefill_form(g: tuple, k: int, n_tok: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain and gate/up forms: within rounding of the matvec and 1e-3 of the CPU; tiles of 32 and 64
+    pairs give the same bits, and a token's row the same bits in a launch of fewer tokens."""
+    rng = np.random.default_rng(k + n_tok)
+    rows = 200  # 64-row blocks: a partial last one
+    w, w2 = random_blocks("Q4_K", rows * k, rng), random_blocks("Q4_K", rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    for second in (None, w2):
+        plain = dense(g, w, second, rows, k, x, "matvec")
+        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "1")
+        outs = []
+        for bn in ("32", "64"):
+            monkeypatch.setenv("STRATA_GPU_GEMM_FAST_BN", bn)
+            outs.append(dense(g, w, second, rows, k, x, "gemm"))
+        part = dense(g, w, second, rows, k, np.ascontiguousarray(x[5:]), "gemm")  # other tiles, other neighbours
+        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_BN")
+        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN")
+        err = rel_err(outs[0], plain)
+        print(f"k {k} tokens {n_tok} swiglu {second is not None}: prefill form vs matvec {err:.1e}")
+        assert err <= ROUND, err
+        assert not same_bits(outs[0], plain), "the prefill form did not run"
+        assert same_bits(outs[0], outs[1]) and same_bits(outs[0][5:], part)
+        if second is None and k == 768:
+            assert rel_err(outs[0], cpu_linear("Q4_K", w, rows, k, x)) <= 1e-3
+
+
+@pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(300, 8, 32), (70, 4, 8)])
+def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routed experts (skewed groups of 1 to ~100 pairs): the tile list (its every 2nd / 4th entry
+    taking the next ones) and the grid give the same bits at 32 and 64 pairs, within rounding of the
+    matvec."""
+    rng = np.random.default_rng(n_tok * n_expert + 1)
+    rows, k = 96, 512
+    w = random_blocks("Q4_K", n_expert * rows * k, rng)
+    w2 = random_blocks("Q4_K", n_expert * rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    pop = 1.0 / np.arange(1, n_expert + 1)
+    ids = np.stack([rng.choice(n_expert, k_used, replace=False, p=pop / pop.sum()) for _ in range(n_tok)])
+    ids = ids.astype(np.int32).reshape(-1)
+    P = n_tok * k_used
+
+    def run(second: np.ndarray | None, path: str, tiles: int) -> np.ndarray:
+        out = np.full((P, rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_routed_linear(Q4_K, PATHS[path], tiles, gptr(g, w),
+                                              g[0].NULL if second is None else gptr(g, second), n_expert, rows, k,
+                                              gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                              gptr(g, out, "float *")))
+        assert np.isfinite(out).all()
+        return out
+
+    for second in (None, w2):
+        plain = run(second, "matvec", 0)
+        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "1")
+        outs = []
+        for bn in ("32", "64"):
+            monkeypatch.setenv("STRATA_GPU_GEMM_FAST_BN", bn)
+            outs += [run(second, "gemm", 1), run(second, "gemm", 0)]
+        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_BN")
+        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN")
+        err = rel_err(outs[0], plain)
+        print(f"routed {n_tok} x {k_used} of {n_expert} swiglu {second is not None}: vs matvec {err:.1e}")
+        assert err <= ROUND, err
+        assert not same_bits(outs[0], plain), "the prefill form did not run"
+        for o in outs[1:]:
+            assert same_bits(outs[0], o)
+
+
+def test_harness_keeps_bitwise_kernels_without_the_variable(g: tuple) -> None:
+    """Unset, the harness's GEMM path is the bitwise one even at many tokens (the other tests rely on it)."""
+    rng = np.random.default_rng(9)
+    rows, k, n_tok = 64, 512, 80
+    w = random_blocks("Q4_K", rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    assert same_bits(dense(g, w, None, rows, k, x, "gemm"), dense(g, w, None, rows, k, x, "matvec"))
+
+
+@pytest.fixture(scope="module")
+def q4k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer dense llama whose matrices are Q4_K (rows of 1,024 and 512: C = 1), head_dim 128, 8
+    query heads per kv head; dense, since in a random MoE a last-bit change flips near-tied expert choices
+    (test_gpu_attention_mma.py). Even so, each 8-bit re-quantisation of the activations turns a last-bit
+    difference into a step of 1/127 of a block's largest value: on this model the CPU's own reference and
+    AVX2 kernels differ by 8.7e-3 of max|logit| (1.6e-2 with two layers, 7.2e-2 with q / k weights of
+    scale 0.2, whose sharp attention amplifies it: run 43's failure), so the GPU is held to that spread."""
+    n_embd, n_head, n_kv, n_ff = 1024, 8, 1, 512
+    rng = np.random.default_rng(17)
+    hd = n_embd // n_head
+    shapes = {"attn_q": (n_head * hd, n_embd, 0.05), "attn_k": (n_kv * hd, n_embd, 0.05),
+              "attn_v": (n_kv * hd, n_embd, 0.08), "attn_output": (n_embd, n_head * hd, 0.08),
+              "ffn_gate": (n_ff, n_embd, 0.08), "ffn_up": (n_ff, n_embd, 0.08), "ffn_down": (n_embd, n_ff, 0.08)}
+    raw = {}
+    for name, (r, c, scale) in shapes.items():
+        blob = quantize_q4_k((rng.standard_normal((r, c)) * scale).astype(np.float32))
+        raw[f"blk.0.{name}.weight"] = (blob, blob.shape, GGMLQuantizationType.Q4_K)
+    return make_random_gguf(tmp_path_factory.mktemp("pf") / "m.gguf", arch="llama", n_vocab=300, n_layer=1,
+                            n_embd=n_embd, n_head=n_head, n_head_kv=n_kv, n_ff=n_ff, n_expert=0, n_expert_used=0,
+                            raw_overrides=raw)
+
+
+def cpu_variant_spread(cpu: Engine, prompt: list[int], ref: np.ndarray) -> float:
+    """How far the CPU's reference kernels land from its default ones on this prompt."""
+    assert lib.st_set_variant(VARIANTS["ref"]) == 0
+    try:
+        plain = cpu.logits_for(prompt)
+    finally:
+        assert lib.st_set_variant(VARIANTS["auto"]) == 0
+        _variant_from_env()
+    return rel_err(plain, ref)
+
+
+def test_long_prompt_on_the_prefill_form(q4k_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, size=224)]
+    with Engine.open(q4k_model, threads=2, kv_tokens=1024) as cpu, \
+            Engine.open(q4k_model, device="cuda:0", kv_tokens=1024) as gpu:
+        ref = cpu.logits_for(prompt)
+        spread = cpu_variant_spread(cpu, prompt, ref)
+        got = gpu.logits_for(prompt)  # one 224-token step: the prefill form
+        gpu.prefill_chunk = 112  # two eager 112-token steps: the prefill form again
+        chunked = gpu.logits_for(prompt)
+        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "0")
+        old = gpu.logits_for(prompt)  # the bitwise kernels
+        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN")
+        print(f"logits vs CPU: prefill form {rel_err(got, ref):.2e}, bitwise GEMM {rel_err(old, ref):.2e}; "
+              f"between them {rel_err(got, old):.2e}; the CPU's reference vs default kernels {spread:.2e}")
+        assert same_bits(chunked, got)
+        assert not same_bits(old, got), "the prefill form did not run"
+        bound = max(1e-2, 2 * spread)
+        assert rel_err(got, ref) <= bound and rel_err(got, old) <= bound
