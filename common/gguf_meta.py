@@ -33,13 +33,14 @@ class GGUFError(ValueError):
         self.code = code  # the C status when the C engine refused the model, else 0
 
 
-# GGUFValueType -> bytes, struct format, numpy dtype
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
+# GGUFValueType -> size in bytes, struct format, numpy dtype
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _SCALAR_DTYPE = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
                  11: "<i8", 12: "<f8"}
 _T_STRING, _T_ARRAY, _T_UINT32 = 8, 9, 4
 _U64 = struct.Struct("<Q")
+
 
 class Walker:
     """A bounds-checked cursor over a GGUF file's bytes: every read names what it reads, and any read past the
