@@ -1,7 +1,7 @@
 """GGUF file -> validated hyper-parameters and borrowed tensor pointers for the C engine.
 
-The file is memory-mapped read-only by gguf-py's reader; tensors are handed to C as
-pointers into that mapping, so loading copies no weights and the page cache is
+The header and metadata are read by common/gguf_meta.py, the tensor infos here; the file is
+memory-mapped read-only and tensors are handed to C as pointers into that mapping, so loading copies no weights and the page cache is
 shared by every process (lane) that maps the same file.
 """
 
