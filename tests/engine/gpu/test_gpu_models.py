@@ -15,6 +15,13 @@ CPU (docs/gpu-runs.md, runs 2-4). So: F32 and 8-bit weights are held to 1e-2, 4/
 weights to 2e-2, and the greedy continuations of quantised models must match up to the
 first step where the CPU itself chose between two tokens whose logits are within 1e-2 of
 max|logit| (a near-tie, either choice being right to that tolerance).
+
+The default model's oracle is the CPU engine on its generic C reference kernels (the CPU
+reference the issue names), not its AVX2/AVX-512 ones. Through its 30 layers of 8-bit
+re-quantised activations the three disagree by more than the bound on the first prompt: the
+CPU's reference and AVX2 kernels 5.8e-2 of max|ref| apart, the GPU 4.7e-2 from the reference
+and 4.2e-2 from AVX2 (docs/gpu-runs.md, runs 44-45). The bound stays 1e-2; the test prints the
+CPU's own auto-vs-reference spread and names it in its failure messages.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 import pytest
 
 from engine.engine import Engine
+from engine.native import VARIANTS, _variant_from_env, lib
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, collect_text
 from tests.engine.gpu._env import rel_err, requires_gpu
@@ -59,7 +67,7 @@ def tokens_of(eng: Engine, ids: list[int], n: int) -> list[int]:
     return eng.generate(ids, max_tokens=n, ignore_eos=True).token_ids
 
 
-def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool) -> None:
+def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool, note: str = "") -> None:
     a, b = tokens_of(cpu, prompt, N_GREEDY), tokens_of(gpu, prompt, N_GREEDY)
     assert len(a) == len(b) == N_GREEDY
     if a == b:
@@ -68,7 +76,24 @@ def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool) -> No
     assert not exact, f"greedy tokens differ at step {i} on an F32 model"
     lg = cpu.logits_for(prompt + a[:i])[-1]
     gap = float(lg[a[i]] - lg[b[i]])
-    assert 0 <= gap <= 1e-2 * float(np.abs(lg).max()), f"step {i}: GPU chose {b[i]}, CPU {a[i]} by a margin of {gap}"
+    assert 0 <= gap <= 1e-2 * float(np.abs(lg).max()), \
+        f"step {i}: GPU chose {b[i]}, CPU {a[i]} by a margin of {gap} (max|logit| {float(np.abs(lg).max())}){note}"
+
+
+def check_batched(gpu: Engine, prompts: list[list[int]]) -> None:
+    """16 sequences in one scheduler on the GPU == each alone on the GPU."""
+    alone = []
+    for p in prompts:
+        s = Scheduler(gpu, SchedulerConfig(prefix_cache=False))
+        rid = s.add(p, greedy(24))
+        alone.append(collect_text(s.run_to_completion()[rid])[0])
+    sched = Scheduler(gpu)
+    rids = [sched.add(p, greedy(24)) for p in prompts]
+    out = sched.run_to_completion()
+    assert [collect_text(out[r])[0] for r in rids] == alone
+    assert gpu.blocks.num_free == gpu.blocks.n_blocks
+    st = gpu.last_stats
+    assert st is not None and st.t_total > 0 and st.n_tokens >= 1
 
 
 def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096, exact: bool = False,
@@ -81,19 +106,7 @@ def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096, exa
         assert got.shape == ref.shape
         assert rel_err(got, ref) <= tol, rel_err(got, ref)
         check_greedy(cpu, gpu, prompts[0], exact)
-        # 16 sequences in one scheduler on the GPU == each alone on the GPU
-        alone = []
-        for p in prompts:
-            s = Scheduler(gpu, SchedulerConfig(prefix_cache=False))
-            rid = s.add(p, greedy(24))
-            alone.append(collect_text(s.run_to_completion()[rid])[0])
-        sched = Scheduler(gpu)
-        rids = [sched.add(p, greedy(24)) for p in prompts]
-        out = sched.run_to_completion()
-        assert [collect_text(out[r])[0] for r in rids] == alone
-        assert gpu.blocks.num_free == gpu.blocks.n_blocks
-        st = gpu.last_stats
-        assert st is not None and st.t_total > 0 and st.n_tokens >= 1
+        check_batched(gpu, prompts)
 
 
 @pytest.mark.parametrize(("arch", "qt"), CASES)
@@ -114,7 +127,27 @@ def test_default_model_gpu_matches_cpu() -> None:
         topics = ["the sea", "mountains", "a robot", "coffee", "rain", "a city", "an old book", "the moon",
                   "a garden", "winter", "a train", "music", "a cat", "the desert", "a river", "friendship"]
         prompts = [probe.render_chat([{"role": "user", "content": f"Write one sentence about {t}."}]) for t in topics]
-    check_model(path, prompts)
+    with Engine.open(path, threads=2, kv_tokens=4096) as cpu, Engine.open(path, device="cuda:0", kv_tokens=4096) as gpu:
+        assert gpu.device.kind == "cuda"
+        auto = cpu.logits_for(prompts[0])  # the CPU's default kernels, only to measure its own spread
+        # The variant is process-wide and read at every kernel call: the reference kernels serve
+        # this CPU engine's work below and nothing else; the GPU engine runs no CPU kernels.
+        assert lib.st_set_variant(VARIANTS["ref"]) == 0
+        try:
+            ref = cpu.logits_for(prompts[0])
+            spread = rel_err(auto, ref)
+            note = f"; the CPU's own auto-vs-reference kernel spread on this prompt: {spread:.3e}"
+            print(f"default model: CPU auto vs reference kernels {spread:.3e} of max|ref|")
+            got = gpu.logits_for(prompts[0])
+            assert got.shape == ref.shape
+            err = rel_err(got, ref)
+            print(f"default model: GPU vs CPU reference kernels {err:.3e} of max|ref|")
+            assert err <= 1e-2, f"GPU logits {err:.3e} of max|ref| from the CPU reference kernels{note}"
+            check_greedy(cpu, gpu, prompts[0], exact=False, note=note)
+        finally:
+            assert lib.st_set_variant(VARIANTS["auto"]) == 0
+            _variant_from_env()
+        check_batched(gpu, prompts)
 
 
 def test_step_logits_in_pinned_memory_stay_the_callers(gguf_paths: dict) -> None:
