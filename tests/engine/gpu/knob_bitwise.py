@@ -1,0 +1,76 @@
+"""Same bits with a switch at two values, on the benchmark's model (run on the GPU machine after
+device_run.sh's setup; builds the model if missing):
+
+    python3 tests/engine/gpu/knob_bitwise.py STRATA_GPU_COMBINE_FUSE [--values 0,1] [--seqs 1,16,32] [--steps 4]
+
+For each sequence count, distinct random 32-token prompts are prefilled and decoded for --steps
+greedy steps once per value of the variable (read by the engine at every step); every step's
+logits must be bitwise equal across the values. Prints one line per count and exits 1 on a
+difference. A check for switches that promise "same results" (the split GEMM's combine, the
+router tail, ...) at the real shapes, which the random test models do not all reach."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+
+def run(env: str, value: str, n_seq: int, steps: int, eng: object, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    V, bs = eng.hparams.n_vocab, eng.block_size  # type: ignore[attr-defined]
+    tabs = [eng.blocks.allocate(-(-(32 + steps + 1) // bs)) for _ in range(n_seq)]  # type: ignore[attr-defined]
+    os.environ[env] = value
+    try:
+        last, out = [], []
+        for tb in tabs:
+            assert tb is not None
+            ids = [int(t) for t in rng.integers(0, V, size=32)]
+            last.append(int(np.argmax(eng.prefill(ids, tb))))  # type: ignore[attr-defined]
+        for s in range(steps):
+            lg = eng.forward(last, [32 + s] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)))  # type: ignore[attr-defined]
+            out.append(np.array(lg, copy=True))
+            last = [int(x) for x in lg.argmax(axis=1)]
+        return out
+    finally:
+        del os.environ[env]
+        for tb in tabs:
+            eng.blocks.release(tb)  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("env")
+    ap.add_argument("--values", default="0,1")
+    ap.add_argument("--seqs", default="1,16,32")
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.getcwd())
+    from bench.engine_gpu import SHAPE, _model_path, build_model
+    from engine.engine import Engine
+
+    ns = argparse.Namespace(quick=False, layers=SHAPE["n_layer"], skew=1.0, model_dir="/tmp/strata-bench")
+    path = _model_path(ns)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_model(path, dict(SHAPE), 1.0)
+    eng = Engine.open(path, device="cuda:0", kv_tokens=8 * 1024, block_size=16, prefill_chunk=512)
+    values = args.values.split(",")
+    bad = 0
+    for n_seq in (int(x) for x in args.seqs.split(",")):
+        ref = run(args.env, values[0], n_seq, args.steps, eng, n_seq)
+        for v in values[1:]:
+            got = run(args.env, v, n_seq, args.steps, eng, n_seq)
+            same = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(ref, got, strict=True))
+            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got, strict=True))
+            print(f"{args.env} {values[0]} vs {v}, {n_seq} sequences x {args.steps} steps: "
+                  f"{'bitwise equal' if same else f'DIFFERENT (max |diff| {diff:.3g})'}")
+            bad += not same
+    eng.close()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
