@@ -532,8 +532,17 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
     cp_async_commit();
 }
 
+/* Blocks per SM the register allocation must allow: the prefill form at 64 pairs 3; the bitwise
+ * Q4_K gate/up (16 pairs) and 32-pair plain forms with C = 1 / 2 also 3, as they compiled before the
+ * prefill form shared this kernel (ptxas sm_90 at ffbd1d2: 168 registers; 4c21f92 raised them to
+ * 178-198, i.e. 2 blocks per SM where shared memory allows 3; at 168 no spill is needed); the rest
+ * unconstrained (the 16-pair plain form is held to 3 per SM by its shared memory anyway). */
+template <bool SW, int BN, int CS, bool FAST> __host__ __device__ constexpr int gemm_min_blocks() {
+    if (FAST) return BN == MM_BN_FAST ? 3 : 1;
+    return (CS == 1 || CS == 2) && ((SW && BN == MM_BN) || (!SW && BN == MM_BN_WIDE && CS == 2)) ? 3 : 1;
+}
 template <int T, bool SW, int BN, int CS, bool FAST = false>
-__global__ void __launch_bounds__(128, FAST && BN == MM_BN_FAST ? 3 : 1) k_linear_gemm(lin_args a) {
+__global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = gemm_gk<SW, BN>(); /* weights; sub-blocks per stage */
     constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
