@@ -1558,6 +1558,16 @@ static stg_status up(dbuf &b, const void *src, size_t n) {
     if (src && n) CU(cudaMemcpy(b.p, src, n, cudaMemcpyHostToDevice), "harness upload");
     return ST_OK;
 }
+
+/* A harness call's activations x [n_tok, k] on the device, with room for their 8-bit form
+ * (quantize's qs [n_tok, k], d [n_tok, k / 32], sums [n_tok, k / 16]). */
+static stg_status up_acts(dbuf &bx, dbuf &bq, dbuf &bd, dbuf &bs, const float *x, int64_t n_tok, int64_t k) {
+    const size_t n = (size_t)n_tok * (size_t)k;
+    CHECK(up(bx, x, sizeof(float) * n));
+    CHECK(up(bq, nullptr, n));
+    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
+    return up(bs, nullptr, sizeof(int32_t) * n / 16);
+}
 static stg_status down(void *dst, const dbuf &b, size_t n) {
     CU(cudaDeviceSynchronize(), "harness kernel");
     CU(cudaMemcpy(dst, b.p, n, cudaMemcpyDeviceToHost), "harness download");
@@ -1590,10 +1600,7 @@ extern "C" stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64
     CHECK(harness_device());
     dbuf bx, bq, bd, bs;
     const size_t n = (size_t)(n_tok * k);
-    CHECK(up(bx, x, sizeof(float) * n));
-    CHECK(up(bq, nullptr, n));
-    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
-    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
     CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     CHECK(down(qs, bq, n));
     CHECK(down(d, bd, sizeof(float) * n / 32));
@@ -1619,11 +1626,7 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
         CHECK(up(bw2, w2, (size_t)W.expert_stride));
         W2.d = bw2.as<uint8_t>();
     }
-    const size_t n = (size_t)(n_tok * k);
-    CHECK(up(bx, x, sizeof(float) * n));
-    CHECK(up(bq, nullptr, n));
-    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
-    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
     CHECK(up(bo, nullptr, sizeof(float) * (size_t)(n_tok * n_rows)));
     if (!stg_is_float(type)) CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     lin_groups g = {};
@@ -1670,11 +1673,7 @@ extern "C" stg_status stg_test_linear_seg(int32_t type, int32_t path, const void
     dtensor W;
     W.type = type, W.ne[0] = k, W.ne[1] = rows[0], W.row_bytes = rb, W.expert_stride = rb * rows[0];
     W.d = bw[0].as<uint8_t>();
-    const size_t n = (size_t)(n_tok * k);
-    CHECK(up(bx, x, sizeof(float) * n));
-    CHECK(up(bq, nullptr, n));
-    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
-    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
     CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     lin_groups g = {};
     g.n_pairs = (int32_t)n_tok;
@@ -1719,11 +1718,7 @@ extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t
         CHECK(up(bw2, w2, wb));
         W2.d = bw2.as<uint8_t>();
     }
-    const size_t n = (size_t)n_tok * (size_t)k;
-    CHECK(up(bx, x, sizeof(float) * n));
-    CHECK(up(bq, nullptr, n));
-    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
-    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
     CHECK(up(bo, nullptr, sizeof(float) * (size_t)P * (size_t)n_rows));
     CHECK(up(bids, ids, sizeof(int32_t) * (size_t)P));
     /* gexp, gstart, gcount [ne]; n_groups; list, pair_tok [P]; hist [ne]; tiles [P / MM_BN + ne]; n_tiles */
@@ -1771,11 +1766,8 @@ extern "C" stg_status stg_test_swiglu_quant(int32_t type, const void *w, const v
     dtensor W2 = W;
     CHECK(up(bw2, w2, (size_t)W.expert_stride));
     W2.d = bw2.as<uint8_t>();
-    const size_t n = (size_t)(n_tok * k), no = (size_t)(n_tok * n_rows);
-    CHECK(up(bx, x, sizeof(float) * n));
-    CHECK(up(bq, nullptr, n));
-    CHECK(up(bd, nullptr, sizeof(float) * n / 32));
-    CHECK(up(bs, nullptr, sizeof(int32_t) * n / 16));
+    const size_t no = (size_t)(n_tok * n_rows);
+    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
     CHECK(up(bo, nullptr, sizeof(float) * no));
     CHECK(up(bhq, nullptr, no));
     CHECK(up(bhd, nullptr, sizeof(float) * no / 32));
