@@ -503,6 +503,11 @@ struct acts_d {
     const float *x;
 };
 
+/* an integer knob: the variable's value (atoi), dflt when it is unset or empty */
+static int env_int(const char *name, int dflt) {
+    const char *e = getenv(name);
+    return e && e[0] ? atoi(e) : dflt;
+}
 /* Pairs per group (expected) from which the tensor-core GEMM replaces the matvec kernel
  * (STRATA_GPU_GEMM_MIN overrides; 0 or less: always). Both kernels produce bitwise the same
  * results (k_linear_gemm keeps the matvec's summation order), so the choice changes speed
@@ -515,8 +520,7 @@ static bool route_split() {
 
 static thread_local int g_gemm_min = 2; /* read per step (stg_forward); graphs are keyed by it */
 static int gemm_min_env() {
-    const char *e = getenv("STRATA_GPU_GEMM_MIN");
-    const int v = e && e[0] ? atoi(e) : 2;
+    const int v = env_int("STRATA_GPU_GEMM_MIN", 2);
     return v < 1 ? 1 : v;
 }
 static int gemm_min_pairs() { return g_gemm_min; }
@@ -526,8 +530,7 @@ static int gemm_min_pairs() { return g_gemm_min; }
  * sequences 0.6-0.95 ms per step faster than the matvec, at 8 sequences 0.4 ms slower. */
 static thread_local int g_gemm_dense = 32; /* read per step (stg_forward); graphs are keyed by it */
 static int gemm_dense_env() {
-    const char *e = getenv("STRATA_GPU_GEMM_DENSE_MIN");
-    const int v = e && e[0] ? atoi(e) : 32;
+    const int v = env_int("STRATA_GPU_GEMM_DENSE_MIN", 32);
     return v < 1 ? 1 : v;
 }
 /* Blocks of MM_BN_WIDE pairs from which a dense plain GEMM runs 32 pairs per block instead of 16
@@ -535,8 +538,7 @@ static int gemm_dense_env() {
  * 16-pair tiles keep more SMs busy). Same results either way. */
 static thread_local int g_gemm_wide_min = 256; /* read per step (stg_forward); graphs are keyed by it */
 static int gemm_wide_env() {
-    const char *e = getenv("STRATA_GPU_GEMM_WIDE_MIN");
-    const int v = e && e[0] ? atoi(e) : 256;
+    const int v = env_int("STRATA_GPU_GEMM_WIDE_MIN", 256);
     return v < 1 ? 1 : v;
 }
 /* Pairs from which a dense quantised layer too small for the GEMM's grid (use_gemm: fewer than 256
@@ -548,8 +550,7 @@ static int gemm_wide_env() {
 #define KSPLIT_MAX_T 64
 static thread_local int g_dense_split = 16; /* read per step (stg_forward); graphs are keyed by it */
 static int dense_split_env() {
-    const char *e = getenv("STRATA_GPU_DENSE_SPLIT");
-    const int v = e && e[0] ? atoi(e) : 16;
+    const int v = env_int("STRATA_GPU_DENSE_SPLIT", 16);
     return v < 0 ? 0 : v;
 }
 /* the split GEMM's parts: KSPLIT x KSPLIT_MAX_T x the widest dense layer (scratch), set per step */
@@ -582,18 +583,9 @@ static thread_local bool g_gemm_tiles = true; /* read per step (stg_forward); gr
  * Larger steps (k_route, k_router + k_group) keep the block forms: not measured there.
  * STRATA_GPU_ATT_STAGES (1 or 2; default 2 up to head_dim 128): k_attention's chunk stages at
  * decode, a measurement knob (run 42: 1 stage -0.2 ms at 32 sequences in a noisy row).
- * Both read per step (stg_forward) and by the harness; graphs are keyed by them. */
+ * Both read by read_knobs (per step and per harness call); graphs are keyed by them. */
 static thread_local bool g_route_fast = true;
 static thread_local int g_att_stages = 0;
-static int env_int(const char *name, int dflt) {
-    const char *e = getenv(name);
-    return e && e[0] ? atoi(e) : dflt;
-}
-static void read_knobs() {
-    g_route_fast = env_int("STRATA_GPU_ROUTE_FAST", 1) != 0;
-    const int as = env_int("STRATA_GPU_ATT_STAGES", 0);
-    g_att_stages = as == 1 || as == 2 ? as : 0;
-}
 static int32_t g_knobs() { return (int32_t)g_route_fast | g_att_stages << 1; }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -617,9 +609,17 @@ static int32_t gemm_fast_min_run() {
     return v >= 0 && v <= 0x7fffffff ? (int32_t)v : GEMM_FAST_MIN_RUN;
 }
 static int gemm_fast_bn_env() {
-    const char *e = getenv("STRATA_GPU_GEMM_FAST_BN");
-    const int v = e && e[0] ? atoi(e) : 0;
+    const int v = env_int("STRATA_GPU_GEMM_FAST_BN", 0);
     return v == MM_BN_WIDE || v == MM_BN_FAST ? v : 0;
+}
+/* the knobs that a step (stg_forward) and a harness call (harness_device) both read afresh */
+static void read_knobs() {
+    g_dense_split = dense_split_env();
+    g_qkv_split = qkv_split_env();
+    g_route_fast = env_int("STRATA_GPU_ROUTE_FAST", 1) != 0;
+    const int as = env_int("STRATA_GPU_ATT_STAGES", 0);
+    g_att_stages = as == 1 || as == 2 ? as : 0;
+    g_gemm_fast_bn = gemm_fast_bn_env();
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -636,7 +636,8 @@ static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
  * taken as one run, reach it; unset: the bitwise kernels the harness's tests compare */
 static bool harness_fast(int64_t n_tok) {
     const char *e = getenv("STRATA_GPU_GEMM_FAST_MIN");
-    return e && e[0] && gemm_fast_min_run() >= 1 && n_tok >= gemm_fast_min_run();
+    const int32_t min_run = gemm_fast_min_run();
+    return e && e[0] && min_run >= 1 && n_tok >= min_run;
 }
 static bool gemm_fast_layer(const dtensor &W) {
     if (W.type != STG_Q4_K) return false;
@@ -1461,11 +1462,8 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
     g_fused_quant = fqe && fqe[0] == '1';
     g_gemm_tiles = gemm_tiles_env();
-    g_dense_split = dense_split_env();
-    g_qkv_split = qkv_split_env();
     read_knobs();
     g_gemm_fast = !graphs_enabled(T) && all_runs_long(b->seq, T, gemm_fast_min_run());
-    g_gemm_fast_bn = gemm_fast_bn_env();
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
@@ -1541,10 +1539,8 @@ static stg_status harness_device(void) {
     g_gemm_dense = gemm_dense_env();
     g_gemm_wide_min = gemm_wide_env();
     g_gemm_tiles = false;
-    g_dense_split = dense_split_env();
-    g_qkv_split = qkv_split_env();
     read_knobs();
-    g_gemm_fast = false, g_gemm_fast_bn = gemm_fast_bn_env();
+    g_gemm_fast = false;
     g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
