@@ -7,10 +7,7 @@
 # clocks left alone (--clock-control none). STRATA_CUDA_LIB picks the library. Report:
 # $OUT/ncu_decode.txt, a summary printed.
 set -u
-OUT=${OUT:-/tmp/out}
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-[ -n "$NCU" ] || { echo "ncu: not found"; exit 1; }
-python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1 || { tail -5 /tmp/model-build.log; exit 1; }
+. "$(dirname "$0")/ncu_setup.sh"
 secs=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
       --section MemoryWorkloadAnalysis --section SchedulerStats)
 K='regex:k_linear|k_rmsnorm|k_attention|k_route|k_quant|k_ksplit'

@@ -5,10 +5,7 @@
 # last 512-token chunk of a 4,096-token prompt (7 chunks x 48 layers skipped). PDL off, so
 # each kernel's time is its own; clocks left alone (--clock-control none). Report: $OUT/ncu.txt.
 set -u
-OUT=${OUT:-/tmp/out}
-NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-[ -n "$NCU" ] || { echo "ncu: not found"; exit 1; }
-python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1 || { tail -5 /tmp/model-build.log; exit 1; }
+. "$(dirname "$0")/ncu_setup.sh"
 secs=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section InstructionStats
       --section SchedulerStats)
