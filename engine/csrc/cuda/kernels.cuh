@@ -820,9 +820,18 @@ __global__ void k_linear_ref(lin_args a) {
 struct combine_args {
     const float *pair_out, *w; /* NULL: nothing pending */
     int32_t k, norm;
+    /* the output projection's 4 split-GEMM parts [4][kp_t][E] not yet added to the residual (its
+     * k_ksplit_combine left to this norm: STRATA_GPU_COMBINE_FUSE); NULL: none */
+    const float *kpart;
+    int32_t kp_t;
 };
 
 __device__ __forceinline__ float combined(const combine_args &c, float x, int64_t r, int64_t i, int64_t E) {
+    if (c.kpart) { /* k_ksplit_combine's additions, then its residual add */
+        const int64_t pl = (int64_t)c.kp_t * E, ix = r * E + i;
+        x = x + ((c.kpart[ix] + c.kpart[pl + ix]) + (c.kpart[2 * pl + ix] + c.kpart[3 * pl + ix]));
+    }
+    if (!c.pair_out) return x;
     const float *wt = c.w + r * c.k;
     if (c.k <= 8) { /* every load issued before the first use (the loop below waits on each in turn), same sums */
         float wv[8], pv[8];
@@ -886,7 +895,7 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
             if (i < n) {
                 v = xr[i];
                 wr[k] = w[i];
-                if (c.pair_out) {
+                if (c.pair_out || c.kpart) {
                     v = combined(c, v, r, i, n);
                     if (!rows) xr[i] = v;
                 }
@@ -897,7 +906,7 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
     } else {
         for (int64_t i = threadIdx.x; i < n; i += bd) {
             float v = xr[i];
-            if (c.pair_out) {
+            if (c.pair_out || c.kpart) {
                 v = combined(c, v, r, i, n);
                 if (!rows) xr[i] = v;
             }
@@ -963,6 +972,10 @@ struct qkv_args {
     int32_t max_blocks, n_head, n_kv, hd, rope_dim, rope_type, block_size;
     float eps, scale;
     __half *kc, *vc; /* this layer's K / V arena */
+    /* q / k / v still as the split GEMM's 4 parts [4][kp_t][kp_n] over their stacked rows (the fused
+     * decode attention adds them as k_ksplit_combine would: STRATA_GPU_COMBINE_FUSE); NULL: q, k, v */
+    const float *kpart;
+    int32_t kp_n, kp_t;
 };
 
 /* Biases, q/k norms, RoPE, q scaling, K/V written to the cache: one warp per head of one
@@ -979,7 +992,17 @@ __device__ __forceinline__ void qkv_head(const qkv_args &a, int t, int kind, int
     const float *src = (kind == 0 ? a.q + (int64_t)t * qd : kind == 1 ? a.k + (int64_t)t * kd : a.v + (int64_t)t * kd) +
                        hh * hd;
     const float *bias = kind == 0 ? a.bq : kind == 1 ? a.bk : a.bv;
-    for (int i = lane; i < hd; i += 32) v[i] = bias ? src[i] + bias[hh * hd + i] : src[i];
+    const int64_t pl = (int64_t)a.kp_t * a.kp_n, base = (int64_t)t * a.kp_n + (kind == 0 ? 0 : kind == 1 ? qd : qd + kd) + hh * hd;
+    for (int i = lane; i < hd; i += 32) {
+        float x;
+        if (a.kpart) { /* (P0 + P1) + (P2 + P3), as k_ksplit_combine */
+            const float *pp = a.kpart + base + i;
+            x = (pp[0] + pp[pl]) + (pp[2 * pl] + pp[3 * pl]);
+        } else {
+            x = src[i];
+        }
+        v[i] = bias ? x + bias[hh * hd + i] : x;
+    }
     __syncwarp();
     if (kind < 2) {
         const int32_t p = a.pos[t];
@@ -1714,7 +1737,7 @@ __global__ void k_combine(float *x, const float *pair_out, const float *w, int32
     PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)T * E) return;
-    const combine_args c{pair_out, w, k, norm};
+    const combine_args c{pair_out, w, k, norm, nullptr, 0};
     x[i] = combined(c, x[i], i / E, i % E, E);
 }
 

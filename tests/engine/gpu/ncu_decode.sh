@@ -21,7 +21,7 @@ export STRATA_GPU_PDL=0 STRATA_GPU_GRAPHS=0
       python3 -m bench.engine_gpu --ncu-step 32
   echo "== 32 sequences: the output head (Q6_K GEMM)"
   timeout 200 "$NCU" --clock-control none --profile-from-start off --kernel-name-base demangled \
-      -k 'regex:k_linear_gemm<14' --launch-count 1 "${secs[@]}" python3 -m bench.engine_gpu --ncu-step 32
+      -k 'regex:k_linear_gemm<(\(int\))?14,' --launch-count 1 "${secs[@]}" python3 -m bench.engine_gpu --ncu-step 32
 } > "$OUT/ncu_decode.txt" 2>&1
 echo "ncu exit $?"
 grep -E '^  [a-z_]+<|^  k_|^==|Duration|Registers Per Thread|Achieved Occupancy|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Issue Slots Busy' \
