@@ -395,6 +395,56 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) 
     f_rows_body<T, NT>(a);
 }
 
+/* F32 weights of a few rows (a router) in a prefill-form step (the host's g_gemm_fast). Run 46's first form
+ * (32 rows x 16 tokens per block, one block per SM walking K in 64 serial chunks) was 3.5x slower than
+ * k_linear_f_rows; this one keeps ~500 blocks in flight: RG_BM weight rows (a warp each) x RG_BT pairs per
+ * block of RG_BM warps; the pairs' activations staged in shared memory RG_BK elements at a time (each
+ * activation row read once per RG_BM weight rows instead of once per row), each lane 4 consecutive k of
+ * every 128 (float4 loads) for all RG_BT pairs, then the warp's butterfly. Not k_linear_f_rows' order, so
+ * within rounding of it; a pair's bits depend only on K (the same in any tile or launch). One group (a
+ * dense layer); K a multiple of RG_BK. */
+#define RG_BM 8
+#define RG_BT 16
+#define RG_BK 256
+__global__ void __launch_bounds__(RG_BM * 32) k_router_gemm(lin_args a) {
+    PDL_ENTER();
+    __shared__ __align__(16) float xt[RG_BT][RG_BK];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = blockIdx.x * RG_BM + warp;
+    const int n0 = blockIdx.y * RG_BT, count = a.g.n_pairs;
+    const float *wrow = (const float *)a.w + (int64_t)(r < a.N ? r : 0) * a.K; /* rows past N: never stored */
+    float acc[RG_BT] = {};
+    for (int k0 = 0; k0 < a.K; k0 += RG_BK) {
+        for (int i = threadIdx.x; i < RG_BT * RG_BK / 4; i += RG_BM * 32) { /* float4 pieces, coalesced */
+            const int t = i / (RG_BK / 4), kk = 4 * (i % (RG_BK / 4)), n = n0 + t;
+            *(float4 *)&xt[t][kk] = n < count
+                ? *(const float4 *)(a.x + (int64_t)in_row(a.g, pair_at(a.g, 0, n)) * a.K + k0 + kk)
+                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < RG_BK / 128; c++) {
+            const int kk = 128 * c + 4 * lane;
+            const float4 w = *(const float4 *)(wrow + k0 + kk);
+#pragma unroll
+            for (int t = 0; t < RG_BT; t++) {
+                const float4 x = *(const float4 *)&xt[t][kk];
+                acc[t] = fmaf(w.w, x.w, fmaf(w.z, x.z, fmaf(w.y, x.y, fmaf(w.x, x.x, acc[t]))));
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < RG_BT; t++)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+    if (lane < RG_BT && r < a.N && n0 + lane < count) {
+        float v = acc[0];
+#pragma unroll
+        for (int t = 1; t < RG_BT; t++) if (lane == t) v = acc[t];
+        store_out(a, pair_at(a.g, 0, n0 + lane), r, v, 0.0f);
+    }
+}
+
 /* Tiled matrix-matrix path on the tensor cores, bitwise equal to the matvec kernel.
  *
  * A block computes MM_BM = 64 weight rows x BN pairs of one group (4 warps, each 16 rows x
@@ -423,6 +473,14 @@ __device__ __forceinline__ void mma_k32(const int (&a)[4], int b0, int b1, int (
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
+/* the same mma as a plain asm (no side effects): the compiler may then keep shared-memory loads across it
+ * (one load of a stage's activation fragments for both weights of the prefill form's gate/up) */
+__device__ __forceinline__ void mma_k32_pure(const int (&a)[4], int b0, int b1, int (&d)[4]) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
 __device__ __forceinline__ void mma_k16(int a0, int a1, int b0, int (&d)[4]) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};\n"
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
@@ -433,8 +491,9 @@ __device__ __forceinline__ void mma_k16(int a0, int a1, int b0, int (&d)[4]) {
  * else bits 0-15 the sub-block j (0xFFFF: j >= nsb, nothing to multiply), bit 21 set where
  * the residue completes (c == C - 1), bits 22-24 the tree level its push reaches (the
  * trailing ones of its bit-reversed index ii: tree_push's branch, decided once per stage). */
-__device__ __forceinline__ int gemm_qentry(int q, int nq, int C, int nsb) {
+template <bool LIN = false> __device__ __forceinline__ int gemm_qentry(int q, int nq, int C, int nsb) {
     if (q >= nq) return -1;
+    if (LIN) return q < nsb ? q : 0xFFFF; /* the prefill form: sub-blocks in order (no tree to build) */
     const int ii = q / C, c = q - ii * C, j = 32 * c + (int)(__brev((unsigned)ii) >> 27);
     return (j < nsb ? j : 0xFFFF) | (c == C - 1 ? 1 << 21 : 0) | ((__ffs(~ii) - 1) << 22);
 }
@@ -556,8 +615,8 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
     __shared__ int wc[Q6 ? NW : 1][Q6 ? GK : 1][Q6 ? MM_BM : 1][2];
     __shared__ int xs[GK][8][XP];
-    __shared__ float xd[GK][BN];
-    __shared__ float xsf[GK][BN]; /* ad * the activation sub-block sum (sub_acc), once per stage */
+    __shared__ __align__(16) float xd[GK][BN];
+    __shared__ __align__(16) float xsf[GK][BN]; /* ad * the activation sub-block sum (sub_acc), once per stage */
     __shared__ int prow[BN];
     __shared__ int qtab[2][GK]; /* gemm_qentry of this stage's and the next stage's positions */
     int e, start, count, n0;
@@ -581,7 +640,9 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
         const int i = (m0 >= a.seg.seg_row[1]) + (a.seg.n_seg > 2 && m0 >= a.seg.seg_row[2]);
         wbase = a.seg.seg_w[i] - (int64_t)a.seg.seg_row[i] * a.row_bytes; /* indexed by rows m0 + m of all segments */
     }
-    const int nsb = a.K / 32, C = (nsb + 31) / 32, nq = 32 * C;
+    /* the prefill form walks the sub-blocks in order, nsb rounded up to whole stages: the canonical walk's
+     * 32 C positions hold 32 C - nsb empty ones (a quarter of them at K = 768, the down projection) */
+    const int nsb = a.K / 32, C = (nsb + 31) / 32, nq = FAST ? (nsb + GK - 1) / GK * GK : 32 * C;
     /* split k loop (a.ksplit S = 2 or 4, block z): positions [z nq / S, (z + 1) nq / S), i.e. the residues
      * of walk indices [32 z / S, 32 (z + 1) / S) in bit-reversed order: one subtree of the butterfly each
      * (multiples of GK: nq / S = 32 C / S) */
@@ -604,7 +665,8 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
     /* the schedule (q -> j, ii, residue end) once per position, not per thread and use;
      * qtab[p] holds the current stage's, qtab[p ^ 1] the next one's */
     if (tid < GK)
-        qtab[0][tid] = gemm_qentry(q_beg + tid, nq, C, nsb), qtab[1][tid] = gemm_qentry(q_beg + GK + tid, nq, C, nsb);
+        qtab[0][tid] = gemm_qentry<FAST>(q_beg + tid, nq, C, nsb),
+        qtab[1][tid] = gemm_qentry<FAST>(q_beg + GK + tid, nq, C, nsb);
     __syncthreads();
     constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
     /* activations: (sub-block, pair) entries tid + 128 u, u < XE: pair xn, sub-blocks xkk0 + u * 128 / BN */
@@ -683,13 +745,39 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
         }
         /* stage sub-block kk's mma and float work into cur */
         auto kk_mma = [&](int kk) {
+            if constexpr (FAST) {
+                /* the prefill form: n-tiles outer, weights inner, so each n-tile's activation fragment, scales
+                 * and sums are loaded once for both weights of gate/up (the same operations per output) */
+                int af[NW][4];
+                float Alo[NW], Ahi[NW], Blo[NW], Bhi[NW];
+#pragma unroll
+                for (int w = 0; w < NW; w++) {
+                    const int(*W)[MM_WP] = ws[w][kk];
+                    af[w][0] = W[t4][r_lo], af[w][1] = W[t4][r_hi], af[w][2] = W[4 + t4][r_lo], af[w][3] = W[4 + t4][r_hi];
+                    Alo[w] = wA[w][kk][r_lo], Ahi[w] = wA[w][kk][r_hi], Blo[w] = wB[w][kk][r_lo], Bhi[w] = wB[w][kk][r_hi];
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    if (nt >= nvt) break;
+                    const int nb = nt * 8, b0 = xs[kk][t4][nb + g], b1 = xs[kk][4 + t4][nb + g];
+                    const float2 xd2 = *(const float2 *)&xd[kk][nb + 2 * t4], xf2 = *(const float2 *)&xsf[kk][nb + 2 * t4];
+#pragma unroll
+                    for (int w = 0; w < NW; w++) {
+                        int d[4];
+                        mma_k32_pure(af[w], b0, b1, d);
+                        cur[w][nt][0] = sub_acc(cur[w][nt][0], xd2.x, Alo[w], Blo[w], d[0], xf2.x);
+                        cur[w][nt][1] = sub_acc(cur[w][nt][1], xd2.y, Alo[w], Blo[w], d[1], xf2.y);
+                        cur[w][nt][2] = sub_acc(cur[w][nt][2], xd2.x, Ahi[w], Bhi[w], d[2], xf2.x);
+                        cur[w][nt][3] = sub_acc(cur[w][nt][3], xd2.y, Ahi[w], Bhi[w], d[3], xf2.y);
+                    }
+                }
+            } else {
 #pragma unroll
             for (int w = 0; w < NW; w++) {
                 const int(*W)[MM_WP] = ws[w][kk];
                 const float Alo = wA[w][kk][r_lo], Ahi = wA[w][kk][r_hi], Blo = wB[w][kk][r_lo], Bhi = wB[w][kk][r_hi];
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
-                    if (FAST && nt >= nvt) break;
                     const int nb = nt * 8;
                     int d[4];
                     if constexpr (Q6) {
@@ -710,6 +798,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
                         cur[w][nt][o] = sub_acc(cur[w][nt][o], xd[kk][n], A, B, d[o], xsf[kk][n]);
                     }
                 }
+            }
             }
         };
         if constexpr (CS > 0) {
@@ -741,7 +830,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
         }
         __syncthreads();
         /* the schedule two stages on: qtab[p] was last read before this barrier */
-        if (tid < GK) qtab[p][tid] = gemm_qentry(q0 + 2 * GK + tid, nq, C, nsb);
+        if (tid < GK) qtab[p][tid] = gemm_qentry<FAST>(q0 + 2 * GK + tid, nq, C, nsb);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
@@ -754,7 +843,17 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_li
                 const float v = ks == 2 || (kz & 1) ? L[0][nt][o][4] : L[0][nt][o][3];
                 a.kpart[((int64_t)kz * count + n) * a.N + r] = v;
             } else if constexpr (FAST) {
-                store_out(a, pair_at(a.g, start, n), r, cur[0][nt][o], SW ? cur[NW - 1][nt][o] : 0.0f);
+                if (a.seg.n_seg > 1) { /* q / k / v in one launch: each row into its own output */
+                    const uint8_t *sw;
+                    float *so;
+                    int64_t sl;
+                    int rr;
+                    seg_of(a, r, sw, so, sl, rr);
+                    (void)sw;
+                    store_at(a, so + (int64_t)pair_at(a.g, start, n) * sl + rr, cur[0][nt][o], 0.0f);
+                } else {
+                    store_out(a, pair_at(a.g, start, n), r, cur[0][nt][o], SW ? cur[NW - 1][nt][o] : 0.0f);
+                }
             } else {
                 store_out(a, pair_at(a.g, start, n), r, L[0][nt][o][4], SW ? L[NW - 1][nt][o][4] : 0.0f);
             }

@@ -619,6 +619,16 @@ static int gemm_fast_bn_env() {
     const int v = env_int("STRATA_GPU_GEMM_FAST_BN", 0);
     return v == MM_BN_WIDE || v == MM_BN_FAST ? v : 0;
 }
+/* Knobs of prefill-form steps (run 49: pp512 8,210 -> 9,255 tok/s with the last two at their defaults).
+ * STRATA_GPU_GEMM_FAST_ROUTER=0: k_linear_f_rows for the F32 routers instead of k_router_gemm (A/B).
+ * STRATA_GPU_FAST_QKV: q / k / v as 0: three launches, 1 (default): q, then k and v as one launch (row
+ * segments; k and v alone are 8 row tiles each: +2.3%), 2: all three as one (640 tiles: -1.5%). Same bits.
+ * STRATA_GPU_FAST_PDL=1: programmatic dependent launch as in other steps; by default off in these steps
+ * (+11%): each GEMM's next launch puts its blocks on the SMs early, where they wait on the current
+ * launch and hold the registers and shared memory its later blocks would use. */
+static thread_local bool g_gemm_fast_router = true;
+static thread_local int g_fast_qkv = 1;
+static thread_local bool g_fast_pdl = false;
 /* the knobs that a step (stg_forward) and a harness call (harness_device) both read afresh */
 static void read_knobs() {
     g_dense_split = dense_split_env();
@@ -629,6 +639,10 @@ static void read_knobs() {
     g_combine_fuse = env_int("STRATA_GPU_COMBINE_FUSE", 1) != 0;
     g_defer_combine = g_deferred = false;
     g_gemm_fast_bn = gemm_fast_bn_env();
+    g_gemm_fast_router = env_int("STRATA_GPU_GEMM_FAST_ROUTER", 1) != 0;
+    const int fq = env_int("STRATA_GPU_FAST_QKV", 1);
+    g_fast_qkv = fq == 0 || fq == 2 ? fq : 1;
+    g_fast_pdl = env_int("STRATA_GPU_FAST_PDL", 0) != 0;
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -813,7 +827,22 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
-    if (g_gemm_fast && !seg && gemm_fast_layer(W) && (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
+    if (g_gemm_fast && g_gemm_fast_router && !W2 && !seg && W.type == STG_F32 && !g.gexp && max_groups == 1 &&
+        a.N <= 1024 && a.K % RG_BK == 0 && (uintptr_t)W.d % 16 == 0 && (uintptr_t)in.x % 16 == 0 &&
+        (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
+        /* a router in a prefill-form step: activations read once per RG_BM rows instead of once per row */
+        launch_k(k_router_gemm, dim3((unsigned)((a.N + RG_BM - 1) / RG_BM), (unsigned)((max_count + RG_BT - 1) / RG_BT)),
+                 RG_BM * 32, 0, st, a);
+        LAUNCHED("linear (router, prefill form)");
+        return ST_OK;
+    }
+    /* the prefill form takes row segments (q / k / v in one launch) whose every boundary is a whole tile */
+    const bool fast_seg = !seg || [&] {
+        for (int i = 0; i <= seg->n_seg; i++)
+            if (seg->seg_row[i] % MM_BM) return false;
+        return true;
+    }();
+    if (g_gemm_fast && fast_seg && gemm_fast_layer(W) && (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
         if (W2) launch_fast<true>(a, max_groups, max_count, expected, st);
         else launch_fast<false>(a, max_groups, max_count, expected, st);
         LAUNCHED("linear (prefill form)");
@@ -1123,8 +1152,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     bool qkv_parts = false; /* q / k / v left in the split GEMM's parts (STRATA_GPU_COMBINE_FUSE) */
     if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T) &&
         (!dense_split_on(T) || g_qkv_split) && !(g_gemm_fast && gemm_fast_layer(L.wq))) {
-        /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch; in a
-         * step on the prefill form three launches of it */
+        /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch (a step on
+         * the prefill form takes the next branch) */
         lin_seg sg = {};
         sg.n_seg = 3;
         sg.seg_row[0] = 0, sg.seg_row[1] = m->q_dim, sg.seg_row[2] = m->q_dim + m->kv_dim;
@@ -1137,6 +1166,22 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         g_defer_combine = false;
         CHECK(lrc);
         qkv_parts = g_deferred;
+    } else if (g_gemm_fast && g_fast_qkv && L.wq.type == L.wk.type && L.wq.type == L.wv.type &&
+               gemm_fast_layer(L.wq) && m->q_dim % MM_BM == 0 && m->kv_dim % MM_BM == 0) {
+        /* a prefill-form step: k and v (and q with STRATA_GPU_FAST_QKV=2) as one launch over their rows */
+        const bool all = g_fast_qkv == 2;
+        lin_seg sg = {};
+        sg.n_seg = all ? 3 : 2;
+        const dtensor *ws[3] = {&L.wq, &L.wk, &L.wv};
+        float *os[3] = {s.q, s.k, s.v};
+        const int64_t lds[3] = {m->q_dim, m->kv_dim, m->kv_dim};
+        for (int i = 0, j = all ? 0 : 1; j < 3; i++, j++) {
+            sg.seg_row[i + 1] = sg.seg_row[i] + (int32_t)lds[j];
+            sg.seg_w[i] = ws[j]->d, sg.seg_out[i] = os[j], sg.seg_ldo[i] = lds[j];
+        }
+        if (!all) CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
+        CHECK(linear(st, *ws[all ? 0 : 1], nullptr, g, 1, T, T, in, os[all ? 0 : 1], lds[all ? 0 : 1], MODE_STORE,
+                     STG_PATH_AUTO, &sg));
     } else {
         CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
         CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE));
@@ -1486,6 +1531,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_gemm_tiles = gemm_tiles_env();
     read_knobs();
     g_gemm_fast = !graphs_enabled(T) && all_runs_long(b->seq, T, gemm_fast_min_run());
+    if (g_gemm_fast && !g_fast_pdl) g_pdl = false;
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;

@@ -7,7 +7,9 @@ tile list or grid, and which other tokens share the launch. On a whole model, ea
 every token is in a run of >= STRATA_GPU_GEMM_FAST_MIN (64) tokens take it: logits within twice the
 spread of the CPU's own kernel variants (at least 1e-2) of the CPU, chunked prefill (chunks >= 64)
 bitwise equal to whole, and STRATA_GPU_GEMM_FAST_MIN=0 brings back the bitwise kernels. The harness (stg_test_linear /
-stg_test_routed_linear) takes the form only while that variable is set, its tokens as one run.
+stg_test_routed_linear) takes the form only while that variable is set, its tokens as one run. In
+such steps the MoE router runs k_router_gemm (within rounding of k_linear_f_rows) and k / v one launch
+(row segments: the same bits as separate launches).
 """
 
 from __future__ import annotations
@@ -174,3 +176,47 @@ def test_long_prompt_on_the_prefill_form(q4k_model: Path, monkeypatch: pytest.Mo
         assert not same_bits(old, got), "the prefill form did not run"
         bound = max(1e-2, 2 * spread)
         assert rel_err(got, ref) <= bound and rel_err(got, old) <= bound
+
+
+@pytest.mark.parametrize("n_tok", [70, 300])
+def test_router_prefill_form(g: tuple, n_tok: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router's F32 weights (128 rows) in a prefill-form step: k_router_gemm instead of k_linear_f_rows,
+    within rounding of it, the same bits for a token launched with other neighbours, and
+    STRATA_GPU_GEMM_FAST_ROUTER=0 keeps k_linear_f_rows."""
+    rng = np.random.default_rng(n_tok + 5)
+    rows, k = 128, 2048
+    w = rng.standard_normal(rows * k).astype(np.float32)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+
+    def run(xx: np.ndarray) -> np.ndarray:
+        out = np.full((xx.shape[0], rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear(tid("F32"), PATHS["auto"], gptr(g, w), g[0].NULL, rows, k,
+                                       gptr(g, xx, "float *"), xx.shape[0], gptr(g, out, "float *")))
+        assert np.isfinite(out).all()
+        return out
+
+    plain = run(x)
+    monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "1")
+    fast, part = run(x), run(np.ascontiguousarray(x[5:]))
+    monkeypatch.setenv("STRATA_GPU_GEMM_FAST_ROUTER", "0")
+    off = run(x)
+    err = rel_err(fast, plain)
+    print(f"router {n_tok} tokens: prefill form vs k_linear_f_rows {err:.1e}")
+    assert err <= ROUND and not same_bits(fast, plain), err
+    assert same_bits(fast[5:], part) and same_bits(off, plain)
+
+
+def test_fast_qkv_launches_same_bits(q4k_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_GPU_FAST_QKV 0 / 1 / 2 (q, k, v as three launches; k + v as one; all three as one, row
+    segments on the prefill form): the same logits bit for bit, all on the prefill form."""
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, size=200)]
+    with Engine.open(q4k_model, device="cuda:0", kv_tokens=1024) as gpu:
+        got = {}
+        for v in ("0", "1", "2"):
+            monkeypatch.setenv("STRATA_GPU_FAST_QKV", v)
+            got[v] = gpu.logits_for(prompt)
+        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "0")
+        old = gpu.logits_for(prompt)
+    print(f"fast qkv 1 / 2 vs 0: {rel_err(got['1'], got['0']):.1e} / {rel_err(got['2'], got['0']):.1e}")
+    assert same_bits(got["0"], got["1"]) and same_bits(got["0"], got["2"])
+    assert not same_bits(old, got["0"]), "the prefill form did not run"
