@@ -2,6 +2,7 @@
 device_run.sh's setup; builds the model if missing):
 
     python3 tests/engine/gpu/knob_bitwise.py STRATA_GPU_COMBINE_FUSE [--values 0,1] [--seqs 1,16,32] [--steps 4]
+    python3 tests/engine/gpu/knob_bitwise.py STRATA_GPU_ATT_PRE,STRATA_GPU_MV_STAGE --values 0,1   (each value to all)
 
 For each sequence count, distinct random 32-token prompts are prefilled and decoded for --steps
 greedy steps once per value of the variable (read by the engine at every step); every step's
@@ -19,10 +20,12 @@ import numpy as np
 
 
 def run(env: str, value: str, n_seq: int, steps: int, eng: object, seed: int) -> list[np.ndarray]:
+    """env: one variable's name, or several separated by commas (each set to value)."""
     rng = np.random.default_rng(seed)
     V, bs = eng.hparams.n_vocab, eng.block_size  # type: ignore[attr-defined]
     tabs = [eng.blocks.allocate(-(-(32 + steps + 1) // bs)) for _ in range(n_seq)]  # type: ignore[attr-defined]
-    os.environ[env] = value
+    for name in env.split(","):
+        os.environ[name] = value
     try:
         last, out = [], []
         for tb in tabs:
@@ -35,7 +38,8 @@ def run(env: str, value: str, n_seq: int, steps: int, eng: object, seed: int) ->
             last = [int(x) for x in lg.argmax(axis=1)]
         return out
     finally:
-        del os.environ[env]
+        for name in env.split(","):
+            del os.environ[name]
         for tb in tabs:
             eng.blocks.release(tb)  # type: ignore[attr-defined]
 
