@@ -591,14 +591,13 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
     cp_async_commit();
 }
 
-/* Blocks per SM the register allocation must allow: the prefill form at 64 pairs 3; the bitwise
- * Q4_K gate/up (16 pairs) and 32-pair plain forms with C = 1 / 2 also 3, as they compiled before the
- * prefill form shared this kernel (ptxas sm_90 at ffbd1d2: 168 registers; 4c21f92 raised them to
- * 178-198, i.e. 2 blocks per SM where shared memory allows 3; at 168 no spill is needed); the rest
- * unconstrained (the 16-pair plain form is held to 3 per SM by its shared memory anyway). */
+/* Blocks per SM the register allocation must allow: the prefill form at 64 pairs 3; the bitwise forms
+ * unconstrained. 73d83de held the bitwise Q4_K gate/up and the 32-pair C = 2 plain form to 3 blocks per
+ * SM (168 registers instead of 198): at decode that was slower, 32 sequences 13.01 vs 12.63 ms a step
+ * (run 48) and 14.05-14.09 vs 13.88-13.89 (run 53, another build): their few busy blocks gain more from
+ * the unbounded schedule than from a third block per SM. */
 template <bool SW, int BN, int CS, bool FAST> __host__ __device__ constexpr int gemm_min_blocks() {
-    if (FAST) return BN == MM_BN_FAST ? 3 : 1;
-    return (CS == 1 || CS == 2) && ((SW && BN == MM_BN) || (!SW && BN == MM_BN_WIDE && CS == 2)) ? 3 : 1;
+    return FAST && BN == MM_BN_FAST ? 3 : 1;
 }
 template <int T, bool SW, int BN, int CS, bool FAST = false>
 __global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_linear_gemm(lin_args a) {

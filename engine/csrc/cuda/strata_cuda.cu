@@ -581,8 +581,8 @@ static thread_local bool g_gemm_tiles = true; /* read per step (stg_forward); gr
  * groups <= 32 pairs by one warp (group_pairs_warp); 0: the shared-memory scan and the block's
  * grouping. Same ids, weights and groups (run 42: batch 1 -0.09 ms, 8 sequences -0.12 ms per step).
  * Larger steps (k_route, k_router + k_group) keep the block forms: not measured there.
- * STRATA_GPU_ATT_STAGES (1 or 2; default 2 up to head_dim 128): k_attention's chunk stages at
- * decode, a measurement knob (run 42: 1 stage -0.2 ms at 32 sequences in a noisy row).
+ * STRATA_GPU_ATT_STAGES (1 or 2; default: launch_attention's, up to head_dim 128): k_attention's chunk
+ * stages at decode, a measurement knob.
  * Both read by read_knobs (per step and per harness call); graphs are keyed by them. */
 static thread_local bool g_route_fast = true;
 static thread_local int g_att_stages = 0;
@@ -1117,8 +1117,13 @@ static stg_status launch_attention_tile(const attn_args &aa, const int32_t *d_ti
     return ST_OK;
 }
 
+/* k_attention's default at decode: one chunk stage (half the shared memory, more blocks per SM) from
+ * ATT_ONE_STAGE_MIN tokens, two below. 1,024 blocks at 32 sequences: one stage -0.2 / -0.29 / -0.35 to
+ * -0.47 ms a step (runs 42, 48, 53), 16 sequences -0.05 to -0.08 (run 53), 8 sequences +0.06 (run 53).
+ * The stages change when copies are issued, not the arithmetic: same bits. */
+#define ATT_ONE_STAGE_MIN 16
 static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st) {
-    aa.stages = aa.hd <= 128 ? (g_att_stages ? g_att_stages : 2) : 1;
+    aa.stages = aa.hd <= 128 ? (g_att_stages ? g_att_stages : n_tok >= ATT_ONE_STAGE_MIN ? 1 : 2) : 1;
     const size_t smem = att_smem_bytes(aa.hd, aa.stages);
     if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
     launch_k(k_attention, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, smem, st, aa);
