@@ -302,6 +302,48 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
     }
 }
 
+/* A routed plain matvec of single-pair passes (the down projection at decode: each group one pair, or a
+ * few) with R consecutive weight rows per warp (STRATA_GPU_MV_ROWS): each lane's sub-blocks of all R
+ * rows are loaded together and the pair's activations once for them, so the launch is one wave with more
+ * loads in flight per warp (down at batch 1: 4,096 blocks of one row per warp took 3.45 waves). Every
+ * row's sum is k_linear_q's (lanes over sub-blocks j = lane + 32 i in order, the same sub_dot chain, the
+ * same butterfly), so the bits are too. */
+template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_rows(lin_args a) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
+    int e, start, count;
+    PDL_ENTER(); /* routed: the expert ids come from the predecessor */
+    if (rb >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
+    const uint8_t *w0 = a.w + e * a.expert_stride + (int64_t)rb * a.row_bytes;
+    const int nsb = a.K / 32;
+    for (int pi = 0; pi < count; pi++) {
+        const int p = pair_at(a.g, start, pi);
+        const int64_t base = (int64_t)in_row(a.g, p) * a.K;
+        float acc[R];
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) acc[rr] = 0.0f;
+        for (int j = lane; j < nsb; j += WARP) {
+            sub_w s[R];
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (rb + rr < a.N) unpack_sub<T>(w0 + rr * a.row_bytes, j, s[rr]);
+            const int8_t *q = a.aq + base + 32 * j;
+            const float d = a.ad[base / 32 + j];
+            const int32_t *sm = a.as + base / 16 + 2 * j;
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (rb + rr < a.N) acc[rr] = sub_dot(acc[rr], s[rr], q, d, sm);
+        }
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) acc[rr] = warp_sum(acc[rr]);
+        if (lane == 0) {
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (rb + rr < a.N) store_at(a, a.out + (int64_t)p * a.ldo + rb + rr, acc[rr], 0.0f);
+        }
+    }
+}
+
 /* Float weights (F32/F16/BF16) against float activations: warp per row, lanes over elements. */
 template <int T, int NT, bool SW>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
@@ -385,6 +427,53 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_a
             float v = 0.0f;
             for (int wi = 0; wi < LIN_WARPS; wi++) v += part[wi][threadIdx.x];
             store_out(a, pair_at(a.g, start, p0 + threadIdx.x), r, v, 0.0f);
+        }
+        __syncthreads();
+    }
+}
+/* f_rows_body for one dense pass of <= 2 tokens with K <= ROUTER_PRE * LIN_WARPS * WARP (a decode router):
+ * each thread's weights are loaded into registers before the wait for the predecessor (weights only;
+ * the group is the launch's single dense one), then the same fmaf chains in the same order. */
+#define ROUTER_PRE 16
+template <int T, int NT> __device__ __forceinline__ void f_rows_pre(const lin_args &a) {
+    __shared__ float part[LIN_WARPS][NT];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int r = blockIdx.x;
+    const uint8_t *wrow = a.w + (int64_t)r * a.row_bytes;
+    float wv[ROUTER_PRE];
+#pragma unroll
+    for (int u = 0; u < ROUTER_PRE; u++) {
+        const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
+        wv[u] = i < a.K ? wf<T>(wrow, i) : 0.0f;
+    }
+    pdl_wait();
+    for (int p0 = (int)blockIdx.z * NT; p0 < a.g.n_pairs; p0 += (int)gridDim.z * NT) {
+        int rows[NT];
+        float acc[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            rows[t] = p0 + t < a.g.n_pairs ? in_row(a.g, pair_at(a.g, 0, p0 + t)) : -1;
+            acc[t] = 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < ROUTER_PRE; u++) {
+            const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
+            if (i < a.K) {
+#pragma unroll
+                for (int t = 0; t < NT; t++)
+                    if (rows[t] >= 0) acc[t] = fmaf(wv[u], a.x[(int64_t)rows[t] * a.K + i], acc[t]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            acc[t] = warp_sum(acc[t]);
+            if (lane == 0) part[warp][t] = acc[t];
+        }
+        __syncthreads();
+        if (threadIdx.x < NT && rows[threadIdx.x] >= 0) {
+            float v = 0.0f;
+            for (int wi = 0; wi < LIN_WARPS; wi++) v += part[wi][threadIdx.x];
+            store_out(a, pair_at(a.g, 0, p0 + threadIdx.x), r, v, 0.0f);
         }
         __syncthreads();
     }
@@ -1161,6 +1250,7 @@ struct attn_args {
      * its kv head's new K and V (the first q head of each kv group also writes them to the
      * cache) and uses the new key from shared memory, not from the slot being written. */
     int32_t fused;
+    int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait (STRATA_GPU_ATT_PRE) */
     qkv_args qa;
 };
 
@@ -1180,7 +1270,7 @@ static inline size_t att_smem_bytes(int hd, int stages) {
     return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
 }
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
-    PDL_ENTER();
+    pdl_trigger();
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ float qs[256];
     __shared__ float part[ATT_WARPS][256 + 2];
@@ -1190,24 +1280,14 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     const int S = a.stages;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
     __shared__ __half kvnew[2][256]; /* fused: this token's K and V of head kvh */
-    if (a.fused) {
-        if (warp < 3) { /* warp 0: q head h; 1: k head kvh; 2: v head kvh (part[] is free until the merge) */
-            float *v = part[warp];
-            qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);
-            if (warp == 0) {
-                for (int i = lane; i < hd; i += 32) qs[i] = __fmul_rn(v[i], a.qa.scale);
-            } else {
-                for (int i = lane; i < hd; i += 32) kvnew[warp - 1][i] = __float2half_rn(v[i]);
-                if (h % (a.n_head / a.n_kv) == 0) kv_store(a.qa, t, warp, kvh, v, lane);
-            }
-        }
-    } else {
-        const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
-    }
+    /* pre (fused decode steps only): pos, seq and the block table are the step's uploaded inputs and
+     * the cache's earlier keys were written by earlier steps, so they are read, and this warp's first
+     * chunks' copies issued, before the wait for the predecessor (the q/k/v projection); the new
+     * key's slot, which this launch itself writes, is replaced in shared memory further down */
+    const bool pre = a.fused && a.pre;
+    if (!pre) pdl_wait();
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     const int32_t n_keys = a.pos[t] + 1, n_chunks = (n_keys + ATT_CK - 1) / ATT_CK;
-    __syncthreads();
     /* copies of chunk ci (block blk) into stage st */
     auto issue = [&](int ci, int st, int32_t blk) {
         const int slot0 = (ci * ATT_CK) % bs;
@@ -1223,31 +1303,60 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
         cp_async_commit();
     };
-    float m = -INFINITY, l = 0.0f, acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
     int ci = warp;
     int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
-    if (S == 2 && ci < n_chunks) {
+    int issued = 0; /* this warp's chunks already in flight when the loop starts */
+    if (ci < n_chunks && (S == 2 || pre)) {
         issue(ci, 0, blk_next);
         const int cn = ci + ATT_WARPS;
         blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
+        issued = 1;
+        if (pre && S == 2 && cn < n_chunks) {
+            issue(cn, 1, blk_next);
+            const int cnn = cn + ATT_WARPS;
+            blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
+            issued = 2;
+        }
     }
+    if (pre) pdl_wait();
+    if (a.fused) {
+        if (warp < 3) { /* warp 0: q head h; 1: k head kvh; 2: v head kvh (part[] is free until the merge) */
+            float *v = part[warp];
+            qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);
+            if (warp == 0) {
+                for (int i = lane; i < hd; i += 32) qs[i] = __fmul_rn(v[i], a.qa.scale);
+            } else {
+                for (int i = lane; i < hd; i += 32) kvnew[warp - 1][i] = __float2half_rn(v[i]);
+                if (h % (a.n_head / a.n_kv) == 0) kv_store(a.qa, t, warp, kvh, v, lane);
+            }
+        }
+    } else {
+        const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
+    }
+    __syncthreads();
+    float m = -INFINITY, l = 0.0f, acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) acc[i] = 0.0f;
     const int key = lane & 15, half = lane >> 4;
     for (int it = 0; ci < n_chunks; it++, ci += ATT_WARPS) {
         int st = 0;
         if (S == 1) {
-            issue(ci, 0, blk_next);
-            const int cn = ci + ATT_WARPS;
-            blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0; /* in flight during this chunk */
+            if (it > 0 || !issued) {
+                issue(ci, 0, blk_next);
+                const int cn = ci + ATT_WARPS;
+                blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0; /* in flight during this chunk */
+            }
             cp_async_wait<0>();
         } else {
             st = it & 1;
             const int cn = ci + ATT_WARPS;
             if (cn < n_chunks) {
-                issue(cn, st ^ 1, blk_next);
-                const int cnn = cn + ATT_WARPS;
-                blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
+                if (it > 0 || issued < 2) {
+                    issue(cn, st ^ 1, blk_next);
+                    const int cnn = cn + ATT_WARPS;
+                    blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
+                }
                 cp_async_wait<1>();
             } else {
                 cp_async_wait<0>();
@@ -1804,13 +1913,19 @@ struct route_args {
     float *w;
     int32_t *gtiles, *n_gtiles;
     int32_t fast; /* the register / one-warp router tail (STRATA_GPU_ROUTE_FAST) */
+    int32_t pre;  /* f_rows_pre (STRATA_GPU_ROUTER_PRE; the host checks NT <= 2, K, a dense group) */
 };
 template <int T, int NT>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
-    PDL_ENTER();
+    pdl_trigger();
     extern __shared__ float rrs[];
     __shared__ int last;
-    f_rows_body<T, NT>(a);
+    if (NT <= 2 && r.pre) {
+        f_rows_pre<T, NT <= 2 ? NT : 1>(a);
+    } else {
+        pdl_wait();
+        f_rows_body<T, NT>(a);
+    }
     __threadfence(); /* this block's logits visible before it is counted */
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(r.counter, 1) == (int)gridDim.x - 1;

@@ -215,6 +215,50 @@ template <> __device__ __forceinline__ void unpack_sub<STG_Q6_K>(const uint8_t *
     }
 }
 
+/* The 32 bytes at a 2-byte aligned p as 8 little-endian words: five 8-byte loads from the 8-byte
+ * boundary at or below p (so never below the tensor's aligned start; up to 8 bytes past the 32) and
+ * funnel shifts, instead of sixteen
+ * 2-byte loads: a Q6_K block (210 bytes) is only 2-byte aligned, and the matvec over the
+ * 151,936-row output head issued ~35 loads per sub-block and lane. Same bytes, same words. */
+__device__ __forceinline__ void ld32_2a(const uint8_t *p, uint32_t (&w)[8]) {
+    const uintptr_t a = (uintptr_t)p;
+    const uint2 *b = (const uint2 *)(a & ~(uintptr_t)7);
+    uint32_t x[10];
+#pragma unroll
+    for (int i = 0; i < 5; i++) {
+        const uint2 v = b[i];
+        x[2 * i] = v.x, x[2 * i + 1] = v.y;
+    }
+    const bool up = (a & 4) != 0;            /* p is in the upper word of its 8 bytes */
+    const unsigned sh = (unsigned)(a & 3) * 8; /* 0 or 16 */
+#pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = __funnelshift_r(up ? x[i + 1] : x[i], up ? x[i + 2] : x[i + 1], sh);
+}
+/* Sub-block j of a Q6_K row through ld32_2a (STRATA_GPU_Q6_WIDE; bitwise unpack_sub<STG_Q6_K>). Its
+ * last 32-byte chunk (qh of the upper half) ends 18 bytes before the block: the over-read stays inside. */
+__device__ __forceinline__ void unpack_q6k_wide(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 210;
+    const int sb = j & 7, h = sb >> 2, g = sb & 3;
+    uint32_t lw[8], hw[8];
+    ld32_2a(b + 64 * h + ((g & 1) ? 32 : 0), lw);
+    ld32_2a(b + 128 + 32 * h, hw);
+    const uint32_t sc = *(const uint16_t *)(b + 192 + 2 * sb);
+    s.A = ld_f16(b + 208), s.B = 0.0f;
+    s.c0 = (int)(int8_t)(sc & 0xFFu), s.c1 = (int)(int8_t)(sc >> 8);
+    const int lsh = g < 2 ? 0 : 4, hsh = 2 * g;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t lo = (lw[i] >> lsh) & 0x0F0F0F0Fu;
+        const uint32_t hi = ((hw[i] >> hsh) & 0x03030303u) << 4;
+        s.q[i] = (int)__vsub4(lo | hi, 0x20202020u);
+    }
+}
+
+#define STG_Q6_KW 114 /* not a GGUF type: Q6_K through unpack_q6k_wide, for the matvec's template only */
+template <> __device__ __forceinline__ void unpack_sub<STG_Q6_KW>(const uint8_t *row, int j, sub_w &s) {
+    unpack_q6k_wide(row, j, s);
+}
+
 /* ---- dequantisation of one block (bitwise equal to quants.c: no contraction) ---- */
 template <int T> __device__ __forceinline__ void deq_block(const uint8_t *b, float *y);
 

@@ -593,7 +593,32 @@ static thread_local int g_att_stages = 0;
  * fewer, same bits (run 48: -0.21 ms per 32-sequence step, -0.24 at 16). g_defer_combine asks launch_q
  * to skip the combine; g_deferred says it did. */
 static thread_local bool g_combine_fuse = true, g_defer_combine = false, g_deferred = false;
-static int32_t g_knobs() { return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3; }
+/* Batch-1 decode knobs (session 9, runs 51-52), each bitwise neutral by construction (same bytes, same
+ * arithmetic in the same order; only when loads are issued, how wide they are or how many rows a warp
+ * takes changes; test_gpu_b1_knobs.py, knob_bitwise.py):
+ * STRATA_GPU_Q6_WIDE (default 1): the Q6_K matvec (the output head) reads each 32-byte chunk of a
+ *   2-byte aligned block by five 8-byte loads and funnel shifts instead of sixteen 2-byte loads
+ *   (run 52: batch 1 -0.01 ms, 8 sequences -0.13 ms a step).
+ * STRATA_GPU_ATT_PRE (default 1): the fused decode attention reads pos / seq / its block table and
+ *   issues its first two K/V chunks' copies before waiting for the predecessor (the cache's earlier
+ *   keys were written by earlier steps; the new key replaces its slot in shared memory anyway): -0.03 ms.
+ * STRATA_GPU_ROUTER_PRE (default 1): the decode router (k_router_route, <= 2 tokens, K <= 2,048) loads
+ *   its float weights into registers before waiting for the predecessor: -0.02 ms.
+ * STRATA_GPU_MV_ROWS (default 8): weight rows per warp of a routed Q4_K matvec of single-pair passes (the
+ *   down projection at decode: k_linear_q_rows), 2, 4 or 8; 0 or 1: k_linear_q's one row per warp. At 8
+ *   rows the down launch is 512 blocks of 128 registers (sm_90), one wave instead of 4,096 blocks in
+ *   3.45: batch 1 neutral, 8 sequences -0.8 ms a step. (Gate/up with 2 or 4 rows per warp was slower:
+ *   +0.16 ms at batch 1, +1.4 ms at 8 sequences; tests/engine/gpu/b1_candidates.patch.) */
+static thread_local bool g_q6_wide = true;
+static thread_local bool g_att_pre = true;
+static thread_local bool g_router_pre = true;
+static thread_local int g_mv_rows = 8;
+static int32_t b1_knobs() {
+    return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3;
+}
+static int32_t g_knobs() {
+    return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | b1_knobs() << 20;
+}
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
     return !(e && e[0] == '0');
@@ -643,6 +668,11 @@ static void read_knobs() {
     const int fq = env_int("STRATA_GPU_FAST_QKV", 1);
     g_fast_qkv = fq == 0 || fq == 2 ? fq : 1;
     g_fast_pdl = env_int("STRATA_GPU_FAST_PDL", 0) != 0;
+    g_q6_wide = env_int("STRATA_GPU_Q6_WIDE", 1) != 0;
+    g_att_pre = env_int("STRATA_GPU_ATT_PRE", 1) != 0;
+    g_router_pre = env_int("STRATA_GPU_ROUTER_PRE", 1) != 0;
+    const int rows = env_int("STRATA_GPU_MV_ROWS", 8);
+    g_mv_rows = rows <= 1 ? 1 : rows == 2 || rows == 4 || rows == 8 ? rows : 8;
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -731,6 +761,12 @@ template <bool SW> static void launch_fast(const lin_args &a, int max_groups, in
     else launch_k(gemm_fast_kernel<SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_WIDE>(), st, b);
 }
 
+template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 grid, cudaStream_t st) {
+    if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else if (nt >= 2) launch_k(k_linear_q<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else launch_k(k_linear_q<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
+}
 template <int T, bool SW> static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count,
                                                cudaStream_t st) {
     if (path == STG_PATH_REF) {
@@ -771,10 +807,23 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
-        if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
-        else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
-        else if (nt >= 2) launch_k(k_linear_q<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);
-        else launch_k(k_linear_q<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
+        if constexpr (T == STG_Q4_K && !SW) {
+            const int R = g_mv_rows;
+            if (R > 1 && nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: R rows per warp */
+                const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), grid.y);
+                if (R == 2) launch_k(k_linear_q_rows<T, 2>, g, LIN_WARPS * 32, 0, st, a);
+                else if (R == 4) launch_k(k_linear_q_rows<T, 4>, g, LIN_WARPS * 32, 0, st, a);
+                else launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
+                return;
+            }
+        }
+        if constexpr (T == STG_Q6_K) {
+            if (g_q6_wide) {
+                launch_mv<STG_Q6_KW, SW>(a, nt, grid, st);
+                return;
+            }
+        }
+        launch_mv<T, SW>(a, nt, grid, st);
     }
 }
 template <int T, bool SW> static void launch_f(const lin_args &a, int path, int nt, int max_groups, int max_count,
@@ -1216,6 +1265,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
+    aa.pre = fuse_qkv && g_att_pre ? 1 : 0;
     if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
@@ -1283,9 +1333,10 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
         a.mode = MODE_STORE;
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
-                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, g_route_fast};
+                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, g_route_fast, 0};
         int nt = 1;
         while (nt < T) nt *= 2;
+        ra.pre = g_router_pre && nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
         switch (L.gate_inp.type) {
 #define CASE_RR(TY)                                                                                   \
     case TY:                                                                                          \

@@ -5,8 +5,9 @@
 # rebuild it from the shared tree's sources); every library lands in /tmp/l/NAME.so. After
 # device_run.sh's setup: the candidate's batch-1 switch tests, kernel and model tests, the switches'
 # same-bits check on the bench model (knob_bitwise.py, every switch off / on / other values), then
-# `bench.engine_gpu --decode-only --lean` of the candidate with every switch off (the baseline: HEAD's
-# forms) and at its defaults with one row per switch turned off. STEPS replaces those steps.
+# `bench.engine_gpu --decode-only --lean` of the candidate with every switch off (the forms before
+# session 9) and at its defaults with one row per switch turned off (EXTRA_KNOBS: more `--knob N:ENV=V`
+# rows). SWITCHES: the variables to turn off (default below); STEPS replaces those steps.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/l
@@ -15,8 +16,9 @@ for f in .b1/*.so.gz; do gunzip -c "$f" > "/tmp/l/$(basename "$f" .gz)" || exit 
 CAND=${CAND:-_strata_cuda_b1_1}
 cp "/tmp/l/$CAND.so" engine/_strata_cuda.so && touch engine/_strata_cuda.so || exit 1
 export L=/tmp/l OUT CAND
-SW="STRATA_GPU_Q6_WIDE STRATA_GPU_MV_STAGE STRATA_GPU_MV_LB STRATA_GPU_ATT_PRE STRATA_GPU_ROUTER_PRE STRATA_GPU_EXPERT_PF"
-SW="$SW STRATA_GPU_MV_ROWS STRATA_GPU_MV_ROWS_SW"
+# the batch-1 switches (strata_cuda.cu "Batch-1 decode knobs"); runs 51-52 also had MV_STAGE, MV_LB,
+# EXPERT_PF and MV_ROWS_SW (tests/engine/gpu/b1_candidates.patch)
+SW="${SWITCHES:-STRATA_GPU_Q6_WIDE STRATA_GPU_ATT_PRE STRATA_GPU_ROUTER_PRE STRATA_GPU_MV_ROWS}"
 OFFS=""; for s in $SW; do OFFS="$OFFS $s=0"; done
 KNOBS=""; for s in $SW; do KNOBS="$KNOBS --knob 1:$s=0"; done
 DEFAULT_STEPS="
@@ -30,8 +32,6 @@ STRATA_CUDA_LIB=\$L/\$CAND.so python3 tests/engine/gpu/knob_bitwise.py $(echo $S
 env $OFFS STRATA_CUDA_LIB=\$L/\$CAND.so python3 -m bench.engine_gpu --decode-only --lean --knob 1:STRATA_GPU_NONE=1 \
   2>&1 | grep '^decode (' | sed 's/^/all off: /'
 STRATA_CUDA_LIB=\$L/\$CAND.so python3 -m bench.engine_gpu --decode-only --lean --json \$OUT/cand.json $KNOBS \
-  --knob 1:STRATA_GPU_NONE=1 --knob 1:STRATA_GPU_MV_ROWS=4 --knob 1:STRATA_GPU_MV_ROWS_SW=2 \
-  --knob 1:STRATA_GPU_EXPERT_PF=1 --knob 1:STRATA_GPU_MV_STAGE=2 --knob 8:STRATA_GPU_MV_STAGE=0 \
-  --knob 8:STRATA_GPU_Q6_WIDE=0 --knob 1:STRATA_GPU_NONE=2 2>&1 | grep '^decode ('
+  --knob 1:STRATA_GPU_NONE=1 \${EXTRA_KNOBS:-} 2>&1 | grep '^decode ('
 "
 exec bash tests/engine/gpu/device_run.sh sh "${STEPS:-$DEFAULT_STEPS}"

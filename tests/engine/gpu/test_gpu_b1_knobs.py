@@ -1,8 +1,8 @@
-"""The batch-1 decode switches of session 9 (strata_cuda.cu, "Batch-1 latency knobs") promise the
-bits of the form each replaces: they change when loads are issued, how wide they are, how many rows
-a warp takes or how many registers a kernel may use, never an arithmetic operation or its order.
-These tests hold each one to that at the harness's shapes, and all of them together in whole decode
-steps of a small model (attention, router and expert prefetch only run inside a step)."""
+"""The batch-1 decode switches of session 9 (strata_cuda.cu, "Batch-1 decode knobs"; docs/gpu-runs.md
+runs 51-52) promise the bits of the form each replaces: they change when loads are issued, how wide
+they are or how many rows a warp takes, never an arithmetic operation or its order. These tests hold
+each one to that at the harness's shapes, and all of them together in whole decode steps of a small
+model (the attention's and the router's pre-wait reads only run inside a step)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ from tests.engine.gpu.test_gpu_kernels import PATHS, random_blocks, tid
 pytestmark = requires_gpu
 
 # every switch of the batch-1 set, and the value that turns it off (the form before session 9)
-OFF = {"STRATA_GPU_Q6_WIDE": "0", "STRATA_GPU_MV_STAGE": "0", "STRATA_GPU_MV_LB": "0", "STRATA_GPU_ATT_PRE": "0",
-       "STRATA_GPU_ROUTER_PRE": "0", "STRATA_GPU_EXPERT_PF": "0", "STRATA_GPU_MV_ROWS": "1",
-       "STRATA_GPU_MV_ROWS_SW": "1"}
+OFF = {"STRATA_GPU_Q6_WIDE": "0", "STRATA_GPU_ATT_PRE": "0", "STRATA_GPU_ROUTER_PRE": "0", "STRATA_GPU_MV_ROWS": "1"}
 
 
 def linear(g: tuple, name: str, path: str, w: np.ndarray, w2: np.ndarray | None, rows: int, k: int,
@@ -37,12 +35,11 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize("k", [256, 768, 2048])
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
-def test_dense_matvec_forms_bitwise(g: tuple, name: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dense K-quant matvec: rows staged in shared memory before the wait (MV_STAGE 1 / 2), the
-    10-blocks-per-SM bound (MV_LB), Q6_K's wide loads (Q6_WIDE; k = 256 / 768: 210- and 630-byte rows,
-    whose blocks start at every even offset) give the plain matvec's bits, and the GEMM's (which
-    unpacks Q6_K the old way), one token and three, gate/up form too."""
+def test_q6k_wide_loads_bitwise(g: tuple, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q6_K matvec with the wide loads (Q6_WIDE; k = 256 / 768: 210- and 630-byte rows, whose blocks
+    start at every even offset) gives the 2-byte loads' bits and the GEMM's (which unpacks Q6_K the old
+    way), one token and three, gate/up form too."""
+    name = "Q6_K"
     rng = np.random.default_rng(k)
     rows = 80  # 20 blocks of 4 warps; not a multiple of 32 rows
     w, w2 = random_blocks(name, rows * k, rng), random_blocks(name, rows * k, rng)
@@ -53,12 +50,9 @@ def test_dense_matvec_forms_bitwise(g: tuple, name: str, k: int, monkeypatch: py
                 monkeypatch.setenv(env, v)
             ref = linear(g, name, "matvec", w, second, rows, k, x)
             assert np.isfinite(ref).all()
-            for stage, lb, wide in (("1", "1", "1"), ("2", "1", "1"), ("1", "0", "0"), ("0", "0", "1"), ("2", "0", "1")):
-                monkeypatch.setenv("STRATA_GPU_MV_STAGE", stage)
-                monkeypatch.setenv("STRATA_GPU_MV_LB", lb)
-                monkeypatch.setenv("STRATA_GPU_Q6_WIDE", wide)
-                got = linear(g, name, "matvec", w, second, rows, k, x)
-                assert same(ref, got), (name, k, n_tok, second is not None, stage, lb, wide)
+            monkeypatch.setenv("STRATA_GPU_Q6_WIDE", "1")
+            got = linear(g, name, "matvec", w, second, rows, k, x)
+            assert same(ref, got), (name, k, n_tok, second is not None, "wide")
             got = linear(g, name, "gemm", w, second, rows, k, x)
             assert same(ref, got), (name, k, n_tok, second is not None, "gemm")
 
@@ -66,8 +60,9 @@ def test_dense_matvec_forms_bitwise(g: tuple, name: str, k: int, monkeypatch: py
 @pytest.mark.parametrize("k", [768, 2048])
 def test_routed_rows_per_warp_bitwise(g: tuple, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Routed Q4_K matvec of single-pair passes (1 or 2 tokens, 8 of 16 experts each: one pair per
-    group, or two where both tokens chose an expert) with 2, 4 or 8 rows per warp (MV_ROWS, gate/up:
-    MV_ROWS_SW) against one row per warp and against the GEMM over the tile list."""
+    group, or two where both tokens chose an expert) with 2, 4 or 8 rows per warp (MV_ROWS) against
+    one row per warp and against the GEMM over the tile list; the gate/up form (which keeps one row
+    per warp) unchanged by the switch."""
     rng = np.random.default_rng(k + 1)
     n_expert, rows, k_used = 16, 80, 8
     w = np.concatenate([random_blocks("Q4_K", rows * k, rng) for _ in range(n_expert)])
@@ -84,14 +79,14 @@ def test_routed_rows_per_warp_bitwise(g: tuple, k: int, monkeypatch: pytest.Monk
     for n_tok in (1, 2):
         x = rng.standard_normal((n_tok, k)).astype(np.float32)
         ids = np.concatenate([rng.choice(n_expert, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
-        for second, env in ((None, "STRATA_GPU_MV_ROWS"), (w2, "STRATA_GPU_MV_ROWS_SW")):
-            monkeypatch.setenv(env, "1")
+        for second in (None, w2):
+            monkeypatch.setenv("STRATA_GPU_MV_ROWS", "1")
             ref = run("matvec", 0, second, x, ids)
             assert np.isfinite(ref).all()
             for r in ("2", "4", "8"):
-                monkeypatch.setenv(env, r)
-                assert same(ref, run("matvec", 0, second, x, ids)), (k, n_tok, env, r)
-            assert same(ref, run("gemm", 1, second, x, ids)), (k, n_tok, env, "gemm")
+                monkeypatch.setenv("STRATA_GPU_MV_ROWS", r)
+                assert same(ref, run("matvec", 0, second, x, ids)), (k, n_tok, second is not None, r)
+            assert same(ref, run("gemm", 1, second, x, ids)), (k, n_tok, second is not None, "gemm")
 
 
 def decode_logits(eng: object, n_seq: int, steps: int, env: dict[str, str]) -> list[np.ndarray]:
@@ -125,8 +120,8 @@ def decode_logits(eng: object, n_seq: int, steps: int, env: dict[str, str]) -> l
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_decode_steps_bitwise_with_every_switch(tmp_path: Path, outtype: str) -> None:
     """Whole decode steps (graphs, programmatic dependent launch) of a small random Qwen3-MoE (32 experts,
-    top 8: 8 groups at one token, so the expert prefetch runs): every step's logits at 1 and 2 sequences
-    bitwise equal with every switch off and at its default."""
+    top 8; F32 / Q8_0, so only the attention's and router's pre-wait reads apply): every step's logits at
+    1 and 2 sequences bitwise equal with every switch off and at its default."""
     H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
     from engine.engine import Engine
 
