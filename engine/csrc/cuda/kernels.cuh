@@ -386,6 +386,26 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
     }
 }
 
+/* The end of one pass of the float-row kernels: each warp's sums, then thread t adds the
+ * warps' partials in warp order and stores pair p0 + t's output of row r. */
+template <int NT>
+__device__ __forceinline__ void rows_sum_store(const lin_args &a, float (&part)[LIN_WARPS][NT], float (&acc)[NT],
+                                               const int (&rows)[NT], int start, int p0, int r) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        acc[t] = warp_sum(acc[t]);
+        if (lane == 0) part[warp][t] = acc[t];
+    }
+    __syncthreads();
+    if (threadIdx.x < NT && rows[threadIdx.x] >= 0) {
+        float v = 0.0f;
+        for (int wi = 0; wi < LIN_WARPS; wi++) v += part[wi][threadIdx.x];
+        store_out(a, pair_at(a.g, start, p0 + threadIdx.x), r, v, 0.0f);
+    }
+    __syncthreads();
+}
+
 /* Float weights with few rows (routers: n_expert rows): a block of LIN_WARPS warps per row,
  * the warps splitting the row, their sums added in warp order. The order depends only on
  * the weight's shape, so results stay batch invariant. Passes of NT pairs are independent
@@ -417,18 +437,7 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_a
             for (int t = 0; t < NT; t++)
                 if (rows[t] >= 0) acc[t] = fmaf(w, a.x[(int64_t)rows[t] * a.K + i], acc[t]);
         }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            acc[t] = warp_sum(acc[t]);
-            if (lane == 0) part[warp][t] = acc[t];
-        }
-        __syncthreads();
-        if (threadIdx.x < NT && rows[threadIdx.x] >= 0) {
-            float v = 0.0f;
-            for (int wi = 0; wi < LIN_WARPS; wi++) v += part[wi][threadIdx.x];
-            store_out(a, pair_at(a.g, start, p0 + threadIdx.x), r, v, 0.0f);
-        }
-        __syncthreads();
+        rows_sum_store<NT>(a, part, acc, rows, start, p0, r);
     }
 }
 /* f_rows_body for one dense pass of <= 2 tokens with K <= ROUTER_PRE * LIN_WARPS * WARP (a decode router):
@@ -464,18 +473,7 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_pre(const lin_ar
                     if (rows[t] >= 0) acc[t] = fmaf(wv[u], a.x[(int64_t)rows[t] * a.K + i], acc[t]);
             }
         }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            acc[t] = warp_sum(acc[t]);
-            if (lane == 0) part[warp][t] = acc[t];
-        }
-        __syncthreads();
-        if (threadIdx.x < NT && rows[threadIdx.x] >= 0) {
-            float v = 0.0f;
-            for (int wi = 0; wi < LIN_WARPS; wi++) v += part[wi][threadIdx.x];
-            store_out(a, pair_at(a.g, 0, p0 + threadIdx.x), r, v, 0.0f);
-        }
-        __syncthreads();
+        rows_sum_store<NT>(a, part, acc, rows, 0, p0, r);
     }
 }
 template <int T, int NT>
