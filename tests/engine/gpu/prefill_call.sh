@@ -30,8 +30,9 @@ echo bitwise GEMM tests \$?: \$(tail -1 $OUT/t_k.log)
 wait; tail -1 /tmp/mb.log
 ABR='python3 -m tests.engine.gpu.prefill_ab'
 STRATA_CUDA_LIB=$F \$ABR --set off STRATA_GPU_GEMM_FAST_MIN=0 ${SETS:-} --profile ${PROFILE:-base} > $OUT/ab.log 2>&1
+echo prefill_ab exit \$?  # run 51's process aborted at exit after printing everything: say so
 grep -E 'median|==|^  [A-Za-z0-9]' $OUT/ab.log | grep -v '  other: Mem'
-for l in $others; do STRATA_CUDA_LIB=\$l \$ABR 2>&1 | grep median; done
+for l in $others; do STRATA_CUDA_LIB=\$l \$ABR 2>&1 | grep median; echo \$l exit \${PIPESTATUS[0]}; done
 if [ \"${LLAMA:-0}\" = 1 ]; then
   LD_LIBRARY_PATH=/tmp/llama-build/bin:\${LD_LIBRARY_PATH:-} /tmp/llama-build/bin/llama-bench \
     -m /tmp/strata-bench/qwen3moe-synth-48L-skew1.gguf -ngl 99 -fa 1 -p 512,4096 -n 0 -r 3 -o md 2>&1 | tail -5
