@@ -19,27 +19,33 @@ import sys
 import numpy as np
 
 
-def run(env: str, value: str, n_seq: int, steps: int, eng: object, seed: int) -> list[np.ndarray]:
-    """env: one variable's name, or several separated by commas (each set to value)."""
-    rng = np.random.default_rng(seed)
+def decode_logits(eng: object, n_seq: int, steps: int, env: dict[str, str], prompt_len: int = 32) -> list[np.ndarray]:
+    """Distinct random prompts of prompt_len tokens (seeded by n_seq) prefilled, then `steps` greedy
+    decode steps of n_seq sequences with the variables in env set (restored afterwards); every step's
+    logits. Also serves test_gpu_b1_knobs.py."""
+    rng = np.random.default_rng(n_seq)
     V, bs = eng.hparams.n_vocab, eng.block_size  # type: ignore[attr-defined]
-    tabs = [eng.blocks.allocate(-(-(32 + steps + 1) // bs)) for _ in range(n_seq)]  # type: ignore[attr-defined]
-    for name in env.split(","):
-        os.environ[name] = value
+    tabs = [eng.blocks.allocate(-(-(prompt_len + steps + 1) // bs)) for _ in range(n_seq)]  # type: ignore[attr-defined]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         last, out = [], []
         for tb in tabs:
             assert tb is not None
-            ids = [int(t) for t in rng.integers(0, V, size=32)]
+            ids = [int(t) for t in rng.integers(0, V, size=prompt_len)]
             last.append(int(np.argmax(eng.prefill(ids, tb))))  # type: ignore[attr-defined]
         for s in range(steps):
-            lg = eng.forward(last, [32 + s] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)))  # type: ignore[attr-defined]
+            pos = [prompt_len + s] * n_seq
+            lg = eng.forward(last, pos, list(range(n_seq)), tabs, list(range(n_seq)))  # type: ignore[attr-defined]
             out.append(np.array(lg, copy=True))
             last = [int(x) for x in lg.argmax(axis=1)]
         return out
     finally:
-        for name in env.split(","):
-            del os.environ[name]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         for tb in tabs:
             eng.blocks.release(tb)  # type: ignore[attr-defined]
 
@@ -64,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     values = args.values.split(",")
     bad = 0
     for n_seq in (int(x) for x in args.seqs.split(",")):
-        ref = run(args.env, values[0], n_seq, args.steps, eng, n_seq)
+        names = args.env.split(",")  # several variables: each set to the value
+        ref = decode_logits(eng, n_seq, args.steps, dict.fromkeys(names, values[0]))
         for v in values[1:]:
-            got = run(args.env, v, n_seq, args.steps, eng, n_seq)
+            got = decode_logits(eng, n_seq, args.steps, dict.fromkeys(names, v))
             same = all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(ref, got, strict=True))
             diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref, got, strict=True))
             print(f"{args.env} {values[0]} vs {v}, {n_seq} sequences x {args.steps} steps: "

@@ -6,7 +6,6 @@ model (the attention's and the router's pre-wait reads only run inside a step)."
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 
 from tests.engine.gpu._env import requires_gpu
 from tests.engine.gpu._kernel_helpers import gcheck, gptr
+from tests.engine.gpu.knob_bitwise import decode_logits
 from tests.engine.gpu.test_gpu_kernels import PATHS, random_blocks, tid
 
 pytestmark = requires_gpu
@@ -89,34 +89,6 @@ def test_routed_rows_per_warp_bitwise(g: tuple, k: int, monkeypatch: pytest.Monk
             assert same(ref, run("gemm", 1, second, x, ids)), (k, n_tok, second is not None, "gemm")
 
 
-def decode_logits(eng: object, n_seq: int, steps: int, env: dict[str, str]) -> list[np.ndarray]:
-    """Distinct random prompts of 20 tokens prefilled, then `steps` greedy decode steps of n_seq sequences
-    with the variables in env set; every step's logits."""
-    rng = np.random.default_rng(n_seq)
-    V, bs = eng.hparams.n_vocab, eng.block_size  # type: ignore[attr-defined]
-    tabs = [eng.blocks.allocate(-(-(20 + steps + 1) // bs)) for _ in range(n_seq)]  # type: ignore[attr-defined]
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        last, out = [], []
-        for tb in tabs:
-            assert tb is not None
-            last.append(int(np.argmax(eng.prefill([int(t) for t in rng.integers(0, V, size=20)], tb))))  # type: ignore[attr-defined]
-        for s in range(steps):
-            lg = eng.forward(last, [20 + s] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)))  # type: ignore[attr-defined]
-            out.append(np.array(lg, copy=True))
-            last = [int(t) for t in lg.argmax(axis=1)]
-        return out
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for tb in tabs:
-            eng.blocks.release(tb)  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_decode_steps_bitwise_with_every_switch(tmp_path: Path, outtype: str) -> None:
     """Whole decode steps (graphs, programmatic dependent launch) of a small random Qwen3-MoE (32 experts,
@@ -130,8 +102,8 @@ def test_decode_steps_bitwise_with_every_switch(tmp_path: Path, outtype: str) ->
     eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
     try:
         for n_seq in (1, 2):
-            ref = decode_logits(eng, n_seq, 4, OFF)
-            got = decode_logits(eng, n_seq, 4, {})
+            ref = decode_logits(eng, n_seq, 4, OFF, prompt_len=20)
+            got = decode_logits(eng, n_seq, 4, {}, prompt_len=20)
             assert all(same(a, b) for a, b in zip(ref, got, strict=True)), (outtype, n_seq)
     finally:
         eng.close()
