@@ -683,11 +683,11 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
  * SM (168 registers instead of 198): at decode that was slower, 32 sequences 13.01 vs 12.63 ms a step
  * (run 48) and 14.05-14.09 vs 13.88-13.89 (run 53, another build): their few busy blocks gain more from
  * the unbounded schedule than from a third block per SM. */
-template <bool SW, int BN, int CS, bool FAST> __host__ __device__ constexpr int gemm_min_blocks() {
+template <int BN, bool FAST> __host__ __device__ constexpr int gemm_min_blocks() {
     return FAST && BN == MM_BN_FAST ? 3 : 1;
 }
 template <int T, bool SW, int BN, int CS, bool FAST = false>
-__global__ void __launch_bounds__(128, gemm_min_blocks<SW, BN, CS, FAST>()) k_linear_gemm(lin_args a) {
+__global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST>()) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = gemm_gk<SW, BN>(); /* weights; sub-blocks per stage */
     constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
