@@ -886,12 +886,12 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
         return ST_OK;
     }
     /* the prefill form takes row segments (q / k / v in one launch) whose every boundary is a whole tile */
-    const bool fast_seg = !seg || [&] {
-        for (int i = 0; i <= seg->n_seg; i++)
+    const auto whole_tiles = [&] {
+        for (int i = 0; seg && i <= seg->n_seg; i++)
             if (seg->seg_row[i] % MM_BM) return false;
         return true;
-    }();
-    if (g_gemm_fast && fast_seg && gemm_fast_layer(W) && (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
+    };
+    if (g_gemm_fast && gemm_fast_layer(W) && whole_tiles() && (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
         if (W2) launch_fast<true>(a, max_groups, max_count, expected, st);
         else launch_fast<false>(a, max_groups, max_count, expected, st);
         LAUNCHED("linear (prefill form)");
