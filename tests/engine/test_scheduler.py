@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -321,10 +322,18 @@ async def test_async_engine_loop_failure_fails_every_request(tiny_path: Path,
     with Engine.open(tiny_path, threads=1, kv_tokens=2048) as eng:
         aeng = AsyncEngine(eng, SchedulerConfig(max_batch_tokens=16), on_failure=failures.append)
         try:
-            # all six submitted in one go: between gather's tasks the event loop polls (GIL
-            # released), and on a loaded box the loop thread could reach step 3 before the last
-            # submit, which then raises EngineFailedError instead of joining the batch
+            # the loop thread steps only once all six are queued: on a loaded box it reached step 3
+            # before the last submit (CI, 2026-12-02), which then raised EngineFailedError instead
+            # of joining the batch
+            gate, real_step = threading.Event(), aeng.scheduler.step
+
+            def gated_step() -> list:
+                gate.wait()
+                return real_step()
+
+            monkeypatch.setattr(aeng.scheduler, "step", gated_step)
             queues = [aeng.submit(list(range(1, 20 + i)), params)[1] for i in range(6)]
+            gate.set()
 
             async def drain(queue: asyncio.Queue) -> list:
                 outs = [await queue.get()]
