@@ -7,6 +7,11 @@
 #   build_llama_cuda.sh SRC.tar.gz BUILD_DIR [PACK_DIR]   build (make SRC with pack_llama_src.sh)
 #   build_llama_cuda.sh PACK_DIR BUILD_DIR                unpack binaries an earlier call packed
 #
+# Also on a machine without a GPU (nvcc and cmake suffice): CUBLAS_LIB_DIR names a cuBLAS lib folder
+# (an unpacked `nvidia-cublas` 13.0 wheel's nvidia/cu13/lib, its include/ beside it); build into
+# /tmp/llama-build with a PACK_DIR and carry that as .llama/bin-pack (the GPU machine's toolkit
+# has libcublas.so.13 in /usr/local/cuda/lib64, which the binaries' run path names).
+#
 # Shared libraries, so that the binaries can come back through $OUT in a few pieces (PACK_DIR:
 # llama-bin.tar.xz split into 15 MiB parts) and be carried into a later call instead of rebuilt
 # (unpacked to the same BUILD_DIR: their run path points there). Prints one line: where the
@@ -28,7 +33,8 @@ tar xzf "$src" -C "$s" || { echo "llama.cpp: cannot unpack $src"; exit 1; }
 extra=()
 # cuBLAS: the toolkit's if it has one, else the pip package torch uses (nvidia-cublas)
 if ! ls /usr/local/cuda/lib64/libcublas.so >/dev/null 2>&1; then
-  lib=$(python3 - <<'EOF'
+  lib=${CUBLAS_LIB_DIR:-}
+  [ -n "$lib" ] || lib=$(python3 - <<'EOF'
 import glob, os, site
 roots = site.getsitepackages() + [site.getusersitepackages()]
 hits = [p for r in roots for p in glob.glob(os.path.join(r, "nvidia", "**", "libcublas.so*"), recursive=True)]
@@ -40,7 +46,7 @@ EOF
   c=$(mktemp -d)
   for n in cublas cublasLt; do ln -sf "$(ls "$lib"/lib$n.so* | head -1)" "$c/lib$n.so"; done
   extra+=("-DCUDA_cublas_LIBRARY=$c/libcublas.so" "-DCUDA_cublasLt_LIBRARY=$c/libcublasLt.so"
-          "-DCMAKE_CXX_FLAGS=-I$inc" "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_BUILD_RPATH=$lib")
+          "-DCMAKE_CXX_FLAGS=-I$inc" "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_BUILD_RPATH=$lib;/usr/local/cuda/lib64")
   echo "cuBLAS from $lib" >&2
 fi
 t0=$(date +%s)

@@ -6,10 +6,10 @@
 # vendor, the two tools). Writes .llama/llama.cpp-<version>-trim.tar.gz (~3.3 MB; .llama/ is
 # ignored by git through .git/info/exclude).
 #
-#   tests/engine/gpu/pack_llama_src.sh [SDIST.tar.gz]
+#   [LLAMA_VERSION=X.Y.Z] tests/engine/gpu/pack_llama_src.sh [SDIST.tar.gz]   (the version: .venv's by default)
 set -eu
 cd "$(dirname "$0")/../../.."
-ver=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))")
+ver=${LLAMA_VERSION:-$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))")}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 sdist=${1:-}
