@@ -10,7 +10,8 @@
 #   call A:  bash tests/engine/gpu/default_model_call.sh a          # carry .dm1
 #   call B:  bash tests/engine/gpu/default_model_call.sh b          # carry .dm2 .whl (right after A;
 #            MODULE=0: the default-model test and its numbers only, not the rest of test_gpu_models.py;
-#            SUITE=1: then also every other test file in tests/engine/gpu/, HEAD's whole GPU suite)
+#            SUITE=1: then also every other test file in tests/engine/gpu/, HEAD's whole GPU suite;
+#            DIAG=1: the bench model built meanwhile, then exit_abort_diag.sh: run 51's abort at exit)
 #   here:    bash tests/engine/gpu/default_model_call.sh clean
 #
 # B joins the parts, checks the whole file's sha256 against the one computed here, lays it out as
@@ -52,17 +53,22 @@ case "$what" in
     (cd engine && grep " _strata_cuda.so\$" ../.dm2/SHA256SUMS | sha256sum -c) || exit 1
     t=tests/engine/gpu/test_gpu_models.py
     exec bash tests/engine/gpu/device_run.sh sh "export PYTHONPATH=/tmp/dm:\$PYTHONPATH STRATA_MODEL_DIR=/tmp/dm/models
+      if [ ${DIAG:-0} = 1 ]; then (python3 -m bench.engine_gpu --build-only > /tmp/mb.log 2>&1) & echo \$! > /tmp/mb.pid; fi
       python3 -c 'from engine.default_model import source_model_path as s; print(s())'
       python3 -m pytest -q -s -p no:cacheprovider -o addopts='' -rs --durations=3 $t::test_default_model_gpu_matches_cpu \
           2>&1 | tee \$OUT/pytest-default.log | tail -25; rc=\${PIPESTATUS[0]}
       sha256sum /tmp/dm/models/*.gguf
       python3 tests/engine/gpu/default_model_call.py 2>&1 | tee \$OUT/diag.log
-      [ ${MODULE:-1} = 0 ] && exit \$rc
-      python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=3 $t -k 'not default_model' \
-          2>&1 | tee \$OUT/pytest-module.log | tail -8; rc=\$(( rc | \${PIPESTATUS[0]} ))
-      [ ${SUITE:-0} = 1 ] || exit \$rc
-      python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=5 tests/engine/gpu --ignore=$t \
-          2>&1 | tee \$OUT/pytest-suite.log | tail -20; exit \$(( rc | \${PIPESTATUS[0]} ))"
+      if [ ${MODULE:-1} = 1 ]; then
+        python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=3 $t -k 'not default_model' \
+            2>&1 | tee \$OUT/pytest-module.log | tail -8; rc=\$(( rc | \${PIPESTATUS[0]} ))
+      fi
+      if [ ${MODULE:-1} = 1 ] && [ ${SUITE:-0} = 1 ]; then
+        python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=5 tests/engine/gpu --ignore=$t \
+            2>&1 | tee \$OUT/pytest-suite.log | tail -20; rc=\$(( rc | \${PIPESTATUS[0]} ))
+      fi
+      [ ${DIAG:-0} = 1 ] && bash tests/engine/gpu/exit_abort_diag.sh
+      exit \$rc"
     ;;
   clean)
     rm -rf .dm1 .dm2
