@@ -683,11 +683,14 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
  * SM (168 registers instead of 198): at decode that was slower, 32 sequences 13.01 vs 12.63 ms a step
  * (run 48) and 14.05-14.09 vs 13.88-13.89 (run 53, another build): their few busy blocks gain more from
  * the unbounded schedule than from a third block per SM. */
-template <int BN, bool FAST> __host__ __device__ constexpr int gemm_min_blocks() {
-    return FAST && BN == MM_BN_FAST ? 3 : 1;
+template <int BN, bool FAST, bool RS = false> __host__ __device__ constexpr int gemm_min_blocks() {
+    return (FAST && BN == MM_BN_FAST) || RS ? 3 : 1;
 }
-template <int T, bool SW, int BN, int CS, bool FAST = false>
-__global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST>()) k_linear_gemm(lin_args a) {
+/* RS: the routed split form (STRATA_GPU_ROUTED_SPLIT[_DOWN]): its own instantiations, so that the routed
+ * parts' epilogue adds no registers to any other form (compiled into every form, it raised them by
+ * 20-50: run 53), at 3 blocks per SM (the split's blocks need the warps) */
+template <int T, bool SW, int BN, int CS, bool FAST = false, bool RS = false>
+__global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = gemm_gk<SW, BN>(); /* weights; sub-blocks per stage */
     constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
@@ -695,7 +698,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST>()) k_linear_gem
                   "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
     static_assert(!FAST || (gemm_raw<T>() && CS > 0), "the prefill form: Q4_K with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
-    constexpr bool Q6 = T == STG_Q6_K, RAW = gemm_raw<T>();
+    constexpr bool Q6 = T == STG_Q6_K || T == STG_Q6_KW, RAW = gemm_raw<T>(); /* KW: Q6_K, wide unpack */
     extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
@@ -732,7 +735,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST>()) k_linear_gem
     /* split k loop (a.ksplit S = 2 or 4, block z): positions [z nq / S, (z + 1) nq / S), i.e. the residues
      * of walk indices [32 z / S, 32 (z + 1) / S) in bit-reversed order: one subtree of the butterfly each
      * (multiples of GK: nq / S = 32 C / S) */
-    const int ks = !SW && !FAST && a.ksplit > 1 ? a.ksplit : 1, kz = ks > 1 ? (int)blockIdx.z : 0;
+    const int ks = (RS || (!SW && !FAST)) && a.ksplit > 1 ? a.ksplit : 1, kz = ks > 1 ? (int)blockIdx.z : 0;
     /* the prefill form skips the mma and float work of n-tiles wholly past the group's end (block-uniform) */
     const int nvt = FAST ? min(NT, (count - n0 + 7) / 8) : NT;
     const int q_beg = kz * (nq / ks), q_end = q_beg + nq / ks;
@@ -926,8 +929,16 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST>()) k_linear_gem
             if (r >= a.N || n >= count) continue;
             if (ks > 1) { /* this block's subtree: 16 residues end in L[4] (0 + the sum for z = 1); 8 residues
                            * in L[3] for even z, in L[4] for odd z (there L[3] was 0) */
-                const float v = ks == 2 || (kz & 1) ? L[0][nt][o][4] : L[0][nt][o][3];
-                a.kpart[((int64_t)kz * count + n) * a.N + r] = v;
+                const bool top4 = ks == 2 || (kz & 1); /* both indices static: a run-time index sends L to memory */
+                if constexpr (RS) { /* routed: kpart[z][weight][pair][N] (k_ksplit_routed) */
+                    const int64_t p = pair_at(a.g, start, n);
+#pragma unroll
+                    for (int w = 0; w < NW; w++)
+                        a.kpart[(((int64_t)kz * NW + w) * a.g.n_pairs + p) * a.N + r] =
+                            top4 ? L[w][nt][o][4] : L[w][nt][o][3];
+                } else {
+                    a.kpart[((int64_t)kz * count + n) * a.N + r] = top4 ? L[0][nt][o][4] : L[0][nt][o][3];
+                }
             } else if constexpr (FAST) {
                 if (a.seg.n_seg > 1) { /* q / k / v in one launch: each row into its own output */
                     const uint8_t *sw;
@@ -964,6 +975,30 @@ __global__ void k_ksplit_combine(const float *part, int32_t S, int32_t count, in
     }
     if (mode == MODE_ADD) *o += v;
     else *o = v;
+}
+
+/* The parts of a routed split GEMM, kpart[z][w][pair][N] for S = 2 or 4 blocks z per tile and NW weights
+ * (k_linear_gemm with a.ksplit and a.g.gexp), added as k_ksplit_combine does, then stored as the unsplit
+ * launch stores: NW = 2 silu(gate) * up (MODE_SWIGLU), NW = 1 the value (MODE_STORE); with hq also the
+ * 8-bit blocks of each output row exactly as k_quant_act makes them (N % 32 == 0: a warp is one block). */
+__global__ void k_ksplit_routed(const float *part, int32_t S, int32_t NW, int32_t P, int32_t N, float *out, int64_t ldo,
+                                int8_t *hq, float *hd, int32_t *hs) {
+    PDL_ENTER();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, plane = (int64_t)P * N, zs = NW * plane;
+    if (i >= plane) return;
+    float v = part[i] + part[zs + i];
+    if (S == 4) v = v + (part[2 * zs + i] + part[3 * zs + i]);
+    if (NW == 2) {
+        const float *u = part + plane;
+        float v2 = u[i] + u[zs + i];
+        if (S == 4) v2 = v2 + (u[2 * zs + i] + u[3 * zs + i]);
+        v = silu_f(v) * v2;
+    }
+    const int64_t p = i / N;
+    const int32_t r = (int32_t)(i - p * N);
+    out[p * ldo + r] = v;
+    if (hq)
+        quant_block32(v, threadIdx.x % WARP, hq + p * N + (r & ~31), hd + p * (N / 32) + r / 32, hs + p * (N / 16) + 2 * (r / 32));
 }
 
 /* Reference linear kernel: one thread per (output row, pair), sub-blocks in order; the

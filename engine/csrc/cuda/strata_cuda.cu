@@ -599,6 +599,8 @@ static thread_local bool g_combine_fuse = true, g_defer_combine = false, g_defer
  * STRATA_GPU_Q6_WIDE (default 1): the Q6_K matvec (the output head) reads each 32-byte chunk of a
  *   2-byte aligned block by five 8-byte loads and funnel shifts instead of sixteen 2-byte loads
  *   (run 52: batch 1 -0.01 ms, 8 sequences -0.13 ms a step).
+ * STRATA_GPU_Q6_GEMM_WIDE (default 1): the same loads in the Q6_K GEMM (k_linear_gemm<STG_Q6_KW>: the head from
+ *   32 sequences; its 2-byte loads kept L1 72% busy at DRAM 7%, run 53): -0.19 / -0.27 ms (run 55 (b32)).
  * STRATA_GPU_ATT_PRE (default 1): the fused decode attention reads pos / seq / its block table and
  *   issues its first two K/V chunks' copies before waiting for the predecessor (the cache's earlier
  *   keys were written by earlier steps; the new key replaces its slot in shared memory anyway): -0.03 ms.
@@ -609,15 +611,24 @@ static thread_local bool g_combine_fuse = true, g_defer_combine = false, g_defer
  *   rows the down launch is 512 blocks of 128 registers (sm_90), one wave instead of 4,096 blocks in
  *   3.45: batch 1 neutral, 8 sequences -0.8 ms a step. (Gate/up with 2 or 4 rows per warp was slower:
  *   +0.16 ms at batch 1, +1.4 ms at 8 sequences; tests/engine/gpu/b1_candidates.patch.) */
-static thread_local bool g_q6_wide = true;
+static thread_local bool g_q6_wide = true, g_q6_gemm_wide = true;
 static thread_local bool g_att_pre = true;
 static thread_local bool g_router_pre = true;
 static thread_local int g_mv_rows = 8;
 static int32_t b1_knobs() {
-    return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3;
+    return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3 |
+           (int32_t)g_q6_gemm_wide << 7;
 }
+/* STRATA_GPU_ROUTED_SPLIT / STRATA_GPU_ROUTED_SPLIT_DOWN (2 or 4; else 0 = off): routed Q4_K gate/up (down)
+ * GEMMs over the tile list with at most KSPLIT_MAX_T tokens run their k loop over that many blocks per
+ * tile (grid z; k_linear_gemm's RS form), each one subtree of the butterfly into kpart[z][weight][pair][N];
+ * k_ksplit_routed adds the parts as the tree's top levels, then the SWIGLU and, for gate/up, the down
+ * projection's 8-bit input (k_quant_act's launch fewer). Same bits. Why: at 32 sequences the routed
+ * GEMMs' few busy experts give ~280 blocks of 16 serial stages, 7.6 warps per SM (run 48's ncu). */
+static thread_local int g_routed_split = 0, g_routed_split_down = 0;
 static int32_t g_knobs() {
-    return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | b1_knobs() << 20;
+    return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
+           g_routed_split_down << 7 | b1_knobs() << 20;
 }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -663,12 +674,16 @@ static void read_knobs() {
     g_att_stages = as == 1 || as == 2 ? as : 0;
     g_combine_fuse = env_int("STRATA_GPU_COMBINE_FUSE", 1) != 0;
     g_defer_combine = g_deferred = false;
+    const int rs = env_int("STRATA_GPU_ROUTED_SPLIT", 0), rsd = env_int("STRATA_GPU_ROUTED_SPLIT_DOWN", 0);
+    g_routed_split = rs == 2 || rs == 4 ? rs : 0;
+    g_routed_split_down = rsd == 2 || rsd == 4 ? rsd : 0;
     g_gemm_fast_bn = gemm_fast_bn_env();
     g_gemm_fast_router = env_int("STRATA_GPU_GEMM_FAST_ROUTER", 1) != 0;
     const int fq = env_int("STRATA_GPU_FAST_QKV", 1);
     g_fast_qkv = fq == 0 || fq == 2 ? fq : 1;
     g_fast_pdl = env_int("STRATA_GPU_FAST_PDL", 0) != 0;
     g_q6_wide = env_int("STRATA_GPU_Q6_WIDE", 1) != 0;
+    g_q6_gemm_wide = env_int("STRATA_GPU_Q6_GEMM_WIDE", 1) != 0;
     g_att_pre = env_int("STRATA_GPU_ATT_PRE", 1) != 0;
     g_router_pre = env_int("STRATA_GPU_ROUTER_PRE", 1) != 0;
     const int rows = env_int("STRATA_GPU_MV_ROWS", 8);
@@ -731,6 +746,16 @@ template <int T, bool SW, int BN> static gemm_fn gemm_kernel(int K) {
     }
     return k_linear_gemm<T, SW, BN, 0>;
 }
+/* the routed split form (Q4_K, C = 1, 2 or 4 only; NULL: no split for this K) */
+template <int T, bool SW> static gemm_fn gemm_rs_kernel(int K) {
+    if constexpr (gemm_raw<T>()) {
+        const int C = (K / 32 + 31) / 32;
+        if (C == 1) return k_linear_gemm<T, SW, MM_BN, 1, false, true>;
+        if (C == 2) return k_linear_gemm<T, SW, MM_BN, 2, false, true>;
+        if (C == 4) return k_linear_gemm<T, SW, MM_BN, 4, false, true>;
+    }
+    return nullptr;
+}
 template <bool SW, int BN> static gemm_fn gemm_fast_kernel(int K) {
     const int C = (K / 32 + 31) / 32;
     if (C == 1) return k_linear_gemm<STG_Q4_K, SW, BN, 1, true>;
@@ -767,8 +792,14 @@ template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 
     else if (nt >= 2) launch_k(k_linear_q<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);
     else launch_k(k_linear_q<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
 }
-template <int T, bool SW> static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count,
-                                               cudaStream_t st) {
+template <int T, bool SW, int TG = T>
+static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count, cudaStream_t st) {
+    if constexpr (T == STG_Q6_K && TG == T) { /* the GEMM unpacks through unpack_q6k_wide (STG_Q6_KW) */
+        if (path == STG_PATH_GEMM && g_q6_gemm_wide) {
+            launch_q<T, SW, STG_Q6_KW>(a, path, nt, max_groups, max_count, st);
+            return;
+        }
+    }
     if (path == STG_PATH_REF) {
         launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
     } else if (path == STG_PATH_GEMM) {
@@ -777,33 +808,39 @@ template <int T, bool SW> static void launch_q(const lin_args &a, int path, int 
         const int64_t listed = a.g.gexp && a.g.tiles && g_gemm_tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
                                                                        : INT64_MAX;
         const int64_t wide = (max_count + MM_BN_WIDE - 1) / MM_BN_WIDE;
-        if (a.ksplit > 1) { /* a dense plain layer, its k loop split over grid z (lin_args.ksplit) */
+        if (a.ksplit > 1 && a.g.gexp) { /* routed over the tile list, its k loop split over grid z */
+            const unsigned nl = (unsigned)((a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups);
+            launch_k(gemm_rs_kernel<T, SW>(a.K), dim3(mt, nl, (unsigned)a.ksplit), 128, gemm_raw_bytes<T, SW>(), st, a);
+            const int64_t n = (int64_t)a.g.n_pairs * a.N;
+            launch_k(k_ksplit_routed, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
+                     SW ? 2 : 1, a.g.n_pairs, a.N, a.out, a.ldo, a.hq, a.hd, a.hs);
+        } else if (a.ksplit > 1) { /* a dense plain layer, its k loop split over grid z (lin_args.ksplit) */
             const bool wide = max_count > MM_BN;
             const int bn = wide ? MM_BN_WIDE : MM_BN;
             const dim3 grid(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)a.ksplit);
             if (wide)
-                launch_k(gemm_kernel<T, false, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<T, false, MM_BN_WIDE>(), st,
-                         a);
-            else launch_k(gemm_kernel<T, false, MM_BN>(a.K), grid, 128, gemm_raw_bytes<T, false>(), st, a);
+                launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<TG, false, MM_BN_WIDE>(),
+                         st, a);
+            else launch_k(gemm_kernel<TG, false, MM_BN>(a.K), grid, 128, gemm_raw_bytes<TG, false>(), st, a);
             const int64_t n = (int64_t)max_count * a.N;
             if (g_defer_combine && a.ksplit == KSPLIT) g_deferred = true; /* the consumer adds the parts */
             else
                 launch_k(k_ksplit_combine, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
                          max_count, a.N, a.out, a.ldo, a.mode, a.seg);
         } else if (listed < per_group) { /* a block per tile of group_pairs' list */
-            launch_k(gemm_kernel<T, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<T, SW>(), st,
-                     a);
+            launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<TG, SW>(),
+                     st, a);
         } else if (!SW && !a.g.gexp && mt * wide >= g_gemm_wide_min) {
             /* a dense layer with enough tiles of 32 pairs: half the weight unpacking per mma */
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
-            launch_k(gemm_kernel<T, false, MM_BN_WIDE>(a.K), dim3(mt, (unsigned)wide, 1), 128,
-                     gemm_raw_bytes<T, false, MM_BN_WIDE>(), st, b);
+            launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), dim3(mt, (unsigned)wide, 1), 128,
+                     gemm_raw_bytes<TG, false, MM_BN_WIDE>(), st, b);
         } else {
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
-            launch_k(gemm_kernel<T, SW, MM_BN>(a.K), dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
-                     (unsigned)max_groups), 128, gemm_raw_bytes<T, SW>(), st, b);
+            launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
+                     (unsigned)max_groups), 128, gemm_raw_bytes<TG, SW>(), st, b);
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
@@ -911,6 +948,22 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     if (split) path = STG_PATH_GEMM, a.kpart = g_kpart, a.ksplit = KSPLIT;
     if (path == STG_PATH_AUTO) path = gemm ? STG_PATH_GEMM : STG_PATH_MATVEC;
     if (path == STG_PATH_GEMM && !q) path = STG_PATH_MATVEC;
+    /* a routed launch over the tile list at decode: the split GEMM (g_routed_split), its combine also
+     * quantising gate/up's output for the down projection */
+    const int rs = W2 ? g_routed_split : g_routed_split_down;
+    const bool rs_form = W.type == STG_Q4_K && [&] {
+        const int64_t C = (a.K / 32 + 31) / 32;
+        return C == 1 || C == 2 || C == 4;
+    }();
+    if (path == STG_PATH_GEMM && q && rs_form && !seg && !split && g.gexp && g.tiles && g_gemm_tiles && rs > 1 &&
+        max_count <= KSPLIT_MAX_T && g_kpart && (int64_t)rs * (W2 ? 2 : 1) * g.n_pairs * a.N <= g_kpart_cap &&
+        mode == MODE_STORE) {
+        a.kpart = g_kpart, a.ksplit = rs;
+        if (fq && W2 && a.N % 32 == 0 && ldo == a.N) {
+            a.hq = fq->q, a.hd = fq->d, a.hs = fq->s;
+            *fq->done = true;
+        }
+    }
     if (fq && W2 && q && path == STG_PATH_MATVEC && !seg && a.N % 32 == 0 && ldo == a.N && fused_quant_on()) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s, a.qcnt = fq->cnt;
         *fq->done = true;
@@ -1003,7 +1056,10 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
         CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
         CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
-        s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) * std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E});
+        /* the dense splits' parts, or a routed split's (2 weights of n_ff_exp or one of E rows per pair) */
+        s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) *
+                      std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
+                                         d.n_expert ? (int64_t)d.n_expert_used * std::max<int64_t>(2 * m->n_ff_exp, E) : 0});
         CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
         s.cap_t = T, s.cap_l = L;
     }
@@ -1098,6 +1154,15 @@ static stg_status gemm_setup(void) {
     CHECK((gemm_setup_one<T, true, MM_BN>()));
     QUANT_CASES(SETUP_GEMM)
 #undef SETUP_GEMM
+    for (const int K : {1024, 2048, 4096}) { /* the routed split form: CS = 1, 2, 4 */
+        const gemm_fn fs[2] = {gemm_rs_kernel<STG_Q4_K, false>(K), gemm_rs_kernel<STG_Q4_K, true>(K)};
+        const int bytes[2] = {gemm_raw_bytes<STG_Q4_K, false>(), gemm_raw_bytes<STG_Q4_K, true>()};
+        for (int i = 0; i < 2; i++) {
+            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes[i]), "gemm setup");
+            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+               "gemm setup");
+        }
+    }
     for (const int K : {1024, 2048, 4096}) { /* the prefill form: CS = 1, 2, 4 */
         const gemm_fn fs[4] = {gemm_fast_kernel<false, MM_BN_WIDE>(K), gemm_fast_kernel<false, MM_BN_FAST>(K),
                                gemm_fast_kernel<true, MM_BN_WIDE>(K), gemm_fast_kernel<true, MM_BN_FAST>(K)};
@@ -1861,8 +1926,13 @@ extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t
     g_gemm_fast = harness_fast(n_tok);
     const int max_groups = std::min(n_expert, P), expected = (P + n_expert - 1) / n_expert;
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
-    CHECK(linear(0, W, w2 ? &W2 : nullptr, g, max_groups, expected, n_tok, in, bo.as<float>(), n_rows, MODE_STORE,
-                 path));
+    dbuf bp; /* a routed split's parts (STRATA_GPU_ROUTED_SPLIT[_DOWN] decide whether the GEMM path splits) */
+    CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * 2 * (size_t)P * (size_t)n_rows));
+    g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * 2 * (int64_t)P * n_rows;
+    const stg_status rc = linear(0, W, w2 ? &W2 : nullptr, g, max_groups, expected, n_tok, in, bo.as<float>(), n_rows,
+                                 MODE_STORE, path);
+    g_kpart = nullptr, g_kpart_cap = 0;
+    CHECK(rc);
     return down(out, bo, sizeof(float) * (size_t)P * (size_t)n_rows);
 }
 

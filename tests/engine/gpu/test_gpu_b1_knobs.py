@@ -18,8 +18,10 @@ from tests.engine.gpu.test_gpu_kernels import PATHS, random_blocks, tid
 
 pytestmark = requires_gpu
 
-# every switch of the batch-1 set, and the value that turns it off (the form before session 9)
-OFF = {"STRATA_GPU_Q6_WIDE": "0", "STRATA_GPU_ATT_PRE": "0", "STRATA_GPU_ROUTER_PRE": "0", "STRATA_GPU_MV_ROWS": "1"}
+# every switch of the batch-1 set (and the Q6_K GEMM's wide loads), and the value that turns it off (the form
+# before session 9)
+OFF = {"STRATA_GPU_Q6_WIDE": "0", "STRATA_GPU_ATT_PRE": "0", "STRATA_GPU_ROUTER_PRE": "0", "STRATA_GPU_MV_ROWS": "1",
+       "STRATA_GPU_Q6_GEMM_WIDE": "0"}
 
 
 def linear(g: tuple, name: str, path: str, w: np.ndarray, w2: np.ndarray | None, rows: int, k: int,
@@ -37,8 +39,8 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 @pytest.mark.parametrize("k", [256, 768, 2048])
 def test_q6k_wide_loads_bitwise(g: tuple, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q6_K matvec with the wide loads (Q6_WIDE; k = 256 / 768: 210- and 630-byte rows, whose blocks
-    start at every even offset) gives the 2-byte loads' bits and the GEMM's (which unpacks Q6_K the old
-    way), one token and three, gate/up form too."""
+    start at every even offset) gives the 2-byte loads' bits and the GEMM's, with either unpack (Q6_GEMM_WIDE),
+    one token and three, gate/up form too."""
     name = "Q6_K"
     rng = np.random.default_rng(k)
     rows = 80  # 20 blocks of 4 warps; not a multiple of 32 rows
@@ -55,6 +57,9 @@ def test_q6k_wide_loads_bitwise(g: tuple, k: int, monkeypatch: pytest.MonkeyPatc
             assert same(ref, got), (name, k, n_tok, second is not None, "wide")
             got = linear(g, name, "gemm", w, second, rows, k, x)
             assert same(ref, got), (name, k, n_tok, second is not None, "gemm")
+            monkeypatch.setenv("STRATA_GPU_Q6_GEMM_WIDE", "1")
+            got = linear(g, name, "gemm", w, second, rows, k, x)
+            assert same(ref, got), (name, k, n_tok, second is not None, "gemm wide")
 
 
 @pytest.mark.parametrize("k", [768, 2048])

@@ -181,10 +181,13 @@ def test_qkv_segments_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, monk
 
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(70, 4, 8), (300, 8, 32), (5, 2, 8)])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
-def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, k_used: int, n_expert: int) -> None:
+def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, k_used: int, n_expert: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Routed experts (grouped on the GPU, skewed popularity: groups of 1 to ~100 pairs): the GEMM
     over the grouping's tile list, the GEMM over its (largest group) x (groups) grid and the matvec
-    give the same bits for every pair, gate/up form too; one expert's pairs against the CPU."""
+    give the same bits for every pair, gate/up form too; so does the tile list's GEMM with its k loop
+    split over 2 and 4 blocks per tile (STRATA_GPU_ROUTED_SPLIT[_DOWN]: the parts added by
+    k_ksplit_routed; Q4_K up to 64 tokens, else the unsplit form); one expert's pairs against the CPU."""
     rng = np.random.default_rng(n_tok * n_expert)
     rows, k = 80, 512
     w = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
@@ -196,7 +199,10 @@ def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int,
     P = n_tok * k_used
     for second in (None, w2):
         outs = []
-        for path, tiles in (("matvec", 0), ("gemm", 1), ("gemm", 0)):
+        for path, tiles, split in (("matvec", 0, "0"), ("gemm", 1, "0"), ("gemm", 0, "0"), ("gemm", 1, "2"),
+                                   ("gemm", 1, "4")):
+            monkeypatch.setenv("STRATA_GPU_ROUTED_SPLIT", split)
+            monkeypatch.setenv("STRATA_GPU_ROUTED_SPLIT_DOWN", split)
             out = np.full((P, rows), np.nan, np.float32)
             gcheck(g, g[1].stg_test_routed_linear(tid(name), PATHS[path], tiles, gptr(g, w),
                                                   g[0].NULL if second is None else gptr(g, second), n_expert, rows, k,
