@@ -84,11 +84,11 @@ def make_mixtral(out_dir: Path, *, seed: int = 3, n_layers: int = 3,
     return _finish(MixtralForCausalLM(cfg), out_dir, seed, tokenizer)
 
 
-def make_qwen3_moe(out_dir: Path, *, seed: int = 2, n_layers: int = 2,
+def make_qwen3_moe(out_dir: Path, *, seed: int = 2, n_layers: int = 2, head_dim: int = 16,
                    tokenizer: bool = True) -> tuple[Path, Qwen3MoeForCausalLM]:
     torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=n_layers,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_experts=32,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, num_experts=32,
                          num_experts_per_tok=8, norm_topk_prob=True)
     return _finish(Qwen3MoeForCausalLM(cfg), out_dir, seed, tokenizer)
 

@@ -1285,6 +1285,7 @@ struct attn_args {
     int32_t fused;
     int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait (STRATA_GPU_ATT_PRE) */
     qkv_args qa;
+    int32_t v2; /* k_attention's template form (launch_attention): STRATA_GPU_ATT_V2 */
 };
 
 
@@ -1302,10 +1303,15 @@ struct attn_args {
 static inline size_t att_smem_bytes(int hd, int stages) {
     return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
 }
+/* V2 (STRATA_GPU_ATT_V2, hd % 64 == 0) >= 1: the value loop reads dimensions 2 l, 2 l + 1 (+ 64 i) of lane
+ * l as one half2, into acc[2 i], acc[2 i + 1]; V2 = 2 also keeps q in shared memory with its even dimensions
+ * first (qs[(d & 1) hd / 2 + d / 2]), so that the score loop's four q values of an iteration (d, d + 2,
+ * d + 4, d + 6) are one float4 load. Each dimension's fma chain and every sum are unchanged: the same bits. */
+template <int V2>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     pdl_trigger();
     extern __shared__ __align__(16) unsigned char att_dyn[];
-    __shared__ float qs[256];
+    __shared__ __align__(16) float qs[256]; /* V2 = 2: even dimensions first */
     __shared__ float part[ATT_WARPS][256 + 2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x, h = blockIdx.y;
@@ -1357,7 +1363,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             float *v = part[warp];
             qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);
             if (warp == 0) {
-                for (int i = lane; i < hd; i += 32) qs[i] = __fmul_rn(v[i], a.qa.scale);
+                for (int i = lane; i < hd; i += 32) qs[V2 == 2 ? (i & 1) * (hd / 2) + (i >> 1) : i] = __fmul_rn(v[i], a.qa.scale);
             } else {
                 for (int i = lane; i < hd; i += 32) kvnew[warp - 1][i] = __float2half_rn(v[i]);
                 if (h % (a.n_head / a.n_kv) == 0) kv_store(a.qa, t, warp, kvh, v, lane);
@@ -1365,7 +1371,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
     } else {
         const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[V2 == 2 ? (i & 1) * (hd / 2) + (i >> 1) : i] = q[i];
     }
     __syncthreads();
     float m = -INFINITY, l = 0.0f, acc[8];
@@ -1404,11 +1410,22 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             __syncwarp();
         }
         float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
-        for (int d = half; d < hd; d += 8) {
-            d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
-            d1 = fmaf(qs[d + 2], __half2float(ks[(d + 2) * ATT_CK + key]), d1);
-            d2 = fmaf(qs[d + 4], __half2float(ks[(d + 4) * ATT_CK + key]), d2);
-            d3 = fmaf(qs[d + 6], __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+        if constexpr (V2 == 2) {
+            const float *qh = qs + half * (hd / 2); /* q[half + 2 i] at qh[i] */
+            for (int d = half, i = 0; d < hd; d += 8, i += 4) {
+                const float4 qv = *(const float4 *)(qh + i);
+                d0 = fmaf(qv.x, __half2float(ks[d * ATT_CK + key]), d0);
+                d1 = fmaf(qv.y, __half2float(ks[(d + 2) * ATT_CK + key]), d1);
+                d2 = fmaf(qv.z, __half2float(ks[(d + 4) * ATT_CK + key]), d2);
+                d3 = fmaf(qv.w, __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+            }
+        } else {
+            for (int d = half; d < hd; d += 8) {
+                d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
+                d1 = fmaf(qs[d + 2], __half2float(ks[(d + 2) * ATT_CK + key]), d1);
+                d2 = fmaf(qs[d + 4], __half2float(ks[(d + 4) * ATT_CK + key]), d2);
+                d3 = fmaf(qs[d + 6], __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+            }
         }
         float sv = (d0 + d1) + (d2 + d3);
         const float so = __shfl_xor_sync(0xffffffffu, sv, 16);
@@ -1421,12 +1438,27 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         l = __fmaf_rn(l, corr, warp_sum(half ? 0.0f : pj)); /* explicit: k_attention_tile repeats it */
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
-        for (int jj = 0; jj < nk; jj++) {
-            const float pb = __shfl_sync(0xffffffffu, pj, jj);
+        if constexpr (V2 > 0) {
+            for (int jj = 0; jj < nk; jj++) {
+                const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int d = lane + 32 * i;
-                if (d < hd) acc[i] = fmaf(pb, __half2float(vs[jj * hd + d]), acc[i]);
+                for (int i = 0; i < 4; i++) {
+                    const int d = 64 * i + 2 * lane;
+                    if (d < hd) {
+                        const float2 f = __half22float2(*(const __half2 *)(vs + jj * hd + d));
+                        acc[2 * i] = fmaf(pb, f.x, acc[2 * i]);
+                        acc[2 * i + 1] = fmaf(pb, f.y, acc[2 * i + 1]);
+                    }
+                }
+            }
+        } else {
+            for (int jj = 0; jj < nk; jj++) {
+                const float pb = __shfl_sync(0xffffffffu, pj, jj);
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const int d = lane + 32 * i;
+                    if (d < hd) acc[i] = fmaf(pb, __half2float(vs[jj * hd + d]), acc[i]);
+                }
             }
         }
         m = mn;
@@ -1434,7 +1466,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     }
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const int d = lane + 32 * i;
+        const int d = V2 > 0 ? 64 * (i >> 1) + 2 * lane + (i & 1) : lane + 32 * i;
         if (d < hd) part[warp][d] = acc[i];
     }
     if (lane == 0) part[warp][256] = m, part[warp][257] = l;

@@ -133,6 +133,7 @@ struct graph_entry {
     int32_t dense_split;
     bool qkv_split;
     int32_t knobs; /* g_knobs() */
+    int32_t knobs_b1; /* b1_knobs2() */
     cudaGraphExec_t exec;
 };
 
@@ -665,6 +666,18 @@ static int gemm_fast_bn_env() {
 static thread_local bool g_gemm_fast_router = true;
 static thread_local int g_fast_qkv = 1;
 static thread_local bool g_fast_pdl = false;
+/* STRATA_GPU_ATT_V2 (default 1; 0 = off, 2): k_attention's vector loads (see there): 1 the value loop on
+ * half2, 2 also q as float4 in the score loop. Same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 8 and
+ * 32 sequences). Runs 56 and 58 (b1), GPU step at batch 1: 1 -0.03 ms (2.81-2.82 against 2.84-2.85 in the same
+ * processes), 2 -0.01 to -0.02 (96 registers instead of 80); 2 at 8 / 32 sequences -0.05 to -0.06 /
+ * -0.03 to -0.09. Read per step; graphs keyed by it (graph_entry.knobs_b1). Session 10's other batch-1
+ * candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
+static thread_local int g_att_v2 = 1;
+static int32_t b1_knobs2() { return g_att_v2; }
+static void read_b1_knobs2() {
+    const int v = env_int("STRATA_GPU_ATT_V2", 1);
+    g_att_v2 = v == 0 || v == 2 ? v : 1;
+}
 /* the knobs that a step (stg_forward) and a harness call (harness_device) both read afresh */
 static void read_knobs() {
     g_dense_split = dense_split_env();
@@ -688,6 +701,7 @@ static void read_knobs() {
     g_router_pre = env_int("STRATA_GPU_ROUTER_PRE", 1) != 0;
     const int rows = env_int("STRATA_GPU_MV_ROWS", 8);
     g_mv_rows = rows <= 1 ? 1 : rows == 2 || rows == 4 || rows == 8 ? rows : 8;
+    read_b1_knobs2();
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -1179,7 +1193,9 @@ static stg_status gemm_setup(void) {
 
 static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
     CHECK(gemm_setup());
-    CU(cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
+    void (*const att_forms[])(attn_args) = {k_attention<0>, k_attention<1>, k_attention<2>};
+    for (auto f : att_forms)
+        CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
        "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
@@ -1240,7 +1256,11 @@ static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st
     aa.stages = aa.hd <= 128 ? (g_att_stages ? g_att_stages : n_tok >= ATT_ONE_STAGE_MIN ? 1 : 2) : 1;
     const size_t smem = att_smem_bytes(aa.hd, aa.stages);
     if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
-    launch_k(k_attention, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, smem, st, aa);
+    const dim3 grid((unsigned)n_tok, (unsigned)aa.n_head);
+    const int v2 = aa.hd % 64 == 0 ? aa.v2 : 0; /* STRATA_GPU_ATT_V2 */
+    if (v2 == 2) launch_k(k_attention<2>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (v2 == 1) launch_k(k_attention<1>, grid, ATT_WARPS * 32, smem, st, aa);
+    else launch_k(k_attention<0>, grid, ATT_WARPS * 32, smem, st, aa);
     LAUNCHED("attention");
     return ST_OK;
 }
@@ -1331,6 +1351,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
     aa.pre = fuse_qkv && g_att_pre ? 1 : 0;
+    aa.v2 = g_att_v2;
     if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
@@ -1539,7 +1560,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
             g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split &&
-            g.knobs == g_knobs()) {
+            g.knobs == g_knobs() && g.knobs_b1 == b1_knobs2()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -1555,7 +1576,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
                                          g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles,
-                                         g_dense_split, g_qkv_split, g_knobs(), exec});
+                                         g_dense_split, g_qkv_split, g_knobs(), b1_knobs2(), exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -2013,6 +2034,7 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
     a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
     a.max_blocks = n_table, a.n_head = n_kv, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    a.v2 = g_att_v2; /* STRATA_GPU_ATT_V2 (harness_device read it) */
     if (path == STG_PATH_REF) {
         CHECK(up(bsc, nullptr, sizeof(float) * (size_t)(nq * n_kv) * (size_t)(p0 + nq)));
         k_attention_ref<<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
@@ -2064,6 +2086,7 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
     a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    a.v2 = g_att_v2; /* STRATA_GPU_ATT_V2 */
     if (aq) {
         CHECK(up(baq, nullptr, (size_t)nout));
         CHECK(up(bad, nullptr, sizeof(float) * (size_t)nout / 32));

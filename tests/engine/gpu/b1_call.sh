@@ -16,9 +16,10 @@ for f in .b1/*.so.gz; do gunzip -c "$f" > "/tmp/l/$(basename "$f" .gz)" || exit 
 CAND=${CAND:-_strata_cuda_b1_1}
 cp "/tmp/l/$CAND.so" engine/_strata_cuda.so && touch engine/_strata_cuda.so || exit 1
 export L=/tmp/l OUT CAND
-# the batch-1 switches (strata_cuda.cu "Batch-1 decode knobs"); runs 51-52 also had MV_STAGE, MV_LB,
-# EXPERT_PF and MV_ROWS_SW (tests/engine/gpu/b1_candidates.patch)
-SW="${SWITCHES:-STRATA_GPU_Q6_WIDE STRATA_GPU_ATT_PRE STRATA_GPU_ROUTER_PRE STRATA_GPU_MV_ROWS}"
+# the batch-1 switches (strata_cuda.cu "Batch-1 decode knobs", and session 10's STRATA_GPU_ATT_V2); runs 51-52
+# also had MV_STAGE, MV_LB, EXPERT_PF and MV_ROWS_SW (tests/engine/gpu/b1_candidates.patch), run 56 (b1)
+# MV_ROWS_DENSE, MV_LB_SW / _DENSE and ROPE_PRE (tests/engine/gpu/b1_candidates10.patch)
+SW="${SWITCHES:-STRATA_GPU_Q6_WIDE STRATA_GPU_ATT_PRE STRATA_GPU_ROUTER_PRE STRATA_GPU_MV_ROWS STRATA_GPU_ATT_V2}"
 OFFS=""; for s in $SW; do OFFS="$OFFS $s=0"; done
 KNOBS=""; for s in $SW; do KNOBS="$KNOBS --knob 1:$s=0"; done
 DEFAULT_STEPS="

@@ -94,6 +94,55 @@ def test_routed_rows_per_warp_bitwise(g: tuple, k: int, monkeypatch: pytest.Monk
             assert same(ref, run("gemm", 1, second, x, ids)), (k, n_tok, second is not None, "gemm")
 
 
+@pytest.mark.parametrize(("hd", "nq", "p0"), [(128, 1, 300), (128, 3, 40), (64, 2, 77), (256, 1, 50), (32, 1, 20)])
+def test_attention_vector_loads_bitwise(g: tuple, hd: int, nq: int, p0: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """k_attention's vector loads (ATT_V2 = 1: half2 values, 2: also q as float4 in the scores; hd % 64 == 0,
+    else the scalar form) give the same bits, floats and the output's 8-bit blocks."""
+    from tests.engine.gpu.test_gpu_kernels import _attention_case
+
+    rng = np.random.default_rng(hd + p0)
+    bs, n_head, n_kv = 16, 8, 2
+    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
+    qd = n_head * hd
+    q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
+    outs = []
+    for v2 in ("0", "1", "2"):
+        monkeypatch.setenv("STRATA_GPU_ATT_V2", v2)
+        out = np.full((nq, qd), np.nan, np.float32)
+        aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
+            np.zeros((nq, qd // 16), np.int32)
+        gcheck(g, g[1].stg_test_attention_heads(0, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
+                                                gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
+                                                gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
+                                                gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
+                                                gptr(g, as_, "int32_t *")))
+        outs.append((out, aq, ad, as_))
+    o0, q0, d0, s0 = outs[0]
+    assert np.isfinite(o0).all()
+    for v2, (o1, q1, d1, s1) in zip((1, 2), outs[1:], strict=True):
+        assert same(o0, o1), (v2, np.abs(o0 - o1).max())
+        assert np.array_equal(q0, q1) and same(d0, d1) and np.array_equal(s0, s1), v2
+
+
+def test_decode_steps_bitwise_with_attention_vector_loads(tmp_path: Path) -> None:
+    """Whole decode steps (the fused decode attention) of a small random Qwen3-MoE with head_dim 64 (the
+    vector forms need hd % 64 == 0) at 1 and 2 sequences: bitwise equal with ATT_V2 at 0, 1 and 2."""
+    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
+    from engine.engine import Engine
+
+    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "hf", head_dim=64)
+    path = H.to_gguf(hf_dir, tmp_path / "m.f32.gguf", "f32")
+    eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
+    try:
+        for n_seq in (1, 2):
+            ref = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_V2": "0"}, prompt_len=20)
+            for v2 in ("1", "2"):
+                got = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_V2": v2}, prompt_len=20)
+                assert all(same(a, b) for a, b in zip(ref, got, strict=True)), (n_seq, v2)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_decode_steps_bitwise_with_every_switch(tmp_path: Path, outtype: str) -> None:
     """Whole decode steps (graphs, programmatic dependent launch) of a small random Qwen3-MoE (32 experts,
