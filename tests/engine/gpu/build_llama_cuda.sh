@@ -49,6 +49,20 @@ EOF
           "-DCMAKE_CXX_FLAGS=-I$inc" "-DCMAKE_CUDA_FLAGS=-I$inc" "-DCMAKE_BUILD_RPATH=$lib;/usr/local/cuda/lib64")
   echo "cuBLAS from $lib" >&2
 fi
+# No driver here (a machine without a GPU): link against a stub libcuda.so.1 that defines every driver
+# entry point cuda.h declares (macro-renamed ones as the headers rename them); the GPU machine's real
+# libcuda.so.1 is found at run time.
+if ! ldconfig -p | grep -q 'libcuda\.so\.1' && ! ls /usr/local/cuda/lib64/stubs/libcuda.so >/dev/null 2>&1; then
+  st=$(mktemp -d)
+  h=$(dirname "$(ls /usr/local/cuda/include/cuda.h /usr/local/cuda-*/include/cuda.h "$(dirname "$(command -v nvcc)")"/../include/cuda.h 2>/dev/null | head -1)")
+  grep -oE "CUDAAPI cu[A-Za-z0-9_]+\(" "$h/cuda.h" | sed -E 's/CUDAAPI (.*)\(/STRATA_SYM \1/' | sort -u \
+    | { echo '#include <cuda.h>'; cat; } > "$st/names.c"
+  gcc -E -I"$h" "$st/names.c" | awk '$1 == "STRATA_SYM" {print "void " $2 "(void) {}"}' | sort -u > "$st/stub.c"
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$st/libcuda.so" "$st/stub.c" \
+    || { echo "llama.cpp: cannot make a driver stub"; exit 1; }
+  extra+=("-DCUDA_cuda_driver_LIBRARY=$st/libcuda.so")
+  echo "driver stub $st/libcuda.so ($(wc -l < "$st/stub.c") entry points)" >&2
+fi
 t0=$(date +%s)
 cmake -S "$s/llama.cpp" -B "$b" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
   -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90-real -DGGML_NATIVE=ON \
