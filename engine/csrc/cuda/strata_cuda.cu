@@ -601,7 +601,7 @@ static thread_local bool g_combine_fuse = true, g_defer_combine = false, g_defer
  *   2-byte aligned block by five 8-byte loads and funnel shifts instead of sixteen 2-byte loads
  *   (run 52: batch 1 -0.01 ms, 8 sequences -0.13 ms a step).
  * STRATA_GPU_Q6_GEMM_WIDE (default 1): the same loads in the Q6_K GEMM (k_linear_gemm<STG_Q6_KW>: the head from
- *   32 sequences; its 2-byte loads kept L1 72% busy at DRAM 7%, run 53): -0.19 / -0.27 ms (run 55 (b32)).
+ *   32 sequences; its 2-byte loads kept L1 72% busy at DRAM 7%, run 53): -0.19 / -0.27 ms (run 57 (b32)).
  * STRATA_GPU_ATT_PRE (default 1): the fused decode attention reads pos / seq / its block table and
  *   issues its first two K/V chunks' copies before waiting for the predecessor (the cache's earlier
  *   keys were written by earlier steps; the new key replaces its slot in shared memory anyway): -0.03 ms.
@@ -620,16 +620,25 @@ static int32_t b1_knobs() {
     return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3 |
            (int32_t)g_q6_gemm_wide << 7;
 }
-/* STRATA_GPU_ROUTED_SPLIT / STRATA_GPU_ROUTED_SPLIT_DOWN (2 or 4; else 0 = off): routed Q4_K gate/up (down)
- * GEMMs over the tile list with at most KSPLIT_MAX_T tokens run their k loop over that many blocks per
- * tile (grid z; k_linear_gemm's RS form), each one subtree of the butterfly into kpart[z][weight][pair][N];
- * k_ksplit_routed adds the parts as the tree's top levels, then the SWIGLU and, for gate/up, the down
- * projection's 8-bit input (k_quant_act's launch fewer). Same bits. Why: at 32 sequences the routed
- * GEMMs' few busy experts give ~280 blocks of 16 serial stages, 7.6 warps per SM (run 48's ncu). */
-static thread_local int g_routed_split = 0, g_routed_split_down = 0;
+/* STRATA_GPU_ROUTED_SPLIT / STRATA_GPU_ROUTED_SPLIT_DOWN (2 or 4; else 0 = off; defaults 2 / 0): routed Q4_K
+ * gate/up (down) GEMMs over the tile list with at most STRATA_GPU_ROUTED_SPLIT_MAX tokens run their k loop
+ * over that many blocks per tile (grid z; k_linear_gemm's RS form), each one subtree of the butterfly into
+ * kpart[z][weight][pair][N]; k_ksplit_routed adds the parts as the tree's top levels, then the SWIGLU and,
+ * for gate/up, the down projection's 8-bit input (k_quant_act's launch fewer). Same bits. Why: the routed
+ * GEMMs' few busy experts give few blocks of 16 serial stages (32 sequences: 7.6 warps per SM, run 48). */
+static thread_local int g_routed_split = 2, g_routed_split_down = 0;
+/* STRATA_GPU_ROUTED_SPLIT_MAX (tokens, a multiple of 8 up to KSPLIT_MAX_T; default 16): the routed split
+ * only in steps of at most that many tokens (32 sequences: split 4 +0.18 ms, split 2 +0.53; 24: 4 neutral;
+ * 8 / 16 sequences with the routed layers on the GEMM: split 2 7.91 -> 7.35, 12.94 -> 8.63 ms a step, split
+ * 4 7.57 / 8.73, down split 2 0 / +0.2: runs 57 and 60 (b32)). STRATA_GPU_GEMM_MIN_TOKENS (0, 8, 16 or 24;
+ * default 8): routed layers of steps of at least that many tokens take the GEMM even below
+ * STRATA_GPU_GEMM_MIN expected pairs per expert (8 and 16 sequences have 1 pair of 128 experts' worth);
+ * steps of 1-7 tokens unchanged. */
+static thread_local int g_routed_split_max = 16, g_gemm_min_tok = 8;
 static int32_t g_knobs() {
     return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
-           g_routed_split_down << 7 | b1_knobs() << 20;
+           g_routed_split_down << 7 | (g_routed_split_max / 8) << 14 | (g_gemm_min_tok / 8) << 18 |
+           b1_knobs() << 20;
 }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -687,9 +696,11 @@ static void read_knobs() {
     g_att_stages = as == 1 || as == 2 ? as : 0;
     g_combine_fuse = env_int("STRATA_GPU_COMBINE_FUSE", 1) != 0;
     g_defer_combine = g_deferred = false;
-    const int rs = env_int("STRATA_GPU_ROUTED_SPLIT", 0), rsd = env_int("STRATA_GPU_ROUTED_SPLIT_DOWN", 0);
+    const int rs = env_int("STRATA_GPU_ROUTED_SPLIT", 2), rsd = env_int("STRATA_GPU_ROUTED_SPLIT_DOWN", 0);
     g_routed_split = rs == 2 || rs == 4 ? rs : 0;
     g_routed_split_down = rsd == 2 || rsd == 4 ? rsd : 0;
+    g_routed_split_max = std::min(std::max(env_int("STRATA_GPU_ROUTED_SPLIT_MAX", 16), 0), KSPLIT_MAX_T) / 8 * 8;
+    g_gemm_min_tok = std::min(std::max(env_int("STRATA_GPU_GEMM_MIN_TOKENS", 8), 0), 24) / 8 * 8;
     g_gemm_fast_bn = gemm_fast_bn_env();
     g_gemm_fast_router = env_int("STRATA_GPU_GEMM_FAST_ROUTER", 1) != 0;
     const int fq = env_int("STRATA_GPU_FAST_QKV", 1);
@@ -948,7 +959,9 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
         LAUNCHED("linear (prefill form)");
         return ST_OK;
     }
-    const bool gemm = q && !seg && use_gemm(a.N, max_groups, expected);
+    /* routed layers from g_gemm_min_tok tokens: the GEMM at 1 expected pair per expert too (with the split) */
+    const bool gemm = q && !seg &&
+                      (use_gemm(a.N, max_groups, expected) || (g.gexp && g_gemm_min_tok > 0 && max_count >= g_gemm_min_tok));
     /* row segments on the split GEMM: each segment whole tiles of MM_BM rows */
     const bool seg_split = seg && g_qkv_split && seg->n_seg >= 2 && seg->n_seg <= 3 && [&] {
         for (int i = 0; i <= seg->n_seg; i++)
@@ -970,7 +983,7 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
         return C == 1 || C == 2 || C == 4;
     }();
     if (path == STG_PATH_GEMM && q && rs_form && !seg && !split && g.gexp && g.tiles && g_gemm_tiles && rs > 1 &&
-        max_count <= KSPLIT_MAX_T && g_kpart && (int64_t)rs * (W2 ? 2 : 1) * g.n_pairs * a.N <= g_kpart_cap &&
+        max_count <= g_routed_split_max && g_kpart && (int64_t)rs * (W2 ? 2 : 1) * g.n_pairs * a.N <= g_kpart_cap &&
         mode == MODE_STORE) {
         a.kpart = g_kpart, a.ksplit = rs;
         if (fq && W2 && a.N % 32 == 0 && ldo == a.N) {

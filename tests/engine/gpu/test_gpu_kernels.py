@@ -187,7 +187,8 @@ def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int,
     over the grouping's tile list, the GEMM over its (largest group) x (groups) grid and the matvec
     give the same bits for every pair, gate/up form too; so does the tile list's GEMM with its k loop
     split over 2 and 4 blocks per tile (STRATA_GPU_ROUTED_SPLIT[_DOWN]: the parts added by
-    k_ksplit_routed; Q4_K up to 64 tokens, else the unsplit form); one expert's pairs against the CPU."""
+    k_ksplit_routed; Q4_K up to STRATA_GPU_ROUTED_SPLIT_MAX = 16 tokens, else the unsplit form); one expert's
+    pairs against the CPU."""
     rng = np.random.default_rng(n_tok * n_expert)
     rows, k = 80, 512
     w = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
