@@ -58,7 +58,7 @@ if ! ldconfig -p | grep -q 'libcuda\.so\.1' && ! ls /usr/local/cuda/lib64/stubs/
   grep -oE "CUDAAPI cu[A-Za-z0-9_]+\(" "$h/cuda.h" | sed -E 's/CUDAAPI (.*)\(/STRATA_SYM \1/' | sort -u \
     | { echo '#include <cuda.h>'; cat; } > "$st/names.c"
   gcc -E -I"$h" "$st/names.c" | awk '$1 == "STRATA_SYM" {print "void " $2 "(void) {}"}' | sort -u > "$st/stub.c"
-  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$st/libcuda.so" "$st/stub.c" \
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$st/libcuda.so" "$st/stub.c" && ln -s libcuda.so "$st/libcuda.so.1" \
     || { echo "llama.cpp: cannot make a driver stub"; exit 1; }
   extra+=("-DCUDA_cuda_driver_LIBRARY=$st/libcuda.so")
   echo "driver stub $st/libcuda.so ($(wc -l < "$st/stub.c") entry points)" >&2

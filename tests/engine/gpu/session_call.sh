@@ -62,8 +62,14 @@ fi
 # for it; its pack comes back in $OUT (llama-bin.tar.xz.part-aa) only if it is one part (8 files at most)
 llama_bg=0
 if [ "$what" != tests ]; then
+  # carried binaries (possibly built on a machine without a GPU: build_llama_cuda.sh's driver stub) must
+  # load here: `llama-bench --help` resolves every shared library; if not, build from the tarball instead
   if [ -d .llama/bin-pack ]; then bash tests/engine/gpu/build_llama_cuda.sh .llama/bin-pack /tmp/llama-build
-  else llama_bg=1; echo "llama.cpp: no .llama/bin-pack, building from $(ls .llama/llama.cpp-*.tar.gz | head -1)"; fi
+    /tmp/llama-build/bin/llama-bench --help > /tmp/llama-help.log 2>&1 \
+      || { echo "llama.cpp: carried binaries do not load: $(head -c 300 /tmp/llama-help.log)"; rm -rf /tmp/llama-build; }
+  fi
+  if [ ! -x /tmp/llama-build/bin/llama-bench ]; then
+    llama_bg=1; echo "llama.cpp: building from $(ls .llama/llama.cpp-*.tar.gz | head -1)"; fi
 fi
 cat > /tmp/session_steps.sh <<EOF
 set -u
