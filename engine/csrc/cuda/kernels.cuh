@@ -1306,7 +1306,14 @@ static inline size_t att_smem_bytes(int hd, int stages) {
 /* V2 (STRATA_GPU_ATT_V2, hd % 64 == 0) >= 1: the value loop reads dimensions 2 l, 2 l + 1 (+ 64 i) of lane
  * l as one half2, into acc[2 i], acc[2 i + 1]; V2 = 2 also keeps q in shared memory with its even dimensions
  * first (qs[(d & 1) hd / 2 + d / 2]), so that the score loop's four q values of an iteration (d, d + 2,
- * d + 4, d + 6) are one float4 load. Each dimension's fma chain and every sum are unchanged: the same bits. */
+ * d + 4, d + 6) are one float4 load. V2 = 3: the values as 1, and the scores with lane = key pair kp (keys
+ * 2 kp, 2 kp + 1: one half2 K load serves both) + 8 g, each lane two of a key's eight chains r = d % 8
+ * (g: r 0, 2 | 4, 6 | 1, 3 | 5, 7; q at qs[r hd / 8 + d / 8], four t at once as a float4): half the K and a
+ * quarter of the q loads, the partial sums rebuilt in the scalar form's order by three shuffle pairs. Each
+ * dimension's (each chain's) fma order and every sum are unchanged: the same bits. */
+template <int V2> __device__ __forceinline__ int att_qidx(int d, int hd) { /* where q[d] lives in qs */
+    return V2 == 2 ? (d & 1) * (hd / 2) + (d >> 1) : V2 == 3 ? (d & 7) * (hd / 8) + (d >> 3) : d;
+}
 template <int V2>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     pdl_trigger();
@@ -1363,7 +1370,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             float *v = part[warp];
             qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);
             if (warp == 0) {
-                for (int i = lane; i < hd; i += 32) qs[V2 == 2 ? (i & 1) * (hd / 2) + (i >> 1) : i] = __fmul_rn(v[i], a.qa.scale);
+                for (int i = lane; i < hd; i += 32) qs[att_qidx<V2>(i, hd)] = __fmul_rn(v[i], a.qa.scale);
             } else {
                 for (int i = lane; i < hd; i += 32) kvnew[warp - 1][i] = __float2half_rn(v[i]);
                 if (h % (a.n_head / a.n_kv) == 0) kv_store(a.qa, t, warp, kvh, v, lane);
@@ -1371,7 +1378,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
     } else {
         const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[V2 == 2 ? (i & 1) * (hd / 2) + (i >> 1) : i] = q[i];
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[att_qidx<V2>(i, hd)] = q[i];
     }
     __syncthreads();
     float m = -INFINITY, l = 0.0f, acc[8];
@@ -1410,26 +1417,52 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             __syncwarp();
         }
         float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
-        if constexpr (V2 == 2) {
-            const float *qh = qs + half * (hd / 2); /* q[half + 2 i] at qh[i] */
-            for (int d = half, i = 0; d < hd; d += 8, i += 4) {
-                const float4 qv = *(const float4 *)(qh + i);
-                d0 = fmaf(qv.x, __half2float(ks[d * ATT_CK + key]), d0);
-                d1 = fmaf(qv.y, __half2float(ks[(d + 2) * ATT_CK + key]), d1);
-                d2 = fmaf(qv.z, __half2float(ks[(d + 4) * ATT_CK + key]), d2);
-                d3 = fmaf(qv.w, __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+        float sv;
+        if constexpr (V2 == 3) { /* lane = key pair kp + 8 g: chains r = ra, ra + 2 of keys 2 kp, 2 kp + 1 */
+            const int kp = lane & 7, g = lane >> 3, ra = (g >> 1) + 4 * (g & 1); /* g: r 0, 2 | 4, 6 | 1, 3 | 5, 7 */
+            const float *qa = qs + ra * (hd / 8), *qb = qa + 2 * (hd / 8); /* q[r + 8 t] at qs[r hd / 8 + t] */
+            for (int t = 0; t < hd / 8; t += 4) {
+                const float4 va = *(const float4 *)(qa + t), vb = *(const float4 *)(qb + t);
+                const float fa[4] = {va.x, va.y, va.z, va.w}, fb[4] = {vb.x, vb.y, vb.z, vb.w};
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const __half *kr = ks + (ra + 8 * (t + u)) * ATT_CK + 2 * kp;
+                    const float2 ka = __half22float2(*(const __half2 *)kr), kb = __half22float2(*(const __half2 *)(kr + 2 * ATT_CK));
+                    d0 = fmaf(fa[u], ka.x, d0), d1 = fmaf(fa[u], ka.y, d1); /* (key 2 kp, ra), (key 2 kp + 1, ra) */
+                    d2 = fmaf(fb[u], kb.x, d2), d3 = fmaf(fb[u], kb.y, d3); /* the same keys, ra + 2 */
+                }
             }
+            /* per key c_ra + c_(ra+2), i.e. the scalar form's (d0 + d1) for g 0 / 2, (d2 + d3) for g 1 / 3; then
+             * g 0 + g 1 (even dimensions) and g 2 + g 3 (odd), then even + odd, as the scalar form adds them */
+            const float A0 = d0 + d2, A1 = d1 + d3;
+            const float o0 = __shfl_xor_sync(0xffffffffu, A0, 8), o1 = __shfl_xor_sync(0xffffffffu, A1, 8);
+            const float S0 = g & 1 ? o0 + A0 : A0 + o0, S1 = g & 1 ? o1 + A1 : A1 + o1;
+            const float p0 = __shfl_xor_sync(0xffffffffu, S0, 16), p1 = __shfl_xor_sync(0xffffffffu, S1, 16);
+            const float T0 = g < 2 ? S0 + p0 : p0 + S0, T1 = g < 2 ? S1 + p1 : p1 + S1;
+            const float x0 = __shfl_sync(0xffffffffu, T0, key >> 1), x1 = __shfl_sync(0xffffffffu, T1, key >> 1);
+            sv = key & 1 ? x1 : x0; /* lane = key + 16 half, as below */
         } else {
-            for (int d = half; d < hd; d += 8) {
-                d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
-                d1 = fmaf(qs[d + 2], __half2float(ks[(d + 2) * ATT_CK + key]), d1);
-                d2 = fmaf(qs[d + 4], __half2float(ks[(d + 4) * ATT_CK + key]), d2);
-                d3 = fmaf(qs[d + 6], __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+            if constexpr (V2 == 2) {
+                const float *qh = qs + half * (hd / 2); /* q[half + 2 i] at qh[i] */
+                for (int d = half, i = 0; d < hd; d += 8, i += 4) {
+                    const float4 qv = *(const float4 *)(qh + i);
+                    d0 = fmaf(qv.x, __half2float(ks[d * ATT_CK + key]), d0);
+                    d1 = fmaf(qv.y, __half2float(ks[(d + 2) * ATT_CK + key]), d1);
+                    d2 = fmaf(qv.z, __half2float(ks[(d + 4) * ATT_CK + key]), d2);
+                    d3 = fmaf(qv.w, __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+                }
+            } else {
+                for (int d = half; d < hd; d += 8) {
+                    d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
+                    d1 = fmaf(qs[d + 2], __half2float(ks[(d + 2) * ATT_CK + key]), d1);
+                    d2 = fmaf(qs[d + 4], __half2float(ks[(d + 4) * ATT_CK + key]), d2);
+                    d3 = fmaf(qs[d + 6], __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+                }
             }
+            sv = (d0 + d1) + (d2 + d3);
+            const float so = __shfl_xor_sync(0xffffffffu, sv, 16);
+            sv = half ? so + sv : sv + so; /* the even half first on both lanes */
         }
-        float sv = (d0 + d1) + (d2 + d3);
-        const float so = __shfl_xor_sync(0xffffffffu, sv, 16);
-        sv = half ? so + sv : sv + so; /* the even half first on both lanes */
         const bool ok = key < nk;
         const float s = ok ? sv : -INFINITY;
         const float mn = fmaxf(m, warp_max(s));

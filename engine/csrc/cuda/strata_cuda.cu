@@ -675,17 +675,18 @@ static int gemm_fast_bn_env() {
 static thread_local bool g_gemm_fast_router = true;
 static thread_local int g_fast_qkv = 1;
 static thread_local bool g_fast_pdl = false;
-/* STRATA_GPU_ATT_V2 (default 1; 0 = off, 2): k_attention's vector loads (see there): 1 the value loop on
- * half2, 2 also q as float4 in the score loop. Same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 8 and
- * 32 sequences). Runs 56 and 58 (b1), GPU step at batch 1: 1 -0.03 ms (2.81-2.82 against 2.84-2.85 in the same
- * processes), 2 -0.01 to -0.02 (96 registers instead of 80); 2 at 8 / 32 sequences -0.05 to -0.06 /
- * -0.03 to -0.09. Read per step; graphs keyed by it (graph_entry.knobs_b1). Session 10's other batch-1
- * candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
+/* STRATA_GPU_ATT_V2 (default 1; 0 = off, 2, 3): k_attention's vector loads (see there): 1 the value loop on
+ * half2, 2 also q as float4 in the score loop, 3 the values as 1 and the score loop over key pairs on half2
+ * K loads and float4 q loads. Same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 8 and 32 sequences).
+ * GPU step at batch 1, runs 56 and 58 (b1): 1 -0.03 ms (2.81-2.82 against 2.84-2.85 in the same processes),
+ * 2 -0.01 to -0.02 (96 registers instead of 80); run 59 (b1): 3 as 1 (2.82). At 8 / 32 sequences: 2 -0.05 to
+ * -0.06 / -0.03 to -0.09, 3 0 / -0.04 (once). Read per step; graphs keyed by it (graph_entry.knobs_b1).
+ * Session 10's other batch-1 candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
 static thread_local int g_att_v2 = 1;
 static int32_t b1_knobs2() { return g_att_v2; }
 static void read_b1_knobs2() {
     const int v = env_int("STRATA_GPU_ATT_V2", 1);
-    g_att_v2 = v == 0 || v == 2 ? v : 1;
+    g_att_v2 = v == 0 || v == 2 || v == 3 ? v : 1;
 }
 /* the knobs that a step (stg_forward) and a harness call (harness_device) both read afresh */
 static void read_knobs() {
@@ -1206,7 +1207,7 @@ static stg_status gemm_setup(void) {
 
 static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
     CHECK(gemm_setup());
-    void (*const att_forms[])(attn_args) = {k_attention<0>, k_attention<1>, k_attention<2>};
+    void (*const att_forms[])(attn_args) = {k_attention<0>, k_attention<1>, k_attention<2>, k_attention<3>};
     for (auto f : att_forms)
         CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
@@ -1271,7 +1272,8 @@ static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st
     if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_head);
     const int v2 = aa.hd % 64 == 0 ? aa.v2 : 0; /* STRATA_GPU_ATT_V2 */
-    if (v2 == 2) launch_k(k_attention<2>, grid, ATT_WARPS * 32, smem, st, aa);
+    if (v2 == 3) launch_k(k_attention<3>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (v2 == 2) launch_k(k_attention<2>, grid, ATT_WARPS * 32, smem, st, aa);
     else if (v2 == 1) launch_k(k_attention<1>, grid, ATT_WARPS * 32, smem, st, aa);
     else launch_k(k_attention<0>, grid, ATT_WARPS * 32, smem, st, aa);
     LAUNCHED("attention");

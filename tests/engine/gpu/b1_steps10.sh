@@ -7,8 +7,9 @@
 # of the candidate with a batch-1 row per candidate value (defaults = HEAD's forms), and the host-time
 # breakdown. ROUND=2: the candidate's tests (-k TESTS_K), BITWISE (default STRATA_GPU_ATT_V2) at VALUES
 # (0,1,2) at 1, 8 and 32 sequences, ROWS (`--knob` rows) on the candidate with ENV2 (VAR=V ...) set for the
-# whole process, HEAD, the candidate once more, and the host-time breakdown on HEAD. ROUND=3: the host-time
-# breakdown alone, with the primary context's default scheduling, spin and blocking sync.
+# whole process, HEAD, the candidate once more, and the host-time breakdown on HEAD. ROUND=3: ATT_V2=3's
+# tests, same-bits check and rows against =1 in one process, then the host-time breakdown with the
+# primary context's default scheduling and with spin.
 set -u
 HEADLIB=${HEADLIB:-_strata_cuda_b1_head10}
 SW10="STRATA_GPU_MV_ROWS_DENSE,STRATA_GPU_MV_LB_SW,STRATA_GPU_MV_LB_DENSE,STRATA_GPU_ROPE_PRE,STRATA_GPU_ATT_V2"
@@ -19,10 +20,18 @@ bench() { # LIB, then --knob rows
         sed "s/^/$lib: /"
 }
 (python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1) &
-if [ "${ROUND:-1}" = 3 ]; then # host time only: the context's scheduling flags (default, spin, blocking)
+if [ "${ROUND:-1}" = 3 ]; then # ATT_V2=3's tests, bits and rows, then host time: default and spin scheduling
+    STRATA_CUDA_LIB=$L/$CAND.so python3 -m pytest -q -p no:cacheprovider -o addopts='' \
+        tests/engine/gpu/test_gpu_b1_knobs.py -k "vector_loads" > "$OUT/tests.log" 2>&1
+    echo "tests exit $?: $(tail -1 "$OUT/tests.log")"
+    grep -E '^(FAILED|ERROR)' "$OUT/tests.log" | head -20
     wait
-    for sch in "" spin blocking; do
-        STRATA_CUDA_LIB=$L/$HEADLIB.so timeout 60 python3 tests/engine/gpu/b1_host_time.py --steps 128 \
+    STRATA_CUDA_LIB=$L/$CAND.so timeout 60 python3 tests/engine/gpu/knob_bitwise.py STRATA_GPU_ATT_V2 --values 0,3 \
+        --seqs 1,32 --steps 3 2>&1 | tail -2
+    bench "$CAND" --knob 1:STRATA_GPU_ATT_V2=3 --knob 1:STRATA_GPU_ATT_V2=1 --knob 1:STRATA_GPU_ATT_V2=3 \
+        --knob 8:STRATA_GPU_ATT_V2=3 --knob 32:STRATA_GPU_ATT_V2=3
+    for sch in "" spin; do
+        STRATA_CUDA_LIB=$L/$HEADLIB.so timeout 40 python3 tests/engine/gpu/b1_host_time.py --steps 128 \
             ${sch:+--sched $sch} 2>&1 | tail -5
     done
 elif [ "${ROUND:-1}" = 1 ]; then

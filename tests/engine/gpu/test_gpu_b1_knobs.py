@@ -96,8 +96,9 @@ def test_routed_rows_per_warp_bitwise(g: tuple, k: int, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize(("hd", "nq", "p0"), [(128, 1, 300), (128, 3, 40), (64, 2, 77), (256, 1, 50), (32, 1, 20)])
 def test_attention_vector_loads_bitwise(g: tuple, hd: int, nq: int, p0: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """k_attention's vector loads (ATT_V2 = 1: half2 values, 2: also q as float4 in the scores; hd % 64 == 0,
-    else the scalar form) give the same bits, floats and the output's 8-bit blocks."""
+    """k_attention's vector loads (ATT_V2 = 1: half2 values, 2: also q as float4 in the scores, 3: the scores over
+    key pairs on half2 K loads; hd % 64 == 0, else the scalar form) give the same bits, floats and the output's
+    8-bit blocks."""
     from tests.engine.gpu.test_gpu_kernels import _attention_case
 
     rng = np.random.default_rng(hd + p0)
@@ -106,7 +107,7 @@ def test_attention_vector_loads_bitwise(g: tuple, hd: int, nq: int, p0: int, mon
     qd = n_head * hd
     q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
     outs = []
-    for v2 in ("0", "1", "2"):
+    for v2 in ("0", "1", "2", "3"):
         monkeypatch.setenv("STRATA_GPU_ATT_V2", v2)
         out = np.full((nq, qd), np.nan, np.float32)
         aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
@@ -119,14 +120,14 @@ def test_attention_vector_loads_bitwise(g: tuple, hd: int, nq: int, p0: int, mon
         outs.append((out, aq, ad, as_))
     o0, q0, d0, s0 = outs[0]
     assert np.isfinite(o0).all()
-    for v2, (o1, q1, d1, s1) in zip((1, 2), outs[1:], strict=True):
+    for v2, (o1, q1, d1, s1) in zip((1, 2, 3), outs[1:], strict=True):
         assert same(o0, o1), (v2, np.abs(o0 - o1).max())
         assert np.array_equal(q0, q1) and same(d0, d1) and np.array_equal(s0, s1), v2
 
 
 def test_decode_steps_bitwise_with_attention_vector_loads(tmp_path: Path) -> None:
     """Whole decode steps (the fused decode attention) of a small random Qwen3-MoE with head_dim 64 (the
-    vector forms need hd % 64 == 0) at 1 and 2 sequences: bitwise equal with ATT_V2 at 0, 1 and 2."""
+    vector forms need hd % 64 == 0) at 1 and 2 sequences: bitwise equal with ATT_V2 at 0, 1, 2 and 3."""
     H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
     from engine.engine import Engine
 
@@ -136,7 +137,7 @@ def test_decode_steps_bitwise_with_attention_vector_loads(tmp_path: Path) -> Non
     try:
         for n_seq in (1, 2):
             ref = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_V2": "0"}, prompt_len=20)
-            for v2 in ("1", "2"):
+            for v2 in ("1", "2", "3"):
                 got = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_V2": v2}, prompt_len=20)
                 assert all(same(a, b) for a, b in zip(ref, got, strict=True)), (n_seq, v2)
     finally:
