@@ -2,7 +2,8 @@
 # Session 10's batch-1 steps (docs/gpu-runs.md, "(b1)" runs), run by b1_call.sh after device_run.sh's setup:
 #   CAND=_strata_cuda_b1_c1 STEPS='bash tests/engine/gpu/b1_steps10.sh' bash tests/engine/gpu/b1_call.sh
 # with L (the unpacked libraries), OUT, CAND set; HEADLIB (default _strata_cuda_b1_head10) is HEAD's library,
-# the baseline in the same lease. ROUND=1: the candidate's tests (batch-1 switches and kernels), every
+# the baseline in the same lease. ROUND=1 (run 56's form: its knobs MV_ROWS_DENSE, MV_LB_SW / _DENSE and ROPE_PRE
+# exist only with tests/engine/gpu/b1_candidates10.patch applied): the candidate's tests (batch-1 switches and kernels), every
 # candidate switch's same-bits check on the bench model, one `--decode-only --lean` process of HEAD and one
 # of the candidate with a batch-1 row per candidate value (defaults = HEAD's forms), and the host-time
 # breakdown. ROUND=2: the candidate's tests (-k TESTS_K), BITWISE (default STRATA_GPU_ATT_V2) at VALUES
