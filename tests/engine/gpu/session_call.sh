@@ -68,7 +68,10 @@ if [ "$what" != tests ]; then
     /tmp/llama-build/bin/llama-bench --help > /tmp/llama-help.log 2>&1 \
       || { echo "llama.cpp: carried binaries do not load: $(head -c 300 /tmp/llama-help.log)"; rm -rf /tmp/llama-build; }
   fi
-  if [ ! -x /tmp/llama-build/bin/llama-bench ]; then
+  # LLAMA_BUILD=0: no build here (a call short of device time): then the bench runs without llama.cpp
+  if [ ! -x /tmp/llama-build/bin/llama-bench ] && [ "${LLAMA_BUILD:-1}" = 0 ]; then
+    echo "llama.cpp: no binaries and LLAMA_BUILD=0: the bench runs without it"
+  elif [ ! -x /tmp/llama-build/bin/llama-bench ]; then
     llama_bg=1; echo "llama.cpp: building from $(ls .llama/llama.cpp-*.tar.gz | head -1)"; fi
 fi
 cat > /tmp/session_steps.sh <<EOF
