@@ -165,6 +165,17 @@ def _model_path(args: argparse.Namespace) -> Path:
                                    f"{'-quick' if args.quick else ''}.gguf")
 
 
+def bench_model(model_dir: str = "/tmp/strata-bench", *, quick: bool = False, layers: int = SHAPE["n_layer"],
+                skew: float = 1.0) -> Path:
+    """The benchmark's model file, built first if it is missing (the GPU tools in tests/engine/gpu use it)."""
+    ns = argparse.Namespace(quick=quick, layers=layers, skew=skew, model_dir=model_dir)
+    path = _model_path(ns)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_model(path, _shape(ns), skew)
+    return path
+
+
 class _ProfilerRange:
     """cudaProfilerStart / Stop around a region (for ncu --profile-from-start off), the device synchronised
     at both ends so that only the region's kernels fall inside."""

@@ -29,15 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, os.getcwd())
     if args.sched:
         set_sched(SCHED[args.sched])
-    from bench.engine_gpu import SHAPE, _model_path, build_model
+    from bench.engine_gpu import bench_model
     from engine.engine import Engine
 
-    ns = argparse.Namespace(quick=False, layers=SHAPE["n_layer"], skew=1.0, model_dir="/tmp/strata-bench")
-    path = _model_path(ns)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, dict(SHAPE), 1.0)
-    eng = Engine.open(path, device="cuda:0", kv_tokens=8 * 1024, block_size=16, prefill_chunk=512)
+    eng = Engine.open(bench_model(), device="cuda:0", kv_tokens=8 * 1024, block_size=16, prefill_chunk=512)
     gpu = eng._gpu  # type: ignore[attr-defined]
     marks: dict[str, float] = {}
     inner = gpu.forward

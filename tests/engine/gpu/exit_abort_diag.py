@@ -22,14 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--device", default="cuda:0")
     args = ap.parse_args(argv)
-    from bench.engine_gpu import _model_path, _shape, build_model
+    from bench.engine_gpu import bench_model
     from engine.engine import Engine
 
-    ns = argparse.Namespace(quick=args.quick, layers=48, skew=1.0, model_dir=args.model_dir)
-    path = _model_path(ns)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, _shape(ns), 1.0)
+    path = bench_model(args.model_dir, quick=args.quick)
     rng = np.random.default_rng(0)
     with Engine.open(path, device=args.device, kv_tokens=4096, block_size=16, prefill_chunk=512) as eng:
         V, bs = eng.hparams.n_vocab, eng.block_size

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.engine_gpu import SHAPE, _model_path, build_model
+from bench.engine_gpu import bench_model
 
 # k_linear_gemm<T, SW, BN, CS[, FAST]>: at Qwen3-30B-A3B shapes CS tells the layer (K = 768: down,
 # 2,048: q / k / v / gate+up, 4,096: o)
@@ -42,10 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from engine.engine import Engine
 
-    path = _model_path(argparse.Namespace(quick=False, layers=SHAPE["n_layer"], skew=1.0, model_dir=args.model_dir))
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, SHAPE, 1.0)
+    path = bench_model(args.model_dir)
     sets = [("base", {})] + [(n, dict(kv.split("=", 1) for kv in spec.split())) for n, spec in args.set]
     lengths = [int(x) for x in args.n.split(",")]
     lib = Path(os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")).name
