@@ -509,16 +509,17 @@ static int env_int(const char *name, int dflt) {
     const char *e = getenv(name);
     return e && e[0] ? atoi(e) : dflt;
 }
-/* Pairs per group (expected) from which the tensor-core GEMM replaces the matvec kernel
- * (STRATA_GPU_GEMM_MIN overrides; 0 or less: always). Both kernels produce bitwise the same
- * results (k_linear_gemm keeps the matvec's summation order), so the choice changes speed
- * only: a sequence's logits do not depend on what else is in its batch either way. */
 /* STRATA_GPU_ROUTE_SPLIT=1: router logits and routing as separate launches (comparison). */
 static bool route_split() {
     const char *e = getenv("STRATA_GPU_ROUTE_SPLIT");
     return e && e[0] == '1';
 }
 
+/* Pairs per group (expected) from which the tensor-core GEMM replaces the matvec kernel
+ * (STRATA_GPU_GEMM_MIN overrides; values below 1 count as 1; STRATA_GPU_GEMM_MIN_TOKENS below
+ * lowers it for routed layers of larger steps). Both kernels produce bitwise the same
+ * results (k_linear_gemm keeps the matvec's summation order), so the choice changes speed
+ * only: a sequence's logits do not depend on what else is in its batch either way. */
 static thread_local int g_gemm_min = 2; /* read per step (stg_forward); graphs are keyed by it */
 static int gemm_min_env() {
     const int v = env_int("STRATA_GPU_GEMM_MIN", 2);
