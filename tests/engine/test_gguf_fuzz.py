@@ -161,7 +161,10 @@ def child(path: Path, err_path: Path) -> int:
     except BaseException:
         return report(EXIT_OTHER)
     try:
-        logits = eng.forward([1, 2, 3], [0, 1, 2], [0, 0, 0], [[0]], [2])
+        # token ids inside the file's own vocabulary: a mutated n_vocab of 3 is a valid model (the engine's
+        # OutOfRangeError for id 3 would be the harness's input error, not the file's)
+        toks = [t % eng.hparams.n_vocab for t in (1, 2, 3)]
+        logits = eng.forward(toks, [0, 1, 2], [0, 0, 0], [[0]], [2])
         assert logits.shape == (1, eng.hparams.n_vocab)
     except BaseException:
         return report(EXIT_FORWARD)
