@@ -133,7 +133,6 @@ struct graph_entry {
     int32_t dense_split;
     bool qkv_split;
     int32_t knobs; /* g_knobs() */
-    int32_t knobs_b1; /* b1_knobs2() */
     cudaGraphExec_t exec;
 };
 
@@ -617,9 +616,17 @@ static thread_local bool g_q6_wide = true, g_q6_gemm_wide = true;
 static thread_local bool g_att_pre = true;
 static thread_local bool g_router_pre = true;
 static thread_local int g_mv_rows = 8;
+/* STRATA_GPU_ATT_V2 (default 1; 0 = off, 2, 3): k_attention's vector loads (see there): 1 the value loop on
+ * half2, 2 also q as float4 in the score loop, 3 the values as 1 and the score loop over key pairs on half2
+ * K loads and float4 q loads. Same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 8 and 32 sequences).
+ * GPU step at batch 1, runs 56 and 58 (b1): 1 -0.03 ms (2.81-2.82 against 2.84-2.85 in the same processes),
+ * 2 -0.01 to -0.02 (96 registers instead of 80); run 59 (b1): 3 as 1 (2.82). At 8 / 32 sequences: 2 -0.05 to
+ * -0.06 / -0.03 to -0.09, 3 0 / -0.04 (once). Read per step; graphs keyed by it (b1_knobs()).
+ * Session 10's other batch-1 candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
+static thread_local int g_att_v2 = 1;
 static int32_t b1_knobs() {
     return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3 |
-           (int32_t)g_q6_gemm_wide << 7;
+           (int32_t)g_q6_gemm_wide << 7 | g_att_v2 << 8;
 }
 /* STRATA_GPU_ROUTED_SPLIT / STRATA_GPU_ROUTED_SPLIT_DOWN (2 or 4; else 0 = off; defaults 2 / 0): routed Q4_K
  * gate/up (down) GEMMs over the tile list with at most STRATA_GPU_ROUTED_SPLIT_MAX tokens run their k loop
@@ -676,19 +683,6 @@ static int gemm_fast_bn_env() {
 static thread_local bool g_gemm_fast_router = true;
 static thread_local int g_fast_qkv = 1;
 static thread_local bool g_fast_pdl = false;
-/* STRATA_GPU_ATT_V2 (default 1; 0 = off, 2, 3): k_attention's vector loads (see there): 1 the value loop on
- * half2, 2 also q as float4 in the score loop, 3 the values as 1 and the score loop over key pairs on half2
- * K loads and float4 q loads. Same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 8 and 32 sequences).
- * GPU step at batch 1, runs 56 and 58 (b1): 1 -0.03 ms (2.81-2.82 against 2.84-2.85 in the same processes),
- * 2 -0.01 to -0.02 (96 registers instead of 80); run 59 (b1): 3 as 1 (2.82). At 8 / 32 sequences: 2 -0.05 to
- * -0.06 / -0.03 to -0.09, 3 0 / -0.04 (once). Read per step; graphs keyed by it (graph_entry.knobs_b1).
- * Session 10's other batch-1 candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
-static thread_local int g_att_v2 = 1;
-static int32_t b1_knobs2() { return g_att_v2; }
-static void read_b1_knobs2() {
-    const int v = env_int("STRATA_GPU_ATT_V2", 1);
-    g_att_v2 = v == 0 || v == 2 || v == 3 ? v : 1;
-}
 /* the knobs that a step (stg_forward) and a harness call (harness_device) both read afresh */
 static void read_knobs() {
     g_dense_split = dense_split_env();
@@ -714,7 +708,8 @@ static void read_knobs() {
     g_router_pre = env_int("STRATA_GPU_ROUTER_PRE", 1) != 0;
     const int rows = env_int("STRATA_GPU_MV_ROWS", 8);
     g_mv_rows = rows <= 1 ? 1 : rows == 2 || rows == 4 || rows == 8 ? rows : 8;
-    read_b1_knobs2();
+    const int v2 = env_int("STRATA_GPU_ATT_V2", 1);
+    g_att_v2 = v2 == 0 || v2 == 2 || v2 == 3 ? v2 : 1;
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -980,10 +975,7 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     /* a routed launch over the tile list at decode: the split GEMM (g_routed_split), its combine also
      * quantising gate/up's output for the down projection */
     const int rs = W2 ? g_routed_split : g_routed_split_down;
-    const bool rs_form = W.type == STG_Q4_K && [&] {
-        const int64_t C = (a.K / 32 + 31) / 32;
-        return C == 1 || C == 2 || C == 4;
-    }();
+    const bool rs_form = W.type == STG_Q4_K && gemm_rs_kernel<STG_Q4_K, false>((int)a.K) != nullptr;
     if (path == STG_PATH_GEMM && q && rs_form && !seg && !split && g.gexp && g.tiles && g_gemm_tiles && rs > 1 &&
         max_count <= g_routed_split_max && g_kpart && (int64_t)rs * (W2 ? 2 : 1) * g.n_pairs * a.N <= g_kpart_cap &&
         mode == MODE_STORE) {
@@ -1576,7 +1568,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
             g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split &&
-            g.knobs == g_knobs() && g.knobs_b1 == b1_knobs2()) {
+            g.knobs == g_knobs()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -1592,7 +1584,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
                                          g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles,
-                                         g_dense_split, g_qkv_split, g_knobs(), b1_knobs2(), exec});
+                                         g_dense_split, g_qkv_split, g_knobs(), exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
