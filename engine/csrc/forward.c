@@ -153,8 +153,8 @@ static st_status validate_batch(const st_model *m, const st_kv *kv, const st_bat
                        m->d.n_expert_used + 1);
     if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
         return st_fail(ST_EINVAL, "forward: batch is missing arrays");
-    if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || !b->logits)))
-        return st_fail(ST_EINVAL, "forward: logits requested without buffers");
+    if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || (!b->logits && !b->out_tokens))))
+        return st_fail(ST_EINVAL, "forward: logits requested without buffers (logits or out_tokens)");
     const int64_t capacity = (int64_t)b->max_blocks * kv->block_size; /* tokens per sequence */
     if (capacity > INT32_MAX)
         return st_fail(ST_ERANGE, "forward: %d blocks of %d tokens per sequence exceed 2^31 positions", b->max_blocks,
@@ -177,6 +177,39 @@ static st_status validate_batch(const st_model *m, const st_kv *kv, const st_bat
         if (b->logit_idx[i] < 0 || b->logit_idx[i] >= b->n_tokens)
             return st_fail(ST_ERANGE, "forward: logit index %d out of range", b->logit_idx[i]);
     return ST_OK;
+}
+
+/* ------------------------------------------------------------------ greedy pick */
+
+/* The first index of the row's maximum; a NaN is larger than any number (numpy argmax). */
+static int32_t argmax_row(const float *x, int64_t n) {
+    float v = x[0];
+    int64_t best = 0;
+    if (v != v) return 0;
+    for (int64_t i = 1; i < n; i++) {
+        const float y = x[i];
+        if (y > v) v = y, best = i;
+        else if (y != y) return (int32_t)i;
+    }
+    return (int32_t)best;
+}
+
+st_status st_argmax_rows(const float *x, int32_t rows, int64_t n, int32_t *out) {
+    if (rows < 0 || (rows > 0 && (!x || !out))) return st_fail(ST_EINVAL, "argmax: NULL buffer or negative row count");
+    if (n < 1 || n > INT32_MAX) return st_fail(ST_ERANGE, "argmax: row length %lld outside [1, 2^31)", (long long)n);
+    for (int32_t r = 0; r < rows; r++) out[r] = argmax_row(x + (int64_t)r * n, n);
+    return ST_OK;
+}
+
+/* The step's logits when the caller wants only the picks (b->logits NULL): a buffer kept in
+ * the scratch, grown as needed. */
+static float *logits_buffer(scratch *s, size_t n) {
+    if (n > s->cap_logits) {
+        free(s->logits);
+        s->logits = malloc(sizeof(float) * n);
+        s->cap_logits = s->logits ? n : 0;
+    }
+    return s->logits;
 }
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats) {
@@ -216,7 +249,10 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
             st_rmsnorm_row(s->x + (int64_t)b->logit_idx[i] * E, m->d.output_norm.data, s->xn + (int64_t)i * E, E,
                            m->d.norm_eps);
         const acts in = st_make_acts(pool, s->xn, b->n_logits, E, !st_type_is_float(m->d.output.type), layer_buf(s));
-        st_linear(pool, &m->d.output, &in, NULL, b->n_logits, b->logits, m->d.n_vocab); /* [n_logits, n_vocab] */
+        float *logits = b->logits ? b->logits : logits_buffer(s, (size_t)b->n_logits * (size_t)m->d.n_vocab);
+        if (!logits) return st_fail(ST_ENOMEM, "forward: out of memory for %d rows of logits", b->n_logits);
+        st_linear(pool, &m->d.output, &in, NULL, b->n_logits, logits, m->d.n_vocab); /* [n_logits, n_vocab] */
+        if (b->out_tokens) CHECK(st_argmax_rows(logits, b->n_logits, m->d.n_vocab, b->out_tokens));
     }
     const double t_end = now_s();
     st->t_output = t_end - t_out;

@@ -249,6 +249,8 @@ typedef struct {
     int32_t *pairs_by_expert;  /* [P] */
     int32_t *expert_start;     /* [n_expert + 1] */
     int32_t *tiles;            /* [T, 2] attention tiles */
+    float *logits;             /* [cap_logits] a step's logits when only its greedy picks are wanted */
+    size_t cap_logits;
 } scratch;
 
 struct st_model {

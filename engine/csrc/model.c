@@ -297,7 +297,7 @@ static void scratch_free(scratch *s) {
     void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
                     s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
                     s->hxs, s->hs, s->pair_tok,
-                    s->pairs_by_expert, s->expert_start, s->tiles};
+                    s->pairs_by_expert, s->expert_start, s->tiles, s->logits};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
     memset(s, 0, sizeof *s);
 }

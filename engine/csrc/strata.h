@@ -191,7 +191,8 @@ typedef struct {
  * Token i belongs to sequence seq[i] at position pos[i]; its K/V are written to
  * block block_tables[seq[i] * max_blocks + pos[i] / block_size] and it attends to
  * positions 0..pos[i] of its sequence. Logits are produced for the tokens listed in
- * logit_idx, into logits[n_logits, n_vocab]. */
+ * logit_idx, into logits[n_logits, n_vocab], and/or their greedy picks into
+ * out_tokens[n_logits] (at least one of the two when n_logits > 0). */
 typedef struct {
     int32_t n_tokens;
     const int32_t *tokens;
@@ -204,8 +205,20 @@ typedef struct {
     const int32_t *logit_idx;
     float *logits;
     int32_t *expert_hist; /* optional [n_layer, n_expert]: tokens routed per expert */
+    /* optional [n_logits]: each logit row's greedy pick, the first index of its maximum (numpy
+     * argmax's rule: ties go to the lowest index, -0.0 equals +0.0, and a NaN counts as larger
+     * than any number, so a row holding NaN picks its first NaN). With out_tokens set, logits
+     * may be NULL: then no logits leave the step (on a GPU only the n_logits ids are copied
+     * back). Both set: both filled, the picks from exactly those logits. (Keep last: added
+     * after the CUDA backend first read this struct.) */
+    int32_t *out_tokens;
 } st_batch;
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats);
+
+/* The greedy pick of each row of x[rows, n] (n >= 1): out[r] = the first index of row r's
+ * maximum, by st_batch.out_tokens' rule (NaN first, then ties to the lowest index). The generic
+ * reference that st_forward uses and that the GPU's argmax is checked against. */
+st_status st_argmax_rows(const float *x, int32_t rows, int64_t n, int32_t *out);
 
 #endif

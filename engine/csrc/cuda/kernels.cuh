@@ -2077,3 +2077,69 @@ __global__ void k_silu_mul(float *h, const float *g, int64_t n) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) h[i] = silu_f(g[i]) * h[i];
 }
+
+/* ------------------------------------------------------------ greedy pick */
+
+/* A float's place in the greedy pick's order (st_batch.out_tokens: numpy argmax's rule) as an
+ * unsigned key: every NaN above +inf, -0.0 equal to +0.0, otherwise the values' order; every
+ * key is at least 0x007fffff (-inf), so 0 means "nothing seen". */
+__device__ __forceinline__ uint32_t pick_key(float v) {
+    if (v != v) return 0xffffffffu;
+    const uint32_t u = __float_as_uint(v) == 0x80000000u ? 0u : __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+#define ARGMAX_THREADS 1024
+/* out[r] = the first index of the maximum of row r of x[rows, n] (the greedy pick), one block
+ * per row, one pass: each thread keeps the first of its largest keys over its elements in
+ * increasing index order (float4 loads, four in flight, where the rows are 16-byte aligned),
+ * then the block takes the largest (key << 32 | ~index): the largest key, then the lowest index.
+ * The same picks as st_argmax_rows on the same floats. */
+__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *x, int64_t n, int32_t *out) {
+    PDL_ENTER();
+    const float *row = x + (int64_t)blockIdx.x * n;
+    const int bt = blockDim.x;
+    uint32_t kb = 0, ib = 0;
+    auto see = [&](float v, int64_t i) {
+        const uint32_t k = pick_key(v);
+        if (k > kb) kb = k, ib = (uint32_t)i;
+    };
+    if ((n & 3) == 0 && ((uintptr_t)row & 15) == 0) {
+        const float4 *r4 = (const float4 *)row;
+        const int64_t n4 = n >> 2;
+        int64_t j = threadIdx.x;
+        for (; j + 3 * bt < n4; j += 4 * bt) {
+            float4 a[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) a[u] = r4[j + u * bt];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const int64_t i = 4 * (j + u * bt);
+                see(a[u].x, i), see(a[u].y, i + 1), see(a[u].z, i + 2), see(a[u].w, i + 3);
+            }
+        }
+        for (; j < n4; j += bt) {
+            const float4 a = r4[j];
+            see(a.x, 4 * j), see(a.y, 4 * j + 1), see(a.z, 4 * j + 2), see(a.w, 4 * j + 3);
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < n; i += bt) see(row[i], i);
+    }
+    unsigned long long key = kb ? ((unsigned long long)kb << 32) | (unsigned long long)(~ib) : 0ull;
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+        key = other > key ? other : key;
+    }
+    __shared__ unsigned long long part[ARGMAX_THREADS / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) part[warp] = key;
+    __syncthreads();
+    if (warp == 0) {
+        key = lane < bt / 32 ? part[lane] : 0ull;
+        for (int o = 16; o > 0; o >>= 1) {
+            const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
+            key = other > key ? other : key;
+        }
+        if (lane == 0) out[blockIdx.x] = (int32_t)~(uint32_t)key;
+    }
+}

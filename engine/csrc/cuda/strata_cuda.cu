@@ -118,7 +118,8 @@ struct scratch {
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
     float *kpart;      /* the split dense GEMM's parts (g_kpart) */
     int64_t kpart_cap; /* floats */
-    int32_t *h_ints; /* pinned host staging for the batch's index arrays */
+    int32_t *h_ints; /* pinned host staging for the batch's index arrays (and, after them, the greedy picks) */
+    int32_t *picks;  /* [cap_l] the step's greedy picks (k_argmax_rows), copied back instead of the logits */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
     std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
@@ -129,7 +130,7 @@ struct graph_entry {
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, pdl, route_split;
     int32_t gemm_min, gemm_dense, gemm_wide;
-    bool fused_quant, fuse_qkv, gemm_tiles;
+    bool fused_quant, fuse_qkv, gemm_tiles, greedy;
     int32_t dense_split;
     bool qkv_split;
     int32_t knobs; /* g_knobs() */
@@ -1077,6 +1078,7 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
         CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
         CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
+        CHECK(dalloc_in(s.step_allocs, &s.picks, sizeof(int32_t) * std::max<int64_t>(L, 1)));
         /* the dense splits' parts, or a routed split's (2 weights of n_ff_exp or one of E rows per pair) */
         s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) *
                       std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
@@ -1084,7 +1086,7 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
         s.cap_t = T, s.cap_l = L;
     }
-    const int64_t n_ints = 4 * s.cap_t + s.cap_l + n_bt;
+    const int64_t n_ints = 4 * s.cap_t + 2 * s.cap_l + n_bt; /* tokens, pos, seq, tiles; logit rows, picks */
     if (n_ints > s.cap_ints) {
         drop_graphs(m);
         CU(cudaStreamSynchronize(m->stream), "scratch");
@@ -1106,8 +1108,8 @@ static stg_status validate_batch(const stg_model *m, const stg_kv *kv, const st_
     if (b->n_tokens < 1) return fail(ST_EINVAL, "forward: empty batch");
     if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
         return fail(ST_EINVAL, "forward: batch is missing arrays");
-    if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || !b->logits)))
-        return fail(ST_EINVAL, "forward: logits requested without buffers");
+    if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || (!b->logits && !b->out_tokens))))
+        return fail(ST_EINVAL, "forward: logits requested without buffers (logits or out_tokens)");
     for (int32_t i = 0; i < b->n_tokens; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab)
             return fail(ST_ERANGE, "forward: token id %d out of range [0, %d)", b->tokens[i], m->d.n_vocab);
@@ -1502,6 +1504,7 @@ struct step_shape {
     bool fuse_qkv;     /* every token of another sequence: q/k/v post-processing inside attention */
     const int32_t *d_tiles; /* query tiles of prefill attention (eager steps only; n_tiles 0: none) */
     int32_t n_tiles;
+    bool greedy; /* the logit rows' greedy picks into s.picks (k_argmax_rows, after the head) */
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -1545,6 +1548,11 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
         const stg_status hrc = linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE);
         g_gemm_fast = fast;
         CHECK(hrc);
+        if (sh.greedy) {
+            launch_k(k_argmax_rows, sh.NL, ARGMAX_THREADS, 0, st, (const float *)s.logits, (int64_t)m->d.n_vocab,
+                     s.picks);
+            LAUNCHED("greedy pick");
+        }
     }
     m->pending = combine_args{}; /* no logits: the last layer's sum is never needed */
     return ST_OK;
@@ -1566,7 +1574,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
-            g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles &&
+            g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles && g.greedy == sh.greedy &&
             g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split &&
             g.knobs == g_knobs()) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
@@ -1583,7 +1591,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
-                                         g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles,
+                                         g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, sh.greedy,
                                          g_dense_split, g_qkv_split, g_knobs(), exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
@@ -1668,8 +1676,9 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
             seen[(size_t)b->seq[i]] = 1;
         }
     }
+    const bool greedy = NL > 0 && b->out_tokens;
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
-                        false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles};
+                        false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     const char *pe = getenv("STRATA_GPU_PDL");
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
@@ -1686,9 +1695,13 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
-    if (NL > 0)
+    if (NL > 0 && b->logits)
         CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
            "forward: logits");
+    int32_t *h_picks = hi + n_ints; /* pinned, past this step's uploaded indices (ensure_scratch leaves cap_l) */
+    if (greedy)
+        CU(cudaMemcpyAsync(h_picks, s.picks, sizeof(int32_t) * (size_t)NL, cudaMemcpyDeviceToHost, st),
+           "forward: greedy picks");
     CU(cudaEventRecord(ev[3 * nL + 2], st), "forward");
     std::vector<int32_t> &hist = m->hist_h; /* always: the stats count pairs and active experts */
     if (moe) {
@@ -1698,6 +1711,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     }
     CU(cudaStreamSynchronize(st), "forward");
     CU(cudaGetLastError(), "forward");
+    if (greedy) memcpy(b->out_tokens, h_picks, sizeof(int32_t) * (size_t)NL);
     int64_t pairs = 0;
     int32_t active = 0;
     if (moe) {
@@ -2191,4 +2205,17 @@ extern "C" stg_status stg_test_router(const float *logits, int32_t n_tok, int32_
     LAUNCHED("router");
     CHECK(down(ids, bi, sizeof(int32_t) * (size_t)n_tok * k));
     return down(w, bw, sizeof(float) * (size_t)n_tok * k);
+}
+
+extern "C" stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out) {
+    if (!x || !out || rows < 1 || n < 1 || n > INT32_MAX || misalign < 0 || misalign > 3)
+        return fail(ST_EINVAL, "argmax: bad arguments");
+    CHECK(harness_device());
+    dbuf bx, bo;
+    CHECK(up(bx, nullptr, sizeof(float) * ((size_t)rows * n + 3)));
+    CU(cudaMemcpy(bx.as<float>() + misalign, x, sizeof(float) * (size_t)rows * n, cudaMemcpyHostToDevice), "harness upload");
+    CHECK(up(bo, nullptr, sizeof(int32_t) * (size_t)rows));
+    k_argmax_rows<<<rows, ARGMAX_THREADS>>>(bx.as<float>() + misalign, n, bo.as<int32_t>());
+    LAUNCHED("greedy pick");
+    return down(out, bo, sizeof(int32_t) * (size_t)rows);
 }

@@ -42,7 +42,9 @@ void stg_kv_destroy(stg_kv *kv);
 int64_t stg_kv_bytes(const stg_kv *kv);
 
 /* One step with st_forward's contract: batch is a const st_batch *, stats an
- * st_step_stats * (may be NULL); times come from CUDA events. */
+ * st_step_stats * (may be NULL); times come from CUDA events. With batch->out_tokens set the
+ * logit rows' greedy picks are taken on the device (k_argmax_rows, inside the step's graph) and
+ * only those n_logits ids are copied back (batch->logits may then be NULL: no logits copy). */
 stg_status stg_forward(stg_model *m, stg_kv *kv, const void *batch, void *stats);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
@@ -100,5 +102,8 @@ stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_
                          int32_t rope_dim, int32_t rope_type, float rope_base);
 /* logits[n_tok, n_expert] -> top-k ids and weights (softmax probabilities, raw). */
 stg_status stg_test_router(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t *ids, float *w);
+/* The step's greedy pick (k_argmax_rows, st_batch.out_tokens' rule) of rows x[rows, n], uploaded
+ * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop). */
+stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out);
 
 #endif
