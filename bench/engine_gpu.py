@@ -11,7 +11,9 @@ embeddings that the router rows weigh by log-popularity; the measured share of t
 used experts is printed.
 
 It prints Strata's decode tok/s at batch 1 (128 tokens), aggregate decode tok/s at 8 and 32
-concurrent distinct sequences, prefill tok/s for 512- and 4,096-token prompts, and the HBM
+concurrent distinct sequences (greedy: each next token is the engine's own pick on the GPU, only
+the ids copied back, as the scheduler runs greedy requests; the ``*_host_argmax`` rows copy the
+logits back and take the argmax on the host instead), prefill tok/s for 512- and 4,096-token prompts, and the HBM
 floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth); the
 median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
 comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
@@ -237,10 +239,16 @@ def run(args: argparse.Namespace) -> dict:
     gpu_ms: dict[str, float] = {}  # median device time of a timed decode step (st_step_stats.t_total)
 
     def decode(n_seq: int, steps: int, prompt: int = 32, tag: str = "", prof: object = None,
-               sample: bool = True) -> tuple[float, object]:
-        """Aggregate decode tok/s of n_seq sequences (greedy: the host argmax picks each next
-        token; sample=False feeds random ids instead, as llama-batched-bench does). prof: a
-        torch profiler started after the prompts' prefill and stopped after the last step."""
+               pick: str = "device") -> tuple[float, object]:
+        """Aggregate decode tok/s of n_seq sequences, greedy: pick "device" takes each next token
+        from the engine's own greedy pick (Engine.forward(greedy=True): the argmax on the GPU, only
+        the ids copied back: what the scheduler does for greedy requests), "host" copies the logits
+        back and takes np.argmax here (the path before session 11, and the scheduler's for rows that
+        need logits), "random" feeds random ids after copying the logits, as llama-batched-bench
+        does. prof: a torch profiler started after the prompts' prefill and stopped after the last
+        step."""
+        if pick not in ("device", "host", "random"):
+            raise ValueError(f"pick: {pick!r}")
         tabs = [blocks(prompt + steps + 1) for _ in range(n_seq)]
         try:
             last = []
@@ -254,12 +262,12 @@ def run(args: argparse.Namespace) -> dict:
                     if prof is not None:
                         prof.start()  # type: ignore[attr-defined]
                     t = time.perf_counter()
-                logits = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
-                                     expert_hist=hist)
+                out = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
+                                  expert_hist=hist, greedy=pick == "device")
                 if s >= 2:
                     step_t.append(eng.last_stats.t_total)
-                last = [int(x) for x in logits.argmax(axis=1)] if sample else \
-                    [int(x) for x in rng.integers(0, V, size=n_seq)]
+                last = out.tolist() if pick == "device" else [int(x) for x in out.argmax(axis=1)] \
+                    if pick == "host" else [int(x) for x in rng.integers(0, V, size=n_seq)]
                 pos += 1
             rate = n_seq * steps / (time.perf_counter() - t)
             if prof is not None:
@@ -298,6 +306,8 @@ def run(args: argparse.Namespace) -> dict:
             del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL)
             res[f"decode_b{n_seq}_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}")
+        for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the logits copied back, the argmax on the host
+            res[f"decode_b{n_seq}_host_argmax_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_host_argmax", pick="host")
         if args.lean:  # one row per --knob "N:ENV=V" (N sequences with ENV=V), e.g. a default's old value
             for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "32:STRATA_GPU_QKV_SPLIT=0"]:
                 n_s, _, kv = spec.partition(":")
@@ -309,7 +319,7 @@ def run(args: argparse.Namespace) -> dict:
                 res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
                 del os.environ[env]
         else:
-            res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", sample=False)
+            res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
         if args.decode_only and not args.lean:  # the split dense GEMM and the pinned logits off, for comparison
             for env, tag in (("STRATA_GPU_DENSE_SPLIT", "no_dense_split"), ("STRATA_GPU_PINNED", "pageable")):
                 os.environ[env] = "0"
@@ -396,13 +406,16 @@ def run(args: argparse.Namespace) -> dict:
     res["decode_b8_tok_s"], st8 = decode(8, 64, tag="b8")
     res["decode_b8_stats_ms"] = {k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     res["decode_b32_tok_s"], st32 = decode(32, 64, tag="b32")
-    # the host's greedy pick (argmax over 32 x 151,936 logits) left out, as llama-batched-bench does
-    res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", sample=False)
+    # the logits copied back and the argmax on the host (before session 11's device pick), and random next
+    # tokens after the logits copy, as llama-batched-bench feeds them
+    res["decode_b32_host_argmax_tok_s"], _ = decode(32, 64, tag="b32_host_argmax", pick="host")
+    res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
     for env, tag in (("STRATA_GPU_DENSE_SPLIT", "no_dense_split"), ("STRATA_GPU_PINNED", "pageable")):
         os.environ[env] = "0"  # dense layers on the matvec / the logits into pageable memory
         res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
         del os.environ[env]
-    res["decode_b1_random_next_tok_s"], _ = decode(1, 128, tag="b1_random_next", sample=False)
+    res["decode_b1_host_argmax_tok_s"], _ = decode(1, 128, tag="b1_host_argmax", pick="host")
+    res["decode_b1_random_next_tok_s"], _ = decode(1, 128, tag="b1_random_next", pick="random")
     for gm in args.gemm_min.split(","):  # other GEMM thresholds (pairs per group), same results, other speed
         os.environ["STRATA_GPU_GEMM_MIN"] = gm
         res[f"decode_b8_gemm_min{gm}_tok_s"], _ = decode(8, 32, tag=f"b8_gemm_min{gm}")
@@ -524,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM and "
                          "the pinned logits (a before/after of a decode change; STRATA_CUDA_LIB)")
     ap.add_argument("--lean", action="store_true",
-                    help="with --decode-only: only 1, 8 and 32 sequences, then one row per --knob (default: 32 "
+                    help="with --decode-only: only 1, 8 and 32 sequences (the device's greedy pick, then the "
+                         "host's argmax over copied logits), then one row per --knob (default: 32 "
                          "sequences with the head on the GEMM from 64 pairs, and with q/k/v as three launches)")
     ap.add_argument("--knob", action="append", metavar="N:ENV=VALUE",
                     help="with --lean: also decode N sequences with the variable ENV set to VALUE (repeatable)")

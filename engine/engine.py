@@ -61,6 +61,70 @@ def _default_threads(cores: Sequence[int] | None) -> int:
     return len(os.sched_getaffinity(0))
 
 
+class _StepIO:
+    """A step's host-side arguments, kept across steps (Engine.forward fills them under the step
+    lock): one st_batch and st_step_stats, one int32 buffer for the tokens, positions, sequence
+    indices and logit rows, and the block table [n_seqs, max_blocks] padded with -1. Rows are
+    copied in every step (memmove for the scheduler's array('i') tables), but the table is only
+    re-allocated and re-padded when its width or row count changes, and a row shorter than what
+    its slot held before re-pads only its own tail."""
+
+    def __init__(self) -> None:
+        self.batch = ffi.new("st_batch *")
+        self.stats = ffi.new("st_step_stats *")
+        self._ints = np.empty(0, np.int32)
+        self._ip: Any = None
+        self._ip_keep: Any = None
+        self._bt = np.empty(0, np.int32)
+        self._bp: Any = None
+        self._bp_keep: Any = None
+        self._w = 0  # the table's row width (max_blocks) and row slots
+        self._rows = 0
+        self._lens: list[int] = []  # per row slot: entries written before the -1 padding
+
+    def fill(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
+             tables: Sequence[Sequence[int]], logit_idx: Sequence[int]) -> Any:
+        n, nl = len(tokens), len(logit_idx)
+        need = 3 * n + nl
+        if need > self._ints.size:
+            self._ints = np.empty(max(need, 2 * self._ints.size, 64), np.int32)
+            self._ip_keep = ffi.from_buffer(self._ints)
+            self._ip = ffi.cast("int32_t *", self._ip_keep)
+        ints, ip = self._ints, self._ip
+        ints[:n] = tokens
+        ints[n : 2 * n] = pos
+        ints[2 * n : 3 * n] = seq
+        ints[3 * n : need] = logit_idx
+        ns = len(tables)
+        w = max(1, max(map(len, tables), default=1))
+        if w != self._w or ns > self._rows:
+            self._rows = max(ns, self._rows, 1)
+            self._w = w
+            self._bt = np.full(self._rows * w, -1, dtype=np.int32)
+            self._bp_keep = ffi.from_buffer(self._bt)
+            self._bp = ffi.cast("int32_t *", self._bp_keep)
+            self._lens = [0] * self._rows
+        bt, bp, lens = self._bt, self._bp, self._lens
+        for i, row in enumerate(tables):
+            k = len(row)
+            o = i * w
+            if type(row) is array and row.typecode == "i" and row.itemsize == 4:
+                ffi.memmove(bp + o, row, 4 * k)  # the scheduler's tables: a memcpy, not a list walk
+            else:
+                bt[o : o + k] = row
+            if k < lens[i]:
+                bt[o + k : o + lens[i]] = -1
+            lens[i] = k
+        b = self.batch
+        b.n_tokens = n
+        b.tokens, b.pos, b.seq = ip, ip + n, ip + 2 * n
+        b.n_seqs, b.max_blocks = ns, w
+        b.block_tables = bp
+        b.n_logits = nl
+        b.logit_idx = ip + 3 * n if nl else ffi.NULL
+        return b
+
+
 class Engine:
     """A loaded model, its KV cache and thread pool."""
 
@@ -107,6 +171,7 @@ class Engine:
         self.last_stats: StepStats | None = None
         self._max_model_len = max_model_len
         self._step_lock = threading.Lock()
+        self._io = _StepIO()
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -186,49 +251,43 @@ class Engine:
     # ------------------------------------------------------------ the step
     def forward(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
                 block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int],
-                expert_hist: np.ndarray | None = None) -> np.ndarray:
-        """One batched forward step; returns logits [len(logit_idx), n_vocab]."""
+                expert_hist: np.ndarray | None = None, *, greedy: bool = False) -> np.ndarray:
+        """One batched forward step; returns logits [len(logit_idx), n_vocab], or with
+        ``greedy=True`` each of those rows' greedy pick as int32 [len(logit_idx)]: the first index
+        of the row's maximum (numpy argmax's rule, a NaN counting as the maximum), taken in C or on
+        the GPU (``st_batch.out_tokens``), so that no logits are copied back or scanned here."""
         if self._model is None:
             raise EngineError("engine is closed")
         n = len(tokens)
         if not (len(pos) == len(seq) == n):
             raise ValueError("tokens, pos and seq must have the same length")
-        max_blocks = max(1, max((len(bt) for bt in block_tables), default=1))
-        bt = np.full((len(block_tables), max_blocks), -1, dtype=np.int32)
-        for i, row in enumerate(block_tables):
-            if isinstance(row, array) and row.typecode == "i" and row.itemsize == 4:
-                row = np.frombuffer(row, dtype=np.int32)  # the scheduler's tables: a memcpy, not a list walk
-            bt[i, : len(row)] = row
-        tok = np.ascontiguousarray(tokens, dtype=np.int32)
-        ps = np.ascontiguousarray(pos, dtype=np.int32)
-        sq = np.ascontiguousarray(seq, dtype=np.int32)
-        li = np.ascontiguousarray(logit_idx, dtype=np.int32)
-        shape = (len(li), self.hparams.n_vocab)  # on a GPU in page-locked memory: the copy is a DMA
-        logits = self._gpu.host_array(shape, np.float32) if self._gpu is not None else np.empty(shape, np.float32)
-        b = ffi.new("st_batch *")
-        b.n_tokens = n
-        b.tokens, b.pos, b.seq = ptr(tok, "int32_t *"), ptr(ps, "int32_t *"), ptr(sq, "int32_t *")
-        b.n_seqs, b.max_blocks = len(block_tables), max_blocks
-        b.block_tables = ptr(bt, "int32_t *")
-        b.n_logits = len(li)
-        b.logit_idx = ptr(li, "int32_t *") if len(li) else ffi.NULL
-        b.logits = ptr(logits, "float *") if len(li) else ffi.NULL
-        if expert_hist is not None:
-            if expert_hist.dtype != np.int32 or expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert):
-                raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
-            b.expert_hist = ptr(expert_hist, "int32_t *")
+        nl = len(logit_idx)
+        if greedy:
+            out = np.empty(nl, np.int32)
         else:
-            b.expert_hist = ffi.NULL
-        st = ffi.new("st_step_stats *")
-        with self._step_lock:  # one step at a time: the model's scratch and the pool are shared
+            shape = (nl, self.hparams.n_vocab)  # on a GPU in page-locked memory: the copy is a DMA
+            out = self._gpu.host_array(shape, np.float32) if self._gpu is not None else np.empty(shape, np.float32)
+        if expert_hist is not None and (expert_hist.dtype != np.int32 or
+                                        expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert)):
+            raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
+        with self._step_lock:  # one step at a time: the model's scratch, the pool and the step's host arrays are shared
+            io = self._io
+            b = io.fill(tokens, pos, seq, block_tables, logit_idx)
+            if nl:
+                p = ptr(out, "int32_t *" if greedy else "float *")
+                b.logits, b.out_tokens = (ffi.NULL, p) if greedy else (p, ffi.NULL)
+            else:
+                b.logits = b.out_tokens = ffi.NULL
+            b.expert_hist = ptr(expert_hist, "int32_t *") if expert_hist is not None else ffi.NULL
+            st = io.stats
             if self._gpu is not None:
                 self._gpu.forward(b, st)
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-        self.last_stats = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense,
-                                    st.t_output, int(st.n_expert_tokens), int(st.n_active_experts),
-                                    float(st.pool_idle_share))
-        return logits
+            self.last_stats = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense,
+                                        st.t_output, int(st.n_expert_tokens), int(st.n_active_experts),
+                                        float(st.pool_idle_share))
+        return out
 
     def prefill(self, token_ids: Sequence[int], blocks: Sequence[int], start: int = 0,
                 all_logits: bool = False) -> np.ndarray:

@@ -9,7 +9,9 @@ One `step()`:
   4. prefill chunks for sequences still in their prompt, shortest remaining first, under
      the per-step token budget: a long prompt never holds up a short one for long;
   5. one C forward step over the whole batch; sample the rows that reached the end
-     of their known tokens; detokenise, check stops, finish and free.
+     of their known tokens (when every such row is plain greedy, the step returns the engine's
+     own greedy picks instead of logits: see device_pick_ok); detokenise, check stops, finish
+     and free.
 
 The scheduler is driven by one thread (the engine loop); `add` and `abort` may be
 called from any thread: they go through a locked inbox.
@@ -55,6 +57,7 @@ from engine.sampling import Sampler, SamplingParams
 log = logging.getLogger("strata.engine")
 
 FAULT_ENV = "STRATA_TEST_FAULT"
+DEVICE_GREEDY_ENV = "STRATA_DEVICE_GREEDY"
 _FAULT_KINDS = ("sample_raise_after_n_steps", "detok_raise_after_n_steps")
 
 
@@ -76,6 +79,18 @@ class SchedulerError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised on purpose by the test-only ``STRATA_TEST_FAULT`` switch."""
+
+
+def device_pick_ok(p: SamplingParams, constrained: bool) -> bool:
+    """Whether a row's token is the plain argmax of its raw logits, so that the engine may pick it
+    in C or on the GPU (``Engine.forward(greedy=True)``) instead of returning the logits. The
+    sampler takes the argmax of the row for ``temperature == 0`` or ``top_k == 1`` (no random
+    draw; top_p / min_p do not change an argmax); what disqualifies a row is anything that reads
+    or rewrites the logits: ``logit_bias``, repetition / presence / frequency penalties (the
+    argmax of the rewritten row), ``logprobs`` (reported from the raw row) and a grammar (its mask
+    is applied to the row first). Stop strings, ``stop_token_ids``, ``ignore_eos``, ``max_tokens``
+    and ``seed`` act after the pick (or not at all on a greedy row) and do not disqualify."""
+    return (p.greedy or p.top_k == 1) and not p.rewrites_row and p.logprobs is None and not constrained
 
 
 def parse_fault(value: str | None) -> tuple[str, int] | None:
@@ -211,7 +226,11 @@ class Scheduler:
         except Exception:  # a model file without a tokenizer: only explicit stop ids
             self._eos = set()
         self.last_report: StepReport | None = None
-        self.fault = parse_fault((os.environ if environ is None else environ).get(FAULT_ENV))
+        env = os.environ if environ is None else environ
+        self.fault = parse_fault(env.get(FAULT_ENV))
+        # steps whose sampled rows are all plain greedy take the engine's greedy pick (no logits copied
+        # back); STRATA_DEVICE_GREEDY=0: every step returns logits and samples them here, as before
+        self.device_greedy = env.get(DEVICE_GREEDY_ENV, "1").strip() != "0"
         self._fault_steps = 0
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks during the C step
 
@@ -478,9 +497,11 @@ class Scheduler:
                 report.n_prefill += n
         hp = self.engine.hparams
         hist = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int32) if hp.n_expert else None
-        masks = self._start_masks(sample_reqs)  # grammar masks, computed while the C step runs
+        greedy = self.device_greedy and bool(sample_reqs) and all(
+            device_pick_ok(r.params, r.constraint is not None) for r in sample_reqs)
+        masks = None if greedy else self._start_masks(sample_reqs)  # grammar masks, computed while the C step runs
         try:
-            logits = self.engine.forward(tokens, pos, seq, tables, logit_rows, expert_hist=hist)
+            logits = self.engine.forward(tokens, pos, seq, tables, logit_rows, expert_hist=hist, greedy=greedy)
         except Exception as exc:  # an engine error fails the requests of this step, not the loop
             if masks is not None:
                 masks[2].result()
@@ -489,7 +510,7 @@ class Scheduler:
                     self.running.remove(req)
                     outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
             return
-        dead = self._apply_masks(logits, masks, sample_reqs)
+        dead = {} if greedy else self._apply_masks(logits, masks, sample_reqs)
         report.stats = self.engine.last_stats
         report.expert_hist = hist
         bs = self.blocks.block_size
@@ -500,14 +521,18 @@ class Scheduler:
                 self.blocks.register_full(req.blocks, req.token_ids, req.digests, before // bs, req.n_computed // bs)
         if sample_reqs:
             self._inject("sample_raise_after_n_steps")
-            res = self.sampler.sample(
-                logits,
-                [r.params for r in sample_reqs],
-                [r.rng for r in sample_reqs],
-                # only rows with penalties read their history, as views: no per-step copy
-                [r.history[: r.n_prompt] if r.history is not None else _NO_IDS for r in sample_reqs],
-                [r.history[r.n_prompt : r.n_total] if r.history is not None else _NO_IDS for r in sample_reqs],
-            )
+            if greedy:  # logits holds the picks (int32 [rows]); no row asked for logprobs
+                picks: list[int] = logits.tolist()
+                res = None
+            else:
+                res = self.sampler.sample(
+                    logits,
+                    [r.params for r in sample_reqs],
+                    [r.rng for r in sample_reqs],
+                    # only rows with penalties read their history, as views: no per-step copy
+                    [r.history[: r.n_prompt] if r.history is not None else _NO_IDS for r in sample_reqs],
+                    [r.history[r.n_prompt : r.n_total] if r.history is not None else _NO_IDS for r in sample_reqs],
+                )
             detok_fault = self._fault_due("detok_raise_after_n_steps")
             now = time.monotonic()
             for i, req in enumerate(sample_reqs):
@@ -517,9 +542,12 @@ class Scheduler:
                     self.running.remove(req)
                     outputs.append(self._finish(req, "stop"))
                     continue
-                tok = int(res.tokens[i])
-                top = res.top_logprobs[i] if res.top_logprobs else None
-                lp = TokenLogprob(tok, float(res.logprobs[i]), top) if req.params.logprobs is not None else None
+                if res is None:
+                    tok, lp = picks[i], None
+                else:
+                    tok = int(res.tokens[i])
+                    top = res.top_logprobs[i] if res.top_logprobs else None
+                    lp = TokenLogprob(tok, float(res.logprobs[i]), top) if req.params.logprobs is not None else None
                 if req.first_token_time is None:
                     req.first_token_time = now
                 outputs.append(self._accept(req, tok, lp, detok_fault))

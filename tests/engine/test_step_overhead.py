@@ -32,7 +32,8 @@ TOKEN = 1_000  # what the stub "predicts": an ordinary token, never an end token
 
 
 class _StubLib:
-    """The C library, except that st_forward only writes logits (one fixed winner per row)."""
+    """The C library, except that st_forward only writes logits (one fixed winner per row) or
+    that winner as the rows' greedy pick."""
 
     def __init__(self, n_vocab: int) -> None:
         self.n_vocab = n_vocab
@@ -44,10 +45,12 @@ class _StubLib:
     def st_forward(self, model: Any, kv: Any, pool: Any, b: Any, stats: Any) -> int:
         self.calls += 1
         n = int(b.n_logits)
-        if n:
+        if n and b.logits != ffi.NULL:
             out = np.frombuffer(ffi.buffer(b.logits, n * self.n_vocab * 4), dtype=np.float32)
             out[:] = 0.0
             out[TOKEN :: self.n_vocab] = 10.0
+        if n and b.out_tokens != ffi.NULL:  # the greedy pick of those rows (the scheduler's greedy steps)
+            np.frombuffer(ffi.buffer(b.out_tokens, n * 4), dtype=np.int32)[:] = TOKEN
         return 0
 
 

@@ -361,3 +361,23 @@ def test_router_top_k_matches_cpu_rule(g: tuple) -> None:
     ref_ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
     assert np.array_equal(ids, ref_ids)
     assert rel_err(w, np.take_along_axis(p, ref_ids, axis=1)) <= 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+@pytest.mark.parametrize(("n", "misalign"), [(151936, 0), (151936, 1), (300, 0), (4097, 0), (5, 2)])
+def test_greedy_pick_equals_numpy_argmax(g: tuple, rows: int, n: int, misalign: int) -> None:
+    """k_argmax_rows (the step's greedy pick) == np.argmax == the CPU's st_argmax_rows, on random rows
+    and rows with ties, -inf, NaN and signed zeros; the bench model's vocabulary, an odd length and an
+    unaligned start (the kernel's scalar loop)."""
+    from tests.engine.test_greedy_pick import tricky_rows
+
+    rng = np.random.default_rng(rows * 1000 + n + misalign)
+    base = tricky_rows(rng, max(n, 8))[:, :n]
+    x = np.ascontiguousarray(np.concatenate([base, rng.standard_normal((max(rows - len(base), 0), n))
+                                             .astype(np.float32)])[:rows])
+    rng.shuffle(x)
+    gpu = np.full(rows, -7, np.int32)
+    gcheck(g, g[1].stg_test_argmax(gptr(g, x, "float *"), rows, n, misalign, gptr(g, gpu, "int32_t *")))
+    cpu = np.full(rows, -7, np.int32)
+    assert lib.st_argmax_rows(ptr(x, "float *"), rows, n, ptr(cpu, "int32_t *")) == 0
+    assert gpu.tolist() == cpu.tolist() == np.argmax(x, axis=1).tolist()

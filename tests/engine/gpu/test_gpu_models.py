@@ -165,6 +165,26 @@ def test_default_model_gpu_matches_cpu() -> None:
         check_batched(gpu, prompts)
 
 
+@pytest.mark.parametrize(("arch", "qt"), [("qwen3moe", "q8_0"), ("mixtral", "q4_1")])
+def test_device_greedy_pick_on_and_off_same_tokens(gguf_paths: dict, monkeypatch: pytest.MonkeyPatch, arch: str,
+                                                   qt: str) -> None:
+    """The scheduler's greedy steps take the GPU's own pick (st_batch.out_tokens: only ids copied back),
+    as check_greedy / check_batched above ran them; with STRATA_DEVICE_GREEDY=0 (logits copied back,
+    argmax on the host) 64 greedy tokens of 4 prompts, alone and batched, are the same."""
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(0, 300, size=int(n))] for n in rng.integers(5, 40, size=4)]
+    with Engine.open(gguf_paths[(arch, qt)], device="cuda:0", kv_tokens=4096) as gpu:
+        def both() -> list[list[int]]:
+            sched = Scheduler(gpu)
+            rids = [sched.add(p, greedy(N_GREEDY)) for p in prompts]
+            out = sched.run_to_completion()
+            return [tokens_of(gpu, prompts[0], N_GREEDY)] + [collect_text(out[r])[0] for r in rids]
+
+        on = both()
+        monkeypatch.setenv("STRATA_DEVICE_GREEDY", "0")
+        assert both() == on
+
+
 def test_step_logits_in_pinned_memory_stay_the_callers(gguf_paths: dict) -> None:
     """A GPU step's logits land in page-locked memory from the backend's pool (a DMA instead of
     the driver's staged copy); the array a step returned must not change under the next step,

@@ -165,3 +165,77 @@ def test_step_stats_split_on_every_step(gpu: Engine) -> None:
             assert st.t_attn + st.t_experts + st.t_output <= st.t_total * 1.1, (step, st)
     finally:
         gpu.blocks.release(tabs[0])
+
+
+def step_both(eng: Engine, toks: list[int], pos: list[int], seq: list[int], tabs: list, rows: list[int],
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """One step with st_batch.logits and out_tokens both set: (logits, the device's picks of them)."""
+    from engine.native import ffi, ptr
+
+    logits = np.full((len(rows), eng.hparams.n_vocab), np.nan, np.float32)
+    picks = np.full(len(rows), -7, np.int32)
+    b = eng._io.fill(toks, pos, seq, tabs, rows)
+    b.logits, b.out_tokens, b.expert_hist = ptr(logits, "float *"), ptr(picks, "int32_t *"), ffi.NULL
+    eng._gpu.forward(b, eng._io.stats)
+    return logits, picks
+
+
+@pytest.fixture(scope="module")
+def big_vocab_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bench model's vocabulary (151,936) on a tiny MoE."""
+    return make_random_gguf(tmp_path_factory.mktemp("gbig") / "moe.gguf", n_vocab=151936, n_layer=1, n_embd=64,
+                            n_head=4, n_head_kv=2, n_ff=64, n_expert=4, n_expert_used=2,
+                            weight_type=GGMLQuantizationType.Q8_0)
+
+
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_device_greedy_pick_is_argmax_of_the_steps_logits(big_vocab_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          graphs: str) -> None:
+    """Decode steps of 1, 8 and 32 sequences (graph replay, or plain launches), and a prefill step: the
+    picks k_argmax_rows takes on the device are np.argmax of the same step's logits, bitwise; a step
+    asking for the picks alone (no logits copied) gives the same ids."""
+    monkeypatch.setenv("STRATA_GPU_GRAPHS", graphs)
+    V = 151936
+    rng = np.random.default_rng(5)
+    with Engine.open(big_vocab_path, device="cuda:0", kv_tokens=4096) as eng:
+        for n_seq in (1, 8, 32):
+            tabs = [eng.blocks.allocate(2) for _ in range(n_seq)]
+            try:
+                toks = [int(t) for t in rng.integers(0, V, size=8 * n_seq)]
+                eng.forward(toks, [i % 8 for i in range(8 * n_seq)], [i // 8 for i in range(8 * n_seq)], tabs,
+                            [8 * s + 7 for s in range(n_seq)])
+                for step in range(3):  # the first captures, the next replay
+                    args = ([int(t) for t in rng.integers(0, V, size=n_seq)], [8 + step] * n_seq,
+                            list(range(n_seq)), tabs, list(range(n_seq)))
+                    logits, picks = step_both(eng, *args)
+                    assert picks.tolist() == np.argmax(logits, axis=1).tolist(), (n_seq, step)
+                    assert eng.forward(*args, greedy=True).tolist() == picks.tolist()
+                logits, picks = step_both(eng, toks[:8], list(range(8)), [0] * 8, tabs[:1], [3, 7])  # prefill
+                assert picks.tolist() == np.argmax(logits, axis=1).tolist()
+            finally:
+                for tb in tabs:
+                    eng.blocks.release(tb)
+
+
+def test_scheduler_device_pick_on_and_off_same_tokens(gpu: Engine, model_path: Path, prompts: list[list[int]],
+                                                      alone: list[list[int]]) -> None:
+    """16 batched greedy requests, a batch with a sampled request beside (its steps take the logits), and
+    preemption in a small arena: the same tokens with the device's pick (the default) and without
+    (STRATA_DEVICE_GREEDY=0: logits copied back, argmax on the host)."""
+    from engine.scheduler import DEVICE_GREEDY_ENV
+
+    def batched(eng: Engine, env: dict, extra: SamplingParams | None = None, **cfg: int) -> list[list[int]]:
+        sched = Scheduler(eng, SchedulerConfig(**cfg), environ=env)
+        rids = [sched.add(p, greedy()) for p in prompts]
+        if extra is not None:
+            sched.add(prompts[0], extra)
+        out = sched.run_to_completion()
+        assert eng.blocks.num_free == eng.blocks.n_blocks
+        return [collect_text(out[r])[0] for r in rids]
+
+    off = {DEVICE_GREEDY_ENV: "0"}
+    assert batched(gpu, {}) == batched(gpu, off) == alone
+    sampled = SamplingParams.parse(temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+    assert batched(gpu, {}, sampled) == batched(gpu, off, sampled) == alone
+    with Engine.open(model_path, device="cuda:0", kv_tokens=320) as small:
+        assert batched(small, {}, max_batch_tokens=128) == batched(small, off, max_batch_tokens=128) == alone
