@@ -1,13 +1,15 @@
 """Where a batch-1 decode step's host time goes, on the benchmark's model (run on the GPU machine after
 device_run.sh's setup; builds the model if missing):
 
-    python3 tests/engine/gpu/b1_host_time.py [--steps 256] [--seqs 1]
+    python3 tests/engine/gpu/b1_host_time.py [--steps 256] [--seqs 1] [--greedy]
 
 Decodes as bench.engine_gpu's decode() does (32-token prompt, greedy argmax on the host) and times, per step,
 with time.perf_counter: Engine.forward's Python before the C call (arrays, batch struct), the C call
 (stg_forward: uploads, graph launch, the logits copy, the wait), the Python after it, the argmax, and the
 GPU's own step time (st_step_stats.t_total). Prints the medians in microseconds; the C call minus the GPU
-step is stg_forward's host share (launch and wake-up latency included)."""
+step is stg_forward's host share (launch and wake-up latency included). --greedy: the engine's own pick
+(Engine.forward(greedy=True): the argmax on the GPU, only the ids copied back; the argmax column is then
+the ids' conversion to a list), as the scheduler runs greedy requests since session 11."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--seqs", type=int, default=1)
+    ap.add_argument("--greedy", action="store_true", help="the device's greedy pick instead of the host's argmax")
     ap.add_argument("--sched", choices=sorted(SCHED), default=None,
                     help="set the primary context's scheduling flag (cuDevicePrimaryCtxSetFlags) before the engine opens")
     args = ap.parse_args(argv)
@@ -52,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     pos = prompt
     for s in range(args.steps + 2):
         t0 = time.perf_counter()
-        logits = eng.forward(last, [pos] * n, list(range(n)), tabs, list(range(n)))
+        out = eng.forward(last, [pos] * n, list(range(n)), tabs, list(range(n)), greedy=args.greedy)
         t1 = time.perf_counter()
-        last = [int(x) for x in logits.argmax(axis=1)]
+        last = out.tolist() if args.greedy else [int(x) for x in out.argmax(axis=1)]
         t2 = time.perf_counter()
         index_arrays(tabs)
         t3 = time.perf_counter()
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     a = np.array(rows) * 1e6
     med = np.median(a, axis=0)
     names = ("forward before C", "stg_forward", "forward after C", "argmax", "wall step", "GPU step")
-    print(f"batch {n}, {args.steps} steps, medians (us): " + ", ".join(f"{k} {v:.1f}" for k, v in zip(names, med, strict=True)))
+    print(f"batch {n}, {args.steps} steps, {'device pick' if args.greedy else 'host argmax'}, medians (us): " + ", ".join(f"{k} {v:.1f}" for k, v in zip(names, med, strict=True)))
     print(f"stg_forward minus GPU step: {med[1] - med[5]:.1f} us; wall minus GPU step: {med[4] - med[5]:.1f} us; "
           f"p90 wall {np.percentile(a[:, 4], 90):.1f} us")
     b = np.median(np.array(again), axis=0) * 1e6
