@@ -248,6 +248,9 @@ class CudaModel:
             _check(self.ffi, self.lib, rc, f"cuda:{index}: KV cache")
         self._kv = pk[0]
         self.weight_bytes = int(self.lib.stg_model_weight_bytes(self._model))
+        # st_batch.out_tokens (the greedy pick on the device) exists in libraries built since session 11;
+        # an older build loaded through STRATA_CUDA_LIB gets logits and Engine.forward picks on the host
+        self.has_pick = getattr(self.lib, "stg_test_argmax", None) is not None
         self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
         self.info = gpu_info(index)
 

@@ -262,6 +262,8 @@ class Engine:
         if not (len(pos) == len(seq) == n):
             raise ValueError("tokens, pos and seq must have the same length")
         nl = len(logit_idx)
+        if greedy and self._gpu is not None and not self._gpu.has_pick:  # a library older than out_tokens
+            return np.argmax(self.forward(tokens, pos, seq, block_tables, logit_idx, expert_hist), axis=1).astype(np.int32)
         if greedy:
             out = np.empty(nl, np.int32)
         else:
