@@ -2090,25 +2090,23 @@ __device__ __forceinline__ uint32_t pick_key(float v) {
 }
 
 #define ARGMAX_THREADS 1024
-/* out[r] = the first index of the maximum of row r of x[rows, n] (the greedy pick), one block
- * per row, one pass: each thread keeps the first of its largest keys over its elements in
- * increasing index order (float4 loads, four in flight, where the rows are 16-byte aligned),
- * then the block takes the largest (key << 32 | ~index): the largest key, then the lowest index.
- * The same picks as st_argmax_rows on the same floats. */
-__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *x, int64_t n, int32_t *out) {
-    PDL_ENTER();
-    const float *row = x + (int64_t)blockIdx.x * n;
+#define ARGMAX_SPLIT_THREADS 256
+/* The block's largest (key << 32 | ~index) over elements [b, e) of a row (in thread 0): each thread keeps the first
+ * of its largest keys over its elements in increasing index order (vec: float4 loads, four in flight; b and e then
+ * multiples of 4 and the row 16-byte aligned), then the block takes the largest pair: the largest key, then the
+ * lowest index. 0 when the range is empty. */
+__device__ __forceinline__ unsigned long long pick_block(const float *row, int64_t b, int64_t e, bool vec) {
     const int bt = blockDim.x;
     uint32_t kb = 0, ib = 0;
     auto see = [&](float v, int64_t i) {
         const uint32_t k = pick_key(v);
         if (k > kb) kb = k, ib = (uint32_t)i;
     };
-    if ((n & 3) == 0 && ((uintptr_t)row & 15) == 0) {
+    if (vec) {
         const float4 *r4 = (const float4 *)row;
-        const int64_t n4 = n >> 2;
-        int64_t j = threadIdx.x;
-        for (; j + 3 * bt < n4; j += 4 * bt) {
+        const int64_t e4 = e >> 2;
+        int64_t j = (b >> 2) + threadIdx.x;
+        for (; j + 3 * bt < e4; j += 4 * bt) {
             float4 a[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) a[u] = r4[j + u * bt];
@@ -2118,19 +2116,19 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *x, 
                 see(a[u].x, i), see(a[u].y, i + 1), see(a[u].z, i + 2), see(a[u].w, i + 3);
             }
         }
-        for (; j < n4; j += bt) {
+        for (; j < e4; j += bt) {
             const float4 a = r4[j];
             see(a.x, 4 * j), see(a.y, 4 * j + 1), see(a.z, 4 * j + 2), see(a.w, 4 * j + 3);
         }
     } else {
-        for (int64_t i = threadIdx.x; i < n; i += bt) see(row[i], i);
+        for (int64_t i = b + threadIdx.x; i < e; i += bt) see(row[i], i);
     }
     unsigned long long key = kb ? ((unsigned long long)kb << 32) | (unsigned long long)(~ib) : 0ull;
     for (int o = 16; o > 0; o >>= 1) {
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
         key = other > key ? other : key;
     }
-    __shared__ unsigned long long part[ARGMAX_THREADS / 32];
+    __shared__ unsigned long long part[32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     if (lane == 0) part[warp] = key;
     __syncthreads();
@@ -2140,6 +2138,42 @@ __global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *x, 
             const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, o);
             key = other > key ? other : key;
         }
-        if (lane == 0) out[blockIdx.x] = (int32_t)~(uint32_t)key;
+    }
+    return key;
+}
+
+__device__ __forceinline__ bool pick_vec(const float *row, int64_t n) { return (n & 3) == 0 && ((uintptr_t)row & 15) == 0; }
+
+/* out[r] = the first index of the maximum of row r of x[rows, n] (the greedy pick): one block per row, one pass.
+ * The same picks as st_argmax_rows on the same floats. */
+__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *x, int64_t n, int32_t *out) {
+    PDL_ENTER();
+    const float *row = x + (int64_t)blockIdx.x * n;
+    const unsigned long long key = pick_block(row, 0, n, pick_vec(row, n));
+    if (threadIdx.x == 0) out[blockIdx.x] = (int32_t)~(uint32_t)key;
+}
+
+/* The same picks with gridDim.x blocks per row (STRATA_GPU_ARGMAX_SPLIT: more SMs for a few rows): block (s, r)
+ * takes the s-th slice of row r, puts its pair into keys[r] by atomicMax, and the row's last block to take a
+ * ticket from cnt[r] writes out[r] and zeroes keys[r] and cnt[r] for the next launch (both zero between launches).
+ * The largest pair does not depend on where the row is cut. */
+__global__ void __launch_bounds__(ARGMAX_SPLIT_THREADS) k_argmax_split(const float *x, int64_t n, int32_t *out,
+                                                                       unsigned long long *keys, unsigned int *cnt) {
+    PDL_ENTER();
+    const int r = blockIdx.y, S = gridDim.x;
+    const float *row = x + (int64_t)r * n;
+    const bool vec = pick_vec(row, n);
+    int64_t chunk = (n + S - 1) / S;
+    if (vec) chunk = (chunk + 3) & ~(int64_t)3;
+    const int64_t b0 = (int64_t)blockIdx.x * chunk, b = b0 < n ? b0 : n, e = b + chunk < n ? b + chunk : n;
+    const unsigned long long key = pick_block(row, b, e, vec);
+    if (threadIdx.x == 0) {
+        if (key) atomicMax(&keys[r], key);
+        __threadfence();
+        if (atomicAdd(&cnt[r], 1u) == (unsigned)S - 1) {
+            const unsigned long long k = atomicExch(&keys[r], 0ull);
+            out[r] = (int32_t)~(uint32_t)k;
+            cnt[r] = 0;
+        }
     }
 }

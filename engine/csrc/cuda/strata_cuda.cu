@@ -120,6 +120,8 @@ struct scratch {
     int64_t kpart_cap; /* floats */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays (and, after them, the greedy picks) */
     int32_t *picks;  /* [cap_l] the step's greedy picks (k_argmax_rows), copied back instead of the logits */
+    unsigned long long *pick_keys; /* [cap_l] k_argmax_split's per-row maxima, 0 between launches */
+    unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
     std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
@@ -130,7 +132,8 @@ struct graph_entry {
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, pdl, route_split;
     int32_t gemm_min, gemm_dense, gemm_wide;
-    bool fused_quant, fuse_qkv, gemm_tiles, greedy;
+    bool fused_quant, fuse_qkv, gemm_tiles;
+    int32_t greedy; /* step_shape.greedy */
     int32_t dense_split;
     bool qkv_split;
     int32_t knobs; /* g_knobs() */
@@ -1079,6 +1082,10 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
         CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
         CHECK(dalloc_in(s.step_allocs, &s.picks, sizeof(int32_t) * std::max<int64_t>(L, 1)));
+        CHECK(dalloc_in(s.step_allocs, &s.pick_keys, sizeof(unsigned long long) * std::max<int64_t>(L, 1)));
+        CHECK(dalloc_in(s.step_allocs, &s.pick_cnt, sizeof(unsigned int) * std::max<int64_t>(L, 1)));
+        CU(cudaMemset(s.pick_keys, 0, sizeof(unsigned long long) * std::max<int64_t>(L, 1)), "scratch");
+        CU(cudaMemset(s.pick_cnt, 0, sizeof(unsigned int) * std::max<int64_t>(L, 1)), "scratch");
         /* the dense splits' parts, or a routed split's (2 weights of n_ff_exp or one of E rows per pair) */
         s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) *
                       std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
@@ -1494,6 +1501,13 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     return ST_OK;
 }
 
+/* The greedy pick's blocks per row: STRATA_GPU_ARGMAX_SPLIT = S >= 2 runs k_argmax_split with S blocks of 256
+ * threads per row (at most 64), unset / 0 / 1 k_argmax_rows (one block of 1,024 per row). Graphs are keyed by it. */
+static int32_t argmax_split(void) {
+    const int v = env_int("STRATA_GPU_ARGMAX_SPLIT", 1);
+    return v < 2 ? 1 : std::min(v, 64);
+}
+
 /* The device work of one step (everything between the batch upload and the logits
  * download): captured once per shape as a CUDA graph for small batches. */
 struct step_shape {
@@ -1504,7 +1518,8 @@ struct step_shape {
     bool fuse_qkv;     /* every token of another sequence: q/k/v post-processing inside attention */
     const int32_t *d_tiles; /* query tiles of prefill attention (eager steps only; n_tiles 0: none) */
     int32_t n_tiles;
-    bool greedy; /* the logit rows' greedy picks into s.picks (k_argmax_rows, after the head) */
+    int32_t greedy; /* the logit rows' greedy picks into s.picks after the head: 0 none, 1 k_argmax_rows, S > 1
+                     * k_argmax_split with S blocks per row (argmax_split()) */
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -1548,11 +1563,13 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
         const stg_status hrc = linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE);
         g_gemm_fast = fast;
         CHECK(hrc);
-        if (sh.greedy) {
+        if (sh.greedy > 1)
+            launch_k(k_argmax_split, dim3((unsigned)sh.greedy, (unsigned)sh.NL), ARGMAX_SPLIT_THREADS, 0, st,
+                     (const float *)s.logits, (int64_t)m->d.n_vocab, s.picks, s.pick_keys, s.pick_cnt);
+        else if (sh.greedy == 1)
             launch_k(k_argmax_rows, sh.NL, ARGMAX_THREADS, 0, st, (const float *)s.logits, (int64_t)m->d.n_vocab,
                      s.picks);
-            LAUNCHED("greedy pick");
-        }
+        if (sh.greedy) LAUNCHED("greedy pick");
     }
     m->pending = combine_args{}; /* no logits: the last layer's sum is never needed */
     return ST_OK;
@@ -1676,7 +1693,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
             seen[(size_t)b->seq[i]] = 1;
         }
     }
-    const bool greedy = NL > 0 && b->out_tokens;
+    const int32_t greedy = NL > 0 && b->out_tokens ? argmax_split() : 0;
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
@@ -2215,6 +2232,21 @@ extern "C" stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, i
     CHECK(up(bx, nullptr, sizeof(float) * ((size_t)rows * n + 3)));
     CU(cudaMemcpy(bx.as<float>() + misalign, x, sizeof(float) * (size_t)rows * n, cudaMemcpyHostToDevice), "harness upload");
     CHECK(up(bo, nullptr, sizeof(int32_t) * (size_t)rows));
+    const int32_t split = argmax_split(); /* the step's form (STRATA_GPU_ARGMAX_SPLIT) */
+    if (split > 1) {
+        dbuf bk, bc;
+        CHECK(up(bk, nullptr, sizeof(unsigned long long) * (size_t)rows));
+        CHECK(up(bc, nullptr, sizeof(unsigned int) * (size_t)rows));
+        CU(cudaMemset(bk.p, 0, sizeof(unsigned long long) * (size_t)rows), "harness");
+        CU(cudaMemset(bc.p, 0, sizeof(unsigned int) * (size_t)rows), "harness");
+        for (int rep = 0; rep < 2; rep++) { /* twice: the first launch must leave its counters at 0 */
+            CU(cudaMemset(bo.p, 0xff, sizeof(int32_t) * (size_t)rows), "harness");
+            k_argmax_split<<<dim3((unsigned)split, (unsigned)rows), ARGMAX_SPLIT_THREADS>>>(
+                bx.as<float>() + misalign, n, bo.as<int32_t>(), bk.as<unsigned long long>(), bc.as<unsigned int>());
+            LAUNCHED("greedy pick (split)");
+        }
+        return down(out, bo, sizeof(int32_t) * (size_t)rows);
+    }
     k_argmax_rows<<<rows, ARGMAX_THREADS>>>(bx.as<float>() + misalign, n, bo.as<int32_t>());
     LAUNCHED("greedy pick");
     return down(out, bo, sizeof(int32_t) * (size_t)rows);

@@ -103,7 +103,9 @@ stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_
 /* logits[n_tok, n_expert] -> top-k ids and weights (softmax probabilities, raw). */
 stg_status stg_test_router(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t *ids, float *w);
 /* The step's greedy pick (k_argmax_rows, st_batch.out_tokens' rule) of rows x[rows, n], uploaded
- * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop). */
+ * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop); with
+ * STRATA_GPU_ARGMAX_SPLIT = S >= 2 as the step would run it, k_argmax_split with S blocks per row
+ * (launched twice on the same counters). */
 stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out);
 
 #endif

@@ -188,13 +188,14 @@ def big_vocab_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             weight_type=GGMLQuantizationType.Q8_0)
 
 
-@pytest.mark.parametrize("graphs", ["1", "0"])
+@pytest.mark.parametrize(("graphs", "split"), [("1", "1"), ("0", "1"), ("1", "16"), ("0", "3")])
 def test_device_greedy_pick_is_argmax_of_the_steps_logits(big_vocab_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          graphs: str) -> None:
+                                                          graphs: str, split: str) -> None:
     """Decode steps of 1, 8 and 32 sequences (graph replay, or plain launches), and a prefill step: the
-    picks k_argmax_rows takes on the device are np.argmax of the same step's logits, bitwise; a step
-    asking for the picks alone (no logits copied) gives the same ids."""
+    picks k_argmax_rows (or k_argmax_split, STRATA_GPU_ARGMAX_SPLIT) takes on the device are np.argmax of
+    the same step's logits, bitwise; a step asking for the picks alone (no logits copied) gives the same ids."""
     monkeypatch.setenv("STRATA_GPU_GRAPHS", graphs)
+    monkeypatch.setenv("STRATA_GPU_ARGMAX_SPLIT", split)
     V = 151936
     rng = np.random.default_rng(5)
     with Engine.open(big_vocab_path, device="cuda:0", kv_tokens=4096) as eng:
