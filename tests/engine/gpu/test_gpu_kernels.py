@@ -363,15 +363,15 @@ def test_router_top_k_matches_cpu_rule(g: tuple) -> None:
     assert rel_err(w, np.take_along_axis(p, ref_ids, axis=1)) <= 1e-5
 
 
-@pytest.mark.parametrize("split", ["1", "4", "32"])
+@pytest.mark.parametrize("split", ["1", "4", "16", "32"])
 @pytest.mark.parametrize("rows", [1, 8, 32])
 @pytest.mark.parametrize(("n", "misalign"), [(151936, 0), (151936, 1), (300, 0), (4097, 0), (5, 2)])
 def test_greedy_pick_equals_numpy_argmax(g: tuple, monkeypatch: pytest.MonkeyPatch, rows: int, n: int, misalign: int,
                                          split: str) -> None:
     """k_argmax_rows (the step's greedy pick) == np.argmax == the CPU's st_argmax_rows, on random rows
     and rows with ties, -inf, NaN and signed zeros; the bench model's vocabulary, an odd length and an
-    unaligned start (the kernel's scalar loop); and k_argmax_split over 4 / 32 blocks per row
-    (STRATA_GPU_ARGMAX_SPLIT, slices shorter than a thread's share, empty ones at n = 5)."""
+    unaligned start (the kernel's scalar loop); and k_argmax_split over 4 / 16 (the default) / 32 blocks
+    per row (STRATA_GPU_ARGMAX_SPLIT, slices shorter than a thread's share, empty ones at n = 5)."""
     from tests.engine.test_greedy_pick import tricky_rows
 
     monkeypatch.setenv("STRATA_GPU_ARGMAX_SPLIT", split)
