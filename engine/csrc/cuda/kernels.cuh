@@ -307,7 +307,8 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
  * rows are loaded together and the pair's activations once for them, so the launch is one wave with more
  * loads in flight per warp (down at batch 1: 4,096 blocks of one row per warp took 3.45 waves). Every
  * row's sum is k_linear_q's (lanes over sub-blocks j = lane + 32 i in order, the same sub_dot chain, the
- * same butterfly), so the bits are too. */
+ * same butterfly), so the bits are too. Also the dense output head's Q6_K matvec at one pair (STRATA_GPU_Q6_ROWS:
+ * one group, e = 0). */
 template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_rows(lin_args a) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
@@ -1287,6 +1288,19 @@ struct attn_args {
     qkv_args qa;
     int32_t v2; /* k_attention's template form (launch_attention): STRATA_GPU_ATT_V2 */
 };
+/* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
+ * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and
+ * warp_sum(half ? 0 : v)'s would add an exact 0 (the sums are of expf values, never -0), so these give their bits. */
+__device__ __forceinline__ float warp_max16(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum16(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
 
 
 /* Paged attention, flash-decoding style: one block per (token, head); its ATT_WARPS warps
@@ -1311,10 +1325,17 @@ static inline size_t att_smem_bytes(int hd, int stages) {
  * (g: r 0, 2 | 4, 6 | 1, 3 | 5, 7; q at qs[r hd / 8 + d / 8], four t at once as a float4): half the K and a
  * quarter of the q loads, the partial sums rebuilt in the scalar form's order by three shuffle pairs. Each
  * dimension's (each chain's) fma order and every sum are unchanged: the same bits. */
+/* HD > 0 (STRATA_GPU_ATT_UNROLL, with V2 = 1 and head_dim HD = 128): the head dimension known at compile time, so the
+ * K/V copies and the score loop unroll, a whole chunk's 16-key value loop is unrolled (every key's shuffle and
+ * loads issued ahead of the fma chains, each dimension's chain in the same order), and the softmax's max and sum
+ * run over 16 lanes (warp_max16): the same operations in the same order, the same bits (test_gpu_b1_knobs.py,
+ * knob_bitwise.py). Run 66 (b1): batch 1 -0.11 to -0.13 ms a step (2.68-2.70 against 2.79-2.81), 8 sequences
+ * -0.12, 32 sequences -0.25: the rolled loops' per-key latencies (a shuffle and two shared loads a key, a
+ * runtime-bounded score loop) were each chunk's chain. 72 registers instead of 80. */
 template <int V2> __device__ __forceinline__ int att_qidx(int d, int hd) { /* where q[d] lives in qs */
     return V2 == 2 ? (d & 1) * (hd / 2) + (d >> 1) : V2 == 3 ? (d & 7) * (hd / 8) + (d >> 3) : d;
 }
-template <int V2>
+template <int V2, int HD>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     pdl_trigger();
     extern __shared__ __align__(16) unsigned char att_dyn[];
@@ -1322,7 +1343,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     __shared__ float part[ATT_WARPS][256 + 2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x, h = blockIdx.y;
-    const int hd = a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv), bs = a.block_size;
+    const int hd = HD ? HD : a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv), bs = a.block_size;
     const int S = a.stages;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
     __shared__ __half kvnew[2][256]; /* fused: this token's K and V of head kvh */
@@ -1341,11 +1362,21 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * hd) * bs + slot0;
         const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * hd;
         const int vp = hd / 8; /* 16-byte pieces per V row */
-        for (int it = lane; it < 2 * hd; it += 32) {
-            const int d = it >> 1, pc = it & 1;
-            cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
-            const int jj = it / vp, pv = it % vp;
-            cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+        if constexpr (HD > 0) {
+#pragma unroll
+            for (int it = lane; it < 2 * HD; it += 32) {
+                const int d = it >> 1, pc = it & 1;
+                cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
+                const int jj = it / vp, pv = it % vp;
+                cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+            }
+        } else {
+            for (int it = lane; it < 2 * hd; it += 32) {
+                const int d = it >> 1, pc = it & 1;
+                cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
+                const int jj = it / vp, pv = it % vp;
+                cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+            }
         }
         cp_async_commit();
     };
@@ -1451,6 +1482,15 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
                     d2 = fmaf(qv.z, __half2float(ks[(d + 4) * ATT_CK + key]), d2);
                     d3 = fmaf(qv.w, __half2float(ks[(d + 6) * ATT_CK + key]), d3);
                 }
+            } else if constexpr (HD > 0) {
+#pragma unroll
+                for (int i = 0; i < HD / 8; i++) {
+                    const int d = half + 8 * i;
+                    d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
+                    d1 = fmaf(qs[d + 2], __half2float(ks[(d + 2) * ATT_CK + key]), d1);
+                    d2 = fmaf(qs[d + 4], __half2float(ks[(d + 4) * ATT_CK + key]), d2);
+                    d3 = fmaf(qs[d + 6], __half2float(ks[(d + 6) * ATT_CK + key]), d3);
+                }
             } else {
                 for (int d = half; d < hd; d += 8) {
                     d0 = fmaf(qs[d], __half2float(ks[d * ATT_CK + key]), d0);
@@ -1465,13 +1505,32 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
         const bool ok = key < nk;
         const float s = ok ? sv : -INFINITY;
-        const float mn = fmaxf(m, warp_max(s));
+        const float mn = fmaxf(m, HD ? warp_max16(s) : warp_max(s)); /* HD: the same bits (warp_max16) */
         const float corr = expf(m - mn); /* 0 on the warp's first chunk (m = -inf) */
         const float pj = ok ? expf(s - mn) : 0.0f;
-        l = __fmaf_rn(l, corr, warp_sum(half ? 0.0f : pj)); /* explicit: k_attention_tile repeats it */
+        l = __fmaf_rn(l, corr, HD ? warp_sum16(pj) : warp_sum(half ? 0.0f : pj)); /* explicit: k_attention_tile repeats it */
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
-        if constexpr (V2 > 0) {
+        if constexpr (V2 > 0 && HD > 0) {
+            auto vstep = [&](int jj) {
+                const float pb = __shfl_sync(0xffffffffu, pj, jj);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int d = 64 * i + 2 * lane;
+                    if (d < hd) {
+                        const float2 f = __half22float2(*(const __half2 *)(vs + jj * hd + d));
+                        acc[2 * i] = fmaf(pb, f.x, acc[2 * i]);
+                        acc[2 * i + 1] = fmaf(pb, f.y, acc[2 * i + 1]);
+                    }
+                }
+            };
+            if (nk == ATT_CK) { /* a whole chunk: every key's shuffle and loads in flight at once */
+#pragma unroll
+                for (int jj = 0; jj < ATT_CK; jj++) vstep(jj);
+            } else {
+                for (int jj = 0; jj < nk; jj++) vstep(jj);
+            }
+        } else if constexpr (V2 > 0) {
             for (int jj = 0; jj < nk; jj++) {
                 const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll

@@ -136,7 +136,7 @@ struct graph_entry {
     int32_t greedy; /* step_shape.greedy */
     int32_t dense_split;
     bool qkv_split;
-    int32_t knobs; /* g_knobs() */
+    int64_t knobs; /* g_knobs() */
     cudaGraphExec_t exec;
 };
 
@@ -628,9 +628,23 @@ static thread_local int g_mv_rows = 8;
  * -0.06 / -0.03 to -0.09, 3 0 / -0.04 (once). Read per step; graphs keyed by it (b1_knobs()).
  * Session 10's other batch-1 candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
 static thread_local int g_att_v2 = 1;
+/* Session 11 (run 66 (b1)), each the same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 2 and 8 sequences):
+ * STRATA_GPU_ATT_UNROLL (default 1; 0 = off): with ATT_V2 = 1 and head_dim 128, k_attention<1, 128> (its loops over
+ *   the head dimension and a whole chunk's value loop unrolled, the softmax's reductions over 16 lanes; see there):
+ *   batch 1 -0.11 to -0.13 ms a step (2.68-2.70 against 2.79-2.81 in one process), 8 sequences -0.12, 32 -0.25.
+ * STRATA_GPU_Q6_ROWS (default 2; 4, or 0 = off): dense single-pair Q6_K matvecs of at least Q6_ROWS_MIN_N rows (the
+ *   output head at batch 1: 255 MB at 1.9 TB/s, 132.7 us a step) on k_linear_q_rows with that many rows per warp:
+ *   -0.03 / -0.02 ms in two processes; 4 rows: 0. Smaller dense launches keep one row per warp (rows per warp lost
+ *   for q/k/v/o, run 56 (b1)).
+ * Measured and left in tests/engine/gpu/b1_candidates11.patch: the down projection's rows prefetched into L2 by the
+ * gate/up blocks, k_rmsnorm's and the fused attention's weights loaded before the wait (each -0.03 / -0.03 / +0.02
+ * alone, nothing on top of ATT_UNROLL). Read per step; graphs keyed by them (b1_knobs()). */
+static thread_local bool g_att_unroll = true;
+static thread_local int g_q6_rows = 2;
+#define Q6_ROWS_MIN_N 65536
 static int32_t b1_knobs() {
     return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3 |
-           (int32_t)g_q6_gemm_wide << 7 | g_att_v2 << 8;
+           (int32_t)g_q6_gemm_wide << 7 | g_att_v2 << 8 | (int32_t)g_att_unroll << 10 | (g_q6_rows / 2) << 11;
 }
 /* STRATA_GPU_ROUTED_SPLIT / STRATA_GPU_ROUTED_SPLIT_DOWN (2 or 4; else 0 = off; defaults 2 / 0): routed Q4_K
  * gate/up (down) GEMMs over the tile list with at most STRATA_GPU_ROUTED_SPLIT_MAX tokens run their k loop
@@ -647,10 +661,10 @@ static thread_local int g_routed_split = 2, g_routed_split_down = 0;
  * STRATA_GPU_GEMM_MIN expected pairs per expert (8 and 16 sequences have 1 pair of 128 experts' worth);
  * steps of 1-7 tokens unchanged. */
 static thread_local int g_routed_split_max = 16, g_gemm_min_tok = 8;
-static int32_t g_knobs() {
+static int64_t g_knobs() { /* 64 bits: b1_knobs() << 20 reaches bit 32 */
     return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
            g_routed_split_down << 7 | (g_routed_split_max / 8) << 14 | (g_gemm_min_tok / 8) << 18 |
-           b1_knobs() << 20;
+           (int64_t)b1_knobs() << 20;
 }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -714,6 +728,9 @@ static void read_knobs() {
     g_mv_rows = rows <= 1 ? 1 : rows == 2 || rows == 4 || rows == 8 ? rows : 8;
     const int v2 = env_int("STRATA_GPU_ATT_V2", 1);
     g_att_v2 = v2 == 0 || v2 == 2 || v2 == 3 ? v2 : 1;
+    g_att_unroll = env_int("STRATA_GPU_ATT_UNROLL", 1) != 0;
+    const int q6r = env_int("STRATA_GPU_Q6_ROWS", 2);
+    g_q6_rows = q6r == 2 || q6r == 4 ? q6r : 0;
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -877,6 +894,20 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
                 if (R == 2) launch_k(k_linear_q_rows<T, 2>, g, LIN_WARPS * 32, 0, st, a);
                 else if (R == 4) launch_k(k_linear_q_rows<T, 4>, g, LIN_WARPS * 32, 0, st, a);
                 else launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
+                return;
+            }
+        }
+        if constexpr (T == STG_Q6_K && !SW) {
+            const int R = g_q6_rows; /* STRATA_GPU_Q6_ROWS: the output head's single pair */
+            if (R > 1 && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N) {
+                const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), grid.y);
+                if (g_q6_wide) {
+                    if (R == 2) launch_k(k_linear_q_rows<STG_Q6_KW, 2>, g, LIN_WARPS * 32, 0, st, a);
+                    else launch_k(k_linear_q_rows<STG_Q6_KW, 4>, g, LIN_WARPS * 32, 0, st, a);
+                } else {
+                    if (R == 2) launch_k(k_linear_q_rows<T, 2>, g, LIN_WARPS * 32, 0, st, a);
+                    else launch_k(k_linear_q_rows<T, 4>, g, LIN_WARPS * 32, 0, st, a);
+                }
                 return;
             }
         }
@@ -1209,7 +1240,8 @@ static stg_status gemm_setup(void) {
 
 static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
     CHECK(gemm_setup());
-    void (*const att_forms[])(attn_args) = {k_attention<0>, k_attention<1>, k_attention<2>, k_attention<3>};
+    void (*const att_forms[])(attn_args) = {k_attention<0, 0>, k_attention<1, 0>, k_attention<2, 0>, k_attention<3, 0>,
+                                            k_attention<1, 128>};
     for (auto f : att_forms)
         CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
@@ -1274,10 +1306,11 @@ static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st
     if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_head);
     const int v2 = aa.hd % 64 == 0 ? aa.v2 : 0; /* STRATA_GPU_ATT_V2 */
-    if (v2 == 3) launch_k(k_attention<3>, grid, ATT_WARPS * 32, smem, st, aa);
-    else if (v2 == 2) launch_k(k_attention<2>, grid, ATT_WARPS * 32, smem, st, aa);
-    else if (v2 == 1) launch_k(k_attention<1>, grid, ATT_WARPS * 32, smem, st, aa);
-    else launch_k(k_attention<0>, grid, ATT_WARPS * 32, smem, st, aa);
+    if (v2 == 3) launch_k(k_attention<3, 0>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (v2 == 2) launch_k(k_attention<2, 0>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (v2 == 1 && aa.hd == 128 && g_att_unroll) launch_k(k_attention<1, 128>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (v2 == 1) launch_k(k_attention<1, 0>, grid, ATT_WARPS * 32, smem, st, aa);
+    else launch_k(k_attention<0, 0>, grid, ATT_WARPS * 32, smem, st, aa);
     LAUNCHED("attention");
     return ST_OK;
 }

@@ -21,7 +21,7 @@ pytestmark = requires_gpu
 # every switch of the batch-1 set (and the Q6_K GEMM's wide loads), and the value that turns it off (the form
 # before session 9)
 OFF = {"STRATA_GPU_Q6_WIDE": "0", "STRATA_GPU_ATT_PRE": "0", "STRATA_GPU_ROUTER_PRE": "0", "STRATA_GPU_MV_ROWS": "1",
-       "STRATA_GPU_Q6_GEMM_WIDE": "0"}
+       "STRATA_GPU_Q6_GEMM_WIDE": "0", "STRATA_GPU_ATT_UNROLL": "0", "STRATA_GPU_Q6_ROWS": "0"}
 
 
 def linear(g: tuple, name: str, path: str, w: np.ndarray, w2: np.ndarray | None, rows: int, k: int,
@@ -160,5 +160,73 @@ def test_decode_steps_bitwise_with_every_switch(tmp_path: Path, outtype: str) ->
             ref = decode_logits(eng, n_seq, 4, OFF, prompt_len=20)
             got = decode_logits(eng, n_seq, 4, {}, prompt_len=20)
             assert all(same(a, b) for a, b in zip(ref, got, strict=True)), (outtype, n_seq)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(("nq", "p0"), [(1, 300), (1, 47), (3, 40), (2, 15)])
+def test_attention_unroll_bitwise(g: tuple, nq: int, p0: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """k_attention<1, 128> (ATT_UNROLL, session 11: head_dim 128 at compile time, a whole chunk's value loop
+    unrolled, the softmax's reductions over 16 lanes) gives k_attention<1>'s bits, floats and 8-bit output blocks;
+    whole and partial chunks, one to three tokens."""
+    from tests.engine.gpu.test_gpu_kernels import _attention_case
+
+    hd = 128
+    rng = np.random.default_rng(p0 + 7 * nq)
+    bs, n_head, n_kv = 16, 8, 2
+    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
+    qd = n_head * hd
+    q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
+    outs = []
+    monkeypatch.setenv("STRATA_GPU_ATT_V2", "1")
+    for unroll in ("0", "1"):
+        monkeypatch.setenv("STRATA_GPU_ATT_UNROLL", unroll)
+        out = np.full((nq, qd), np.nan, np.float32)
+        aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
+            np.zeros((nq, qd // 16), np.int32)
+        gcheck(g, g[1].stg_test_attention_heads(0, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
+                                                gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
+                                                gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
+                                                gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
+                                                gptr(g, as_, "int32_t *")))
+        outs.append((out, aq, ad, as_))
+    (o0, q0, d0, s0), (o1, q1, d1, s1) = outs
+    assert np.isfinite(o0).all()
+    assert same(o0, o1), np.abs(o0 - o1).max()
+    assert np.array_equal(q0, q1) and same(d0, d1) and np.array_equal(s0, s1)
+
+
+def test_q6k_head_rows_per_warp_bitwise(g: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense single-token Q6_K matvec of at least 65,536 rows (the output head at batch 1) with 2 or 4 rows per
+    warp (Q6_ROWS), with either unpack (Q6_WIDE), gives one row per warp's bits; the row count ends inside a
+    warp's rows."""
+    k, rows = 256, 65536 + 40
+    rng = np.random.default_rng(rows)
+    w = random_blocks("Q6_K", rows * k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    for wide in ("0", "1"):
+        monkeypatch.setenv("STRATA_GPU_Q6_WIDE", wide)
+        monkeypatch.setenv("STRATA_GPU_Q6_ROWS", "0")
+        ref = linear(g, "Q6_K", "matvec", w, None, rows, k, x)
+        assert np.isfinite(ref).all()
+        for r in ("2", "4"):
+            monkeypatch.setenv("STRATA_GPU_Q6_ROWS", r)
+            assert same(ref, linear(g, "Q6_K", "matvec", w, None, rows, k, x)), (wide, r)
+
+
+def test_decode_steps_bitwise_with_attention_unroll(tmp_path: Path) -> None:
+    """Whole decode steps (graphs, programmatic dependent launch, the fused decode attention) of a small random
+    Qwen3-MoE with head_dim 128 at 1 and 2 sequences: bitwise equal with ATT_UNROLL off and on."""
+    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
+    from engine.engine import Engine
+
+    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "hf", head_dim=128)
+    path = H.to_gguf(hf_dir, tmp_path / "m.q8_0.gguf", "q8_0")
+    eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
+    try:
+        for n_seq in (1, 2):
+            ref = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_UNROLL": "0"}, prompt_len=20)
+            got = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_UNROLL": "1"}, prompt_len=20)
+            assert all(same(a, b) for a, b in zip(ref, got, strict=True)), n_seq
     finally:
         eng.close()
