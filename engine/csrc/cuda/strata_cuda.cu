@@ -1974,9 +1974,12 @@ extern "C" stg_status stg_test_linear_seg(int32_t type, int32_t path, const void
  * w[n_expert][n_rows] (w2: the gate/up form); out[pair, n_rows]. path: STG_PATH_MATVEC or
  * STG_PATH_GEMM; tiles 1: the GEMM's block per tile of group_pairs' list, 0: its grid of
  * (largest group's tiles) x (groups). */
-extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
-                                             int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
-                                             const int32_t *ids, int32_t k_used, float *out) {
+/* stg_test_routed_linear and stg_test_routed_quant: hq / hd / hs (all or none) ask gate/up's launch to quantise
+ * its output for the down projection as the step does (the routed split's k_ksplit_routed), and require that
+ * it did. */
+static stg_status routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
+                                int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
+                                const int32_t *ids, int32_t k_used, float *out, int8_t *hq, float *hd, int32_t *hs) {
     const int be = stg_block_elems(type);
     if (!be || stg_is_float(type)) return fail(ST_EUNSUPPORTED, "routed linear: unsupported quant type %d", type);
     if (!w || !x || !ids || !out || n_expert < 1 || n_rows < 1 || n_tok < 1 || k_used < 1 || k_used > n_expert ||
@@ -2024,11 +2027,39 @@ extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t
     dbuf bp; /* a routed split's parts (STRATA_GPU_ROUTED_SPLIT[_DOWN] decide whether the GEMM path splits) */
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * 2 * (size_t)P * (size_t)n_rows));
     g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * 2 * (int64_t)P * n_rows;
+    const size_t no = (size_t)P * (size_t)n_rows;
+    dbuf bhq, bhd, bhs;
+    bool done = false;
+    fused_quant fq{nullptr, nullptr, nullptr, nullptr, &done};
+    if (hq) {
+        CHECK(up(bhq, nullptr, no));
+        CHECK(up(bhd, nullptr, sizeof(float) * no / 32));
+        CHECK(up(bhs, nullptr, sizeof(int32_t) * no / 16));
+        CU(cudaMemset(bhq.p, 0x7f, no), "routed linear");
+        fq.q = bhq.as<int8_t>(), fq.d = bhd.as<float>(), fq.s = bhs.as<int32_t>();
+    }
     const stg_status rc = linear(0, W, w2 ? &W2 : nullptr, g, max_groups, expected, n_tok, in, bo.as<float>(), n_rows,
-                                 MODE_STORE, path);
+                                 MODE_STORE, path, nullptr, hq ? &fq : nullptr);
     g_kpart = nullptr, g_kpart_cap = 0;
     CHECK(rc);
-    return down(out, bo, sizeof(float) * (size_t)P * (size_t)n_rows);
+    if (hq && !done) return fail(ST_EINVAL, "routed linear: the launch did not quantise its output");
+    CHECK(down(out, bo, sizeof(float) * no));
+    if (!hq) return ST_OK;
+    CHECK(down(hq, bhq, no));
+    CHECK(down(hd, bhd, sizeof(float) * no / 32));
+    return down(hs, bhs, sizeof(int32_t) * no / 16);
+}
+extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
+                                             int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
+                                             const int32_t *ids, int32_t k_used, float *out) {
+    return routed_linear(type, path, tiles, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, nullptr, nullptr,
+                         nullptr);
+}
+extern "C" stg_status stg_test_routed_quant(int32_t type, const void *w, const void *w2, int32_t n_expert,
+                                            int64_t n_rows, int64_t k, const float *x, int32_t n_tok, const int32_t *ids,
+                                            int32_t k_used, float *out, int8_t *hq, float *hd, int32_t *hs) {
+    if (!w2 || !hq || !hd || !hs || n_rows % 32) return fail(ST_EINVAL, "routed quant: bad arguments");
+    return routed_linear(type, STG_PATH_GEMM, 1, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
 }
 
 extern "C" stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,

@@ -84,6 +84,14 @@ stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, in
 stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
                                   int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
                                   const int32_t *ids, int32_t k_used, float *out);
+/* The routed gate/up GEMM (w2 required; Q4_K, whose split form exists for C = 1, 2, 4) over the tile list with
+ * the decode form of steps of at most STRATA_GPU_ROUTED_SPLIT_MAX tokens: its k loop split
+ * (STRATA_GPU_ROUTED_SPLIT) and the split's combine also quantising the output for the down projection:
+ * out[n_tok * k_used, n_rows] and its 8-bit blocks hq, hd[/32], hs[/16] (n_rows a multiple of 32); EINVAL
+ * when the launch did not quantise (no split). */
+stg_status stg_test_routed_quant(int32_t type, const void *w, const void *w2, int32_t n_expert, int64_t n_rows,
+                                 int64_t k, const float *x, int32_t n_tok, const int32_t *ids, int32_t k_used,
+                                 float *out, int8_t *hq, float *hd, int32_t *hs);
 /* st_attention's contract for one kv head's queries; path: STG_PATH_REF or STG_PATH_AUTO. */
 stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                               const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,

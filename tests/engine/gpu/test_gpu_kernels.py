@@ -222,6 +222,42 @@ def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int,
     assert rel_err(plain[pairs], ref) <= 1e-3
 
 
+@pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(5, 2, 8), (16, 8, 32)])
+@pytest.mark.parametrize("split", ["2", "4"])
+def test_routed_split_quantisation_bitwise(g: tuple, n_tok: int, k_used: int, n_expert: int, split: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routed gate/up GEMM of a decode step of <= 16 tokens (Q4_K over the tile list, its k loop split over
+    2 or 4 blocks per tile, STRATA_GPU_ROUTED_SPLIT) whose combine k_ksplit_routed also quantises the output for
+    the down projection: the float rows are the matvec's and the 8-bit blocks the CPU's st_quantize_act of them,
+    bit for bit; without the split the harness reports that nothing was quantised. (Run 67 (b32) ran these rows
+    on the H200.)"""
+    rng = np.random.default_rng(31 * n_tok + n_expert)
+    rows, k = 96, 512
+    w = np.concatenate([random_blocks("Q4_K", rows * k, rng) for _ in range(n_expert)])
+    w2 = np.concatenate([random_blocks("Q4_K", rows * k, rng) for _ in range(n_expert)])
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    pop = 1.0 / np.arange(1, n_expert + 1)
+    ids = np.stack([rng.choice(n_expert, k_used, replace=False, p=pop / pop.sum()) for _ in range(n_tok)])
+    ids = ids.astype(np.int32).reshape(-1)
+    P = n_tok * k_used
+    monkeypatch.setenv("STRATA_GPU_ROUTED_SPLIT", split)
+    plain = np.full((P, rows), np.nan, np.float32)
+    gcheck(g, g[1].stg_test_routed_linear(tid("Q4_K"), PATHS["matvec"], 0, gptr(g, w), gptr(g, w2), n_expert, rows, k,
+                                          gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                          gptr(g, plain, "float *")))
+    out = np.full((P, rows), np.nan, np.float32)
+    hq, hd, hs = np.zeros((P, rows), np.int8), np.zeros((P, rows // 32), np.float32), np.zeros((P, rows // 16), np.int32)
+    args = (tid("Q4_K"), gptr(g, w), gptr(g, w2), n_expert, rows, k, gptr(g, x, "float *"), n_tok,
+            gptr(g, ids, "int32_t *"), k_used, gptr(g, out, "float *"), gptr(g, hq, "int8_t *"), gptr(g, hd, "float *"),
+            gptr(g, hs, "int32_t *"))
+    gcheck(g, g[1].stg_test_routed_quant(*args))
+    assert np.isfinite(out).all() and np.array_equal(out.view(np.uint32), plain.view(np.uint32))
+    cq, cd, cs = cpu_quant(out)
+    assert np.array_equal(cq, hq) and np.array_equal(cd.view(np.uint32), hd.view(np.uint32)) and np.array_equal(cs, hs)
+    monkeypatch.setenv("STRATA_GPU_ROUTED_SPLIT", "0")
+    assert g[1].stg_test_routed_quant(*args) != 0
+
+
 @pytest.mark.parametrize("n_tok", [1, 3, 11])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
 def test_swiglu_fused_quantisation_bitwise(g: tuple, name: str, n_tok: int) -> None:
