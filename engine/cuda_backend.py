@@ -251,6 +251,9 @@ class CudaModel:
         # st_batch.out_tokens (the greedy pick on the device) exists in libraries built since session 11;
         # an older build loaded through STRATA_CUDA_LIB gets logits and Engine.forward picks on the host
         self.has_pick = getattr(self.lib, "stg_test_argmax", None) is not None
+        # st_batch.token_src and the launch / wait halves of a step (session 11): older builds have neither
+        self.has_overlap = getattr(self.lib, "stg_step_launch", None) is not None
+        self._ticket = self.ffi.new("int64_t *")
         self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
         self.info = gpu_info(index)
 
@@ -276,6 +279,24 @@ class CudaModel:
         f = self.ffi
         _check(f, self.lib, self.lib.stg_forward(self._model, self._kv, f.cast("void *", _addr(self._cpu_ffi, batch)),
                                                  f.cast("void *", _addr(self._cpu_ffi, stats))), "forward")
+
+    def launch(self, batch: Any) -> int:
+        """stg_step_launch: queue a greedy step (batch->logits NULL); its ticket."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        f = self.ffi
+        _check(f, self.lib, self.lib.stg_step_launch(self._model, self._kv,
+                                                     f.cast("void *", _addr(self._cpu_ffi, batch)), self._ticket),
+               "launch")
+        return int(self._ticket[0])
+
+    def wait(self, ticket: int, out_tokens: Any, stats: Any) -> None:
+        """stg_step_wait: out_tokens (int32_t * of the CPU engine's ffi, or its NULL), stats (st_step_stats *)."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        f = self.ffi
+        _check(f, self.lib, self.lib.stg_step_wait(self._model, ticket, f.cast("int32_t *", _addr(self._cpu_ffi, out_tokens)),
+                                                   f.cast("void *", _addr(self._cpu_ffi, stats))), "wait")
 
     def close(self) -> None:
         if getattr(self, "_model", None) is not None:

@@ -83,9 +83,10 @@ class _StepIO:
         self._lens: list[int] = []  # per row slot: entries written before the -1 padding
 
     def fill(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
-             tables: Sequence[Sequence[int]], logit_idx: Sequence[int]) -> Any:
+             tables: Sequence[Sequence[int]], logit_idx: Sequence[int],
+             token_src: Sequence[int] | None = None) -> Any:
         n, nl = len(tokens), len(logit_idx)
-        need = 3 * n + nl
+        need = 3 * n + nl + (n if token_src is not None else 0)
         if need > self._ints.size:
             self._ints = np.empty(max(need, 2 * self._ints.size, 64), np.int32)
             self._ip_keep = ffi.from_buffer(self._ints)
@@ -94,7 +95,9 @@ class _StepIO:
         ints[:n] = tokens
         ints[n : 2 * n] = pos
         ints[2 * n : 3 * n] = seq
-        ints[3 * n : need] = logit_idx
+        ints[3 * n : 3 * n + nl] = logit_idx
+        if token_src is not None:
+            ints[3 * n + nl : need] = token_src
         ns = len(tables)
         w = max(1, max(map(len, tables), default=1))
         if w != self._w or ns > self._rows:
@@ -122,7 +125,16 @@ class _StepIO:
         b.block_tables = bp
         b.n_logits = nl
         b.logit_idx = ip + 3 * n if nl else ffi.NULL
+        b.token_src = ip + 3 * n + nl if token_src is not None else ffi.NULL
         return b
+
+
+_ST_EINVAL = 1
+
+
+def _stats(st: Any) -> StepStats:
+    return StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense, st.t_output,
+                     int(st.n_expert_tokens), int(st.n_active_experts), float(st.pool_idle_share))
 
 
 class Engine:
@@ -172,6 +184,9 @@ class Engine:
         self._max_model_len = max_model_len
         self._step_lock = threading.Lock()
         self._io = _StepIO()
+        # launched steps not yet waited (Engine.launch / Engine.wait): ticket -> (picks array, expert_hist, stats)
+        self._inflight: dict[int, tuple[np.ndarray, np.ndarray | None, StepStats | None]] = {}
+        self._next_ticket = 1
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -251,16 +266,25 @@ class Engine:
     # ------------------------------------------------------------ the step
     def forward(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
                 block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int],
-                expert_hist: np.ndarray | None = None, *, greedy: bool = False) -> np.ndarray:
+                expert_hist: np.ndarray | None = None, *, greedy: bool = False,
+                token_src: Sequence[int] | None = None) -> np.ndarray:
         """One batched forward step; returns logits [len(logit_idx), n_vocab], or with
         ``greedy=True`` each of those rows' greedy pick as int32 [len(logit_idx)]: the first index
         of the row's maximum (numpy argmax's rule, a NaN counting as the maximum), taken in C or on
-        the GPU (``st_batch.out_tokens``), so that no logits are copied back or scanned here."""
+        the GPU (``st_batch.out_tokens``), so that no logits are copied back or scanned here.
+
+        ``token_src`` (optional, one per token): -1 takes ``tokens[i]``, j >= 0 the previous step's
+        greedy pick j (``st_batch.token_src``; that step must have been a greedy one with more than j
+        rows); ``tokens[i]`` is then not read."""
         if self._model is None:
             raise EngineError("engine is closed")
         n = len(tokens)
         if not (len(pos) == len(seq) == n):
             raise ValueError("tokens, pos and seq must have the same length")
+        self._check_src(token_src, n)
+        if self._inflight:
+            raise EngineError(f"forward: {len(self._inflight)} launched step(s) not yet waited (Engine.wait them first)",
+                              _ST_EINVAL)
         nl = len(logit_idx)
         if greedy and self._gpu is not None and not self._gpu.has_pick:  # a library older than out_tokens
             return np.argmax(self.forward(tokens, pos, seq, block_tables, logit_idx, expert_hist), axis=1).astype(np.int32)
@@ -274,7 +298,7 @@ class Engine:
             raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
         with self._step_lock:  # one step at a time: the model's scratch, the pool and the step's host arrays are shared
             io = self._io
-            b = io.fill(tokens, pos, seq, block_tables, logit_idx)
+            b = io.fill(tokens, pos, seq, block_tables, logit_idx, token_src)
             if nl:
                 p = ptr(out, "int32_t *" if greedy else "float *")
                 b.logits, b.out_tokens = (ffi.NULL, p) if greedy else (p, ffi.NULL)
@@ -286,10 +310,90 @@ class Engine:
                 self._gpu.forward(b, st)
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-            self.last_stats = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense,
-                                        st.t_output, int(st.n_expert_tokens), int(st.n_active_experts),
-                                        float(st.pool_idle_share))
+            self.last_stats = _stats(st)
         return out
+
+    def _check_src(self, token_src: Sequence[int] | None, n: int) -> None:
+        if token_src is None:
+            return
+        if len(token_src) != n:
+            raise ValueError("token_src must have one entry per token")
+        if self._gpu is not None and not self._gpu.has_overlap:  # an older build would ignore the field
+            from engine.native import UnsupportedError
+
+            raise UnsupportedError("token_src: this CUDA library predates st_batch.token_src (rebuild it)", 3)
+
+    @property
+    def can_launch(self) -> bool:
+        """Whether launch / wait overlap on this engine's device (a GPU library with stg_step_launch);
+        on the CPU they exist too but run each step synchronously in ``launch``."""
+        return self._gpu is None or self._gpu.has_overlap
+
+    def launch(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
+               block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int], *,
+               token_src: Sequence[int] | None = None, expert_hist: np.ndarray | None = None) -> int:
+        """Issue a greedy step (``forward(..., greedy=True)``'s arguments) without waiting for it;
+        returns a ticket for :meth:`wait`, which returns its picks. On a GPU the step runs while the
+        caller prepares the next one, whose ``token_src`` may name this step's picks (the ids stay
+        on the device). At most two steps in flight, waited in launch order; ``forward`` is refused
+        while any is. On the CPU the step runs here, synchronously (same results, one code path).
+        ``expert_hist`` is added to when the step is waited."""
+        if self._model is None:
+            raise EngineError("engine is closed")
+        n = len(tokens)
+        if not (len(pos) == len(seq) == n):
+            raise ValueError("tokens, pos and seq must have the same length")
+        self._check_src(token_src, n)
+        if self._gpu is not None and not self._gpu.has_overlap:
+            from engine.native import UnsupportedError
+
+            raise UnsupportedError("launch: this CUDA library predates stg_step_launch (rebuild it)", 3)
+        if expert_hist is not None and (expert_hist.dtype != np.int32 or
+                                        expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert)):
+            raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
+        nl = len(logit_idx)
+        out = np.empty(nl, np.int32)
+        with self._step_lock:
+            if len(self._inflight) >= 2:
+                raise EngineError("launch: two launched steps are in flight already (wait for the older first)",
+                                  _ST_EINVAL)
+            b = self._io.fill(tokens, pos, seq, block_tables, logit_idx, token_src)
+            b.logits = ffi.NULL
+            b.out_tokens = ptr(out, "int32_t *") if nl else ffi.NULL
+            b.expert_hist = ptr(expert_hist, "int32_t *") if expert_hist is not None else ffi.NULL
+            if self._gpu is not None:
+                ticket = self._gpu.launch(b)
+                self._inflight[ticket] = (out, expert_hist, None)
+            else:  # the CPU: the whole step now
+                st = self._io.stats
+                check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
+                ticket = self._next_ticket
+                self._next_ticket += 1
+                self._inflight[ticket] = (out, expert_hist, _stats(st))
+        return ticket
+
+    def wait(self, ticket: int) -> np.ndarray:
+        """The picks (int32 [len(logit_idx)]) of a step issued by :meth:`launch`, the oldest one not
+        yet waited; sets ``last_stats``. A ticket out of order or unknown raises EngineError."""
+        with self._step_lock:
+            if not self._inflight:
+                raise EngineError("wait: no launched step is in flight", _ST_EINVAL)
+            oldest = next(iter(self._inflight))
+            if ticket != oldest:
+                raise EngineError(f"wait: ticket {ticket} is not the oldest step in flight ({oldest}): wait in "
+                                  "launch order", _ST_EINVAL)
+            out, _hist, stats = self._inflight.pop(ticket)
+            if self._gpu is not None:
+                st = self._io.stats
+                self._gpu.wait(ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
+                stats = _stats(st)
+            self.last_stats = stats
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        """Launched steps not yet waited."""
+        return len(self._inflight)
 
     def prefill(self, token_ids: Sequence[int], blocks: Sequence[int], start: int = 0,
                 all_logits: bool = False) -> np.ndarray:

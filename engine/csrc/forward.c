@@ -160,7 +160,12 @@ static st_status validate_batch(const st_model *m, const st_kv *kv, const st_bat
         return st_fail(ST_ERANGE, "forward: %d blocks of %d tokens per sequence exceed 2^31 positions", b->max_blocks,
                        kv->block_size);
     for (int32_t i = 0; i < b->n_tokens; i++) {
-        if (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab)
+        const int32_t src = b->token_src ? b->token_src[i] : -1;
+        if (src >= 0 && m->n_picks < 1)
+            return st_fail(ST_EINVAL, "forward: token_src[%d] = %d but the previous step left no greedy picks", i, src);
+        if (src < -1 || src >= m->n_picks)
+            return st_fail(ST_ERANGE, "forward: token_src[%d] = %d outside [-1, %d)", i, src, m->n_picks);
+        if (src < 0 && (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab))
             return st_fail(ST_ERANGE, "forward: token id %d out of range [0, %d)", b->tokens[i], m->d.n_vocab);
         if (b->seq[i] < 0 || b->seq[i] >= b->n_seqs)
             return st_fail(ST_ERANGE, "forward: sequence index %d out of range", b->seq[i]);
@@ -231,7 +236,18 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     CHECK(st_scratch_ensure(m, (size_t)(T > b->n_logits ? T : b->n_logits), (size_t)nt,
                             st_attn_scratch_floats(m->d.head_dim, (int32_t)ctx)));
     scratch *s = &m->s;
-    embed_ctx ec = {&m->d.token_embd, b->tokens, s->x, E};
+    const int32_t *ids = b->tokens;
+    if (b->token_src) { /* the previous step's picks, before this step replaces them */
+        if (T > m->cap_tok_buf) {
+            int32_t *nb = realloc(m->tok_buf, sizeof(int32_t) * (size_t)T);
+            if (!nb) return st_fail(ST_ENOMEM, "forward: out of memory for %lld token ids", (long long)T);
+            m->tok_buf = nb, m->cap_tok_buf = T;
+        }
+        for (int64_t i = 0; i < T; i++) m->tok_buf[i] = b->token_src[i] < 0 ? b->tokens[i] : m->picks[b->token_src[i]];
+        ids = m->tok_buf;
+    }
+    m->n_picks = 0; /* this step's picks (if any) replace them */
+    embed_ctx ec = {&m->d.token_embd, ids, s->x, E};
     st_pool_run(pool, embed_task, &ec, T);
     for (int il = 0; il < m->d.n_layer; il++) {
         const double t0 = now_s();
@@ -252,7 +268,16 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         float *logits = b->logits ? b->logits : logits_buffer(s, (size_t)b->n_logits * (size_t)m->d.n_vocab);
         if (!logits) return st_fail(ST_ENOMEM, "forward: out of memory for %d rows of logits", b->n_logits);
         st_linear(pool, &m->d.output, &in, NULL, b->n_logits, logits, m->d.n_vocab); /* [n_logits, n_vocab] */
-        if (b->out_tokens) CHECK(st_argmax_rows(logits, b->n_logits, m->d.n_vocab, b->out_tokens));
+        if (b->out_tokens) {
+            CHECK(st_argmax_rows(logits, b->n_logits, m->d.n_vocab, b->out_tokens));
+            if (b->n_logits > m->cap_picks) {
+                int32_t *np = realloc(m->picks, sizeof(int32_t) * (size_t)b->n_logits);
+                if (!np) return st_fail(ST_ENOMEM, "forward: out of memory for %d picks", b->n_logits);
+                m->picks = np, m->cap_picks = b->n_logits;
+            }
+            memcpy(m->picks, b->out_tokens, sizeof(int32_t) * (size_t)b->n_logits);
+            m->n_picks = b->n_logits;
+        }
     }
     const double t_end = now_s();
     st->t_output = t_end - t_out;

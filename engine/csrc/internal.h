@@ -262,6 +262,10 @@ struct st_model {
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */
     size_t repack_bytes;
+    /* the last step's greedy picks (st_batch.token_src reads them): n_picks 0 = none */
+    int32_t *picks, *tok_buf; /* tok_buf: a step's ids resolved through token_src */
+    int32_t n_picks, cap_picks;
+    int64_t cap_tok_buf;
 };
 
 /* Repack the Q4_1 and Q8_0 weight tensors whose row count is a multiple of 8 into

@@ -285,6 +285,8 @@ size_t st_model_repacked_bytes(const st_model *m) { return m ? m->repack_bytes :
 void st_model_destroy(st_model *m) {
     if (!m) return;
     scratch_free(&m->s);
+    free(m->picks);
+    free(m->tok_buf);
     free(m->inv_freq);
     if (m->repack) munmap(m->repack, m->repack_bytes);
     free(m->layers);

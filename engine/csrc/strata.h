@@ -212,6 +212,15 @@ typedef struct {
      * back). Both set: both filled, the picks from exactly those logits. (Keep last: added
      * after the CUDA backend first read this struct.) */
     int32_t *out_tokens;
+    /* optional [n_tokens]: where token i's id comes from. -1: tokens[i]; j >= 0: the previous
+     * step's greedy pick j (its out_tokens[j]: the step run just before this one on the same model,
+     * which must have had out_tokens set and n_logits > j), so that a decode step can be issued
+     * before the host has read the previous step's ids (the GPU backend's stg_step_launch /
+     * stg_step_wait; st_forward resolves it from its own last picks). tokens[i] is then not read
+     * (nor range-checked). A step with out_tokens set and n_logits > 0 keeps its picks for the
+     * next step; any other step that runs forgets them. Errors: an index j >= 0 with no previous
+     * picks -> ST_EINVAL; j outside [-1, n_picks) -> ST_ERANGE. (Keep last: added after out_tokens.) */
+    const int32_t *token_src;
 } st_batch;
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats);

@@ -70,11 +70,14 @@ template <int T> __global__ void k_dequant(const uint8_t *src, float *y, int64_t
 }
 
 /* Embedding rows: x[t, :] = dequant(table[tokens[t], :]); grid (T), block over blocks of the row. */
-template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes, const int32_t *tokens, int64_t E,
-                                         float *x) {
+/* src (optional, st_batch.token_src): token t's id is picks[src[t]] where src[t] >= 0 (the previous
+ * step's greedy pick, still in the picks buffer in stream order), else tokens[t]. */
+template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes, const int32_t *tokens,
+                                         const int32_t *src, const int32_t *picks, int64_t E, float *x) {
     PDL_ENTER();
     const int t = blockIdx.x;
-    const uint8_t *row = table + (int64_t)tokens[t] * row_bytes;
+    const int32_t j = src ? src[t] : -1;
+    const uint8_t *row = table + (int64_t)(j >= 0 ? picks[j] : tokens[t]) * row_bytes;
     for (int64_t b = threadIdx.x; b < E / qt<T>::BE; b += blockDim.x)
         deq_block<T>(row + b * qt<T>::BB, x + (int64_t)t * E + b * qt<T>::BE);
 }

@@ -118,7 +118,8 @@ struct scratch {
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
     float *kpart;      /* the split dense GEMM's parts (g_kpart) */
     int64_t kpart_cap; /* floats */
-    int32_t *h_ints; /* pinned host staging for the batch's index arrays (and, after them, the greedy picks) */
+    int32_t *h_ints; /* pinned host staging for the batch's index arrays: two slots of cap_ints (stg_step_launch's
+                      * ticket parity), so that a step's upload may still be queued while the next one is filled */
     int32_t *picks;  /* [cap_l] the step's greedy picks (k_argmax_rows), copied back instead of the logits */
     unsigned long long *pick_keys; /* [cap_l] k_argmax_split's per-row maxima, 0 between launches */
     unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
@@ -138,6 +139,20 @@ struct graph_entry {
     bool qkv_split;
     int64_t knobs; /* g_knobs() */
     cudaGraphExec_t exec;
+    bool src; /* step_shape.d_src set (st_batch.token_src) */
+};
+
+/* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */
+struct inflight {
+    bool live = false;
+    int64_t ticket = 0;
+    int32_t T = 0, NL = 0, greedy = 0;
+    bool layer_events = false, sampled = false, moe = false;
+    int32_t *expert_hist = nullptr; /* the batch's, added to at the wait */
+    cudaEvent_t e0 = nullptr, e1 = nullptr; /* the step's start (before its upload) and end (after its copies) */
+    int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
+    int64_t cap_picks = 0;
+    int32_t *h_hist = nullptr; /* pinned [n_layer * n_expert]: the histogram's copy */
 };
 
 struct stg_model {
@@ -171,6 +186,10 @@ struct stg_model {
     std::map<int32_t, split> splits;
     std::vector<int32_t> hist_h; /* the step's expert histogram, copied back with the logits */
     std::vector<char> seq_seen;  /* stg_forward's distinct-sequence check */
+    inflight fl[2];              /* launched steps, slot = ticket & 1 */
+    int64_t next_ticket = 1;
+    int32_t n_live = 0;
+    int32_t last_picks = 0; /* greedy picks in s.picks from the last launched step (token_src's bound); 0 none */
 };
 
 static void drop_graphs(stg_model *m) {
@@ -357,6 +376,12 @@ extern "C" void stg_model_destroy(stg_model *m) {
     free_list(m->s.ints_allocs);
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
+    for (inflight &f : m->fl) {
+        if (f.h_picks) cudaFreeHost(f.h_picks);
+        if (f.h_hist) cudaFreeHost(f.h_hist);
+        if (f.e0) cudaEventDestroy(f.e0);
+        if (f.e1) cudaEventDestroy(f.e1);
+    }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
     if (m->stream) cudaStreamDestroy(m->stream);
     delete m;
@@ -1075,8 +1100,12 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         /* the old buffers go (nothing is in flight: steps end synchronised, and the graphs
          * that point at them are dropped); sizes at least double up to 512 tokens, so a
          * batch growing one sequence at a time reallocates a few times, not every step */
+        CU(cudaStreamSynchronize(m->stream), "scratch"); /* also every launched step (stg_step_launch) */
         drop_graphs(m);
-        CU(cudaStreamSynchronize(m->stream), "scratch");
+        /* the last step's picks, which the next step's token_src may read, survive the growth */
+        std::vector<int32_t> keep((size_t)(s.picks ? m->last_picks : 0));
+        if (!keep.empty())
+            CU(cudaMemcpy(keep.data(), s.picks, sizeof(int32_t) * keep.size(), cudaMemcpyDeviceToHost), "scratch");
         free_list(s.step_allocs);
         const int64_t old_t = s.cap_t, old_l = s.cap_l;
         s.cap_t = s.cap_l = 0; /* until the new set is complete */
@@ -1122,18 +1151,20 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
                       std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
                                          d.n_expert ? (int64_t)d.n_expert_used * std::max<int64_t>(2 * m->n_ff_exp, E) : 0});
         CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
+        if (!keep.empty())
+            CU(cudaMemcpy(s.picks, keep.data(), sizeof(int32_t) * keep.size(), cudaMemcpyHostToDevice), "scratch");
         s.cap_t = T, s.cap_l = L;
     }
-    const int64_t n_ints = 4 * s.cap_t + 2 * s.cap_l + n_bt; /* tokens, pos, seq, tiles; logit rows, picks */
+    const int64_t n_ints = 5 * s.cap_t + 2 * s.cap_l + n_bt; /* tokens, pos, seq, tiles, token_src; logit rows */
     if (n_ints > s.cap_ints) {
+        CU(cudaStreamSynchronize(m->stream), "scratch"); /* also every launched step's upload */
         drop_graphs(m);
-        CU(cudaStreamSynchronize(m->stream), "scratch");
         if (s.h_ints) cudaFreeHost(s.h_ints);
         s.h_ints = nullptr;
         free_list(s.ints_allocs);
         s.cap_ints = 0;
         const int64_t want = std::max(n_ints, 2 * s.cap_t + n_ints / 2); /* headroom for longer tables */
-        CU(cudaMallocHost(&s.h_ints, sizeof(int32_t) * (size_t)want), "pinned staging");
+        CU(cudaMallocHost(&s.h_ints, 2 * sizeof(int32_t) * (size_t)want), "pinned staging"); /* two slots */
         CHECK(dalloc_in(s.ints_allocs, &s.ints, sizeof(int32_t) * (size_t)want));
         s.cap_ints = want;
     }
@@ -1149,7 +1180,12 @@ static stg_status validate_batch(const stg_model *m, const stg_kv *kv, const st_
     if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || (!b->logits && !b->out_tokens))))
         return fail(ST_EINVAL, "forward: logits requested without buffers (logits or out_tokens)");
     for (int32_t i = 0; i < b->n_tokens; i++) {
-        if (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab)
+        const int32_t src = b->token_src ? b->token_src[i] : -1;
+        if (src >= 0 && m->last_picks < 1)
+            return fail(ST_EINVAL, "forward: token_src[%d] = %d but the previous step left no greedy picks", i, src);
+        if (src < -1 || src >= m->last_picks)
+            return fail(ST_ERANGE, "forward: token_src[%d] = %d outside [-1, %d)", i, src, m->last_picks);
+        if (src < 0 && (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab))
             return fail(ST_ERANGE, "forward: token id %d out of range [0, %d)", b->tokens[i], m->d.n_vocab);
         if (b->seq[i] < 0 || b->seq[i] >= b->n_seqs)
             return fail(ST_ERANGE, "forward: sequence index %d out of range", b->seq[i]);
@@ -1168,13 +1204,13 @@ static stg_status validate_batch(const stg_model *m, const stg_kv *kv, const st_
     return ST_OK;
 }
 
-static stg_status embed(stg_model *m, const int32_t *tokens, int32_t T) {
+static stg_status embed(stg_model *m, const int32_t *tokens, const int32_t *src, int32_t T) {
     const dtensor &t = m->token_embd;
     const int64_t E = m->d.n_embd;
     cudaStream_t st = m->stream;
     switch (t.type) {
 #define CASE_E(TY)                                                                         \
-    case TY: launch_k(k_embed<TY>, T, 128, 0, st, t.d, t.row_bytes, tokens, E, m->s.x); break;
+    case TY: launch_k(k_embed<TY>, T, 128, 0, st, t.d, t.row_bytes, tokens, src, (const int32_t *)m->s.picks, E, m->s.x); break;
         QUANT_CASES(CASE_E)
         FLOAT_CASES(CASE_E)
 #undef CASE_E
@@ -1555,6 +1591,7 @@ struct step_shape {
     int32_t n_tiles;
     int32_t greedy; /* the logit rows' greedy picks into s.picks after the head: 0 none, 1 k_argmax_rows, S > 1
                      * k_argmax_split with S blocks per row (argmax_split()) */
+    const int32_t *d_src; /* st_batch.token_src uploaded, or NULL: the embedding reads the previous picks */
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -1573,7 +1610,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     m->pending = combine_args{};
     const bool pdl = g_pdl;
     g_pdl = false; /* the first kernel follows a copy, not a kernel */
-    const stg_status erc = embed(m, sh.d_tok, sh.T);
+    const stg_status erc = embed(m, sh.d_tok, sh.d_src, sh.T);
     g_pdl = pdl;
     CHECK(erc);
     for (int il = 0; il < nL; il++) {
@@ -1628,11 +1665,14 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
             g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
             g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles && g.greedy == sh.greedy &&
             g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split &&
-            g.knobs == g_knobs()) {
+            g.knobs == g_knobs() && g.src == (sh.d_src != nullptr)) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
-    if (m->graphs.size() >= GRAPH_CACHE) drop_graphs(m);
+    if (m->graphs.size() >= GRAPH_CACHE) {
+        CU(cudaStreamSynchronize(st), "forward: graph cache"); /* a launched step may be running one of them */
+        drop_graphs(m);
+    }
     CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "forward: capture");
     step_shape cap = sh;
     cap.capturing = true;
@@ -1644,7 +1684,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
                                          g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, sh.greedy,
-                                         g_dense_split, g_qkv_split, g_knobs(), exec});
+                                         g_dense_split, g_qkv_split, g_knobs(), exec, sh.d_src != nullptr});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1657,18 +1697,20 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     return run_step(m, kv, sh); /* not capturable here: run it as is */
 }
 
-extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, void *vstats) {
-    const st_batch *b = (const st_batch *)vbatch;
-    if (!m || !kv || !b) return fail(ST_EINVAL, "forward: NULL argument");
-    if (kv->m != m || kv->n_layer != m->d.n_layer || kv->kv_dim != m->kv_dim)
-        return fail(ST_EINVAL, "forward: KV cache was created for another model");
+/* The step in two halves. step_launch validates, uploads (from the ticket's staging slot), queues
+ * the step and its copies back (picks and histogram into the slot's pinned buffers) and the slot's
+ * end event; it returns without waiting. step_wait synchronises on that event and fills the outputs.
+ * stg_forward is the two back to back (and alone may copy logits). */
+static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64_t *ticket) {
+    if (m->n_live >= 2)
+        return fail(ST_EINVAL, "step_launch: two launched steps are in flight already (wait for the older first)");
     CHECK(validate_batch(m, kv, b));
-    st_step_stats local;
-    st_step_stats *stt = vstats ? (st_step_stats *)vstats : &local;
-    memset(stt, 0, sizeof *stt);
     CU(cudaSetDevice(m->device), "forward");
     cudaGetLastError(); /* a failed call elsewhere must not be reported by this step's first check */
     const int32_t T = b->n_tokens, NL = b->n_logits;
+    const int64_t tk = m->next_ticket;
+    inflight &f = m->fl[tk & 1];
+    const inflight &other = m->fl[(tk + 1) & 1];
     /* block tables padded to a multiple of 16 columns (-1), so a graph serves a range of lengths */
     const int32_t mb = (b->max_blocks + 15) / 16 * 16;
     const int64_t n_bt = (int64_t)b->n_seqs * mb;
@@ -1676,12 +1718,24 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
-    cudaEvent_t *ev = m->ev.data();
     const int nL = m->d.n_layer;
     const bool moe = m->d.n_expert > 0;
-    CU(cudaEventRecord(ev[3 * nL], st), "forward");
-    /* one upload of the batch's index arrays */
-    int32_t *hi = s.h_ints;
+    if (!f.e0) CU(cudaEventCreate(&f.e0), "forward: events");
+    if (!f.e1) CU(cudaEventCreate(&f.e1), "forward: events");
+    const int32_t greedy = NL > 0 && b->out_tokens ? argmax_split() : 0;
+    if (greedy && NL > f.cap_picks) { /* the slot is free: nothing queued writes into it */
+        if (f.h_picks) cudaFreeHost(f.h_picks);
+        f.h_picks = nullptr, f.cap_picks = 0;
+        const int64_t want = std::max<int64_t>(NL, 64);
+        CU(cudaMallocHost(&f.h_picks, sizeof(int32_t) * (size_t)want), "pinned picks");
+        f.cap_picks = want;
+    }
+    if (moe && !f.h_hist)
+        CU(cudaMallocHost(&f.h_hist, sizeof(int32_t) * (size_t)nL * (size_t)m->d.n_expert), "pinned histogram");
+    CU(cudaEventRecord(f.e0, st), "forward");
+    /* one upload of the batch's index arrays, from this ticket's staging slot (the other slot's upload
+     * may still be queued behind the step in flight) */
+    int32_t *hi = s.h_ints + (tk & 1) * s.cap_ints;
     memcpy(hi, b->tokens, sizeof(int32_t) * T);
     memcpy(hi + T, b->pos, sizeof(int32_t) * T);
     memcpy(hi + 2 * T, b->seq, sizeof(int32_t) * T);
@@ -1700,13 +1754,23 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     const int mma_mode = att_mma_mode(), tqm = mma_mode ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
     if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, att_mma_min_run(), hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
     else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
-    const int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
+    int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
+    /* token_src after them (ensure_scratch leaves room for T more ints): only when a row uses it */
+    bool use_src = false;
+    for (int32_t i = 0; b->token_src && i < T && !use_src; i++) use_src = b->token_src[i] >= 0;
+    const int64_t src_off = n_ints;
+    if (use_src) {
+        memcpy(hi + n_ints, b->token_src, sizeof(int32_t) * T);
+        n_ints += T;
+    }
     CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
     /* Per-layer events cost about 7% of a batch-1 decode step (runs 12-18: 96 record nodes in
      * a 3.3 ms graph), so graph-sized steps record them on the first step of each size and then
      * every LAYER_EVENT_PERIOD-th; the others report t_total (always measured) split by the
      * shares of the last measured step of their size. STRATA_GPU_LAYER_EVENTS=1: every step;
-     * 0: never (then t_attn / t_experts / t_dense stay 0). Eager steps always record them. */
+     * 0: never (then t_attn / t_experts / t_dense stay 0). Eager steps always record them.
+     * A step launched while one that records them is in flight records none (the events are
+     * shared: it would overwrite them before that step's wait reads them). */
     const char *le = getenv("STRATA_GPU_LAYER_EVENTS");
     bool layer_events = true;
     const bool sampled = !(le && le[0]) && graphs_enabled(T);
@@ -1716,6 +1780,7 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
         layer_events = !sp.have || sp.steps % LAYER_EVENT_PERIOD == 0;
         sp.steps++;
     }
+    if (other.live && other.layer_events) layer_events = false;
     /* q/k/v post-processing inside attention when no token reads another's new K/V of this
      * step: every token of a different sequence (decode). STRATA_GPU_FUSED_QKV=0: never. */
     const char *fqk = getenv("STRATA_GPU_FUSED_QKV");
@@ -1728,9 +1793,9 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
             seen[(size_t)b->seq[i]] = 1;
         }
     }
-    const int32_t greedy = NL > 0 && b->out_tokens ? argmax_split() : 0;
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
-                        false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy};
+                        false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
+                        use_src ? s.ints + src_off : nullptr};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     const char *pe = getenv("STRATA_GPU_PDL");
     g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
@@ -1744,32 +1809,55 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
     g_gemm_fast = !graphs_enabled(T) && all_runs_long(b->seq, T, gemm_fast_min_run());
     if (g_gemm_fast && !g_fast_pdl) g_pdl = false;
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
+    m->last_picks = 0; /* s.picks is this step's from here on */
     const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
     if (NL > 0 && b->logits)
         CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
            "forward: logits");
-    int32_t *h_picks = hi + n_ints; /* pinned, past this step's uploaded indices (ensure_scratch leaves cap_l) */
     if (greedy)
-        CU(cudaMemcpyAsync(h_picks, s.picks, sizeof(int32_t) * (size_t)NL, cudaMemcpyDeviceToHost, st),
+        CU(cudaMemcpyAsync(f.h_picks, s.picks, sizeof(int32_t) * (size_t)NL, cudaMemcpyDeviceToHost, st),
            "forward: greedy picks");
-    CU(cudaEventRecord(ev[3 * nL + 2], st), "forward");
-    std::vector<int32_t> &hist = m->hist_h; /* always: the stats count pairs and active experts */
-    if (moe) {
-        hist.resize((size_t)nL * m->d.n_expert);
-        CU(cudaMemcpyAsync(hist.data(), m->hist, sizeof(int32_t) * hist.size(), cudaMemcpyDeviceToHost, st),
+    if (moe) /* always: the stats count pairs and active experts */
+        CU(cudaMemcpyAsync(f.h_hist, m->hist, sizeof(int32_t) * (size_t)nL * m->d.n_expert, cudaMemcpyDeviceToHost, st),
            "forward: histogram");
-    }
-    CU(cudaStreamSynchronize(st), "forward");
+    CU(cudaEventRecord(f.e1, st), "forward");
+    f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
+    f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
+    m->next_ticket++;
+    m->n_live++;
+    m->last_picks = greedy ? NL : 0;
+    *ticket = tk;
+    return ST_OK;
+}
+
+static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, st_step_stats *stt) {
+    const int64_t oldest = m->fl[0].live && (!m->fl[1].live || m->fl[0].ticket < m->fl[1].ticket) ? m->fl[0].ticket
+                           : m->fl[1].live ? m->fl[1].ticket : 0;
+    if (!oldest) return fail(ST_EINVAL, "step_wait: no launched step is in flight");
+    if (ticket != oldest)
+        return fail(ST_EINVAL, "step_wait: ticket %lld is not the oldest step in flight (%lld): wait in launch order",
+                    (long long)ticket, (long long)oldest);
+    inflight &f = m->fl[ticket & 1];
+    const bool later = m->fl[(ticket + 1) & 1].live; /* a step launched after this one */
+    if (f.greedy && !out_tokens) return fail(ST_EINVAL, "step_wait: the step has picks but out_tokens is NULL");
+    f.live = false; /* from here on the ticket is spent, whatever happens */
+    m->n_live--;
+    memset(stt, 0, sizeof *stt);
+    CU(cudaSetDevice(m->device), "forward");
+    CU(cudaEventSynchronize(f.e1), "forward");
     CU(cudaGetLastError(), "forward");
-    if (greedy) memcpy(b->out_tokens, h_picks, sizeof(int32_t) * (size_t)NL);
+    if (f.greedy) memcpy(out_tokens, f.h_picks, sizeof(int32_t) * (size_t)f.NL);
+    const int nL = m->d.n_layer;
+    cudaEvent_t *ev = m->ev.data();
     int64_t pairs = 0;
     int32_t active = 0;
-    if (moe) {
-        for (size_t i = 0; i < hist.size(); i++) {
-            pairs += hist[i], active += hist[i] > 0;
-            if (b->expert_hist) b->expert_hist[i] += hist[i];
+    if (f.moe) {
+        const size_t nh = (size_t)nL * m->d.n_expert;
+        for (size_t i = 0; i < nh; i++) {
+            pairs += f.h_hist[i], active += f.h_hist[i] > 0;
+            if (f.expert_hist) f.expert_hist[i] += f.h_hist[i];
         }
     }
     auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {
@@ -1780,18 +1868,19 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
         }
         return 1e-3 * ms;
     };
-    for (int il = 0; il < nL && sh.layer_events; il++) {
+    for (int il = 0; il < nL && f.layer_events; il++) {
         stt->t_attn += elapsed(ev[3 * il], ev[3 * il + 1]);
-        if (moe) stt->t_experts += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
+        if (f.moe) stt->t_experts += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
         else stt->t_dense += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
     }
-    stt->t_output = elapsed(ev[3 * nL + 1], ev[3 * nL + 2]);
-    stt->t_total = elapsed(ev[3 * nL], ev[3 * nL + 2]);
-    if (sampled && stt->t_total > 0.0) {
-        const auto it = m->splits.find(T);
+    /* the head's start event is recorded by every step: a later launch re-records it */
+    stt->t_output = later ? 0.0 : elapsed(ev[3 * nL + 1], f.e1);
+    stt->t_total = elapsed(f.e0, f.e1);
+    if (f.sampled && stt->t_total > 0.0) {
+        const auto it = m->splits.find(f.T);
         if (it != m->splits.end()) {
             stg_model::split &sp = it->second;
-            if (sh.layer_events) {
+            if (f.layer_events) {
                 sp.attn = stt->t_attn / stt->t_total, sp.experts = stt->t_experts / stt->t_total;
                 sp.dense = stt->t_dense / stt->t_total, sp.have = true;
             } else if (sp.have) {
@@ -1800,11 +1889,50 @@ extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, 
             }
         }
     }
-    stt->n_tokens = T;
+    stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;
     return ST_OK;
 }
+
+static stg_status check_model(stg_model *m, stg_kv *kv) {
+    if (kv->m != m || kv->n_layer != m->d.n_layer || kv->kv_dim != m->kv_dim)
+        return fail(ST_EINVAL, "forward: KV cache was created for another model");
+    return ST_OK;
+}
+
+extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, void *vstats) {
+    const st_batch *b = (const st_batch *)vbatch;
+    if (!m || !kv || !b) return fail(ST_EINVAL, "forward: NULL argument");
+    CHECK(check_model(m, kv));
+    if (m->n_live > 0)
+        return fail(ST_EINVAL, "forward: %d launched step(s) in flight (stg_step_wait them first)", m->n_live);
+    st_step_stats local;
+    st_step_stats *stt = vstats ? (st_step_stats *)vstats : &local;
+    memset(stt, 0, sizeof *stt);
+    int64_t ticket = 0;
+    CHECK(step_launch(m, kv, b, &ticket));
+    return step_wait(m, ticket, b->out_tokens, stt);
+}
+
+extern "C" stg_status stg_step_launch(stg_model *m, stg_kv *kv, const void *vbatch, int64_t *ticket) {
+    const st_batch *b = (const st_batch *)vbatch;
+    if (!m || !kv || !b || !ticket) return fail(ST_EINVAL, "step_launch: NULL argument");
+    *ticket = 0;
+    CHECK(check_model(m, kv));
+    if (b->logits)
+        return fail(ST_EINVAL, "step_launch: a launched step returns greedy picks only (logits must be NULL; "
+                               "use stg_forward for logits)");
+    return step_launch(m, kv, b, ticket);
+}
+
+extern "C" stg_status stg_step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, void *vstats) {
+    if (!m) return fail(ST_EINVAL, "step_wait: NULL model");
+    st_step_stats local;
+    return step_wait(m, ticket, out_tokens, vstats ? (st_step_stats *)vstats : &local);
+}
+
+extern "C" int32_t stg_step_in_flight(const stg_model *m) { return m ? m->n_live : 0; }
 
 /* ------------------------------------------------------------------ kernel harness */
 

@@ -47,6 +47,23 @@ int64_t stg_kv_bytes(const stg_kv *kv);
  * only those n_logits ids are copied back (batch->logits may then be NULL: no logits copy). */
 stg_status stg_forward(stg_model *m, stg_kv *kv, const void *batch, void *stats);
 
+/* The step in two halves, so that the host prepares step N+1 while the GPU runs step N:
+ * stg_step_launch validates the batch, uploads it and queues the step (batch->logits must be NULL:
+ * a launched step returns greedy picks only, when batch->out_tokens is set, which is then only a
+ * flag) and returns at once with a ticket (> 0); stg_step_wait(ticket) waits for it, writes its
+ * n_logits picks into out_tokens (NULL allowed for a step without picks) and fills stats (may be
+ * NULL), adding to the batch's expert_hist (which must stay alive until then). At most two steps
+ * in flight, waited in launch order. st_batch.token_src rows read the previous launched step's
+ * picks on the device (in stream order), so step N+1 can be launched before step N is waited.
+ * Misuse is refused (ST_EINVAL): a third launch, a wait out of order or without a launch, logits
+ * in a launched step, stg_forward while a launched step is in flight. A step launched while one
+ * is in flight reports t_output 0 for the earlier one (shared events) and skips per-layer events
+ * while the earlier one records them. */
+stg_status stg_step_launch(stg_model *m, stg_kv *kv, const void *batch, int64_t *ticket);
+stg_status stg_step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, void *stats);
+/* Launched steps not yet waited (0..2). */
+int32_t stg_step_in_flight(const stg_model *m);
+
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging
  * (the 19.4 MB of 32 sequences' logits: run 33 measured 1.3 ms per step into pageable memory).
