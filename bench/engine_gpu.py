@@ -245,9 +245,12 @@ def run(args: argparse.Namespace) -> dict:
         the ids copied back: what the scheduler does for greedy requests), "host" copies the logits
         back and takes np.argmax here (the path before session 11, and the scheduler's for rows that
         need logits), "random" feeds random ids after copying the logits, as llama-batched-bench
-        does. prof: a torch profiler started after the prompts' prefill and stopped after the last
+        does. "overlap": the device pick with step N+1 launched before step N is waited
+        (Engine.launch / Engine.wait, each id read on the device from the previous step's pick by
+        st_batch.token_src: the host's work of a step runs while the GPU computes the one before).
+        prof: a torch profiler started after the prompts' prefill and stopped after the last
         step."""
-        if pick not in ("device", "host", "random"):
+        if pick not in ("device", "host", "random", "overlap"):
             raise ValueError(f"pick: {pick!r}")
         tabs = [blocks(prompt + steps + 1) for _ in range(n_seq)]
         try:
@@ -257,6 +260,34 @@ def run(args: argparse.Namespace) -> dict:
                 last.append(int(np.argmax(eng.prefill(ids, tb))))
             pos = prompt
             step_t = []
+            if pick == "overlap":
+                seqs, rows, zeros = list(range(n_seq)), list(range(n_seq)), [0] * n_seq
+                ticket = None
+                for s in range(steps + 2):  # two warm-up steps
+                    if s == 2:
+                        if ticket is not None:  # the timed steps start with nothing in flight
+                            eng.wait(ticket)
+                            ticket = None
+                        if prof is not None:
+                            prof.start()  # type: ignore[attr-defined]
+                        t = time.perf_counter()
+                    # the first step's ids are the prefill's; then each from the step before, on the device
+                    nxt = eng.launch(last if s == 0 else zeros, [pos] * n_seq, seqs, tabs, rows,
+                                     token_src=None if s == 0 else rows, expert_hist=hist)
+                    if ticket is not None:
+                        eng.wait(ticket)
+                        if s >= 3:
+                            step_t.append(eng.last_stats.t_total)
+                    ticket = nxt
+                    pos += 1
+                eng.wait(ticket)
+                step_t.append(eng.last_stats.t_total)
+                rate = n_seq * steps / (time.perf_counter() - t)
+                if prof is not None:
+                    prof.stop()  # type: ignore[attr-defined]
+                if tag:
+                    gpu_ms[tag] = 1e3 * float(np.median(step_t))
+                return rate, eng.last_stats
             for s in range(steps + 2):  # two warm-up steps
                 if s == 2:
                     if prof is not None:
@@ -308,6 +339,10 @@ def run(args: argparse.Namespace) -> dict:
             res[f"decode_b{n_seq}_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}")
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the logits copied back, the argmax on the host
             res[f"decode_b{n_seq}_host_argmax_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_host_argmax", pick="host")
+        if eng.can_launch:  # launch N+1 before wait N (beside the device-pick rows; not the headline)
+            for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
+                res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap", pick="overlap")
+            res["decode_b1_repeat_tok_s"], _ = decode(1, 128, tag="b1_repeat")  # the device pick again, after them
         if args.lean:  # one row per --knob "N:ENV=V" (N sequences with ENV=V), e.g. a default's old value
             for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "32:STRATA_GPU_QKV_SPLIT=0"]:
                 n_s, _, kv = spec.partition(":")

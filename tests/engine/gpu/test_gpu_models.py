@@ -203,3 +203,34 @@ def test_step_logits_in_pinned_memory_stay_the_callers(gguf_paths: dict) -> None
         del first, second
         assert cuda_backend._pinned._cached > cached  # both buffers back in the pool
         assert np.array_equal(gpu.prefill([1, 2, 3, 4, 5], gpu.blocks.allocate(1)), kept)
+
+
+@pytest.mark.parametrize(("arch", "qt"), [("qwen3moe", "q8_0"), ("mixtral", "q4_1")])
+def test_launch_before_wait_same_tokens_as_forward(gguf_paths: dict, arch: str, qt: str) -> None:
+    """stg_step_launch / stg_step_wait with st_batch.token_src (the overlap): step N+1 launched before
+    step N is waited, its ids read from N's picks on the device, gives the tokens of forward with
+    explicit ids (3 sequences x 6 steps, rows reordered between steps; tests/engine/test_overlap.py
+    on the GPU); and a launch that grows the scratch while a step is in flight keeps that step's
+    picks (a fresh engine: 1 row, then 3)."""
+    from tests.engine.test_overlap import decode_plain, run_overlapped, with_tables
+
+    with Engine.open(gguf_paths[(arch, qt)], device="cuda:0", kv_tokens=1024) as gpu:
+        assert gpu.can_launch
+        want = with_tables(gpu, lambda t: decode_plain(gpu, t, [0, 1, 2]))
+        orders = [[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 1, 2], [2, 1, 0], [0, 2, 1]]
+        assert with_tables(gpu, lambda t: run_overlapped(gpu, t, orders)) == want
+        assert gpu.in_flight == 0
+
+    def grow(overlap: bool) -> list[int]:
+        with Engine.open(gguf_paths[(arch, qt)], device="cuda:0", kv_tokens=1024) as eng:
+            tb = [list(eng.blocks.allocate(1)) for _ in range(3)]
+            p0 = eng.forward([5], [0], [0], tb[:1], [0], greedy=True).tolist()
+            if not overlap:
+                p1 = eng.forward(p0, [1], [0], tb[:1], [0], greedy=True).tolist()
+                p2 = eng.forward([p1[0], 7, 9], [2, 0, 0], [0, 1, 2], tb, [0, 1, 2], greedy=True).tolist()
+                return p0 + p1 + p2
+            t1 = eng.launch([0], [1], [0], tb[:1], [0], token_src=[0])
+            t2 = eng.launch([0, 7, 9], [2, 0, 0], [0, 1, 2], tb, [0, 1, 2], token_src=[0, -1, -1])  # grows
+            return p0 + eng.wait(t1).tolist() + eng.wait(t2).tolist()
+
+    assert grow(True) == grow(False)
