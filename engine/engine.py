@@ -132,6 +132,11 @@ class _StepIO:
 _ST_EINVAL = 1
 
 
+class StaleSourceError(EngineError):
+    """Engine.launch(token_src=..., after=t): another step ran on the engine after step t, so its picks
+    are no longer the ones the device holds; nothing was run."""
+
+
 def _stats(st: Any) -> StepStats:
     return StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense, st.t_output,
                      int(st.n_expert_tokens), int(st.n_active_experts), float(st.pool_idle_share))
@@ -184,9 +189,11 @@ class Engine:
         self._max_model_len = max_model_len
         self._step_lock = threading.Lock()
         self._io = _StepIO()
-        # launched steps not yet waited (Engine.launch / Engine.wait): ticket -> (picks array, expert_hist, stats)
-        self._inflight: dict[int, tuple[np.ndarray, np.ndarray | None, StepStats | None]] = {}
-        self._next_ticket = 1
+        # launched steps (Engine.launch / Engine.wait), in launch order: ticket -> (picks, the C ticket, stats on
+        # the CPU); steps waited on a caller's behalf (another step needed the engine) wait in _done
+        self._inflight: dict[int, tuple[np.ndarray, int, StepStats | None]] = {}
+        self._done: dict[int, tuple[np.ndarray, StepStats | None] | EngineError] = {}
+        self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -282,9 +289,6 @@ class Engine:
         if not (len(pos) == len(seq) == n):
             raise ValueError("tokens, pos and seq must have the same length")
         self._check_src(token_src, n)
-        if self._inflight:
-            raise EngineError(f"forward: {len(self._inflight)} launched step(s) not yet waited (Engine.wait them first)",
-                              _ST_EINVAL)
         nl = len(logit_idx)
         if greedy and self._gpu is not None and not self._gpu.has_pick:  # a library older than out_tokens
             return np.argmax(self.forward(tokens, pos, seq, block_tables, logit_idx, expert_hist), axis=1).astype(np.int32)
@@ -297,6 +301,8 @@ class Engine:
                                         expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert)):
             raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
         with self._step_lock:  # one step at a time: the model's scratch, the pool and the step's host arrays are shared
+            self._drain(0)  # launched steps first (another caller's: their results wait for their Engine.wait)
+            self._last_step += 1
             io = self._io
             b = io.fill(tokens, pos, seq, block_tables, logit_idx, token_src)
             if nl:
@@ -331,13 +337,18 @@ class Engine:
 
     def launch(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
                block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int], *,
-               token_src: Sequence[int] | None = None, expert_hist: np.ndarray | None = None) -> int:
+               token_src: Sequence[int] | None = None, expert_hist: np.ndarray | None = None,
+               after: int | None = None) -> int:
         """Issue a greedy step (``forward(..., greedy=True)``'s arguments) without waiting for it;
         returns a ticket for :meth:`wait`, which returns its picks. On a GPU the step runs while the
         caller prepares the next one, whose ``token_src`` may name this step's picks (the ids stay
-        on the device). At most two steps in flight, waited in launch order; ``forward`` is refused
-        while any is. On the CPU the step runs here, synchronously (same results, one code path).
-        ``expert_hist`` is added to when the step is waited."""
+        on the device). On the CPU the step runs here, synchronously (same results, one code path).
+        ``expert_hist`` is added to when the step is waited.
+
+        ``after``: the ticket whose picks ``token_src`` means; when another step ran on this engine
+        since (another caller's), :class:`StaleSourceError` is raised and nothing runs. The device
+        holds two launched steps: a third launch waits for the oldest first (its picks then wait for
+        its own ``wait``), as ``forward`` waits for all of them."""
         if self._model is None:
             raise EngineError("engine is closed")
         n = len(tokens)
@@ -354,46 +365,70 @@ class Engine:
         nl = len(logit_idx)
         out = np.empty(nl, np.int32)
         with self._step_lock:
-            if len(self._inflight) >= 2:
-                raise EngineError("launch: two launched steps are in flight already (wait for the older first)",
-                                  _ST_EINVAL)
+            if after is not None and token_src is not None and after != self._last_step:
+                raise StaleSourceError(f"launch: token_src names step {after}'s picks but step {self._last_step} "
+                                       "ran since", _ST_EINVAL)
+            self._drain(1)
             b = self._io.fill(tokens, pos, seq, block_tables, logit_idx, token_src)
             b.logits = ffi.NULL
             b.out_tokens = ptr(out, "int32_t *") if nl else ffi.NULL
             b.expert_hist = ptr(expert_hist, "int32_t *") if expert_hist is not None else ffi.NULL
+            self._last_step += 1  # (a refused step changes nothing in C either, but its id is spent)
+            ticket = self._last_step
             if self._gpu is not None:
-                ticket = self._gpu.launch(b)
-                self._inflight[ticket] = (out, expert_hist, None)
+                self._inflight[ticket] = (out, self._gpu.launch(b), None)
             else:  # the CPU: the whole step now
                 st = self._io.stats
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-                ticket = self._next_ticket
-                self._next_ticket += 1
-                self._inflight[ticket] = (out, expert_hist, _stats(st))
+                self._inflight[ticket] = (out, 0, _stats(st))
         return ticket
 
+    def _drain(self, keep: int) -> None:
+        """Wait for the oldest launched steps until at most ``keep`` are in flight (under the step lock);
+        their results go to _done for their own wait."""
+        while len(self._inflight) > keep:
+            t = next(iter(self._inflight))
+            try:
+                self._done[t] = self._wait_c(t)
+            except EngineError as exc:  # the step's own failure, for its owner's wait
+                self._done[t] = exc
+
+    def _wait_c(self, ticket: int) -> tuple[np.ndarray, StepStats | None]:
+        out, c_ticket, stats = self._inflight.pop(ticket)
+        if self._gpu is not None:
+            st = self._io.stats
+            self._gpu.wait(c_ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
+            stats = _stats(st)
+        return out, stats
+
     def wait(self, ticket: int) -> np.ndarray:
-        """The picks (int32 [len(logit_idx)]) of a step issued by :meth:`launch`, the oldest one not
-        yet waited; sets ``last_stats``. A ticket out of order or unknown raises EngineError."""
+        """The picks (int32 [len(logit_idx)]) of a step issued by :meth:`launch` (steps launched before
+        it are waited first); sets ``last_stats``. A ticket not launched, or already waited, raises
+        EngineError. An engine error of the step is raised here (its ticket is then spent)."""
         with self._step_lock:
-            if not self._inflight:
-                raise EngineError("wait: no launched step is in flight", _ST_EINVAL)
-            oldest = next(iter(self._inflight))
-            if ticket != oldest:
-                raise EngineError(f"wait: ticket {ticket} is not the oldest step in flight ({oldest}): wait in "
-                                  "launch order", _ST_EINVAL)
-            out, _hist, stats = self._inflight.pop(ticket)
-            if self._gpu is not None:
-                st = self._io.stats
-                self._gpu.wait(ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
-                stats = _stats(st)
+            if ticket in self._done:
+                done = self._done.pop(ticket)
+                if isinstance(done, EngineError):
+                    raise done
+                out, stats = done
+            elif ticket in self._inflight:
+                while next(iter(self._inflight)) != ticket:
+                    self._drain(len(self._inflight) - 1)
+                out, stats = self._wait_c(ticket)
+            else:
+                raise EngineError(f"wait: no launched step {ticket} to wait for", _ST_EINVAL)
             self.last_stats = stats
         return out
 
     @property
     def in_flight(self) -> int:
-        """Launched steps not yet waited."""
-        return len(self._inflight)
+        """Launched steps whose results were not yet taken by wait."""
+        return len(self._inflight) + len(self._done)
+
+    @property
+    def last_step(self) -> int:
+        """The id of the last step run on this engine (a launch's ticket is its id): ``launch(after=...)``."""
+        return self._last_step
 
     def prefill(self, token_ids: Sequence[int], blocks: Sequence[int], start: int = 0,
                 all_logits: bool = False) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.engine import Engine
+from engine.engine import Engine, StaleSourceError
 from engine.native import EngineError, OutOfRangeError, UnsupportedError
 from tests.engine.gguf_factory import make_random_gguf
 
@@ -151,20 +151,22 @@ def test_misuse_is_a_typed_error(eng: Engine) -> None:
         with pytest.raises(ValueError, match="one entry per token"):
             eng.forward([0], [1], [0], tb, [0], token_src=[0, 0])
         with pytest.raises(EngineError, match="no launched step"):
-            eng.wait(1)
+            eng.wait(10**9)
         t1 = eng.launch([4], [0], [0], tb, [0])
-        t2 = eng.launch([0], [1], [0], tb, [0], token_src=[0])
-        with pytest.raises(EngineError, match="two launched steps"):
-            eng.launch([0], [2], [0], tb, [0], token_src=[0])
-        with pytest.raises(EngineError, match="not yet waited"):
-            eng.forward([4], [0], [0], tb, [0])
-        with pytest.raises(EngineError, match="launch order"):
-            eng.wait(t2)
+        t2 = eng.launch([0], [1], [0], tb, [0], token_src=[0], after=t1)
+        t3 = eng.launch([0], [2], [0], tb, [0], token_src=[0], after=t2)  # a third: the oldest is waited for it
+        assert eng.in_flight == 3
+        with pytest.raises(StaleSourceError, match="ran since"):  # t3 ran after t2: t2's picks are gone
+            eng.launch([0], [3], [0], tb, [0], token_src=[0], after=t2)
+        c = eng.wait(t3)  # out of order: t1 and t2 keep their results for their own wait
         a = eng.wait(t1)
+        f = eng.forward([4], [0], [0], tb, [0], greedy=True)  # forward beside launched steps
         b = eng.wait(t2)
-        assert a.shape == b.shape == (1,) and eng.in_flight == 0
-        with pytest.raises(EngineError, match="no launched step"):
-            eng.wait(t2)
+        assert a.shape == b.shape == c.shape == f.shape == (1,) and eng.in_flight == 0
+        assert a.tolist() == f.tolist()  # the same first step
+        for t in (t1, t2, 10**9):
+            with pytest.raises(EngineError, match="no launched step"):
+                eng.wait(t)
     finally:
         eng.blocks.release(blocks)
 
