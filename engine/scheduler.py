@@ -13,6 +13,13 @@ One `step()`:
      own greedy picks instead of logits: see device_pick_ok); detokenise, check stops, finish
      and free.
 
+Overlap (``STRATA_OVERLAP=1``, off by default until measured on a GPU): a step whose rows are all
+plain greedy decodes is launched (``Engine.launch``), and while it runs the next step is launched with
+each id read on the device from its pick (``token_src``), before its ids reach the host, when the plan
+cannot depend on them (nothing queued, aborted or waiting; stops by count planned exactly; no
+preemption). A row that stops on its id wastes that one launched token (dropped at the wait). Each
+``step()`` still returns one step's outputs, at that step's wait: no added latency.
+
 The scheduler is driven by one thread (the engine loop); `add` and `abort` may be
 called from any thread: they go through a locked inbox.
 
@@ -58,6 +65,7 @@ log = logging.getLogger("strata.engine")
 
 FAULT_ENV = "STRATA_TEST_FAULT"
 DEVICE_GREEDY_ENV = "STRATA_DEVICE_GREEDY"
+OVERLAP_ENV = "STRATA_OVERLAP"
 _FAULT_KINDS = ("sample_raise_after_n_steps", "detok_raise_after_n_steps")
 
 
@@ -204,6 +212,17 @@ class StepReport:
 _NO_IDS: list[int] = []
 
 
+@dataclass(eq=False)
+class _Flight:
+    """A launched decode step (Engine.launch) not yet waited: its rows in batch order, the position
+    each computes, and what its report needs."""
+
+    ticket: int
+    rows: list[Request]
+    pos: list[int]
+    hist: np.ndarray | None
+
+
 class Scheduler:
     def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
@@ -231,6 +250,12 @@ class Scheduler:
         # steps whose sampled rows are all plain greedy take the engine's greedy pick (no logits copied
         # back); STRATA_DEVICE_GREEDY=0: every step returns logits and samples them here, as before
         self.device_greedy = env.get(DEVICE_GREEDY_ENV, "1").strip() != "0"
+        # overlap (STRATA_OVERLAP=1): steps of plain greedy decodes are launched, and the next one is launched
+        # (its ids the previous picks, on the device) before the previous is waited, so the host's work runs
+        # while the GPU computes. Off by default until measured on a GPU (session 11: built, CPU-tested only);
+        # on the CPU a launch is the whole step (the same tokens, for tests; a stop on an id costs a step)
+        self.overlap = self.device_greedy and engine.can_launch and env.get(OVERLAP_ENV, "0").strip() == "1"
+        self._flight: _Flight | None = None
         self._fault_steps = 0
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks during the C step
 
@@ -285,7 +310,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self.running or self.waiting or self._inbox or self._aborts)
+            return bool(self.running or self.waiting or self._inbox or self._aborts or self._flight is not None)
 
     @property
     def num_running(self) -> int:
@@ -323,11 +348,22 @@ class Scheduler:
             raise EngineFailedError(self._failed)
         t0 = time.monotonic()
         outputs: list[RequestOutput] = []
-        self._drain_inbox(outputs)
-        batch, n_preempted = self._schedule(outputs)
-        report = StepReport(None, 0, 0, len(self.running), len(self.waiting), n_preempted, self.blocks.usage, 0.0)
-        if batch:
-            self._run(batch, outputs, report)
+        self._drain_inbox(outputs)  # an abort of a request in flight: its blocks are free (see _wait_flight)
+        if self._flight is not None:  # a launched step: maybe launch the next, then wait for this one
+            report = StepReport(None, 0, 0, len(self.running), len(self.waiting), 0, self.blocks.usage, 0.0)
+            self._overlap(outputs, report)
+        else:
+            batch, n_preempted = self._schedule(outputs)
+            report = StepReport(None, 0, 0, len(self.running), len(self.waiting), n_preempted, self.blocks.usage, 0.0)
+            if batch and self._launchable(batch):
+                self._check_plan(batch)
+                self._launch(batch)
+                if self._flight is not None:
+                    self._overlap(outputs, report)
+                else:  # the launch failed: its requests were failed
+                    outputs.extend(self._launch_failures)
+            elif batch:
+                self._run(batch, outputs, report)
         report.n_running, report.n_waiting = len(self.running), len(self.waiting)
         report.kv_usage = self.blocks.usage
         report.wall = time.monotonic() - t0
@@ -342,6 +378,12 @@ class Scheduler:
             self._failed = reason
             inbox, self._inbox = self._inbox, []
             self._aborts.clear()
+        if self._flight is not None:  # the engine must not keep it: wait for it and drop its picks
+            try:
+                self.engine.wait(self._flight.ticket)
+            except Exception:
+                pass
+            self._flight = None
         reqs = [*self.running, *self.waiting, *inbox]
         self.running = []
         self.waiting.clear()
@@ -469,13 +511,129 @@ class Scheduler:
             budget -= n
         return batch, preempted
 
-    def _run(self, batch: list[tuple[Request, int]], outputs: list[RequestOutput], report: StepReport) -> None:
+    @staticmethod
+    def _check_plan(batch: list[tuple[Request, int]]) -> None:
         for req, n in batch:  # refuse an inconsistent plan before anything is computed
             if n <= 0 or req.n_computed + n > req.n_total or req.state != "running":
                 raise SchedulerError(
                     f"refusing a chunk of {n} tokens for request {req.request_id} "
                     f"({req.n_computed} of {req.n_total} tokens computed, state {req.state})"
                 )
+
+    # ------------------------------------------------------------ overlap (launch N+1 before wait N)
+    def _launchable(self, batch: list[tuple[Request, int]]) -> bool:
+        """A step the overlap takes: every row a plain decode (one token, the last known) whose token is
+        the engine's greedy pick. Prefill chunks, first tokens after a prompt and rows that need
+        logits run synchronously (_run)."""
+        return self.overlap and all(
+            n == 1 and self._decoding(r) and device_pick_ok(r.params, r.constraint is not None) for r, n in batch)
+
+    def _new_hist(self) -> np.ndarray | None:
+        hp = self.engine.hparams
+        return np.zeros((hp.n_layer, hp.n_expert), dtype=np.int32) if hp.n_expert else None
+
+    def _launch(self, batch: list[tuple[Request, int]]) -> None:
+        """Launch a planned all-decode step with its known ids (the first of a run of overlapped steps)."""
+        rows = [r for r, _ in batch]
+        pos = [r.n_computed for r in rows]
+        hist = self._new_hist()
+        self._launch_failures: list[RequestOutput] = []
+        try:
+            ticket = self.engine.launch([r.token_ids[p] for r, p in zip(rows, pos, strict=True)], pos, list(range(len(rows))),
+                                        [r.blocks for r in rows], list(range(len(rows))), expert_hist=hist)
+        except Exception as exc:  # as _run: an engine error fails the requests of this step, not the loop
+            for req in rows:
+                if req.state == "running":
+                    self.running.remove(req)
+                    self._launch_failures.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+            return
+        self._flight = _Flight(ticket, rows, pos, hist)
+
+    def _speculate(self, f: _Flight) -> _Flight | None:
+        """Launch the step after ``f`` before ``f``'s ids are known, when the plan cannot depend on them:
+        nothing queued, aborted or waiting, every running request in ``f``. Each row of ``f`` whose
+        token is not its last by count (max_tokens, the context window) continues, its id read on the
+        device from ``f``'s pick (token_src); a row that stops on its id (end-of-generation, a stop id or
+        string) wastes that one token, dropped at the wait. No preemption: when a row needs a block and
+        none is free, nothing is launched (the next step plans synchronously)."""
+        with self._lock:
+            if self._inbox or self._aborts:
+                return None
+        if self.waiting:
+            return None
+        live = {id(r) for r in f.rows if r.state == "running"}
+        if any(id(r) not in live for r in self.running):
+            return None
+        n_ctx = self.engine.n_ctx
+        src: list[int] = []
+        rows: list[Request] = []
+        pos: list[int] = []
+        for i, (req, p) in enumerate(zip(f.rows, f.pos, strict=True)):
+            if req.state != "running":
+                continue
+            # after f, the request holds p + 2 tokens (f's pick appended) and p + 2 - n_prompt outputs
+            mt = req.params.max_tokens
+            if (mt is not None and p + 2 - req.n_prompt >= mt) or p + 2 >= n_ctx:
+                continue  # f's token is its last: planned exactly
+            if not self._ensure_blocks(req, p + 2):
+                return None
+            src.append(i)
+            rows.append(req)
+            pos.append(p + 1)
+        if not rows:
+            return None
+        hist = self._new_hist()
+        try:
+            ticket = self.engine.launch([0] * len(rows), pos, list(range(len(rows))), [r.blocks for r in rows],
+                                        list(range(len(rows))), token_src=src, expert_hist=hist, after=f.ticket)
+        except Exception as exc:  # another caller's step ran since (StaleSourceError), or an engine error:
+            log.debug("overlap: next step not launched (%s)", exc)  # the next step plans synchronously
+            return None
+        return _Flight(ticket, rows, pos, hist)
+
+    def _overlap(self, outputs: list[RequestOutput], report: StepReport) -> None:
+        """One step of the overlapped loop: launch the next step when it can be planned now, wait for the
+        one in flight, accept its tokens. The launched next step is in flight when this returns."""
+        f = self._flight
+        assert f is not None
+        nxt = self._speculate(f)
+        self._flight = nxt
+        try:
+            picks = self.engine.wait(f.ticket).tolist()
+        except Exception as exc:  # the step failed: its requests end; the next one read its picks: drop it too
+            if nxt is not None:
+                try:
+                    self.engine.wait(nxt.ticket)
+                except Exception:
+                    pass
+                self._flight = None
+            for req in f.rows:
+                if req.state == "running":
+                    self.running.remove(req)
+                    outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+            return
+        report.stats = self.engine.last_stats
+        report.expert_hist = f.hist
+        report.n_decode = len(f.rows)
+        bs = self.blocks.block_size
+        for req, p in zip(f.rows, f.pos, strict=True):
+            if req.state != "running":  # aborted while in flight: its pick is dropped
+                continue
+            req.n_computed = p + 1
+            if self._cache and (p + 1) // bs > p // bs:
+                self.blocks.register_full(req.blocks, req.token_ids, req.digests, p // bs, (p + 1) // bs)
+        self._inject("sample_raise_after_n_steps")
+        detok_fault = self._fault_due("detok_raise_after_n_steps")
+        now = time.monotonic()
+        for req, tok in zip(f.rows, picks, strict=True):
+            if req.state != "running":
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            outputs.append(self._accept(req, int(tok), None, detok_fault))
+
+    def _run(self, batch: list[tuple[Request, int]], outputs: list[RequestOutput], report: StepReport) -> None:
+        self._check_plan(batch)
         tokens: list[int] = []
         pos: list[int] = []
         seq: list[int] = []

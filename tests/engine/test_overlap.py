@@ -15,6 +15,16 @@ import pytest
 
 from engine.engine import Engine, StaleSourceError
 from engine.native import EngineError, OutOfRangeError, UnsupportedError
+from engine.sampling import SamplingParams
+from engine.scheduler import (
+    DEVICE_GREEDY_ENV,
+    FAULT_ENV,
+    OVERLAP_ENV,
+    InjectedFault,
+    Scheduler,
+    SchedulerConfig,
+    collect_text,
+)
 from tests.engine.gguf_factory import make_random_gguf
 
 VOCAB = 300
@@ -191,3 +201,154 @@ def test_a_gpu_library_older_than_token_src_is_refused(eng: Engine) -> None:
         eng._gpu = None
         eng.blocks.release(blocks)
     assert eng.can_launch
+
+
+# ------------------------------------------------------------ the scheduler's overlapped loop
+
+
+class _LaunchSpy:
+    """Engine.launch wrapped: launches, and those whose ids came from the previous step (token_src)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.launches = self.speculative = self.preempted = 0
+        self._fn = eng.launch
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        self.launches += 1
+        self.speculative += kw.get("token_src") is not None
+        return self._fn(*a, **kw)
+
+
+def sched_run(eng: Engine, reqs: list[tuple[list[int], SamplingParams]], overlap: bool,
+              aborts: dict[int, int] | None = None, late: dict[int, int] | None = None,
+              config: SchedulerConfig | None = None, environ: dict[str, str] | None = None,
+              ) -> tuple[list[tuple[list[int], str, str | None]], _LaunchSpy]:
+    """The requests through one scheduler with STRATA_OVERLAP=1 / 0; aborts {request: step}, late
+    {request: step it is added at (else at the start)}; every block free at the end."""
+    spy = _LaunchSpy(eng)
+    eng.launch = spy  # type: ignore[method-assign]
+    try:
+        env = {OVERLAP_ENV: "1" if overlap else "0", **(environ or {})}
+        sched = Scheduler(eng, config or SchedulerConfig(max_batch_tokens=64), environ=env)
+        assert sched.overlap == overlap
+        late = late or {}
+        rids: dict[int, str] = {i: sched.add(p, sp) for i, (p, sp) in enumerate(reqs) if i not in late}
+        out: dict[str, list] = {}
+        step = 0
+        while sched.has_work() or len(rids) < len(reqs):
+            for i, s in late.items():
+                if s == step:
+                    rids[i] = sched.add(*reqs[i])
+            for i, s in (aborts or {}).items():
+                if s == step:
+                    sched.abort(rids[i])
+            for o in sched.step():
+                out.setdefault(o.request_id, []).append(o)
+            spy.preempted += sched.last_report.n_preempted if sched.last_report else 0
+            step += 1
+            assert step < 10_000
+        assert eng.blocks.num_free == eng.blocks.n_blocks and eng.in_flight == 0
+        return [collect_text(out[rids[i]]) for i in range(len(reqs))], spy
+    finally:
+        del eng.launch
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, VOCAB, size=int(rng.integers(3, 40)))] for _ in range(n)]
+
+
+def greedy(n: int, **kw: Any) -> SamplingParams:
+    return SamplingParams.parse(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_overlap_on_and_off_give_the_same_tokens(eng: Engine) -> None:
+    """8 greedy requests of different lengths (max_tokens 1..24: each stop by count planned exactly)."""
+    reqs = [(p, greedy(n)) for p, n in zip(prompts(8), [24, 1, 2, 3, 17, 24, 9, 5], strict=True)]
+    on, spy = sched_run(eng, reqs, True)
+    off, spy_off = sched_run(eng, reqs, False)
+    assert on == off
+    assert [len(t) for t, _, _ in on] == [24, 1, 2, 3, 17, 24, 9, 5] and all(r == "length" for _, _, r in on)
+    assert spy.speculative > 10 and spy_off.launches == 0
+
+
+def test_stops_on_the_id_mid_batch(eng: Engine) -> None:
+    """Requests that stop on an id (stop_token_ids) mid-batch: the overlap launched their next token
+    before it knew, and drops it; the tokens and finish reasons are those of the synchronous loop."""
+    ps = prompts(6, 3)
+    free, _ = sched_run(eng, [(p, greedy(20)) for p in ps], False)
+    stops = [[toks[k]] for (toks, _, _), k in zip(free, [2, 5, 9, 0, 14, 19], strict=True)]
+    reqs = [(p, greedy(20, stop_token_ids=s)) for p, s in zip(ps, stops, strict=True)]
+    on, spy = sched_run(eng, reqs, True)
+    off, _ = sched_run(eng, reqs, False)
+    assert on == off and spy.speculative > 0
+    assert all(r == "stop" for _, _, r in on[:5])
+
+
+def test_context_window_stop(tiny_path: Path) -> None:
+    with Engine.open(tiny_path, threads=1, kv_tokens=1024, block_size=16, max_model_len=48) as small:
+        reqs = [(p, greedy(100)) for p in prompts(4, 6)]
+        on, spy = sched_run(small, reqs, True)
+        off, _ = sched_run(small, reqs, False)
+    assert on == off and spy.speculative > 0
+    assert all(r == "length" for _, _, r in on)
+
+
+def test_preemption_aborts_and_late_arrivals(tiny_path: Path) -> None:
+    """Too few blocks for 10 requests (preemption, which the overlap never does: it plans such steps
+    synchronously), aborts while steps are in flight, requests arriving mid-run; the prefix cache on
+    (late requests share a prompt)."""
+    ps = prompts(10, 4)
+    ps[8] = ps[0] + [1, 2, 3]
+    ps[9] = ps[1][:] + ps[0]
+    reqs = [(p, greedy(40)) for p in ps]
+    with Engine.open(tiny_path, threads=1, kv_tokens=256, block_size=16) as small:
+        kw: dict[str, Any] = {"aborts": {2: 3, 7: 9, 5: 30}, "late": {8: 12, 9: 20}}
+        on, spy = sched_run(small, reqs, True, **kw)
+        off, spy_off = sched_run(small, reqs, False, **kw)
+    assert spy.preempted > 0 and spy_off.preempted > 0
+    for i, (a, b) in enumerate(zip(on, off, strict=True)):
+        if i in (2, 7, 5):  # aborted: a prefix of the same tokens (the step it lands on may differ)
+            assert a[2] == b[2] == "abort"
+            n = min(len(a[0]), len(b[0]))
+            assert a[0][:n] == b[0][:n]
+        else:
+            assert a == b, i
+    assert spy.speculative > 0
+
+
+def test_mixed_batches_run_synchronously(eng: Engine) -> None:
+    """A row that needs logits (sampling, logprobs) puts its steps on the synchronous path; the greedy
+    rows beside it get the same tokens as with the overlap off."""
+    ps = prompts(4, 9)
+    reqs = [(p, greedy(12)) for p in ps] + [(ps[0], SamplingParams.parse(temperature=0.8, seed=3, max_tokens=5,
+                                                                         ignore_eos=True)),
+                                            (ps[1], greedy(3, logprobs=1))]
+    on, spy = sched_run(eng, reqs, True)
+    off, _ = sched_run(eng, reqs, False)
+    assert on == off and spy.launches > 0
+
+
+def test_a_failing_step_with_one_in_flight(eng: Engine) -> None:
+    """The step raises (the test-only fault) while the next is in flight: fail_all waits for it, every
+    request ends with the error, every block is free, the engine has nothing in flight."""
+    sched = Scheduler(eng, SchedulerConfig(max_batch_tokens=64),
+                      environ={OVERLAP_ENV: "1", FAULT_ENV: "sample_raise_after_n_steps:3"})
+    for p in prompts(3, 2):
+        sched.add(p, greedy(30))
+    with pytest.raises(InjectedFault):
+        for _ in range(100):
+            sched.step()
+    assert sched._flight is not None  # the next step was in flight when it raised
+    outs = sched.fail_all("boom")
+    assert len(outs) == 3 and all(o.finished and o.error == "boom" for o in outs)
+    assert eng.in_flight == 0 and eng.blocks.num_free == eng.blocks.n_blocks
+    assert not sched.has_work()
+
+
+def test_overlap_default_and_switch(eng: Engine) -> None:
+    """Default off (until measured on a GPU); STRATA_OVERLAP=1 on, 0 off; STRATA_DEVICE_GREEDY=0 off."""
+    assert not Scheduler(eng, environ={}).overlap
+    assert not Scheduler(eng, environ={OVERLAP_ENV: "0"}).overlap
+    assert Scheduler(eng, environ={OVERLAP_ENV: "1"}).overlap
+    assert not Scheduler(eng, environ={OVERLAP_ENV: "1", DEVICE_GREEDY_ENV: "0"}).overlap
