@@ -240,3 +240,36 @@ def test_scheduler_device_pick_on_and_off_same_tokens(gpu: Engine, model_path: P
     assert batched(gpu, {}, sampled) == batched(gpu, off, sampled) == alone
     with Engine.open(model_path, device="cuda:0", kv_tokens=320) as small:
         assert batched(small, {}, max_batch_tokens=128) == batched(small, off, max_batch_tokens=128) == alone
+
+
+def test_scheduler_overlap_on_and_off_same_tokens(gpu: Engine, model_path: Path) -> None:
+    """STRATA_OVERLAP=1 (launch N+1 with ids from N's picks on the device before waiting N) against 0:
+    the same tokens and finish reasons for 8 requests of max_tokens 1-24, for stops on an id mid-batch,
+    and in a small arena with preemption, aborts in flight and late arrivals (tests/engine/test_overlap.py's
+    CPU cases on the GPU), every block free and nothing left in flight."""
+    from tests.engine.test_overlap import greedy as g
+    from tests.engine.test_overlap import prompts as ps_of
+    from tests.engine.test_overlap import sched_run
+
+    reqs = [(p, g(n)) for p, n in zip(ps_of(8), [24, 1, 2, 3, 17, 24, 9, 5], strict=True)]
+    on, spy = sched_run(gpu, reqs, True)
+    assert on == sched_run(gpu, reqs, False)[0] and spy.speculative > 10
+    ps = ps_of(6, 3)
+    free, _ = sched_run(gpu, [(p, g(20)) for p in ps], False)
+    stops = [[toks[k]] for (toks, _, _), k in zip(free, [2, 5, 9, 0, 14, 19], strict=True)]
+    reqs = [(p, g(20, stop_token_ids=s)) for p, s in zip(ps, stops, strict=True)]
+    assert sched_run(gpu, reqs, True)[0] == sched_run(gpu, reqs, False)[0]
+    ps = ps_of(10, 4)
+    ps[8] = ps[0] + [1, 2, 3]
+    reqs = [(p, g(40)) for p in ps]
+    with Engine.open(model_path, device="cuda:0", kv_tokens=256, block_size=16) as small:
+        kw: dict = {"aborts": {2: 3, 7: 9}, "late": {8: 12}}
+        on, spy = sched_run(small, reqs, True, **kw)
+        off, spy_off = sched_run(small, reqs, False, **kw)
+    assert spy.preempted > 0 and spy.speculative > 0
+    for i, (a, b) in enumerate(zip(on, off, strict=True)):
+        if i in (2, 7):
+            n = min(len(a[0]), len(b[0]))
+            assert a[2] == b[2] == "abort" and a[0][:n] == b[0][:n]
+        else:
+            assert a == b, i
