@@ -686,10 +686,18 @@ static thread_local int g_routed_split = 2, g_routed_split_down = 0;
  * STRATA_GPU_GEMM_MIN expected pairs per expert (8 and 16 sequences have 1 pair of 128 experts' worth);
  * steps of 1-7 tokens unchanged. */
 static thread_local int g_routed_split_max = 16, g_gemm_min_tok = 8;
+/* STRATA_GPU_ROUTER_MLP (default 1; 0 = k_linear_f_rows<8>): the float router of steps of 9-64 tokens (one dense
+ * group, K <= 2,048, at most 1,024 rows, no prefill form) on k_linear_f_rows_mlp: its weights loaded before the wait
+ * for the predecessor, each 8-token pass's activations all loaded before the first fma, the same fmaf chains and
+ * warp sums: the same bits (test_router_mlp_bitwise_equal_f_rows; knob_bitwise.py STRATA_GPU_B32 0 vs 58 at 16 / 24
+ * / 32 sequences, run 69). Run 69 (lead for b32, candidate cand13's STRATA_GPU_B32 bit 5), GPU step: 32 sequences
+ * 11.71-11.76 -> 11.54-11.61 ms, 24 11.37 -> 11.18, 16 8.64 -> 8.39; ncu: the router 13.8 -> 9.1 us a layer.
+ * Steps of 1-8 tokens keep k_router_route (batch 1 unchanged). Graph key bit 10. */
+static thread_local bool g_router_mlp = true;
 static int64_t g_knobs() { /* 64 bits: b1_knobs() << 20 reaches bit 32 */
     return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
-           g_routed_split_down << 7 | (g_routed_split_max / 8) << 14 | (g_gemm_min_tok / 8) << 18 |
-           (int64_t)b1_knobs() << 20;
+           g_routed_split_down << 7 | (int32_t)g_router_mlp << 10 | (g_routed_split_max / 8) << 14 |
+           (g_gemm_min_tok / 8) << 18 | (int64_t)b1_knobs() << 20;
 }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -740,6 +748,7 @@ static void read_knobs() {
     g_routed_split_down = rsd == 2 || rsd == 4 ? rsd : 0;
     g_routed_split_max = std::min(std::max(env_int("STRATA_GPU_ROUTED_SPLIT_MAX", 16), 0), KSPLIT_MAX_T) / 8 * 8;
     g_gemm_min_tok = std::min(std::max(env_int("STRATA_GPU_GEMM_MIN_TOKENS", 8), 0), 24) / 8 * 8;
+    g_router_mlp = env_int("STRATA_GPU_ROUTER_MLP", 1) != 0;
     g_gemm_fast_bn = gemm_fast_bn_env();
     g_gemm_fast_router = env_int("STRATA_GPU_GEMM_FAST_ROUTER", 1) != 0;
     const int fq = env_int("STRATA_GPU_FAST_QKV", 1);
@@ -949,6 +958,13 @@ template <int T, bool SW> static void launch_f(const lin_args &a, int path, int 
                                                cudaStream_t st) {
     if (path == STG_PATH_REF) {
         launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
+        return;
+    }
+    if (!SW && a.N <= 1024 && g_router_mlp && nt == 8 && max_count > 8 && max_count <= 64 && max_groups == 1 &&
+        !a.g.gexp && a.K <= ROUTER_PRE * LIN_WARPS * WARP) {
+        /* 9-64 pairs of a router: weights before the wait, a pass's activations all in flight (same bits) */
+        const dim3 grid((unsigned)a.N, 1u, (unsigned)((max_count + 7) / 8));
+        launch_k(k_linear_f_rows_mlp<T, 8>, grid, LIN_WARPS * 32, 0, st, a);
         return;
     }
     if (!SW && a.N <= 1024) { /* few rows (a router): a block per row and pass of nt pairs keeps the GPU busy */

@@ -258,6 +258,31 @@ def test_routed_split_quantisation_bitwise(g: tuple, n_tok: int, k_used: int, n_
     assert g[1].stg_test_routed_quant(*args) != 0
 
 
+@pytest.mark.parametrize(("k", "n_tok"), [(2048, 9), (2048, 16), (2048, 24), (2048, 32), (2048, 61), (2048, 64),
+                                           (992, 13), (992, 40)])
+@pytest.mark.parametrize("name", FLOAT)
+def test_router_mlp_bitwise_equal_f_rows(g: tuple, name: str, k: int, n_tok: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_GPU_ROUTER_MLP: float weights of at most 1,024 rows (a router) at 9-64 pairs on
+    k_linear_f_rows_mlp (weights before the wait, each pass's activations all loaded before the first fma)
+    give k_linear_f_rows<8>'s bits (=0); K = 992 leaves part of the last 128-wide stride empty. At the model's
+    shapes: `knob_bitwise.py STRATA_GPU_ROUTER_MLP --seqs 16,24,32` (run 69 checked the same kernel as
+    STRATA_GPU_B32 0 vs 58 at 16 / 24 / 32 sequences: bitwise equal)."""
+    rng = np.random.default_rng(5 * n_tok + k)
+    monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN", raising=False)  # no prefill form (k_router_gemm)
+    rows = 130
+    w = random_blocks(name, rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    outs = []
+    for v in ("0", "1"):
+        monkeypatch.setenv("STRATA_GPU_ROUTER_MLP", v)
+        out = np.full((n_tok, rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear(tid(name), PATHS["matvec"], gptr(g, w), g[0].NULL, rows, k,
+                                       gptr(g, x, "float *"), n_tok, gptr(g, out, "float *")))
+        outs.append(out)
+    assert np.isfinite(outs[0]).all() and np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
 @pytest.mark.parametrize("n_tok", [1, 3, 11])
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
 def test_swiglu_fused_quantisation_bitwise(g: tuple, name: str, n_tok: int) -> None:
