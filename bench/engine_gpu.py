@@ -310,6 +310,29 @@ def run(args: argparse.Namespace) -> dict:
             for tb in tabs:
                 eng.blocks.release(tb)
 
+    def sched_decode(n_seq: int, steps: int, overlap: bool, prompt: int = 32) -> float:
+        """Decode tok/s of n_seq greedy requests through the serving scheduler (Scheduler.step, the
+        engine's greedy pick), STRATA_OVERLAP on or off: the prompts' prefill and two steps untimed, then
+        `steps` steps timed (the bench model has no tokenizer: no detokenisation, unlike a lane)."""
+        from engine.sampling import SamplingParams
+        from engine.scheduler import OVERLAP_ENV, Scheduler, SchedulerConfig
+
+        sched = Scheduler(eng, SchedulerConfig(max_num_seqs=max(n_seq, 1), max_batch_tokens=max(2048, n_seq * prompt),
+                                               prefix_cache=False), environ={OVERLAP_ENV: "1" if overlap else "0"})
+        sp = SamplingParams.parse(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        for _ in range(n_seq):
+            sched.add([int(x) for x in rng.integers(0, V, size=prompt)], sp)
+        for _ in range(3):
+            sched.step()
+        n = 0
+        t = time.perf_counter()
+        for _ in range(steps):
+            n += sum(len(o.token_ids) for o in sched.step())
+        rate = n / (time.perf_counter() - t)
+        while sched.has_work():
+            sched.step()
+        return rate
+
     def decode_tables(rows: int, width: int) -> list[str]:
         """Kernel times of 16 decode steps at 1 and 32 sequences, by CUPTI through torch's profiler (the
         caller turns graphs and PDL off: with PDL a kernel's span includes its wait for the predecessor)."""
@@ -343,6 +366,10 @@ def run(args: argparse.Namespace) -> dict:
             for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
                 res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap", pick="overlap")
             res["decode_b1_repeat_tok_s"], _ = decode(1, 128, tag="b1_repeat")  # the device pick again, after them
+            for k, (n_seq, steps) in enumerate(((1, 128), (8, 64), (32, 64), (1, 128))):  # the scheduler
+                for m in ("sync", "overlap", "sync2"):  # STRATA_OVERLAP off / on / off again
+                    res[f"sched_b{n_seq}_{m}{'_again' if k == 3 else ''}"] = sched_decode(n_seq, steps, m == "overlap")
+            print("scheduler decode tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items() if k.startswith("sched_")))
         if args.lean:  # one row per --knob "N:ENV=V" (N sequences with ENV=V), e.g. a default's old value
             for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "32:STRATA_GPU_QKV_SPLIT=0"]:
                 n_s, _, kv = spec.partition(":")
