@@ -191,7 +191,7 @@ class Engine:
         self._io = _StepIO()
         # launched steps (Engine.launch / Engine.wait), in launch order: ticket -> (picks, the C ticket, stats on
         # the CPU); steps waited on a caller's behalf (another step needed the engine) wait in _done
-        self._inflight: dict[int, tuple[np.ndarray, int, StepStats | None]] = {}
+        self._inflight: dict[int, tuple[np.ndarray, int, StepStats | None, Any]] = {}
         self._done: dict[int, tuple[np.ndarray, StepStats | None] | EngineError] = {}
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
 
@@ -376,11 +376,11 @@ class Engine:
             self._last_step += 1  # (a refused step changes nothing in C either, but its id is spent)
             ticket = self._last_step
             if self._gpu is not None:
-                self._inflight[ticket] = (out, self._gpu.launch(b), None)
+                self._inflight[ticket] = (out, self._gpu.launch(b), None, expert_hist)  # C adds to it at the wait
             else:  # the CPU: the whole step now
                 st = self._io.stats
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-                self._inflight[ticket] = (out, 0, _stats(st))
+                self._inflight[ticket] = (out, 0, _stats(st), None)
         return ticket
 
     def _drain(self, keep: int) -> None:
@@ -394,7 +394,7 @@ class Engine:
                 self._done[t] = exc
 
     def _wait_c(self, ticket: int) -> tuple[np.ndarray, StepStats | None]:
-        out, c_ticket, stats = self._inflight.pop(ticket)
+        out, c_ticket, stats, _hist = self._inflight.pop(ticket)
         if self._gpu is not None:
             st = self._io.stats
             self._gpu.wait(c_ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
