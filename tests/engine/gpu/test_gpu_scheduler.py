@@ -273,3 +273,51 @@ def test_scheduler_overlap_on_and_off_same_tokens(gpu: Engine, model_path: Path)
             assert a[2] == b[2] == "abort" and a[0][:n] == b[0][:n]
         else:
             assert a == b, i
+
+
+def test_step_launch_and_wait_misuse_are_typed_errors(gpu: Engine) -> None:
+    """stg_step_launch / stg_step_wait refuse misuse with a message, through CudaModel directly: logits in a
+    launched step, token_src with no previous picks or outside them, a third launch, stg_forward with a step
+    in flight, a wait out of order or without a launch; the picks of two launched steps are forward's."""
+    from engine.native import EngineError, OutOfRangeError, ffi, ptr
+
+    g = gpu._gpu
+    st = gpu._io.stats
+    blocks = gpu.blocks.allocate(1)
+    out = np.zeros(1, np.int32)
+    logits = np.empty((1, VOCAB), np.float32)
+
+    def batch(tok: int, pos: int, src: list[int] | None = None, with_logits: bool = False) -> object:
+        b = gpu._io.fill([tok], [pos], [0], [blocks], [0], src)
+        b.logits = ptr(logits, "float *") if with_logits else ffi.NULL
+        b.out_tokens = ptr(out, "int32_t *")
+        b.expert_hist = ffi.NULL
+        return b
+
+    def wait(t: int) -> int:
+        g.wait(t, ptr(out, "int32_t *"), st)
+        return int(out[0])
+
+    try:
+        want = [int(gpu.forward([4], [0], [0], [blocks], [0], greedy=True)[0])]
+        want.append(int(gpu.forward(want, [1], [0], [blocks], [0], greedy=True)[0]))
+        with pytest.raises(EngineError, match="logits must be NULL"):
+            g.launch(batch(4, 0, with_logits=True))
+        gpu.forward([4], [0], [0], [blocks], [0])  # logits only: no picks left
+        with pytest.raises(EngineError, match="no greedy picks"):
+            g.launch(batch(0, 1, [0]))
+        t1 = g.launch(batch(4, 0))
+        t2 = g.launch(batch(0, 1, [0]))
+        with pytest.raises(EngineError, match="two launched steps"):
+            g.launch(batch(0, 2, [0]))
+        with pytest.raises(EngineError, match="in flight"):
+            g.forward(batch(4, 0), st)
+        with pytest.raises(EngineError, match="not the oldest"):
+            wait(t2)
+        assert [wait(t1), wait(t2)] == want
+        with pytest.raises(EngineError, match="no launched step"):
+            wait(t2)
+        with pytest.raises(OutOfRangeError, match="outside"):
+            g.launch(batch(0, 2, [1]))
+    finally:
+        gpu.blocks.release(blocks)
