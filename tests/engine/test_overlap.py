@@ -347,7 +347,8 @@ def test_a_failing_step_with_one_in_flight(eng: Engine) -> None:
 
 
 def test_overlap_default_and_switch(eng: Engine) -> None:
-    """Default off (until measured on a GPU); STRATA_OVERLAP=1 on, 0 off; STRATA_DEVICE_GREEDY=0 off."""
+    """Default off on the CPU (on for a GPU engine: run 70); STRATA_OVERLAP=1 on, 0 off; STRATA_DEVICE_GREEDY=0
+    off."""
     assert not Scheduler(eng, environ={}).overlap
     assert not Scheduler(eng, environ={OVERLAP_ENV: "0"}).overlap
     assert Scheduler(eng, environ={OVERLAP_ENV: "1"}).overlap
