@@ -1,5 +1,6 @@
 """What the GPU kernel tests share (the library itself is the ``g`` fixture of conftest.py): pointers into
-it, its error text, and the CPU's activation quantisation that the GPU's 8-bit blocks are compared with."""
+it, its error text, the CPU's activation quantisation that the GPU's 8-bit blocks are compared with, and an
+attention case (a paged f16 cache) with the heads kernels' call on it."""
 
 from __future__ import annotations
 
@@ -25,3 +26,32 @@ def cpu_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         assert lib.st_quantize_act(ptr(x[t], "float *"), K, ptr(qs[t], "int8_t *"), ptr(d[t], "float *"),
                                    ptr(s[t], "int32_t *")) == 0
     return qs, d, s
+
+
+def attention_case(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: int) -> tuple:
+    """A paged f16 K/V cache of ``n_keys`` keys: (n_blocks, block table, k, v), the table a permutation of
+    all but 3 of the blocks."""
+    n_blocks = -(-n_keys // bs) + 3
+    table = rng.permutation(n_blocks).astype(np.int32)[: -(-n_keys // bs)]
+    kv_dim = n_kv * hd
+    k = (rng.standard_normal(n_blocks * bs * kv_dim) * 0.5).astype(np.float16).view(np.uint16)
+    v = rng.standard_normal(n_blocks * bs * kv_dim).astype(np.float16).view(np.uint16)
+    return n_blocks, table, k, v
+
+
+def attention_heads(g: tuple, tile: int, c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray,
+                    p0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """stg_test_attention_heads (``tile`` picks the kernel) of queries q [nq, n_head * hd] at positions p0...
+    over the case ``c`` (attention_case's): the output [nq, n_head * hd] and its 8-bit blocks (codes, scales,
+    sums)."""
+    n_blocks, table, k, v = c
+    nq, qd = q.shape
+    out = np.full((nq, qd), np.nan, np.float32)
+    aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
+        np.zeros((nq, qd // 16), np.int32)
+    gcheck(g, g[1].stg_test_attention_heads(tile, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
+                                            gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
+                                            gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
+                                            gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
+                                            gptr(g, as_, "int32_t *")))
+    return out, aq, ad, as_

@@ -20,34 +20,11 @@ from engine.engine import Engine
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import cpu_quant, gptr
+from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cpu_quant
 
 pytestmark = requires_gpu
 
 MMA_SPLIT, MMA_F16 = 2, 3  # stg_test_attention_heads' `tile`: q as f16 hi + lo (default) / as one f16
-
-
-def case(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: int) -> tuple:
-    n_blocks = -(-n_keys // bs) + 3
-    table = rng.permutation(n_blocks).astype(np.int32)[: -(-n_keys // bs)]
-    k = (rng.standard_normal(n_blocks * bs * n_kv * hd) * 0.5).astype(np.float16).view(np.uint16)
-    v = rng.standard_normal(n_blocks * bs * n_kv * hd).astype(np.float16).view(np.uint16)
-    return n_blocks, table, k, v
-
-
-def gpu_heads(g: tuple, tile: int, c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray,
-              p0: int) -> tuple:
-    n_blocks, table, k, v = c
-    nq, qd = q.shape
-    out = np.full((nq, qd), np.nan, np.float32)
-    aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
-        np.zeros((nq, qd // 16), np.int32)
-    rc = g[1].stg_test_attention_heads(tile, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
-                                       gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
-                                       gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
-                                       gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"), gptr(g, as_, "int32_t *"))
-    assert rc == 0, g[0].string(g[1].stg_last_error()).decode()
-    return out, aq, ad, as_
 
 
 def cpu_heads(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, p0: int) -> np.ndarray:
@@ -77,11 +54,11 @@ def cpu_heads(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray,
 def test_mma_attention_within_1e3_of_cpu_reference(g: tuple, hd: int, bs: int, n_head: int, n_kv: int, nq: int,
                                                    p0: int) -> None:
     rng = np.random.default_rng(hd * 7 + nq + p0)
-    c = case(rng, hd, bs, n_kv, p0 + nq)
+    c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
     ref = cpu_heads(c, bs, hd, n_head, n_kv, q, p0)
     for tile in (MMA_SPLIT, MMA_F16):
-        out, aq, ad, as_ = gpu_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)
+        out, aq, ad, as_ = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)
         err = rel_err(out, ref)
         print(f"hd {hd} bs {bs} heads {n_head}/{n_kv} nq {nq} p0 {p0} tile {tile}: max err {err:.2e}")
         assert err <= 1e-3, (tile, err)
@@ -95,10 +72,10 @@ def test_mma_attention_sharp_scores(g: tuple) -> None:
     1e-3; q as one f16 is measured (its rounding moves a score of 30 by ~1e-2)."""
     hd, bs, n_head, n_kv, nq, p0 = 128, 16, 32, 4, 24, 1500
     rng = np.random.default_rng(11)
-    c = case(rng, hd, bs, n_kv, p0 + nq)
+    c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) * (16 / np.sqrt(hd))).astype(np.float32)
     ref = cpu_heads(c, bs, hd, n_head, n_kv, q, p0)
-    err = {t: rel_err(gpu_heads(g, t, c, bs, hd, n_head, n_kv, q, p0)[0], ref) for t in (MMA_SPLIT, MMA_F16)}
+    err = {t: rel_err(attention_heads(g, t, c, bs, hd, n_head, n_kv, q, p0)[0], ref) for t in (MMA_SPLIT, MMA_F16)}
     print(f"sharp scores: q split {err[MMA_SPLIT]:.2e}, q one f16 {err[MMA_F16]:.2e}")
     assert err[MMA_SPLIT] <= 1e-3
     assert err[MMA_F16] <= 2e-2
@@ -108,10 +85,10 @@ def test_mma_row_does_not_depend_on_its_tile(g: tuple) -> None:
     """The same tokens in other tiles (other neighbours, key-stage counts and masks) give the same bits."""
     hd, bs, n_head, n_kv, p0 = 128, 16, 32, 4, 500
     rng = np.random.default_rng(5)
-    c = case(rng, hd, bs, n_kv, p0 + 45)
+    c = attention_case(rng, hd, bs, n_kv, p0 + 45)
     q = (rng.standard_normal((45, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
-    whole = gpu_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, q, p0)[0]
-    part = gpu_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[13:]), p0 + 13)[0]
+    whole = attention_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, q, p0)[0]
+    part = attention_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[13:]), p0 + 13)[0]
     assert np.array_equal(whole[13:].view(np.uint32), part.view(np.uint32))
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.engine.gpu._env import requires_gpu
-from tests.engine.gpu._kernel_helpers import gcheck, gptr
+from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, gcheck, gptr
 from tests.engine.gpu.knob_bitwise import decode_logits
 from tests.engine.gpu.test_gpu_kernels import PATHS, random_blocks, tid
 
@@ -34,6 +34,23 @@ def linear(g: tuple, name: str, path: str, w: np.ndarray, w2: np.ndarray | None,
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+
+
+HEADS = 16, 8, 2  # the attention cases' block size, query heads, kv heads
+
+
+def heads_case(seed: int, hd: int, nq: int, p0: int) -> tuple[tuple, np.ndarray]:
+    """An attention case (HEADS) of p0 + nq keys and nq queries [nq, 8 * hd] at positions p0..."""
+    bs, n_head, n_kv = HEADS
+    rng = np.random.default_rng(seed)
+    c = attention_case(rng, hd, bs, n_kv, p0 + nq)
+    return c, (rng.standard_normal((nq, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
+
+
+def heads(g: tuple, c: tuple, q: np.ndarray, hd: int, p0: int) -> tuple:
+    """k_attention (the decode kernel, tile 0) on heads_case's case: the output and its 8-bit blocks."""
+    bs, n_head, n_kv = HEADS
+    return attention_heads(g, 0, c, bs, hd, n_head, n_kv, q, p0)
 
 
 @pytest.mark.parametrize("k", [256, 768, 2048])
@@ -99,25 +116,11 @@ def test_attention_vector_loads_bitwise(g: tuple, hd: int, nq: int, p0: int, mon
     """k_attention's vector loads (ATT_V2 = 1: half2 values, 2: also q as float4 in the scores, 3: the scores over
     key pairs on half2 K loads; hd % 64 == 0, else the scalar form) give the same bits, floats and the output's
     8-bit blocks."""
-    from tests.engine.gpu.test_gpu_kernels import _attention_case
-
-    rng = np.random.default_rng(hd + p0)
-    bs, n_head, n_kv = 16, 8, 2
-    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
-    qd = n_head * hd
-    q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
+    c, q = heads_case(hd + p0, hd, nq, p0)
     outs = []
     for v2 in ("0", "1", "2", "3"):
         monkeypatch.setenv("STRATA_GPU_ATT_V2", v2)
-        out = np.full((nq, qd), np.nan, np.float32)
-        aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
-            np.zeros((nq, qd // 16), np.int32)
-        gcheck(g, g[1].stg_test_attention_heads(0, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
-                                                gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
-                                                gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
-                                                gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
-                                                gptr(g, as_, "int32_t *")))
-        outs.append((out, aq, ad, as_))
+        outs.append(heads(g, c, q, hd, p0))
     o0, q0, d0, s0 = outs[0]
     assert np.isfinite(o0).all()
     for v2, (o1, q1, d1, s1) in zip((1, 2, 3), outs[1:], strict=True):
@@ -169,27 +172,13 @@ def test_attention_unroll_bitwise(g: tuple, nq: int, p0: int, monkeypatch: pytes
     """k_attention<1, 128> (ATT_UNROLL, session 11: head_dim 128 at compile time, a whole chunk's value loop
     unrolled, the softmax's reductions over 16 lanes) gives k_attention<1>'s bits, floats and 8-bit output blocks;
     whole and partial chunks, one to three tokens."""
-    from tests.engine.gpu.test_gpu_kernels import _attention_case
-
     hd = 128
-    rng = np.random.default_rng(p0 + 7 * nq)
-    bs, n_head, n_kv = 16, 8, 2
-    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
-    qd = n_head * hd
-    q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
+    c, q = heads_case(p0 + 7 * nq, hd, nq, p0)
     outs = []
     monkeypatch.setenv("STRATA_GPU_ATT_V2", "1")
     for unroll in ("0", "1"):
         monkeypatch.setenv("STRATA_GPU_ATT_UNROLL", unroll)
-        out = np.full((nq, qd), np.nan, np.float32)
-        aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
-            np.zeros((nq, qd // 16), np.int32)
-        gcheck(g, g[1].stg_test_attention_heads(0, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
-                                                gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
-                                                gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
-                                                gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
-                                                gptr(g, as_, "int32_t *")))
-        outs.append((out, aq, ad, as_))
+        outs.append(heads(g, c, q, hd, p0))
     (o0, q0, d0, s0), (o1, q1, d1, s1) = outs
     assert np.isfinite(o0).all()
     assert same(o0, o1), np.abs(o0 - o1).max()

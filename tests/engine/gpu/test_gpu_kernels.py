@@ -16,7 +16,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.native import ffi, lib, ptr
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import cpu_quant, gcheck, gptr
+from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cpu_quant, gcheck, gptr
+
+_attention_case = attention_case  # the name older candidate patches (tests/engine/gpu/*.patch) import
 
 pytestmark = requires_gpu
 
@@ -307,21 +309,12 @@ def test_swiglu_fused_quantisation_bitwise(g: tuple, name: str, n_tok: int) -> N
     assert np.array_equal(cq, hq) and np.array_equal(cd.view(np.uint32), hd.view(np.uint32)) and np.array_equal(cs, hs)
 
 
-def _attention_case(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: int):  # noqa: ANN202
-    n_blocks = -(-n_keys // bs) + 3
-    table = rng.permutation(n_blocks).astype(np.int32)[: -(-n_keys // bs)]
-    kv_dim = n_kv * hd
-    k = (rng.standard_normal(n_blocks * bs * kv_dim) * 0.5).astype(np.float16).view(np.uint16)
-    v = rng.standard_normal(n_blocks * bs * kv_dim).astype(np.float16).view(np.uint16)
-    return n_blocks, table, k, v
-
-
 @pytest.mark.parametrize(("hd", "bs", "n_kv", "nq", "p0"), [(64, 16, 2, 1, 0), (64, 16, 2, 1, 300),
                                                              (128, 32, 4, 1, 1000), (128, 16, 1, 16, 40),
                                                              (80, 16, 2, 7, 13), (256, 16, 1, 3, 64)])
 def test_attention_matches_cpu_reference(g: tuple, hd: int, bs: int, n_kv: int, nq: int, p0: int) -> None:
     rng = np.random.default_rng(hd + p0)
-    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
+    n_blocks, table, k, v = attention_case(rng, hd, bs, n_kv, p0 + nq)
     kvh = n_kv - 1
     q = (rng.standard_normal((nq, hd)) / np.sqrt(hd)).astype(np.float32)
     ref = np.empty((nq, hd), np.float32)
@@ -345,21 +338,11 @@ def test_attention_tile_bitwise_equals_k_attention(g: tuple, hd: int, bs: int, n
     """The prefill query-tile kernel gives every (token, head) exactly k_attention's bits (floats and the
     output's 8-bit blocks), so a token's result does not depend on its step; both within 1e-3 of the CPU."""
     rng = np.random.default_rng(hd + nq + p0)
-    n_blocks, table, k, v = _attention_case(rng, hd, bs, n_kv, p0 + nq)
+    c = attention_case(rng, hd, bs, n_kv, p0 + nq)
+    _, table, k, v = c
     qd = n_head * hd
     q = (rng.standard_normal((nq, qd)) / np.sqrt(hd)).astype(np.float32)
-    outs = []
-    for tile in (0, 1):
-        out = np.full((nq, qd), np.nan, np.float32)
-        aq, ad, as_ = np.zeros((nq, qd), np.int8), np.full((nq, qd // 32), np.nan, np.float32), \
-            np.zeros((nq, qd // 16), np.int32)
-        gcheck(g, g[1].stg_test_attention_heads(tile, gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks,
-                                                gptr(g, table, "int32_t *"), len(table), bs, hd, n_head, n_kv,
-                                                gptr(g, q, "float *"), nq, p0, gptr(g, out, "float *"),
-                                                gptr(g, aq, "int8_t *"), gptr(g, ad, "float *"),
-                                                gptr(g, as_, "int32_t *")))
-        outs.append((out, aq, ad, as_))
-    (o0, q0, d0, s0), (o1, q1, d1, s1) = outs
+    (o0, q0, d0, s0), (o1, q1, d1, s1) = (attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0) for tile in (0, 1))
     assert np.isfinite(o1).all()
     assert np.array_equal(o0.view(np.uint32), o1.view(np.uint32)), np.abs(o0 - o1).max()
     assert np.array_equal(q0, q1) and np.array_equal(d0.view(np.uint32), d1.view(np.uint32)) and np.array_equal(s0, s1)
