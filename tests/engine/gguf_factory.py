@@ -12,6 +12,14 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+TINY_VOCAB = 300
+
+
+def make_tiny_gguf(path: Path) -> Path:
+    """The cheap 2-layer Q8_0 model of TINY_VOCAB ids (conftest.py's ``tiny_path``: the greedy-pick, overlap
+    and scheduler tests)."""
+    return make_random_gguf(path, n_vocab=TINY_VOCAB, n_layer=2, weight_type=GGMLQuantizationType.Q8_0)
+
 
 def make_random_gguf(
     path: Path,

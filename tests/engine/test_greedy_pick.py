@@ -6,7 +6,6 @@ cheap (a 2-layer random model); tests/engine/gpu/ runs the GPU's kernel and step
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,9 @@ from engine.engine import Engine
 from engine.native import EngineError, OutOfRangeError, ffi, lib, ptr
 from engine.sampling import SamplingParams
 from engine.scheduler import DEVICE_GREEDY_ENV, Scheduler, SchedulerConfig, collect_text, device_pick_ok
-from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.gguf_factory import TINY_VOCAB
 
-VOCAB = 300
+VOCAB = TINY_VOCAB  # tiny_path's and eng's model (tests/engine/conftest.py)
 
 
 def tricky_rows(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -70,21 +69,6 @@ def test_argmax_rows_checks_its_arguments() -> None:
     assert lib.st_argmax_rows(ffi.NULL, 2, 4, ptr(out, "int32_t *")) == lib.ST_EINVAL
     assert lib.st_argmax_rows(ptr(x, "float *"), -1, 4, ptr(out, "int32_t *")) == lib.ST_EINVAL
     assert lib.st_argmax_rows(ffi.NULL, 0, 4, ffi.NULL) == 0  # no rows: nothing to do
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import gguf
-
-    return make_random_gguf(tmp_path_factory.mktemp("greedy") / "tiny.gguf", n_vocab=VOCAB, n_layer=2,
-                            weight_type=gguf.GGMLQuantizationType.Q8_0)
-
-
-@pytest.fixture(scope="module")
-def eng(tiny_path: Path) -> Iterator[Engine]:
-    e = Engine.open(tiny_path, threads=1, kv_tokens=1024, block_size=16)
-    yield e
-    e.close()
 
 
 def test_forward_greedy_is_argmax_of_the_same_steps_logits(eng: Engine) -> None:

@@ -6,7 +6,6 @@ CPU only and cheap (a 2-layer random model); tests/engine/gpu/ runs the GPU's ha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +24,9 @@ from engine.scheduler import (
     SchedulerConfig,
     collect_text,
 )
-from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.gguf_factory import TINY_VOCAB
 
-VOCAB = 300
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import gguf
-
-    return make_random_gguf(tmp_path_factory.mktemp("overlap") / "tiny.gguf", n_vocab=VOCAB, n_layer=2,
-                            weight_type=gguf.GGMLQuantizationType.Q8_0)
-
-
-@pytest.fixture(scope="module")
-def eng(tiny_path: Path) -> Iterator[Engine]:
-    e = Engine.open(tiny_path, threads=1, kv_tokens=1024, block_size=16)
-    yield e
-    e.close()
+VOCAB = TINY_VOCAB  # tiny_path's and eng's model (tests/engine/conftest.py)
 
 
 PROMPTS = [[5, 17, 42], [7, 8], [250, 3, 9, 11]]

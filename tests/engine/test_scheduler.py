@@ -14,7 +14,7 @@ from engine.block_manager import KVCapacityError
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import OverloadedError, Scheduler, SchedulerConfig, collect_text
-from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.gguf_factory import make_tiny_gguf
 
 TOPICS = ["the sea", "mountains", "a robot", "coffee", "rain", "a city at night", "an old book", "the moon",
           "a garden", "winter", "a train", "music", "a cat", "the desert", "a river", "friendship"]
@@ -143,7 +143,7 @@ def test_stop_string_and_multibyte_streaming(engine: Engine) -> None:
 
 
 def test_abort_half_of_100_streams(tmp_path: Path) -> None:
-    path = make_random_gguf(tmp_path / "tiny.gguf", n_vocab=300, n_layer=2, weight_type=__import__("gguf").GGMLQuantizationType.Q8_0)
+    path = make_tiny_gguf(tmp_path / "tiny.gguf")
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 300, size=int(n))) for n in rng.integers(4, 30, size=100)]
     params = SamplingParams.parse(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -197,14 +197,6 @@ async def test_async_stream_and_cancellation_frees_the_slot(engine: Engine, prom
 
 
 # ---------------------------------------------------------------------------- accounting and failure
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import gguf
-
-    return make_random_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_vocab=300, n_layer=2,
-                            weight_type=gguf.GGMLQuantizationType.Q8_0)
 
 
 def test_aborting_preempted_requests_keeps_the_queue_counters_exact(tiny_path: Path) -> None:
