@@ -444,11 +444,13 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_a
         rows_sum_store<NT>(a, part, acc, rows, start, p0, r);
     }
 }
-/* f_rows_body for one dense pass of <= 2 tokens with K <= ROUTER_PRE * LIN_WARPS * WARP (a decode router):
- * each thread's weights are loaded into registers before the wait for the predecessor (weights only;
- * the group is the launch's single dense one), then the same fmaf chains in the same order. */
+/* f_rows_body for one dense group with K <= ROUTER_PRE * LIN_WARPS * WARP (a router): each thread's weights are
+ * loaded into registers before the wait for the predecessor (weights only; the group is the launch's single
+ * dense one), then the same fmaf chains in the same order. XPRE = false (k_router_route, <= 2 tokens: a decode
+ * router): each activation read at its fma; XPRE = true (k_linear_f_rows_mlp, any NT): all NT x ROUTER_PRE of a
+ * thread's activations of a pass loaded before the first fma. */
 #define ROUTER_PRE 16
-template <int T, int NT> __device__ __forceinline__ void f_rows_pre(const lin_args &a) {
+template <int T, int NT, bool XPRE = false> __device__ __forceinline__ void f_rows_pre(const lin_args &a) {
     __shared__ float part[LIN_WARPS][NT];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int r = blockIdx.x;
@@ -462,11 +464,20 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_pre(const lin_ar
     pdl_wait();
     for (int p0 = (int)blockIdx.z * NT; p0 < a.g.n_pairs; p0 += (int)gridDim.z * NT) {
         int rows[NT];
-        float acc[NT];
+        float acc[NT], xv[NT][ROUTER_PRE]; /* xv: XPRE only */
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             rows[t] = p0 + t < a.g.n_pairs ? in_row(a.g, pair_at(a.g, 0, p0 + t)) : -1;
             acc[t] = 0.0f;
+        }
+        if constexpr (XPRE) {
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+#pragma unroll
+                for (int u = 0; u < ROUTER_PRE; u++) {
+                    const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
+                    xv[t][u] = rows[t] >= 0 && i < a.K ? a.x[(int64_t)rows[t] * a.K + i] : 0.0f;
+                }
         }
 #pragma unroll
         for (int u = 0; u < ROUTER_PRE; u++) {
@@ -474,7 +485,7 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_pre(const lin_ar
             if (i < a.K) {
 #pragma unroll
                 for (int t = 0; t < NT; t++)
-                    if (rows[t] >= 0) acc[t] = fmaf(wv[u], a.x[(int64_t)rows[t] * a.K + i], acc[t]);
+                    if (rows[t] >= 0) acc[t] = fmaf(wv[u], XPRE ? xv[t][u] : a.x[(int64_t)rows[t] * a.K + i], acc[t]);
             }
         }
         rows_sum_store<NT>(a, part, acc, rows, 0, p0, r);
@@ -488,50 +499,14 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows(lin_args a) 
 
 /* k_linear_f_rows for one dense group with K <= ROUTER_PRE * LIN_WARPS * WARP (a router) at any pass width NT
  * (STRATA_GPU_ROUTER_MLP; steps of 9-64 tokens): each thread's weights loaded into registers before the wait for
- * the predecessor (as f_rows_pre does for <= 2 tokens), then all NT x ROUTER_PRE of its activations of a pass
+ * the predecessor (f_rows_pre, as for <= 2 tokens), then all NT x ROUTER_PRE of its activations of a pass
  * loaded before the first fma: run 67 (b32) measured k_linear_f_rows<8> at 32 tokens 13.8 us a layer with 17
  * cycles of long scoreboard per instruction (its loads are consumed one iteration at a time); this form 9.1 us
  * (run 69, ncu; 167 registers on sm_90). Each output's fmaf chain (increasing i) and the warps' sum are
  * k_linear_f_rows' own: the same bits (test_router_mlp_bitwise_equal_f_rows). */
 template <int T, int NT> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f_rows_mlp(lin_args a) {
     pdl_trigger();
-    __shared__ float part[LIN_WARPS][NT];
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int r = blockIdx.x;
-    const uint8_t *wrow = a.w + (int64_t)r * a.row_bytes;
-    float wv[ROUTER_PRE];
-#pragma unroll
-    for (int u = 0; u < ROUTER_PRE; u++) {
-        const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
-        wv[u] = i < a.K ? wf<T>(wrow, i) : 0.0f;
-    }
-    pdl_wait();
-    for (int p0 = (int)blockIdx.z * NT; p0 < a.g.n_pairs; p0 += (int)gridDim.z * NT) {
-        int rows[NT];
-        float acc[NT], xv[NT][ROUTER_PRE];
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            rows[t] = p0 + t < a.g.n_pairs ? in_row(a.g, pair_at(a.g, 0, p0 + t)) : -1;
-            acc[t] = 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++)
-#pragma unroll
-            for (int u = 0; u < ROUTER_PRE; u++) {
-                const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
-                xv[t][u] = rows[t] >= 0 && i < a.K ? a.x[(int64_t)rows[t] * a.K + i] : 0.0f;
-            }
-#pragma unroll
-        for (int u = 0; u < ROUTER_PRE; u++) {
-            const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
-            if (i < a.K) {
-#pragma unroll
-                for (int t = 0; t < NT; t++)
-                    if (rows[t] >= 0) acc[t] = fmaf(wv[u], xv[t][u], acc[t]);
-            }
-        }
-        rows_sum_store<NT>(a, part, acc, rows, 0, p0, r);
-    }
+    f_rows_pre<T, NT, true>(a);
 }
 
 /* F32 weights of a few rows (a router) in a prefill-form step (the host's g_gemm_fast). Run 46's first form
