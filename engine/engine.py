@@ -283,12 +283,7 @@ class Engine:
         ``token_src`` (optional, one per token): -1 takes ``tokens[i]``, j >= 0 the previous step's
         greedy pick j (``st_batch.token_src``; that step must have been a greedy one with more than j
         rows); ``tokens[i]`` is then not read."""
-        if self._model is None:
-            raise EngineError("engine is closed")
-        n = len(tokens)
-        if not (len(pos) == len(seq) == n):
-            raise ValueError("tokens, pos and seq must have the same length")
-        self._check_src(token_src, n)
+        self._check_step(tokens, pos, seq, token_src)
         nl = len(logit_idx)
         if greedy and self._gpu is not None and not self._gpu.has_pick:  # a library older than out_tokens
             return np.argmax(self.forward(tokens, pos, seq, block_tables, logit_idx, expert_hist), axis=1).astype(np.int32)
@@ -297,9 +292,7 @@ class Engine:
         else:
             shape = (nl, self.hparams.n_vocab)  # on a GPU in page-locked memory: the copy is a DMA
             out = self._gpu.host_array(shape, np.float32) if self._gpu is not None else np.empty(shape, np.float32)
-        if expert_hist is not None and (expert_hist.dtype != np.int32 or
-                                        expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert)):
-            raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
+        self._check_hist(expert_hist)
         with self._step_lock:  # one step at a time: the model's scratch, the pool and the step's host arrays are shared
             self._drain(0)  # launched steps first (another caller's: their results wait for their Engine.wait)
             self._last_step += 1
@@ -318,6 +311,21 @@ class Engine:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
             self.last_stats = _stats(st)
         return out
+
+    def _check_step(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
+                    token_src: Sequence[int] | None) -> None:
+        """forward's and launch's checks of a step's token arrays (the engine open)."""
+        if self._model is None:
+            raise EngineError("engine is closed")
+        n = len(tokens)
+        if not (len(pos) == len(seq) == n):
+            raise ValueError("tokens, pos and seq must have the same length")
+        self._check_src(token_src, n)
+
+    def _check_hist(self, expert_hist: np.ndarray | None) -> None:
+        if expert_hist is not None and (expert_hist.dtype != np.int32 or
+                                        expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert)):
+            raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
 
     def _check_src(self, token_src: Sequence[int] | None, n: int) -> None:
         if token_src is None:
@@ -349,19 +357,12 @@ class Engine:
         since (another caller's), :class:`StaleSourceError` is raised and nothing runs. The device
         holds two launched steps: a third launch waits for the oldest first (its picks then wait for
         its own ``wait``), as ``forward`` waits for all of them."""
-        if self._model is None:
-            raise EngineError("engine is closed")
-        n = len(tokens)
-        if not (len(pos) == len(seq) == n):
-            raise ValueError("tokens, pos and seq must have the same length")
-        self._check_src(token_src, n)
+        self._check_step(tokens, pos, seq, token_src)
         if self._gpu is not None and not self._gpu.has_overlap:
             from engine.native import UnsupportedError
 
             raise UnsupportedError("launch: this CUDA library predates stg_step_launch (rebuild it)", 3)
-        if expert_hist is not None and (expert_hist.dtype != np.int32 or
-                                        expert_hist.shape != (self.hparams.n_layer, self.hparams.n_expert)):
-            raise ValueError("expert_hist must be int32 [n_layer, n_expert]")
+        self._check_hist(expert_hist)
         nl = len(logit_idx)
         out = np.empty(nl, np.int32)
         with self._step_lock:
