@@ -25,8 +25,8 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 L=${L:-/tmp/l}; OUT=${OUT:-/tmp/out}; mkdir -p "$L" "$OUT"
 C=$L/nb1q6h.so
 P=tests/engine/gpu/b1_next_candidate.patch
-T=/tmp/nb1tree
-rm -rf $T && mkdir -p $T && cp -r engine tests bench $T/ 2>/dev/null
+T=/tmp/nb1tree  # a patched copy: the library's sources when it is rebuilt, and the patched test file
+rm -rf $T && mkdir -p $T && cp -r engine tests bench pyproject.toml $T/ 2>/dev/null
 patch -d $T -p1 -N -s --no-backup-if-mismatch < $P > $OUT/nb1_patch.log 2>&1
 el "patch exit $? (tail: $(tail -1 $OUT/nb1_patch.log))"
 if [ ! -f "$C" ] || [ "${NB1_REBUILD:-0}" = 1 ]; then
@@ -34,12 +34,14 @@ if [ ! -f "$C" ] || [ "${NB1_REBUILD:-0}" = 1 ]; then
   el "candidate build exit $?: $(tail -1 $OUT/nb1_build.log)"
 fi
 (python3 -m bench.engine_gpu --build-only > /tmp/model-build.log 2>&1) &
-(cd $T && PYTHONPATH=/tmp/site:$T STRATA_CUDA_LIB=$C timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/engine/gpu/test_gpu_b1_knobs.py tests/engine/gpu/test_gpu_kernels.py -k "q6k or Q6_K") \
-  > $OUT/nb1_tests.log 2>&1
+K=tests/engine/gpu/test_gpu_b1_knobs_nb1.py  # the patched test file beside HEAD's (removed below)
+cp $T/tests/engine/gpu/test_gpu_b1_knobs.py $K
+STRATA_CUDA_LIB=$C timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" $K \
+  tests/engine/gpu/test_gpu_kernels.py -k "q6k or Q6_K" > $OUT/nb1_tests.log 2>&1
 el "candidate Q6_K tests exit $?: $(tail -1 $OUT/nb1_tests.log)"; grep -E '^(FAILED|ERROR)' $OUT/nb1_tests.log | head
-(cd $T && PYTHONPATH=/tmp/site:$T STRATA_GPU_Q6_HEAD=2 STRATA_CUDA_LIB=$C timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-  tests/engine/gpu/test_gpu_models.py) >> $OUT/nb1_tests.log 2>&1
+rm -f $K
+STRATA_GPU_Q6_HEAD=2 STRATA_CUDA_LIB=$C timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  tests/engine/gpu/test_gpu_models.py >> $OUT/nb1_tests.log 2>&1
 el "model tests (Q6_HEAD=2) exit $?: $(tail -1 $OUT/nb1_tests.log)"; grep -E '^(FAILED|ERROR)' $OUT/nb1_tests.log | head
 wait; el "model: $(tail -1 /tmp/model-build.log)"
 STRATA_CUDA_LIB=$C timeout 60 python3 tests/engine/gpu/knob_bitwise.py STRATA_GPU_Q6_HEAD --values 0,1,2,3 \
