@@ -12,8 +12,10 @@ used experts is printed.
 
 It prints Strata's decode tok/s at batch 1 (128 tokens), aggregate decode tok/s at 8 and 32
 concurrent distinct sequences (greedy: each next token is the engine's own pick on the GPU, only
-the ids copied back, as the scheduler runs greedy requests; the ``*_host_argmax`` rows copy the
-logits back and take the argmax on the host instead), prefill tok/s for 512- and 4,096-token prompts, and the HBM
+the ids copied back, and on a GPU whose library has stg_step_launch step N+1 launched before step
+N is waited, its ids read from N's picks on the device, as the scheduler runs greedy requests by
+default (``decode_headline_pick``); the ``*_sync`` rows wait for each step before the next, the
+``*_host_argmax`` rows copy the logits back and take the argmax on the host instead), prefill tok/s for 512- and 4,096-token prompts, and the HBM
 floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth); the
 median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
 comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
@@ -282,24 +284,19 @@ def run(args: argparse.Namespace) -> dict:
                     pos += 1
                 eng.wait(ticket)
                 step_t.append(eng.last_stats.t_total)
-                rate = n_seq * steps / (time.perf_counter() - t)
-                if prof is not None:
-                    prof.stop()  # type: ignore[attr-defined]
-                if tag:
-                    gpu_ms[tag] = 1e3 * float(np.median(step_t))
-                return rate, eng.last_stats
-            for s in range(steps + 2):  # two warm-up steps
-                if s == 2:
-                    if prof is not None:
-                        prof.start()  # type: ignore[attr-defined]
-                    t = time.perf_counter()
-                out = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
-                                  expert_hist=hist, greedy=pick == "device")
-                if s >= 2:
-                    step_t.append(eng.last_stats.t_total)
-                last = out.tolist() if pick == "device" else [int(x) for x in out.argmax(axis=1)] \
-                    if pick == "host" else [int(x) for x in rng.integers(0, V, size=n_seq)]
-                pos += 1
+            else:
+                for s in range(steps + 2):  # two warm-up steps
+                    if s == 2:
+                        if prof is not None:
+                            prof.start()  # type: ignore[attr-defined]
+                        t = time.perf_counter()
+                    out = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
+                                      expert_hist=hist, greedy=pick == "device")
+                    if s >= 2:
+                        step_t.append(eng.last_stats.t_total)
+                    last = out.tolist() if pick == "device" else [int(x) for x in out.argmax(axis=1)] \
+                        if pick == "host" else [int(x) for x in rng.integers(0, V, size=n_seq)]
+                    pos += 1
             rate = n_seq * steps / (time.perf_counter() - t)
             if prof is not None:
                 prof.stop()  # type: ignore[attr-defined]
@@ -333,6 +330,29 @@ def run(args: argparse.Namespace) -> dict:
             sched.step()
         return rate
 
+    # The headline decode rows take the product's path, the scheduler's rule (engine/scheduler.py): on a GPU engine
+    # whose library has stg_step_launch, greedy decode steps overlap the host (step N+1 launched before step N is
+    # waited; STRATA_OVERLAP=0 turns it off there too); on the CPU (a launch is the whole step) the device pick.
+    from engine.scheduler import OVERLAP_ENV
+
+    head = "overlap" if (eng.device.kind == "cuda" and eng.can_launch
+                         and os.environ.get(OVERLAP_ENV, "1").strip() == "1") else "device"
+    res["decode_headline_pick"] = head
+    print(f"decode headline rows (decode_b1/b8/b32_tok_s): pick={head!r}"
+          + (" (launch N+1 before wait N, as the scheduler); decode_bN_sync_tok_s: the device pick, each step waited"
+             if head == "overlap" else ""))
+
+    def decode_rows(n_seq: int, steps: int) -> object:
+        """decode_b{n_seq}_tok_s on the headline path and, when that is the overlap, decode_b{n_seq}_sync_tok_s
+        (the device pick, each step waited before the next: the headline before session 11's overlap) after
+        it. Returns the last step's stats of the device-pick run (the headline's without an overlap): the
+        stats rows split one step's GPU time, the same work either way, and an overlapped step may record
+        no per-layer events (one in flight does) or t_output (a later launch re-records it)."""
+        res[f"decode_b{n_seq}_tok_s"], st = decode(n_seq, steps, tag=f"b{n_seq}", pick=head)
+        if head == "overlap":
+            res[f"decode_b{n_seq}_sync_tok_s"], st = decode(n_seq, steps, tag=f"b{n_seq}_sync")
+        return st
+
     def decode_tables(rows: int, width: int) -> list[str]:
         """Kernel times of 16 decode steps at 1 and 32 sequences, by CUPTI through torch's profiler (the
         caller turns graphs and PDL off: with PDL a kernel's span includes its wait for the predecessor)."""
@@ -358,13 +378,15 @@ def run(args: argparse.Namespace) -> dict:
             os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"  # as --profile
             tables = decode_tables(40, 70)
             del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
-        for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL)
-            res[f"decode_b{n_seq}_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}")
+        for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL), the headline's path
+            decode_rows(n_seq, steps)
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the logits copied back, the argmax on the host
             res[f"decode_b{n_seq}_host_argmax_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_host_argmax", pick="host")
-        if eng.can_launch:  # launch N+1 before wait N (beside the device-pick rows; not the headline)
-            for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
-                res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap", pick="overlap")
+        if eng.can_launch:
+            if head != "overlap":  # launch N+1 before wait N beside the headline's device pick (the CPU, STRATA_OVERLAP=0)
+                for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
+                    res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap",
+                                                                      pick="overlap")
             res["decode_b1_repeat_tok_s"], _ = decode(1, 128, tag="b1_repeat")  # the device pick again, after them
             for k, (n_seq, steps) in enumerate(((1, 128), (8, 64), (32, 64), (1, 128))):  # the scheduler
                 for m in ("sync", "overlap", "sync2"):  # STRATA_OVERLAP off / on / off again
@@ -442,7 +464,7 @@ def run(args: argparse.Namespace) -> dict:
         res["prefill_4096_no_tiles_tok_s"] = prefill(4096)
     del os.environ["STRATA_GPU_ATT_TILE"], os.environ["STRATA_GPU_GEMM_TILES"]
     hist[:] = 0
-    res["decode_b1_tok_s"], st1 = decode(1, 128, tag="b1")
+    st1 = decode_rows(1, 128)
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     top = np.sort(hist.sum(axis=0))[::-1]
     res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
@@ -465,9 +487,9 @@ def run(args: argparse.Namespace) -> dict:
     os.environ["STRATA_GPU_PDL"] = "0"  # without programmatic dependent launch, for comparison
     res["decode_b1_no_pdl_tok_s"], _ = decode(1, 128, tag="b1_no_pdl")
     del os.environ["STRATA_GPU_PDL"]
-    res["decode_b8_tok_s"], st8 = decode(8, 64, tag="b8")
+    st8 = decode_rows(8, 64)
     res["decode_b8_stats_ms"] = {k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
-    res["decode_b32_tok_s"], st32 = decode(32, 64, tag="b32")
+    st32 = decode_rows(32, 64)
     # the logits copied back and the argmax on the host (before session 11's device pick), and random next
     # tokens after the logits copy, as llama-batched-bench feeds them
     res["decode_b32_host_argmax_tok_s"], _ = decode(32, 64, tag="b32_host_argmax", pick="host")
@@ -599,8 +621,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM and "
                          "the pinned logits (a before/after of a decode change; STRATA_CUDA_LIB)")
     ap.add_argument("--lean", action="store_true",
-                    help="with --decode-only: only 1, 8 and 32 sequences (the device's greedy pick, then the "
-                         "host's argmax over copied logits), then one row per --knob (default: 32 "
+                    help="with --decode-only: only 1, 8 and 32 sequences (the headline's path, the device's "
+                         "greedy pick each step waited when that is the overlap, then the host's argmax over "
+                         "copied logits), then one row per --knob (default: 32 "
                          "sequences with the head on the GEMM from 64 pairs, and with q/k/v as three launches)")
     ap.add_argument("--knob", action="append", metavar="N:ENV=VALUE",
                     help="with --lean: also decode N sequences with the variable ENV set to VALUE (repeatable)")
