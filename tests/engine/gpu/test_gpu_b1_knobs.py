@@ -53,6 +53,27 @@ def heads(g: tuple, c: tuple, q: np.ndarray, hd: int, p0: int) -> tuple:
     return attention_heads(g, 0, c, bs, hd, n_head, n_kv, q, p0)
 
 
+def decode_steps_equal(tmp_path: Path, outtype: str, ref: dict[str, str], variants: list[dict[str, str]],
+                       **model: int) -> None:
+    """Whole decode steps of a small random Qwen3-MoE (tests/engine/hf_models.py's maker with ``model``'s
+    options, as ``outtype``) at 1 and 2 sequences: every step's logits with each of ``variants``' variables set
+    bitwise equal to those with ``ref``'s."""
+    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
+    from engine.engine import Engine
+
+    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "hf", **model)
+    path = H.to_gguf(hf_dir, tmp_path / f"m.{outtype}.gguf", outtype)
+    eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
+    try:
+        for n_seq in (1, 2):
+            want = decode_logits(eng, n_seq, 4, ref, prompt_len=20)
+            for env in variants:
+                got = decode_logits(eng, n_seq, 4, env, prompt_len=20)
+                assert all(same(a, b) for a, b in zip(want, got, strict=True)), (outtype, n_seq, env)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("k", [256, 768, 2048])
 def test_q6k_wide_loads_bitwise(g: tuple, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q6_K matvec with the wide loads (Q6_WIDE; k = 256 / 768: 210- and 630-byte rows, whose blocks
@@ -131,20 +152,8 @@ def test_attention_vector_loads_bitwise(g: tuple, hd: int, nq: int, p0: int, mon
 def test_decode_steps_bitwise_with_attention_vector_loads(tmp_path: Path) -> None:
     """Whole decode steps (the fused decode attention) of a small random Qwen3-MoE with head_dim 64 (the
     vector forms need hd % 64 == 0) at 1 and 2 sequences: bitwise equal with ATT_V2 at 0, 1, 2 and 3."""
-    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
-    from engine.engine import Engine
-
-    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "hf", head_dim=64)
-    path = H.to_gguf(hf_dir, tmp_path / "m.f32.gguf", "f32")
-    eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
-    try:
-        for n_seq in (1, 2):
-            ref = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_V2": "0"}, prompt_len=20)
-            for v2 in ("1", "2", "3"):
-                got = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_V2": v2}, prompt_len=20)
-                assert all(same(a, b) for a, b in zip(ref, got, strict=True)), (n_seq, v2)
-    finally:
-        eng.close()
+    decode_steps_equal(tmp_path, "f32", {"STRATA_GPU_ATT_V2": "0"}, [{"STRATA_GPU_ATT_V2": v} for v in "123"],
+                       head_dim=64)
 
 
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
@@ -152,19 +161,7 @@ def test_decode_steps_bitwise_with_every_switch(tmp_path: Path, outtype: str) ->
     """Whole decode steps (graphs, programmatic dependent launch) of a small random Qwen3-MoE (32 experts,
     top 8; F32 / Q8_0, so only the attention's and router's pre-wait reads apply): every step's logits at
     1 and 2 sequences bitwise equal with every switch off and at its default."""
-    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
-    from engine.engine import Engine
-
-    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "hf")
-    path = H.to_gguf(hf_dir, tmp_path / f"m.{outtype}.gguf", outtype)
-    eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
-    try:
-        for n_seq in (1, 2):
-            ref = decode_logits(eng, n_seq, 4, OFF, prompt_len=20)
-            got = decode_logits(eng, n_seq, 4, {}, prompt_len=20)
-            assert all(same(a, b) for a, b in zip(ref, got, strict=True)), (outtype, n_seq)
-    finally:
-        eng.close()
+    decode_steps_equal(tmp_path, outtype, OFF, [{}])
 
 
 @pytest.mark.parametrize(("nq", "p0"), [(1, 300), (1, 47), (3, 40), (2, 15)])
@@ -206,16 +203,5 @@ def test_q6k_head_rows_per_warp_bitwise(g: tuple, monkeypatch: pytest.MonkeyPatc
 def test_decode_steps_bitwise_with_attention_unroll(tmp_path: Path) -> None:
     """Whole decode steps (graphs, programmatic dependent launch, the fused decode attention) of a small random
     Qwen3-MoE with head_dim 128 at 1 and 2 sequences: bitwise equal with ATT_UNROLL off and on."""
-    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) builds the model")
-    from engine.engine import Engine
-
-    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "hf", head_dim=128)
-    path = H.to_gguf(hf_dir, tmp_path / "m.q8_0.gguf", "q8_0")
-    eng = Engine.open(path, device="cuda:0", kv_tokens=1024, block_size=16)
-    try:
-        for n_seq in (1, 2):
-            ref = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_UNROLL": "0"}, prompt_len=20)
-            got = decode_logits(eng, n_seq, 4, {"STRATA_GPU_ATT_UNROLL": "1"}, prompt_len=20)
-            assert all(same(a, b) for a, b in zip(ref, got, strict=True)), n_seq
-    finally:
-        eng.close()
+    decode_steps_equal(tmp_path, "q8_0", {"STRATA_GPU_ATT_UNROLL": "0"}, [{"STRATA_GPU_ATT_UNROLL": "1"}],
+                       head_dim=128)
