@@ -23,7 +23,7 @@ import numpy as np
 from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, resolve_device
 from engine.gguf_model import ModelFile, create_native_model, open_model
-from engine.native import EngineError, check, ffi, lib, ptr
+from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
@@ -127,9 +127,6 @@ class _StepIO:
         b.logit_idx = ip + 3 * n if nl else ffi.NULL
         b.token_src = ip + 3 * n + nl if token_src is not None else ffi.NULL
         return b
-
-
-_ST_EINVAL = 1
 
 
 class StaleSourceError(EngineError):
@@ -332,10 +329,12 @@ class Engine:
             return
         if len(token_src) != n:
             raise ValueError("token_src must have one entry per token")
-        if self._gpu is not None and not self._gpu.has_overlap:  # an older build would ignore the field
-            from engine.native import UnsupportedError
+        self._require_launch("token_src: this CUDA library predates st_batch.token_src")  # it would ignore the field
 
-            raise UnsupportedError("token_src: this CUDA library predates st_batch.token_src (rebuild it)", 3)
+    def _require_launch(self, what: str) -> None:
+        """Refuse token_src / launch on a CUDA library built before them (loaded through STRATA_CUDA_LIB)."""
+        if not self.can_launch:
+            raise UnsupportedError(f"{what} (rebuild it)", lib.ST_EUNSUPPORTED)
 
     @property
     def can_launch(self) -> bool:
@@ -358,17 +357,14 @@ class Engine:
         holds two launched steps: a third launch waits for the oldest first (its picks then wait for
         its own ``wait``), as ``forward`` waits for all of them."""
         self._check_step(tokens, pos, seq, token_src)
-        if self._gpu is not None and not self._gpu.has_overlap:
-            from engine.native import UnsupportedError
-
-            raise UnsupportedError("launch: this CUDA library predates stg_step_launch (rebuild it)", 3)
+        self._require_launch("launch: this CUDA library predates stg_step_launch")
         self._check_hist(expert_hist)
         nl = len(logit_idx)
         out = np.empty(nl, np.int32)
         with self._step_lock:
             if after is not None and token_src is not None and after != self._last_step:
                 raise StaleSourceError(f"launch: token_src names step {after}'s picks but step {self._last_step} "
-                                       "ran since", _ST_EINVAL)
+                                       "ran since", lib.ST_EINVAL)
             self._drain(1)
             b = self._io.fill(tokens, pos, seq, block_tables, logit_idx, token_src)
             b.logits = ffi.NULL
@@ -417,7 +413,7 @@ class Engine:
                     self._drain(len(self._inflight) - 1)
                 out, stats = self._wait_c(ticket)
             else:
-                raise EngineError(f"wait: no launched step {ticket} to wait for", _ST_EINVAL)
+                raise EngineError(f"wait: no launched step {ticket} to wait for", lib.ST_EINVAL)
             self.last_stats = stats
         return out
 

@@ -13,7 +13,7 @@ One `step()`:
      own greedy picks instead of logits: see device_pick_ok); detokenise, check stops, finish
      and free.
 
-Overlap (``STRATA_OVERLAP=1``, off by default until measured on a GPU): a step whose rows are all
+Overlap (default on for a GPU engine, off on the CPU; ``STRATA_OVERLAP`` overrides): a step whose rows are all
 plain greedy decodes is launched (``Engine.launch``), and while it runs the next step is launched with
 each id read on the device from its pick (``token_src``), before its ids reach the host, when the plan
 cannot depend on them (nothing queued, aborted or waiting; stops by count planned exactly; no
@@ -361,11 +361,9 @@ class Scheduler:
             report = StepReport(None, 0, 0, len(self.running), len(self.waiting), n_preempted, self.blocks.usage, 0.0)
             if batch and self._launchable(batch):
                 self._check_plan(batch)
-                self._launch(batch)
-                if self._flight is not None:
+                self._launch(batch, outputs)
+                if self._flight is not None:  # else the launch failed and its requests were failed
                     self._overlap(outputs, report)
-                else:  # the launch failed: its requests were failed
-                    outputs.extend(self._launch_failures)
             elif batch:
                 self._run(batch, outputs, report)
         report.n_running, report.n_waiting = len(self.running), len(self.waiting)
@@ -383,11 +381,7 @@ class Scheduler:
             inbox, self._inbox = self._inbox, []
             self._aborts.clear()
         if self._flight is not None:  # the engine must not keep it: wait for it and drop its picks
-            try:
-                self.engine.wait(self._flight.ticket)
-            except Exception:
-                pass
-            self._flight = None
+            self._drop(self._flight)
         reqs = [*self.running, *self.waiting, *inbox]
         self.running = []
         self.waiting.clear()
@@ -536,22 +530,33 @@ class Scheduler:
         hp = self.engine.hparams
         return np.zeros((hp.n_layer, hp.n_expert), dtype=np.int32) if hp.n_expert else None
 
-    def _launch(self, batch: list[tuple[Request, int]]) -> None:
+    def _launch(self, batch: list[tuple[Request, int]], outputs: list[RequestOutput]) -> None:
         """Launch a planned all-decode step with its known ids (the first of a run of overlapped steps)."""
         rows = [r for r, _ in batch]
         pos = [r.n_computed for r in rows]
         hist = self._new_hist()
-        self._launch_failures: list[RequestOutput] = []
         try:
             ticket = self.engine.launch([r.token_ids[p] for r, p in zip(rows, pos, strict=True)], pos, list(range(len(rows))),
                                         [r.blocks for r in rows], list(range(len(rows))), expert_hist=hist)
         except Exception as exc:  # as _run: an engine error fails the requests of this step, not the loop
-            for req in rows:
-                if req.state == "running":
-                    self.running.remove(req)
-                    self._launch_failures.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+            self._fail_step(rows, exc, outputs)
             return
         self._flight = _Flight(ticket, rows, pos, hist)
+
+    def _fail_step(self, reqs: list[Request], exc: Exception, outputs: list[RequestOutput]) -> None:
+        """An engine error fails the requests of its step (those still running), not the loop."""
+        for req in reqs:
+            if req.state == "running":
+                self.running.remove(req)
+                outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+
+    def _drop(self, f: _Flight) -> None:
+        """Wait for a launched step whose picks nobody will read (the engine must not keep it)."""
+        try:
+            self.engine.wait(f.ticket)
+        except Exception:
+            pass
+        self._flight = None
 
     def _speculate(self, f: _Flight) -> _Flight | None:
         """Launch the step after ``f`` before ``f``'s ids are known, when the plan cannot depend on them:
@@ -606,15 +611,8 @@ class Scheduler:
             picks = self.engine.wait(f.ticket).tolist()
         except Exception as exc:  # the step failed: its requests end; the next one read its picks: drop it too
             if nxt is not None:
-                try:
-                    self.engine.wait(nxt.ticket)
-                except Exception:
-                    pass
-                self._flight = None
-            for req in f.rows:
-                if req.state == "running":
-                    self.running.remove(req)
-                    outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+                self._drop(nxt)
+            self._fail_step(f.rows, exc, outputs)
             return
         report.stats = self.engine.last_stats
         report.expert_hist = f.hist
@@ -657,8 +655,7 @@ class Scheduler:
                 report.n_decode += 1
             else:
                 report.n_prefill += n
-        hp = self.engine.hparams
-        hist = np.zeros((hp.n_layer, hp.n_expert), dtype=np.int32) if hp.n_expert else None
+        hist = self._new_hist()
         greedy = self.device_greedy and bool(sample_reqs) and all(
             device_pick_ok(r.params, r.constraint is not None) for r in sample_reqs)
         masks = None if greedy else self._start_masks(sample_reqs)  # grammar masks, computed while the C step runs
@@ -667,10 +664,7 @@ class Scheduler:
         except Exception as exc:  # an engine error fails the requests of this step, not the loop
             if masks is not None:
                 masks[2].result()
-            for req, _ in batch:
-                if req.state == "running":
-                    self.running.remove(req)
-                    outputs.append(self._finish(req, "abort", error=f"engine error: {exc}"))
+            self._fail_step([r for r, _ in batch], exc, outputs)
             return
         dead = {} if greedy else self._apply_masks(logits, masks, sample_reqs)
         report.stats = self.engine.last_stats
