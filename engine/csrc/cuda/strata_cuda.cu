@@ -694,10 +694,19 @@ static thread_local int g_routed_split_max = 16, g_gemm_min_tok = 8;
  * 11.71-11.76 -> 11.54-11.61 ms, 24 11.37 -> 11.18, 16 8.64 -> 8.39; ncu: the router 13.8 -> 9.1 us a layer.
  * Steps of 1-8 tokens keep k_router_route (batch 1 unchanged). Graph key bit 10. */
 static thread_local bool g_router_mlp = true;
+/* STRATA_GPU_Q6_HEAD (default 2; 1 or 3, 0 = off): a dense single-pair Q6_K matvec of at least Q6_ROWS_MIN_N rows
+ * (the output head at batch 1) whose weight is 16-byte aligned with rows of a multiple of 16 bytes (K a multiple of
+ * 2,048) on k_q6_stage (see there): each warp's rows copied into shared memory by cp.async, then Q6_ROWS' loop on the
+ * copy. 1: 2 rows a warp; 2: 4 rows a warp; 3: 2 rows a warp with the copy issued before the wait. Launches whose
+ * shared memory would pass 48 KB keep Q6_ROWS' form. Same bits (test_q6k_head_stage_bitwise; knob_bitwise.py 0 vs 1 / 2 /
+ * 3 at 1 and 2 sequences on the bench model, run 71). Run 71 (session 12), GPU step at batch 1 in one process: 2
+ * 2.63 / 2.63 ms, 1 2.64 / 2.65, 3 2.64 / 2.64 against the default rows' 2.65-2.67 (Q6_ROWS' form); ncu: the head
+ * 98.4 us at 2.62 TB/s with 1. Read per step; graph key bits 33-34. */
+static thread_local int g_q6_head = 2;
 static int64_t g_knobs() { /* 64 bits: b1_knobs() << 20 reaches bit 32 */
     return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
            g_routed_split_down << 7 | (int32_t)g_router_mlp << 10 | (g_routed_split_max / 8) << 14 |
-           (g_gemm_min_tok / 8) << 18 | (int64_t)b1_knobs() << 20;
+           (g_gemm_min_tok / 8) << 18 | (int64_t)b1_knobs() << 20 | (int64_t)g_q6_head << 33;
 }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -765,6 +774,8 @@ static void read_knobs() {
     g_att_unroll = env_int("STRATA_GPU_ATT_UNROLL", 1) != 0;
     const int q6r = env_int("STRATA_GPU_Q6_ROWS", 2);
     g_q6_rows = q6r == 2 || q6r == 4 ? q6r : 0;
+    const int q6h = env_int("STRATA_GPU_Q6_HEAD", 2);
+    g_q6_head = q6h >= 1 && q6h <= 3 ? q6h : 0;
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -863,6 +874,18 @@ template <bool SW> static void launch_fast(const lin_args &a, int max_groups, in
     else launch_k(gemm_fast_kernel<SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_WIDE>(), st, b);
 }
 
+/* STRATA_GPU_Q6_HEAD's launch (a dense single group): false (nothing launched) when the weight or its rows are not
+ * 16-byte aligned or the block's copies would need more than 48 KB of shared memory */
+static bool launch_q6_stage(const lin_args &a, cudaStream_t st) {
+    const int R = g_q6_head == 2 ? 4 : 2;
+    const int64_t smem = (int64_t)LIN_WARPS * q6s_span16(R, a.row_bytes) * 16;
+    if (((uintptr_t)a.w & 15) || (a.row_bytes & 15) || smem > 48 * 1024) return false;
+    const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), 1u);
+    if (g_q6_head == 1) launch_k(k_q6_stage<2, false>, g, LIN_WARPS * 32, (size_t)smem, st, a);
+    else if (g_q6_head == 2) launch_k(k_q6_stage<4, false>, g, LIN_WARPS * 32, (size_t)smem, st, a);
+    else launch_k(k_q6_stage<2, true>, g, LIN_WARPS * 32, (size_t)smem, st, a);
+    return true;
+}
 template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 grid, cudaStream_t st) {
     if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
     else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
@@ -932,6 +955,9 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
             }
         }
         if constexpr (T == STG_Q6_K && !SW) {
+            if (g_q6_head && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N && grid.y == 1 &&
+                launch_q6_stage(a, st)) /* STRATA_GPU_Q6_HEAD (candidate) */
+                return;
             const int R = g_q6_rows; /* STRATA_GPU_Q6_ROWS: the output head's single pair */
             if (R > 1 && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N) {
                 const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), grid.y);

@@ -190,6 +190,7 @@ def test_q6k_head_rows_per_warp_bitwise(g: tuple, monkeypatch: pytest.MonkeyPatc
     rng = np.random.default_rng(rows)
     w = random_blocks("Q6_K", rows * k, rng)
     x = rng.standard_normal((1, k)).astype(np.float32)
+    monkeypatch.setenv("STRATA_GPU_Q6_HEAD", "0")  # Q6_ROWS' own forms (K 256 would not take the staged one anyway)
     for wide in ("0", "1"):
         monkeypatch.setenv("STRATA_GPU_Q6_WIDE", wide)
         monkeypatch.setenv("STRATA_GPU_Q6_ROWS", "0")
@@ -198,6 +199,28 @@ def test_q6k_head_rows_per_warp_bitwise(g: tuple, monkeypatch: pytest.MonkeyPatc
         for r in ("2", "4"):
             monkeypatch.setenv("STRATA_GPU_Q6_ROWS", r)
             assert same(ref, linear(g, "Q6_K", "matvec", w, None, rows, k, x)), (wide, r)
+
+
+@pytest.mark.parametrize("k", [256, 2048, 4096])
+def test_q6k_head_stage_bitwise(g: tuple, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_GPU_Q6_HEAD 1 / 2 / 3 (k_q6_stage: each warp's 2 / 4 / 2 rows copied into shared memory by cp.async,
+    3 with the copy before the wait, then Q6_ROWS' loop on the copy) give one row per warp's bits and Q6_ROWS=2's at
+    the output head's kind of launch (a dense single-token Q6_K matvec of at least 65,536 rows), the row count ending
+    inside a warp's rows; K 2,048 and 4,096 take it (4 rows a warp at 4,096 would pass 48 KB of shared memory and keep
+    Q6_ROWS' form), K 256 (rows of 210 bytes) keeps Q6_ROWS' form."""
+    rows = 65536 + 41
+    rng = np.random.default_rng(k)
+    w = random_blocks("Q6_K", rows * k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    monkeypatch.setenv("STRATA_GPU_Q6_HEAD", "0")
+    monkeypatch.setenv("STRATA_GPU_Q6_ROWS", "0")
+    ref = linear(g, "Q6_K", "matvec", w, None, rows, k, x)
+    assert np.isfinite(ref).all()
+    monkeypatch.setenv("STRATA_GPU_Q6_ROWS", "2")
+    assert same(ref, linear(g, "Q6_K", "matvec", w, None, rows, k, x))
+    for mode in ("1", "2", "3"):
+        monkeypatch.setenv("STRATA_GPU_Q6_HEAD", mode)
+        assert same(ref, linear(g, "Q6_K", "matvec", w, None, rows, k, x)), mode
 
 
 def test_decode_steps_bitwise_with_attention_unroll(tmp_path: Path) -> None:
