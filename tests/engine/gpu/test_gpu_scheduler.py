@@ -153,7 +153,7 @@ def test_fused_decode_kernels_equal_separate_launches(gpu: Engine, monkeypatch: 
 
 
 def test_step_stats_split_on_every_step(gpu: Engine) -> None:
-    """Per-layer events run on one graph step in 16; the others still report an attention /
+    """Per-layer events run on one graph step in 64 (LAYER_EVENT_PERIOD); the others still report an attention /
     experts split (the last measured shares of their step size times their own total)."""
     tabs = [gpu.blocks.allocate(4)]
     try:
