@@ -1,7 +1,7 @@
-# Session 12's gq candidate call (STRATA_GPU_GU_CHUNK; tests/engine/gpu/b1_guchunk_candidate.patch, against a0ff09b), run
+# Session 12's gq candidate call (STRATA_GPU_GU_CHUNK; tests/engine/gpu/b1_guchunk_candidate.patch, against 4958abb), run
 # on the GPU machine after device_run.sh's setup (b1_call.sh does it). Its library /tmp/l/guchunk.so comes gzipped in the
-# carried .b1/ (sm_90, built from `git archive a0ff09b` + the patch); without it (or with GQ_REBUILD=1, e.g. when HEAD's
-# CUDA sources moved since a0ff09b) this script builds it from the patched copy below (sm_90, ~60-120 s on 16 cores).
+# carried .b1/ (sm_90, built from `git archive 4958abb` + the patch); without it (or with GQ_REBUILD=1, e.g. when HEAD's
+# CUDA sources moved since 4958abb) this script builds it from the patched copy below (sm_90, ~60-120 s on 16 cores).
 # Call (carry .whl and .b1):
 #   CAND=guchunk STEPS='bash tests/engine/gpu/b1_guchunk_steps.sh' bash tests/engine/gpu/b1_call.sh
 # Warm machine, ~150-200 s:
