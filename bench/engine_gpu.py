@@ -399,9 +399,13 @@ def run(args: argparse.Namespace) -> dict:
                 if not n_s.isdigit() or not env or not v:
                     raise SystemExit(f"--knob: expected N:ENV=VALUE, got {spec!r}")
                 tag = f"b{n_s}_{env.removeprefix('STRATA_GPU_').lower()}_{v}"
+                saved = os.environ.get(env)  # a variable the process was started with comes back after the row
                 os.environ[env] = v
                 res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
-                del os.environ[env]
+                if saved is None:
+                    del os.environ[env]
+                else:
+                    os.environ[env] = saved
         else:
             res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
         if args.decode_only and not args.lean:  # the split dense GEMM and the pinned logits off, for comparison
