@@ -41,6 +41,9 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 __device__ __forceinline__ void prefetch_l1(const void *p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2_last(const void *p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p));
+}
 
 /* Asynchronous global -> shared copies (the attention kernels, the GEMM's staged Q4_K bytes). */
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
@@ -303,6 +306,127 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
             quant_block32(v, lane, a.hq + p * a.N + 32 * c, a.hd + p * (a.N / 32) + c, a.hs + p * (a.N / 16) + 2 * c);
         }
     }
+}
+
+/* STRATA_GPU_GU_CHUNK (session 12, default 0 = the forms above): the routed gate/up matvec of single-pair passes
+ * (decode steps whose gate/up takes the matvec with one pair per pass: 1-7 tokens at Qwen3-30B's shapes) also makes
+ * the down projection's 8-bit input, with neither k_quant_act's launch nor FUSED_QUANT's counter and fence: the 32
+ * rows of one chunk of one expert finish inside one block (forms 1 and 2) or one thread-block cluster (form 3), so a
+ * barrier orders their h values before quant_block32 makes the chunk's block exactly as k_quant_act does (same
+ * values, same places in hq / hd / hs). Each row's sum is k_linear_q<T, 1, true>'s (lanes over sub-blocks
+ * j = lane + 32 i in order, the same unpack, sub_dot chain and butterfly) and h = silu(g) * u is stored where it
+ * stores it, so the bits are HEAD's. Needs N % 32 == 0, ldo == N, no row segments, a routed launch.
+ * k_linear_q_chunk<T, RW>: one block per (chunk, group) of 32 / RW warps with RW consecutive rows each (form 1:
+ * RW 1, 1,024 threads; form 2: RW 2, 512 threads, two blocks per SM); per pass the rows' h go to shared memory,
+ * one __syncthreads, then warp 0 quantises. Double-buffered: one barrier per pass. */
+template <int T, int RW>
+__global__ void __launch_bounds__(32 / RW * WARP, RW == 1 ? 1 : 2) k_linear_q_chunk(lin_args a) {
+    constexpr int NW = 32 / RW;
+    static_assert(NW * RW == 32, "a block is one 32-row chunk");
+    __shared__ float hb[2][32];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    int e, start, count;
+    pdl_trigger();
+    pdl_wait(); /* routed: the expert ids come from the predecessor */
+    if (!group_of(a.g, blockIdx.y, e, start, count)) return; /* the whole block: no barrier below is skipped */
+    const int c = blockIdx.x, rc = warp * RW; /* chunk; this warp's first row inside it */
+    /* the warp's first rows of gate and up; row i is i * row_bytes further (two pointers live, not 2 * RW) */
+    const int64_t off = e * a.expert_stride + (int64_t)(32 * c + rc) * a.row_bytes;
+    const uint8_t *wrow = a.w + off, *wrow2 = a.w2 + off;
+    const int nsb = a.K / 32;
+    for (int p0 = 0; p0 < count; p0++) {
+        const int64_t p = pair_at(a.g, start, p0), base = (int64_t)in_row(a.g, (int)p) * a.K;
+        float acc[RW], acc2[RW];
+#pragma unroll
+        for (int i = 0; i < RW; i++) acc[i] = acc2[i] = 0.0f;
+#pragma unroll(3 - RW) /* RW 1: k_linear_q's 2; RW 2: 1 (its two rows are the loads in flight; 64 registers) */
+        for (int j = lane; j < nsb; j += WARP) {
+#pragma unroll
+            for (int i = 0; i < RW; i++) {
+                sub_w s, s2;
+                unpack_sub<T>(wrow + i * a.row_bytes, j, s);
+                unpack_sub<T>(wrow2 + i * a.row_bytes, j, s2);
+                const int8_t *q = a.aq + base + 32 * j;
+                const float d = a.ad[base / 32 + j];
+                const int32_t *sm = a.as + base / 16 + 2 * j;
+                acc[i] = sub_dot(acc[i], s, q, d, sm);
+                acc2[i] = sub_dot(acc2[i], s2, q, d, sm);
+            }
+        }
+        float *h = hb[p0 & 1];
+#pragma unroll
+        for (int i = 0; i < RW; i++) {
+            acc[i] = warp_sum(acc[i]);
+            acc2[i] = warp_sum(acc2[i]);
+            if (lane == 0) {
+                const float v = silu_f(acc[i]) * acc2[i]; /* store_at's MODE_SWIGLU value */
+                a.out[p * a.ldo + 32 * c + rc + i] = v;
+                h[rc + i] = v;
+            }
+        }
+        __syncthreads();
+        if (warp == 0)
+            quant_block32(h[lane], lane, a.hq + p * a.N + 32 * c, a.hd + p * (a.N / 32) + c,
+                          a.hs + p * (a.N / 16) + 2 * c);
+    }
+}
+
+/* GU_CHUNK form 3: k_linear_q<T, 1, true>'s blocks of LIN_WARPS warps (one row each, the same grid), launched as
+ * clusters of 32 / LIN_WARPS blocks (sm_90: cudaLaunchAttributeClusterDimension), one cluster per 32-row chunk. Each
+ * row's h goes to the shared memory of the cluster's first block (distributed shared memory), one cluster barrier
+ * (arrive.release / wait.acquire) per pass, then that block's warp 0 quantises. Before sm_90 the body is empty (the
+ * host never launches it there). */
+__device__ __forceinline__ void cluster_sync_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+#endif
+}
+template <int T> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_cluster(lin_args a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int per_chunk = 32 / LIN_WARPS;
+    __shared__ float hb[2][32];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int r = blockIdx.x * LIN_WARPS + warp, c = (int)blockIdx.x / per_chunk, rank = (int)blockIdx.x % per_chunk;
+    int e, start, count;
+    pdl_trigger();
+    pdl_wait(); /* routed: the expert ids come from the predecessor */
+    if (!group_of(a.g, blockIdx.y, e, start, count)) return; /* the whole cluster (one group): no barrier skipped */
+    const uint8_t *wrow = a.w + e * a.expert_stride + (int64_t)r * a.row_bytes;
+    const uint8_t *wrow2 = a.w2 + e * a.expert_stride + (int64_t)r * a.row_bytes;
+    const int nsb = a.K / 32;
+    for (int p0 = 0; p0 < count; p0++) {
+        const int64_t p = pair_at(a.g, start, p0), base = (int64_t)in_row(a.g, (int)p) * a.K;
+        float acc = 0.0f, acc2 = 0.0f;
+#pragma unroll 2
+        for (int j = lane; j < nsb; j += WARP) {
+            sub_w s, s2;
+            unpack_sub<T>(wrow, j, s);
+            unpack_sub<T>(wrow2, j, s2);
+            const int8_t *q = a.aq + base + 32 * j;
+            const float d = a.ad[base / 32 + j];
+            const int32_t *sm = a.as + base / 16 + 2 * j;
+            acc = sub_dot(acc, s, q, d, sm);
+            acc2 = sub_dot(acc2, s2, q, d, sm);
+        }
+        acc = warp_sum(acc);
+        acc2 = warp_sum(acc2);
+        float *h = hb[p0 & 1];
+        if (lane == 0) {
+            const float v = silu_f(acc) * acc2; /* store_at's MODE_SWIGLU value */
+            a.out[p * a.ldo + r] = v;
+            unsigned dst;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n"
+                         : "=r"(dst)
+                         : "r"((unsigned)__cvta_generic_to_shared(h + rank * LIN_WARPS + warp)));
+            asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(dst), "f"(v) : "memory");
+        }
+        cluster_sync_all();
+        if (rank == 0 && warp == 0)
+            quant_block32(h[lane], lane, a.hq + p * a.N + 32 * c, a.hd + p * (a.N / 32) + c,
+                          a.hs + p * (a.N / 16) + 2 * c);
+    }
+#endif
 }
 
 /* A routed plain matvec of single-pair passes (the down projection at decode: each group one pair, or a
@@ -1407,6 +1531,7 @@ struct attn_args {
     int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait (STRATA_GPU_ATT_PRE) */
     qkv_args qa;
     int32_t v2; /* k_attention's template form (launch_attention): STRATA_GPU_ATT_V2 */
+    const __half *kc_next, *vc_next; /* ATT_B1 = 3: the next layer's K / V arena (L2 prefetch); NULL: none */
 };
 /* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
  * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and
@@ -1455,7 +1580,28 @@ static inline size_t att_smem_bytes(int hd, int stages) {
 template <int V2> __device__ __forceinline__ int att_qidx(int d, int hd) { /* where q[d] lives in qs */
     return V2 == 2 ? (d & 1) * (hd / 2) + (d >> 1) : V2 == 3 ? (d & 7) * (hd / 8) + (d >> 3) : d;
 }
-template <int V2, int HD>
+/* B1 (STRATA_GPU_ATT_B1, candidate; with V2 = 1, HD = 128, fused steps, rope_dim <= 128): the fused q / k head
+ * prep with a shorter chain, the same operations in the same order (the same bits). Warps 0 / 1 hold their head's
+ * norm weights and bias in registers (read before the wait: weights), their head's values in registers (4 a lane),
+ * and take RoPE's cos / sin from a table rcs that warp 3 (otherwise idle until the chunk loop) computes for the
+ * token, the same (float)cos((double)theta) / sin: theta = (float)p * inv_freq[i] is the same for the q and k
+ * heads. B1 = 1: warp 3 computes the table after its wait; 2: before it (ATT_PRE: pos is a step input); 3: as 2, and
+ * warp 3 first prefetches the next layer's K / V chunks of the token into L2 (evict_last; each q head of a kv group
+ * a share), which that layer's attention then copies from L2 instead of DRAM (steps evict the cache from L2). The
+ * cache slot of the new K / V comes from the block table read before the wait. HEAD's chain for warp 0: wait, q
+ * loads, norm, the weights' loads, then per lane two (inv_freq load, double cos, double sin) in a rolled loop;
+ * B1's: wait, q loads, norm, a named barrier with warp 3, the rotation from shared memory. */
+__device__ __forceinline__ void b1_rope_table(const attn_args &a, int32_t p, float f0, float f1, float (*rcs)[64],
+                                              int lane) {
+    const int np = a.qa.rope_dim / 2;
+    const float th0 = __fmul_rn((float)p, f0), th1 = __fmul_rn((float)p, f1);
+    const float c0 = (float)cos((double)th0), s0 = (float)sin((double)th0);
+    const float c1 = (float)cos((double)th1), s1 = (float)sin((double)th1);
+    if (lane < np) rcs[0][lane] = c0, rcs[1][lane] = s0;
+    if (lane + 32 < np) rcs[0][lane + 32] = c1, rcs[1][lane + 32] = s1;
+    asm volatile("bar.arrive 1, 96;\n" ::: "memory"); /* warps 0 and 1 wait for it (bar.sync 1, 96) */
+}
+template <int V2, int HD, int B1 = 0>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     pdl_trigger();
     extern __shared__ __align__(16) unsigned char att_dyn[];
@@ -1467,6 +1613,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     const int S = a.stages;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
     __shared__ __half kvnew[2][256]; /* fused: this token's K and V of head kvh */
+    __shared__ float b1rcs[B1 ? 2 : 1][64]; /* B1: cos / sin of the token's RoPE pairs (warp 3) */
     /* pre (fused decode steps only): pos, seq and the block table are the step's uploaded inputs and
      * the cache's earlier keys were written by earlier steps, so they are read, and this warp's first
      * chunks' copies issued, before the wait for the predecessor (the q/k/v projection); the new
@@ -1515,8 +1662,109 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             issued = 2;
         }
     }
+    float bw[4] = {}, bb[4] = {}; /* B1: this warp's head norm weights and bias (lane + 32 k) */
+    float rf0 = 0.0f, rf1 = 0.0f; /* B1, warp 3: inv_freq[lane], inv_freq[lane + 32] */
+    int64_t kvo = -1; /* B1, warps 1 / 2 of a kv group's first q head: the new K / V's offset in the cache (kv_store) */
+    if constexpr (B1 > 0) {
+        static_assert(HD == 128 && V2 == 1, "ATT_B1: the unrolled form only");
+        if (warp < 3) {
+            const int hh = warp == 0 ? h : kvh;
+            const float *nw = warp == 0 ? a.qa.q_norm : a.qa.k_norm, *bias = warp == 0 ? a.qa.bq : warp == 1 ? a.qa.bk : a.qa.bv;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                bw[k] = warp < 2 && nw ? nw[lane + 32 * k] : 0.0f;
+                bb[k] = bias ? bias[hh * HD + lane + 32 * k] : 0.0f;
+            }
+            if (warp > 0 && h % (a.n_head / a.n_kv) == 0) {
+                const int32_t p = n_keys - 1, blk = bt[p / bs], slot = p % bs;
+                const int64_t kbase = (int64_t)blk * kd * bs, c = (int64_t)kvh * HD + lane;
+                kvo = warp == 1 ? kbase + c * bs + slot : kbase + (int64_t)slot * kd + c;
+            }
+        } else { /* warp 3: RoPE's inv_freq (weights), the table before the wait with B1 = 2 and ATT_PRE */
+            const int np = a.qa.rope_dim / 2;
+            rf0 = lane < np ? a.qa.inv_freq[lane] : 0.0f, rf1 = lane + 32 < np ? a.qa.inv_freq[lane + 32] : 0.0f;
+            if (B1 == 3 && a.kc_next) { /* the next layer's K / V chunks of this token into L2 (kv group's heads share them) */
+                const int G = a.n_head / a.n_kv;
+                for (int c = h % G; c < n_chunks; c += G) {
+                    const int32_t blk = bt[c * ATT_CK / bs];
+                    const int slot0 = (c * ATT_CK) % bs;
+                    const __half *kg = a.kc_next + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
+                    const __half *vg = a.vc_next + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) prefetch_l2_last(kg + (int64_t)(lane + 32 * i) * bs); /* a K row: 32 bytes */
+                    prefetch_l2_last(vg + (int64_t)(lane >> 1) * kd + 64 * (lane & 1)); /* a V row: two 128-byte lines */
+                }
+            }
+            if (B1 >= 2 && pre) b1_rope_table(a, n_keys - 1, rf0, rf1, b1rcs, lane);
+        }
+    }
     if (pre) pdl_wait();
-    if (a.fused) {
+    if constexpr (B1 > 0) {
+        if (warp < 3) { /* qkv_head's operations, in registers */
+            const qkv_args &qa = a.qa;
+            const int hh = warp == 0 ? h : kvh, qd = qa.n_head * HD, kd2 = qa.n_kv * HD;
+            const float *src = (warp == 0 ? qa.q + (int64_t)t * qd : warp == 1 ? qa.k + (int64_t)t * kd2 : qa.v + (int64_t)t * kd2) + hh * HD;
+            const float *bias = warp == 0 ? qa.bq : warp == 1 ? qa.bk : qa.bv;
+            const int64_t pl = (int64_t)qa.kp_t * qa.kp_n,
+                          base = (int64_t)t * qa.kp_n + (warp == 0 ? 0 : warp == 1 ? qd : qd + kd2) + hh * HD;
+            float x[4]; /* every load of the head in flight at once */
+            if (qa.kpart) { /* (P0 + P1) + (P2 + P3), as k_ksplit_combine */
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float *pp = qa.kpart + base + lane + 32 * k;
+                    x[k] = (pp[0] + pp[pl]) + (pp[2 * pl] + pp[3 * pl]);
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; k++) x[k] = src[lane + 32 * k];
+            }
+            if (bias) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) x[k] = x[k] + bb[k];
+            }
+            float *v = part[warp];
+            if (warp < 2) {
+                if (qa.q_norm) { /* head_rmsnorm */
+                    double ss = 0.0;
+#pragma unroll
+                    for (int k = 0; k < 4; k++) ss += (double)x[k] * (double)x[k];
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+                    const float scale = (float)(1.0 / sqrt(ss / (double)HD + (double)qa.eps));
+#pragma unroll
+                    for (int k = 0; k < 4; k++) x[k] = __fmul_rn(bw[k], __fmul_rn(x[k], scale));
+                }
+#pragma unroll
+                for (int k = 0; k < 4; k++) v[lane + 32 * k] = x[k];
+                __syncwarp();
+                asm volatile("bar.sync 1, 96;\n" ::: "memory"); /* warp 3's cos / sin table */
+#pragma unroll
+                for (int k = 0; k < 2; k++) {
+                    const int i = lane + 32 * k;
+                    if (i < qa.rope_dim / 2) rope_pair(v, i, qa.rope_dim, qa.rope_type, b1rcs[0][i], b1rcs[1][i]);
+                }
+                __syncwarp();
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; k++) v[lane + 32 * k] = x[k];
+                __syncwarp();
+            }
+            if (warp == 0) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) qs[lane + 32 * k] = __fmul_rn(v[lane + 32 * k], qa.scale);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const int i = lane + 32 * k;
+                    const __half hv = __float2half_rn(v[i]);
+                    kvnew[warp - 1][i] = hv;
+                    if (kvo >= 0) (warp == 1 ? qa.kc : qa.vc)[kvo + (warp == 1 ? (int64_t)32 * k * bs : 32 * k)] = hv; /* kv_store */
+                }
+            }
+        } else if (B1 == 1 || !pre) {
+            b1_rope_table(a, n_keys - 1, rf0, rf1, b1rcs, lane);
+        }
+    } else if (a.fused) {
         if (warp < 3) { /* warp 0: q head h; 1: k head kvh; 2: v head kvh (part[] is free until the merge) */
             float *v = part[warp];
             qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);

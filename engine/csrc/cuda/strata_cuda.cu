@@ -665,6 +665,14 @@ static thread_local int g_att_v2 = 1;
  * gate/up blocks, k_rmsnorm's and the fused attention's weights loaded before the wait (each -0.03 / -0.03 / +0.02
  * alone, nothing on top of ATT_UNROLL). Read per step; graphs keyed by them (b1_knobs()). */
 static thread_local bool g_att_unroll = true;
+/* STRATA_GPU_ATT_B1 (session 12 (at); default 3; 1 or 2, 0 = the earlier form): fused decode steps on k_attention<1, 128, B1> (with
+ * ATT_UNROLL, rope_dim <= 128): the q / k head prep's chain shortened, the same bits (see k_attention; 1: warp 3's RoPE
+ * table after the wait, 2: before it, 3: as 2 with the next layer's K / V of the step prefetched into L2). Run 72, GPU
+ * step at batch 1, two rows each in one process against default rows of 2.64-2.66 ms: 1 2.57 / 2.54, 2 2.56 / 2.55, 3
+ * 2.56 / 2.53 (-0.10 ms: the q head's prep after the wait was the attention's chain, not its chunks); with GU_CHUNK=2
+ * 2.49 ms against 2.59 with ATT_B1=0; 32 sequences 10.79 against 10.96 all off. knob_bitwise 0 vs 1 / 2 / 3 bitwise
+ * equal at 1 and 2 sequences. Read per step; graph key bits 50-51. */
+static thread_local int g_att_b1 = 3;
 static thread_local int g_q6_rows = 2;
 #define Q6_ROWS_MIN_N 65536
 static int32_t b1_knobs() {
@@ -703,10 +711,21 @@ static thread_local bool g_router_mlp = true;
  * 2.63 / 2.63 ms, 1 2.64 / 2.65, 3 2.64 / 2.64 against the default rows' 2.65-2.67 (Q6_ROWS' form); ncu: the head
  * 98.4 us at 2.62 TB/s with 1. Read per step; graph key bits 33-34. */
 static thread_local int g_q6_head = 2;
+/* STRATA_GPU_GU_CHUNK (session 12 (gq); default 2; 1 or 3, 0 = off): a routed gate/up matvec of single-pair passes (steps
+ * whose gate/up takes the matvec with one pair per pass: 1-7 tokens at Qwen3-30B's shapes; Q4_K and Q8_0) quantises
+ * its own output for the down projection (kernels.cuh, k_linear_q_chunk / k_linear_q_cluster): one block of 32 warps
+ * (1), of 16 warps with 2 rows each (2), or a cluster of k_linear_q's 8 blocks (3, sm_90 only; else off) owns a
+ * 32-row chunk, so ffn_block's k_quant_act launch goes without FUSED_QUANT's counter and fence. Same bits
+ * (test_gu_chunk_bitwise, test_gu_chunk_decode_steps_bitwise; knob_bitwise.py 0 vs 1 / 2 / 3 at 1 and 2 sequences).
+ * Run 72, GPU step at batch 1 (two rows each; default rows 2.64-2.66 ms): 2 2.58 / 2.55 (-0.08 ms: more than run 71's
+ * whole k_quant_act deletion, -0.06), 1 2.65 / 2.65 (one 1,024-thread block per SM), 3 2.69 / 2.67 (the clusters'
+ * co-scheduling); with ATT_B1=3 2.49 ms against 2.55 with GU_CHUNK=0. Graph key bits 45-46. */
+static thread_local int g_gu_chunk = 2;
 static int64_t g_knobs() { /* 64 bits: b1_knobs() << 20 reaches bit 32 */
     return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
            g_routed_split_down << 7 | (int32_t)g_router_mlp << 10 | (g_routed_split_max / 8) << 14 |
-           (g_gemm_min_tok / 8) << 18 | (int64_t)b1_knobs() << 20 | (int64_t)g_q6_head << 33;
+           (g_gemm_min_tok / 8) << 18 | (int64_t)b1_knobs() << 20 | (int64_t)g_q6_head << 33 |
+           (int64_t)g_gu_chunk << 45 | (int64_t)g_att_b1 << 50;
 }
 static bool gemm_tiles_env() {
     const char *e = getenv("STRATA_GPU_GEMM_TILES");
@@ -772,10 +791,20 @@ static void read_knobs() {
     const int v2 = env_int("STRATA_GPU_ATT_V2", 1);
     g_att_v2 = v2 == 0 || v2 == 2 || v2 == 3 ? v2 : 1;
     g_att_unroll = env_int("STRATA_GPU_ATT_UNROLL", 1) != 0;
+    const int ab1 = env_int("STRATA_GPU_ATT_B1", 3);
+    g_att_b1 = ab1 >= 1 && ab1 <= 3 ? ab1 : 0;
     const int q6r = env_int("STRATA_GPU_Q6_ROWS", 2);
     g_q6_rows = q6r == 2 || q6r == 4 ? q6r : 0;
     const int q6h = env_int("STRATA_GPU_Q6_HEAD", 2);
     g_q6_head = q6h >= 1 && q6h <= 3 ? q6h : 0;
+    const int guc = env_int("STRATA_GPU_GU_CHUNK", 2);
+    g_gu_chunk = guc >= 1 && guc <= 3 ? guc : 0;
+    if (g_gu_chunk == 3) { /* thread-block clusters: sm_90 and later */
+        int dev = 0, ccm = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&ccm, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || ccm < 9)
+            g_gu_chunk = 0;
+    }
 }
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
@@ -886,6 +915,26 @@ static bool launch_q6_stage(const lin_args &a, cudaStream_t st) {
     else launch_k(k_q6_stage<2, true>, g, LIN_WARPS * 32, (size_t)smem, st, a);
     return true;
 }
+/* GU_CHUNK's launch (g_gu_chunk 1-3): N / 32 blocks of 32 warps (1) or 16 (2) per group, or k_linear_q's grid as
+ * clusters of 8 blocks along x (3; launch_k's attributes plus the cluster dimension) */
+template <int T> static void launch_gu_chunk(const lin_args &a, int max_groups, cudaStream_t st) {
+    if (g_gu_chunk == 3) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)(a.N / LIN_WARPS), (unsigned)max_groups), cfg.blockDim = LIN_WARPS * 32;
+        cfg.dynamicSmemBytes = 0, cfg.stream = st;
+        cudaLaunchAttribute at[2];
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = 32 / LIN_WARPS, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[1].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at, cfg.numAttrs = g_pdl ? 2 : 1;
+        (void)cudaLaunchKernelEx(&cfg, k_linear_q_cluster<T>, a);
+    } else {
+        const dim3 grid((unsigned)(a.N / 32), (unsigned)max_groups);
+        if (g_gu_chunk == 2) launch_k(k_linear_q_chunk<T, 2>, grid, 512, 0, st, a);
+        else launch_k(k_linear_q_chunk<T, 1>, grid, 1024, 0, st, a);
+    }
+}
 template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 grid, cudaStream_t st) {
     if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
     else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
@@ -944,6 +993,12 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
+        if constexpr (SW && (T == STG_Q4_K || T == STG_Q8_0)) {
+            if (g_gu_chunk && a.hq && !a.qcnt) { /* GU_CHUNK (linear() checked the shapes) */
+                launch_gu_chunk<T>(a, max_groups, st);
+                return;
+            }
+        }
         if constexpr (T == STG_Q4_K && !SW) {
             const int R = g_mv_rows;
             if (R > 1 && nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: R rows per warp */
@@ -1087,7 +1142,15 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
             *fq->done = true;
         }
     }
-    if (fq && W2 && q && path == STG_PATH_MATVEC && !seg && a.N % 32 == 0 && ldo == a.N && fused_quant_on()) {
+    /* GU_CHUNK: a routed gate/up matvec of one pair per pass quantises its chunks in-block (launch_q) */
+    const bool gu_chunk = g_gu_chunk && fq && W2 && path == STG_PATH_MATVEC && !seg && g.gexp && expected <= 1 &&
+                          a.N % 32 == 0 && ldo == a.N && (W.type == STG_Q4_K || W.type == STG_Q8_0);
+    if (gu_chunk) {
+        a.hq = fq->q, a.hd = fq->d, a.hs = fq->s;
+        *fq->done = true;
+    }
+    if (!gu_chunk && fq && W2 && q && path == STG_PATH_MATVEC && !seg && a.N % 32 == 0 && ldo == a.N &&
+        fused_quant_on()) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s, a.qcnt = fq->cnt;
         *fq->done = true;
     }
@@ -1319,7 +1382,8 @@ static stg_status gemm_setup(void) {
 static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
     CHECK(gemm_setup());
     void (*const att_forms[])(attn_args) = {k_attention<0, 0>, k_attention<1, 0>, k_attention<2, 0>, k_attention<3, 0>,
-                                            k_attention<1, 128>};
+                                            k_attention<1, 128>, k_attention<1, 128, 1>, k_attention<1, 128, 2>,
+                                            k_attention<1, 128, 3>};
     for (auto f : att_forms)
         CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
@@ -1386,7 +1450,11 @@ static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st
     const int v2 = aa.hd % 64 == 0 ? aa.v2 : 0; /* STRATA_GPU_ATT_V2 */
     if (v2 == 3) launch_k(k_attention<3, 0>, grid, ATT_WARPS * 32, smem, st, aa);
     else if (v2 == 2) launch_k(k_attention<2, 0>, grid, ATT_WARPS * 32, smem, st, aa);
-    else if (v2 == 1 && aa.hd == 128 && g_att_unroll) launch_k(k_attention<1, 128>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (v2 == 1 && aa.hd == 128 && g_att_unroll && g_att_b1 && aa.fused && aa.qa.rope_dim <= 128) {
+        if (g_att_b1 == 3) launch_k(k_attention<1, 128, 3>, grid, ATT_WARPS * 32, smem, st, aa); /* STRATA_GPU_ATT_B1 */
+        else if (g_att_b1 == 2) launch_k(k_attention<1, 128, 2>, grid, ATT_WARPS * 32, smem, st, aa);
+        else launch_k(k_attention<1, 128, 1>, grid, ATT_WARPS * 32, smem, st, aa);
+    } else if (v2 == 1 && aa.hd == 128 && g_att_unroll) launch_k(k_attention<1, 128>, grid, ATT_WARPS * 32, smem, st, aa);
     else if (v2 == 1) launch_k(k_attention<1, 0>, grid, ATT_WARPS * 32, smem, st, aa);
     else launch_k(k_attention<0, 0>, grid, ATT_WARPS * 32, smem, st, aa);
     LAUNCHED("attention");
@@ -1480,6 +1548,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
     aa.pre = fuse_qkv && g_att_pre ? 1 : 0;
     aa.v2 = g_att_v2;
+    if (g_att_b1 == 3 && il + 1 < kv->n_layer) /* STRATA_GPU_ATT_B1 = 3: the next layer's arena, prefetched */
+        aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
     if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
@@ -2230,6 +2300,15 @@ extern "C" stg_status stg_test_routed_quant(int32_t type, const void *w, const v
                                             int32_t k_used, float *out, int8_t *hq, float *hd, int32_t *hs) {
     if (!w2 || !hq || !hd || !hs || n_rows % 32) return fail(ST_EINVAL, "routed quant: bad arguments");
     return routed_linear(type, STG_PATH_GEMM, 1, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
+}
+
+extern "C" stg_status stg_test_routed_chunk_quant(int32_t type, const void *w, const void *w2, int32_t n_expert,
+                                                  int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
+                                                  const int32_t *ids, int32_t k_used, float *out, int8_t *hq, float *hd,
+                                                  int32_t *hs) {
+    if (!w2 || !hq || !hd || !hs || n_rows % 32) return fail(ST_EINVAL, "routed chunk quant: bad arguments");
+    g_fused_quant = false; /* stg_test_swiglu_quant leaves it on; off, GU_CHUNK=0 quantises nothing (EINVAL) */
+    return routed_linear(type, STG_PATH_MATVEC, 0, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
 }
 
 extern "C" stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,

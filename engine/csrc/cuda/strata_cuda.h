@@ -109,6 +109,11 @@ stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, con
 stg_status stg_test_routed_quant(int32_t type, const void *w, const void *w2, int32_t n_expert, int64_t n_rows,
                                  int64_t k, const float *x, int32_t n_tok, const int32_t *ids, int32_t k_used,
                                  float *out, int8_t *hq, float *hd, int32_t *hs);
+/* stg_test_routed_quant's arguments and outputs on the matvec path (STRATA_GPU_GU_CHUNK 1-3: the routed gate/up
+ * matvec of one pair per pass quantising its chunks in-block); EINVAL when the launch did not quantise. */
+stg_status stg_test_routed_chunk_quant(int32_t type, const void *w, const void *w2, int32_t n_expert, int64_t n_rows,
+                                       int64_t k, const float *x, int32_t n_tok, const int32_t *ids, int32_t k_used,
+                                       float *out, int8_t *hq, float *hd, int32_t *hs);
 /* st_attention's contract for one kv head's queries; path: STG_PATH_REF or STG_PATH_AUTO. */
 stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                               const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,

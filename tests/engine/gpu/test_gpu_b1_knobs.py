@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.engine.gpu._env import requires_gpu
-from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, gcheck, gptr
+from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cpu_quant, gcheck, gptr
 from tests.engine.gpu.knob_bitwise import decode_logits
 from tests.engine.gpu.test_gpu_kernels import PATHS, random_blocks, tid
 
@@ -228,3 +228,51 @@ def test_decode_steps_bitwise_with_attention_unroll(tmp_path: Path) -> None:
     Qwen3-MoE with head_dim 128 at 1 and 2 sequences: bitwise equal with ATT_UNROLL off and on."""
     decode_steps_equal(tmp_path, "q8_0", {"STRATA_GPU_ATT_UNROLL": "0"}, [{"STRATA_GPU_ATT_UNROLL": "1"}],
                        head_dim=128)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("k", [768, 2048])
+def test_gu_chunk_bitwise(g: tuple, name: str, k: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_GPU_GU_CHUNK 1 / 2 / 3 (session 12): the routed gate/up matvec of one pair per pass quantising its
+    own output a 32-row chunk at a time (one block of 32 warps, of 16 warps x 2 rows, or a cluster of 8 blocks)
+    gives k_linear_q's float rows bit for bit (GU_CHUNK=0, the matvec without quantisation) and the CPU's
+    st_quantize_act blocks of them (k_quant_act's values), at 1 and 2 tokens (the second token shares experts
+    with the first: groups of two passes); with it off the harness reports that nothing was quantised."""
+    rng = np.random.default_rng(k + len(name))
+    n_expert, rows, k_used = 16, 96, 8
+    w = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
+    w2 = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
+    for n_tok in (1, 2):
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        first = rng.choice(n_expert, k_used, replace=False)
+        rest = rng.permutation(np.setdiff1d(np.arange(n_expert), first[:3]))[: k_used - 3]
+        ids = np.concatenate([first, np.concatenate([first[:3], rest])][:n_tok]).astype(np.int32)
+        P = n_tok * k_used
+        monkeypatch.setenv("STRATA_GPU_GU_CHUNK", "0")
+        ref = np.full((P, rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_routed_linear(tid(name), PATHS["matvec"], 0, gptr(g, w), gptr(g, w2), n_expert, rows,
+                                              k, gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                              gptr(g, ref, "float *")))
+        assert np.isfinite(ref).all()
+        cq, cd, cs = cpu_quant(ref)
+        out = np.full((P, rows), np.nan, np.float32)
+        hq, hd, hs = np.zeros((P, rows), np.int8), np.zeros((P, rows // 32), np.float32), \
+            np.zeros((P, rows // 16), np.int32)
+        args = (tid(name), gptr(g, w), gptr(g, w2), n_expert, rows, k, gptr(g, x, "float *"), n_tok,
+                gptr(g, ids, "int32_t *"), k_used, gptr(g, out, "float *"), gptr(g, hq, "int8_t *"),
+                gptr(g, hd, "float *"), gptr(g, hs, "int32_t *"))
+        assert g[1].stg_test_routed_chunk_quant(*args) != 0  # off: the plain matvec, nothing quantised
+        for v in ("1", "2", "3"):
+            monkeypatch.setenv("STRATA_GPU_GU_CHUNK", v)
+            out[:], hq[:], hd[:], hs[:] = np.nan, 0, np.nan, 0
+            gcheck(g, g[1].stg_test_routed_chunk_quant(*args))
+            assert same(ref, out), (name, k, n_tok, v, np.abs(ref - out).max())
+            assert np.array_equal(cq, hq) and same(cd, hd) and np.array_equal(cs, hs), (name, k, n_tok, v)
+
+
+def test_gu_chunk_decode_steps_bitwise(tmp_path: Path) -> None:
+    """Whole decode steps (graphs, programmatic dependent launch) of a small random Qwen3-MoE as Q8_0 (32 experts,
+    top 8, 32-row experts: one chunk each) at 1 and 2 sequences: every step's logits bitwise equal with
+    STRATA_GPU_GU_CHUNK at 1, 2 and 3 against 0 (the routed gate/up quantising its own output in-block, ffn_block's
+    k_quant_act launch gone)."""
+    decode_steps_equal(tmp_path, "q8_0", {"STRATA_GPU_GU_CHUNK": "0"}, [{"STRATA_GPU_GU_CHUNK": v} for v in "123"])

@@ -145,6 +145,7 @@ def test_graph_replay_equals_eager_launches(gpu: Engine, monkeypatch: pytest.Mon
 def test_fused_decode_kernels_equal_separate_launches(gpu: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps fold q/k/v post-processing into attention and the down projection's input
     quantisation into gate/up; the logits are bitwise those of the separate launches."""
+    monkeypatch.setenv("STRATA_GPU_GU_CHUNK", "0")  # else the in-block quantisation (default) takes FUSED_QUANT's place
     monkeypatch.setenv("STRATA_GPU_FUSED_QUANT", "1")  # opt-in (measured no faster)
     fused = decode_logits(gpu)
     monkeypatch.setenv("STRATA_GPU_FUSED_QKV", "0")
