@@ -476,45 +476,13 @@ template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_li
  * Q6_ROWS_MIN_N rows: 255 MB, 132.7 us a step in run 66's profile before Q6_ROWS = 2) with each warp's R consecutive
  * rows first copied into the block's shared memory by 16-byte cp.async (the span of 16-byte granules holding them, so
  * that every byte keeps its address mod 16), then k_linear_q_rows<STG_Q6_KW, R>'s loop run on the shared copy
- * (unpack_q6k_wide_s: unpack_q6k_wide with its five 8-byte loads per 32-byte chunk as ld.shared). Why: a lane's
+ * (unpack_q6k_wide<true>: its five 8-byte loads per 32-byte chunk as ld.shared). Why: a lane's
  * 8-byte global loads of a 2-byte aligned block touch ~7-8 L1 lines per warp instruction for ~210 distinct bytes,
  * ~168 L1 wavefronts per 1,680-byte row (~107 us of the L1's data path over the head, about what the head takes, if
  * a wavefront is a line): the copy reads each line once, 512 contiguous bytes per instruction, and the shared loads
  * cost 1-2 wavefronts each (2-way bank conflicts between superblocks k and k + 2). The same bytes and the same unpack,
  * sub_dot chain and butterfly: the same bits.
  * PRE: the copy is issued before griddepcontrol.wait (weights only). Shared memory: LIN_WARPS * q6s_span16(R) * 16. */
-/* ld32_2a on shared memory (explicit ld.shared: through ld32_2a's integer address the compiler emits generic loads):
- * the same five 8-byte words from the 8-byte boundary at or below p and the same funnel shifts (p's address mod 16
- * is its global address's, so the same words) */
-__device__ __forceinline__ void ld32_2a_s(const uint8_t *p, uint32_t (&w)[8]) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p), b = a & ~7u;
-    uint32_t x[10];
-#pragma unroll
-    for (int i = 0; i < 5; i++)
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(x[2 * i]), "=r"(x[2 * i + 1]) : "r"(b + 8 * i));
-    const bool up = (a & 4) != 0;
-    const unsigned sh = (a & 3) * 8;
-#pragma unroll
-    for (int i = 0; i < 8; i++) w[i] = __funnelshift_r(up ? x[i + 1] : x[i], up ? x[i + 2] : x[i + 1], sh);
-}
-/* unpack_q6k_wide of a row in shared memory: the same words, scales, d and arithmetic */
-__device__ __forceinline__ void unpack_q6k_wide_s(const uint8_t *row, int j, sub_w &s) {
-    const uint8_t *b = row + (int64_t)(j >> 3) * 210;
-    const int sb = j & 7, h = sb >> 2, g = sb & 3;
-    uint32_t lw[8], hw[8];
-    ld32_2a_s(b + 64 * h + ((g & 1) ? 32 : 0), lw);
-    ld32_2a_s(b + 128 + 32 * h, hw);
-    const uint32_t sc = *(const uint16_t *)(b + 192 + 2 * sb);
-    s.A = ld_f16(b + 208), s.B = 0.0f;
-    s.c0 = (int)(int8_t)(sc & 0xFFu), s.c1 = (int)(int8_t)(sc >> 8);
-    const int lsh = g < 2 ? 0 : 4, hsh = 2 * g;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const uint32_t lo = (lw[i] >> lsh) & 0x0F0F0F0Fu;
-        const uint32_t hi = ((hw[i] >> hsh) & 0x03030303u) << 4;
-        s.q[i] = (int)__vsub4(lo | hi, 0x20202020u);
-    }
-}
 __host__ __device__ __forceinline__ int64_t q6s_span16(int R, int64_t row_bytes) { return (R * row_bytes + 47) / 16; }
 template <int R, bool PRE> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
     extern __shared__ uint4 q6s[];
@@ -548,7 +516,7 @@ template <int R, bool PRE> __global__ void __launch_bounds__(LIN_WARPS * WARP) k
             sub_w s[R];
 #pragma unroll
             for (int rr = 0; rr < R; rr++)
-                if (rr < nr) unpack_q6k_wide_s(w0 + rr * a.row_bytes, j, s[rr]);
+                if (rr < nr) unpack_q6k_wide<true>(w0 + rr * a.row_bytes, j, s[rr]);
             const int8_t *q = a.aq + base + 32 * j;
             const float d = a.ad[base / 32 + j];
             const int32_t *sm = a.as + base / 16 + 2 * j;

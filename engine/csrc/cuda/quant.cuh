@@ -234,14 +234,34 @@ __device__ __forceinline__ void ld32_2a(const uint8_t *p, uint32_t (&w)[8]) {
 #pragma unroll
     for (int i = 0; i < 8; i++) w[i] = __funnelshift_r(up ? x[i + 1] : x[i], up ? x[i + 2] : x[i + 1], sh);
 }
+/* ld32_2a on shared memory (explicit ld.shared: through ld32_2a's integer address the compiler emits generic loads):
+ * the same five 8-byte words from the 8-byte boundary at or below p and the same funnel shifts (p's address mod 16
+ * is its global address's, so the same words) */
+__device__ __forceinline__ void ld32_2a_s(const uint8_t *p, uint32_t (&w)[8]) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p), b = a & ~7u;
+    uint32_t x[10];
+#pragma unroll
+    for (int i = 0; i < 5; i++)
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(x[2 * i]), "=r"(x[2 * i + 1]) : "r"(b + 8 * i));
+    const bool up = (a & 4) != 0;
+    const unsigned sh = (a & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = __funnelshift_r(up ? x[i + 1] : x[i], up ? x[i + 2] : x[i + 1], sh);
+}
 /* Sub-block j of a Q6_K row through ld32_2a (STRATA_GPU_Q6_WIDE; bitwise unpack_sub<STG_Q6_K>). Its
- * last 32-byte chunk (qh of the upper half) ends 18 bytes before the block: the over-read stays inside. */
-__device__ __forceinline__ void unpack_q6k_wide(const uint8_t *row, int j, sub_w &s) {
+ * last 32-byte chunk (qh of the upper half) ends 18 bytes before the block: the over-read stays inside.
+ * SMEM: the row is in shared memory (k_q6_stage's copy): ld32_2a_s's explicit shared loads, the same words. */
+template <bool SMEM = false> __device__ __forceinline__ void unpack_q6k_wide(const uint8_t *row, int j, sub_w &s) {
     const uint8_t *b = row + (int64_t)(j >> 3) * 210;
     const int sb = j & 7, h = sb >> 2, g = sb & 3;
     uint32_t lw[8], hw[8];
-    ld32_2a(b + 64 * h + ((g & 1) ? 32 : 0), lw);
-    ld32_2a(b + 128 + 32 * h, hw);
+    if constexpr (SMEM) {
+        ld32_2a_s(b + 64 * h + ((g & 1) ? 32 : 0), lw);
+        ld32_2a_s(b + 128 + 32 * h, hw);
+    } else {
+        ld32_2a(b + 64 * h + ((g & 1) ? 32 : 0), lw);
+        ld32_2a(b + 128 + 32 * h, hw);
+    }
     const uint32_t sc = *(const uint16_t *)(b + 192 + 2 * sb);
     s.A = ld_f16(b + 208), s.B = 0.0f;
     s.c0 = (int)(int8_t)(sc & 0xFFu), s.c1 = (int)(int8_t)(sc >> 8);
