@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
     }
 }
 
-/* STRATA_GPU_GU_CHUNK (session 12, default 0 = the forms above): the routed gate/up matvec of single-pair passes
+/* STRATA_GPU_GU_CHUNK (session 12, default 2; 0 = the forms above): the routed gate/up matvec of single-pair passes
  * (decode steps whose gate/up takes the matvec with one pair per pass: 1-7 tokens at Qwen3-30B's shapes) also makes
  * the down projection's 8-bit input, with neither k_quant_act's launch nor FUSED_QUANT's counter and fence: the 32
  * rows of one chunk of one expert finish inside one block (forms 1 and 2) or one thread-block cluster (form 3), so a
@@ -1548,7 +1548,7 @@ static inline size_t att_smem_bytes(int hd, int stages) {
 template <int V2> __device__ __forceinline__ int att_qidx(int d, int hd) { /* where q[d] lives in qs */
     return V2 == 2 ? (d & 1) * (hd / 2) + (d >> 1) : V2 == 3 ? (d & 7) * (hd / 8) + (d >> 3) : d;
 }
-/* B1 (STRATA_GPU_ATT_B1, candidate; with V2 = 1, HD = 128, fused steps, rope_dim <= 128): the fused q / k head
+/* B1 (STRATA_GPU_ATT_B1, default 3 since run 72; with V2 = 1, HD = 128, fused steps, rope_dim <= 128): the fused q / k head
  * prep with a shorter chain, the same operations in the same order (the same bits). Warps 0 / 1 hold their head's
  * norm weights and bias in registers (read before the wait: weights), their head's values in registers (4 a lane),
  * and take RoPE's cos / sin from a table rcs that warp 3 (otherwise idle until the chunk loop) computes for the
