@@ -1417,6 +1417,11 @@ struct qkv_args {
  * pairs cross lanes) never go back to global memory in between. */
 #define QKV_WARPS 4
 
+/* An output of the split GEMM's 4 parts (pl floats apart): (P0 + P1) + (P2 + P3), as k_ksplit_combine adds them */
+__device__ __forceinline__ float kpart_sum(const float *pp, int64_t pl) {
+    return (pp[0] + pp[pl]) + (pp[2 * pl] + pp[3 * pl]);
+}
+
 /* Head hh of kind 0 (q), 1 (k) or 2 (v) of token t: bias, then for q and k the head norm and
  * RoPE, into v[hd] (shared memory, one warp). The one definition k_qkv_post and the fused
  * decode attention both use, so either gives the same bits. */
@@ -1428,9 +1433,8 @@ __device__ __forceinline__ void qkv_head(const qkv_args &a, int t, int kind, int
     const int64_t pl = (int64_t)a.kp_t * a.kp_n, base = (int64_t)t * a.kp_n + (kind == 0 ? 0 : kind == 1 ? qd : qd + kd) + hh * hd;
     for (int i = lane; i < hd; i += 32) {
         float x;
-        if (a.kpart) { /* (P0 + P1) + (P2 + P3), as k_ksplit_combine */
-            const float *pp = a.kpart + base + i;
-            x = (pp[0] + pp[pl]) + (pp[2 * pl] + pp[3 * pl]);
+        if (a.kpart) {
+            x = kpart_sum(a.kpart + base + i, pl);
         } else {
             x = src[i];
         }
@@ -1676,12 +1680,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             const int64_t pl = (int64_t)qa.kp_t * qa.kp_n,
                           base = (int64_t)t * qa.kp_n + (warp == 0 ? 0 : warp == 1 ? qd : qd + kd2) + hh * HD;
             float x[4]; /* every load of the head in flight at once */
-            if (qa.kpart) { /* (P0 + P1) + (P2 + P3), as k_ksplit_combine */
+            if (qa.kpart) {
 #pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float *pp = qa.kpart + base + lane + 32 * k;
-                    x[k] = (pp[0] + pp[pl]) + (pp[2 * pl] + pp[3 * pl]);
-                }
+                for (int k = 0; k < 4; k++) x[k] = kpart_sum(qa.kpart + base + lane + 32 * k, pl);
             } else {
 #pragma unroll
                 for (int k = 0; k < 4; k++) x[k] = src[lane + 32 * k];

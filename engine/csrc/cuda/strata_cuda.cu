@@ -514,15 +514,29 @@ extern "C" int64_t stg_kv_bytes(const stg_kv *kv) {
  * while its predecessor finishes, prefetching weights, and waits (griddepcontrol.wait)
  * before touching activations. Errors surface through cudaGetLastError (LAUNCHED). */
 static thread_local bool g_pdl = false;
+/* cluster_x > 1: thread-block clusters of that many blocks along x (sm_90; GU_CHUNK's form 3) */
 template <typename... KArgs, typename... Args>
-static void launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
+static void launch_kx(unsigned cluster_x, void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                      Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at, cfg.numAttrs = g_pdl ? 1 : 0;
+    cudaLaunchAttribute at[2];
+    unsigned n = 0;
+    if (g_pdl) {
+        at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster_x > 1) {
+        at[n].id = cudaLaunchAttributeClusterDimension;
+        at[n].val.clusterDim.x = cluster_x, at[n].val.clusterDim.y = 1, at[n].val.clusterDim.z = 1;
+        n++;
+    }
+    cfg.attrs = at, cfg.numAttrs = n;
     (void)cudaLaunchKernelEx(&cfg, kern, static_cast<KArgs>(args)...);
+}
+template <typename... KArgs, typename... Args>
+static void launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
+    launch_kx(1u, kern, grid, block, smem, st, args...);
 }
 
 struct acts_d {
@@ -916,19 +930,11 @@ static bool launch_q6_stage(const lin_args &a, cudaStream_t st) {
     return true;
 }
 /* GU_CHUNK's launch (g_gu_chunk 1-3): N / 32 blocks of 32 warps (1) or 16 (2) per group, or k_linear_q's grid as
- * clusters of 8 blocks along x (3; launch_k's attributes plus the cluster dimension) */
+ * clusters of 8 blocks along x (3) */
 template <int T> static void launch_gu_chunk(const lin_args &a, int max_groups, cudaStream_t st) {
     if (g_gu_chunk == 3) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((unsigned)(a.N / LIN_WARPS), (unsigned)max_groups), cfg.blockDim = LIN_WARPS * 32;
-        cfg.dynamicSmemBytes = 0, cfg.stream = st;
-        cudaLaunchAttribute at[2];
-        at[0].id = cudaLaunchAttributeClusterDimension;
-        at[0].val.clusterDim.x = 32 / LIN_WARPS, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-        at[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        at[1].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = at, cfg.numAttrs = g_pdl ? 2 : 1;
-        (void)cudaLaunchKernelEx(&cfg, k_linear_q_cluster<T>, a);
+        launch_kx(32 / LIN_WARPS, k_linear_q_cluster<T>, dim3((unsigned)(a.N / LIN_WARPS), (unsigned)max_groups),
+                  LIN_WARPS * 32, 0, st, a);
     } else {
         const dim3 grid((unsigned)(a.N / 32), (unsigned)max_groups);
         if (g_gu_chunk == 2) launch_k(k_linear_q_chunk<T, 2>, grid, 512, 0, st, a);
@@ -1011,7 +1017,7 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
         }
         if constexpr (T == STG_Q6_K && !SW) {
             if (g_q6_head && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N && grid.y == 1 &&
-                launch_q6_stage(a, st)) /* STRATA_GPU_Q6_HEAD (candidate) */
+                launch_q6_stage(a, st)) /* STRATA_GPU_Q6_HEAD */
                 return;
             const int R = g_q6_rows; /* STRATA_GPU_Q6_ROWS: the output head's single pair */
             if (R > 1 && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N) {
@@ -2063,6 +2069,7 @@ static stg_status harness_device(void) {
     g_gemm_dense = gemm_dense_env();
     g_gemm_wide_min = gemm_wide_env();
     g_gemm_tiles = false;
+    g_fused_quant = false; /* stg_test_swiglu_quant turns it on for its own call */
     read_knobs();
     g_gemm_fast = false;
     g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
@@ -2307,7 +2314,6 @@ extern "C" stg_status stg_test_routed_chunk_quant(int32_t type, const void *w, c
                                                   const int32_t *ids, int32_t k_used, float *out, int8_t *hq, float *hd,
                                                   int32_t *hs) {
     if (!w2 || !hq || !hd || !hs || n_rows % 32) return fail(ST_EINVAL, "routed chunk quant: bad arguments");
-    g_fused_quant = false; /* stg_test_swiglu_quant leaves it on; off, GU_CHUNK=0 quantises nothing (EINVAL) */
     return routed_linear(type, STG_PATH_MATVEC, 0, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
 }
 
