@@ -1,6 +1,8 @@
 """Choose each batch-1 candidate knob's value from run 72's first process: the value whose two rows' mean GPU step
 beats the default rows' mean by >= 0.005 ms (else 0). Prints shell assignments."""
-import json, sys
+import json
+import sys
+
 ms = json.load(open(sys.argv[1]))["decode_step_gpu_ms"]
 base = [v for k, v in ms.items() if k.startswith("b1_none_")]
 b = sum(base) / len(base)
