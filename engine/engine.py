@@ -24,27 +24,13 @@ from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, resolve_device
 from engine.gguf_model import ModelFile, create_native_model, open_model
 from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
+from engine.step import StepStats
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
     from engine.scheduler import RequestOutput
 
 __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError"]
-
-
-@dataclass
-class StepStats:
-    """Timing and routing figures of one forward step."""
-
-    n_tokens: int
-    t_total: float
-    t_attn: float
-    t_experts: float
-    t_dense: float
-    t_output: float
-    n_expert_tokens: int
-    n_active_experts: int
-    pool_idle_share: float = 0.0  # share of the pool's thread time spent waiting in parallel regions
 
 
 @dataclass

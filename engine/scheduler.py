@@ -58,8 +58,8 @@ from pydantic import BaseModel, Field
 from engine.block_manager import BlockManager, KVCapacityError, extend_digests
 from engine.constraints import Constraint, GrammarCompiler, apply_mask, mask_words
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import Engine, StepStats
 from engine.sampling import Sampler, SamplingParams
+from engine.step import StepEngine, StepStats
 
 log = logging.getLogger("strata.engine")
 
@@ -224,7 +224,7 @@ class _Flight:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
+    def __init__(self, engine: StepEngine, config: SchedulerConfig | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
         self.engine = engine
         self.config = config or SchedulerConfig()

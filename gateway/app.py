@@ -35,11 +35,11 @@ from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import chat_completions, completions
+from gateway.sessions import MEMORY, memory_context
+from gateway.sessions import add_routes as add_session_routes
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, json_body
 from gateway.store import RequestLog, RequestQuery
 from gateway.web import add_routes as add_web_routes
-from memory.api import MEMORY, memory_context
-from memory.api import add_routes as add_session_routes
 
 __all__ = ["create_app"]
 

@@ -39,11 +39,11 @@ from gateway.documents.chat import prepare as rag_prepare
 from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
+from gateway.memory_chat import MemoryContext, fit_memory, is_memory_session, session_ref
+from gateway.memory_chat import prepare as memory_prepare
+from gateway.sessions import get_memory
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
-from memory.api import get_memory
-from memory.chat import MemoryContext, fit_memory, is_memory_session, session_ref
-from memory.chat import prepare as memory_prepare
 
 __all__ = ["chat_completions", "completions"]
 

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from common.token_limit import token_limit_field
 from gateway.dispatch import LaneFailure, LaneRuntime, check_lane_status
 from gateway.errors import APIError
 from gateway.tokencount import count_locally
@@ -62,10 +63,8 @@ class WindowPlan:
 
 
 def max_tokens_field(body: dict[str, Any], kind: Kind) -> str:
-    """The client's own name for the limit (chat prefers ``max_completion_tokens``, as the lane does)."""
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        return "max_completion_tokens"
-    return "max_tokens"
+    """The client's own name for the limit (common.token_limit: the lane's rule)."""
+    return token_limit_field(body, chat=kind == "chat")
 
 
 async def _tokenize(session: aiohttp.ClientSession, lane: LaneRuntime, payload: dict[str, Any], timeout: float,

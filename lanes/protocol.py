@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from common.prompt import check_messages, check_text
 from common.prompt import short as _short
+from common.token_limit import token_limit_field
 from engine.constraints import GrammarError, json_schema_grammar
 from engine.sampling import SamplingParams, SamplingParamsError
 from lanes.errors import APIError
@@ -138,9 +139,8 @@ class ChatRequest(_GenerationBody):
     @property
     def max_tokens_param(self) -> tuple[str, int | None]:
         """The client's own name for the token limit (for error messages) and its value."""
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return "max_tokens", self.max_tokens
+        name = token_limit_field({"max_completion_tokens": self.max_completion_tokens}, chat=True)
+        return name, getattr(self, name)
 
     def check(self) -> None:
         self._common_checks()

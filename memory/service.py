@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.documents.embed import EmbedError
+from common.embedding import EmbedError, single_threaded_blas
 from memory.compose import Composition, Scored, compose, estimate_tokens
 from memory.config import MemoryConfig
 from memory.store import MemoryStore, Session, Summary, Turn
@@ -156,8 +156,6 @@ class MemoryService:
         self.embedder = embedder
         self.complete = complete
         if embedder is not None:
-            from gateway.documents.embed import single_threaded_blas
-
             single_threaded_blas()  # the similarity over a session's vectors is one BLAS matrix-vector product
         self._cache: OrderedDict[int, _VecCache] = OrderedDict()  # least recently used first
         self._cache_budget = int(cfg.vector_cache_mb * 2**20)

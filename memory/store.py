@@ -56,7 +56,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from gateway.db import rebuild_with_autoincrement
+from common.db import rebuild_with_autoincrement
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "MemoryStore", "SchemaError", "Session", "Summary", "Turn",
            "metadata", "migrate", "open_engine", "schema_version"]
@@ -139,7 +139,7 @@ def _v2(conn: Connection) -> None:
     state of a gateway (memory.service) keyed by them applied to the wrong session. Rows keep their ids; each
     table's sequence starts at its highest id. A table already made with AUTOINCREMENT (a new database, whose
     v1 step used these definitions) is left alone. PostgreSQL: nothing to do (sequences never go back).
-    The rebuild is gateway.db's, shared with the gateway's api_keys."""
+    The rebuild is common.db's, shared with the gateway's api_keys."""
     rebuild_with_autoincrement(conn, [sessions, turns, summaries])
 
 

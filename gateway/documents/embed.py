@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from common.embedding import EmbedError, single_threaded_blas
 from gateway.documents.config import DEFAULT_EMBED_MODEL
 
 __all__ = ["SLICE", "Backend", "EmbedError", "Embedder", "Precision", "close_all", "get_embedder",
@@ -57,23 +58,6 @@ Precision = Literal["fp32", "int8"]
 
 SLICE = 16  # texts per submission to the embedding thread
 QUERY_CACHE = 256  # recent query vectors kept: a chat with a session and collections embeds its query once
-
-
-@functools.lru_cache(maxsize=1)
-def single_threaded_blas() -> bool:
-    """Limit numpy's BLAS to one thread in this process (once). Its threaded matrix-vector product waits for a
-    second core that the lanes and the event loop hold: 12 ms for a session's 10,000 x 384 vectors at load 9
-    on the 2-core VM, 1.0 ms on one thread. False when threadpoolctl is missing (then nothing changes)."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return False
-    threadpool_limits(1, user_api="blas")
-    return True
-
-
-class EmbedError(RuntimeError):
-    """The embedding model is missing or unusable."""
 
 
 def resolve_model_dir(name: str) -> Path:

@@ -5,7 +5,7 @@ how often the model's answer names the fact is reported as a model-capability fi
 
 The gateway runs with two ``[memory]`` settings of its own, both about cost, not about the claim: no
 summarisation (the facts must come through retrieval; summaries through a lane are tested in
-tests/memory/test_gateway_memory.py, and here each would cost a 160-token decode on a one-core lane
+tests/gateway/test_sessions.py, and here each would cost a 160-token decode on a one-core lane
 and a new head), and ``retrieve_min_score`` 0.5 (the filler turns share their wording, cosine 0.3-0.7
 to each other, so at the default 0.25 every filler turn would pull up to four older ones into its
 prompt; a question and its fact score about 0.75). Each filler talks about another topic, as a real

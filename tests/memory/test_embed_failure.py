@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.documents.embed import EmbedError
+from common.embedding import EmbedError
 from memory.config import MemoryConfig
 from memory.service import RETRIEVAL_FAILED, MemoryService
 from memory.store import MemoryStore, Session, open_engine

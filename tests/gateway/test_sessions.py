@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from multidict import CIMultiDict
 
-from memory.api import MEMORY
+from gateway.sessions import MEMORY
 from memory.compose import RETRIEVED_BEGIN, SUMMARY_BEGIN
 from memory.service import MemoryService
 from tests.gateway.conftest import (

@@ -47,7 +47,7 @@ def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embe
             app[_DISABLED] = "session memory is disabled in this gateway's config ([memory] enabled = false)"
             yield
             return
-        from memory.chat import lane_completer
+        from gateway.memory_chat import lane_completer
 
         gw = app[GATEWAY]
         assert gw.db is not None

@@ -1,0 +1,69 @@
+"""The interface between the scheduler and an engine: a step's figures and the calls a scheduler makes.
+
+:class:`engine.engine.Engine` implements :class:`StepEngine`; :class:`engine.scheduler.Scheduler`
+imports this module, never ``engine.engine``, so ``Engine.generate`` / ``stream`` (which run a private
+scheduler) sit above the scheduler without an import cycle (tests/common/test_layering.py checks it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.block_manager import BlockManager
+from engine.cuda_backend import DeviceSpec
+from engine.gguf_model import HParams
+
+__all__ = ["StepEngine", "StepStats"]
+
+
+@dataclass
+class StepStats:
+    """Timing and routing figures of one forward step."""
+
+    n_tokens: int
+    t_total: float
+    t_attn: float
+    t_experts: float
+    t_dense: float
+    t_output: float
+    n_expert_tokens: int
+    n_active_experts: int
+    pool_idle_share: float = 0.0  # share of the pool's thread time spent waiting in parallel regions
+
+
+class StepEngine(Protocol):
+    """What a scheduler uses of an engine (``Engine``'s methods of the same names say what each does)."""
+
+    hparams: HParams
+    blocks: BlockManager
+    kv_tokens: int
+    device: DeviceSpec
+    last_stats: StepStats | None
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def has_tokenizer(self) -> bool: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def can_launch(self) -> bool: ...
+
+    def forward(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
+                block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int],
+                expert_hist: np.ndarray | None = None, *, greedy: bool = False,
+                token_src: Sequence[int] | None = None) -> np.ndarray: ...
+
+    def launch(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
+               block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int], *,
+               token_src: Sequence[int] | None = None, expert_hist: np.ndarray | None = None,
+               after: int | None = None) -> int: ...
+
+    def wait(self, ticket: int) -> np.ndarray: ...
