@@ -43,6 +43,7 @@ if str(REPO) not in sys.path:  # run as a script: the repo's packages (common, g
     sys.path.insert(0, str(REPO))
 
 from common.config import ADMIN_ENV  # noqa: E402
+from deploy.stack import get_json as get_json_or_error  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "supervisord.conf"
 BIN = Path(sys.executable).parent  # the venv's bin (not resolved: the venv python is a symlink)
@@ -247,16 +248,7 @@ def supervisorctl(conf: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def health(lane: Lane, timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of /health; (0, {"error": ...}) when nothing answers."""
-    try:
-        with urllib.request.urlopen(lane.base + "/health", timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        try:
-            return e.code, json.loads(e.read() or b"{}")
-        except ValueError:
-            return e.code, {}
-    except (OSError, ValueError) as e:
-        return 0, {"error": str(getattr(e, "reason", e))}
+    return get_json_or_error(lane.base + "/health", timeout=timeout)
 
 
 def get_json(url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> dict[str, Any]:

@@ -32,11 +32,9 @@ caller resets it; supervisord is ``python -m supervisor.supervisord``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,10 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.harness.stack import dump_toml, free_port, processes_mentioning, write_gateway_config
+from deploy.stack import PROGRAMS, StackError, Supervised, dump_toml, free_port, render
 
 REPO = Path(__file__).resolve().parents[3]
-PROGRAMS = ("lane_a", "lane_b")
 ADMIN_KEY = "gpu-stack-admin-" + "k" * 24  # only in a 0600 temp file and this process
 # A CUDA context with the engine's module loaded and its streams: measured ~0.5 GiB on an H200 by
 # nvidia-smi for a process that allocated nothing else; the allowance leaves room for the driver.
@@ -89,38 +86,19 @@ def _json(method: str, url: str, body: dict[str, Any] | None = None, key: str | 
 
 
 @dataclass
-class GpuStack:
-    dir: Path
-    conf: Path
-    ports: dict[str, int]
-    env: dict[str, str]
-    python: str  # what runs every Python program of the stack (see render)
-    proc: subprocess.Popen[bytes] | None = None
+class GpuStack(Supervised):
     log: list[str] = field(default_factory=list)
-
-    def url(self, program: str) -> str:
-        return f"http://127.0.0.1:{self.ports[program]}"
 
     def say(self, msg: str) -> None:
         line = f"[stack {time.strftime('%H:%M:%S')}] {msg}"
         self.log.append(line)
         print(line, flush=True)
 
-    def tail(self, name: str, n: int = 2500) -> str:
-        try:
-            return (self.dir / "var" / "log" / f"{name}.log").read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
-    def ctl(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([self.python, "-m", "supervisor.supervisorctl", "-c", str(self.conf), *args],
-                              capture_output=True, text=True, timeout=timeout, env=self.env)
-
-
-def render(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int, wrap: bool = False) -> GpuStack:
+def render_stack(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int,
+                 wrap: bool = False) -> GpuStack:
     """supervisord.conf + lane files + gateway file under ``tmp`` (see the module doc)."""
     ports = {p: free_port() for p in (*PROGRAMS, "gateway")}
-    text = (REPO / "supervisord.conf").read_text()
     pythonpath = os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                if p and Path(p).resolve() != REPO]])
     python = str(REPO / ".venv" / "bin" / "python")
@@ -134,45 +112,17 @@ def render(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int,
                            f'exec "{sys.executable}" "$@"\n')
         wrapper.chmod(0o755)
         python = str(wrapper)
+
+    def edit(text: str) -> str:
         text = text.replace("%(here)s/.venv/bin/python", python)
-    if 'PYTHONPATH="%(here)s"' not in text:
-        raise StackCheckError("supervisord.conf no longer sets PYTHONPATH=\"%(here)s\" for its programs")
-    text = text.replace('PYTHONPATH="%(here)s"', f'PYTHONPATH="{pythonpath}"')
-    for program, device in zip(PROGRAMS, (device_a, device_b), strict=True):
-        src = f"%(here)s/deploy/lanes/{program}.toml"
-        if src not in text:
-            raise StackCheckError(f"supervisord.conf no longer runs {program} with {src}")
-        lane = tomllib.loads((REPO / "deploy" / "lanes" / f"{program}.toml").read_text())
-        lane.update(port=ports[program], model=str(model), device=device, kv_tokens=kv_tokens,
-                    drain_timeout_s=20.0, ping_interval_s=1.0)
-        (tmp / f"{program}.toml").write_text(dump_toml(lane))
-        text = text.replace(src, str(tmp / f"{program}.toml"))
-    write_gateway_config(tmp, ports, ADMIN_KEY, shutdown_timeout_s=10.0)
-    text = text.replace("%(here)s/deploy/gateway.toml", str(tmp / "gateway.toml"))
-    text = text.replace("%(here)s/var", str(tmp / "var")).replace("%(here)s", str(REPO))
-    for sub in ("var/run", "var/log"):
-        (tmp / sub).mkdir(parents=True, exist_ok=True)
-    conf = tmp / "supervisord.conf"
-    conf.write_text(text)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_")) and k != "STRATA_ADMIN_KEY"}
-    return GpuStack(tmp, conf, ports, env, python)
+        if 'PYTHONPATH="%(here)s"' not in text:
+            raise StackCheckError("supervisord.conf no longer sets PYTHONPATH=\"%(here)s\" for its programs")
+        return text.replace('PYTHONPATH="%(here)s"', f'PYTHONPATH="{pythonpath}"')
 
-
-def wait_ready(st: GpuStack, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if st.proc is not None and st.proc.poll() is not None:
-            raise StackCheckError(f"supervisord exited {st.proc.returncode}:\n{st.tail('supervisord')}")
-        lanes_ok = all(_json("GET", st.url(p) + "/health")[0] == 200 for p in PROGRAMS)
-        if lanes_ok and _json("GET", st.url("gateway") + "/readyz")[0] == 200:
-            code, body = _json("GET", st.url("gateway") + "/v1/admin/lanes", key=ADMIN_KEY)
-            if code == 200 and all(x["ready"] for x in body["data"]):
-                return
-        if time.monotonic() > deadline:
-            raise StackCheckError(f"the stack is not ready after {timeout:.0f}s\nlane_a: {st.tail('lane_a')}\n"
-                                  f"lane_b: {st.tail('lane_b')}\ngateway: {st.tail('gateway')}")
-        time.sleep(0.25)
+    lanes = {p: {"model": str(model), "device": device, "kv_tokens": kv_tokens, "drain_timeout_s": 20.0,
+                 "ping_interval_s": 1.0} for p, device in zip(PROGRAMS, (device_a, device_b), strict=True)}
+    conf = render(tmp, ports, ADMIN_KEY, lanes, gateway={"shutdown_timeout_s": 10.0}, edit=edit)
+    return GpuStack(tmp, conf, ports, ADMIN_KEY, python=python)
 
 
 def chat(gateway: str, key: str, content: str, stream: bool, max_tokens: int = 12) -> tuple[bool, str, str]:
@@ -383,13 +333,11 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
     """The whole check; returns a report (also on failure: raised with the report in ``args[1]``)."""
     report: dict[str, Any] = {"devices": {"a": device_a, "b": device_b, "b_after_switch": device_switch},
                               "model": str(model), "kv_tokens": kv_tokens}
-    st = render(work, model, device_a, device_b, kv_tokens, wrap)
+    st = render_stack(work, model, device_a, device_b, kv_tokens, wrap)
     t0 = time.monotonic()
-    out = open(work / "supervisord.stdout", "wb")  # noqa: SIM115 - closed in the finally below
-    st.proc = subprocess.Popen([st.python, "-m", "supervisor.supervisord", "-n", "-c", str(st.conf)],
-                               stdout=out, stderr=subprocess.STDOUT, env=st.env, cwd=work)
+    st.start()
     try:
-        wait_ready(st, 240.0)
+        st.wait_stack(240.0)
         report["ready_s"] = round(time.monotonic() - t0, 1)
         st.say(f"stack ready in {report['ready_s']} s (lane A {device_a}, lane B {device_b})")
         infos = lane_infos(st)
@@ -459,25 +407,14 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
                            for p in PROGRAMS}
         report["ok"] = True
         return report
-    except StackCheckError as e:
+    except (StackCheckError, StackError) as e:
         report["ok"] = False
         report["error"] = str(e)[:4000]
-        report["logs"] = {n: st.tail(n, 4000) for n in ("lane_a", "lane_b", "gateway", "supervisord")}
+        report["logs"] = {n: st.log_tail(n, 4000) for n in ("lane_a", "lane_b", "gateway", "supervisord")}
         raise StackCheckError(str(e), report) from None
     finally:
         report["log"] = st.log
-        if st.proc.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                st.ctl("shutdown")
-            try:
-                st.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                st.proc.kill()
-                st.proc.wait()
-        for pid in processes_mentioning(str(work)):  # only processes whose command line names our folder
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        out.close()
+        st.stop(timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run(model, args.device_a, args.device_b, args.device_switch, work / "s", args.kv_tokens,
                          args.hold_s, args.clients, args.wrap_python)
             rc = 0
-        except StackCheckError as e:
+        except (StackCheckError, StackError) as e:
             report = e.args[1] if len(e.args) > 1 else {"ok": False, "error": str(e)}
             print(f"FAILED: {e.args[0]}", flush=True)
             rc = 1
