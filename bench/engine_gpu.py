@@ -25,7 +25,7 @@ with the matvec kernel only, without the routed GEMM's tile list (STRATA_GPU_GEM
 32 sequences) and also without the query-tile attention (STRATA_GPU_ATT_TILE=0), and 8 / 32
 sequences at other GEMM thresholds (--gemm-min).
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
-llama-cpp-python source distribution: tests/engine/gpu/build_llama_cuda.sh) it then measures
+llama-cpp-python source distribution: tools/gpu/build_llama_cuda.sh) it then measures
 llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
 with the ratios against the issue's targets.
 """
@@ -167,17 +167,6 @@ def _shape(args: argparse.Namespace) -> dict:
 def _model_path(args: argparse.Namespace) -> Path:
     return Path(args.model_dir) / (f"qwen3moe-synth-{_shape(args)['n_layer']}L-skew{args.skew:g}"
                                    f"{'-quick' if args.quick else ''}.gguf")
-
-
-def bench_model(model_dir: str = "/tmp/strata-bench", *, quick: bool = False, layers: int = SHAPE["n_layer"],
-                skew: float = 1.0) -> Path:
-    """The benchmark's model file, built first if it is missing (the GPU tools in tests/engine/gpu use it)."""
-    ns = argparse.Namespace(quick=quick, layers=layers, skew=skew, model_dir=model_dir)
-    path = _model_path(ns)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, _shape(ns), skew)
-    return path
 
 
 class _ProfilerRange:
@@ -635,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
     ap.add_argument("--llama-bin", default=None,
                     help="folder with llama.cpp's llama-bench and llama-batched-bench built with CUDA "
-                         "(tests/engine/gpu/build_llama_cuda.sh): measured on the same file after Strata")
+                         "(tools/gpu/build_llama_cuda.sh): measured on the same file after Strata")
     ap.add_argument("--llama-only", action="store_true", help="build the model and measure llama.cpp only")
     ap.add_argument("--build-only", action="store_true", help="only write the model file (if missing) and exit")
     ap.add_argument("--prefill-only", type=int, default=0, metavar="N",

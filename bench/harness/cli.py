@@ -6,21 +6,69 @@
     strata bench compare A/results.json B/results.json [--threshold 0.10]
 
 ``run`` writes ``<out>/<UTC timestamp>/report.md``, its PNG plots and ``results.json``; it exits 0
-when every scenario completed and every correctness check passed, 1 otherwise, 2 on bad arguments or
-an unreachable target. ``compare`` exits 1 when it flags a regression.
+when every scenario completed and every correctness check passed, 1 otherwise, 2 on bad arguments,
+an unreachable target, or a missing package of the ``bench`` extra (named, with the command that
+installs it). ``compare`` exits 1 when it flags a regression.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 from common.config import ADMIN_ENV
 
 REPO = Path(__file__).resolve().parents[2]
+
+# What ``run`` imports beyond the serving install (``make run``): module -> distribution in the
+# pyproject extra ``bench``, and the scenarios that need it (None: every run).
+RUN_NEEDS: dict[str, tuple[str, frozenset[str] | None]] = {
+    "matplotlib": ("matplotlib", None),  # the report's PNG plots
+    "tqdm": ("tqdm", None),  # progress bars
+    "fpdf": ("fpdf2", frozenset({"rag"})),  # the rag scenario's PDF corpus
+}
+
+
+def missing_packages(scenarios: str) -> list[str]:
+    """The distributions ``run --scenarios SCENARIOS`` needs that cannot be imported here (checked before
+    the harness's modules are imported: they import these at the top)."""
+    names = {s.strip() for s in scenarios.split(",")} - {""}
+    missing = []
+    for module, (dist, only) in RUN_NEEDS.items():
+        if only is not None and names and names != {"all"} and not only & names:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(dist)
+    return missing
+
+
+def _bench_requirement(dist: str) -> str:
+    """``dist`` with its version range from pyproject's ``bench`` extra, when the source tree is here."""
+    try:
+        extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["bench"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return dist
+    for req in extra:
+        if re.split(r"[\s\[<>=!~;]", req, maxsplit=1)[0].lower() == dist:
+            return req
+    return dist
+
+
+def missing_message(missing: list[str]) -> str:
+    reqs = " ".join(f"'{_bench_requirement(d)}'" for d in missing)
+    return (f"strata bench run: needs {', '.join(missing)}, which the serving install (make run) leaves out. "
+            f"Install them with `.venv/bin/python -m pip install {reqs}`, or the whole bench extra with "
+            "`.venv/bin/python -m pip install -e '.[bench]'` (what `make bench` installs before it runs every benchmark).")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -143,6 +191,9 @@ def compare_cmd(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    if args.cmd == "run" and (missing := missing_packages(args.scenarios)):
+        print(missing_message(missing), file=sys.stderr)
+        return 2
     try:
         if args.cmd == "compare":
             return compare_cmd(args)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.engine.gpu._env import requires_gpu
-from tests.engine.gpu.knob_bitwise import decode_logits
+from tests.engine.gpu._steps import decode_logits
 
 pytestmark = requires_gpu
 

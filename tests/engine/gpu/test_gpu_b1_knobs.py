@@ -13,7 +13,7 @@ import pytest
 
 from tests.engine.gpu._env import requires_gpu
 from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cpu_quant, gcheck, gptr
-from tests.engine.gpu.knob_bitwise import decode_logits
+from tests.engine.gpu._steps import decode_logits
 from tests.engine.gpu.test_gpu_kernels import PATHS, random_blocks, tid
 
 pytestmark = requires_gpu

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute on decode (on the GPU machine, after device_run.sh's setup, e.g.
-# `bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_decode.sh"`): the kernels of
+# `bash tools/gpu/device_run.sh sh "bash tools/gpu/ncu_decode.sh"`): the kernels of
 # layer 0 of one decode step at batch 1 and at 32 sequences (bench.engine_gpu --ncu-step N: two
 # warm-up steps, then one inside cudaProfilerStart / Stop), and the output head's GEMM of the
 # 32-sequence step. Graphs and PDL off, so each kernel is its own launch and its time its own;

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by ncu_decode.sh and ncu_prefill.sh (on the GPU machine, after device_run.sh's setup):
 # OUT (default /tmp/out), NCU (Nsight Compute's command line; the script exits when there is none)
 # and the bench's synthetic model, built once before any kernel is profiled.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-bench and llama-batched-bench with CUDA on the GPU machine, for the
-# peer column of bench/engine_gpu.py (docs/gpu-runs.md). The source is the llama.cpp vendored in
+# peer column of bench/engine_gpu.py (tools/gpu/README.md). The source is the llama.cpp vendored in
 # the llama-cpp-python source distribution of the version in .venv, carried as a trimmed tarball
-# (.llama/, ignored by git; made by pack_llama_src.sh: docs/engine.md "GPU benchmark against llama.cpp").
+# (.llama/, ignored by git; made by pack_llama_src.sh).
 #
 #   build_llama_cuda.sh SRC.tar.gz BUILD_DIR [PACK_DIR]   build (make SRC with pack_llama_src.sh)
 #   build_llama_cuda.sh PACK_DIR BUILD_DIR                unpack binaries an earlier call packed

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Make the trimmed llama.cpp source tarball that tests/engine/gpu/build_llama_cuda.sh builds on
+# Make the trimmed llama.cpp source tarball that tools/gpu/build_llama_cuda.sh builds on
 # the GPU machine (which cannot download): the llama.cpp vendored in the llama-cpp-python source
 # distribution of the version installed in .venv, with only what llama-bench and
 # llama-batched-bench need with CUDA (build files, ggml core + ggml-cpu + ggml-cuda, src, common,
 # vendor, the two tools). Writes .llama/llama.cpp-<version>-trim.tar.gz (~3.3 MB; .llama/ is
-# ignored by git through .git/info/exclude).
+# ignored by git: .gitignore).
 #
-#   [LLAMA_VERSION=X.Y.Z] tests/engine/gpu/pack_llama_src.sh [SDIST.tar.gz]   (the version: .venv's by default)
+#   [LLAMA_VERSION=X.Y.Z] tools/gpu/pack_llama_src.sh [SDIST.tar.gz]   (the version: .venv's by default)
 set -eu
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/../.."
 ver=${LLAMA_VERSION:-$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('llama_cpp_python'))")}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -41,6 +41,5 @@ add_subdirectory(batched-bench)
 add_subdirectory(llama-bench)
 EOF
 mkdir -p .llama
-grep -qx '/.llama/' .git/info/exclude 2>/dev/null || echo '/.llama/' >> .git/info/exclude
 tar czf ".llama/llama.cpp-$ver-trim.tar.gz" -C "$work/trim" llama.cpp
 ls -la ".llama/llama.cpp-$ver-trim.tar.gz"

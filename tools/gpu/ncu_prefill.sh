@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Nsight Compute on prefill (on the GPU machine, after device_run.sh's setup, e.g.
-# `bash tests/engine/gpu/device_run.sh sh "bash tests/engine/gpu/ncu_prefill.sh"`; session_call.sh runs it
-# too): the prefill-form kernels of layer 0 of one 512-token step (q, k + v, tensor-core attention, o,
-# router GEMM, gate/up, down: selected by name, so the 16-token warm-up step's bitwise and split GEMMs are
-# skipped), and the attention of layer 0 of the last 512-token chunk of a 4,096-token prompt. Graphs and
-# PDL off (prefill-form steps run without PDL anyway), clocks left alone (--clock-control none).
+# `bash tools/gpu/device_run.sh sh "bash tools/gpu/ncu_prefill.sh"`): the prefill-form kernels of
+# layer 0 of one 512-token step (q, k + v, tensor-core attention, o, router GEMM, gate/up, down:
+# selected by name, so the 16-token warm-up step's bitwise and split GEMMs are skipped), and the
+# attention of layer 0 of the last 512-token chunk of a 4,096-token prompt. Graphs and PDL off
+# (prefill-form steps run without PDL anyway), clocks left alone (--clock-control none).
 # STRATA_CUDA_LIB picks the library. Report: $OUT/ncu.txt, a summary printed.
 set -u
 . "$(dirname "$0")/ncu_setup.sh"

