@@ -257,8 +257,7 @@ class Scheduler:
         # pass with it forced. Default off on the CPU, where a launch is the whole step (the same tokens; a
         # stop on an id costs a step). STRATA_OVERLAP=0 / 1 overrides either default.
         default_overlap = "1" if engine.device.kind == "cuda" else "0"
-        self.overlap = (self.device_greedy and engine.can_launch
-                        and env.get(OVERLAP_ENV, default_overlap).strip() == "1")
+        self.overlap = self.device_greedy and env.get(OVERLAP_ENV, default_overlap).strip() == "1"
         self._flight: _Flight | None = None
         self._fault_steps = 0
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks during the C step

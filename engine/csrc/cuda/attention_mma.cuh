@@ -19,7 +19,7 @@
  * max / rescale per 64-key stage, then out = acc / l. Rows are independent (an mma output
  * element depends on its own row of A only; a stage whose keys a row cannot see adds exact
  * zeros to it), so a row's result does not depend on the other rows of its tile or step, but
- * it is not the decode kernel's: see att_mma_min_run for where each kernel runs.
+ * it is not the decode kernel's: see stg_settings.att_mma_min for where each kernel runs.
  *
  * Layouts (PTX ISA, m16n8k16 .f16, groupID g = lane >> 2, t = lane % 4): A regs {a0,a1} row g,
  * cols 2t, 2t+1; {a2,a3} row g+8; {a4,a5} row g, cols 2t+8, 2t+9; {a6,a7} row g+8, cols 2t+8..;
@@ -258,26 +258,13 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
 
 /* ------------------------------------------------------------ host side */
 
-/* STRATA_GPU_ATT_MMA: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention,
- * as before); 1 = tensor cores with q as one f16; unset / 2 = tensor cores with q as f16 hi + lo. */
-static int att_mma_mode() {
-    const char *e = getenv("STRATA_GPU_ATT_MMA");
-    if (e && e[0] == '0') return 0;
-    if (e && e[0] == '1') return 1;
-    return 2;
-}
-/* Runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32 query-tile
- * kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails that a
- * graph step would compute, so that a short sequence's tokens do not depend on how it was
- * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their
- * tokens are within tolerance (not bitwise) of what another chunking gives.
- * STRATA_GPU_ATT_MMA_MIN overrides (>= 1). */
-#define ATT_MMA_MIN_RUN 64
-static int32_t att_mma_min_run() {
-    const char *e = getenv("STRATA_GPU_ATT_MMA_MIN");
-    const long v = e && e[0] ? strtol(e, nullptr, 10) : ATT_MMA_MIN_RUN;
-    return v >= 1 && v <= 0x7fffffff ? (int32_t)v : ATT_MMA_MIN_RUN;
-}
+/* stg_settings.att_mma: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention);
+ * 1 = tensor cores with q as one f16; 2 (default) = tensor cores with q as f16 hi + lo.
+ * att_mma_min: runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32
+ * query-tile kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails
+ * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
+ * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their tokens
+ * are within tolerance (not bitwise) of what another chunking gives. */
 /* Tokens per mma tile for a model: head_dim 32, 64 or 128 and G = n_head / n_kv dividing 16
  * (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
 static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
@@ -322,7 +309,7 @@ static stg_status attention_mma_setup(void) {
     return ST_OK;
 }
 
-/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as att_mma_mode. */
+/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma. */
 static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
                                        cudaStream_t st) {
     const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);

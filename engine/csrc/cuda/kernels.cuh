@@ -158,14 +158,12 @@ struct lin_args {
     float *out;
     int64_t ldo;
     int mode;
-    /* matvec SWIGLU only (N % 32 == 0, ldo == N): also quantise the output rows to 8-bit
-     * blocks (hq[P, N], hd[P, N/32], hs[P, N/16], exactly k_quant_act's layout and values),
-     * done by the last of the 32 / LIN_WARPS blocks of each 32-row chunk to finish (qcnt: a
-     * counter per (group, chunk), 0 between launches). NULL: not fused. */
+    /* routed SWIGLU only (N % 32 == 0, ldo == N): also quantise the output rows to 8-bit blocks for the
+     * down projection (hq[P, N], hd[P, N/32], hs[P, N/16], exactly k_quant_act's layout and values), by
+     * k_linear_q_chunk or the routed split's k_ksplit_routed. NULL: not fused. */
     int8_t *hq;
     float *hd;
     int32_t *hs;
-    int32_t *qcnt;
     /* GEMM plain form of a dense launch only: ksplit 2 or 4 splits the k loop over gridDim.z = ksplit
      * blocks, each writing its part of the butterfly tree to kpart[z][pair][N] (k_ksplit_combine adds
      * them as the tree's top levels do and stores by mode); 0 or 1: no split */
@@ -286,43 +284,20 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
                 if (rows[t] >= 0) store_at(a, out + (int64_t)pair_at(a.g, start, p0 + t) * ldo + r, acc[t], acc2[t]);
         }
     }
-    if (SW && a.hq) { /* the down projection's 8-bit input, one launch fewer (no block exited early: N % 32 == 0) */
-        __shared__ int last;
-        constexpr int per_chunk = 32 / LIN_WARPS;
-        const int c = (int)blockIdx.x / per_chunk;
-        __threadfence(); /* this block's outputs are visible before it is counted */
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int32_t *ctr = a.qcnt + (int64_t)blockIdx.y * (a.N / 32) + c;
-            last = atomicAdd(ctr, 1) == per_chunk - 1;
-            if (last) *ctr = 0; /* every block of the chunk has counted: ready for the next launch */
-        }
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        for (int i = warp; i < count; i += LIN_WARPS) {
-            const int64_t p = pair_at(a.g, start, i);
-            const float v = __ldcg(a.out + p * a.ldo + 32 * c + lane); /* other blocks' rows: not via L1 */
-            quant_block32(v, lane, a.hq + p * a.N + 32 * c, a.hd + p * (a.N / 32) + c, a.hs + p * (a.N / 16) + 2 * c);
-        }
-    }
 }
 
-/* STRATA_GPU_GU_CHUNK (session 12, default 2; 0 = the forms above): the routed gate/up matvec of single-pair passes
- * (decode steps whose gate/up takes the matvec with one pair per pass: 1-7 tokens at Qwen3-30B's shapes) also makes
- * the down projection's 8-bit input, with neither k_quant_act's launch nor FUSED_QUANT's counter and fence: the 32
- * rows of one chunk of one expert finish inside one block (forms 1 and 2) or one thread-block cluster (form 3), so a
- * barrier orders their h values before quant_block32 makes the chunk's block exactly as k_quant_act does (same
- * values, same places in hq / hd / hs). Each row's sum is k_linear_q<T, 1, true>'s (lanes over sub-blocks
- * j = lane + 32 i in order, the same unpack, sub_dot chain and butterfly) and h = silu(g) * u is stored where it
- * stores it, so the bits are HEAD's. Needs N % 32 == 0, ldo == N, no row segments, a routed launch.
- * k_linear_q_chunk<T, RW>: one block per (chunk, group) of 32 / RW warps with RW consecutive rows each (form 1:
- * RW 1, 1,024 threads; form 2: RW 2, 512 threads, two blocks per SM); per pass the rows' h go to shared memory,
- * one __syncthreads, then warp 0 quantises. Double-buffered: one barrier per pass. */
-template <int T, int RW>
-__global__ void __launch_bounds__(32 / RW * WARP, RW == 1 ? 1 : 2) k_linear_q_chunk(lin_args a) {
-    constexpr int NW = 32 / RW;
-    static_assert(NW * RW == 32, "a block is one 32-row chunk");
+/* The routed gate/up matvec of single-pair passes (decode steps whose gate/up takes the matvec with one pair per
+ * pass: 1-7 tokens at Qwen3-30B's shapes) also makes the down projection's 8-bit input without k_quant_act's
+ * launch: the 32 rows of one chunk of one expert finish inside one block, so a barrier orders their h values
+ * before quant_block32 makes the chunk's block exactly as k_quant_act does (same values, same places in hq / hd /
+ * hs). Each row's sum is k_linear_q<T, 1, true>'s (lanes over sub-blocks j = lane + 32 i in order, the same
+ * unpack, sub_dot chain and butterfly) and h = silu(g) * u is stored where it stores it, so the bits are the
+ * same. Needs N % 32 == 0, ldo == N, no row segments, a routed launch. One block per (chunk, group) of
+ * GU_CHUNK_WARPS warps with RW = 2 consecutive rows each (512 threads, two blocks per SM); per pass the rows' h
+ * go to shared memory, one __syncthreads, then warp 0 quantises. Double-buffered: one barrier per pass. */
+#define GU_CHUNK_WARPS 16
+template <int T> __global__ void __launch_bounds__(GU_CHUNK_WARPS * WARP, 2) k_linear_q_chunk(lin_args a) {
+    constexpr int RW = 32 / GU_CHUNK_WARPS;
     __shared__ float hb[2][32];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     int e, start, count;
@@ -339,7 +314,7 @@ __global__ void __launch_bounds__(32 / RW * WARP, RW == 1 ? 1 : 2) k_linear_q_ch
         float acc[RW], acc2[RW];
 #pragma unroll
         for (int i = 0; i < RW; i++) acc[i] = acc2[i] = 0.0f;
-#pragma unroll(3 - RW) /* RW 1: k_linear_q's 2; RW 2: 1 (its two rows are the loads in flight; 64 registers) */
+#pragma unroll 1 /* its two rows are the loads in flight (64 registers) */
         for (int j = lane; j < nsb; j += WARP) {
 #pragma unroll
             for (int i = 0; i < RW; i++) {
@@ -371,71 +346,13 @@ __global__ void __launch_bounds__(32 / RW * WARP, RW == 1 ? 1 : 2) k_linear_q_ch
     }
 }
 
-/* GU_CHUNK form 3: k_linear_q<T, 1, true>'s blocks of LIN_WARPS warps (one row each, the same grid), launched as
- * clusters of 32 / LIN_WARPS blocks (sm_90: cudaLaunchAttributeClusterDimension), one cluster per 32-row chunk. Each
- * row's h goes to the shared memory of the cluster's first block (distributed shared memory), one cluster barrier
- * (arrive.release / wait.acquire) per pass, then that block's warp 0 quantises. Before sm_90 the body is empty (the
- * host never launches it there). */
-__device__ __forceinline__ void cluster_sync_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
-#endif
-}
-template <int T> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_cluster(lin_args a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr int per_chunk = 32 / LIN_WARPS;
-    __shared__ float hb[2][32];
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int r = blockIdx.x * LIN_WARPS + warp, c = (int)blockIdx.x / per_chunk, rank = (int)blockIdx.x % per_chunk;
-    int e, start, count;
-    pdl_trigger();
-    pdl_wait(); /* routed: the expert ids come from the predecessor */
-    if (!group_of(a.g, blockIdx.y, e, start, count)) return; /* the whole cluster (one group): no barrier skipped */
-    const uint8_t *wrow = a.w + e * a.expert_stride + (int64_t)r * a.row_bytes;
-    const uint8_t *wrow2 = a.w2 + e * a.expert_stride + (int64_t)r * a.row_bytes;
-    const int nsb = a.K / 32;
-    for (int p0 = 0; p0 < count; p0++) {
-        const int64_t p = pair_at(a.g, start, p0), base = (int64_t)in_row(a.g, (int)p) * a.K;
-        float acc = 0.0f, acc2 = 0.0f;
-#pragma unroll 2
-        for (int j = lane; j < nsb; j += WARP) {
-            sub_w s, s2;
-            unpack_sub<T>(wrow, j, s);
-            unpack_sub<T>(wrow2, j, s2);
-            const int8_t *q = a.aq + base + 32 * j;
-            const float d = a.ad[base / 32 + j];
-            const int32_t *sm = a.as + base / 16 + 2 * j;
-            acc = sub_dot(acc, s, q, d, sm);
-            acc2 = sub_dot(acc2, s2, q, d, sm);
-        }
-        acc = warp_sum(acc);
-        acc2 = warp_sum(acc2);
-        float *h = hb[p0 & 1];
-        if (lane == 0) {
-            const float v = silu_f(acc) * acc2; /* store_at's MODE_SWIGLU value */
-            a.out[p * a.ldo + r] = v;
-            unsigned dst;
-            asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n"
-                         : "=r"(dst)
-                         : "r"((unsigned)__cvta_generic_to_shared(h + rank * LIN_WARPS + warp)));
-            asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(dst), "f"(v) : "memory");
-        }
-        cluster_sync_all();
-        if (rank == 0 && warp == 0)
-            quant_block32(h[lane], lane, a.hq + p * a.N + 32 * c, a.hd + p * (a.N / 32) + c,
-                          a.hs + p * (a.N / 16) + 2 * c);
-    }
-#endif
-}
-
 /* A routed plain matvec of single-pair passes (the down projection at decode: each group one pair, or a
- * few) with R consecutive weight rows per warp (STRATA_GPU_MV_ROWS): each lane's sub-blocks of all R
- * rows are loaded together and the pair's activations once for them, so the launch is one wave with more
- * loads in flight per warp (down at batch 1: 4,096 blocks of one row per warp took 3.45 waves). Every
- * row's sum is k_linear_q's (lanes over sub-blocks j = lane + 32 i in order, the same sub_dot chain, the
- * same butterfly), so the bits are too. Also the dense output head's Q6_K matvec at one pair (STRATA_GPU_Q6_ROWS:
- * one group, e = 0). */
+ * few) with R consecutive weight rows per warp (8 for Q4_K): each lane's sub-blocks of all R rows are
+ * loaded together and the pair's activations once for them, so the launch is one wave with more loads in
+ * flight per warp (down at batch 1: 4,096 blocks of one row per warp would take 3.45 waves). Every row's
+ * sum is k_linear_q's (lanes over sub-blocks j = lane + 32 i in order, the same sub_dot chain, the same
+ * butterfly), so the bits are too. Also the dense output head's Q6_K matvec at one pair where k_q6_stage
+ * cannot take it (2 rows per warp; one group, e = 0). */
 template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_rows(lin_args a) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
@@ -472,19 +389,19 @@ template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_li
     }
 }
 
-/* STRATA_GPU_Q6_HEAD (candidate, default 0): the output head at batch 1 (a dense single-pair Q6_K matvec of at least
- * Q6_ROWS_MIN_N rows: 255 MB, 132.7 us a step in run 66's profile before Q6_ROWS = 2) with each warp's R consecutive
- * rows first copied into the block's shared memory by 16-byte cp.async (the span of 16-byte granules holding them, so
+/* The output head at batch 1 (a dense single-pair Q6_K matvec of at least Q6_ROWS_MIN_N rows: 255 MB a step at
+ * Qwen3-30B's vocabulary) with each warp's Q6S_ROWS consecutive rows first copied into the block's shared memory by 16-byte cp.async (the span of 16-byte granules holding them, so
  * that every byte keeps its address mod 16), then k_linear_q_rows<STG_Q6_KW, R>'s loop run on the shared copy
  * (unpack_q6k_wide<true>: its five 8-byte loads per 32-byte chunk as ld.shared). Why: a lane's
  * 8-byte global loads of a 2-byte aligned block touch ~7-8 L1 lines per warp instruction for ~210 distinct bytes,
  * ~168 L1 wavefronts per 1,680-byte row (~107 us of the L1's data path over the head, about what the head takes, if
  * a wavefront is a line): the copy reads each line once, 512 contiguous bytes per instruction, and the shared loads
  * cost 1-2 wavefronts each (2-way bank conflicts between superblocks k and k + 2). The same bytes and the same unpack,
- * sub_dot chain and butterfly: the same bits.
- * PRE: the copy is issued before griddepcontrol.wait (weights only). Shared memory: LIN_WARPS * q6s_span16(R) * 16. */
+ * sub_dot chain and butterfly: the same bits. Shared memory: LIN_WARPS * q6s_span16(Q6S_ROWS) * 16. */
+#define Q6S_ROWS 4
 __host__ __device__ __forceinline__ int64_t q6s_span16(int R, int64_t row_bytes) { return (R * row_bytes + 47) / 16; }
-template <int R, bool PRE> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
+    constexpr int R = Q6S_ROWS;
     extern __shared__ uint4 q6s[];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
@@ -493,10 +410,9 @@ template <int R, bool PRE> __global__ void __launch_bounds__(LIN_WARPS * WARP) k
     const int n16 = nr ? (int)((g0 + nr * a.row_bytes + 15 - ga) / 16) : 0;
     uint4 *sw = q6s + warp * q6s_span16(R, a.row_bytes);
     pdl_trigger();
-    if (!PRE) pdl_wait();
+    pdl_wait();
     for (int i = lane; i < n16; i += WARP) cp_async16(sw + i, (const uint4 *)ga + i);
     cp_async_commit();
-    if (PRE) pdl_wait();
     int e, start, count;
     if (!nr || !group_of(a.g, blockIdx.y, e, start, count)) {
         cp_async_wait<0>();
@@ -1500,10 +1416,9 @@ struct attn_args {
      * its kv head's new K and V (the first q head of each kv group also writes them to the
      * cache) and uses the new key from shared memory, not from the slot being written. */
     int32_t fused;
-    int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait (STRATA_GPU_ATT_PRE) */
+    int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait */
     qkv_args qa;
-    int32_t v2; /* k_attention's template form (launch_attention): STRATA_GPU_ATT_V2 */
-    const __half *kc_next, *vc_next; /* ATT_B1 = 3: the next layer's K / V arena (L2 prefetch); NULL: none */
+    const __half *kc_next, *vc_next; /* PREP: the next layer's K / V arena (L2 prefetch); NULL: none */
 };
 /* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
  * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and
@@ -1534,36 +1449,23 @@ __device__ __forceinline__ float warp_sum16(float v) {
 static inline size_t att_smem_bytes(int hd, int stages) {
     return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
 }
-/* V2 (STRATA_GPU_ATT_V2, hd % 64 == 0) >= 1: the value loop reads dimensions 2 l, 2 l + 1 (+ 64 i) of lane
- * l as one half2, into acc[2 i], acc[2 i + 1]; V2 = 2 also keeps q in shared memory with its even dimensions
- * first (qs[(d & 1) hd / 2 + d / 2]), so that the score loop's four q values of an iteration (d, d + 2,
- * d + 4, d + 6) are one float4 load. V2 = 3: the values as 1, and the scores with lane = key pair kp (keys
- * 2 kp, 2 kp + 1: one half2 K load serves both) + 8 g, each lane two of a key's eight chains r = d % 8
- * (g: r 0, 2 | 4, 6 | 1, 3 | 5, 7; q at qs[r hd / 8 + d / 8], four t at once as a float4): half the K and a
- * quarter of the q loads, the partial sums rebuilt in the scalar form's order by three shuffle pairs. Each
- * dimension's (each chain's) fma order and every sum are unchanged: the same bits. */
-/* HD > 0 (STRATA_GPU_ATT_UNROLL, with V2 = 1 and head_dim HD = 128): the head dimension known at compile time, so the
- * K/V copies and the score loop unroll, a whole chunk's 16-key value loop is unrolled (every key's shuffle and
- * loads issued ahead of the fma chains, each dimension's chain in the same order), and the softmax's max and sum
- * run over 16 lanes (warp_max16): the same operations in the same order, the same bits (test_gpu_b1_knobs.py,
- * knob_bitwise.py). Run 66 (b1): batch 1 -0.11 to -0.13 ms a step (2.68-2.70 against 2.79-2.81), 8 sequences
- * -0.12, 32 sequences -0.25: the rolled loops' per-key latencies (a shuffle and two shared loads a key, a
- * runtime-bounded score loop) were each chunk's chain. 72 registers instead of 80. */
-template <int V2> __device__ __forceinline__ int att_qidx(int d, int hd) { /* where q[d] lives in qs */
-    return V2 == 2 ? (d & 1) * (hd / 2) + (d >> 1) : V2 == 3 ? (d & 7) * (hd / 8) + (d >> 3) : d;
-}
-/* B1 (STRATA_GPU_ATT_B1, default 3 since run 72; with V2 = 1, HD = 128, fused steps, rope_dim <= 128): the fused q / k head
- * prep with a shorter chain, the same operations in the same order (the same bits). Warps 0 / 1 hold their head's
- * norm weights and bias in registers (read before the wait: weights), their head's values in registers (4 a lane),
- * and take RoPE's cos / sin from a table rcs that warp 3 (otherwise idle until the chunk loop) computes for the
- * token, the same (float)cos((double)theta) / sin: theta = (float)p * inv_freq[i] is the same for the q and k
- * heads. B1 = 1: warp 3 computes the table after its wait; 2: before it (ATT_PRE: pos is a step input); 3: as 2, and
- * warp 3 first prefetches the next layer's K / V chunks of the token into L2 (evict_last; each q head of a kv group
- * a share), which that layer's attention then copies from L2 instead of DRAM (steps evict the cache from L2). The
- * cache slot of the new K / V comes from the block table read before the wait. HEAD's chain for warp 0: wait, q
- * loads, norm, the weights' loads, then per lane two (inv_freq load, double cos, double sin) in a rolled loop;
- * B1's: wait, q loads, norm, a named barrier with warp 3, the rotation from shared memory. */
-__device__ __forceinline__ void b1_rope_table(const attn_args &a, int32_t p, float f0, float f1, float (*rcs)[64],
+/* HALF2 (hd % 64 == 0): the value loop reads dimensions 2 l, 2 l + 1 (+ 64 i) of lane l as one half2, into
+ * acc[2 i], acc[2 i + 1]; each dimension's fma order is unchanged.
+ * HD > 0 (with HALF2 and head_dim HD = 128): the head dimension known at compile time, so the K/V copies and the
+ * score loop unroll, a whole chunk's 16-key value loop is unrolled (every key's shuffle and loads issued ahead of
+ * the fma chains, each dimension's chain in the same order), and the softmax's max and sum run over 16 lanes
+ * (warp_max16): the same operations in the same order, the same bits. The rolled loops' per-key latencies (a
+ * shuffle and two shared loads a key, a runtime-bounded score loop) would be each chunk's chain.
+ * PREP (with HALF2, HD = 128, fused steps, rope_dim <= 128): the fused q / k head prep with a shorter chain, the
+ * same operations in the same order (the same bits). Warps 0 / 1 hold their head's norm weights and bias in
+ * registers (read before the wait: weights), their head's values in registers (4 a lane), and take RoPE's cos /
+ * sin from a table rcs that warp 3 (otherwise idle until the chunk loop) computes for the token before the wait
+ * (pos is a step input), the same (float)cos((double)theta) / sin: theta = (float)p * inv_freq[i] is the same for
+ * the q and k heads. Warp 3 first prefetches the next layer's K / V chunks of the token into L2 (evict_last; each q
+ * head of a kv group a share), which that layer's attention then copies from L2 instead of DRAM (steps evict the
+ * cache from L2). The cache slot of the new K / V comes from the block table read before the wait. Warp 0's
+ * chain: wait, q loads, norm, a named barrier with warp 3, the rotation from shared memory. */
+__device__ __forceinline__ void prep_rope_table(const attn_args &a, int32_t p, float f0, float f1, float (*rcs)[64],
                                               int lane) {
     const int np = a.qa.rope_dim / 2;
     const float th0 = __fmul_rn((float)p, f0), th1 = __fmul_rn((float)p, f1);
@@ -1573,11 +1475,11 @@ __device__ __forceinline__ void b1_rope_table(const attn_args &a, int32_t p, flo
     if (lane + 32 < np) rcs[0][lane + 32] = c1, rcs[1][lane + 32] = s1;
     asm volatile("bar.arrive 1, 96;\n" ::: "memory"); /* warps 0 and 1 wait for it (bar.sync 1, 96) */
 }
-template <int V2, int HD, int B1 = 0>
+template <bool HALF2, int HD, bool PREP = false>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     pdl_trigger();
     extern __shared__ __align__(16) unsigned char att_dyn[];
-    __shared__ __align__(16) float qs[256]; /* V2 = 2: even dimensions first */
+    __shared__ __align__(16) float qs[256];
     __shared__ float part[ATT_WARPS][256 + 2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = blockIdx.x, h = blockIdx.y;
@@ -1585,7 +1487,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     const int S = a.stages;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
     __shared__ __half kvnew[2][256]; /* fused: this token's K and V of head kvh */
-    __shared__ float b1rcs[B1 ? 2 : 1][64]; /* B1: cos / sin of the token's RoPE pairs (warp 3) */
+    __shared__ float b1rcs[PREP ? 2 : 1][64]; /* PREP: cos / sin of the token's RoPE pairs (warp 3) */
     /* pre (fused decode steps only): pos, seq and the block table are the step's uploaded inputs and
      * the cache's earlier keys were written by earlier steps, so they are read, and this warp's first
      * chunks' copies issued, before the wait for the predecessor (the q/k/v projection); the new
@@ -1634,11 +1536,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             issued = 2;
         }
     }
-    float bw[4] = {}, bb[4] = {}; /* B1: this warp's head norm weights and bias (lane + 32 k) */
-    float rf0 = 0.0f, rf1 = 0.0f; /* B1, warp 3: inv_freq[lane], inv_freq[lane + 32] */
-    int64_t kvo = -1; /* B1, warps 1 / 2 of a kv group's first q head: the new K / V's offset in the cache (kv_store) */
-    if constexpr (B1 > 0) {
-        static_assert(HD == 128 && V2 == 1, "ATT_B1: the unrolled form only");
+    float bw[4] = {}, bb[4] = {}; /* PREP: this warp's head norm weights and bias (lane + 32 k) */
+    float rf0 = 0.0f, rf1 = 0.0f; /* PREP, warp 3: inv_freq[lane], inv_freq[lane + 32] */
+    int64_t kvo = -1; /* PREP, warps 1 / 2 of a kv group's first q head: the new K / V's offset in the cache (kv_store) */
+    if constexpr (PREP) {
+        static_assert(HD == 128 && HALF2, "PREP: the unrolled form only");
         if (warp < 3) {
             const int hh = warp == 0 ? h : kvh;
             const float *nw = warp == 0 ? a.qa.q_norm : a.qa.k_norm, *bias = warp == 0 ? a.qa.bq : warp == 1 ? a.qa.bk : a.qa.bv;
@@ -1652,10 +1554,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
                 const int64_t kbase = (int64_t)blk * kd * bs, c = (int64_t)kvh * HD + lane;
                 kvo = warp == 1 ? kbase + c * bs + slot : kbase + (int64_t)slot * kd + c;
             }
-        } else { /* warp 3: RoPE's inv_freq (weights), the table before the wait with B1 = 2 and ATT_PRE */
+        } else { /* warp 3: RoPE's inv_freq (weights), the table before the wait where pre */
             const int np = a.qa.rope_dim / 2;
             rf0 = lane < np ? a.qa.inv_freq[lane] : 0.0f, rf1 = lane + 32 < np ? a.qa.inv_freq[lane + 32] : 0.0f;
-            if (B1 == 3 && a.kc_next) { /* the next layer's K / V chunks of this token into L2 (kv group's heads share them) */
+            if (a.kc_next) { /* the next layer's K / V chunks of this token into L2 (kv group's heads share them) */
                 const int G = a.n_head / a.n_kv;
                 for (int c = h % G; c < n_chunks; c += G) {
                     const int32_t blk = bt[c * ATT_CK / bs];
@@ -1667,11 +1569,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
                     prefetch_l2_last(vg + (int64_t)(lane >> 1) * kd + 64 * (lane & 1)); /* a V row: two 128-byte lines */
                 }
             }
-            if (B1 >= 2 && pre) b1_rope_table(a, n_keys - 1, rf0, rf1, b1rcs, lane);
+            if (pre) prep_rope_table(a, n_keys - 1, rf0, rf1, b1rcs, lane);
         }
     }
     if (pre) pdl_wait();
-    if constexpr (B1 > 0) {
+    if constexpr (PREP) {
         if (warp < 3) { /* qkv_head's operations, in registers */
             const qkv_args &qa = a.qa;
             const int hh = warp == 0 ? h : kvh, qd = qa.n_head * HD, kd2 = qa.n_kv * HD;
@@ -1730,15 +1632,15 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
                     if (kvo >= 0) (warp == 1 ? qa.kc : qa.vc)[kvo + (warp == 1 ? (int64_t)32 * k * bs : 32 * k)] = hv; /* kv_store */
                 }
             }
-        } else if (B1 == 1 || !pre) {
-            b1_rope_table(a, n_keys - 1, rf0, rf1, b1rcs, lane);
+        } else if (!pre) {
+            prep_rope_table(a, n_keys - 1, rf0, rf1, b1rcs, lane);
         }
     } else if (a.fused) {
         if (warp < 3) { /* warp 0: q head h; 1: k head kvh; 2: v head kvh (part[] is free until the merge) */
             float *v = part[warp];
             qkv_head(a.qa, t, warp, warp == 0 ? h : kvh, v, lane);
             if (warp == 0) {
-                for (int i = lane; i < hd; i += 32) qs[att_qidx<V2>(i, hd)] = __fmul_rn(v[i], a.qa.scale);
+                for (int i = lane; i < hd; i += 32) qs[i] = __fmul_rn(v[i], a.qa.scale);
             } else {
                 for (int i = lane; i < hd; i += 32) kvnew[warp - 1][i] = __float2half_rn(v[i]);
                 if (h % (a.n_head / a.n_kv) == 0) kv_store(a.qa, t, warp, kvh, v, lane);
@@ -1746,7 +1648,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
     } else {
         const float *q = a.q + (int64_t)t * a.n_head * hd + h * hd;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[att_qidx<V2>(i, hd)] = q[i];
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) qs[i] = q[i];
     }
     __syncthreads();
     float m = -INFINITY, l = 0.0f, acc[8];
@@ -1786,40 +1688,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
         float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f; /* four chains */
         float sv;
-        if constexpr (V2 == 3) { /* lane = key pair kp + 8 g: chains r = ra, ra + 2 of keys 2 kp, 2 kp + 1 */
-            const int kp = lane & 7, g = lane >> 3, ra = (g >> 1) + 4 * (g & 1); /* g: r 0, 2 | 4, 6 | 1, 3 | 5, 7 */
-            const float *qa = qs + ra * (hd / 8), *qb = qa + 2 * (hd / 8); /* q[r + 8 t] at qs[r hd / 8 + t] */
-            for (int t = 0; t < hd / 8; t += 4) {
-                const float4 va = *(const float4 *)(qa + t), vb = *(const float4 *)(qb + t);
-                const float fa[4] = {va.x, va.y, va.z, va.w}, fb[4] = {vb.x, vb.y, vb.z, vb.w};
-#pragma unroll
-                for (int u = 0; u < 4; u++) {
-                    const __half *kr = ks + (ra + 8 * (t + u)) * ATT_CK + 2 * kp;
-                    const float2 ka = __half22float2(*(const __half2 *)kr), kb = __half22float2(*(const __half2 *)(kr + 2 * ATT_CK));
-                    d0 = fmaf(fa[u], ka.x, d0), d1 = fmaf(fa[u], ka.y, d1); /* (key 2 kp, ra), (key 2 kp + 1, ra) */
-                    d2 = fmaf(fb[u], kb.x, d2), d3 = fmaf(fb[u], kb.y, d3); /* the same keys, ra + 2 */
-                }
-            }
-            /* per key c_ra + c_(ra+2), i.e. the scalar form's (d0 + d1) for g 0 / 2, (d2 + d3) for g 1 / 3; then
-             * g 0 + g 1 (even dimensions) and g 2 + g 3 (odd), then even + odd, as the scalar form adds them */
-            const float A0 = d0 + d2, A1 = d1 + d3;
-            const float o0 = __shfl_xor_sync(0xffffffffu, A0, 8), o1 = __shfl_xor_sync(0xffffffffu, A1, 8);
-            const float S0 = g & 1 ? o0 + A0 : A0 + o0, S1 = g & 1 ? o1 + A1 : A1 + o1;
-            const float p0 = __shfl_xor_sync(0xffffffffu, S0, 16), p1 = __shfl_xor_sync(0xffffffffu, S1, 16);
-            const float T0 = g < 2 ? S0 + p0 : p0 + S0, T1 = g < 2 ? S1 + p1 : p1 + S1;
-            const float x0 = __shfl_sync(0xffffffffu, T0, key >> 1), x1 = __shfl_sync(0xffffffffu, T1, key >> 1);
-            sv = key & 1 ? x1 : x0; /* lane = key + 16 half, as below */
-        } else {
-            if constexpr (V2 == 2) {
-                const float *qh = qs + half * (hd / 2); /* q[half + 2 i] at qh[i] */
-                for (int d = half, i = 0; d < hd; d += 8, i += 4) {
-                    const float4 qv = *(const float4 *)(qh + i);
-                    d0 = fmaf(qv.x, __half2float(ks[d * ATT_CK + key]), d0);
-                    d1 = fmaf(qv.y, __half2float(ks[(d + 2) * ATT_CK + key]), d1);
-                    d2 = fmaf(qv.z, __half2float(ks[(d + 4) * ATT_CK + key]), d2);
-                    d3 = fmaf(qv.w, __half2float(ks[(d + 6) * ATT_CK + key]), d3);
-                }
-            } else if constexpr (HD > 0) {
+        {
+            if constexpr (HD > 0) {
 #pragma unroll
                 for (int i = 0; i < HD / 8; i++) {
                     const int d = half + 8 * i;
@@ -1848,7 +1718,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         l = __fmaf_rn(l, corr, HD ? warp_sum16(pj) : warp_sum(half ? 0.0f : pj)); /* explicit: k_attention_tile repeats it */
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
-        if constexpr (V2 > 0 && HD > 0) {
+        if constexpr (HALF2 && HD > 0) {
             auto vstep = [&](int jj) {
                 const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
@@ -1867,7 +1737,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
             } else {
                 for (int jj = 0; jj < nk; jj++) vstep(jj);
             }
-        } else if constexpr (V2 > 0) {
+        } else if constexpr (HALF2) {
             for (int jj = 0; jj < nk; jj++) {
                 const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
@@ -1895,7 +1765,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     }
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        const int d = V2 > 0 ? 64 * (i >> 1) + 2 * lane + (i & 1) : lane + 32 * i;
+        const int d = HALF2 ? 64 * (i >> 1) + 2 * lane + (i & 1) : lane + 32 * i;
         if (d < hd) part[warp][d] = acc[i];
     }
     if (lane == 0) part[warp][256] = m, part[warp][257] = l;
@@ -2406,8 +2276,7 @@ struct route_args {
     int32_t *ids, *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist;
     float *w;
     int32_t *gtiles, *n_gtiles;
-    int32_t fast; /* the register / one-warp router tail (STRATA_GPU_ROUTE_FAST) */
-    int32_t pre;  /* f_rows_pre (STRATA_GPU_ROUTER_PRE; the host checks NT <= 2, K, a dense group) */
+    int32_t pre; /* f_rows_pre (the host checks NT <= 2, K, a dense group) */
 };
 template <int T, int NT>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
@@ -2432,10 +2301,10 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, r
     __syncthreads();
     for (int t = warp; t < r.T; t += LIN_WARPS)
         route_token(lg + (int64_t)t * r.ne, rrs + warp * r.ne, r.ne, r.k, lane, r.ids + (int64_t)t * r.k,
-                    r.w + (int64_t)t * r.k, r.fast != 0);
+                    r.w + (int64_t)t * r.k, true);
     __syncthreads();
     group_pairs(r.ids, r.T * r.k, r.k, r.ne, r.gexp, r.gstart, r.gcount, r.n_groups, r.list, r.pair_tok, r.hist,
-                r.gtiles, r.n_gtiles, (int32_t *)(rrs + LIN_WARPS * r.ne), r.fast != 0);
+                r.gtiles, r.n_gtiles, (int32_t *)(rrs + LIN_WARPS * r.ne), true);
     if (threadIdx.x == 0) *r.counter = 0; /* every block has counted: ready for the next layer */
 }
 
@@ -2485,7 +2354,6 @@ __device__ __forceinline__ uint32_t pick_key(float v) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-#define ARGMAX_THREADS 1024
 #define ARGMAX_SPLIT_THREADS 256
 /* The block's largest (key << 32 | ~index) over elements [b, e) of a row (in thread 0): each thread keeps the first
  * of its largest keys over its elements in increasing index order (vec: float4 loads, four in flight; b and e then
@@ -2540,16 +2408,8 @@ __device__ __forceinline__ unsigned long long pick_block(const float *row, int64
 
 __device__ __forceinline__ bool pick_vec(const float *row, int64_t n) { return (n & 3) == 0 && ((uintptr_t)row & 15) == 0; }
 
-/* out[r] = the first index of the maximum of row r of x[rows, n] (the greedy pick): one block per row, one pass.
- * The same picks as st_argmax_rows on the same floats. */
-__global__ void __launch_bounds__(ARGMAX_THREADS) k_argmax_rows(const float *x, int64_t n, int32_t *out) {
-    PDL_ENTER();
-    const float *row = x + (int64_t)blockIdx.x * n;
-    const unsigned long long key = pick_block(row, 0, n, pick_vec(row, n));
-    if (threadIdx.x == 0) out[blockIdx.x] = (int32_t)~(uint32_t)key;
-}
-
-/* The same picks with gridDim.x blocks per row (STRATA_GPU_ARGMAX_SPLIT: more SMs for a few rows): block (s, r)
+/* out[r] = the first index of the maximum of row r of x[rows, n] (the greedy pick; st_argmax_rows' picks on the same
+ * floats) with gridDim.x blocks per row (more SMs for a few rows): block (s, r)
  * takes the s-th slice of row r, puts its pair into keys[r] by atomicMax, and the row's last block to take a
  * ticket from cnt[r] writes out[r] and zeroes keys[r] and cnt[r] for the next launch (both zero between launches).
  * The largest pair does not depend on where the row is cut. */

@@ -92,6 +92,47 @@ extern "C" stg_status stg_device_info(int32_t device, char *name, int32_t name_l
     F(STG_Q4_0) F(STG_Q4_1) F(STG_Q5_0) F(STG_Q5_1) F(STG_Q8_0) F(STG_Q4_K) F(STG_Q5_K) F(STG_Q6_K)
 #define FLOAT_CASES(F) F(STG_F32) F(STG_F16) F(STG_BF16)
 
+/* ------------------------------------------------------------------ settings */
+
+extern "C" void stg_settings_default(stg_settings *s) {
+    if (!s) return;
+    s->graphs = 1;
+    s->pdl = 1;
+    s->layer_events = -1;
+    s->gemm_min = 2;
+    s->gemm_min_tokens = 8;
+    s->gemm_dense_min = 32;
+    s->gemm_wide_min = 256;
+    s->dense_split = 16;
+    s->routed_split_max = 16;
+    s->gemm_fast_min = 64;
+    s->att_mma = 2;
+    s->att_mma_min = 64;
+}
+
+static stg_status check_settings(const stg_settings *s) {
+#define RANGE(f, lo, hi)                                                                                   \
+    if (s->f < (lo) || s->f > (hi))                                                                        \
+        return fail(ST_EINVAL, "settings: " #f " = %d outside [%d, %d]", (int)s->f, (int)(lo), (int)(hi));
+    RANGE(graphs, 0, 1)
+    RANGE(pdl, 0, 1)
+    RANGE(layer_events, -1, 1)
+    RANGE(gemm_min, 1, INT32_MAX)
+    RANGE(gemm_min_tokens, 0, 24)
+    RANGE(gemm_dense_min, 1, INT32_MAX)
+    RANGE(gemm_wide_min, 1, INT32_MAX)
+    RANGE(dense_split, 0, INT32_MAX)
+    RANGE(routed_split_max, 0, 64)
+    RANGE(gemm_fast_min, 0, INT32_MAX)
+    RANGE(att_mma, 0, 2)
+    RANGE(att_mma_min, 1, INT32_MAX)
+#undef RANGE
+    if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
+        return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
+                    (int)s->gemm_min_tokens, (int)s->routed_split_max);
+    return ST_OK;
+}
+
 /* ------------------------------------------------------------------ model */
 
 static stg_status attention_setup(void);
@@ -120,7 +161,7 @@ struct scratch {
     int64_t kpart_cap; /* floats */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays: two slots of cap_ints (stg_step_launch's
                       * ticket parity), so that a step's upload may still be queued while the next one is filled */
-    int32_t *picks;  /* [cap_l] the step's greedy picks (k_argmax_rows), copied back instead of the logits */
+    int32_t *picks;  /* [cap_l] the step's greedy picks (k_argmax_split), copied back instead of the logits */
     unsigned long long *pick_keys; /* [cap_l] k_argmax_split's per-row maxima, 0 between launches */
     unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
     int64_t cap_ints;
@@ -128,26 +169,22 @@ struct scratch {
     std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
 };
 
+/* A captured step: its shape. The settings it was captured under are the model's (stg_model_set_settings drops
+ * every graph), so they are not part of the key. */
 struct graph_entry {
     const stg_kv *kv;
     int32_t T, NL, mb, n_seq_rows;
-    bool layer_events, pdl, route_split;
-    int32_t gemm_min, gemm_dense, gemm_wide;
-    bool fused_quant, fuse_qkv, gemm_tiles;
-    int32_t greedy; /* step_shape.greedy */
-    int32_t dense_split;
-    bool qkv_split;
-    int64_t knobs; /* g_knobs() */
-    cudaGraphExec_t exec;
+    bool layer_events, fuse_qkv, greedy;
     bool src; /* step_shape.d_src set (st_batch.token_src) */
+    cudaGraphExec_t exec;
 };
 
 /* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */
 struct inflight {
     bool live = false;
     int64_t ticket = 0;
-    int32_t T = 0, NL = 0, greedy = 0;
-    bool layer_events = false, sampled = false, moe = false;
+    int32_t T = 0, NL = 0;
+    bool greedy = false, layer_events = false, sampled = false, moe = false;
     int32_t *expert_hist = nullptr; /* the batch's, added to at the wait */
     cudaEvent_t e0 = nullptr, e1 = nullptr; /* the step's start (before its upload) and end (after its copies) */
     int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
@@ -158,6 +195,7 @@ struct inflight {
 struct stg_model {
     int device;
     int cc_major = 0;
+    stg_settings set; /* read when the model opens (stg_model_create), replaced by stg_model_set_settings */
     st_model_desc d;
     std::vector<dlayer> L;
     dtensor token_embd, output_norm, output;
@@ -167,7 +205,6 @@ struct stg_model {
     float *inv_freq = nullptr;
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
     int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
-    int32_t *quant_counter = nullptr; /* fused SWIGLU quantisation: per (group, 32-row chunk), 0 between launches */
     cudaStream_t stream = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
@@ -387,16 +424,24 @@ extern "C" void stg_model_destroy(stg_model *m) {
     delete m;
 }
 
-extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_model **out) {
+extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const stg_settings *settings,
+                                       stg_model **out) {
     const st_model_desc *desc = (const st_model_desc *)vdesc;
     if (!desc || !out || !desc->layers) return fail(ST_EINVAL, "model_create: NULL argument");
     *out = nullptr;
+    stg_settings set;
+    stg_settings_default(&set);
+    if (settings) {
+        CHECK(check_settings(settings));
+        set = *settings;
+    }
     const int n = stg_device_count();
     if (n < 0) return ST_EUNSUPPORTED;
     if (device < 0 || device >= n) return fail(ST_ERANGE, "CUDA device %d does not exist (%d visible)", device, n);
     CU(cudaSetDevice(device), "model_create");
     stg_model *m = new stg_model();
     m->device = device;
+    m->set = set;
     cudaDeviceGetAttribute(&m->cc_major, cudaDevAttrComputeCapabilityMajor, device);
     m->d = *desc;
     m->d.layers = nullptr;
@@ -418,10 +463,6 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_mo
         if (rc == ST_OK) rc = dalloc(m, &m->route_counter, sizeof(int32_t));
         if (rc == ST_OK && cudaMemset(m->route_counter, 0, sizeof(int32_t)) != cudaSuccess)
             rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
-        const size_t nq = (size_t)std::max(1, m->d.n_expert) * (size_t)(m->ff_max / 32 + 1);
-        if (rc == ST_OK) rc = dalloc(m, &m->quant_counter, nq * sizeof(int32_t));
-        if (rc == ST_OK && cudaMemset(m->quant_counter, 0, nq * sizeof(int32_t)) != cudaSuccess)
-            rc = fail(ST_EINVAL, "model_create: cannot clear the quantisation counters");
     }
     if (rc == ST_OK) rc = attention_setup();
     if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
@@ -443,6 +484,17 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, stg_mo
 }
 
 extern "C" int64_t stg_model_weight_bytes(const stg_model *m) { return m ? m->arena_bytes : 0; }
+
+extern "C" stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings) {
+    if (!m || !settings) return fail(ST_EINVAL, "set_settings: NULL argument");
+    CHECK(check_settings(settings));
+    if (m->n_live > 0) return fail(ST_EINVAL, "set_settings: %d launched step(s) in flight", m->n_live);
+    CU(cudaSetDevice(m->device), "set_settings");
+    CU(cudaStreamSynchronize(m->stream), "set_settings");
+    drop_graphs(m); /* captured under the old settings */
+    m->set = *settings;
+    return ST_OK;
+}
 
 extern "C" int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len) {
     if (!m) return 0;
@@ -546,280 +598,46 @@ struct acts_d {
     const float *x;
 };
 
-/* an integer knob: the variable's value (atoi), dflt when it is unset or empty */
-static int env_int(const char *name, int dflt) {
-    const char *e = getenv(name);
-    return e && e[0] ? atoi(e) : dflt;
-}
-/* STRATA_GPU_ROUTE_SPLIT=1: router logits and routing as separate launches (comparison). */
-static bool route_split() {
-    const char *e = getenv("STRATA_GPU_ROUTE_SPLIT");
-    return e && e[0] == '1';
-}
+/* The settings of the step being queued (stg_model's, or the harness's): copied in per step, read by the
+ * launchers below; graphs are keyed by the fields that change what is captured (graph_entry). */
+static thread_local stg_settings g_set = {};
 
-/* Pairs per group (expected) from which the tensor-core GEMM replaces the matvec kernel
- * (STRATA_GPU_GEMM_MIN overrides; values below 1 count as 1; STRATA_GPU_GEMM_MIN_TOKENS below
- * lowers it for routed layers of larger steps). Both kernels produce bitwise the same
- * results (k_linear_gemm keeps the matvec's summation order), so the choice changes speed
- * only: a sequence's logits do not depend on what else is in its batch either way. */
-static thread_local int g_gemm_min = 2; /* read per step (stg_forward); graphs are keyed by it */
-static int gemm_min_env() {
-    const int v = env_int("STRATA_GPU_GEMM_MIN", 2);
-    return v < 1 ? 1 : v;
-}
-static int gemm_min_pairs() { return g_gemm_min; }
-/* Pairs from which a single-group launch (a dense layer, the output head) may take the GEMM
- * (STRATA_GPU_GEMM_DENSE_MIN overrides the default 32). In practice only the 151,936-row head
- * qualifies at decode (q / k / v / o have too few tiles): run 39 measured it on the GEMM at 32
- * sequences 0.6-0.95 ms per step faster than the matvec, at 8 sequences 0.4 ms slower. */
-static thread_local int g_gemm_dense = 32; /* read per step (stg_forward); graphs are keyed by it */
-static int gemm_dense_env() {
-    const int v = env_int("STRATA_GPU_GEMM_DENSE_MIN", 32);
-    return v < 1 ? 1 : v;
-}
-/* Blocks of MM_BN_WIDE pairs from which a dense plain GEMM runs 32 pairs per block instead of 16
- * (STRATA_GPU_GEMM_WIDE_MIN overrides the default 256, about two blocks per SM: below that the
- * 16-pair tiles keep more SMs busy). Same results either way. */
-static thread_local int g_gemm_wide_min = 256; /* read per step (stg_forward); graphs are keyed by it */
-static int gemm_wide_env() {
-    const int v = env_int("STRATA_GPU_GEMM_WIDE_MIN", 256);
-    return v < 1 ? 1 : v;
-}
-/* Pairs from which a dense quantised layer too small for the GEMM's grid (use_gemm: fewer than 256
- * tiles, e.g. q / k / v / o at 16-64 tokens) runs the GEMM with its k loop split over KSPLIT
- * blocks per tile (lin_args.ksplit; k_ksplit_combine adds the parts as the butterfly's top levels
- * do, so the result is the matvec's bit for bit) instead of the matvec, which unpacks each weight
- * row once per 8 pairs. STRATA_GPU_DENSE_SPLIT overrides the default 16; 0: never. */
+/* A dense quantised layer too small for the GEMM's grid (use_gemm: fewer than 256 tiles, e.g. q / k / v / o
+ * at 16-64 tokens) runs the GEMM with its k loop split over KSPLIT blocks per tile (lin_args.ksplit;
+ * k_ksplit_combine adds the parts as the butterfly's top levels do, so the result is the matvec's bit for
+ * bit) instead of the matvec, which unpacks each weight row once per 8 pairs: from dense_split tokens. */
 #define KSPLIT 4
 #define KSPLIT_MAX_T 64
-static thread_local int g_dense_split = 16; /* read per step (stg_forward); graphs are keyed by it */
-static int dense_split_env() {
-    const int v = env_int("STRATA_GPU_DENSE_SPLIT", 16);
-    return v < 0 ? 0 : v;
-}
 /* the split GEMM's parts: KSPLIT x KSPLIT_MAX_T x the widest dense layer (scratch), set per step */
 static thread_local float *g_kpart = nullptr;
 static thread_local int64_t g_kpart_cap = 0; /* floats */
-/* whether a dense layer of T tokens takes the split GEMM (q, k and v then run as three launches) */
-static bool dense_split_on(int32_t T) { return g_dense_split > 0 && T >= g_dense_split && T <= KSPLIT_MAX_T && g_kpart; }
-/* q, k and v as one split GEMM launch over their stacked rows (row segments, as the fused matvec
- * has them) instead of three: k and v alone are 8 row tiles each at Qwen3-30B's shapes, too few
- * blocks to cover their latency. STRATA_GPU_QKV_SPLIT=0: three launches. Same results. */
-static thread_local bool g_qkv_split = true; /* read per step (stg_forward); graphs are keyed by it */
-static bool qkv_split_env() {
-    const char *e = getenv("STRATA_GPU_QKV_SPLIT");
-    return !(e && e[0] == '0');
-}
-/* STRATA_GPU_FUSED_QUANT=1: the gate/up matvec also quantises its output for the down
- * projection. Off by default: measured no faster (runs 19-21: +0.1, 0.0 and +0.1 ms per
- * batch-1 step against k_quant_act's own launch; the fence, counter and tail cost as much). */
-static thread_local bool g_fused_quant = false; /* read per step (stg_forward); graphs are keyed by it */
-static bool fused_quant_on() { return g_fused_quant; }
-/* Routed GEMM launches run a block per tile of group_pairs' list instead of (largest group's
- * tiles) x (groups) (at a 512-token prefill step 12 x 32 x 128 blocks for gate/up, ~94% of
- * them empty); same results either way (test_routed_gemm_tiles_bitwise_equal_matvec, run 23:
- * pp512 3,283 -> 3,428 tok/s with the query tiles on). STRATA_GPU_GEMM_TILES=0: the grid. */
-static thread_local bool g_gemm_tiles = true; /* read per step (stg_forward); graphs are keyed by it */
-/* STRATA_GPU_ROUTE_FAST (default 1): the decode router tail (k_router_route, steps of <= 8 tokens)
- * keeps the probabilities in registers and takes the top k by warp reductions (route_token), and
- * groups <= 32 pairs by one warp (group_pairs_warp); 0: the shared-memory scan and the block's
- * grouping. Same ids, weights and groups (run 42: batch 1 -0.09 ms, 8 sequences -0.12 ms per step).
- * Larger steps (k_route, k_router + k_group) keep the block forms: not measured there.
- * STRATA_GPU_ATT_STAGES (1 or 2; default: launch_attention's, up to head_dim 128): k_attention's chunk
- * stages at decode, a measurement knob.
- * Both read by read_knobs (per step and per harness call); graphs are keyed by them. */
-static thread_local bool g_route_fast = true;
-static thread_local int g_att_stages = 0;
-/* STRATA_GPU_COMBINE_FUSE (default 1): at 16-64 tokens the split GEMMs of q / k / v (one segmented
- * launch, decode steps whose q/k/v post-processing runs inside attention) and of the output
- * projection leave their 4 parts to their consumers, which add them as k_ksplit_combine does (the
- * fused attention's qkv_head; the FFN's RMSNorm, then the residual add): two launches per layer
- * fewer, same bits (run 48: -0.21 ms per 32-sequence step, -0.24 at 16). g_defer_combine asks launch_q
- * to skip the combine; g_deferred says it did. */
-static thread_local bool g_combine_fuse = true, g_defer_combine = false, g_deferred = false;
-/* Batch-1 decode knobs (session 9, runs 51-52), each bitwise neutral by construction (same bytes, same
- * arithmetic in the same order; only when loads are issued, how wide they are or how many rows a warp
- * takes changes; test_gpu_b1_knobs.py, knob_bitwise.py):
- * STRATA_GPU_Q6_WIDE (default 1): the Q6_K matvec (the output head) reads each 32-byte chunk of a
- *   2-byte aligned block by five 8-byte loads and funnel shifts instead of sixteen 2-byte loads
- *   (run 52: batch 1 -0.01 ms, 8 sequences -0.13 ms a step).
- * STRATA_GPU_Q6_GEMM_WIDE (default 1): the same loads in the Q6_K GEMM (k_linear_gemm<STG_Q6_KW>: the head from
- *   32 sequences; its 2-byte loads kept L1 72% busy at DRAM 7%, run 53): -0.19 / -0.27 ms (run 57 (b32)).
- * STRATA_GPU_ATT_PRE (default 1): the fused decode attention reads pos / seq / its block table and
- *   issues its first two K/V chunks' copies before waiting for the predecessor (the cache's earlier
- *   keys were written by earlier steps; the new key replaces its slot in shared memory anyway): -0.03 ms.
- * STRATA_GPU_ROUTER_PRE (default 1): the decode router (k_router_route, <= 2 tokens, K <= 2,048) loads
- *   its float weights into registers before waiting for the predecessor: -0.02 ms.
- * STRATA_GPU_MV_ROWS (default 8): weight rows per warp of a routed Q4_K matvec of single-pair passes (the
- *   down projection at decode: k_linear_q_rows), 2, 4 or 8; 0 or 1: k_linear_q's one row per warp. At 8
- *   rows the down launch is 512 blocks of 128 registers (sm_90), one wave instead of 4,096 blocks in
- *   3.45: batch 1 neutral, 8 sequences -0.8 ms a step. (Gate/up with 2 or 4 rows per warp was slower:
- *   +0.16 ms at batch 1, +1.4 ms at 8 sequences; tests/engine/gpu/b1_candidates.patch.) */
-static thread_local bool g_q6_wide = true, g_q6_gemm_wide = true;
-static thread_local bool g_att_pre = true;
-static thread_local bool g_router_pre = true;
-static thread_local int g_mv_rows = 8;
-/* STRATA_GPU_ATT_V2 (default 1; 0 = off, 2, 3): k_attention's vector loads (see there): 1 the value loop on
- * half2, 2 also q as float4 in the score loop, 3 the values as 1 and the score loop over key pairs on half2
- * K loads and float4 q loads. Same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 8 and 32 sequences).
- * GPU step at batch 1, runs 56 and 58 (b1): 1 -0.03 ms (2.81-2.82 against 2.84-2.85 in the same processes),
- * 2 -0.01 to -0.02 (96 registers instead of 80); run 59 (b1): 3 as 1 (2.82). At 8 / 32 sequences: 2 -0.05 to
- * -0.06 / -0.03 to -0.09, 3 0 / -0.04 (once). Read per step; graphs keyed by it (b1_knobs()).
- * Session 10's other batch-1 candidates lost (run 56) and are in tests/engine/gpu/b1_candidates10.patch. */
-static thread_local int g_att_v2 = 1;
-/* Session 11 (run 66 (b1)), each the same bits (test_gpu_b1_knobs.py; knob_bitwise.py at 1, 2 and 8 sequences):
- * STRATA_GPU_ATT_UNROLL (default 1; 0 = off): with ATT_V2 = 1 and head_dim 128, k_attention<1, 128> (its loops over
- *   the head dimension and a whole chunk's value loop unrolled, the softmax's reductions over 16 lanes; see there):
- *   batch 1 -0.11 to -0.13 ms a step (2.68-2.70 against 2.79-2.81 in one process), 8 sequences -0.12, 32 -0.25.
- * STRATA_GPU_Q6_ROWS (default 2; 4, or 0 = off): dense single-pair Q6_K matvecs of at least Q6_ROWS_MIN_N rows (the
- *   output head at batch 1: 255 MB at 1.9 TB/s, 132.7 us a step) on k_linear_q_rows with that many rows per warp:
- *   -0.03 / -0.02 ms in two processes; 4 rows: 0. Smaller dense launches keep one row per warp (rows per warp lost
- *   for q/k/v/o, run 56 (b1)).
- * Measured and left in tests/engine/gpu/b1_candidates11.patch: the down projection's rows prefetched into L2 by the
- * gate/up blocks, k_rmsnorm's and the fused attention's weights loaded before the wait (each -0.03 / -0.03 / +0.02
- * alone, nothing on top of ATT_UNROLL). Read per step; graphs keyed by them (b1_knobs()). */
-static thread_local bool g_att_unroll = true;
-/* STRATA_GPU_ATT_B1 (session 12 (at); default 3; 1 or 2, 0 = the earlier form): fused decode steps on k_attention<1, 128, B1> (with
- * ATT_UNROLL, rope_dim <= 128): the q / k head prep's chain shortened, the same bits (see k_attention; 1: warp 3's RoPE
- * table after the wait, 2: before it, 3: as 2 with the next layer's K / V of the step prefetched into L2). Run 72, GPU
- * step at batch 1, two rows each in one process against default rows of 2.64-2.66 ms: 1 2.57 / 2.54, 2 2.56 / 2.55, 3
- * 2.56 / 2.53 (-0.10 ms: the q head's prep after the wait was the attention's chain, not its chunks); with GU_CHUNK=2
- * 2.49 ms against 2.59 with ATT_B1=0; 32 sequences 10.79 against 10.96 all off. knob_bitwise 0 vs 1 / 2 / 3 bitwise
- * equal at 1 and 2 sequences. Read per step; graph key bits 50-51. */
-static thread_local int g_att_b1 = 3;
-static thread_local int g_q6_rows = 2;
+/* At 16-64 tokens the split GEMMs of q / k / v (one segmented launch, decode steps whose q/k/v
+ * post-processing runs inside attention) and of the output projection leave their 4 parts to their
+ * consumers, which add them as k_ksplit_combine does (the fused attention's head prep; the FFN's RMSNorm,
+ * then the residual add): two launches per layer fewer, the same bits. g_defer_combine asks launch_q to
+ * skip the combine; g_deferred says it did. */
+static thread_local bool g_defer_combine = false, g_deferred = false;
+/* The output head's Q6_K single-pair matvec (at least Q6_ROWS_MIN_N rows: batch 1) on k_q6_stage, or where
+ * its weight is not 16-byte aligned on k_linear_q_rows with 2 rows per warp. */
 #define Q6_ROWS_MIN_N 65536
-static int32_t b1_knobs() {
-    return (int32_t)g_q6_wide | (int32_t)g_att_pre << 1 | (int32_t)g_router_pre << 2 | g_mv_rows << 3 |
-           (int32_t)g_q6_gemm_wide << 7 | g_att_v2 << 8 | (int32_t)g_att_unroll << 10 | (g_q6_rows / 2) << 11;
-}
-/* STRATA_GPU_ROUTED_SPLIT / STRATA_GPU_ROUTED_SPLIT_DOWN (2 or 4; else 0 = off; defaults 2 / 0): routed Q4_K
- * gate/up (down) GEMMs over the tile list with at most STRATA_GPU_ROUTED_SPLIT_MAX tokens run their k loop
- * over that many blocks per tile (grid z; k_linear_gemm's RS form), each one subtree of the butterfly into
- * kpart[z][weight][pair][N]; k_ksplit_routed adds the parts as the tree's top levels, then the SWIGLU and,
- * for gate/up, the down projection's 8-bit input (k_quant_act's launch fewer). Same bits. Why: the routed
- * GEMMs' few busy experts give few blocks of 16 serial stages (32 sequences: 7.6 warps per SM, run 48). */
-static thread_local int g_routed_split = 2, g_routed_split_down = 0;
-/* STRATA_GPU_ROUTED_SPLIT_MAX (tokens, a multiple of 8 up to KSPLIT_MAX_T; default 16): the routed split
- * only in steps of at most that many tokens (32 sequences: split 4 +0.18 ms, split 2 +0.53; 24: 4 neutral;
- * 8 / 16 sequences with the routed layers on the GEMM: split 2 7.91 -> 7.35, 12.94 -> 8.63 ms a step, split
- * 4 7.57 / 8.73, down split 2 0 / +0.2: runs 57 and 60 (b32)). STRATA_GPU_GEMM_MIN_TOKENS (0, 8, 16 or 24;
- * default 8): routed layers of steps of at least that many tokens take the GEMM even below
- * STRATA_GPU_GEMM_MIN expected pairs per expert (8 and 16 sequences have 1 pair of 128 experts' worth);
- * steps of 1-7 tokens unchanged. */
-static thread_local int g_routed_split_max = 16, g_gemm_min_tok = 8;
-/* STRATA_GPU_ROUTER_MLP (default 1; 0 = k_linear_f_rows<8>): the float router of steps of 9-64 tokens (one dense
- * group, K <= 2,048, at most 1,024 rows, no prefill form) on k_linear_f_rows_mlp: its weights loaded before the wait
- * for the predecessor, each 8-token pass's activations all loaded before the first fma, the same fmaf chains and
- * warp sums: the same bits (test_router_mlp_bitwise_equal_f_rows; knob_bitwise.py STRATA_GPU_B32 0 vs 58 at 16 / 24
- * / 32 sequences, run 69). Run 69 (lead for b32, candidate cand13's STRATA_GPU_B32 bit 5), GPU step: 32 sequences
- * 11.71-11.76 -> 11.54-11.61 ms, 24 11.37 -> 11.18, 16 8.64 -> 8.39; ncu: the router 13.8 -> 9.1 us a layer.
- * Steps of 1-8 tokens keep k_router_route (batch 1 unchanged). Graph key bit 10. */
-static thread_local bool g_router_mlp = true;
-/* STRATA_GPU_Q6_HEAD (default 2; 1 or 3, 0 = off): a dense single-pair Q6_K matvec of at least Q6_ROWS_MIN_N rows
- * (the output head at batch 1) whose weight is 16-byte aligned with rows of a multiple of 16 bytes (K a multiple of
- * 2,048) on k_q6_stage (see there): each warp's rows copied into shared memory by cp.async, then Q6_ROWS' loop on the
- * copy. 1: 2 rows a warp; 2: 4 rows a warp; 3: 2 rows a warp with the copy issued before the wait. Launches whose
- * shared memory would pass 48 KB keep Q6_ROWS' form. Same bits (test_q6k_head_stage_bitwise; knob_bitwise.py 0 vs 1 / 2 /
- * 3 at 1 and 2 sequences on the bench model, run 71). Run 71 (session 12), GPU step at batch 1 in one process: 2
- * 2.63 / 2.63 ms, 1 2.64 / 2.65, 3 2.64 / 2.64 against the default rows' 2.65-2.67 (Q6_ROWS' form); ncu: the head
- * 98.4 us at 2.62 TB/s with 1. Read per step; graph key bits 33-34. */
-static thread_local int g_q6_head = 2;
-/* STRATA_GPU_GU_CHUNK (session 12 (gq); default 2; 1 or 3, 0 = off): a routed gate/up matvec of single-pair passes (steps
- * whose gate/up takes the matvec with one pair per pass: 1-7 tokens at Qwen3-30B's shapes; Q4_K and Q8_0) quantises
- * its own output for the down projection (kernels.cuh, k_linear_q_chunk / k_linear_q_cluster): one block of 32 warps
- * (1), of 16 warps with 2 rows each (2), or a cluster of k_linear_q's 8 blocks (3, sm_90 only; else off) owns a
- * 32-row chunk, so ffn_block's k_quant_act launch goes without FUSED_QUANT's counter and fence. Same bits
- * (test_gu_chunk_bitwise, test_gu_chunk_decode_steps_bitwise; knob_bitwise.py 0 vs 1 / 2 / 3 at 1 and 2 sequences).
- * Run 72, GPU step at batch 1 (two rows each; default rows 2.64-2.66 ms): 2 2.58 / 2.55 (-0.08 ms: more than run 71's
- * whole k_quant_act deletion, -0.06), 1 2.65 / 2.65 (one 1,024-thread block per SM), 3 2.69 / 2.67 (the clusters'
- * co-scheduling); with ATT_B1=3 2.49 ms against 2.55 with GU_CHUNK=0. Graph key bits 45-46. */
-static thread_local int g_gu_chunk = 2;
-static int64_t g_knobs() { /* 64 bits: b1_knobs() << 20 reaches bit 32 */
-    return (int32_t)g_route_fast | g_att_stages << 1 | (int32_t)g_combine_fuse << 3 | g_routed_split << 4 |
-           g_routed_split_down << 7 | (int32_t)g_router_mlp << 10 | (g_routed_split_max / 8) << 14 |
-           (g_gemm_min_tok / 8) << 18 | (int64_t)b1_knobs() << 20 | (int64_t)g_q6_head << 33 |
-           (int64_t)g_gu_chunk << 45 | (int64_t)g_att_b1 << 50;
-}
-static bool gemm_tiles_env() {
-    const char *e = getenv("STRATA_GPU_GEMM_TILES");
-    return !(e && e[0] == '0');
-}
-/* The prefill form of the Q4_K GEMM (k_linear_gemm's FAST: one float sum per output in the walk
- * order instead of the matvec's butterfly tree, so tiles of 32 or 64 pairs fit the registers; within
- * rounding of the matvec, not bitwise). An eager step takes it for every Q4_K layer but the output
- * head (row lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the launch's size) when each
- * of its tokens belongs to a run of at least STRATA_GPU_GEMM_FAST_MIN (default 64, as the tensor-core
- * attention's runs; 0: never) consecutive tokens of one sequence: a long prompt's tokens then get the
- * same bits whether it is prefilled whole or in chunks of at least that many tokens; a step that also
- * holds short runs (decode tokens) keeps the bitwise kernels for all its tokens.
- * STRATA_GPU_GEMM_FAST_BN: 32 or 64 forces the tile width (measurement), else chosen per launch. */
-#define GEMM_FAST_MIN_RUN 64
+/* The routed Q4_K gate/up GEMMs over the tile list in steps of at most routed_split_max tokens run their k loop
+ * over ROUTED_SPLIT blocks per tile (grid z; k_linear_gemm's RS form), each one subtree of the butterfly into
+ * kpart[z][weight][pair][N]; k_ksplit_routed adds the parts as the tree's top levels, then the SWIGLU and the
+ * down projection's 8-bit input (k_quant_act's launch fewer). Same bits. Why: the routed GEMMs' few busy
+ * experts give few blocks of 16 serial stages. The down projection is not split (no faster). */
+#define ROUTED_SPLIT 2
+/* The prefill form of the Q4_K GEMM (k_linear_gemm's FAST: one float sum per output in the walk order
+ * instead of the matvec's butterfly tree, so tiles of 32 or 64 pairs fit the registers; within rounding
+ * of the matvec, not bitwise). An eager step takes it for every Q4_K layer but the output head (row
+ * lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the launch's size) when each of its tokens
+ * belongs to a run of at least gemm_fast_min consecutive tokens of one sequence: a long prompt's tokens
+ * then get the same bits whether it is prefilled whole or in chunks of at least that many tokens; a step
+ * that also holds short runs (decode tokens) keeps the bitwise kernels for all its tokens. Such steps
+ * also run the F32 routers on k_router_gemm, k and v as one row-segmented launch (k and v alone are 8 row
+ * tiles each), and no programmatic dependent launch: each GEMM's next launch would put its blocks on the
+ * SMs early, where they wait on the current launch and hold the registers and shared memory its later
+ * blocks would use. */
 static thread_local bool g_gemm_fast = false; /* set per step (stg_forward); graph steps: false */
-static thread_local int g_gemm_fast_bn = 0;
-static int32_t gemm_fast_min_run() {
-    const char *e = getenv("STRATA_GPU_GEMM_FAST_MIN");
-    const long v = e && e[0] ? strtol(e, nullptr, 10) : GEMM_FAST_MIN_RUN;
-    return v >= 0 && v <= 0x7fffffff ? (int32_t)v : GEMM_FAST_MIN_RUN;
-}
-static int gemm_fast_bn_env() {
-    const int v = env_int("STRATA_GPU_GEMM_FAST_BN", 0);
-    return v == MM_BN_WIDE || v == MM_BN_FAST ? v : 0;
-}
-/* Knobs of prefill-form steps (run 49: pp512 8,210 -> 9,255 tok/s with the last two at their defaults).
- * STRATA_GPU_GEMM_FAST_ROUTER=0: k_linear_f_rows for the F32 routers instead of k_router_gemm (A/B).
- * STRATA_GPU_FAST_QKV: q / k / v as 0: three launches, 1 (default): q, then k and v as one launch (row
- * segments; k and v alone are 8 row tiles each: +2.3%), 2: all three as one (640 tiles: -1.5%). Same bits.
- * STRATA_GPU_FAST_PDL=1: programmatic dependent launch as in other steps; by default off in these steps
- * (+11%): each GEMM's next launch puts its blocks on the SMs early, where they wait on the current
- * launch and hold the registers and shared memory its later blocks would use. */
-static thread_local bool g_gemm_fast_router = true;
-static thread_local int g_fast_qkv = 1;
-static thread_local bool g_fast_pdl = false;
-/* the knobs that a step (stg_forward) and a harness call (harness_device) both read afresh */
-static void read_knobs() {
-    g_dense_split = dense_split_env();
-    g_qkv_split = qkv_split_env();
-    g_route_fast = env_int("STRATA_GPU_ROUTE_FAST", 1) != 0;
-    const int as = env_int("STRATA_GPU_ATT_STAGES", 0);
-    g_att_stages = as == 1 || as == 2 ? as : 0;
-    g_combine_fuse = env_int("STRATA_GPU_COMBINE_FUSE", 1) != 0;
-    g_defer_combine = g_deferred = false;
-    const int rs = env_int("STRATA_GPU_ROUTED_SPLIT", 2), rsd = env_int("STRATA_GPU_ROUTED_SPLIT_DOWN", 0);
-    g_routed_split = rs == 2 || rs == 4 ? rs : 0;
-    g_routed_split_down = rsd == 2 || rsd == 4 ? rsd : 0;
-    g_routed_split_max = std::min(std::max(env_int("STRATA_GPU_ROUTED_SPLIT_MAX", 16), 0), KSPLIT_MAX_T) / 8 * 8;
-    g_gemm_min_tok = std::min(std::max(env_int("STRATA_GPU_GEMM_MIN_TOKENS", 8), 0), 24) / 8 * 8;
-    g_router_mlp = env_int("STRATA_GPU_ROUTER_MLP", 1) != 0;
-    g_gemm_fast_bn = gemm_fast_bn_env();
-    g_gemm_fast_router = env_int("STRATA_GPU_GEMM_FAST_ROUTER", 1) != 0;
-    const int fq = env_int("STRATA_GPU_FAST_QKV", 1);
-    g_fast_qkv = fq == 0 || fq == 2 ? fq : 1;
-    g_fast_pdl = env_int("STRATA_GPU_FAST_PDL", 0) != 0;
-    g_q6_wide = env_int("STRATA_GPU_Q6_WIDE", 1) != 0;
-    g_q6_gemm_wide = env_int("STRATA_GPU_Q6_GEMM_WIDE", 1) != 0;
-    g_att_pre = env_int("STRATA_GPU_ATT_PRE", 1) != 0;
-    g_router_pre = env_int("STRATA_GPU_ROUTER_PRE", 1) != 0;
-    const int rows = env_int("STRATA_GPU_MV_ROWS", 8);
-    g_mv_rows = rows <= 1 ? 1 : rows == 2 || rows == 4 || rows == 8 ? rows : 8;
-    const int v2 = env_int("STRATA_GPU_ATT_V2", 1);
-    g_att_v2 = v2 == 0 || v2 == 2 || v2 == 3 ? v2 : 1;
-    g_att_unroll = env_int("STRATA_GPU_ATT_UNROLL", 1) != 0;
-    const int ab1 = env_int("STRATA_GPU_ATT_B1", 3);
-    g_att_b1 = ab1 >= 1 && ab1 <= 3 ? ab1 : 0;
-    const int q6r = env_int("STRATA_GPU_Q6_ROWS", 2);
-    g_q6_rows = q6r == 2 || q6r == 4 ? q6r : 0;
-    const int q6h = env_int("STRATA_GPU_Q6_HEAD", 2);
-    g_q6_head = q6h >= 1 && q6h <= 3 ? q6h : 0;
-    const int guc = env_int("STRATA_GPU_GU_CHUNK", 2);
-    g_gu_chunk = guc >= 1 && guc <= 3 ? guc : 0;
-    if (g_gu_chunk == 3) { /* thread-block clusters: sm_90 and later */
-        int dev = 0, ccm = 0;
-        if (cudaGetDevice(&dev) != cudaSuccess ||
-            cudaDeviceGetAttribute(&ccm, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || ccm < 9)
-            g_gu_chunk = 0;
-    }
-}
 /* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
 static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
     if (min_run < 1 || T < min_run) return false;
@@ -831,13 +649,8 @@ static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
     }
     return true;
 }
-/* the harness: the prefill form when STRATA_GPU_GEMM_FAST_MIN is set (>= 1) and its n_tok tokens,
- * taken as one run, reach it; unset: the bitwise kernels the harness's tests compare */
-static bool harness_fast(int64_t n_tok) {
-    const char *e = getenv("STRATA_GPU_GEMM_FAST_MIN");
-    const int32_t min_run = gemm_fast_min_run();
-    return e && e[0] && min_run >= 1 && n_tok >= min_run;
-}
+/* the harness: the prefill form when gemm_fast_min >= 1 and its n_tok tokens, taken as one run, reach it */
+static bool harness_fast(int64_t n_tok) { return g_set.gemm_fast_min >= 1 && n_tok >= g_set.gemm_fast_min; }
 static bool gemm_fast_layer(const dtensor &W) {
     if (W.type != STG_Q4_K) return false;
     const int64_t C = (W.ne[0] / 32 + 31) / 32;
@@ -849,11 +662,11 @@ static bool gemm_fast_layer(const dtensor &W) {
  * projection at 8-32 tokens has 64-128 tiles of 64 rows, each a serial pass over K: the
  * matvec's thousands of warps finish first there), and for a single group (a dense layer,
  * the output head) only from gemm_dense pairs (32: the 151,936-row Q6_K head at 8 tokens is
- * faster on the matvec, at 32 on the GEMM (run 39)). Same results either way. */
+ * faster on the matvec, at 32 on the GEMM). Same results either way. */
 static bool use_gemm(int64_t N, int groups, int expected) {
     const int64_t tiles = (N + MM_BM - 1) / MM_BM * groups * ((expected + MM_BN - 1) / MM_BN);
-    if (groups == 1 && expected < g_gemm_dense) return false;
-    return expected >= gemm_min_pairs() && tiles >= 256;
+    if (groups == 1 && expected < g_set.gemm_dense_min) return false;
+    return expected >= g_set.gemm_min && tiles >= 256;
 }
 
 /* Quantise rows x[R, K] into (q, d, s). */
@@ -877,13 +690,13 @@ template <int T, bool SW, int BN> static gemm_fn gemm_kernel(int K) {
     }
     return k_linear_gemm<T, SW, BN, 0>;
 }
-/* the routed split form (Q4_K, C = 1, 2 or 4 only; NULL: no split for this K) */
-template <int T, bool SW> static gemm_fn gemm_rs_kernel(int K) {
+/* the routed split form of gate/up (Q4_K, C = 1, 2 or 4 only; NULL: no split for this K) */
+template <int T> static gemm_fn gemm_rs_kernel(int K) {
     if constexpr (gemm_raw<T>()) {
         const int C = (K / 32 + 31) / 32;
-        if (C == 1) return k_linear_gemm<T, SW, MM_BN, 1, false, true>;
-        if (C == 2) return k_linear_gemm<T, SW, MM_BN, 2, false, true>;
-        if (C == 4) return k_linear_gemm<T, SW, MM_BN, 4, false, true>;
+        if (C == 1) return k_linear_gemm<T, true, MM_BN, 1, false, true>;
+        if (C == 2) return k_linear_gemm<T, true, MM_BN, 2, false, true>;
+        if (C == 4) return k_linear_gemm<T, true, MM_BN, 4, false, true>;
     }
     return nullptr;
 }
@@ -894,17 +707,15 @@ template <bool SW, int BN> static gemm_fn gemm_fast_kernel(int K) {
     return k_linear_gemm<STG_Q4_K, SW, BN, 4, true>;
 }
 /* The prefill form (g_gemm_fast): routed launches over group_pairs' tile list (64 pairs from 32
- * expected per group), dense ones over a grid of 64-pair tiles where that still gives g_gemm_wide_min
+ * expected per group), dense ones over a grid of 64-pair tiles where that still gives gemm_wide_min
  * blocks, else 32. */
 template <bool SW> static void launch_fast(const lin_args &a, int max_groups, int max_count, int expected,
                                            cudaStream_t st) {
     const unsigned mt = (unsigned)((a.N + MM_BM - 1) / MM_BM);
-    const bool listed = a.g.gexp && a.g.tiles && g_gemm_tiles;
-    int bn = g_gemm_fast_bn;
-    if (!bn) {
-        if (a.g.gexp) bn = expected >= MM_BN_WIDE ? MM_BN_FAST : MM_BN_WIDE;
-        else bn = (int64_t)mt * ((max_count + MM_BN_FAST - 1) / MM_BN_FAST) >= g_gemm_wide_min ? MM_BN_FAST : MM_BN_WIDE;
-    }
+    const bool listed = a.g.gexp && a.g.tiles;
+    int bn;
+    if (a.g.gexp) bn = expected >= MM_BN_WIDE ? MM_BN_FAST : MM_BN_WIDE;
+    else bn = (int64_t)mt * ((max_count + MM_BN_FAST - 1) / MM_BN_FAST) >= g_set.gemm_wide_min ? MM_BN_FAST : MM_BN_WIDE;
     lin_args b = a;
     b.kpart = nullptr, b.ksplit = 0;
     dim3 grid(mt, (unsigned)((a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups), 1); /* the list's entries */
@@ -917,29 +728,14 @@ template <bool SW> static void launch_fast(const lin_args &a, int max_groups, in
     else launch_k(gemm_fast_kernel<SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_WIDE>(), st, b);
 }
 
-/* STRATA_GPU_Q6_HEAD's launch (a dense single group): false (nothing launched) when the weight or its rows are not
- * 16-byte aligned or the block's copies would need more than 48 KB of shared memory */
+/* The output head's launch on k_q6_stage (a dense single group): false (nothing launched) when the weight or its
+ * rows are not 16-byte aligned or the block's copies would need more than 48 KB of shared memory */
 static bool launch_q6_stage(const lin_args &a, cudaStream_t st) {
-    const int R = g_q6_head == 2 ? 4 : 2;
-    const int64_t smem = (int64_t)LIN_WARPS * q6s_span16(R, a.row_bytes) * 16;
+    const int64_t smem = (int64_t)LIN_WARPS * q6s_span16(Q6S_ROWS, a.row_bytes) * 16;
     if (((uintptr_t)a.w & 15) || (a.row_bytes & 15) || smem > 48 * 1024) return false;
-    const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), 1u);
-    if (g_q6_head == 1) launch_k(k_q6_stage<2, false>, g, LIN_WARPS * 32, (size_t)smem, st, a);
-    else if (g_q6_head == 2) launch_k(k_q6_stage<4, false>, g, LIN_WARPS * 32, (size_t)smem, st, a);
-    else launch_k(k_q6_stage<2, true>, g, LIN_WARPS * 32, (size_t)smem, st, a);
+    const dim3 g((unsigned)((a.N + LIN_WARPS * Q6S_ROWS - 1) / (LIN_WARPS * Q6S_ROWS)), 1u);
+    launch_k(k_q6_stage, g, LIN_WARPS * 32, (size_t)smem, st, a);
     return true;
-}
-/* GU_CHUNK's launch (g_gu_chunk 1-3): N / 32 blocks of 32 warps (1) or 16 (2) per group, or k_linear_q's grid as
- * clusters of 8 blocks along x (3) */
-template <int T> static void launch_gu_chunk(const lin_args &a, int max_groups, cudaStream_t st) {
-    if (g_gu_chunk == 3) {
-        launch_kx(32 / LIN_WARPS, k_linear_q_cluster<T>, dim3((unsigned)(a.N / LIN_WARPS), (unsigned)max_groups),
-                  LIN_WARPS * 32, 0, st, a);
-    } else {
-        const dim3 grid((unsigned)(a.N / 32), (unsigned)max_groups);
-        if (g_gu_chunk == 2) launch_k(k_linear_q_chunk<T, 2>, grid, 512, 0, st, a);
-        else launch_k(k_linear_q_chunk<T, 1>, grid, 1024, 0, st, a);
-    }
 }
 template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 grid, cudaStream_t st) {
     if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
@@ -950,7 +746,7 @@ template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 
 template <int T, bool SW, int TG = T>
 static void launch_q(const lin_args &a, int path, int nt, int max_groups, int max_count, cudaStream_t st) {
     if constexpr (T == STG_Q6_K && TG == T) { /* the GEMM unpacks through unpack_q6k_wide (STG_Q6_KW) */
-        if (path == STG_PATH_GEMM && g_q6_gemm_wide) {
+        if (path == STG_PATH_GEMM) {
             launch_q<T, SW, STG_Q6_KW>(a, path, nt, max_groups, max_count, st);
             return;
         }
@@ -960,16 +756,20 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
     } else if (path == STG_PATH_GEMM) {
         const unsigned mt = (unsigned)((a.N + MM_BM - 1) / MM_BM);
         const int64_t per_group = (int64_t)((max_count + MM_BN - 1) / MM_BN) * max_groups;
-        const int64_t listed = a.g.gexp && a.g.tiles && g_gemm_tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
+        const int64_t listed = a.g.gexp && a.g.tiles ? (a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups
                                                                        : INT64_MAX;
         const int64_t wide = (max_count + MM_BN_WIDE - 1) / MM_BN_WIDE;
-        if (a.ksplit > 1 && a.g.gexp) { /* routed over the tile list, its k loop split over grid z */
-            const unsigned nl = (unsigned)((a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups);
-            launch_k(gemm_rs_kernel<T, SW>(a.K), dim3(mt, nl, (unsigned)a.ksplit), 128, gemm_raw_bytes<T, SW>(), st, a);
-            const int64_t n = (int64_t)a.g.n_pairs * a.N;
-            launch_k(k_ksplit_routed, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
-                     SW ? 2 : 1, a.g.n_pairs, a.N, a.out, a.ldo, a.hq, a.hd, a.hs);
-        } else if (a.ksplit > 1) { /* a dense plain layer, its k loop split over grid z (lin_args.ksplit) */
+        if constexpr (SW) {
+            if (a.ksplit > 1) { /* routed gate/up over the tile list, its k loop split over grid z */
+                const unsigned nl = (unsigned)((a.g.n_pairs + MM_BN - 1) / MM_BN + max_groups);
+                launch_k(gemm_rs_kernel<T>(a.K), dim3(mt, nl, (unsigned)a.ksplit), 128, gemm_raw_bytes<T, SW>(), st, a);
+                const int64_t n = (int64_t)a.g.n_pairs * a.N;
+                launch_k(k_ksplit_routed, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
+                         2, a.g.n_pairs, a.N, a.out, a.ldo, a.hq, a.hd, a.hs);
+                return;
+            }
+        }
+        if (a.ksplit > 1) { /* a dense plain layer, its k loop split over grid z (lin_args.ksplit) */
             const bool wide = max_count > MM_BN;
             const int bn = wide ? MM_BN_WIDE : MM_BN;
             const dim3 grid(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)a.ksplit);
@@ -985,7 +785,7 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
         } else if (listed < per_group) { /* a block per tile of group_pairs' list */
             launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<TG, SW>(),
                      st, a);
-        } else if (!SW && !a.g.gexp && mt * wide >= g_gemm_wide_min) {
+        } else if (!SW && !a.g.gexp && mt * wide >= g_set.gemm_wide_min) {
             /* a dense layer with enough tiles of 32 pairs: half the weight unpacking per mma */
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
@@ -1000,43 +800,30 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
         if constexpr (SW && (T == STG_Q4_K || T == STG_Q8_0)) {
-            if (g_gu_chunk && a.hq && !a.qcnt) { /* GU_CHUNK (linear() checked the shapes) */
-                launch_gu_chunk<T>(a, max_groups, st);
+            if (a.hq) { /* the routed gate/up of single-pair passes quantising its chunks in-block (linear()) */
+                launch_k(k_linear_q_chunk<T>, dim3((unsigned)(a.N / 32), (unsigned)max_groups), GU_CHUNK_WARPS * 32, 0,
+                         st, a);
                 return;
             }
         }
         if constexpr (T == STG_Q4_K && !SW) {
-            const int R = g_mv_rows;
-            if (R > 1 && nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: R rows per warp */
-                const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), grid.y);
-                if (R == 2) launch_k(k_linear_q_rows<T, 2>, g, LIN_WARPS * 32, 0, st, a);
-                else if (R == 4) launch_k(k_linear_q_rows<T, 4>, g, LIN_WARPS * 32, 0, st, a);
-                else launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
+            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: 8 rows per warp */
+                const dim3 g((unsigned)((a.N + LIN_WARPS * 8 - 1) / (LIN_WARPS * 8)), grid.y);
+                launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
                 return;
             }
         }
         if constexpr (T == STG_Q6_K && !SW) {
-            if (g_q6_head && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N && grid.y == 1 &&
-                launch_q6_stage(a, st)) /* STRATA_GPU_Q6_HEAD */
-                return;
-            const int R = g_q6_rows; /* STRATA_GPU_Q6_ROWS: the output head's single pair */
-            if (R > 1 && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N) {
-                const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), grid.y);
-                if (g_q6_wide) {
-                    if (R == 2) launch_k(k_linear_q_rows<STG_Q6_KW, 2>, g, LIN_WARPS * 32, 0, st, a);
-                    else launch_k(k_linear_q_rows<STG_Q6_KW, 4>, g, LIN_WARPS * 32, 0, st, a);
-                } else {
-                    if (R == 2) launch_k(k_linear_q_rows<T, 2>, g, LIN_WARPS * 32, 0, st, a);
-                    else launch_k(k_linear_q_rows<T, 4>, g, LIN_WARPS * 32, 0, st, a);
-                }
+            if (nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N >= Q6_ROWS_MIN_N) { /* the output head at one pair */
+                if (grid.y == 1 && launch_q6_stage(a, st)) return;
+                const dim3 g((unsigned)((a.N + LIN_WARPS * 2 - 1) / (LIN_WARPS * 2)), grid.y);
+                launch_k(k_linear_q_rows<STG_Q6_KW, 2>, g, LIN_WARPS * 32, 0, st, a);
                 return;
             }
         }
         if constexpr (T == STG_Q6_K) {
-            if (g_q6_wide) {
-                launch_mv<STG_Q6_KW, SW>(a, nt, grid, st);
-                return;
-            }
+            launch_mv<STG_Q6_KW, SW>(a, nt, grid, st); /* five 8-byte loads per 32-byte chunk (unpack_q6k_wide) */
+            return;
         }
         launch_mv<T, SW>(a, nt, grid, st);
     }
@@ -1047,7 +834,7 @@ template <int T, bool SW> static void launch_f(const lin_args &a, int path, int 
         launch_k(k_linear_ref<T>, dim3((unsigned)((a.N + 127) / 128), (unsigned)max_groups), 128, 0, st, a);
         return;
     }
-    if (!SW && a.N <= 1024 && g_router_mlp && nt == 8 && max_count > 8 && max_count <= 64 && max_groups == 1 &&
+    if (!SW && a.N <= 1024 && nt == 8 && max_count > 8 && max_count <= 64 && max_groups == 1 &&
         !a.g.gexp && a.K <= ROUTER_PRE * LIN_WARPS * WARP) {
         /* 9-64 pairs of a router: weights before the wait, a pass's activations all in flight (same bits) */
         const dim3 grid((unsigned)a.N, 1u, (unsigned)((max_count + 7) / 8));
@@ -1072,12 +859,12 @@ template <int T, bool SW> static void launch_f(const lin_args &a, int path, int 
 /* One linear layer over groups of pairs. W2 (optional, same type) makes it SWIGLU.
  * expected: pairs a group is expected to hold (picks the kernel); max_count: an upper
  * bound on any group's pairs (sizes the GEMM grid). */
-/* Where a SWIGLU matvec may also quantise its output (lin_args.hq); `done` says whether it did. */
+/* Where a SWIGLU launch may also quantise its output for the down projection (lin_args.hq); `done` says
+ * whether it did. */
 struct fused_quant {
     int8_t *q;
     float *d;
     int32_t *s;
-    int32_t *cnt;
     bool *done;
 };
 
@@ -1093,12 +880,12 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     a.g = g;
     a.aq = in.q, a.ad = in.d, a.as = in.s, a.x = in.x;
     a.out = out, a.ldo = ldo, a.mode = W2 ? MODE_SWIGLU : mode;
-    a.hq = nullptr, a.hd = nullptr, a.hs = nullptr, a.qcnt = nullptr;
+    a.hq = nullptr, a.hd = nullptr, a.hs = nullptr;
     a.kpart = nullptr, a.ksplit = 0;
     if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
-    if (g_gemm_fast && g_gemm_fast_router && !W2 && !seg && W.type == STG_F32 && !g.gexp && max_groups == 1 &&
+    if (g_gemm_fast && !W2 && !seg && W.type == STG_F32 && !g.gexp && max_groups == 1 &&
         a.N <= 1024 && a.K % RG_BK == 0 && (uintptr_t)W.d % 16 == 0 && (uintptr_t)in.x % 16 == 0 &&
         (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
         /* a router in a prefill-form step: activations read once per RG_BM rows instead of once per row */
@@ -1119,28 +906,28 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
         LAUNCHED("linear (prefill form)");
         return ST_OK;
     }
-    /* routed layers from g_gemm_min_tok tokens: the GEMM at 1 expected pair per expert too (with the split) */
-    const bool gemm = q && !seg &&
-                      (use_gemm(a.N, max_groups, expected) || (g.gexp && g_gemm_min_tok > 0 && max_count >= g_gemm_min_tok));
+    /* routed layers from gemm_min_tokens tokens: the GEMM at 1 expected pair per expert too (with the split) */
+    const int min_tok = g_set.gemm_min_tokens;
+    const bool gemm = q && !seg && (use_gemm(a.N, max_groups, expected) || (g.gexp && min_tok > 0 && max_count >= min_tok));
     /* row segments on the split GEMM: each segment whole tiles of MM_BM rows */
-    const bool seg_split = seg && g_qkv_split && seg->n_seg >= 2 && seg->n_seg <= 3 && [&] {
+    const bool seg_split = seg && seg->n_seg >= 2 && seg->n_seg <= 3 && [&] {
         for (int i = 0; i <= seg->n_seg; i++)
             if (seg->seg_row[i] % MM_BM) return false;
         return true;
     }();
-    /* a dense plain layer the GEMM's grid would not fill: the GEMM with its k loop split (see g_dense_split) */
-    const bool split = q && !gemm && !W2 && (!seg || seg_split) && !g.gexp && max_groups == 1 && g_dense_split > 0 &&
-                       expected >= g_dense_split && max_count <= KSPLIT_MAX_T && g_kpart &&
+    /* a dense plain layer the GEMM's grid would not fill: the GEMM with its k loop split (see KSPLIT) */
+    const bool split = q && !gemm && !W2 && (!seg || seg_split) && !g.gexp && max_groups == 1 && g_set.dense_split > 0 &&
+                       expected >= g_set.dense_split && max_count <= KSPLIT_MAX_T && g_kpart &&
                        (int64_t)KSPLIT * max_count * a.N <= g_kpart_cap && (path == STG_PATH_AUTO || path == STG_PATH_GEMM);
     if (split) path = STG_PATH_GEMM, a.kpart = g_kpart, a.ksplit = KSPLIT;
     if (path == STG_PATH_AUTO) path = gemm ? STG_PATH_GEMM : STG_PATH_MATVEC;
     if (path == STG_PATH_GEMM && !q) path = STG_PATH_MATVEC;
-    /* a routed launch over the tile list at decode: the split GEMM (g_routed_split), its combine also
-     * quantising gate/up's output for the down projection */
-    const int rs = W2 ? g_routed_split : g_routed_split_down;
-    const bool rs_form = W.type == STG_Q4_K && gemm_rs_kernel<STG_Q4_K, false>((int)a.K) != nullptr;
-    if (path == STG_PATH_GEMM && q && rs_form && !seg && !split && g.gexp && g.tiles && g_gemm_tiles && rs > 1 &&
-        max_count <= g_routed_split_max && g_kpart && (int64_t)rs * (W2 ? 2 : 1) * g.n_pairs * a.N <= g_kpart_cap &&
+    /* a routed gate/up launch over the tile list at decode: the split GEMM (ROUTED_SPLIT), its combine also
+     * quantising the output for the down projection */
+    const int rs = ROUTED_SPLIT;
+    const bool rs_form = W.type == STG_Q4_K && gemm_rs_kernel<STG_Q4_K>((int)a.K) != nullptr;
+    if (path == STG_PATH_GEMM && q && rs_form && W2 && !seg && !split && g.gexp && g.tiles &&
+        max_count <= g_set.routed_split_max && g_kpart && (int64_t)rs * 2 * g.n_pairs * a.N <= g_kpart_cap &&
         mode == MODE_STORE) {
         a.kpart = g_kpart, a.ksplit = rs;
         if (fq && W2 && a.N % 32 == 0 && ldo == a.N) {
@@ -1148,16 +935,11 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
             *fq->done = true;
         }
     }
-    /* GU_CHUNK: a routed gate/up matvec of one pair per pass quantises its chunks in-block (launch_q) */
-    const bool gu_chunk = g_gu_chunk && fq && W2 && path == STG_PATH_MATVEC && !seg && g.gexp && expected <= 1 &&
+    /* a routed gate/up matvec of one pair per pass quantises its chunks in-block (k_linear_q_chunk) */
+    const bool gu_chunk = fq && W2 && path == STG_PATH_MATVEC && !seg && g.gexp && expected <= 1 &&
                           a.N % 32 == 0 && ldo == a.N && (W.type == STG_Q4_K || W.type == STG_Q8_0);
     if (gu_chunk) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s;
-        *fq->done = true;
-    }
-    if (!gu_chunk && fq && W2 && q && path == STG_PATH_MATVEC && !seg && a.N % 32 == 0 && ldo == a.N &&
-        fused_quant_on()) {
-        a.hq = fq->q, a.hd = fq->d, a.hs = fq->s, a.qcnt = fq->cnt;
         *fq->done = true;
     }
     if (seg && !split && (path != STG_PATH_MATVEC || !q))
@@ -1363,13 +1145,11 @@ static stg_status gemm_setup(void) {
     QUANT_CASES(SETUP_GEMM)
 #undef SETUP_GEMM
     for (const int K : {1024, 2048, 4096}) { /* the routed split form: CS = 1, 2, 4 */
-        const gemm_fn fs[2] = {gemm_rs_kernel<STG_Q4_K, false>(K), gemm_rs_kernel<STG_Q4_K, true>(K)};
-        const int bytes[2] = {gemm_raw_bytes<STG_Q4_K, false>(), gemm_raw_bytes<STG_Q4_K, true>()};
-        for (int i = 0; i < 2; i++) {
-            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes[i]), "gemm setup");
-            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-               "gemm setup");
-        }
+        const gemm_fn f = gemm_rs_kernel<STG_Q4_K>(K);
+        CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm_raw_bytes<STG_Q4_K, true>()),
+           "gemm setup");
+        CU(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+           "gemm setup");
     }
     for (const int K : {1024, 2048, 4096}) { /* the prefill form: CS = 1, 2, 4 */
         const gemm_fn fs[4] = {gemm_fast_kernel<false, MM_BN_WIDE>(K), gemm_fast_kernel<false, MM_BN_FAST>(K),
@@ -1387,9 +1167,8 @@ static stg_status gemm_setup(void) {
 
 static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
     CHECK(gemm_setup());
-    void (*const att_forms[])(attn_args) = {k_attention<0, 0>, k_attention<1, 0>, k_attention<2, 0>, k_attention<3, 0>,
-                                            k_attention<1, 128>, k_attention<1, 128, 1>, k_attention<1, 128, 2>,
-                                            k_attention<1, 128, 3>};
+    void (*const att_forms[])(attn_args) = {k_attention<false, 0>, k_attention<true, 0>, k_attention<true, 128>,
+                                            k_attention<true, 128, true>};
     for (auto f : att_forms)
         CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
@@ -1408,13 +1187,6 @@ static int att_tile_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
     if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128)) return 0;
     const int G = n_head / n_kv;
     return G <= ATT_TR && ATT_TR % G == 0 ? ATT_TR / G : 0;
-}
-/* Eager prefill steps use k_attention_tile (bitwise k_attention's results: run 24's
- * test_attention_tile_bitwise_equals_k_attention; run 23 measured pp512 2,850 -> 3,283 and
- * pp4096 1,348 -> 2,472 tok/s); STRATA_GPU_ATT_TILE=0 turns it off (comparison). */
-static bool att_tile_on() {
-    const char *e = getenv("STRATA_GPU_ATT_TILE");
-    return !(e && e[0] == '0');
 }
 /* This step's mma tiles (attention_mma.cuh), after its n_tiles query tiles in d_tiles, and their q
  * mode; set per step by stg_forward (0 for graph steps). */
@@ -1449,20 +1221,16 @@ static stg_status launch_attention_tile(const attn_args &aa, const int32_t *d_ti
  * The stages change when copies are issued, not the arithmetic: same bits. */
 #define ATT_ONE_STAGE_MIN 16
 static stg_status launch_attention(attn_args &aa, int32_t n_tok, cudaStream_t st) {
-    aa.stages = aa.hd <= 128 ? (g_att_stages ? g_att_stages : n_tok >= ATT_ONE_STAGE_MIN ? 1 : 2) : 1;
+    aa.stages = aa.hd <= 128 ? (n_tok >= ATT_ONE_STAGE_MIN ? 1 : 2) : 1;
     const size_t smem = att_smem_bytes(aa.hd, aa.stages);
     if (smem > ATT_SMEM_MAX) return fail(ST_EUNSUPPORTED, "attention: head_dim %d needs too much shared memory", aa.hd);
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_head);
-    const int v2 = aa.hd % 64 == 0 ? aa.v2 : 0; /* STRATA_GPU_ATT_V2 */
-    if (v2 == 3) launch_k(k_attention<3, 0>, grid, ATT_WARPS * 32, smem, st, aa);
-    else if (v2 == 2) launch_k(k_attention<2, 0>, grid, ATT_WARPS * 32, smem, st, aa);
-    else if (v2 == 1 && aa.hd == 128 && g_att_unroll && g_att_b1 && aa.fused && aa.qa.rope_dim <= 128) {
-        if (g_att_b1 == 3) launch_k(k_attention<1, 128, 3>, grid, ATT_WARPS * 32, smem, st, aa); /* STRATA_GPU_ATT_B1 */
-        else if (g_att_b1 == 2) launch_k(k_attention<1, 128, 2>, grid, ATT_WARPS * 32, smem, st, aa);
-        else launch_k(k_attention<1, 128, 1>, grid, ATT_WARPS * 32, smem, st, aa);
-    } else if (v2 == 1 && aa.hd == 128 && g_att_unroll) launch_k(k_attention<1, 128>, grid, ATT_WARPS * 32, smem, st, aa);
-    else if (v2 == 1) launch_k(k_attention<1, 0>, grid, ATT_WARPS * 32, smem, st, aa);
-    else launch_k(k_attention<0, 0>, grid, ATT_WARPS * 32, smem, st, aa);
+    const bool half2 = aa.hd % 64 == 0;
+    if (half2 && aa.hd == 128 && aa.fused && aa.qa.rope_dim <= 128)
+        launch_k(k_attention<true, 128, true>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (half2 && aa.hd == 128) launch_k(k_attention<true, 128>, grid, ATT_WARPS * 32, smem, st, aa);
+    else if (half2) launch_k(k_attention<true, 0>, grid, ATT_WARPS * 32, smem, st, aa);
+    else launch_k(k_attention<false, 0>, grid, ATT_WARPS * 32, smem, st, aa);
     LAUNCHED("attention");
     return ST_OK;
 }
@@ -1490,9 +1258,9 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     const acts_d in{s.aq, s.ad, s.as, s.xn};
     lin_groups g = {};
     g.n_pairs = T;
-    bool qkv_parts = false; /* q / k / v left in the split GEMM's parts (STRATA_GPU_COMBINE_FUSE) */
+    bool qkv_parts = false; /* q / k / v left in the split GEMM's parts (g_defer_combine) */
     if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T) &&
-        (!dense_split_on(T) || g_qkv_split) && !(g_gemm_fast && gemm_fast_layer(L.wq))) {
+        !(g_gemm_fast && gemm_fast_layer(L.wq))) {
         /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch (a step on
          * the prefill form takes the next branch) */
         lin_seg sg = {};
@@ -1502,27 +1270,22 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         sg.seg_w[0] = L.wq.d, sg.seg_w[1] = L.wk.d, sg.seg_w[2] = L.wv.d;
         sg.seg_out[0] = s.q, sg.seg_out[1] = s.k, sg.seg_out[2] = s.v;
         sg.seg_ldo[0] = m->q_dim, sg.seg_ldo[1] = sg.seg_ldo[2] = m->kv_dim;
-        g_defer_combine = g_combine_fuse && fuse_qkv, g_deferred = false; /* only the fused attention reads q/k/v */
+        g_defer_combine = fuse_qkv, g_deferred = false; /* only the fused attention reads q/k/v */
         const stg_status lrc = linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE, STG_PATH_AUTO, &sg);
         g_defer_combine = false;
         CHECK(lrc);
         qkv_parts = g_deferred;
-    } else if (g_gemm_fast && g_fast_qkv && L.wq.type == L.wk.type && L.wq.type == L.wv.type &&
-               gemm_fast_layer(L.wq) && m->q_dim % MM_BM == 0 && m->kv_dim % MM_BM == 0) {
-        /* a prefill-form step: k and v (and q with STRATA_GPU_FAST_QKV=2) as one launch over their rows */
-        const bool all = g_fast_qkv == 2;
+    } else if (g_gemm_fast && L.wq.type == L.wk.type && L.wq.type == L.wv.type && gemm_fast_layer(L.wq) &&
+               m->q_dim % MM_BM == 0 && m->kv_dim % MM_BM == 0) {
+        /* a prefill-form step: q, then k and v as one launch over their rows (k and v alone are few row tiles) */
         lin_seg sg = {};
-        sg.n_seg = all ? 3 : 2;
-        const dtensor *ws[3] = {&L.wq, &L.wk, &L.wv};
-        float *os[3] = {s.q, s.k, s.v};
-        const int64_t lds[3] = {m->q_dim, m->kv_dim, m->kv_dim};
-        for (int i = 0, j = all ? 0 : 1; j < 3; i++, j++) {
-            sg.seg_row[i + 1] = sg.seg_row[i] + (int32_t)lds[j];
-            sg.seg_w[i] = ws[j]->d, sg.seg_out[i] = os[j], sg.seg_ldo[i] = lds[j];
-        }
-        if (!all) CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
-        CHECK(linear(st, *ws[all ? 0 : 1], nullptr, g, 1, T, T, in, os[all ? 0 : 1], lds[all ? 0 : 1], MODE_STORE,
-                     STG_PATH_AUTO, &sg));
+        sg.n_seg = 2;
+        sg.seg_row[1] = m->kv_dim, sg.seg_row[2] = 2 * m->kv_dim;
+        sg.seg_w[0] = L.wk.d, sg.seg_w[1] = L.wv.d;
+        sg.seg_out[0] = s.k, sg.seg_out[1] = s.v;
+        sg.seg_ldo[0] = sg.seg_ldo[1] = m->kv_dim;
+        CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
+        CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE, STG_PATH_AUTO, &sg));
     } else {
         CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
         CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE));
@@ -1552,9 +1315,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
-    aa.pre = fuse_qkv && g_att_pre ? 1 : 0;
-    aa.v2 = g_att_v2;
-    if (g_att_b1 == 3 && il + 1 < kv->n_layer) /* STRATA_GPU_ATT_B1 = 3: the next layer's arena, prefetched */
+    aa.pre = fuse_qkv ? 1 : 0;
+    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
     if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
@@ -1568,7 +1330,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
     CHECK(rc);
     /* the FFN block's RMSNorm (next on the stream) adds the parts to the residual (take_combine) */
-    g_defer_combine = g_combine_fuse && !m->pending.pair_out && !m->pending.kpart, g_deferred = false;
+    g_defer_combine = !m->pending.pair_out && !m->pending.kpart, g_deferred = false;
     const stg_status lrc = linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
     g_defer_combine = false;
     if (g_deferred) m->pending.kpart = g_kpart, m->pending.kp_t = T;
@@ -1586,7 +1348,7 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
     lin_groups g = {};
     g.n_pairs = T;
     bool fused = false;
-    const fused_quant fq{s.hq, s.hd, s.hs, m->quant_counter, &fused};
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
     CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T, stg_is_float(Wd.type) ? nullptr : &fq));
     if (!stg_is_float(Wd.type) && !fused) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
     return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E, MODE_STORE);
@@ -1616,17 +1378,17 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     g1.n_pairs = T;
     const int32_t P = T * k;
     const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);
-    if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024 && !route_split()) {
+    if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024) {
         /* decode: router logits, routing and grouping in one launch */
         lin_args a = {};
         a.w = L.gate_inp.d, a.row_bytes = L.gate_inp.row_bytes, a.expert_stride = L.gate_inp.expert_stride;
         a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
         a.mode = MODE_STORE;
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
-                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, g_route_fast, 0};
+                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, 0};
         int nt = 1;
         while (nt < T) nt *= 2;
-        ra.pre = g_router_pre && nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
+        ra.pre = nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
         switch (L.gate_inp.type) {
 #define CASE_RR(TY)                                                                                   \
     case TY:                                                                                          \
@@ -1666,7 +1428,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const int64_t F = m->n_ff_exp;
     const acts_d ein = rin;
     bool fused = false;
-    const fused_quant fq{s.hq, s.hd, s.hs, m->quant_counter, &fused};
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
     CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P,
                  stg_is_float(L.down_exps.type) ? nullptr : &fq));
     if (!stg_is_float(L.down_exps.type) && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
@@ -1688,14 +1450,9 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     return ST_OK;
 }
 
-/* The greedy pick's blocks per row: STRATA_GPU_ARGMAX_SPLIT = S >= 2 (default 16) runs k_argmax_split with S blocks
- * of 256 threads per row (at most 64), 0 / 1 k_argmax_rows (one block of 1,024 per row). Graphs are keyed by it.
- * Run 68 (gs): S = 16 -0.008 / -0.008 / -0.019 ms a step at 1 / 8 / 32 rows against one block per row (a one-layer
- * model of the bench vocabulary; 4-8 gain less, 32-64 the same). */
-static int32_t argmax_split(void) {
-    const int v = env_int("STRATA_GPU_ARGMAX_SPLIT", 16);
-    return v < 2 ? 1 : std::min(v, 64);
-}
+/* The step's greedy pick runs k_argmax_split with ARGMAX_SPLIT blocks of 256 threads per row: more SMs for the
+ * few rows of a decode step than one block per row. */
+#define ARGMAX_SPLIT 16
 
 /* The device work of one step (everything between the batch upload and the logits
  * download): captured once per shape as a CUDA graph for small batches. */
@@ -1703,12 +1460,11 @@ struct step_shape {
     int32_t T, NL, mb;
     const int32_t *d_tok, *d_pos, *d_seq, *d_lidx, *d_bt;
     bool capturing;    /* inside a graph capture: events become record nodes */
-    bool layer_events; /* per-layer attention / FFN times (STRATA_GPU_LAYER_EVENTS=0: off) */
+    bool layer_events; /* per-layer attention / FFN times (stg_settings.layer_events) */
     bool fuse_qkv;     /* every token of another sequence: q/k/v post-processing inside attention */
     const int32_t *d_tiles; /* query tiles of prefill attention (eager steps only; n_tiles 0: none) */
     int32_t n_tiles;
-    int32_t greedy; /* the logit rows' greedy picks into s.picks after the head: 0 none, 1 k_argmax_rows, S > 1
-                     * k_argmax_split with S blocks per row (argmax_split()) */
+    bool greedy; /* the logit rows' greedy picks into s.picks after the head (k_argmax_split) */
     const int32_t *d_src; /* st_batch.token_src uploaded, or NULL: the embedding reads the previous picks */
 };
 
@@ -1753,13 +1509,11 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
         const stg_status hrc = linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE);
         g_gemm_fast = fast;
         CHECK(hrc);
-        if (sh.greedy > 1)
-            launch_k(k_argmax_split, dim3((unsigned)sh.greedy, (unsigned)sh.NL), ARGMAX_SPLIT_THREADS, 0, st,
+        if (sh.greedy) {
+            launch_k(k_argmax_split, dim3((unsigned)ARGMAX_SPLIT, (unsigned)sh.NL), ARGMAX_SPLIT_THREADS, 0, st,
                      (const float *)s.logits, (int64_t)m->d.n_vocab, s.picks, s.pick_keys, s.pick_cnt);
-        else if (sh.greedy == 1)
-            launch_k(k_argmax_rows, sh.NL, ARGMAX_THREADS, 0, st, (const float *)s.logits, (int64_t)m->d.n_vocab,
-                     s.picks);
-        if (sh.greedy) LAUNCHED("greedy pick");
+            LAUNCHED("greedy pick");
+        }
     }
     m->pending = combine_args{}; /* no logits: the last layer's sum is never needed */
     return ST_OK;
@@ -1769,10 +1523,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
 #define LAYER_EVENT_PERIOD 64 /* graph-sized steps: per-layer events on one step in 64 (each such step +0.2 ms at batch 1) */
 #define GRAPH_CACHE 64
 
-static bool graphs_enabled(int32_t T) {
-    const char *e = getenv("STRATA_GPU_GRAPHS");
-    return T <= GRAPH_MAX_TOKENS && !(e && e[0] == '0');
-}
+static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs; }
 
 /* Replay the graph of this shape, capturing it first; a shape that cannot be captured
  * runs eagerly. Graphs hold scratch pointers: ensure_scratch drops them on growth. */
@@ -1780,10 +1531,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaStream_t st = m->stream;
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
-            g.layer_events == sh.layer_events && g.pdl == g_pdl && g.gemm_min == g_gemm_min && g.gemm_dense == g_gemm_dense && g.gemm_wide == g_gemm_wide_min &&
-            g.fused_quant == g_fused_quant && g.fuse_qkv == sh.fuse_qkv && g.gemm_tiles == g_gemm_tiles && g.greedy == sh.greedy &&
-            g.route_split == route_split() && g.dense_split == g_dense_split && g.qkv_split == g_qkv_split &&
-            g.knobs == g_knobs() && g.src == (sh.d_src != nullptr)) {
+            g.layer_events == sh.layer_events && g.fuse_qkv == sh.fuse_qkv && g.greedy == sh.greedy &&
+            g.src == (sh.d_src != nullptr)) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -1800,9 +1549,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaGraphExec_t exec = nullptr;
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
-        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, g_pdl, route_split(), g_gemm_min,
-                                         g_gemm_dense, g_gemm_wide_min, g_fused_quant, sh.fuse_qkv, g_gemm_tiles, sh.greedy,
-                                         g_dense_split, g_qkv_split, g_knobs(), exec, sh.d_src != nullptr});
+        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, sh.fuse_qkv, sh.greedy,
+                                        sh.d_src != nullptr, exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -1840,7 +1588,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const bool moe = m->d.n_expert > 0;
     if (!f.e0) CU(cudaEventCreate(&f.e0), "forward: events");
     if (!f.e1) CU(cudaEventCreate(&f.e1), "forward: events");
-    const int32_t greedy = NL > 0 && b->out_tokens ? argmax_split() : 0;
+    const bool greedy = NL > 0 && b->out_tokens;
     if (greedy && NL > f.cap_picks) { /* the slot is free: nothing queued writes into it */
         if (f.h_picks) cudaFreeHost(f.h_picks);
         f.h_picks = nullptr, f.cap_picks = 0;
@@ -1867,10 +1615,10 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
     const int tq = att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
-    const bool tiles_wanted = tq > 0 && att_tile_on() && !graphs_enabled(T);
-    /* runs of at least att_mma_min_run() tokens on the tensor cores (attention_mma.cuh) */
-    const int mma_mode = att_mma_mode(), tqm = mma_mode ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
-    if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, att_mma_min_run(), hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
+    const bool tiles_wanted = tq > 0 && !graphs_enabled(m, T);
+    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh) */
+    const int mma_mode = m->set.att_mma, tqm = mma_mode ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
+    if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
     else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
     int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
     /* token_src after them (ensure_scratch leaves room for T more ints): only when a row uses it */
@@ -1885,14 +1633,14 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     /* Per-layer events cost about 7% of a batch-1 decode step (runs 12-18: 96 record nodes in
      * a 3.3 ms graph), so graph-sized steps record them on the first step of each size and then
      * every LAYER_EVENT_PERIOD-th; the others report t_total (always measured) split by the
-     * shares of the last measured step of their size. STRATA_GPU_LAYER_EVENTS=1: every step;
-     * 0: never (then t_attn / t_experts / t_dense stay 0). Eager steps always record them.
+     * shares of the last measured step of their size. layer_events 1: every step; 0: never
+     * (then t_attn / t_experts / t_dense stay 0). Eager steps always record them.
      * A step launched while one that records them is in flight records none (the events are
      * shared: it would overwrite them before that step's wait reads them). */
-    const char *le = getenv("STRATA_GPU_LAYER_EVENTS");
+    const int32_t le = m->set.layer_events;
     bool layer_events = true;
-    const bool sampled = !(le && le[0]) && graphs_enabled(T);
-    if (le && le[0]) layer_events = le[0] != '0';
+    const bool sampled = le < 0 && graphs_enabled(m, T);
+    if (le >= 0) layer_events = le != 0;
     else if (sampled) {
         stg_model::split &sp = m->splits[T];
         layer_events = !sp.have || sp.steps % LAYER_EVENT_PERIOD == 0;
@@ -1900,9 +1648,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     }
     if (other.live && other.layer_events) layer_events = false;
     /* q/k/v post-processing inside attention when no token reads another's new K/V of this
-     * step: every token of a different sequence (decode). STRATA_GPU_FUSED_QKV=0: never. */
-    const char *fqk = getenv("STRATA_GPU_FUSED_QKV");
-    bool fuse_qkv = !(fqk && fqk[0] == '0') && m->d.head_dim <= 256;
+     * step: every token of a different sequence (decode). */
+    bool fuse_qkv = m->d.head_dim <= 256;
     if (fuse_qkv) {
         std::vector<char> &seen = m->seq_seen;
         seen.assign((size_t)b->n_seqs, 0);
@@ -1915,20 +1662,13 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
                         use_src ? s.ints + src_off : nullptr};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
-    const char *pe = getenv("STRATA_GPU_PDL");
-    g_pdl = m->cc_major >= 9 && !(pe && pe[0] == '0');
-    g_gemm_min = gemm_min_env();
-    g_gemm_dense = gemm_dense_env();
-    g_gemm_wide_min = gemm_wide_env();
-    const char *fqe = getenv("STRATA_GPU_FUSED_QUANT");
-    g_fused_quant = fqe && fqe[0] == '1';
-    g_gemm_tiles = gemm_tiles_env();
-    read_knobs();
-    g_gemm_fast = !graphs_enabled(T) && all_runs_long(b->seq, T, gemm_fast_min_run());
-    if (g_gemm_fast && !g_fast_pdl) g_pdl = false;
+    g_set = m->set;
+    g_defer_combine = g_deferred = false;
+    g_gemm_fast = !graphs_enabled(m, T) && all_runs_long(b->seq, T, m->set.gemm_fast_min);
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast; /* see g_gemm_fast */
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     m->last_picks = 0; /* s.picks is this step's from here on */
-    const stg_status src = graphs_enabled(T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
+    const stg_status src = graphs_enabled(m, T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     CHECK(src);
     if (NL > 0 && b->logits)
@@ -2063,14 +1803,24 @@ struct dbuf {
     template <typename P> P *as() const { return (P *)p; }
 };
 
+/* The harness's settings (stg_test_set_settings): stg_settings_default's, but without the prefill form
+ * (gemm_fast_min 0), so that the kernels the tests compare are the bitwise ones unless a test asks. */
+static stg_settings g_test_set;
+static bool g_test_set_init = false;
+
+extern "C" stg_status stg_test_set_settings(const stg_settings *s) {
+    if (s) CHECK(check_settings(s));
+    if (s) g_test_set = *s;
+    else stg_settings_default(&g_test_set), g_test_set.gemm_fast_min = 0;
+    g_test_set_init = true;
+    return ST_OK;
+}
+
 static stg_status harness_device(void) {
+    if (!g_test_set_init) stg_test_set_settings(nullptr);
     g_pdl = false;
-    g_gemm_min = gemm_min_env();
-    g_gemm_dense = gemm_dense_env();
-    g_gemm_wide_min = gemm_wide_env();
-    g_gemm_tiles = false;
-    g_fused_quant = false; /* stg_test_swiglu_quant turns it on for its own call */
-    read_knobs();
+    g_set = g_test_set;
+    g_defer_combine = g_deferred = false;
     g_gemm_fast = false;
     g_kpart = nullptr, g_kpart_cap = 0; /* a harness call that wants the split GEMM sets its own */
     const int n = stg_device_count();
@@ -2207,6 +1957,7 @@ extern "C" stg_status stg_test_linear_seg(int32_t type, int32_t path, const void
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * (size_t)(n_tok * total)));
     g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * n_tok * total;
+    g_gemm_fast = harness_fast(n_tok);
     const stg_status rc = linear(0, W, nullptr, g, 1, (int)n_tok, (int)n_tok, in, bo[0].as<float>(), rows[0],
                                  MODE_STORE, path, &sg);
     g_kpart = nullptr, g_kpart_cap = 0;
@@ -2224,7 +1975,7 @@ extern "C" stg_status stg_test_linear_seg(int32_t type, int32_t path, const void
 /* stg_test_routed_linear and stg_test_routed_quant: hq / hd / hs (all or none) ask gate/up's launch to quantise
  * its output for the down projection as the step does (the routed split's k_ksplit_routed), and require that
  * it did. */
-static stg_status routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
+static stg_status routed_linear(int32_t type, int32_t path, const void *w, const void *w2,
                                 int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
                                 const int32_t *ids, int32_t k_used, float *out, int8_t *hq, float *hd, int32_t *hs) {
     const int be = stg_block_elems(type);
@@ -2261,23 +2012,22 @@ static stg_status routed_linear(int32_t type, int32_t path, int32_t tiles, const
     CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     k_group<<<1, 1024, 2 * n_expert * sizeof(int32_t)>>>(bids.as<int32_t>(), P, k_used, n_expert, gexp, gstart, gcount,
                                                          n_groups, list, pair_tok, hist, gtiles, n_gtiles,
-                                                         (int32_t)g_route_fast); /* the harness tests the fast form */
+                                                         1); /* the decode router's one-warp grouping */
     LAUNCHED("routed linear: group");
     lin_groups g = {};
     g.gexp = gexp, g.gstart = gstart, g.gcount = gcount, g.n_groups = n_groups, g.list = list, g.in_map = pair_tok;
     g.n_pairs = P;
     g.tiles = gtiles, g.n_tiles = n_gtiles;
-    g_gemm_tiles = tiles != 0;
     g_gemm_fast = harness_fast(n_tok);
     const int max_groups = std::min(n_expert, P), expected = (P + n_expert - 1) / n_expert;
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
-    dbuf bp; /* a routed split's parts (STRATA_GPU_ROUTED_SPLIT[_DOWN] decide whether the GEMM path splits) */
+    dbuf bp; /* a routed split's parts (routed_split_max decides whether the gate/up GEMM splits) */
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * 2 * (size_t)P * (size_t)n_rows));
     g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * 2 * (int64_t)P * n_rows;
     const size_t no = (size_t)P * (size_t)n_rows;
     dbuf bhq, bhd, bhs;
     bool done = false;
-    fused_quant fq{nullptr, nullptr, nullptr, nullptr, &done};
+    fused_quant fq{nullptr, nullptr, nullptr, &done};
     if (hq) {
         CHECK(up(bhq, nullptr, no));
         CHECK(up(bhd, nullptr, sizeof(float) * no / 32));
@@ -2296,17 +2046,17 @@ static stg_status routed_linear(int32_t type, int32_t path, int32_t tiles, const
     CHECK(down(hd, bhd, sizeof(float) * no / 32));
     return down(hs, bhs, sizeof(int32_t) * no / 16);
 }
-extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, int32_t tiles, const void *w, const void *w2,
+extern "C" stg_status stg_test_routed_linear(int32_t type, int32_t path, const void *w, const void *w2,
                                              int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
                                              const int32_t *ids, int32_t k_used, float *out) {
-    return routed_linear(type, path, tiles, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, nullptr, nullptr,
+    return routed_linear(type, path, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, nullptr, nullptr,
                          nullptr);
 }
 extern "C" stg_status stg_test_routed_quant(int32_t type, const void *w, const void *w2, int32_t n_expert,
                                             int64_t n_rows, int64_t k, const float *x, int32_t n_tok, const int32_t *ids,
                                             int32_t k_used, float *out, int8_t *hq, float *hd, int32_t *hs) {
     if (!w2 || !hq || !hd || !hs || n_rows % 32) return fail(ST_EINVAL, "routed quant: bad arguments");
-    return routed_linear(type, STG_PATH_GEMM, 1, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
+    return routed_linear(type, STG_PATH_GEMM, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
 }
 
 extern "C" stg_status stg_test_routed_chunk_quant(int32_t type, const void *w, const void *w2, int32_t n_expert,
@@ -2314,53 +2064,7 @@ extern "C" stg_status stg_test_routed_chunk_quant(int32_t type, const void *w, c
                                                   const int32_t *ids, int32_t k_used, float *out, int8_t *hq, float *hd,
                                                   int32_t *hs) {
     if (!w2 || !hq || !hd || !hs || n_rows % 32) return fail(ST_EINVAL, "routed chunk quant: bad arguments");
-    return routed_linear(type, STG_PATH_MATVEC, 0, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
-}
-
-extern "C" stg_status stg_test_swiglu_quant(int32_t type, const void *w, const void *w2, int64_t n_rows, int64_t k,
-                                            const float *x, int64_t n_tok, float *out, int8_t *hq, float *hd,
-                                            int32_t *hs) {
-    const int be = stg_block_elems(type);
-    if (!be || stg_is_float(type)) return fail(ST_EUNSUPPORTED, "swiglu_quant: unsupported quant type %d", type);
-    if (!w || !w2 || !x || !out || !hq || !hd || !hs || n_rows < 32 || n_rows % 32 || n_tok < 1 || k < 32 ||
-        k % 32 || k % be)
-        return fail(ST_EINVAL, "swiglu_quant: bad arguments (rows=%lld k=%lld tokens=%lld)", (long long)n_rows,
-                    (long long)k, (long long)n_tok);
-    CHECK(harness_device());
-    g_fused_quant = true;
-    dtensor W;
-    W.type = type, W.ne[0] = k, W.ne[1] = n_rows, W.row_bytes = stg_row_bytes(type, k);
-    W.expert_stride = W.row_bytes * n_rows;
-    dbuf bw, bw2, bx, bq, bd, bs, bo, bhq, bhd, bhs, bc;
-    CHECK(up(bw, w, (size_t)W.expert_stride));
-    W.d = bw.as<uint8_t>();
-    dtensor W2 = W;
-    CHECK(up(bw2, w2, (size_t)W.expert_stride));
-    W2.d = bw2.as<uint8_t>();
-    const size_t no = (size_t)(n_tok * n_rows);
-    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
-    CHECK(up(bo, nullptr, sizeof(float) * no));
-    CHECK(up(bhq, nullptr, no));
-    CHECK(up(bhd, nullptr, sizeof(float) * no / 32));
-    CHECK(up(bhs, nullptr, sizeof(int32_t) * no / 16));
-    CHECK(up(bc, nullptr, sizeof(int32_t) * (size_t)(n_rows / 32)));
-    CU(cudaMemset(bc.p, 0, sizeof(int32_t) * (size_t)(n_rows / 32)), "harness");
-    CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
-    lin_groups g = {};
-    g.n_pairs = (int32_t)n_tok;
-    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
-    bool done = false;
-    const fused_quant fq{bhq.as<int8_t>(), bhd.as<float>(), bhs.as<int32_t>(), bc.as<int32_t>(), &done};
-    for (int rep = 0; rep < 2; rep++) { /* twice: the chunk counters must be back at 0 after a launch */
-        CU(cudaMemset(bhq.p, 0x7f, no), "harness");
-        CHECK(linear(0, W, &W2, g, 1, (int)n_tok, (int)n_tok, in, bo.as<float>(), n_rows, MODE_STORE, STG_PATH_MATVEC,
-                     nullptr, &fq));
-        if (!done) return fail(ST_EINVAL, "swiglu_quant: the launch did not fuse the quantisation");
-    }
-    CHECK(down(out, bo, sizeof(float) * no));
-    CHECK(down(hq, bhq, no));
-    CHECK(down(hd, bhd, sizeof(float) * no / 32));
-    return down(hs, bhs, sizeof(int32_t) * no / 16);
+    return routed_linear(type, STG_PATH_MATVEC, w, w2, n_expert, n_rows, k, x, n_tok, ids, k_used, out, hq, hd, hs);
 }
 
 extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
@@ -2394,7 +2098,6 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
     a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
     a.max_blocks = n_table, a.n_head = n_kv, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
-    a.v2 = g_att_v2; /* STRATA_GPU_ATT_V2 (harness_device read it) */
     if (path == STG_PATH_REF) {
         CHECK(up(bsc, nullptr, sizeof(float) * (size_t)(nq * n_kv) * (size_t)(p0 + nq)));
         k_attention_ref<<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
@@ -2446,7 +2149,6 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + nq, a.block_tables = bi.as<int32_t>() + 2 * nq;
     a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
-    a.v2 = g_att_v2; /* STRATA_GPU_ATT_V2 */
     if (aq) {
         CHECK(up(baq, nullptr, (size_t)nout));
         CHECK(up(bad, nullptr, sizeof(float) * (size_t)nout / 32));
@@ -2539,7 +2241,7 @@ extern "C" stg_status stg_test_router(const float *logits, int32_t n_tok, int32_
     CHECK(up(bw, nullptr, sizeof(float) * (size_t)n_tok * k));
     CHECK(up(bp, nullptr, sizeof(float) * (size_t)n_tok * n_expert));
     k_router<<<(n_tok + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * n_expert * sizeof(float)>>>(
-        bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>(), (int32_t)g_route_fast);
+        bl.as<float>(), n_tok, n_expert, k, bi.as<int32_t>(), bw.as<float>(), 1);
     LAUNCHED("router");
     CHECK(down(ids, bi, sizeof(int32_t) * (size_t)n_tok * k));
     return down(w, bw, sizeof(float) * (size_t)n_tok * k);
@@ -2553,22 +2255,16 @@ extern "C" stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, i
     CHECK(up(bx, nullptr, sizeof(float) * ((size_t)rows * n + 3)));
     CU(cudaMemcpy(bx.as<float>() + misalign, x, sizeof(float) * (size_t)rows * n, cudaMemcpyHostToDevice), "harness upload");
     CHECK(up(bo, nullptr, sizeof(int32_t) * (size_t)rows));
-    const int32_t split = argmax_split(); /* the step's form (STRATA_GPU_ARGMAX_SPLIT) */
-    if (split > 1) {
-        dbuf bk, bc;
-        CHECK(up(bk, nullptr, sizeof(unsigned long long) * (size_t)rows));
-        CHECK(up(bc, nullptr, sizeof(unsigned int) * (size_t)rows));
-        CU(cudaMemset(bk.p, 0, sizeof(unsigned long long) * (size_t)rows), "harness");
-        CU(cudaMemset(bc.p, 0, sizeof(unsigned int) * (size_t)rows), "harness");
-        for (int rep = 0; rep < 2; rep++) { /* twice: the first launch must leave its counters at 0 */
-            CU(cudaMemset(bo.p, 0xff, sizeof(int32_t) * (size_t)rows), "harness");
-            k_argmax_split<<<dim3((unsigned)split, (unsigned)rows), ARGMAX_SPLIT_THREADS>>>(
-                bx.as<float>() + misalign, n, bo.as<int32_t>(), bk.as<unsigned long long>(), bc.as<unsigned int>());
-            LAUNCHED("greedy pick (split)");
-        }
-        return down(out, bo, sizeof(int32_t) * (size_t)rows);
+    dbuf bk, bc;
+    CHECK(up(bk, nullptr, sizeof(unsigned long long) * (size_t)rows));
+    CHECK(up(bc, nullptr, sizeof(unsigned int) * (size_t)rows));
+    CU(cudaMemset(bk.p, 0, sizeof(unsigned long long) * (size_t)rows), "harness");
+    CU(cudaMemset(bc.p, 0, sizeof(unsigned int) * (size_t)rows), "harness");
+    for (int rep = 0; rep < 2; rep++) { /* twice: the first launch must leave its counters at 0 */
+        CU(cudaMemset(bo.p, 0xff, sizeof(int32_t) * (size_t)rows), "harness");
+        k_argmax_split<<<dim3((unsigned)ARGMAX_SPLIT, (unsigned)rows), ARGMAX_SPLIT_THREADS>>>(
+            bx.as<float>() + misalign, n, bo.as<int32_t>(), bk.as<unsigned long long>(), bc.as<unsigned int>());
     }
-    k_argmax_rows<<<rows, ARGMAX_THREADS>>>(bx.as<float>() + misalign, n, bo.as<int32_t>());
     LAUNCHED("greedy pick");
     return down(out, bo, sizeof(int32_t) * (size_t)rows);
 }
