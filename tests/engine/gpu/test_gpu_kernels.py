@@ -16,7 +16,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.native import ffi, lib, ptr
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cpu_quant, gcheck, gptr, harness_settings
+from tests.engine.gpu._kernel_helpers import (
+    attention_case,
+    attention_heads,
+    cpu_quant,
+    gcheck,
+    gptr,
+    harness_settings,
+)
 
 pytestmark = requires_gpu
 
