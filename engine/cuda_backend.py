@@ -79,16 +79,17 @@ _lock = threading.Lock()
 _loaded: tuple[Any, Any] | None = None
 
 
-def _cdef() -> str:
-    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
-    keep = [ln for ln in text.splitlines() if not re.match(r"\s*#\s*(include|ifndef|endif|define STRATA_CUDA_H)", ln)]
+def cdef_text(header: Path = HEADER) -> str:
+    """A C header of the GPU engine as cffi's cdef takes it: comments, includes and guards removed."""
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
+    keep = [ln for ln in text.splitlines() if not re.match(r"\s*#\s*(include|ifndef|endif|define STRATA_CUDA\w*_H)", ln)]
     return "\n".join(keep)
 
 
 def lib_path() -> Path:
     """The library load() opens: $STRATA_CUDA_LIB where set (another build of the same sources, so
     that one device call can time two versions of a kernel), else LIB_PATH."""
-    env = os.environ.get("STRATA_CUDA_LIB")
+    env = os.environ.get(gpu_settings.LIBRARY_ENV)
     return Path(env) if env else LIB_PATH
 
 
@@ -106,7 +107,7 @@ def load() -> tuple[Any, Any]:
         from cffi import FFI
 
         ffi = FFI()
-        ffi.cdef(_cdef())
+        ffi.cdef(cdef_text())
         try:
             lib = ffi.dlopen(str(path))
         except OSError as exc:
@@ -234,6 +235,7 @@ class CudaModel:
 
         self._cpu_ffi = cffi_cpu
         self.ffi, self.lib = load()
+        self.library = lib_path()  # the build this model runs on
         self.index = index
         settings = gpu_settings.from_env(self.ffi, self.lib)
         pm = self.ffi.new("stg_model **")

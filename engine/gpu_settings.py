@@ -4,7 +4,8 @@ A model on the GPU reads its settings once, when it opens (``stg_model_create``)
 library's (``stg_settings_default``, strata_cuda.h documents each field). An override here replaces one
 field for every model this process opens afterwards; ``CudaModel.set_settings`` replaces them on an open
 model (benchmarks time several values in one process that way). Nothing else in engine/ or bench/ reads a
-``STRATA_GPU_*`` variable, and the C sources read none (tests/engine/test_gpu_source_rules.py checks both).
+``STRATA_GPU_*`` or ``STRATA_CUDA_*`` variable, and the C sources read none (tests/engine/test_gpu_source_rules.py
+checks both).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OVERRIDES", "Override", "apply_env", "from_env"]
+__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "from_env"]
+
+# Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
+# (another build of the same sources, so that one device call can time two versions of a kernel).
+LIBRARY_ENV = "STRATA_CUDA_LIB"
 
 
 @dataclass(frozen=True)

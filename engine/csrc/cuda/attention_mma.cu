@@ -1,15 +1,12 @@
 /* Prefill attention on the tensor cores (flash style, online softmax): `mma.sync` m16n8k16
  * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged f16 KV cache.
  *
- * Included by strata_cuda.cu after its launch helpers (launch_k, fail, CHECK): the host side
- * below launches with them.
- *
  * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
  * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
  * rows (token, query head of the group) share every K/V stage; each of the 4 warps owns 16
  * rows (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside
  * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
- * stage measured nothing: run 35).
+ * stage gains nothing).
  *
  * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
  * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
@@ -27,8 +24,7 @@
  * 2t+1; {c2,c3} row g+8. K is staged as the cache holds it, [dim][key], V as [key][dim]; both
  * B operands then come from `ldmatrix .trans` (thread (g, t) of an 8x8 matrix gets its
  * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
-#pragma once
-#include "kernels.cuh"
+#include "attention.cuh"
 
 #define AMMA_WARPS 4
 #define AMMA_ROWS (AMMA_WARPS * 16)
