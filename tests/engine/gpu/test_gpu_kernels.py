@@ -259,6 +259,77 @@ def test_routed_split_quantisation_bitwise(g: tuple, n_tok: int, k_used: int, n_
         assert g[1].stg_test_routed_quant(*args) != 0
 
 
+@pytest.mark.parametrize("k", [256, 2048, 4096])
+def test_head_and_down_decode_forms_bitwise_equal_gemm(g: tuple, k: int) -> None:
+    """The batch-1 forms of the output head and the routed down projection give the GEMM's bits (which are the
+    matvec's): a dense single-token Q6_K matvec of at least 65,536 rows (the head) on k_q6_stage where its rows
+    are 16-byte aligned and fit 48 KB of shared memory (K 2,048), else k_linear_q_rows<Q6_K wide, 2> (K 256:
+    210-byte rows; K 4,096: too large a copy), the row count ending inside a warp's rows; and a routed Q4_K
+    plain matvec of single-pair passes (1 or 2 tokens, 8 of 16 experts each) on k_linear_q_rows<Q4_K, 8>."""
+    rng = np.random.default_rng(k)
+    rows = 65536 + 41
+    w = random_blocks("Q6_K", rows * k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    outs = []
+    for path in ("matvec", "gemm"):
+        out = np.full((1, rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear(tid("Q6_K"), PATHS[path], gptr(g, w), g[0].NULL, rows, k, gptr(g, x, "float *"),
+                                       1, gptr(g, out, "float *")))
+        outs.append(out)
+    assert np.isfinite(outs[0]).all() and np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), k
+    if k == 4096:
+        return
+    n_expert, rows, k_used = 16, 80, 8
+    w = np.concatenate([random_blocks("Q4_K", rows * k, rng) for _ in range(n_expert)])
+    for n_tok in (1, 2):
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        ids = np.concatenate([rng.choice(n_expert, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+        outs = []
+        for path in ("matvec", "gemm"):
+            out = np.full((ids.size, rows), np.nan, np.float32)
+            gcheck(g, g[1].stg_test_routed_linear(tid("Q4_K"), PATHS[path], gptr(g, w), g[0].NULL, n_expert, rows, k,
+                                                  gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                                  gptr(g, out, "float *")))
+            outs.append(out)
+        assert np.isfinite(outs[0]).all() and np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), n_tok
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("k", [768, 2048])
+def test_routed_chunk_quantisation_bitwise(g: tuple, name: str, k: int) -> None:
+    """The routed gate/up matvec of one pair per pass quantising its own output a 32-row chunk at a time
+    (k_linear_q_chunk: one block of 16 warps x 2 rows per chunk and expert, as decode steps of 1-7 tokens run
+    it) gives k_linear_q's float rows bit for bit (the routed matvec without the quantisation) and the CPU's
+    st_quantize_act blocks of them, at 1 and 2 tokens (the second token shares experts with the first:
+    groups of two passes)."""
+    rng = np.random.default_rng(k + len(name))
+    n_expert, rows, k_used = 16, 96, 8
+    w = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
+    w2 = np.concatenate([random_blocks(name, rows * k, rng) for _ in range(n_expert)])
+    for n_tok in (1, 2):
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        first = rng.choice(n_expert, k_used, replace=False)
+        rest = rng.permutation(np.setdiff1d(np.arange(n_expert), first[:3]))[: k_used - 3]
+        ids = np.concatenate([first, np.concatenate([first[:3], rest])][:n_tok]).astype(np.int32)
+        P = n_tok * k_used
+        ref = np.full((P, rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_routed_linear(tid(name), PATHS["matvec"], gptr(g, w), gptr(g, w2), n_expert, rows, k,
+                                              gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                              gptr(g, ref, "float *")))
+        assert np.isfinite(ref).all()
+        cq, cd, cs = cpu_quant(ref)
+        out = np.full((P, rows), np.nan, np.float32)
+        hq, hd, hs = np.zeros((P, rows), np.int8), np.zeros((P, rows // 32), np.float32), \
+            np.zeros((P, rows // 16), np.int32)
+        gcheck(g, g[1].stg_test_routed_chunk_quant(tid(name), gptr(g, w), gptr(g, w2), n_expert, rows, k,
+                                                   gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                                   gptr(g, out, "float *"), gptr(g, hq, "int8_t *"),
+                                                   gptr(g, hd, "float *"), gptr(g, hs, "int32_t *")))
+        assert np.array_equal(ref.view(np.uint32), out.view(np.uint32)), (name, k, n_tok)
+        assert np.array_equal(cq, hq) and np.array_equal(cd.view(np.uint32), hd.view(np.uint32)) and \
+            np.array_equal(cs, hs), (name, k, n_tok)
+
+
 @pytest.mark.parametrize(("k", "n_tok"), [(2048, 9), (2048, 16), (2048, 24), (2048, 32), (2048, 61), (2048, 64),
                                            (992, 13), (992, 40)])
 @pytest.mark.parametrize("name", FLOAT)
