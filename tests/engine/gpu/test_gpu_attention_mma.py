@@ -1,4 +1,4 @@
-"""The tensor-core prefill attention (engine/csrc/cuda/attention_mma.cuh) against the CPU reference.
+"""The tensor-core prefill attention (engine/csrc/cuda/attention_mma.cu) against the CPU reference.
 
 Its arithmetic is f16 x f16 -> f32 (q split into two f16 by default, p rounded to f16), so it is
 held to the issue's tolerance (1e-3 of max|ref| of the CPU's attn_ref), not to the decode kernel's
