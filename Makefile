@@ -15,7 +15,8 @@ EMBED_ONNX  := var/models/embed/all-MiniLM-L6-v2/export.json
 EXT     := engine/_strata_c.so
 MODEL   := var/models/smollm2-135m-moe8.gguf
 CSRC    := $(wildcard engine/csrc/*.c engine/csrc/*.h) engine/_build.py
-CUDA_LIB := engine/_strata_cuda.so
+# the GPU engine and its kernel harness (loaded by the GPU tests only), built together
+CUDA_LIB := engine/_strata_cuda.so engine/_strata_cuda_test.so
 CUDA_SRC := $(wildcard engine/csrc/cuda/* engine/csrc/*.h) engine/_build_cuda.py
 # A GPU is visible: setup builds the CUDA engine too (minutes of nvcc that a CPU-only box does
 # not need; `make build` builds it anyway, and without nvcc it only says so).
@@ -103,7 +104,7 @@ build: $(EXT) $(CUDA_LIB)
 $(EXT): $(CSRC) | $(STAMP_RUN)
 	$(VPY) -m engine._build
 
-$(CUDA_LIB): $(CUDA_SRC) | $(STAMP_RUN)
+$(CUDA_LIB) &: $(CUDA_SRC) | $(STAMP_RUN)
 	$(VPY) -m engine._build_cuda
 
 model: $(MODEL)

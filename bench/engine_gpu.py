@@ -18,12 +18,10 @@ default (``decode_headline_pick``); the ``*_sync`` rows wait for each step befor
 ``*_host_argmax`` rows copy the logits back and take the argmax on the host instead), prefill tok/s for 512- and 4,096-token prompts, and the HBM
 floor for batch-1 decode (weight bytes read per token / measured device copy bandwidth); the
 median GPU time of a decode step (st_step_stats.t_total) beside each wall-clock rate; and, for
-comparison, batch 1 without graphs, per-layer events (and with them on every step), PDL, the
-fused router launch or the q/k/v fusion (post-processing in attention), with the opt-in down
-input quantisation by gate/up, prefill
-with the matvec kernel only, without the routed GEMM's tile list (STRATA_GPU_GEMM_TILES=0; also at
-32 sequences) and also without the query-tile attention (STRATA_GPU_ATT_TILE=0), and 8 / 32
-sequences at other GEMM thresholds (--gemm-min).
+comparison, batch 1 without graphs, per-layer events (and with them on every step) or PDL, prefill
+with the matvec kernel only, 32 sequences without the split dense GEMM, and 8 / 32 sequences at
+other GEMM thresholds (--gemm-min). Each comparison row replaces the open model's settings
+(engine/gpu_settings.py's overrides, CudaModel.set_settings) and restores them after.
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tools/gpu/build_llama_cuda.sh) it then measures
 llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
@@ -33,15 +31,19 @@ with the ratios against the issue's targets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
+
+from engine import gpu_settings
 
 SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
              n_ff_exp=768, n_vocab=151936)
@@ -206,6 +208,18 @@ def run(args: argparse.Namespace) -> dict:
                  "copy_bw_gbs": bw / 1e9}
     hist = np.zeros((eng.hparams.n_layer, eng.hparams.n_expert), np.int32)
 
+    @contextlib.contextmanager
+    def settings(**env: str) -> Iterator[None]:
+        """The rows inside run with the overrides ``env`` (gpu_settings names) on top of the process's own;
+        the process's settings again afterwards (on the CPU: nothing to set)."""
+        if eng._gpu is not None:
+            eng._gpu.set_settings({**os.environ, **env})
+        try:
+            yield
+        finally:
+            if eng._gpu is not None:
+                eng._gpu.set_settings()
+
     def blocks(n_tok: int) -> list[int]:
         got = eng.blocks.allocate(-(-n_tok // bs))
         assert got is not None
@@ -234,8 +248,7 @@ def run(args: argparse.Namespace) -> dict:
         """Aggregate decode tok/s of n_seq sequences, greedy: pick "device" takes each next token
         from the engine's own greedy pick (Engine.forward(greedy=True): the argmax on the GPU, only
         the ids copied back: what the scheduler does for greedy requests), "host" copies the logits
-        back and takes np.argmax here (the path before session 11, and the scheduler's for rows that
-        need logits), "random" feeds random ids after copying the logits, as llama-batched-bench
+        back and takes np.argmax here (the scheduler's path for rows that need logits), "random" feeds random ids after copying the logits, as llama-batched-bench
         does. "overlap": the device pick with step N+1 launched before step N is waited
         (Engine.launch / Engine.wait, each id read on the device from the previous step's pick by
         st_batch.token_src: the host's work of a step runs while the GPU computes the one before).
@@ -324,8 +337,7 @@ def run(args: argparse.Namespace) -> dict:
     # waited; STRATA_OVERLAP=0 turns it off there too); on the CPU (a launch is the whole step) the device pick.
     from engine.scheduler import OVERLAP_ENV
 
-    head = "overlap" if (eng.device.kind == "cuda" and eng.can_launch
-                         and os.environ.get(OVERLAP_ENV, "1").strip() == "1") else "device"
+    head = "overlap" if (eng.device.kind == "cuda" and os.environ.get(OVERLAP_ENV, "1").strip() == "1") else "device"
     res["decode_headline_pick"] = head
     print(f"decode headline rows (decode_b1/b8/b32_tok_s): pick={head!r}"
           + (" (launch N+1 before wait N, as the scheduler); decode_bN_sync_tok_s: the device pick, each step waited"
@@ -333,7 +345,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def decode_rows(n_seq: int, steps: int) -> object:
         """decode_b{n_seq}_tok_s on the headline path and, when that is the overlap, decode_b{n_seq}_sync_tok_s
-        (the device pick, each step waited before the next: the headline before session 11's overlap) after
+        (the device pick, each step waited before the next) after
         it. Returns the last step's stats of the device-pick run (the headline's without an overlap): the
         stats rows split one step's GPU time, the same work either way, and an overlapped step may record
         no per-layer events (one in flight does) or t_output (a later launch re-records it)."""
@@ -364,53 +376,40 @@ def run(args: argparse.Namespace) -> dict:
     if args.profile_decode or args.decode_only:  # decode only: kernel times (profile) and rates
         tables = []
         if args.profile_decode:
-            os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"  # as --profile
-            tables = decode_tables(40, 70)
-            del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
+            with settings(STRATA_GPU_GRAPHS="0", STRATA_GPU_PDL="0"):  # as --profile
+                tables = decode_tables(40, 70)
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL), the headline's path
             decode_rows(n_seq, steps)
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the logits copied back, the argmax on the host
             res[f"decode_b{n_seq}_host_argmax_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_host_argmax", pick="host")
-        if eng.can_launch:
-            if head != "overlap":  # launch N+1 before wait N beside the headline's device pick (the CPU, STRATA_OVERLAP=0)
-                for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
-                    res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap",
-                                                                      pick="overlap")
-            res["decode_b1_repeat_tok_s"], _ = decode(1, 128, tag="b1_repeat")  # the device pick again, after them
-            for k, (n_seq, steps) in enumerate(((1, 128), (8, 64), (32, 64), (1, 128))):  # the scheduler
-                for m in ("sync", "overlap", "sync2"):  # STRATA_OVERLAP off / on / off again
-                    res[f"sched_b{n_seq}_{m}{'_again' if k == 3 else ''}"] = sched_decode(n_seq, steps, m == "overlap")
-            print("scheduler decode tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items() if k.startswith("sched_")))
-        if args.lean:  # one row per --knob "N:ENV=V" (N sequences with ENV=V), e.g. a default's old value
-            for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "32:STRATA_GPU_QKV_SPLIT=0"]:
+        if head != "overlap":  # launch N+1 before wait N beside the headline's device pick (the CPU, STRATA_OVERLAP=0)
+            for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
+                res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap", pick="overlap")
+        res["decode_b1_repeat_tok_s"], _ = decode(1, 128, tag="b1_repeat")  # the device pick again, after them
+        for k, (n_seq, steps) in enumerate(((1, 128), (8, 64), (32, 64), (1, 128))):  # the scheduler
+            for m in ("sync", "overlap", "sync2"):  # STRATA_OVERLAP off / on / off again
+                res[f"sched_b{n_seq}_{m}{'_again' if k == 3 else ''}"] = sched_decode(n_seq, steps, m == "overlap")
+        print("scheduler decode tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items() if k.startswith("sched_")))
+        if args.lean:  # one row per --knob "N:ENV=V" (N sequences with the override ENV=V), e.g. another threshold
+            names = {o.env for o in gpu_settings.OVERRIDES}
+            for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "8:STRATA_GPU_ROUTED_SPLIT_MAX=0"]:
                 n_s, _, kv = spec.partition(":")
                 env, _, v = kv.partition("=")
-                if not n_s.isdigit() or not env or not v:
-                    raise SystemExit(f"--knob: expected N:ENV=VALUE, got {spec!r}")
+                if not n_s.isdigit() or env not in names or not v:
+                    raise SystemExit(f"--knob: expected N:ENV=VALUE with ENV one of {sorted(names)}, got {spec!r}")
                 tag = f"b{n_s}_{env.removeprefix('STRATA_GPU_').lower()}_{v}"
-                saved = os.environ.get(env)  # a variable the process was started with comes back after the row
-                os.environ[env] = v
-                res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
-                if saved is None:
-                    del os.environ[env]
-                else:
-                    os.environ[env] = saved
+                with settings(**{env: v}):
+                    res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
         else:
             res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
-        if args.decode_only and not args.lean:  # the split dense GEMM and the pinned logits off, for comparison
-            for env, tag in (("STRATA_GPU_DENSE_SPLIT", "no_dense_split"), ("STRATA_GPU_PINNED", "pageable")):
-                os.environ[env] = "0"
-                res[f"decode_b8_{tag}_tok_s"], _ = decode(8, 64, tag=f"b8_{tag}")
-                res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
-                del os.environ[env]
-            os.environ["STRATA_GPU_DENSE_SPLIT"] = "8"  # 8 sequences' dense layers on the split GEMM too
-            res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
-            del os.environ["STRATA_GPU_DENSE_SPLIT"]
-            os.environ["STRATA_GPU_GEMM_DENSE_MIN"] = "32"  # the head on the GEMM from 32 pairs (run 39's lead)
-            res["decode_b32_head_gemm32_tok_s"], _ = decode(32, 64, tag="b32_head_gemm32")
-            del os.environ["STRATA_GPU_GEMM_DENSE_MIN"]
+        if args.decode_only and not args.lean:  # the split dense GEMM off, and from 8 tokens, for comparison
+            with settings(STRATA_GPU_DENSE_SPLIT="0"):
+                res["decode_b8_no_dense_split_tok_s"], _ = decode(8, 64, tag="b8_no_dense_split")
+                res["decode_b32_no_dense_split_tok_s"], _ = decode(32, 64, tag="b32_no_dense_split")
+            with settings(STRATA_GPU_DENSE_SPLIT="8"):  # 8 sequences' dense layers on the split GEMM too
+                res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
         res["decode_step_gpu_ms"] = gpu_ms
-        lib = Path(os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")).name
+        lib = eng._gpu.library.name if eng._gpu else "cpu"
         print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"
                                                for k, v in res.items() if k.startswith("decode_b")))
         if tables:
@@ -420,89 +419,62 @@ def run(args: argparse.Namespace) -> dict:
                 Path(args.json).with_suffix(".profile.txt").write_text(table)
         eng.close()
         return res
-    os.environ["STRATA_GPU_GEMM_MIN"] = "1000000"  # the matvec kernel only (the tensor-core GEMM off)
-    res["prefill_512_matvec_tok_s"] = prefill(512)
-    del os.environ["STRATA_GPU_GEMM_MIN"]
+    with settings(STRATA_GPU_GEMM_MIN="1000000"):  # the bitwise layers on the matvec kernel only
+        res["prefill_512_matvec_tok_s"] = prefill(512)
     if args.profile:  # kernel times of decode at 1 and 32 sequences, by CUPTI through torch's profiler
         import torch.profiler as tp
 
         # graphs and PDL off: each kernel's time is its own (with PDL a kernel's span includes
         # its wait for the predecessor), the decode steps only (not the prompts' prefill)
-        os.environ["STRATA_GPU_GRAPHS"] = os.environ["STRATA_GPU_PDL"] = "0"
-        tables = decode_tables(18, 60)
-        for n_tok, tile in ((512, "1"), (4096, "1"), (4096, "0")):  # prefill: one timed prompt each (warmed first)
-            os.environ["STRATA_GPU_ATT_TILE"] = tile
-            prefill(n_tok)
-            prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
-            prefill(n_tok, prof=prof)
-            del os.environ["STRATA_GPU_ATT_TILE"]
-            tables.append(f"== prefill of {n_tok} tokens, query-tile attention {'on' if tile == '1' else 'off'}, "
-                          "graphs and PDL off\n" +
-                          prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
-                                                    max_name_column_width=60))
-        del os.environ["STRATA_GPU_GRAPHS"], os.environ["STRATA_GPU_PDL"]
+        with settings(STRATA_GPU_GRAPHS="0", STRATA_GPU_PDL="0"):
+            tables = decode_tables(18, 60)
+            for n_tok in (512, 4096):  # prefill: one timed prompt each (warmed first)
+                prefill(n_tok)
+                prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+                prefill(n_tok, prof=prof)
+                tables.append(f"== prefill of {n_tok} tokens, graphs and PDL off\n" +
+                              prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
+                                                        max_name_column_width=60))
         table = "\n".join(tables)
         print(table)
         if args.json:
             Path(args.json).with_suffix(".profile.txt").write_text(table)
-    res["prefill_512_tok_s"] = prefill(512)  # the defaults: query-tile attention, routed GEMM over the tile list
+    res["prefill_512_tok_s"] = prefill(512)  # the defaults
     if not args.quick:
         res["prefill_4096_tok_s"] = prefill(4096)
-    os.environ["STRATA_GPU_GEMM_TILES"] = "0"  # the routed GEMM over (largest group's tiles) x (groups), comparison
-    res["prefill_512_no_gemm_tiles_tok_s"] = prefill(512)
-    res["decode_b32_no_gemm_tiles_tok_s"], _ = decode(32, 64, tag="b32_no_gemm_tiles")
-    os.environ["STRATA_GPU_ATT_TILE"] = "0"  # and the prefill attention without query tiles (both off: run 22's)
-    res["prefill_512_no_tiles_tok_s"] = prefill(512)
-    if not args.quick:
-        res["prefill_4096_no_tiles_tok_s"] = prefill(4096)
-    del os.environ["STRATA_GPU_ATT_TILE"], os.environ["STRATA_GPU_GEMM_TILES"]
     hist[:] = 0
     st1 = decode_rows(1, 128)
     res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     top = np.sort(hist.sum(axis=0))[::-1]
     res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
     res["graphs_cached_failed_note"] = eng._gpu.graph_status() if eng._gpu else None
-    os.environ["STRATA_GPU_GRAPHS"] = "0"  # plain launches, for comparison
-    res["decode_b1_no_graphs_tok_s"], _ = decode(1, 64)
-    del os.environ["STRATA_GPU_GRAPHS"]
-    os.environ["STRATA_GPU_LAYER_EVENTS"] = "0"  # what the per-layer timing events cost
-    res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128, tag="b1_no_events")
-    os.environ["STRATA_GPU_LAYER_EVENTS"] = "1"  # on every step (the default samples one step in 16)
-    res["decode_b1_all_layer_events_tok_s"], _ = decode(1, 128, tag="b1_all_events")
-    del os.environ["STRATA_GPU_LAYER_EVENTS"]
-    for env, key, val in (("STRATA_GPU_FUSED_QKV", "no_fused_qkv", "0"), ("STRATA_GPU_FUSED_QUANT", "fused_quant", "1")):
-        os.environ[env] = val  # q/k/v fusion off / the opt-in quantisation fusion on, for comparison
-        res[f"decode_b1_{key}_tok_s"], _ = decode(1, 128, tag=f"b1_{key}")
-        del os.environ[env]
-    os.environ["STRATA_GPU_ROUTE_SPLIT"] = "1"  # router logits and routing as two launches, for comparison
-    res["decode_b1_route_split_tok_s"], _ = decode(1, 128, tag="b1_route_split")
-    del os.environ["STRATA_GPU_ROUTE_SPLIT"]
-    os.environ["STRATA_GPU_PDL"] = "0"  # without programmatic dependent launch, for comparison
-    res["decode_b1_no_pdl_tok_s"], _ = decode(1, 128, tag="b1_no_pdl")
-    del os.environ["STRATA_GPU_PDL"]
+    with settings(STRATA_GPU_GRAPHS="0"):  # plain launches, for comparison
+        res["decode_b1_no_graphs_tok_s"], _ = decode(1, 64)
+    with settings(STRATA_GPU_LAYER_EVENTS="0"):  # what the per-layer timing events cost
+        res["decode_b1_no_layer_events_tok_s"], _ = decode(1, 128, tag="b1_no_events")
+    with settings(STRATA_GPU_LAYER_EVENTS="1"):  # on every step (the default samples one step in 64)
+        res["decode_b1_all_layer_events_tok_s"], _ = decode(1, 128, tag="b1_all_events")
+    with settings(STRATA_GPU_PDL="0"):  # without programmatic dependent launch, for comparison
+        res["decode_b1_no_pdl_tok_s"], _ = decode(1, 128, tag="b1_no_pdl")
     st8 = decode_rows(8, 64)
     res["decode_b8_stats_ms"] = {k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     st32 = decode_rows(32, 64)
-    # the logits copied back and the argmax on the host (before session 11's device pick), and random next
-    # tokens after the logits copy, as llama-batched-bench feeds them
+    # the logits copied back and the argmax on the host, and random next tokens after the logits copy, as
+    # llama-batched-bench feeds them
     res["decode_b32_host_argmax_tok_s"], _ = decode(32, 64, tag="b32_host_argmax", pick="host")
     res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
-    for env, tag in (("STRATA_GPU_DENSE_SPLIT", "no_dense_split"), ("STRATA_GPU_PINNED", "pageable")):
-        os.environ[env] = "0"  # dense layers on the matvec / the logits into pageable memory
-        res[f"decode_b32_{tag}_tok_s"], _ = decode(32, 64, tag=f"b32_{tag}")
-        del os.environ[env]
+    with settings(STRATA_GPU_DENSE_SPLIT="0"):  # small dense layers on the matvec
+        res["decode_b32_no_dense_split_tok_s"], _ = decode(32, 64, tag="b32_no_dense_split")
     res["decode_b1_host_argmax_tok_s"], _ = decode(1, 128, tag="b1_host_argmax", pick="host")
     res["decode_b1_random_next_tok_s"], _ = decode(1, 128, tag="b1_random_next", pick="random")
     for gm in args.gemm_min.split(","):  # other GEMM thresholds (pairs per group), same results, other speed
-        os.environ["STRATA_GPU_GEMM_MIN"] = gm
-        res[f"decode_b8_gemm_min{gm}_tok_s"], _ = decode(8, 32, tag=f"b8_gemm_min{gm}")
-        res[f"decode_b32_gemm_min{gm}_tok_s"], _ = decode(32, 32, tag=f"b32_gemm_min{gm}")
-        del os.environ["STRATA_GPU_GEMM_MIN"]
+        with settings(STRATA_GPU_GEMM_MIN=gm):
+            res[f"decode_b8_gemm_min{gm}_tok_s"], _ = decode(8, 32, tag=f"b8_gemm_min{gm}")
+            res[f"decode_b32_gemm_min{gm}_tok_s"], _ = decode(32, 32, tag=f"b32_gemm_min{gm}")
     # single-group launches (the output head) through the GEMM from 8 pairs: same results, other speed
-    os.environ["STRATA_GPU_GEMM_DENSE_MIN"] = "8"
-    res["decode_b8_dense_gemm_tok_s"], _ = decode(8, 32, tag="b8_dense_gemm")
-    res["decode_b32_dense_gemm_tok_s"], _ = decode(32, 32, tag="b32_dense_gemm")
-    del os.environ["STRATA_GPU_GEMM_DENSE_MIN"]
+    with settings(STRATA_GPU_GEMM_DENSE_MIN="8"):
+        res["decode_b8_dense_gemm_tok_s"], _ = decode(8, 32, tag="b8_dense_gemm")
+        res["decode_b32_dense_gemm_tok_s"], _ = decode(32, 32, tag="b32_dense_gemm")
     res["decode_b32_stats_ms"] = {k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
     res["decode_step_gpu_ms"] = gpu_ms
     bpt = bytes_per_token(eng.model_file)
@@ -592,7 +564,7 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
             eng.prefill(ids, b)
             rates.append(n / (time.perf_counter() - t))
             eng.blocks.release(b)
-        lib = os.environ.get("STRATA_CUDA_LIB", "engine/_strata_cuda.so")
+        lib = eng._gpu.library.name if eng._gpu else "cpu"
         print(f"prefill of {n} tokens ({lib}): median {float(np.median(rates)):.0f} tok/s over {len(rates)} "
               f"({', '.join(f'{r:.0f}' for r in rates)})")
     return 0
@@ -611,15 +583,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the kernel times of decode at 1 and 32 sequences (graphs and PDL off) and the "
                          "decode rates at 1, 8 and 32 sequences (no prefill figures)")
     ap.add_argument("--decode-only", action="store_true",
-                    help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM and "
-                         "the pinned logits (a before/after of a decode change; STRATA_CUDA_LIB)")
+                    help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM "
+                         "(a before/after of a decode change; STRATA_CUDA_LIB)")
     ap.add_argument("--lean", action="store_true",
                     help="with --decode-only: only 1, 8 and 32 sequences (the headline's path, the device's "
                          "greedy pick each step waited when that is the overlap, then the host's argmax over "
                          "copied logits), then one row per --knob (default: 32 "
-                         "sequences with the head on the GEMM from 64 pairs, and with q/k/v as three launches)")
+                         "sequences with the head on the GEMM from 64 pairs, and 8 without the routed split GEMM)")
     ap.add_argument("--knob", action="append", metavar="N:ENV=VALUE",
-                    help="with --lean: also decode N sequences with the variable ENV set to VALUE (repeatable)")
+                    help="with --lean: also decode N sequences with the override ENV (engine/gpu_settings.py) "
+                         "set to VALUE (repeatable)")
     ap.add_argument("--gemm-min", default="2,4,1000000",
                     help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
     ap.add_argument("--llama-bin", default=None,

@@ -1,12 +1,14 @@
-"""Builds the GPU engine, ``engine/_strata_cuda.so``, with nvcc: ``python -m engine._build_cuda``.
+"""Builds the GPU engine, ``engine/_strata_cuda.so``, and its kernel harness for the GPU tests,
+``engine/_strata_cuda_test.so``, with nvcc: ``python -m engine._build_cuda``.
 
 Without nvcc it prints one line and succeeds (CPU-only machines, CI without CUDA). The library
 is loaded only when a GPU is asked for (engine/cuda_backend.py, cffi ABI mode), so nothing on
-the CPU path depends on it.
+the CPU path depends on it; the harness library only by tests/engine/gpu. Each is one translation
+unit (strata_cuda.cu includes the op families in order); the two compile in parallel.
 
-    python -m engine._build_cuda            # sm_89 + sm_90 + PTX, skipped when up to date
-    python -m engine._build_cuda --check    # compile one architecture to a temporary file (CI)
-    python -m engine._build_cuda --sm90-out engine/_strata_cuda_base.so   # sm_90 only, another file
+    python -m engine._build_cuda            # sm_89 + sm_90 + PTX, both libraries, skipped when up to date
+    python -m engine._build_cuda --check    # compile both for one architecture to temporary files (CI)
+    python -m engine._build_cuda --sm90-out engine/_strata_cuda_base.so   # the engine alone, sm_90, another file
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA_SRC = ROOT / "engine" / "csrc" / "cuda"
 MAIN = CUDA_SRC / "strata_cuda.cu"
 TARGET = ROOT / "engine" / "_strata_cuda.so"
+TEST_MAIN = CUDA_SRC / "strata_cuda_test.cu"
+TEST_TARGET = ROOT / "engine" / "_strata_cuda_test.so"
 # RTX 40xx (sm_89), H100/H200 (sm_90), and PTX for anything newer (the driver compiles it)
 ARCHS = ["-gencode=arch=compute_89,code=sm_89", "-gencode=arch=compute_90,code=sm_90",
          "-gencode=arch=compute_90,code=compute_90"]
@@ -52,9 +56,14 @@ def up_to_date(target: Path = TARGET) -> bool:
     return target.exists() and target.stat().st_mtime >= max(p.stat().st_mtime for p in sources())
 
 
-def compile_cuda(nvcc: str, out: Path, archs: list[str]) -> None:
-    cmd = [nvcc, *FLAGS, *archs, "-o", str(out), str(MAIN)]
-    subprocess.run(cmd, check=True, cwd=str(ROOT))
+def compile_cuda(nvcc: str, jobs: list[tuple[Path, Path]], archs: list[str]) -> None:
+    """Compile each (source, output) with nvcc, all at once; raise CalledProcessError naming the first failure."""
+    procs = [(subprocess.Popen([nvcc, *FLAGS, *archs, "-o", str(out), str(src)], cwd=str(ROOT)), src)
+             for src, out in jobs]
+    failed = [(p.wait(), src) for p, src in procs]
+    for rc, src in failed:
+        if rc:
+            raise subprocess.CalledProcessError(rc, [nvcc, str(src)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,22 +81,26 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            compile_cuda(nvcc, Path(tmp) / "check.so", CHECK_ARCHS)
+            compile_cuda(nvcc, [(MAIN, Path(tmp) / "check.so"), (TEST_MAIN, Path(tmp) / "check_test.so")], CHECK_ARCHS)
         print(f"engine._build_cuda: CUDA sources compile (sm_90, {time.monotonic() - t0:.0f} s)")
         return 0
     if args.sm90_out is not None:
-        compile_cuda(nvcc, args.sm90_out.resolve(), CHECK_ARCHS)
+        compile_cuda(nvcc, [(MAIN, args.sm90_out.resolve())], CHECK_ARCHS)
         print(f"engine._build_cuda: built {args.sm90_out} (sm_90, {time.monotonic() - t0:.0f} s)")
         return 0
-    if up_to_date() and not args.force:
+    targets = [(src, out) for src, out in ((MAIN, TARGET), (TEST_MAIN, TEST_TARGET)) if args.force or not up_to_date(out)]
+    if not targets:
         return 0
-    tmp_out = TARGET.with_suffix(".so.tmp")
+    tmp = [(src, out.with_suffix(".so.tmp")) for src, out in targets]
     try:
-        compile_cuda(nvcc, tmp_out, ARCHS)
-        os.replace(tmp_out, TARGET)
+        compile_cuda(nvcc, tmp, ARCHS)
+        for (_, t), (_, out) in zip(tmp, targets, strict=True):
+            os.replace(t, out)
     finally:
-        tmp_out.unlink(missing_ok=True)
-    print(f"engine._build_cuda: built {TARGET.relative_to(ROOT)} ({time.monotonic() - t0:.0f} s)")
+        for _, t in tmp:
+            t.unlink(missing_ok=True)
+    built = ", ".join(str(out.relative_to(ROOT)) for _, out in targets)
+    print(f"engine._build_cuda: built {built} ({time.monotonic() - t0:.0f} s)")
     return 0
 
 

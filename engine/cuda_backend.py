@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import gpu_settings
 from engine.native import EngineError, OutOfRangeError, UnsupportedError
 
 __all__ = ["DeviceUnavailableError", "DeviceSpec", "GpuInfo", "parse_device", "resolve_device", "gpu_info",
@@ -78,16 +79,17 @@ _lock = threading.Lock()
 _loaded: tuple[Any, Any] | None = None
 
 
-def _cdef() -> str:
-    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
-    keep = [ln for ln in text.splitlines() if not re.match(r"\s*#\s*(include|ifndef|endif|define STRATA_CUDA_H)", ln)]
+def cdef_text(header: Path = HEADER) -> str:
+    """A C header of the GPU engine as cffi's cdef takes it: comments, includes and guards removed."""
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
+    keep = [ln for ln in text.splitlines() if not re.match(r"\s*#\s*(include|ifndef|endif|define STRATA_CUDA\w*_H)", ln)]
     return "\n".join(keep)
 
 
 def lib_path() -> Path:
     """The library load() opens: $STRATA_CUDA_LIB where set (another build of the same sources, so
     that one device call can time two versions of a kernel), else LIB_PATH."""
-    env = os.environ.get("STRATA_CUDA_LIB")
+    env = os.environ.get(gpu_settings.LIBRARY_ENV)
     return Path(env) if env else LIB_PATH
 
 
@@ -105,7 +107,7 @@ def load() -> tuple[Any, Any]:
         from cffi import FFI
 
         ffi = FFI()
-        ffi.cdef(_cdef())
+        ffi.cdef(cdef_text())
         try:
             lib = ffi.dlopen(str(path))
         except OSError as exc:
@@ -198,11 +200,8 @@ class _PinnedPool:
                 addr = free.pop()
                 self._cached -= size
         if addr is None:
-            alloc = getattr(lib, "stg_host_alloc", None)
-            if alloc is None:  # a library built before it existed (STRATA_CUDA_LIB): pageable memory
-                return np.empty(shape, dt)
             pp = ffi.new("void **")
-            _check(ffi, lib, alloc(size, pp), "pinned host memory")
+            _check(ffi, lib, lib.stg_host_alloc(size, pp), "pinned host memory")
             addr = int(ffi.cast("uintptr_t", pp[0]))
         raw = ffi.gc(ffi.cast("char *", addr), lambda p, size=size: self._release(size, p), size=size)
         return np.frombuffer(ffi.buffer(raw, n), dt).reshape(shape)  # the buffer keeps `raw` alive
@@ -228,16 +227,20 @@ def _addr(cpu_ffi: Any, cdata: Any) -> int:
 
 
 class CudaModel:
-    """Weights and the paged KV cache of one model on one GPU; ``forward`` is one step."""
+    """Weights and the paged KV cache of one model on one GPU; ``forward`` is one step. Its settings
+    (engine/gpu_settings.py) are read from the environment once, here."""
 
     def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int) -> None:
         from engine.native import ffi as cffi_cpu
 
         self._cpu_ffi = cffi_cpu
         self.ffi, self.lib = load()
+        self.library = lib_path()  # the build this model runs on
         self.index = index
+        settings = gpu_settings.from_env(self.ffi, self.lib)
         pm = self.ffi.new("stg_model **")
-        _check(self.ffi, self.lib, self.lib.stg_model_create(index, self.ffi.cast("void *", _addr(cffi_cpu, desc)), pm),
+        _check(self.ffi, self.lib,
+               self.lib.stg_model_create(index, self.ffi.cast("void *", _addr(cffi_cpu, desc)), settings, pm),
                f"cuda:{index}: model")
         self._model = pm[0]
         pk = self.ffi.new("stg_kv **")
@@ -248,11 +251,6 @@ class CudaModel:
             _check(self.ffi, self.lib, rc, f"cuda:{index}: KV cache")
         self._kv = pk[0]
         self.weight_bytes = int(self.lib.stg_model_weight_bytes(self._model))
-        # st_batch.out_tokens (the greedy pick on the device) exists in libraries built since session 11;
-        # an older build loaded through STRATA_CUDA_LIB gets logits and Engine.forward picks on the host
-        self.has_pick = getattr(self.lib, "stg_test_argmax", None) is not None
-        # st_batch.token_src and the launch / wait halves of a step (session 11): older builds have neither
-        self.has_overlap = getattr(self.lib, "stg_step_launch", None) is not None
         self._ticket = self.ffi.new("int64_t *")
         self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
         self.info = gpu_info(index)
@@ -264,12 +262,16 @@ class CudaModel:
         n = int(self.lib.stg_model_graphs(self._model, failed, note, 256))
         return n, int(failed[0]), self.ffi.string(note).decode("utf-8", "replace")
 
+    def set_settings(self, environ: dict[str, str] | None = None) -> None:
+        """Replace the open model's settings with the defaults and ``environ``'s overrides (default: the
+        process environment), as if it were opened again; its CUDA graphs are dropped."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        settings = gpu_settings.from_env(self.ffi, self.lib, environ)
+        _check(self.ffi, self.lib, self.lib.stg_model_set_settings(self._model, settings), "settings")
+
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""
-        if os.environ.get("STRATA_GPU_PINNED") == "0":  # pageable, for comparison
-            import numpy as np
-
-            return np.empty(shape, dtype)
         return _pinned.array(shape, dtype)
 
     def forward(self, batch: Any, stats: Any) -> None:

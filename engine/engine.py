@@ -23,7 +23,7 @@ import numpy as np
 from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, resolve_device
 from engine.gguf_model import ModelFile, create_native_model, open_model
-from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
+from engine.native import EngineError, check, ffi, lib, ptr
 from engine.step import StepStats
 
 if TYPE_CHECKING:
@@ -268,8 +268,6 @@ class Engine:
         rows); ``tokens[i]`` is then not read."""
         self._check_step(tokens, pos, seq, token_src)
         nl = len(logit_idx)
-        if greedy and self._gpu is not None and not self._gpu.has_pick:  # a library older than out_tokens
-            return np.argmax(self.forward(tokens, pos, seq, block_tables, logit_idx, expert_hist), axis=1).astype(np.int32)
         if greedy:
             out = np.empty(nl, np.int32)
         else:
@@ -315,18 +313,6 @@ class Engine:
             return
         if len(token_src) != n:
             raise ValueError("token_src must have one entry per token")
-        self._require_launch("token_src: this CUDA library predates st_batch.token_src")  # it would ignore the field
-
-    def _require_launch(self, what: str) -> None:
-        """Refuse token_src / launch on a CUDA library built before them (loaded through STRATA_CUDA_LIB)."""
-        if not self.can_launch:
-            raise UnsupportedError(f"{what} (rebuild it)", lib.ST_EUNSUPPORTED)
-
-    @property
-    def can_launch(self) -> bool:
-        """Whether launch / wait overlap on this engine's device (a GPU library with stg_step_launch);
-        on the CPU they exist too but run each step synchronously in ``launch``."""
-        return self._gpu is None or self._gpu.has_overlap
 
     def launch(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
                block_tables: Sequence[Sequence[int]], logit_idx: Sequence[int], *,
@@ -343,7 +329,6 @@ class Engine:
         holds two launched steps: a third launch waits for the oldest first (its picks then wait for
         its own ``wait``), as ``forward`` waits for all of them."""
         self._check_step(tokens, pos, seq, token_src)
-        self._require_launch("launch: this CUDA library predates stg_step_launch")
         self._check_hist(expert_hist)
         nl = len(logit_idx)
         out = np.empty(nl, np.int32)

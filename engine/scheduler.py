@@ -252,13 +252,11 @@ class Scheduler:
         self.device_greedy = env.get(DEVICE_GREEDY_ENV, "1").strip() != "0"
         # overlap: steps of plain greedy decodes are launched, and the next one is launched (its ids the
         # previous picks, on the device) before the previous is waited, so the host's work runs while the GPU
-        # computes. Default on for a GPU engine: run 70 (H200, bench model) scheduler decode 354.7 -> 373.0
-        # tok/s at 1 sequence, 1,077 -> 1,120 at 8, 2,794 -> 2,894 at 32, and the GPU scheduler / model tests
-        # pass with it forced. Default off on the CPU, where a launch is the whole step (the same tokens; a
+        # computes. Default on for a GPU engine: on an H200 (bench model) scheduler decode goes 354.7 -> 373.0
+        # tok/s at 1 sequence, 1,077 -> 1,120 at 8, 2,794 -> 2,894 at 32 (docs/gpu-runs.md). Default off on the CPU, where a launch is the whole step (the same tokens; a
         # stop on an id costs a step). STRATA_OVERLAP=0 / 1 overrides either default.
         default_overlap = "1" if engine.device.kind == "cuda" else "0"
-        self.overlap = (self.device_greedy and engine.can_launch
-                        and env.get(OVERLAP_ENV, default_overlap).strip() == "1")
+        self.overlap = self.device_greedy and env.get(OVERLAP_ENV, default_overlap).strip() == "1"
         self._flight: _Flight | None = None
         self._fault_steps = 0
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks during the C step

@@ -22,7 +22,6 @@ SUPPORT = {
     "tests/engine/hf_models.py",  # small random Hugging Face MoE models converted to GGUF
     "tests/engine/gpu/_env.py",  # whether a GPU is there, the skip reason
     "tests/engine/gpu/_kernel_helpers.py",  # pointers into the CUDA test library, CPU references
-    "tests/engine/gpu/_steps.py",  # whole decode steps under given settings (same-bits tests)
     "tests/engine/gpu/stack_on_gpu.py",  # the supervisord stack with a lane on the GPU
     "tests/gateway/flood.py",  # the many-keys flood of test_auth.py
     "tests/gateway/documents/helpers.py",  # documents API calls

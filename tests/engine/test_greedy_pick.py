@@ -223,31 +223,3 @@ def test_preemption_and_aborts_with_the_pick_on_and_off(tiny_path: Path) -> None
     assert pre_on > 0 and pre_on == pre_off
     assert on == off and spy.greedy > 0
     assert on[2][2] == "abort" and on[7][2] == "abort"
-
-
-def test_a_gpu_library_older_than_the_pick_gets_logits_and_a_host_argmax(eng: Engine) -> None:
-    """A CUDA library built before st_batch.out_tokens (loaded through STRATA_CUDA_LIB) would not see the
-    field: Engine.forward(greedy=True) then asks it for logits and takes the argmax on the host."""
-    from engine.native import check
-
-    class OldGpu:  # the CPU step standing in for such a library; it must never be handed out_tokens
-        has_pick = False
-        calls = 0
-
-        def host_array(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-            return np.empty(shape, dtype)
-
-        def forward(self, b: Any, st: Any) -> None:
-            assert b.out_tokens == ffi.NULL and b.logits != ffi.NULL
-            OldGpu.calls += 1
-            check(lib.st_forward(eng._model, eng._kv, eng._pool, b, st), "forward")
-
-    blocks = eng.blocks.allocate(1)
-    try:
-        want = np.argmax(eng.forward([4, 5, 6], [0, 1, 2], [0, 0, 0], [blocks], [0, 2]), axis=1)
-        eng._gpu = OldGpu()
-        got = eng.forward([4, 5, 6], [0, 1, 2], [0, 0, 0], [blocks], [0, 2], greedy=True)
-        assert OldGpu.calls == 1 and got.dtype == np.int32 and got.tolist() == want.tolist()
-    finally:
-        eng._gpu = None
-        eng.blocks.release(blocks)

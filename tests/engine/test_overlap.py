@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.engine import Engine, StaleSourceError
-from engine.native import EngineError, OutOfRangeError, UnsupportedError
+from engine.native import EngineError, OutOfRangeError
 from engine.sampling import SamplingParams
 from engine.scheduler import (
     DEVICE_GREEDY_ENV,
@@ -163,28 +163,6 @@ def test_misuse_is_a_typed_error(eng: Engine) -> None:
                 eng.wait(t)
     finally:
         eng.blocks.release(blocks)
-
-
-def test_a_gpu_library_older_than_token_src_is_refused(eng: Engine) -> None:
-    """A CUDA library built before st_batch.token_src would read tokens[i] and ignore the field:
-    token_src and launch are refused there instead of computing the wrong ids."""
-
-    class OldGpu:
-        has_pick = True
-        has_overlap = False
-
-    blocks = eng.blocks.allocate(1)
-    try:
-        eng._gpu = OldGpu()
-        with pytest.raises(UnsupportedError, match="predates"):
-            eng.forward([0], [0], [0], [blocks], [0], greedy=True, token_src=[0])
-        with pytest.raises(UnsupportedError, match="predates"):
-            eng.launch([4], [0], [0], [blocks], [0])
-        assert not eng.can_launch
-    finally:
-        eng._gpu = None
-        eng.blocks.release(blocks)
-    assert eng.can_launch
 
 
 # ------------------------------------------------------------ the scheduler's overlapped loop

@@ -248,7 +248,7 @@ __device__ __forceinline__ void ld32_2a_s(const uint8_t *p, uint32_t (&w)[8]) {
 #pragma unroll
     for (int i = 0; i < 8; i++) w[i] = __funnelshift_r(up ? x[i + 1] : x[i], up ? x[i + 2] : x[i + 1], sh);
 }
-/* Sub-block j of a Q6_K row through ld32_2a (STRATA_GPU_Q6_WIDE; bitwise unpack_sub<STG_Q6_K>). Its
+/* Sub-block j of a Q6_K row through ld32_2a (every Q6_K matvec and GEMM; bitwise unpack_sub<STG_Q6_K>). Its
  * last 32-byte chunk (qh of the upper half) ends 18 bytes before the block: the over-read stays inside.
  * SMEM: the row is in shared memory (k_q6_stage's copy): ld32_2a_s's explicit shared loads, the same words. */
 template <bool SMEM = false> __device__ __forceinline__ void unpack_q6k_wide(const uint8_t *row, int j, sub_w &s) {

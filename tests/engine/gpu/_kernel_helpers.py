@@ -4,6 +4,9 @@ attention case (a paged f16 cache) with the heads kernels' call on it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from engine.native import lib, ptr
@@ -16,6 +19,23 @@ def gcheck(g: tuple, rc: int) -> None:
 
 def gptr(g: tuple, a: np.ndarray, ctype: str = "void *"):  # noqa: ANN201
     return g[0].cast(ctype, g[0].from_buffer(a))
+
+
+@contextmanager
+def harness_settings(g: tuple, **fields: int) -> Iterator[None]:
+    """Run the harness calls inside under stg_settings_default's settings without the prefill form
+    (gemm_fast_min 0) and with ``fields`` replaced; the harness's defaults again afterwards."""
+    gffi, glib = g
+    s = gffi.new("stg_settings *")
+    glib.stg_settings_default(s)
+    s.gemm_fast_min = 0
+    for name, value in fields.items():
+        setattr(s, name, value)
+    gcheck(g, glib.stg_test_set_settings(s))
+    try:
+        yield
+    finally:
+        gcheck(g, glib.stg_test_set_settings(gffi.NULL))
 
 
 def cpu_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

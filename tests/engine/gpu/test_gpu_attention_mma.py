@@ -1,4 +1,4 @@
-"""The tensor-core prefill attention (engine/csrc/cuda/attention_mma.cuh) against the CPU reference.
+"""The tensor-core prefill attention (engine/csrc/cuda/attention_mma.cu) against the CPU reference.
 
 Its arithmetic is f16 x f16 -> f32 (q split into two f16 by default, p rounded to f16), so it is
 held to the issue's tolerance (1e-3 of max|ref| of the CPU's attn_ref), not to the decode kernel's
@@ -106,7 +106,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                             weight_type=GGMLQuantizationType.F32)
 
 
-def test_long_prompt_on_tensor_cores(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_prompt_on_tensor_cores(model: Path) -> None:
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 300, size=224)]
     with Engine.open(model, threads=2, kv_tokens=1024) as cpu, \
             Engine.open(model, device="cuda:0", kv_tokens=1024) as gpu:
@@ -115,9 +115,9 @@ def test_long_prompt_on_tensor_cores(model: Path, monkeypatch: pytest.MonkeyPatc
         err = rel_err(got, ref)
         gpu.prefill_chunk = 112  # two eager 112-token steps (<= 64 would be a graph step): the mma kernel again
         chunked = gpu.logits_for(prompt)
-        monkeypatch.setenv("STRATA_GPU_ATT_MMA", "0")
+        gpu._gpu.set_settings({"STRATA_GPU_ATT_MMA": "0"})
         old = gpu.logits_for(prompt)  # the fp32 query-tile kernel
-        monkeypatch.delenv("STRATA_GPU_ATT_MMA")
+        gpu._gpu.set_settings()
         print(f"logits vs CPU: mma {err:.2e}, fp32 tiles {rel_err(old, ref):.2e}; mma vs fp32 tiles "
               f"{rel_err(got, old):.2e}")
         assert err <= 1e-2

@@ -4,11 +4,12 @@ order instead of the matvec's butterfly tree, tiles of 32 or 64 pairs).
 It is not bitwise equal to the matvec, so it is held to rounding of it (and to the issue's 1e-3 of
 the CPU reference); what must stay bitwise is that an output does not depend on its tile: tile width,
 tile list or grid, and which other tokens share the launch. On a whole model, eager steps whose
-every token is in a run of >= STRATA_GPU_GEMM_FAST_MIN (64) tokens take it: logits within twice the
-spread of the CPU's own kernel variants (at least 1e-2) of the CPU, chunked prefill (chunks >= 64)
-bitwise equal to whole, and STRATA_GPU_GEMM_FAST_MIN=0 brings back the bitwise kernels. The harness (stg_test_linear /
-stg_test_routed_linear) takes the form only while that variable is set, its tokens as one run. In
-such steps the MoE router runs k_router_gemm (within rounding of k_linear_f_rows) and k / v one launch
+every token is in a run of >= gemm_fast_min (64) tokens take it: logits within twice the spread of the
+CPU's own kernel variants (at least 1e-2) of the CPU, chunked prefill (chunks >= 64) bitwise equal to
+whole, and gemm_fast_min 0 (STRATA_GPU_GEMM_FAST_MIN=0) brings back the bitwise kernels. The harness
+(stg_test_linear / stg_test_routed_linear / stg_test_linear_seg) takes the form only when a test sets
+gemm_fast_min, its tokens as one run. In such steps the MoE router runs k_router_gemm (within rounding of
+k_linear_f_rows) and k / v one launch
 (row segments: the same bits as separate launches).
 """
 
@@ -25,7 +26,7 @@ from engine.engine import Engine
 from engine.native import VARIANTS, _variant_from_env, lib
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import gcheck, gptr
+from tests.engine.gpu._kernel_helpers import gcheck, gptr, harness_settings
 from tests.engine.gpu.test_gpu_kernels import PATHS, cpu_linear, random_blocks, tid
 
 pytestmark = requires_gpu
@@ -47,38 +48,34 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 @pytest.mark.parametrize(("k", "n_tok"), [(768, 70), (2048, 133), (4096, 40)])  # C = 1, 2, 4; partial tiles
-def test_dense_prefill_form(g: tuple, k: int, n_tok: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plain and gate/up forms: within rounding of the matvec and 1e-3 of the CPU; tiles of 32 and 64
-    pairs give the same bits, and a token's row the same bits in a launch of fewer tokens."""
+def test_dense_prefill_form(g: tuple, k: int, n_tok: int) -> None:
+    """Plain and gate/up forms: within rounding of the matvec and 1e-3 of the CPU; a token's row the same bits
+    in a launch of fewer tokens and with 64-pair tiles from the first block (gemm_wide_min 1)."""
     rng = np.random.default_rng(k + n_tok)
     rows = 200  # 64-row blocks: a partial last one
     w, w2 = random_blocks("Q4_K", rows * k, rng), random_blocks("Q4_K", rows * k, rng)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     for second in (None, w2):
         plain = dense(g, w, second, rows, k, x, "matvec")
-        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "1")
-        outs = []
-        for bn in ("32", "64"):
-            monkeypatch.setenv("STRATA_GPU_GEMM_FAST_BN", bn)
-            outs.append(dense(g, w, second, rows, k, x, "gemm"))
-        part = dense(g, w, second, rows, k, np.ascontiguousarray(x[5:]), "gemm")  # other tiles, other neighbours
-        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_BN")
-        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN")
-        err = rel_err(outs[0], plain)
+        with harness_settings(g, gemm_fast_min=1):
+            fast = dense(g, w, second, rows, k, x, "gemm")
+            part = dense(g, w, second, rows, k, np.ascontiguousarray(x[5:]), "gemm")  # other tiles, other neighbours
+        with harness_settings(g, gemm_fast_min=1, gemm_wide_min=1):  # the 64-pair tiles from the first block
+            wide = dense(g, w, second, rows, k, x, "gemm")
+        err = rel_err(fast, plain)
         print(f"k {k} tokens {n_tok} swiglu {second is not None}: prefill form vs matvec {err:.1e}")
         assert err <= ROUND, err
-        assert not same_bits(outs[0], plain), "the prefill form did not run"
-        assert same_bits(outs[0], outs[1]) and same_bits(outs[0][5:], part)
+        assert not same_bits(fast, plain), "the prefill form did not run"
+        assert same_bits(fast[5:], part) and same_bits(fast, wide)
         if second is None and k == 768:
-            assert rel_err(outs[0], cpu_linear("Q4_K", w, rows, k, x)) <= 1e-3
+            assert rel_err(fast, cpu_linear("Q4_K", w, rows, k, x)) <= 1e-3
 
 
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(300, 8, 32), (70, 4, 8)])
-def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Routed experts (skewed groups of 1 to ~100 pairs): the tile list (its every 2nd / 4th entry
-    taking the next ones) and the grid give the same bits at 32 and 64 pairs, within rounding of the
-    matvec."""
+def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int) -> None:
+    """Routed experts (skewed groups of 1 to ~100 pairs) over the tile list (its every 2nd / 4th entry taking
+    the next ones): within rounding of the matvec, and a pair's row the same bits when fewer tokens share the
+    launch (other groups, other tiles)."""
     rng = np.random.default_rng(n_tok * n_expert + 1)
     rows, k = 96, 512
     w = random_blocks("Q4_K", n_expert * rows * k, rng)
@@ -89,34 +86,29 @@ def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int,
     ids = ids.astype(np.int32).reshape(-1)
     P = n_tok * k_used
 
-    def run(second: np.ndarray | None, path: str, tiles: int) -> np.ndarray:
-        out = np.full((P, rows), np.nan, np.float32)
-        gcheck(g, g[1].stg_test_routed_linear(Q4_K, PATHS[path], tiles, gptr(g, w),
+    def run(second: np.ndarray | None, path: str, n: int) -> np.ndarray:
+        out = np.full((n * k_used, rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_routed_linear(Q4_K, PATHS[path], gptr(g, w),
                                               g[0].NULL if second is None else gptr(g, second), n_expert, rows, k,
-                                              gptr(g, x, "float *"), n_tok, gptr(g, ids, "int32_t *"), k_used,
+                                              gptr(g, x, "float *"), n, gptr(g, ids, "int32_t *"), k_used,
                                               gptr(g, out, "float *")))
         assert np.isfinite(out).all()
         return out
 
+    assert P == ids.size
     for second in (None, w2):
-        plain = run(second, "matvec", 0)
-        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "1")
-        outs = []
-        for bn in ("32", "64"):
-            monkeypatch.setenv("STRATA_GPU_GEMM_FAST_BN", bn)
-            outs += [run(second, "gemm", 1), run(second, "gemm", 0)]
-        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_BN")
-        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN")
-        err = rel_err(outs[0], plain)
+        plain = run(second, "matvec", n_tok)
+        with harness_settings(g, gemm_fast_min=1):
+            fast, part = run(second, "gemm", n_tok), run(second, "gemm", n_tok - 7)
+        err = rel_err(fast, plain)
         print(f"routed {n_tok} x {k_used} of {n_expert} swiglu {second is not None}: vs matvec {err:.1e}")
         assert err <= ROUND, err
-        assert not same_bits(outs[0], plain), "the prefill form did not run"
-        for o in outs[1:]:
-            assert same_bits(outs[0], o)
+        assert not same_bits(fast, plain), "the prefill form did not run"
+        assert same_bits(fast[: part.shape[0]], part)
 
 
-def test_harness_keeps_bitwise_kernels_without_the_variable(g: tuple) -> None:
-    """Unset, the harness's GEMM path is the bitwise one even at many tokens (the other tests rely on it)."""
+def test_harness_keeps_bitwise_kernels_by_default(g: tuple) -> None:
+    """By default the harness's GEMM path is the bitwise one even at many tokens (the other tests rely on it)."""
     rng = np.random.default_rng(9)
     rows, k, n_tok = 64, 512, 80
     w = random_blocks("Q4_K", rows * k, rng)
@@ -158,7 +150,7 @@ def cpu_variant_spread(cpu: Engine, prompt: list[int], ref: np.ndarray) -> float
     return rel_err(plain, ref)
 
 
-def test_long_prompt_on_the_prefill_form(q4k_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_long_prompt_on_the_prefill_form(q4k_model: Path) -> None:
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, size=224)]
     with Engine.open(q4k_model, threads=2, kv_tokens=1024) as cpu, \
             Engine.open(q4k_model, device="cuda:0", kv_tokens=1024) as gpu:
@@ -167,9 +159,8 @@ def test_long_prompt_on_the_prefill_form(q4k_model: Path, monkeypatch: pytest.Mo
         got = gpu.logits_for(prompt)  # one 224-token step: the prefill form
         gpu.prefill_chunk = 112  # two eager 112-token steps: the prefill form again
         chunked = gpu.logits_for(prompt)
-        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "0")
+        gpu._gpu.set_settings({"STRATA_GPU_GEMM_FAST_MIN": "0"})
         old = gpu.logits_for(prompt)  # the bitwise kernels
-        monkeypatch.delenv("STRATA_GPU_GEMM_FAST_MIN")
         print(f"logits vs CPU: prefill form {rel_err(got, ref):.2e}, bitwise GEMM {rel_err(old, ref):.2e}; "
               f"between them {rel_err(got, old):.2e}; the CPU's reference vs default kernels {spread:.2e}")
         assert same_bits(chunked, got)
@@ -179,10 +170,9 @@ def test_long_prompt_on_the_prefill_form(q4k_model: Path, monkeypatch: pytest.Mo
 
 
 @pytest.mark.parametrize("n_tok", [70, 300])
-def test_router_prefill_form(g: tuple, n_tok: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_router_prefill_form(g: tuple, n_tok: int) -> None:
     """A router's F32 weights (128 rows) in a prefill-form step: k_router_gemm instead of k_linear_f_rows,
-    within rounding of it, the same bits for a token launched with other neighbours, and
-    STRATA_GPU_GEMM_FAST_ROUTER=0 keeps k_linear_f_rows."""
+    within rounding of it, and the same bits for a token launched with other neighbours."""
     rng = np.random.default_rng(n_tok + 5)
     rows, k = 128, 2048
     w = rng.standard_normal(rows * k).astype(np.float32)
@@ -196,27 +186,32 @@ def test_router_prefill_form(g: tuple, n_tok: int, monkeypatch: pytest.MonkeyPat
         return out
 
     plain = run(x)
-    monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "1")
-    fast, part = run(x), run(np.ascontiguousarray(x[5:]))
-    monkeypatch.setenv("STRATA_GPU_GEMM_FAST_ROUTER", "0")
-    off = run(x)
+    with harness_settings(g, gemm_fast_min=1):
+        fast, part = run(x), run(np.ascontiguousarray(x[5:]))
     err = rel_err(fast, plain)
     print(f"router {n_tok} tokens: prefill form vs k_linear_f_rows {err:.1e}")
     assert err <= ROUND and not same_bits(fast, plain), err
-    assert same_bits(fast[5:], part) and same_bits(off, plain)
+    assert same_bits(fast[5:], part)
 
 
-def test_fast_qkv_launches_same_bits(q4k_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """STRATA_GPU_FAST_QKV 0 / 1 / 2 (q, k, v as three launches; k + v as one; all three as one, row
-    segments on the prefill form): the same logits bit for bit, all on the prefill form."""
-    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 300, size=200)]
-    with Engine.open(q4k_model, device="cuda:0", kv_tokens=1024) as gpu:
-        got = {}
-        for v in ("0", "1", "2"):
-            monkeypatch.setenv("STRATA_GPU_FAST_QKV", v)
-            got[v] = gpu.logits_for(prompt)
-        monkeypatch.setenv("STRATA_GPU_GEMM_FAST_MIN", "0")
-        old = gpu.logits_for(prompt)
-    print(f"fast qkv 1 / 2 vs 0: {rel_err(got['1'], got['0']):.1e} / {rel_err(got['2'], got['0']):.1e}")
-    assert same_bits(got["0"], got["1"]) and same_bits(got["0"], got["2"])
-    assert not same_bits(old, got["0"]), "the prefill form did not run"
+@pytest.mark.parametrize("n_tok", [40, 64])
+def test_prefill_form_row_segments_same_bits(g: tuple, n_tok: int) -> None:
+    """q, k and v in one row-segmented launch of the prefill form (a prefill-form step runs k and v so): each
+    segment the bits of its own plain launch of the prefill form."""
+    rng = np.random.default_rng(n_tok + 11)
+    k, rows = 1024, [256, 128, 128]
+    w = random_blocks("Q4_K", sum(rows) * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    row_bytes = w.size // sum(rows)
+    seg_rows = np.array(rows, np.int64)
+    with harness_settings(g, gemm_fast_min=1):
+        ref = []
+        for i, r in enumerate(rows):
+            wi = np.ascontiguousarray(w[sum(rows[:i]) * row_bytes:(sum(rows[:i]) + r) * row_bytes])
+            ref.append(dense(g, wi, None, r, k, x, "gemm").reshape(-1))
+        out = np.full(sum(a.size for a in ref), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear_seg(Q4_K, PATHS["gemm"], gptr(g, w), len(rows), gptr(g, seg_rows, "int64_t *"),
+                                           k, gptr(g, x, "float *"), n_tok, gptr(g, out, "float *")))
+    plain = dense(g, np.ascontiguousarray(w[: rows[0] * row_bytes]), None, rows[0], k, x, "matvec")
+    assert not same_bits(ref[0], plain.reshape(-1)), "the prefill form did not run"
+    assert same_bits(np.concatenate(ref), out)

@@ -1,5 +1,5 @@
 """STRATA_CUDA_LIB picks which build of the GPU engine load() opens (two builds timed in one device
-call: session_call.sh ab). Runs without a GPU: a missing library is the typed 'build' error."""
+call: a second library loaded through STRATA_CUDA_LIB). Runs without a GPU: a missing library is the typed 'build' error."""
 
 from __future__ import annotations
 

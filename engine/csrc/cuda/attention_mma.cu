@@ -1,15 +1,12 @@
 /* Prefill attention on the tensor cores (flash style, online softmax): `mma.sync` m16n8k16
  * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged f16 KV cache.
  *
- * Included by strata_cuda.cu after its launch helpers (launch_k, fail, CHECK): the host side
- * below launches with them.
- *
  * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
  * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
  * rows (token, query head of the group) share every K/V stage; each of the 4 warps owns 16
  * rows (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside
  * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
- * stage measured nothing: run 35).
+ * stage gains nothing).
  *
  * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
  * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
@@ -19,7 +16,7 @@
  * max / rescale per 64-key stage, then out = acc / l. Rows are independent (an mma output
  * element depends on its own row of A only; a stage whose keys a row cannot see adds exact
  * zeros to it), so a row's result does not depend on the other rows of its tile or step, but
- * it is not the decode kernel's: see att_mma_min_run for where each kernel runs.
+ * it is not the decode kernel's: see stg_settings.att_mma_min for where each kernel runs.
  *
  * Layouts (PTX ISA, m16n8k16 .f16, groupID g = lane >> 2, t = lane % 4): A regs {a0,a1} row g,
  * cols 2t, 2t+1; {a2,a3} row g+8; {a4,a5} row g, cols 2t+8, 2t+9; {a6,a7} row g+8, cols 2t+8..;
@@ -27,8 +24,7 @@
  * 2t+1; {c2,c3} row g+8. K is staged as the cache holds it, [dim][key], V as [key][dim]; both
  * B operands then come from `ldmatrix .trans` (thread (g, t) of an 8x8 matrix gets its
  * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
-#pragma once
-#include "kernels.cuh"
+#include "attention.cuh"
 
 #define AMMA_WARPS 4
 #define AMMA_ROWS (AMMA_WARPS * 16)
@@ -258,26 +254,13 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
 
 /* ------------------------------------------------------------ host side */
 
-/* STRATA_GPU_ATT_MMA: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention,
- * as before); 1 = tensor cores with q as one f16; unset / 2 = tensor cores with q as f16 hi + lo. */
-static int att_mma_mode() {
-    const char *e = getenv("STRATA_GPU_ATT_MMA");
-    if (e && e[0] == '0') return 0;
-    if (e && e[0] == '1') return 1;
-    return 2;
-}
-/* Runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32 query-tile
- * kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails that a
- * graph step would compute, so that a short sequence's tokens do not depend on how it was
- * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their
- * tokens are within tolerance (not bitwise) of what another chunking gives.
- * STRATA_GPU_ATT_MMA_MIN overrides (>= 1). */
-#define ATT_MMA_MIN_RUN 64
-static int32_t att_mma_min_run() {
-    const char *e = getenv("STRATA_GPU_ATT_MMA_MIN");
-    const long v = e && e[0] ? strtol(e, nullptr, 10) : ATT_MMA_MIN_RUN;
-    return v >= 1 && v <= 0x7fffffff ? (int32_t)v : ATT_MMA_MIN_RUN;
-}
+/* stg_settings.att_mma: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention);
+ * 1 = tensor cores with q as one f16; 2 (default) = tensor cores with q as f16 hi + lo.
+ * att_mma_min: runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32
+ * query-tile kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails
+ * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
+ * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their tokens
+ * are within tolerance (not bitwise) of what another chunking gives. */
 /* Tokens per mma tile for a model: head_dim 32, 64 or 128 and G = n_head / n_kv dividing 16
  * (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
 static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
@@ -322,7 +305,7 @@ static stg_status attention_mma_setup(void) {
     return ST_OK;
 }
 
-/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as att_mma_mode. */
+/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma. */
 static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
                                        cudaStream_t st) {
     const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);

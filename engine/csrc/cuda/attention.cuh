@@ -1,0 +1,58 @@
+/* Attention's arguments and shared helpers (decode and prefill kernels). */
+#pragma once
+#include "linear.cuh"
+
+/* ------------------------------------------------------------ attention */
+
+struct attn_args {
+    const float *q; /* [T, n_head * hd], pre-scaled */
+    float *out;     /* [T, n_head * hd] */
+    const __half *kc, *vc;
+    const int32_t *pos, *seq, *block_tables;
+    int32_t max_blocks, n_head, n_kv, hd, block_size;
+    int32_t stages;                 /* 2: the next chunk's copies fly while this one is used */
+    int8_t *aq;                     /* non-NULL: also quantise the output rows (hd % 32 == 0) */
+    float *ad;
+    int32_t *as;
+    /* fused: k_qkv_post's work done here (steps whose tokens all belong to different
+     * sequences: decode). q holds the raw q rows then; each block prepares its own q head and
+     * its kv head's new K and V (the first q head of each kv group also writes them to the
+     * cache) and uses the new key from shared memory, not from the slot being written. */
+    int32_t fused;
+    int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait */
+    qkv_args qa;
+    const __half *kc_next, *vc_next; /* PREP: the next layer's K / V arena (L2 prefetch); NULL: none */
+};
+/* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
+ * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and
+ * warp_sum(half ? 0 : v)'s would add an exact 0 (the sums are of expf values, never -0), so these give their bits. */
+__device__ __forceinline__ float warp_max16(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum16(float v) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+
+/* Paged attention, flash-decoding style: one block per (token, head); its ATT_WARPS warps
+ * take interleaved chunks of ATT_CK = 16 keys (a chunk never crosses a KV block: block sizes
+ * are multiples of 16). A warp copies its chunk's K [hd][16] and V [16][hd] into its own
+ * shared memory with 16-byte asynchronous copies (every load of the chunk in flight at
+ * once, the next chunk's while this one is used when `stages` is 2), then: scores with lane
+ * = key (two lanes per key, even / odd dimensions, added in a fixed order), an online
+ * softmax, values with lane = dimension. The warps' partial (max, sum, output) are merged
+ * at the end; with aq the output is quantised to 8-bit blocks in the same pass (bitwise
+ * k_quant_act). Dynamic shared memory: ATT_WARPS * stages * 2 * 16 * hd halves. */
+#define ATT_WARPS 4
+#define ATT_CK 16
+static inline size_t att_smem_bytes(int hd, int stages) {
+    return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
+}
+
+/* k_attention with its dynamic shared memory (two chunk stages up to head_dim 128, one above:
+ * at most 64 KiB, within every targeted GPU's limit once opted in). */
+#define ATT_SMEM_MAX 65536

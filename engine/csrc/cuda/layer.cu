@@ -1,0 +1,240 @@
+/* One layer of the forward pass: the embedding, the attention block (norm, q / k / v, attention, output
+ * projection) and the FFN block (dense, or router + routed experts + shared expert). */
+#include "model.cuh"
+
+static stg_status embed(stg_model *m, const int32_t *tokens, const int32_t *src, int32_t T) {
+    const dtensor &t = m->token_embd;
+    const int64_t E = m->d.n_embd;
+    cudaStream_t st = m->stream;
+    switch (t.type) {
+#define CASE_E(TY)                                                                         \
+    case TY: launch_k(k_embed<TY>, T, 128, 0, st, t.d, t.row_bytes, tokens, src, (const int32_t *)m->s.picks, E, m->s.x); break;
+        QUANT_CASES(CASE_E)
+        FLOAT_CASES(CASE_E)
+#undef CASE_E
+    default: return fail(ST_EUNSUPPORTED, "embedding type %d", t.type);
+    }
+    LAUNCHED("embedding");
+    return ST_OK;
+}
+
+static acts_d layer_acts(stg_model *m, const float *x, int64_t T, int64_t K, bool need_q, stg_status *rc) {
+    scratch &s = m->s;
+    *rc = need_q ? quantize(m->stream, x, T, K, s.aq, s.ad, s.as) : ST_OK;
+    return acts_d{s.aq, s.ad, s.as, x};
+}
+
+/* The routed experts' weighted sum waits in pair_out for the next RMSNorm (which adds it to
+ * the residual first); take_combine hands it over once. */
+static combine_args take_combine(stg_model *m) {
+    const combine_args c = m->pending;
+    m->pending = combine_args{};
+    return c;
+}
+
+static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
+                                  const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv,
+                                  const int32_t *d_tiles, int32_t n_tiles) {
+    const dlayer &L = m->L[(size_t)il];
+    scratch &s = m->s;
+    const st_model_desc &d = m->d;
+    cudaStream_t st = m->stream;
+    const int64_t E = d.n_embd;
+    const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
+    launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
+                                  take_combine(m));
+    LAUNCHED("rmsnorm");
+    const acts_d in{s.aq, s.ad, s.as, s.xn};
+    lin_groups g = {};
+    g.n_pairs = T;
+    bool qkv_parts = false; /* q / k / v left in the split GEMM's parts (g_defer_combine) */
+    if (L.wq.type == L.wk.type && L.wq.type == L.wv.type && !stg_is_float(L.wq.type) && !use_gemm(m->q_dim, 1, T) &&
+        !(g_gemm_fast && gemm_fast_layer(L.wq))) {
+        /* q, k and v in one matvec launch (same type and row length), or one split GEMM launch (a step on
+         * the prefill form takes the next branch) */
+        lin_seg sg = {};
+        sg.n_seg = 3;
+        sg.seg_row[0] = 0, sg.seg_row[1] = m->q_dim, sg.seg_row[2] = m->q_dim + m->kv_dim;
+        sg.seg_row[3] = m->q_dim + 2 * m->kv_dim;
+        sg.seg_w[0] = L.wq.d, sg.seg_w[1] = L.wk.d, sg.seg_w[2] = L.wv.d;
+        sg.seg_out[0] = s.q, sg.seg_out[1] = s.k, sg.seg_out[2] = s.v;
+        sg.seg_ldo[0] = m->q_dim, sg.seg_ldo[1] = sg.seg_ldo[2] = m->kv_dim;
+        g_defer_combine = fuse_qkv, g_deferred = false; /* only the fused attention reads q/k/v */
+        const stg_status lrc = linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE, STG_PATH_AUTO, &sg);
+        g_defer_combine = false;
+        CHECK(lrc);
+        qkv_parts = g_deferred;
+    } else if (g_gemm_fast && L.wq.type == L.wk.type && L.wq.type == L.wv.type && gemm_fast_layer(L.wq) &&
+               m->q_dim % MM_BM == 0 && m->kv_dim % MM_BM == 0) {
+        /* a prefill-form step: q, then k and v as one launch over their rows (k and v alone are few row tiles) */
+        lin_seg sg = {};
+        sg.n_seg = 2;
+        sg.seg_row[1] = m->kv_dim, sg.seg_row[2] = 2 * m->kv_dim;
+        sg.seg_w[0] = L.wk.d, sg.seg_w[1] = L.wv.d;
+        sg.seg_out[0] = s.k, sg.seg_out[1] = s.v;
+        sg.seg_ldo[0] = sg.seg_ldo[1] = m->kv_dim;
+        CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
+        CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE, STG_PATH_AUTO, &sg));
+    } else {
+        CHECK(linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE));
+        CHECK(linear(st, L.wk, nullptr, g, 1, T, T, in, s.k, m->kv_dim, MODE_STORE));
+        CHECK(linear(st, L.wv, nullptr, g, 1, T, T, in, s.v, m->kv_dim, MODE_STORE));
+    }
+    qkv_args qa;
+    qa.q = s.q, qa.k = s.k, qa.v = s.v;
+    qa.bq = L.bq.f(), qa.bk = L.bk.f(), qa.bv = L.bv.f(), qa.q_norm = L.q_norm.f(), qa.k_norm = L.k_norm.f();
+    qa.inv_freq = m->inv_freq;
+    qa.pos = d_pos, qa.seq = d_seq, qa.block_tables = d_bt, qa.max_blocks = max_blocks;
+    qa.n_head = d.n_head, qa.n_kv = d.n_head_kv, qa.hd = d.head_dim, qa.rope_dim = d.rope_dim;
+    qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
+    qa.scale = 1.0f / sqrtf((float)d.head_dim);
+    qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
+    qa.kpart = qkv_parts ? g_kpart : nullptr, qa.kp_n = m->q_dim + 2 * m->kv_dim, qa.kp_t = T;
+    if (!fuse_qkv) {
+        launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)),
+                 QKV_WARPS * 32, 0, st, qa);
+        LAUNCHED("qkv");
+    }
+    /* the output projection's 8-bit input comes out of the attention kernel itself */
+    const bool oq = !stg_is_float(L.wo.type);
+    const bool fused_q = oq && d.head_dim % 32 == 0;
+    attn_args aa = {};
+    aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
+    aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
+    aa.block_size = kv->block_size;
+    aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
+    aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
+    aa.pre = fuse_qkv ? 1 : 0;
+    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
+        aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
+    if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
+        aa.stages = 2;
+        if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
+        if (g_att_mma_tiles > 0)
+            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles, g_att_mma_mode, st));
+    } else {
+        CHECK(launch_attention(aa, T, st));
+    }
+    stg_status rc = ST_OK;
+    const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
+    CHECK(rc);
+    /* the FFN block's RMSNorm (next on the stream) adds the parts to the residual (take_combine) */
+    g_defer_combine = !m->pending.pair_out && !m->pending.kpart, g_deferred = false;
+    const stg_status lrc = linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
+    g_defer_combine = false;
+    if (g_deferred) m->pending.kpart = g_kpart, m->pending.kp_t = T;
+    return lrc;
+}
+
+/* Dense FFN (or a shared expert) over all T tokens of xn (quantised in aq by the norm):
+ * result into pair_out[T, E]. */
+static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dtensor &Wu, const dtensor &Wd) {
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    const int64_t E = m->d.n_embd, F = Wg.ne[1];
+    const acts_d in{s.aq, s.ad, s.as, s.xn};
+    (void)E;
+    lin_groups g = {};
+    g.n_pairs = T;
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
+    CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T, stg_is_float(Wd.type) ? nullptr : &fq));
+    if (!stg_is_float(Wd.type) && !fused) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
+    return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E, MODE_STORE);
+}
+
+static stg_status ffn_block(stg_model *m, int il, int32_t T) {
+    const dlayer &L = m->L[(size_t)il];
+    scratch &s = m->s;
+    const st_model_desc &d = m->d;
+    cudaStream_t st = m->stream;
+    const int64_t E = d.n_embd;
+    /* xn quantised once for every quantised weight that reads it (router, experts, shared, dense) */
+    const bool nq = !stg_is_float(L.ffn_gate.d ? L.ffn_gate.type : L.gate_exps.type) ||
+                    (L.gate_inp.d && !stg_is_float(L.gate_inp.type)) || (L.gate_shexp.d && !stg_is_float(L.gate_shexp.type));
+    launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
+                                  take_combine(m));
+    LAUNCHED("rmsnorm");
+    if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
+        CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down));
+        launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, nullptr, T, E);
+        LAUNCHED("residual");
+        return ST_OK;
+    }
+    const int ne = d.n_expert, k = d.n_expert_used;
+    const acts_d rin{s.aq, s.ad, s.as, s.xn};
+    lin_groups g1 = {};
+    g1.n_pairs = T;
+    const int32_t P = T * k;
+    const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);
+    if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024) {
+        /* decode: router logits, routing and grouping in one launch */
+        lin_args a = {};
+        a.w = L.gate_inp.d, a.row_bytes = L.gate_inp.row_bytes, a.expert_stride = L.gate_inp.expert_stride;
+        a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
+        a.mode = MODE_STORE;
+        route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
+                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, 0};
+        int nt = 1;
+        while (nt < T) nt *= 2;
+        ra.pre = nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
+        switch (L.gate_inp.type) {
+#define CASE_RR(TY)                                                                                   \
+    case TY:                                                                                          \
+        if (nt == 8) launch_k(k_router_route<TY, 8>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);          \
+        else if (nt == 4) launch_k(k_router_route<TY, 4>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);     \
+        else if (nt == 2) launch_k(k_router_route<TY, 2>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);     \
+        else launch_k(k_router_route<TY, 1>, ne, LIN_WARPS * 32, rr_smem, st, a, ra);                  \
+        break;
+            FLOAT_CASES(CASE_RR)
+#undef CASE_RR
+        }
+        LAUNCHED("router + route");
+    } else {
+    CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
+    const size_t route_smem = (size_t)ROUTE_WARPS * ne * sizeof(float) + 2 * (size_t)ne * sizeof(int32_t);
+    if (T <= 2 * ROUTE_WARPS && route_smem <= 48 * 1024) { /* small steps: one launch for both */
+        launch_k(k_route, 1, ROUTE_WARPS * 32, route_smem, st, s.router, T, ne, k, s.topk_id, s.topk_w, s.gexp, s.gstart,
+                                                         s.gcount, s.n_groups, s.list, s.pair_tok,
+                                                         m->hist + (int64_t)il * ne, s.gtiles, s.n_gtiles);
+        LAUNCHED("route");
+    } else {
+        launch_k(k_router, (T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st, 
+            s.router, T, ne, k, s.topk_id, s.topk_w, 0);
+        LAUNCHED("router");
+        launch_k(k_group, 1, 1024, 2 * ne * sizeof(int32_t), st, s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount,
+                                                           s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
+                                                           s.gtiles, s.n_gtiles, 0);
+        LAUNCHED("group");
+    }
+    }
+    /* gate+up over every (token, expert) pair, grouped by expert: one launch */
+    lin_groups ge = {};
+    ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
+    ge.list = s.list, ge.in_map = s.pair_tok;
+    ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
+    const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
+    const int64_t F = m->n_ff_exp;
+    const acts_d ein = rin;
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P,
+                 stg_is_float(L.down_exps.type) ? nullptr : &fq));
+    if (!stg_is_float(L.down_exps.type) && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
+    lin_groups gd = ge;
+    gd.in_map = nullptr; /* down reads the pair's own hidden row */
+    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E,
+                 MODE_STORE));
+    if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
+        m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
+        return ST_OK;
+    }
+    launch_k(k_combine, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm);
+    LAUNCHED("combine");
+    launch_k(k_shexp_gate, (T + 3) / 4, 128, 0, st, s.xn, L.gate_inp_shexp.d ? L.gate_inp_shexp.f() : nullptr, T, E, s.gsh);
+    LAUNCHED("shared expert gate");
+    CHECK(dense_ffn(m, T, L.gate_shexp, L.up_shexp, L.down_shexp));
+    launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.gsh, T, E);
+    LAUNCHED("shared expert add");
+    return ST_OK;
+}

@@ -1,0 +1,145 @@
+/* Dense matvec family: a warp per weight row, up to 8 pairs per pass (decode); float weights;
+ * the reference kernel (one thread per output) that the tests use as the oracle. */
+#include "linear.cuh"
+
+/* Matvec path: one warp per weight row, NT pairs per pass, lanes over 32-sub-blocks. */
+template <int T, int NT, bool SW>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int r0 = blockIdx.x * LIN_WARPS + warp;
+    int e, start, count;
+    pdl_trigger();
+    if (a.g.gexp) pdl_wait(); /* routed: the expert ids come from the predecessor */
+    if (r0 >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
+    const uint8_t *w0;
+    float *out;
+    int64_t ldo;
+    int r;
+    seg_of(a, r0, w0, out, ldo, r);
+    const uint8_t *wrow = w0 + e * a.expert_stride + (int64_t)r * a.row_bytes;
+    const uint8_t *wrow2 = SW ? a.w2 + e * a.expert_stride + (int64_t)r * a.row_bytes : nullptr;
+    const int nsb = a.K / 32;
+    if (!a.g.gexp) { /* dense: this warp's weight rows start moving while the predecessor finishes */
+        for (int64_t off = (int64_t)lane * 128; off < a.row_bytes; off += 32 * 128) {
+            prefetch_l1(wrow + off);
+            if (SW) prefetch_l1(wrow2 + off);
+        }
+        pdl_wait();
+    }
+    for (int p0 = 0; p0 < count; p0 += NT) {
+        int rows[NT];
+        float acc[NT], acc2[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
+            acc[t] = acc2[t] = 0.0f;
+        }
+#pragma unroll 2
+        for (int j = lane; j < nsb; j += WARP) {
+            sub_w s, s2;
+            unpack_sub<T>(wrow, j, s);
+            if (SW) unpack_sub<T>(wrow2, j, s2);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (rows[t] < 0) continue;
+                const int64_t base = (int64_t)rows[t] * a.K;
+                const int8_t *q = a.aq + base + 32 * j;
+                const float d = a.ad[base / 32 + j];
+                const int32_t *sm = a.as + base / 16 + 2 * j;
+                acc[t] = sub_dot(acc[t], s, q, d, sm);
+                if (SW) acc2[t] = sub_dot(acc2[t], s2, q, d, sm);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            acc[t] = warp_sum(acc[t]);
+            if (SW) acc2[t] = warp_sum(acc2[t]);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (rows[t] >= 0) store_at(a, out + (int64_t)pair_at(a.g, start, p0 + t) * ldo + r, acc[t], acc2[t]);
+        }
+    }
+}
+
+/* Float weights (F32/F16/BF16) against float activations: warp per row, lanes over elements. */
+template <int T, int NT, bool SW>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
+    PDL_ENTER();
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int r = blockIdx.x * LIN_WARPS + warp;
+    int e, start, count;
+    if (r >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
+    const uint8_t *wrow = a.w + e * a.expert_stride + (int64_t)r * a.row_bytes;
+    const uint8_t *wrow2 = SW ? a.w2 + e * a.expert_stride + (int64_t)r * a.row_bytes : nullptr;
+    for (int p0 = 0; p0 < count; p0 += NT) {
+        int rows[NT];
+        float acc[NT], acc2[NT];
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
+            acc[t] = acc2[t] = 0.0f;
+        }
+#pragma unroll 4
+        for (int i = lane; i < a.K; i += WARP) {
+            const float w = wf<T>(wrow, i), w2 = SW ? wf<T>(wrow2, i) : 0.0f;
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (rows[t] < 0) continue;
+                const float xv = a.x[(int64_t)rows[t] * a.K + i];
+                acc[t] = fmaf(w, xv, acc[t]);
+                if (SW) acc2[t] = fmaf(w2, xv, acc2[t]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            acc[t] = warp_sum(acc[t]);
+            if (SW) acc2[t] = warp_sum(acc2[t]);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+                if (rows[t] >= 0) store_out(a, pair_at(a.g, start, p0 + t), r, acc[t], acc2[t]);
+        }
+    }
+}
+
+/* Reference linear kernel: one thread per (output row, pair), sub-blocks in order; the
+ * gate/up form computes the second dot the same way. */
+template <int T>
+__device__ float ref_dot(const lin_args &a, const uint8_t *wrow, int64_t base) {
+    float acc = 0.0f;
+    if constexpr (T == STG_F32 || T == STG_F16 || T == STG_BF16) {
+        for (int k = 0; k < a.K; k++) acc = fmaf(wf<T>(wrow, k), a.x[base + k], acc);
+    } else {
+        for (int j = 0; j < a.K / 32; j++) {
+            sub_w s;
+            unpack_sub<T>(wrow, j, s);
+            acc = sub_dot(acc, s, a.aq + base + 32 * j, a.ad[base / 32 + j], a.as + base / 16 + 2 * j);
+        }
+    }
+    return acc;
+}
+
+template <int T>
+__global__ void k_linear_ref(lin_args a) {
+    PDL_ENTER();
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    int e, start, count;
+    if (r >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
+    const int64_t off = e * a.expert_stride + (int64_t)r * a.row_bytes;
+    for (int i = 0; i < count; i++) {
+        const int p = pair_at(a.g, start, i);
+        const int64_t base = (int64_t)in_row(a.g, p) * a.K;
+        const float v = ref_dot<T>(a, a.w + off, base), v2 = a.w2 ? ref_dot<T>(a, a.w2 + off, base) : 0.0f;
+        store_out(a, p, r, v, v2);
+    }
+}
+
+template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 grid, cudaStream_t st) {
+    if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else if (nt >= 2) launch_k(k_linear_q<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);
+    else launch_k(k_linear_q<T, 1, SW>, grid, LIN_WARPS * 32, 0, st, a);
+}

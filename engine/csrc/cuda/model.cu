@@ -1,0 +1,478 @@
+/* Model upload and memory: devices, settings, shape checks, the weight arena, the KV cache, the step's
+ * scratch and pinned host memory. */
+#include "model.cuh"
+
+/* ------------------------------------------------------------------ devices */
+
+extern "C" int32_t stg_device_count(void) {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e == cudaErrorNoDevice) {
+        fail(ST_EUNSUPPORTED, "no CUDA device is visible (CUDA_VISIBLE_DEVICES=%s)",
+             getenv("CUDA_VISIBLE_DEVICES") ? getenv("CUDA_VISIBLE_DEVICES") : "<unset>");
+        return 0;
+    }
+    if (e != cudaSuccess) {
+        fail(ST_EUNSUPPORTED, "no usable NVIDIA driver: %s (CUDA error %d)", cudaGetErrorString(e), (int)e);
+        return -1;
+    }
+    return n;
+}
+
+extern "C" stg_status stg_device_info(int32_t device, char *name, int32_t name_len, int64_t *total_mem,
+                                      int64_t *free_mem, int32_t *cc_major, int32_t *cc_minor) {
+    const int n = stg_device_count();
+    if (n < 0) return ST_EUNSUPPORTED;
+    if (device < 0 || device >= n) return fail(ST_ERANGE, "CUDA device %d does not exist (%d visible)", device, n);
+    cudaDeviceProp p;
+    CU(cudaGetDeviceProperties(&p, device), "device_info");
+    if (name && name_len > 0) snprintf(name, (size_t)name_len, "%s", p.name);
+    if (cc_major) *cc_major = p.major;
+    if (cc_minor) *cc_minor = p.minor;
+    CU(cudaSetDevice(device), "device_info");
+    size_t fr = 0, tot = 0;
+    CU(cudaMemGetInfo(&fr, &tot), "device_info");
+    if (total_mem) *total_mem = (int64_t)tot;
+    if (free_mem) *free_mem = (int64_t)fr;
+    return ST_OK;
+}
+
+/* ------------------------------------------------------------------ settings */
+
+extern "C" void stg_settings_default(stg_settings *s) {
+    if (!s) return;
+    s->graphs = 1;
+    s->pdl = 1;
+    s->layer_events = -1;
+    s->gemm_min = 2;
+    s->gemm_min_tokens = 8;
+    s->gemm_dense_min = 32;
+    s->gemm_wide_min = 256;
+    s->dense_split = 16;
+    s->routed_split_max = 16;
+    s->gemm_fast_min = 64;
+    s->att_mma = 2;
+    s->att_mma_min = 64;
+}
+
+static stg_status check_settings(const stg_settings *s) {
+#define RANGE(f, lo, hi)                                                                                   \
+    if (s->f < (lo) || s->f > (hi))                                                                        \
+        return fail(ST_EINVAL, "settings: " #f " = %d outside [%d, %d]", (int)s->f, (int)(lo), (int)(hi));
+    RANGE(graphs, 0, 1)
+    RANGE(pdl, 0, 1)
+    RANGE(layer_events, -1, 1)
+    RANGE(gemm_min, 1, INT32_MAX)
+    RANGE(gemm_min_tokens, 0, 24)
+    RANGE(gemm_dense_min, 1, INT32_MAX)
+    RANGE(gemm_wide_min, 1, INT32_MAX)
+    RANGE(dense_split, 0, INT32_MAX)
+    RANGE(routed_split_max, 0, 64)
+    RANGE(gemm_fast_min, 0, INT32_MAX)
+    RANGE(att_mma, 0, 2)
+    RANGE(att_mma_min, 1, INT32_MAX)
+#undef RANGE
+    if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
+        return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
+                    (int)s->gemm_min_tokens, (int)s->routed_split_max);
+    return ST_OK;
+}
+
+static int64_t tensor_bytes(const st_tensor &t) {
+    const int be = stg_block_elems(t.type);
+    if (!be) return -1;
+    int64_t rows = 1;
+    for (int i = 1; i < 4; i++) rows *= t.ne[i] > 0 ? t.ne[i] : 1;
+    return stg_row_bytes(t.type, t.ne[0]) * rows;
+}
+
+/* Shape checks: what the kernels rely on (forward.c's validate is the full check and runs
+ * first from Python; these keep the C API safe on its own). */
+static stg_status check_t(const st_tensor &t, const char *what, int layer, bool required, int64_t ne0, int64_t ne1,
+                          int64_t ne2, bool f32_only) {
+    if (!t.data) return required ? fail(ST_EINVAL, "layer %d: tensor %s is missing", layer, what) : ST_OK;
+    if (!stg_block_elems(t.type))
+        return fail(ST_EUNSUPPORTED, "layer %d: tensor %s has unsupported quant type %d", layer, what, t.type);
+    if (f32_only && t.type != STG_F32)
+        return fail(ST_EUNSUPPORTED, "layer %d: tensor %s must be F32 (got type %d)", layer, what, t.type);
+    const int64_t want[3] = {ne0, ne1, ne2};
+    for (int i = 0; i < 3; i++)
+        if (t.ne[i] != want[i])
+            return fail(ST_EINVAL, "layer %d: tensor %s has ne[%d]=%lld, expected %lld", layer, what, i,
+                        (long long)t.ne[i], (long long)want[i]);
+    if (t.ne[3] != 1) return fail(ST_EINVAL, "layer %d: tensor %s has a 4th dimension", layer, what);
+    if (!stg_is_float(t.type) && t.ne[0] % 32)
+        return fail(ST_EINVAL, "layer %d: tensor %s row length %lld is not a multiple of its block", layer, what,
+                    (long long)t.ne[0]);
+    if (t.ne[0] % stg_block_elems(t.type))
+        return fail(ST_EINVAL, "layer %d: tensor %s row length %lld is not a multiple of its block size", layer,
+                    what, (long long)t.ne[0]);
+    return ST_OK;
+}
+
+static stg_status validate(stg_model *m, const st_layer *layers) {
+    const st_model_desc *d = &m->d;
+    if (d->n_layer < 1 || d->n_embd < 32 || d->n_head < 1 || d->n_head_kv < 1 || d->n_vocab < 1 ||
+        d->n_head % d->n_head_kv)
+        return fail(ST_EINVAL, "model: bad hyper-parameters (layers=%d embd=%d heads=%d/%d vocab=%d)", d->n_layer,
+                    d->n_embd, d->n_head, d->n_head_kv, d->n_vocab);
+    if (d->head_dim < 16 || d->head_dim % 16 || d->head_dim > 256)
+        return fail(ST_EUNSUPPORTED, "model: head_dim %d unsupported on the GPU (a multiple of 16, at most 256)",
+                    d->head_dim);
+    if (d->rope_dim < 2 || d->rope_dim > d->head_dim || d->rope_dim % 2 ||
+        (d->rope_type != ST_ROPE_NORM && d->rope_type != ST_ROPE_NEOX))
+        return fail(ST_EINVAL, "model: rope dimension %d / type %d invalid", d->rope_dim, d->rope_type);
+    if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
+        return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    const int64_t E = d->n_embd;
+    CHECK(check_t(d->token_embd, "token_embd", -1, true, E, d->n_vocab, 1, false));
+    CHECK(check_t(d->output_norm, "output_norm", -1, true, E, 1, 1, true));
+    CHECK(check_t(d->output, "output", -1, true, E, d->n_vocab, 1, false));
+    m->n_ff = m->n_ff_exp = m->n_ff_shexp = 0;
+    for (int il = 0; il < d->n_layer; il++) {
+        const st_layer &l = layers[il];
+        CHECK(check_t(l.attn_norm, "attn_norm", il, true, E, 1, 1, true));
+        CHECK(check_t(l.wq, "attn_q", il, true, E, m->q_dim, 1, false));
+        CHECK(check_t(l.wk, "attn_k", il, true, E, m->kv_dim, 1, false));
+        CHECK(check_t(l.wv, "attn_v", il, true, E, m->kv_dim, 1, false));
+        CHECK(check_t(l.wo, "attn_output", il, true, m->q_dim, E, 1, false));
+        CHECK(check_t(l.bq, "attn_q.bias", il, false, m->q_dim, 1, 1, true));
+        CHECK(check_t(l.bk, "attn_k.bias", il, false, m->kv_dim, 1, 1, true));
+        CHECK(check_t(l.bv, "attn_v.bias", il, false, m->kv_dim, 1, 1, true));
+        CHECK(check_t(l.q_norm, "attn_q_norm", il, d->arch == ST_ARCH_QWEN3MOE, d->head_dim, 1, 1, true));
+        CHECK(check_t(l.k_norm, "attn_k_norm", il, d->arch == ST_ARCH_QWEN3MOE || l.q_norm.data, d->head_dim, 1, 1, true));
+        CHECK(check_t(l.ffn_norm, "ffn_norm", il, true, E, 1, 1, true));
+        if (d->n_expert > 0) {
+            const int64_t ff = l.gate_exps.ne[1];
+            if (il == 0) m->n_ff_exp = (int32_t)ff;
+            if (ff != m->n_ff_exp || ff < 1) return fail(ST_EINVAL, "layer %d: expert FFN width differs", il);
+            CHECK(check_t(l.gate_inp, "ffn_gate_inp", il, true, E, d->n_expert, 1, false));
+            CHECK(check_t(l.gate_exps, "ffn_gate_exps", il, true, E, ff, d->n_expert, false));
+            CHECK(check_t(l.up_exps, "ffn_up_exps", il, true, E, ff, d->n_expert, false));
+            CHECK(check_t(l.down_exps, "ffn_down_exps", il, true, ff, E, d->n_expert, false));
+            if (l.gate_shexp.data) {
+                const int64_t sf = l.gate_shexp.ne[1];
+                if (il == 0) m->n_ff_shexp = (int32_t)sf;
+                if (sf != m->n_ff_shexp || sf < 1) return fail(ST_EINVAL, "layer %d: shared expert width differs", il);
+                CHECK(check_t(l.gate_shexp, "ffn_gate_shexp", il, true, E, sf, 1, false));
+                CHECK(check_t(l.up_shexp, "ffn_up_shexp", il, true, E, sf, 1, false));
+                CHECK(check_t(l.down_shexp, "ffn_down_shexp", il, true, sf, E, 1, false));
+                CHECK(check_t(l.gate_inp_shexp, "ffn_gate_inp_shexp", il, false, E, 1, 1, true));
+            } else if (m->n_ff_shexp) {
+                return fail(ST_EINVAL, "layer %d: shared expert missing", il);
+            }
+        } else {
+            const int64_t ff = l.ffn_gate.ne[1];
+            if (il == 0) m->n_ff = (int32_t)ff;
+            if (ff != m->n_ff || ff < 1) return fail(ST_EINVAL, "layer %d: FFN width differs", il);
+            CHECK(check_t(l.ffn_gate, "ffn_gate", il, true, E, ff, 1, false));
+            CHECK(check_t(l.ffn_up, "ffn_up", il, true, E, ff, 1, false));
+            CHECK(check_t(l.ffn_down, "ffn_down", il, true, ff, E, 1, false));
+        }
+    }
+    return ST_OK;
+}
+
+/* A device allocation recorded in `list` (freed with it). */
+template <typename P> static stg_status dalloc_in(std::vector<void *> &list, P **p, size_t n) {
+    void *v = nullptr;
+    const cudaError_t e = cudaMalloc(&v, n > 0 ? n : 1);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(ST_ENOMEM, "cannot allocate %zu bytes of GPU memory (%s)", n, cudaGetErrorString(e));
+    }
+    list.push_back(v);
+    *p = (P *)v;
+    return ST_OK;
+}
+template <typename P> static stg_status dalloc(stg_model *m, P **p, size_t n) { return dalloc_in(m->allocs, p, n); }
+
+static void free_list(std::vector<void *> &list) {
+    for (void *p : list) cudaFree(p);
+    list.clear();
+}
+
+/* Every weight in one VRAM arena, each tensor 256-byte aligned; a host tensor shared by
+ * two fields (tied output/embedding) is uploaded once. */
+static stg_status upload(stg_model *m, const st_layer *layers) {
+    std::vector<const st_tensor *> all = {&m->d.token_embd, &m->d.output_norm, &m->d.output};
+    std::vector<dtensor *> dst = {&m->token_embd, &m->output_norm, &m->output};
+    m->L.resize((size_t)m->d.n_layer);
+    for (int il = 0; il < m->d.n_layer; il++) {
+        const st_layer &s = layers[il];
+        dlayer &l = m->L[(size_t)il];
+        const st_tensor *src[] = {&s.attn_norm, &s.wq, &s.wk, &s.wv, &s.wo, &s.bq, &s.bk, &s.bv, &s.q_norm,
+                                  &s.k_norm, &s.ffn_norm, &s.ffn_gate, &s.ffn_up, &s.ffn_down, &s.gate_inp,
+                                  &s.gate_exps, &s.up_exps, &s.down_exps, &s.gate_inp_shexp, &s.gate_shexp,
+                                  &s.up_shexp, &s.down_shexp};
+        dtensor *dd[] = {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.bq, &l.bk, &l.bv, &l.q_norm,
+                         &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
+                         &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
+                         &l.up_shexp, &l.down_shexp};
+        for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) all.push_back(src[i]), dst.push_back(dd[i]);
+    }
+    std::map<const void *, int64_t> offset; /* host pointer -> arena offset */
+    int64_t total = 0;
+    for (const st_tensor *t : all) {
+        if (!t->data || offset.count(t->data)) continue;
+        offset[t->data] = total;
+        total += (tensor_bytes(*t) + 255) / 256 * 256;
+    }
+    CHECK(dalloc(m, &m->arena, (size_t)total));
+    m->arena_bytes = total;
+    std::map<const void *, bool> done;
+    for (size_t i = 0; i < all.size(); i++) {
+        const st_tensor *t = all[i];
+        if (!t->data) continue;
+        dtensor *o = dst[i];
+        o->d = m->arena + offset[t->data];
+        o->type = t->type;
+        for (int k = 0; k < 4; k++) o->ne[k] = t->ne[k] > 0 ? t->ne[k] : 1;
+        o->row_bytes = stg_row_bytes(t->type, t->ne[0]);
+        o->expert_stride = o->row_bytes * o->ne[1];
+        if (t->n_bytes != tensor_bytes(*t))
+            return fail(ST_EINVAL, "tensor of type %d holds %lld bytes, its shape needs %lld", t->type,
+                        (long long)t->n_bytes, (long long)tensor_bytes(*t));
+        if (done[t->data]) continue;
+        done[t->data] = true;
+        CU(cudaMemcpy((void *)o->d, t->data, (size_t)tensor_bytes(*t), cudaMemcpyHostToDevice), "upload weights");
+    }
+    return ST_OK;
+}
+
+extern "C" void stg_model_destroy(stg_model *m) {
+    if (!m) return;
+    cudaSetDevice(m->device);
+    if (m->stream) cudaStreamSynchronize(m->stream);
+    drop_graphs(m);
+    free_list(m->s.step_allocs);
+    free_list(m->s.ints_allocs);
+    for (void *p : m->allocs) cudaFree(p);
+    if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
+    for (inflight &f : m->fl) {
+        if (f.h_picks) cudaFreeHost(f.h_picks);
+        if (f.h_hist) cudaFreeHost(f.h_hist);
+        if (f.e0) cudaEventDestroy(f.e0);
+        if (f.e1) cudaEventDestroy(f.e1);
+    }
+    for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
+    if (m->stream) cudaStreamDestroy(m->stream);
+    delete m;
+}
+
+extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const stg_settings *settings,
+                                       stg_model **out) {
+    const st_model_desc *desc = (const st_model_desc *)vdesc;
+    if (!desc || !out || !desc->layers) return fail(ST_EINVAL, "model_create: NULL argument");
+    *out = nullptr;
+    stg_settings set;
+    stg_settings_default(&set);
+    if (settings) {
+        CHECK(check_settings(settings));
+        set = *settings;
+    }
+    const int n = stg_device_count();
+    if (n < 0) return ST_EUNSUPPORTED;
+    if (device < 0 || device >= n) return fail(ST_ERANGE, "CUDA device %d does not exist (%d visible)", device, n);
+    CU(cudaSetDevice(device), "model_create");
+    stg_model *m = new stg_model();
+    m->device = device;
+    m->set = set;
+    cudaDeviceGetAttribute(&m->cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    m->d = *desc;
+    m->d.layers = nullptr;
+    m->q_dim = desc->n_head * desc->head_dim;
+    m->kv_dim = desc->n_head_kv * desc->head_dim;
+    stg_status rc = validate(m, desc->layers);
+    if (rc == ST_OK) rc = upload(m, desc->layers);
+    if (rc == ST_OK) {
+        m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});
+        m->ff_max = std::max({m->n_ff, m->n_ff_exp, m->n_ff_shexp});
+        std::vector<float> inv(m->d.rope_dim / 2);
+        for (int i = 0; i < m->d.rope_dim / 2; i++)
+            inv[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+        rc = dalloc(m, &m->inv_freq, inv.size() * sizeof(float));
+        if (rc == ST_OK && cudaMemcpy(m->inv_freq, inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice))
+            rc = fail(ST_EINVAL, "model_create: cannot upload rope frequencies");
+        const size_t nh = (size_t)m->d.n_layer * (size_t)std::max(1, m->d.n_expert);
+        if (rc == ST_OK) rc = dalloc(m, &m->hist, nh * sizeof(int32_t));
+        if (rc == ST_OK) rc = dalloc(m, &m->route_counter, sizeof(int32_t));
+        if (rc == ST_OK && cudaMemset(m->route_counter, 0, sizeof(int32_t)) != cudaSuccess)
+            rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
+    }
+    if (rc == ST_OK) rc = attention_setup();
+    if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
+        rc = fail(ST_EINVAL, "model_create: cannot create a CUDA stream");
+    if (rc == ST_OK) {
+        m->ev.resize((size_t)(3 * m->d.n_layer + 3));
+        for (auto &e : m->ev)
+            if (cudaEventCreate(&e) != cudaSuccess) {
+                e = nullptr;
+                rc = fail(ST_EINVAL, "model_create: cannot create CUDA events");
+            }
+    }
+    if (rc != ST_OK) {
+        stg_model_destroy(m);
+        return rc;
+    }
+    *out = m;
+    return ST_OK;
+}
+
+extern "C" int64_t stg_model_weight_bytes(const stg_model *m) { return m ? m->arena_bytes : 0; }
+
+extern "C" stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings) {
+    if (!m || !settings) return fail(ST_EINVAL, "set_settings: NULL argument");
+    CHECK(check_settings(settings));
+    if (m->n_live > 0) return fail(ST_EINVAL, "set_settings: %d launched step(s) in flight", m->n_live);
+    CU(cudaSetDevice(m->device), "set_settings");
+    CU(cudaStreamSynchronize(m->stream), "set_settings");
+    drop_graphs(m); /* captured under the old settings */
+    m->set = *settings;
+    return ST_OK;
+}
+
+extern "C" int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len) {
+    if (!m) return 0;
+    if (n_failed) *n_failed = m->graph_failures;
+    if (note && note_len > 0) snprintf(note, (size_t)note_len, "%s", m->graph_note);
+    return (int32_t)m->graphs.size();
+}
+
+extern "C" stg_status stg_host_alloc(int64_t bytes, void **out) {
+    if (!out || bytes < 1) return fail(ST_EINVAL, "host alloc: bad arguments (%lld bytes)", (long long)bytes);
+    *out = nullptr;
+    CU(cudaHostAlloc(out, (size_t)bytes, cudaHostAllocPortable), "host alloc");
+    return ST_OK;
+}
+
+extern "C" void stg_host_free(void *p) {
+    if (p && cudaFreeHost(p) != cudaSuccess) cudaGetLastError();
+}
+
+/* ------------------------------------------------------------------ KV cache */
+
+extern "C" stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out) {
+    if (!m || !out) return fail(ST_EINVAL, "kv_create: NULL argument");
+    *out = nullptr;
+    if (n_blocks < 1 || block_size < 16 || block_size > 4096 || block_size % 16)
+        return fail(ST_EINVAL, "kv_create: n_blocks=%d block_size=%d invalid (block size: a multiple of 16)", n_blocks,
+                    block_size);
+    CU(cudaSetDevice(m->device), "kv_create");
+    stg_kv *kv = new stg_kv();
+    kv->m = m;
+    kv->n_blocks = n_blocks, kv->block_size = block_size, kv->n_layer = m->d.n_layer, kv->kv_dim = m->kv_dim;
+    kv->layer_elems = (int64_t)n_blocks * block_size * m->kv_dim;
+    const size_t bytes = (size_t)kv->layer_elems * (size_t)kv->n_layer * sizeof(__half);
+    if (cudaMalloc(&kv->k, bytes) != cudaSuccess || cudaMalloc(&kv->v, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        cudaFree(kv->k);
+        delete kv;
+        return fail(ST_ENOMEM, "kv_create: cannot allocate %zu bytes of KV cache in VRAM", 2 * bytes);
+    }
+    /* zeroed so a stray read of an unwritten slot is finite, as on the CPU (calloc) */
+    if (cudaMemset(kv->k, 0, bytes) != cudaSuccess || cudaMemset(kv->v, 0, bytes) != cudaSuccess) {
+        cudaFree(kv->k);
+        cudaFree(kv->v);
+        delete kv;
+        return fail(ST_EINVAL, "kv_create: cannot clear the KV cache");
+    }
+    *out = kv;
+    return ST_OK;
+}
+
+extern "C" void stg_kv_destroy(stg_kv *kv) {
+    if (!kv) return;
+    cudaSetDevice(kv->m->device);
+    cudaStreamSynchronize(kv->m->stream);
+    drop_graphs(kv->m); /* they point into this cache */
+    cudaFree(kv->k);
+    cudaFree(kv->v);
+    delete kv;
+}
+
+extern "C" int64_t stg_kv_bytes(const stg_kv *kv) {
+    return kv ? 2 * kv->layer_elems * kv->n_layer * (int64_t)sizeof(__half) : 0;
+}
+
+/* ------------------------------------------------------------------ scratch */
+
+static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_bt) {
+    scratch &s = m->s;
+    const st_model_desc &d = m->d;
+    const int64_t E = d.n_embd, k = d.n_expert > 0 ? d.n_expert_used : 1, ne = std::max(1, d.n_expert);
+    if (T > s.cap_t || L > s.cap_l) {
+        /* the old buffers go (nothing is in flight: steps end synchronised, and the graphs
+         * that point at them are dropped); sizes at least double up to 512 tokens, so a
+         * batch growing one sequence at a time reallocates a few times, not every step */
+        CU(cudaStreamSynchronize(m->stream), "scratch"); /* also every launched step (stg_step_launch) */
+        drop_graphs(m);
+        /* the last step's picks, which the next step's token_src may read, survive the growth */
+        std::vector<int32_t> keep((size_t)(s.picks ? m->last_picks : 0));
+        if (!keep.empty())
+            CU(cudaMemcpy(keep.data(), s.picks, sizeof(int32_t) * keep.size(), cudaMemcpyDeviceToHost), "scratch");
+        free_list(s.step_allocs);
+        const int64_t old_t = s.cap_t, old_l = s.cap_l;
+        s.cap_t = s.cap_l = 0; /* until the new set is complete */
+        T = std::max({T, old_t, std::min<int64_t>(2 * old_t, 512)});
+        L = std::max({L, old_l, std::min<int64_t>(2 * old_l, 512)});
+        const int64_t P = T * k + T, K = m->max_k, F = std::max<int64_t>(m->ff_max, 32);
+        CHECK(dalloc_in(s.step_allocs, &s.x, sizeof(float) * T * E));
+        CHECK(dalloc_in(s.step_allocs, &s.xn, sizeof(float) * T * E));
+        CHECK(dalloc_in(s.step_allocs, &s.q, sizeof(float) * T * m->q_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.k, sizeof(float) * T * m->kv_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.v, sizeof(float) * T * m->kv_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.att, sizeof(float) * T * m->q_dim));
+        CHECK(dalloc_in(s.step_allocs, &s.router, sizeof(float) * T * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.topk_w, sizeof(float) * T * k));
+        CHECK(dalloc_in(s.step_allocs, &s.topk_id, sizeof(int32_t) * T * k));
+        CHECK(dalloc_in(s.step_allocs, &s.pair_tok, sizeof(int32_t) * P));
+        CHECK(dalloc_in(s.step_allocs, &s.list, sizeof(int32_t) * P));
+        CHECK(dalloc_in(s.step_allocs, &s.gexp, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.gstart, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.gcount, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.n_groups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.gtiles, sizeof(int32_t) * ((P + MM_BN - 1) / MM_BN + ne)));
+        CHECK(dalloc_in(s.step_allocs, &s.n_gtiles, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.aq, (size_t)(T * K)));
+        CHECK(dalloc_in(s.step_allocs, &s.ad, sizeof(float) * T * K / 32));
+        CHECK(dalloc_in(s.step_allocs, &s.as, sizeof(int32_t) * T * K / 16));
+        CHECK(dalloc_in(s.step_allocs, &s.h, sizeof(float) * P * F));
+        CHECK(dalloc_in(s.step_allocs, &s.h2, sizeof(float) * P * F));
+        CHECK(dalloc_in(s.step_allocs, &s.hq, (size_t)(P * F)));
+        CHECK(dalloc_in(s.step_allocs, &s.hd, sizeof(float) * P * F / 32));
+        CHECK(dalloc_in(s.step_allocs, &s.hs, sizeof(int32_t) * P * F / 16));
+        CHECK(dalloc_in(s.step_allocs, &s.pair_out, sizeof(float) * P * E));
+        CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
+        CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));
+        CHECK(dalloc_in(s.step_allocs, &s.logits, sizeof(float) * std::max<int64_t>(L, 1) * d.n_vocab));
+        CHECK(dalloc_in(s.step_allocs, &s.picks, sizeof(int32_t) * std::max<int64_t>(L, 1)));
+        CHECK(dalloc_in(s.step_allocs, &s.pick_keys, sizeof(unsigned long long) * std::max<int64_t>(L, 1)));
+        CHECK(dalloc_in(s.step_allocs, &s.pick_cnt, sizeof(unsigned int) * std::max<int64_t>(L, 1)));
+        CU(cudaMemset(s.pick_keys, 0, sizeof(unsigned long long) * std::max<int64_t>(L, 1)), "scratch");
+        CU(cudaMemset(s.pick_cnt, 0, sizeof(unsigned int) * std::max<int64_t>(L, 1)), "scratch");
+        /* the dense splits' parts, or a routed split's (2 weights of n_ff_exp or one of E rows per pair) */
+        s.kpart_cap = KSPLIT * std::min<int64_t>(T, KSPLIT_MAX_T) *
+                      std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
+                                         d.n_expert ? (int64_t)d.n_expert_used * std::max<int64_t>(2 * m->n_ff_exp, E) : 0});
+        CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
+        if (!keep.empty())
+            CU(cudaMemcpy(s.picks, keep.data(), sizeof(int32_t) * keep.size(), cudaMemcpyHostToDevice), "scratch");
+        s.cap_t = T, s.cap_l = L;
+    }
+    const int64_t n_ints = 5 * s.cap_t + 2 * s.cap_l + n_bt; /* tokens, pos, seq, tiles, token_src; logit rows */
+    if (n_ints > s.cap_ints) {
+        CU(cudaStreamSynchronize(m->stream), "scratch"); /* also every launched step's upload */
+        drop_graphs(m);
+        if (s.h_ints) cudaFreeHost(s.h_ints);
+        s.h_ints = nullptr;
+        free_list(s.ints_allocs);
+        s.cap_ints = 0;
+        const int64_t want = std::max(n_ints, 2 * s.cap_t + n_ints / 2); /* headroom for longer tables */
+        CU(cudaMallocHost(&s.h_ints, 2 * sizeof(int32_t) * (size_t)want), "pinned staging"); /* two slots */
+        CHECK(dalloc_in(s.ints_allocs, &s.ints, sizeof(int32_t) * (size_t)want));
+        s.cap_ints = want;
+    }
+    return ST_OK;
+}

@@ -1,0 +1,108 @@
+/* The model on the device: weights (dtensor / dlayer), the step's scratch, the graph cache, launched
+ * steps in flight, the paged KV cache. model.cu creates them. */
+#pragma once
+#include "linear.cuh"
+
+struct dtensor {
+    const uint8_t *d = nullptr; /* device bytes; NULL = absent */
+    int type = 0;
+    int64_t ne[4] = {1, 1, 1, 1};
+    int64_t row_bytes = 0, expert_stride = 0;
+    const float *f() const { return (const float *)d; }
+};
+
+struct dlayer {
+    dtensor attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, gate_inp,
+        gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
+};
+
+struct scratch {
+    int64_t cap_t = 0, cap_l = 0, cap_bt = 0;
+    float *x, *xn, *q, *k, *v, *att, *router, *topk_w, *h, *h2, *pair_out, *gsh, *logits, *xl;
+    int8_t *aq, *hq;
+    float *ad, *hd;
+    int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
+    int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
+    float *kpart;      /* the split dense GEMM's parts (g_kpart) */
+    int64_t kpart_cap; /* floats */
+    int32_t *h_ints; /* pinned host staging for the batch's index arrays: two slots of cap_ints (stg_step_launch's
+                      * ticket parity), so that a step's upload may still be queued while the next one is filled */
+    int32_t *picks;  /* [cap_l] the step's greedy picks (k_argmax_split), copied back instead of the logits */
+    unsigned long long *pick_keys; /* [cap_l] k_argmax_split's per-row maxima, 0 between launches */
+    unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
+    int64_t cap_ints;
+    int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
+    std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
+};
+
+/* A captured step: its shape. The settings it was captured under are the model's (stg_model_set_settings drops
+ * every graph), so they are not part of the key. */
+struct graph_entry {
+    const stg_kv *kv;
+    int32_t T, NL, mb, n_seq_rows;
+    bool layer_events, fuse_qkv, greedy;
+    bool src; /* step_shape.d_src set (st_batch.token_src) */
+    cudaGraphExec_t exec;
+};
+
+/* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */
+struct inflight {
+    bool live = false;
+    int64_t ticket = 0;
+    int32_t T = 0, NL = 0;
+    bool greedy = false, layer_events = false, sampled = false, moe = false;
+    int32_t *expert_hist = nullptr; /* the batch's, added to at the wait */
+    cudaEvent_t e0 = nullptr, e1 = nullptr; /* the step's start (before its upload) and end (after its copies) */
+    int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
+    int64_t cap_picks = 0;
+    int32_t *h_hist = nullptr; /* pinned [n_layer * n_expert]: the histogram's copy */
+};
+
+struct stg_model {
+    int device;
+    int cc_major = 0;
+    stg_settings set; /* read when the model opens (stg_model_create), replaced by stg_model_set_settings */
+    st_model_desc d;
+    std::vector<dlayer> L;
+    dtensor token_embd, output_norm, output;
+    int32_t q_dim, kv_dim, n_ff, n_ff_exp, n_ff_shexp, max_k, ff_max;
+    uint8_t *arena = nullptr;
+    int64_t arena_bytes = 0;
+    float *inv_freq = nullptr;
+    int32_t *hist = nullptr; /* [n_layer, n_expert] */
+    int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
+    cudaStream_t stream = nullptr;
+    std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
+    scratch s;
+    std::vector<void *> allocs;
+    std::vector<graph_entry> graphs;
+    int32_t graph_failures = 0;
+    char graph_note[256] = "";
+    combine_args pending = {}; /* an expert sum not yet added to the residual (see take_combine) */
+    /* per graph-sized step size: steps run, and the attention / experts / dense shares of
+     * t_total measured on the last one with per-layer events (see stg_forward) */
+    struct split {
+        int64_t steps = 0;
+        bool have = false;
+        double attn = 0.0, experts = 0.0, dense = 0.0;
+    };
+    std::map<int32_t, split> splits;
+    std::vector<int32_t> hist_h; /* the step's expert histogram, copied back with the logits */
+    std::vector<char> seq_seen;  /* stg_forward's distinct-sequence check */
+    inflight fl[2];              /* launched steps, slot = ticket & 1 */
+    int64_t next_ticket = 1;
+    int32_t n_live = 0;
+    int32_t last_picks = 0; /* greedy picks in s.picks from the last launched step (token_src's bound); 0 none */
+};
+
+static void drop_graphs(stg_model *m) {
+    for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);
+    m->graphs.clear();
+}
+
+struct stg_kv {
+    stg_model *m;
+    int32_t n_blocks, block_size, n_layer, kv_dim;
+    __half *k, *v;
+    int64_t layer_elems;
+};

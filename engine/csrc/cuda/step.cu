@@ -1,0 +1,386 @@
+/* The step: batch checks and upload, run_step over the layers and the head, CUDA graphs per shape,
+ * the launch / wait halves and stg_forward. */
+#include "model.cuh"
+
+/* whether every token of a step (seq[T], runs of consecutive equal ids) is in a run of >= min_run */
+static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
+    if (min_run < 1 || T < min_run) return false;
+    for (int32_t i = 0; i < T;) {
+        int32_t j = i + 1;
+        while (j < T && seq[j] == seq[i]) j++;
+        if (j - i < min_run) return false;
+        i = j;
+    }
+    return true;
+}
+
+/* ------------------------------------------------------------------ the step */
+
+static stg_status validate_batch(const stg_model *m, const stg_kv *kv, const st_batch *b) {
+    if (b->n_tokens < 1) return fail(ST_EINVAL, "forward: empty batch");
+    if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
+        return fail(ST_EINVAL, "forward: batch is missing arrays");
+    if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || (!b->logits && !b->out_tokens))))
+        return fail(ST_EINVAL, "forward: logits requested without buffers (logits or out_tokens)");
+    for (int32_t i = 0; i < b->n_tokens; i++) {
+        const int32_t src = b->token_src ? b->token_src[i] : -1;
+        if (src >= 0 && m->last_picks < 1)
+            return fail(ST_EINVAL, "forward: token_src[%d] = %d but the previous step left no greedy picks", i, src);
+        if (src < -1 || src >= m->last_picks)
+            return fail(ST_ERANGE, "forward: token_src[%d] = %d outside [-1, %d)", i, src, m->last_picks);
+        if (src < 0 && (b->tokens[i] < 0 || b->tokens[i] >= m->d.n_vocab))
+            return fail(ST_ERANGE, "forward: token id %d out of range [0, %d)", b->tokens[i], m->d.n_vocab);
+        if (b->seq[i] < 0 || b->seq[i] >= b->n_seqs)
+            return fail(ST_ERANGE, "forward: sequence index %d out of range", b->seq[i]);
+        if (b->pos[i] < 0 || b->pos[i] / kv->block_size >= b->max_blocks)
+            return fail(ST_ERANGE, "forward: position %d exceeds the sequence's KV capacity (%d tokens)", b->pos[i],
+                        b->max_blocks * kv->block_size);
+        const int32_t *bt = b->block_tables + (size_t)b->seq[i] * (size_t)b->max_blocks;
+        for (int32_t j = 0; j <= b->pos[i] / kv->block_size; j++)
+            if (bt[j] < 0 || bt[j] >= kv->n_blocks)
+                return fail(ST_ERANGE, "forward: block %d of sequence %d is %d, outside [0, %d)", j, b->seq[i], bt[j],
+                            kv->n_blocks);
+    }
+    for (int32_t i = 0; i < b->n_logits; i++)
+        if (b->logit_idx[i] < 0 || b->logit_idx[i] >= b->n_tokens)
+            return fail(ST_ERANGE, "forward: logit index %d out of range", b->logit_idx[i]);
+    return ST_OK;
+}
+
+/* The device work of one step (everything between the batch upload and the logits
+ * download): captured once per shape as a CUDA graph for small batches. */
+struct step_shape {
+    int32_t T, NL, mb;
+    const int32_t *d_tok, *d_pos, *d_seq, *d_lidx, *d_bt;
+    bool capturing;    /* inside a graph capture: events become record nodes */
+    bool layer_events; /* per-layer attention / FFN times (stg_settings.layer_events) */
+    bool fuse_qkv;     /* every token of another sequence: q/k/v post-processing inside attention */
+    const int32_t *d_tiles; /* query tiles of prefill attention (eager steps only; n_tiles 0: none) */
+    int32_t n_tiles;
+    bool greedy; /* the logit rows' greedy picks into s.picks after the head (k_argmax_split) */
+    const int32_t *d_src; /* st_batch.token_src uploaded, or NULL: the embedding reads the previous picks */
+};
+
+/* An event record that also works inside a capture (there a plain record would only
+ * express a dependency; the External flag makes it a node that records at each replay). */
+static cudaError_t record(cudaEvent_t e, cudaStream_t st, bool capturing) {
+    return cudaEventRecordWithFlags(e, st, capturing ? cudaEventRecordExternal : cudaEventRecordDefault);
+}
+
+static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    cudaEvent_t *ev = m->ev.data();
+    const int nL = m->d.n_layer;
+    const int64_t E = m->d.n_embd;
+    if (m->d.n_expert > 0) CU(cudaMemsetAsync(m->hist, 0, sizeof(int32_t) * nL * m->d.n_expert, st), "forward");
+    m->pending = combine_args{};
+    const bool pdl = g_pdl;
+    g_pdl = false; /* the first kernel follows a copy, not a kernel */
+    const stg_status erc = embed(m, sh.d_tok, sh.d_src, sh.T);
+    g_pdl = pdl;
+    CHECK(erc);
+    for (int il = 0; il < nL; il++) {
+        if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
+        CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb, sh.fuse_qkv, sh.d_tiles,
+                              sh.n_tiles));
+        if (sh.layer_events) CU(record(ev[3 * il + 1], st, sh.capturing), "forward");
+        CHECK(ffn_block(m, il, sh.T));
+        if (sh.layer_events) CU(record(ev[3 * il + 2], st, sh.capturing), "forward");
+    }
+    CU(record(ev[3 * nL + 1], st, sh.capturing), "forward");
+    if (sh.NL > 0) {
+        const bool nq = !stg_is_float(m->output.type);
+        launch_k(k_rmsnorm, sh.NL, RMS_THREADS, 0, st, s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
+                                          nq ? s.aq : nullptr, s.ad, s.as, take_combine(m));
+        LAUNCHED("output norm");
+        const acts_d in{s.aq, s.ad, s.as, s.xl};
+        lin_groups g = {};
+        g.n_pairs = sh.NL;
+        const bool fast = g_gemm_fast;
+        g_gemm_fast = false; /* the head keeps the bitwise kernels (a few rows of logits: the matvec) */
+        const stg_status hrc = linear(st, m->output, nullptr, g, 1, sh.NL, sh.NL, in, s.logits, m->d.n_vocab, MODE_STORE);
+        g_gemm_fast = fast;
+        CHECK(hrc);
+        if (sh.greedy) {
+            launch_k(k_argmax_split, dim3((unsigned)ARGMAX_SPLIT, (unsigned)sh.NL), ARGMAX_SPLIT_THREADS, 0, st,
+                     (const float *)s.logits, (int64_t)m->d.n_vocab, s.picks, s.pick_keys, s.pick_cnt);
+            LAUNCHED("greedy pick");
+        }
+    }
+    m->pending = combine_args{}; /* no logits: the last layer's sum is never needed */
+    return ST_OK;
+}
+
+#define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
+#define LAYER_EVENT_PERIOD 64 /* graph-sized steps: per-layer events on one step in 64 (each such step +0.2 ms at batch 1) */
+#define GRAPH_CACHE 64
+
+static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs; }
+
+/* Replay the graph of this shape, capturing it first; a shape that cannot be captured
+ * runs eagerly. Graphs hold scratch pointers: ensure_scratch drops them on growth. */
+static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh) {
+    cudaStream_t st = m->stream;
+    for (const graph_entry &g : m->graphs)
+        if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
+            g.layer_events == sh.layer_events && g.fuse_qkv == sh.fuse_qkv && g.greedy == sh.greedy &&
+            g.src == (sh.d_src != nullptr)) {
+            CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
+            return ST_OK;
+        }
+    if (m->graphs.size() >= GRAPH_CACHE) {
+        CU(cudaStreamSynchronize(st), "forward: graph cache"); /* a launched step may be running one of them */
+        drop_graphs(m);
+    }
+    CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "forward: capture");
+    step_shape cap = sh;
+    cap.capturing = true;
+    const stg_status rc = run_step(m, kv, cap);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ce = cudaStreamEndCapture(st, &graph);
+    cudaGraphExec_t exec = nullptr;
+    if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+        cudaGraphDestroy(graph);
+        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, sh.fuse_qkv, sh.greedy,
+                                        sh.d_src != nullptr, exec});
+        CU(cudaGraphLaunch(exec, st), "forward: graph launch");
+        return ST_OK;
+    }
+    if (graph) cudaGraphDestroy(graph);
+    m->graph_failures++;
+    snprintf(m->graph_note, sizeof m->graph_note, "capture of a %d-token step failed: %.200s", sh.T,
+             rc != ST_OK ? g_err : cudaGetErrorString(ce != cudaSuccess ? ce : cudaGetLastError()));
+    cudaGetLastError();
+    if (rc != ST_OK) return rc;
+    return run_step(m, kv, sh); /* not capturable here: run it as is */
+}
+
+/* The step in two halves. step_launch validates, uploads (from the ticket's staging slot), queues
+ * the step and its copies back (picks and histogram into the slot's pinned buffers) and the slot's
+ * end event; it returns without waiting. step_wait synchronises on that event and fills the outputs.
+ * stg_forward is the two back to back (and alone may copy logits). */
+static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64_t *ticket) {
+    if (m->n_live >= 2)
+        return fail(ST_EINVAL, "step_launch: two launched steps are in flight already (wait for the older first)");
+    CHECK(validate_batch(m, kv, b));
+    CU(cudaSetDevice(m->device), "forward");
+    cudaGetLastError(); /* a failed call elsewhere must not be reported by this step's first check */
+    const int32_t T = b->n_tokens, NL = b->n_logits;
+    const int64_t tk = m->next_ticket;
+    inflight &f = m->fl[tk & 1];
+    const inflight &other = m->fl[(tk + 1) & 1];
+    /* block tables padded to a multiple of 16 columns (-1), so a graph serves a range of lengths */
+    const int32_t mb = (b->max_blocks + 15) / 16 * 16;
+    const int64_t n_bt = (int64_t)b->n_seqs * mb;
+    CHECK(ensure_scratch(m, T, NL, n_bt));
+    scratch &s = m->s;
+    s.cur_seq_rows = b->n_seqs;
+    cudaStream_t st = m->stream;
+    const int nL = m->d.n_layer;
+    const bool moe = m->d.n_expert > 0;
+    if (!f.e0) CU(cudaEventCreate(&f.e0), "forward: events");
+    if (!f.e1) CU(cudaEventCreate(&f.e1), "forward: events");
+    const bool greedy = NL > 0 && b->out_tokens;
+    if (greedy && NL > f.cap_picks) { /* the slot is free: nothing queued writes into it */
+        if (f.h_picks) cudaFreeHost(f.h_picks);
+        f.h_picks = nullptr, f.cap_picks = 0;
+        const int64_t want = std::max<int64_t>(NL, 64);
+        CU(cudaMallocHost(&f.h_picks, sizeof(int32_t) * (size_t)want), "pinned picks");
+        f.cap_picks = want;
+    }
+    if (moe && !f.h_hist)
+        CU(cudaMallocHost(&f.h_hist, sizeof(int32_t) * (size_t)nL * (size_t)m->d.n_expert), "pinned histogram");
+    CU(cudaEventRecord(f.e0, st), "forward");
+    /* one upload of the batch's index arrays, from this ticket's staging slot (the other slot's upload
+     * may still be queued behind the step in flight) */
+    int32_t *hi = s.h_ints + (tk & 1) * s.cap_ints;
+    memcpy(hi, b->tokens, sizeof(int32_t) * T);
+    memcpy(hi + T, b->pos, sizeof(int32_t) * T);
+    memcpy(hi + 2 * T, b->seq, sizeof(int32_t) * T);
+    if (NL) memcpy(hi + 3 * T, b->logit_idx, sizeof(int32_t) * NL);
+    int32_t *hbt = hi + 3 * T + NL;
+    for (int32_t r = 0; r < b->n_seqs; r++) {
+        memcpy(hbt + (int64_t)r * mb, b->block_tables + (int64_t)r * b->max_blocks, sizeof(int32_t) * b->max_blocks);
+        for (int32_t c = b->max_blocks; c < mb; c++) hbt[(int64_t)r * mb + c] = -1;
+    }
+    /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
+     * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
+    const int tq = att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
+    int32_t n_tiles = 0, n_mma = 0;
+    const bool tiles_wanted = tq > 0 && !graphs_enabled(m, T);
+    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh) */
+    const int mma_mode = m->set.att_mma, tqm = mma_mode ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
+    if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
+    else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
+    int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
+    /* token_src after them (ensure_scratch leaves room for T more ints): only when a row uses it */
+    bool use_src = false;
+    for (int32_t i = 0; b->token_src && i < T && !use_src; i++) use_src = b->token_src[i] >= 0;
+    const int64_t src_off = n_ints;
+    if (use_src) {
+        memcpy(hi + n_ints, b->token_src, sizeof(int32_t) * T);
+        n_ints += T;
+    }
+    CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
+    /* Per-layer events cost about 7% of a batch-1 decode step (96 record nodes in a 3.3 ms
+     * graph), so graph-sized steps record them on the first step of each size and then
+     * every LAYER_EVENT_PERIOD-th; the others report t_total (always measured) split by the
+     * shares of the last measured step of their size. layer_events 1: every step; 0: never
+     * (then t_attn / t_experts / t_dense stay 0). Eager steps always record them.
+     * A step launched while one that records them is in flight records none (the events are
+     * shared: it would overwrite them before that step's wait reads them). */
+    const int32_t le = m->set.layer_events;
+    bool layer_events = true;
+    const bool sampled = le < 0 && graphs_enabled(m, T);
+    if (le >= 0) layer_events = le != 0;
+    else if (sampled) {
+        stg_model::split &sp = m->splits[T];
+        layer_events = !sp.have || sp.steps % LAYER_EVENT_PERIOD == 0;
+        sp.steps++;
+    }
+    if (other.live && other.layer_events) layer_events = false;
+    /* q/k/v post-processing inside attention when no token reads another's new K/V of this
+     * step: every token of a different sequence (decode). */
+    bool fuse_qkv = m->d.head_dim <= 256;
+    if (fuse_qkv) {
+        std::vector<char> &seen = m->seq_seen;
+        seen.assign((size_t)b->n_seqs, 0);
+        for (int32_t i = 0; i < T && fuse_qkv; i++) {
+            if (seen[(size_t)b->seq[i]]) fuse_qkv = false;
+            seen[(size_t)b->seq[i]] = 1;
+        }
+    }
+    const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
+                        false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
+                        use_src ? s.ints + src_off : nullptr};
+    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
+    g_set = m->set;
+    g_defer_combine = g_deferred = false;
+    g_gemm_fast = !graphs_enabled(m, T) && all_runs_long(b->seq, T, m->set.gemm_fast_min);
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast; /* see g_gemm_fast */
+    g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
+    m->last_picks = 0; /* s.picks is this step's from here on */
+    const stg_status src = graphs_enabled(m, T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
+    g_pdl = false;
+    CHECK(src);
+    if (NL > 0 && b->logits)
+        CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
+           "forward: logits");
+    if (greedy)
+        CU(cudaMemcpyAsync(f.h_picks, s.picks, sizeof(int32_t) * (size_t)NL, cudaMemcpyDeviceToHost, st),
+           "forward: greedy picks");
+    if (moe) /* always: the stats count pairs and active experts */
+        CU(cudaMemcpyAsync(f.h_hist, m->hist, sizeof(int32_t) * (size_t)nL * m->d.n_expert, cudaMemcpyDeviceToHost, st),
+           "forward: histogram");
+    CU(cudaEventRecord(f.e1, st), "forward");
+    f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
+    f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
+    m->next_ticket++;
+    m->n_live++;
+    m->last_picks = greedy ? NL : 0;
+    *ticket = tk;
+    return ST_OK;
+}
+
+static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, st_step_stats *stt) {
+    const int64_t oldest = m->fl[0].live && (!m->fl[1].live || m->fl[0].ticket < m->fl[1].ticket) ? m->fl[0].ticket
+                           : m->fl[1].live ? m->fl[1].ticket : 0;
+    if (!oldest) return fail(ST_EINVAL, "step_wait: no launched step is in flight");
+    if (ticket != oldest)
+        return fail(ST_EINVAL, "step_wait: ticket %lld is not the oldest step in flight (%lld): wait in launch order",
+                    (long long)ticket, (long long)oldest);
+    inflight &f = m->fl[ticket & 1];
+    const bool later = m->fl[(ticket + 1) & 1].live; /* a step launched after this one */
+    if (f.greedy && !out_tokens) return fail(ST_EINVAL, "step_wait: the step has picks but out_tokens is NULL");
+    f.live = false; /* from here on the ticket is spent, whatever happens */
+    m->n_live--;
+    memset(stt, 0, sizeof *stt);
+    CU(cudaSetDevice(m->device), "forward");
+    CU(cudaEventSynchronize(f.e1), "forward");
+    CU(cudaGetLastError(), "forward");
+    if (f.greedy) memcpy(out_tokens, f.h_picks, sizeof(int32_t) * (size_t)f.NL);
+    const int nL = m->d.n_layer;
+    cudaEvent_t *ev = m->ev.data();
+    int64_t pairs = 0;
+    int32_t active = 0;
+    if (f.moe) {
+        const size_t nh = (size_t)nL * m->d.n_expert;
+        for (size_t i = 0; i < nh; i++) {
+            pairs += f.h_hist[i], active += f.h_hist[i] > 0;
+            if (f.expert_hist) f.expert_hist[i] += f.h_hist[i];
+        }
+    }
+    auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, a, b) != cudaSuccess) {
+            cudaGetLastError();
+            return 0.0;
+        }
+        return 1e-3 * ms;
+    };
+    for (int il = 0; il < nL && f.layer_events; il++) {
+        stt->t_attn += elapsed(ev[3 * il], ev[3 * il + 1]);
+        if (f.moe) stt->t_experts += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
+        else stt->t_dense += elapsed(ev[3 * il + 1], ev[3 * il + 2]);
+    }
+    /* the head's start event is recorded by every step: a later launch re-records it */
+    stt->t_output = later ? 0.0 : elapsed(ev[3 * nL + 1], f.e1);
+    stt->t_total = elapsed(f.e0, f.e1);
+    if (f.sampled && stt->t_total > 0.0) {
+        const auto it = m->splits.find(f.T);
+        if (it != m->splits.end()) {
+            stg_model::split &sp = it->second;
+            if (f.layer_events) {
+                sp.attn = stt->t_attn / stt->t_total, sp.experts = stt->t_experts / stt->t_total;
+                sp.dense = stt->t_dense / stt->t_total, sp.have = true;
+            } else if (sp.have) {
+                stt->t_attn = sp.attn * stt->t_total, stt->t_experts = sp.experts * stt->t_total;
+                stt->t_dense = sp.dense * stt->t_total;
+            }
+        }
+    }
+    stt->n_tokens = f.T;
+    stt->n_expert_tokens = pairs;
+    stt->n_active_experts = active;
+    return ST_OK;
+}
+
+static stg_status check_model(stg_model *m, stg_kv *kv) {
+    if (kv->m != m || kv->n_layer != m->d.n_layer || kv->kv_dim != m->kv_dim)
+        return fail(ST_EINVAL, "forward: KV cache was created for another model");
+    return ST_OK;
+}
+
+extern "C" stg_status stg_forward(stg_model *m, stg_kv *kv, const void *vbatch, void *vstats) {
+    const st_batch *b = (const st_batch *)vbatch;
+    if (!m || !kv || !b) return fail(ST_EINVAL, "forward: NULL argument");
+    CHECK(check_model(m, kv));
+    if (m->n_live > 0)
+        return fail(ST_EINVAL, "forward: %d launched step(s) in flight (stg_step_wait them first)", m->n_live);
+    st_step_stats local;
+    st_step_stats *stt = vstats ? (st_step_stats *)vstats : &local;
+    memset(stt, 0, sizeof *stt);
+    int64_t ticket = 0;
+    CHECK(step_launch(m, kv, b, &ticket));
+    return step_wait(m, ticket, b->out_tokens, stt);
+}
+
+extern "C" stg_status stg_step_launch(stg_model *m, stg_kv *kv, const void *vbatch, int64_t *ticket) {
+    const st_batch *b = (const st_batch *)vbatch;
+    if (!m || !kv || !b || !ticket) return fail(ST_EINVAL, "step_launch: NULL argument");
+    *ticket = 0;
+    CHECK(check_model(m, kv));
+    if (b->logits)
+        return fail(ST_EINVAL, "step_launch: a launched step returns greedy picks only (logits must be NULL; "
+                               "use stg_forward for logits)");
+    return step_launch(m, kv, b, ticket);
+}
+
+extern "C" stg_status stg_step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, void *vstats) {
+    if (!m) return fail(ST_EINVAL, "step_wait: NULL model");
+    st_step_stats local;
+    return step_wait(m, ticket, out_tokens, vstats ? (st_step_stats *)vstats : &local);
+}
+
+extern "C" int32_t stg_step_in_flight(const stg_model *m) { return m ? m->n_live : 0; }

@@ -1,0 +1,71 @@
+/* The kernel harness of the GPU engine: engine/_strata_cuda_test.so (strata_cuda_test.cu), loaded by
+ * the GPU tests only (tests/engine/gpu/conftest.py), never by production code. Host buffers in, host
+ * buffers out; each call runs one kernel family as a step would, on device 0. Conventions as
+ * strata_cuda.h (whose declarations this library also exports). path: STG_PATH_REF 0 (the reference
+ * kernel, one thread per output: the oracle), STG_PATH_MATVEC 1, STG_PATH_GEMM 2, STG_PATH_AUTO 3
+ * (what a step picks for this many tokens); linear.cuh defines them. */
+#ifndef STRATA_CUDA_TEST_H
+#define STRATA_CUDA_TEST_H
+
+#include "strata_cuda.h"
+
+/* The settings every harness call runs under (NULL: stg_settings_default's with gemm_fast_min 0, the bitwise
+ * kernels); ST_EINVAL when a field is out of range. */
+stg_status stg_test_set_settings(const stg_settings *s);
+
+stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n);
+/* x[n_tok, k] float rows -> 8-bit blocks like st_quantize_act: qs[n_tok*k], d[n_tok*k/32], sums[n_tok*k/16]. */
+stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64_t k, int8_t *qs, float *d, int32_t *sums);
+/* out[n_tok, n_rows] = W[n_rows, k] . x[n_tok, k]^T (x quantised to 8 bits on the GPU for quant types);
+ * with w2 (same type and shape) the fused gate/up form: out = silu(W . x) * (W2 . x). */
+stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows, int64_t k,
+                           const float *x, int64_t n_tok, float *out);
+/* q / k / v as one row-segmented launch (n_seg = 2 or 3 weights of rows[i] rows, w their rows stacked):
+ * path STG_PATH_MATVEC (the fused matvec) or STG_PATH_GEMM (the split GEMM; ST_EINVAL where it does
+ * not apply); out holds each segment's [n_tok, rows[i]] one after another. */
+stg_status stg_test_linear_seg(int32_t type, int32_t path, const void *w, int32_t n_seg, const int64_t *rows,
+                               int64_t k, const float *x, int64_t n_tok, float *out);
+/* Routed experts as a MoE layer runs them: pairs p = token * k_used + slot with expert ids[p],
+ * grouped on the GPU, then one grouped launch over the stacked experts w[n_expert][n_rows]
+ * (w2: the fused gate/up form); out[n_tok * k_used, n_rows]. path: STG_PATH_MATVEC or
+ * STG_PATH_GEMM (a block per tile of the grouping's tile list where that is fewer blocks). */
+stg_status stg_test_routed_linear(int32_t type, int32_t path, const void *w, const void *w2,
+                                  int32_t n_expert, int64_t n_rows, int64_t k, const float *x, int32_t n_tok,
+                                  const int32_t *ids, int32_t k_used, float *out);
+/* The routed gate/up GEMM (w2 required; Q4_K, whose split form exists for C = 1, 2, 4) over the tile list with
+ * the decode form of steps of at most routed_split_max tokens: its k loop split and the split's combine also
+ * quantising the output for the down projection:
+ * out[n_tok * k_used, n_rows] and its 8-bit blocks hq, hd[/32], hs[/16] (n_rows a multiple of 32); EINVAL
+ * when the launch did not quantise (no split). */
+stg_status stg_test_routed_quant(int32_t type, const void *w, const void *w2, int32_t n_expert, int64_t n_rows,
+                                 int64_t k, const float *x, int32_t n_tok, const int32_t *ids, int32_t k_used,
+                                 float *out, int8_t *hq, float *hd, int32_t *hs);
+/* stg_test_routed_quant's arguments and outputs on the matvec path (the routed gate/up matvec of one pair per pass
+ * quantising its chunks in-block, k_linear_q_chunk); EINVAL when the launch did not quantise. */
+stg_status stg_test_routed_chunk_quant(int32_t type, const void *w, const void *w2, int32_t n_expert, int64_t n_rows,
+                                       int64_t k, const float *x, int32_t n_tok, const int32_t *ids, int32_t k_used,
+                                       float *out, int8_t *hq, float *hd, int32_t *hs);
+/* st_attention's contract for one kv head's queries; path: STG_PATH_REF or STG_PATH_AUTO. */
+stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                              const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
+                              int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, float *out);
+/* Every query head of one sequence's nq tokens (q[nq, n_head * head_dim], pre-scaled) through the
+ * decode kernel (tile 0), the prefill query-tile kernel (tile 1) or the tensor-core prefill kernel
+ * (attention_mma.cuh: tile 2 with q as f16 hi + lo, tile 3 with q as one f16); out[nq, n_head * head_dim];
+ * aq/ad/as (all or none): also the output's 8-bit blocks. */
+stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                                    const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
+                                    int32_t n_head, int32_t n_kv, const float *q, int32_t nq, int32_t p0, float *out,
+                                    int8_t *aq, float *ad, int32_t *as);
+stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
+/* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
+stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
+                         int32_t rope_dim, int32_t rope_type, float rope_base);
+/* logits[n_tok, n_expert] -> top-k ids and weights (softmax probabilities, raw). */
+stg_status stg_test_router(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t *ids, float *w);
+/* The step's greedy pick (k_argmax_split, st_batch.out_tokens' rule) of rows x[rows, n], uploaded
+ * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop), as the step runs
+ * it (launched twice on the same counters). */
+stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out);
+
+#endif

@@ -1,0 +1,77 @@
+"""The GPU engine's settings and the one registry of the environment variables that override them.
+
+A model on the GPU reads its settings once, when it opens (``stg_model_create``); the defaults are the C
+library's (``stg_settings_default``, strata_cuda.h documents each field). An override here replaces one
+field for every model this process opens afterwards; ``CudaModel.set_settings`` replaces them on an open
+model (benchmarks time several values in one process that way). Nothing else in engine/ or bench/ reads a
+``STRATA_GPU_*`` or ``STRATA_CUDA_*`` variable, and the C sources read none (tests/engine/test_gpu_source_rules.py
+checks both).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "from_env"]
+
+# Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
+# (another build of the same sources, so that one device call can time two versions of a kernel).
+LIBRARY_ENV = "STRATA_CUDA_LIB"
+
+
+@dataclass(frozen=True)
+class Override:
+    env: str  # the environment variable
+    field: str  # the stg_settings field it sets
+    doc: str  # one line: what the field chooses
+
+
+OVERRIDES: tuple[Override, ...] = (
+    Override("STRATA_GPU_GRAPHS", "graphs",
+             "1: steps of at most 64 tokens replay a CUDA graph per shape; 0: plain launches"),
+    Override("STRATA_GPU_PDL", "pdl", "1: programmatic dependent launch on sm_90+; 0: off"),
+    Override("STRATA_GPU_LAYER_EVENTS", "layer_events",
+             "per-layer attention / FFN times: -1 sampled on graph steps, 0 never, 1 every step"),
+    Override("STRATA_GPU_GEMM_MIN", "gemm_min",
+             "expected pairs per expert from which the tensor-core GEMM replaces the matvec"),
+    Override("STRATA_GPU_GEMM_MIN_TOKENS", "gemm_min_tokens",
+             "routed layers of steps of at least this many tokens take the GEMM (0, 8, 16 or 24)"),
+    Override("STRATA_GPU_GEMM_DENSE_MIN", "gemm_dense_min",
+             "pairs from which a dense layer or the output head may take the GEMM"),
+    Override("STRATA_GPU_GEMM_WIDE_MIN", "gemm_wide_min", "blocks from which a dense GEMM takes the wider tiles"),
+    Override("STRATA_GPU_DENSE_SPLIT", "dense_split",
+             "tokens from which a small dense layer's GEMM splits its k loop (0: never)"),
+    Override("STRATA_GPU_ROUTED_SPLIT_MAX", "routed_split_max",
+             "routed gate/up GEMMs of at most this many tokens split their k loop (a multiple of 8, 0: never)"),
+    Override("STRATA_GPU_GEMM_FAST_MIN", "gemm_fast_min",
+             "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)"),
+    Override("STRATA_GPU_ATT_MMA", "att_mma",
+             "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
+    Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
+)
+
+
+def apply_env(settings: Any, environ: dict[str, str] | None = None) -> Any:
+    """Set each field of ``settings`` (an ``stg_settings *`` cdata, or any object with the fields) whose
+    variable is set and not empty; a value that is not an integer raises ValueError naming the variable.
+    Ranges are the C library's to check (ST_EINVAL at model open names the field)."""
+    env = os.environ if environ is None else environ
+    for o in OVERRIDES:
+        raw = env.get(o.env, "").strip()
+        if not raw:
+            continue
+        try:
+            value = int(raw, 10)
+        except ValueError:
+            raise ValueError(f"{o.env}={raw!r}: expected an integer ({o.doc})") from None
+        setattr(settings, o.field, value)
+    return settings
+
+
+def from_env(ffi: Any, lib: Any, environ: dict[str, str] | None = None) -> Any:
+    """A new ``stg_settings *``: the library's defaults with the environment's overrides applied."""
+    s = ffi.new("stg_settings *")
+    lib.stg_settings_default(s)
+    return apply_env(s, environ)
