@@ -35,6 +35,7 @@ from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import chat_completions, completions
+from gateway.responses import add_routes as add_responses_routes
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, json_body
 from gateway.store import RequestLog, RequestQuery
 from gateway.web import add_routes as add_web_routes
@@ -80,6 +81,7 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     r.add_get("/v1/admin/requests", admin_requests)
     add_document_routes(app)  # /v1/collections..., /v1/embeddings
     add_session_routes(app)  # /v1/sessions...
+    add_responses_routes(app)  # /v1/responses... (after _lifecycle: stored responses live in its database)
     add_web_routes(app)  # /, /static/..., /v1/admin/overview
     return app
 
