@@ -76,6 +76,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string / token that ended it (vLLM's field of that name)
     error: str | None = None
     done: bool = False
     started: bool = False  # a stream chunk was sent for this choice
@@ -192,6 +193,7 @@ class Run:
             c.done = True
             c.t_done = now
             c.finish_reason = out.finish_reason
+            c.stop_reason = out.stop_reason
             c.error = out.error
             if c.t_first is None and out.finish_reason != "abort":
                 c.t_first = now  # stopped at once (EOS first): still a first answer
@@ -316,7 +318,7 @@ class Run:
                     message = {"role": "assistant", "content": "", "refusal": None}
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": self.chat_logprobs(c.logprobs) if self.want_logprobs else None,
-                                "finish_reason": reason})
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
             else:
                 choices.append({"index": c.index, "text": text,
                                 "logprobs": self.completion_logprobs(c.logprobs, 0) if self.want_logprobs else None,
@@ -354,7 +356,8 @@ class Run:
         if out.finished and out.finish_reason in ("stop", "length"):
             if self.kind == "chat":
                 delta = {} if c.started else {"role": "assistant", "content": ""}
-                entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+                entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason}
             else:
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": out.finish_reason}
             c.started = True
