@@ -166,6 +166,8 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[dict[s
     if "input" not in body:
         raise _bad("missing required parameter 'input'", "input")
     new = input_messages(body["input"], history)
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise _bad("invalid truncation: expected 'auto' or 'disabled'", "truncation")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("invalid instructions: expected a string", "instructions")
@@ -221,21 +223,24 @@ class ResponsesRelay:
     def response(self, status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         b = self.body
         text = b.get("text") if isinstance(b.get("text"), dict) else {}
+        def given(name: str, default: Any) -> Any:  # null is "not given": the default is echoed
+            return b[name] if b.get(name) is not None else default
+
         r: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "model": self.model or "", "output": self.output,
-            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "parallel_tool_calls": given("parallel_tool_calls", True),
             "previous_response_id": b.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
-            "store": self.store is not None, "temperature": b.get("temperature", 1.0),
+            "store": self.store is not None, "temperature": given("temperature", 1.0),
             "text": {"format": text.get("format") or {"type": "text"}},
-            "tool_choice": b.get("tool_choice", "auto"),
+            "tool_choice": given("tool_choice", "auto"),
             # echoed as OpenAI does: strict is always said (true unless the request said false)
             "tools": [{**t, "strict": t.get("strict") is not False, "parameters": t.get("parameters")}
                       for t in b.get("tools") or []],
-            "top_p": b.get("top_p", 1.0), "truncation": b.get("truncation", "disabled"),
-            "metadata": b.get("metadata") or {},
+            "top_p": given("top_p", 1.0), "truncation": given("truncation", "disabled"),
+            "metadata": given("metadata", {}),
         }
         if status in ("completed", "incomplete"):
             r["usage"] = self.usage
@@ -379,8 +384,10 @@ class ResponsesRelay:
         err = body.get("error") if isinstance(body.get("error"), dict) else {}
         code = str(err.get("code") or err.get("type") or "server_error")
         message = str(err.get("message") or "the response failed")
+        # the failed response's code is one of the spec's few; the error event keeps ours
+        failed = {"code": "rate_limit_exceeded" if code == "rate_limit_error" else "server_error", "message": message}
         return (self._start() + self._event("error", code=code, message=message, param=err.get("param"))
-                + self._event("response.failed", response=self.response("failed", {"code": code, "message": message})))
+                + self._event("response.failed", response=self.response("failed", failed)))
 
 
 # ---------------------------------------------------------------------------------------- handlers
@@ -407,10 +414,37 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         store = body.get("store")
         if store is not None and not isinstance(store, bool):
             raise _bad("invalid store: expected true or false", "store")
+        meta = body.get("metadata")
+        if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+            raise _bad("invalid metadata: expected an object of string values", "metadata")
         chat, new = to_chat(body, history)
         return chat, ResponsesRelay(body, chat, history, new, _store(request), key.id)
 
-    return await generation(request, "chat", prepare)
+    try:
+        resp = await generation(request, "chat", prepare)
+    except APIError as e:  # the chat path's errors name chat's parameters: name this API's
+        e.message, e.param = _rename(e.message, e.param)
+        raise
+    if isinstance(resp, web.Response) and resp.status >= 400 and not resp.prepared and resp.body:
+        try:  # a lane's 4xx, passed through
+            body = json.loads(resp.body)  # type: ignore[arg-type]
+            err = body["error"]
+            err["message"], err["param"] = _rename(str(err.get("message")), err.get("param"))
+        except (ValueError, KeyError, TypeError):
+            return resp
+        resp.body = json.dumps(body).encode()
+    return resp
+
+
+_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
+           "response_format": "text"}
+
+
+def _rename(message: str, param: Any) -> tuple[str, Any]:
+    """A chat-path error's message and param in this API's words (``max_tokens`` -> ``max_output_tokens``, ...)."""
+    if param in _PARAMS:
+        return message.replace(param, _PARAMS[param]), _PARAMS[param]
+    return message, param
 
 
 def _response_id(request: web.Request) -> str:

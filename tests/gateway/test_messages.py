@@ -178,3 +178,30 @@ async def test_bad_input_is_an_anthropic_error(stack: GW, http: aiohttp.ClientSe
         with pytest.raises(anthropic.BadRequestError) as e:
             await c.messages.create(model="strata-default", max_tokens=4, messages=[])
         assert e.value.status_code == 400
+
+
+ODD = [None, -1, "x", [], [{}], [None], {"a": 1}, True]
+
+
+async def test_odd_values_never_a_5xx(stack: GW, http: aiohttp.ClientSession) -> None:
+    """Every top-level field and every block field set to values of the wrong shape: a 200 or a 4xx in
+    Anthropic's shape, never a 5xx; count_tokens likewise."""
+    base: dict[str, Any] = {"max_tokens": 2, "messages": ASK}
+    fields = ["model", "max_tokens", "messages", "system", "stop_sequences", "tools", "tool_choice", "temperature",
+              "top_p", "top_k", "metadata", "stream", "thinking"]
+    bodies = [{**base, f: v} for f in fields for v in ODD]
+    use = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}
+    for f in ("type", "text", "id", "name", "input", "tool_use_id", "content", "is_error"):
+        for v in ODD:
+            bodies.append({**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", f: v}]}]})
+            bodies.append({**base, "messages": [ASK[0], {"role": "assistant", "content": [{**use, f: v}]},
+                                                {"role": "user", "content": [{**result, f: v}]}]})
+    bodies += [{**base, "tools": [{**WEATHER, "input_schema": v}]} for v in ODD]
+    for body in bodies:
+        status, out = await raw(http, stack, body)
+        assert status == 200 or 400 <= status < 500, (body, out)
+    for f in ("messages", "system", "tools", "tool_choice"):
+        for v in ODD:
+            status, out = await raw(http, stack, {"messages": ASK, f: v}, "/v1/messages/count_tokens")
+            assert status == 200 or 400 <= status < 500, (f, v, out)

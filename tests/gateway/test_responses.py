@@ -205,7 +205,12 @@ async def test_bad_input_is_a_typed_4xx(stack: GW, http: aiohttp.ClientSession) 
         ({"input": "hi", "tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"input": "hi", "background": True}, "background", "background"),
         ({"input": "hi", "previous_response_id": 5}, "previous_response_id", "string"),
-        ({"input": "hi", "max_output_tokens": "x"}, "max_tokens", "integer"),
+        ({"input": "hi", "max_output_tokens": "x"}, "max_output_tokens", "integer"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+        ({"input": "hi", "metadata": {"a": 1}}, "metadata", "string values"),
+        ({"input": "hi", "temperature": "hot"}, "temperature", "temperature"),
+        ({"input": "hi", "stream": "yes"}, "stream", "true or false"),
+        ({"input": "hi", "tool_choice": {"type": "file_search"}, "tools": [WEATHER]}, "tool_choice", "tool_choice"),
     ]
     for body, param, needle in cases:
         status, err = await raw(http, stack, {**body, "max_output_tokens": body.get("max_output_tokens", 4)})
@@ -224,3 +229,59 @@ async def test_bad_input_is_a_typed_4xx(stack: GW, http: aiohttp.ClientSession) 
         assert r.status == 200
         check_chat("CreateChatCompletionResponse", await r.json())
 
+
+
+ODD = [None, -1, "x", [], [{}], [None], {"a": 1}, True]
+
+
+async def test_odd_values_never_a_5xx(stack: GW, http: aiohttp.ClientSession) -> None:
+    """Every top-level field and every input item field set to values of the wrong shape: a 200 or a
+    4xx in OpenAI's shape, never a 5xx."""
+    base: dict[str, Any] = {"input": "hi", "max_output_tokens": 2}
+    fields = ["input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "previous_response_id",
+              "store", "metadata", "parallel_tool_calls", "temperature", "top_p", "user", "stream", "model",
+              "truncation", "reasoning", "include"]
+    bodies = [{**base, f: v} for f in fields for v in ODD]
+    item = {"type": "message", "role": "user", "content": "hi"}
+    for f in ("type", "role", "content", "call_id", "output", "name", "arguments"):
+        bodies += [{**base, "input": [{**item, f: v}]} for v in ODD]
+        bodies += [{**base, "input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                      {"type": "function_call_output", "call_id": "c1", "output": "1", f: v}]}
+                   for v in ODD]
+    bodies += [{**base, "text": {"format": {"type": "json_schema", "name": "x", "schema": v}}} for v in ODD]
+    bodies += [{**base, "tools": [{**WEATHER, "parameters": v}]} for v in ODD]
+    for body in bodies:
+        status, out = await raw(http, stack, body)
+        assert status == 200 or 400 <= status < 500, (body, out)
+
+
+async def test_memory_and_documents_on_both_new_apis(stack: GW, http: aiohttp.ClientSession) -> None:
+    """session_id and collections work on /v1/responses and /v1/messages as on chat: the turns are stored
+    in the session (streamed and not) and the passages' citations come back with the answer."""
+    from tests.gateway.documents.helpers import create_collection, upload, wait_done
+
+    key = stack.key("extras")
+    async with http.post(stack.url + "/v1/sessions", json={"title": "t"}, headers=auth(key)) as r:
+        sid = (await r.json())["id"]
+    status, _ = await raw(http, stack, {"input": "My name is Ada.", "max_output_tokens": 4, "session_id": sid}, key)
+    assert status == 200
+    status, _ = await raw(http, stack, {"input": "And you?", "max_output_tokens": 4, "session_id": sid,
+                                        "stream": True}, key)
+    assert status == 200
+    async with http.post(stack.url + "/v1/messages", headers={"x-api-key": key}, json={
+            "max_tokens": 4, "session_id": sid, "messages": [{"role": "user", "content": "Bye."}]}) as r:
+        assert r.status == 200 and r.headers["X-Strata-Memory"].startswith("turns=4;")
+    async with http.get(stack.url + f"/v1/sessions/{sid}", headers=auth(key)) as r:
+        turns = (await r.json())["turns"]
+    assert [t["role"] for t in turns] == ["user", "assistant"] * 3
+    assert [t["content"] for t in turns[::2]] == ["My name is Ada.", "And you?", "Bye."]
+    cid = (await create_collection(http, stack.url, key, "facts"))["id"]
+    _, doc = await upload(http, stack.url, key, cid, "boiler.md", b"# Boiler\n\nThe boiler pressure limit is 42 bar.")
+    assert (await wait_done(http, stack.url, key, cid, doc["id"]))["status"] == "ready"
+    ask = "What is the boiler pressure limit?"
+    status, out = await raw(http, stack, {"input": ask, "max_output_tokens": 8, "collections": ["facts"]}, key)
+    assert status == 200 and out["citations"][0]["document"] == "boiler.md"
+    async with http.post(stack.url + "/v1/messages", headers={"x-api-key": key}, json={
+            "max_tokens": 8, "collections": ["facts"], "messages": [{"role": "user", "content": ask}]}) as r:
+        out = await r.json()
+    assert r.status == 200 and out["citations"][0]["document"] == "boiler.md"
