@@ -6,8 +6,9 @@ options); fields we cannot honour and that would change the answer (``echo``, ``
 are checked by ``SamplingParams.parse``.
 
 Structured output: ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with a
-``tool_choice`` of ``required``, a named function or ``auto`` become a grammar (engine.constraints,
-lanes.tools) the engine enforces token by token. A tool call is generated as ``{"name": ...,
+``tool_choice`` of ``required``, a named function, ``allowed_tools`` or ``auto`` become a grammar
+(engine.constraints, lanes.tools) the engine enforces token by token; object schemas that leave
+``additionalProperties`` unsaid are closed first (lanes.schemas). A tool call is generated as ``{"name": ...,
 "arguments": {...}}`` (several as a JSON array unless ``parallel_tool_calls`` is false) and
 returned as ``message.tool_calls``; with ``auto`` the answer may instead be text (see
 docs/gateway.md).

@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from pydantic import BaseModel, Field
 
 from engine.engine import Engine
 from gateway.responses import RESPONSES
@@ -36,6 +37,11 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Get the cu
 # stream event type -> its schema (validated one by one: a failed anyOf over every event says too little)
 EVENTS = {COMPONENTS["schemas"][ref["$ref"].split("/")[-1]]["properties"]["type"]["enum"][0]: ref["$ref"].split("/")[-1]
           for ref in COMPONENTS["schemas"]["ResponseStreamEvent"]["anyOf"]}
+
+
+class Place(BaseModel):
+    city: str = Field(max_length=16)
+    country: str = Field(max_length=16)
 
 
 def check(name: str, obj: Any) -> None:
@@ -103,7 +109,7 @@ async def test_plain_and_streamed_text(stack: GW, http: aiohttp.ClientSession) -
                                           "metadata": {"t": "1"}})
     assert status == 200 and out["metadata"] == {"t": "1"} and out["output"][0]["type"] == "message"
     status, events = await raw(http, stack, {"input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "Say hello."}]}], "max_output_tokens": 4, "stream": True})
+        {"type": "input_text", "text": "Say hello."}]}], "max_output_tokens": 2, "temperature": 0, "stream": True})
     assert status == 200 and events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
@@ -140,6 +146,9 @@ async def test_structured_output_and_named_choice(stack: GW) -> None:
                                      text={"format": {"type": "json_schema", "name": "place", "schema": schema}},
                                      max_output_tokens=48, temperature=0)
         assert set(json.loads(r.output_text)) == {"city", "country"}  # closed: no invented keys
+        parsed = await c.responses.parse(model="strata-default", input="Name a city and its country.",
+                                         text_format=Place, max_output_tokens=48, temperature=0)
+        assert isinstance(parsed.output_parsed, Place) and parsed.output_parsed.city
         r = await c.responses.create(model="strata-default", input="Weather in Rome?", tools=[WEATHER],
                                      tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=3)
         (call,) = [o for o in r.output if o.type == "function_call"]
