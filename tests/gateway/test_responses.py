@@ -135,6 +135,15 @@ async def test_function_tool_round_trip(stack: GW, stream: bool) -> None:
                                                "output": json.dumps({"weather": "sunny, 21 C"})}],
                                        max_output_tokens=24, temperature=0)
         assert nxt.previous_response_id == r.id and nxt.output_text
+        # stateless, as agent frameworks chain with store=False: the output items go back as input
+        items = [{"role": "user", "content": "What is the weather in Paris?"},
+                 *[o.model_dump(exclude_none=True) for o in r.output],
+                 {"type": "function_call_output", "call_id": calls[0].call_id,
+                  "output": json.dumps({"weather": "sunny, 21 C"})}]
+        again = await c.responses.create(model="strata-default", input=items, tools=[WEATHER], store=False,
+                                         max_output_tokens=24, temperature=0)
+        assert again.output_text and again.usage and nxt.usage
+        assert again.usage.input_tokens == nxt.usage.input_tokens  # the same conversation either way
 
 
 async def test_structured_output_and_named_choice(stack: GW) -> None:
