@@ -26,7 +26,7 @@ from common.http import read_json
 from gateway.dispatch import LaneFailure, Passthrough
 from gateway.errors import APIError
 from gateway.proxy import generation
-from gateway.state import GATEWAY, TRACE
+from gateway.state import GATEWAY, PRINCIPAL, TRACE
 from gateway.window import count_prompt
 
 __all__ = ["MessagesRelay", "add_routes", "anthropic_error", "messages_error_middleware", "to_chat"]
@@ -351,6 +351,17 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
+    """The prompt's tokens as the lane counts them (tools included); counted against the key's rpm and
+    concurrency like a generation request, since it costs a lane's tokenizer."""
+    gw = request.app[GATEWAY]
+    ticket = gw.limiter.admit(request[PRINCIPAL])
+    try:
+        return await _count_tokens(request)
+    finally:
+        gw.limiter.release(ticket)
+
+
+async def _count_tokens(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     body = await json_body_dict(request)
     chat = to_chat(body, counting=True)

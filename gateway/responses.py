@@ -199,12 +199,11 @@ def _usage(u: Any) -> dict[str, Any]:
 class ResponsesRelay:
     """The lane's chat answer as a Responses API answer (whole, or as the Responses stream events)."""
 
-    def __init__(self, body: dict[str, Any], chat: dict[str, Any], history: list[dict[str, Any]],
-                 new: list[dict[str, Any]], store: ResponseStore | None, key_id: int) -> None:
+    def __init__(self, body: dict[str, Any], history: list[dict[str, Any]], new: list[dict[str, Any]],
+                 store: ResponseStore | None, key_id: int) -> None:
         self.id = _new_id("resp_")
         self.created = int(time.time())
         self.body = body
-        self.chat = chat
         self.history = history + new  # the chain so far plus this request's input (no instructions)
         self.store = store if body.get("store", True) is not False else None
         self.key_id = key_id
@@ -418,7 +417,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
             raise _bad("invalid metadata: expected an object of string values", "metadata")
         chat, new = to_chat(body, history)
-        return chat, ResponsesRelay(body, chat, history, new, _store(request), key.id)
+        return chat, ResponsesRelay(body, history, new, _store(request), key.id)
 
     try:
         resp = await generation(request, "chat", prepare)

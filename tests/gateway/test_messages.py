@@ -141,6 +141,13 @@ async def test_count_tokens_and_x_api_key(stack: GW, http: aiohttp.ClientSession
     status, out = await raw(http, stack, {"messages": ASK}, "/v1/messages/count_tokens",
                             {"Authorization": f"Bearer {key}"})
     assert status == 200 and out["input_tokens"] == plain.input_tokens
+    limited = stack.key("one-a-minute", rpm=1)  # counting is a request like any other for the key's limits
+    for want in (200, 429):
+        status, out = await raw(http, stack, {"messages": ASK}, "/v1/messages/count_tokens", {"x-api-key": limited})
+        assert status == want, out
+    assert out["error"]["type"] == "rate_limit_error"
+    status, out = await raw(http, stack, {"max_tokens": 2, "messages": ASK}, headers={"x-api-key": limited})
+    assert status == 429 and out["error"]["type"] == "rate_limit_error"
 
 
 async def test_bad_input_is_an_anthropic_error(stack: GW, http: aiohttp.ClientSession) -> None:

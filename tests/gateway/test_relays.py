@@ -53,7 +53,7 @@ def parse(raw: bytes) -> list[dict[str, Any]]:
 
 def run_responses(chunks: list[dict[str, Any]], error: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     async def go() -> bytes:
-        relay = ResponsesRelay({"input": "x", "model": "strata-default"}, {}, [], [], None, 1)
+        relay = ResponsesRelay({"input": "x", "model": "strata-default"}, [], [], None, 1)
         out = b"".join([await relay.chunk(c) for c in chunks])
         return out + (await relay.error(error) if error is not None else await relay.end()) + await relay.end()
     events = parse(asyncio.run(go()))
