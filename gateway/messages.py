@@ -124,6 +124,10 @@ def to_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
             out.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
         elif texts or not results:
             out.append({"role": role, "content": "\n".join(texts)})
+    if messages[-1].get("role") == "assistant":
+        # a prefill asks to continue the assistant's own text; the chat path always starts a new turn, so the
+        # answer would not continue it: refused rather than answered differently than asked
+        raise _bad("a last message with role 'assistant' (prefill) is not supported by this server", "messages")
     return out
 
 

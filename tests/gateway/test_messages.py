@@ -169,6 +169,7 @@ async def test_bad_input_is_an_anthropic_error(stack: GW, http: aiohttp.ClientSe
         ({"max_tokens": 4, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
          "nope"),
         ({"max_tokens": 4, "messages": ASK, "stop_sequences": "x"}, "stop_sequences"),
+        ({"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": "The"}]}, "prefill"),
         ({"max_tokens": "many", "messages": ASK}, "max_tokens"),
     ]
     for body, needle in cases:
