@@ -1,7 +1,9 @@
 """The clients people already use, unchanged, against the real stack (supervisord, both lanes, the
-gateway, the real default model): langchain-openai (invoke, stream, abatch, bind_tools with every
+gateway, the real default model): the openai SDK's responses and the anthropic SDK's messages
+(plain, streamed, chained), langchain-openai (invoke, stream, abatch, bind_tools with every
 tool_choice form on schemas without additionalProperties, with_structured_output both methods,
 embeddings) and litellm through its OpenAI and Anthropic providers (plain, streamed, tools).
+(tests/gateway/test_responses.py and test_messages.py cover the two APIs in depth.)
 
 No network: litellm reads its bundled model cost map (LITELLM_LOCAL_MODEL_COST_MAP) and the
 embeddings client skips tiktoken's length check (which would download an encoding)."""
@@ -13,7 +15,9 @@ import json
 import os
 from typing import Any
 
+import anthropic
 import langchain_openai
+import openai
 import pytest
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
@@ -38,6 +42,28 @@ class Place(BaseModel):
 
     city: str = Field(max_length=20)
     country: str = Field(max_length=20)
+
+
+def test_sdks_on_the_new_apis(stack: Stack) -> None:
+    """Through supervisord's gateway: a stored response continued by id (a follow-up may land on the
+    other lane: the chain lives in the gateway's database), streamed too; Messages plain and streamed."""
+    with openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key=ADMIN_KEY, max_retries=0) as c:
+        first = c.responses.create(model=MODEL, input="My name is Ada. Reply OK.", max_output_tokens=8)
+        with c.responses.stream(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                max_output_tokens=16) as st:
+            # the last event: response.completed, or response.incomplete at the limit (which the SDK's
+            # get_final_response does not accept, with OpenAI's server either)
+            last = [e for e in st][-1]
+        assert last.type in ("response.completed", "response.incomplete")
+        follow = last.response  # type: ignore[union-attr]
+        assert follow.output_text
+        assert follow.usage and first.usage and follow.usage.input_tokens > first.usage.input_tokens
+    with anthropic.Anthropic(base_url=stack.gateway_url, api_key=ADMIN_KEY, max_retries=0) as a:
+        m = a.messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": ASK}])
+        assert m.content and m.content[0].type == "text" and m.usage.input_tokens > 5
+        with a.messages.stream(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": ASK}]) as ms:
+            final = ms.get_final_message()
+        assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens > 0
 
 
 def chat_model(stack: Stack, **kw: Any) -> Any:
