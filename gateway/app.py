@@ -6,8 +6,9 @@
 Middlewares, outermost first: the access log (one line per request, metrics, the request
 log row), the Messages API's error shape on ``/v1/messages*`` (gateway/messages.py), the
 OpenAI-shaped error middleware, authentication (``/v1/*``: any key, as ``Authorization:
-Bearer`` or ``x-api-key``; ``/v1/admin/*``: an admin key). Background work lives in ``cleanup_ctx``: the database,
-the request-log writer, the upstream HTTP session, the health poller and retention.
+Bearer`` or ``x-api-key``; ``/v1/admin/*``: an admin key). Background work lives in
+``cleanup_ctx``: the database, the request-log writer, the upstream HTTP session, the health
+poller and retention.
 """
 
 from __future__ import annotations
