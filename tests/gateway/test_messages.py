@@ -102,6 +102,10 @@ async def test_plain_streamed_and_stop_sequences(stack: GW, http: aiohttp.Client
             {"type": "text", "text": "Say hello."}]}]})
     assert status == 200 and events[-2]["delta"]["stop_reason"] == "max_tokens"
     assert events[0]["message"]["usage"]["input_tokens"] > 5 and events[-2]["usage"]["output_tokens"] == 2
+    async with http.get(stack.url + "/v1/admin/requests?limit=100", headers={"x-api-key": ADMIN_KEY}) as r:
+        rows = [row for row in (await r.json())["data"] if row["endpoint"] == "/v1/messages"]
+    assert len(rows) >= 4 and {row["stream"] for row in rows} == {True, False}
+    assert all(row["status"] == 200 and row["prompt_tokens"] > 5 and row["completion_tokens"] for row in rows)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -112,6 +112,12 @@ async def test_plain_and_streamed_text(stack: GW, http: aiohttp.ClientSession) -
         {"type": "input_text", "text": "Say hello."}]}], "max_output_tokens": 2, "temperature": 0, "stream": True})
     assert status == 200 and events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    # the request log has them like chat requests: endpoint, lane, tokens
+    async with http.get(stack.url + "/v1/admin/requests?limit=100", headers=auth(ADMIN_KEY)) as r:
+        rows = [row for row in (await r.json())["data"] if row["endpoint"] == "/v1/responses"]
+    assert len(rows) >= 4 and {row["stream"] for row in rows} == {True, False}
+    assert all(row["status"] == 200 and row["lane"] == "a" and row["prompt_tokens"] > 5 and row["completion_tokens"]
+               for row in rows)
 
 
 @pytest.mark.parametrize("stream", [False, True])
