@@ -242,6 +242,8 @@ async def test_bad_input_is_a_typed_4xx(stack: GW, http: aiohttp.ClientSession) 
         assert err["error"]["param"] == param and needle in err["error"]["message"], (body, err)
     status, err = await raw(http, stack, {"input": "hi", "previous_response_id": "resp_nope"})
     assert status == 404 and err["error"]["code"] == "previous_response_not_found"
+    status, err = await raw(http, stack, {"input": "word " * 1500, "truncation": "auto"})  # the window is 1024
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == "input"
     async with http.post(stack.url + "/v1/responses", json={"input": "hi"}) as r:
         assert r.status == 401
         check("ErrorResponse", await r.json())
