@@ -14,7 +14,9 @@ enforces it:
 ``tool_calls`` deltas as the tokens arrive: a call's first delta (index, id, type, name,
 ``arguments: ""``) once its name is complete, then pieces of its ``arguments`` text. The same
 scanner, run over the whole answer, gives the non-streamed ``message.tool_calls``, so both carry
-the very same argument text the model wrote.
+the very same argument text the model wrote. An answer cut short (``max_tokens``) that began a
+call, or any answer of a forced call, gives its partial calls (:meth:`ToolCallScanner.partial`),
+never the call's JSON envelope as text.
 """
 
 from __future__ import annotations
