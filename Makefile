@@ -88,7 +88,8 @@ $(STAMP_LLAMA_WHEEL): | $(STAMP_RUN)
 	touch $@
 
 # Tests: on top of serving + documents (CPU torch already in), llama.cpp and then the `test` extra
-# (pytest, ruff, transformers, openai, psycopg, jsonschema, fpdf2).
+# (pytest, ruff, transformers, psycopg, jsonschema, fpdf2, and the clients tested against the stack: openai,
+# anthropic, langchain-openai, litellm).
 $(STAMP_TEST): $(STAMP_RAG) $(EMBED_ONNX) $(STAMP_LLAMA_WHEEL)
 	$(LLAMA_CPP_INSTALL)
 	$(PIP) install -q --no-build-isolation -e '.[test]'

@@ -140,6 +140,7 @@ class RequestOutput:
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    stop_reason: str | int | None = None  # what ended a "stop": the stop string or stop token id (None: EOS/grammar)
 
 
 def _table(blocks: Sequence[int] = ()) -> array[int]:
@@ -767,11 +768,14 @@ class Scheduler:
         if self._cache:
             extend_digests(req.digests, req.token_ids, self.blocks.block_size)  # only a newly full block
         reason = None
+        stop_reason: str | int | None = None
         text = ""
         emitted_ids = [tok]
         if (tok in self._eos and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
             emitted_ids = []  # the stop token itself is not part of the text
+            if tok in p.stop_token_ids and not (tok in self._eos and not p.ignore_eos):
+                stop_reason = tok
         else:
             if req.detok is not None:
                 if detok_fault:
@@ -780,6 +784,7 @@ class Scheduler:
                 text = step.delta
                 if step.stopped:
                     reason = "stop"
+                    stop_reason = req.detok.matched_stop
             c = req.constraint
             if c is not None and reason is None:
                 if not c.consume(tok):  # cannot happen with the mask applied; never loop on it
@@ -802,7 +807,7 @@ class Scheduler:
             req.finish_reason = reason
             self._move(req, "done")
         return RequestOutput(req.request_id, emitted_ids, text, [lp] if lp else [], reason is not None, reason,
-                             req.n_prompt, req.n_output, max(req.cached_tokens, 0))
+                             req.n_prompt, req.n_output, max(req.cached_tokens, 0), stop_reason=stop_reason)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> RequestOutput:
         self.blocks.release(req.blocks)

@@ -4,9 +4,11 @@
     # python -m gateway runs it (signals, graceful stop); tests use an AppRunner on port 0
 
 Middlewares, outermost first: the access log (one line per request, metrics, the request
-log row), the OpenAI-shaped error middleware, authentication (``/v1/*``: any key;
-``/v1/admin/*``: an admin key). Background work lives in ``cleanup_ctx``: the database,
-the request-log writer, the upstream HTTP session, the health poller and retention.
+log row), the Messages API's error shape on ``/v1/messages*`` (gateway/messages.py), the
+OpenAI-shaped error middleware, authentication (``/v1/*``: any key, as ``Authorization:
+Bearer`` or ``x-api-key``; ``/v1/admin/*``: an admin key). Background work lives in
+``cleanup_ctx``: the database, the request-log writer, the upstream HTTP session, the health
+poller and retention.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ from gateway.documents.api import add_routes as add_document_routes
 from gateway.errors import ERROR_CODE, APIError, error_middleware
 from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
+from gateway.messages import add_routes as add_messages_routes
+from gateway.messages import messages_error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import chat_completions, completions
+from gateway.responses import add_routes as add_responses_routes
 from gateway.sessions import MEMORY, memory_context
 from gateway.sessions import add_routes as add_session_routes
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, json_body
@@ -58,7 +63,8 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
                  limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc()),
                  admin_key=admin_key, client_address=ClientAddress(config.trusted_proxies))
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_access_middleware, error_middleware, _auth_middleware])
+                          middlewares=[_access_middleware, messages_error_middleware, error_middleware,
+                                       _auth_middleware])
     app[GATEWAY] = gw
     app.cleanup_ctx.append(_lifecycle)
     app.cleanup_ctx.append(rag_context(config.rag))  # after _lifecycle: it needs the database
@@ -80,6 +86,8 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     r.add_get("/v1/admin/requests", admin_requests)
     add_document_routes(app)  # /v1/collections..., /v1/embeddings
     add_session_routes(app)  # /v1/sessions...
+    add_responses_routes(app)  # /v1/responses... (after _lifecycle: stored responses live in its database)
+    add_messages_routes(app)  # /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
     add_web_routes(app)  # /, /static/..., /v1/admin/overview
     return app
 
@@ -195,7 +203,10 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
     if path.startswith("/v1/") or needs_admin:
         assert gw.auth is not None
         address = gw.client_address.of(request.remote, request.headers.get("X-Forwarded-For"))
-        key = await gw.auth.authenticate(request.headers.get("Authorization"), address)
+        authorization = request.headers.get("Authorization")
+        if not authorization and request.headers.get("x-api-key"):  # Anthropic-style clients send the key so
+            authorization = "Bearer " + request.headers["x-api-key"]
+        key = await gw.auth.authenticate(authorization, address)
         request[PRINCIPAL] = key
         request[TRACE].key = key
         if needs_admin and not key.admin:

@@ -86,6 +86,8 @@ class GatewayConfig(BaseModel):
     eject_cooldown_s: float = Field(10.0, ge=0)
     log_prompts_default: bool = False
     retention_days: float = Field(30.0, gt=0)
+    responses_retention_days: float = Field(30.0, gt=0, description="stored /v1/responses answers (for "
+                                            "previous_response_id) are deleted this long after they were made")
     admin_key_file: Path | None = Field(None, description="a 0600 file holding the admin key")
     key_cache_s: float = Field(10.0, ge=0, description="how long a verified key stays cached")
     negative_cache_size: int = Field(10_000, ge=0, description="unknown keys remembered (0: none)")

@@ -24,8 +24,8 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Any, Literal, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -45,7 +45,7 @@ from gateway.sessions import get_memory
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
 
-__all__ = ["chat_completions", "completions"]
+__all__ = ["Relay", "chat_completions", "completions", "generation"]
 
 log = logging.getLogger("strata.gateway")
 
@@ -59,6 +59,30 @@ _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 class ClientGone(Exception):
     """The client closed its connection; the upstream request is dropped with it."""
+
+
+class Relay(Protocol):
+    """Speaks another API to the client over the chat path (gateway/responses.py, gateway/messages.py): the
+    request was translated into a chat request; the lane's answer is translated back here."""
+
+    async def whole(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed chat.completion -> that API's response body."""
+        ...
+
+    async def chunk(self, obj: dict[str, Any]) -> bytes:
+        """One chat.completion.chunk (or the usage / citations chunk) -> that API's stream events."""
+        ...
+
+    async def end(self) -> bytes:
+        """The stream's last events, in place of ``data: [DONE]``."""
+        ...
+
+    async def error(self, body: dict[str, Any]) -> bytes:
+        """An OpenAI-shaped error body -> that API's error event(s) ending the stream."""
+        ...
+
+
+Prepare = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], Relay]]]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -160,6 +184,7 @@ class _Call:
         self.lane_broke = False  # the lane failed after the first token
         self.rag: RagContext | None = None  # retrieved passages (the `collections` field)
         self.memory: MemoryContext | None = None  # session memory (a `sess_...` session_id)
+        self.relay: Relay | None = None  # another API spoken over this chat request
 
     # ------------------------------------------------------------ attempts
     async def run(self) -> web.StreamResponse:
@@ -359,6 +384,8 @@ class _Call:
         if self.rag is not None and isinstance(data, dict):
             data["citations"] = rag_citations(self.rag)
             raw = _dumps(data)
+        if self.relay is not None and isinstance(data, dict):
+            raw = _dumps(await self.relay.whole(data))
         return web.Response(status=status, body=raw, content_type="application/json", headers=self._headers(lane))
 
     # ------------------------------------------------------------ streaming
@@ -379,11 +406,15 @@ class _Call:
             raise ClientGone from None
         self.last_write = time.monotonic()
 
+    async def _send(self, lane: LaneRuntime, obj: dict[str, Any]) -> None:
+        await self._write(lane, b"data: " + _dumps(obj) + b"\n\n" if self.relay is None else await self.relay.chunk(obj))
+
     async def _error_event(self, body: dict[str, Any], code: str | None) -> None:
         assert self.resp is not None
         self.trace.error_type = code
         try:
-            await self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n")
+            await self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n" if self.relay is None
+                                  else await self.relay.error(body))
             await self.resp.write_eof()
         except ConnectionError:
             self.trace.client_gone = True
@@ -470,10 +501,10 @@ class _Call:
                 if done:
                     await self._remember(complete=True)  # a session's turns are stored before the client's [DONE]
                     if self.rag is not None:  # the citations ride in one last chunk, before [DONE]
-                        await self._write(lane, b"data: " + _dumps({
+                        await self._send(lane, {
                             "id": self.trace.id, "object": "chat.completion.chunk", "created": int(time.time()),
-                            "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)}) + b"\n\n")
-                    await self._write(lane, b"data: [DONE]\n\n")
+                            "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)})
+                    await self._write(lane, b"data: [DONE]\n\n" if self.relay is None else await self.relay.end())
                     assert self.resp is not None
                     with contextlib.suppress(ConnectionError):
                         await self.resp.write_eof()
@@ -516,7 +547,8 @@ class _Call:
             self.lane_broke = True
             self.gw.dispatcher.failed(lane, "stream", f"error event {code}")
             self.trace.error_type = code
-            await self._write(lane, b"data: " + data.encode() + b"\n\n")
+            await self._write(lane, b"data: " + data.encode() + b"\n\n" if self.relay is None
+                              else await self.relay.error(obj))
             return False
         usage = obj.get("usage")
         out = data.encode()
@@ -533,7 +565,7 @@ class _Call:
                 piece = delta.get("content") if delta is not None else ch.get("text")
                 if isinstance(piece, str):
                     self.texts.setdefault(int(ch.get("index") or 0), []).append(piece)
-        await self._write(lane, b"data: " + out + b"\n\n")
+        await self._write(lane, b"data: " + out + b"\n\n" if self.relay is None else await self.relay.chunk(obj))
         if obj.get("choices"):
             self.trace.streamed_chunks += 1
         if not self.first_sent and obj.get("choices"):
@@ -552,7 +584,9 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
-async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
+async def generation(request: web.Request, kind: Kind, prepare: Prepare | None = None) -> web.StreamResponse:
+    """One generation request. ``prepare`` (another API's endpoint) turns the body it read into a chat
+    request and the :class:`Relay` that answers in that API; the rest is the chat path itself."""
     gw = request.app[GATEWAY]
     trace = request[TRACE]
     key = request[PRINCIPAL]
@@ -564,6 +598,9 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         trace.mark("body")
         if not isinstance(body, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
+        relay: Relay | None = None
+        if prepare is not None:
+            body, relay = await prepare(body)
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
             raise _bad("stream", "invalid stream: expected true or false")
@@ -599,7 +636,10 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         if key.log_prompts:
             trace.prompt_text = json.dumps(body.get("messages") if kind == "chat" else body.get("prompt"),
                                            ensure_ascii=False)
+        if relay is not None:
+            client_usage = True  # the relay reads the usage chunk and speaks it in its own API
         call = _Call(request, gw, trace, key, kind, body, affinity, client_usage)
+        call.relay = relay
         if is_memory_session(session_id):
             assert session_id is not None
             call.memory = await memory_prepare(get_memory(request), key.id, session_id, body["messages"])
@@ -618,8 +658,8 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, "chat")
+    return await generation(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generation(request, "completion")
+    return await generation(request, "completion")

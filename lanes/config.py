@@ -81,6 +81,10 @@ class LaneConfig(BaseModel):
     drain_timeout_s: float = Field(30.0, ge=0)
     ping_interval_s: float = Field(3.0, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    additional_properties_default: bool = Field(
+        False, description="object schemas (tool parameters, json_schema) that do not say additionalProperties: "
+                           "false closes them (OpenAI strict mode's rule), true leaves them open; a request may "
+                           "say its own with the field of the same name")
 
     @field_validator("cores", mode="before")
     @classmethod

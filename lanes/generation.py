@@ -76,6 +76,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string / token that ended it (vLLM's field of that name)
     error: str | None = None
     done: bool = False
     started: bool = False  # a stream chunk was sent for this choice
@@ -192,6 +193,7 @@ class Run:
             c.done = True
             c.t_done = now
             c.finish_reason = out.finish_reason
+            c.stop_reason = out.stop_reason
             c.error = out.error
             if c.t_first is None and out.finish_reason != "abort":
                 c.t_first = now  # stopped at once (EOS first): still a first answer
@@ -291,10 +293,15 @@ class Run:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def tool_calls(self, c: _Choice) -> list[dict[str, Any]] | None:
-        """The finished choice's answer as tool calls, when tools are on and it is only calls."""
-        if c.tools is None or c.finish_reason != "stop":
+        """The finished choice's answer as tool calls, when tools are on and it is only calls; an
+        answer that began a call (always, when a call is forced) but was cut short gives its partial
+        calls (possibly none), never its envelope as text."""
+        if c.tools is None or c.finish_reason not in ("stop", "length"):
             return None
-        return c.tools.result()
+        calls = c.tools.result() if c.finish_reason == "stop" else None
+        if calls is None and (c.tools.kind == "json" or self.tool_mode == "forced"):
+            calls = [d.call() for d in c.tools.partial()]
+        return calls
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -304,12 +311,14 @@ class Run:
                 calls = self.tool_calls(c)
                 message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
                 reason = c.finish_reason
-                if calls is not None:
+                if calls:
                     message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
-                    reason = "tool_calls"
+                    reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+                elif calls is not None:  # a call cut before its name: no call, and no envelope either
+                    message = {"role": "assistant", "content": "", "refusal": None}
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": self.chat_logprobs(c.logprobs) if self.want_logprobs else None,
-                                "finish_reason": reason})
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
             else:
                 choices.append({"index": c.index, "text": text,
                                 "logprobs": self.completion_logprobs(c.logprobs, 0) if self.want_logprobs else None,
@@ -347,7 +356,8 @@ class Run:
         if out.finished and out.finish_reason in ("stop", "length"):
             if self.kind == "chat":
                 delta = {} if c.started else {"role": "assistant", "content": ""}
-                entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+                entry = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason}
             else:
                 entry = {"index": c.index, "text": "", "logprobs": None, "finish_reason": out.finish_reason}
             c.started = True
@@ -377,8 +387,9 @@ class Run:
             for d in sc.take_deltas():
                 entries.append(self._delta(c, {"tool_calls": [d.openai()]}))
             calls = sc.result() if ended and out.finish_reason == "stop" else None
-            if ended and calls is None and not sc.streamed_calls:  # not a call after all: the text
-                entries.append(self._delta(c, {"content": sc.take_text()}))
+            if ended and calls is None:  # cut short (or not whole): the partial calls, never the envelope
+                for d in sc.take_partial():
+                    entries.append(self._delta(c, {"tool_calls": [d.openai()]}))
             reason = "tool_calls" if calls is not None else out.finish_reason
         else:  # tagged (or undecided): only the end tells
             calls = self.tool_calls(c) if ended else None
@@ -387,7 +398,7 @@ class Run:
                     entries.append(self._delta(c, {"tool_calls": [{"index": k, **call}]}))
             elif ended:
                 entries.append(self._delta(c, {"content": sc.take_text()}, c.logprobs if self.want_logprobs else []))
-            reason = "tool_calls" if calls is not None else out.finish_reason
+            reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
         chunks = [self.chunk([e]) for e in entries]
         if ended:
             delta: dict[str, Any] = {} if c.started else {"role": "assistant", "content": ""}

@@ -6,8 +6,9 @@ options); fields we cannot honour and that would change the answer (``echo``, ``
 are checked by ``SamplingParams.parse``.
 
 Structured output: ``response_format`` (``json_object``, ``json_schema``) and ``tools`` with a
-``tool_choice`` of ``required``, a named function or ``auto`` become a grammar (engine.constraints,
-lanes.tools) the engine enforces token by token. A tool call is generated as ``{"name": ...,
+``tool_choice`` of ``required``, a named function, ``allowed_tools`` or ``auto`` become a grammar
+(engine.constraints, lanes.tools) the engine enforces token by token; object schemas that leave
+``additionalProperties`` unsaid are closed first (lanes.schemas). A tool call is generated as ``{"name": ...,
 "arguments": {...}}`` (several as a JSON array unless ``parallel_tool_calls`` is false) and
 returned as ``message.tool_calls``; with ``auto`` the answer may instead be text (see
 docs/gateway.md).
@@ -29,6 +30,7 @@ from common.token_limit import token_limit_field
 from engine.constraints import GrammarError, json_schema_grammar
 from engine.sampling import SamplingParams, SamplingParamsError
 from lanes.errors import APIError
+from lanes.schemas import close_objects
 from lanes.tools import tools_grammar
 
 __all__ = ["MAX_CHOICES", "MAX_N", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest",
@@ -107,6 +109,15 @@ class _GenerationBody(_Body):
         return kw
 
 
+def _choice_name(choice: Any) -> str | None:
+    """The function a tool_choice entry names: ``{"function": {"name"}}`` (chat) or ``{"name"}`` (Responses)."""
+    if not isinstance(choice, dict):
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+    return name if isinstance(name, str) and name else None
+
+
 def _tool_names(tools: list[Any]) -> list[str]:
     names = []
     for i, t in enumerate(tools):
@@ -135,6 +146,9 @@ class ChatRequest(_GenerationBody):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # None: true (OpenAI's default)
     response_format: dict[str, Any] | None = None
+    # object schemas (tool parameters, json_schema) that do not say additionalProperties: false (the
+    # default, see lanes/schemas.py) closes them, true leaves them open; None: the lane config's
+    additional_properties_default: bool | None = None
 
     @property
     def max_tokens_param(self) -> tuple[str, int | None]:
@@ -153,12 +167,20 @@ class ChatRequest(_GenerationBody):
 
     def tool_mode(self) -> tuple[Literal["none", "auto", "forced"], list[dict[str, Any]]]:
         """(mode, tools the model may call): mode is "none" (no tools), "auto" (the model may
-        answer with a call), or "forced" (``required`` or a named function: a call is enforced)."""
+        answer with a call), or "forced" (``required``, a named function or ``allowed_tools`` in
+        mode ``required``: a call is enforced).
+
+        ``tool_choice`` forms: ``"none"``, ``"auto"``, ``"required"`` (``"any"``, the Messages API's
+        word, is taken as ``"required"``), ``{"type": "function", "function": {"name": ...}}`` (the
+        Responses API's flat ``{"type": "function", "name": ...}`` too) and ``{"type":
+        "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [...]}}``."""
         tools = self.tools or []
         names = _tool_names(tools)
         choice = self.tool_choice
         if choice is None:
             choice = "auto" if tools else "none"
+        if choice == "any":
+            choice = "required"
         if isinstance(choice, str):
             if choice not in ("none", "auto", "required"):
                 raise APIError(400, f"invalid tool_choice {_short(choice)}: expected 'none', 'auto', 'required' "
@@ -168,19 +190,52 @@ class ChatRequest(_GenerationBody):
             if choice == "none" or not tools:
                 return "none", []
             return ("forced" if choice == "required" else "auto"), tools
-        fn = choice.get("function") if isinstance(choice, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-            raise APIError(400, "invalid tool_choice: expected 'none', 'auto', 'required' or "
-                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind == "allowed_tools":
+            return self._allowed_tools(choice, tools, names)
+        name = _choice_name(choice)
+        if kind != "function" or name is None:
+            raise APIError(400, "invalid tool_choice: expected 'none', 'auto', 'required', "
+                           "{\"type\": \"function\", \"function\": {\"name\": ...}} or "
+                           "{\"type\": \"allowed_tools\", \"allowed_tools\": {\"mode\": ..., \"tools\": [...]}}",
+                           param="tool_choice")
         if name not in names:
             raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
         return "forced", [tools[names.index(name)]]
+
+    @staticmethod
+    def _allowed_tools(choice: dict[str, Any], tools: list[Any], names: list[str],
+                       ) -> tuple[Literal["auto", "forced"], list[dict[str, Any]]]:
+        spec = choice.get("allowed_tools", choice)  # chat nests it; the Responses API writes it flat
+        mode = spec.get("mode") if isinstance(spec, dict) else None
+        listed = spec.get("tools") if isinstance(spec, dict) else None
+        if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+            raise APIError(400, "invalid tool_choice allowed_tools: expected {\"mode\": \"auto\" | \"required\", "
+                           "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": ...}}, ...]}",
+                           param="tool_choice")
+        chosen = []
+        for i, t in enumerate(listed):
+            name = _choice_name(t)
+            if not isinstance(t, dict) or t.get("type") != "function" or name is None:
+                raise APIError(400, f"invalid tool_choice allowed_tools.tools[{i}]: expected a function by name",
+                               param="tool_choice")
+            if name not in names:
+                raise APIError(400, f"tool_choice allows function {name!r}, which is not in tools",
+                               param="tool_choice")
+            if tools[names.index(name)] not in chosen:
+                chosen.append(tools[names.index(name)])
+        return ("forced" if mode == "required" else "auto"), chosen
+
+    def _closed(self, schema: Any) -> Any:
+        return schema if self.additional_properties_default else close_objects(schema)
 
     def grammar(self) -> tuple[str | None, str]:
         mode, tools = self.tool_mode()
         parallel = self.parallel_tool_calls is not False
         answer = self._answer_schema()
+        tools = [{**t, "function": {**t["function"], "parameters": self._closed(t["function"].get("parameters")
+                                                                                 or {"type": "object"})}}
+                 for t in tools]
         param = "tools" if mode == "forced" or (mode == "auto" and answer is None) else "response_format"
         try:
             if mode == "none":
@@ -208,7 +263,7 @@ class ChatRequest(_GenerationBody):
             if not isinstance(schema, dict | bool):
                 raise APIError(400, "response_format json_schema.schema must be a JSON schema object",
                                param="response_format")
-            return schema
+            return self._closed(schema)
         raise APIError(400, f"invalid response_format type {_short(kind)}: expected 'text', 'json_object' or "
                        "'json_schema'", param="response_format")
 

@@ -306,6 +306,8 @@ async def _generation_entry(request: web.Request, kind: Literal["chat", "complet
             raise _unavailable(st)
         if kind == "chat":
             chat = parse_body(ChatRequest, body)
+            if chat.additional_properties_default is None:
+                chat.additional_properties_default = st.config.additional_properties_default
             chat.check()
             _check_model(st, chat.model)
             tools = chat.tools if chat.tool_mode()[0] != "none" else None

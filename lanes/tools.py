@@ -14,7 +14,9 @@ enforces it:
 ``tool_calls`` deltas as the tokens arrive: a call's first delta (index, id, type, name,
 ``arguments: ""``) once its name is complete, then pieces of its ``arguments`` text. The same
 scanner, run over the whole answer, gives the non-streamed ``message.tool_calls``, so both carry
-the very same argument text the model wrote.
+the very same argument text the model wrote. An answer cut short (``max_tokens``) that began a
+call, or any answer of a forced call, gives its partial calls (:meth:`ToolCallScanner.partial`),
+never the call's JSON envelope as text.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ class ToolDelta:
             return {"index": self.index, "id": self.id, "type": "function",
                     "function": {"name": self.name, "arguments": self.arguments}}
         return {"index": self.index, "function": {"arguments": self.arguments}}
+
+    def call(self) -> dict[str, Any]:
+        """The whole call as an entry of ``message.tool_calls`` (a head: id and name set)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 class ToolCallScanner:
@@ -255,6 +261,41 @@ class ToolCallScanner:
             args = (self.text[call.args_start: call.args_end] if call.args_start is not None and call.args_end is not None
                     else _compact(o["arguments"]))
             out.append({"id": call.id, "type": "function", "function": {"name": o["name"], "arguments": args}})
+        return out
+
+    def partial(self) -> list[ToolDelta]:
+        """The calls of an answer cut short (``max_tokens``) or otherwise not whole: each call whose
+        name is known (or, with one function to call, any call begun) with the argument text written
+        so far. A forced call comes back as a call even then, never as its envelope in ``content``."""
+        only = self.names[0] if len(self.names) == 1 else None
+        out: list[ToolDelta] = []
+        for k, call in enumerate(self.calls):
+            name = call.name if call.name in self.names else only
+            if name is None:
+                continue
+            args = ""
+            if call.args_start is not None:
+                args = self.text[call.args_start: call.args_end if call.args_end is not None else len(self.text)]
+            out.append(ToolDelta(k, call.id, name, args))
+        if not out and only is not None and self.kind in ("json", None):  # cut before the call object began
+            self.calls.append(ScannedCall("call_" + uuid.uuid4().hex[:24]))
+            out.append(ToolDelta(len(self.calls) - 1, self.calls[-1].id, only, ""))
+        return out
+
+    def take_partial(self) -> list[ToolDelta]:
+        """:meth:`partial` for a stream that has sent :meth:`take_deltas` so far: what is still unsent
+        (heads of calls not sent yet with all their text, the rest of the others' arguments)."""
+        out = []
+        for d in self.partial():
+            call = self.calls[d.index]
+            if not call.sent_head:
+                call.sent_head = True
+                out.append(d)
+            else:
+                end = call.args_end if call.args_end is not None else len(self.text)
+                if call.args_start is not None and end > max(call.sent_to, call.args_start):
+                    out.append(ToolDelta(d.index, None, None, self.text[max(call.sent_to, call.args_start): end]))
+                    call.sent_to = end
         return out
 
     def _tagged(self) -> list[dict[str, Any]] | None:

@@ -109,3 +109,31 @@ def test_scanner_text_tagged_and_not_calls() -> None:
     sc = ToolCallScanner(NAMES)
     sc.feed("  <tool_")
     assert sc.kind is None  # undecided while it may still be a tag
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_scanner_partial_calls_of_a_cut_answer(step: int) -> None:
+    """An answer cut by max_tokens: the calls begun so far with the argument text written, and for a
+    stream only what its deltas have not sent yet, so that joined they are the same partial calls."""
+    cut = TWO[:-12]  # inside the second call's arguments
+    sc, deltas = replay(cut, step)
+    rest = [d.openai() for d in sc.take_partial()]
+    whole = ToolCallScanner(NAMES)
+    whole.feed(cut)
+    calls = [d.call() for d in whole.partial()]
+    assert [c["function"]["name"] for c in calls] == ["add", "get_weather"]
+    assert calls[0]["function"]["arguments"] == '{"a":1,"b":2}' and calls[1]["function"]["arguments"] == '{"city":"'
+    joined: dict[int, str] = {}
+    for d in deltas + rest:
+        joined[d["index"]] = joined.get(d["index"], "") + d["function"]["arguments"]
+    assert [joined[k] for k in sorted(joined)] == [c["function"]["arguments"] for c in calls]
+    assert sc.take_partial() == []  # nothing twice
+    # a call cut inside its name: dropped when several functions could be meant, named when one can
+    sc = ToolCallScanner(NAMES)
+    sc.feed('{"name":"get_w')
+    assert sc.partial() == []
+    one = ToolCallScanner(["get_weather"])
+    one.feed('{"name":"get_w')
+    assert [(d.name, d.arguments) for d in one.partial()] == [("get_weather", "")]
+    empty = ToolCallScanner(["get_weather"])
+    assert [d.name for d in empty.partial()] == ["get_weather"] and empty.partial()[0].id == empty.calls[0].id
