@@ -73,6 +73,21 @@ class GatewayConfig(BaseModel):
     stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream whose lane sends nothing this long")
     ping_interval_s: float = Field(3.0, gt=0, description="SSE ': ping' while a stream waits")
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0, description="a new connection's first request headers must arrive "
+                                    "within this (else 408 and closed: slowloris)")
+    body_timeout_s: float = Field(30.0, gt=0, description="a JSON body must arrive within this after its headers "
+                                  "(else 408 and closed); uploads have upload_timeout_s")
+    upload_timeout_s: float = Field(300.0, gt=0, description="a document upload's whole body must arrive within this")
+    keepalive_timeout_s: float = Field(15.0, gt=0, description="an idle keep-alive connection is closed after this")
+    stream_write_timeout_s: float = Field(30.0, gt=0, description="a stream's client must take each chunk within "
+                                          "this, else it is disconnected and its lane request aborted")
+    max_connections: int = Field(4096, ge=16, description="open client connections in all; when full, a new one "
+                                 "takes the place of the oldest connection that never authenticated and is idle, "
+                                 "else it gets 503")
+    max_connections_per_address: int = Field(256, ge=1, description="open connections per client address (the "
+                                             "peer; trusted_proxies are exempt), with the same eviction")
+    max_open_files: int | None = Field(None, ge=256, description="RLIMIT_NOFILE the gateway sets at start (None: "
+                                       "the hard limit); max_connections is lowered to fit it")
     max_tokens_cap: int | None = Field(None, ge=1, description="global cap on max_tokens (clamped)")
     default_max_tokens: int | None = Field(
         1024, ge=1, description="max_tokens of a request that names none (a key's own default wins); "

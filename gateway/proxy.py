@@ -30,8 +30,8 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 from aiohttp import web
 
-from common.http import SSE_HEADERS, client_gone, read_json
-from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status
+from common.http import SSE_HEADERS, client_gone
+from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status, connection_problem
 from gateway.documents.api import get_rag
 from gateway.documents.chat import RagContext, fit_passages, parse_collections
 from gateway.documents.chat import citations as rag_citations
@@ -39,7 +39,7 @@ from gateway.documents.chat import prepare as rag_prepare
 from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
-from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
+from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, check_text, read_body
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
 from memory.api import get_memory
 from memory.chat import MemoryContext, fit_memory, is_memory_session, session_ref
@@ -193,7 +193,7 @@ class _Call:
                 assert failure is not None
                 self.gw.metrics.retries.labels(lane=failure.lane).inc()
                 log.warning("id=%s lane=%s failed before the first token (%s: %s); retrying on lane=%s", trace.id,
-                            failure.lane, failure.kind, failure.message, lane.name)
+                            failure.lane, failure.kind, failure.detail, lane.name)
             tried.add(lane.name)
             trace.lane = lane.name
             trace.model = model or lane.model
@@ -222,7 +222,7 @@ class _Call:
                     disp.succeeded(lane)
                 return result
             except LaneFailure as f:
-                disp.failed(lane, f.kind, f.message)
+                disp.failed(lane, f.kind, f.detail)
                 failure = f
             except Passthrough as p:
                 disp.succeeded(lane)  # a 4xx is the lane working correctly
@@ -303,6 +303,8 @@ class _Call:
 
     async def _fail(self, f: LaneFailure) -> web.StreamResponse:
         """Every attempt failed: the last lane's own 5xx if it gave one, else 502 / 504."""
+        log.warning("id=%s no lane could serve the request; the last failure: lane=%s %s: %s", self.trace.id, f.lane,
+                    f.kind, f.detail)
         if f.status is not None and f.status >= 500 and f.body:
             code = _error_code(f.body) or "upstream_error"
             if self.resp is None:
@@ -339,7 +341,8 @@ class _Call:
         except TimeoutError:
             raise LaneFailure(lane.name, "timeout", f"lane {lane.name} gave no answer within {timeout:.0f}s") from None
         except (aiohttp.ClientError, OSError) as e:
-            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
+            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {connection_problem(e)}",
+                              detail=f"{type(e).__name__}: {e}") from None
         check_lane_status(lane.name, f"lane {lane.name}", status, raw, headers)
         try:
             data = json.loads(raw)
@@ -403,7 +406,8 @@ class _Call:
             raise LaneFailure(lane.name, "timeout", f"lane {lane.name} did not answer within "
                               f"{cfg.first_token_timeout_s:.0f}s") from None
         except (aiohttp.ClientError, OSError) as e:
-            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
+            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {connection_problem(e)}",
+                              detail=f"{type(e).__name__}: {e}") from None
         self.trace.mark("headers")
         clean = False
         try:
@@ -459,8 +463,8 @@ class _Call:
                 if not self.first_sent:
                     self.trace.mark("chunk")
                 if isinstance(item, BaseException):
-                    raise LaneFailure(lane.name, "stream", f"lane {lane.name}'s stream broke: "
-                                      f"{type(item).__name__}: {item}")
+                    raise LaneFailure(lane.name, "stream", f"lane {lane.name}'s stream broke",
+                                      detail=f"{type(item).__name__}: {item}")
                 if item is None:
                     raise LaneFailure(lane.name, "stream", f"lane {lane.name} ended its stream before [DONE]")
                 for data in parser.feed(item):
@@ -484,8 +488,8 @@ class _Call:
                 raise
             # after the first token there is no failover: the client learns it in the stream
             self.lane_broke = True
-            self.gw.dispatcher.failed(lane, f.kind, f.message)
-            log.warning("id=%s lane=%s failed mid-stream: %s", self.trace.id, lane.name, f.message)
+            self.gw.dispatcher.failed(lane, f.kind, f.detail)
+            log.warning("id=%s lane=%s failed mid-stream: %s", self.trace.id, lane.name, f.detail)
             await self._error_event(error_body("the lane failed while streaming this response; the answer is "
                                                "incomplete", "server_error", code="upstream_error"), "upstream_error")
             assert self.resp is not None
@@ -560,7 +564,7 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
     ticket = gw.limiter.admit(key)
     call: _Call | None = None
     try:
-        body = await read_json(request, gw.config.max_body_bytes)
+        body = await read_body(request)
         trace.mark("body")
         if not isinstance(body, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
@@ -581,6 +585,11 @@ async def _generation(request: web.Request, kind: Kind) -> web.StreamResponse:
         trace.model = model
         session_id = session_ref(request, body)
         refs = parse_collections(body)
+        # ids that reach the database: valid text (the header too) without NUL, which PostgreSQL refuses
+        check_text({"session_id": session_id})
+        for param, ids in (("session_id", [session_id] if session_id else []), ("collections", refs or [])):
+            if any("\x00" in v for v in ids):
+                raise _bad(param, f"invalid {param}: must not contain NUL characters")
         if is_memory_session(session_id) and kind != "chat":
             raise _bad("session_id", "session memory works with /v1/chat/completions only")
         if refs is not None and kind != "chat":

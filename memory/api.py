@@ -55,7 +55,7 @@ def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embe
             store = await asyncio.to_thread(MemoryStore, gw.db)
         except Exception as e:
             log.error("session memory is off: %s: %s", type(e).__name__, e)
-            app[_DISABLED] = f"session memory is unavailable on this gateway: {e}"
+            app[_DISABLED] = "session memory is unavailable on this gateway (its log says why)"
             yield
             return
         embedder = None

@@ -62,7 +62,7 @@ def rag_context(cfg: RagConfig) -> Any:
             svc = await asyncio.to_thread(RagService, svc_cfg, gw.db)
         except Exception as e:  # e.g. the embedding model's package is not installed
             log.error("documents and retrieval are off: %s: %s", type(e).__name__, e)
-            app[_DISABLED] = f"documents and retrieval are unavailable on this gateway: {e}"
+            app[_DISABLED] = "documents and retrieval are unavailable on this gateway (its log says why)"
             yield
             return
         app[RAG] = svc
@@ -321,7 +321,8 @@ async def search(request: web.Request) -> web.Response:
 def _embed_unavailable(e: EmbedError) -> APIError:
     """A request that needs the embedding model when its encode failed (its process died: a new one is
     loading): a typed 503 the client may retry, not a 500."""
-    return APIError(503, f"the embedding model is unavailable: {e}", code="embedding_model_unavailable",
+    log.warning("documents: the embedding model is unavailable: %s", e)
+    return APIError(503, "the embedding model is unavailable; retry shortly", code="embedding_model_unavailable",
                     retry_after=5)
 
 

@@ -179,8 +179,8 @@ class RagService:
                 raise
             log.info("documents: ingestion of %s stopped (the document was deleted)", did)
         except Exception as e:  # never kill the worker: the document fails, the next one goes on
-            log.exception("documents: ingestion of %s failed", did)
-            await self._fail(did, f"internal error: {type(e).__name__}: {e}")
+            log.exception("documents: ingestion of %s failed: %s", did, type(e).__name__)
+            await self._fail(did, "internal error while ingesting the document (the gateway's log has the details)")
         finally:
             self.current = None
             self._task = None
@@ -201,7 +201,8 @@ class RagService:
         except Exception as e:
             log.exception("documents: publishing %d document(s) to %s failed", len(batch), cid)
             for _, did, _n in batch:
-                await self._fail(did, f"internal error while indexing: {type(e).__name__}: {e}")
+                await self._fail(did, f"internal error while indexing the document ({type(e).__name__}; the "
+                                      "gateway's log has the details)")
             return
         for did in published:
             self._drop_upload(did)
@@ -275,8 +276,8 @@ class RagService:
             return None
         except EmbedError as e:
             log.error("documents: %s (%s): embedding failed again after a retry: %s", did, doc["name"], e)
-            await self._fail(did, f"the embedding model failed twice while embedding this document, the second "
-                                  f"time on a retry ({e}); upload it again")
+            await self._fail(did, "the embedding model failed twice while embedding this document, the second "
+                                  "time on a retry; upload it again")
             return None
         finally:
             stop.set()  # a cancelled ingestion (the document was deleted) stops the child at its next part

@@ -89,6 +89,10 @@ async def test_failover_before_first_token_then_ejection(gateway_engines: tuple,
                                  headers=auth(key)) as r:
                 err = (await r.json())["error"]
                 assert r.status == 502 and err["code"] == "upstream_unavailable" and err["type"] == "server_error"
+                # it names the problem, never the lane's address or the client library's exception text
+                assert "could not connect" in err["message"], err
+                for secret in ("127.0.0.1", str(live.url.rsplit(":", 1)[1]), "Cannot connect", "Error"):
+                    assert secret not in err["message"], err
 
 
 async def _read_until(content: aiohttp.StreamReader, n_data: int) -> list[str]:
