@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, validate_body
 from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
 from gateway.config import GatewayConfig
+from gateway.connections import ConnectionGuard, connection_middleware
 from gateway.db import open_db, safe_url
 from gateway.dispatch import Dispatcher
 from gateway.documents.api import RAG, rag_context
@@ -57,8 +58,9 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     gw = Gateway(config=config, metrics=metrics, dispatcher=Dispatcher(config, metrics),
                  limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc()),
                  admin_key=admin_key, client_address=ClientAddress(config.trusted_proxies))
+    gw.connections = ConnectionGuard(config, metrics, gw.client_address)
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_access_middleware, error_middleware, _auth_middleware])
+                          middlewares=[_connection_middleware, _access_middleware, error_middleware, _auth_middleware])
     app[GATEWAY] = gw
     app.cleanup_ctx.append(_lifecycle)
     app.cleanup_ctx.append(rag_context(config.rag))  # after _lifecycle: it needs the database
@@ -185,6 +187,7 @@ def _finish(request: web.Request, trace: Trace, resp: web.StreamResponse | None,
 
 
 _access_middleware = make_access_middleware(_begin, _finish)
+_connection_middleware = connection_middleware(lambda request: request.app[GATEWAY].connections)
 
 
 @web.middleware
@@ -198,6 +201,8 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
         key = await gw.auth.authenticate(request.headers.get("Authorization"), address)
         request[PRINCIPAL] = key
         request[TRACE].key = key
+        if gw.connections is not None:
+            gw.connections.keyed(request.protocol)
         if needs_admin and not key.admin:
             raise APIError(403, "this key may not use the admin API", code="insufficient_permissions",
                            type="invalid_request_error")

@@ -85,6 +85,11 @@ class ClientAddress:
     def _is_trusted(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         return any(addr in net for net in self.trusted)
 
+    def is_trusted(self, peer: str) -> bool:
+        """``peer`` (an address) is one of ``trusted_proxies``."""
+        addr = self._parse(peer) if self.trusted else None
+        return addr is not None and self._is_trusted(addr)
+
     @staticmethod
     def _parse(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         text = text.strip()

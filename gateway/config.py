@@ -86,6 +86,9 @@ class GatewayConfig(BaseModel):
                                  "else it gets 503")
     max_connections_per_address: int = Field(256, ge=1, description="open connections per client address (the "
                                              "peer; trusted_proxies are exempt), with the same eviction")
+    send_buffer_bytes: int | None = Field(None, ge=4096, description="SO_SNDBUF of client connections (None: the "
+                                          "kernel's autotuning); smaller bounds what a client that stops reading "
+                                          "holds and finds it sooner")
     max_open_files: int | None = Field(None, ge=256, description="RLIMIT_NOFILE the gateway sets at start (None: "
                                        "the hard limit); max_connections is lowered to fit it")
     max_tokens_cap: int | None = Field(None, ge=1, description="global cap on max_tokens (clamped)")

@@ -372,23 +372,36 @@ class _Call:
         except ConnectionError:
             raise ClientGone from None
 
+    async def _send(self, aw: Awaitable[None]) -> None:
+        """One write to the client's stream, within ``stream_write_timeout_s``: a client that stopped reading (its
+        socket buffers full) is disconnected, which raises ClientGone here and drops the lane request with it."""
+        try:
+            async with asyncio.timeout(self.gw.config.stream_write_timeout_s):
+                await aw
+        except TimeoutError:
+            self.gw.metrics.connections_closed.labels(reason="stream_stalled").inc()
+            log.warning("id=%s the client took no stream data for %.0fs: disconnected", self.trace.id,
+                        self.gw.config.stream_write_timeout_s)
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise ClientGone from None
+        except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up
+            raise ClientGone from None
+
     async def _write(self, lane: LaneRuntime, data: bytes) -> None:
         if self.resp is None:
             await self._commit(lane)
         assert self.resp is not None
-        try:
-            await self.resp.write(data)
-        except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up
-            raise ClientGone from None
+        await self._send(self.resp.write(data))
         self.last_write = time.monotonic()
 
     async def _error_event(self, body: dict[str, Any], code: str | None) -> None:
         assert self.resp is not None
         self.trace.error_type = code
         try:
-            await self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n")
-            await self.resp.write_eof()
-        except ConnectionError:
+            await self._send(self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n"))
+            await self._send(self.resp.write_eof())
+        except ClientGone:
             self.trace.client_gone = True
 
     async def _stream(self, lane: LaneRuntime, body: dict[str, Any]) -> web.StreamResponse:
@@ -479,8 +492,8 @@ class _Call:
                             "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)}) + b"\n\n")
                     await self._write(lane, b"data: [DONE]\n\n")
                     assert self.resp is not None
-                    with contextlib.suppress(ConnectionError):
-                        await self.resp.write_eof()
+                    with contextlib.suppress(ClientGone):
+                        await self._send(self.resp.write_eof())
                     clean = True
                     return self.resp
         except LaneFailure as f:

@@ -17,6 +17,7 @@ from common.errors import APIError
 from common.http import read_json, validate_body
 from gateway.auth import Authenticator, ClientAddress
 from gateway.config import GatewayConfig
+from gateway.connections import ConnectionGuard
 from gateway.dispatch import Dispatcher
 from gateway.keys import KeyRecord, KeyStore
 from gateway.limits import Limiter
@@ -44,6 +45,7 @@ class Gateway:
     auth: Authenticator | None = None
     store: RequestLog | None = None
     session: aiohttp.ClientSession | None = None
+    connections: ConnectionGuard | None = None  # python -m gateway installs it on its server
     stopping: bool = False  # SIGTERM received: /readyz answers 503
 
 
@@ -147,10 +149,8 @@ async def read_body(request: web.Request) -> Any:
 
 
 def body_timeout(request: web.Request, timeout_s: float) -> APIError:
-    """The 408 for a body that did not arrive in time; the connection closes after it (the rest of the body is
-    not waited for)."""
-    if request.transport is not None:
-        request.protocol.force_close()
+    """The 408 for a body that did not arrive in time. The connection closes after it: aiohttp closes one whose
+    body was not read to its end, once its lingering time (``LINGER_S``, set by ``python -m gateway``) is over."""
     request.app[GATEWAY].metrics.connections_closed.labels(reason="body_timeout").inc()
     return APIError(408, f"the request body did not arrive within {timeout_s:g}s", code="request_timeout")
 

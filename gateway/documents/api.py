@@ -36,7 +36,7 @@ from gateway.documents.extract import FileTypeError, detect_format
 from gateway.documents.service import RagService, safe_filename
 from gateway.documents.store import Conflict
 from gateway.errors import APIError
-from gateway.state import GATEWAY, PRINCIPAL, json_body
+from gateway.state import GATEWAY, PRINCIPAL, body_timeout, json_body
 
 __all__ = ["RAG", "add_routes", "get_rag", "rag_context"]
 
@@ -226,6 +226,15 @@ async def upload_document(request: web.Request) -> web.Response:
     if request.content_length is not None and request.content_length > cap + 64 * 1024:
         raise APIError(413, f"the upload is {request.content_length} bytes; the limit is {cap}",
                        code="request_too_large")
+    timeout_s = request.app[GATEWAY].config.upload_timeout_s
+    try:  # a slow sender costs a connection for a bounded time: the whole body within upload_timeout_s
+        async with asyncio.timeout(timeout_s):
+            return await _receive(request, svc, coll, cap)
+    except TimeoutError:
+        raise body_timeout(request, timeout_s) from None
+
+
+async def _receive(request: web.Request, svc: RagService, coll: dict[str, Any], cap: int) -> web.Response:
     try:
         reader = await request.multipart()
     except (AssertionError, ValueError, KeyError):
