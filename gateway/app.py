@@ -94,6 +94,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gw.auth = Authenticator(gw.keys, gw.admin_key, cfg.key_cache_s, cfg.log_prompts_default,
                             negative_size=cfg.negative_cache_size, negative_s=cfg.negative_cache_s,
                             fail_limit=cfg.auth_fail_limit, fail_window_s=cfg.auth_fail_window_s,
+                            global_fail_limit=cfg.auth_fail_global_limit,
                             on_event=lambda result: gw.metrics.auth_failures.labels(result=result).inc())
     gw.admin_key = None  # only its hash is needed from here on
     gw.store = RequestLog(gw.db, cfg.retention_days, max_queue=cfg.log_queue_max, retry_max_s=cfg.log_retry_max_s,

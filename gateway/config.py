@@ -109,8 +109,11 @@ class GatewayConfig(BaseModel):
     negative_cache_size: int = Field(10_000, ge=0, description="unknown keys remembered (0: none)")
     negative_cache_s: float = Field(60.0, ge=0, description="how long an unknown key is answered 401 from memory")
     auth_fail_limit: int = Field(30, ge=1, description="failed authentications per client address and window "
-                                 "before 429")
+                                 "before that address's unknown keys get 429 (keys that verified before still pass)")
     auth_fail_window_s: float = Field(60.0, gt=0, description="the window of auth_fail_limit (also the block time)")
+    auth_fail_global_limit: int = Field(1000, ge=1, description="failed authentications of all addresses together "
+                                        "per auth_fail_window_s before unknown keys get 429 (keys that verified "
+                                        "before still pass)")
     trusted_proxies: list[str] = Field(default_factory=list, description="addresses or networks (CIDR) whose "
                                        "X-Forwarded-For names the client; empty: the peer address is the client")
     log_queue_max: int = Field(10_000, ge=1, description="request-log rows waiting for the database; more are "
