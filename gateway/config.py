@@ -118,6 +118,9 @@ class GatewayConfig(BaseModel):
                                        "X-Forwarded-For names the client; empty: the peer address is the client")
     log_queue_max: int = Field(10_000, ge=1, description="request-log rows waiting for the database; more are "
                                "dropped (counted)")
+    log_journal_dir: Path | None = Field(None, description="the request log's local journal (rows on disk before "
+                                         "their answer completes; replayed at start); None: beside a SQLite "
+                                         "database, else var/ in the repository, named after the port")
     log_retry_max_s: float = Field(30.0, gt=0, description="longest pause between writes while the database fails")
     metrics_public: bool = Field(True, description="False: /metrics needs the admin key")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")

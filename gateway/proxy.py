@@ -40,6 +40,7 @@ from gateway.errors import APIError, error_body
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, check_text, read_body
+from gateway.store import IN_PROGRESS
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
 from memory.api import get_memory
 from memory.chat import MemoryContext, fit_memory, is_memory_session, session_ref
@@ -365,7 +366,17 @@ class _Call:
         return web.Response(status=status, body=raw, content_type="application/json", headers=self._headers(lane))
 
     # ------------------------------------------------------------ streaming
+    def _log_row(self, status: int, error_type: str | None = None) -> None:
+        """The request's row as it stands, on disk before the client gets more (the final one follows at the
+        end: rows with the same id replace each other)."""
+        if self.gw.store is not None:
+            row = self.trace.row(status, round((time.monotonic() - self.trace.t0) * 1000, 3))
+            if error_type is not None:
+                row["error_type"] = error_type
+            self.gw.store.record(row)
+
     async def _commit(self, lane: LaneRuntime) -> None:
+        self._log_row(200, IN_PROGRESS)  # a stream is logged as in progress before its first byte leaves
         self.resp = _EventStream(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
         try:
             await self.resp.prepare(self.request)
@@ -490,6 +501,7 @@ class _Call:
                         await self._write(lane, b"data: " + _dumps({
                             "id": self.trace.id, "object": "chat.completion.chunk", "created": int(time.time()),
                             "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)}) + b"\n\n")
+                    self._log_row(200)  # complete before the client learns it is
                     await self._write(lane, b"data: [DONE]\n\n")
                     assert self.resp is not None
                     with contextlib.suppress(ClientGone):

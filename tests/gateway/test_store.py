@@ -111,7 +111,7 @@ async def test_log_queue_is_bounded_during_a_database_outage(tmp_path: Path) -> 
             await asyncio.sleep(0.05)
         assert store.outage
         assert store.queued == 50 and store.dropped == 250
-        assert sum(len(r["prompt_text"] or "") for r in store._rows) <= 50 * (len(prompt) + 100)
+        assert sum(len(r["prompt_text"] or "") for _, r in store._rows) <= 50 * (len(prompt) + 100)
         m = await scrape(http, gw.url)
         assert m['strata_gateway_request_log_dropped_total{reason="queue_full"}'] == 250
         assert m["strata_gateway_request_log_queued"] == 50
