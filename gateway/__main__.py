@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def serve(config: GatewayConfig) -> int:
+    # every file the gateway and its children write is private whatever umask it was started with (supervisord's is
+    # 022): the database, the journal, uploads, the documents' indexes hold key hashes and users' words
+    os.umask(0o077)
     fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool
     try:
         app = create_app(config)

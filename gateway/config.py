@@ -122,7 +122,8 @@ class GatewayConfig(BaseModel):
                                          "their answer completes; replayed at start); None: beside a SQLite "
                                          "database, else var/ in the repository, named after the port")
     log_retry_max_s: float = Field(30.0, gt=0, description="longest pause between writes while the database fails")
-    metrics_public: bool = Field(True, description="False: /metrics needs the admin key")
+    metrics_public: bool = Field(False, description="True: /metrics answers without a key (else the admin key: "
+                                 "its labels name lanes and keys' limits, its counters what clients did)")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     rag: RagConfig = Field(default_factory=RagConfig, description="documents and retrieval (docs/rag.md)")

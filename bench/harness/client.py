@@ -287,7 +287,9 @@ class Target:
 
     async def scrape(self, url: str) -> dict[str, float]:
         try:
-            async with self.session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            # the gateway's /metrics needs the admin key (lanes ignore it)
+            async with self.session.get(url + "/metrics", headers=self.headers(self.admin_key) if self.admin_key else None,
+                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
                 return parse_metrics(await r.text()) if r.status == 200 else {}
         except (TimeoutError, aiohttp.ClientError, OSError):
             return {}

@@ -28,6 +28,8 @@ import re
 import shutil
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -99,8 +101,10 @@ class RagService:
         self.queue: asyncio.Queue[str] = asyncio.Queue()
         self.current: str | None = None  # the document being ingested
         self._task: asyncio.Task[None] | None = None  # its ingestion
-        self._cache: dict[str, IndexVersion] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # the indexes of recently searched collections (least recently used first, at most index_cache_size) and
+        # the locks of collections being changed (gone with their last user): neither grows with every collection
+        self._cache: OrderedDict[str, IndexVersion] = OrderedDict()
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._worker: asyncio.Task[None] | None = None
         self.embed_retries = 0  # slices encoded again after an EmbedError (the model's process died)
 
@@ -140,7 +144,10 @@ class RagService:
         return self.root / "collections" / cid / "vectors" / f"{did}.{_model_tag(self.embedder.version_key)}.npy"
 
     def _lock(self, cid: str) -> asyncio.Lock:
-        return self._locks.setdefault(cid, asyncio.Lock())
+        lock = self._locks.get(cid)
+        if lock is None:
+            lock = self._locks[cid] = asyncio.Lock()
+        return lock
 
     # ------------------------------------------------------------------ ingestion
     async def submit(self, did: str) -> None:
@@ -443,6 +450,7 @@ class RagService:
             return None
         cached = self._cache.get(coll["id"])
         if cached is not None and cached.path.name == name:
+            self._cache.move_to_end(coll["id"])
             return cached
         try:
             idx = await asyncio.to_thread(load_version, self.root, coll["id"], name)
@@ -451,6 +459,9 @@ class RagService:
                       "directory shared by every gateway?)", coll["id"], name, self.root)
             return None
         self._cache[coll["id"]] = idx
+        self._cache.move_to_end(coll["id"])
+        while len(self._cache) > self.cfg.index_cache_size:
+            self._cache.popitem(last=False)
         return idx
 
     def serving_mode(self, mode: Mode) -> tuple[Mode, str]:

@@ -308,7 +308,7 @@ async def test_junk_key_flood(gw: GW) -> None:
         assert proc.returncode == 0
         result = json.loads(out)
         flood_lookups = q.n - lookups_before - 40  # the good key's 40 requests each made one (key_cache_s=0)
-        m = await scrape(http, gw.url)
+        m = await scrape(http, gw.url, ADMIN_KEY)
     q.close()
     print(f"median latency, good key /v1/models: {before * 1000:.2f} ms before, {during * 1000:.2f} ms during a "
           f"5,000-key flood; /healthz: {probe_before * 1000:.2f} ms before, {probe_during * 1000:.2f} ms during; "

@@ -63,7 +63,7 @@ async def test_failover_before_first_token_then_ejection(gateway_engines: tuple,
             assert [(r["lane"], r["retried"], r["status"]) for r in rows] == [("live", True, 200)] * 2
             lanes = {x["name"]: x for x in (await _admin(http, gw, "/v1/admin/lanes"))["data"]}
             assert lanes["doomed"]["ejected_until"] is not None and lanes["live"]["ejected_until"] is None
-            m = await scrape(http, gw.url)
+            m = await scrape(http, gw.url, ADMIN_KEY)
             assert m['strata_gateway_lane_ejections_total{lane="doomed"}'] == 1
             assert m['strata_gateway_retries_total{lane="doomed"}'] == 2
             assert m['strata_gateway_upstream_failures_total{kind="status",lane="doomed"}'] == 1

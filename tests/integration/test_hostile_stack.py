@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,3 +280,19 @@ def test_sigkill_under_load_loses_no_answered_request(stack: Stack) -> None:
     assert cut and all(rows[rid]["error_type"] == "interrupted" for rid in cut), [rows[r] for r in cut]
     log = (stack.log_dir / "gateway.log").read_text()
     assert "row(s) from the journal of a gateway that stopped" in log
+
+
+def test_files_are_private_and_metrics_need_the_admin_key(stack: Stack) -> None:
+    pid = int(stack.ctl("pid", "gateway").stdout.strip())
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "Umask:\t0077" in status  # supervisord starts it with 022
+    var = stack.dir / "var"
+    for path in [var / "gateway.db", *var.glob("request-journal-*"), *var.glob("request-journal-*/*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode in (0o600, 0o700), (path, oct(mode))
+    try:
+        urllib.request.urlopen(stack.gateway_url + "/metrics", timeout=10)
+        raise AssertionError("/metrics answered without a key")
+    except urllib.error.HTTPError as e:
+        assert e.code == 401
+    assert "strata_gateway_connections_open" in _metrics(stack.gateway_url)
