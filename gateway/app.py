@@ -60,7 +60,8 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     admin_key = resolve_admin_key(config, env)
     metrics = GatewayMetrics()
     gw = Gateway(config=config, metrics=metrics, dispatcher=Dispatcher(config, metrics),
-                 limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc()),
+                 limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc(),
+                                 config=config.limits),
                  admin_key=admin_key, client_address=ClientAddress(config.trusted_proxies))
     gw.connections = ConnectionGuard(config, metrics, gw.client_address)
     app = web.Application(client_max_size=config.max_body_bytes,

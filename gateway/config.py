@@ -27,7 +27,8 @@ from common.config import decode_env, read_toml
 from gateway.documents.config import RagConfig
 from memory.config import MemoryConfig
 
-__all__ = ["ENV_PREFIX", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "default_db_url", "load_config"]
+__all__ = ["ENV_PREFIX", "KEY_LIMITS", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "LimitsConfig",
+           "default_db_url", "load_config"]
 
 ENV_PREFIX = "STRATA_GATEWAY_"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -54,6 +55,36 @@ class LaneEntry(BaseModel):
     @classmethod
     def _strip_slash(cls, v: Any) -> Any:
         return v.rstrip("/") if isinstance(v, str) else v
+
+
+class LimitsConfig(BaseModel):
+    """Per-key limits on everything that costs work, with defaults that protect a small box (docs/operations.md
+    tells how to size them). A key's own value wins (``python -m gateway.keys create --limit NAME=VALUE``, the
+    admin API's ``limits``; ``none``/null there: unlimited for that key); admin keys have none. The ``[limits]``
+    table of the gateway config; None here: unlimited by default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: int | None = Field(600, ge=1, description="generation requests (chat, completions) per minute")
+    tpm: int | None = Field(None, ge=1, description="generation tokens per minute (prompt + max_tokens reserved "
+                            "per choice, the unused part refunded)")
+    max_concurrent: int | None = Field(32, ge=1, description="requests in progress at once: generation, "
+                                       "embeddings, search, uploads")
+    embedding_inputs_per_call: int = Field(256, ge=1, le=2048, description="inputs of one /v1/embeddings call "
+                                           "(more: 400)")
+    embedding_inputs_per_minute: int | None = Field(6000, ge=1, description="embedding inputs per minute")
+    searches_per_minute: int | None = Field(300, ge=1, description="collection searches per minute")
+    uploads_per_minute: int | None = Field(30, ge=1, description="document uploads per minute")
+    documents_per_key: int | None = Field(2000, ge=1, description="documents a key may hold in all its collections")
+    document_bytes_per_key: int | None = Field(2 << 30, ge=1, description="upload bytes a key may hold")
+    queued_documents_per_key: int | None = Field(20, ge=1, description="a key's documents waiting for ingestion or "
+                                                 "in it; ingestion serves the keys in turn")
+    min_free_disk_bytes: int = Field(1 << 30, ge=0, description="an upload is refused (507) when the data "
+                                     "directory's disk has less free space than this plus the upload")
+
+
+KEY_LIMITS = tuple(n for n in LimitsConfig.model_fields if n not in ("embedding_inputs_per_call",
+                                                                      "min_free_disk_bytes"))
 
 
 class GatewayConfig(BaseModel):
@@ -126,6 +157,7 @@ class GatewayConfig(BaseModel):
                                  "its labels name lanes and keys' limits, its counters what clients did)")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="per-key limits and their defaults")
     rag: RagConfig = Field(default_factory=RagConfig, description="documents and retrieval (docs/rag.md)")
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="session memory (docs/memory.md)")
 

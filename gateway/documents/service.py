@@ -1,6 +1,7 @@
 """The documents service: ingestion jobs, index versions and search, for the API and the chat path.
 
-Ingestion of one document (one at a time, in upload order, on a background task):
+Ingestion of one document (one at a time on a background task; the keys' queues are served in
+turn, each in upload order, so one key's hundred uploads do not stall another key's one):
 
     queued -> extracting (child process) -> embedding (chunks, then vectors on the embed thread, while the
            child extracts the next pages of a PDF)
@@ -29,7 +30,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +55,41 @@ BM25_ONLY = "retrieval=bm25 (embedding model not loaded)"  # the note of a hybri
 BM25_DOWN = "retrieval=bm25 (embedding model failed; restarting)"  # ... because the query's encode failed
 _BATCH_DOCS = 32  # documents published together at most
 _BATCH_S = 10.0  # how long the first of them may wait for the others
+
+
+class FairQueue:
+    """Documents waiting for ingestion: a FIFO per key, the keys served in turn (round robin)."""
+
+    def __init__(self) -> None:
+        self._queues: OrderedDict[int, deque[str]] = OrderedDict()  # key -> its documents; the next key first
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, did: str, key_id: int) -> None:
+        self._queues.setdefault(key_id, deque()).append(did)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._queues
+
+    def qsize(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def get_nowait(self) -> str:
+        if not self._queues:
+            raise asyncio.QueueEmpty
+        key_id, q = next(iter(self._queues.items()))
+        did = q.popleft()
+        del self._queues[key_id]
+        if q:
+            self._queues[key_id] = q  # to the back: the other keys go first
+        if not self._queues:
+            self._ready.clear()
+        return did
+
+    async def get(self) -> str:
+        while not self._queues:
+            await self._ready.wait()
+        return self.get_nowait()
 
 
 @dataclass
@@ -98,7 +134,7 @@ class RagService:
                                     max_uncompressed_bytes=cfg.max_uncompressed_bytes,
                                     max_ratio=cfg.max_compression_ratio, max_stream_bytes=cfg.max_stream_bytes,
                                     timeout_s=cfg.extract_timeout_s, memory_mb=cfg.extract_memory_mb)
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
+        self.queue = FairQueue()
         self.current: str | None = None  # the document being ingested
         self._task: asyncio.Task[None] | None = None  # its ingestion
         # the indexes of recently searched collections (least recently used first, at most index_cache_size) and
@@ -122,7 +158,8 @@ class RagService:
             else:
                 log.info("documents: resuming ingestion of %s (%s, attempt %d)", did, doc["name"], doc["attempts"] + 1)
                 await asyncio.to_thread(self.store.set_status, did, "queued", progress=0.0)
-                self.queue.put_nowait(did)
+                key = await asyncio.to_thread(self.store.key_of, doc["collection_id"])
+                self.queue.put_nowait(did, key if key is not None else -1)
         for tmp in self.uploads.glob("upload-*"):  # a request cut off mid-upload
             tmp.unlink(missing_ok=True)
         self._worker = asyncio.create_task(self._run(), name="documents-ingest")
@@ -150,8 +187,8 @@ class RagService:
         return lock
 
     # ------------------------------------------------------------------ ingestion
-    async def submit(self, did: str) -> None:
-        self.queue.put_nowait(did)
+    async def submit(self, did: str, key_id: int) -> None:
+        self.queue.put_nowait(did, key_id)
 
     async def _run(self) -> None:
         """Ingest queued documents one by one; documents of one collection that were queued together are

@@ -21,6 +21,7 @@ import pytest_asyncio
 from pydantic import BaseModel
 
 from gateway.app import LanePatch
+from gateway.config import KEY_LIMITS
 from gateway.documents.api import CollectionSpec, EmbeddingSpec, SearchSpec
 from gateway.keys import KeySpec
 from lanes.protocol import ChatRequest, CompletionRequest
@@ -82,7 +83,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def ids(gw: GW, http: aiohttp.ClientSession) -> dict[str, str]:
     """A key, and a collection and a session of that key, for the routes that name one."""
-    key = gw.key("hostile")
+    key = gw.key("hostile", limits=dict.fromkeys(KEY_LIMITS))  # hundreds of requests a minute: no rate limits
     async with http.post(gw.url + "/v1/collections", json={"name": "docs"}, headers=auth(key)) as r:
         assert r.status == 201, await r.text()
         cid = (await r.json())["id"]

@@ -55,7 +55,8 @@ def _call(stack: Stack, method: str, path: str, key: str, body: Any = None, time
 
 
 def _key(stack: Stack, **spec: Any) -> str:
-    status, body = _call(stack, "POST", "/v1/admin/keys", ADMIN_KEY, {"name": "hostile", **spec})
+    status, body = _call(stack, "POST", "/v1/admin/keys", ADMIN_KEY, {"name": "hostile", "limits": {"rpm": None},
+                                                                     **spec})
     assert status == 201, body
     return body["key"]
 
