@@ -258,7 +258,12 @@ def check_docx_zip(path: Path, lim: ExtractLimits) -> None:
             tail = b""
             try:
                 with z.open(i) as f:  # zipfile never reads past the declared size (the total checked above)
+                    first = True
                     while chunk := f.read(1 << 16):
+                        if first and (chunk.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in chunk[:4]):
+                            # UTF-16/32: the byte search below would not see a DTD; Word writes UTF-8 only
+                            raise ExtractionError(f"zip member {i.filename!r} is not UTF-8 XML (refused)")
+                        first = False
                         if _XML_DANGER.search(tail + chunk):
                             raise ExtractionError(f"zip member {i.filename!r} declares a DTD or entities (refused: "
                                                   "entity expansion and external entities)")
