@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from gateway.db import open_db
 from gateway.journal import Journal, JournalBusy
 from gateway.store import RequestLog, RequestQuery
+from tests.pg import fresh_schema, server_url
 
 
 def _row(i: int, **kw: object) -> dict:
@@ -34,8 +36,17 @@ def test_segments_rotate_and_go_once_committed(tmp_path: Path) -> None:
     j.close(all_committed=False)
 
 
-def test_replay_after_a_crash_writes_every_row_once(tmp_path: Path) -> None:
-    engine = open_db(f"sqlite:///{tmp_path / 'r.db'}")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'r.db'}"
+        return
+    with fresh_schema(server_url("the request log's journal replay"), "strata_journal") as (url, _, _):
+        yield url
+
+
+def test_replay_after_a_crash_writes_every_row_once(tmp_path: Path, db_url: str) -> None:
+    engine = open_db(db_url)
     j = Journal(tmp_path / "j")
     for i in range(5):
         j.append(_row(i))
