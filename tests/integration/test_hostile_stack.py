@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import ADMIN_KEY, REPO, Stack, start_stack
+from tests.pg import fresh_schema, server_url
 
 HEADER_TIMEOUT_S = 2.0
 PER_ADDRESS = 12
@@ -29,11 +30,12 @@ SETTINGS = {"HEADER_TIMEOUT_S": HEADER_TIMEOUT_S, "BODY_TIMEOUT_S": 2.0, "KEEPAL
             "SEND_BUFFER_BYTES": 16384}
 
 
-def _settings(text: str) -> str:
+def _settings(text: str, **more: str) -> str:
     """The gateway program's environment gains the test's deadlines and caps (STRATA_GATEWAY_* overrides)."""
     anchor = f'environment=PYTHONPATH="{REPO}",PYTHONUNBUFFERED="1" ; (default none)'
     assert anchor in text, "supervisord.conf's [program:gateway] environment line changed"
-    extra = "".join(f',STRATA_GATEWAY_{k}="{v}"' for k, v in SETTINGS.items())
+    # '%' is supervisord's expansion character
+    extra = "".join(f',STRATA_GATEWAY_{k}="{str(v).replace("%", "%%")}"' for k, v in {**SETTINGS, **more}.items())
     return text.replace(anchor, anchor.replace(' ; (default none)', extra), 1)
 
 
@@ -207,6 +209,17 @@ def test_the_gateway_raises_its_open_file_limit(stack: Stack) -> None:
 def test_sigkill_under_load_loses_no_answered_request(stack: Stack) -> None:
     """Clients chat (plain and streaming) while the gateway process is killed with SIGKILL; supervisord starts it
     again. Every answer a client received has its row, a stream the kill cut is logged as interrupted."""
+    _sigkill_under_load(stack)
+
+
+def test_sigkill_with_postgresql(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same with the request log in PostgreSQL (STRATA_TEST_PG_URL; skipped without it, as tests/pg.py)."""
+    with fresh_schema(server_url("the request log after a SIGKILL"), "strata_sigkill") as (url, _, _), \
+            start_stack(tmp_path_factory.mktemp("pg"), edit_config=lambda t: _settings(t, DB_URL=url)) as st:
+        _sigkill_under_load(st)
+
+
+def _sigkill_under_load(stack: Stack) -> None:
     key = _key(stack)
     got: list[tuple[str, str]] = []  # (request id, what the client saw)
     stop = threading.Event()
