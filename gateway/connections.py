@@ -15,6 +15,9 @@ that send half their headers (slowloris). The guard here:
   progress; when there is none it gets 503 and is closed. So connections of keyed clients and
   requests in progress are never cut for a newcomer, and a keyed client always gets in while
   anonymous idle connections hold the slots;
+* cuts a connection whose answer has not moved for ``stream_write_timeout_s`` after its
+  handler finished (bytes waiting in its transport's buffer, the same amount at every look):
+  a client that stopped reading a large answer holds nothing for long, keyed or not;
 * raises RLIMIT_NOFILE to the hard limit (or ``max_open_files``) at start and lowers
   ``max_connections`` to fit what it got, keeping room for lanes, the database and files.
 
@@ -76,6 +79,8 @@ class _Conn:
     served: int = 0  # requests finished
     keyed: bool = False  # a request on it authenticated
     closing: bool = False
+    pending: int = 0  # bytes its transport held at the last look
+    pending_since: float = 0.0  # ... unchanged since then
 
 
 class ConnectionGuard:
@@ -84,6 +89,7 @@ class ConnectionGuard:
     def __init__(self, config: GatewayConfig, metrics: GatewayMetrics, client_address: ClientAddress,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.header_timeout_s = config.header_timeout_s
+        self.write_timeout_s = config.stream_write_timeout_s
         self.max_total = config.max_connections
         self.max_per_address = config.max_connections_per_address
         self.send_buffer_bytes = config.send_buffer_bytes
@@ -202,15 +208,30 @@ class ConnectionGuard:
     async def _sweep(self) -> None:
         """Close connections whose first request's headers are late (aiohttp's keep-alive timer closes idle ones
         after a request)."""
-        every = min(1.0, self.header_timeout_s / 4)
+        every = min(1.0, self.header_timeout_s / 4, self.write_timeout_s / 4)
         while True:
             await asyncio.sleep(every)
             now = self._clock()
-            late = [(h, c) for h, c in self._conns.items()
-                    if not c.busy and not c.served and now - c.since > self.header_timeout_s]
+            late, stalled = [], []
+            for h, c in self._conns.items():
+                if not c.busy and not c.served and now - c.since > self.header_timeout_s:
+                    late.append((h, c))
+                    continue
+                if c.busy:  # a request in progress has its own deadlines (a stream's writes: gateway.proxy)
+                    continue
+                pending = c.transport.get_write_buffer_size()
+                if not pending or pending != c.pending:
+                    c.pending, c.pending_since = pending, now
+                elif now - c.pending_since > self.write_timeout_s:
+                    stalled.append((h, c))
             for handler, conn in late:
                 self.metrics.connections_closed.labels(reason="header_timeout").inc()
                 self._drop(handler, conn, _TIMEOUT_408)
+            for handler, conn in stalled:  # nothing more can be sent to it: cut, not closed after a flush
+                self.metrics.connections_closed.labels(reason="write_stalled").inc()
+                self._lost(handler)
+                conn.closing = True
+                conn.transport.abort()
 
 
 def connection_middleware(guard_of: Callable[[web.Request], ConnectionGuard | None]) -> Any:

@@ -57,7 +57,8 @@ class GatewayMetrics:
         self.connections_closed = Counter("strata_gateway_connections_closed",
                                           "Connections the gateway closed: header_timeout (no request headers in "
                                           "time), body_timeout, evicted (made room for a new connection), "
-                                          "stream_stalled (a stream's client stopped reading), bad_request (a "
+                                          "stream_stalled (a stream's client stopped reading), write_stalled (an answer that did not move "
+                                          "for stream_write_timeout_s), bad_request (a "
                                           "request line or header the HTTP parser refused: 400)", ["reason"],
                                           registry=r)
         for reason in ("window", "cap"):
@@ -68,5 +69,5 @@ class GatewayMetrics:
             self.log_dropped.labels(reason=reason)
         for reason in ("per_address", "total"):
             self.connections_refused.labels(reason=reason)
-        for reason in ("header_timeout", "body_timeout", "evicted", "stream_stalled", "bad_request"):
+        for reason in ("header_timeout", "body_timeout", "evicted", "stream_stalled", "write_stalled", "bad_request"):
             self.connections_closed.labels(reason=reason)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,11 +28,14 @@ async def guarded(**cfg: object) -> AsyncIterator[tuple[ConnectionGuard, int]]:
     async def hello(request: web.Request) -> web.Response:
         if request.query.get("key"):  # stands for an authenticated request
             guard.keyed(request.protocol)
+        if request.path == "/big":
+            return web.Response(body=b"x" * (32 << 20))
         return web.Response(text="ok")
 
     app = web.Application(middlewares=[connection_middleware(lambda r: r.app[GUARD])])
     app[GUARD] = guard
     app.router.add_get("/", hello)
+    app.router.add_get("/big", hello)
     runner = web.AppRunner(app, keepalive_timeout=60)
     await runner.setup()
     assert runner.server is not None
@@ -115,3 +119,23 @@ def test_fd_limit_is_raised_and_connections_fit_under_it() -> None:
         assert fit == got - 256
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_an_answer_the_client_does_not_read_is_cut() -> None:
+    """A large answer to a client that stops reading (keyed or not): once its handler is done, the bytes left in
+    the transport that do not move for stream_write_timeout_s get the connection cut."""
+    async with guarded(stream_write_timeout_s=0.5, header_timeout_s=60) as (guard, port):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(s, b"GET /big?key=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.2)
+        assert guard.open == 1
+        deadline = loop.time() + 10
+        while guard.open and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        assert guard.open == 0
+        assert guard.metrics.connections_closed.labels(reason="write_stalled")._value.get() == 1
+        s.close()
