@@ -1,6 +1,8 @@
 """Hostile clients against the real supervisord stack (the repo's process table, real lanes, the real gateway
-process): half-sent headers, crowds of idle connections, slow bodies, a stream whose client stops reading, and
-the gateway's own open-file limit. Short deadlines are set through the gateway program's environment."""
+process): half-sent headers, crowds of idle connections, slow bodies, a stream whose client stops reading, the
+gateway's own open-file limit and umask, and a SIGKILL of the gateway under load (the request log keeps every
+answered request; SQLite, and PostgreSQL when STRATA_TEST_PG_URL is set). Short deadlines are set through the
+gateway program's environment."""
 
 from __future__ import annotations
 
