@@ -278,7 +278,11 @@ class Target:
             return data
 
     async def create_key(self, name: str, log_prompts: bool = False) -> str:
-        data = await self.admin("POST", "/v1/admin/keys", {"name": name, "log_prompts": log_prompts})
+        """A key without per-key limits (the benchmarks measure the stack, not its [limits] defaults)."""
+        from gateway.config import KEY_LIMITS
+
+        data = await self.admin("POST", "/v1/admin/keys", {"name": name, "log_prompts": log_prompts,
+                                                           "limits": dict.fromkeys(KEY_LIMITS)})
         return str(data["key"])
 
     async def request_log(self, since: float, limit: int = 1000) -> list[dict[str, Any]]:

@@ -125,7 +125,11 @@ class Stack:
             return ""
 
     def create_key(self, name: str) -> str:
-        req = urllib.request.Request(self.gateway_url + "/v1/admin/keys", data=json.dumps({"name": name}).encode(),
+        """A key without per-key limits (the benchmarks measure the stack, not its [limits] defaults)."""
+        from gateway.config import KEY_LIMITS
+
+        body = {"name": name, "limits": dict.fromkeys(KEY_LIMITS)}
+        req = urllib.request.Request(self.gateway_url + "/v1/admin/keys", data=json.dumps(body).encode(),
                                      headers={"Authorization": f"Bearer {self.admin_key}",
                                               "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
