@@ -68,7 +68,7 @@ class LimitsConfig(BaseModel):
     rpm: int | None = Field(600, ge=1, description="generation requests (chat, completions) per minute")
     tpm: int | None = Field(None, ge=1, description="generation tokens per minute (prompt + max_tokens reserved "
                             "per choice, the unused part refunded)")
-    max_concurrent: int | None = Field(32, ge=1, description="requests in progress at once: generation, "
+    max_concurrent: int | None = Field(8, ge=1, description="requests in progress at once: generation, "
                                        "embeddings, search, uploads")
     embedding_inputs_per_call: int = Field(256, ge=1, le=2048, description="inputs of one /v1/embeddings call "
                                            "(more: 400)")
