@@ -266,9 +266,15 @@ class Supervised:
                     f"{n}: {self.log_tail(n)}" for n in (*PROGRAMS, "gateway")))
             time.sleep(0.25)
 
-    def create_key(self, name: str) -> str:
-        """A new API key, made through the gateway's admin API."""
-        req = urllib.request.Request(self.gateway_url + "/v1/admin/keys", data=json.dumps({"name": name}).encode(),
+    def create_key(self, name: str, *, unlimited: bool = False) -> str:
+        """A new API key, made through the gateway's admin API; ``unlimited``: without per-key limits (the
+        benchmarks measure the stack, not its [limits] defaults)."""
+        body: dict[str, Any] = {"name": name}
+        if unlimited:
+            from gateway.config import KEY_LIMITS
+
+            body["limits"] = dict.fromkeys(KEY_LIMITS)
+        req = urllib.request.Request(self.gateway_url + "/v1/admin/keys", data=json.dumps(body).encode(),
                                      headers={"Authorization": f"Bearer {self.admin_key}",
                                               "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:

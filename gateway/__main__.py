@@ -27,12 +27,16 @@ from common.http import setup_logging
 from gateway.app import create_app
 from gateway.auth import resolve_admin_key
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.connections import quiet_protocol_errors, raise_fd_limit
 from gateway.db import safe_url
 from gateway.state import GATEWAY
 
 log = logging.getLogger("strata.gateway")
 
 EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 3
+# after an error answer to a request whose body was not read (413, 408), the rest is read and dropped this long so
+# the client sees the answer rather than a reset; aiohttp's default (10 s) is a slow client's gift
+LINGER_S = 2.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,12 +49,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def serve(config: GatewayConfig) -> int:
+    # every file the gateway and its children write is private whatever umask it was started with (supervisord's is
+    # 022): the database, the journal, uploads, the documents' indexes hold key hashes and users' words
+    os.umask(0o077)
+    fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool
     try:
         app = create_app(config)
     except ConfigError as e:
         log.error("%s", e)
         return EXIT_CONFIG
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_timeout_s)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=config.shutdown_timeout_s,
+                           keepalive_timeout=config.keepalive_timeout_s, lingering_time=LINGER_S)
     try:
         await runner.setup()  # opens the database, polls the lanes once
     except Exception as e:
@@ -61,15 +70,22 @@ async def serve(config: GatewayConfig) -> int:
     # stall of the event loop measured on the 2-core VM, 2026-12-02)
     gc.collect()
     gc.freeze()
+    guard = app[GATEWAY].connections
+    assert guard is not None and runner.server is not None
+    guard.max_total = fit
+    guard.install(runner.server)
+    quiet_protocol_errors(app[GATEWAY].metrics)
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     try:
         await site.start()
     except OSError as e:
         log.error("gateway cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
         await runner.cleanup()
+        await guard.stop()
         return EXIT_FAILED
     addrs = ", ".join(f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple))
-    log.info("gateway pid=%d listening on %s", os.getpid(), addrs)
+    log.info("gateway pid=%d listening on %s (open files up to %d, connections up to %d)", os.getpid(), addrs,
+             fd_limit, fit)
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -86,6 +102,7 @@ async def serve(config: GatewayConfig) -> int:
     await stop.wait()
     # AppRunner.cleanup: close the listener, wait for handlers up to shutdown_timeout, then app cleanup
     await runner.cleanup()
+    await guard.stop()
     # the embedding model's process: stopped now, not at exit after a model load or an encode in flight
     from gateway.documents.embed import close_all
 

@@ -16,23 +16,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.engine import make_url
 
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, validate_body
 from gateway.auth import Authenticator, ClientAddress, resolve_admin_key
-from gateway.config import GatewayConfig
+from gateway.config import REPO_ROOT, GatewayConfig
+from gateway.connections import ConnectionGuard, connection_middleware
 from gateway.db import open_db, safe_url
 from gateway.dispatch import Dispatcher
 from gateway.documents.api import RAG, rag_context
 from gateway.documents.api import add_routes as add_document_routes
 from gateway.errors import ERROR_CODE, APIError, error_middleware
+from gateway.journal import Journal
 from gateway.keys import KeySpec, KeyStore
 from gateway.limits import Limiter
 from gateway.messages import add_routes as add_messages_routes
@@ -60,11 +65,13 @@ def create_app(config: GatewayConfig, env: Mapping[str, str] | None = None) -> w
     admin_key = resolve_admin_key(config, env)
     metrics = GatewayMetrics()
     gw = Gateway(config=config, metrics=metrics, dispatcher=Dispatcher(config, metrics),
-                 limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc()),
+                 limiter=Limiter(on_limited=lambda reason: metrics.rate_limited.labels(limit=reason).inc(),
+                                 config=config.limits),
                  admin_key=admin_key, client_address=ClientAddress(config.trusted_proxies))
+    gw.connections = ConnectionGuard(config, metrics, gw.client_address)
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_access_middleware, messages_error_middleware, error_middleware,
-                                       _auth_middleware])
+                          middlewares=[_connection_middleware, _access_middleware, messages_error_middleware,
+                                       error_middleware, _auth_middleware])
     app[GATEWAY] = gw
     app.cleanup_ctx.append(_lifecycle)
     app.cleanup_ctx.append(rag_context(config.rag))  # after _lifecycle: it needs the database
@@ -100,11 +107,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gw.auth = Authenticator(gw.keys, gw.admin_key, cfg.key_cache_s, cfg.log_prompts_default,
                             negative_size=cfg.negative_cache_size, negative_s=cfg.negative_cache_s,
                             fail_limit=cfg.auth_fail_limit, fail_window_s=cfg.auth_fail_window_s,
+                            global_fail_limit=cfg.auth_fail_global_limit,
                             on_event=lambda result: gw.metrics.auth_failures.labels(result=result).inc())
     gw.admin_key = None  # only its hash is needed from here on
     gw.store = RequestLog(gw.db, cfg.retention_days, max_queue=cfg.log_queue_max, retry_max_s=cfg.log_retry_max_s,
-                          on_drop=lambda reason, n: gw.metrics.log_dropped.labels(reason=reason).inc(n))
+                          on_drop=lambda reason, n: gw.metrics.log_dropped.labels(reason=reason).inc(n),
+                          journal=Journal(journal_dir(cfg)))
     store = gw.store
+    replayed = await asyncio.to_thread(store.replay)  # rows of a gateway that died, before any new one
+    if replayed:
+        log.warning("request log: %d row(s) from the journal of a gateway that stopped without writing them",
+                    replayed)
     gw.metrics.log_queued.set_function(lambda: store.queued)
     gw.store.start()
     # no total timeout: streams are bounded by the gateway's own deadlines
@@ -127,6 +140,20 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     await gw.session.close()
     await asyncio.to_thread(gw.store.close)
     gw.db.dispose()
+
+
+def journal_dir(cfg: GatewayConfig) -> Path:
+    """``log_journal_dir``, else ``request-journal-<port>`` beside a SQLite database file, else under the
+    repository's var/ (one per port: two gateways on one machine never share one)."""
+    if cfg.log_journal_dir is not None:
+        return cfg.log_journal_dir
+    # port 0 (tests: any free port) cannot find its journal again after a restart: a directory of its own
+    name = f"request-journal-{cfg.port}" if cfg.port else f"request-journal-any-{secrets.token_hex(4)}"
+    u = make_url(cfg.db_url)
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" and \
+            not u.database.startswith("file:"):
+        return Path(u.database).resolve().parent / name
+    return REPO_ROOT / "var" / name
 
 
 async def _retention(gw: Gateway) -> None:
@@ -193,6 +220,7 @@ def _finish(request: web.Request, trace: Trace, resp: web.StreamResponse | None,
 
 
 _access_middleware = make_access_middleware(_begin, _finish)
+_connection_middleware = connection_middleware(lambda request: request.app[GATEWAY].connections)
 
 
 @web.middleware
@@ -209,6 +237,8 @@ async def _auth_middleware(request: web.Request, handler: Any) -> web.StreamResp
         key = await gw.auth.authenticate(authorization, address)
         request[PRINCIPAL] = key
         request[TRACE].key = key
+        if gw.connections is not None:
+            gw.connections.keyed(request.protocol)
         if needs_admin and not key.admin:
             raise APIError(403, "this key may not use the admin API", code="insufficient_permissions",
                            type="invalid_request_error")

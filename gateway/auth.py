@@ -8,9 +8,14 @@ constant time and acts as key id 0 with no limits. No key material is ever logge
 
 Made-up keys cost no database work once seen (a bounded LRU of their HMACs answers 401 for
 ``negative_cache_s``; creating a key through the admin API empties it) and each client
-address may fail ``auth_fail_limit`` times per ``auth_fail_window_s`` before it gets 429 with
-``Retry-After`` (the address is the peer, or the ``X-Forwarded-For`` hop added by a proxy
-listed in ``trusted_proxies``).
+address may fail ``auth_fail_limit`` times per ``auth_fail_window_s`` before its *unknown*
+keys get 429 with ``Retry-After`` (the address is the peer, or the ``X-Forwarded-For`` hop
+added by a proxy listed in ``trusted_proxies``); all addresses together may fail
+``auth_fail_global_limit`` times per window before every unknown key gets it (a flood from
+many addresses). A failed budget never refuses a key that verifies: a key that verified in
+the last ``known_key_s`` is looked up whatever the budgets say, and a key in use stays cached
+(an entry past half its life is refreshed in the background while the request goes on; a
+refresh that finds the key revoked drops it, one that finds the database down keeps it).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import ipaddress
 import os
 import stat
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +40,7 @@ __all__ = ["ADMIN_ENV", "Authenticator", "ClientAddress", "resolve_admin_key"]
 
 MIN_ADMIN_KEY_LEN = 16
 _CACHE_MAX = 10_000
+_KNOWN_MAX = 100_000
 
 
 def _read_admin_file(path: Path) -> str:
@@ -85,6 +91,11 @@ class ClientAddress:
     def _is_trusted(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         return any(addr in net for net in self.trusted)
 
+    def is_trusted(self, peer: str) -> bool:
+        """``peer`` (an address) is one of ``trusted_proxies``."""
+        addr = self._parse(peer) if self.trusted else None
+        return addr is not None and self._is_trusted(addr)
+
     @staticmethod
     def _parse(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         text = text.strip()
@@ -124,6 +135,7 @@ class _Failures:
     # one lookup and must not spend 32 of a 30-failure budget.
     pending: dict[str, int] = field(default_factory=dict)
     blocked_until: float = 0.0
+    trickle_at: float = 0.0  # while blocked, the next unknown key it may have looked up (slowed, not refused)
 
 
 class Authenticator:
@@ -135,14 +147,18 @@ class Authenticator:
 
     def __init__(self, store: KeyStore, admin_key: str | None, cache_s: float, log_prompts_default: bool, *,
                  negative_size: int = 10_000, negative_s: float = 60.0, fail_limit: int = 30,
-                 fail_window_s: float = 60.0, max_addresses: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic,
+                 fail_window_s: float = 60.0, global_fail_limit: int = 1000, known_s: float = 86400.0,
+                 max_addresses: int = 100_000, clock: Callable[[], float] = time.monotonic,
                  on_event: Callable[[str], None] | None = None) -> None:
         self.store = store
         self._admin_digest = store.hash(admin_key) if admin_key else None
         self.admin_record = KeyRecord(id=0, name="admin", prefix="", admin=True, log_prompts=log_prompts_default)
         self.cache_s = cache_s
-        self._cache: dict[str, tuple[KeyRecord, float]] = {}  # digest -> (record, expiry)
+        self._cache: OrderedDict[str, tuple[KeyRecord, float]] = OrderedDict()  # digest -> (record, expiry), LRU
+        self.known_s = known_s
+        self._known: OrderedDict[str, float] = OrderedDict()  # digest -> when it last verified, oldest first
+        self.global_fail_limit = global_fail_limit
+        self._global_failures: deque[float] = deque()  # failure times in the last fail_window_s, all addresses
         self.negative_size = negative_size
         self.negative_s = negative_s
         self._negative: OrderedDict[str, float] = OrderedDict()  # digest -> expiry, oldest first
@@ -169,8 +185,13 @@ class Authenticator:
         return f
 
     def _check_blocked(self, f: _Failures, now: float, lookup: bool) -> None:
-        """429 when the address is blocked, or when a database lookup would exceed its budget."""
+        """429 when the address is blocked, or when a database lookup would exceed its budget. A blocked address
+        still gets one lookup per ``fail_window_s / fail_limit`` (the budget's own rate): a new valid key behind
+        it (a shared NAT or proxy) is slowed down, not refused until the block ends."""
         if f.blocked_until > now:
+            if lookup and now >= f.trickle_at:
+                f.trickle_at = now + self.fail_window_s / self.fail_limit
+                return
             wait = f.blocked_until - now
         elif lookup and f.count + len(f.pending) >= self.fail_limit:
             wait = 1.0  # the lookups in flight may still succeed
@@ -180,10 +201,27 @@ class Authenticator:
         raise APIError(429, f"too many failed authentications from this address; retry in {wait:.0f}s",
                            code="too_many_auth_failures", retry_after=max(1.0, wait))
 
+    def _check_global(self, now: float) -> None:
+        """429 for an unknown key's lookup while all addresses together have spent the global budget."""
+        horizon = now - self.fail_window_s
+        while self._global_failures and self._global_failures[0] <= horizon:
+            self._global_failures.popleft()
+        if len(self._global_failures) >= self.global_fail_limit:
+            wait = self._global_failures[0] + self.fail_window_s - now
+            self._on_event("blocked")
+            raise APIError(429, f"too many failed authentications; retry in {wait:.0f}s",
+                           code="too_many_auth_failures", retry_after=max(1.0, wait))
+
+    def _is_known(self, digest: str, now: float) -> bool:
+        seen = self._known.get(digest)
+        return seen is not None and now - seen < self.known_s
+
     def _fail(self, f: _Failures, now: float, message: str) -> APIError:
+        self._global_failures.append(now)
         f.count += 1
         if f.count >= self.fail_limit and f.blocked_until <= now:
             f.blocked_until = now + self.fail_window_s
+            f.trickle_at = now + self.fail_window_s / self.fail_limit
         self._on_event("failed")
         return _unauthorized(message)
 
@@ -243,12 +281,17 @@ class Authenticator:
             return self.admin_record
         hit = self._cache.get(digest)
         if hit is not None and hit[1] > now:
+            self._cache.move_to_end(digest)
+            if hit[1] - now < self.cache_s / 2:  # in use: refreshed before it expires, the request goes on
+                self._refresh(digest)
             return hit[0]
         if self._negative_hit(digest, now) or not key.startswith(KEY_PREFIX):
             self._check_blocked(f, now, lookup=False)
             raise self._fail(f, now, "invalid or revoked API key")
-        if digest not in f.pending:  # joining a lookup already in flight costs the budget nothing
+        known = self._is_known(digest, now)
+        if not known and digest not in f.pending:  # joining a lookup already in flight costs the budget nothing
             self._check_blocked(f, now, lookup=True)
+            self._check_global(now)
         f.pending[digest] = f.pending.get(digest, 0) + 1
         try:
             record = await self._lookup(digest)
@@ -260,15 +303,48 @@ class Authenticator:
         now = self._clock()
         if record is None:
             self._cache.pop(digest, None)
+            self._known.pop(digest, None)
             self._remember_unknown(digest, now)
             raise self._fail(f, now, "invalid or revoked API key")
-        if len(self._cache) >= _CACHE_MAX:
-            self._cache.clear()
-        self._cache[digest] = (record, now + self.cache_s)
+        self._verified(digest, record, now)
         return record
+
+    def _verified(self, digest: str, record: KeyRecord, now: float) -> None:
+        self._cache[digest] = (record, now + self.cache_s)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > _CACHE_MAX:
+            self._cache.popitem(last=False)
+        self._known[digest] = now
+        self._known.move_to_end(digest)
+        while len(self._known) > _KNOWN_MAX:
+            self._known.popitem(last=False)
+
+    def _refresh(self, digest: str) -> None:
+        """Look a cached key up again in the background (once at a time per key)."""
+        if digest in self._lookups:
+            return
+
+        def done(task: asyncio.Future[KeyRecord | None]) -> None:
+            now = self._clock()
+            if task.cancelled():
+                return
+            if task.exception() is not None:  # the database is down: the key stays usable meanwhile
+                hit = self._cache.get(digest)
+                if hit is not None:
+                    self._cache[digest] = (hit[0], now + self.cache_s)
+                return
+            record = task.result()
+            if record is None:  # revoked (the CLI) or gone
+                self._cache.pop(digest, None)
+                self._known.pop(digest, None)
+            else:
+                self._verified(digest, record, now)
+
+        asyncio.ensure_future(self._lookup(digest)).add_done_callback(done)
 
     def forget(self, key_id: int) -> None:
         """Drop a key from the cache (revoked through the admin API)."""
         for digest, (rec, _) in list(self._cache.items()):
             if rec.id == key_id:
                 del self._cache[digest]
+                self._known.pop(digest, None)

@@ -27,7 +27,8 @@ from common.config import decode_env, read_toml
 from gateway.documents.config import RagConfig
 from memory.config import MemoryConfig
 
-__all__ = ["ENV_PREFIX", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "default_db_url", "load_config"]
+__all__ = ["ENV_PREFIX", "KEY_LIMITS", "REPO_ROOT", "ConfigError", "GatewayConfig", "LaneEntry", "LimitsConfig",
+           "default_db_url", "load_config"]
 
 ENV_PREFIX = "STRATA_GATEWAY_"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +57,36 @@ class LaneEntry(BaseModel):
         return v.rstrip("/") if isinstance(v, str) else v
 
 
+class LimitsConfig(BaseModel):
+    """Per-key limits on everything that costs work, with defaults that protect a small box (docs/operations.md
+    tells how to size them). A key's own value wins (``python -m gateway.keys create --limit NAME=VALUE``, the
+    admin API's ``limits``; ``none``/null there: unlimited for that key); admin keys have none. The ``[limits]``
+    table of the gateway config; None here: unlimited by default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: int | None = Field(600, ge=1, description="generation requests (chat, completions) per minute")
+    tpm: int | None = Field(None, ge=1, description="generation tokens per minute (prompt + max_tokens reserved "
+                            "per choice, the unused part refunded)")
+    max_concurrent: int | None = Field(8, ge=1, description="requests in progress at once: generation, "
+                                       "embeddings, search, uploads")
+    embedding_inputs_per_call: int = Field(256, ge=1, le=2048, description="inputs of one /v1/embeddings call "
+                                           "(more: 400)")
+    embedding_inputs_per_minute: int | None = Field(6000, ge=1, description="embedding inputs per minute")
+    searches_per_minute: int | None = Field(300, ge=1, description="collection searches per minute")
+    uploads_per_minute: int | None = Field(30, ge=1, description="document uploads per minute")
+    documents_per_key: int | None = Field(2000, ge=1, description="documents a key may hold in all its collections")
+    document_bytes_per_key: int | None = Field(2 << 30, ge=1, description="upload bytes a key may hold")
+    queued_documents_per_key: int | None = Field(20, ge=1, description="a key's documents waiting for ingestion or "
+                                                 "in it; ingestion serves the keys in turn")
+    min_free_disk_bytes: int = Field(1 << 30, ge=0, description="an upload is refused (507) when the data "
+                                     "directory's disk has less free space than this plus the upload")
+
+
+KEY_LIMITS = tuple(n for n in LimitsConfig.model_fields if n not in ("embedding_inputs_per_call",
+                                                                      "min_free_disk_bytes"))
+
+
 class GatewayConfig(BaseModel):
     """The public gateway: where it listens, which lanes it fronts, its limits and its database."""
 
@@ -73,6 +104,24 @@ class GatewayConfig(BaseModel):
     stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream whose lane sends nothing this long")
     ping_interval_s: float = Field(3.0, gt=0, description="SSE ': ping' while a stream waits")
     max_body_bytes: int = Field(1024 * 1024, ge=1024)
+    header_timeout_s: float = Field(10.0, gt=0, description="a new connection's first request headers must arrive "
+                                    "within this (else 408 and closed: slowloris)")
+    body_timeout_s: float = Field(30.0, gt=0, description="a JSON body must arrive within this after its headers "
+                                  "(else 408 and closed); uploads have upload_timeout_s")
+    upload_timeout_s: float = Field(300.0, gt=0, description="a document upload's whole body must arrive within this")
+    keepalive_timeout_s: float = Field(15.0, gt=0, description="an idle keep-alive connection is closed after this")
+    stream_write_timeout_s: float = Field(30.0, gt=0, description="a stream's client must take each chunk within "
+                                          "this, else it is disconnected and its lane request aborted")
+    max_connections: int = Field(4096, ge=16, description="open client connections in all; when full, a new one "
+                                 "takes the place of the oldest connection that never authenticated and is idle, "
+                                 "else it gets 503")
+    max_connections_per_address: int = Field(256, ge=1, description="open connections per client address (the "
+                                             "peer; trusted_proxies are exempt), with the same eviction")
+    send_buffer_bytes: int | None = Field(None, ge=4096, description="SO_SNDBUF of client connections (None: the "
+                                          "kernel's autotuning); smaller bounds what a client that stops reading "
+                                          "holds and finds it sooner")
+    max_open_files: int | None = Field(None, ge=256, description="RLIMIT_NOFILE the gateway sets at start (None: "
+                                       "the hard limit); max_connections is lowered to fit it")
     max_tokens_cap: int | None = Field(None, ge=1, description="global cap on max_tokens (clamped)")
     default_max_tokens: int | None = Field(
         1024, ge=1, description="max_tokens of a request that names none (a key's own default wins); "
@@ -93,16 +142,24 @@ class GatewayConfig(BaseModel):
     negative_cache_size: int = Field(10_000, ge=0, description="unknown keys remembered (0: none)")
     negative_cache_s: float = Field(60.0, ge=0, description="how long an unknown key is answered 401 from memory")
     auth_fail_limit: int = Field(30, ge=1, description="failed authentications per client address and window "
-                                 "before 429")
+                                 "before that address's unknown keys get 429 (keys that verified before still pass)")
     auth_fail_window_s: float = Field(60.0, gt=0, description="the window of auth_fail_limit (also the block time)")
+    auth_fail_global_limit: int = Field(1000, ge=1, description="failed authentications of all addresses together "
+                                        "per auth_fail_window_s before unknown keys get 429 (keys that verified "
+                                        "before still pass)")
     trusted_proxies: list[str] = Field(default_factory=list, description="addresses or networks (CIDR) whose "
                                        "X-Forwarded-For names the client; empty: the peer address is the client")
     log_queue_max: int = Field(10_000, ge=1, description="request-log rows waiting for the database; more are "
                                "dropped (counted)")
+    log_journal_dir: Path | None = Field(None, description="the request log's local journal (rows on disk before "
+                                         "their answer completes; replayed at start); None: beside a SQLite "
+                                         "database, else var/ in the repository, named after the port")
     log_retry_max_s: float = Field(30.0, gt=0, description="longest pause between writes while the database fails")
-    metrics_public: bool = Field(True, description="False: /metrics needs the admin key")
+    metrics_public: bool = Field(False, description="True: /metrics answers without a key (else the admin key: "
+                                 "its labels name lanes and keys' limits, its counters what clients did)")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="per-key limits and their defaults")
     rag: RagConfig = Field(default_factory=RagConfig, description="documents and retrieval (docs/rag.md)")
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="session memory (docs/memory.md)")
 

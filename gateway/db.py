@@ -57,6 +57,7 @@ api_keys = Table(
     Column("max_tokens", Integer, nullable=True),  # per-request cap on max_tokens (clamped)
     Column("default_max_tokens", Integer, nullable=True),  # max_tokens of a request naming none (None: gateway's)
     Column("log_prompts", Boolean, nullable=False, default=False),
+    Column("limits", Text, nullable=True),  # JSON {limit name: value or null (unlimited)}: the key's own limits
     Column("created", Float, nullable=False),  # unix seconds
     Column("revoked", Float, nullable=True),  # unix seconds; None: active
     # ids are never reused: a key's id owns its sessions and collections (see rebuild_with_autoincrement)

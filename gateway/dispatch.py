@@ -33,7 +33,7 @@ from gateway.config import GatewayConfig, LaneEntry
 from gateway.metrics import GatewayMetrics
 from gateway.tokencount import LocalCounter, TokenizerCache
 
-__all__ = ["Dispatcher", "LaneFailure", "LaneRuntime", "Passthrough", "rendezvous_score"]
+__all__ = ["Dispatcher", "LaneFailure", "LaneRuntime", "Passthrough", "connection_problem", "rendezvous_score"]
 
 log = logging.getLogger("strata.gateway")
 
@@ -41,14 +41,17 @@ _MODELS_REFRESH_S = 30.0  # /v1/models is re-read this often while a lane stays 
 
 
 class LaneFailure(Exception):
-    """A lane could not serve the request: ``kind`` is connect, timeout, status (5xx) or stream."""
+    """A lane could not serve the request: ``kind`` is connect, timeout, status (5xx) or stream. ``message`` may
+    reach the client: it never holds an address or an exception's text; ``detail`` (the log's and the admin's
+    view) may."""
 
     def __init__(self, lane: str, kind: str, message: str, status: int | None = None, body: bytes | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, *, detail: str | None = None) -> None:
         super().__init__(message)
         self.lane = lane
         self.kind = kind
         self.message = message
+        self.detail = f"{message} ({detail})" if detail else message
         self.status = status
         self.body = body
         self.headers = headers or {}
@@ -62,6 +65,15 @@ class Passthrough(Exception):
         self.status = status
         self.body = body
         self.headers = headers
+
+
+def connection_problem(e: BaseException) -> str:
+    """What went wrong with a lane's connection, in words a client may read (no address, no exception text)."""
+    if isinstance(e, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return "could not connect"
+    if isinstance(e, aiohttp.ServerDisconnectedError | ConnectionResetError):
+        return "closed the connection"
+    return "the connection failed"
 
 
 def check_lane_status(lane: str, what: str, status: int, raw: bytes, headers: dict[str, str]) -> None:

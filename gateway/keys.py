@@ -1,7 +1,8 @@
 """API keys: creation (shown once), listing, revocation, lookup by hash; and their CLI.
 
     python -m gateway.keys create --name alice [--admin] [--rpm 60] [--tpm 100000] [--max-concurrent 4]
-                                  [--max-tokens 2048] [--default-max-tokens 512] [--log-prompts] [--json]
+                                  [--max-tokens 2048] [--default-max-tokens 512] [--log-prompts]
+                                  [--limit searches_per_minute=60 --limit uploads_per_minute=none ...] [--json]
     python -m gateway.keys list [--json]
     python -m gateway.keys revoke 3
 
@@ -20,13 +21,14 @@ import os
 import secrets
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import Engine, insert, select, update
 
+from gateway.config import KEY_LIMITS
 from gateway.db import INT_MAX, INT_MIN, api_keys, check_text, get_pepper, open_db, safe_url
 
 __all__ = ["KEY_PREFIX", "KeyRecord", "KeySpec", "KeyStore", "main"]
@@ -51,6 +53,7 @@ class KeyRecord:
     log_prompts: bool = False
     created: float = 0.0
     revoked: float | None = None
+    limits: dict[str, int | None] = field(default_factory=dict)  # its own limits ([limits] names; None: unlimited)
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
@@ -71,18 +74,38 @@ class KeySpec(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=INT_MAX)
     default_max_tokens: int | None = Field(None, ge=1, le=INT_MAX)  # None: the gateway's default_max_tokens
     log_prompts: bool | None = None  # None: the gateway's log_prompts_default
+    limits: dict[str, int | None] | None = None  # [limits] names -> this key's value (None: unlimited)
 
     @field_validator("name")
     @classmethod
     def _storable(cls, v: str) -> str:
         return check_text(v)
 
+    @field_validator("limits")
+    @classmethod
+    def _known_limits(cls, v: dict[str, int | None] | None) -> dict[str, int | None] | None:
+        for name, value in (v or {}).items():
+            if name not in KEY_LIMITS:
+                raise ValueError(f"unknown limit {name!r} (known: {', '.join(KEY_LIMITS)})")
+            if value is not None and not 1 <= value <= INT_MAX:
+                raise ValueError(f"limit {name} must be from 1 to {INT_MAX}, or null (unlimited)")
+        return v
+
 
 def _record(row: Any) -> KeyRecord:
     return KeyRecord(id=row.id, name=row.name, prefix=row.prefix, admin=bool(row.admin), rpm=row.rpm,
                      tpm=row.tpm, max_concurrent=row.max_concurrent, max_tokens=row.max_tokens,
                      default_max_tokens=row.default_max_tokens,
-                     log_prompts=bool(row.log_prompts), created=row.created, revoked=row.revoked)
+                     log_prompts=bool(row.log_prompts), created=row.created, revoked=row.revoked,
+                     limits=_limits(row.limits))
+
+
+def _limits(raw: str | None) -> dict[str, int | None]:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return {k: v for k, v in value.items() if k in KEY_LIMITS} if isinstance(value, dict) else {}
 
 
 _COLUMNS = [c for c in api_keys.c if c.name != "hash"]
@@ -107,10 +130,12 @@ class KeyStore:
                       default_max_tokens=spec.default_max_tokens,
                       log_prompts=log_prompts_default if spec.log_prompts is None else spec.log_prompts,
                       created=time.time(), revoked=None)
+        limits = dict(spec.limits or {})
         with self.engine.begin() as conn:
-            key_id = conn.execute(insert(api_keys).values(**values)).inserted_primary_key[0]
+            key_id = conn.execute(insert(api_keys).values(**values, limits=json.dumps(limits) if limits else None)
+                                  ).inserted_primary_key[0]
         values.pop("hash")
-        return key, KeyRecord(id=int(key_id), **values)
+        return key, KeyRecord(id=int(key_id), **values, limits=limits)
 
     def list(self) -> list[KeyRecord]:
         with self.engine.connect() as conn:
@@ -157,7 +182,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("create", help="create a key and print it once")
     c.add_argument("--name", required=True)
     c.add_argument("--admin", action="store_true", help="may use /v1/admin/*")
-    c.add_argument("--rpm", type=int, help="requests per minute (default: unlimited)")
+    c.add_argument("--rpm", type=int, help="requests per minute (default: the gateway's [limits] rpm)")
     c.add_argument("--tpm", type=int, help="tokens (prompt + completion) per minute")
     c.add_argument("--max-concurrent", type=int, help="requests in flight at once")
     c.add_argument("--max-tokens", type=int, help="cap on max_tokens per request (larger values are clamped)")
@@ -165,6 +190,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="max_tokens of a request that names none (default: the gateway's default_max_tokens)")
     c.add_argument("--log-prompts", action="store_true", default=None,
                    help="keep prompt and response text in the request log for this key")
+    c.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                   help=f"this key's own value of a [limits] limit (none: unlimited); names: {', '.join(KEY_LIMITS)}")
     c.add_argument("--json", action="store_true", help="print the key and its record as JSON")
     ls = sub.add_parser("list", help="list keys (never their secrets)")
     ls.add_argument("--json", action="store_true")
@@ -196,10 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "create":
             try:
+                limits: dict[str, int | None] = {}
+                for item in args.limit:
+                    name, _, value = item.partition("=")
+                    if not value or (value.lower() != "none" and not value.isdigit()):
+                        print(f"strata keys: --limit {item!r}: expected NAME=NUMBER or NAME=none", file=sys.stderr)
+                        return 2
+                    limits[name] = None if value.lower() == "none" else int(value)
                 spec = KeySpec(name=args.name, admin=args.admin, rpm=args.rpm, tpm=args.tpm,
                                max_concurrent=args.max_concurrent, max_tokens=args.max_tokens,
                                default_max_tokens=args.default_max_tokens,
-                               log_prompts=args.log_prompts)
+                               log_prompts=args.log_prompts, limits=limits or None)
             except ValidationError as e:
                 problems = "; ".join(f"--{'-'.join(str(x) for x in err['loc']).replace('_', '-')}: {err['msg']}"
                                      for err in e.errors())

@@ -49,9 +49,25 @@ class GatewayMetrics:
                                    ["reason"], registry=r)
         self.log_queued = Gauge("strata_gateway_request_log_queued", "Request-log rows waiting for the database",
                                 registry=r)
+        self.connections_open = Gauge("strata_gateway_connections_open", "Open client connections", registry=r)
+        self.connections_refused = Counter("strata_gateway_connections_refused",
+                                           "New connections answered 503 and closed: the address or the whole "
+                                           "table was full of connections that may not be evicted",
+                                           ["reason"], registry=r)
+        self.connections_closed = Counter("strata_gateway_connections_closed",
+                                          "Connections the gateway closed: header_timeout (no request headers in "
+                                          "time), body_timeout, evicted (made room for a new connection), "
+                                          "stream_stalled (a stream's client stopped reading), write_stalled (an answer that did not move "
+                                          "for stream_write_timeout_s), bad_request (a "
+                                          "request line or header the HTTP parser refused: 400)", ["reason"],
+                                          registry=r)
         for reason in ("window", "cap"):
             self.clamped.labels(reason=reason)
         for result in ("failed", "blocked"):
             self.auth_failures.labels(result=result)
         for reason in ("queue_full", "rejected"):
             self.log_dropped.labels(reason=reason)
+        for reason in ("per_address", "total"):
+            self.connections_refused.labels(reason=reason)
+        for reason in ("header_timeout", "body_timeout", "evicted", "stream_stalled", "write_stalled", "bad_request"):
+            self.connections_closed.labels(reason=reason)

@@ -30,8 +30,8 @@ from typing import Any, Literal, Protocol, TypeVar
 import aiohttp
 from aiohttp import web
 
-from common.http import SSE_HEADERS, client_gone, read_json
-from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status
+from common.http import SSE_HEADERS, client_gone
+from gateway.dispatch import LaneFailure, LaneRuntime, Passthrough, check_lane_status, connection_problem
 from gateway.documents.api import get_rag
 from gateway.documents.chat import RagContext, fit_passages, parse_collections
 from gateway.documents.chat import citations as rag_citations
@@ -42,7 +42,8 @@ from gateway.limits import Reservation
 from gateway.memory_chat import MemoryContext, fit_memory, is_memory_session, session_ref
 from gateway.memory_chat import prepare as memory_prepare
 from gateway.sessions import get_memory
-from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace
+from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, check_text, read_body
+from gateway.store import IN_PROGRESS
 from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
 
 __all__ = ["Relay", "chat_completions", "completions", "generation"]
@@ -218,7 +219,7 @@ class _Call:
                 assert failure is not None
                 self.gw.metrics.retries.labels(lane=failure.lane).inc()
                 log.warning("id=%s lane=%s failed before the first token (%s: %s); retrying on lane=%s", trace.id,
-                            failure.lane, failure.kind, failure.message, lane.name)
+                            failure.lane, failure.kind, failure.detail, lane.name)
             tried.add(lane.name)
             trace.lane = lane.name
             trace.model = model or lane.model
@@ -247,7 +248,7 @@ class _Call:
                     disp.succeeded(lane)
                 return result
             except LaneFailure as f:
-                disp.failed(lane, f.kind, f.message)
+                disp.failed(lane, f.kind, f.detail)
                 failure = f
             except Passthrough as p:
                 disp.succeeded(lane)  # a 4xx is the lane working correctly
@@ -328,6 +329,8 @@ class _Call:
 
     async def _fail(self, f: LaneFailure) -> web.StreamResponse:
         """Every attempt failed: the last lane's own 5xx if it gave one, else 502 / 504."""
+        log.warning("id=%s no lane could serve the request; the last failure: lane=%s %s: %s", self.trace.id, f.lane,
+                    f.kind, f.detail)
         if f.status is not None and f.status >= 500 and f.body:
             code = _error_code(f.body) or "upstream_error"
             if self.resp is None:
@@ -364,7 +367,8 @@ class _Call:
         except TimeoutError:
             raise LaneFailure(lane.name, "timeout", f"lane {lane.name} gave no answer within {timeout:.0f}s") from None
         except (aiohttp.ClientError, OSError) as e:
-            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
+            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {connection_problem(e)}",
+                              detail=f"{type(e).__name__}: {e}") from None
         check_lane_status(lane.name, f"lane {lane.name}", status, raw, headers)
         try:
             data = json.loads(raw)
@@ -389,34 +393,57 @@ class _Call:
         return web.Response(status=status, body=raw, content_type="application/json", headers=self._headers(lane))
 
     # ------------------------------------------------------------ streaming
+    def _log_row(self, status: int, error_type: str | None = None) -> None:
+        """The request's row as it stands, on disk before the client gets more (the final one follows at the
+        end: rows with the same id replace each other)."""
+        if self.gw.store is not None:
+            row = self.trace.row(status, round((time.monotonic() - self.trace.t0) * 1000, 3))
+            if error_type is not None:
+                row["error_type"] = error_type
+            self.gw.store.record(row)
+
     async def _commit(self, lane: LaneRuntime) -> None:
+        self._log_row(200, IN_PROGRESS)  # a stream is logged as in progress before its first byte leaves
         self.resp = _EventStream(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
         try:
             await self.resp.prepare(self.request)
         except ConnectionError:
             raise ClientGone from None
 
+    async def _send(self, aw: Awaitable[None]) -> None:
+        """One write to the client's stream, within ``stream_write_timeout_s``: a client that stopped reading (its
+        socket buffers full) is disconnected, which raises ClientGone here and drops the lane request with it."""
+        try:
+            async with asyncio.timeout(self.gw.config.stream_write_timeout_s):
+                await aw
+        except TimeoutError:
+            self.gw.metrics.connections_closed.labels(reason="stream_stalled").inc()
+            log.warning("id=%s the client took no stream data for %.0fs: disconnected", self.trace.id,
+                        self.gw.config.stream_write_timeout_s)
+            if self.request.transport is not None:
+                self.request.transport.abort()
+            raise ClientGone from None
+        except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up
+            raise ClientGone from None
+
     async def _write(self, lane: LaneRuntime, data: bytes) -> None:
         if self.resp is None:
             await self._commit(lane)
         assert self.resp is not None
-        try:
-            await self.resp.write(data)
-        except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up
-            raise ClientGone from None
+        await self._send(self.resp.write(data))
         self.last_write = time.monotonic()
 
-    async def _send(self, lane: LaneRuntime, obj: dict[str, Any]) -> None:
+    async def _send_chunk(self, lane: LaneRuntime, obj: dict[str, Any]) -> None:
         await self._write(lane, b"data: " + _dumps(obj) + b"\n\n" if self.relay is None else await self.relay.chunk(obj))
 
     async def _error_event(self, body: dict[str, Any], code: str | None) -> None:
         assert self.resp is not None
         self.trace.error_type = code
         try:
-            await self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n" if self.relay is None
-                                  else await self.relay.error(body))
-            await self.resp.write_eof()
-        except ConnectionError:
+            await self._send(self.resp.write(b"data: " + _dumps(body) + b"\n\ndata: [DONE]\n\n" if self.relay is None
+                                             else await self.relay.error(body)))
+            await self._send(self.resp.write_eof())
+        except ClientGone:
             self.trace.client_gone = True
 
     async def _stream(self, lane: LaneRuntime, body: dict[str, Any]) -> web.StreamResponse:
@@ -434,7 +461,8 @@ class _Call:
             raise LaneFailure(lane.name, "timeout", f"lane {lane.name} did not answer within "
                               f"{cfg.first_token_timeout_s:.0f}s") from None
         except (aiohttp.ClientError, OSError) as e:
-            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {type(e).__name__}: {e}") from None
+            raise LaneFailure(lane.name, "connect", f"lane {lane.name}: {connection_problem(e)}",
+                              detail=f"{type(e).__name__}: {e}") from None
         self.trace.mark("headers")
         clean = False
         try:
@@ -490,8 +518,8 @@ class _Call:
                 if not self.first_sent:
                     self.trace.mark("chunk")
                 if isinstance(item, BaseException):
-                    raise LaneFailure(lane.name, "stream", f"lane {lane.name}'s stream broke: "
-                                      f"{type(item).__name__}: {item}")
+                    raise LaneFailure(lane.name, "stream", f"lane {lane.name}'s stream broke",
+                                      detail=f"{type(item).__name__}: {item}")
                 if item is None:
                     raise LaneFailure(lane.name, "stream", f"lane {lane.name} ended its stream before [DONE]")
                 for data in parser.feed(item):
@@ -501,13 +529,14 @@ class _Call:
                 if done:
                     await self._remember(complete=True)  # a session's turns are stored before the client's [DONE]
                     if self.rag is not None:  # the citations ride in one last chunk, before [DONE]
-                        await self._send(lane, {
+                        await self._send_chunk(lane, {
                             "id": self.trace.id, "object": "chat.completion.chunk", "created": int(time.time()),
                             "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)})
+                    self._log_row(200)  # complete before the client learns it is
                     await self._write(lane, b"data: [DONE]\n\n" if self.relay is None else await self.relay.end())
                     assert self.resp is not None
-                    with contextlib.suppress(ConnectionError):
-                        await self.resp.write_eof()
+                    with contextlib.suppress(ClientGone):
+                        await self._send(self.resp.write_eof())
                     clean = True
                     return self.resp
         except LaneFailure as f:
@@ -515,8 +544,8 @@ class _Call:
                 raise
             # after the first token there is no failover: the client learns it in the stream
             self.lane_broke = True
-            self.gw.dispatcher.failed(lane, f.kind, f.message)
-            log.warning("id=%s lane=%s failed mid-stream: %s", self.trace.id, lane.name, f.message)
+            self.gw.dispatcher.failed(lane, f.kind, f.detail)
+            log.warning("id=%s lane=%s failed mid-stream: %s", self.trace.id, lane.name, f.detail)
             await self._error_event(error_body("the lane failed while streaming this response; the answer is "
                                                "incomplete", "server_error", code="upstream_error"), "upstream_error")
             assert self.resp is not None
@@ -594,7 +623,7 @@ async def generation(request: web.Request, kind: Kind, prepare: Prepare | None =
     ticket = gw.limiter.admit(key)
     call: _Call | None = None
     try:
-        body = await read_json(request, gw.config.max_body_bytes)
+        body = await read_body(request)
         trace.mark("body")
         if not isinstance(body, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
@@ -618,6 +647,11 @@ async def generation(request: web.Request, kind: Kind, prepare: Prepare | None =
         trace.model = model
         session_id = session_ref(request, body)
         refs = parse_collections(body)
+        # ids that reach the database: valid text (the header too) without NUL, which PostgreSQL refuses
+        check_text({"session_id": session_id})
+        for param, ids in (("session_id", [session_id] if session_id else []), ("collections", refs or [])):
+            if any("\x00" in v for v in ids):
+                raise _bad(param, f"invalid {param}: must not contain NUL characters")
         if is_memory_session(session_id) and kind != "chat":
             raise _bad("session_id", "session memory works with /v1/chat/completions only")
         if refs is not None and kind != "chat":

@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.errors import APIError
-from gateway.state import GATEWAY, PRINCIPAL, json_body
+from gateway.state import GATEWAY, PRINCIPAL, body_timeout, json_body
 from memory.config import MemoryConfig
 from memory.service import MemoryService
 from memory.store import MemoryStore, Session
@@ -55,7 +55,7 @@ def memory_context(cfg: MemoryConfig, embed_model: str, embed_threads: int, embe
             store = await asyncio.to_thread(MemoryStore, gw.db)
         except Exception as e:
             log.error("session memory is off: %s: %s", type(e).__name__, e)
-            app[_DISABLED] = f"session memory is unavailable on this gateway: {e}"
+            app[_DISABLED] = "session memory is unavailable on this gateway (its log says why)"
             yield
             return
         embedder = None
@@ -127,7 +127,12 @@ class RenameSpec(BaseModel):
 
 
 async def _spec(request: web.Request) -> SessionSpec:
-    raw = await request.read()
+    timeout_s = request.app[GATEWAY].config.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise body_timeout(request, timeout_s) from None
     if not raw.strip():
         return SessionSpec()
     return await json_body(request, SessionSpec)

@@ -6,6 +6,13 @@ does so, so it reads its own writes). Retention deletes rows older than ``retent
 Key material never reaches a row; prompt and response text only for keys with
 ``log_prompts``.
 
+Every queued row is first appended to a local journal (gateway/journal.py) when one is
+given, so a row is on disk before its answer completes and survives a SIGKILL; the journal
+left by a dead process is written to the database at start (:meth:`RequestLog.replay`). A
+stream gets its row when its 200 goes out (``error_type`` ``in_progress``) and again at its
+end; a row still in progress at a restart is written as ``interrupted``. Writes replace a
+row with the same id (delete and insert in one transaction), so replays are idempotent.
+
 The queue holds at most ``log_queue_max`` rows: while the database is down rows wait there
 (a batch is retried whole, with exponential backoff up to ``log_retry_max_s``) and rows
 arriving at a full queue are dropped and counted, so an outage costs a bounded amount of
@@ -29,12 +36,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Engine, Integer, delete, insert, select
 
 from gateway.db import INT_MAX, INT_MIN, check_text, requests
+from gateway.journal import Journal
 
-__all__ = ["RequestLog", "RequestQuery"]
+__all__ = ["IN_PROGRESS", "INTERRUPTED", "RequestLog", "RequestQuery"]
 
 log = logging.getLogger("strata.gateway")
 
 _BATCH = 500
+IN_PROGRESS = "in_progress"  # the error_type of a stream's row while it runs
+INTERRUPTED = "interrupted"  # ... of one the gateway died during (written at the next start)
 
 
 def _parse_time(v: Any) -> Any:
@@ -102,13 +112,16 @@ def _fit(row: dict[str, Any]) -> dict[str, Any]:
 
 class RequestLog:
     def __init__(self, engine: Engine, retention_days: float, *, max_queue: int = 10_000,
-                 retry_max_s: float = 30.0, on_drop: Callable[[str, int], None] | None = None) -> None:
+                 retry_max_s: float = 30.0, on_drop: Callable[[str, int], None] | None = None,
+                 journal: Journal | None = None) -> None:
         self.engine = engine
         self.retention_s = retention_days * 86400.0
         self.max_queue = max_queue
         self.retry_max_s = retry_max_s
         self._on_drop = on_drop or (lambda reason, n: None)
-        self._rows: deque[dict[str, Any]] = deque()  # oldest first; a batch leaves only once it is written
+        self.journal = journal
+        # (journal row number, row), oldest first; a batch leaves only once it is written
+        self._rows: deque[tuple[int, dict[str, Any]]] = deque()
         self._cond = threading.Condition()
         self._queued_total = 0  # rows ever accepted into the queue
         self._done_total = 0  # rows ever taken off it (written, or refused by the database)
@@ -130,7 +143,8 @@ class RequestLog:
             if len(self._rows) >= self.max_queue:
                 self._drop("queue_full", 1)
                 return
-            self._rows.append(row)
+            seq = self.journal.append(row) if self.journal is not None else 0
+            self._rows.append((seq, row))
             self._queued_total += 1
             self._cond.notify_all()
 
@@ -156,6 +170,24 @@ class RequestLog:
                 self._stop = True
                 self._cond.notify_all()
             self._thread.join(timeout)
+        if self.journal is not None:
+            with self._cond:
+                empty = not self._rows
+            self.journal.close(all_committed=empty and not self._thread.is_alive())
+
+    def replay(self) -> int:
+        """Write what the journal of a process that died still holds (blocking, before ``start``); the rows
+        written. A stream's row still in progress is written as interrupted. Raises when the database refuses."""
+        if self.journal is None:
+            return 0
+        rows = self.journal.replay()
+        for row in rows:
+            if row.get("error_type") == IN_PROGRESS:
+                row["error_type"] = INTERRUPTED
+        for i in range(0, len(rows), _BATCH):
+            self._upsert(rows[i:i + _BATCH])
+        self.journal.forget_old()
+        return len({r["id"] for r in rows})
 
     def _writer(self) -> None:
         delay = 0.0
@@ -171,7 +203,9 @@ class RequestLog:
                 if stopping:
                     return
                 continue
-            taken = self._write(batch)
+            taken = self._write([row for _, row in batch])
+            if taken and self.journal is not None:
+                self.journal.committed(batch[taken - 1][0])
             with self._cond:
                 for _ in range(taken):
                     self._rows.popleft()
@@ -203,8 +237,7 @@ class RequestLog:
         """Write ``rows`` (oldest first); the number taken off the queue (0: the database is down)."""
         self.attempts += 1
         try:
-            with self.engine.begin() as conn:
-                conn.execute(insert(requests), [_fit(r) for r in rows])
+            self._upsert(rows)
         except Exception as e:  # the log must never take the gateway down
             if not self._database_up():
                 if not self.outage:
@@ -225,6 +258,13 @@ class RequestLog:
             self.outage = False
             log.warning("request log: the database is back; writing the queued rows")
         return len(rows)
+
+    def _upsert(self, rows: list[dict[str, Any]]) -> None:
+        """Write ``rows``, each replacing an earlier version of itself (a stream's row in progress, a replay)."""
+        latest = {r["id"]: r for r in rows}  # one id twice in a batch: its last version
+        with self.engine.begin() as conn:
+            conn.execute(delete(requests).where(requests.c.id.in_(list(latest))))
+            conn.execute(insert(requests), [_fit(r) for r in latest.values()])
 
     # ------------------------------------------------------------ blocking queries (worker threads)
     def purge(self, now: float | None = None) -> int:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import aiohttp
 
 from common.token_limit import token_limit_field
-from gateway.dispatch import LaneFailure, LaneRuntime, check_lane_status
+from gateway.dispatch import LaneFailure, LaneRuntime, check_lane_status, connection_problem
 from gateway.errors import APIError
 from gateway.tokencount import count_locally
 
@@ -84,7 +84,8 @@ async def _tokenize(session: aiohttp.ClientSession, lane: LaneRuntime, payload: 
     except TimeoutError:
         raise LaneFailure(lane.name, "timeout", f"/tokenize took longer than {timeout:.0f}s") from None
     except (aiohttp.ClientError, OSError) as e:
-        raise LaneFailure(lane.name, "connect", f"/tokenize failed: {type(e).__name__}: {e}") from None
+        raise LaneFailure(lane.name, "connect", f"lane {lane.name}: /tokenize: {connection_problem(e)}",
+                          detail=f"{type(e).__name__}: {e}") from None
     check_lane_status(lane.name, "/tokenize", status, raw, headers)
     try:
         data = json.loads(raw)

@@ -22,9 +22,9 @@ T = TypeVar("T")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    async with session.get(url + "/metrics") as r:
+async def scrape(session: aiohttp.ClientSession, url: str, key: str | None = None) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} (``key``: the gateway's needs its admin key unless metrics_public)."""
+    async with session.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else None) as r:
         assert r.status == 200
         text = await r.text()
     out: dict[str, float] = {}

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with throwaway_stack(tmp, kv_tokens=kv) as st:
             print(f"bench: throwaway stack up in {time.monotonic() - t0:.1f}s ({tmp}, window {kv})", file=sys.stderr)
-            key = st.create_key("bench")
+            key = st.create_key("bench", unlimited=True)
             run_argv = ["run", "--target", st.gateway_url, "--key", key, "--admin-key-file", str(st.admin_key_file),
                         "--supervisor-config", str(st.conf), "--scenarios", ",".join(names), "--with-lane",
                         "--out", str(args.out)]

@@ -278,7 +278,11 @@ class Target:
             return data
 
     async def create_key(self, name: str, log_prompts: bool = False) -> str:
-        data = await self.admin("POST", "/v1/admin/keys", {"name": name, "log_prompts": log_prompts})
+        """A key without per-key limits (the benchmarks measure the stack, not its [limits] defaults)."""
+        from gateway.config import KEY_LIMITS
+
+        data = await self.admin("POST", "/v1/admin/keys", {"name": name, "log_prompts": log_prompts,
+                                                           "limits": dict.fromkeys(KEY_LIMITS)})
         return str(data["key"])
 
     async def request_log(self, since: float, limit: int = 1000) -> list[dict[str, Any]]:
@@ -287,7 +291,9 @@ class Target:
 
     async def scrape(self, url: str) -> dict[str, float]:
         try:
-            async with self.session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            # the gateway's /metrics needs the admin key (lanes ignore it)
+            async with self.session.get(url + "/metrics", headers=self.headers(self.admin_key) if self.admin_key else None,
+                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
                 return parse_metrics(await r.text()) if r.status == 200 else {}
         except (TimeoutError, aiohttp.ClientError, OSError):
             return {}

@@ -21,8 +21,9 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from gateway.documents.extract import FileTypeError, detect_format
 from gateway.documents.service import RagService, safe_filename
 from gateway.documents.store import Conflict
 from gateway.errors import APIError
-from gateway.state import GATEWAY, PRINCIPAL, json_body
+from gateway.state import GATEWAY, PRINCIPAL, body_timeout, json_body
 
 __all__ = ["RAG", "add_routes", "get_rag", "rag_context"]
 
@@ -62,7 +63,7 @@ def rag_context(cfg: RagConfig) -> Any:
             svc = await asyncio.to_thread(RagService, svc_cfg, gw.db)
         except Exception as e:  # e.g. the embedding model's package is not installed
             log.error("documents and retrieval are off: %s: %s", type(e).__name__, e)
-            app[_DISABLED] = f"documents and retrieval are unavailable on this gateway: {e}"
+            app[_DISABLED] = "documents and retrieval are unavailable on this gateway (its log says why)"
             yield
             return
         app[RAG] = svc
@@ -221,11 +222,51 @@ async def delete_collection(request: web.Request) -> web.Response:
 
 async def upload_document(request: web.Request) -> web.Response:
     svc = get_rag(request)
+    gw = request.app[GATEWAY]
+    key = request[PRINCIPAL]
     coll = await _collection(request, svc)
     cap = svc.cfg.max_upload_bytes
     if request.content_length is not None and request.content_length > cap + 64 * 1024:
         raise APIError(413, f"the upload is {request.content_length} bytes; the limit is {cap}",
                        code="request_too_large")
+    with _admitted(request):
+        gw.limiter.rate(key, "uploads_per_minute", 1, "uploads")
+        await _check_room(request, svc, request.content_length or 0)
+        timeout_s = gw.config.upload_timeout_s
+        try:  # a slow sender costs a connection for a bounded time: the whole body within upload_timeout_s
+            async with asyncio.timeout(timeout_s):
+                return await _receive(request, svc, coll, cap)
+        except TimeoutError:
+            raise body_timeout(request, timeout_s) from None
+
+
+async def _check_room(request: web.Request, svc: RagService, size: int) -> None:
+    """Before an upload is read (and again with its size): the disk, the key's queue and its quotas."""
+    gw = request.app[GATEWAY]
+    key = request[PRINCIPAL]
+    free = (await asyncio.to_thread(shutil.disk_usage, svc.root)).free
+    if free < gw.config.limits.min_free_disk_bytes + size:
+        log.error("documents: an upload refused: %d bytes free on the data directory's disk (min_free_disk_bytes "
+                  "%d)", free, gw.config.limits.min_free_disk_bytes)
+        raise APIError(507, "the server is low on disk space and cannot take uploads now; retry later",
+                       code="insufficient_storage", retry_after=60)
+    docs, nbytes, queued = await asyncio.to_thread(svc.store.key_usage, key.id)
+    queue_cap = gw.limiter.value(key, "queued_documents_per_key")
+    if queue_cap is not None and queued >= queue_cap:
+        gw.metrics.rate_limited.labels(limit="queued_documents_per_key").inc()
+        raise APIError(429, f"this key already has {queued} document(s) waiting for ingestion (the limit is "
+                       f"{queue_cap}); retry when some are ready", code="rate_limit_exceeded", retry_after=10,
+                       limit="queued_documents_per_key")
+    for name, have, what in (("documents_per_key", docs + 1, "documents"),
+                             ("document_bytes_per_key", nbytes + size, "bytes of documents")):
+        quota = gw.limiter.value(key, name)
+        if quota is not None and have > quota:
+            gw.metrics.rate_limited.labels(limit=name).inc()
+            raise APIError(429, f"this key's quota of {quota} {what} is used up ({name}); delete documents to make "
+                           "room", code="quota_exceeded", limit=name)
+
+
+async def _receive(request: web.Request, svc: RagService, coll: dict[str, Any], cap: int) -> web.Response:
     try:
         reader = await request.multipart()
     except (AssertionError, ValueError, KeyError):
@@ -269,10 +310,11 @@ async def upload_document(request: web.Request) -> web.Response:
             fmt = detect_format(name, head)
         except FileTypeError as e:
             raise APIError(415, str(e), param="file", code="unsupported_file_type") from None
+        await _check_room(request, svc, size)
         doc, created = await asyncio.to_thread(svc.store.add_document, coll["id"], name, sha.hexdigest(), fmt, size)
         if created:
             os.replace(tmp, svc.upload_path(doc["id"]))
-            await svc.submit(doc["id"])
+            await svc.submit(doc["id"], _key_id(request))
             log.info("documents: key=%d uploaded %s (%s, %d bytes) to %s as %s", _key_id(request), name, fmt, size,
                      coll["id"], doc["id"])
     finally:
@@ -304,8 +346,25 @@ async def delete_document(request: web.Request) -> web.Response:
     return web.json_response({"id": doc["id"], "object": "document", "deleted": True})
 
 
+@contextlib.contextmanager
+def _admitted(request: web.Request) -> Iterator[None]:
+    """A request that costs work holds one of its key's max_concurrent slots while it runs."""
+    limiter = request.app[GATEWAY].limiter
+    ticket = limiter.admit(request[PRINCIPAL], generation=False)
+    try:
+        yield
+    finally:
+        limiter.release(ticket)
+
+
 async def search(request: web.Request) -> web.Response:
     svc = get_rag(request)
+    with _admitted(request):
+        request.app[GATEWAY].limiter.rate(request[PRINCIPAL], "searches_per_minute", 1, "searches")
+        return await _search(request, svc)
+
+
+async def _search(request: web.Request, svc: RagService) -> web.Response:
     coll = await _collection(request, svc)
     spec = await json_body(request, SearchSpec)
     t0 = time.monotonic()
@@ -321,17 +380,23 @@ async def search(request: web.Request) -> web.Response:
 def _embed_unavailable(e: EmbedError) -> APIError:
     """A request that needs the embedding model when its encode failed (its process died: a new one is
     loading): a typed 503 the client may retry, not a 500."""
-    return APIError(503, f"the embedding model is unavailable: {e}", code="embedding_model_unavailable",
+    log.warning("documents: the embedding model is unavailable: %s", e)
+    return APIError(503, "the embedding model is unavailable; retry shortly", code="embedding_model_unavailable",
                     retry_after=5)
 
 
 # ---------------------------------------------------------------------------------------- embeddings
 
-_MAX_INPUTS = 2048
-
 
 async def embeddings(request: web.Request) -> web.Response:
     svc = get_rag(request)
+    with _admitted(request):
+        return await _embeddings(request, svc)
+
+
+async def _embeddings(request: web.Request, svc: RagService) -> web.Response:
+    gw = request.app[GATEWAY]
+    max_inputs = gw.config.limits.embedding_inputs_per_call
     spec = await json_body(request, EmbeddingSpec)
     emb = svc.embedder
     names = {emb.name, f"sentence-transformers/{emb.name}"}
@@ -339,10 +404,11 @@ async def embeddings(request: web.Request) -> web.Response:
         raise APIError(404, f"the embedding model {spec.model!r} is not served here (served: {emb.name})",
                        code="model_not_found", param="model")
     texts = [spec.input] if isinstance(spec.input, str) else spec.input
-    if not texts or len(texts) > _MAX_INPUTS:
-        raise APIError(400, f"input must hold 1 to {_MAX_INPUTS} strings", param="input")
+    if not texts or len(texts) > max_inputs:
+        raise APIError(400, f"input must hold 1 to {max_inputs} strings", param="input")
     if any(not t for t in texts):
         raise APIError(400, "input must not contain empty strings", param="input")
+    gw.limiter.rate(request[PRINCIPAL], "embedding_inputs_per_minute", len(texts), "embedding inputs")
     if spec.dimensions is not None and spec.dimensions != emb.dim:
         raise APIError(400, f"this model only makes {emb.dim}-dimensional embeddings", param="dimensions")
     counts = await emb.acount_tokens(texts)

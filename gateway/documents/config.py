@@ -43,6 +43,8 @@ class RagConfig(BaseModel):
     max_top_k: int = Field(50, ge=1, le=1000)
     hnsw_above: int = Field(50_000, ge=1, description="vectors above which the dense index is HNSW, not flat")
     max_collections_per_key: int = Field(100, ge=1)
+    index_cache_size: int = Field(32, ge=1, description="collections' indexes kept loaded (least recently searched "
+                                  "go first)")
 
     @model_validator(mode="after")
     def _overlap(self) -> RagConfig:

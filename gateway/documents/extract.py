@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import os
 import re
 import subprocess
@@ -36,6 +37,8 @@ from typing import Any, Literal
 
 __all__ = ["FORMATS", "SUPPORTED_TYPES", "Block", "Extracted", "ExtractLimits", "ExtractionError", "FileTypeError",
            "PAGE_BATCH", "Emit", "detect_format", "extract_file", "extract_in_process", "extract_stream"]
+
+log = logging.getLogger("strata.gateway.documents")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,7 +183,6 @@ def _paragraphs(text: str, page: int | None = None, unwrap: bool = False) -> lis
 def _extract_pdf(path: Path, lim: ExtractLimits, emit: Emit | None = None) -> Extracted:
     """With ``emit``, every ``PAGE_BATCH`` pages' blocks are handed over as soon as they are read (and not kept):
     the parent embeds them while the next pages are extracted."""
-    import logging
 
     from pypdf import PdfReader, apply_configuration
     from pypdf.errors import LimitReachedError, PdfReadError
@@ -233,8 +235,8 @@ def check_docx_zip(path: Path, lim: ExtractLimits) -> None:
     """Refuse a zip bomb or an XML bomb before any XML parser sees the file."""
     try:
         z = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise ExtractionError(f"not a readable Word document (bad zip: {e})") from None
+    except (zipfile.BadZipFile, OSError):
+        raise ExtractionError("not a readable Word document (not a valid zip file)") from None
     with z:
         infos = z.infolist()
         if len(infos) > _MAX_ZIP_MEMBERS:
@@ -256,13 +258,18 @@ def check_docx_zip(path: Path, lim: ExtractLimits) -> None:
             tail = b""
             try:
                 with z.open(i) as f:  # zipfile never reads past the declared size (the total checked above)
+                    first = True
                     while chunk := f.read(1 << 16):
+                        if first and (chunk.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in chunk[:4]):
+                            # UTF-16/32: the byte search below would not see a DTD; Word writes UTF-8 only
+                            raise ExtractionError(f"zip member {i.filename!r} is not UTF-8 XML (refused)")
+                        first = False
                         if _XML_DANGER.search(tail + chunk):
                             raise ExtractionError(f"zip member {i.filename!r} declares a DTD or entities (refused: "
                                                   "entity expansion and external entities)")
                         tail = chunk[-16:]
-            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-                raise ExtractionError(f"not a readable Word document: {i.filename}: {e}") from None
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+                raise ExtractionError(f"not a readable Word document: zip member {i.filename!r} is damaged") from None
 
 
 def _extract_docx(path: Path, lim: ExtractLimits) -> Extracted:
@@ -274,7 +281,7 @@ def _extract_docx(path: Path, lim: ExtractLimits) -> Extracted:
     try:
         document = docx.Document(str(path))
     except Exception as e:  # python-docx raises many types for a broken package
-        raise ExtractionError(f"not a readable Word document: {type(e).__name__}: {e}") from None
+        raise ExtractionError(f"not a readable Word document ({type(e).__name__})") from None
     out = Extracted("docx")
     chars = 0
     for item in document.iter_inner_content():
@@ -502,7 +509,8 @@ def extract_stream(path: Path, fmt: str, lim: ExtractLimits, on_part: Emit,
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env,
                                     cwd=REPO_ROOT, preexec_fn=lambda: _limit_child(lim.memory_mb, int(lim.timeout_s) + 1))
         except OSError as e:
-            raise ExtractionError(f"could not start the extraction process: {e}") from None
+            log.error("documents: the extraction process did not start: %s", e)
+            raise ExtractionError("could not start the extraction process") from None
 
         def expire() -> None:
             timed_out.set()
@@ -549,8 +557,11 @@ def extract_stream(path: Path, fmt: str, lim: ExtractLimits, on_part: Emit,
         last = tail[-1] if tail else garbage.decode("utf-8", "replace")
         if "MemoryError" in last:
             raise ExtractionError(f"extraction ran out of memory (limit {lim.memory_mb} MiB)") from None
-        raise ExtractionError(f"the extraction process failed (exit {rc}): {last[:300]}") from None
+        log.error("documents: the extraction process failed (exit %s): %s", rc, last[:2000])
+        raise ExtractionError(f"the extraction process failed (exit {rc})") from None
     if not answer.get("ok"):
+        if answer.get("detail"):
+            log.warning("documents: extraction failed: %s", answer["detail"])
         raise ExtractionError(str(answer.get("reason") or "extraction failed"))
     return Extracted(answer["format"], [], answer.get("pages"), streamed=int(answer.get("blocks", 0)))
 
@@ -581,7 +592,10 @@ def _child_main(argv: list[str]) -> int:
     except RecursionError:
         answer = {"ok": False, "reason": "the document is nested too deeply to parse"}
     except Exception as e:  # a parser bug on a hostile file: a reason, never a traceback to the user
-        answer = {"ok": False, "reason": f"could not parse the {fmt.upper()} file: {type(e).__name__}: {e}"[:500]}
+        # the text may name server paths: the reason (the client's) says what kind of failure, the detail (the
+        # gateway's log) the rest
+        answer = {"ok": False, "reason": f"could not parse the {fmt.upper()} file ({type(e).__name__})",
+                  "detail": f"{type(e).__name__}: {e}"[:2000]}
     send(answer)
     return 0
 

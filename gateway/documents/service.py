@@ -1,6 +1,7 @@
 """The documents service: ingestion jobs, index versions and search, for the API and the chat path.
 
-Ingestion of one document (one at a time, in upload order, on a background task):
+Ingestion of one document (one at a time on a background task; the keys' queues are served in
+turn, each in upload order, so one key's hundred uploads do not stall another key's one):
 
     queued -> extracting (child process) -> embedding (chunks, then vectors on the embed thread, while the
            child extracts the next pages of a PDF)
@@ -28,6 +29,8 @@ import re
 import shutil
 import threading
 import time
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +55,41 @@ BM25_ONLY = "retrieval=bm25 (embedding model not loaded)"  # the note of a hybri
 BM25_DOWN = "retrieval=bm25 (embedding model failed; restarting)"  # ... because the query's encode failed
 _BATCH_DOCS = 32  # documents published together at most
 _BATCH_S = 10.0  # how long the first of them may wait for the others
+
+
+class FairQueue:
+    """Documents waiting for ingestion: a FIFO per key, the keys served in turn (round robin)."""
+
+    def __init__(self) -> None:
+        self._queues: OrderedDict[int, deque[str]] = OrderedDict()  # key -> its documents; the next key first
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, did: str, key_id: int) -> None:
+        self._queues.setdefault(key_id, deque()).append(did)
+        self._ready.set()
+
+    def empty(self) -> bool:
+        return not self._queues
+
+    def qsize(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def get_nowait(self) -> str:
+        if not self._queues:
+            raise asyncio.QueueEmpty
+        key_id, q = next(iter(self._queues.items()))
+        did = q.popleft()
+        del self._queues[key_id]
+        if q:
+            self._queues[key_id] = q  # to the back: the other keys go first
+        if not self._queues:
+            self._ready.clear()
+        return did
+
+    async def get(self) -> str:
+        while not self._queues:
+            await self._ready.wait()
+        return self.get_nowait()
 
 
 @dataclass
@@ -96,11 +134,13 @@ class RagService:
                                     max_uncompressed_bytes=cfg.max_uncompressed_bytes,
                                     max_ratio=cfg.max_compression_ratio, max_stream_bytes=cfg.max_stream_bytes,
                                     timeout_s=cfg.extract_timeout_s, memory_mb=cfg.extract_memory_mb)
-        self.queue: asyncio.Queue[str] = asyncio.Queue()
+        self.queue = FairQueue()
         self.current: str | None = None  # the document being ingested
         self._task: asyncio.Task[None] | None = None  # its ingestion
-        self._cache: dict[str, IndexVersion] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        # the indexes of recently searched collections (least recently used first, at most index_cache_size) and
+        # the locks of collections being changed (gone with their last user): neither grows with every collection
+        self._cache: OrderedDict[str, IndexVersion] = OrderedDict()
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._worker: asyncio.Task[None] | None = None
         self.embed_retries = 0  # slices encoded again after an EmbedError (the model's process died)
 
@@ -118,7 +158,8 @@ class RagService:
             else:
                 log.info("documents: resuming ingestion of %s (%s, attempt %d)", did, doc["name"], doc["attempts"] + 1)
                 await asyncio.to_thread(self.store.set_status, did, "queued", progress=0.0)
-                self.queue.put_nowait(did)
+                key = await asyncio.to_thread(self.store.key_of, doc["collection_id"])
+                self.queue.put_nowait(did, key if key is not None else -1)
         for tmp in self.uploads.glob("upload-*"):  # a request cut off mid-upload
             tmp.unlink(missing_ok=True)
         self._worker = asyncio.create_task(self._run(), name="documents-ingest")
@@ -140,11 +181,14 @@ class RagService:
         return self.root / "collections" / cid / "vectors" / f"{did}.{_model_tag(self.embedder.version_key)}.npy"
 
     def _lock(self, cid: str) -> asyncio.Lock:
-        return self._locks.setdefault(cid, asyncio.Lock())
+        lock = self._locks.get(cid)
+        if lock is None:
+            lock = self._locks[cid] = asyncio.Lock()
+        return lock
 
     # ------------------------------------------------------------------ ingestion
-    async def submit(self, did: str) -> None:
-        self.queue.put_nowait(did)
+    async def submit(self, did: str, key_id: int) -> None:
+        self.queue.put_nowait(did, key_id)
 
     async def _run(self) -> None:
         """Ingest queued documents one by one; documents of one collection that were queued together are
@@ -179,8 +223,8 @@ class RagService:
                 raise
             log.info("documents: ingestion of %s stopped (the document was deleted)", did)
         except Exception as e:  # never kill the worker: the document fails, the next one goes on
-            log.exception("documents: ingestion of %s failed", did)
-            await self._fail(did, f"internal error: {type(e).__name__}: {e}")
+            log.exception("documents: ingestion of %s failed: %s", did, type(e).__name__)
+            await self._fail(did, "internal error while ingesting the document (the gateway's log has the details)")
         finally:
             self.current = None
             self._task = None
@@ -201,7 +245,8 @@ class RagService:
         except Exception as e:
             log.exception("documents: publishing %d document(s) to %s failed", len(batch), cid)
             for _, did, _n in batch:
-                await self._fail(did, f"internal error while indexing: {type(e).__name__}: {e}")
+                await self._fail(did, f"internal error while indexing the document ({type(e).__name__}; the "
+                                      "gateway's log has the details)")
             return
         for did in published:
             self._drop_upload(did)
@@ -275,8 +320,8 @@ class RagService:
             return None
         except EmbedError as e:
             log.error("documents: %s (%s): embedding failed again after a retry: %s", did, doc["name"], e)
-            await self._fail(did, f"the embedding model failed twice while embedding this document, the second "
-                                  f"time on a retry ({e}); upload it again")
+            await self._fail(did, "the embedding model failed twice while embedding this document, the second "
+                                  "time on a retry; upload it again")
             return None
         finally:
             stop.set()  # a cancelled ingestion (the document was deleted) stops the child at its next part
@@ -442,6 +487,7 @@ class RagService:
             return None
         cached = self._cache.get(coll["id"])
         if cached is not None and cached.path.name == name:
+            self._cache.move_to_end(coll["id"])
             return cached
         try:
             idx = await asyncio.to_thread(load_version, self.root, coll["id"], name)
@@ -450,6 +496,9 @@ class RagService:
                       "directory shared by every gateway?)", coll["id"], name, self.root)
             return None
         self._cache[coll["id"]] = idx
+        self._cache.move_to_end(coll["id"])
+        while len(self._cache) > self.cfg.index_cache_size:
+            self._cache.popitem(last=False)
         return idx
 
     def serving_mode(self, mode: Mode) -> tuple[Mode, str]:

@@ -28,6 +28,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    case,
     delete,
     func,
     insert,
@@ -252,6 +253,20 @@ class DocStore:
             conn.execute(update(jobs).where(jobs.c.document_id == did, jobs.c.status.notin_(("ready", "failed")))
                          .values(**jv))
         return bool(n)
+
+    def key_usage(self, key_id: int) -> tuple[int, int, int]:
+        """(documents, their upload bytes, those waiting for or in ingestion) in all of a key's collections."""
+        with self.db.connect() as conn:
+            row = conn.execute(
+                select(func.count(documents.c.id), func.coalesce(func.sum(documents.c.bytes), 0),
+                       func.coalesce(func.sum(case((documents.c.status.in_(ACTIVE), 1), else_=0)), 0))
+                .select_from(documents.join(collections, collections.c.id == documents.c.collection_id))
+                .where(collections.c.key_id == key_id)).one()
+        return int(row[0]), int(row[1]), int(row[2])
+
+    def key_of(self, cid: str) -> int | None:
+        with self.db.connect() as conn:
+            return conn.execute(select(collections.c.key_id).where(collections.c.id == cid)).scalar()
 
     def unfinished(self) -> list[dict[str, Any]]:
         """Documents whose job never finished (queued, or cut off by a stop), oldest first, with attempts."""

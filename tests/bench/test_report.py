@@ -66,7 +66,7 @@ def test_a_correctness_scenario_without_checks_does_not_pass() -> None:
 
 
 def test_parse_scenarios() -> None:
-    assert parse_scenarios("all")[0] == "single" and len(parse_scenarios("all")) == 10
+    assert parse_scenarios("all")[0] == "single" and len(parse_scenarios("all")) == 11
     assert parse_scenarios("passkey, single") == ["passkey", "single"]
     with pytest.raises(ValueError, match="unknown scenario"):
         parse_scenarios("single,nope")

@@ -63,7 +63,7 @@ async def test_failover_before_first_token_then_ejection(gateway_engines: tuple,
             assert [(r["lane"], r["retried"], r["status"]) for r in rows] == [("live", True, 200)] * 2
             lanes = {x["name"]: x for x in (await _admin(http, gw, "/v1/admin/lanes"))["data"]}
             assert lanes["doomed"]["ejected_until"] is not None and lanes["live"]["ejected_until"] is None
-            m = await scrape(http, gw.url)
+            m = await scrape(http, gw.url, ADMIN_KEY)
             assert m['strata_gateway_lane_ejections_total{lane="doomed"}'] == 1
             assert m['strata_gateway_retries_total{lane="doomed"}'] == 2
             assert m['strata_gateway_upstream_failures_total{kind="status",lane="doomed"}'] == 1
@@ -89,6 +89,10 @@ async def test_failover_before_first_token_then_ejection(gateway_engines: tuple,
                                  headers=auth(key)) as r:
                 err = (await r.json())["error"]
                 assert r.status == 502 and err["code"] == "upstream_unavailable" and err["type"] == "server_error"
+                # it names the problem, never the lane's address or the client library's exception text
+                assert "could not connect" in err["message"], err
+                for secret in ("127.0.0.1", str(live.url.rsplit(":", 1)[1]), "Cannot connect", "Error"):
+                    assert secret not in err["message"], err
 
 
 async def _read_until(content: aiohttp.StreamReader, n_data: int) -> list[str]:

@@ -202,7 +202,7 @@ async def test_admin_keys_api_and_revocation(gw: GW, http: aiohttp.ClientSession
 async def test_window_clamp(client: openai.AsyncOpenAI, gw: GW, http: aiohttp.ClientSession,
                             lanes: dict[str, Lane]) -> None:
     msgs = await _prompt_leaving(http, lanes["a"], 40)
-    before = (await scrape(http, gw.url))['strata_gateway_max_tokens_clamped_total{reason="window"}']
+    before = (await scrape(http, gw.url, ADMIN_KEY))['strata_gateway_max_tokens_clamped_total{reason="window"}']
     raw = await client.chat.completions.with_raw_response.create(
         model="strata-default", messages=msgs, max_tokens=200,
         extra_body={"ignore_eos": True, "session_id": "long-prompt"})  # same lane: its prefix cache is warm
@@ -210,7 +210,7 @@ async def test_window_clamp(client: openai.AsyncOpenAI, gw: GW, http: aiohttp.Cl
     resp = raw.parse()
     assert resp.usage is not None and resp.usage.completion_tokens == 40  # the lane got the clamped value
     assert resp.choices[0].finish_reason == "length"
-    after = (await scrape(http, gw.url))['strata_gateway_max_tokens_clamped_total{reason="window"}']
+    after = (await scrape(http, gw.url, ADMIN_KEY))['strata_gateway_max_tokens_clamped_total{reason="window"}']
     assert after == before + 1
     row = (await _requests(http, gw, limit="1"))[0]
     assert (row["clamped_from"], row["clamped_to"], row["prompt_tokens"]) == (200, 40, KV_TOKENS - 40)
@@ -447,7 +447,7 @@ async def test_request_log_privacy(gw: GW, http: aiohttp.ClientSession, key: str
 
 
 async def test_metrics(gw: GW, http: aiohttp.ClientSession) -> None:
-    m = await scrape(http, gw.url)
+    m = await scrape(http, gw.url, ADMIN_KEY)
     assert m['strata_gateway_lane_ready{lane="a"}'] == 1 and m['strata_gateway_lane_ready{lane="b"}'] == 1
     assert any(k.startswith("strata_gateway_requests_total{") and 'status="200"' in k for k in m)
     assert m["strata_gateway_context_length_exceeded_total"] >= 2

@@ -111,8 +111,8 @@ async def test_log_queue_is_bounded_during_a_database_outage(tmp_path: Path) -> 
             await asyncio.sleep(0.05)
         assert store.outage
         assert store.queued == 50 and store.dropped == 250
-        assert sum(len(r["prompt_text"] or "") for r in store._rows) <= 50 * (len(prompt) + 100)
-        m = await scrape(http, gw.url)
+        assert sum(len(r["prompt_text"] or "") for _, r in store._rows) <= 50 * (len(prompt) + 100)
+        m = await scrape(http, gw.url, ADMIN_KEY)
         assert m['strata_gateway_request_log_dropped_total{reason="queue_full"}'] == 250
         assert m["strata_gateway_request_log_queued"] == 50
         assert not await store.flush(timeout=0.3)  # nothing can be written now
@@ -127,7 +127,7 @@ async def test_log_queue_is_bounded_during_a_database_outage(tmp_path: Path) -> 
             rows = (await r.json())["data"]
         assert len(rows) == 51 and all(row["status"] == 503 for row in rows)
         assert store.attempts - attempts - tried <= 2  # the 50 rows went in one batch
-        m = await scrape(http, gw.url)
+        m = await scrape(http, gw.url, ADMIN_KEY)
         assert m["strata_gateway_request_log_queued"] == 0
         assert m['strata_gateway_request_log_dropped_total{reason="rejected"}'] == 0
 

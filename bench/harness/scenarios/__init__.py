@@ -1,4 +1,4 @@
-"""The ten scenarios, in the order a full run takes them. Each module has ``NAME``, ``CORRECTNESS``
+"""The eleven scenarios, in the order a full run takes them. Each module has ``NAME``, ``CORRECTNESS``
 (its checks gate CI), ``KINDS`` (the target kinds it runs against; others skip it with a reason) and
 ``async def run(ctx, res)``."""
 
@@ -10,6 +10,7 @@ from bench.harness.scenarios import (
     babilong,
     concurrency,
     crash,
+    hostile,
     long_prefill,
     memory,
     passkey,
@@ -20,4 +21,4 @@ from bench.harness.scenarios import (
 )
 
 SCENARIOS: dict[str, ModuleType] = {m.NAME: m for m in (single, concurrency, long_prefill, passkey, babilong, rag,
-                                                        memory, soak, crash, switch)}
+                                                        memory, soak, crash, hostile, switch)}

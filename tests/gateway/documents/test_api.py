@@ -301,13 +301,17 @@ async def test_delete_during_ingestion_stops_it(gw: GW) -> None:
 
 
 @pytest.mark.parametrize("rag,why", [({"enabled": False}, "disabled in this gateway's config"),
-                                     ({"embed_model": "/nonexistent/model"}, "no sentence-transformers model")])
-async def test_documents_unavailable_is_a_typed_503(tmp_path: Path, rag: dict[str, Any], why: str) -> None:
+                                     ({"embed_model": "/nonexistent/model"}, "unavailable on this gateway (its log")])
+async def test_documents_unavailable_is_a_typed_503(tmp_path: Path, rag: dict[str, Any], why: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     async with running_gateway(gateway_config(tmp_path, NO_LANE, rag=rag)) as g, aiohttp.ClientSession() as s:
         key = g.key("k")
         for method, path in (("POST", "/v1/collections"), ("GET", "/v1/collections"), ("POST", "/v1/embeddings")):
             async with s.request(method, g.url + path, json={"name": "x", "input": "x"}, headers=auth(key)) as r:
                 err = (await r.json())["error"]
                 assert r.status == 503 and err["code"] == "documents_unavailable" and why in err["message"]
+                assert "/nonexistent" not in err["message"]  # the server's paths stay in its log
+        if "embed_model" in rag:
+            assert any("no sentence-transformers model" in r.getMessage() for r in caplog.records)
         async with s.get(g.url + "/healthz") as r:
             assert r.status == 200  # the rest of the gateway serves

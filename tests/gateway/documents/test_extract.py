@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,30 @@ def test_wall_clock_timeout(tmp_path: Path) -> None:
     with pytest.raises(ExtractionError, match="longer than 0.01s"):
         extract_file(p, "txt", ExtractLimits(timeout_s=0.01))
     assert time.monotonic() - t0 < 5
+
+
+def test_a_parser_failure_names_no_server_path(tmp_path: Path) -> None:
+    """A broken package that python-docx refuses (its message names the file's path): the reason a client reads
+    says what failed, the path and the exception's text stay in the server's log."""
+    p = tmp_path / "secret-dir-name" / "x.docx"
+    p.parent.mkdir()
+    with zipfile.ZipFile(p, "w") as z:  # a document part, but no [Content_Types].xml: not an OPC package
+        z.writestr("word/document.xml", "<w:document/>")
+    with pytest.raises(ExtractionError, match="not a readable Word document") as info:
+        extract_file(p, "docx", LIM)
+    assert "secret-dir-name" not in str(info.value) and str(tmp_path) not in str(info.value)
+
+
+def test_utf16_xml_members_are_refused(tmp_path: Path) -> None:
+    """A DTD in UTF-16 XML hides from the byte search for '<!DOCTYPE': such a member is refused outright."""
+    base = make_docx(tmp_path / "base.docx", "H", ["text"])
+    bad = tmp_path / "u16.docx"
+    with zipfile.ZipFile(base) as src, zipfile.ZipFile(bad, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename == "word/document.xml":
+                text = data.decode().replace("?>", '?><!DOCTYPE x [<!ENTITY a "b">]>', 1)
+                data = text.replace('encoding="UTF-8"', 'encoding="UTF-16"').encode("utf-16")
+            dst.writestr(item, data)
+    with pytest.raises(ExtractionError, match="not UTF-8 XML"):
+        check_docx_zip(bad, LIM)

@@ -21,7 +21,7 @@ async def _ingest(svc: RagService, cid: str, name: str, data: bytes) -> str:
     doc, created = svc.store.add_document(cid, name, hashlib.sha256(data).hexdigest(), "txt", len(data))
     assert created
     svc.upload_path(doc["id"]).write_bytes(data)
-    await svc.submit(doc["id"])
+    await svc.submit(doc["id"], svc.store.key_of(cid) or 0)
     d = await eventually(lambda: svc.store.get_document(doc["id"]), lambda d: d["status"] in ("ready", "failed"),
                          60, f"ingestion of {name}")
     assert d["status"] == "ready", d

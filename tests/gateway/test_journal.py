@@ -1,0 +1,87 @@
+"""The request log's journal: rows on disk before the database has them, replayed after a crash, segments
+deleted once committed, one process per directory, private files."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.db import open_db
+from gateway.journal import Journal, JournalBusy
+from gateway.store import RequestLog, RequestQuery
+from tests.pg import fresh_schema, server_url
+
+
+def _row(i: int, **kw: object) -> dict:
+    return {"id": f"gw-{i:04d}", "time": 1000.0 + i, "key_id": 1, "lane": "a", "model": "m",
+            "endpoint": "/v1/chat/completions", "stream": False, "prompt_tokens": 1, "completion_tokens": 1,
+            "duration_ms": 1.0, "status": 200, "retried": False, "error_type": None, **kw}
+
+
+def test_segments_rotate_and_go_once_committed(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j", segment_bytes=2000)
+    seqs = [j.append(_row(i)) for i in range(40)]
+    assert seqs == list(range(1, 41))
+    segments = sorted((tmp_path / "j").glob("segment-*.jsonl"))
+    assert len(segments) > 3
+    assert stat.S_IMODE((tmp_path / "j").stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in segments)
+    j.committed(20)  # the full segments holding rows 1..20 only are gone, the rest stay
+    left = sorted((tmp_path / "j").glob("segment-*.jsonl"))
+    assert 0 < len(left) < len(segments)
+    j.close(all_committed=False)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'r.db'}"
+        return
+    with fresh_schema(server_url("the request log's journal replay"), "strata_journal") as (url, _, _):
+        yield url
+
+
+def test_replay_after_a_crash_writes_every_row_once(tmp_path: Path, db_url: str) -> None:
+    engine = open_db(db_url)
+    j = Journal(tmp_path / "j")
+    for i in range(5):
+        j.append(_row(i))
+    j.append(_row(5, stream=True, error_type="in_progress"))
+    j.append(_row(3, completion_tokens=9))  # a later version of row 3
+    with open(next((tmp_path / "j").glob("segment-*.jsonl")), "ab") as f:
+        f.write(b'{"id": "gw-torn", "ti')  # the process died in the middle of a write
+    os.close(j._lock_fd)  # the process is gone, its lock with it (its segments stay)
+    j._lock_fd = -1
+    log = RequestLog(engine, retention_days=1e6, journal=Journal(tmp_path / "j"))
+    assert log.replay() == 6
+    rows = {r["id"]: r for r in log.query(RequestQuery(limit=100))}
+    assert sorted(rows) == [f"gw-{i:04d}" for i in range(6)]
+    assert rows["gw-0003"]["completion_tokens"] == 9 and rows["gw-0005"]["error_type"] == "interrupted"
+    assert not list((tmp_path / "j").glob("segment-*.jsonl"))  # replayed: gone
+    assert log.replay() == 0
+    log.close()
+    engine.dispose()
+
+
+def test_one_gateway_per_journal(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j")
+    with pytest.raises(JournalBusy):
+        Journal(tmp_path / "j")
+    j.close(all_committed=True)
+    Journal(tmp_path / "j").close(all_committed=True)
+
+
+def test_the_writer_commits_and_empties_the_journal(tmp_path: Path) -> None:
+    engine = open_db(f"sqlite:///{tmp_path / 'r.db'}")
+    log = RequestLog(engine, retention_days=1e6, journal=Journal(tmp_path / "j", segment_bytes=1500))
+    log.start()
+    for i in range(30):
+        log.record(_row(i))
+    log.close()
+    assert len(log.query(RequestQuery(limit=100))) == 30
+    assert not list((tmp_path / "j").glob("segment-*.jsonl"))
+    engine.dispose()
