@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.stack import PROGRAMS, StackError, Supervised, dump_toml, free_port, render
+from gateway.config import KEY_LIMITS
 
 REPO = Path(__file__).resolve().parents[3]
 ADMIN_KEY = "gpu-stack-admin-" + "k" * 24  # only in a 0600 temp file and this process
@@ -356,7 +357,9 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
         report["budget_bytes"] = budget
         check_vram(st, infos, budget, report)
 
-        code, body = _json("POST", st.url("gateway") + "/v1/admin/keys", {"name": "gpu-stack"}, key=ADMIN_KEY)
+        # the load below measures the switch, not the gateway's per-key defaults (600 requests a minute)
+        code, body = _json("POST", st.url("gateway") + "/v1/admin/keys",
+                           {"name": "gpu-stack", "limits": dict.fromkeys(KEY_LIMITS)}, key=ADMIN_KEY)
         if code not in (200, 201):
             raise StackCheckError(f"creating an API key: HTTP {code} {body}")
         key = str(body["key"])
