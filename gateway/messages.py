@@ -22,11 +22,10 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import Handler
-from common.http import read_json
 from gateway.dispatch import LaneFailure, Passthrough
 from gateway.errors import APIError
 from gateway.proxy import generation
-from gateway.state import GATEWAY, PRINCIPAL, TRACE
+from gateway.state import GATEWAY, PRINCIPAL, TRACE, read_body
 from gateway.window import count_prompt
 
 __all__ = ["MessagesRelay", "add_routes", "anthropic_error", "messages_error_middleware", "to_chat"]
@@ -371,6 +370,9 @@ async def _count_tokens(request: web.Request) -> web.StreamResponse:
     chat = to_chat(body, counting=True)
     model = chat.get("model") if isinstance(chat.get("model"), str) else None
     lane = gw.dispatcher.choose(None, set(), model)
+    if lane is None and model is not None and gw.dispatcher.routable() and not gw.dispatcher.routable(model):
+        raise APIError(404, f"the model {model!r} does not exist or no lane serving it is ready",
+                       code="model_not_found", param="model")
     if lane is None or gw.session is None:
         raise APIError(503, "no lane is ready to count tokens; retry shortly", code="no_lane_available",
                        retry_after=1)
@@ -385,7 +387,7 @@ async def _count_tokens(request: web.Request) -> web.StreamResponse:
 
 
 async def json_body_dict(request: web.Request) -> dict[str, Any]:
-    body = await read_json(request, request.app[GATEWAY].config.max_body_bytes)
+    body = await read_body(request)  # size, deadline and valid Unicode, as every JSON route
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return body

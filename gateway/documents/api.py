@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import make_url
 
@@ -284,6 +285,8 @@ async def _receive(request: web.Request, svc: RagService, coll: dict[str, Any], 
                 await part.release()
     except ValueError as e:
         raise APIError(400, f"malformed multipart body: {e}", code="invalid_upload") from None
+    except HttpProcessingError:  # a part's headers aiohttp refuses (e.g. a NUL in the file name)
+        raise APIError(400, "malformed multipart body: a part's headers are invalid", code="invalid_upload") from None
     if part is None:
         raise APIError(400, "the multipart body has no field 'file'", param="file", code="invalid_upload")
     name = safe_filename(part.filename or "")

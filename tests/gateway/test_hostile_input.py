@@ -53,6 +53,16 @@ BODIES: dict[tuple[str, str], tuple[dict[str, Any], list[str]]] = {
     ("PATCH", "/v1/sessions/{sid}"): ({"title": "t"}, _fields(RenameSpec)),
     ("POST", "/v1/admin/keys"): ({"name": "hostile"}, _fields(KeySpec)),
     ("PUT", "/v1/admin/lanes/{name}"): ({"weight": 1.0}, _fields(LanePatch)),
+    # the Responses and Messages APIs translate plain dicts (gateway/responses.py, gateway/messages.py)
+    ("POST", "/v1/responses"): ({"input": "Hi", "max_output_tokens": 16},
+                                ["input", "instructions", "model", "temperature", "top_p", "max_output_tokens", "tools",
+                                 "tool_choice", "text", "previous_response_id", "store", "stream", "user",
+                                 "parallel_tool_calls", "truncation", "metadata", *EXTRAS]),
+    ("POST", "/v1/messages"): ({"model": "strata", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]},
+                               ["model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",
+                                "top_p", "top_k", "tools", "tool_choice", "metadata", *EXTRAS]),
+    ("POST", "/v1/messages/count_tokens"): ({"model": "strata", "messages": [{"role": "user", "content": "Hi"}]},
+                                            ["model", "messages", "system", "tools", "tool_choice"]),
 }
 MULTIPART = {("POST", "/v1/collections/{cid}/documents")}  # uploads: hostile file names, field names, bodies
 # values a path parameter or a query value gets as raw (percent-encoded) bytes
@@ -95,7 +105,7 @@ async def ids(gw: GW, http: aiohttp.ClientSession) -> dict[str, str]:
 
 def _path(template: str, ids: dict[str, str]) -> str:
     """The template with its parameters filled: the fixture's ids, else a name that exists nowhere."""
-    return template.format_map({"did": "doc_none", "id": "999", "model": "none", **ids})
+    return template.format_map({"did": "doc_none", "id": "999", "model": "none", "response_id": "resp_none", **ids})
 
 
 def _key_for(path: str, ids: dict[str, str]) -> str:

@@ -253,7 +253,7 @@ async def test_interrupted_stream_is_stored_incomplete(gw: GW) -> None:
 
 
 async def test_twenty_sessions_concurrently(gw: GW) -> None:
-    key = gw.key("many")
+    key = gw.key("many", max_concurrent=32)  # 20 sessions at once: above the default 8 in flight
     svc = svc_of(gw)
     async with aiohttp.ClientSession() as s:
         sids = [(await new_session(s, gw, key, title=f"s{i}"))["id"] for i in range(20)]
