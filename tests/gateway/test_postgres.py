@@ -31,7 +31,7 @@ from memory.store import metadata as memory_metadata
 from tests.gateway.conftest import ADMIN_KEY, auth, gateway_config, running_gateway, running_lane
 from tests.pg import fresh_schema, server_url
 
-TABLES = {"api_keys", "requests", "gateway_meta"}
+TABLES = {"api_keys", "requests", "gateway_meta", "responses"}  # responses: /v1/responses stored for previous_response_id
 
 
 @pytest.fixture(scope="session")
