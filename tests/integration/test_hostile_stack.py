@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.http_helpers import wait_until
 from tests.integration.conftest import ADMIN_KEY, REPO, Stack, start_stack
 from tests.pg import fresh_schema, server_url
 
@@ -103,17 +104,6 @@ def _closed_within(s: socket.socket, seconds: float) -> tuple[bool, bytes]:
     return False, got
 
 
-def _eventually(probe: Any, ok: Any, within: float, what: str) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        value = probe()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {within:g}s (last: {value!r})")
-        time.sleep(0.2)
-
-
 def test_half_sent_headers_are_closed_in_bounded_time_and_keyed_clients_get_in(stack: Stack) -> None:
     key = _key(stack)
     before = _metrics(stack.gateway_url)
@@ -138,7 +128,7 @@ def test_half_sent_headers_are_closed_in_bounded_time_and_keyed_clients_get_in(s
                  for r in ("evicted", "header_timeout"))
     assert closed >= 3 * PER_ADDRESS
     assert m['strata_gateway_connections_closed_total{reason="evicted"}'] >= 2 * PER_ADDRESS - 1
-    _eventually(lambda: _metrics(stack.gateway_url)["strata_gateway_connections_open"], lambda n: n <= 2, 10,
+    wait_until(lambda: _metrics(stack.gateway_url)["strata_gateway_connections_open"], lambda n: n <= 2, 10,
                 "open connections back to the scrape's own")
 
 
@@ -176,7 +166,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_slots_freed(stack: S
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
               b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     # the client never reads: the gateway's buffers fill, its write deadline passes, it hangs up
-    _eventually(lambda: _metrics(stack.gateway_url)['strata_gateway_connections_closed_total{reason="stream_stalled"}'],
+    wait_until(lambda: _metrics(stack.gateway_url)['strata_gateway_connections_closed_total{reason="stream_stalled"}'],
                 lambda n: n > gw_before['strata_gateway_connections_closed_total{reason="stream_stalled"}'], 90,
                 "the stalled stream is cut")
     s.close()
@@ -191,7 +181,7 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_its_slots_freed(stack: S
                         before["lane_" + lane["name"]]['strata_requests_total{finish_reason="abort"}']))
         return out
 
-    state = _eventually(lanes, lambda v: all(f == 0 and r == 0 for f, r, _ in v), 30, "lanes idle")
+    state = wait_until(lanes, lambda v: all(f == 0 and r == 0 for f, r, _ in v), 30, "lanes idle")
     assert sum(a for _, _, a in state) == 1, state  # the lane request was aborted, not run to its end
     status, answer = _call(stack, "POST", "/v1/chat/completions", key,
                            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
@@ -264,9 +254,9 @@ def _sigkill_under_load(stack: Stack) -> None:
     for t in workers:
         t.start()
     try:
-        _eventually(lambda: (sum(k == "plain" for _, k in got), sum(k == "stream_done" for _, k in got)),
+        wait_until(lambda: (sum(k == "plain" for _, k in got), sum(k == "stream_done" for _, k in got)),
                     lambda v: v[0] >= 20 and v[1] >= 1, 120, "answers before the kill")
-        _eventually(lambda: {rid for rid, k in got if k == "stream_started"} - {rid for rid, k in got
+        wait_until(lambda: {rid for rid, k in got if k == "stream_started"} - {rid for rid, k in got
                                                                                if k == "stream_done"},
                     bool, 60, "a stream in flight")
         old = int(stack.ctl("pid", "gateway").stdout.strip())
@@ -276,7 +266,7 @@ def _sigkill_under_load(stack: Stack) -> None:
         for t in workers:
             t.join(90)
     answered = list(got)
-    _eventually(lambda: int(stack.ctl("pid", "gateway").stdout.strip() or 0), lambda p: p not in (0, old), 60,
+    wait_until(lambda: int(stack.ctl("pid", "gateway").stdout.strip() or 0), lambda p: p not in (0, old), 60,
                 "supervisord restarts the gateway")
     stack.wait_gateway()
     status, body = _call(stack, "GET", "/v1/admin/requests?limit=1000", ADMIN_KEY)
