@@ -50,6 +50,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_wide_min = 256;
     s->dense_split = 16;
     s->routed_split_max = 16;
+    s->routed_mv_max = 2;
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
@@ -68,6 +69,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(gemm_wide_min, 1, INT32_MAX)
     RANGE(dense_split, 0, INT32_MAX)
     RANGE(routed_split_max, 0, 64)
+    RANGE(routed_mv_max, 0, 64)
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
@@ -433,6 +435,11 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gstart, sizeof(int32_t) * ne));
         CHECK(dalloc_in(s.step_allocs, &s.gcount, sizeof(int32_t) * ne));
         CHECK(dalloc_in(s.step_allocs, &s.n_groups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.mexp, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.mstart, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.mcount, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.n_mgroups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.pair_mv, sizeof(int32_t) * P));
         CHECK(dalloc_in(s.step_allocs, &s.gtiles, sizeof(int32_t) * ((P + MM_BN - 1) / MM_BN + ne)));
         CHECK(dalloc_in(s.step_allocs, &s.n_gtiles, sizeof(int32_t)));
         CHECK(dalloc_in(s.step_allocs, &s.aq, (size_t)(T * K)));

@@ -23,6 +23,7 @@ struct scratch {
     float *ad, *hd;
     int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
+    int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv; /* a mixed routed launch's matvec share (group_out) */
     float *kpart;      /* the split dense GEMM's parts (g_kpart) */
     int64_t kpart_cap; /* floats */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays: two slots of cap_ints (stg_step_launch's
