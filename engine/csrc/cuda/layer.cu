@@ -147,13 +147,15 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
  * routed_mv_max pairs run on the matvec, the rest on the GEMM, both launched, the split made on the device by
  * the grouping (group_out). Why: with a load-balanced router most of a decode batch's experts hold one or two
  * pairs, which the GEMM pads to a tile of MM_BN and reads at a fraction of the matvec's bandwidth, while a
- * skewed router's busy experts want the GEMM. Both kernels give the same bits, so the split changes no
- * result. 0: no split (no GEMM this step, the prefill form, float or mixed-type experts). */
+ * skewed router's busy experts want the GEMM. The two shares run side by side (two streams, two branches
+ * of the step's graph), so each hides the other's latency. Both kernels give the same bits, so the split
+ * changes no result. 0: no split (no GEMM this step, the prefill form, float or mixed-type experts). */
 static int routed_mv_max(const dlayer &L, int32_t T) {
     const int min_tok = g_set.gemm_min_tokens;
     const int t = L.gate_exps.type;
     if (g_set.routed_mv_max <= 0 || min_tok <= 0 || T < min_tok || g_gemm_fast) return 0;
     if (t != L.up_exps.type || (t != STG_Q4_K && t != STG_Q8_0) || stg_is_float(L.down_exps.type)) return 0;
+    if (L.gate_exps.ne[1] % 32) return 0; /* the matvec share quantises its output in-block (k_linear_q_chunk) */
     return g_set.routed_mv_max;
 }
 
@@ -234,19 +236,27 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const int64_t F = m->n_ff_exp;
     const acts_d ein = rin;
     const bool down_q = !stg_is_float(L.down_exps.type);
-    bool fused = false, fused_mv = false;
-    const fused_quant fq{s.hq, s.hd, s.hs, &fused}, fq_mv{s.hq, s.hd, s.hs, &fused_mv};
-    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
-    if (mv_max)
-        CHECK(swiglu(st, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, down_q ? &fq_mv : nullptr,
-                     STG_PATH_MATVEC));
-    if (down_q && !(fused && (fused_mv || !mv_max))) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
     const acts_d hin{s.hq, s.hd, s.hs, s.h};
     lin_groups gd = ge, gdm = gm;
     gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
+    if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
+        CU(cudaEventRecord(m->fork, st), "experts: fork");
+        CU(cudaStreamWaitEvent(m->side, m->fork, 0), "experts: fork");
+        bool fused_mv = false;
+        const fused_quant fq_mv{s.hq, s.hd, s.hs, &fused_mv};
+        CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
+                     STG_PATH_MATVEC));
+        if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
+        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
+                     STG_PATH_MATVEC));
+        CU(cudaEventRecord(m->join, m->side), "experts: join");
+    }
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
+    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
     CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
-    if (mv_max)
-        CHECK(linear(st, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE, STG_PATH_MATVEC));
+    if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
     if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
         return ST_OK;

@@ -259,6 +259,9 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.e1) cudaEventDestroy(f.e1);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
+    if (m->fork) cudaEventDestroy(m->fork);
+    if (m->join) cudaEventDestroy(m->join);
+    if (m->side) cudaStreamDestroy(m->side);
     if (m->stream) cudaStreamDestroy(m->stream);
     delete m;
 }
@@ -304,8 +307,12 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const 
             rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
     }
     if (rc == ST_OK) rc = attention_setup();
-    if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
+    if (rc == ST_OK && (cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess ||
+                        cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking) != cudaSuccess))
         rc = fail(ST_EINVAL, "model_create: cannot create a CUDA stream");
+    if (rc == ST_OK && (cudaEventCreateWithFlags(&m->fork, cudaEventDisableTiming) != cudaSuccess ||
+                        cudaEventCreateWithFlags(&m->join, cudaEventDisableTiming) != cudaSuccess))
+        rc = fail(ST_EINVAL, "model_create: cannot create CUDA events");
     if (rc == ST_OK) {
         m->ev.resize((size_t)(3 * m->d.n_layer + 3));
         for (auto &e : m->ev)

@@ -73,6 +73,10 @@ struct stg_model {
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
     int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
     cudaStream_t stream = nullptr;
+    /* the matvec share of a mixed routed launch runs here beside the GEMM's on `stream` (routed_mv_max),
+     * forked and joined by two events (captured into the step's graph as two branches) */
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
     std::vector<void *> allocs;

@@ -336,11 +336,22 @@ def test_step_launch_and_wait_misuse_are_typed_errors(gpu: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def q4k_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Q4_K experts (the routed split GEMM's type), 32 experts of which 4 per token: at 8-32 sequences the
-    experts hold from one pair to about ten."""
-    return make_random_gguf(tmp_path_factory.mktemp("gsplit") / "moe_q4k.gguf", n_vocab=VOCAB, n_layer=2,
-                            n_embd=256, n_head=4, n_head_kv=2, n_ff=256, n_expert=32, n_expert_used=4,
-                            weight_type=GGMLQuantizationType.Q4_K)
+    """Q4_K experts (the routed split GEMM's type; the rest Q8_0), 32 experts of which 4 per token: at 8-32
+    sequences the experts hold from one pair to about ten."""
+    from engine.default_model import quantize_q4_k
+
+    n_layer, n_embd, n_ff, n_expert = 2, 256, 256, 32
+    rng = np.random.default_rng(23)
+    raw = {}
+    for il in range(n_layer):
+        for name, (r, c) in (("ffn_gate_exps", (n_ff, n_embd)), ("ffn_up_exps", (n_ff, n_embd)),
+                             ("ffn_down_exps", (n_embd, n_ff))):
+            blob = quantize_q4_k((rng.standard_normal((n_expert * r, c)) * 0.08).astype(np.float32))
+            blob = blob.reshape(n_expert, r, -1)
+            raw[f"blk.{il}.{name}.weight"] = (blob, blob.shape, GGMLQuantizationType.Q4_K)
+    return make_random_gguf(tmp_path_factory.mktemp("gsplit") / "moe_q4k.gguf", n_vocab=VOCAB, n_layer=n_layer,
+                            n_embd=n_embd, n_head=4, n_head_kv=2, n_ff=n_ff, n_expert=n_expert, n_expert_used=4,
+                            weight_type=GGMLQuantizationType.Q8_0, raw_overrides=raw)
 
 
 def test_routed_split_by_expert_size_same_logits(q4k_moe_path: Path) -> None:
