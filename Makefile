@@ -171,7 +171,8 @@ status:
 
 # The lock files, from pyproject.toml and requirements/*.in, with uv (in build/lock-env, never in the serving
 # venv): the versions already locked are kept unless LOCK_UPGRADE=1 (then the newest each range allows). One lock
-# per install step; each later lock is constrained by the earlier ones, so a package has one version in all.
+# per install step; each later lock is constrained by the earlier ones, so a package has one version in all
+# (bench by test's too: CI installs both into one venv).
 # Python 3.11 on Linux x86-64 (README's requirements); every file of a locked version gets its hash, torch's from
 # TORCH_FIND_LINKS. llama-cpp-python is left out of the test and bench locks: its wheel is built here
 # ($(LOCK_DIR)/llama.txt locks the sdist), its dependencies are in them.
@@ -190,8 +191,8 @@ lock:
 		--find-links $(TORCH_FIND_LINKS) -o $(LOCK_DIR)/rag.txt
 	$(LOCK_COMPILE) pyproject.toml --extra test -c $(LOCK_DIR)/rag.txt -c $(LOCK_DIR)/llama.txt \
 		--find-links $(TORCH_FIND_LINKS) --no-emit-package llama-cpp-python -o $(LOCK_DIR)/test.txt
-	$(LOCK_COMPILE) pyproject.toml --extra bench -c $(LOCK_DIR)/run.txt -c $(LOCK_DIR)/llama.txt \
-		--no-emit-package llama-cpp-python -o $(LOCK_DIR)/bench.txt
+	$(LOCK_COMPILE) pyproject.toml --extra bench -c $(LOCK_DIR)/test.txt -c $(LOCK_DIR)/llama.txt \
+		--find-links $(TORCH_FIND_LINKS) --no-emit-package llama-cpp-python -o $(LOCK_DIR)/bench.txt
 
 lint: $(STAMP_TEST)
 	$(VPY) -m ruff check .
