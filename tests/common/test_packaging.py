@@ -85,8 +85,8 @@ def test_every_lock_line_is_pinned_with_hashes_and_versions_agree() -> None:
 
 def test_locks_cover_pyproject() -> None:
     """Every requirement of pyproject (serving, build backend, extras) is in the lock its part is installed from,
-    at a version its range allows, with its own extras' requirements too; an extra naming strata itself is
-    covered by its own part's lock."""
+    at a version its range allows; an extra naming strata itself (``strata[rag]``) is covered by that extra's
+    requirements in this part's lock."""
     reqs = _pyproject_requirements()
     assert set(PYPROJECT_LOCKS) == set(reqs), "a pyproject part without a lock (PYPROJECT_LOCKS)"
     for part, lock in PYPROJECT_LOCKS.items():
