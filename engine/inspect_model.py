@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.gguf_model import SUPPORTED_TYPES, ModelFile
+from engine.gguf_model import SUPPORTED_TYPES, HParams, ModelFile
 
 GIB = 1024**3
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -60,16 +60,19 @@ def analyse(mf: ModelFile) -> ModelReport:
 def gpu_bytes(mf: ModelFile, kv_bytes: int, step_tokens: int = 512, logit_rows: int = 64) -> int:
     """VRAM for the whole model on the GPU (engine/csrc/cuda): every weight once (a tied output
     shares the embedding), the KV cache, and the step buffers for `step_tokens` tokens."""
-    hp = mf.hparams
     weights = sum((t.n_bytes + 255) // 256 * 256 for t in mf.tensors.values())
+    return int(weights + kv_bytes + step_buffer_bytes(mf.hparams, step_tokens, logit_rows))
+
+
+def step_buffer_bytes(hp: HParams, step_tokens: int = 512, logit_rows: int = 64) -> int:
+    """The GPU engine's step buffers for steps of up to `step_tokens` tokens and `logit_rows` logit rows."""
     k = hp.n_expert_used if hp.n_expert else 1
     ff = max(hp.n_ff, hp.n_ff_exp, hp.n_ff_shexp, 32)
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     k_max = max(hp.n_embd, q_dim, hp.n_ff, hp.n_ff_shexp)
     per_token = 4 * (2 * hp.n_embd + 2 * q_dim + 2 * kv_dim + 2 * max(hp.n_expert, 1) + 2 * k) + k_max * 1.5
     per_pair = ff * (4 + 4 + 1.5) + 4 * hp.n_embd + 8
-    scratch = step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd)
-    return int(weights + kv_bytes + scratch)
+    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd))
 
 
 def _fmt_bytes(n: float) -> str:
