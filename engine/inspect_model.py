@@ -117,3 +117,31 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
                      f"(device cuda: the whole model on the GPU)")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)
+
+
+def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seqs: int = 1,
+                  placement: str | None = None, cpu_gbs: float | None = None, gpu_gbs: float | None = None,
+                  gpu: str | None = None, threads: int | None = None, step_tokens: int = 512,
+                  staging_slots: int = 0) -> str:
+    """The hybrid plan for a GPU budget of `vram_gib` GiB (engine/placement.py): what sits where, expert bytes
+    per token read from RAM and the predicted batch-1 decode rate. The RAM read rate is measured here on
+    `threads` threads unless given."""
+    from engine import placement as pl
+
+    if seqs < 1 or step_tokens < 1 or staging_slots < 0 or vram_gib <= 0:
+        raise ValueError("--vram must be > 0, --seqs and --step-tokens >= 1, --staging-slots >= 0")
+    freqs, source = None, "uniform routing (no placement file)"
+    if placement is not None:
+        pf = pl.PlacementFile.load(placement, model=mf)
+        freqs, source = pf.stats.frequencies(), f"{placement} ({pf.stats.total_tokens:.0f} tokens)"
+    note_cpu = "given" if cpu_gbs is not None else f"measured now, {threads or 'all allowed'} threads"
+    note_gpu = "given" if gpu_gbs is not None else f"{gpu or pl.DEFAULT_GPU}'s from the table"
+    if cpu_gbs is None:
+        cpu_gbs = pl.measure_cpu_read_gbs(threads)
+    if gpu_gbs is None:
+        gpu_gbs = pl.gpu_read_gbs(gpu or pl.DEFAULT_GPU)
+    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.n_ctx_train, n_seqs=seqs,
+                           step_tokens=step_tokens, staging_slots=staging_slots, cpu_read_gbs=cpu_gbs,
+                           gpu_read_gbs=gpu_gbs)
+    text = pl.render_plan(pl.plan(mf, params, freqs), mf.hparams.n_expert, source)
+    return text + f"\n  (CPU bandwidth {note_cpu}; GPU bandwidth {note_gpu})"

@@ -215,10 +215,22 @@ class PlacementFile(BaseModel):
         if diff:
             raise PlacementMismatchError(f"placement file is for another model ({diff}), not {mf.path}")
 
+    def to_json(self) -> str:
+        """JSON with one line per layer of counts (diffable, and a few hundred KB for a big model)."""
+        d = self.model_dump(mode="json")
+        stats = d.pop("stats")
+        counts = stats.pop("counts")
+        body = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in d.items()]
+        inner = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in stats.items()]
+        rows = ",\n".join(f"   {json.dumps(r)}" for r in counts)
+        inner.append(f'  "counts": [\n{rows}\n  ]')
+        body.append(' "stats": {\n' + ",\n".join(inner) + "\n }")
+        return "{\n" + ",\n".join(body) + "\n}"
+
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically (a temporary file in the same directory, then rename)."""
         p = Path(path)
-        text = self.model_dump_json(indent=1)
+        text = self.to_json()
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent if str(p.parent) else ".")
         try:
             with os.fdopen(fd, "w") as fh:
@@ -517,11 +529,17 @@ def render_plan(p: GpuPlan, n_expert: int, source: str = "uniform routing", max_
                  f"({_fmt(pr.budget_bytes - p.gpu_bytes)} unused)")
     lines.append(f"  in RAM        {p.n_routed - p.n_resident} routed experts, "
                  f"{_fmt(p.routed_bytes - p.resident_bytes)} (computed on the CPU from the mmap)")
-    shown = [(il, ids) for il, ids in enumerate(p.resident) if ids]
-    for il, ids in shown[:max_layer_lines]:
-        lines.append(f"  layer {il:<7} {len(ids):>4}/{n_expert} resident: {_ranges(ids)}")
-    if len(shown) > max_layer_lines:
-        lines.append(f"  ...           {len(shown) - max_layer_lines} more layers with resident experts")
+    runs: list[tuple[int, int, list[int]]] = []  # consecutive layers with the same resident set
+    for il, ids in enumerate(p.resident):
+        if runs and runs[-1][2] == ids and runs[-1][1] == il - 1:
+            runs[-1] = (runs[-1][0], il, ids)
+        else:
+            runs.append((il, il, ids))
+    for a, b, ids in runs[:max_layer_lines]:
+        name = f"layer {a}" if a == b else f"layers {a}-{b}"
+        lines.append(f"  {name:<13} {len(ids):>4}/{n_expert} resident" + (f": {_ranges(ids)}" if ids else ""))
+    if len(runs) > max_layer_lines:
+        lines.append(f"  ...           {len(runs) - max_layer_lines} more runs of layers")
     lines += [
         f"  hit rate      {100 * p.hit_rate:.1f}% of routed pairs expected on resident experts",
         f"  per token     {_fmt(p.ram_bytes_per_token)} of expert weights read from RAM, "
