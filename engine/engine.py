@@ -69,10 +69,10 @@ def _check_budget(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, bl
 
     kv = analyse(mf).kv_bytes_per_token * (-(-kv_tokens // block_size) * block_size)
     need = gpu_bytes(mf, kv, step_tokens=prefill_chunk)
-    budget = int(gpu_budget_gb * 1e9)
+    budget = int(gpu_budget_gb * 2**30)
     if need > budget:
         raise HybridNotSupportedError(
-            f"gpu_budget_gb={gpu_budget_gb:g}: the whole model needs {need / 1e9:.2f} GB on the GPU (weights, "
+            f"gpu_budget_gb={gpu_budget_gb:g}: the whole model needs {need / 2**30:.2f} GiB on the GPU (weights, "
             f"KV cache for {kv_tokens} tokens, step buffers); splitting its routed experts between GPU and CPU "
             "is not supported yet: raise the budget, lower kv_tokens, or serve it on device='cpu'",
             lib.ST_EUNSUPPORTED)
@@ -168,7 +168,7 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None) -> None:
         self.model_file = mf
-        self.gpu_budget_gb = gpu_budget_gb  # the GPU bytes a hybrid lane may hold (GB = 1e9 bytes)
+        self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.hparams = mf.hparams
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
@@ -227,7 +227,7 @@ class Engine:
         when a GPU is usable); a GPU that cannot be used raises DeviceUnavailableError.
 
         cores: the CPUs the engine's thread pool is pinned to (one thread each unless ``threads``).
-        gpu_budget_gb: the GPU memory (GB = 1e9 bytes) the lane may hold, stored as ``gpu_budget_gb``.
+        gpu_budget_gb: the GPU memory (GiB, 2**30 bytes: `strata model inspect --vram`'s unit) the lane may hold, stored as ``gpu_budget_gb``.
         On a GPU, a budget below what the whole model needs there (weights, this KV cache, step buffers:
         ``engine.inspect_model.gpu_bytes``) raises HybridNotSupportedError: splitting the routed experts
         between GPU and CPU is not in the GPU engine yet. The CPU ignores it.
@@ -247,7 +247,7 @@ class Engine:
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if gpu_budget_gb is not None and not (gpu_budget_gb > 0 and gpu_budget_gb < float("inf")):
-            raise ValueError(f"gpu_budget_gb must be a positive number of GB, got {gpu_budget_gb}")
+            raise ValueError(f"gpu_budget_gb must be a positive number of GiB, got {gpu_budget_gb}")
         if cores is not None:
             _check_cores(cores)
         mf = open_model(path)

@@ -73,7 +73,7 @@ class LaneConfig(BaseModel):
                                                     "CUDA_VISIBLE_DEVICES per lane, then 0 is the lane's own GPU)")
     gpu_budget_gb: float | None = Field(
         None, gt=0, allow_inf_nan=False,
-        description="GPU memory the lane may hold (GB = 1e9 bytes: weights, KV cache, buffers); None: no limit. "
+        description="GPU memory the lane may hold (GiB, as `strata model inspect --vram`: weights, KV cache, buffers); None: no limit. "
                     "Below what the whole model needs on the GPU the lane refuses to start (splitting a model "
                     "between GPU and CPU is not in the GPU engine yet); ignored on the CPU")
     threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")

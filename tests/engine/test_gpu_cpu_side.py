@@ -129,16 +129,16 @@ def test_gpu_budget_below_the_model_is_a_typed_not_supported_error(tiny: Path) -
     mf = open_model(tiny)
     need = gpu_bytes(mf, analyse(mf).kv_bytes_per_token * 64, step_tokens=512)
     with pytest.raises(HybridNotSupportedError, match="not supported yet") as e:
-        Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 1e9 * 0.5, kv_tokens=64)
-    assert isinstance(e.value, UnsupportedError) and f"{need / 1e9:.2f} GB" in str(e.value)
+        Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 2**30 * 0.5, kv_tokens=64)
+    assert isinstance(e.value, UnsupportedError) and f"{need / 2**30:.2f} GiB" in str(e.value)
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="gpu_budget_gb"):
             Engine.open(tiny, device="cuda:0", gpu_budget_gb=bad, kv_tokens=64)
     if NO_GPU is not None:  # a budget the model fits goes on to the device, which is missing here
         with pytest.raises(DeviceUnavailableError):
-            Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 1e9 * 2, kv_tokens=64)
-    with Engine.open(tiny, gpu_budget_gb=need / 1e9 * 0.5, kv_tokens=64, threads=1) as eng:  # the CPU stores it
-        assert eng.gpu_budget_gb == need / 1e9 * 0.5 and eng.device.kind == "cpu"
+            Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 2**30 * 2, kv_tokens=64)
+    with Engine.open(tiny, gpu_budget_gb=need / 2**30 * 0.5, kv_tokens=64, threads=1) as eng:  # the CPU stores it
+        assert eng.gpu_budget_gb == need / 2**30 * 0.5 and eng.device.kind == "cpu"
 
 
 def test_cores_outside_the_machine_are_refused(tiny: Path) -> None:
