@@ -250,9 +250,10 @@ class Engine:
             raise ValueError(f"gpu_budget_gb must be a positive number of GiB, got {gpu_budget_gb}")
         if cores is not None:
             _check_cores(cores)
+        asked = parse_device(device)  # a bad device string fails before the file is read
         mf = open_model(path)
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
-        if parse_device(device).kind == "cuda":
+        if asked.kind == "cuda":
             _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
         spec = resolve_device(device)
         if spec.kind == "cuda":  # "auto" that found a GPU

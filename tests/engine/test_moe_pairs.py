@@ -150,3 +150,22 @@ def test_default_model_pairs_equal_its_routed_ffn(engine: Engine) -> None:
     tok = np.repeat(np.arange(5, dtype=np.int32), hp.n_expert_used)
     got = engine.moe_pairs(3, x, tok, ids.reshape(-1))
     np.testing.assert_array_equal(_combine(got, ids, w, hp.expert_norm), ref)
+
+
+def test_every_kernel_variant_keeps_the_pairs_bitwise(eng: Engine) -> None:
+    """The reference kernels and each SIMD variant this CPU runs: per variant, the pairs reproduce the
+    routed FFN bit for bit (the variants agree with each other within rounding, which the kernel harness
+    checks; here the entry point must not change a variant's bits)."""
+    from engine.native import VARIANTS, available_variants, check, lib
+
+    hp = eng.hparams
+    x = np.random.default_rng(4).standard_normal((6, hp.n_embd)).astype(np.float32)
+    tok = np.repeat(np.arange(6, dtype=np.int32), hp.n_expert_used)
+    try:
+        for name in available_variants():
+            check(lib.st_set_variant(VARIANTS[name]), name)
+            ref, ids, w = eng.moe_layer(0, x)
+            got = eng.moe_pairs(0, x, tok, ids.reshape(-1))
+            np.testing.assert_array_equal(_combine(got, ids, w, hp.expert_norm), ref, err_msg=name)
+    finally:
+        check(lib.st_set_variant(VARIANTS["auto"]), "auto")
