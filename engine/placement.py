@@ -25,10 +25,18 @@ import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
 
 from engine.gguf_model import ModelFile
 
@@ -101,20 +109,31 @@ def model_identity(mf: ModelFile) -> ModelIdentity:
 
 # ---------------------------------------------------------------- routing statistics
 
+def _f64(v: Any) -> np.ndarray:
+    a = np.array(v, dtype=np.float64)  # a copy: the model owns its arrays
+    if a.dtype != np.float64:
+        raise ValueError("expected numbers")
+    return a
+
+
+F64Array = Annotated[np.ndarray, BeforeValidator(_f64), PlainSerializer(lambda a: a.tolist(), return_type=list)]
+
+
 class RoutingStats(BaseModel):
     """Routing counts per (layer, expert), decayed, and the tokens they were counted over.
 
-    ``frequencies()[l, e]`` is the expected share of a token's routed pairs in layer l that go to expert e
-    times k, i.e. the probability that a token routes to e (a layer's row sums to n_expert_used). Before any
-    token is counted the routing is taken as uniform (k / n_expert), the load-balanced router's aim."""
+    ``frequencies()[l, e]`` is the probability that a token routes to expert e in layer l (a layer's row
+    sums to n_expert_used). Before any token is counted the routing is taken as uniform (k / n_expert), the
+    load-balanced router's aim. The counts live in numpy arrays (an update of a 94-layer, 128-expert
+    model is a few vector operations); they serialise as lists."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
     n_layer: int = Field(ge=1)
     n_expert: int = Field(ge=1)
     n_expert_used: int = Field(ge=1)
-    counts: list[list[float]]  # [n_layer][n_expert], decayed token counts
-    tokens: list[float]  # [n_layer], decayed tokens counted per layer
+    counts: F64Array  # [n_layer, n_expert], decayed token counts
+    tokens: F64Array  # [n_layer], decayed tokens counted per layer
     half_life_tokens: float | None = Field(None, gt=0, description="online decay: a count's weight halves every "
                                                                     "this many tokens; None: plain sums")
 
@@ -122,12 +141,11 @@ class RoutingStats(BaseModel):
     def _shapes(self) -> RoutingStats:
         if self.n_expert_used > self.n_expert:
             raise ValueError(f"n_expert_used {self.n_expert_used} > n_expert {self.n_expert}")
-        if len(self.counts) != self.n_layer or any(len(r) != self.n_expert for r in self.counts):
+        c, t = self.counts, self.tokens
+        if c.shape != (self.n_layer, self.n_expert):
             raise ValueError(f"counts must be [{self.n_layer}][{self.n_expert}]")
-        if len(self.tokens) != self.n_layer:
+        if t.shape != (self.n_layer,):
             raise ValueError(f"tokens must have {self.n_layer} entries")
-        c = np.asarray(self.counts, dtype=np.float64)
-        t = np.asarray(self.tokens, dtype=np.float64)
         if not (np.isfinite(c).all() and np.isfinite(t).all()) or (c < 0).any() or (t < 0).any():
             raise ValueError("counts and tokens must be finite and >= 0")
         # a token routes to k distinct experts: no expert can have been hit more often than tokens were seen
@@ -135,12 +153,17 @@ class RoutingStats(BaseModel):
             raise ValueError("an expert's count exceeds the tokens counted in its layer")
         return self
 
+    def same(self, other: RoutingStats) -> bool:
+        """Equal shapes, decay and counts (``==`` on a model holding arrays is not defined)."""
+        return ((self.n_layer, self.n_expert, self.n_expert_used, self.half_life_tokens) ==
+                (other.n_layer, other.n_expert, other.n_expert_used, other.half_life_tokens)
+                and np.array_equal(self.counts, other.counts) and np.array_equal(self.tokens, other.tokens))
+
     @classmethod
     def empty(cls, n_layer: int, n_expert: int, n_expert_used: int,
               half_life_tokens: float | None = None) -> RoutingStats:
         return cls(n_layer=n_layer, n_expert=n_expert, n_expert_used=n_expert_used,
-                   counts=[[0.0] * n_expert for _ in range(n_layer)], tokens=[0.0] * n_layer,
-                   half_life_tokens=half_life_tokens)
+                   counts=np.zeros((n_layer, n_expert)), tokens=np.zeros(n_layer), half_life_tokens=half_life_tokens)
 
     @classmethod
     def for_model(cls, mf: ModelFile, half_life_tokens: float | None = None) -> RoutingStats:
@@ -156,24 +179,18 @@ class RoutingStats(BaseModel):
             raise PlacementError(f"histogram of shape {h.shape}, expected ({self.n_layer}, {self.n_expert})")
         if not np.issubdtype(h.dtype, np.integer) or (h < 0).any():
             raise PlacementError("a histogram holds non-negative integer counts")
-        h = h.astype(np.float64)
-        step_tokens = h.sum(axis=1) / self.n_expert_used  # each token adds k pairs to its layer
-        c = np.asarray(self.counts, dtype=np.float64)
-        t = np.asarray(self.tokens, dtype=np.float64)
+        step_tokens = h.sum(axis=1, dtype=np.float64) / self.n_expert_used  # each token adds k pairs to its layer
         if self.half_life_tokens is not None:
             f = np.power(0.5, step_tokens / self.half_life_tokens)
-            c *= f[:, None]
-            t *= f
-        c += h
-        t += step_tokens
-        self.counts = c.tolist()
-        self.tokens = t.tolist()
+            self.counts *= f[:, None]
+            self.tokens *= f
+        self.counts += h
+        self.tokens += step_tokens
 
     def frequencies(self) -> np.ndarray:
         """[n_layer, n_expert] float64: the probability that a token routes to each expert (uniform k / n_expert
         for a layer with nothing counted)."""
-        c = np.asarray(self.counts, dtype=np.float64)
-        t = np.asarray(self.tokens, dtype=np.float64)
+        c, t = self.counts, self.tokens
         out = np.full_like(c, self.n_expert_used / self.n_expert)
         seen = t > 0
         out[seen] = c[seen] / t[seen, None]
@@ -181,7 +198,7 @@ class RoutingStats(BaseModel):
 
     @property
     def total_tokens(self) -> float:
-        return float(max(self.tokens, default=0.0))
+        return float(self.tokens.max(initial=0.0))
 
 
 # ---------------------------------------------------------------- the placement file
