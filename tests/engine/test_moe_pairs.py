@@ -169,3 +169,29 @@ def test_every_kernel_variant_keeps_the_pairs_bitwise(eng: Engine) -> None:
             np.testing.assert_array_equal(_combine(got, ids, w, hp.expert_norm), ref, err_msg=name)
     finally:
         check(lib.st_set_variant(VARIANTS["auto"]), "auto")
+
+
+def test_moe_layer_routes_as_the_step_does(tmp_path: Path) -> None:
+    """Tie st_moe_layer to st_forward: in a one-layer model whose attention output is zero, the FFN input is
+    RMSNorm(embedding row), which numpy repeats bit for bit (st_rmsnorm_row: a sequential double sum of
+    squares, one float scale); the step's expert histogram then equals the routes st_moe_layer takes."""
+    E, H = 64, 4
+    path = make_random_gguf(tmp_path / "one.gguf", n_layer=1, n_embd=E, n_head=H, n_expert=8, n_expert_used=2,
+                            overrides={"blk.0.attn_output.weight": np.zeros((E, E), np.float32)}, seed=21)
+    with Engine.open(path, threads=2, kv_tokens=64) as e:
+        mf = e.model_file
+        ids = [5, 17, 3, 99, 42, 7, 64, 1, 120, 33, 8, 77]
+        emb = np.asarray(mf.tensors["token_embd.weight"].data).view(np.float32).reshape(-1, E)[ids]
+        w = np.asarray(mf.tensors["blk.0.ffn_norm.weight"].data).view(np.float32)
+        ss = np.cumsum(emb.astype(np.float64) ** 2, axis=1)[:, -1]  # sequential, as the C loop adds
+        scale = (1.0 / np.sqrt(ss / E + np.float64(e.hparams.norm_eps))).astype(np.float32)
+        xn = w[None, :] * (emb * scale[:, None])
+        hist = np.zeros((1, 8), np.int32)
+        blocks = e.blocks.allocate(1)
+        try:
+            e.forward(ids, list(range(len(ids))), [0] * len(ids), [blocks], [len(ids) - 1], expert_hist=hist)
+        finally:
+            e.blocks.release(blocks)
+        _, routes, _ = e.moe_layer(0, xn)
+        np.testing.assert_array_equal(hist[0], np.bincount(routes.reshape(-1), minlength=8))
+        assert (hist > 0).sum() >= 4  # a real spread of experts, not one
