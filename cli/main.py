@@ -80,7 +80,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.vram is not None and mf.hparams.n_expert:
         print(render_hybrid(mf, args.vram, ctx=args.ctx, seqs=args.seqs, placement=args.placement,
                             cpu_gbs=args.cpu_bw, gpu_gbs=args.gpu_bw, gpu=args.gpu, threads=args.threads,
-                            step_tokens=args.step_tokens, staging_slots=args.staging_slots))
+                            step_tokens=args.step_tokens, staging_slots=args.staging_slots, ram_gib=args.ram))
     return 0
 
 

@@ -122,7 +122,7 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
 def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seqs: int = 1,
                   placement: str | None = None, cpu_gbs: float | None = None, gpu_gbs: float | None = None,
                   gpu: str | None = None, threads: int | None = None, step_tokens: int = 512,
-                  staging_slots: int = 0) -> str:
+                  staging_slots: int = 0, ram_gib: float | None = None) -> str:
     """The hybrid plan for a GPU budget of `vram_gib` GiB (engine/placement.py): what sits where, expert bytes
     per token read from RAM and the predicted batch-1 decode rate. The RAM read rate is measured here on
     `threads` threads unless given."""
@@ -144,4 +144,8 @@ def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seq
                            step_tokens=step_tokens, staging_slots=staging_slots, cpu_read_gbs=cpu_gbs,
                            gpu_read_gbs=gpu_gbs)
     text = pl.render_plan(pl.plan(mf, params, freqs), mf.hparams.n_expert, source)
+    if ram_gib is not None:  # hybrid: the KV cache is on the GPU; RAM holds the mapped file the CPU experts read
+        need = mf.size_bytes
+        text += (f"\n  RAM           {'fits' if need <= ram_gib * GIB else 'does NOT fit'}: the mapped file "
+                 f"{_fmt_bytes(need)} of {ram_gib:g} GiB (the page cache every lane on the box shares)")
     return text + f"\n  (CPU bandwidth {note_cpu}; GPU bandwidth {note_gpu})"

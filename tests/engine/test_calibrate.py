@@ -62,7 +62,7 @@ def test_inspect_prints_the_plan_from_the_placement_file(calibrated: Path, model
     assert "hybrid plan     GPU budget 921.60 MiB; KV for 1 x 2048 tokens; frequencies: " + str(calibrated) in out
     for needle in ("resident routed experts", "KV cache", "context + graphs reserve", "hit rate",
                    "of expert weights read from RAM", "CPU RAM read 12.5 GB/s, GPU 4800 GB/s", "predicted",
-                   "RAM 216 GiB"):
+                   "RAM 216 GiB", "RAM           fits: the mapped file"):
         assert needle in out, needle
     # the uniform plan of the same budget keeps as many experts but expects fewer hits
     assert main(["model", "inspect", str(model_path), "--vram", "0.9", "--ctx", "2048", "--cpu-bw", "12.5"]) == 0
