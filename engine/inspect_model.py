@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.gguf_model import SUPPORTED_TYPES, ModelFile
+from engine.gguf_model import SUPPORTED_TYPES, HParams, ModelFile
 
 GIB = 1024**3
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -60,16 +60,19 @@ def analyse(mf: ModelFile) -> ModelReport:
 def gpu_bytes(mf: ModelFile, kv_bytes: int, step_tokens: int = 512, logit_rows: int = 64) -> int:
     """VRAM for the whole model on the GPU (engine/csrc/cuda): every weight once (a tied output
     shares the embedding), the KV cache, and the step buffers for `step_tokens` tokens."""
-    hp = mf.hparams
     weights = sum((t.n_bytes + 255) // 256 * 256 for t in mf.tensors.values())
+    return int(weights + kv_bytes + step_buffer_bytes(mf.hparams, step_tokens, logit_rows))
+
+
+def step_buffer_bytes(hp: HParams, step_tokens: int = 512, logit_rows: int = 64) -> int:
+    """The GPU engine's step buffers for steps of up to `step_tokens` tokens and `logit_rows` logit rows."""
     k = hp.n_expert_used if hp.n_expert else 1
     ff = max(hp.n_ff, hp.n_ff_exp, hp.n_ff_shexp, 32)
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     k_max = max(hp.n_embd, q_dim, hp.n_ff, hp.n_ff_shexp)
     per_token = 4 * (2 * hp.n_embd + 2 * q_dim + 2 * kv_dim + 2 * max(hp.n_expert, 1) + 2 * k) + k_max * 1.5
     per_pair = ff * (4 + 4 + 1.5) + 4 * hp.n_embd + 8
-    scratch = step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd)
-    return int(weights + kv_bytes + scratch)
+    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -114,3 +117,35 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
                      f"(device cuda: the whole model on the GPU)")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)
+
+
+def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seqs: int = 1,
+                  placement: str | None = None, cpu_gbs: float | None = None, gpu_gbs: float | None = None,
+                  gpu: str | None = None, threads: int | None = None, step_tokens: int = 512,
+                  staging_slots: int = 0, ram_gib: float | None = None) -> str:
+    """The hybrid plan for a GPU budget of `vram_gib` GiB (engine/placement.py): what sits where, expert bytes
+    per token read from RAM and the predicted batch-1 decode rate. The RAM read rate is measured here on
+    `threads` threads unless given."""
+    from engine import placement as pl
+
+    if seqs < 1 or step_tokens < 1 or staging_slots < 0 or vram_gib <= 0:
+        raise ValueError("--vram must be > 0, --seqs and --step-tokens >= 1, --staging-slots >= 0")
+    freqs, source = None, "uniform routing (no placement file)"
+    if placement is not None:
+        pf = pl.PlacementFile.load(placement, model=mf)
+        freqs, source = pf.stats.frequencies(), f"{placement} ({pf.stats.total_tokens:.0f} tokens)"
+    note_cpu = "given" if cpu_gbs is not None else f"measured now, {threads or 'all allowed'} threads"
+    note_gpu = "given" if gpu_gbs is not None else f"{gpu or pl.DEFAULT_GPU}'s from the table"
+    if cpu_gbs is None:
+        cpu_gbs = pl.measure_cpu_read_gbs(threads)
+    if gpu_gbs is None:
+        gpu_gbs = pl.gpu_read_gbs(gpu or pl.DEFAULT_GPU)
+    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.n_ctx_train, n_seqs=seqs,
+                           step_tokens=step_tokens, staging_slots=staging_slots, cpu_read_gbs=cpu_gbs,
+                           gpu_read_gbs=gpu_gbs)
+    text = pl.render_plan(pl.plan(mf, params, freqs), mf.hparams.n_expert, source)
+    if ram_gib is not None:  # hybrid: the KV cache is on the GPU; RAM holds the mapped file the CPU experts read
+        need = mf.size_bytes
+        text += (f"\n  RAM           {'fits' if need <= ram_gib * GIB else 'does NOT fit'}: the mapped file "
+                 f"{_fmt_bytes(need)} of {ram_gib:g} GiB (the page cache every lane on the box shares)")
+    return text + f"\n  (CPU bandwidth {note_cpu}; GPU bandwidth {note_gpu})"

@@ -127,7 +127,7 @@ static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t ro
  * indexed by pair. */
 static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups, int32_t n_groups,
                              const st_tensor *tg, const st_tensor *tu, const st_tensor *td, const acts *in,
-                             int64_t n_pairs) {
+                             int64_t n_pairs, float *pair_out) {
     scratch *s = &m->s;
     const int64_t n_ff = tg->ne[1], E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
@@ -136,7 +136,7 @@ static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups
     if (!items) return st_fail(ST_ENOMEM, "forward: out of memory (expert items)");
     ffn_ctx c = {groups, items, tg->type, tu->type, td->type, st_row_bytes(tg->type, tg->ne[0]),
                  st_row_bytes(tu->type, tu->ne[0]), st_row_bytes(td->type, td->ne[0]), n_ff, E, *in, s->pair_tok,
-                 s->h, {0}, s->pair_out};
+                 s->h, {0}, pair_out};
     int32_t n = build_items(groups, n_groups, n_ff, nt, c.rbg + c.rbu, items);
     st_pool_run(pool, ffn_gate_up_task, &c, n);
     c.hin = st_make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
@@ -153,7 +153,7 @@ st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, c
     const int need_q = !st_type_is_float(gate->type) || !st_type_is_float(up->type); /* types may differ */
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
     const ffn_group g = {gate->data, up->data, down->data, s->pairs_by_expert, (int32_t)T};
-    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T);
+    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T, s->pair_out);
 }
 
 /* Router: logits = xn . gate_inp, softmax over all experts, then the top k by
@@ -252,7 +252,9 @@ static st_status shared_expert(st_model *m, st_pool *pool, const st_layer *L, in
     return ST_OK;
 }
 
-st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats) {
+/* The routed experts of layer il over s->xn [T, E]: route, group, the grouped FFN, and the
+ * weighted sum added into s->x. The step's routed block and st_moe_layer both run this. */
+static st_status routed_ffn(st_model *m, st_pool *pool, int il, int64_t T, int32_t *hist, st_step_stats *stats) {
     const st_layer *L = &m->layers[il];
     scratch *s = &m->s;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
@@ -264,17 +266,113 @@ st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, in
         free(groups);
         return st_fail(ST_ENOMEM, "forward: out of memory (expert groups)");
     }
-    const int32_t n_groups =
-        group_by_expert(m, L, T, fill, groups, b->expert_hist ? b->expert_hist + (size_t)il * (size_t)ne : NULL);
+    const int32_t n_groups = group_by_expert(m, L, T, fill, groups, hist);
     stats->n_expert_tokens += T * k;
     stats->n_active_experts += n_groups;
     const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
-    const st_status rc = ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k);
+    const st_status rc =
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k, s->pair_out);
     free(fill);
     free(groups);
     if (rc != ST_OK) return rc;
     combine(m, T);
+    return ST_OK;
+}
+
+st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats) {
+    const st_layer *L = &m->layers[il];
+    const int ne = m->d.n_expert;
+    CHECK(routed_ffn(m, pool, il, T, b->expert_hist ? b->expert_hist + (size_t)il * (size_t)ne : NULL, stats));
     if (L->gate_shexp.data) CHECK(shared_expert(m, pool, L, T));
     return ST_OK;
+}
+
+/* ---- entry points for a caller that owns the rest of the layer (the hybrid GPU engine) ---- */
+
+/* The checks shared by st_moe_layer and st_moe_pairs; grows the scratch for T tokens and
+ * n_pairs pairs (its pair capacity is tokens x (k + 1)). */
+static st_status moe_entry_check(const char *what, st_model *m, st_pool *pool, int32_t layer, int32_t T,
+                                 const float *x, int64_t n_pairs) {
+    if (!m || !pool) return st_fail(ST_EINVAL, "%s: model and pool are required", what);
+    if (m->d.n_expert <= 0) return st_fail(ST_EINVAL, "%s: the model has no routed experts", what);
+    if (layer < 0 || layer >= m->d.n_layer)
+        return st_fail(ST_ERANGE, "%s: layer %d outside [0, %d)", what, layer, m->d.n_layer);
+    if (!m->layers[layer].gate_exps.data)
+        return st_fail(ST_EINVAL, "%s: layer %d has no routed experts", what, layer);
+    if (T < 1 || T > ST_MOE_MAX_TOKENS)
+        return st_fail(ST_EINVAL, "%s: T = %d tokens outside [1, %d]", what, T, ST_MOE_MAX_TOKENS);
+    if (!x) return st_fail(ST_EINVAL, "%s: x is NULL", what);
+    st_model_repack(m); /* the weights the step reads (repacked once, at the first CPU call) */
+    const int64_t k1 = (int64_t)m->d.n_expert_used + 1;
+    int64_t rows = (n_pairs + k1 - 1) / k1;
+    if (rows < T) rows = T;
+    return st_scratch_ensure(m, (size_t)rows, 1, 1);
+}
+
+st_status st_moe_layer(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, float *out,
+                       int32_t *topk_id, float *topk_w) {
+    CHECK(moe_entry_check("st_moe_layer", m, pool, layer, T, x, 0));
+    if (!out) return st_fail(ST_EINVAL, "st_moe_layer: out is NULL");
+    scratch *s = &m->s;
+    const int64_t E = m->d.n_embd;
+    const size_t tk = (size_t)T * (size_t)m->d.n_expert_used;
+    memcpy(s->xn, x, sizeof(float) * (size_t)T * (size_t)E);
+    memset(s->x, 0, sizeof(float) * (size_t)T * (size_t)E);
+    st_step_stats stats = {0};
+    CHECK(routed_ffn(m, pool, layer, T, NULL, &stats));
+    memcpy(out, s->x, sizeof(float) * (size_t)T * (size_t)E);
+    if (topk_id) memcpy(topk_id, s->topk_id, sizeof(int32_t) * tk);
+    if (topk_w) memcpy(topk_w, s->topk_w, sizeof(float) * tk);
+    return ST_OK;
+}
+
+st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
+                       const int32_t *pair_tok, const int32_t *pair_exp, float *out) {
+    const char *what = "st_moe_pairs";
+    if (n_pairs < 0) return st_fail(ST_EINVAL, "%s: n_pairs = %d is negative", what, n_pairs);
+    if (m && m->d.n_expert > 0 && (int64_t)n_pairs > (int64_t)T * m->d.n_expert)
+        return st_fail(ST_EINVAL, "%s: %d pairs for %d tokens of %d experts (at most one pair per token and expert)",
+                       what, n_pairs, T, m->d.n_expert);
+    CHECK(moe_entry_check(what, m, pool, layer, T, x, n_pairs));
+    if (n_pairs == 0) return ST_OK;
+    if (!pair_tok || !pair_exp || !out) return st_fail(ST_EINVAL, "%s: pair_tok, pair_exp and out are required", what);
+    const int ne = m->d.n_expert;
+    for (int32_t p = 0; p < n_pairs; p++) {
+        if (pair_tok[p] < 0 || pair_tok[p] >= T)
+            return st_fail(ST_ERANGE, "%s: pair %d names token %d outside [0, %d)", what, p, pair_tok[p], T);
+        if (pair_exp[p] < 0 || pair_exp[p] >= ne)
+            return st_fail(ST_ERANGE, "%s: pair %d names expert %d outside [0, %d)", what, p, pair_exp[p], ne);
+    }
+    const st_layer *L = &m->layers[layer];
+    scratch *s = &m->s;
+    int32_t *start = s->expert_start;
+    int32_t *fill = malloc(sizeof(int32_t) * (size_t)ne);
+    ffn_group *groups = malloc(sizeof(ffn_group) * (size_t)ne);
+    if (!fill || !groups) {
+        free(fill);
+        free(groups);
+        return st_fail(ST_ENOMEM, "%s: out of memory (expert groups)", what);
+    }
+    /* grouped by expert, in the caller's pair order inside each expert (as the step groups its
+     * pairs in token order): the kernels' results per (row, pair) do not depend on the grouping */
+    memset(start, 0, sizeof(int32_t) * (size_t)(ne + 1));
+    for (int32_t p = 0; p < n_pairs; p++) start[pair_exp[p] + 1]++, s->pair_tok[p] = pair_tok[p];
+    for (int e = 0; e < ne; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(int32_t) * (size_t)ne);
+    for (int32_t p = 0; p < n_pairs; p++) s->pairs_by_expert[fill[pair_exp[p]]++] = p;
+    int32_t n_groups = 0;
+    for (int e = 0; e < ne; e++) {
+        const int32_t cnt = start[e + 1] - start[e];
+        if (!cnt) continue;
+        groups[n_groups++] = (ffn_group){expert_ptr(&L->gate_exps, e), expert_ptr(&L->up_exps, e),
+                                         expert_ptr(&L->down_exps, e), s->pairs_by_expert + start[e], cnt};
+    }
+    const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
+    const acts in = st_make_acts(pool, x, T, m->d.n_embd, need_q, layer_buf(s));
+    const st_status rc =
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, n_pairs, out);
+    free(fill);
+    free(groups);
+    return rc;
 }

@@ -225,6 +225,31 @@ typedef struct {
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats);
 
+/* ---- routed experts for a caller that owns the rest of the layer (the hybrid GPU engine) ----
+ * Both run on the model's CPU scratch and the given pool: never concurrently with st_forward or
+ * each other on the same model. x[T, n_embd] is the FFN input after the layer's RMSNorm (float,
+ * host memory); 1 <= T <= ST_MOE_MAX_TOKENS. Errors: a NULL argument, a model or layer without
+ * routed experts, T or n_pairs out of bounds -> ST_EINVAL; a layer, token or expert index out
+ * of range -> ST_ERANGE. */
+#define ST_MOE_MAX_TOKENS 1048576
+/* The routed FFN of one layer exactly as st_forward computes it (router, top-k, grouped experts,
+ * the weighted sum; not the shared expert): out[T, n_embd]; the routing into topk_id[T, k] and
+ * topk_w[T, k] (raw softmax probabilities, slot order) when not NULL. */
+st_status st_moe_layer(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, float *out,
+                       int32_t *topk_id, float *topk_w);
+/* The routed experts of one layer for a list of (token row, expert) pairs: out[p, n_embd] =
+ * expert pair_exp[p]'s SwiGLU FFN of x[pair_tok[p]], unweighted (the caller weights and sums).
+ * The step's kernels (8-bit activations, pairs grouped by expert, gate and up fused): each row
+ * has the bits the step gives that (token, expert). At most one pair per (token, expert) is
+ * meaningful; n_pairs <= T x n_expert. n_pairs = 0 does nothing. */
+st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
+                       const int32_t *pair_tok, const int32_t *pair_exp, float *out);
+
+/* Memory read bandwidth through the pool: every pool thread reads its share of a private buffer
+ * of `bytes` (>= 1 MiB, at most 64 GiB) `passes` times (1..1000); *gb_s = the best pass's bytes /
+ * wall seconds / 1e9. The hybrid planner's CPU figure (the rate experts stream from RAM). */
+st_status st_mem_read_gbs(st_pool *pool, int64_t bytes, int32_t passes, double *gb_s);
+
 /* The greedy pick of each row of x[rows, n] (n >= 1): out[r] = the first index of row r's
  * maximum, by st_batch.out_tokens' rule (NaN first, then ties to the lowest index). The generic
  * reference that st_forward uses and that the GPU's argmax is checked against. */
