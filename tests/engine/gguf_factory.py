@@ -219,6 +219,7 @@ def make_glm4moe_gguf(
     seed: int = 0,
     chat_template: str | None = None,
     drop_keys: tuple[str, ...] = (),
+    extra_keys: dict[str, int] | None = None,
     omit: tuple[str, ...] = (),
 ) -> Path:
     """A random ``glm4moe`` GGUF in llama.cpp's names and layout (GLM-4.5 / Air in miniature):
@@ -227,7 +228,8 @@ def make_glm4moe_gguf(
     ``exp_probs_b``, routed experts, an ungated shared expert), then ``n_nextn`` NextN layers
     (block_count counts them) with their eh_proj / enorm / hnorm / shared head. ``gating``,
     ``weights_scale`` and ``weights_norm`` of None leave their keys out; ``drop_keys`` removes
-    metadata keys (without the ``glm4moe.`` prefix) and ``omit`` tensors. The vocabulary is
+    metadata keys (without the ``glm4moe.`` prefix), ``extra_keys`` adds or replaces integer ones and ``omit``
+    drops tensors. The vocabulary is
     glm_vocab_metadata()'s (GLM_VOCAB tokens)."""
     arch = "glm4moe"
     rng = np.random.default_rng(seed)
@@ -254,6 +256,8 @@ def make_glm4moe_gguf(
     if n_group:
         keys["expert_group_count"] = ("u", n_group)
         keys["expert_group_used_count"] = ("u", n_group_used)
+    for key, value in (extra_keys or {}).items():
+        keys[key] = ("u", value)
     for key, (kind, value) in keys.items():
         if key in drop_keys:
             continue
