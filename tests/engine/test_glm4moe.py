@@ -276,6 +276,29 @@ def test_nextn_layer_is_kept_not_run(variant: tuple[str, Path]) -> None:
         assert eng.hparams.n_layer == 3
 
 
+def test_inspect_shows_the_glm_fields(variant: tuple[str, Path]) -> None:
+    from engine.inspect_model import analyse, render
+
+    name, path = variant
+    mf = open_model(path)
+    out = render(mf, None, None, None)
+    assert "architecture    glm4moe: 3 layers" in out
+    assert "q/k/v biases" in out and ("q/k norms" in out) == (name == "qk_norm")
+    assert "NEOX rotary on 16 of 32 dims (partial)" in out
+    assert "16 routed, top-4, FFN width 32, 1 shared (width 32); first layer dense (FFN width 96)" in out
+    routing = {"qk_norm": "sigmoid + score bias, top-4 of 16, weights renormalised x 2.5",
+               "groups": "sigmoid + score bias, top-4 of 16, groups: best 2 of 4, weights renormalised",
+               "softmax_defaults": "softmax + score bias, top-4 of 16, groups: best 3 of 8"}[name]
+    assert f"routing         {routing}\n" in out
+    r = analyse(mf)
+    nextn = sum(t.n_bytes for n, t in mf.tensors.items() if n.startswith("blk.3."))
+    assert r.nextn_bytes == nextn > 0
+    assert "NextN layers    1 after the 3 (multi-token prediction: kept for speculative decoding, not run)" in out
+    # the NextN layer is in no per-token figure: the KV cache covers the 3 forward layers
+    assert r.kv_bytes_per_token == 2 * 2 * 3 * 2 * 32
+    assert r.file_bytes > r.dense_bytes + r.expert_bytes + nextn
+
+
 # ---------------------------------------------------------------------------------------------- the router alone
 
 
