@@ -260,6 +260,26 @@ def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None
     assert gen == theirs_gen
 
 
+def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
+    """Dense lead, routed layers and the router's rule give every sequence in a mixed step the
+    logits it gets alone, bit for bit (as tests/engine/test_batching.py checks for the others)."""
+    _, path = variant
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, GLM_VOCAB, n)] for n in (3, 21, 9)]
+    with Engine.open(path, threads=2, kv_tokens=512) as eng:
+        alone = [eng.logits_for(p) for p in prompts]
+        tables = [eng.blocks.allocate(-(-len(p) // eng.block_size)) for p in prompts]
+        tokens, pos, seq = [], [], []
+        for i, p in enumerate(prompts):
+            tokens += p
+            pos += list(range(len(p)))
+            seq += [i] * len(p)
+        batched = eng.forward(tokens, pos, seq, tables, list(range(len(tokens))))
+        for t in tables:
+            eng.blocks.release(t)
+    assert np.array_equal(batched, np.concatenate(alone))
+
+
 def test_nextn_layer_is_kept_not_run(variant: tuple[str, Path]) -> None:
     """The NextN layer is validated and held by the C model; the forward pass (and its KV cache)
     covers only the first block_count - nextn_predict_layers layers (the NumPy reference runs
