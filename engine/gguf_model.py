@@ -32,8 +32,9 @@ DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "glm4
 # Router gating functions: llama.cpp's expert_gating_func values (ST_GATING_* in strata.h).
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3
 GATING_NAMES = {GATING_SOFTMAX: "softmax", GATING_SIGMOID: "sigmoid", GATING_SOFTMAX_WEIGHT: "softmax of the chosen"}
-# Architectures whose llama.cpp graph reads expert_gating_func (0 or absent: the value here);
-# the others route by softmax whatever the file says, and a file saying otherwise is refused.
+# Architectures whose llama.cpp graph takes its routing from the file: expert_gating_func (0 or
+# absent: the value here), expert_weights_scale and leading_dense_block_count. The others route
+# by softmax without scaling whatever the file says (a file asking for another gating is refused).
 GATING_FROM_FILE = {"glm4moe": GATING_SIGMOID}
 # Architectures that may end in next-token-prediction (NextN / MTP) layers: block_count counts
 # them, nextn_predict_layers says how many of the last blocks they are.
@@ -265,9 +266,10 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
     n_layer = n_block - n_nextn  # the layers the forward pass runs
     n_expert = gi("expert_count", 0, MAX_EXPERTS, 0)
     n_expert_used = gi("expert_used_count", 0, MAX_EXPERTS_USED, 0)
-    n_dense_lead = gi("leading_dense_block_count", 0, n_layer, 0) if n_expert else 0
+    from_file = arch in GATING_FROM_FILE
+    n_dense_lead = gi("leading_dense_block_count", 0, n_layer, 0) if n_expert and from_file else 0
     gating = g("expert_gating_func", 0)
-    if arch in GATING_FROM_FILE:
+    if from_file:
         gating = _as_int(gating, f"{arch}.expert_gating_func", 0, 1 << 31, path) or GATING_FROM_FILE[arch]
         if gating not in GATING_NAMES:
             raise UnsupportedModelError(path, f"expert gating function {gating} is not supported "
@@ -276,7 +278,7 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         raise UnsupportedModelError(path, f"expert gating function {gating} is not supported (only softmax)")
     else:
         gating = GATING_SOFTMAX
-    scale = gf("expert_weights_scale", 0.0)
+    scale = gf("expert_weights_scale", 0.0) if from_file else 0.0
     if scale < 0:
         raise GGUFError(path, f"metadata '{arch}.expert_weights_scale' = {scale} is negative")
     n_group = gi("expert_group_count", 0, MAX_EXPERTS, 0)
@@ -300,7 +302,7 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
                                   f"'{arch}.expert_feed_forward_length' says {want_exp}")
         n_ff_shexp = want_exp * n_shared
         shexp = tensors.get(f"blk.{n_dense_lead}.ffn_gate_shexp.weight")
-        if n_shared and (shexp is None or int(shexp.shape[1]) != n_ff_shexp):
+        if n_shared and (shexp is None or len(shexp.shape) != 2 or int(shexp.shape[1]) != n_ff_shexp):
             raise GGUFError(path, f"'{arch}.expert_shared_count' = {n_shared} needs shared-expert tensors of width "
                                   f"{n_ff_shexp} (blk.{n_dense_lead}.ffn_gate_shexp.weight: "
                                   f"{'missing' if shexp is None else shexp.shape})")
