@@ -218,6 +218,7 @@ def make_glm4moe_gguf(
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     seed: int = 0,
     chat_template: str | None = None,
+    vocab: bool = True,
     drop_keys: tuple[str, ...] = (),
     extra_keys: dict[str, int] | None = None,
     omit: tuple[str, ...] = (),
@@ -230,7 +231,8 @@ def make_glm4moe_gguf(
     ``weights_scale`` and ``weights_norm`` of None leave their keys out; ``drop_keys`` removes
     metadata keys (without the ``glm4moe.`` prefix), ``extra_keys`` adds or replaces integer ones and ``omit``
     drops tensors. The vocabulary is
-    glm_vocab_metadata()'s (GLM_VOCAB tokens)."""
+    glm_vocab_metadata()'s (GLM_VOCAB tokens; token_embd has that many rows even when ``vocab`` is
+    False and the tokenizer keys are left out)."""
     arch = "glm4moe"
     rng = np.random.default_rng(seed)
     n_block = n_dense_lead + n_moe + n_nextn
@@ -267,7 +269,8 @@ def make_glm4moe_gguf(
             w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
         else:
             w.add_bool(f"{arch}.{key}", bool(value))
-    _add_metadata(w, glm_vocab_metadata(chat_template))
+    if vocab:  # llama.cpp needs it; the engine does not
+        _add_metadata(w, glm_vocab_metadata(chat_template))
 
     def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
