@@ -177,7 +177,7 @@ typedef struct {
      * refused. It must outlive the model. */
     const void *map_data;
     int64_t map_bytes;
-    /* Routing and layer layout (appended; all zero = softmax routing, every layer routed when
+    /* Routing and layer layout (all zero: softmax routing, every layer routed when
      * n_expert > 0, no NextN layers). Routing follows llama.cpp's build_moe_ffn:
      *   probabilities p = gating(logits); choice scores c = p + exp_probs_b (when present);
      *   with n_expert_group > 1 only the n_group_used groups (of n_expert / n_expert_group
