@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
-from engine.cuda_backend import DeviceSpec, resolve_device
-from engine.gguf_model import ModelFile, create_native_model, open_model
+from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
+from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
 from engine.native import EngineError, check, ffi, lib, ptr
 from engine.step import StepStats
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from engine.scheduler import RequestOutput
 
 __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError"]
+
+
+# Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe"})
 
 
 @dataclass
@@ -202,8 +206,14 @@ class Engine:
             raise ValueError(f"threads must be >= 1, got {n_threads}")
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        mf = open_model(path)
+        if mf.hparams.arch not in GPU_ARCHES:  # the CPU engine runs it; the CUDA backend does not yet
+            if parse_device(device).kind == "cuda":
+                raise UnsupportedModelError(mf.path, f"architecture {mf.hparams.arch!r} runs on the CPU only "
+                                                     f"(device 'cpu' or 'auto'), not on {device!r}")
+            device = "cpu"
         spec = resolve_device(device)
-        return cls(open_model(path), n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec)
+        return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:

@@ -417,3 +417,18 @@ def test_nextn_count_must_leave_a_layer(tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match="nextn_predict_layers' = 1 is out of range"):
         open_model(path)
 
+
+
+def test_gpu_devices(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend does not run glm4moe: "auto" serves it on the CPU even where a GPU is usable,
+    an explicit cuda:N is a typed error (before any GPU is touched)."""
+    import engine.engine as engine_mod
+    from engine.cuda_backend import DeviceSpec
+
+    real = engine_mod.resolve_device
+    monkeypatch.setattr(engine_mod, "resolve_device",
+                        lambda d: DeviceSpec("cuda", 0) if d in ("auto", "cuda:0") else real(d))  # a GPU box
+    with pytest.raises(UnsupportedModelError, match="runs on the CPU only"):
+        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
+    with Engine.open(variant[1], threads=1, kv_tokens=64, device="auto") as eng:
+        assert eng.device.kind == "cpu"
