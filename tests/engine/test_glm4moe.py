@@ -6,8 +6,9 @@ with sigmoid routing, the score-correction bias exp_probs_b, the routed scaling 
 ungated shared expert, and a NextN layer at the end that the forward pass must skip. Each variant
 is checked three ways on a 32-token prompt:
 
-* logits against llama.cpp (llama-cpp-python, whose bundled llama.cpp implements glm4moe) within
-  the tolerance of the HF parity tests (max|delta| / max|ref| <= 1e-3);
+* logits against llama.cpp (llama-cpp-python, whose bundled llama.cpp implements glm4moe; F32 KV
+  cache) within the tolerance of the HF parity tests (max|delta| / max|ref| <= 1e-3; the engine's
+  F16 KV cache is most of the measured 2.5e-4 to 5.3e-4);
 * logits against the NumPy float64 forward pass below (written from llama.cpp's graph for the
   architecture: src/models/glm4-moe.cpp and build_moe_ffn), which also measures the router's
   margins so that a failure cannot come from float noise flipping an expert choice;
@@ -182,8 +183,10 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 def _llama_cpp(path: Path) -> Any:
     import llama_cpp
 
+    # F32 KV cache: llama.cpp's own rounding then stays well inside the tolerance (its F16 cache alone
+    # costs up to ~9e-4 against the float64 reference here); the engine keeps its F16 cache.
     return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                           n_threads=2)
+                           n_threads=2, type_k=0, type_v=0)
 
 
 def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
@@ -221,7 +224,8 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
     # change an expert choice, and a failure would then say nothing about the engine.
     assert ref_model.margin > 1e-3, ref_model.margin
     theirs = _llama_logits(llama, prompt)
-    assert _rel_err(theirs, ref) <= TOL, f"llama.cpp vs NumPy: {_rel_err(theirs, ref):.2e}"  # the oracles agree
+    # the two oracles agree to float32 rounding (measured 2e-7 to 6e-7): the NumPy pass is llama.cpp's graph
+    assert _rel_err(theirs, ref) <= 1e-5, f"llama.cpp vs NumPy: {_rel_err(theirs, ref):.2e}"
     with Engine.open(path, threads=2, kv_tokens=256) as eng:
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
     assert ours.shape == (PROMPT_LEN, GLM_VOCAB)
