@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from engine.gguf_model import SUPPORTED_TYPES, ModelFile
+from engine.gguf_model import SUPPORTED_TYPES, HParams, ModelFile
 
 GIB = 1024**3
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -81,7 +80,7 @@ def _attention_line(mf: ModelFile) -> str:
     return "attention       " + ", ".join(parts)
 
 
-def _expert_line(hp: Any) -> str:
+def _expert_line(hp: HParams) -> str:
     if not hp.n_expert:
         return f"experts         none (dense FFN width {hp.n_ff})"
     line = f"experts         {hp.n_expert} routed, top-{hp.n_expert_used}, FFN width {hp.n_ff_exp}"
