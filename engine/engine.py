@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
-from engine.gguf_model import ModelFile, create_native_model, open_model
+from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
 from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
 from engine.step import StepStats
 
@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from engine.scheduler import RequestOutput
 
 __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError", "HybridNotSupportedError"]
+
+
+# Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe"})
 
 
 @dataclass
@@ -252,11 +256,16 @@ class Engine:
             _check_cores(cores)
         asked = parse_device(device)  # a bad device string fails before the file is read
         mf = open_model(path)
+        if mf.hparams.arch not in GPU_ARCHES:  # the CPU engine runs it; the CUDA backend does not yet
+            if asked.kind == "cuda":
+                raise UnsupportedModelError(mf.path, f"architecture {mf.hparams.arch!r} runs on the CPU only "
+                                                     f"(device 'cpu' or 'auto'), not on {device!r}")
+            device = "cpu"
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
         if asked.kind == "cuda":
             _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
         spec = resolve_device(device)
-        if spec.kind == "cuda":  # "auto" that found a GPU
+        if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
             _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb)
 

@@ -22,6 +22,7 @@ class ModelReport:
     dense_bytes: int  # everything but routed experts and the embedding table
     kv_bytes_per_token: int  # F16 K and V over all layers
     n_ctx_train: int
+    nextn_bytes: int = 0  # NextN (MTP) layers: loaded and kept, not read by the forward pass
 
 
 def _n_elems(shape: tuple[int, ...]) -> int:
@@ -31,13 +32,22 @@ def _n_elems(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _layer_of(name: str) -> int:
+    """The block index of a "blk.N." tensor, else -1."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
+
+
 def analyse(mf: ModelFile) -> ModelReport:
     hp = mf.hparams
-    n_params = expert_params = expert_bytes = dense_bytes = 0
+    n_params = expert_params = expert_bytes = dense_bytes = nextn_params = nextn_bytes = 0
     for name, t in mf.tensors.items():
         n = _n_elems(t.shape)
         n_params += n
-        if name.endswith(EXPERT_SUFFIXES):
+        if _layer_of(name) >= hp.n_layer:  # a NextN layer: not part of a token's forward pass
+            nextn_params += n
+            nextn_bytes += t.n_bytes
+        elif name.endswith(EXPERT_SUFFIXES):
             expert_params += n
             expert_bytes += t.n_bytes
         elif name != "token_embd.weight" or "output.weight" not in mf.tensors:
@@ -46,7 +56,7 @@ def analyse(mf: ModelFile) -> ModelReport:
     return ModelReport(
         arch=hp.arch,
         n_params=n_params,
-        n_active_params=int(n_params - expert_params + expert_params * k_frac),
+        n_active_params=int(n_params - nextn_params - expert_params + expert_params * k_frac),
         file_bytes=mf.size_bytes,
         quant_mix=mf.quant_mix(),
         expert_bytes=expert_bytes,
@@ -54,7 +64,33 @@ def analyse(mf: ModelFile) -> ModelReport:
         dense_bytes=dense_bytes,
         kv_bytes_per_token=2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim,
         n_ctx_train=hp.n_ctx_train,
+        nextn_bytes=nextn_bytes,
     )
+
+
+def _attention_line(mf: ModelFile) -> str:
+    hp = mf.hparams
+    t = mf.tensors
+    parts = ["q/k/v biases" if "blk.0.attn_q.bias" in t else "no biases"]
+    if "blk.0.attn_q_norm.weight" in t:
+        parts.append("q/k norms")
+    rotary = "NEOX" if hp.rope_type == 2 else "NORM"
+    parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
+                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}")
+    return "attention       " + ", ".join(parts)
+
+
+def _expert_line(hp: HParams) -> str:
+    if not hp.n_expert:
+        return f"experts         none (dense FFN width {hp.n_ff})"
+    line = f"experts         {hp.n_expert} routed, top-{hp.n_expert_used}, FFN width {hp.n_ff_exp}"
+    if hp.n_ff_shexp:
+        line += (f", {hp.n_expert_shared} shared" if hp.n_expert_shared else ", shared expert") + \
+            f" (width {hp.n_ff_shexp})"
+    if hp.n_dense_lead:
+        lead = "first layer" if hp.n_dense_lead == 1 else f"first {hp.n_dense_lead} layers"
+        line += f"; {lead} dense (FFN width {hp.n_ff})"
+    return line
 
 
 def gpu_bytes(mf: ModelFile, kv_bytes: int, step_tokens: int = 512, logit_rows: int = 64) -> int:
@@ -91,13 +127,16 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         f"file            {mf.path} ({_fmt_bytes(r.file_bytes)})",
         f"architecture    {r.arch}: {hp.n_layer} layers, d_model {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv} "
         f"(head_dim {hp.head_dim}), vocab {hp.n_vocab}, trained context {hp.n_ctx_train}",
-        f"experts         {hp.n_expert} routed, top-{hp.n_expert_used}, FFN width {hp.n_ff_exp}"
-        + (f", shared expert width {hp.n_ff_shexp}" if hp.n_ff_shexp else "")
-        if hp.n_expert else f"experts         none (dense FFN width {hp.n_ff})",
+        _attention_line(mf),
+        _expert_line(hp),
+        *([f"routing         {hp.routing}"] if hp.n_expert else []),
+        *([f"NextN layers    {hp.n_nextn} after the {hp.n_layer} (multi-token prediction: kept for speculative "
+           f"decoding, not run), {_fmt_bytes(r.nextn_bytes)}"] if hp.n_nextn else []),
         f"parameters      {r.n_params / 1e6:.1f} M total, {r.n_active_params / 1e6:.1f} M active per token",
         "quant mix       " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(r.quant_mix.items(), key=lambda kv: -kv[1])),
         f"routed experts  {_fmt_bytes(r.expert_bytes)} in all, {_fmt_bytes(r.expert_bytes_per_token)} read per token",
-        f"dense weights   {_fmt_bytes(r.dense_bytes)} (attention, norms, router, shared experts, output)",
+        f"dense weights   {_fmt_bytes(r.dense_bytes)} (attention, norms, router, shared experts, dense layers, "
+        "output)",
         f"KV cache        {_fmt_bytes(r.kv_bytes_per_token)} per token, {_fmt_bytes(kv)} at context {ctx}",
     ]
     if ram_gib is not None:
