@@ -138,9 +138,9 @@ test: $(STAMP_RUN)
 	$(VPY) -m ruff check .
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
-# make bench: the engine and gateway comparisons, then every harness scenario (docs/bench.md) in full
-# mode on a throwaway stack with a llama.cpp peer. make bench QUICK=1 (CI): only the scenarios, quick,
-# on a throwaway stack, then checks that the report and results.json exist, every scenario completed
+# make bench: the engine and gateway comparisons, 100 SIGKILLs of the gateway under load (its request log),
+# then every harness scenario (docs/bench.md) in full mode on a throwaway stack with a llama.cpp peer.
+# make bench QUICK=1 (CI): only the scenarios, quick, on a throwaway stack, then checks that the report and results.json exist, every scenario completed
 # and every correctness check passed. Reports: var/bench/<UTC timestamp>/report.md.
 QUICK ?=
 bench: setup $(STAMP_BENCH)
@@ -150,6 +150,7 @@ ifeq ($(QUICK),)
 	$(VPY) -m bench.engine_cpu --synthetic --no-batching
 	$(VPY) -m bench.engine_batching
 	$(VPY) -m bench.gateway_overhead --json var/bench/gateway_overhead.json
+	$(VPY) -m bench.gateway_crash --json var/bench/gateway_crash.json
 	$(VPY) -m bench.harness.ci --llama
 else
 	$(VPY) -m bench.harness.ci --quick

@@ -89,6 +89,16 @@ def wait_retrieval(gw_url: str, timeout: float) -> tuple[str, float]:
         time.sleep(0.25)
 
 
+def _local_count_ready(gateway_log: Path, timeout: float) -> str:
+    """Wait until the started gateway has loaded the lane's tokenizer (its log says so); what counts prompts."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "the window precheck counts prompts in the gateway" in gateway_log.read_text(errors="replace"):
+            return "the gateway (the lane's tokenizer, loaded)"
+        time.sleep(0.25)
+    return "the lane's /tokenize (the gateway has not loaded the lane's tokenizer)"
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -259,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
                 ("trace_stages = true\n" if args.stages else "")
             lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores)
         retrieval, waited = wait_retrieval(gw_url, 600)
+        counting = "unknown (a running stack)"
+        if not args.lane_url:
+            # the precheck counts in the gateway only once it has loaded the lane's tokenizer (in the background)
+            counting = "the lane's /tokenize" if args.count_via_lane else _local_count_ready(tmp / "gateway.log", 60)
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
-              f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream)", flush=True)
+              f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream); prompts counted by "
+              f"{counting}", flush=True)
         report = run(lane_url, gw_url, key, args.n, args.warmup)
         if args.stages and not args.lane_url:
             time.sleep(0.5)  # the last access-log lines
@@ -284,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         report["machine"] = machine_info()
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
-                            "retrieval_wait_s": round(waited, 2)}
+                            "retrieval_wait_s": round(waited, 2), "counted_by": counting}
         write_json(args.json, report)
         print(f"  wrote {args.json}")
     return 0

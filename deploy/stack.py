@@ -138,8 +138,11 @@ def write_gateway_config(tmp: Path, ports: dict[str, int], admin_key: str, **ove
         f.write(admin_key + "\n")
     gw = tomllib.loads((REPO / "deploy" / "gateway.toml").read_text())
     lanes = [dict(x, url=f"http://127.0.0.1:{ports['lane_' + x['name']]}") for x in gw.pop("lanes")]
-    gw.update(port=ports["gateway"], host="127.0.0.1", db_url=f"sqlite:///{tmp / 'var' / 'gateway.db'}",
-              admin_key_file=str(key_file), health_interval_s=0.25, **overrides)
+    # the journal beside the database even when an override moves the database to PostgreSQL (the gateway's own
+    # default for that is the repository's var/)
+    gw.update({"port": ports["gateway"], "host": "127.0.0.1", "db_url": f"sqlite:///{tmp / 'var' / 'gateway.db'}",
+               "log_journal_dir": str(tmp / "var" / f"request-journal-{ports['gateway']}"),
+               "admin_key_file": str(key_file), "health_interval_s": 0.25, **overrides})
     (tmp / "gateway.toml").write_text(dump_toml(gw) + "".join("\n[[lanes]]\n" + dump_toml(x) for x in lanes))
     return key_file
 

@@ -8,6 +8,12 @@ holds survives the process; a machine crash may lose the last moments, as the da
 all in the database are deleted. At start the gateway reads what is left (:meth:`replay`),
 writes it to the database (a row id seen twice keeps its last version) and starts afresh.
 
+A stream's row is appended as in progress when it starts and again when it ends. Its first version
+may be committed, and its segment deleted, long before the end; a crash in between would leave the
+database saying "in progress" with nothing in the journal to say otherwise. So the latest line of
+every row still in progress is kept in the journal: before a segment holding one goes, the line is
+written again into the current segment, and the next start writes such rows as interrupted.
+
 Files are private (0700 directory, 0600 segments) whatever the umask: rows may hold prompt
 text for keys with ``log_prompts``.
 """
@@ -53,6 +59,8 @@ class Journal:
         self._size = 0
         self._closed: list[tuple[Path, int]] = []  # full segments and the last row number each holds
         self._path: Path | None = None
+        self._live: dict[str, tuple[Path, bytes]] = {}  # rows in progress: the segment of their latest line, the line
+        self._carried = 0  # bytes of the current segment that are such lines written again
         self._old = sorted(directory.glob("segment-*.jsonl"))  # left by an earlier process: replay() reads them
         self._next = 1 + max((int(p.stem.split("-")[1]) for p in self._old), default=0)
 
@@ -61,35 +69,60 @@ class Journal:
         self._next += 1
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._size = 0
+        self._carried = 0
 
-    def append(self, row: dict[str, Any]) -> int:
-        """Write one row (any thread); its number, for :meth:`committed`."""
+    def _write(self, line: bytes) -> Path:
+        if self._fd < 0:
+            self._open()
+        assert self._path is not None
+        os.write(self._fd, line)
+        self._size += len(line)
+        return self._path
+
+    def append(self, row: dict[str, Any], in_progress: bool = False) -> int:
+        """Write one row (any thread); its number, for :meth:`committed`. ``in_progress``: a later version of the
+        row will follow (a stream's end), and until it does this line stays in the journal."""
         line = (json.dumps(row, ensure_ascii=True, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:
-            if self._fd < 0:
-                self._open()
-            os.write(self._fd, line)
-            self._size += len(line)
+            path = self._write(line)
+            rid = row.get("id")
+            if in_progress and isinstance(rid, str):
+                self._live[rid] = (path, line)
+            else:
+                self._live.pop(rid, None)  # type: ignore[arg-type]
             self.seq += 1
             if self._size >= self.segment_bytes:
                 os.close(self._fd)
-                assert self._path is not None
-                self._closed.append((self._path, self.seq))
+                self._closed.append((path, self.seq))
                 self._fd = -1
             return self.seq
+
+    def _unlink(self, path: Path) -> None:
+        """Delete a segment whose rows are committed, first writing again into the current segment the lines of
+        rows still in progress that it holds (lock held)."""
+        for rid, (where, line) in list(self._live.items()):
+            if where == path:
+                self._live[rid] = (self._write(line), line)
+                self._carried += len(line)
+        path.unlink(missing_ok=True)
+
+    @property
+    def in_progress(self) -> int:
+        """Rows whose latest line says they are in progress."""
+        return len(self._live)
 
     def committed(self, seq: int) -> None:
         """Every row up to number ``seq`` is in the database: full segments holding only such rows go."""
         with self._lock:
             while self._closed and self._closed[0][1] <= seq:
                 path, _ = self._closed.pop(0)
-                path.unlink(missing_ok=True)
-            if self._fd >= 0 and seq >= self.seq and self._size >= 64 * 1024:
+                self._unlink(path)
+            if self._fd >= 0 and seq >= self.seq and self._size - self._carried >= 64 * 1024:
                 # everything is written: start a new segment rather than let a quiet one grow
                 os.close(self._fd)
-                assert self._path is not None
-                self._path.unlink(missing_ok=True)
                 self._fd = -1
+                assert self._path is not None
+                self._unlink(self._path)
 
     def replay(self) -> list[dict[str, Any]]:
         """The rows an earlier process journaled (oldest first; a torn last line is skipped)."""
@@ -126,8 +159,11 @@ class Journal:
                     self._closed.append((self._path, self.seq))
             if all_committed:
                 for path, _ in self._closed:
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
                 self._closed = []
+                if self._fd >= 0:  # it holds only rows still in progress: the next start writes them as interrupted
+                    os.close(self._fd)
+                    self._fd = -1
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)  # releases the lock
                 self._lock_fd = -1

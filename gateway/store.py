@@ -143,7 +143,8 @@ class RequestLog:
             if len(self._rows) >= self.max_queue:
                 self._drop("queue_full", 1)
                 return
-            seq = self.journal.append(row) if self.journal is not None else 0
+            seq = self.journal.append(row, in_progress=row.get("error_type") == IN_PROGRESS) \
+                if self.journal is not None else 0
             self._rows.append((seq, row))
             self._queued_total += 1
             self._cond.notify_all()

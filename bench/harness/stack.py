@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import secrets
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 if (_root := str(Path(__file__).resolve().parents[2])) not in sys.path:  # deploy/ is not an installed package
     sys.path.append(_root)
@@ -35,8 +36,10 @@ Stack = Supervised
 
 
 @contextlib.contextmanager
-def throwaway_stack(tmp: Path, kv_tokens: int = 4096, timeout: float = 180.0) -> Iterator[Stack]:
-    """Both lanes and the gateway under supervisord in ``tmp``; shut down (and checked) on the way out."""
+def throwaway_stack(tmp: Path, kv_tokens: int = 4096, timeout: float = 180.0,
+                    gateway: Mapping[str, Any] | None = None) -> Iterator[Stack]:
+    """Both lanes and the gateway under supervisord in ``tmp``; shut down (and checked) on the way out.
+    ``gateway``: more settings of the gateway's file (``db_url`` of a PostgreSQL database, ...)."""
     from engine.default_model import build_default_model, default_model_path
 
     build_default_model(default_model_path())  # once, before two lanes would race to build it
@@ -48,6 +51,7 @@ def throwaway_stack(tmp: Path, kv_tokens: int = 4096, timeout: float = 180.0) ->
     # lane and failed there too)
     conf = render(tmp, ports, key, {p: {"cores": cores[p], "kv_tokens": kv_tokens, "ping_interval_s": 1.0}
                                     for p in PROGRAMS},
-                  gateway={"shutdown_timeout_s": 5.0, "first_token_timeout_s": max(120.0, 0.06 * kv_tokens)})
+                  gateway={"shutdown_timeout_s": 5.0, "first_token_timeout_s": max(120.0, 0.06 * kv_tokens),
+                           **(gateway or {})})
     with supervised(Supervised(tmp, conf, ports, key), timeout) as st:
         yield st

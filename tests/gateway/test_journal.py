@@ -3,6 +3,7 @@ deleted once committed, one process per directory, private files."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from collections.abc import Iterator
@@ -83,5 +84,67 @@ def test_the_writer_commits_and_empties_the_journal(tmp_path: Path) -> None:
         log.record(_row(i))
     log.close()
     assert len(log.query(RequestQuery(limit=100))) == 30
+    assert not list((tmp_path / "j").glob("segment-*.jsonl"))
+    engine.dispose()
+
+
+def _crash(log: RequestLog) -> None:
+    """The process dies: the writer stops where it is, the journal's files stay as they are, its lock goes."""
+    j = log.journal
+    assert j is not None
+    log.journal = None
+    log.close()
+    if j._fd >= 0:
+        os.close(j._fd)
+    os.close(j._lock_fd)
+    j._lock_fd = -1
+
+
+@pytest.mark.parametrize("segment_bytes", [1500, 4 << 20])  # full segments go; a quiet segment past 64 KiB goes
+def test_a_stream_in_progress_outlives_its_segment(tmp_path: Path, db_url: str, segment_bytes: int) -> None:
+    """A stream's row is committed as in progress and its segment deleted while the stream runs; a crash then
+    must still leave it interrupted at the next start, not in progress for ever."""
+    engine = open_db(db_url)
+    log = RequestLog(engine, retention_days=1e6, journal=Journal(tmp_path / "j", segment_bytes=segment_bytes))
+    log.start()
+    log.record(_row(0, stream=True, error_type="in_progress"))
+    assert asyncio.run(log.flush())
+    first = sorted((tmp_path / "j").glob("segment-*.jsonl"))[0]
+    for i in range(1, 400):
+        log.record(_row(i, model="m" * 100))
+        if i % 50 == 0:
+            assert asyncio.run(log.flush())
+    assert asyncio.run(log.flush())
+    assert not first.exists()  # the stream's first line went with its segment ...
+    assert log.query(RequestQuery(limit=1000))[-1]["error_type"] == "in_progress"
+    assert log.journal is not None and log.journal.in_progress == 1
+    _crash(log)
+    log = RequestLog(engine, retention_days=1e6, journal=Journal(tmp_path / "j"))
+    assert log.replay() >= 1  # ... but the line was written again: the restart knows the stream was cut
+    rows = {r["id"]: r for r in log.query(RequestQuery(limit=1000))}
+    assert len(rows) == 400 and rows["gw-0000"]["error_type"] == "interrupted"
+    assert all(r["error_type"] is None for rid, r in rows.items() if rid != "gw-0000")
+    log.close()
+    engine.dispose()
+
+
+def test_a_stream_that_ends_leaves_nothing_behind(tmp_path: Path) -> None:
+    engine = open_db(f"sqlite:///{tmp_path / 'r.db'}")
+    log = RequestLog(engine, retention_days=1e6, journal=Journal(tmp_path / "j", segment_bytes=1500))
+    log.start()
+    log.record(_row(0, stream=True, error_type="in_progress"))  # ends
+    log.record(_row(1, stream=True, error_type="in_progress"))  # still running when the gateway stops
+    for i in range(2, 40):
+        log.record(_row(i))
+    log.record(_row(0, stream=True, completion_tokens=7))
+    log.close()
+    lines = [line for p in (tmp_path / "j").glob("segment-*.jsonl") for line in p.read_text().splitlines()]
+    assert lines and all('"gw-0001"' in line for line in lines)  # only the stream still running stays
+    log = RequestLog(engine, retention_days=1e6, journal=Journal(tmp_path / "j"))
+    assert log.replay() == 1
+    rows = {r["id"]: r for r in log.query(RequestQuery(limit=100))}
+    assert rows["gw-0000"]["completion_tokens"] == 7 and rows["gw-0000"]["error_type"] is None
+    assert rows["gw-0001"]["error_type"] == "interrupted"
+    log.close()
     assert not list((tmp_path / "j").glob("segment-*.jsonl"))
     engine.dispose()

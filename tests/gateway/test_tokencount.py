@@ -39,6 +39,20 @@ CHATS: list[dict[str, Any]] = [
                       {"id": "call_1", "type": "function",
                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}], "tools": TOOLS},
+    {"messages": [{"role": "user", "content": "Weather in Paris and Rome?"}], "tools": TOOLS, "tool_choice": "required"},
+    {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS,
+     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    {"messages": [{"role": "user", "content": "Paris and Rome?"},
+                  {"role": "assistant", "content": "Checking both.", "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                      {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "18 C"}, {"role": "tool", "tool_call_id": "c2", "content": "21 C"}],
+     "tools": TOOLS},
+    {"messages": [{"role": "user", "content": ""}]},  # an empty message: only the template's own tokens
+    {"messages": [{"role": "system", "content": "One."}, {"role": "system", "content": "Two."},
+                  {"role": "user", "name": "alice", "content": "Hi"}]},
+    {"messages": [{"role": "user", "content": "long line " * 1000}]},  # past INLINE_CHARS: counted in a thread
+    {"messages": [{"role": "user", "content": "\u200b zero-width, \u00a0 nbsp, e\u0301 combining, \U0001f600\U0001f600"}]},
 ]
 PROMPTS = ["Once upon a time", "", "<|im_start|>user\nspecial text<|im_end|>", "naïve café " * 40]
 REFUSED: list[dict[str, Any]] = [  # the lane answers these with a 4xx: the local count must leave them to it

@@ -6,13 +6,9 @@ gateway program's environment."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
-import signal
 import socket
 import struct
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from bench.gateway_crash import check_log, kill_under_load
 from tests.http_helpers import wait_until
 from tests.integration.conftest import ADMIN_KEY, REPO, Stack, start_stack
 from tests.pg import fresh_schema, server_url
@@ -198,94 +195,35 @@ def test_the_gateway_raises_its_open_file_limit(stack: Stack) -> None:
     assert f"open files up to {soft}" in log
 
 
+KILLS = 10  # bench.gateway_crash runs the same with 100 (docs/benchmarks.md)
+
+
 def test_sigkill_under_load_loses_no_answered_request(stack: Stack) -> None:
-    """Clients chat (plain and streaming) while the gateway process is killed with SIGKILL; supervisord starts it
-    again. Every answer a client received has its row, a stream the kill cut is logged as interrupted."""
-    _sigkill_under_load(stack)
+    """Clients chat (plain and streaming) while the gateway process is killed with SIGKILL, again and again, each
+    time with a stream in flight; supervisord starts it again. Every answer a client received has its row, a
+    stream a kill cut is logged as interrupted, no row is left in progress."""
+    _sigkill_under_load(stack, f"sqlite:///{stack.dir / 'var' / 'gateway.db'}", KILLS)
 
 
 def test_sigkill_with_postgresql(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The same with the request log in PostgreSQL (STRATA_TEST_PG_URL; skipped without it, as tests/pg.py)."""
     with fresh_schema(server_url("the request log after a SIGKILL"), "strata_sigkill") as (url, _, _), \
             start_stack(tmp_path_factory.mktemp("pg"), edit_config=lambda t: _settings(t, DB_URL=url)) as st:
-        _sigkill_under_load(st)
+        _sigkill_under_load(st, url, KILLS // 2)
 
 
-def _sigkill_under_load(stack: Stack) -> None:
+def _sigkill_under_load(stack: Stack, db_url: str, kills: int) -> None:
     key = _key(stack)
-    got: list[tuple[str, str]] = []  # (request id, what the client saw)
-    stop = threading.Event()
-    host, port = "127.0.0.1", stack.ports["gateway"]
-
-    def post(body: dict[str, Any]) -> http.client.HTTPResponse:
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
-        return conn.getresponse()
-
-    def plain() -> None:
-        while not stop.is_set():
-            try:
-                r = post({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
-                r.read()
-                if r.status == 200:
-                    got.append((r.headers["X-Request-Id"], "plain"))
-            except (OSError, http.client.HTTPException):
-                time.sleep(0.05)
-
-    def streams() -> None:
-        while not stop.is_set():
-            try:
-                r = post({"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 120,
-                          "stream": True})
-                if r.status != 200:
-                    r.read()
-                    continue
-                rid = r.headers["X-Request-Id"]
-                got.append((rid, "stream_started"))
-                for line in r:
-                    if line.strip() == b"data: [DONE]":
-                        got.append((rid, "stream_done"))
-            except (OSError, http.client.HTTPException):
-                time.sleep(0.05)
-
-    workers = [threading.Thread(target=plain) for _ in range(4)] + [threading.Thread(target=streams)
-                                                                  for _ in range(2)]
-    for t in workers:
-        t.start()
-    try:
-        wait_until(lambda: (sum(k == "plain" for _, k in got), sum(k == "stream_done" for _, k in got)),
-                    lambda v: v[0] >= 20 and v[1] >= 1, 120, "answers before the kill")
-        wait_until(lambda: {rid for rid, k in got if k == "stream_started"} - {rid for rid, k in got
-                                                                               if k == "stream_done"},
-                    bool, 60, "a stream in flight")
-        old = int(stack.ctl("pid", "gateway").stdout.strip())
-        os.kill(old, signal.SIGKILL)
-    finally:
-        stop.set()
-        for t in workers:
-            t.join(90)
-    answered = list(got)
-    wait_until(lambda: int(stack.ctl("pid", "gateway").stdout.strip() or 0), lambda p: p not in (0, old), 60,
-                "supervisord restarts the gateway")
-    stack.wait_gateway()
-    status, body = _call(stack, "GET", "/v1/admin/requests?limit=1000", ADMIN_KEY)
-    assert status == 200
-    rows = {r["id"]: r for r in body["data"]}
-    seen: dict[str, set[str]] = {}
-    for rid, what in answered:
-        seen.setdefault(rid, set()).add(what)
-    missing = [rid for rid in seen if rid not in rows]
-    assert not missing, f"{len(missing)} of {len(seen)} answered requests have no row after SIGKILL"
-    for rid, whats in seen.items():
-        row = rows[rid]
-        assert row["status"] == 200, row
-        if "stream_done" in whats or "plain" in whats:
-            assert row["error_type"] is None, row
-    cut = [rid for rid, whats in seen.items() if whats == {"stream_started"}]
-    assert cut and all(rows[rid]["error_type"] == "interrupted" for rid in cut), [rows[r] for r in cut]
-    log = (stack.log_dir / "gateway.log").read_text()
-    assert "row(s) from the journal of a gateway that stopped" in log
+    since = time.time() - 1
+    run = kill_under_load(stack, key, kills)
+    assert run["kills"] == kills
+    assert sum(r["streams_in_flight"] for r in run["rounds"]) >= kills // 2  # most kills cut a stream
+    result = check_log(stack, db_url, run["answered"], since)
+    assert not result["missing"], f"{len(result['missing'])} of {result['answered']} answered requests have no row"
+    assert not result["whole_not_complete"] and not result["cut_wrong"] and not result["in_progress_left"], result
+    assert result["streams_cut"] and result["cut_interrupted"] >= result["streams_cut"] - 1, result
+    assert result["restarts_that_replayed"] >= kills, result
+    assert result["ok"]
 
 
 def test_files_are_private_and_metrics_need_the_admin_key(stack: Stack) -> None:

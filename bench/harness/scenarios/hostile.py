@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import secrets
 import socket
@@ -230,12 +231,26 @@ async def _embed_flood(session: aiohttp.ClientSession, url: str, key: str, stop:
 async def _upload_flood(session: aiohttp.ClientSession, url: str, key: str, stop: asyncio.Event,
                         seen: collections.Counter[str]) -> None:
     headers = {"Authorization": f"Bearer {key}"}
-    async with session.post(url + "/v1/collections", json={"name": f"flood-{secrets.token_hex(4)}"},
-                            headers=headers) as r:
-        if r.status != 201:
-            seen[f"collection {r.status}"] += 1
+    cid = None
+    while cid is None:  # a new key's first call may meet the junk-key flood's auth budget (429): wait, retry
+        wait = 0.2
+        try:
+            async with session.post(url + "/v1/collections", json={"name": f"flood-{secrets.token_hex(4)}"},
+                                    headers=headers) as r:
+                if r.status == 201:
+                    cid = (await r.json())["id"]
+                    break
+                seen[f"collection {r.status}"] += 1
+                if r.status not in (429, 503):
+                    return
+                with contextlib.suppress(ValueError):
+                    wait = float(r.headers.get("Retry-After", "1"))
+        except aiohttp.ClientError:
+            seen["error"] += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), min(wait, 5.0))
+        if stop.is_set():
             return
-        cid = (await r.json())["id"]
     i = 0
     while not stop.is_set():
         form = aiohttp.FormData()
