@@ -1,0 +1,202 @@
+/* The IQ types' SIMD kernel on 256-bit vectors (quants_iq.h has the integer form of a weight).
+ * Included by kernels_avx2.c and kernels_avx512.c after gemm_int8.h, under each file's
+ * `#pragma GCC target`, so each variant gets its own static copy compiled for its ISA.
+ *
+ * Per weight row and 32-element block the codebook is looked up once into three registers:
+ *   g   32 unsigned grid magnitudes (<= 62): each group's 8 (IQ2: one 64-bit entry) or 4 (IQ3:
+ *       one 32-bit entry) bytes, loaded by index from the generated tables;
+ *   sg  32 signs as bytes +1 / -1: IQ2_XXS, IQ2_XS and IQ3_XXS through the 128-entry table of
+ *       7-bit sign indices spread to bytes, IQ2_S and IQ3_S from their sign bits by one shuffle
+ *       and compare;
+ *   k   the odd integer scale of each 16-element half as 16-bit words.
+ * Per token the activations take the signs (sign_epi8), one maddubs multiplies them with g
+ * (|g * a| <= 62 * 127, a pair < 2^15: exact) and one madd with k sums pairs into 32-bit lanes,
+ * so the whole block's k * g * sign * qa sum is exact. Four rows' lanes are reduced to one
+ * vector of (row, half) lanes - lanes 0..3 rows 0..3 elements 0..15, lanes 4..7 the same rows'
+ * elements 16..31 - converted once and scaled by d * F (per row, per super-block) times the
+ * activation block's dx. A (row, token) result is lane r + lane 4 + r at the end; the operations
+ * on a lane depend only on its row and token, so any number of rows or tokens gives the same
+ * bits (the harness checks it). */
+#ifndef STRATA_GEMM_IQ_H
+#define STRATA_GEMM_IQ_H
+
+#include "gemm_int8.h"
+#include "iq_grids.h"
+#include "quants_iq.h"
+
+#define IQ_MR 4
+
+/* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
+static inline __m256i iq_signs_from_bits(uint32_t bits) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                          3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(1));
+}
+
+static inline __m256i iq_signs_from_idx(uint32_t aux) {
+    return _mm256_set_epi64x((long long)iq_ksigns_spread[(aux >> 21) & 127], (long long)iq_ksigns_spread[(aux >> 14) & 127],
+                             (long long)iq_ksigns_spread[(aux >> 7) & 127], (long long)iq_ksigns_spread[aux & 127]);
+}
+
+static inline __m256i iq_k16(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)(2 * hi + 1)), _mm_set1_epi16((short)(2 * lo + 1)));
+}
+
+typedef struct {
+    __m256i g, sg, k;
+} iq_sub;
+
+/* Block ib (0..7) of super-block x of an IQ type. */
+static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, const uint8_t *x, int ib, iq_sub *s) {
+    switch (type) {
+    case ST_TYPE_IQ2_XXS: {
+        const uint8_t *q = x + 2 + 8 * ib;
+        const uint32_t aux = ld32(q + 4);
+        s->g = _mm256_set_epi64x((long long)iq2xxs_grid[q[3]], (long long)iq2xxs_grid[q[2]],
+                                 (long long)iq2xxs_grid[q[1]], (long long)iq2xxs_grid[q[0]]);
+        s->sg = iq_signs_from_idx(aux);
+        s->k = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
+        break;
+    }
+    case ST_TYPE_IQ2_XS: {
+        const blk_iq2_xs *b = (const blk_iq2_xs *)x;
+        uint16_t v[4];
+        memcpy(v, b->qs + 4 * ib, 8);
+        s->g = _mm256_set_epi64x((long long)iq2xs_grid[v[3] & 511], (long long)iq2xs_grid[v[2] & 511],
+                                 (long long)iq2xs_grid[v[1] & 511], (long long)iq2xs_grid[v[0] & 511]);
+        s->sg = _mm256_set_epi64x((long long)iq_ksigns_spread[v[3] >> 9], (long long)iq_ksigns_spread[v[2] >> 9],
+                                  (long long)iq_ksigns_spread[v[1] >> 9], (long long)iq_ksigns_spread[v[0] >> 9]);
+        s->k = iq_k16(b->scales[ib] & 0xF, b->scales[ib] >> 4);
+        break;
+    }
+    case ST_TYPE_IQ2_S: {
+        const blk_iq2_s *b = (const blk_iq2_s *)x;
+        const uint8_t *q = b->qs + 4 * ib;
+        const int h = b->qh[ib];
+        s->g = _mm256_set_epi64x((long long)iq2s_grid[q[3] | ((h << 2) & 0x300)], (long long)iq2s_grid[q[2] | ((h << 4) & 0x300)],
+                                 (long long)iq2s_grid[q[1] | ((h << 6) & 0x300)], (long long)iq2s_grid[q[0] | ((h << 8) & 0x300)]);
+        s->sg = iq_signs_from_bits(ld32(b->qs + QK_K / 8 + 4 * ib));
+        s->k = iq_k16(b->scales[ib] & 0xF, b->scales[ib] >> 4);
+        break;
+    }
+    case ST_TYPE_IQ3_XXS: {
+        const uint8_t *q = x + 2 + 8 * ib;
+        const uint32_t aux = ld32(x + 2 + QK_K / 4 + 4 * ib);
+        s->g = _mm256_set_epi32((int)iq3xxs_grid[q[7]], (int)iq3xxs_grid[q[6]], (int)iq3xxs_grid[q[5]],
+                                (int)iq3xxs_grid[q[4]], (int)iq3xxs_grid[q[3]], (int)iq3xxs_grid[q[2]],
+                                (int)iq3xxs_grid[q[1]], (int)iq3xxs_grid[q[0]]);
+        s->sg = iq_signs_from_idx(aux);
+        s->k = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
+        break;
+    }
+    default: { /* ST_TYPE_IQ3_S */
+        const blk_iq3_s *b = (const blk_iq3_s *)x;
+        const uint8_t *q = b->qs + 8 * ib;
+        const int h = b->qh[ib];
+        s->g = _mm256_set_epi32((int)iq3s_grid[q[7] | ((h << 1) & 256)], (int)iq3s_grid[q[6] | ((h << 2) & 256)],
+                                (int)iq3s_grid[q[5] | ((h << 3) & 256)], (int)iq3s_grid[q[4] | ((h << 4) & 256)],
+                                (int)iq3s_grid[q[3] | ((h << 5) & 256)], (int)iq3s_grid[q[2] | ((h << 6) & 256)],
+                                (int)iq3s_grid[q[1] | ((h << 7) & 256)], (int)iq3s_grid[q[0] | ((h << 8) & 256)]);
+        s->sg = iq_signs_from_bits(ld32(b->signs + 4 * ib));
+        const int sc = (b->scales[ib / 2] >> (4 * (ib % 2))) & 0xF;
+        s->k = _mm256_set1_epi16((short)(2 * sc + 1));
+        break;
+    }
+    }
+}
+
+static inline float iq_factor(int32_t type) {
+    return type == ST_TYPE_IQ3_S ? 1.0f : type == ST_TYPE_IQ3_XXS ? 0.25f : 0.125f;
+}
+
+/* The four rows' k * g * sign * qa sums of one block against one token, as (row, half) lanes. */
+static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, const int8_t *q) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)q);
+    __m256i p[IQ_MR];
+    for (int r = 0; r < IQ_MR; r++)
+        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(s[r].g, _mm256_sign_epi8(av, s[r].sg)), s[r].k);
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+}
+
+/* Four rows (a short block repeats its last row; its results are dropped) against nt tokens;
+ * NT > 0 fixes the token count at compile time (the accumulators then stay in registers). */
+static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const uint8_t *const *rows, size_t bb,
+                                                           int64_t nb, int NT, int nt, const act_row *a, float *out,
+                                                           int nr, int64_t ldo, const uint8_t *next) {
+    const int n_tok = NT > 0 ? NT : nt;
+    __m256 acc[ST_MAX_NT];
+    for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
+    const float f = iq_factor(type);
+    __m256 df = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i = b / 8;
+        const int ib = (int)(b % 8);
+        if (ib == 0) {
+            float dv[IQ_MR];
+            for (int r = 0; r < IQ_MR; r++) dv[r] = h2f((f16_t)(rows[r][i * bb] | (rows[r][i * bb + 1] << 8))) * f;
+            df = _mm256_setr_ps(dv[0], dv[1], dv[2], dv[3], dv[0], dv[1], dv[2], dv[3]);
+        }
+        prefetch_slice(next, b, IQ_MR * bb / 8);
+        iq_sub s[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + i * bb, ib, &s[r]);
+        for (int t = 0; t < n_tok; t++) {
+            const __m256i red = iq_sums4(s, a[t].q + b * QK);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(df, _mm256_broadcast_ss(a[t].d + b)), acc[t]);
+        }
+    }
+    for (int t = 0; t < n_tok; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[t]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = v[r] + v[IQ_MR + r];
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_iq(int32_t type, const void *w, size_t row_bytes, int nr,
+                                                          int64_t n, int nt, const act_row *a, float *out,
+                                                          int64_t ldo) {
+    const int64_t nb = n / QK;
+    const size_t bb = (size_t)st_iq_block_bytes(type);
+    for (int r0 = 0; r0 < nr; r0 += IQ_MR) {
+        const int nrr = nr - r0 < IQ_MR ? nr - r0 : IQ_MR;
+        const uint8_t *rows[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
+        const uint8_t *next = (const uint8_t *)w + (size_t)(r0 + IQ_MR) * row_bytes;
+        float *o = out + r0;
+        switch (nt) {
+        case 1: iq_rows4(type, rows, bb, nb, 1, 1, a, o, nrr, ldo, next); break;
+        case 2: iq_rows4(type, rows, bb, nb, 2, 2, a, o, nrr, ldo, next); break;
+        case 3: iq_rows4(type, rows, bb, nb, 3, 3, a, o, nrr, ldo, next); break;
+        case 4: iq_rows4(type, rows, bb, nb, 4, 4, a, o, nrr, ldo, next); break;
+        default: iq_rows4(type, rows, bb, nb, 0, nt, a, o, nrr, ldo, next); break;
+        }
+    }
+}
+
+#define DEF_GEMM_IQ(NAME, TYPE)                                                                               \
+    static void NAME(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out, \
+                     int64_t ldo) {                                                                            \
+        gemm_iq(TYPE, w, row_bytes, nr, n, nt, a, out, ldo);                                                   \
+    }
+
+DEF_GEMM_IQ(gemm_iq2_xxs, ST_TYPE_IQ2_XXS)
+DEF_GEMM_IQ(gemm_iq2_xs, ST_TYPE_IQ2_XS)
+DEF_GEMM_IQ(gemm_iq2_s, ST_TYPE_IQ2_S)
+DEF_GEMM_IQ(gemm_iq3_xxs, ST_TYPE_IQ3_XXS)
+DEF_GEMM_IQ(gemm_iq3_s, ST_TYPE_IQ3_S)
+
+static dot_q_fn gemm_iq_pick(int32_t type) {
+    switch (type) {
+    case ST_TYPE_IQ2_XXS: return gemm_iq2_xxs;
+    case ST_TYPE_IQ2_XS: return gemm_iq2_xs;
+    case ST_TYPE_IQ2_S: return gemm_iq2_s;
+    case ST_TYPE_IQ3_XXS: return gemm_iq3_xxs;
+    case ST_TYPE_IQ3_S: return gemm_iq3_s;
+    default: return NULL;
+    }
+}
+
+#endif
