@@ -25,6 +25,7 @@
 #include "quants_iq.h"
 
 #define IQ_MR 4
+#define IQ_GATHER 1
 
 /* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
 static inline __m256i iq_signs_from_bits(uint32_t bits) {
@@ -40,12 +41,8 @@ static inline __m256i iq_signs_from_idx(uint32_t aux) {
                              (long long)iq_ksigns_spread[(aux >> 7) & 127], (long long)iq_ksigns_spread[aux & 127]);
 }
 
-static inline __m256i iq_k16(int lo, int hi) {
-    return _mm256_set_m128i(_mm_set1_epi16((short)(2 * hi + 1)), _mm_set1_epi16((short)(2 * lo + 1)));
-}
-
 typedef struct {
-    __m256i g, sg, k;
+    __m256i g, sg;
 } iq_sub;
 
 /* Block ib (0..7) of super-block x of an IQ type. */
@@ -57,7 +54,6 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         s->g = _mm256_set_epi64x((long long)iq2xxs_grid[q[3]], (long long)iq2xxs_grid[q[2]],
                                  (long long)iq2xxs_grid[q[1]], (long long)iq2xxs_grid[q[0]]);
         s->sg = iq_signs_from_idx(aux);
-        s->k = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
         break;
     }
     case ST_TYPE_IQ2_XS: {
@@ -68,7 +64,6 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
                                  (long long)iq2xs_grid[v[1] & 511], (long long)iq2xs_grid[v[0] & 511]);
         s->sg = _mm256_set_epi64x((long long)iq_ksigns_spread[v[3] >> 9], (long long)iq_ksigns_spread[v[2] >> 9],
                                   (long long)iq_ksigns_spread[v[1] >> 9], (long long)iq_ksigns_spread[v[0] >> 9]);
-        s->k = iq_k16(b->scales[ib] & 0xF, b->scales[ib] >> 4);
         break;
     }
     case ST_TYPE_IQ2_S: {
@@ -78,17 +73,19 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         s->g = _mm256_set_epi64x((long long)iq2s_grid[q[3] | ((h << 2) & 0x300)], (long long)iq2s_grid[q[2] | ((h << 4) & 0x300)],
                                  (long long)iq2s_grid[q[1] | ((h << 6) & 0x300)], (long long)iq2s_grid[q[0] | ((h << 8) & 0x300)]);
         s->sg = iq_signs_from_bits(ld32(b->qs + QK_K / 8 + 4 * ib));
-        s->k = iq_k16(b->scales[ib] & 0xF, b->scales[ib] >> 4);
         break;
     }
     case ST_TYPE_IQ3_XXS: {
         const uint8_t *q = x + 2 + 8 * ib;
         const uint32_t aux = ld32(x + 2 + QK_K / 4 + 4 * ib);
+#ifdef IQ_GATHER
+        s->g = _mm256_i32gather_epi32((const int *)iq3xxs_grid, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)), 4);
+#else
         s->g = _mm256_set_epi32((int)iq3xxs_grid[q[7]], (int)iq3xxs_grid[q[6]], (int)iq3xxs_grid[q[5]],
                                 (int)iq3xxs_grid[q[4]], (int)iq3xxs_grid[q[3]], (int)iq3xxs_grid[q[2]],
                                 (int)iq3xxs_grid[q[1]], (int)iq3xxs_grid[q[0]]);
+#endif
         s->sg = iq_signs_from_idx(aux);
-        s->k = _mm256_set1_epi16((short)(2 * (aux >> 28) + 1));
         break;
     }
     default: { /* ST_TYPE_IQ3_S */
@@ -100,8 +97,6 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
                                 (int)iq3s_grid[q[3] | ((h << 5) & 256)], (int)iq3s_grid[q[2] | ((h << 6) & 256)],
                                 (int)iq3s_grid[q[1] | ((h << 7) & 256)], (int)iq3s_grid[q[0] | ((h << 8) & 256)]);
         s->sg = iq_signs_from_bits(ld32(b->signs + 4 * ib));
-        const int sc = (b->scales[ib / 2] >> (4 * (ib % 2))) & 0xF;
-        s->k = _mm256_set1_epi16((short)(2 * sc + 1));
         break;
     }
     }
@@ -111,12 +106,40 @@ static inline float iq_factor(int32_t type) {
     return type == ST_TYPE_IQ3_S ? 1.0f : type == ST_TYPE_IQ3_XXS ? 0.25f : 0.125f;
 }
 
+/* The float scale d * F * k of each (row, half) lane of the four rows' blocks ib = 0..7 of
+ * super-block i: s[ib][r] for elements 0..15 of row r, s[ib][4 + r] for 16..31. Exact: d has 11
+ * significant bits, k <= 31 five, F is a power of two. Taken once per super-block, so the
+ * blocks themselves unpack only codes and signs. */
+typedef struct {
+    float s[8][8];
+} iq_scales;
+
+static inline __attribute__((always_inline)) void iq_scales4(int32_t type, const uint8_t *const *rows, int64_t i,
+                                                             size_t bb, iq_scales *S) {
+    const float f = iq_factor(type);
+    for (int r = 0; r < IQ_MR; r++) {
+        const uint8_t *x = rows[r] + (size_t)i * bb;
+        const float df = h2f((f16_t)(x[0] | (x[1] << 8))) * f;
+        for (int ib = 0; ib < 8; ib++) {
+            int lo, hi;
+            switch (type) {
+            case ST_TYPE_IQ2_XXS: lo = hi = (int)(ld32(x + 2 + 8 * ib + 4) >> 28); break;
+            case ST_TYPE_IQ3_XXS: lo = hi = (int)(ld32(x + 2 + QK_K / 4 + 4 * ib) >> 28); break;
+            case ST_TYPE_IQ2_XS: lo = x[offsetof(blk_iq2_xs, scales) + ib] & 0xF, hi = x[offsetof(blk_iq2_xs, scales) + ib] >> 4; break;
+            case ST_TYPE_IQ2_S: lo = x[offsetof(blk_iq2_s, scales) + ib] & 0xF, hi = x[offsetof(blk_iq2_s, scales) + ib] >> 4; break;
+            default: lo = hi = (x[offsetof(blk_iq3_s, scales) + ib / 2] >> (4 * (ib % 2))) & 0xF; break;
+            }
+            S->s[ib][r] = df * (float)(2 * lo + 1);
+            S->s[ib][IQ_MR + r] = df * (float)(2 * hi + 1);
+        }
+    }
+}
+
 /* The four rows' k * g * sign * qa sums of one block against one token, as (row, half) lanes. */
 static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, const int8_t *q) {
     const __m256i av = _mm256_loadu_si256((const __m256i *)q);
     __m256i p[IQ_MR];
-    for (int r = 0; r < IQ_MR; r++)
-        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(s[r].g, _mm256_sign_epi8(av, s[r].sg)), s[r].k);
+    for (int r = 0; r < IQ_MR; r++) p[r] = dot4(s[r].g, _mm256_sign_epi8(av, s[r].sg));
     const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
     const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
     return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
@@ -130,22 +153,18 @@ static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const u
     const int n_tok = NT > 0 ? NT : nt;
     __m256 acc[ST_MAX_NT];
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
-    const float f = iq_factor(type);
-    __m256 df = _mm256_setzero_ps();
+    iq_scales S;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t i = b / 8;
         const int ib = (int)(b % 8);
-        if (ib == 0) {
-            float dv[IQ_MR];
-            for (int r = 0; r < IQ_MR; r++) dv[r] = h2f((f16_t)(rows[r][i * bb] | (rows[r][i * bb + 1] << 8))) * f;
-            df = _mm256_setr_ps(dv[0], dv[1], dv[2], dv[3], dv[0], dv[1], dv[2], dv[3]);
-        }
+        if (ib == 0) iq_scales4(type, rows, i, bb, &S);
         prefetch_slice(next, b, IQ_MR * bb / 8);
         iq_sub s[IQ_MR];
-        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + i * bb, ib, &s[r]);
+        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, ib, &s[r]);
+        const __m256 sv = _mm256_loadu_ps(S.s[ib]);
         for (int t = 0; t < n_tok; t++) {
             const __m256i red = iq_sums4(s, a[t].q + b * QK);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(df, _mm256_broadcast_ss(a[t].d + b)), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(sv, _mm256_broadcast_ss(a[t].d + b)), acc[t]);
         }
     }
     for (int t = 0; t < n_tok; t++) {
