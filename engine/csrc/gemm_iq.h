@@ -25,7 +25,6 @@
 #include "quants_iq.h"
 
 #define IQ_MR 4
-#define IQ_GATHER 1
 
 /* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
 static inline __m256i iq_signs_from_bits(uint32_t bits) {
@@ -78,13 +77,9 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
     case ST_TYPE_IQ3_XXS: {
         const uint8_t *q = x + 2 + 8 * ib;
         const uint32_t aux = ld32(x + 2 + QK_K / 4 + 4 * ib);
-#ifdef IQ_GATHER
-        s->g = _mm256_i32gather_epi32((const int *)iq3xxs_grid, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)), 4);
-#else
         s->g = _mm256_set_epi32((int)iq3xxs_grid[q[7]], (int)iq3xxs_grid[q[6]], (int)iq3xxs_grid[q[5]],
                                 (int)iq3xxs_grid[q[4]], (int)iq3xxs_grid[q[3]], (int)iq3xxs_grid[q[2]],
                                 (int)iq3xxs_grid[q[1]], (int)iq3xxs_grid[q[0]]);
-#endif
         s->sg = iq_signs_from_idx(aux);
         break;
     }
