@@ -2,21 +2,21 @@
  * Included by kernels_avx2.c and kernels_avx512.c after gemm_int8.h, under each file's
  * `#pragma GCC target`, so each variant gets its own static copy compiled for its ISA.
  *
- * Per weight row and 32-element block the codebook is looked up once into three registers:
+ * Per weight row and 32-element block the codebook is looked up once into two registers:
  *   g   32 unsigned grid magnitudes (<= 62): each group's 8 (IQ2: one 64-bit entry) or 4 (IQ3:
- *       one 32-bit entry) bytes, loaded by index from the generated tables;
+ *       one 32-bit entry) bytes, loaded by index from the generated tables (scalar loads: AVX2
+ *       gathers measured slower at one token on the Zen 4 box);
  *   sg  32 signs as bytes +1 / -1: IQ2_XXS, IQ2_XS and IQ3_XXS through the 128-entry table of
  *       7-bit sign indices spread to bytes, IQ2_S and IQ3_S from their sign bits by one shuffle
- *       and compare;
- *   k   the odd integer scale of each 16-element half as 16-bit words.
- * Per token the activations take the signs (sign_epi8), one maddubs multiplies them with g
- * (|g * a| <= 62 * 127, a pair < 2^15: exact) and one madd with k sums pairs into 32-bit lanes,
- * so the whole block's k * g * sign * qa sum is exact. Four rows' lanes are reduced to one
- * vector of (row, half) lanes - lanes 0..3 rows 0..3 elements 0..15, lanes 4..7 the same rows'
- * elements 16..31 - converted once and scaled by d * F (per row, per super-block) times the
- * activation block's dx. A (row, token) result is lane r + lane 4 + r at the end; the operations
- * on a lane depend only on its row and token, so any number of rows or tokens gives the same
- * bits (the harness checks it). */
+ *       and compare.
+ * Per token the activations take the signs (sign_epi8) and are multiplied with g into 32-bit
+ * sums of 4 (maddubs + madd; vpdpbusd on the VNNI variant): |g * a| <= 62 * 127, a pair < 2^15,
+ * so the sums are exact. Four rows' sums are reduced to one vector of (row, half) lanes - lanes
+ * 0..3 rows 0..3 elements 0..15, lanes 4..7 the same rows' elements 16..31 - converted once and
+ * scaled by the lane's d * F * k (iq_scales4, once per super-block: the integer sub-scale k
+ * lives in the float scale, exact) times the activation block's dx. A (row, token) result is
+ * lane r + lane 4 + r at the end; the operations on a lane depend only on its row and token, so
+ * any number of rows or tokens gives the same bits (the harness checks it). */
 #ifndef STRATA_GEMM_IQ_H
 #define STRATA_GEMM_IQ_H
 
