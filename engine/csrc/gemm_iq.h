@@ -35,24 +35,57 @@ static inline __m256i iq_signs_from_bits(uint32_t bits) {
     return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(1));
 }
 
-static inline __m256i iq_signs_from_idx(uint32_t aux) {
-    return _mm256_set_epi64x((long long)iq_ksigns_spread[(aux >> 21) & 127], (long long)iq_ksigns_spread[(aux >> 14) & 127],
-                             (long long)iq_ksigns_spread[(aux >> 7) & 127], (long long)iq_ksigns_spread[aux & 127]);
+/* Types whose signs are 7-bit indices into ksigns. */
+static inline int iq_ksign_type(int32_t type) {
+    return type == ST_TYPE_IQ2_XXS || type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ3_XXS;
+}
+
+/* The 32 sign bytes of super-block x of a ksigns type (byte j: group j of 8 elements, bit k set =
+ * element k negated), all at once: the 7-bit indices gathered into bytes, the 8th bit their
+ * parity (what ksigns holds). Per block the kernel then expands 4 of them as IQ2_S / IQ3_S do. */
+static inline __attribute__((always_inline)) void iq_sign_bytes(int32_t type, const uint8_t *x, uint8_t *sb) {
+    __m256i v;
+    if (type == ST_TYPE_IQ2_XS) { /* index = word >> 9 */
+        const __m256i a = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(x + 2)), 9);
+        const __m256i b = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(x + 34)), 9);
+        v = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+    } else { /* four indices of 7 bits per 32-bit word, one word per block */
+        __m256i aux;
+        if (type == ST_TYPE_IQ3_XXS) {
+            aux = _mm256_loadu_si256((const __m256i *)(x + 2 + QK_K / 4));
+        } else { /* IQ2_XXS: the odd words of the 64 code bytes */
+            const __m256 a0 = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(x + 2)));
+            const __m256 a1 = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(x + 34)));
+            aux = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a0, a1, 0xDD)), 0xD8);
+        }
+        const __m256i m7 = _mm256_set1_epi32(127);
+        const __m256i s0 = _mm256_and_si256(aux, m7);
+        const __m256i s1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 7), m7), 8);
+        const __m256i s2 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 14), m7), 16);
+        const __m256i s3 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 21), m7), 24);
+        v = _mm256_or_si256(_mm256_or_si256(s0, s1), _mm256_or_si256(s2, s3));
+    }
+    __m256i t = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)));
+    t = _mm256_xor_si256(t, _mm256_and_si256(_mm256_srli_epi16(t, 2), _mm256_set1_epi8(0x03)));
+    t = _mm256_xor_si256(t, _mm256_and_si256(_mm256_srli_epi16(t, 1), _mm256_set1_epi8(0x01)));
+    v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(0x01)), 7));
+    _mm256_storeu_si256((__m256i *)sb, v);
 }
 
 typedef struct {
     __m256i g, sg;
 } iq_sub;
 
-/* Block ib (0..7) of super-block x of an IQ type. */
-static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, const uint8_t *x, int ib, iq_sub *s) {
+/* Block ib (0..7) of super-block x of an IQ type; sb: its sign bytes (iq_sign_bytes) for the
+ * ksigns types. */
+static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, const uint8_t *x, const uint8_t *sb, int ib,
+                                                              iq_sub *s) {
     switch (type) {
     case ST_TYPE_IQ2_XXS: {
         const uint8_t *q = x + 2 + 8 * ib;
-        const uint32_t aux = ld32(q + 4);
         s->g = _mm256_set_epi64x((long long)iq2xxs_grid[q[3]], (long long)iq2xxs_grid[q[2]],
                                  (long long)iq2xxs_grid[q[1]], (long long)iq2xxs_grid[q[0]]);
-        s->sg = iq_signs_from_idx(aux);
+        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
         break;
     }
     case ST_TYPE_IQ2_XS: {
@@ -61,8 +94,7 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         memcpy(v, b->qs + 4 * ib, 8);
         s->g = _mm256_set_epi64x((long long)iq2xs_grid[v[3] & 511], (long long)iq2xs_grid[v[2] & 511],
                                  (long long)iq2xs_grid[v[1] & 511], (long long)iq2xs_grid[v[0] & 511]);
-        s->sg = _mm256_set_epi64x((long long)iq_ksigns_spread[v[3] >> 9], (long long)iq_ksigns_spread[v[2] >> 9],
-                                  (long long)iq_ksigns_spread[v[1] >> 9], (long long)iq_ksigns_spread[v[0] >> 9]);
+        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
         break;
     }
     case ST_TYPE_IQ2_S: {
@@ -76,11 +108,10 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
     }
     case ST_TYPE_IQ3_XXS: {
         const uint8_t *q = x + 2 + 8 * ib;
-        const uint32_t aux = ld32(x + 2 + QK_K / 4 + 4 * ib);
         s->g = _mm256_set_epi32((int)iq3xxs_grid[q[7]], (int)iq3xxs_grid[q[6]], (int)iq3xxs_grid[q[5]],
                                 (int)iq3xxs_grid[q[4]], (int)iq3xxs_grid[q[3]], (int)iq3xxs_grid[q[2]],
                                 (int)iq3xxs_grid[q[1]], (int)iq3xxs_grid[q[0]]);
-        s->sg = iq_signs_from_idx(aux);
+        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
         break;
     }
     default: { /* ST_TYPE_IQ3_S */
@@ -149,13 +180,18 @@ static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const u
     __m256 acc[ST_MAX_NT];
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     iq_scales S;
+    uint8_t sb[IQ_MR][32];
     for (int64_t b = 0; b < nb; b++) {
         const int64_t i = b / 8;
         const int ib = (int)(b % 8);
-        if (ib == 0) iq_scales4(type, rows, i, bb, &S);
+        if (ib == 0) {
+            iq_scales4(type, rows, i, bb, &S);
+            if (iq_ksign_type(type))
+                for (int r = 0; r < IQ_MR; r++) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
+        }
         prefetch_slice(next, b, IQ_MR * bb / 8);
         iq_sub s[IQ_MR];
-        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, ib, &s[r]);
+        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, sb[r], ib, &s[r]);
         const __m256 sv = _mm256_loadu_ps(S.s[ib]);
         for (int t = 0; t < n_tok; t++) {
             const __m256i red = iq_sums4(s, a[t].q + b * QK);
