@@ -107,10 +107,12 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         break;
     }
     case ST_TYPE_IQ3_XXS: {
-        const uint8_t *q = x + 2 + 8 * ib;
-        s->g = _mm256_set_epi32((int)iq3xxs_grid[q[7]], (int)iq3xxs_grid[q[6]], (int)iq3xxs_grid[q[5]],
-                                (int)iq3xxs_grid[q[4]], (int)iq3xxs_grid[q[3]], (int)iq3xxs_grid[q[2]],
-                                (int)iq3xxs_grid[q[1]], (int)iq3xxs_grid[q[0]]);
+        uint64_t q; /* the eight indices in one load, taken apart in registers */
+        memcpy(&q, x + 2 + 8 * ib, 8);
+        s->g = _mm256_set_epi32((int)iq3xxs_grid[q >> 56], (int)iq3xxs_grid[(q >> 48) & 255],
+                                (int)iq3xxs_grid[(q >> 40) & 255], (int)iq3xxs_grid[(q >> 32) & 255],
+                                (int)iq3xxs_grid[(q >> 24) & 255], (int)iq3xxs_grid[(q >> 16) & 255],
+                                (int)iq3xxs_grid[(q >> 8) & 255], (int)iq3xxs_grid[q & 255]);
         s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
         break;
     }
