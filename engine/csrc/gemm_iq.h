@@ -6,9 +6,10 @@
  *   g   32 unsigned grid magnitudes (<= 62): each group's 8 (IQ2: one 64-bit entry) or 4 (IQ3:
  *       one 32-bit entry) bytes, loaded by index from the generated tables (scalar loads: AVX2
  *       gathers measured slower at one token on the Zen 4 box);
- *   sg  32 signs as bytes +1 / -1: IQ2_XXS, IQ2_XS and IQ3_XXS through the 128-entry table of
- *       7-bit sign indices spread to bytes, IQ2_S and IQ3_S from their sign bits by one shuffle
- *       and compare.
+ *   sg  32 signs as bytes +1 / -1, from the block's four sign bytes by one shuffle and compare;
+ *       IQ2_S and IQ3_S store those bytes, the ksigns types (IQ2_XXS, IQ2_XS, IQ3_XXS) a 7-bit
+ *       index per byte whose 8th bit is the parity, computed for a whole super-block at once
+ *       (iq_sign_bytes) instead of a table load per group.
  * Per token the activations take the signs (sign_epi8) and are multiplied with g into 32-bit
  * sums of 4 (maddubs + madd; vpdpbusd on the VNNI variant): |g * a| <= 62 * 127, a pair < 2^15,
  * so the sums are exact. Four rows' sums are reduced to one vector of (row, half) lanes - lanes
