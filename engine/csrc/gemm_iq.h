@@ -77,10 +77,37 @@ typedef struct {
     __m256i g, sg;
 } iq_sub;
 
+/* The grid indices of super-block x of a type whose indices take high bits from qh (IQ2_S: 32
+ * of 10 bits, IQ3_S: 64 of 9 bits), all at once into ix. */
+static inline __attribute__((always_inline)) void iq_indices(int32_t type, const uint8_t *x, uint16_t *ix) {
+    if (type == ST_TYPE_IQ3_S) { /* index g: qs[g] | bit g of qh << 8 */
+        const blk_iq3_s *b = (const blk_iq3_s *)x;
+        const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                              (short)-32768);
+        for (int k = 0; k < 4; k++) {
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
+            const __m256i h = _mm256_set1_epi16((short)(b->qh[2 * k] | (b->qh[2 * k + 1] << 8)));
+            const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(h, bit), bit);
+            _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi16(256))));
+        }
+        return;
+    }
+    const blk_iq2_s *b = (const blk_iq2_s *)x; /* index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8 */
+    for (int k = 0; k < 2; k++) {
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
+        const __m256i w = _mm256_set1_epi32((int)ld32(b->qh + 4 * k));
+        const __m256i h0 = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        const __m256i h1 = _mm256_srlv_epi32(w, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
+        const __m256i m3 = _mm256_set1_epi32(3);
+        const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(h0, m3), _mm256_and_si256(h1, m3)), 0xD8);
+        _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_slli_epi16(h, 8)));
+    }
+}
+
 /* Block ib (0..7) of super-block x of an IQ type; sb: its sign bytes (iq_sign_bytes) for the
- * ksigns types. */
-static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, const uint8_t *x, const uint8_t *sb, int ib,
-                                                              iq_sub *s) {
+ * ksigns types, ix: its grid indices (iq_indices) for IQ2_S and IQ3_S. */
+static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, const uint8_t *x, const uint8_t *sb,
+                                                              const uint16_t *ix, int ib, iq_sub *s) {
     switch (type) {
     case ST_TYPE_IQ2_XXS: {
         const uint8_t *q = x + 2 + 8 * ib;
@@ -100,10 +127,9 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
     }
     case ST_TYPE_IQ2_S: {
         const blk_iq2_s *b = (const blk_iq2_s *)x;
-        const uint8_t *q = b->qs + 4 * ib;
-        const int h = b->qh[ib];
-        s->g = _mm256_set_epi64x((long long)iq2s_grid[q[3] | ((h << 2) & 0x300)], (long long)iq2s_grid[q[2] | ((h << 4) & 0x300)],
-                                 (long long)iq2s_grid[q[1] | ((h << 6) & 0x300)], (long long)iq2s_grid[q[0] | ((h << 8) & 0x300)]);
+        const uint16_t *q = ix + 4 * ib;
+        s->g = _mm256_set_epi64x((long long)iq2s_grid[q[3]], (long long)iq2s_grid[q[2]], (long long)iq2s_grid[q[1]],
+                                 (long long)iq2s_grid[q[0]]);
         s->sg = iq_signs_from_bits(ld32(b->qs + QK_K / 8 + 4 * ib));
         break;
     }
@@ -119,12 +145,9 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
     }
     default: { /* ST_TYPE_IQ3_S */
         const blk_iq3_s *b = (const blk_iq3_s *)x;
-        const uint8_t *q = b->qs + 8 * ib;
-        const int h = b->qh[ib];
-        s->g = _mm256_set_epi32((int)iq3s_grid[q[7] | ((h << 1) & 256)], (int)iq3s_grid[q[6] | ((h << 2) & 256)],
-                                (int)iq3s_grid[q[5] | ((h << 3) & 256)], (int)iq3s_grid[q[4] | ((h << 4) & 256)],
-                                (int)iq3s_grid[q[3] | ((h << 5) & 256)], (int)iq3s_grid[q[2] | ((h << 6) & 256)],
-                                (int)iq3s_grid[q[1] | ((h << 7) & 256)], (int)iq3s_grid[q[0] | ((h << 8) & 256)]);
+        const uint16_t *q = ix + 8 * ib;
+        s->g = _mm256_set_epi32((int)iq3s_grid[q[7]], (int)iq3s_grid[q[6]], (int)iq3s_grid[q[5]], (int)iq3s_grid[q[4]],
+                                (int)iq3s_grid[q[3]], (int)iq3s_grid[q[2]], (int)iq3s_grid[q[1]], (int)iq3s_grid[q[0]]);
         s->sg = iq_signs_from_bits(ld32(b->signs + 4 * ib));
         break;
     }
@@ -184,17 +207,20 @@ static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const u
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     iq_scales S;
     uint8_t sb[IQ_MR][32];
+    uint16_t ix[IQ_MR][64];
     for (int64_t b = 0; b < nb; b++) {
         const int64_t i = b / 8;
         const int ib = (int)(b % 8);
         if (ib == 0) {
             iq_scales4(type, rows, i, bb, &S);
-            if (iq_ksign_type(type))
-                for (int r = 0; r < IQ_MR; r++) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
+            for (int r = 0; r < IQ_MR; r++) {
+                if (iq_ksign_type(type)) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
+                else iq_indices(type, rows[r] + (size_t)i * bb, ix[r]);
+            }
         }
         prefetch_slice(next, b, IQ_MR * bb / 8);
         iq_sub s[IQ_MR];
-        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, sb[r], ib, &s[r]);
+        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, sb[r], ix[r], ib, &s[r]);
         const __m256 sv = _mm256_loadu_ps(S.s[ib]);
         for (int t = 0; t < n_tok; t++) {
             const __m256i red = iq_sums4(s, a[t].q + b * QK);
