@@ -77,8 +77,9 @@ typedef struct {
     __m256i g, sg;
 } iq_sub;
 
-/* The grid indices of super-block x of a type whose indices take high bits from qh (IQ2_S: 32
- * of 10 bits, IQ3_S: 64 of 9 bits), all at once into ix. */
+/* The grid indices of super-block x of a type whose indices are not plain bytes (IQ2_XS: 32 of
+ * 9 bits in 16-bit words; IQ2_S: 32 of 10 bits, IQ3_S: 64 of 9 bits, high bits from qh), all at
+ * once into ix. */
 static inline __attribute__((always_inline)) void iq_indices(int32_t type, const uint8_t *x, uint16_t *ix) {
     if (type == ST_TYPE_IQ3_S) { /* index g: qs[g] | bit g of qh << 8 */
         const blk_iq3_s *b = (const blk_iq3_s *)x;
@@ -90,6 +91,13 @@ static inline __attribute__((always_inline)) void iq_indices(int32_t type, const
             const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(h, bit), bit);
             _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi16(256))));
         }
+        return;
+    }
+    if (type == ST_TYPE_IQ2_XS) { /* index g: the low 9 bits of word g */
+        const __m256i m9 = _mm256_set1_epi16(511);
+        for (int k = 0; k < 2; k++)
+            _mm256_storeu_si256((__m256i *)(ix + 16 * k),
+                                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 2 + 32 * k)), m9));
         return;
     }
     const blk_iq2_s *b = (const blk_iq2_s *)x; /* index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8 */
@@ -117,11 +125,9 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         break;
     }
     case ST_TYPE_IQ2_XS: {
-        const blk_iq2_xs *b = (const blk_iq2_xs *)x;
-        uint16_t v[4];
-        memcpy(v, b->qs + 4 * ib, 8);
-        s->g = _mm256_set_epi64x((long long)iq2xs_grid[v[3] & 511], (long long)iq2xs_grid[v[2] & 511],
-                                 (long long)iq2xs_grid[v[1] & 511], (long long)iq2xs_grid[v[0] & 511]);
+        const uint16_t *q = ix + 4 * ib;
+        s->g = _mm256_set_epi64x((long long)iq2xs_grid[q[3]], (long long)iq2xs_grid[q[2]], (long long)iq2xs_grid[q[1]],
+                                 (long long)iq2xs_grid[q[0]]);
         s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
         break;
     }
@@ -215,7 +221,8 @@ static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const u
             iq_scales4(type, rows, i, bb, &S);
             for (int r = 0; r < IQ_MR; r++) {
                 if (iq_ksign_type(type)) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
-                else iq_indices(type, rows[r] + (size_t)i * bb, ix[r]);
+                if (type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ2_S || type == ST_TYPE_IQ3_S)
+                    iq_indices(type, rows[r] + (size_t)i * bb, ix[r]);
             }
         }
         prefetch_slice(next, b, IQ_MR * bb / 8);
