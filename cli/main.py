@@ -73,9 +73,30 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from engine.gguf_model import open_model
-    from engine.inspect_model import render
+    from engine.inspect_model import render, render_hybrid
 
-    print(render(open_model(args.path), args.ram, args.vram, args.ctx))
+    mf = open_model(args.path)
+    print(render(mf, args.ram, args.vram, args.ctx))
+    if args.vram is not None and mf.hparams.n_expert:
+        print(render_hybrid(mf, args.vram, ctx=args.ctx, seqs=args.seqs, placement=args.placement,
+                            cpu_gbs=args.cpu_bw, gpu_gbs=args.gpu_bw, gpu=args.gpu, threads=args.threads,
+                            step_tokens=args.step_tokens, staging_slots=args.staging_slots, ram_gib=args.ram))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from engine.calibrate import builtin_corpus, calibrate_file, read_prompts
+    from engine.engine import Engine
+
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.prompts is not None:
+        read_prompts(args.prompts)  # a bad prompt file fails before the model loads
+    else:
+        builtin_corpus()
+    with Engine.open(args.model, threads=args.threads, kv_tokens=args.kv_tokens) as eng:
+        pf = calibrate_file(eng, args.prompts, args.output, max_tokens=args.max_tokens)
+    print(f"{args.output}: {pf.source}")
     return 0
 
 
@@ -117,10 +138,30 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--ram", type=float, default=None, help="RAM budget in GiB")
     i.add_argument("--vram", type=float, default=None, help="VRAM budget in GiB")
     i.add_argument("--ctx", type=int, default=None, help="context length for the KV estimate")
+    i.add_argument("--seqs", type=int, default=1, help="hybrid plan: sequences the GPU's KV cache holds at --ctx each")
+    i.add_argument("--placement", default=None, help="hybrid plan: routing frequencies from this placement file "
+                                                     "(`strata plan calibrate`; default: uniform routing)")
+    i.add_argument("--cpu-bw", type=float, default=None, help="hybrid plan: RAM read GB/s (default: measured now)")
+    i.add_argument("--threads", type=int, default=None, help="hybrid plan: threads of the RAM probe (default: all cores)")
+    i.add_argument("--gpu-bw", type=float, default=None, help="hybrid plan: GPU memory GB/s (default: --gpu's)")
+    i.add_argument("--gpu", default=None, help="hybrid plan: GPU name for the bandwidth table (default RTX 4090D)")
+    i.add_argument("--step-tokens", type=int, default=512, help="hybrid plan: largest step (the prefill chunk)")
+    i.add_argument("--staging-slots", type=int, default=0, help="hybrid plan: GPU slots for staged experts")
     i.set_defaults(fn=cmd_inspect)
     b = msub.add_parser("build-default", help="build the embedded default model")
     b.add_argument("--force", action="store_true")
     b.set_defaults(fn=cmd_build_default)
+    pl = sub.add_parser("plan", help="hybrid GPU/CPU placement")
+    plsub = pl.add_subparsers(dest="plan_cmd", required=True)
+    cal = plsub.add_parser("calibrate", help="routing statistics from a prompt file into a placement file")
+    cal.add_argument("model", help="GGUF path")
+    cal.add_argument("--prompts", default=None, help="one prompt per line, or JSONL ({\"prompt\": ...} / "
+                                                     "{\"messages\": [...]}); default: the built-in corpus")
+    cal.add_argument("-o", "--output", required=True, help="the placement file to write (JSON)")
+    cal.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    cal.add_argument("--threads", type=int, default=None, help="engine threads (default: all allowed cores)")
+    cal.add_argument("--kv-tokens", type=int, default=8192, help="KV cache capacity in tokens")
+    cal.set_defaults(fn=cmd_calibrate)
     sub.add_parser("keys", help="gateway API keys: create (prints the key once), list, revoke")
     sub.add_parser("bench", help="benchmark scenarios against a running stack (run), diff results (compare)")
     return ap

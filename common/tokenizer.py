@@ -118,6 +118,7 @@ class _PreSpec:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # a pre-token that is itself in the vocab is emitted whole
     add_bos: bool = False  # llama.cpp's default when the GGUF has no add_bos_token key
+    default_bos: bool = True  # without a bos_token_id key the BPE default id (11) is BOS; False: no BOS
 
 
 _PRE_SPECS: dict[str, _PreSpec] = {}
@@ -144,6 +145,9 @@ _register(
     _PreSpec((_LLAMA3,), ignore_merges=True, add_bos=True),
 )
 _register(["dbrx", "smaug-bpe"], _PreSpec((_LLAMA3,)))
+# GLM-4 / GLM-4.5: the same regex as Llama 3 (cl100k's), merges always applied, and no BOS unless the
+# file names one (its prompts start with the template's "[gMASK]<sop>").
+_register(["glm4", "chatglm-bpe"], _PreSpec((_LLAMA3,), default_bos=False))
 _register(["deepseek-llm"], _PreSpec(_DEEPSEEK_LLM))
 _register(["deepseek-v3"], _PreSpec(_DEEPSEEK3_LLM))
 _register(["deepseek-coder"], _PreSpec(_DEEPSEEK_CODER))
@@ -267,7 +271,7 @@ class Tokenizer:
 
         self._bos_id = _opt_id(md, "tokenizer.ggml.bos_token_id", n)
         self._eos_id = _opt_id(md, "tokenizer.ggml.eos_token_id", n)
-        if "tokenizer.ggml.bos_token_id" not in md and default_bos < n:
+        if "tokenizer.ggml.bos_token_id" not in md and default_bos < n and (spec is None or spec.default_bos):
             self._bos_id = default_bos
         if "tokenizer.ggml.eos_token_id" not in md and default_eos < n:
             self._eos_id = default_eos

@@ -21,16 +21,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
-from engine.cuda_backend import DeviceSpec, resolve_device
-from engine.gguf_model import ModelFile, create_native_model, open_model
-from engine.native import EngineError, check, ffi, lib, ptr
+from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
+from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
+from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
 from engine.step import StepStats
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
     from engine.scheduler import RequestOutput
 
-__all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError"]
+__all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError", "HybridNotSupportedError"]
+
+
+# Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe"})
 
 
 @dataclass
@@ -45,6 +49,37 @@ def _default_threads(cores: Sequence[int] | None) -> int:
     if cores:
         return len(cores)
     return len(os.sched_getaffinity(0))
+
+
+def _check_cores(cores: Sequence[int]) -> None:
+    """A core list the pool can pin to: distinct ids of CPUs this machine has."""
+    ids = list(cores)
+    n_cpu = os.cpu_count() or 1
+    if not ids:
+        raise ValueError("cores: an empty list (None: no pinning)")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"cores: duplicate CPU ids in {ids}")
+    bad = [c for c in ids if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < n_cpu]
+    if bad:
+        raise ValueError(f"cores: {bad} outside this machine's CPUs 0-{n_cpu - 1}")
+
+
+def _check_budget(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int,
+                  prefill_chunk: int) -> None:
+    """HybridNotSupportedError when the whole model does not fit the GPU budget (see Engine.open)."""
+    if gpu_budget_gb is None:
+        return
+    from engine.inspect_model import analyse, gpu_bytes
+
+    kv = analyse(mf).kv_bytes_per_token * (-(-kv_tokens // block_size) * block_size)
+    need = gpu_bytes(mf, kv, step_tokens=prefill_chunk)
+    budget = int(gpu_budget_gb * 2**30)
+    if need > budget:
+        raise HybridNotSupportedError(
+            f"gpu_budget_gb={gpu_budget_gb:g}: the whole model needs {need / 2**30:.2f} GiB on the GPU (weights, "
+            f"KV cache for {kv_tokens} tokens, step buffers); splitting its routed experts between GPU and CPU "
+            "is not supported yet: raise the budget, lower kv_tokens, or serve it on device='cpu'",
+            lib.ST_EUNSUPPORTED)
 
 
 class _StepIO:
@@ -115,6 +150,11 @@ class _StepIO:
         return b
 
 
+class HybridNotSupportedError(UnsupportedError):
+    """device="cuda" with a gpu_budget_gb below what the whole model needs on the GPU: splitting a model
+    between GPU and CPU (issue 29's hybrid placement) is not in the GPU engine yet."""
+
+
 class StaleSourceError(EngineError):
     """Engine.launch(token_src=..., after=t): another step ran on the engine after step t, so its picks
     are no longer the ones the device holds; nothing was run."""
@@ -130,8 +170,9 @@ class Engine:
 
     def __init__(self, mf: ModelFile, threads: int, cores: Sequence[int] | None, kv_tokens: int,
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
-                 device: DeviceSpec | None = None) -> None:
+                 device: DeviceSpec | None = None, gpu_budget_gb: float | None = None) -> None:
         self.model_file = mf
+        self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.hparams = mf.hparams
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
@@ -182,11 +223,18 @@ class Engine:
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
              cores: Sequence[int] | None = None, kv_tokens: int = 4096, block_size: int = 16,
-             prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu") -> Engine:
+             prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
+             gpu_budget_gb: float | None = None) -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
         when a GPU is usable); a GPU that cannot be used raises DeviceUnavailableError.
+
+        cores: the CPUs the engine's thread pool is pinned to (one thread each unless ``threads``).
+        gpu_budget_gb: the GPU memory (GiB, 2**30 bytes: `strata model inspect --vram`'s unit) the lane may hold, stored as ``gpu_budget_gb``.
+        On a GPU, a budget below what the whole model needs there (weights, this KV cache, step buffers:
+        ``engine.inspect_model.gpu_bytes``) raises HybridNotSupportedError: splitting the routed experts
+        between GPU and CPU is not in the GPU engine yet. The CPU ignores it.
 
         max_model_len overrides the context window (default: the trained context,
         bounded by the KV capacity); beyond the trained context quality is not promised.
@@ -202,8 +250,24 @@ class Engine:
             raise ValueError(f"threads must be >= 1, got {n_threads}")
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if gpu_budget_gb is not None and not (gpu_budget_gb > 0 and gpu_budget_gb < float("inf")):
+            raise ValueError(f"gpu_budget_gb must be a positive number of GiB, got {gpu_budget_gb}")
+        if cores is not None:
+            _check_cores(cores)
+        asked = parse_device(device)  # a bad device string fails before the file is read
+        mf = open_model(path)
+        if mf.hparams.arch not in GPU_ARCHES:  # the CPU engine runs it; the CUDA backend does not yet
+            if asked.kind == "cuda":
+                raise UnsupportedModelError(mf.path, f"architecture {mf.hparams.arch!r} runs on the CPU only "
+                                                     f"(device 'cpu' or 'auto'), not on {device!r}")
+            device = "cpu"
+        # the budget first: a request the GPU engine cannot serve is refused before any device is touched
+        if asked.kind == "cuda":
+            _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
         spec = resolve_device(device)
-        return cls(open_model(path), n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec)
+        if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
+            _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
+        return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
@@ -291,6 +355,47 @@ class Engine:
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
             self.last_stats = _stats(st)
+        return out
+
+    # ------------------------------------------------------------ routed experts for a caller (hybrid)
+    def _moe_input(self, layer: int, x: np.ndarray) -> np.ndarray:
+        if self._model is None:
+            raise EngineError("engine is closed")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.hparams.n_embd or x.shape[0] < 1:
+            raise ValueError(f"x must be float32 [T >= 1, {self.hparams.n_embd}], got shape {x.shape}")
+        return x
+
+    def moe_layer(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The routed FFN of one layer as a step computes it (``st_moe_layer``) over x [T, n_embd] (the FFN
+        input after RMSNorm): (out [T, n_embd], topk_id [T, k], topk_w [T, k])."""
+        x = self._moe_input(layer, x)
+        T, k = x.shape[0], self.hparams.n_expert_used
+        out = np.empty_like(x)
+        ids = np.empty((T, max(k, 1)), np.int32)
+        w = np.empty((T, max(k, 1)), np.float32)
+        with self._step_lock:
+            self._drain(0)
+            check(lib.st_moe_layer(self._model, self._pool, int(layer), T, ptr(x, "float *"), ptr(out, "float *"),
+                                   ptr(ids, "int32_t *"), ptr(w, "float *")), "moe_layer")
+        return out, ids, w
+
+    def moe_pairs(self, layer: int, x: np.ndarray, pair_tok: Sequence[int] | np.ndarray,
+                  pair_exp: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The routed experts of one layer for (token row, expert) pairs (``st_moe_pairs``): out [n_pairs,
+        n_embd], row p = expert pair_exp[p]'s FFN of x[pair_tok[p]], unweighted."""
+        x = self._moe_input(layer, x)
+        tok = np.ascontiguousarray(pair_tok, dtype=np.int32).reshape(-1)
+        exp = np.ascontiguousarray(pair_exp, dtype=np.int32).reshape(-1)
+        if tok.shape != exp.shape:
+            raise ValueError("pair_tok and pair_exp must have the same length")
+        out = np.empty((tok.size, self.hparams.n_embd), np.float32)
+        n = tok.size
+        with self._step_lock:
+            self._drain(0)
+            check(lib.st_moe_pairs(self._model, self._pool, int(layer), x.shape[0], ptr(x, "float *"), n,
+                                   ptr(tok, "int32_t *") if n else ffi.NULL, ptr(exp, "int32_t *") if n else ffi.NULL,
+                                   ptr(out, "float *") if n else ffi.NULL), "moe_pairs")
         return out
 
     def _check_step(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],

@@ -25,10 +25,28 @@ SUPPORTED_TYPES: dict[int, str] = {
     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 21: "IQ3_S", 22: "IQ2_S",
 }
 
-ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2}
+ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2, "glm4moe": 3}
 ROPE_NORM, ROPE_NEOX = 0, 2
-# Renormalise the top-k routing weights unless the file says otherwise.
-DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# Renormalise the top-k routing weights unless the file says otherwise (llama.cpp's defaults).
+DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "glm4moe": False}
+
+# Router gating functions: llama.cpp's expert_gating_func values (ST_GATING_* in strata.h).
+GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3
+GATING_NAMES = {GATING_SOFTMAX: "softmax", GATING_SIGMOID: "sigmoid", GATING_SOFTMAX_WEIGHT: "softmax of the chosen"}
+# Architectures whose llama.cpp graph takes its routing from the file: expert_gating_func (0 or
+# absent: the value here), expert_weights_scale and leading_dense_block_count. The others route
+# by softmax without scaling whatever the file says (a file asking for another gating is refused).
+GATING_FROM_FILE = {"glm4moe": GATING_SIGMOID}
+# Architectures that may end in next-token-prediction (NextN / MTP) layers: block_count counts
+# them, nextn_predict_layers says how many of the last blocks they are.
+NEXTN_ARCHES = frozenset({"glm4moe"})
+# Per architecture: the name of the norm before the FFN, when it is not ffn_norm.
+_FFN_NORM_NAME = {"glm4moe": "post_attention_norm.weight"}
+# Metadata llama.cpp requires for an architecture beyond the common keys (missing: a GGUFError).
+_REQUIRED_KEYS = {
+    "glm4moe": ("expert_count", "expert_used_count", "expert_shared_count", "expert_feed_forward_length",
+                "attention.layer_norm_rms_epsilon"),
+}
 
 
 class UnsupportedModelError(GGUFError):
@@ -70,6 +88,28 @@ class HParams(BaseModel):
     rope_dim: int
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    # routing (see st_model_desc in engine/csrc/strata.h)
+    gating: int = GATING_SOFTMAX
+    expert_weights_scale: float = 1.0
+    n_expert_group: int = 0  # 0 or 1: no group-limited top-k
+    n_group_used: int = 0
+    n_expert_shared: int = 0  # shared experts (their FFN width is n_ff_shexp)
+    exp_probs_b: bool = False  # a score-correction bias per expert steers the choice
+    n_dense_lead: int = 0  # the first layers run a dense FFN instead of experts
+    n_nextn: int = 0  # NextN layers after the n_layer forward layers: loaded and kept, not run
+
+    @property
+    def routing(self) -> str:
+        """The router in words, e.g. "sigmoid + score bias, top-8 of 160, weights renormalised x 2.5"."""
+        if not self.n_expert:
+            return "none (dense)"
+        kind = GATING_NAMES.get(self.gating, str(self.gating)) + (" + score bias" if self.exp_probs_b else "")
+        groups = (f", groups: best {self.n_group_used} of {self.n_expert_group}"
+                  if self.n_expert_group > 1 else "")
+        post = ", weights renormalised" if self.expert_norm else ""
+        if self.expert_weights_scale != 1.0:
+            post += f" x {self.expert_weights_scale:g}"
+        return f"{kind}, top-{self.n_expert_used} of {self.n_expert}{groups}{post}"
 
 
 @dataclass
@@ -209,6 +249,8 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
     def gf(key: str, default: float) -> float:
         return _as_float(g(key, default), f"{arch}.{key}", path)
 
+    for key in _REQUIRED_KEYS.get(arch, ()):
+        g(key)  # a GGUFError naming the first one missing
     n_embd = gi("embedding_length", 1, MAX_ROW)
     n_head = gi("attention.head_count", 1, MAX_HEADS)
     head_dim = gi("attention.key_length", 1, MAX_HEAD_DIM, n_embd // n_head or 1)
@@ -220,20 +262,59 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
     n_vocab = int(emb.shape[1])
     if n_vocab > MAX_VOCAB:
         raise GGUFError(path, f"vocabulary of {n_vocab} tokens exceeds {MAX_VOCAB}")
+    n_block = gi("block_count", 1, MAX_LAYERS)
+    n_nextn = gi("nextn_predict_layers", 0, n_block - 1, 0) if arch in NEXTN_ARCHES else 0
+    n_layer = n_block - n_nextn  # the layers the forward pass runs
     n_expert = gi("expert_count", 0, MAX_EXPERTS, 0)
-    gating = g("expert_gating_func", 1)
-    if n_expert and gating != 1:
+    n_expert_used = gi("expert_used_count", 0, MAX_EXPERTS_USED, 0)
+    from_file = arch in GATING_FROM_FILE
+    n_dense_lead = gi("leading_dense_block_count", 0, n_layer, 0) if n_expert and from_file else 0
+    gating = g("expert_gating_func", 0)
+    if from_file:
+        gating = _as_int(gating, f"{arch}.expert_gating_func", 0, 1 << 31, path) or GATING_FROM_FILE[arch]
+        if gating not in GATING_NAMES:
+            raise UnsupportedModelError(path, f"expert gating function {gating} is not supported "
+                                              f"({', '.join(f'{k} {v}' for k, v in GATING_NAMES.items())})")
+    elif n_expert and gating not in (0, GATING_SOFTMAX):
         raise UnsupportedModelError(path, f"expert gating function {gating} is not supported (only softmax)")
+    else:
+        gating = GATING_SOFTMAX
+    scale = gf("expert_weights_scale", 0.0) if from_file else 0.0
+    if scale < 0:
+        raise GGUFError(path, f"metadata '{arch}.expert_weights_scale' = {scale} is negative")
+    n_group = gi("expert_group_count", 0, MAX_EXPERTS, 0)
+    n_group_used = gi("expert_group_used_count", 0, MAX_EXPERTS, 0)
+    if n_group > 1 and not (n_expert and n_group < n_expert and n_expert % n_group == 0
+                            and 0 < n_group_used < n_group and n_group_used * (n_expert // n_group) >= n_expert_used):
+        raise GGUFError(path, f"metadata {arch}.expert_group_count = {n_group} with expert_group_used_count = "
+                              f"{n_group_used} is invalid for {n_expert} experts, top-{n_expert_used} (groups must "
+                              "divide the experts, 0 < used < groups, and the used groups hold top-k experts)")
     n_ff_exp = 0
-    if n_expert and "blk.0.ffn_gate_exps.weight" in tensors:
-        shape = tensors["blk.0.ffn_gate_exps.weight"].shape
+    first_moe = f"blk.{n_dense_lead}.ffn_gate_exps.weight"
+    if n_expert and first_moe in tensors:
+        shape = tensors[first_moe].shape
         n_ff_exp = int(shape[1]) if len(shape) > 1 else 0
+    n_ff_shexp = gi("expert_shared_feed_forward_length", 0, 1 << 40, 0)
+    n_shared = gi("expert_shared_count", 0, MAX_EXPERTS, 0)
+    if arch == "glm4moe":  # the widths llama.cpp creates the tensors with
+        want_exp = gi("expert_feed_forward_length", 1, MAX_ROW)
+        if n_ff_exp and n_ff_exp != want_exp:
+            raise GGUFError(path, f"tensor {first_moe!r} has width {n_ff_exp}, metadata "
+                                  f"'{arch}.expert_feed_forward_length' says {want_exp}")
+        n_ff_shexp = want_exp * n_shared
+        shexp = tensors.get(f"blk.{n_dense_lead}.ffn_gate_shexp.weight")
+        if n_shared and (shexp is None or len(shexp.shape) != 2 or int(shexp.shape[1]) != n_ff_shexp):
+            raise GGUFError(path, f"'{arch}.expert_shared_count' = {n_shared} needs shared-expert tensors of width "
+                                  f"{n_ff_shexp} (blk.{n_dense_lead}.ffn_gate_shexp.weight: "
+                                  f"{'missing' if shexp is None else shexp.shape})")
+    if arch == "glm4moe" and any(int(v) for v in np.atleast_1d(g("rope.dimension_sections", [0]))):
+        raise UnsupportedModelError(path, "multimodal rotary sections (rope.dimension_sections) are not supported")
     norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch])
     if not isinstance(norm, (bool, int, np.bool_, np.integer)):
         raise GGUFError(path, f"metadata '{arch}.expert_weights_norm' must be a bool, got {type(norm).__name__}")
     return HParams(
         arch=arch,
-        n_layer=gi("block_count", 1, MAX_LAYERS),
+        n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=gi("attention.head_count_kv", 1, MAX_HEADS, n_head),
@@ -241,15 +322,23 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_vocab=n_vocab,
         n_ctx_train=gi("context_length", 1, MAX_CTX, 2048),
         n_expert=n_expert,
-        n_expert_used=gi("expert_used_count", 0, MAX_EXPERTS_USED, 0),
+        n_expert_used=n_expert_used,
         expert_norm=bool(norm),
         n_ff=gi("feed_forward_length", 0, 1 << 40, 0),
         n_ff_exp=n_ff_exp,
-        n_ff_shexp=gi("expert_shared_feed_forward_length", 0, 1 << 40, 0),
+        n_ff_shexp=n_ff_shexp,
         rope_type=ROPE_NORM if arch == "llama" else ROPE_NEOX,
         rope_dim=gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim),
         rope_base=gf("rope.freq_base", 10000.0),
         norm_eps=gf("attention.layer_norm_rms_epsilon", 1e-5),
+        gating=gating,
+        expert_weights_scale=scale or 1.0,
+        n_expert_group=n_group if n_group > 1 else 0,
+        n_group_used=n_group_used if n_group > 1 else 0,
+        n_expert_shared=n_shared,
+        exp_probs_b=bool(n_expert) and f"blk.{n_dense_lead}.exp_probs_b.bias" in tensors,
+        n_dense_lead=n_dense_lead,
+        n_nextn=n_nextn,
     )
 
 
@@ -315,6 +404,12 @@ _LAYER_TENSORS = {
     "gate_inp": "ffn_gate_inp.weight", "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight",
     "down_exps": "ffn_down_exps.weight", "gate_inp_shexp": "ffn_gate_inp_shexp.weight",
     "gate_shexp": "ffn_gate_shexp.weight", "up_shexp": "ffn_up_shexp.weight", "down_shexp": "ffn_down_shexp.weight",
+    "exp_probs_b": "exp_probs_b.bias",
+}
+_NEXTN_TENSORS = {
+    "eh_proj": "nextn.eh_proj.weight", "enorm": "nextn.enorm.weight", "hnorm": "nextn.hnorm.weight",
+    "embed_tokens": "nextn.embed_tokens.weight", "shared_head_head": "nextn.shared_head_head.weight",
+    "shared_head_norm": "nextn.shared_head_norm.weight",
 }
 
 
@@ -352,6 +447,8 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
               "rope_type", "rope_dim", "rope_base", "norm_eps"):
         setattr(desc, k, getattr(hp, k))
     desc.expert_norm = int(hp.expert_norm)
+    for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead"):
+        setattr(desc, k, getattr(hp, k))
     desc.map_data = mapping
     desc.map_bytes = mf.mapping.nbytes
     t = mf.tensors
@@ -360,10 +457,31 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
         raise GGUFError(mf.path, "missing tensor 'output_norm.weight'")
     _fill(desc.output_norm, t["output_norm.weight"], keep)
     _fill(desc.output, t.get("output.weight", t["token_embd.weight"]), keep)  # tied embeddings
+    names = dict(_LAYER_TENSORS)
+    if hp.arch in _FFN_NORM_NAME:
+        names["ffn_norm"] = _FFN_NORM_NAME[hp.arch]
+
+    def fill_layer(dst: Any, il: int) -> None:
+        if f"blk.{il}.{names['ffn_norm']}" not in t:  # named here: the C message would say ffn_norm
+            raise GGUFError(mf.path, f"missing tensor 'blk.{il}.{names['ffn_norm']}'")
+        for field_name, suffix in names.items():
+            _fill(getattr(dst, field_name), t.get(f"blk.{il}.{suffix}"), keep)
+
     for il in range(hp.n_layer):
-        for field_name, suffix in _LAYER_TENSORS.items():
-            _fill(getattr(layers[il], field_name), t.get(f"blk.{il}.{suffix}"), keep)
+        fill_layer(layers[il], il)
     desc.layers = layers
+    if hp.n_nextn:  # validated by C with the model and kept there; st_forward never runs them
+        nl = ffi.new("st_layer[]", hp.n_nextn)
+        nh = ffi.new("st_nextn[]", hp.n_nextn)
+        keep += [nl, nh]
+        for i in range(hp.n_nextn):
+            il = hp.n_layer + i
+            fill_layer(nl[i], il)
+            for field_name, suffix in _NEXTN_TENSORS.items():
+                _fill(getattr(nh[i], field_name), t.get(f"blk.{il}.{suffix}"), keep)
+        desc.n_nextn = hp.n_nextn
+        desc.nextn_layers = nl
+        desc.nextn = nh
     return desc, keep
 
 

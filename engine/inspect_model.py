@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.gguf_model import SUPPORTED_TYPES, ModelFile
+from engine.gguf_model import SUPPORTED_TYPES, HParams, ModelFile
 
 GIB = 1024**3
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -22,6 +22,7 @@ class ModelReport:
     dense_bytes: int  # everything but routed experts and the embedding table
     kv_bytes_per_token: int  # F16 K and V over all layers
     n_ctx_train: int
+    nextn_bytes: int = 0  # NextN (MTP) layers: loaded and kept, not read by the forward pass
 
 
 def _n_elems(shape: tuple[int, ...]) -> int:
@@ -31,13 +32,22 @@ def _n_elems(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _layer_of(name: str) -> int:
+    """The block index of a "blk.N." tensor, else -1."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
+
+
 def analyse(mf: ModelFile) -> ModelReport:
     hp = mf.hparams
-    n_params = expert_params = expert_bytes = dense_bytes = 0
+    n_params = expert_params = expert_bytes = dense_bytes = nextn_params = nextn_bytes = 0
     for name, t in mf.tensors.items():
         n = _n_elems(t.shape)
         n_params += n
-        if name.endswith(EXPERT_SUFFIXES):
+        if _layer_of(name) >= hp.n_layer:  # a NextN layer: not part of a token's forward pass
+            nextn_params += n
+            nextn_bytes += t.n_bytes
+        elif name.endswith(EXPERT_SUFFIXES):
             expert_params += n
             expert_bytes += t.n_bytes
         elif name != "token_embd.weight" or "output.weight" not in mf.tensors:
@@ -46,7 +56,7 @@ def analyse(mf: ModelFile) -> ModelReport:
     return ModelReport(
         arch=hp.arch,
         n_params=n_params,
-        n_active_params=int(n_params - expert_params + expert_params * k_frac),
+        n_active_params=int(n_params - nextn_params - expert_params + expert_params * k_frac),
         file_bytes=mf.size_bytes,
         quant_mix=mf.quant_mix(),
         expert_bytes=expert_bytes,
@@ -54,22 +64,51 @@ def analyse(mf: ModelFile) -> ModelReport:
         dense_bytes=dense_bytes,
         kv_bytes_per_token=2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim,
         n_ctx_train=hp.n_ctx_train,
+        nextn_bytes=nextn_bytes,
     )
+
+
+def _attention_line(mf: ModelFile) -> str:
+    hp = mf.hparams
+    t = mf.tensors
+    parts = ["q/k/v biases" if "blk.0.attn_q.bias" in t else "no biases"]
+    if "blk.0.attn_q_norm.weight" in t:
+        parts.append("q/k norms")
+    rotary = "NEOX" if hp.rope_type == 2 else "NORM"
+    parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
+                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}")
+    return "attention       " + ", ".join(parts)
+
+
+def _expert_line(hp: HParams) -> str:
+    if not hp.n_expert:
+        return f"experts         none (dense FFN width {hp.n_ff})"
+    line = f"experts         {hp.n_expert} routed, top-{hp.n_expert_used}, FFN width {hp.n_ff_exp}"
+    if hp.n_ff_shexp:
+        line += (f", {hp.n_expert_shared} shared" if hp.n_expert_shared else ", shared expert") + \
+            f" (width {hp.n_ff_shexp})"
+    if hp.n_dense_lead:
+        lead = "first layer" if hp.n_dense_lead == 1 else f"first {hp.n_dense_lead} layers"
+        line += f"; {lead} dense (FFN width {hp.n_ff})"
+    return line
 
 
 def gpu_bytes(mf: ModelFile, kv_bytes: int, step_tokens: int = 512, logit_rows: int = 64) -> int:
     """VRAM for the whole model on the GPU (engine/csrc/cuda): every weight once (a tied output
     shares the embedding), the KV cache, and the step buffers for `step_tokens` tokens."""
-    hp = mf.hparams
     weights = sum((t.n_bytes + 255) // 256 * 256 for t in mf.tensors.values())
+    return int(weights + kv_bytes + step_buffer_bytes(mf.hparams, step_tokens, logit_rows))
+
+
+def step_buffer_bytes(hp: HParams, step_tokens: int = 512, logit_rows: int = 64) -> int:
+    """The GPU engine's step buffers for steps of up to `step_tokens` tokens and `logit_rows` logit rows."""
     k = hp.n_expert_used if hp.n_expert else 1
     ff = max(hp.n_ff, hp.n_ff_exp, hp.n_ff_shexp, 32)
     q_dim, kv_dim = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim
     k_max = max(hp.n_embd, q_dim, hp.n_ff, hp.n_ff_shexp)
     per_token = 4 * (2 * hp.n_embd + 2 * q_dim + 2 * kv_dim + 2 * max(hp.n_expert, 1) + 2 * k) + k_max * 1.5
     per_pair = ff * (4 + 4 + 1.5) + 4 * hp.n_embd + 8
-    scratch = step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd)
-    return int(weights + kv_bytes + scratch)
+    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -88,13 +127,16 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         f"file            {mf.path} ({_fmt_bytes(r.file_bytes)})",
         f"architecture    {r.arch}: {hp.n_layer} layers, d_model {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv} "
         f"(head_dim {hp.head_dim}), vocab {hp.n_vocab}, trained context {hp.n_ctx_train}",
-        f"experts         {hp.n_expert} routed, top-{hp.n_expert_used}, FFN width {hp.n_ff_exp}"
-        + (f", shared expert width {hp.n_ff_shexp}" if hp.n_ff_shexp else "")
-        if hp.n_expert else f"experts         none (dense FFN width {hp.n_ff})",
+        _attention_line(mf),
+        _expert_line(hp),
+        *([f"routing         {hp.routing}"] if hp.n_expert else []),
+        *([f"NextN layers    {hp.n_nextn} after the {hp.n_layer} (multi-token prediction: kept for speculative "
+           f"decoding, not run), {_fmt_bytes(r.nextn_bytes)}"] if hp.n_nextn else []),
         f"parameters      {r.n_params / 1e6:.1f} M total, {r.n_active_params / 1e6:.1f} M active per token",
         "quant mix       " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(r.quant_mix.items(), key=lambda kv: -kv[1])),
         f"routed experts  {_fmt_bytes(r.expert_bytes)} in all, {_fmt_bytes(r.expert_bytes_per_token)} read per token",
-        f"dense weights   {_fmt_bytes(r.dense_bytes)} (attention, norms, router, shared experts, output)",
+        f"dense weights   {_fmt_bytes(r.dense_bytes)} (attention, norms, router, shared experts, dense layers, "
+        "output)",
         f"KV cache        {_fmt_bytes(r.kv_bytes_per_token)} per token, {_fmt_bytes(kv)} at context {ctx}",
     ]
     if ram_gib is not None:
@@ -114,3 +156,35 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
                      f"(device cuda: the whole model on the GPU)")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)
+
+
+def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seqs: int = 1,
+                  placement: str | None = None, cpu_gbs: float | None = None, gpu_gbs: float | None = None,
+                  gpu: str | None = None, threads: int | None = None, step_tokens: int = 512,
+                  staging_slots: int = 0, ram_gib: float | None = None) -> str:
+    """The hybrid plan for a GPU budget of `vram_gib` GiB (engine/placement.py): what sits where, expert bytes
+    per token read from RAM and the predicted batch-1 decode rate. The RAM read rate is measured here on
+    `threads` threads unless given."""
+    from engine import placement as pl
+
+    if seqs < 1 or step_tokens < 1 or staging_slots < 0 or vram_gib <= 0:
+        raise ValueError("--vram must be > 0, --seqs and --step-tokens >= 1, --staging-slots >= 0")
+    freqs, source = None, "uniform routing (no placement file)"
+    if placement is not None:
+        pf = pl.PlacementFile.load(placement, model=mf)
+        freqs, source = pf.stats.frequencies(), f"{placement} ({pf.stats.total_tokens:.0f} tokens)"
+    note_cpu = "given" if cpu_gbs is not None else f"measured now, {threads or 'all allowed'} threads"
+    note_gpu = "given" if gpu_gbs is not None else f"{gpu or pl.DEFAULT_GPU}'s from the table"
+    if cpu_gbs is None:
+        cpu_gbs = pl.measure_cpu_read_gbs(threads)
+    if gpu_gbs is None:
+        gpu_gbs = pl.gpu_read_gbs(gpu or pl.DEFAULT_GPU)
+    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.n_ctx_train, n_seqs=seqs,
+                           step_tokens=step_tokens, staging_slots=staging_slots, cpu_read_gbs=cpu_gbs,
+                           gpu_read_gbs=gpu_gbs)
+    text = pl.render_plan(pl.plan(mf, params, freqs), mf.hparams.n_expert, source)
+    if ram_gib is not None:  # hybrid: the KV cache is on the GPU; RAM holds the mapped file the CPU experts read
+        need = mf.size_bytes
+        text += (f"\n  RAM           {'fits' if need <= ram_gib * GIB else 'does NOT fit'}: the mapped file "
+                 f"{_fmt_bytes(need)} of {ram_gib:g} GiB (the page cache every lane on the box shares)")
+    return text + f"\n  (CPU bandwidth {note_cpu}; GPU bandwidth {note_gpu})"

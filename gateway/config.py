@@ -68,13 +68,16 @@ class LimitsConfig(BaseModel):
     rpm: int | None = Field(600, ge=1, description="generation requests (chat, completions) per minute")
     tpm: int | None = Field(None, ge=1, description="generation tokens per minute (prompt + max_tokens reserved "
                             "per choice, the unused part refunded)")
-    max_concurrent: int | None = Field(8, ge=1, description="requests in progress at once: generation, "
-                                       "embeddings, search, uploads")
+    max_concurrent: int | None = Field(8, ge=1, description="requests in progress at once: generation (and "
+                                       "the summaries of the key's sessions), embeddings, search, uploads, session "
+                                       "requests")
     embedding_inputs_per_call: int = Field(256, ge=1, le=2048, description="inputs of one /v1/embeddings call "
                                            "(more: 400)")
     embedding_inputs_per_minute: int | None = Field(6000, ge=1, description="embedding inputs per minute")
     searches_per_minute: int | None = Field(300, ge=1, description="collection searches per minute")
     uploads_per_minute: int | None = Field(30, ge=1, description="document uploads per minute")
+    session_requests_per_minute: int | None = Field(300, ge=1, description="session API requests (/v1/sessions: "
+                                                    "create, list, read, rename, export, delete) per minute")
     documents_per_key: int | None = Field(2000, ge=1, description="documents a key may hold in all its collections")
     document_bytes_per_key: int | None = Field(2 << 30, ge=1, description="upload bytes a key may hold")
     queued_documents_per_key: int | None = Field(20, ge=1, description="a key's documents waiting for ingestion or "

@@ -1,10 +1,11 @@
 """Per-key limits, in memory: requests per minute, tokens per minute, concurrent requests, and the
-rates of the other endpoints that cost work (embedding inputs, searches, uploads).
+rates of the other endpoints that cost work (embedding inputs, searches, uploads, session requests).
 
 Each limit's value for a key is the key's own (its ``limits``, else its rpm / tpm /
 max_concurrent columns), else the ``[limits]`` default of the gateway config; admin keys have
 none. ``max_concurrent`` counts every request in progress that costs work (generation,
-embeddings, search, uploads).
+embeddings, search, uploads, session requests); the summaries session memory writes count as the
+generation requests of the session's key (gateway.memory_chat.lane_completer).
 
 Both rates are sliding 60-second windows of exact events (a deque per key), so a burst is
 refused as soon as the window holds ``rpm`` requests and ``Retry-After`` is the exact time
@@ -83,7 +84,8 @@ class Limiter:
         self._keys: dict[int, _KeyState] = {}
         self._on_limited = on_limited or (lambda reason: None)
         self.config = config or LimitsConfig(rpm=None, max_concurrent=None, embedding_inputs_per_minute=None,
-                                             searches_per_minute=None, uploads_per_minute=None)
+                                             searches_per_minute=None, uploads_per_minute=None,
+                                             session_requests_per_minute=None)
 
     def value(self, key: KeyRecord, name: str) -> int | None:
         """``name``'s limit for ``key``: its own, else the configured default; None: unlimited."""

@@ -12,6 +12,7 @@ lane will see: a composition that does not fit is composed again with a smaller 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +24,13 @@ from gateway.dispatch import LaneFailure, LaneRuntime
 from gateway.documents.chat import RagContext, fit_passages, query_text
 from gateway.documents.chat import compose as rag_compose
 from gateway.errors import APIError
+from gateway.keys import KeyRecord
+from gateway.limits import Reservation
 from gateway.state import Gateway
+from gateway.tokencount import count_locally
 from gateway.window import Kind, WindowPlan, max_tokens_field, precheck
 from memory.compose import Composition, estimate_tokens
-from memory.service import Complete, Loaded, MemoryService
+from memory.service import Complete, Loaded, MemoryService, SummaryDeferred
 
 __all__ = ["SESSION_HEADER", "MemoryContext", "fit_memory", "is_memory_session", "lane_completer", "prepare",
            "session_ref"]
@@ -140,28 +144,76 @@ async def fit_memory(session: aiohttp.ClientSession, lane: LaneRuntime, body: di
     return plan
 
 
-def lane_completer(gw: Gateway) -> Complete:
-    """The summariser's lane call: any ready lane, a plain non-streaming chat completion."""
+async def _owner(gw: Gateway, key_id: int) -> KeyRecord:
+    """The session's key, whose limits a summary is charged to (a fresh read: a revoked key summarises nothing)."""
+    if key_id == 0 and gw.auth is not None:
+        return gw.auth.admin_record
+    rec = await asyncio.to_thread(gw.keys.get, key_id) if gw.keys is not None else None
+    if rec is None or rec.revoked is not None:
+        raise RuntimeError(f"the session's key {key_id} is revoked or gone")
+    return rec
 
-    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> str:
-        lane = gw.dispatcher.choose(None, set())
-        if lane is None or gw.session is None:
-            raise RuntimeError("no lane is ready to summarise")
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        gw.dispatcher.begin(lane)
+
+def lane_completer(gw: Gateway) -> Complete:
+    """The summariser's lane call: any ready lane, a plain non-streaming chat completion, charged to the session's
+    key as its own chat requests are (a request against ``rpm`` and a ``max_concurrent`` slot while it runs; the
+    prompt plus ``max_tokens`` reserved in ``tpm``, settled to the lane's usage). A key at a limit defers the summary
+    (:class:`SummaryDeferred` with the limit's wait), it does not fail it."""
+
+    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float, key_id: int) -> str:
         try:
-            async with gw.session.post(lane.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                       headers={"Content-Type": "application/json"},
-                                       timeout=aiohttp.ClientTimeout(total=gw.config.request_timeout_s)) as r:
-                raw = await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"lane {lane.name} answered {r.status}: {raw[:200]!r}")
+            key = await _owner(gw, key_id)
+        except RuntimeError:
+            gw.metrics.summaries.labels(result="failed").inc()
+            raise
+        try:
+            ticket = gw.limiter.admit(key)
+        except APIError as e:
+            gw.metrics.summaries.labels(result="deferred").inc()
+            raise SummaryDeferred(e.message, e.retry_after or 1.0) from None
+        reservation: Reservation | None = None
+        used = 0
+        try:
+            lane = gw.dispatcher.choose(None, set())
+            if lane is None or gw.session is None:
+                raise RuntimeError("no lane is ready to summarise")
+            payload = {"messages": messages}
+            prompt = await count_locally(lane, payload)
+            if prompt is None:  # an estimate that leans high; the reservation settles to the lane's usage
+                prompt = sum(estimate_tokens(m["content"]) + 4 for m in messages)
+            try:
+                reservation = gw.limiter.reserve(key, prompt, max_tokens)
+            except APIError as e:
+                gw.metrics.summaries.labels(result="deferred").inc()
+                raise SummaryDeferred(e.message, e.retry_after or 1.0) from None
+            body = {**payload, "max_tokens": max_tokens, "temperature": temperature}
+            gw.dispatcher.begin(lane)
+            try:
+                async with gw.session.post(lane.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                           headers={"Content-Type": "application/json"},
+                                           timeout=aiohttp.ClientTimeout(total=gw.config.request_timeout_s)) as r:
+                    raw = await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"lane {lane.name} answered {r.status}: {raw[:200]!r}")
+            finally:
+                gw.dispatcher.end(lane)
+            data = json.loads(raw)
+            usage = data.get("usage") or {}
+            used = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
+            gw.metrics.summary_tokens.inc(used)
+            content = data["choices"][0]["message"]["content"]
+            if not isinstance(content, str):
+                raise RuntimeError(f"lane {lane.name} gave no text")
+        except SummaryDeferred:
+            raise
+        except BaseException:
+            gw.metrics.summaries.labels(result="failed").inc()
+            raise
         finally:
-            gw.dispatcher.end(lane)
-        data = json.loads(raw)
-        content = data["choices"][0]["message"]["content"]
-        if not isinstance(content, str):
-            raise RuntimeError(f"lane {lane.name} gave no text")
+            gw.limiter.release(ticket)
+            if reservation is not None:
+                gw.limiter.settle(reservation, used)
+        gw.metrics.summaries.labels(result="done").inc()
         return content
 
     return complete

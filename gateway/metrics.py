@@ -39,11 +39,19 @@ class GatewayMetrics:
                                          registry=r)
         self.ejections = Counter("strata_gateway_lane_ejections", "Lanes ejected after consecutive failures",
                                  ["lane"], registry=r)
-        self.rate_limited = Counter("strata_gateway_rate_limited", "429 answers by limit (rpm, tpm, concurrency)",
+        self.rate_limited = Counter("strata_gateway_rate_limited", "Refusals by limit (rpm, tpm, concurrency, the "
+                                    "endpoints' [limits] names): 429 answers, and summaries deferred at a key's limit",
                                     ["limit"], registry=r)
         self.auth_failures = Counter("strata_gateway_auth_failures",
                                      "Refused authentications: failed (401) and blocked (429, too many failures "
                                      "from one address)", ["result"], registry=r)
+        self.summaries = Counter("strata_gateway_memory_summaries",
+                                 "Session-memory summariser lane calls by result: done, failed, deferred (the "
+                                 "session's key was at a limit; tried again when it has room)", ["result"],
+                                 registry=r)
+        self.summary_tokens = Counter("strata_gateway_memory_summary_tokens",
+                                      "Tokens (prompt + completion) the summariser used, charged to the sessions' "
+                                      "keys' tpm", registry=r)
         self.log_dropped = Counter("strata_gateway_request_log_dropped",
                                    "Request-log rows lost: the queue was full, or the database refused the row",
                                    ["reason"], registry=r)
@@ -65,6 +73,8 @@ class GatewayMetrics:
             self.clamped.labels(reason=reason)
         for result in ("failed", "blocked"):
             self.auth_failures.labels(result=result)
+        for result in ("done", "failed", "deferred"):
+            self.summaries.labels(result=result)
         for reason in ("queue_full", "rejected"):
             self.log_dropped.labels(reason=reason)
         for reason in ("per_address", "total"):

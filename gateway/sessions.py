@@ -6,14 +6,20 @@
     PATCH  /v1/sessions/{id}           {"title"}                           -> the renamed session
     GET    /v1/sessions/{id}/export                                        -> JSON: the session and its ``turns``
     DELETE /v1/sessions/{id}                                               -> gone: turns, summaries, vectors
+
+Each of them is one of the key's ``session_requests_per_minute`` and holds one of its ``max_concurrent``
+slots while it runs (``[limits]``, a key's own values win); turns are added by chat requests, which are
+generation requests, and the summaries of old turns are charged to the session's key
+(gateway.memory_chat.lane_completer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -94,14 +100,35 @@ def get_memory(request: web.Request) -> MemoryService:
     return svc
 
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _limited(handler: Handler) -> Handler:
+    """A session request: a ``max_concurrent`` slot while it runs and one of ``session_requests_per_minute``
+    (429 with Retry-After when either is spent)."""
+
+    @functools.wraps(handler)
+    async def limited(request: web.Request) -> web.Response:
+        limiter = request.app[GATEWAY].limiter
+        key = request[PRINCIPAL]
+        ticket = limiter.admit(key, generation=False)
+        try:
+            limiter.rate(key, "session_requests_per_minute", 1, "session requests")
+            return await handler(request)
+        finally:
+            limiter.release(ticket)
+
+    return limited
+
+
 def add_routes(app: web.Application) -> None:
     r = app.router
-    r.add_post("/v1/sessions", create_session)
-    r.add_get("/v1/sessions", list_sessions)
-    r.add_get("/v1/sessions/{sid}", get_session)
-    r.add_patch("/v1/sessions/{sid}", rename_session)
-    r.add_get("/v1/sessions/{sid}/export", export_session)
-    r.add_delete("/v1/sessions/{sid}", delete_session)
+    r.add_post("/v1/sessions", _limited(create_session))
+    r.add_get("/v1/sessions", _limited(list_sessions))
+    r.add_get("/v1/sessions/{sid}", _limited(get_session))
+    r.add_patch("/v1/sessions/{sid}", _limited(rename_session))
+    r.add_get("/v1/sessions/{sid}/export", _limited(export_session))
+    r.add_delete("/v1/sessions/{sid}", _limited(delete_session))
 
 
 def _storable(v: str | None) -> str | None:

@@ -71,6 +71,11 @@ class LaneConfig(BaseModel):
                         description='"cpu", "cuda" (the GPU `gpu`), "cuda:N", or "auto" (a GPU when one is usable)')
     gpu: int | None = Field(None, ge=0, description="which GPU for device cuda/auto (default 0; supervisord may set "
                                                     "CUDA_VISIBLE_DEVICES per lane, then 0 is the lane's own GPU)")
+    gpu_budget_gb: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="GPU memory the lane may hold (GiB, as `strata model inspect --vram`: weights, KV cache, buffers); None: no limit. "
+                    "Below what the whole model needs on the GPU the lane refuses to start (splitting a model "
+                    "between GPU and CPU is not in the GPU engine yet); ignored on the CPU")
     threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")
     kv_tokens: int = Field(8192, ge=16)
     max_model_len: int | None = Field(None, ge=2)
@@ -205,6 +210,12 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
         raise ConfigError(_describe(e, merged, sources)) from None
     if cfg.model is not None and not cfg.model.is_file():
         raise ConfigError(f"model={str(cfg.model)!r} (from {sources.get('model', 'defaults')}): no such file")
+    if isinstance(cfg.cores, list):  # the machine's, not the model's rule: checked here, like the model file
+        n_cpu = os.cpu_count() or 1
+        outside = [c for c in cfg.cores if c >= n_cpu]
+        if outside:
+            raise ConfigError(f"cores={cfg.cores!r} (from {sources.get('cores', 'defaults')}): CPU ids {outside} "
+                              f"are outside this machine's CPUs 0-{n_cpu - 1}")
     if cfg.cores == "auto" and cfg.name not in _AUTO_HALF:
         raise ConfigError(f"cores='auto' (from {sources.get('cores', 'defaults')}) needs lane name 'a' or 'b', "
                           f"got name={cfg.name!r}")

@@ -18,7 +18,9 @@ Summarisation (:meth:`MemoryService.summarise`) runs as a background task after 
 unsummarised history passes ``summarize_after_tokens`` *and* a composition has left turns out of the
 lane's prompt; it folds only such turns (while everything fits verbatim a summary would only lose
 detail and change the cached head). A failure is logged and retried later with back-off by the
-sweeper; nothing waits for it.
+sweeper; nothing waits for it. The summariser's lane call is made on behalf of the session's key (the only
+key whose requests add turns to it), so the caller charges it to that key's limits; when they are spent it raises
+:class:`SummaryDeferred` and the summary is tried again once the key has room (not counted as a failure).
 """
 
 from __future__ import annotations
@@ -40,12 +42,22 @@ from memory.compose import Composition, Scored, compose, estimate_tokens
 from memory.config import MemoryConfig
 from memory.store import MemoryStore, Session, Summary, Turn
 
-__all__ = ["RETRIEVAL_FAILED", "RETRIEVAL_LOADING", "SUMMARY_SYSTEM", "Complete", "Loaded", "MemoryService", "summary_prompt"]
+__all__ = ["RETRIEVAL_FAILED", "RETRIEVAL_LOADING", "SUMMARY_SYSTEM", "Complete", "Loaded", "MemoryService",
+           "SummaryDeferred", "summary_prompt"]
 
 log = logging.getLogger("strata.memory")
 
-# (messages, max_tokens, temperature) -> the reply text; raises on failure
-Complete = Callable[[list[dict[str, Any]], int, float], Awaitable[str]]
+# (messages, max_tokens, temperature, key_id of the session's owner) -> the reply text; raises on failure
+Complete = Callable[[list[dict[str, Any]], int, float, int], Awaitable[str]]
+
+
+class SummaryDeferred(Exception):
+    """The summariser may not call a lane now (the session's key is at one of its limits): the summary is tried
+    again after ``retry_after`` seconds, and the attempt is no failure."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = max(1.0, retry_after)
 
 SUMMARY_SYSTEM = (
     "You keep the running summary of a conversation between a user and an assistant. Rewrite the summary so it "
@@ -172,6 +184,7 @@ class MemoryService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.summaries_written = 0
         self.summary_failures = 0
+        self.summaries_deferred = 0
 
     # ------------------------------------------------------------ sessions
     async def session(self, key_id: int, sid: str) -> Session | None:
@@ -379,6 +392,13 @@ class MemoryService:
         self._summarising.add(pk)
         try:
             return await self._summarise(pk, force)
+        except SummaryDeferred as e:  # the key's limits: later, when it has room; its failure count stays
+            fails = self._retry.get(pk, (0.0, 0))[1]
+            self._retry[pk] = (time.monotonic() + e.retry_after, fails)
+            self._touch(pk)
+            self.summaries_deferred += 1
+            log.info("memory: summarising session pk=%d waits %.0fs: %s", pk, e.retry_after, e)
+            return False
         except Exception as e:
             fails = (self._retry.get(pk, (0.0, 0))[1]) + 1
             delay = self.cfg.summary_retry_s * min(16, 2 ** (fails - 1))
@@ -415,8 +435,12 @@ class MemoryService:
             spent += cost
         if not fold:
             return False
+        owner = await asyncio.to_thread(self.store.session_key, pk)
+        if owner is None:  # deleted meanwhile
+            self._retry.pop(pk, None)
+            return False
         text = await asyncio.wait_for(self.complete(summary_prompt(prev, fold), cfg.summary_max_tokens,
-                                                    cfg.summary_temperature), cfg.summary_timeout_s)
+                                                    cfg.summary_temperature, owner), cfg.summary_timeout_s)
         text = text.strip()
         if not text:
             raise ValueError("the lane returned an empty summary")

@@ -299,6 +299,12 @@ class MemoryStore:
             row = c.execute(select(sessions).where(sessions.c.id == sid, sessions.c.key_id == key_id)).first()
         return _session(row) if row is not None else None
 
+    def session_key(self, session_pk: int) -> int | None:
+        """The key that owns the session (None: it is gone)."""
+        with self.engine.connect() as c:
+            kid = c.execute(select(sessions.c.key_id).where(sessions.c.pk == session_pk)).scalar_one_or_none()
+        return int(kid) if kid is not None else None
+
     def list_sessions(self, key_id: int, limit: int = 100) -> list[Session]:
         q = select(sessions).where(sessions.c.key_id == key_id).order_by(
             sessions.c.last_active.desc(), sessions.c.pk.desc()).limit(limit)

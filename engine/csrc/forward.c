@@ -123,7 +123,7 @@ static st_status ffn_block(st_model *m, st_pool *pool, const st_batch *b, int il
     scratch *s = &m->s;
     const int64_t E = m->d.n_embd;
     for (int64_t t = 0; t < T; t++) st_rmsnorm_row(s->x + t * E, L->ffn_norm.data, s->xn + t * E, E, m->d.norm_eps);
-    if (m->d.n_expert > 0) return st_moe_block(m, pool, b, il, T, stats);
+    if (st_layer_is_moe(m, il)) return st_moe_block(m, pool, b, il, T, stats);
     CHECK(st_ffn_all_tokens(m, pool, &L->ffn_gate, &L->ffn_up, &L->ffn_down, T)); /* pair_out: [T, E] */
     for (int64_t i = 0; i < T * E; i++) s->x[i] += s->pair_out[i];
     return ST_OK;
@@ -256,7 +256,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         CHECK(ffn_block(m, pool, b, il, T, st));
         const double t2 = now_s();
         st->t_attn += t1 - t0;
-        if (m->d.n_expert > 0) st->t_experts += t2 - t1;
+        if (st_layer_is_moe(m, il)) st->t_experts += t2 - t1;
         else st->t_dense += t2 - t1;
     }
     const double t_out = now_s();

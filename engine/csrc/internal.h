@@ -256,6 +256,8 @@ typedef struct {
 struct st_model {
     st_model_desc d;
     st_layer *layers;
+    st_layer *nextn_layers; /* [d.n_nextn] copies of the NextN blocks and heads (kept, not run) */
+    st_nextn *nextn;
     int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
     float *inv_freq; /* [rope_dim / 2] */
     scratch s;
@@ -267,6 +269,9 @@ struct st_model {
     int32_t n_picks, cap_picks;
     int64_t cap_tok_buf;
 };
+
+/* Layer il runs the routed experts (not the dense FFN): an MoE model past its dense lead. */
+static inline int st_layer_is_moe(const st_model *m, int il) { return m->d.n_expert > 0 && il >= m->d.n_dense_lead; }
 
 /* Repack the Q4_1 and Q8_0 weight tensors whose row count is a multiple of 8 into
  * ST_TYPE_Q4_1_R8 / ST_TYPE_Q8_0_R8 (once; STRATA_REPACK=0 disables it). Failure keeps the
@@ -348,6 +353,12 @@ void st_add_bias(float *y, const st_tensor *b, int64_t T, int64_t n);
 /* One SwiGLU FFN over every token (a dense FFN or a shared expert): s->pair_out[T, E]. */
 st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, const st_tensor *up,
                             const st_tensor *down, int64_t T);
+/* Checks a descriptor's routing fields (gating, scale, expert groups) against its experts. */
+st_status st_check_routing(const st_model_desc *d);
+/* One token's routing (the rule in st_model_desc): r[n_expert] the router logits on entry,
+ * the probabilities on return; c[n_expert] and gs[n_expert_group] scratch; ids[k] the chosen
+ * experts, w[k] their weights before normalisation and scaling. bias: exp_probs_b or NULL. */
+void st_route_token(const st_model_desc *d, const float *bias, float *r, float *c, float *gs, int32_t *ids, float *w);
 /* The routed-expert block of layer il, added into s->x. */
 st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats);
 

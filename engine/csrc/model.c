@@ -81,9 +81,32 @@ static st_status check_tensor(const st_model_desc *d, const st_tensor *t, const 
     return ST_OK;
 }
 
+/* The routing fields of a descriptor (also st_route's arguments). */
+st_status st_check_routing(const st_model_desc *d) {
+    if (d->gating < 0 || d->gating > ST_GATING_SOFTMAX_WEIGHT)
+        return st_fail(ST_EUNSUPPORTED, "model: expert gating function %d unsupported (1 softmax, 2 sigmoid, 3 softmax "
+                                        "of the chosen)", d->gating);
+    if (!isfinite(d->expert_weights_scale) || d->expert_weights_scale < 0.0f)
+        return st_fail(ST_EINVAL, "model: expert weights scale %g invalid", (double)d->expert_weights_scale);
+    if (d->n_expert_group < 0 || d->n_group_used < 0 || (d->n_expert == 0 && d->n_expert_group > 1))
+        return st_fail(ST_EINVAL, "model: expert groups %d / %d invalid for expert_count %d", d->n_expert_group,
+                       d->n_group_used, d->n_expert);
+    if (d->n_expert_group > 1) {
+        /* the rules llama.cpp checks at load, plus enough eligible experts for the top k */
+        if (d->n_expert_group >= d->n_expert || d->n_expert % d->n_expert_group || d->n_group_used < 1 ||
+            d->n_group_used >= d->n_expert_group ||
+            (int64_t)d->n_group_used * (d->n_expert / d->n_expert_group) < d->n_expert_used)
+            return st_fail(ST_EINVAL,
+                           "model: %d expert groups with %d used invalid for %d experts, top-%d (groups must divide "
+                           "the experts, 0 < used < groups, and the used groups hold at least top-k experts)",
+                           d->n_expert_group, d->n_group_used, d->n_expert, d->n_expert_used);
+    }
+    return ST_OK;
+}
+
 /* Hyper-parameters alone, before anything is allocated from them. */
 static st_status check_hparams(const st_model_desc *d) {
-    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GLM4MOE) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
     if (d->n_layer < 1 || d->n_layer > ST_MAX_LAYERS || d->n_embd < 1 || d->n_embd > ST_MAX_ROW || d->n_head < 1 ||
         d->n_head > ST_MAX_HEADS || d->n_head_kv < 1 || d->n_head_kv > d->n_head || d->head_dim < 2 ||
         d->head_dim > ST_MAX_HEAD_DIM || d->n_vocab < 1 || d->n_vocab > ST_MAX_VOCAB)
@@ -109,6 +132,11 @@ static st_status check_hparams(const st_model_desc *d) {
         (d->n_expert == 0 && d->n_expert_used != 0))
         return st_fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used,
                        d->n_expert);
+    CHECK(st_check_routing(d));
+    if (d->n_dense_lead < 0 || d->n_dense_lead > d->n_layer)
+        return st_fail(ST_EINVAL, "model: %d leading dense layers out of range [0, %d]", d->n_dense_lead, d->n_layer);
+    if (d->n_nextn < 0 || d->n_nextn > ST_MAX_LAYERS || (d->n_nextn > 0 && (!d->nextn_layers || !d->nextn)))
+        return st_fail(ST_EINVAL, "model: %d NextN layers without their descriptors", d->n_nextn);
     if (!d->map_data || d->map_bytes < 1)
         return st_fail(ST_EINVAL, "model: the mapping the tensors live in is not given (map_data/map_bytes)");
     if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
@@ -117,10 +145,10 @@ static st_status check_hparams(const st_model_desc *d) {
 
 /* A SwiGLU FFN of layer il: gate and up [n_embd -> ff], down [ff -> n_embd], stacked
  * n_exp times (routed experts) or single (n_exp = 0). ff comes from gate's rows: at most
- * a kernel row, since down takes it as its row length, and the same in every layer
- * (*width holds layer 0's; 0 while unset, so a layer with it when layer 0 had none
- * differs too). */
-static st_status check_ffn(const st_model_desc *d, int il, const char *const names[3], const st_tensor *gate,
+ * a kernel row, since down takes it as its row length, and the same in every layer of its
+ * kind (*width holds that of layer `first`, the first of the kind; 0 while unset, so a
+ * layer with it when the first had none differs too). */
+static st_status check_ffn(const st_model_desc *d, int il, int first, const char *const names[3], const st_tensor *gate,
                            const st_tensor *up, const st_tensor *down, int64_t n_exp, int32_t *width) {
     const int64_t E = d->n_embd, ff = gate->data ? gate->ne[1] : 0, n = n_exp ? n_exp : 1;
     const int n_dims = n_exp ? 3 : 2;
@@ -128,12 +156,60 @@ static st_status check_ffn(const st_model_desc *d, int il, const char *const nam
     if (ff < 1 || ff > ST_MAX_ROW)
         return st_fail(ST_EINVAL, "layer %d: %s width %lld out of range [1, %d]", il, names[0], (long long)ff,
                        ST_MAX_ROW);
-    if (il == 0) *width = (int32_t)ff;
+    if (il == first) *width = (int32_t)ff;
     if (ff != *width)
-        return st_fail(ST_EINVAL, "layer %d: %s width %lld differs from layer 0's %d", il, names[0], (long long)ff,
-                       *width);
+        return st_fail(ST_EINVAL, "layer %d: %s width %lld differs from layer %d's %d", il, names[0], (long long)ff,
+                       first, *width);
     CHECK(check_tensor(d, up, names[1], il, 1, n_dims, E, ff, n, 0));
     CHECK(check_tensor(d, down, names[2], il, 1, n_dims, ff, E, n, 0));
+    return ST_OK;
+}
+
+/* One transformer block (a forward layer, or the block of a NextN layer: il >= n_layer). */
+static st_status check_layer(st_model *m, const st_layer *L, int il) {
+    const st_model_desc *d = &m->d;
+    const int64_t E = d->n_embd;
+    CHECK(check_tensor(d, &L->attn_norm, "attn_norm", il, 1, 1, E, 1, 1, 1));
+    CHECK(check_tensor(d, &L->wq, "attn_q", il, 1, 2, E, m->q_dim, 1, 0));
+    CHECK(check_tensor(d, &L->wk, "attn_k", il, 1, 2, E, m->kv_dim, 1, 0));
+    CHECK(check_tensor(d, &L->wv, "attn_v", il, 1, 2, E, m->kv_dim, 1, 0));
+    CHECK(check_tensor(d, &L->wo, "attn_output", il, 1, 2, m->q_dim, E, 1, 0));
+    CHECK(check_tensor(d, &L->bq, "attn_q.bias", il, 0, 1, m->q_dim, 1, 1, 1));
+    CHECK(check_tensor(d, &L->bk, "attn_k.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
+    CHECK(check_tensor(d, &L->bv, "attn_v.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
+    const int qk_norm = d->arch == ST_ARCH_QWEN3MOE;
+    CHECK(check_tensor(d, &L->q_norm, "attn_q_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
+    CHECK(check_tensor(d, &L->k_norm, "attn_k_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
+    if (!L->q_norm.data != !L->k_norm.data)
+        return st_fail(ST_EINVAL, "layer %d: attn_q_norm and attn_k_norm come together", il);
+    CHECK(check_tensor(d, &L->ffn_norm, "ffn_norm", il, 1, 1, E, 1, 1, 1));
+    if (d->n_expert > 0 && il >= d->n_dense_lead) {
+        const int first = d->n_dense_lead; /* the first routed layer sets the widths */
+        CHECK(check_tensor(d, &L->gate_inp, "ffn_gate_inp", il, 1, 2, E, d->n_expert, 1, 0));
+        CHECK(check_tensor(d, &L->exp_probs_b, "exp_probs_b", il, 0, 1, d->n_expert, 1, 1, 1));
+        static const char *exps[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+        CHECK(check_ffn(d, il, first, exps, &L->gate_exps, &L->up_exps, &L->down_exps, d->n_expert, &m->n_ff_exp));
+        if (L->gate_shexp.data || m->n_ff_shexp) {
+            static const char *shexp[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+            CHECK(check_ffn(d, il, first, shexp, &L->gate_shexp, &L->up_shexp, &L->down_shexp, 0, &m->n_ff_shexp));
+            CHECK(check_tensor(d, &L->gate_inp_shexp, "ffn_gate_inp_shexp", il, 0, 1, E, 1, 1, 1));
+        }
+    } else {
+        static const char *dense[3] = {"ffn_gate", "ffn_up", "ffn_down"};
+        CHECK(check_ffn(d, il, 0, dense, &L->ffn_gate, &L->ffn_up, &L->ffn_down, 0, &m->n_ff));
+    }
+    return ST_OK;
+}
+
+/* A NextN layer's head (layer il = n_layer + i). */
+static st_status check_nextn(const st_model_desc *d, const st_nextn *n, int il) {
+    const int64_t E = d->n_embd;
+    CHECK(check_tensor(d, &n->eh_proj, "nextn.eh_proj", il, 1, 2, 2 * E, E, 1, 0));
+    CHECK(check_tensor(d, &n->enorm, "nextn.enorm", il, 1, 1, E, 1, 1, 1));
+    CHECK(check_tensor(d, &n->hnorm, "nextn.hnorm", il, 1, 1, E, 1, 1, 1));
+    CHECK(check_tensor(d, &n->embed_tokens, "nextn.embed_tokens", il, 0, 2, E, d->n_vocab, 1, 0));
+    CHECK(check_tensor(d, &n->shared_head_head, "nextn.shared_head_head", il, 0, 2, E, d->n_vocab, 1, 0));
+    CHECK(check_tensor(d, &n->shared_head_norm, "nextn.shared_head_norm", il, 0, 1, E, 1, 1, 1));
     return ST_OK;
 }
 
@@ -144,35 +220,10 @@ static st_status validate(st_model *m) {
     CHECK(check_tensor(d, &d->output_norm, "output_norm", -1, 1, 1, E, 1, 1, 1));
     CHECK(check_tensor(d, &d->output, "output", -1, 1, 2, E, d->n_vocab, 1, 0));
     m->n_ff = m->n_ff_exp = m->n_ff_shexp = 0;
-    for (int il = 0; il < d->n_layer; il++) {
-        const st_layer *L = &m->layers[il];
-        CHECK(check_tensor(d, &L->attn_norm, "attn_norm", il, 1, 1, E, 1, 1, 1));
-        CHECK(check_tensor(d, &L->wq, "attn_q", il, 1, 2, E, m->q_dim, 1, 0));
-        CHECK(check_tensor(d, &L->wk, "attn_k", il, 1, 2, E, m->kv_dim, 1, 0));
-        CHECK(check_tensor(d, &L->wv, "attn_v", il, 1, 2, E, m->kv_dim, 1, 0));
-        CHECK(check_tensor(d, &L->wo, "attn_output", il, 1, 2, m->q_dim, E, 1, 0));
-        CHECK(check_tensor(d, &L->bq, "attn_q.bias", il, 0, 1, m->q_dim, 1, 1, 1));
-        CHECK(check_tensor(d, &L->bk, "attn_k.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
-        CHECK(check_tensor(d, &L->bv, "attn_v.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
-        const int qk_norm = d->arch == ST_ARCH_QWEN3MOE;
-        CHECK(check_tensor(d, &L->q_norm, "attn_q_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
-        CHECK(check_tensor(d, &L->k_norm, "attn_k_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
-        if (!L->q_norm.data != !L->k_norm.data)
-            return st_fail(ST_EINVAL, "layer %d: attn_q_norm and attn_k_norm come together", il);
-        CHECK(check_tensor(d, &L->ffn_norm, "ffn_norm", il, 1, 1, E, 1, 1, 1));
-        if (d->n_expert > 0) {
-            CHECK(check_tensor(d, &L->gate_inp, "ffn_gate_inp", il, 1, 2, E, d->n_expert, 1, 0));
-            static const char *exps[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
-            CHECK(check_ffn(d, il, exps, &L->gate_exps, &L->up_exps, &L->down_exps, d->n_expert, &m->n_ff_exp));
-            if (L->gate_shexp.data || m->n_ff_shexp) {
-                static const char *shexp[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
-                CHECK(check_ffn(d, il, shexp, &L->gate_shexp, &L->up_shexp, &L->down_shexp, 0, &m->n_ff_shexp));
-                CHECK(check_tensor(d, &L->gate_inp_shexp, "ffn_gate_inp_shexp", il, 0, 1, E, 1, 1, 1));
-            }
-        } else {
-            static const char *dense[3] = {"ffn_gate", "ffn_up", "ffn_down"};
-            CHECK(check_ffn(d, il, dense, &L->ffn_gate, &L->ffn_up, &L->ffn_down, 0, &m->n_ff));
-        }
+    for (int il = 0; il < d->n_layer; il++) CHECK(check_layer(m, &m->layers[il], il));
+    for (int i = 0; i < d->n_nextn; i++) {
+        CHECK(check_layer(m, &m->nextn_layers[i], d->n_layer + i));
+        CHECK(check_nextn(d, &m->nextn[i], d->n_layer + i));
     }
     return ST_OK;
 }
@@ -191,6 +242,18 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
     }
     memcpy(m->layers, desc->layers, (size_t)desc->n_layer * sizeof *m->layers);
     m->d.layers = m->layers;
+    if (desc->n_nextn > 0) { /* copied like the layers: the descriptor's arrays are only borrowed */
+        m->nextn_layers = calloc((size_t)desc->n_nextn, sizeof *m->nextn_layers);
+        m->nextn = calloc((size_t)desc->n_nextn, sizeof *m->nextn);
+        if (!m->nextn_layers || !m->nextn) {
+            st_model_destroy(m);
+            return st_fail(ST_ENOMEM, "model_create: out of memory");
+        }
+        memcpy(m->nextn_layers, desc->nextn_layers, (size_t)desc->n_nextn * sizeof *m->nextn_layers);
+        memcpy(m->nextn, desc->nextn, (size_t)desc->n_nextn * sizeof *m->nextn);
+    }
+    m->d.nextn_layers = m->nextn_layers;
+    m->d.nextn = m->nextn;
     m->q_dim = desc->n_head * desc->head_dim; /* bounded by check_hparams */
     m->kv_dim = desc->n_head_kv * desc->head_dim;
     const st_status rc = validate(m);
@@ -282,6 +345,8 @@ void st_model_repack(st_model *m) {
 
 size_t st_model_repacked_bytes(const st_model *m) { return m ? m->repack_bytes : 0; }
 
+int32_t st_model_nextn_layers(const st_model *m) { return m ? m->d.n_nextn : -1; }
+
 void st_model_destroy(st_model *m) {
     if (!m) return;
     scratch_free(&m->s);
@@ -290,6 +355,8 @@ void st_model_destroy(st_model *m) {
     free(m->inv_freq);
     if (m->repack) munmap(m->repack, m->repack_bytes);
     free(m->layers);
+    free(m->nextn_layers);
+    free(m->nextn);
     free(m);
 }
 

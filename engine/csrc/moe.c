@@ -7,6 +7,7 @@
  * cut into thin row slices while a cold one gets a few wide ones. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -127,7 +128,7 @@ static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t ro
  * indexed by pair. */
 static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups, int32_t n_groups,
                              const st_tensor *tg, const st_tensor *tu, const st_tensor *td, const acts *in,
-                             int64_t n_pairs) {
+                             int64_t n_pairs, float *pair_out) {
     scratch *s = &m->s;
     const int64_t n_ff = tg->ne[1], E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
@@ -136,7 +137,7 @@ static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups
     if (!items) return st_fail(ST_ENOMEM, "forward: out of memory (expert items)");
     ffn_ctx c = {groups, items, tg->type, tu->type, td->type, st_row_bytes(tg->type, tg->ne[0]),
                  st_row_bytes(tu->type, tu->ne[0]), st_row_bytes(td->type, td->ne[0]), n_ff, E, *in, s->pair_tok,
-                 s->h, {0}, s->pair_out};
+                 s->h, {0}, pair_out};
     int32_t n = build_items(groups, n_groups, n_ff, nt, c.rbg + c.rbu, items);
     st_pool_run(pool, ffn_gate_up_task, &c, n);
     c.hin = st_make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
@@ -153,35 +154,108 @@ st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, c
     const int need_q = !st_type_is_float(gate->type) || !st_type_is_float(up->type); /* types may differ */
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
     const ffn_group g = {gate->data, up->data, down->data, s->pairs_by_expert, (int32_t)T};
-    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T);
+    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T, s->pair_out);
 }
 
-/* Router: logits = xn . gate_inp, softmax over all experts, then the top k by
- * probability (lowest index on ties): topk_id[T, k], topk_w[T, k] (raw probabilities). */
-static void route(st_model *m, st_pool *pool, const st_layer *L, int64_t T) {
-    scratch *s = &m->s;
-    const int ne = m->d.n_expert, k = m->d.n_expert_used;
-    const acts rin = st_make_acts(pool, s->xn, T, m->d.n_embd, !st_type_is_float(L->gate_inp.type), layer_buf(s));
-    st_linear(pool, &L->gate_inp, &rin, NULL, T, s->router, ne); /* [T, n_expert] */
-    for (int64_t t = 0; t < T; t++) {
-        float *r = s->router + t * ne;
+/* The top k of c[0..n) into ids[0..k) (largest first, lowest index on ties; -inf entries are
+ * never taken while a finite one is left). k <= n. */
+static void top_k(const float *c, int n, int k, int32_t *ids) {
+    uint8_t taken[ST_MAX_EXPERTS]; /* O(k n), not O(k^2 n): 256 experts, top-8, 58 layers per token */
+    memset(taken, 0, (size_t)n);
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < n; e++)
+            if (!taken[e] && (best < 0 || c[e] > c[best])) best = e;
+        ids[j] = best;
+        taken[best] = 1;
+    }
+}
+
+/* Routing of one token (llama.cpp's build_moe_ffn; see st_model_desc):
+ *   r[ne]: the router logits on entry, the probabilities p on return;
+ *   c[ne], gs[n_group]: scratch for the choice scores and group scores;
+ *   ids[k], w[k]: the chosen experts and their weights before normalisation (p, or for
+ *   ST_GATING_SOFTMAX_WEIGHT the softmax of the chosen logits). */
+void st_route_token(const st_model_desc *d, const float *bias, float *r, float *c, float *gs, int32_t *ids, float *w) {
+    const int ne = d->n_expert, k = d->n_expert_used;
+    const int gating = d->gating ? d->gating : ST_GATING_SOFTMAX;
+    if (gating == ST_GATING_SOFTMAX) {
         float mx = -INFINITY, sum = 0.0f;
         for (int e = 0; e < ne; e++) mx = r[e] > mx ? r[e] : mx;
         for (int e = 0; e < ne; e++) sum += (r[e] = expf(r[e] - mx));
         for (int e = 0; e < ne; e++) r[e] /= sum;
-        int32_t *ids = s->topk_id + t * k;
-        float *w = s->topk_w + t * k;
-        for (int j = 0; j < k; j++) {
-            int best = -1;
-            for (int e = 0; e < ne; e++) {
-                int used = 0;
-                for (int u = 0; u < j; u++) used |= ids[u] == e;
-                if (!used && (best < 0 || r[e] > r[best])) best = e;
-            }
-            ids[j] = best;
-            w[j] = r[best];
+    } else if (gating == ST_GATING_SIGMOID) {
+        for (int e = 0; e < ne; e++) r[e] = 1.0f / (1.0f + expf(-r[e]));
+    }
+    for (int e = 0; e < ne; e++) c[e] = bias ? r[e] + bias[e] : r[e];
+    if (d->n_expert_group > 1) {
+        /* a group's score is the sum of its two best choice scores (DeepSeek-V3's rule, as in
+         * llama.cpp); experts outside the n_group_used best groups are not eligible */
+        const int ng = d->n_expert_group, per = ne / ng, two = per < 2 ? per : 2;
+        int32_t best[2], keep[ST_MAX_EXPERTS];
+        for (int g = 0; g < ng; g++) {
+            top_k(c + g * per, per, two, best);
+            gs[g] = 0.0f;
+            for (int j = 0; j < two; j++) gs[g] += c[g * per + best[j]];
+        }
+        top_k(gs, ng, d->n_group_used, keep);
+        for (int g = 0; g < ng; g++) {
+            int kept = 0;
+            for (int u = 0; u < d->n_group_used; u++) kept |= keep[u] == g;
+            if (!kept)
+                for (int e = 0; e < per; e++) c[g * per + e] = -INFINITY;
         }
     }
+    top_k(c, ne, k, ids);
+    for (int j = 0; j < k; j++) w[j] = r[ids[j]];
+    if (gating == ST_GATING_SOFTMAX_WEIGHT) {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int j = 0; j < k; j++) mx = w[j] > mx ? w[j] : mx;
+        for (int j = 0; j < k; j++) sum += (w[j] = expf(w[j] - mx));
+        for (int j = 0; j < k; j++) w[j] /= sum;
+    }
+}
+
+st_status st_route(int32_t n_expert, int32_t k, int32_t gating, int32_t n_expert_group, int32_t n_group_used,
+                   int32_t norm, float scale, const float *bias, const float *logits, int32_t T, int32_t *ids,
+                   float *weights) {
+    if (n_expert < 1 || n_expert > ST_MAX_EXPERTS || k < 1 || k > n_expert || k > ST_MAX_EXPERTS_USED || T < 0)
+        return st_fail(ST_EINVAL, "route: top-%d of %d experts over %d rows invalid", k, n_expert, T);
+    if (T > 0 && (!logits || !ids || !weights)) return st_fail(ST_EINVAL, "route: NULL buffer");
+    st_model_desc d = {0};
+    d.n_expert = n_expert, d.n_expert_used = k, d.gating = gating, d.n_expert_group = n_expert_group;
+    d.n_group_used = n_group_used, d.expert_norm = norm, d.expert_weights_scale = scale;
+    CHECK(st_check_routing(&d));
+    float *buf = malloc(sizeof(float) * 3 * (size_t)n_expert);
+    if (!buf) return st_fail(ST_ENOMEM, "route: out of memory");
+    const double sc = scale != 0.0f ? (double)scale : 1.0;
+    for (int32_t t = 0; t < T; t++) {
+        float *r = buf, *w = weights + (size_t)t * (size_t)k;
+        for (int e = 0; e < n_expert; e++) r[e] = logits[(size_t)t * (size_t)n_expert + (size_t)e];
+        st_route_token(&d, bias, r, buf + n_expert, buf + 2 * n_expert, ids + (size_t)t * (size_t)k, w);
+        double den = 0.0; /* as combine applies them */
+        for (int j = 0; j < k; j++) den += (double)w[j];
+        if (den < 6.103515625e-5) den = 6.103515625e-5;
+        if (!norm) den = 1.0;
+        for (int j = 0; j < k; j++) w[j] = (float)((double)w[j] / den * sc);
+    }
+    free(buf);
+    return ST_OK;
+}
+
+/* Router: logits = xn . gate_inp, then st_route_token per token: topk_id[T, k], topk_w[T, k]. */
+static st_status route(st_model *m, st_pool *pool, const st_layer *L, int64_t T) {
+    scratch *s = &m->s;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const acts rin = st_make_acts(pool, s->xn, T, m->d.n_embd, !st_type_is_float(L->gate_inp.type), layer_buf(s));
+    st_linear(pool, &L->gate_inp, &rin, NULL, T, s->router, ne); /* [T, n_expert] */
+    float *c = malloc(sizeof(float) * 2 * (size_t)ne); /* choice scores, group scores (n_group < ne) */
+    if (!c) return st_fail(ST_ENOMEM, "forward: out of memory (routing)");
+    const float *bias = L->exp_probs_b.data;
+    for (int64_t t = 0; t < T; t++)
+        st_route_token(&m->d, bias, s->router + t * ne, c, c + ne, s->topk_id + t * k, s->topk_w + t * k);
+    free(c);
+    return ST_OK;
 }
 
 static inline const uint8_t *expert_ptr(const st_tensor *t, int e) {
@@ -213,23 +287,26 @@ static int32_t group_by_expert(st_model *m, const st_layer *L, int64_t T, int32_
 }
 
 /* Weighted sum in slot order (independent of the batch), in double with one final
- * rounding: sum_j p_j o_j / sum_j p_j. The products and sums are exact in double,
- * so experts with identical outputs (an upcycled dense model) give that output
- * bit for bit, and the routed model reproduces its dense origin exactly. */
+ * rounding: sum_j p_j o_j / sum_j p_j (the sum clamped below at 2^-14 as llama.cpp does),
+ * times the routed scaling factor. The products and sums are exact in double, so experts
+ * with identical outputs (an upcycled dense model) give that output bit for bit, and the
+ * routed model reproduces its dense origin exactly. */
 static void combine(st_model *m, int64_t T) {
     scratch *s = &m->s;
     const int64_t E = m->d.n_embd;
     const int k = m->d.n_expert_used;
+    const double scale = m->d.expert_weights_scale != 0.0f ? (double)m->d.expert_weights_scale : 1.0;
     for (int64_t t = 0; t < T; t++) {
         float *x = s->x + t * E;
         const float *w = s->topk_w + t * k;
         double den = 0.0;
         for (int j = 0; j < k; j++) den += (double)w[j];
+        if (den < 6.103515625e-5) den = 6.103515625e-5;
         if (!m->d.expert_norm) den = 1.0;
         for (int64_t i = 0; i < E; i++) {
             double num = 0.0;
             for (int j = 0; j < k; j++) num += (double)w[j] * (double)s->pair_out[(size_t)(t * k + j) * E + i];
-            x[i] += (float)(num / den);
+            x[i] += (float)(num / den * scale);
         }
     }
 }
@@ -252,11 +329,13 @@ static st_status shared_expert(st_model *m, st_pool *pool, const st_layer *L, in
     return ST_OK;
 }
 
-st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats) {
+/* The routed experts of layer il over s->xn [T, E]: route, group, the grouped FFN, and the
+ * weighted sum added into s->x. The step's routed block and st_moe_layer both run this. */
+static st_status routed_ffn(st_model *m, st_pool *pool, int il, int64_t T, int32_t *hist, st_step_stats *stats) {
     const st_layer *L = &m->layers[il];
     scratch *s = &m->s;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
-    route(m, pool, L, T);
+    CHECK(route(m, pool, L, T));
     int32_t *fill = malloc(sizeof(int32_t) * (size_t)ne);
     ffn_group *groups = malloc(sizeof(ffn_group) * (size_t)ne);
     if (!fill || !groups) {
@@ -264,17 +343,113 @@ st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, in
         free(groups);
         return st_fail(ST_ENOMEM, "forward: out of memory (expert groups)");
     }
-    const int32_t n_groups =
-        group_by_expert(m, L, T, fill, groups, b->expert_hist ? b->expert_hist + (size_t)il * (size_t)ne : NULL);
+    const int32_t n_groups = group_by_expert(m, L, T, fill, groups, hist);
     stats->n_expert_tokens += T * k;
     stats->n_active_experts += n_groups;
     const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
-    const st_status rc = ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k);
+    const st_status rc =
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k, s->pair_out);
     free(fill);
     free(groups);
     if (rc != ST_OK) return rc;
     combine(m, T);
+    return ST_OK;
+}
+
+st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats) {
+    const st_layer *L = &m->layers[il];
+    const int ne = m->d.n_expert;
+    CHECK(routed_ffn(m, pool, il, T, b->expert_hist ? b->expert_hist + (size_t)il * (size_t)ne : NULL, stats));
     if (L->gate_shexp.data) CHECK(shared_expert(m, pool, L, T));
     return ST_OK;
+}
+
+/* ---- entry points for a caller that owns the rest of the layer (the hybrid GPU engine) ---- */
+
+/* The checks shared by st_moe_layer and st_moe_pairs; grows the scratch for T tokens and
+ * n_pairs pairs (its pair capacity is tokens x (k + 1)). */
+static st_status moe_entry_check(const char *what, st_model *m, st_pool *pool, int32_t layer, int32_t T,
+                                 const float *x, int64_t n_pairs) {
+    if (!m || !pool) return st_fail(ST_EINVAL, "%s: model and pool are required", what);
+    if (m->d.n_expert <= 0) return st_fail(ST_EINVAL, "%s: the model has no routed experts", what);
+    if (layer < 0 || layer >= m->d.n_layer)
+        return st_fail(ST_ERANGE, "%s: layer %d outside [0, %d)", what, layer, m->d.n_layer);
+    if (!m->layers[layer].gate_exps.data)
+        return st_fail(ST_EINVAL, "%s: layer %d has no routed experts", what, layer);
+    if (T < 1 || T > ST_MOE_MAX_TOKENS)
+        return st_fail(ST_EINVAL, "%s: T = %d tokens outside [1, %d]", what, T, ST_MOE_MAX_TOKENS);
+    if (!x) return st_fail(ST_EINVAL, "%s: x is NULL", what);
+    st_model_repack(m); /* the weights the step reads (repacked once, at the first CPU call) */
+    const int64_t k1 = (int64_t)m->d.n_expert_used + 1;
+    int64_t rows = (n_pairs + k1 - 1) / k1;
+    if (rows < T) rows = T;
+    return st_scratch_ensure(m, (size_t)rows, 1, 1);
+}
+
+st_status st_moe_layer(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, float *out,
+                       int32_t *topk_id, float *topk_w) {
+    CHECK(moe_entry_check("st_moe_layer", m, pool, layer, T, x, 0));
+    if (!out) return st_fail(ST_EINVAL, "st_moe_layer: out is NULL");
+    scratch *s = &m->s;
+    const int64_t E = m->d.n_embd;
+    const size_t tk = (size_t)T * (size_t)m->d.n_expert_used;
+    memcpy(s->xn, x, sizeof(float) * (size_t)T * (size_t)E);
+    memset(s->x, 0, sizeof(float) * (size_t)T * (size_t)E);
+    st_step_stats stats = {0};
+    CHECK(routed_ffn(m, pool, layer, T, NULL, &stats));
+    memcpy(out, s->x, sizeof(float) * (size_t)T * (size_t)E);
+    if (topk_id) memcpy(topk_id, s->topk_id, sizeof(int32_t) * tk);
+    if (topk_w) memcpy(topk_w, s->topk_w, sizeof(float) * tk);
+    return ST_OK;
+}
+
+st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
+                       const int32_t *pair_tok, const int32_t *pair_exp, float *out) {
+    const char *what = "st_moe_pairs";
+    if (n_pairs < 0) return st_fail(ST_EINVAL, "%s: n_pairs = %d is negative", what, n_pairs);
+    if (m && m->d.n_expert > 0 && (int64_t)n_pairs > (int64_t)T * m->d.n_expert)
+        return st_fail(ST_EINVAL, "%s: %d pairs for %d tokens of %d experts (at most one pair per token and expert)",
+                       what, n_pairs, T, m->d.n_expert);
+    CHECK(moe_entry_check(what, m, pool, layer, T, x, n_pairs));
+    if (n_pairs == 0) return ST_OK;
+    if (!pair_tok || !pair_exp || !out) return st_fail(ST_EINVAL, "%s: pair_tok, pair_exp and out are required", what);
+    const int ne = m->d.n_expert;
+    for (int32_t p = 0; p < n_pairs; p++) {
+        if (pair_tok[p] < 0 || pair_tok[p] >= T)
+            return st_fail(ST_ERANGE, "%s: pair %d names token %d outside [0, %d)", what, p, pair_tok[p], T);
+        if (pair_exp[p] < 0 || pair_exp[p] >= ne)
+            return st_fail(ST_ERANGE, "%s: pair %d names expert %d outside [0, %d)", what, p, pair_exp[p], ne);
+    }
+    const st_layer *L = &m->layers[layer];
+    scratch *s = &m->s;
+    int32_t *start = s->expert_start;
+    int32_t *fill = malloc(sizeof(int32_t) * (size_t)ne);
+    ffn_group *groups = malloc(sizeof(ffn_group) * (size_t)ne);
+    if (!fill || !groups) {
+        free(fill);
+        free(groups);
+        return st_fail(ST_ENOMEM, "%s: out of memory (expert groups)", what);
+    }
+    /* grouped by expert, in the caller's pair order inside each expert (as the step groups its
+     * pairs in token order): the kernels' results per (row, pair) do not depend on the grouping */
+    memset(start, 0, sizeof(int32_t) * (size_t)(ne + 1));
+    for (int32_t p = 0; p < n_pairs; p++) start[pair_exp[p] + 1]++, s->pair_tok[p] = pair_tok[p];
+    for (int e = 0; e < ne; e++) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(int32_t) * (size_t)ne);
+    for (int32_t p = 0; p < n_pairs; p++) s->pairs_by_expert[fill[pair_exp[p]]++] = p;
+    int32_t n_groups = 0;
+    for (int e = 0; e < ne; e++) {
+        const int32_t cnt = start[e + 1] - start[e];
+        if (!cnt) continue;
+        groups[n_groups++] = (ffn_group){expert_ptr(&L->gate_exps, e), expert_ptr(&L->up_exps, e),
+                                         expert_ptr(&L->down_exps, e), s->pairs_by_expert + start[e], cnt};
+    }
+    const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
+    const acts in = st_make_acts(pool, x, T, m->d.n_embd, need_q, layer_buf(s));
+    const st_status rc =
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, n_pairs, out);
+    free(fill);
+    free(groups);
+    return rc;
 }

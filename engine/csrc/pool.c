@@ -188,3 +188,55 @@ void st_pool_times(const st_pool *p, double *busy, double *total) {
     }
     *busy = b, *total = t;
 }
+
+/* ------------------------------------------------------------------ memory read probe */
+
+typedef struct {
+    const uint64_t *buf;
+    int64_t n_words, per_item;
+    uint64_t sums[256]; /* one per item, so the reads cannot be dropped */
+} read_ctx;
+
+static void read_task(void *vctx, int64_t item, int thread) {
+    (void)thread;
+    read_ctx *c = vctx;
+    const int64_t a = item * c->per_item, b = a + c->per_item < c->n_words ? a + c->per_item : c->n_words;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0; /* four chains: the loop is bound by memory, not adds */
+    int64_t i = a;
+    for (; i + 4 <= b; i += 4) s0 += c->buf[i], s1 += c->buf[i + 1], s2 += c->buf[i + 2], s3 += c->buf[i + 3];
+    for (; i < b; i++) s0 += c->buf[i];
+    c->sums[item] = s0 + s1 + s2 + s3;
+}
+
+st_status st_mem_read_gbs(st_pool *pool, int64_t bytes, int32_t passes, double *gb_s) {
+    if (!pool || !gb_s) return st_fail(ST_EINVAL, "st_mem_read_gbs: pool and gb_s are required");
+    if (bytes < ((int64_t)1 << 20) || bytes > ((int64_t)64 << 30))
+        return st_fail(ST_EINVAL, "st_mem_read_gbs: %lld bytes outside [1 MiB, 64 GiB]", (long long)bytes);
+    if (passes < 1 || passes > 1000) return st_fail(ST_EINVAL, "st_mem_read_gbs: passes = %d outside [1, 1000]", passes);
+    read_ctx *c = calloc(1, sizeof *c);
+    const int64_t n_words = bytes / 8;
+    uint64_t *buf = malloc((size_t)n_words * 8);
+    if (!c || !buf) {
+        free(c);
+        free(buf);
+        return st_fail(ST_ENOMEM, "st_mem_read_gbs: out of memory for %lld bytes", (long long)bytes);
+    }
+    for (int64_t i = 0; i < n_words; i++) buf[i] = (uint64_t)i; /* touched: every page mapped before timing */
+    /* items of a few MiB each, at most 256, handed out by the pool's counter like the step's work */
+    int64_t n_items = n_words / (((int64_t)4 << 20) / 8);
+    const int nt = st_pool_threads(pool);
+    if (n_items < nt) n_items = nt;
+    if (n_items > 256) n_items = 256;
+    c->buf = buf, c->n_words = n_words, c->per_item = (n_words + n_items - 1) / n_items;
+    double best = 0.0;
+    for (int32_t p = 0; p < passes; p++) {
+        const double t0 = mono_s();
+        st_pool_run(pool, read_task, c, n_items);
+        const double dt = mono_s() - t0;
+        if (dt > 0 && (double)(n_words * 8) / dt > best) best = (double)(n_words * 8) / dt;
+    }
+    *gb_s = best / 1e9;
+    free(buf);
+    free(c);
+    return ST_OK;
+}

@@ -142,11 +142,29 @@ typedef struct {
     st_tensor ffn_gate, ffn_up, ffn_down;                  /* dense FFN */
     st_tensor gate_inp, gate_exps, up_exps, down_exps;     /* routed experts */
     st_tensor gate_inp_shexp, gate_shexp, up_shexp, down_shexp; /* shared expert */
+    /* [n_expert] F32 score-correction bias (DeepSeek-V3, GLM-4.5): added to the routing
+     * probabilities for the choice of experts only, never to their weights. */
+    st_tensor exp_probs_b;
 } st_layer;
+
+/* The next-token-prediction (NextN / MTP) head of an extra layer after the forward layers:
+ * kept with the model for speculative decoding, never run by st_forward. eh_proj maps
+ * [enorm(embedding); hnorm(hidden)] (2 * n_embd) to n_embd; the other three are optional. */
+typedef struct {
+    st_tensor eh_proj, enorm, hnorm;
+    st_tensor embed_tokens, shared_head_head, shared_head_norm;
+} st_nextn;
 
 #define ST_ARCH_LLAMA 0
 #define ST_ARCH_QWEN3MOE 1
 #define ST_ARCH_QWEN2MOE 2
+#define ST_ARCH_GLM4MOE 3
+
+/* Router gating functions (llama.cpp's expert_gating_func values). 0 in a descriptor means
+ * softmax. */
+#define ST_GATING_SOFTMAX 1        /* softmax over all experts, top-k of the probabilities */
+#define ST_GATING_SIGMOID 2        /* sigmoid of each logit */
+#define ST_GATING_SOFTMAX_WEIGHT 3 /* top-k of the logits, then softmax over the k chosen */
 
 #define ST_ROPE_NORM 0 /* rotate adjacent pairs (x[2i], x[2i+1]) */
 #define ST_ROPE_NEOX 2 /* rotate halves (x[i], x[i + d/2]) */
@@ -164,6 +182,21 @@ typedef struct {
      * refused. It must outlive the model. */
     const void *map_data;
     int64_t map_bytes;
+    /* Routing and layer layout (all zero: softmax routing, every layer routed when
+     * n_expert > 0, no NextN layers). Routing follows llama.cpp's build_moe_ffn:
+     *   probabilities p = gating(logits); choice scores c = p + exp_probs_b (when present);
+     *   with n_expert_group > 1 only the n_group_used groups (of n_expert / n_expert_group
+     *   consecutive experts) with the largest sum of their two best c stay eligible;
+     *   the top n_expert_used of c are chosen (lowest index on ties); their weights are the
+     *   unbiased p, divided by max(sum, 2^-14) when expert_norm, times expert_weights_scale. */
+    int32_t gating;             /* ST_GATING_*, 0 = softmax */
+    float expert_weights_scale; /* 0 = 1 */
+    int32_t n_expert_group;     /* 0 or 1 = no groups */
+    int32_t n_group_used;
+    int32_t n_dense_lead;       /* layers 0 .. n_dense_lead-1 use the dense FFN (ffn_gate/up/down) */
+    int32_t n_nextn;            /* NextN layers after the n_layer forward layers (kept, not run) */
+    st_layer *nextn_layers;     /* [n_nextn] their transformer blocks, borrowed during st_model_create */
+    st_nextn *nextn;            /* [n_nextn] their prediction heads, borrowed likewise */
 } st_model_desc;
 
 typedef struct st_model st_model;
@@ -175,6 +208,16 @@ void st_model_destroy(st_model *m);
 /* Bytes of weights the model holds repacked (0 before its first CPU step, with
  * STRATA_REPACK=0, or when nothing qualifies). */
 size_t st_model_repacked_bytes(const st_model *m);
+/* The NextN layers the model keeps (validated with it, not run by st_forward); -1 for NULL. */
+int32_t st_model_nextn_layers(const st_model *m);
+
+/* The router's rule (st_model_desc's routing fields) on rows of logits, for tests:
+ * logits[T, n_expert] (read only), bias[n_expert] (exp_probs_b) or NULL; out: ids[T, k] the
+ * chosen experts in order, weights[T, k] the weights their outputs are summed with
+ * (normalised when norm, scaled). The arguments are checked as st_model_create checks them. */
+st_status st_route(int32_t n_expert, int32_t k, int32_t gating, int32_t n_expert_group, int32_t n_group_used,
+                   int32_t norm, float scale, const float *bias, const float *logits, int32_t T, int32_t *ids,
+                   float *weights);
 
 /* ---- paged KV cache (F16) ------------------------------------------------------ */
 typedef struct st_kv st_kv;
@@ -229,6 +272,31 @@ typedef struct {
 } st_batch;
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats);
+
+/* ---- routed experts for a caller that owns the rest of the layer (the hybrid GPU engine) ----
+ * Both run on the model's CPU scratch and the given pool: never concurrently with st_forward or
+ * each other on the same model. x[T, n_embd] is the FFN input after the layer's RMSNorm (float,
+ * host memory); 1 <= T <= ST_MOE_MAX_TOKENS. Errors: a NULL argument, a model or layer without
+ * routed experts, T or n_pairs out of bounds -> ST_EINVAL; a layer, token or expert index out
+ * of range -> ST_ERANGE. */
+#define ST_MOE_MAX_TOKENS 1048576
+/* The routed FFN of one layer exactly as st_forward computes it (router, top-k, grouped experts,
+ * the weighted sum; not the shared expert): out[T, n_embd]; the routing into topk_id[T, k] and
+ * topk_w[T, k] (raw softmax probabilities, slot order) when not NULL. */
+st_status st_moe_layer(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, float *out,
+                       int32_t *topk_id, float *topk_w);
+/* The routed experts of one layer for a list of (token row, expert) pairs: out[p, n_embd] =
+ * expert pair_exp[p]'s SwiGLU FFN of x[pair_tok[p]], unweighted (the caller weights and sums).
+ * The step's kernels (8-bit activations, pairs grouped by expert, gate and up fused): each row
+ * has the bits the step gives that (token, expert). At most one pair per (token, expert) is
+ * meaningful; n_pairs <= T x n_expert. n_pairs = 0 does nothing. */
+st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
+                       const int32_t *pair_tok, const int32_t *pair_exp, float *out);
+
+/* Memory read bandwidth through the pool: every pool thread reads its share of a private buffer
+ * of `bytes` (>= 1 MiB, at most 64 GiB) `passes` times (1..1000); *gb_s = the best pass's bytes /
+ * wall seconds / 1e9. The hybrid planner's CPU figure (the rate experts stream from RAM). */
+st_status st_mem_read_gbs(st_pool *pool, int64_t bytes, int32_t passes, double *gb_s);
 
 /* The greedy pick of each row of x[rows, n] (n >= 1): out[r] = the first index of row r's
  * maximum, by st_batch.out_tokens' rule (NaN first, then ties to the lowest index). The generic

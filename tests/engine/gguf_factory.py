@@ -144,3 +144,217 @@ def make_random_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ---------------------------------------------------------------------------------------------- glm4moe
+
+# GLM-4.5's special tokens (their texts in its tokenizer), in this vocabulary after the normal ones.
+GLM_SPECIALS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                "<|assistant|>", "<|observation|>", "<think>", "</think>")
+GLM_VOCAB = 320
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode characters in byte order (the alphabet of a byte-level BPE)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, shifted = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + shifted))
+            shifted += 1
+    return out
+
+
+def glm_vocab_metadata(chat_template: str | None = None) -> dict[str, object]:
+    """A GLM-4.5-style byte-level BPE vocabulary of GLM_VOCAB tokens: the 256 byte characters,
+    "Ġ" + each lower-case letter, 26 common bigrams, then GLM_SPECIALS; pre-tokenizer "glm4", and the
+    special ids llama.cpp's converter writes for GLM-4.5 ([gMASK] as BOS, <|endoftext|> as EOS,
+    <|user|> as EOT, <|observation|> as EOM)."""
+    alphabet = _byte_alphabet()
+    space = alphabet[ord(" ")]
+    bigrams = ["th", "he", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te", "of", "ed",
+               "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha"]
+    merges = [f"{space} {c}" for c in "abcdefghijklmnopqrstuvwxyz"] + [f"{a} {b}" for a, b in bigrams]
+    tokens = alphabet + [m.replace(" ", "") for m in merges] + list(GLM_SPECIALS)
+    assert len(tokens) == GLM_VOCAB == len(set(tokens))
+    types = [1] * (GLM_VOCAB - len(GLM_SPECIALS)) + [3] * (len(GLM_SPECIALS) - 2) + [4, 4]  # think tags: user-defined
+    sid = {t: tokens.index(t) for t in GLM_SPECIALS}
+    md: dict[str, object] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "glm4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": sid["[gMASK]"],
+        "tokenizer.ggml.eos_token_id": sid["<|endoftext|>"],
+        "tokenizer.ggml.eot_token_id": sid["<|user|>"],
+        "tokenizer.ggml.eom_token_id": sid["<|observation|>"],
+        "tokenizer.ggml.unknown_token_id": sid["<|endoftext|>"],
+        "tokenizer.ggml.padding_token_id": sid["<|endoftext|>"],
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    if chat_template is not None:
+        md["tokenizer.chat_template"] = chat_template
+    return md
+
+
+def _add_metadata(w: GGUFWriter, md: dict[str, object]) -> None:
+    from gguf import GGUFValueType as V
+
+    for key, value in md.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            raise TypeError(f"{key}: {type(value).__name__}")
+    del V
+
+
+def make_glm4moe_gguf(
+    path: Path,
+    *,
+    n_dense_lead: int = 1,
+    n_moe: int = 2,
+    n_nextn: int = 1,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    rope_dim: int = 16,
+    n_ff: int = 96,
+    n_expert: int = 16,
+    n_expert_used: int = 4,
+    n_ff_exp: int = 32,
+    n_expert_shared: int = 1,
+    n_group: int = 0,
+    n_group_used: int = 0,
+    gating: int | None = 2,
+    weights_scale: float | None = 2.5,
+    weights_norm: bool | None = True,
+    qk_norm: bool = False,
+    exp_probs_b: bool = True,
+    weight_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    seed: int = 0,
+    chat_template: str | None = None,
+    vocab: bool = True,
+    drop_keys: tuple[str, ...] = (),
+    extra_keys: dict[str, int] | None = None,
+    omit: tuple[str, ...] = (),
+) -> Path:
+    """A random ``glm4moe`` GGUF in llama.cpp's names and layout (GLM-4.5 / Air in miniature):
+    head_dim * heads != n_embd, partial rotary (rope_dim < head_dim), q/k/v biases, optional q/k
+    norms, ``n_dense_lead`` dense layers, then ``n_moe`` MoE layers (router, score-correction bias
+    ``exp_probs_b``, routed experts, an ungated shared expert), then ``n_nextn`` NextN layers
+    (block_count counts them) with their eh_proj / enorm / hnorm / shared head. ``gating``,
+    ``weights_scale`` and ``weights_norm`` of None leave their keys out; ``drop_keys`` removes
+    metadata keys (without the ``glm4moe.`` prefix), ``extra_keys`` adds or replaces integer ones and ``omit``
+    drops tensors. The vocabulary is
+    glm_vocab_metadata()'s (GLM_VOCAB tokens; token_embd has that many rows even when ``vocab`` is
+    False and the tokenizer keys are left out)."""
+    arch = "glm4moe"
+    rng = np.random.default_rng(seed)
+    n_block = n_dense_lead + n_moe + n_nextn
+    n_vocab = GLM_VOCAB
+    w = GGUFWriter(str(path), arch)
+    keys: dict[str, tuple[str, object]] = {
+        "block_count": ("u", n_block), "context_length": ("u", 512), "embedding_length": ("u", n_embd),
+        "feed_forward_length": ("u", n_ff), "attention.head_count": ("u", n_head),
+        "attention.head_count_kv": ("u", n_head_kv), "attention.key_length": ("u", head_dim),
+        "attention.value_length": ("u", head_dim), "rope.dimension_count": ("u", rope_dim),
+        "rope.freq_base": ("f", 10000.0), "attention.layer_norm_rms_epsilon": ("f", 1e-5),
+        "expert_count": ("u", n_expert), "expert_used_count": ("u", n_expert_used),
+        "expert_shared_count": ("u", n_expert_shared), "expert_feed_forward_length": ("u", n_ff_exp),
+        "leading_dense_block_count": ("u", n_dense_lead), "nextn_predict_layers": ("u", n_nextn),
+        "vocab_size": ("u", n_vocab),
+    }
+    if gating is not None:
+        keys["expert_gating_func"] = ("u", gating)
+    if weights_scale is not None:
+        keys["expert_weights_scale"] = ("f", weights_scale)
+    if weights_norm is not None:
+        keys["expert_weights_norm"] = ("b", weights_norm)
+    if n_group:
+        keys["expert_group_count"] = ("u", n_group)
+        keys["expert_group_used_count"] = ("u", n_group_used)
+    for key, value in (extra_keys or {}).items():
+        keys[key] = ("u", value)
+    for key, (kind, value) in keys.items():
+        if key in drop_keys:
+            continue
+        if kind == "u":
+            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
+        elif kind == "f":
+            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
+        else:
+            w.add_bool(f"{arch}.{key}", bool(value))
+    if vocab:  # llama.cpp needs it; the engine does not
+        _add_metadata(w, glm_vocab_metadata(chat_template))
+
+    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def gain(n: int) -> np.ndarray:
+        return (1.0 + mat(n, scale=0.2)).astype(np.float32)
+
+    def add(name: str, data: np.ndarray, quant: bool = True) -> None:
+        if name in omit:
+            return
+        if quant and weight_type != GGMLQuantizationType.F32 and data.ndim >= 2:
+            q = quantize(data, weight_type)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=weight_type)
+        else:
+            w.add_tensor(name, data)
+
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    add("token_embd.weight", mat(n_vocab, n_embd, scale=0.5))
+    add("output_norm.weight", gain(n_embd), quant=False)
+    add("output.weight", mat(n_vocab, n_embd, scale=0.2))
+    for i in range(n_block):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", gain(n_embd), quant=False)
+        add(p + "attn_q.weight", mat(q_dim, n_embd, scale=0.2))
+        add(p + "attn_k.weight", mat(kv_dim, n_embd, scale=0.2))
+        add(p + "attn_v.weight", mat(kv_dim, n_embd))
+        add(p + "attn_q.bias", mat(q_dim, scale=0.2), quant=False)
+        add(p + "attn_k.bias", mat(kv_dim, scale=0.2), quant=False)
+        add(p + "attn_v.bias", mat(kv_dim), quant=False)
+        add(p + "attn_output.weight", mat(n_embd, q_dim))
+        if qk_norm:
+            add(p + "attn_q_norm.weight", gain(head_dim), quant=False)
+            add(p + "attn_k_norm.weight", gain(head_dim), quant=False)
+        add(p + "post_attention_norm.weight", gain(n_embd), quant=False)
+        if i < n_dense_lead:
+            add(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            add(p + "ffn_up.weight", mat(n_ff, n_embd))
+            add(p + "ffn_down.weight", mat(n_embd, n_ff))
+        else:
+            # router logits with std ~2: top-k choices well separated (no float near-ties)
+            add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, scale=0.5), quant=False)
+            if exp_probs_b:  # of the order of the sigmoid's spread, so it changes choices
+                add(p + "exp_probs_b.bias", mat(n_expert, scale=0.3), quant=False)
+            add(p + "ffn_gate_exps.weight", mat(n_expert, n_ff_exp, n_embd))
+            add(p + "ffn_up_exps.weight", mat(n_expert, n_ff_exp, n_embd))
+            add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff_exp))
+            if n_expert_shared:
+                fs = n_ff_exp * n_expert_shared
+                add(p + "ffn_gate_shexp.weight", mat(fs, n_embd))
+                add(p + "ffn_up_shexp.weight", mat(fs, n_embd))
+                add(p + "ffn_down_shexp.weight", mat(n_embd, fs))
+        if i >= n_dense_lead + n_moe:  # NextN / MTP head
+            add(p + "nextn.eh_proj.weight", mat(n_embd, 2 * n_embd))
+            add(p + "nextn.enorm.weight", gain(n_embd), quant=False)
+            add(p + "nextn.hnorm.weight", gain(n_embd), quant=False)
+            add(p + "nextn.shared_head_head.weight", mat(n_vocab, n_embd, scale=0.2))
+            add(p + "nextn.shared_head_norm.weight", gain(n_embd), quant=False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

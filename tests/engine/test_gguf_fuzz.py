@@ -126,7 +126,7 @@ def mutate(seed: Seed, rng: random.Random) -> tuple[bytes, list[str]]:
 def build_seeds(work: Path) -> list[Path]:
     from gguf import GGMLQuantizationType
 
-    from tests.engine.gguf_factory import make_random_gguf
+    from tests.engine.gguf_factory import make_glm4moe_gguf, make_random_gguf
 
     tiny = dict(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=32, n_vocab=32)
     return [  # every architecture and optional tensor the C validation knows, a float and a quant type
@@ -136,6 +136,10 @@ def build_seeds(work: Path) -> list[Path]:
                          qkv_bias=True, n_ff_shexp=32, weight_type=GGMLQuantizationType.F16, **tiny),
         make_random_gguf(work / "seed_qwen3moe_q4.gguf", arch="qwen3moe", n_expert=2, n_expert_used=1,
                          qk_norm=True, weight_type=GGMLQuantizationType.Q4_0, **tiny),
+        # dense lead, routed layer with exp_probs_b and groups, NextN layer (validated, not run)
+        make_glm4moe_gguf(work / "seed_glm4moe_q8.gguf", n_moe=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16,
+                          rope_dim=8, n_ff=32, n_expert=4, n_expert_used=2, n_ff_exp=32, n_group=2, n_group_used=1,
+                          qk_norm=True, weight_type=GGMLQuantizationType.Q8_0, vocab=False),
     ]
 
 

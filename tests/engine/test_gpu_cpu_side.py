@@ -116,3 +116,37 @@ def test_inspect_reports_whole_model_vram_fit(tiny: Path) -> None:
     fits = render(mf, None, need / 2**30 * 1.01, 16)
     assert "fits: all weights + KV + step buffers" in fits
     assert "does NOT fit: all weights + KV + step buffers" in render(mf, None, need / 2**30 / 100, 16)
+
+
+def test_gpu_budget_below_the_model_is_a_typed_not_supported_error(tiny: Path) -> None:
+    """A budget the whole model does not fit asks for hybrid placement, which the GPU engine does not do yet:
+    HybridNotSupportedError before any device is touched (so it reads the same with or without a GPU)."""
+    from engine.engine import HybridNotSupportedError
+    from engine.gguf_model import open_model
+    from engine.inspect_model import analyse, gpu_bytes
+    from engine.native import UnsupportedError
+
+    mf = open_model(tiny)
+    need = gpu_bytes(mf, analyse(mf).kv_bytes_per_token * 64, step_tokens=512)
+    with pytest.raises(HybridNotSupportedError, match="not supported yet") as e:
+        Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 2**30 * 0.5, kv_tokens=64)
+    assert isinstance(e.value, UnsupportedError) and f"{need / 2**30:.2f} GiB" in str(e.value)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="gpu_budget_gb"):
+            Engine.open(tiny, device="cuda:0", gpu_budget_gb=bad, kv_tokens=64)
+    if NO_GPU is not None:  # a budget the model fits goes on to the device, which is missing here
+        with pytest.raises(DeviceUnavailableError):
+            Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 2**30 * 2, kv_tokens=64)
+    with Engine.open(tiny, gpu_budget_gb=need / 2**30 * 0.5, kv_tokens=64, threads=1) as eng:  # the CPU stores it
+        assert eng.gpu_budget_gb == need / 2**30 * 0.5 and eng.device.kind == "cpu"
+
+
+def test_cores_outside_the_machine_are_refused(tiny: Path) -> None:
+    import os
+
+    n = os.cpu_count() or 1
+    for bad, msg in (([n], "outside this machine"), ([0, 0], "duplicate"), ([], "empty")):
+        with pytest.raises(ValueError, match=msg):
+            Engine.open(tiny, cores=bad, kv_tokens=64)
+    with Engine.open(tiny, cores=[0], kv_tokens=64) as eng:
+        assert eng.cores == [0] and eng.threads == 1

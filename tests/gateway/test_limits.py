@@ -1,6 +1,6 @@
 """Limits on every endpoint that costs work: defaults from ``[limits]``, a key's own values, admin keys without;
-embeddings (inputs per call and per minute), searches, uploads (rate, queue, quotas, disk) through the real app;
-and the ingestion queue that serves keys in turn."""
+embeddings (inputs per call and per minute), searches, uploads (rate, queue, quotas, disk) and session requests
+through the real app; and the ingestion queue that serves keys in turn."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from gateway.config import LimitsConfig
 from gateway.documents.service import FairQueue
 from gateway.errors import APIError
-from gateway.keys import KeyRecord
+from gateway.keys import KeyRecord, KeySpec
 from gateway.limits import Limiter
 from tests.gateway.conftest import gateway_config, running_gateway
 from tests.gateway.documents.helpers import auth, create_collection, upload
@@ -129,3 +129,44 @@ async def test_endpoint_limits_over_http(tmp_path: Path) -> None:
         coll = await create_collection(s, g.url, key, "c")
         status, body = await upload(s, g.url, key, coll["id"], "d.txt", b"words")
         assert status == 507 and body["error"]["code"] == "insufficient_storage"
+
+
+async def test_session_requests_over_http(tmp_path: Path) -> None:
+    """Every session route is one of the key's session_requests_per_minute and holds a max_concurrent slot; a key's
+    own value wins (null: unlimited); a 429 names the limit and carries Retry-After."""
+    cfg = gateway_config(tmp_path, NO_LANE, limits={"session_requests_per_minute": 4},
+                         rag={"data_dir": str(tmp_path / "rag")})
+    async with running_gateway(cfg) as g, aiohttp.ClientSession() as s:
+        assert g.state.keys is not None
+        key = g.key("k")
+        own = g.key("own", limits={"session_requests_per_minute": 6})
+        free = g.key("free", limits={"session_requests_per_minute": None})
+        one_secret, one = g.state.keys.create(KeySpec(name="one", limits={"max_concurrent": 1}))
+
+        async def call(k: str, method: str, path: str, body: dict | None = None) -> aiohttp.ClientResponse:
+            async with s.request(method, g.url + path, json=body, headers=auth(k)) as r:
+                await r.read()
+                return r
+
+        r = await call(key, "POST", "/v1/sessions", {"title": "t"})
+        assert r.status == 201
+        sid = (await r.json())["id"]
+        for method, path, body in (("GET", "/v1/sessions", None), ("PATCH", f"/v1/sessions/{sid}", {"title": "u"}),
+                                   ("GET", f"/v1/sessions/{sid}/export", None)):
+            assert (await call(key, method, path, body)).status == 200
+        for method, path in (("DELETE", f"/v1/sessions/{sid}"), ("GET", f"/v1/sessions/{sid}")):
+            r = await call(key, method, path)  # the fifth and sixth in a minute
+            body = await r.json()
+            assert r.status == 429 and body["error"]["limit"] == "session_requests_per_minute", body
+            assert 1 <= int(r.headers["Retry-After"]) <= 60
+        assert [(await call(own, "GET", "/v1/sessions")).status for _ in range(7)] == [200] * 6 + [429]
+        assert {(await call(free, "GET", "/v1/sessions")).status for _ in range(12)} == {200}
+        assert g.state.metrics.rate_limited.labels(limit="session_requests_per_minute")._value.get() == 3
+
+        ticket = g.state.limiter.admit(one)  # the key's one slot is in use (a chat of its own, say)
+        try:
+            r = await call(one_secret, "GET", "/v1/sessions")
+            assert r.status == 429 and (await r.json())["error"]["limit"] == "concurrency"
+        finally:
+            g.state.limiter.release(ticket)
+        assert (await call(one_secret, "GET", "/v1/sessions")).status == 200

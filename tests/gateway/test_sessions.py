@@ -1,7 +1,7 @@
 """Session memory through the real gateway app and real lanes (the default model, a 1024-token window):
 the sessions API per key, turns stored with each reply, composition before the window precheck,
-the counts in ``X-Strata-Memory`` and the request log, interrupted replies, summarisation,
-concurrency and prefix-cache reuse."""
+the counts in ``X-Strata-Memory`` and the request log, interrupted replies, summarisation (charged to the
+session's key's limits), concurrency and prefix-cache reuse."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 from multidict import CIMultiDict
 
+from gateway.keys import KeySpec
 from gateway.sessions import MEMORY
 from memory.compose import RETRIEVED_BEGIN, SUMMARY_BEGIN
 from memory.service import MemoryService
@@ -317,7 +318,7 @@ async def test_summary_failure_never_blocks_chat(gw: GW) -> None:
     svc = svc_of(gw)
     calls: list[int] = []
 
-    async def broken(messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> str:
+    async def broken(messages: list[dict[str, Any]], max_tokens: int, temperature: float, key_id: int) -> str:
         calls.append(1)
         raise ConnectionError("lane unreachable")
 
@@ -339,6 +340,59 @@ async def test_summary_failure_never_blocks_chat(gw: GW) -> None:
         svc.complete = real
     assert await svc.summarise(sess.pk, force=True)  # the lane is back: the retry succeeds
     assert sess.pk not in svc._retry
+
+
+async def test_summaries_are_charged_to_the_sessions_key(gw: GW) -> None:
+    """A summary's lane call is a generation request of the session's key: a max_concurrent slot while it runs, one
+    of its rpm, its tokens in its tpm (settled to the lane's usage); at a limit it waits for room, not a failure."""
+    state, svc = gw.state, svc_of(gw)
+    assert state.keys is not None
+    secret, rec = state.keys.create(KeySpec(name="sumlim", limits={"max_concurrent": 1, "rpm": 2, "tpm": 100_000}))
+    items = [("user" if i % 2 == 0 else "assistant", f"Note {i}: the locker code is {1000 + i}.", 12, True)
+             for i in range(14)]
+    async with aiohttp.ClientSession() as s:
+        sid = (await new_session(s, gw, secret))["id"]
+        sess = await svc.session(rec.id, sid)
+        assert sess is not None
+        await asyncio.to_thread(svc.store.append, sess.pk, items)
+        done, deferred = state.metrics.summaries.labels(result="done"), state.metrics.summaries.labels(result="deferred")
+        done0, deferred0, failures0 = done._value.get(), deferred._value.get(), svc.summary_failures
+
+        ticket = state.limiter.admit(rec, generation=False)  # the key's one slot: a request of its own in flight
+        try:
+            assert await svc.summarise(sess.pk, force=True) is False
+        finally:
+            state.limiter.release(ticket)
+        assert deferred._value.get() == deferred0 + 1 and svc.summary_failures == failures0
+        assert svc._retry[sess.pk][0] > time.monotonic()  # tried again once the key has room
+        assert state.metrics.rate_limited.labels(limit="concurrency")._value.get() >= 1
+
+        tokens0 = state.metrics.summary_tokens._value.get()
+        assert await svc.summarise(sess.pk, force=True)
+        used = state.metrics.summary_tokens._value.get() - tokens0
+        window = state.limiter._keys[rec.id]
+        assert done._value.get() == done0 + 1 and used > 0
+        assert len(window.requests) == 1 and window.token_sum == used and window.concurrent == 0
+        # rpm 2: the summary was one of them
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+        statuses = []
+        for _ in range(2):
+            async with s.post(gw.url + "/v1/chat/completions", json=body, headers=auth(secret)) as r:
+                statuses.append((r.status, (await r.json()).get("error", {}).get("limit")))
+        assert statuses == [(200, None), (429, "rpm")]
+
+    # tpm: a key whose window already holds its summary's tokens waits about a minute for the next
+    secret, rec = state.keys.create(KeySpec(name="sumtpm", limits={"tpm": 64}))
+    async with aiohttp.ClientSession() as s:
+        sid = (await new_session(s, gw, secret))["id"]
+    sess = await svc.session(rec.id, sid)
+    assert sess is not None
+    await asyncio.to_thread(svc.store.append, sess.pk, items)
+    assert await svc.summarise(sess.pk, force=True)  # an empty window lets one request through, however large
+    await asyncio.to_thread(svc.store.append, sess.pk, items)
+    assert await svc.summarise(sess.pk, force=True) is False
+    assert svc._retry[sess.pk][0] > time.monotonic() + 30
+    assert state.metrics.rate_limited.labels(limit="tpm")._value.get() >= 1
 
 
 async def test_vectors_are_unit_norm(gw: GW) -> None:

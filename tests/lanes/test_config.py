@@ -66,6 +66,10 @@ def test_cpu_list() -> None:
     ({"STRATA_LANE_LOG_LEVEL": "loud"}, "log_level='loud'"),
     ({"STRATA_LANE_MODEL": "/no/such/model.gguf"}, "model='/no/such/model.gguf'"),
     ({"STRATA_LANE_NAME": "Lane A"}, "name='Lane A'"),
+    ({"STRATA_LANE_GPU_BUDGET_GB": "0"}, "gpu_budget_gb=0 (from environment STRATA_LANE_GPU_BUDGET_GB)"),
+    ({"STRATA_LANE_GPU_BUDGET_GB": "-3"}, "gpu_budget_gb=-3"),
+    ({"STRATA_LANE_GPU_BUDGET_GB": "lots"}, "gpu_budget_gb='lots'"),
+    ({"STRATA_LANE_CORES": "[0, 100000]"}, "CPU ids [100000] are outside this machine's CPUs"),
 ])
 def test_errors_name_key_and_value(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as e:
@@ -90,3 +94,17 @@ def test_file_errors(tmp_path: Path, text: str, needle: str) -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such/lane.toml", {})
+
+
+def test_gpu_budget_and_cores_reach_the_engine(tmp_path: Path) -> None:
+    """gpu_budget_gb and cores go to Engine.open as they are configured (lanes.server.open_engine)."""
+    from lanes.server import open_engine
+
+    f = tmp_path / "lane.toml"
+    f.write_text('device = "cpu"\ngpu_budget_gb = 24.5\ncores = "0"\n')
+    cfg = load_config(f, {})
+    assert cfg.gpu_budget_gb == 24.5 and cfg.cores == [0]
+    assert load_config(None, {"STRATA_LANE_GPU_BUDGET_GB": "12"}).gpu_budget_gb == 12.0
+    assert load_config(None, {}).gpu_budget_gb is None
+    with open_engine(cfg.model_copy(update={"kv_tokens": 64}), [0]) as eng:  # the default model, on the CPU
+        assert eng.gpu_budget_gb == 24.5 and eng.cores == [0] and eng.threads == 1

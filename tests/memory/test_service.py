@@ -16,7 +16,8 @@ from memory.store import MemoryStore, Session, open_engine
 
 
 def _service(tmp_path: Path, calls: list[list[dict[str, Any]]]) -> MemoryService:
-    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> str:
+    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float, key_id: int) -> str:
+        assert key_id == 1  # the session's key
         calls.append(messages)
         return "The user's cat is Pixel."
 
@@ -201,7 +202,8 @@ def test_late_writers_of_a_deleted_session_leave_nothing(tmp_path: Path) -> None
     model = _Words()
     calls: list[list[dict[str, Any]]] = []
 
-    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float) -> str:
+    async def complete(messages: list[dict[str, Any]], max_tokens: int, temperature: float, key_id: int) -> str:
+        assert key_id == 1  # the session's key
         calls.append(messages)
         return "summary"
 

@@ -143,6 +143,22 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
     return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E, MODE_STORE);
 }
 
+/* The routed experts of a step that takes the GEMM (gemm_min_tokens) split by size: groups of at most
+ * routed_mv_max pairs run on the matvec, the rest on the GEMM, both launched, the split made on the device by
+ * the grouping (group_out). Why: with a load-balanced router most of a decode batch's experts hold one or two
+ * pairs, which the GEMM pads to a tile of MM_BN and reads at a fraction of the matvec's bandwidth, while a
+ * skewed router's busy experts want the GEMM. The two shares run side by side (two streams, two branches
+ * of the step's graph), so each hides the other's latency. Both kernels give the same bits, so the split
+ * changes no result. 0: no split (no GEMM this step, the prefill form, float or mixed-type experts). */
+static int routed_mv_max(const dlayer &L, int32_t T) {
+    const int min_tok = g_set.gemm_min_tokens;
+    const int t = L.gate_exps.type;
+    if (g_set.routed_mv_max <= 0 || min_tok <= 0 || T < min_tok || g_gemm_fast) return 0;
+    if (t != L.up_exps.type || (t != STG_Q4_K && t != STG_Q8_0) || stg_is_float(L.down_exps.type)) return 0;
+    if (L.gate_exps.ne[1] % 32) return 0; /* the matvec share quantises its output in-block (k_linear_q_chunk) */
+    return g_set.routed_mv_max;
+}
+
 static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
@@ -166,6 +182,9 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     lin_groups g1 = {};
     g1.n_pairs = T;
     const int32_t P = T * k;
+    const int mv_max = routed_mv_max(L, T);
+    const group_out go = {s.gexp, s.gstart, s.gcount, s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
+                          s.gtiles, s.n_gtiles, s.mexp, s.mstart, s.mcount, s.n_mgroups, s.pair_mv, mv_max};
     const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);
     if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024) {
         /* decode: router logits, routing and grouping in one launch */
@@ -173,8 +192,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         a.w = L.gate_inp.d, a.row_bytes = L.gate_inp.row_bytes, a.expert_stride = L.gate_inp.expert_stride;
         a.N = ne, a.K = (int32_t)L.gate_inp.ne[0], a.g = g1, a.x = s.xn, a.out = s.router, a.ldo = ne;
         a.mode = MODE_STORE;
-        route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.gexp, s.gstart, s.gcount, s.n_groups, s.list,
-                         s.pair_tok, m->hist + (int64_t)il * ne, s.topk_w, s.gtiles, s.n_gtiles, 0};
+        route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.topk_w, go, 0};
         int nt = 1;
         while (nt < T) nt *= 2;
         ra.pre = nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
@@ -194,37 +212,51 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
     const size_t route_smem = (size_t)ROUTE_WARPS * ne * sizeof(float) + 2 * (size_t)ne * sizeof(int32_t);
     if (T <= 2 * ROUTE_WARPS && route_smem <= 48 * 1024) { /* small steps: one launch for both */
-        launch_k(k_route, 1, ROUTE_WARPS * 32, route_smem, st, s.router, T, ne, k, s.topk_id, s.topk_w, s.gexp, s.gstart,
-                                                         s.gcount, s.n_groups, s.list, s.pair_tok,
-                                                         m->hist + (int64_t)il * ne, s.gtiles, s.n_gtiles);
+        launch_k(k_route, 1, ROUTE_WARPS * 32, route_smem, st, s.router, T, ne, k, s.topk_id, s.topk_w, go);
         LAUNCHED("route");
     } else {
         launch_k(k_router, (T + ROUTER_WARPS - 1) / ROUTER_WARPS, ROUTER_WARPS * 32, ROUTER_WARPS * ne * sizeof(float), st, 
             s.router, T, ne, k, s.topk_id, s.topk_w, 0);
         LAUNCHED("router");
-        launch_k(k_group, 1, 1024, 2 * ne * sizeof(int32_t), st, s.topk_id, P, k, ne, s.gexp, s.gstart, s.gcount,
-                                                           s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
-                                                           s.gtiles, s.n_gtiles, 0);
+        launch_k(k_group, 1, 1024, 2 * ne * sizeof(int32_t), st, s.topk_id, P, k, ne, go, 0);
         LAUNCHED("group");
     }
     }
-    /* gate+up over every (token, expert) pair, grouped by expert: one launch */
+    /* gate+up over every (token, expert) pair, grouped by expert: one launch (the GEMM's groups), and with
+     * mv_max a second one, the matvec of the groups of at most mv_max pairs (routed_mv_max) */
     lin_groups ge = {};
     ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
     ge.list = s.list, ge.in_map = s.pair_tok;
     ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
+    ge.pair_mv = mv_max ? s.pair_mv : nullptr;
+    lin_groups gm = ge;
+    gm.gexp = s.mexp, gm.gstart = s.mstart, gm.gcount = s.mcount, gm.n_groups = s.n_mgroups;
+    gm.tiles = gm.n_tiles = gm.pair_mv = nullptr;
     const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
     const int64_t F = m->n_ff_exp;
     const acts_d ein = rin;
+    const bool down_q = !stg_is_float(L.down_exps.type);
+    const acts_d hin{s.hq, s.hd, s.hs, s.h};
+    lin_groups gd = ge, gdm = gm;
+    gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
+    if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
+        CU(cudaEventRecord(m->fork, st), "experts: fork");
+        CU(cudaStreamWaitEvent(m->side, m->fork, 0), "experts: fork");
+        bool fused_mv = false;
+        const fused_quant fq_mv{s.hq, s.hd, s.hs, &fused_mv};
+        CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
+                     STG_PATH_MATVEC));
+        if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
+        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
+                     STG_PATH_MATVEC));
+        CU(cudaEventRecord(m->join, m->side), "experts: join");
+    }
     bool fused = false;
     const fused_quant fq{s.hq, s.hd, s.hs, &fused};
-    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P,
-                 stg_is_float(L.down_exps.type) ? nullptr : &fq));
-    if (!stg_is_float(L.down_exps.type) && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
-    lin_groups gd = ge;
-    gd.in_map = nullptr; /* down reads the pair's own hidden row */
-    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E,
-                 MODE_STORE));
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
+    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
+    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
+    if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
     if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
         return ST_OK;

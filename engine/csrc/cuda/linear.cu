@@ -42,7 +42,7 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
                 launch_k(gemm_rs_kernel<T>(a.K), dim3(mt, nl, (unsigned)a.ksplit), 128, gemm_raw_bytes<T, SW>(), st, a);
                 const int64_t n = (int64_t)a.g.n_pairs * a.N;
                 launch_k(k_ksplit_routed, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
-                         2, a.g.n_pairs, a.N, a.out, a.ldo, a.hq, a.hd, a.hs);
+                         2, a.g.n_pairs, a.N, a.out, a.ldo, a.hq, a.hd, a.hs, a.g.pair_mv);
                 return;
             }
         }
@@ -248,12 +248,12 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
  * different quant types (gate into tmp, up into h, then the product). */
 static stg_status swiglu(cudaStream_t st, const dtensor &Wg, const dtensor &Wu, const lin_groups &g, int max_groups,
                          int expected, int max_count, const acts_d &in, float *h, int64_t ldo, float *tmp,
-                         int64_t n_rows, const fused_quant *fq = nullptr) {
+                         int64_t n_rows, const fused_quant *fq = nullptr, int path = STG_PATH_AUTO) {
     if (fq) *fq->done = false;
     if (Wg.type == Wu.type)
-        return linear(st, Wg, &Wu, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE, STG_PATH_AUTO, nullptr, fq);
-    CHECK(linear(st, Wg, nullptr, g, max_groups, expected, max_count, in, tmp, ldo, MODE_STORE));
-    CHECK(linear(st, Wu, nullptr, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE));
+        return linear(st, Wg, &Wu, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE, path, nullptr, fq);
+    CHECK(linear(st, Wg, nullptr, g, max_groups, expected, max_count, in, tmp, ldo, MODE_STORE, path));
+    CHECK(linear(st, Wu, nullptr, g, max_groups, expected, max_count, in, h, ldo, MODE_STORE, path));
     const int64_t n = n_rows * ldo;
     launch_k(k_silu_mul, (unsigned)((n + 255) / 256), 256, 0, st, h, tmp, n);
     LAUNCHED("silu");

@@ -24,6 +24,9 @@ struct lin_groups {
     /* with gexp: group_pairs' GEMM tiles (group << 16 | tile) and their device count; the GEMM
      * launch gets them only when it runs a block per tile (gridDim.z == 1), else NULL */
     const int32_t *tiles, *n_tiles;
+    /* with gexp: pairs flagged 1 are another launch's (a mixed routed launch's matvec share, group_out): the
+     * routed split's combine leaves their rows; NULL: every pair is this launch's */
+    const int32_t *pair_mv;
 };
 
 #define MODE_STORE 0

@@ -50,6 +50,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_wide_min = 256;
     s->dense_split = 16;
     s->routed_split_max = 16;
+    s->routed_mv_max = 2;
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
@@ -68,6 +69,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(gemm_wide_min, 1, INT32_MAX)
     RANGE(dense_split, 0, INT32_MAX)
     RANGE(routed_split_max, 0, 64)
+    RANGE(routed_mv_max, 0, 64)
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
@@ -257,6 +259,9 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.e1) cudaEventDestroy(f.e1);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
+    if (m->fork) cudaEventDestroy(m->fork);
+    if (m->join) cudaEventDestroy(m->join);
+    if (m->side) cudaStreamDestroy(m->side);
     if (m->stream) cudaStreamDestroy(m->stream);
     delete m;
 }
@@ -302,8 +307,12 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const 
             rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
     }
     if (rc == ST_OK) rc = attention_setup();
-    if (rc == ST_OK && cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess)
+    if (rc == ST_OK && (cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess ||
+                        cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking) != cudaSuccess))
         rc = fail(ST_EINVAL, "model_create: cannot create a CUDA stream");
+    if (rc == ST_OK && (cudaEventCreateWithFlags(&m->fork, cudaEventDisableTiming) != cudaSuccess ||
+                        cudaEventCreateWithFlags(&m->join, cudaEventDisableTiming) != cudaSuccess))
+        rc = fail(ST_EINVAL, "model_create: cannot create CUDA events");
     if (rc == ST_OK) {
         m->ev.resize((size_t)(3 * m->d.n_layer + 3));
         for (auto &e : m->ev)
@@ -433,6 +442,11 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.gstart, sizeof(int32_t) * ne));
         CHECK(dalloc_in(s.step_allocs, &s.gcount, sizeof(int32_t) * ne));
         CHECK(dalloc_in(s.step_allocs, &s.n_groups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.mexp, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.mstart, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.mcount, sizeof(int32_t) * ne));
+        CHECK(dalloc_in(s.step_allocs, &s.n_mgroups, sizeof(int32_t)));
+        CHECK(dalloc_in(s.step_allocs, &s.pair_mv, sizeof(int32_t) * P));
         CHECK(dalloc_in(s.step_allocs, &s.gtiles, sizeof(int32_t) * ((P + MM_BN - 1) / MM_BN + ne)));
         CHECK(dalloc_in(s.step_allocs, &s.n_gtiles, sizeof(int32_t)));
         CHECK(dalloc_in(s.step_allocs, &s.aq, (size_t)(T * K)));

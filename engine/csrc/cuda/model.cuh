@@ -23,6 +23,7 @@ struct scratch {
     float *ad, *hd;
     int32_t *as, *hs, *topk_id, *pair_tok, *list, *gexp, *gstart, *gcount, *n_groups, *ints;
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
+    int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv; /* a mixed routed launch's matvec share (group_out) */
     float *kpart;      /* the split dense GEMM's parts (g_kpart) */
     int64_t kpart_cap; /* floats */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays: two slots of cap_ints (stg_step_launch's
@@ -72,6 +73,10 @@ struct stg_model {
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
     int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
     cudaStream_t stream = nullptr;
+    /* the matvec share of a mixed routed launch runs here beside the GEMM's on `stream` (routed_mv_max),
+     * forked and joined by two events (captured into the step's graph as two branches) */
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
     std::vector<void *> allocs;

@@ -27,14 +27,17 @@ __device__ __forceinline__ void quant_block32(float v, int lane, int8_t *aq, flo
     if (lane == 16) as2[1] = s;
 }
 
-/* One warp per 32-block: rows x[R, K] -> aq[R, K], ad[R, K/32], as[R, K/16]. */
-__global__ void k_quant_act(const float *x, int64_t K, int64_t n_rows, int8_t *aq, float *ad, int32_t *as) {
+/* One warp per 32-block: rows x[R, K] -> aq[R, K], ad[R, K/32], as[R, K/16]; rows flagged in skip (NULL:
+ * none) are another launch's and left alone. */
+__global__ void k_quant_act(const float *x, int64_t K, int64_t n_rows, int8_t *aq, float *ad, int32_t *as,
+                            const int32_t *skip) {
     PDL_ENTER();
     const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     const int lane = threadIdx.x % WARP;
     const int64_t nb = K / 32;
     if (gw >= n_rows * nb) return;
     const int64_t r = gw / nb, b = gw % nb;
+    if (skip && skip[r]) return;
     quant_block32(x[r * K + b * 32 + lane], lane, aq + r * K + b * 32, ad + r * nb + b, as + r * (K / 16) + 2 * b);
 }
 
@@ -61,10 +64,11 @@ __device__ __forceinline__ float sub_dot(float acc, const sub_w &s, const int8_t
 }
 
 /* Quantise rows x[R, K] into (q, d, s). */
-static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K, int8_t *q, float *d, int32_t *s) {
+static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K, int8_t *q, float *d, int32_t *s,
+                           const int32_t *skip = nullptr) {
     const int64_t warps = R * (K / 32);
     if (warps == 0) return ST_OK;
-    launch_k(k_quant_act, (unsigned)((warps * 32 + 255) / 256), 256, 0, st, x, K, R, q, d, s);
+    launch_k(k_quant_act, (unsigned)((warps * 32 + 255) / 256), 256, 0, st, x, K, R, q, d, s, skip);
     LAUNCHED("quantize activations");
     return ST_OK;
 }

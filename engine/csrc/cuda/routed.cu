@@ -115,12 +115,13 @@ template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_li
 /* The parts of a routed split GEMM, kpart[z][w][pair][N] for S = 2 or 4 blocks z per tile and NW weights
  * (k_linear_gemm with a.ksplit and a.g.gexp), added as k_ksplit_combine does, then stored as the unsplit
  * launch stores: NW = 2 silu(gate) * up (MODE_SWIGLU), NW = 1 the value (MODE_STORE); with hq also the
- * 8-bit blocks of each output row exactly as k_quant_act makes them (N % 32 == 0: a warp is one block). */
+ * 8-bit blocks of each output row exactly as k_quant_act makes them (N % 32 == 0: a warp is one block).
+ * skip (lin_groups.pair_mv): pairs of another launch, left alone. */
 __global__ void k_ksplit_routed(const float *part, int32_t S, int32_t NW, int32_t P, int32_t N, float *out, int64_t ldo,
-                                int8_t *hq, float *hd, int32_t *hs) {
+                                int8_t *hq, float *hd, int32_t *hs, const int32_t *skip) {
     PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, plane = (int64_t)P * N, zs = NW * plane;
-    if (i >= plane) return;
+    if (i >= plane || (skip && skip[i / N])) return; /* a warp is 32 columns of one pair (N % 32 == 0) */
     float v = part[i] + part[zs + i];
     if (S == 4) v = v + (part[2 * zs + i] + part[3 * zs + i]);
     if (NW == 2) {

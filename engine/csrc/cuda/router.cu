@@ -268,61 +268,82 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
                 fast != 0);
 }
 
+/* Where group_pairs writes. The GEMM's groups: gexp / gstart / gcount [ne] and *n_groups, with their tiles of
+ * MM_BN pairs (group << 16 | tile of the group, *n_gtiles of them, at most n_pairs / MM_BN + groups); list /
+ * pair_tok [n_pairs]: the pairs listed per expert (ascending experts) and each pair's token; hist [ne]: the
+ * layer's histogram, added to. mv_max > 0 splits the groups by size for a mixed routed launch: groups of at
+ * most mv_max pairs go to the matvec's set (mexp / mstart / mcount, *n_mgroups) instead, get no tiles, and
+ * their pairs are flagged in pair_mv (1) so that the GEMM's combine skips them. mv_max 0: every group is
+ * the GEMM's and the matvec's set is not written. */
+struct group_out {
+    int32_t *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist, *gtiles, *n_gtiles;
+    int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv;
+    int32_t mv_max;
+};
+
 /* group_pairs for at most 32 pairs, by the first warp of the block: the pairs sorted by (expert,
  * pair) with a bitonic sort across the lanes, so that lane i holds list[i]; an expert's run of
  * lanes gives its group (start, count, its tiles), the runs' heads counted by ballots. The same
  * groups, starts, counts and tiles as the block's scan; within a group the pairs are listed in
  * ascending order instead of arrival order (a pair's result does not depend on its place). */
-__device__ void group_pairs_warp(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t *gexp, int32_t *gstart,
-                                 int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist,
-                                 int32_t *gtiles, int32_t *n_gtiles) {
+__device__ void group_pairs_warp(const int32_t *ids, int32_t n_pairs, int32_t k, const group_out &o) {
     const int lane = threadIdx.x % 32;
     const bool valid = lane < n_pairs;
-    if (valid) pair_tok[lane] = lane / k;
+    if (valid) o.pair_tok[lane] = lane / k;
     int32_t key = valid ? ids[lane] << 5 | lane : 0x7fffffff; /* expert ids < 2^26 */
 #pragma unroll
     for (int sz = 2; sz <= 32; sz <<= 1)
 #pragma unroll
         for (int j = sz >> 1; j > 0; j >>= 1) {
-            const int32_t o = __shfl_xor_sync(0xffffffffu, key, j);
+            const int32_t x = __shfl_xor_sync(0xffffffffu, key, j);
             const bool up = (lane & sz) == 0, low = (lane & j) == 0;
-            key = low == up ? min(key, o) : max(key, o);
+            key = low == up ? min(key, x) : max(key, x);
         }
     const int32_t e = key >> 5, prev = __shfl_up_sync(0xffffffffu, e, 1);
     const bool head = valid && (lane == 0 || e != prev);
     const unsigned heads = __ballot_sync(0xffffffffu, head);
     const unsigned above = lane == 31 ? 0u : heads & (0xffffffffu << (lane + 1));
     const int32_t c = head ? (above ? __ffs(above) - 1 : n_pairs) - lane : 0;
-    const int32_t nt = (c + MM_BN - 1) / MM_BN;
-    int32_t tincl = nt; /* inclusive scan of the heads' tile counts */
+    const bool small = head && c <= o.mv_max; /* mv_max 0: never */
+    const unsigned smalls = __ballot_sync(0xffffffffu, small), bigs = heads & ~smalls;
+    const int32_t nt = head && !small ? (c + MM_BN - 1) / MM_BN : 0;
+    int32_t tincl = nt; /* inclusive scan of the GEMM groups' tile counts */
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int32_t u = __shfl_up_sync(0xffffffffu, tincl, o);
-        if (lane >= o) tincl += u;
+    for (int s = 1; s < 32; s <<= 1) {
+        const int32_t u = __shfl_up_sync(0xffffffffu, tincl, s);
+        if (lane >= s) tincl += u;
     }
-    if (valid) list[lane] = key & 31;
-    if (head) {
-        const int gi = __popc(heads & ((2u << lane) - 1u)) - 1;
-        gexp[gi] = e, gstart[gi] = lane, gcount[gi] = c;
-        for (int i = 0; i < nt; i++) gtiles[tincl - nt + i] = gi << 16 | i;
-        hist[e] += c;
+    /* this lane's group: its head's lane (the highest head at or below it) and count */
+    const int hl = 31 - __clz(heads & ((2u << lane) - 1u));
+    const int32_t gc = __shfl_sync(0xffffffffu, c, valid ? hl : 0);
+    if (valid) {
+        o.list[lane] = key & 31;
+        if (o.mv_max > 0) o.pair_mv[key & 31] = gc <= o.mv_max;
     }
+    const unsigned below = (2u << lane) - 1u;
+    if (small) {
+        const int gi = __popc(smalls & below) - 1;
+        o.mexp[gi] = e, o.mstart[gi] = lane, o.mcount[gi] = c;
+    } else if (head) {
+        const int gi = __popc(bigs & below) - 1;
+        o.gexp[gi] = e, o.gstart[gi] = lane, o.gcount[gi] = c;
+        for (int i = 0; i < nt; i++) o.gtiles[tincl - nt + i] = gi << 16 | i;
+    }
+    if (head) o.hist[e] += c;
     const int32_t tiles = __shfl_sync(0xffffffffu, tincl, 31);
-    if (lane == 0) *n_groups = __popc(heads), *n_gtiles = tiles;
+    if (lane == 0) {
+        *o.n_groups = __popc(bigs), *o.n_gtiles = tiles;
+        if (o.mv_max > 0) *o.n_mgroups = __popc(smalls);
+    }
 }
 
-/* Group the T*k (token, slot) pairs by expert (one block): per-expert counts, the compact
- * list of active experts (ascending), pairs listed per expert, each pair's token, and the
- * step's per-layer histogram; and the GEMM's tiles of MM_BN pairs (group << 16 | tile of the
- * group, *n_gtiles of them, at most n_pairs / MM_BN + groups), so that a routed GEMM launch
- * has a block per real tile instead of (the largest group's tiles) x (groups), most of which
- * found nothing to do at prefill. sh: 2 * ne ints of shared memory. */
-__device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp,
-                            int32_t *gstart, int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok,
-                            int32_t *hist, int32_t *gtiles, int32_t *n_gtiles, int32_t *sh, bool fast = false) {
+/* Group the T*k (token, slot) pairs by expert (one block) into `o` (group_out). The GEMM's tile
+ * list gives a routed GEMM launch a block per real tile instead of (the largest group's tiles) x
+ * (groups), most of which found nothing to do at prefill. sh: 2 * ne ints of shared memory. */
+__device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, const group_out &o,
+                            int32_t *sh, bool fast = false) {
     if (fast && n_pairs <= 32) { /* decode (up to 4 tokens of 8 pairs): one warp, no shared memory, no barrier */
-        if (threadIdx.x < 32) group_pairs_warp(ids, n_pairs, k, gexp, gstart, gcount, n_groups, list, pair_tok, hist,
-                                               gtiles, n_gtiles);
+        if (threadIdx.x < 32) group_pairs_warp(ids, n_pairs, k, o);
         return;
     }
     int32_t *cnt = sh, *fill = sh + ne;
@@ -330,50 +351,60 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
     __syncthreads();
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
         atomicAdd(&cnt[ids[p]], 1);
-        pair_tok[p] = p / k;
+        o.pair_tok[p] = p / k;
     }
     __syncthreads();
-    if (threadIdx.x < 32) { /* exclusive scan of the counts by one warp, experts in order */
+    if (threadIdx.x < 32) { /* exclusive scans of the counts by one warp, experts in order */
         const int lane = threadIdx.x;
-        int32_t base = 0, g = 0, tb = 0;
+        int32_t base = 0, g = 0, gm = 0, tb = 0;
         for (int e0 = 0; e0 < ne; e0 += 32) {
             const int e = e0 + lane;
-            const int32_t c = e < ne ? cnt[e] : 0, nt = (c + MM_BN - 1) / MM_BN;
-            int32_t incl = c, act = c > 0, tincl = nt;
+            const int32_t c = e < ne ? cnt[e] : 0;
+            const bool small = c > 0 && c <= o.mv_max, big = c > 0 && !small;
+            const int32_t nt = big ? (c + MM_BN - 1) / MM_BN : 0;
+            int32_t incl = c, act = big, mact = small, tincl = nt;
 #pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int32_t u = __shfl_up_sync(0xffffffffu, incl, o), ua = __shfl_up_sync(0xffffffffu, act, o),
-                              ut = __shfl_up_sync(0xffffffffu, tincl, o);
-                if (lane >= o) incl += u, act += ua, tincl += ut;
+            for (int s = 1; s < 32; s <<= 1) {
+                const int32_t u = __shfl_up_sync(0xffffffffu, incl, s), ua = __shfl_up_sync(0xffffffffu, act, s),
+                              um = __shfl_up_sync(0xffffffffu, mact, s), ut = __shfl_up_sync(0xffffffffu, tincl, s);
+                if (lane >= s) incl += u, act += ua, mact += um, tincl += ut;
             }
             if (e < ne) {
                 fill[e] = base + incl - c;
-                if (c) {
+                if (big) {
                     const int gi = g + act - 1, t0 = tb + tincl - nt;
-                    gexp[gi] = e, gstart[gi] = base + incl - c, gcount[gi] = c;
-                    for (int i = 0; i < nt; i++) gtiles[t0 + i] = gi << 16 | i;
+                    o.gexp[gi] = e, o.gstart[gi] = base + incl - c, o.gcount[gi] = c;
+                    for (int i = 0; i < nt; i++) o.gtiles[t0 + i] = gi << 16 | i;
+                } else if (small) {
+                    const int gi = gm + mact - 1;
+                    o.mexp[gi] = e, o.mstart[gi] = base + incl - c, o.mcount[gi] = c;
                 }
             }
             base += __shfl_sync(0xffffffffu, incl, 31);
             g += __shfl_sync(0xffffffffu, act, 31);
+            gm += __shfl_sync(0xffffffffu, mact, 31);
             tb += __shfl_sync(0xffffffffu, tincl, 31);
         }
-        if (lane == 0) *n_groups = g, *n_gtiles = tb;
+        if (lane == 0) {
+            *o.n_groups = g, *o.n_gtiles = tb;
+            if (o.mv_max > 0) *o.n_mgroups = gm;
+        }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < ne; e += blockDim.x) hist[e] += cnt[e];
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) o.hist[e] += cnt[e];
     /* slots within an expert's list are taken in arrival order; a pair's result does not
      * depend on its place in the list */
-    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) list[atomicAdd(&fill[ids[p]], 1)] = p;
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+        const int32_t e = ids[p];
+        o.list[atomicAdd(&fill[e], 1)] = p;
+        if (o.mv_max > 0) o.pair_mv[p] = cnt[e] <= o.mv_max;
+    }
 }
 
-__global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, int32_t *gexp, int32_t *gstart,
-                        int32_t *gcount, int32_t *n_groups, int32_t *list, int32_t *pair_tok, int32_t *hist,
-                        int32_t *gtiles, int32_t *n_gtiles, int32_t fast) {
+__global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, group_out o, int32_t fast) {
     PDL_ENTER();
     extern __shared__ int32_t gsh[];
-    group_pairs(ids, n_pairs, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles, gsh,
-                fast != 0);
+    group_pairs(ids, n_pairs, k, ne, o, gsh, fast != 0);
 }
 
 /* Router and grouping in one launch for small steps (one block of ROUTE_WARPS warps,
@@ -381,18 +412,14 @@ __global__ void k_group(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t 
  * Shared memory: ROUTE_WARPS * ne floats + 2 * ne ints. */
 #define ROUTE_WARPS 32
 __global__ void __launch_bounds__(ROUTE_WARPS * 32) k_route(const float *logits, int32_t T, int32_t ne, int32_t k,
-                                                            int32_t *ids, float *w, int32_t *gexp, int32_t *gstart,
-                                                            int32_t *gcount, int32_t *n_groups, int32_t *list,
-                                                            int32_t *pair_tok, int32_t *hist, int32_t *gtiles,
-                                                            int32_t *n_gtiles) {
+                                                            int32_t *ids, float *w, group_out o) {
     PDL_ENTER();
     extern __shared__ float rsh[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int t = warp; t < T; t += ROUTE_WARPS)
         route_token(logits + (int64_t)t * ne, rsh + warp * ne, ne, k, lane, ids + (int64_t)t * k, w + (int64_t)t * k);
     __syncthreads(); /* ids written above are read below by other threads of the block */
-    group_pairs(ids, T * k, k, ne, gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles,
-                (int32_t *)(rsh + ROUTE_WARPS * ne));
+    group_pairs(ids, T * k, k, ne, o, (int32_t *)(rsh + ROUTE_WARPS * ne));
 }
 
 /* Router logits, softmax/top-k and grouping in one launch for steps of at most 8 tokens:
@@ -403,9 +430,9 @@ __global__ void __launch_bounds__(ROUTE_WARPS * 32) k_route(const float *logits,
 struct route_args {
     int32_t *counter;
     int32_t T, ne, k;
-    int32_t *ids, *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist;
+    int32_t *ids;
     float *w;
-    int32_t *gtiles, *n_gtiles;
+    group_out o;
     int32_t pre; /* f_rows_pre (the host checks NT <= 2, K, a dense group) */
 };
 template <int T, int NT>
@@ -433,7 +460,6 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, r
         route_token(lg + (int64_t)t * r.ne, rrs + warp * r.ne, r.ne, r.k, lane, r.ids + (int64_t)t * r.k,
                     r.w + (int64_t)t * r.k, true);
     __syncthreads();
-    group_pairs(r.ids, r.T * r.k, r.k, r.ne, r.gexp, r.gstart, r.gcount, r.n_groups, r.list, r.pair_tok, r.hist,
-                r.gtiles, r.n_gtiles, (int32_t *)(rrs + LIN_WARPS * r.ne), true);
+    group_pairs(r.ids, r.T * r.k, r.k, r.ne, r.o, (int32_t *)(rrs + LIN_WARPS * r.ne), true);
     if (threadIdx.x == 0) *r.counter = 0; /* every block has counted: ready for the next layer */
 }

@@ -228,8 +228,9 @@ static stg_status routed_linear(int32_t type, int32_t path, const void *w, const
             *gtiles = hist + n_expert, *n_gtiles = gtiles + nt_max;
     CU(cudaMemset(hist, 0, sizeof(int32_t) * (size_t)n_expert), "routed linear");
     CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
-    k_group<<<1, 1024, 2 * n_expert * sizeof(int32_t)>>>(bids.as<int32_t>(), P, k_used, n_expert, gexp, gstart, gcount,
-                                                         n_groups, list, pair_tok, hist, gtiles, n_gtiles,
+    const group_out go = {gexp, gstart, gcount, n_groups, list, pair_tok, hist, gtiles, n_gtiles,
+                          nullptr, nullptr, nullptr, nullptr, nullptr, 0};
+    k_group<<<1, 1024, 2 * n_expert * sizeof(int32_t)>>>(bids.as<int32_t>(), P, k_used, n_expert, go,
                                                          1); /* the decode router's one-warp grouping */
     LAUNCHED("routed linear: group");
     lin_groups g = {};

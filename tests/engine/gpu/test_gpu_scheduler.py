@@ -332,3 +332,43 @@ def test_step_launch_and_wait_misuse_are_typed_errors(gpu: Engine) -> None:
             g.launch(batch(0, 2, [1]))
     finally:
         gpu.blocks.release(blocks)
+
+
+@pytest.fixture(scope="module")
+def q4k_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_K experts (the routed split GEMM's type; the rest Q8_0), 32 experts of which 4 per token: at 8-32
+    sequences the experts hold from one pair to about ten."""
+    from engine.default_model import quantize_q4_k
+
+    n_layer, n_embd, n_ff, n_expert = 2, 256, 256, 32
+    rng = np.random.default_rng(23)
+    raw = {}
+    for il in range(n_layer):
+        for name, (r, c) in (("ffn_gate_exps", (n_ff, n_embd)), ("ffn_up_exps", (n_ff, n_embd)),
+                             ("ffn_down_exps", (n_embd, n_ff))):
+            blob = quantize_q4_k((rng.standard_normal((n_expert * r, c)) * 0.08).astype(np.float32))
+            blob = blob.reshape(n_expert, r, -1)
+            raw[f"blk.{il}.{name}.weight"] = (blob, blob.shape, GGMLQuantizationType.Q4_K)
+    return make_random_gguf(tmp_path_factory.mktemp("gsplit") / "moe_q4k.gguf", n_vocab=VOCAB, n_layer=n_layer,
+                            n_embd=n_embd, n_head=4, n_head_kv=2, n_ff=n_ff, n_expert=n_expert, n_expert_used=4,
+                            weight_type=GGMLQuantizationType.Q8_0, raw_overrides=raw)
+
+
+def test_routed_split_by_expert_size_same_logits(q4k_moe_path: Path) -> None:
+    """Steps whose routed layers take the GEMM (from gemm_min_tokens tokens) send the experts holding at most
+    routed_mv_max pairs to the matvec and the rest to the GEMM, split on the device by the grouping. The logits
+    of decode steps of 8, 16 and 32 sequences are bitwise those of all-GEMM steps (routed_mv_max 0), of
+    all-matvec splits (64) and of the matvec alone (gemm_min_tokens 0)."""
+    with Engine.open(q4k_moe_path, device="cuda:0", kv_tokens=4096) as gpu:
+        try:
+            for n_seq in (8, 16, 32):
+                runs = {}
+                for env in ({"STRATA_GPU_ROUTED_MV_MAX": "0"}, {"STRATA_GPU_ROUTED_MV_MAX": "1"}, {},
+                            {"STRATA_GPU_ROUTED_MV_MAX": "64"}, {"STRATA_GPU_GEMM_MIN_TOKENS": "0"}):
+                    gpu._gpu.set_settings(env)
+                    runs[str(env)] = decode_logits(gpu, steps=2, n_seq=n_seq).view(np.uint32)
+                first = next(iter(runs.values()))
+                for name, got in runs.items():
+                    assert np.array_equal(got, first), (n_seq, name)
+        finally:
+            gpu._gpu.set_settings({})
