@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
 
 TINY_VOCAB = 300
 
@@ -19,6 +19,22 @@ def make_tiny_gguf(path: Path) -> Path:
     """The cheap 2-layer Q8_0 model of TINY_VOCAB ids (conftest.py's ``tiny_path``: the greedy-pick, overlap
     and scheduler tests)."""
     return make_random_gguf(path, n_vocab=TINY_VOCAB, n_layer=2, weight_type=GGMLQuantizationType.Q8_0)
+
+
+def random_quant_blob(qtype: GGMLQuantizationType, shape: tuple[int, ...], std: float,
+                      rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of a quant type whose first two bytes are its f16 scale d (the IQ types,
+    which gguf-py cannot quantise to): random codes, grid indices, signs and sub-scales, then each
+    block's d set so that the dequantised values have roughly standard deviation `std`. Returns the
+    raw bytes shaped [*shape[:-1], bytes per row] (ggml order reversed, as GGUFWriter takes them)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    raw[:, :2] = np.ones(n_blocks, np.float16).view(np.uint8).reshape(-1, 2)
+    unit = float(dequantize(raw.reshape(-1), qtype).std())
+    d = (rng.uniform(0.5, 1.5, n_blocks) * std / unit).astype(np.float16)
+    raw[:, :2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(*shape[:-1], shape[-1] // block * type_size)
 
 
 def make_random_gguf(
@@ -41,11 +57,13 @@ def make_random_gguf(
     qkv_bias: bool = False,
     qk_norm: bool = False,
     n_ff_shexp: int = 0,
+    spm_vocab: bool = False,
 ) -> Path:
     """Write a random model; `overrides` replaces tensors by name (float data),
     `raw_overrides` by (raw bytes, logical shape, type), `omit` drops them. `qkv_bias`
     adds q/k/v biases (qwen2moe), `qk_norm` per-head q/k norms (qwen3moe), `n_ff_shexp`
-    a gated shared expert of that width (qwen2moe)."""
+    a gated shared expert of that width (qwen2moe), `spm_vocab` a placeholder SentencePiece vocabulary
+    (<unk>, <s>, </s>, then one piece per id) and the expert width key so that llama.cpp loads the file."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     w = GGUFWriter(str(path), arch)
@@ -63,6 +81,13 @@ def make_random_gguf(
         w.add_expert_used_count(n_expert_used)
     if n_ff_shexp:
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", n_ff_shexp)
+    if spm_vocab:
+        if n_expert:  # llama.cpp reads the expert width from here (Strata from the tensors)
+            w.add_expert_feed_forward_length(n_ff)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"p{i}" for i in range(3, n_vocab)])
+        w.add_token_scores([0.0] * n_vocab)
+        w.add_token_types([2, 3, 3] + [1] * (n_vocab - 3))
 
     def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)

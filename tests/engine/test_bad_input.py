@@ -63,10 +63,10 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
-    blob = np.zeros((256, 66), np.uint8)  # 256 rows of one IQ2_XXS block (256 elements in 66 bytes)
+    blob = np.zeros((256, 50), np.uint8)  # 256 rows of one IQ1_S block (256 elements in 50 bytes)
     path = make_random_gguf(tmp_path / "iq.gguf", n_embd=256, n_head=4, n_head_kv=2, n_ff=256, raw_overrides={
-        "blk.0.attn_q.weight": (blob, blob.shape, GGMLQuantizationType.IQ2_XXS)})
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_q\.weight.*IQ2_XXS") as ei:
+        "blk.0.attn_q.weight": (blob, blob.shape, GGMLQuantizationType.IQ1_S)})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.attn_q\.weight.*IQ1_S") as ei:
         Engine.open(path, threads=1, kv_tokens=64)
     assert str(path) in str(ei.value)
 

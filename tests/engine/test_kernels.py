@@ -10,11 +10,12 @@ from gguf.quants import dequantize
 
 from engine.native import VARIANTS, available_variants, ffi, lib, ptr
 
-QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+IQ_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *IQ_TYPES]
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 # byte offsets of the f16 scale fields in each block (kept finite in random blocks)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208]}
+              "Q6_K": [208], **{name: [0] for name in IQ_TYPES}}
 N = 256 * 12  # a multiple of every block size; an even and an odd count of 32-blocks below
 
 
@@ -158,6 +159,86 @@ def test_quantised_dot_every_variant(name: str, variant: str, n: int) -> None:
         ref = dot_q(name, "ref", raw, qs, d, s, n)
         assert abs(got - oracle) <= 1e-4 * scale, (got, oracle)
         assert abs(got - ref) <= 1e-4 * scale, (got, ref)
+
+
+# ---------------------------------------------------------------- IQ types: edge blocks
+
+def _iq_sweep_body(name: str, k: int) -> np.ndarray:
+    """Block k (0..31) of a sweep whose blocks together use every grid index, every sign pattern
+    (every 7-bit sign index, or every sign byte) and every 4-bit sub-scale of the type, laid out as
+    in the format (the bytes after the f16 d)."""
+    u8 = np.uint8
+
+    def scales(m: int) -> np.ndarray:
+        return np.array([((k + i) % 16) | (((k + i + 7) % 16) << 4) for i in range(m)], u8)
+
+    def aux(base: int, ib: int) -> np.ndarray:
+        word = sum(((base + 4 * ib + j) % 128) << (7 * j) for j in range(4)) | (((k + ib) % 16) << 28)
+        return np.array([word], np.uint32).view(u8)
+
+    if name == "IQ2_XXS":
+        return np.concatenate([np.concatenate([np.array([(32 * k + 4 * ib + j) % 256 for j in range(4)], u8),
+                                               aux(32 * k, ib)]) for ib in range(8)])
+    if name == "IQ2_XS":
+        v = np.array([((32 * k + j) % 512) | (((32 * k + j + k) % 128) << 9) for j in range(32)], np.uint16)
+        return np.concatenate([v.view(u8), scales(8)])
+    if name == "IQ2_S":
+        idx = np.array([(32 * k + j) % 1024 for j in range(32)])
+        qh = np.array([sum(((idx[4 * i + j] >> 8) & 3) << (2 * j) for j in range(4)) for i in range(8)], u8)
+        signs = np.array([(32 * k + j) % 256 for j in range(32)], u8)
+        return np.concatenate([(idx & 255).astype(u8), signs, qh, scales(8)])
+    if name == "IQ3_XXS":
+        grid = np.array([(64 * k + j) % 256 for j in range(64)], u8)
+        return np.concatenate([grid] + [aux(32 * k, ib) for ib in range(8)])
+    assert name == "IQ3_S"
+    idx = np.array([(64 * k + j) % 512 for j in range(64)])
+    qh = np.array([sum(((idx[8 * i + j] >> 8) & 1) << j for j in range(8)) for i in range(8)], u8)
+    signs = np.array([(32 * k + j) % 256 for j in range(32)], u8)
+    return np.concatenate([(idx & 255).astype(u8), qh, signs, scales(4)])
+
+
+IQ_EDGE_D = [0.0, -0.0, 1.0, -1.0, 65504.0, -65504.0, 2.0**-24, 6.1e-5, 0.03]
+
+
+def iq_edge_blocks(name: str) -> np.ndarray:
+    """Every sweep block, all-zero and all-0xff bodies (grid index 0 / the last entries, no / all
+    signs, smallest / largest sub-scales), each with every d of IQ_EDGE_D (zero, signed zero,
+    the largest half, subnormal, ordinary)."""
+    _, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    bodies = [_iq_sweep_body(name, k) for k in range(32)] + [np.zeros(tb - 2, np.uint8), np.full(tb - 2, 255, np.uint8)]
+    blocks = [np.concatenate([np.array([d], np.float16).view(np.uint8), body]) for d in IQ_EDGE_D for body in bodies]
+    assert all(b.size == tb for b in blocks)
+    return np.concatenate(blocks)
+
+
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_iq_dequantize_edge_blocks_bitwise(name: str) -> None:
+    raw = iq_edge_blocks(name)
+    n = raw.size // GGML_QUANT_SIZES[GGMLQuantizationType[name]][1] * 256
+    ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1).astype(np.float32)
+    out = c_dequant(name, raw, n)
+    assert np.all(np.isfinite(ref)) and np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+    assert np.any(np.signbit(out) & (out == 0))  # -0.0 where gguf-py gives it
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", IQ_TYPES)
+def test_iq_dot_edge_blocks_every_variant(name: str, variant: str) -> None:
+    """The edge blocks with d = +-1 (the largest integer sums: every code, sign and sub-scale at
+    its extremes) against activations at full scale, alternating and random: every variant within
+    the harness's tolerance of the dequantised dot and of the reference."""
+    _, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    blocks = iq_edge_blocks(name).reshape(len(IQ_EDGE_D), -1, tb)[2:4].reshape(-1)  # d = 1, -1
+    n = blocks.size // tb * 256
+    w = c_dequant(name, blocks, n).astype(np.float64)
+    rng = np.random.default_rng(29)
+    for x in (np.ones(n, np.float32), np.where(np.arange(n) % 2, -1.0, 1.0).astype(np.float32),
+              rng.standard_normal(n).astype(np.float32)):
+        qs, d, s = quant_act(x)
+        xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+        oracle, scale = float(np.dot(w, xa)), float(np.abs(w * xa).sum())
+        got, ref = dot_q(name, variant, blocks, qs, d, s, n), dot_q(name, "ref", blocks, qs, d, s, n)
+        assert abs(got - oracle) <= 1e-4 * scale and abs(got - ref) <= 1e-4 * scale, (got, ref, oracle)
 
 
 def dot_q_tokens(name: str, variant: str, raw: np.ndarray, qs: np.ndarray, d: np.ndarray, s: np.ndarray,

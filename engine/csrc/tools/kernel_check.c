@@ -1,7 +1,7 @@
 /* Stand-alone check of the int8 micro-kernels, for machines without the Python test stack
  * (e.g. to try the AVX-512 variant on another CPU):
  *   gcc -O2 -std=gnu11 -ffp-contract=off -fno-math-errno -pthread -Iengine/csrc \
- *       engine/csrc/tools/kernel_check.c engine/csrc/{quants,kernels_avx2,kernels_avx512,variants,attention}.c -lm
+ *       engine/csrc/tools/kernel_check.c engine/csrc/{quants,quants_iq,kernels_avx2,kernels_avx512,variants,attention}.c -lm
  * For every quantised type and every variant this CPU runs: each (row, token) of an nr x nt
  * micro-kernel pass (nr 1..8, nt 1..64) equals that row and token alone bit for bit, and is
  * within 1e-4 of the reference kernel relative to sum |w * a| (the Python harness's rules);
@@ -38,7 +38,8 @@ static void random_row(int32_t type, int64_t n, uint8_t *w) {
 
 int main(void) {
     const int32_t types[] = {ST_TYPE_Q4_0, ST_TYPE_Q4_1, ST_TYPE_Q5_0, ST_TYPE_Q5_1,
-                             ST_TYPE_Q8_0, ST_TYPE_Q4_K, ST_TYPE_Q5_K, ST_TYPE_Q6_K};
+                             ST_TYPE_Q8_0, ST_TYPE_Q4_K, ST_TYPE_Q5_K, ST_TYPE_Q6_K,
+                             ST_TYPE_IQ2_XXS, ST_TYPE_IQ2_XS, ST_TYPE_IQ2_S, ST_TYPE_IQ3_XXS, ST_TYPE_IQ3_S};
     const int64_t lens[] = {256 * 3, 256 * 11 + 32 * 3};
     const int nrs[] = {1, 2, 3, 4, 5, 8}, nts[] = {1, 2, 3, 4, 5, 8, 13, 64};
     const int32_t mask = st_cpu_variants();

@@ -1,0 +1,130 @@
+"""Single-thread rate of the CPU quant kernels, beside llama.cpp's for the same type, in one run.
+
+Strata: st_kernel_rate, the micro-kernel the step uses (8 rows x N weights of the type, random
+codes, weights in cache) against 1 token (decode) and 16 tokens (a batch), per variant, thread
+CPU time. llama.cpp: the pinned llama-cpp-python's own libggml-cpu, its vec_dot for the type
+against Q8_K activations (the only form it has: one row, one token per call) over one row of
+8 x N weights (the same bytes as Strata's 8 rows), called through ctypes with the call's fixed
+cost (measured on one 256-element block) subtracted. Each figure is the best of R runs,
+Strata and llama.cpp alternating, in GMAC/s (multiply-accumulates per CPU second / 1e9).
+
+Usage: ``python -m bench.quant_kernels [--types IQ3_XXS,IQ2_XXS,...] [--n 8192] [--runs 3]
+[--seconds 0.3] [--json OUT.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from bench.common import fmt_num, machine_info, text_table, write_json
+
+DEFAULT_TYPES = ["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_S", "Q4_K"]
+Q8K_BYTES = 4 + 256 + 2 * 16  # block_q8_K: float d, 256 int8, 16 int16 sums
+
+
+def strata_rate(type_id: int, variant: int, n: int, nt: int, seconds: float) -> float:
+    from engine.native import check, ffi, lib
+
+    out = ffi.new("double *")
+    check(lib.st_kernel_rate(type_id, variant, n, nt, seconds, out), "kernel_rate")
+    return float(out[0])
+
+
+def llama_vec_dot(name: str, n: int, seed: int = 0) -> Callable[[float], float] | None:
+    """A timer for llama.cpp's vec_dot of `name` over one n-element row, or None where its
+    library has no such symbol (llama.cpp names the K-quants' entry points differently)."""
+    import llama_cpp
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    try:
+        fn = getattr(lib, f"ggml_vec_dot_{name.lower()}_q8_K")
+    except AttributeError:
+        return None
+    lib.ggml_cpu_init()
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                   ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    rng = np.random.default_rng(seed)
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    w = rng.integers(0, 256, size=(n // block, type_size), dtype=np.uint8)
+    w[:, 1] &= 0x3B  # the leading f16 d stays finite
+    x = rng.standard_normal(n).astype(np.float32)
+    y = np.zeros(n // 256 * Q8K_BYTES, np.uint8)
+    lib.quantize_row_q8_K(x.ctypes.data, y.ctypes.data, n)
+    s = ctypes.c_float()
+    keep = (w, y, s)
+
+    def per_call(m: int, reps: int) -> float:
+        args = (m, ctypes.addressof(s), 0, w.ctypes.data, 0, y.ctypes.data, 0, 1)
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn(*args)
+        return (time.thread_time() - t0) / reps
+
+    def timer(seconds: float) -> float:
+        _ = keep
+        fixed = min(per_call(256, 2000) for _ in range(3))
+        reps, t = 16, 0.0
+        while True:
+            t = per_call(n, reps)
+            if t * reps >= seconds:
+                break
+            reps *= 2
+        return n / max(t - fixed, 1e-12) / 1e9
+
+    return timer
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default=",".join(DEFAULT_TYPES))
+    ap.add_argument("--n", type=int, default=8192, help="row length (Strata: 8 rows; llama.cpp: one row of 8n)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    from gguf import GGMLQuantizationType
+
+    from engine.native import VARIANTS, available_variants
+
+    info = machine_info()
+    variants = [v for v in available_variants() if v != "auto"]
+    rows, report = [], {"machine": info, "n": args.n, "runs": args.runs, "gmac_s": {}}
+    for name in args.types.split(","):
+        tid = int(GGMLQuantizationType[name])
+        llama = llama_vec_dot(name, 8 * args.n)
+        best: dict[str, float] = {}
+        for _ in range(args.runs):
+            for v in variants:
+                for nt in (1, 16):
+                    if v == "ref" and nt == 16:
+                        continue
+                    key = f"{v}/{nt}"
+                    best[key] = max(best.get(key, 0.0), strata_rate(tid, VARIANTS[v], args.n, nt, args.seconds))
+            if llama is not None:
+                best["llama.cpp/1"] = max(best.get("llama.cpp/1", 0.0), llama(args.seconds))
+        report["gmac_s"][name] = best
+        top = max(best.get(f"{v}/1", 0.0) for v in variants)
+        peer = best.get("llama.cpp/1")
+        rows.append([name, *(fmt_num(best.get(f"{v}/{nt}"), 2) if f"{v}/{nt}" in best else "-"
+                             for v in variants for nt in (1, 16)),
+                     fmt_num(peer, 2) if peer else "-", f"{top / peer:.2f}x" if peer else "-"])
+    headers = ["type", *(f"{v} {nt}t" for v in variants for nt in (1, 16)), "llama.cpp 1t", "best 1t / llama"]
+    print(f"{info['cpu_model']}; busy cores before: {info['busy_cores_before']}; GMAC/s, single thread")
+    print(text_table(headers, rows))
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

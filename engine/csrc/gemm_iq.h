@@ -1,0 +1,288 @@
+/* The IQ types' SIMD kernel on 256-bit vectors (quants_iq.h has the integer form of a weight).
+ * Included by kernels_avx2.c and kernels_avx512.c after gemm_int8.h, under each file's
+ * `#pragma GCC target`, so each variant gets its own static copy compiled for its ISA.
+ *
+ * Per weight row and 32-element block the codebook is looked up once into two registers:
+ *   g   32 unsigned grid magnitudes (<= 62): each group's 8 (IQ2: one 64-bit entry) or 4 (IQ3:
+ *       one 32-bit entry) bytes, loaded by index from the generated tables (scalar loads: AVX2
+ *       gathers measured slower at one token on the Zen 4 box);
+ *   sg  32 signs as bytes +1 / -1, from the block's four sign bytes by one shuffle and compare;
+ *       IQ2_S and IQ3_S store those bytes, the ksigns types (IQ2_XXS, IQ2_XS, IQ3_XXS) a 7-bit
+ *       index per byte whose 8th bit is the parity, computed for a whole super-block at once
+ *       (iq_sign_bytes) instead of a table load per group.
+ * Per token the activations take the signs (sign_epi8) and are multiplied with g into 32-bit
+ * sums of 4 (maddubs + madd; vpdpbusd on the VNNI variant): |g * a| <= 62 * 127, a pair < 2^15,
+ * so the sums are exact. Four rows' sums are reduced to one vector of (row, half) lanes - lanes
+ * 0..3 rows 0..3 elements 0..15, lanes 4..7 the same rows' elements 16..31 - converted once and
+ * scaled by the lane's d * F * k (iq_scales4, once per super-block: the integer sub-scale k
+ * lives in the float scale, exact) times the activation block's dx. A (row, token) result is
+ * lane r + lane 4 + r at the end; the operations on a lane depend only on its row and token, so
+ * any number of rows or tokens gives the same bits (the harness checks it). */
+#ifndef STRATA_GEMM_IQ_H
+#define STRATA_GEMM_IQ_H
+
+#include "gemm_int8.h"
+#include "iq_grids.h"
+#include "quants_iq.h"
+
+#define IQ_MR 4
+
+/* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
+static inline __m256i iq_signs_from_bits(uint32_t bits) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                          3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(1));
+}
+
+/* Types whose signs are 7-bit indices into ksigns. */
+static inline int iq_ksign_type(int32_t type) {
+    return type == ST_TYPE_IQ2_XXS || type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ3_XXS;
+}
+
+/* The 32 sign bytes of super-block x of a ksigns type (byte j: group j of 8 elements, bit k set =
+ * element k negated), all at once: the 7-bit indices gathered into bytes, the 8th bit their
+ * parity (what ksigns holds). Per block the kernel then expands 4 of them as IQ2_S / IQ3_S do. */
+static inline __attribute__((always_inline)) void iq_sign_bytes(int32_t type, const uint8_t *x, uint8_t *sb) {
+    __m256i v;
+    if (type == ST_TYPE_IQ2_XS) { /* index = word >> 9 */
+        const __m256i a = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(x + 2)), 9);
+        const __m256i b = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(x + 34)), 9);
+        v = _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+    } else { /* four indices of 7 bits per 32-bit word, one word per block */
+        __m256i aux;
+        if (type == ST_TYPE_IQ3_XXS) {
+            aux = _mm256_loadu_si256((const __m256i *)(x + 2 + QK_K / 4));
+        } else { /* IQ2_XXS: the odd words of the 64 code bytes */
+            const __m256 a0 = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(x + 2)));
+            const __m256 a1 = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(x + 34)));
+            aux = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a0, a1, 0xDD)), 0xD8);
+        }
+        const __m256i m7 = _mm256_set1_epi32(127);
+        const __m256i s0 = _mm256_and_si256(aux, m7);
+        const __m256i s1 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 7), m7), 8);
+        const __m256i s2 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 14), m7), 16);
+        const __m256i s3 = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(aux, 21), m7), 24);
+        v = _mm256_or_si256(_mm256_or_si256(s0, s1), _mm256_or_si256(s2, s3));
+    }
+    __m256i t = _mm256_xor_si256(v, _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)));
+    t = _mm256_xor_si256(t, _mm256_and_si256(_mm256_srli_epi16(t, 2), _mm256_set1_epi8(0x03)));
+    t = _mm256_xor_si256(t, _mm256_and_si256(_mm256_srli_epi16(t, 1), _mm256_set1_epi8(0x01)));
+    v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi8(0x01)), 7));
+    _mm256_storeu_si256((__m256i *)sb, v);
+}
+
+typedef struct {
+    __m256i g, sg;
+} iq_sub;
+
+/* The grid indices of super-block x of a type whose indices are not plain bytes (IQ2_XS: 32 of
+ * 9 bits in 16-bit words; IQ2_S: 32 of 10 bits, IQ3_S: 64 of 9 bits, high bits from qh), all at
+ * once into ix. */
+static inline __attribute__((always_inline)) void iq_indices(int32_t type, const uint8_t *x, uint16_t *ix) {
+    if (type == ST_TYPE_IQ3_S) { /* index g: qs[g] | bit g of qh << 8 */
+        const blk_iq3_s *b = (const blk_iq3_s *)x;
+        const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                              (short)-32768);
+        for (int k = 0; k < 4; k++) {
+            const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
+            const __m256i h = _mm256_set1_epi16((short)(b->qh[2 * k] | (b->qh[2 * k + 1] << 8)));
+            const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(h, bit), bit);
+            _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi16(256))));
+        }
+        return;
+    }
+    if (type == ST_TYPE_IQ2_XS) { /* index g: the low 9 bits of word g */
+        const __m256i m9 = _mm256_set1_epi16(511);
+        for (int k = 0; k < 2; k++)
+            _mm256_storeu_si256((__m256i *)(ix + 16 * k),
+                                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 2 + 32 * k)), m9));
+        return;
+    }
+    const blk_iq2_s *b = (const blk_iq2_s *)x; /* index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8 */
+    for (int k = 0; k < 2; k++) {
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
+        const __m256i w = _mm256_set1_epi32((int)ld32(b->qh + 4 * k));
+        const __m256i h0 = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        const __m256i h1 = _mm256_srlv_epi32(w, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
+        const __m256i m3 = _mm256_set1_epi32(3);
+        const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(h0, m3), _mm256_and_si256(h1, m3)), 0xD8);
+        _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_slli_epi16(h, 8)));
+    }
+}
+
+/* Block ib (0..7) of super-block x of an IQ type; sb: its sign bytes (iq_sign_bytes) for the
+ * ksigns types, ix: its grid indices (iq_indices) for IQ2_S and IQ3_S. */
+static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, const uint8_t *x, const uint8_t *sb,
+                                                              const uint16_t *ix, int ib, iq_sub *s) {
+    switch (type) {
+    case ST_TYPE_IQ2_XXS: {
+        const uint8_t *q = x + 2 + 8 * ib;
+        s->g = _mm256_set_epi64x((long long)iq2xxs_grid[q[3]], (long long)iq2xxs_grid[q[2]],
+                                 (long long)iq2xxs_grid[q[1]], (long long)iq2xxs_grid[q[0]]);
+        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
+        break;
+    }
+    case ST_TYPE_IQ2_XS: {
+        const uint16_t *q = ix + 4 * ib;
+        s->g = _mm256_set_epi64x((long long)iq2xs_grid[q[3]], (long long)iq2xs_grid[q[2]], (long long)iq2xs_grid[q[1]],
+                                 (long long)iq2xs_grid[q[0]]);
+        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
+        break;
+    }
+    case ST_TYPE_IQ2_S: {
+        const blk_iq2_s *b = (const blk_iq2_s *)x;
+        const uint16_t *q = ix + 4 * ib;
+        s->g = _mm256_set_epi64x((long long)iq2s_grid[q[3]], (long long)iq2s_grid[q[2]], (long long)iq2s_grid[q[1]],
+                                 (long long)iq2s_grid[q[0]]);
+        s->sg = iq_signs_from_bits(ld32(b->qs + QK_K / 8 + 4 * ib));
+        break;
+    }
+    case ST_TYPE_IQ3_XXS: {
+        uint64_t q; /* the eight indices in one load, taken apart in registers */
+        memcpy(&q, x + 2 + 8 * ib, 8);
+        s->g = _mm256_set_epi32((int)iq3xxs_grid[q >> 56], (int)iq3xxs_grid[(q >> 48) & 255],
+                                (int)iq3xxs_grid[(q >> 40) & 255], (int)iq3xxs_grid[(q >> 32) & 255],
+                                (int)iq3xxs_grid[(q >> 24) & 255], (int)iq3xxs_grid[(q >> 16) & 255],
+                                (int)iq3xxs_grid[(q >> 8) & 255], (int)iq3xxs_grid[q & 255]);
+        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
+        break;
+    }
+    default: { /* ST_TYPE_IQ3_S */
+        const blk_iq3_s *b = (const blk_iq3_s *)x;
+        const uint16_t *q = ix + 8 * ib;
+        s->g = _mm256_set_epi32((int)iq3s_grid[q[7]], (int)iq3s_grid[q[6]], (int)iq3s_grid[q[5]], (int)iq3s_grid[q[4]],
+                                (int)iq3s_grid[q[3]], (int)iq3s_grid[q[2]], (int)iq3s_grid[q[1]], (int)iq3s_grid[q[0]]);
+        s->sg = iq_signs_from_bits(ld32(b->signs + 4 * ib));
+        break;
+    }
+    }
+}
+
+static inline float iq_factor(int32_t type) {
+    return type == ST_TYPE_IQ3_S ? 1.0f : type == ST_TYPE_IQ3_XXS ? 0.25f : 0.125f;
+}
+
+/* The float scale d * F * k of each (row, half) lane of the four rows' blocks ib = 0..7 of
+ * super-block i: s[ib][r] for elements 0..15 of row r, s[ib][4 + r] for 16..31. Exact: d has 11
+ * significant bits, k <= 31 five, F is a power of two. Taken once per super-block, so the
+ * blocks themselves unpack only codes and signs. */
+typedef struct {
+    float s[8][8];
+} iq_scales;
+
+static inline __attribute__((always_inline)) void iq_scales4(int32_t type, const uint8_t *const *rows, int64_t i,
+                                                             size_t bb, iq_scales *S) {
+    const float f = iq_factor(type);
+    for (int r = 0; r < IQ_MR; r++) {
+        const uint8_t *x = rows[r] + (size_t)i * bb;
+        const float df = h2f((f16_t)(x[0] | (x[1] << 8))) * f;
+        for (int ib = 0; ib < 8; ib++) {
+            int lo, hi;
+            switch (type) {
+            case ST_TYPE_IQ2_XXS: lo = hi = (int)(ld32(x + 2 + 8 * ib + 4) >> 28); break;
+            case ST_TYPE_IQ3_XXS: lo = hi = (int)(ld32(x + 2 + QK_K / 4 + 4 * ib) >> 28); break;
+            case ST_TYPE_IQ2_XS: lo = x[offsetof(blk_iq2_xs, scales) + ib] & 0xF, hi = x[offsetof(blk_iq2_xs, scales) + ib] >> 4; break;
+            case ST_TYPE_IQ2_S: lo = x[offsetof(blk_iq2_s, scales) + ib] & 0xF, hi = x[offsetof(blk_iq2_s, scales) + ib] >> 4; break;
+            default: lo = hi = (x[offsetof(blk_iq3_s, scales) + ib / 2] >> (4 * (ib % 2))) & 0xF; break;
+            }
+            S->s[ib][r] = df * (float)(2 * lo + 1);
+            S->s[ib][IQ_MR + r] = df * (float)(2 * hi + 1);
+        }
+    }
+}
+
+/* The four rows' k * g * sign * qa sums of one block against one token, as (row, half) lanes. */
+static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, const int8_t *q) {
+    const __m256i av = _mm256_loadu_si256((const __m256i *)q);
+    __m256i p[IQ_MR];
+    for (int r = 0; r < IQ_MR; r++) p[r] = dot4(s[r].g, _mm256_sign_epi8(av, s[r].sg));
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+}
+
+/* Four rows (a short block repeats its last row; its results are dropped) against nt tokens;
+ * NT > 0 fixes the token count at compile time (the accumulators then stay in registers). */
+static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const uint8_t *const *rows, size_t bb,
+                                                           int64_t nb, int NT, int nt, const act_row *a, float *out,
+                                                           int nr, int64_t ldo, const uint8_t *next) {
+    const int n_tok = NT > 0 ? NT : nt;
+    __m256 acc[ST_MAX_NT];
+    for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
+    iq_scales S;
+    uint8_t sb[IQ_MR][32];
+    uint16_t ix[IQ_MR][64];
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i = b / 8;
+        const int ib = (int)(b % 8);
+        if (ib == 0) {
+            iq_scales4(type, rows, i, bb, &S);
+            for (int r = 0; r < IQ_MR; r++) {
+                if (iq_ksign_type(type)) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
+                if (type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ2_S || type == ST_TYPE_IQ3_S)
+                    iq_indices(type, rows[r] + (size_t)i * bb, ix[r]);
+            }
+        }
+        prefetch_slice(next, b, IQ_MR * bb / 8);
+        iq_sub s[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, sb[r], ix[r], ib, &s[r]);
+        const __m256 sv = _mm256_loadu_ps(S.s[ib]);
+        for (int t = 0; t < n_tok; t++) {
+            const __m256i red = iq_sums4(s, a[t].q + b * QK);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(sv, _mm256_broadcast_ss(a[t].d + b)), acc[t]);
+        }
+    }
+    for (int t = 0; t < n_tok; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[t]);
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = v[r] + v[IQ_MR + r];
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_iq(int32_t type, const void *w, size_t row_bytes, int nr,
+                                                          int64_t n, int nt, const act_row *a, float *out,
+                                                          int64_t ldo) {
+    const int64_t nb = n / QK;
+    const size_t bb = (size_t)st_iq_block_bytes(type);
+    for (int r0 = 0; r0 < nr; r0 += IQ_MR) {
+        const int nrr = nr - r0 < IQ_MR ? nr - r0 : IQ_MR;
+        const uint8_t *rows[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
+        const uint8_t *next = (const uint8_t *)w + (size_t)(r0 + IQ_MR) * row_bytes;
+        float *o = out + r0;
+        switch (nt) {
+        case 1: iq_rows4(type, rows, bb, nb, 1, 1, a, o, nrr, ldo, next); break;
+        case 2: iq_rows4(type, rows, bb, nb, 2, 2, a, o, nrr, ldo, next); break;
+        case 3: iq_rows4(type, rows, bb, nb, 3, 3, a, o, nrr, ldo, next); break;
+        case 4: iq_rows4(type, rows, bb, nb, 4, 4, a, o, nrr, ldo, next); break;
+        default: iq_rows4(type, rows, bb, nb, 0, nt, a, o, nrr, ldo, next); break;
+        }
+    }
+}
+
+#define DEF_GEMM_IQ(NAME, TYPE)                                                                               \
+    static void NAME(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out, \
+                     int64_t ldo) {                                                                            \
+        gemm_iq(TYPE, w, row_bytes, nr, n, nt, a, out, ldo);                                                   \
+    }
+
+DEF_GEMM_IQ(gemm_iq2_xxs, ST_TYPE_IQ2_XXS)
+DEF_GEMM_IQ(gemm_iq2_xs, ST_TYPE_IQ2_XS)
+DEF_GEMM_IQ(gemm_iq2_s, ST_TYPE_IQ2_S)
+DEF_GEMM_IQ(gemm_iq3_xxs, ST_TYPE_IQ3_XXS)
+DEF_GEMM_IQ(gemm_iq3_s, ST_TYPE_IQ3_S)
+
+static dot_q_fn gemm_iq_pick(int32_t type) {
+    switch (type) {
+    case ST_TYPE_IQ2_XXS: return gemm_iq2_xxs;
+    case ST_TYPE_IQ2_XS: return gemm_iq2_xs;
+    case ST_TYPE_IQ2_S: return gemm_iq2_s;
+    case ST_TYPE_IQ3_XXS: return gemm_iq3_xxs;
+    case ST_TYPE_IQ3_S: return gemm_iq3_s;
+    default: return NULL;
+    }
+}
+
+#endif
