@@ -58,19 +58,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         const int vp = hd / 8; /* 16-byte pieces per V row */
         if constexpr (HD > 0) {
 #pragma unroll
-            for (int it = lane; it < 2 * HD; it += 32) {
-                const int d = it >> 1, pc = it & 1;
-                cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
-                const int jj = it / vp, pv = it % vp;
-                cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
-            }
+            for (int it = lane; it < 2 * HD; it += 32) att_copy_piece(it, ks, vs, kg, vg, hd, vp, bs, kd);
         } else {
-            for (int it = lane; it < 2 * hd; it += 32) {
-                const int d = it >> 1, pc = it & 1;
-                cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
-                const int jj = it / vp, pv = it % vp;
-                cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
-            }
+            for (int it = lane; it < 2 * hd; it += 32) att_copy_piece(it, ks, vs, kg, vg, hd, vp, bs, kd);
         }
         cp_async_commit();
     };
@@ -78,14 +68,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
     int issued = 0; /* this warp's chunks already in flight when the loop starts */
     if (ci < n_chunks && (S == 2 || pre)) {
-        issue(ci, 0, blk_next);
-        const int cn = ci + ATT_WARPS;
-        blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
+        att_issue_chunk(issue, ci, 0, blk_next, bt, n_chunks, bs);
         issued = 1;
-        if (pre && S == 2 && cn < n_chunks) {
-            issue(cn, 1, blk_next);
-            const int cnn = cn + ATT_WARPS;
-            blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
+        if (pre && S == 2 && ci + ATT_WARPS < n_chunks) {
+            att_issue_chunk(issue, ci + ATT_WARPS, 1, blk_next, bt, n_chunks, bs);
             issued = 2;
         }
     }
@@ -211,25 +197,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     for (int it = 0; ci < n_chunks; it++, ci += ATT_WARPS) {
         int st = 0;
         if (S == 1) {
-            if (it > 0 || !issued) {
-                issue(ci, 0, blk_next);
-                const int cn = ci + ATT_WARPS;
-                blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0; /* in flight during this chunk */
-            }
+            if (it > 0 || !issued) att_issue_chunk(issue, ci, 0, blk_next, bt, n_chunks, bs);
             cp_async_wait<0>();
         } else {
             st = it & 1;
-            const int cn = ci + ATT_WARPS;
-            if (cn < n_chunks) {
-                if (it > 0 || issued < 2) {
-                    issue(cn, st ^ 1, blk_next);
-                    const int cnn = cn + ATT_WARPS;
-                    blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
-                }
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
+            att_next_stage(issue, ci, st, it > 0 || issued < 2, blk_next, bt, n_chunks, bs);
         }
         __syncwarp();
         __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;
@@ -271,7 +243,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         l = __fmaf_rn(l, corr, HD ? warp_sum16(pj) : warp_sum(half ? 0.0f : pj)); /* explicit: k_attention_tile repeats it */
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
-        if constexpr (HALF2 && HD > 0) {
+        if constexpr (HALF2) {
             auto vstep = [&](int jj) {
                 const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
@@ -284,24 +256,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
                     }
                 }
             };
-            if (nk == ATT_CK) { /* a whole chunk: every key's shuffle and loads in flight at once */
+            if (HD > 0 && nk == ATT_CK) { /* a whole chunk: every key's shuffle and loads in flight at once */
 #pragma unroll
                 for (int jj = 0; jj < ATT_CK; jj++) vstep(jj);
             } else {
                 for (int jj = 0; jj < nk; jj++) vstep(jj);
-            }
-        } else if constexpr (HALF2) {
-            for (int jj = 0; jj < nk; jj++) {
-                const float pb = __shfl_sync(0xffffffffu, pj, jj);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int d = 64 * i + 2 * lane;
-                    if (d < hd) {
-                        const float2 f = __half22float2(*(const __half2 *)(vs + jj * hd + d));
-                        acc[2 * i] = fmaf(pb, f.x, acc[2 * i]);
-                        acc[2 * i + 1] = fmaf(pb, f.y, acc[2 * i + 1]);
-                    }
-                }
             }
         } else {
             for (int jj = 0; jj < nk; jj++) {

@@ -75,12 +75,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, 
         const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
         const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
         constexpr int vp = HD / 8;
-        for (int it = lane; it < 2 * HD; it += 32) {
-            const int d = it >> 1, pc = it & 1;
-            cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
-            const int jj = it / vp, pv = it % vp;
-            cp_async16(vs + jj * HD + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
-        }
+        for (int it = lane; it < 2 * HD; it += 32) att_copy_piece(it, ks, vs, kg, vg, HD, vp, bs, kd);
         cp_async_commit();
     };
     const int row = lane >> 1, half = lane & 1; /* scores */
@@ -93,22 +88,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, 
         for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
     int ci = warp;
     int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
-    if (ci < n_chunks) {
-        issue(ci, 0, blk_next);
-        const int cn = ci + ATT_WARPS;
-        blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
-    }
+    if (ci < n_chunks) att_issue_chunk(issue, ci, 0, blk_next, bt, n_chunks, bs);
     for (int it = 0; ci < n_chunks; it++, ci += ATT_WARPS) {
         const int st = it & 1;
-        const int cn = ci + ATT_WARPS;
-        if (cn < n_chunks) {
-            issue(cn, st ^ 1, blk_next);
-            const int cnn = cn + ATT_WARPS;
-            blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        att_next_stage(issue, ci, st, true, blk_next, bt, n_chunks, bs);
         __syncwarp();
         const __half *ks = wbuf + (size_t)st * 2 * ATT_CK * HD, *vs = ks + ATT_CK * HD;
         /* scores of this lane's row over the chunk's 16 keys, half = even / odd dimensions */
