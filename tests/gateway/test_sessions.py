@@ -26,9 +26,8 @@ from tests.gateway.conftest import (
     GW,
     auth,
     gateway_config,
-    gateway_engines,  # noqa: F401  (the fixture)
+    lane_entries,
     running_gateway,
-    running_lane,
 )
 from tests.lanes.conftest import Lane
 
@@ -36,15 +35,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lanes(gateway_engines: tuple) -> AsyncIterator[tuple[Lane, Lane]]:  # noqa: F811
-    async with running_lane("a", gateway_engines[0]) as a, running_lane("b", gateway_engines[1]) as b:
-        yield a, b
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def gw(lanes: tuple[Lane, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
+async def gw(lanes: dict[str, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
     tmp = tmp_path_factory.mktemp("memgw")
-    cfg = gateway_config(tmp, [{"name": "a", "url": lanes[0].url}, {"name": "b", "url": lanes[1].url}],
+    cfg = gateway_config(tmp, lane_entries(lanes),
                          default_max_tokens=16,
                          memory={"summarize_after_tokens": 100_000, "summary_input_tokens": 300,
                                  "summary_max_tokens": 64, "summary_keep_turns": 4, "retrieve_min_score": 0.2})
