@@ -20,3 +20,24 @@ def drain(sched: Scheduler) -> tuple[dict[str, list[RequestOutput]], int]:
     while sched.has_work():
         preempted += step_into(sched, out)
     return out, preempted
+
+
+def finish_into(sched: Scheduler, out: dict[str, list[RequestOutput]]) -> None:
+    """The scheduler run to completion, its outputs appended to ``out`` under their request ids."""
+    for k, v in sched.run_to_completion().items():
+        out.setdefault(k, []).extend(v)
+
+
+def abort_every_other(sched: Scheduler, rids: list[str], steps: int) -> tuple[dict[str, list[RequestOutput]], int]:
+    """``steps`` steps, then every other request (``rids[::2]``) aborted and one more step, which must end each
+    of them with finish_reason "abort": the outputs so far and the KV blocks in use before the aborts."""
+    out: dict[str, list[RequestOutput]] = {}
+    for _ in range(steps):
+        step_into(sched, out)
+    blocks = sched.engine.blocks
+    used_before = blocks.n_blocks - blocks.num_free
+    for r in rids[::2]:
+        sched.abort(r)
+    step_into(sched, out)  # the very next step frees them
+    assert all(out[r][-1].finish_reason == "abort" for r in rids[::2])
+    return out, used_before

@@ -15,7 +15,7 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import OverloadedError, Scheduler, SchedulerConfig, collect_text
 from tests.engine.gguf_factory import make_tiny_gguf
-from tests.engine.sched_helpers import drain, step_into
+from tests.engine.sched_helpers import abort_every_other, drain, finish_into, step_into
 
 TOPICS = ["the sea", "mountains", "a robot", "coffee", "rain", "a city at night", "an old book", "the moon",
           "a garden", "winter", "a train", "music", "a cat", "the desert", "a river", "friendship"]
@@ -57,8 +57,7 @@ def test_staggered_arrivals_equal_alone(engine: Engine, prompts: list[list[int]]
         rids.append(sched.add(p, greedy()))
         for _ in range(i % 3 + 1):  # some steps between arrivals
             step_into(sched, out)
-    for k, v in sched.run_to_completion().items():
-        out.setdefault(k, []).extend(v)
+    finish_into(sched, out)
     assert [collect_text(out[r]) for r in rids] == alone
 
 
@@ -148,18 +147,10 @@ def test_abort_half_of_100_streams(tmp_path: Path) -> None:
         ref = ref_sched.run_to_completion()
         sched = Scheduler(eng, SchedulerConfig(max_num_seqs=128, max_batch_tokens=4096))
         rids = [sched.add(p, params) for p in prompts]
-        out: dict[str, list] = {}
-        for _ in range(6):
-            step_into(sched, out)
-        used_before = eng.blocks.n_blocks - eng.blocks.num_free
-        for r in rids[::2]:
-            sched.abort(r)
-        step_into(sched, out)  # the very next step frees them
-        assert all(out[r][-1].finish_reason == "abort" for r in rids[::2])
+        out, used_before = abort_every_other(sched, rids, 6)
         held = sum(len(req.blocks) for req in sched.running)
         assert eng.blocks.n_blocks - eng.blocks.num_free == held < used_before
-        for k, v in sched.run_to_completion().items():
-            out.setdefault(k, []).extend(v)
+        finish_into(sched, out)
         for r, rr in zip(rids[1::2], ref_ids[1::2], strict=True):
             assert collect_text(out[r]) == collect_text(ref[rr])
         assert eng.blocks.num_free == eng.blocks.n_blocks

@@ -18,15 +18,7 @@ import pytest
 import pytest_asyncio
 from jsonschema import Draft202012Validator
 
-from tests.gateway.conftest import (
-    ADMIN_KEY,
-    GW,
-    KV_TOKENS,
-    Lane,
-    auth,
-    gateway_config,
-    running_gateway,
-)
+from tests.gateway.conftest import ADMIN_KEY, GW, KV_TOKENS, Lane, auth, gateway_config, running_gateway
 from tests.http_helpers import sse
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
