@@ -53,16 +53,6 @@ static inline size_t att_smem_bytes(int hd, int stages) {
     return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
 }
 
-/* Piece it of a chunk's 16-byte copies into its stage (K ks [hd][16], V vs [16][hd], vp = hd / 8 pieces per V
- * row) from the cache at kg (K: dimension stride bs) and vg (V: key stride kd): K's half pc of dimension it / 2
- * and V's piece it % vp of key it / vp; pieces 0 .. 2 hd - 1 copy the whole chunk. */
-__device__ __forceinline__ void att_copy_piece(int it, __half *ks, __half *vs, const __half *kg, const __half *vg,
-                                               int hd, int vp, int bs, int kd) {
-    const int d = it >> 1, pc = it & 1;
-    cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
-    const int jj = it / vp, pv = it % vp;
-    cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
-}
 /* A warp's chunks are ci, ci + ATT_WARPS, ... Chunk c's copies issued into stage st by issue(c, st, blk), blk its
  * KV block (read one chunk ahead), then the block of the warp's chunk after c read into blk (0 past the end):
  * that load flies while chunk c is used. */

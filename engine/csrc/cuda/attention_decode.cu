@@ -58,9 +58,19 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         const int vp = hd / 8; /* 16-byte pieces per V row */
         if constexpr (HD > 0) {
 #pragma unroll
-            for (int it = lane; it < 2 * HD; it += 32) att_copy_piece(it, ks, vs, kg, vg, hd, vp, bs, kd);
+            for (int it = lane; it < 2 * HD; it += 32) {
+                const int d = it >> 1, pc = it & 1;
+                cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
+                const int jj = it / vp, pv = it % vp;
+                cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+            }
         } else {
-            for (int it = lane; it < 2 * hd; it += 32) att_copy_piece(it, ks, vs, kg, vg, hd, vp, bs, kd);
+            for (int it = lane; it < 2 * hd; it += 32) {
+                const int d = it >> 1, pc = it & 1;
+                cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
+                const int jj = it / vp, pv = it % vp;
+                cp_async16(vs + jj * hd + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+            }
         }
         cp_async_commit();
     };
@@ -243,7 +253,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         l = __fmaf_rn(l, corr, HD ? warp_sum16(pj) : warp_sum(half ? 0.0f : pj)); /* explicit: k_attention_tile repeats it */
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[i] *= corr;
-        if constexpr (HALF2) {
+        if constexpr (HALF2 && HD > 0) {
             auto vstep = [&](int jj) {
                 const float pb = __shfl_sync(0xffffffffu, pj, jj);
 #pragma unroll
@@ -256,11 +266,24 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
                     }
                 }
             };
-            if (HD > 0 && nk == ATT_CK) { /* a whole chunk: every key's shuffle and loads in flight at once */
+            if (nk == ATT_CK) { /* a whole chunk: every key's shuffle and loads in flight at once */
 #pragma unroll
                 for (int jj = 0; jj < ATT_CK; jj++) vstep(jj);
             } else {
                 for (int jj = 0; jj < nk; jj++) vstep(jj);
+            }
+        } else if constexpr (HALF2) {
+            for (int jj = 0; jj < nk; jj++) {
+                const float pb = __shfl_sync(0xffffffffu, pj, jj);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int d = 64 * i + 2 * lane;
+                    if (d < hd) {
+                        const float2 f = __half22float2(*(const __half2 *)(vs + jj * hd + d));
+                        acc[2 * i] = fmaf(pb, f.x, acc[2 * i]);
+                        acc[2 * i + 1] = fmaf(pb, f.y, acc[2 * i + 1]);
+                    }
+                }
             }
         } else {
             for (int jj = 0; jj < nk; jj++) {

@@ -75,7 +75,12 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, 
         const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
         const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
         constexpr int vp = HD / 8;
-        for (int it = lane; it < 2 * HD; it += 32) att_copy_piece(it, ks, vs, kg, vg, HD, vp, bs, kd);
+        for (int it = lane; it < 2 * HD; it += 32) {
+            const int d = it >> 1, pc = it & 1;
+            cp_async16(ks + d * ATT_CK + 8 * pc, kg + (int64_t)d * bs + 8 * pc);
+            const int jj = it / vp, pv = it % vp;
+            cp_async16(vs + jj * HD + 8 * pv, vg + (int64_t)jj * kd + 8 * pv);
+        }
         cp_async_commit();
     };
     const int row = lane >> 1, half = lane & 1; /* scores */

@@ -8,7 +8,7 @@
 
 /* The output head at batch 1 (a dense single-pair Q6_K matvec of at least Q6_ROWS_MIN_N rows: 255 MB a step at
  * Qwen3-30B's vocabulary) with each warp's Q6S_ROWS consecutive rows first copied into the block's shared memory by 16-byte cp.async (the span of 16-byte granules holding them, so
- * that every byte keeps its address mod 16), then rows_pass (k_linear_q_rows' loop) run on the shared copy
+ * that every byte keeps its address mod 16), then k_linear_q_rows<STG_Q6_KW, R>'s loop run on the shared copy
  * (unpack_q6k_wide<true>: its five 8-byte loads per 32-byte chunk as ld.shared). Why: a lane's
  * 8-byte global loads of a 2-byte aligned block touch ~7-8 L1 lines per warp instruction for ~210 distinct bytes,
  * ~168 L1 wavefronts per 1,680-byte row (~107 us of the L1's data path over the head, about what the head takes, if
@@ -35,11 +35,36 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
         cp_async_wait<0>();
         return;
     }
+    const uint8_t *w0 = (const uint8_t *)sw + (g0 - ga); /* row rb in shared memory, its address mod 16 kept */
+    const int nsb = a.K / 32;
     cp_async_wait<0>();
     __syncwarp();
-    /* row rb in shared memory, its address mod 16 kept */
-    rows_pass<R>(a, (const uint8_t *)sw + (g0 - ga), rb, nr, start, count, lane,
-                 [](const uint8_t *w, int j, sub_w &s) { unpack_q6k_wide<true>(w, j, s); });
+    for (int pi = 0; pi < count; pi++) {
+        const int p = pair_at(a.g, start, pi);
+        const int64_t base = (int64_t)in_row(a.g, p) * a.K;
+        float acc[R];
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) acc[rr] = 0.0f;
+        for (int j = lane; j < nsb; j += WARP) {
+            sub_w s[R];
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (rr < nr) unpack_q6k_wide<true>(w0 + rr * a.row_bytes, j, s[rr]);
+            const int8_t *q = a.aq + base + 32 * j;
+            const float d = a.ad[base / 32 + j];
+            const int32_t *sm = a.as + base / 16 + 2 * j;
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (rr < nr) acc[rr] = sub_dot(acc[rr], s[rr], q, d, sm);
+        }
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) acc[rr] = warp_sum(acc[rr]);
+        if (lane == 0) {
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (rr < nr) store_at(a, a.out + (int64_t)p * a.ldo + rb + rr, acc[rr], 0.0f);
+        }
+    }
 }
 
 /* The output head's launch on k_q6_stage (a dense single group): false (nothing launched) when the weight or its

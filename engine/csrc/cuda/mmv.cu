@@ -2,26 +2,6 @@
  * the reference kernel (one thread per output) that the tests use as the oracle. */
 #include "linear.cuh"
 
-/* A matvec pass over the group's pairs p0 .. p0 + NT - 1: their activation rows (-1 past the group's end)
- * and zeroed sums (acc2: the gate / up form's second weight). */
-template <int NT>
-__device__ __forceinline__ void pass_begin(const lin_groups &g, int start, int count, int p0, int (&rows)[NT],
-                                           float (&acc)[NT], float (&acc2)[NT]) {
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        rows[t] = p0 + t < count ? in_row(g, pair_at(g, start, p0 + t)) : -1;
-        acc[t] = acc2[t] = 0.0f;
-    }
-}
-/* The pass's lane sums added across the warp (the butterfly), each pair's in turn. */
-template <int NT, bool SW> __device__ __forceinline__ void pass_sums(float (&acc)[NT], float (&acc2)[NT]) {
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        acc[t] = warp_sum(acc[t]);
-        if (SW) acc2[t] = warp_sum(acc2[t]);
-    }
-}
-
 /* Matvec path: one warp per weight row, NT pairs per pass, lanes over 32-sub-blocks. */
 template <int T, int NT, bool SW>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
@@ -49,7 +29,11 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
     for (int p0 = 0; p0 < count; p0 += NT) {
         int rows[NT];
         float acc[NT], acc2[NT];
-        pass_begin<NT>(a.g, start, count, p0, rows, acc, acc2);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
+            acc[t] = acc2[t] = 0.0f;
+        }
 #pragma unroll 2
         for (int j = lane; j < nsb; j += WARP) {
             sub_w s, s2;
@@ -66,7 +50,11 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
                 if (SW) acc2[t] = sub_dot(acc2[t], s2, q, d, sm);
             }
         }
-        pass_sums<NT, SW>(acc, acc2);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            acc[t] = warp_sum(acc[t]);
+            if (SW) acc2[t] = warp_sum(acc2[t]);
+        }
         if (lane == 0) {
 #pragma unroll
             for (int t = 0; t < NT; t++)
@@ -88,7 +76,11 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
     for (int p0 = 0; p0 < count; p0 += NT) {
         int rows[NT];
         float acc[NT], acc2[NT];
-        pass_begin<NT>(a.g, start, count, p0, rows, acc, acc2);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
+            acc[t] = acc2[t] = 0.0f;
+        }
 #pragma unroll 4
         for (int i = lane; i < a.K; i += WARP) {
             const float w = wf<T>(wrow, i), w2 = SW ? wf<T>(wrow2, i) : 0.0f;
@@ -100,7 +92,11 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {
                 if (SW) acc2[t] = fmaf(w2, xv, acc2[t]);
             }
         }
-        pass_sums<NT, SW>(acc, acc2);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            acc[t] = warp_sum(acc[t]);
+            if (SW) acc2[t] = warp_sum(acc2[t]);
+        }
         if (lane == 0) {
 #pragma unroll
             for (int t = 0; t < NT; t++)

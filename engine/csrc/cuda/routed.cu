@@ -69,13 +69,20 @@ template <int T> __global__ void __launch_bounds__(GU_CHUNK_WARPS * WARP, 2) k_l
     }
 }
 
-/* One warp's R consecutive weight rows from w0 (those rr < nr real) against each of the group's pairs (start, count), with
- * unpack(row, j, s) the rows' sub-block unpack: each lane's sub-blocks of all rows are loaded together and the
- * pair's activations once for them; every row's sum is k_linear_q's (lanes over sub-blocks j = lane + 32 i in
- * order, the same sub_dot chain, the same butterfly), stored by lane 0 at rows rb.. of the pair's output. */
-template <int R, class Unpack>
-__device__ __forceinline__ void rows_pass(const lin_args &a, const uint8_t *w0, int rb, int nr, int start, int count,
-                                          int lane, Unpack unpack) {
+/* A routed plain matvec of single-pair passes (the down projection at decode: each group one pair, or a
+ * few) with R consecutive weight rows per warp (8 for Q4_K): each lane's sub-blocks of all R rows are
+ * loaded together and the pair's activations once for them, so the launch is one wave with more loads in
+ * flight per warp (down at batch 1: 4,096 blocks of one row per warp would take 3.45 waves). Every row's
+ * sum is k_linear_q's (lanes over sub-blocks j = lane + 32 i in order, the same sub_dot chain, the same
+ * butterfly), so the bits are too. Also the dense output head's Q6_K matvec at one pair where k_q6_stage
+ * cannot take it (2 rows per warp; one group, e = 0). */
+template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_rows(lin_args a) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
+    int e, start, count;
+    PDL_ENTER(); /* routed: the expert ids come from the predecessor */
+    if (rb >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
+    const uint8_t *w0 = a.w + e * a.expert_stride + (int64_t)rb * a.row_bytes;
     const int nsb = a.K / 32;
     for (int pi = 0; pi < count; pi++) {
         const int p = pair_at(a.g, start, pi);
@@ -87,37 +94,22 @@ __device__ __forceinline__ void rows_pass(const lin_args &a, const uint8_t *w0, 
             sub_w s[R];
 #pragma unroll
             for (int rr = 0; rr < R; rr++)
-                if (rr < nr) unpack(w0 + rr * a.row_bytes, j, s[rr]);
+                if (rb + rr < a.N) unpack_sub<T>(w0 + rr * a.row_bytes, j, s[rr]);
             const int8_t *q = a.aq + base + 32 * j;
             const float d = a.ad[base / 32 + j];
             const int32_t *sm = a.as + base / 16 + 2 * j;
 #pragma unroll
             for (int rr = 0; rr < R; rr++)
-                if (rr < nr) acc[rr] = sub_dot(acc[rr], s[rr], q, d, sm);
+                if (rb + rr < a.N) acc[rr] = sub_dot(acc[rr], s[rr], q, d, sm);
         }
 #pragma unroll
         for (int rr = 0; rr < R; rr++) acc[rr] = warp_sum(acc[rr]);
         if (lane == 0) {
 #pragma unroll
             for (int rr = 0; rr < R; rr++)
-                if (rr < nr) store_at(a, a.out + (int64_t)p * a.ldo + rb + rr, acc[rr], 0.0f);
+                if (rb + rr < a.N) store_at(a, a.out + (int64_t)p * a.ldo + rb + rr, acc[rr], 0.0f);
         }
     }
-}
-
-/* A routed plain matvec of single-pair passes (the down projection at decode: each group one pair, or a
- * few) with R consecutive weight rows per warp (8 for Q4_K) on rows_pass, so the launch is one wave with
- * more loads in flight per warp (down at batch 1: 4,096 blocks of one row per warp would take 3.45 waves).
- * Also the dense output head's Q6_K matvec at one pair where k_q6_stage cannot take it (2 rows per warp;
- * one group, e = 0). */
-template <int T, int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_rows(lin_args a) {
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
-    const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
-    int e, start, count;
-    PDL_ENTER(); /* routed: the expert ids come from the predecessor */
-    if (rb >= a.N || !group_of(a.g, blockIdx.y, e, start, count)) return;
-    rows_pass<R>(a, a.w + e * a.expert_stride + (int64_t)rb * a.row_bytes, rb, a.N - rb, start, count, lane,
-                 [](const uint8_t *w, int j, sub_w &s) { unpack_sub<T>(w, j, s); });
 }
 
 /* The parts of a routed split GEMM, kpart[z][w][pair][N] for S = 2 or 4 blocks z per tile and NW weights
