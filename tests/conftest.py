@@ -1,4 +1,4 @@
-"""Suite-wide collection order: the longest test files first.
+"""Suite-wide collection order (the longest test files first) and the fixtures every directory shares.
 
 ``make test`` runs two pytest-xdist workers with ``--dist loadfile --no-loadscope-reorder``: one
 file is one unit of work, handed out in collection order. xdist's own order (most tests first)
@@ -10,11 +10,13 @@ them. The list comes from CI's ``--durations`` output (seconds per file, setup i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+import pytest_asyncio
 
 # slowest first; each ~30 s or more of one worker in CI (seconds: the fresh-clone runs of session 7, setup
 # included; the documents files vary most: the first of them on a worker starts its embedding model)
@@ -94,3 +96,10 @@ def llama_vocab_loader() -> Callable[[Path | str], Any]:
 def smollm_llama(smollm_gguf_path: Path) -> Any:
     """Cached ``llama_cpp.Llama(vocab_only=True)`` for the default GGUF."""
     return _load_llama_vocab(smollm_gguf_path)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """One HTTP client session per test module (the lane and gateway tests' requests)."""
+    async with aiohttp.ClientSession() as s:
+        yield s

@@ -19,6 +19,7 @@ from engine.constraints import (
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, collect_text
+from tests.engine.sched_helpers import drain
 
 PERSON = {
     "type": "object",
@@ -106,12 +107,7 @@ def test_constraint_survives_preemption(model_path: Path) -> None:
         ref = run(small, [(prompts[0], params(grammar=g))])[0]
         sched = Scheduler(small, SchedulerConfig(max_batch_tokens=128, prefix_cache=False))
         rids = [sched.add(p, params(grammar=g)) for p in prompts]
-        out: dict[str, list] = {}
-        preempted = 0
-        while sched.has_work():
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-            preempted += sched.last_report.n_preempted
+        out, preempted = drain(sched)
         assert preempted > 0, "the arena was meant to be too small"
         results = [collect_text(out[r]) for r in rids]
         assert results[0] == ref

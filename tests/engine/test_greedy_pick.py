@@ -17,6 +17,7 @@ from engine.native import EngineError, OutOfRangeError, ffi, lib, ptr
 from engine.sampling import SamplingParams
 from engine.scheduler import DEVICE_GREEDY_ENV, Scheduler, SchedulerConfig, collect_text, device_pick_ok
 from tests.engine.gguf_factory import TINY_VOCAB
+from tests.engine.sched_helpers import step_into
 
 VOCAB = TINY_VOCAB  # tiny_path's and eng's model (tests/engine/conftest.py)
 
@@ -172,9 +173,7 @@ def run(eng: Engine, reqs: list[tuple[list[int], SamplingParams]], on: bool, abo
             for i, s in (aborts or {}).items():
                 if s == step:
                     sched.abort(rids[i])
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-            pre += sched.last_report.n_preempted if sched.last_report else 0
+            pre += step_into(sched, out)
             step += 1
         assert eng.blocks.num_free == eng.blocks.n_blocks
         return [collect_text(out[r]) for r in rids], spy, pre

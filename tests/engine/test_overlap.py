@@ -25,6 +25,7 @@ from engine.scheduler import (
     collect_text,
 )
 from tests.engine.gguf_factory import TINY_VOCAB
+from tests.engine.sched_helpers import step_into
 
 VOCAB = TINY_VOCAB  # tiny_path's and eng's model (tests/engine/conftest.py)
 
@@ -204,9 +205,7 @@ def sched_run(eng: Engine, reqs: list[tuple[list[int], SamplingParams]], overlap
             for i, s in (aborts or {}).items():
                 if s == step:
                     sched.abort(rids[i])
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-            spy.preempted += sched.last_report.n_preempted if sched.last_report else 0
+            spy.preempted += step_into(sched, out)
             step += 1
             assert step < 10_000
         assert eng.blocks.num_free == eng.blocks.n_blocks and eng.in_flight == 0

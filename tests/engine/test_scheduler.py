@@ -15,6 +15,7 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import OverloadedError, Scheduler, SchedulerConfig, collect_text
 from tests.engine.gguf_factory import make_tiny_gguf
+from tests.engine.sched_helpers import abort_every_other, drain, finish_into, step_into
 
 TOPICS = ["the sea", "mountains", "a robot", "coffee", "rain", "a city at night", "an old book", "the moon",
           "a garden", "winter", "a train", "music", "a cat", "the desert", "a river", "friendship"]
@@ -55,10 +56,8 @@ def test_staggered_arrivals_equal_alone(engine: Engine, prompts: list[list[int]]
     for i, p in enumerate(prompts):
         rids.append(sched.add(p, greedy()))
         for _ in range(i % 3 + 1):  # some steps between arrivals
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-    for k, v in sched.run_to_completion().items():
-        out.setdefault(k, []).extend(v)
+            step_into(sched, out)
+    finish_into(sched, out)
     assert [collect_text(out[r]) for r in rids] == alone
 
 
@@ -81,12 +80,7 @@ def test_kv_exhaustion_preempts_and_recomputes(model_path: Path, prompts: list[l
         sched = Scheduler(small, SchedulerConfig(max_batch_tokens=128))
         initial = small.blocks.num_free
         rids = [sched.add(p, greedy()) for p in prompts[:12]]
-        preempted = 0
-        out: dict[str, list] = {}
-        while sched.has_work():
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-            preempted += sched.last_report.n_preempted
+        out, preempted = drain(sched)
         assert preempted > 0, "the arena was meant to be too small"
         assert [collect_text(out[r]) for r in rids] == alone[:12]
         assert small.blocks.num_free == initial
@@ -153,20 +147,10 @@ def test_abort_half_of_100_streams(tmp_path: Path) -> None:
         ref = ref_sched.run_to_completion()
         sched = Scheduler(eng, SchedulerConfig(max_num_seqs=128, max_batch_tokens=4096))
         rids = [sched.add(p, params) for p in prompts]
-        out: dict[str, list] = {}
-        for _ in range(6):
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-        used_before = eng.blocks.n_blocks - eng.blocks.num_free
-        for r in rids[::2]:
-            sched.abort(r)
-        for o in sched.step():  # the very next step frees them
-            out.setdefault(o.request_id, []).append(o)
-        assert all(out[r][-1].finish_reason == "abort" for r in rids[::2])
+        out, used_before = abort_every_other(sched, rids, 6)
         held = sum(len(req.blocks) for req in sched.running)
         assert eng.blocks.n_blocks - eng.blocks.num_free == held < used_before
-        for k, v in sched.run_to_completion().items():
-            out.setdefault(k, []).extend(v)
+        finish_into(sched, out)
         for r, rr in zip(rids[1::2], ref_ids[1::2], strict=True):
             assert collect_text(out[r]) == collect_text(ref[rr])
         assert eng.blocks.num_free == eng.blocks.n_blocks
@@ -327,13 +311,13 @@ async def test_async_engine_loop_failure_fails_every_request(tiny_path: Path,
             queues = [aeng.submit(list(range(1, 20 + i)), params)[1] for i in range(6)]
             gate.set()
 
-            async def drain(queue: asyncio.Queue) -> list:
+            async def read_until_finished(queue: asyncio.Queue) -> list:
                 outs = [await queue.get()]
                 while not outs[-1].finished:
                     outs.append(await queue.get())
                 return outs
 
-            results = await asyncio.wait_for(asyncio.gather(*(drain(q) for q in queues)), 60)
+            results = await asyncio.wait_for(asyncio.gather(*(read_until_finished(q) for q in queues)), 60)
             for outs in results:
                 assert outs[-1].finished and outs[-1].finish_reason == "abort"
                 assert "InjectedFault" in (outs[-1].error or "")

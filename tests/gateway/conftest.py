@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from engine.default_model import build_default_model, default_model_path
@@ -46,6 +47,25 @@ async def running_lane(name: str, engine: Engine, *, shutdown_timeout: float = 2
                         scheduler=SchedulerConfig(max_num_seqs=16, max_batch_tokens=256))
     async with serve_lane(config, lambda cfg, cores: engine, shutdown_timeout=shutdown_timeout) as lane:
         yield lane
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def lane(gateway_engines: tuple[Engine, Engine]) -> AsyncIterator[Lane]:
+    """Lane "a" on the first engine, one per test module."""
+    async with running_lane("a", gateway_engines[0]) as a:
+        yield a
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def lanes(gateway_engines: tuple[Engine, Engine]) -> AsyncIterator[dict[str, Lane]]:
+    """Lanes "a" and "b", one on each engine (two may generate at the same time), one pair per test module."""
+    async with running_lane("a", gateway_engines[0]) as a, running_lane("b", gateway_engines[1]) as b:
+        yield {"a": a, "b": b}
+
+
+def lane_entries(lanes: dict[str, Lane]) -> list[dict[str, Any]]:
+    """The gateway config's ``lanes`` list for these lanes."""
+    return [{"name": n, "url": lane.url} for n, lane in lanes.items()]
 
 
 @dataclass

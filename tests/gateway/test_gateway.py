@@ -20,8 +20,8 @@ from tests.gateway.conftest import (
     Lane,
     auth,
     gateway_config,
+    lane_entries,
     running_gateway,
-    running_lane,
 )
 from tests.http_helpers import eventually, scrape, sse
 from tests.lanes.conftest import engine_steps, idle_within_steps
@@ -32,14 +32,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lanes(gateway_engines: tuple) -> AsyncIterator[dict[str, Lane]]:
-    async with running_lane("a", gateway_engines[0]) as a, running_lane("b", gateway_engines[1]) as b:
-        yield {"a": a, "b": b}
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw(lanes: dict[str, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
-    cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": n, "url": lane.url} for n, lane in lanes.items()],
+    cfg = gateway_config(tmp_path_factory.mktemp("gw"), lane_entries(lanes),
                          ping_interval_s=0.05, default_max_tokens=48)
     async with running_gateway(cfg) as g:
         assert [lane.name for lane in g.state.dispatcher.routable()] == ["a", "b"]
@@ -56,12 +50,6 @@ async def client(gw: GW, key: str) -> AsyncIterator[openai.AsyncOpenAI]:
     c = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
     yield c
     await c.close()
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def _requests(http: aiohttp.ClientSession, gw: GW, **query: str) -> list[dict]:

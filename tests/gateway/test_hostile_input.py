@@ -26,7 +26,7 @@ from gateway.documents.api import CollectionSpec, EmbeddingSpec, SearchSpec
 from gateway.keys import KeySpec
 from gateway.sessions import RenameSpec, SessionSpec
 from lanes.protocol import ChatRequest, CompletionRequest
-from tests.gateway.conftest import ADMIN_KEY, GW, Lane, auth, gateway_config, running_gateway, running_lane
+from tests.gateway.conftest import ADMIN_KEY, GW, Lane, auth, gateway_config, lane_entries, running_gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -70,15 +70,9 @@ RAW_TEXT = ["%ED%A0%80", "%00", "%FF%FE", "a" * 3000, "..%2F..%2Fetc%2Fpasswd", 
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lanes(gateway_engines: tuple) -> AsyncIterator[dict[str, Lane]]:
-    async with running_lane("a", gateway_engines[0]) as a, running_lane("b", gateway_engines[1]) as b:
-        yield {"a": a, "b": b}
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw(lanes: dict[str, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
     tmp = tmp_path_factory.mktemp("hostile")
-    cfg = gateway_config(tmp, [{"name": n, "url": lane.url} for n, lane in lanes.items()], default_max_tokens=1,
+    cfg = gateway_config(tmp, lane_entries(lanes), default_max_tokens=1,
                          rag={"data_dir": str(tmp / "rag")})
     async with running_gateway(cfg) as g:
         yield g

@@ -18,16 +18,7 @@ import pytest
 import pytest_asyncio
 from jsonschema import Draft202012Validator
 
-from tests.gateway.conftest import (
-    ADMIN_KEY,
-    GW,
-    KV_TOKENS,
-    Lane,
-    auth,
-    gateway_config,
-    running_gateway,
-    running_lane,
-)
+from tests.gateway.conftest import ADMIN_KEY, GW, KV_TOKENS, Lane, auth, gateway_config, running_gateway
 from tests.http_helpers import sse
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -86,22 +77,10 @@ async def test_the_checker_can_fail() -> None:
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(gateway_engines: tuple) -> AsyncIterator[Lane]:
-    async with running_lane("a", gateway_engines[0]) as a:
-        yield a
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw(lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
     async with running_gateway(gateway_config(tmp_path_factory.mktemp("gw"), [{"name": "a", "url": lane.url}],
                                               max_body_bytes=4096)) as g:
         yield g
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _events(lines: list[str]) -> list[dict[str, Any]]:

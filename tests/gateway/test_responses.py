@@ -16,10 +16,9 @@ import pytest
 import pytest_asyncio
 from pydantic import BaseModel, Field
 
-from engine.engine import Engine
 from gateway.responses import RESPONSES
 from gateway.responses_store import ResponseStore
-from tests.gateway.conftest import ADMIN_KEY, GW, auth, gateway_config, running_gateway, running_lane
+from tests.gateway.conftest import ADMIN_KEY, GW, Lane, auth, gateway_config, running_gateway
 from tests.gateway.test_openai_schema import _nullable
 from tests.gateway.test_openai_schema import check as _check
 from tests.gateway.test_openai_schema import check as check_chat
@@ -49,18 +48,9 @@ def check(name: str, obj: Any) -> None:
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def stack(gateway_engines: tuple[Engine, Engine], tmp_path_factory: pytest.TempPathFactory,
-                ) -> AsyncIterator[GW]:
-    async with running_lane("a", gateway_engines[0]) as lane:
-        cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": "a", "url": lane.url}])
-        async with running_gateway(cfg) as gw:
-            yield gw
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+async def stack(lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
+    async with running_gateway(gateway_config(tmp_path_factory.mktemp("gw"), [{"name": "a", "url": lane.url}])) as gw:
+        yield gw
 
 
 def client(gw: GW, key: str = ADMIN_KEY) -> openai.AsyncOpenAI:

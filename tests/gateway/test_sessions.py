@@ -21,14 +21,14 @@ from gateway.keys import KeySpec
 from gateway.sessions import MEMORY
 from memory.compose import RETRIEVED_BEGIN, SUMMARY_BEGIN
 from memory.service import MemoryService
+from memory.store import Session
 from tests.gateway.conftest import (
     ADMIN_KEY,
     GW,
     auth,
     gateway_config,
-    gateway_engines,  # noqa: F401  (the fixture)
+    lane_entries,
     running_gateway,
-    running_lane,
 )
 from tests.lanes.conftest import Lane
 
@@ -36,15 +36,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lanes(gateway_engines: tuple) -> AsyncIterator[tuple[Lane, Lane]]:  # noqa: F811
-    async with running_lane("a", gateway_engines[0]) as a, running_lane("b", gateway_engines[1]) as b:
-        yield a, b
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def gw(lanes: tuple[Lane, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
+async def gw(lanes: dict[str, Lane], tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GW]:
     tmp = tmp_path_factory.mktemp("memgw")
-    cfg = gateway_config(tmp, [{"name": "a", "url": lanes[0].url}, {"name": "b", "url": lanes[1].url}],
+    cfg = gateway_config(tmp, lane_entries(lanes),
                          default_max_tokens=16,
                          memory={"summarize_after_tokens": 100_000, "summary_input_tokens": 300,
                                  "summary_max_tokens": 64, "summary_keep_turns": 4, "retrieve_min_score": 0.2})
@@ -154,15 +148,21 @@ def _key_id(gw: GW, key: str) -> int:
     return rec.id
 
 
+async def stored_session(s: aiohttp.ClientSession, gw: GW, key: str) -> tuple[str, Session]:
+    """A new session of ``key``'s, made through the API, and the memory store's record of it."""
+    sid = (await new_session(s, gw, key))["id"]
+    sess = await svc_of(gw).session(_key_id(gw, key), sid)
+    assert sess is not None
+    return sid, sess
+
+
 async def test_history_beyond_the_window_is_composed_to_fit(gw: GW) -> None:
     """Far more history than the 1024-token window: the lane never sees an overflow, the planted fact is
     retrieved into the composed prompt, the counts are in the header and the request log."""
     key = gw.key("long", log_prompts=True)
     svc = svc_of(gw)
     async with aiohttp.ClientSession() as s:
-        sid = (await new_session(s, gw, key))["id"]
-        sess = await svc.session(_key_id(gw, key), sid)
-        assert sess is not None
+        sid, sess = await stored_session(s, gw, key)
         items = [("user", "Please remember this: my locker code is 4417.", 12, True),
                  ("assistant", "Noted, your locker code is 4417.", 10, True)]
         for i in range(60):
@@ -191,9 +191,7 @@ async def test_correction_wins(gw: GW) -> None:
     key = gw.key("fix", log_prompts=True)
     svc = svc_of(gw)
     async with aiohttp.ClientSession() as s:
-        sid = (await new_session(s, gw, key))["id"]
-        sess = await svc.session(_key_id(gw, key), sid)
-        assert sess is not None
+        sid, sess = await stored_session(s, gw, key)
         items = [("user", "My flight to Oslo leaves from gate B12.", 10, True), ("assistant", "Gate B12, noted.", 5,
                                                                                    True)]
         items += [("user", f"Unrelated question {i} about cooking pasta number {i}.", 15, True)
@@ -294,9 +292,7 @@ async def test_summarisation_folds_old_turns_into_the_head(gw: GW) -> None:
     key = gw.key("sum", log_prompts=True)
     svc = svc_of(gw)
     async with aiohttp.ClientSession() as s:
-        sid = (await new_session(s, gw, key))["id"]
-        sess = await svc.session(_key_id(gw, key), sid)
-        assert sess is not None
+        sid, sess = await stored_session(s, gw, key)
         items = [("user", "My cat is called Pixel.", 8, True), ("assistant", "Pixel is a lovely name.", 8, True)]
         items += [("user" if i % 2 == 0 else "assistant", f"Small talk line {i}.", 6, True) for i in range(12)]
         await asyncio.to_thread(svc.store.append, sess.pk, items)
@@ -326,9 +322,7 @@ async def test_summary_failure_never_blocks_chat(gw: GW) -> None:
     svc.complete = broken
     try:
         async with aiohttp.ClientSession() as s:
-            sid = (await new_session(s, gw, key))["id"]
-            sess = await svc.session(_key_id(gw, key), sid)
-            assert sess is not None
+            sid, sess = await stored_session(s, gw, key)
             await asyncio.to_thread(svc.store.append, sess.pk, [("user", f"line {i}", 50, True) for i in range(10)])
             assert await svc.summarise(sess.pk, force=True) is False
             assert calls and sess.pk in svc._retry  # scheduled for later

@@ -6,16 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from gateway.tokencount import LocalCounter
-from tests.gateway.conftest import GW, KV_TOKENS, auth, gateway_config, running_gateway, running_lane
+from tests.gateway.conftest import GW, KV_TOKENS, auth, gateway_config, running_gateway
 from tests.http_helpers import eventually
 from tests.lanes.conftest import Lane
 
@@ -63,18 +61,6 @@ REFUSED: list[dict[str, Any]] = [  # the lane answers these with a 4xx: the loca
     {"messages": [{"role": "user", "content": "hi"}], "tools": {"not": "a list"}},
     {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
 ]
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(gateway_engines: tuple) -> AsyncIterator[Lane]:
-    async with running_lane("a", gateway_engines[0]) as a:
-        yield a
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def _lane_count(http: aiohttp.ClientSession, lane: Lane, payload: dict[str, Any]) -> tuple[int, Any]:

@@ -12,16 +12,10 @@ import pytest
 import pytest_asyncio
 
 from gateway.web import CSP, STATIC_DIR
-from tests.gateway.conftest import ADMIN_KEY, GW, auth, gateway_config, running_gateway, running_lane
+from tests.gateway.conftest import ADMIN_KEY, GW, auth, gateway_config, running_gateway
 from tests.lanes.conftest import Lane
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(gateway_engines: tuple) -> AsyncIterator[Lane]:
-    async with running_lane("a", gateway_engines[0]) as a:
-        yield a
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -30,12 +24,6 @@ async def gw(lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> AsyncItera
                          default_max_tokens=16, rag={"enabled": False})
     async with running_gateway(cfg) as g:
         yield g
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def _dead_port() -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from engine.default_model import build_default_model, default_model_path
@@ -73,6 +74,11 @@ async def running_lane(config: LaneConfig, factory: EngineFactory | None, *, wai
         await runner.cleanup()
 
 
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
+    """A lane with the test settings (lane_config()) on the shared engine, one per test module."""
+    async with running_lane(lane_config(), engine_factory) as lane:
+        yield lane
 
 
 def engine_steps(lane: Lane) -> int:

@@ -5,27 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from lanes.server import EngineFactory
 from tests.http_helpers import eventually, scrape
-from tests.lanes.conftest import Lane, lane_config, running_lane
+from tests.lanes.conftest import Lane
 
 ABORTS = 'strata_requests_total{finish_reason="abort"}'
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LONG = 2000  # tokens a hung-up request would still generate if it were not aborted
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
-    async with running_lane(lane_config(), engine_factory) as lane:
-        yield lane
 
 
 STEPS = "strata_step_seconds_count"

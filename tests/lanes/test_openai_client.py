@@ -11,20 +11,13 @@ import pytest
 import pytest_asyncio
 
 from engine.sampling import SamplingParams
-from lanes.server import EngineFactory
-from tests.lanes.conftest import Lane, lane_config, running_lane
+from tests.lanes.conftest import Lane
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "strata-default"
 QUESTION = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
-    async with running_lane(lane_config(), engine_factory) as lane:
-        yield lane
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

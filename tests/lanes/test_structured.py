@@ -21,12 +21,11 @@ import pytest
 import pytest_asyncio
 from pydantic import BaseModel, Field
 
-from lanes.server import EngineFactory
 from lanes.tools import MAX_TOOL_CALLS
 from tests.gateway.conftest import ADMIN_KEY, gateway_config, running_gateway
 from tests.gateway.test_openai_schema import check
 from tests.http_helpers import sse
-from tests.lanes.conftest import Lane, lane_config, running_lane
+from tests.lanes.conftest import Lane
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -85,24 +84,12 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
-    async with running_lane(lane_config(), engine_factory) as lane:
-        yield lane
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def gw_url(lane: Lane, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     # the 100-schema test queues 50 requests behind each other on purpose: a queued stream's first
     # token may take longer than the default 120 s on a loaded 2-core machine
     cfg = gateway_config(tmp_path_factory.mktemp("gw"), [{"name": "a", "url": lane.url}], first_token_timeout_s=600)
     async with running_gateway(cfg) as g:
         yield g.url
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def client(base: str, key: str = "unused") -> openai.AsyncOpenAI:

@@ -6,17 +6,14 @@ come back as ``tool_calls``, also when ``max_tokens`` cuts them (partial argumen
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from lanes.server import EngineFactory
 from tests.gateway.test_openai_schema import check
 from tests.http_helpers import sse
-from tests.lanes.conftest import Lane, lane_config, running_lane
+from tests.lanes.conftest import Lane
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,18 +32,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED = ["required", "any", {"type": "function", "function": {"name": "get_weather"}},
           {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
               {"type": "function", "function": {"name": "get_weather"}}]}}]
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(engine_factory: EngineFactory) -> AsyncIterator[Lane]:
-    async with running_lane(lane_config(), engine_factory) as lane:
-        yield lane
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def chat(http: aiohttp.ClientSession, lane: Lane, body: dict[str, Any]) -> dict[str, Any]:

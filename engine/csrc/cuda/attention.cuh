@@ -53,6 +53,30 @@ static inline size_t att_smem_bytes(int hd, int stages) {
     return (size_t)ATT_WARPS * (size_t)stages * 2u * ATT_CK * (size_t)hd * sizeof(__half);
 }
 
+/* A warp's chunks are ci, ci + ATT_WARPS, ... Chunk c's copies issued into stage st by issue(c, st, blk), blk its
+ * KV block (read one chunk ahead), then the block of the warp's chunk after c read into blk (0 past the end):
+ * that load flies while chunk c is used. */
+template <class Issue>
+__device__ __forceinline__ void att_issue_chunk(Issue &issue, int c, int st, int32_t &blk, const int32_t *bt,
+                                                int n_chunks, int bs) {
+    issue(c, st, blk);
+    const int cn = c + ATT_WARPS;
+    blk = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
+}
+/* Two stages, at chunk ci in stage st: where the warp has a next chunk, its copies issued into the other stage
+ * (unless already in flight: !fresh) and all copies but that newest group waited for; else all of them. */
+template <class Issue>
+__device__ __forceinline__ void att_next_stage(Issue &issue, int ci, int st, bool fresh, int32_t &blk,
+                                               const int32_t *bt, int n_chunks, int bs) {
+    const int cn = ci + ATT_WARPS;
+    if (cn < n_chunks) {
+        if (fresh) att_issue_chunk(issue, cn, st ^ 1, blk, bt, n_chunks, bs);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+}
+
 /* k_attention with its dynamic shared memory (two chunk stages up to head_dim 128, one above:
  * at most 64 KiB, within every targeted GPU's limit once opted in). */
 #define ATT_SMEM_MAX 65536

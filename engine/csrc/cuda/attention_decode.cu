@@ -78,14 +78,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
     int issued = 0; /* this warp's chunks already in flight when the loop starts */
     if (ci < n_chunks && (S == 2 || pre)) {
-        issue(ci, 0, blk_next);
-        const int cn = ci + ATT_WARPS;
-        blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
+        att_issue_chunk(issue, ci, 0, blk_next, bt, n_chunks, bs);
         issued = 1;
-        if (pre && S == 2 && cn < n_chunks) {
-            issue(cn, 1, blk_next);
-            const int cnn = cn + ATT_WARPS;
-            blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
+        if (pre && S == 2 && ci + ATT_WARPS < n_chunks) {
+            att_issue_chunk(issue, ci + ATT_WARPS, 1, blk_next, bt, n_chunks, bs);
             issued = 2;
         }
     }
@@ -211,25 +207,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
     for (int it = 0; ci < n_chunks; it++, ci += ATT_WARPS) {
         int st = 0;
         if (S == 1) {
-            if (it > 0 || !issued) {
-                issue(ci, 0, blk_next);
-                const int cn = ci + ATT_WARPS;
-                blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0; /* in flight during this chunk */
-            }
+            if (it > 0 || !issued) att_issue_chunk(issue, ci, 0, blk_next, bt, n_chunks, bs);
             cp_async_wait<0>();
         } else {
             st = it & 1;
-            const int cn = ci + ATT_WARPS;
-            if (cn < n_chunks) {
-                if (it > 0 || issued < 2) {
-                    issue(cn, st ^ 1, blk_next);
-                    const int cnn = cn + ATT_WARPS;
-                    blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
-                }
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
+            att_next_stage(issue, ci, st, it > 0 || issued < 2, blk_next, bt, n_chunks, bs);
         }
         __syncwarp();
         __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;

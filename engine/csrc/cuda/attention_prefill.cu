@@ -93,22 +93,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, 
         for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
     int ci = warp;
     int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
-    if (ci < n_chunks) {
-        issue(ci, 0, blk_next);
-        const int cn = ci + ATT_WARPS;
-        blk_next = cn < n_chunks ? bt[cn * ATT_CK / bs] : 0;
-    }
+    if (ci < n_chunks) att_issue_chunk(issue, ci, 0, blk_next, bt, n_chunks, bs);
     for (int it = 0; ci < n_chunks; it++, ci += ATT_WARPS) {
         const int st = it & 1;
-        const int cn = ci + ATT_WARPS;
-        if (cn < n_chunks) {
-            issue(cn, st ^ 1, blk_next);
-            const int cnn = cn + ATT_WARPS;
-            blk_next = cnn < n_chunks ? bt[cnn * ATT_CK / bs] : 0;
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        att_next_stage(issue, ci, st, true, blk_next, bt, n_chunks, bs);
         __syncwarp();
         const __half *ks = wbuf + (size_t)st * 2 * ATT_CK * HD, *vs = ks + ATT_CK * HD;
         /* scores of this lane's row over the chunk's 16 keys, half = even / odd dimensions */

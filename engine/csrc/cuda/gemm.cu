@@ -99,17 +99,21 @@ template <int LV> __device__ __forceinline__ void tree_push_lv(float (&L)[5], fl
     if (LV == 4) { L[4] = v; return; }
     L[4] = L[4] + v;
 }
-template <int LV, int NW, int NT>
-__device__ __forceinline__ void tree_push_all(float (&L)[NW][NT][4][5], float (&cur)[NW][NT][4]) {
+/* f(w, nt, o) for each of a thread's NW x NT x 4 outputs in turn, unrolled */
+template <int NW, int NT, class F> __device__ __forceinline__ void each_out(F f) {
 #pragma unroll
     for (int w = 0; w < NW; w++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int o = 0; o < 4; o++) {
-                tree_push_lv<LV>(L[w][nt][o], cur[w][nt][o]);
-                cur[w][nt][o] = 0.0f;
-            }
+            for (int o = 0; o < 4; o++) f(w, nt, o);
+}
+template <int LV, int NW, int NT>
+__device__ __forceinline__ void tree_push_all(float (&L)[NW][NT][4][5], float (&cur)[NW][NT][4]) {
+    each_out<NW, NT>([&](int w, int nt, int o) {
+        tree_push_lv<LV>(L[w][nt][o], cur[w][nt][o]);
+        cur[w][nt][o] = 0.0f;
+    });
 }
 
 /* tree_push_all at a level known only at run time (one uniform branch) */
@@ -238,16 +242,11 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
     const int nvt = FAST ? min(NT, (count - n0 + 7) / 8) : NT;
     const int q_beg = kz * (nq / ks), q_end = q_beg + nq / ks;
     float cur[NW][NT][4], L[NW][NT][4][5];
+    each_out<NW, NT>([&](int w, int nt, int o) {
+        cur[w][nt][o] = 0.0f;
 #pragma unroll
-    for (int w = 0; w < NW; w++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int o = 0; o < 4; o++) {
-                cur[w][nt][o] = 0.0f;
-#pragma unroll
-                for (int l = 0; l < 5; l++) L[w][nt][o][l] = 0.0f;
-            }
+        for (int l = 0; l < 5; l++) L[w][nt][o][l] = 0.0f;
+    });
     const int r_lo = warp * 16 + g, r_hi = r_lo + 8; /* this thread's two rows in the tile */
     /* the schedule (q -> j, ii, residue end) once per position, not per thread and use;
      * qtab[p] holds the current stage's, qtab[p ^ 1] the next one's */

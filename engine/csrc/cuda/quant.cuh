@@ -325,14 +325,18 @@ template <> __device__ __forceinline__ void deq_block<STG_Q8_0>(const uint8_t *b
     const float d = ld_f16(b);
     for (int l = 0; l < 32; l++) y[l] = __fmul_rn((float)(int8_t)b[2 + l], d);
 }
+/* Q4_K / Q5_K block b's sub-block j: its scale and min times the block's d and dmin */
+__device__ __forceinline__ void deq_scale_min_k4(int j, const uint8_t *b, float d, float dmin, float &dj, float &mj) {
+    int sc, m;
+    scale_min_k4(j, b + 4, sc, m);
+    dj = __fmul_rn(d, (float)sc), mj = __fmul_rn(dmin, (float)m);
+}
 template <> __device__ __forceinline__ void deq_block<STG_Q4_K>(const uint8_t *b, float *y) {
     const float d = ld_f16(b), dmin = ld_f16(b + 2);
     for (int c = 0; c < 4; c++) {
-        int sc, m;
-        scale_min_k4(2 * c, b + 4, sc, m);
-        const float d1 = __fmul_rn(d, (float)sc), m1 = __fmul_rn(dmin, (float)m);
-        scale_min_k4(2 * c + 1, b + 4, sc, m);
-        const float d2 = __fmul_rn(d, (float)sc), m2 = __fmul_rn(dmin, (float)m);
+        float d1, m1, d2, m2;
+        deq_scale_min_k4(2 * c, b, d, dmin, d1, m1);
+        deq_scale_min_k4(2 * c + 1, b, d, dmin, d2, m2);
         const uint8_t *q = b + 16 + 32 * c;
         for (int l = 0; l < 32; l++) y[64 * c + l] = __fsub_rn(__fmul_rn(d1, (float)(q[l] & 0xF)), m1);
         for (int l = 0; l < 32; l++) y[64 * c + 32 + l] = __fsub_rn(__fmul_rn(d2, (float)(q[l] >> 4)), m2);
@@ -342,11 +346,9 @@ template <> __device__ __forceinline__ void deq_block<STG_Q5_K>(const uint8_t *b
     const float d = ld_f16(b), dmin = ld_f16(b + 2);
     const uint8_t *qh = b + 16;
     for (int c = 0; c < 4; c++) {
-        int sc, m;
-        scale_min_k4(2 * c, b + 4, sc, m);
-        const float d1 = __fmul_rn(d, (float)sc), m1 = __fmul_rn(dmin, (float)m);
-        scale_min_k4(2 * c + 1, b + 4, sc, m);
-        const float d2 = __fmul_rn(d, (float)sc), m2 = __fmul_rn(dmin, (float)m);
+        float d1, m1, d2, m2;
+        deq_scale_min_k4(2 * c, b, d, dmin, d1, m1);
+        deq_scale_min_k4(2 * c + 1, b, d, dmin, d2, m2);
         const uint8_t *q = b + 48 + 32 * c;
         for (int l = 0; l < 32; l++)
             y[64 * c + l] = __fsub_rn(__fmul_rn(d1, (float)((q[l] & 0xF) | (((qh[l] >> (2 * c)) & 1) << 4))), m1);

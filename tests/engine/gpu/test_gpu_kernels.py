@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from engine.native import ffi, lib, ptr
 from tests.engine.gpu._env import rel_err, requires_gpu
@@ -24,30 +24,13 @@ from tests.engine.gpu._kernel_helpers import (
     gptr,
     harness_settings,
 )
+from tests.engine.test_kernels import random_blocks  # the CPU harness's: both harnesses check the same bytes
 
 pytestmark = requires_gpu
 
 QUANT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 FLOAT = ["F32", "F16", "BF16"]
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208]}
 PATHS = {"ref": 0, "matvec": 1, "gemm": 2, "auto": 3}
-
-
-def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for n elements of `name`, with finite, modest f16 scales."""
-    if name in FLOAT:
-        x = rng.standard_normal(n).astype(np.float32)
-        if name == "F32":
-            return x.view(np.uint8)
-        if name == "F16":
-            return x.astype(np.float16).view(np.uint8)
-        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-    raw = rng.integers(0, 256, size=(n // bs, tb), dtype=np.uint8)
-    for off in F16_FIELDS[name]:
-        raw[:, off : off + 2] = (rng.uniform(-1, 1, size=n // bs) * 0.05).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw.reshape(-1)
 
 
 def tid(name: str) -> int:

@@ -14,6 +14,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, collect_text
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import requires_gpu
+from tests.engine.sched_helpers import abort_every_other, drain, finish_into
 
 pytestmark = requires_gpu
 
@@ -73,12 +74,7 @@ def test_preemption_recomputes_without_leaks(model_path: Path, prompts: list[lis
     with Engine.open(model_path, device="cuda:0", kv_tokens=256, block_size=16) as small:
         sched = Scheduler(small, SchedulerConfig(max_batch_tokens=128))
         rids = [sched.add(p, greedy()) for p in prompts[:12]]
-        out: dict[str, list] = {}
-        preempted = 0
-        while sched.has_work():
-            for o in sched.step():
-                out.setdefault(o.request_id, []).append(o)
-            preempted += sched.last_report.n_preempted
+        out, preempted = drain(sched)
         assert preempted > 0, "the arena was meant to be too small"
         assert [collect_text(out[r])[0] for r in rids] == alone[:12]
         assert small.blocks.num_free == small.blocks.n_blocks
@@ -101,19 +97,9 @@ def test_prefix_cache_hit(gpu: Engine) -> None:
 def test_abort_frees_blocks_at_once(gpu: Engine, prompts: list[list[int]], alone: list[list[int]]) -> None:
     sched = Scheduler(gpu, SchedulerConfig(max_batch_tokens=512))
     rids = [sched.add(p, greedy()) for p in prompts]
-    out: dict[str, list] = {}
-    for _ in range(4):
-        for o in sched.step():
-            out.setdefault(o.request_id, []).append(o)
-    used_before = gpu.blocks.n_blocks - gpu.blocks.num_free
-    for r in rids[::2]:
-        sched.abort(r)
-    for o in sched.step():
-        out.setdefault(o.request_id, []).append(o)
-    assert all(out[r][-1].finish_reason == "abort" for r in rids[::2])
+    out, used_before = abort_every_other(sched, rids, 4)
     assert gpu.blocks.n_blocks - gpu.blocks.num_free < used_before
-    for k, v in sched.run_to_completion().items():
-        out.setdefault(k, []).extend(v)
+    finish_into(sched, out)
     assert [collect_text(out[r])[0] for r in rids[1::2]] == alone[1::2]
     assert gpu.blocks.num_free == gpu.blocks.n_blocks
 

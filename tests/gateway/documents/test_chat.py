@@ -15,7 +15,7 @@ from gateway.documents.api import RAG
 from gateway.documents.chat import BEGIN, END, compose, query_text
 from gateway.documents.embed import Embedder
 from gateway.documents.service import BM25_ONLY, Passage
-from tests.gateway.conftest import GW, KV_TOKENS, Lane, gateway_config, running_gateway, running_lane
+from tests.gateway.conftest import GW, KV_TOKENS, Lane, gateway_config, running_gateway
 from tests.gateway.documents.helpers import auth, create_collection, search, upload, wait_done
 from tests.gateway.documents.samples import make_docx, make_pdf
 from tests.http_helpers import sse
@@ -28,12 +28,6 @@ PDF_PAGES = ["Page one introduces the site safety handbook for all contractors."
 FIRE_Q = "Where do warehouse workers assemble if there is a fire?"
 BOILER_Q = "What is the highest pressure the boiler may run at?"
 FILLER_WORD = "pebble "
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def lane(gateway_engines: tuple) -> AsyncIterator[Lane]:
-    async with running_lane("a", gateway_engines[0]) as a:
-        yield a
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
