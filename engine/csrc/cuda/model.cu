@@ -50,7 +50,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_wide_min = 256;
     s->dense_split = 16;
     s->routed_split_max = 16;
-    s->routed_mv_max = 2;
+    s->routed_mv_max = 4;
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;

@@ -273,8 +273,12 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
  * pair_tok [n_pairs]: the pairs listed per expert (ascending experts) and each pair's token; hist [ne]: the
  * layer's histogram, added to. mv_max > 0 splits the groups by size for a mixed routed launch: groups of at
  * most mv_max pairs go to the matvec's set (mexp / mstart / mcount, *n_mgroups) instead, get no tiles, and
- * their pairs are flagged in pair_mv (1) so that the GEMM's combine skips them. mv_max 0: every group is
- * the GEMM's and the matvec's set is not written. */
+ * their pairs are flagged in pair_mv (1) so that the GEMM's combine skips them; unless a group holds more
+ * than MV_GUARD x mv_max pairs: then the layer's routing is skewed, its busy experts keep the GEMM's wave
+ * long and the small groups ride in it for free, while a matvec branch beside it only competes for the
+ * SMs, so every group stays the GEMM's (n_mgroups 0). mv_max 0: every group is the GEMM's and the
+ * matvec's set is not written. */
+#define MV_GUARD 3
 struct group_out {
     int32_t *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist, *gtiles, *n_gtiles;
     int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv;
@@ -304,7 +308,9 @@ __device__ void group_pairs_warp(const int32_t *ids, int32_t n_pairs, int32_t k,
     const unsigned heads = __ballot_sync(0xffffffffu, head);
     const unsigned above = lane == 31 ? 0u : heads & (0xffffffffu << (lane + 1));
     const int32_t c = head ? (above ? __ffs(above) - 1 : n_pairs) - lane : 0;
-    const bool small = head && c <= o.mv_max; /* mv_max 0: never */
+    const int32_t cmax = (int32_t)__reduce_max_sync(0xffffffffu, (unsigned)c);
+    const int32_t mv = cmax > MV_GUARD * o.mv_max ? 0 : o.mv_max; /* this layer's split (0: none) */
+    const bool small = head && c <= mv;
     const unsigned smalls = __ballot_sync(0xffffffffu, small), bigs = heads & ~smalls;
     const int32_t nt = head && !small ? (c + MM_BN - 1) / MM_BN : 0;
     int32_t tincl = nt; /* inclusive scan of the GEMM groups' tile counts */
@@ -318,7 +324,7 @@ __device__ void group_pairs_warp(const int32_t *ids, int32_t n_pairs, int32_t k,
     const int32_t gc = __shfl_sync(0xffffffffu, c, valid ? hl : 0);
     if (valid) {
         o.list[lane] = key & 31;
-        if (o.mv_max > 0) o.pair_mv[key & 31] = gc <= o.mv_max;
+        if (o.mv_max > 0) o.pair_mv[key & 31] = gc <= mv;
     }
     const unsigned below = (2u << lane) - 1u;
     if (small) {
@@ -347,6 +353,7 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
         return;
     }
     int32_t *cnt = sh, *fill = sh + ne;
+    __shared__ int32_t mv; /* this layer's split (0: none), as group_pairs_warp's */
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
@@ -356,11 +363,16 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
     __syncthreads();
     if (threadIdx.x < 32) { /* exclusive scans of the counts by one warp, experts in order */
         const int lane = threadIdx.x;
+        int32_t cmax = 0;
+        for (int e = lane; e < ne; e += 32) cmax = max(cmax, cnt[e]);
+        cmax = (int32_t)__reduce_max_sync(0xffffffffu, (unsigned)cmax);
+        const int32_t mvl = cmax > MV_GUARD * o.mv_max ? 0 : o.mv_max;
+        if (lane == 0) mv = mvl;
         int32_t base = 0, g = 0, gm = 0, tb = 0;
         for (int e0 = 0; e0 < ne; e0 += 32) {
             const int e = e0 + lane;
             const int32_t c = e < ne ? cnt[e] : 0;
-            const bool small = c > 0 && c <= o.mv_max, big = c > 0 && !small;
+            const bool small = c > 0 && c <= mvl, big = c > 0 && !small;
             const int32_t nt = big ? (c + MM_BN - 1) / MM_BN : 0;
             int32_t incl = c, act = big, mact = small, tincl = nt;
 #pragma unroll
@@ -397,7 +409,7 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
         const int32_t e = ids[p];
         o.list[atomicAdd(&fill[e], 1)] = p;
-        if (o.mv_max > 0) o.pair_mv[p] = cnt[e] <= o.mv_max;
+        if (o.mv_max > 0) o.pair_mv[p] = cnt[e] <= mv;
     }
 }
 

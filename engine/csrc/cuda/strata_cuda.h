@@ -41,7 +41,8 @@ typedef struct stg_settings {
     int32_t dense_split;      /* tokens from which a small dense layer's GEMM splits its k loop (0: never) */
     int32_t routed_split_max; /* routed gate/up GEMMs of at most this many tokens split their k loop (0..64, x8) */
     int32_t routed_mv_max;    /* in steps whose routed layers take the GEMM, experts with at most this many of the
-                               * step's pairs take the matvec instead (0: none; 0..64) */
+                               * step's pairs take the matvec instead, in layers whose busiest expert holds at
+                               * most 3x as many (0: none; 0..64) */
     int32_t gemm_fast_min;    /* steps whose every run of one sequence's tokens is this long take the prefill-form
                                * Q4_K GEMM (within rounding of the bitwise kernels; 0: never) */
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
