@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #include "internal.h"
+#include "quants_lowbit.h"
 
 /* ---- errors ---- */
 static _Thread_local char g_err[512];
@@ -30,7 +31,7 @@ int32_t st_type_block_elems(int32_t type) {
     case ST_TYPE_Q4_0: case ST_TYPE_Q4_1: case ST_TYPE_Q5_0: case ST_TYPE_Q5_1: case ST_TYPE_Q8_0: return QK;
     case ST_TYPE_Q4_1_R8: case ST_TYPE_Q8_0_R8: return QK;
     case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: return QK_K;
-    default: return 0;
+    default: return st_lowbit_block_elems(type);
     }
 }
 
@@ -46,7 +47,7 @@ int32_t st_type_block_bytes(int32_t type) {
     case ST_TYPE_Q4_K: return sizeof(blk_q4_k);
     case ST_TYPE_Q5_K: return sizeof(blk_q5_k);
     case ST_TYPE_Q6_K: return sizeof(blk_q6_k);
-    default: return 0;
+    default: return st_lowbit_block_bytes(type);
     }
 }
 
@@ -187,6 +188,7 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
         case ST_TYPE_Q4_K: deq_q4_k((const blk_q4_k *)p, y); break;
         case ST_TYPE_Q5_K: deq_q5_k((const blk_q5_k *)p, y); break;
         case ST_TYPE_Q6_K: deq_q6_k((const blk_q6_k *)p, y); break;
+        default: st_lowbit_dequantize_block(type, p, y); break;
         }
     }
     return ST_OK;
@@ -478,7 +480,7 @@ dot_q_fn st_dot_q_ref(int32_t type) {
     case ST_TYPE_Q4_K: return dot_q4_k_ref;
     case ST_TYPE_Q5_K: return dot_q5_k_ref;
     case ST_TYPE_Q6_K: return dot_q6_k_ref;
-    default: return NULL;
+    default: return st_dot_q_ref_lowbit(type);
     }
 }
 

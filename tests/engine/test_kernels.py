@@ -10,11 +10,14 @@ from gguf.quants import dequantize
 
 from engine.native import VARIANTS, available_variants, ffi, lib, ptr
 
-QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+LOWBIT_TYPES = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"]  # engine/csrc/quants_lowbit.h
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"] + LOWBIT_TYPES
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 # byte offsets of the f16 scale fields in each block (kept finite in random blocks)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208]}
+              "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0], "IQ4_XS": [0], "MXFP4": []}
+# byte offsets of E8M0 exponents (kept near 2^-5, the size of the f16 scales above, in random blocks)
+E8M0_FIELDS = {"MXFP4": [0]}
 N = 256 * 12  # a multiple of every block size; an even and an odd count of 32-blocks below
 
 
@@ -33,6 +36,8 @@ def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
     for off in F16_FIELDS[name]:
         scales = (rng.uniform(-1, 1, size=n // bs) * 0.05).astype(np.float16)
         raw[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    for off in E8M0_FIELDS.get(name, []):
+        raw[:, off] = rng.integers(119, 126, size=n // bs)
     return raw.reshape(-1)
 
 
@@ -58,6 +63,70 @@ def test_dequantize_bitwise_equals_gguf_py(name: str, seed: int) -> None:
     ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1).astype(np.float32)
     out = c_dequant(name, raw, N)
     assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+
+
+def edge_blocks(name: str, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of `name` at the edges of the format: codes all 0x00 / all 0xFF / random, each with
+    scales of +0, -0, the smallest f16 subnormal, the largest f16 (65504) and random; MXFP4's
+    exponent byte at 0, 1 (subnormal scales), 2, 127, 252 and 253..255 (products past the float
+    range, inf in both), and every code 0..15 in one block."""
+    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    f16_edges = np.array([0.0, -0.0, 6e-8, 65504.0, -65504.0, 0.03], np.float16).view(np.uint8).reshape(-1, 2)
+    blocks = []
+    for fill in ("zero", "ones", "random"):
+        for k in range(f16_edges.shape[0] if F16_FIELDS[name] else 9):
+            b = {"zero": np.zeros(tb, np.uint8), "ones": np.full(tb, 0xFF, np.uint8),
+                 "random": rng.integers(0, 256, tb, dtype=np.uint8)}[fill]
+            for off in F16_FIELDS[name]:
+                b[off : off + 2] = f16_edges[k]
+            for off in E8M0_FIELDS.get(name, []):
+                b[off] = [0, 1, 2, 127, 252, 253, 254, 255, 128][k]
+            blocks.append(b)
+    every = rng.integers(0, 256, tb, dtype=np.uint8)
+    nib = np.arange(32, dtype=np.uint8) % 16
+    if name in ("IQ4_NL", "MXFP4"):  # the 16 bytes of codes after the scale: every index, low and high
+        every[tb - 16:] = nib[:16] | (nib[::-1][:16] << 4)
+    blocks.append(every)
+    out = np.concatenate(blocks)
+    # Q2_K / Q3_K scales bytes all-zero (with nonzero d) and all-max, too
+    if name in ("Q2_K", "Q3_K"):
+        lo, hi = (0, 16) if name == "Q2_K" else (96, 108)
+        for v in (0x00, 0xFF):
+            b = rng.integers(0, 256, tb, dtype=np.uint8)
+            b[lo:hi] = v
+            out = np.concatenate([out, b])
+    pad = (-out.size // tb) % (256 // bs if bs < 256 else 1)  # whole 256-element rows
+    return np.concatenate([out] + [rng.integers(0, 256, tb, dtype=np.uint8)] * pad)
+
+
+@pytest.mark.parametrize("name", LOWBIT_TYPES)
+def test_dequantize_edge_values_bitwise_equals_gguf_py(name: str) -> None:
+    raw = edge_blocks(name, np.random.default_rng(4))
+    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    n = raw.size // tb * bs
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1).astype(np.float32)
+    out = c_dequant(name, raw, n)
+    assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+    assert not np.any(np.isnan(out)) and np.any(out == 0)
+    if name not in ("Q2_K", "MXFP4"):  # (-0 * q) - (-0 * m) is +0; MXFP4 scales are positive
+        assert np.any(np.signbit(out) & (out == 0))
+
+
+@pytest.mark.parametrize("name", [t for t in LOWBIT_TYPES if t == "MXFP4"])
+def test_gguf_py_quantisation_round_trips_through_c(name: str) -> None:
+    """Where gguf-py quantises the type (MXFP4; the test models use it), its blocks dequantise in
+    C to exactly gguf-py's values, and within the format's error of the input."""
+    from gguf.quants import quantize
+
+    x = np.random.default_rng(8).standard_normal((4, 256)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, :32] *= np.float32(1e-38)  # a subnormal block: the smallest scales
+    raw = quantize(x, GGMLQuantizationType[name]).reshape(-1)
+    out = c_dequant(name, raw, x.size)
+    ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1)
+    assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+    assert np.sqrt(np.mean((out - x.reshape(-1)) ** 2)) <= 0.2 * np.sqrt(np.mean(x**2))
 
 
 def test_activation_quantisation_matches_definition() -> None:
