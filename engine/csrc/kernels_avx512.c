@@ -4,6 +4,7 @@
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 #define GEMM_VNNI 1
 #include "gemm_int8.h"
+#include "gemm_lowbit.h"
 
 static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -32,7 +33,7 @@ DEF_DOT_F_AVX512(dot_f32_avx512, float, LD16_F32, ID_F32)
 DEF_DOT_F_AVX512(dot_f16_avx512, f16_t, LD16_F16, f16_to_f32)
 DEF_DOT_F_AVX512(dot_bf16_avx512, uint16_t, LD16_BF16, bf16_to_f32)
 
-dot_q_fn st_dot_q_avx512(int32_t type) { return gemm_pick(type); }
+dot_q_fn st_dot_q_avx512(int32_t type) { return gemm_pick(type) ? gemm_pick(type) : gemm_pick_lowbit(type); }
 
 dot_f_fn st_dot_f_avx512(int32_t type) {
     switch (type) {

@@ -59,10 +59,7 @@ int32_t st_lowbit_block_elems(int32_t type);
 int32_t st_lowbit_block_bytes(int32_t type);
 /* Dequantise one block of `type` (one of this file's) to y[block elems]. */
 void st_lowbit_dequantize_block(int32_t type, const void *blk, float *y);
-/* The generic reference kernels (NULL for other types). */
+/* The generic reference kernels (NULL for other types). The SIMD ones are in gemm_lowbit.h. */
 dot_q_fn st_dot_q_ref_lowbit(int32_t type);
-/* The SIMD variants' kernels (kernels_avx2.c, kernels_avx512.c; NULL for other types). */
-dot_q_fn st_dot_q_avx2_lowbit(int32_t type);
-dot_q_fn st_dot_q_avx512_lowbit(int32_t type);
 
 #endif

@@ -121,8 +121,9 @@ def test_gguf_py_quantisation_round_trips_through_c(name: str) -> None:
 
     x = np.random.default_rng(8).standard_normal((4, 256)).astype(np.float32)
     x[0, :32] = 0.0
-    x[1, :32] *= np.float32(1e-38)  # a subnormal block: the smallest scales
+    x[1, :32] = np.linspace(-3.9e-38, 3e-38, 32, dtype=np.float32)  # the smallest (subnormal) scale
     raw = quantize(x, GGMLQuantizationType[name]).reshape(-1)
+    assert raw[17 * 8] == 0  # that block's exponent byte: 2^-128
     out = c_dequant(name, raw, x.size)
     ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1)
     assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
