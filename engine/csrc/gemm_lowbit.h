@@ -9,7 +9,8 @@
  * dword, multiply all eight rows at once. Per (row, token) and block the integer sum isum of
  * the block is exact, and the float work is, in this order,
  *     acc = fma(float(isum), S * dx, acc)         (S: the row's float scale of the block)
- *     acc = fma(float(msum), M * dx, acc)         (Q2_K only: the mins, M = -dmin)
+ *     acc = fma(float(msum), M * dx, acc)         (Q2_K: the mins, M = -dmin)
+ *     acc = fma(M, xs, acc)                       (codes with an offset: M = -offset * S, xs = dx * sum(a))
  * with dx the token's activation scale of the block. A lane depends only on its row and
  * token, so any row or token count gives the same bits (the harness checks batch invariance).
  *
@@ -20,9 +21,10 @@
  *   Q3_K   codes u = q + 4 in 0..7, scales sc - 32: as Q2_K, minus 4 * sc_h * sum16_h in the same
  *          madd form, so the sum is that of the signed codes.
  *   IQ4_NL, IQ4_XS  table values v in -127..113: AVX2 multiplies |v| by sign(a, v) (maddubs
- *          pairs < 2^15, widened per pair); VNNI takes v + 128 unsigned and subtracts
- *          128 * sum(a). IQ4_XS's 6-bit scale goes into S = d * (ls - 32).
- *   MXFP4  values v in -12..12 as v + 12 (unsigned, 16-bit sums of 8 products), minus 12 * sum(a). */
+ *          pairs < 2^15, widened per pair); VNNI takes v + 128 unsigned, the offset corrected in
+ *          float. IQ4_XS's 6-bit scale goes into S = d * (ls - 32).
+ *   MXFP4  values v in -12..12 as v + 12 (unsigned; per half 16-bit sums, |sum| <= 8 * 24 * 127),
+ *          the offset corrected in float. */
 #ifndef STRATA_GEMM_LOWBIT_H
 #define STRATA_GEMM_LOWBIT_H
 
@@ -36,7 +38,7 @@ typedef struct {
     __m256i u[8];         /* IQ4 on AVX2: |w| */
     __m256i sc_lo, sc_hi; /* Q2_K / Q3_K: each row's scale of the low / high half, in both int16 of its dword */
     __m256i pair;         /* Q2_K: [m_lo, m_hi] per row; Q3_K: [4 (sc_lo - 32), 4 (sc_hi - 32)] */
-    __m256 S, M;
+    __m256 S, M;          /* M: Q2_K -dmin; MXFP4, IQ4 on VNNI: -off * S, the offset's correction */
 } lb8;
 
 /* What a super-block of the eight rows shares between its sub-blocks. */
@@ -217,16 +219,22 @@ static inline __attribute__((always_inline)) void lb_unpack(int32_t type, const 
             k->S = st->S[j];
         }
         nibbles8(rows, off, iq4_table(), k->w);
-#if !GEMM_VNNI
+#if GEMM_VNNI
+        k->M = _mm256_mul_ps(_mm256_set1_ps(-128.0f), k->S);
+#else
         for (int c = 0; c < 8; c++) k->u[c] = _mm256_abs_epi8(k->w[c]);
 #endif
         return;
     }
     case ST_TYPE_MXFP4: {
         const size_t off = (size_t)b * sizeof(blk_mxfp4);
-        k->S = _mm256_setr_ps(e8m0_half(rows[0][off]), e8m0_half(rows[1][off]), e8m0_half(rows[2][off]),
-                              e8m0_half(rows[3][off]), e8m0_half(rows[4][off]), e8m0_half(rows[5][off]),
-                              e8m0_half(rows[6][off]), e8m0_half(rows[7][off]));
+        /* e8m0_half on the eight exponents: (e - 1) << 23, or 0x00200000 << e below 2 */
+        const __m256i e = _mm256_setr_epi32(rows[0][off], rows[1][off], rows[2][off], rows[3][off], rows[4][off],
+                                            rows[5][off], rows[6][off], rows[7][off]);
+        const __m256i norm = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        k->S = _mm256_castsi256_ps(_mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+        k->M = _mm256_mul_ps(_mm256_set1_ps(-12.0f), k->S);
         nibbles8(rows, off + offsetof(blk_mxfp4, qs), table16(kvalues_mxfp4, 12), k->w);
         return;
     }
@@ -240,7 +248,6 @@ static inline __attribute__((always_inline)) __m256 lb_step(int32_t type, const 
     const int8_t *q = a->q + b * QK;
     __m256i av[8];
     for (int j = 0; j < 8; j++) av[j] = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(q + 4 * j)));
-    const int32_t s0 = a->s[2 * b], s1 = a->s[2 * b + 1];
     const __m256 dx = _mm256_broadcast_ss(a->d + b);
     __m256i isum;
     if (type == ST_TYPE_Q2_K || type == ST_TYPE_Q3_K) {
@@ -250,18 +257,20 @@ static inline __attribute__((always_inline)) __m256 lb_step(int32_t type, const 
             hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(k->w[4 + j], av[4 + j]));
         }
         isum = _mm256_add_epi32(_mm256_madd_epi16(lo, k->sc_lo), _mm256_madd_epi16(hi, k->sc_hi));
+        const int32_t s0 = a->s[2 * b], s1 = a->s[2 * b + 1];
         const __m256i ap = _mm256_set1_epi32((int)((uint32_t)(uint16_t)s0 | ((uint32_t)(uint16_t)s1 << 16)));
         const __m256i pm = _mm256_madd_epi16(k->pair, ap);
         if (type == ST_TYPE_Q3_K) return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, pm)), _mm256_mul_ps(k->S, dx), acc);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(k->S, dx), acc);
         return _mm256_fmadd_ps(_mm256_cvtepi32_ps(pm), _mm256_mul_ps(k->M, dx), acc);
     }
-    const int32_t off = type == ST_TYPE_MXFP4 ? 12 : 128;
+    int offset = type == ST_TYPE_MXFP4; /* the codes carry an offset, corrected through M below */
 #if GEMM_VNNI
     __m256i x = _mm256_dpbusd_epi32(_mm256_setzero_si256(), k->w[0], av[0]);
     __m256i y = _mm256_dpbusd_epi32(_mm256_setzero_si256(), k->w[4], av[4]);
     for (int j = 1; j < 4; j++) x = _mm256_dpbusd_epi32(x, k->w[j], av[j]), y = _mm256_dpbusd_epi32(y, k->w[4 + j], av[4 + j]);
-    isum = _mm256_sub_epi32(_mm256_add_epi32(x, y), _mm256_set1_epi32(off * (s0 + s1)));
+    isum = _mm256_add_epi32(x, y);
+    offset = 1;
 #else
     if (type == ST_TYPE_MXFP4) {
         __m256i lo = _mm256_maddubs_epi16(k->w[0], av[0]), hi = _mm256_maddubs_epi16(k->w[4], av[4]);
@@ -269,16 +278,16 @@ static inline __attribute__((always_inline)) __m256 lb_step(int32_t type, const 
             lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(k->w[j], av[j]));
             hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(k->w[4 + j], av[4 + j]));
         }
-        isum = _mm256_sub_epi32(madd_ones(_mm256_add_epi16(lo, hi)), _mm256_set1_epi32(off * (s0 + s1)));
+        isum = _mm256_add_epi32(madd_ones(lo), madd_ones(hi)); /* lo + hi could pass 2^15 */
     } else {
-        (void)off;
         __m256i p[8];
         for (int j = 0; j < 8; j++) p[j] = madd_ones(_mm256_maddubs_epi16(k->u[j], _mm256_sign_epi8(av[j], k->w[j])));
         isum = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3])),
                                 _mm256_add_epi32(_mm256_add_epi32(p[4], p[5]), _mm256_add_epi32(p[6], p[7])));
     }
 #endif
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(k->S, dx), acc);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(k->S, dx), acc);
+    return offset ? _mm256_fmadd_ps(k->M, _mm256_broadcast_ss(a->xs + b), acc) : acc;
 }
 
 /* NT tokens (a compile-time count for the few-token passes; 0 = nt at run time, accumulators in

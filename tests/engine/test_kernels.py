@@ -230,6 +230,33 @@ def test_quantised_dot_every_variant(name: str, variant: str, n: int) -> None:
         assert abs(got - ref) <= 1e-4 * scale, (got, ref)
 
 
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", LOWBIT_TYPES)
+def test_extreme_codes_and_activations_every_variant(name: str, variant: str) -> None:
+    """The integer sums stay exact at the extremes: every code at its largest or smallest (and
+    6-bit scales at theirs) against activations all at +127 or -127 or alternating, where a 16-bit
+    partial sum would overflow if the kernel added one product too many."""
+    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    n = 1024
+    rng = np.random.default_rng(19)
+    for fill in (0x00, 0xFF, 0x77, 0x88):
+        raw = np.full(n // bs * tb, fill, np.uint8).reshape(-1, tb)
+        for off in F16_FIELDS[name]:
+            raw[:, off:off + 2] = np.full(raw.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+        for off in E8M0_FIELDS.get(name, []):
+            raw[:, off] = 120
+        raw = raw.reshape(-1)
+        for x in (np.ones(n), -np.ones(n), np.resize([1.0, -1.0], n), rng.standard_normal(n)):
+            qs, d, s = quant_act(x.astype(np.float32))
+            w = c_dequant(name, raw, n).astype(np.float64)
+            xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+            # all-zero weights (MXFP4 codes 0 and 8): measured against the largest weight of these blocks
+            scale = float(np.abs(w * xa).sum()) or float(np.abs(xa).sum()) * 0.01 * 127
+            oracle = float(np.dot(w, xa))
+            got = dot_q(name, variant, raw, qs, d, s, n)
+            assert abs(got - oracle) <= 1e-4 * scale, (name, variant, fill, got, oracle)
+
+
 def dot_q_tokens(name: str, variant: str, raw: np.ndarray, qs: np.ndarray, d: np.ndarray, s: np.ndarray,
                  n: int) -> np.ndarray:
     """One weight row against every token row of qs [nt, n] through the multi-token path."""
