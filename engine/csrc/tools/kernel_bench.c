@@ -1,9 +1,10 @@
 /* Single-thread throughput of the int8 micro-kernel (thread CPU time, best of R, so a busy
  * machine perturbs it less than wall time):
  *   gcc -O3 -std=gnu11 -ffp-contract=off -fno-math-errno -pthread -Iengine/csrc \
- *       engine/csrc/tools/kernel_bench.c engine/csrc/{quants,kernels_avx2,kernels_avx512,variants,attention}.c -lm
+ *       engine/csrc/tools/kernel_bench.c engine/csrc/{quants,quants_lowbit,kernels_avx2,kernels_avx512,variants,attention}.c -lm
  *   ./a.out VARIANT TYPE K N NT [R]     e.g. ./a.out 2 3 576 1536 16   (avx2, Q4_1, 1536x576, 16 tokens)
- * Variants: 1 ref, 2 avx2, 3 avx512; types: GGML numbering (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K). */
+ * Variants: 1 ref, 2 avx2, 3 avx512; types: GGML numbering (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K,
+ * 10 Q2_K, 11 Q3_K, 20 IQ4_NL, 23 IQ4_XS, 39 MXFP4). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
