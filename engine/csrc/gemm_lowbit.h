@@ -322,7 +322,7 @@ static inline __attribute__((always_inline)) void gemm_lowbit(int32_t type, cons
         const uint8_t *rows[8]; /* a short row block repeats its last row (results dropped) */
         for (int r = 0; r < 8; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < nrr ? r : nrr - 1)) * row_bytes;
         const uint8_t *next = (const uint8_t *)w + (size_t)(r0 + 8) * row_bytes;
-        const size_t step = 8 * (row_bytes / (size_t)nb);
+        const size_t step = 8 * row_bytes / (size_t)nb; /* bytes of one 32-block of 8 rows (Q2_K: 84) */
         __m256 acc[ST_MAX_NT];
         switch (nt) {
         case 1: lb_pass(type, rows, nb, 1, nt, a, acc, next, step); break;
