@@ -23,6 +23,7 @@ SUPPORTED_TYPES: dict[int, str] = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
     12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16",
     16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 21: "IQ3_S", 22: "IQ2_S",
+    10: "Q2_K", 11: "Q3_K", 20: "IQ4_NL", 23: "IQ4_XS", 39: "MXFP4",
 }
 
 ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2, "glm4moe": 3}

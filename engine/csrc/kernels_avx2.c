@@ -7,6 +7,7 @@
 #define GEMM_VNNI 0
 #include "gemm_int8.h"
 #include "gemm_iq.h"
+#include "gemm_lowbit.h"
 
 /* Float weights: 4 independent 8-wide accumulators, scalar tail. */
 #define DEF_DOT_F_AVX2(NAME, ELEM_T, LOAD8, CONV1)                                   \
@@ -35,7 +36,10 @@ DEF_DOT_F_AVX2(dot_f32_avx2, float, LD_F32, ID_F32)
 DEF_DOT_F_AVX2(dot_f16_avx2, f16_t, LD_F16, f16_to_f32)
 DEF_DOT_F_AVX2(dot_bf16_avx2, uint16_t, LD_BF16, bf16_to_f32)
 
-dot_q_fn st_dot_q_avx2(int32_t type) { return st_type_is_iq(type) ? gemm_iq_pick(type) : gemm_pick(type); }
+dot_q_fn st_dot_q_avx2(int32_t type) {
+    if (st_type_is_iq(type)) return gemm_iq_pick(type);
+    return gemm_pick(type) ? gemm_pick(type) : gemm_pick_lowbit(type);
+}
 
 /* Activation quantisation, the scalar definition (quants.c) vectorised with the same float
  * operations: amax / 127, 1 / d, x * id rounded half away from zero (roundf: truncate, then

@@ -5,6 +5,7 @@
 #define GEMM_VNNI 1
 #include "gemm_int8.h"
 #include "gemm_iq.h"
+#include "gemm_lowbit.h"
 
 static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -33,7 +34,10 @@ DEF_DOT_F_AVX512(dot_f32_avx512, float, LD16_F32, ID_F32)
 DEF_DOT_F_AVX512(dot_f16_avx512, f16_t, LD16_F16, f16_to_f32)
 DEF_DOT_F_AVX512(dot_bf16_avx512, uint16_t, LD16_BF16, bf16_to_f32)
 
-dot_q_fn st_dot_q_avx512(int32_t type) { return st_type_is_iq(type) ? gemm_iq_pick(type) : gemm_pick(type); }
+dot_q_fn st_dot_q_avx512(int32_t type) {
+    if (st_type_is_iq(type)) return gemm_iq_pick(type);
+    return gemm_pick(type) ? gemm_pick(type) : gemm_pick_lowbit(type);
+}
 
 dot_f_fn st_dot_f_avx512(int32_t type) {
     switch (type) {

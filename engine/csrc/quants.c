@@ -10,6 +10,7 @@
 
 #include "internal.h"
 #include "quants_iq.h"
+#include "quants_lowbit.h"
 
 /* ---- errors ---- */
 static _Thread_local char g_err[512];
@@ -31,7 +32,7 @@ int32_t st_type_block_elems(int32_t type) {
     case ST_TYPE_Q4_0: case ST_TYPE_Q4_1: case ST_TYPE_Q5_0: case ST_TYPE_Q5_1: case ST_TYPE_Q8_0: return QK;
     case ST_TYPE_Q4_1_R8: case ST_TYPE_Q8_0_R8: return QK;
     case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: return QK_K;
-    default: return st_type_is_iq(type) ? QK_K : 0;
+    default: return st_type_is_iq(type) ? QK_K : st_lowbit_block_elems(type);
     }
 }
 
@@ -47,7 +48,7 @@ int32_t st_type_block_bytes(int32_t type) {
     case ST_TYPE_Q4_K: return sizeof(blk_q4_k);
     case ST_TYPE_Q5_K: return sizeof(blk_q5_k);
     case ST_TYPE_Q6_K: return sizeof(blk_q6_k);
-    default: return st_iq_block_bytes(type);
+    default: return st_type_is_iq(type) ? st_iq_block_bytes(type) : st_lowbit_block_bytes(type);
     }
 }
 
@@ -188,7 +189,10 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
         case ST_TYPE_Q4_K: deq_q4_k((const blk_q4_k *)p, y); break;
         case ST_TYPE_Q5_K: deq_q5_k((const blk_q5_k *)p, y); break;
         case ST_TYPE_Q6_K: deq_q6_k((const blk_q6_k *)p, y); break;
-        default: st_iq_dequant_block(type, p, y); break;
+        default:
+            if (st_type_is_iq(type)) st_iq_dequant_block(type, p, y);
+            else st_lowbit_dequantize_block(type, p, y);
+            break;
         }
     }
     return ST_OK;
@@ -480,7 +484,7 @@ dot_q_fn st_dot_q_ref(int32_t type) {
     case ST_TYPE_Q4_K: return dot_q4_k_ref;
     case ST_TYPE_Q5_K: return dot_q5_k_ref;
     case ST_TYPE_Q6_K: return dot_q6_k_ref;
-    default: return st_dot_q_ref_iq(type);
+    default: return st_type_is_iq(type) ? st_dot_q_ref_iq(type) : st_dot_q_ref_lowbit(type);
     }
 }
 

@@ -40,6 +40,11 @@ const char *st_last_error(void);
 #define ST_TYPE_IQ3_XXS 18
 #define ST_TYPE_IQ3_S 21
 #define ST_TYPE_IQ2_S 22
+#define ST_TYPE_Q2_K 10
+#define ST_TYPE_Q3_K 11
+#define ST_TYPE_IQ4_NL 20
+#define ST_TYPE_IQ4_XS 23
+#define ST_TYPE_MXFP4 39
 /* Q4_1 rows repacked at load in groups of 8 (st_repack_q4_1): never a file type. Per group and
  * 32-column block, 160 bytes: the eight rows' d (f16), their m, then bytes 4j..4j+3 of the
  * codes of rows 0..7 for j = 0..3. Row r still starts at r * row_bytes when r is a multiple

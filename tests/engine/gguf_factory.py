@@ -14,6 +14,35 @@ from gguf.quants import dequantize, quantize
 
 TINY_VOCAB = 300
 
+# The types gguf-py reads but does not write: byte offsets of each block's f16 scale fields, and
+# the value those fields start from (Q2_K's dmin at 1.5 d centres the weights: mean code 1.5,
+# mean scale and min alike).
+_RANDOM_BLOCK_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
+    GGMLQuantizationType.Q2_K: {80: 1.0, 82: 1.5},
+    GGMLQuantizationType.Q3_K: {108: 1.0},
+    GGMLQuantizationType.IQ4_NL: {0: 1.0},
+    GGMLQuantizationType.IQ4_XS: {0: 1.0},
+}
+
+
+def random_quantized(data: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """`data` quantised to `qtype` by gguf-py where it can; for the types it cannot write
+    (_RANDOM_BLOCK_SCALES), random blocks whose dequantised values have the standard deviation of
+    `data` (random codes and sub-block scales, the f16 scales set to match). Bytes [..., row_bytes]."""
+    if qtype not in _RANDOM_BLOCK_SCALES:
+        return quantize(data, qtype)
+    bs, tb = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(data.size // bs, tb), dtype=np.uint8)
+
+    def set_scales(mult: float) -> None:
+        for off, v in _RANDOM_BLOCK_SCALES[qtype].items():
+            raw[:, off:off + 2] = np.full(raw.shape[0], v * mult, np.float16).view(np.uint8).reshape(-1, 2)
+
+    set_scales(1.0)
+    std = float(dequantize(raw.reshape(-1), qtype).std())
+    set_scales(float(data.std()) / std)
+    return raw.reshape(*data.shape[:-1], data.shape[-1] // bs * tb)
+
 
 def make_tiny_gguf(path: Path) -> Path:
     """The cheap 2-layer Q8_0 model of TINY_VOCAB ids (conftest.py's ``tiny_path``: the greedy-pick, overlap
@@ -57,13 +86,13 @@ def make_random_gguf(
     qkv_bias: bool = False,
     qk_norm: bool = False,
     n_ff_shexp: int = 0,
-    spm_vocab: bool = False,
+    vocab: bool = False,
 ) -> Path:
     """Write a random model; `overrides` replaces tensors by name (float data),
     `raw_overrides` by (raw bytes, logical shape, type), `omit` drops them. `qkv_bias`
     adds q/k/v biases (qwen2moe), `qk_norm` per-head q/k norms (qwen3moe), `n_ff_shexp`
-    a gated shared expert of that width (qwen2moe), `spm_vocab` a placeholder SentencePiece vocabulary
-    (<unk>, <s>, </s>, then one piece per id) and the expert width key so that llama.cpp loads the file."""
+    a gated shared expert of that width (qwen2moe), `vocab` a plain SentencePiece-style token list
+    (ids 0..2 unk/bos/eos, then one piece per id) so that llama.cpp loads the file."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     w = GGUFWriter(str(path), arch)
@@ -79,15 +108,17 @@ def make_random_gguf(
     if n_expert:
         w.add_expert_count(n_expert)
         w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff)  # llama.cpp sizes qwen3moe experts from this key
     if n_ff_shexp:
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", n_ff_shexp)
-    if spm_vocab:
-        if n_expert:  # llama.cpp reads the expert width from here (Strata from the tensors)
-            w.add_expert_feed_forward_length(n_ff)
+    if vocab:
         w.add_tokenizer_model("llama")
-        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"p{i}" for i in range(3, n_vocab)])
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(3, n_vocab)])
         w.add_token_scores([0.0] * n_vocab)
         w.add_token_types([2, 3, 3] + [1] * (n_vocab - 3))
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
 
     def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -102,7 +133,7 @@ def make_random_gguf(
         if overrides and name in overrides:
             data = overrides[name]
         if quant and weight_type != GGMLQuantizationType.F32 and data.ndim >= 2:
-            q = quantize(data, weight_type)
+            q = random_quantized(data, weight_type, rng)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=weight_type)
         else:
             w.add_tensor(name, data)

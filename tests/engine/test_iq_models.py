@@ -45,7 +45,7 @@ def _model(path: Path, experts: dict[str, tuple[np.ndarray, tuple[int, ...], GGM
                                                             (SHAPE["n_expert"], SHAPE["n_embd"], SHAPE["n_ff"]),
                                                             np.float32)
                 for i in range(2) for m in ("gate", "up", "down")}
-    return make_random_gguf(path, arch="qwen3moe", qk_norm=True, n_layer=2, spm_vocab=True, seed=3,
+    return make_random_gguf(path, arch="qwen3moe", qk_norm=True, n_layer=2, vocab=True, seed=3,
                             raw_overrides=experts, overrides=over, **SHAPE)
 
 

@@ -10,12 +10,16 @@ from gguf.quants import dequantize
 
 from engine.native import VARIANTS, available_variants, ffi, lib, ptr
 
-IQ_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
-QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *IQ_TYPES]
+IQ_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]  # engine/csrc/quants_iq.h
+LOWBIT_TYPES = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"]  # engine/csrc/quants_lowbit.h
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *IQ_TYPES, *LOWBIT_TYPES]
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 # byte offsets of the f16 scale fields in each block (kept finite in random blocks)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], **{name: [0] for name in IQ_TYPES}}
+              "Q6_K": [208], **{name: [0] for name in IQ_TYPES}, "Q2_K": [80, 82], "Q3_K": [108], "IQ4_NL": [0],
+              "IQ4_XS": [0], "MXFP4": []}
+# byte offsets of E8M0 exponents (kept near 2^-5, the size of the f16 scales above, in random blocks)
+E8M0_FIELDS = {"MXFP4": [0]}
 N = 256 * 12  # a multiple of every block size; an even and an odd count of 32-blocks below
 
 
@@ -34,6 +38,8 @@ def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
     for off in F16_FIELDS[name]:
         scales = (rng.uniform(-1, 1, size=n // bs) * 0.05).astype(np.float16)
         raw[:, off : off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    for off in E8M0_FIELDS.get(name, []):
+        raw[:, off] = rng.integers(119, 126, size=n // bs)
     return raw.reshape(-1)
 
 
@@ -59,6 +65,71 @@ def test_dequantize_bitwise_equals_gguf_py(name: str, seed: int) -> None:
     ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1).astype(np.float32)
     out = c_dequant(name, raw, N)
     assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+
+
+def edge_blocks(name: str, rng: np.random.Generator) -> np.ndarray:
+    """Blocks of `name` at the edges of the format: codes all 0x00 / all 0xFF / random, each with
+    scales of +0, -0, the smallest f16 subnormal, the largest f16 (65504) and random; MXFP4's
+    exponent byte at 0, 1 (subnormal scales), 2, 127, 252 and 253..255 (products past the float
+    range, inf in both), and every code 0..15 in one block."""
+    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    f16_edges = np.array([0.0, -0.0, 6e-8, 65504.0, -65504.0, 0.03], np.float16).view(np.uint8).reshape(-1, 2)
+    blocks = []
+    for fill in ("zero", "ones", "random"):
+        for k in range(f16_edges.shape[0] if F16_FIELDS[name] else 9):
+            b = {"zero": np.zeros(tb, np.uint8), "ones": np.full(tb, 0xFF, np.uint8),
+                 "random": rng.integers(0, 256, tb, dtype=np.uint8)}[fill]
+            for off in F16_FIELDS[name]:
+                b[off : off + 2] = f16_edges[k]
+            for off in E8M0_FIELDS.get(name, []):
+                b[off] = [0, 1, 2, 127, 252, 253, 254, 255, 128][k]
+            blocks.append(b)
+    every = rng.integers(0, 256, tb, dtype=np.uint8)
+    nib = np.arange(32, dtype=np.uint8) % 16
+    if name in ("IQ4_NL", "MXFP4"):  # the 16 bytes of codes after the scale: every index, low and high
+        every[tb - 16:] = nib[:16] | (nib[::-1][:16] << 4)
+    blocks.append(every)
+    out = np.concatenate(blocks)
+    # Q2_K / Q3_K scales bytes all-zero (with nonzero d) and all-max, too
+    if name in ("Q2_K", "Q3_K"):
+        lo, hi = (0, 16) if name == "Q2_K" else (96, 108)
+        for v in (0x00, 0xFF):
+            b = rng.integers(0, 256, tb, dtype=np.uint8)
+            b[lo:hi] = v
+            out = np.concatenate([out, b])
+    pad = (-out.size // tb) % (256 // bs if bs < 256 else 1)  # whole 256-element rows
+    return np.concatenate([out] + [rng.integers(0, 256, tb, dtype=np.uint8)] * pad)
+
+
+@pytest.mark.parametrize("name", LOWBIT_TYPES)
+def test_dequantize_edge_values_bitwise_equals_gguf_py(name: str) -> None:
+    raw = edge_blocks(name, np.random.default_rng(4))
+    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    n = raw.size // tb * bs
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1).astype(np.float32)
+    out = c_dequant(name, raw, n)
+    assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+    assert not np.any(np.isnan(out)) and np.any(out == 0)
+    if name not in ("Q2_K", "MXFP4"):  # (-0 * q) - (-0 * m) is +0; MXFP4 scales are positive
+        assert np.any(np.signbit(out) & (out == 0))
+
+
+@pytest.mark.parametrize("name", [t for t in LOWBIT_TYPES if t == "MXFP4"])
+def test_gguf_py_quantisation_round_trips_through_c(name: str) -> None:
+    """Where gguf-py quantises the type (MXFP4; the test models use it), its blocks dequantise in
+    C to exactly gguf-py's values, and within the format's error of the input."""
+    from gguf.quants import quantize
+
+    x = np.random.default_rng(8).standard_normal((4, 256)).astype(np.float32)
+    x[0, :32] = 0.0
+    x[1, :32] = np.linspace(-3.9e-38, 3e-38, 32, dtype=np.float32)  # the smallest (subnormal) scale
+    raw = quantize(x, GGMLQuantizationType[name]).reshape(-1)
+    assert raw[17 * 8] == 0  # that block's exponent byte: 2^-128
+    out = c_dequant(name, raw, x.size)
+    ref = dequantize(raw, GGMLQuantizationType[name]).reshape(-1)
+    assert np.array_equal(ref.view(np.uint32), out.view(np.uint32))
+    assert np.sqrt(np.mean((out - x.reshape(-1)) ** 2)) <= 0.2 * np.sqrt(np.mean(x**2))
 
 
 def test_activation_quantisation_matches_definition() -> None:
@@ -239,6 +310,33 @@ def test_iq_dot_edge_blocks_every_variant(name: str, variant: str) -> None:
         oracle, scale = float(np.dot(w, xa)), float(np.abs(w * xa).sum())
         got, ref = dot_q(name, variant, blocks, qs, d, s, n), dot_q(name, "ref", blocks, qs, d, s, n)
         assert abs(got - oracle) <= 1e-4 * scale and abs(got - ref) <= 1e-4 * scale, (got, ref, oracle)
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("name", LOWBIT_TYPES)
+def test_extreme_codes_and_activations_every_variant(name: str, variant: str) -> None:
+    """The integer sums stay exact at the extremes: every code at its largest or smallest (and
+    6-bit scales at theirs) against activations all at +127 or -127 or alternating, where a 16-bit
+    partial sum would overflow if the kernel added one product too many."""
+    bs, tb = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    n = 1024
+    rng = np.random.default_rng(19)
+    for fill in (0x00, 0xFF, 0x77, 0x88):
+        raw = np.full(n // bs * tb, fill, np.uint8).reshape(-1, tb)
+        for off in F16_FIELDS[name]:
+            raw[:, off:off + 2] = np.full(raw.shape[0], 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+        for off in E8M0_FIELDS.get(name, []):
+            raw[:, off] = 120
+        raw = raw.reshape(-1)
+        for x in (np.ones(n), -np.ones(n), np.resize([1.0, -1.0], n), rng.standard_normal(n)):
+            qs, d, s = quant_act(x.astype(np.float32))
+            w = c_dequant(name, raw, n).astype(np.float64)
+            xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+            # all-zero weights (MXFP4 codes 0 and 8): measured against the largest weight of these blocks
+            scale = float(np.abs(w * xa).sum()) or float(np.abs(xa).sum()) * 0.01 * 127
+            oracle = float(np.dot(w, xa))
+            got = dot_q(name, variant, raw, qs, d, s, n)
+            assert abs(got - oracle) <= 1e-4 * scale, (name, variant, fill, got, oracle)
 
 
 def dot_q_tokens(name: str, variant: str, raw: np.ndarray, qs: np.ndarray, d: np.ndarray, s: np.ndarray,

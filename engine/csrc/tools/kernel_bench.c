@@ -1,15 +1,16 @@
 /* Single-thread throughput of the int8 micro-kernel (thread CPU time, best of R, so a busy
  * machine perturbs it less than wall time):
  *   gcc -O3 -std=gnu11 -ffp-contract=off -fno-math-errno -pthread -Iengine/csrc \
- *       engine/csrc/tools/kernel_bench.c engine/csrc/{quants,quants_iq,kernels_avx2,kernels_avx512,variants,attention}.c -lm
+ *       engine/csrc/tools/kernel_bench.c engine/csrc/{quants,quants_iq,quants_lowbit,kernels_avx2,kernels_avx512,variants,attention}.c -lm
  *   ./a.out VARIANT TYPE K N NT [R]     e.g. ./a.out 2 3 576 1536 16   (avx2, Q4_1, 1536x576, 16 tokens)
  * Variants: 1 ref, 2 avx2, 3 avx512; types: GGML numbering (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K,
- * 16 IQ2_XXS, 17 IQ2_XS, 18 IQ3_XXS, 21 IQ3_S, 22 IQ2_S). */
+ * 10 Q2_K, 11 Q3_K, 16 IQ2_XXS, 17 IQ2_XS, 18 IQ3_XXS, 20 IQ4_NL, 21 IQ3_S, 22 IQ2_S, 23 IQ4_XS, 39 MXFP4). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
 #include "internal.h"
+#include "quants_lowbit.h"
 
 static double cpu_s(void) {
     struct timespec t;
@@ -34,6 +35,8 @@ int main(int argc, char **argv) {
     srand(1);
     for (size_t i = 0; i < rb * (size_t)N; i++) w[i] = (uint8_t)rand();
     for (size_t i = 1; i < rb * (size_t)N; i += 2) w[i] &= 0x3b; /* keep f16 fields finite wherever they fall */
+    if (type == ST_TYPE_MXFP4) /* E8M0 exponents near 2^-5: random ones overflow or go subnormal, which is slow */
+        for (size_t i = 0; i < rb * (size_t)N; i += sizeof(blk_mxfp4)) w[i] = (uint8_t)(119 + i % 7);
     float *x = malloc(sizeof(float) * (size_t)K), *xs8 = malloc(sizeof(float) * (size_t)K / 4 * (size_t)nt);
     float *xs = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt), *d = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt);
     int8_t *q = malloc((size_t)K * (size_t)nt);

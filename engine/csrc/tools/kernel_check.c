@@ -1,7 +1,7 @@
 /* Stand-alone check of the int8 micro-kernels, for machines without the Python test stack
  * (e.g. to try the AVX-512 variant on another CPU):
  *   gcc -O2 -std=gnu11 -ffp-contract=off -fno-math-errno -pthread -Iengine/csrc \
- *       engine/csrc/tools/kernel_check.c engine/csrc/{quants,quants_iq,kernels_avx2,kernels_avx512,variants,attention}.c -lm
+ *       engine/csrc/tools/kernel_check.c engine/csrc/{quants,quants_iq,quants_lowbit,kernels_avx2,kernels_avx512,variants,attention}.c -lm
  * For every quantised type and every variant this CPU runs: each (row, token) of an nr x nt
  * micro-kernel pass (nr 1..8, nt 1..64) equals that row and token alone bit for bit, and is
  * within 1e-4 of the reference kernel relative to sum |w * a| (the Python harness's rules);
@@ -28,18 +28,24 @@ static void random_row(int32_t type, int64_t n, uint8_t *w) {
     int offs[2] = {0, -1};
     if (type == ST_TYPE_Q4_1 || type == ST_TYPE_Q5_1 || type == ST_TYPE_Q4_K || type == ST_TYPE_Q5_K) offs[1] = 2;
     if (type == ST_TYPE_Q6_K) offs[0] = 208;
+    if (type == ST_TYPE_Q2_K) offs[0] = 80, offs[1] = 82;
+    if (type == ST_TYPE_Q3_K) offs[0] = 108;
+    if (type == ST_TYPE_MXFP4) offs[0] = -1;
     for (size_t b = 0; b < rb / bs; b++)
         for (int k = 0; k < 2; k++)
             if (offs[k] >= 0) {
                 const f16_t h = f32_to_f16(frand() * 0.05f);
                 memcpy(w + b * bs + (size_t)offs[k], &h, 2);
             }
+    if (type == ST_TYPE_MXFP4) /* E8M0 exponents near 2^-5, the size of the f16 scales above */
+        for (size_t b = 0; b < rb / bs; b++) w[b * bs] = (uint8_t)(119 + rnd() % 7);
 }
 
 int main(void) {
     const int32_t types[] = {ST_TYPE_Q4_0, ST_TYPE_Q4_1, ST_TYPE_Q5_0, ST_TYPE_Q5_1,
                              ST_TYPE_Q8_0, ST_TYPE_Q4_K, ST_TYPE_Q5_K, ST_TYPE_Q6_K,
-                             ST_TYPE_IQ2_XXS, ST_TYPE_IQ2_XS, ST_TYPE_IQ2_S, ST_TYPE_IQ3_XXS, ST_TYPE_IQ3_S};
+                             ST_TYPE_IQ2_XXS, ST_TYPE_IQ2_XS, ST_TYPE_IQ2_S, ST_TYPE_IQ3_XXS, ST_TYPE_IQ3_S,
+                             ST_TYPE_Q2_K, ST_TYPE_Q3_K, ST_TYPE_IQ4_NL, ST_TYPE_IQ4_XS, ST_TYPE_MXFP4};
     const int64_t lens[] = {256 * 3, 256 * 11 + 32 * 3};
     const int nrs[] = {1, 2, 3, 4, 5, 8}, nts[] = {1, 2, 3, 4, 5, 8, 13, 64};
     const int32_t mask = st_cpu_variants();

@@ -1,0 +1,201 @@
+/* Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4: type table, dequantisation (bit for bit gguf-py's numpy
+ * reference: the same float operations in the same order, e.g. d * sc first, then * q - m) and
+ * the generic reference dot kernels the SIMD variants are checked against. The layouts are in
+ * quants_lowbit.h. */
+#include "quants_lowbit.h"
+
+int st_lowbit_type(int32_t type) { return st_lowbit_block_elems(type) > 0; }
+
+int32_t st_lowbit_block_elems(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q2_K: case ST_TYPE_Q3_K: case ST_TYPE_IQ4_XS: return QK_K;
+    case ST_TYPE_IQ4_NL: case ST_TYPE_MXFP4: return QK;
+    default: return 0;
+    }
+}
+
+int32_t st_lowbit_block_bytes(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q2_K: return sizeof(blk_q2_k);
+    case ST_TYPE_Q3_K: return sizeof(blk_q3_k);
+    case ST_TYPE_IQ4_NL: return sizeof(blk_iq4_nl);
+    case ST_TYPE_IQ4_XS: return sizeof(blk_iq4_xs);
+    case ST_TYPE_MXFP4: return sizeof(blk_mxfp4);
+    default: return 0;
+    }
+}
+
+/* ---- dequantisation ---- */
+
+/* Q2_K / Q3_K low two bits of element e: byte e % 32 of the 32-byte chunk e / 128, bits
+ * 2 * ((e % 128) / 32). */
+static inline int k_low2(const uint8_t *qs, int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3; }
+
+static void deq_q2_k(const blk_q2_k *b, float *y) {
+    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
+    for (int g = 0; g < QK_K / 16; g++) {
+        const float dl = d * (float)(b->scales[g] & 0xF), ml = dmin * (float)(b->scales[g] >> 4);
+        for (int l = 0; l < 16; l++) y[16 * g + l] = dl * (float)k_low2(b->qs, 16 * g + l) - ml;
+    }
+}
+
+/* Q3_K element e: low two bits as Q2_K, minus 4 unless bit e / 32 of hmask[e % 32] is set. */
+static inline int q3k_value(const blk_q3_k *b, int e) {
+    return k_low2(b->qs, e) - (((b->hmask[e % 32] >> (e / 32)) & 1) ? 0 : 4);
+}
+
+static void deq_q3_k(const blk_q3_k *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    for (int g = 0; g < QK_K / 16; g++) {
+        const float dl = d * (float)q3k_scale(b->scales, g);
+        for (int l = 0; l < 16; l++) y[16 * g + l] = dl * (float)q3k_value(b, 16 * g + l);
+    }
+}
+
+/* 16 bytes of 4-bit indices: element l in the low nibble of byte l, element 16 + l in the high. */
+static inline void deq_nibbles(const uint8_t *qs, const int8_t *table, float d, float *y) {
+    for (int l = 0; l < 16; l++) {
+        y[l] = d * (float)table[qs[l] & 0xF];
+        y[16 + l] = d * (float)table[qs[l] >> 4];
+    }
+}
+
+static void deq_iq4_xs(const blk_iq4_xs *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    for (int ib = 0; ib < QK_K / 32; ib++)
+        deq_nibbles(b->qs + 16 * ib, kvalues_iq4nl, d * (float)iq4xs_scale(b, ib), y + 32 * ib);
+}
+
+void st_lowbit_dequantize_block(int32_t type, const void *blk, float *y) {
+    switch (type) {
+    case ST_TYPE_Q2_K: deq_q2_k(blk, y); break;
+    case ST_TYPE_Q3_K: deq_q3_k(blk, y); break;
+    case ST_TYPE_IQ4_NL: {
+        const blk_iq4_nl *b = blk;
+        deq_nibbles(b->qs, kvalues_iq4nl, f16_to_f32(b->d), y);
+        break;
+    }
+    case ST_TYPE_IQ4_XS: deq_iq4_xs(blk, y); break;
+    case ST_TYPE_MXFP4: {
+        const blk_mxfp4 *b = blk;
+        deq_nibbles(b->qs, kvalues_mxfp4, e8m0_half(b->e), y);
+        break;
+    }
+    default: break;
+    }
+}
+
+/* ---- reference dot kernels ----
+ * Per 32-element activation block b (scale dx = d[b], int8 codes a), the exact integer sums
+ * of the block, then the float scales:
+ *   Q2_K:  dx * (d * sum_h sc_h * sum(q a) - dmin * sum_h m_h * sum16_h(a))   (h: the two 16-groups)
+ *   Q3_K:  d * dx * sum_h (sc_h - 32) * sum(q a)
+ *   IQ4_NL, IQ4_XS, MXFP4:  s * dx * sum(v a), s the block's float scale (IQ4_XS: d * (ls - 32)). */
+
+static void dot_q2_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q2_k *b = w;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float dd = f16_to_f32(b[i].d), dm = f16_to_f32(b[i].dmin);
+        for (int j = 0; j < 8; j++) {
+            const int64_t ab = 8 * i + j;
+            int32_t isum = 0, msum = 0;
+            for (int h = 0; h < 2; h++) {
+                const int g = 2 * j + h;
+                int32_t part = 0;
+                for (int l = 0; l < 16; l++) part += k_low2(b[i].qs, 16 * g + l) * a[ab * QK + 16 * h + l];
+                isum += (b[i].scales[g] & 0xF) * part;
+                msum += (b[i].scales[g] >> 4) * s[2 * ab + h];
+            }
+            acc += d[ab] * (dd * (float)isum - dm * (float)msum);
+        }
+    }
+    *out = acc;
+}
+
+static void dot_q3_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_q3_k *b = w;
+    (void)s;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float dd = f16_to_f32(b[i].d);
+        for (int j = 0; j < 8; j++) {
+            const int64_t ab = 8 * i + j;
+            int32_t isum = 0;
+            for (int h = 0; h < 2; h++) {
+                const int g = 2 * j + h;
+                int32_t part = 0;
+                for (int l = 0; l < 16; l++) part += q3k_value(&b[i], 16 * g + l) * a[ab * QK + 16 * h + l];
+                isum += q3k_scale(b[i].scales, g) * part;
+            }
+            acc += dd * d[ab] * (float)isum;
+        }
+    }
+    *out = acc;
+}
+
+/* The integer sum of one 32-block of nibble indices into `table` against a[0..31]. */
+static inline int32_t nibble_sum(const uint8_t *qs, const int8_t *table, const int8_t *a) {
+    int32_t isum = 0;
+    for (int l = 0; l < 16; l++) isum += table[qs[l] & 0xF] * a[l] + table[qs[l] >> 4] * a[16 + l];
+    return isum;
+}
+
+static void dot_iq4_nl_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_iq4_nl *b = w;
+    (void)s;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++)
+        acc += f16_to_f32(b[i].d) * d[i] * (float)nibble_sum(b[i].qs, kvalues_iq4nl, a + i * QK);
+    *out = acc;
+}
+
+static void dot_iq4_xs_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_iq4_xs *b = w;
+    (void)s;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float dd = f16_to_f32(b[i].d);
+        for (int j = 0; j < 8; j++) {
+            const int64_t ab = 8 * i + j;
+            const float sc = dd * (float)iq4xs_scale(&b[i], j);
+            acc += sc * d[ab] * (float)nibble_sum(b[i].qs + 16 * j, kvalues_iq4nl, a + ab * QK);
+        }
+    }
+    *out = acc;
+}
+
+static void dot_mxfp4_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+    const blk_mxfp4 *b = w;
+    (void)s;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < n / QK; i++)
+        acc += e8m0_half(b[i].e) * d[i] * (float)nibble_sum(b[i].qs, kvalues_mxfp4, a + i * QK);
+    *out = acc;
+}
+
+/* The reference multi-row, multi-token form: each (row, token) on its own. */
+#define DEF_LOWBIT_REF(T)                                                                                    \
+    static void dot_##T##_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,  \
+                              float *out, int64_t ldo) {                                                     \
+        for (int r = 0; r < nr; r++)                                                                         \
+            for (int t = 0; t < nt; t++)                                                                     \
+                dot_##T##_one((const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, a[t].s, n,         \
+                              &out[t * ldo + r]);                                                            \
+    }
+DEF_LOWBIT_REF(q2_k)
+DEF_LOWBIT_REF(q3_k)
+DEF_LOWBIT_REF(iq4_nl)
+DEF_LOWBIT_REF(iq4_xs)
+DEF_LOWBIT_REF(mxfp4)
+
+dot_q_fn st_dot_q_ref_lowbit(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q2_K: return dot_q2_k_ref;
+    case ST_TYPE_Q3_K: return dot_q3_k_ref;
+    case ST_TYPE_IQ4_NL: return dot_iq4_nl_ref;
+    case ST_TYPE_IQ4_XS: return dot_iq4_xs_ref;
+    case ST_TYPE_MXFP4: return dot_mxfp4_ref;
+    default: return NULL;
+    }
+}
