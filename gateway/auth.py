@@ -12,7 +12,9 @@ address may fail ``auth_fail_limit`` times per ``auth_fail_window_s`` before its
 keys get 429 with ``Retry-After`` (the address is the peer, or the ``X-Forwarded-For`` hop
 added by a proxy listed in ``trusted_proxies``); all addresses together may fail
 ``auth_fail_global_limit`` times per window before every unknown key gets it (a flood from
-many addresses). A failed budget never refuses a key that verifies: a key that verified in
+many addresses), except the first lookup of an address with no failure in the window (a new
+valid key from a clean address is never refused; a flood pays one lookup per address and
+window). A failed budget never refuses a key that verifies: a key that verified in
 the last ``known_key_s`` is looked up whatever the budgets say, and a key in use stays cached
 (an entry past half its life is refreshed in the background while the request goes on; a
 refresh that finds the key revoked drops it, one that finds the database down keeps it).
@@ -291,7 +293,8 @@ class Authenticator:
         known = self._is_known(digest, now)
         if not known and digest not in f.pending:  # joining a lookup already in flight costs the budget nothing
             self._check_blocked(f, now, lookup=True)
-            self._check_global(now)
+            if f.count or f.pending:  # a clean address's first lookup passes the global budget
+                self._check_global(now)
         f.pending[digest] = f.pending.get(digest, 0) + 1
         try:
             record = await self._lookup(digest)

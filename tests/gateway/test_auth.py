@@ -222,10 +222,18 @@ async def test_a_flood_from_many_addresses_spends_the_global_budget(store: KeySt
         assert e.value.status == 401
     q = KeyQueries(store.engine)
     with pytest.raises(APIError) as e:
-        await a.authenticate(f"Bearer {junk_key()}", "198.51.100.7")  # a fresh address
+        await a.authenticate(f"Bearer {junk_key()}", "192.0.2.3")  # an address that failed in this window
     assert e.value.status == 429 and e.value.code == "too_many_auth_failures" and q.n == 0
+    with pytest.raises(APIError) as e:  # a clean address: its first lookup passes the spent global budget
+        await a.authenticate(f"Bearer {junk_key()}", "198.51.100.7")
+    assert e.value.status == 401 and q.n == 1
+    with pytest.raises(APIError) as e:  # ... and only its first
+        await a.authenticate(f"Bearer {junk_key()}", "198.51.100.7")
+    assert e.value.status == 429 and q.n == 1
+    fresh, _ = store.create(KeySpec(name="fresh"))  # never used: a new valid key from a clean address verifies
+    assert (await a.authenticate(f"Bearer {fresh}", "203.0.113.9")).name == "fresh" and q.n == 2
     clock.t += 11  # the good key's cache entry expired: it verified before, so it is looked up
-    assert (await a.authenticate(f"Bearer {good}", "198.51.100.7")).name == "good" and q.n == 1
+    assert (await a.authenticate(f"Bearer {good}", "198.51.100.7")).name == "good" and q.n == 3
     clock.t += 60  # the window passed
     with pytest.raises(APIError) as e:
         await a.authenticate(f"Bearer {junk_key()}", "198.51.100.7")
