@@ -8,8 +8,8 @@ against Q8_K activations (the only form it has: one row, one token per call) ove
 cost (measured on one 256-element block) subtracted. Each figure is the best of R runs,
 Strata and llama.cpp alternating, in GMAC/s (multiply-accumulates per CPU second / 1e9).
 
-Usage: ``python -m bench.quant_kernels [--types IQ3_XXS,IQ2_XXS,...] [--n 8192] [--runs 3]
-[--seconds 0.3] [--json OUT.json]``.
+Usage: ``python -m bench.quant_kernels [--types IQ3_XXS,IQ2_XXS,...] [--n 8192]
+[--runs R] [--seconds 0.3] [--json OUT.json]``.
 """
 
 from __future__ import annotations
