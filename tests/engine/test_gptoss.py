@@ -283,3 +283,14 @@ def test_gpu_device_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pyt
         Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
     with Engine.open(variant[1], threads=1, kv_tokens=64, device="auto") as eng:
         assert eng.device.kind == "cpu"
+
+
+def test_inspect_shows_the_gptoss_fields(variant: tuple[str, Path]) -> None:
+    from engine.inspect_model import render
+
+    out = render(open_model(variant[1]), None, None, None)
+    assert "architecture    gpt-oss: 4 layers" in out
+    assert ("attention       q/k/v/o biases, a learned sink per head, sliding window 8 on every other layer "
+            "from 0 (the rest full), NEOX rotary on 32 of 32 dims") in out
+    assert "8 routed, top-2, FFN width 64, biases on gate/up/down, clamped SwiGLU (alpha 1.702, limit 7)" in out
+    assert "routing         softmax of the chosen, top-2 of 8, router bias\n" in out
