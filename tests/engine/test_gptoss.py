@@ -152,7 +152,7 @@ def llama(variant: tuple[str, Path]) -> Iterator[Any]:
 def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
     llm.reset()
     llm.eval(ids)
-    return np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)  # a copy: the next eval reuses the buffer
 
 
 def test_metadata_and_layout(variant: tuple[str, Path]) -> None:
