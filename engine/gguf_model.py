@@ -321,12 +321,8 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         if n_ff_exp and n_ff_exp != want_exp:
             raise GGUFError(path, f"tensor {first_moe!r} has width {n_ff_exp}, metadata "
                                   f"'{arch}.expert_feed_forward_length' says {want_exp}")
-    if arch == "glm4moe":  # the widths llama.cpp creates the tensors with
-        want_exp = gi("expert_feed_forward_length", 1, MAX_ROW)
-        if n_ff_exp and n_ff_exp != want_exp:
-            raise GGUFError(path, f"tensor {first_moe!r} has width {n_ff_exp}, metadata "
-                                  f"'{arch}.expert_feed_forward_length' says {want_exp}")
-        n_ff_shexp = want_exp * n_shared
+    if arch == "glm4moe":  # the shared experts' width llama.cpp creates the tensors with
+        n_ff_shexp = gi("expert_feed_forward_length", 1, MAX_ROW) * n_shared
         shexp = tensors.get(f"blk.{n_dense_lead}.ffn_gate_shexp.weight")
         if n_shared and (shexp is None or len(shexp.shape) != 2 or int(shexp.shape[1]) != n_ff_shexp):
             raise GGUFError(path, f"'{arch}.expert_shared_count' = {n_shared} needs shared-expert tensors of width "
