@@ -109,6 +109,11 @@ class HParams(BaseModel):
     n_swa: int = 0  # sliding window (tokens) of the sliding layers; 0: every layer attends to all
     swa_pattern: int = 0  # layer il slides when il % swa_pattern < swa_pattern - 1
     attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator
+    # YaRN rotary scaling (see st_model_desc): factor 0 = none
+    rope_yarn_factor: float = 0.0
+    rope_yarn_orig_ctx: int = 0
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
 
     def sliding_layers(self) -> list[int]:
         """The layers that attend through the sliding window."""
@@ -336,12 +341,11 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
     if arch == "gpt-oss":
         if n_expert < 1:
             raise GGUFError(path, f"metadata '{arch}.expert_count' = 0: gpt-oss routes every layer's FFN")
-        scaling = md.get(f"{arch}.rope.scaling.type", "none")
-        if scaling != "none":  # the published models ask for YaRN (factor 32 over 4096 positions)
-            raise UnsupportedModelError(path, f"rope scaling {scaling!r} ({arch}.rope.scaling.type) is not "
-                                              "supported yet: only unscaled rotary positions")
+        yarn = _yarn(md, arch, path)
         if gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim) != head_dim:
             raise UnsupportedModelError(path, "partial rotary dimensions are not supported for gpt-oss")
+    else:
+        yarn = {}
     norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch]) if arch not in GATING_FIXED else False
     if not isinstance(norm, (bool, int, np.bool_, np.integer)):
         raise GGUFError(path, f"metadata '{arch}.expert_weights_norm' must be a bool, got {type(norm).__name__}")
@@ -375,7 +379,41 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_swa=n_swa,
         swa_pattern=swa_pattern,
         attn_sinks="blk.0.attn_sinks.weight" in tensors,
+        **yarn,
     )
+
+
+# YaRN keys whose values change the computation beyond ggml's plain rope_yarn (ext_factor 1, the
+# attention factor 1 + 0.1 ln(factor)); a file setting one is refused rather than served differently.
+_YARN_UNSUPPORTED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_attn_factor")
+
+
+def _yarn(md: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """The YaRN fields of HParams from rope.scaling.* (gpt-oss's published files: yarn, factor 32
+    over 4096 positions), {} when the file asks for no scaling; other kinds are refused."""
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
+    if kind == "none" or (kind == "yarn" and factor in (0, 1)):
+        return {}
+    if kind != "yarn":
+        raise UnsupportedModelError(path, f"rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
+                                          "(only yarn)")
+    for key in _YARN_UNSUPPORTED:
+        if f"{arch}.{key}" in md:
+            raise UnsupportedModelError(path, f"metadata '{arch}.{key}' is not supported with YaRN")
+    ext = _as_float(md.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0), f"{arch}.rope.scaling.yarn_ext_factor", path)
+    if ext != 1.0:
+        raise UnsupportedModelError(path, f"YaRN ext_factor {ext:g} is not supported (only 1)")
+    out = {"rope_yarn_factor": _as_float(factor, f"{arch}.rope.scaling.factor", path),
+           "rope_yarn_orig_ctx": _as_int(_get(md, f"{arch}.rope.scaling.original_context_length", path=path),
+                                         f"{arch}.rope.scaling.original_context_length", 1, MAX_CTX, path),
+           "rope_yarn_beta_fast": _as_float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+                                            f"{arch}.rope.scaling.yarn_beta_fast", path),
+           "rope_yarn_beta_slow": _as_float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+                                            f"{arch}.rope.scaling.yarn_beta_slow", path)}
+    if out["rope_yarn_factor"] < 1 or out["rope_yarn_beta_fast"] <= 0 or out["rope_yarn_beta_slow"] <= 0:
+        raise GGUFError(path, f"metadata '{arch}.rope.scaling.*' invalid for YaRN: {out}")
+    return out
 
 
 def open_model(path: str | os.PathLike[str]) -> ModelFile:
@@ -486,7 +524,7 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
         setattr(desc, k, getattr(hp, k))
     desc.expert_norm = int(hp.expert_norm)
     for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead", "n_swa",
-              "swa_pattern"):
+              "swa_pattern", "rope_yarn_factor", "rope_yarn_orig_ctx", "rope_yarn_beta_fast", "rope_yarn_beta_slow"):
         setattr(desc, k, getattr(hp, k))
     desc.map_data = mapping
     desc.map_bytes = mf.mapping.nbytes

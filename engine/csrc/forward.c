@@ -110,8 +110,10 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
         }
         rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
         rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        const float scale = 1.0f / sqrtf((float)hd); /* folded into q once */
+        const float scale = m->rope_mscale / sqrtf((float)hd); /* folded into q once */
         for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
+        if (m->rope_mscale != 1.0f)
+            for (int i = 0; i < m->kv_dim; i++) k[i] *= m->rope_mscale;
         /* write this token's K (slot-minor) and V into its sequence's block */
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);

@@ -269,6 +269,7 @@ struct st_model {
     st_nextn *nextn;
     int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
     float *inv_freq; /* [rope_dim / 2] */
+    float rope_mscale; /* YaRN's factor on q and k after the rotation (1: none) */
     scratch s;
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */

@@ -140,6 +140,13 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!d->map_data || d->map_bytes < 1)
         return st_fail(ST_EINVAL, "model: the mapping the tensors live in is not given (map_data/map_bytes)");
     if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
+    if (d->rope_yarn_factor != 0.0f &&
+        (!isfinite(d->rope_yarn_factor) || d->rope_yarn_factor < 1.0f || d->rope_yarn_orig_ctx < 1 ||
+         !isfinite(d->rope_yarn_beta_fast) || !isfinite(d->rope_yarn_beta_slow) || d->rope_yarn_beta_fast <= 0.0f ||
+         d->rope_yarn_beta_slow <= 0.0f))
+        return st_fail(ST_EINVAL, "model: YaRN factor %g / original context %d / betas %g, %g invalid",
+                       (double)d->rope_yarn_factor, d->rope_yarn_orig_ctx, (double)d->rope_yarn_beta_fast,
+                       (double)d->rope_yarn_beta_slow);
     if (d->n_swa < 0 || d->swa_pattern < 0)
         return st_fail(ST_EINVAL, "model: sliding window %d / pattern %d invalid", d->n_swa, d->swa_pattern);
     return ST_OK;
@@ -281,6 +288,20 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
     }
     for (int i = 0; i < m->d.rope_dim / 2; i++)
         m->inv_freq[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+    m->rope_mscale = 1.0f;
+    if (m->d.rope_yarn_factor > 0.0f) { /* ggml_rope_yarn_corr_dims, then each pair's ramp */
+        const double n = (double)m->d.rope_dim, base = (double)m->d.rope_base, ctx = (double)m->d.rope_yarn_orig_ctx;
+        const double c_fast = n * log(ctx / ((double)m->d.rope_yarn_beta_fast * 6.283185307179586)) / (2.0 * log(base));
+        const double c_slow = n * log(ctx / ((double)m->d.rope_yarn_beta_slow * 6.283185307179586)) / (2.0 * log(base));
+        const double lo = fmax(0.0, floor(c_fast)), hi = fmin(n - 1.0, ceil(c_slow));
+        const double s = 1.0 / (double)m->d.rope_yarn_factor;
+        for (int i = 0; i < m->d.rope_dim / 2; i++) {
+            const double y = ((double)i - lo) / fmax(0.001, hi - lo);
+            const double r = 1.0 - fmin(1.0, fmax(0.0, y));
+            m->inv_freq[i] = (float)((double)m->inv_freq[i] * (s * (1.0 - r) + r));
+        }
+        m->rope_mscale = (float)(1.0 + 0.1 * log((double)m->d.rope_yarn_factor));
+    }
     *out = m;
     return ST_OK;
 }

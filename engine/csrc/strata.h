@@ -213,6 +213,13 @@ typedef struct {
      * layer il is a sliding layer when il % swa_pattern < swa_pattern - 1, and there a query at
      * position p sees the keys at positions p - n_swa + 1 .. p only. Zero: every layer full. */
     int32_t n_swa, swa_pattern;
+    /* YaRN rotary scaling (rope.scaling.type = yarn; zero factor: none), ggml's rope_yarn with
+     * ext_factor 1: each frequency f_i becomes f_i (s (1 - r_i) + r_i), s = 1 / factor, r_i the
+     * ramp that is 1 below the dimension pair where beta_fast rotations fit in orig_ctx positions
+     * and 0 above the one for beta_slow; q and k are scaled by 1 + 0.1 ln(factor). */
+    float rope_yarn_factor;
+    int32_t rope_yarn_orig_ctx;
+    float rope_yarn_beta_fast, rope_yarn_beta_slow;
 } st_model_desc;
 
 typedef struct st_model st_model;

@@ -443,6 +443,8 @@ def make_gptoss_gguf(
     for key, value in (extra_md or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
         else:
             w.add_uint32(key, int(value))  # type: ignore[arg-type]
     _add_metadata(w, glm_vocab_metadata(chat_template))

@@ -60,8 +60,9 @@ class RefModel:
     def __init__(self, path: Path) -> None:
         r = gguf.GGUFReader(path)
 
-        def kv(key: str) -> Any:
-            return r.get_field(f"gpt-oss.{key}").contents()
+        def kv(key: str, default: Any = None) -> Any:
+            f = r.get_field(f"gpt-oss.{key}")
+            return default if f is None else f.contents()
 
         self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
                   .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
@@ -70,6 +71,8 @@ class RefModel:
             kv("attention.key_length")
         self.base, self.eps = kv("rope.freq_base"), kv("attention.layer_norm_rms_epsilon")
         self.k, self.n_swa = kv("expert_used_count"), kv("attention.sliding_window")
+        self.yarn = kv("rope.scaling.type", "none") == "yarn"
+        self.yarn_factor, self.yarn_ctx = kv("rope.scaling.factor", 1.0), kv("rope.scaling.original_context_length", 0)
         self.window = self.sinks = self.clamp = True
         self.f16_kv = False
         self.margin = np.inf  # smallest gap between the k-th and (k+1)-th router logit
@@ -77,8 +80,18 @@ class RefModel:
 
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         half = self.hd // 2
-        theta = pos[:, None] * self.base ** (-np.arange(half) * 2.0 / self.hd)
-        c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+        freq = self.base ** (-np.arange(half) * 2.0 / self.hd)
+        mscale = 1.0
+        if self.yarn:  # ggml's rope_yarn, ext_factor 1, betas 32 / 1
+            def corr(rotations: float) -> float:
+                return self.hd * np.log(self.yarn_ctx / (rotations * 2 * np.pi)) / (2 * np.log(self.base))
+
+            lo, hi = max(0.0, np.floor(corr(32.0))), min(self.hd - 1.0, np.ceil(corr(1.0)))
+            ramp = 1.0 - np.clip((np.arange(half) - lo) / max(0.001, hi - lo), 0.0, 1.0)
+            freq = freq * (ramp + (1.0 - ramp) / self.yarn_factor)
+            mscale = 1.0 + 0.1 * np.log(self.yarn_factor)
+        theta = pos[:, None] * freq
+        c, s = np.cos(theta)[:, None, :] * mscale, np.sin(theta)[:, None, :] * mscale
         a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
 
@@ -239,6 +252,34 @@ def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     assert np.array_equal(batched, np.concatenate(alone))
 
 
+def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
+    """YaRN as the published gpt-oss files ask for it (factor 32; the original context shrunk to 64
+    positions so that the ramp falls inside this model's 16 frequency pairs): the engine against
+    llama.cpp and the NumPy pass, which without YaRN misses llama.cpp by far."""
+    import llama_cpp
+
+    yarn = {"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0,
+            "gpt-oss.rope.scaling.original_context_length": 64}
+    path = make_gptoss_gguf(tmp_path / "yarn.gguf", seed=1, extra_md=yarn)
+    hp = open_model(path).hparams
+    assert (hp.rope_yarn_factor, hp.rope_yarn_orig_ctx, hp.rope_yarn_beta_fast, hp.rope_yarn_beta_slow) == \
+        (32.0, 64, 32.0, 1.0)
+    prompt = [int(t) for t in np.random.default_rng(1234).integers(0, GLM_VOCAB, PROMPT_LEN)]
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
+                          n_threads=2, type_k=0, type_v=0)
+    try:
+        theirs = _llama_logits(llm, prompt)
+    finally:
+        llm.close()
+    ref_model = RefModel(path)
+    assert _rel_err(ref_model.logits(prompt), theirs) <= 1e-5
+    with Engine.open(path, threads=2, kv_tokens=256) as eng:
+        ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
+    assert _rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {_rel_err(ours, theirs):.2e}"
+    ref_model.yarn = False
+    assert _rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 REQUIRED = ["expert_count", "expert_used_count", "expert_feed_forward_length", "attention.layer_norm_rms_epsilon",
@@ -259,7 +300,13 @@ def test_missing_required_metadata_is_a_typed_error(key: str, tmp_path: Path) ->
     (dict(omit=("blk.0.ffn_gate_inp.bias",)), GGUFError, "layer 0: tensor ffn_gate_inp.bias is missing"),
     (dict(omit=("blk.1.ffn_down_exps.bias",)), GGUFError, "layer 1: tensor ffn_down_exps.bias is missing"),
     (dict(omit=("blk.0.post_attention_norm.weight",)), GGUFError, "blk.0.post_attention_norm.weight"),
-    (dict(extra_md={"gpt-oss.rope.scaling.type": "yarn"}), UnsupportedModelError, "rope scaling 'yarn'"),
+    (dict(extra_md={"gpt-oss.rope.scaling.type": "longrope", "gpt-oss.rope.scaling.factor": 4.0}),
+     UnsupportedModelError, "rope scaling 'longrope'"),
+    (dict(extra_md={"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0}), GGUFError,
+     "missing metadata key 'gpt-oss.rope.scaling.original_context_length'"),
+    (dict(extra_md={"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0,
+                    "gpt-oss.rope.scaling.original_context_length": 64, "gpt-oss.rope.scaling.yarn_log_multiplier": 0.1}),
+     UnsupportedModelError, "yarn_log_multiplier"),
     (dict(extra_md={"gpt-oss.expert_feed_forward_length": 32}), GGUFError, "expert_feed_forward_length' says 32"),
 ])
 def test_bad_gptoss_files_are_typed_errors(kw: dict, cls: type, match: str, tmp_path: Path) -> None:
