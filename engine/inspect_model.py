@@ -83,7 +83,9 @@ def _attention_line(mf: ModelFile) -> str:
         parts.append(f"sliding window {hp.n_swa} on {which} (the rest full)")
     rotary = "NEOX" if hp.rope_type == 2 else "NORM"
     parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
-                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}")
+                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}"
+                 + (f", YaRN x{hp.rope_yarn_factor:g} over {hp.rope_yarn_orig_ctx} positions"
+                    if hp.rope_yarn_factor else ""))
     return "attention       " + ", ".join(parts)
 
 

@@ -278,6 +278,10 @@ def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
     assert _rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {_rel_err(ours, theirs):.2e}"
     ref_model.yarn = False
     assert _rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
+    from engine.inspect_model import render
+
+    assert "NEOX rotary on 32 of 32 dims, base 10000, YaRN x32 over 64 positions" in render(
+        open_model(path), None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
