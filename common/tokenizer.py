@@ -148,6 +148,14 @@ _register(["dbrx", "smaug-bpe"], _PreSpec((_LLAMA3,)))
 # GLM-4 / GLM-4.5: the same regex as Llama 3 (cl100k's), merges always applied, and no BOS unless the
 # file names one (its prompts start with the template's "[gMASK]<sop>").
 _register(["glm4", "chatglm-bpe"], _PreSpec((_LLAMA3,), default_bos=False))
+# o200k (gpt-4o, gpt-oss, Llama 4): cased-word splits with optional contractions, digits in threes,
+# punctuation runs that keep trailing newlines and slashes.
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_register(["gpt-4o", "llama4"], _PreSpec((_GPT4O,)))
 _register(["deepseek-llm"], _PreSpec(_DEEPSEEK_LLM))
 _register(["deepseek-v3"], _PreSpec(_DEEPSEEK3_LLM))
 _register(["deepseek-coder"], _PreSpec(_DEEPSEEK_CODER))

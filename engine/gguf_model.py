@@ -26,10 +26,10 @@ SUPPORTED_TYPES: dict[int, str] = {
     10: "Q2_K", 11: "Q3_K", 20: "IQ4_NL", 23: "IQ4_XS", 39: "MXFP4",
 }
 
-ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2, "glm4moe": 3}
+ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2, "glm4moe": 3, "gpt-oss": 4}
 ROPE_NORM, ROPE_NEOX = 0, 2
 # Renormalise the top-k routing weights unless the file says otherwise (llama.cpp's defaults).
-DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "glm4moe": False}
+DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "glm4moe": False, "gpt-oss": False}
 
 # Router gating functions: llama.cpp's expert_gating_func values (ST_GATING_* in strata.h).
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3
@@ -38,15 +38,23 @@ GATING_NAMES = {GATING_SOFTMAX: "softmax", GATING_SIGMOID: "sigmoid", GATING_SOF
 # absent: the value here), expert_weights_scale and leading_dense_block_count. The others route
 # by softmax without scaling whatever the file says (a file asking for another gating is refused).
 GATING_FROM_FILE = {"glm4moe": GATING_SIGMOID}
+# Architectures whose llama.cpp graph fixes the routing whatever the file says: the gating, and no
+# renormalisation (gpt-oss: top-k of the logits, then softmax over the k chosen).
+GATING_FIXED = {"gpt-oss": GATING_SOFTMAX_WEIGHT}
+# Sliding-window layers: the pattern llama.cpp sets (layer il slides when il % n < n - 1: gpt-oss's
+# even layers), the window from attention.sliding_window.
+SWA_PATTERN = {"gpt-oss": 2}
 # Architectures that may end in next-token-prediction (NextN / MTP) layers: block_count counts
 # them, nextn_predict_layers says how many of the last blocks they are.
 NEXTN_ARCHES = frozenset({"glm4moe"})
 # Per architecture: the name of the norm before the FFN, when it is not ffn_norm.
-_FFN_NORM_NAME = {"glm4moe": "post_attention_norm.weight"}
+_FFN_NORM_NAME = {"glm4moe": "post_attention_norm.weight", "gpt-oss": "post_attention_norm.weight"}
 # Metadata llama.cpp requires for an architecture beyond the common keys (missing: a GGUFError).
 _REQUIRED_KEYS = {
     "glm4moe": ("expert_count", "expert_used_count", "expert_shared_count", "expert_feed_forward_length",
                 "attention.layer_norm_rms_epsilon"),
+    "gpt-oss": ("expert_count", "expert_used_count", "expert_feed_forward_length", "attention.layer_norm_rms_epsilon",
+                "attention.sliding_window"),
 }
 
 
@@ -98,6 +106,20 @@ class HParams(BaseModel):
     exp_probs_b: bool = False  # a score-correction bias per expert steers the choice
     n_dense_lead: int = 0  # the first layers run a dense FFN instead of experts
     n_nextn: int = 0  # NextN layers after the n_layer forward layers: loaded and kept, not run
+    n_swa: int = 0  # sliding window (tokens) of the sliding layers; 0: every layer attends to all
+    swa_pattern: int = 0  # layer il slides when il % swa_pattern < swa_pattern - 1
+    attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator
+    # YaRN rotary scaling (see st_model_desc): factor 0 = none
+    rope_yarn_factor: float = 0.0
+    rope_yarn_orig_ctx: int = 0
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+
+    def sliding_layers(self) -> list[int]:
+        """The layers that attend through the sliding window."""
+        if not (self.n_swa and self.swa_pattern):
+            return []
+        return [il for il in range(self.n_layer) if il % self.swa_pattern < self.swa_pattern - 1]
 
     @property
     def routing(self) -> str:
@@ -276,6 +298,8 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         if gating not in GATING_NAMES:
             raise UnsupportedModelError(path, f"expert gating function {gating} is not supported "
                                               f"({', '.join(f'{k} {v}' for k, v in GATING_NAMES.items())})")
+    elif arch in GATING_FIXED:
+        gating = GATING_FIXED[arch]
     elif n_expert and gating not in (0, GATING_SOFTMAX):
         raise UnsupportedModelError(path, f"expert gating function {gating} is not supported (only softmax)")
     else:
@@ -297,12 +321,13 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_ff_exp = int(shape[1]) if len(shape) > 1 else 0
     n_ff_shexp = gi("expert_shared_feed_forward_length", 0, 1 << 40, 0)
     n_shared = gi("expert_shared_count", 0, MAX_EXPERTS, 0)
-    if arch == "glm4moe":  # the widths llama.cpp creates the tensors with
+    if arch in ("glm4moe", "gpt-oss"):  # the expert width llama.cpp creates the tensors with
         want_exp = gi("expert_feed_forward_length", 1, MAX_ROW)
         if n_ff_exp and n_ff_exp != want_exp:
             raise GGUFError(path, f"tensor {first_moe!r} has width {n_ff_exp}, metadata "
                                   f"'{arch}.expert_feed_forward_length' says {want_exp}")
-        n_ff_shexp = want_exp * n_shared
+    if arch == "glm4moe":  # the shared experts' width llama.cpp creates the tensors with
+        n_ff_shexp = gi("expert_feed_forward_length", 1, MAX_ROW) * n_shared
         shexp = tensors.get(f"blk.{n_dense_lead}.ffn_gate_shexp.weight")
         if n_shared and (shexp is None or len(shexp.shape) != 2 or int(shexp.shape[1]) != n_ff_shexp):
             raise GGUFError(path, f"'{arch}.expert_shared_count' = {n_shared} needs shared-expert tensors of width "
@@ -310,7 +335,18 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
                                   f"{'missing' if shexp is None else shexp.shape})")
     if arch == "glm4moe" and any(int(v) for v in np.atleast_1d(g("rope.dimension_sections", [0]))):
         raise UnsupportedModelError(path, "multimodal rotary sections (rope.dimension_sections) are not supported")
-    norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch])
+    n_swa, swa_pattern = 0, 0
+    if arch in SWA_PATTERN:
+        n_swa, swa_pattern = gi("attention.sliding_window", 1, MAX_CTX), SWA_PATTERN[arch]
+    if arch == "gpt-oss":
+        if n_expert < 1:
+            raise GGUFError(path, f"metadata '{arch}.expert_count' = 0: gpt-oss routes every layer's FFN")
+        yarn = _yarn(md, arch, path)
+        if gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim) != head_dim:
+            raise UnsupportedModelError(path, "partial rotary dimensions are not supported for gpt-oss")
+    else:
+        yarn = {}
+    norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch]) if arch not in GATING_FIXED else False
     if not isinstance(norm, (bool, int, np.bool_, np.integer)):
         raise GGUFError(path, f"metadata '{arch}.expert_weights_norm' must be a bool, got {type(norm).__name__}")
     return HParams(
@@ -340,7 +376,44 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         exp_probs_b=bool(n_expert) and f"blk.{n_dense_lead}.exp_probs_b.bias" in tensors,
         n_dense_lead=n_dense_lead,
         n_nextn=n_nextn,
+        n_swa=n_swa,
+        swa_pattern=swa_pattern,
+        attn_sinks="blk.0.attn_sinks.weight" in tensors,
+        **yarn,
     )
+
+
+# YaRN keys whose values change the computation beyond ggml's plain rope_yarn (ext_factor 1, the
+# attention factor 1 + 0.1 ln(factor)); a file setting one is refused rather than served differently.
+_YARN_UNSUPPORTED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_attn_factor")
+
+
+def _yarn(md: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """The YaRN fields of HParams from rope.scaling.* (gpt-oss's published files: yarn, factor 32
+    over 4096 positions), {} when the file asks for no scaling; other kinds are refused."""
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
+    if kind == "none" or (kind == "yarn" and factor in (0, 1)):
+        return {}
+    if kind != "yarn":
+        raise UnsupportedModelError(path, f"rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
+                                          "(only yarn)")
+    for key in _YARN_UNSUPPORTED:
+        if f"{arch}.{key}" in md:
+            raise UnsupportedModelError(path, f"metadata '{arch}.{key}' is not supported with YaRN")
+    ext = _as_float(md.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0), f"{arch}.rope.scaling.yarn_ext_factor", path)
+    if ext != 1.0:
+        raise UnsupportedModelError(path, f"YaRN ext_factor {ext:g} is not supported (only 1)")
+    out = {"rope_yarn_factor": _as_float(factor, f"{arch}.rope.scaling.factor", path),
+           "rope_yarn_orig_ctx": _as_int(_get(md, f"{arch}.rope.scaling.original_context_length", path=path),
+                                         f"{arch}.rope.scaling.original_context_length", 1, MAX_CTX, path),
+           "rope_yarn_beta_fast": _as_float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+                                            f"{arch}.rope.scaling.yarn_beta_fast", path),
+           "rope_yarn_beta_slow": _as_float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
+                                            f"{arch}.rope.scaling.yarn_beta_slow", path)}
+    if out["rope_yarn_factor"] < 1 or out["rope_yarn_beta_fast"] <= 0 or out["rope_yarn_beta_slow"] <= 0:
+        raise GGUFError(path, f"metadata '{arch}.rope.scaling.*' invalid for YaRN: {out}")
+    return out
 
 
 def open_model(path: str | os.PathLike[str]) -> ModelFile:
@@ -405,7 +478,9 @@ _LAYER_TENSORS = {
     "gate_inp": "ffn_gate_inp.weight", "gate_exps": "ffn_gate_exps.weight", "up_exps": "ffn_up_exps.weight",
     "down_exps": "ffn_down_exps.weight", "gate_inp_shexp": "ffn_gate_inp_shexp.weight",
     "gate_shexp": "ffn_gate_shexp.weight", "up_shexp": "ffn_up_shexp.weight", "down_shexp": "ffn_down_shexp.weight",
-    "exp_probs_b": "exp_probs_b.bias",
+    "exp_probs_b": "exp_probs_b.bias", "bo": "attn_output.bias", "sinks": "attn_sinks.weight",
+    "gate_inp_b": "ffn_gate_inp.bias", "gate_exps_b": "ffn_gate_exps.bias", "up_exps_b": "ffn_up_exps.bias",
+    "down_exps_b": "ffn_down_exps.bias",
 }
 _NEXTN_TENSORS = {
     "eh_proj": "nextn.eh_proj.weight", "enorm": "nextn.enorm.weight", "hnorm": "nextn.hnorm.weight",
@@ -448,7 +523,8 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
               "rope_type", "rope_dim", "rope_base", "norm_eps"):
         setattr(desc, k, getattr(hp, k))
     desc.expert_norm = int(hp.expert_norm)
-    for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead"):
+    for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead", "n_swa",
+              "swa_pattern", "rope_yarn_factor", "rope_yarn_orig_ctx", "rope_yarn_beta_fast", "rope_yarn_beta_slow"):
         setattr(desc, k, getattr(hp, k))
     desc.map_data = mapping
     desc.map_bytes = mf.mapping.nbytes

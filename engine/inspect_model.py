@@ -71,12 +71,21 @@ def analyse(mf: ModelFile) -> ModelReport:
 def _attention_line(mf: ModelFile) -> str:
     hp = mf.hparams
     t = mf.tensors
-    parts = ["q/k/v biases" if "blk.0.attn_q.bias" in t else "no biases"]
+    parts = [("q/k/v/o biases" if "blk.0.attn_output.bias" in t else "q/k/v biases")
+             if "blk.0.attn_q.bias" in t else "no biases"]
     if "blk.0.attn_q_norm.weight" in t:
         parts.append("q/k norms")
+    if hp.attn_sinks:
+        parts.append("a learned sink per head")
+    if hp.sliding_layers():
+        slide = hp.sliding_layers()
+        which = "every other layer from 0" if hp.swa_pattern == 2 else f"{len(slide)} of {hp.n_layer} layers"
+        parts.append(f"sliding window {hp.n_swa} on {which} (the rest full)")
     rotary = "NEOX" if hp.rope_type == 2 else "NORM"
     parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
-                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}")
+                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}"
+                 + (f", YaRN x{hp.rope_yarn_factor:g} over {hp.rope_yarn_orig_ctx} positions"
+                    if hp.rope_yarn_factor else ""))
     return "attention       " + ", ".join(parts)
 
 
@@ -87,6 +96,8 @@ def _expert_line(hp: HParams) -> str:
     if hp.n_ff_shexp:
         line += (f", {hp.n_expert_shared} shared" if hp.n_expert_shared else ", shared expert") + \
             f" (width {hp.n_ff_shexp})"
+    if hp.arch == "gpt-oss":
+        line += ", biases on gate/up/down, clamped SwiGLU (alpha 1.702, limit 7)"
     if hp.n_dense_lead:
         lead = "first layer" if hp.n_dense_lead == 1 else f"first {hp.n_dense_lead} layers"
         line += f"; {lead} dense (FFN width {hp.n_ff})"
@@ -129,7 +140,8 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         f"(head_dim {hp.head_dim}), vocab {hp.n_vocab}, trained context {hp.n_ctx_train}",
         _attention_line(mf),
         _expert_line(hp),
-        *([f"routing         {hp.routing}"] if hp.n_expert else []),
+        *([f"routing         {hp.routing}" + (", router bias" if "blk.0.ffn_gate_inp.bias" in mf.tensors else "")]
+          if hp.n_expert else []),
         *([f"NextN layers    {hp.n_nextn} after the {hp.n_layer} (multi-token prediction: kept for speculative "
            f"decoding, not run), {_fmt_bytes(r.nextn_bytes)}"] if hp.n_nextn else []),
         f"parameters      {r.n_params / 1e6:.1f} M total, {r.n_active_params / 1e6:.1f} M active per token",

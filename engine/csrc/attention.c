@@ -61,6 +61,36 @@ static void attn_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq
 
 attn_fn st_attn_ref(void) { return attn_ref; }
 
+/* Sliding window and sink: each query on its own (so a token gives the same bits alone or in a
+ * tile). The sink s counts as one more score with no value: the maximum is taken over the
+ * visible scores and s, and exp(s - max) joins the denominator (ggml's soft_max with sinks). */
+void st_attn_ext(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out, int64_t o_stride,
+                 float *scratch, int32_t n_swa, const float *sink) {
+    const int hd = kv->hd;
+    float *s = scratch; /* [p0 + nq] scores of one query */
+    for (int i = 0; i < nq; i++) {
+        const float *qi = q + i * q_stride;
+        const int32_t p = p0 + i, lo = n_swa > 0 && p - n_swa + 1 > 0 ? p - n_swa + 1 : 0;
+        float mx = sink ? *sink : -INFINITY;
+        for (int32_t j = lo; j <= p; j++) {
+            const f16_t *kb = k_block(kv, j / kv->bs);
+            float acc = 0.0f;
+            for (int d = 0; d < hd; d++) acc = fmaf(qi[d], f16_to_f32(kb[d * kv->bs + j % kv->bs]), acc);
+            s[j] = acc;
+            mx = acc > mx ? acc : mx;
+        }
+        float sum = sink ? expf(*sink - mx) : 0.0f;
+        for (int32_t j = lo; j <= p; j++) sum += (s[j] = expf(s[j] - mx));
+        float *oi = out + i * o_stride;
+        for (int d = 0; d < hd; d++) oi[d] = 0.0f;
+        for (int32_t j = lo; j <= p; j++) {
+            const f16_t *vr = v_row(kv, j);
+            for (int d = 0; d < hd; d++) oi[d] = fmaf(s[j], f16_to_f32(vr[d]), oi[d]);
+        }
+        for (int d = 0; d < hd; d++) oi[d] /= sum;
+    }
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 

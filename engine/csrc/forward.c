@@ -46,6 +46,14 @@ static void attn_task(void *vctx, int64_t item, int thread) {
     const kv_view view = {kv->k + (size_t)c->layer * layer_elems, kv->v + (size_t)c->layer * layer_elems,
                           c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks, kv->block_size, hd,
                           kv->n_kv, kv->kv_dim, h / group};
+    const st_layer *L = &m->layers[c->layer];
+    const int32_t n_swa = st_layer_swa(&m->d, c->layer) ? m->d.n_swa : 0;
+    if (n_swa > 0 || L->sinks.data) { /* gpt-oss: window and sink through the generic path */
+        st_attn_ext(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
+                    m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread,
+                    n_swa, L->sinks.data ? (const float *)L->sinks.data + h : NULL);
+        return;
+    }
     c->fn(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
           m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread);
 }
@@ -102,8 +110,10 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
         }
         rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
         rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        const float scale = 1.0f / sqrtf((float)hd); /* folded into q once */
+        const float scale = m->rope_mscale / sqrtf((float)hd); /* folded into q once */
         for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
+        if (m->rope_mscale != 1.0f)
+            for (int i = 0; i < m->kv_dim; i++) k[i] *= m->rope_mscale;
         /* write this token's K (slot-minor) and V into its sequence's block */
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);
@@ -113,6 +123,7 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
     st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * d->n_head);
     const acts ain = st_make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), layer_buf(s));
     st_linear(pool, &L->wo, &ain, NULL, T, s->tmp, E);
+    st_add_bias(s->tmp, &L->bo, T, E);
     for (int64_t i = 0; i < T * E; i++) s->x[i] += s->tmp[i];
 }
 

@@ -137,6 +137,15 @@ size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 /* The kernels for the current variant, chosen in variants.c (falls back to ref per type). */
 dot_q_fn st_dot_q(int32_t type);
 dot_f_fn st_dot_f(int32_t type);
+/* Attention of one head with an optional sliding window (n_swa > 0: query at position p sees
+ * keys p - n_swa + 1 .. p) and an optional sink logit (joins the softmax denominator only):
+ * the generic C path every variant uses for such layers (gpt-oss). */
+void st_attn_ext(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out, int64_t o_stride,
+                 float *scratch, int32_t n_swa, const float *sink);
+/* Whether layer il of the model attends through a sliding window. */
+static inline int st_layer_swa(const st_model_desc *d, int il) {
+    return d->n_swa > 0 && d->swa_pattern > 0 && il % d->swa_pattern < d->swa_pattern - 1;
+}
 attn_fn st_attn(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
@@ -260,6 +269,7 @@ struct st_model {
     st_nextn *nextn;
     int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
     float *inv_freq; /* [rope_dim / 2] */
+    float rope_mscale; /* YaRN's factor on q and k after the rotation (1: none) */
     scratch s;
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */

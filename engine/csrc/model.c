@@ -106,7 +106,7 @@ st_status st_check_routing(const st_model_desc *d) {
 
 /* Hyper-parameters alone, before anything is allocated from them. */
 static st_status check_hparams(const st_model_desc *d) {
-    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GLM4MOE) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GPT_OSS) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
     if (d->n_layer < 1 || d->n_layer > ST_MAX_LAYERS || d->n_embd < 1 || d->n_embd > ST_MAX_ROW || d->n_head < 1 ||
         d->n_head > ST_MAX_HEADS || d->n_head_kv < 1 || d->n_head_kv > d->n_head || d->head_dim < 2 ||
         d->head_dim > ST_MAX_HEAD_DIM || d->n_vocab < 1 || d->n_vocab > ST_MAX_VOCAB)
@@ -140,6 +140,15 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!d->map_data || d->map_bytes < 1)
         return st_fail(ST_EINVAL, "model: the mapping the tensors live in is not given (map_data/map_bytes)");
     if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
+    if (d->rope_yarn_factor != 0.0f &&
+        (!isfinite(d->rope_yarn_factor) || d->rope_yarn_factor < 1.0f || d->rope_yarn_orig_ctx < 1 ||
+         !isfinite(d->rope_yarn_beta_fast) || !isfinite(d->rope_yarn_beta_slow) || d->rope_yarn_beta_fast <= 0.0f ||
+         d->rope_yarn_beta_slow <= 0.0f))
+        return st_fail(ST_EINVAL, "model: YaRN factor %g / original context %d / betas %g, %g invalid",
+                       (double)d->rope_yarn_factor, d->rope_yarn_orig_ctx, (double)d->rope_yarn_beta_fast,
+                       (double)d->rope_yarn_beta_slow);
+    if (d->n_swa < 0 || d->swa_pattern < 0)
+        return st_fail(ST_EINVAL, "model: sliding window %d / pattern %d invalid", d->n_swa, d->swa_pattern);
     return ST_OK;
 }
 
@@ -174,9 +183,12 @@ static st_status check_layer(st_model *m, const st_layer *L, int il) {
     CHECK(check_tensor(d, &L->wk, "attn_k", il, 1, 2, E, m->kv_dim, 1, 0));
     CHECK(check_tensor(d, &L->wv, "attn_v", il, 1, 2, E, m->kv_dim, 1, 0));
     CHECK(check_tensor(d, &L->wo, "attn_output", il, 1, 2, m->q_dim, E, 1, 0));
-    CHECK(check_tensor(d, &L->bq, "attn_q.bias", il, 0, 1, m->q_dim, 1, 1, 1));
-    CHECK(check_tensor(d, &L->bk, "attn_k.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
-    CHECK(check_tensor(d, &L->bv, "attn_v.bias", il, 0, 1, m->kv_dim, 1, 1, 1));
+    const int oss = d->arch == ST_ARCH_GPT_OSS; /* llama.cpp requires its biases and sinks */
+    CHECK(check_tensor(d, &L->bq, "attn_q.bias", il, oss, 1, m->q_dim, 1, 1, 1));
+    CHECK(check_tensor(d, &L->bk, "attn_k.bias", il, oss, 1, m->kv_dim, 1, 1, 1));
+    CHECK(check_tensor(d, &L->bv, "attn_v.bias", il, oss, 1, m->kv_dim, 1, 1, 1));
+    CHECK(check_tensor(d, &L->bo, "attn_output.bias", il, oss, 1, E, 1, 1, 1));
+    CHECK(check_tensor(d, &L->sinks, "attn_sinks", il, oss, 1, d->n_head, 1, 1, 1));
     const int qk_norm = d->arch == ST_ARCH_QWEN3MOE;
     CHECK(check_tensor(d, &L->q_norm, "attn_q_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
     CHECK(check_tensor(d, &L->k_norm, "attn_k_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
@@ -189,6 +201,10 @@ static st_status check_layer(st_model *m, const st_layer *L, int il) {
         CHECK(check_tensor(d, &L->exp_probs_b, "exp_probs_b", il, 0, 1, d->n_expert, 1, 1, 1));
         static const char *exps[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
         CHECK(check_ffn(d, il, first, exps, &L->gate_exps, &L->up_exps, &L->down_exps, d->n_expert, &m->n_ff_exp));
+        CHECK(check_tensor(d, &L->gate_inp_b, "ffn_gate_inp.bias", il, oss, 1, d->n_expert, 1, 1, 1));
+        CHECK(check_tensor(d, &L->gate_exps_b, "ffn_gate_exps.bias", il, oss, 2, m->n_ff_exp, d->n_expert, 1, 1));
+        CHECK(check_tensor(d, &L->up_exps_b, "ffn_up_exps.bias", il, oss, 2, m->n_ff_exp, d->n_expert, 1, 1));
+        CHECK(check_tensor(d, &L->down_exps_b, "ffn_down_exps.bias", il, oss, 2, E, d->n_expert, 1, 1));
         if (L->gate_shexp.data || m->n_ff_shexp) {
             static const char *shexp[3] = {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
             CHECK(check_ffn(d, il, first, shexp, &L->gate_shexp, &L->up_shexp, &L->down_shexp, 0, &m->n_ff_shexp));
@@ -272,6 +288,20 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
     }
     for (int i = 0; i < m->d.rope_dim / 2; i++)
         m->inv_freq[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+    m->rope_mscale = 1.0f;
+    if (m->d.rope_yarn_factor > 0.0f) { /* ggml_rope_yarn_corr_dims, then each pair's ramp */
+        const double n = (double)m->d.rope_dim, base = (double)m->d.rope_base, ctx = (double)m->d.rope_yarn_orig_ctx;
+        const double c_fast = n * log(ctx / ((double)m->d.rope_yarn_beta_fast * 6.283185307179586)) / (2.0 * log(base));
+        const double c_slow = n * log(ctx / ((double)m->d.rope_yarn_beta_slow * 6.283185307179586)) / (2.0 * log(base));
+        const double lo = fmax(0.0, floor(c_fast)), hi = fmin(n - 1.0, ceil(c_slow));
+        const double s = 1.0 / (double)m->d.rope_yarn_factor;
+        for (int i = 0; i < m->d.rope_dim / 2; i++) {
+            const double y = ((double)i - lo) / fmax(0.001, hi - lo);
+            const double r = 1.0 - fmin(1.0, fmax(0.0, y));
+            m->inv_freq[i] = (float)((double)m->inv_freq[i] * (s * (1.0 - r) + r));
+        }
+        m->rope_mscale = (float)(1.0 + 0.1 * log((double)m->d.rope_yarn_factor));
+    }
     *out = m;
     return ST_OK;
 }

@@ -16,6 +16,7 @@ typedef struct {
     const uint8_t *wg, *wu, *wd;
     const int32_t *pairs;
     int32_t n_pairs;
+    const float *bg, *bu, *bd; /* this expert's biases on gate / up / down, or NULL (gpt-oss has them) */
 } ffn_group;
 
 typedef struct {
@@ -33,7 +34,20 @@ typedef struct {
     float *h;            /* [P, n_ff] */
     acts hin;            /* h rows, quantised */
     float *pair_out;     /* [P, E] */
+    int oai;             /* gpt-oss's clamped SwiGLU instead of silu(g) * u */
 } ffn_ctx;
+
+/* gpt-oss's activation (llama.cpp's swiglu_oai with alpha 1.702, limit 7): the gate clamped
+ * above at the limit, the up projection to [-limit, limit], then g * sigmoid(alpha g) * (u + 1). */
+#define OAI_ALPHA 1.702f
+#define OAI_LIMIT 7.0f
+static void swiglu_oai(const float *g, const float *u, float *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i] < OAI_LIMIT ? g[i] : OAI_LIMIT;
+        const float y = u[i] < -OAI_LIMIT ? -OAI_LIMIT : (u[i] > OAI_LIMIT ? OAI_LIMIT : u[i]);
+        h[i] = x / (1.0f + expf(-OAI_ALPHA * x)) * (y + 1.0f);
+    }
+}
 
 /* Rows whose gate and up results are gathered before one silu_mul call per token: called per
  * 8-row block, its per-call cost was ~4% of a 16-sequence step (1 thread, rdtsc). */
@@ -75,8 +89,17 @@ static void ffn_gate_up_task(void *vctx, int64_t item, int thread) {
                 dot_tile_ld(c->tg, fqg, ffg, g->wg + r * c->rbg, c->rbg, nr, &c->in, &tl, gv + rb, SILU_SPAN);
                 dot_tile_ld(c->tu, fqu, ffu, g->wu + r * c->rbu, c->rbu, nr, &c->in, &tl, uv + rb, SILU_SPAN);
             }
-            for (int j = 0; j < nt; j++) /* elementwise: the same bits as per row block */
-                silu_mul(gv + j * SILU_SPAN, uv + j * SILU_SPAN, c->h + (size_t)g->pairs[tile + j] * c->n_ff + r0, ns);
+            if (g->bg || g->bu) /* the expert's biases, before the activation */
+                for (int j = 0; j < nt; j++)
+                    for (int i = 0; i < ns; i++) {
+                        if (g->bg) gv[j * SILU_SPAN + i] += g->bg[r0 + i];
+                        if (g->bu) uv[j * SILU_SPAN + i] += g->bu[r0 + i];
+                    }
+            for (int j = 0; j < nt; j++) { /* elementwise: the same bits as per row block */
+                float *h = c->h + (size_t)g->pairs[tile + j] * c->n_ff + r0;
+                if (c->oai) swiglu_oai(gv + j * SILU_SPAN, uv + j * SILU_SPAN, h, ns);
+                else silu_mul(gv + j * SILU_SPAN, uv + j * SILU_SPAN, h, ns);
+            }
         }
     }
 }
@@ -98,7 +121,7 @@ static void ffn_down_task(void *vctx, int64_t item, int thread) {
             dot_tile(c->td, fq, ff, g->wd + (size_t)r * c->rbd, c->rbd, nr, &c->hin, &tl, res);
             for (int j = 0; j < nt; j++) {
                 float *o = c->pair_out + (size_t)g->pairs[tile + j] * c->E + r;
-                for (int i = 0; i < nr; i++) o[i] = res[j * ST_ROW_BLOCK + i];
+                for (int i = 0; i < nr; i++) o[i] = res[j * ST_ROW_BLOCK + i] + (g->bd ? g->bd[r + i] : 0.0f);
             }
         }
     }
@@ -128,7 +151,7 @@ static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t ro
  * indexed by pair. */
 static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups, int32_t n_groups,
                              const st_tensor *tg, const st_tensor *tu, const st_tensor *td, const acts *in,
-                             int64_t n_pairs, float *pair_out) {
+                             int64_t n_pairs, float *pair_out, int oai) {
     scratch *s = &m->s;
     const int64_t n_ff = tg->ne[1], E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
@@ -137,7 +160,7 @@ static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups
     if (!items) return st_fail(ST_ENOMEM, "forward: out of memory (expert items)");
     ffn_ctx c = {groups, items, tg->type, tu->type, td->type, st_row_bytes(tg->type, tg->ne[0]),
                  st_row_bytes(tu->type, tu->ne[0]), st_row_bytes(td->type, td->ne[0]), n_ff, E, *in, s->pair_tok,
-                 s->h, {0}, pair_out};
+                 s->h, {0}, pair_out, oai};
     int32_t n = build_items(groups, n_groups, n_ff, nt, c.rbg + c.rbu, items);
     st_pool_run(pool, ffn_gate_up_task, &c, n);
     c.hin = st_make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
@@ -153,8 +176,8 @@ st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, c
     for (int64_t t = 0; t < T; t++) s->pair_tok[t] = (int32_t)t, s->pairs_by_expert[t] = (int32_t)t;
     const int need_q = !st_type_is_float(gate->type) || !st_type_is_float(up->type); /* types may differ */
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
-    const ffn_group g = {gate->data, up->data, down->data, s->pairs_by_expert, (int32_t)T};
-    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T, s->pair_out);
+    const ffn_group g = {gate->data, up->data, down->data, s->pairs_by_expert, (int32_t)T, NULL, NULL, NULL};
+    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T, s->pair_out, 0);
 }
 
 /* The top k of c[0..n) into ids[0..k) (largest first, lowest index on ties; -inf entries are
@@ -249,6 +272,7 @@ static st_status route(st_model *m, st_pool *pool, const st_layer *L, int64_t T)
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
     const acts rin = st_make_acts(pool, s->xn, T, m->d.n_embd, !st_type_is_float(L->gate_inp.type), layer_buf(s));
     st_linear(pool, &L->gate_inp, &rin, NULL, T, s->router, ne); /* [T, n_expert] */
+    st_add_bias(s->router, &L->gate_inp_b, T, ne);
     float *c = malloc(sizeof(float) * 2 * (size_t)ne); /* choice scores, group scores (n_group < ne) */
     if (!c) return st_fail(ST_ENOMEM, "forward: out of memory (routing)");
     const float *bias = L->exp_probs_b.data;
@@ -260,6 +284,17 @@ static st_status route(st_model *m, st_pool *pool, const st_layer *L, int64_t T)
 
 static inline const uint8_t *expert_ptr(const st_tensor *t, int e) {
     return (const uint8_t *)t->data + (size_t)e * (size_t)t->ne[1] * st_row_bytes(t->type, t->ne[0]);
+}
+
+/* Expert e's row of a [width, n_expert] F32 bias, or NULL when the layer has none. */
+static inline const float *expert_bias(const st_tensor *t, int e) {
+    return t->data ? (const float *)t->data + (size_t)e * (size_t)t->ne[0] : NULL;
+}
+
+static inline ffn_group expert_group(const st_layer *L, int e, const int32_t *pairs, int32_t cnt) {
+    return (ffn_group){expert_ptr(&L->gate_exps, e), expert_ptr(&L->up_exps, e), expert_ptr(&L->down_exps, e), pairs,
+                       cnt, expert_bias(&L->gate_exps_b, e), expert_bias(&L->up_exps_b, e),
+                       expert_bias(&L->down_exps_b, e)};
 }
 
 /* Group the pairs p = t * k + j by expert, in token order inside each expert: fills
@@ -280,8 +315,7 @@ static int32_t group_by_expert(st_model *m, const st_layer *L, int64_t T, int32_
         const int32_t cnt = start[e + 1] - start[e];
         if (hist) hist[e] += cnt;
         if (!cnt) continue;
-        groups[n_groups++] = (ffn_group){expert_ptr(&L->gate_exps, e), expert_ptr(&L->up_exps, e),
-                                         expert_ptr(&L->down_exps, e), s->pairs_by_expert + start[e], cnt};
+        groups[n_groups++] = expert_group(L, e, s->pairs_by_expert + start[e], cnt);
     }
     return n_groups;
 }
@@ -349,7 +383,8 @@ static st_status routed_ffn(st_model *m, st_pool *pool, int il, int64_t T, int32
     const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
     const st_status rc =
-        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k, s->pair_out);
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k, s->pair_out,
+                    m->d.arch == ST_ARCH_GPT_OSS);
     free(fill);
     free(groups);
     if (rc != ST_OK) return rc;
@@ -442,13 +477,13 @@ st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, con
     for (int e = 0; e < ne; e++) {
         const int32_t cnt = start[e + 1] - start[e];
         if (!cnt) continue;
-        groups[n_groups++] = (ffn_group){expert_ptr(&L->gate_exps, e), expert_ptr(&L->up_exps, e),
-                                         expert_ptr(&L->down_exps, e), s->pairs_by_expert + start[e], cnt};
+        groups[n_groups++] = expert_group(L, e, s->pairs_by_expert + start[e], cnt);
     }
     const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
     const acts in = st_make_acts(pool, x, T, m->d.n_embd, need_q, layer_buf(s));
     const st_status rc =
-        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, n_pairs, out);
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, n_pairs, out,
+                    m->d.arch == ST_ARCH_GPT_OSS);
     free(fill);
     free(groups);
     return rc;

@@ -150,6 +150,12 @@ typedef struct {
     /* [n_expert] F32 score-correction bias (DeepSeek-V3, GLM-4.5): added to the routing
      * probabilities for the choice of experts only, never to their weights. */
     st_tensor exp_probs_b;
+    /* gpt-oss (added last: the CUDA backend reads the fields above by this layout):
+     * bo [n_embd] the attention output's bias; sinks [n_head] F32, one learned logit per head
+     * that joins the softmax's denominator only; gate_inp_b [n_expert] the router's bias;
+     * gate_exps_b / up_exps_b [n_ff_exp, n_expert] and down_exps_b [n_embd, n_expert] the
+     * experts' biases, added to each expert's projections. */
+    st_tensor bo, sinks, gate_inp_b, gate_exps_b, up_exps_b, down_exps_b;
 } st_layer;
 
 /* The next-token-prediction (NextN / MTP) head of an extra layer after the forward layers:
@@ -164,6 +170,7 @@ typedef struct {
 #define ST_ARCH_QWEN3MOE 1
 #define ST_ARCH_QWEN2MOE 2
 #define ST_ARCH_GLM4MOE 3
+#define ST_ARCH_GPT_OSS 4 /* experts' SwiGLU clamped as gpt-oss's (alpha 1.702, limit 7) */
 
 /* Router gating functions (llama.cpp's expert_gating_func values). 0 in a descriptor means
  * softmax. */
@@ -202,6 +209,17 @@ typedef struct {
     int32_t n_nextn;            /* NextN layers after the n_layer forward layers (kept, not run) */
     st_layer *nextn_layers;     /* [n_nextn] their transformer blocks, borrowed during st_model_create */
     st_nextn *nextn;            /* [n_nextn] their prediction heads, borrowed likewise */
+    /* Sliding-window attention (llama.cpp's standard kind): with n_swa > 0 and swa_pattern > 0,
+     * layer il is a sliding layer when il % swa_pattern < swa_pattern - 1, and there a query at
+     * position p sees the keys at positions p - n_swa + 1 .. p only. Zero: every layer full. */
+    int32_t n_swa, swa_pattern;
+    /* YaRN rotary scaling (rope.scaling.type = yarn; zero factor: none), ggml's rope_yarn with
+     * ext_factor 1: each frequency f_i becomes f_i (s (1 - r_i) + r_i), s = 1 / factor, r_i the
+     * ramp that is 1 below the dimension pair where beta_fast rotations fit in orig_ctx positions
+     * and 0 above the one for beta_slow; q and k are scaled by 1 + 0.1 ln(factor). */
+    float rope_yarn_factor;
+    int32_t rope_yarn_orig_ctx;
+    float rope_yarn_beta_fast, rope_yarn_beta_slow;
 } st_model_desc;
 
 typedef struct st_model st_model;

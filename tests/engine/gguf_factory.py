@@ -389,3 +389,111 @@ def make_glm4moe_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def make_gptoss_gguf(
+    path: Path,
+    *,
+    n_layer: int = 4,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 32,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 64,
+    sliding_window: int = 8,
+    expert_scale: float = 0.35,
+    down_scale: float = 0.02,
+    expert_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    seed: int = 0,
+    chat_template: str | None = None,
+    drop_keys: tuple[str, ...] = (),
+    extra_md: dict[str, object] | None = None,
+    omit: tuple[str, ...] = (),
+) -> Path:
+    """A random ``gpt-oss`` GGUF in llama.cpp's names and layout (gpt-oss-20b / 120b in miniature):
+    head_dim * heads != n_embd, biases on q/k/v/o, one attention sink per head, sliding-window
+    layers (llama.cpp makes the even ones slide) alternating with full ones, post_attention_norm
+    before the FFN, a router with a bias, and routed experts with biases on gate / up / down, in
+    ``expert_type`` (F32, Q8_0 or MXFP4: gguf-py writes all three). With the default
+    ``expert_scale`` (the gate and up weights' std) the projections spread wide enough (std ~3)
+    that the clamped SwiGLU's limit (7) is reached. ``drop_keys``
+    removes metadata keys (without the ``gpt-oss.`` prefix), ``extra_md`` adds full keys (strings
+    or integers) and ``omit`` drops tensors. The vocabulary is glm_vocab_metadata()'s."""
+    arch = "gpt-oss"
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), arch)
+    keys: dict[str, tuple[str, object]] = {
+        "block_count": ("u", n_layer), "context_length": ("u", 512), "embedding_length": ("u", n_embd),
+        "feed_forward_length": ("u", n_ff_exp), "attention.head_count": ("u", n_head),
+        "attention.head_count_kv": ("u", n_head_kv), "attention.key_length": ("u", head_dim),
+        "attention.value_length": ("u", head_dim), "rope.dimension_count": ("u", head_dim),
+        "rope.freq_base": ("f", 10000.0), "attention.layer_norm_rms_epsilon": ("f", 1e-5),
+        "expert_count": ("u", n_expert), "expert_used_count": ("u", n_expert_used),
+        "expert_feed_forward_length": ("u", n_ff_exp), "attention.sliding_window": ("u", sliding_window),
+    }
+    for key, (kind, value) in keys.items():
+        if key in drop_keys:
+            continue
+        if kind == "u":
+            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
+        else:
+            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
+    for key, value in (extra_md or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, int(value))  # type: ignore[arg-type]
+    _add_metadata(w, glm_vocab_metadata(chat_template))
+    n_vocab = GLM_VOCAB
+
+    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def gain(n: int) -> np.ndarray:
+        return (1.0 + mat(n, scale=0.2)).astype(np.float32)
+
+    def add(name: str, data: np.ndarray, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+        if name in omit:
+            return
+        if qtype != GGMLQuantizationType.F32:
+            q = quantize(data, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    add("token_embd.weight", mat(n_vocab, n_embd, scale=0.5))
+    add("output_norm.weight", gain(n_embd))
+    add("output.weight", mat(n_vocab, n_embd, scale=0.2))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", gain(n_embd))
+        add(p + "attn_q.weight", mat(q_dim, n_embd, scale=0.15))
+        add(p + "attn_k.weight", mat(kv_dim, n_embd, scale=0.15))
+        add(p + "attn_v.weight", mat(kv_dim, n_embd, scale=0.05))
+        add(p + "attn_q.bias", mat(q_dim, scale=0.2))
+        add(p + "attn_k.bias", mat(kv_dim, scale=0.2))
+        add(p + "attn_v.bias", mat(kv_dim))
+        add(p + "attn_output.weight", mat(n_embd, q_dim, scale=0.05))
+        add(p + "attn_output.bias", mat(n_embd))
+        # sinks of the order of the scores: each takes a real share of the softmax
+        add(p + "attn_sinks.weight", mat(n_head, scale=1.5))
+        add(p + "post_attention_norm.weight", gain(n_embd))
+        # router logits with std ~2 plus a bias: top-k choices well separated
+        add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, scale=0.25))
+        add(p + "ffn_gate_inp.bias", mat(n_expert, scale=0.5))
+        add(p + "ffn_gate_exps.weight", mat(n_expert, n_ff_exp, n_embd, scale=expert_scale), expert_type)
+        add(p + "ffn_up_exps.weight", mat(n_expert, n_ff_exp, n_embd, scale=expert_scale), expert_type)
+        add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff_exp, scale=down_scale), expert_type)
+        add(p + "ffn_gate_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
+        add(p + "ffn_up_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
+        add(p + "ffn_down_exps.bias", mat(n_expert, n_embd, scale=0.1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
