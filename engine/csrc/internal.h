@@ -108,6 +108,17 @@ typedef struct {
 } act_row;
 typedef void (*dot_q_fn)(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
                          int64_t ldo);
+
+/* The reference multi-row, multi-token dot_q_fn of a type whose one-row, one-token kernel is dot_T_one:
+ * each (row, token) on its own. */
+#define DEF_REF_MULTI(T)                                                                                     \
+    static void dot_##T##_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,  \
+                              float *out, int64_t ldo) {                                                     \
+        for (int r = 0; r < nr; r++)                                                                         \
+            for (int t = 0; t < nt; t++)                                                                     \
+                dot_##T##_one((const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, a[t].s, n,         \
+                              &out[t * ldo + r]);                                                            \
+    }
 typedef void (*dot_f_fn)(const void *w, const float *x, int64_t n, float *out);
 
 dot_q_fn st_dot_q_ref(int32_t type);

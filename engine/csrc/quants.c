@@ -361,15 +361,6 @@ static void dot_q6_k_one(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-/* The reference multi-row, multi-token form: each (row, token) on its own. */
-#define DEF_REF_MULTI(T)                                                                                     \
-    static void dot_##T##_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,  \
-                              float *out, int64_t ldo) {                                                     \
-        for (int r = 0; r < nr; r++)                                                                         \
-            for (int t = 0; t < nt; t++)                                                                     \
-                dot_##T##_one((const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, a[t].s, n,         \
-                              &out[t * ldo + r]);                                                            \
-    }
 DEF_REF_MULTI(q4_0)
 DEF_REF_MULTI(q4_1)
 DEF_REF_MULTI(q5_0)

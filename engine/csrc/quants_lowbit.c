@@ -174,20 +174,11 @@ static void dot_mxfp4_one(const void *w, const int8_t *a, const float *d, const 
     *out = acc;
 }
 
-/* The reference multi-row, multi-token form: each (row, token) on its own. */
-#define DEF_LOWBIT_REF(T)                                                                                    \
-    static void dot_##T##_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,  \
-                              float *out, int64_t ldo) {                                                     \
-        for (int r = 0; r < nr; r++)                                                                         \
-            for (int t = 0; t < nt; t++)                                                                     \
-                dot_##T##_one((const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, a[t].s, n,         \
-                              &out[t * ldo + r]);                                                            \
-    }
-DEF_LOWBIT_REF(q2_k)
-DEF_LOWBIT_REF(q3_k)
-DEF_LOWBIT_REF(iq4_nl)
-DEF_LOWBIT_REF(iq4_xs)
-DEF_LOWBIT_REF(mxfp4)
+DEF_REF_MULTI(q2_k)
+DEF_REF_MULTI(q3_k)
+DEF_REF_MULTI(iq4_nl)
+DEF_REF_MULTI(iq4_xs)
+DEF_REF_MULTI(mxfp4)
 
 dot_q_fn st_dot_q_ref_lowbit(int32_t type) {
     switch (type) {
