@@ -343,6 +343,11 @@ def run(args: argparse.Namespace) -> dict:
           + (" (launch N+1 before wait N, as the scheduler); decode_bN_sync_tok_s: the device pick, each step waited"
              if head == "overlap" else ""))
 
+    def split_layers(tag: str, n_seq: int) -> None:
+        """The layers that kept the routed split after a decode row (the device's own decision)."""
+        if eng._gpu is not None and n_seq > 1:
+            res[f"routed_split_layers_{tag}"] = eng._gpu.routed_split_layers(n_seq)
+
     def decode_rows(n_seq: int, steps: int) -> object:
         """decode_b{n_seq}_tok_s on the headline path and, when that is the overlap, decode_b{n_seq}_sync_tok_s
         (the device pick, each step waited before the next) after
@@ -350,6 +355,7 @@ def run(args: argparse.Namespace) -> dict:
         stats rows split one step's GPU time, the same work either way, and an overlapped step may record
         no per-layer events (one in flight does) or t_output (a later launch re-records it)."""
         res[f"decode_b{n_seq}_tok_s"], st = decode(n_seq, steps, tag=f"b{n_seq}", pick=head)
+        split_layers(f"b{n_seq}", n_seq)
         if head == "overlap":
             res[f"decode_b{n_seq}_sync_tok_s"], st = decode(n_seq, steps, tag=f"b{n_seq}_sync")
         return st
@@ -400,6 +406,7 @@ def run(args: argparse.Namespace) -> dict:
                 tag = f"b{n_s}_{env.removeprefix('STRATA_GPU_').lower()}_{v}"
                 with settings(**{env: v}):
                     res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
+                    split_layers(tag, int(n_s))
         else:
             res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
         if args.decode_only and not args.lean:  # the split dense GEMM off, and from 8 tokens, for comparison
@@ -408,6 +415,8 @@ def run(args: argparse.Namespace) -> dict:
                 res["decode_b32_no_dense_split_tok_s"], _ = decode(32, 64, tag="b32_no_dense_split")
             with settings(STRATA_GPU_DENSE_SPLIT="8"):  # 8 sequences' dense layers on the split GEMM too
                 res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
+        print("routed split layers: " + ", ".join(f"{k[20:]} {v}" for k, v in res.items()
+                                                   if k.startswith("routed_split_layers_")))
         res["decode_step_gpu_ms"] = gpu_ms
         lib = eng._gpu.library.name if eng._gpu else "cpu"
         print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"

@@ -262,6 +262,13 @@ class CudaModel:
         n = int(self.lib.stg_model_graphs(self._model, failed, note, 256))
         return n, int(failed[0]), self.ffi.string(note).decode("utf-8", "replace")
 
+    def routed_split_layers(self, n_tokens: int) -> int:
+        """Layers that keep the routed split (stg_settings.routed_mv_groups) in decode steps of ``n_tokens``
+        tokens: the decision the device's routing statistics made (0 where the split does not apply)."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        return int(self.lib.stg_model_routed_split_layers(self._model, n_tokens))
+
     def set_settings(self, environ: dict[str, str] | None = None) -> None:
         """Replace the open model's settings with the defaults and ``environ``'s overrides (default: the
         process environment), as if it were opened again; its CUDA graphs are dropped."""

@@ -47,6 +47,9 @@ OVERRIDES: tuple[Override, ...] = (
              "routed gate/up GEMMs of at most this many tokens split their k loop (a multiple of 8, 0: never)"),
     Override("STRATA_GPU_ROUTED_MV_MAX", "routed_mv_max",
              "in steps whose routed layers take the GEMM, experts with at most this many pairs take the matvec"),
+    Override("STRATA_GPU_ROUTED_MV_GROUPS", "routed_mv_groups",
+             "a layer keeps that split while its recent decode steps average at least this many matvec-sized "
+             "experts (0: always)"),
     Override("STRATA_GPU_GEMM_FAST_MIN", "gemm_fast_min",
              "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)"),
     Override("STRATA_GPU_ATT_MMA", "att_mma",

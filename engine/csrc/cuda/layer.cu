@@ -149,11 +149,16 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
  * pairs, which the GEMM pads to a tile of MM_BN and reads at a fraction of the matvec's bandwidth, while a
  * skewed router's busy experts want the GEMM. The two shares run side by side (two streams, two branches
  * of the step's graph), so each hides the other's latency. Both kernels give the same bits, so the split
- * changes no result. 0: no split (no GEMM this step, the prefill form, float or mixed-type experts). */
-static int routed_mv_max(const dlayer &L, int32_t T) {
+ * changes no result. The branch itself costs about 10 us a layer (two more launches and the join, which ends
+ * the next kernel's early launch), so a layer keeps it only while its recent steps of this size had enough
+ * small experts (routed_mv_groups, decided on the host from the step's histogram: mv_update). 0: no split
+ * (no GEMM this step, the prefill form, float or mixed-type experts, or the layer's decision). */
+static int routed_mv_max(const stg_model *m, int il, int32_t T) {
+    const dlayer &L = m->L[(size_t)il];
     const int min_tok = g_set.gemm_min_tokens;
     const int t = L.gate_exps.type;
     if (g_set.routed_mv_max <= 0 || min_tok <= 0 || T < min_tok || g_gemm_fast) return 0;
+    if (m->mv_step && !m->mv_step[il]) return 0; /* the layer's recent steps had too few small experts */
     if (t != L.up_exps.type || (t != STG_Q4_K && t != STG_Q8_0) || stg_is_float(L.down_exps.type)) return 0;
     if (L.gate_exps.ne[1] % 32) return 0; /* the matvec share quantises its output in-block (k_linear_q_chunk) */
     return g_set.routed_mv_max;
@@ -182,7 +187,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     lin_groups g1 = {};
     g1.n_pairs = T;
     const int32_t P = T * k;
-    const int mv_max = routed_mv_max(L, T);
+    const int mv_max = routed_mv_max(m, il, T);
     const group_out go = {s.gexp, s.gstart, s.gcount, s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
                           s.gtiles, s.n_gtiles, s.mexp, s.mstart, s.mcount, s.n_mgroups, s.pair_mv, mv_max};
     const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);

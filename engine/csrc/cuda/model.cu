@@ -51,6 +51,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->dense_split = 16;
     s->routed_split_max = 16;
     s->routed_mv_max = 4;
+    s->routed_mv_groups = 8;
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
@@ -70,6 +71,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(dense_split, 0, INT32_MAX)
     RANGE(routed_split_max, 0, 64)
     RANGE(routed_mv_max, 0, 64)
+    RANGE(routed_mv_groups, 0, 1024)
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
@@ -339,6 +341,7 @@ extern "C" stg_status stg_model_set_settings(stg_model *m, const stg_settings *s
     CU(cudaStreamSynchronize(m->stream), "set_settings");
     drop_graphs(m); /* captured under the old settings */
     m->set = *settings;
+    m->mv_mean.clear(), m->mv_on.clear(), m->mv_seen.clear(); /* measured under the old ones */
     return ST_OK;
 }
 

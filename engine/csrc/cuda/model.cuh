@@ -36,6 +36,8 @@ struct scratch {
     std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
 };
 
+#define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
+
 /* A captured step: its shape. The settings it was captured under are the model's (stg_model_set_settings drops
  * every graph), so they are not part of the key. */
 struct graph_entry {
@@ -43,6 +45,7 @@ struct graph_entry {
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, fuse_qkv, greedy;
     bool src; /* step_shape.d_src set (st_batch.token_src) */
+    std::vector<uint8_t> mv_on; /* the layers that kept the routed split (stg_model.mv_step; empty: all) */
     cudaGraphExec_t exec;
 };
 
@@ -52,6 +55,7 @@ struct inflight {
     int64_t ticket = 0;
     int32_t T = 0, NL = 0;
     bool greedy = false, layer_events = false, sampled = false, moe = false;
+    bool mv = false; /* its histogram feeds the routed split's decision (routed_mv_groups) */
     int32_t *expert_hist = nullptr; /* the batch's, added to at the wait */
     cudaEvent_t e0 = nullptr, e1 = nullptr; /* the step's start (before its upload) and end (after its copies) */
     int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
@@ -92,6 +96,14 @@ struct stg_model {
         double attn = 0.0, experts = 0.0, dense = 0.0;
     };
     std::map<int32_t, split> splits;
+    /* routed_mv_groups, per decode-sized step size T (rows of n_layer, T = 0..GRAPH_MAX_TOKENS): each layer's
+     * running mean of the experts the split puts on the matvec (-1: no step yet), the layers that keep the split
+     * (re-decided every MV_DECIDE steps of that size, so graphs are re-captured seldom) and the steps since; mv_step
+     * is the launched step's row of mv_on (NULL: every layer keeps it), read by ffn_block. */
+    std::vector<float> mv_mean;
+    std::vector<uint8_t> mv_on;
+    std::vector<int32_t> mv_seen;
+    const uint8_t *mv_step = nullptr;
     std::vector<int32_t> hist_h; /* the step's expert histogram, copied back with the logits */
     std::vector<char> seq_seen;  /* stg_forward's distinct-sequence check */
     inflight fl[2];              /* launched steps, slot = ticket & 1 */

@@ -278,7 +278,6 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
  * long and the small groups ride in it for free, while a matvec branch beside it only competes for the
  * SMs, so every group stays the GEMM's (n_mgroups 0). mv_max 0: every group is the GEMM's and the
  * matvec's set is not written. */
-#define MV_GUARD 3
 struct group_out {
     int32_t *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist, *gtiles, *n_gtiles;
     int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv;

@@ -43,6 +43,9 @@ typedef struct stg_settings {
     int32_t routed_mv_max;    /* in steps whose routed layers take the GEMM, experts with at most this many of the
                                * step's pairs take the matvec instead, in layers whose busiest expert holds at
                                * most 3x as many (0: none; 0..64) */
+    int32_t routed_mv_groups; /* a layer keeps that split in decode-sized steps of T tokens while its recent such
+                               * steps average at least this many experts on the matvec (routing measured on the
+                               * device, decided every 32 steps; 0: every layer always keeps it) */
     int32_t gemm_fast_min;    /* steps whose every run of one sequence's tokens is this long take the prefill-form
                                * Q4_K GEMM (within rounding of the bitwise kernels; 0: never) */
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
@@ -61,6 +64,9 @@ stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings);
 void stg_model_destroy(stg_model *m);
 /* VRAM held by the weights, in bytes. */
 int64_t stg_model_weight_bytes(const stg_model *m);
+/* Layers that keep the routed split (routed_mv_groups) in decode-sized steps of T tokens: 0..n_layer (all of them
+ * until the first decision; 0 where the split does not apply: T outside [gemm_min_tokens, 64], no routed experts). */
+int32_t stg_model_routed_split_layers(const stg_model *m, int32_t T);
 /* CUDA graphs cached for decode-sized steps, and how many captures failed (the last
  * failure's message in note, note_len bytes; those steps ran as plain launches). */
 int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len);
