@@ -129,6 +129,14 @@ def _add(out: list[Piece], piece: Piece) -> None:
 # ---------------------------------------------------------------------------------------- default
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _from_delta(d: ToolDelta) -> Piece:
     return Piece("call", d.arguments, d.index, d.id if d.name is not None else None, d.name)
 
@@ -164,9 +172,11 @@ class DefaultParser(AnswerParser):
             return []
         if sc.kind == "json" or (sc.kind is None and self.forced):
             out = self._pieces(sc.take_deltas())
-            if sc.result() is None or finish_reason != "stop":  # cut short or not whole: what was written
-                out += self._pieces(sc.take_partial())
-            return out
+            if sc.result() is not None and finish_reason == "stop":
+                return out
+            if not self.forced and not sc.streamed_calls and _is_json(sc.text):
+                return [Piece("content", sc.take_text())]  # a JSON answer (response_format), not a call
+            return out + self._pieces(sc.take_partial())  # cut short or not whole: the calls as written
         if sc.kind == "tagged" and finish_reason == "stop" and (calls := sc.result()) is not None:
             return [Piece("call", c["function"]["arguments"], k, c["id"], c["function"]["name"])
                     for k, c in enumerate(calls)]
