@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from common.chat_template import ChatTemplate
 from lanes.chat_parsers import (
     Answer,
     AnswerParser,
@@ -22,6 +23,8 @@ from lanes.chat_parsers import (
     collect,
     make_parser,
 )
+from tests.common.test_glm_format import GLM45_TEMPLATE
+from tests.common.test_harmony_format import HARMONY_TEMPLATE
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -255,6 +258,8 @@ TWO = '[{"name":"add","arguments":{"a":1,"b":2}},{"name":"get_weather","argument
     ("<tool_call>{bad json}</tool_call>", "stop", False,
      {"content": "<tool_call>{bad json}</tool_call>", "reasoning": None, "calls": []}),
     ('{"name":"get_w', "length", False, {"content": "", "reasoning": None, "calls": []}),
+    ('{"z": [1, {"name": "add"}]}', "stop", False, {"content": '{"z": [1, {"name": "add"}]}', "reasoning": None,
+                                                   "calls": []}),  # a response_format answer beside tools
     ("", "length", True, {"content": "", "reasoning": None, "calls": []}),
 ])
 def test_default_parser(text: str, reason: str, forced: bool, want: dict[str, Any]) -> None:
@@ -279,3 +284,23 @@ def test_piece_deltas_are_openai_chunk_deltas() -> None:
                    Piece("call", "1}", 0)])
     assert got.content is None and got.reasoning == "r"
     assert json.loads(got.tool_calls[0]["function"]["arguments"]) == {"x": 1}
+
+
+@pytest.mark.parametrize(("template", "make", "generated", "prefix"), [
+    (HARMONY_TEMPLATE, lambda: HarmonyParser(NAMES),
+     "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "<|start|>assistant"),
+    (GLM45_TEMPLATE, lambda: Glm45Parser(TOOLS),
+     "\n<think>Need the weather.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+     "</arg_value>\n</tool_call>", "<|assistant|>"),
+], ids=["harmony", "glm45"])
+def test_a_parsed_answer_renders_back_as_generated(template: str, make: Callable[[], AnswerParser], generated: str,
+                                                   prefix: str) -> None:
+    """The message a client gets back, sent again as history, renders as the markup the model wrote."""
+    answer, _ = run(make, [generated])
+    message = {"role": "assistant", "content": answer.content, "reasoning_content": answer.reasoning,
+               "tool_calls": answer.tool_calls}
+    history = [{"role": "user", "content": "Weather in Paris?"}, message,
+               {"role": "tool", "tool_call_id": answer.tool_calls[0]["id"], "content": "{\"temp\": 21}"}]
+    rendered = ChatTemplate(template).render(history, tools=TOOLS)
+    assert prefix + generated in rendered
