@@ -453,6 +453,7 @@ async def lane_info(request: web.Request) -> web.Response:
         "model": st.model_info,
         "engine_build": st.build_id,
         "served_model_name": st.config.served_model_name,
+        "chat_format": st.chat_format,  # how chat answers are read (lanes/chat_parsers.py)
         "n_ctx": eng.n_ctx if eng else None,
         "kv_tokens": eng.kv_tokens if eng else None,
         "inflight": st.inflight,

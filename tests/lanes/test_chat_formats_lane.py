@@ -114,7 +114,8 @@ def calls(msg: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 async def test_harmony_reasoning_and_final_answer(oss_lane: Lane) -> None:
-    assert oss_lane.state.chat_format == "harmony"
+    async with aiohttp.ClientSession() as http, http.get(oss_lane.url + "/v1/lane") as r:
+        assert (await r.json())["chat_format"] == "harmony"
     markup = "<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
     whole, streamed, deltas = await both(oss_lane, {"response_format": forced(markup)})
     for m in (whole, streamed):
