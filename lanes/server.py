@@ -22,6 +22,7 @@ from typing import Any, Literal
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.chat_formats import ChatFormat, format_for_architecture
 from common.chat_template import ChatTemplateError
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
 from common.prompt import (
@@ -104,6 +105,19 @@ async def _engine_ctx(app: web.Application) -> Any:
     await _stop_engine(st)
 
 
+def chat_format_of(engine: Engine) -> ChatFormat:
+    """The format chat answers are read in: the one the model's template renders, or, where the GGUF
+    has no template (or one that cannot be used), the one its architecture writes."""
+    try:
+        template = engine.chat_template
+    except ChatTemplateError:
+        template = None
+    if template is not None and not template.is_fallback:
+        return template.format
+    hp = getattr(engine, "hparams", None)
+    return format_for_architecture(getattr(hp, "arch", None))
+
+
 def _warm_up(engine: Engine) -> tuple[str, dict[str, Any] | None, str | None, tuple[bytes, str] | None]:
     """Slow first-use work done in the loading thread, not in the first request."""
     build = engine_build_id()
@@ -137,6 +151,7 @@ async def _load_engine(st: LaneState) -> None:
         engine = await asyncio.to_thread(st.engine_factory, cfg, cores)
         st.engine = engine
         st.build_id, st.model_info, st.template_error, doc = await asyncio.to_thread(_warm_up, engine)
+        st.chat_format = chat_format_of(engine)
         st.tokenizer_doc, st.tokenizer_digest = doc if doc is not None else (None, None)
         loop = asyncio.get_running_loop()
         st.aeng = AsyncEngine(engine, cfg.scheduler, on_step=st.metrics.on_step,
@@ -308,6 +323,7 @@ async def _generation_entry(request: web.Request, kind: Literal["chat", "complet
             chat = parse_body(ChatRequest, body)
             if chat.additional_properties_default is None:
                 chat.additional_properties_default = st.config.additional_properties_default
+            chat.native_tool_calls = st.chat_format != "default"
             chat.check()
             _check_model(st, chat.model)
             tools = chat.tools if chat.tool_mode()[0] != "none" else None
@@ -437,6 +453,7 @@ async def lane_info(request: web.Request) -> web.Response:
         "model": st.model_info,
         "engine_build": st.build_id,
         "served_model_name": st.config.served_model_name,
+        "chat_format": st.chat_format,  # how chat answers are read (lanes/chat_parsers.py)
         "n_ctx": eng.n_ctx if eng else None,
         "kv_tokens": eng.kv_tokens if eng else None,
         "inflight": st.inflight,
