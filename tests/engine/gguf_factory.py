@@ -554,10 +554,12 @@ def make_deepseek2_gguf(
     weights_scale: float | None = 2.5,
     weights_norm: bool | None = True,
     exp_probs_b: bool = True,
+    router_gain: float = 2.0,
     split: bool = True,
     expert_type: GGMLQuantizationType = GGMLQuantizationType.F32,
     expert_std: float = 0.06,
     seed: int = 0,
+    vocab: bool = True,
     drop_keys: tuple[str, ...] = (),
     extra_md: dict[str, object] | None = None,
     omit: tuple[str, ...] = (),
@@ -567,7 +569,8 @@ def make_deepseek2_gguf(
     ``v_head_dim`` value dimensions (n_head x head_dim != n_embd), a low-rank query (``attn_q_a``,
     ``attn_q_a_norm``, ``attn_q_b``; ``q_lora_rank`` 0: ``attn_q``), the compressed KV
     (``attn_kv_a_mqa``: latent + the shared rotary key, ``attn_kv_a_norm``) and its expansion,
-    ``n_dense_lead`` dense layers, then ``n_moe`` MoE layers (router, optional score-correction bias,
+    ``n_dense_lead`` dense layers, then ``n_moe`` MoE layers (router with logits of std ~``router_gain``,
+    optional score-correction bias,
     routed experts in ``expert_type`` with weights of std ``expert_std``, ``n_expert_shared``
     shared experts). ``split``: the expansion as ``attn_k_b`` / ``attn_v_b`` with the MLA keys
     (``key_length_mla`` ...; head_count_kv 1, key_length the cached row), as llama.cpp's converter
@@ -575,7 +578,8 @@ def make_deepseek2_gguf(
     forms hold the same numbers for the same seed. ``gating``, ``weights_scale`` and
     ``weights_norm`` of None leave their keys out; ``n_group`` 0 leaves the group keys out;
     ``drop_keys`` removes metadata keys (without the ``deepseek2.`` prefix), ``extra_md`` adds full
-    keys and ``omit`` drops tensors. The vocabulary is deepseek_vocab_metadata()'s. Matrices have
+    keys and ``omit`` drops tensors. The vocabulary is deepseek_vocab_metadata()'s (token_embd has that
+    many rows even when ``vocab`` is False and the tokenizer keys are left out). Matrices have
     std ~1/sqrt(fan-in) so activations stay of order one; IQ types are random valid blocks."""
     arch = "deepseek2"
     rng = np.random.default_rng(seed)
@@ -624,7 +628,8 @@ def make_deepseek2_gguf(
             w.add_float32(key, value)
         else:
             w.add_uint32(key, int(value))  # type: ignore[arg-type]
-    _add_metadata(w, deepseek_vocab_metadata())
+    if vocab:  # llama.cpp needs it; the engine does not
+        _add_metadata(w, deepseek_vocab_metadata())
     n_vocab = DEEPSEEK_VOCAB
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
@@ -673,8 +678,8 @@ def make_deepseek2_gguf(
             add(p + "ffn_up.weight", mat(n_ff, n_embd))
             add(p + "ffn_down.weight", mat(n_embd, n_ff))
             continue
-        # router logits with std ~2: top-k choices well separated (no float near-ties)
-        add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, gain=2.0))
+        # router logits with std ~router_gain: top-k choices well separated (no float near-ties)
+        add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, gain=router_gain))
         if exp_probs_b:  # of the order of the gating's spread, so it changes choices
             add(p + "exp_probs_b.bias", (rng.standard_normal(n_expert) * 0.3).astype(np.float32))
         e = expert_std * np.sqrt(n_embd)

@@ -90,11 +90,16 @@ def swiglu(x: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray) -> np.nda
 
 
 def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, n_group: int, n_group_used: int,
-              norm: bool, scale: float) -> tuple[np.ndarray, np.ndarray, float]:
+              norm: bool, scale: float, *, relative: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """llama.cpp's build_moe_ffn routing of one token: (chosen ids, their weights, decision margin).
     gating 1 softmax, 2 sigmoid, 3 softmax over the chosen logits. The margin is the smallest gap that
     decided anything (the k-th vs the (k+1)-th eligible choice score, and the last kept vs the first
-    dropped group score)."""
+    dropped group score); `relative` divides each gap by the larger of the two scores (softmax
+    probabilities: a small logit error moves them in proportion, whatever their size)."""
+
+    def gap(a: float, b: float) -> float:
+        return (a - b) / max(abs(a), abs(b)) if relative else a - b
+
     logits = logits.astype(np.float64)
     if gating == 1:
         p = np.exp(logits - logits.max())
@@ -109,14 +114,14 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, 
         g = c.reshape(n_group, -1)
         top2 = np.sort(g, axis=1)[:, ::-1][:, : min(2, g.shape[1])].sum(axis=1)
         order = np.argsort(-top2, kind="stable")
-        margin = min(margin, top2[order[n_group_used - 1]] - top2[order[n_group_used]])
+        margin = min(margin, gap(top2[order[n_group_used - 1]], top2[order[n_group_used]]))
         dropped = np.ones(n_group, bool)
         dropped[order[:n_group_used]] = False
         c = np.where(np.repeat(dropped, g.shape[1]), -np.inf, c)
     order = np.argsort(-c, kind="stable")
     ids = order[:k]
     if np.isfinite(c[order[k]]):
-        margin = min(margin, c[order[k - 1]] - c[order[k]])
+        margin = min(margin, gap(c[order[k - 1]], c[order[k]]))
     w = p[ids]
     if gating == 3:
         w = np.exp(w - w.max())
