@@ -115,7 +115,9 @@ static st_status check_mla(const st_model_desc *d) {
                                       "set for arch %d", d->kv_lora_rank, d->q_lora_rank, d->head_dim_v, d->arch);
         return ST_OK;
     }
-    if (d->kv_lora_rank < 16 || d->kv_lora_rank % 16 || d->rope_dim % 16 ||
+    if (d->kv_lora_rank < 1)
+        return st_fail(ST_EINVAL, "model: latent attention needs kv_lora_rank >= 1, got %d", d->kv_lora_rank);
+    if (d->kv_lora_rank % 16 || d->rope_dim % 16 ||
         d->kv_lora_rank + d->rope_dim > ST_MAX_HEAD_DIM)
         return st_fail(ST_EUNSUPPORTED, "model: latent rank %d with %d rotary dims unsupported (both multiples of 16, "
                                         "together at most %d)", d->kv_lora_rank, d->rope_dim, ST_MAX_HEAD_DIM);
@@ -203,7 +205,6 @@ static st_status check_ffn(const st_model_desc *d, int il, int first, const char
     return ST_OK;
 }
 
-/* One transformer block (a forward layer, or the block of a NextN layer: il >= n_layer). */
 /* deepseek2's attention tensors (see st_layer). */
 static st_status check_mla_layer(st_model *m, const st_layer *L, int il) {
     const st_model_desc *d = &m->d;
@@ -252,6 +253,7 @@ static st_status check_attn_layer(st_model *m, const st_layer *L, int il) {
     return ST_OK;
 }
 
+/* One transformer block (a forward layer, or the block of a NextN layer: il >= n_layer). */
 static st_status check_layer(st_model *m, const st_layer *L, int il) {
     const st_model_desc *d = &m->d;
     const int64_t E = d->n_embd;
