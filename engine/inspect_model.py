@@ -62,7 +62,7 @@ def analyse(mf: ModelFile) -> ModelReport:
         expert_bytes=expert_bytes,
         expert_bytes_per_token=int(expert_bytes * k_frac),
         dense_bytes=dense_bytes,
-        kv_bytes_per_token=2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim,
+        kv_bytes_per_token=hp.kv_bytes_per_token,
         n_ctx_train=hp.n_ctx_train,
         nextn_bytes=nextn_bytes,
     )
@@ -71,8 +71,14 @@ def analyse(mf: ModelFile) -> ModelReport:
 def _attention_line(mf: ModelFile) -> str:
     hp = mf.hparams
     t = mf.tensors
-    parts = [("q/k/v/o biases" if "blk.0.attn_output.bias" in t else "q/k/v biases")
-             if "blk.0.attn_q.bias" in t else "no biases"]
+    if hp.kv_lora_rank:
+        q = f"q rank {hp.q_lora_rank}" if hp.q_lora_rank else "q full rank"
+        parts = [f"latent (MLA): KV rank {hp.kv_lora_rank}, {q}, value dims {hp.head_dim_v or hp.head_dim} per head, "
+                 f"one cached row of {hp.kv_lora_rank} + {hp.rope_dim} per token "
+                 f"({'attn_k_b / attn_v_b' if hp.mla_split else 'attn_kv_b'})"]
+    else:
+        parts = [("q/k/v/o biases" if "blk.0.attn_output.bias" in t else "q/k/v biases")
+                 if "blk.0.attn_q.bias" in t else "no biases"]
     if "blk.0.attn_q_norm.weight" in t:
         parts.append("q/k norms")
     if hp.attn_sinks:
@@ -83,7 +89,7 @@ def _attention_line(mf: ModelFile) -> str:
         parts.append(f"sliding window {hp.n_swa} on {which} (the rest full)")
     rotary = "NEOX" if hp.rope_type == 2 else "NORM"
     parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
-                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}"
+                 + ((" (the last)" if hp.kv_lora_rank else " (partial)") if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}"
                  + (f", YaRN x{hp.rope_yarn_factor:g} over {hp.rope_yarn_orig_ctx} positions"
                     if hp.rope_yarn_factor else ""))
     return "attention       " + ", ".join(parts)

@@ -395,7 +395,7 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
             continue
         cat = _category(name)
         parts[cat] = parts.get(cat, 0) + _aligned(t.n_bytes)
-    kv_per_token = 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim
+    kv_per_token = hp.kv_bytes_per_token
     parts["KV cache"] = kv_per_token * n_ctx * n_seqs
     parts["step buffers"] = step_buffer_bytes(hp, step_tokens, logit_rows)
     if staging_slots:
@@ -486,7 +486,7 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
     ram_per_token = float((f * ebytes * ~resident).sum())
     # the GPU side of a decode token: every non-routed weight once (the embedding: one row), resident
     # experts by frequency, and the KV cache up to decode_pos
-    kv_per_token = 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim
+    kv_per_token = hp.kv_bytes_per_token
     emb = mf.tensors["token_embd.weight"]
     weights_read = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "staging slots",
                                                                  "context + graphs reserve", "embeddings"))

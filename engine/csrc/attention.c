@@ -2,7 +2,8 @@
  * one sequence (prefill), or a single query (decode).
  *
  * KV layout per layer and block: K is [n_kv][head_dim][block_size] (slots contiguous,
- * so 16 keys' values of one dimension are one vector load), V is [block_size][kv_dim].
+ * so 16 keys' values of one dimension are one vector load), V is [block_size][v_dim] (a
+ * head's values may be narrower than its keys: MLA's latent rows).
  *
  * Both paths compute every (query, key) with the same operations in the same order:
  * score = fma chain over dimensions, max, exp, a sequential sum over keys, an fma chain
@@ -25,8 +26,8 @@ static inline const f16_t *k_block(const kv_view *kv, int32_t blk) {
 }
 
 static inline const f16_t *v_row(const kv_view *kv, int32_t j) {
-    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->kv_dim +
-           (size_t)kv->kvh * (size_t)kv->hd;
+    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->v_dim +
+           (size_t)kv->kvh * (size_t)kv->vd;
 }
 
 /* ------------------------------------------------------------------ reference */
@@ -50,7 +51,7 @@ static void attn_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq
         float sum = 0.0f;
         for (int32_t j = 0; j < nk; j++) sum += (s[j] = expf(s[j] - mx));
         float *oi = out + i * o_stride;
-        for (int d = 0; d < hd; d++) {
+        for (int d = 0; d < kv->vd; d++) {
             float acc = 0.0f;
             for (int32_t j = 0; j < nk; j++) acc = fmaf(s[j], f16_to_f32(v_row(kv, j)[d]), acc);
             oi[d] = acc / sum;
@@ -82,12 +83,12 @@ void st_attn_ext(const kv_view *kv, const float *q, int64_t q_stride, int nq, in
         float sum = sink ? expf(*sink - mx) : 0.0f;
         for (int32_t j = lo; j <= p; j++) sum += (s[j] = expf(s[j] - mx));
         float *oi = out + i * o_stride;
-        for (int d = 0; d < hd; d++) oi[d] = 0.0f;
+        for (int d = 0; d < kv->vd; d++) oi[d] = 0.0f;
         for (int32_t j = lo; j <= p; j++) {
             const f16_t *vr = v_row(kv, j);
-            for (int d = 0; d < hd; d++) oi[d] = fmaf(s[j], f16_to_f32(vr[d]), oi[d]);
+            for (int d = 0; d < kv->vd; d++) oi[d] = fmaf(s[j], f16_to_f32(vr[d]), oi[d]);
         }
-        for (int d = 0; d < hd; d++) oi[d] /= sum;
+        for (int d = 0; d < kv->vd; d++) oi[d] /= sum;
     }
 }
 
@@ -152,7 +153,7 @@ T512 static void attn_tile_512(const kv_view *kv, const float *q, int64_t q_stri
     }
     float sums[LANES];
     _mm512_storeu_ps(sums, sum);
-    for (int c = 0; c < hd; c += 16) {
+    for (int c = 0; c < kv->vd; c += 16) {
         __m512 acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = _mm512_setzero_ps();
         for (int32_t j = 0; j < n_keys; j++) {
@@ -183,7 +184,7 @@ T512 static void attn_one_512(const kv_view *kv, const float *q, float *out, int
     for (int32_t j = 0; j < n_keys; j += LANES) _mm512_storeu_ps(S + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(S + j), _mm512_set1_ps(mx))));
     float sum = 0.0f; /* sequential over keys: the same order as a tile lane */
     for (int32_t j = 0; j < n_keys; j++) sum += S[j];
-    for (int c = 0; c < hd; c += 16) {
+    for (int c = 0; c < kv->vd; c += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int32_t j = 0; j < n_keys; j++)
             acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v_row(kv, j) + c))), acc);
@@ -262,14 +263,14 @@ T256 static void attn_tile_256(const kv_view *kv, const float *q, int64_t q_stri
         }
         _mm256_storeu_ps(sums + 8 * h, sum);
     }
-    for (int c = 0; c < hd; c += 8) {
+    for (int c = 0; c < kv->vd; c += 8) {
         __m256 acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = _mm256_setzero_ps();
         for (int32_t j0 = 0; j0 < n_keys; j0 += bs) { /* keys in order, one block table lookup per block */
             const f16_t *vb = v_row(kv, j0) + c;
             const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
             for (int32_t jj = 0; jj < jn; jj++) {
-                const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->kv_dim)));
+                const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->v_dim)));
                 const float *p = S + (size_t)(j0 + jj) * LANES;
                 for (int i = 0; i < LANES; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), vv, acc[i]);
             }
@@ -306,14 +307,14 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
     for (int32_t j = 0; j < n_keys; j++) sum += S[j];
     /* Values: 16 dims (two vectors) at a time, keys in order (each lane's fma chain over keys is
      * unchanged), v_row (a division) once per KV block instead of once per key. */
-    for (int c = 0; c < hd; c += 16) {
+    for (int c = 0; c < kv->vd; c += 16) {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int32_t j0 = 0; j0 < n_keys; j0 += bs) {
             const f16_t *vb = v_row(kv, j0) + c;
             const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
             for (int32_t jj = 0; jj < jn; jj++) {
                 const __m256 p = _mm256_set1_ps(S[j0 + jj]);
-                const f16_t *vr = vb + (size_t)jj * kv->kv_dim;
+                const f16_t *vr = vb + (size_t)jj * kv->v_dim;
                 a0 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)vr)), a0);
                 a1 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8))), a1);
             }

@@ -38,24 +38,24 @@ static void attn_task(void *vctx, int64_t item, int thread) {
     const attn_ctx *c = vctx;
     const st_model *m = c->m;
     const st_kv *kv = c->kv;
-    const int n_head = m->d.n_head, group = n_head / m->d.n_head_kv, hd = m->d.head_dim;
+    const int n_head = m->d.n_head, group = n_head / m->c_n_kv, hd = m->c_hd_k, vd = m->c_hd_v;
     const int64_t tile = item / n_head;
     const int h = (int)(item % n_head);
     const int32_t t0 = c->tiles[2 * tile], nq = c->tiles[2 * tile + 1];
-    const size_t layer_elems = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->kv_dim;
-    const kv_view view = {kv->k + (size_t)c->layer * layer_elems, kv->v + (size_t)c->layer * layer_elems,
+    const kv_view view = {kv->k + kv_offset_k(kv, c->layer, 0), kv->v + kv_offset_v(kv, c->layer, 0, 0),
                           c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks, kv->block_size, hd,
-                          kv->n_kv, kv->kv_dim, h / group};
+                          vd, kv->n_kv, kv->v_dim, h / group};
     const st_layer *L = &m->layers[c->layer];
     const int32_t n_swa = st_layer_swa(&m->d, c->layer) ? m->d.n_swa : 0;
+    const float *q = m->s.q + t0 * m->c_q_dim + (int64_t)h * hd;
+    float *out = m->s.att + t0 * m->c_o_dim + (int64_t)h * vd;
     if (n_swa > 0 || L->sinks.data) { /* gpt-oss: window and sink through the generic path */
-        st_attn_ext(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
-                    m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread,
-                    n_swa, L->sinks.data ? (const float *)L->sinks.data + h : NULL);
+        st_attn_ext(&view, q, m->c_q_dim, nq, c->b->pos[t0], out, m->c_o_dim,
+                    c->scratch + (size_t)thread * c->per_thread, n_swa,
+                    L->sinks.data ? (const float *)L->sinks.data + h : NULL);
         return;
     }
-    c->fn(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
-          m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread);
+    c->fn(&view, q, m->c_q_dim, nq, c->b->pos[t0], out, m->c_o_dim, c->scratch + (size_t)thread * c->per_thread);
 }
 
 /* Split the batch into attention tiles: runs of one sequence at consecutive positions. */
@@ -72,12 +72,13 @@ static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
     return n;
 }
 
-static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type, const float *inv_freq, int32_t pos) {
+void st_rope_row(float *x, int n_heads, int hd, int off, int rope_dim, int rope_type, const float *inv_freq,
+                 int32_t pos) {
     for (int i = 0; i < rope_dim / 2; i++) {
         const float theta = (float)pos * inv_freq[i];
         const float cs = cosf(theta), sn = sinf(theta);
         for (int h = 0; h < n_heads; h++) {
-            float *v = x + h * hd;
+            float *v = x + h * hd + off;
             const int a = rope_type == ST_ROPE_NEOX ? i : 2 * i;
             const int b = rope_type == ST_ROPE_NEOX ? i + rope_dim / 2 : 2 * i + 1;
             const float x0 = v[a], x1 = v[b];
@@ -87,7 +88,18 @@ static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type,
     }
 }
 
+void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il) {
+    scratch *s = &m->s;
+    const int32_t n_tiles = build_tiles(b, s->tiles);
+    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx, st_attn()};
+    st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * m->d.n_head);
+}
+
 static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T) {
+    if (m->d.kv_lora_rank > 0) {
+        st_mla_block(m, kv, pool, b, il, T);
+        return;
+    }
     const st_layer *L = &m->layers[il];
     scratch *s = &m->s;
     const st_model_desc *d = &m->d;
@@ -108,8 +120,8 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
             for (int h = 0; h < d->n_head; h++) st_rmsnorm_row(q + h * hd, L->q_norm.data, q + h * hd, hd, d->norm_eps);
             for (int h = 0; h < d->n_head_kv; h++) st_rmsnorm_row(k + h * hd, L->k_norm.data, k + h * hd, hd, d->norm_eps);
         }
-        rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
+        st_rope_row(q, d->n_head, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
+        st_rope_row(k, d->n_head_kv, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
         const float scale = m->rope_mscale / sqrtf((float)hd); /* folded into q once */
         for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
         if (m->rope_mscale != 1.0f)
@@ -118,9 +130,7 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);
     }
-    const int32_t n_tiles = build_tiles(b, s->tiles);
-    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx, st_attn()};
-    st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * d->n_head);
+    st_attention_tiles(m, kv, pool, b, il);
     const acts ain = st_make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), layer_buf(s));
     st_linear(pool, &L->wo, &ain, NULL, T, s->tmp, E);
     st_add_bias(s->tmp, &L->bo, T, E);
@@ -162,6 +172,10 @@ static st_status validate_batch(const st_model *m, const st_kv *kv, const st_bat
     if ((int64_t)b->n_tokens * (int64_t)(m->d.n_expert_used + 1) > INT32_MAX)
         return st_fail(ST_ERANGE, "forward: %d tokens x %d experts exceed the step's pair index range", b->n_tokens,
                        m->d.n_expert_used + 1);
+    /* latent attention's per-head rows are indexed t * n_head + h in 32 bits */
+    if (m->d.kv_lora_rank > 0 && (int64_t)b->n_tokens * m->d.n_head > INT32_MAX)
+        return st_fail(ST_ERANGE, "forward: %d tokens x %d heads exceed the step's row index range", b->n_tokens,
+                       m->d.n_head);
     if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
         return st_fail(ST_EINVAL, "forward: batch is missing arrays");
     if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || (!b->logits && !b->out_tokens))))
@@ -230,8 +244,8 @@ static float *logits_buffer(scratch *s, size_t n) {
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats) {
     if (!m || !kv || !b || !pool) return st_fail(ST_EINVAL, "forward: NULL argument");
-    if (kv->n_layer != m->d.n_layer || kv->kv_dim != m->kv_dim || kv->n_kv != m->d.n_head_kv ||
-        kv->head_dim != m->d.head_dim)
+    if (kv->n_layer != m->d.n_layer || kv->n_kv != m->c_n_kv || kv->head_dim != m->c_hd_k ||
+        kv->head_dim_v != m->c_hd_v)
         return st_fail(ST_EINVAL, "forward: KV cache was created for another model");
     CHECK(validate_batch(m, kv, b));
     st_model_repack(m); /* first step only; a CPU step, so a model that only validated a file for the GPU never repacks */
@@ -245,7 +259,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     const int nt = st_pool_threads(pool);
     const size_t ctx = (size_t)b->max_blocks * (size_t)kv->block_size;
     CHECK(st_scratch_ensure(m, (size_t)(T > b->n_logits ? T : b->n_logits), (size_t)nt,
-                            st_attn_scratch_floats(m->d.head_dim, (int32_t)ctx)));
+                            st_attn_scratch_floats(m->c_hd_k, (int32_t)ctx)));
     scratch *s = &m->s;
     const int32_t *ids = b->tokens;
     if (b->token_src) { /* the previous step's picks, before this step replaces them */

@@ -169,24 +169,31 @@ st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float
     return ST_OK;
 }
 
-st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
-                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
-                       int32_t nq, int32_t p0, float *out) {
+st_status st_attention_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                          int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                          const float *q, int32_t nq, int32_t p0, float *out) {
     if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention: NULL argument");
     if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 16 ||
-        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || n_kv < 1 || n_kv > ST_MAX_HEADS || kv_head < 0 ||
-        kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0 || p0 > INT32_MAX - nq)
-        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
-                       head_dim, n_kv, kv_head, nq, p0);
+        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || v_dim < 16 || v_dim > head_dim || v_dim % 16 || n_kv < 1 ||
+        n_kv > ST_MAX_HEADS || kv_head < 0 || kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0 ||
+        p0 > INT32_MAX - nq)
+        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d vd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
+                       head_dim, v_dim, n_kv, kv_head, nq, p0);
     const st_status rc = check_variant(variant);
     if (rc) return rc;
     const attn_fn fn = attn_variant(variant);
     float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
     if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
-    const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
-    fn(&view, q, head_dim, nq, p0, out, head_dim, scratch);
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head};
+    fn(&view, q, head_dim, nq, p0, out, v_dim, scratch);
     free(scratch);
     return ST_OK;
+}
+
+st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                       int32_t nq, int32_t p0, float *out) {
+    return st_attention_kv(variant, k, v, block_table, block_size, head_dim, head_dim, n_kv, kv_head, q, nq, p0, out);
 }
 
 static double thread_cpu_s(void) {

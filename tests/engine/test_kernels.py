@@ -652,6 +652,56 @@ def test_attention_tile_equals_single_queries_bitwise(variant: str) -> None:
     assert np.array_equal(half, tile[5:12])
 
 
+def attention_kv(variant: str, k: np.ndarray, v: np.ndarray, bt: np.ndarray, bs: int, hd: int, vd: int, n_kv: int,
+                 kvh: int, q: np.ndarray, p0: int) -> np.ndarray:
+    nq = q.shape[0]
+    out = np.zeros((nq, vd), np.float32)
+    rc = lib.st_attention_kv(VARIANTS[variant], ptr(k), ptr(v), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh,
+                             ptr(q, "float *"), nq, p0, ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize(("hd", "vd", "n_kv", "kvh"), [(80, 64, 1, 0), (48, 32, 3, 2), (64, 16, 2, 1)])
+@pytest.mark.parametrize(("nq", "p0"), [(1, 0), (1, 45), (16, 20), (7, 64)])
+def test_attention_narrower_values_every_variant(variant: str, hd: int, vd: int, n_kv: int, kvh: int, nq: int,
+                                                 p0: int) -> None:
+    """Values narrower than keys (MLA's latent row: keys are the latent and the rotary part, values the
+    latent alone): every variant against the float64 oracle, and a tile's rows equal the same
+    queries alone, bit for bit."""
+    rng = np.random.default_rng(hd * 100 + vd + nq * 7 + p0)
+    bs, n_blocks = 16, 12
+    k = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)
+    v = rng.standard_normal((n_blocks, bs, n_kv * vd)).astype(np.float16)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
+    got = attention_kv(variant, k, v, bt, bs, hd, vd, n_kv, kvh, q, p0)
+    n = p0 + nq
+    keys = np.stack([k[bt[j // bs], kvh, :, j % bs] for j in range(n)]).astype(np.float64)
+    vals = np.stack([v[bt[j // bs], j % bs, kvh * vd : (kvh + 1) * vd] for j in range(n)]).astype(np.float64)
+    ref = []
+    for i, qi in enumerate(q.astype(np.float64)):
+        sc = keys[: p0 + i + 1] @ qi
+        pr = np.exp(sc - sc.max())
+        ref.append((pr / pr.sum()) @ vals[: p0 + i + 1])
+    assert np.abs(got - np.array(ref)).max() <= 1e-4 * max(1.0, np.abs(np.array(ref)).max())
+    for i in range(nq):
+        one = attention_kv(variant, k, v, bt, bs, hd, vd, n_kv, kvh, q[i : i + 1].copy(), p0 + i)
+        assert np.array_equal(one[0], got[i]), i
+
+
+def test_attention_kv_rejects_bad_value_widths() -> None:
+    z = np.zeros(8192, np.float16)
+    bt = np.zeros(4, np.int32)
+    q = np.zeros((1, 64), np.float32)
+    out = np.zeros((1, 80), np.float32)
+    for vd in (80, 8, 24, 0):  # wider than the keys, below 16, not a multiple of 16
+        rc = lib.st_attention_kv(0, ptr(z), ptr(z), ptr(bt, "int32_t *"), 16, 64, vd, 1, 0, ptr(q, "float *"), 1, 0,
+                                 ptr(out, "float *"))
+        assert rc == lib.ST_EINVAL and "bad shape" in ffi.string(lib.st_last_error()).decode(), vd
+
+
 def test_attention_rejects_bad_shapes() -> None:
     z = np.zeros(4096, np.float16)
     bt = np.zeros(4, np.int32)
