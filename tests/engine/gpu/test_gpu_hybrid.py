@@ -10,7 +10,7 @@ two tokens within `bound` of max|logit| (test_gpu_models.py's rule and reasons: 
 another order, which can move an 8-bit activation across a rounding step). The default model's bound is
 max(1e-2, the CPU's own auto-vs-reference kernel spread), as in test_gpu_models.py.
 
-Also: the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
+Also: a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
 the budget, and the model's own accounting matches the plan; the frame profile's parts; launch / wait with
 token_src on a hybrid model; bad resident masks are typed errors.
 """
@@ -79,10 +79,11 @@ def random_placement(path: Path, seed: int = 1) -> PlacementFile:
     return PlacementFile.for_model(mf, stats, source="random counts (test)")
 
 
-def budget_gb(path: Path, frac: float, pf: PlacementFile | None, prefill_chunk: int = 512) -> float:
+def budget_gb(path: Path, frac: float, pf: PlacementFile | None, prefill_chunk: int = 512,
+              kv_tokens: int = KV_TOKENS) -> float:
     """The budget that leaves `frac` of the routed expert bytes for resident experts after the fixed parts."""
     mf = open_model(path)
-    base = plan(mf, engine_plan_params(0, KV_TOKENS, 16, prefill_chunk), pf.stats.frequencies() if pf else None)
+    base = plan(mf, engine_plan_params(0, kv_tokens, 16, prefill_chunk), pf.stats.frequencies() if pf else None)
     return (base.fixed_bytes + int(frac * base.routed_bytes) + 64) / 2**30
 
 
@@ -333,3 +334,33 @@ def test_vram_held_stays_within_the_budget(tmp_path: Path) -> None:
     reserve = fixed["context + graphs reserve"]
     assert grew <= own + reserve, f"the driver saw {grew - own} bytes beyond the model's allocations"
     assert held <= budget * 2**30, f"the lane's process held {held} bytes, over its budget {budget * 2**30:.0f}"
+
+
+async def test_hybrid_lane_serves_over_http(tmp_path: Path) -> None:
+    """A lane with `device = "cuda"` and a budget of 30% of the routed experts (lane keys `gpu_budget_gb`,
+    `placement`): /v1/lane reports the hybrid placement, and a greedy completion is the CPU engine's text (the
+    random Qwen3-MoE Q8_0 model of test_gpu_lane.py)."""
+    import aiohttp
+
+    from tests.lanes.conftest import KV_TOKENS as LANE_KV
+    from tests.lanes.conftest import lane_config, running_lane
+
+    H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) is needed to build the random model")
+    hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "qwen3moe")
+    path = H.to_gguf(hf_dir, tmp_path / "qwen3moe.q8_0.gguf", "q8_0")
+    pf_path = random_placement(path).save(tmp_path / "qwen3moe.placement.json")
+    budget = budget_gb(path, 0.3, PlacementFile.load(pf_path), kv_tokens=LANE_KV)
+    body = {"model": "strata-default", "prompt": "hello there", "max_tokens": 12, "temperature": 0}
+    cfg = lane_config(model=path, device="cuda", gpu=0, gpu_budget_gb=budget, placement=pf_path)
+    async with running_lane(cfg, None) as lane, aiohttp.ClientSession() as s:
+        async with s.get(lane.url + "/v1/lane") as r:
+            info = await r.json()
+        gi = info["gpu_info"]
+        assert gi["hybrid"] is True and gi["gpu_budget_gb"] == budget, gi
+        assert 0 < gi["resident_experts"] < gi["routed_experts"], gi
+        async with s.post(lane.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            got = (await r.json())["choices"][0]["text"]
+    with Engine.open(path, threads=2, kv_tokens=2048) as cpu:
+        want = cpu.generate(cpu.tokenizer.encode("hello there", add_special=True, parse_special=True), max_tokens=12)
+    assert got == want.text, f"hybrid lane {got!r}, CPU engine {want.text!r}"
