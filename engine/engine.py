@@ -386,7 +386,7 @@ class Engine:
             st = io.stats
             if self._gpu is not None:
                 self._gpu.forward(b, st)
-                self.last_stats = _stats(st, self._gpu.profile())
+                self.last_stats = _stats(st, self._gpu_profile(st))
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
                 self.last_stats = _stats(st)
@@ -506,7 +506,7 @@ class Engine:
         if self._gpu is not None:
             st = self._io.stats
             self._gpu.wait(c_ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
-            stats = _stats(st, self._gpu.profile())
+            stats = _stats(st, self._gpu_profile(st))
         return out, stats
 
     def wait(self, ticket: int) -> np.ndarray:
@@ -527,6 +527,14 @@ class Engine:
                 raise EngineError(f"wait: no launched step {ticket} to wait for", lib.ST_EINVAL)
             self.last_stats = stats
         return out
+
+    def _gpu_profile(self, st: Any) -> dict[str, float]:
+        """The frame profile of the GPU step just waited: the C library's for a hybrid model; on the GPU alone
+        it is the step itself (every pair on the GPU, nothing waited), without a call."""
+        if self.resident is not None:
+            return self._gpu.profile()
+        return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "pairs_gpu": int(st.n_expert_tokens),
+                "pairs_cpu": 0, "staged_bytes": 0}
 
     def gpu_memory(self) -> dict[str, int]:
         """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and
