@@ -56,7 +56,7 @@ def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
     return Engine.open(config.model, threads=config.engine_threads(cores), cores=cores,
                        kv_tokens=config.kv_tokens, max_model_len=config.max_model_len,
                        block_size=config.block_size, prefill_chunk=config.prefill_chunk,
-                       device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb)
+                       device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement)
 
 
 def pin_process(cores: Sequence[int]) -> None:
@@ -429,12 +429,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _gpu_info(eng: Any) -> dict[str, Any] | None:
-    """The GPU a lane's engine runs on (None on the CPU): name, memory, what the model holds there."""
+    """The GPU a lane's engine runs on (None on the CPU): name, memory, what the model holds there (hybrid
+    placement: the budget and how many routed experts the GPU holds)."""
     gpu = getattr(eng, "_gpu", None)
     if gpu is None:
         return None
+    mem = gpu.memory()
+    hp = eng.hparams
     return {"index": gpu.info.index, "name": gpu.info.name, "total_bytes": gpu.info.total_bytes,
-            "weight_bytes": gpu.weight_bytes, "kv_bytes": gpu.kv_bytes}
+            "weight_bytes": gpu.weight_bytes, "kv_bytes": gpu.kv_bytes, "scratch_bytes": mem["scratch"],
+            "gpu_budget_gb": eng.gpu_budget_gb, "hybrid": eng.resident is not None,
+            "resident_experts": mem["resident_experts"], "routed_experts": hp.n_layer * hp.n_expert}
 
 
 async def lane_info(request: web.Request) -> web.Response:

@@ -108,3 +108,20 @@ def test_gpu_budget_and_cores_reach_the_engine(tmp_path: Path) -> None:
     assert load_config(None, {}).gpu_budget_gb is None
     with open_engine(cfg.model_copy(update={"kv_tokens": 64}), [0]) as eng:  # the default model, on the CPU
         assert eng.gpu_budget_gb == 24.5 and eng.cores == [0] and eng.threads == 1
+
+
+def test_placement_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`placement` (hybrid placement's routing frequencies) goes to Engine.open with the budget."""
+    from lanes import server
+
+    f = tmp_path / "lane.toml"
+    f.write_text('device = "cuda"\ngpu_budget_gb = 20\nplacement = "/srv/m.gguf.placement.json"\n')
+    cfg = load_config(f, {})
+    assert cfg.placement == Path("/srv/m.gguf.placement.json")
+    assert load_config(None, {"STRATA_LANE_PLACEMENT": "/x.json"}).placement == Path("/x.json")
+    assert load_config(None, {}).placement is None
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(server.Engine, "open", lambda *a, **kw: seen.update(kw) or "engine")
+    assert server.open_engine(cfg, None) == "engine"
+    assert seen["placement"] == Path("/srv/m.gguf.placement.json") and seen["gpu_budget_gb"] == 20
+    assert seen["device"] == "cuda:0"

@@ -164,6 +164,53 @@ static int routed_mv_max(const stg_model *m, int il, int32_t T) {
     return g_set.routed_mv_max;
 }
 
+/* The routed experts of a layer over the grouping's pairs (s.gexp ...: experts, or a hybrid layer's slots):
+ * pair_out rows of every grouped pair. */
+static stg_status routed_experts(stg_model *m, const dlayer &L, int32_t T, int mv_max) {
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const int32_t P = T * k;
+    const int64_t E = m->d.n_embd;
+    const acts_d rin{s.aq, s.ad, s.as, s.xn};
+    /* gate+up over every (token, expert) pair, grouped by expert: one launch (the GEMM's groups), and with
+     * mv_max a second one, the matvec of the groups of at most mv_max pairs (routed_mv_max) */
+    lin_groups ge = {};
+    ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
+    ge.list = s.list, ge.in_map = s.pair_tok;
+    ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
+    ge.pair_mv = mv_max ? s.pair_mv : nullptr;
+    lin_groups gm = ge;
+    gm.gexp = s.mexp, gm.gstart = s.mstart, gm.gcount = s.mcount, gm.n_groups = s.n_mgroups;
+    gm.tiles = gm.n_tiles = gm.pair_mv = nullptr;
+    const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
+    const int64_t F = m->n_ff_exp;
+    const acts_d ein = rin;
+    const bool down_q = !stg_is_float(L.down_exps.type);
+    const acts_d hin{s.hq, s.hd, s.hs, s.h};
+    lin_groups gd = ge, gdm = gm;
+    gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
+    if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
+        CU(cudaEventRecord(m->fork, st), "experts: fork");
+        CU(cudaStreamWaitEvent(m->side, m->fork, 0), "experts: fork");
+        bool fused_mv = false;
+        const fused_quant fq_mv{s.hq, s.hd, s.hs, &fused_mv};
+        CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
+                     STG_PATH_MATVEC));
+        if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
+        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
+                     STG_PATH_MATVEC));
+        CU(cudaEventRecord(m->join, m->side), "experts: join");
+    }
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
+    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
+    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
+    if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
+    return ST_OK;
+}
+
 static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
@@ -227,41 +274,12 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         LAUNCHED("group");
     }
     }
-    /* gate+up over every (token, expert) pair, grouped by expert: one launch (the GEMM's groups), and with
-     * mv_max a second one, the matvec of the groups of at most mv_max pairs (routed_mv_max) */
-    lin_groups ge = {};
-    ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
-    ge.list = s.list, ge.in_map = s.pair_tok;
-    ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
-    ge.pair_mv = mv_max ? s.pair_mv : nullptr;
-    lin_groups gm = ge;
-    gm.gexp = s.mexp, gm.gstart = s.mstart, gm.gcount = s.mcount, gm.n_groups = s.n_mgroups;
-    gm.tiles = gm.n_tiles = gm.pair_mv = nullptr;
-    const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
-    const int64_t F = m->n_ff_exp;
-    const acts_d ein = rin;
-    const bool down_q = !stg_is_float(L.down_exps.type);
-    const acts_d hin{s.hq, s.hd, s.hs, s.h};
-    lin_groups gd = ge, gdm = gm;
-    gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
-    if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
-        CU(cudaEventRecord(m->fork, st), "experts: fork");
-        CU(cudaStreamWaitEvent(m->side, m->fork, 0), "experts: fork");
-        bool fused_mv = false;
-        const fused_quant fq_mv{s.hq, s.hd, s.hs, &fused_mv};
-        CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
-                     STG_PATH_MATVEC));
-        if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
-        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
-                     STG_PATH_MATVEC));
-        CU(cudaEventRecord(m->join, m->side), "experts: join");
-    }
-    bool fused = false;
-    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
-    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
-    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
-    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
-    if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
+    /* with experts off the device (hybrid.cu): xn and the routing to the host, the resident pairs regrouped by
+     * slot; the resident experts run while the host computes the others, whose rows land in pair_out next */
+    const bool cpu_share = hybrid_layer(m, il);
+    if (cpu_share) CHECK(hybrid_send(m, il, T, mv_max));
+    if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) CHECK(routed_experts(m, L, T, mv_max));
+    if (cpu_share) CHECK(hybrid_receive(m, il, T));
     if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
         return ST_OK;

@@ -16,6 +16,11 @@ struct dlayer {
         gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
 };
 
+/* A list of device allocations freed together, and the bytes they hold (stg_model_memory). */
+struct dlist : std::vector<void *> {
+    int64_t bytes = 0;
+};
+
 struct scratch {
     int64_t cap_t = 0, cap_l = 0, cap_bt = 0;
     float *x, *xn, *q, *k, *v, *att, *router, *topk_w, *h, *h2, *pair_out, *gsh, *logits, *xl;
@@ -33,7 +38,7 @@ struct scratch {
     unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
-    std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
+    dlist step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
 };
 
 #define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
@@ -49,6 +54,35 @@ struct graph_entry {
     cudaGraphExec_t exec;
 };
 
+/* A hybrid step's CPU share (hybrid.cu), per launched step: per layer, an event after the resident experts and
+ * one where the CPU's rows are copied in (their gap: the device waiting on the CPU), and the host's sums. */
+struct hybrid_step {
+    std::vector<cudaEvent_t> a, b;
+    std::vector<char> used; /* [n_layer] the layer had CPU pairs (a and b recorded) */
+    double t_cpu = 0.0;     /* seconds in the CPU engine's experts */
+    int64_t cpu_pairs = 0;
+};
+
+/* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer)
+ * and the buffers through which the CPU engine computes the others. */
+struct hybrid {
+    bool on = false;              /* some routed expert is not resident */
+    std::vector<uint8_t> resident; /* [n_layer * n_expert] */
+    std::vector<int32_t> n_slots;  /* [n_layer] resident experts */
+    int32_t *d_slot = nullptr;     /* device [n_layer * n_expert]: expert -> slot, -1 not resident */
+    stg_cpu_experts cpu = {};
+    /* grown with the scratch (cap_t tokens): device slot ids, CPU rows' pair indices and values; pinned host
+     * copies of xn and topk_id, and the CPU's rows */
+    int32_t *sid = nullptr, *d_idx = nullptr;
+    float *d_out = nullptr;
+    float *h_xn = nullptr, *h_out = nullptr;
+    int32_t *h_ids = nullptr, *h_idx = nullptr;
+    std::vector<void *> pinned;
+    std::vector<int32_t> pair_tok, pair_exp; /* the CPU pairs of a layer (st_moe_pairs) */
+    cudaEvent_t ready = nullptr; /* xn and topk_id are on the host */
+    hybrid_step *cur = nullptr;  /* the step being queued */
+};
+
 /* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */
 struct inflight {
     bool live = false;
@@ -61,6 +95,7 @@ struct inflight {
     int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
     int64_t cap_picks = 0;
     int32_t *h_hist = nullptr; /* pinned [n_layer * n_expert]: the histogram's copy */
+    hybrid_step hy;
 };
 
 struct stg_model {
@@ -83,7 +118,7 @@ struct stg_model {
     cudaEvent_t fork = nullptr, join = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
-    std::vector<void *> allocs;
+    dlist allocs;
     std::vector<graph_entry> graphs;
     int32_t graph_failures = 0;
     char graph_note[256] = "";
@@ -110,7 +145,13 @@ struct stg_model {
     int64_t next_ticket = 1;
     int32_t n_live = 0;
     int32_t last_picks = 0; /* greedy picks in s.picks from the last launched step (token_src's bound); 0 none */
+    hybrid hy;
+    stg_profile profile = {}; /* the last waited step's (stg_step_profile) */
 };
+
+/* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
+static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
+static stg_status hybrid_scratch(stg_model *m, int64_t T);
 
 static void drop_graphs(stg_model *m) {
     for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);

@@ -115,7 +115,8 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
 #define LAYER_EVENT_PERIOD 64 /* graph-sized steps: per-layer events on one step in 64 (each such step +0.2 ms at batch 1) */
 #define GRAPH_CACHE 64
 
-static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs; }
+/* a hybrid model's steps are queued layer by layer by the host (hybrid.cu): never a graph */
+static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs && !m->hy.on; }
 
 #define MV_DECIDE 32 /* decode steps of one size between two decisions of the routed split (mv_update) */
 #define MV_FIRST 4   /* and before the first one */
@@ -317,10 +318,11 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graphs_enabled(m, T) && all_runs_long(b->seq, T, m->set.gemm_fast_min);
-    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast; /* see g_gemm_fast */
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on; /* see g_gemm_fast; hybrid: kernels follow copies */
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
     m->last_picks = 0; /* s.picks is this step's from here on */
+    CHECK(hybrid_step_begin(m, f.hy));
     const stg_status src = graphs_enabled(m, T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     const bool mv_fed = m->mv_step != nullptr;
@@ -404,6 +406,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             }
         }
     }
+    hybrid_profile(m, f.hy, stt->t_total, pairs);
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

@@ -22,5 +22,6 @@
 #include "attention_mma.cu"     /* prefill attention on tensor cores */
 #include "attention_prefill.cu" /* prefill query tiles, attention_setup */
 #include "model.cu"         /* devices, settings, upload, KV cache, scratch */
+#include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
 #include "layer.cu"         /* the attention and FFN blocks of one layer */
 #include "step.cu"          /* a step: graphs, launch / wait, stg_forward */
