@@ -125,7 +125,18 @@ def step_buffer_bytes(hp: HParams, step_tokens: int = 512, logit_rows: int = 64)
     k_max = max(hp.n_embd, q_dim, hp.n_ff, hp.n_ff_shexp)
     per_token = 4 * (2 * hp.n_embd + 2 * q_dim + 2 * kv_dim + 2 * max(hp.n_expert, 1) + 2 * k) + k_max * 1.5
     per_pair = ff * (4 + 4 + 1.5) + 4 * hp.n_embd + 8
-    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd))
+    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd)
+               + split_partial_bytes(hp))
+
+
+def split_partial_bytes(hp: HParams) -> int:
+    """The most the GPU's split-KV decode partials hold (engine/csrc/cuda/attention_split.cu): 64 tokens x 64
+    splits x query heads, each head_dim + 2 floats, allocated by the first step that splits; 0 for heads the
+    split path does not take (head_dim other than 32 / 64 / 128, or query heads per KV head not dividing 16)."""
+    g = hp.n_head // hp.n_head_kv if hp.n_head_kv else 0
+    if hp.head_dim not in (32, 64, 128) or not g or 16 % g:
+        return 0
+    return 64 * 64 * hp.n_head * (hp.head_dim + 2) * 4
 
 
 def _fmt_bytes(n: float) -> str:

@@ -34,13 +34,15 @@ static combine_args take_combine(stg_model *m) {
 
 static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
                                   const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv,
-                                  const int32_t *d_tiles, int32_t n_tiles) {
+                                  const int32_t *d_tiles, int32_t n_tiles, int32_t att_split) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
     const st_model_desc &d = m->d;
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
+    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post */
+    const bool fuse = fuse_qkv && att_split <= 1;
     launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
@@ -59,7 +61,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         sg.seg_w[0] = L.wq.d, sg.seg_w[1] = L.wk.d, sg.seg_w[2] = L.wv.d;
         sg.seg_out[0] = s.q, sg.seg_out[1] = s.k, sg.seg_out[2] = s.v;
         sg.seg_ldo[0] = m->q_dim, sg.seg_ldo[1] = sg.seg_ldo[2] = m->kv_dim;
-        g_defer_combine = fuse_qkv, g_deferred = false; /* only the fused attention reads q/k/v */
+        g_defer_combine = fuse, g_deferred = false; /* only the fused attention reads q/k/v */
         const stg_status lrc = linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE, STG_PATH_AUTO, &sg);
         g_defer_combine = false;
         CHECK(lrc);
@@ -90,7 +92,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qa.scale = 1.0f / sqrtf((float)d.head_dim);
     qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
     qa.kpart = qkv_parts ? g_kpart : nullptr, qa.kp_n = m->q_dim + 2 * m->kv_dim, qa.kp_t = T;
-    if (!fuse_qkv) {
+    if (!fuse) {
         launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)),
                  QKV_WARPS * 32, 0, st, qa);
         LAUNCHED("qkv");
@@ -103,11 +105,15 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
-    aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
-    aa.pre = fuse_qkv ? 1 : 0;
+    aa.fused = fuse ? 1 : 0, aa.qa = qa;
+    aa.pre = fuse ? 1 : 0;
     if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
-    if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
+    if (att_split > 1) {
+        aa.part_acc = s.apart, aa.part_ml = s.aml;
+        aa.split_min = g_set.att_split_min, aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = m->att_zmax;
+        CHECK(launch_attention_split(aa, T, att_split, st));
+    } else if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
         if (g_att_mma_tiles > 0)

@@ -55,6 +55,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
+    s->att_split_min = 1024;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -75,6 +76,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
+    RANGE(att_split_min, 0, INT32_MAX)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -303,6 +305,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
     drop_graphs(m);
     free_list(m->s.step_allocs);
     free_list(m->s.ints_allocs);
+    free_list(m->s.part_allocs);
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (void *p : m->hy.pinned) cudaFreeHost(p);
@@ -342,11 +345,14 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
     m->device = device;
     m->set = set;
     cudaDeviceGetAttribute(&m->cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    int n_sm = 0;
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
     m->d = *desc;
     m->d.layers = nullptr;
     m->q_dim = desc->n_head * desc->head_dim;
     m->kv_dim = desc->n_head_kv * desc->head_dim;
     stg_status rc = validate(m, desc->layers);
+    if (rc == ST_OK) m->att_zmax = att_split_zmax(n_sm, desc->n_head_kv);
     if (rc == ST_OK) rc = hybrid_setup(m, resident, cpu);
     if (rc == ST_OK) rc = upload(m, desc->layers);
     if (rc == ST_OK) {
@@ -397,7 +403,7 @@ extern "C" int64_t stg_model_weight_bytes(const stg_model *m) { return m ? m->ar
 extern "C" stg_status stg_model_memory(const stg_model *m, int64_t *weights, int64_t *scratch) {
     if (!m || !weights || !scratch) return fail(ST_EINVAL, "model_memory: NULL argument");
     *weights = m->arena_bytes;
-    *scratch = m->allocs.bytes - m->arena_bytes + m->s.step_allocs.bytes + m->s.ints_allocs.bytes;
+    *scratch = m->allocs.bytes - m->arena_bytes + m->s.step_allocs.bytes + m->s.ints_allocs.bytes + m->s.part_allocs.bytes;
     return ST_OK;
 }
 
@@ -568,5 +574,25 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.ints_allocs, &s.ints, sizeof(int32_t) * (size_t)want));
         s.cap_ints = want;
     }
+    return ST_OK;
+}
+
+/* Room for `rows` split-KV partials (attention_split.cu: tokens x heads x splits of a step), growing by
+ * doubling up to the most a step can need (ATT_SPLIT_MAX_T tokens x att_zmax splits x heads). The old
+ * buffers go as in ensure_scratch: the stream synchronised (every launched step too), the graphs that point
+ * at them dropped. */
+static stg_status ensure_att_parts(stg_model *m, int64_t rows) {
+    scratch &s = m->s;
+    if (rows <= s.cap_parts) return ST_OK;
+    CU(cudaStreamSynchronize(m->stream), "scratch");
+    drop_graphs(m);
+    free_list(s.part_allocs);
+    const int64_t most = (int64_t)ATT_SPLIT_MAX_T * m->att_zmax * m->d.n_head;
+    const int64_t want = std::max(rows, std::min(2 * s.cap_parts, most));
+    s.cap_parts = 0;
+    s.apart = s.aml = nullptr;
+    CHECK(dalloc_in(s.part_allocs, &s.apart, sizeof(float) * (size_t)want * (size_t)m->d.head_dim));
+    CHECK(dalloc_in(s.part_allocs, &s.aml, sizeof(float) * (size_t)want * 2));
+    s.cap_parts = want;
     return ST_OK;
 }

@@ -38,7 +38,11 @@ struct scratch {
     unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
-    dlist step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
+    /* split-KV decode's partials (attention_split.cu): cap_parts rows of (output [head_dim]) and (max, sum),
+     * allocated by the first step that splits (ensure_att_parts) */
+    float *apart = nullptr, *aml = nullptr;
+    int64_t cap_parts = 0;
+    dlist step_allocs, ints_allocs, part_allocs; /* replaced (freed) when a step needs more */
 };
 
 #define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
@@ -101,6 +105,7 @@ struct inflight {
 struct stg_model {
     int device;
     int cc_major = 0;
+    int32_t att_zmax = 1; /* splits of one sequence at most in split-KV decode (att_split_zmax of the SM count) */
     stg_settings set; /* read when the model opens (stg_model_create), replaced by stg_model_set_settings */
     st_model_desc d;
     std::vector<dlayer> L;

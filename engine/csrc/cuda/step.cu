@@ -59,6 +59,7 @@ struct step_shape {
     int32_t n_tiles;
     bool greedy; /* the logit rows' greedy picks into s.picks after the head (k_argmax_split) */
     const int32_t *d_src; /* st_batch.token_src uploaded, or NULL: the embedding reads the previous picks */
+    int32_t att_split; /* split-KV decode's grid depth (att_split_grid; 1: the unsplit kernels) */
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -83,7 +84,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     for (int il = 0; il < nL; il++) {
         if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
         CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb, sh.fuse_qkv, sh.d_tiles,
-                              sh.n_tiles));
+                              sh.n_tiles, sh.att_split));
         if (sh.layer_events) CU(record(ev[3 * il + 1], st, sh.capturing), "forward");
         CHECK(ffn_block(m, il, sh.T));
         if (sh.layer_events) CU(record(ev[3 * il + 2], st, sh.capturing), "forward");
@@ -234,6 +235,20 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const int32_t mb = (b->max_blocks + 15) / 16 * 16;
     const int64_t n_bt = (int64_t)b->n_seqs * mb;
     CHECK(ensure_scratch(m, T, NL, n_bt));
+    /* q/k/v post-processing inside attention when no token reads another's new K/V of this
+     * step: every token of a different sequence (decode). */
+    bool fuse_qkv = m->d.head_dim <= 256;
+    if (fuse_qkv) {
+        std::vector<char> &seen = m->seq_seen;
+        seen.assign((size_t)b->n_seqs, 0);
+        for (int32_t i = 0; i < T && fuse_qkv; i++) {
+            if (seen[(size_t)b->seq[i]]) fuse_qkv = false;
+            seen[(size_t)b->seq[i]] = 1;
+        }
+    }
+    /* split-KV decode at long context: its grid from the padded table width (a graph's key) */
+    const int32_t att_split = att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, (int64_t)mb * kv->block_size);
+    if (att_split > 1) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -300,20 +315,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         sp.steps++;
     }
     if (other.live && other.layer_events) layer_events = false;
-    /* q/k/v post-processing inside attention when no token reads another's new K/V of this
-     * step: every token of a different sequence (decode). */
-    bool fuse_qkv = m->d.head_dim <= 256;
-    if (fuse_qkv) {
-        std::vector<char> &seen = m->seq_seen;
-        seen.assign((size_t)b->n_seqs, 0);
-        for (int32_t i = 0; i < T && fuse_qkv; i++) {
-            if (seen[(size_t)b->seq[i]]) fuse_qkv = false;
-            seen[(size_t)b->seq[i]] = 1;
-        }
-    }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
-                        use_src ? s.ints + src_off : nullptr};
+                        use_src ? s.ints + src_off : nullptr, att_split};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
