@@ -47,7 +47,10 @@ def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int) -> tuple
 def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tuple[float, float, int]:
     """Greedy batch-1 decode from position pos: (tok/s over `steps` steps after two warm-up ones, the
     median GPU time of a step in ms, the next position). Step N+1 is launched before step N is waited,
-    its id read on the device from N's pick (st_batch.token_src)."""
+    its id read on the device from N's pick (st_batch.token_src). The step sees the blocks the sequence holds
+    by its last step, as the scheduler's table would (not the whole allocation for the deepest depth: the
+    split grid follows the table's width)."""
+    table = table[: -(-(pos + steps + 3) // eng.block_size)]
     ticket = None
     step_t: list[float] = []
     t = time.perf_counter()

@@ -285,7 +285,7 @@ VRAM_CHILD = textwrap.dedent("""
     eng = Engine.open(path, device="cuda:0", kv_tokens=4096, gpu_budget_gb=budget, placement=placement)
     rng = np.random.default_rng(0)
     sched = Scheduler(eng, SchedulerConfig(prefix_cache=False))
-    for n in rng.integers(5, 300, size=16):  # prefill chunks and decode of 16 sequences: the scratch grows
+    for n in rng.integers(5, 220, size=16):  # prefill and decode of 16 sequences (within the 256-token window): the scratch grows
         sched.add([int(t) for t in rng.integers(3, 300, size=int(n))],
                   SamplingParams.parse(temperature=0.0, max_tokens=32, ignore_eos=True))
     sched.run_to_completion()
