@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from common.gguf_meta import GGUFError, Walker, check_header, read_header, read_kv
+from engine.rope import SCALING_TYPES, RopeParams, RopeScaling, resolve
 
 # ggml type ids the C engine implements (see engine/csrc/strata.h).
 SUPPORTED_TYPES: dict[int, str] = {
@@ -98,6 +99,12 @@ class HParams(BaseModel):
     exp_probs_b: bool = False  # a score-correction bias per expert steers the choice
     n_dense_lead: int = 0  # the first layers run a dense FFN instead of experts
     n_nextn: int = 0  # NextN layers after the n_layer forward layers: loaded and kept, not run
+    rope_scaling: RopeScaling = RopeScaling()  # as the file states it (engine.rope.resolve: the values run)
+
+    @property
+    def rope(self) -> RopeParams:
+        """The rope scaling the file asks for, without a lane's overrides."""
+        return resolve(self.rope_scaling, self.n_ctx_train)
 
     @property
     def routing(self) -> str:
@@ -310,6 +317,7 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
                                   f"{'missing' if shexp is None else shexp.shape})")
     if arch == "glm4moe" and any(int(v) for v in np.atleast_1d(g("rope.dimension_sections", [0]))):
         raise UnsupportedModelError(path, "multimodal rotary sections (rope.dimension_sections) are not supported")
+    rope_scaling = _rope_scaling(md, arch, path)
     norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch])
     if not isinstance(norm, (bool, int, np.bool_, np.integer)):
         raise GGUFError(path, f"metadata '{arch}.expert_weights_norm' must be a bool, got {type(norm).__name__}")
@@ -340,6 +348,37 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         exp_probs_b=bool(n_expert) and f"blk.{n_dense_lead}.exp_probs_b.bias" in tensors,
         n_dense_lead=n_dense_lead,
         n_nextn=n_nextn,
+        rope_scaling=rope_scaling,
+    )
+
+
+def _rope_scaling(md: dict[str, Any], arch: str, path: Path) -> RopeScaling:
+    """The rope.scaling.* keys (gguf.constants.Keys.Rope), validated; llama.cpp's defaults where absent."""
+    kind = md.get(f"{arch}.rope.scaling.type", "linear")
+    if not isinstance(kind, str):
+        raise GGUFError(path, f"metadata '{arch}.rope.scaling.type' must be a string, got {type(kind).__name__}")
+    if kind not in SCALING_TYPES:
+        raise UnsupportedModelError(path, f"rope scaling type {kind[:40]!r} is not supported "
+                                          f"(supported: {', '.join(SCALING_TYPES)})")
+
+    def num(key: str, default: float, lo: float, hi: float) -> float:
+        full = f"{arch}.rope.{key}"
+        v = _as_float(md.get(full, default), full, path)
+        if not lo <= v <= hi:
+            raise GGUFError(path, f"metadata {full!r} = {v:g} is out of range [{lo:g}, {hi:g}]")
+        return v
+
+    factor = num("scaling.factor", 0.0, 0.0, 1e6) or num("scale_linear", 0.0, 0.0, 1e6)
+    orig = md.get(f"{arch}.rope.scaling.original_context_length", 0)
+    return RopeScaling(
+        type=kind, factor=factor,
+        original_context_length=_as_int(orig, f"{arch}.rope.scaling.original_context_length", 0, MAX_CTX, path),
+        attn_factor=num("scaling.attn_factor", 1.0, 1e-6, 1e3),
+        yarn_ext_factor=num("scaling.yarn_ext_factor", -1.0, -1e3, 1e3),
+        yarn_attn_factor=num("scaling.yarn_attn_factor", 1.0, 0.0, 1e3),
+        yarn_beta_fast=num("scaling.yarn_beta_fast", 32.0, 1e-6, 1e6),
+        yarn_beta_slow=num("scaling.yarn_beta_slow", 1.0, 1e-6, 1e6),
+        yarn_log_mul=num("scaling.yarn_log_multiplier", 0.0, -1e3, 1e3),
     )
 
 
@@ -430,9 +469,10 @@ def _fill(dst: Any, t: TensorRef | None, keep: list[Any]) -> None:
     dst.n_bytes = t.n_bytes
 
 
-def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
+def build_desc(mf: ModelFile, rope: RopeParams | None = None) -> tuple[Any, list[Any]]:
     """A filled st_model_desc plus the cffi objects that must outlive it. The C side
-    checks every value again (shapes, byte lengths, extents inside the mapping)."""
+    checks every value again (shapes, byte lengths, extents inside the mapping). `rope`: the
+    rope scaling to run (default: the file's, engine.rope.resolve)."""
     from engine.native import ffi  # here, so reading and writing GGUF needs no C build
 
     hp = mf.hparams
@@ -450,6 +490,13 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
     desc.expert_norm = int(hp.expert_norm)
     for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead"):
         setattr(desc, k, getattr(hp, k))
+    rp = rope or hp.rope
+    desc.rope_freq_scale = rp.freq_scale
+    desc.rope_ext_factor = rp.ext_factor
+    desc.rope_attn_factor = rp.attn_factor
+    desc.rope_beta_fast = rp.beta_fast
+    desc.rope_beta_slow = rp.beta_slow
+    desc.rope_n_ctx_orig = min(rp.n_ctx_orig, (1 << 31) - 1)
     desc.map_data = mapping
     desc.map_bytes = mf.mapping.nbytes
     t = mf.tensors
@@ -486,14 +533,14 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
     return desc, keep
 
 
-def create_native_model(mf: ModelFile) -> tuple[Any, Any, list[Any]]:
+def create_native_model(mf: ModelFile, rope: RopeParams | None = None) -> tuple[Any, Any, list[Any]]:
     """The C model for an opened file: (st_model *, its descriptor, the cffi objects that
     must outlive it). A file the C checks refuse raises GGUFError (UnsupportedModelError
     for an unsupported type or shape) carrying the C message; free the model with
     lib.st_model_destroy."""
     from engine.native import ffi, lib
 
-    desc, keep = build_desc(mf)
+    desc, keep = build_desc(mf, rope)
     pm = ffi.new("st_model **")
     rc = lib.st_model_create(desc, pm)
     if rc != lib.ST_OK:

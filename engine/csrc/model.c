@@ -104,6 +104,40 @@ st_status st_check_routing(const st_model_desc *d) {
     return ST_OK;
 }
 
+/* YaRN's correction dimension: the pair index whose wavelength fits n_rot times into the
+ * original context (ggml_rope_yarn_corr_dim, in float as ggml computes it). */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
+}
+
+/* Each rotary pair's angle per position and the magnitude factor, rope scaling included (the
+ * rule is in strata.h beside the rope_* fields). The descriptor is validated. */
+static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
+    const int n_dims = d->rope_dim;
+    const float fs = d->rope_freq_scale > 0.0f ? d->rope_freq_scale : 1.0f;
+    const float ext = d->rope_ext_factor;
+    float lo = 0.0f, hi = 0.0f, ms = d->rope_attn_factor > 0.0f ? d->rope_attn_factor : 1.0f;
+    if (ext != 0.0f) {
+        const float start = floorf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_fast, d->rope_base));
+        const float end = ceilf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_slow, d->rope_base));
+        lo = start > 0.0f ? start : 0.0f;
+        hi = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
+        ms *= 1.0f + 0.1f * logf(1.0f / fs);
+    }
+    for (int i = 0; i < n_dims / 2; i++) {
+        const double extrap = 1.0 / pow((double)d->rope_base, (double)(2 * i) / (double)n_dims);
+        double mix = 0.0;
+        if (ext != 0.0f) {
+            const float span = hi - lo > 0.001f ? hi - lo : 0.001f;
+            float y = ((float)i - lo) / span;
+            y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
+            mix = (double)((1.0f - y) * ext);
+        }
+        inv_freq[i] = (float)(extrap * ((double)fs * (1.0 - mix) + mix));
+    }
+    *mscale = ms;
+}
+
 /* Hyper-parameters alone, before anything is allocated from them. */
 static st_status check_hparams(const st_model_desc *d) {
     if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GLM4MOE) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
@@ -126,6 +160,17 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!isfinite(d->rope_base) || d->rope_base <= 0.0f || !isfinite(d->norm_eps) || d->norm_eps < 0.0f)
         return st_fail(ST_EINVAL, "model: rope base %g / norm epsilon %g invalid", (double)d->rope_base,
                        (double)d->norm_eps);
+    {
+        const float fs = d->rope_freq_scale, ext = d->rope_ext_factor, att = d->rope_attn_factor;
+        if (!isfinite(fs) || fs < 0.0f || fs > 1e6f || !isfinite(ext) || ext < 0.0f || ext > 1e3f || !isfinite(att) ||
+            att < 0.0f || att > 1e3f || !isfinite(d->rope_beta_fast) || !isfinite(d->rope_beta_slow))
+            return st_fail(ST_EINVAL, "model: rope scaling invalid (freq_scale %g, ext_factor %g, attn_factor %g, "
+                                      "beta_fast %g, beta_slow %g)", (double)fs, (double)ext, (double)att,
+                           (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+        if (ext != 0.0f && (d->rope_n_ctx_orig < 1 || d->rope_beta_fast <= 0.0f || d->rope_beta_slow <= 0.0f))
+            return st_fail(ST_EINVAL, "model: YaRN needs an original context >= 1 and positive betas (got %d, %g, %g)",
+                           d->rope_n_ctx_orig, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+    }
     if (d->n_expert < 0 || d->n_expert > ST_MAX_EXPERTS || d->n_expert_used < 0 ||
         (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert ||
                              d->n_expert_used > ST_MAX_EXPERTS_USED)) ||
@@ -270,8 +315,7 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
         st_model_destroy(m);
         return st_fail(ST_ENOMEM, "model_create: out of memory");
     }
-    for (int i = 0; i < m->d.rope_dim / 2; i++)
-        m->inv_freq[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+    rope_table(&m->d, m->inv_freq, &m->rope_mscale);
     *out = m;
     return ST_OK;
 }

@@ -202,6 +202,19 @@ typedef struct {
     int32_t n_nextn;            /* NextN layers after the n_layer forward layers (kept, not run) */
     st_layer *nextn_layers;     /* [n_nextn] their transformer blocks, borrowed during st_model_create */
     st_nextn *nextn;            /* [n_nextn] their prediction heads, borrowed likewise */
+    /* RoPE scaling, the effective values of llama.cpp's context (llama_context's rules applied by
+     * engine/gguf_model.py). Pair i of the rotary dims turns by pos * theta_i with
+     *   theta_i = base^(-2i/rope_dim) * (freq_scale * (1 - mix_i) + mix_i),
+     *   mix_i = ext_factor * ramp_i, ramp_i = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1),
+     * lo / hi YaRN's correction dims from rope_n_ctx_orig, beta_fast and beta_slow
+     * (ggml_rope_yarn_corr_dims), and both rotated values scale by
+     *   mscale = attn_factor * (ext_factor != 0 ? 1 + 0.1 ln(1 / freq_scale) : 1).
+     * All zero: no scaling (freq_scale 0 and attn_factor 0 read as 1). */
+    float rope_freq_scale;  /* 1 / factor; (0, 1e6] */
+    float rope_ext_factor;  /* YaRN's extrapolation mix, [0, 1e3]; 0: plain (linear) interpolation */
+    float rope_attn_factor; /* YaRN's magnitude factor before the ln term */
+    float rope_beta_fast, rope_beta_slow;
+    int32_t rope_n_ctx_orig; /* the original training context; >= 1 when ext_factor != 0 */
 } st_model_desc;
 
 typedef struct st_model st_model;
