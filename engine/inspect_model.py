@@ -80,6 +80,14 @@ def _attention_line(mf: ModelFile) -> str:
     return "attention       " + ", ".join(parts)
 
 
+def _rope_line(hp: HParams) -> str:
+    rp = hp.rope
+    if not rp.active:
+        return "rope scaling    none"
+    line = f"rope scaling    {rp.describe()}, window {rp.window(hp.n_ctx_train)}"
+    return line + " (CPU engine only: the GPU engine refuses it)"
+
+
 def _expert_line(hp: HParams) -> str:
     if not hp.n_expert:
         return f"experts         none (dense FFN width {hp.n_ff})"
@@ -128,6 +136,7 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         f"architecture    {r.arch}: {hp.n_layer} layers, d_model {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv} "
         f"(head_dim {hp.head_dim}), vocab {hp.n_vocab}, trained context {hp.n_ctx_train}",
         _attention_line(mf),
+        _rope_line(hp),
         _expert_line(hp),
         *([f"routing         {hp.routing}"] if hp.n_expert else []),
         *([f"NextN layers    {hp.n_nextn} after the {hp.n_layer} (multi-token prediction: kept for speculative "
