@@ -129,7 +129,7 @@ def _fmt_bytes(n: float) -> str:
 def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None) -> str:
     r = analyse(mf)
     hp = mf.hparams
-    ctx = ctx or hp.n_ctx_train
+    ctx = ctx or hp.rope.window(hp.n_ctx_train)  # the scaled window under rope scaling
     kv = r.kv_bytes_per_token * ctx
     lines = [
         f"file            {mf.path} ({_fmt_bytes(r.file_bytes)})",
@@ -188,7 +188,7 @@ def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seq
         cpu_gbs = pl.measure_cpu_read_gbs(threads)
     if gpu_gbs is None:
         gpu_gbs = pl.gpu_read_gbs(gpu or pl.DEFAULT_GPU)
-    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.n_ctx_train, n_seqs=seqs,
+    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.rope.window(mf.hparams.n_ctx_train), n_seqs=seqs,
                            step_tokens=step_tokens, staging_slots=staging_slots, cpu_read_gbs=cpu_gbs,
                            gpu_read_gbs=gpu_gbs)
     text = pl.render_plan(pl.plan(mf, params, freqs), mf.hparams.n_expert, source)

@@ -197,3 +197,13 @@ def test_gpu_refuses_a_scaled_model(tmp_path: Path) -> None:
         Engine.open(path, device="cuda:0")
     with pytest.raises(RopeScalingOnGpuError):
         Engine.open(path, device="cuda:0", rope=RopeOverrides(rope_scaling_type="linear"))
+
+
+def test_inspect_shows_the_scaling_and_sizes_kv_at_the_scaled_window(tmp_path: Path) -> None:
+    from engine.inspect_model import render
+
+    text = render(open_model(_model(tmp_path / "y.gguf", "qwen3moe", _scaling("qwen3moe", "yarn"))), None, None, None)
+    assert "rope scaling    yarn x4 of 64 (ext 1, beta 32/1, mscale 1.139), window 256" in text
+    assert "at context 256" in text
+    plain = render(open_model(make_random_gguf(tmp_path / "p.gguf", n_ctx=64)), None, None, None)
+    assert "rope scaling    none" in plain and "at context 64" in plain
