@@ -1,10 +1,13 @@
-"""RoPE scaling (linear, YaRN) from GGUF metadata and from a lane's overrides, against llama.cpp.
+"""RoPE scaling (linear, YaRN) from GGUF metadata and from a lane's overrides, against llama.cpp
+and transformers.
 
 Small random llama and qwen3moe models state a trained context of 64 with factor 4
 (rope.scaling.original_context_length 64); prompts of 200 tokens put most positions beyond the
 original context, where scaling changes the rotation most. The oracle is llama.cpp (the pinned
 llama-cpp-python) on the same file, which reads the same keys; its KV cache is F32 so that its own
-rounding stays well inside the F32 parity tolerance (1e-3, as in test_hf_parity.py).
+rounding stays well inside the F32 parity tolerance (1e-3, as in test_hf_parity.py). Against
+transformers: small random Llama / Qwen3-MoE models with rope_parameters linear or YaRN (factor 4,
+YaRN's original context 64, max_position_embeddings 256), converted by engine.convert_hf.
 """
 
 from __future__ import annotations
@@ -207,3 +210,29 @@ def test_inspect_shows_the_scaling_and_sizes_kv_at_the_scaled_window(tmp_path: P
     assert "at context 256" in text
     plain = render(open_model(make_random_gguf(tmp_path / "p.gguf", n_ctx=64)), None, None, None)
     assert "rope scaling    none" in plain and "at context 64" in plain
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_engine_matches_transformers(tmp_path: Path, arch: str, kind: str) -> None:
+    from tests.engine.hf_models import MAKERS, hf_logits, router_margin, to_gguf
+
+    rope: dict[str, Any] = {"rope_type": kind, "factor": FACTOR}
+    if kind == "yarn":
+        rope["original_max_position_embeddings"] = ORIG
+    # qwen3moe: a seed whose router keeps its top-8 of 32 apart by more than float rounding over all
+    # 200 positions (a near-tie flips one expert and moves that position's logits by ~1e-2)
+    hf_dir, model = MAKERS[arch](tmp_path / f"{arch}-{kind}", rope=rope, **({"seed": 4} if arch == "qwen3moe" else {}))
+    path = to_gguf(hf_dir)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, 280, PROMPT_LEN)]
+    if arch == "qwen3moe":
+        assert router_margin(model, prompt) > 3e-4  # the flips met here were at margins <= 2.5e-4
+    ref = hf_logits(model, prompt)
+    with Engine.open(path, threads=2, kv_tokens=512) as eng:
+        assert (eng.rope.type, eng.rope.factor) == (kind, FACTOR)
+        ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
+    with Engine.open(path, threads=2, kv_tokens=512, rope=RopeOverrides(rope_scaling_type="none")) as eng:
+        plain = np.asarray(eng.logits_for(prompt), dtype=np.float32)
+    assert _rel_err(ours, ref) <= TOL, f"engine vs transformers: {_rel_err(ours, ref):.2e}"
+    assert _rel_err(ours[ORIG:], ref[ORIG:]) <= TOL
+    assert _rel_err(plain[ORIG:], ref[ORIG:]) > 20 * TOL
