@@ -236,3 +236,20 @@ def test_engine_matches_transformers(tmp_path: Path, arch: str, kind: str) -> No
     assert _rel_err(ours, ref) <= TOL, f"engine vs transformers: {_rel_err(ours, ref):.2e}"
     assert _rel_err(ours[ORIG:], ref[ORIG:]) <= TOL
     assert _rel_err(plain[ORIG:], ref[ORIG:]) > 20 * TOL
+
+
+def test_converter_reads_linear_and_yarn_and_refuses_what_it_cannot_carry() -> None:
+    from engine.convert_hf import ConversionError, _rope_scaling, _rope_theta
+
+    assert _rope_scaling({"rope_theta": 1e4}) == {}
+    assert _rope_scaling({"rope_scaling": {"type": "linear", "factor": 2}}) == {"type": "linear", "factor": 2.0}
+    yarn = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                "original_max_position_embeddings": 32768}}
+    assert _rope_scaling(yarn) == {"type": "yarn", "factor": 4.0, "original_context_length": 32768}
+    assert _rope_theta(yarn) == 1e6
+    for bad in ({"rope_type": "yarn", "factor": 4.0, "beta_fast": 16}, {"rope_type": "linear", "factor": 0},
+                {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.8}):
+        with pytest.raises(ConversionError):
+            _rope_scaling({"rope_parameters": {"rope_theta": 1e4, **bad}})
+    with pytest.raises(ConversionError, match="dynamic"):
+        _rope_theta({"rope_scaling": {"type": "dynamic", "factor": 2.0}})
