@@ -72,10 +72,11 @@ static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
     return n;
 }
 
-static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type, const float *inv_freq, int32_t pos) {
+static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type, const float *inv_freq,
+                     float mscale, int32_t pos) {
     for (int i = 0; i < rope_dim / 2; i++) {
         const float theta = (float)pos * inv_freq[i];
-        const float cs = cosf(theta), sn = sinf(theta);
+        const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
         for (int h = 0; h < n_heads; h++) {
             float *v = x + h * hd;
             const int a = rope_type == ST_ROPE_NEOX ? i : 2 * i;
@@ -108,12 +109,10 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
             for (int h = 0; h < d->n_head; h++) st_rmsnorm_row(q + h * hd, L->q_norm.data, q + h * hd, hd, d->norm_eps);
             for (int h = 0; h < d->n_head_kv; h++) st_rmsnorm_row(k + h * hd, L->k_norm.data, k + h * hd, hd, d->norm_eps);
         }
-        rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        const float scale = m->rope_mscale / sqrtf((float)hd); /* folded into q once */
+        rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        const float scale = 1.0f / sqrtf((float)hd); /* folded into q once */
         for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
-        if (m->rope_mscale != 1.0f)
-            for (int i = 0; i < m->kv_dim; i++) k[i] *= m->rope_mscale;
         /* write this token's K (slot-minor) and V into its sequence's block */
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);

@@ -279,8 +279,8 @@ struct st_model {
     st_layer *nextn_layers; /* [d.n_nextn] copies of the NextN blocks and heads (kept, not run) */
     st_nextn *nextn;
     int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
-    float *inv_freq; /* [rope_dim / 2] */
-    float rope_mscale; /* YaRN's factor on q and k after the rotation (1: none) */
+    float *inv_freq; /* [rope_dim / 2] each pair's angle per position, rope scaling included */
+    float rope_mscale; /* the factor both rotated values take (YaRN's magnitude scaling; 1 without) */
     scratch s;
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */

@@ -104,6 +104,40 @@ st_status st_check_routing(const st_model_desc *d) {
     return ST_OK;
 }
 
+/* YaRN's correction dimension: the pair index whose wavelength fits n_rot times into the
+ * original context (ggml_rope_yarn_corr_dim, in float as ggml computes it). */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
+}
+
+/* Each rotary pair's angle per position and the magnitude factor, rope scaling included (the
+ * rule is in strata.h beside the rope_* fields). The descriptor is validated. */
+static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
+    const int n_dims = d->rope_dim;
+    const float fs = d->rope_freq_scale > 0.0f ? d->rope_freq_scale : 1.0f;
+    const float ext = d->rope_ext_factor;
+    float lo = 0.0f, hi = 0.0f, ms = d->rope_attn_factor > 0.0f ? d->rope_attn_factor : 1.0f;
+    if (ext != 0.0f) {
+        const float start = floorf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_fast, d->rope_base));
+        const float end = ceilf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_slow, d->rope_base));
+        lo = start > 0.0f ? start : 0.0f;
+        hi = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
+        ms *= 1.0f + 0.1f * logf(1.0f / fs);
+    }
+    for (int i = 0; i < n_dims / 2; i++) {
+        const double extrap = 1.0 / pow((double)d->rope_base, (double)(2 * i) / (double)n_dims);
+        double mix = 0.0;
+        if (ext != 0.0f) {
+            const float span = hi - lo > 0.001f ? hi - lo : 0.001f;
+            float y = ((float)i - lo) / span;
+            y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
+            mix = (double)((1.0f - y) * ext);
+        }
+        inv_freq[i] = (float)(extrap * ((double)fs * (1.0 - mix) + mix));
+    }
+    *mscale = ms;
+}
+
 /* Hyper-parameters alone, before anything is allocated from them. */
 static st_status check_hparams(const st_model_desc *d) {
     if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GPT_OSS) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
@@ -126,6 +160,17 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!isfinite(d->rope_base) || d->rope_base <= 0.0f || !isfinite(d->norm_eps) || d->norm_eps < 0.0f)
         return st_fail(ST_EINVAL, "model: rope base %g / norm epsilon %g invalid", (double)d->rope_base,
                        (double)d->norm_eps);
+    {
+        const float fs = d->rope_freq_scale, ext = d->rope_ext_factor, att = d->rope_attn_factor;
+        if (!isfinite(fs) || fs < 0.0f || fs > 1e6f || !isfinite(ext) || ext < 0.0f || ext > 1e3f || !isfinite(att) ||
+            att < 0.0f || att > 1e3f || !isfinite(d->rope_beta_fast) || !isfinite(d->rope_beta_slow))
+            return st_fail(ST_EINVAL, "model: rope scaling invalid (freq_scale %g, ext_factor %g, attn_factor %g, "
+                                      "beta_fast %g, beta_slow %g)", (double)fs, (double)ext, (double)att,
+                           (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+        if (ext != 0.0f && (d->rope_n_ctx_orig < 1 || d->rope_beta_fast <= 0.0f || d->rope_beta_slow <= 0.0f))
+            return st_fail(ST_EINVAL, "model: YaRN needs an original context >= 1 and positive betas (got %d, %g, %g)",
+                           d->rope_n_ctx_orig, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+    }
     if (d->n_expert < 0 || d->n_expert > ST_MAX_EXPERTS || d->n_expert_used < 0 ||
         (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert ||
                              d->n_expert_used > ST_MAX_EXPERTS_USED)) ||
@@ -140,13 +185,6 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!d->map_data || d->map_bytes < 1)
         return st_fail(ST_EINVAL, "model: the mapping the tensors live in is not given (map_data/map_bytes)");
     if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
-    if (d->rope_yarn_factor != 0.0f &&
-        (!isfinite(d->rope_yarn_factor) || d->rope_yarn_factor < 1.0f || d->rope_yarn_orig_ctx < 1 ||
-         !isfinite(d->rope_yarn_beta_fast) || !isfinite(d->rope_yarn_beta_slow) || d->rope_yarn_beta_fast <= 0.0f ||
-         d->rope_yarn_beta_slow <= 0.0f))
-        return st_fail(ST_EINVAL, "model: YaRN factor %g / original context %d / betas %g, %g invalid",
-                       (double)d->rope_yarn_factor, d->rope_yarn_orig_ctx, (double)d->rope_yarn_beta_fast,
-                       (double)d->rope_yarn_beta_slow);
     if (d->n_swa < 0 || d->swa_pattern < 0)
         return st_fail(ST_EINVAL, "model: sliding window %d / pattern %d invalid", d->n_swa, d->swa_pattern);
     return ST_OK;
@@ -286,22 +324,7 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
         st_model_destroy(m);
         return st_fail(ST_ENOMEM, "model_create: out of memory");
     }
-    for (int i = 0; i < m->d.rope_dim / 2; i++)
-        m->inv_freq[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
-    m->rope_mscale = 1.0f;
-    if (m->d.rope_yarn_factor > 0.0f) { /* ggml_rope_yarn_corr_dims, then each pair's ramp */
-        const double n = (double)m->d.rope_dim, base = (double)m->d.rope_base, ctx = (double)m->d.rope_yarn_orig_ctx;
-        const double c_fast = n * log(ctx / ((double)m->d.rope_yarn_beta_fast * 6.283185307179586)) / (2.0 * log(base));
-        const double c_slow = n * log(ctx / ((double)m->d.rope_yarn_beta_slow * 6.283185307179586)) / (2.0 * log(base));
-        const double lo = fmax(0.0, floor(c_fast)), hi = fmin(n - 1.0, ceil(c_slow));
-        const double s = 1.0 / (double)m->d.rope_yarn_factor;
-        for (int i = 0; i < m->d.rope_dim / 2; i++) {
-            const double y = ((double)i - lo) / fmax(0.001, hi - lo);
-            const double r = 1.0 - fmin(1.0, fmax(0.0, y));
-            m->inv_freq[i] = (float)((double)m->inv_freq[i] * (s * (1.0 - r) + r));
-        }
-        m->rope_mscale = (float)(1.0 + 0.1 * log((double)m->d.rope_yarn_factor));
-    }
+    rope_table(&m->d, m->inv_freq, &m->rope_mscale);
     *out = m;
     return ST_OK;
 }

@@ -213,13 +213,19 @@ typedef struct {
      * layer il is a sliding layer when il % swa_pattern < swa_pattern - 1, and there a query at
      * position p sees the keys at positions p - n_swa + 1 .. p only. Zero: every layer full. */
     int32_t n_swa, swa_pattern;
-    /* YaRN rotary scaling (rope.scaling.type = yarn; zero factor: none), ggml's rope_yarn with
-     * ext_factor 1: each frequency f_i becomes f_i (s (1 - r_i) + r_i), s = 1 / factor, r_i the
-     * ramp that is 1 below the dimension pair where beta_fast rotations fit in orig_ctx positions
-     * and 0 above the one for beta_slow; q and k are scaled by 1 + 0.1 ln(factor). */
-    float rope_yarn_factor;
-    int32_t rope_yarn_orig_ctx;
-    float rope_yarn_beta_fast, rope_yarn_beta_slow;
+    /* RoPE scaling for every architecture (gpt-oss's YaRN included), the effective values of
+     * llama.cpp's context (llama_context's rules, applied by engine/rope.py). Pair i of the rotary dims turns by pos * theta_i with
+     *   theta_i = base^(-2i/rope_dim) * (freq_scale * (1 - mix_i) + mix_i),
+     *   mix_i = ext_factor * ramp_i, ramp_i = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1),
+     * lo / hi YaRN's correction dims from rope_n_ctx_orig, beta_fast and beta_slow
+     * (ggml_rope_yarn_corr_dims), and both rotated values scale by
+     *   mscale = attn_factor * (ext_factor != 0 ? 1 + 0.1 ln(1 / freq_scale) : 1).
+     * All zero: no scaling (freq_scale 0 and attn_factor 0 read as 1). */
+    float rope_freq_scale;  /* 1 / factor; (0, 1e6] */
+    float rope_ext_factor;  /* YaRN's extrapolation mix, [0, 1e3]; 0: plain (linear) interpolation */
+    float rope_attn_factor; /* YaRN's magnitude factor before the ln term */
+    float rope_beta_fast, rope_beta_slow;
+    int32_t rope_n_ctx_orig; /* the original training context; >= 1 when ext_factor != 0 */
 } st_model_desc;
 
 typedef struct st_model st_model;
