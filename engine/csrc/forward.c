@@ -22,7 +22,16 @@ static double now_s(void) {
 /* ------------------------------------------------------------------ attention */
 
 /* Attention works on tiles: up to ST_ATTN_TILE consecutive tokens of one sequence (a
- * prefill chunk) share every K/V row they read; one work item per (tile, head). */
+ * prefill chunk) share every K/V row they read; one work item per (tile, head). A decode token
+ * with many keys is split instead (attention.c, st_attn_split_chunk): one work item per (KV
+ * head, chunk of keys) computes the partials of the query heads sharing that KV head, and the
+ * item that finishes a (token, KV head) last merges its chunks, so a long sequence spreads over
+ * the whole pool within one parallel region. Split items come first (they are the long ones). */
+typedef struct {
+    int32_t n_rtiles, n_split; /* tiles left to the per-head kernels; tokens on the grouped path */
+    int64_t n_split_items;
+} attn_plan;
+
 typedef struct {
     const st_model *m;
     const st_kv *kv;
@@ -32,20 +41,64 @@ typedef struct {
     float *scratch;       /* per thread: per_thread floats */
     size_t per_thread;
     attn_fn fn;
+    const split_tok *split; /* [n_split] */
+    int32_t n_split;
+    int64_t n_split_items;
+    attn_part_fn part;
+    float *parts;
+    _Atomic int32_t *left; /* [n_split, n_kv] */
 } attn_ctx;
+
+static kv_view layer_view(const attn_ctx *c, int32_t t, int kvh) {
+    const st_kv *kv = c->kv;
+    const size_t layer_elems = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->kv_dim;
+    return (kv_view){kv->k + (size_t)c->layer * layer_elems, kv->v + (size_t)c->layer * layer_elems,
+                     c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks, kv->block_size,
+                     c->m->d.head_dim, kv->n_kv, kv->kv_dim, kvh};
+}
+
+static void split_task(const attn_ctx *c, int64_t item, int thread) {
+    const st_model *m = c->m;
+    int32_t lo = 0, hi = c->n_split - 1; /* the split token holding this item */
+    while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) / 2;
+        if (c->split[mid].item0 <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    const split_tok *sp = &c->split[lo];
+    const int64_t local = item - sp->item0;
+    const int kvh = (int)(local / sp->n_chunks), ch = (int)(local % sp->n_chunks);
+    const int hd = m->d.head_dim, group = m->d.n_head / m->d.n_head_kv;
+    const int32_t n_keys = c->b->pos[sp->t] + 1, j0 = ch * sp->chunk;
+    const int32_t j1 = n_keys - j0 < sp->chunk ? n_keys : j0 + sp->chunk;
+    const kv_view view = layer_view(c, sp->t, kvh);
+    const size_t stride = (size_t)group * (size_t)(hd + 2);
+    float *parts = c->parts + sp->part0 + (size_t)kvh * (size_t)sp->n_chunks * stride;
+    const int64_t qoff = (int64_t)sp->t * m->q_dim + (int64_t)kvh * group * hd;
+    c->part(&view, m->s.q + qoff, hd, group, j0, j1, parts + (size_t)ch * stride,
+            c->scratch + (size_t)thread * c->per_thread);
+    /* the last chunk of this (token, KV head) to finish merges them; acq_rel makes the others' partials visible */
+    if (atomic_fetch_sub_explicit(&c->left[(size_t)lo * (size_t)m->d.n_head_kv + (size_t)kvh], 1,
+                                  memory_order_acq_rel) == 1) {
+        const st_layer *L = &m->layers[c->layer];
+        const float *sink = L->sinks.data ? (const float *)L->sinks.data + kvh * group : NULL;
+        st_attn_combine(parts, sp->n_chunks, stride, group, hd, sink, m->s.att + qoff, hd);
+    }
+}
 
 static void attn_task(void *vctx, int64_t item, int thread) {
     const attn_ctx *c = vctx;
+    if (item < c->n_split_items) {
+        split_task(c, item, thread);
+        return;
+    }
+    item -= c->n_split_items;
     const st_model *m = c->m;
-    const st_kv *kv = c->kv;
     const int n_head = m->d.n_head, group = n_head / m->d.n_head_kv, hd = m->d.head_dim;
     const int64_t tile = item / n_head;
     const int h = (int)(item % n_head);
     const int32_t t0 = c->tiles[2 * tile], nq = c->tiles[2 * tile + 1];
-    const size_t layer_elems = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->kv_dim;
-    const kv_view view = {kv->k + (size_t)c->layer * layer_elems, kv->v + (size_t)c->layer * layer_elems,
-                          c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks, kv->block_size, hd,
-                          kv->n_kv, kv->kv_dim, h / group};
+    const kv_view view = layer_view(c, t0, h / group);
     const st_layer *L = &m->layers[c->layer];
     const int32_t n_swa = st_layer_swa(&m->d, c->layer) ? m->d.n_swa : 0;
     if (n_swa > 0 || L->sinks.data) { /* gpt-oss: window and sink through the generic path */
@@ -72,6 +125,48 @@ static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
     return n;
 }
 
+/* Which lone tokens (tiles of one: decode, or a chunk's odd last token) take the grouped path in
+ * layer il: with split mode ST_SPLIT_OFF none; otherwise every one, in chunks by
+ * st_attn_split_chunk (a single chunk below its threshold gives the per-head kernel's bits), by
+ * their keys and the pool's size only, so a sequence gets the same bits alone or in any batch.
+ * A layer with a sliding window keeps every tile on the per-head path; one with sinks takes the
+ * grouped path only for tokens that really split (below that st_attn_ext keeps a token's bits
+ * equal in a tile and alone). Sets p and fills s->split and s->rtiles for a layer with(out) a
+ * sliding window and sinks. */
+static void plan_layer(const st_model *m, const st_batch *b, int sliding, int sinks, int n_threads, int32_t n_tiles,
+                       attn_plan *p) {
+    const scratch *s = &m->s;
+    const int n_kv = m->d.n_head_kv, n_head = m->d.n_head, hd = m->d.head_dim;
+    p->n_rtiles = p->n_split = 0;
+    p->n_split_items = 0;
+    size_t n_parts = 0;
+    for (int32_t i = 0; i < n_tiles; i++) {
+        const int32_t t0 = s->tiles[2 * i], nq = s->tiles[2 * i + 1];
+        const int32_t chunk = nq == 1 && !sliding ? st_attn_split_chunk(b->pos[t0] + 1, n_threads, n_kv) : 0;
+        const int32_t n_chunks = chunk > 0 ? (int32_t)(((int64_t)b->pos[t0] + chunk) / chunk) : 0;
+        if (n_chunks > 1 || (n_chunks == 1 && !sinks)) {
+            s->split[p->n_split++] = (split_tok){t0, chunk, n_chunks, p->n_split_items, n_parts};
+            p->n_split_items += (int64_t)n_kv * n_chunks;
+            n_parts += (size_t)n_chunks * (size_t)n_head * (size_t)(hd + 2);
+        } else {
+            s->rtiles[2 * p->n_rtiles] = t0, s->rtiles[2 * p->n_rtiles + 1] = nq;
+            p->n_rtiles++;
+        }
+    }
+}
+
+/* The step's tiles, and room for the partials of its lone tokens in any layer. */
+static st_status plan_attention(st_model *m, const st_batch *b, int n_threads, int32_t *n_tiles) {
+    scratch *s = &m->s;
+    *n_tiles = build_tiles(b, s->tiles);
+    attn_plan p;
+    size_t n_parts = 0;
+    plan_layer(m, b, 0, 0, n_threads, *n_tiles, &p); /* no window, no sinks: the most that splits */
+    for (int32_t i = 0; i < p.n_split; i++)
+        n_parts += (size_t)s->split[i].n_chunks * (size_t)m->d.n_head * (size_t)(m->d.head_dim + 2);
+    return p.n_split ? st_scratch_split(s, n_parts, (size_t)p.n_split * (size_t)m->d.n_head_kv) : ST_OK;
+}
+
 static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type, const float *inv_freq,
                      float mscale, int32_t pos) {
     for (int i = 0; i < rope_dim / 2; i++) {
@@ -88,7 +183,8 @@ static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type,
     }
 }
 
-static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T) {
+static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T,
+                            int32_t n_tiles) {
     const st_layer *L = &m->layers[il];
     scratch *s = &m->s;
     const st_model_desc *d = &m->d;
@@ -117,9 +213,15 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);
     }
-    const int32_t n_tiles = build_tiles(b, s->tiles);
-    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx, st_attn()};
-    st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * d->n_head);
+    attn_plan plan;
+    plan_layer(m, b, st_layer_swa(d, il), L->sinks.data != NULL, st_pool_threads(pool), n_tiles, &plan);
+    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, st_attn(), s->split, plan.n_split,
+                   plan.n_split_items, st_attn_part(), s->parts, s->left};
+    for (int32_t i = 0; i < plan.n_split; i++)
+        for (int h = 0; h < d->n_head_kv; h++)
+            atomic_store_explicit(&s->left[(size_t)i * (size_t)d->n_head_kv + (size_t)h], s->split[i].n_chunks,
+                                  memory_order_relaxed); /* published to the workers by the pool's start */
+    st_pool_run(pool, attn_task, &ac, plan.n_split_items + (int64_t)plan.n_rtiles * d->n_head);
     const acts ain = st_make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), layer_buf(s));
     st_linear(pool, &L->wo, &ain, NULL, T, s->tmp, E);
     st_add_bias(s->tmp, &L->bo, T, E);
@@ -257,11 +359,13 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         ids = m->tok_buf;
     }
     m->n_picks = 0; /* this step's picks (if any) replace them */
+    int32_t n_tiles;
+    CHECK(plan_attention(m, b, nt, &n_tiles));
     embed_ctx ec = {&m->d.token_embd, ids, s->x, E};
     st_pool_run(pool, embed_task, &ec, T);
     for (int il = 0; il < m->d.n_layer; il++) {
         const double t0 = now_s();
-        attention_block(m, kv, pool, b, il, T);
+        attention_block(m, kv, pool, b, il, T, n_tiles);
         const double t1 = now_s();
         CHECK(ffn_block(m, pool, b, il, T, st));
         const double t2 = now_s();

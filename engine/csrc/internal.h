@@ -3,6 +3,7 @@
 #define STRATA_INTERNAL_H
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -144,6 +145,24 @@ attn_fn st_attn_ref(void);
 attn_fn st_attn_avx2(void);
 attn_fn st_attn_avx512(void);
 size_t st_attn_scratch_floats(int hd, int32_t max_keys);
+/* Split decode attention (attention.c). The partial of nq query heads (rows of q, pre-scaled)
+ * at one position over keys [j0, j1) of one KV head, j0 a multiple of 16: for query i,
+ * part[i * (hd + 2) ..] = {m, l, acc[hd]}: the largest score, the sum of exp(s - m) and the
+ * sum of exp(s - m) * v (not divided). scratch: st_attn_scratch_floats(hd, j1 - j0) floats. */
+typedef void (*attn_part_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
+                             float *part, float *scratch);
+attn_part_fn st_attn_part_ref(void);
+attn_part_fn st_attn_part_avx2(void);
+attn_part_fn st_attn_part_avx512(void);
+/* Merges n_chunks partials of nq queries (chunk c's at parts + c * chunk_stride) in chunk
+ * order into out rows (o_stride apart); sink: NULL or [nq] logits joining each denominator. */
+void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int hd, const float *sink,
+                     float *out, int64_t o_stride);
+/* Keys per chunk for a decode query seeing n_keys keys with a pool of n_threads and n_kv KV
+ * heads: 0 = not split (the per-head kernels). Follows the mode st_set_attn_split chose. */
+int32_t st_attn_split_chunk(int32_t n_keys, int32_t n_threads, int32_t n_kv);
+void st_attn_split_set_mode(int32_t mode);
+int32_t st_attn_split_mode(void);
 
 /* The kernels for the current variant, chosen in variants.c (falls back to ref per type). */
 dot_q_fn st_dot_q(int32_t type);
@@ -158,6 +177,7 @@ static inline int st_layer_swa(const st_model_desc *d, int il) {
     return d->n_swa > 0 && d->swa_pattern > 0 && il % d->swa_pattern < d->swa_pattern - 1;
 }
 attn_fn st_attn(void);
+attn_part_fn st_attn_part(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 
@@ -250,6 +270,14 @@ typedef struct {
     int64_t K;
 } acts;
 
+/* A decode token whose attention is split (forward.c): its chunks are work items item0.. of
+ * a layer's attention run, (KV head, chunk) in that order. */
+typedef struct {
+    int32_t t, chunk, n_chunks; /* batch index, keys per chunk, chunks */
+    int64_t item0;
+    size_t part0; /* its partials: [n_kv][n_chunks][group][head_dim + 2] floats from parts + part0 */
+} split_tok;
+
 typedef struct {
     size_t cap_tokens, cap_pairs, cap_ctx, cap_threads;
     float *x, *xn;             /* [T, E] residual stream, normalised copy */
@@ -269,6 +297,11 @@ typedef struct {
     int32_t *pairs_by_expert;  /* [P] */
     int32_t *expert_start;     /* [n_expert + 1] */
     int32_t *tiles;            /* [T, 2] attention tiles */
+    int32_t *rtiles;           /* [T, 2] the tiles left to the per-head kernels where decode splits */
+    split_tok *split;          /* [T] decode tokens whose attention is split */
+    float *parts;              /* [cap_parts] the split tokens' partials */
+    _Atomic int32_t *left;     /* [cap_left] chunks not yet done per (split token, KV head) */
+    size_t cap_parts, cap_left;
     float *logits;             /* [cap_logits] a step's logits when only its greedy picks are wanted */
     size_t cap_logits;
 } scratch;
@@ -302,6 +335,8 @@ void st_model_repack(st_model *m);
 /* Grow the scratch buffers to hold T tokens (and their expert pairs), n_threads
  * attention rows of ctx floats. */
 st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx);
+/* Grow the split attention's partials to n_parts floats and its counters to n_left. */
+st_status st_scratch_split(scratch *s, size_t n_parts, size_t n_left);
 
 /* ---- step primitives (linear.c) ---- */
 void st_rmsnorm_row(const float *x, const float *w, float *y, int64_t n, float eps);

@@ -419,7 +419,8 @@ static void scratch_free(scratch *s) {
     void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
                     s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
                     s->hxs, s->hs, s->pair_tok,
-                    s->pairs_by_expert, s->expert_start, s->tiles, s->logits};
+                    s->pairs_by_expert, s->expert_start, s->tiles, s->rtiles, s->split, s->parts,
+                    (void *)s->left, s->logits};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
     memset(s, 0, sizeof *s);
 }
@@ -462,12 +463,15 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->pairs_by_expert = malloc(sizeof(int32_t) * P);
         s->expert_start = malloc(sizeof(int32_t) * (ne + 1));
         s->tiles = malloc(sizeof(int32_t) * 2 * T);
+        s->rtiles = malloc(sizeof(int32_t) * 2 * T);
+        s->split = malloc(sizeof(split_tok) * T);
         s->cap_tokens = T;
         s->cap_pairs = P;
         if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->topk_w ||
             !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
             !s->ad4 || !s->axs || !s->hd4 || !s->hxs ||
-            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles) {
+            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles || !s->rtiles ||
+            !s->split) {
             scratch_free(s);
             return st_fail(ST_ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
         }
@@ -478,6 +482,22 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->cap_ctx = s->scores ? ctx : 0;
         s->cap_threads = s->scores ? n_threads : 0;
         if (!s->scores) return st_fail(ST_ENOMEM, "forward: out of memory for attention scores (ctx %zu)", ctx);
+    }
+    return ST_OK;
+}
+
+st_status st_scratch_split(scratch *s, size_t n_parts, size_t n_left) {
+    if (n_parts > s->cap_parts) {
+        free(s->parts);
+        s->parts = malloc(sizeof(float) * n_parts);
+        s->cap_parts = s->parts ? n_parts : 0;
+        if (!s->parts) return st_fail(ST_ENOMEM, "forward: out of memory for %zu floats of split attention", n_parts);
+    }
+    if (n_left > s->cap_left) {
+        free((void *)s->left);
+        s->left = malloc(sizeof(*s->left) * n_left);
+        s->cap_left = s->left ? n_left : 0;
+        if (!s->left) return st_fail(ST_ENOMEM, "forward: out of memory for split attention counters");
     }
     return ST_OK;
 }

@@ -118,6 +118,26 @@ st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, co
                        int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
                        int32_t nq, int32_t p0, float *out);
 
+/* Split decode attention (flash-decoding) of the nq query heads that share KV head kv_head
+ * (rows of q, [nq][head_dim], already scaled) at one position seeing keys 0..n_keys-1: the
+ * keys cut into chunks of `chunk` keys (a multiple of 16), one variant's partial per chunk,
+ * then the combine; sink: NULL or [nq] logits that join each softmax's denominator (gpt-oss).
+ * out: [nq][head_dim]. For the kernel test harness and benchmarks. */
+st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                             int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                             int32_t nq, int32_t n_keys, int32_t chunk, const float *sink, float *out);
+/* How st_forward splits decode attention: ST_SPLIT_AUTO, the rule of docs/engine.md (by the
+ * query's keys and the pool's threads); ST_SPLIT_OFF, never (the per-head kernels: the
+ * reference the split is tested and measured against); n >= 16, a multiple of 16: every decode
+ * query in chunks of n keys. Process-wide, like st_set_variant; for tests and benchmarks. */
+#define ST_SPLIT_AUTO 0
+#define ST_SPLIT_OFF 1
+st_status st_set_attn_split(int32_t mode);
+int32_t st_get_attn_split(void);
+/* *chunk = the keys per chunk st_forward uses (0: not split) for a decode query seeing n_keys
+ * keys (>= 1) with a pool of n_threads (>= 1) and n_kv KV heads (>= 1), under the current mode. */
+st_status st_attn_split_plan(int32_t n_keys, int32_t n_threads, int32_t n_kv, int32_t *chunk);
+
 /* ---- thread pool ------------------------------------------------------------ */
 typedef struct st_pool st_pool;
 /* n_threads workers; the thread that calls st_forward runs worker 0's share itself.
