@@ -1,6 +1,7 @@
 """GPU engine benchmark (issue 9): a synthetic Qwen3-30B-A3B-shaped model built on the machine.
 
     python -m bench.engine_gpu [--layers 48] [--skew 1.0] [--quick] [--json out.json]
+    python -m bench.engine_gpu --depth 0,8192,32768,131072 [--llama-bin DIR]   # decode at depth
 
 Builds a ``qwen3moe`` GGUF of the real shapes (48 layers, hidden 2048, 32 query / 4 KV heads
 of 128, 128 experts top-8, expert FFN 768, vocabulary 151,936 fed as token ids): Q4_K
@@ -25,7 +26,8 @@ other GEMM thresholds (--gemm-min). Each comparison row replaces the open model'
 With ``--llama-bin DIR`` (llama.cpp's llama-bench and llama-batched-bench built with CUDA from the
 llama-cpp-python source distribution: tools/gpu/build_llama_cuda.sh) it then measures
 llama.cpp on the same file (all layers on the GPU, flash attention on) and prints both columns
-with the ratios against the issue's targets.
+with the ratios against the issue's targets. ``--depth`` measures batch-1 decode after that many tokens of
+context instead (bench/engine_gpu_depth.py), beside ``llama-bench -p 0 -n 128 -d D``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from gguf import GGUFWriter
 
 from engine import gpu_settings
 
+# The window the file declares: decode at depth reaches 131,072 tokens and more (Strata's KV is sized by the
+# benchmark, llama-bench's context by the depth; neither reads this but as the trained context).
+CONTEXT_LENGTH = 262144
 SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
              n_ff_exp=768, n_vocab=151936)
 QUICK = dict(n_layer=4, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=32, n_expert_used=4,
@@ -76,7 +81,7 @@ def build_model(path: Path, shape: dict, skew: float, seed: int = 0) -> Path:
     ne, k, ff, V = shape["n_expert"], shape["n_expert_used"], shape["n_ff_exp"], shape["n_vocab"]
     w = GGUFWriter(str(tmp), "qwen3moe")
     w.add_block_count(L)
-    w.add_context_length(32768)
+    w.add_context_length(CONTEXT_LENGTH)
     w.add_embedding_length(E)
     w.add_feed_forward_length(6144)
     w.add_head_count(H)
@@ -343,6 +348,11 @@ def run(args: argparse.Namespace) -> dict:
           + (" (launch N+1 before wait N, as the scheduler); decode_bN_sync_tok_s: the device pick, each step waited"
              if head == "overlap" else ""))
 
+    def split_layers(tag: str, n_seq: int) -> None:
+        """The layers that kept the routed split after a decode row (the device's own decision)."""
+        if eng._gpu is not None and n_seq > 1:
+            res[f"routed_split_layers_{tag}"] = eng._gpu.routed_split_layers(n_seq)
+
     def decode_rows(n_seq: int, steps: int) -> object:
         """decode_b{n_seq}_tok_s on the headline path and, when that is the overlap, decode_b{n_seq}_sync_tok_s
         (the device pick, each step waited before the next) after
@@ -350,6 +360,7 @@ def run(args: argparse.Namespace) -> dict:
         stats rows split one step's GPU time, the same work either way, and an overlapped step may record
         no per-layer events (one in flight does) or t_output (a later launch re-records it)."""
         res[f"decode_b{n_seq}_tok_s"], st = decode(n_seq, steps, tag=f"b{n_seq}", pick=head)
+        split_layers(f"b{n_seq}", n_seq)
         if head == "overlap":
             res[f"decode_b{n_seq}_sync_tok_s"], st = decode(n_seq, steps, tag=f"b{n_seq}_sync")
         return st
@@ -400,6 +411,7 @@ def run(args: argparse.Namespace) -> dict:
                 tag = f"b{n_s}_{env.removeprefix('STRATA_GPU_').lower()}_{v}"
                 with settings(**{env: v}):
                     res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
+                    split_layers(tag, int(n_s))
         else:
             res["decode_b32_random_next_tok_s"], _ = decode(32, 64, tag="b32_random_next", pick="random")
         if args.decode_only and not args.lean:  # the split dense GEMM off, and from 8 tokens, for comparison
@@ -408,6 +420,8 @@ def run(args: argparse.Namespace) -> dict:
                 res["decode_b32_no_dense_split_tok_s"], _ = decode(32, 64, tag="b32_no_dense_split")
             with settings(STRATA_GPU_DENSE_SPLIT="8"):  # 8 sequences' dense layers on the split GEMM too
                 res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
+        print("routed split layers: " + ", ".join(f"{k[20:]} {v}" for k, v in res.items()
+                                                   if k.startswith("routed_split_layers_")))
         res["decode_step_gpu_ms"] = gpu_ms
         lib = eng._gpu.library.name if eng._gpu else "cpu"
         print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"
@@ -608,7 +622,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, metavar="R",
                     help="with --prefill-only: R prefills (each after its 16-token warm-up), the median printed; "
                          "STRATA_CUDA_LIB=other.so times another build the same way")
+    ap.add_argument("--depth", default=None, metavar="D1,D2,...",
+                    help="decode at depth only: batch-1 decode tok/s after each number of tokens of context "
+                         "(e.g. 0,8192,32768,131072), Strata with and without the split-KV attention, and with "
+                         "--llama-bin llama-bench -p 0 -n 128 -d D beside it (bench/engine_gpu_depth.py)")
+    ap.add_argument("--depth-steps", type=int, default=128, help="with --depth: decode steps timed at each depth")
+    ap.add_argument("--unsplit-steps", type=int, default=32,
+                    help="with --depth: steps timed with the split-KV attention off (0: skip that row)")
+    ap.add_argument("--depth-reps", type=int, default=2, help="with --depth: llama-bench repetitions (-r)")
     args = ap.parse_args(argv)
+    if args.depth is not None:
+        from bench import engine_gpu_depth
+
+        if args.depth_steps < 1 or args.unsplit_steps < 0 or args.depth_reps < 1:
+            raise SystemExit("--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0")
+        return engine_gpu_depth.main(args, _model_path(args), lambda p: build_model(p, _shape(args), args.skew))
     if args.prefill_only:
         return prefill_once(args, args.prefill_only)
     if args.build_only:

@@ -87,6 +87,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from engine.calibrate import builtin_corpus, calibrate_file, read_prompts
     from engine.engine import Engine
+    from engine.placement import default_placement_path
 
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -94,9 +95,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         read_prompts(args.prompts)  # a bad prompt file fails before the model loads
     else:
         builtin_corpus()
+    out = args.output if args.output is not None else default_placement_path(args.model)
     with Engine.open(args.model, threads=args.threads, kv_tokens=args.kv_tokens) as eng:
-        pf = calibrate_file(eng, args.prompts, args.output, max_tokens=args.max_tokens)
-    print(f"{args.output}: {pf.source}")
+        pf = calibrate_file(eng, args.prompts, out, max_tokens=args.max_tokens)
+    print(f"{out}: {pf.source}")
     return 0
 
 
@@ -157,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("model", help="GGUF path")
     cal.add_argument("--prompts", default=None, help="one prompt per line, or JSONL ({\"prompt\": ...} / "
                                                      "{\"messages\": [...]}); default: the built-in corpus")
-    cal.add_argument("-o", "--output", required=True, help="the placement file to write (JSON)")
+    cal.add_argument("-o", "--output", default=None,
+                     help="the placement file to write (JSON); default: the model's default placement beside it, "
+                          "MODEL.placement.json, which a GPU lane with a budget places by when no file is configured")
     cal.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     cal.add_argument("--threads", type=int, default=None, help="engine threads (default: all allowed cores)")
     cal.add_argument("--kv-tokens", type=int, default=8192, help="KV cache capacity in tokens")

@@ -25,6 +25,8 @@ import jinja2.parser
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from common.chat_formats import ChatFormat, detect_format, shape_messages
+
 if TYPE_CHECKING:
     from common.tokenizer import Tokenizer
 
@@ -151,6 +153,7 @@ class ChatTemplate:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.is_fallback = is_fallback
+        self.format: ChatFormat = detect_format(source)  # what the template renders (common/chat_formats.py)
         try:
             self._template = _make_environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -182,8 +185,9 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any) -> str:
         """Prompt text for ``messages``; ``extra`` reaches the template as variables (``tools``,
-        ``enable_thinking``, ...), and may override ``bos_token``/``eos_token``."""
-        msgs = _validate_messages(messages)
+        ``enable_thinking``, ...), and may override ``bos_token``/``eos_token``. Messages are shaped
+        for the template's format first (:func:`common.chat_formats.shape_messages`)."""
+        msgs = shape_messages(self.format, _validate_messages(messages))
         context: dict[str, Any] = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,

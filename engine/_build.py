@@ -15,9 +15,10 @@ from cffi import FFI
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The CPU engine: kernels (quants, quants_iq, kernels_*, attention) and their selection (variants),
 # the pool, then the step: model validation (model), KV cache (kv), shared primitives
-# (linear), experts (moe) and the step itself (forward). engine/csrc/cuda/ is not built here.
+# (linear), experts (moe), latent attention (mla) and the step itself (forward). engine/csrc/cuda/ is not
+# built here.
 SOURCES = ["quants.c", "quants_iq.c", "quants_lowbit.c", "kernels_avx2.c", "kernels_avx512.c", "attention.c",
-           "variants.c", "pool.c", "model.c", "kv.c", "linear.c", "moe.c", "forward.c"]
+           "variants.c", "pool.c", "model.c", "kv.c", "linear.c", "moe.c", "mla.c", "forward.c"]
 CFLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra"]
 
 

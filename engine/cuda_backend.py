@@ -228,10 +228,16 @@ def _addr(cpu_ffi: Any, cdata: Any) -> int:
 
 class CudaModel:
     """Weights and the paged KV cache of one model on one GPU; ``forward`` is one step. Its settings
-    (engine/gpu_settings.py) are read from the environment once, here."""
+    (engine/gpu_settings.py) are read from the environment once, here.
 
-    def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int) -> None:
+    resident: hybrid placement's [n_layer, n_expert] mask (1: the routed expert is uploaded); the others are
+    computed by ``cpu`` = (st_model *, st_pool *) of the C engine on the same file (st_moe_pairs), which must
+    outlive this model. None: every weight on the GPU."""
+
+    def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int, resident: Any = None,
+                 cpu: tuple[Any, Any] | None = None) -> None:
         from engine.native import ffi as cffi_cpu
+        from engine.native import lib as lib_cpu
 
         self._cpu_ffi = cffi_cpu
         self.ffi, self.lib = load()
@@ -239,9 +245,24 @@ class CudaModel:
         self.index = index
         settings = gpu_settings.from_env(self.ffi, self.lib)
         pm = self.ffi.new("stg_model **")
-        _check(self.ffi, self.lib,
-               self.lib.stg_model_create(index, self.ffi.cast("void *", _addr(cffi_cpu, desc)), settings, pm),
-               f"cuda:{index}: model")
+        f = self.ffi
+        desc_p = f.cast("void *", _addr(cffi_cpu, desc))
+        if resident is None:
+            rc = self.lib.stg_model_create(index, desc_p, settings, pm)
+        else:
+            import numpy as np
+
+            if cpu is None:
+                raise ValueError("a resident mask needs the CPU engine (model, pool) for the other experts")
+            mask = np.ascontiguousarray(resident, dtype=np.uint8)
+            ce = f.new("stg_cpu_experts *")
+            ce.moe_pairs = f.cast("stg_moe_pairs_fn", _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_moe_pairs")))
+            ce.last_error = f.cast("stg_last_error_fn", _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_last_error")))
+            ce.model = f.cast("void *", _addr(cffi_cpu, cpu[0]))
+            ce.pool = f.cast("void *", _addr(cffi_cpu, cpu[1]))
+            keep = f.from_buffer(mask)
+            rc = self.lib.stg_model_create_hybrid(index, desc_p, settings, f.cast("const uint8_t *", keep), ce, pm)
+        _check(self.ffi, self.lib, rc, f"cuda:{index}: model")
         self._model = pm[0]
         pk = self.ffi.new("stg_kv **")
         rc = self.lib.stg_kv_create(self._model, n_blocks, block_size, pk)
@@ -252,6 +273,7 @@ class CudaModel:
         self._kv = pk[0]
         self.weight_bytes = int(self.lib.stg_model_weight_bytes(self._model))
         self._ticket = self.ffi.new("int64_t *")
+        self._profile = self.ffi.new("stg_profile *")
         self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
         self.info = gpu_info(index)
 
@@ -262,6 +284,13 @@ class CudaModel:
         n = int(self.lib.stg_model_graphs(self._model, failed, note, 256))
         return n, int(failed[0]), self.ffi.string(note).decode("utf-8", "replace")
 
+    def routed_split_layers(self, n_tokens: int) -> int:
+        """Layers that keep the routed split (stg_settings.routed_mv_groups) in decode steps of ``n_tokens``
+        tokens: the decision the device's routing statistics made (0 where the split does not apply)."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        return int(self.lib.stg_model_routed_split_layers(self._model, n_tokens))
+
     def set_settings(self, environ: dict[str, str] | None = None) -> None:
         """Replace the open model's settings with the defaults and ``environ``'s overrides (default: the
         process environment), as if it were opened again; its CUDA graphs are dropped."""
@@ -269,6 +298,25 @@ class CudaModel:
             raise EngineError("GPU model is closed")
         settings = gpu_settings.from_env(self.ffi, self.lib, environ)
         _check(self.ffi, self.lib, self.lib.stg_model_set_settings(self._model, settings), "settings")
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the model's own device allocations hold (stg_model_memory, stg_kv_bytes) and the routed experts
+        it holds."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        w, s = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")
+        _check(self.ffi, self.lib, self.lib.stg_model_memory(self._model, w, s), "memory")
+        return {"weights": int(w[0]), "kv": int(self.lib.stg_kv_bytes(self._kv)), "scratch": int(s[0]),
+                "resident_experts": int(self.lib.stg_model_resident_experts(self._model))}
+
+    def profile(self) -> dict[str, float]:
+        """The frame profile of the last waited step (stg_step_profile): seconds and pair counts."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        p = self._profile
+        _check(self.ffi, self.lib, self.lib.stg_step_profile(self._model, p), "profile")
+        return {"t_total": p.t_total, "t_gpu": p.t_gpu, "t_cpu_experts": p.t_cpu_experts, "t_gpu_wait": p.t_gpu_wait,
+                "pairs_gpu": int(p.pairs_gpu), "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes)}
 
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""

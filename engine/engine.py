@@ -28,10 +28,11 @@ from engine.rope import RopeOverrides, RopeParams, resolve
 from engine.step import StepStats
 
 if TYPE_CHECKING:
+    from engine.placement import GpuPlan, PlacementFile
     from engine.sampling import SamplingParams
     from engine.scheduler import RequestOutput
 
-__all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError", "HybridNotSupportedError"]
+__all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError", "GpuBudgetError"]
 
 
 # Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
@@ -65,22 +66,24 @@ def _check_cores(cores: Sequence[int]) -> None:
         raise ValueError(f"cores: {bad} outside this machine's CPUs 0-{n_cpu - 1}")
 
 
-def _check_budget(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int,
-                  prefill_chunk: int) -> None:
-    """HybridNotSupportedError when the whole model does not fit the GPU budget (see Engine.open)."""
+def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int, prefill_chunk: int,
+              placement: str | os.PathLike[str] | PlacementFile | None) -> tuple[GpuPlan, str] | None:
+    """The hybrid plan of a GPU lane with a budget (see Engine.open) and where its frequencies came from; None
+    without a budget. GpuBudgetError when not even the parts every step needs fit."""
     if gpu_budget_gb is None:
-        return
-    from engine.inspect_model import analyse, gpu_bytes
+        return None
+    from engine.placement import engine_plan_params, placement_frequencies, plan
 
-    kv = analyse(mf).kv_bytes_per_token * (-(-kv_tokens // block_size) * block_size)
-    need = gpu_bytes(mf, kv, step_tokens=prefill_chunk)
     budget = int(gpu_budget_gb * 2**30)
-    if need > budget:
-        raise HybridNotSupportedError(
-            f"gpu_budget_gb={gpu_budget_gb:g}: the whole model needs {need / 2**30:.2f} GiB on the GPU (weights, "
-            f"KV cache for {kv_tokens} tokens, step buffers); splitting its routed experts between GPU and CPU "
-            "is not supported yet: raise the budget, lower kv_tokens, or serve it on device='cpu'",
-            lib.ST_EUNSUPPORTED)
+    freqs, source = placement_frequencies(mf, placement) if mf.hparams.n_expert else (None, "")
+    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk), freqs)
+    if not p.fits:
+        what = ("its non-routed weights, " if mf.hparams.n_expert else "its weights, ") + \
+            f"the KV cache for {kv_tokens} tokens, step buffers and the CUDA context reserve"
+        raise GpuBudgetError(
+            f"gpu_budget_gb={gpu_budget_gb:g}: the GPU side of the model needs {p.fixed_bytes / 2**30:.2f} GiB "
+            f"({what}); raise the budget, lower kv_tokens, or serve it on device='cpu'", lib.ST_EUNSUPPORTED)
+    return p, source
 
 
 class _StepIO:
@@ -151,9 +154,9 @@ class _StepIO:
         return b
 
 
-class HybridNotSupportedError(UnsupportedError):
-    """device="cuda" with a gpu_budget_gb below what the whole model needs on the GPU: splitting a model
-    between GPU and CPU (issue 29's hybrid placement) is not in the GPU engine yet."""
+class GpuBudgetError(UnsupportedError):
+    """device="cuda" with a gpu_budget_gb below what the model's GPU side needs before any routed expert is
+    placed there (weights other than the routed experts, the KV cache, step buffers, the context reserve)."""
 
 
 class RopeScalingOnGpuError(UnsupportedError):
@@ -173,9 +176,15 @@ class StaleSourceError(EngineError):
     are no longer the ones the device holds; nothing was run."""
 
 
-def _stats(st: Any) -> StepStats:
-    return StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense, st.t_output,
-                     int(st.n_expert_tokens), int(st.n_active_experts), float(st.pool_idle_share))
+def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
+    out = StepStats(int(st.n_tokens), st.t_total, st.t_attn, st.t_experts, st.t_dense, st.t_output,
+                    int(st.n_expert_tokens), int(st.n_active_experts), float(st.pool_idle_share))
+    if profile is not None:  # a GPU step's frame profile (CudaModel.profile)
+        pairs = profile["pairs_gpu"] + profile["pairs_cpu"]
+        out.t_gpu, out.t_cpu_experts, out.t_gpu_wait = profile["t_gpu"], profile["t_cpu_experts"], profile["t_gpu_wait"]
+        out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
+        out.staged_bytes = int(profile["staged_bytes"])
+    return out
 
 
 class Engine:
@@ -184,9 +193,12 @@ class Engine:
     def __init__(self, mf: ModelFile, threads: int, cores: Sequence[int] | None, kv_tokens: int,
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
+                 resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
                  rope: RopeParams | None = None) -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
+        self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
+        self.plan_source = plan_source  # where the plan's routing frequencies came from
         self.hparams = mf.hparams
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
@@ -199,29 +211,38 @@ class Engine:
             _check_rope_on_gpu(mf, self.rope)
         self._model, self._desc, self._keep = create_native_model(mf, self.rope)
         n_blocks = max(1, -(-kv_tokens // block_size))
-        self._gpu: Any = None
-        if self.device.kind == "cuda":  # weights and KV in VRAM; the C model above only validated the file
-            from engine.cuda_backend import CudaModel
-
-            try:
-                self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size)
-            except BaseException:
-                lib.st_model_destroy(self._model)
-                raise
+        on_gpu = self.device.kind == "cuda"
+        # hybrid: the routed experts the GPU does not hold run on this C model and pool (st_moe_pairs); on the
+        # GPU otherwise the C model only validated the file, and its pool is one thread
+        self.resident = resident if on_gpu and resident is not None and not resident.all() else None
+        cpu_threads = threads if not on_gpu or self.resident is not None else 1
         pk = ffi.new("st_kv **")
-        rc = lib.st_kv_create(self._model, 1 if self._gpu else n_blocks, block_size, pk)
+        rc = lib.st_kv_create(self._model, 1 if on_gpu else n_blocks, block_size, pk)
         if rc:
             lib.st_model_destroy(self._model)
             check(rc, "KV cache")
         self._kv = pk[0]
         pp = ffi.new("st_pool **")
         core_arr = ffi.new("int32_t[]", self.cores) if self.cores else ffi.NULL
-        rc = lib.st_pool_create(1 if self._gpu else threads, core_arr, len(self.cores) if self.cores else 0, pp)
+        rc = lib.st_pool_create(cpu_threads, core_arr, len(self.cores) if self.cores else 0, pp)
         if rc:
             lib.st_kv_destroy(self._kv)
             lib.st_model_destroy(self._model)
             check(rc, "thread pool")
         self._pool = pp[0]
+        self._gpu: Any = None
+        if on_gpu:  # weights (the resident experts of a hybrid plan) and KV in VRAM
+            from engine.cuda_backend import CudaModel
+
+            try:
+                self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size, resident=self.resident,
+                                      cpu=(self._model, self._pool) if self.resident is not None else None)
+            except BaseException:
+                lib.st_pool_destroy(self._pool)
+                lib.st_kv_destroy(self._kv)
+                lib.st_model_destroy(self._model)
+                self._pool = self._kv = self._model = None
+                raise
         self.blocks = BlockManager(n_blocks, block_size)
         self.kv_tokens = n_blocks * block_size
         self._tokenizer: Any = None
@@ -241,17 +262,24 @@ class Engine:
     def open(cls, path: str | os.PathLike[str] | None = None, *, threads: int | None = None,
              cores: Sequence[int] | None = None, kv_tokens: int = 4096, block_size: int = 16,
              prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
-             gpu_budget_gb: float | None = None, rope: RopeOverrides | None = None) -> Engine:
+             gpu_budget_gb: float | None = None,
+             placement: str | os.PathLike[str] | PlacementFile | None = None,
+             rope: RopeOverrides | None = None) -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
         when a GPU is usable); a GPU that cannot be used raises DeviceUnavailableError.
 
         cores: the CPUs the engine's thread pool is pinned to (one thread each unless ``threads``).
-        gpu_budget_gb: the GPU memory (GiB, 2**30 bytes: `strata model inspect --vram`'s unit) the lane may hold, stored as ``gpu_budget_gb``.
-        On a GPU, a budget below what the whole model needs there (weights, this KV cache, step buffers:
-        ``engine.inspect_model.gpu_bytes``) raises HybridNotSupportedError: splitting the routed experts
-        between GPU and CPU is not in the GPU engine yet. The CPU ignores it.
+        gpu_budget_gb: the GPU memory (GiB, 2**30 bytes: `strata model inspect --vram`'s unit) the lane may
+        hold, stored as ``gpu_budget_gb``. On a GPU it is planned (``engine.placement.plan``, kept as ``plan``):
+        the non-routed weights, this KV cache, the step buffers and the context reserve first, then routed
+        experts by routing frequency while they fit. Experts left out are computed on the CPU (this pool,
+        ``cores``) from the mapped file: hybrid placement, ``resident`` the [n_layer, n_expert] mask. A budget
+        the first parts do not fit raises GpuBudgetError before any device is touched. The CPU ignores it.
+        placement: the routing frequencies to place by (a placement file or its path: ``strata plan
+        calibrate``); default: the model's default placement file beside it when it exists
+        (``engine.placement.default_placement_path``), else uniform routing.
 
         max_model_len overrides the context window (default: the trained context, or the
         scaled one under rope scaling, bounded by the KV capacity); beyond it quality is not promised.
@@ -284,16 +312,22 @@ class Engine:
                                                      f"(device 'cpu' or 'auto'), not on {device!r}")
             device = "cpu"
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
+        planned = None
         if asked.kind == "cuda":
             _check_rope_on_gpu(mf, rp)
-            _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
+            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
         elif asked.kind != "cpu" and rp.active:  # "auto": the CPU runs rope scaling, the GPU does not yet
             device = "cpu"
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
-            _check_budget(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk)
+            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
+        resident = None
+        if planned is not None and mf.hparams.n_expert:
+            from engine.placement import resident_mask
+
+            resident = resident_mask(mf, planned[0])
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                   rp)
+                   resident, planned[0] if planned else None, planned[1] if planned else "", rp)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
@@ -380,9 +414,10 @@ class Engine:
             st = io.stats
             if self._gpu is not None:
                 self._gpu.forward(b, st)
+                self.last_stats = _stats(st, self._gpu_profile(st))
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-            self.last_stats = _stats(st)
+                self.last_stats = _stats(st)
         return out
 
     # ------------------------------------------------------------ routed experts for a caller (hybrid)
@@ -499,7 +534,7 @@ class Engine:
         if self._gpu is not None:
             st = self._io.stats
             self._gpu.wait(c_ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
-            stats = _stats(st)
+            stats = _stats(st, self._gpu_profile(st))
         return out, stats
 
     def wait(self, ticket: int) -> np.ndarray:
@@ -520,6 +555,22 @@ class Engine:
                 raise EngineError(f"wait: no launched step {ticket} to wait for", lib.ST_EINVAL)
             self.last_stats = stats
         return out
+
+    def _gpu_profile(self, st: Any) -> dict[str, float]:
+        """The frame profile of the GPU step just waited: the C library's for a hybrid model; on the GPU alone
+        it is the step itself (every pair on the GPU, nothing waited), without a call."""
+        if self.resident is not None:
+            return self._gpu.profile()
+        return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "pairs_gpu": int(st.n_expert_tokens),
+                "pairs_cpu": 0, "staged_bytes": 0}
+
+    def gpu_memory(self) -> dict[str, int]:
+        """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and
+        resident experts), ``kv``, ``scratch`` (step buffers at their current size), and ``resident_experts``
+        (how many routed experts the GPU holds). The driver's figure adds the CUDA context."""
+        if self._gpu is None:
+            raise EngineError("gpu_memory: the engine runs on the CPU")
+        return self._gpu.memory()
 
     @property
     def in_flight(self) -> int:

@@ -27,10 +27,11 @@ SUPPORTED_TYPES: dict[int, str] = {
     10: "Q2_K", 11: "Q3_K", 20: "IQ4_NL", 23: "IQ4_XS", 39: "MXFP4",
 }
 
-ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2, "glm4moe": 3, "gpt-oss": 4}
+ARCH_IDS = {"llama": 0, "qwen3moe": 1, "qwen2moe": 2, "glm4moe": 3, "gpt-oss": 4, "deepseek2": 5}
 ROPE_NORM, ROPE_NEOX = 0, 2
 # Renormalise the top-k routing weights unless the file says otherwise (llama.cpp's defaults).
-DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "glm4moe": False, "gpt-oss": False}
+DEFAULT_EXPERT_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "glm4moe": False, "gpt-oss": False,
+                       "deepseek2": False}
 
 # Router gating functions: llama.cpp's expert_gating_func values (ST_GATING_* in strata.h).
 GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3
@@ -38,7 +39,7 @@ GATING_NAMES = {GATING_SOFTMAX: "softmax", GATING_SIGMOID: "sigmoid", GATING_SOF
 # Architectures whose llama.cpp graph takes its routing from the file: expert_gating_func (0 or
 # absent: the value here), expert_weights_scale and leading_dense_block_count. The others route
 # by softmax without scaling whatever the file says (a file asking for another gating is refused).
-GATING_FROM_FILE = {"glm4moe": GATING_SIGMOID}
+GATING_FROM_FILE = {"glm4moe": GATING_SIGMOID, "deepseek2": GATING_SOFTMAX}
 # Architectures whose llama.cpp graph fixes the routing whatever the file says: the gating, and no
 # renormalisation (gpt-oss: top-k of the logits, then softmax over the k chosen).
 GATING_FIXED = {"gpt-oss": GATING_SOFTMAX_WEIGHT}
@@ -56,6 +57,8 @@ _REQUIRED_KEYS = {
                 "attention.layer_norm_rms_epsilon"),
     "gpt-oss": ("expert_count", "expert_used_count", "expert_feed_forward_length", "attention.layer_norm_rms_epsilon",
                 "attention.sliding_window"),
+    "deepseek2": ("expert_count", "expert_used_count", "expert_shared_count", "expert_feed_forward_length",
+                  "attention.layer_norm_rms_epsilon", "attention.kv_lora_rank"),
 }
 
 
@@ -111,6 +114,20 @@ class HParams(BaseModel):
     swa_pattern: int = 0  # layer il slides when il % swa_pattern < swa_pattern - 1
     attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator
     rope_scaling: RopeScaling = RopeScaling()  # as the file states it (engine.rope.resolve: the values run)
+    # multi-head latent attention (deepseek2; see st_model_desc): head_dim is each head's query / key
+    # width (nope + rope_dim), head_dim_v its value width; n_head_kv is 1 (the cached latent row)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q straight from attn_q
+    head_dim_v: int = 0  # 0: head_dim
+    mla_split: bool = False  # the latent's expansion as attn_k_b / attn_v_b (else one attn_kv_b)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The F16 KV cache per token over all layers: K and V of every KV head, or with latent
+        attention the one cached row per layer (the latent and the rotary key as K, the latent as V)."""
+        if self.kv_lora_rank:
+            return 2 * self.n_layer * (2 * self.kv_lora_rank + self.rope_dim)
+        return 2 * 2 * self.n_layer * self.n_head_kv * self.head_dim
 
     def sliding_layers(self) -> list[int]:
         """The layers that attend through the sliding window."""
@@ -296,7 +313,10 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
     n_dense_lead = gi("leading_dense_block_count", 0, n_layer, 0) if n_expert and from_file else 0
     gating = g("expert_gating_func", 0)
     if from_file:
-        gating = _as_int(gating, f"{arch}.expert_gating_func", 0, 1 << 31, path) or GATING_FROM_FILE[arch]
+        default = GATING_FROM_FILE[arch]
+        if arch == "deepseek2" and n_layer in (47, 48) and _vocab_size(md, arch, n_vocab) == 154880:
+            default = GATING_SIGMOID  # llama.cpp's rule for GLM-4.7-Flash files, which carry no gating key
+        gating = _as_int(gating, f"{arch}.expert_gating_func", 0, 1 << 31, path) or default
         if gating not in GATING_NAMES:
             raise UnsupportedModelError(path, f"expert gating function {gating} is not supported "
                                               f"({', '.join(f'{k} {v}' for k, v in GATING_NAMES.items())})")
@@ -323,12 +343,15 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_ff_exp = int(shape[1]) if len(shape) > 1 else 0
     n_ff_shexp = gi("expert_shared_feed_forward_length", 0, 1 << 40, 0)
     n_shared = gi("expert_shared_count", 0, MAX_EXPERTS, 0)
-    if arch in ("glm4moe", "gpt-oss"):  # the expert width llama.cpp creates the tensors with
+    if arch in ("glm4moe", "gpt-oss", "deepseek2"):  # the expert width llama.cpp creates the tensors with
         want_exp = gi("expert_feed_forward_length", 1, MAX_ROW)
         if n_ff_exp and n_ff_exp != want_exp:
             raise GGUFError(path, f"tensor {first_moe!r} has width {n_ff_exp}, metadata "
                                   f"'{arch}.expert_feed_forward_length' says {want_exp}")
-    if arch == "glm4moe":  # the shared experts' width llama.cpp creates the tensors with
+    if arch == "deepseek2" and n_dense_lead < n_layer and not (n_expert and n_shared):
+        raise GGUFError(path, f"metadata '{arch}.expert_count' = {n_expert}, 'expert_shared_count' = {n_shared}: "
+                              f"deepseek2's layers past the first {n_dense_lead} route experts beside shared ones")
+    if arch in ("glm4moe", "deepseek2"):  # the shared experts' width llama.cpp creates the tensors with
         n_ff_shexp = gi("expert_feed_forward_length", 1, MAX_ROW) * n_shared
         shexp = tensors.get(f"blk.{n_dense_lead}.ffn_gate_shexp.weight")
         if n_shared and (shexp is None or len(shexp.shape) != 2 or int(shexp.shape[1]) != n_ff_shexp):
@@ -346,6 +369,15 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
             raise GGUFError(path, f"metadata '{arch}.expert_count' = 0: gpt-oss routes every layer's FFN")
         if gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim) != head_dim:
             raise UnsupportedModelError(path, "partial rotary dimensions are not supported for gpt-oss")
+    mla: dict[str, Any] = {}
+    n_head_kv = gi("attention.head_count_kv", 1, MAX_HEADS, n_head)
+    rope_dim = gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim)
+    if arch == "deepseek2":
+        mla = _mla(md, tensors, path, n_embd, n_head, rope_dim)
+        head_dim, n_head_kv = mla.pop("head_dim"), 1  # the cache holds one latent row per token
+        if n_nextn_ds := gi("nextn_predict_layers", 0, MAX_LAYERS, 0):
+            raise UnsupportedModelError(path, f"{n_nextn_ds} NextN layers (nextn_predict_layers) are not supported "
+                                              "for deepseek2")
     norm = g("expert_weights_norm", DEFAULT_EXPERT_NORM[arch]) if arch not in GATING_FIXED else False
     if not isinstance(norm, (bool, int, np.bool_, np.integer)):
         raise GGUFError(path, f"metadata '{arch}.expert_weights_norm' must be a bool, got {type(norm).__name__}")
@@ -354,7 +386,7 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
-        n_head_kv=gi("attention.head_count_kv", 1, MAX_HEADS, n_head),
+        n_head_kv=n_head_kv,
         head_dim=head_dim,
         n_vocab=n_vocab,
         n_ctx_train=gi("context_length", 1, MAX_CTX, 2048),
@@ -364,8 +396,8 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_ff=gi("feed_forward_length", 0, 1 << 40, 0),
         n_ff_exp=n_ff_exp,
         n_ff_shexp=n_ff_shexp,
-        rope_type=ROPE_NORM if arch == "llama" else ROPE_NEOX,
-        rope_dim=gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim),
+        rope_type=ROPE_NORM if arch in ("llama", "deepseek2") else ROPE_NEOX,
+        rope_dim=rope_dim,
         rope_base=gf("rope.freq_base", 10000.0),
         norm_eps=gf("attention.layer_norm_rms_epsilon", 1e-5),
         gating=gating,
@@ -380,7 +412,60 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         swa_pattern=swa_pattern,
         attn_sinks="blk.0.attn_sinks.weight" in tensors,
         rope_scaling=rope_scaling,
+        **mla,
     )
+
+
+def _vocab_size(md: dict[str, Any], arch: str, n_embd_rows: int) -> int:
+    """The vocabulary size as llama.cpp reads it for its per-model rules: vocab_size, else the token list."""
+    v = md.get(f"{arch}.vocab_size")
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return int(v)
+    tokens = md.get("tokenizer.ggml.tokens")
+    return len(tokens) if isinstance(tokens, (list, tuple)) else n_embd_rows
+
+
+def _mla(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path, n_embd: int, n_head: int,
+         rope_dim: int) -> dict[str, Any]:
+    """deepseek2's latent attention fields of HParams (plus "head_dim"), as llama.cpp reads them:
+    with attention.key_length_mla / value_length_mla (files converted for MLA: attn_k_b / attn_v_b,
+    key_length then being the cached row's width) the heads' widths come from those, else from
+    key_length / value_length (older files: attn_kv_b). Rotary scaling is refused here."""
+    arch = "deepseek2"
+
+    def gi(key: str, lo: int, hi: int, default: Any = None) -> int:
+        return _as_int(_get(md, f"{arch}.{key}", default, path=path), f"{arch}.{key}", lo, hi, path)
+
+    k_mla, v_mla = gi("attention.key_length_mla", 0, MAX_HEAD_DIM, 0), gi("attention.value_length_mla", 0, MAX_HEAD_DIM, 0)
+    if bool(k_mla) != bool(v_mla):
+        raise GGUFError(path, f"metadata '{arch}.attention.key_length_mla' = {k_mla} and 'value_length_mla' = {v_mla}: "
+                              "both or neither")
+    split = bool(k_mla)
+    default = n_embd // n_head or 1
+    head_dim = k_mla or gi("attention.key_length", 1, MAX_HEAD_DIM, default)
+    head_dim_v = v_mla or gi("attention.value_length", 1, MAX_HEAD_DIM, default)
+    if not 1 <= rope_dim < head_dim:
+        raise GGUFError(path, f"metadata '{arch}.rope.dimension_count' = {rope_dim} leaves no non-rotary key "
+                              f"dimensions of {head_dim}")
+    kv_lora = gi("attention.kv_lora_rank", 1, MAX_ROW)
+    q_a = tensors.get("blk.0.attn_q_a.weight")
+    q_lora = gi("attention.q_lora_rank", 0, MAX_ROW, int(q_a.shape[1]) if q_a is not None and len(q_a.shape) == 2 else 0)
+    want = "attn_k_b" if split else "attn_kv_b"
+    if f"blk.0.{want}.weight" not in tensors:
+        raise GGUFError(path, f"missing tensor 'blk.0.{want}.weight' (a deepseek2 file "
+                              f"{'with' if split else 'without'} '{arch}.attention.key_length_mla' carries "
+                              f"{'attn_k_b / attn_v_b' if split else 'attn_kv_b'})")
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
+    if not (kind == "none" or (kind in ("yarn", "linear") and factor in (0, 1))):
+        raise UnsupportedModelError(path, f"rope scaling {kind!r} (factor {factor}) is not supported for deepseek2 yet "
+                                          "(YaRN's attention scale with yarn_log_multiplier is not implemented)")
+    temp = md.get(f"{arch}.attention.temperature_scale", 0.0)
+    if temp not in (0, 0.0):
+        raise UnsupportedModelError(path, f"attention temperature scaling ({arch}.attention.temperature_scale = "
+                                          f"{temp}) is not supported")
+    return {"head_dim": head_dim, "head_dim_v": head_dim_v, "kv_lora_rank": kv_lora, "q_lora_rank": q_lora,
+            "mla_split": split}
 
 
 def _rope_scaling(md: dict[str, Any], arch: str, path: Path) -> RopeScaling:
@@ -478,6 +563,9 @@ _LAYER_TENSORS = {
     "exp_probs_b": "exp_probs_b.bias", "bo": "attn_output.bias", "sinks": "attn_sinks.weight",
     "gate_inp_b": "ffn_gate_inp.bias", "gate_exps_b": "ffn_gate_exps.bias", "up_exps_b": "ffn_up_exps.bias",
     "down_exps_b": "ffn_down_exps.bias",
+    "wq_a": "attn_q_a.weight", "q_a_norm": "attn_q_a_norm.weight", "wq_b": "attn_q_b.weight",
+    "wkv_a": "attn_kv_a_mqa.weight", "kv_a_norm": "attn_kv_a_norm.weight", "wkv_b": "attn_kv_b.weight",
+    "wk_b": "attn_k_b.weight", "wv_b": "attn_v_b.weight",
 }
 _NEXTN_TENSORS = {
     "eh_proj": "nextn.eh_proj.weight", "enorm": "nextn.enorm.weight", "hnorm": "nextn.hnorm.weight",
@@ -522,7 +610,7 @@ def build_desc(mf: ModelFile, rope: RopeParams | None = None) -> tuple[Any, list
         setattr(desc, k, getattr(hp, k))
     desc.expert_norm = int(hp.expert_norm)
     for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead", "n_swa",
-              "swa_pattern"):
+              "swa_pattern", "kv_lora_rank", "q_lora_rank", "head_dim_v"):
         setattr(desc, k, getattr(hp, k))
     rp = rope or hp.rope
     desc.rope_freq_scale = rp.freq_scale
@@ -542,6 +630,8 @@ def build_desc(mf: ModelFile, rope: RopeParams | None = None) -> tuple[Any, list
     names = dict(_LAYER_TENSORS)
     if hp.arch in _FFN_NORM_NAME:
         names["ffn_norm"] = _FFN_NORM_NAME[hp.arch]
+    for field in ("wkv_b",) if hp.mla_split else ("wk_b", "wv_b"):  # the form llama.cpp loads for the file
+        del names[field]
 
     def fill_layer(dst: Any, il: int) -> None:
         if f"blk.{il}.{names['ffn_norm']}" not in t:  # named here: the C message would say ffn_norm

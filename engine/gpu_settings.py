@@ -47,11 +47,16 @@ OVERRIDES: tuple[Override, ...] = (
              "routed gate/up GEMMs of at most this many tokens split their k loop (a multiple of 8, 0: never)"),
     Override("STRATA_GPU_ROUTED_MV_MAX", "routed_mv_max",
              "in steps whose routed layers take the GEMM, experts with at most this many pairs take the matvec"),
+    Override("STRATA_GPU_ROUTED_MV_GROUPS", "routed_mv_groups",
+             "a layer keeps that split while its recent decode steps average at least this many matvec-sized "
+             "experts (0: always)"),
     Override("STRATA_GPU_GEMM_FAST_MIN", "gemm_fast_min",
              "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)"),
     Override("STRATA_GPU_ATT_MMA", "att_mma",
              "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
+    Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
+             "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
 )
 
 

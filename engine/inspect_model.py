@@ -62,7 +62,7 @@ def analyse(mf: ModelFile) -> ModelReport:
         expert_bytes=expert_bytes,
         expert_bytes_per_token=int(expert_bytes * k_frac),
         dense_bytes=dense_bytes,
-        kv_bytes_per_token=2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim,
+        kv_bytes_per_token=hp.kv_bytes_per_token,
         n_ctx_train=hp.n_ctx_train,
         nextn_bytes=nextn_bytes,
     )
@@ -71,8 +71,14 @@ def analyse(mf: ModelFile) -> ModelReport:
 def _attention_line(mf: ModelFile) -> str:
     hp = mf.hparams
     t = mf.tensors
-    parts = [("q/k/v/o biases" if "blk.0.attn_output.bias" in t else "q/k/v biases")
-             if "blk.0.attn_q.bias" in t else "no biases"]
+    if hp.kv_lora_rank:
+        q = f"q rank {hp.q_lora_rank}" if hp.q_lora_rank else "q full rank"
+        parts = [f"latent (MLA): KV rank {hp.kv_lora_rank}, {q}, value dims {hp.head_dim_v or hp.head_dim} per head, "
+                 f"one cached row of {hp.kv_lora_rank} + {hp.rope_dim} per token "
+                 f"({'attn_k_b / attn_v_b' if hp.mla_split else 'attn_kv_b'})"]
+    else:
+        parts = [("q/k/v/o biases" if "blk.0.attn_output.bias" in t else "q/k/v biases")
+                 if "blk.0.attn_q.bias" in t else "no biases"]
     if "blk.0.attn_q_norm.weight" in t:
         parts.append("q/k norms")
     if hp.attn_sinks:
@@ -83,7 +89,8 @@ def _attention_line(mf: ModelFile) -> str:
         parts.append(f"sliding window {hp.n_swa} on {which} (the rest full)")
     rotary = "NEOX" if hp.rope_type == 2 else "NORM"
     parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
-                 + (" (partial)" if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}")
+                 + ((" (the last)" if hp.kv_lora_rank else " (partial)") if hp.rope_dim < hp.head_dim else "")
+                 + f", base {hp.rope_base:g}")
     return "attention       " + ", ".join(parts)
 
 
@@ -125,7 +132,18 @@ def step_buffer_bytes(hp: HParams, step_tokens: int = 512, logit_rows: int = 64)
     k_max = max(hp.n_embd, q_dim, hp.n_ff, hp.n_ff_shexp)
     per_token = 4 * (2 * hp.n_embd + 2 * q_dim + 2 * kv_dim + 2 * max(hp.n_expert, 1) + 2 * k) + k_max * 1.5
     per_pair = ff * (4 + 4 + 1.5) + 4 * hp.n_embd + 8
-    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd))
+    return int(step_tokens * (per_token + (k + 1) * per_pair) + logit_rows * 4 * (hp.n_vocab + hp.n_embd)
+               + split_partial_bytes(hp))
+
+
+def split_partial_bytes(hp: HParams) -> int:
+    """The most the GPU's split-KV decode partials hold (engine/csrc/cuda/attention_split.cu): 64 tokens x 64
+    splits x query heads, each head_dim + 2 floats, allocated by the first step that splits; 0 for heads the
+    split path does not take (head_dim other than 32 / 64 / 128, or query heads per KV head not dividing 16)."""
+    g = hp.n_head // hp.n_head_kv if hp.n_head_kv else 0
+    if hp.head_dim not in (32, 64, 128) or not g or 16 % g:
+        return 0
+    return 64 * 64 * hp.n_head * (hp.head_dim + 2) * 4
 
 
 def _fmt_bytes(n: float) -> str:

@@ -44,7 +44,8 @@ __all__ = [
     "PLACEMENT_FORMAT", "PLACEMENT_VERSION", "PlacementError", "PlacementFormatError", "PlacementMismatchError",
     "ModelIdentity", "RoutingStats", "PlacementFile", "GpuPlan", "PlanParams", "GPU_READ_GBS", "model_identity",
     "tensor_table_hash", "expert_bytes", "fixed_gpu_bytes", "plan", "measure_cpu_read_gbs", "gpu_read_gbs",
-    "render_plan",
+    "render_plan", "engine_plan_params", "engine_step_tokens", "default_placement_path", "placement_frequencies",
+    "resident_mask",
 ]
 
 PLACEMENT_FORMAT = "strata-placement"
@@ -384,8 +385,10 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
                     reserve_bytes: int = 640 * MIB, staging_slots: int = 0) -> dict[str, int]:
     """Everything but the resident routed experts that the GPU holds, by part (bytes): every non-routed
     weight 256-aligned (a tied output head shares the embedding), the F16 KV cache for n_ctx tokens of each
-    of n_seqs sequences, the step buffers for step_tokens tokens, staging slots (each one expert of the
-    largest size) and the stated reserve for the CUDA context and captured graphs."""
+    of n_seqs sequences, the step buffers for step_tokens tokens, the buffers of the CPU's expert rows (a
+    hybrid step's slot ids, pair indices and one row of n_embd floats per routed pair of step_tokens tokens,
+    engine/csrc/cuda/hybrid.cu), staging slots (each one expert of the largest size) and the stated reserve
+    for the CUDA context and captured graphs."""
     from engine.inspect_model import step_buffer_bytes
 
     hp = mf.hparams
@@ -395,9 +398,11 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
             continue
         cat = _category(name)
         parts[cat] = parts.get(cat, 0) + _aligned(t.n_bytes)
-    kv_per_token = 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim
+    kv_per_token = hp.kv_bytes_per_token
     parts["KV cache"] = kv_per_token * n_ctx * n_seqs
     parts["step buffers"] = step_buffer_bytes(hp, step_tokens, logit_rows)
+    if hp.n_expert:
+        parts["CPU expert rows"] = step_tokens * hp.n_expert_used * (4 * hp.n_embd + 8)
     if staging_slots:
         parts["staging slots"] = staging_slots * int(expert_bytes(mf).max())
     parts["context + graphs reserve"] = reserve_bytes
@@ -486,10 +491,11 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
     ram_per_token = float((f * ebytes * ~resident).sum())
     # the GPU side of a decode token: every non-routed weight once (the embedding: one row), resident
     # experts by frequency, and the KV cache up to decode_pos
-    kv_per_token = 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim
+    kv_per_token = hp.kv_bytes_per_token
     emb = mf.tensors["token_embd.weight"]
     weights_read = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "staging slots",
-                                                                 "context + graphs reserve", "embeddings"))
+                                                                 "context + graphs reserve", "embeddings",
+                                                                 "CPU expert rows"))
     if "output.weight" not in mf.tensors:  # tied: the head reads the embedding table
         weights_read += emb.n_bytes
     weights_read += emb.n_bytes // max(int(emb.shape[1]), 1)
@@ -566,3 +572,56 @@ def render_plan(p: GpuPlan, n_expert: int, source: str = "uniform routing", max_
         f"GPU {1e3 * p.t_gpu_s:.2f} ms per token, not overlapped); all on the CPU: {p.cpu_only_tok_s:.1f} tok/s",
     ]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- what Engine.open places
+
+def engine_step_tokens(prefill_chunk: int) -> int:
+    """Tokens the GPU engine's step buffers grow to for steps of up to ``prefill_chunk`` tokens: they grow to
+    at least twice their last size, up to 512 tokens (engine/csrc/cuda/model.cu, ensure_scratch)."""
+    return max(prefill_chunk, 512)
+
+
+def engine_plan_params(budget_bytes: int, kv_tokens: int, block_size: int, prefill_chunk: int,
+                       reserve_bytes: int = 640 * MIB) -> PlanParams:
+    """The plan request of ``Engine.open(device="cuda:N", gpu_budget_gb=...)``: the KV cache of the engine
+    (kv_tokens rounded up to whole blocks, as one sequence's worth), step buffers for
+    :func:`engine_step_tokens`, the reserve. The bandwidths feed only the plan's prediction, which opening
+    a model does not use: they are set to 1 GB/s."""
+    n_ctx = -(-kv_tokens // block_size) * block_size
+    return PlanParams(budget_bytes=budget_bytes, n_ctx=n_ctx, n_seqs=1, step_tokens=engine_step_tokens(prefill_chunk),
+                      reserve_bytes=reserve_bytes, cpu_read_gbs=1.0, gpu_read_gbs=1.0)
+
+
+def default_placement_path(model_path: str | os.PathLike[str]) -> Path:
+    """Where a model's default placement file lives: beside the GGUF, ``<file>.placement.json``
+    (``strata plan calibrate M.gguf`` writes it there without ``-o``)."""
+    p = Path(model_path)
+    return p.with_name(p.name + ".placement.json")
+
+
+def placement_frequencies(mf: ModelFile, placement: str | os.PathLike[str] | PlacementFile | None = None
+                          ) -> tuple[np.ndarray | None, str]:
+    """The routing frequencies a hybrid lane places by, and where they came from: the given placement file
+    (checked against the model), else the model's default placement file when it exists, else None
+    (uniform routing)."""
+    if placement is None:
+        default = default_placement_path(mf.path)
+        if not default.is_file():
+            return None, "uniform routing (no placement file)"
+        placement = default
+    if isinstance(placement, PlacementFile):
+        placement.check_model(mf)
+        pf, where = placement, "the given placement"
+    else:
+        pf, where = PlacementFile.load(placement, model=mf), str(placement)
+    return pf.stats.frequencies(), f"{where} ({pf.stats.total_tokens:.0f} tokens)"
+
+
+def resident_mask(mf: ModelFile, p: GpuPlan) -> np.ndarray:
+    """[n_layer, n_expert] uint8: 1 where the plan keeps the routed expert on the GPU."""
+    hp = mf.hparams
+    mask = np.zeros((hp.n_layer, max(hp.n_expert, 1)), dtype=np.uint8)
+    for il, ids in enumerate(p.resident):
+        mask[il, ids] = 1
+    return mask

@@ -33,6 +33,14 @@ class StepStats:
     n_expert_tokens: int
     n_active_experts: int
     pool_idle_share: float = 0.0  # share of the pool's thread time spent waiting in parallel regions
+    # the frame profile of a GPU step (stg_step_profile; zero on the CPU engine): t_total split into the GPU at
+    # work and the GPU waiting on the CPU's experts (hybrid placement), the host's time in those experts, the
+    # share of routed pairs the GPU's resident experts computed, expert bytes staged over PCIe
+    t_gpu: float = 0.0
+    t_cpu_experts: float = 0.0
+    t_gpu_wait: float = 0.0
+    resident_hit_rate: float = 0.0
+    staged_bytes: int = 0
 
 
 class StepEngine(Protocol):

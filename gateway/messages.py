@@ -6,7 +6,10 @@ blocks -> message text, ``tool_use`` / ``tool_result`` -> assistant tool calls /
 ``stop_sequences`` -> ``stop``), which takes the chat path unchanged (gateway/proxy.py: auth,
 limits, window precheck, memory, documents, dispatch, failover); the lane's chat answer is
 translated back by :class:`MessagesRelay`, whole or as the Messages stream events
-(``message_start`` ... ``message_stop``). Nothing here generates.
+(``message_start`` ... ``message_stop``). Nothing here generates. A model's reasoning (the chat
+answer's ``reasoning_content``, lanes/chat_parsers.py) is a ``thinking`` block first when the request
+asks for thinking (``thinking: {"type": "enabled"}``), and left out otherwise; ``thinking`` blocks
+of an assistant turn in the history become its ``reasoning_content``.
 
 Errors on these paths use Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``
 (:data:`messages_error_middleware` rewrites the gateway's OpenAI-shaped error answers, auth and
@@ -87,6 +90,7 @@ def to_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, list):
             raise _bad(f"{where}.content: expected a string or a list of content blocks", "messages")
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
         for j, b in enumerate(content):
@@ -110,8 +114,10 @@ def to_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
                 if b.get("is_error") is True:
                     text = f"Error: {text}"
                 results.append({"role": "tool", "tool_call_id": tid, "content": text})
+            elif kind == "thinking" and role == "assistant" and isinstance(b.get("thinking"), str):
+                thoughts.append(b["thinking"])  # the turn's reasoning, for templates that read it
             elif kind in ("thinking", "redacted_thinking"):
-                continue  # this server writes none; echoed ones from another model are not an error
+                continue  # redacted (another server's): not an error, nothing to read
             elif kind in ("image", "document", "search_result", "server_tool_use", "web_search_tool_result"):
                 raise _bad(f"{at}: {kind} blocks are not supported by this server (text and tools only)",
                            "messages")
@@ -121,8 +127,10 @@ def to_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
         out.extend(results)  # tool results answer the previous turn's calls: they come first
         if calls:
             out.append({"role": "assistant", "content": "\n".join(texts) or None, "tool_calls": calls})
-        elif texts or not results:
+        elif texts or thoughts or not results:
             out.append({"role": role, "content": "\n".join(texts)})
+        if thoughts and out and out[-1]["role"] == "assistant":
+            out[-1]["reasoning_content"] = "\n".join(thoughts)
     if messages[-1].get("role") == "assistant":
         # a prefill asks to continue the assistant's own text; the chat path always starts a new turn, so the
         # answer would not continue it: refused rather than answered differently than asked
@@ -223,6 +231,9 @@ class MessagesRelay:
     def __init__(self, body: dict[str, Any], trace: Any) -> None:
         self.id = "msg_" + uuid.uuid4().hex
         self.model = body.get("model") if isinstance(body.get("model"), str) else None
+        thinking = body.get("thinking")
+        # the model's reasoning as thinking blocks only when asked for, as the Messages API gives them
+        self.thinking = isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
         self.trace = trace  # the precheck's prompt count gives message_start its input_tokens
         self.blocks: list[dict[str, Any]] = []
         self.open: int | None = None  # index of the block being streamed
@@ -257,6 +268,8 @@ class MessagesRelay:
         msg = ch.get("message") or {}
         self.model = self.model or data.get("model")
         content: list[dict[str, Any]] = []
+        if self.thinking and msg.get("reasoning_content"):
+            content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
         if msg.get("content"):
             content.append({"type": "text", "text": msg["content"]})
         for tc in msg.get("tool_calls") or []:
@@ -293,6 +306,15 @@ class MessagesRelay:
             if ch.get("index", 0) != 0:
                 continue
             delta = ch.get("delta") or {}
+            if self.thinking and delta.get("reasoning_content"):
+                if self.open is None or self.blocks[self.open]["type"] != "thinking":
+                    out += self._close_open()
+                    self.blocks.append({"type": "thinking", "thinking": "", "signature": ""})
+                    self.open = len(self.blocks) - 1
+                    out += self._event("content_block_start", index=self.open,
+                                       content_block={"type": "thinking", "thinking": "", "signature": ""})
+                out += self._event("content_block_delta", index=self.open,
+                                   delta={"type": "thinking_delta", "thinking": delta["reasoning_content"]})
             if delta.get("content"):
                 if self.open is None or self.blocks[self.open]["type"] != "text":
                     out += self._close_open()

@@ -6,7 +6,9 @@ system message, ``text.format`` -> ``response_format``, function tools -> chat t
 (gateway/proxy.py: auth, limits, window precheck, memory, documents, dispatch, failover); the
 lane's chat answer is translated back by :class:`ResponsesRelay`, whole or event by event
 (``response.created`` ... ``response.completed``). One engine path for sampling, grammars and
-stops; nothing here generates.
+stops; nothing here generates. A model's reasoning (the chat answer's ``reasoning_content``, see
+lanes/chat_parsers.py) is a ``reasoning`` output item with ``reasoning_text`` content, and a
+``reasoning`` input item gives its text back to the assistant turn after it.
 
 ``previous_response_id`` continues a stored response of the same key (gateway/responses_store.py):
 its conversation (inputs and outputs of the whole chain) comes before the new input.
@@ -86,6 +88,7 @@ def input_messages(items: Any, history: list[dict[str, Any]]) -> list[dict[str, 
         raise _bad("invalid input: expected a string or a non-empty list of input items", "input")
     out: list[dict[str, Any]] = []
     known = _call_ids(history)
+    reasoning: list[str] = []  # reasoning items' text, for the assistant turn that follows them
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -97,6 +100,8 @@ def input_messages(items: Any, history: list[dict[str, Any]]) -> list[dict[str, 
                 raise _bad(f"{where}: unknown role {json.dumps(role)[:40]} (expected user, assistant, system or "
                            "developer)", "input", "invalid_role")
             out.append({"role": role, "content": _text_of(item.get("content"), where)})
+            if role == "assistant" and reasoning:
+                out[-1]["reasoning_content"], reasoning = "\n".join(reasoning), []
         elif kind == "function_call":
             call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
             if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name and isinstance(args, str)):
@@ -107,6 +112,8 @@ def input_messages(items: Any, history: list[dict[str, Any]]) -> list[dict[str, 
                 last["tool_calls"].append(call)  # consecutive calls are one assistant turn
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if reasoning:
+                out[-1]["reasoning_content"], reasoning = "\n".join(reasoning), []
             known.add(call_id)
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
@@ -116,7 +123,11 @@ def input_messages(items: Any, history: list[dict[str, Any]]) -> list[dict[str, 
                            "tool_output_without_call")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, where)})
         elif kind == "reasoning":
-            continue  # this server writes none; a client echoing another model's is not an error
+            # the model's reasoning before the turn that follows (templates of reasoning models read it);
+            # only its text is used, an encrypted one (another server's) is not an error
+            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            reasoning += [p["text"] for p in parts if isinstance(p, dict) and p.get("type") == "reasoning_text"
+                          and isinstance(p.get("text"), str)]
         else:
             raise _bad(f"{where}: unknown or unsupported input item type {json.dumps(kind)[:40]} (supported: "
                        "message, function_call, function_call_output)", "input", "unsupported_item_type")
@@ -252,6 +263,10 @@ class ResponsesRelay:
     def _status(self) -> str:
         return "incomplete" if self.finish == "length" else "completed"
 
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": _new_id("rs_"), "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     def _message_item(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "message", "id": _new_id("msg_"), "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
@@ -265,6 +280,9 @@ class ResponsesRelay:
         calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
                  for it in self.output if it["type"] == "function_call"]
         reply["content"] = "".join(texts) if texts else None
+        thoughts = [p["text"] for it in self.output if it["type"] == "reasoning" for p in it["content"]]
+        if thoughts:
+            reply["reasoning_content"] = "".join(thoughts)
         if calls:
             reply["tool_calls"] = calls
         await asyncio.to_thread(self.store.put, self.key_id, self.response(self._status()), [*self.history, reply])
@@ -277,6 +295,8 @@ class ResponsesRelay:
         self.model = self.model or data.get("model")
         status = self._status()
         item_status = "incomplete" if status == "incomplete" else "completed"
+        if msg.get("reasoning_content"):
+            self.output.append(self._reasoning_item(msg["reasoning_content"], item_status))
         if msg.get("content"):
             self.output.append(self._message_item(msg["content"], item_status))
         for tc in msg.get("tool_calls") or []:
@@ -308,6 +328,11 @@ class ResponsesRelay:
         status = "incomplete" if self.finish == "length" else "completed"
         idx = self.output.index(it)
         it["status"] = status
+        if it["type"] == "reasoning":
+            part = it["content"][0]
+            return (self._event("response.reasoning_text.done", item_id=it["id"], output_index=idx, content_index=0,
+                                text=part["text"])
+                    + self._event("response.output_item.done", output_index=idx, item=it))
         if it["type"] == "message":
             part = it["content"][0]
             return (self._event("response.output_text.done", item_id=it["id"], output_index=idx, content_index=0,
@@ -330,6 +355,19 @@ class ResponsesRelay:
             if ch.get("index", 0) != 0:
                 continue
             delta = ch.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open is None or self.open["type"] != "reasoning":
+                    out += self._close_open()
+                    it = self._reasoning_item("", "in_progress")
+                    self.output.append(it)
+                    self.open = it
+                    out += self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                       item={**it, "content": []})
+                it = self.open
+                it["content"][0]["text"] += delta["reasoning_content"]
+                out += self._event("response.reasoning_text.delta", item_id=it["id"],
+                                   output_index=len(self.output) - 1, content_index=0,
+                                   delta=delta["reasoning_content"])
             if delta.get("content"):
                 if self.open is None or self.open["type"] != "message":
                     out += self._close_open()
@@ -473,6 +511,9 @@ async def input_items(request: web.Request) -> web.Response:
         raise APIError(404, f"response with id {rid!r} not found", param="response_id", code="response_not_found")
     items: list[dict[str, Any]] = []
     for m in stored.history[:-1]:  # the last entry is the answer itself
+        if m["role"] == "assistant" and m.get("reasoning_content"):
+            items.append({"type": "reasoning", "id": _new_id("rs_"), "summary": [], "status": "completed",
+                          "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}]})
         for tc in m.get("tool_calls") or []:
             items.append({"type": "function_call", "id": _new_id("fc_"), "call_id": tc["id"],
                           "name": tc["function"]["name"], "arguments": tc["function"]["arguments"],

@@ -75,8 +75,12 @@ class LaneConfig(BaseModel):
     gpu_budget_gb: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="GPU memory the lane may hold (GiB, as `strata model inspect --vram`: weights, KV cache, buffers); None: no limit. "
-                    "Below what the whole model needs on the GPU the lane refuses to start (splitting a model "
-                    "between GPU and CPU is not in the GPU engine yet); ignored on the CPU")
+                    "Below what the whole model needs on the GPU the routed experts that do not fit are computed on "
+                    "the lane's cores (hybrid placement, by `placement`); below what the rest needs the lane refuses to "
+                    "start; ignored on the CPU")
+    placement: Path | None = Field(None, description="hybrid placement: the routing frequencies (`strata plan calibrate`) "
+                                                    "a GPU lane with a budget places experts by; None: the model's "
+                                                    "MODEL.placement.json when it exists, else uniform routing")
     threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")
     kv_tokens: int = Field(8192, ge=16)
     max_model_len: int | None = Field(None, ge=2)

@@ -25,10 +25,10 @@ from engine.block_manager import KVCapacityError
 from engine.constraints import GrammarCompiler, GrammarError
 from engine.sampling import SamplingParams
 from engine.scheduler import EngineFailedError, OverloadedError, RequestOutput, TokenLogprob
+from lanes.chat_parsers import AnswerParser, Piece, collect, make_parser
 from lanes.errors import APIError, request_info
 from lanes.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, sampling_params
 from lanes.state import LaneState
-from lanes.tools import ToolCallScanner
 
 __all__ = ["Run", "generate", "json_response"]
 
@@ -80,7 +80,9 @@ class _Choice:
     error: str | None = None
     done: bool = False
     started: bool = False  # a stream chunk was sent for this choice
-    tools: ToolCallScanner | None = None  # tools on: what the answer is (text or calls), as it grows
+    parser: AnswerParser | None = None  # reads the answer in the model's format (lanes/chat_parsers.py)
+    pieces: list[Piece] = field(default_factory=list)  # what the parser has read so far
+    sent: int = 0  # pieces streamed so far
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of text held back while undecided
 
 
@@ -107,9 +109,19 @@ class Run:
         self.pumps: list[asyncio.Task[None]] = []
         self.tokenizer = st.engine.tokenizer if st.engine is not None else None
         self.info.fields["id"] = self.id
-        # tools: an answer may be tool calls; ToolCallScanner tells (see lanes/tools.py)
-        self.tool_mode, tools = req.tool_mode() if isinstance(req, ChatRequest) else ("none", [])
-        self.tool_names = [t["function"]["name"] for t in tools]
+        # tools: an answer may be tool calls, in the JSON a grammar shapes (lanes/tools.py) or in the
+        # model's own syntax; reasoning may be set apart: the format's parser reads it (lanes/chat_parsers.py)
+        self.tool_mode, self.tools = req.tool_mode() if isinstance(req, ChatRequest) else ("none", [])
+        self.json_calls = self.tool_mode != "none" and params[0].grammar is not None
+
+    def _parser(self, prompt: list[int]) -> AnswerParser | None:
+        if self.kind != "chat":
+            return None
+        tail = ""
+        if self.st.chat_format == "glm45" and self.tokenizer is not None:
+            tail = self.tokenizer.decode(prompt[-4:])
+        return make_parser(self.st.chat_format, self.tools or None, forced=self.tool_mode == "forced",
+                           json_calls=self.json_calls, in_reasoning=tail.rstrip().endswith("<think>"))
 
     # ---------------------------------------------------------------- engine side
     def submit(self) -> None:
@@ -132,8 +144,7 @@ class Run:
                         self.st.metrics.forget(rid)
                         raise
                     self.choices.append(_Choice(index, rid, queue, len(ids), i == 0, t_submit,
-                                                tools=ToolCallScanner(self.tool_names)
-                                                if self.tool_mode != "none" else None))
+                                                parser=self._parser(ids)))
         except OverloadedError as e:
             self.abort_all()
             raise APIError(429, f"the lane is overloaded: {e}", code="server_overloaded",
@@ -184,8 +195,10 @@ class Run:
                 m.itl.observe((now - c.t_last_token) / len(out.token_ids))
             c.t_last_token = now
         c.text.append(out.text)
-        if c.tools is not None:
-            c.tools.feed(out.text)
+        if c.parser is not None:
+            c.pieces += c.parser.feed(out.text)
+            if out.finished and out.finish_reason in ("stop", "length"):
+                c.pieces += c.parser.finish(out.finish_reason)
         c.logprobs.extend(lps)
         c.completion_tokens = out.completion_tokens
         c.cached_tokens = out.cached_tokens
@@ -292,35 +305,31 @@ class Run:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def tool_calls(self, c: _Choice) -> list[dict[str, Any]] | None:
-        """The finished choice's answer as tool calls, when tools are on and it is only calls; an
-        answer that began a call (always, when a call is forced) but was cut short gives its partial
-        calls (possibly none), never its envelope as text."""
-        if c.tools is None or c.finish_reason not in ("stop", "length"):
-            return None
-        calls = c.tools.result() if c.finish_reason == "stop" else None
-        if calls is None and (c.tools.kind == "json" or self.tool_mode == "forced"):
-            calls = [d.call() for d in c.tools.partial()]
-        return calls
+    def message(self, c: _Choice) -> tuple[dict[str, Any], str | None]:
+        """A finished chat choice's message and finish reason. Read by its parser: the same pieces a
+        stream sends, joined; calls (possibly cut short, never their envelope as text) end as
+        ``tool_calls``, a call cut before its name leaves ``content: ""``."""
+        if c.parser is None:
+            return {"role": "assistant", "content": "".join(c.text), "refusal": None}, c.finish_reason
+        ans = collect(c.pieces)
+        message: dict[str, Any] = {"role": "assistant", "content": ans.content, "refusal": None}
+        if ans.reasoning is not None:
+            message["reasoning_content"] = ans.reasoning
+        if not ans.tool_calls:
+            return message, c.finish_reason
+        message["tool_calls"] = ans.tool_calls
+        return message, ("tool_calls" if c.finish_reason == "stop" else c.finish_reason)
 
     def response(self) -> dict[str, Any]:
         choices = []
         for c in self.choices:
-            text = "".join(c.text)
             if self.kind == "chat":
-                calls = self.tool_calls(c)
-                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-                reason = c.finish_reason
-                if calls:
-                    message = {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
-                    reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-                elif calls is not None:  # a call cut before its name: no call, and no envelope either
-                    message = {"role": "assistant", "content": "", "refusal": None}
+                message, reason = self.message(c)
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": self.chat_logprobs(c.logprobs) if self.want_logprobs else None,
                                 "finish_reason": reason, "stop_reason": c.stop_reason})
             else:
-                choices.append({"index": c.index, "text": text,
+                choices.append({"index": c.index, "text": "".join(c.text),
                                 "logprobs": self.completion_logprobs(c.logprobs, 0) if self.want_logprobs else None,
                                 "finish_reason": c.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -337,8 +346,8 @@ class Run:
         return d
 
     def stream_chunks(self, c: _Choice, out: RequestOutput, text: str, lps: list[TokenLogprob]) -> list[dict]:
-        if c.tools is not None:
-            return self._tool_stream_chunks(c, out, lps)
+        if c.parser is not None:
+            return self._parsed_stream_chunks(c, out, lps)
         chunks = []
         if text or lps or (not c.started and not out.finished):
             if self.kind == "chat":
@@ -365,45 +374,30 @@ class Run:
         return chunks
 
 
-    def _tool_stream_chunks(self, c: _Choice, out: RequestOutput, lps: list[TokenLogprob]) -> list[dict]:
-        """With tools on: text streams as content once the answer is known to be text; calls stream
-        as OpenAI ``tool_calls`` deltas as they are written (head with id and name, then argument
-        pieces); an answer in ``<tool_call>`` tags is sent when it ends."""
-        sc = c.tools
-        assert sc is not None
+    def _parsed_stream_chunks(self, c: _Choice, out: RequestOutput, lps: list[TokenLogprob]) -> list[dict]:
+        """A chat answer read by its parser: each new piece is a delta (``content``,
+        ``reasoning_content``, or a ``tool_calls`` entry: a call's head with id and name, then pieces of
+        its arguments); text held back while undecided keeps its logprobs until it is sent."""
         ended = out.finished and out.finish_reason in ("stop", "length")
         if out.finished and not ended:
             return []  # abort / engine error: the caller ends the stream
+        c.held_logprobs.extend(lps)
         entries: list[dict[str, Any]] = []
-        if sc.kind in (None, "text"):
-            c.held_logprobs.extend(lps)  # undecided text keeps its logprobs until it is sent
-        if sc.kind == "text" or (ended and sc.kind is None):
-            text = sc.take_text()
-            if text or c.held_logprobs:
-                entries.append(self._delta(c, {"content": text}, c.held_logprobs))
+        for p in c.pieces[c.sent:]:
+            if p.kind == "call":
+                entries.append(self._delta(c, p.delta()))
+            else:
+                entries.append(self._delta(c, p.delta(), c.held_logprobs))
                 c.held_logprobs = []
-            reason = out.finish_reason
-        elif sc.kind == "json":
-            for d in sc.take_deltas():
-                entries.append(self._delta(c, {"tool_calls": [d.openai()]}))
-            calls = sc.result() if ended and out.finish_reason == "stop" else None
-            if ended and calls is None:  # cut short (or not whole): the partial calls, never the envelope
-                for d in sc.take_partial():
-                    entries.append(self._delta(c, {"tool_calls": [d.openai()]}))
-            reason = "tool_calls" if calls is not None else out.finish_reason
-        else:  # tagged (or undecided): only the end tells
-            calls = self.tool_calls(c) if ended else None
-            if calls is not None:
-                for k, call in enumerate(calls):
-                    entries.append(self._delta(c, {"tool_calls": [{"index": k, **call}]}))
-            elif ended:
-                entries.append(self._delta(c, {"content": sc.take_text()}, c.logprobs if self.want_logprobs else []))
-            reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        c.sent = len(c.pieces)
         chunks = [self.chunk([e]) for e in entries]
         if ended:
+            calls = any(p.kind == "call" for p in c.pieces)
+            reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
             delta: dict[str, Any] = {} if c.started else {"role": "assistant", "content": ""}
             c.started = True
-            chunks.append(self.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason}]))
+            chunks.append(self.chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                       "stop_reason": out.stop_reason}]))
         return chunks
 
     def _delta(self, c: _Choice, delta: dict[str, Any], lps: list[TokenLogprob] | None = None) -> dict[str, Any]:

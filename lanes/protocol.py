@@ -11,7 +11,8 @@ Structured output: ``response_format`` (``json_object``, ``json_schema``) and ``
 ``additionalProperties`` unsaid are closed first (lanes.schemas). A tool call is generated as ``{"name": ...,
 "arguments": {...}}`` (several as a JSON array unless ``parallel_tool_calls`` is false) and
 returned as ``message.tool_calls``; with ``auto`` the answer may instead be text (see
-docs/gateway.md).
+docs/gateway.md). A model whose format has a tool-call syntax of its own (gpt-oss's harmony,
+GLM-4.5: ``native_tool_calls``) answers ``auto`` unconstrained, in that syntax (lanes/chat_parsers.py).
 
 Strict input: message roles are OpenAI's (``system``, ``developer``, ``user``, ``assistant``,
 ``tool``, ``function``), anything else is a 400 naming it; text that is not valid Unicode (a lone
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from common.prompt import check_messages, check_text
 from common.prompt import short as _short
@@ -149,6 +150,17 @@ class ChatRequest(_GenerationBody):
     # object schemas (tool parameters, json_schema) that do not say additionalProperties: false (the
     # default, see lanes/schemas.py) closes them, true leaves them open; None: the lane config's
     additional_properties_default: bool | None = None
+    # set by the lane, never by the client: the model writes tool calls in a syntax of its own
+    # (common/chat_formats.py), so ``auto`` leaves the answer free and its parser reads the calls
+    _native_tool_calls: bool = PrivateAttr(default=False)
+
+    @property
+    def native_tool_calls(self) -> bool:
+        return self._native_tool_calls
+
+    @native_tool_calls.setter
+    def native_tool_calls(self, value: bool) -> None:
+        self._native_tool_calls = value
 
     @property
     def max_tokens_param(self) -> tuple[str, int | None]:
@@ -238,7 +250,7 @@ class ChatRequest(_GenerationBody):
                  for t in tools]
         param = "tools" if mode == "forced" or (mode == "auto" and answer is None) else "response_format"
         try:
-            if mode == "none":
+            if mode == "none" or (mode == "auto" and answer is None and self.native_tool_calls):
                 return (None if answer is None else json_schema_grammar(answer)), param
             return tools_grammar(mode, tools, parallel, answer if mode == "auto" else None), param
         except GrammarError as e:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from common.chat_formats import ChatFormat, format_for_architecture
 from common.chat_template import ChatTemplateError
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
 from common.prompt import (
@@ -55,7 +56,7 @@ def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
     return Engine.open(config.model, threads=config.engine_threads(cores), cores=cores,
                        kv_tokens=config.kv_tokens, max_model_len=config.max_model_len,
                        block_size=config.block_size, prefill_chunk=config.prefill_chunk,
-                       device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb,
+                       device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement,
                        rope=config.rope_overrides())
 
 
@@ -105,6 +106,19 @@ async def _engine_ctx(app: web.Application) -> Any:
     await _stop_engine(st)
 
 
+def chat_format_of(engine: Engine) -> ChatFormat:
+    """The format chat answers are read in: the one the model's template renders, or, where the GGUF
+    has no template (or one that cannot be used), the one its architecture writes."""
+    try:
+        template = engine.chat_template
+    except ChatTemplateError:
+        template = None
+    if template is not None and not template.is_fallback:
+        return template.format
+    hp = getattr(engine, "hparams", None)
+    return format_for_architecture(getattr(hp, "arch", None))
+
+
 def _warm_up(engine: Engine) -> tuple[str, dict[str, Any] | None, str | None, tuple[bytes, str] | None]:
     """Slow first-use work done in the loading thread, not in the first request."""
     build = engine_build_id()
@@ -138,6 +152,7 @@ async def _load_engine(st: LaneState) -> None:
         engine = await asyncio.to_thread(st.engine_factory, cfg, cores)
         st.engine = engine
         st.build_id, st.model_info, st.template_error, doc = await asyncio.to_thread(_warm_up, engine)
+        st.chat_format = chat_format_of(engine)
         st.tokenizer_doc, st.tokenizer_digest = doc if doc is not None else (None, None)
         loop = asyncio.get_running_loop()
         st.aeng = AsyncEngine(engine, cfg.scheduler, on_step=st.metrics.on_step,
@@ -309,6 +324,7 @@ async def _generation_entry(request: web.Request, kind: Literal["chat", "complet
             chat = parse_body(ChatRequest, body)
             if chat.additional_properties_default is None:
                 chat.additional_properties_default = st.config.additional_properties_default
+            chat.native_tool_calls = st.chat_format != "default"
             chat.check()
             _check_model(st, chat.model)
             tools = chat.tools if chat.tool_mode()[0] != "none" else None
@@ -414,12 +430,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _gpu_info(eng: Any) -> dict[str, Any] | None:
-    """The GPU a lane's engine runs on (None on the CPU): name, memory, what the model holds there."""
+    """The GPU a lane's engine runs on (None on the CPU): name, memory, what the model holds there (hybrid
+    placement: the budget and how many routed experts the GPU holds)."""
     gpu = getattr(eng, "_gpu", None)
     if gpu is None:
         return None
+    mem = gpu.memory()
+    hp = eng.hparams
     return {"index": gpu.info.index, "name": gpu.info.name, "total_bytes": gpu.info.total_bytes,
-            "weight_bytes": gpu.weight_bytes, "kv_bytes": gpu.kv_bytes}
+            "weight_bytes": gpu.weight_bytes, "kv_bytes": gpu.kv_bytes, "scratch_bytes": mem["scratch"],
+            "gpu_budget_gb": eng.gpu_budget_gb, "hybrid": eng.resident is not None,
+            "resident_experts": mem["resident_experts"], "routed_experts": hp.n_layer * hp.n_expert}
 
 
 async def lane_info(request: web.Request) -> web.Response:
@@ -438,6 +459,7 @@ async def lane_info(request: web.Request) -> web.Response:
         "model": st.model_info,
         "engine_build": st.build_id,
         "served_model_name": st.config.served_model_name,
+        "chat_format": st.chat_format,  # how chat answers are read (lanes/chat_parsers.py)
         "n_ctx": eng.n_ctx if eng else None,
         "kv_tokens": eng.kv_tokens if eng else None,
         "inflight": st.inflight,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
 
+from common.chat_formats import ChatFormat
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine
 from lanes.config import LaneConfig
@@ -42,6 +43,7 @@ class LaneState:
     build_id: str | None = None
     model_info: dict[str, Any] | None = None
     template_error: str | None = None
+    chat_format: ChatFormat = "default"  # how chat answers are read (lanes/chat_parsers.py)
     tokenizer_doc: bytes | None = None  # the tokenizer.* metadata as JSON (GET /v1/lane/tokenizer), None: not served
     tokenizer_digest: str | None = None  # its SHA-256, in the model card
     cores: list[int] | None = None

@@ -2,7 +2,8 @@
  * one sequence (prefill), or a single query (decode).
  *
  * KV layout per layer and block: K is [n_kv][head_dim][block_size] (slots contiguous,
- * so 16 keys' values of one dimension are one vector load), V is [block_size][kv_dim].
+ * so 16 keys' values of one dimension are one vector load), V is [block_size][v_dim] (a
+ * head's values may be narrower than its keys: MLA's latent rows).
  *
  * Both paths compute every (query, key) with the same operations in the same order:
  * score = fma chain over dimensions, max, exp, a sequential sum over keys, an fma chain
@@ -33,8 +34,8 @@ static inline const f16_t *k_block(const kv_view *kv, int32_t blk) {
 }
 
 static inline const f16_t *v_row(const kv_view *kv, int32_t j) {
-    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->kv_dim +
-           (size_t)kv->kvh * (size_t)kv->hd;
+    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->v_dim +
+           (size_t)kv->kvh * (size_t)kv->vd;
 }
 
 /* ------------------------------------------------------------------ reference */
@@ -58,7 +59,7 @@ static void attn_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq
         float sum = 0.0f;
         for (int32_t j = 0; j < nk; j++) sum += (s[j] = expf(s[j] - mx));
         float *oi = out + i * o_stride;
-        for (int d = 0; d < hd; d++) {
+        for (int d = 0; d < kv->vd; d++) {
             float acc = 0.0f;
             for (int32_t j = 0; j < nk; j++) acc = fmaf(s[j], f16_to_f32(v_row(kv, j)[d]), acc);
             oi[d] = acc / sum;
@@ -90,12 +91,12 @@ void st_attn_ext(const kv_view *kv, const float *q, int64_t q_stride, int nq, in
         float sum = sink ? expf(*sink - mx) : 0.0f;
         for (int32_t j = lo; j <= p; j++) sum += (s[j] = expf(s[j] - mx));
         float *oi = out + i * o_stride;
-        for (int d = 0; d < hd; d++) oi[d] = 0.0f;
+        for (int d = 0; d < kv->vd; d++) oi[d] = 0.0f;
         for (int32_t j = lo; j <= p; j++) {
             const f16_t *vr = v_row(kv, j);
-            for (int d = 0; d < hd; d++) oi[d] = fmaf(s[j], f16_to_f32(vr[d]), oi[d]);
+            for (int d = 0; d < kv->vd; d++) oi[d] = fmaf(s[j], f16_to_f32(vr[d]), oi[d]);
         }
-        for (int d = 0; d < hd; d++) oi[d] /= sum;
+        for (int d = 0; d < kv->vd; d++) oi[d] /= sum;
     }
 }
 
@@ -117,9 +118,9 @@ static void part_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq
         }
         float sum = 0.0f;
         for (int32_t j = j0; j < j1; j++) sum += (s[j - j0] = expf(s[j - j0] - mx));
-        float *pi = part + (size_t)i * (size_t)(hd + 2);
+        float *pi = part + (size_t)i * (size_t)(kv->vd + 2);
         pi[0] = mx, pi[1] = sum;
-        for (int d = 0; d < hd; d++) {
+        for (int d = 0; d < kv->vd; d++) {
             float acc = 0.0f;
             for (int32_t j = j0; j < j1; j++) acc = fmaf(s[j - j0], f16_to_f32(v_row(kv, j)[d]), acc);
             pi[2 + d] = acc;
@@ -129,22 +130,22 @@ static void part_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq
 
 attn_part_fn st_attn_part_ref(void) { return part_ref; }
 
-void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int hd, const float *sink,
+void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int vd, const float *sink,
                      float *out, int64_t o_stride) {
     for (int i = 0; i < nq; i++) {
-        const float *p0 = parts + (size_t)i * (size_t)(hd + 2);
+        const float *p0 = parts + (size_t)i * (size_t)(vd + 2);
         float mx = sink ? sink[i] : -INFINITY;
         for (int32_t c = 0; c < n_chunks; c++) mx = p0[c * chunk_stride] > mx ? p0[c * chunk_stride] : mx;
         float sum = sink ? expf(sink[i] - mx) : 0.0f;
         float *oi = out + i * o_stride;
-        for (int d = 0; d < hd; d++) oi[d] = 0.0f;
+        for (int d = 0; d < vd; d++) oi[d] = 0.0f;
         for (int32_t c = 0; c < n_chunks; c++) {
             const float *p = p0 + c * chunk_stride;
             const float w = expf(p[0] - mx); /* 1 exactly for the chunk holding the maximum */
             sum = fmaf(w, p[1], sum);
-            for (int d = 0; d < hd; d++) oi[d] = fmaf(w, p[2 + d], oi[d]);
+            for (int d = 0; d < vd; d++) oi[d] = fmaf(w, p[2 + d], oi[d]);
         }
-        for (int d = 0; d < hd; d++) oi[d] /= sum;
+        for (int d = 0; d < vd; d++) oi[d] /= sum;
     }
 }
 
@@ -244,7 +245,7 @@ T512 static void attn_tile_512(const kv_view *kv, const float *q, int64_t q_stri
     }
     float sums[LANES];
     _mm512_storeu_ps(sums, sum);
-    for (int c = 0; c < hd; c += 16) {
+    for (int c = 0; c < kv->vd; c += 16) {
         __m512 acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = _mm512_setzero_ps();
         for (int32_t j = 0; j < n_keys; j++) {
@@ -275,7 +276,7 @@ T512 static void attn_one_512(const kv_view *kv, const float *q, float *out, int
     for (int32_t j = 0; j < n_keys; j += LANES) _mm512_storeu_ps(S + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(S + j), _mm512_set1_ps(mx))));
     float sum = 0.0f; /* sequential over keys: the same order as a tile lane */
     for (int32_t j = 0; j < n_keys; j++) sum += S[j];
-    for (int c = 0; c < hd; c += 16) {
+    for (int c = 0; c < kv->vd; c += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (int32_t j = 0; j < n_keys; j++)
             acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v_row(kv, j) + c))), acc);
@@ -290,7 +291,7 @@ T512 static void attn_one_512(const kv_view *kv, const float *q, float *out, int
 T512 static inline __attribute__((always_inline)) void part_512_nb(const kv_view *kv, const float *q,
                                                                    int64_t q_stride, const int NB, int32_t j0,
                                                                    int32_t j1, float *part, float *S) {
-    const int hd = kv->hd, bs = kv->bs;
+    const int hd = kv->hd, bs = kv->bs, ps = kv->vd + 2; /* a partial: max, sum, vd values */
     const int32_t n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
     for (int32_t o = 0; o < n; o += LANES) {
         const f16_t *kb = k_block(kv, (j0 + o) / bs) + (j0 + o) % bs;
@@ -314,28 +315,28 @@ T512 static inline __attribute__((always_inline)) void part_512_nb(const kv_view
             _mm512_storeu_ps(Sg + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(Sg + j), _mm512_set1_ps(mx))));
         float sum = 0.0f; /* sequential over keys, as attn_one_512 */
         for (int32_t j = 0; j < n; j++) sum += Sg[j];
-        part[g * (hd + 2)] = mx, sums[g] = sum;
+        part[g * ps] = mx, sums[g] = sum;
     }
-    for (int g = 0; g < NB; g++) part[g * (hd + 2) + 1] = sums[g];
-    for (int c = 0; c < hd; c += 16) {
+    for (int g = 0; g < NB; g++) part[g * ps + 1] = sums[g];
+    for (int c = 0; c < kv->vd; c += 16) {
         __m512 acc[4];
         for (int g = 0; g < NB; g++) acc[g] = _mm512_setzero_ps();
         for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
             const f16_t *vb = v_row(kv, j) + c;
             const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
             for (int32_t jj = 0; jj < jn; jj++) {
-                const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vb + (size_t)jj * kv->kv_dim)));
+                const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vb + (size_t)jj * kv->v_dim)));
                 for (int g = 0; g < NB; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(S[g * rs + j - j0 + jj]), vv, acc[g]);
             }
             j += jn;
         }
-        for (int g = 0; g < NB; g++) _mm512_storeu_ps(part + g * (hd + 2) + 2 + c, acc[g]);
+        for (int g = 0; g < NB; g++) _mm512_storeu_ps(part + g * ps + 2 + c, acc[g]);
     }
 }
 
 T512 static void part_512(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                           float *part, float *scratch) {
-    const size_t ps = (size_t)(kv->hd + 2);
+    const size_t ps = (size_t)(kv->vd + 2);
     for (int i = 0; i < nq; i += 4) {
         const float *qi = q + i * q_stride;
         float *pi = part + (size_t)i * ps;
@@ -419,14 +420,14 @@ T256 static void attn_tile_256(const kv_view *kv, const float *q, int64_t q_stri
         }
         _mm256_storeu_ps(sums + 8 * h, sum);
     }
-    for (int c = 0; c < hd; c += 8) {
+    for (int c = 0; c < kv->vd; c += 8) {
         __m256 acc[LANES];
         for (int i = 0; i < LANES; i++) acc[i] = _mm256_setzero_ps();
         for (int32_t j0 = 0; j0 < n_keys; j0 += bs) { /* keys in order, one block table lookup per block */
             const f16_t *vb = v_row(kv, j0) + c;
             const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
             for (int32_t jj = 0; jj < jn; jj++) {
-                const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->kv_dim)));
+                const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vb + (size_t)jj * kv->v_dim)));
                 const float *p = S + (size_t)(j0 + jj) * LANES;
                 for (int i = 0; i < LANES; i++) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), vv, acc[i]);
             }
@@ -463,14 +464,14 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
     for (int32_t j = 0; j < n_keys; j++) sum += S[j];
     /* Values: 16 dims (two vectors) at a time, keys in order (each lane's fma chain over keys is
      * unchanged), v_row (a division) once per KV block instead of once per key. */
-    for (int c = 0; c < hd; c += 16) {
+    for (int c = 0; c < kv->vd; c += 16) {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int32_t j0 = 0; j0 < n_keys; j0 += bs) {
             const f16_t *vb = v_row(kv, j0) + c;
             const int32_t jn = n_keys - j0 < bs ? n_keys - j0 : bs;
             for (int32_t jj = 0; jj < jn; jj++) {
                 const __m256 p = _mm256_set1_ps(S[j0 + jj]);
-                const f16_t *vr = vb + (size_t)jj * kv->kv_dim;
+                const f16_t *vr = vb + (size_t)jj * kv->v_dim;
                 a0 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)vr)), a0);
                 a1 = _mm256_fmadd_ps(p, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8))), a1);
             }
@@ -486,7 +487,7 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
 T256 static inline __attribute__((always_inline)) void part_256_nb(const kv_view *kv, const float *q,
                                                                    int64_t q_stride, const int NB, int32_t j0,
                                                                    int32_t j1, float *part, float *S) {
-    const int hd = kv->hd, bs = kv->bs;
+    const int hd = kv->hd, bs = kv->bs, ps = kv->vd + 2; /* a partial: max, sum, vd values */
     const int32_t n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
     for (int32_t o = 0; o < n; o += LANES) { /* 16 keys of one block (a block holds whole groups of 16) */
         const f16_t *kb = k_block(kv, (j0 + o) / bs) + (j0 + o) % bs;
@@ -515,17 +516,17 @@ T256 static inline __attribute__((always_inline)) void part_256_nb(const kv_view
             _mm256_storeu_ps(Sg + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(Sg + j), _mm256_set1_ps(mx))));
         float sum = 0.0f;
         for (int32_t j = 0; j < n; j++) sum += Sg[j];
-        part[g * (hd + 2)] = mx, sums[g] = sum;
+        part[g * ps] = mx, sums[g] = sum;
     }
-    for (int g = 0; g < NB; g++) part[g * (hd + 2) + 1] = sums[g];
-    for (int c = 0; c < hd; c += 16) {
+    for (int g = 0; g < NB; g++) part[g * ps + 1] = sums[g];
+    for (int c = 0; c < kv->vd; c += 16) {
         __m256 a0[4], a1[4];
         for (int g = 0; g < NB; g++) a0[g] = a1[g] = _mm256_setzero_ps();
         for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
             const f16_t *vb = v_row(kv, j) + c;
             const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
             for (int32_t jj = 0; jj < jn; jj++) {
-                const f16_t *vr = vb + (size_t)jj * kv->kv_dim;
+                const f16_t *vr = vb + (size_t)jj * kv->v_dim;
                 const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)vr));
                 const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8)));
                 for (int g = 0; g < NB; g++) {
@@ -537,15 +538,15 @@ T256 static inline __attribute__((always_inline)) void part_256_nb(const kv_view
             j += jn;
         }
         for (int g = 0; g < NB; g++) {
-            _mm256_storeu_ps(part + g * (hd + 2) + 2 + c, a0[g]);
-            _mm256_storeu_ps(part + g * (hd + 2) + 2 + c + 8, a1[g]);
+            _mm256_storeu_ps(part + g * ps + 2 + c, a0[g]);
+            _mm256_storeu_ps(part + g * ps + 2 + c + 8, a1[g]);
         }
     }
 }
 
 T256 static void part_256(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                           float *part, float *scratch) {
-    const size_t ps = (size_t)(kv->hd + 2);
+    const size_t ps = (size_t)(kv->vd + 2);
     for (int i = 0; i < nq; i += 4) {
         const float *qi = q + i * q_stride;
         float *pi = part + (size_t)i * ps;

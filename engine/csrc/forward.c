@@ -49,12 +49,12 @@ typedef struct {
     _Atomic int32_t *left; /* [n_split, n_kv] */
 } attn_ctx;
 
+/* KV head kvh of layer c->layer as batch token t's sequence sees it (the heads as cached: st_model.c_*). */
 static kv_view layer_view(const attn_ctx *c, int32_t t, int kvh) {
     const st_kv *kv = c->kv;
-    const size_t layer_elems = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->kv_dim;
-    return (kv_view){kv->k + (size_t)c->layer * layer_elems, kv->v + (size_t)c->layer * layer_elems,
+    return (kv_view){kv->k + kv_offset_k(kv, c->layer, 0), kv->v + kv_offset_v(kv, c->layer, 0, 0),
                      c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks, kv->block_size,
-                     c->m->d.head_dim, kv->n_kv, kv->kv_dim, kvh};
+                     c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh};
 }
 
 static void split_task(const attn_ctx *c, int64_t item, int thread) {
@@ -68,21 +68,21 @@ static void split_task(const attn_ctx *c, int64_t item, int thread) {
     const split_tok *sp = &c->split[lo];
     const int64_t local = item - sp->item0;
     const int kvh = (int)(local / sp->n_chunks), ch = (int)(local % sp->n_chunks);
-    const int hd = m->d.head_dim, group = m->d.n_head / m->d.n_head_kv;
+    const int hd = m->c_hd_k, vd = m->c_hd_v, group = m->d.n_head / m->c_n_kv;
     const int32_t n_keys = c->b->pos[sp->t] + 1, j0 = ch * sp->chunk;
     const int32_t j1 = n_keys - j0 < sp->chunk ? n_keys : j0 + sp->chunk;
     const kv_view view = layer_view(c, sp->t, kvh);
-    const size_t stride = (size_t)group * (size_t)(hd + 2);
+    const size_t stride = (size_t)group * (size_t)(vd + 2);
     float *parts = c->parts + sp->part0 + (size_t)kvh * (size_t)sp->n_chunks * stride;
-    const int64_t qoff = (int64_t)sp->t * m->q_dim + (int64_t)kvh * group * hd;
-    c->part(&view, m->s.q + qoff, hd, group, j0, j1, parts + (size_t)ch * stride,
-            c->scratch + (size_t)thread * c->per_thread);
+    const float *q = m->s.q + (int64_t)sp->t * m->c_q_dim + (int64_t)kvh * group * hd;
+    c->part(&view, q, hd, group, j0, j1, parts + (size_t)ch * stride, c->scratch + (size_t)thread * c->per_thread);
     /* the last chunk of this (token, KV head) to finish merges them; acq_rel makes the others' partials visible */
-    if (atomic_fetch_sub_explicit(&c->left[(size_t)lo * (size_t)m->d.n_head_kv + (size_t)kvh], 1,
+    if (atomic_fetch_sub_explicit(&c->left[(size_t)lo * (size_t)m->c_n_kv + (size_t)kvh], 1,
                                   memory_order_acq_rel) == 1) {
         const st_layer *L = &m->layers[c->layer];
         const float *sink = L->sinks.data ? (const float *)L->sinks.data + kvh * group : NULL;
-        st_attn_combine(parts, sp->n_chunks, stride, group, hd, sink, m->s.att + qoff, hd);
+        st_attn_combine(parts, sp->n_chunks, stride, group, vd, sink,
+                        m->s.att + (int64_t)sp->t * m->c_o_dim + (int64_t)kvh * group * vd, vd);
     }
 }
 
@@ -94,21 +94,22 @@ static void attn_task(void *vctx, int64_t item, int thread) {
     }
     item -= c->n_split_items;
     const st_model *m = c->m;
-    const int n_head = m->d.n_head, group = n_head / m->d.n_head_kv, hd = m->d.head_dim;
+    const int n_head = m->d.n_head, group = n_head / m->c_n_kv, hd = m->c_hd_k, vd = m->c_hd_v;
     const int64_t tile = item / n_head;
     const int h = (int)(item % n_head);
     const int32_t t0 = c->tiles[2 * tile], nq = c->tiles[2 * tile + 1];
     const kv_view view = layer_view(c, t0, h / group);
     const st_layer *L = &m->layers[c->layer];
     const int32_t n_swa = st_layer_swa(&m->d, c->layer) ? m->d.n_swa : 0;
+    const float *q = m->s.q + t0 * m->c_q_dim + (int64_t)h * hd;
+    float *out = m->s.att + t0 * m->c_o_dim + (int64_t)h * vd;
     if (n_swa > 0 || L->sinks.data) { /* gpt-oss: window and sink through the generic path */
-        st_attn_ext(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
-                    m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread,
-                    n_swa, L->sinks.data ? (const float *)L->sinks.data + h : NULL);
+        st_attn_ext(&view, q, m->c_q_dim, nq, c->b->pos[t0], out, m->c_o_dim,
+                    c->scratch + (size_t)thread * c->per_thread, n_swa,
+                    L->sinks.data ? (const float *)L->sinks.data + h : NULL);
         return;
     }
-    c->fn(&view, m->s.q + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, nq, c->b->pos[t0],
-          m->s.att + (int64_t)t0 * m->q_dim + h * hd, m->q_dim, c->scratch + (size_t)thread * c->per_thread);
+    c->fn(&view, q, m->c_q_dim, nq, c->b->pos[t0], out, m->c_o_dim, c->scratch + (size_t)thread * c->per_thread);
 }
 
 /* Split the batch into attention tiles: runs of one sequence at consecutive positions. */
@@ -136,7 +137,7 @@ static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
 static void plan_layer(const st_model *m, const st_batch *b, int sliding, int sinks, int n_threads, int32_t n_tiles,
                        attn_plan *p) {
     const scratch *s = &m->s;
-    const int n_kv = m->d.n_head_kv, n_head = m->d.n_head, hd = m->d.head_dim;
+    const int n_kv = m->c_n_kv, n_head = m->d.n_head, vd = m->c_hd_v;
     p->n_rtiles = p->n_split = 0;
     p->n_split_items = 0;
     size_t n_parts = 0;
@@ -147,7 +148,7 @@ static void plan_layer(const st_model *m, const st_batch *b, int sliding, int si
         if (n_chunks > 1 || (n_chunks == 1 && !sinks)) {
             s->split[p->n_split++] = (split_tok){t0, chunk, n_chunks, p->n_split_items, n_parts};
             p->n_split_items += (int64_t)n_kv * n_chunks;
-            n_parts += (size_t)n_chunks * (size_t)n_head * (size_t)(hd + 2);
+            n_parts += (size_t)n_chunks * (size_t)n_head * (size_t)(vd + 2);
         } else {
             s->rtiles[2 * p->n_rtiles] = t0, s->rtiles[2 * p->n_rtiles + 1] = nq;
             p->n_rtiles++;
@@ -163,17 +164,17 @@ static st_status plan_attention(st_model *m, const st_batch *b, int n_threads, i
     size_t n_parts = 0;
     plan_layer(m, b, 0, 0, n_threads, *n_tiles, &p); /* no window, no sinks: the most that splits */
     for (int32_t i = 0; i < p.n_split; i++)
-        n_parts += (size_t)s->split[i].n_chunks * (size_t)m->d.n_head * (size_t)(m->d.head_dim + 2);
-    return p.n_split ? st_scratch_split(s, n_parts, (size_t)p.n_split * (size_t)m->d.n_head_kv) : ST_OK;
+        n_parts += (size_t)s->split[i].n_chunks * (size_t)m->d.n_head * (size_t)(m->c_hd_v + 2);
+    return p.n_split ? st_scratch_split(s, n_parts, (size_t)p.n_split * (size_t)m->c_n_kv) : ST_OK;
 }
 
-static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type, const float *inv_freq,
-                     float mscale, int32_t pos) {
+void st_rope_row(float *x, int n_heads, int hd, int off, int rope_dim, int rope_type, const float *inv_freq,
+                 float mscale, int32_t pos) {
     for (int i = 0; i < rope_dim / 2; i++) {
         const float theta = (float)pos * inv_freq[i];
         const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
         for (int h = 0; h < n_heads; h++) {
-            float *v = x + h * hd;
+            float *v = x + h * hd + off;
             const int a = rope_type == ST_ROPE_NEOX ? i : 2 * i;
             const int b = rope_type == ST_ROPE_NEOX ? i + rope_dim / 2 : 2 * i + 1;
             const float x0 = v[a], x1 = v[b];
@@ -183,8 +184,25 @@ static void rope_row(float *x, int n_heads, int hd, int rope_dim, int rope_type,
     }
 }
 
-static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T,
-                            int32_t n_tiles) {
+void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il) {
+    scratch *s = &m->s;
+    const st_layer *L = &m->layers[il];
+    attn_plan plan;
+    plan_layer(m, b, st_layer_swa(&m->d, il), L->sinks.data != NULL, st_pool_threads(pool), s->n_tiles, &plan);
+    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, st_attn(), s->split, plan.n_split,
+                   plan.n_split_items, st_attn_part(), s->parts, s->left};
+    for (int32_t i = 0; i < plan.n_split; i++)
+        for (int h = 0; h < m->c_n_kv; h++)
+            atomic_store_explicit(&s->left[(size_t)i * (size_t)m->c_n_kv + (size_t)h], s->split[i].n_chunks,
+                                  memory_order_relaxed); /* published to the workers by the pool's start */
+    st_pool_run(pool, attn_task, &ac, plan.n_split_items + (int64_t)plan.n_rtiles * m->d.n_head);
+}
+
+static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T) {
+    if (m->d.kv_lora_rank > 0) {
+        st_mla_block(m, kv, pool, b, il, T);
+        return;
+    }
     const st_layer *L = &m->layers[il];
     scratch *s = &m->s;
     const st_model_desc *d = &m->d;
@@ -205,23 +223,15 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
             for (int h = 0; h < d->n_head; h++) st_rmsnorm_row(q + h * hd, L->q_norm.data, q + h * hd, hd, d->norm_eps);
             for (int h = 0; h < d->n_head_kv; h++) st_rmsnorm_row(k + h * hd, L->k_norm.data, k + h * hd, hd, d->norm_eps);
         }
-        rope_row(q, d->n_head, hd, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
-        rope_row(k, d->n_head_kv, hd, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        st_rope_row(q, d->n_head, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        st_rope_row(k, d->n_head_kv, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
         const float scale = 1.0f / sqrtf((float)hd); /* folded into q once */
         for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
         /* write this token's K (slot-minor) and V into its sequence's block */
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);
     }
-    attn_plan plan;
-    plan_layer(m, b, st_layer_swa(d, il), L->sinks.data != NULL, st_pool_threads(pool), n_tiles, &plan);
-    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, st_attn(), s->split, plan.n_split,
-                   plan.n_split_items, st_attn_part(), s->parts, s->left};
-    for (int32_t i = 0; i < plan.n_split; i++)
-        for (int h = 0; h < d->n_head_kv; h++)
-            atomic_store_explicit(&s->left[(size_t)i * (size_t)d->n_head_kv + (size_t)h], s->split[i].n_chunks,
-                                  memory_order_relaxed); /* published to the workers by the pool's start */
-    st_pool_run(pool, attn_task, &ac, plan.n_split_items + (int64_t)plan.n_rtiles * d->n_head);
+    st_attention_tiles(m, kv, pool, b, il);
     const acts ain = st_make_acts(pool, s->att, T, m->q_dim, !st_type_is_float(L->wo.type), layer_buf(s));
     st_linear(pool, &L->wo, &ain, NULL, T, s->tmp, E);
     st_add_bias(s->tmp, &L->bo, T, E);
@@ -263,6 +273,10 @@ static st_status validate_batch(const st_model *m, const st_kv *kv, const st_bat
     if ((int64_t)b->n_tokens * (int64_t)(m->d.n_expert_used + 1) > INT32_MAX)
         return st_fail(ST_ERANGE, "forward: %d tokens x %d experts exceed the step's pair index range", b->n_tokens,
                        m->d.n_expert_used + 1);
+    /* latent attention's per-head rows are indexed t * n_head + h in 32 bits */
+    if (m->d.kv_lora_rank > 0 && (int64_t)b->n_tokens * m->d.n_head > INT32_MAX)
+        return st_fail(ST_ERANGE, "forward: %d tokens x %d heads exceed the step's row index range", b->n_tokens,
+                       m->d.n_head);
     if (!b->tokens || !b->pos || !b->seq || !b->block_tables || b->n_seqs < 1 || b->max_blocks < 1)
         return st_fail(ST_EINVAL, "forward: batch is missing arrays");
     if (b->n_logits < 0 || (b->n_logits > 0 && (!b->logit_idx || (!b->logits && !b->out_tokens))))
@@ -331,8 +345,8 @@ static float *logits_buffer(scratch *s, size_t n) {
 
 st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, st_step_stats *stats) {
     if (!m || !kv || !b || !pool) return st_fail(ST_EINVAL, "forward: NULL argument");
-    if (kv->n_layer != m->d.n_layer || kv->kv_dim != m->kv_dim || kv->n_kv != m->d.n_head_kv ||
-        kv->head_dim != m->d.head_dim)
+    if (kv->n_layer != m->d.n_layer || kv->n_kv != m->c_n_kv || kv->head_dim != m->c_hd_k ||
+        kv->head_dim_v != m->c_hd_v)
         return st_fail(ST_EINVAL, "forward: KV cache was created for another model");
     CHECK(validate_batch(m, kv, b));
     st_model_repack(m); /* first step only; a CPU step, so a model that only validated a file for the GPU never repacks */
@@ -346,7 +360,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
     const int nt = st_pool_threads(pool);
     const size_t ctx = (size_t)b->max_blocks * (size_t)kv->block_size;
     CHECK(st_scratch_ensure(m, (size_t)(T > b->n_logits ? T : b->n_logits), (size_t)nt,
-                            st_attn_scratch_floats(m->d.head_dim, (int32_t)ctx)));
+                            st_attn_scratch_floats(m->c_hd_k, (int32_t)ctx)));
     scratch *s = &m->s;
     const int32_t *ids = b->tokens;
     if (b->token_src) { /* the previous step's picks, before this step replaces them */
@@ -359,13 +373,12 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         ids = m->tok_buf;
     }
     m->n_picks = 0; /* this step's picks (if any) replace them */
-    int32_t n_tiles;
-    CHECK(plan_attention(m, b, nt, &n_tiles));
+    CHECK(plan_attention(m, b, nt, &s->n_tiles));
     embed_ctx ec = {&m->d.token_embd, ids, s->x, E};
     st_pool_run(pool, embed_task, &ec, T);
     for (int il = 0; il < m->d.n_layer; il++) {
         const double t0 = now_s();
-        attention_block(m, kv, pool, b, il, T, n_tiles);
+        attention_block(m, kv, pool, b, il, T);
         const double t1 = now_s();
         CHECK(ffn_block(m, pool, b, il, T, st));
         const double t2 = now_s();

@@ -131,12 +131,14 @@ dot_f_fn st_dot_f_avx512(int32_t type);
 
 /* Attention of one head over the paged KV cache (attention.c). */
 typedef struct {
-    const f16_t *k, *v;  /* this layer's K ([block][n_kv][hd][bs]) and V ([block][bs][kv_dim]) */
+    const f16_t *k, *v;  /* this layer's K ([block][n_kv][hd][bs]) and V ([block][bs][v_dim]) */
     const int32_t *bt;   /* the sequence's block table */
-    int32_t bs, hd, n_kv, kv_dim, kvh;
+    int32_t bs, hd, vd;  /* block size, key and value dimensions per head (vd <= hd, both multiples of 16) */
+    int32_t n_kv, v_dim, kvh; /* v_dim = n_kv * vd: a V row */
 } kv_view;
 /* nq consecutive queries (rows of q, pre-scaled by 1/sqrt(hd)) at positions p0..p0+nq-1;
- * query i sees keys 0..p0+i. scratch: st_attn_scratch_floats(hd, p0 + nq) floats. */
+ * query i sees keys 0..p0+i; out rows hold vd values. scratch: st_attn_scratch_floats(hd, p0 + nq)
+ * floats. */
 typedef void (*attn_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
                         int64_t o_stride, float *scratch);
 #define ST_ATTN_TILE 16
@@ -147,8 +149,8 @@ attn_fn st_attn_avx512(void);
 size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 /* Split decode attention (attention.c). The partial of nq query heads (rows of q, pre-scaled)
  * at one position over keys [j0, j1) of one KV head, j0 a multiple of 16: for query i,
- * part[i * (hd + 2) ..] = {m, l, acc[hd]}: the largest score, the sum of exp(s - m) and the
- * sum of exp(s - m) * v (not divided). scratch: st_attn_scratch_floats(hd, j1 - j0) floats. */
+ * part[i * (vd + 2) ..] = {m, l, acc[vd]}: the largest score, the sum of exp(s - m) and the
+ * sum of exp(s - m) * v (not divided; vd the view's value dimensions). scratch: st_attn_scratch_floats(hd, j1 - j0) floats. */
 typedef void (*attn_part_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                              float *part, float *scratch);
 attn_part_fn st_attn_part_ref(void);
@@ -156,7 +158,7 @@ attn_part_fn st_attn_part_avx2(void);
 attn_part_fn st_attn_part_avx512(void);
 /* Merges n_chunks partials of nq queries (chunk c's at parts + c * chunk_stride) in chunk
  * order into out rows (o_stride apart); sink: NULL or [nq] logits joining each denominator. */
-void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int hd, const float *sink,
+void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int vd, const float *sink,
                      float *out, int64_t o_stride);
 /* Keys per chunk for a decode query seeing n_keys keys with a pool of n_threads and n_kv KV
  * heads: 0 = not split (the per-head kernels). Follows the mode st_set_attn_split chose. */
@@ -242,19 +244,26 @@ void st_pool_times(const st_pool *pool, double *busy, double *total);
 #define ST_MAX_DIM ((int64_t)1 << 40) /* any single tensor extent */
 
 /* ---- paged KV cache (kv.c) ---- */
+/* The cache's heads are the model's attention heads as cached (st_model.c_*): n_head_kv heads of
+ * head_dim for K and V, or MLA's one latent row (K: kv_lora_rank + rope_dim, V: kv_lora_rank). */
 struct st_kv {
-    int32_t n_blocks, block_size, n_layer, kv_dim;
-    int32_t n_kv, head_dim;
+    int32_t n_blocks, block_size, n_layer;
+    int32_t n_kv, head_dim, head_dim_v; /* cached heads, K and V dimensions per head */
+    int32_t k_dim, v_dim;               /* n_kv * head_dim, n_kv * head_dim_v */
     f16_t *k; /* [n_layer][n_blocks][n_kv][head_dim][block_size]: slots contiguous */
-    f16_t *v; /* [n_layer][n_blocks][block_size][kv_dim] */
+    f16_t *v; /* [n_layer][n_blocks][block_size][v_dim] */
 };
 
-static inline size_t kv_offset(const st_kv *kv, int layer, int32_t block, int32_t slot) {
+/* Element offsets of (layer, block, slot) in K (its block start: K is slot-minor) and in V. */
+static inline size_t kv_offset_k(const st_kv *kv, int layer, int32_t block) {
+    return ((size_t)layer * (size_t)kv->n_blocks + (size_t)block) * (size_t)kv->block_size * (size_t)kv->k_dim;
+}
+static inline size_t kv_offset_v(const st_kv *kv, int layer, int32_t block, int32_t slot) {
     return (((size_t)layer * (size_t)kv->n_blocks + (size_t)block) * (size_t)kv->block_size + (size_t)slot) *
-           (size_t)kv->kv_dim;
+           (size_t)kv->v_dim;
 }
 
-/* Write one token's k[kv_dim] and v[kv_dim] (float) into slot `slot` of `block`. */
+/* Write one token's k[k_dim] and v[v_dim] (float) into slot `slot` of `block`. */
 void st_kv_store(st_kv *kv, int layer, int32_t block, int32_t slot, const float *k, const float *v);
 
 /* ---- the model and its scratch buffers (model.c) ---- */
@@ -275,7 +284,7 @@ typedef struct {
 typedef struct {
     int32_t t, chunk, n_chunks; /* batch index, keys per chunk, chunks */
     int64_t item0;
-    size_t part0; /* its partials: [n_kv][n_chunks][group][head_dim + 2] floats from parts + part0 */
+    size_t part0; /* its partials: [n_kv][n_chunks][group][head_dim_v + 2] floats from parts + part0 */
 } split_tok;
 
 typedef struct {
@@ -297,6 +306,7 @@ typedef struct {
     int32_t *pairs_by_expert;  /* [P] */
     int32_t *expert_start;     /* [n_expert + 1] */
     int32_t *tiles;            /* [T, 2] attention tiles */
+    int32_t n_tiles;           /* the step's tiles (plan_attention) */
     int32_t *rtiles;           /* [T, 2] the tiles left to the per-head kernels where decode splits */
     split_tok *split;          /* [T] decode tokens whose attention is split */
     float *parts;              /* [cap_parts] the split tokens' partials */
@@ -304,6 +314,12 @@ typedef struct {
     size_t cap_parts, cap_left;
     float *logits;             /* [cap_logits] a step's logits when only its greedy picks are wanted */
     size_t cap_logits;
+    /* multi-head latent attention (NULL without): */
+    float *mqa;                /* [T, q_lora_rank] the low-rank q */
+    float *mq;                 /* [T, q_dim] each head's query (nope, then rope) */
+    float *mkv;                /* [T, kv_lora_rank + rope_dim] the latent and the rotary key: the cached row */
+    float *mg;                 /* [T * n_head, nope] the queries' non-rotary parts, row t * n_head + h */
+    float *mo;                 /* [T, n_head * head_dim_v] the heads' outputs expanded from the latent */
 } scratch;
 
 struct st_model {
@@ -312,6 +328,14 @@ struct st_model {
     st_layer *nextn_layers; /* [d.n_nextn] copies of the NextN blocks and heads (kept, not run) */
     st_nextn *nextn;
     int32_t q_dim, kv_dim, n_ff_exp, n_ff, n_ff_shexp, max_k; /* all <= ST_MAX_ROW after validation */
+    /* Attention as cached and computed (attn_task, st_kv): c_n_kv heads with c_hd_k / c_hd_v
+     * dimensions; queries [T, n_head * c_hd_k] (s->q), outputs [T, n_head * c_hd_v] (s->att); wo
+     * reads o_in = n_head * (head_dim_v or head_dim). MLA: one latent head (kv_lora_rank + rope_dim,
+     * kv_lora_rank); else the model's own heads. */
+    int32_t c_n_kv, c_hd_k, c_hd_v, o_in;
+    int64_t c_q_dim, c_o_dim;
+    st_tensor *mla_kb; /* [n_layer] each layer's absorption matrix: wk_b, or wkv_b's key rows transposed (F32, below) */
+    float *mla_kb_buf; /* the transposed copies for layers that have wkv_b */
     float *inv_freq; /* [rope_dim / 2] each pair's angle per position, rope scaling included */
     float rope_mscale; /* the factor both rotated values take (YaRN's magnitude scaling; 1 without) */
     scratch s;
@@ -417,5 +441,18 @@ st_status st_check_routing(const st_model_desc *d);
 void st_route_token(const st_model_desc *d, const float *bias, float *r, float *c, float *gs, int32_t *ids, float *w);
 /* The routed-expert block of layer il, added into s->x. */
 st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, int64_t T, st_step_stats *stats);
+
+/* ---- attention (forward.c, mla.c) ---- */
+/* Rotate rope_dim dimensions starting at `off` of each of n_heads heads (stride hd) of one row,
+ * at position pos (ST_ROPE_NORM: adjacent pairs; NEOX: halves); the rotated values scale by mscale. */
+void st_rope_row(float *x, int n_heads, int hd, int off, int rope_dim, int rope_type, const float *inv_freq,
+                 float mscale, int32_t pos);
+/* Attention of the step's tiles (s->tiles, s->n_tiles) over layer il's cache: s->q -> s->att (see
+ * st_model.c_*); lone tokens with many keys split across the pool (plan_layer). */
+void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il);
+/* deepseek2's attention block of layer il (RMSNorm to residual), into s->x. */
+void st_mla_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T);
+/* At model creation: the absorption matrices of the layers that have wkv_b (transposed F32 copies). */
+st_status st_mla_prepare(st_model *m);
 
 #endif

@@ -138,9 +138,45 @@ static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
     *mscale = ms;
 }
 
+/* The latent attention's fields (deepseek2 has them, no other architecture does). Its cached row
+ * (kv_lora_rank + rope_dim) is attended as one head, so it is bounded like a head and its parts
+ * are multiples of 16 (the attention kernels' vectors). */
+static st_status check_mla(const st_model_desc *d) {
+    const int mla = d->arch == ST_ARCH_DEEPSEEK2;
+    if (!mla) {
+        if (d->kv_lora_rank || d->q_lora_rank || d->head_dim_v)
+            return st_fail(ST_EINVAL, "model: latent attention fields (kv_lora_rank %d, q_lora_rank %d, head_dim_v %d) "
+                                      "set for arch %d", d->kv_lora_rank, d->q_lora_rank, d->head_dim_v, d->arch);
+        return ST_OK;
+    }
+    if (d->kv_lora_rank < 1)
+        return st_fail(ST_EINVAL, "model: latent attention needs kv_lora_rank >= 1, got %d", d->kv_lora_rank);
+    if (d->kv_lora_rank % 16 || d->rope_dim % 16 ||
+        d->kv_lora_rank + d->rope_dim > ST_MAX_HEAD_DIM)
+        return st_fail(ST_EUNSUPPORTED, "model: latent rank %d with %d rotary dims unsupported (both multiples of 16, "
+                                        "together at most %d)", d->kv_lora_rank, d->rope_dim, ST_MAX_HEAD_DIM);
+    if (d->q_lora_rank < 0 || d->q_lora_rank > ST_MAX_ROW || d->head_dim_v < 1 || d->head_dim_v > ST_MAX_HEAD_DIM ||
+        (int64_t)d->n_head * d->head_dim_v > ST_MAX_ROW || d->rope_dim >= d->head_dim)
+        return st_fail(ST_EINVAL, "model: latent attention q_lora_rank %d / head_dim_v %d / rope %d of head_dim %d "
+                                  "invalid", d->q_lora_rank, d->head_dim_v, d->rope_dim, d->head_dim);
+    if (d->n_head_kv != 1)
+        return st_fail(ST_EINVAL, "model: latent attention caches one shared row: n_head_kv must be 1, got %d",
+                       d->n_head_kv);
+    /* llama.cpp scales deepseek2's attention logits by its own rule whenever the rope is scaled
+     * (mscale^2 from rope.scaling.yarn_log_multiplier); that rule is not implemented here. */
+    if ((d->rope_freq_scale != 0.0f && d->rope_freq_scale != 1.0f) || d->rope_ext_factor != 0.0f ||
+        (d->rope_attn_factor != 0.0f && d->rope_attn_factor != 1.0f))
+        return st_fail(ST_EUNSUPPORTED, "model: rotary scaling (freq_scale %g, ext_factor %g, attn_factor %g) with "
+                                        "latent attention is not supported", (double)d->rope_freq_scale,
+                       (double)d->rope_ext_factor, (double)d->rope_attn_factor);
+    if (d->n_swa > 0 || d->n_nextn > 0)
+        return st_fail(ST_EUNSUPPORTED, "model: sliding windows or NextN layers with latent attention unsupported");
+    return ST_OK;
+}
+
 /* Hyper-parameters alone, before anything is allocated from them. */
 static st_status check_hparams(const st_model_desc *d) {
-    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GPT_OSS) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_DEEPSEEK2) return st_fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
     if (d->n_layer < 1 || d->n_layer > ST_MAX_LAYERS || d->n_embd < 1 || d->n_embd > ST_MAX_ROW || d->n_head < 1 ||
         d->n_head > ST_MAX_HEADS || d->n_head_kv < 1 || d->n_head_kv > d->n_head || d->head_dim < 2 ||
         d->head_dim > ST_MAX_HEAD_DIM || d->n_vocab < 1 || d->n_vocab > ST_MAX_VOCAB)
@@ -187,7 +223,7 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
     if (d->n_swa < 0 || d->swa_pattern < 0)
         return st_fail(ST_EINVAL, "model: sliding window %d / pattern %d invalid", d->n_swa, d->swa_pattern);
-    return ST_OK;
+    return check_mla(d);
 }
 
 /* A SwiGLU FFN of layer il: gate and up [n_embd -> ff], down [ff -> n_embd], stacked
@@ -212,11 +248,36 @@ static st_status check_ffn(const st_model_desc *d, int il, int first, const char
     return ST_OK;
 }
 
-/* One transformer block (a forward layer, or the block of a NextN layer: il >= n_layer). */
-static st_status check_layer(st_model *m, const st_layer *L, int il) {
+/* deepseek2's attention tensors (see st_layer). */
+static st_status check_mla_layer(st_model *m, const st_layer *L, int il) {
+    const st_model_desc *d = &m->d;
+    const int64_t E = d->n_embd, H = d->n_head, ql = d->q_lora_rank, kl = d->kv_lora_rank;
+    const int64_t nope = d->head_dim - d->rope_dim, vd = d->head_dim_v;
+    if (ql > 0) {
+        CHECK(check_tensor(d, &L->wq_a, "attn_q_a", il, 1, 2, E, ql, 1, 0));
+        CHECK(check_tensor(d, &L->q_a_norm, "attn_q_a_norm", il, 1, 1, ql, 1, 1, 1));
+        CHECK(check_tensor(d, &L->wq_b, "attn_q_b", il, 1, 2, ql, m->q_dim, 1, 0));
+    } else {
+        CHECK(check_tensor(d, &L->wq, "attn_q", il, 1, 2, E, m->q_dim, 1, 0));
+    }
+    CHECK(check_tensor(d, &L->wkv_a, "attn_kv_a_mqa", il, 1, 2, E, kl + d->rope_dim, 1, 0));
+    CHECK(check_tensor(d, &L->kv_a_norm, "attn_kv_a_norm", il, 1, 1, kl, 1, 1, 1));
+    if (L->wk_b.data || L->wv_b.data || !L->wkv_b.data) {
+        if (L->wkv_b.data)
+            return st_fail(ST_EINVAL, "layer %d: attn_kv_b and the split attn_k_b / attn_v_b together", il);
+        CHECK(check_tensor(d, &L->wk_b, "attn_k_b", il, 1, 3, nope, kl, H, 0));
+        CHECK(check_tensor(d, &L->wv_b, "attn_v_b", il, 1, 3, kl, vd, H, 0));
+    } else {
+        CHECK(check_tensor(d, &L->wkv_b, "attn_kv_b", il, 1, 2, kl, H * (nope + vd), 1, 0));
+    }
+    CHECK(check_tensor(d, &L->wo, "attn_output", il, 1, 2, m->o_in, E, 1, 0));
+    return ST_OK;
+}
+
+/* The q/k/v attention tensors of every other architecture. */
+static st_status check_attn_layer(st_model *m, const st_layer *L, int il) {
     const st_model_desc *d = &m->d;
     const int64_t E = d->n_embd;
-    CHECK(check_tensor(d, &L->attn_norm, "attn_norm", il, 1, 1, E, 1, 1, 1));
     CHECK(check_tensor(d, &L->wq, "attn_q", il, 1, 2, E, m->q_dim, 1, 0));
     CHECK(check_tensor(d, &L->wk, "attn_k", il, 1, 2, E, m->kv_dim, 1, 0));
     CHECK(check_tensor(d, &L->wv, "attn_v", il, 1, 2, E, m->kv_dim, 1, 0));
@@ -232,6 +293,16 @@ static st_status check_layer(st_model *m, const st_layer *L, int il) {
     CHECK(check_tensor(d, &L->k_norm, "attn_k_norm", il, qk_norm, 1, d->head_dim, 1, 1, 1));
     if (!L->q_norm.data != !L->k_norm.data)
         return st_fail(ST_EINVAL, "layer %d: attn_q_norm and attn_k_norm come together", il);
+    return ST_OK;
+}
+
+/* One transformer block (a forward layer, or the block of a NextN layer: il >= n_layer). */
+static st_status check_layer(st_model *m, const st_layer *L, int il) {
+    const st_model_desc *d = &m->d;
+    const int64_t E = d->n_embd;
+    const int oss = d->arch == ST_ARCH_GPT_OSS; /* llama.cpp requires its biases */
+    CHECK(check_tensor(d, &L->attn_norm, "attn_norm", il, 1, 1, E, 1, 1, 1));
+    CHECK(d->kv_lora_rank > 0 ? check_mla_layer(m, L, il) : check_attn_layer(m, L, il));
     CHECK(check_tensor(d, &L->ffn_norm, "ffn_norm", il, 1, 1, E, 1, 1, 1));
     if (d->n_expert > 0 && il >= d->n_dense_lead) {
         const int first = d->n_dense_lead; /* the first routed layer sets the widths */
@@ -310,13 +381,32 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
     m->d.nextn = m->nextn;
     m->q_dim = desc->n_head * desc->head_dim; /* bounded by check_hparams */
     m->kv_dim = desc->n_head_kv * desc->head_dim;
-    const st_status rc = validate(m);
+    if (desc->kv_lora_rank > 0) { /* one cached latent row, queries absorbed into it */
+        m->c_n_kv = 1;
+        m->c_hd_k = desc->kv_lora_rank + desc->rope_dim;
+        m->c_hd_v = desc->kv_lora_rank;
+        m->o_in = desc->n_head * desc->head_dim_v;
+    } else {
+        m->c_n_kv = desc->n_head_kv;
+        m->c_hd_k = m->c_hd_v = desc->head_dim;
+        m->o_in = m->q_dim;
+    }
+    m->c_q_dim = (int64_t)desc->n_head * m->c_hd_k;
+    m->c_o_dim = (int64_t)desc->n_head * m->c_hd_v;
+    st_status rc = validate(m);
+    if (rc == ST_OK && desc->kv_lora_rank > 0) rc = st_mla_prepare(m);
     if (rc != ST_OK) {
         st_model_destroy(m);
         return rc;
     }
     m->max_k = m->d.n_embd;
     if (m->q_dim > m->max_k) m->max_k = m->q_dim;
+    /* latent attention: the low ranks, and the per-head rows of the absorption and expansion
+     * (T * n_head rows of nope and of kv_lora_rank share the layer-input buffers) */
+    if (m->d.q_lora_rank > m->max_k) m->max_k = m->d.q_lora_rank;
+    if (m->d.kv_lora_rank > m->max_k) m->max_k = m->d.kv_lora_rank;
+    if (m->o_in > m->max_k) m->max_k = m->o_in;
+    if (m->d.kv_lora_rank > 0 && m->c_o_dim > m->max_k) m->max_k = (int32_t)m->c_o_dim;
     if (m->n_ff > m->max_k) m->max_k = m->n_ff;
     if (m->n_ff_shexp > m->max_k) m->max_k = m->n_ff_shexp;
     m->inv_freq = malloc(sizeof(float) * (size_t)(m->d.rope_dim / 2));
@@ -408,6 +498,8 @@ void st_model_destroy(st_model *m) {
     free(m->inv_freq);
     if (m->repack) munmap(m->repack, m->repack_bytes);
     free(m->layers);
+    free(m->mla_kb);
+    free(m->mla_kb_buf);
     free(m->nextn_layers);
     free(m->nextn);
     free(m);
@@ -420,7 +512,7 @@ static void scratch_free(scratch *s) {
                     s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
                     s->hxs, s->hs, s->pair_tok,
                     s->pairs_by_expert, s->expert_start, s->tiles, s->rtiles, s->split, s->parts,
-                    (void *)s->left, s->logits};
+                    (void *)s->left, s->logits, s->mqa, s->mq, s->mkv, s->mg, s->mo};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
     memset(s, 0, sizeof *s);
 }
@@ -438,11 +530,21 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         const size_t E = (size_t)d->n_embd, K = (size_t)m->max_k, ne = d->n_expert > 0 ? (size_t)d->n_expert : 1;
         s->x = malloc(sizeof(float) * T * E);
         s->xn = malloc(sizeof(float) * T * E);
-        s->q = malloc(sizeof(float) * T * (size_t)m->q_dim);
+        s->q = malloc(sizeof(float) * T * (size_t)m->c_q_dim);
         s->k = malloc(sizeof(float) * T * (size_t)m->kv_dim);
         s->v = malloc(sizeof(float) * T * (size_t)m->kv_dim);
-        s->att = malloc(sizeof(float) * T * (size_t)m->q_dim);
+        s->att = malloc(sizeof(float) * T * (size_t)m->c_o_dim);
         s->tmp = malloc(sizeof(float) * T * (E > (size_t)m->q_dim ? E : (size_t)m->q_dim));
+        int mla_ok = 1;
+        if (d->kv_lora_rank > 0) {
+            const size_t H = (size_t)d->n_head, nope = (size_t)(d->head_dim - d->rope_dim);
+            s->mqa = malloc(sizeof(float) * T * (size_t)(d->q_lora_rank > 0 ? d->q_lora_rank : 1));
+            s->mq = malloc(sizeof(float) * T * (size_t)m->q_dim);
+            s->mkv = malloc(sizeof(float) * T * (size_t)m->c_hd_k);
+            s->mg = malloc(sizeof(float) * T * H * nope);
+            s->mo = malloc(sizeof(float) * T * (size_t)m->o_in);
+            mla_ok = s->mqa && s->mq && s->mkv && s->mg && s->mo;
+        }
         s->router = malloc(sizeof(float) * T * ne);
         s->topk_w = malloc(sizeof(float) * T * k);
         s->topk_id = malloc(sizeof(int32_t) * T * k);
@@ -471,7 +573,7 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
             !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
             !s->ad4 || !s->axs || !s->hd4 || !s->hxs ||
             !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles || !s->rtiles ||
-            !s->split) {
+            !s->split || !mla_ok) {
             scratch_free(s);
             return st_fail(ST_ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
         }

@@ -117,6 +117,11 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
 st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
                        int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
                        int32_t nq, int32_t p0, float *out);
+/* The same with values of v_dim dimensions per head (V is [block][block_size][n_kv * v_dim]; keys
+ * and queries keep head_dim): out is [nq][v_dim]. MLA's latent rows attend this way. */
+st_status st_attention_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                          int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                          const float *q, int32_t nq, int32_t p0, float *out);
 
 /* Split decode attention (flash-decoding) of the nq query heads that share KV head kv_head
  * (rows of q, [nq][head_dim], already scaled) at one position seeing keys 0..n_keys-1: the
@@ -126,6 +131,11 @@ st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, co
 st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
                              int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
                              int32_t nq, int32_t n_keys, int32_t chunk, const float *sink, float *out);
+/* The same with values of v_dim dimensions per head (V as st_attention_kv's): out is [nq][v_dim]. */
+st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                                int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                                const float *q, int32_t nq, int32_t n_keys, int32_t chunk, const float *sink,
+                                float *out);
 /* How st_forward splits decode attention: ST_SPLIT_AUTO, the rule of docs/engine.md (by the
  * query's keys and the pool's threads); ST_SPLIT_OFF, never (the per-head kernels: the
  * reference the split is tested and measured against); n >= 16, a multiple of 16: every decode
@@ -176,6 +186,15 @@ typedef struct {
      * gate_exps_b / up_exps_b [n_ff_exp, n_expert] and down_exps_b [n_embd, n_expert] the
      * experts' biases, added to each expert's projections. */
     st_tensor bo, sinks, gate_inp_b, gate_exps_b, up_exps_b, down_exps_b;
+    /* deepseek2's multi-head latent attention (added last; st_model_desc.kv_lora_rank > 0), in
+     * ggml order: q from wq, or low-rank from wq_a [n_embd -> q_lora_rank], its RMSNorm q_a_norm
+     * [q_lora_rank] and wq_b [q_lora_rank -> n_head * head_dim]; wkv_a [n_embd -> kv_lora_rank +
+     * rope_dim]: the compressed KV latent then the rotary key part shared by every head; kv_a_norm
+     * [kv_lora_rank] the latent's RMSNorm; the latent's expansion per head to the key's non-rotary
+     * part (nope = head_dim - rope_dim) and the value (head_dim_v), either as one wkv_b [kv_lora_rank,
+     * n_head * (nope + head_dim_v)] (older files) or split: wk_b [nope, kv_lora_rank, n_head] and
+     * wv_b [kv_lora_rank, head_dim_v, n_head]. wo reads n_head * head_dim_v. */
+    st_tensor wq_a, q_a_norm, wq_b, wkv_a, kv_a_norm, wkv_b, wk_b, wv_b;
 } st_layer;
 
 /* The next-token-prediction (NextN / MTP) head of an extra layer after the forward layers:
@@ -191,6 +210,7 @@ typedef struct {
 #define ST_ARCH_QWEN2MOE 2
 #define ST_ARCH_GLM4MOE 3
 #define ST_ARCH_GPT_OSS 4 /* experts' SwiGLU clamped as gpt-oss's (alpha 1.702, limit 7) */
+#define ST_ARCH_DEEPSEEK2 5 /* multi-head latent attention (kv_lora_rank), NORM rotary on the heads' last rope_dim dims */
 
 /* Router gating functions (llama.cpp's expert_gating_func values). 0 in a descriptor means
  * softmax. */
@@ -246,6 +266,14 @@ typedef struct {
     float rope_attn_factor; /* YaRN's magnitude factor before the ln term */
     float rope_beta_fast, rope_beta_slow;
     int32_t rope_n_ctx_orig; /* the original training context; >= 1 when ext_factor != 0 */
+    /* Multi-head latent attention (ST_ARCH_DEEPSEEK2; zero: none). Each head's query and key have
+     * head_dim = nope + rope_dim dimensions (the rotary part last), its value head_dim_v. The KV
+     * cache holds, per token and layer, one shared row: the normalised latent (kv_lora_rank) and
+     * the rotated key part (rope_dim), so n_head_kv is 1. Attention runs on that row with each
+     * head's query absorbed into the latent space (its non-rotary part times that head's wk_b),
+     * and the head's output is expanded by wv_b: the same result as expanding K and V per head.
+     * q_lora_rank > 0: q through wq_a / q_a_norm / wq_b, else through wq. */
+    int32_t kv_lora_rank, q_lora_rank, head_dim_v;
 } st_model_desc;
 
 typedef struct st_model st_model;

@@ -177,40 +177,50 @@ st_status st_vec_dot_f(int32_t type, int32_t variant, const void *w, const float
     return ST_OK;
 }
 
-st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
-                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
-                       int32_t nq, int32_t p0, float *out) {
+st_status st_attention_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                          int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                          const float *q, int32_t nq, int32_t p0, float *out) {
     if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention: NULL argument");
     if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 16 ||
-        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || n_kv < 1 || n_kv > ST_MAX_HEADS || kv_head < 0 ||
-        kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0 || p0 > INT32_MAX - nq)
-        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
-                       head_dim, n_kv, kv_head, nq, p0);
+        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || v_dim < 16 || v_dim > head_dim || v_dim % 16 || n_kv < 1 ||
+        n_kv > ST_MAX_HEADS || kv_head < 0 || kv_head >= n_kv || nq < 1 || nq > ST_ATTN_TILE || p0 < 0 ||
+        p0 > INT32_MAX - nq)
+        return st_fail(ST_EINVAL, "attention: bad shape (bs=%d hd=%d vd=%d n_kv=%d kvh=%d nq=%d p0=%d)", block_size,
+                       head_dim, v_dim, n_kv, kv_head, nq, p0);
     const st_status rc = check_variant(variant);
     if (rc) return rc;
     const attn_fn fn = attn_variant(variant);
     float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
     if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
-    const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
-    fn(&view, q, head_dim, nq, p0, out, head_dim, scratch);
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head};
+    fn(&view, q, head_dim, nq, p0, out, v_dim, scratch);
     free(scratch);
     return ST_OK;
 }
 
-st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
-                             int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
-                             int32_t nq, int32_t n_keys, int32_t chunk, const float *sink, float *out) {
+st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                       int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                       int32_t nq, int32_t p0, float *out) {
+    return st_attention_kv(variant, k, v, block_table, block_size, head_dim, head_dim, n_kv, kv_head, q, nq, p0, out);
+}
+
+st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                                int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                                const float *q, int32_t nq, int32_t n_keys, int32_t chunk, const float *sink,
+                                float *out) {
     if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention_split: NULL argument");
     if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 16 ||
-        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || n_kv < 1 || n_kv > ST_MAX_HEADS || kv_head < 0 ||
-        kv_head >= n_kv || nq < 1 || nq > ST_MAX_HEADS || n_keys < 1 || chunk < 16 || chunk % 16)
-        return st_fail(ST_EINVAL, "attention_split: bad shape (bs=%d hd=%d n_kv=%d kvh=%d nq=%d keys=%d chunk=%d)",
-                       block_size, head_dim, n_kv, kv_head, nq, n_keys, chunk);
+        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || v_dim < 16 || v_dim > head_dim || v_dim % 16 || n_kv < 1 ||
+        n_kv > ST_MAX_HEADS || kv_head < 0 || kv_head >= n_kv || nq < 1 || nq > ST_MAX_HEADS || n_keys < 1 ||
+        chunk < 16 || chunk % 16)
+        return st_fail(ST_EINVAL,
+                       "attention_split: bad shape (bs=%d hd=%d vd=%d n_kv=%d kvh=%d nq=%d keys=%d chunk=%d)",
+                       block_size, head_dim, v_dim, n_kv, kv_head, nq, n_keys, chunk);
     const st_status rc = check_variant(variant);
     if (rc) return rc;
     const attn_part_fn fn = part_variant(variant);
     const int32_t n_chunks = (int32_t)(((int64_t)n_keys + chunk - 1) / chunk);
-    const size_t stride = (size_t)nq * (size_t)(head_dim + 2);
+    const size_t stride = (size_t)nq * (size_t)(v_dim + 2);
     const int32_t span = chunk < n_keys ? chunk : n_keys;
     float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, span));
     float *parts = malloc(sizeof(float) * stride * (size_t)n_chunks);
@@ -218,14 +228,21 @@ st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t 
         free(scratch), free(parts);
         return st_fail(ST_ENOMEM, "attention_split: out of memory");
     }
-    const kv_view view = {k, v, block_table, block_size, head_dim, n_kv, n_kv * head_dim, kv_head};
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head};
     for (int32_t c = 0; c < n_chunks; c++) {
         const int32_t j0 = c * chunk, j1 = n_keys - j0 < chunk ? n_keys : j0 + chunk;
         fn(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
     }
-    st_attn_combine(parts, n_chunks, stride, nq, head_dim, sink, out, head_dim);
+    st_attn_combine(parts, n_chunks, stride, nq, v_dim, sink, out, v_dim);
     free(scratch), free(parts);
     return ST_OK;
+}
+
+st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                             int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                             int32_t nq, int32_t n_keys, int32_t chunk, const float *sink, float *out) {
+    return st_attention_split_kv(variant, k, v, block_table, block_size, head_dim, head_dim, n_kv, kv_head, q, nq,
+                                 n_keys, chunk, sink, out);
 }
 
 st_status st_set_attn_split(int32_t mode) {

@@ -13,8 +13,8 @@ common.chat_template exactly as plain jinja2 renders it.
 gpt-oss's pre-tokenizer (``tokenizer.ggml.pre = "gpt-4o"``, o200k's split) on SmolLM2's byte-level
 vocabulary gives llama.cpp's ids on the multilingual corpus of test_glm_format.py and fuzzed text.
 
-What is not here yet: splitting a generated ``<|channel|>analysis`` block out of the OpenAI
-``content`` in /v1/chat/completions (the lane returns the generated text as it is).
+Reading generated harmony into ``reasoning_content`` / ``content`` / ``tool_calls`` is
+lanes/chat_parsers.py's (tests/lanes/test_chat_parsers.py, tests/lanes/test_chat_formats_lane.py).
 """
 
 from __future__ import annotations

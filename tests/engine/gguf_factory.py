@@ -206,17 +206,22 @@ def _byte_alphabet() -> list[str]:
     return out
 
 
-def glm_vocab_metadata(chat_template: str | None = None) -> dict[str, object]:
-    """A GLM-4.5-style byte-level BPE vocabulary of GLM_VOCAB tokens: the 256 byte characters,
-    "Ġ" + each lower-case letter, 26 common bigrams, then GLM_SPECIALS; pre-tokenizer "glm4", and the
-    special ids llama.cpp's converter writes for GLM-4.5 ([gMASK] as BOS, <|endoftext|> as EOS,
-    <|user|> as EOT, <|observation|> as EOM)."""
+def _byte_bpe(specials: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """A small byte-level BPE vocabulary: (tokens, merges). The tokens are the 256 byte characters,
+    "Ġ" + each lower-case letter, 26 common bigrams, then `specials`."""
     alphabet = _byte_alphabet()
     space = alphabet[ord(" ")]
     bigrams = ["th", "he", "in", "er", "an", "re", "on", "at", "en", "nd", "ti", "es", "or", "te", "of", "ed",
                "is", "it", "al", "ar", "st", "to", "nt", "ng", "se", "ha"]
     merges = [f"{space} {c}" for c in "abcdefghijklmnopqrstuvwxyz"] + [f"{a} {b}" for a, b in bigrams]
-    tokens = alphabet + [m.replace(" ", "") for m in merges] + list(GLM_SPECIALS)
+    return alphabet + [m.replace(" ", "") for m in merges] + list(specials), merges
+
+
+def glm_vocab_metadata(chat_template: str | None = None) -> dict[str, object]:
+    """A GLM-4.5-style byte-level BPE vocabulary of GLM_VOCAB tokens (_byte_bpe with GLM_SPECIALS);
+    pre-tokenizer "glm4", and the special ids llama.cpp's converter writes for GLM-4.5 ([gMASK] as
+    BOS, <|endoftext|> as EOS, <|user|> as EOT, <|observation|> as EOM)."""
+    tokens, merges = _byte_bpe(GLM_SPECIALS)
     assert len(tokens) == GLM_VOCAB == len(set(tokens))
     types = [1] * (GLM_VOCAB - len(GLM_SPECIALS)) + [3] * (len(GLM_SPECIALS) - 2) + [4, 4]  # think tags: user-defined
     sid = {t: tokens.index(t) for t in GLM_SPECIALS}
@@ -500,6 +505,201 @@ def make_gptoss_gguf(
         add(p + "ffn_gate_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
         add(p + "ffn_up_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
         add(p + "ffn_down_exps.bias", mat(n_expert, n_embd, scale=0.1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- deepseek2
+
+# DeepSeek-V3's special tokens (their texts in its tokenizer), after the normal ones.
+DEEPSEEK_SPECIALS = ("<\uff5cbegin\u2581of\u2581sentence\uff5c>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+                     "<\uff5cUser\uff5c>", "<\uff5cAssistant\uff5c>")
+DEEPSEEK_VOCAB = 256 + 52 + len(DEEPSEEK_SPECIALS)
+
+
+def deepseek_vocab_metadata() -> dict[str, object]:
+    """A DeepSeek-V3-style byte-level BPE vocabulary of DEEPSEEK_VOCAB tokens (_byte_bpe with
+    DEEPSEEK_SPECIALS): pre-tokenizer "deepseek-v3", BOS / EOS the sentence tokens, BOS added."""
+    tokens, merges = _byte_bpe(DEEPSEEK_SPECIALS)
+    assert len(tokens) == DEEPSEEK_VOCAB == len(set(tokens))
+    n = len(DEEPSEEK_SPECIALS)
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "deepseek-v3",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * (DEEPSEEK_VOCAB - n) + [3] * n,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": DEEPSEEK_VOCAB - n,
+        "tokenizer.ggml.eos_token_id": DEEPSEEK_VOCAB - n + 1,
+        "tokenizer.ggml.padding_token_id": DEEPSEEK_VOCAB - n + 1,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+
+
+def make_deepseek2_gguf(
+    path: Path,
+    *,
+    n_dense_lead: int = 1,
+    n_moe: int = 2,
+    n_embd: int = 256,
+    n_head: int = 4,
+    q_lora_rank: int = 96,
+    kv_lora_rank: int = 64,
+    qk_nope: int = 32,
+    qk_rope: int = 16,
+    v_head_dim: int = 32,
+    n_ff: int = 128,
+    n_expert: int = 16,
+    n_expert_used: int = 4,
+    n_ff_exp: int = 64,
+    n_expert_shared: int = 1,
+    n_group: int = 4,
+    n_group_used: int = 2,
+    gating: int | None = 2,
+    weights_scale: float | None = 2.5,
+    weights_norm: bool | None = True,
+    exp_probs_b: bool = True,
+    router_gain: float = 2.0,
+    split: bool = True,
+    expert_type: GGMLQuantizationType = GGMLQuantizationType.F32,
+    expert_std: float = 0.06,
+    seed: int = 0,
+    vocab: bool = True,
+    drop_keys: tuple[str, ...] = (),
+    extra_md: dict[str, object] | None = None,
+    omit: tuple[str, ...] = (),
+) -> Path:
+    """A random ``deepseek2`` GGUF in llama.cpp's names and layout (DeepSeek-V3 / Kimi-K2 or V2 in
+    miniature): multi-head latent attention with heads of ``qk_nope + qk_rope`` query / key and
+    ``v_head_dim`` value dimensions (n_head x head_dim != n_embd), a low-rank query (``attn_q_a``,
+    ``attn_q_a_norm``, ``attn_q_b``; ``q_lora_rank`` 0: ``attn_q``), the compressed KV
+    (``attn_kv_a_mqa``: latent + the shared rotary key, ``attn_kv_a_norm``) and its expansion,
+    ``n_dense_lead`` dense layers, then ``n_moe`` MoE layers (router with logits of std ~``router_gain``,
+    optional score-correction bias,
+    routed experts in ``expert_type`` with weights of std ``expert_std``, ``n_expert_shared``
+    shared experts). ``split``: the expansion as ``attn_k_b`` / ``attn_v_b`` with the MLA keys
+    (``key_length_mla`` ...; head_count_kv 1, key_length the cached row), as llama.cpp's converter
+    writes today; else one ``attn_kv_b`` with per-head key / value lengths (older files). Both
+    forms hold the same numbers for the same seed. ``gating``, ``weights_scale`` and
+    ``weights_norm`` of None leave their keys out; ``n_group`` 0 leaves the group keys out;
+    ``drop_keys`` removes metadata keys (without the ``deepseek2.`` prefix), ``extra_md`` adds full
+    keys and ``omit`` drops tensors. The vocabulary is deepseek_vocab_metadata()'s (token_embd has that
+    many rows even when ``vocab`` is False and the tokenizer keys are left out). Matrices have
+    std ~1/sqrt(fan-in) so activations stay of order one; IQ types are random valid blocks."""
+    arch = "deepseek2"
+    rng = np.random.default_rng(seed)
+    n_layer = n_dense_lead + n_moe
+    head_dim = qk_nope + qk_rope
+    w = GGUFWriter(str(path), arch)
+    keys: dict[str, tuple[str, object]] = {
+        "block_count": ("u", n_layer), "context_length": ("u", 512), "embedding_length": ("u", n_embd),
+        "feed_forward_length": ("u", n_ff), "attention.head_count": ("u", n_head),
+        "rope.dimension_count": ("u", qk_rope), "rope.freq_base": ("f", 10000.0),
+        "attention.layer_norm_rms_epsilon": ("f", 1e-6), "expert_count": ("u", n_expert),
+        "expert_used_count": ("u", n_expert_used), "expert_shared_count": ("u", n_expert_shared),
+        "expert_feed_forward_length": ("u", n_ff_exp), "leading_dense_block_count": ("u", n_dense_lead),
+        "attention.q_lora_rank": ("u", q_lora_rank), "attention.kv_lora_rank": ("u", kv_lora_rank),
+        "vocab_size": ("u", DEEPSEEK_VOCAB),
+    }
+    if split:  # llama.cpp's converter for MLA: the cache sees one head of the latent + rotary key
+        keys |= {"attention.head_count_kv": ("u", 1), "attention.key_length": ("u", kv_lora_rank + qk_rope),
+                 "attention.value_length": ("u", kv_lora_rank), "attention.key_length_mla": ("u", head_dim),
+                 "attention.value_length_mla": ("u", v_head_dim)}
+    else:
+        keys |= {"attention.head_count_kv": ("u", n_head), "attention.key_length": ("u", head_dim),
+                 "attention.value_length": ("u", v_head_dim)}
+    if gating is not None:
+        keys["expert_gating_func"] = ("u", gating)
+    if weights_scale is not None:
+        keys["expert_weights_scale"] = ("f", weights_scale)
+    if weights_norm is not None:
+        keys["expert_weights_norm"] = ("b", weights_norm)
+    if n_group:
+        keys["expert_group_count"] = ("u", n_group)
+        keys["expert_group_used_count"] = ("u", n_group_used)
+    for key, (kind, value) in keys.items():
+        if key in drop_keys:
+            continue
+        if kind == "u":
+            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
+        elif kind == "f":
+            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
+        else:
+            w.add_bool(f"{arch}.{key}", bool(value))
+    for key, value in (extra_md or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, int(value))  # type: ignore[arg-type]
+    if vocab:  # llama.cpp needs it; the engine does not
+        _add_metadata(w, deepseek_vocab_metadata())
+    n_vocab = DEEPSEEK_VOCAB
+
+    def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape) * gain / np.sqrt(shape[-1])).astype(np.float32)
+
+    def gain(n: int) -> np.ndarray:
+        return (1.0 + rng.standard_normal(n) * 0.2).astype(np.float32)
+
+    def add(name: str, data: np.ndarray, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
+        if name in omit:
+            return
+        if qtype in (GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ2_XXS):
+            blob = random_quant_blob(qtype, data.shape, float(data.std()), rng)
+            w.add_tensor(name, blob, raw_shape=blob.shape, raw_dtype=qtype)
+        elif qtype != GGMLQuantizationType.F32:
+            q = random_quantized(data, qtype, rng)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, data)
+
+    add("token_embd.weight", (rng.standard_normal((n_vocab, n_embd))).astype(np.float32))
+    add("output_norm.weight", gain(n_embd))
+    add("output.weight", mat(n_vocab, n_embd, gain=4.0))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", gain(n_embd))
+        if q_lora_rank:
+            add(p + "attn_q_a.weight", mat(q_lora_rank, n_embd))
+            add(p + "attn_q_a_norm.weight", gain(q_lora_rank))
+            add(p + "attn_q_b.weight", mat(n_head * head_dim, q_lora_rank, gain=1.5))
+        else:
+            add(p + "attn_q.weight", mat(n_head * head_dim, n_embd, gain=1.5))
+        add(p + "attn_kv_a_mqa.weight", mat(kv_lora_rank + qk_rope, n_embd, gain=1.5))
+        add(p + "attn_kv_a_norm.weight", gain(kv_lora_rank))
+        kv_b = mat(n_head * (qk_nope + v_head_dim), kv_lora_rank, gain=1.5)
+        if split:  # as llama.cpp's converter splits kv_b_proj: per head, the key rows transposed
+            per_head = kv_b.reshape(n_head, qk_nope + v_head_dim, kv_lora_rank)
+            add(p + "attn_k_b.weight", np.ascontiguousarray(per_head[:, :qk_nope, :].transpose(0, 2, 1)))
+            add(p + "attn_v_b.weight", np.ascontiguousarray(per_head[:, qk_nope:, :]))
+        else:
+            add(p + "attn_kv_b.weight", kv_b)
+        add(p + "attn_output.weight", mat(n_embd, n_head * v_head_dim))
+        add(p + "ffn_norm.weight", gain(n_embd))
+        if i < n_dense_lead:
+            add(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            add(p + "ffn_up.weight", mat(n_ff, n_embd))
+            add(p + "ffn_down.weight", mat(n_embd, n_ff))
+            continue
+        # router logits with std ~router_gain: top-k choices well separated (no float near-ties)
+        add(p + "ffn_gate_inp.weight", mat(n_expert, n_embd, gain=router_gain))
+        if exp_probs_b:  # of the order of the gating's spread, so it changes choices
+            add(p + "exp_probs_b.bias", (rng.standard_normal(n_expert) * 0.3).astype(np.float32))
+        e = expert_std * np.sqrt(n_embd)
+        add(p + "ffn_gate_exps.weight", mat(n_expert, n_ff_exp, n_embd, gain=e), expert_type)
+        add(p + "ffn_up_exps.weight", mat(n_expert, n_ff_exp, n_embd, gain=e), expert_type)
+        add(p + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff_exp, gain=expert_std * np.sqrt(n_ff_exp)),
+            expert_type)
+        fs = n_ff_exp * n_expert_shared
+        if fs:
+            add(p + "ffn_gate_shexp.weight", mat(fs, n_embd))
+            add(p + "ffn_up_shexp.weight", mat(fs, n_embd))
+            add(p + "ffn_down_shexp.weight", mat(n_embd, fs))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

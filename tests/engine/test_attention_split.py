@@ -32,7 +32,7 @@ from engine.native import (
     lib,
     set_attn_split,
 )
-from tests.engine.gguf_factory import make_gptoss_gguf, make_random_gguf
+from tests.engine.gguf_factory import make_deepseek2_gguf, make_gptoss_gguf, make_random_gguf
 from tests.engine.test_kernels import attention, attention_split
 
 ATTN_TOL = 5e-5
@@ -202,3 +202,30 @@ def test_gptoss_sinks_split_within_the_rule(tmp_path: Path) -> None:
             got = step(mode)
             assert rel_err(got, ref) <= LOGIT_TOL, (mode, rel_err(got, ref))
             assert not np.array_equal(got, ref)  # the split path ran
+
+
+def test_deepseek2_latent_attention_split_within_the_rule(tmp_path: Path) -> None:
+    """deepseek2's latent row (one KV head, values narrower than keys, every query head in its
+    group) at 1,100 cached tokens: the automatic and a forced split against no split, and a
+    decode below the split threshold (one chunk) equal to the unsplit bits."""
+    path = make_deepseek2_gguf(tmp_path / "d.gguf", seed=4)
+    rng = np.random.default_rng(1)
+    n = 1100
+    with Engine.open(path, threads=THREADS, kv_tokens=n + 16) as eng:
+        assert eng.hparams.kv_lora_rank and eng.hparams.n_head_kv == 1
+        table = eng.blocks.allocate(-(-(n + 1) // eng.block_size))
+        prompt = [int(t) for t in rng.integers(0, 200, n)]
+        eng.prefill(prompt, table)
+        assert plan(n + 1, THREADS, 1) < n + 1
+
+        def step(mode: str | int, pos: int = n) -> np.ndarray:
+            set_attn_split(mode)
+            return eng.forward([5], [pos], [0], [table], [0])[0]
+
+        ref = step("off")
+        for mode in ("auto", 64):
+            got = step(mode)
+            assert rel_err(got, ref) <= LOGIT_TOL, (mode, rel_err(got, ref))
+            assert not np.array_equal(got, ref)  # the split path ran
+        short = 40  # rewrites position 40 only; the keys before it are the prefill's
+        assert np.array_equal(step("auto", short), step("off", short))

@@ -124,6 +124,26 @@ def test_default_placement_from_the_builtin_corpus(model_path: Path, tmp_path: P
     assert raw["format"] == "strata-placement" and isinstance(RoutingStats.model_validate(raw["stats"]), RoutingStats)
 
 
+def test_without_output_the_default_placement_is_written_beside_the_model(model_path: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """No -o: the model's default placement file (MODEL.placement.json), which a GPU lane with a budget and no
+    configured placement file places by (engine.placement.placement_frequencies)."""
+    from engine.placement import default_placement_path, placement_frequencies
+
+    model = tmp_path / "m.gguf"
+    model.symlink_to(model_path)
+    (tmp_path / "p.txt").write_text("What is the capital of France?\n")
+    assert main(["plan", "calibrate", str(model), "--prompts", str(tmp_path / "p.txt"), "--max-tokens", "1",
+                 "--threads", "2", "--kv-tokens", "256"]) == 0
+    out = default_placement_path(model)
+    assert str(out) in capsys.readouterr().out
+    mf = open_model(model)
+    pf = PlacementFile.load(out, model=mf)
+    freqs, source = placement_frequencies(mf)
+    np.testing.assert_array_equal(freqs, pf.stats.frequencies())
+    assert str(out) in source
+
+
 def test_read_prompts_forms(tmp_path: Path) -> None:
     f = tmp_path / "p.txt"
     f.write_text(PROMPTS)

@@ -126,7 +126,7 @@ def mutate(seed: Seed, rng: random.Random) -> tuple[bytes, list[str]]:
 def build_seeds(work: Path) -> list[Path]:
     from gguf import GGMLQuantizationType
 
-    from tests.engine.gguf_factory import make_glm4moe_gguf, make_random_gguf
+    from tests.engine.gguf_factory import make_deepseek2_gguf, make_glm4moe_gguf, make_random_gguf
 
     tiny = dict(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=32, n_vocab=32)
     return [  # every architecture and optional tensor the C validation knows, a float and a quant type
@@ -140,6 +140,11 @@ def build_seeds(work: Path) -> list[Path]:
         make_glm4moe_gguf(work / "seed_glm4moe_q8.gguf", n_moe=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16,
                           rope_dim=8, n_ff=32, n_expert=4, n_expert_used=2, n_ff_exp=32, n_group=2, n_group_used=1,
                           qk_norm=True, weight_type=GGMLQuantizationType.Q8_0, vocab=False),
+        # latent attention (low-rank q, split k_b / v_b), dense lead, routed layer with groups and shared expert
+        make_deepseek2_gguf(work / "seed_deepseek2_q8.gguf", n_moe=1, n_embd=32, n_head=2, q_lora_rank=32,
+                            kv_lora_rank=16, qk_nope=16, qk_rope=16, v_head_dim=16, n_ff=32, n_expert=4,
+                            n_expert_used=2, n_ff_exp=32, n_group=2, n_group_used=1,
+                            expert_type=GGMLQuantizationType.Q8_0, vocab=False),
     ]
 
 

@@ -16,7 +16,7 @@ is checked three ways on a 32-token prompt:
   near-tie in llama.cpp's logits (as tests/engine/test_hf_parity.py does against HF).
 
 st_route (the router alone) is checked against the NumPy router on random logits for every gating
-function, with and without group-limited top-k (DeepSeek-V3's rule, which deepseek2 will use).
+function, with and without group-limited top-k (DeepSeek-V3's rule, which deepseek2 uses too).
 """
 
 from __future__ import annotations
@@ -33,8 +33,18 @@ from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, create_native_model, open_model
 from engine.native import ffi, lib, ptr
 from tests.engine.gguf_factory import GLM_VOCAB, make_glm4moe_gguf
+from tests.engine.parity import (
+    TOL,
+    judge_greedy,
+    llama_greedy,
+    llama_logits,
+    open_llama,
+    rel_err,
+    rms,
+    route_ref,
+    swiglu,
+)
 
-TOL = 1e-3  # max|delta| / max|ref|, as in test_hf_parity.py
 PROMPT_LEN = 32
 N_GREEDY = 64
 
@@ -49,46 +59,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 # ---------------------------------------------------------------------------------------------- the NumPy model
-
-
-def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def _route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, n_group: int, n_group_used: int,
-               norm: bool, scale: float) -> tuple[np.ndarray, np.ndarray, float]:
-    """llama.cpp's build_moe_ffn routing of one token: (chosen ids, their weights, decision margin).
-    The margin is the smallest gap that decided anything (the k-th vs the (k+1)-th eligible choice
-    score, and the last kept vs the first dropped group score)."""
-    logits = logits.astype(np.float64)
-    if gating == 1:
-        p = np.exp(logits - logits.max())
-        p /= p.sum()
-    elif gating == 2:
-        p = 1.0 / (1.0 + np.exp(-logits))
-    else:
-        p = logits.copy()
-    c = p + bias if bias is not None else p.copy()
-    margin = np.inf
-    if n_group > 1:
-        g = c.reshape(n_group, -1)
-        top2 = np.sort(g, axis=1)[:, ::-1][:, : min(2, g.shape[1])].sum(axis=1)
-        order = np.argsort(-top2, kind="stable")
-        margin = min(margin, top2[order[n_group_used - 1]] - top2[order[n_group_used]])
-        dropped = np.ones(n_group, bool)
-        dropped[order[:n_group_used]] = False
-        c = np.where(np.repeat(dropped, g.shape[1]), -np.inf, c)
-    order = np.argsort(-c, kind="stable")
-    ids = order[:k]
-    if np.isfinite(c[order[k]]):
-        margin = min(margin, c[order[k - 1]] - c[order[k]])
-    w = p[ids]
-    if gating == 3:
-        w = np.exp(w - w.max())
-        w /= w.sum()
-    if norm:
-        w = w / max(w.sum(), 6.103515625e-5)
-    return ids, w * scale, float(margin)
 
 
 class RefModel:
@@ -124,10 +94,6 @@ class RefModel:
         out[..., half : 2 * half] = a * s + b * c
         return out
 
-    def _swiglu(self, x: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray) -> np.ndarray:
-        h = x @ g.T
-        return (h / (1.0 + np.exp(-h)) * (x @ u.T)) @ d.T
-
     def logits(self, ids: list[int]) -> np.ndarray:
         t, T = self.t, len(ids)
         x = t["token_embd.weight"][ids]
@@ -135,13 +101,13 @@ class RefModel:
         mask = np.triu(np.full((T, T), -np.inf), 1)
         for il in range(self.n_layer):
             p = f"blk.{il}."
-            h = _rms(x, t[p + "attn_norm.weight"], self.eps)
+            h = rms(x, t[p + "attn_norm.weight"], self.eps)
             q = (h @ t[p + "attn_q.weight"].T + t[p + "attn_q.bias"]).reshape(T, self.n_head, self.hd)
             k = (h @ t[p + "attn_k.weight"].T + t[p + "attn_k.bias"]).reshape(T, self.n_head_kv, self.hd)
             v = (h @ t[p + "attn_v.weight"].T + t[p + "attn_v.bias"]).reshape(T, self.n_head_kv, self.hd)
             if p + "attn_q_norm.weight" in t:
-                q = _rms(q, t[p + "attn_q_norm.weight"], self.eps)
-                k = _rms(k, t[p + "attn_k_norm.weight"], self.eps)
+                q = rms(q, t[p + "attn_q_norm.weight"], self.eps)
+                k = rms(k, t[p + "attn_k_norm.weight"], self.eps)
             q, k = self._rope(q, pos), self._rope(k, pos)
             rep = self.n_head // self.n_head_kv
             k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
@@ -149,22 +115,22 @@ class RefModel:
             a = np.exp(s - s.max(-1, keepdims=True))
             a /= a.sum(-1, keepdims=True)
             x = x + np.einsum("hts,shd->thd", a, v).reshape(T, -1) @ t[p + "attn_output.weight"].T
-            h = _rms(x, t[p + "post_attention_norm.weight"], self.eps)
+            h = rms(x, t[p + "post_attention_norm.weight"], self.eps)
             if il < self.dense:
-                x = x + self._swiglu(h, t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"])
+                x = x + swiglu(h, t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"])
                 continue
-            out = self._swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"],
-                               t[p + "ffn_down_shexp.weight"])
+            out = swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"],
+                         t[p + "ffn_down_shexp.weight"])
             router = h @ t[p + "ffn_gate_inp.weight"].T
             for i in range(T):
-                sel, w, margin = _route_ref(router[i], t.get(p + "exp_probs_b.bias"), self.k, self.gating,
-                                            self.n_group, self.n_group_used, self.norm, self.scale)
+                sel, w, margin = route_ref(router[i], t.get(p + "exp_probs_b.bias"), self.k, self.gating,
+                                           self.n_group, self.n_group_used, self.norm, self.scale)
                 self.margin = min(self.margin, margin)
                 for e, we in zip(sel, w, strict=True):
-                    out[i] += we * self._swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
-                                                t[p + "ffn_down_exps.weight"][e])
+                    out[i] += we * swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
+                                          t[p + "ffn_down_exps.weight"][e])
             x = x + out
-        return _rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
+        return rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -176,28 +142,9 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return name, make_glm4moe_gguf(tmp_path_factory.mktemp("glm4moe") / f"{name}.gguf", **VARIANTS[name])
 
 
-def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
-
-
-def _llama_cpp(path: Path) -> Any:
-    import llama_cpp
-
-    # F32 KV cache: llama.cpp's own rounding then stays well inside the tolerance (its F16 cache alone
-    # costs up to ~9e-4 against the float64 reference here); the engine keeps its F16 cache.
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                           n_threads=2, type_k=0, type_v=0)
-
-
-def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
-    llm.reset()
-    llm.eval(ids)
-    return np.asarray(llm.scores[: len(ids)], dtype=np.float32)
-
-
 @pytest.fixture(scope="module")
 def llama(variant: tuple[str, Path]) -> Iterator[Any]:
-    llm = _llama_cpp(variant[1])
+    llm = open_llama(variant[1])
     yield llm
     llm.close()
 
@@ -223,14 +170,14 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
     # The oracle must be decisive: a near-tie in any routing decision would let float noise
     # change an expert choice, and a failure would then say nothing about the engine.
     assert ref_model.margin > 1e-3, ref_model.margin
-    theirs = _llama_logits(llama, prompt)
+    theirs = llama_logits(llama, prompt)
     # the two oracles agree to float32 rounding (measured 2e-7 to 6e-7): the NumPy pass is llama.cpp's graph
-    assert _rel_err(theirs, ref) <= 1e-5, f"llama.cpp vs NumPy: {_rel_err(theirs, ref):.2e}"
+    assert rel_err(theirs, ref) <= 1e-5, f"llama.cpp vs NumPy: {rel_err(theirs, ref):.2e}"
     with Engine.open(path, threads=2, kv_tokens=256) as eng:
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
     assert ours.shape == (PROMPT_LEN, GLM_VOCAB)
-    assert _rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {_rel_err(ours, theirs):.2e}"
-    assert _rel_err(ours, ref) <= TOL, f"engine vs NumPy: {_rel_err(ours, ref):.2e}"
+    assert rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {rel_err(ours, theirs):.2e}"
+    assert rel_err(ours, ref) <= TOL, f"engine vs NumPy: {rel_err(ours, ref):.2e}"
 
 
 def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None:
@@ -242,26 +189,11 @@ def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None
         seq = prompt + gen[:-1]
         ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
     # llama.cpp's logits behind every greedy step, on the engine's own continuation
-    theirs = _llama_logits(llama, seq)
-    assert _rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    scale = float(np.abs(theirs).max())
-    tie_ok = 2 * TOL * scale
-    for step, tok in enumerate(gen):
-        row = theirs[len(prompt) - 1 + step]
-        best = int(row.argmax())
-        if tok != best:  # only where llama.cpp itself is within tolerance of a tie
-            gap = float(row[best] - row[tok])
-            assert gap <= tie_ok, f"greedy step {step}: engine chose {tok}, llama.cpp {best} (gap {gap:.3e})"
-            return
-    # No tie met: llama.cpp's own greedy decoding (its KV cache, one token at a time) is the same.
-    llama.reset()
-    llama.eval(prompt)
-    theirs_gen = []
-    for _ in range(N_GREEDY):
-        tok = int(np.argmax(llama.scores[llama.n_tokens - 1]))
-        theirs_gen.append(tok)
-        llama.eval([tok])
-    assert gen == theirs_gen
+    theirs = llama_logits(llama, seq)
+    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
+    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):
+        # No tie met: llama.cpp's own greedy decoding (its KV cache, one token at a time) is the same.
+        assert gen == llama_greedy(llama, prompt, N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
@@ -343,7 +275,7 @@ def test_route_matches_numpy(gating: int, n_expert: int, k: int, n_group: int, n
         assert rc == 0, ffi.string(lib.st_last_error())
         checked = 0
         for t in range(T):
-            want_ids, want_w, margin = _route_ref(logits[t], b, k, gating, n_group, n_group_used, norm, scale or 1.0)
+            want_ids, want_w, margin = route_ref(logits[t], b, k, gating, n_group, n_group_used, norm, scale or 1.0)
             if margin < 1e-5:  # a float32 near-tie: either choice is right
                 continue
             checked += 1

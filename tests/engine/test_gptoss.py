@@ -33,8 +33,17 @@ from gguf import GGMLQuantizationType
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
 from tests.engine.gguf_factory import GLM_VOCAB, make_gptoss_gguf
+from tests.engine.parity import (
+    TOL,
+    judge_greedy,
+    llama_file_logits,
+    llama_greedy,
+    llama_logits,
+    open_llama,
+    rel_err,
+    rms,
+)
 
-TOL = 1e-3  # max|delta| / max|ref|, as in test_hf_parity.py
 PROMPT_LEN = 32
 N_GREEDY = 64
 LIMIT, ALPHA = 7.0, 1.702
@@ -47,10 +56,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "q8_0": dict(expert_type=GGMLQuantizationType.Q8_0, expert_scale=0.05, down_scale=0.01, seed=1),
     "mxfp4": dict(expert_type=GGMLQuantizationType.MXFP4, expert_scale=0.05, down_scale=0.01, seed=1),
 }
-
-
-def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
 class RefModel:
@@ -113,7 +118,7 @@ class RefModel:
         sliding = causal + np.where(pos[:, None] - pos[None, :] >= self.n_swa, -np.inf, 0.0)
         for il in range(self.n_layer):
             p = f"blk.{il}."
-            h = _rms(x, t[p + "attn_norm.weight"], self.eps)
+            h = rms(x, t[p + "attn_norm.weight"], self.eps)
             q = (h @ t[p + "attn_q.weight"].T + t[p + "attn_q.bias"]).reshape(T, self.n_head, self.hd)
             k = (h @ t[p + "attn_k.weight"].T + t[p + "attn_k.bias"]).reshape(T, self.n_head_kv, self.hd)
             v = (h @ t[p + "attn_v.weight"].T + t[p + "attn_v.bias"]).reshape(T, self.n_head_kv, self.hd)
@@ -130,7 +135,7 @@ class RefModel:
             a /= a.sum(-1, keepdims=True) + np.exp(sink - mx)
             o = np.einsum("hts,shd->thd", a, v).reshape(T, -1)
             x = x + o @ t[p + "attn_output.weight"].T + t[p + "attn_output.bias"]
-            h = _rms(x, t[p + "post_attention_norm.weight"], self.eps)
+            h = rms(x, t[p + "post_attention_norm.weight"], self.eps)
             router = h @ t[p + "ffn_gate_inp.weight"].T + t[p + "ffn_gate_inp.bias"]
             for i in range(T):
                 order = np.argsort(-router[i], kind="stable")
@@ -139,7 +144,7 @@ class RefModel:
                 w = np.exp(router[i][sel] - router[i][sel].max())
                 w /= w.sum()
                 x[i] = x[i] + sum(we * self._expert(p, int(e), h[i]) for e, we in zip(sel, w, strict=True))
-        return _rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
+        return rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -148,24 +153,11 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return name, make_gptoss_gguf(tmp_path_factory.mktemp("gptoss") / f"{name}.gguf", **VARIANTS[name])
 
 
-def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
-
-
 @pytest.fixture(scope="module")
 def llama(variant: tuple[str, Path]) -> Iterator[Any]:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(variant[1]), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                          n_threads=2, type_k=0, type_v=0)
+    llm = open_llama(variant[1])
     yield llm
     llm.close()
-
-
-def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
-    llm.reset()
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype=np.float32)  # a copy: the next eval reuses the buffer
 
 
 def test_metadata_and_layout(variant: tuple[str, Path]) -> None:
@@ -181,26 +173,26 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
     ref_model = RefModel(path)
     ref = ref_model.logits(prompt)
     assert ref_model.margin > 1e-3, ref_model.margin  # no router near-tie for float noise to flip
-    theirs = _llama_logits(llama, prompt)
+    theirs = llama_logits(llama, prompt)
     if name == "f32":  # quantised experts: both engines quantise the activations, NumPy does not
-        assert _rel_err(theirs, ref) <= 1e-5, f"llama.cpp vs NumPy: {_rel_err(theirs, ref):.2e}"
+        assert rel_err(theirs, ref) <= 1e-5, f"llama.cpp vs NumPy: {rel_err(theirs, ref):.2e}"
     with Engine.open(path, threads=2, kv_tokens=256) as eng:
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
     assert ours.shape == (PROMPT_LEN, GLM_VOCAB)
-    assert _rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {_rel_err(ours, theirs):.2e}"
+    assert rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {rel_err(ours, theirs):.2e}"
     if name != "f32":  # the quantised expert weights move the logits far beyond the tolerance
         for il in range(ref_model.n_layer):
             for part in ("gate", "up", "down"):
                 ref_model.t[f"blk.{il}.ffn_{part}_exps.weight"] *= 0.0
-        assert _rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
+        assert rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
         return
     assert ref_model.clamped > 100  # the clamp is exercised
     ref_model.f16_kv = True
-    assert _rel_err(ours, ref_model.logits(prompt)) <= 2e-4  # the rest is the F16 cache
+    assert rel_err(ours, ref_model.logits(prompt)) <= 2e-4  # the rest is the F16 cache
     ref_model.f16_kv = False
     for feature in ("window", "sinks", "clamp"):
         setattr(ref_model, feature, False)
-        assert _rel_err(ref_model.logits(prompt), theirs) > 10 * TOL, f"{feature} makes no difference"
+        assert rel_err(ref_model.logits(prompt), theirs) > 10 * TOL, f"{feature} makes no difference"
         setattr(ref_model, feature, True)
 
 
@@ -212,24 +204,10 @@ def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None
         assert len(gen) == N_GREEDY
         seq = prompt + gen[:-1]
         ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    theirs = _llama_logits(llama, seq)
-    assert _rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    tie_ok = 2 * TOL * float(np.abs(theirs).max())
-    for step, tok in enumerate(gen):
-        row = theirs[len(prompt) - 1 + step]
-        best = int(row.argmax())
-        if tok != best:  # only where llama.cpp itself is within tolerance of a tie
-            gap = float(row[best] - row[tok])
-            assert gap <= tie_ok, f"greedy step {step}: engine chose {tok}, llama.cpp {best} (gap {gap:.3e})"
-            return
-    llama.reset()
-    llama.eval(prompt)
-    theirs_gen = []
-    for _ in range(N_GREEDY):
-        tok = int(np.argmax(llama.scores[llama.n_tokens - 1]))
-        theirs_gen.append(tok)
-        llama.eval([tok])
-    assert gen == theirs_gen
+    theirs = llama_logits(llama, seq)
+    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
+    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):  # no tie met: llama.cpp's own greedy run is the same
+        assert gen == llama_greedy(llama, prompt, N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
@@ -256,8 +234,6 @@ def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
     """YaRN as the published gpt-oss files ask for it (factor 32; the original context shrunk to 64
     positions so that the ramp falls inside this model's 16 frequency pairs): the engine against
     llama.cpp and the NumPy pass, which without YaRN misses llama.cpp by far."""
-    import llama_cpp
-
     yarn = {"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 32.0,
             "gpt-oss.rope.scaling.original_context_length": 64}
     path = make_gptoss_gguf(tmp_path / "yarn.gguf", seed=1, extra_md=yarn)
@@ -267,19 +243,14 @@ def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
         ("yarn", 32.0, 64, 1.0, 32.0, 1.0)
     assert rp.mscale == pytest.approx(1.0 + 0.1 * np.log(32.0))
     prompt = [int(t) for t in np.random.default_rng(1234).integers(0, GLM_VOCAB, PROMPT_LEN)]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                          n_threads=2, type_k=0, type_v=0)
-    try:
-        theirs = _llama_logits(llm, prompt)
-    finally:
-        llm.close()
+    theirs = llama_file_logits(path, prompt, 256)
     ref_model = RefModel(path)
-    assert _rel_err(ref_model.logits(prompt), theirs) <= 1e-5
+    assert rel_err(ref_model.logits(prompt), theirs) <= 1e-5
     with Engine.open(path, threads=2, kv_tokens=256) as eng:
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
-    assert _rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {_rel_err(ours, theirs):.2e}"
+    assert rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {rel_err(ours, theirs):.2e}"
     ref_model.yarn = False
-    assert _rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
+    assert rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
     from engine.inspect_model import render
 
     text = render(open_model(path), None, None, None)

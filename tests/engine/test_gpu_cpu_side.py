@@ -14,6 +14,7 @@ from engine import cuda_backend
 from engine._build_cuda import find_nvcc
 from engine.cuda_backend import DeviceSpec, DeviceUnavailableError, parse_device
 from engine.engine import Engine
+from engine.native import EngineError
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import NO_GPU
 
@@ -118,27 +119,57 @@ def test_inspect_reports_whole_model_vram_fit(tiny: Path) -> None:
     assert "does NOT fit: all weights + KV + step buffers" in render(mf, None, need / 2**30 / 100, 16)
 
 
-def test_gpu_budget_below_the_model_is_a_typed_not_supported_error(tiny: Path) -> None:
-    """A budget the whole model does not fit asks for hybrid placement, which the GPU engine does not do yet:
-    HybridNotSupportedError before any device is touched (so it reads the same with or without a GPU)."""
-    from engine.engine import HybridNotSupportedError
+def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
+    """A GPU budget is planned first (engine.placement.engine_plan_params): below the parts every step needs (the
+    non-routed weights, KV cache, step buffers, the context reserve) it is a GpuBudgetError before any device
+    is touched (so it reads the same with or without a GPU); above them the plan goes on to the device (here:
+    DeviceUnavailableError without one); the CPU stores and ignores it."""
+    from engine.engine import GpuBudgetError, _gpu_plan
     from engine.gguf_model import open_model
-    from engine.inspect_model import analyse, gpu_bytes
     from engine.native import UnsupportedError
+    from engine.placement import engine_plan_params, plan
 
     mf = open_model(tiny)
-    need = gpu_bytes(mf, analyse(mf).kv_bytes_per_token * 64, step_tokens=512)
-    with pytest.raises(HybridNotSupportedError, match="not supported yet") as e:
-        Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 2**30 * 0.5, kv_tokens=64)
-    assert isinstance(e.value, UnsupportedError) and f"{need / 2**30:.2f} GiB" in str(e.value)
+    base = plan(mf, engine_plan_params(0, 64, 16, 512))
+    fixed, routed = base.fixed_bytes, base.routed_bytes
+    with pytest.raises(GpuBudgetError, match="raise the budget") as e:
+        Engine.open(tiny, device="cuda:0", gpu_budget_gb=fixed / 2**30 * 0.5, kv_tokens=64)
+    assert isinstance(e.value, UnsupportedError) and f"{fixed / 2**30:.2f} GiB" in str(e.value)
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="gpu_budget_gb"):
             Engine.open(tiny, device="cuda:0", gpu_budget_gb=bad, kv_tokens=64)
-    if NO_GPU is not None:  # a budget the model fits goes on to the device, which is missing here
+    half = (fixed + routed // 2 + 64) / 2**30
+    got = _gpu_plan(mf, half, 64, 16, 512, None)
+    assert got is not None
+    p, source = got
+    assert 0 < p.n_resident < p.n_routed and p.gpu_bytes <= half * 2**30 and "uniform" in source
+    if NO_GPU is not None:  # a hybrid plan goes on to the device, which is missing here
         with pytest.raises(DeviceUnavailableError):
-            Engine.open(tiny, device="cuda:0", gpu_budget_gb=need / 2**30 * 2, kv_tokens=64)
-    with Engine.open(tiny, gpu_budget_gb=need / 2**30 * 0.5, kv_tokens=64, threads=1) as eng:  # the CPU stores it
-        assert eng.gpu_budget_gb == need / 2**30 * 0.5 and eng.device.kind == "cpu"
+            Engine.open(tiny, device="cuda:0", gpu_budget_gb=half, kv_tokens=64)
+    with Engine.open(tiny, gpu_budget_gb=fixed / 2**30 * 0.5, kv_tokens=64, threads=1) as eng:  # the CPU stores it
+        assert eng.gpu_budget_gb == fixed / 2**30 * 0.5 and eng.device.kind == "cpu" and eng.plan is None
+        with pytest.raises(EngineError, match="runs on the CPU"):
+            eng.gpu_memory()
+        eng.forward([1, 2, 3], [0, 1, 2], [0, 0, 0], [list(eng.blocks.allocate(1))], [2])
+        st = eng.last_stats
+        assert st is not None and st.t_gpu == st.t_gpu_wait == st.t_cpu_experts == 0 and st.staged_bytes == 0
+
+
+def test_gpu_header_declares_the_hybrid_entry_points() -> None:
+    """The GPU engine's C API as cffi reads it (no library needed): the hybrid placement's create call, the CPU
+    engine's function pointers, the memory account and the frame profile."""
+    from cffi import FFI
+
+    f = FFI()
+    f.cdef(cuda_backend.cdef_text())
+    ce = f.new("stg_cpu_experts *")
+    assert f.typeof(ce.moe_pairs).cname.startswith("int32_t(*)(void *, void *, int32_t")
+    p = f.new("stg_profile *")
+    assert {"t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait", "pairs_gpu", "pairs_cpu", "staged_bytes"} <= \
+        {name for name, _ in f.typeof(p[0]).fields}
+    text = cuda_backend.cdef_text()
+    for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile"):
+        assert f"{fn}(" in text
 
 
 def test_cores_outside_the_machine_are_refused(tiny: Path) -> None:

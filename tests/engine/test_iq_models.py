@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, build_desc, open_model
 from engine.native import ffi, lib
+from tests.engine.parity import TOL, judge_greedy, llama_file_logits, rel_err
 
 try:
     from gguf_factory import make_random_gguf, random_quant_blob  # tests/engine on sys.path
@@ -29,7 +30,6 @@ except ImportError:  # pragma: no cover - package-style test layout
     from tests.engine.gguf_factory import make_random_gguf, random_quant_blob
 
 IQ_TYPES = ["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_S"]
-TOL = 1e-3
 EXPERT_STD = 0.02
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -61,23 +61,6 @@ def _iq_experts(name: str, seed: int) -> dict[str, tuple[np.ndarray, tuple[int, 
     return out
 
 
-def _llama_logits(path: Path, ids: list[int]) -> np.ndarray:
-    import llama_cpp
-
-    # F32 KV cache: the comparison is then about the weights and activations only
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False,
-                          n_threads=2, type_k=0, type_v=0)
-    try:
-        llm.eval(ids)
-        return np.asarray(llm.scores[: len(ids)], dtype=np.float32)
-    finally:
-        llm.close()
-
-
-def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
-
-
 @pytest.fixture(scope="module")
 def no_expert_logits(tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
     """The same model with its experts zeroed: how far the experts move the logits."""
@@ -99,23 +82,16 @@ def test_iq_experts_match_llama_cpp(name: str, tmp_path: Path, no_expert_logits:
         gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY).token_ids]
         seq = prompt + gen[:-1]
         got_seq = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    ref = _llama_logits(path, prompt)
-    assert _rel_err(got, ref) <= TOL, f"prefill logits: rel err {_rel_err(got, ref):.2e}"
+    ref = llama_file_logits(path, prompt)  # F32 KV cache: the comparison is about weights and activations
+    assert rel_err(got, ref) <= TOL, f"prefill logits: rel err {rel_err(got, ref):.2e}"
     # the experts matter far beyond the tolerance: a wrong expert kernel cannot pass
-    assert _rel_err(no_expert_logits, got) >= 10 * TOL
+    assert rel_err(no_expert_logits, got) >= 10 * TOL
 
     assert len(gen) == N_GREEDY  # the placeholder vocabulary has no end-of-sequence token in reach
-    ref_seq = _llama_logits(path, seq)
-    err = _rel_err(got_seq[PROMPT_LEN - 1:], ref_seq[PROMPT_LEN - 1:])
+    ref_seq = llama_file_logits(path, seq)
+    err = rel_err(got_seq[PROMPT_LEN - 1:], ref_seq[PROMPT_LEN - 1:])
     assert err <= TOL, f"logits of the greedy steps: rel err {err:.2e}"
-    tie_ok = 2 * TOL * float(np.abs(ref_seq).max())
-    for step, tok in enumerate(gen):
-        row = ref_seq[PROMPT_LEN - 1 + step]
-        best = int(row.argmax())
-        if tok != best:  # only where llama.cpp itself has a near-tie; the sequences may part there
-            gap = float(row[best] - row[tok])
-            assert gap <= tie_ok, f"greedy step {step}: engine chose {tok}, llama.cpp {best} (gap {gap:.3e})"
-            return
+    judge_greedy(gen, ref_seq, PROMPT_LEN - 1, TOL)
 
 
 def test_iq_tensor_of_the_wrong_byte_size_is_a_typed_error(tmp_path: Path) -> None:

@@ -653,12 +653,25 @@ def test_attention_tile_equals_single_queries_bitwise(variant: str) -> None:
 
 
 def attention_split(variant: str, k: np.ndarray, v: np.ndarray, bt: np.ndarray, bs: int, hd: int, n_kv: int,
-                    kvh: int, q: np.ndarray, n_keys: int, chunk: int, sink: np.ndarray | None = None) -> np.ndarray:
-    """st_attention_split: the query heads q [nq, hd] sharing KV head kvh, keys 0..n_keys-1 in chunks."""
-    out = np.zeros(q.shape, np.float32)
-    rc = lib.st_attention_split(VARIANTS[variant], ptr(k), ptr(v), ptr(bt, "int32_t *"), bs, hd, n_kv, kvh,
-                                ptr(q, "float *"), q.shape[0], n_keys, chunk,
-                                ffi.NULL if sink is None else ptr(sink, "float *"), ptr(out, "float *"))
+                    kvh: int, q: np.ndarray, n_keys: int, chunk: int, sink: np.ndarray | None = None,
+                    vd: int | None = None) -> np.ndarray:
+    """st_attention_split_kv: the query heads q [nq, hd] sharing KV head kvh, keys 0..n_keys-1 in
+    chunks, values of vd (default hd) dimensions."""
+    vd = hd if vd is None else vd
+    out = np.zeros((q.shape[0], vd), np.float32)
+    rc = lib.st_attention_split_kv(VARIANTS[variant], ptr(k), ptr(v), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh,
+                                   ptr(q, "float *"), q.shape[0], n_keys, chunk,
+                                   ffi.NULL if sink is None else ptr(sink, "float *"), ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
+def attention_kv(variant: str, k: np.ndarray, v: np.ndarray, bt: np.ndarray, bs: int, hd: int, vd: int, n_kv: int,
+                 kvh: int, q: np.ndarray, p0: int) -> np.ndarray:
+    nq = q.shape[0]
+    out = np.zeros((nq, vd), np.float32)
+    rc = lib.st_attention_kv(VARIANTS[variant], ptr(k), ptr(v), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh,
+                             ptr(q, "float *"), nq, p0, ptr(out, "float *"))
     assert rc == 0, ffi.string(lib.st_last_error())
     return out
 
@@ -720,6 +733,71 @@ def test_attention_split_rejects_bad_shapes() -> None:
     for n_keys, chunk, nq in ((0, 16, 2), (10, 8, 2), (10, 24, 2), (10, 16, 0)):
         assert call(n_keys, chunk, nq) == lib.ST_EINVAL
         assert "bad shape" in ffi.string(lib.st_last_error()).decode()
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize(("hd", "vd", "n_kv", "nq"), [(80, 64, 1, 5), (48, 16, 2, 3)])
+def test_attention_split_narrower_values(variant: str, hd: int, vd: int, n_kv: int, nq: int) -> None:
+    """The split path with values narrower than keys (MLA's latent row): against the float64 oracle
+    over several chunks, and one chunk equal to st_attention_kv's decode kernel bit for bit."""
+    rng = np.random.default_rng(hd + vd)
+    bs, n_blocks, kvh, n_keys = 16, 12, n_kv - 1, 150
+    k = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)
+    v = rng.standard_normal((n_blocks, bs, n_kv * vd)).astype(np.float16)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
+    keys = np.stack([k[bt[j // bs], kvh, :, j % bs] for j in range(n_keys)]).astype(np.float64)
+    vals = np.stack([v[bt[j // bs], j % bs, kvh * vd : (kvh + 1) * vd] for j in range(n_keys)]).astype(np.float64)
+    got = attention_split(variant, k, v, bt, bs, hd, n_kv, kvh, q, n_keys, 32, vd=vd)
+    for i in range(nq):
+        s = keys @ q[i].astype(np.float64)
+        p = np.exp(s - s.max())
+        want = p @ vals / p.sum()
+        assert np.abs(got[i] - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    one_chunk = attention_split(variant, k, v, bt, bs, hd, n_kv, kvh, q, n_keys, 160, vd=vd)
+    for i in range(nq):
+        one = attention_kv(variant, k, v, bt, bs, hd, vd, n_kv, kvh, q[i : i + 1].copy(), n_keys - 1)
+        assert np.array_equal(one[0], one_chunk[i]), i
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize(("hd", "vd", "n_kv", "kvh"), [(80, 64, 1, 0), (48, 32, 3, 2), (64, 16, 2, 1)])
+@pytest.mark.parametrize(("nq", "p0"), [(1, 0), (1, 45), (16, 20), (7, 64)])
+def test_attention_narrower_values_every_variant(variant: str, hd: int, vd: int, n_kv: int, kvh: int, nq: int,
+                                                 p0: int) -> None:
+    """Values narrower than keys (MLA's latent row: keys are the latent and the rotary part, values the
+    latent alone): every variant against the float64 oracle, and a tile's rows equal the same
+    queries alone, bit for bit."""
+    rng = np.random.default_rng(hd * 100 + vd + nq * 7 + p0)
+    bs, n_blocks = 16, 12
+    k = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)
+    v = rng.standard_normal((n_blocks, bs, n_kv * vd)).astype(np.float16)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
+    got = attention_kv(variant, k, v, bt, bs, hd, vd, n_kv, kvh, q, p0)
+    n = p0 + nq
+    keys = np.stack([k[bt[j // bs], kvh, :, j % bs] for j in range(n)]).astype(np.float64)
+    vals = np.stack([v[bt[j // bs], j % bs, kvh * vd : (kvh + 1) * vd] for j in range(n)]).astype(np.float64)
+    ref = []
+    for i, qi in enumerate(q.astype(np.float64)):
+        sc = keys[: p0 + i + 1] @ qi
+        pr = np.exp(sc - sc.max())
+        ref.append((pr / pr.sum()) @ vals[: p0 + i + 1])
+    assert np.abs(got - np.array(ref)).max() <= 1e-4 * max(1.0, np.abs(np.array(ref)).max())
+    for i in range(nq):
+        one = attention_kv(variant, k, v, bt, bs, hd, vd, n_kv, kvh, q[i : i + 1].copy(), p0 + i)
+        assert np.array_equal(one[0], got[i]), i
+
+
+def test_attention_kv_rejects_bad_value_widths() -> None:
+    z = np.zeros(8192, np.float16)
+    bt = np.zeros(4, np.int32)
+    q = np.zeros((1, 64), np.float32)
+    out = np.zeros((1, 80), np.float32)
+    for vd in (80, 8, 24, 0):  # wider than the keys, below 16, not a multiple of 16
+        rc = lib.st_attention_kv(0, ptr(z), ptr(z), ptr(bt, "int32_t *"), 16, 64, vd, 1, 0, ptr(q, "float *"), 1, 0,
+                                 ptr(out, "float *"))
+        assert rc == lib.ST_EINVAL and "bad shape" in ffi.string(lib.st_last_error()).decode(), vd
 
 
 def test_attention_rejects_bad_shapes() -> None:

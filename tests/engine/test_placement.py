@@ -261,3 +261,51 @@ def test_gpu_table() -> None:
     assert pl.gpu_read_gbs("NVIDIA H100 PCIe") == 2000 and pl.gpu_read_gbs("NVIDIA H100 80GB HBM3") == 3350
     with pytest.raises(pl.PlacementError, match="give the figure"):
         pl.gpu_read_gbs("Voodoo 2")
+
+
+# ---------------------------------------------------------------- what Engine.open places
+
+def test_engine_plan_params_and_the_cpu_rows_part(files: dict[str, Path]) -> None:
+    """Engine.open's plan request: the KV cache of kv_tokens rounded up to whole blocks, step buffers for the
+    tokens the GPU scratch grows to (at least 512), and the hybrid step's CPU expert rows (slot ids, pair
+    indices and one n_embd row of floats per routed pair)."""
+    mf = open_model(files["a"])
+    hp = mf.hparams
+    p = pl.engine_plan_params(10 << 30, kv_tokens=100, block_size=16, prefill_chunk=256)
+    assert p.n_ctx == 112 and p.n_seqs == 1 and p.step_tokens == 512 and p.budget_bytes == 10 << 30
+    assert pl.engine_plan_params(1, 100, 16, 2048).step_tokens == 2048
+    got = pl.plan(mf, p)
+    assert got.fixed["CPU expert rows"] == 512 * hp.n_expert_used * (4 * hp.n_embd + 8)
+    assert got.fixed["KV cache"] == 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 112
+    assert "CPU expert rows" not in pl.plan(open_model(files["dense"]), p).fixed
+
+
+def test_placement_frequencies_come_from_the_file_then_the_default_then_uniform(files: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    src = files["a"]
+    model = tmp_path / "m.gguf"
+    model.symlink_to(src)
+    mf = open_model(model)
+    assert pl.default_placement_path(model) == tmp_path / "m.gguf.placement.json"
+    freqs, source = pl.placement_frequencies(mf)
+    assert freqs is None and "uniform" in source
+    stats = pl.RoutingStats.for_model(mf)
+    stats.update(np.array([[4, 0, 2, 2], [0, 4, 4, 0]], np.int32))
+    pf = pl.PlacementFile.for_model(mf, stats, source="test")
+    pf.save(pl.default_placement_path(model))
+    freqs, source = pl.placement_frequencies(mf)  # the default file beside the model
+    np.testing.assert_allclose(freqs, stats.frequencies())
+    assert "m.gguf.placement.json" in source and "4 tokens" in source
+    other = pl.RoutingStats.for_model(mf)
+    other.update(np.array([[0, 4, 4, 0], [0, 0, 4, 4]], np.int32))
+    given = pl.PlacementFile.for_model(mf, other)
+    np.testing.assert_allclose(pl.placement_frequencies(mf, given)[0], other.frequencies())  # given beats default
+    np.testing.assert_allclose(pl.placement_frequencies(mf, given.save(tmp_path / "g.json"))[0], other.frequencies())
+    with pytest.raises(pl.PlacementMismatchError):
+        pl.placement_frequencies(open_model(files["a_q4_0"]), given)
+    p = pl.plan(mf, pl.PlanParams(budget_bytes=0, cpu_read_gbs=1, gpu_read_gbs=1), freqs)
+    eb = int(pl.expert_bytes(mf)[0, 0])
+    want = pl.PlanParams(budget_bytes=p.fixed_bytes + 3 * eb, cpu_read_gbs=1, gpu_read_gbs=1)
+    mask = pl.resident_mask(mf, pl.plan(mf, want, other.frequencies()))
+    assert mask.dtype == np.uint8  # the three most used (ties: lower layer, then lower id)
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 0], [0, 0, 1, 0]])

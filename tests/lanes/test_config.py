@@ -120,3 +120,20 @@ def test_rope_overrides_are_validated_and_reach_the_engine_form() -> None:
                 {"yarn_orig_ctx": 0}, {"rope_scaling_factor": float("inf")}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             load_config(None, {}, bad)
+
+
+def test_placement_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`placement` (hybrid placement's routing frequencies) goes to Engine.open with the budget."""
+    from lanes import server
+
+    f = tmp_path / "lane.toml"
+    f.write_text('device = "cuda"\ngpu_budget_gb = 20\nplacement = "/srv/m.gguf.placement.json"\n')
+    cfg = load_config(f, {})
+    assert cfg.placement == Path("/srv/m.gguf.placement.json")
+    assert load_config(None, {"STRATA_LANE_PLACEMENT": "/x.json"}).placement == Path("/x.json")
+    assert load_config(None, {}).placement is None
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(server.Engine, "open", lambda *a, **kw: seen.update(kw) or "engine")
+    assert server.open_engine(cfg, None) == "engine"
+    assert seen["placement"] == Path("/srv/m.gguf.placement.json") and seen["gpu_budget_gb"] == 20
+    assert seen["device"] == "cuda:0"

@@ -1,5 +1,6 @@
 """A lane serving a glm4moe GGUF over real HTTP: /v1/chat/completions renders the file's GLM-4.5-style
-chat template, tokenises with its glm4 vocabulary and answers through the routed model, unchanged."""
+chat template, tokenises with its glm4 vocabulary and answers through the routed model; the answer is
+the generated text read as GLM-4.5 writes it (lanes/chat_parsers.py: stripped, <think> apart)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import aiohttp
 
 from engine.engine import Engine
+from lanes.chat_parsers import Glm45Parser, collect
 from tests.common.test_glm_format import GLM45_TEMPLATE
 from tests.engine.gguf_factory import make_glm4moe_gguf
 from tests.lanes.conftest import lane_config, running_lane
@@ -30,5 +32,8 @@ async def test_chat_completion_on_a_glm4moe_lane(tmp_path: Path) -> None:
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant"
-    assert choice["message"]["content"] == want.text
+    parser = Glm45Parser()
+    answer = collect(parser.feed(want.text) + parser.finish(want.finish_reason))
+    assert choice["message"]["content"] == answer.content
+    assert choice["message"].get("reasoning_content") == answer.reasoning
     assert choice["finish_reason"] == want.finish_reason

@@ -6,6 +6,8 @@
 #   device_run.sh verify [bench args]   every GPU test, then bench.engine_gpu with llama.cpp (.llama/) in the same run
 #   device_run.sh tests [pytest args]   the GPU tests (default: tests/engine/gpu)
 #   device_run.sh bench [bench args]    python -m bench.engine_gpu
+#   device_run.sh depth [D1,D2,...] [bench args]   batch-1 decode at depth (bench/engine_gpu_depth.py) beside
+#                                       llama-bench -d, llama.cpp from .llama/bin-pack (default depths 0,8192,32768)
 #   device_run.sh sh "COMMANDS"         any commands after the setup (e.g. bash tools/gpu/ncu_decode.sh)
 #
 # Logs go to $OUT (at most 8 files come back): pip, probe and build logs, pytest.log, stack.json,
@@ -75,8 +77,22 @@ case "$what" in
     set -o pipefail
     python3 -m bench.engine_gpu "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
     ;;
+  depth)
+    llama=/tmp/llama-build
+    lb=()
+    if [ -d .llama/bin-pack ] && bash tools/gpu/build_llama_cuda.sh .llama/bin-pack "$llama" > /tmp/llama-unpack.log 2>&1 \
+        && "$llama/bin/llama-bench" --help > /dev/null 2>&1; then
+      lb=(--llama-bin "$llama/bin")
+    else
+      echo "llama.cpp: no loadable .llama/bin-pack (tools/gpu/build_llama_cuda.sh): Strata only"
+    fi
+    depths=${1:-0,8192,32768}; shift || true
+    set -o pipefail
+    python3 -m bench.engine_gpu --depth "$depths" ${lb[@]+"${lb[@]}"} --json "$OUT/depth.json" "$@" 2>&1 \
+        | tee "$OUT/depth.log" | tail -40
+    ;;
   sh)
     bash -c "$*"
     ;;
-  *) echo "unknown: $what (verify, tests, bench or sh)"; exit 2 ;;
+  *) echo "unknown: $what (verify, tests, bench, depth or sh)"; exit 2 ;;
 esac

@@ -22,6 +22,14 @@ struct attn_args {
     int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait */
     qkv_args qa;
     const __half *kc_next, *vc_next; /* PREP: the next layer's K / V arena (L2 prefetch); NULL: none */
+    /* split-KV decode (attention_split.cu): each sequence's keys in splits of att_split_chunks chunks,
+     * a block per (token, kv head, split) writing its rows' unnormalised output to part_acc
+     * [T][n_head][split_z][hd] and their (max, sum) to part_ml [T][n_head][split_z][2] */
+    float *part_acc, *part_ml;
+    int32_t split_z;      /* the launch's splits per token (grid z, the partials' stride) */
+    int32_t split_min;    /* sequences of fewer keys stay in one split */
+    int32_t split_chunks; /* chunks a split holds at least */
+    int32_t split_max;    /* splits of one sequence at most */
 };
 /* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
  * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and
@@ -75,6 +83,32 @@ __device__ __forceinline__ void att_next_stage(Issue &issue, int ci, int st, boo
     } else {
         cp_async_wait<0>();
     }
+}
+
+/* Split-KV decode: how a sequence of n_keys keys is cut. Below split_min keys it stays whole (one split:
+ * the unsplit kernels' work and bits); from there into splits of max(min_chunks, ceil(n_chunks / z_max))
+ * chunks, so at most z_max of them. The cut depends on the sequence's own length only, never on the rest
+ * of its batch, so a sequence's result does not depend on what else is in its step. Chunks per split. */
+#define ATT_SPLIT_MAX 64    /* splits of one sequence at most (k_attention_combine's shared memory) */
+#define ATT_SPLIT_CHUNKS 16 /* chunks (of ATT_CK keys) a split holds at least */
+__host__ __device__ __forceinline__ int32_t att_split_chunks(int32_t n_keys, int32_t split_min, int32_t min_chunks,
+                                                             int32_t z_max) {
+    const int32_t nc = (n_keys + ATT_CK - 1) / ATT_CK;
+    if (n_keys < split_min) return nc;
+    const int32_t c = (nc + z_max - 1) / z_max;
+    return c > min_chunks ? c : min_chunks;
+}
+/* Splits of a sequence of n_keys keys under that rule (1 below split_min). */
+__host__ __device__ __forceinline__ int32_t att_split_count(int32_t n_keys, int32_t split_min, int32_t min_chunks,
+                                                            int32_t z_max) {
+    const int32_t nc = (n_keys + ATT_CK - 1) / ATT_CK, cps = att_split_chunks(n_keys, split_min, min_chunks, z_max);
+    return (nc + cps - 1) / cps;
+}
+/* A grid depth that covers every sequence of at most cap_keys keys: att_split_count <= z_max, and splits hold
+ * at least min_chunks chunks, so at most ceil(n_chunks / min_chunks) of them. */
+static inline int32_t att_split_bound(int64_t cap_keys, int32_t min_chunks, int32_t z_max) {
+    const int64_t nc = (cap_keys + ATT_CK - 1) / ATT_CK, by_len = (nc + min_chunks - 1) / min_chunks;
+    return (int32_t)std::max<int64_t>(1, std::min<int64_t>(z_max, by_len));
 }
 
 /* k_attention with its dynamic shared memory (two chunk stages up to head_dim 128, one above:

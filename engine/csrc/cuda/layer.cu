@@ -34,13 +34,15 @@ static combine_args take_combine(stg_model *m) {
 
 static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
                                   const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv,
-                                  const int32_t *d_tiles, int32_t n_tiles) {
+                                  const int32_t *d_tiles, int32_t n_tiles, int32_t att_split) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
     const st_model_desc &d = m->d;
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
+    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post */
+    const bool fuse = fuse_qkv && att_split <= 1;
     launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
@@ -59,7 +61,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         sg.seg_w[0] = L.wq.d, sg.seg_w[1] = L.wk.d, sg.seg_w[2] = L.wv.d;
         sg.seg_out[0] = s.q, sg.seg_out[1] = s.k, sg.seg_out[2] = s.v;
         sg.seg_ldo[0] = m->q_dim, sg.seg_ldo[1] = sg.seg_ldo[2] = m->kv_dim;
-        g_defer_combine = fuse_qkv, g_deferred = false; /* only the fused attention reads q/k/v */
+        g_defer_combine = fuse, g_deferred = false; /* only the fused attention reads q/k/v */
         const stg_status lrc = linear(st, L.wq, nullptr, g, 1, T, T, in, s.q, m->q_dim, MODE_STORE, STG_PATH_AUTO, &sg);
         g_defer_combine = false;
         CHECK(lrc);
@@ -90,7 +92,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qa.scale = 1.0f / sqrtf((float)d.head_dim);
     qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
     qa.kpart = qkv_parts ? g_kpart : nullptr, qa.kp_n = m->q_dim + 2 * m->kv_dim, qa.kp_t = T;
-    if (!fuse_qkv) {
+    if (!fuse) {
         launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)),
                  QKV_WARPS * 32, 0, st, qa);
         LAUNCHED("qkv");
@@ -103,11 +105,15 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
-    aa.fused = fuse_qkv ? 1 : 0, aa.qa = qa;
-    aa.pre = fuse_qkv ? 1 : 0;
+    aa.fused = fuse ? 1 : 0, aa.qa = qa;
+    aa.pre = fuse ? 1 : 0;
     if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
-    if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
+    if (att_split > 1) {
+        aa.part_acc = s.apart, aa.part_ml = s.aml;
+        aa.split_min = g_set.att_split_min, aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = m->att_zmax;
+        CHECK(launch_attention_split(aa, T, att_split, st));
+    } else if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
         if (g_att_mma_tiles > 0)
@@ -149,14 +155,66 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
  * pairs, which the GEMM pads to a tile of MM_BN and reads at a fraction of the matvec's bandwidth, while a
  * skewed router's busy experts want the GEMM. The two shares run side by side (two streams, two branches
  * of the step's graph), so each hides the other's latency. Both kernels give the same bits, so the split
- * changes no result. 0: no split (no GEMM this step, the prefill form, float or mixed-type experts). */
-static int routed_mv_max(const dlayer &L, int32_t T) {
+ * changes no result. The branch itself costs about 10 us a layer (two more launches and the join, which ends
+ * the next kernel's early launch), so a layer keeps it only while its recent steps of this size had enough
+ * small experts (routed_mv_groups, decided on the host from the step's histogram: mv_update). 0: no split
+ * (no GEMM this step, the prefill form, float or mixed-type experts, or the layer's decision). */
+static int routed_mv_max(const stg_model *m, int il, int32_t T) {
+    const dlayer &L = m->L[(size_t)il];
     const int min_tok = g_set.gemm_min_tokens;
     const int t = L.gate_exps.type;
     if (g_set.routed_mv_max <= 0 || min_tok <= 0 || T < min_tok || g_gemm_fast) return 0;
+    if (m->mv_step && !m->mv_step[il]) return 0; /* the layer's recent steps had too few small experts */
     if (t != L.up_exps.type || (t != STG_Q4_K && t != STG_Q8_0) || stg_is_float(L.down_exps.type)) return 0;
     if (L.gate_exps.ne[1] % 32) return 0; /* the matvec share quantises its output in-block (k_linear_q_chunk) */
     return g_set.routed_mv_max;
+}
+
+/* The routed experts of a layer over the grouping's pairs (s.gexp ...: experts, or a hybrid layer's slots):
+ * pair_out rows of every grouped pair. */
+static stg_status routed_experts(stg_model *m, const dlayer &L, int32_t T, int mv_max) {
+    scratch &s = m->s;
+    cudaStream_t st = m->stream;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const int32_t P = T * k;
+    const int64_t E = m->d.n_embd;
+    const acts_d rin{s.aq, s.ad, s.as, s.xn};
+    /* gate+up over every (token, expert) pair, grouped by expert: one launch (the GEMM's groups), and with
+     * mv_max a second one, the matvec of the groups of at most mv_max pairs (routed_mv_max) */
+    lin_groups ge = {};
+    ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
+    ge.list = s.list, ge.in_map = s.pair_tok;
+    ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
+    ge.pair_mv = mv_max ? s.pair_mv : nullptr;
+    lin_groups gm = ge;
+    gm.gexp = s.mexp, gm.gstart = s.mstart, gm.gcount = s.mcount, gm.n_groups = s.n_mgroups;
+    gm.tiles = gm.n_tiles = gm.pair_mv = nullptr;
+    const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
+    const int64_t F = m->n_ff_exp;
+    const acts_d ein = rin;
+    const bool down_q = !stg_is_float(L.down_exps.type);
+    const acts_d hin{s.hq, s.hd, s.hs, s.h};
+    lin_groups gd = ge, gdm = gm;
+    gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
+    if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
+        CU(cudaEventRecord(m->fork, st), "experts: fork");
+        CU(cudaStreamWaitEvent(m->side, m->fork, 0), "experts: fork");
+        bool fused_mv = false;
+        const fused_quant fq_mv{s.hq, s.hd, s.hs, &fused_mv};
+        CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
+                     STG_PATH_MATVEC));
+        if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
+        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
+                     STG_PATH_MATVEC));
+        CU(cudaEventRecord(m->join, m->side), "experts: join");
+    }
+    bool fused = false;
+    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
+    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
+    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
+    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
+    if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
+    return ST_OK;
 }
 
 static stg_status ffn_block(stg_model *m, int il, int32_t T) {
@@ -182,7 +240,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     lin_groups g1 = {};
     g1.n_pairs = T;
     const int32_t P = T * k;
-    const int mv_max = routed_mv_max(L, T);
+    const int mv_max = routed_mv_max(m, il, T);
     const group_out go = {s.gexp, s.gstart, s.gcount, s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
                           s.gtiles, s.n_gtiles, s.mexp, s.mstart, s.mcount, s.n_mgroups, s.pair_mv, mv_max};
     const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);
@@ -222,41 +280,12 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         LAUNCHED("group");
     }
     }
-    /* gate+up over every (token, expert) pair, grouped by expert: one launch (the GEMM's groups), and with
-     * mv_max a second one, the matvec of the groups of at most mv_max pairs (routed_mv_max) */
-    lin_groups ge = {};
-    ge.gexp = s.gexp, ge.gstart = s.gstart, ge.gcount = s.gcount, ge.n_groups = s.n_groups;
-    ge.list = s.list, ge.in_map = s.pair_tok;
-    ge.n_pairs = P, ge.tiles = s.gtiles, ge.n_tiles = s.n_gtiles;
-    ge.pair_mv = mv_max ? s.pair_mv : nullptr;
-    lin_groups gm = ge;
-    gm.gexp = s.mexp, gm.gstart = s.mstart, gm.gcount = s.mcount, gm.n_groups = s.n_mgroups;
-    gm.tiles = gm.n_tiles = gm.pair_mv = nullptr;
-    const int max_groups = std::min(ne, P), expected = (P + ne - 1) / ne;
-    const int64_t F = m->n_ff_exp;
-    const acts_d ein = rin;
-    const bool down_q = !stg_is_float(L.down_exps.type);
-    const acts_d hin{s.hq, s.hd, s.hs, s.h};
-    lin_groups gd = ge, gdm = gm;
-    gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
-    if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
-        CU(cudaEventRecord(m->fork, st), "experts: fork");
-        CU(cudaStreamWaitEvent(m->side, m->fork, 0), "experts: fork");
-        bool fused_mv = false;
-        const fused_quant fq_mv{s.hq, s.hd, s.hs, &fused_mv};
-        CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
-                     STG_PATH_MATVEC));
-        if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
-        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
-                     STG_PATH_MATVEC));
-        CU(cudaEventRecord(m->join, m->side), "experts: join");
-    }
-    bool fused = false;
-    const fused_quant fq{s.hq, s.hd, s.hs, &fused};
-    CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
-    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
-    CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
-    if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
+    /* with experts off the device (hybrid.cu): xn and the routing to the host, the resident pairs regrouped by
+     * slot; the resident experts run while the host computes the others, whose rows land in pair_out next */
+    const bool cpu_share = hybrid_layer(m, il);
+    if (cpu_share) CHECK(hybrid_send(m, il, T, mv_max));
+    if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) CHECK(routed_experts(m, L, T, mv_max));
+    if (cpu_share) CHECK(hybrid_receive(m, il, T));
     if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
         return ST_OK;

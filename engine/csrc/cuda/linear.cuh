@@ -3,6 +3,9 @@
 #pragma once
 #include "common.cuh"
 
+/* a layer whose busiest expert holds more than MV_GUARD x routed_mv_max pairs keeps the GEMM alone (group_out) */
+#define MV_GUARD 3
+
 /* which kernels a launch may use (linear()): a step asks for AUTO; the harness for each */
 #define STG_PATH_REF 0    /* the generic reference kernel: one thread per output */
 #define STG_PATH_MATVEC 1 /* warp per weight row, up to 8 tokens per pass (decode) */

@@ -51,9 +51,11 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->dense_split = 16;
     s->routed_split_max = 16;
     s->routed_mv_max = 4;
+    s->routed_mv_groups = 8;
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
+    s->att_split_min = 1024;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -70,9 +72,11 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(dense_split, 0, INT32_MAX)
     RANGE(routed_split_max, 0, 64)
     RANGE(routed_mv_max, 0, 64)
+    RANGE(routed_mv_groups, 0, 1024)
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
+    RANGE(att_split_min, 0, INT32_MAX)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -177,7 +181,7 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
 }
 
 /* A device allocation recorded in `list` (freed with it). */
-template <typename P> static stg_status dalloc_in(std::vector<void *> &list, P **p, size_t n) {
+template <typename P> static stg_status dalloc_in(dlist &list, P **p, size_t n) {
     void *v = nullptr;
     const cudaError_t e = cudaMalloc(&v, n > 0 ? n : 1);
     if (e != cudaSuccess) {
@@ -185,18 +189,24 @@ template <typename P> static stg_status dalloc_in(std::vector<void *> &list, P *
         return fail(ST_ENOMEM, "cannot allocate %zu bytes of GPU memory (%s)", n, cudaGetErrorString(e));
     }
     list.push_back(v);
+    list.bytes += (int64_t)n;
     *p = (P *)v;
     return ST_OK;
 }
 template <typename P> static stg_status dalloc(stg_model *m, P **p, size_t n) { return dalloc_in(m->allocs, p, n); }
 
-static void free_list(std::vector<void *> &list) {
+static void free_list(dlist &list) {
     for (void *p : list) cudaFree(p);
     list.clear();
+    list.bytes = 0;
 }
 
+/* A layer some of whose routed experts stay on the host (hybrid placement). */
+static bool partial_layer(const stg_model *m, int il) { return m->hy.on && m->hy.n_slots[(size_t)il] < m->d.n_expert; }
+
 /* Every weight in one VRAM arena, each tensor 256-byte aligned; a host tensor shared by
- * two fields (tied output/embedding) is uploaded once. */
+ * two fields (tied output/embedding) is uploaded once. The routed tensors of a partial layer hold its
+ * resident experts only, one after another in ascending expert id (slot i: the i-th resident). */
 static stg_status upload(stg_model *m, const st_layer *layers) {
     std::vector<const st_tensor *> all = {&m->d.token_embd, &m->d.output_norm, &m->d.output};
     std::vector<dtensor *> dst = {&m->token_embd, &m->output_norm, &m->output};
@@ -212,7 +222,11 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
                          &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
                          &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
                          &l.up_shexp, &l.down_shexp};
-        for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) all.push_back(src[i]), dst.push_back(dd[i]);
+        for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
+            if (partial_layer(m, il) && (dd[i] == &l.gate_exps || dd[i] == &l.up_exps || dd[i] == &l.down_exps))
+                continue; /* below */
+            all.push_back(src[i]), dst.push_back(dd[i]);
+        }
     }
     std::map<const void *, int64_t> offset; /* host pointer -> arena offset */
     int64_t total = 0;
@@ -221,8 +235,49 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
         offset[t->data] = total;
         total += (tensor_bytes(*t) + 255) / 256 * 256;
     }
+    struct slotted {
+        const st_tensor *t;
+        dtensor *o;
+        int il;
+        int64_t off;
+    };
+    std::vector<slotted> parts; /* the routed tensors of partial layers */
+    for (int il = 0; il < m->d.n_layer; il++) {
+        if (!partial_layer(m, il)) continue;
+        const st_layer &s = layers[il];
+        dlayer &l = m->L[(size_t)il];
+        const st_tensor *src[] = {&s.gate_exps, &s.up_exps, &s.down_exps};
+        dtensor *dd[] = {&l.gate_exps, &l.up_exps, &l.down_exps};
+        for (int i = 0; i < 3; i++) {
+            parts.push_back(slotted{src[i], dd[i], il, total});
+            total += (tensor_bytes(*src[i]) / m->d.n_expert * m->hy.n_slots[(size_t)il] + 255) / 256 * 256;
+        }
+    }
     CHECK(dalloc(m, &m->arena, (size_t)total));
     m->arena_bytes = total;
+    for (const slotted &p : parts) {
+        const st_tensor *t = p.t;
+        dtensor *o = p.o;
+        const int32_t n_slots = m->hy.n_slots[(size_t)p.il];
+        if (t->n_bytes != tensor_bytes(*t))
+            return fail(ST_EINVAL, "tensor of type %d holds %lld bytes, its shape needs %lld", t->type,
+                        (long long)t->n_bytes, (long long)tensor_bytes(*t));
+        o->d = n_slots > 0 ? m->arena + p.off : nullptr; /* no resident expert: the layer launches no expert kernel */
+        o->type = t->type;
+        for (int k = 0; k < 4; k++) o->ne[k] = t->ne[k] > 0 ? t->ne[k] : 1;
+        o->ne[2] = n_slots;
+        o->row_bytes = stg_row_bytes(t->type, t->ne[0]);
+        o->expert_stride = o->row_bytes * o->ne[1];
+        const uint8_t *host = (const uint8_t *)t->data;
+        const uint8_t *mask = m->hy.resident.data() + (size_t)p.il * m->d.n_expert;
+        for (int e = 0, slot = 0; e < m->d.n_expert; e++)
+            if (mask[e]) {
+                CU(cudaMemcpy((void *)(o->d + slot * o->expert_stride), host + e * o->expert_stride,
+                              (size_t)o->expert_stride, cudaMemcpyHostToDevice),
+                   "upload resident experts");
+                slot++;
+            }
+    }
     std::map<const void *, bool> done;
     for (size_t i = 0; i < all.size(); i++) {
         const st_tensor *t = all[i];
@@ -250,13 +305,18 @@ extern "C" void stg_model_destroy(stg_model *m) {
     drop_graphs(m);
     free_list(m->s.step_allocs);
     free_list(m->s.ints_allocs);
+    free_list(m->s.part_allocs);
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
+    for (void *p : m->hy.pinned) cudaFreeHost(p);
+    if (m->hy.ready) cudaEventDestroy(m->hy.ready);
     for (inflight &f : m->fl) {
         if (f.h_picks) cudaFreeHost(f.h_picks);
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
+        for (cudaEvent_t e : f.hy.a) cudaEventDestroy(e);
+        for (cudaEvent_t e : f.hy.b) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
     if (m->fork) cudaEventDestroy(m->fork);
@@ -266,8 +326,8 @@ extern "C" void stg_model_destroy(stg_model *m) {
     delete m;
 }
 
-extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const stg_settings *settings,
-                                       stg_model **out) {
+extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc, const stg_settings *settings,
+                                              const uint8_t *resident, const stg_cpu_experts *cpu, stg_model **out) {
     const st_model_desc *desc = (const st_model_desc *)vdesc;
     if (!desc || !out || !desc->layers) return fail(ST_EINVAL, "model_create: NULL argument");
     *out = nullptr;
@@ -285,11 +345,15 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const 
     m->device = device;
     m->set = set;
     cudaDeviceGetAttribute(&m->cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    int n_sm = 0;
+    cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
     m->d = *desc;
     m->d.layers = nullptr;
     m->q_dim = desc->n_head * desc->head_dim;
     m->kv_dim = desc->n_head_kv * desc->head_dim;
     stg_status rc = validate(m, desc->layers);
+    if (rc == ST_OK) m->att_zmax = att_split_zmax(n_sm, desc->n_head_kv);
+    if (rc == ST_OK) rc = hybrid_setup(m, resident, cpu);
     if (rc == ST_OK) rc = upload(m, desc->layers);
     if (rc == ST_OK) {
         m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});
@@ -329,7 +393,27 @@ extern "C" stg_status stg_model_create(int32_t device, const void *vdesc, const 
     return ST_OK;
 }
 
+extern "C" stg_status stg_model_create(int32_t device, const void *desc, const stg_settings *settings,
+                                       stg_model **out) {
+    return stg_model_create_hybrid(device, desc, settings, nullptr, nullptr, out);
+}
+
 extern "C" int64_t stg_model_weight_bytes(const stg_model *m) { return m ? m->arena_bytes : 0; }
+
+extern "C" stg_status stg_model_memory(const stg_model *m, int64_t *weights, int64_t *scratch) {
+    if (!m || !weights || !scratch) return fail(ST_EINVAL, "model_memory: NULL argument");
+    *weights = m->arena_bytes;
+    *scratch = m->allocs.bytes - m->arena_bytes + m->s.step_allocs.bytes + m->s.ints_allocs.bytes + m->s.part_allocs.bytes;
+    return ST_OK;
+}
+
+extern "C" int64_t stg_model_resident_experts(const stg_model *m) {
+    if (!m) return 0;
+    if (!m->hy.on) return (int64_t)m->d.n_layer * m->d.n_expert;
+    int64_t n = 0;
+    for (int32_t c : m->hy.n_slots) n += c;
+    return n;
+}
 
 extern "C" stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings) {
     if (!m || !settings) return fail(ST_EINVAL, "set_settings: NULL argument");
@@ -339,6 +423,7 @@ extern "C" stg_status stg_model_set_settings(stg_model *m, const stg_settings *s
     CU(cudaStreamSynchronize(m->stream), "set_settings");
     drop_graphs(m); /* captured under the old settings */
     m->set = *settings;
+    m->mv_mean.clear(), m->mv_on.clear(), m->mv_seen.clear(); /* measured under the old ones */
     return ST_OK;
 }
 
@@ -471,6 +556,7 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
                       std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
                                          d.n_expert ? (int64_t)d.n_expert_used * std::max<int64_t>(2 * m->n_ff_exp, E) : 0});
         CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
+        CHECK(hybrid_scratch(m, T));
         if (!keep.empty())
             CU(cudaMemcpy(s.picks, keep.data(), sizeof(int32_t) * keep.size(), cudaMemcpyHostToDevice), "scratch");
         s.cap_t = T, s.cap_l = L;
@@ -488,5 +574,25 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.ints_allocs, &s.ints, sizeof(int32_t) * (size_t)want));
         s.cap_ints = want;
     }
+    return ST_OK;
+}
+
+/* Room for `rows` split-KV partials (attention_split.cu: tokens x heads x splits of a step), growing by
+ * doubling up to the most a step can need (ATT_SPLIT_MAX_T tokens x att_zmax splits x heads). The old
+ * buffers go as in ensure_scratch: the stream synchronised (every launched step too), the graphs that point
+ * at them dropped. */
+static stg_status ensure_att_parts(stg_model *m, int64_t rows) {
+    scratch &s = m->s;
+    if (rows <= s.cap_parts) return ST_OK;
+    CU(cudaStreamSynchronize(m->stream), "scratch");
+    drop_graphs(m);
+    free_list(s.part_allocs);
+    const int64_t most = (int64_t)ATT_SPLIT_MAX_T * m->att_zmax * m->d.n_head;
+    const int64_t want = std::max(rows, std::min(2 * s.cap_parts, most));
+    s.cap_parts = 0;
+    s.apart = s.aml = nullptr;
+    CHECK(dalloc_in(s.part_allocs, &s.apart, sizeof(float) * (size_t)want * (size_t)m->d.head_dim));
+    CHECK(dalloc_in(s.part_allocs, &s.aml, sizeof(float) * (size_t)want * 2));
+    s.cap_parts = want;
     return ST_OK;
 }

@@ -16,6 +16,11 @@ struct dlayer {
         gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
 };
 
+/* A list of device allocations freed together, and the bytes they hold (stg_model_memory). */
+struct dlist : std::vector<void *> {
+    int64_t bytes = 0;
+};
+
 struct scratch {
     int64_t cap_t = 0, cap_l = 0, cap_bt = 0;
     float *x, *xn, *q, *k, *v, *att, *router, *topk_w, *h, *h2, *pair_out, *gsh, *logits, *xl;
@@ -33,8 +38,14 @@ struct scratch {
     unsigned int *pick_cnt;        /* [cap_l] its per-row tickets, 0 between launches */
     int64_t cap_ints;
     int32_t cur_seq_rows; /* sequences of the step being run (block-table rows) */
-    std::vector<void *> step_allocs, ints_allocs; /* replaced (freed) when a step needs more */
+    /* split-KV decode's partials (attention_split.cu): cap_parts rows of (output [head_dim]) and (max, sum),
+     * allocated by the first step that splits (ensure_att_parts) */
+    float *apart = nullptr, *aml = nullptr;
+    int64_t cap_parts = 0;
+    dlist step_allocs, ints_allocs, part_allocs; /* replaced (freed) when a step needs more */
 };
+
+#define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
 
 /* A captured step: its shape. The settings it was captured under are the model's (stg_model_set_settings drops
  * every graph), so they are not part of the key. */
@@ -43,7 +54,37 @@ struct graph_entry {
     int32_t T, NL, mb, n_seq_rows;
     bool layer_events, fuse_qkv, greedy;
     bool src; /* step_shape.d_src set (st_batch.token_src) */
+    std::vector<uint8_t> mv_on; /* the layers that kept the routed split (stg_model.mv_step; empty: all) */
     cudaGraphExec_t exec;
+};
+
+/* A hybrid step's CPU share (hybrid.cu), per launched step: per layer, an event after the resident experts and
+ * one where the CPU's rows are copied in (their gap: the device waiting on the CPU), and the host's sums. */
+struct hybrid_step {
+    std::vector<cudaEvent_t> a, b;
+    std::vector<char> used; /* [n_layer] the layer had CPU pairs (a and b recorded) */
+    double t_cpu = 0.0;     /* seconds in the CPU engine's experts */
+    int64_t cpu_pairs = 0;
+};
+
+/* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer)
+ * and the buffers through which the CPU engine computes the others. */
+struct hybrid {
+    bool on = false;              /* some routed expert is not resident */
+    std::vector<uint8_t> resident; /* [n_layer * n_expert] */
+    std::vector<int32_t> n_slots;  /* [n_layer] resident experts */
+    int32_t *d_slot = nullptr;     /* device [n_layer * n_expert]: expert -> slot, -1 not resident */
+    stg_cpu_experts cpu = {};
+    /* grown with the scratch (cap_t tokens): device slot ids, CPU rows' pair indices and values; pinned host
+     * copies of xn and topk_id, and the CPU's rows */
+    int32_t *sid = nullptr, *d_idx = nullptr;
+    float *d_out = nullptr;
+    float *h_xn = nullptr, *h_out = nullptr;
+    int32_t *h_ids = nullptr, *h_idx = nullptr;
+    std::vector<void *> pinned;
+    std::vector<int32_t> pair_tok, pair_exp; /* the CPU pairs of a layer (st_moe_pairs) */
+    cudaEvent_t ready = nullptr; /* xn and topk_id are on the host */
+    hybrid_step *cur = nullptr;  /* the step being queued */
 };
 
 /* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */
@@ -52,16 +93,19 @@ struct inflight {
     int64_t ticket = 0;
     int32_t T = 0, NL = 0;
     bool greedy = false, layer_events = false, sampled = false, moe = false;
+    bool mv = false; /* its histogram feeds the routed split's decision (routed_mv_groups) */
     int32_t *expert_hist = nullptr; /* the batch's, added to at the wait */
     cudaEvent_t e0 = nullptr, e1 = nullptr; /* the step's start (before its upload) and end (after its copies) */
     int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
     int64_t cap_picks = 0;
     int32_t *h_hist = nullptr; /* pinned [n_layer * n_expert]: the histogram's copy */
+    hybrid_step hy;
 };
 
 struct stg_model {
     int device;
     int cc_major = 0;
+    int32_t att_zmax = 1; /* splits of one sequence at most in split-KV decode (att_split_zmax of the SM count) */
     stg_settings set; /* read when the model opens (stg_model_create), replaced by stg_model_set_settings */
     st_model_desc d;
     std::vector<dlayer> L;
@@ -79,7 +123,7 @@ struct stg_model {
     cudaEvent_t fork = nullptr, join = nullptr;
     std::vector<cudaEvent_t> ev; /* 3 per layer + 3 */
     scratch s;
-    std::vector<void *> allocs;
+    dlist allocs;
     std::vector<graph_entry> graphs;
     int32_t graph_failures = 0;
     char graph_note[256] = "";
@@ -92,13 +136,27 @@ struct stg_model {
         double attn = 0.0, experts = 0.0, dense = 0.0;
     };
     std::map<int32_t, split> splits;
+    /* routed_mv_groups, per decode-sized step size T (rows of n_layer, T = 0..GRAPH_MAX_TOKENS): each layer's
+     * running mean of the experts the split puts on the matvec (-1: no step yet), the layers that keep the split
+     * (re-decided every MV_DECIDE steps of that size, so graphs are re-captured seldom) and the steps since; mv_step
+     * is the launched step's row of mv_on (NULL: every layer keeps it), read by ffn_block. */
+    std::vector<float> mv_mean;
+    std::vector<uint8_t> mv_on;
+    std::vector<int32_t> mv_seen;
+    const uint8_t *mv_step = nullptr;
     std::vector<int32_t> hist_h; /* the step's expert histogram, copied back with the logits */
     std::vector<char> seq_seen;  /* stg_forward's distinct-sequence check */
     inflight fl[2];              /* launched steps, slot = ticket & 1 */
     int64_t next_ticket = 1;
     int32_t n_live = 0;
     int32_t last_picks = 0; /* greedy picks in s.picks from the last launched step (token_src's bound); 0 none */
+    hybrid hy;
+    stg_profile profile = {}; /* the last waited step's (stg_step_profile) */
 };
+
+/* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
+static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
+static stg_status hybrid_scratch(stg_model *m, int64_t T);
 
 static void drop_graphs(stg_model *m) {
     for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);

@@ -278,7 +278,6 @@ __global__ void k_router(const float *logits, int32_t T, int32_t ne, int32_t k, 
  * long and the small groups ride in it for free, while a matvec branch beside it only competes for the
  * SMs, so every group stays the GEMM's (n_mgroups 0). mv_max 0: every group is the GEMM's and the
  * matvec's set is not written. */
-#define MV_GUARD 3
 struct group_out {
     int32_t *gexp, *gstart, *gcount, *n_groups, *list, *pair_tok, *hist, *gtiles, *n_gtiles;
     int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv;
@@ -345,7 +344,9 @@ __device__ void group_pairs_warp(const int32_t *ids, int32_t n_pairs, int32_t k,
 
 /* Group the T*k (token, slot) pairs by expert (one block) into `o` (group_out). The GEMM's tile
  * list gives a routed GEMM launch a block per real tile instead of (the largest group's tiles) x
- * (groups), most of which found nothing to do at prefill. sh: 2 * ne ints of shared memory. */
+ * (groups), most of which found nothing to do at prefill. sh: 2 * ne ints of shared memory. The block's
+ * form (not `fast`) also takes a pair whose id is negative (an expert the device does not hold: hybrid.cu):
+ * it is in no group and, with mv_max, flagged in pair_mv as another launch's; o.hist NULL: no histogram. */
 __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int32_t ne, const group_out &o,
                             int32_t *sh, bool fast = false) {
     if (fast && n_pairs <= 32) { /* decode (up to 4 tokens of 8 pairs): one warp, no shared memory, no barrier */
@@ -357,7 +358,7 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
     for (int e = threadIdx.x; e < ne; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
-        atomicAdd(&cnt[ids[p]], 1);
+        if (ids[p] >= 0) atomicAdd(&cnt[ids[p]], 1);
         o.pair_tok[p] = p / k;
     }
     __syncthreads();
@@ -403,11 +404,16 @@ __device__ void group_pairs(const int32_t *ids, int32_t n_pairs, int32_t k, int3
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < ne; e += blockDim.x) o.hist[e] += cnt[e];
+    if (o.hist)
+        for (int e = threadIdx.x; e < ne; e += blockDim.x) o.hist[e] += cnt[e];
     /* slots within an expert's list are taken in arrival order; a pair's result does not
      * depend on its place in the list */
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
         const int32_t e = ids[p];
+        if (e < 0) {
+            if (o.mv_max > 0) o.pair_mv[p] = 1;
+            continue;
+        }
         o.list[atomicAdd(&fill[e], 1)] = p;
         if (o.mv_max > 0) o.pair_mv[p] = cnt[e] <= mv;
     }

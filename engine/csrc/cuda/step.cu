@@ -59,6 +59,7 @@ struct step_shape {
     int32_t n_tiles;
     bool greedy; /* the logit rows' greedy picks into s.picks after the head (k_argmax_split) */
     const int32_t *d_src; /* st_batch.token_src uploaded, or NULL: the embedding reads the previous picks */
+    int32_t att_split; /* split-KV decode's grid depth (att_split_grid; 1: the unsplit kernels) */
 };
 
 /* An event record that also works inside a capture (there a plain record would only
@@ -83,7 +84,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     for (int il = 0; il < nL; il++) {
         if (sh.layer_events) CU(record(ev[3 * il], st, sh.capturing), "forward");
         CHECK(attention_block(m, kv, il, sh.T, sh.d_pos, sh.d_seq, sh.d_bt, sh.mb, sh.fuse_qkv, sh.d_tiles,
-                              sh.n_tiles));
+                              sh.n_tiles, sh.att_split));
         if (sh.layer_events) CU(record(ev[3 * il + 1], st, sh.capturing), "forward");
         CHECK(ffn_block(m, il, sh.T));
         if (sh.layer_events) CU(record(ev[3 * il + 2], st, sh.capturing), "forward");
@@ -112,11 +113,68 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     return ST_OK;
 }
 
-#define GRAPH_MAX_TOKENS 64 /* decode-sized steps: launch-bound, so replayed as graphs */
 #define LAYER_EVENT_PERIOD 64 /* graph-sized steps: per-layer events on one step in 64 (each such step +0.2 ms at batch 1) */
 #define GRAPH_CACHE 64
 
-static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs; }
+/* a hybrid model's steps are queued layer by layer by the host (hybrid.cu): never a graph */
+static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs && !m->hy.on; }
+
+#define MV_DECIDE 32 /* decode steps of one size between two decisions of the routed split (mv_update) */
+#define MV_FIRST 4   /* and before the first one */
+
+/* Whether a step of T tokens takes the routed split in some layer (routed_mv_max): a decode-sized step from
+ * gemm_min_tokens on, of a model with routed experts. */
+static bool mv_applies(const stg_model *m, int32_t T) {
+    const stg_settings &st = m->set;
+    return m->d.n_expert > 0 && st.routed_mv_max > 0 && st.gemm_min_tokens > 0 && T >= st.gemm_min_tokens &&
+           T <= GRAPH_MAX_TOKENS;
+}
+
+/* The layers that keep the routed split in this step of T tokens (stg_model.mv_on's row), or NULL: all of them. */
+static const uint8_t *mv_mask(stg_model *m, int32_t T) {
+    if (!mv_applies(m, T) || m->set.routed_mv_groups <= 0) return nullptr;
+    const size_t nL = (size_t)m->d.n_layer, rows = GRAPH_MAX_TOKENS + 1;
+    if (m->mv_on.empty()) {
+        m->mv_mean.assign(rows * nL, -1.0f);
+        m->mv_on.assign(rows * nL, 1);
+        m->mv_seen.assign(rows, MV_DECIDE - MV_FIRST);
+    }
+    return &m->mv_on[(size_t)T * nL];
+}
+
+/* A step's histogram [n_layer, n_expert] into the running means of its size; every MV_DECIDE steps, the layers
+ * that keep the split. A layer's sample is the number of experts the split puts on the matvec (1..routed_mv_max
+ * pairs; 0 where the busiest expert makes the device keep the GEMM alone, as group_out does). A layer keeps the
+ * split while its mean stays at least half of routed_mv_groups and takes it back once the mean reaches it. */
+static void mv_update(stg_model *m, int32_t T, const int32_t *hist) {
+    const int nL = m->d.n_layer, ne = m->d.n_expert, mv = m->set.routed_mv_max;
+    float *mean = &m->mv_mean[(size_t)T * nL];
+    for (int il = 0; il < nL; il++) {
+        const int32_t *row = hist + (size_t)il * ne;
+        int32_t busiest = 0, small = 0;
+        for (int e = 0; e < ne; e++) busiest = std::max(busiest, row[e]), small += row[e] > 0 && row[e] <= mv;
+        const float v = busiest > MV_GUARD * mv ? 0.0f : (float)small;
+        mean[il] = mean[il] < 0.0f ? v : mean[il] + (v - mean[il]) * (1.0f / 16.0f);
+    }
+    if (++m->mv_seen[(size_t)T] < MV_DECIDE) return;
+    m->mv_seen[(size_t)T] = 0;
+    uint8_t *on = &m->mv_on[(size_t)T * nL];
+    const float g = (float)m->set.routed_mv_groups;
+    for (int il = 0; il < nL; il++) on[il] = mean[il] >= (on[il] ? 0.5f * g : g);
+}
+
+static bool same_mask(const std::vector<uint8_t> &a, const uint8_t *b, int n) {
+    return b ? a.size() == (size_t)n && memcmp(a.data(), b, (size_t)n) == 0 : a.empty();
+}
+
+extern "C" int32_t stg_model_routed_split_layers(const stg_model *m, int32_t T) {
+    if (!m || !mv_applies(m, T)) return 0;
+    const int nL = m->d.n_layer;
+    if (m->set.routed_mv_groups <= 0 || m->mv_on.empty()) return nL;
+    int32_t n = 0;
+    for (int il = 0; il < nL; il++) n += m->mv_on[(size_t)T * nL + il];
+    return n;
+}
 
 /* Replay the graph of this shape, capturing it first; a shape that cannot be captured
  * runs eagerly. Graphs hold scratch pointers: ensure_scratch drops them on growth. */
@@ -125,7 +183,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
             g.layer_events == sh.layer_events && g.fuse_qkv == sh.fuse_qkv && g.greedy == sh.greedy &&
-            g.src == (sh.d_src != nullptr)) {
+            g.src == (sh.d_src != nullptr) && same_mask(g.mv_on, m->mv_step, m->d.n_layer)) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
             return ST_OK;
         }
@@ -143,7 +201,10 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
         m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, sh.fuse_qkv, sh.greedy,
-                                        sh.d_src != nullptr, exec});
+                                        sh.d_src != nullptr,
+                                        m->mv_step ? std::vector<uint8_t>(m->mv_step, m->mv_step + m->d.n_layer)
+                                                   : std::vector<uint8_t>(),
+                                        exec});
         CU(cudaGraphLaunch(exec, st), "forward: graph launch");
         return ST_OK;
     }
@@ -174,6 +235,20 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const int32_t mb = (b->max_blocks + 15) / 16 * 16;
     const int64_t n_bt = (int64_t)b->n_seqs * mb;
     CHECK(ensure_scratch(m, T, NL, n_bt));
+    /* q/k/v post-processing inside attention when no token reads another's new K/V of this
+     * step: every token of a different sequence (decode). */
+    bool fuse_qkv = m->d.head_dim <= 256;
+    if (fuse_qkv) {
+        std::vector<char> &seen = m->seq_seen;
+        seen.assign((size_t)b->n_seqs, 0);
+        for (int32_t i = 0; i < T && fuse_qkv; i++) {
+            if (seen[(size_t)b->seq[i]]) fuse_qkv = false;
+            seen[(size_t)b->seq[i]] = 1;
+        }
+    }
+    /* split-KV decode at long context: its grid from the padded table width (a graph's key) */
+    const int32_t att_split = att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, (int64_t)mb * kv->block_size);
+    if (att_split > 1) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -240,29 +315,22 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         sp.steps++;
     }
     if (other.live && other.layer_events) layer_events = false;
-    /* q/k/v post-processing inside attention when no token reads another's new K/V of this
-     * step: every token of a different sequence (decode). */
-    bool fuse_qkv = m->d.head_dim <= 256;
-    if (fuse_qkv) {
-        std::vector<char> &seen = m->seq_seen;
-        seen.assign((size_t)b->n_seqs, 0);
-        for (int32_t i = 0; i < T && fuse_qkv; i++) {
-            if (seen[(size_t)b->seq[i]]) fuse_qkv = false;
-            seen[(size_t)b->seq[i]] = 1;
-        }
-    }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
-                        use_src ? s.ints + src_off : nullptr};
+                        use_src ? s.ints + src_off : nullptr, att_split};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graphs_enabled(m, T) && all_runs_long(b->seq, T, m->set.gemm_fast_min);
-    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast; /* see g_gemm_fast */
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on; /* see g_gemm_fast; hybrid: kernels follow copies */
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
+    m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
     m->last_picks = 0; /* s.picks is this step's from here on */
+    CHECK(hybrid_step_begin(m, f.hy));
     const stg_status src = graphs_enabled(m, T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
+    const bool mv_fed = m->mv_step != nullptr;
+    m->mv_step = nullptr;
     CHECK(src);
     if (NL > 0 && b->logits)
         CU(cudaMemcpyAsync(b->logits, s.logits, sizeof(float) * (size_t)NL * m->d.n_vocab, cudaMemcpyDeviceToHost, st),
@@ -276,6 +344,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     CU(cudaEventRecord(f.e1, st), "forward");
     f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
     f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
+    f.mv = mv_fed;
     m->next_ticket++;
     m->n_live++;
     m->last_picks = greedy ? NL : 0;
@@ -310,6 +379,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             pairs += f.h_hist[i], active += f.h_hist[i] > 0;
             if (f.expert_hist) f.expert_hist[i] += f.h_hist[i];
         }
+        if (f.mv) mv_update(m, f.T, f.h_hist);
     }
     auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {
         float ms = 0.0f;
@@ -340,6 +410,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             }
         }
     }
+    hybrid_profile(m, f.hy, stt->t_total, pairs);
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

@@ -21,6 +21,8 @@
 #include "attention_decode.cu"  /* k_attention (decode, fused q / k / v prep), the reference */
 #include "attention_mma.cu"     /* prefill attention on tensor cores */
 #include "attention_prefill.cu" /* prefill query tiles, attention_setup */
+#include "attention_split.cu"   /* split-KV decode: the grid, the combine */
 #include "model.cu"         /* devices, settings, upload, KV cache, scratch */
+#include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
 #include "layer.cu"         /* the attention and FFN blocks of one layer */
 #include "step.cu"          /* a step: graphs, launch / wait, stg_forward */

@@ -43,11 +43,18 @@ typedef struct stg_settings {
     int32_t routed_mv_max;    /* in steps whose routed layers take the GEMM, experts with at most this many of the
                                * step's pairs take the matvec instead, in layers whose busiest expert holds at
                                * most 3x as many (0: none; 0..64) */
+    int32_t routed_mv_groups; /* a layer keeps that split in decode-sized steps of T tokens while its recent such
+                               * steps average at least this many experts on the matvec (routing measured on the
+                               * device, decided every 32 steps; 0: every layer always keeps it) */
     int32_t gemm_fast_min;    /* steps whose every run of one sequence's tokens is this long take the prefill-form
                                * Q4_K GEMM (within rounding of the bitwise kernels; 0: never) */
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
                                * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
+    int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose block tables cover at
+                               * least this many tokens spread each sequence of at least this many keys over
+                               * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
+                               * its bits); 0: never */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -56,11 +63,43 @@ void stg_settings_default(stg_settings *s);
  * uploads every weight to `device`. settings: NULL for stg_settings_default's (ST_EINVAL when
  * a field is out of its range). */
 stg_status stg_model_create(int32_t device, const void *desc, const stg_settings *settings, stg_model **out);
+/* Hybrid placement: the CPU engine that computes the routed experts the device does not hold. moe_pairs is the C
+ * engine's st_moe_pairs (strata.h; called with model and pool, on the thread that queues the step), last_error its
+ * st_last_error (the message of a failed call). Both libraries are loaded into one process; the function
+ * pointers join them. */
+typedef int32_t (*stg_moe_pairs_fn)(void *model, void *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
+                                    const int32_t *pair_tok, const int32_t *pair_exp, float *out);
+typedef const char *(*stg_last_error_fn)(void);
+typedef struct stg_cpu_experts {
+    stg_moe_pairs_fn moe_pairs;
+    stg_last_error_fn last_error;
+    void *model; /* st_model * opened on the same file (the same mapping as desc's tensors) */
+    void *pool;  /* st_pool *: the lane's cores */
+} stg_cpu_experts;
+
+/* stg_model_create with only some routed experts on the device: resident[layer * n_expert + e] (0 or 1) says
+ * whether expert e of the layer is uploaded; the device holds a layer's resident experts in slots (ascending
+ * expert id), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
+ * the device's before the weighted sum (the order of additions of st_forward's combine). resident NULL, or all
+ * ones: stg_model_create. A model with any expert off the device runs every step eagerly (no CUDA graphs), the
+ * host queueing layer by layer and waiting on one event per layer for the rows the CPU needs (xn, the routing).
+ * Errors: resident values other than 0 / 1, or experts left off without cpu (all four fields) -> ST_EINVAL. */
+stg_status stg_model_create_hybrid(int32_t device, const void *desc, const stg_settings *settings,
+                                   const uint8_t *resident, const stg_cpu_experts *cpu, stg_model **out);
 /* Replace a model's settings between steps (drops its CUDA graphs; ST_EINVAL with steps in flight). */
 stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings);
 void stg_model_destroy(stg_model *m);
 /* VRAM held by the weights, in bytes. */
 int64_t stg_model_weight_bytes(const stg_model *m);
+/* Layers that keep the routed split (routed_mv_groups) in decode-sized steps of T tokens: 0..n_layer (all of them
+ * until the first decision; 0 where the split does not apply: T outside [gemm_min_tokens, 64], no routed experts). */
+int32_t stg_model_routed_split_layers(const stg_model *m, int32_t T);
+/* VRAM the model's own allocations hold, in bytes: weights (the arena: every non-routed tensor and the resident
+ * experts) and scratch (the step buffers at their current size, the routing histogram, the hybrid buffers);
+ * the KV cache is stg_kv_bytes. The driver's figure adds the CUDA context and its allocation granularity. */
+stg_status stg_model_memory(const stg_model *m, int64_t *weights, int64_t *scratch);
+/* Routed experts the device holds (all of them without hybrid placement). */
+int64_t stg_model_resident_experts(const stg_model *m);
 /* CUDA graphs cached for decode-sized steps, and how many captures failed (the last
  * failure's message in note, note_len bytes; those steps ran as plain launches). */
 int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len);
@@ -91,6 +130,17 @@ stg_status stg_step_launch(stg_model *m, stg_kv *kv, const void *batch, int64_t 
 stg_status stg_step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, void *stats);
 /* Launched steps not yet waited (0..2). */
 int32_t stg_step_in_flight(const stg_model *m);
+
+/* The frame profile of the last waited step (stg_step_wait, stg_forward). */
+typedef struct stg_profile {
+    double t_total;       /* seconds: the step on the device, from its upload to its copies back */
+    double t_gpu;         /* t_total less t_gpu_wait */
+    double t_cpu_experts; /* the host's wall time in the CPU engine's experts */
+    double t_gpu_wait;    /* the device idle between its resident experts and the CPU rows' copy, summed over layers */
+    int64_t pairs_gpu, pairs_cpu; /* routed (token, expert) pairs computed on each side */
+    int64_t staged_bytes;         /* expert weights copied over PCIe for the step (none are staged: 0) */
+} stg_profile;
+stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging

@@ -392,6 +392,74 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     return ST_OK;
 }
 
+extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split_chunks, int32_t split_max,
+                                                const uint16_t *k, const uint16_t *v, int32_t n_blocks,
+                                                const int32_t *block_tables, int32_t n_table, int32_t block_size,
+                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
+                                                const int32_t *pos, int32_t n_seq, float *out, int8_t *aq, float *ad,
+                                                int32_t *as, int32_t *n_splits) {
+    if (!k || !v || !block_tables || !q || !pos || !out || split_min < 0 || split_max > ATT_SPLIT_MAX ||
+        n_blocks < 1 || n_table < 1 || block_size < 16 || block_size % 16 || head_dim < 16 || head_dim % 16 ||
+        head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || n_seq < 1 ||
+        ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
+        return fail(ST_EINVAL, "attention decode: bad arguments");
+    for (int32_t i = 0; i < n_seq; i++) {
+        if (pos[i] < 0 || pos[i] / block_size >= n_table) return fail(ST_ERANGE, "attention decode: position %d", pos[i]);
+        for (int32_t j = 0; j <= pos[i] / block_size; j++) {
+            const int32_t b = block_tables[(int64_t)i * n_table + j];
+            if (b < 0 || b >= n_blocks) return fail(ST_ERANGE, "attention decode: block out of range");
+        }
+    }
+    if (split_min && !att_tile_tokens(n_head, n_kv, head_dim))
+        return fail(ST_EUNSUPPORTED, "split attention: n_head %d / n_kv %d / head_dim %d", n_head, n_kv, head_dim);
+    CHECK(harness_device());
+    int n_sm = 0;
+    CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0), "harness");
+    const int32_t chunks = split_chunks > 0 ? split_chunks : ATT_SPLIT_CHUNKS;
+    const int32_t zmax = split_max > 0 ? split_max : att_split_zmax(n_sm, n_kv);
+    const int32_t z = att_split_bound((int64_t)n_table * block_size, chunks, zmax);
+    const int64_t kd = (int64_t)n_kv * head_dim, cache = (int64_t)n_blocks * block_size * kd;
+    const int64_t qd = (int64_t)n_head * head_dim, nout = (int64_t)n_seq * qd, rows = (int64_t)n_seq * n_head * z;
+    std::vector<int32_t> ints((size_t)(2 * n_seq) + (size_t)n_seq * n_table);
+    for (int32_t i = 0; i < n_seq; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_seq + i)] = i;
+    memcpy(&ints[(size_t)(2 * n_seq)], block_tables, sizeof(int32_t) * (size_t)n_seq * n_table);
+    dbuf bk, bv, bq, bo, bi, baq, bad, bas, bpa, bpm;
+    CHECK(up(bk, k, sizeof(uint16_t) * cache));
+    CHECK(up(bv, v, sizeof(uint16_t) * cache));
+    CHECK(up(bq, q, sizeof(float) * nout));
+    CHECK(up(bo, nullptr, sizeof(float) * nout));
+    CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
+    attn_args a = {};
+    a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
+    a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_seq, a.block_tables = bi.as<int32_t>() + 2 * n_seq;
+    a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    if (aq) {
+        CHECK(up(baq, nullptr, (size_t)nout));
+        CHECK(up(bad, nullptr, sizeof(float) * (size_t)nout / 32));
+        CHECK(up(bas, nullptr, sizeof(int32_t) * (size_t)nout / 16));
+        a.aq = baq.as<int8_t>(), a.ad = bad.as<float>(), a.as = bas.as<int32_t>();
+    }
+    CHECK(attention_setup());
+    if (split_min) {
+        CHECK(up(bpa, nullptr, sizeof(float) * (size_t)rows * (size_t)head_dim));
+        CHECK(up(bpm, nullptr, sizeof(float) * (size_t)rows * 2));
+        a.part_acc = bpa.as<float>(), a.part_ml = bpm.as<float>();
+        a.split_min = split_min, a.split_chunks = chunks, a.split_max = zmax;
+        CHECK(launch_attention_split(a, n_seq, z, 0));
+    } else {
+        CHECK(launch_attention(a, n_seq, 0));
+    }
+    CHECK(down(out, bo, sizeof(float) * nout));
+    if (aq) {
+        CHECK(down(aq, baq, (size_t)nout));
+        CHECK(down(ad, bad, sizeof(float) * (size_t)nout / 32));
+        CHECK(down(as, bas, sizeof(int32_t) * (size_t)nout / 16));
+    }
+    for (int32_t i = 0; n_splits && i < n_seq; i++)
+        n_splits[i] = split_min ? att_split_count(pos[i] + 1, split_min, chunks, zmax) : 1;
+    return ST_OK;
+}
+
 extern "C" stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y) {
     if (!x || !w || !y || n_rows < 1 || n < 1) return fail(ST_EINVAL, "rmsnorm: bad arguments");
     CHECK(harness_device());

@@ -57,6 +57,19 @@ stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint1
                                     const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
                                     int32_t n_head, int32_t n_kv, const float *q, int32_t nq, int32_t p0, float *out,
                                     int8_t *aq, float *ad, int32_t *as);
+/* One decode step's attention over n_seq sequences (token i: sequence i at position pos[i], its
+ * keys 0..pos[i] in the cache through block_tables[i * n_table ..]; q[n_seq, n_head * head_dim]
+ * pre-scaled): split_min 0 runs the unsplit decode kernel (k_attention), split_min >= 1 the split-KV
+ * path (attention_split.cu: k_attention_tile's SPLIT form and k_attention_combine) cutting sequences of
+ * at least split_min keys into splits of at least split_chunks chunks of 16 keys (<= 0: the step's
+ * value), at most split_max of them (<= 0: this device's value; at most 64), its grid depth from the
+ * table width as a step's. out[n_seq, n_head * head_dim]; aq/ad/as (all or none): the output's 8-bit
+ * blocks; n_splits (may be NULL): the splits each sequence took (1 on the unsplit kernel). */
+stg_status stg_test_attention_decode(int32_t split_min, int32_t split_chunks, int32_t split_max, const uint16_t *k,
+                                     const uint16_t *v, int32_t n_blocks, const int32_t *block_tables,
+                                     int32_t n_table, int32_t block_size, int32_t head_dim, int32_t n_head,
+                                     int32_t n_kv, const float *q, const int32_t *pos, int32_t n_seq, float *out,
+                                     int8_t *aq, float *ad, int32_t *as, int32_t *n_splits);
 stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
 /* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
 stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,

@@ -358,3 +358,26 @@ def test_routed_split_by_expert_size_same_logits(q4k_moe_path: Path) -> None:
                     assert np.array_equal(got, first), (n_seq, name)
         finally:
             gpu._gpu.set_settings({})
+
+
+def test_routed_split_decision_follows_routing_same_logits(q4k_moe_path: Path) -> None:
+    """A layer keeps the routed split only while its recent decode steps of that size averaged at least
+    routed_mv_groups matvec-sized experts, decided on the host from the device's histogram (first after 4 steps,
+    then every 32; the step's graph is captured again with the new mask). A threshold no layer reaches drops
+    the split in every layer after the first decision, 0 keeps it in every layer, 1 keeps it where the routing
+    is load-balanced (64 pairs over 32 experts: every layer); the logits of the steps before and after the
+    decision are bitwise the same in all three."""
+    n_seq, steps = 16, 10
+    with Engine.open(q4k_moe_path, device="cuda:0", kv_tokens=4096) as gpu:
+        try:
+            runs, layers = {}, {}
+            for groups in ("0", "1024", "1"):
+                gpu._gpu.set_settings({"STRATA_GPU_ROUTED_MV_GROUPS": groups})
+                runs[groups] = decode_logits(gpu, steps=steps, n_seq=n_seq).view(np.uint32)
+                layers[groups] = gpu._gpu.routed_split_layers(n_seq)
+            assert layers == {"0": 2, "1024": 0, "1": 2}
+            for groups, got in runs.items():
+                assert np.array_equal(got, runs["0"]), groups
+            assert gpu._gpu.routed_split_layers(4) == 0  # below gemm_min_tokens: no split to decide
+        finally:
+            gpu._gpu.set_settings({})

@@ -1,0 +1,156 @@
+"""Decode at depth (issue 30): batch-1 decode tok/s after D tokens of context, Strata beside llama.cpp.
+
+    python -m bench.engine_gpu --depth 0,8192,32768[,131072] [--llama-bin DIR] [--json out.json]
+
+On bench/engine_gpu.py's synthetic Qwen3-30B-A3B-shaped file (48 layers, 32 query / 4 KV heads of 128,
+Q4_K): one sequence is prefilled with random ids to each depth in turn (the deeper ones continue it, so the
+prefill runs once, to the largest depth) and, at each, decoded greedily for --depth-steps steps (the
+engine's own pick, step N+1 launched before step N is waited: the scheduler's path), then again for
+--unsplit-steps steps with the split-KV decode attention off (STRATA_GPU_ATT_SPLIT_MIN=0: one block per
+(token, head) walking the whole cache, the kernel before the split). With --llama-bin it then runs
+``llama-bench -p 0 -n 128 -d D`` (flash attention on, all layers on the GPU) on the same file and prints
+one table: the rates, the ratios, and each depth's share of Strata's depth-0 rate (issue 30's target at
+128k: 60%). The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
+token: 2 x 2 bytes x layers x KV heads x head dim).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def parse_depths(text: str) -> list[int]:
+    """'0,8192,32768' -> [0, 8192, 32768] (sorted, distinct, each >= 0)."""
+    try:
+        depths = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise SystemExit(f"--depth: expected comma-separated token counts, got {text!r}") from None
+    if not depths or depths[0] < 0:
+        raise SystemExit(f"--depth: expected token counts >= 0, got {text!r}")
+    return depths
+
+
+def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int) -> tuple[int, int]:
+    """(KV tokens for the one sequence, their bytes): the deepest depth plus every depth's decode steps."""
+    from engine.inspect_model import analyse
+
+    tokens = max(depths) + len(depths) * (steps + unsplit_steps + 4) + 64
+    return tokens, analyse(mf).kv_bytes_per_token * tokens
+
+
+def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tuple[float, float, int]:
+    """Greedy batch-1 decode from position pos: (tok/s over `steps` steps after two warm-up ones, the
+    median GPU time of a step in ms, the next position). Step N+1 is launched before step N is waited,
+    its id read on the device from N's pick (st_batch.token_src). The step sees the blocks the sequence holds
+    by its last step, as the scheduler's table would (not the whole allocation for the deepest depth: the
+    split grid follows the table's width)."""
+    table = table[: -(-(pos + steps + 3) // eng.block_size)]
+    ticket = None
+    step_t: list[float] = []
+    t = time.perf_counter()
+    for s in range(steps + 2):
+        if s == 2:
+            if ticket is not None:  # the timed steps start with nothing in flight
+                eng.wait(ticket)
+                ticket = None
+            t = time.perf_counter()
+        nxt = eng.launch([first] if s == 0 else [0], [pos], [0], [table], [0], token_src=None if s == 0 else [0])
+        if ticket is not None:
+            eng.wait(ticket)
+            if s >= 3:
+                step_t.append(eng.last_stats.t_total)
+        ticket = nxt
+        pos += 1
+    eng.wait(ticket)
+    step_t.append(eng.last_stats.t_total)
+    return steps / (time.perf_counter() - t), 1e3 * float(np.median(step_t)), pos
+
+
+def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int) -> dict:
+    from engine.engine import Engine
+    from engine.gguf_model import open_model
+
+    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps)
+    print(f"decode at depth: one sequence of up to {kv_tokens} tokens, KV cache {kv_bytes / 2**30:.2f} GiB "
+          f"({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
+    out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "strata": {}}
+    rng = np.random.default_rng(30)
+    with Engine.open(path, device=device, kv_tokens=kv_tokens, block_size=16, prefill_chunk=512) as eng:
+        V = eng.hparams.n_vocab
+        table = eng.blocks.allocate(-(-kv_tokens // eng.block_size))
+        assert table is not None
+        pos, first = 0, int(rng.integers(0, V))
+        for d in depths:
+            if d > pos:  # continue the sequence to depth d
+                t0 = time.perf_counter()
+                first = int(np.argmax(eng.prefill([int(x) for x in rng.integers(0, V, size=d - pos)], table, start=pos)))
+                print(f"  prefill {pos} -> {d}: {(d - pos) / (time.perf_counter() - t0):.0f} tok/s")
+                pos = d
+            row: dict = {"depth": pos}
+            row["tok_s"], row["step_ms"], pos = _decode(eng, table, pos, first, steps)
+            if unsplit_steps > 0 and eng._gpu is not None:
+                eng._gpu.set_settings({"STRATA_GPU_ATT_SPLIT_MIN": "0"})
+                try:
+                    row["unsplit_tok_s"], row["unsplit_step_ms"], pos = _decode(eng, table, pos, first, unsplit_steps)
+                finally:
+                    eng._gpu.set_settings()
+            print(f"  depth {d}: {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms a step)"
+                  + (f", unsplit {row['unsplit_tok_s']:.1f} tok/s ({row['unsplit_step_ms']:.2f} ms)"
+                     if "unsplit_tok_s" in row else ""))
+            out["strata"][d] = row
+        eng.blocks.release(table)
+    return out
+
+
+def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0) -> dict[int, float]:
+    """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth."""
+    import os
+
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128",
+           "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json"]
+    print("llama.cpp: " + " ".join(cmd))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-2000:]}")
+    return {int(r.get("n_depth", 0)): float(r["avg_ts"]) for r in json.loads(p.stdout) if r["n_gen"] > 0}
+
+
+def print_table(res: dict) -> None:
+    rows = res["strata"]
+    base = rows.get(0, {}).get("tok_s")
+    peer = res.get("llama_cpp") or {}
+    print(f"{'depth':>8}{'Strata':>10}{'unsplit':>10}{'llama.cpp':>11}{'Strata/llama':>14}{'split gain':>12}"
+          f"{'of depth 0':>12}{'step ms':>9}")
+    for d, r in rows.items():
+        s, u, p = r["tok_s"], r.get("unsplit_tok_s"), peer.get(d)
+        print(f"{d:>8}{s:>10.1f}{(u if u else float('nan')):>10.1f}{(p if p else float('nan')):>11.1f}"
+              f"{(f'{s / p:.2f}x' if p else '-'):>14}{(f'{s / u:.2f}x' if u else '-'):>12}"
+              f"{(f'{100 * s / base:.0f}%' if base else '-'):>12}{r['step_ms']:>9.2f}")
+    print("issue 30's targets: Strata/llama >= 1.00x at every depth; at 131072 >= 60% of depth 0")
+
+
+def main(args: Any, model_path: Path, build: Any) -> int:
+    """bench.engine_gpu --depth: build the file if missing (build(path)), measure, print, write --json."""
+    depths = parse_depths(args.depth)
+    if not model_path.exists():
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        build(model_path)
+    res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps)
+    res["model"] = str(model_path)
+    if args.llama_bin:
+        try:
+            res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps)
+        except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
+            print(f"llama.cpp not measured: {type(e).__name__}: {e}")
+            res["llama_cpp"] = None
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print_table(res)
+    return 0

@@ -1,0 +1,236 @@
+"""Hybrid placement on the GPU machine: the routed experts that do not fit the budget computed on the CPU,
+Strata beside llama.cpp in the same run, on the same file.
+
+    PYTHONPATH=. python -m bench.engine_hybrid --skew 1 --llama-bin /tmp/llama-build/bin --json out.json
+
+The model is bench/engine_gpu.py's synthetic Qwen3-30B-A3B-shaped Q4_K file (built if missing, ``--skew`` picks
+the router's Zipf exponent: 1 skewed, 0 uniform). For each expert fraction F (``--fractions``, default 0, 0.25,
+0.5) Strata opens it with ``gpu_budget_gb`` = the plan's fixed GPU bytes (non-routed weights, KV, step buffers,
+the context reserve) + F x every routed expert's bytes, so that the plan makes about F of the routed experts
+resident (the most used first, by the default placement file beside the model if there is one, else uniform);
+llama.cpp runs with ``-ncmoe`` = (1 - F) x layers (the experts of the first layers on the CPU, the rest on the
+GPU) and, at F = 0, ``-ot exps=CPU``. Its VRAM is read from nvidia-smi during the run (the peak, the driver's
+figure), Strata's from the engine's own account beside the budget.
+
+Figures per fraction: batch-1 decode tok/s, prefill tok/s of ``--prefill`` tokens, aggregate decode of
+``--batch`` sequences; Strata's frame profile of its last decode step (GPU compute, CPU experts, GPU waiting on
+the CPU, resident hit rate); the floor: routed-expert bytes a decode token reads from RAM / the CPU's measured
+read bandwidth + the GPU's part (the plan's figures), with the share of it Strata reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.engine_gpu import SHAPE, build_model
+
+GIB = 2**30
+
+
+def _model(args: argparse.Namespace) -> Path:
+    path = Path(args.model_dir) / f"qwen3moe-synth-{args.layers}L-skew{args.skew:g}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build_model(path, dict(SHAPE, n_layer=args.layers), args.skew)
+    return path
+
+
+def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int, prefill_chunk: int) -> float:
+    """gpu_budget_gb that leaves room for ``frac`` of the routed experts' bytes after the fixed parts."""
+    from engine.gguf_model import open_model
+    from engine.placement import engine_plan_params, plan
+
+    p = plan(open_model(path), engine_plan_params(0, kv_tokens, block_size, prefill_chunk))
+    return (p.fixed_bytes + frac * p.routed_bytes) / GIB + 1e-3
+
+
+def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, Any]:
+    from engine.engine import Engine
+    from engine.placement import measure_cpu_read_gbs
+
+    kv, bs, chunk = args.kv_tokens, 16, 512
+    budget = budget_for_fraction(path, frac, kv, bs, chunk)
+    cores = list(range(os.cpu_count() or 1)) if args.cores is None else [int(c) for c in args.cores.split(",")]
+    t0 = time.perf_counter()
+    eng = Engine.open(path, device=args.device, kv_tokens=kv, block_size=bs, prefill_chunk=chunk,
+                      gpu_budget_gb=budget, cores=cores)
+    out: dict[str, Any] = {"fraction": frac, "gpu_budget_gb": budget, "load_s": time.perf_counter() - t0,
+                           "cores": len(cores)}
+    try:
+        p = getattr(eng, "plan", None)
+        if p is not None:
+            out.update(n_resident=p.n_resident, n_routed=p.n_routed, plan_hit_rate=p.hit_rate,
+                       ram_bytes_per_token=p.ram_bytes_per_token, plan_gpu_bytes=p.gpu_bytes,
+                       gpu_read_bytes_per_token=p.gpu_read_bytes_per_token)
+        if eng._gpu is not None:
+            out["engine_memory"] = eng._gpu.memory()
+        V = eng.hparams.n_vocab
+        rng = np.random.default_rng(1)
+
+        def blocks(n: int) -> list[int]:
+            got = eng.blocks.allocate(-(-n // bs))
+            assert got is not None
+            return got
+
+        def decode(n_seq: int, steps: int) -> tuple[float, Any]:
+            tabs = [blocks(32 + steps + 3) for _ in range(n_seq)]
+            try:
+                last = [int(np.argmax(eng.prefill([int(t) for t in rng.integers(0, V, 32)], tb))) for tb in tabs]
+                pos = 32
+                for s in range(steps + 2):  # two warm-up steps
+                    if s == 2:
+                        t = time.perf_counter()
+                    last = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
+                                       greedy=True).tolist()
+                    pos += 1
+                return n_seq * steps / (time.perf_counter() - t), eng.last_stats
+            finally:
+                for tb in tabs:
+                    eng.blocks.release(tb)
+
+        def prefill(n: int) -> float:
+            b = blocks(n)
+            try:
+                ids = [int(t) for t in rng.integers(0, V, n)]
+                eng.prefill(ids[:16], b)
+                t = time.perf_counter()
+                eng.prefill(ids, b)
+                return n / (time.perf_counter() - t)
+            finally:
+                eng.blocks.release(b)
+
+        out["decode_b1_tok_s"], st = decode(1, args.steps)
+        out["frame_b1_ms"] = {k: 1e3 * float(getattr(st, k, float("nan")))
+                              for k in ("t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait")}
+        out["resident_hit_rate_b1"] = float(getattr(st, "resident_hit_rate", float("nan")))
+        out[f"prefill_{args.prefill}_tok_s"] = prefill(args.prefill)
+        out[f"decode_b{args.batch}_tok_s"], st = decode(args.batch, max(4, args.steps // 4))
+        out[f"frame_b{args.batch}_ms"] = {k: 1e3 * float(getattr(st, k, float("nan")))
+                                          for k in ("t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait")}
+    finally:
+        eng.close()
+    gbs = measure_cpu_read_gbs(cores=cores)
+    out["cpu_read_gbs"] = gbs
+    if "ram_bytes_per_token" in out:
+        gpu_s = out["frame_b1_ms"]["t_gpu"] / 1e3
+        floor_s = out["ram_bytes_per_token"] / (gbs * 1e9) + gpu_s
+        out["floor_b1_tok_s"] = 1.0 / floor_s
+        out["floor_share_b1"] = out["decode_b1_tok_s"] / out["floor_b1_tok_s"]
+    return out
+
+
+class _VramPeak:
+    """The peak of nvidia-smi's memory.used (MiB) while running: llama.cpp's VRAM, the driver's figure."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                   capture_output=True, text=True, timeout=5)
+                self.peak = max(self.peak, int(r.stdout.split()[0]))
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                pass
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> _VramPeak:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def run_llama(bin_dir: Path, path: Path, frac: float, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    ncmoe = round((1.0 - frac) * args.layers)
+    place = ["-ot", "exps=CPU"] if ncmoe >= args.layers else ["-ncmoe", str(ncmoe)]
+    threads = str(os.cpu_count() if args.cores is None else len(args.cores.split(",")))
+    out: dict[str, Any] = {"fraction": frac, "placement": " ".join(place), "threads": threads}
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "1", *place, "-t", threads,
+           "-p", str(args.prefill), "-n", str(args.steps), "-r", "2", "-o", "json"]
+    with _VramPeak() as vram:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.llama_timeout, env=env)
+    out["vram_peak_gib"] = vram.peak / 1024
+    if p.returncode != 0:
+        out["error"] = p.stderr[-1500:]
+        return out
+    for r in json.loads(p.stdout):
+        if r["n_gen"] == 0:
+            out[f"prefill_{args.prefill}_tok_s"] = float(r["avg_ts"])
+        elif r["n_prompt"] == 0:
+            out["decode_b1_tok_s"] = float(r["avg_ts"])
+    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(path), "-ngl", "99", "-fa", "on", *place, "-t", threads,
+           "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "32", "-ntg", str(max(4, args.steps // 4)),
+           "-npl", str(args.batch), "--output-format", "jsonl"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.llama_timeout, env=env)
+    for line in (p.stdout + "\n" + p.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            r = json.loads(line)
+            out[f"decode_b{r['pl']}_tok_s"] = float(r["speed_tg"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_hybrid", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (0 = uniform)")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--fractions", default="0,0.25,0.5", help="shares of the routed experts' bytes on the GPU")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--cores", default=None, help="comma-separated CPU ids for the CPU experts (default: all)")
+    ap.add_argument("--kv-tokens", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=32, help="batch-1 decode steps (the batch row takes a quarter)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences of the aggregate decode row")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--model-dir", default="/tmp/strata-bench")
+    ap.add_argument("--llama-bin", default=None, help="llama.cpp's llama-bench / llama-batched-bench (CUDA build)")
+    ap.add_argument("--llama-timeout", type=float, default=300.0)
+    ap.add_argument("--strata-only", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    path = _model(args)
+    rows: list[dict[str, Any]] = []
+    for frac in (float(f) for f in args.fractions.split(",")):
+        row: dict[str, Any] = {"fraction": frac, "strata": run_strata(path, frac, args)}
+        if args.llama_bin and not args.strata_only:
+            row["llama"] = run_llama(Path(args.llama_bin), path, frac, args)
+        rows.append(row)
+        s, ll = row["strata"], row.get("llama", {})
+        fr = s["frame_b1_ms"]
+        print(f"F={frac:g}: budget {s['gpu_budget_gb']:.2f} GiB, resident {s.get('n_resident', '?')}/"
+              f"{s.get('n_routed', '?')} experts (plan hit rate {s.get('plan_hit_rate', float('nan')):.2f}, "
+              f"measured {s['resident_hit_rate_b1']:.2f}); llama.cpp {ll.get('placement', '-')} "
+              f"VRAM peak {ll.get('vram_peak_gib', float('nan')):.2f} GiB", flush=True)
+        for k in ("decode_b1_tok_s", f"prefill_{args.prefill}_tok_s", f"decode_b{args.batch}_tok_s"):
+            a, b = s.get(k), ll.get(k)
+            ratio = f"{a / b:.2f}x" if a and b else "-"
+            print(f"   {k:<22}{a if a else float('nan'):>10.1f}{b if b else float('nan'):>10.1f}{ratio:>8}")
+        print(f"   frame b1 ms: total {fr['t_total']:.2f}, GPU {fr['t_gpu']:.2f}, CPU experts "
+              f"{fr['t_cpu_experts']:.2f}, GPU waiting on CPU {fr['t_gpu_wait']:.2f}; floor "
+              f"{s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached {100 * s.get('floor_share_b1', 0):.0f}%), "
+              f"CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
+        if "error" in ll:
+            print(f"   llama.cpp failed: {ll['error'][-400:]}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"skew": args.skew, "model": str(path), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""What the parity tests of the architectures and quant types share: the relative error logits are
+judged by, llama.cpp (the pinned llama-cpp-python) as the oracle, greedy decoding judged up to the
+first near-tie, and the NumPy pieces of the float64 reference passes (RMSNorm, llama.cpp's router).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TOL = 1e-3  # max|delta| / max|ref|: the F32 parity tolerance of the architecture tests
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """max|got - ref| / max|ref|."""
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def open_llama(path: Path, n_ctx: int = 256, *, f32_kv: bool = True) -> Any:
+    """llama.cpp on a GGUF, every row's logits kept, 2 threads. An F32 KV cache by default: llama.cpp's
+    own rounding then stays well inside the tolerance (its F16 cache alone costs up to ~9e-4 against a
+    float64 reference); f32_kv=False keeps its default F16 cache."""
+    import llama_cpp
+
+    kv = {"type_k": 0, "type_v": 0} if f32_kv else {}
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
+                           n_threads=2, **kv)
+
+
+def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits for every position of `ids` from a fresh context (a copy: the next eval
+    reuses its buffer)."""
+    llm.reset()
+    llm.eval(ids)
+    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def llama_file_logits(path: Path, ids: list[int], n_ctx: int = 128, *, f32_kv: bool = True) -> np.ndarray:
+    """llama_logits on a model opened for this call alone."""
+    llm = open_llama(path, n_ctx, f32_kv=f32_kv)
+    try:
+        return llama_logits(llm, ids)
+    finally:
+        llm.close()
+
+
+def llama_greedy(llm: Any, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's own greedy decoding: its KV cache, one token at a time."""
+    llm.reset()
+    llm.eval(prompt)
+    out = []
+    for _ in range(n):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(tok)
+        llm.eval([tok])
+    return out
+
+
+def judge_greedy(gen: list[int], ref_seq: np.ndarray, start: int, tol: float, what: str = "llama.cpp") -> bool:
+    """Greedy picks against reference logits: ref_seq[start + i] are the logits behind gen[i] (the
+    reference run on the engine's own continuation). Each pick must be the reference's argmax; where
+    it is not, the reference itself must be within 2 * tol * max|ref_seq| of a tie there, and judging
+    stops (the sequences may part from there). True when every pick is the argmax (no tie met), False
+    when judging stopped at a near-tie; an AssertionError for a pick that no near-tie explains."""
+    tie_ok = 2 * tol * float(np.abs(ref_seq).max())
+    for step, tok in enumerate(gen):
+        row = ref_seq[start + step]
+        best = int(row.argmax())
+        if tok != best:
+            gap = float(row[best] - row[tok])
+            assert gap <= tie_ok, f"greedy step {step}: engine chose {tok}, {what} {best} (gap {gap:.3e})"
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- NumPy pieces
+
+
+def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis, times the gain w."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def swiglu(x: np.ndarray, g: np.ndarray, u: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The SwiGLU FFN of rows x: down(silu(gate x) * up x)."""
+    h = x @ g.T
+    return (h / (1.0 + np.exp(-h)) * (x @ u.T)) @ d.T
+
+
+def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, n_group: int, n_group_used: int,
+              norm: bool, scale: float, *, relative: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+    """llama.cpp's build_moe_ffn routing of one token: (chosen ids, their weights, decision margin).
+    gating 1 softmax, 2 sigmoid, 3 softmax over the chosen logits. The margin is the smallest gap that
+    decided anything (the k-th vs the (k+1)-th eligible choice score, and the last kept vs the first
+    dropped group score); `relative` divides each gap by the larger of the two scores (softmax
+    probabilities: a small logit error moves them in proportion, whatever their size)."""
+
+    def gap(a: float, b: float) -> float:
+        return (a - b) / max(abs(a), abs(b)) if relative else a - b
+
+    logits = logits.astype(np.float64)
+    if gating == 1:
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+    elif gating == 2:
+        p = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        p = logits.copy()
+    c = p + bias if bias is not None else p.copy()
+    margin = np.inf
+    if n_group > 1:
+        g = c.reshape(n_group, -1)
+        top2 = np.sort(g, axis=1)[:, ::-1][:, : min(2, g.shape[1])].sum(axis=1)
+        order = np.argsort(-top2, kind="stable")
+        margin = min(margin, gap(top2[order[n_group_used - 1]], top2[order[n_group_used]]))
+        dropped = np.ones(n_group, bool)
+        dropped[order[:n_group_used]] = False
+        c = np.where(np.repeat(dropped, g.shape[1]), -np.inf, c)
+    order = np.argsort(-c, kind="stable")
+    ids = order[:k]
+    if np.isfinite(c[order[k]]):
+        margin = min(margin, gap(c[order[k - 1]], c[order[k]]))
+    w = p[ids]
+    if gating == 3:
+        w = np.exp(w - w.max())
+        w /= w.sum()
+    if norm:
+        w = w / max(w.sum(), 6.103515625e-5)
+    return ids, w * scale, float(margin)
