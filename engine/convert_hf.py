@@ -274,12 +274,38 @@ def _rope_theta(config: dict[str, Any]) -> float:
         raise ConversionError(f"config.json: unsupported rope_parameters layout {sorted(params)}")
     for p in (params, scaling):
         rtype = p.get("rope_type", p.get("type", "default"))
-        if rtype not in (None, "default"):
-            raise ConversionError(f"config.json: rope type {rtype!r} is not supported (only plain rope)")
+        if rtype not in (None, "default", "linear", "yarn"):
+            raise ConversionError(f"config.json: rope type {rtype!r} is not supported (plain, linear or yarn)")
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)) or theta <= 0:
         raise ConversionError(f"config.json: invalid rope_theta {theta!r}")
     return float(theta)
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any]:
+    """Linear or YaRN rope scaling as GGUF rope.scaling.* values (empty: none). YaRN's factor is
+    the stated one; its other parameters beyond the original context must be transformers'
+    defaults (beta_fast 32, beta_slow 1, no attention factor or mscale override), which are
+    llama.cpp's too."""
+    p = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rtype = p.get("rope_type", p.get("type", "default"))
+    if rtype in (None, "default"):
+        return {}
+    factor = p.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1e6:
+        raise ConversionError(f"config.json: rope scaling {rtype!r} needs a positive factor, got {factor!r}")
+    out: dict[str, Any] = {"type": rtype, "factor": float(factor)}
+    if rtype == "yarn":
+        extra = {k: p[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if p.get(k) is not None}
+        if extra or p.get("beta_fast", 32) != 32 or p.get("beta_slow", 1) != 1 or p.get("truncate", True) is False:
+            raise ConversionError(f"config.json: YaRN parameters {sorted(p)} beyond factor and original context "
+                                  "are not converted")
+        orig = p.get("original_max_position_embeddings")
+        if orig is not None:
+            if not isinstance(orig, int) or orig < 1:
+                raise ConversionError(f"config.json: invalid original_max_position_embeddings {orig!r}")
+            out["original_context_length"] = orig
+    return out
 
 
 def _hparams(config: dict[str, Any], spec: _ArchSpec, hf_arch: str, hf_dir: Path) -> _HParams:
@@ -305,6 +331,8 @@ def _hparams(config: dict[str, Any], spec: _ArchSpec, hf_arch: str, hf_dir: Path
     )
     if head_dim % 2:
         raise ConversionError(f"config.json: head_dim {head_dim} must be even")
+    if scaling := _rope_scaling(config):
+        hp.extra["rope_scaling"] = scaling
     if not spec.moe:
         return hp
     if hf_arch == "MixtralForCausalLM":
@@ -593,6 +621,12 @@ def _write_metadata(w: gguf.GGUFWriter, spec: _ArchSpec, hp: _HParams, file_type
     w.add_value_length(hp.head_dim)
     w.add_rope_dimension_count(hp.head_dim)
     w.add_rope_freq_base(hp.rope_theta)
+    scaling = hp.extra.get("rope_scaling") or {}
+    if scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(scaling["type"]))
+        w.add_rope_scaling_factor(scaling["factor"])
+        if "original_context_length" in scaling:
+            w.add_rope_scaling_orig_ctx_len(scaling["original_context_length"])
     w.add_layer_norm_rms_eps(hp.rms_eps)
     if spec.moe:
         w.add_expert_count(hp.n_expert)

@@ -24,6 +24,7 @@ from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
 from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
 from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
+from engine.rope import RopeOverrides, RopeParams, resolve
 from engine.step import StepStats
 
 if TYPE_CHECKING:
@@ -158,6 +159,18 @@ class GpuBudgetError(UnsupportedError):
     placed there (weights other than the routed experts, the KV cache, step buffers, the context reserve)."""
 
 
+class RopeScalingOnGpuError(UnsupportedError):
+    """A model run with rope scaling on device="cuda": the GPU engine's RoPE has no scaling yet, and
+    would silently compute a different model."""
+
+
+def _check_rope_on_gpu(mf: ModelFile, rope: RopeParams) -> None:
+    if rope.active:
+        raise RopeScalingOnGpuError(f"{mf.path}: rope scaling ({rope.describe()}) is not in the GPU engine yet; "
+                                    "serve this model on device='cpu' (or 'auto'), or override rope_scaling_type "
+                                    "to 'none'")
+
+
 class StaleSourceError(EngineError):
     """Engine.launch(token_src=..., after=t): another step ran on the engine after step t, so its picks
     are no longer the ones the device holds; nothing was run."""
@@ -180,7 +193,8 @@ class Engine:
     def __init__(self, mf: ModelFile, threads: int, cores: Sequence[int] | None, kv_tokens: int,
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
-                 resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "") -> None:
+                 resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
+                 rope: RopeParams | None = None) -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -191,9 +205,12 @@ class Engine:
         self.threads = threads
         self.cores = list(cores) if cores else None
         # a file the C checks refuse raises GGUFError carrying the C message
-        self._model, self._desc, self._keep = create_native_model(mf)
-        n_blocks = max(1, -(-kv_tokens // block_size))
+        self.rope = rope or mf.hparams.rope  # the rope scaling run: the file's and the lane's overrides
         self.device = device or DeviceSpec("cpu")
+        if self.device.kind == "cuda":
+            _check_rope_on_gpu(mf, self.rope)
+        self._model, self._desc, self._keep = create_native_model(mf, self.rope)
+        n_blocks = max(1, -(-kv_tokens // block_size))
         on_gpu = self.device.kind == "cuda"
         # hybrid: the routed experts the GPU does not hold run on this C model and pool (st_moe_pairs); on the
         # GPU otherwise the C model only validated the file, and its pool is one thread
@@ -246,7 +263,8 @@ class Engine:
              cores: Sequence[int] | None = None, kv_tokens: int = 4096, block_size: int = 16,
              prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
              gpu_budget_gb: float | None = None,
-             placement: str | os.PathLike[str] | PlacementFile | None = None) -> Engine:
+             placement: str | os.PathLike[str] | PlacementFile | None = None,
+             rope: RopeOverrides | None = None) -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
@@ -263,8 +281,12 @@ class Engine:
         calibrate``); default: the model's default placement file beside it when it exists
         (``engine.placement.default_placement_path``), else uniform routing.
 
-        max_model_len overrides the context window (default: the trained context,
-        bounded by the KV capacity); beyond the trained context quality is not promised.
+        max_model_len overrides the context window (default: the trained context, or the
+        scaled one under rope scaling, bounded by the KV capacity); beyond it quality is not promised.
+
+        rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
+        --yarn-* options, engine.rope). Rope scaling runs on the CPU only for now: on a GPU a model
+        with it raises UnsupportedError (RopeScalingOnGpuError).
         """
         if path is None:
             from engine.default_model import build_default_model, default_model_path
@@ -283,6 +305,7 @@ class Engine:
             _check_cores(cores)
         asked = parse_device(device)  # a bad device string fails before the file is read
         mf = open_model(path)
+        rp = resolve(mf.hparams.rope_scaling, mf.hparams.n_ctx_train, rope)
         if mf.hparams.arch not in GPU_ARCHES:  # the CPU engine runs it; the CUDA backend does not yet
             if asked.kind == "cuda":
                 raise UnsupportedModelError(mf.path, f"architecture {mf.hparams.arch!r} runs on the CPU only "
@@ -291,7 +314,10 @@ class Engine:
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
         planned = None
         if asked.kind == "cuda":
+            _check_rope_on_gpu(mf, rp)
             planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
+        elif asked.kind != "cpu" and rp.active:  # "auto": the CPU runs rope scaling, the GPU does not yet
+            device = "cpu"
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
             planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
@@ -301,7 +327,7 @@ class Engine:
 
             resident = resident_mask(mf, planned[0])
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                   resident, planned[0] if planned else None, planned[1] if planned else "")
+                   resident, planned[0] if planned else None, planned[1] if planned else "", rp)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
@@ -348,8 +374,10 @@ class Engine:
 
     @property
     def n_ctx(self) -> int:
-        """The context window: the trained context (or the override), bounded by the KV capacity."""
-        return min(self._max_model_len or self.hparams.n_ctx_train, self.kv_tokens)
+        """The context window, the one number a lane reports and the gateway enforces: the trained
+        context (the scaled one under rope scaling: engine.rope.RopeParams.window) or the
+        max_model_len override, bounded by the KV capacity."""
+        return min(self._max_model_len or self.rope.window(self.hparams.n_ctx_train), self.kv_tokens)
 
     # ------------------------------------------------------------ the step
     def forward(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],

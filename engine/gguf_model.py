@@ -17,6 +17,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from common.gguf_meta import GGUFError, Walker, check_header, read_header, read_kv
+from engine.rope import SCALING_TYPES, RopeParams, RopeScaling, resolve
 
 # ggml type ids the C engine implements (see engine/csrc/strata.h).
 SUPPORTED_TYPES: dict[int, str] = {
@@ -112,11 +113,7 @@ class HParams(BaseModel):
     n_swa: int = 0  # sliding window (tokens) of the sliding layers; 0: every layer attends to all
     swa_pattern: int = 0  # layer il slides when il % swa_pattern < swa_pattern - 1
     attn_sinks: bool = False  # a learned per-head logit joins each softmax's denominator
-    # YaRN rotary scaling (see st_model_desc): factor 0 = none
-    rope_yarn_factor: float = 0.0
-    rope_yarn_orig_ctx: int = 0
-    rope_yarn_beta_fast: float = 32.0
-    rope_yarn_beta_slow: float = 1.0
+    rope_scaling: RopeScaling = RopeScaling()  # as the file states it (engine.rope.resolve: the values run)
     # multi-head latent attention (deepseek2; see st_model_desc): head_dim is each head's query / key
     # width (nope + rope_dim), head_dim_v its value width; n_head_kv is 1 (the cached latent row)
     kv_lora_rank: int = 0
@@ -137,6 +134,11 @@ class HParams(BaseModel):
         if not (self.n_swa and self.swa_pattern):
             return []
         return [il for il in range(self.n_layer) if il % self.swa_pattern < self.swa_pattern - 1]
+
+    @property
+    def rope(self) -> RopeParams:
+        """The rope scaling the file asks for, without a lane's overrides."""
+        return resolve(self.rope_scaling, self.n_ctx_train)
 
     @property
     def routing(self) -> str:
@@ -358,17 +360,15 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
                                   f"{'missing' if shexp is None else shexp.shape})")
     if arch == "glm4moe" and any(int(v) for v in np.atleast_1d(g("rope.dimension_sections", [0]))):
         raise UnsupportedModelError(path, "multimodal rotary sections (rope.dimension_sections) are not supported")
+    rope_scaling = _rope_scaling(md, arch, path)
     n_swa, swa_pattern = 0, 0
     if arch in SWA_PATTERN:
         n_swa, swa_pattern = gi("attention.sliding_window", 1, MAX_CTX), SWA_PATTERN[arch]
     if arch == "gpt-oss":
         if n_expert < 1:
             raise GGUFError(path, f"metadata '{arch}.expert_count' = 0: gpt-oss routes every layer's FFN")
-        yarn = _yarn(md, arch, path)
         if gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim) != head_dim:
             raise UnsupportedModelError(path, "partial rotary dimensions are not supported for gpt-oss")
-    else:
-        yarn = {}
     mla: dict[str, Any] = {}
     n_head_kv = gi("attention.head_count_kv", 1, MAX_HEADS, n_head)
     rope_dim = gi("rope.dimension_count", 1, MAX_HEAD_DIM, head_dim)
@@ -411,7 +411,7 @@ def _hparams(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path) -> H
         n_swa=n_swa,
         swa_pattern=swa_pattern,
         attn_sinks="blk.0.attn_sinks.weight" in tensors,
-        **yarn,
+        rope_scaling=rope_scaling,
         **mla,
     )
 
@@ -468,37 +468,34 @@ def _mla(md: dict[str, Any], tensors: dict[str, TensorRef], path: Path, n_embd: 
             "mla_split": split}
 
 
-# YaRN keys whose values change the computation beyond ggml's plain rope_yarn (ext_factor 1, the
-# attention factor 1 + 0.1 ln(factor)); a file setting one is refused rather than served differently.
-_YARN_UNSUPPORTED = ("rope.scaling.attn_factor", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_attn_factor")
+def _rope_scaling(md: dict[str, Any], arch: str, path: Path) -> RopeScaling:
+    """The rope.scaling.* keys (gguf.constants.Keys.Rope), validated; llama.cpp's defaults where absent."""
+    kind = md.get(f"{arch}.rope.scaling.type", "linear")
+    if not isinstance(kind, str):
+        raise GGUFError(path, f"metadata '{arch}.rope.scaling.type' must be a string, got {type(kind).__name__}")
+    if kind not in SCALING_TYPES:
+        raise UnsupportedModelError(path, f"rope scaling type {kind[:40]!r} is not supported "
+                                          f"(supported: {', '.join(SCALING_TYPES)})")
 
+    def num(key: str, default: float, lo: float, hi: float) -> float:
+        full = f"{arch}.rope.{key}"
+        v = _as_float(md.get(full, default), full, path)
+        if not lo <= v <= hi:
+            raise GGUFError(path, f"metadata {full!r} = {v:g} is out of range [{lo:g}, {hi:g}]")
+        return v
 
-def _yarn(md: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
-    """The YaRN fields of HParams from rope.scaling.* (gpt-oss's published files: yarn, factor 32
-    over 4096 positions), {} when the file asks for no scaling; other kinds are refused."""
-    kind = md.get(f"{arch}.rope.scaling.type", "none")
-    factor = md.get(f"{arch}.rope.scaling.factor", 0.0)
-    if kind == "none" or (kind == "yarn" and factor in (0, 1)):
-        return {}
-    if kind != "yarn":
-        raise UnsupportedModelError(path, f"rope scaling {kind!r} ({arch}.rope.scaling.type) is not supported "
-                                          "(only yarn)")
-    for key in _YARN_UNSUPPORTED:
-        if f"{arch}.{key}" in md:
-            raise UnsupportedModelError(path, f"metadata '{arch}.{key}' is not supported with YaRN")
-    ext = _as_float(md.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0), f"{arch}.rope.scaling.yarn_ext_factor", path)
-    if ext != 1.0:
-        raise UnsupportedModelError(path, f"YaRN ext_factor {ext:g} is not supported (only 1)")
-    out = {"rope_yarn_factor": _as_float(factor, f"{arch}.rope.scaling.factor", path),
-           "rope_yarn_orig_ctx": _as_int(_get(md, f"{arch}.rope.scaling.original_context_length", path=path),
-                                         f"{arch}.rope.scaling.original_context_length", 1, MAX_CTX, path),
-           "rope_yarn_beta_fast": _as_float(md.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
-                                            f"{arch}.rope.scaling.yarn_beta_fast", path),
-           "rope_yarn_beta_slow": _as_float(md.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0),
-                                            f"{arch}.rope.scaling.yarn_beta_slow", path)}
-    if out["rope_yarn_factor"] < 1 or out["rope_yarn_beta_fast"] <= 0 or out["rope_yarn_beta_slow"] <= 0:
-        raise GGUFError(path, f"metadata '{arch}.rope.scaling.*' invalid for YaRN: {out}")
-    return out
+    factor = num("scaling.factor", 0.0, 0.0, 1e6) or num("scale_linear", 0.0, 0.0, 1e6)
+    orig = md.get(f"{arch}.rope.scaling.original_context_length", 0)
+    return RopeScaling(
+        type=kind, factor=factor,
+        original_context_length=_as_int(orig, f"{arch}.rope.scaling.original_context_length", 0, MAX_CTX, path),
+        attn_factor=num("scaling.attn_factor", 1.0, 1e-6, 1e3),
+        yarn_ext_factor=num("scaling.yarn_ext_factor", -1.0, -1e3, 1e3),
+        yarn_attn_factor=num("scaling.yarn_attn_factor", 1.0, 0.0, 1e3),
+        yarn_beta_fast=num("scaling.yarn_beta_fast", 32.0, 1e-6, 1e6),
+        yarn_beta_slow=num("scaling.yarn_beta_slow", 1.0, 1e-6, 1e6),
+        yarn_log_mul=num("scaling.yarn_log_multiplier", 0.0, -1e3, 1e3),
+    )
 
 
 def open_model(path: str | os.PathLike[str]) -> ModelFile:
@@ -593,9 +590,10 @@ def _fill(dst: Any, t: TensorRef | None, keep: list[Any]) -> None:
     dst.n_bytes = t.n_bytes
 
 
-def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
+def build_desc(mf: ModelFile, rope: RopeParams | None = None) -> tuple[Any, list[Any]]:
     """A filled st_model_desc plus the cffi objects that must outlive it. The C side
-    checks every value again (shapes, byte lengths, extents inside the mapping)."""
+    checks every value again (shapes, byte lengths, extents inside the mapping). `rope`: the
+    rope scaling to run (default: the file's, engine.rope.resolve)."""
     from engine.native import ffi  # here, so reading and writing GGUF needs no C build
 
     hp = mf.hparams
@@ -612,9 +610,15 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
         setattr(desc, k, getattr(hp, k))
     desc.expert_norm = int(hp.expert_norm)
     for k in ("gating", "expert_weights_scale", "n_expert_group", "n_group_used", "n_dense_lead", "n_swa",
-              "swa_pattern", "rope_yarn_factor", "rope_yarn_orig_ctx", "rope_yarn_beta_fast", "rope_yarn_beta_slow",
-              "kv_lora_rank", "q_lora_rank", "head_dim_v"):
+              "swa_pattern", "kv_lora_rank", "q_lora_rank", "head_dim_v"):
         setattr(desc, k, getattr(hp, k))
+    rp = rope or hp.rope
+    desc.rope_freq_scale = rp.freq_scale
+    desc.rope_ext_factor = rp.ext_factor
+    desc.rope_attn_factor = rp.attn_factor
+    desc.rope_beta_fast = rp.beta_fast
+    desc.rope_beta_slow = rp.beta_slow
+    desc.rope_n_ctx_orig = min(rp.n_ctx_orig, (1 << 31) - 1)
     desc.map_data = mapping
     desc.map_bytes = mf.mapping.nbytes
     t = mf.tensors
@@ -653,14 +657,14 @@ def build_desc(mf: ModelFile) -> tuple[Any, list[Any]]:
     return desc, keep
 
 
-def create_native_model(mf: ModelFile) -> tuple[Any, Any, list[Any]]:
+def create_native_model(mf: ModelFile, rope: RopeParams | None = None) -> tuple[Any, Any, list[Any]]:
     """The C model for an opened file: (st_model *, its descriptor, the cffi objects that
     must outlive it). A file the C checks refuse raises GGUFError (UnsupportedModelError
     for an unsupported type or shape) carrying the C message; free the model with
     lib.st_model_destroy."""
     from engine.native import ffi, lib
 
-    desc, keep = build_desc(mf)
+    desc, keep = build_desc(mf, rope)
     pm = ffi.new("st_model **")
     rc = lib.st_model_create(desc, pm)
     if rc != lib.ST_OK:

@@ -89,10 +89,17 @@ def _attention_line(mf: ModelFile) -> str:
         parts.append(f"sliding window {hp.n_swa} on {which} (the rest full)")
     rotary = "NEOX" if hp.rope_type == 2 else "NORM"
     parts.append(f"{rotary} rotary on {hp.rope_dim} of {hp.head_dim} dims"
-                 + ((" (the last)" if hp.kv_lora_rank else " (partial)") if hp.rope_dim < hp.head_dim else "") + f", base {hp.rope_base:g}"
-                 + (f", YaRN x{hp.rope_yarn_factor:g} over {hp.rope_yarn_orig_ctx} positions"
-                    if hp.rope_yarn_factor else ""))
+                 + ((" (the last)" if hp.kv_lora_rank else " (partial)") if hp.rope_dim < hp.head_dim else "")
+                 + f", base {hp.rope_base:g}")
     return "attention       " + ", ".join(parts)
+
+
+def _rope_line(hp: HParams) -> str:
+    rp = hp.rope
+    if not rp.active:
+        return "rope scaling    none"
+    line = f"rope scaling    {rp.describe()}, window {rp.window(hp.n_ctx_train)}"
+    return line + " (CPU engine only: the GPU engine refuses it)"
 
 
 def _expert_line(hp: HParams) -> str:
@@ -149,13 +156,14 @@ def _fmt_bytes(n: float) -> str:
 def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None) -> str:
     r = analyse(mf)
     hp = mf.hparams
-    ctx = ctx or hp.n_ctx_train
+    ctx = ctx or hp.rope.window(hp.n_ctx_train)  # the scaled window under rope scaling
     kv = r.kv_bytes_per_token * ctx
     lines = [
         f"file            {mf.path} ({_fmt_bytes(r.file_bytes)})",
         f"architecture    {r.arch}: {hp.n_layer} layers, d_model {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv} "
         f"(head_dim {hp.head_dim}), vocab {hp.n_vocab}, trained context {hp.n_ctx_train}",
         _attention_line(mf),
+        _rope_line(hp),
         _expert_line(hp),
         *([f"routing         {hp.routing}" + (", router bias" if "blk.0.ffn_gate_inp.bias" in mf.tensors else "")]
           if hp.n_expert else []),
@@ -208,7 +216,7 @@ def render_hybrid(mf: ModelFile, vram_gib: float, *, ctx: int | None = None, seq
         cpu_gbs = pl.measure_cpu_read_gbs(threads)
     if gpu_gbs is None:
         gpu_gbs = pl.gpu_read_gbs(gpu or pl.DEFAULT_GPU)
-    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.n_ctx_train, n_seqs=seqs,
+    params = pl.PlanParams(budget_bytes=int(vram_gib * GIB), n_ctx=ctx or mf.hparams.rope.window(mf.hparams.n_ctx_train), n_seqs=seqs,
                            step_tokens=step_tokens, staging_slots=staging_slots, cpu_read_gbs=cpu_gbs,
                            gpu_read_gbs=gpu_gbs)
     text = pl.render_plan(pl.plan(mf, params, freqs), mf.hparams.n_expert, source)

@@ -10,7 +10,8 @@ try:
 except ImportError as exc:  # pragma: no cover - only without a build
     raise ImportError("the C engine is not built: run `make build` (python -m engine._build)") from exc
 
-__all__ = ["ffi", "lib", "EngineError", "UnsupportedError", "check", "VARIANTS", "available_variants", "ptr"]
+__all__ = ["ffi", "lib", "EngineError", "UnsupportedError", "check", "VARIANTS", "available_variants", "ptr",
+           "set_attn_split", "get_attn_split"]
 
 
 class EngineError(RuntimeError):
@@ -64,6 +65,23 @@ def available_variants() -> list[str]:
 
 
 _variant_from_env()
+
+
+def set_attn_split(mode: str | int) -> None:
+    """How st_forward splits decode attention over the pool (st_set_attn_split), process-wide:
+    "auto" (the rule in docs/engine.md), "off" (never: the per-head kernels, the reference the
+    split is tested and measured against) or a chunk length in keys (a multiple of 16) that every
+    decode query is cut into. For tests and benchmarks; serving keeps "auto"."""
+    code = {"auto": lib.ST_SPLIT_AUTO, "off": lib.ST_SPLIT_OFF}.get(mode) if isinstance(mode, str) else mode
+    if code is None or isinstance(code, bool):
+        raise ValueError(f"attention split mode {mode!r}: expected 'auto', 'off' or a chunk length")
+    check(lib.st_set_attn_split(code), "set_attn_split")
+
+
+def get_attn_split() -> str | int:
+    """The current attention split mode: "auto", "off" or the forced chunk length."""
+    code = lib.st_get_attn_split()
+    return {lib.ST_SPLIT_AUTO: "auto", lib.ST_SPLIT_OFF: "off"}.get(code, code)
 
 
 def ptr(array: Any, ctype: str = "void *") -> Any:

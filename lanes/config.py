@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
+from engine.rope import RopeOverrides, ScalingType
 from engine.scheduler import SchedulerConfig
 
 __all__ = ["ENV_PREFIX", "LANE_PORTS", "ConfigError", "LaneConfig", "decode_env", "load_config", "parse_cpu_list",
@@ -83,6 +84,16 @@ class LaneConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")
     kv_tokens: int = Field(8192, ge=16)
     max_model_len: int | None = Field(None, ge=2)
+    # rope scaling overrides (None: the model file's), llama.cpp's context options: engine/rope.py
+    rope_scaling_type: ScalingType | None = Field(None, description="--rope-scaling: none, linear or yarn")
+    rope_scaling_factor: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False,
+                                              description="--rope-scale: the context stretch (1 / --rope-freq-scale)")
+    yarn_orig_ctx: int | None = Field(None, ge=1, le=1 << 31, description="--yarn-orig-ctx")
+    yarn_ext_factor: float | None = Field(None, ge=0, le=1e3, allow_inf_nan=False, description="--yarn-ext-factor")
+    yarn_attn_factor: float | None = Field(None, gt=0, le=1e3, allow_inf_nan=False,
+                                           description="--yarn-attn-factor (derived while ext_factor != 0)")
+    yarn_beta_fast: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False, description="--yarn-beta-fast")
+    yarn_beta_slow: float | None = Field(None, gt=0, le=1e6, allow_inf_nan=False, description="--yarn-beta-slow")
     block_size: int = Field(16, ge=1, le=1024)
     prefill_chunk: int = Field(512, ge=1)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -149,6 +160,11 @@ class LaneConfig(BaseModel):
         if self.device.startswith("cuda:") and self.gpu is not None and int(self.device[5:]) != self.gpu:
             raise ConfigError(f"device={self.device!r} and gpu={self.gpu} name different GPUs")
         return self.device
+
+    def rope_overrides(self) -> RopeOverrides | None:
+        """The rope scaling overrides for Engine.open (None: the model file's scaling)."""
+        o = RopeOverrides(**{k: getattr(self, k) for k in RopeOverrides.model_fields})
+        return None if o.empty else o
 
     def engine_threads(self, cores: Sequence[int] | None) -> int | None:
         return self.threads if self.threads is not None else (len(cores) if cores else None)

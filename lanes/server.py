@@ -56,7 +56,8 @@ def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
     return Engine.open(config.model, threads=config.engine_threads(cores), cores=cores,
                        kv_tokens=config.kv_tokens, max_model_len=config.max_model_len,
                        block_size=config.block_size, prefill_chunk=config.prefill_chunk,
-                       device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement)
+                       device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement,
+                       rope=config.rope_overrides())
 
 
 def pin_process(cores: Sequence[int]) -> None:

@@ -12,7 +12,15 @@
  * tile path puts queries in vector lanes; the decode path puts keys in lanes.
  *
  * Three variants: the generic reference here, and AVX-512 / AVX2 versions below, each
- * compiled for its ISA through target attributes and chosen at run time. */
+ * compiled for its ISA through target attributes and chosen at run time.
+ *
+ * Split decode (flash-decoding): a decode query with many keys is cut into chunks; each chunk
+ * gives a partial (its max score m, sum l of exp(s - m), unnormalised value sum acc) for the
+ * query heads that share one KV head, and st_attn_combine merges a query's partials in chunk
+ * order. Per query the partial kernel runs the decode kernel's operations over its chunk, so a
+ * single chunk gives the unsplit result bit for bit; several chunks differ from it by the
+ * rounding of the rescaling (docs/engine.md states the tolerance). Each variant has its
+ * partial kernel (part_ref, part_256, part_512); the combine is one generic function. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -91,6 +99,90 @@ void st_attn_ext(const kv_view *kv, const float *q, int64_t q_stride, int nq, in
         for (int d = 0; d < kv->vd; d++) oi[d] /= sum;
     }
 }
+
+/* ------------------------------------------------------------------ split decode: reference */
+
+static void part_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1, float *part,
+                     float *scratch) {
+    const int hd = kv->hd;
+    float *s = scratch; /* [j1 - j0] scores of one query */
+    for (int i = 0; i < nq; i++) {
+        const float *qi = q + i * q_stride;
+        float mx = -INFINITY;
+        for (int32_t j = j0; j < j1; j++) {
+            const f16_t *kb = k_block(kv, j / kv->bs);
+            float acc = 0.0f;
+            for (int d = 0; d < hd; d++) acc = fmaf(qi[d], f16_to_f32(kb[d * kv->bs + j % kv->bs]), acc);
+            s[j - j0] = acc;
+            mx = acc > mx ? acc : mx;
+        }
+        float sum = 0.0f;
+        for (int32_t j = j0; j < j1; j++) sum += (s[j - j0] = expf(s[j - j0] - mx));
+        float *pi = part + (size_t)i * (size_t)(kv->vd + 2);
+        pi[0] = mx, pi[1] = sum;
+        for (int d = 0; d < kv->vd; d++) {
+            float acc = 0.0f;
+            for (int32_t j = j0; j < j1; j++) acc = fmaf(s[j - j0], f16_to_f32(v_row(kv, j)[d]), acc);
+            pi[2 + d] = acc;
+        }
+    }
+}
+
+attn_part_fn st_attn_part_ref(void) { return part_ref; }
+
+void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int vd, const float *sink,
+                     float *out, int64_t o_stride) {
+    for (int i = 0; i < nq; i++) {
+        const float *p0 = parts + (size_t)i * (size_t)(vd + 2);
+        float mx = sink ? sink[i] : -INFINITY;
+        for (int32_t c = 0; c < n_chunks; c++) mx = p0[c * chunk_stride] > mx ? p0[c * chunk_stride] : mx;
+        float sum = sink ? expf(sink[i] - mx) : 0.0f;
+        float *oi = out + i * o_stride;
+        for (int d = 0; d < vd; d++) oi[d] = 0.0f;
+        for (int32_t c = 0; c < n_chunks; c++) {
+            const float *p = p0 + c * chunk_stride;
+            const float w = expf(p[0] - mx); /* 1 exactly for the chunk holding the maximum */
+            sum = fmaf(w, p[1], sum);
+            for (int d = 0; d < vd; d++) oi[d] = fmaf(w, p[2 + d], oi[d]);
+        }
+        for (int d = 0; d < vd; d++) oi[d] /= sum;
+    }
+}
+
+/* The split rule (docs/engine.md, "Decode attention at long context"). A query with fewer than
+ * SPLIT_MIN_KEYS keys takes one chunk: the grouped kernel then gives the per-head kernel's bits
+ * (so the token has the bits it has in a prefill tile), and a split would cost more than it
+ * saves. From SPLIT_MIN_KEYS keys on they are cut into enough chunks
+ * that the query's KV heads give every thread of the pool SPLIT_ITEMS_PER_THREAD items (so a
+ * slow thread does not hold up the step), with chunks of at least SPLIT_MIN_CHUNK keys (a chunk
+ * must outweigh its combine) and at most SPLIT_MAX_CHUNK (its K and V stay in the core's L2
+ * cache while the group's query heads read them), and at most SPLIT_MAX_CHUNKS chunks (the
+ * partials' memory). Chunks are multiples of 16 keys (one vector of K, never across a block). */
+#define SPLIT_MIN_KEYS 1024
+#define SPLIT_ITEMS_PER_THREAD 2
+#define SPLIT_MIN_CHUNK 256
+#define SPLIT_MAX_CHUNK 1024
+#define SPLIT_MAX_CHUNKS 256
+
+static int32_t g_split_mode = ST_SPLIT_AUTO;
+
+int32_t st_attn_split_chunk(int32_t n_keys, int32_t n_threads, int32_t n_kv) {
+    const int32_t mode = g_split_mode;
+    if (mode == ST_SPLIT_OFF || n_keys < 1) return 0;
+    if (mode > 0) return mode;
+    if (n_keys < SPLIT_MIN_KEYS) return (n_keys + 15) / 16 * 16;
+    const int64_t want = ((int64_t)SPLIT_ITEMS_PER_THREAD * (n_threads > 1 ? n_threads : 1) + n_kv - 1) / n_kv;
+    int64_t n_chunks = want < n_keys / SPLIT_MIN_CHUNK ? want : n_keys / SPLIT_MIN_CHUNK;
+    if (n_chunks < ((int64_t)n_keys + SPLIT_MAX_CHUNK - 1) / SPLIT_MAX_CHUNK)
+        n_chunks = ((int64_t)n_keys + SPLIT_MAX_CHUNK - 1) / SPLIT_MAX_CHUNK;
+    if (n_chunks > SPLIT_MAX_CHUNKS) n_chunks = SPLIT_MAX_CHUNKS;
+    if (n_chunks < 1) n_chunks = 1;
+    const int64_t per = ((int64_t)n_keys + n_chunks - 1) / n_chunks;
+    return (int32_t)((per + 15) / 16 * 16);
+}
+
+void st_attn_split_set_mode(int32_t mode) { g_split_mode = mode; }
+int32_t st_attn_split_mode(void) { return g_split_mode; }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -189,6 +281,71 @@ T512 static void attn_one_512(const kv_view *kv, const float *q, float *out, int
         for (int32_t j = 0; j < n_keys; j++)
             acc = _mm512_fmadd_ps(_mm512_set1_ps(S[j]), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v_row(kv, j) + c))), acc);
         _mm512_storeu_ps(out + c, _mm512_div_ps(acc, _mm512_set1_ps(sum)));
+    }
+}
+
+/* The partials of NB (1..4) queries over keys [j0, j1) (j0 a multiple of 16): per query the
+ * operations of attn_one_512 on the chunk, so each lane's fma chains are the same; the queries
+ * share each K and V load and conversion. S: NB rows of round_up(j1 - j0, 16) floats. NB is a
+ * constant in each inlined copy, so the accumulators stay in registers. */
+T512 static inline __attribute__((always_inline)) void part_512_nb(const kv_view *kv, const float *q,
+                                                                   int64_t q_stride, const int NB, int32_t j0,
+                                                                   int32_t j1, float *part, float *S) {
+    const int hd = kv->hd, bs = kv->bs, ps = kv->vd + 2; /* a partial: max, sum, vd values */
+    const int32_t n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
+    for (int32_t o = 0; o < n; o += LANES) {
+        const f16_t *kb = k_block(kv, (j0 + o) / bs) + (j0 + o) % bs;
+        __m512 acc[4];
+        for (int g = 0; g < NB; g++) acc[g] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d++) {
+            const __m512 kd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kb + d * bs)));
+            for (int g = 0; g < NB; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * q_stride + d]), kd, acc[g]);
+        }
+        for (int g = 0; g < NB; g++) _mm512_storeu_ps(S + g * rs + o, acc[g]);
+    }
+    const int32_t full = n / LANES * LANES;
+    float sums[4];
+    for (int g = 0; g < NB; g++) {
+        float *Sg = S + g * rs;
+        __m512 mxv = _mm512_set1_ps(-INFINITY);
+        for (int32_t j = 0; j < full; j += LANES) mxv = _mm512_max_ps(mxv, _mm512_loadu_ps(Sg + j));
+        float mx = _mm512_reduce_max_ps(mxv);
+        for (int32_t j = full; j < n; j++) mx = Sg[j] > mx ? Sg[j] : mx;
+        for (int32_t j = 0; j < n; j += LANES)
+            _mm512_storeu_ps(Sg + j, exp512(_mm512_sub_ps(_mm512_loadu_ps(Sg + j), _mm512_set1_ps(mx))));
+        float sum = 0.0f; /* sequential over keys, as attn_one_512 */
+        for (int32_t j = 0; j < n; j++) sum += Sg[j];
+        part[g * ps] = mx, sums[g] = sum;
+    }
+    for (int g = 0; g < NB; g++) part[g * ps + 1] = sums[g];
+    for (int c = 0; c < kv->vd; c += 16) {
+        __m512 acc[4];
+        for (int g = 0; g < NB; g++) acc[g] = _mm512_setzero_ps();
+        for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
+            const f16_t *vb = v_row(kv, j) + c;
+            const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
+            for (int32_t jj = 0; jj < jn; jj++) {
+                const __m512 vv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vb + (size_t)jj * kv->v_dim)));
+                for (int g = 0; g < NB; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(S[g * rs + j - j0 + jj]), vv, acc[g]);
+            }
+            j += jn;
+        }
+        for (int g = 0; g < NB; g++) _mm512_storeu_ps(part + g * ps + 2 + c, acc[g]);
+    }
+}
+
+T512 static void part_512(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
+                          float *part, float *scratch) {
+    const size_t ps = (size_t)(kv->vd + 2);
+    for (int i = 0; i < nq; i += 4) {
+        const float *qi = q + i * q_stride;
+        float *pi = part + (size_t)i * ps;
+        switch (nq - i < 4 ? nq - i : 4) {
+        case 1: part_512_nb(kv, qi, q_stride, 1, j0, j1, pi, scratch); break;
+        case 2: part_512_nb(kv, qi, q_stride, 2, j0, j1, pi, scratch); break;
+        case 3: part_512_nb(kv, qi, q_stride, 3, j0, j1, pi, scratch); break;
+        default: part_512_nb(kv, qi, q_stride, 4, j0, j1, pi, scratch); break;
+        }
     }
 }
 
@@ -324,6 +481,84 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
     }
 }
 
+/* The partials of NB (1..4) queries over keys [j0, j1) (j0 a multiple of 16): per query the
+ * operations of attn_one_256 on the chunk (each lane's fma chains unchanged); the queries share
+ * each K and V load and conversion, 16 keys (two vectors) at a time. S as part_512_nb's. */
+T256 static inline __attribute__((always_inline)) void part_256_nb(const kv_view *kv, const float *q,
+                                                                   int64_t q_stride, const int NB, int32_t j0,
+                                                                   int32_t j1, float *part, float *S) {
+    const int hd = kv->hd, bs = kv->bs, ps = kv->vd + 2; /* a partial: max, sum, vd values */
+    const int32_t n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
+    for (int32_t o = 0; o < n; o += LANES) { /* 16 keys of one block (a block holds whole groups of 16) */
+        const f16_t *kb = k_block(kv, (j0 + o) / bs) + (j0 + o) % bs;
+        __m256 a0[4], a1[4];
+        for (int g = 0; g < NB; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d++) {
+            const __m256 k0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb + d * bs)));
+            const __m256 k1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(kb + d * bs + 8)));
+            for (int g = 0; g < NB; g++) {
+                const __m256 qd = _mm256_set1_ps(q[g * q_stride + d]);
+                a0[g] = _mm256_fmadd_ps(qd, k0, a0[g]);
+                a1[g] = _mm256_fmadd_ps(qd, k1, a1[g]);
+            }
+        }
+        for (int g = 0; g < NB; g++) {
+            _mm256_storeu_ps(S + g * rs + o, a0[g]);
+            _mm256_storeu_ps(S + g * rs + o + 8, a1[g]);
+        }
+    }
+    float sums[4];
+    for (int g = 0; g < NB; g++) {
+        float *Sg = S + g * rs;
+        float mx = -INFINITY;
+        for (int32_t j = 0; j < n; j++) mx = Sg[j] > mx ? Sg[j] : mx;
+        for (int32_t j = 0; j < n; j += 8)
+            _mm256_storeu_ps(Sg + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(Sg + j), _mm256_set1_ps(mx))));
+        float sum = 0.0f;
+        for (int32_t j = 0; j < n; j++) sum += Sg[j];
+        part[g * ps] = mx, sums[g] = sum;
+    }
+    for (int g = 0; g < NB; g++) part[g * ps + 1] = sums[g];
+    for (int c = 0; c < kv->vd; c += 16) {
+        __m256 a0[4], a1[4];
+        for (int g = 0; g < NB; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+        for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
+            const f16_t *vb = v_row(kv, j) + c;
+            const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
+            for (int32_t jj = 0; jj < jn; jj++) {
+                const f16_t *vr = vb + (size_t)jj * kv->v_dim;
+                const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)vr));
+                const __m256 v1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vr + 8)));
+                for (int g = 0; g < NB; g++) {
+                    const __m256 p = _mm256_set1_ps(S[g * rs + j - j0 + jj]);
+                    a0[g] = _mm256_fmadd_ps(p, v0, a0[g]);
+                    a1[g] = _mm256_fmadd_ps(p, v1, a1[g]);
+                }
+            }
+            j += jn;
+        }
+        for (int g = 0; g < NB; g++) {
+            _mm256_storeu_ps(part + g * ps + 2 + c, a0[g]);
+            _mm256_storeu_ps(part + g * ps + 2 + c + 8, a1[g]);
+        }
+    }
+}
+
+T256 static void part_256(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
+                          float *part, float *scratch) {
+    const size_t ps = (size_t)(kv->vd + 2);
+    for (int i = 0; i < nq; i += 4) {
+        const float *qi = q + i * q_stride;
+        float *pi = part + (size_t)i * ps;
+        switch (nq - i < 4 ? nq - i : 4) {
+        case 1: part_256_nb(kv, qi, q_stride, 1, j0, j1, pi, scratch); break;
+        case 2: part_256_nb(kv, qi, q_stride, 2, j0, j1, pi, scratch); break;
+        case 3: part_256_nb(kv, qi, q_stride, 3, j0, j1, pi, scratch); break;
+        default: part_256_nb(kv, qi, q_stride, 4, j0, j1, pi, scratch); break;
+        }
+    }
+}
+
 T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
                            int64_t o_stride, float *scratch) {
     if (nq == 1) attn_one_256(kv, q, out, p0, scratch);
@@ -332,9 +567,13 @@ T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, 
 
 attn_fn st_attn_avx512(void) { return attn_avx512; }
 attn_fn st_attn_avx2(void) { return attn_avx2; }
+attn_part_fn st_attn_part_avx2(void) { return part_256; }
+attn_part_fn st_attn_part_avx512(void) { return part_512; }
 #else
 attn_fn st_attn_avx512(void) { return NULL; }
 attn_fn st_attn_avx2(void) { return NULL; }
+attn_part_fn st_attn_part_avx2(void) { return NULL; }
+attn_part_fn st_attn_part_avx512(void) { return NULL; }
 #endif
 
 size_t st_attn_scratch_floats(int hd, int32_t max_keys) {

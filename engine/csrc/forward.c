@@ -22,7 +22,16 @@ static double now_s(void) {
 /* ------------------------------------------------------------------ attention */
 
 /* Attention works on tiles: up to ST_ATTN_TILE consecutive tokens of one sequence (a
- * prefill chunk) share every K/V row they read; one work item per (tile, head). */
+ * prefill chunk) share every K/V row they read; one work item per (tile, head). A decode token
+ * with many keys is split instead (attention.c, st_attn_split_chunk): one work item per (KV
+ * head, chunk of keys) computes the partials of the query heads sharing that KV head, and the
+ * item that finishes a (token, KV head) last merges its chunks, so a long sequence spreads over
+ * the whole pool within one parallel region. Split items come first (they are the long ones). */
+typedef struct {
+    int32_t n_rtiles, n_split; /* tiles left to the per-head kernels; tokens on the grouped path */
+    int64_t n_split_items;
+} attn_plan;
+
 typedef struct {
     const st_model *m;
     const st_kv *kv;
@@ -32,19 +41,64 @@ typedef struct {
     float *scratch;       /* per thread: per_thread floats */
     size_t per_thread;
     attn_fn fn;
+    const split_tok *split; /* [n_split] */
+    int32_t n_split;
+    int64_t n_split_items;
+    attn_part_fn part;
+    float *parts;
+    _Atomic int32_t *left; /* [n_split, n_kv] */
 } attn_ctx;
+
+/* KV head kvh of layer c->layer as batch token t's sequence sees it (the heads as cached: st_model.c_*). */
+static kv_view layer_view(const attn_ctx *c, int32_t t, int kvh) {
+    const st_kv *kv = c->kv;
+    return (kv_view){kv->k + kv_offset_k(kv, c->layer, 0), kv->v + kv_offset_v(kv, c->layer, 0, 0),
+                     c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks, kv->block_size,
+                     c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh};
+}
+
+static void split_task(const attn_ctx *c, int64_t item, int thread) {
+    const st_model *m = c->m;
+    int32_t lo = 0, hi = c->n_split - 1; /* the split token holding this item */
+    while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) / 2;
+        if (c->split[mid].item0 <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    const split_tok *sp = &c->split[lo];
+    const int64_t local = item - sp->item0;
+    const int kvh = (int)(local / sp->n_chunks), ch = (int)(local % sp->n_chunks);
+    const int hd = m->c_hd_k, vd = m->c_hd_v, group = m->d.n_head / m->c_n_kv;
+    const int32_t n_keys = c->b->pos[sp->t] + 1, j0 = ch * sp->chunk;
+    const int32_t j1 = n_keys - j0 < sp->chunk ? n_keys : j0 + sp->chunk;
+    const kv_view view = layer_view(c, sp->t, kvh);
+    const size_t stride = (size_t)group * (size_t)(vd + 2);
+    float *parts = c->parts + sp->part0 + (size_t)kvh * (size_t)sp->n_chunks * stride;
+    const float *q = m->s.q + (int64_t)sp->t * m->c_q_dim + (int64_t)kvh * group * hd;
+    c->part(&view, q, hd, group, j0, j1, parts + (size_t)ch * stride, c->scratch + (size_t)thread * c->per_thread);
+    /* the last chunk of this (token, KV head) to finish merges them; acq_rel makes the others' partials visible */
+    if (atomic_fetch_sub_explicit(&c->left[(size_t)lo * (size_t)m->c_n_kv + (size_t)kvh], 1,
+                                  memory_order_acq_rel) == 1) {
+        const st_layer *L = &m->layers[c->layer];
+        const float *sink = L->sinks.data ? (const float *)L->sinks.data + kvh * group : NULL;
+        st_attn_combine(parts, sp->n_chunks, stride, group, vd, sink,
+                        m->s.att + (int64_t)sp->t * m->c_o_dim + (int64_t)kvh * group * vd, vd);
+    }
+}
 
 static void attn_task(void *vctx, int64_t item, int thread) {
     const attn_ctx *c = vctx;
+    if (item < c->n_split_items) {
+        split_task(c, item, thread);
+        return;
+    }
+    item -= c->n_split_items;
     const st_model *m = c->m;
-    const st_kv *kv = c->kv;
     const int n_head = m->d.n_head, group = n_head / m->c_n_kv, hd = m->c_hd_k, vd = m->c_hd_v;
     const int64_t tile = item / n_head;
     const int h = (int)(item % n_head);
     const int32_t t0 = c->tiles[2 * tile], nq = c->tiles[2 * tile + 1];
-    const kv_view view = {kv->k + kv_offset_k(kv, c->layer, 0), kv->v + kv_offset_v(kv, c->layer, 0, 0),
-                          c->b->block_tables + (size_t)c->b->seq[t0] * (size_t)c->b->max_blocks, kv->block_size, hd,
-                          vd, kv->n_kv, kv->v_dim, h / group};
+    const kv_view view = layer_view(c, t0, h / group);
     const st_layer *L = &m->layers[c->layer];
     const int32_t n_swa = st_layer_swa(&m->d, c->layer) ? m->d.n_swa : 0;
     const float *q = m->s.q + t0 * m->c_q_dim + (int64_t)h * hd;
@@ -72,11 +126,53 @@ static int32_t build_tiles(const st_batch *b, int32_t *tiles) {
     return n;
 }
 
+/* Which lone tokens (tiles of one: decode, or a chunk's odd last token) take the grouped path in
+ * layer il: with split mode ST_SPLIT_OFF none; otherwise every one, in chunks by
+ * st_attn_split_chunk (a single chunk below its threshold gives the per-head kernel's bits), by
+ * their keys and the pool's size only, so a sequence gets the same bits alone or in any batch.
+ * A layer with a sliding window keeps every tile on the per-head path; one with sinks takes the
+ * grouped path only for tokens that really split (below that st_attn_ext keeps a token's bits
+ * equal in a tile and alone). Sets p and fills s->split and s->rtiles for a layer with(out) a
+ * sliding window and sinks. */
+static void plan_layer(const st_model *m, const st_batch *b, int sliding, int sinks, int n_threads, int32_t n_tiles,
+                       attn_plan *p) {
+    const scratch *s = &m->s;
+    const int n_kv = m->c_n_kv, n_head = m->d.n_head, vd = m->c_hd_v;
+    p->n_rtiles = p->n_split = 0;
+    p->n_split_items = 0;
+    size_t n_parts = 0;
+    for (int32_t i = 0; i < n_tiles; i++) {
+        const int32_t t0 = s->tiles[2 * i], nq = s->tiles[2 * i + 1];
+        const int32_t chunk = nq == 1 && !sliding ? st_attn_split_chunk(b->pos[t0] + 1, n_threads, n_kv) : 0;
+        const int32_t n_chunks = chunk > 0 ? (int32_t)(((int64_t)b->pos[t0] + chunk) / chunk) : 0;
+        if (n_chunks > 1 || (n_chunks == 1 && !sinks)) {
+            s->split[p->n_split++] = (split_tok){t0, chunk, n_chunks, p->n_split_items, n_parts};
+            p->n_split_items += (int64_t)n_kv * n_chunks;
+            n_parts += (size_t)n_chunks * (size_t)n_head * (size_t)(vd + 2);
+        } else {
+            s->rtiles[2 * p->n_rtiles] = t0, s->rtiles[2 * p->n_rtiles + 1] = nq;
+            p->n_rtiles++;
+        }
+    }
+}
+
+/* The step's tiles, and room for the partials of its lone tokens in any layer. */
+static st_status plan_attention(st_model *m, const st_batch *b, int n_threads, int32_t *n_tiles) {
+    scratch *s = &m->s;
+    *n_tiles = build_tiles(b, s->tiles);
+    attn_plan p;
+    size_t n_parts = 0;
+    plan_layer(m, b, 0, 0, n_threads, *n_tiles, &p); /* no window, no sinks: the most that splits */
+    for (int32_t i = 0; i < p.n_split; i++)
+        n_parts += (size_t)s->split[i].n_chunks * (size_t)m->d.n_head * (size_t)(m->c_hd_v + 2);
+    return p.n_split ? st_scratch_split(s, n_parts, (size_t)p.n_split * (size_t)m->c_n_kv) : ST_OK;
+}
+
 void st_rope_row(float *x, int n_heads, int hd, int off, int rope_dim, int rope_type, const float *inv_freq,
-                 int32_t pos) {
+                 float mscale, int32_t pos) {
     for (int i = 0; i < rope_dim / 2; i++) {
         const float theta = (float)pos * inv_freq[i];
-        const float cs = cosf(theta), sn = sinf(theta);
+        const float cs = cosf(theta) * mscale, sn = sinf(theta) * mscale;
         for (int h = 0; h < n_heads; h++) {
             float *v = x + h * hd + off;
             const int a = rope_type == ST_ROPE_NEOX ? i : 2 * i;
@@ -90,9 +186,16 @@ void st_rope_row(float *x, int n_heads, int hd, int off, int rope_dim, int rope_
 
 void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il) {
     scratch *s = &m->s;
-    const int32_t n_tiles = build_tiles(b, s->tiles);
-    attn_ctx ac = {m, kv, b, il, s->tiles, s->scores, s->cap_ctx, st_attn()};
-    st_pool_run(pool, attn_task, &ac, (int64_t)n_tiles * m->d.n_head);
+    const st_layer *L = &m->layers[il];
+    attn_plan plan;
+    plan_layer(m, b, st_layer_swa(&m->d, il), L->sinks.data != NULL, st_pool_threads(pool), s->n_tiles, &plan);
+    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, st_attn(), s->split, plan.n_split,
+                   plan.n_split_items, st_attn_part(), s->parts, s->left};
+    for (int32_t i = 0; i < plan.n_split; i++)
+        for (int h = 0; h < m->c_n_kv; h++)
+            atomic_store_explicit(&s->left[(size_t)i * (size_t)m->c_n_kv + (size_t)h], s->split[i].n_chunks,
+                                  memory_order_relaxed); /* published to the workers by the pool's start */
+    st_pool_run(pool, attn_task, &ac, plan.n_split_items + (int64_t)plan.n_rtiles * m->d.n_head);
 }
 
 static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T) {
@@ -120,12 +223,10 @@ static void attention_block(st_model *m, st_kv *kv, st_pool *pool, const st_batc
             for (int h = 0; h < d->n_head; h++) st_rmsnorm_row(q + h * hd, L->q_norm.data, q + h * hd, hd, d->norm_eps);
             for (int h = 0; h < d->n_head_kv; h++) st_rmsnorm_row(k + h * hd, L->k_norm.data, k + h * hd, hd, d->norm_eps);
         }
-        st_rope_row(q, d->n_head, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        st_rope_row(k, d->n_head_kv, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, b->pos[t]);
-        const float scale = m->rope_mscale / sqrtf((float)hd); /* folded into q once */
+        st_rope_row(q, d->n_head, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        st_rope_row(k, d->n_head_kv, hd, 0, d->rope_dim, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        const float scale = 1.0f / sqrtf((float)hd); /* folded into q once */
         for (int i = 0; i < m->q_dim; i++) q[i] *= scale;
-        if (m->rope_mscale != 1.0f)
-            for (int i = 0; i < m->kv_dim; i++) k[i] *= m->rope_mscale;
         /* write this token's K (slot-minor) and V into its sequence's block */
         const int32_t *bt = b->block_tables + (size_t)b->seq[t] * (size_t)b->max_blocks;
         st_kv_store(kv, il, bt[b->pos[t] / kv->block_size], b->pos[t] % kv->block_size, k, s->v + t * m->kv_dim);
@@ -272,6 +373,7 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         ids = m->tok_buf;
     }
     m->n_picks = 0; /* this step's picks (if any) replace them */
+    CHECK(plan_attention(m, b, nt, &s->n_tiles));
     embed_ctx ec = {&m->d.token_embd, ids, s->x, E};
     st_pool_run(pool, embed_task, &ec, T);
     for (int il = 0; il < m->d.n_layer; il++) {

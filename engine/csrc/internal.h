@@ -3,6 +3,7 @@
 #define STRATA_INTERNAL_H
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -146,6 +147,24 @@ attn_fn st_attn_ref(void);
 attn_fn st_attn_avx2(void);
 attn_fn st_attn_avx512(void);
 size_t st_attn_scratch_floats(int hd, int32_t max_keys);
+/* Split decode attention (attention.c). The partial of nq query heads (rows of q, pre-scaled)
+ * at one position over keys [j0, j1) of one KV head, j0 a multiple of 16: for query i,
+ * part[i * (vd + 2) ..] = {m, l, acc[vd]}: the largest score, the sum of exp(s - m) and the
+ * sum of exp(s - m) * v (not divided; vd the view's value dimensions). scratch: st_attn_scratch_floats(hd, j1 - j0) floats. */
+typedef void (*attn_part_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
+                             float *part, float *scratch);
+attn_part_fn st_attn_part_ref(void);
+attn_part_fn st_attn_part_avx2(void);
+attn_part_fn st_attn_part_avx512(void);
+/* Merges n_chunks partials of nq queries (chunk c's at parts + c * chunk_stride) in chunk
+ * order into out rows (o_stride apart); sink: NULL or [nq] logits joining each denominator. */
+void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int vd, const float *sink,
+                     float *out, int64_t o_stride);
+/* Keys per chunk for a decode query seeing n_keys keys with a pool of n_threads and n_kv KV
+ * heads: 0 = not split (the per-head kernels). Follows the mode st_set_attn_split chose. */
+int32_t st_attn_split_chunk(int32_t n_keys, int32_t n_threads, int32_t n_kv);
+void st_attn_split_set_mode(int32_t mode);
+int32_t st_attn_split_mode(void);
 
 /* The kernels for the current variant, chosen in variants.c (falls back to ref per type). */
 dot_q_fn st_dot_q(int32_t type);
@@ -160,6 +179,7 @@ static inline int st_layer_swa(const st_model_desc *d, int il) {
     return d->n_swa > 0 && d->swa_pattern > 0 && il % d->swa_pattern < d->swa_pattern - 1;
 }
 attn_fn st_attn(void);
+attn_part_fn st_attn_part(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 
@@ -259,6 +279,14 @@ typedef struct {
     int64_t K;
 } acts;
 
+/* A decode token whose attention is split (forward.c): its chunks are work items item0.. of
+ * a layer's attention run, (KV head, chunk) in that order. */
+typedef struct {
+    int32_t t, chunk, n_chunks; /* batch index, keys per chunk, chunks */
+    int64_t item0;
+    size_t part0; /* its partials: [n_kv][n_chunks][group][head_dim_v + 2] floats from parts + part0 */
+} split_tok;
+
 typedef struct {
     size_t cap_tokens, cap_pairs, cap_ctx, cap_threads;
     float *x, *xn;             /* [T, E] residual stream, normalised copy */
@@ -278,6 +306,12 @@ typedef struct {
     int32_t *pairs_by_expert;  /* [P] */
     int32_t *expert_start;     /* [n_expert + 1] */
     int32_t *tiles;            /* [T, 2] attention tiles */
+    int32_t n_tiles;           /* the step's tiles (plan_attention) */
+    int32_t *rtiles;           /* [T, 2] the tiles left to the per-head kernels where decode splits */
+    split_tok *split;          /* [T] decode tokens whose attention is split */
+    float *parts;              /* [cap_parts] the split tokens' partials */
+    _Atomic int32_t *left;     /* [cap_left] chunks not yet done per (split token, KV head) */
+    size_t cap_parts, cap_left;
     float *logits;             /* [cap_logits] a step's logits when only its greedy picks are wanted */
     size_t cap_logits;
     /* multi-head latent attention (NULL without): */
@@ -302,8 +336,8 @@ struct st_model {
     int64_t c_q_dim, c_o_dim;
     st_tensor *mla_kb; /* [n_layer] each layer's absorption matrix: wk_b, or wkv_b's key rows transposed (F32, below) */
     float *mla_kb_buf; /* the transposed copies for layers that have wkv_b */
-    float *inv_freq; /* [rope_dim / 2] */
-    float rope_mscale; /* YaRN's factor on q and k after the rotation (1: none) */
+    float *inv_freq; /* [rope_dim / 2] each pair's angle per position, rope scaling included */
+    float rope_mscale; /* the factor both rotated values take (YaRN's magnitude scaling; 1 without) */
     scratch s;
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */
@@ -325,6 +359,8 @@ void st_model_repack(st_model *m);
 /* Grow the scratch buffers to hold T tokens (and their expert pairs), n_threads
  * attention rows of ctx floats. */
 st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx);
+/* Grow the split attention's partials to n_parts floats and its counters to n_left. */
+st_status st_scratch_split(scratch *s, size_t n_parts, size_t n_left);
 
 /* ---- step primitives (linear.c) ---- */
 void st_rmsnorm_row(const float *x, const float *w, float *y, int64_t n, float eps);
@@ -408,10 +444,11 @@ st_status st_moe_block(st_model *m, st_pool *pool, const st_batch *b, int il, in
 
 /* ---- attention (forward.c, mla.c) ---- */
 /* Rotate rope_dim dimensions starting at `off` of each of n_heads heads (stride hd) of one row,
- * at position pos (ST_ROPE_NORM: adjacent pairs; NEOX: halves). */
+ * at position pos (ST_ROPE_NORM: adjacent pairs; NEOX: halves); the rotated values scale by mscale. */
 void st_rope_row(float *x, int n_heads, int hd, int off, int rope_dim, int rope_type, const float *inv_freq,
-                 int32_t pos);
-/* Attention of the batch's tiles over layer il's cache: s->q -> s->att (see st_model.c_*). */
+                 float mscale, int32_t pos);
+/* Attention of the step's tiles (s->tiles, s->n_tiles) over layer il's cache: s->q -> s->att (see
+ * st_model.c_*); lone tokens with many keys split across the pool (plan_layer). */
 void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il);
 /* deepseek2's attention block of layer il (RMSNorm to residual), into s->x. */
 void st_mla_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int il, int64_t T);

@@ -135,8 +135,8 @@ void st_mla_block(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, int 
     for (int64_t t = 0; t < T; t++) {
         float *row = s->mkv + t * ck, *q = s->mq + t * m->q_dim, *qa = s->q + t * m->c_q_dim;
         st_rmsnorm_row(row, L->kv_a_norm.data, row, kl, d->norm_eps);
-        st_rope_row(row, 1, (int)ck, (int)kl, (int)rd, d->rope_type, m->inv_freq, b->pos[t]);
-        st_rope_row(q, (int)H, (int)hd, (int)nope, (int)rd, d->rope_type, m->inv_freq, b->pos[t]);
+        st_rope_row(row, 1, (int)ck, (int)kl, (int)rd, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
+        st_rope_row(q, (int)H, (int)hd, (int)nope, (int)rd, d->rope_type, m->inv_freq, m->rope_mscale, b->pos[t]);
         for (int64_t h = 0; h < H; h++) {
             float *g = s->mg + (t * H + h) * nope;
             for (int64_t i = 0; i < nope; i++) g[i] = q[h * hd + i] * scale;

@@ -104,6 +104,40 @@ st_status st_check_routing(const st_model_desc *d) {
     return ST_OK;
 }
 
+/* YaRN's correction dimension: the pair index whose wavelength fits n_rot times into the
+ * original context (ggml_rope_yarn_corr_dim, in float as ggml computes it). */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
+}
+
+/* Each rotary pair's angle per position and the magnitude factor, rope scaling included (the
+ * rule is in strata.h beside the rope_* fields). The descriptor is validated. */
+static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
+    const int n_dims = d->rope_dim;
+    const float fs = d->rope_freq_scale > 0.0f ? d->rope_freq_scale : 1.0f;
+    const float ext = d->rope_ext_factor;
+    float lo = 0.0f, hi = 0.0f, ms = d->rope_attn_factor > 0.0f ? d->rope_attn_factor : 1.0f;
+    if (ext != 0.0f) {
+        const float start = floorf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_fast, d->rope_base));
+        const float end = ceilf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_slow, d->rope_base));
+        lo = start > 0.0f ? start : 0.0f;
+        hi = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
+        ms *= 1.0f + 0.1f * logf(1.0f / fs);
+    }
+    for (int i = 0; i < n_dims / 2; i++) {
+        const double extrap = 1.0 / pow((double)d->rope_base, (double)(2 * i) / (double)n_dims);
+        double mix = 0.0;
+        if (ext != 0.0f) {
+            const float span = hi - lo > 0.001f ? hi - lo : 0.001f;
+            float y = ((float)i - lo) / span;
+            y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
+            mix = (double)((1.0f - y) * ext);
+        }
+        inv_freq[i] = (float)(extrap * ((double)fs * (1.0 - mix) + mix));
+    }
+    *mscale = ms;
+}
+
 /* The latent attention's fields (deepseek2 has them, no other architecture does). Its cached row
  * (kv_lora_rank + rope_dim) is attended as one head, so it is bounded like a head and its parts
  * are multiples of 16 (the attention kernels' vectors). */
@@ -128,8 +162,13 @@ static st_status check_mla(const st_model_desc *d) {
     if (d->n_head_kv != 1)
         return st_fail(ST_EINVAL, "model: latent attention caches one shared row: n_head_kv must be 1, got %d",
                        d->n_head_kv);
-    if (d->rope_yarn_factor != 0.0f)
-        return st_fail(ST_EUNSUPPORTED, "model: YaRN rotary scaling with latent attention is not supported");
+    /* llama.cpp scales deepseek2's attention logits by its own rule whenever the rope is scaled
+     * (mscale^2 from rope.scaling.yarn_log_multiplier); that rule is not implemented here. */
+    if ((d->rope_freq_scale != 0.0f && d->rope_freq_scale != 1.0f) || d->rope_ext_factor != 0.0f ||
+        (d->rope_attn_factor != 0.0f && d->rope_attn_factor != 1.0f))
+        return st_fail(ST_EUNSUPPORTED, "model: rotary scaling (freq_scale %g, ext_factor %g, attn_factor %g) with "
+                                        "latent attention is not supported", (double)d->rope_freq_scale,
+                       (double)d->rope_ext_factor, (double)d->rope_attn_factor);
     if (d->n_swa > 0 || d->n_nextn > 0)
         return st_fail(ST_EUNSUPPORTED, "model: sliding windows or NextN layers with latent attention unsupported");
     return ST_OK;
@@ -157,6 +196,17 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!isfinite(d->rope_base) || d->rope_base <= 0.0f || !isfinite(d->norm_eps) || d->norm_eps < 0.0f)
         return st_fail(ST_EINVAL, "model: rope base %g / norm epsilon %g invalid", (double)d->rope_base,
                        (double)d->norm_eps);
+    {
+        const float fs = d->rope_freq_scale, ext = d->rope_ext_factor, att = d->rope_attn_factor;
+        if (!isfinite(fs) || fs < 0.0f || fs > 1e6f || !isfinite(ext) || ext < 0.0f || ext > 1e3f || !isfinite(att) ||
+            att < 0.0f || att > 1e3f || !isfinite(d->rope_beta_fast) || !isfinite(d->rope_beta_slow))
+            return st_fail(ST_EINVAL, "model: rope scaling invalid (freq_scale %g, ext_factor %g, attn_factor %g, "
+                                      "beta_fast %g, beta_slow %g)", (double)fs, (double)ext, (double)att,
+                           (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+        if (ext != 0.0f && (d->rope_n_ctx_orig < 1 || d->rope_beta_fast <= 0.0f || d->rope_beta_slow <= 0.0f))
+            return st_fail(ST_EINVAL, "model: YaRN needs an original context >= 1 and positive betas (got %d, %g, %g)",
+                           d->rope_n_ctx_orig, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+    }
     if (d->n_expert < 0 || d->n_expert > ST_MAX_EXPERTS || d->n_expert_used < 0 ||
         (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert ||
                              d->n_expert_used > ST_MAX_EXPERTS_USED)) ||
@@ -171,13 +221,6 @@ static st_status check_hparams(const st_model_desc *d) {
     if (!d->map_data || d->map_bytes < 1)
         return st_fail(ST_EINVAL, "model: the mapping the tensors live in is not given (map_data/map_bytes)");
     if (!d->layers) return st_fail(ST_EINVAL, "model: layers is NULL");
-    if (d->rope_yarn_factor != 0.0f &&
-        (!isfinite(d->rope_yarn_factor) || d->rope_yarn_factor < 1.0f || d->rope_yarn_orig_ctx < 1 ||
-         !isfinite(d->rope_yarn_beta_fast) || !isfinite(d->rope_yarn_beta_slow) || d->rope_yarn_beta_fast <= 0.0f ||
-         d->rope_yarn_beta_slow <= 0.0f))
-        return st_fail(ST_EINVAL, "model: YaRN factor %g / original context %d / betas %g, %g invalid",
-                       (double)d->rope_yarn_factor, d->rope_yarn_orig_ctx, (double)d->rope_yarn_beta_fast,
-                       (double)d->rope_yarn_beta_slow);
     if (d->n_swa < 0 || d->swa_pattern < 0)
         return st_fail(ST_EINVAL, "model: sliding window %d / pattern %d invalid", d->n_swa, d->swa_pattern);
     return check_mla(d);
@@ -371,22 +414,7 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
         st_model_destroy(m);
         return st_fail(ST_ENOMEM, "model_create: out of memory");
     }
-    for (int i = 0; i < m->d.rope_dim / 2; i++)
-        m->inv_freq[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
-    m->rope_mscale = 1.0f;
-    if (m->d.rope_yarn_factor > 0.0f) { /* ggml_rope_yarn_corr_dims, then each pair's ramp */
-        const double n = (double)m->d.rope_dim, base = (double)m->d.rope_base, ctx = (double)m->d.rope_yarn_orig_ctx;
-        const double c_fast = n * log(ctx / ((double)m->d.rope_yarn_beta_fast * 6.283185307179586)) / (2.0 * log(base));
-        const double c_slow = n * log(ctx / ((double)m->d.rope_yarn_beta_slow * 6.283185307179586)) / (2.0 * log(base));
-        const double lo = fmax(0.0, floor(c_fast)), hi = fmin(n - 1.0, ceil(c_slow));
-        const double s = 1.0 / (double)m->d.rope_yarn_factor;
-        for (int i = 0; i < m->d.rope_dim / 2; i++) {
-            const double y = ((double)i - lo) / fmax(0.001, hi - lo);
-            const double r = 1.0 - fmin(1.0, fmax(0.0, y));
-            m->inv_freq[i] = (float)((double)m->inv_freq[i] * (s * (1.0 - r) + r));
-        }
-        m->rope_mscale = (float)(1.0 + 0.1 * log((double)m->d.rope_yarn_factor));
-    }
+    rope_table(&m->d, m->inv_freq, &m->rope_mscale);
     *out = m;
     return ST_OK;
 }
@@ -483,7 +511,8 @@ static void scratch_free(scratch *s) {
     void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
                     s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
                     s->hxs, s->hs, s->pair_tok,
-                    s->pairs_by_expert, s->expert_start, s->tiles, s->logits, s->mqa, s->mq, s->mkv, s->mg, s->mo};
+                    s->pairs_by_expert, s->expert_start, s->tiles, s->rtiles, s->split, s->parts,
+                    (void *)s->left, s->logits, s->mqa, s->mq, s->mkv, s->mg, s->mo};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
     memset(s, 0, sizeof *s);
 }
@@ -536,12 +565,15 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->pairs_by_expert = malloc(sizeof(int32_t) * P);
         s->expert_start = malloc(sizeof(int32_t) * (ne + 1));
         s->tiles = malloc(sizeof(int32_t) * 2 * T);
+        s->rtiles = malloc(sizeof(int32_t) * 2 * T);
+        s->split = malloc(sizeof(split_tok) * T);
         s->cap_tokens = T;
         s->cap_pairs = P;
         if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->topk_w ||
             !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
             !s->ad4 || !s->axs || !s->hd4 || !s->hxs ||
-            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles || !mla_ok) {
+            !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles || !s->rtiles ||
+            !s->split || !mla_ok) {
             scratch_free(s);
             return st_fail(ST_ENOMEM, "forward: out of memory for a batch of %zu tokens", T);
         }
@@ -552,6 +584,22 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->cap_ctx = s->scores ? ctx : 0;
         s->cap_threads = s->scores ? n_threads : 0;
         if (!s->scores) return st_fail(ST_ENOMEM, "forward: out of memory for attention scores (ctx %zu)", ctx);
+    }
+    return ST_OK;
+}
+
+st_status st_scratch_split(scratch *s, size_t n_parts, size_t n_left) {
+    if (n_parts > s->cap_parts) {
+        free(s->parts);
+        s->parts = malloc(sizeof(float) * n_parts);
+        s->cap_parts = s->parts ? n_parts : 0;
+        if (!s->parts) return st_fail(ST_ENOMEM, "forward: out of memory for %zu floats of split attention", n_parts);
+    }
+    if (n_left > s->cap_left) {
+        free((void *)s->left);
+        s->left = malloc(sizeof(*s->left) * n_left);
+        s->cap_left = s->left ? n_left : 0;
+        if (!s->left) return st_fail(ST_ENOMEM, "forward: out of memory for split attention counters");
     }
     return ST_OK;
 }

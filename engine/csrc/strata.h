@@ -123,6 +123,31 @@ st_status st_attention_kv(int32_t variant, const uint16_t *k, const uint16_t *v,
                           int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
                           const float *q, int32_t nq, int32_t p0, float *out);
 
+/* Split decode attention (flash-decoding) of the nq query heads that share KV head kv_head
+ * (rows of q, [nq][head_dim], already scaled) at one position seeing keys 0..n_keys-1: the
+ * keys cut into chunks of `chunk` keys (a multiple of 16), one variant's partial per chunk,
+ * then the combine; sink: NULL or [nq] logits that join each softmax's denominator (gpt-oss).
+ * out: [nq][head_dim]. For the kernel test harness and benchmarks. */
+st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                             int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                             int32_t nq, int32_t n_keys, int32_t chunk, const float *sink, float *out);
+/* The same with values of v_dim dimensions per head (V as st_attention_kv's): out is [nq][v_dim]. */
+st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                                int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                                const float *q, int32_t nq, int32_t n_keys, int32_t chunk, const float *sink,
+                                float *out);
+/* How st_forward splits decode attention: ST_SPLIT_AUTO, the rule of docs/engine.md (by the
+ * query's keys and the pool's threads); ST_SPLIT_OFF, never (the per-head kernels: the
+ * reference the split is tested and measured against); n >= 16, a multiple of 16: every decode
+ * query in chunks of n keys. Process-wide, like st_set_variant; for tests and benchmarks. */
+#define ST_SPLIT_AUTO 0
+#define ST_SPLIT_OFF 1
+st_status st_set_attn_split(int32_t mode);
+int32_t st_get_attn_split(void);
+/* *chunk = the keys per chunk st_forward uses (0: not split) for a decode query seeing n_keys
+ * keys (>= 1) with a pool of n_threads (>= 1) and n_kv KV heads (>= 1), under the current mode. */
+st_status st_attn_split_plan(int32_t n_keys, int32_t n_threads, int32_t n_kv, int32_t *chunk);
+
 /* ---- thread pool ------------------------------------------------------------ */
 typedef struct st_pool st_pool;
 /* n_threads workers; the thread that calls st_forward runs worker 0's share itself.
@@ -228,13 +253,19 @@ typedef struct {
      * layer il is a sliding layer when il % swa_pattern < swa_pattern - 1, and there a query at
      * position p sees the keys at positions p - n_swa + 1 .. p only. Zero: every layer full. */
     int32_t n_swa, swa_pattern;
-    /* YaRN rotary scaling (rope.scaling.type = yarn; zero factor: none), ggml's rope_yarn with
-     * ext_factor 1: each frequency f_i becomes f_i (s (1 - r_i) + r_i), s = 1 / factor, r_i the
-     * ramp that is 1 below the dimension pair where beta_fast rotations fit in orig_ctx positions
-     * and 0 above the one for beta_slow; q and k are scaled by 1 + 0.1 ln(factor). */
-    float rope_yarn_factor;
-    int32_t rope_yarn_orig_ctx;
-    float rope_yarn_beta_fast, rope_yarn_beta_slow;
+    /* RoPE scaling for every architecture (gpt-oss's YaRN included), the effective values of
+     * llama.cpp's context (llama_context's rules, applied by engine/rope.py). Pair i of the rotary dims turns by pos * theta_i with
+     *   theta_i = base^(-2i/rope_dim) * (freq_scale * (1 - mix_i) + mix_i),
+     *   mix_i = ext_factor * ramp_i, ramp_i = 1 - clamp((i - lo) / max(0.001, hi - lo), 0, 1),
+     * lo / hi YaRN's correction dims from rope_n_ctx_orig, beta_fast and beta_slow
+     * (ggml_rope_yarn_corr_dims), and both rotated values scale by
+     *   mscale = attn_factor * (ext_factor != 0 ? 1 + 0.1 ln(1 / freq_scale) : 1).
+     * All zero: no scaling (freq_scale 0 and attn_factor 0 read as 1). */
+    float rope_freq_scale;  /* 1 / factor; (0, 1e6] */
+    float rope_ext_factor;  /* YaRN's extrapolation mix, [0, 1e3]; 0: plain (linear) interpolation */
+    float rope_attn_factor; /* YaRN's magnitude factor before the ln term */
+    float rope_beta_fast, rope_beta_slow;
+    int32_t rope_n_ctx_orig; /* the original training context; >= 1 when ext_factor != 0 */
     /* Multi-head latent attention (ST_ARCH_DEEPSEEK2; zero: none). Each head's query and key have
      * head_dim = nope + rope_dim dimensions (the rotary part last), its value head_dim_v. The KV
      * cache holds, per token and layer, one shared row: the normalised latent (kv_lora_rank) and

@@ -68,6 +68,14 @@ static attn_fn attn_variant(int32_t variant) {
 
 attn_fn st_attn(void) { return attn_variant(g_variant); }
 
+static attn_part_fn part_variant(int32_t variant) {
+    const int32_t v = resolve(variant);
+    attn_part_fn f = v == ST_VARIANT_AVX512 ? st_attn_part_avx512() : v == ST_VARIANT_AVX2 ? st_attn_part_avx2() : NULL;
+    return f ? f : st_attn_part_ref();
+}
+
+attn_part_fn st_attn_part(void) { return part_variant(g_variant); }
+
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
 
 static quant_act_fn quant_variant(int32_t variant) {
@@ -194,6 +202,65 @@ st_status st_attention(int32_t variant, const uint16_t *k, const uint16_t *v, co
                        int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
                        int32_t nq, int32_t p0, float *out) {
     return st_attention_kv(variant, k, v, block_table, block_size, head_dim, head_dim, n_kv, kv_head, q, nq, p0, out);
+}
+
+st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                                int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
+                                const float *q, int32_t nq, int32_t n_keys, int32_t chunk, const float *sink,
+                                float *out) {
+    if (!k || !v || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention_split: NULL argument");
+    if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 16 ||
+        head_dim > ST_MAX_HEAD_DIM || head_dim % 16 || v_dim < 16 || v_dim > head_dim || v_dim % 16 || n_kv < 1 ||
+        n_kv > ST_MAX_HEADS || kv_head < 0 || kv_head >= n_kv || nq < 1 || nq > ST_MAX_HEADS || n_keys < 1 ||
+        chunk < 16 || chunk % 16)
+        return st_fail(ST_EINVAL,
+                       "attention_split: bad shape (bs=%d hd=%d vd=%d n_kv=%d kvh=%d nq=%d keys=%d chunk=%d)",
+                       block_size, head_dim, v_dim, n_kv, kv_head, nq, n_keys, chunk);
+    const st_status rc = check_variant(variant);
+    if (rc) return rc;
+    const attn_part_fn fn = part_variant(variant);
+    const int32_t n_chunks = (int32_t)(((int64_t)n_keys + chunk - 1) / chunk);
+    const size_t stride = (size_t)nq * (size_t)(v_dim + 2);
+    const int32_t span = chunk < n_keys ? chunk : n_keys;
+    float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, span));
+    float *parts = malloc(sizeof(float) * stride * (size_t)n_chunks);
+    if (!scratch || !parts) {
+        free(scratch), free(parts);
+        return st_fail(ST_ENOMEM, "attention_split: out of memory");
+    }
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head};
+    for (int32_t c = 0; c < n_chunks; c++) {
+        const int32_t j0 = c * chunk, j1 = n_keys - j0 < chunk ? n_keys : j0 + chunk;
+        fn(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
+    }
+    st_attn_combine(parts, n_chunks, stride, nq, v_dim, sink, out, v_dim);
+    free(scratch), free(parts);
+    return ST_OK;
+}
+
+st_status st_attention_split(int32_t variant, const uint16_t *k, const uint16_t *v, const int32_t *block_table,
+                             int32_t block_size, int32_t head_dim, int32_t n_kv, int32_t kv_head, const float *q,
+                             int32_t nq, int32_t n_keys, int32_t chunk, const float *sink, float *out) {
+    return st_attention_split_kv(variant, k, v, block_table, block_size, head_dim, head_dim, n_kv, kv_head, q, nq,
+                                 n_keys, chunk, sink, out);
+}
+
+st_status st_set_attn_split(int32_t mode) {
+    if (mode != ST_SPLIT_AUTO && mode != ST_SPLIT_OFF && (mode < 16 || mode % 16))
+        return st_fail(ST_EINVAL, "attention split mode %d: 0 (auto), 1 (off) or a chunk of n >= 16 keys, n %% 16 == 0",
+                       mode);
+    st_attn_split_set_mode(mode);
+    return ST_OK;
+}
+
+int32_t st_get_attn_split(void) { return st_attn_split_mode(); }
+
+st_status st_attn_split_plan(int32_t n_keys, int32_t n_threads, int32_t n_kv, int32_t *chunk) {
+    if (!chunk || n_keys < 1 || n_threads < 1 || n_kv < 1 || n_kv > ST_MAX_HEADS)
+        return st_fail(ST_EINVAL, "attn_split_plan: bad arguments (keys=%d threads=%d n_kv=%d)", n_keys, n_threads,
+                       n_kv);
+    *chunk = st_attn_split_chunk(n_keys, n_threads, n_kv);
+    return ST_OK;
 }
 
 static double thread_cpu_s(void) {

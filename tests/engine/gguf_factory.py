@@ -87,19 +87,27 @@ def make_random_gguf(
     qk_norm: bool = False,
     n_ff_shexp: int = 0,
     vocab: bool = False,
+    n_ctx: int = 256,
+    metadata: dict[str, object] | None = None,
 ) -> Path:
     """Write a random model; `overrides` replaces tensors by name (float data),
     `raw_overrides` by (raw bytes, logical shape, type), `omit` drops them. `qkv_bias`
     adds q/k/v biases (qwen2moe), `qk_norm` per-head q/k norms (qwen3moe), `n_ff_shexp`
     a gated shared expert of that width (qwen2moe), `vocab` a plain SentencePiece-style token list
-    (ids 0..2 unk/bos/eos, then one piece per id) so that llama.cpp loads the file."""
+    (ids 0..2 unk/bos/eos, then one piece per id) so that llama.cpp loads the file; `n_ctx` the
+    trained context, `metadata` extra keys (a float value is written as F32)."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     w = GGUFWriter(str(path), arch)
     w.add_block_count(n_layer)
-    w.add_context_length(256)
+    w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            _add_metadata(w, {key: value})
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_freq_base(10000.0)

@@ -84,10 +84,18 @@ def make_mixtral(out_dir: Path, *, seed: int = 3, n_layers: int = 3,
     return _finish(MixtralForCausalLM(cfg), out_dir, seed, tokenizer)
 
 
+def _common(rope: dict | None) -> dict:
+    """COMMON, with `rope` (transformers' rope_parameters without rope_theta, e.g. YaRN) when given."""
+    if not rope:
+        return dict(COMMON)
+    out = {k: v for k, v in COMMON.items() if k != "rope_theta"}
+    return {**out, "rope_parameters": {"rope_theta": COMMON["rope_theta"], **rope}}
+
+
 def make_qwen3_moe(out_dir: Path, *, seed: int = 2, n_layers: int = 2, head_dim: int = 16,
-                   tokenizer: bool = True) -> tuple[Path, Qwen3MoeForCausalLM]:
+                   tokenizer: bool = True, rope: dict | None = None) -> tuple[Path, Qwen3MoeForCausalLM]:
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=n_layers,
+    cfg = Qwen3MoeConfig(**_common(rope), intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=n_layers,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, num_experts=32,
                          num_experts_per_tok=8, norm_topk_prob=True)
     return _finish(Qwen3MoeForCausalLM(cfg), out_dir, seed, tokenizer)
@@ -105,10 +113,10 @@ def make_qwen2_moe(out_dir: Path, *, seed: int = 0, n_layers: int = 2,
 
 def make_llama(out_dir: Path, *, seed: int = 3, n_layers: int = 2, intermediate_size: int = 96,
                tie_word_embeddings: bool = False, attention_bias: bool = False,
-               tokenizer: bool = True) -> tuple[Path, LlamaForCausalLM]:
+               tokenizer: bool = True, rope: dict | None = None) -> tuple[Path, LlamaForCausalLM]:
     """Dense llama; ``intermediate_size=48`` gives ffn_down rows that no 32-block quant type divides."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**COMMON, "tie_word_embeddings": tie_word_embeddings}, intermediate_size=intermediate_size,
+    cfg = LlamaConfig(**{**_common(rope), "tie_word_embeddings": tie_word_embeddings}, intermediate_size=intermediate_size,
                       num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
                       attention_bias=attention_bias)
     return _finish(LlamaForCausalLM(cfg), out_dir, seed, tokenizer)

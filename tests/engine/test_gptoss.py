@@ -238,8 +238,10 @@ def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
             "gpt-oss.rope.scaling.original_context_length": 64}
     path = make_gptoss_gguf(tmp_path / "yarn.gguf", seed=1, extra_md=yarn)
     hp = open_model(path).hparams
-    assert (hp.rope_yarn_factor, hp.rope_yarn_orig_ctx, hp.rope_yarn_beta_fast, hp.rope_yarn_beta_slow) == \
-        (32.0, 64, 32.0, 1.0)
+    rp = hp.rope  # the one rope scaling path every architecture takes (engine/rope.py)
+    assert (rp.type, rp.factor, rp.n_ctx_orig, rp.ext_factor, rp.beta_fast, rp.beta_slow) == \
+        ("yarn", 32.0, 64, 1.0, 32.0, 1.0)
+    assert rp.mscale == pytest.approx(1.0 + 0.1 * np.log(32.0))
     prompt = [int(t) for t in np.random.default_rng(1234).integers(0, GLM_VOCAB, PROMPT_LEN)]
     theirs = llama_file_logits(path, prompt, 256)
     ref_model = RefModel(path)
@@ -251,8 +253,9 @@ def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
     assert rel_err(ref_model.logits(prompt), theirs) > 10 * TOL
     from engine.inspect_model import render
 
-    assert "NEOX rotary on 32 of 32 dims, base 10000, YaRN x32 over 64 positions" in render(
-        open_model(path), None, None, None)
+    text = render(open_model(path), None, None, None)
+    assert "NEOX rotary on 32 of 32 dims, base 10000" in text
+    assert "rope scaling    yarn x32 of 64 (ext 1, beta 32/1, mscale 1.347)" in text
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -276,12 +279,12 @@ def test_missing_required_metadata_is_a_typed_error(key: str, tmp_path: Path) ->
     (dict(omit=("blk.1.ffn_down_exps.bias",)), GGUFError, "layer 1: tensor ffn_down_exps.bias is missing"),
     (dict(omit=("blk.0.post_attention_norm.weight",)), GGUFError, "blk.0.post_attention_norm.weight"),
     (dict(extra_md={"gpt-oss.rope.scaling.type": "longrope", "gpt-oss.rope.scaling.factor": 4.0}),
-     UnsupportedModelError, "rope scaling 'longrope'"),
-    (dict(extra_md={"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0}), GGUFError,
-     "missing metadata key 'gpt-oss.rope.scaling.original_context_length'"),
+     UnsupportedModelError, "rope scaling type 'longrope'"),
+    (dict(extra_md={"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": -4.0}), GGUFError,
+     "'gpt-oss.rope.scaling.factor' = -4 is out of range"),
     (dict(extra_md={"gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": 4.0,
-                    "gpt-oss.rope.scaling.original_context_length": 64, "gpt-oss.rope.scaling.yarn_log_multiplier": 0.1}),
-     UnsupportedModelError, "yarn_log_multiplier"),
+                    "gpt-oss.rope.scaling.yarn_beta_fast": 0.0}),
+     GGUFError, "'gpt-oss.rope.scaling.yarn_beta_fast' = 0 is out of range"),
     (dict(extra_md={"gpt-oss.expert_feed_forward_length": 32}), GGUFError, "expert_feed_forward_length' says 32"),
 ])
 def test_bad_gptoss_files_are_typed_errors(kw: dict, cls: type, match: str, tmp_path: Path) -> None:

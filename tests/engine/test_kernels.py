@@ -652,6 +652,20 @@ def test_attention_tile_equals_single_queries_bitwise(variant: str) -> None:
     assert np.array_equal(half, tile[5:12])
 
 
+def attention_split(variant: str, k: np.ndarray, v: np.ndarray, bt: np.ndarray, bs: int, hd: int, n_kv: int,
+                    kvh: int, q: np.ndarray, n_keys: int, chunk: int, sink: np.ndarray | None = None,
+                    vd: int | None = None) -> np.ndarray:
+    """st_attention_split_kv: the query heads q [nq, hd] sharing KV head kvh, keys 0..n_keys-1 in
+    chunks, values of vd (default hd) dimensions."""
+    vd = hd if vd is None else vd
+    out = np.zeros((q.shape[0], vd), np.float32)
+    rc = lib.st_attention_split_kv(VARIANTS[variant], ptr(k), ptr(v), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh,
+                                   ptr(q, "float *"), q.shape[0], n_keys, chunk,
+                                   ffi.NULL if sink is None else ptr(sink, "float *"), ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
 def attention_kv(variant: str, k: np.ndarray, v: np.ndarray, bt: np.ndarray, bs: int, hd: int, vd: int, n_kv: int,
                  kvh: int, q: np.ndarray, p0: int) -> np.ndarray:
     nq = q.shape[0]
@@ -660,6 +674,90 @@ def attention_kv(variant: str, k: np.ndarray, v: np.ndarray, bt: np.ndarray, bs:
                              ptr(q, "float *"), nq, p0, ptr(out, "float *"))
     assert rc == 0, ffi.string(lib.st_last_error())
     return out
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize(("nq", "n_keys", "chunk"), [(1, 1, 16), (3, 37, 16), (5, 100, 32), (8, 190, 64), (2, 64, 256)])
+def test_attention_split_every_variant(variant: str, nq: int, n_keys: int, chunk: int) -> None:
+    """Each variant's partial kernel (queries of one KV head sharing its loads) plus the combine,
+    against the float64 oracle, also with a sink per head (gpt-oss's softmax)."""
+    rng = np.random.default_rng(nq * 1000 + n_keys)
+    bs, hd, n_kv, kvh, n_blocks = 16, 64, 3, 2, 14
+    k = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)
+    v = rng.standard_normal((n_blocks, bs, n_kv * hd)).astype(np.float16)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
+    got = attention_split(variant, k, v, bt, bs, hd, n_kv, kvh, q, n_keys, chunk)
+    ref = np.concatenate([attention_oracle(k, v, bt, bs, hd, kvh, q[i : i + 1], n_keys - 1) for i in range(nq)])
+    assert np.abs(got - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+    sink = rng.standard_normal(nq).astype(np.float32) + 1.0
+    got = attention_split(variant, k, v, bt, bs, hd, n_kv, kvh, q, n_keys, chunk, sink)
+    for i in range(nq):
+        keys = np.stack([k[bt[j // bs], kvh, :, j % bs] for j in range(n_keys)]).astype(np.float64)
+        vals = np.stack([v[bt[j // bs], j % bs, kvh * hd : (kvh + 1) * hd] for j in range(n_keys)]).astype(np.float64)
+        s = keys @ q[i].astype(np.float64)
+        mx = max(s.max(), float(sink[i]))
+        p = np.exp(s - mx)
+        want = p @ vals / (p.sum() + np.exp(float(sink[i]) - mx))
+        assert np.abs(got[i] - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize("nq", [1, 2, 3, 4, 5, 8])
+def test_attention_split_one_chunk_equals_unsplit_bitwise(variant: str, nq: int) -> None:
+    """A single chunk gives each query exactly the decode kernel's bits (the queries share K and V
+    loads, each lane keeps its operations), at block-straddling and partial-vector key counts."""
+    rng = np.random.default_rng(nq)
+    bs, hd, n_kv, n_blocks = 32, 48, 2, 12
+    k = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)
+    v = rng.standard_normal((n_blocks, bs, n_kv * hd)).astype(np.float16)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = rng.standard_normal((nq, hd)).astype(np.float32)
+    for n_keys in (1, 9, 40, 333):
+        got = attention_split(variant, k, v, bt, bs, hd, n_kv, 1, q, n_keys, -(-n_keys // 16) * 16)
+        for i in range(nq):
+            one = attention(variant, k, v, bt, bs, hd, n_kv, 1, q[i : i + 1].copy(), n_keys - 1)
+            assert np.array_equal(one[0], got[i]), (n_keys, i)
+
+
+def test_attention_split_rejects_bad_shapes() -> None:
+    z = np.zeros(4096, np.float16)
+    bt = np.zeros(4, np.int32)
+    q = np.zeros((2, 64), np.float32)
+    out = np.zeros((2, 64), np.float32)
+
+    def call(n_keys: int, chunk: int, nq: int = 2) -> int:
+        return lib.st_attention_split(0, ptr(z), ptr(z), ptr(bt, "int32_t *"), 16, 64, 1, 0, ptr(q, "float *"), nq,
+                                      n_keys, chunk, ffi.NULL, ptr(out, "float *"))
+
+    for n_keys, chunk, nq in ((0, 16, 2), (10, 8, 2), (10, 24, 2), (10, 16, 0)):
+        assert call(n_keys, chunk, nq) == lib.ST_EINVAL
+        assert "bad shape" in ffi.string(lib.st_last_error()).decode()
+
+
+@pytest.mark.parametrize("variant", available_variants())
+@pytest.mark.parametrize(("hd", "vd", "n_kv", "nq"), [(80, 64, 1, 5), (48, 16, 2, 3)])
+def test_attention_split_narrower_values(variant: str, hd: int, vd: int, n_kv: int, nq: int) -> None:
+    """The split path with values narrower than keys (MLA's latent row): against the float64 oracle
+    over several chunks, and one chunk equal to st_attention_kv's decode kernel bit for bit."""
+    rng = np.random.default_rng(hd + vd)
+    bs, n_blocks, kvh, n_keys = 16, 12, n_kv - 1, 150
+    k = rng.standard_normal((n_blocks, n_kv, hd, bs)).astype(np.float16)
+    v = rng.standard_normal((n_blocks, bs, n_kv * vd)).astype(np.float16)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
+    keys = np.stack([k[bt[j // bs], kvh, :, j % bs] for j in range(n_keys)]).astype(np.float64)
+    vals = np.stack([v[bt[j // bs], j % bs, kvh * vd : (kvh + 1) * vd] for j in range(n_keys)]).astype(np.float64)
+    got = attention_split(variant, k, v, bt, bs, hd, n_kv, kvh, q, n_keys, 32, vd=vd)
+    for i in range(nq):
+        s = keys @ q[i].astype(np.float64)
+        p = np.exp(s - s.max())
+        want = p @ vals / p.sum()
+        assert np.abs(got[i] - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    one_chunk = attention_split(variant, k, v, bt, bs, hd, n_kv, kvh, q, n_keys, 160, vd=vd)
+    for i in range(nq):
+        one = attention_kv(variant, k, v, bt, bs, hd, vd, n_kv, kvh, q[i : i + 1].copy(), n_keys - 1)
+        assert np.array_equal(one[0], one_chunk[i]), i
 
 
 @pytest.mark.parametrize("variant", available_variants())

@@ -110,6 +110,18 @@ def test_gpu_budget_and_cores_reach_the_engine(tmp_path: Path) -> None:
         assert eng.gpu_budget_gb == 24.5 and eng.cores == [0] and eng.threads == 1
 
 
+def test_rope_overrides_are_validated_and_reach_the_engine_form() -> None:
+    assert load_config(None, {}).rope_overrides() is None
+    cfg = load_config(None, {"STRATA_LANE_ROPE_SCALING_FACTOR": "4", "STRATA_LANE_ROPE_SCALING_TYPE": "yarn"},
+                      {"yarn_beta_fast": 16})
+    o = cfg.rope_overrides()
+    assert o is not None and (o.rope_scaling_type, o.rope_scaling_factor, o.yarn_beta_fast) == ("yarn", 4.0, 16.0)
+    for bad in ({"rope_scaling_factor": 0}, {"rope_scaling_type": "dynamic"}, {"yarn_ext_factor": -1},
+                {"yarn_orig_ctx": 0}, {"rope_scaling_factor": float("inf")}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            load_config(None, {}, bad)
+
+
 def test_placement_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`placement` (hybrid placement's routing frequencies) goes to Engine.open with the budget."""
     from lanes import server
