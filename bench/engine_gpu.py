@@ -504,6 +504,36 @@ def run(args: argparse.Namespace) -> dict:
 TARGETS = {"decode_b1": 1.25, "decode_b8": None, "decode_b32": 1.0, "prefill_512": 0.7, "prefill_4096": 0.7}
 
 
+def llama_env(bin_dir: Path) -> dict:
+    """The environment of a llama.cpp binary from bin_dir (its shared libraries beside it)."""
+    return dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+
+
+def parse_llama_bench(stdout: str) -> dict:
+    """llama-bench's ``-o json`` rows as tok/s by Strata's keys: prefill_N_tok_s (pp rows), decode_b1_tok_s
+    (tg rows), and the build it reports."""
+    out: dict = {}
+    for r in json.loads(stdout):
+        if r["n_gen"] == 0:
+            out[f"prefill_{r['n_prompt']}_tok_s"] = float(r["avg_ts"])
+        elif r["n_prompt"] == 0:
+            out["decode_b1_tok_s"] = float(r["avg_ts"])
+        out.setdefault("build", f"{r.get('build_commit', '?')} ({r.get('build_number', '?')}), "
+                                f"{r.get('gpu_info', '?')}, backends {r.get('backends', '?')}")
+    return out
+
+
+def parse_batched_bench(text: str) -> dict:
+    """llama-batched-bench's jsonl rows (stdout and stderr together) as decode_b{N}_tok_s."""
+    out: dict = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            r = json.loads(line)
+            out[f"decode_b{r['pl']}_tok_s"] = float(r["speed_tg"])
+    return out
+
+
 def run_llama(bin_dir: Path, model: Path, timeout_s: float = 420.0) -> dict:
     """llama.cpp with CUDA on the same GGUF: all layers on the GPU, flash attention on.
 
@@ -512,7 +542,7 @@ def run_llama(bin_dir: Path, model: Path, timeout_s: float = 420.0) -> dict:
     at 8 and 32 sequences of distinct random 32-token prompts, 64 tokens each (as Strata's).
     Returns tok/s by the same keys as Strata's results, plus the raw outputs' paths' content.
     """
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env = llama_env(bin_dir)
     out: dict = {}
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "512,4096",
            "-n", "128", "-r", "3", "-o", "json"]
@@ -521,13 +551,7 @@ def run_llama(bin_dir: Path, model: Path, timeout_s: float = 420.0) -> dict:
     out["llama_bench_s"] = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-2000:]}")
-    for r in json.loads(p.stdout):
-        if r["n_gen"] == 0:
-            out[f"prefill_{r['n_prompt']}_tok_s"] = float(r["avg_ts"])
-        elif r["n_prompt"] == 0:
-            out["decode_b1_tok_s"] = float(r["avg_ts"])
-        out.setdefault("build", f"{r.get('build_commit', '?')} ({r.get('build_number', '?')}), "
-                                f"{r.get('gpu_info', '?')}, backends {r.get('backends', '?')}")
+    out.update(parse_llama_bench(p.stdout))
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-ngl", "99", "-fa", "on", "-c", "8192",
            "-b", "2048", "-ub", "512", "-npp", "32", "-ntg", "64", "-npl", "8,32", "--output-format", "jsonl"]
     t0 = time.perf_counter()
@@ -535,11 +559,7 @@ def run_llama(bin_dir: Path, model: Path, timeout_s: float = 420.0) -> dict:
     out["llama_batched_bench_s"] = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"llama-batched-bench failed ({p.returncode}): {p.stderr[-2000:]}")
-    for line in (p.stdout + "\n" + p.stderr).splitlines():
-        line = line.strip()
-        if line.startswith("{") and '"speed_tg"' in line:
-            r = json.loads(line)
-            out[f"decode_b{r['pl']}_tok_s"] = float(r["speed_tg"])
+    out.update(parse_batched_bench(p.stdout + "\n" + p.stderr))
     return out
 
 

@@ -110,9 +110,9 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
 
 def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0) -> dict[int, float]:
     """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth."""
-    import os
+    from bench.engine_gpu import llama_env  # engine_gpu imports this module for --depth
 
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env = llama_env(bin_dir)
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128",
            "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json"]
     print("llama.cpp: " + " ".join(cmd))

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine_gpu import SHAPE, build_model
+from bench.engine_gpu import SHAPE, build_model, llama_env, parse_batched_bench, parse_llama_bench
 
 GIB = 2**30
 
@@ -157,7 +157,7 @@ class _VramPeak:
 
 
 def run_llama(bin_dir: Path, path: Path, frac: float, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{bin_dir}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    env = llama_env(bin_dir)
     ncmoe = round((1.0 - frac) * args.layers)
     place = ["-ot", "exps=CPU"] if ncmoe >= args.layers else ["-ncmoe", str(ncmoe)]
     threads = str(os.cpu_count() if args.cores is None else len(args.cores.split(",")))
@@ -170,20 +170,15 @@ def run_llama(bin_dir: Path, path: Path, frac: float, args: argparse.Namespace) 
     if p.returncode != 0:
         out["error"] = p.stderr[-1500:]
         return out
-    for r in json.loads(p.stdout):
-        if r["n_gen"] == 0:
-            out[f"prefill_{args.prefill}_tok_s"] = float(r["avg_ts"])
-        elif r["n_prompt"] == 0:
-            out["decode_b1_tok_s"] = float(r["avg_ts"])
+    out.update(parse_llama_bench(p.stdout))
     cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(path), "-ngl", "99", "-fa", "on", *place, "-t", threads,
            "-c", "4096", "-b", "2048", "-ub", "512", "-npp", "32", "-ntg", str(max(4, args.steps // 4)),
            "-npl", str(args.batch), "--output-format", "jsonl"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.llama_timeout, env=env)
-    for line in (p.stdout + "\n" + p.stderr).splitlines():
-        line = line.strip()
-        if line.startswith("{") and '"speed_tg"' in line:
-            r = json.loads(line)
-            out[f"decode_b{r['pl']}_tok_s"] = float(r["speed_tg"])
+    if p.returncode != 0:
+        out["error"] = p.stderr[-1500:]
+        return out
+    out.update(parse_batched_bench(p.stdout + "\n" + p.stderr))
     return out
 
 
