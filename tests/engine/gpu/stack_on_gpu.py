@@ -97,8 +97,9 @@ class GpuStack(Supervised):
 
 
 def render_stack(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens: int,
-                 wrap: bool = False) -> GpuStack:
-    """supervisord.conf + lane files + gateway file under ``tmp`` (see the module doc)."""
+                 wrap: bool = False, lane_extra: dict[str, dict[str, Any]] | None = None) -> GpuStack:
+    """supervisord.conf + lane files + gateway file under ``tmp`` (see the module doc); ``lane_extra``:
+    more lane keys by program (e.g. ``{"lane_a": {"gpu_budget_gb": 0.02}}``)."""
     ports = {p: free_port() for p in (*PROGRAMS, "gateway")}
     pythonpath = os.pathsep.join([str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                if p and Path(p).resolve() != REPO]])
@@ -121,7 +122,8 @@ def render_stack(tmp: Path, model: Path, device_a: str, device_b: str, kv_tokens
         return text.replace('PYTHONPATH="%(here)s"', f'PYTHONPATH="{pythonpath}"')
 
     lanes = {p: {"model": str(model), "device": device, "kv_tokens": kv_tokens, "drain_timeout_s": 20.0,
-                 "ping_interval_s": 1.0} for p, device in zip(PROGRAMS, (device_a, device_b), strict=True)}
+                 "ping_interval_s": 1.0, **(lane_extra or {}).get(p, {})}
+             for p, device in zip(PROGRAMS, (device_a, device_b), strict=True)}
     conf = render(tmp, ports, ADMIN_KEY, lanes, gateway={"shutdown_timeout_s": 10.0}, edit=edit)
     return GpuStack(tmp, conf, ports, ADMIN_KEY, python=python)
 
@@ -214,7 +216,26 @@ def lane_budget(model: Path, kv_tokens: int, step_tokens: int) -> int:
     return gpu_bytes(mf, analyse(mf).kv_bytes_per_token * kv_tokens, step_tokens=step_tokens)
 
 
-def check_vram(st: GpuStack, infos: dict[str, dict[str, Any]], budget: int, report: dict[str, Any]) -> None:
+def hybrid_budget_gb(model: Path, frac: float, kv_tokens: int, block_size: int = 16, prefill_chunk: int = 512) -> float:
+    """A lane's ``gpu_budget_gb`` that leaves ``frac`` of the routed experts' bytes for resident experts once
+    the parts every step needs are placed (the lane's default placement: no placement file)."""
+    from engine.gguf_model import open_model
+    from engine.placement import engine_plan_params, plan
+
+    base = plan(open_model(model), engine_plan_params(0, kv_tokens, block_size, prefill_chunk), None)
+    return round((base.fixed_bytes + int(frac * base.routed_bytes) + 4096) / 2**30, 9)
+
+
+def lane_budgets(model: Path, lanes: dict[str, dict[str, Any]], kv_tokens: int, step_tokens: int) -> dict[str, int]:
+    """Each lane's GPU budget in bytes: its ``gpu_budget_gb`` (hybrid placement) or, without one, what
+    ``strata model inspect --vram`` counts for the whole model (weights + KV + step buffers)."""
+    whole = lane_budget(model, kv_tokens, step_tokens)
+    return {p: int(float(cfg["gpu_budget_gb"]) * 2**30) if cfg.get("gpu_budget_gb") else whole
+            for p, cfg in lanes.items()}
+
+
+def check_vram(st: GpuStack, infos: dict[str, dict[str, Any]], budgets: dict[str, int],
+               report: dict[str, Any]) -> None:
     """Every lane on a GPU within its budget; together within the card."""
     on_gpu = {p: i for p, i in infos.items() if i.get("gpu_info")}
     if not on_gpu:
@@ -223,6 +244,7 @@ def check_vram(st: GpuStack, infos: dict[str, dict[str, Any]], budget: int, repo
     rows = {}
     for program, info in on_gpu.items():
         gi = info["gpu_info"]
+        budget = budgets[program]
         held = int(gi["weight_bytes"]) + int(gi["kv_bytes"])
         proc = used.get(int(info["pid"])) if used else None
         rows[program] = {"weight_bytes": gi["weight_bytes"], "kv_bytes": gi["kv_bytes"], "process_bytes": proc,
@@ -243,8 +265,9 @@ def check_vram(st: GpuStack, infos: dict[str, dict[str, Any]], budget: int, repo
         return "?" if v is None else f"{v / 2**20:.0f}"
 
     st.say("VRAM: " + ", ".join(f"{p} engine {mib(r['weight_bytes'] + r['kv_bytes'])} MiB, process "
-                                f"{mib(r['process_bytes'])} MiB" for p, r in rows.items())
-           + f"; budget {mib(budget)} MiB (+{mib(CONTEXT_ALLOWANCE)} MiB context)")
+                                f"{mib(r['process_bytes'])} MiB, budget {mib(r['budget_bytes'])} MiB"
+                                for p, r in rows.items())
+           + f" (+{mib(CONTEXT_ALLOWANCE)} MiB context each)")
 
 
 def lane_infos(st: GpuStack) -> dict[str, dict[str, Any]]:
@@ -330,11 +353,15 @@ def build_model(out_dir: Path) -> Path:
 
 
 def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Path, kv_tokens: int = 2048,
-        hold_s: float = 3.0, clients: int = 4, wrap: bool = False) -> dict[str, Any]:
-    """The whole check; returns a report (also on failure: raised with the report in ``args[1]``)."""
+        hold_s: float = 3.0, clients: int = 4, wrap: bool = False, lane_extra: dict[str, dict[str, Any]] | None = None,
+        switch_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole check; returns a report (also on failure: raised with the report in ``args[1]``).
+    ``lane_extra``: more keys of each lane's file (by program); ``switch_extra``: keys lane B's new file changes
+    besides the device (e.g. its ``gpu_budget_gb``: the switch then moves it between budgets)."""
     report: dict[str, Any] = {"devices": {"a": device_a, "b": device_b, "b_after_switch": device_switch},
-                              "model": str(model), "kv_tokens": kv_tokens}
-    st = render_stack(work, model, device_a, device_b, kv_tokens, wrap)
+                              "model": str(model), "kv_tokens": kv_tokens, "lane_extra": lane_extra or {},
+                              "switch_extra": switch_extra or {}}
+    st = render_stack(work, model, device_a, device_b, kv_tokens, wrap, lane_extra)
     t0 = time.monotonic()
     st.start()
     try:
@@ -353,9 +380,10 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
                                      f"{infos[p]['gpu_info']}" for p in PROGRAMS))
         scheduler = tomllib.loads((work / "lane_b.toml").read_text()).get("scheduler", {})
         step_tokens = max(int(scheduler.get("max_batch_tokens", 256)), 512)
-        budget = lane_budget(model, kv_tokens, step_tokens)
-        report["budget_bytes"] = budget
-        check_vram(st, infos, budget, report)
+        lanes = {p: tomllib.loads((work / f"{p}.toml").read_text()) for p in PROGRAMS}
+        budgets = lane_budgets(model, lanes, kv_tokens, step_tokens)
+        report["budget_bytes"] = budgets
+        check_vram(st, infos, budgets, report)
 
         # the load below measures the switch, not the gateway's per-key defaults (600 requests a minute)
         code, body = _json("POST", st.url("gateway") + "/v1/admin/keys",
@@ -369,9 +397,8 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
         st.say(f"the same greedy completion from lane a ({device_a}) and lane b ({device_b}): "
                f"{report['greedy_text']['a']!r}")
 
-        lane_b = tomllib.loads((work / "lane_b.toml").read_text())
-        moved = dict(lane_b, device=device_switch)
-        if device_switch == device_b:  # the CPU rehearsal: a change the switch can see
+        moved = dict(lanes["lane_b"], device=device_switch, **(switch_extra or {}))
+        if moved == lanes["lane_b"]:  # the CPU rehearsal: a change the switch can see
             moved["kv_tokens"] = kv_tokens - 512
         new_file = work / "lane_b_moved.toml"
         new_file.write_text(dump_toml(moved))
@@ -393,7 +420,9 @@ def run(model: Path, device_a: str, device_b: str, device_switch: str, work: Pat
                    and time.monotonic() < deadline):
                 time.sleep(0.1)
             infos_after = lane_infos(st)
-            check_vram(st, infos_after, budget, report)  # both lanes on the GPU now, under load
+            budgets_after = lane_budgets(model, {**lanes, "lane_b": moved}, kv_tokens, step_tokens)
+            report["budget_bytes_after"] = budgets_after
+            check_vram(st, infos_after, budgets_after, report)  # lane B on its new device / budget, under load
         report["load"] = {"clients": clients, "ok": load.ok, "failed": len(load.failures),
                           "failures": load.failures[:5], "by_lane": load.snapshot(),
                           "by_lane_before_switch": before_switch}
@@ -429,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=2048)
     p.add_argument("--hold-s", type=float, default=3.0, help="each traffic step of the switch (make switch: 30)")
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--hybrid", default=None, metavar="A,B,SWITCH",
+                   help="hybrid placement: each lane's gpu_budget_gb as the fraction of the routed experts it leaves "
+                        "resident (lane A, lane B, lane B after the switch), e.g. 0.3,0.3,0.7")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--wrap-python", action="store_true",
                    help="run the stack through the PYTHONPATH wrapper even with a .venv (as on the GPU box)")
@@ -437,9 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(d)
         model = args.model or build_model(work / "model")
         (work / "s").mkdir()
+        lane_extra, switch_extra = None, None
+        if args.hybrid:
+            fa, fb, fs = (hybrid_budget_gb(model, float(f), args.kv_tokens) for f in args.hybrid.split(","))
+            lane_extra = {"lane_a": {"gpu_budget_gb": fa}, "lane_b": {"gpu_budget_gb": fb}}
+            switch_extra = {"gpu_budget_gb": fs}
         try:
             report = run(model, args.device_a, args.device_b, args.device_switch, work / "s", args.kv_tokens,
-                         args.hold_s, args.clients, args.wrap_python)
+                         args.hold_s, args.clients, args.wrap_python, lane_extra, switch_extra)
             rc = 0
         except (StackCheckError, StackError) as e:
             report = e.args[1] if len(e.args) > 1 else {"ok": False, "error": str(e)}
