@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine.default_model import build_default_model, default_model_path
 from engine.engine import Engine
 from tests.engine.gguf_factory import make_tiny_gguf
+from tests.engine.parity import open_llama
 
 
 # The default MoE model and one engine on it per module (the scheduler and constraint tests). Modules
@@ -39,3 +41,12 @@ def eng(tiny_path: Path) -> Iterator[Engine]:
     e = Engine.open(tiny_path, threads=1, kv_tokens=1024, block_size=16)
     yield e
     e.close()
+
+
+# llama.cpp (the oracle) on the module's `variant` file: the parity modules' `variant` fixtures yield a tuple
+# whose last item is the GGUF path.
+@pytest.fixture(scope="module")
+def llama(variant: tuple) -> Iterator[Any]:
+    llm = open_llama(variant[-1])
+    yield llm
+    llm.close()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 TOL = 1e-3  # max|delta| / max|ref|: the F32 parity tolerance of the architecture tests
 
@@ -18,15 +19,16 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-def open_llama(path: Path, n_ctx: int = 256, *, f32_kv: bool = True) -> Any:
+def open_llama(path: Path, n_ctx: int = 256, *, f32_kv: bool = True, **kw: Any) -> Any:
     """llama.cpp on a GGUF, every row's logits kept, 2 threads. An F32 KV cache by default: llama.cpp's
     own rounding then stays well inside the tolerance (its F16 cache alone costs up to ~9e-4 against a
-    float64 reference); f32_kv=False keeps its default F16 cache."""
+    float64 reference); f32_kv=False keeps its default F16 cache. ``kw``: more llama_cpp.Llama arguments
+    (e.g. rope overrides)."""
     import llama_cpp
 
     kv = {"type_k": 0, "type_v": 0} if f32_kv else {}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False,
-                           n_threads=2, **kv)
+                           n_threads=2, **kv, **kw)
 
 
 def llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
@@ -129,3 +131,20 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, 
     if norm:
         w = w / max(w.sum(), 6.103515625e-5)
     return ids, w * scale, float(margin)
+
+
+def assert_cpu_only(path: Path, monkeypatch: Any) -> None:
+    """An architecture the CUDA backend does not run: with a GPU seen (resolve_device patched), an explicit
+    cuda:N is a typed error before any GPU is touched, and "auto" serves it on the CPU."""
+    import engine.engine as engine_mod
+    from engine.cuda_backend import DeviceSpec
+    from engine.engine import Engine
+    from engine.gguf_model import UnsupportedModelError
+
+    real = engine_mod.resolve_device
+    monkeypatch.setattr(engine_mod, "resolve_device",
+                        lambda d: DeviceSpec("cuda", 0) if d in ("auto", "cuda:0") else real(d))
+    with pytest.raises(UnsupportedModelError, match="runs on the CPU only"):
+        Engine.open(path, threads=1, kv_tokens=64, device="cuda:0")
+    with Engine.open(path, threads=1, kv_tokens=64, device="auto") as eng:
+        assert eng.device.kind == "cpu"

@@ -27,7 +27,6 @@ tolerance (the cache is the distance). Then 64 greedy tokens, judged up to the f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +40,10 @@ from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
 from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
 from tests.engine.parity import (
     TOL,
+    assert_cpu_only,
     judge_greedy,
     llama_greedy,
     llama_logits,
-    open_llama,
     rel_err,
     rms,
     route_ref,
@@ -161,13 +160,6 @@ class RefModel:
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     name = request.param
     return name, make_deepseek2_gguf(tmp_path_factory.mktemp("deepseek2") / f"{name}.gguf", **VARIANTS[name])
-
-
-@pytest.fixture(scope="module")
-def llama(variant: tuple[str, Path]) -> Iterator[Any]:
-    llm = open_llama(variant[1])
-    yield llm
-    llm.close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -328,15 +320,6 @@ def test_bad_deepseek2_files_are_typed_errors(kw: dict, cls: type, match: str, t
 def test_gpu_device_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA backend does not run deepseek2: an explicit cuda:N is a typed error before any GPU is
     touched, and "auto" serves it on the CPU."""
-    import engine.engine as engine_mod
-    from engine.cuda_backend import DeviceSpec
-
     if variant[0] != "v3":
         pytest.skip("one file is enough")
-    real = engine_mod.resolve_device
-    monkeypatch.setattr(engine_mod, "resolve_device",
-                        lambda d: DeviceSpec("cuda", 0) if d in ("auto", "cuda:0") else real(d))
-    with pytest.raises(UnsupportedModelError, match="runs on the CPU only"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
-    with Engine.open(variant[1], threads=1, kv_tokens=64, device="auto") as eng:
-        assert eng.device.kind == "cpu"
+    assert_cpu_only(variant[1], monkeypatch)

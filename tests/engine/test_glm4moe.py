@@ -21,7 +21,6 @@ function, with and without group-limited top-k (DeepSeek-V3's rule, which deepse
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,6 @@ from tests.engine.parity import (
     judge_greedy,
     llama_greedy,
     llama_logits,
-    open_llama,
     rel_err,
     rms,
     route_ref,
@@ -140,13 +138,6 @@ class RefModel:
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     name = request.param
     return name, make_glm4moe_gguf(tmp_path_factory.mktemp("glm4moe") / f"{name}.gguf", **VARIANTS[name])
-
-
-@pytest.fixture(scope="module")
-def llama(variant: tuple[str, Path]) -> Iterator[Any]:
-    llm = open_llama(variant[1])
-    yield llm
-    llm.close()
 
 
 # ---------------------------------------------------------------------------------------------- parity

@@ -12,7 +12,6 @@ YaRN's original context 64, max_position_embeddings 256), converted by engine.co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from engine.native import ffi, lib
 from engine.rope import RopeOverrides
 from lanes.config import LaneConfig
 from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.parity import llama_logits, open_llama, rel_err
 
 TOL = 1e-3  # max|delta| / max|ref|
 ORIG = 64
@@ -44,23 +44,6 @@ def _model(path: Path, arch: str, metadata: dict[str, object]) -> Path:
     return make_random_gguf(path, arch=arch, vocab=True, seed=3, n_ctx=ORIG, metadata=metadata, **extra)
 
 
-def _llama_cpp(path: Path, **kw: Any) -> Any:
-    import llama_cpp
-
-    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False,
-                           n_threads=2, type_k=0, type_v=0, **kw)
-
-
-def _llama_logits(llm: Any, ids: list[int]) -> np.ndarray:
-    llm.reset()
-    llm.eval(ids)
-    return np.asarray(llm.scores[: len(ids)], dtype=np.float32)
-
-
-def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / np.abs(ref).max())
-
-
 def _prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 128, n)]
 
@@ -72,13 +55,6 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return arch, kind, path
 
 
-@pytest.fixture(scope="module")
-def llama(variant: tuple[str, str, Path]) -> Iterator[Any]:
-    llm = _llama_cpp(variant[2])
-    yield llm
-    llm.close()
-
-
 def test_logits_match_llama_cpp_beyond_the_original_context(variant: tuple[str, str, Path], llama: Any) -> None:
     _, kind, path = variant
     prompt = _prompt()
@@ -88,15 +64,15 @@ def test_logits_match_llama_cpp_beyond_the_original_context(variant: tuple[str, 
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
     with Engine.open(path, threads=2, kv_tokens=512, rope=RopeOverrides(rope_scaling_type="none")) as eng:
         plain = np.asarray(eng.logits_for(prompt), dtype=np.float32)
-    theirs = _llama_logits(llama, prompt)
-    assert _rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {_rel_err(ours, theirs):.2e}"
-    beyond = _rel_err(ours[ORIG:], theirs[ORIG:])
+    theirs = llama_logits(llama, prompt)
+    assert rel_err(ours, theirs) <= TOL, f"engine vs llama.cpp: {rel_err(ours, theirs):.2e}"
+    beyond = rel_err(ours[ORIG:], theirs[ORIG:])
     assert beyond <= TOL, f"beyond the original context: {beyond:.2e}"
     # the comparison sees the scaling: without it the same positions are far off
-    assert _rel_err(plain[ORIG:], theirs[ORIG:]) > 20 * TOL
+    assert rel_err(plain[ORIG:], theirs[ORIG:]) > 20 * TOL
 
 
-def test_greedy_matches_llama_cpp(variant: tuple[str, str, Path], llama: Any) -> None:
+def test_greedy_matchesopen_llama(variant: tuple[str, str, Path], llama: Any) -> None:
     _, _, path = variant
     prompt = _prompt(PROMPT_LEN - N_GREEDY, seed=2)
     with Engine.open(path, threads=2, kv_tokens=512) as eng:
@@ -104,8 +80,8 @@ def test_greedy_matches_llama_cpp(variant: tuple[str, str, Path], llama: Any) ->
         assert len(gen) == N_GREEDY
         seq = prompt + gen[:-1]
         ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    theirs = _llama_logits(llama, seq)
-    assert _rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
+    theirs = llama_logits(llama, seq)
+    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
     tie_ok = 2 * TOL * float(np.abs(theirs).max())
     for step, tok in enumerate(gen):
         row = theirs[len(prompt) - 1 + step]
@@ -140,13 +116,13 @@ def test_lane_override_matches_llama_cpp_parameter(tmp_path: Path, lane: dict[st
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
     with Engine.open(path, threads=2, kv_tokens=512) as eng:
         file_only = np.asarray(eng.logits_for(prompt), dtype=np.float32)
-    llm = _llama_cpp(path, **llama_kw)
+    llm = open_llama(path, **llama_kw)
     try:
-        theirs = _llama_logits(llm, prompt)
+        theirs = llama_logits(llm, prompt)
     finally:
         llm.close()
-    assert _rel_err(ours, theirs) <= TOL, f"override vs llama.cpp: {_rel_err(ours, theirs):.2e}"
-    assert _rel_err(file_only[ORIG:], theirs[ORIG:]) > 10 * TOL  # the override did change the model
+    assert rel_err(ours, theirs) <= TOL, f"override vs llama.cpp: {rel_err(ours, theirs):.2e}"
+    assert rel_err(file_only[ORIG:], theirs[ORIG:]) > 10 * TOL  # the override did change the model
 
 
 def test_unknown_or_malformed_scaling_is_a_typed_error(tmp_path: Path) -> None:
@@ -233,9 +209,9 @@ def test_engine_matches_transformers(tmp_path: Path, arch: str, kind: str) -> No
         ours = np.asarray(eng.logits_for(prompt), dtype=np.float32)
     with Engine.open(path, threads=2, kv_tokens=512, rope=RopeOverrides(rope_scaling_type="none")) as eng:
         plain = np.asarray(eng.logits_for(prompt), dtype=np.float32)
-    assert _rel_err(ours, ref) <= TOL, f"engine vs transformers: {_rel_err(ours, ref):.2e}"
-    assert _rel_err(ours[ORIG:], ref[ORIG:]) <= TOL
-    assert _rel_err(plain[ORIG:], ref[ORIG:]) > 20 * TOL
+    assert rel_err(ours, ref) <= TOL, f"engine vs transformers: {rel_err(ours, ref):.2e}"
+    assert rel_err(ours[ORIG:], ref[ORIG:]) <= TOL
+    assert rel_err(plain[ORIG:], ref[ORIG:]) > 20 * TOL
 
 
 def test_converter_reads_linear_and_yarn_and_refuses_what_it_cannot_carry() -> None:
