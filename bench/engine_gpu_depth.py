@@ -10,13 +10,16 @@ engine's own pick, step N+1 launched before step N is waited: the scheduler's pa
 (token, head) walking the whole cache, the kernel before the split). With --llama-bin it then runs
 ``llama-bench -p 0 -n 128 -d D`` (flash attention on, all layers on the GPU) on the same file and prints
 one table: the rates, the ratios, and each depth's share of Strata's depth-0 rate (issue 30's target at
-128k: 60%). The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
+128k: 60%), and the GPU time of a step and of its attention blocks (the step's sampled per-layer events).
+``--depth-knob LABEL:VAR=VALUE`` adds a decode row per depth under those STRATA_GPU_* overrides (an A/B of a
+setting in the same process, e.g. ``fp32:STRATA_GPU_ATT_SPLIT_MMA=0``), printed below the table. The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
 token: 2 x 2 bytes x layers x KV heads x head dim).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -36,23 +39,36 @@ def parse_depths(text: str) -> list[int]:
     return depths
 
 
-def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int) -> tuple[int, int]:
+def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """['fp32:STRATA_GPU_ATT_SPLIT_MMA=0,STRATA_GPU_ATT_SPLIT_L2=0'] -> [('fp32', {VAR: VALUE, ...})]."""
+    out = []
+    for item in items:
+        label, sep, rest = item.partition(":")
+        pairs = [p.partition("=") for p in rest.split(",") if p.strip()]
+        if not sep or not label or not pairs or any(not eq or not k.startswith("STRATA_GPU_") for k, eq, _ in pairs):
+            raise SystemExit(f"--depth-knob: expected LABEL:STRATA_GPU_X=V[,STRATA_GPU_Y=W], got {item!r}")
+        out.append((label, {k.strip(): v.strip() for k, _, v in pairs}))
+    return out
+
+
+def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0) -> tuple[int, int]:
     """(KV tokens for the one sequence, their bytes): the deepest depth plus every depth's decode steps."""
     from engine.inspect_model import analyse
 
-    tokens = max(depths) + len(depths) * (steps + unsplit_steps + 4) + 64
+    tokens = max(depths) + len(depths) * (steps * (1 + n_knobs) + unsplit_steps + 4 * (2 + n_knobs)) + 64
     return tokens, analyse(mf).kv_bytes_per_token * tokens
 
 
-def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tuple[float, float, int]:
+def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tuple[float, float, float, int]:
     """Greedy batch-1 decode from position pos: (tok/s over `steps` steps after two warm-up ones, the
-    median GPU time of a step in ms, the next position). Step N+1 is launched before step N is waited,
+    median GPU time of a step and of its attention blocks in ms, the next position). Step N+1 is launched before step N is waited,
     its id read on the device from N's pick (st_batch.token_src). The step sees the blocks the sequence holds
     by its last step, as the scheduler's table would (not the whole allocation for the deepest depth: the
     split grid follows the table's width)."""
     table = table[: -(-(pos + steps + 3) // eng.block_size)]
     ticket = None
     step_t: list[float] = []
+    attn_t: list[float] = []
     t = time.perf_counter()
     for s in range(steps + 2):
         if s == 2:
@@ -65,18 +81,23 @@ def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tup
             eng.wait(ticket)
             if s >= 3:
                 step_t.append(eng.last_stats.t_total)
+                attn_t.append(eng.last_stats.t_attn)
         ticket = nxt
         pos += 1
     eng.wait(ticket)
+    rate = steps / (time.perf_counter() - t)
     step_t.append(eng.last_stats.t_total)
-    return steps / (time.perf_counter() - t), 1e3 * float(np.median(step_t)), pos
+    attn_t.append(eng.last_stats.t_attn)
+    return rate, 1e3 * float(np.median(step_t)), 1e3 * float(np.median(attn_t)), pos
 
 
-def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int) -> dict:
+def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
+               knobs: list[tuple[str, dict[str, str]]] | None = None) -> dict:
     from engine.engine import Engine
     from engine.gguf_model import open_model
 
-    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps)
+    knobs = knobs or []
+    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps, len(knobs))
     print(f"decode at depth: one sequence of up to {kv_tokens} tokens, KV cache {kv_bytes / 2**30:.2f} GiB "
           f"({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
     out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "strata": {}}
@@ -93,16 +114,28 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
                 print(f"  prefill {pos} -> {d}: {(d - pos) / (time.perf_counter() - t0):.0f} tok/s")
                 pos = d
             row: dict = {"depth": pos}
-            row["tok_s"], row["step_ms"], pos = _decode(eng, table, pos, first, steps)
+            row["tok_s"], row["step_ms"], row["attn_ms"], pos = _decode(eng, table, pos, first, steps)
             if unsplit_steps > 0 and eng._gpu is not None:
-                eng._gpu.set_settings({"STRATA_GPU_ATT_SPLIT_MIN": "0"})
+                eng._gpu.set_settings({**os.environ, "STRATA_GPU_ATT_SPLIT_MIN": "0"})
                 try:
-                    row["unsplit_tok_s"], row["unsplit_step_ms"], pos = _decode(eng, table, pos, first, unsplit_steps)
+                    row["unsplit_tok_s"], row["unsplit_step_ms"], _, pos = _decode(eng, table, pos, first,
+                                                                                   unsplit_steps)
                 finally:
                     eng._gpu.set_settings()
-            print(f"  depth {d}: {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms a step)"
+            for label, env in knobs if eng._gpu is not None else []:
+                eng._gpu.set_settings({**os.environ, **env})
+                try:
+                    k_rate, k_step, k_attn, pos = _decode(eng, table, pos, first, steps)
+                finally:
+                    eng._gpu.set_settings()
+                row.setdefault("knobs", {})[label] = {"env": env, "tok_s": k_rate, "step_ms": k_step,
+                                                      "attn_ms": k_attn}
+            print(f"  depth {d}: {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms a step, attention "
+                  f"{row['attn_ms']:.2f} ms)"
                   + (f", unsplit {row['unsplit_tok_s']:.1f} tok/s ({row['unsplit_step_ms']:.2f} ms)"
-                     if "unsplit_tok_s" in row else ""))
+                     if "unsplit_tok_s" in row else "")
+                  + "".join(f", {lb} {k['tok_s']:.1f} tok/s ({k['step_ms']:.2f} ms, attention {k['attn_ms']:.2f})"
+                            for lb, k in row.get("knobs", {}).items()))
             out["strata"][d] = row
         eng.blocks.release(table)
     return out
@@ -127,13 +160,18 @@ def print_table(res: dict) -> None:
     base = rows.get(0, {}).get("tok_s")
     peer = res.get("llama_cpp") or {}
     print(f"{'depth':>8}{'Strata':>10}{'unsplit':>10}{'llama.cpp':>11}{'Strata/llama':>14}{'split gain':>12}"
-          f"{'of depth 0':>12}{'step ms':>9}")
+          f"{'of depth 0':>12}{'step ms':>9}{'attn ms':>9}")
     for d, r in rows.items():
         s, u, p = r["tok_s"], r.get("unsplit_tok_s"), peer.get(d)
         print(f"{d:>8}{s:>10.1f}{(u if u else float('nan')):>10.1f}{(p if p else float('nan')):>11.1f}"
               f"{(f'{s / p:.2f}x' if p else '-'):>14}{(f'{s / u:.2f}x' if u else '-'):>12}"
-              f"{(f'{100 * s / base:.0f}%' if base else '-'):>12}{r['step_ms']:>9.2f}")
+              f"{(f'{100 * s / base:.0f}%' if base else '-'):>12}{r['step_ms']:>9.2f}{r.get('attn_ms', 0.0):>9.2f}")
     print("issue 30's targets: Strata/llama >= 1.00x at every depth; at 131072 >= 60% of depth 0")
+    for d, r in rows.items():
+        for label, k in r.get("knobs", {}).items():
+            env = ",".join(f"{a}={b}" for a, b in k["env"].items())
+            print(f"  knob {label} ({env}) at {d}: {k['tok_s']:.1f} tok/s ({k['tok_s'] / r['tok_s']:.3f}x the "
+                  f"default), step {k['step_ms']:.2f} ms, attention {k['attn_ms']:.2f} ms")
 
 
 def main(args: Any, model_path: Path, build: Any) -> int:
@@ -142,7 +180,8 @@ def main(args: Any, model_path: Path, build: Any) -> int:
     if not model_path.exists():
         model_path.parent.mkdir(parents=True, exist_ok=True)
         build(model_path)
-    res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps)
+    res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
+                     getattr(args, "depth_knobs", None))
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
