@@ -2,23 +2,25 @@
  * spreads each sequence's keys over many blocks instead of one block per (token, head) walking them all.
  *
  * A step splits when every token belongs to another sequence (decode), it has at most ATT_SPLIT_MAX_T tokens,
- * its block tables cover at least stg_settings.att_split_min tokens, and the model's heads take the query
+ * its longest sequence has at least stg_settings.att_split_min keys, and the model's heads take the query
  * tiles (att_tile_tokens: head_dim 32 / 64 / 128, query heads per kv head dividing 16). Then the layer runs
- * k_qkv_post (not the fused head prep), k_attention_tile<HD, true> over the grid (token, kv head, split) and
+ * k_qkv_post (not the fused head prep), the split kernel over the grid (token, kv head, split) and
  * k_attention_combine (a block per (token, head)): the splits' (max, sum, unnormalised output) merged
  * into the output and, where the output projection reads 8-bit blocks, its quantisation (quant_block32,
- * as every attention kernel does it).
+ * as every attention kernel does it). The split kernel is k_attention_split_mma (tensor cores; at most 8 query
+ * heads per kv head; stg_settings.att_split_mma) or k_attention_tile<HD, true> (fp32 query tiles).
  *
  * The grid depth comes from the padded block-table width (part of a captured graph's key), so a graph
  * replays for every length up to it; each token's own split count follows its length (att_split_chunks)
  * and blocks past it exit before their wait. Which splits a sequence gets depends on its length, the
  * setting and the device's SM count only: a sequence's bits do not depend on its batch, and one below
- * att_split_min keys (one split) gets exactly the unsplit kernels' bits (k_attention_tile's rows are
- * k_attention's, and a single partial is divided by its own sum).
+ * att_split_min keys (one split) gets exactly the unsplit kernels' bits (both split kernels run the fp32 query
+ * tile's rows for it, which are k_attention's, and a single partial is divided by its own sum).
  *
  * Exactness: a split sequence sums its keys in another order (per split, then across splits with one
- * more rescale), so it is not bitwise the unsplit kernel's; tests/engine/gpu/test_gpu_attention_split.py
- * holds it within 1e-4 of max|out| of the unsplit kernel and 1e-3 of the CPU reference (docs/engine.md). */
+ * more rescale; the tensor-core form also rounds q and p to f16 hi + lo), so it is not bitwise the unsplit
+ * kernel's; tests/engine/gpu/test_gpu_attention_split.py holds both forms within 1e-4 of max|out| of the
+ * unsplit kernel and 1e-3 of the CPU reference (docs/engine.md). */
 #include "attention.cuh"
 
 #define ATT_SPLIT_MAX_T 64 /* decode steps of at most this many tokens split (the partials' scratch) */
@@ -31,11 +33,11 @@ static int32_t att_split_zmax(int32_t n_sm, int32_t n_kv) {
     return std::max(1, std::min(z, ATT_SPLIT_MAX));
 }
 
-/* The split grid's depth for a step (1: no split; see the top of this file). cap_keys: the padded
- * block-table width in tokens. */
+/* The split grid's depth for a step (1: no split; see the top of this file): a decode step whose longest
+ * sequence has max_keys >= att_split_min keys; cap_keys: the padded block-table width in tokens. */
 static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, int32_t z_max, int32_t T, bool decode,
-                              int64_t cap_keys) {
-    if (!decode || set.att_split_min < 1 || T > ATT_SPLIT_MAX_T || cap_keys < set.att_split_min) return 1;
+                              int32_t max_keys, int64_t cap_keys) {
+    if (!decode || set.att_split_min < 1 || T > ATT_SPLIT_MAX_T || max_keys < set.att_split_min) return 1;
     if (!att_tile_tokens(d.n_head, d.n_head_kv, d.head_dim)) return 1;
     return att_split_bound(cap_keys, ATT_SPLIT_CHUNKS, z_max);
 }
