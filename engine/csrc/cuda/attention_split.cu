@@ -58,11 +58,19 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * are merged at the end as k_attention_tile merges them and written unnormalised to the partials. The block
  * ids of a warp's next 32 chunks sit one per lane (one load per 32 chunks). Chunks that cannot hold this
  * step's new key (written by k_qkv_post, the predecessor) are issued before the wait, and the next layer's
- * K / V of the split go into L2 (evict_last) there too when a_l2 is set.
+ * K / V of the split go into L2 (evict_last) there too when kc_next is set (launch_attention_split: a layer's
+ * K / V of the step within att_split_l2 MiB).
+ *
+ * PREP (att_split_mma 2, attn_args.fused): k_qkv_post's work is done here instead (split_prep: the same
+ * operations, the same bits), so a split layer runs one kernel fewer: each block prepares its group's q heads
+ * (RoPE's cos / sin table computed before the wait), the block of a token's last split also its k and v heads,
+ * which it writes to the cache and, as k_attention does, puts into its last chunk's stage in shared memory (so
+ * every chunk, the new key's too, is issued before the wait). A token of one split prepares its group into
+ * a.q and the cache, then runs the fp32 rows.
  *
  * A token of one split (att_split_chunks: below split_min keys) takes the fp32 rows instead (att_tile_rows,
  * k_attention's bits), so a short sequence batched with a long one keeps its bits. */
-#define ASM_NS 3 /* K/V chunk stages per warp */
+#define ASM_NS 2 /* K/V chunk stages per warp (two blocks of 128 threads an SM with the static arrays) */
 template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { return 2u * ATT_CK * HD; }
 template <int HD> static constexpr size_t asm_smem_bytes() {
     constexpr size_t stages = (size_t)ATT_WARPS * ASM_NS * asm_stage_halves<HD>() * sizeof(__half);
@@ -71,7 +79,60 @@ template <int HD> static constexpr size_t asm_smem_bytes() {
     return std::max(stages, std::max(merge, tile));
 }
 
+/* PREP: the head prep of k_qkv_post inside the split kernel, item by item of the kv group's list (its G q heads, then,
+ * in the block of the token's last split, its k and v heads): warp w takes items w, w + ATT_WARPS, ... All their
+ * loads first, then qkv_head's operations in the same order (bias, the head norm with its double sum, RoPE's
+ * pairs with cos / sin from the table rcs, computed as qkv_head computes them), so the same bits; item k of the
+ * warp ends in vb[k]. */
 template <int HD>
+__device__ __forceinline__ void split_prep(const qkv_args &qa, int t, int kvh, int G, int n_items, float (*vb)[HD],
+                                           const float (*rcs)[64], int warp, int lane) {
+    constexpr int VPL = HD / 32, NI = 3; /* items a warp holds at most: G + 2 <= 10 over 4 warps */
+    const int qd = qa.n_head * HD, kd = qa.n_kv * HD;
+    const int64_t pl = (int64_t)qa.kp_t * qa.kp_n;
+    float x[NI][VPL];
+#pragma unroll
+    for (int k = 0; k < NI; k++) {
+        const int it = warp + ATT_WARPS * k;
+        if (it >= n_items) break;
+        const int kind = it < G ? 0 : it == G ? 1 : 2, hh = kind == 0 ? kvh * G + it : kvh;
+        const float *src = (kind == 0 ? qa.q + (int64_t)t * qd : kind == 1 ? qa.k + (int64_t)t * kd : qa.v + (int64_t)t * kd) +
+                           hh * HD;
+        const float *bias = kind == 0 ? qa.bq : kind == 1 ? qa.bk : qa.bv;
+        const int64_t base = (int64_t)t * qa.kp_n + (kind == 0 ? 0 : kind == 1 ? qd : qd + kd) + hh * HD;
+#pragma unroll
+        for (int j = 0; j < VPL; j++) {
+            const int i = lane + 32 * j;
+            const float v = qa.kpart ? kpart_sum(qa.kpart + base + i, pl) : src[i];
+            x[k][j] = bias ? v + bias[hh * HD + i] : v;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NI; k++) {
+        const int it = warp + ATT_WARPS * k;
+        if (it >= n_items) break;
+        const int kind = it < G ? 0 : it == G ? 1 : 2;
+        if (kind < 2 && qa.q_norm) { /* head_rmsnorm */
+            const float *w = kind == 0 ? qa.q_norm : qa.k_norm;
+            double ss = 0.0;
+#pragma unroll
+            for (int j = 0; j < VPL; j++) ss += (double)x[k][j] * (double)x[k][j];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            const float scale = (float)(1.0 / sqrt(ss / (double)HD + (double)qa.eps));
+#pragma unroll
+            for (int j = 0; j < VPL; j++) x[k][j] = __fmul_rn(w[lane + 32 * j], __fmul_rn(x[k][j], scale));
+        }
+#pragma unroll
+        for (int j = 0; j < VPL; j++) vb[k][lane + 32 * j] = x[k][j];
+        __syncwarp();
+        if (kind < 2)
+            for (int i = lane; i < qa.rope_dim / 2; i += 32) rope_pair(vb[k], i, qa.rope_dim, qa.rope_type, rcs[0][i], rcs[1][i]);
+        __syncwarp();
+    }
+}
+
+template <int HD, bool PREP>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
     pdl_trigger();
     constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8;
@@ -81,15 +142,44 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     const int32_t c_lo = (int32_t)blockIdx.z * cps;
     if (c_lo >= nc) return; /* the whole block: no barrier reached yet */
     const int32_t c_hi = min(nc, c_lo + cps);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
+    const int G = a.n_head / a.n_kv, kd = a.n_kv * HD, bs = a.block_size;
+    const qkv_args &qa = a.qa;
+    __shared__ float rcs[PREP ? 2 : 1][64];                      /* PREP: cos / sin of the token's RoPE pairs */
+    __shared__ __align__(16) float pvb[PREP ? ATT_WARPS : 1][3][HD]; /* PREP: the warps' prepared heads */
+    if constexpr (PREP) { /* RoPE's table before the wait (pos is a step input, inv_freq a weight) */
+        const int i = threadIdx.x;
+        if (i < qa.rope_dim / 2) {
+            const float theta = __fmul_rn((float)(nk - 1), qa.inv_freq[i]);
+            rcs[0][i] = (float)cos((double)theta), rcs[1][i] = (float)sin((double)theta);
+        }
+    }
     if (c_lo == 0 && c_hi == nc) { /* one split: the fp32 rows (the unsplit kernels' bits) */
         pdl_wait();
+        if constexpr (PREP) { /* k_qkv_post's work for this token's kv group: q into a.q, K / V into the cache */
+            __syncthreads();
+            split_prep<HD>(qa, t, kvh, G, G + 2, pvb[warp], rcs, warp, lane);
+            for (int k = 0; k < 3; k++) {
+                const int it = warp + ATT_WARPS * k;
+                if (it >= G + 2) break;
+                if (it < G) {
+                    float *dst = qa.q + (int64_t)t * qa.n_head * HD + (int64_t)(kvh * G + it) * HD;
+                    for (int i = lane; i < HD; i += 32) dst[i] = __fmul_rn(pvb[warp][k][i], qa.scale);
+                } else {
+                    kv_store(qa, t, it - G + 1, kvh, pvb[warp][k], lane);
+                }
+            }
+            __threadfence();
+            __syncthreads();
+        }
         att_tile_rows<HD, true>(a, t * 32 + 1, 0, nc);
         return;
     }
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
-    const int G = a.n_head / a.n_kv, kd = a.n_kv * HD, bs = a.block_size;
+    __shared__ __align__(16) float qsm[PREP ? 8 : 1][HD + 4]; /* PREP: the prepared, scaled q rows */
+    __shared__ __half kvn[PREP ? 2 : 1][HD];                  /* PREP, the last split: this step's K and V */
+    const bool last = c_hi == nc;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     __half *const wbuf = (__half *)att_dyn + (size_t)warp * ASM_NS * asm_stage_halves<HD>();
     /* this warp's chunks: i = 0 .. n_my - 1 is chunk c_lo + warp + ATT_WARPS * i */
@@ -120,7 +210,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     load_blocks(0);
     /* before the wait: the chunks that cannot hold the new key (only the last chunk does), and the next layer's
      * K / V of this split into L2 */
-    const bool early = c_hi < nc;
+    const bool early = PREP || !last; /* PREP: the new key's slot is replaced in shared memory below */
     if (early)
         for (int i = 0; i < ASM_NS - 1; i++) issue(i);
     if (a.kc_next) {
@@ -136,10 +226,25 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     pdl_wait();
     if (!early)
         for (int i = 0; i < ASM_NS - 1; i++) issue(i);
+    if constexpr (PREP) { /* the group's q heads (and in the last split its K / V) prepared here */
+        __syncthreads(); /* rcs */
+        split_prep<HD>(qa, t, kvh, G, G + (last ? 2 : 0), pvb[warp], rcs, warp, lane);
+        for (int k = 0; k < 3; k++) {
+            const int it = warp + ATT_WARPS * k;
+            if (it >= G + (last ? 2 : 0)) break;
+            if (it < G) {
+                for (int i = lane; i < HD; i += 32) qsm[it][i] = __fmul_rn(pvb[warp][k][i], qa.scale);
+            } else {
+                for (int i = lane; i < HD; i += 32) kvn[it - G][i] = __float2half_rn(pvb[warp][k][i]);
+                kv_store(qa, t, it - G + 1, kvh, pvb[warp][k], lane);
+            }
+        }
+        __syncthreads();
+    }
     /* q of head kvh * G + g: rows g (hi) and g + 8 (lo) of the A fragments, every k step */
     uint32_t qf[KS][4];
     {
-        const float *qr = g < G ? a.q + (int64_t)t * a.n_head * HD + (int64_t)(kvh * G + g) * HD : nullptr;
+        const float *qr = g >= G ? nullptr : PREP ? &qsm[g][0] : a.q + (int64_t)t * a.n_head * HD + (int64_t)(kvh * G + g) * HD;
 #pragma unroll
         for (int kk = 0; kk < KS; kk++)
 #pragma unroll
@@ -159,7 +264,15 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         issue(i + ASM_NS - 1);
         cp_async_wait<ASM_NS - 1>();
         __syncwarp();
-        const __half *ks = wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+        __half *ks = wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+        if (PREP && last && c_lo + warp + ATT_WARPS * i == nc - 1) { /* the new key: this step's own K / V */
+            const int kp = nk - 1 - (nc - 1) * ATT_CK;
+            for (int d = lane; d < HD; d += 32) {
+                ks[d * ATT_CK + 8 * ((kp >> 3) ^ ((d >> 2) & 1)) + (kp & 7)] = kvn[0][d];
+                vs[kp * HD + 8 * ((d >> 3) ^ (kp & VSW)) + (d & 7)] = kvn[1][d];
+            }
+            __syncwarp();
+        }
         float s[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
@@ -286,13 +399,24 @@ static bool att_split_mma_ok(int32_t n_head, int32_t n_kv, int32_t hd) {
 }
 
 static stg_status attention_split_setup(void) {
-    CU(cudaFuncSetAttribute(k_attention_split_mma<32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)asm_smem_bytes<32>()), "attention (split) setup");
-    CU(cudaFuncSetAttribute(k_attention_split_mma<64>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)asm_smem_bytes<64>()), "attention (split) setup");
-    CU(cudaFuncSetAttribute(k_attention_split_mma<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)asm_smem_bytes<128>()), "attention (split) setup");
+#define ASM_SETUP(HD, PREP)                                                                                  \
+    CU(cudaFuncSetAttribute(k_attention_split_mma<HD, PREP>, cudaFuncAttributeMaxDynamicSharedMemorySize,     \
+                            (int)asm_smem_bytes<HD>()),                                                       \
+       "attention (split) setup");
+    ASM_SETUP(32, false)
+    ASM_SETUP(64, false)
+    ASM_SETUP(128, false)
+    ASM_SETUP(32, true)
+    ASM_SETUP(64, true)
+    ASM_SETUP(128, true)
+#undef ASM_SETUP
     return ST_OK;
+}
+
+/* Whether a split step's layers fuse the head prep into the split kernel (att_split_mma 2 and the tensor-core
+ * form's heads; RoPE's table holds 64 pairs): then no k_qkv_post runs. */
+static bool att_split_prep(const stg_settings &set, const st_model_desc &d) {
+    return set.att_split_mma == 2 && att_split_mma_ok(d.n_head, d.n_head_kv, d.head_dim) && d.rope_dim <= 128;
 }
 
 /* The split kernel over grid (n_tok, n_kv, z) and the combine. aa: the layer's arguments with part_acc /
@@ -311,9 +435,19 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     if (g_set.att_split_mma && att_split_mma_ok(aa.n_head, aa.n_kv, aa.hd)) {
         const int64_t layer_kv = (int64_t)n_tok * aa.max_blocks * aa.block_size * aa.n_kv * aa.hd * 2 * (int64_t)sizeof(__half);
         if (layer_kv > ((int64_t)g_set.att_split_l2 << 20)) aa.kc_next = aa.vc_next = nullptr;
-        if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
-        else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
-        else launch_k(k_attention_split_mma<32>, grid, ATT_WARPS * 32, asm_smem_bytes<32>(), st, aa);
+#define ASM_LAUNCH(HD)                                                                                          \
+    if (aa.fused) launch_k(k_attention_split_mma<HD, true>, grid, ATT_WARPS * 32, asm_smem_bytes<HD>(), st, aa);  \
+    else launch_k(k_attention_split_mma<HD, false>, grid, ATT_WARPS * 32, asm_smem_bytes<HD>(), st, aa);
+        if (aa.hd == 128) {
+            ASM_LAUNCH(128)
+        } else if (aa.hd == 64) {
+            ASM_LAUNCH(64)
+        } else {
+            ASM_LAUNCH(32)
+        }
+#undef ASM_LAUNCH
+    } else if (aa.fused) {
+        return fail(ST_EINVAL, "split attention: the head prep is fused only into the tensor-core form");
     } else {
         const size_t smem = att_smem_bytes(aa.hd, 2);
         const int32_t *no_tiles = nullptr;
