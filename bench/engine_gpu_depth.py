@@ -40,13 +40,18 @@ def parse_depths(text: str) -> list[int]:
 
 
 def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
-    """['fp32:STRATA_GPU_ATT_SPLIT_MMA=0,STRATA_GPU_ATT_SPLIT_L2=0'] -> [('fp32', {VAR: VALUE, ...})]."""
+    """['fp32:STRATA_GPU_ATT_SPLIT_MMA=0,STRATA_GPU_ATT_SPLIT_L2=0'] -> [('fp32', {VAR: VALUE, ...})]; each VAR one of
+    engine/gpu_settings.py's overrides."""
+    from engine.gpu_settings import OVERRIDES
+
+    known = {o.env for o in OVERRIDES}
     out = []
     for item in items:
         label, sep, rest = item.partition(":")
         pairs = [p.partition("=") for p in rest.split(",") if p.strip()]
-        if not sep or not label or not pairs or any(not eq or not k.startswith("STRATA_GPU_") for k, eq, _ in pairs):
-            raise SystemExit(f"--depth-knob: expected LABEL:STRATA_GPU_X=V[,STRATA_GPU_Y=W], got {item!r}")
+        if not sep or not label or not pairs or any(not eq or k.strip() not in known for k, eq, _ in pairs):
+            raise SystemExit(f"--depth-knob: expected LABEL:VAR=VALUE[,VAR=VALUE] with VAR a setting of "
+                             f"engine/gpu_settings.py, got {item!r}")
         out.append((label, {k.strip(): v.strip() for k, _, v in pairs}))
     return out
 
