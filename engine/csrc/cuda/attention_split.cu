@@ -33,13 +33,20 @@ static int32_t att_split_zmax(int32_t n_sm, int32_t n_kv) {
     return std::max(1, std::min(z, ATT_SPLIT_MAX));
 }
 
+/* The grid depth of a split launch: att_split_bound of the tables' width, and at least G (query heads per kv
+ * head), so that a token of one split has a block (t, kv head, z) for each head z of its group
+ * (k_attention_split_mma runs the unsplit kernel's blocks for it). */
+static int32_t att_split_depth(int64_t cap_keys, int32_t min_chunks, int32_t z_max, int32_t G) {
+    return std::max(att_split_bound(cap_keys, min_chunks, z_max), std::min(G, (int32_t)ATT_SPLIT_MAX));
+}
+
 /* The split grid's depth for a step (1: no split; see the top of this file): a decode step whose longest
  * sequence has max_keys >= att_split_min keys; cap_keys: the padded block-table width in tokens. */
 static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, int32_t z_max, int32_t T, bool decode,
                               int32_t max_keys, int64_t cap_keys) {
     if (!decode || set.att_split_min < 1 || T > ATT_SPLIT_MAX_T || max_keys < set.att_split_min) return 1;
     if (!att_tile_tokens(d.n_head, d.n_head_kv, d.head_dim)) return 1;
-    return att_split_bound(cap_keys, ATT_SPLIT_CHUNKS, z_max);
+    return att_split_depth(cap_keys, ATT_SPLIT_CHUNKS, z_max, d.n_head / d.n_head_kv);
 }
 
 /* ------------------------------------------------------------ the tensor-core split kernel */
@@ -65,11 +72,11 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * operations, the same bits), so a split layer runs one kernel fewer: each block prepares its group's q heads
  * (RoPE's cos / sin table computed before the wait), the block of a token's last split also its k and v heads,
  * which it writes to the cache and, as k_attention does, puts into its last chunk's stage in shared memory (so
- * every chunk, the new key's too, is issued before the wait). A token of one split prepares its group into
- * a.q and the cache, then runs the fp32 rows.
+ * every chunk, the new key's too, is issued before the wait).
  *
- * A token of one split (att_split_chunks: below split_min keys) takes the fp32 rows instead (att_tile_rows,
- * k_attention's bits), so a short sequence batched with a long one keeps its bits. */
+ * A token of one split (att_split_chunks: below split_min keys) runs the unsplit decode kernel's blocks instead
+ * (att_decode_head, one per head of the group on blocks z < G; with PREP its fused form), so a short sequence
+ * batched with a long one gets its bits and its speed alone. */
 #define ASM_NS 2 /* K/V chunk stages per warp (two blocks of 128 threads an SM with the static arrays) */
 template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { return 2u * ATT_CK * HD; }
 template <int HD> static constexpr size_t asm_smem_bytes() {
@@ -139,11 +146,21 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     const int t = blockIdx.x, kvh = blockIdx.y;
     const int32_t nk = a.pos[t] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
     const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
+    const int G = a.n_head / a.n_kv;
+    if (cps >= nc) { /* one split: blocks z < G run the unsplit decode kernel's block of head z of the group */
+        if ((int)blockIdx.z < G) {
+            const int h = (int)blockIdx.y * G + (int)blockIdx.z;
+            if constexpr (HD == 128) att_decode_head<true, 128, PREP>(a, t, h);
+            else if constexpr (HD == 64) att_decode_head<true, 0, false>(a, t, h);
+            else att_decode_head<false, 0, false>(a, t, h);
+        }
+        return;
+    }
     const int32_t c_lo = (int32_t)blockIdx.z * cps;
     if (c_lo >= nc) return; /* the whole block: no barrier reached yet */
     const int32_t c_hi = min(nc, c_lo + cps);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
-    const int G = a.n_head / a.n_kv, kd = a.n_kv * HD, bs = a.block_size;
+    const int kd = a.n_kv * HD, bs = a.block_size;
     const qkv_args &qa = a.qa;
     __shared__ float rcs[PREP ? 2 : 1][64];                      /* PREP: cos / sin of the token's RoPE pairs */
     __shared__ __align__(16) float pvb[PREP ? ATT_WARPS : 1][3][HD]; /* PREP: the warps' prepared heads */
@@ -153,27 +170,6 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
             const float theta = __fmul_rn((float)(nk - 1), qa.inv_freq[i]);
             rcs[0][i] = (float)cos((double)theta), rcs[1][i] = (float)sin((double)theta);
         }
-    }
-    if (c_lo == 0 && c_hi == nc) { /* one split: the fp32 rows (the unsplit kernels' bits) */
-        pdl_wait();
-        if constexpr (PREP) { /* k_qkv_post's work for this token's kv group: q into a.q, K / V into the cache */
-            __syncthreads();
-            split_prep<HD>(qa, t, kvh, G, G + 2, pvb[warp], rcs, warp, lane);
-            for (int k = 0; k < 3; k++) {
-                const int it = warp + ATT_WARPS * k;
-                if (it >= G + 2) break;
-                if (it < G) {
-                    float *dst = qa.q + (int64_t)t * qa.n_head * HD + (int64_t)(kvh * G + it) * HD;
-                    for (int i = lane; i < HD; i += 32) dst[i] = __fmul_rn(pvb[warp][k][i], qa.scale);
-                } else {
-                    kv_store(qa, t, it - G + 1, kvh, pvb[warp][k], lane);
-                }
-            }
-            __threadfence();
-            __syncthreads();
-        }
-        att_tile_rows<HD, true>(a, t * 32 + 1, 0, nc);
-        return;
     }
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8];
@@ -359,6 +355,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args 
     const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = a.hd;
     const int32_t nk = a.pos[t] + 1;
     const int ns = min(att_split_count(nk, a.split_min, a.split_chunks, a.split_max), a.split_z); /* min: never binds */
+    if (ns == 1 && a.split_direct) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma) */
     const int64_t p0 = ((int64_t)t * a.n_head + h) * a.split_z;
     const float *ml = a.part_ml + 2 * p0, *acc = a.part_acc + p0 * hd;
     if (warp == 0 && ns > 1) { /* splits lane and lane + 32 */
@@ -432,7 +429,9 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     aa.split_z = z, aa.stages = 2;
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_kv, (unsigned)z);
     if (aa.hd != 128 && aa.hd != 64 && aa.hd != 32) return fail(ST_EUNSUPPORTED, "split attention: head_dim %d", aa.hd);
+    aa.split_direct = 0;
     if (g_set.att_split_mma && att_split_mma_ok(aa.n_head, aa.n_kv, aa.hd)) {
+        aa.split_direct = 1;
         const int64_t layer_kv = (int64_t)n_tok * aa.max_blocks * aa.block_size * aa.n_kv * aa.hd * 2 * (int64_t)sizeof(__half);
         if (layer_kv > ((int64_t)g_set.att_split_l2 << 20)) aa.kc_next = aa.vc_next = nullptr;
 #define ASM_LAUNCH(HD)                                                                                          \
