@@ -55,7 +55,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
-    s->att_split_min = 1024;
+    s->att_split_min = 512;
     s->att_split_mma = 2;
     s->att_split_l2 = 24;
 }

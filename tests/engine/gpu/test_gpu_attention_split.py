@@ -175,7 +175,7 @@ def test_split_decode_refuses_bad_arguments(g: tuple) -> None:
 
 # ------------------------------------------------------------------------------------------------ model level
 
-LONG = 32_800  # the long prompt: its decode steps split (att_split_min's default is 1,024)
+LONG = 32_800  # the long prompt: its decode steps split (att_split_min's default is 512)
 N_SHORT = 15
 STEPS = 6
 VOCAB = 300
@@ -236,7 +236,7 @@ def test_mixed_batch_gives_each_sequence_its_alone_logits(long_ctx: tuple) -> No
                 gap = float(lg[s][toks[s + 1]] - lg[s][got])
                 assert gap <= 1e-4 * float(np.abs(lg[s]).max()), \
                     f"{what}, step {s}: batched picks {got}, alone {toks[s + 1]} (margin {gap:.3e})"
-        why = "its splits must depend on its own length only" if lens[r] >= 1024 else \
+        why = "its splits must depend on its own length only" if lens[r] >= 512 else \
             "one split: alone the fused decode kernel, batched k_qkv_post + the split kernel, the same bits"
         assert np.array_equal(batched[:, r].view(np.uint32), lg.view(np.uint32)), \
             f"{what}: batched logits within {e:.3e} but not bitwise those alone ({why})"
