@@ -82,7 +82,7 @@ template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { retu
 template <int HD> static constexpr size_t asm_smem_bytes() {
     constexpr size_t stages = (size_t)ATT_WARPS * ASM_NS * asm_stage_halves<HD>() * sizeof(__half);
     constexpr size_t merge = (size_t)ATT_WARPS * 8 * (HD + 8) * sizeof(float);
-    constexpr size_t tile = (size_t)ATT_WARPS * 2 * 2 * ATT_CK * HD * sizeof(__half); /* att_smem_bytes(HD, 2) */
+    constexpr size_t tile = (size_t)ATT_WARPS * 2 * 2 * ATT_CK * HD * sizeof(__half); /* att_smem_bytes(HD, 2): att_decode_head */
     return std::max(stages, std::max(merge, tile));
 }
 
@@ -269,6 +269,12 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
             }
             __syncwarp();
         }
+        const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
+        if (k0 + ATT_CK > nk) { /* V rows past the last key to 0: p = 0 there, but 0 times a stale NaN is not 0 */
+            for (int u = (nk - k0) * (HD / 8) + lane; u < ATT_CK * (HD / 8); u += 32)
+                *(uint4 *)(vs + 8 * u) = make_uint4(0u, 0u, 0u, 0u);
+            __syncwarp();
+        }
         float s[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
@@ -278,7 +284,6 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
             amma_f16(s[0], qf[kk], b[0], b[1]);
             amma_f16(s[1], qf[kk], b[2], b[3]);
         }
-        const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
         float sc[4], mx = -INFINITY; /* keys k0 + 8 nt + 2 t4 + e at [2 nt + e] */
 #pragma unroll
         for (int nt = 0; nt < 2; nt++)
