@@ -51,7 +51,7 @@ template <int N> __device__ __forceinline__ void load_dims(const __half *p, floa
     }
 }
 /* The rows of one tile (first_token * 32 + count) over chunks [c_lo, c_hi) (SPLIT; otherwise every chunk of
- * the tile): the body of k_attention_tile, also run by k_attention_split_mma for a token of one split. */
+ * the tile): the body of k_attention_tile. */
 template <int HD, bool SPLIT>
 __device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile, int32_t c_lo, int32_t c_hi) {
     constexpr int DPL = HD / 32, QP = HD + 2; /* dimensions per lane (values); q row padded: rows r and r + 8 in other banks */
