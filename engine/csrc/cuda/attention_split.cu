@@ -14,8 +14,9 @@
  * replays for every length up to it; each token's own split count follows its length (att_split_chunks)
  * and blocks past it exit before their wait. Which splits a sequence gets depends on its length, the
  * setting and the device's SM count only: a sequence's bits do not depend on its batch, and one below
- * att_split_min keys (one split) gets exactly the unsplit kernels' bits (both split kernels run the fp32 query
- * tile's rows for it, which are k_attention's, and a single partial is divided by its own sum).
+ * att_split_min keys (one split) gets exactly the unsplit kernels' bits (the tensor-core form runs k_attention's
+ * own blocks for it; the fp32 form the query tile's rows, which are k_attention's, and divides the single partial
+ * by its own sum).
  *
  * Exactness: a split sequence sums its keys in another order (per split, then across splits with one
  * more rescale; the tensor-core form also rounds q and p to f16 hi + lo), so it is not bitwise the unsplit
