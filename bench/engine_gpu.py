@@ -653,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth-batch", type=int, default=1, metavar="N",
                     help="with --depth: decode N sequences at each depth (aggregate tok/s; llama.cpp: "
                          "llama-batched-bench -npl N)")
+    ap.add_argument("--depth-profile", action="store_true",
+                    help="with --depth: a kernel-time table (graphs and PDL off, torch's profiler) at each depth "
+                         "for the default and each --depth-knob")
     ap.add_argument("--depth-knob", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
                     help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
                          "(repeatable; e.g. fp32:STRATA_GPU_ATT_SPLIT_MMA=0)")

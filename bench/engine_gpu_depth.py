@@ -11,7 +11,9 @@ engine's own pick, step N+1 launched before step N is waited: the scheduler's pa
 ``llama-bench -p 0 -n 128 -d D`` (flash attention on, all layers on the GPU) on the same file and prints
 one table: the rates, the ratios, and each depth's share of Strata's depth-0 rate (issue 30's target at
 128k: 60%), and the GPU time of a step and of its attention blocks (the step's sampled per-layer events).
-``--depth-batch N`` decodes N sequences at each depth instead of one (each its own random prompt; aggregate
+``--depth-profile`` adds, at each depth and for the default and each knob, a table of kernel times over 8
+decode steps with graphs and PDL off (CUPTI through torch's profiler: k_qkv_post, the split kernel, the
+combine each by name). ``--depth-batch N`` decodes N sequences at each depth instead of one (each its own random prompt; aggregate
 tok/s, beside ``llama-batched-bench -npp D -ntg 128 -npl N``: issue 30's 8 sequences at 32k).
 ``--depth-knob LABEL:VAR=VALUE`` adds a decode row per depth under those STRATA_GPU_* overrides (an A/B of a
 setting in the same process, e.g. ``fp32:STRATA_GPU_ATT_SPLIT_MMA=0``), printed below the table. The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
@@ -58,12 +60,35 @@ def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0) -> tuple[int, int]:
-    """(KV tokens for the one sequence, their bytes): the deepest depth plus every depth's decode steps."""
+def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0,
+            profile: bool = False) -> tuple[int, int]:
+    """(KV tokens for one sequence, their bytes): the deepest depth plus every depth's decode steps."""
     from engine.inspect_model import analyse
 
-    tokens = max(depths) + len(depths) * (steps * (1 + n_knobs) + unsplit_steps + 4 * (2 + n_knobs)) + 64
+    per_depth = steps * (1 + n_knobs) + unsplit_steps + 4 * (2 + n_knobs) + (PROFILE_STEPS * (1 + n_knobs) if profile else 0)
+    tokens = max(depths) + len(depths) * per_depth + 64
     return tokens, analyse(mf).kv_bytes_per_token * tokens
+
+
+PROFILE_STEPS = 16  # --depth-profile: steps a kernel table spans (4 warm-up, then 8 timed, each + 2 warm-up)
+
+
+def _kernel_table(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], env: dict[str, str],
+                  rows: int = 14) -> tuple[str, int]:
+    """The kernel times (CUPTI, through torch's profiler) of 8 decode steps with graphs and PDL off (so that a
+    kernel's span is its own work, not its wait for the predecessor) under `env`'s settings: (the table, the next
+    position)."""
+    import torch.profiler as tp
+
+    eng._gpu.set_settings({**os.environ, **env, "STRATA_GPU_GRAPHS": "0", "STRATA_GPU_PDL": "0"})
+    try:
+        pos = _decode(eng, tables, pos, firsts, 2)[3]
+        prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+        with prof:
+            pos = _decode(eng, tables, pos, firsts, 8)[3]
+    finally:
+        eng._gpu.set_settings()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), pos
 
 
 def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], steps: int) -> tuple[float, float, float, int]:
@@ -102,12 +127,12 @@ def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], step
 
 
 def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
-               knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1) -> dict:
+               knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False) -> dict:
     from engine.engine import Engine
     from engine.gguf_model import open_model
 
     knobs = knobs or []
-    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps, len(knobs))
+    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps, len(knobs), profile)
     print(f"decode at depth: {n_seq} sequence(s) of up to {kv_tokens} tokens, KV cache "
           f"{n_seq * kv_bytes / 2**30:.2f} GiB ({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
     out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "n_seq": n_seq, "strata": {}}
@@ -148,6 +173,11 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
                      if "unsplit_tok_s" in row else "")
                   + "".join(f", {lb} {k['tok_s']:.1f} tok/s ({k['step_ms']:.2f} ms, attention {k['attn_ms']:.2f})"
                             for lb, k in row.get("knobs", {}).items()))
+            if profile and eng._gpu is not None:
+                for label, env in [("default", {})] + knobs:
+                    table_text, pos = _kernel_table(eng, tables, pos, firsts, env)
+                    print(f"== kernels at depth {d}, {label} ({n_seq} sequence(s), 8 steps, graphs and PDL off)\n"
+                          + table_text)
             out["strata"][d] = row
         for tb in tables:
             eng.blocks.release(tb)
@@ -213,7 +243,7 @@ def main(args: Any, model_path: Path, build: Any) -> int:
         build(model_path)
     n_seq = getattr(args, "depth_batch", 1)
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
-                     getattr(args, "depth_knobs", None), n_seq)
+                     getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False))
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
