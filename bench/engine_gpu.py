@@ -650,12 +650,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unsplit-steps", type=int, default=32,
                     help="with --depth: steps timed with the split-KV attention off (0: skip that row)")
     ap.add_argument("--depth-reps", type=int, default=2, help="with --depth: llama-bench repetitions (-r)")
+    ap.add_argument("--depth-batch", type=int, default=1, metavar="N",
+                    help="with --depth: decode N sequences at each depth (aggregate tok/s; llama.cpp: "
+                         "llama-batched-bench -npl N)")
+    ap.add_argument("--depth-profile", action="store_true",
+                    help="with --depth: a kernel-time table (graphs and PDL off, torch's profiler) at each depth "
+                         "for the default and each --depth-knob")
+    ap.add_argument("--depth-knob", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+                    help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
+                         "(repeatable; e.g. fp32:STRATA_GPU_ATT_SPLIT_MMA=0)")
     args = ap.parse_args(argv)
     if args.depth is not None:
         from bench import engine_gpu_depth
 
-        if args.depth_steps < 1 or args.unsplit_steps < 0 or args.depth_reps < 1:
-            raise SystemExit("--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0")
+        if args.depth_steps < 1 or args.unsplit_steps < 0 or args.depth_reps < 1 or not 1 <= args.depth_batch <= 64:
+            raise SystemExit("--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0, --depth-batch 1..64")
+        args.depth_knobs = engine_gpu_depth.parse_knobs(args.depth_knob)
         return engine_gpu_depth.main(args, _model_path(args), lambda p: build_model(p, _shape(args), args.skew))
     if args.prefill_only:
         return prefill_once(args, args.prefill_only)

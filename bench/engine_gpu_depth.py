@@ -10,13 +10,20 @@ engine's own pick, step N+1 launched before step N is waited: the scheduler's pa
 (token, head) walking the whole cache, the kernel before the split). With --llama-bin it then runs
 ``llama-bench -p 0 -n 128 -d D`` (flash attention on, all layers on the GPU) on the same file and prints
 one table: the rates, the ratios, and each depth's share of Strata's depth-0 rate (issue 30's target at
-128k: 60%). The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
+128k: 60%), and the GPU time of a step and of its attention blocks (the step's sampled per-layer events).
+``--depth-profile`` adds, at each depth and for the default and each knob, a table of kernel times over 8
+decode steps with graphs and PDL off (CUPTI through torch's profiler: k_qkv_post, the split kernel, the
+combine each by name). ``--depth-batch N`` decodes N sequences at each depth instead of one (each its own random prompt; aggregate
+tok/s, beside ``llama-batched-bench -npp D -ntg 128 -npl N``: issue 30's 8 sequences at 32k).
+``--depth-knob LABEL:VAR=VALUE`` adds a decode row per depth under those STRATA_GPU_* overrides (an A/B of a
+setting in the same process, e.g. ``fp32:STRATA_GPU_ATT_SPLIT_MMA=0``), printed below the table. The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
 token: 2 x 2 bytes x layers x KV heads x head dim).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -36,23 +43,66 @@ def parse_depths(text: str) -> list[int]:
     return depths
 
 
-def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int) -> tuple[int, int]:
-    """(KV tokens for the one sequence, their bytes): the deepest depth plus every depth's decode steps."""
+def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """['fp32:STRATA_GPU_ATT_SPLIT_MMA=0,STRATA_GPU_ATT_SPLIT_L2=0'] -> [('fp32', {VAR: VALUE, ...})]; each VAR one of
+    engine/gpu_settings.py's overrides."""
+    from engine.gpu_settings import OVERRIDES
+
+    known = {o.env for o in OVERRIDES}
+    out = []
+    for item in items:
+        label, sep, rest = item.partition(":")
+        pairs = [p.partition("=") for p in rest.split(",") if p.strip()]
+        if not sep or not label or not pairs or any(not eq or k.strip() not in known for k, eq, _ in pairs):
+            raise SystemExit(f"--depth-knob: expected LABEL:VAR=VALUE[,VAR=VALUE] with VAR a setting of "
+                             f"engine/gpu_settings.py, got {item!r}")
+        out.append((label, {k.strip(): v.strip() for k, _, v in pairs}))
+    return out
+
+
+def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0,
+            profile: bool = False) -> tuple[int, int]:
+    """(KV tokens for one sequence, their bytes): the deepest depth plus every depth's decode steps."""
     from engine.inspect_model import analyse
 
-    tokens = max(depths) + len(depths) * (steps + unsplit_steps + 4) + 64
+    per_depth = steps * (1 + n_knobs) + unsplit_steps + 4 * (2 + n_knobs) + (PROFILE_STEPS * (1 + n_knobs) if profile else 0)
+    tokens = max(depths) + len(depths) * per_depth + 64
     return tokens, analyse(mf).kv_bytes_per_token * tokens
 
 
-def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tuple[float, float, int]:
-    """Greedy batch-1 decode from position pos: (tok/s over `steps` steps after two warm-up ones, the
-    median GPU time of a step in ms, the next position). Step N+1 is launched before step N is waited,
-    its id read on the device from N's pick (st_batch.token_src). The step sees the blocks the sequence holds
-    by its last step, as the scheduler's table would (not the whole allocation for the deepest depth: the
-    split grid follows the table's width)."""
-    table = table[: -(-(pos + steps + 3) // eng.block_size)]
+PROFILE_STEPS = 16  # --depth-profile: steps a kernel table spans (4 warm-up, then 8 timed, each + 2 warm-up)
+
+
+def _kernel_table(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], env: dict[str, str],
+                  rows: int = 14) -> tuple[str, int]:
+    """The kernel times (CUPTI, through torch's profiler) of 8 decode steps with graphs and PDL off (so that a
+    kernel's span is its own work, not its wait for the predecessor) under `env`'s settings: (the table, the next
+    position)."""
+    import torch.profiler as tp
+
+    eng._gpu.set_settings({**os.environ, **env, "STRATA_GPU_GRAPHS": "0", "STRATA_GPU_PDL": "0"})
+    try:
+        pos = _decode(eng, tables, pos, firsts, 2)[3]
+        prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
+        with prof:
+            pos = _decode(eng, tables, pos, firsts, 8)[3]
+    finally:
+        eng._gpu.set_settings()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), pos
+
+
+def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], steps: int) -> tuple[float, float, float, int]:
+    """Greedy decode of len(tables) sequences, all at position pos: (aggregate tok/s over `steps` steps after two
+    warm-up ones, the median GPU time of a step and of its attention blocks in ms, the next position). Step N+1
+    is launched before step N is waited, its ids read on the device from N's picks (st_batch.token_src). Each
+    step sees the blocks its sequences hold by their last step, as the scheduler's tables would (not the whole
+    allocation for the deepest depth: the split grid follows the tables' width)."""
+    n = len(tables)
+    tables = [tb[: -(-(pos + steps + 3) // eng.block_size)] for tb in tables]
+    rows = list(range(n))
     ticket = None
     step_t: list[float] = []
+    attn_t: list[float] = []
     t = time.perf_counter()
     for s in range(steps + 2):
         if s == 2:
@@ -60,59 +110,100 @@ def _decode(eng: Any, table: list[int], pos: int, first: int, steps: int) -> tup
                 eng.wait(ticket)
                 ticket = None
             t = time.perf_counter()
-        nxt = eng.launch([first] if s == 0 else [0], [pos], [0], [table], [0], token_src=None if s == 0 else [0])
+        nxt = eng.launch(firsts if s == 0 else [0] * n, [pos] * n, rows, tables, rows,
+                         token_src=None if s == 0 else rows)
         if ticket is not None:
             eng.wait(ticket)
             if s >= 3:
                 step_t.append(eng.last_stats.t_total)
+                attn_t.append(eng.last_stats.t_attn)
         ticket = nxt
         pos += 1
     eng.wait(ticket)
+    rate = n * steps / (time.perf_counter() - t)
     step_t.append(eng.last_stats.t_total)
-    return steps / (time.perf_counter() - t), 1e3 * float(np.median(step_t)), pos
+    attn_t.append(eng.last_stats.t_attn)
+    return rate, 1e3 * float(np.median(step_t)), 1e3 * float(np.median(attn_t)), pos
 
 
-def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int) -> dict:
+def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
+               knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False) -> dict:
     from engine.engine import Engine
     from engine.gguf_model import open_model
 
-    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps)
-    print(f"decode at depth: one sequence of up to {kv_tokens} tokens, KV cache {kv_bytes / 2**30:.2f} GiB "
-          f"({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
-    out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "strata": {}}
+    knobs = knobs or []
+    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps, len(knobs), profile)
+    print(f"decode at depth: {n_seq} sequence(s) of up to {kv_tokens} tokens, KV cache "
+          f"{n_seq * kv_bytes / 2**30:.2f} GiB ({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
+    out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "n_seq": n_seq, "strata": {}}
     rng = np.random.default_rng(30)
-    with Engine.open(path, device=device, kv_tokens=kv_tokens, block_size=16, prefill_chunk=512) as eng:
+    with Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=16, prefill_chunk=512) as eng:
         V = eng.hparams.n_vocab
-        table = eng.blocks.allocate(-(-kv_tokens // eng.block_size))
-        assert table is not None
-        pos, first = 0, int(rng.integers(0, V))
+        tables = [eng.blocks.allocate(-(-kv_tokens // eng.block_size)) for _ in range(n_seq)]
+        assert all(tb is not None for tb in tables)
+        pos, firsts = 0, [int(x) for x in rng.integers(0, V, size=n_seq)]
         for d in depths:
-            if d > pos:  # continue the sequence to depth d
+            if d > pos:  # continue each sequence to depth d (its own random ids)
                 t0 = time.perf_counter()
-                first = int(np.argmax(eng.prefill([int(x) for x in rng.integers(0, V, size=d - pos)], table, start=pos)))
-                print(f"  prefill {pos} -> {d}: {(d - pos) / (time.perf_counter() - t0):.0f} tok/s")
+                firsts = [int(np.argmax(eng.prefill([int(x) for x in rng.integers(0, V, size=d - pos)], tb, start=pos)))
+                          for tb in tables]
+                print(f"  prefill {pos} -> {d} ({n_seq} sequence(s)): "
+                      f"{n_seq * (d - pos) / (time.perf_counter() - t0):.0f} tok/s")
                 pos = d
             row: dict = {"depth": pos}
-            row["tok_s"], row["step_ms"], pos = _decode(eng, table, pos, first, steps)
+            row["tok_s"], row["step_ms"], row["attn_ms"], pos = _decode(eng, tables, pos, firsts, steps)
             if unsplit_steps > 0 and eng._gpu is not None:
-                eng._gpu.set_settings({"STRATA_GPU_ATT_SPLIT_MIN": "0"})
+                eng._gpu.set_settings({**os.environ, "STRATA_GPU_ATT_SPLIT_MIN": "0"})
                 try:
-                    row["unsplit_tok_s"], row["unsplit_step_ms"], pos = _decode(eng, table, pos, first, unsplit_steps)
+                    row["unsplit_tok_s"], row["unsplit_step_ms"], _, pos = _decode(eng, tables, pos, firsts,
+                                                                                   unsplit_steps)
                 finally:
                     eng._gpu.set_settings()
-            print(f"  depth {d}: {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms a step)"
+            for label, env in knobs if eng._gpu is not None else []:
+                eng._gpu.set_settings({**os.environ, **env})
+                try:
+                    k_rate, k_step, k_attn, pos = _decode(eng, tables, pos, firsts, steps)
+                finally:
+                    eng._gpu.set_settings()
+                row.setdefault("knobs", {})[label] = {"env": env, "tok_s": k_rate, "step_ms": k_step,
+                                                      "attn_ms": k_attn}
+            print(f"  depth {d}: {row['tok_s']:.1f} tok/s ({row['step_ms']:.2f} ms a step, attention "
+                  f"{row['attn_ms']:.2f} ms)"
                   + (f", unsplit {row['unsplit_tok_s']:.1f} tok/s ({row['unsplit_step_ms']:.2f} ms)"
-                     if "unsplit_tok_s" in row else ""))
+                     if "unsplit_tok_s" in row else "")
+                  + "".join(f", {lb} {k['tok_s']:.1f} tok/s ({k['step_ms']:.2f} ms, attention {k['attn_ms']:.2f})"
+                            for lb, k in row.get("knobs", {}).items()))
+            if profile and eng._gpu is not None:
+                for label, env in [("default", {})] + knobs:
+                    table_text, pos = _kernel_table(eng, tables, pos, firsts, env)
+                    print(f"== kernels at depth {d}, {label} ({n_seq} sequence(s), 8 steps, graphs and PDL off)\n"
+                          + table_text)
             out["strata"][d] = row
-        eng.blocks.release(table)
+        for tb in tables:
+            eng.blocks.release(tb)
     return out
 
 
-def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0) -> dict[int, float]:
-    """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth."""
-    from bench.engine_gpu import llama_env  # engine_gpu imports this module for --depth
+def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0,
+              n_seq: int = 1) -> dict[int, float]:
+    """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth; with n_seq > 1
+    llama-batched-bench -npp D -ntg 128 -npl n_seq (distinct prompts of D tokens: aggregate decode)."""
+    from bench.engine_gpu import llama_env, parse_batched_bench  # engine_gpu imports this module for --depth
 
     env = llama_env(bin_dir)
+    if n_seq > 1:
+        got: dict[int, float] = {}
+        for d in depths:
+            npp = max(d, 32)
+            cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-ngl", "99", "-fa", "on", "-c",
+                   str(n_seq * (npp + 128) + 256), "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", "128",
+                   "-npl", str(n_seq), "--output-format", "jsonl"]
+            print("llama.cpp: " + " ".join(cmd))
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+            if p.returncode != 0:
+                raise RuntimeError(f"llama-batched-bench failed ({p.returncode}): {p.stderr[-2000:]}")
+            got[d] = parse_batched_bench(p.stdout + "\n" + p.stderr)[f"decode_b{n_seq}_tok_s"]
+        return got
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128",
            "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json"]
     print("llama.cpp: " + " ".join(cmd))
@@ -127,13 +218,21 @@ def print_table(res: dict) -> None:
     base = rows.get(0, {}).get("tok_s")
     peer = res.get("llama_cpp") or {}
     print(f"{'depth':>8}{'Strata':>10}{'unsplit':>10}{'llama.cpp':>11}{'Strata/llama':>14}{'split gain':>12}"
-          f"{'of depth 0':>12}{'step ms':>9}")
+          f"{'of depth 0':>12}{'step ms':>9}{'attn ms':>9}")
     for d, r in rows.items():
         s, u, p = r["tok_s"], r.get("unsplit_tok_s"), peer.get(d)
         print(f"{d:>8}{s:>10.1f}{(u if u else float('nan')):>10.1f}{(p if p else float('nan')):>11.1f}"
               f"{(f'{s / p:.2f}x' if p else '-'):>14}{(f'{s / u:.2f}x' if u else '-'):>12}"
-              f"{(f'{100 * s / base:.0f}%' if base else '-'):>12}{r['step_ms']:>9.2f}")
-    print("issue 30's targets: Strata/llama >= 1.00x at every depth; at 131072 >= 60% of depth 0")
+              f"{(f'{100 * s / base:.0f}%' if base else '-'):>12}{r['step_ms']:>9.2f}{r.get('attn_ms', 0.0):>9.2f}")
+    if res.get("n_seq", 1) > 1:
+        print(f"aggregate decode of {res['n_seq']} sequences (tok/s of all); issue 30's target at 32768: >= 1.00x")
+    else:
+        print("issue 30's targets: Strata/llama >= 1.00x at every depth; at 131072 >= 60% of depth 0")
+    for d, r in rows.items():
+        for label, k in r.get("knobs", {}).items():
+            env = ",".join(f"{a}={b}" for a, b in k["env"].items())
+            print(f"  knob {label} ({env}) at {d}: {k['tok_s']:.1f} tok/s ({k['tok_s'] / r['tok_s']:.3f}x the "
+                  f"default), step {k['step_ms']:.2f} ms, attention {k['attn_ms']:.2f} ms")
 
 
 def main(args: Any, model_path: Path, build: Any) -> int:
@@ -142,11 +241,13 @@ def main(args: Any, model_path: Path, build: Any) -> int:
     if not model_path.exists():
         model_path.parent.mkdir(parents=True, exist_ok=True)
         build(model_path)
-    res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps)
+    n_seq = getattr(args, "depth_batch", 1)
+    res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
+                     getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False))
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
-            res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps)
+            res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq)
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
             print(f"llama.cpp not measured: {type(e).__name__}: {e}")
             res["llama_cpp"] = None

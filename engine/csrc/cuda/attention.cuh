@@ -30,6 +30,7 @@ struct attn_args {
     int32_t split_min;    /* sequences of fewer keys stay in one split */
     int32_t split_chunks; /* chunks a split holds at least */
     int32_t split_max;    /* splits of one sequence at most */
+    int32_t split_direct; /* 1: a token of one split has its output written by the split kernel (the combine skips it) */
 };
 /* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
  * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and

@@ -28,14 +28,15 @@ __device__ __forceinline__ void prep_rope_table(const attn_args &a, int32_t p, f
     if (lane + 32 < np) rcs[0][lane + 32] = c1, rcs[1][lane + 32] = s1;
     asm volatile("bar.arrive 1, 96;\n" ::: "memory"); /* warps 0 and 1 wait for it (bar.sync 1, 96) */
 }
-template <bool HALF2, int HD, bool PREP = false>
-__global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
+/* The block of (token t, head h): k_attention's body, also run by k_attention_split_mma for a token of one split
+ * (so that token gets exactly what it gets alone). */
+template <bool HALF2, int HD, bool PREP>
+__device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h) {
     pdl_trigger();
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ __align__(16) float qs[256];
     __shared__ float part[ATT_WARPS][256 + 2];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = blockIdx.x, h = blockIdx.y;
     const int hd = HD ? HD : a.hd, kd = a.n_kv * hd, kvh = h / (a.n_head / a.n_kv), bs = a.block_size;
     const int S = a.stages;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * S * 2 * ATT_CK * hd; /* [S][K hd x 16 | V 16 x hd] */
@@ -324,6 +325,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
         }
         if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
     }
+}
+
+template <bool HALF2, int HD, bool PREP = false>
+__global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
+    att_decode_head<HALF2, HD, PREP>(a, blockIdx.x, blockIdx.y);
 }
 
 /* Reference attention: one thread per (token, head), two passes exactly like attn_ref in

@@ -50,20 +50,10 @@ template <int N> __device__ __forceinline__ void load_dims(const __half *p, floa
         f[0] = __half2float(p[0]);
     }
 }
-template <int HD, bool SPLIT = false>
-__global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, const int32_t *tiles) {
-    int32_t c_lo = 0, c_hi = 0; /* SPLIT: this block's chunks [c_lo, c_hi) of its token's keys */
-    if constexpr (SPLIT) {
-        pdl_trigger();
-        const int32_t nk = a.pos[blockIdx.x] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
-        const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
-        c_lo = (int32_t)blockIdx.z * cps;
-        if (c_lo >= nc) return; /* the whole block: no barrier reached yet */
-        c_hi = min(nc, c_lo + cps);
-        pdl_wait();
-    } else {
-        PDL_ENTER();
-    }
+/* The rows of one tile (first_token * 32 + count) over chunks [c_lo, c_hi) (SPLIT; otherwise every chunk of
+ * the tile): the body of k_attention_tile. */
+template <int HD, bool SPLIT>
+__device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile, int32_t c_lo, int32_t c_hi) {
     constexpr int DPL = HD / 32, QP = HD + 2; /* dimensions per lane (values); q row padded: rows r and r + 8 in other banks */
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ __align__(16) float qs[ATT_TR][QP];
@@ -73,8 +63,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, 
     __shared__ int32_t rn[ATT_TR];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int G = a.n_head / a.n_kv, kvh = blockIdx.y, kd = a.n_kv * HD, bs = a.block_size;
-    const int32_t tile = SPLIT ? (int32_t)blockIdx.x * 32 + 1 : tiles[blockIdx.x], t0 = tile >> 5,
-                  nrows = (tile & 31) * G;
+    const int32_t t0 = tile >> 5, nrows = (tile & 31) * G;
     for (int i = threadIdx.x; i < ATT_TR * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
         float v = 0.0f;
@@ -234,6 +223,22 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, 
         if (SPLIT && lane == 0) a.part_ml[2 * prow] = M, a.part_ml[2 * prow + 1] = L;
     }
 }
+template <int HD, bool SPLIT = false>
+__global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, const int32_t *tiles) {
+    int32_t c_lo = 0, c_hi = 0; /* SPLIT: this block's chunks [c_lo, c_hi) of its token's keys */
+    if constexpr (SPLIT) {
+        pdl_trigger();
+        const int32_t nk = a.pos[blockIdx.x] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
+        const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
+        c_lo = (int32_t)blockIdx.z * cps;
+        if (c_lo >= nc) return; /* the whole block: no barrier reached yet */
+        c_hi = min(nc, c_lo + cps);
+        pdl_wait();
+    } else {
+        PDL_ENTER();
+    }
+    att_tile_rows<HD, SPLIT>(a, SPLIT ? (int32_t)blockIdx.x * 32 + 1 : tiles[blockIdx.x], c_lo, c_hi);
+}
 
 /* Query tiles (k_attention_tile) for a model: head_dim 32, 64 or 128 and G = n_head / n_kv
  * dividing ATT_TR; 0 otherwise. Tokens per tile. */
@@ -269,6 +274,7 @@ static stg_status launch_attention_tile(const attn_args &aa, const int32_t *d_ti
     return ST_OK;
 }
 
+static stg_status attention_split_setup(void); /* attention_split.cu */
 static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
     CHECK(gemm_setup());
     void (*const att_forms[])(attn_args) = {k_attention<false, 0>, k_attention<true, 0>, k_attention<true, 128>,
@@ -286,5 +292,5 @@ static stg_status attention_setup(void) { /* once per device, outside any captur
     for (auto f : split_forms)
         CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CHECK(attention_mma_setup());
-    return ST_OK;
+    return attention_split_setup();
 }

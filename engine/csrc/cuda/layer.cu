@@ -41,8 +41,9 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post */
-    const bool fuse = fuse_qkv && att_split <= 1;
+    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post, or inside the
+     * tensor-core split kernel (att_split_prep) */
+    const bool fuse = fuse_qkv && (att_split <= 1 || att_split_prep(g_set, d));
     launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");

@@ -55,7 +55,9 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
-    s->att_split_min = 2048;
+    s->att_split_min = 512;
+    s->att_split_mma = 2;
+    s->att_split_l2 = 24;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -77,6 +79,8 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
+    RANGE(att_split_mma, 0, 2)
+    RANGE(att_split_l2, 0, 4096)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",

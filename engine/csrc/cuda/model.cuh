@@ -52,6 +52,7 @@ struct scratch {
 struct graph_entry {
     const stg_kv *kv;
     int32_t T, NL, mb, n_seq_rows;
+    int32_t att_split; /* step_shape.att_split: the split-KV grid's depth (1: the unsplit kernels) */
     bool layer_events, fuse_qkv, greedy;
     bool src; /* step_shape.d_src set (st_batch.token_src) */
     std::vector<uint8_t> mv_on; /* the layers that kept the routed split (stg_model.mv_step; empty: all) */

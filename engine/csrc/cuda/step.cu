@@ -14,6 +14,17 @@ static bool all_runs_long(const int32_t *seq, int32_t T, int32_t min_run) {
     return true;
 }
 
+/* The block tables' padded width (columns; the pad is -1), a key of the step's graph, so that one graph serves
+ * a range of lengths: a multiple of 16 up to 64 columns, then four widths per octave (at most 25% over), so a
+ * sequence growing to 128k tokens in blocks of 16 crosses about 30 widths (one capture each), not 512. */
+static int32_t table_width(int32_t max_blocks) {
+    const int32_t w = (max_blocks + 15) / 16 * 16;
+    if (w <= 64) return w;
+    int32_t q = 16;
+    while (q * 8 <= w) q *= 2; /* q = 2^(floor(log2 w) - 2) */
+    return (w + q - 1) / q * q;
+}
+
 /* ------------------------------------------------------------------ the step */
 
 static stg_status validate_batch(const stg_model *m, const stg_kv *kv, const st_batch *b) {
@@ -182,6 +193,7 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaStream_t st = m->stream;
     for (const graph_entry &g : m->graphs)
         if (g.kv == kv && g.T == sh.T && g.NL == sh.NL && g.mb == sh.mb && g.n_seq_rows == m->s.cur_seq_rows &&
+            g.att_split == sh.att_split &&
             g.layer_events == sh.layer_events && g.fuse_qkv == sh.fuse_qkv && g.greedy == sh.greedy &&
             g.src == (sh.d_src != nullptr) && same_mask(g.mv_on, m->mv_step, m->d.n_layer)) {
             CU(cudaGraphLaunch(g.exec, st), "forward: graph launch");
@@ -200,7 +212,8 @@ static stg_status run_step_graph(stg_model *m, stg_kv *kv, const step_shape &sh)
     cudaGraphExec_t exec = nullptr;
     if (rc == ST_OK && ce == cudaSuccess && graph && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
         cudaGraphDestroy(graph);
-        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.layer_events, sh.fuse_qkv, sh.greedy,
+        m->graphs.push_back(graph_entry{kv, sh.T, sh.NL, sh.mb, m->s.cur_seq_rows, sh.att_split, sh.layer_events,
+                                        sh.fuse_qkv, sh.greedy,
                                         sh.d_src != nullptr,
                                         m->mv_step ? std::vector<uint8_t>(m->mv_step, m->mv_step + m->d.n_layer)
                                                    : std::vector<uint8_t>(),
@@ -231,8 +244,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const int64_t tk = m->next_ticket;
     inflight &f = m->fl[tk & 1];
     const inflight &other = m->fl[(tk + 1) & 1];
-    /* block tables padded to a multiple of 16 columns (-1), so a graph serves a range of lengths */
-    const int32_t mb = (b->max_blocks + 15) / 16 * 16;
+    const int32_t mb = table_width(b->max_blocks);
     const int64_t n_bt = (int64_t)b->n_seqs * mb;
     CHECK(ensure_scratch(m, T, NL, n_bt));
     /* q/k/v post-processing inside attention when no token reads another's new K/V of this
@@ -246,8 +258,12 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
             seen[(size_t)b->seq[i]] = 1;
         }
     }
-    /* split-KV decode at long context: its grid from the padded table width (a graph's key) */
-    const int32_t att_split = att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, (int64_t)mb * kv->block_size);
+    /* split-KV decode at long context: whether from the step's longest sequence, the grid's depth from the padded
+     * table width (both in the graph's key) */
+    int32_t max_keys = 0;
+    for (int32_t i = 0; i < T; i++) max_keys = std::max(max_keys, b->pos[i] + 1);
+    const int32_t att_split =
+        att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
     if (att_split > 1) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;

@@ -51,10 +51,15 @@ typedef struct stg_settings {
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
                                * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
-    int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose block tables cover at
-                               * least this many tokens spread each sequence of at least this many keys over
+    int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
+                               * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
                                * its bits); 0: never */
+    int32_t att_split_mma;    /* split-KV decode on the tensor cores (q and p as f16 hi + lo; at most 8 query heads
+                               * per kv head): 2 (default) with the q / k / v head prep inside the split kernel,
+                               * 1 after k_qkv_post, 0 the fp32 query tiles (after k_qkv_post) */
+    int32_t att_split_l2;     /* the tensor-core split kernel prefetches the next layer's K / V of its split into L2
+                               * when a layer's K / V for the step's tables is at most this many MiB (0: never) */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);

@@ -417,7 +417,7 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
     CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0), "harness");
     const int32_t chunks = split_chunks > 0 ? split_chunks : ATT_SPLIT_CHUNKS;
     const int32_t zmax = split_max > 0 ? split_max : att_split_zmax(n_sm, n_kv);
-    const int32_t z = att_split_bound((int64_t)n_table * block_size, chunks, zmax);
+    const int32_t z = att_split_depth((int64_t)n_table * block_size, chunks, zmax, n_head / n_kv);
     const int64_t kd = (int64_t)n_kv * head_dim, cache = (int64_t)n_blocks * block_size * kd;
     const int64_t qd = (int64_t)n_head * head_dim, nout = (int64_t)n_seq * qd, rows = (int64_t)n_seq * n_head * z;
     std::vector<int32_t> ints((size_t)(2 * n_seq) + (size_t)n_seq * n_table);

@@ -2,7 +2,8 @@
 blocks, the splits' partials merged by a combine kernel.
 
 Kernel level (the harness's stg_test_attention_decode, one decode step of 1 or 8 sequences of different
-lengths, 1 to ~33k cached tokens): against the CPU reference (``st_attention``, within 1e-3 of max|ref|, the
+lengths, 1 to ~33k cached tokens), both forms of the split kernel (att_split_mma 1: tensor cores, q and p as
+f16 hi + lo; 0: the fp32 query tiles): against the CPU reference (``st_attention``, within 1e-3 of max|ref|, the
 rule of every GPU attention kernel) and the unsplit decode kernel (k_attention): a sequence cut into
 several splits sums in another order, so within 1e-4 of max|out| of the unsplit kernel's output; a sequence
 of one split has exactly its bits (floats and the output's 8-bit blocks). The 8-bit blocks of every output
@@ -24,7 +25,7 @@ from engine.engine import Engine
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import cpu_quant, gcheck, gptr
+from tests.engine.gpu._kernel_helpers import cpu_quant, gcheck, gptr, harness_settings
 
 pytestmark = requires_gpu
 
@@ -112,9 +113,11 @@ CASES = [  # (shape, cached tokens of each sequence = its position, query scale)
 ]
 
 
+@pytest.mark.parametrize("mma", [1, 0], ids=["mma", "fp32"])
 @pytest.mark.parametrize(("shape", "cached", "qscale"), CASES,
                          ids=[f"{s}-{len(c)}seq-{max(c)}-q{q:g}" for s, c, q in CASES])
-def test_split_decode_attention_matches_reference(g: tuple, shape: str, cached: list[int], qscale: float) -> None:
+def test_split_decode_attention_matches_reference(g: tuple, shape: str, cached: list[int], qscale: float,
+                                                  mma: int) -> None:
     hd, bs, n_head, n_kv = SHAPES[shape]
     rng = np.random.default_rng(sum(cached) + hd)
     pos = np.array(cached, np.int32)
@@ -127,14 +130,15 @@ def test_split_decode_attention_matches_reference(g: tuple, shape: str, cached: 
         e = rel_err(base[i], ref[i])
         assert e <= REF_TOL, f"the unsplit kernel at {p} cached tokens: {e:.3e} of max|ref| from the CPU reference"
     for form, (smin, chunks, zmax) in FORMS.items():
-        out, aq, ad, as_, ns = run_decode(g, c, bs, hd, n_head, n_kv, q, pos, smin, chunks, zmax)
+        with harness_settings(g, att_split_mma=mma):
+            out, aq, ad, as_, ns = run_decode(g, c, bs, hd, n_head, n_kv, q, pos, smin, chunks, zmax)
         want = [expected_splits(p + 1, smin, chunks, zmax) for p in cached]
         assert ns.tolist() == want, f"{form}: splits per sequence {ns.tolist()}, the rule gives {want}"
         cq, cd, cs = cpu_quant(out)
         assert np.array_equal(aq, cq) and np.array_equal(ad.view(np.uint32), cd.view(np.uint32)) and \
             np.array_equal(as_, cs), f"{form}: the combine's 8-bit blocks are not the CPU's quantisation of its output"
         for i, p in enumerate(cached):
-            tag = f"{form}, sequence {i} ({p} cached tokens, {ns[i]} splits)"
+            tag = f"{form} ({'mma' if mma else 'fp32'}), sequence {i} ({p} cached tokens, {ns[i]} splits)"
             e_ref, e_base = rel_err(out[i], ref[i]), rel_err(out[i], base[i])
             print(f"{tag}: {e_base:.2e} of max|out| from the unsplit kernel, {e_ref:.2e} from the CPU reference")
             assert e_ref <= REF_TOL, f"{tag}: {e_ref:.3e} of max|ref| from the CPU reference"
@@ -171,7 +175,7 @@ def test_split_decode_refuses_bad_arguments(g: tuple) -> None:
 
 # ------------------------------------------------------------------------------------------------ model level
 
-LONG = 32_800  # the long prompt: its decode steps split (att_split_min's default is 2,048)
+LONG = 32_800  # the long prompt: its decode steps split (att_split_min's default is 512)
 N_SHORT = 15
 STEPS = 6
 VOCAB = 300
@@ -232,7 +236,7 @@ def test_mixed_batch_gives_each_sequence_its_alone_logits(long_ctx: tuple) -> No
                 gap = float(lg[s][toks[s + 1]] - lg[s][got])
                 assert gap <= 1e-4 * float(np.abs(lg[s]).max()), \
                     f"{what}, step {s}: batched picks {got}, alone {toks[s + 1]} (margin {gap:.3e})"
-        why = "its splits must depend on its own length only" if lens[r] >= 2048 else \
+        why = "its splits must depend on its own length only" if lens[r] >= 512 else \
             "one split: alone the fused decode kernel, batched k_qkv_post + the split kernel, the same bits"
         assert np.array_equal(batched[:, r].view(np.uint32), lg.view(np.uint32)), \
             f"{what}: batched logits within {e:.3e} but not bitwise those alone ({why})"
