@@ -13,8 +13,8 @@ GPU) and, at F = 0, ``-ot exps=CPU``. Its VRAM is read from nvidia-smi during th
 figure), Strata's from the engine's own account beside the budget.
 
 Figures per fraction: batch-1 decode tok/s, prefill tok/s of ``--prefill`` tokens, aggregate decode of
-``--batch`` sequences; Strata's frame profile of its last decode step (GPU compute, CPU experts, GPU waiting on
-the CPU, resident hit rate); the floor: routed-expert bytes a decode token reads from RAM / the CPU's measured
+``--batch`` sequences; Strata's frame profile of its last decode step (GPU compute, PCIe copies, GPU waiting
+on the CPU, CPU experts, CPU waiting on the GPU, GPU idle share, PCIe GB/s, resident hit rate); the floor: routed-expert bytes a decode token reads from RAM / the CPU's measured
 read bandwidth + the GPU's part (the plan's figures), with the share of it Strata reaches.
 """
 
@@ -52,6 +52,19 @@ def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int
 
     p = plan(open_model(path), engine_plan_params(0, kv_tokens, block_size, prefill_chunk))
     return (p.fixed_bytes + frac * p.routed_bytes) / GIB + 1e-3
+
+
+FRAME_KEYS = ("t_total", "t_gpu", "t_pcie", "t_gpu_wait", "t_cpu_experts", "t_cpu_wait")
+
+
+def frame_ms(st: Any) -> dict[str, float]:
+    """A step's frame profile in ms (engine.step.StepStats), with the GPU's idle share (waiting on the CPU) and
+    the PCIe rate of the CPU share's copies."""
+    out = {k: 1e3 * float(getattr(st, k, float("nan"))) for k in FRAME_KEYS}
+    out["gpu_idle_share"] = out["t_gpu_wait"] / out["t_total"] if out["t_total"] > 0 else float("nan")
+    pcie_b = float(getattr(st, "pcie_bytes", 0))
+    out["pcie_gb_s"] = pcie_b / (out["t_pcie"] * 1e6) if out["t_pcie"] > 0 else float("nan")
+    return out
 
 
 def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -110,13 +123,11 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, A
                 eng.blocks.release(b)
 
         out["decode_b1_tok_s"], st = decode(1, args.steps)
-        out["frame_b1_ms"] = {k: 1e3 * float(getattr(st, k, float("nan")))
-                              for k in ("t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait")}
+        out["frame_b1_ms"] = frame_ms(st)
         out["resident_hit_rate_b1"] = float(getattr(st, "resident_hit_rate", float("nan")))
         out[f"prefill_{args.prefill}_tok_s"] = prefill(args.prefill)
         out[f"decode_b{args.batch}_tok_s"], st = decode(args.batch, max(4, args.steps // 4))
-        out[f"frame_b{args.batch}_ms"] = {k: 1e3 * float(getattr(st, k, float("nan")))
-                                          for k in ("t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait")}
+        out[f"frame_b{args.batch}_ms"] = frame_ms(st)
     finally:
         eng.close()
     gbs = measure_cpu_read_gbs(cores=cores)
@@ -216,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             a, b = s.get(k), ll.get(k)
             ratio = f"{a / b:.2f}x" if a and b else "-"
             print(f"   {k:<22}{a if a else float('nan'):>10.1f}{b if b else float('nan'):>10.1f}{ratio:>8}")
-        print(f"   frame b1 ms: total {fr['t_total']:.2f}, GPU {fr['t_gpu']:.2f}, CPU experts "
-              f"{fr['t_cpu_experts']:.2f}, GPU waiting on CPU {fr['t_gpu_wait']:.2f}; floor "
+        print(f"   frame b1 ms: total {fr['t_total']:.2f} = GPU {fr['t_gpu']:.2f} + PCIe {fr['t_pcie']:.2f} + GPU "
+              f"waiting on CPU {fr['t_gpu_wait']:.2f} (idle {100 * fr['gpu_idle_share']:.0f}%); CPU experts "
+              f"{fr['t_cpu_experts']:.2f}, CPU waiting on GPU {fr['t_cpu_wait']:.2f}; PCIe {fr['pcie_gb_s']:.1f} "
+              f"GB/s; floor "
               f"{s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached {100 * s.get('floor_share_b1', 0):.0f}%), "
               f"CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
         if "error" in ll:

@@ -316,7 +316,8 @@ class CudaModel:
         p = self._profile
         _check(self.ffi, self.lib, self.lib.stg_step_profile(self._model, p), "profile")
         return {"t_total": p.t_total, "t_gpu": p.t_gpu, "t_cpu_experts": p.t_cpu_experts, "t_gpu_wait": p.t_gpu_wait,
-                "pairs_gpu": int(p.pairs_gpu), "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes)}
+                "t_pcie": p.t_pcie, "t_cpu_wait": p.t_cpu_wait, "pairs_gpu": int(p.pairs_gpu),
+                "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes)}
 
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""

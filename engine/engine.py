@@ -182,6 +182,8 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
     if profile is not None:  # a GPU step's frame profile (CudaModel.profile)
         pairs = profile["pairs_gpu"] + profile["pairs_cpu"]
         out.t_gpu, out.t_cpu_experts, out.t_gpu_wait = profile["t_gpu"], profile["t_cpu_experts"], profile["t_gpu_wait"]
+        out.t_pcie, out.t_cpu_wait = profile["t_pcie"], profile["t_cpu_wait"]
+        out.pcie_bytes, out.on_gpu = int(profile["pcie_bytes"]), True
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
     return out
@@ -561,8 +563,8 @@ class Engine:
         it is the step itself (every pair on the GPU, nothing waited), without a call."""
         if self.resident is not None:
             return self._gpu.profile()
-        return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "pairs_gpu": int(st.n_expert_tokens),
-                "pairs_cpu": 0, "staged_bytes": 0}
+        return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "t_pcie": 0.0, "t_cpu_wait": 0.0,
+                "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0}
 
     def gpu_memory(self) -> dict[str, int]:
         """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and

@@ -57,6 +57,9 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
+    Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
+             "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
+             "0 queued layer by layer"),
 )
 
 

@@ -165,7 +165,8 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
     ce = f.new("stg_cpu_experts *")
     assert f.typeof(ce.moe_pairs).cname.startswith("int32_t(*)(void *, void *, int32_t")
     p = f.new("stg_profile *")
-    assert {"t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait", "pairs_gpu", "pairs_cpu", "staged_bytes"} <= \
+    assert {"t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait", "pairs_gpu", "pairs_cpu", "staged_bytes", "t_pcie",
+            "t_cpu_wait", "pcie_bytes"} <= \
         {name for name, _ in f.typeof(p[0]).fields}
     text = cuda_backend.cdef_text()
     for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile"):

@@ -56,6 +56,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_mma = 2;
     s->att_mma_min = 64;
     s->att_split_min = 2048;
+    s->hybrid_overlap = 1;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -77,6 +78,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
+    RANGE(hybrid_overlap, 0, 1)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -309,14 +311,14 @@ extern "C" void stg_model_destroy(stg_model *m) {
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (void *p : m->hy.pinned) cudaFreeHost(p);
-    if (m->hy.ready) cudaEventDestroy(m->hy.ready);
+    if (m->hy.flags) cudaFreeHost(m->hy.flags);
     for (inflight &f : m->fl) {
         if (f.h_picks) cudaFreeHost(f.h_picks);
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (cudaEvent_t e : f.hy.a) cudaEventDestroy(e);
-        for (cudaEvent_t e : f.hy.b) cudaEventDestroy(e);
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
+            for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
     if (m->fork) cudaEventDestroy(m->fork);

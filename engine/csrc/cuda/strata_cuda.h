@@ -55,6 +55,10 @@ typedef struct stg_settings {
                                * least this many tokens spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
                                * its bits); 0: never */
+    int32_t hybrid_overlap;   /* hybrid placement: 1: the host queues the whole step at once and a thread of its own
+                               * computes the CPU's experts, the device waiting on a host-written flag per layer
+                               * (the GPU's work of the next layer is already queued); 0: the host queues layer by
+                               * layer and computes each layer's CPU share in between. Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -81,8 +85,9 @@ typedef struct stg_cpu_experts {
  * whether expert e of the layer is uploaded; the device holds a layer's resident experts in slots (ascending
  * expert id), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
  * the device's before the weighted sum (the order of additions of st_forward's combine). resident NULL, or all
- * ones: stg_model_create. A model with any expert off the device runs every step eagerly (no CUDA graphs), the
- * host queueing layer by layer and waiting on one event per layer for the rows the CPU needs (xn, the routing).
+ * ones: stg_model_create. A model with any expert off the device runs every step eagerly (no CUDA graphs); per
+ * layer with a CPU share, one event marks the rows the CPU needs (xn, the routing) and the device waits on a
+ * host-written flag for the CPU's rows (stg_settings.hybrid_overlap says who queues and who computes).
  * Errors: resident values other than 0 / 1, or experts left off without cpu (all four fields) -> ST_EINVAL. */
 stg_status stg_model_create_hybrid(int32_t device, const void *desc, const stg_settings *settings,
                                    const uint8_t *resident, const stg_cpu_experts *cpu, stg_model **out);
@@ -131,14 +136,19 @@ stg_status stg_step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, void
 /* Launched steps not yet waited (0..2). */
 int32_t stg_step_in_flight(const stg_model *m);
 
-/* The frame profile of the last waited step (stg_step_wait, stg_forward). */
+/* The frame profile of the last waited step (stg_step_wait, stg_forward). Two timelines of one step: the
+ * device's t_total = t_gpu + t_pcie + t_gpu_wait, each part summed from its own events (so their sum checks the
+ * account); the host's CPU-share thread spends t_cpu_experts computing and t_cpu_wait waiting on the device. */
 typedef struct stg_profile {
     double t_total;       /* seconds: the step on the device, from its upload to its copies back */
-    double t_gpu;         /* t_total less t_gpu_wait */
-    double t_cpu_experts; /* the host's wall time in the CPU engine's experts */
-    double t_gpu_wait;    /* the device idle between its resident experts and the CPU rows' copy, summed over layers */
+    double t_gpu;         /* the device computing: t_total outside the CPU share's copies and waits */
+    double t_cpu_experts; /* the host's wall time in the CPU engine's experts (pair lists included) */
+    double t_gpu_wait;    /* the device waiting for the CPU's rows, summed over layers */
     int64_t pairs_gpu, pairs_cpu; /* routed (token, expert) pairs computed on each side */
     int64_t staged_bytes;         /* expert weights copied over PCIe for the step (none are staged: 0) */
+    double t_pcie;        /* the device copying xn and the routing to the host and reading the CPU's rows back */
+    double t_cpu_wait;    /* the host waiting for a layer's xn and routing (the device's work before them) */
+    int64_t pcie_bytes;   /* bytes of those copies (xn, routing, the CPU's rows and their indices) */
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 
