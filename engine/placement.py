@@ -402,7 +402,9 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
     parts["KV cache"] = kv_per_token * n_ctx * n_seqs
     parts["step buffers"] = step_buffer_bytes(hp, step_tokens, logit_rows)
     if hp.n_expert:
-        parts["CPU expert rows"] = step_tokens * hp.n_expert_used * (4 * hp.n_embd + 8)
+        # the hybrid step's device buffers: slot ids per routed pair, and the shared expert's rows (computed
+        # while the CPU works); the CPU's own rows stay in pinned host memory
+        parts["hybrid buffers"] = step_tokens * (4 * hp.n_expert_used + (4 * hp.n_embd if hp.n_ff_shexp else 0))
     if staging_slots:
         parts["staging slots"] = staging_slots * int(expert_bytes(mf).max())
     parts["context + graphs reserve"] = reserve_bytes
@@ -495,7 +497,7 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
     emb = mf.tensors["token_embd.weight"]
     weights_read = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "staging slots",
                                                                  "context + graphs reserve", "embeddings",
-                                                                 "CPU expert rows"))
+                                                                 "hybrid buffers"))
     if "output.weight" not in mf.tensors:  # tied: the head reads the embedding table
         weights_read += emb.n_bytes
     weights_read += emb.n_bytes // max(int(emb.shape[1]), 1)

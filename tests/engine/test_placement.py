@@ -267,17 +267,18 @@ def test_gpu_table() -> None:
 
 def test_engine_plan_params_and_the_cpu_rows_part(files: dict[str, Path]) -> None:
     """Engine.open's plan request: the KV cache of kv_tokens rounded up to whole blocks, step buffers for the
-    tokens the GPU scratch grows to (at least 512), and the hybrid step's CPU expert rows (slot ids, pair
-    indices and one n_embd row of floats per routed pair)."""
+    tokens the GPU scratch grows to (at least 512), and the hybrid step's device buffers (a slot id per routed
+    pair, and a row of n_embd floats per token for the shared expert where the model has one)."""
     mf = open_model(files["a"])
     hp = mf.hparams
     p = pl.engine_plan_params(10 << 30, kv_tokens=100, block_size=16, prefill_chunk=256)
     assert p.n_ctx == 112 and p.n_seqs == 1 and p.step_tokens == 512 and p.budget_bytes == 10 << 30
     assert pl.engine_plan_params(1, 100, 16, 2048).step_tokens == 2048
     got = pl.plan(mf, p)
-    assert got.fixed["CPU expert rows"] == 512 * hp.n_expert_used * (4 * hp.n_embd + 8)
+    shx = 4 * hp.n_embd if hp.n_ff_shexp else 0
+    assert got.fixed["hybrid buffers"] == 512 * (4 * hp.n_expert_used + shx)
     assert got.fixed["KV cache"] == 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 112
-    assert "CPU expert rows" not in pl.plan(open_model(files["dense"]), p).fixed
+    assert "hybrid buffers" not in pl.plan(open_model(files["dense"]), p).fixed
 
 
 def test_placement_frequencies_come_from_the_file_then_the_default_then_uniform(files: dict[str, Path],

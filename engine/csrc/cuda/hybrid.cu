@@ -112,7 +112,9 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T) {
     scratch &s = m->s;
     const int64_t P = T * m->d.n_expert_used, E = m->d.n_embd;
     CHECK(dalloc_in(s.step_allocs, &h.sid, sizeof(int32_t) * P));
-    CHECK(dalloc_in(s.step_allocs, &h.d_shx, sizeof(float) * T * E));
+    bool shexp = false;
+    for (const dlayer &L : m->L) shexp = shexp || L.gate_shexp.d != nullptr;
+    if (shexp) CHECK(dalloc_in(s.step_allocs, &h.d_shx, sizeof(float) * T * E));
     for (void *p : h.pinned) cudaFreeHost(p);
     h.pinned.clear();
     h.h_xn = h.h_out = nullptr, h.h_ids = h.h_idx = h.h_n = nullptr;

@@ -364,7 +364,7 @@ def test_vram_held_stays_within_the_budget(tmp_path: Path) -> None:
     held = before - got["free1"]
     mem = got["memory"]
     fixed = got["fixed"]
-    weights_plan = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "CPU expert rows",
+    weights_plan = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "hybrid buffers",
                                                                 "staging slots", "context + graphs reserve"))
     weights_plan += got["resident_bytes"]
     grew = got["free0"] - got["free1"]
@@ -373,7 +373,7 @@ def test_vram_held_stays_within_the_budget(tmp_path: Path) -> None:
           f"after its context {grew / 2**20:.1f} MiB); the model's own {own / 2**20:.1f} MiB = weights "
           f"{mem['weights'] / 2**20:.2f} (plan {weights_plan / 2**20:.2f}) + KV {mem['kv'] / 2**20:.2f} (plan "
           f"{fixed['KV cache'] / 2**20:.2f}) + scratch {mem['scratch'] / 2**20:.2f} (plan step buffers "
-          f"{fixed['step buffers'] / 2**20:.2f} + CPU rows {fixed['CPU expert rows'] / 2**20:.2f}); "
+          f"{fixed['step buffers'] / 2**20:.2f} + hybrid {fixed['hybrid buffers'] / 2**20:.2f}); "
           f"{mem['resident_experts']} experts resident")
     assert 0 < mem["resident_experts"] == got["n_resident"] < 4 * 16
     assert mem["kv"] == fixed["KV cache"]
