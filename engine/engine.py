@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,11 +73,14 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     without a budget. GpuBudgetError when not even the parts every step needs fit."""
     if gpu_budget_gb is None:
         return None
+    from engine import gpu_settings
     from engine.placement import engine_plan_params, placement_frequencies, plan
 
     budget = int(gpu_budget_gb * 2**30)
     freqs, source = placement_frequencies(mf, placement) if mf.hparams.n_expert else (None, "")
-    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk), freqs)
+    # the GPU engine's staging ring (hybrid_stage): two slots of a whole layer's routed experts
+    slots = 2 * mf.hparams.n_expert if gpu_settings.env_override("hybrid_stage") == 1 else 0
+    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots), freqs)
     if not p.fits:
         what = ("its non-routed weights, " if mf.hparams.n_expert else "its weights, ") + \
             f"the KV cache for {kv_tokens} tokens, step buffers and the CUDA context reserve"
@@ -184,6 +188,10 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.t_gpu, out.t_cpu_experts, out.t_gpu_wait = profile["t_gpu"], profile["t_cpu_experts"], profile["t_gpu_wait"]
         out.t_pcie, out.t_cpu_wait = profile["t_pcie"], profile["t_cpu_wait"]
         out.pcie_bytes, out.on_gpu = int(profile["pcie_bytes"]), True
+        out.staged_layers = int(profile.get("staged_layers", 0))
+        out.stage_pcie_gbs = float(profile.get("stage_pcie_gbs", 0.0))
+        out.stage_gpu_gbs = float(profile.get("stage_gpu_gbs", 0.0))
+        out.stage_cpu_pairs_s = float(profile.get("stage_cpu_pairs_s", 0.0))
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
     return out
@@ -258,6 +266,31 @@ class Engine:
         self._inflight: dict[int, tuple[np.ndarray, int, StepStats | None, Any]] = {}
         self._done: dict[int, tuple[np.ndarray, StepStats | None] | EngineError] = {}
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
+        if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
+            try:
+                self._gpu.set_stage_rate(self._cpu_pairs_rate(max(64, prefill_chunk)))
+            except BaseException:
+                self.close()
+                raise
+
+    def _cpu_pairs_rate(self, tokens: int) -> float:
+        """Staging's CPU rate, measured at start-up: routed (token, expert) pairs per second of ``st_moe_pairs``
+        over a chunk of ``tokens`` tokens in the first partial layer, each token on k distinct non-resident
+        experts drawn uniformly (the second of two calls: the first pages the experts in)."""
+        assert self.resident is not None
+        hp = self.hparams
+        k = hp.n_expert_used
+        layer = next(i for i in range(hp.n_layer) if self.resident[i].sum() < hp.n_expert)
+        off = np.flatnonzero(self.resident[layer] == 0)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((tokens, hp.n_embd)).astype(np.float32)
+        per = min(k, off.size)
+        exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(tokens)]).reshape(-1)
+        tok = np.repeat(np.arange(tokens, dtype=np.int32), per)
+        self.moe_pairs(layer, x, tok, exp)
+        t = time.perf_counter()
+        self.moe_pairs(layer, x, tok, exp)
+        return tok.size / max(time.perf_counter() - t, 1e-9)
 
     # ------------------------------------------------------------ lifecycle
     @classmethod

@@ -585,14 +585,15 @@ def engine_step_tokens(prefill_chunk: int) -> int:
 
 
 def engine_plan_params(budget_bytes: int, kv_tokens: int, block_size: int, prefill_chunk: int,
-                       reserve_bytes: int = 640 * MIB) -> PlanParams:
+                       reserve_bytes: int = 640 * MIB, staging_slots: int = 0) -> PlanParams:
     """The plan request of ``Engine.open(device="cuda:N", gpu_budget_gb=...)``: the KV cache of the engine
     (kv_tokens rounded up to whole blocks, as one sequence's worth), step buffers for
     :func:`engine_step_tokens`, the reserve. The bandwidths feed only the plan's prediction, which opening
-    a model does not use: they are set to 1 GB/s."""
+    a model does not use: they are set to 1 GB/s. ``staging_slots``: experts' worth of VRAM for the staging
+    ring (the GPU engine's hybrid_stage: two whole layers, 2 x n_expert)."""
     n_ctx = -(-kv_tokens // block_size) * block_size
     return PlanParams(budget_bytes=budget_bytes, n_ctx=n_ctx, n_seqs=1, step_tokens=engine_step_tokens(prefill_chunk),
-                      reserve_bytes=reserve_bytes, cpu_read_gbs=1.0, gpu_read_gbs=1.0)
+                      reserve_bytes=reserve_bytes, staging_slots=staging_slots, cpu_read_gbs=1.0, gpu_read_gbs=1.0)
 
 
 def default_placement_path(model_path: str | os.PathLike[str]) -> Path:

@@ -47,6 +47,13 @@ class StepStats:
     t_cpu_wait: float = 0.0
     pcie_bytes: int = 0
     on_gpu: bool = False
+    # staging (the GPU engine's hybrid_stage): layers whose non-resident experts the step staged over PCIe
+    # and computed on the GPU, and the rates that decision used (host -> GPU GB/s, the GPU's copy GB/s, the
+    # CPU engine's routed pairs per second; 0: staging unavailable)
+    staged_layers: int = 0
+    stage_pcie_gbs: float = 0.0
+    stage_gpu_gbs: float = 0.0
+    stage_cpu_pairs_s: float = 0.0
 
 
 class StepEngine(Protocol):

@@ -15,6 +15,8 @@
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.
  *
+ * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
+ *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c), the
  * wait (a..b) and the rest (compute), each summed from its own intervals. */
 #include <time.h>
@@ -131,8 +133,11 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T) {
     return ST_OK;
 }
 
-/* A layer with a CPU share. */
-static bool hybrid_layer(const stg_model *m, int il) { return partial_layer(m, il); }
+/* A layer with a CPU share in the step being queued (a partial layer that this step does not stage). */
+static bool hybrid_layer(const stg_model *m, int il) {
+    const staging &g = m->hy.stg;
+    return partial_layer(m, il) && !((size_t)il < g.now.size() && g.now[(size_t)il]);
+}
 
 /* The launched step's events, sums and flag value (step_launch, before the layers are queued). */
 static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
@@ -148,6 +153,8 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
         }
     hs.used.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
+    hs.staged_layers = hs.staged_bytes = 0;
+    staging_decide(m, T);
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
     m->hy.cur = &hs, m->hy.T = T;
@@ -324,8 +331,9 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
 /* The waited step's frame profile (step_wait, after its end event e1; e0 its start). */
 static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, cudaEvent_t e1, double t_total,
                            int64_t pairs) {
+    const staging &g = m->hy.stg;
     if (!m->hy.on) {
-        m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0};
+        m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0};
         return;
     }
     auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
@@ -340,14 +348,21 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
     cudaEvent_t prev = e0;
     for (size_t il = 0; il < hs.used.size(); il++) {
         if (!hs.used[il]) continue;
+        if (hs.used[il] == 2) { /* staged: the device waiting for the layer's copies */
+            gpu += el(prev, hs.s0[il]);
+            pcie += el(hs.s0[il], hs.s1[il]);
+            prev = hs.s1[il];
+            continue;
+        }
         gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
         pcie += el(hs.s0[il], hs.s1[il]) + el(hs.b[il], hs.c[il]);
         wait += el(hs.a[il], hs.b[il]);
         prev = hs.c[il];
     }
     gpu += el(prev, e1);
-    m->profile = stg_profile{t_total, gpu, hs.t_cpu, wait, pairs - hs.cpu_pairs, hs.cpu_pairs, 0,
-                             pcie,    hs.t_cpu_wait, hs.pcie_d2h + hs.pcie_h2d};
+    m->profile = stg_profile{t_total, gpu, hs.t_cpu, wait, pairs - hs.cpu_pairs, hs.cpu_pairs, hs.staged_bytes,
+                             pcie, hs.t_cpu_wait, hs.pcie_d2h + hs.pcie_h2d, hs.staged_layers, g.pcie_gbs,
+                             g.gpu_gbs, g.cpu_pairs_s};
 }
 
 extern "C" stg_status stg_step_profile(const stg_model *m, stg_profile *out) {

@@ -298,7 +298,14 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     float *shx = cpu_share ? m->hy.d_shx : s.pair_out;
     if (cpu_share) CHECK(hybrid_send(m, il, T, mv_max));
     if (cpu_share && shexp) CHECK(shared_expert(m, L, T, shx));
-    if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) CHECK(routed_experts(m, L, T, mv_max));
+    if (staged_layer(m, il)) { /* every expert from the staging ring's slot (staging.cu), no CPU share */
+        dlayer Ls;
+        CHECK(staging_queue(m, il, &Ls));
+        CHECK(routed_experts(m, Ls, T, mv_max));
+        CHECK(staging_release(m));
+    } else if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) {
+        CHECK(routed_experts(m, L, T, mv_max));
+    }
     if (cpu_share) CHECK(hybrid_receive(m, il, T));
     if (!shexp) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};

@@ -57,6 +57,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_mma_min = 64;
     s->att_split_min = 2048;
     s->hybrid_overlap = 1;
+    s->hybrid_stage = 0;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -79,6 +80,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
+    RANGE(hybrid_stage, 0, 1)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -305,6 +307,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
     cudaSetDevice(m->device);
     if (m->stream) cudaStreamSynchronize(m->stream);
     drop_graphs(m);
+    staging_destroy(m);
     free_list(m->s.step_allocs);
     free_list(m->s.ints_allocs);
     free_list(m->s.part_allocs);
@@ -387,6 +390,7 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
                 rc = fail(ST_EINVAL, "model_create: cannot create CUDA events");
             }
     }
+    if (rc == ST_OK) rc = staging_setup(m, desc->layers);
     if (rc != ST_OK) {
         stg_model_destroy(m);
         return rc;

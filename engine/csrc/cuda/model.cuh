@@ -71,6 +71,7 @@ struct hybrid_step {
     int64_t cpu_pairs = 0;
     int64_t pcie_d2h = 0, pcie_h2d = 0; /* bytes to the host (the queueing thread's sum), back (the CPU's) */
     uint32_t seq = 0; /* the flag value of this step */
+    int64_t staged_layers = 0, staged_bytes = 0; /* staging.cu: layers computed from staged weights, bytes copied */
 };
 
 /* The overlapped step's CPU thread and the queueing thread: layers queued so far (s1 recorded), whether the
@@ -80,6 +81,23 @@ struct hybrid_worker {
     std::atomic<bool> abort{false};
     stg_status rc = ST_OK;
     char err[512] = "";
+};
+
+/* Staging (staging.cu): a step's layers whose experts are copied over PCIe into one of two device slots (each
+ * a whole layer's routed experts: gate, up, down, every expert at its own index) and computed there instead of
+ * on the CPU, chosen per step from rates measured at start-up. */
+struct staging {
+    bool on = false;                   /* registered, slots allocated, rates measured */
+    std::vector<const uint8_t *> host; /* [n_layer * 3]: a layer's gate / up / down experts in host memory */
+    uint8_t *slot[2] = {nullptr, nullptr};
+    int64_t slot_bytes = 0;
+    cudaStream_t copy = nullptr;
+    cudaEvent_t staged[2] = {nullptr, nullptr}, freed[2] = {nullptr, nullptr};
+    void *reg = nullptr; /* the page-locked (registered) host range holding those experts */
+    double pcie_gbs = 0.0, gpu_gbs = 0.0; /* measured when the model opens */
+    double cpu_pairs_s = 0.0;             /* the CPU engine's routed pairs per second (stg_model_set_stage_rate) */
+    std::vector<char> now;                /* [n_layer]: staged in the step being queued */
+    int32_t next = 0;                     /* the ring's next slot */
 };
 
 /* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer)
@@ -103,6 +121,7 @@ struct hybrid {
     std::vector<int32_t> pair_tok, pair_exp; /* the CPU pairs of a layer (st_moe_pairs) */
     hybrid_step *cur = nullptr;  /* the step being queued */
     hybrid_worker *worker = nullptr; /* the overlapped step's CPU thread, while it runs (NULL: inline) */
+    staging stg;
     int32_t T = 0;                   /* the step's tokens (for the CPU thread) */
 };
 
@@ -176,6 +195,10 @@ struct stg_model {
 /* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
 static stg_status hybrid_scratch(stg_model *m, int64_t T);
+/* staging.cu: the ring, the registration and the rates (at model creation, the streams made); its teardown */
+static stg_status staging_setup(stg_model *m, const st_layer *layers);
+static void staging_destroy(stg_model *m);
+static void staging_decide(stg_model *m, int32_t T); /* which layers the step of T tokens stages */
 
 static void drop_graphs(stg_model *m) {
     for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);

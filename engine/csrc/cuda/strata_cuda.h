@@ -59,6 +59,11 @@ typedef struct stg_settings {
                                * computes the CPU's experts, the device waiting on a host-written flag per layer
                                * (the GPU's work of the next layer is already queued); 0: the host queues layer by
                                * layer and computes each layer's CPU share in between. Same bits either way */
+    int32_t hybrid_stage;     /* hybrid placement: 1: a step may compute a layer's non-resident experts on the device
+                               * from copies staged over PCIe (a ring of two whole-layer slots) where the rates
+                               * measured at start-up say that is faster than the CPU (stg_model_set_stage_rate);
+                               * the host range holding them is page-locked at model creation. Rows of staged
+                               * layers are the device's (within tolerance of the CPU's). 0: never */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -145,12 +150,23 @@ typedef struct stg_profile {
     double t_cpu_experts; /* the host's wall time in the CPU engine's experts (pair lists included) */
     double t_gpu_wait;    /* the device waiting for the CPU's rows, summed over layers */
     int64_t pairs_gpu, pairs_cpu; /* routed (token, expert) pairs computed on each side */
-    int64_t staged_bytes;         /* expert weights copied over PCIe for the step (none are staged: 0) */
+    int64_t staged_bytes;         /* expert weights copied over PCIe into the staging ring for the step */
     double t_pcie;        /* the device copying xn and the routing to the host and reading the CPU's rows back */
     double t_cpu_wait;    /* the host waiting for a layer's xn and routing (the device's work before them) */
     int64_t pcie_bytes;   /* bytes of those copies (xn, routing, the CPU's rows and their indices) */
+    /* staging (stg_settings.hybrid_stage): layers staged in the step (their copies' wait is in t_pcie, their bytes
+     * in staged_bytes) and the rates the decision used: host -> device GB/s and the device's copy GB/s measured
+     * at model creation, the CPU engine's routed pairs per second (0: staging unavailable or not rated) */
+    int64_t staged_layers;
+    double stage_pcie_gbs, stage_gpu_gbs, stage_cpu_pairs_s;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
+/* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
+ * the caller at start-up (0: never stage). ST_EINVAL with steps in flight or a rate outside [0, 1e12]. */
+stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
+/* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
+stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
+                                double *cpu_pairs_s);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging

@@ -282,6 +282,53 @@ def test_overlap_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str
         assert ta == tb
 
 
+@pytest.mark.parametrize(("model", "qt"), [("qwen2moe", "q8_0"), ("mixtral", "f32"), ("qwen3moe", "q8_0")])
+def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.MonkeyPatch, model: str,
+                             qt: str) -> None:
+    """Staging (STRATA_GPU_HYBRID_STAGE=1, staging.cu): the rates measured at start-up are positive; with the CPU
+    rated slower than any copy every partial layer of every step is staged (no CPU pairs, its bytes counted,
+    the profile still adding up) and the logits and greedy tokens stay within the hybrid tests' tolerances of
+    the CPU's; rated faster than any copy, nothing is staged and the logits are the unstaged step's bits."""
+    from engine.placement import expert_bytes
+
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
+    path = paths[(model, qt)]
+    exact = qt == "f32"
+    prompts = prompts_for()
+    alone, batched = cpu_tokens[(model, qt)]
+    pf = random_placement(path)
+    mf = open_model(path)
+    hp = mf.hparams
+    ring = 2 * hp.n_expert * int(expert_bytes(mf).max())  # the plan's staging slots: two whole layers
+    budget = budget_gb(path, 0.3, pf) + ring / 2**30
+    with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, \
+            Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
+        assert hyb.resident is not None and hyb.plan is not None and hyb.plan.fixed["staging slots"] == ring
+        partial = int((hyb.resident.sum(axis=1) < hp.n_expert).sum())
+        assert partial > 0
+        info = hyb._gpu.stage_info()
+        print(f"{model} {qt}: staging {info}")
+        assert info["available"] and info["pcie_gbs"] > 0 and info["gpu_gbs"] > 0 and info["cpu_pairs_s"] > 0
+        hyb._gpu.set_stage_rate(1e12)  # the CPU faster than any copy: today's path
+        plain = np.array(hyb.logits_for(prompts[0]), copy=True)
+        assert hyb.last_stats is not None and hyb.last_stats.staged_layers == 0
+        hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
+        staged = hyb.logits_for(prompts[0])
+        st = hyb.last_stats
+        assert st is not None and st.staged_layers == partial and st.staged_bytes > 0
+        assert st.resident_hit_rate == 1.0 and st.t_cpu_experts == 0 and st.t_gpu_wait == 0
+        assert abs(st.t_gpu + st.t_pcie + st.t_gpu_wait - st.t_total) <= 0.05 * st.t_total
+        err, err_plain = rel_err(staged, cpu.logits_for(prompts[0])), rel_err(staged, plain)
+        print(f"{model} {qt}: staged logits {err:.3e} of max|ref| from the CPU's, {err_plain:.3e} from the unstaged")
+        assert err <= (1e-3 if exact else 2e-2), err
+        bound = 1e-3 if exact else 1e-2
+        check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"{model} {qt} staged alone")
+        for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
+            check_tokens(cpu, p, w, g, bound, f"{model} {qt} staged sequence {i}")
+        hyb._gpu.set_stage_rate(1e12)
+        assert np.array_equal(hyb.logits_for(prompts[0]), plain)
+
+
 def test_launch_before_wait_on_a_hybrid_model(paths: dict) -> None:
     """Engine.launch / wait with token_src (the scheduler's overlap) on a hybrid model: the tokens of forward
     with explicit ids (tests/engine/test_overlap.py's sequences, rows reordered between steps)."""
