@@ -4,7 +4,8 @@ Strata beside llama.cpp in the same run, on the same file.
     PYTHONPATH=. python -m bench.engine_hybrid --skew 1 --llama-bin /tmp/llama-build/bin --json out.json
 
 The model is bench/engine_gpu.py's synthetic Qwen3-30B-A3B-shaped Q4_K file (built if missing, ``--skew`` picks
-the router's Zipf exponent: 1 skewed, 0 uniform). For each expert fraction F (``--fractions``, default 0, 0.25,
+the router's Zipf exponent: 1 skewed, 0 uniform; ``--experts q8_0`` the same shape with Q8_0 experts, ~32 GB, and
+``--budget-gb 24`` one row at the reference card's budget instead of ``--fractions``). For each expert fraction F (``--fractions``, default 0, 0.25,
 0.5) Strata opens it with ``gpu_budget_gb`` = the plan's fixed GPU bytes (non-routed weights, KV, step buffers,
 the context reserve) + F x every routed expert's bytes, so that the plan makes about F of the routed experts
 resident (the most used first, by the default placement file beside the model if there is one, else uniform);
@@ -38,19 +39,32 @@ GIB = 2**30
 
 
 def _model(args: argparse.Namespace) -> Path:
-    path = Path(args.model_dir) / f"qwen3moe-synth-{args.layers}L-skew{args.skew:g}.gguf"
+    tail = "" if args.experts == "q4_k" else f"-{args.experts}"
+    path = Path(args.model_dir) / f"qwen3moe-synth-{args.layers}L-skew{args.skew:g}{tail}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, dict(SHAPE, n_layer=args.layers), args.skew)
+        build_model(path, dict(SHAPE, n_layer=args.layers), args.skew, experts=args.experts)
     return path
+
+
+def fraction_for_budget(path: Path, budget_gb: float, kv_tokens: int, block_size: int, prefill_chunk: int) -> float:
+    """The share of the routed experts' bytes a budget leaves after the fixed parts (budget_for_fraction's
+    inverse), so that llama.cpp's -ncmoe matches Strata's GPU memory."""
+    lo = budget_for_fraction(path, 0.0, kv_tokens, block_size, prefill_chunk)
+    hi = budget_for_fraction(path, 1.0, kv_tokens, block_size, prefill_chunk)
+    return min(1.0, max(0.0, (budget_gb - lo) / (hi - lo)))
 
 
 def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int, prefill_chunk: int) -> float:
     """gpu_budget_gb that leaves room for ``frac`` of the routed experts' bytes after the fixed parts."""
+    from engine import gpu_settings
     from engine.gguf_model import open_model
     from engine.placement import engine_plan_params, plan
 
-    p = plan(open_model(path), engine_plan_params(0, kv_tokens, block_size, prefill_chunk))
+    mf = open_model(path)
+    # STRATA_GPU_HYBRID_STAGE=1: the staging ring (two whole layers) is a fixed part, as Engine.open plans it
+    slots = 2 * mf.hparams.n_expert if gpu_settings.env_override("hybrid_stage") == 1 else 0
+    p = plan(mf, engine_plan_params(0, kv_tokens, block_size, prefill_chunk, staging_slots=slots))
     return (p.fixed_bytes + frac * p.routed_bytes) / GIB + 1e-3
 
 
@@ -72,7 +86,7 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, A
     from engine.placement import measure_cpu_read_gbs
 
     kv, bs, chunk = args.kv_tokens, 16, 512
-    budget = budget_for_fraction(path, frac, kv, bs, chunk)
+    budget = args.budget_gb if args.budget_gb is not None else budget_for_fraction(path, frac, kv, bs, chunk)
     cores = list(range(os.cpu_count() or 1)) if args.cores is None else [int(c) for c in args.cores.split(",")]
     t0 = time.perf_counter()
     eng = Engine.open(path, device=args.device, kv_tokens=kv, block_size=bs, prefill_chunk=chunk,
@@ -118,7 +132,12 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, A
                 eng.prefill(ids[:16], b)
                 t = time.perf_counter()
                 eng.prefill(ids, b)
-                return n / (time.perf_counter() - t)
+                rate = n / (time.perf_counter() - t)
+                st = eng.last_stats  # the chunk's last step: its frame and what staging did
+                out[f"prefill_{n}_frame_ms"] = frame_ms(st)
+                out[f"prefill_{n}_staging"] = {k: float(getattr(st, k, 0)) for k in (
+                    "staged_layers", "staged_bytes", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s")}
+                return rate
             finally:
                 eng.blocks.release(b)
 
@@ -205,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences of the aggregate decode row")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
+    ap.add_argument("--experts", default="q4_k", choices=("q4_k", "q8_0"),
+                    help="the routed experts' type (q8_0: ~32 GB at the Qwen3-30B-A3B shape)")
+    ap.add_argument("--budget-gb", type=float, default=None,
+                    help="one row at this gpu_budget_gb (GiB) instead of --fractions; llama.cpp's -ncmoe from the "
+                         "fraction of the routed experts it leaves")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's llama-bench / llama-batched-bench (CUDA build)")
     ap.add_argument("--llama-timeout", type=float, default=300.0)
     ap.add_argument("--strata-only", action="store_true")
@@ -212,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = _model(args)
     rows: list[dict[str, Any]] = []
-    for frac in (float(f) for f in args.fractions.split(",")):
+    fracs = [float(f) for f in args.fractions.split(",")]
+    if args.budget_gb is not None:
+        fracs = [fraction_for_budget(path, args.budget_gb, args.kv_tokens, 16, 512)]
+    for frac in fracs:
         row: dict[str, Any] = {"fraction": frac, "strata": run_strata(path, frac, args)}
         if args.llama_bin and not args.strata_only:
             row["llama"] = run_llama(Path(args.llama_bin), path, frac, args)
@@ -233,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
               f"GB/s; floor "
               f"{s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached {100 * s.get('floor_share_b1', 0):.0f}%), "
               f"CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
+        sg = s.get(f"prefill_{args.prefill}_staging")
+        if sg:
+            pf = s[f"prefill_{args.prefill}_frame_ms"]
+            print(f"   prefill's last step: {pf['t_total']:.1f} ms = GPU {pf['t_gpu']:.1f} + PCIe {pf['t_pcie']:.1f} + "
+                  f"waiting {pf['t_gpu_wait']:.1f}; staged {sg['staged_layers']:.0f} layers, "
+                  f"{sg['staged_bytes'] / 2**20:.0f} MiB (rates: PCIe {sg['stage_pcie_gbs']:.1f} GB/s, GPU "
+                  f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s)", flush=True)
         if "error" in ll:
             print(f"   llama.cpp failed: {ll['error'][-400:]}")
     if args.json:

@@ -141,7 +141,7 @@ static void staging_decide(stg_model *m, int32_t T) {
     staging &g = m->hy.stg;
     const int nL = m->d.n_layer, ne = m->d.n_expert, k = m->d.n_expert_used;
     g.now.assign((size_t)nL, 0);
-    if (!g.on || g.cpu_pairs_s <= 0.0) return;
+    if (!g.on || !m->set.hybrid_stage || g.cpu_pairs_s <= 0.0) return; /* set_settings may turn it off */
     for (int il = 0; il < nL; il++) {
         if (!partial_layer(m, il)) continue;
         const dlayer &L = m->L[(size_t)il];
