@@ -330,6 +330,13 @@ class CudaModel:
         _check(f, self.lib, self.lib.stg_model_stage_info(self._model, av, pcie, gpu, cpu), "stage info")
         return {"available": bool(av[0]), "pcie_gbs": pcie[0], "gpu_gbs": gpu[0], "cpu_pairs_s": cpu[0]}
 
+    def swap_expert(self, layer: int, out_expert: int, in_expert: int) -> None:
+        """Online re-placement (stg_model_swap_expert): ``in_expert`` takes ``out_expert``'s GPU slot."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        _check(self.ffi, self.lib, self.lib.stg_model_swap_expert(self._model, int(layer), int(out_expert),
+                                                                  int(in_expert)), "swap expert")
+
     def set_stage_rate(self, cpu_pairs_per_s: float) -> None:
         """The CPU engine's routed pairs per second that staging's decision weighs against PCIe."""
         if self._model is None:

@@ -273,6 +273,42 @@ class Engine:
                 self.close()
                 raise
 
+    # online re-placement: the statistics' half-life (tokens) and the tokens a layer must have seen before its
+    # experts move
+    REPLACE_HALF_LIFE_TOKENS = 4096.0
+    REPLACE_MIN_LAYER_TOKENS = 64.0
+
+    def replace_experts(self, hist: np.ndarray, max_bytes: int) -> int:
+        """Online re-placement between steps (issue 29): ``hist`` (a step's [n_layer, n_expert] routing counts)
+        joins the engine's decaying routing statistics (half-life ``REPLACE_HALF_LIFE_TOKENS``, seeded from
+        nothing: a layer moves nothing before ``REPLACE_MIN_LAYER_TOKENS`` tokens), then up to ``max_bytes`` of
+        experts move onto the GPU, each in place of a less used resident expert of its layer
+        (``placement.replacement_moves``; the GPU's bytes do not change). Steps in flight are waited first.
+        Returns the experts moved; 0 on an engine without a CPU share."""
+        if self._gpu is None or self.resident is None or max_bytes <= 0:
+            return 0
+        from engine.placement import RoutingStats, expert_bytes, replacement_moves
+
+        if getattr(self, "_routing", None) is None:
+            self._routing = RoutingStats.for_model(self.model_file, half_life_tokens=self.REPLACE_HALF_LIFE_TOKENS)
+            self._expert_bytes = expert_bytes(self.model_file)
+        self._routing.update(hist)
+        moves = replacement_moves(self._routing.frequencies(), self.resident, self._expert_bytes, max_bytes,
+                                  min_tokens=self._routing.tokens, min_layer_tokens=self.REPLACE_MIN_LAYER_TOKENS)
+        if not moves:
+            return 0
+        with self._step_lock:
+            self._drain(0)
+            resident = self.resident.copy()
+            try:
+                for il, e_out, e_in in moves:
+                    resident[il, e_out] = 0  # the C side takes out_e off first: a failed copy leaves both out
+                    self._gpu.swap_expert(il, e_out, e_in)
+                    resident[il, e_in] = 1
+            finally:
+                self.resident = resident
+        return len(moves)
+
     def _cpu_pairs_rate(self, tokens: int) -> float:
         """Staging's CPU rate, measured at start-up: routed (token, expert) pairs per second of ``st_moe_pairs``
         over a chunk of ``tokens`` tokens in the first partial layer, each token on k distinct non-resident

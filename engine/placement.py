@@ -45,7 +45,7 @@ __all__ = [
     "ModelIdentity", "RoutingStats", "PlacementFile", "GpuPlan", "PlanParams", "GPU_READ_GBS", "model_identity",
     "tensor_table_hash", "expert_bytes", "fixed_gpu_bytes", "plan", "measure_cpu_read_gbs", "gpu_read_gbs",
     "render_plan", "engine_plan_params", "engine_step_tokens", "default_placement_path", "placement_frequencies",
-    "resident_mask",
+    "resident_mask", "replacement_moves",
 ]
 
 PLACEMENT_FORMAT = "strata-placement"
@@ -628,3 +628,41 @@ def resident_mask(mf: ModelFile, p: GpuPlan) -> np.ndarray:
     for il, ids in enumerate(p.resident):
         mask[il, ids] = 1
     return mask
+
+
+def replacement_moves(freqs: np.ndarray, resident: np.ndarray, ebytes: np.ndarray, max_bytes: int,
+                      margin: float = 1.25, min_tokens: np.ndarray | None = None, min_layer_tokens: float = 0.0
+                      ) -> list[tuple[int, int, int]]:
+    """Online re-placement's moves for one step: (layer, out, in) swaps within a layer, each bringing a
+    non-resident expert onto the GPU in place of a resident one of the same layer (so the bytes held never
+    change), taken in descending gain per byte ((freq_in - freq_out) / bytes) while their bytes fit
+    ``max_bytes``. A swap qualifies only where freq_in > margin x freq_out (hysteresis: no expert moves back
+    and forth on noise), and only in layers whose statistics hold at least ``min_layer_tokens`` tokens
+    (``min_tokens`` [n_layer], RoutingStats.tokens). Per layer the most frequent non-resident experts pair with
+    the least frequent resident ones in order. freqs, resident, ebytes: [n_layer, n_expert]."""
+    f = np.asarray(freqs, dtype=np.float64)
+    res = np.asarray(resident).astype(bool)
+    cand: list[tuple[float, int, int, int, int]] = []
+    for il in range(f.shape[0]):
+        if min_tokens is not None and float(min_tokens[il]) < min_layer_tokens:
+            continue
+        ins = [int(e) for e in np.flatnonzero(~res[il])]
+        outs = [int(e) for e in np.flatnonzero(res[il])]
+        if not ins or not outs:
+            continue
+        ins.sort(key=lambda e: (-f[il, e], e))
+        outs.sort(key=lambda e: (f[il, e], e))
+        for e_in, e_out in zip(ins, outs, strict=False):
+            if not f[il, e_in] > margin * f[il, e_out]:
+                break
+            b = int(ebytes[il, e_in])
+            cand.append(((f[il, e_in] - f[il, e_out]) / max(b, 1), il, e_out, e_in, b))
+    cand.sort(key=lambda c: (-c[0], c[1], c[3]))
+    moves: list[tuple[int, int, int]] = []
+    used = 0
+    for _, il, e_out, e_in, b in cand:
+        if used + b > max_bytes:
+            continue
+        moves.append((il, e_out, e_in))
+        used += b
+    return moves

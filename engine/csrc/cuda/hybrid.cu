@@ -1,5 +1,6 @@
 /* Hybrid placement: a model some of whose routed experts stay in host memory. The device holds a layer's
- * resident experts in slots (ascending expert id) and groups the layer's pairs by slot, leaving out the pairs
+ * resident experts in slots (ascending expert id at creation; stg_model_swap_expert moves one into the slot of
+ * another between steps) and groups the layer's pairs by slot, leaving out the pairs
  * of other experts; those go to the CPU engine (st_moe_pairs on the lane's pool, reading the mapped file),
  * whose unweighted rows are scattered into the same pair_out rows the device's own experts fill, so the
  * weighted sum that follows (combine, st_forward's order of additions) sees every pair as the all-device
@@ -96,6 +97,8 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     h.on = true;
     h.resident.assign(resident, resident + n);
     h.n_slots = n_slots;
+    h.slot_of = slot;
+    h.host.assign((size_t)nL * 3, nullptr);
     h.cpu = *cpu;
     CHECK(dalloc(m, &h.d_slot, n * sizeof(int32_t)));
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
@@ -363,6 +366,38 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
     m->profile = stg_profile{t_total, gpu, hs.t_cpu, wait, pairs - hs.cpu_pairs, hs.cpu_pairs, hs.staged_bytes,
                              pcie, hs.t_cpu_wait, hs.pcie_d2h + hs.pcie_h2d, hs.staged_layers, g.pcie_gbs,
                              g.gpu_gbs, g.cpu_pairs_s};
+}
+
+/* Online re-placement (between steps): expert in_e of a partial layer takes the slot of its resident expert
+ * out_e. The slot leaves the map first (out_e goes to the CPU from here on), the weights come over, then
+ * in_e enters the map: a failed copy leaves both on the CPU and the slot idle. The layer's slot count, and
+ * so every byte the model holds, stays the same. */
+extern "C" stg_status stg_model_swap_expert(stg_model *m, int32_t layer, int32_t out_e, int32_t in_e) {
+    if (!m) return fail(ST_EINVAL, "swap_expert: NULL model");
+    hybrid &h = m->hy;
+    const int ne = m->d.n_expert;
+    if (!h.on) return fail(ST_EINVAL, "swap_expert: every routed expert is on the device already");
+    if (layer < 0 || layer >= m->d.n_layer || out_e < 0 || out_e >= ne || in_e < 0 || in_e >= ne)
+        return fail(ST_ERANGE, "swap_expert: layer %d, experts %d / %d out of range", layer, out_e, in_e);
+    if (m->n_live > 0) return fail(ST_EINVAL, "swap_expert: %d launched step(s) in flight", m->n_live);
+    const size_t row = (size_t)layer * ne;
+    if (!h.resident[row + out_e] || h.resident[row + in_e])
+        return fail(ST_EINVAL, "swap_expert: layer %d: expert %d must be resident and %d not", layer, out_e, in_e);
+    CU(cudaSetDevice(m->device), "swap_expert");
+    CU(cudaStreamSynchronize(m->stream), "swap_expert");
+    const int32_t slot = h.slot_of[row + out_e], none = -1;
+    CU(cudaMemcpy(h.d_slot + row + out_e, &none, sizeof none, cudaMemcpyHostToDevice), "swap_expert: slot map");
+    h.slot_of[row + out_e] = -1, h.resident[row + out_e] = 0;
+    const dlayer &L = m->L[(size_t)layer];
+    const dtensor *t[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
+    for (int i = 0; i < 3; i++)
+        CU(cudaMemcpy((void *)(t[i]->d + (int64_t)slot * t[i]->expert_stride),
+                      h.host[(size_t)layer * 3 + i] + (int64_t)in_e * t[i]->expert_stride, (size_t)t[i]->expert_stride,
+                      cudaMemcpyHostToDevice),
+           "swap_expert: weights");
+    CU(cudaMemcpy(h.d_slot + row + in_e, &slot, sizeof slot, cudaMemcpyHostToDevice), "swap_expert: slot map");
+    h.slot_of[row + in_e] = slot, h.resident[row + in_e] = 1;
+    return ST_OK;
 }
 
 extern "C" stg_status stg_step_profile(const stg_model *m, stg_profile *out) {

@@ -253,6 +253,7 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
         const st_tensor *src[] = {&s.gate_exps, &s.up_exps, &s.down_exps};
         dtensor *dd[] = {&l.gate_exps, &l.up_exps, &l.down_exps};
         for (int i = 0; i < 3; i++) {
+            m->hy.host[(size_t)il * 3 + i] = (const uint8_t *)src[i]->data; /* staging, re-placement */
             parts.push_back(slotted{src[i], dd[i], il, total});
             total += (tensor_bytes(*src[i]) / m->d.n_expert * m->hy.n_slots[(size_t)il] + 255) / 256 * 256;
         }

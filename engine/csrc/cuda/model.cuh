@@ -88,7 +88,6 @@ struct hybrid_worker {
  * on the CPU, chosen per step from rates measured at start-up. */
 struct staging {
     bool on = false;                   /* registered, slots allocated, rates measured */
-    std::vector<const uint8_t *> host; /* [n_layer * 3]: a layer's gate / up / down experts in host memory */
     uint8_t *slot[2] = {nullptr, nullptr};
     int64_t slot_bytes = 0;
     cudaStream_t copy = nullptr;
@@ -105,7 +104,9 @@ struct staging {
 struct hybrid {
     bool on = false;              /* some routed expert is not resident */
     std::vector<uint8_t> resident; /* [n_layer * n_expert] */
-    std::vector<int32_t> n_slots;  /* [n_layer] resident experts */
+    std::vector<int32_t> n_slots;  /* [n_layer] resident experts (slots; stg_model_swap_expert keeps the count) */
+    std::vector<int32_t> slot_of;  /* [n_layer * n_expert]: d_slot's host copy */
+    std::vector<const uint8_t *> host; /* [n_layer * 3]: a partial layer's gate / up / down experts in host memory */
     int32_t *d_slot = nullptr;     /* device [n_layer * n_expert]: expert -> slot, -1 not resident */
     stg_cpu_experts cpu = {};
     /* grown with the scratch (cap_t tokens): device slot ids and the shared expert's rows (computed while the CPU

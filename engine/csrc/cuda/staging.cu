@@ -63,14 +63,12 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     staging &g = h.stg;
     if (!h.on || !m->set.hybrid_stage) return ST_OK;
     const int nL = m->d.n_layer;
-    g.host.assign((size_t)nL * 3, nullptr);
     uintptr_t lo = UINTPTR_MAX, hi = 0;
     int first = -1;
     for (int il = 0; il < nL; il++) {
         if (!partial_layer(m, il)) continue;
         const st_tensor *t[3] = {&layers[il].gate_exps, &layers[il].up_exps, &layers[il].down_exps};
         for (int i = 0; i < 3; i++) {
-            g.host[(size_t)il * 3 + i] = (const uint8_t *)t[i]->data;
             lo = std::min(lo, (uintptr_t)t[i]->data);
             hi = std::max(hi, (uintptr_t)t[i]->data + (uintptr_t)t[i]->n_bytes);
         }
@@ -98,7 +96,7 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     const dtensor &gt = m->L[(size_t)first].gate_exps;
     const size_t bytes = (size_t)m->d.n_expert * (size_t)gt.expert_stride;
     double t_h2d = 0.0, t_d2d = 0.0;
-    CHECK(timed_copy(m, g.slot[0], g.host[(size_t)first * 3], bytes, cudaMemcpyHostToDevice, &t_h2d));
+    CHECK(timed_copy(m, g.slot[0], h.host[(size_t)first * 3], bytes, cudaMemcpyHostToDevice, &t_h2d));
     CHECK(timed_copy(m, g.slot[1], g.slot[0], bytes, cudaMemcpyDeviceToDevice, &t_d2d));
     if (t_h2d <= 0.0 || t_d2d <= 0.0) return ST_OK;
     g.pcie_gbs = (double)bytes / t_h2d * 1e-9;
@@ -181,15 +179,15 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
     for (int i = 0; i < 3; i++) {
         const int64_t stride = src[i]->expert_stride;
         uint8_t *dst = g.slot[j] + off[i];
-        const uint8_t *host = g.host[(size_t)il * 3 + i];
-        for (int e = 0, s = 0; e < ne;) { /* runs of equal residency: one copy each */
-            int r = e;
-            while (r < ne && res[r] == res[e]) r++;
+        const uint8_t *host = h.host[(size_t)il * 3 + i];
+        const int32_t *slot = h.slot_of.data() + (size_t)il * ne;
+        for (int e = 0; e < ne;) { /* runs of non-resident experts, and of resident ones in consecutive slots */
+            int r = e + 1;
+            while (r < ne && res[r] == res[e] && (!res[e] || slot[r] == slot[e] + (r - e))) r++;
             const size_t bytes = (size_t)(r - e) * (size_t)stride;
             if (res[e]) {
-                CU(cudaMemcpyAsync(dst + e * stride, src[i]->d + (int64_t)s * stride, bytes, cudaMemcpyDeviceToDevice,
-                                   g.copy), "staging: resident experts");
-                s += r - e;
+                CU(cudaMemcpyAsync(dst + e * stride, src[i]->d + (int64_t)slot[e] * stride, bytes,
+                                   cudaMemcpyDeviceToDevice, g.copy), "staging: resident experts");
             } else {
                 CU(cudaMemcpyAsync(dst + e * stride, host + e * stride, bytes, cudaMemcpyHostToDevice, g.copy),
                    "staging: experts over PCIe");

@@ -96,6 +96,11 @@ typedef struct stg_cpu_experts {
  * Errors: resident values other than 0 / 1, or experts left off without cpu (all four fields) -> ST_EINVAL. */
 stg_status stg_model_create_hybrid(int32_t device, const void *desc, const stg_settings *settings,
                                    const uint8_t *resident, const stg_cpu_experts *cpu, stg_model **out);
+/* Online re-placement, between steps (no launched step in flight): routed expert in_e of a layer that is partly
+ * on the device takes the device slot of its resident expert out_e (which the CPU computes from then on). The
+ * model's bytes do not change. ST_EINVAL: not a hybrid model, out_e not resident or in_e resident, steps in
+ * flight; ST_ERANGE: an index out of range. A failed copy leaves both experts on the CPU. */
+stg_status stg_model_swap_expert(stg_model *m, int32_t layer, int32_t out_e, int32_t in_e);
 /* Replace a model's settings between steps (drops its CUDA graphs; ST_EINVAL with steps in flight). */
 stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings);
 void stg_model_destroy(stg_model *m);

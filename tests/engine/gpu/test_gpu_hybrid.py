@@ -10,7 +10,8 @@ two tokens within `bound` of max|logit| (test_gpu_models.py's rule and reasons: 
 another order, which can move an 8-bit activation across a rounding step). The default model's bound is
 max(1e-2, the CPU's own auto-vs-reference kernel spread), as in test_gpu_models.py.
 
-Also: a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
+Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRATA_GPU_HYBRID_STAGE); the
+overlapped and layer-by-layer steps' bits; a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
 the budget, and the model's own accounting matches the plan; the frame profile's parts; launch / wait with
 token_src on a hybrid model; bad resident masks are typed errors.
 """
@@ -327,6 +328,43 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
             check_tokens(cpu, p, w, g, bound, f"{model} {qt} staged sequence {i}")
         hyb._gpu.set_stage_rate(1e12)
         assert np.array_equal(hyb.logits_for(prompts[0]), plain)
+
+
+@pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])
+def test_online_replacement_keeps_tokens_and_bytes(paths: dict, cpu_tokens: dict, model: str, qt: str) -> None:
+    """Issue 29's test 2: online re-placement under a workload its placement file did not foresee (random
+    counts): 16 sequences through a scheduler that moves up to four experts' bytes a step (within a layer, the
+    experts the routing now favours onto the GPU) give the CPU's greedy tokens (the hybrid tolerance), experts
+    do move, every layer keeps its resident count, and neither the model's own bytes nor the driver's figure
+    grow."""
+    from engine.cuda_backend import gpu_info
+    from engine.placement import expert_bytes
+
+    path = paths[(model, qt)]
+    prompts = prompts_for()
+    _, batched = cpu_tokens[(model, qt)]
+    pf = random_placement(path)
+    with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, open_hybrid(path, 0.3, pf) as hyb:
+        assert hyb.resident is not None
+        run_batched(hyb, prompts, 4)  # the step buffers at their size for these prompts
+        mem0, free0 = hyb.gpu_memory(), gpu_info(0).free_bytes
+        before = hyb.resident.copy()
+        per_expert = int(expert_bytes(open_model(path)).max())
+        sched = Scheduler(hyb, SchedulerConfig(prefix_cache=False, replace_bytes_per_step=4 * per_expert))
+        rids = [sched.add(p, greedy()) for p in prompts]
+        out = sched.run_to_completion()
+        got = [collect_text(out[r])[0] for r in rids]
+        after = hyb.resident
+        moved = int((after != before).sum()) // 2
+        print(f"{model} {qt}: {moved} experts moved; model bytes {hyb.gpu_memory()} (before {mem0}); driver free "
+              f"{gpu_info(0).free_bytes} (before {free0})")
+        assert moved > 0
+        assert (after.sum(axis=1) == before.sum(axis=1)).all()
+        assert hyb.gpu_memory() == mem0
+        assert gpu_info(0).free_bytes >= free0 - (2 << 20)  # the driver's figure: nothing allocated
+        bound = 1e-3 if qt == "f32" else 1e-2
+        for i, (p, w, g) in enumerate(zip(prompts, batched, got, strict=True)):
+            check_tokens(cpu, p, w, g, bound, f"{model} {qt} re-placed sequence {i}")
 
 
 def test_launch_before_wait_on_a_hybrid_model(paths: dict) -> None:
