@@ -232,28 +232,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's llama-bench / llama-batched-bench (CUDA build)")
     ap.add_argument("--llama-timeout", type=float, default=300.0)
     ap.add_argument("--strata-only", action="store_true")
+    ap.add_argument("--llama-only", action="store_true", help="llama.cpp's rows alone (a device call of its own)")
+    ap.add_argument("--build-only", action="store_true", help="write the model file and stop (the Q8_0 file takes "
+                                                                "minutes: a device call of its own)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     path = _model(args)
+    if args.build_only:
+        print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB", flush=True)
+        return 0
     rows: list[dict[str, Any]] = []
     fracs = [float(f) for f in args.fractions.split(",")]
     if args.budget_gb is not None:
         fracs = [fraction_for_budget(path, args.budget_gb, args.kv_tokens, 16, 512)]
     for frac in fracs:
-        row: dict[str, Any] = {"fraction": frac, "strata": run_strata(path, frac, args)}
+        row: dict[str, Any] = {"fraction": frac, "strata": {} if args.llama_only else run_strata(path, frac, args)}
         if args.llama_bin and not args.strata_only:
             row["llama"] = run_llama(Path(args.llama_bin), path, frac, args)
         rows.append(row)
         s, ll = row["strata"], row.get("llama", {})
-        fr = s["frame_b1_ms"]
-        print(f"F={frac:g}: budget {s['gpu_budget_gb']:.2f} GiB, resident {s.get('n_resident', '?')}/"
-              f"{s.get('n_routed', '?')} experts (plan hit rate {s.get('plan_hit_rate', float('nan')):.2f}, "
-              f"measured {s['resident_hit_rate_b1']:.2f}); llama.cpp {ll.get('placement', '-')} "
+        fr = s.get("frame_b1_ms")
+        print(f"F={frac:g}: budget {s.get('gpu_budget_gb', float('nan')):.2f} GiB, resident "
+              f"{s.get('n_resident', '?')}/{s.get('n_routed', '?')} experts (plan hit rate "
+              f"{s.get('plan_hit_rate', float('nan')):.2f}, measured {s.get('resident_hit_rate_b1', float('nan')):.2f}"
+              f"); llama.cpp {ll.get('placement', '-')} "
               f"VRAM peak {ll.get('vram_peak_gib', float('nan')):.2f} GiB", flush=True)
         for k in ("decode_b1_tok_s", f"prefill_{args.prefill}_tok_s", f"decode_b{args.batch}_tok_s"):
             a, b = s.get(k), ll.get(k)
             ratio = f"{a / b:.2f}x" if a and b else "-"
             print(f"   {k:<22}{a if a else float('nan'):>10.1f}{b if b else float('nan'):>10.1f}{ratio:>8}")
+        if "error" in ll:
+            print(f"   llama.cpp failed: {ll['error'][-400:]}")
+        if fr is None:  # llama.cpp's rows alone
+            continue
         print(f"   frame b1 ms: total {fr['t_total']:.2f} = GPU {fr['t_gpu']:.2f} + PCIe {fr['t_pcie']:.2f} + GPU "
               f"waiting on CPU {fr['t_gpu_wait']:.2f} (idle {100 * fr['gpu_idle_share']:.0f}%); CPU experts "
               f"{fr['t_cpu_experts']:.2f}, CPU waiting on GPU {fr['t_cpu_wait']:.2f}; PCIe {fr['pcie_gb_s']:.1f} "
@@ -267,8 +278,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"waiting {pf['t_gpu_wait']:.1f}; staged {sg['staged_layers']:.0f} layers, "
                   f"{sg['staged_bytes'] / 2**20:.0f} MiB (rates: PCIe {sg['stage_pcie_gbs']:.1f} GB/s, GPU "
                   f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s)", flush=True)
-        if "error" in ll:
-            print(f"   llama.cpp failed: {ll['error'][-400:]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"skew": args.skew, "model": str(path), "rows": rows}, indent=1))
     return 0
