@@ -133,7 +133,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
 }
 
 /* Dense FFN (or a shared expert) over all T tokens of xn (quantised in aq by the norm):
- * result into pair_out[T, E]. */
+ * result into out[T, E] (pair_out, or a hybrid layer's shared-expert rows). */
 static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dtensor &Wu, const dtensor &Wd,
                             float *out) {
     scratch &s = m->s;

@@ -99,7 +99,8 @@ struct staging {
     int32_t next = 0;                     /* the ring's next slot */
 };
 
-/* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer)
+/* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer at
+ * creation, moved by stg_model_swap_expert)
  * and the buffers through which the CPU engine computes the others. */
 struct hybrid {
     bool on = false;              /* some routed expert is not resident */

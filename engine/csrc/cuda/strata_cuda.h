@@ -88,7 +88,7 @@ typedef struct stg_cpu_experts {
 
 /* stg_model_create with only some routed experts on the device: resident[layer * n_expert + e] (0 or 1) says
  * whether expert e of the layer is uploaded; the device holds a layer's resident experts in slots (ascending
- * expert id), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
+ * expert id; stg_model_swap_expert moves them later), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
  * the device's before the weighted sum (the order of additions of st_forward's combine). resident NULL, or all
  * ones: stg_model_create. A model with any expert off the device runs every step eagerly (no CUDA graphs); per
  * layer with a CPU share, one event marks the rows the CPU needs (xn, the routing) and the device waits on a
