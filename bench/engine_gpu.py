@@ -66,6 +66,14 @@ def _q4k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return raw.reshape(rows, (k // 256) * 144)
 
 
+def _q8_0(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
+    """Random Q8_0 rows [rows, k/32*34]: int8 quants (std ~74) under one scale giving weights of std ~ 1/sqrt(k)."""
+    nb = rows * (k // 32)
+    raw = np.frombuffer(rng.bytes(nb * 34), np.uint8).reshape(nb, 34).copy()
+    raw[:, 0:2] = np.array([np.float16(1.0 / (74.0 * np.sqrt(k)))], np.float16).view(np.uint8)
+    return raw.reshape(rows, (k // 32) * 34)
+
+
 def _q6k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     nb = rows * (k // 256)
     raw = np.frombuffer(rng.bytes(nb * 210), np.uint8).reshape(nb, 210).copy()
@@ -74,7 +82,12 @@ def _q6k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
     return raw.reshape(rows, (k // 256) * 210)
 
 
-def build_model(path: Path, shape: dict, skew: float, seed: int = 0) -> Path:
+def build_model(path: Path, shape: dict, skew: float, seed: int = 0, experts: str = "q4_k") -> Path:
+    """The synthetic Qwen3-MoE-shaped file: Q4_K attention, Q6_K head, routed experts in ``experts`` (q4_k, or
+    q8_0 for the model that does not fit a 24 GB budget at all: ~32 GB at the Qwen3-30B-A3B shape)."""
+    if experts not in ("q4_k", "q8_0"):
+        raise ValueError(f"experts: q4_k or q8_0, not {experts!r}")
+    ex, ex_t = (_q4k, QT.Q4_K) if experts == "q4_k" else (_q8_0, QT.Q8_0)
     rng = np.random.default_rng(seed)
     tmp = path.with_suffix(".tmp")
     L, E, H, KV, hd = shape["n_layer"], shape["n_embd"], shape["n_head"], shape["n_head_kv"], shape["head_dim"]
@@ -125,9 +138,9 @@ def build_model(path: Path, shape: dict, skew: float, seed: int = 0) -> Path:
         # log(popularity) to each expert's logit on top of unit-variance noise
         router += (np.log(pop)[:, None] * c[None, :] / (0.9 * np.sqrt(E))).astype(np.float32)
         w.add_tensor(p + "ffn_gate_inp.weight", router.astype(np.float32))
-        raw(p + "ffn_gate_exps.weight", _q4k(rng, ne * ff, E).reshape(ne, ff, -1), QT.Q4_K)
-        raw(p + "ffn_up_exps.weight", _q4k(rng, ne * ff, E).reshape(ne, ff, -1), QT.Q4_K)
-        raw(p + "ffn_down_exps.weight", _q4k(rng, ne * E, ff).reshape(ne, E, -1), QT.Q4_K)
+        raw(p + "ffn_gate_exps.weight", ex(rng, ne * ff, E).reshape(ne, ff, -1), ex_t)
+        raw(p + "ffn_up_exps.weight", ex(rng, ne * ff, E).reshape(ne, ff, -1), ex_t)
+        raw(p + "ffn_down_exps.weight", ex(rng, ne * E, ff).reshape(ne, E, -1), ex_t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -4,7 +4,8 @@ Strata beside llama.cpp in the same run, on the same file.
     PYTHONPATH=. python -m bench.engine_hybrid --skew 1 --llama-bin /tmp/llama-build/bin --json out.json
 
 The model is bench/engine_gpu.py's synthetic Qwen3-30B-A3B-shaped Q4_K file (built if missing, ``--skew`` picks
-the router's Zipf exponent: 1 skewed, 0 uniform). For each expert fraction F (``--fractions``, default 0, 0.25,
+the router's Zipf exponent: 1 skewed, 0 uniform; ``--experts q8_0`` the same shape with Q8_0 experts, ~32 GB, and
+``--budget-gb 24`` one row at the reference card's budget instead of ``--fractions``). For each expert fraction F (``--fractions``, default 0, 0.25,
 0.5) Strata opens it with ``gpu_budget_gb`` = the plan's fixed GPU bytes (non-routed weights, KV, step buffers,
 the context reserve) + F x every routed expert's bytes, so that the plan makes about F of the routed experts
 resident (the most used first, by the default placement file beside the model if there is one, else uniform);
@@ -13,8 +14,8 @@ GPU) and, at F = 0, ``-ot exps=CPU``. Its VRAM is read from nvidia-smi during th
 figure), Strata's from the engine's own account beside the budget.
 
 Figures per fraction: batch-1 decode tok/s, prefill tok/s of ``--prefill`` tokens, aggregate decode of
-``--batch`` sequences; Strata's frame profile of its last decode step (GPU compute, CPU experts, GPU waiting on
-the CPU, resident hit rate); the floor: routed-expert bytes a decode token reads from RAM / the CPU's measured
+``--batch`` sequences; Strata's frame profile of its last decode step (GPU compute, PCIe copies, GPU waiting
+on the CPU, CPU experts, CPU waiting on the GPU, GPU idle share, PCIe GB/s, resident hit rate); the floor: routed-expert bytes a decode token reads from RAM / the CPU's measured
 read bandwidth + the GPU's part (the plan's figures), with the share of it Strata reaches.
 """
 
@@ -38,20 +39,46 @@ GIB = 2**30
 
 
 def _model(args: argparse.Namespace) -> Path:
-    path = Path(args.model_dir) / f"qwen3moe-synth-{args.layers}L-skew{args.skew:g}.gguf"
+    tail = "" if args.experts == "q4_k" else f"-{args.experts}"
+    path = Path(args.model_dir) / f"qwen3moe-synth-{args.layers}L-skew{args.skew:g}{tail}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, dict(SHAPE, n_layer=args.layers), args.skew)
+        build_model(path, dict(SHAPE, n_layer=args.layers), args.skew, experts=args.experts)
     return path
+
+
+def fraction_for_budget(path: Path, budget_gb: float, kv_tokens: int, block_size: int, prefill_chunk: int) -> float:
+    """The share of the routed experts' bytes a budget leaves after the fixed parts (budget_for_fraction's
+    inverse), so that llama.cpp's -ncmoe matches Strata's GPU memory."""
+    lo = budget_for_fraction(path, 0.0, kv_tokens, block_size, prefill_chunk)
+    hi = budget_for_fraction(path, 1.0, kv_tokens, block_size, prefill_chunk)
+    return min(1.0, max(0.0, (budget_gb - lo) / (hi - lo)))
 
 
 def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int, prefill_chunk: int) -> float:
     """gpu_budget_gb that leaves room for ``frac`` of the routed experts' bytes after the fixed parts."""
+    from engine import gpu_settings
     from engine.gguf_model import open_model
     from engine.placement import engine_plan_params, plan
 
-    p = plan(open_model(path), engine_plan_params(0, kv_tokens, block_size, prefill_chunk))
+    mf = open_model(path)
+    # STRATA_GPU_HYBRID_STAGE=1: the staging ring (two whole layers) is a fixed part, as Engine.open plans it
+    slots = 2 * mf.hparams.n_expert if gpu_settings.env_override("hybrid_stage") == 1 else 0
+    p = plan(mf, engine_plan_params(0, kv_tokens, block_size, prefill_chunk, staging_slots=slots))
     return (p.fixed_bytes + frac * p.routed_bytes) / GIB + 1e-3
+
+
+FRAME_KEYS = ("t_total", "t_gpu", "t_pcie", "t_gpu_wait", "t_cpu_experts", "t_cpu_wait")
+
+
+def frame_ms(st: Any) -> dict[str, float]:
+    """A step's frame profile in ms (engine.step.StepStats), with the GPU's idle share (waiting on the CPU) and
+    the PCIe rate of the CPU share's copies."""
+    out = {k: 1e3 * float(getattr(st, k, float("nan"))) for k in FRAME_KEYS}
+    out["gpu_idle_share"] = out["t_gpu_wait"] / out["t_total"] if out["t_total"] > 0 else float("nan")
+    pcie_b = float(getattr(st, "pcie_bytes", 0))
+    out["pcie_gb_s"] = pcie_b / (out["t_pcie"] * 1e6) if out["t_pcie"] > 0 else float("nan")
+    return out
 
 
 def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +86,7 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, A
     from engine.placement import measure_cpu_read_gbs
 
     kv, bs, chunk = args.kv_tokens, 16, 512
-    budget = budget_for_fraction(path, frac, kv, bs, chunk)
+    budget = args.budget_gb if args.budget_gb is not None else budget_for_fraction(path, frac, kv, bs, chunk)
     cores = list(range(os.cpu_count() or 1)) if args.cores is None else [int(c) for c in args.cores.split(",")]
     t0 = time.perf_counter()
     eng = Engine.open(path, device=args.device, kv_tokens=kv, block_size=bs, prefill_chunk=chunk,
@@ -105,18 +132,21 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace) -> dict[str, A
                 eng.prefill(ids[:16], b)
                 t = time.perf_counter()
                 eng.prefill(ids, b)
-                return n / (time.perf_counter() - t)
+                rate = n / (time.perf_counter() - t)
+                st = eng.last_stats  # the chunk's last step: its frame and what staging did
+                out[f"prefill_{n}_frame_ms"] = frame_ms(st)
+                out[f"prefill_{n}_staging"] = {k: float(getattr(st, k, 0)) for k in (
+                    "staged_layers", "staged_bytes", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s")}
+                return rate
             finally:
                 eng.blocks.release(b)
 
         out["decode_b1_tok_s"], st = decode(1, args.steps)
-        out["frame_b1_ms"] = {k: 1e3 * float(getattr(st, k, float("nan")))
-                              for k in ("t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait")}
+        out["frame_b1_ms"] = frame_ms(st)
         out["resident_hit_rate_b1"] = float(getattr(st, "resident_hit_rate", float("nan")))
         out[f"prefill_{args.prefill}_tok_s"] = prefill(args.prefill)
         out[f"decode_b{args.batch}_tok_s"], st = decode(args.batch, max(4, args.steps // 4))
-        out[f"frame_b{args.batch}_ms"] = {k: 1e3 * float(getattr(st, k, float("nan")))
-                                          for k in ("t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait")}
+        out[f"frame_b{args.batch}_ms"] = frame_ms(st)
     finally:
         eng.close()
     gbs = measure_cpu_read_gbs(cores=cores)
@@ -194,34 +224,60 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences of the aggregate decode row")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
+    ap.add_argument("--experts", default="q4_k", choices=("q4_k", "q8_0"),
+                    help="the routed experts' type (q8_0: ~32 GB at the Qwen3-30B-A3B shape)")
+    ap.add_argument("--budget-gb", type=float, default=None,
+                    help="one row at this gpu_budget_gb (GiB) instead of --fractions; llama.cpp's -ncmoe from the "
+                         "fraction of the routed experts it leaves")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's llama-bench / llama-batched-bench (CUDA build)")
     ap.add_argument("--llama-timeout", type=float, default=300.0)
     ap.add_argument("--strata-only", action="store_true")
+    ap.add_argument("--llama-only", action="store_true", help="llama.cpp's rows alone (a device call of its own)")
+    ap.add_argument("--build-only", action="store_true", help="write the model file and stop (the Q8_0 file takes "
+                                                                "minutes: a device call of its own)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     path = _model(args)
+    if args.build_only:
+        print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB", flush=True)
+        return 0
     rows: list[dict[str, Any]] = []
-    for frac in (float(f) for f in args.fractions.split(",")):
-        row: dict[str, Any] = {"fraction": frac, "strata": run_strata(path, frac, args)}
+    fracs = [float(f) for f in args.fractions.split(",")]
+    if args.budget_gb is not None:
+        fracs = [fraction_for_budget(path, args.budget_gb, args.kv_tokens, 16, 512)]
+    for frac in fracs:
+        row: dict[str, Any] = {"fraction": frac, "strata": {} if args.llama_only else run_strata(path, frac, args)}
         if args.llama_bin and not args.strata_only:
             row["llama"] = run_llama(Path(args.llama_bin), path, frac, args)
         rows.append(row)
         s, ll = row["strata"], row.get("llama", {})
-        fr = s["frame_b1_ms"]
-        print(f"F={frac:g}: budget {s['gpu_budget_gb']:.2f} GiB, resident {s.get('n_resident', '?')}/"
-              f"{s.get('n_routed', '?')} experts (plan hit rate {s.get('plan_hit_rate', float('nan')):.2f}, "
-              f"measured {s['resident_hit_rate_b1']:.2f}); llama.cpp {ll.get('placement', '-')} "
+        fr = s.get("frame_b1_ms")
+        print(f"F={frac:g}: budget {s.get('gpu_budget_gb', float('nan')):.2f} GiB, resident "
+              f"{s.get('n_resident', '?')}/{s.get('n_routed', '?')} experts (plan hit rate "
+              f"{s.get('plan_hit_rate', float('nan')):.2f}, measured {s.get('resident_hit_rate_b1', float('nan')):.2f}"
+              f"); llama.cpp {ll.get('placement', '-')} "
               f"VRAM peak {ll.get('vram_peak_gib', float('nan')):.2f} GiB", flush=True)
         for k in ("decode_b1_tok_s", f"prefill_{args.prefill}_tok_s", f"decode_b{args.batch}_tok_s"):
             a, b = s.get(k), ll.get(k)
             ratio = f"{a / b:.2f}x" if a and b else "-"
             print(f"   {k:<22}{a if a else float('nan'):>10.1f}{b if b else float('nan'):>10.1f}{ratio:>8}")
-        print(f"   frame b1 ms: total {fr['t_total']:.2f}, GPU {fr['t_gpu']:.2f}, CPU experts "
-              f"{fr['t_cpu_experts']:.2f}, GPU waiting on CPU {fr['t_gpu_wait']:.2f}; floor "
-              f"{s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached {100 * s.get('floor_share_b1', 0):.0f}%), "
-              f"CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
         if "error" in ll:
             print(f"   llama.cpp failed: {ll['error'][-400:]}")
+        if fr is None:  # llama.cpp's rows alone
+            continue
+        print(f"   frame b1 ms: total {fr['t_total']:.2f} = GPU {fr['t_gpu']:.2f} + PCIe {fr['t_pcie']:.2f} + GPU "
+              f"waiting on CPU {fr['t_gpu_wait']:.2f} (idle {100 * fr['gpu_idle_share']:.0f}%); CPU experts "
+              f"{fr['t_cpu_experts']:.2f}, CPU waiting on GPU {fr['t_cpu_wait']:.2f}; PCIe {fr['pcie_gb_s']:.1f} "
+              f"GB/s; floor "
+              f"{s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached {100 * s.get('floor_share_b1', 0):.0f}%), "
+              f"CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
+        sg = s.get(f"prefill_{args.prefill}_staging")
+        if sg:
+            pf = s[f"prefill_{args.prefill}_frame_ms"]
+            print(f"   prefill's last step: {pf['t_total']:.1f} ms = GPU {pf['t_gpu']:.1f} + PCIe {pf['t_pcie']:.1f} + "
+                  f"waiting {pf['t_gpu_wait']:.1f}; staged {sg['staged_layers']:.0f} layers, "
+                  f"{sg['staged_bytes'] / 2**20:.0f} MiB (rates: PCIe {sg['stage_pcie_gbs']:.1f} GB/s, GPU "
+                  f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s)", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"skew": args.skew, "model": str(path), "rows": rows}, indent=1))
     return 0

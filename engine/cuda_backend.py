@@ -316,7 +316,33 @@ class CudaModel:
         p = self._profile
         _check(self.ffi, self.lib, self.lib.stg_step_profile(self._model, p), "profile")
         return {"t_total": p.t_total, "t_gpu": p.t_gpu, "t_cpu_experts": p.t_cpu_experts, "t_gpu_wait": p.t_gpu_wait,
-                "pairs_gpu": int(p.pairs_gpu), "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes)}
+                "t_pcie": p.t_pcie, "t_cpu_wait": p.t_cpu_wait, "pairs_gpu": int(p.pairs_gpu),
+                "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes),
+                "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
+                "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s}
+
+    def stage_info(self) -> dict[str, float]:
+        """Staging (stg_settings.hybrid_stage): whether it is available on this model and its rates."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        f = self.ffi
+        av, pcie, gpu, cpu = f.new("int32_t *"), f.new("double *"), f.new("double *"), f.new("double *")
+        _check(f, self.lib, self.lib.stg_model_stage_info(self._model, av, pcie, gpu, cpu), "stage info")
+        return {"available": bool(av[0]), "pcie_gbs": pcie[0], "gpu_gbs": gpu[0], "cpu_pairs_s": cpu[0]}
+
+    def swap_expert(self, layer: int, out_expert: int, in_expert: int) -> None:
+        """Online re-placement (stg_model_swap_expert): ``in_expert`` takes ``out_expert``'s GPU slot."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        _check(self.ffi, self.lib, self.lib.stg_model_swap_expert(self._model, int(layer), int(out_expert),
+                                                                  int(in_expert)), "swap expert")
+
+    def set_stage_rate(self, cpu_pairs_per_s: float) -> None:
+        """The CPU engine's routed pairs per second that staging's decision weighs against PCIe."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        _check(self.ffi, self.lib, self.lib.stg_model_set_stage_rate(self._model, float(cpu_pairs_per_s)),
+               "stage rate")
 
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -72,11 +73,14 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     without a budget. GpuBudgetError when not even the parts every step needs fit."""
     if gpu_budget_gb is None:
         return None
+    from engine import gpu_settings
     from engine.placement import engine_plan_params, placement_frequencies, plan
 
     budget = int(gpu_budget_gb * 2**30)
     freqs, source = placement_frequencies(mf, placement) if mf.hparams.n_expert else (None, "")
-    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk), freqs)
+    # the GPU engine's staging ring (hybrid_stage): two slots of a whole layer's routed experts
+    slots = 2 * mf.hparams.n_expert if gpu_settings.env_override("hybrid_stage") == 1 else 0
+    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots), freqs)
     if not p.fits:
         what = ("its non-routed weights, " if mf.hparams.n_expert else "its weights, ") + \
             f"the KV cache for {kv_tokens} tokens, step buffers and the CUDA context reserve"
@@ -182,6 +186,12 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
     if profile is not None:  # a GPU step's frame profile (CudaModel.profile)
         pairs = profile["pairs_gpu"] + profile["pairs_cpu"]
         out.t_gpu, out.t_cpu_experts, out.t_gpu_wait = profile["t_gpu"], profile["t_cpu_experts"], profile["t_gpu_wait"]
+        out.t_pcie, out.t_cpu_wait = profile["t_pcie"], profile["t_cpu_wait"]
+        out.pcie_bytes, out.on_gpu = int(profile["pcie_bytes"]), True
+        out.staged_layers = int(profile.get("staged_layers", 0))
+        out.stage_pcie_gbs = float(profile.get("stage_pcie_gbs", 0.0))
+        out.stage_gpu_gbs = float(profile.get("stage_gpu_gbs", 0.0))
+        out.stage_cpu_pairs_s = float(profile.get("stage_cpu_pairs_s", 0.0))
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
     return out
@@ -256,6 +266,67 @@ class Engine:
         self._inflight: dict[int, tuple[np.ndarray, int, StepStats | None, Any]] = {}
         self._done: dict[int, tuple[np.ndarray, StepStats | None] | EngineError] = {}
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
+        if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
+            try:
+                self._gpu.set_stage_rate(self._cpu_pairs_rate(max(64, prefill_chunk)))
+            except BaseException:
+                self.close()
+                raise
+
+    # online re-placement: the statistics' half-life (tokens) and the tokens a layer must have seen before its
+    # experts move
+    REPLACE_HALF_LIFE_TOKENS = 4096.0
+    REPLACE_MIN_LAYER_TOKENS = 64.0
+
+    def replace_experts(self, hist: np.ndarray, max_bytes: int) -> int:
+        """Online re-placement between steps (issue 29): ``hist`` (a step's [n_layer, n_expert] routing counts)
+        joins the engine's decaying routing statistics (half-life ``REPLACE_HALF_LIFE_TOKENS``, seeded from
+        nothing: a layer moves nothing before ``REPLACE_MIN_LAYER_TOKENS`` tokens), then up to ``max_bytes`` of
+        experts move onto the GPU, each in place of a less used resident expert of its layer
+        (``placement.replacement_moves``; the GPU's bytes do not change). Steps in flight are waited first.
+        Returns the experts moved; 0 on an engine without a CPU share."""
+        if self._gpu is None or self.resident is None or max_bytes <= 0:
+            return 0
+        from engine.placement import RoutingStats, expert_bytes, replacement_moves
+
+        if getattr(self, "_routing", None) is None:
+            self._routing = RoutingStats.for_model(self.model_file, half_life_tokens=self.REPLACE_HALF_LIFE_TOKENS)
+            self._expert_bytes = expert_bytes(self.model_file)
+        self._routing.update(hist)
+        moves = replacement_moves(self._routing.frequencies(), self.resident, self._expert_bytes, max_bytes,
+                                  min_tokens=self._routing.tokens, min_layer_tokens=self.REPLACE_MIN_LAYER_TOKENS)
+        if not moves:
+            return 0
+        with self._step_lock:
+            self._drain(0)
+            resident = self.resident.copy()
+            try:
+                for il, e_out, e_in in moves:
+                    resident[il, e_out] = 0  # the C side takes out_e off first: a failed copy leaves both out
+                    self._gpu.swap_expert(il, e_out, e_in)
+                    resident[il, e_in] = 1
+            finally:
+                self.resident = resident
+        return len(moves)
+
+    def _cpu_pairs_rate(self, tokens: int) -> float:
+        """Staging's CPU rate, measured at start-up: routed (token, expert) pairs per second of ``st_moe_pairs``
+        over a chunk of ``tokens`` tokens in the first partial layer, each token on k distinct non-resident
+        experts drawn uniformly (the second of two calls: the first pages the experts in)."""
+        assert self.resident is not None
+        hp = self.hparams
+        k = hp.n_expert_used
+        layer = next(i for i in range(hp.n_layer) if self.resident[i].sum() < hp.n_expert)
+        off = np.flatnonzero(self.resident[layer] == 0)
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((tokens, hp.n_embd)).astype(np.float32)
+        per = min(k, off.size)
+        exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(tokens)]).reshape(-1)
+        tok = np.repeat(np.arange(tokens, dtype=np.int32), per)
+        self.moe_pairs(layer, x, tok, exp)
+        t = time.perf_counter()
+        self.moe_pairs(layer, x, tok, exp)
+        return tok.size / max(time.perf_counter() - t, 1e-9)
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -561,8 +632,8 @@ class Engine:
         it is the step itself (every pair on the GPU, nothing waited), without a call."""
         if self.resident is not None:
             return self._gpu.profile()
-        return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "pairs_gpu": int(st.n_expert_tokens),
-                "pairs_cpu": 0, "staged_bytes": 0}
+        return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "t_pcie": 0.0, "t_cpu_wait": 0.0,
+                "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0}
 
     def gpu_memory(self) -> dict[str, int]:
         """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and

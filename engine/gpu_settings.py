@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "from_env"]
+__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "env_override", "from_env"]
 
 # Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
 # (another build of the same sources, so that one device call can time two versions of a kernel).
@@ -63,6 +63,12 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_SPLIT_L2", "att_split_l2",
              "the tensor-core split kernel prefetches the next layer's K / V into L2 up to this many MiB a layer "
              "(0: never)"),
+    Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
+             "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
+             "0 queued layer by layer"),
+    Override("STRATA_GPU_HYBRID_STAGE", "hybrid_stage",
+             "hybrid placement: 1 a step may stage a layer's non-resident experts over PCIe and compute them on "
+             "the GPU where the measured rates say it is faster (two whole-layer slots of VRAM); 0 never"),
 )
 
 
@@ -88,3 +94,16 @@ def from_env(ffi: Any, lib: Any, environ: dict[str, str] | None = None) -> Any:
     s = ffi.new("stg_settings *")
     lib.stg_settings_default(s)
     return apply_env(s, environ)
+
+
+def env_override(field: str, environ: dict[str, str] | None = None) -> int | None:
+    """The environment's override of one stg_settings field (``apply_env``'s parsing), or None where it is not
+    set: for decisions made before the library is loaded (the hybrid plan reserves the staging ring's VRAM
+    when ``hybrid_stage`` is 1)."""
+
+    class _Fields:
+        pass
+
+    got = apply_env(_Fields(), environ)
+    value = getattr(got, field, None)
+    return int(value) if value is not None else None

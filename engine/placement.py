@@ -45,7 +45,7 @@ __all__ = [
     "ModelIdentity", "RoutingStats", "PlacementFile", "GpuPlan", "PlanParams", "GPU_READ_GBS", "model_identity",
     "tensor_table_hash", "expert_bytes", "fixed_gpu_bytes", "plan", "measure_cpu_read_gbs", "gpu_read_gbs",
     "render_plan", "engine_plan_params", "engine_step_tokens", "default_placement_path", "placement_frequencies",
-    "resident_mask",
+    "resident_mask", "replacement_moves",
 ]
 
 PLACEMENT_FORMAT = "strata-placement"
@@ -402,7 +402,9 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
     parts["KV cache"] = kv_per_token * n_ctx * n_seqs
     parts["step buffers"] = step_buffer_bytes(hp, step_tokens, logit_rows)
     if hp.n_expert:
-        parts["CPU expert rows"] = step_tokens * hp.n_expert_used * (4 * hp.n_embd + 8)
+        # the hybrid step's device buffers: slot ids per routed pair, and the shared expert's rows (computed
+        # while the CPU works); the CPU's own rows stay in pinned host memory
+        parts["hybrid buffers"] = step_tokens * (4 * hp.n_expert_used + (4 * hp.n_embd if hp.n_ff_shexp else 0))
     if staging_slots:
         parts["staging slots"] = staging_slots * int(expert_bytes(mf).max())
     parts["context + graphs reserve"] = reserve_bytes
@@ -495,7 +497,7 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
     emb = mf.tensors["token_embd.weight"]
     weights_read = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "staging slots",
                                                                  "context + graphs reserve", "embeddings",
-                                                                 "CPU expert rows"))
+                                                                 "hybrid buffers"))
     if "output.weight" not in mf.tensors:  # tied: the head reads the embedding table
         weights_read += emb.n_bytes
     weights_read += emb.n_bytes // max(int(emb.shape[1]), 1)
@@ -583,14 +585,15 @@ def engine_step_tokens(prefill_chunk: int) -> int:
 
 
 def engine_plan_params(budget_bytes: int, kv_tokens: int, block_size: int, prefill_chunk: int,
-                       reserve_bytes: int = 640 * MIB) -> PlanParams:
+                       reserve_bytes: int = 640 * MIB, staging_slots: int = 0) -> PlanParams:
     """The plan request of ``Engine.open(device="cuda:N", gpu_budget_gb=...)``: the KV cache of the engine
     (kv_tokens rounded up to whole blocks, as one sequence's worth), step buffers for
     :func:`engine_step_tokens`, the reserve. The bandwidths feed only the plan's prediction, which opening
-    a model does not use: they are set to 1 GB/s."""
+    a model does not use: they are set to 1 GB/s. ``staging_slots``: experts' worth of VRAM for the staging
+    ring (the GPU engine's hybrid_stage: two whole layers, 2 x n_expert)."""
     n_ctx = -(-kv_tokens // block_size) * block_size
     return PlanParams(budget_bytes=budget_bytes, n_ctx=n_ctx, n_seqs=1, step_tokens=engine_step_tokens(prefill_chunk),
-                      reserve_bytes=reserve_bytes, cpu_read_gbs=1.0, gpu_read_gbs=1.0)
+                      reserve_bytes=reserve_bytes, staging_slots=staging_slots, cpu_read_gbs=1.0, gpu_read_gbs=1.0)
 
 
 def default_placement_path(model_path: str | os.PathLike[str]) -> Path:
@@ -625,3 +628,41 @@ def resident_mask(mf: ModelFile, p: GpuPlan) -> np.ndarray:
     for il, ids in enumerate(p.resident):
         mask[il, ids] = 1
     return mask
+
+
+def replacement_moves(freqs: np.ndarray, resident: np.ndarray, ebytes: np.ndarray, max_bytes: int,
+                      margin: float = 1.25, min_tokens: np.ndarray | None = None, min_layer_tokens: float = 0.0
+                      ) -> list[tuple[int, int, int]]:
+    """Online re-placement's moves for one step: (layer, out, in) swaps within a layer, each bringing a
+    non-resident expert onto the GPU in place of a resident one of the same layer (so the bytes held never
+    change), taken in descending gain per byte ((freq_in - freq_out) / bytes) while their bytes fit
+    ``max_bytes``. A swap qualifies only where freq_in > margin x freq_out (hysteresis: no expert moves back
+    and forth on noise), and only in layers whose statistics hold at least ``min_layer_tokens`` tokens
+    (``min_tokens`` [n_layer], RoutingStats.tokens). Per layer the most frequent non-resident experts pair with
+    the least frequent resident ones in order. freqs, resident, ebytes: [n_layer, n_expert]."""
+    f = np.asarray(freqs, dtype=np.float64)
+    res = np.asarray(resident).astype(bool)
+    cand: list[tuple[float, int, int, int, int]] = []
+    for il in range(f.shape[0]):
+        if min_tokens is not None and float(min_tokens[il]) < min_layer_tokens:
+            continue
+        ins = [int(e) for e in np.flatnonzero(~res[il])]
+        outs = [int(e) for e in np.flatnonzero(res[il])]
+        if not ins or not outs:
+            continue
+        ins.sort(key=lambda e: (-f[il, e], e))
+        outs.sort(key=lambda e: (f[il, e], e))
+        for e_in, e_out in zip(ins, outs, strict=False):
+            if not f[il, e_in] > margin * f[il, e_out]:
+                break
+            b = int(ebytes[il, e_in])
+            cand.append(((f[il, e_in] - f[il, e_out]) / max(b, 1), il, e_out, e_in, b))
+    cand.sort(key=lambda c: (-c[0], c[1], c[3]))
+    moves: list[tuple[int, int, int]] = []
+    used = 0
+    for _, il, e_out, e_in, b in cand:
+        if used + b > max_bytes:
+            continue
+        moves.append((il, e_out, e_in))
+        used += b
+    return moves

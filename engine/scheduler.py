@@ -117,6 +117,8 @@ class SchedulerConfig(BaseModel):
     max_waiting: int = Field(256, ge=0, description="requests in the waiting queue")
     max_waiting_tokens: int = Field(262_144, ge=1, description="prompt tokens in the waiting queue")
     prefix_cache: bool = True
+    replace_bytes_per_step: int = Field(0, ge=0, description="hybrid placement: expert bytes moved onto the GPU "
+                                        "between steps by online re-placement (Engine.replace_experts; 0: off)")
 
 
 @dataclass
@@ -365,6 +367,9 @@ class Scheduler:
                     self._overlap(outputs, report)
             elif batch:
                 self._run(batch, outputs, report)
+        if self.config.replace_bytes_per_step and report.expert_hist is not None:
+            # the step's routing into the engine's online statistics; experts move between steps, bounded
+            self.engine.replace_experts(report.expert_hist, self.config.replace_bytes_per_step)
         report.n_running, report.n_waiting = len(self.running), len(self.waiting)
         report.kv_usage = self.blocks.usage
         report.wall = time.monotonic() - t0

@@ -33,14 +33,27 @@ class StepStats:
     n_expert_tokens: int
     n_active_experts: int
     pool_idle_share: float = 0.0  # share of the pool's thread time spent waiting in parallel regions
-    # the frame profile of a GPU step (stg_step_profile; zero on the CPU engine): t_total split into the GPU at
-    # work and the GPU waiting on the CPU's experts (hybrid placement), the host's time in those experts, the
-    # share of routed pairs the GPU's resident experts computed, expert bytes staged over PCIe
+    # the frame profile of a GPU step (stg_step_profile; zero on the CPU engine). The device's timeline:
+    # t_total = t_gpu (computing) + t_pcie (the CPU share's copies) + t_gpu_wait (waiting on the CPU's experts,
+    # hybrid placement), each part measured on its own; the host's: t_cpu_experts computing them, t_cpu_wait
+    # waiting on the device for their inputs. The share of routed pairs the GPU's resident experts computed,
+    # bytes over PCIe for the CPU share, expert bytes staged over PCIe; on_gpu: the step ran on a GPU
     t_gpu: float = 0.0
     t_cpu_experts: float = 0.0
     t_gpu_wait: float = 0.0
     resident_hit_rate: float = 0.0
     staged_bytes: int = 0
+    t_pcie: float = 0.0
+    t_cpu_wait: float = 0.0
+    pcie_bytes: int = 0
+    on_gpu: bool = False
+    # staging (the GPU engine's hybrid_stage): layers whose non-resident experts the step staged over PCIe
+    # and computed on the GPU, and the rates that decision used (host -> GPU GB/s, the GPU's copy GB/s, the
+    # CPU engine's routed pairs per second; 0: staging unavailable)
+    staged_layers: int = 0
+    stage_pcie_gbs: float = 0.0
+    stage_gpu_gbs: float = 0.0
+    stage_cpu_pairs_s: float = 0.0
 
 
 class StepEngine(Protocol):
@@ -75,3 +88,5 @@ class StepEngine(Protocol):
                after: int | None = None) -> int: ...
 
     def wait(self, ticket: int) -> np.ndarray: ...
+
+    def replace_experts(self, hist: np.ndarray, max_bytes: int) -> int: ...

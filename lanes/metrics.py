@@ -4,7 +4,10 @@ Gauges that describe the engine's state right now (running, waiting, KV usage, p
 counters) are read from the scheduler and block manager at scrape time, so they are exact
 right after a disconnect instead of lagging until some request finishes. Per-request figures
 (TTFT, inter-token, end-to-end, tokens, finish reasons) are recorded by the server; per-step
-figures (step time, batch tokens, queue time at admission) by the engine loop's callback.
+figures (step time, batch tokens, queue time at admission) by the engine loop's callback; a GPU
+step's frame profile (engine.step.StepStats: the device computing, copying and waiting on the CPU's
+experts, the host computing them and waiting on the device) as one histogram per part, with the resident
+experts' share of the routed work and the bytes moved over PCIe.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.scheduler import StepReport
+    from engine.step import StepStats
 
-__all__ = ["LaneMetrics"]
+__all__ = ["FRAME_PARTS", "LaneMetrics"]
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
@@ -31,6 +35,12 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_FRAME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.12,
+                  0.16, 0.25, 0.5, 1, 2.5)
+# the frame profile's parts (StepStats fields): total = gpu + pcie + gpu_wait on the device's timeline; the host's
+# cpu_experts and cpu_wait run beside them
+FRAME_PARTS = (("total", "t_total"), ("gpu", "t_gpu"), ("pcie", "t_pcie"), ("gpu_wait", "t_gpu_wait"),
+               ("cpu_experts", "t_cpu_experts"), ("cpu_wait", "t_cpu_wait"))
 
 
 @dataclass
@@ -94,10 +104,22 @@ class LaneMetrics:
         self.last_step_tokens = Gauge("strata_last_step_tokens", "Tokens in the last engine step", registry=r)
         self.expert_share = Gauge("strata_expert_work_share", "Share of routed-expert token work per device",
                                   ["device"], registry=r)
+        self.frame = Histogram("strata_frame_seconds", "A GPU step's frame profile by part: total (the step on the "
+                               "GPU) = gpu (computing) + pcie (the CPU experts' inputs and rows copied) + gpu_wait "
+                               "(the GPU waiting on the CPU's experts); beside them the host's cpu_experts "
+                               "(computing them) and cpu_wait (waiting on the GPU for their inputs)", ["part"],
+                               buckets=_FRAME_BUCKETS, registry=r)
+        self.resident_hit = Gauge("strata_resident_hit_ratio", "Share of the last GPU step's routed pairs that "
+                                  "resident experts computed (1: every expert on the GPU)", registry=r)
+        self.pcie_bytes = Counter("strata_pcie_bytes", "Bytes copied over PCIe for the CPU's experts (their "
+                                  "inputs and rows)", registry=r)
+        self.staged_bytes = Counter("strata_staged_bytes", "Expert weights staged over PCIe", registry=r)
         self.info = Gauge("strata_lane_info", "Lane identity (value 1)", ["lane", "engine_build", "model"],
                           registry=r)
-        self.expert_share.labels(device="cpu").set(1.0)  # no CUDA path yet: every expert runs on the CPU
+        self.expert_share.labels(device="cpu").set(1.0)  # until a GPU step says otherwise
         self.expert_share.labels(device="gpu").set(0.0)
+        for part, _ in FRAME_PARTS:
+            self.frame.labels(part=part)  # the series exist before the first GPU step
         for reason in ("stop", "length", "abort"):
             self.requests.labels(finish_reason=reason)  # zero series exist before the first request
         r.register(_EngineStateCollector(self))
@@ -135,6 +157,20 @@ class LaneMetrics:
     # ------------------------------------------------------------ per step (engine loop thread)
     _last_step_wall = 0.0
 
+    def _gpu_frame(self, st: StepStats) -> None:
+        for part, field in FRAME_PARTS:
+            v = float(getattr(st, field))
+            self.frame.labels(part=part).observe(v)
+            if part != "total":
+                self.last_step.labels(part=part).set(v)
+        self.resident_hit.set(st.resident_hit_rate)
+        self.expert_share.labels(device="gpu").set(st.resident_hit_rate)
+        self.expert_share.labels(device="cpu").set(1.0 - st.resident_hit_rate)
+        if st.pcie_bytes:
+            self.pcie_bytes.inc(st.pcie_bytes)
+        if st.staged_bytes:
+            self.staged_bytes.inc(st.staged_bytes)
+
     def on_step(self, report: StepReport) -> None:
         self._last_step_wall = report.wall
         self.step.observe(report.wall)
@@ -146,6 +182,8 @@ class LaneMetrics:
             for part, v in (("total", st.t_total), ("attn", st.t_attn), ("experts", st.t_experts),
                             ("dense", st.t_dense), ("output", st.t_output)):
                 self.last_step.labels(part=part).set(v)
+            if st.on_gpu:
+                self._gpu_frame(st)
         if report.n_preempted:
             self.preemptions.inc(report.n_preempted)
         aeng = self.aeng

@@ -153,6 +153,28 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
         eng.forward([1, 2, 3], [0, 1, 2], [0, 0, 0], [list(eng.blocks.allocate(1))], [2])
         st = eng.last_stats
         assert st is not None and st.t_gpu == st.t_gpu_wait == st.t_cpu_experts == 0 and st.staged_bytes == 0
+        assert not st.on_gpu and st.t_pcie == st.t_cpu_wait == 0 and st.pcie_bytes == st.staged_layers == 0
+
+
+def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STRATA_GPU_HYBRID_STAGE=1: the hybrid plan holds the staging ring (two whole layers' routed experts,
+    2 x n_expert x the largest expert) among its fixed parts, so fewer experts are resident under one budget;
+    unset, no ring."""
+    from engine.engine import _gpu_plan
+    from engine.gguf_model import open_model
+    from engine.placement import engine_plan_params, expert_bytes, plan
+
+    mf = open_model(tiny)
+    base = plan(mf, engine_plan_params(0, 64, 16, 512))
+    ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
+    budget = (base.fixed_bytes + ring + base.routed_bytes // 2 + 64) / 2**30
+    monkeypatch.delenv("STRATA_GPU_HYBRID_STAGE", raising=False)
+    got = _gpu_plan(mf, budget, 64, 16, 512, None)
+    assert got is not None and "staging slots" not in got[0].fixed
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
+    staged = _gpu_plan(mf, budget, 64, 16, 512, None)
+    assert staged is not None
+    assert staged[0].fixed["staging slots"] == ring and staged[0].n_resident < got[0].n_resident
 
 
 def test_gpu_header_declares_the_hybrid_entry_points() -> None:
@@ -165,10 +187,12 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
     ce = f.new("stg_cpu_experts *")
     assert f.typeof(ce.moe_pairs).cname.startswith("int32_t(*)(void *, void *, int32_t")
     p = f.new("stg_profile *")
-    assert {"t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait", "pairs_gpu", "pairs_cpu", "staged_bytes"} <= \
+    assert {"t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait", "pairs_gpu", "pairs_cpu", "staged_bytes", "t_pcie",
+            "t_cpu_wait", "pcie_bytes", "staged_layers", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s"} <= \
         {name for name, _ in f.typeof(p[0]).fields}
     text = cuda_backend.cdef_text()
-    for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile"):
+    for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile",
+               "stg_model_set_stage_rate", "stg_model_stage_info"):
         assert f"{fn}(" in text
 
 

@@ -108,6 +108,9 @@ def test_apply_env_parses_and_names_the_variable() -> None:
     assert s.gemm_min == 7 and not hasattr(s, "pdl")  # an empty value keeps the default
     with pytest.raises(ValueError, match="STRATA_GPU_GEMM_MIN"):
         gpu_settings.apply_env(S(), {"STRATA_GPU_GEMM_MIN": "two"})
+    assert gpu_settings.env_override("hybrid_stage", {"STRATA_GPU_HYBRID_STAGE": "1"}) == 1
+    assert gpu_settings.env_override("hybrid_stage", {"STRATA_GPU_HYBRID_STAGE": ""}) is None
+    assert gpu_settings.env_override("hybrid_stage", {}) is None
 
 
 def test_no_cuda_source_over_800_lines() -> None:

@@ -267,17 +267,18 @@ def test_gpu_table() -> None:
 
 def test_engine_plan_params_and_the_cpu_rows_part(files: dict[str, Path]) -> None:
     """Engine.open's plan request: the KV cache of kv_tokens rounded up to whole blocks, step buffers for the
-    tokens the GPU scratch grows to (at least 512), and the hybrid step's CPU expert rows (slot ids, pair
-    indices and one n_embd row of floats per routed pair)."""
+    tokens the GPU scratch grows to (at least 512), and the hybrid step's device buffers (a slot id per routed
+    pair, and a row of n_embd floats per token for the shared expert where the model has one)."""
     mf = open_model(files["a"])
     hp = mf.hparams
     p = pl.engine_plan_params(10 << 30, kv_tokens=100, block_size=16, prefill_chunk=256)
     assert p.n_ctx == 112 and p.n_seqs == 1 and p.step_tokens == 512 and p.budget_bytes == 10 << 30
     assert pl.engine_plan_params(1, 100, 16, 2048).step_tokens == 2048
     got = pl.plan(mf, p)
-    assert got.fixed["CPU expert rows"] == 512 * hp.n_expert_used * (4 * hp.n_embd + 8)
+    shx = 4 * hp.n_embd if hp.n_ff_shexp else 0
+    assert got.fixed["hybrid buffers"] == 512 * (4 * hp.n_expert_used + shx)
     assert got.fixed["KV cache"] == 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 112
-    assert "CPU expert rows" not in pl.plan(open_model(files["dense"]), p).fixed
+    assert "hybrid buffers" not in pl.plan(open_model(files["dense"]), p).fixed
 
 
 def test_placement_frequencies_come_from_the_file_then_the_default_then_uniform(files: dict[str, Path],
@@ -309,3 +310,28 @@ def test_placement_frequencies_come_from_the_file_then_the_default_then_uniform(
     mask = pl.resident_mask(mf, pl.plan(mf, want, other.frequencies()))
     assert mask.dtype == np.uint8  # the three most used (ties: lower layer, then lower id)
     np.testing.assert_array_equal(mask, [[0, 1, 1, 0], [0, 0, 1, 0]])
+
+
+# ---------------------------------------------------------------- online re-placement's moves
+
+def test_replacement_moves_swap_within_layers_by_gain_within_the_bytes() -> None:
+    """Swaps stay within a layer (the bytes held never change), take the best gain per byte first, stop at
+    max_bytes, need freq_in > margin x freq_out, and skip layers with too few tokens counted."""
+    freqs = np.array([[0.9, 0.1, 0.5, 0.5],     # layer 0: 0 in for 1 (gain 0.8); 2 for 3 fails the margin
+                      [0.22, 0.3, 0.26, 0.25],  # layer 1: 2 (0.26) for 0 (0.22): 0.26 < 1.25 x 0.22, none
+                      [0.6, 0.0, 0.7, 0.1]])    # layer 2: 2 in for 1 (0.7), then 0 for 3 (0.5)
+    resident = np.array([[0, 1, 0, 1], [1, 1, 0, 0], [0, 1, 0, 1]], np.uint8)
+    ebytes = np.full((3, 4), 100, np.int64)
+    moves = pl.replacement_moves(freqs, resident, ebytes, max_bytes=1000)
+    assert moves == [(0, 1, 0), (2, 1, 2), (2, 3, 0)]
+    assert pl.replacement_moves(freqs, resident, ebytes, max_bytes=250) == moves[:2]
+    assert pl.replacement_moves(freqs, resident, ebytes, max_bytes=99) == []
+    few = pl.replacement_moves(freqs, resident, ebytes, 1000, min_tokens=np.array([10.0, 100.0, 100.0]),
+                               min_layer_tokens=64.0)
+    assert all(m[0] != 0 for m in few) and len(few) == 2
+    # applied, the moves leave every layer's resident count as it was
+    after = resident.copy()
+    for il, e_out, e_in in moves:
+        assert after[il, e_out] == 1 and after[il, e_in] == 0
+        after[il, e_out], after[il, e_in] = 0, 1
+    assert (after.sum(axis=1) == resident.sum(axis=1)).all()

@@ -1,15 +1,28 @@
 /* Hybrid placement: a model some of whose routed experts stay in host memory. The device holds a layer's
- * resident experts in slots (ascending expert id) and groups the layer's pairs by slot, leaving out the pairs
+ * resident experts in slots (ascending expert id at creation; stg_model_swap_expert moves one into the slot of
+ * another between steps) and groups the layer's pairs by slot, leaving out the pairs
  * of other experts; those go to the CPU engine (st_moe_pairs on the lane's pool, reading the mapped file),
- * whose unweighted rows are copied into the same pair_out rows the device's own experts fill, so the
+ * whose unweighted rows are scattered into the same pair_out rows the device's own experts fill, so the
  * weighted sum that follows (combine, st_forward's order of additions) sees every pair as the all-device
- * step does. The step runs eagerly, queued by the host layer by layer: per layer with a CPU share, xn and
- * the routing are copied to pinned memory behind the router and one event marks them; the device's
- * resident experts are queued next and run while the host waits on that event (cudaEventSynchronize on it
- * alone) and then computes its pairs; their rows go back on the stream, scattered into pair_out before the
- * sum. The frame profile comes from two events per such layer: after the resident experts, and at the
- * copy of the CPU's rows (their gap is the device waiting on the CPU). */
+ * step does.
+ *
+ * Per layer with a CPU share the stream holds: event s0, xn and the routing copied to pinned memory, event s1
+ * (the host waits on it), the shared expert and the resident experts (they run while the CPU works), event a,
+ * a one-thread kernel that waits for the host to write the step's value into the layer's pinned flag, event b,
+ * the CPU's rows read from pinned memory into pair_out (their count and indices beside them), event c. The
+ * device never waits on anything else of the host and the host never synchronises the device: it waits on s1
+ * alone. Who computes (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
+ * the calling thread queues the whole step at once (the next layer's attention is already queued when a flag
+ * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
+ * The same kernels read the same rows either way: the bits do not depend on the mode.
+ *
+ * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
+ *
+ * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c), the
+ * wait (a..b) and the rest (compute), each summed from its own intervals. */
 #include <time.h>
+
+#include <thread>
 
 #include "model.cuh"
 
@@ -20,13 +33,31 @@ __global__ void k_slot_ids(const int32_t *ids, int32_t P, const int32_t *slot_of
     if (i < P) sid[i] = slot_of[ids[i]];
 }
 
-/* dst row idx[r] = src row r, rows of E floats (the CPU's pair rows into pair_out) */
-__global__ void k_scatter_rows(const float *src, const int32_t *idx, int32_t n, int64_t E, float *dst) {
+/* Wait until the host has written `want` into *flag (pinned host memory; a system-scope acquire, so the rows
+ * the host wrote before the flag are seen by the kernels after this one). One thread. */
+__global__ void k_wait_flag(const uint32_t *flag, uint32_t want) {
     PDL_ENTER();
-    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (int64_t)n * E) return;
-    const int64_t r = i / E;
-    dst[(int64_t)idx[r] * E + (i - r * E)] = src[i];
+    for (;;) {
+        uint32_t v;
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+        if (v == want) break;
+        __nanosleep(256);
+    }
+}
+
+/* Block r < *n: dst row idx[r] = src row r (rows of E floats; src, idx and n in pinned host memory, read in
+ * place: the CPU's rows into pair_out). Blocks past the count return at once. */
+__global__ void k_scatter_host(const float *src, const int32_t *idx, const int32_t *n, int64_t E, float *dst) {
+    PDL_ENTER();
+    const int32_t r = (int32_t)blockIdx.x;
+    if (r >= *(const volatile int32_t *)n) return;
+    const int64_t row = (int64_t)*(const volatile int32_t *)(idx + r);
+    const float *s = src + (int64_t)r * E;
+    float *d = dst + row * E;
+    if ((E & 3) == 0) /* rows of whole float4s, 16-byte aligned at both ends */
+        for (int64_t i = threadIdx.x; i < E / 4; i += blockDim.x) ((float4 *)d)[i] = ((const float4 *)s)[i];
+    else
+        for (int64_t i = threadIdx.x; i < E; i += blockDim.x) d[i] = s[i];
 }
 
 static double host_seconds() {
@@ -35,7 +66,15 @@ static double host_seconds() {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The placement at model creation (before upload): the mask, the slots, the CPU engine. */
+/* pinned host memory that kernels read in place (mapped into every device's address space) */
+static stg_status host_mapped(hybrid &h, size_t bytes, void **out) {
+    *out = nullptr;
+    CU(cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "pinned hybrid buffers");
+    h.pinned.push_back(*out);
+    return ST_OK;
+}
+
+/* The placement at model creation (before upload): the mask, the slots, the CPU engine, the flags. */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu) {
     hybrid &h = m->hy;
     const int nL = m->d.n_layer, ne = m->d.n_expert;
@@ -58,10 +97,16 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     h.on = true;
     h.resident.assign(resident, resident + n);
     h.n_slots = n_slots;
+    h.slot_of = slot;
+    h.host.assign((size_t)nL * 3, nullptr);
     h.cpu = *cpu;
     CHECK(dalloc(m, &h.d_slot, n * sizeof(int32_t)));
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
-    CU(cudaEventCreateWithFlags(&h.ready, cudaEventDisableTiming), "model_create: events");
+    void *flags = nullptr;
+    CU(cudaHostAlloc(&flags, sizeof(uint32_t) * (size_t)nL, cudaHostAllocMapped | cudaHostAllocPortable),
+       "model_create: hybrid flags");
+    memset(flags, 0, sizeof(uint32_t) * (size_t)nL);
+    h.flags = (uint32_t *)flags;
     return ST_OK;
 }
 
@@ -72,60 +117,178 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T) {
     scratch &s = m->s;
     const int64_t P = T * m->d.n_expert_used, E = m->d.n_embd;
     CHECK(dalloc_in(s.step_allocs, &h.sid, sizeof(int32_t) * P));
-    CHECK(dalloc_in(s.step_allocs, &h.d_idx, sizeof(int32_t) * P));
-    CHECK(dalloc_in(s.step_allocs, &h.d_out, sizeof(float) * P * E));
+    bool shexp = false;
+    for (const dlayer &L : m->L) shexp = shexp || L.gate_shexp.d != nullptr;
+    if (shexp) CHECK(dalloc_in(s.step_allocs, &h.d_shx, sizeof(float) * T * E));
     for (void *p : h.pinned) cudaFreeHost(p);
     h.pinned.clear();
-    h.h_xn = h.h_out = nullptr, h.h_ids = h.h_idx = nullptr;
-    void *xn = nullptr, *out = nullptr, *ids = nullptr, *idx = nullptr;
-    CU(cudaMallocHost(&xn, sizeof(float) * T * E), "pinned hybrid buffers");
-    h.pinned.push_back(xn);
-    CU(cudaMallocHost(&out, sizeof(float) * P * E), "pinned hybrid buffers");
-    h.pinned.push_back(out);
-    CU(cudaMallocHost(&ids, sizeof(int32_t) * P), "pinned hybrid buffers");
-    h.pinned.push_back(ids);
-    CU(cudaMallocHost(&idx, sizeof(int32_t) * P), "pinned hybrid buffers");
-    h.pinned.push_back(idx);
+    h.h_xn = h.h_out = nullptr, h.h_ids = h.h_idx = h.h_n = nullptr;
+    void *xn = nullptr, *out = nullptr, *ids = nullptr, *idx = nullptr, *cnt = nullptr;
+    CHECK(host_mapped(h, sizeof(float) * T * E, &xn));
+    CHECK(host_mapped(h, sizeof(float) * P * E, &out));
+    CHECK(host_mapped(h, sizeof(int32_t) * P, &ids));
+    CHECK(host_mapped(h, sizeof(int32_t) * P, &idx));
+    CHECK(host_mapped(h, sizeof(int32_t), &cnt));
     h.h_xn = (float *)xn, h.h_out = (float *)out, h.h_ids = (int32_t *)ids, h.h_idx = (int32_t *)idx;
+    h.h_n = (int32_t *)cnt;
+    *h.h_n = 0;
     h.pair_tok.resize((size_t)P), h.pair_exp.resize((size_t)P);
     return ST_OK;
 }
 
-/* A layer with a CPU share. */
-static bool hybrid_layer(const stg_model *m, int il) { return partial_layer(m, il); }
+/* A layer with a CPU share in the step being queued (a partial layer that this step does not stage). */
+static bool hybrid_layer(const stg_model *m, int il) {
+    const staging &g = m->hy.stg;
+    return partial_layer(m, il) && !((size_t)il < g.now.size() && g.now[(size_t)il]);
+}
 
-/* The launched step's events and sums (step_launch, before the layers are queued). */
-static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs) {
+/* The launched step's events, sums and flag value (step_launch, before the layers are queued). */
+static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     m->hy.cur = nullptr;
     if (!m->hy.on) return ST_OK;
     const size_t nL = (size_t)m->d.n_layer;
-    if (hs.a.size() != nL) {
-        for (cudaEvent_t e : hs.a) cudaEventDestroy(e);
-        for (cudaEvent_t e : hs.b) cudaEventDestroy(e);
-        hs.a.clear(), hs.b.clear();
-        for (size_t i = 0; i < 2 * nL; i++) {
+    std::vector<cudaEvent_t> *sets[5] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c};
+    for (std::vector<cudaEvent_t> *v : sets)
+        while (v->size() < nL) {
             cudaEvent_t e = nullptr;
             CU(cudaEventCreate(&e), "hybrid: events");
-            (i < nL ? hs.a : hs.b).push_back(e);
+            v->push_back(e);
         }
-    }
     hs.used.assign(nL, 0);
-    hs.t_cpu = 0.0, hs.cpu_pairs = 0;
-    m->hy.cur = &hs;
+    hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
+    hs.staged_layers = hs.staged_bytes = 0;
+    staging_decide(m, T);
+    if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
+    hs.seq = m->hy.seq;
+    m->hy.cur = &hs, m->hy.T = T;
     return ST_OK;
 }
 
-/* After the router (topk_id and xn written): both to the host, marked by `ready`; then the resident pairs
- * grouped by slot into the grouping's arrays (gexp holds slots: the kernels index the slotted weights). */
+/* The host writes a layer's flag: the device's wait for it ends (its rows, or none, are in place). */
+static void hybrid_signal(hybrid &h, int il, uint32_t seq) { __atomic_store_n(&h.flags[il], seq, __ATOMIC_RELEASE); }
+
+/* A failed or abandoned step: no rows from layer il on, every flag written so that no wait queued for them
+ * blocks the stream (the step's results are then not used). */
+static void hybrid_release(stg_model *m, int il, uint32_t seq) {
+    hybrid &h = m->hy;
+    __atomic_store_n(h.h_n, 0, __ATOMIC_RELEASE);
+    for (int j = il; j < m->d.n_layer; j++)
+        if (hybrid_layer(m, j)) hybrid_signal(h, j, seq);
+}
+
+/* The CPU's share of layer il (its s1 recorded): wait for xn and the routing, compute the pairs of experts the
+ * device does not hold, leave the rows, their pair indices and count in pinned memory, write the flag. */
+static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
+    hybrid &h = m->hy;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const int32_t T = h.T;
+    const int64_t E = m->d.n_embd, P = (int64_t)T * k;
+    const double t0 = host_seconds();
+    CU(cudaEventSynchronize(hs.s1[(size_t)il]), "hybrid: routing to the host");
+    const double t1 = host_seconds();
+    hs.t_cpu_wait += t1 - t0;
+    const uint8_t *res = h.resident.data() + (size_t)il * ne;
+    int32_t n = 0;
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t e = h.h_ids[p];
+        if (e < 0 || e >= ne)
+            return fail(ST_ERANGE, "hybrid: layer %d routed pair %lld to expert %d of %d", il, (long long)p, e, ne);
+        if (res[e]) continue;
+        h.pair_tok[(size_t)n] = (int32_t)(p / k), h.pair_exp[(size_t)n] = e, h.h_idx[n] = (int32_t)p;
+        n++;
+    }
+    if (n > 0) {
+        const int32_t rc = h.cpu.moe_pairs(h.cpu.model, h.cpu.pool, il, T, h.h_xn, n, h.pair_tok.data(),
+                                           h.pair_exp.data(), h.h_out);
+        if (rc != ST_OK) {
+            const char *msg = h.cpu.last_error();
+            return fail(rc, "layer %d: the CPU engine's experts: %s", il, msg ? msg : "(no message)");
+        }
+    }
+    hs.t_cpu += host_seconds() - t1;
+    hs.cpu_pairs += n;
+    hs.pcie_h2d += (int64_t)n * (E * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t)) + (int64_t)sizeof(int32_t);
+    __atomic_store_n(h.h_n, n, __ATOMIC_RELAXED);
+    hybrid_signal(h, il, hs.seq);
+    return ST_OK;
+}
+
+/* The overlapped step's CPU thread: the layers in order, each once the queueing thread has recorded its s1;
+ * on an error or an abandoned queue, every later flag written (hybrid_release). */
+static void hybrid_worker_run(stg_model *m, hybrid_step *hs, hybrid_worker *w) {
+    int il = 0;
+    if (cudaSetDevice(m->device) != cudaSuccess) {
+        cudaGetLastError();
+        w->rc = fail(ST_EINVAL, "hybrid: the CPU thread could not select device %d", m->device);
+    }
+    for (; il < m->d.n_layer && w->rc == ST_OK; il++) {
+        if (!hybrid_layer(m, il)) continue;
+        const double t0 = host_seconds();
+        for (int spins = 1; w->queued.load(std::memory_order_acquire) <= il; spins++) {
+            if (w->abort.load(std::memory_order_acquire)) break;
+            if (spins % 64 == 0) std::this_thread::yield();
+        }
+        hs->t_cpu_wait += host_seconds() - t0;
+        if (w->queued.load(std::memory_order_acquire) <= il) break; /* abandoned before this layer */
+        w->rc = hybrid_cpu_layer(m, *hs, il);
+        if (w->rc != ST_OK) break;
+    }
+    if (w->rc != ST_OK) snprintf(w->err, sizeof w->err, "%s", stg_last_error());
+    if (il < m->d.n_layer) hybrid_release(m, il, hs->seq);
+}
+
+/* The CPU thread of one launched step (hybrid_overlap): started before the layers are queued; finish() joins
+ * it and gives its result; leaving scope without finish() (a failed queue) abandons the step first. */
+struct hybrid_thread {
+    stg_model *m;
+    hybrid_worker w;
+    std::thread th;
+    explicit hybrid_thread(stg_model *model) : m(model) {}
+    hybrid_thread(const hybrid_thread &) = delete;
+    hybrid_thread &operator=(const hybrid_thread &) = delete;
+    stg_status start() {
+        hybrid &h = m->hy;
+        if (!h.on || !h.cur || !m->set.hybrid_overlap) return ST_OK;
+        try {
+            th = std::thread(hybrid_worker_run, m, h.cur, &w);
+        } catch (...) {
+            return fail(ST_ENOMEM, "hybrid: the CPU thread did not start");
+        }
+        h.worker = &w;
+        return ST_OK;
+    }
+    stg_status finish() {
+        if (!th.joinable()) return ST_OK;
+        th.join();
+        m->hy.worker = nullptr;
+        if (w.rc != ST_OK) return fail(w.rc, "%s", w.err);
+        return ST_OK;
+    }
+    ~hybrid_thread() {
+        if (!th.joinable()) return;
+        w.abort.store(true, std::memory_order_release);
+        th.join();
+        m->hy.worker = nullptr;
+    }
+};
+
+/* After the router (topk_id and xn written): both to the host between s0 and s1 (the CPU thread may start on
+ * the layer from here); then the resident pairs grouped by slot into the grouping's arrays (gexp holds slots:
+ * the kernels index the slotted weights). */
 static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     scratch &s = m->s;
     hybrid &h = m->hy;
+    if (!h.cur) return fail(ST_EINVAL, "hybrid: layer %d queued outside a step", il);
+    hybrid_step &hs = *h.cur;
     cudaStream_t st = m->stream;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
     const int64_t E = m->d.n_embd, P = (int64_t)T * k;
+    CU(cudaEventRecord(hs.s0[(size_t)il], st), "hybrid: event");
     CU(cudaMemcpyAsync(h.h_ids, s.topk_id, sizeof(int32_t) * P, cudaMemcpyDeviceToHost, st), "hybrid: routing");
     CU(cudaMemcpyAsync(h.h_xn, s.xn, sizeof(float) * T * E, cudaMemcpyDeviceToHost, st), "hybrid: xn");
-    CU(cudaEventRecord(h.ready, st), "hybrid: event");
+    CU(cudaEventRecord(hs.s1[(size_t)il], st), "hybrid: event");
+    hs.pcie_d2h += (int64_t)sizeof(int32_t) * P + (int64_t)sizeof(float) * T * E;
+    if (h.worker) h.worker->queued.store(il + 1, std::memory_order_release);
     const int32_t n_slots = h.n_slots[(size_t)il];
     if (n_slots == 0) return ST_OK;
     launch_k(k_slot_ids, (unsigned)((P + 255) / 256), 256, 0, st, (const int32_t *)s.topk_id, (int32_t)P,
@@ -140,58 +303,101 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     return ST_OK;
 }
 
-/* After the resident experts are queued: wait for xn and the routing, compute the other pairs on the CPU,
- * and queue their rows into pair_out (before the weighted sum, which the caller queues next). */
+/* After the device's own work of the layer is queued (shared expert, resident experts): the wait for the
+ * layer's flag between a and b, and the CPU's rows into pair_out before c (the weighted sum comes next).
+ * Without the CPU thread, this thread computes the share between the wait and the rows. */
 static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     hybrid &h = m->hy;
     if (!h.cur) return fail(ST_EINVAL, "hybrid: layer %d queued outside a step", il);
     hybrid_step &hs = *h.cur;
     cudaStream_t st = m->stream;
-    const int ne = m->d.n_expert, k = m->d.n_expert_used;
-    const int64_t E = m->d.n_embd, P = (int64_t)T * k;
+    const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
-    CU(cudaEventSynchronize(h.ready), "hybrid: routing to the host");
-    const uint8_t *res = h.resident.data() + (size_t)il * ne;
-    int32_t n = 0;
-    for (int64_t p = 0; p < P; p++) {
-        const int32_t e = h.h_ids[p];
-        if (e < 0 || e >= ne)
-            return fail(ST_ERANGE, "hybrid: layer %d routed pair %lld to expert %d of %d", il, (long long)p, e, ne);
-        if (res[e]) continue;
-        h.pair_tok[(size_t)n] = (int32_t)(p / k), h.pair_exp[(size_t)n] = e, h.h_idx[n] = (int32_t)p;
-        n++;
-    }
-    hs.cpu_pairs += n;
-    if (n == 0) return ST_OK;
-    const double t0 = host_seconds();
-    const int32_t rc = h.cpu.moe_pairs(h.cpu.model, h.cpu.pool, il, T, h.h_xn, n, h.pair_tok.data(),
-                                       h.pair_exp.data(), h.h_out);
-    hs.t_cpu += host_seconds() - t0;
-    if (rc != ST_OK) {
-        const char *msg = h.cpu.last_error();
-        return fail(rc, "layer %d: the CPU engine's experts: %s", il, msg ? msg : "(no message)");
+    launch_k(k_wait_flag, 1, 1, 0, st, (const uint32_t *)(h.flags + il), hs.seq);
+    LAUNCHED("hybrid: wait for the CPU");
+    if (!h.worker) {
+        const stg_status rc = hybrid_cpu_layer(m, hs, il);
+        if (rc != ST_OK) {
+            hybrid_release(m, il, hs.seq);
+            return rc;
+        }
     }
     CU(cudaEventRecord(hs.b[(size_t)il], st), "hybrid: event");
-    hs.used[(size_t)il] = 1;
-    CU(cudaMemcpyAsync(h.d_idx, h.h_idx, sizeof(int32_t) * n, cudaMemcpyHostToDevice, st), "hybrid: CPU rows");
-    CU(cudaMemcpyAsync(h.d_out, h.h_out, sizeof(float) * n * E, cudaMemcpyHostToDevice, st), "hybrid: CPU rows");
-    launch_k(k_scatter_rows, (unsigned)((n * E + 255) / 256), 256, 0, st, (const float *)h.d_out,
-             (const int32_t *)h.d_idx, n, E, m->s.pair_out);
+    launch_k(k_scatter_host, (unsigned)P, 128, 0, st, (const float *)h.h_out, (const int32_t *)h.h_idx,
+             (const int32_t *)h.h_n, E, m->s.pair_out);
     LAUNCHED("hybrid: CPU rows");
+    CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
+    hs.used[(size_t)il] = 1;
     return ST_OK;
 }
 
-/* The waited step's frame profile (step_wait, after its end event). */
-static void hybrid_profile(stg_model *m, const hybrid_step &hs, double t_total, int64_t pairs) {
-    double wait = 0.0;
-    for (size_t il = 0; il < hs.used.size(); il++) {
-        float ms = 0.0f;
-        if (!hs.used[il]) continue;
-        if (cudaEventElapsedTime(&ms, hs.a[il], hs.b[il]) != cudaSuccess) cudaGetLastError();
-        else if (ms > 0.0f) wait += 1e-3 * ms;
+/* The waited step's frame profile (step_wait, after its end event e1; e0 its start). */
+static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, cudaEvent_t e1, double t_total,
+                           int64_t pairs) {
+    const staging &g = m->hy.stg;
+    if (!m->hy.on) {
+        m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0};
+        return;
     }
-    const int64_t cpu = m->hy.on ? hs.cpu_pairs : 0;
-    m->profile = stg_profile{t_total, t_total - wait, m->hy.on ? hs.t_cpu : 0.0, wait, pairs - cpu, cpu, 0};
+    auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, x, y) != cudaSuccess) {
+            cudaGetLastError();
+            return 0.0;
+        }
+        return ms > 0.0f ? 1e-3 * ms : 0.0;
+    };
+    double gpu = 0.0, wait = 0.0, pcie = 0.0;
+    cudaEvent_t prev = e0;
+    for (size_t il = 0; il < hs.used.size(); il++) {
+        if (!hs.used[il]) continue;
+        if (hs.used[il] == 2) { /* staged: the device waiting for the layer's copies */
+            gpu += el(prev, hs.s0[il]);
+            pcie += el(hs.s0[il], hs.s1[il]);
+            prev = hs.s1[il];
+            continue;
+        }
+        gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
+        pcie += el(hs.s0[il], hs.s1[il]) + el(hs.b[il], hs.c[il]);
+        wait += el(hs.a[il], hs.b[il]);
+        prev = hs.c[il];
+    }
+    gpu += el(prev, e1);
+    m->profile = stg_profile{t_total, gpu, hs.t_cpu, wait, pairs - hs.cpu_pairs, hs.cpu_pairs, hs.staged_bytes,
+                             pcie, hs.t_cpu_wait, hs.pcie_d2h + hs.pcie_h2d, hs.staged_layers, g.pcie_gbs,
+                             g.gpu_gbs, g.cpu_pairs_s};
+}
+
+/* Online re-placement (between steps): expert in_e of a partial layer takes the slot of its resident expert
+ * out_e. The slot leaves the map first (out_e goes to the CPU from here on), the weights come over, then
+ * in_e enters the map: a failed copy leaves both on the CPU and the slot idle. The layer's slot count, and
+ * so every byte the model holds, stays the same. */
+extern "C" stg_status stg_model_swap_expert(stg_model *m, int32_t layer, int32_t out_e, int32_t in_e) {
+    if (!m) return fail(ST_EINVAL, "swap_expert: NULL model");
+    hybrid &h = m->hy;
+    const int ne = m->d.n_expert;
+    if (!h.on) return fail(ST_EINVAL, "swap_expert: every routed expert is on the device already");
+    if (layer < 0 || layer >= m->d.n_layer || out_e < 0 || out_e >= ne || in_e < 0 || in_e >= ne)
+        return fail(ST_ERANGE, "swap_expert: layer %d, experts %d / %d out of range", layer, out_e, in_e);
+    if (m->n_live > 0) return fail(ST_EINVAL, "swap_expert: %d launched step(s) in flight", m->n_live);
+    const size_t row = (size_t)layer * ne;
+    if (!h.resident[row + out_e] || h.resident[row + in_e])
+        return fail(ST_EINVAL, "swap_expert: layer %d: expert %d must be resident and %d not", layer, out_e, in_e);
+    CU(cudaSetDevice(m->device), "swap_expert");
+    CU(cudaStreamSynchronize(m->stream), "swap_expert");
+    const int32_t slot = h.slot_of[row + out_e], none = -1;
+    CU(cudaMemcpy(h.d_slot + row + out_e, &none, sizeof none, cudaMemcpyHostToDevice), "swap_expert: slot map");
+    h.slot_of[row + out_e] = -1, h.resident[row + out_e] = 0;
+    const dlayer &L = m->L[(size_t)layer];
+    const dtensor *t[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
+    for (int i = 0; i < 3; i++)
+        CU(cudaMemcpy((void *)(t[i]->d + (int64_t)slot * t[i]->expert_stride),
+                      h.host[(size_t)layer * 3 + i] + (int64_t)in_e * t[i]->expert_stride, (size_t)t[i]->expert_stride,
+                      cudaMemcpyHostToDevice),
+           "swap_expert: weights");
+    CU(cudaMemcpy(h.d_slot + row + in_e, &slot, sizeof slot, cudaMemcpyHostToDevice), "swap_expert: slot map");
+    h.slot_of[row + in_e] = slot, h.resident[row + in_e] = 1;
+    return ST_OK;
 }
 
 extern "C" stg_status stg_step_profile(const stg_model *m, stg_profile *out) {

@@ -134,8 +134,9 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
 }
 
 /* Dense FFN (or a shared expert) over all T tokens of xn (quantised in aq by the norm):
- * result into pair_out[T, E]. */
-static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dtensor &Wu, const dtensor &Wd) {
+ * result into out[T, E] (pair_out, or a hybrid layer's shared-expert rows). */
+static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dtensor &Wu, const dtensor &Wd,
+                            float *out) {
     scratch &s = m->s;
     cudaStream_t st = m->stream;
     const int64_t E = m->d.n_embd, F = Wg.ne[1];
@@ -147,7 +148,7 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
     const fused_quant fq{s.hq, s.hd, s.hs, &fused};
     CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T, stg_is_float(Wd.type) ? nullptr : &fq));
     if (!stg_is_float(Wd.type) && !fused) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
-    return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E, MODE_STORE);
+    return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, out, E, MODE_STORE);
 }
 
 /* The routed experts of a step that takes the GEMM (gemm_min_tokens) split by size: groups of at most
@@ -218,6 +219,15 @@ static stg_status routed_experts(stg_model *m, const dlayer &L, int32_t T, int m
     return ST_OK;
 }
 
+/* The shared expert of a layer: its gate into s.gsh, its FFN of xn into out[T, E]. */
+static stg_status shared_expert(stg_model *m, const dlayer &L, int32_t T, float *out) {
+    scratch &s = m->s;
+    launch_k(k_shexp_gate, (T + 3) / 4, 128, 0, m->stream, s.xn, L.gate_inp_shexp.d ? L.gate_inp_shexp.f() : nullptr,
+             T, m->d.n_embd, s.gsh);
+    LAUNCHED("shared expert gate");
+    return dense_ffn(m, T, L.gate_shexp, L.up_shexp, L.down_shexp, out);
+}
+
 static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
@@ -231,7 +241,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
                                   take_combine(m));
     LAUNCHED("rmsnorm");
     if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
-        CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down));
+        CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down, s.pair_out));
         launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, nullptr, T, E);
         LAUNCHED("residual");
         return ST_OK;
@@ -282,21 +292,30 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     }
     }
     /* with experts off the device (hybrid.cu): xn and the routing to the host, the resident pairs regrouped by
-     * slot; the resident experts run while the host computes the others, whose rows land in pair_out next */
+     * slot; the shared expert (into its own rows) and the resident experts run while the host computes the
+     * others, whose rows land in pair_out next. The additions to x keep their order: experts, then shared. */
     const bool cpu_share = hybrid_layer(m, il);
+    const bool shexp = L.gate_shexp.d != nullptr;
+    float *shx = cpu_share ? m->hy.d_shx : s.pair_out;
     if (cpu_share) CHECK(hybrid_send(m, il, T, mv_max));
-    if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) CHECK(routed_experts(m, L, T, mv_max));
+    if (cpu_share && shexp) CHECK(shared_expert(m, L, T, shx));
+    if (staged_layer(m, il)) { /* every expert from the staging ring's slot (staging.cu), no CPU share */
+        dlayer Ls;
+        CHECK(staging_queue(m, il, &Ls));
+        CHECK(routed_experts(m, Ls, T, mv_max));
+        CHECK(staging_release(m));
+    } else if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) {
+        CHECK(routed_experts(m, L, T, mv_max));
+    }
     if (cpu_share) CHECK(hybrid_receive(m, il, T));
-    if (!L.gate_shexp.d) { /* added by the next RMSNorm (this order of additions is the CPU's) */
+    if (!shexp) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
         return ST_OK;
     }
     launch_k(k_combine, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm);
     LAUNCHED("combine");
-    launch_k(k_shexp_gate, (T + 3) / 4, 128, 0, st, s.xn, L.gate_inp_shexp.d ? L.gate_inp_shexp.f() : nullptr, T, E, s.gsh);
-    LAUNCHED("shared expert gate");
-    CHECK(dense_ffn(m, T, L.gate_shexp, L.up_shexp, L.down_shexp));
-    launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.gsh, T, E);
+    if (!cpu_share) CHECK(shared_expert(m, L, T, shx));
+    launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, (const float *)shx, s.gsh, T, E);
     LAUNCHED("shared expert add");
     return ST_OK;
 }

@@ -58,6 +58,8 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_split_min = 512;
     s->att_split_mma = 2;
     s->att_split_l2 = 24;
+    s->hybrid_overlap = 1;
+    s->hybrid_stage = 0;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -81,6 +83,8 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(att_split_mma, 0, 2)
     RANGE(att_split_l2, 0, 4096)
+    RANGE(hybrid_overlap, 0, 1)
+    RANGE(hybrid_stage, 0, 1)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -253,6 +257,7 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
         const st_tensor *src[] = {&s.gate_exps, &s.up_exps, &s.down_exps};
         dtensor *dd[] = {&l.gate_exps, &l.up_exps, &l.down_exps};
         for (int i = 0; i < 3; i++) {
+            m->hy.host[(size_t)il * 3 + i] = (const uint8_t *)src[i]->data; /* staging, re-placement */
             parts.push_back(slotted{src[i], dd[i], il, total});
             total += (tensor_bytes(*src[i]) / m->d.n_expert * m->hy.n_slots[(size_t)il] + 255) / 256 * 256;
         }
@@ -307,20 +312,21 @@ extern "C" void stg_model_destroy(stg_model *m) {
     cudaSetDevice(m->device);
     if (m->stream) cudaStreamSynchronize(m->stream);
     drop_graphs(m);
+    staging_destroy(m);
     free_list(m->s.step_allocs);
     free_list(m->s.ints_allocs);
     free_list(m->s.part_allocs);
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (void *p : m->hy.pinned) cudaFreeHost(p);
-    if (m->hy.ready) cudaEventDestroy(m->hy.ready);
+    if (m->hy.flags) cudaFreeHost(m->hy.flags);
     for (inflight &f : m->fl) {
         if (f.h_picks) cudaFreeHost(f.h_picks);
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (cudaEvent_t e : f.hy.a) cudaEventDestroy(e);
-        for (cudaEvent_t e : f.hy.b) cudaEventDestroy(e);
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
+            for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
     if (m->fork) cudaEventDestroy(m->fork);
@@ -389,6 +395,7 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
                 rc = fail(ST_EINVAL, "model_create: cannot create CUDA events");
             }
     }
+    if (rc == ST_OK) rc = staging_setup(m, desc->layers);
     if (rc != ST_OK) {
         stg_model_destroy(m);
         return rc;

@@ -1,6 +1,8 @@
 /* The model on the device: weights (dtensor / dlayer), the step's scratch, the graph cache, launched
  * steps in flight, the paged KV cache. model.cu creates them. */
 #pragma once
+#include <atomic>
+
 #include "linear.cuh"
 
 struct dtensor {
@@ -59,33 +61,71 @@ struct graph_entry {
     cudaGraphExec_t exec;
 };
 
-/* A hybrid step's CPU share (hybrid.cu), per launched step: per layer, an event after the resident experts and
- * one where the CPU's rows are copied in (their gap: the device waiting on the CPU), and the host's sums. */
+/* A hybrid step's CPU share (hybrid.cu), per launched step. Per layer with a CPU share, five timed events on
+ * the stream: s0 before xn and the routing go to the host, s1 after (the host waits on it), a before the wait
+ * for the CPU's flag, b after it, c after the CPU's rows are read back; the host's sums beside them. */
 struct hybrid_step {
-    std::vector<cudaEvent_t> a, b;
-    std::vector<char> used; /* [n_layer] the layer had CPU pairs (a and b recorded) */
-    double t_cpu = 0.0;     /* seconds in the CPU engine's experts */
+    std::vector<cudaEvent_t> s0, s1, a, b, c;
+    std::vector<char> used; /* [n_layer] the layer's events were recorded */
+    double t_cpu = 0.0;      /* seconds in the CPU engine's experts (with the pair lists) */
+    double t_cpu_wait = 0.0; /* seconds the host waited for s1 (and, overlapped, for the layer to be queued) */
     int64_t cpu_pairs = 0;
+    int64_t pcie_d2h = 0, pcie_h2d = 0; /* bytes to the host (the queueing thread's sum), back (the CPU's) */
+    uint32_t seq = 0; /* the flag value of this step */
+    int64_t staged_layers = 0, staged_bytes = 0; /* staging.cu: layers computed from staged weights, bytes copied */
 };
 
-/* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer)
+/* The overlapped step's CPU thread and the queueing thread: layers queued so far (s1 recorded), whether the
+ * queueing stopped early, and the thread's result (its message: g_err is per thread). */
+struct hybrid_worker {
+    std::atomic<int32_t> queued{0};
+    std::atomic<bool> abort{false};
+    stg_status rc = ST_OK;
+    char err[512] = "";
+};
+
+/* Staging (staging.cu): a step's layers whose experts are copied over PCIe into one of two device slots (each
+ * a whole layer's routed experts: gate, up, down, every expert at its own index) and computed there instead of
+ * on the CPU, chosen per step from rates measured at start-up. */
+struct staging {
+    bool on = false;                   /* registered, slots allocated, rates measured */
+    uint8_t *slot[2] = {nullptr, nullptr};
+    int64_t slot_bytes = 0;
+    cudaStream_t copy = nullptr;
+    cudaEvent_t staged[2] = {nullptr, nullptr}, freed[2] = {nullptr, nullptr};
+    void *reg = nullptr; /* the page-locked (registered) host range holding those experts */
+    double pcie_gbs = 0.0, gpu_gbs = 0.0; /* measured when the model opens */
+    double cpu_pairs_s = 0.0;             /* the CPU engine's routed pairs per second (stg_model_set_stage_rate) */
+    std::vector<char> now;                /* [n_layer]: staged in the step being queued */
+    int32_t next = 0;                     /* the ring's next slot */
+};
+
+/* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer at
+ * creation, moved by stg_model_swap_expert)
  * and the buffers through which the CPU engine computes the others. */
 struct hybrid {
     bool on = false;              /* some routed expert is not resident */
     std::vector<uint8_t> resident; /* [n_layer * n_expert] */
-    std::vector<int32_t> n_slots;  /* [n_layer] resident experts */
+    std::vector<int32_t> n_slots;  /* [n_layer] resident experts (slots; stg_model_swap_expert keeps the count) */
+    std::vector<int32_t> slot_of;  /* [n_layer * n_expert]: d_slot's host copy */
+    std::vector<const uint8_t *> host; /* [n_layer * 3]: a partial layer's gate / up / down experts in host memory */
     int32_t *d_slot = nullptr;     /* device [n_layer * n_expert]: expert -> slot, -1 not resident */
     stg_cpu_experts cpu = {};
-    /* grown with the scratch (cap_t tokens): device slot ids, CPU rows' pair indices and values; pinned host
-     * copies of xn and topk_id, and the CPU's rows */
-    int32_t *sid = nullptr, *d_idx = nullptr;
-    float *d_out = nullptr;
+    /* grown with the scratch (cap_t tokens): device slot ids and the shared expert's rows (computed while the CPU
+     * works); pinned host copies of xn and topk_id, the CPU's rows, their pair indices and count (read by the
+     * device in place) */
+    int32_t *sid = nullptr;
+    float *d_shx = nullptr;
     float *h_xn = nullptr, *h_out = nullptr;
-    int32_t *h_ids = nullptr, *h_idx = nullptr;
+    int32_t *h_ids = nullptr, *h_idx = nullptr, *h_n = nullptr;
     std::vector<void *> pinned;
+    uint32_t *flags = nullptr; /* pinned [n_layer]: the host writes a step's seq when the layer's rows are in h_out */
+    uint32_t seq = 0;          /* the last launched step's flag value */
     std::vector<int32_t> pair_tok, pair_exp; /* the CPU pairs of a layer (st_moe_pairs) */
-    cudaEvent_t ready = nullptr; /* xn and topk_id are on the host */
     hybrid_step *cur = nullptr;  /* the step being queued */
+    hybrid_worker *worker = nullptr; /* the overlapped step's CPU thread, while it runs (NULL: inline) */
+    staging stg;
+    int32_t T = 0;                   /* the step's tokens (for the CPU thread) */
 };
 
 /* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */
@@ -158,6 +198,10 @@ struct stg_model {
 /* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
 static stg_status hybrid_scratch(stg_model *m, int64_t T);
+/* staging.cu: the ring, the registration and the rates (at model creation, the streams made); its teardown */
+static stg_status staging_setup(stg_model *m, const st_layer *layers);
+static void staging_destroy(stg_model *m);
+static void staging_decide(stg_model *m, int32_t T); /* which layers the step of T tokens stages */
 
 static void drop_graphs(stg_model *m) {
     for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);

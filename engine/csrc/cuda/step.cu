@@ -342,7 +342,10 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
     m->last_picks = 0; /* s.picks is this step's from here on */
-    CHECK(hybrid_step_begin(m, f.hy));
+    CHECK(hybrid_step_begin(m, f.hy, T));
+    /* hybrid_overlap: the CPU share's thread runs from here until finish() (leaving early abandons the step) */
+    hybrid_thread cpu_share(m);
+    CHECK(cpu_share.start());
     const stg_status src = graphs_enabled(m, T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     const bool mv_fed = m->mv_step != nullptr;
@@ -358,6 +361,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         CU(cudaMemcpyAsync(f.h_hist, m->hist, sizeof(int32_t) * (size_t)nL * m->d.n_expert, cudaMemcpyDeviceToHost, st),
            "forward: histogram");
     CU(cudaEventRecord(f.e1, st), "forward");
+    CHECK(cpu_share.finish());
     f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
     f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
     f.mv = mv_fed;
@@ -426,7 +430,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             }
         }
     }
-    hybrid_profile(m, f.hy, stt->t_total, pairs);
+    hybrid_profile(m, f.hy, f.e0, f.e1, stt->t_total, pairs);
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

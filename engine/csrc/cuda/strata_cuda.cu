@@ -24,5 +24,6 @@
 #include "attention_split.cu"   /* split-KV decode: the grid, the combine */
 #include "model.cu"         /* devices, settings, upload, KV cache, scratch */
 #include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
+#include "staging.cu"       /* hybrid placement: experts staged over PCIe into a ring of two device slots */
 #include "layer.cu"         /* the attention and FFN blocks of one layer */
 #include "step.cu"          /* a step: graphs, launch / wait, stg_forward */

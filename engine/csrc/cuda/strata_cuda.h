@@ -60,6 +60,15 @@ typedef struct stg_settings {
                                * 1 after k_qkv_post, 0 the fp32 query tiles (after k_qkv_post) */
     int32_t att_split_l2;     /* the tensor-core split kernel prefetches the next layer's K / V of its split into L2
                                * when a layer's K / V for the step's tables is at most this many MiB (0: never) */
+    int32_t hybrid_overlap;   /* hybrid placement: 1: the host queues the whole step at once and a thread of its own
+                               * computes the CPU's experts, the device waiting on a host-written flag per layer
+                               * (the GPU's work of the next layer is already queued); 0: the host queues layer by
+                               * layer and computes each layer's CPU share in between. Same bits either way */
+    int32_t hybrid_stage;     /* hybrid placement: 1: a step may compute a layer's non-resident experts on the device
+                               * from copies staged over PCIe (a ring of two whole-layer slots) where the rates
+                               * measured at start-up say that is faster than the CPU (stg_model_set_stage_rate);
+                               * the host range holding them is page-locked at model creation. Rows of staged
+                               * layers are the device's (within tolerance of the CPU's). 0: never */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -84,13 +93,19 @@ typedef struct stg_cpu_experts {
 
 /* stg_model_create with only some routed experts on the device: resident[layer * n_expert + e] (0 or 1) says
  * whether expert e of the layer is uploaded; the device holds a layer's resident experts in slots (ascending
- * expert id), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
+ * expert id; stg_model_swap_expert moves them later), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
  * the device's before the weighted sum (the order of additions of st_forward's combine). resident NULL, or all
- * ones: stg_model_create. A model with any expert off the device runs every step eagerly (no CUDA graphs), the
- * host queueing layer by layer and waiting on one event per layer for the rows the CPU needs (xn, the routing).
+ * ones: stg_model_create. A model with any expert off the device runs every step eagerly (no CUDA graphs); per
+ * layer with a CPU share, one event marks the rows the CPU needs (xn, the routing) and the device waits on a
+ * host-written flag for the CPU's rows (stg_settings.hybrid_overlap says who queues and who computes).
  * Errors: resident values other than 0 / 1, or experts left off without cpu (all four fields) -> ST_EINVAL. */
 stg_status stg_model_create_hybrid(int32_t device, const void *desc, const stg_settings *settings,
                                    const uint8_t *resident, const stg_cpu_experts *cpu, stg_model **out);
+/* Online re-placement, between steps (no launched step in flight): routed expert in_e of a layer that is partly
+ * on the device takes the device slot of its resident expert out_e (which the CPU computes from then on). The
+ * model's bytes do not change. ST_EINVAL: not a hybrid model, out_e not resident or in_e resident, steps in
+ * flight; ST_ERANGE: an index out of range. A failed copy leaves both experts on the CPU. */
+stg_status stg_model_swap_expert(stg_model *m, int32_t layer, int32_t out_e, int32_t in_e);
 /* Replace a model's settings between steps (drops its CUDA graphs; ST_EINVAL with steps in flight). */
 stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings);
 void stg_model_destroy(stg_model *m);
@@ -136,16 +151,32 @@ stg_status stg_step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, void
 /* Launched steps not yet waited (0..2). */
 int32_t stg_step_in_flight(const stg_model *m);
 
-/* The frame profile of the last waited step (stg_step_wait, stg_forward). */
+/* The frame profile of the last waited step (stg_step_wait, stg_forward). Two timelines of one step: the
+ * device's t_total = t_gpu + t_pcie + t_gpu_wait, each part summed from its own events (so their sum checks the
+ * account); the host's CPU-share thread spends t_cpu_experts computing and t_cpu_wait waiting on the device. */
 typedef struct stg_profile {
     double t_total;       /* seconds: the step on the device, from its upload to its copies back */
-    double t_gpu;         /* t_total less t_gpu_wait */
-    double t_cpu_experts; /* the host's wall time in the CPU engine's experts */
-    double t_gpu_wait;    /* the device idle between its resident experts and the CPU rows' copy, summed over layers */
+    double t_gpu;         /* the device computing: t_total outside the CPU share's copies and waits */
+    double t_cpu_experts; /* the host's wall time in the CPU engine's experts (pair lists included) */
+    double t_gpu_wait;    /* the device waiting for the CPU's rows, summed over layers */
     int64_t pairs_gpu, pairs_cpu; /* routed (token, expert) pairs computed on each side */
-    int64_t staged_bytes;         /* expert weights copied over PCIe for the step (none are staged: 0) */
+    int64_t staged_bytes;         /* expert weights copied over PCIe into the staging ring for the step */
+    double t_pcie;        /* the device copying xn and the routing to the host and reading the CPU's rows back */
+    double t_cpu_wait;    /* the host waiting for a layer's xn and routing (the device's work before them) */
+    int64_t pcie_bytes;   /* bytes of those copies (xn, routing, the CPU's rows and their indices) */
+    /* staging (stg_settings.hybrid_stage): layers staged in the step (their copies' wait is in t_pcie, their bytes
+     * in staged_bytes) and the rates the decision used: host -> device GB/s and the device's copy GB/s measured
+     * at model creation, the CPU engine's routed pairs per second (0: staging unavailable or not rated) */
+    int64_t staged_layers;
+    double stage_pcie_gbs, stage_gpu_gbs, stage_cpu_pairs_s;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
+/* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
+ * the caller at start-up (0: never stage). ST_EINVAL with steps in flight or a rate outside [0, 1e12]. */
+stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
+/* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
+stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
+                                double *cpu_pairs_s);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging

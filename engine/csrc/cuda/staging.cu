@@ -1,0 +1,215 @@
+/* Staging (issue 29's three-way choice, its staging half): a layer of a hybrid model whose non-resident experts
+ * the CPU would take longer to compute than PCIe takes to bring them over is computed on the device from a
+ * staged copy. With stg_settings.hybrid_stage, model creation page-locks the host range that holds the partial
+ * layers' routed experts (cudaHostRegister, read-only: the mapped file itself, no copy), allocates a ring of two
+ * device slots, each one layer's routed experts in full (gate, up, down, every expert at its own index, so the
+ * layer's plain grouping indexes them), and measures the PCIe rate (host to slot) and the device's copy rate.
+ * The caller measures the CPU engine's rate (stg_model_set_stage_rate: routed pairs per second at its prefill
+ * chunk). Per step of T tokens and partial layer l (staging_decide):
+ *     cpu_s   = T x k x (experts not resident / n_expert) / cpu_pairs_s   (expected pairs on the CPU)
+ *     stage_s = max(non-resident bytes / pcie rate, the layer's expert bytes / device rate)
+ * and the layer is staged when stage_s < cpu_s. A staged layer skips the CPU share: on the copy stream, after
+ * the slot's previous layer released it, its non-resident experts come from the registered host range and its
+ * resident ones from the arena (device to device), then an event; the compute stream waits on that event, runs
+ * the routed experts over the router's own grouping (every expert) with the slot as the weights, and releases
+ * the slot. The copy of layer l+1 thus runs while layer l computes. Steps are queued whole (hybrid_overlap) or
+ * layer by layer; both see the same decision. Rows of staged layers are the device's (within the GPU engine's
+ * tolerances of the CPU's), so the decision can change a result: it is off by default. */
+#include "model.cuh"
+
+static int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
+
+/* A layer's routed tensors in a slot: gate at 0, then up, then down, each 256-aligned (bytes of the three). */
+static int64_t slot_layout(const stg_model *m, const dlayer &L, int64_t off[3]) {
+    const dtensor *t[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
+    int64_t o = 0;
+    for (int i = 0; i < 3; i++) {
+        off[i] = o;
+        o += align256((int64_t)m->d.n_expert * t[i]->expert_stride);
+    }
+    return o;
+}
+
+/* Seconds of one timed copy on the copy stream (best of two). */
+static stg_status timed_copy(stg_model *m, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                             double *seconds) {
+    staging &g = m->hy.stg;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    CU(cudaEventCreate(&e0), "staging: events");
+    if (cudaEventCreate(&e1) != cudaSuccess) {
+        cudaEventDestroy(e0);
+        return cuda_fail(cudaGetLastError(), "staging: events");
+    }
+    double best = 0.0;
+    cudaError_t e = cudaSuccess;
+    for (int rep = 0; rep < 2 && e == cudaSuccess; rep++) {
+        float ms = 0.0f;
+        e = cudaEventRecord(e0, g.copy);
+        if (e == cudaSuccess) e = cudaMemcpyAsync(dst, src, bytes, kind, g.copy);
+        if (e == cudaSuccess) e = cudaEventRecord(e1, g.copy);
+        if (e == cudaSuccess) e = cudaEventSynchronize(e1);
+        if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
+        if (e == cudaSuccess && ms > 0.0f && (best == 0.0 || 1e-3 * ms < best)) best = 1e-3 * ms;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    if (e != cudaSuccess) return cuda_fail(e, "staging: a timed copy");
+    *seconds = best;
+    return ST_OK;
+}
+
+static stg_status staging_setup(stg_model *m, const st_layer *layers) {
+    hybrid &h = m->hy;
+    staging &g = h.stg;
+    if (!h.on || !m->set.hybrid_stage) return ST_OK;
+    const int nL = m->d.n_layer;
+    uintptr_t lo = UINTPTR_MAX, hi = 0;
+    int first = -1;
+    for (int il = 0; il < nL; il++) {
+        if (!partial_layer(m, il)) continue;
+        const st_tensor *t[3] = {&layers[il].gate_exps, &layers[il].up_exps, &layers[il].down_exps};
+        for (int i = 0; i < 3; i++) {
+            lo = std::min(lo, (uintptr_t)t[i]->data);
+            hi = std::max(hi, (uintptr_t)t[i]->data + (uintptr_t)t[i]->n_bytes);
+        }
+        int64_t off[3];
+        g.slot_bytes = std::max(g.slot_bytes, slot_layout(m, m->L[(size_t)il], off));
+        if (first < 0) first = il;
+    }
+    if (first < 0) return ST_OK;
+    /* the mapped file's pages are page-locked where they are: read-only, so the file's own mapping serves */
+    const uintptr_t page = 4096;
+    lo = lo / page * page, hi = (hi + page - 1) / page * page;
+    if (cudaHostRegister((void *)lo, (size_t)(hi - lo), cudaHostRegisterPortable | cudaHostRegisterReadOnly) !=
+        cudaSuccess) {
+        cudaGetLastError(); /* not on this platform or not allowed: staging stays off (the profile's rates are 0) */
+        return ST_OK;
+    }
+    g.reg = (void *)lo;
+    for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.slot[i], (size_t)g.slot_bytes));
+    CU(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "staging: stream");
+    for (int i = 0; i < 2; i++) {
+        CU(cudaEventCreateWithFlags(&g.staged[i], cudaEventDisableTiming), "staging: events");
+        CU(cudaEventCreateWithFlags(&g.freed[i], cudaEventDisableTiming), "staging: events");
+    }
+    /* the rates: one partial layer's gate experts host -> slot 0, then slot 0 -> slot 1 */
+    const dtensor &gt = m->L[(size_t)first].gate_exps;
+    const size_t bytes = (size_t)m->d.n_expert * (size_t)gt.expert_stride;
+    double t_h2d = 0.0, t_d2d = 0.0;
+    CHECK(timed_copy(m, g.slot[0], h.host[(size_t)first * 3], bytes, cudaMemcpyHostToDevice, &t_h2d));
+    CHECK(timed_copy(m, g.slot[1], g.slot[0], bytes, cudaMemcpyDeviceToDevice, &t_d2d));
+    if (t_h2d <= 0.0 || t_d2d <= 0.0) return ST_OK;
+    g.pcie_gbs = (double)bytes / t_h2d * 1e-9;
+    g.gpu_gbs = 2.0 * (double)bytes / t_d2d * 1e-9; /* a device copy reads and writes each byte */
+    g.on = true;
+    return ST_OK;
+}
+
+static void staging_destroy(stg_model *m) {
+    staging &g = m->hy.stg;
+    if (g.copy) cudaStreamSynchronize(g.copy);
+    for (int i = 0; i < 2; i++) {
+        if (g.staged[i]) cudaEventDestroy(g.staged[i]);
+        if (g.freed[i]) cudaEventDestroy(g.freed[i]);
+    }
+    if (g.copy) cudaStreamDestroy(g.copy);
+    if (g.reg) cudaHostUnregister(g.reg);
+    g = staging{};
+}
+
+extern "C" stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s) {
+    if (!m) return fail(ST_EINVAL, "set_stage_rate: NULL model");
+    if (!(cpu_pairs_per_s >= 0.0) || cpu_pairs_per_s > 1e12)
+        return fail(ST_EINVAL, "set_stage_rate: %g pairs per second", cpu_pairs_per_s);
+    if (m->n_live > 0) return fail(ST_EINVAL, "set_stage_rate: %d launched step(s) in flight", m->n_live);
+    m->hy.stg.cpu_pairs_s = cpu_pairs_per_s;
+    return ST_OK;
+}
+
+extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs,
+                                           double *gpu_gbs, double *cpu_pairs_s) {
+    if (!m || !available || !pcie_gbs || !gpu_gbs || !cpu_pairs_s) return fail(ST_EINVAL, "stage_info: NULL argument");
+    const staging &g = m->hy.stg;
+    *available = g.on ? 1 : 0, *pcie_gbs = g.pcie_gbs, *gpu_gbs = g.gpu_gbs, *cpu_pairs_s = g.cpu_pairs_s;
+    return ST_OK;
+}
+
+/* Which partial layers this step of T tokens stages (before the layers are queued and the CPU thread starts). */
+static void staging_decide(stg_model *m, int32_t T) {
+    staging &g = m->hy.stg;
+    const int nL = m->d.n_layer, ne = m->d.n_expert, k = m->d.n_expert_used;
+    g.now.assign((size_t)nL, 0);
+    if (!g.on || !m->set.hybrid_stage || g.cpu_pairs_s <= 0.0) return; /* set_settings may turn it off */
+    for (int il = 0; il < nL; il++) {
+        if (!partial_layer(m, il)) continue;
+        const dlayer &L = m->L[(size_t)il];
+        const int64_t per_expert = L.gate_exps.expert_stride + L.up_exps.expert_stride + L.down_exps.expert_stride;
+        const int off = ne - m->hy.n_slots[(size_t)il];
+        const double cpu_s = (double)T * k * off / ne / g.cpu_pairs_s;
+        const double copy_s = (double)off * per_expert / (g.pcie_gbs * 1e9);
+        const double gpu_s = (double)ne * per_expert / (g.gpu_gbs * 1e9);
+        g.now[(size_t)il] = std::max(copy_s, gpu_s) < cpu_s;
+    }
+}
+
+static bool staged_layer(const stg_model *m, int il) {
+    const staging &g = m->hy.stg;
+    return g.on && (size_t)il < g.now.size() && g.now[(size_t)il];
+}
+
+/* A staged layer, before its routed experts: the copies into the ring's next slot (after its last user is done)
+ * on the copy stream, the compute stream waiting for them between the step's s0 and s1 of the layer, and *Ls,
+ * the layer with the slot as its routed weights (every expert at its index). */
+static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
+    hybrid &h = m->hy;
+    staging &g = h.stg;
+    if (!h.cur) return fail(ST_EINVAL, "staging: layer %d queued outside a step", il);
+    hybrid_step &hs = *h.cur;
+    const int ne = m->d.n_expert;
+    const int j = g.next;
+    g.next ^= 1;
+    const dlayer &L = m->L[(size_t)il];
+    *Ls = L;
+    int64_t off[3];
+    slot_layout(m, L, off);
+    const uint8_t *res = h.resident.data() + (size_t)il * ne;
+    CU(cudaStreamWaitEvent(g.copy, g.freed[j], 0), "staging: slot");
+    dtensor *out[3] = {&Ls->gate_exps, &Ls->up_exps, &Ls->down_exps};
+    const dtensor *src[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
+    for (int i = 0; i < 3; i++) {
+        const int64_t stride = src[i]->expert_stride;
+        uint8_t *dst = g.slot[j] + off[i];
+        const uint8_t *host = h.host[(size_t)il * 3 + i];
+        const int32_t *slot = h.slot_of.data() + (size_t)il * ne;
+        for (int e = 0; e < ne;) { /* runs of non-resident experts, and of resident ones in consecutive slots */
+            int r = e + 1;
+            while (r < ne && res[r] == res[e] && (!res[e] || slot[r] == slot[e] + (r - e))) r++;
+            const size_t bytes = (size_t)(r - e) * (size_t)stride;
+            if (res[e]) {
+                CU(cudaMemcpyAsync(dst + e * stride, src[i]->d + (int64_t)slot[e] * stride, bytes,
+                                   cudaMemcpyDeviceToDevice, g.copy), "staging: resident experts");
+            } else {
+                CU(cudaMemcpyAsync(dst + e * stride, host + e * stride, bytes, cudaMemcpyHostToDevice, g.copy),
+                   "staging: experts over PCIe");
+                hs.staged_bytes += (int64_t)bytes;
+            }
+            e = r;
+        }
+        out[i]->d = dst;
+        out[i]->ne[2] = ne;
+    }
+    CU(cudaEventRecord(g.staged[j], g.copy), "staging: event");
+    CU(cudaEventRecord(hs.s0[(size_t)il], m->stream), "staging: event");
+    CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
+    CU(cudaEventRecord(hs.s1[(size_t)il], m->stream), "staging: event");
+    hs.used[(size_t)il] = 2;
+    hs.staged_layers++;
+    return ST_OK;
+}
+
+/* After a staged layer's routed experts: its slot is free for the layer two staged layers on. */
+static stg_status staging_release(stg_model *m) {
+    staging &g = m->hy.stg;
+    CU(cudaEventRecord(g.freed[g.next ^ 1], m->stream), "staging: event");
+    return ST_OK;
+}
