@@ -90,6 +90,35 @@ static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, c
         }
         return;
     }
+    if (type == ST_TYPE_Q6_K) {
+        /* The four rows at once (the scalar loop stored 64 floats one by one, which the
+         * kernel's vector loads then waited on, about as long as the dot itself at one token):
+         * row r's scale pairs (2j, 2j + 1) are 16-bit word j of its 16 scale bytes; a 4x8 word
+         * transpose puts word j of rows 0..3 in one 64-bit half, one byte shuffle orders it
+         * [rows 0..3 of 2j | of 2j + 1], sign-extended and converted. Per value the scalar
+         * loop's float operations: d * sc, then 0 - 32 * s. */
+        __m128i h[MR];
+        for (int r = 0; r < MR; r++) h[r] = _mm_loadu_si128((const __m128i *)((const blk_q6_k *)rows[r] + i)->scales);
+        const __m128i a01 = _mm_unpacklo_epi16(h[0], h[1]), b01 = _mm_unpackhi_epi16(h[0], h[1]);
+        const __m128i a23 = _mm_unpacklo_epi16(h[2], h[3]), b23 = _mm_unpackhi_epi16(h[2], h[3]);
+        /* w[k]: words 2k, 2k + 1 of rows 0..3 (low, high 64 bits) */
+        const __m128i w[4] = {_mm_unpacklo_epi32(a01, a23), _mm_unpackhi_epi32(a01, a23), _mm_unpacklo_epi32(b01, b23),
+                              _mm_unpackhi_epi32(b01, b23)};
+        const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+        const __m128 d4 = _mm_setr_ps(h2f(((const blk_q6_k *)rows[0] + i)->d), h2f(((const blk_q6_k *)rows[1] + i)->d),
+                                      h2f(((const blk_q6_k *)rows[2] + i)->d), h2f(((const blk_q6_k *)rows[3] + i)->d));
+        const __m256 d8 = _mm256_set_m128(d4, d4);
+        for (int k = 0; k < 4; k++) {
+            const __m128i o = _mm_shuffle_epi8(w[k], order);
+            for (int half = 0; half < 2; half++) {
+                const __m128i bytes = half ? _mm_unpackhi_epi64(o, o) : o;
+                const __m256 S = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+                _mm256_storeu_ps(ks->s[2 * k + half], S);
+                _mm256_storeu_ps(ks->c[2 * k + half], _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(32.0f), S)));
+            }
+        }
+        return;
+    }
     for (int r = 0; r < MR; r++) {
         if (type == ST_TYPE_Q6_K) {
             const blk_q6_k *q = (const blk_q6_k *)rows[r] + i;
