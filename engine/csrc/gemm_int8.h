@@ -244,6 +244,23 @@ static inline __attribute__((always_inline)) void fused4(int32_t type, const uin
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     kscales ks;
     const size_t bs = st_row_bytes(type, QK_K) / (QK_K / QK); /* bytes per 32 weights */
+    if (type == ST_TYPE_Q6_K || type == ST_TYPE_Q5_K) {
+        /* A super-block's eight sub-blocks unrolled: the sub-block index is then a constant, so
+         * the code unpacking takes fixed shifts and shares its loads between sub-blocks (the
+         * same operations per lane, in the same order). */
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = (b0 & ~(int64_t)7) + j; /* b0 is a multiple of 8: b % 8 == j, known */
+                blk4 k;
+                prefetch_slice(next, b, MR * bs);
+                load_blk4(type, rows, b, &ks, &k);
+                for (int t = 0; t < NT; t++) acc[t] = step4(type, &k, &a[t], b, acc[t]);
+            }
+        }
+        finish4(acc, NT, nr, out, ldo);
+        return;
+    }
     for (int64_t b = 0; b < nb; b++) {
         blk4 k;
         prefetch_slice(next, b, MR * bs); /* few tokens are memory-bound */
