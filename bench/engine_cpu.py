@@ -22,11 +22,18 @@ bytes streamed per second at batch 1 and the int8 multiply-accumulates per secon
 sequences (from the GGUF's tensor sizes), beside the machine's measured read bandwidth (numpy,
 all threads, 1 GiB) and the micro-kernel's rate with its weights in cache (the variant's peak).
 
-Usage: ``python -m bench.engine_cpu [--model PATH | --synthetic] [--threads N] [--runs R] [--quick]
-[--no-batching] [--json OUT.json] [--markdown] [--llama-flash-attn]``. ``--quick``: 1 run, 32
+Usage: ``python -m bench.engine_cpu [--model PATH | --synthetic | --arch A[,B...]] [--threads N[,M]] [--runs R]
+[--quick] [--no-batching] [--json OUT.json] [--markdown] [--llama-flash-attn]``. ``--quick``: 1 run, 32
 decode tokens, a 500-token prompt, 16 tokens per sequence when batching. ``--synthetic``: the
 8-expert top-2 model ~10x the default (bench/synthetic_moe.py, built under var/bench/ on first
 use).
+
+``--arch glm4moe,gpt-oss,deepseek2`` (or ``all``): the synthetic GLM-4.5-Air, gpt-oss-120b and
+DeepSeek-V3 of bench/synthetic_arch.py (real layer shapes and quant mixes, fewer layers; built under
+var/bench/ on first use), each at 1 thread and at all the process's cores (``--threads`` takes a
+list), batch-1 decode and a short prefill, no batching; a summary table of the decode ratios per
+architecture and thread count ends the output. Defaults there: 32 decode steps, a 64-token prompt,
+3 runs.
 """
 
 from __future__ import annotations
@@ -575,11 +582,34 @@ def default_model() -> Path:
     return Path(build_default_model(default_model_path()))
 
 
+def thread_list(text: str) -> list[int]:
+    """'1,2' -> [1, 2] (argparse type of --threads)."""
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError("empty thread list")
+    return out
+
+
+def arch_list(text: str) -> list[str]:
+    """'all' or a comma list of bench/synthetic_arch.py's keys (argparse type of --arch)."""
+    from bench.synthetic_arch import ARCHS
+
+    keys = list(ARCHS) if text.strip() == "all" else [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in keys if k not in ARCHS]
+    if bad or not keys:
+        raise argparse.ArgumentTypeError(f"unknown architecture {', '.join(bad) or text!r} (known: {', '.join(ARCHS)}, all)")
+    return keys
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.engine_cpu", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None, help="GGUF file (default: the embedded default model)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="threads for both engines (default: all cores of the process affinity)")
+    ap.add_argument("--threads", type=thread_list, default=None,
+                    help="threads for both engines, or a comma list (default: all cores of the process affinity; "
+                         "--arch: 1 and all cores)")
     ap.add_argument("--runs", type=int, default=None, help="repeats of each measurement (default 3; --quick: 1)")
     ap.add_argument("--quick", action="store_true", help="1 run, 32 decode tokens, 500-token prompt")
     ap.add_argument("--decode-tokens", type=int, default=None, help="decode steps (default 128; --quick: 32)")
@@ -591,6 +621,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--synthetic", action="store_true",
                     help="bench the synthetic 8-expert top-2 model ~10x the default (built on first use under "
                          "var/bench/, not committed; see bench/synthetic_moe.py)")
+    ap.add_argument("--arch", type=arch_list, default=None,
+                    help="comma list of glm4moe, gpt-oss, deepseek2 (or all): the synthetic models of those "
+                         "architectures with real layer shapes (bench/synthetic_arch.py), 1 thread and all cores")
     ap.add_argument("--no-batching", action="store_true",
                     help="skip aggregate decode at 1/4/16/32 sequences (and the GMAC/s figure)")
     ap.add_argument("--llama-flash-attn", action="store_true",
@@ -600,7 +633,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    threads = a.threads if a.threads is not None else len(affinity_cores())
+    if a.arch:
+        return main_arch(a)
+    threads = a.threads[0] if a.threads is not None else len(affinity_cores())
     if a.synthetic and a.model is None:
         from bench.synthetic_moe import build_synthetic_model
 
@@ -616,16 +651,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         llama_flash_attn=a.llama_flash_attn,
         batching=not a.no_batching,
     )
-    for name in ("threads", "runs", "decode_tokens", "prefill_tokens"):
-        if getattr(cfg, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if not cfg.model.is_file():
-        print(f"error: no such model file: {cfg.model}", file=sys.stderr)
+    if (err := config_error(cfg)) is not None:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     rep = run(cfg, log)
@@ -638,6 +666,82 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"wrote {a.json}")
     log(f"done in {rep['wall_s']:.1f} s")
     return 0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def config_error(cfg: Config) -> str | None:
+    for name in ("threads", "runs", "decode_tokens", "prefill_tokens"):
+        if getattr(cfg, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    if not cfg.model.is_file():
+        return f"no such model file: {cfg.model}"
+    return None
+
+
+def main_arch(a: argparse.Namespace) -> int:
+    """--arch: each synthetic architecture at each thread count, then the summary of decode ratios."""
+    from bench.synthetic_arch import build, describe
+
+    threads = a.threads if a.threads is not None else sorted({1, len(affinity_cores())})
+    reports: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for key in a.arch:
+        log(f"{describe(key)}: building (once) ...")
+        path = build(key).resolve()
+        for th in threads:
+            cfg = Config(model=path, threads=th, runs=a.runs if a.runs is not None else (1 if a.quick else 3),
+                         decode_tokens=a.decode_tokens if a.decode_tokens is not None else (16 if a.quick else 32),
+                         prefill_tokens=a.prefill_tokens if a.prefill_tokens is not None else 64, quick=a.quick,
+                         llama_flash_attn=a.llama_flash_attn, batching=False)
+            if (err := config_error(cfg)) is not None:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            rep = run(cfg, log)
+            rep["arch"] = {"key": key, "description": describe(key)}
+            rep["notes"].insert(0, describe(key))
+            reports.append(rep)
+            print(format_report(rep) + "\n", flush=True)
+    print(format_arch_summary(reports))
+    if a.markdown:
+        print("\n" + format_arch_markdown(reports))
+    if a.json:
+        write_json(a.json, {"benchmark": "engine_cpu --arch", "reports": reports})
+        log(f"wrote {a.json}")
+    log(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def arch_rows(reports: Sequence[dict[str, Any]]) -> list[tuple[str, int, float, float, float, float, float]]:
+    """(model, threads, strata decode tok/s, llama.cpp, ratio, strata prefill tok/s ratio, output-head
+    share of Strata's decode step) per report of an --arch run."""
+    rows = []
+    for rep in reports:
+        m, r = rep["medians"], rep["ratios"]
+        shares = rep["strata_profile"]["decode"]["shares"]
+        rows.append((rep["model"]["label"].split(" (")[0], int(rep["config"]["threads"]),
+                     m["strata"]["decode_tok_s"], m["llama.cpp"]["decode_tok_s"], r["decode_tok_s"],
+                     r["prefill_tok_s"], shares["output"]))
+    return rows
+
+
+def format_arch_summary(reports: Sequence[dict[str, Any]]) -> str:
+    head = ("model", "threads", "strata decode tok/s", "llama.cpp", "ratio", "prefill ratio", "output head share")
+    rows = [(m, str(t), fmt_num(s), fmt_num(p), f"{q:.2f}x", f"{pq:.2f}x", f"{100 * o:.0f}%")
+            for m, t, s, p, q, pq, o in arch_rows(reports)]
+    return "batch-1 decode, Strata beside llama.cpp on the same file (target >= 1.00x)\n" + text_table(head, rows)
+
+
+def format_arch_markdown(reports: Sequence[dict[str, Any]]) -> str:
+    if not reports:
+        return ""
+    mach = reports[0]["machine"]
+    rows = [(mach["date"][:10], mach["git_commit"], m, str(t), fmt_num(s), fmt_num(p), f"{q:.2f}x", f"{pq:.2f}x")
+            for m, t, s, p, q, pq, _ in arch_rows(reports)]
+    return markdown_table(("date", "commit", "model", "threads", "Strata decode tok/s", "llama.cpp", "decode ratio",
+                           "prefill ratio"), rows, n_text_cols=3)
 
 
 if __name__ == "__main__":

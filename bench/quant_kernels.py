@@ -3,7 +3,7 @@
 Strata: st_kernel_rate, the micro-kernel the step uses (8 rows x N weights of the type, random
 codes, weights in cache) against 1 token (decode) and 16 tokens (a batch), per variant, thread
 CPU time. llama.cpp: the pinned llama-cpp-python's own libggml-cpu, its vec_dot for the type
-against Q8_K activations (the only form it has: one row, one token per call) over one row of
+against its activation type (Q8_K; Q8_0 for IQ4_NL, MXFP4 and Q8_0: one row, one token per call) over one row of
 8 x N weights (the same bytes as Strata's 8 rows), called through ctypes with the call's fixed
 cost (measured on one 256-element block) subtracted. Each figure is the best of R runs,
 Strata and llama.cpp alternating, in GMAC/s (multiply-accumulates per CPU second / 1e9).
@@ -25,8 +25,22 @@ import numpy as np
 
 from bench.common import fmt_num, machine_info, text_table, write_json
 
-DEFAULT_TYPES = ["IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_S", "Q4_K"]
+# issue 32's types, then the K-quants and Q8_0 the published mixes put beside them
+DEFAULT_TYPES = ["Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4",
+                 "Q4_K", "Q6_K", "Q8_0"]
 Q8K_BYTES = 4 + 256 + 2 * 16  # block_q8_K: float d, 256 int8, 16 int16 sums
+Q80_BYTES = 2 + 32  # block_q8_0: f16 d, 32 int8
+Q8_0_ACT = {"IQ4_NL", "MXFP4", "Q8_0", "Q4_0", "Q5_0"}  # ggml's vec_dot_type for these is Q8_0, else Q8_K
+
+
+def llama_symbols(name: str) -> tuple[str, str, int]:
+    """(ggml vec_dot symbol, activation quantiser symbol, activation bytes per 256 elements) of a
+    GGML type name: ggml spells the K-quants with an upper-case K (q4_K) and the rest in lower case."""
+    low = name.lower()
+    w = low[:-2] + "_K" if low.endswith("_k") else low
+    if name in Q8_0_ACT:
+        return f"ggml_vec_dot_{w}_q8_0", "quantize_row_q8_0", 8 * Q80_BYTES
+    return f"ggml_vec_dot_{w}_q8_K", "quantize_row_q8_K", Q8K_BYTES
 
 
 def strata_rate(type_id: int, variant: int, n: int, nt: int, seconds: float) -> float:
@@ -39,26 +53,29 @@ def strata_rate(type_id: int, variant: int, n: int, nt: int, seconds: float) -> 
 
 def llama_vec_dot(name: str, n: int, seed: int = 0) -> Callable[[float], float] | None:
     """A timer for llama.cpp's vec_dot of `name` over one n-element row, or None where its
-    library has no such symbol (llama.cpp names the K-quants' entry points differently)."""
+    library has no such symbol."""
     import llama_cpp
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    dot_name, quant_name, act_bytes = llama_symbols(name)
     try:
-        fn = getattr(lib, f"ggml_vec_dot_{name.lower()}_q8_K")
+        fn, quant = getattr(lib, dot_name), getattr(lib, quant_name)
     except AttributeError:
         return None
     lib.ggml_cpu_init()
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    quant.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     rng = np.random.default_rng(seed)
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
     w = rng.integers(0, 256, size=(n // block, type_size), dtype=np.uint8)
-    w[:, 1] &= 0x3B  # the leading f16 d stays finite
+    w[:, 1::2] &= 0x3B  # f16 fields wherever they fall stay finite (Strata's st_kernel_rate does the same)
+    if name == "MXFP4":  # E8M0 exponents near 2^-5, as st_kernel_rate's (random ones overflow or go subnormal)
+        w[:, 0] = 119 + np.arange(w.shape[0]) % 7
     x = rng.standard_normal(n).astype(np.float32)
-    y = np.zeros(n // 256 * Q8K_BYTES, np.uint8)
-    lib.quantize_row_q8_K(x.ctypes.data, y.ctypes.data, n)
+    y = np.zeros(n // 256 * act_bytes, np.uint8)
+    quant(x.ctypes.data, y.ctypes.data, n)
     s = ctypes.c_float()
     keep = (w, y, s)
 
@@ -71,7 +88,7 @@ def llama_vec_dot(name: str, n: int, seed: int = 0) -> Callable[[float], float] 
 
     def timer(seconds: float) -> float:
         _ = keep
-        fixed = min(per_call(256, 2000) for _ in range(3))
+        fixed = min(per_call(256, 2000) for _ in range(3))  # the ctypes call's own cost
         reps, t = 16, 0.0
         while True:
             t = per_call(n, reps)

@@ -90,6 +90,35 @@ static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, c
         }
         return;
     }
+    if (type == ST_TYPE_Q6_K) {
+        /* The four rows at once (the scalar loop stored 64 floats one by one, which the
+         * kernel's vector loads then waited on, about as long as the dot itself at one token):
+         * row r's scale pairs (2j, 2j + 1) are 16-bit word j of its 16 scale bytes; a 4x8 word
+         * transpose puts word j of rows 0..3 in one 64-bit half, one byte shuffle orders it
+         * [rows 0..3 of 2j | of 2j + 1], sign-extended and converted. Per value the scalar
+         * loop's float operations: d * sc, then 0 - 32 * s. */
+        __m128i h[MR];
+        for (int r = 0; r < MR; r++) h[r] = _mm_loadu_si128((const __m128i *)((const blk_q6_k *)rows[r] + i)->scales);
+        const __m128i a01 = _mm_unpacklo_epi16(h[0], h[1]), b01 = _mm_unpackhi_epi16(h[0], h[1]);
+        const __m128i a23 = _mm_unpacklo_epi16(h[2], h[3]), b23 = _mm_unpackhi_epi16(h[2], h[3]);
+        /* w[k]: words 2k, 2k + 1 of rows 0..3 (low, high 64 bits) */
+        const __m128i w[4] = {_mm_unpacklo_epi32(a01, a23), _mm_unpackhi_epi32(a01, a23), _mm_unpacklo_epi32(b01, b23),
+                              _mm_unpackhi_epi32(b01, b23)};
+        const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+        const __m128 d4 = _mm_setr_ps(h2f(((const blk_q6_k *)rows[0] + i)->d), h2f(((const blk_q6_k *)rows[1] + i)->d),
+                                      h2f(((const blk_q6_k *)rows[2] + i)->d), h2f(((const blk_q6_k *)rows[3] + i)->d));
+        const __m256 d8 = _mm256_set_m128(d4, d4);
+        for (int k = 0; k < 4; k++) {
+            const __m128i o = _mm_shuffle_epi8(w[k], order);
+            for (int half = 0; half < 2; half++) {
+                const __m128i bytes = half ? _mm_unpackhi_epi64(o, o) : o;
+                const __m256 S = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+                _mm256_storeu_ps(ks->s[2 * k + half], S);
+                _mm256_storeu_ps(ks->c[2 * k + half], _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(32.0f), S)));
+            }
+        }
+        return;
+    }
     for (int r = 0; r < MR; r++) {
         if (type == ST_TYPE_Q6_K) {
             const blk_q6_k *q = (const blk_q6_k *)rows[r] + i;
@@ -215,6 +244,23 @@ static inline __attribute__((always_inline)) void fused4(int32_t type, const uin
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     kscales ks;
     const size_t bs = st_row_bytes(type, QK_K) / (QK_K / QK); /* bytes per 32 weights */
+    if (type == ST_TYPE_Q6_K || type == ST_TYPE_Q5_K) {
+        /* A super-block's eight sub-blocks unrolled: the sub-block index is then a constant, so
+         * the code unpacking takes fixed shifts and shares its loads between sub-blocks (the
+         * same operations per lane, in the same order). */
+        for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int64_t b = (b0 & ~(int64_t)7) + j; /* b0 is a multiple of 8: b % 8 == j, known */
+                blk4 k;
+                prefetch_slice(next, b, MR * bs);
+                load_blk4(type, rows, b, &ks, &k);
+                for (int t = 0; t < NT; t++) acc[t] = step4(type, &k, &a[t], b, acc[t]);
+            }
+        }
+        finish4(acc, NT, nr, out, ldo);
+        return;
+    }
     for (int64_t b = 0; b < nb; b++) {
         blk4 k;
         prefetch_slice(next, b, MR * bs); /* few tokens are memory-bound */
@@ -624,14 +670,47 @@ static inline __attribute__((always_inline)) void load_blk8_q8r8(const uint8_t *
     k->c_lo = k->c_hi = _mm256_setzero_ps();
 }
 
-/* The group is one contiguous stream, so every token count takes the buffered path (the
- * same bits as the 4-row path, see above), K-chunked as for plain rows. */
+/* 1..4 tokens of a repacked Q8_0 group: each block loaded into registers and used at once
+ * (buffering it, as more tokens do, cost a third of the rate at one token on a 600 MB output
+ * head streamed from DRAM: the stores and reloads of blk8 sat between the loads and the dots).
+ * Per lane the float operations of buffered8 in one pass, so the same bits. */
+static inline __attribute__((always_inline)) void fused8_q8r8(const uint8_t *g, int64_t nb, int NT, const act_row *a,
+                                                              float *out, int nr, int64_t ldo, const uint8_t *next,
+                                                              size_t step) {
+    __m256 lo[4], hi[4];
+    for (int t = 0; t < NT; t++) lo[t] = hi[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_slice(next, b, step);
+        blk8 k;
+        load_blk8_q8r8(g, b, &k);
+        for (int t = 0; t < NT; t++) {
+            const int8_t *q = a[t].q + b * QK;
+            const __m256 d = _mm256_broadcast_ss(a[t].d + b);
+            lo[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half8(ST_TYPE_Q8_0, k.w, q)), _mm256_mul_ps(k.s_lo, d), lo[t]);
+            hi[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(half8(ST_TYPE_Q8_0, k.w + 4, q + 16)), _mm256_mul_ps(k.s_hi, d),
+                                    hi[t]);
+        }
+    }
+    __m256 pairs[2 * 4];
+    for (int t = 0; t < NT; t++) pairs[2 * t] = lo[t], pairs[2 * t + 1] = hi[t];
+    halves_store(pairs, NT, nr, out, ldo);
+}
+
+/* The group is one contiguous stream: 1..4 tokens take the fused path above, more the buffered
+ * one (the same bits as the 4-row path, see above), K-chunked as for plain rows. */
 static inline __attribute__((always_inline)) void gemm_q8r8(const void *w, size_t row_bytes, int nr, int64_t n, int nt,
                                                             const act_row *a, float *out, int64_t ldo) {
     const int64_t nb = n / QK, ch = kchunk(nb, nt);
     const uint8_t *g = w;
     const uint8_t *next = g + ST_R8_ROWS * row_bytes;
     const size_t step = ST_R8_ROWS * sizeof(blk_q8_0);
+    switch (nt) {
+    case 1: fused8_q8r8(g, nb, 1, a, out, nr, ldo, next, step); return;
+    case 2: fused8_q8r8(g, nb, 2, a, out, nr, ldo, next, step); return;
+    case 3: fused8_q8r8(g, nb, 3, a, out, nr, ldo, next, step); return;
+    case 4: fused8_q8r8(g, nb, 4, a, out, nr, ldo, next, step); return;
+    default: break;
+    }
     blk8 kb[ch];
     __m256 acc[2 * ST_MAX_NT];
     for (int t = 0; t < 2 * nt; t++) acc[t] = _mm256_setzero_ps();

@@ -74,8 +74,32 @@ static inline __attribute__((always_inline)) void iq_sign_bytes(int32_t type, co
 }
 
 typedef struct {
-    __m256i g, sg;
+    __m256i g;
+#if GEMM_VNNI
+    uint32_t sbits; /* the 32 sign bits: AVX-512 negates the activations under this mask */
+#else
+    __m256i sg; /* the signs as bytes +1 / -1 (iq_signs_from_bits), for sign_epi8 */
+#endif
 } iq_sub;
+
+static inline __attribute__((always_inline)) void iq_set_signs(iq_sub *s, uint32_t bits) {
+#if GEMM_VNNI
+    s->sbits = bits;
+#else
+    s->sg = iq_signs_from_bits(bits);
+#endif
+}
+
+/* The activations av with the signs of s applied: -a where the sign bit is set. The masked
+ * subtraction (AVX-512) and sign_epi8 by +1 / -1 give the same bytes (0 - (-128) wraps as
+ * sign_epi8 does). */
+static inline __attribute__((always_inline)) __m256i iq_signed(const iq_sub *s, __m256i av) {
+#if GEMM_VNNI
+    return _mm256_mask_sub_epi8(av, (__mmask32)s->sbits, _mm256_setzero_si256(), av);
+#else
+    return _mm256_sign_epi8(av, s->sg);
+#endif
+}
 
 /* The grid indices of super-block x of a type whose indices are not plain bytes (IQ2_XS: 32 of
  * 9 bits in 16-bit words; IQ2_S: 32 of 10 bits, IQ3_S: 64 of 9 bits, high bits from qh), all at
@@ -121,14 +145,14 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         const uint8_t *q = x + 2 + 8 * ib;
         s->g = _mm256_set_epi64x((long long)iq2xxs_grid[q[3]], (long long)iq2xxs_grid[q[2]],
                                  (long long)iq2xxs_grid[q[1]], (long long)iq2xxs_grid[q[0]]);
-        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
+        iq_set_signs(s, ld32(sb + 4 * ib));
         break;
     }
     case ST_TYPE_IQ2_XS: {
         const uint16_t *q = ix + 4 * ib;
         s->g = _mm256_set_epi64x((long long)iq2xs_grid[q[3]], (long long)iq2xs_grid[q[2]], (long long)iq2xs_grid[q[1]],
                                  (long long)iq2xs_grid[q[0]]);
-        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
+        iq_set_signs(s, ld32(sb + 4 * ib));
         break;
     }
     case ST_TYPE_IQ2_S: {
@@ -136,17 +160,19 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         const uint16_t *q = ix + 4 * ib;
         s->g = _mm256_set_epi64x((long long)iq2s_grid[q[3]], (long long)iq2s_grid[q[2]], (long long)iq2s_grid[q[1]],
                                  (long long)iq2s_grid[q[0]]);
-        s->sg = iq_signs_from_bits(ld32(b->qs + QK_K / 8 + 4 * ib));
+        iq_set_signs(s, ld32(b->qs + QK_K / 8 + 4 * ib));
         break;
     }
     case ST_TYPE_IQ3_XXS: {
-        uint64_t q; /* the eight indices in one load, taken apart in registers */
-        memcpy(&q, x + 2 + 8 * ib, 8);
-        s->g = _mm256_set_epi32((int)iq3xxs_grid[q >> 56], (int)iq3xxs_grid[(q >> 48) & 255],
-                                (int)iq3xxs_grid[(q >> 40) & 255], (int)iq3xxs_grid[(q >> 32) & 255],
-                                (int)iq3xxs_grid[(q >> 24) & 255], (int)iq3xxs_grid[(q >> 16) & 255],
-                                (int)iq3xxs_grid[(q >> 8) & 255], (int)iq3xxs_grid[q & 255]);
-        s->sg = iq_signs_from_bits(ld32(sb + 4 * ib));
+        /* the eight entries paired into four 64-bit words in general registers, then four
+         * inserts (eight 32-bit inserts had kept the shuffle ports busiest at one token) */
+        const uint8_t *q = x + 2 + 8 * ib;
+        const uint64_t g01 = iq3xxs_grid[q[0]] | (uint64_t)iq3xxs_grid[q[1]] << 32;
+        const uint64_t g23 = iq3xxs_grid[q[2]] | (uint64_t)iq3xxs_grid[q[3]] << 32;
+        const uint64_t g45 = iq3xxs_grid[q[4]] | (uint64_t)iq3xxs_grid[q[5]] << 32;
+        const uint64_t g67 = iq3xxs_grid[q[6]] | (uint64_t)iq3xxs_grid[q[7]] << 32;
+        s->g = _mm256_set_epi64x((long long)g67, (long long)g45, (long long)g23, (long long)g01);
+        iq_set_signs(s, ld32(sb + 4 * ib));
         break;
     }
     default: { /* ST_TYPE_IQ3_S */
@@ -154,7 +180,7 @@ static inline __attribute__((always_inline)) void iq_load_sub(int32_t type, cons
         const uint16_t *q = ix + 8 * ib;
         s->g = _mm256_set_epi32((int)iq3s_grid[q[7]], (int)iq3s_grid[q[6]], (int)iq3s_grid[q[5]], (int)iq3s_grid[q[4]],
                                 (int)iq3s_grid[q[3]], (int)iq3s_grid[q[2]], (int)iq3s_grid[q[1]], (int)iq3s_grid[q[0]]);
-        s->sg = iq_signs_from_bits(ld32(b->signs + 4 * ib));
+        iq_set_signs(s, ld32(b->signs + 4 * ib));
         break;
     }
     }
@@ -172,32 +198,61 @@ typedef struct {
     float s[8][8];
 } iq_scales;
 
+/* The integer sub-scales k of blocks ib = 0..7 of one row's super-block x as int32 lanes ib: lo
+ * for elements 0..15 of each block, hi for 16..31. */
+static inline __attribute__((always_inline)) void iq_kvals(int32_t type, const uint8_t *x, __m256i *lo, __m256i *hi) {
+    switch (type) {
+    case ST_TYPE_IQ2_XXS: { /* the top 4 bits of the odd words of the 64 code bytes */
+        const __m256 a0 = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(x + 2)));
+        const __m256 a1 = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(x + 34)));
+        *lo = *hi = _mm256_srli_epi32(_mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a0, a1, 0xDD)), 0xD8), 28);
+        return;
+    }
+    case ST_TYPE_IQ3_XXS: /* the top 4 bits of each block's sign word */
+        *lo = *hi = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(x + 2 + QK_K / 4)), 28);
+        return;
+    case ST_TYPE_IQ2_XS:
+    case ST_TYPE_IQ2_S: { /* one byte per block: low nibble, high nibble */
+        const size_t off = type == ST_TYPE_IQ2_XS ? offsetof(blk_iq2_xs, scales) : offsetof(blk_iq2_s, scales);
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(x + off)));
+        *lo = _mm256_and_si256(v, _mm256_set1_epi32(0xF)), *hi = _mm256_srli_epi32(v, 4);
+        return;
+    }
+    default: { /* IQ3_S: nibble ib % 2 of byte ib / 2, both halves */
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128((int)ld32(x + offsetof(blk_iq3_s, scales))),
+                                                                _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1)));
+        *lo = *hi = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)), _mm256_set1_epi32(0xF));
+        return;
+    }
+    }
+}
+
 static inline __attribute__((always_inline)) void iq_scales4(int32_t type, const uint8_t *const *rows, int64_t i,
                                                              size_t bb, iq_scales *S) {
+    /* The four rows at once (the scalar loop's 64 single-float stores, read back as vectors right
+     * after, had cost about a fifth of the kernel at one token): each row's k of blocks 0..7 as
+     * int32 lanes, an 8x8 dword transpose of [lo rows 0..3, hi rows 0..3] gives block ib's (row,
+     * half) lanes, then the scalar loop's float operations per lane: df * (float)(2k + 1). */
     const float f = iq_factor(type);
+    __m256i v[8];
+    float df[IQ_MR];
     for (int r = 0; r < IQ_MR; r++) {
         const uint8_t *x = rows[r] + (size_t)i * bb;
-        const float df = h2f((f16_t)(x[0] | (x[1] << 8))) * f;
-        for (int ib = 0; ib < 8; ib++) {
-            int lo, hi;
-            switch (type) {
-            case ST_TYPE_IQ2_XXS: lo = hi = (int)(ld32(x + 2 + 8 * ib + 4) >> 28); break;
-            case ST_TYPE_IQ3_XXS: lo = hi = (int)(ld32(x + 2 + QK_K / 4 + 4 * ib) >> 28); break;
-            case ST_TYPE_IQ2_XS: lo = x[offsetof(blk_iq2_xs, scales) + ib] & 0xF, hi = x[offsetof(blk_iq2_xs, scales) + ib] >> 4; break;
-            case ST_TYPE_IQ2_S: lo = x[offsetof(blk_iq2_s, scales) + ib] & 0xF, hi = x[offsetof(blk_iq2_s, scales) + ib] >> 4; break;
-            default: lo = hi = (x[offsetof(blk_iq3_s, scales) + ib / 2] >> (4 * (ib % 2))) & 0xF; break;
-            }
-            S->s[ib][r] = df * (float)(2 * lo + 1);
-            S->s[ib][IQ_MR + r] = df * (float)(2 * hi + 1);
-        }
+        df[r] = h2f((f16_t)(x[0] | (x[1] << 8))) * f;
+        iq_kvals(type, x, &v[r], &v[IQ_MR + r]);
     }
+    transpose8x8_epi32(v);
+    const __m256 d8 = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
+    const __m256i one = _mm256_set1_epi32(1);
+    for (int ib = 0; ib < 8; ib++)
+        _mm256_storeu_ps(S->s[ib], _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(v[ib], 1), one))));
 }
 
 /* The four rows' k * g * sign * qa sums of one block against one token, as (row, half) lanes. */
 static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, const int8_t *q) {
     const __m256i av = _mm256_loadu_si256((const __m256i *)q);
     __m256i p[IQ_MR];
-    for (int r = 0; r < IQ_MR; r++) p[r] = dot4(s[r].g, _mm256_sign_epi8(av, s[r].sg));
+    for (int r = 0; r < IQ_MR; r++) p[r] = dot4(s[r].g, iq_signed(&s[r], av));
     const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
     const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
     return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
