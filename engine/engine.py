@@ -54,6 +54,18 @@ def _default_threads(cores: Sequence[int] | None) -> int:
     return len(os.sched_getaffinity(0))
 
 
+def hybrid_pool_threads(threads: int, environ: dict[str, str] | None = None) -> int:
+    """The pool of a hybrid GPU lane: with the overlapped step (``hybrid_overlap``, the default) one thread less
+    than the lane's cores, leaving a core to the thread that queues the step while the pool computes the CPU's
+    experts (its 2-3 ms of launches a decode step, on a core of a pinned worker, stall the pool's regions for a
+    scheduler slice); the experts' reads are memory-bound, so the thread given up costs little."""
+    from engine import gpu_settings
+
+    if threads > 2 and gpu_settings.env_override("hybrid_overlap", environ) != 0:
+        return threads - 1
+    return threads
+
+
 def _check_cores(cores: Sequence[int]) -> None:
     """A core list the pool can pin to: distinct ids of CPUs this machine has."""
     ids = list(cores)
@@ -226,6 +238,8 @@ class Engine:
         # GPU otherwise the C model only validated the file, and its pool is one thread
         self.resident = resident if on_gpu and resident is not None and not resident.all() else None
         cpu_threads = threads if not on_gpu or self.resident is not None else 1
+        if self.resident is not None:
+            cpu_threads = hybrid_pool_threads(threads)
         pk = ffi.new("st_kv **")
         rc = lib.st_kv_create(self._model, 1 if on_gpu else n_blocks, block_size, pk)
         if rc:

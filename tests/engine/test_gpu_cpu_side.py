@@ -177,6 +177,18 @@ def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.M
     assert staged[0].fixed["staging slots"] == ring and staged[0].n_resident < got[0].n_resident
 
 
+@pytest.mark.parametrize(("threads", "env", "want"), [
+    (16, {}, 15), (16, {"STRATA_GPU_HYBRID_OVERLAP": "1"}, 15), (16, {"STRATA_GPU_HYBRID_OVERLAP": "0"}, 16),
+    (2, {}, 2), (1, {}, 1), (3, {}, 2),
+])
+def test_hybrid_pool_leaves_a_core_to_the_queueing_thread(threads: int, env: dict[str, str], want: int) -> None:
+    """The overlapped hybrid step (the default) queues the whole step on the calling thread while the pool
+    computes the CPU's experts: the pool takes one core less (above two), none less with the overlap off."""
+    from engine.engine import hybrid_pool_threads
+
+    assert hybrid_pool_threads(threads, env) == want
+
+
 def test_gpu_header_declares_the_hybrid_entry_points() -> None:
     """The GPU engine's C API as cffi reads it (no library needed): the hybrid placement's create call, the CPU
     engine's function pointers, the memory account and the frame profile."""

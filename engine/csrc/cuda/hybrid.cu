@@ -6,12 +6,13 @@
  * weighted sum that follows (combine, st_forward's order of additions) sees every pair as the all-device
  * step does.
  *
- * Per layer with a CPU share the stream holds: event s0, xn and the routing copied to pinned memory, event s1
- * (the host waits on it), the shared expert and the resident experts (they run while the CPU works), event a,
+ * Per layer with a CPU share the stream holds: event s0, xn and the routing to pinned memory (a decode-sized
+ * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
+ * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
  * a one-thread kernel that waits for the host to write the step's value into the layer's pinned flag, event b,
  * the CPU's rows read from pinned memory into pair_out (their count and indices beside them), event c. The
- * device never waits on anything else of the host and the host never synchronises the device: it waits on s1
- * alone. Who computes (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
+ * device never waits on anything else of the host and the host never synchronises the device: it waits on the
+ * ready flag or s1 alone. Who computes (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
  * the calling thread queues the whole step at once (the next layer's attention is already queued when a flag
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.
@@ -25,6 +26,10 @@
 #include <thread>
 
 #include "model.cuh"
+
+/* hybrid_direct's bound: a step's xn of at most this many floats (256 KB; 32 tokens of a 2,048-wide model) goes
+ * to the host by k_to_host's stores, a larger one by the copy engine */
+#define HY_DIRECT_FLOATS 65536
 
 /* sid[p] = the slot of pair p's expert in this layer (-1: not resident, left out of the grouping) */
 __global__ void k_slot_ids(const int32_t *ids, int32_t P, const int32_t *slot_of, int32_t *sid) {
@@ -45,19 +50,58 @@ __global__ void k_wait_flag(const uint32_t *flag, uint32_t want) {
     }
 }
 
+/* Decode-sized steps (hybrid_direct): the routing and xn written straight into pinned host memory by one block
+ * (posted PCIe writes: no copy-engine round trip per array), then a system-scope fence and *ready = want, on which
+ * the host spins (hybrid_wait_routing) instead of synchronising on an event. */
+__global__ void k_to_host(const int32_t *ids, int32_t P, const float *xn, int64_t n, int32_t *h_ids, float *h_xn,
+                          uint32_t *ready, uint32_t want) {
+    PDL_ENTER();
+    for (int i = threadIdx.x; i < P; i += blockDim.x) h_ids[i] = ids[i];
+    if ((n & 3) == 0)
+        for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x) ((float4 *)h_xn)[i] = ((const float4 *)xn)[i];
+    else
+        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) h_xn[i] = xn[i];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ready), "r"(want) : "memory");
+}
+
+#define SCATTER_THREADS 128
+#define SCATTER_VEC 4 /* float4s a thread loads before it stores: a row of up to 2,048 floats in one round trip */
+
 /* Block r < *n: dst row idx[r] = src row r (rows of E floats; src, idx and n in pinned host memory, read in
- * place: the CPU's rows into pair_out). Blocks past the count return at once. */
+ * place: the CPU's rows into pair_out). Each load crosses PCIe (~1-2 us), so the count and the index are
+ * loaded together and each pass issues all of its row loads before any store: two round trips a row of up to
+ * SCATTER_THREADS x SCATTER_VEC float4s instead of one per load. Blocks past the count return at once. */
 __global__ void k_scatter_host(const float *src, const int32_t *idx, const int32_t *n, int64_t E, float *dst) {
     PDL_ENTER();
     const int32_t r = (int32_t)blockIdx.x;
-    if (r >= *(const volatile int32_t *)n) return;
-    const int64_t row = (int64_t)*(const volatile int32_t *)(idx + r);
+    const int32_t cnt = *(const volatile int32_t *)n;
+    const int32_t at = *(const volatile int32_t *)(idx + r); /* in flight beside the count (idx holds P ints) */
+    if (r >= cnt) return;
+    const int64_t row = (int64_t)at;
     const float *s = src + (int64_t)r * E;
     float *d = dst + row * E;
-    if ((E & 3) == 0) /* rows of whole float4s, 16-byte aligned at both ends */
-        for (int64_t i = threadIdx.x; i < E / 4; i += blockDim.x) ((float4 *)d)[i] = ((const float4 *)s)[i];
-    else
+    if ((E & 3) == 0) { /* rows of whole float4s, 16-byte aligned at both ends */
+        const float4 *s4 = (const float4 *)s;
+        float4 *d4 = (float4 *)d;
+        const int64_t n4 = E / 4;
+        for (int64_t base = threadIdx.x; base < n4; base += (int64_t)blockDim.x * SCATTER_VEC) {
+            float4 v[SCATTER_VEC];
+#pragma unroll
+            for (int j = 0; j < SCATTER_VEC; j++) {
+                const int64_t i = base + (int64_t)j * blockDim.x;
+                if (i < n4) v[j] = s4[i];
+            }
+#pragma unroll
+            for (int j = 0; j < SCATTER_VEC; j++) {
+                const int64_t i = base + (int64_t)j * blockDim.x;
+                if (i < n4) d4[i] = v[j];
+            }
+        }
+    } else {
         for (int64_t i = threadIdx.x; i < E; i += blockDim.x) d[i] = s[i];
+    }
 }
 
 static double host_seconds() {
@@ -102,11 +146,14 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     h.cpu = *cpu;
     CHECK(dalloc(m, &h.d_slot, n * sizeof(int32_t)));
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
+    /* flags [nL] (host -> device), then from the next 64-byte line ready [nL] (device -> host) */
+    const size_t ready_at = ((size_t)nL + 15) / 16 * 16;
     void *flags = nullptr;
-    CU(cudaHostAlloc(&flags, sizeof(uint32_t) * (size_t)nL, cudaHostAllocMapped | cudaHostAllocPortable),
+    CU(cudaHostAlloc(&flags, sizeof(uint32_t) * (ready_at + (size_t)nL), cudaHostAllocMapped | cudaHostAllocPortable),
        "model_create: hybrid flags");
-    memset(flags, 0, sizeof(uint32_t) * (size_t)nL);
+    memset(flags, 0, sizeof(uint32_t) * (ready_at + (size_t)nL));
     h.flags = (uint32_t *)flags;
+    h.ready = h.flags + ready_at;
     return ST_OK;
 }
 
@@ -136,6 +183,35 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T) {
     return ST_OK;
 }
 
+/* A step small enough (decode) that the device writes xn and the routing into pinned memory itself and
+ * raises the layer's ready flag (k_to_host): a kernel's posted writes cost less than two copy-engine round
+ * trips, and the host's spin on a line of its own memory wakes sooner than an event synchronisation. Larger
+ * steps copy (bandwidth, not latency, is their cost) and the host synchronises on s1. */
+static bool hybrid_direct(const stg_model *m, int32_t T) { return (int64_t)T * m->d.n_embd <= HY_DIRECT_FLOATS; }
+
+/* The host's wait for layer il's xn and routing (s1): the ready flag's spin (hybrid_direct), with the event
+ * queried now and then (a failed device, or a flag not seen although s1 completed, ends it), or the event. */
+static stg_status hybrid_wait_routing(const hybrid &h, const hybrid_step &hs, int il) {
+    if (!h.direct) {
+        CU(cudaEventSynchronize(hs.s1[(size_t)il]), "hybrid: routing to the host");
+        return ST_OK;
+    }
+    for (uint32_t spins = 1;; spins++) {
+        if (__atomic_load_n(&h.ready[il], __ATOMIC_ACQUIRE) == hs.seq) return ST_OK;
+        if (spins % 512 == 0) {
+            const cudaError_t q = cudaEventQuery(hs.s1[(size_t)il]);
+            if (q == cudaSuccess) return ST_OK; /* s1 follows k_to_host: its writes are visible */
+            if (q != cudaErrorNotReady) {
+                cudaGetLastError();
+                return fail(ST_EINVAL, "hybrid: routing to the host: %s", cudaGetErrorString(q));
+            }
+        }
+#if defined(__x86_64__)
+        asm volatile("pause");
+#endif
+    }
+}
+
 /* A layer with a CPU share in the step being queued (a partial layer that this step does not stage). */
 static bool hybrid_layer(const stg_model *m, int il) {
     const staging &g = m->hy.stg;
@@ -160,6 +236,7 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     staging_decide(m, T);
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
+    m->hy.direct = hybrid_direct(m, T);
     m->hy.cur = &hs, m->hy.T = T;
     return ST_OK;
 }
@@ -184,7 +261,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     const int32_t T = h.T;
     const int64_t E = m->d.n_embd, P = (int64_t)T * k;
     const double t0 = host_seconds();
-    CU(cudaEventSynchronize(hs.s1[(size_t)il]), "hybrid: routing to the host");
+    CHECK(hybrid_wait_routing(h, hs, il));
     const double t1 = host_seconds();
     hs.t_cpu_wait += t1 - t0;
     const uint8_t *res = h.resident.data() + (size_t)il * ne;
@@ -284,8 +361,14 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
     const int64_t E = m->d.n_embd, P = (int64_t)T * k;
     CU(cudaEventRecord(hs.s0[(size_t)il], st), "hybrid: event");
-    CU(cudaMemcpyAsync(h.h_ids, s.topk_id, sizeof(int32_t) * P, cudaMemcpyDeviceToHost, st), "hybrid: routing");
-    CU(cudaMemcpyAsync(h.h_xn, s.xn, sizeof(float) * T * E, cudaMemcpyDeviceToHost, st), "hybrid: xn");
+    if (h.direct) {
+        launch_k(k_to_host, 1, 1024, 0, st, (const int32_t *)s.topk_id, (int32_t)P, (const float *)s.xn, (int64_t)T * E,
+                 h.h_ids, h.h_xn, h.ready + il, hs.seq);
+        LAUNCHED("hybrid: xn and routing to the host");
+    } else {
+        CU(cudaMemcpyAsync(h.h_ids, s.topk_id, sizeof(int32_t) * P, cudaMemcpyDeviceToHost, st), "hybrid: routing");
+        CU(cudaMemcpyAsync(h.h_xn, s.xn, sizeof(float) * T * E, cudaMemcpyDeviceToHost, st), "hybrid: xn");
+    }
     CU(cudaEventRecord(hs.s1[(size_t)il], st), "hybrid: event");
     hs.pcie_d2h += (int64_t)sizeof(int32_t) * P + (int64_t)sizeof(float) * T * E;
     if (h.worker) h.worker->queued.store(il + 1, std::memory_order_release);
@@ -323,7 +406,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
         }
     }
     CU(cudaEventRecord(hs.b[(size_t)il], st), "hybrid: event");
-    launch_k(k_scatter_host, (unsigned)P, 128, 0, st, (const float *)h.h_out, (const int32_t *)h.h_idx,
+    launch_k(k_scatter_host, (unsigned)P, SCATTER_THREADS, 0, st, (const float *)h.h_out, (const int32_t *)h.h_idx,
              (const int32_t *)h.h_n, E, m->s.pair_out);
     LAUNCHED("hybrid: CPU rows");
     CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");

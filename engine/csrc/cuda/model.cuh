@@ -120,6 +120,9 @@ struct hybrid {
     int32_t *h_ids = nullptr, *h_idx = nullptr, *h_n = nullptr;
     std::vector<void *> pinned;
     uint32_t *flags = nullptr; /* pinned [n_layer]: the host writes a step's seq when the layer's rows are in h_out */
+    uint32_t *ready = nullptr; /* pinned [n_layer] (flags' allocation): the device writes a step's seq when the layer's
+                                * xn and routing are in h_xn / h_ids (hybrid_direct steps) */
+    bool direct = false;       /* the step being queued is hybrid_direct */
     uint32_t seq = 0;          /* the last launched step's flag value */
     std::vector<int32_t> pair_tok, pair_exp; /* the CPU pairs of a layer (st_moe_pairs) */
     hybrid_step *cur = nullptr;  /* the step being queued */
