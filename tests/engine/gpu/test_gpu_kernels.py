@@ -181,7 +181,7 @@ def qkv_segments(g: tuple, name: str, n_tok: int) -> None:
 
 
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(70, 4, 8), (300, 8, 32), (5, 2, 8)])
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K", "IQ3_XXS", "Q3_K", "MXFP4", "IQ4_XS"])
 def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, k_used: int, n_expert: int) -> None:
     """Routed experts (grouped on the GPU, skewed popularity: groups of 1 to ~100 pairs): the GEMM
     (over the grouping's tile list where that is fewer blocks than the (largest group) x (groups)
