@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                   "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
     static_assert(!FAST || (gemm_raw<T>() && CS > 0), "the prefill form: Q4_K with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
-    constexpr bool Q6 = T == STG_Q6_K || T == STG_Q6_KW, RAW = gemm_raw<T>(); /* KW: Q6_K, wide unpack */
+    constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3) */
     extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
@@ -545,6 +545,7 @@ static stg_status gemm_setup(void) {
     CHECK((gemm_setup_one<T, true, MM_BN>()));
     QUANT_CASES(SETUP_GEMM)
 #undef SETUP_GEMM
+    CHECK(iq_tables_setup());
     for (const int K : {1024, 2048, 4096}) { /* the routed split form: CS = 1, 2, 4 */
         const gemm_fn f = gemm_rs_kernel<STG_Q4_K>(K);
         CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm_raw_bytes<STG_Q4_K, true>()),

@@ -1,6 +1,7 @@
 /* Quant family: dequantisation, the activations' 8-bit blocks, and the sub-block dot product every
  * integer kernel shares (the unpack of each weight type is quant.cuh). */
 #include "common.cuh"
+#include "../iq_grids.h" /* the IQ codebooks (host tables, copied to the device by iq_tables_setup) */
 
 /* ------------------------------------------------------------ dequantisation */
 
@@ -8,6 +9,18 @@
 template <int T> __global__ void k_dequant(const uint8_t *src, float *y, int64_t n_blocks) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n_blocks) deq_block<T>(src + i * qt<T>::BB, y + i * qt<T>::BE);
+}
+
+/* The IQ codebooks into this device's copies (quant.cuh g_iq*): once per device, before any kernel reads them
+ * (gemm_setup, which the model and the harness run on their device). */
+static stg_status iq_tables_setup(void) {
+    CU(cudaMemcpyToSymbol(g_iq2xxs_grid, iq2xxs_grid, sizeof iq2xxs_grid), "iq tables");
+    CU(cudaMemcpyToSymbol(g_iq2xs_grid, iq2xs_grid, sizeof iq2xs_grid), "iq tables");
+    CU(cudaMemcpyToSymbol(g_iq2s_grid, iq2s_grid, sizeof iq2s_grid), "iq tables");
+    CU(cudaMemcpyToSymbol(g_iq3xxs_grid, iq3xxs_grid, sizeof iq3xxs_grid), "iq tables");
+    CU(cudaMemcpyToSymbol(g_iq3s_grid, iq3s_grid, sizeof iq3s_grid), "iq tables");
+    CU(cudaMemcpyToSymbol(g_iq_ksigns, iq_ksigns, sizeof iq_ksigns), "iq tables");
+    return ST_OK;
 }
 
 /* ------------------------------------------------------------ activation quantisation */

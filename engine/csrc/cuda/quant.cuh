@@ -25,6 +25,15 @@
 #define STG_Q5_K 13
 #define STG_Q6_K 14
 #define STG_BF16 30
+#define STG_Q3_K 11
+#define STG_IQ2_XXS 16
+#define STG_IQ2_XS 17
+#define STG_IQ3_XXS 18
+#define STG_IQ4_NL 20
+#define STG_IQ3_S 21
+#define STG_IQ2_S 22
+#define STG_IQ4_XS 23
+#define STG_MXFP4 39
 
 template <int T> struct qt;
 template <> struct qt<STG_Q4_0> { static constexpr int BE = 32, BB = 18; };
@@ -35,6 +44,15 @@ template <> struct qt<STG_Q8_0> { static constexpr int BE = 32, BB = 34; };
 template <> struct qt<STG_Q4_K> { static constexpr int BE = 256, BB = 144; };
 template <> struct qt<STG_Q5_K> { static constexpr int BE = 256, BB = 176; };
 template <> struct qt<STG_Q6_K> { static constexpr int BE = 256, BB = 210; };
+template <> struct qt<STG_Q3_K> { static constexpr int BE = 256, BB = 110; };
+template <> struct qt<STG_IQ2_XXS> { static constexpr int BE = 256, BB = 66; };
+template <> struct qt<STG_IQ2_XS> { static constexpr int BE = 256, BB = 74; };
+template <> struct qt<STG_IQ2_S> { static constexpr int BE = 256, BB = 82; };
+template <> struct qt<STG_IQ3_XXS> { static constexpr int BE = 256, BB = 98; };
+template <> struct qt<STG_IQ3_S> { static constexpr int BE = 256, BB = 110; };
+template <> struct qt<STG_IQ4_NL> { static constexpr int BE = 32, BB = 18; };
+template <> struct qt<STG_IQ4_XS> { static constexpr int BE = 256, BB = 136; };
+template <> struct qt<STG_MXFP4> { static constexpr int BE = 32, BB = 17; };
 template <> struct qt<STG_F32> { static constexpr int BE = 1, BB = 4; };
 template <> struct qt<STG_F16> { static constexpr int BE = 1, BB = 2; };
 template <> struct qt<STG_BF16> { static constexpr int BE = 1, BB = 2; };
@@ -42,8 +60,11 @@ template <> struct qt<STG_BF16> { static constexpr int BE = 1, BB = 2; };
 static inline int stg_block_elems(int t) {
     switch (t) {
     case STG_F32: case STG_F16: case STG_BF16: return 1;
-    case STG_Q4_0: case STG_Q4_1: case STG_Q5_0: case STG_Q5_1: case STG_Q8_0: return 32;
-    case STG_Q4_K: case STG_Q5_K: case STG_Q6_K: return 256;
+    case STG_Q4_0: case STG_Q4_1: case STG_Q5_0: case STG_Q5_1: case STG_Q8_0: case STG_IQ4_NL: case STG_MXFP4:
+        return 32;
+    case STG_Q4_K: case STG_Q5_K: case STG_Q6_K: case STG_Q3_K: case STG_IQ2_XXS: case STG_IQ2_XS: case STG_IQ2_S:
+    case STG_IQ3_XXS: case STG_IQ3_S: case STG_IQ4_XS:
+        return 256;
     default: return 0;
     }
 }
@@ -59,6 +80,15 @@ static inline int stg_block_bytes(int t) {
     case STG_Q4_K: return 144;
     case STG_Q5_K: return 176;
     case STG_Q6_K: return 210;
+    case STG_Q3_K: return 110;
+    case STG_IQ2_XXS: return 66;
+    case STG_IQ2_XS: return 74;
+    case STG_IQ2_S: return 82;
+    case STG_IQ3_XXS: return 98;
+    case STG_IQ3_S: return 110;
+    case STG_IQ4_NL: return 18;
+    case STG_IQ4_XS: return 136;
+    case STG_MXFP4: return 17;
     default: return 0;
     }
 }
@@ -380,4 +410,235 @@ template <> __device__ __forceinline__ float wf<STG_F16>(const uint8_t *row, int
 }
 template <> __device__ __forceinline__ float wf<STG_BF16>(const uint8_t *row, int64_t i) {
     return bf16f(((const uint16_t *)row)[i]);
+}
+
+/* ---- the issue-32 types: Q3_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4 ----
+ * Their sub-block view (the CPU's integer form, quants_lowbit.c / quants_iq.c):
+ *   Q3_K:   q = low 2 bits - (high bit ? 0 : 4), A = d, c0 / c1 = the two 6-bit scales - 32.
+ *   IQ*:    q = +-grid magnitude, A = d * F (F = 1/8 IQ2, 1/4 IQ3_XXS, 1 IQ3_S), c0 / c1 = 2 ls + 1.
+ *   IQ4_NL: q = kvalues_iq4nl[code], A = d.  IQ4_XS: the same, A = d * (6-bit scale - 32).
+ *   MXFP4:  q = the doubled E2M1 value, A = half of 2^(e - 127).
+ * B = 0 throughout. The codebooks live in device memory, copied from iq_grids.h (iq_tables_setup). */
+__device__ uint64_t g_iq2xxs_grid[256];
+__device__ uint64_t g_iq2xs_grid[512];
+__device__ uint64_t g_iq2s_grid[1024];
+__device__ uint32_t g_iq3xxs_grid[256];
+__device__ uint32_t g_iq3s_grid[512];
+__device__ uint8_t g_iq_ksigns[128];
+
+/* The types whose two 16-halves carry different integer scales (the GEMM's two m16n8k16 form). */
+template <int T> __host__ __device__ constexpr bool has_c() {
+    return T == STG_Q6_K || T == STG_Q6_KW || T == STG_Q3_K || T == STG_IQ2_XXS || T == STG_IQ2_XS ||
+           T == STG_IQ2_S || T == STG_IQ3_XXS || T == STG_IQ3_S;
+}
+
+__device__ __forceinline__ uint32_t ld_u32_1a(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t *p) { return *(const uint16_t *)p; }
+
+/* 4 unsigned magnitudes (bytes of g) negated where sign bit k (of 4) is set: (g ^ m) - m per byte. */
+__device__ __forceinline__ int signed4(uint32_t g, uint32_t s4) {
+    const uint32_t m = ((s4 * 0x00204081u) & 0x01010101u) * 0xFFu;
+    return (int)__vsub4(g ^ m, m);
+}
+
+/* 4 bytes of 4-bit codes (each byte 0..15) looked up in a 16-entry int8 table held as 4 words. */
+__device__ __forceinline__ int lut16(uint32_t v, uint32_t t0, uint32_t t1, uint32_t t2, uint32_t t3) {
+    const uint32_t x = v & 0x07070707u, y = x | (x >> 4);
+    const uint32_t sel = (y & 0xFFu) | ((y >> 8) & 0xFF00u);
+    const uint32_t lo = __byte_perm(t0, t1, sel), hi = __byte_perm(t2, t3, sel);
+    const uint32_t m = ((v >> 3) & 0x01010101u) * 0xFFu;
+    return (int)((hi & m) | (lo & ~m));
+}
+/* kvalues_iq4nl / kvalues_mxfp4 (quants_lowbit.h) as little-endian words: the dequantisation tests
+ * compare every code against the CPU's table */
+#define IQ4NL_T 0xBFAD9881u, 0xF6EADDCFu, 0x26190D01u, 0x71594535u
+#define MXFP4_T 0x03020100u, 0x0C080604u, 0xFDFEFF00u, 0xF4F8FAFCu
+__device__ __forceinline__ int iq4nl_lut(uint32_t v) { return lut16(v, IQ4NL_T); }
+__device__ __forceinline__ int mxfp4_lut(uint32_t v) { return lut16(v, MXFP4_T); }
+
+/* 16 bytes of codes (element l low nibble of byte l, element 16 + l high) as q[8]. */
+template <int LUT> __device__ __forceinline__ void nibbles16(const uint32_t (&w)[4], int (&q)[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint32_t lo = w[i] & 0x0F0F0F0Fu, hi = (w[i] >> 4) & 0x0F0F0F0Fu;
+        q[i] = LUT ? mxfp4_lut(lo) : iq4nl_lut(lo);
+        q[4 + i] = LUT ? mxfp4_lut(hi) : iq4nl_lut(hi);
+    }
+}
+
+/* Half of 2^(e - 127) (quants_lowbit.h e8m0_half). */
+__device__ __forceinline__ float e8m0_half_d(uint32_t e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+/* Q3_K: the signed 6-bit scale of group g (0..15), minus 32. */
+__device__ __forceinline__ int q3k_scale_d(const uint8_t *sc, int g) {
+    const int lo = g < 8 ? sc[g] & 0xF : sc[g - 8] >> 4;
+    const int hi = (sc[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+/* IQ4_XS: the signed 6-bit scale of sub-block ib (0..7), minus 32. */
+__device__ __forceinline__ int iq4xs_scale_d(const uint8_t *b, int ib) {
+    return (((b[4 + ib / 2] >> (4 * (ib & 1))) & 0xF) | (((ld_u16(b + 2) >> (2 * ib)) & 3) << 4)) - 32;
+}
+
+/* Sub-block sb (0..7) of a Q3_K block: q[8] and the two group scales. */
+__device__ __forceinline__ void q3k_sub(const uint8_t *b, int sb, int (&q)[8], int &c0, int &c1) {
+    const uint8_t *qs = b + 32 + 32 * (sb >> 2);
+    const int sh = 2 * (sb & 3);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t low = (ld_u32_2a(qs + 4 * i) >> sh) & 0x03030303u;
+        const uint32_t hb = (ld_u32_2a(b + 4 * i) >> sb) & 0x01010101u;
+        q[i] = (int)__vsub4(low, (hb ^ 0x01010101u) << 2);
+    }
+    c0 = q3k_scale_d(b + 96, 2 * sb), c1 = q3k_scale_d(b + 96, 2 * sb + 1);
+}
+
+/* Sub-block ib (0..7) of an IQ2 / IQ3 block: q[8] = signed grid magnitudes, ls0 / ls1 = the raw 4-bit
+ * scale fields of its two 16-halves (iq_decode in quants_iq.c). */
+template <int T> __device__ __forceinline__ void iq_sub(const uint8_t *b, int ib, int (&q)[8], int &ls0, int &ls1);
+template <> __device__ __forceinline__ void iq_sub<STG_IQ2_XXS>(const uint8_t *b, int ib, int (&q)[8], int &ls0,
+                                                                 int &ls1) {
+    const uint8_t *p = b + 2 + 8 * ib;
+    const uint32_t idx = ld_u32_2a(p), aux = ld_u32_2a(p + 4);
+    ls0 = ls1 = (int)(aux >> 28);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint64_t g = g_iq2xxs_grid[(idx >> (8 * k)) & 0xFF];
+        const uint32_t s = g_iq_ksigns[(aux >> (7 * k)) & 127];
+        q[2 * k] = signed4((uint32_t)g, s & 0xF), q[2 * k + 1] = signed4((uint32_t)(g >> 32), s >> 4);
+    }
+}
+template <> __device__ __forceinline__ void iq_sub<STG_IQ2_XS>(const uint8_t *b, int ib, int (&q)[8], int &ls0,
+                                                                int &ls1) {
+    const uint8_t *p = b + 2 + 8 * ib;
+    const uint32_t sc = b[66 + ib];
+    ls0 = (int)(sc & 0xF), ls1 = (int)(sc >> 4);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint32_t v = ld_u16(p + 2 * k);
+        const uint64_t g = g_iq2xs_grid[v & 511];
+        const uint32_t s = g_iq_ksigns[v >> 9];
+        q[2 * k] = signed4((uint32_t)g, s & 0xF), q[2 * k + 1] = signed4((uint32_t)(g >> 32), s >> 4);
+    }
+}
+template <> __device__ __forceinline__ void iq_sub<STG_IQ2_S>(const uint8_t *b, int ib, int (&q)[8], int &ls0,
+                                                               int &ls1) {
+    const uint8_t *qs = b + 2, *signs = b + 2 + 32, *qh = b + 66;
+    const uint32_t sc = b[74 + ib], h = qh[ib];
+    ls0 = (int)(sc & 0xF), ls1 = (int)(sc >> 4);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint64_t g = g_iq2s_grid[qs[4 * ib + k] | (((h >> (2 * k)) & 3) << 8)];
+        const uint32_t s = signs[4 * ib + k];
+        q[2 * k] = signed4((uint32_t)g, s & 0xF), q[2 * k + 1] = signed4((uint32_t)(g >> 32), s >> 4);
+    }
+}
+template <> __device__ __forceinline__ void iq_sub<STG_IQ3_XXS>(const uint8_t *b, int ib, int (&q)[8], int &ls0,
+                                                                 int &ls1) {
+    const uint8_t *qs = b + 2 + 8 * ib;
+    const uint32_t aux = ld_u32_2a(b + 2 + 64 + 4 * ib);
+    ls0 = ls1 = (int)(aux >> 28);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint32_t s = g_iq_ksigns[(aux >> (7 * k)) & 127];
+        q[2 * k] = signed4(g_iq3xxs_grid[qs[2 * k]], s & 0xF);
+        q[2 * k + 1] = signed4(g_iq3xxs_grid[qs[2 * k + 1]], s >> 4);
+    }
+}
+template <> __device__ __forceinline__ void iq_sub<STG_IQ3_S>(const uint8_t *b, int ib, int (&q)[8], int &ls0,
+                                                               int &ls1) {
+    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+    const uint32_t h = qh[ib];
+    ls0 = ls1 = (scales[ib / 2] >> (4 * (ib % 2))) & 0xF;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t g = g_iq3s_grid[qs[8 * ib + k] | (((h >> k) & 1) << 8)];
+        q[k] = signed4(g, (signs[4 * ib + k / 2] >> (4 * (k % 2))) & 0xF);
+    }
+}
+/* d * F of quants_iq.c (the dot's float scale) and gguf-py's per-16 dequantisation scale (iq_db). */
+template <int T> __device__ __forceinline__ float iq_f() {
+    return T == STG_IQ3_S ? 1.0f : T == STG_IQ3_XXS ? 0.25f : 0.125f;
+}
+template <int T> __device__ __forceinline__ float iq_db_d(float d, int ls) {
+    if constexpr (T == STG_IQ3_XXS) return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)ls)), 0.5f);
+    else if constexpr (T == STG_IQ3_S) return __fmul_rn(d, (float)(1 + 2 * ls));
+    else return __fmul_rn(__fmul_rn(d, __fadd_rn(0.5f, (float)ls)), 0.25f);
+}
+
+#define IQ_UNPACK(T)                                                                                 \
+    template <> __device__ __forceinline__ void unpack_sub<T>(const uint8_t *row, int j, sub_w &s) { \
+        const uint8_t *b = row + (int64_t)(j >> 3) * qt<T>::BB;                                      \
+        int l0, l1;                                                                                   \
+        iq_sub<T>(b, j & 7, s.q, l0, l1);                                                             \
+        s.A = ld_f16(b) * iq_f<T>(), s.B = 0.0f, s.c0 = 2 * l0 + 1, s.c1 = 2 * l1 + 1;              \
+    }                                                                                                 \
+    template <> __device__ __forceinline__ void deq_block<T>(const uint8_t *b, float *y) {           \
+        const float d = ld_f16(b);                                                                    \
+        for (int ib = 0; ib < 8; ib++) {                                                              \
+            int q[8], l0, l1;                                                                         \
+            iq_sub<T>(b, ib, q, l0, l1);                                                              \
+            const float db0 = iq_db_d<T>(d, l0), db1 = iq_db_d<T>(d, l1);                             \
+            for (int l = 0; l < 32; l++)                                                              \
+                y[32 * ib + l] = __fmul_rn(l < 16 ? db0 : db1, (float)(int8_t)(q[l / 4] >> (8 * (l % 4)))); \
+        }                                                                                             \
+    }
+IQ_UNPACK(STG_IQ2_XXS)
+IQ_UNPACK(STG_IQ2_XS)
+IQ_UNPACK(STG_IQ2_S)
+IQ_UNPACK(STG_IQ3_XXS)
+IQ_UNPACK(STG_IQ3_S)
+#undef IQ_UNPACK
+
+template <> __device__ __forceinline__ void unpack_sub<STG_Q3_K>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 110;
+    q3k_sub(b, j & 7, s.q, s.c0, s.c1);
+    s.A = ld_f16(b + 108), s.B = 0.0f;
+}
+template <> __device__ __forceinline__ void deq_block<STG_Q3_K>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b + 108);
+    for (int sb = 0; sb < 8; sb++) {
+        int q[8], c0, c1;
+        q3k_sub(b, sb, q, c0, c1);
+        const float d0 = __fmul_rn(d, (float)c0), d1 = __fmul_rn(d, (float)c1);
+        for (int l = 0; l < 32; l++)
+            y[32 * sb + l] = __fmul_rn(l < 16 ? d0 : d1, (float)(int8_t)(q[l / 4] >> (8 * (l % 4))));
+    }
+}
+
+template <> __device__ __forceinline__ void unpack_sub<STG_IQ4_NL>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 18;
+    const uint32_t w[4] = {ld_u32_2a(b + 2), ld_u32_2a(b + 6), ld_u32_2a(b + 10), ld_u32_2a(b + 14)};
+    nibbles16<0>(w, s.q);
+    s.A = ld_f16(b), s.B = 0.0f, s.c0 = s.c1 = 1;
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_IQ4_XS>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 136;
+    const int ib = j & 7;
+    const uint2 *qp = (const uint2 *)(b + 8 + 16 * ib); /* blocks 8-byte aligned (136 = 17 x 8), qs at 8 */
+    const uint2 v0 = qp[0], v1 = qp[1];
+    const uint32_t w[4] = {v0.x, v0.y, v1.x, v1.y};
+    nibbles16<0>(w, s.q);
+    s.A = __fmul_rn(ld_f16(b), (float)iq4xs_scale_d(b, ib)), s.B = 0.0f, s.c0 = s.c1 = 1;
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_MXFP4>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)j * 17; /* 17-byte blocks: byte loads */
+    const uint32_t w[4] = {ld_u32_1a(b + 1), ld_u32_1a(b + 5), ld_u32_1a(b + 9), ld_u32_1a(b + 13)};
+    nibbles16<1>(w, s.q);
+    s.A = e8m0_half_d(b[0]), s.B = 0.0f, s.c0 = s.c1 = 1;
+}
+/* IQ4_NL / IQ4_XS / MXFP4 dequantisation: scale * table[code] (deq_nibbles) through the unpack's values */
+template <int T> __device__ __forceinline__ void deq_nib(const uint8_t *row, int j, float *y) {
+    sub_w s;
+    unpack_sub<T>(row, j, s);
+    for (int l = 0; l < 32; l++) y[l] = __fmul_rn(s.A, (float)(int8_t)(s.q[l / 4] >> (8 * (l % 4))));
+}
+template <> __device__ __forceinline__ void deq_block<STG_IQ4_NL>(const uint8_t *b, float *y) { deq_nib<STG_IQ4_NL>(b, 0, y); }
+template <> __device__ __forceinline__ void deq_block<STG_MXFP4>(const uint8_t *b, float *y) { deq_nib<STG_MXFP4>(b, 0, y); }
+template <> __device__ __forceinline__ void deq_block<STG_IQ4_XS>(const uint8_t *b, float *y) {
+    for (int ib = 0; ib < 8; ib++) deq_nib<STG_IQ4_XS>(b, ib, y + 32 * ib);
 }

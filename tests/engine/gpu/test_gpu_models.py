@@ -39,9 +39,16 @@ import pytest
 
 from engine.engine import Engine
 from engine.native import VARIANTS, _variant_from_env, lib
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, collect_text
+from engine.scheduler import Scheduler, collect_text
 from tests.engine.gpu._env import rel_err, requires_gpu
+from tests.engine.gpu._model_checks import (
+    N_GREEDY,
+    check_batched,
+    check_greedy,
+    check_model,
+    greedy,
+    tokens_of,
+)
 
 pytestmark = requires_gpu
 
@@ -49,9 +56,6 @@ H = pytest.importorskip("tests.engine.hf_models", reason="transformers (torch) i
 
 CASES = [("mixtral", "f32"), ("mixtral", "q4_1"), ("qwen3moe", "f32"), ("qwen3moe", "q8_0"), ("qwen2moe", "f32"),
          ("qwen2moe", "q5_0")]
-N_GREEDY = 64
-
-
 @pytest.fixture(scope="module")
 def gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     root = tmp_path_factory.mktemp("gpu_models")
@@ -62,62 +66,6 @@ def gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str]
             if a == arch:
                 out[(a, qt)] = H.to_gguf(hf_dir, root / f"{arch}.{qt}.gguf", qt)
     return out
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams.parse(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def tokens_of(eng: Engine, ids: list[int], n: int) -> list[int]:
-    return eng.generate(ids, max_tokens=n, ignore_eos=True).token_ids
-
-
-def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool, note: str = "",
-                 bound: float = 1e-2) -> None:
-    """Greedy tokens identical for N_GREEDY steps, or until they first part at a near-tie of the
-    oracle (cpu): there the GPU's token is within `bound` of max|logit| below the oracle's (so the
-    oracle's own top-2 margin is too). Nothing is compared after it: a near-tie's continuations
-    diverge legitimately."""
-    a, b = tokens_of(cpu, prompt, N_GREEDY), tokens_of(gpu, prompt, N_GREEDY)
-    assert len(a) == len(b) == N_GREEDY
-    if a == b:
-        return
-    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-    assert not exact, f"greedy tokens differ at step {i} on an F32 model"
-    lg = cpu.logits_for(prompt + a[:i])[-1]  # a fresh sequence: no prefix-cache reuse
-    gap, scale = float(lg[a[i]] - lg[b[i]]), float(np.abs(lg).max())
-    print(f"greedy identical for {i} steps; there the GPU's token is {gap / scale:.3e} of max|logit| below the CPU's")
-    assert 0 <= gap <= bound * scale, \
-        f"step {i}: GPU chose {b[i]}, CPU {a[i]} by a margin of {gap} (max|logit| {scale}, bound {bound:.3e}){note}"
-
-
-def check_batched(gpu: Engine, prompts: list[list[int]]) -> None:
-    """16 sequences in one scheduler on the GPU == each alone on the GPU."""
-    alone = []
-    for p in prompts:
-        s = Scheduler(gpu, SchedulerConfig(prefix_cache=False))
-        rid = s.add(p, greedy(24))
-        alone.append(collect_text(s.run_to_completion()[rid])[0])
-    sched = Scheduler(gpu)
-    rids = [sched.add(p, greedy(24)) for p in prompts]
-    out = sched.run_to_completion()
-    assert [collect_text(out[r])[0] for r in rids] == alone
-    assert gpu.blocks.num_free == gpu.blocks.n_blocks
-    st = gpu.last_stats
-    assert st is not None and st.t_total > 0 and st.n_tokens >= 1
-
-
-def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096, exact: bool = False,
-                tol: float = 1e-2) -> None:
-    with Engine.open(path, threads=2, kv_tokens=kv_tokens) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=kv_tokens) as gpu:
-        assert gpu.device.kind == "cuda"
-        ref = cpu.logits_for(prompts[0])
-        got = gpu.logits_for(prompts[0])
-        assert got.shape == ref.shape
-        assert rel_err(got, ref) <= tol, rel_err(got, ref)
-        check_greedy(cpu, gpu, prompts[0], exact)
-        check_batched(gpu, prompts)
 
 
 @pytest.mark.parametrize(("arch", "qt"), CASES)
