@@ -22,6 +22,7 @@ import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
+from engine.kv_tiers import KVTiers
 from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
 from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
 from engine.rope import RopeOverrides, RopeParams, resolve
@@ -194,7 +195,7 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None) -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None) -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -216,8 +217,15 @@ class Engine:
         # GPU otherwise the C model only validated the file, and its pool is one thread
         self.resident = resident if on_gpu and resident is not None and not resident.all() else None
         cpu_threads = threads if not on_gpu or self.resident is not None else 1
+        # a tiered cache (CPU): the first n_hot blocks in the hot pool, the rest in the cold one
+        n_hot = n_blocks if kv_hot_tokens is None else max(1, -(-kv_hot_tokens // block_size))
+        if n_hot < n_blocks and on_gpu:
+            lib.st_model_destroy(self._model)
+            raise UnsupportedError("KV tiers (kv_hot_tokens) run on the CPU engine only for now")
+        n_hot = min(n_hot, n_blocks)
         pk = ffi.new("st_kv **")
-        rc = lib.st_kv_create(self._model, 1 if on_gpu else n_blocks, block_size, pk)
+        rc = lib.st_kv_create_tiered(self._model, 1 if on_gpu else n_hot, 0 if on_gpu else n_blocks - n_hot,
+                                     block_size, pk)
         if rc:
             lib.st_model_destroy(self._model)
             check(rc, "KV cache")
@@ -245,6 +253,12 @@ class Engine:
                 raise
         self.blocks = BlockManager(n_blocks, block_size)
         self.kv_tokens = n_blocks * block_size
+        self.kv_tiers: KVTiers | None = None  # None: one tier (every block hot)
+        if n_hot < n_blocks:
+            bm = self.blocks
+            self.kv_tiers = KVTiers(n_hot, n_blocks - n_hot, self._kv_swap,
+                                    lambda b: bm.ref[b] > 0 or bm.block_digest[b] is not None)
+        self._kv_moved = 0  # bytes moved between tiers since the last step's stats
         self._tokenizer: Any = None
         self._template: Any = None
         self.last_stats: StepStats | None = None
@@ -264,7 +278,7 @@ class Engine:
              prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
              gpu_budget_gb: float | None = None,
              placement: str | os.PathLike[str] | PlacementFile | None = None,
-             rope: RopeOverrides | None = None) -> Engine:
+             rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None) -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
@@ -283,6 +297,10 @@ class Engine:
 
         max_model_len overrides the context window (default: the trained context, or the
         scaled one under rope scaling, bounded by the KV capacity); beyond it quality is not promised.
+
+        kv_hot_tokens: the hot tier's size in tokens (rounded up to blocks); the rest of the ``kv_tokens``
+        cache is the cold tier, a separate allocation. None: one tier. Blocks move between tiers only when the
+        scheduler asks (``place_kv``); outputs are bit-identical to the untiered cache's. CPU only for now.
 
         rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
         --yarn-* options, engine.rope). Rope scaling runs on the CPU only for now: on a GPU a model
@@ -326,8 +344,10 @@ class Engine:
             from engine.placement import resident_mask
 
             resident = resident_mask(mf, planned[0])
+        if kv_hot_tokens is not None and kv_hot_tokens < 1:
+            raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                   resident, planned[0] if planned else None, planned[1] if planned else "", rp)
+                   resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
@@ -417,8 +437,28 @@ class Engine:
                 self.last_stats = _stats(st, self._gpu_profile(st))
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-                self.last_stats = _stats(st)
+                self.last_stats = self._take_moved(_stats(st))
         return out
+
+    def _kv_swap(self, a: int, b: int, copy_a: bool, copy_b: bool) -> int:
+        moved = ffi.new("uint64_t *")
+        check(lib.st_kv_swap(self._kv, a, b, int(copy_a), int(copy_b), moved), "KV tier move")
+        return int(moved[0])
+
+    def place_kv(self, block_tables: Sequence[Sequence[int]]) -> int:
+        """Between steps: move KV blocks between the tiers so the hot tier holds what a step over
+        ``block_tables`` reads most (engine.kv_tiers); returns the bytes moved, which the next step's
+        stats report (``StepStats.kv_moved_bytes``). A no-op on an untiered cache."""
+        if self.kv_tiers is None:
+            return 0
+        with self._step_lock:  # never during a step: the C cache is read by st_forward
+            moved = self.kv_tiers.place(block_tables)
+            self._kv_moved += moved
+        return moved
+
+    def _take_moved(self, stats: StepStats) -> StepStats:
+        stats.kv_moved_bytes, self._kv_moved = self._kv_moved, 0
+        return stats
 
     # ------------------------------------------------------------ routed experts for a caller (hybrid)
     def _moe_input(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -516,7 +556,7 @@ class Engine:
             else:  # the CPU: the whole step now
                 st = self._io.stats
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-                self._inflight[ticket] = (out, 0, _stats(st), None)
+                self._inflight[ticket] = (out, 0, self._take_moved(_stats(st)), None)
         return ticket
 
     def _drain(self, keep: int) -> None:

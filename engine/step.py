@@ -41,6 +41,7 @@ class StepStats:
     t_gpu_wait: float = 0.0
     resident_hit_rate: float = 0.0
     staged_bytes: int = 0
+    kv_moved_bytes: int = 0  # KV bytes copied between the cache's tiers before this step (Engine.place_kv)
 
 
 class StepEngine(Protocol):
@@ -75,3 +76,5 @@ class StepEngine(Protocol):
                after: int | None = None) -> int: ...
 
     def wait(self, ticket: int) -> np.ndarray: ...
+
+    def place_kv(self, block_tables: Sequence[Sequence[int]]) -> int: ...

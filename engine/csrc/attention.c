@@ -29,13 +29,19 @@
 #define LANES 16 /* queries per tile = keys per K load */
 _Static_assert(LANES == ST_ATTN_TILE, "a prefill tile fills the vector lanes");
 
+/* A physical block below n_hot is in the hot pool, the rest in the cold one (the tiered cache). */
 static inline const f16_t *k_block(const kv_view *kv, int32_t blk) {
-    return kv->k + ((size_t)kv->bt[blk] * (size_t)kv->n_kv + (size_t)kv->kvh) * (size_t)kv->hd * (size_t)kv->bs;
+    const int32_t p = kv->bt[blk];
+    const f16_t *base = p < kv->n_hot ? kv->k : kv->kc;
+    const size_t i = (size_t)(p < kv->n_hot ? p : p - kv->n_hot);
+    return base + (i * (size_t)kv->n_kv + (size_t)kv->kvh) * (size_t)kv->hd * (size_t)kv->bs;
 }
 
 static inline const f16_t *v_row(const kv_view *kv, int32_t j) {
-    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->v_dim +
-           (size_t)kv->kvh * (size_t)kv->vd;
+    const int32_t p = kv->bt[j / kv->bs];
+    const f16_t *base = p < kv->n_hot ? kv->v : kv->vc;
+    const size_t i = (size_t)(p < kv->n_hot ? p : p - kv->n_hot);
+    return base + (i * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->v_dim + (size_t)kv->kvh * (size_t)kv->vd;
 }
 
 /* ------------------------------------------------------------------ reference */

@@ -52,9 +52,12 @@ typedef struct {
 /* KV head kvh of layer c->layer as batch token t's sequence sees it (the heads as cached: st_model.c_*). */
 static kv_view layer_view(const attn_ctx *c, int32_t t, int kvh) {
     const st_kv *kv = c->kv;
-    return (kv_view){kv->k + kv_offset_k(kv, c->layer, 0), kv->v + kv_offset_v(kv, c->layer, 0, 0),
+    const int tiered = kv->n_cold > 0;
+    return (kv_view){kv->n_hot ? kv_k_block(kv, c->layer, 0) : NULL, kv->n_hot ? kv_v_row(kv, c->layer, 0, 0) : NULL,
                      c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks, kv->block_size,
-                     c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh};
+                     c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh, tiered ? kv->n_hot : INT32_MAX,
+                     tiered ? kv_k_block(kv, c->layer, kv->n_hot) : NULL,
+                     tiered ? kv_v_row(kv, c->layer, kv->n_hot, 0) : NULL};
 }
 
 static void split_task(const attn_ctx *c, int64_t item, int thread) {
@@ -349,6 +352,22 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         kv->head_dim_v != m->c_hd_v)
         return st_fail(ST_EINVAL, "forward: KV cache was created for another model");
     CHECK(validate_batch(m, kv, b));
+    st_batch phys;
+    if (kv->map) { /* a tiered cache: the step reads the tables through the logical -> physical map */
+        const size_t n = (size_t)b->n_seqs * (size_t)b->max_blocks;
+        if (n > kv->cap_bt) {
+            int32_t *nb = realloc(kv->bt_phys, sizeof(int32_t) * n);
+            if (!nb) return st_fail(ST_ENOMEM, "forward: out of memory for %zu block table entries", n);
+            kv->bt_phys = nb, kv->cap_bt = n;
+        }
+        for (size_t i = 0; i < n; i++) {
+            const int32_t id = b->block_tables[i];
+            kv->bt_phys[i] = id >= 0 && id < kv->n_blocks ? kv->map[id] : id;
+        }
+        phys = *b;
+        phys.block_tables = kv->bt_phys;
+        b = &phys;
+    }
     st_model_repack(m); /* first step only; a CPU step, so a model that only validated a file for the GPU never repacks */
     st_step_stats local = {0};
     st_step_stats *st = stats ? stats : &local;

@@ -299,6 +299,15 @@ st_status st_route(int32_t n_expert, int32_t k, int32_t gating, int32_t n_expert
 /* ---- paged KV cache (F16) ------------------------------------------------------ */
 typedef struct st_kv st_kv;
 st_status st_kv_create(const st_model *m, int32_t n_blocks, int32_t block_size, st_kv **out);
+/* A tiered cache: n_hot blocks in one allocation (the hot tier) and n_cold in another (the cold
+ * tier), addressed by logical ids 0 .. n_hot + n_cold - 1 that start at physical block = id (ids
+ * below n_hot hot). st_kv_create is the untiered n_cold = 0 case. */
+st_status st_kv_create_tiered(const st_model *m, int32_t n_hot, int32_t n_cold, int32_t block_size, st_kv **out);
+/* Swaps the physical homes of logical blocks a and b of a tiered cache (every layer's K and V),
+ * copying a's contents when copy_a and b's when copy_b (a block holding nothing needed is not
+ * copied). *bytes (optional): the bytes copied. Errors: untiered cache -> ST_EINVAL; an id
+ * outside the cache -> ST_ERANGE. Never concurrently with st_forward on the same cache. */
+st_status st_kv_swap(st_kv *kv, int32_t a, int32_t b, int32_t copy_a, int32_t copy_b, uint64_t *bytes);
 void st_kv_destroy(st_kv *kv);
 
 /* ---- one step -------------------------------------------------------------------- */
