@@ -22,8 +22,8 @@ import numpy as np
 
 from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
-from engine.kv_tiers import KVTiers
 from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
+from engine.kv_tiers import KVTiers
 from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
 from engine.rope import RopeOverrides, RopeParams, resolve
 from engine.step import StepStats

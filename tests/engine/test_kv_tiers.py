@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.block_manager import KVCapacityError
 from engine.engine import Engine
 from engine.kv_tiers import KVTiers
 from engine.sampling import SamplingParams
@@ -121,3 +122,18 @@ def test_kvtiers_policy() -> None:
     assert t.place([[10, 11, 12, 13, 14]]) == 0  # already in place
     with pytest.raises(ValueError):
         KVTiers(0, 4, swap, lambda b: True)
+
+
+def test_admission_counts_both_tiers(engines: tuple[Engine, Engine]) -> None:
+    """The window is both tiers' capacity; a prompt beyond it gets the typed context error before any work."""
+    _, tiered = engines
+    assert tiered.n_ctx == min(tiered.kv_tokens, tiered.hparams.n_ctx_train) > HOT
+    sched = Scheduler(tiered, SchedulerConfig())
+    free, moved = tiered.blocks.num_free, tiered.kv_tiers.moved_bytes
+    with pytest.raises(KVCapacityError, match="context window"):
+        sched.add([1] * tiered.n_ctx, SamplingParams(max_tokens=4))
+    assert not sched.has_work() and tiered.blocks.num_free == free and tiered.kv_tiers.moved_bytes == moved
+    long = _prompts(1, 3)[0] * 3  # several times the hot tier, within the window
+    rid = sched.add(long[: tiered.n_ctx // 2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    done = sched.run_to_completion()
+    assert len([t for o in done[rid] for t in o.token_ids]) == 2
