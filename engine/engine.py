@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from engine.sampling import SamplingParams
     from engine.scheduler import RequestOutput
 
+# the KV cache's element types (st_kv_create_tiered): F16, or Q8_0-style 8-bit values with an F16 scale per 32
+KV_TYPES = {"f16": 0, "q8_0": 1}
+
 __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError", "GpuBudgetError"]
 
 
@@ -195,7 +198,7 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None) -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -224,8 +227,15 @@ class Engine:
             raise UnsupportedError("KV tiers (kv_hot_tokens) run on the CPU engine only for now")
         n_hot = min(n_hot, n_blocks)
         pk = ffi.new("st_kv **")
+        if kv_type not in KV_TYPES:
+            lib.st_model_destroy(self._model)
+            raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        if kv_type != "f16" and on_gpu:
+            lib.st_model_destroy(self._model)
+            raise UnsupportedError("the 8-bit KV cache (kv_type 'q8_0') runs on the CPU engine only for now")
+        self.kv_type = kv_type
         rc = lib.st_kv_create_tiered(self._model, 1 if on_gpu else n_hot, 0 if on_gpu else n_blocks - n_hot,
-                                     block_size, pk)
+                                     block_size, KV_TYPES[kv_type], pk)
         if rc:
             lib.st_model_destroy(self._model)
             check(rc, "KV cache")
@@ -278,7 +288,7 @@ class Engine:
              prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
              gpu_budget_gb: float | None = None,
              placement: str | os.PathLike[str] | PlacementFile | None = None,
-             rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None) -> Engine:
+             rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
@@ -301,6 +311,10 @@ class Engine:
         kv_hot_tokens: the hot tier's size in tokens (rounded up to blocks); the rest of the ``kv_tokens``
         cache is the cold tier, a separate allocation. None: one tier. Blocks move between tiers only when the
         scheduler asks (``place_kv``); outputs are bit-identical to the untiered cache's. CPU only for now.
+
+        kv_type: "f16" (the default) or "q8_0": the 8-bit cache, Q8_0's rule per group of 32 values of a
+        token's K or V (1.0625 bytes a value instead of 2; accuracy in docs/benchmarks.md). CPU only, untiered,
+        read by generic C kernels (slower attention than the F16 cache's SIMD ones).
 
         rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
         --yarn-* options, engine.rope). Rope scaling runs on the CPU only for now: on a GPU a model
@@ -347,7 +361,8 @@ class Engine:
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                   resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens)
+                   resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
+                   kv_type)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:

@@ -52,12 +52,17 @@ typedef struct {
 /* KV head kvh of layer c->layer as batch token t's sequence sees it (the heads as cached: st_model.c_*). */
 static kv_view layer_view(const attn_ctx *c, int32_t t, int kvh) {
     const st_kv *kv = c->kv;
-    const int tiered = kv->n_cold > 0;
-    return (kv_view){kv->n_hot ? kv_k_block(kv, c->layer, 0) : NULL, kv->n_hot ? kv_v_row(kv, c->layer, 0, 0) : NULL,
+    const int tiered = kv->n_cold > 0, q8 = kv->type == ST_KV_Q8_0;
+    const size_t layer_elems = (size_t)c->layer * (size_t)kv->n_blocks * (size_t)kv->block_size;
+    return (kv_view){q8 ? NULL : kv_k_block(kv, c->layer, 0), q8 ? NULL : kv_v_row(kv, c->layer, 0, 0),
                      c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks, kv->block_size,
                      c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh, tiered ? kv->n_hot : INT32_MAX,
                      tiered ? kv_k_block(kv, c->layer, kv->n_hot) : NULL,
-                     tiered ? kv_v_row(kv, c->layer, kv->n_hot, 0) : NULL};
+                     tiered ? kv_v_row(kv, c->layer, kv->n_hot, 0) : NULL,
+                     q8 ? kv->k8 + layer_elems * (size_t)kv->k_dim : NULL,
+                     q8 ? kv->v8 + layer_elems * (size_t)kv->v_dim : NULL,
+                     q8 ? kv->ks + layer_elems * (size_t)(kv->k_dim / 32) : NULL,
+                     q8 ? kv->vs + layer_elems * (size_t)(kv->v_dim / 32) : NULL};
 }
 
 static void split_task(const attn_ctx *c, int64_t item, int thread) {
@@ -192,8 +197,9 @@ void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b
     const st_layer *L = &m->layers[il];
     attn_plan plan;
     plan_layer(m, b, st_layer_swa(&m->d, il), L->sinks.data != NULL, st_pool_threads(pool), s->n_tiles, &plan);
-    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, st_attn(), s->split, plan.n_split,
-                   plan.n_split_items, st_attn_part(), s->parts, s->left};
+    const int q8 = kv->type == ST_KV_Q8_0; /* the 8-bit cache: its own (generic) kernels */
+    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, q8 ? st_attn_q8_ref() : st_attn(), s->split,
+                   plan.n_split, plan.n_split_items, q8 ? st_attn_part_q8_ref() : st_attn_part(), s->parts, s->left};
     for (int32_t i = 0; i < plan.n_split; i++)
         for (int h = 0; h < m->c_n_kv; h++)
             atomic_store_explicit(&s->left[(size_t)i * (size_t)m->c_n_kv + (size_t)h], s->split[i].n_chunks,

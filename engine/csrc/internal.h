@@ -137,6 +137,9 @@ typedef struct {
     int32_t n_kv, v_dim, kvh; /* v_dim = n_kv * vd: a V row */
     int32_t n_hot;            /* blocks below n_hot are in k/v; block p >= n_hot is block p - n_hot of kc/vc */
     const f16_t *kc, *vc;     /* this layer's cold pool (NULL when untiered, n_hot then INT32_MAX) */
+    /* an 8-bit cache (ST_KV_Q8_0; k, v NULL): this layer's int8 values and F16 group scales (struct st_kv) */
+    const int8_t *k8, *v8;
+    const f16_t *ks, *vs;
 } kv_view;
 /* nq consecutive queries (rows of q, pre-scaled by 1/sqrt(hd)) at positions p0..p0+nq-1;
  * query i sees keys 0..p0+i; out rows hold vd values. scratch: st_attn_scratch_floats(hd, p0 + nq)
@@ -156,6 +159,9 @@ size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 typedef void (*attn_part_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                              float *part, float *scratch);
 attn_part_fn st_attn_part_ref(void);
+/* The same two over an 8-bit cache (kv_view.k8): generic C, the only variant (a SIMD one is not written yet). */
+attn_fn st_attn_q8_ref(void);
+attn_part_fn st_attn_part_q8_ref(void);
 attn_part_fn st_attn_part_avx2(void);
 attn_part_fn st_attn_part_avx512(void);
 /* Merges n_chunks partials of nq queries (chunk c's at parts + c * chunk_stride) in chunk
@@ -261,6 +267,12 @@ struct st_kv {
     int32_t *map;           /* [n_blocks]: logical block -> physical block (a permutation), or NULL */
     int32_t *bt_phys;       /* a step's block tables translated through map (st_forward), cap_bt entries */
     size_t cap_bt;
+    /* ST_KV_Q8_0 (untiered only): k/v are NULL and each element is an int8 of k8/v8 at the F16 layout's
+     * index, times the F16 scale of its group of 32: K's groups run along one token's head dimensions
+     * (ks [n_layer][n_blocks][n_kv][head_dim/32][block_size]), V's along its row (vs [..][block_size][v_dim/32]). */
+    int32_t type;
+    int8_t *k8, *v8;
+    f16_t *ks, *vs;
 };
 
 /* Pointers to (layer, physical block)'s K block start (K is slot-minor) and to its V row `slot`. */

@@ -301,8 +301,16 @@ typedef struct st_kv st_kv;
 st_status st_kv_create(const st_model *m, int32_t n_blocks, int32_t block_size, st_kv **out);
 /* A tiered cache: n_hot blocks in one allocation (the hot tier) and n_cold in another (the cold
  * tier), addressed by logical ids 0 .. n_hot + n_cold - 1 that start at physical block = id (ids
- * below n_hot hot). st_kv_create is the untiered n_cold = 0 case. */
-st_status st_kv_create_tiered(const st_model *m, int32_t n_hot, int32_t n_cold, int32_t block_size, st_kv **out);
+ * below n_hot hot). st_kv_create is the untiered F16 case (n_cold = 0, ST_KV_F16).
+ * type: ST_KV_F16, or ST_KV_Q8_0 (8-bit values with one F16 scale per 32, Q8_0's rule; untiered
+ * only, head dimensions multiples of 32, no sliding-window or sink layers: else ST_EINVAL). */
+/* Q8_0's rule on one group of 32 floats (the 8-bit cache's store): d = max|x| / 127 (*d as F16 bits),
+ * q[i] = round(x[i] * (1 / d)). For the kernel harness. */
+void st_kv_q8_group(const float *x, int8_t *q, uint16_t *d);
+#define ST_KV_F16 0
+#define ST_KV_Q8_0 1
+st_status st_kv_create_tiered(const st_model *m, int32_t n_hot, int32_t n_cold, int32_t block_size, int32_t type,
+                              st_kv **out);
 /* Swaps the physical homes of logical blocks a and b of a tiered cache (every layer's K and V),
  * copying a's contents when copy_a and b's when copy_b (a block holding nothing needed is not
  * copied). *bytes (optional): the bytes copied. Errors: untiered cache -> ST_EINVAL; an id

@@ -192,7 +192,7 @@ st_status st_attention_kv(int32_t variant, const uint16_t *k, const uint16_t *v,
     const attn_fn fn = attn_variant(variant);
     float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
     if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
-    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head, INT32_MAX, NULL, NULL};
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head, INT32_MAX, NULL, NULL, NULL, NULL, NULL, NULL};
     fn(&view, q, head_dim, nq, p0, out, v_dim, scratch);
     free(scratch);
     return ST_OK;
@@ -228,7 +228,7 @@ st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16
         free(scratch), free(parts);
         return st_fail(ST_ENOMEM, "attention_split: out of memory");
     }
-    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head, INT32_MAX, NULL, NULL};
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head, INT32_MAX, NULL, NULL, NULL, NULL, NULL, NULL};
     for (int32_t c = 0; c < n_chunks; c++) {
         const int32_t j0 = c * chunk, j1 = n_keys - j0 < chunk ? n_keys : j0 + chunk;
         fn(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
