@@ -24,6 +24,7 @@ import numpy as np
 from engine.block_manager import BlockManager, KVCapacityError
 from engine.cuda_backend import DeviceSpec, parse_device, resolve_device
 from engine.gguf_model import ModelFile, UnsupportedModelError, create_native_model, open_model
+from engine.kv_tiers import KVTiers
 from engine.native import EngineError, UnsupportedError, check, ffi, lib, ptr
 from engine.rope import RopeOverrides, RopeParams, resolve
 from engine.step import StepStats
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from engine.placement import GpuPlan, PlacementFile
     from engine.sampling import SamplingParams
     from engine.scheduler import RequestOutput
+
+# the KV cache's element types (st_kv_create_tiered): F16, or Q8_0-style 8-bit values with an F16 scale per 32
+KV_TYPES = {"f16": 0, "q8_0": 1}
 
 __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "EngineError", "GpuBudgetError"]
 
@@ -216,7 +220,7 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None) -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -240,8 +244,22 @@ class Engine:
         cpu_threads = threads if not on_gpu or self.resident is not None else 1
         if self.resident is not None:
             cpu_threads = hybrid_pool_threads(threads)
+        # a tiered cache (CPU): the first n_hot blocks in the hot pool, the rest in the cold one
+        n_hot = n_blocks if kv_hot_tokens is None else max(1, -(-kv_hot_tokens // block_size))
+        if n_hot < n_blocks and on_gpu:
+            lib.st_model_destroy(self._model)
+            raise UnsupportedError("KV tiers (kv_hot_tokens) run on the CPU engine only for now")
+        n_hot = min(n_hot, n_blocks)
         pk = ffi.new("st_kv **")
-        rc = lib.st_kv_create(self._model, 1 if on_gpu else n_blocks, block_size, pk)
+        if kv_type not in KV_TYPES:
+            lib.st_model_destroy(self._model)
+            raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
+        if kv_type != "f16" and on_gpu:
+            lib.st_model_destroy(self._model)
+            raise UnsupportedError("the 8-bit KV cache (kv_type 'q8_0') runs on the CPU engine only for now")
+        self.kv_type = kv_type
+        rc = lib.st_kv_create_tiered(self._model, 1 if on_gpu else n_hot, 0 if on_gpu else n_blocks - n_hot,
+                                     block_size, KV_TYPES[kv_type], pk)
         if rc:
             lib.st_model_destroy(self._model)
             check(rc, "KV cache")
@@ -269,6 +287,12 @@ class Engine:
                 raise
         self.blocks = BlockManager(n_blocks, block_size)
         self.kv_tokens = n_blocks * block_size
+        self.kv_tiers: KVTiers | None = None  # None: one tier (every block hot)
+        if n_hot < n_blocks:
+            bm = self.blocks
+            self.kv_tiers = KVTiers(n_hot, n_blocks - n_hot, self._kv_swap,
+                                    lambda b: bm.ref[b] > 0 or bm.block_digest[b] is not None)
+        self._kv_moved = 0  # bytes moved between tiers since the last step's stats
         self._tokenizer: Any = None
         self._template: Any = None
         self.last_stats: StepStats | None = None
@@ -349,7 +373,7 @@ class Engine:
              prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
              gpu_budget_gb: float | None = None,
              placement: str | os.PathLike[str] | PlacementFile | None = None,
-             rope: RopeOverrides | None = None) -> Engine:
+             rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
@@ -368,6 +392,14 @@ class Engine:
 
         max_model_len overrides the context window (default: the trained context, or the
         scaled one under rope scaling, bounded by the KV capacity); beyond it quality is not promised.
+
+        kv_hot_tokens: the hot tier's size in tokens (rounded up to blocks); the rest of the ``kv_tokens``
+        cache is the cold tier, a separate allocation. None: one tier. Blocks move between tiers only when the
+        scheduler asks (``place_kv``); outputs are bit-identical to the untiered cache's. CPU only for now.
+
+        kv_type: "f16" (the default) or "q8_0": the 8-bit cache, Q8_0's rule per group of 32 values of a
+        token's K or V (1.0625 bytes a value instead of 2; accuracy in docs/benchmarks.md). CPU only, untiered,
+        read by generic C kernels (slower attention than the F16 cache's SIMD ones).
 
         rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
         --yarn-* options, engine.rope). Rope scaling runs on the CPU only for now: on a GPU a model
@@ -411,8 +443,11 @@ class Engine:
             from engine.placement import resident_mask
 
             resident = resident_mask(mf, planned[0])
+        if kv_hot_tokens is not None and kv_hot_tokens < 1:
+            raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                   resident, planned[0] if planned else None, planned[1] if planned else "", rp)
+                   resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
+                   kv_type)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
@@ -502,8 +537,28 @@ class Engine:
                 self.last_stats = _stats(st, self._gpu_profile(st))
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-                self.last_stats = _stats(st)
+                self.last_stats = self._take_moved(_stats(st))
         return out
+
+    def _kv_swap(self, a: int, b: int, copy_a: bool, copy_b: bool) -> int:
+        moved = ffi.new("uint64_t *")
+        check(lib.st_kv_swap(self._kv, a, b, int(copy_a), int(copy_b), moved), "KV tier move")
+        return int(moved[0])
+
+    def place_kv(self, block_tables: Sequence[Sequence[int]]) -> int:
+        """Between steps: move KV blocks between the tiers so the hot tier holds what a step over
+        ``block_tables`` reads most (engine.kv_tiers); returns the bytes moved, which the next step's
+        stats report (``StepStats.kv_moved_bytes``). A no-op on an untiered cache."""
+        if self.kv_tiers is None:
+            return 0
+        with self._step_lock:  # never during a step: the C cache is read by st_forward
+            moved = self.kv_tiers.place(block_tables)
+            self._kv_moved += moved
+        return moved
+
+    def _take_moved(self, stats: StepStats) -> StepStats:
+        stats.kv_moved_bytes, self._kv_moved = self._kv_moved, 0
+        return stats
 
     # ------------------------------------------------------------ routed experts for a caller (hybrid)
     def _moe_input(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -601,7 +656,7 @@ class Engine:
             else:  # the CPU: the whole step now
                 st = self._io.stats
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
-                self._inflight[ticket] = (out, 0, _stats(st), None)
+                self._inflight[ticket] = (out, 0, self._take_moved(_stats(st)), None)
         return ticket
 
     def _drain(self, keep: int) -> None:

@@ -153,6 +153,18 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def tier_tokens(mf: ModelFile, ram_gib: float | None, vram_gib: float | None,
+                kv_bytes_per_token: int | None = None) -> tuple[int | None, int | None]:
+    """KV tokens each tier holds for the budgets (None where no budget is given): the hot tier, VRAM less the
+    dense weights and the step buffers (the hybrid layout: routed experts in RAM); the cold tier, RAM less the
+    whole file (the mapped weights). A lane's window is bounded by their sum (admission counts both tiers)."""
+    r = analyse(mf)
+    per = kv_bytes_per_token or r.kv_bytes_per_token
+    hot = None if vram_gib is None else max(0, int(vram_gib * GIB) - r.dense_bytes - step_buffer_bytes(mf.hparams)) // per
+    cold = None if ram_gib is None else max(0, int(ram_gib * GIB) - r.file_bytes) // per
+    return hot, cold
+
+
 def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None) -> str:
     r = analyse(mf)
     hp = mf.hparams
@@ -191,6 +203,14 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         verdict = "fits" if need <= vram_gib * GIB else "does NOT fit"
         lines.append(f"VRAM {vram_gib:g} GiB    {verdict}: all weights + KV + step buffers = {_fmt_bytes(need)} "
                      f"(device cuda: the whole model on the GPU)")
+    if ram_gib is not None or vram_gib is not None:
+        hot, cold = tier_tokens(mf, ram_gib, vram_gib)
+        parts = ([f"hot (VRAM {vram_gib:g} GiB after dense weights and step buffers) {hot:,} tokens"]
+                 if hot is not None else [])
+        parts += [f"cold (RAM {ram_gib:g} GiB after the weights) {cold:,} tokens"] if cold is not None else []
+        total = (hot or 0) + (cold or 0)
+        lines.append(f"KV tiers        {_fmt_bytes(r.kv_bytes_per_token)} per token: " + "; ".join(parts)
+                     + f"; {total:,} tokens in all = {total // ctx:,} sequences at context {ctx}")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)
 

@@ -540,6 +540,7 @@ class Scheduler:
         pos = [r.n_computed for r in rows]
         hist = self._new_hist()
         try:
+            self.engine.place_kv([r.blocks for r in rows])  # the tiers, between steps
             ticket = self.engine.launch([r.token_ids[p] for r, p in zip(rows, pos, strict=True)], pos, list(range(len(rows))),
                                         [r.blocks for r in rows], list(range(len(rows))), expert_hist=hist)
         except Exception as exc:  # as _run: an engine error fails the requests of this step, not the loop
@@ -597,6 +598,7 @@ class Scheduler:
             return None
         hist = self._new_hist()
         try:
+            self.engine.place_kv([r.blocks for r in rows])
             ticket = self.engine.launch([0] * len(rows), pos, list(range(len(rows))), [r.blocks for r in rows],
                                         list(range(len(rows))), token_src=src, expert_hist=hist, after=f.ticket)
         except Exception as exc:  # another caller's step ran since (StaleSourceError), or an engine error:
@@ -664,6 +666,7 @@ class Scheduler:
             device_pick_ok(r.params, r.constraint is not None) for r in sample_reqs)
         masks = None if greedy else self._start_masks(sample_reqs)  # grammar masks, computed while the C step runs
         try:
+            self.engine.place_kv(tables)  # the tiers, between steps (engine.kv_tiers)
             logits = self.engine.forward(tokens, pos, seq, tables, logit_rows, expert_hist=hist, greedy=greedy)
         except Exception as exc:  # an engine error fails the requests of this step, not the loop
             if masks is not None:

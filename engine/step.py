@@ -54,6 +54,7 @@ class StepStats:
     stage_pcie_gbs: float = 0.0
     stage_gpu_gbs: float = 0.0
     stage_cpu_pairs_s: float = 0.0
+    kv_moved_bytes: int = 0  # KV bytes copied between the cache's tiers before this step (Engine.place_kv)
 
 
 class StepEngine(Protocol):
@@ -90,3 +91,4 @@ class StepEngine(Protocol):
     def wait(self, ticket: int) -> np.ndarray: ...
 
     def replace_experts(self, hist: np.ndarray, max_bytes: int) -> int: ...
+    def place_kv(self, block_tables: Sequence[Sequence[int]]) -> int: ...

@@ -29,13 +29,19 @@
 #define LANES 16 /* queries per tile = keys per K load */
 _Static_assert(LANES == ST_ATTN_TILE, "a prefill tile fills the vector lanes");
 
+/* A physical block below n_hot is in the hot pool, the rest in the cold one (the tiered cache). */
 static inline const f16_t *k_block(const kv_view *kv, int32_t blk) {
-    return kv->k + ((size_t)kv->bt[blk] * (size_t)kv->n_kv + (size_t)kv->kvh) * (size_t)kv->hd * (size_t)kv->bs;
+    const int32_t p = kv->bt[blk];
+    const f16_t *base = p < kv->n_hot ? kv->k : kv->kc;
+    const size_t i = (size_t)(p < kv->n_hot ? p : p - kv->n_hot);
+    return base + (i * (size_t)kv->n_kv + (size_t)kv->kvh) * (size_t)kv->hd * (size_t)kv->bs;
 }
 
 static inline const f16_t *v_row(const kv_view *kv, int32_t j) {
-    return kv->v + ((size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->v_dim +
-           (size_t)kv->kvh * (size_t)kv->vd;
+    const int32_t p = kv->bt[j / kv->bs];
+    const f16_t *base = p < kv->n_hot ? kv->v : kv->vc;
+    const size_t i = (size_t)(p < kv->n_hot ? p : p - kv->n_hot);
+    return base + (i * (size_t)kv->bs + (size_t)(j % kv->bs)) * (size_t)kv->v_dim + (size_t)kv->kvh * (size_t)kv->vd;
 }
 
 /* ------------------------------------------------------------------ reference */
@@ -129,6 +135,78 @@ static void part_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq
 }
 
 attn_part_fn st_attn_part_ref(void) { return part_ref; }
+
+/* ------------------------------------------------------------------ 8-bit cache: reference */
+
+/* Score of query qi against key j of an 8-bit cache: per group of 32 dimensions, the integer
+ * values' dot with the query times the group's scale. */
+static inline float q8_score(const kv_view *kv, const float *qi, int32_t j) {
+    const size_t bs = (size_t)kv->bs, p = (size_t)kv->bt[j / kv->bs], slot = (size_t)(j % kv->bs);
+    const size_t k_dim = (size_t)kv->n_kv * (size_t)kv->hd, h0 = (size_t)kv->kvh * (size_t)kv->hd;
+    const int8_t *kb = kv->k8 + p * bs * k_dim;       /* [k_dim][bs] */
+    const f16_t *sb = kv->ks + p * bs * (k_dim / 32); /* [k_dim / 32][bs] */
+    float acc = 0.0f;
+    for (int g = 0; g < kv->hd / 32; g++) {
+        float dot = 0.0f;
+        for (int d = 32 * g; d < 32 * g + 32; d++) dot = fmaf(qi[d], (float)kb[(h0 + (size_t)d) * bs + slot], dot);
+        acc = fmaf(f16_to_f32(sb[(h0 / 32 + (size_t)g) * bs + slot]), dot, acc);
+    }
+    return acc;
+}
+
+/* Adds w times value row j (this head's vd values, dequantised) to o. */
+static inline void q8_add_value(const kv_view *kv, float w, int32_t j, float *o) {
+    const size_t row = (size_t)kv->bt[j / kv->bs] * (size_t)kv->bs + (size_t)(j % kv->bs);
+    const size_t c0 = (size_t)kv->kvh * (size_t)kv->vd;
+    const int8_t *vr = kv->v8 + row * (size_t)kv->v_dim + c0;
+    const f16_t *sr = kv->vs + row * (size_t)(kv->v_dim / 32) + c0 / 32;
+    for (int g = 0; g < kv->vd / 32; g++) {
+        const float ws = w * f16_to_f32(sr[g]);
+        for (int d = 32 * g; d < 32 * g + 32; d++) o[d] = fmaf(ws, (float)vr[d], o[d]);
+    }
+}
+
+static void attn_q8_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                        int64_t o_stride, float *scratch) {
+    float *s = scratch; /* [p0 + nq] scores of one query */
+    for (int i = 0; i < nq; i++) {
+        const float *qi = q + i * q_stride;
+        const int32_t nk = p0 + i + 1;
+        float mx = -INFINITY;
+        for (int32_t j = 0; j < nk; j++) {
+            s[j] = q8_score(kv, qi, j);
+            mx = s[j] > mx ? s[j] : mx;
+        }
+        float sum = 0.0f;
+        for (int32_t j = 0; j < nk; j++) sum += (s[j] = expf(s[j] - mx));
+        float *oi = out + i * o_stride;
+        for (int d = 0; d < kv->vd; d++) oi[d] = 0.0f;
+        for (int32_t j = 0; j < nk; j++) q8_add_value(kv, s[j], j, oi);
+        for (int d = 0; d < kv->vd; d++) oi[d] /= sum;
+    }
+}
+
+static void part_q8_ref(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
+                        float *part, float *scratch) {
+    float *s = scratch; /* [j1 - j0] scores of one query */
+    for (int i = 0; i < nq; i++) {
+        const float *qi = q + i * q_stride;
+        float mx = -INFINITY;
+        for (int32_t j = j0; j < j1; j++) {
+            s[j - j0] = q8_score(kv, qi, j);
+            mx = s[j - j0] > mx ? s[j - j0] : mx;
+        }
+        float sum = 0.0f;
+        for (int32_t j = j0; j < j1; j++) sum += (s[j - j0] = expf(s[j - j0] - mx));
+        float *pi = part + (size_t)i * (size_t)(kv->vd + 2);
+        pi[0] = mx, pi[1] = sum;
+        for (int d = 0; d < kv->vd; d++) pi[2 + d] = 0.0f;
+        for (int32_t j = j0; j < j1; j++) q8_add_value(kv, s[j - j0], j, pi + 2);
+    }
+}
+
+attn_fn st_attn_q8_ref(void) { return attn_q8_ref; }
+attn_part_fn st_attn_part_q8_ref(void) { return part_q8_ref; }
 
 void st_attn_combine(const float *parts, int32_t n_chunks, size_t chunk_stride, int nq, int vd, const float *sink,
                      float *out, int64_t o_stride) {

@@ -52,9 +52,17 @@ typedef struct {
 /* KV head kvh of layer c->layer as batch token t's sequence sees it (the heads as cached: st_model.c_*). */
 static kv_view layer_view(const attn_ctx *c, int32_t t, int kvh) {
     const st_kv *kv = c->kv;
-    return (kv_view){kv->k + kv_offset_k(kv, c->layer, 0), kv->v + kv_offset_v(kv, c->layer, 0, 0),
+    const int tiered = kv->n_cold > 0, q8 = kv->type == ST_KV_Q8_0;
+    const size_t layer_elems = (size_t)c->layer * (size_t)kv->n_blocks * (size_t)kv->block_size;
+    return (kv_view){q8 ? NULL : kv_k_block(kv, c->layer, 0), q8 ? NULL : kv_v_row(kv, c->layer, 0, 0),
                      c->b->block_tables + (size_t)c->b->seq[t] * (size_t)c->b->max_blocks, kv->block_size,
-                     c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh};
+                     c->m->c_hd_k, c->m->c_hd_v, kv->n_kv, kv->v_dim, kvh, tiered ? kv->n_hot : INT32_MAX,
+                     tiered ? kv_k_block(kv, c->layer, kv->n_hot) : NULL,
+                     tiered ? kv_v_row(kv, c->layer, kv->n_hot, 0) : NULL,
+                     q8 ? kv->k8 + layer_elems * (size_t)kv->k_dim : NULL,
+                     q8 ? kv->v8 + layer_elems * (size_t)kv->v_dim : NULL,
+                     q8 ? kv->ks + layer_elems * (size_t)(kv->k_dim / 32) : NULL,
+                     q8 ? kv->vs + layer_elems * (size_t)(kv->v_dim / 32) : NULL};
 }
 
 static void split_task(const attn_ctx *c, int64_t item, int thread) {
@@ -189,8 +197,9 @@ void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b
     const st_layer *L = &m->layers[il];
     attn_plan plan;
     plan_layer(m, b, st_layer_swa(&m->d, il), L->sinks.data != NULL, st_pool_threads(pool), s->n_tiles, &plan);
-    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, st_attn(), s->split, plan.n_split,
-                   plan.n_split_items, st_attn_part(), s->parts, s->left};
+    const int q8 = kv->type == ST_KV_Q8_0; /* the 8-bit cache: its own (generic) kernels */
+    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, q8 ? st_attn_q8_ref() : st_attn(), s->split,
+                   plan.n_split, plan.n_split_items, q8 ? st_attn_part_q8_ref() : st_attn_part(), s->parts, s->left};
     for (int32_t i = 0; i < plan.n_split; i++)
         for (int h = 0; h < m->c_n_kv; h++)
             atomic_store_explicit(&s->left[(size_t)i * (size_t)m->c_n_kv + (size_t)h], s->split[i].n_chunks,
@@ -349,6 +358,22 @@ st_status st_forward(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b, s
         kv->head_dim_v != m->c_hd_v)
         return st_fail(ST_EINVAL, "forward: KV cache was created for another model");
     CHECK(validate_batch(m, kv, b));
+    st_batch phys;
+    if (kv->map) { /* a tiered cache: the step reads the tables through the logical -> physical map */
+        const size_t n = (size_t)b->n_seqs * (size_t)b->max_blocks;
+        if (n > kv->cap_bt) {
+            int32_t *nb = realloc(kv->bt_phys, sizeof(int32_t) * n);
+            if (!nb) return st_fail(ST_ENOMEM, "forward: out of memory for %zu block table entries", n);
+            kv->bt_phys = nb, kv->cap_bt = n;
+        }
+        for (size_t i = 0; i < n; i++) {
+            const int32_t id = b->block_tables[i];
+            kv->bt_phys[i] = id >= 0 && id < kv->n_blocks ? kv->map[id] : id;
+        }
+        phys = *b;
+        phys.block_tables = kv->bt_phys;
+        b = &phys;
+    }
     st_model_repack(m); /* first step only; a CPU step, so a model that only validated a file for the GPU never repacks */
     st_step_stats local = {0};
     st_step_stats *st = stats ? stats : &local;

@@ -131,10 +131,15 @@ dot_f_fn st_dot_f_avx512(int32_t type);
 
 /* Attention of one head over the paged KV cache (attention.c). */
 typedef struct {
-    const f16_t *k, *v;  /* this layer's K ([block][n_kv][hd][bs]) and V ([block][bs][v_dim]) */
-    const int32_t *bt;   /* the sequence's block table */
+    const f16_t *k, *v;  /* this layer's K ([block][n_kv][hd][bs]) and V ([block][bs][v_dim]): the hot pool */
+    const int32_t *bt;   /* the sequence's block table (physical blocks) */
     int32_t bs, hd, vd;  /* block size, key and value dimensions per head (vd <= hd, both multiples of 16) */
     int32_t n_kv, v_dim, kvh; /* v_dim = n_kv * vd: a V row */
+    int32_t n_hot;            /* blocks below n_hot are in k/v; block p >= n_hot is block p - n_hot of kc/vc */
+    const f16_t *kc, *vc;     /* this layer's cold pool (NULL when untiered, n_hot then INT32_MAX) */
+    /* an 8-bit cache (ST_KV_Q8_0; k, v NULL): this layer's int8 values and F16 group scales (struct st_kv) */
+    const int8_t *k8, *v8;
+    const f16_t *ks, *vs;
 } kv_view;
 /* nq consecutive queries (rows of q, pre-scaled by 1/sqrt(hd)) at positions p0..p0+nq-1;
  * query i sees keys 0..p0+i; out rows hold vd values. scratch: st_attn_scratch_floats(hd, p0 + nq)
@@ -154,6 +159,9 @@ size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 typedef void (*attn_part_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                              float *part, float *scratch);
 attn_part_fn st_attn_part_ref(void);
+/* The same two over an 8-bit cache (kv_view.k8): generic C, the only variant (a SIMD one is not written yet). */
+attn_fn st_attn_q8_ref(void);
+attn_part_fn st_attn_part_q8_ref(void);
 attn_part_fn st_attn_part_avx2(void);
 attn_part_fn st_attn_part_avx512(void);
 /* Merges n_chunks partials of nq queries (chunk c's at parts + c * chunk_stride) in chunk
@@ -247,20 +255,36 @@ void st_pool_times(const st_pool *pool, double *busy, double *total);
 /* The cache's heads are the model's attention heads as cached (st_model.c_*): n_head_kv heads of
  * head_dim for K and V, or MLA's one latent row (K: kv_lora_rank + rope_dim, V: kv_lora_rank). */
 struct st_kv {
-    int32_t n_blocks, block_size, n_layer;
+    int32_t n_blocks, block_size, n_layer; /* n_blocks = n_hot + n_cold: the logical block ids */
     int32_t n_kv, head_dim, head_dim_v; /* cached heads, K and V dimensions per head */
     int32_t k_dim, v_dim;               /* n_kv * head_dim, n_kv * head_dim_v */
-    f16_t *k; /* [n_layer][n_blocks][n_kv][head_dim][block_size]: slots contiguous */
-    f16_t *v; /* [n_layer][n_blocks][block_size][v_dim] */
+    /* Two tiers, two allocations: physical block p < n_hot lives in the hot pool (k, v), p >= n_hot in
+     * the cold pool (k_cold, v_cold) at p - n_hot. Untiered: n_cold = 0, map NULL (logical = physical). */
+    int32_t n_hot, n_cold;
+    f16_t *k; /* hot: [n_layer][n_hot][n_kv][head_dim][block_size]: slots contiguous */
+    f16_t *v; /* hot: [n_layer][n_hot][block_size][v_dim] */
+    f16_t *k_cold, *v_cold; /* cold: the same with n_cold blocks */
+    int32_t *map;           /* [n_blocks]: logical block -> physical block (a permutation), or NULL */
+    int32_t *bt_phys;       /* a step's block tables translated through map (st_forward), cap_bt entries */
+    size_t cap_bt;
+    /* ST_KV_Q8_0 (untiered only): k/v are NULL and each element is an int8 of k8/v8 at the F16 layout's
+     * index, times the F16 scale of its group of 32: K's groups run along one token's head dimensions
+     * (ks [n_layer][n_blocks][n_kv][head_dim/32][block_size]), V's along its row (vs [..][block_size][v_dim/32]). */
+    int32_t type;
+    int8_t *k8, *v8;
+    f16_t *ks, *vs;
 };
 
-/* Element offsets of (layer, block, slot) in K (its block start: K is slot-minor) and in V. */
-static inline size_t kv_offset_k(const st_kv *kv, int layer, int32_t block) {
-    return ((size_t)layer * (size_t)kv->n_blocks + (size_t)block) * (size_t)kv->block_size * (size_t)kv->k_dim;
+/* Pointers to (layer, physical block)'s K block start (K is slot-minor) and to its V row `slot`. */
+static inline f16_t *kv_k_block(const st_kv *kv, int layer, int32_t block) {
+    const int hot = block < kv->n_hot;
+    const size_t n = (size_t)(hot ? kv->n_hot : kv->n_cold), i = (size_t)(hot ? block : block - kv->n_hot);
+    return (hot ? kv->k : kv->k_cold) + ((size_t)layer * n + i) * (size_t)kv->block_size * (size_t)kv->k_dim;
 }
-static inline size_t kv_offset_v(const st_kv *kv, int layer, int32_t block, int32_t slot) {
-    return (((size_t)layer * (size_t)kv->n_blocks + (size_t)block) * (size_t)kv->block_size + (size_t)slot) *
-           (size_t)kv->v_dim;
+static inline f16_t *kv_v_row(const st_kv *kv, int layer, int32_t block, int32_t slot) {
+    const int hot = block < kv->n_hot;
+    const size_t n = (size_t)(hot ? kv->n_hot : kv->n_cold), i = (size_t)(hot ? block : block - kv->n_hot);
+    return (hot ? kv->v : kv->v_cold) + (((size_t)layer * n + i) * (size_t)kv->block_size + (size_t)slot) * (size_t)kv->v_dim;
 }
 
 /* Write one token's k[k_dim] and v[v_dim] (float) into slot `slot` of `block`. */

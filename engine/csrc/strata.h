@@ -136,6 +136,15 @@ st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16
                                 int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
                                 const float *q, int32_t nq, int32_t n_keys, int32_t chunk, const float *sink,
                                 float *out);
+/* Attention over an 8-bit cache's layout (ST_KV_Q8_0, generic C, the kernels st_forward uses for
+ * it): k8 [block][n_kv][head_dim][block_size] int8 with ks [block][n_kv][head_dim/32][block_size]
+ * F16 scales, v8 [block][block_size][n_kv * v_dim] with vs [block][block_size][n_kv * v_dim / 32].
+ * chunk 0: nq (<= 16) queries at positions p0..p0+nq-1 (st_attention_kv's tile); chunk > 0 (a
+ * multiple of 16): nq query heads at position p0, split into chunks of keys and combined
+ * (st_attention_split_kv's). out [nq][v_dim]. head_dim, v_dim: multiples of 32. For the harness. */
+st_status st_attention_q8(const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
+                          const int32_t *block_table, int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv,
+                          int32_t kv_head, const float *q, int32_t nq, int32_t p0, int32_t chunk, float *out);
 /* How st_forward splits decode attention: ST_SPLIT_AUTO, the rule of docs/engine.md (by the
  * query's keys and the pool's threads); ST_SPLIT_OFF, never (the per-head kernels: the
  * reference the split is tested and measured against); n >= 16, a multiple of 16: every decode
@@ -299,6 +308,23 @@ st_status st_route(int32_t n_expert, int32_t k, int32_t gating, int32_t n_expert
 /* ---- paged KV cache (F16) ------------------------------------------------------ */
 typedef struct st_kv st_kv;
 st_status st_kv_create(const st_model *m, int32_t n_blocks, int32_t block_size, st_kv **out);
+/* A tiered cache: n_hot blocks in one allocation (the hot tier) and n_cold in another (the cold
+ * tier), addressed by logical ids 0 .. n_hot + n_cold - 1 that start at physical block = id (ids
+ * below n_hot hot). st_kv_create is the untiered F16 case (n_cold = 0, ST_KV_F16).
+ * type: ST_KV_F16, or ST_KV_Q8_0 (8-bit values with one F16 scale per 32, Q8_0's rule; untiered
+ * only, head dimensions multiples of 32, no sliding-window or sink layers: else ST_EINVAL). */
+/* Q8_0's rule on one group of 32 floats (the 8-bit cache's store): d = max|x| / 127 (*d as F16 bits),
+ * q[i] = round(x[i] * (1 / d)). For the kernel harness. */
+void st_kv_q8_group(const float *x, int8_t *q, uint16_t *d);
+#define ST_KV_F16 0
+#define ST_KV_Q8_0 1
+st_status st_kv_create_tiered(const st_model *m, int32_t n_hot, int32_t n_cold, int32_t block_size, int32_t type,
+                              st_kv **out);
+/* Swaps the physical homes of logical blocks a and b of a tiered cache (every layer's K and V),
+ * copying a's contents when copy_a and b's when copy_b (a block holding nothing needed is not
+ * copied). *bytes (optional): the bytes copied. Errors: untiered cache -> ST_EINVAL; an id
+ * outside the cache -> ST_ERANGE. Never concurrently with st_forward on the same cache. */
+st_status st_kv_swap(st_kv *kv, int32_t a, int32_t b, int32_t copy_a, int32_t copy_b, uint64_t *bytes);
 void st_kv_destroy(st_kv *kv);
 
 /* ---- one step -------------------------------------------------------------------- */

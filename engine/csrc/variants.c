@@ -192,7 +192,7 @@ st_status st_attention_kv(int32_t variant, const uint16_t *k, const uint16_t *v,
     const attn_fn fn = attn_variant(variant);
     float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, p0 + nq));
     if (!scratch) return st_fail(ST_ENOMEM, "attention: out of memory");
-    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head};
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head, INT32_MAX, NULL, NULL, NULL, NULL, NULL, NULL};
     fn(&view, q, head_dim, nq, p0, out, v_dim, scratch);
     free(scratch);
     return ST_OK;
@@ -228,7 +228,7 @@ st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16
         free(scratch), free(parts);
         return st_fail(ST_ENOMEM, "attention_split: out of memory");
     }
-    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head};
+    const kv_view view = {k, v, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head, INT32_MAX, NULL, NULL, NULL, NULL, NULL, NULL};
     for (int32_t c = 0; c < n_chunks; c++) {
         const int32_t j0 = c * chunk, j1 = n_keys - j0 < chunk ? n_keys : j0 + chunk;
         fn(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
@@ -314,5 +314,41 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     } while (dt < seconds);
     *gmac_s = (double)calls * ST_ROW_BLOCK * (double)n * nt / dt / 1e9;
     free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+    return ST_OK;
+}
+
+st_status st_attention_q8(const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
+                          const int32_t *block_table, int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv,
+                          int32_t kv_head, const float *q, int32_t nq, int32_t p0, int32_t chunk, float *out) {
+    if (!k8 || !ks || !v8 || !vs || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention_q8: NULL argument");
+    if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 32 ||
+        head_dim > ST_MAX_HEAD_DIM || head_dim % 32 || v_dim < 32 || v_dim > head_dim || v_dim % 32 || n_kv < 1 ||
+        n_kv > ST_MAX_HEADS || kv_head < 0 || kv_head >= n_kv || nq < 1 || p0 < 0 || p0 > INT32_MAX - nq ||
+        (chunk == 0 && nq > ST_ATTN_TILE) || (chunk != 0 && (nq > ST_MAX_HEADS || chunk < 16 || chunk % 16)))
+        return st_fail(ST_EINVAL, "attention_q8: bad shape (bs=%d hd=%d vd=%d n_kv=%d kvh=%d nq=%d p0=%d chunk=%d)",
+                       block_size, head_dim, v_dim, n_kv, kv_head, nq, p0, chunk);
+    const kv_view view = {NULL, NULL, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head,
+                          INT32_MAX, NULL, NULL, k8, v8, (const f16_t *)ks, (const f16_t *)vs};
+    const int32_t n_keys = p0 + (chunk ? 1 : nq);
+    float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, n_keys));
+    if (!scratch) return st_fail(ST_ENOMEM, "attention_q8: out of memory");
+    if (!chunk) {
+        st_attn_q8_ref()(&view, q, head_dim, nq, p0, out, v_dim, scratch);
+        free(scratch);
+        return ST_OK;
+    }
+    const int32_t n_chunks = (int32_t)(((int64_t)n_keys + chunk - 1) / chunk);
+    const size_t stride = (size_t)nq * (size_t)(v_dim + 2);
+    float *parts = malloc(sizeof(float) * stride * (size_t)n_chunks);
+    if (!parts) {
+        free(scratch);
+        return st_fail(ST_ENOMEM, "attention_q8: out of memory");
+    }
+    for (int32_t c = 0; c < n_chunks; c++) {
+        const int32_t j0 = c * chunk, j1 = n_keys - j0 < chunk ? n_keys : j0 + chunk;
+        st_attn_part_q8_ref()(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
+    }
+    st_attn_combine(parts, n_chunks, stride, nq, v_dim, NULL, out, v_dim);
+    free(scratch), free(parts);
     return ST_OK;
 }

@@ -835,3 +835,49 @@ def test_kernel_rate_runs_and_rejects_bad_arguments() -> None:
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.0, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(int(GGMLQuantizationType["F32"]), VARIANTS["auto"], 256, 8, 0.01, out) == \
         lib.ST_EUNSUPPORTED
+
+
+# ---------------------------------------------------------------- attention over the 8-bit cache
+
+def q8_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0's rule on the last axis in groups of 32 (st_kv_q8_group): int8 values and F16 scales."""
+    g = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+    d = (np.abs(g).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.trunc(g * inv + np.copysign(np.float32(0.5), g)).astype(np.int8)
+    return q.reshape(x.shape), d[..., 0].astype(np.float16)
+
+
+@pytest.mark.parametrize(("nq", "p0", "chunk"), [(1, 0, 0), (16, 37, 0), (5, 100, 0), (1, 150, 16), (3, 190, 64),
+                                                  (4, 0, 16)])
+def test_attention_q8_against_oracle(nq: int, p0: int, chunk: int) -> None:
+    """st_attention_q8 (the 8-bit cache's tile and split kernels) against the float64 oracle over the dequantised
+    values; the split equals the unsplit kernel within the split rule."""
+    rng = np.random.default_rng(nq * 1000 + p0 + chunk)
+    bs, hd, vd, n_kv, kvh, n_blocks = 16, 64, 64, 3, 1, 14
+    kf = rng.standard_normal((n_blocks, n_kv, bs, hd)).astype(np.float32)  # per token: its head's dims
+    vf = rng.standard_normal((n_blocks, bs, n_kv * vd)).astype(np.float32)
+    kq, kd = q8_groups(kf)  # [blk, n_kv, bs, hd], [blk, n_kv, bs, hd/32]
+    vq, vdq = q8_groups(vf)
+    k8 = np.ascontiguousarray(kq.transpose(0, 1, 3, 2))  # [blk, n_kv, hd, bs]: slot-minor
+    ks = np.ascontiguousarray(kd.transpose(0, 1, 3, 2))  # [blk, n_kv, hd/32, bs]
+    kdeq = (kq.astype(np.float32).reshape(n_blocks, n_kv, bs, hd // 32, 32) * kd[..., None].astype(np.float32))
+    k_oracle = kdeq.reshape(n_blocks, n_kv, bs, hd).transpose(0, 1, 3, 2)  # the oracle's [blk, n_kv, hd, bs]
+    v_oracle = (vq.astype(np.float32).reshape(n_blocks, bs, -1, 32) * vdq[..., None].astype(np.float32)).reshape(vf.shape)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
+    out = np.zeros((nq, vd), np.float32)
+    rc = lib.st_attention_q8(ptr(k8, "int8_t *"), ptr(ks, "uint16_t *"), ptr(vq, "int8_t *"), ptr(vdq, "uint16_t *"),
+                             ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh, ptr(q, "float *"), nq, p0, chunk,
+                             ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    if chunk:
+        ref = np.concatenate([attention_oracle(k_oracle, v_oracle, bt, bs, hd, kvh, q[i : i + 1], p0)
+                              for i in range(nq)])
+    else:
+        ref = attention_oracle(k_oracle, v_oracle, bt, bs, hd, kvh, q, p0)
+    assert np.abs(out - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+    z = np.zeros(1, np.int8)
+    assert lib.st_attention_q8(ptr(z, "int8_t *"), ptr(z, "uint16_t *"), ptr(z, "int8_t *"), ptr(z, "uint16_t *"),
+                               ptr(bt, "int32_t *"), bs, 48, 48, 1, 0, ptr(q, "float *"), 1, 0, 0,
+                               ptr(out, "float *")) == lib.ST_EINVAL  # head dims not multiples of 32
