@@ -2,7 +2,7 @@
  * spreads each sequence's keys over many blocks instead of one block per (token, head) walking them all.
  *
  * A step splits when every token belongs to another sequence (decode), it has at most ATT_SPLIT_MAX_T tokens,
- * its longest sequence has at least stg_settings.att_split_min keys, and the model's heads take the query
+ * its longest sequence has at least stg_settings.att_split_min keys, and the model's heads take the
  * split kernel (att_split_ok: head_dim 32 / 64 / 128, at most 8 query heads per kv head, dividing 16). Then the
  * layer runs k_qkv_post (not the fused head prep), the split kernel k_attention_split_mma (tensor cores) over the
  * grid (token, kv head, split) and k_attention_combine (a block per (token, head)): the splits' (max, sum,
