@@ -16,8 +16,10 @@ decode steps with graphs and PDL off (CUPTI through torch's profiler: k_qkv_post
 combine each by name). ``--depth-batch N`` decodes N sequences at each depth instead of one (each its own random prompt; aggregate
 tok/s, beside ``llama-batched-bench -npp D -ntg 128 -npl N``: issue 30's 8 sequences at 32k).
 ``--depth-knob LABEL:VAR=VALUE`` adds a decode row per depth under those STRATA_GPU_* overrides (an A/B of a
-setting in the same process, e.g. ``fp32:STRATA_GPU_ATT_SPLIT_MMA=0``), printed below the table. The KV cache for the deepest sequence is sized and printed before anything runs (bytes per
-token: 2 x 2 bytes x layers x KV heads x head dim).
+setting in the same process, e.g. ``nol2:STRATA_GPU_ATT_SPLIT_L2=0``), printed below the table. The KV cache is
+sized for N sequences at the deepest depth (each a whole number of blocks) and printed before anything runs (bytes
+per token: 2 x 2 bytes x layers x KV heads x head dim); where the device's free memory cannot hold it beside the
+weights the run stops with a message saying so.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def parse_depths(text: str) -> list[int]:
 
 
 def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
-    """['fp32:STRATA_GPU_ATT_SPLIT_MMA=0,STRATA_GPU_ATT_SPLIT_L2=0'] -> [('fp32', {VAR: VALUE, ...})]; each VAR one of
+    """['nol2:STRATA_GPU_ATT_SPLIT_L2=0,STRATA_GPU_ATT_SPLIT_MIN=1024'] -> [('nol2', {VAR: VALUE, ...})]; each VAR one of
     engine/gpu_settings.py's overrides."""
     from engine.gpu_settings import OVERRIDES
 
@@ -60,16 +62,45 @@ def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def kv_plan(mf: Any, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0,
-            profile: bool = False) -> tuple[int, int]:
-    """(KV tokens for one sequence, their bytes): the deepest depth plus every depth's decode steps."""
-    from engine.inspect_model import analyse
-
+def kv_plan(bytes_per_token: int, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0,
+            profile: bool = False, block_size: int = 16) -> tuple[int, int]:
+    """(KV tokens for one sequence, their bytes): the deepest depth plus every depth's decode steps, rounded up to
+    whole blocks of block_size (so that N sequences' tables take exactly N times one's blocks of a cache of N times
+    the tokens)."""
     per_depth = steps * (1 + n_knobs) + unsplit_steps + 4 * (2 + n_knobs) + (PROFILE_STEPS * (1 + n_knobs) if profile else 0)
     tokens = max(depths) + len(depths) * per_depth + 64
-    return tokens, analyse(mf).kv_bytes_per_token * tokens
+    tokens = -(-tokens // block_size) * block_size
+    return tokens, bytes_per_token * tokens
 
 
+KV_RESERVE = 4 << 30  # bytes kept free beside the weights and the KV cache: step buffers, the CUDA context
+
+
+def kv_fit(n_seq: int, seq_tokens: int, seq_bytes: int, weight_bytes: int, free_bytes: int | None) -> str | None:
+    """Why n_seq sequences of seq_tokens KV tokens (seq_bytes each) do not fit beside weight_bytes of weights and
+    KV_RESERVE in the device's free_bytes (None: unknown, not checked); None when they fit."""
+    need = n_seq * seq_bytes + weight_bytes + KV_RESERVE
+    if free_bytes is None or need <= free_bytes:
+        return None
+    return (f"--depth-batch {n_seq}: the KV cache for {n_seq} sequence(s) of {seq_tokens} tokens is "
+            f"{n_seq * seq_bytes / 2**30:.2f} GiB; with the weights ({weight_bytes / 2**30:.2f} GiB) and "
+            f"{KV_RESERVE / 2**30:.0f} GiB of step buffers it needs {need / 2**30:.2f} GiB, the device has "
+            f"{free_bytes / 2**30:.2f} GiB free: lower --depth-batch or the deepest --depth")
+
+
+def _device_free_bytes(device: str) -> int | None:
+    """Free memory of a 'cuda:N' device (torch's cudaMemGetInfo), None where torch or the device is absent."""
+    if not device.startswith("cuda"):
+        return None
+    try:
+        import torch
+
+        return int(torch.cuda.mem_get_info(int(device.partition(":")[2] or 0))[0])
+    except (ImportError, RuntimeError, AssertionError):
+        return None
+
+
+BLOCK_SIZE = 16  # the KV block size of the run
 PROFILE_STEPS = 16  # --depth-profile: steps a kernel table spans (4 warm-up, then 8 timed, each + 2 warm-up)
 
 
@@ -130,17 +161,30 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
                knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False) -> dict:
     from engine.engine import Engine
     from engine.gguf_model import open_model
+    from engine.inspect_model import analyse
 
     knobs = knobs or []
-    kv_tokens, kv_bytes = kv_plan(open_model(path), depths, steps, unsplit_steps, len(knobs), profile)
+    report = analyse(open_model(path))
+    kv_tokens, kv_bytes = kv_plan(report.kv_bytes_per_token, depths, steps, unsplit_steps, len(knobs), profile,
+                                  BLOCK_SIZE)
     print(f"decode at depth: {n_seq} sequence(s) of up to {kv_tokens} tokens, KV cache "
           f"{n_seq * kv_bytes / 2**30:.2f} GiB ({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
+    why = kv_fit(n_seq, kv_tokens, kv_bytes, report.file_bytes, _device_free_bytes(device))
+    if why:
+        raise SystemExit(why)
     out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "n_seq": n_seq, "strata": {}}
     rng = np.random.default_rng(30)
-    with Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=16, prefill_chunk=512) as eng:
+    try:
+        eng = Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512)
+    except (RuntimeError, MemoryError) as e:
+        raise SystemExit(f"--depth-batch {n_seq}: the engine with a KV cache of {n_seq} x {kv_tokens} tokens "
+                         f"({n_seq * kv_bytes / 2**30:.2f} GiB) did not open: {e}") from e
+    with eng:
         V = eng.hparams.n_vocab
-        tables = [eng.blocks.allocate(-(-kv_tokens // eng.block_size)) for _ in range(n_seq)]
-        assert all(tb is not None for tb in tables)
+        tables = [eng.blocks.allocate(kv_tokens // eng.block_size) for _ in range(n_seq)]
+        if any(tb is None for tb in tables):
+            raise SystemExit(f"--depth-batch {n_seq}: {eng.blocks.n_blocks} KV blocks do not hold {n_seq} tables of "
+                             f"{kv_tokens // eng.block_size}")
         pos, firsts = 0, [int(x) for x in rng.integers(0, V, size=n_seq)]
         for d in depths:
             if d > pos:  # continue each sequence to depth d (its own random ids)

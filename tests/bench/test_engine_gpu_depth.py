@@ -1,10 +1,11 @@
-"""bench/engine_gpu_depth.py's argument parsing (the GPU part runs on the device only)."""
+"""bench/engine_gpu_depth.py's argument parsing and KV sizing (the GPU part runs on the device only)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.engine_gpu_depth import parse_depths, parse_knobs
+from bench.engine_gpu_depth import KV_RESERVE, kv_fit, kv_plan, parse_depths, parse_knobs
+from engine.block_manager import BlockManager
 
 
 def test_depths_sorted_and_distinct() -> None:
@@ -15,10 +16,40 @@ def test_depths_sorted_and_distinct() -> None:
 
 
 def test_knobs_name_registered_settings() -> None:
-    assert parse_knobs(["fp32:STRATA_GPU_ATT_SPLIT_MMA=0", "b:STRATA_GPU_ATT_SPLIT_MMA=1, STRATA_GPU_ATT_SPLIT_L2=0"]) == [
-        ("fp32", {"STRATA_GPU_ATT_SPLIT_MMA": "0"}),
-        ("b", {"STRATA_GPU_ATT_SPLIT_MMA": "1", "STRATA_GPU_ATT_SPLIT_L2": "0"}),
+    assert parse_knobs(["nol2:STRATA_GPU_ATT_SPLIT_L2=0", "b:STRATA_GPU_ATT_SPLIT_MIN=1024, STRATA_GPU_ATT_SPLIT_L2=0"]) == [
+        ("nol2", {"STRATA_GPU_ATT_SPLIT_L2": "0"}),
+        ("b", {"STRATA_GPU_ATT_SPLIT_MIN": "1024", "STRATA_GPU_ATT_SPLIT_L2": "0"}),
     ]
-    for bad in ("nolabel", ":STRATA_GPU_ATT_SPLIT_MMA=0", "a:STRATA_GPU_NOT_A_SETTING=1", "a:STRATA_GPU_ATT_SPLIT_MMA"):
+    # the split kernel's form is no longer a setting (att_split_mma was removed with its other forms)
+    for bad in ("nolabel", ":STRATA_GPU_ATT_SPLIT_L2=0", "a:STRATA_GPU_NOT_A_SETTING=1", "a:STRATA_GPU_ATT_SPLIT_L2",
+                "fp32:STRATA_GPU_ATT_SPLIT_MMA=0"):
         with pytest.raises(SystemExit):
             parse_knobs([bad])
+
+
+@pytest.mark.parametrize(("depths", "steps", "unsplit", "n_seq"), [
+    ([32768], 32, 0, 8),  # run 87's failing call: 32,872 tokens a sequence, not a whole number of blocks
+    ([0, 1024, 2048, 8192, 32768, 131072], 64, 16, 1),
+    ([0, 131072], 7, 3, 64),
+])
+def test_kv_plan_holds_every_sequence_table(depths: list[int], steps: int, unsplit: int, n_seq: int) -> None:
+    """A cache of n_seq times one sequence's tokens holds n_seq tables of that sequence's blocks (as run_strata
+    opens and allocates them), each reaching the deepest depth plus every depth's decode steps."""
+    per_token = 2 * 2 * 48 * 4 * 128  # Qwen3-30B-A3B: 48 layers, 4 KV heads of 128, F16 K and V
+    tokens, nbytes = kv_plan(per_token, depths, steps, unsplit, n_knobs=1, block_size=16)
+    assert tokens % 16 == 0 and nbytes == per_token * tokens
+    assert tokens >= max(depths) + len(depths) * (2 * steps + unsplit)
+    blocks = BlockManager(-(-(n_seq * tokens) // 16), 16)
+    tables = [blocks.allocate(tokens // 16) for _ in range(n_seq)]
+    assert all(tb is not None for tb in tables)
+    assert len({b for tb in tables for b in tb}) == n_seq * tokens // 16
+
+
+def test_kv_fit_names_the_shortfall() -> None:
+    gib = 2**30
+    assert kv_fit(8, 32_896, 3 * gib, 17 * gib, None) is None  # free memory unknown: not checked
+    assert kv_fit(8, 32_896, 3 * gib, 17 * gib, 139 * gib) is None
+    assert kv_fit(1, 32_896, 3 * gib, 17 * gib, 24 * gib) is None  # exactly the need
+    assert 3 * gib + 17 * gib + KV_RESERVE == 24 * gib
+    why = kv_fit(8, 131_584, 12 * gib, 17 * gib, 100 * gib)
+    assert why is not None and "--depth-batch 8" in why and "96.00 GiB" in why and "117.00 GiB" in why and "100.00 GiB free" in why

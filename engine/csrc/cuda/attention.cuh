@@ -21,7 +21,7 @@ struct attn_args {
     int32_t fused;
     int32_t pre; /* fused only: step inputs and the first K/V chunks read before the wait */
     qkv_args qa;
-    const __half *kc_next, *vc_next; /* PREP: the next layer's K / V arena (L2 prefetch); NULL: none */
+    const __half *kc_next, *vc_next; /* PREP and the split kernel: the next layer's K / V arena (L2 prefetch); NULL: none */
     /* split-KV decode (attention_split.cu): each sequence's keys in splits of att_split_chunks chunks,
      * a block per (token, kv head, split) writing its rows' unnormalised output to part_acc
      * [T][n_head][split_z][hd] and their (max, sum) to part_ml [T][n_head][split_z][2] */
@@ -30,7 +30,6 @@ struct attn_args {
     int32_t split_min;    /* sequences of fewer keys stay in one split */
     int32_t split_chunks; /* chunks a split holds at least */
     int32_t split_max;    /* splits of one sequence at most */
-    int32_t split_direct; /* 1: a token of one split has its output written by the split kernel (the combine skips it) */
 };
 /* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
  * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and

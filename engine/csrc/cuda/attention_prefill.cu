@@ -1,6 +1,5 @@
 /* Attention at prefill: query tiles on fp32 (k_attention_tile, bitwise k_attention's rows) and the
- * tile lists of a step; the tensor-core kernel is attention_mma.cu. k_attention_tile's SPLIT form is the
- * split-KV decode kernel (attention_split.cu launches it). attention_setup opts every attention and GEMM
+ * tile lists of a step; the tensor-core kernel is attention_mma.cu. attention_setup opts every attention and GEMM
  * kernel into its dynamic shared memory. */
 #include "attention.cuh"
 
@@ -18,13 +17,7 @@
  *
  * Lanes: scores with lane = (row, half) (16 keys per lane, all in registers), values with
  * lane = HD / 32 dimensions of every row (the accumulators of 16 rows in registers).
- * Dynamic shared memory: as k_attention's (per-warp K/V chunk stages), reused for the merge.
- *
- * SPLIT (split-KV decode, attention_split.cu): block (t, kv head, split) holds token t alone (tiles unused)
- * and only the chunks of its split (att_split_chunks; chunk c_lo + i goes to stream i % ATT_WARPS); a split
- * past the token's keys exits before the wait (pos is a step input). Its rows' merged output is written
- * unnormalised to part_acc with (max, sum) to part_ml; k_attention_combine merges the splits. A token of
- * one split (c_lo 0, c_hi its last chunk) computes exactly the unsplit form's sums. */
+ * Dynamic shared memory: as k_attention's (per-warp K/V chunk stages), reused for the merge. */
 #define ATT_TR 16
 
 /* 16 consecutive halves (32-byte aligned, shared memory) as floats: two 16-byte loads. */
@@ -50,10 +43,8 @@ template <int N> __device__ __forceinline__ void load_dims(const __half *p, floa
         f[0] = __half2float(p[0]);
     }
 }
-/* The rows of one tile (first_token * 32 + count) over chunks [c_lo, c_hi) (SPLIT; otherwise every chunk of
- * the tile): the body of k_attention_tile. */
-template <int HD, bool SPLIT>
-__device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile, int32_t c_lo, int32_t c_hi) {
+/* The rows of one tile (first_token * 32 + count) over its chunks: the body of k_attention_tile. */
+template <int HD> __device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile) {
     constexpr int DPL = HD / 32, QP = HD + 2; /* dimensions per lane (values); q row padded: rows r and r + 8 in other banks */
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ __align__(16) float qs[ATT_TR][QP];
@@ -75,7 +66,7 @@ __device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile, 
     int32_t max_keys = 0;
     for (int r = 0; r < ATT_TR; r++) max_keys = max(max_keys, rn[r]);
     const int32_t n_chunks = (max_keys + ATT_CK - 1) / ATT_CK;
-    if constexpr (!SPLIT) c_hi = n_chunks;
+    const int32_t c_hi = n_chunks;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t0] * a.max_blocks;
     __half *wbuf = (__half *)att_dyn + (size_t)warp * 2 * 2 * ATT_CK * HD; /* [2][K HD x 16 | V 16 x HD] */
     auto issue = [&](int ci, int st, int32_t blk) {
@@ -100,7 +91,7 @@ __device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile, 
     for (int r = 0; r < ATT_TR; r++)
 #pragma unroll
         for (int i = 0; i < DPL; i++) acc[r][i] = 0.0f;
-    int ci = c_lo + warp;
+    int ci = warp;
     int32_t blk_next = ci < c_hi ? bt[ci * ATT_CK / bs] : 0;
     if (ci < c_hi) att_issue_chunk(issue, ci, 0, blk_next, bt, c_hi, bs);
     for (int it = 0; ci < c_hi; it++, ci += ATT_WARPS) {
@@ -207,37 +198,19 @@ __device__ __forceinline__ void att_tile_rows(const attn_args &a, int32_t tile, 
         }
         const int t = t0 + r / G, h = kvh * G + r % G;
         const int64_t row0 = (int64_t)t * a.n_head * HD + h * HD;
-        const int64_t prow = ((int64_t)t * a.n_head + h) * a.split_z + blockIdx.z; /* SPLIT: the partial's row */
         for (int d0 = 0; d0 < HD; d0 += 32) {
             const int d = d0 + lane;
             float v = 0.0f;
             for (int wi = 0; wi < ATT_WARPS; wi++) v = __fmaf_rn(part[((size_t)wi * ATT_TR + r) * HD + d], sc[wi], v);
-            if constexpr (SPLIT) {
-                a.part_acc[prow * HD + d] = v; /* k_attention_combine divides by the merged sum */
-            } else {
-                v = __fdiv_rn(v, L);
-                a.out[row0 + d] = v;
-                if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
-            }
+            v = __fdiv_rn(v, L);
+            a.out[row0 + d] = v;
+            if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
         }
-        if (SPLIT && lane == 0) a.part_ml[2 * prow] = M, a.part_ml[2 * prow + 1] = L;
     }
 }
-template <int HD, bool SPLIT = false>
-__global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, const int32_t *tiles) {
-    int32_t c_lo = 0, c_hi = 0; /* SPLIT: this block's chunks [c_lo, c_hi) of its token's keys */
-    if constexpr (SPLIT) {
-        pdl_trigger();
-        const int32_t nk = a.pos[blockIdx.x] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
-        const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
-        c_lo = (int32_t)blockIdx.z * cps;
-        if (c_lo >= nc) return; /* the whole block: no barrier reached yet */
-        c_hi = min(nc, c_lo + cps);
-        pdl_wait();
-    } else {
-        PDL_ENTER();
-    }
-    att_tile_rows<HD, SPLIT>(a, SPLIT ? (int32_t)blockIdx.x * 32 + 1 : tiles[blockIdx.x], c_lo, c_hi);
+template <int HD> __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_tile(attn_args a, const int32_t *tiles) {
+    PDL_ENTER();
+    att_tile_rows<HD>(a, tiles[blockIdx.x]);
 }
 
 /* Query tiles (k_attention_tile) for a model: head_dim 32, 64 or 128 and G = n_head / n_kv
@@ -287,10 +260,6 @@ static stg_status attention_setup(void) { /* once per device, outside any captur
        "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
        "attention setup");
-    void (*const split_forms[])(attn_args, const int32_t *) = {k_attention_tile<32, true>, k_attention_tile<64, true>,
-                                                               k_attention_tile<128, true>};
-    for (auto f : split_forms)
-        CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX), "attention setup");
     CHECK(attention_mma_setup());
     return attention_split_setup();
 }

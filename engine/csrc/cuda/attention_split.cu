@@ -2,26 +2,24 @@
  * spreads each sequence's keys over many blocks instead of one block per (token, head) walking them all.
  *
  * A step splits when every token belongs to another sequence (decode), it has at most ATT_SPLIT_MAX_T tokens,
- * its longest sequence has at least stg_settings.att_split_min keys, and the model's heads take the query
- * tiles (att_tile_tokens: head_dim 32 / 64 / 128, query heads per kv head dividing 16). Then the layer runs
- * k_qkv_post (not the fused head prep), the split kernel over the grid (token, kv head, split) and
- * k_attention_combine (a block per (token, head)): the splits' (max, sum, unnormalised output) merged
- * into the output and, where the output projection reads 8-bit blocks, its quantisation (quant_block32,
- * as every attention kernel does it). The split kernel is k_attention_split_mma (tensor cores; at most 8 query
- * heads per kv head; stg_settings.att_split_mma) or k_attention_tile<HD, true> (fp32 query tiles).
+ * its longest sequence has at least stg_settings.att_split_min keys, and the model's heads take the
+ * split kernel (att_split_ok: head_dim 32 / 64 / 128, at most 8 query heads per kv head, dividing 16). Then the
+ * layer runs k_qkv_post (not the fused head prep), the split kernel k_attention_split_mma (tensor cores) over the
+ * grid (token, kv head, split) and k_attention_combine (a block per (token, head)): the splits' (max, sum,
+ * unnormalised output) merged into the output and, where the output projection reads 8-bit blocks, its
+ * quantisation (quant_block32, as every attention kernel does it).
  *
  * The grid depth comes from the padded block-table width (part of a captured graph's key), so a graph
  * replays for every length up to it; each token's own split count follows its length (att_split_chunks)
  * and blocks past it exit before their wait. Which splits a sequence gets depends on its length, the
  * setting and the device's SM count only: a sequence's bits do not depend on its batch, and one below
- * att_split_min keys (one split) gets exactly the unsplit kernels' bits (the tensor-core form runs k_attention's
- * own blocks for it; the fp32 form the query tile's rows, which are k_attention's, and divides the single partial
- * by its own sum).
+ * att_split_min keys (one split) gets exactly the unsplit kernels' bits (the split kernel runs k_attention's
+ * own blocks for it).
  *
  * Exactness: a split sequence sums its keys in another order (per split, then across splits with one
- * more rescale; the tensor-core form also rounds q and p to f16 hi + lo), so it is not bitwise the unsplit
- * kernel's; tests/engine/gpu/test_gpu_attention_split.py holds both forms within 1e-4 of max|out| of the
- * unsplit kernel and 1e-3 of the CPU reference (docs/engine.md). */
+ * more rescale) and rounds q and p to f16 hi + lo, so it is not bitwise the unsplit kernel's;
+ * tests/engine/gpu/test_gpu_attention_split.py holds it within 1e-4 of max|out| of the unsplit kernel and 1e-3
+ * of the CPU reference (docs/engine.md). */
 #include "attention.cuh"
 
 #define ATT_SPLIT_MAX_T 64 /* decode steps of at most this many tokens split (the partials' scratch) */
@@ -32,6 +30,12 @@
 static int32_t att_split_zmax(int32_t n_sm, int32_t n_kv) {
     const int32_t z = (ATT_SPLIT_WAVES * std::max(n_sm, 1) + n_kv - 1) / n_kv;
     return std::max(1, std::min(z, ATT_SPLIT_MAX));
+}
+
+/* The split kernel for a model's heads: head_dim 32, 64 or 128 and G = n_head / n_kv at most 8 (one m16n8k16
+ * fragment's hi rows) and dividing 16 (att_tile_tokens). */
+static bool att_split_ok(int32_t n_head, int32_t n_kv, int32_t hd) {
+    return att_tile_tokens(n_head, n_kv, hd) > 0 && n_head / n_kv <= 8;
 }
 
 /* The grid depth of a split launch: att_split_bound of the tables' width, and at least G (query heads per kv
@@ -46,7 +50,7 @@ static int32_t att_split_depth(int64_t cap_keys, int32_t min_chunks, int32_t z_m
 static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, int32_t z_max, int32_t T, bool decode,
                               int32_t max_keys, int64_t cap_keys) {
     if (!decode || set.att_split_min < 1 || T > ATT_SPLIT_MAX_T || max_keys < set.att_split_min) return 1;
-    if (!att_tile_tokens(d.n_head, d.n_head_kv, d.head_dim)) return 1;
+    if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim)) return 1;
     return att_split_depth(cap_keys, ATT_SPLIT_CHUNKS, z_max, d.n_head / d.n_head_kv);
 }
 
@@ -69,15 +73,9 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * K / V of the split go into L2 (evict_last) there too when kc_next is set (launch_attention_split: a layer's
  * K / V of the step within att_split_l2 MiB).
  *
- * PREP (att_split_mma 2, attn_args.fused): k_qkv_post's work is done here instead (split_prep: the same
- * operations, the same bits), so a split layer runs one kernel fewer: each block prepares its group's q heads
- * (RoPE's cos / sin table computed before the wait), the block of a token's last split also its k and v heads,
- * which it writes to the cache and, as k_attention does, puts into its last chunk's stage in shared memory (so
- * every chunk, the new key's too, is issued before the wait).
- *
  * A token of one split (att_split_chunks: below split_min keys) runs the unsplit decode kernel's blocks instead
- * (att_decode_head, one per head of the group on blocks z < G; with PREP its fused form), so a short sequence
- * batched with a long one gets its bits and its speed alone. */
+ * (att_decode_head, one per head of the group on blocks z < G), so a short sequence batched with a long one gets
+ * its bits and its speed alone. */
 #define ASM_NS 2 /* K/V chunk stages per warp (two blocks of 128 threads an SM with the static arrays) */
 template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { return 2u * ATT_CK * HD; }
 template <int HD> static constexpr size_t asm_smem_bytes() {
@@ -87,60 +85,7 @@ template <int HD> static constexpr size_t asm_smem_bytes() {
     return std::max(stages, std::max(merge, tile));
 }
 
-/* PREP: the head prep of k_qkv_post inside the split kernel, item by item of the kv group's list (its G q heads, then,
- * in the block of the token's last split, its k and v heads): warp w takes items w, w + ATT_WARPS, ... All their
- * loads first, then qkv_head's operations in the same order (bias, the head norm with its double sum, RoPE's
- * pairs with cos / sin from the table rcs, computed as qkv_head computes them), so the same bits; item k of the
- * warp ends in vb[k]. */
 template <int HD>
-__device__ __forceinline__ void split_prep(const qkv_args &qa, int t, int kvh, int G, int n_items, float (*vb)[HD],
-                                           const float (*rcs)[64], int warp, int lane) {
-    constexpr int VPL = HD / 32, NI = 3; /* items a warp holds at most: G + 2 <= 10 over 4 warps */
-    const int qd = qa.n_head * HD, kd = qa.n_kv * HD;
-    const int64_t pl = (int64_t)qa.kp_t * qa.kp_n;
-    float x[NI][VPL];
-#pragma unroll
-    for (int k = 0; k < NI; k++) {
-        const int it = warp + ATT_WARPS * k;
-        if (it >= n_items) break;
-        const int kind = it < G ? 0 : it == G ? 1 : 2, hh = kind == 0 ? kvh * G + it : kvh;
-        const float *src = (kind == 0 ? qa.q + (int64_t)t * qd : kind == 1 ? qa.k + (int64_t)t * kd : qa.v + (int64_t)t * kd) +
-                           hh * HD;
-        const float *bias = kind == 0 ? qa.bq : kind == 1 ? qa.bk : qa.bv;
-        const int64_t base = (int64_t)t * qa.kp_n + (kind == 0 ? 0 : kind == 1 ? qd : qd + kd) + hh * HD;
-#pragma unroll
-        for (int j = 0; j < VPL; j++) {
-            const int i = lane + 32 * j;
-            const float v = qa.kpart ? kpart_sum(qa.kpart + base + i, pl) : src[i];
-            x[k][j] = bias ? v + bias[hh * HD + i] : v;
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < NI; k++) {
-        const int it = warp + ATT_WARPS * k;
-        if (it >= n_items) break;
-        const int kind = it < G ? 0 : it == G ? 1 : 2;
-        if (kind < 2 && qa.q_norm) { /* head_rmsnorm */
-            const float *w = kind == 0 ? qa.q_norm : qa.k_norm;
-            double ss = 0.0;
-#pragma unroll
-            for (int j = 0; j < VPL; j++) ss += (double)x[k][j] * (double)x[k][j];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            const float scale = (float)(1.0 / sqrt(ss / (double)HD + (double)qa.eps));
-#pragma unroll
-            for (int j = 0; j < VPL; j++) x[k][j] = __fmul_rn(w[lane + 32 * j], __fmul_rn(x[k][j], scale));
-        }
-#pragma unroll
-        for (int j = 0; j < VPL; j++) vb[k][lane + 32 * j] = x[k][j];
-        __syncwarp();
-        if (kind < 2)
-            for (int i = lane; i < qa.rope_dim / 2; i += 32) rope_pair(vb[k], i, qa.rope_dim, qa.rope_type, rcs[0][i], rcs[1][i]);
-        __syncwarp();
-    }
-}
-
-template <int HD, bool PREP>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
     pdl_trigger();
     constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8;
@@ -151,7 +96,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     if (cps >= nc) { /* one split: blocks z < G run the unsplit decode kernel's block of head z of the group */
         if ((int)blockIdx.z < G) {
             const int h = (int)blockIdx.y * G + (int)blockIdx.z;
-            if constexpr (HD == 128) att_decode_head<true, 128, PREP>(a, t, h);
+            if constexpr (HD == 128) att_decode_head<true, 128, false>(a, t, h);
             else if constexpr (HD == 64) att_decode_head<true, 0, false>(a, t, h);
             else att_decode_head<false, 0, false>(a, t, h);
         }
@@ -162,20 +107,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     const int32_t c_hi = min(nc, c_lo + cps);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
     const int kd = a.n_kv * HD, bs = a.block_size;
-    const qkv_args &qa = a.qa;
-    __shared__ float rcs[PREP ? 2 : 1][64];                      /* PREP: cos / sin of the token's RoPE pairs */
-    __shared__ __align__(16) float pvb[PREP ? ATT_WARPS : 1][3][HD]; /* PREP: the warps' prepared heads */
-    if constexpr (PREP) { /* RoPE's table before the wait (pos is a step input, inv_freq a weight) */
-        const int i = threadIdx.x;
-        if (i < qa.rope_dim / 2) {
-            const float theta = __fmul_rn((float)(nk - 1), qa.inv_freq[i]);
-            rcs[0][i] = (float)cos((double)theta), rcs[1][i] = (float)sin((double)theta);
-        }
-    }
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8];
-    __shared__ __align__(16) float qsm[PREP ? 8 : 1][HD + 4]; /* PREP: the prepared, scaled q rows */
-    __shared__ __half kvn[PREP ? 2 : 1][HD];                  /* PREP, the last split: this step's K and V */
     const bool last = c_hi == nc;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     __half *const wbuf = (__half *)att_dyn + (size_t)warp * ASM_NS * asm_stage_halves<HD>();
@@ -207,8 +140,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     load_blocks(0);
     /* before the wait: the chunks that cannot hold the new key (only the last chunk does), and the next layer's
      * K / V of this split into L2 */
-    const bool early = PREP || !last; /* PREP: the new key's slot is replaced in shared memory below */
-    if (early)
+    if (!last)
         for (int i = 0; i < ASM_NS - 1; i++) issue(i);
     if (a.kc_next) {
         for (int i = 0; i < n_my && i < 32; i++) {
@@ -221,27 +153,12 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         }
     }
     pdl_wait();
-    if (!early)
+    if (last)
         for (int i = 0; i < ASM_NS - 1; i++) issue(i);
-    if constexpr (PREP) { /* the group's q heads (and in the last split its K / V) prepared here */
-        __syncthreads(); /* rcs */
-        split_prep<HD>(qa, t, kvh, G, G + (last ? 2 : 0), pvb[warp], rcs, warp, lane);
-        for (int k = 0; k < 3; k++) {
-            const int it = warp + ATT_WARPS * k;
-            if (it >= G + (last ? 2 : 0)) break;
-            if (it < G) {
-                for (int i = lane; i < HD; i += 32) qsm[it][i] = __fmul_rn(pvb[warp][k][i], qa.scale);
-            } else {
-                for (int i = lane; i < HD; i += 32) kvn[it - G][i] = __float2half_rn(pvb[warp][k][i]);
-                kv_store(qa, t, it - G + 1, kvh, pvb[warp][k], lane);
-            }
-        }
-        __syncthreads();
-    }
     /* q of head kvh * G + g: rows g (hi) and g + 8 (lo) of the A fragments, every k step */
     uint32_t qf[KS][4];
     {
-        const float *qr = g >= G ? nullptr : PREP ? &qsm[g][0] : a.q + (int64_t)t * a.n_head * HD + (int64_t)(kvh * G + g) * HD;
+        const float *qr = g >= G ? nullptr : a.q + (int64_t)t * a.n_head * HD + (int64_t)(kvh * G + g) * HD;
 #pragma unroll
         for (int kk = 0; kk < KS; kk++)
 #pragma unroll
@@ -262,14 +179,6 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         cp_async_wait<ASM_NS - 1>();
         __syncwarp();
         __half *ks = wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-        if (PREP && last && c_lo + warp + ATT_WARPS * i == nc - 1) { /* the new key: this step's own K / V */
-            const int kp = nk - 1 - (nc - 1) * ATT_CK;
-            for (int d = lane; d < HD; d += 32) {
-                ks[d * ATT_CK + 8 * ((kp >> 3) ^ ((d >> 2) & 1)) + (kp & 7)] = kvn[0][d];
-                vs[kp * HD + 8 * ((d >> 3) ^ (kp & VSW)) + (d & 7)] = kvn[1][d];
-            }
-            __syncwarp();
-        }
         const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
         if (k0 + ATT_CK > nk) { /* V rows past the last key to 0: p = 0 there, but 0 times a stale NaN is not 0 */
             for (int u = (nk - k0) * (HD / 8) + lane; u < ATT_CK * (HD / 8); u += 32)
@@ -352,7 +261,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
 
 /* Merge of a (token, head)'s splits: M = max of the splits' maxima, each split weighed by
  * exp(max_s - M), the weighed sums added in a fixed tree, the outputs in split order, divided by that sum;
- * one split is its own partial over its own sum (the unsplit kernel's bits). Every load of the splits'
+ * a token of one split has no partials (k_attention_split_mma wrote its output). Every load of the splits'
  * (max, sum) and outputs is issued at once (at most ATT_SPLIT_MAX, one or two a lane / thread). */
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args a) {
     PDL_ENTER();
@@ -361,10 +270,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args 
     const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = a.hd;
     const int32_t nk = a.pos[t] + 1;
     const int ns = min(att_split_count(nk, a.split_min, a.split_chunks, a.split_max), a.split_z); /* min: never binds */
-    if (ns == 1 && a.split_direct) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma) */
+    if (ns == 1) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma) */
     const int64_t p0 = ((int64_t)t * a.n_head + h) * a.split_z;
     const float *ml = a.part_ml + 2 * p0, *acc = a.part_acc + p0 * hd;
-    if (warp == 0 && ns > 1) { /* splits lane and lane + 32 */
+    if (warp == 0) { /* splits lane and lane + 32 */
         const bool h0 = lane < ns, h1 = lane + 32 < ns;
         const float m0 = h0 ? ml[2 * lane] : -INFINITY, l0 = h0 ? ml[2 * lane + 1] : 0.0f;
         const float m1 = h1 ? ml[2 * (lane + 32)] : -INFINITY, l1 = h1 ? ml[2 * (lane + 32) + 1] : 0.0f;
@@ -383,83 +292,46 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args 
         const int d = d0 + lane;
         float v = 0.0f;
         if (d < hd) {
-            if (ns == 1) {
-                v = __fdiv_rn(acc[d], ml[1]);
-            } else {
 #pragma unroll 16
-                for (int s = 0; s < ns; s++) v = __fmaf_rn(acc[(int64_t)s * hd + d], sc[s], v);
-                v = __fdiv_rn(v, sL);
-            }
+            for (int s = 0; s < ns; s++) v = __fmaf_rn(acc[(int64_t)s * hd + d], sc[s], v);
+            v = __fdiv_rn(v, sL);
             a.out[row0 + d] = v;
         }
         if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
     }
 }
 
-/* The mma split form for a model: head_dim 32, 64 or 128 and at most 8 query heads per kv head. */
-static bool att_split_mma_ok(int32_t n_head, int32_t n_kv, int32_t hd) {
-    return att_tile_tokens(n_head, n_kv, hd) > 0 && n_head / n_kv <= 8;
-}
-
 static stg_status attention_split_setup(void) {
-#define ASM_SETUP(HD, PREP)                                                                                  \
-    CU(cudaFuncSetAttribute(k_attention_split_mma<HD, PREP>, cudaFuncAttributeMaxDynamicSharedMemorySize,     \
+#define ASM_SETUP(HD)                                                                                        \
+    CU(cudaFuncSetAttribute(k_attention_split_mma<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,           \
                             (int)asm_smem_bytes<HD>()),                                                       \
        "attention (split) setup");
-    ASM_SETUP(32, false)
-    ASM_SETUP(64, false)
-    ASM_SETUP(128, false)
-    ASM_SETUP(32, true)
-    ASM_SETUP(64, true)
-    ASM_SETUP(128, true)
+    ASM_SETUP(32)
+    ASM_SETUP(64)
+    ASM_SETUP(128)
 #undef ASM_SETUP
     return ST_OK;
 }
 
-/* Whether a split step's layers fuse the head prep into the split kernel (att_split_mma 2 and the tensor-core
- * form's heads; RoPE's table holds 64 pairs): then no k_qkv_post runs. */
-static bool att_split_prep(const stg_settings &set, const st_model_desc &d) {
-    return set.att_split_mma == 2 && att_split_mma_ok(d.n_head, d.n_head_kv, d.head_dim) && d.rope_dim <= 128;
-}
-
 /* The split kernel over grid (n_tok, n_kv, z) and the combine. aa: the layer's arguments with part_acc /
  * part_ml (room for n_tok * n_head * z rows) and split_min / split_chunks / split_max set; kc_next / vc_next:
- * the next layer's cache (NULL: the last layer). The tensor-core form where stg_settings.att_split_mma and the
- * heads allow (att_split_mma_ok), which also prefetches the next layer's K / V of its split into L2 when the
- * step's K / V of a layer (its tables' width) is at most att_split_l2 MiB; else the fp32 query tiles. */
+ * the next layer's cache (NULL: the last layer), prefetched into L2 by the split kernel when the step's K / V of
+ * a layer (its tables' width) is at most att_split_l2 MiB. The heads must take the split kernel (att_split_ok). */
 static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z, cudaStream_t st) {
     if (z < 1 || z > ATT_SPLIT_MAX || aa.split_chunks < 1 || aa.split_max < 1 || aa.split_max > ATT_SPLIT_MAX ||
         !aa.part_acc || !aa.part_ml)
         return fail(ST_EINVAL, "split attention: %d splits, %d chunks each at least, at most %d splits", z,
                     aa.split_chunks, aa.split_max);
+    if (!att_split_ok(aa.n_head, aa.n_kv, aa.hd))
+        return fail(ST_EUNSUPPORTED, "split attention: n_head %d / n_kv %d / head_dim %d", aa.n_head, aa.n_kv, aa.hd);
+    if (aa.fused) return fail(ST_EINVAL, "split attention: the head prep runs in k_qkv_post");
     aa.split_z = z, aa.stages = 2;
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_kv, (unsigned)z);
-    if (aa.hd != 128 && aa.hd != 64 && aa.hd != 32) return fail(ST_EUNSUPPORTED, "split attention: head_dim %d", aa.hd);
-    aa.split_direct = 0;
-    if (g_set.att_split_mma && att_split_mma_ok(aa.n_head, aa.n_kv, aa.hd)) {
-        aa.split_direct = 1;
-        const int64_t layer_kv = (int64_t)n_tok * aa.max_blocks * aa.block_size * aa.n_kv * aa.hd * 2 * (int64_t)sizeof(__half);
-        if (layer_kv > ((int64_t)g_set.att_split_l2 << 20)) aa.kc_next = aa.vc_next = nullptr;
-#define ASM_LAUNCH(HD)                                                                                          \
-    if (aa.fused) launch_k(k_attention_split_mma<HD, true>, grid, ATT_WARPS * 32, asm_smem_bytes<HD>(), st, aa);  \
-    else launch_k(k_attention_split_mma<HD, false>, grid, ATT_WARPS * 32, asm_smem_bytes<HD>(), st, aa);
-        if (aa.hd == 128) {
-            ASM_LAUNCH(128)
-        } else if (aa.hd == 64) {
-            ASM_LAUNCH(64)
-        } else {
-            ASM_LAUNCH(32)
-        }
-#undef ASM_LAUNCH
-    } else if (aa.fused) {
-        return fail(ST_EINVAL, "split attention: the head prep is fused only into the tensor-core form");
-    } else {
-        const size_t smem = att_smem_bytes(aa.hd, 2);
-        const int32_t *no_tiles = nullptr;
-        if (aa.hd == 128) launch_k(k_attention_tile<128, true>, grid, ATT_WARPS * 32, smem, st, aa, no_tiles);
-        else if (aa.hd == 64) launch_k(k_attention_tile<64, true>, grid, ATT_WARPS * 32, smem, st, aa, no_tiles);
-        else launch_k(k_attention_tile<32, true>, grid, ATT_WARPS * 32, smem, st, aa, no_tiles);
-    }
+    const int64_t layer_kv = (int64_t)n_tok * aa.max_blocks * aa.block_size * aa.n_kv * aa.hd * 2 * (int64_t)sizeof(__half);
+    if (layer_kv > ((int64_t)g_set.att_split_l2 << 20)) aa.kc_next = aa.vc_next = nullptr;
+    if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
+    else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
+    else launch_k(k_attention_split_mma<32>, grid, ATT_WARPS * 32, asm_smem_bytes<32>(), st, aa);
     LAUNCHED("attention (split)");
     launch_k(k_attention_combine, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, 0, st, aa);
     LAUNCHED("attention (split combine)");

@@ -41,9 +41,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post, or inside the
-     * tensor-core split kernel (att_split_prep) */
-    const bool fuse = fuse_qkv && (att_split <= 1 || att_split_prep(g_set, d));
+    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post */
+    const bool fuse = fuse_qkv && att_split <= 1;
     launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
@@ -108,7 +107,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse ? 1 : 0, aa.qa = qa;
     aa.pre = fuse ? 1 : 0;
-    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
+    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 or the split kernel prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
     if (att_split > 1) {
         aa.part_acc = s.apart, aa.part_ml = s.aml;

@@ -410,7 +410,7 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
             if (b < 0 || b >= n_blocks) return fail(ST_ERANGE, "attention decode: block out of range");
         }
     }
-    if (split_min && !att_tile_tokens(n_head, n_kv, head_dim))
+    if (split_min && !att_split_ok(n_head, n_kv, head_dim))
         return fail(ST_EUNSUPPORTED, "split attention: n_head %d / n_kv %d / head_dim %d", n_head, n_kv, head_dim);
     CHECK(harness_device());
     int n_sm = 0;

@@ -60,7 +60,7 @@ stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint1
 /* One decode step's attention over n_seq sequences (token i: sequence i at position pos[i], its
  * keys 0..pos[i] in the cache through block_tables[i * n_table ..]; q[n_seq, n_head * head_dim]
  * pre-scaled): split_min 0 runs the unsplit decode kernel (k_attention), split_min >= 1 the split-KV
- * path (attention_split.cu: k_attention_tile's SPLIT form and k_attention_combine) cutting sequences of
+ * path (attention_split.cu: k_attention_split_mma and k_attention_combine) cutting sequences of
  * at least split_min keys into splits of at least split_chunks chunks of 16 keys (<= 0: the step's
  * value), at most split_max of them (<= 0: this device's value; at most 64), its grid depth from the
  * table width as a step's. out[n_seq, n_head * head_dim]; aq/ad/as (all or none): the output's 8-bit

@@ -2,8 +2,8 @@
 blocks, the splits' partials merged by a combine kernel.
 
 Kernel level (the harness's stg_test_attention_decode, one decode step of 1 or 8 sequences of different
-lengths, 1 to ~33k cached tokens), both forms of the split kernel (att_split_mma 1: tensor cores, q and p as
-f16 hi + lo; 0: the fp32 query tiles): against the CPU reference (``st_attention``, within 1e-3 of max|ref|, the
+lengths, 1 to ~33k cached tokens), the split kernel (tensor cores, q and p as f16 hi + lo): against the CPU
+reference (``st_attention``, within 1e-3 of max|ref|, the
 rule of every GPU attention kernel) and the unsplit decode kernel (k_attention): a sequence cut into
 several splits sums in another order, so within 1e-4 of max|out| of the unsplit kernel's output; a sequence
 of one split has exactly its bits (floats and the output's 8-bit blocks). The 8-bit blocks of every output
@@ -25,7 +25,7 @@ from engine.engine import Engine
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import cpu_quant, gcheck, gptr, harness_settings
+from tests.engine.gpu._kernel_helpers import cpu_quant, gcheck, gptr
 
 pytestmark = requires_gpu
 
@@ -113,11 +113,9 @@ CASES = [  # (shape, cached tokens of each sequence = its position, query scale)
 ]
 
 
-@pytest.mark.parametrize("mma", [1, 0], ids=["mma", "fp32"])
 @pytest.mark.parametrize(("shape", "cached", "qscale"), CASES,
                          ids=[f"{s}-{len(c)}seq-{max(c)}-q{q:g}" for s, c, q in CASES])
-def test_split_decode_attention_matches_reference(g: tuple, shape: str, cached: list[int], qscale: float,
-                                                  mma: int) -> None:
+def test_split_decode_attention_matches_reference(g: tuple, shape: str, cached: list[int], qscale: float) -> None:
     hd, bs, n_head, n_kv = SHAPES[shape]
     rng = np.random.default_rng(sum(cached) + hd)
     pos = np.array(cached, np.int32)
@@ -130,15 +128,14 @@ def test_split_decode_attention_matches_reference(g: tuple, shape: str, cached: 
         e = rel_err(base[i], ref[i])
         assert e <= REF_TOL, f"the unsplit kernel at {p} cached tokens: {e:.3e} of max|ref| from the CPU reference"
     for form, (smin, chunks, zmax) in FORMS.items():
-        with harness_settings(g, att_split_mma=mma):
-            out, aq, ad, as_, ns = run_decode(g, c, bs, hd, n_head, n_kv, q, pos, smin, chunks, zmax)
+        out, aq, ad, as_, ns = run_decode(g, c, bs, hd, n_head, n_kv, q, pos, smin, chunks, zmax)
         want = [expected_splits(p + 1, smin, chunks, zmax) for p in cached]
         assert ns.tolist() == want, f"{form}: splits per sequence {ns.tolist()}, the rule gives {want}"
         cq, cd, cs = cpu_quant(out)
         assert np.array_equal(aq, cq) and np.array_equal(ad.view(np.uint32), cd.view(np.uint32)) and \
             np.array_equal(as_, cs), f"{form}: the combine's 8-bit blocks are not the CPU's quantisation of its output"
         for i, p in enumerate(cached):
-            tag = f"{form} ({'mma' if mma else 'fp32'}), sequence {i} ({p} cached tokens, {ns[i]} splits)"
+            tag = f"{form}, sequence {i} ({p} cached tokens, {ns[i]} splits)"
             e_ref, e_base = rel_err(out[i], ref[i]), rel_err(out[i], base[i])
             print(f"{tag}: {e_base:.2e} of max|out| from the unsplit kernel, {e_ref:.2e} from the CPU reference")
             assert e_ref <= REF_TOL, f"{tag}: {e_ref:.3e} of max|ref| from the CPU reference"
@@ -162,13 +159,19 @@ def test_split_decode_refuses_bad_arguments(g: tuple) -> None:
     base = (gptr(g, k, "uint16_t *"), gptr(g, v, "uint16_t *"), n_blocks, gptr(g, tables, "int32_t *"),
             tables.shape[1], 16)
     null = g[0].NULL
-    # more splits than the combine holds; a model whose heads do not take the query tiles (head_dim 80)
+    # more splits than the combine holds; a model whose heads do not take the split kernel (head_dim 80; 16 query
+    # heads per kv head: more than one m16n8k16 fragment's 8 hi rows)
     assert g[1].stg_test_attention_decode(1, 16, 65, *base, 128, 32, 4, gptr(g, q, "float *"),
                                           gptr(g, pos, "int32_t *"), 1, gptr(g, out, "float *"), null, null, null,
                                           null) != 0
     q80 = np.zeros((1, 2 * 80), np.float32)
     assert g[1].stg_test_attention_decode(1, 16, 64, *base, 80, 2, 1, gptr(g, q80, "float *"),
                                           gptr(g, pos, "int32_t *"), 1, gptr(g, q80, "float *"), null, null, null,
+                                          null) != 0
+    assert b"split attention" in g[0].string(g[1].stg_last_error())
+    q16 = np.zeros((1, 16 * 128), np.float32)
+    assert g[1].stg_test_attention_decode(1, 16, 64, *base, 128, 16, 1, gptr(g, q16, "float *"),
+                                          gptr(g, pos, "int32_t *"), 1, gptr(g, q16, "float *"), null, null, null,
                                           null) != 0
     assert b"split attention" in g[0].string(g[1].stg_last_error())
 
