@@ -671,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
                          "for the default and each --depth-knob")
     ap.add_argument("--depth-knob", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
                     help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
-                         "(repeatable; e.g. nol2:STRATA_GPU_ATT_SPLIT_L2=0)")
+                         "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)")
     args = ap.parse_args(argv)
     if args.depth is not None:
         from bench import engine_gpu_depth

@@ -16,7 +16,7 @@ decode steps with graphs and PDL off (CUPTI through torch's profiler: k_qkv_post
 combine each by name). ``--depth-batch N`` decodes N sequences at each depth instead of one (each its own random prompt; aggregate
 tok/s, beside ``llama-batched-bench -npp D -ntg 128 -npl N``: issue 30's 8 sequences at 32k).
 ``--depth-knob LABEL:VAR=VALUE`` adds a decode row per depth under those STRATA_GPU_* overrides (an A/B of a
-setting in the same process, e.g. ``nol2:STRATA_GPU_ATT_SPLIT_L2=0``), printed below the table. The KV cache is
+setting in the same process, e.g. ``min1k:STRATA_GPU_ATT_SPLIT_MIN=1024``), printed below the table. The KV cache is
 sized for N sequences at the deepest depth (each a whole number of blocks) and printed before anything runs (bytes
 per token: 2 x 2 bytes x layers x KV heads x head dim); where the device's free memory cannot hold it beside the
 weights the run stops with a message saying so.
@@ -46,7 +46,7 @@ def parse_depths(text: str) -> list[int]:
 
 
 def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
-    """['nol2:STRATA_GPU_ATT_SPLIT_L2=0,STRATA_GPU_ATT_SPLIT_MIN=1024'] -> [('nol2', {VAR: VALUE, ...})]; each VAR one of
+    """['min1k:STRATA_GPU_ATT_SPLIT_MIN=1024,STRATA_GPU_GRAPHS=0'] -> [('min1k', {VAR: VALUE, ...})]; each VAR one of
     engine/gpu_settings.py's overrides."""
     from engine.gpu_settings import OVERRIDES
 

@@ -57,9 +57,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
-    Override("STRATA_GPU_ATT_SPLIT_L2", "att_split_l2",
-             "the tensor-core split kernel prefetches the next layer's K / V into L2 up to this many MiB a layer "
-             "(0: never)"),
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
              "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
              "0 queued layer by layer"),

@@ -16,13 +16,13 @@ def test_depths_sorted_and_distinct() -> None:
 
 
 def test_knobs_name_registered_settings() -> None:
-    assert parse_knobs(["nol2:STRATA_GPU_ATT_SPLIT_L2=0", "b:STRATA_GPU_ATT_SPLIT_MIN=1024, STRATA_GPU_ATT_SPLIT_L2=0"]) == [
-        ("nol2", {"STRATA_GPU_ATT_SPLIT_L2": "0"}),
-        ("b", {"STRATA_GPU_ATT_SPLIT_MIN": "1024", "STRATA_GPU_ATT_SPLIT_L2": "0"}),
+    assert parse_knobs(["nographs:STRATA_GPU_GRAPHS=0", "b:STRATA_GPU_ATT_SPLIT_MIN=1024, STRATA_GPU_GRAPHS=0"]) == [
+        ("nographs", {"STRATA_GPU_GRAPHS": "0"}),
+        ("b", {"STRATA_GPU_ATT_SPLIT_MIN": "1024", "STRATA_GPU_GRAPHS": "0"}),
     ]
-    # the split kernel's form is no longer a setting (att_split_mma was removed with its other forms)
-    for bad in ("nolabel", ":STRATA_GPU_ATT_SPLIT_L2=0", "a:STRATA_GPU_NOT_A_SETTING=1", "a:STRATA_GPU_ATT_SPLIT_L2",
-                "fp32:STRATA_GPU_ATT_SPLIT_MMA=0"):
+    # settings whose A/B closed are no longer settings (att_split_mma, att_split_l2: deleted with their losing forms)
+    for bad in ("nolabel", ":STRATA_GPU_GRAPHS=0", "a:STRATA_GPU_NOT_A_SETTING=1", "a:STRATA_GPU_GRAPHS",
+                "fp32:STRATA_GPU_ATT_SPLIT_MMA=0", "nol2:STRATA_GPU_ATT_SPLIT_L2=0"):
         with pytest.raises(SystemExit):
             parse_knobs([bad])
 

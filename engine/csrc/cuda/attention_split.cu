@@ -69,9 +69,8 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * the transposed ldmatrix reads hit distinct banks), with its own online softmax; the warps' (max, sum, output)
  * are merged at the end as k_attention_tile merges them and written unnormalised to the partials. The block
  * ids of a warp's next 32 chunks sit one per lane (one load per 32 chunks). Chunks that cannot hold this
- * step's new key (written by k_qkv_post, the predecessor) are issued before the wait, and the next layer's
- * K / V of the split go into L2 (evict_last) there too when kc_next is set (launch_attention_split: a layer's
- * K / V of the step within att_split_l2 MiB).
+ * step's new key (written by k_qkv_post, the predecessor) are issued before the wait. The next layer's K / V is
+ * not prefetched into L2 here (docs/engine.md: it measured slower).
  *
  * A token of one split (att_split_chunks: below split_min keys) runs the unsplit decode kernel's blocks instead
  * (att_decode_head, one per head of the group on blocks z < G), so a short sequence batched with a long one gets
@@ -138,20 +137,9 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         cp_async_commit();
     };
     load_blocks(0);
-    /* before the wait: the chunks that cannot hold the new key (only the last chunk does), and the next layer's
-     * K / V of this split into L2 */
+    /* before the wait: the chunks that cannot hold the new key (only the last chunk does) */
     if (!last)
         for (int i = 0; i < ASM_NS - 1; i++) issue(i);
-    if (a.kc_next) {
-        for (int i = 0; i < n_my && i < 32; i++) {
-            const int32_t blk = __shfl_sync(0xffffffffu, blkv, i), c = c_lo + warp + ATT_WARPS * i;
-            const int slot0 = (c * ATT_CK) % bs;
-            const __half *kg = a.kc_next + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
-            const __half *vg = a.vc_next + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
-            for (int d = lane; d < HD; d += 32) prefetch_l2_last(kg + (int64_t)d * bs);
-            if (lane < 2 * ATT_CK) prefetch_l2_last(vg + (int64_t)(lane >> 1) * kd + (HD / 2) * (lane & 1));
-        }
-    }
     pdl_wait();
     if (last)
         for (int i = 0; i < ASM_NS - 1; i++) issue(i);
@@ -314,9 +302,8 @@ static stg_status attention_split_setup(void) {
 }
 
 /* The split kernel over grid (n_tok, n_kv, z) and the combine. aa: the layer's arguments with part_acc /
- * part_ml (room for n_tok * n_head * z rows) and split_min / split_chunks / split_max set; kc_next / vc_next:
- * the next layer's cache (NULL: the last layer), prefetched into L2 by the split kernel when the step's K / V of
- * a layer (its tables' width) is at most att_split_l2 MiB. The heads must take the split kernel (att_split_ok). */
+ * part_ml (room for n_tok * n_head * z rows) and split_min / split_chunks / split_max set. The heads must take the
+ * split kernel (att_split_ok). */
 static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z, cudaStream_t st) {
     if (z < 1 || z > ATT_SPLIT_MAX || aa.split_chunks < 1 || aa.split_max < 1 || aa.split_max > ATT_SPLIT_MAX ||
         !aa.part_acc || !aa.part_ml)
@@ -327,8 +314,6 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     if (aa.fused) return fail(ST_EINVAL, "split attention: the head prep runs in k_qkv_post");
     aa.split_z = z, aa.stages = 2;
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_kv, (unsigned)z);
-    const int64_t layer_kv = (int64_t)n_tok * aa.max_blocks * aa.block_size * aa.n_kv * aa.hd * 2 * (int64_t)sizeof(__half);
-    if (layer_kv > ((int64_t)g_set.att_split_l2 << 20)) aa.kc_next = aa.vc_next = nullptr;
     if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
     else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
     else launch_k(k_attention_split_mma<32>, grid, ATT_WARPS * 32, asm_smem_bytes<32>(), st, aa);

@@ -107,7 +107,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse ? 1 : 0, aa.qa = qa;
     aa.pre = fuse ? 1 : 0;
-    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 or the split kernel prefetches the next layer's K / V into L2 */
+    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
     if (att_split > 1) {
         aa.part_acc = s.apart, aa.part_ml = s.aml;

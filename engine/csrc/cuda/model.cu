@@ -56,7 +56,6 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_mma = 2;
     s->att_mma_min = 64;
     s->att_split_min = 512;
-    s->att_split_l2 = 24;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 0;
 }
@@ -80,7 +79,6 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
-    RANGE(att_split_l2, 0, 4096)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, 1)
 #undef RANGE

@@ -55,8 +55,6 @@ typedef struct stg_settings {
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
                                * its bits); 0: never */
-    int32_t att_split_l2;     /* the tensor-core split kernel prefetches the next layer's K / V of its split into L2
-                               * when a layer's K / V for the step's tables is at most this many MiB (0: never) */
     int32_t hybrid_overlap;   /* hybrid placement: 1: the host queues the whole step at once and a thread of its own
                                * computes the CPU's experts, the device waiting on a host-written flag per layer
                                * (the GPU's work of the next layer is already queued); 0: the host queues layer by
