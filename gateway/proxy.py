@@ -44,7 +44,7 @@ from gateway.memory_chat import prepare as memory_prepare
 from gateway.sessions import get_memory
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, check_text, read_body
 from gateway.store import IN_PROGRESS
-from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
+from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck, precheck_inline
 
 __all__ = ["Relay", "chat_completions", "completions", "generation"]
 
@@ -266,13 +266,18 @@ class _Call:
     async def _precheck(self, lane: LaneRuntime) -> WindowPlan:
         cfg = self.gw.config
         try:
-            check = precheck if self.rag is None else functools.partial(fit_passages, ctx=self.rag)
-            if self.memory is not None:  # compose first: the precheck counts the composed prompt (+ passages)
-                check = functools.partial(fit_memory, mem=self.memory, rag=self.rag)
-            plan = await _race(self.request, check(
-                self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
-                timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
-                cfg.first_token_timeout_s + 1)
+            plan = None
+            if self.rag is None and self.memory is None:  # the common request: counted here, nothing awaited
+                plan = precheck_inline(lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
+                                       default=self.default_max_tokens)
+            if plan is None:  # a long prompt, no local tokenizer, memory or documents: awaited, raced with the client
+                check = precheck if self.rag is None else functools.partial(fit_passages, ctx=self.rag)
+                if self.memory is not None:  # compose first: the precheck counts the composed prompt (+ passages)
+                    check = functools.partial(fit_memory, mem=self.memory, rag=self.rag)
+                plan = await _race(self.request, check(
+                    self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
+                    timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
+                    cfg.first_token_timeout_s + 1)
         except TimeoutError:
             raise LaneFailure(lane.name, "timeout", "the window precheck timed out") from None
         except APIError as e:
