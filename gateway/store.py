@@ -2,9 +2,9 @@
 
 Rows are queued by the event loop (``record`` never blocks) and written in batches by one
 writer thread: after the first row of a batch arrives the writer waits ``batch_s`` (config
-``log_batch_s``) for more, then commits them all in one transaction (one commit per request
-cost its writer 2.16 ms of CPU per request on the 2-core VM, a 50 ms window 0.26 ms), and a
-stream's two versions of its row (in progress, then complete) usually meet in one batch.
+``log_batch_s``) for more, then commits them all in one transaction: a transaction costs the
+writer ~1 ms of CPU whatever its size (SQLite on the 2-core dev VM, docs/benchmarks.md), and a
+stream's two versions of its row (in progress, then complete) often meet in one batch.
 ``flush`` cuts the wait short and waits until everything queued so far is written (the admin
 query does so, so it reads its own writes). The window does not weaken durability: a row is
 in the journal before ``record`` returns, and the journal keeps it until it is committed. Retention deletes rows older than ``retention_days``.
