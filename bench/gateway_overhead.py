@@ -7,7 +7,8 @@ the gateway, alternating, in one run.
         --gateway-url http://127.0.0.1:8080 --key sk-strata-...                  # a running stack
 
 Without URLs it starts one lane (``python -m lanes``, default model, 2048-token KV) and the
-gateway (``python -m gateway`` with a temp config, a temp SQLite database and a random admin
+gateway (``python -m gateway`` with a temp config that keeps the deployed defaults, health polls every
+1 s and every protection included, a temp SQLite database and a random admin
 key in its environment) as real processes on free ports, creates a key with the keys CLI, and
 stops both at the end. Each pair of samples sends the identical request (``max_tokens`` 8,
 ``temperature`` 0, same prompt, so the prefix cache makes both sides equal) once to the lane
@@ -141,7 +142,7 @@ def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores:
     stack.callback(_stop, lane)
     db = f"sqlite:///{tmp / 'gateway.db'}"
     conf = tmp / "gateway.toml"
-    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "{db}"\nhealth_interval_s = 0.5\n{gateway_toml}\n'
+    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "{db}"\n{gateway_toml}\n'
                     f'[[lanes]]\nname = "a"\nurl = "http://127.0.0.1:{lane_port}"\n')
     gw_log = open(tmp / "gateway.log", "wb")
     stack.callback(gw_log.close)
