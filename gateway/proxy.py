@@ -3,7 +3,8 @@
 The life of one request (docs/gateway.md tells it in full):
 
 1. the key's rpm / concurrency slot (429), the body (413 / 400), the extras stripped;
-2. a lane is chosen; its ``/tokenize`` counts the prompt; ``max_tokens`` (the default when
+2. a lane is chosen; its tokenizer counts the prompt (loaded in the gateway: on the event loop for a short
+   one, gateway/window.py ``precheck_inline``; else the lane's ``/tokenize``); ``max_tokens`` (the default when
    the request names none) is capped and fitted to the lane's window or the request is
    refused (400, the lane never sees it); the key's tpm reserves the prompt plus
    ``max_tokens`` per choice (429), the unused part is refunded when the request ends;
