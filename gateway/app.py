@@ -112,7 +112,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     gw.admin_key = None  # only its hash is needed from here on
     gw.store = RequestLog(gw.db, cfg.retention_days, max_queue=cfg.log_queue_max, retry_max_s=cfg.log_retry_max_s,
                           on_drop=lambda reason, n: gw.metrics.log_dropped.labels(reason=reason).inc(n),
-                          journal=Journal(journal_dir(cfg)))
+                          journal=Journal(journal_dir(cfg)), batch_s=cfg.log_batch_s)
     store = gw.store
     replayed = await asyncio.to_thread(store.replay)  # rows of a gateway that died, before any new one
     if replayed:

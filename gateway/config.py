@@ -158,6 +158,9 @@ class GatewayConfig(BaseModel):
                                          "their answer completes; replayed at start); None: beside a SQLite "
                                          "database, else var/ in the repository, named after the port")
     log_retry_max_s: float = Field(30.0, gt=0, description="longest pause between writes while the database fails")
+    log_batch_s: float = Field(0.2, ge=0, le=5.0, description="the request log's writer collects rows this long "
+                               "after the first of a batch, then commits them in one transaction (0: a commit per "
+                               "wake-up); rows are in the journal before then, so a crash loses none")
     metrics_public: bool = Field(False, description="True: /metrics answers without a key (else the admin key: "
                                  "its labels name lanes and keys' limits, its counters what clients did)")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")

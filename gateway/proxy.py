@@ -3,7 +3,8 @@
 The life of one request (docs/gateway.md tells it in full):
 
 1. the key's rpm / concurrency slot (429), the body (413 / 400), the extras stripped;
-2. a lane is chosen; its ``/tokenize`` counts the prompt; ``max_tokens`` (the default when
+2. a lane is chosen; its tokenizer counts the prompt (loaded in the gateway: on the event loop for a short
+   one, gateway/window.py ``precheck_inline``; else the lane's ``/tokenize``); ``max_tokens`` (the default when
    the request names none) is capped and fitted to the lane's window or the request is
    refused (400, the lane never sees it); the key's tpm reserves the prompt plus
    ``max_tokens`` per choice (429), the unused part is refunded when the request ends;
@@ -44,7 +45,7 @@ from gateway.memory_chat import prepare as memory_prepare
 from gateway.sessions import get_memory
 from gateway.state import GATEWAY, PRINCIPAL, TRACE, Gateway, Trace, check_text, read_body
 from gateway.store import IN_PROGRESS
-from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck
+from gateway.window import Clamp, WindowPlan, max_tokens_field, precheck, precheck_inline
 
 __all__ = ["Relay", "chat_completions", "completions", "generation"]
 
@@ -266,13 +267,18 @@ class _Call:
     async def _precheck(self, lane: LaneRuntime) -> WindowPlan:
         cfg = self.gw.config
         try:
-            check = precheck if self.rag is None else functools.partial(fit_passages, ctx=self.rag)
-            if self.memory is not None:  # compose first: the precheck counts the composed prompt (+ passages)
-                check = functools.partial(fit_memory, mem=self.memory, rag=self.rag)
-            plan = await _race(self.request, check(
-                self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
-                timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
-                cfg.first_token_timeout_s + 1)
+            plan = None
+            if self.rag is None and self.memory is None:  # the common request: counted here, nothing awaited
+                plan = precheck_inline(lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
+                                       default=self.default_max_tokens)
+            if plan is None:  # a long prompt, no local tokenizer, memory or documents: awaited, raced with the client
+                check = precheck if self.rag is None else functools.partial(fit_passages, ctx=self.rag)
+                if self.memory is not None:  # compose first: the precheck counts the composed prompt (+ passages)
+                    check = functools.partial(fit_memory, mem=self.memory, rag=self.rag)
+                plan = await _race(self.request, check(
+                    self.gw.session, lane, self.body, self.kind, cap=self.cap, min_clamp=cfg.min_clamp_tokens,
+                    timeout=cfg.first_token_timeout_s, request_id=self.trace.id, default=self.default_max_tokens),
+                    cfg.first_token_timeout_s + 1)
         except TimeoutError:
             raise LaneFailure(lane.name, "timeout", "the window precheck timed out") from None
         except APIError as e:

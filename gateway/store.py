@@ -1,8 +1,13 @@
 """The request log ("infer store"): one row per authenticated generation request.
 
 Rows are queued by the event loop (``record`` never blocks) and written in batches by one
-writer thread; ``flush`` waits until everything queued so far is written (the admin query
-does so, so it reads its own writes). Retention deletes rows older than ``retention_days``.
+writer thread: after the first row of a batch arrives the writer waits ``batch_s`` (config
+``log_batch_s``) for more, then commits them all in one transaction: a transaction costs the
+writer ~1 ms of CPU whatever its size (SQLite on the 2-core dev VM, docs/benchmarks.md), and a
+stream's two versions of its row (in progress, then complete) often meet in one batch.
+``flush`` cuts the wait short and waits until everything queued so far is written (the admin
+query does so, so it reads its own writes). The window does not weaken durability: a row is
+in the journal before ``record`` returns, and the journal keeps it until it is committed. Retention deletes rows older than ``retention_days``.
 Key material never reaches a row; prompt and response text only for keys with
 ``log_prompts``.
 
@@ -113,8 +118,9 @@ def _fit(row: dict[str, Any]) -> dict[str, Any]:
 class RequestLog:
     def __init__(self, engine: Engine, retention_days: float, *, max_queue: int = 10_000,
                  retry_max_s: float = 30.0, on_drop: Callable[[str, int], None] | None = None,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, batch_s: float = 0.0) -> None:
         self.engine = engine
+        self.batch_s = batch_s  # how long a batch collects rows after its first one
         self.retention_s = retention_days * 86400.0
         self.max_queue = max_queue
         self.retry_max_s = retry_max_s
@@ -125,6 +131,7 @@ class RequestLog:
         self._cond = threading.Condition()
         self._queued_total = 0  # rows ever accepted into the queue
         self._done_total = 0  # rows ever taken off it (written, or refused by the database)
+        self._urgent = 0  # flush() wants rows up to this count written now: the batch window is cut short
         self._stop = False
         self._thread = threading.Thread(target=self._writer, name="strata-gateway-log", daemon=True)
         self.dropped = 0  # rows lost: queue full or refused by the database
@@ -162,6 +169,8 @@ class RequestLog:
         """Wait until every row queued so far has been written (False after ``timeout``)."""
         with self._cond:
             target = self._queued_total
+            self._urgent = max(self._urgent, target)
+            self._cond.notify_all()
         return await asyncio.to_thread(self._wait_written, target, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -198,6 +207,9 @@ class RequestLog:
                     self._cond.wait_for(lambda: self._stop, timeout=delay)
                 else:
                     self._cond.wait_for(lambda: bool(self._rows) or self._stop)
+                    if self.batch_s > 0 and not self._stop:  # collect a batch (a flush or a full batch ends it)
+                        self._cond.wait_for(lambda: self._stop or len(self._rows) >= _BATCH or
+                                            self._urgent > self._done_total, timeout=self.batch_s)
                 stopping = self._stop
                 batch = list(itertools.islice(self._rows, _BATCH))
             if not batch:

@@ -31,7 +31,7 @@ from common.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from gateway.dispatch import LaneRuntime
 
-__all__ = ["INLINE_CHARS", "LocalCounter", "TokenizerCache"]
+__all__ = ["INLINE_CHARS", "LocalCounter", "TokenizerCache", "count_inline", "count_locally"]
 
 log = logging.getLogger("strata.gateway")
 
@@ -101,12 +101,21 @@ def text_size(value: Any, limit: int = INLINE_CHARS) -> int:
     return total
 
 
+def count_inline(lane: LaneRuntime, payload: Mapping[str, Any]) -> int | None:
+    """The lane's count, counted here on the event loop when its tokenizer is loaded and the text is short (~0.1
+    ms: less than handing it to a thread); None: :func:`count_locally` or ``/tokenize`` decides."""
+    counter = lane.counter
+    if counter is None or text_size(payload) > INLINE_CHARS:
+        return None
+    return counter.count(payload, lane.model)
+
+
 async def count_locally(lane: LaneRuntime, payload: Mapping[str, Any]) -> int | None:
     """The lane's count from its tokenizer in this process, or None (ask ``/tokenize``)."""
     counter = lane.counter
     if counter is None:
         return None
-    if text_size(payload) <= INLINE_CHARS:  # ~0.1 ms: less than handing it to a thread
+    if text_size(payload) <= INLINE_CHARS:
         return counter.count(payload, lane.model)
     return await asyncio.to_thread(counter.count, payload, lane.model)
 

@@ -30,9 +30,10 @@ import aiohttp
 from common.token_limit import token_limit_field
 from gateway.dispatch import LaneFailure, LaneRuntime, check_lane_status, connection_problem
 from gateway.errors import APIError
-from gateway.tokencount import count_locally
+from gateway.tokencount import count_inline, count_locally
 
-__all__ = ["Clamp", "WindowPlan", "max_tokens_field", "precheck"]
+__all__ = ["Clamp", "WindowPlan", "count_prompt", "max_tokens_field", "precheck", "precheck_inline",
+           "prompt_payloads"]
 
 Kind = Literal["chat", "completion"]
 
@@ -94,32 +95,38 @@ async def _tokenize(session: aiohttp.ClientSession, lane: LaneRuntime, payload: 
         raise LaneFailure(lane.name, "status", "/tokenize gave an unreadable answer", 502) from None
 
 
-async def count_prompt(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind,
-                       timeout: float, request_id: str) -> tuple[list[int], int | None]:
-    """Token counts of every prompt of the request, and the lane's window as /tokenize reported it."""
+def prompt_payloads(body: dict[str, Any], kind: Kind) -> tuple[list[dict[str, Any]], list[int]]:
+    """What to count for each prompt of the request (``/tokenize`` bodies) and the counts already known (prompts
+    given as token ids); a typed 400 for a prompt of no known shape."""
     model = body.get("model")
     base: dict[str, Any] = {"model": model} if isinstance(model, str) else {}
     if kind == "chat":
         payload = {**base, "messages": body["messages"], "add_generation_prompt": True}
         if body.get("tools"):  # tool definitions are rendered into the prompt: count them too
             payload.update(tools=body["tools"], tool_choice=body.get("tool_choice"))
-        n, n_ctx = await _tokenize(session, lane, payload, timeout, request_id)
-        return [n], n_ctx
+        return [payload], []
     prompt = body["prompt"]
     if isinstance(prompt, str):
-        n, n_ctx = await _tokenize(session, lane, {**base, "prompt": prompt}, timeout, request_id)
-        return [n], n_ctx
+        return [{**base, "prompt": prompt}], []
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return [len(prompt)], None
+        return [], [len(prompt)]
     if isinstance(prompt, list) and prompt:
-        texts = [p for p in prompt if isinstance(p, str)]
-        counts = await asyncio.gather(*(_tokenize(session, lane, {**base, "prompt": t}, timeout, request_id)
-                                        for t in texts))
-        n_ctx = next((c[1] for c in counts), None)
-        out = [c[0] for c in counts] + [len(p) for p in prompt if isinstance(p, list)]
-        return out, n_ctx
+        return [{**base, "prompt": p} for p in prompt if isinstance(p, str)], \
+            [len(p) for p in prompt if isinstance(p, list)]
     raise APIError(400, "invalid prompt: expected a string, a list of token ids, or a list of strings or of "
                    "token-id lists", param="prompt")
+
+
+async def count_prompt(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind,
+                       timeout: float, request_id: str) -> tuple[list[int], int | None]:
+    """Token counts of every prompt of the request, and the lane's window as /tokenize reported it."""
+    payloads, known = prompt_payloads(body, kind)
+    if len(payloads) == 1:
+        n, n_ctx = await _tokenize(session, lane, payloads[0], timeout, request_id)
+        return [n, *known], n_ctx
+    counts = await asyncio.gather(*(_tokenize(session, lane, p, timeout, request_id) for p in payloads))
+    n_ctx = next((c[1] for c in counts), None)
+    return [c[0] for c in counts] + known, n_ctx
 
 
 def fit(counts: list[int], n_ctx: int, kind: Kind, field: str, requested: int | None, cap: int | None,
@@ -156,13 +163,41 @@ def fit(counts: list[int], n_ctx: int, kind: Kind, field: str, requested: int | 
     return WindowPlan(sum(counts), longest, n_ctx, sent, clamp, n)
 
 
+def _requested(body: dict[str, Any], field: str) -> int | None:
+    requested = body.get(field)
+    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
+        raise APIError(400, f"invalid {field}: expected an integer, got {json.dumps(requested)[:40]}", param=field)
+    return requested
+
+
+def precheck_inline(lane: LaneRuntime, body: dict[str, Any], kind: Kind, *, cap: int | None, min_clamp: int,
+                    default: int | None = None) -> WindowPlan | None:
+    """:func:`precheck` without awaiting anything, when every prompt is counted here on the event loop (the lane's
+    tokenizer loaded, short text: the common request): no task, no turn of the loop, no timeout to arm. None: use
+    :func:`precheck` (it counts in a thread or asks the lane; a body the local count cannot judge is counted
+    again there, which costs only requests the lane then refuses)."""
+    field = max_tokens_field(body, kind)
+    requested = _requested(body, field)
+    if lane.counter is None or lane.n_ctx is None:
+        return None
+    payloads, known = prompt_payloads(body, kind)
+    counts: list[int] = []
+    for p in payloads:
+        n = count_inline(lane, p)
+        if n is None:
+            return None
+        counts.append(n)
+    counts += known
+    if not counts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return fit(counts, lane.n_ctx, kind, field, requested, cap, min_clamp, default)
+
+
 async def precheck(session: aiohttp.ClientSession, lane: LaneRuntime, body: dict[str, Any], kind: Kind, *,
                    cap: int | None, min_clamp: int, timeout: float, request_id: str,
                    default: int | None = None) -> WindowPlan:
     field = max_tokens_field(body, kind)
-    requested = body.get(field)
-    if requested is not None and (not isinstance(requested, int) or isinstance(requested, bool)):
-        raise APIError(400, f"invalid {field}: expected an integer, got {json.dumps(requested)[:40]}", param=field)
+    requested = _requested(body, field)
     counts, lane_n_ctx = await count_prompt(session, lane, body, kind, timeout, request_id)
     n_ctx = lane_n_ctx if isinstance(lane_n_ctx, int) and lane_n_ctx > 0 else lane.n_ctx
     if n_ctx is None:

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from gateway.tokencount import LocalCounter
+from gateway.window import precheck_inline
 from tests.gateway.conftest import GW, KV_TOKENS, auth, gateway_config, running_gateway
 from tests.http_helpers import eventually
 from tests.lanes.conftest import Lane
@@ -112,6 +113,13 @@ async def test_the_gateway_counts_without_tokenize(lane: Lane, http: aiohttp.Cli
             assert (await r.json())["usage"]["prompt_tokens"] == n
         lines = [rec.getMessage() for rec in caplog.records if rec.name == "strata.lanes"]
         assert sum("POST /tokenize" in m for m in lines) == 1  # the test's own, none from the gateway
+        # the common request is planned without awaiting (no task); a long one is left to the awaited precheck
+        plan = precheck_inline(rt, {"messages": CHATS[0]["messages"], "max_tokens": 5000}, "chat", cap=None,
+                               min_clamp=16)
+        assert plan is not None and plan.prompt_tokens == n and plan.max_tokens == KV_TOKENS - n
+        assert precheck_inline(rt, {"messages": CHATS[12]["messages"]}, "chat", cap=None, min_clamp=16) is None
+        assert precheck_inline(rt, {"prompt": [[1, 2, 3], "Once upon a time"]}, "completion", cap=None,
+                               min_clamp=16).prompt_tokens == 3 + (await _lane_count(http, lane, {"prompt": PROMPTS[0]}))[1]["count"]  # type: ignore[union-attr]
         assert sum("POST /v1/chat/completions" in m for m in lines) == 1
         await _no_local_count(gw, http, key, caplog)
 
