@@ -187,10 +187,7 @@ def glm45_air(n_dense: int = 1, n_moe: int = 4) -> Arch:
         if i < n_dense:
             ts += _ffn(p, "", ff, e, T.Q4_K)
             continue
-        ts += [Tensor(p + "ffn_gate_inp.weight", (ne, e), T.F32, 2.0 / math.sqrt(e)),
-               Tensor(p + "exp_probs_b.bias", (ne,), T.F32, 0.3)]
-        ts += _ffn(p, "_exps", fe, e, T.IQ3_XXS, ne)
-        ts += _ffn(p, "_shexp", fe, e, T.Q4_K)
+        ts += _sigmoid_moe(p, ne, fe, e)
     return a
 
 
@@ -257,11 +254,16 @@ def deepseek_v3(n_dense: int = 1, n_moe: int = 1) -> Arch:
         if i < n_dense:
             ts += _ffn(p, "", ff, e, T.Q4_K)
             continue
-        ts += [Tensor(p + "ffn_gate_inp.weight", (ne, e), T.F32, 2.0 / math.sqrt(e)),
-               Tensor(p + "exp_probs_b.bias", (ne,), T.F32, 0.3)]
-        ts += _ffn(p, "_exps", fe, e, T.IQ3_XXS, ne)
-        ts += _ffn(p, "_shexp", fe, e, T.Q4_K)
+        ts += _sigmoid_moe(p, ne, fe, e)
     return a
+
+
+def _sigmoid_moe(p: str, ne: int, fe: int, e: int) -> list[Tensor]:
+    """A GLM-4.5 / DeepSeek-V3 MoE layer's FFN as published: the router with its score-correction bias (sigmoid
+    routing), IQ3_XXS routed experts and a Q4_K shared expert of the same width."""
+    return [Tensor(p + "ffn_gate_inp.weight", (ne, e), T.F32, 2.0 / math.sqrt(e)),
+            Tensor(p + "exp_probs_b.bias", (ne,), T.F32, 0.3),
+            *_ffn(p, "_exps", fe, e, T.IQ3_XXS, ne), *_ffn(p, "_shexp", fe, e, T.Q4_K)]
 
 
 def _ffn(p: str, suffix: str, ff: int, e: int, qtype: GGMLQuantizationType, n_expert: int = 0) -> list[Tensor]:
