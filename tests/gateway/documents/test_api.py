@@ -315,3 +315,26 @@ async def test_documents_unavailable_is_a_typed_503(tmp_path: Path, rag: dict[st
             assert any("no sentence-transformers model" in r.getMessage() for r in caplog.records)
         async with s.get(g.url + "/healthz") as r:
             assert r.status == 200  # the rest of the gateway serves
+
+
+async def test_index_cache_stays_bounded(tmp_path: Path) -> None:
+    """Issue 31: the service keeps at most `index_cache_size` collections' indexes loaded (least recently searched
+    dropped first), and a collection whose index was dropped is loaded again on its next search."""
+    cfg = gateway_config(tmp_path, NO_LANE, rag={"index_cache_size": 2})
+    async with running_gateway(cfg) as g, aiohttp.ClientSession() as s:
+        key = g.key("k")
+        svc = g.app[RAG]
+        cids = []
+        for i, word in enumerate(("amber", "cobalt", "saffron")):
+            cid = (await create_collection(s, g.url, key, f"c{i}"))["id"]
+            _, doc = await upload(s, g.url, key, cid, f"{word}.txt", f"The {word} crate is on shelf {i}.".encode())
+            assert (await wait_done(s, g.url, key, cid, doc["id"]))["status"] == "ready"
+            cids.append(cid)
+        for cid, word in zip(cids, ("amber", "cobalt", "saffron"), strict=True):
+            hits = await search(s, g.url, key, cid, f"{word} crate", 3, mode="bm25")
+            assert hits and word in hits[0]["text"]
+            assert len(svc._cache) <= 2
+        assert list(svc._cache) == cids[1:]  # the least recently searched one went first
+        hits = await search(s, g.url, key, cids[0], "amber crate", 3, mode="bm25")
+        assert hits and "amber" in hits[0]["text"]
+        assert list(svc._cache) == [cids[2], cids[0]]
