@@ -24,6 +24,7 @@ SUPPORT = {
     "tests/engine/sched_helpers.py",  # stepping a scheduler and collecting its outputs
     "tests/engine/gpu/_env.py",  # whether a GPU is there, the skip reason
     "tests/engine/gpu/_kernel_helpers.py",  # pointers into the CUDA test library, CPU references
+    "tests/engine/gpu/_model_checks.py",  # a model on the GPU against the CPU engine: logits, greedy, batched
     "tests/engine/gpu/stack_on_gpu.py",  # the supervisord stack with a lane on the GPU
     "tests/gateway/flood.py",  # the many-keys flood of test_auth.py
     "tests/gateway/documents/helpers.py",  # documents API calls
