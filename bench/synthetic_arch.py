@@ -177,12 +177,7 @@ def glm45_air(n_dense: int = 1, n_moe: int = 4) -> Arch:
     for i in range(n_dense + n_moe):
         p = f"blk.{i}."
         ts += [Tensor(p + "attn_norm.weight", (e,), T.F32),
-               Tensor(p + "attn_q.weight", (nh * hd, e), T.Q4_K, _attn_std(e)),
-               Tensor(p + "attn_k.weight", (nkv * hd, e), T.Q4_K, _attn_std(e)),
-               Tensor(p + "attn_v.weight", (nkv * hd, e), T.Q6_K, _attn_std(e)),
-               Tensor(p + "attn_q.bias", (nh * hd,), T.F32, 0.1), Tensor(p + "attn_k.bias", (nkv * hd,), T.F32, 0.1),
-               Tensor(p + "attn_v.bias", (nkv * hd,), T.F32, 0.1),
-               Tensor(p + "attn_output.weight", (e, nh * hd), T.Q4_K, _attn_std(nh * hd)),
+               *_biased_attention(p, e, nh, nkv, hd, T.Q4_K, T.Q6_K),
                Tensor(p + "post_attention_norm.weight", (e,), T.F32)]
         if i < n_dense:
             ts += _ffn(p, "", ff, e, T.Q4_K)
@@ -206,12 +201,7 @@ def gpt_oss_120b(n_layer: int = 2) -> Arch:
     for i in range(n_layer):
         p = f"blk.{i}."
         ts += [Tensor(p + "attn_norm.weight", (e,), T.F32),
-               Tensor(p + "attn_q.weight", (nh * hd, e), T.Q8_0, _attn_std(e)),
-               Tensor(p + "attn_k.weight", (nkv * hd, e), T.Q8_0, _attn_std(e)),
-               Tensor(p + "attn_v.weight", (nkv * hd, e), T.Q8_0, _attn_std(e)),
-               Tensor(p + "attn_q.bias", (nh * hd,), T.F32, 0.1), Tensor(p + "attn_k.bias", (nkv * hd,), T.F32, 0.1),
-               Tensor(p + "attn_v.bias", (nkv * hd,), T.F32, 0.1),
-               Tensor(p + "attn_output.weight", (e, nh * hd), T.Q8_0, _attn_std(nh * hd)),
+               *_biased_attention(p, e, nh, nkv, hd, T.Q8_0, T.Q8_0),
                Tensor(p + "attn_output.bias", (e,), T.F32, 0.1), Tensor(p + "attn_sinks.weight", (nh,), T.F32, 1.0),
                Tensor(p + "post_attention_norm.weight", (e,), T.F32),
                Tensor(p + "ffn_gate_inp.weight", (ne, e), T.F32, 2.0 / math.sqrt(e)),
@@ -256,6 +246,18 @@ def deepseek_v3(n_dense: int = 1, n_moe: int = 1) -> Arch:
             continue
         ts += _sigmoid_moe(p, ne, fe, e)
     return a
+
+
+def _biased_attention(p: str, e: int, nh: int, nkv: int, hd: int, qtype: GGMLQuantizationType,
+                      v_type: GGMLQuantizationType) -> list[Tensor]:
+    """q / k / v projections with their biases and the output projection (GLM-4.5 and gpt-oss): v in v_type,
+    the others in qtype."""
+    return [Tensor(p + "attn_q.weight", (nh * hd, e), qtype, _attn_std(e)),
+            Tensor(p + "attn_k.weight", (nkv * hd, e), qtype, _attn_std(e)),
+            Tensor(p + "attn_v.weight", (nkv * hd, e), v_type, _attn_std(e)),
+            Tensor(p + "attn_q.bias", (nh * hd,), T.F32, 0.1), Tensor(p + "attn_k.bias", (nkv * hd,), T.F32, 0.1),
+            Tensor(p + "attn_v.bias", (nkv * hd,), T.F32, 0.1),
+            Tensor(p + "attn_output.weight", (e, nh * hd), qtype, _attn_std(nh * hd))]
 
 
 def _sigmoid_moe(p: str, ne: int, fe: int, e: int) -> list[Tensor]:

@@ -28,7 +28,7 @@ def test_knobs_name_registered_settings() -> None:
 
 
 @pytest.mark.parametrize(("depths", "steps", "unsplit", "n_seq"), [
-    ([32768], 32, 0, 8),  # run 87's failing call: 32,872 tokens a sequence, not a whole number of blocks
+    ([32768], 32, 0, 8),  # 8 x 32k: 32,872 tokens a sequence, not a whole number of blocks
     ([0, 1024, 2048, 8192, 32768, 131072], 64, 16, 1),
     ([0, 131072], 7, 3, 64),
 ])
