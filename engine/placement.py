@@ -402,9 +402,11 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
     parts["KV cache"] = kv_per_token * n_ctx * n_seqs
     parts["step buffers"] = step_buffer_bytes(hp, step_tokens, logit_rows)
     if hp.n_expert:
-        # the hybrid step's device buffers: slot ids per routed pair, and the shared expert's rows (computed
-        # while the CPU works); the CPU's own rows stay in pinned host memory
-        parts["hybrid buffers"] = step_tokens * (4 * hp.n_expert_used + (4 * hp.n_embd if hp.n_ff_shexp else 0))
+        # the hybrid step's device buffers: per routed pair a slot id and room for a CPU row (n_embd floats) with
+        # its pair index (the rows the CPU computed are copied in before they are summed), and the shared
+        # expert's rows (computed while the CPU works)
+        parts["hybrid buffers"] = step_tokens * (hp.n_expert_used * (4 * hp.n_embd + 8) +
+                                                 (4 * hp.n_embd if hp.n_ff_shexp else 0))
     if staging_slots:
         parts["staging slots"] = staging_slots * int(expert_bytes(mf).max())
     parts["context + graphs reserve"] = reserve_bytes

@@ -267,8 +267,9 @@ def test_gpu_table() -> None:
 
 def test_engine_plan_params_and_the_cpu_rows_part(files: dict[str, Path]) -> None:
     """Engine.open's plan request: the KV cache of kv_tokens rounded up to whole blocks, step buffers for the
-    tokens the GPU scratch grows to (at least 512), and the hybrid step's device buffers (a slot id per routed
-    pair, and a row of n_embd floats per token for the shared expert where the model has one)."""
+    tokens the GPU scratch grows to (at least 512), and the hybrid step's device buffers (per routed pair a slot
+    id and a CPU row of n_embd floats with its pair index, and a row of n_embd floats per token for the shared
+    expert where the model has one)."""
     mf = open_model(files["a"])
     hp = mf.hparams
     p = pl.engine_plan_params(10 << 30, kv_tokens=100, block_size=16, prefill_chunk=256)
@@ -276,7 +277,7 @@ def test_engine_plan_params_and_the_cpu_rows_part(files: dict[str, Path]) -> Non
     assert pl.engine_plan_params(1, 100, 16, 2048).step_tokens == 2048
     got = pl.plan(mf, p)
     shx = 4 * hp.n_embd if hp.n_ff_shexp else 0
-    assert got.fixed["hybrid buffers"] == 512 * (4 * hp.n_expert_used + shx)
+    assert got.fixed["hybrid buffers"] == 512 * (hp.n_expert_used * (4 + 4 * hp.n_embd + 4) + shx)
     assert got.fixed["KV cache"] == 2 * 2 * hp.n_layer * hp.n_head_kv * hp.head_dim * 112
     assert "hybrid buffers" not in pl.plan(open_model(files["dense"]), p).fixed
 

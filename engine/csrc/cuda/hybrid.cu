@@ -9,18 +9,21 @@
  * Per layer with a CPU share the stream holds: event s0, xn and the routing to pinned memory (a decode-sized
  * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
  * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
- * a one-thread kernel that waits for the host to write the step's value into the layer's pinned flag, event b,
- * the CPU's rows read from pinned memory into pair_out (their count and indices beside them), event c. The
- * device never waits on anything else of the host and the host never synchronises the device: it waits on the
- * ready flag or s1 alone. Who computes (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
+ * a one-thread kernel that waits for the host to write the step's value and its row count into the layer's pinned
+ * flag, event b, the CPU's rows scattered from device memory into pair_out, event c. The host, once it has
+ * computed a layer's n rows, copies exactly those rows and their pair indices into device memory on a stream of its
+ * own (the copy engine: mapped-memory loads by the device ran at ~1.6 GB/s on the H200 machine, a copy at tens of
+ * GB/s), waits for that copy alone and then writes the flag. The device never waits on anything else of the host and
+ * the host never synchronises the device: it waits on the ready flag, s1 or its own copy. Who computes (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
  * the calling thread queues the whole step at once (the next layer's attention is already queued when a flag
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.
  *
  * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
  *
- * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c), the
- * wait (a..b) and the rest (compute), each summed from its own intervals. */
+ * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c, and the
+ * part of the rows' copy r0..r1 that falls inside the wait), the wait (a..b less that part) and the rest (compute),
+ * each summed from its own intervals. */
 #include <time.h>
 
 #include <thread>
@@ -38,14 +41,18 @@ __global__ void k_slot_ids(const int32_t *ids, int32_t P, const int32_t *slot_of
     if (i < P) sid[i] = slot_of[ids[i]];
 }
 
-/* Wait until the host has written `want` into *flag (pinned host memory; a system-scope acquire, so the rows
- * the host wrote before the flag are seen by the kernels after this one). One thread. */
-__global__ void k_wait_flag(const uint32_t *flag, uint32_t want) {
+/* Wait until the host has written (want << 32) | n into *flag (pinned host memory, one 8-byte word: the step's
+ * value and the layer's CPU row count arrive together), then leave n in *n (device memory) for the scatter. The
+ * host writes the flag only once its rows' copy into device memory is complete. One thread. */
+__global__ void k_wait_flag(const unsigned long long *flag, uint32_t want, int32_t *n) {
     PDL_ENTER();
     for (;;) {
-        uint32_t v;
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-        if (v == want) break;
+        unsigned long long v;
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+        if ((uint32_t)(v >> 32) == want) {
+            *n = (int32_t)(uint32_t)v;
+            break;
+        }
         __nanosleep(256);
     }
 }
@@ -67,38 +74,22 @@ __global__ void k_to_host(const int32_t *ids, int32_t P, const float *xn, int64_
 }
 
 #define SCATTER_THREADS 128
-#define SCATTER_VEC 4 /* float4s a thread loads before it stores: a row of up to 2,048 floats in one round trip */
 
-/* Block r < *n: dst row idx[r] = src row r (rows of E floats; src, idx and n in pinned host memory, read in
- * place: the CPU's rows into pair_out). Each load crosses PCIe (~1-2 us), so the count and the index are
- * loaded together and each pass issues all of its row loads before any store: two round trips a row of up to
- * SCATTER_THREADS x SCATTER_VEC float4s instead of one per load. Blocks past the count return at once. */
-__global__ void k_scatter_host(const float *src, const int32_t *idx, const int32_t *n, int64_t E, float *dst) {
+/* Block r < *n: dst row idx[r] = rows row r, where rows holds n rows of E floats and then the n pair indices
+ * (d_rows as the host copied it in). Blocks past the count return at once (the grid is every pair of the step:
+ * it is queued before the count is known). */
+__global__ void k_scatter_rows(const float *rows, const int32_t *n, int64_t E, float *dst) {
     PDL_ENTER();
     const int32_t r = (int32_t)blockIdx.x;
-    const int32_t cnt = *(const volatile int32_t *)n;
-    const int32_t at = *(const volatile int32_t *)(idx + r); /* in flight beside the count (idx holds P ints) */
+    const int32_t cnt = *n;
     if (r >= cnt) return;
-    const int64_t row = (int64_t)at;
-    const float *s = src + (int64_t)r * E;
-    float *d = dst + row * E;
+    const int64_t at = ((const int32_t *)(rows + (int64_t)cnt * E))[r];
+    const float *s = rows + (int64_t)r * E;
+    float *d = dst + at * E;
     if ((E & 3) == 0) { /* rows of whole float4s, 16-byte aligned at both ends */
         const float4 *s4 = (const float4 *)s;
         float4 *d4 = (float4 *)d;
-        const int64_t n4 = E / 4;
-        for (int64_t base = threadIdx.x; base < n4; base += (int64_t)blockDim.x * SCATTER_VEC) {
-            float4 v[SCATTER_VEC];
-#pragma unroll
-            for (int j = 0; j < SCATTER_VEC; j++) {
-                const int64_t i = base + (int64_t)j * blockDim.x;
-                if (i < n4) v[j] = s4[i];
-            }
-#pragma unroll
-            for (int j = 0; j < SCATTER_VEC; j++) {
-                const int64_t i = base + (int64_t)j * blockDim.x;
-                if (i < n4) d4[i] = v[j];
-            }
-        }
+        for (int64_t i = threadIdx.x; i < E / 4; i += blockDim.x) d4[i] = s4[i];
     } else {
         for (int64_t i = threadIdx.x; i < E; i += blockDim.x) d[i] = s[i];
     }
@@ -110,7 +101,7 @@ static double host_seconds() {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* pinned host memory that kernels read in place (mapped into every device's address space) */
+/* pinned host memory, mapped into every device's address space (k_to_host writes xn and the routing in place) */
 static stg_status host_mapped(hybrid &h, size_t bytes, void **out) {
     *out = nullptr;
     CU(cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "pinned hybrid buffers");
@@ -118,7 +109,8 @@ static stg_status host_mapped(hybrid &h, size_t bytes, void **out) {
     return ST_OK;
 }
 
-/* The placement at model creation (before upload): the mask, the slots, the CPU engine, the flags. */
+/* The placement at model creation (before upload): the mask, the slots, the CPU engine, the flags, the rows'
+ * stream. */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu) {
     hybrid &h = m->hy;
     const int nL = m->d.n_layer, ne = m->d.n_expert;
@@ -146,14 +138,17 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     h.cpu = *cpu;
     CHECK(dalloc(m, &h.d_slot, n * sizeof(int32_t)));
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
-    /* flags [nL] (host -> device), then from the next 64-byte line ready [nL] (device -> host) */
-    const size_t ready_at = ((size_t)nL + 15) / 16 * 16;
+    CHECK(dalloc(m, &h.d_n, sizeof(int32_t)));
+    CU(cudaMemset(h.d_n, 0, sizeof(int32_t)), "model_create: hybrid count");
+    CU(cudaStreamCreateWithFlags(&h.rows, cudaStreamNonBlocking), "model_create: hybrid stream");
+    /* flags [nL] (8 bytes each, host -> device), then from the next 64-byte line ready [nL] (device -> host) */
+    const size_t flag_bytes = ((size_t)nL * sizeof(uint64_t) + 63) / 64 * 64;
+    const size_t bytes = flag_bytes + sizeof(uint32_t) * (size_t)nL;
     void *flags = nullptr;
-    CU(cudaHostAlloc(&flags, sizeof(uint32_t) * (ready_at + (size_t)nL), cudaHostAllocMapped | cudaHostAllocPortable),
-       "model_create: hybrid flags");
-    memset(flags, 0, sizeof(uint32_t) * (ready_at + (size_t)nL));
-    h.flags = (uint32_t *)flags;
-    h.ready = h.flags + ready_at;
+    CU(cudaHostAlloc(&flags, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "model_create: hybrid flags");
+    memset(flags, 0, bytes);
+    h.flags = (uint64_t *)flags;
+    h.ready = (uint32_t *)((char *)flags + flag_bytes);
     return ST_OK;
 }
 
@@ -167,19 +162,18 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T) {
     bool shexp = false;
     for (const dlayer &L : m->L) shexp = shexp || L.gate_shexp.d != nullptr;
     if (shexp) CHECK(dalloc_in(s.step_allocs, &h.d_shx, sizeof(float) * T * E));
+    /* the CPU's rows and their pair indices (a float's room each) */
+    CHECK(dalloc_in(s.step_allocs, &h.d_rows, sizeof(float) * P * (E + 1)));
+    if (h.rows) CU(cudaStreamSynchronize(h.rows), "hybrid: rows stream"); /* nothing of it may read the old rows */
     for (void *p : h.pinned) cudaFreeHost(p);
     h.pinned.clear();
-    h.h_xn = h.h_out = nullptr, h.h_ids = h.h_idx = h.h_n = nullptr;
-    void *xn = nullptr, *out = nullptr, *ids = nullptr, *idx = nullptr, *cnt = nullptr;
+    h.h_xn = h.h_rows = nullptr, h.h_ids = nullptr;
+    void *xn = nullptr, *rows = nullptr, *ids = nullptr;
     CHECK(host_mapped(h, sizeof(float) * T * E, &xn));
-    CHECK(host_mapped(h, sizeof(float) * P * E, &out));
+    CHECK(host_mapped(h, sizeof(float) * P * (E + 1), &rows));
     CHECK(host_mapped(h, sizeof(int32_t) * P, &ids));
-    CHECK(host_mapped(h, sizeof(int32_t) * P, &idx));
-    CHECK(host_mapped(h, sizeof(int32_t), &cnt));
-    h.h_xn = (float *)xn, h.h_out = (float *)out, h.h_ids = (int32_t *)ids, h.h_idx = (int32_t *)idx;
-    h.h_n = (int32_t *)cnt;
-    *h.h_n = 0;
-    h.pair_tok.resize((size_t)P), h.pair_exp.resize((size_t)P);
+    h.h_xn = (float *)xn, h.h_rows = (float *)rows, h.h_ids = (int32_t *)ids;
+    h.pair_tok.resize((size_t)P), h.pair_exp.resize((size_t)P), h.pair_idx.resize((size_t)P);
     return ST_OK;
 }
 
@@ -223,14 +217,14 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     m->hy.cur = nullptr;
     if (!m->hy.on) return ST_OK;
     const size_t nL = (size_t)m->d.n_layer;
-    std::vector<cudaEvent_t> *sets[5] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c};
+    std::vector<cudaEvent_t> *sets[7] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c, &hs.r0, &hs.r1};
     for (std::vector<cudaEvent_t> *v : sets)
         while (v->size() < nL) {
             cudaEvent_t e = nullptr;
             CU(cudaEventCreate(&e), "hybrid: events");
             v->push_back(e);
         }
-    hs.used.assign(nL, 0);
+    hs.used.assign(nL, 0), hs.copied.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
     hs.staged_layers = hs.staged_bytes = 0;
     staging_decide(m, T);
@@ -241,20 +235,22 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     return ST_OK;
 }
 
-/* The host writes a layer's flag: the device's wait for it ends (its rows, or none, are in place). */
-static void hybrid_signal(hybrid &h, int il, uint32_t seq) { __atomic_store_n(&h.flags[il], seq, __ATOMIC_RELEASE); }
+/* The host writes a layer's flag: the device's wait for it ends (its n rows, or none, are in place). */
+static void hybrid_signal(hybrid &h, int il, uint32_t seq, int32_t n) {
+    __atomic_store_n(&h.flags[il], ((uint64_t)seq << 32) | (uint32_t)n, __ATOMIC_RELEASE);
+}
 
 /* A failed or abandoned step: no rows from layer il on, every flag written so that no wait queued for them
  * blocks the stream (the step's results are then not used). */
 static void hybrid_release(stg_model *m, int il, uint32_t seq) {
     hybrid &h = m->hy;
-    __atomic_store_n(h.h_n, 0, __ATOMIC_RELEASE);
     for (int j = il; j < m->d.n_layer; j++)
-        if (hybrid_layer(m, j)) hybrid_signal(h, j, seq);
+        if (hybrid_layer(m, j)) hybrid_signal(h, j, seq, 0);
 }
 
 /* The CPU's share of layer il (its s1 recorded): wait for xn and the routing, compute the pairs of experts the
- * device does not hold, leave the rows, their pair indices and count in pinned memory, write the flag. */
+ * device does not hold, copy the rows and their pair indices into device memory (the rows stream; the host waits
+ * for that copy alone), write the flag with their count. */
 static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     hybrid &h = m->hy;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
@@ -271,12 +267,12 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
         if (e < 0 || e >= ne)
             return fail(ST_ERANGE, "hybrid: layer %d routed pair %lld to expert %d of %d", il, (long long)p, e, ne);
         if (res[e]) continue;
-        h.pair_tok[(size_t)n] = (int32_t)(p / k), h.pair_exp[(size_t)n] = e, h.h_idx[n] = (int32_t)p;
+        h.pair_tok[(size_t)n] = (int32_t)(p / k), h.pair_exp[(size_t)n] = e, h.pair_idx[(size_t)n] = (int32_t)p;
         n++;
     }
     if (n > 0) {
         const int32_t rc = h.cpu.moe_pairs(h.cpu.model, h.cpu.pool, il, T, h.h_xn, n, h.pair_tok.data(),
-                                           h.pair_exp.data(), h.h_out);
+                                           h.pair_exp.data(), h.h_rows);
         if (rc != ST_OK) {
             const char *msg = h.cpu.last_error();
             return fail(rc, "layer %d: the CPU engine's experts: %s", il, msg ? msg : "(no message)");
@@ -284,9 +280,28 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     }
     hs.t_cpu += host_seconds() - t1;
     hs.cpu_pairs += n;
-    hs.pcie_h2d += (int64_t)n * (E * (int64_t)sizeof(float) + (int64_t)sizeof(int32_t)) + (int64_t)sizeof(int32_t);
-    __atomic_store_n(h.h_n, n, __ATOMIC_RELAXED);
-    hybrid_signal(h, il, hs.seq);
+    if (n > 0) { /* the n rows, then their pair indices, in one copy (k_scatter_rows' layout) */
+        memcpy(h.h_rows + (int64_t)n * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
+        const size_t bytes = sizeof(float) * (size_t)n * (size_t)(E + 1);
+        CU(cudaEventRecord(hs.r0[(size_t)il], h.rows), "hybrid: event");
+        CU(cudaMemcpyAsync(h.d_rows, h.h_rows, bytes, cudaMemcpyHostToDevice, h.rows), "hybrid: CPU rows");
+        CU(cudaEventRecord(hs.r1[(size_t)il], h.rows), "hybrid: event");
+        hs.copied[(size_t)il] = 1;
+        hs.pcie_h2d += (int64_t)bytes;
+        for (;;) {
+            const cudaError_t q = cudaEventQuery(hs.r1[(size_t)il]);
+            if (q == cudaSuccess) break;
+            if (q != cudaErrorNotReady) {
+                cudaGetLastError();
+                return fail(ST_EINVAL, "hybrid: layer %d: the CPU rows' copy: %s", il, cudaGetErrorString(q));
+            }
+#if defined(__x86_64__)
+            asm volatile("pause");
+#endif
+        }
+    }
+    hs.pcie_h2d += (int64_t)sizeof(uint64_t);
+    hybrid_signal(h, il, hs.seq, n);
     return ST_OK;
 }
 
@@ -396,7 +411,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     cudaStream_t st = m->stream;
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
-    launch_k(k_wait_flag, 1, 1, 0, st, (const uint32_t *)(h.flags + il), hs.seq);
+    launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.flags + il), hs.seq, h.d_n);
     LAUNCHED("hybrid: wait for the CPU");
     if (!h.worker) {
         const stg_status rc = hybrid_cpu_layer(m, hs, il);
@@ -406,8 +421,8 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
         }
     }
     CU(cudaEventRecord(hs.b[(size_t)il], st), "hybrid: event");
-    launch_k(k_scatter_host, (unsigned)P, SCATTER_THREADS, 0, st, (const float *)h.h_out, (const int32_t *)h.h_idx,
-             (const int32_t *)h.h_n, E, m->s.pair_out);
+    launch_k(k_scatter_rows, (unsigned)P, SCATTER_THREADS, 0, st, (const float *)h.d_rows, (const int32_t *)h.d_n, E,
+             m->s.pair_out);
     LAUNCHED("hybrid: CPU rows");
     CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
     hs.used[(size_t)il] = 1;
@@ -422,14 +437,15 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
         m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0};
         return;
     }
-    auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
+    auto signed_el = [](cudaEvent_t x, cudaEvent_t y) -> double {
         float ms = 0.0f;
         if (cudaEventElapsedTime(&ms, x, y) != cudaSuccess) {
             cudaGetLastError();
             return 0.0;
         }
-        return ms > 0.0f ? 1e-3 * ms : 0.0;
+        return 1e-3 * ms;
     };
+    auto el = [&](cudaEvent_t x, cudaEvent_t y) -> double { return std::max(0.0, signed_el(x, y)); };
     double gpu = 0.0, wait = 0.0, pcie = 0.0;
     cudaEvent_t prev = e0;
     for (size_t il = 0; il < hs.used.size(); il++) {
@@ -442,7 +458,14 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
         }
         gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
         pcie += el(hs.s0[il], hs.s1[il]) + el(hs.b[il], hs.c[il]);
-        wait += el(hs.a[il], hs.b[il]);
+        double w = el(hs.a[il], hs.b[il]);
+        if (hs.copied[il]) { /* the rows' copy, where it falls inside the wait, is PCIe time, not idle time */
+            const double from = std::max(0.0, signed_el(hs.a[il], hs.r0[il]));
+            const double to = std::min(w, signed_el(hs.a[il], hs.r1[il]));
+            const double copy = std::max(0.0, to - from);
+            pcie += copy, w -= copy;
+        }
+        wait += w;
         prev = hs.c[il];
     }
     gpu += el(prev, e1);
