@@ -8,6 +8,7 @@
 #   device_run.sh bench [bench args]    python -m bench.engine_gpu
 #   device_run.sh depth [D1,D2,...] [bench args]   batch-1 decode at depth (bench/engine_gpu_depth.py) beside
 #                                       llama-bench -d, llama.cpp from .llama/bin-pack (default depths 0,8192,32768)
+#   device_run.sh hybrid [bench args]   python -m bench.engine_hybrid beside llama.cpp from .llama/bin-pack
 #   device_run.sh sh "COMMANDS"         any commands after the setup (e.g. bash tools/gpu/ncu_decode.sh)
 #
 # Logs go to $OUT (at most 8 files come back): pip, probe and build logs, pytest.log, stack.json,
@@ -91,8 +92,21 @@ case "$what" in
     python3 -m bench.engine_gpu --depth "$depths" ${lb[@]+"${lb[@]}"} --json "$OUT/depth.json" "$@" 2>&1 \
         | tee "$OUT/depth.log" | tail -40
     ;;
+  hybrid)
+    # issue 29's benchmark (bench/engine_hybrid.py) beside llama.cpp from .llama/bin-pack; its log and JSON in $OUT
+    llama=/tmp/llama-build
+    lb=()
+    if [ -d .llama/bin-pack ] && bash tools/gpu/build_llama_cuda.sh .llama/bin-pack "$llama" > /tmp/llama-unpack.log 2>&1 \
+        && "$llama/bin/llama-bench" --help > /dev/null 2>&1; then
+      lb=(--llama-bin "$llama/bin")
+    else
+      echo "llama.cpp: no loadable .llama/bin-pack (tools/gpu/build_llama_cuda.sh): Strata only"
+    fi
+    set -o pipefail
+    python3 -m bench.engine_hybrid ${lb[@]+"${lb[@]}"} --json "$OUT/hybrid.json" "$@" 2>&1 | tee "$OUT/hybrid.log"
+    ;;
   sh)
     bash -c "$*"
     ;;
-  *) echo "unknown: $what (verify, tests, bench, depth or sh)"; exit 2 ;;
+  *) echo "unknown: $what (verify, tests, bench, depth, hybrid or sh)"; exit 2 ;;
 esac

@@ -1,0 +1,125 @@
+"""bench/engine_hybrid.py's CPU-side logic: llama.cpp's placement at equal VRAM, the budget for a share of the
+routed experts and its inverse, the prompt steps, the deadline that keeps a device call under its limit, the
+knobs' environment (the GPU rows run on the device only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.engine_hybrid import (
+    Deadline,
+    _Env,
+    budget_for_fraction,
+    fraction_for_budget,
+    llama_placement,
+    main,
+    model_path,
+    parse_floats,
+    parse_ints,
+    prompt_steps,
+)
+from tests.engine.gguf_factory import make_random_gguf
+
+
+def test_llama_placement_matches_the_share_of_layers() -> None:
+    assert llama_placement(0.0, 48) == ["-ot", "exps=CPU"]
+    assert llama_placement(0.25, 48) == ["-ncmoe", "36"]
+    assert llama_placement(0.5, 48) == ["-ncmoe", "24"]
+    assert llama_placement(1.0, 48) == ["-ncmoe", "0"]
+    assert llama_placement(0.01, 48) == ["-ot", "exps=CPU"]  # rounds to every layer on the CPU
+
+
+def test_prompt_steps_take_whole_prompts_up_to_the_chunk() -> None:
+    assert prompt_steps(1, 32, 512) == [[0]]
+    assert prompt_steps(8, 32, 512) == [list(range(8))]
+    assert prompt_steps(32, 32, 512) == [list(range(16)), list(range(16, 32))]
+    assert prompt_steps(3, 600, 512) == [[0], [1], [2]]  # a prompt longer than the chunk goes alone
+    steps = prompt_steps(33, 32, 500)
+    assert [i for s in steps for i in s] == list(range(33)) and max(len(s) for s in steps) * 32 <= 500
+
+
+def test_lists_parse() -> None:
+    assert parse_ints("8,32") == [8, 32] and parse_ints("") == [] and parse_ints(" 1 , 2") == [1, 2]
+    assert parse_floats("0,0.25,0.5") == [0.0, 0.25, 0.5]
+    with pytest.raises(ValueError):
+        parse_ints("8,x")
+
+
+def test_deadline_starts_a_row_only_when_the_longest_of_its_kind_fits() -> None:
+    now = [0.0]
+    dl = Deadline(100.0, clock=lambda: now[0])
+    assert dl.fits("strata", 40.0)
+    dl.took("strata", 30.0)
+    dl.took("strata", 20.0)  # the longest counts
+    now[0] = 65.0
+    assert dl.left() == pytest.approx(35.0)
+    assert dl.fits("strata", 999.0)  # measured (30 s) beats the guess
+    assert not dl.fits("llama", 60.0)  # not measured yet: the guess
+    now[0] = 71.0
+    assert not dl.fits("strata", 1.0)
+    assert Deadline(None).fits("anything", 1e9)
+
+
+def test_env_sets_and_restores() -> None:
+    key, other = "STRATA_GPU_HYBRID_OVERLAP", "STRATA_GPU_HYBRID_STAGE"
+    old = os.environ.get(key), os.environ.get(other)
+    os.environ.pop(other, None)
+    os.environ[key] = "1"
+    try:
+        with _Env({key: "0", other: "1"}):
+            assert os.environ[key] == "0" and os.environ[other] == "1"
+        assert os.environ[key] == "1" and other not in os.environ
+    finally:
+        for k, v in zip((key, other), old, strict=True):
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_budget_and_fraction_are_inverse(tmp_path: Path) -> None:
+    """budget_for_fraction's gpu_budget_gb leaves that share of the routed experts after the fixed parts, and
+    fraction_for_budget gives the share back (clipped to [0, 1]), so llama.cpp's -ncmoe follows Strata's budget."""
+    path = make_random_gguf(tmp_path / "moe.gguf", arch="qwen3moe", n_layer=4, n_embd=128, n_head=4, n_head_kv=2,
+                            n_ff=64, n_vocab=256, n_expert=8, n_expert_used=2, qk_norm=True)
+    b0 = budget_for_fraction(path, 0.0, 256, 16, 512)
+    b1 = budget_for_fraction(path, 1.0, 256, 16, 512)
+    assert 0 < b0 < b1
+    for f in (0.0, 0.25, 0.5, 1.0):
+        b = budget_for_fraction(path, f, 256, 16, 512)
+        assert fraction_for_budget(path, b, 256, 16, 512) == pytest.approx(f, abs=1e-6)
+    assert fraction_for_budget(path, b0 / 2, 256, 16, 512) == 0.0
+    assert fraction_for_budget(path, 2 * b1, 256, 16, 512) == 1.0
+
+
+def test_model_path_names_skew_and_experts() -> None:
+    assert model_path("/m", 48, 1.0, "q4_k") == Path("/m/qwen3moe-synth-48L-skew1.gguf")
+    assert model_path("/m", 48, 0.0, "q8_0") == Path("/m/qwen3moe-synth-48L-skew0-q8_0.gguf")
+
+
+def test_knobs_must_name_settings() -> None:
+    with pytest.raises(SystemExit):
+        main(["--knob", "x:STRATA_GPU_NOT_A_SETTING=1", "--model-dir", "/nonexistent", "--build-only"])
+
+
+def test_mean_frame_averages_the_steps_parts() -> None:
+    """The decode rows' frame is the mean of their steps' parts (ms), its idle share and PCIe rate from those
+    means; the hit rate the steps' mean."""
+    from types import SimpleNamespace
+
+    from bench.engine_hybrid import mean_frame
+
+    def step(total: float, wait: float, pcie: float, nbytes: int, hit: float) -> SimpleNamespace:
+        return SimpleNamespace(t_total=total, t_gpu=total - wait - pcie, t_pcie=pcie, t_gpu_wait=wait,
+                               t_cpu_experts=wait, t_cpu_wait=0.001, pcie_bytes=nbytes, resident_hit_rate=hit)
+
+    got = mean_frame([step(0.020, 0.015, 0.001, 1_000_000, 0.5), step(0.030, 0.021, 0.003, 3_000_000, 0.7)])
+    assert got["t_total"] == pytest.approx(25.0) and got["t_gpu_wait"] == pytest.approx(18.0)
+    assert got["t_gpu"] + got["t_pcie"] + got["t_gpu_wait"] == pytest.approx(got["t_total"])
+    assert got["gpu_idle_share"] == pytest.approx(18.0 / 25.0)
+    assert got["pcie_gb_s"] == pytest.approx(2_000_000 / 0.002 / 1e9)
+    assert got["resident_hit_rate"] == pytest.approx(0.6) and got["steps"] == 2
+    assert mean_frame([]) == {}
