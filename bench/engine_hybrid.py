@@ -500,9 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for frac in fracs:
                 row(f"skew {sk:g}", path, frac, "strata")
-        if sk == skews[0]:
-            for name, env in knobs:
-                row(f"skew {sk:g} [{name}]", path, fracs[0], "knob", env=env, llama=False)
+    for name, env in knobs:  # the A/B rows after the table: the first skew, the first fraction
+        row(f"skew {skews[0]:g} [{name}]", paths[0], fracs[0], "knob", env=env, llama=False)
     if args.q8_budget_gb is not None:
         if not dl.fits("q8", GUESS_S["q8"]):
             skipped.append(f"Q8_0 at {args.q8_budget_gb:g} GiB ({dl.left():.0f} s left)")
