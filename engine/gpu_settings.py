@@ -61,8 +61,9 @@ OVERRIDES: tuple[Override, ...] = (
              "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
              "0 queued layer by layer"),
     Override("STRATA_GPU_HYBRID_STAGE", "hybrid_stage",
-             "hybrid placement: 1 a step may stage a layer's non-resident experts over PCIe and compute them on "
-             "the GPU where the measured rates say it is faster (two whole-layer slots of VRAM); 0 never"),
+             "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
+             "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
+             "of VRAM; 64 keeps decode off it); 0 never"),
 )
 
 
@@ -93,7 +94,7 @@ def from_env(ffi: Any, lib: Any, environ: dict[str, str] | None = None) -> Any:
 def env_override(field: str, environ: dict[str, str] | None = None) -> int | None:
     """The environment's override of one stg_settings field (``apply_env``'s parsing), or None where it is not
     set: for decisions made before the library is loaded (the hybrid plan reserves the staging ring's VRAM
-    when ``hybrid_stage`` is 1)."""
+    when ``hybrid_stage`` is set, i.e. at least 1)."""
 
     class _Fields:
         pass

@@ -157,9 +157,9 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
 
 
 def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """STRATA_GPU_HYBRID_STAGE=1: the hybrid plan holds the staging ring (two whole layers' routed experts,
-    2 x n_expert x the largest expert) among its fixed parts, so fewer experts are resident under one budget;
-    unset, no ring."""
+    """STRATA_GPU_HYBRID_STAGE=N >= 1 (steps of at least N tokens may stage): the hybrid plan holds the staging
+    ring (two whole layers' routed experts, 2 x n_expert x the largest expert) among its fixed parts, so fewer
+    experts are resident under one budget; unset or 0, no ring."""
     from engine.engine import _gpu_plan
     from engine.gguf_model import open_model
     from engine.placement import engine_plan_params, expert_bytes, plan
@@ -171,10 +171,14 @@ def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.M
     monkeypatch.delenv("STRATA_GPU_HYBRID_STAGE", raising=False)
     got = _gpu_plan(mf, budget, 64, 16, 512, None)
     assert got is not None and "staging slots" not in got[0].fixed
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
-    staged = _gpu_plan(mf, budget, 64, 16, 512, None)
-    assert staged is not None
-    assert staged[0].fixed["staging slots"] == ring and staged[0].n_resident < got[0].n_resident
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "0")
+    off = _gpu_plan(mf, budget, 64, 16, 512, None)
+    assert off is not None and "staging slots" not in off[0].fixed
+    for floor in ("1", "64"):
+        monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", floor)
+        staged = _gpu_plan(mf, budget, 64, 16, 512, None)
+        assert staged is not None
+        assert staged[0].fixed["staging slots"] == ring and staged[0].n_resident < got[0].n_resident
 
 
 @pytest.mark.parametrize(("threads", "env", "want"), [

@@ -10,11 +10,12 @@
  * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
  * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
  * a one-thread kernel that waits for the host to write the step's value and its row count into the layer's pinned
- * flag, event b, the CPU's rows scattered from device memory into pair_out, event c. The host, once it has
- * computed a layer's n rows, copies exactly those rows and their pair indices into device memory on a stream of its
- * own (the copy engine: mapped-memory loads by the device ran at ~1.6 GB/s on the H200 machine, a copy at tens of
- * GB/s), waits for that copy alone and then writes the flag. The device never waits on anything else of the host and
- * the host never synchronises the device: it waits on the ready flag, s1 or its own copy. Who computes (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
+ * flag, event b, the CPU's rows scattered from device memory into pair_out, event c. The host, once it has computed
+ * a layer's n rows, copies exactly those rows and their pair indices into device memory on a stream of its own (the
+ * copy engine: the device's loads from mapped host memory ran at ~1.6 GB/s on the H200 machine, a copy at tens of
+ * GB/s), waits for that copy alone and then writes the flag. The device never waits on anything else of the host
+ * and the host never synchronises the device: it waits on the ready flag, s1 or its own copy. Who computes
+ * (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
  * the calling thread queues the whole step at once (the next layer's attention is already queued when a flag
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.

@@ -80,7 +80,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
-    RANGE(hybrid_stage, 0, 1)
+    RANGE(hybrid_stage, 0, INT32_MAX)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",

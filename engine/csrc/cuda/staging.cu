@@ -8,7 +8,11 @@
  * chunk). Per step of T tokens and partial layer l (staging_decide):
  *     cpu_s   = T x k x (experts not resident / n_expert) / cpu_pairs_s   (expected pairs on the CPU)
  *     stage_s = max(non-resident bytes / pcie rate, the layer's expert bytes / device rate)
- * and the layer is staged when stage_s < cpu_s. A staged layer skips the CPU share: on the copy stream, after
+ * and the layer is staged when stage_s < cpu_s, in steps of at least hybrid_stage tokens only (the setting is that
+ * floor; 64 keeps every decode step of up to 64 sequences off the ring whatever the measured rates say: a rate
+ * measured low on a busy machine must not put milliseconds of copies where microseconds of CPU work belong; at
+ * PCIe 55 GB/s and ~140k CPU pairs/s, the H200 machine's rates, the formula's own crossover on the Qwen3-30B-A3B
+ * shape is near 120 tokens). A staged layer skips the CPU share: on the copy stream, after
  * the slot's previous layer released it, its non-resident experts come from the registered host range and its
  * resident ones from the arena (device to device), then an event; the compute stream waits on that event, runs
  * the routed experts over the router's own grouping (every expert) with the slot as the weights, and releases
@@ -140,6 +144,7 @@ static void staging_decide(stg_model *m, int32_t T) {
     const int nL = m->d.n_layer, ne = m->d.n_expert, k = m->d.n_expert_used;
     g.now.assign((size_t)nL, 0);
     if (!g.on || !m->set.hybrid_stage || g.cpu_pairs_s <= 0.0) return; /* set_settings may turn it off */
+    if (T < m->set.hybrid_stage) return; /* the setting is the fewest tokens of a step that may stage */
     for (int il = 0; il < nL; il++) {
         if (!partial_layer(m, il)) continue;
         const dlayer &L = m->L[(size_t)il];

@@ -59,11 +59,12 @@ typedef struct stg_settings {
                                * computes the CPU's experts, the device waiting on a host-written flag per layer
                                * (the GPU's work of the next layer is already queued); 0: the host queues layer by
                                * layer and computes each layer's CPU share in between. Same bits either way */
-    int32_t hybrid_stage;     /* hybrid placement: 1: a step may compute a layer's non-resident experts on the device
-                               * from copies staged over PCIe (a ring of two whole-layer slots) where the rates
-                               * measured at start-up say that is faster than the CPU (stg_model_set_stage_rate);
-                               * the host range holding them is page-locked at model creation. Rows of staged
-                               * layers are the device's (within tolerance of the CPU's). 0: never */
+    int32_t hybrid_stage;     /* hybrid placement: N >= 1: a step of at least N tokens may compute a layer's
+                               * non-resident experts on the device from copies staged over PCIe (a ring of two
+                               * whole-layer slots) where the rates measured at start-up say that is faster than the
+                               * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
+                               * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
+                               * 0: never */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
