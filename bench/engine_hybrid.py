@@ -159,15 +159,10 @@ def mean_frame(stats: list[Any]) -> dict[str, float]:
 
 def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: float | None = None,
                batches: list[int] | None = None) -> dict[str, Any]:
-    with _VramPeak() as vram:
-        out = _run_strata(path, frac, args, budget_gb, batches)
-    # the driver's figure for the GPU while the row ran (this process's CUDA context included)
-    out["vram_peak_gib"] = vram.peak / 1024
-    return out
-
-
-def _run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: float | None,
-                batches: list[int] | None) -> dict[str, Any]:
+    """Strata's row. Its VRAM by the driver is the device's free memory before the model opens (this process's
+    CUDA context already up) less after its last step: two queries, no polling beside the measured steps (a
+    poller's processes would take cores from the pinned pool)."""
+    from engine.cuda_backend import gpu_info
     from engine.engine import Engine
     from engine.placement import measure_cpu_read_gbs
 
@@ -175,6 +170,8 @@ def _run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: fl
     budget = budget_gb if budget_gb is not None else budget_for_fraction(path, frac, kv, bs, chunk)
     batches = parse_ints(args.batch) if batches is None else batches
     cores = list(range(os.cpu_count() or 1)) if args.cores is None else [int(c) for c in args.cores.split(",")]
+    gpu = int(args.device.partition(":")[2] or 0)
+    free0 = gpu_info(gpu).free_bytes
     t0 = time.perf_counter()
     eng = Engine.open(path, device=args.device, kv_tokens=kv, block_size=bs, prefill_chunk=chunk,
                       gpu_budget_gb=budget, cores=cores)
@@ -250,6 +247,7 @@ def _run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: fl
         for nb in batches:
             rate, fr, wall = decode(nb, max(4, args.steps // 4))
             out[f"decode_b{nb}_tok_s"], out[f"frame_b{nb}_ms"], out[f"wall_b{nb}_ms"] = rate, fr, wall
+        out["vram_held_gib"] = (free0 - gpu_info(gpu).free_bytes) / GIB  # the driver's figure, beside the context
     finally:
         eng.close()
     gbs = measure_cpu_read_gbs(cores=cores)
@@ -284,7 +282,7 @@ class _VramPeak:
                     self.base = used
             except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
                 pass
-            self._stop.wait(0.2)
+            self._stop.wait(1.0)  # seldom: each query is a process on the cores llama.cpp computes on
 
     def __enter__(self) -> _VramPeak:
         self._t.start()
@@ -368,8 +366,8 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
     s, ll = row["strata"], row.get("llama", {})
     frac = row["fraction"]
     fr = s.get("frame_b1_ms")
-    print(f"{row.get('label', '')} F={frac:.3g}: budget {s.get('gpu_budget_gb', float('nan')):.2f} GiB (Strata's "
-          f"process held {s.get('vram_peak_gib', float('nan')):.2f} GiB by nvidia-smi), resident "
+    print(f"{row.get('label', '')} F={frac:.3g}: budget {s.get('gpu_budget_gb', float('nan')):.2f} GiB (Strata "
+          f"held {s.get('vram_held_gib', float('nan')):.2f} GiB by the driver, beside its context), resident "
           f"{s.get('n_resident', '?')}/{s.get('n_routed', '?')} experts (plan hit rate "
           f"{s.get('plan_hit_rate', float('nan')):.2f}, measured {s.get('resident_hit_rate_b1', float('nan')):.2f}"
           f"); llama.cpp {ll.get('placement', '-')} VRAM {ll.get('vram_added_gib', float('nan')):.2f} GiB (its "
