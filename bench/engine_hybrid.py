@@ -81,9 +81,9 @@ class Deadline:
     """The call's time limit: a row starts only when the longest row of its kind so far (or a stated guess
     before the first) still fits before the deadline."""
 
-    def __init__(self, seconds: float | None, clock: Any = time.monotonic) -> None:
-        self.clock = clock
-        self.t0 = clock()
+    def __init__(self, seconds: float | None, clock: Any = None) -> None:
+        self.clock = clock or time.monotonic
+        self.t0 = self.clock()
         self.seconds = seconds
         self.longest: dict[str, float] = {}
 

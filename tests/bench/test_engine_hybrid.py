@@ -123,3 +123,64 @@ def test_mean_frame_averages_the_steps_parts() -> None:
     assert got["pcie_gb_s"] == pytest.approx(2_000_000 / 0.002 / 1e9)
     assert got["resident_hit_rate"] == pytest.approx(0.6) and got["steps"] == 2
     assert mean_frame([]) == {}
+
+
+def test_main_runs_the_table_then_the_knobs_then_q8_and_skips_what_does_not_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The orchestration with the GPU parts replaced: both skews' rows (Strata, then llama.cpp at the same
+    fraction), the knob rows (Strata only, under their settings), then the Q8_0 row after the Q4_K files are
+    deleted; the JSON holds every row; with a deadline that the measured rows leave no room under, the rest are
+    skipped and listed."""
+    import json
+
+    import bench.engine_hybrid as eh
+
+    calls: list[tuple] = []
+    clock = [0.0]
+    monkeypatch.setattr(eh.time, "monotonic", lambda: clock[0])
+
+    def fake_build(args, skews, experts):  # noqa: ANN001, ANN202
+        paths = [eh.model_path(args.model_dir, args.layers, s, experts) for s in skews]
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(b"x")
+        calls.append(("build", experts, tuple(skews)))
+        return paths
+
+    def fake_strata(path, frac, args, budget=None, batches=None):  # noqa: ANN001, ANN202
+        calls.append(("strata", path.name, frac, os.environ.get("STRATA_GPU_HYBRID_OVERLAP"), batches))
+        clock[0] += 10.0
+        return {"fraction": frac, "decode_b1_tok_s": 50.0}
+
+    def fake_llama(bin_dir, path, frac, args, batches=None, timeout_s=None):  # noqa: ANN001, ANN202
+        calls.append(("llama", path.name, frac, batches))
+        clock[0] += 20.0
+        return {"fraction": frac, "decode_b1_tok_s": 40.0, "placement": "-ot exps=CPU"}
+
+    monkeypatch.setattr(eh, "build_models", fake_build)
+    monkeypatch.setattr(eh, "run_strata", fake_strata)
+    monkeypatch.setattr(eh, "run_llama", fake_llama)
+    monkeypatch.setattr(eh, "fraction_for_budget", lambda *a: 0.7)
+    monkeypatch.setattr(eh, "print_row", lambda row, args: None)
+    monkeypatch.delenv("STRATA_GPU_HYBRID_OVERLAP", raising=False)
+    out = tmp_path / "out.json"
+    base = ["--skews", "1,0", "--fractions", "0,0.5", "--batch", "8,32", "--model-dir", str(tmp_path / "m"),
+            "--llama-bin", str(tmp_path), "--knob", "nooverlap:STRATA_GPU_HYBRID_OVERLAP=0", "--q8-budget-gb", "24",
+            "--json", str(out)]
+    assert eh.main(base) == 0
+    kinds = [c[0] for c in calls]
+    assert kinds == ["build"] + ["strata", "llama"] * 4 + ["strata", "build", "strata", "llama"]
+    assert calls[9] == ("strata", "qwen3moe-synth-48L-skew1.gguf", 0.0, "0", None)  # the knob row, its setting
+    assert "STRATA_GPU_HYBRID_OVERLAP" not in os.environ
+    assert calls[10] == ("build", "q8_0", (1.0,)) and calls[11][-1] == [] and calls[12][-1] == []
+    assert not (tmp_path / "m" / "qwen3moe-synth-48L-skew0.gguf").exists()  # the disk's room for the Q8_0 file
+    got = json.loads(out.read_text())
+    assert len(got["rows"]) == 6 and got["skipped"] == []
+    calls.clear()
+    clock[0] = 0.0
+    assert eh.main([*base, "--deadline-s", "75"]) == 0
+    # 0 s: strata (10) + llama (20); 30 s: strata + llama; 60 s: 15 s left < the 10 s / 20 s measured? strata
+    # fits (10 <= 15), llama does not (20 > 5); then nothing more fits
+    assert [c[0] for c in calls] == ["build", "strata", "llama", "strata", "llama", "strata"]
+    got = json.loads(out.read_text())
+    assert len(got["skipped"]) >= 3 and any("Q8_0" in s for s in got["skipped"])
