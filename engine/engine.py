@@ -179,18 +179,6 @@ class GpuBudgetError(UnsupportedError):
     placed there (weights other than the routed experts, the KV cache, step buffers, the context reserve)."""
 
 
-class RopeScalingOnGpuError(UnsupportedError):
-    """A model run with rope scaling on device="cuda": the GPU engine's RoPE has no scaling yet, and
-    would silently compute a different model."""
-
-
-def _check_rope_on_gpu(mf: ModelFile, rope: RopeParams) -> None:
-    if rope.active:
-        raise RopeScalingOnGpuError(f"{mf.path}: rope scaling ({rope.describe()}) is not in the GPU engine yet; "
-                                    "serve this model on device='cpu' (or 'auto'), or override rope_scaling_type "
-                                    "to 'none'")
-
-
 class StaleSourceError(EngineError):
     """Engine.launch(token_src=..., after=t): another step ran on the engine after step t, so its picks
     are no longer the ones the device holds; nothing was run."""
@@ -233,8 +221,6 @@ class Engine:
         # a file the C checks refuse raises GGUFError carrying the C message
         self.rope = rope or mf.hparams.rope  # the rope scaling run: the file's and the lane's overrides
         self.device = device or DeviceSpec("cpu")
-        if self.device.kind == "cuda":
-            _check_rope_on_gpu(mf, self.rope)
         self._model, self._desc, self._keep = create_native_model(mf, self.rope)
         n_blocks = max(1, -(-kv_tokens // block_size))
         on_gpu = self.device.kind == "cuda"
@@ -402,8 +388,7 @@ class Engine:
         read by generic C kernels (slower attention than the F16 cache's SIMD ones).
 
         rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
-        --yarn-* options, engine.rope). Rope scaling runs on the CPU only for now: on a GPU a model
-        with it raises UnsupportedError (RopeScalingOnGpuError).
+        --yarn-* options, engine.rope); both engines, CPU and GPU, run it.
         """
         if path is None:
             from engine.default_model import build_default_model, default_model_path
@@ -431,10 +416,7 @@ class Engine:
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
         planned = None
         if asked.kind == "cuda":
-            _check_rope_on_gpu(mf, rp)
             planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
-        elif asked.kind != "cpu" and rp.active:  # "auto": the CPU runs rope scaling, the GPU does not yet
-            device = "cpu"
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
             planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)

@@ -22,8 +22,9 @@ __device__ __forceinline__ void prep_rope_table(const attn_args &a, int32_t p, f
                                               int lane) {
     const int np = a.qa.rope_dim / 2;
     const float th0 = __fmul_rn((float)p, f0), th1 = __fmul_rn((float)p, f1);
-    const float c0 = (float)cos((double)th0), s0 = (float)sin((double)th0);
-    const float c1 = (float)cos((double)th1), s1 = (float)sin((double)th1);
+    const float ms = a.qa.mscale; /* qkv_head's scaled cos / sin */
+    const float c0 = __fmul_rn((float)cos((double)th0), ms), s0 = __fmul_rn((float)sin((double)th0), ms);
+    const float c1 = __fmul_rn((float)cos((double)th1), ms), s1 = __fmul_rn((float)sin((double)th1), ms);
     if (lane < np) rcs[0][lane] = c0, rcs[1][lane] = s0;
     if (lane + 32 < np) rcs[0][lane + 32] = c1, rcs[1][lane + 32] = s1;
     asm volatile("bar.arrive 1, 96;\n" ::: "memory"); /* warps 0 and 1 wait for it (bar.sync 1, 96) */

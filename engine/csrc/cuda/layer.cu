@@ -85,7 +85,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qkv_args qa;
     qa.q = s.q, qa.k = s.k, qa.v = s.v;
     qa.bq = L.bq.f(), qa.bk = L.bk.f(), qa.bv = L.bv.f(), qa.q_norm = L.q_norm.f(), qa.k_norm = L.k_norm.f();
-    qa.inv_freq = m->inv_freq;
+    qa.inv_freq = m->inv_freq, qa.mscale = m->rope_mscale;
     qa.pos = d_pos, qa.seq = d_seq, qa.block_tables = d_bt, qa.max_blocks = max_blocks;
     qa.n_head = d.n_head, qa.n_kv = d.n_head_kv, qa.hd = d.head_dim, qa.rope_dim = d.rope_dim;
     qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;

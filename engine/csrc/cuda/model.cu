@@ -132,6 +132,19 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     if (d->rope_dim < 2 || d->rope_dim > d->head_dim || d->rope_dim % 2 ||
         (d->rope_type != ST_ROPE_NORM && d->rope_type != ST_ROPE_NEOX))
         return fail(ST_EINVAL, "model: rope dimension %d / type %d invalid", d->rope_dim, d->rope_type);
+    if (!std::isfinite(d->rope_base) || d->rope_base <= 0.0f)
+        return fail(ST_EINVAL, "model: rope base %g invalid", (double)d->rope_base);
+    { /* rope scaling: the ranges model.c accepts (0 reads as 1 for freq_scale and attn_factor) */
+        const float fs = d->rope_freq_scale, ext = d->rope_ext_factor, att = d->rope_attn_factor;
+        if (!std::isfinite(fs) || fs < 0.0f || fs > 1e6f || !std::isfinite(ext) || ext < 0.0f || ext > 1e3f ||
+            !std::isfinite(att) || att < 0.0f || att > 1e3f || !std::isfinite(d->rope_beta_fast) ||
+            !std::isfinite(d->rope_beta_slow))
+            return fail(ST_EINVAL, "model: rope scaling invalid (freq_scale %g, ext_factor %g, attn_factor %g, beta %g/%g)",
+                        (double)fs, (double)ext, (double)att, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+        if (ext != 0.0f && (d->rope_n_ctx_orig < 1 || d->rope_beta_fast <= 0.0f || d->rope_beta_slow <= 0.0f))
+            return fail(ST_EINVAL, "model: YaRN needs an original context (%d) and positive betas (%g/%g)",
+                        d->rope_n_ctx_orig, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+    }
     if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
         return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
     if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
@@ -182,6 +195,40 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
         }
     }
     return ST_OK;
+}
+
+/* YaRN's correction dimension (ggml_rope_yarn_corr_dim, in float as ggml computes it): model.c's. */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
+}
+
+/* Each rotary pair's angle per position and the magnitude factor, rope scaling included: model.c's
+ * rope_table operation for operation (the rule is in strata.h beside the rope_* fields), so both
+ * engines rotate by the same floats. The descriptor is validated. */
+static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
+    const int n_dims = d->rope_dim;
+    const float fs = d->rope_freq_scale > 0.0f ? d->rope_freq_scale : 1.0f;
+    const float ext = d->rope_ext_factor;
+    float lo = 0.0f, hi = 0.0f, ms = d->rope_attn_factor > 0.0f ? d->rope_attn_factor : 1.0f;
+    if (ext != 0.0f) {
+        const float start = floorf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_fast, d->rope_base));
+        const float end = ceilf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_slow, d->rope_base));
+        lo = start > 0.0f ? start : 0.0f;
+        hi = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
+        ms *= 1.0f + 0.1f * logf(1.0f / fs);
+    }
+    for (int i = 0; i < n_dims / 2; i++) {
+        const double extrap = 1.0 / pow((double)d->rope_base, (double)(2 * i) / (double)n_dims);
+        double mix = 0.0;
+        if (ext != 0.0f) {
+            const float span = hi - lo > 0.001f ? hi - lo : 0.001f;
+            float y = ((float)i - lo) / span;
+            y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
+            mix = (double)((1.0f - y) * ext);
+        }
+        inv_freq[i] = (float)(extrap * ((double)fs * (1.0 - mix) + mix));
+    }
+    *mscale = ms;
 }
 
 /* A device allocation recorded in `list` (freed with it). */
@@ -365,8 +412,7 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
         m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});
         m->ff_max = std::max({m->n_ff, m->n_ff_exp, m->n_ff_shexp});
         std::vector<float> inv(m->d.rope_dim / 2);
-        for (int i = 0; i < m->d.rope_dim / 2; i++)
-            inv[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+        rope_table(&m->d, inv.data(), &m->rope_mscale);
         rc = dalloc(m, &m->inv_freq, inv.size() * sizeof(float));
         if (rc == ST_OK && cudaMemcpy(m->inv_freq, inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice))
             rc = fail(ST_EINVAL, "model_create: cannot upload rope frequencies");

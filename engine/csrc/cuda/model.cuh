@@ -157,7 +157,8 @@ struct stg_model {
     int32_t q_dim, kv_dim, n_ff, n_ff_exp, n_ff_shexp, max_k, ff_max;
     uint8_t *arena = nullptr;
     int64_t arena_bytes = 0;
-    float *inv_freq = nullptr;
+    float *inv_freq = nullptr; /* [rope_dim / 2] each rotary pair's angle per position, rope scaling included */
+    float rope_mscale = 1.0f;  /* the factor both rotated values take (YaRN's magnitude scaling) */
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
     int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
     cudaStream_t stream = nullptr;

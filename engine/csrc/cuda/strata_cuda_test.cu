@@ -511,7 +511,7 @@ extern "C" stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok,
     a.q = bq.as<float>(), a.k = bk.as<float>(), a.v = bv.as<float>(), a.inv_freq = bf.as<float>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
     a.max_blocks = nb, a.n_head = n_heads, a.n_kv = 1, a.hd = head_dim, a.rope_dim = rope_dim, a.rope_type = rope_type;
-    a.block_size = bs, a.eps = 1e-6f, a.scale = 1.0f, a.kc = bkc.as<__half>(), a.vc = bvc.as<__half>();
+    a.block_size = bs, a.eps = 1e-6f, a.scale = 1.0f, a.mscale = 1.0f, a.kc = bkc.as<__half>(), a.vc = bvc.as<__half>();
     k_qkv_post<<<dim3((unsigned)n_tok, (unsigned)((n_heads + 2 + QKV_WARPS - 1) / QKV_WARPS)), QKV_WARPS * 32>>>(a);
     LAUNCHED("rope");
     return down(x, bq, sizeof(float) * (size_t)(n_tok * qd));
