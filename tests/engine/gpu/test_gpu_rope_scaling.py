@@ -71,8 +71,8 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_scaled_model_gpu_matches_cpu_beyond_the_original_context(variant: tuple[str, Path]) -> None:
     kind, path = variant
     prompt = _prompt()
-    with Engine.open(path, threads=2, kv_tokens=512, prefill_chunk=64) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=512, prefill_chunk=64) as gpu:
+    with Engine.open(path, threads=2, kv_tokens=4096, prefill_chunk=64) as cpu, \
+            Engine.open(path, device="cuda:0", kv_tokens=4096, prefill_chunk=64) as gpu:
         assert gpu.device.kind == "cuda" and gpu.rope.active and gpu.rope.type == kind
         ref = np.asarray(cpu.logits_for(prompt), np.float32)
         got = np.asarray(gpu.logits_for(prompt), np.float32)
