@@ -41,7 +41,9 @@ __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "Engine
 
 
 # Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
-GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe"})
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "gpt-oss"})
+# Architectures the GPU runs only with every routed expert on the device (no hybrid placement yet).
+GPU_WHOLE_ONLY = frozenset({"gpt-oss"})
 
 
 @dataclass
@@ -177,6 +179,11 @@ class _StepIO:
 class GpuBudgetError(UnsupportedError):
     """device="cuda" with a gpu_budget_gb below what the model's GPU side needs before any routed expert is
     placed there (weights other than the routed experts, the KV cache, step buffers, the context reserve)."""
+
+
+class HybridArchError(UnsupportedError):
+    """device="cuda" with a gpu_budget_gb that leaves routed experts on the CPU, for an architecture whose GPU
+    engine has no hybrid placement yet (GPU_WHOLE_ONLY: gpt-oss)."""
 
 
 class StaleSourceError(EngineError):
@@ -425,6 +432,12 @@ class Engine:
             from engine.placement import resident_mask
 
             resident = resident_mask(mf, planned[0])
+            if mf.hparams.arch in GPU_WHOLE_ONLY and not resident.all():
+                raise HybridArchError(
+                    f"gpu_budget_gb={gpu_budget_gb:g}: {int((resident == 0).sum())} routed experts of this "
+                    f"{mf.hparams.arch} model would stay on the CPU, and the GPU engine runs {mf.hparams.arch} only "
+                    "with every expert on the device; raise the budget, or serve it on device='cpu'",
+                    lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,

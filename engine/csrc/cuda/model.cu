@@ -147,7 +147,8 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     }
     if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
         return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
-    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if ((d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) && d->arch != ST_ARCH_GPT_OSS)
+        return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
     const int64_t E = d->n_embd;
     CHECK(check_t(d->token_embd, "token_embd", -1, true, E, d->n_vocab, 1, false));
     CHECK(check_t(d->output_norm, "output_norm", -1, true, E, 1, 1, true));
@@ -268,11 +269,13 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
         const st_tensor *src[] = {&s.attn_norm, &s.wq, &s.wk, &s.wv, &s.wo, &s.bq, &s.bk, &s.bv, &s.q_norm,
                                   &s.k_norm, &s.ffn_norm, &s.ffn_gate, &s.ffn_up, &s.ffn_down, &s.gate_inp,
                                   &s.gate_exps, &s.up_exps, &s.down_exps, &s.gate_inp_shexp, &s.gate_shexp,
-                                  &s.up_shexp, &s.down_shexp};
+                                  &s.up_shexp, &s.down_shexp, &s.bo, &s.sinks, &s.gate_inp_b, &s.gate_exps_b,
+                                  &s.up_exps_b, &s.down_exps_b};
         dtensor *dd[] = {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.bq, &l.bk, &l.bv, &l.q_norm,
                          &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
                          &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
-                         &l.up_shexp, &l.down_shexp};
+                         &l.up_shexp, &l.down_shexp, &l.bo, &l.sinks, &l.gate_inp_b, &l.gate_exps_b,
+                         &l.up_exps_b, &l.down_exps_b};
         for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
             if (partial_layer(m, il) && (dd[i] == &l.gate_exps || dd[i] == &l.up_exps || dd[i] == &l.down_exps))
                 continue; /* below */
@@ -405,8 +408,12 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
     m->q_dim = desc->n_head * desc->head_dim;
     m->kv_dim = desc->n_head_kv * desc->head_dim;
     stg_status rc = validate(m, desc->layers);
+    if (rc == ST_OK) rc = oss_validate(m, desc->layers);
     if (rc == ST_OK) m->att_zmax = att_split_zmax(n_sm, desc->n_head_kv);
     if (rc == ST_OK) rc = hybrid_setup(m, resident, cpu);
+    if (rc == ST_OK && m->hy.on && desc->arch == ST_ARCH_GPT_OSS)
+        rc = fail(ST_EUNSUPPORTED, "model_create: gpt-oss with experts left on the CPU (hybrid placement) is not "
+                                   "supported on the GPU; place every expert on the device");
     if (rc == ST_OK) rc = upload(m, desc->layers);
     if (rc == ST_OK) {
         m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});

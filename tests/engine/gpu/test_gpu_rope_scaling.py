@@ -31,20 +31,39 @@ TOL = 1e-3
 ORIG = 64
 FACTOR = 4.0
 PROMPT_LEN = 200
-VARIANTS = [("llama", "linear", 128), ("llama", "yarn", 128), ("qwen3moe", "linear", 64), ("qwen3moe", "yarn", 128),
-            ("llama", "yarn", 64)]
+VARIANTS = [
+    ("llama", "linear", 128),
+    ("llama", "yarn", 128),
+    ("qwen3moe", "linear", 64),
+    ("qwen3moe", "yarn", 128),
+    ("llama", "yarn", 64),
+]
 
 
 def _scaling(arch: str, kind: str) -> dict[str, object]:
-    return {f"{arch}.rope.scaling.type": kind, f"{arch}.rope.scaling.factor": FACTOR,
-            f"{arch}.rope.scaling.original_context_length": ORIG}
+    return {
+        f"{arch}.rope.scaling.type": kind,
+        f"{arch}.rope.scaling.factor": FACTOR,
+        f"{arch}.rope.scaling.original_context_length": ORIG,
+    }
 
 
 def _model(path: Path, arch: str, kind: str, head_dim: int) -> Path:
     extra = {"qk_norm": True} if arch == "qwen3moe" else {}
     n_head = 256 // head_dim
-    return make_random_gguf(path, arch=arch, vocab=True, seed=3, n_ctx=ORIG, n_embd=256, n_head=n_head,
-                            n_head_kv=max(1, n_head // 2), n_ff=128, metadata=_scaling(arch, kind), **extra)
+    return make_random_gguf(
+        path,
+        arch=arch,
+        vocab=True,
+        seed=3,
+        n_ctx=ORIG,
+        n_embd=256,
+        n_head=n_head,
+        n_head_kv=max(1, n_head // 2),
+        n_ff=128,
+        metadata=_scaling(arch, kind),
+        **extra,
+    )
 
 
 def _prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
@@ -71,13 +90,17 @@ def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 def test_scaled_model_gpu_matches_cpu_beyond_the_original_context(variant: tuple[str, Path]) -> None:
     kind, path = variant
     prompt = _prompt()
-    with Engine.open(path, threads=2, kv_tokens=4096, prefill_chunk=64) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=4096, prefill_chunk=64) as gpu:
+    with (
+        Engine.open(path, threads=2, kv_tokens=4096, prefill_chunk=64) as cpu,
+        Engine.open(path, device="cuda:0", kv_tokens=4096, prefill_chunk=64) as gpu,
+    ):
         assert gpu.device.kind == "cuda" and gpu.rope.active and gpu.rope.type == kind
         ref = np.asarray(cpu.logits_for(prompt), np.float32)
         got = np.asarray(gpu.logits_for(prompt), np.float32)
         err = rel_err(got, ref)
-        print(f"{path.name}: prefill logits GPU vs CPU {err:.3e}, beyond {ORIG}: {rel_err(got[ORIG:], ref[ORIG:]):.3e}")
+        print(
+            f"{path.name}: prefill logits GPU vs CPU {err:.3e}, beyond {ORIG}: {rel_err(got[ORIG:], ref[ORIG:]):.3e}"
+        )
         assert err <= TOL and rel_err(got[ORIG:], ref[ORIG:]) <= TOL
         dec = _decode_logits(gpu, prompt, 120)
         derr = rel_err(dec, ref[120:])
@@ -85,8 +108,12 @@ def test_scaled_model_gpu_matches_cpu_beyond_the_original_context(variant: tuple
         assert derr <= TOL
         check_greedy(cpu, gpu, prompt[:100], exact=False, bound=TOL)
         rng = np.random.default_rng(5)
-        check_batched(gpu, [[int(t) for t in rng.integers(3, 128, int(n))] for n in rng.integers(60, 180, 16)])
-    with Engine.open(path, device="cuda:0", kv_tokens=512, rope=RopeOverrides(rope_scaling_type="none")) as plain:
+        check_batched(
+            gpu, [[int(t) for t in rng.integers(3, 128, int(n))] for n in rng.integers(60, 180, 16)]
+        )
+    with Engine.open(
+        path, device="cuda:0", kv_tokens=512, rope=RopeOverrides(rope_scaling_type="none")
+    ) as plain:
         off = np.asarray(plain.logits_for(prompt), np.float32)
     assert rel_err(off[ORIG:], ref[ORIG:]) > 20 * TOL  # the comparison sees the scaling
 
@@ -96,7 +123,10 @@ def test_split_decode_of_a_scaled_model_matches_cpu(tmp_path: Path, monkeypatch:
     path = _model(tmp_path / "yarn.gguf", "qwen3moe", "yarn", 128)
     prompt = _prompt(260, seed=3)
     monkeypatch.setenv("STRATA_GPU_ATT_SPLIT_MIN", "32")
-    with Engine.open(path, threads=2, kv_tokens=512) as cpu, Engine.open(path, device="cuda:0", kv_tokens=512) as gpu:
+    with (
+        Engine.open(path, threads=2, kv_tokens=512) as cpu,
+        Engine.open(path, device="cuda:0", kv_tokens=512) as gpu,
+    ):
         ref = np.asarray(cpu.logits_for(prompt), np.float32)
         dec = _decode_logits(gpu, prompt, 180)
         err = rel_err(dec, ref[180:])
@@ -109,8 +139,10 @@ def test_lane_overrides_run_the_same_on_both_devices(tmp_path: Path) -> None:
     path = _model(tmp_path / "yarn.gguf", "llama", "yarn", 128)
     rope = RopeOverrides(rope_scaling_factor=8.0, yarn_beta_fast=16.0, yarn_orig_ctx=32)
     prompt = _prompt(160, seed=4)
-    with Engine.open(path, threads=2, kv_tokens=512, rope=rope) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=512, rope=rope) as gpu:
+    with (
+        Engine.open(path, threads=2, kv_tokens=512, rope=rope) as cpu,
+        Engine.open(path, device="cuda:0", kv_tokens=512, rope=rope) as gpu,
+    ):
         assert gpu.rope == cpu.rope and gpu.rope.factor == 8.0
         ref = np.asarray(cpu.logits_for(prompt), np.float32)
         got = np.asarray(gpu.logits_for(prompt), np.float32)
