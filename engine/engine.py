@@ -378,7 +378,8 @@ class Engine:
         the non-routed weights, this KV cache, the step buffers and the context reserve first, then routed
         experts by routing frequency while they fit. Experts left out are computed on the CPU (this pool,
         ``cores``) from the mapped file: hybrid placement, ``resident`` the [n_layer, n_expert] mask. A budget
-        the first parts do not fit raises GpuBudgetError before any device is touched. The CPU ignores it.
+        the first parts do not fit raises GpuBudgetError before any device is touched; for an architecture in
+        GPU_WHOLE_ONLY (gpt-oss) a budget that leaves any expert out raises HybridArchError. The CPU ignores it.
         placement: the routing frequencies to place by (a placement file or its path: ``strata plan
         calibrate``); default: the model's default placement file beside it when it exists
         (``engine.placement.default_placement_path``), else uniform routing.
