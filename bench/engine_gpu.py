@@ -2,6 +2,7 @@
 
     python -m bench.engine_gpu [--layers 48] [--skew 1.0] [--quick] [--json out.json]
     python -m bench.engine_gpu --depth 0,8192,32768,131072 [--llama-bin DIR]   # decode at depth
+    python -m bench.engine_gpu --arch gpt-oss [--llama-bin DIR]   # the synthetic gpt-oss-120b (2 of 36 layers)
 
 Builds a ``qwen3moe`` GGUF of the real shapes (48 layers, hidden 2048, 32 query / 4 KV heads
 of 128, 128 experts top-8, expert FFN 768, vocabulary 151,936 fed as token ids): Q4_K
@@ -185,6 +186,10 @@ def _shape(args: argparse.Namespace) -> dict:
 
 
 def _model_path(args: argparse.Namespace) -> Path:
+    if getattr(args, "arch", None):  # bench/synthetic_arch.py's file (written by main before anything reads it)
+        from bench.synthetic_arch import default_path
+
+        return default_path(args.arch)
     return Path(args.model_dir) / (f"qwen3moe-synth-{_shape(args)['n_layer']}L-skew{args.skew:g}"
                                    f"{'-quick' if args.quick else ''}.gguf")
 
@@ -624,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
+    ap.add_argument("--arch", default=None, choices=["gpt-oss"],
+                    help="bench bench/synthetic_arch.py's synthetic model of this architecture (real layer shapes "
+                         "and quant mix, fewer layers; written under var/bench/ on first use) instead of the "
+                         "Qwen3-30B-A3B-shaped file")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences and of prefill at 512 and 4,096 tokens")
     ap.add_argument("--profile-decode", action="store_true",
@@ -673,6 +682,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
                          "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)")
     args = ap.parse_args(argv)
+    if args.arch:
+        from bench.synthetic_arch import build, describe
+
+        print(f"{describe(args.arch)}: building (once) ...", flush=True)
+        print(f"model: {build(args.arch)}", flush=True)
     if args.depth is not None:
         from bench import engine_gpu_depth
 

@@ -41,7 +41,9 @@ __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "Engine
 
 
 # Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
-GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe"})
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "gpt-oss"})
+# Architectures the GPU runs only with every routed expert on the device (no hybrid placement yet).
+GPU_WHOLE_ONLY = frozenset({"gpt-oss"})
 
 
 @dataclass
@@ -179,16 +181,9 @@ class GpuBudgetError(UnsupportedError):
     placed there (weights other than the routed experts, the KV cache, step buffers, the context reserve)."""
 
 
-class RopeScalingOnGpuError(UnsupportedError):
-    """A model run with rope scaling on device="cuda": the GPU engine's RoPE has no scaling yet, and
-    would silently compute a different model."""
-
-
-def _check_rope_on_gpu(mf: ModelFile, rope: RopeParams) -> None:
-    if rope.active:
-        raise RopeScalingOnGpuError(f"{mf.path}: rope scaling ({rope.describe()}) is not in the GPU engine yet; "
-                                    "serve this model on device='cpu' (or 'auto'), or override rope_scaling_type "
-                                    "to 'none'")
+class HybridArchError(UnsupportedError):
+    """device="cuda" with a gpu_budget_gb that leaves routed experts on the CPU, for an architecture whose GPU
+    engine has no hybrid placement yet (GPU_WHOLE_ONLY: gpt-oss)."""
 
 
 class StaleSourceError(EngineError):
@@ -233,8 +228,6 @@ class Engine:
         # a file the C checks refuse raises GGUFError carrying the C message
         self.rope = rope or mf.hparams.rope  # the rope scaling run: the file's and the lane's overrides
         self.device = device or DeviceSpec("cpu")
-        if self.device.kind == "cuda":
-            _check_rope_on_gpu(mf, self.rope)
         self._model, self._desc, self._keep = create_native_model(mf, self.rope)
         n_blocks = max(1, -(-kv_tokens // block_size))
         on_gpu = self.device.kind == "cuda"
@@ -385,7 +378,8 @@ class Engine:
         the non-routed weights, this KV cache, the step buffers and the context reserve first, then routed
         experts by routing frequency while they fit. Experts left out are computed on the CPU (this pool,
         ``cores``) from the mapped file: hybrid placement, ``resident`` the [n_layer, n_expert] mask. A budget
-        the first parts do not fit raises GpuBudgetError before any device is touched. The CPU ignores it.
+        the first parts do not fit raises GpuBudgetError before any device is touched; for an architecture in
+        GPU_WHOLE_ONLY (gpt-oss) a budget that leaves any expert out raises HybridArchError. The CPU ignores it.
         placement: the routing frequencies to place by (a placement file or its path: ``strata plan
         calibrate``); default: the model's default placement file beside it when it exists
         (``engine.placement.default_placement_path``), else uniform routing.
@@ -402,8 +396,7 @@ class Engine:
         read by generic C kernels (slower attention than the F16 cache's SIMD ones).
 
         rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
-        --yarn-* options, engine.rope). Rope scaling runs on the CPU only for now: on a GPU a model
-        with it raises UnsupportedError (RopeScalingOnGpuError).
+        --yarn-* options, engine.rope); both engines, CPU and GPU, run it.
         """
         if path is None:
             from engine.default_model import build_default_model, default_model_path
@@ -431,10 +424,7 @@ class Engine:
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
         planned = None
         if asked.kind == "cuda":
-            _check_rope_on_gpu(mf, rp)
             planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
-        elif asked.kind != "cpu" and rp.active:  # "auto": the CPU runs rope scaling, the GPU does not yet
-            device = "cpu"
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
             planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
@@ -443,6 +433,12 @@ class Engine:
             from engine.placement import resident_mask
 
             resident = resident_mask(mf, planned[0])
+            if mf.hparams.arch in GPU_WHOLE_ONLY and not resident.all():
+                raise HybridArchError(
+                    f"gpu_budget_gb={gpu_budget_gb:g}: {int((resident == 0).sum())} routed experts of this "
+                    f"{mf.hparams.arch} model would stay on the CPU, and the GPU engine runs {mf.hparams.arch} only "
+                    "with every expert on the device; raise the budget, or serve it on device='cpu'",
+                    lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,

@@ -34,7 +34,6 @@ from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
 from tests.engine.gguf_factory import GLM_VOCAB, make_gptoss_gguf
 from tests.engine.parity import (
     TOL,
-    assert_cpu_only,
     judge_greedy,
     llama_file_logits,
     llama_greedy,
@@ -285,12 +284,29 @@ def test_bad_gptoss_files_are_typed_errors(kw: dict, cls: type, match: str, tmp_
         Engine.open(path, threads=1, kv_tokens=64)
 
 
-def test_gpu_device_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA backend does not run gpt-oss: an explicit cuda:N is a typed error before any GPU is
-    touched, and "auto" serves it on the CPU."""
+def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU engine runs gpt-oss with every expert on the device only: a budget whose plan leaves routed
+    experts on the CPU is refused with a typed error before any GPU is touched (the GPU's own runs:
+    tests/engine/gpu/test_gpu_gptoss.py)."""
     if variant[0] != "f32":
         pytest.skip("one file is enough")
-    assert_cpu_only(variant[1], monkeypatch)
+    import engine.engine as engine_mod
+    import engine.placement as placement_mod
+    from engine.cuda_backend import DeviceSpec
+    from engine.engine import HybridArchError
+
+    real = engine_mod.resolve_device
+    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: DeviceSpec("cuda", 0) if d == "cuda:0" else real(d))
+    whole = placement_mod.resident_mask
+
+    def partial(mf: Any, plan: Any) -> np.ndarray:
+        mask = whole(mf, plan).copy()
+        mask[0, 0] = 0  # one expert of layer 0 left on the CPU
+        return mask
+
+    monkeypatch.setattr(placement_mod, "resident_mask", partial)
+    with pytest.raises(HybridArchError, match="every expert on the device"):
+        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0", gpu_budget_gb=1000.0)
 
 
 def test_inspect_shows_the_gptoss_fields(variant: tuple[str, Path]) -> None:

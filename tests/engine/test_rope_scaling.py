@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.engine import Engine, RopeScalingOnGpuError
+from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, build_desc, open_model
 from engine.native import ffi, lib
 from engine.rope import RopeOverrides
@@ -166,16 +166,6 @@ def test_window_follows_the_scaled_context_within_the_configured_one(tmp_path: P
     path = make_random_gguf(tmp_path / "big.gguf", vocab=True, n_ctx=512, metadata=_scaling("llama", "yarn"))
     with Engine.open(path, threads=1, kv_tokens=4096) as eng:
         assert eng.n_ctx == 512
-
-
-def test_gpu_refuses_a_scaled_model(tmp_path: Path) -> None:
-    """The GPU engine's RoPE has no scaling: a scaled model is refused on cuda before any device is
-    touched, never run with the wrong rotation."""
-    path = _model(tmp_path / "y.gguf", "llama", _scaling("llama", "yarn"))
-    with pytest.raises(RopeScalingOnGpuError, match="rope scaling"):
-        Engine.open(path, device="cuda:0")
-    with pytest.raises(RopeScalingOnGpuError):
-        Engine.open(path, device="cuda:0", rope=RopeOverrides(rope_scaling_type="linear"))
 
 
 def test_inspect_shows_the_scaling_and_sizes_kv_at_the_scaled_window(tmp_path: Path) -> None:

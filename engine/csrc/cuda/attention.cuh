@@ -30,6 +30,10 @@ struct attn_args {
     int32_t split_min;    /* sequences of fewer keys stay in one split */
     int32_t split_chunks; /* chunks a split holds at least */
     int32_t split_max;    /* splits of one sequence at most */
+    /* gpt-oss (k_attention only): sinks [n_head] one logit per head joining each softmax's denominator (NULL:
+     * none); n_swa > 0: a query at position p sees the keys p - n_swa + 1 .. p only (0: every earlier key) */
+    const float *sinks;
+    int32_t n_swa;
 };
 /* Warp reductions over the 16 lanes of each half when both halves hold the same 16 values (k_attention's keys:
  * lane and lane ^ 16 score the same key): warp_max's xor-16 level would only take a value's max with itself, and

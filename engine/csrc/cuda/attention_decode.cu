@@ -22,8 +22,9 @@ __device__ __forceinline__ void prep_rope_table(const attn_args &a, int32_t p, f
                                               int lane) {
     const int np = a.qa.rope_dim / 2;
     const float th0 = __fmul_rn((float)p, f0), th1 = __fmul_rn((float)p, f1);
-    const float c0 = (float)cos((double)th0), s0 = (float)sin((double)th0);
-    const float c1 = (float)cos((double)th1), s1 = (float)sin((double)th1);
+    const float ms = a.qa.mscale; /* qkv_head's scaled cos / sin */
+    const float c0 = __fmul_rn((float)cos((double)th0), ms), s0 = __fmul_rn((float)sin((double)th0), ms);
+    const float c1 = __fmul_rn((float)cos((double)th1), ms), s1 = __fmul_rn((float)sin((double)th1), ms);
     if (lane < np) rcs[0][lane] = c0, rcs[1][lane] = s0;
     if (lane + 32 < np) rcs[0][lane + 32] = c1, rcs[1][lane + 32] = s1;
     asm volatile("bar.arrive 1, 96;\n" ::: "memory"); /* warps 0 and 1 wait for it (bar.sync 1, 96) */
@@ -50,6 +51,8 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
     if (!pre) pdl_wait();
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     const int32_t n_keys = a.pos[t] + 1, n_chunks = (n_keys + ATT_CK - 1) / ATT_CK;
+    /* a sliding window's first key (0 without one): the warps start at its chunk, whose keys before it are masked */
+    const int32_t k_lo = a.n_swa > 0 && n_keys > a.n_swa ? n_keys - a.n_swa : 0;
     /* copies of chunk ci (block blk) into stage st */
     auto issue = [&](int ci, int st, int32_t blk) {
         const int slot0 = (ci * ATT_CK) % bs;
@@ -75,7 +78,7 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
         }
         cp_async_commit();
     };
-    int ci = warp;
+    int ci = warp + k_lo / ATT_CK;
     int32_t blk_next = ci < n_chunks ? bt[ci * ATT_CK / bs] : 0;
     int issued = 0; /* this warp's chunks already in flight when the loop starts */
     if (ci < n_chunks && (S == 2 || pre)) {
@@ -246,7 +249,7 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
             const float so = __shfl_xor_sync(0xffffffffu, sv, 16);
             sv = half ? so + sv : sv + so; /* the even half first on both lanes */
         }
-        const bool ok = key < nk;
+        const bool ok = key < nk && ci * ATT_CK + key >= k_lo;
         const float s = ok ? sv : -INFINITY;
         const float mn = fmaxf(m, HD ? warp_max16(s) : warp_max(s)); /* HD: the same bits (warp_max16) */
         const float corr = expf(m - mn); /* 0 on the warp's first chunk (m = -inf) */
@@ -306,13 +309,15 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
     }
     if (lane == 0) part[warp][256] = m, part[warp][257] = l;
     __syncthreads();
-    float M = -INFINITY;
+    const float sink = a.sinks ? a.sinks[h] : -INFINITY; /* a score with no value (attention.c's st_attn_ext) */
+    float M = sink;
     for (int wi = 0; wi < ATT_WARPS; wi++) M = fmaxf(M, part[wi][256]);
     float L = 0.0f, sc[ATT_WARPS];
     for (int wi = 0; wi < ATT_WARPS; wi++) {
         sc[wi] = part[wi][257] > 0.0f ? expf(part[wi][256] - M) : 0.0f; /* a warp with no keys adds nothing */
         L = __fmaf_rn(part[wi][257], sc[wi], L);
     }
+    if (a.sinks) L = L + expf(sink - M);
     const int64_t row0 = (int64_t)t * a.n_head * hd + h * hd;
     float *o = a.out + row0;
     for (int d0 = warp * 32; d0 < hd; d0 += ATT_WARPS * 32) { /* a warp per 32 dimensions */

@@ -50,6 +50,7 @@ static int32_t att_split_depth(int64_t cap_keys, int32_t min_chunks, int32_t z_m
 static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, int32_t z_max, int32_t T, bool decode,
                               int32_t max_keys, int64_t cap_keys) {
     if (!decode || set.att_split_min < 1 || T > ATT_SPLIT_MAX_T || max_keys < set.att_split_min) return 1;
+    if (d.arch == ST_ARCH_GPT_OSS) return 1; /* sinks and windows: k_attention only (gptoss.cu) */
     if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim)) return 1;
     return att_split_depth(cap_keys, ATT_SPLIT_CHUNKS, z_max, d.n_head / d.n_head_kv);
 }

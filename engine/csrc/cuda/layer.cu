@@ -85,7 +85,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qkv_args qa;
     qa.q = s.q, qa.k = s.k, qa.v = s.v;
     qa.bq = L.bq.f(), qa.bk = L.bk.f(), qa.bv = L.bv.f(), qa.q_norm = L.q_norm.f(), qa.k_norm = L.k_norm.f();
-    qa.inv_freq = m->inv_freq;
+    qa.inv_freq = m->inv_freq, qa.mscale = m->rope_mscale;
     qa.pos = d_pos, qa.seq = d_seq, qa.block_tables = d_bt, qa.max_blocks = max_blocks;
     qa.n_head = d.n_head, qa.n_kv = d.n_head_kv, qa.hd = d.head_dim, qa.rope_dim = d.rope_dim;
     qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
@@ -106,6 +106,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.block_size = kv->block_size;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse ? 1 : 0, aa.qa = qa;
+    aa.sinks = L.sinks.d ? L.sinks.f() : nullptr, aa.n_swa = oss_window(d, il); /* gpt-oss (step.cu: k_attention) */
     aa.pre = fuse ? 1 : 0;
     if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
@@ -124,6 +125,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     stg_status rc = ST_OK;
     const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
     CHECK(rc);
+    if (L.bo.d) return oss_out_proj(m, L, T, ain); /* gpt-oss: x += (wo . att + bo) */
     /* the FFN block's RMSNorm (next on the stream) adds the parts to the residual (take_combine) */
     g_defer_combine = !m->pending.pair_out && !m->pending.kpart, g_deferred = false;
     const stg_status lrc = linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
@@ -239,6 +241,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.ffn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
+    if (d.arch == ST_ARCH_GPT_OSS) return oss_ffn(m, il, T); /* gptoss.cu */
     if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
         CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down, s.pair_out));
         launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, nullptr, T, E);

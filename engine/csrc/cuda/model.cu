@@ -132,9 +132,23 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     if (d->rope_dim < 2 || d->rope_dim > d->head_dim || d->rope_dim % 2 ||
         (d->rope_type != ST_ROPE_NORM && d->rope_type != ST_ROPE_NEOX))
         return fail(ST_EINVAL, "model: rope dimension %d / type %d invalid", d->rope_dim, d->rope_type);
+    if (!std::isfinite(d->rope_base) || d->rope_base <= 0.0f)
+        return fail(ST_EINVAL, "model: rope base %g invalid", (double)d->rope_base);
+    { /* rope scaling: the ranges model.c accepts (0 reads as 1 for freq_scale and attn_factor) */
+        const float fs = d->rope_freq_scale, ext = d->rope_ext_factor, att = d->rope_attn_factor;
+        if (!std::isfinite(fs) || fs < 0.0f || fs > 1e6f || !std::isfinite(ext) || ext < 0.0f || ext > 1e3f ||
+            !std::isfinite(att) || att < 0.0f || att > 1e3f || !std::isfinite(d->rope_beta_fast) ||
+            !std::isfinite(d->rope_beta_slow))
+            return fail(ST_EINVAL, "model: rope scaling invalid (freq_scale %g, ext_factor %g, attn_factor %g, beta %g/%g)",
+                        (double)fs, (double)ext, (double)att, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+        if (ext != 0.0f && (d->rope_n_ctx_orig < 1 || d->rope_beta_fast <= 0.0f || d->rope_beta_slow <= 0.0f))
+            return fail(ST_EINVAL, "model: YaRN needs an original context (%d) and positive betas (%g/%g)",
+                        d->rope_n_ctx_orig, (double)d->rope_beta_fast, (double)d->rope_beta_slow);
+    }
     if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
         return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
-    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if ((d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) && d->arch != ST_ARCH_GPT_OSS)
+        return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
     const int64_t E = d->n_embd;
     CHECK(check_t(d->token_embd, "token_embd", -1, true, E, d->n_vocab, 1, false));
     CHECK(check_t(d->output_norm, "output_norm", -1, true, E, 1, 1, true));
@@ -184,6 +198,40 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     return ST_OK;
 }
 
+/* YaRN's correction dimension (ggml_rope_yarn_corr_dim, in float as ggml computes it): model.c's. */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
+}
+
+/* Each rotary pair's angle per position and the magnitude factor, rope scaling included: model.c's
+ * rope_table operation for operation (the rule is in strata.h beside the rope_* fields), so both
+ * engines rotate by the same floats. The descriptor is validated. */
+static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
+    const int n_dims = d->rope_dim;
+    const float fs = d->rope_freq_scale > 0.0f ? d->rope_freq_scale : 1.0f;
+    const float ext = d->rope_ext_factor;
+    float lo = 0.0f, hi = 0.0f, ms = d->rope_attn_factor > 0.0f ? d->rope_attn_factor : 1.0f;
+    if (ext != 0.0f) {
+        const float start = floorf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_fast, d->rope_base));
+        const float end = ceilf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_slow, d->rope_base));
+        lo = start > 0.0f ? start : 0.0f;
+        hi = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
+        ms *= 1.0f + 0.1f * logf(1.0f / fs);
+    }
+    for (int i = 0; i < n_dims / 2; i++) {
+        const double extrap = 1.0 / pow((double)d->rope_base, (double)(2 * i) / (double)n_dims);
+        double mix = 0.0;
+        if (ext != 0.0f) {
+            const float span = hi - lo > 0.001f ? hi - lo : 0.001f;
+            float y = ((float)i - lo) / span;
+            y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
+            mix = (double)((1.0f - y) * ext);
+        }
+        inv_freq[i] = (float)(extrap * ((double)fs * (1.0 - mix) + mix));
+    }
+    *mscale = ms;
+}
+
 /* A device allocation recorded in `list` (freed with it). */
 template <typename P> static stg_status dalloc_in(dlist &list, P **p, size_t n) {
     void *v = nullptr;
@@ -221,11 +269,13 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
         const st_tensor *src[] = {&s.attn_norm, &s.wq, &s.wk, &s.wv, &s.wo, &s.bq, &s.bk, &s.bv, &s.q_norm,
                                   &s.k_norm, &s.ffn_norm, &s.ffn_gate, &s.ffn_up, &s.ffn_down, &s.gate_inp,
                                   &s.gate_exps, &s.up_exps, &s.down_exps, &s.gate_inp_shexp, &s.gate_shexp,
-                                  &s.up_shexp, &s.down_shexp};
+                                  &s.up_shexp, &s.down_shexp, &s.bo, &s.sinks, &s.gate_inp_b, &s.gate_exps_b,
+                                  &s.up_exps_b, &s.down_exps_b};
         dtensor *dd[] = {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.bq, &l.bk, &l.bv, &l.q_norm,
                          &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
                          &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
-                         &l.up_shexp, &l.down_shexp};
+                         &l.up_shexp, &l.down_shexp, &l.bo, &l.sinks, &l.gate_inp_b, &l.gate_exps_b,
+                         &l.up_exps_b, &l.down_exps_b};
         for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
             if (partial_layer(m, il) && (dd[i] == &l.gate_exps || dd[i] == &l.up_exps || dd[i] == &l.down_exps))
                 continue; /* below */
@@ -360,15 +410,18 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
     m->q_dim = desc->n_head * desc->head_dim;
     m->kv_dim = desc->n_head_kv * desc->head_dim;
     stg_status rc = validate(m, desc->layers);
+    if (rc == ST_OK) rc = oss_validate(m, desc->layers);
     if (rc == ST_OK) m->att_zmax = att_split_zmax(n_sm, desc->n_head_kv);
     if (rc == ST_OK) rc = hybrid_setup(m, resident, cpu);
+    if (rc == ST_OK && m->hy.on && desc->arch == ST_ARCH_GPT_OSS)
+        rc = fail(ST_EUNSUPPORTED, "model_create: gpt-oss with experts left on the CPU (hybrid placement) is not "
+                                   "supported on the GPU; place every expert on the device");
     if (rc == ST_OK) rc = upload(m, desc->layers);
     if (rc == ST_OK) {
         m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});
         m->ff_max = std::max({m->n_ff, m->n_ff_exp, m->n_ff_shexp});
         std::vector<float> inv(m->d.rope_dim / 2);
-        for (int i = 0; i < m->d.rope_dim / 2; i++)
-            inv[i] = (float)(1.0 / pow((double)m->d.rope_base, (double)(2 * i) / (double)m->d.rope_dim));
+        rope_table(&m->d, inv.data(), &m->rope_mscale);
         rc = dalloc(m, &m->inv_freq, inv.size() * sizeof(float));
         if (rc == ST_OK && cudaMemcpy(m->inv_freq, inv.data(), inv.size() * sizeof(float), cudaMemcpyHostToDevice))
             rc = fail(ST_EINVAL, "model_create: cannot upload rope frequencies");

@@ -16,6 +16,7 @@ struct dtensor {
 struct dlayer {
     dtensor attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, gate_inp,
         gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
+    dtensor bo, sinks, gate_inp_b, gate_exps_b, up_exps_b, down_exps_b; /* gpt-oss (gptoss.cu) */
 };
 
 /* A list of device allocations freed together, and the bytes they hold (stg_model_memory). */
@@ -162,7 +163,8 @@ struct stg_model {
     int32_t q_dim, kv_dim, n_ff, n_ff_exp, n_ff_shexp, max_k, ff_max;
     uint8_t *arena = nullptr;
     int64_t arena_bytes = 0;
-    float *inv_freq = nullptr;
+    float *inv_freq = nullptr; /* [rope_dim / 2] each rotary pair's angle per position, rope scaling included */
+    float rope_mscale = 1.0f;  /* the factor both rotated values take (YaRN's magnitude scaling) */
     int32_t *hist = nullptr; /* [n_layer, n_expert] */
     int32_t *route_counter = nullptr; /* k_router_route's finished-block count (0 between launches) */
     cudaStream_t stream = nullptr;
@@ -203,6 +205,8 @@ struct stg_model {
     stg_profile profile = {}; /* the last waited step's (stg_step_profile) */
 };
 
+/* gptoss.cu: the checks of gpt-oss's own tensors and routing (after validate's) */
+static stg_status oss_validate(const stg_model *m, const st_layer *layers);
 /* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
 static stg_status hybrid_scratch(stg_model *m, int64_t T);

@@ -174,6 +174,7 @@ struct qkv_args {
     const int32_t *pos, *seq, *block_tables;
     int32_t max_blocks, n_head, n_kv, hd, rope_dim, rope_type, block_size;
     float eps, scale;
+    float mscale; /* RoPE's magnitude factor (YaRN; 1 without scaling): cos and sin are scaled by it, as the CPU's */
     __half *kc, *vc; /* this layer's K / V arena */
     /* q / k / v still as the split GEMM's 4 parts [4][kp_t][kp_n] over their stacked rows (the fused
      * decode attention adds them as k_ksplit_combine would: g_defer_combine); NULL: q, k, v */
@@ -216,7 +217,8 @@ __device__ __forceinline__ void qkv_head(const qkv_args &a, int t, int kind, int
         if (a.q_norm) head_rmsnorm(v, kind == 0 ? a.q_norm : a.k_norm, hd, a.eps, lane);
         for (int i = lane; i < a.rope_dim / 2; i += 32) {
             const float theta = __fmul_rn((float)p, a.inv_freq[i]);
-            rope_pair(v, i, a.rope_dim, a.rope_type, (float)cos((double)theta), (float)sin((double)theta));
+            rope_pair(v, i, a.rope_dim, a.rope_type, __fmul_rn((float)cos((double)theta), a.mscale),
+                      __fmul_rn((float)sin((double)theta), a.mscale));
         }
         __syncwarp();
     }

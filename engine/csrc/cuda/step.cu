@@ -297,11 +297,13 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     }
     /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
-    const int tq = att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
+    /* gpt-oss's sinks and sliding windows are k_attention's alone (gptoss.cu): no query tiles */
+    const bool oss = m->d.arch == ST_ARCH_GPT_OSS;
+    const int tq = oss ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && !graphs_enabled(m, T);
     /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh) */
-    const int mma_mode = m->set.att_mma, tqm = mma_mode ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
+    const int mma_mode = m->set.att_mma, tqm = mma_mode && !oss ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
     if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
     else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
     int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;

@@ -23,6 +23,7 @@
 #include "attention_prefill.cu" /* prefill query tiles, attention_setup */
 #include "attention_split.cu"   /* split-KV decode: the grid, the combine */
 #include "model.cu"         /* devices, settings, upload, KV cache, scratch */
+#include "gptoss.cu"        /* gpt-oss: its routing, clamped SwiGLU, expert and output biases, checks */
 #include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
 #include "staging.cu"       /* hybrid placement: experts staged over PCIe into a ring of two device slots */
 #include "layer.cu"         /* the attention and FFN blocks of one layer */

@@ -392,6 +392,8 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     return ST_OK;
 }
 
+static thread_local std::vector<float> g_oss_sinks; /* stg_test_attention_oss's */
+static thread_local int32_t g_oss_swa = 0;
 extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split_chunks, int32_t split_max,
                                                 const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                                 const int32_t *block_tables, int32_t n_table, int32_t block_size,
@@ -410,6 +412,10 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
             if (b < 0 || b >= n_blocks) return fail(ST_ERANGE, "attention decode: block out of range");
         }
     }
+    const bool oss = !g_oss_sinks.empty() || g_oss_swa > 0;
+    if (oss && (split_min || (!g_oss_sinks.empty() && (int32_t)g_oss_sinks.size() != n_head)))
+        return fail(ST_EINVAL, "attention decode: sinks of %d heads for %d, or a split asked with sinks / a window",
+                    (int)g_oss_sinks.size(), n_head);
     if (split_min && !att_split_ok(n_head, n_kv, head_dim))
         return fail(ST_EUNSUPPORTED, "split attention: n_head %d / n_kv %d / head_dim %d", n_head, n_kv, head_dim);
     CHECK(harness_device());
@@ -423,7 +429,7 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
     std::vector<int32_t> ints((size_t)(2 * n_seq) + (size_t)n_seq * n_table);
     for (int32_t i = 0; i < n_seq; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_seq + i)] = i;
     memcpy(&ints[(size_t)(2 * n_seq)], block_tables, sizeof(int32_t) * (size_t)n_seq * n_table);
-    dbuf bk, bv, bq, bo, bi, baq, bad, bas, bpa, bpm;
+    dbuf bk, bv, bq, bo, bi, baq, bad, bas, bpa, bpm, bsk;
     CHECK(up(bk, k, sizeof(uint16_t) * cache));
     CHECK(up(bv, v, sizeof(uint16_t) * cache));
     CHECK(up(bq, q, sizeof(float) * nout));
@@ -433,6 +439,11 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
     a.q = bq.as<float>(), a.out = bo.as<float>(), a.kc = bk.as<__half>(), a.vc = bv.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_seq, a.block_tables = bi.as<int32_t>() + 2 * n_seq;
     a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    if (!g_oss_sinks.empty()) {
+        CHECK(up(bsk, g_oss_sinks.data(), sizeof(float) * g_oss_sinks.size()));
+        a.sinks = bsk.as<float>();
+    }
+    a.n_swa = g_oss_swa;
     if (aq) {
         CHECK(up(baq, nullptr, (size_t)nout));
         CHECK(up(bad, nullptr, sizeof(float) * (size_t)nout / 32));
@@ -457,6 +468,14 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
     }
     for (int32_t i = 0; n_splits && i < n_seq; i++)
         n_splits[i] = split_min ? att_split_count(pos[i] + 1, split_min, chunks, zmax) : 1;
+    return ST_OK;
+}
+
+extern "C" stg_status stg_test_attention_oss(const float *sinks, int32_t n_head, int32_t n_swa) {
+    if (n_swa < 0 || (sinks && (n_head < 1 || n_head > 1024))) return fail(ST_EINVAL, "attention oss: bad arguments");
+    g_oss_sinks.clear();
+    if (sinks) g_oss_sinks.assign(sinks, sinks + n_head);
+    g_oss_swa = n_swa;
     return ST_OK;
 }
 
@@ -511,7 +530,7 @@ extern "C" stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok,
     a.q = bq.as<float>(), a.k = bk.as<float>(), a.v = bv.as<float>(), a.inv_freq = bf.as<float>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
     a.max_blocks = nb, a.n_head = n_heads, a.n_kv = 1, a.hd = head_dim, a.rope_dim = rope_dim, a.rope_type = rope_type;
-    a.block_size = bs, a.eps = 1e-6f, a.scale = 1.0f, a.kc = bkc.as<__half>(), a.vc = bvc.as<__half>();
+    a.block_size = bs, a.eps = 1e-6f, a.scale = 1.0f, a.mscale = 1.0f, a.kc = bkc.as<__half>(), a.vc = bvc.as<__half>();
     k_qkv_post<<<dim3((unsigned)n_tok, (unsigned)((n_heads + 2 + QKV_WARPS - 1) / QKV_WARPS)), QKV_WARPS * 32>>>(a);
     LAUNCHED("rope");
     return down(x, bq, sizeof(float) * (size_t)(n_tok * qd));

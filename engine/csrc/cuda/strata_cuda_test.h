@@ -70,6 +70,11 @@ stg_status stg_test_attention_decode(int32_t split_min, int32_t split_chunks, in
                                      int32_t n_table, int32_t block_size, int32_t head_dim, int32_t n_head,
                                      int32_t n_kv, const float *q, const int32_t *pos, int32_t n_seq, float *out,
                                      int8_t *aq, float *ad, int32_t *as, int32_t *n_splits);
+/* gpt-oss's attention (attn_args.sinks / n_swa) for the next stg_test_attention_decode calls on this thread:
+ * sinks[n_head] one logit per head joining each softmax's denominator (NULL: none), n_swa > 0 a sliding window
+ * of that many keys (0: none). The unsplit kernel only: a call with split_min > 0 is then ST_EINVAL, and
+ * n_head must match the call's. */
+stg_status stg_test_attention_oss(const float *sinks, int32_t n_head, int32_t n_swa);
 stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
 /* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
 stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
