@@ -41,7 +41,7 @@ __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "Engine
 
 
 # Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
-GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe"})
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "glm4moe"})
 
 
 @dataclass

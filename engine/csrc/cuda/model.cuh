@@ -16,6 +16,7 @@ struct dtensor {
 struct dlayer {
     dtensor attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, gate_inp,
         gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
+    dtensor exp_probs_b; /* [n_expert] F32: the score-correction bias of rule routing (router_sigmoid.cu) */
 };
 
 /* A list of device allocations freed together, and the bytes they hold (stg_model_memory). */
