@@ -228,7 +228,6 @@ class _ProfilerRange:
 def run(args: argparse.Namespace) -> dict:
     from engine.engine import Engine
 
-    shape = _shape(args)
     path = _model_path(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -38,20 +38,39 @@ KV_TOKENS = 2048
 F32_CASES: dict[str, dict[str, Any]] = {
     "qk_norm": dict(qk_norm=True, seed=3),  # GLM-4.5: bias, renormalised, scale 2.5, 1 dense layer
     "groups": dict(qk_norm=False, n_group=4, n_group_used=2, weights_scale=1.0, seed=2),
-    "softmax_groups": dict(n_group=8, n_group_used=3, gating=1, weights_scale=None, weights_norm=None, seed=1),
+    "softmax_groups": dict(
+        n_group=8, n_group_used=3, gating=1, weights_scale=None, weights_norm=None, seed=1
+    ),
     "no_bias_no_norm_no_dense": dict(exp_probs_b=False, weights_norm=False, n_dense_lead=0, n_moe=3, seed=4),
     "two_dense_full_rotary": dict(qk_norm=True, n_dense_lead=2, rope_dim=32, weights_scale=1.5, seed=5),
 }
 
 # the quantised files: GLM-4.5-Air's layout at 256 wide (rows a whole number of 256-blocks), Q8_0 matrices
-QSHAPE = dict(n_embd=256, n_head=4, n_head_kv=2, head_dim=64, rope_dim=32, n_ff=256, n_expert=16, n_expert_used=4,
-              n_ff_exp=256, n_moe=2, weight_type=Q.Q8_0)
-Q_CASES = {"q4_k": dict(qk_norm=True, seed=11), "iq3_xxs": dict(qk_norm=False, seed=12)}
+QSHAPE = dict(
+    n_embd=256,
+    n_head=4,
+    n_head_kv=2,
+    head_dim=64,
+    rope_dim=32,
+    n_ff=256,
+    n_expert=16,
+    n_expert_used=4,
+    n_ff_exp=256,
+    n_moe=2,
+    weight_type=Q.Q8_0,
+)
+# q4_k: GLM-4.5-Air's head (128 wide, rotary on its first 64: the decode attention's fused head prep for 128)
+Q_CASES = {
+    "q4_k": dict(qk_norm=True, head_dim=128, rope_dim=64, seed=11),
+    "iq3_xxs": dict(qk_norm=False, seed=12),
+}
 
 
 def _prompts() -> list[list[int]]:
     rng = np.random.default_rng(42)
-    prompts = [[int(t) for t in rng.integers(3, GLM_VOCAB, size=int(n))] for n in rng.integers(5, 40, size=16)]
+    prompts = [
+        [int(t) for t in rng.integers(3, GLM_VOCAB, size=int(n))] for n in rng.integers(5, 40, size=16)
+    ]
     prompts[0] = [int(t) for t in rng.integers(3, GLM_VOCAB, size=40)]
     return prompts
 
@@ -74,8 +93,15 @@ def _expert_blobs(kind: str, n_layers: range, seed: int) -> dict[str, tuple[np.n
 
 # (n_expert, k, gating, n_group, n_group_used, bias): GLM-4.5-Air, GLM-4.5, DeepSeek-V3, Kimi-K2, a softmax with
 # groups, a sigmoid without the bias, and groups of two experts
-ROUTE_CASES = [(128, 8, 2, 0, 0, True), (160, 8, 2, 0, 0, True), (256, 8, 2, 8, 4, True), (384, 8, 2, 1, 1, True),
-               (64, 6, 1, 8, 3, False), (16, 4, 2, 0, 0, False), (16, 4, 2, 8, 3, True)]
+ROUTE_CASES = [
+    (128, 8, 2, 0, 0, True),
+    (160, 8, 2, 0, 0, True),
+    (256, 8, 2, 8, 4, True),
+    (384, 8, 2, 1, 1, True),
+    (64, 6, 1, 8, 3, False),
+    (16, 4, 2, 0, 0, False),
+    (16, 4, 2, 8, 3, True),
+]
 
 
 @pytest.mark.parametrize("form", [0, 1])
@@ -95,12 +121,40 @@ def test_route_rule_equals_cpu_router(g: tuple, case: tuple, form: int) -> None:
     logits[1, ::3] = 30.0  # ties among saturated sigmoids
     bias = (rng.standard_normal(ne) * 0.3).astype(np.float32) if with_bias else None
     ids, w = np.full((T, k), -1, np.int32), np.zeros((T, k), np.float32)
-    gcheck(g, g[1].stg_test_route_rule(gptr(g, logits, "float *"), T, ne, k, gating, n_group, n_used,
-                                       gptr(g, bias, "float *") if bias is not None else g[0].NULL, form,
-                                       gptr(g, ids, "int32_t *"), gptr(g, w, "float *")))
+    gcheck(
+        g,
+        g[1].stg_test_route_rule(
+            gptr(g, logits, "float *"),
+            T,
+            ne,
+            k,
+            gating,
+            n_group,
+            n_used,
+            gptr(g, bias, "float *") if bias is not None else g[0].NULL,
+            form,
+            gptr(g, ids, "int32_t *"),
+            gptr(g, w, "float *"),
+        ),
+    )
     ref_ids, ref_w = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
-    assert lib.st_route(ne, k, gating, n_group, n_used, 0, 0.0, ptr(bias, "float *") if bias is not None else ffi.NULL,
-                        ptr(logits, "float *"), T, ptr(ref_ids, "int32_t *"), ptr(ref_w, "float *")) == 0
+    assert (
+        lib.st_route(
+            ne,
+            k,
+            gating,
+            n_group,
+            n_used,
+            0,
+            0.0,
+            ptr(bias, "float *") if bias is not None else ffi.NULL,
+            ptr(logits, "float *"),
+            T,
+            ptr(ref_ids, "int32_t *"),
+            ptr(ref_w, "float *"),
+        )
+        == 0
+    )
     assert ids.tolist() == ref_ids.tolist()
     assert w.view(np.uint32).tolist() == ref_w.view(np.uint32).tolist()
     if bias is None and n_group <= 1:
@@ -111,8 +165,11 @@ def _forward_arena_bytes(path: Path) -> int:
     """What the GPU's weight arena must hold: every tensor of the forward layers and the globals, 256-aligned;
     nothing of the NextN layers."""
     mf = open_model(path)
-    return sum(-(-t.n_bytes // 256) * 256 for name, t in mf.tensors.items()
-               if not (name.startswith("blk.") and int(name.split(".")[1]) >= mf.hparams.n_layer))
+    return sum(
+        -(-t.n_bytes // 256) * 256
+        for name, t in mf.tensors.items()
+        if not (name.startswith("blk.") and int(name.split(".")[1]) >= mf.hparams.n_layer)
+    )
 
 
 @pytest.mark.parametrize("case", list(F32_CASES))
@@ -133,7 +190,9 @@ def test_glm4moe_quantised_experts_gpu_matches_cpu(tmp_path: Path, kind: str) ->
 def test_glm4moe_gpu_holds_no_nextn_layer(tmp_path: Path) -> None:
     """The weight arena holds the forward layers and the globals only (the NextN layer stays in the file), and
     every routed expert of the MoE layers is resident: none is counted for the dense layer."""
-    path = make_glm4moe_gguf(tmp_path / "glm4moe.bytes.gguf", qk_norm=True, n_dense_lead=1, n_moe=2, n_nextn=1)
+    path = make_glm4moe_gguf(
+        tmp_path / "glm4moe.bytes.gguf", qk_norm=True, n_dense_lead=1, n_moe=2, n_nextn=1
+    )
     with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS) as gpu:
         mem, hp = gpu.gpu_memory(), gpu.hparams
         assert hp.n_layer == 3 and hp.n_dense_lead == 1
@@ -163,8 +222,10 @@ def test_glm4moe_hybrid_gpu_matches_cpu(tmp_path: Path, frac: float) -> None:
     base = plan(mf, engine_plan_params(0, KV_TOKENS, 16, 512), pf.stats.frequencies())
     budget = (base.fixed_bytes + int(frac * base.routed_bytes) + 64) / 2**30
     prompt = _prompts()[0]
-    with Engine.open(path, threads=2, kv_tokens=KV_TOKENS) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
+    with (
+        Engine.open(path, threads=2, kv_tokens=KV_TOKENS) as cpu,
+        Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb,
+    ):
         n_routed = (hp.n_layer - hp.n_dense_lead) * hp.n_expert
         mem = hyb.gpu_memory()
         assert hyb.plan is not None and mem["resident_experts"] == hyb.plan.n_resident
@@ -173,9 +234,17 @@ def test_glm4moe_hybrid_gpu_matches_cpu(tmp_path: Path, frac: float) -> None:
         else:
             assert hyb.resident is not None and bool(hyb.resident[: hp.n_dense_lead].all())
             assert (mem["resident_experts"] == 0) if frac == 0.0 else (0 < mem["resident_experts"] < n_routed)
-        weights_plan = sum(v for k, v in hyb.plan.fixed.items() if k not in (
-            "KV cache", "step buffers", "hybrid buffers", "staging slots", "context + graphs reserve"))
+        weights_plan = sum(
+            v
+            for k, v in hyb.plan.fixed.items()
+            if k
+            not in ("KV cache", "step buffers", "hybrid buffers", "staging slots", "context + graphs reserve")
+        )
         weights_plan += hyb.plan.resident_bytes
         # the arena aligns each routed tensor (its resident slots) as a whole, the plan each expert's slices
-        assert weights_plan - (hp.n_layer - hp.n_dense_lead) * 3 * hp.n_expert * 256 <= mem["weights"] <= weights_plan
+        assert (
+            weights_plan - (hp.n_layer - hp.n_dense_lead) * 3 * hp.n_expert * 256
+            <= mem["weights"]
+            <= weights_plan
+        )
         assert tokens_of(hyb, prompt, 64) == tokens_of(cpu, prompt, 64)
