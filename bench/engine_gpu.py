@@ -3,6 +3,11 @@
     python -m bench.engine_gpu [--layers 48] [--skew 1.0] [--quick] [--json out.json]
     python -m bench.engine_gpu --depth 0,8192,32768,131072 [--llama-bin DIR]   # decode at depth
     python -m bench.engine_gpu --arch gpt-oss [--llama-bin DIR]   # the synthetic gpt-oss-120b (2 of 36 layers)
+    python -m bench.engine_gpu --arch glm4moe [--llama-bin DIR]   # the synthetic GLM-4.5-Air instead
+
+``--arch`` benches bench/synthetic_arch.py's model of that architecture (real layer shapes and published quant
+mix, fewer layers; written under --model-dir on first use) through the same measurements, beside llama.cpp on
+the same file with ``--llama-bin``.
 
 Builds a ``qwen3moe`` GGUF of the real shapes (48 layers, hidden 2048, 32 query / 4 KV heads
 of 128, 128 experts top-8, expert FFN 768, vocabulary 151,936 fed as token ids): Q4_K
@@ -186,12 +191,22 @@ def _shape(args: argparse.Namespace) -> dict:
 
 
 def _model_path(args: argparse.Namespace) -> Path:
-    if getattr(args, "arch", None):  # bench/synthetic_arch.py's file (written by main before anything reads it)
+    if args.arch:  # bench/synthetic_arch.py's file, under --model-dir
         from bench.synthetic_arch import default_path
 
-        return default_path(args.arch)
+        return Path(args.model_dir) / default_path(args.arch).name
     return Path(args.model_dir) / (f"qwen3moe-synth-{_shape(args)['n_layer']}L-skew{args.skew:g}"
                                    f"{'-quick' if args.quick else ''}.gguf")
+
+
+def _build(args: argparse.Namespace, path: Path) -> Path:
+    """Write the benchmark's model at `path`: the synthetic architecture of --arch (real layer shapes and quant
+    mix, fewer layers: bench/synthetic_arch.py), else the Qwen3-30B-A3B-shaped model of --layers / --skew."""
+    if args.arch:
+        from bench.synthetic_arch import ARCHS, write_arch
+
+        return write_arch(ARCHS[args.arch](), path)
+    return build_model(path, _shape(args), args.skew)
 
 
 class _ProfilerRange:
@@ -214,12 +229,11 @@ class _ProfilerRange:
 def run(args: argparse.Namespace) -> dict:
     from engine.engine import Engine
 
-    shape = _shape(args)
     path = _model_path(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if not path.exists():
-        build_model(path, shape, args.skew)
+        _build(args, path)
     t_build = time.perf_counter() - t0
     bw = copy_bandwidth() if args.device != "cpu" else float("nan")
     t0 = time.perf_counter()
@@ -604,7 +618,7 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
     path = _model_path(args)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        build_model(path, _shape(args), args.skew)
+        _build(args, path)
     with Engine.open(path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512) as eng:
         ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
         rates = []
@@ -625,14 +639,13 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GPU engine benchmark on a synthetic Qwen3-30B-A3B-shaped model")
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--arch", default=None, choices=["glm4moe", "gpt-oss", "deepseek2"],
+                    help="bench bench/synthetic_arch.py's model of this architecture (real layer shapes and quant mix, "
+                         "fewer layers; built under --model-dir on first use) instead of the Qwen3-30B-A3B-shaped one")
     ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (0 = uniform)")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
-    ap.add_argument("--arch", default=None, choices=["gpt-oss"],
-                    help="bench bench/synthetic_arch.py's synthetic model of this architecture (real layer shapes "
-                         "and quant mix, fewer layers; written under var/bench/ on first use) instead of the "
-                         "Qwen3-30B-A3B-shaped file")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences and of prefill at 512 and 4,096 tokens")
     ap.add_argument("--profile-decode", action="store_true",
@@ -682,25 +695,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
                          "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)")
     args = ap.parse_args(argv)
-    if args.arch:
-        from bench.synthetic_arch import build, describe
+    if args.arch:  # the synthetic file first: every mode below reads it
+        from bench.synthetic_arch import describe
 
-        print(f"{describe(args.arch)}: building (once) ...", flush=True)
-        print(f"model: {build(args.arch)}", flush=True)
+        path = _model_path(args)
+        print(f"{describe(args.arch)}: {path}", flush=True)
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _build(args, path)
     if args.depth is not None:
         from bench import engine_gpu_depth
 
         if args.depth_steps < 1 or args.unsplit_steps < 0 or args.depth_reps < 1 or not 1 <= args.depth_batch <= 64:
             raise SystemExit("--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0, --depth-batch 1..64")
         args.depth_knobs = engine_gpu_depth.parse_knobs(args.depth_knob)
-        return engine_gpu_depth.main(args, _model_path(args), lambda p: build_model(p, _shape(args), args.skew))
+        return engine_gpu_depth.main(args, _model_path(args), lambda p: _build(args, p))
     if args.prefill_only:
         return prefill_once(args, args.prefill_only)
     if args.build_only:
         path = _model_path(args)
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
-            build_model(path, _shape(args), args.skew)
+            _build(args, path)
         print(f"model: {path} ({path.stat().st_size / 2**30:.2f} GiB)")
         return 0
     res = run(args) if not args.llama_only else {"model": str(_model_path(args))}
@@ -708,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.llama_bin:
         if args.llama_only and not Path(res["model"]).exists():
             Path(res["model"]).parent.mkdir(parents=True, exist_ok=True)
-            build_model(Path(res["model"]), _shape(args), args.skew)
+            _build(args, Path(res["model"]))
         try:
             peer = run_llama(Path(args.llama_bin), Path(res["model"]))
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:

@@ -41,7 +41,7 @@ __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "Engine
 
 
 # Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
-GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "gpt-oss"})
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "gpt-oss", "glm4moe"})
 # Architectures the GPU runs only with every routed expert on the device (no hybrid placement yet).
 GPU_WHOLE_ONLY = frozenset({"gpt-oss"})
 

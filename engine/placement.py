@@ -357,7 +357,7 @@ def _category(name: str) -> str:
         return "attention"
     if base.startswith("ffn_gate_inp_shexp") or "_shexp" in base:
         return "shared experts"
-    if base.startswith("ffn_gate_inp"):
+    if base.startswith(("ffn_gate_inp", "exp_probs_b")):  # the router and its score-correction bias
         return "router"
     if base.startswith(("ffn_gate.", "ffn_up.", "ffn_down.")):
         return "dense FFN"
@@ -384,17 +384,18 @@ def expert_bytes(mf: ModelFile) -> np.ndarray:
 def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 512, logit_rows: int = 64,
                     reserve_bytes: int = 640 * MIB, staging_slots: int = 0) -> dict[str, int]:
     """Everything but the resident routed experts that the GPU holds, by part (bytes): every non-routed
-    weight 256-aligned (a tied output head shares the embedding), the F16 KV cache for n_ctx tokens of each
+    weight of the forward layers 256-aligned (a tied output head shares the embedding; NextN layers, which the
+    forward pass never runs, are not uploaded), the F16 KV cache for n_ctx tokens of each
     of n_seqs sequences, the step buffers for step_tokens tokens, the buffers of the CPU's expert rows (a
     hybrid step's slot ids, pair indices and one row of n_embd floats per routed pair of step_tokens tokens,
     engine/csrc/cuda/hybrid.cu), staging slots (each one expert of the largest size) and the stated reserve
     for the CUDA context and captured graphs."""
-    from engine.inspect_model import step_buffer_bytes
+    from engine.inspect_model import _layer_of, step_buffer_bytes
 
     hp = mf.hparams
     parts: dict[str, int] = {}
     for name, t in mf.tensors.items():
-        if name.endswith(ROUTED_SUFFIXES):
+        if name.endswith(ROUTED_SUFFIXES) or _layer_of(name) >= hp.n_layer:  # NextN layers stay off the GPU
             continue
         cat = _category(name)
         parts[cat] = parts.get(cat, 0) + _aligned(t.n_bytes)
@@ -624,9 +625,11 @@ def placement_frequencies(mf: ModelFile, placement: str | os.PathLike[str] | Pla
 
 
 def resident_mask(mf: ModelFile, p: GpuPlan) -> np.ndarray:
-    """[n_layer, n_expert] uint8: 1 where the plan keeps the routed expert on the GPU."""
+    """[n_layer, n_expert] uint8: 1 where the plan keeps the routed expert on the GPU. A leading dense layer
+    (glm4moe, deepseek2) has no routed experts, so nothing of it runs on the CPU: its row is all 1."""
     hp = mf.hparams
     mask = np.zeros((hp.n_layer, max(hp.n_expert, 1)), dtype=np.uint8)
+    mask[:hp.n_dense_lead] = 1
     for il, ids in enumerate(p.resident):
         mask[il, ids] = 1
     return mask

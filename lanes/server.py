@@ -440,7 +440,7 @@ def _gpu_info(eng: Any) -> dict[str, Any] | None:
     return {"index": gpu.info.index, "name": gpu.info.name, "total_bytes": gpu.info.total_bytes,
             "weight_bytes": gpu.weight_bytes, "kv_bytes": gpu.kv_bytes, "scratch_bytes": mem["scratch"],
             "gpu_budget_gb": eng.gpu_budget_gb, "hybrid": eng.resident is not None,
-            "resident_experts": mem["resident_experts"], "routed_experts": hp.n_layer * hp.n_expert}
+            "resident_experts": mem["resident_experts"], "routed_experts": (hp.n_layer - hp.n_dense_lead) * hp.n_expert}
 
 
 async def lane_info(request: web.Request) -> web.Response:

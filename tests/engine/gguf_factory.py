@@ -291,6 +291,7 @@ def make_glm4moe_gguf(
     drop_keys: tuple[str, ...] = (),
     extra_keys: dict[str, int] | None = None,
     omit: tuple[str, ...] = (),
+    raw_overrides: dict[str, tuple[np.ndarray, tuple[int, ...], GGMLQuantizationType]] | None = None,
 ) -> Path:
     """A random ``glm4moe`` GGUF in llama.cpp's names and layout (GLM-4.5 / Air in miniature):
     head_dim * heads != n_embd, partial rotary (rope_dim < head_dim), q/k/v biases, optional q/k
@@ -299,7 +300,7 @@ def make_glm4moe_gguf(
     (block_count counts them) with their eh_proj / enorm / hnorm / shared head. ``gating``,
     ``weights_scale`` and ``weights_norm`` of None leave their keys out; ``drop_keys`` removes
     metadata keys (without the ``glm4moe.`` prefix), ``extra_keys`` adds or replaces integer ones and ``omit``
-    drops tensors. The vocabulary is
+    drops tensors; ``raw_overrides`` replaces tensors by (raw bytes, logical shape, type). The vocabulary is
     glm_vocab_metadata()'s (GLM_VOCAB tokens; token_embd has that many rows even when ``vocab`` is
     False and the tokenizer keys are left out)."""
     arch = "glm4moe"
@@ -349,6 +350,10 @@ def make_glm4moe_gguf(
 
     def add(name: str, data: np.ndarray, quant: bool = True) -> None:
         if name in omit:
+            return
+        if raw_overrides and name in raw_overrides:
+            blob, shape, qtype = raw_overrides[name]
+            w.add_tensor(name, blob, raw_shape=shape, raw_dtype=qtype)
             return
         if quant and weight_type != GGMLQuantizationType.F32 and data.ndim >= 2:
             q = quantize(data, weight_type)

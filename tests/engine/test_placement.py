@@ -336,3 +336,34 @@ def test_replacement_moves_swap_within_layers_by_gain_within_the_bytes() -> None
         assert after[il, e_out] == 1 and after[il, e_in] == 0
         after[il, e_out], after[il, e_in] = 0, 1
     assert (after.sum(axis=1) == resident.sum(axis=1)).all()
+
+
+def test_glm4moe_plan_counts_the_forward_layers_only(tmp_path: Path) -> None:
+    """A glm4moe file (a leading dense layer, two MoE layers, a NextN layer): the plan's non-routed weights are
+    every tensor of the forward layers and the globals (the score-correction bias with the router), none of the
+    NextN layer, which the GPU never uploads; the dense layer has no routed experts to place, so its row of the
+    resident mask is whole (nothing of it runs on the CPU)."""
+    from tests.engine.gguf_factory import make_glm4moe_gguf
+
+    path = make_glm4moe_gguf(tmp_path / "glm.gguf", n_dense_lead=1, n_moe=2, n_nextn=1, vocab=False)
+    mf = open_model(path)
+    hp = mf.hparams
+    assert (hp.n_layer, hp.n_dense_lead, hp.n_nextn) == (3, 1, 1)
+    fixed = pl.fixed_gpu_bytes(mf, 64, 1)
+    weights = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "hybrid buffers",
+                                                           "staging slots", "context + graphs reserve"))
+    forward = {n: t for n, t in mf.tensors.items() if not n.startswith(f"blk.{hp.n_layer}.")}
+    assert len(forward) < len(mf.tensors)  # the NextN layer's tensors are in the file
+    assert weights == sum(pl._aligned(t.n_bytes) for n, t in forward.items() if not n.endswith(pl.ROUTED_SUFFIXES))
+    assert fixed["router"] == sum(pl._aligned(forward[f"blk.{il}.{n}"].n_bytes) for il in (1, 2)
+                                  for n in ("ffn_gate_inp.weight", "exp_probs_b.bias"))
+    assert "other" not in fixed
+    eb = pl.expert_bytes(mf)
+    assert (eb[0] == 0).all() and (eb[1:] > 0).all()
+    p = pl.plan(mf, pl.PlanParams(budget_bytes=1 << 40, cpu_read_gbs=50.0, gpu_read_gbs=3000.0))
+    assert p.resident[0] == [] and p.n_resident == p.n_routed == 2 * hp.n_expert
+    mask = pl.resident_mask(mf, p)
+    assert mask.all()  # everything resident: the engine runs the plain GPU model
+    none = pl.plan(mf, pl.PlanParams(budget_bytes=p.fixed_bytes, cpu_read_gbs=50.0, gpu_read_gbs=3000.0))
+    mask0 = pl.resident_mask(mf, none)
+    assert none.n_resident == 0 and mask0[0].all() and not mask0[1:].any()

@@ -120,11 +120,13 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     std::vector<int32_t> slot(n, -1);
     std::vector<int32_t> n_slots((size_t)nL, 0);
     int64_t off = 0;
+    std::vector<uint8_t> mask(resident, resident + n);
     for (int il = 0; il < nL; il++)
         for (int e = 0; e < ne; e++) {
-            const uint8_t v = resident[(size_t)il * ne + e];
+            uint8_t &v = mask[(size_t)il * ne + e];
             if (v > 1) return fail(ST_EINVAL, "model_create: resident[%d][%d] = %d (0 or 1)", il, e, (int)v);
-            if (v) slot[(size_t)il * ne + e] = n_slots[(size_t)il]++;
+            if (il < m->d.n_dense_lead) v = 0; /* a leading dense layer has no routed experts: no slots, none off */
+            else if (v) slot[(size_t)il * ne + e] = n_slots[(size_t)il]++;
             else off++;
         }
     if (off == 0) return ST_OK; /* every expert resident: the plain model */
@@ -132,7 +134,7 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
         return fail(ST_EINVAL, "model_create: %lld routed experts are not resident and no CPU engine is given to "
                                "compute them", (long long)off);
     h.on = true;
-    h.resident.assign(resident, resident + n);
+    h.resident = mask;
     h.n_slots = n_slots;
     h.slot_of = slot;
     h.host.assign((size_t)nL * 3, nullptr);

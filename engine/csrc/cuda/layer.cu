@@ -242,7 +242,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
                                   take_combine(m));
     LAUNCHED("rmsnorm");
     if (d.arch == ST_ARCH_GPT_OSS) return oss_ffn(m, il, T); /* gptoss.cu */
-    if (d.n_expert == 0) { /* dense FFN: x += ffn(xn) */
+    if (d.n_expert == 0 || il < d.n_dense_lead) { /* dense FFN (a dense model, a leading dense layer): x += ffn(xn) */
         CHECK(dense_ffn(m, T, L.ffn_gate, L.ffn_up, L.ffn_down, s.pair_out));
         launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, nullptr, T, E);
         LAUNCHED("residual");
@@ -257,7 +257,9 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     const group_out go = {s.gexp, s.gstart, s.gcount, s.n_groups, s.list, s.pair_tok, m->hist + (int64_t)il * ne,
                           s.gtiles, s.n_gtiles, s.mexp, s.mstart, s.mcount, s.n_mgroups, s.pair_mv, mv_max};
     const size_t rr_smem = (size_t)(LIN_WARPS + 2 + T) * ne * sizeof(float);
-    if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024) {
+    if (rule_routing(m, L)) { /* sigmoid gating, a score-correction bias or expert groups (router_sigmoid.cu) */
+        CHECK(route_by_rule(m, L, T, go));
+    } else if (T <= 8 && stg_is_float(L.gate_inp.type) && ne <= 1024 && rr_smem <= 48 * 1024) {
         /* decode: router logits, routing and grouping in one launch */
         lin_args a = {};
         a.w = L.gate_inp.d, a.row_bytes = L.gate_inp.row_bytes, a.expert_stride = L.gate_inp.expert_stride;
@@ -311,10 +313,11 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     }
     if (cpu_share) CHECK(hybrid_receive(m, il, T));
     if (!shexp) { /* added by the next RMSNorm (this order of additions is the CPU's) */
-        m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0};
+        m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0, route_scale(d)};
         return ST_OK;
     }
-    launch_k(k_combine, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm);
+    launch_k(k_combine, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, s.pair_out, s.topk_w, T, k, E, d.expert_norm,
+             route_scale(d));
     LAUNCHED("combine");
     if (!cpu_share) CHECK(shared_expert(m, L, T, shx));
     launch_k(k_add_scaled, (unsigned)((T * E + 255) / 256), 256, 0, st, s.x, (const float *)shx, s.gsh, T, E);

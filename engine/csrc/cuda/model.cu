@@ -147,8 +147,18 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     }
     if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
         return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
-    if ((d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_QWEN2MOE) && d->arch != ST_ARCH_GPT_OSS)
-        return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GPT_OSS) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    /* routing (moe.c's rules; router_sigmoid.cu runs them): softmax or sigmoid gating, expert groups */
+    if (d->arch != ST_ARCH_GPT_OSS && (d->gating < 0 || d->gating > ST_GATING_SIGMOID)) /* gpt-oss: gptoss.cu */
+        return fail(ST_EUNSUPPORTED, "model: gating function %d runs on the CPU only", d->gating);
+    if (d->n_expert_group > 1 && (d->n_expert < 1 || d->n_expert % d->n_expert_group || d->n_group_used < 1 ||
+                                  d->n_group_used > d->n_expert_group))
+        return fail(ST_EINVAL, "model: %d expert groups with %d used invalid for %d experts", d->n_expert_group,
+                    d->n_group_used, d->n_expert);
+    if (!(d->expert_weights_scale >= 0.0f && d->expert_weights_scale < 1e6f))
+        return fail(ST_EINVAL, "model: routed scaling factor %g invalid", (double)d->expert_weights_scale);
+    if (d->n_dense_lead < 0 || d->n_dense_lead > d->n_layer)
+        return fail(ST_EINVAL, "model: %d leading dense layers out of range [0, %d]", d->n_dense_lead, d->n_layer);
     const int64_t E = d->n_embd;
     CHECK(check_t(d->token_embd, "token_embd", -1, true, E, d->n_vocab, 1, false));
     CHECK(check_t(d->output_norm, "output_norm", -1, true, E, 1, 1, true));
@@ -167,9 +177,11 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
         CHECK(check_t(l.q_norm, "attn_q_norm", il, d->arch == ST_ARCH_QWEN3MOE, d->head_dim, 1, 1, true));
         CHECK(check_t(l.k_norm, "attn_k_norm", il, d->arch == ST_ARCH_QWEN3MOE || l.q_norm.data, d->head_dim, 1, 1, true));
         CHECK(check_t(l.ffn_norm, "ffn_norm", il, true, E, 1, 1, true));
-        if (d->n_expert > 0) {
+        const int first_moe = d->n_dense_lead; /* the first routed layer sets the expert widths */
+        if (d->n_expert > 0 && il >= first_moe) {
             const int64_t ff = l.gate_exps.ne[1];
-            if (il == 0) m->n_ff_exp = (int32_t)ff;
+            if (il == first_moe) m->n_ff_exp = (int32_t)ff;
+            CHECK(check_t(l.exp_probs_b, "exp_probs_b", il, false, d->n_expert, 1, 1, true));
             if (ff != m->n_ff_exp || ff < 1) return fail(ST_EINVAL, "layer %d: expert FFN width differs", il);
             CHECK(check_t(l.gate_inp, "ffn_gate_inp", il, true, E, d->n_expert, 1, false));
             CHECK(check_t(l.gate_exps, "ffn_gate_exps", il, true, E, ff, d->n_expert, false));
@@ -177,7 +189,7 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
             CHECK(check_t(l.down_exps, "ffn_down_exps", il, true, ff, E, d->n_expert, false));
             if (l.gate_shexp.data) {
                 const int64_t sf = l.gate_shexp.ne[1];
-                if (il == 0) m->n_ff_shexp = (int32_t)sf;
+                if (il == first_moe) m->n_ff_shexp = (int32_t)sf;
                 if (sf != m->n_ff_shexp || sf < 1) return fail(ST_EINVAL, "layer %d: shared expert width differs", il);
                 CHECK(check_t(l.gate_shexp, "ffn_gate_shexp", il, true, E, sf, 1, false));
                 CHECK(check_t(l.up_shexp, "ffn_up_shexp", il, true, E, sf, 1, false));
@@ -254,7 +266,9 @@ static void free_list(dlist &list) {
 }
 
 /* A layer some of whose routed experts stay on the host (hybrid placement). */
-static bool partial_layer(const stg_model *m, int il) { return m->hy.on && m->hy.n_slots[(size_t)il] < m->d.n_expert; }
+static bool partial_layer(const stg_model *m, int il) {
+    return m->hy.on && il >= m->d.n_dense_lead && m->hy.n_slots[(size_t)il] < m->d.n_expert;
+}
 
 /* Every weight in one VRAM arena, each tensor 256-byte aligned; a host tensor shared by
  * two fields (tied output/embedding) is uploaded once. The routed tensors of a partial layer hold its
@@ -270,12 +284,12 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
                                   &s.k_norm, &s.ffn_norm, &s.ffn_gate, &s.ffn_up, &s.ffn_down, &s.gate_inp,
                                   &s.gate_exps, &s.up_exps, &s.down_exps, &s.gate_inp_shexp, &s.gate_shexp,
                                   &s.up_shexp, &s.down_shexp, &s.bo, &s.sinks, &s.gate_inp_b, &s.gate_exps_b,
-                                  &s.up_exps_b, &s.down_exps_b};
+                                  &s.up_exps_b, &s.down_exps_b, &s.exp_probs_b};
         dtensor *dd[] = {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.bq, &l.bk, &l.bv, &l.q_norm,
                          &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
                          &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
                          &l.up_shexp, &l.down_shexp, &l.bo, &l.sinks, &l.gate_inp_b, &l.gate_exps_b,
-                         &l.up_exps_b, &l.down_exps_b};
+                         &l.up_exps_b, &l.down_exps_b, &l.exp_probs_b};
         for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
             if (partial_layer(m, il) && (dd[i] == &l.gate_exps || dd[i] == &l.up_exps || dd[i] == &l.down_exps))
                 continue; /* below */
@@ -471,7 +485,7 @@ extern "C" stg_status stg_model_memory(const stg_model *m, int64_t *weights, int
 
 extern "C" int64_t stg_model_resident_experts(const stg_model *m) {
     if (!m) return 0;
-    if (!m->hy.on) return (int64_t)m->d.n_layer * m->d.n_expert;
+    if (!m->hy.on) return (int64_t)(m->d.n_layer - m->d.n_dense_lead) * m->d.n_expert; /* dense layers: none */
     int64_t n = 0;
     for (int32_t c : m->hy.n_slots) n += c;
     return n;

@@ -17,6 +17,7 @@ struct dlayer {
     dtensor attn_norm, wq, wk, wv, wo, bq, bk, bv, q_norm, k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, gate_inp,
         gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
     dtensor bo, sinks, gate_inp_b, gate_exps_b, up_exps_b, down_exps_b; /* gpt-oss (gptoss.cu) */
+    dtensor exp_probs_b; /* [n_expert] F32: the score-correction bias of rule routing (router_sigmoid.cu) */
 };
 
 /* A list of device allocations freed together, and the bytes they hold (stg_model_memory). */

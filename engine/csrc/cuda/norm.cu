@@ -19,7 +19,7 @@ template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes
 /* ------------------------------------------------------------ norms, rope, KV */
 
 /* The expert sum of a token folded into the next RMSNorm (saves a launch per layer):
- * x[r] += sum_j w_j o_j / sum_j w_j (or / 1), in double with one final rounding, as the CPU. */
+ * x[r] += scale * sum_j w_j o_j / max(sum_j w_j, 2^-14) (or / 1), in double with one final rounding, as the CPU. */
 struct combine_args {
     const float *pair_out, *w; /* NULL: nothing pending */
     int32_t k, norm;
@@ -27,6 +27,7 @@ struct combine_args {
      * k_ksplit_combine left to this norm: g_defer_combine); NULL: none */
     const float *kpart;
     int32_t kp_t;
+    float scale = 1.0f; /* the routed scaling factor (st_model_desc.expert_weights_scale; 1: none) */
 };
 
 __device__ __forceinline__ float combined(const combine_args &c, float x, int64_t r, int64_t i, int64_t E) {
@@ -45,17 +46,19 @@ __device__ __forceinline__ float combined(const combine_args &c, float x, int64_
 #pragma unroll
         for (int j = 0; j < 8; j++)
             if (j < c.k) den += (double)wv[j];
+        if (den < 6.103515625e-5) den = 6.103515625e-5; /* moe.c's clamp (2^-14) */
         if (!c.norm) den = 1.0;
 #pragma unroll
         for (int j = 0; j < 8; j++)
             if (j < c.k) num += (double)wv[j] * (double)pv[j];
-        return x + (float)(num / den);
+        return x + (float)(num / den * (double)c.scale);
     }
     double den = 0.0, num = 0.0;
     for (int j = 0; j < c.k; j++) den += (double)wt[j];
+    if (den < 6.103515625e-5) den = 6.103515625e-5;
     if (!c.norm) den = 1.0;
     for (int j = 0; j < c.k; j++) num += (double)wt[j] * (double)c.pair_out[(r * c.k + j) * E + i];
-    return x + (float)(num / den);
+    return x + (float)(num / den * (double)c.scale);
 }
 
 /* y[r] = w * (x[r] * 1/sqrt(mean(x^2) + eps)), the sum of squares in double like rmsnorm_row.
@@ -256,11 +259,12 @@ __global__ void __launch_bounds__(QKV_WARPS * 32) k_qkv_post(qkv_args a) {
 }
 
 /* x[t] += the expert sum (see combined()), when it cannot wait for the next norm. */
-__global__ void k_combine(float *x, const float *pair_out, const float *w, int32_t T, int32_t k, int64_t E, int norm) {
+__global__ void k_combine(float *x, const float *pair_out, const float *w, int32_t T, int32_t k, int64_t E, int norm,
+                          float scale) {
     PDL_ENTER();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)T * E) return;
-    const combine_args c{pair_out, w, k, norm, nullptr, 0};
+    const combine_args c{pair_out, w, k, norm, nullptr, 0, scale};
     x[i] = combined(c, x[i], i / E, i % E, E);
 }
 

@@ -17,6 +17,7 @@
 #include "head.cu"          /* the output head at batch 1 and the greedy pick */
 #include "router.cu"        /* router logits, top-k routing, grouping by expert */
 #include "linear.cu"        /* the dispatcher: which kernel runs a linear layer */
+#include "router_sigmoid.cu" /* routing by the descriptor's rule: sigmoid gating, score-correction bias, expert groups */
 #include "attention.cuh"    /* attention's arguments */
 #include "attention_decode.cu"  /* k_attention (decode, fused q / k / v prep), the reference */
 #include "attention_mma.cu"     /* prefill attention on tensor cores */

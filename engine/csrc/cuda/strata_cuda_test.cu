@@ -553,6 +553,46 @@ extern "C" stg_status stg_test_router(const float *logits, int32_t n_tok, int32_
     return down(w, bw, sizeof(float) * (size_t)n_tok * k);
 }
 
+extern "C" stg_status stg_test_route_rule(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k,
+                                          int32_t gating, int32_t n_group, int32_t n_group_used, const float *bias,
+                                          int32_t form, int32_t *ids, float *w) {
+    if (!logits || !ids || !w || n_tok < 1 || n_expert < 1 || n_expert > 1024 || k < 1 || k > n_expert ||
+        (gating != ST_GATING_SOFTMAX && gating != ST_GATING_SIGMOID) || form < 0 || form > 1 || (form == 1 && n_tok > 64))
+        return fail(ST_EINVAL, "route rule: bad arguments");
+    if (n_group > 1 && (n_expert % n_group || n_group_used < 1 || n_group_used > n_group))
+        return fail(ST_EINVAL, "route rule: %d groups with %d used for %d experts", n_group, n_group_used, n_expert);
+    CHECK(harness_device());
+    route_rule rr;
+    rr.ne = n_expert, rr.k = k, rr.gating = gating;
+    rr.n_group = n_group > 1 ? n_group : 1, rr.n_group_used = n_group > 1 ? n_group_used : 1;
+    dbuf bl, bi, bw, bb;
+    CHECK(up(bl, logits, sizeof(float) * (size_t)n_tok * n_expert));
+    CHECK(up(bi, nullptr, sizeof(int32_t) * (size_t)n_tok * k));
+    CHECK(up(bw, nullptr, sizeof(float) * (size_t)n_tok * k));
+    if (bias) CHECK(up(bb, bias, sizeof(float) * (size_t)n_expert));
+    rr.bias = bias ? bb.as<float>() : nullptr;
+    const size_t scr = (size_t)rule_scratch(rr) * sizeof(float);
+    if (form == 0) {
+        k_route_rule<<<(n_tok + RULE_WARPS - 1) / RULE_WARPS, RULE_WARPS * 32, RULE_WARPS * scr>>>(
+            bl.as<float>(), n_tok, rr, bi.as<int32_t>(), bw.as<float>());
+    } else {
+        const int32_t P = n_tok * k;
+        dbuf g[9];
+        const size_t sz[9] = {(size_t)n_expert, (size_t)n_expert, (size_t)n_expert, 1, (size_t)P, (size_t)P,
+                              (size_t)n_expert, (size_t)(P + n_expert), 1};
+        for (int i = 0; i < 9; i++) CHECK(up(g[i], nullptr, sizeof(int32_t) * sz[i]));
+        CU(cudaMemset(g[6].p, 0, sizeof(int32_t) * (size_t)n_expert), "route rule");
+        const group_out go = {g[0].as<int32_t>(), g[1].as<int32_t>(), g[2].as<int32_t>(), g[3].as<int32_t>(),
+                              g[4].as<int32_t>(), g[5].as<int32_t>(), g[6].as<int32_t>(), g[7].as<int32_t>(),
+                              g[8].as<int32_t>(), nullptr, nullptr, nullptr, nullptr, nullptr, 0};
+        k_route_rule_group<<<1, RULE_GROUP_WARPS * 32, RULE_GROUP_WARPS * scr + 2 * (size_t)n_expert * sizeof(int32_t)>>>(
+            bl.as<float>(), n_tok, rr, bi.as<int32_t>(), bw.as<float>(), go);
+    }
+    LAUNCHED("route rule");
+    CHECK(down(ids, bi, sizeof(int32_t) * (size_t)n_tok * k));
+    return down(w, bw, sizeof(float) * (size_t)n_tok * k);
+}
+
 extern "C" stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out) {
     if (!x || !out || rows < 1 || n < 1 || n > INT32_MAX || misalign < 0 || misalign > 3)
         return fail(ST_EINVAL, "argmax: bad arguments");

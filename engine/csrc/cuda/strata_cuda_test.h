@@ -81,6 +81,14 @@ stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_
                          int32_t rope_dim, int32_t rope_type, float rope_base);
 /* logits[n_tok, n_expert] -> top-k ids and weights (softmax probabilities, raw). */
 stg_status stg_test_router(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t *ids, float *w);
+/* logits[n_tok, n_expert] -> top-k ids and weights by the descriptor's routing rule (router_sigmoid.cu):
+ * gating ST_GATING_SOFTMAX or ST_GATING_SIGMOID, n_group > 1 for group-limited top-k (n_group_used kept), bias
+ * [n_expert] the score-correction bias or NULL; weights unnormalised (the combine normalises and scales). form 0:
+ * a warp per token (k_route_rule), 1: the small steps' block that also groups the pairs (k_route_rule_group,
+ * n_tok <= 64). */
+stg_status stg_test_route_rule(const float *logits, int32_t n_tok, int32_t n_expert, int32_t k, int32_t gating,
+                               int32_t n_group, int32_t n_group_used, const float *bias, int32_t form, int32_t *ids,
+                               float *w);
 /* The step's greedy pick (k_argmax_split, st_batch.out_tokens' rule) of rows x[rows, n], uploaded
  * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop), as the step runs
  * it (launched twice on the same counters). */
