@@ -55,16 +55,28 @@ def cpu_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, d
 
 
-def cache_of(k: np.ndarray, v: np.ndarray, slots: np.ndarray, n_blocks: int, bs: int) -> tuple:
-    """kv.c's 8-bit layout of rows k, v [n, kd] at the given slots, built from the CPU quantiser's bytes:
-    (k8 [nb, kd, bs], ks [nb, kd / 32, bs], v8 [nb, bs, kd], vs [nb, bs, kd / 32]) flattened."""
+def np_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0's rule in numpy (for large caches; the bytes of cpu_q8: checked in test_kv_store_writes_the_cpu_bytes
+    through the C quantiser): d = max|x| / 127 (float32), q = round half away from zero of x * (1/d)."""
+    n, m = x.shape
+    g = x.reshape(n, m // 32, 32).astype(np.float32)
+    d = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    y = (g * inv[..., None]).astype(np.float32)
+    q = (np.sign(y) * np.floor(np.abs(y).astype(np.float64) + 0.5)).astype(np.int8)
+    return q.reshape(n, m), d.astype(np.float16).view(np.uint16)
+
+
+def cache_of(k: np.ndarray, v: np.ndarray, slots: np.ndarray, n_blocks: int, bs: int, quant=cpu_q8) -> tuple:  # noqa: ANN001
+    """kv.c's 8-bit layout of rows k, v [n, kd] at the given slots, quantised by `quant` (the CPU's C quantiser by
+    default): (k8 [nb, kd, bs], ks [nb, kd / 32, bs], v8 [nb, bs, kd], vs [nb, bs, kd / 32]) flattened."""
     kd = k.shape[1]
     k8 = np.zeros((n_blocks, kd, bs), np.int8)
     ks = np.zeros((n_blocks, kd // 32, bs), np.uint16)
     v8 = np.zeros((n_blocks, bs, kd), np.int8)
     vs = np.zeros((n_blocks, bs, kd // 32), np.uint16)
-    kq, kdd = cpu_q8(k)
-    vq, vdd = cpu_q8(v)
+    kq, kdd = quant(k)
+    vq, vdd = quant(v)
     for i, s in enumerate(slots.tolist()):
         b, j = divmod(s, bs)
         k8[b, :, j], ks[b, :, j], v8[b, j], vs[b, j] = kq[i], kdd[i], vq[i], vdd[i]
@@ -92,11 +104,13 @@ def test_kv_store_writes_the_cpu_bytes(g: tuple) -> None:
     for name, got, w in zip(("K values", "K scales", "V values", "V scales"), (k8, ks, v8, vs), want, strict=True):
         bad = np.flatnonzero(got != w)
         assert bad.size == 0, f"{name}: {bad.size} bytes differ from the CPU's (first at {bad[:4].tolist()})"
+    for x in (k, v):  # the numpy rule the large caches below use is the C quantiser's
+        assert all(np.array_equal(a, b) for a, b in zip(np_q8(x), cpu_q8(x), strict=True))
 
 
 def decode_cache(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: list[int]) -> tuple:
-    """An 8-bit cache holding sequences of n_keys[i] keys in disjoint shuffled blocks (3 spare), quantised by the
-    CPU: (n_blocks, tables, k8, ks, v8, vs)."""
+    """An 8-bit cache holding sequences of n_keys[i] keys in disjoint shuffled blocks (3 spare), quantised by Q8_0's
+    rule (np_q8): (n_blocks, tables, k8, ks, v8, vs)."""
     need = [-(-n // bs) for n in n_keys]
     n_blocks = sum(need) + 3
     perm = rng.permutation(n_blocks).astype(np.int32)
@@ -108,7 +122,7 @@ def decode_cache(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: 
     kd, n_slots = n_kv * hd, n_blocks * bs
     k = (rng.standard_normal((n_slots, kd)) * 0.5).astype(np.float32)
     v = rng.standard_normal((n_slots, kd)).astype(np.float32)
-    return (n_blocks, tables, *cache_of(k, v, np.arange(n_slots, dtype=np.int32), n_blocks, bs))
+    return (n_blocks, tables, *cache_of(k, v, np.arange(n_slots, dtype=np.int32), n_blocks, bs, np_q8))
 
 
 def run_q8(g: tuple, mode: int, c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, pos: np.ndarray,
