@@ -61,7 +61,9 @@ def np_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     n, m = x.shape
     g = x.reshape(n, m // 32, 32).astype(np.float32)
     d = (np.abs(g).max(-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(
+        np.float32
+    )
     y = (g * inv[..., None]).astype(np.float32)
     q = (np.sign(y) * np.floor(np.abs(y).astype(np.float64) + 0.5)).astype(np.int8)
     return q.reshape(n, m), d.astype(np.float16).view(np.uint16)
@@ -97,11 +99,27 @@ def test_kv_store_writes_the_cpu_bytes(g: tuple) -> None:
     v8 = np.zeros_like(k8)
     ks = np.zeros(n_blocks * bs * kd // 32, np.uint16)
     vs = np.zeros_like(ks)
-    gcheck(g, g[1].stg_test_kv_store_q8(gptr(g, k, "float *"), gptr(g, v, "float *"), n, n_kv, hd, bs, n_blocks,
-                                        gptr(g, slots, "int32_t *"), gptr(g, k8, "int8_t *"), gptr(g, ks, "uint16_t *"),
-                                        gptr(g, v8, "int8_t *"), gptr(g, vs, "uint16_t *")))
+    gcheck(
+        g,
+        g[1].stg_test_kv_store_q8(
+            gptr(g, k, "float *"),
+            gptr(g, v, "float *"),
+            n,
+            n_kv,
+            hd,
+            bs,
+            n_blocks,
+            gptr(g, slots, "int32_t *"),
+            gptr(g, k8, "int8_t *"),
+            gptr(g, ks, "uint16_t *"),
+            gptr(g, v8, "int8_t *"),
+            gptr(g, vs, "uint16_t *"),
+        ),
+    )
     want = cache_of(k, v, slots, n_blocks, bs)
-    for name, got, w in zip(("K values", "K scales", "V values", "V scales"), (k8, ks, v8, vs), want, strict=True):
+    for name, got, w in zip(
+        ("K values", "K scales", "V values", "V scales"), (k8, ks, v8, vs), want, strict=True
+    ):
         bad = np.flatnonzero(got != w)
         assert bad.size == 0, f"{name}: {bad.size} bytes differ from the CPU's (first at {bad[:4].tolist()})"
     for x in (k, v):  # the numpy rule the large caches below use is the C quantiser's
@@ -125,22 +143,53 @@ def decode_cache(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: 
     return (n_blocks, tables, *cache_of(k, v, np.arange(n_slots, dtype=np.int32), n_blocks, bs, np_q8))
 
 
-def run_q8(g: tuple, mode: int, c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, pos: np.ndarray,
-           seq: np.ndarray, split: tuple[int, int, int] = (0, 0, 0)) -> tuple[np.ndarray, np.ndarray]:
+def run_q8(
+    g: tuple,
+    mode: int,
+    c: tuple,
+    bs: int,
+    hd: int,
+    n_head: int,
+    n_kv: int,
+    q: np.ndarray,
+    pos: np.ndarray,
+    seq: np.ndarray,
+    split: tuple[int, int, int] = (0, 0, 0),
+) -> tuple[np.ndarray, np.ndarray]:
     n_blocks, tables, k8, ks, v8, vs = c
     out = np.full(q.shape, np.nan, np.float32)
     ns = np.zeros(len(pos), np.int32)
-    gcheck(g, g[1].stg_test_attention_q8(mode, *split, gptr(g, k8, "int8_t *"), gptr(g, ks, "uint16_t *"),
-                                         gptr(g, v8, "int8_t *"), gptr(g, vs, "uint16_t *"), n_blocks,
-                                         gptr(g, tables, "int32_t *"), tables.shape[0], tables.shape[1], bs, hd,
-                                         n_head, n_kv, gptr(g, q, "float *"), gptr(g, pos, "int32_t *"),
-                                         gptr(g, seq, "int32_t *"), len(pos), gptr(g, out, "float *"),
-                                         gptr(g, ns, "int32_t *")))
+    gcheck(
+        g,
+        g[1].stg_test_attention_q8(
+            mode,
+            *split,
+            gptr(g, k8, "int8_t *"),
+            gptr(g, ks, "uint16_t *"),
+            gptr(g, v8, "int8_t *"),
+            gptr(g, vs, "uint16_t *"),
+            n_blocks,
+            gptr(g, tables, "int32_t *"),
+            tables.shape[0],
+            tables.shape[1],
+            bs,
+            hd,
+            n_head,
+            n_kv,
+            gptr(g, q, "float *"),
+            gptr(g, pos, "int32_t *"),
+            gptr(g, seq, "int32_t *"),
+            len(pos),
+            gptr(g, out, "float *"),
+            gptr(g, ns, "int32_t *"),
+        ),
+    )
     return out, ns
 
 
-def cpu_reference(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, pos: np.ndarray,
-                  seq: np.ndarray) -> np.ndarray:
+def cpu_reference(
+    c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, pos: np.ndarray, seq: np.ndarray
+) -> np.ndarray:
     """st_attention_q8 (the CPU's 8-bit reference, one query at a time) for every (token, head)."""
     _, tables, k8, ks, v8, vs = c
     G = n_head // n_kv
@@ -150,9 +199,26 @@ def cpu_reference(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndar
         for h in range(n_head):
             qh = np.ascontiguousarray(q[i, h * hd : (h + 1) * hd])
             oh = np.empty(hd, np.float32)
-            assert lib.st_attention_q8(ptr(k8, "int8_t *"), ptr(ks, "uint16_t *"), ptr(v8, "int8_t *"),
-                                       ptr(vs, "uint16_t *"), ptr(table, "int32_t *"), bs, hd, hd, n_kv, h // G,
-                                       ptr(qh, "float *"), 1, p, 0, ptr(oh, "float *")) == 0
+            assert (
+                lib.st_attention_q8(
+                    ptr(k8, "int8_t *"),
+                    ptr(ks, "uint16_t *"),
+                    ptr(v8, "int8_t *"),
+                    ptr(vs, "uint16_t *"),
+                    ptr(table, "int32_t *"),
+                    bs,
+                    hd,
+                    hd,
+                    n_kv,
+                    h // G,
+                    ptr(qh, "float *"),
+                    1,
+                    p,
+                    0,
+                    ptr(oh, "float *"),
+                )
+                == 0
+            )
             ref[i, h * hd : (h + 1) * hd] = oh
     return ref
 
@@ -164,8 +230,16 @@ def expected_splits(n_keys: int, split_min: int, chunks: int, zmax: int) -> int:
     return -(-nc // cps)
 
 
-FORMS = {"step_rule": (512, 16, 64), "one_chunk": (1, 1, 64), "seven_from_1000": (1000, 1, 7), "never": (0, 16, 64)}
-SHAPES = {"qwen3_30b": (128, 16, 32, 4), "hd64_no_groups": (64, 32, 8, 8)}  # (head_dim, block_size, n_head, n_kv)
+FORMS = {
+    "step_rule": (512, 16, 64),
+    "one_chunk": (1, 1, 64),
+    "seven_from_1000": (1000, 1, 7),
+    "never": (0, 16, 64),
+}
+SHAPES = {
+    "qwen3_30b": (128, 16, 32, 4),
+    "hd64_no_groups": (64, 32, 8, 8),
+}  # (head_dim, block_size, n_head, n_kv)
 CASES = [
     ("qwen3_30b", [1]),
     ("qwen3_30b", [17]),
@@ -194,7 +268,9 @@ def test_split_decode_on_q8_matches_reference(g: tuple, shape: str, cached: list
         for i, p in enumerate(cached):
             e = rel_err(out[i], ref[i])
             print(f"{form}, sequence {i} ({p} cached tokens, {ns[i]} splits): {e:.2e} of max|ref|")
-            assert e <= REF_TOL, f"{form}, sequence {i} ({p} cached tokens): {e:.3e} of max|ref| from the reference"
+            assert e <= REF_TOL, (
+                f"{form}, sequence {i} ({p} cached tokens): {e:.3e} of max|ref| from the reference"
+            )
 
 
 @pytest.mark.parametrize(("p0", "n"), [(0, 300), (4000, 130), (17, 1)])
@@ -219,7 +295,9 @@ def test_q8_refuses_bad_arguments(g: tuple) -> None:
     c = decode_cache(rng, 128, 16, 4, [40])
     q = np.zeros((2, 32 * 128), np.float32)
     pos, seq = np.array([39, 38], np.int32), np.array([0, 0], np.int32)
-    with pytest.raises(AssertionError, match="one token per sequence"):  # the split path: one token a sequence
+    with pytest.raises(
+        AssertionError, match="one token per sequence"
+    ):  # the split path: one token a sequence
         run_q8(g, 1, c, 16, 128, 32, 4, q, pos, seq)
     with pytest.raises(AssertionError, match="bad arguments"):  # head_dim 32: no 8-bit kernels
         run_q8(g, 0, c, 16, 32, 4, 4, q[:, : 4 * 32], pos, seq)
@@ -232,29 +310,46 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_gguf(tmp_path_factory.mktemp("kvq8") / "m.gguf", n_vocab=VOCAB, n_layer=2, n_embd=512,
-                            n_head=4, n_head_kv=1, n_ff=128, n_expert=8, n_expert_used=2)
+    return make_random_gguf(
+        tmp_path_factory.mktemp("kvq8") / "m.gguf",
+        n_vocab=VOCAB,
+        n_layer=2,
+        n_embd=512,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=128,
+        n_expert=8,
+        n_expert_used=2,
+    )
 
 
 def test_gpu_q8_cache_matches_cpu_q8_cache(q8_model: Path) -> None:
     rng = np.random.default_rng(30)
     prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (700, 40, 1500)]
     kw = dict(kv_tokens=4096, prefill_chunk=256)
-    with Engine.open(q8_model, threads=2, kv_type="q8_0", **kw) as cpu, \
-            Engine.open(q8_model, device="cuda:0", kv_type="q8_0", **kw) as gpu, \
-            Engine.open(q8_model, device="cuda:0", **kw) as f16:
+    with (
+        Engine.open(q8_model, threads=2, kv_type="q8_0", **kw) as cpu,
+        Engine.open(q8_model, device="cuda:0", kv_type="q8_0", **kw) as gpu,
+        Engine.open(q8_model, device="cuda:0", **kw) as f16,
+    ):
         assert gpu._gpu.kv_bytes == f16._gpu.kv_bytes * 17 // 32
         for p in prompts:
             a, b, h = cpu.logits_for(p), gpu.logits_for(p), f16.logits_for(p)
             e, e16 = rel_err(b, a), rel_err(b, h)
             agree = float((a.argmax(-1) == b.argmax(-1)).mean())
-            print(f"{len(p)} tokens: GPU q8 vs CPU q8 {e:.2e} of max|ref| (argmax agreement {agree:.3f}); "
-                  f"GPU q8 vs GPU f16 {e16:.2e}")
-            assert e <= 1e-2, f"{len(p)}-token prompt: the GPU's 8-bit cache {e:.3e} of max|ref| from the CPU's"
+            print(
+                f"{len(p)} tokens: GPU q8 vs CPU q8 {e:.2e} of max|ref| (argmax agreement {agree:.3f}); "
+                f"GPU q8 vs GPU f16 {e16:.2e}"
+            )
+            assert e <= 1e-2, (
+                f"{len(p)}-token prompt: the GPU's 8-bit cache {e:.3e} of max|ref| from the CPU's"
+            )
             ta, tb = tokens_of(cpu, p, 32), tokens_of(gpu, p, 32)
             same = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
-            print(f"  greedy: identical for {same} of 32 tokens; vs the GPU's f16 cache "
-                  f"{sum(x == y for x, y in zip(tb, tokens_of(f16, p, 32), strict=True))} of 32 the same")
+            print(
+                f"  greedy: identical for {same} of 32 tokens; vs the GPU's f16 cache "
+                f"{sum(x == y for x, y in zip(tb, tokens_of(f16, p, 32), strict=True))} of 32 the same"
+            )
             check_greedy(cpu, gpu, p, exact=False)
 
 
@@ -262,3 +357,47 @@ def test_gpu_q8_refuses_head_dim_32(tmp_path: Path) -> None:
     path = make_random_gguf(tmp_path / "hd32.gguf", n_embd=128, n_head=4, n_head_kv=2, n_vocab=VOCAB)
     with pytest.raises(Exception, match="8-bit KV cache"):
         Engine.open(path, device="cuda:0", kv_tokens=256, kv_type="q8_0")
+
+
+def test_gpu_q8_batched_decode_gives_each_sequence_its_alone_logits(q8_model: Path) -> None:
+    """One 5,000-token sequence (split at decode) and seven short ones (one split) decoded in one batch on the 8-bit
+    cache get, bitwise, the logits each gets alone (a sequence's splits depend on its own length only), with graphs
+    on and off; a step of two tokens of one sequence (not pure decode: the prefill kernel, eagerly) runs too."""
+    rng = np.random.default_rng(31)
+    lens = [5000, 3, 17, 40, 100, 511, 600, 64]
+    steps = 4
+    with Engine.open(q8_model, device="cuda:0", kv_type="q8_0", kv_tokens=8192, prefill_chunk=512) as eng:
+        eng._gpu.set_settings({})
+        tables = [eng.blocks.allocate(-(-(n + steps + 2) // eng.block_size)) for n in lens]
+        for n, tb in zip(lens, tables, strict=True):
+            eng.prefill([int(t) for t in rng.integers(0, VOCAB, size=n)], tb)
+        feed = [[int(t) for t in rng.integers(0, VOCAB, size=steps)] for _ in lens]
+
+        def run(rows: list[int]) -> np.ndarray:
+            return np.stack(
+                [
+                    eng.forward(
+                        [feed[r][s] for r in rows],
+                        [lens[r] + s for r in rows],
+                        list(range(len(rows))),
+                        [tables[r] for r in rows],
+                        list(range(len(rows))),
+                    )
+                    for s in range(steps)
+                ]
+            )
+
+        alone = [run([r])[:, 0] for r in range(len(lens))]
+        batched = run(list(range(len(lens))))
+        for r in range(len(lens)):
+            assert np.array_equal(batched[:, r].view(np.uint32), alone[r].view(np.uint32)), (
+                f"sequence {r} ({lens[r]} tokens): batched {rel_err(batched[:, r], alone[r]):.3e} from alone"
+            )
+        eng._gpu.set_settings({"STRATA_GPU_GRAPHS": "0"})
+        try:
+            plain = run(list(range(len(lens))))
+        finally:
+            eng._gpu.set_settings({})
+        assert np.array_equal(plain.view(np.uint32), batched.view(np.uint32)), "graphs on and off differ"
+        two = eng.forward([1, 2], [lens[1] + steps, lens[1] + steps + 1], [0, 0], [tables[1]], [0, 1])
+        assert np.isfinite(two).all()
