@@ -76,14 +76,17 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * (att_decode_head, one per head of the group on blocks z < G), so a short sequence batched with a long one gets
  * its bits and its speed alone. */
 #define ASM_NS 2 /* K/V chunk stages per warp (two blocks of 128 threads an SM with the static arrays) */
+/* Q8: raw stages per warp. A raw chunk is 34 HD bytes against the F16 chunk's 64 HD, so four of them keep about
+ * the bytes in flight of the F16 kernel's two (the same copies outstanding per SM at the same occupancy). */
+#define ASM_Q8_NS 4
 template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { return 2u * ATT_CK * HD; }
 /* Q8 (the 8-bit cache): a chunk's raw stage, copied as the cache holds it: K values [HD][16], V values [16][HD],
  * K scales [HD / 32][16] and V scales [16][HD / 32] (F16): 34 HD bytes. */
 template <int HD> __host__ __device__ constexpr size_t asm_q8_raw_bytes() { return 34u * HD; }
 template <int HD, bool Q8 = false> static constexpr size_t asm_smem_bytes() {
     constexpr size_t merge = (size_t)ATT_WARPS * 8 * (HD + 8) * sizeof(float);
-    if constexpr (Q8) { /* per warp: ASM_NS raw stages and one F16 chunk (the values as integers) */
-        return std::max((size_t)ATT_WARPS * (ASM_NS * asm_q8_raw_bytes<HD>() + asm_stage_halves<HD>() * sizeof(__half)),
+    if constexpr (Q8) { /* per warp: ASM_Q8_NS raw stages and one F16 chunk (the values as integers) */
+        return std::max((size_t)ATT_WARPS * (ASM_Q8_NS * asm_q8_raw_bytes<HD>() + asm_stage_halves<HD>() * sizeof(__half)),
                         merge);
     } else {
         constexpr size_t stages = (size_t)ATT_WARPS * ASM_NS * asm_stage_halves<HD>() * sizeof(__half);
@@ -111,7 +114,7 @@ __device__ __forceinline__ void i8x16_to_half(const uint4 u, uint4 &h0, uint4 &h
     h0 = make_uint4(r[0], r[1], r[2], r[3]), h1 = make_uint4(r[4], r[5], r[6], r[7]);
 }
 
-/* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through the ASM_NS stages,
+/* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through ASM_Q8_NS stages,
  * their integer values turned into exact halves in the warp's F16 chunk (the F16 kernel's swizzled layout), and the
  * scales applied in fp32: a score is the sum over groups of 32 dimensions of the group's K scale times the mma's
  * dot of q (hi + lo) with the integers (kv.c's q8_score, in another order), and p.v takes, per group of 32
@@ -121,6 +124,7 @@ template <int HD, bool Q8 = false>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
     pdl_trigger();
     constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8, NG = HD / 32;
+    constexpr int NS = Q8 ? ASM_Q8_NS : ASM_NS; /* the warp's stages */
     const int t = blockIdx.x, kvh = blockIdx.y;
     const int32_t nk = a.pos[t] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
     const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
@@ -143,10 +147,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8];
     const bool last = c_hi == nc;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
-    /* F16: the warp's ASM_NS stages; Q8: its F16 chunk, then its ASM_NS raw stages */
-    __half *const wbuf = Q8 ? (__half *)(att_dyn + (size_t)warp * (ASM_NS * asm_q8_raw_bytes<HD>() +
+    /* F16: the warp's NS stages; Q8: its F16 chunk, then its NS raw stages */
+    __half *const wbuf = Q8 ? (__half *)(att_dyn + (size_t)warp * (NS * asm_q8_raw_bytes<HD>() +
                                                                    asm_stage_halves<HD>() * sizeof(__half)))
-                            : (__half *)att_dyn + (size_t)warp * ASM_NS * asm_stage_halves<HD>();
+                            : (__half *)att_dyn + (size_t)warp * NS * asm_stage_halves<HD>();
     [[maybe_unused]] unsigned char *const wraw = (unsigned char *)(wbuf + asm_stage_halves<HD>()); /* Q8 only */
     /* this warp's chunks: i = 0 .. n_my - 1 is chunk c_lo + warp + ATT_WARPS * i */
     const int n_my = c_hi - c_lo > warp ? (c_hi - c_lo - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
@@ -155,13 +159,13 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         const int i = i0 + lane;
         blkv = i < n_my ? bt[(c_lo + warp + ATT_WARPS * i) * ATT_CK / bs] : 0;
     };
-    auto issue = [&](int i) { /* chunk i of the warp into stage i % ASM_NS (an empty group past the end) */
+    auto issue = [&](int i) { /* chunk i of the warp into stage i % NS (an empty group past the end) */
         if (i < n_my) {
             if (i % 32 == 0 && i > 0) load_blocks(i);
             const int32_t blk = __shfl_sync(0xffffffffu, blkv, i % 32), c = c_lo + warp + ATT_WARPS * i;
             const int slot0 = (c * ATT_CK) % bs;
             if constexpr (Q8) {
-                unsigned char *raw = wraw + (size_t)(i % ASM_NS) * asm_q8_raw_bytes<HD>();
+                unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>();
                 const int kd32 = kd / 32;
                 const int8_t *kg = a.k8 + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
                 const int8_t *vg = a.v8 + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
@@ -178,7 +182,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
                     else cp_async4(raw + 33 * HD + 4 * lane, vsg + (int64_t)lane * kd32);
                 }
             } else {
-                __half *ks = wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+                __half *ks = wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
                 const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
                 const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
 #pragma unroll
@@ -195,10 +199,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     load_blocks(0);
     /* before the wait: the chunks that cannot hold the new key (only the last chunk does) */
     if (!last)
-        for (int i = 0; i < ASM_NS - 1; i++) issue(i);
+        for (int i = 0; i < NS - 1; i++) issue(i);
     pdl_wait();
     if (last)
-        for (int i = 0; i < ASM_NS - 1; i++) issue(i);
+        for (int i = 0; i < NS - 1; i++) issue(i);
     /* q of head kvh * G + g: rows g (hi) and g + 8 (lo) of the A fragments, every k step */
     uint32_t qf[KS][4];
     {
@@ -219,11 +223,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     float m = -INFINITY, l = 0.0f; /* head g's running max; this lane's share of its sum */
     const int mi = lane >> 3, mr = lane & 7;
     for (int i = 0; i < n_my; i++) {
-        issue(i + ASM_NS - 1);
-        cp_async_wait<ASM_NS - 1>();
+        issue(i + NS - 1);
+        cp_async_wait<NS - 1>();
         __syncwarp();
-        __half *ks = Q8 ? wbuf : wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-        [[maybe_unused]] const unsigned char *raw = wraw + (size_t)(i % ASM_NS) * asm_q8_raw_bytes<HD>(); /* Q8 */
+        __half *ks = Q8 ? wbuf : wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+        [[maybe_unused]] const unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>(); /* Q8 */
         [[maybe_unused]] const __half *ksc = (const __half *)(raw + 32 * HD), *vsc = (const __half *)(raw + 33 * HD);
         if constexpr (Q8) { /* the chunk's integers into the F16 chunk, swizzled as the F16 stages */
 #pragma unroll
@@ -344,7 +348,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
                 amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
             }
         }
-        __syncwarp(); /* the stage is refilled ASM_NS - 1 chunks later */
+        __syncwarp(); /* the stage is refilled NS - 1 chunks later */
     }
     cp_async_wait<0>();
     l += __shfl_xor_sync(0xffffffffu, l, 1);
