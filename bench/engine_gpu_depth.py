@@ -1,6 +1,6 @@
 """Decode at depth (issue 30): batch-1 decode tok/s after D tokens of context, Strata beside llama.cpp.
 
-    python -m bench.engine_gpu --depth 0,8192,32768[,131072] [--llama-bin DIR] [--json out.json]
+    python -m bench.engine_gpu --depth 0,8192,32768[,131072] [--kv-type q8_0] [--llama-bin DIR] [--json out.json]
 
 On bench/engine_gpu.py's synthetic Qwen3-30B-A3B-shaped file (48 layers, 32 query / 4 KV heads of 128,
 Q4_K): one sequence is prefilled with random ids to each depth in turn (the deeper ones continue it, so the
@@ -19,7 +19,9 @@ tok/s, beside ``llama-batched-bench -npp D -ntg 128 -npl N``: issue 30's 8 seque
 setting in the same process, e.g. ``min1k:STRATA_GPU_ATT_SPLIT_MIN=1024``), printed below the table. The KV cache is
 sized for N sequences at the deepest depth (each a whole number of blocks) and printed before anything runs (bytes
 per token: 2 x 2 bytes x layers x KV heads x head dim); where the device's free memory cannot hold it beside the
-weights the run stops with a message saying so.
+weights the run stops with a message saying so. ``--kv-type q8_0`` runs Strata on its 8-bit KV cache (17/32 of
+the bytes) and llama.cpp with ``-ctk q8_0 -ctv q8_0``; the unsplit row then keeps every sequence in one split
+(the 8-bit cache has no unsplit kernel).
 """
 
 from __future__ import annotations
@@ -158,24 +160,27 @@ def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], step
 
 
 def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
-               knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False) -> dict:
+               knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False,
+               kv_type: str = "f16") -> dict:
     from engine.engine import Engine
     from engine.gguf_model import open_model
     from engine.inspect_model import analyse
 
     knobs = knobs or []
-    report = analyse(open_model(path))
-    kv_tokens, kv_bytes = kv_plan(report.kv_bytes_per_token, depths, steps, unsplit_steps, len(knobs), profile,
-                                  BLOCK_SIZE)
-    print(f"decode at depth: {n_seq} sequence(s) of up to {kv_tokens} tokens, KV cache "
+    mf = open_model(path)
+    report = analyse(mf)
+    kv_tokens, kv_bytes = kv_plan(mf.hparams.kv_bytes_per_token_of(kv_type), depths, steps, unsplit_steps,
+                                  len(knobs), profile, BLOCK_SIZE)
+    print(f"decode at depth: {n_seq} sequence(s) of up to {kv_tokens} tokens, {kv_type} KV cache "
           f"{n_seq * kv_bytes / 2**30:.2f} GiB ({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
     why = kv_fit(n_seq, kv_tokens, kv_bytes, report.file_bytes, _device_free_bytes(device))
     if why:
         raise SystemExit(why)
-    out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "n_seq": n_seq, "strata": {}}
+    out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "n_seq": n_seq, "kv_type": kv_type, "strata": {}}
     rng = np.random.default_rng(30)
     try:
-        eng = Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512)
+        eng = Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512,
+                          kv_type=kv_type)
     except (RuntimeError, MemoryError) as e:
         raise SystemExit(f"--depth-batch {n_seq}: the engine with a KV cache of {n_seq} x {kv_tokens} tokens "
                          f"({n_seq * kv_bytes / 2**30:.2f} GiB) did not open: {e}") from e
@@ -229,9 +234,11 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
 
 
 def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0,
-              n_seq: int = 1) -> dict[int, float]:
+              n_seq: int = 1, kv_type: str = "f16") -> dict[int, float]:
     """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth; with n_seq > 1
-    llama-batched-bench -npp D -ntg 128 -npl n_seq (distinct prompts of D tokens: aggregate decode)."""
+    llama-batched-bench -npp D -ntg 128 -npl n_seq (distinct prompts of D tokens: aggregate decode). kv_type q8_0:
+    llama.cpp's 8-bit cache as well (-ctk q8_0 -ctv q8_0)."""
+    ctk = ["-ctk", kv_type, "-ctv", kv_type] if kv_type != "f16" else []
     from bench.engine_gpu import llama_env, parse_batched_bench  # engine_gpu imports this module for --depth
 
     env = llama_env(bin_dir)
@@ -241,7 +248,7 @@ def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_
             npp = max(d, 32)
             cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-ngl", "99", "-fa", "on", "-c",
                    str(n_seq * (npp + 128) + 256), "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", "128",
-                   "-npl", str(n_seq), "--output-format", "jsonl"]
+                   "-npl", str(n_seq), "--output-format", "jsonl", *ctk]
             print("llama.cpp: " + " ".join(cmd))
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
             if p.returncode != 0:
@@ -249,7 +256,7 @@ def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_
             got[d] = parse_batched_bench(p.stdout + "\n" + p.stderr)[f"decode_b{n_seq}_tok_s"]
         return got
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128",
-           "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json"]
+           "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json", *ctk]
     print("llama.cpp: " + " ".join(cmd))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if p.returncode != 0:
@@ -261,6 +268,7 @@ def print_table(res: dict) -> None:
     rows = res["strata"]
     base = rows.get(0, {}).get("tok_s")
     peer = res.get("llama_cpp") or {}
+    print(f"KV cache: {res.get('kv_type', 'f16')} (llama.cpp's the same)")
     print(f"{'depth':>8}{'Strata':>10}{'unsplit':>10}{'llama.cpp':>11}{'Strata/llama':>14}{'split gain':>12}"
           f"{'of depth 0':>12}{'step ms':>9}{'attn ms':>9}")
     for d, r in rows.items():
@@ -286,12 +294,14 @@ def main(args: Any, model_path: Path, build: Any) -> int:
         model_path.parent.mkdir(parents=True, exist_ok=True)
         build(model_path)
     n_seq = getattr(args, "depth_batch", 1)
+    kv_type = getattr(args, "kv_type", "f16")
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
-                     getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False))
+                     getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type)
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
-            res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq)
+            res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq,
+                                         kv_type=kv_type)
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
             print(f"llama.cpp not measured: {type(e).__name__}: {e}")
             res["llama_cpp"] = None

@@ -232,10 +232,11 @@ class CudaModel:
 
     resident: hybrid placement's [n_layer, n_expert] mask (1: the routed expert is uploaded); the others are
     computed by ``cpu`` = (st_model *, st_pool *) of the C engine on the same file (st_moe_pairs), which must
-    outlive this model. None: every weight on the GPU."""
+    outlive this model. None: every weight on the GPU. kv_type: the cache's values, "f16" or "q8_0" (the CPU
+    engine's 8-bit cache, the same bytes for the same K / V: stg_kv_create_typed)."""
 
     def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int, resident: Any = None,
-                 cpu: tuple[Any, Any] | None = None) -> None:
+                 cpu: tuple[Any, Any] | None = None, kv_type: str = "f16") -> None:
         from engine.native import ffi as cffi_cpu
         from engine.native import lib as lib_cpu
 
@@ -265,7 +266,13 @@ class CudaModel:
         _check(self.ffi, self.lib, rc, f"cuda:{index}: model")
         self._model = pm[0]
         pk = self.ffi.new("stg_kv **")
-        rc = self.lib.stg_kv_create(self._model, n_blocks, block_size, pk)
+        kv_types = {"f16": self.lib.STG_KV_F16, "q8_0": self.lib.STG_KV_Q8_0}
+        if kv_type not in kv_types:
+            self.lib.stg_model_destroy(self._model)
+            self._model = None
+            raise ValueError(f"kv_type must be one of {sorted(kv_types)}, got {kv_type!r}")
+        self.kv_type = kv_type
+        rc = self.lib.stg_kv_create_typed(self._model, n_blocks, block_size, kv_types[kv_type], pk)
         if rc:
             self.lib.stg_model_destroy(self._model)
             self._model = None

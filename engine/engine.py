@@ -86,7 +86,8 @@ def _check_cores(cores: Sequence[int]) -> None:
 
 
 def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int, prefill_chunk: int,
-              placement: str | os.PathLike[str] | PlacementFile | None) -> tuple[GpuPlan, str] | None:
+              placement: str | os.PathLike[str] | PlacementFile | None,
+              kv_type: str = "f16") -> tuple[GpuPlan, str] | None:
     """The hybrid plan of a GPU lane with a budget (see Engine.open) and where its frequencies came from; None
     without a budget. GpuBudgetError when not even the parts every step needs fit."""
     if gpu_budget_gb is None:
@@ -98,7 +99,8 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     freqs, source = placement_frequencies(mf, placement) if mf.hparams.n_expert else (None, "")
     # the GPU engine's staging ring (hybrid_stage): two slots of a whole layer's routed experts
     slots = 2 * mf.hparams.n_expert if (gpu_settings.env_override("hybrid_stage") or 0) >= 1 else 0
-    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots), freqs)
+    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots,
+                                    kv_type=kv_type), freqs)
     if not p.fits:
         what = ("its non-routed weights, " if mf.hparams.n_expert else "its weights, ") + \
             f"the KV cache for {kv_tokens} tokens, step buffers and the CUDA context reserve"
@@ -247,12 +249,10 @@ class Engine:
         if kv_type not in KV_TYPES:
             lib.st_model_destroy(self._model)
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
-        if kv_type != "f16" and on_gpu:
-            lib.st_model_destroy(self._model)
-            raise UnsupportedError("the 8-bit KV cache (kv_type 'q8_0') runs on the CPU engine only for now")
         self.kv_type = kv_type
+        # on the GPU this one-block F16 cache only completes the C model; the device holds the real one (kv_type)
         rc = lib.st_kv_create_tiered(self._model, 1 if on_gpu else n_hot, 0 if on_gpu else n_blocks - n_hot,
-                                     block_size, KV_TYPES[kv_type], pk)
+                                     block_size, KV_TYPES["f16" if on_gpu else kv_type], pk)
         if rc:
             lib.st_model_destroy(self._model)
             check(rc, "KV cache")
@@ -271,7 +271,8 @@ class Engine:
 
             try:
                 self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size, resident=self.resident,
-                                      cpu=(self._model, self._pool) if self.resident is not None else None)
+                                      cpu=(self._model, self._pool) if self.resident is not None else None,
+                                      kv_type=kv_type)
             except BaseException:
                 lib.st_pool_destroy(self._pool)
                 lib.st_kv_destroy(self._kv)
@@ -392,8 +393,10 @@ class Engine:
         scheduler asks (``place_kv``); outputs are bit-identical to the untiered cache's. CPU only for now.
 
         kv_type: "f16" (the default) or "q8_0": the 8-bit cache, Q8_0's rule per group of 32 values of a
-        token's K or V (1.0625 bytes a value instead of 2; accuracy in docs/benchmarks.md). CPU only, untiered,
-        read by generic C kernels (slower attention than the F16 cache's SIMD ones).
+        token's K or V (1.0625 bytes a value instead of 2; accuracy in docs/benchmarks.md). Untiered; on the CPU
+        read by generic C kernels (slower attention than the F16 cache's SIMD ones); on the GPU the same bytes,
+        read by the split decode and tensor-core prefill kernels (head_dim 64 or 128, at most 8 query heads per
+        kv head dividing 16; other models raise EngineError).
 
         rope: overrides of the file's rope scaling (llama.cpp's --rope-scaling / --rope-scale /
         --yarn-* options, engine.rope); both engines, CPU and GPU, run it.
@@ -424,10 +427,10 @@ class Engine:
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
         planned = None
         if asked.kind == "cuda":
-            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
+            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement, kv_type)
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
-            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement)
+            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement, kv_type)
         resident = None
         if planned is not None and mf.hparams.n_expert:
             from engine.placement import resident_mask

@@ -129,6 +129,15 @@ class HParams(BaseModel):
             return 2 * self.n_layer * (2 * self.kv_lora_rank + self.rope_dim)
         return 2 * 2 * self.n_layer * self.n_head_kv * self.head_dim
 
+    def kv_bytes_per_token_of(self, kv_type: str = "f16") -> int:
+        """The KV cache per token over all layers for a cache of kv_type values: "f16" (kv_bytes_per_token), or
+        "q8_0" (one byte a value and an F16 scale per 32 values: 17/32 of the F16 figure)."""
+        if kv_type == "f16":
+            return self.kv_bytes_per_token
+        if kv_type == "q8_0":
+            return self.kv_bytes_per_token * 17 // 32
+        raise ValueError(f"kv_type must be 'f16' or 'q8_0', got {kv_type!r}")
+
     def sliding_layers(self) -> list[int]:
         """The layers that attend through the sliding window."""
         if not (self.n_swa and self.swa_pattern):

@@ -165,6 +165,13 @@ def tier_tokens(mf: ModelFile, ram_gib: float | None, vram_gib: float | None,
     return hot, cold
 
 
+def _kv_q8_line(mf: ModelFile, f16_per_token: int, ctx: int) -> str:
+    """The 8-bit cache's figures (kv_type "q8_0": a byte a value and an F16 scale per 32 values) beside F16's."""
+    per = mf.hparams.kv_bytes_per_token_of("q8_0")
+    return (f"KV cache q8_0   {_fmt_bytes(per)} per token, {_fmt_bytes(per * ctx)} at context {ctx} (kv_type q8_0: "
+            f"{GIB // max(per, 1):,} tokens a GiB, F16 {GIB // max(f16_per_token, 1):,})")
+
+
 def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None) -> str:
     r = analyse(mf)
     hp = mf.hparams
@@ -187,6 +194,7 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         f"dense weights   {_fmt_bytes(r.dense_bytes)} (attention, norms, router, shared experts, dense layers, "
         "output)",
         f"KV cache        {_fmt_bytes(r.kv_bytes_per_token)} per token, {_fmt_bytes(kv)} at context {ctx}",
+        _kv_q8_line(mf, r.kv_bytes_per_token, ctx),
     ]
     if ram_gib is not None:
         need = r.file_bytes + kv
@@ -211,6 +219,9 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         total = (hot or 0) + (cold or 0)
         lines.append(f"KV tiers        {_fmt_bytes(r.kv_bytes_per_token)} per token: " + "; ".join(parts)
                      + f"; {total:,} tokens in all = {total // ctx:,} sequences at context {ctx}")
+        if vram_gib is not None:
+            hot8, _ = tier_tokens(mf, None, vram_gib, mf.hparams.kv_bytes_per_token_of("q8_0"))
+            lines.append(f"KV tiers q8_0   hot (VRAM {vram_gib:g} GiB) {hot8:,} tokens with kv_type q8_0")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)
 

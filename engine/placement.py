@@ -382,10 +382,10 @@ def expert_bytes(mf: ModelFile) -> np.ndarray:
 
 
 def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 512, logit_rows: int = 64,
-                    reserve_bytes: int = 640 * MIB, staging_slots: int = 0) -> dict[str, int]:
+                    reserve_bytes: int = 640 * MIB, staging_slots: int = 0, kv_type: str = "f16") -> dict[str, int]:
     """Everything but the resident routed experts that the GPU holds, by part (bytes): every non-routed
     weight of the forward layers 256-aligned (a tied output head shares the embedding; NextN layers, which the
-    forward pass never runs, are not uploaded), the F16 KV cache for n_ctx tokens of each
+    forward pass never runs, are not uploaded), the KV cache (kv_type's) for n_ctx tokens of each
     of n_seqs sequences, the step buffers for step_tokens tokens, the buffers of the CPU's expert rows (a
     hybrid step's slot ids, pair indices and one row of n_embd floats per routed pair of step_tokens tokens,
     engine/csrc/cuda/hybrid.cu), staging slots (each one expert of the largest size) and the stated reserve
@@ -399,7 +399,7 @@ def fixed_gpu_bytes(mf: ModelFile, n_ctx: int, n_seqs: int, step_tokens: int = 5
             continue
         cat = _category(name)
         parts[cat] = parts.get(cat, 0) + _aligned(t.n_bytes)
-    kv_per_token = hp.kv_bytes_per_token
+    kv_per_token = hp.kv_bytes_per_token_of(kv_type)
     parts["KV cache"] = kv_per_token * n_ctx * n_seqs
     parts["step buffers"] = step_buffer_bytes(hp, step_tokens, logit_rows)
     if hp.n_expert:
@@ -429,6 +429,7 @@ class PlanParams(BaseModel):
     cpu_read_gbs: float = Field(gt=0, description="RAM read bandwidth of the lane's cores")
     gpu_read_gbs: float = Field(gt=0, description="GPU memory bandwidth")
     decode_pos: int = Field(1024, ge=0, description="context position of the decode token the rate assumes")
+    kv_type: Literal["f16", "q8_0"] = Field("f16", description="the KV cache's values (q8_0: 17/32 of f16's bytes)")
 
 
 class GpuPlan(BaseModel):
@@ -471,7 +472,8 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
             raise PlacementError("frequencies must be finite and >= 0")
     f = np.where(ebytes > 0, f, 0.0)
     fixed = fixed_gpu_bytes(mf, params.n_ctx, params.n_seqs, params.step_tokens,
-                            reserve_bytes=params.reserve_bytes, staging_slots=params.staging_slots)
+                            reserve_bytes=params.reserve_bytes, staging_slots=params.staging_slots,
+                            kv_type=params.kv_type)
     fixed_total = sum(fixed.values())
     fits = fixed_total <= params.budget_bytes
     resident = np.zeros_like(ebytes, dtype=bool)
@@ -496,7 +498,7 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
     ram_per_token = float((f * ebytes * ~resident).sum())
     # the GPU side of a decode token: every non-routed weight once (the embedding: one row), resident
     # experts by frequency, and the KV cache up to decode_pos
-    kv_per_token = hp.kv_bytes_per_token
+    kv_per_token = hp.kv_bytes_per_token_of(params.kv_type)
     emb = mf.tensors["token_embd.weight"]
     weights_read = sum(v for k, v in fixed.items() if k not in ("KV cache", "step buffers", "staging slots",
                                                                  "context + graphs reserve", "embeddings",
@@ -588,15 +590,16 @@ def engine_step_tokens(prefill_chunk: int) -> int:
 
 
 def engine_plan_params(budget_bytes: int, kv_tokens: int, block_size: int, prefill_chunk: int,
-                       reserve_bytes: int = 640 * MIB, staging_slots: int = 0) -> PlanParams:
+                       reserve_bytes: int = 640 * MIB, staging_slots: int = 0, kv_type: str = "f16") -> PlanParams:
     """The plan request of ``Engine.open(device="cuda:N", gpu_budget_gb=...)``: the KV cache of the engine
     (kv_tokens rounded up to whole blocks, as one sequence's worth), step buffers for
     :func:`engine_step_tokens`, the reserve. The bandwidths feed only the plan's prediction, which opening
     a model does not use: they are set to 1 GB/s. ``staging_slots``: experts' worth of VRAM for the staging
-    ring (the GPU engine's hybrid_stage: two whole layers, 2 x n_expert)."""
+    ring (the GPU engine's hybrid_stage: two whole layers, 2 x n_expert). ``kv_type``: the cache's values."""
     n_ctx = -(-kv_tokens // block_size) * block_size
     return PlanParams(budget_bytes=budget_bytes, n_ctx=n_ctx, n_seqs=1, step_tokens=engine_step_tokens(prefill_chunk),
-                      reserve_bytes=reserve_bytes, staging_slots=staging_slots, cpu_read_gbs=1.0, gpu_read_gbs=1.0)
+                      reserve_bytes=reserve_bytes, staging_slots=staging_slots, cpu_read_gbs=1.0, gpu_read_gbs=1.0,
+                      kv_type=kv_type)
 
 
 def default_placement_path(model_path: str | os.PathLike[str]) -> Path:

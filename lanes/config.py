@@ -84,7 +84,7 @@ class LaneConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="engine threads; None: one per core")
     kv_tokens: int = Field(8192, ge=16)
     kv_type: Literal["f16", "q8_0"] = Field("f16", description="the KV cache's values: f16, or q8_0 (8-bit with an F16 "
-                                                               "scale per 32: about half the bytes; CPU engine only)")
+                                                               "scale per 32: 17/32 of the bytes; CPU and GPU engines)")
     kv_hot_tokens: int | None = Field(None, ge=1, description="KV tiers: the hot tier's tokens, the rest of kv_tokens "
                                                               "cold (CPU engine only; outputs unchanged); None: one tier")
     max_model_len: int | None = Field(None, ge=2)

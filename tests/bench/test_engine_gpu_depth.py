@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.engine_gpu_depth import KV_RESERVE, kv_fit, kv_plan, parse_depths, parse_knobs
@@ -53,3 +55,31 @@ def test_kv_fit_names_the_shortfall() -> None:
     assert 3 * gib + 17 * gib + KV_RESERVE == 24 * gib
     why = kv_fit(8, 131_584, 12 * gib, 17 * gib, 100 * gib)
     assert why is not None and "--depth-batch 8" in why and "96.00 GiB" in why and "117.00 GiB" in why and "100.00 GiB free" in why
+
+
+@pytest.mark.parametrize(("kv_type", "n_seq"), [("f16", 1), ("q8_0", 1), ("q8_0", 8)])
+def test_llama_runs_with_the_same_kv_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kv_type: str,
+                                          n_seq: int) -> None:
+    """--kv-type q8_0: llama.cpp's own 8-bit cache beside Strata's (-ctk q8_0 -ctv q8_0), f16 as before."""
+    import json
+    import subprocess
+
+    from bench import engine_gpu_depth as D
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess:
+        seen.append(cmd)
+        if "llama-bench" in cmd[0]:
+            out = json.dumps([{"n_depth": 0, "n_gen": 128, "avg_ts": 300.0}])
+        else:
+            out = json.dumps({"pp": 0, "tg": 128, "pl": n_seq, "speed_tg": 1000.0})
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    got = D.run_llama(tmp_path, tmp_path / "m.gguf", [0], 1, n_seq=n_seq, kv_type=kv_type)
+    assert got == {0: 300.0 if n_seq == 1 else 1000.0}
+    assert seen, "llama.cpp was not run"
+    for cmd in seen:
+        tail = " ".join(cmd)
+        assert ("-ctk q8_0 -ctv q8_0" in tail) == (kv_type == "q8_0"), tail

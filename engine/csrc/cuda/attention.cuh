@@ -8,6 +8,11 @@ struct attn_args {
     const float *q; /* [T, n_head * hd], pre-scaled */
     float *out;     /* [T, n_head * hd] */
     const __half *kc, *vc;
+    /* the 8-bit cache (STG_KV_Q8_0; kv_store's layout: int8 values at the F16 layout's indices, an F16 scale per 32
+     * values, K's [block][kv_dim / 32][block_size], V's [block][block_size][kv_dim / 32]); NULL: the F16 kc / vc.
+     * Read by the split decode kernel, the tensor-core prefill kernel and the reference only. */
+    const int8_t *k8 = nullptr, *v8 = nullptr;
+    const __half *ks = nullptr, *vs = nullptr;
     const int32_t *pos, *seq, *block_tables;
     int32_t max_blocks, n_head, n_kv, hd, block_size;
     int32_t stages;                 /* 2: the next chunk's copies fly while this one is used */

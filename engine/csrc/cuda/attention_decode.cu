@@ -338,7 +338,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention(attn_args a) {
 }
 
 /* Reference attention: one thread per (token, head), two passes exactly like attn_ref in
- * attention.c (scores, max, exp and sum in key order, fma chain over keys per dimension). */
+ * attention.c (scores, max, exp and sum in key order, fma chain over keys per dimension); Q8: over the 8-bit cache
+ * (a.k8), as attn_q8_ref (q8_score: per group of 32 dimensions the fma chain with the integers, then the scale
+ * times it added in; the values: w times the group's scale, then the fma chain over keys per dimension). */
+template <bool Q8 = false>
 __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
     const int t = blockIdx.x, h = threadIdx.x;
     if (h >= a.n_head) return;
@@ -347,17 +350,40 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
     float *s = scratch + ((int64_t)t * a.n_head + h) * max_keys;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     const int32_t nk = a.pos[t] + 1;
+    const int bs = a.block_size, kd32 = kd / 32;
     float mx = -INFINITY;
     for (int32_t j = 0; j < nk; j++) {
-        const __half *kp = a.kc + ((int64_t)bt[j / a.block_size] * kd + (int64_t)kvh * hd) * a.block_size + j % a.block_size;
+        const int64_t blk = bt[j / bs], slot = j % bs;
         float acc = 0.0f;
-        for (int d = 0; d < hd; d++) acc = fmaf(q[d], __half2float(kp[(int64_t)d * a.block_size]), acc);
+        if constexpr (Q8) {
+            const int8_t *kp = a.k8 + (blk * kd + (int64_t)kvh * hd) * bs + slot;
+            const __half *sp = a.ks + (blk * kd32 + (int64_t)kvh * hd / 32) * bs + slot;
+            for (int g = 0; g < hd / 32; g++) {
+                float dot = 0.0f;
+                for (int d = 32 * g; d < 32 * g + 32; d++) dot = fmaf(q[d], (float)kp[(int64_t)d * bs], dot);
+                acc = fmaf(__half2float(sp[(int64_t)g * bs]), dot, acc);
+            }
+        } else {
+            const __half *kp = a.kc + (blk * kd + (int64_t)kvh * hd) * bs + slot;
+            for (int d = 0; d < hd; d++) acc = fmaf(q[d], __half2float(kp[(int64_t)d * bs]), acc);
+        }
         s[j] = acc;
         mx = fmaxf(mx, acc);
     }
     float sum = 0.0f;
     for (int32_t j = 0; j < nk; j++) sum += (s[j] = expf(s[j] - mx));
     float *o = a.out + (int64_t)t * a.n_head * hd + h * hd;
+    if constexpr (Q8) {
+        for (int d = 0; d < hd; d++) {
+            float acc = 0.0f;
+            for (int32_t j = 0; j < nk; j++) {
+                const int64_t row = (int64_t)bt[j / bs] * bs + j % bs;
+                const float ws = s[j] * __half2float(a.vs[row * kd32 + ((int64_t)kvh * hd + d) / 32]);
+                acc = fmaf(ws, (float)a.v8[row * kd + (int64_t)kvh * hd + d], acc);
+            }
+            o[d] = acc / sum;
+        }
+    } else {
     for (int d = 0; d < hd; d++) {
         float acc = 0.0f;
         for (int32_t j = 0; j < nk; j++) {
@@ -365,6 +391,7 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
             acc = fmaf(s[j], __half2float(vp[d]), acc);
         }
         o[d] = acc / sum;
+    }
     }
 }
 

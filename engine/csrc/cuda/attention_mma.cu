@@ -59,8 +59,24 @@ __device__ __forceinline__ uint32_t amma_pack(float lo, float hi) {
     return *(const uint32_t *)&h;
 }
 
-/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G); QSPLIT: q as f16 hi + lo. */
-template <int HD, bool QSPLIT>
+/* 8 int8 values times their 8 F16 scales (one 16-byte word), each product rounded to f16: one 16-byte word. */
+__device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
+    const uint32_t qw[2] = {q.x, q.y}, sw[4] = {sc.x, sc.y, sc.z, sc.w};
+    uint32_t r[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 d = __half22float2(*(const __half2 *)&sw[i]);
+        const int8_t q0 = (int8_t)(qw[i >> 1] >> (16 * (i & 1))), q1 = (int8_t)(qw[i >> 1] >> (16 * (i & 1) + 8));
+        r[i] = amma_pack(__fmul_rn((float)q0, d.x), __fmul_rn((float)q1, d.y));
+    }
+    return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G); QSPLIT: q as f16 hi + lo.
+ * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
+ * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
+ * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
+template <int HD, bool QSPLIT, bool Q8 = false>
 __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
     constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = AMMA_NS;
@@ -117,6 +133,46 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 const int jb = j0 + 16 * c;
                 blk[c] = jb < max_keys ? bt[jb / bs] : 0, slot[c] = jb % bs;
             }
+            constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
+            if constexpr (Q8) { /* every load of the stage first, then the converted stores */
+                constexpr int KR = HD / 16, VR = AMMA_BC * VPC / (AMMA_WARPS * 32), NG = HD / 32;
+                const int kd32 = kd / 32;
+                if (j0 + 16 * kc_c < max_keys) {
+                    const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
+                    const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
+                    uint2 kq[KR];
+                    uint4 kscl[KR];
+#pragma unroll
+                    for (int r = 0; r < KR; r++) {
+                        const int d = (threadIdx.x >> 3) + 16 * r;
+                        kq[r] = *(const uint2 *)(a.k8 + ((int64_t)b * kd + (int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
+                        kscl[r] = *(const uint4 *)(a.ks + ((int64_t)b * kd32 + (int64_t)kvh * NG + d / 32) * bs + sl + 8 * kc_p);
+                    }
+#pragma unroll
+                    for (int r = 0; r < KR; r++)
+                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 16 * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
+                }
+                uint2 vq[VR];
+                __half vsc[VR];
+#pragma unroll
+                for (int r = 0; r < VR; r++) {
+                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
+                    vq[r] = make_uint2(0u, 0u), vsc[r] = __ushort_as_half((unsigned short)0);
+                    if (j0 + j < max_keys) {
+                        const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
+                        const int sl = (c == 0 ? slot[0] : c == 1 ? slot[1] : c == 2 ? slot[2] : slot[3]) + (j & 15);
+                        vq[r] = *(const uint2 *)(a.v8 + ((int64_t)b * bs + sl) * kd + (int64_t)kvh * HD + 8 * pc);
+                        vsc[r] = a.vs[((int64_t)b * bs + sl) * kd32 + (int64_t)kvh * NG + pc / 4];
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < VR; r++) { /* past the last key: zeros (q and d are 0 there) */
+                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC;
+                    const __half2 d2 = __half2half2(vsc[r]);
+                    *(uint4 *)(vs + j * VP + 8 * pc) = q8x8_scaled(vq[r], make_uint4(*(const uint32_t *)&d2, *(const uint32_t *)&d2,
+                                                                                 *(const uint32_t *)&d2, *(const uint32_t *)&d2));
+                }
+            } else {
             if (j0 + 16 * kc_c < max_keys) { /* chunks past the last key stay stale: their scores are masked */
                 const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
                 const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
@@ -125,7 +181,6 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 for (int d = threadIdx.x >> 3; d < HD; d += AMMA_WARPS * 32 / 8)
                     cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
             }
-            constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
 #pragma unroll
             for (int i = threadIdx.x; i < AMMA_BC * VPC; i += AMMA_WARPS * 32) {
                 const int j = i / VPC, pc = i % VPC, c = j >> 4;
@@ -137,6 +192,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 } else {
                     *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u); /* p = 0 there, and 0 * stale NaN would not be 0 */
                 }
+            }
             }
         }
         cp_async_commit();
@@ -302,13 +358,28 @@ static stg_status attention_mma_setup(void) {
     AMMA_SETUP(64)
     AMMA_SETUP(128)
 #undef AMMA_SETUP
+    CU(cudaFuncSetAttribute(k_attention_mma<64, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)amma_smem_bytes<64>()),
+       "attention (mma) setup");
+    CU(cudaFuncSetAttribute(k_attention_mma<128, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)amma_smem_bytes<128>()),
+       "attention (mma) setup");
     return ST_OK;
 }
 
-/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma. */
+/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; the 8-bit cache (aa.k8) takes q as hi + lo
+ * always. */
 static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
                                        cudaStream_t st) {
     const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);
+    if (aa.k8) {
+        if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
+            return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
+        if (aa.hd == 128) launch_k(k_attention_mma<128, true, true>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
+        else launch_k(k_attention_mma<64, true, true>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
+        LAUNCHED("attention (mma tiles, 8-bit KV)");
+        return ST_OK;
+    }
     const bool split = mode != 1;
 #define AMMA_LAUNCH(HD)                                                                                             \
     if (split) launch_k(k_attention_mma<HD, true>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);            \

@@ -77,23 +77,60 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * (att_decode_head, one per head of the group on blocks z < G), so a short sequence batched with a long one gets
  * its bits and its speed alone. */
 #define ASM_NS 2 /* K/V chunk stages per warp (two blocks of 128 threads an SM with the static arrays) */
+/* Q8: raw stages per warp. A raw chunk is 34 HD bytes against the F16 chunk's 64 HD, so four of them keep about
+ * the bytes in flight of the F16 kernel's two (the same copies outstanding per SM at the same occupancy). */
+#define ASM_Q8_NS 4
 template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { return 2u * ATT_CK * HD; }
-template <int HD> static constexpr size_t asm_smem_bytes() {
-    constexpr size_t stages = (size_t)ATT_WARPS * ASM_NS * asm_stage_halves<HD>() * sizeof(__half);
+/* Q8 (the 8-bit cache): a chunk's raw stage, copied as the cache holds it: K values [HD][16], V values [16][HD],
+ * K scales [HD / 32][16] and V scales [16][HD / 32] (F16): 34 HD bytes. */
+template <int HD> __host__ __device__ constexpr size_t asm_q8_raw_bytes() { return 34u * HD; }
+template <int HD, bool Q8 = false> static constexpr size_t asm_smem_bytes() {
     constexpr size_t merge = (size_t)ATT_WARPS * 8 * (HD + 8) * sizeof(float);
-    constexpr size_t tile = (size_t)ATT_WARPS * 2 * 2 * ATT_CK * HD * sizeof(__half); /* att_smem_bytes(HD, 2): att_decode_head */
-    return std::max(stages, std::max(merge, tile));
+    if constexpr (Q8) { /* per warp: ASM_Q8_NS raw stages and one F16 chunk (the values as integers) */
+        return std::max((size_t)ATT_WARPS * (ASM_Q8_NS * asm_q8_raw_bytes<HD>() + asm_stage_halves<HD>() * sizeof(__half)),
+                        merge);
+    } else {
+        constexpr size_t stages = (size_t)ATT_WARPS * ASM_NS * asm_stage_halves<HD>() * sizeof(__half);
+        constexpr size_t tile = (size_t)ATT_WARPS * 2 * 2 * ATT_CK * HD * sizeof(__half); /* att_smem_bytes(HD, 2): att_decode_head */
+        return std::max(stages, std::max(merge, tile));
+    }
 }
 
-template <int HD>
+__device__ __forceinline__ void cp_async8(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+/* 16 int8 values (one 16-byte word) as 16 exact halves (two words): each byte b xor 0x80 becomes the half
+ * 1024 + (b + 128) (exponent of 1024, the byte as mantissa), minus 1152. */
+__device__ __forceinline__ void i8x16_to_half(const uint4 u, uint4 &h0, uint4 &h1) {
+    const uint32_t w[4] = {u.x ^ 0x80808080u, u.y ^ 0x80808080u, u.z ^ 0x80808080u, u.w ^ 0x80808080u};
+    uint32_t r[8];
+    const __half2 off = __half2half2(__ushort_as_half((unsigned short)0x6480)); /* 1152 */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint32_t lo = __byte_perm(w[i], 0x64646464u, 0x4140), hi = __byte_perm(w[i], 0x64646464u, 0x4342);
+        const __half2 a = __hsub2(*(const __half2 *)&lo, off), b = __hsub2(*(const __half2 *)&hi, off);
+        r[2 * i] = *(const uint32_t *)&a, r[2 * i + 1] = *(const uint32_t *)&b;
+    }
+    h0 = make_uint4(r[0], r[1], r[2], r[3]), h1 = make_uint4(r[4], r[5], r[6], r[7]);
+}
+
+/* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through ASM_Q8_NS stages,
+ * their integer values turned into exact halves in the warp's F16 chunk (the F16 kernel's swizzled layout), and the
+ * scales applied in fp32: a score is the sum over groups of 32 dimensions of the group's K scale times the mma's
+ * dot of q (hi + lo) with the integers (kv.c's q8_score, in another order), and p.v takes, per group of 32
+ * dimensions, p times the key's V scale as its weights (q8_add_value's w * d). A token of one split is one block
+ * (z = 0) over all its chunks, normalised by the combine; there is no unsplit kernel on this cache. */
+template <int HD, bool Q8 = false>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
     pdl_trigger();
-    constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8;
+    constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8, NG = HD / 32;
+    constexpr int NS = Q8 ? ASM_Q8_NS : ASM_NS; /* the warp's stages */
     const int t = blockIdx.x, kvh = blockIdx.y;
     const int32_t nk = a.pos[t] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
     const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
     const int G = a.n_head / a.n_kv;
-    if (cps >= nc) { /* one split: blocks z < G run the unsplit decode kernel's block of head z of the group */
+    if (!Q8 && cps >= nc) { /* one split: blocks z < G run the unsplit decode kernel's block of head z of the group */
         if ((int)blockIdx.z < G) {
             const int h = (int)blockIdx.y * G + (int)blockIdx.z;
             if constexpr (HD == 128) att_decode_head<true, 128, false>(a, t, h);
@@ -111,7 +148,11 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8];
     const bool last = c_hi == nc;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
-    __half *const wbuf = (__half *)att_dyn + (size_t)warp * ASM_NS * asm_stage_halves<HD>();
+    /* F16: the warp's NS stages; Q8: its F16 chunk, then its NS raw stages */
+    __half *const wbuf = Q8 ? (__half *)(att_dyn + (size_t)warp * (NS * asm_q8_raw_bytes<HD>() +
+                                                                   asm_stage_halves<HD>() * sizeof(__half)))
+                            : (__half *)att_dyn + (size_t)warp * NS * asm_stage_halves<HD>();
+    [[maybe_unused]] unsigned char *const wraw = (unsigned char *)(wbuf + asm_stage_halves<HD>()); /* Q8 only */
     /* this warp's chunks: i = 0 .. n_my - 1 is chunk c_lo + warp + ATT_WARPS * i */
     const int n_my = c_hi - c_lo > warp ? (c_hi - c_lo - warp + ATT_WARPS - 1) / ATT_WARPS : 0;
     int32_t blkv = 0; /* lane j: the KV block of the warp's chunk i0 + j */
@@ -119,20 +160,39 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         const int i = i0 + lane;
         blkv = i < n_my ? bt[(c_lo + warp + ATT_WARPS * i) * ATT_CK / bs] : 0;
     };
-    auto issue = [&](int i) { /* chunk i of the warp into stage i % ASM_NS (an empty group past the end) */
+    auto issue = [&](int i) { /* chunk i of the warp into stage i % NS (an empty group past the end) */
         if (i < n_my) {
             if (i % 32 == 0 && i > 0) load_blocks(i);
             const int32_t blk = __shfl_sync(0xffffffffu, blkv, i % 32), c = c_lo + warp + ATT_WARPS * i;
             const int slot0 = (c * ATT_CK) % bs;
-            __half *ks = wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-            const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
-            const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
+            if constexpr (Q8) {
+                unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>();
+                const int kd32 = kd / 32;
+                const int8_t *kg = a.k8 + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
+                const int8_t *vg = a.v8 + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
+                const __half *ksg = a.ks + ((int64_t)blk * kd32 + (int64_t)kvh * NG) * bs + slot0;
+                const __half *vsg = a.vs + ((int64_t)blk * bs + slot0) * kd32 + (int64_t)kvh * NG;
 #pragma unroll
-            for (int it = lane; it < 2 * HD; it += 32) {
-                const int d = it >> 1, pc = it & 1;
-                cp_async16(ks + d * ATT_CK + 8 * (pc ^ ((d >> 2) & 1)), kg + (int64_t)d * bs + 8 * pc);
-                const int j = it / VPC, pv = it % VPC;
-                cp_async16(vs + j * HD + 8 * (pv ^ (j & VSW)), vg + (int64_t)j * kd + 8 * pv);
+                for (int it = lane; it < HD; it += 32) { /* K row it; V row it / (HD / 16), its piece it % (HD / 16) */
+                    cp_async16(raw + 16 * it, kg + (int64_t)it * bs);
+                    cp_async16(raw + 16 * HD + 16 * it, vg + (int64_t)(it / (HD / 16)) * kd + 16 * (it % (HD / 16)));
+                }
+                if (lane < HD / 16) cp_async16(raw + 32 * HD + 16 * lane, ksg + (int64_t)(lane >> 1) * bs + 8 * (lane & 1));
+                if (lane < ATT_CK) {
+                    if constexpr (HD == 128) cp_async8(raw + 33 * HD + 8 * lane, vsg + (int64_t)lane * kd32);
+                    else cp_async4(raw + 33 * HD + 4 * lane, vsg + (int64_t)lane * kd32);
+                }
+            } else {
+                __half *ks = wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+                const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
+                const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
+#pragma unroll
+                for (int it = lane; it < 2 * HD; it += 32) {
+                    const int d = it >> 1, pc = it & 1;
+                    cp_async16(ks + d * ATT_CK + 8 * (pc ^ ((d >> 2) & 1)), kg + (int64_t)d * bs + 8 * pc);
+                    const int j = it / VPC, pv = it % VPC;
+                    cp_async16(vs + j * HD + 8 * (pv ^ (j & VSW)), vg + (int64_t)j * kd + 8 * pv);
+                }
             }
         }
         cp_async_commit();
@@ -140,10 +200,10 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     load_blocks(0);
     /* before the wait: the chunks that cannot hold the new key (only the last chunk does) */
     if (!last)
-        for (int i = 0; i < ASM_NS - 1; i++) issue(i);
+        for (int i = 0; i < NS - 1; i++) issue(i);
     pdl_wait();
     if (last)
-        for (int i = 0; i < ASM_NS - 1; i++) issue(i);
+        for (int i = 0; i < NS - 1; i++) issue(i);
     /* q of head kvh * G + g: rows g (hi) and g + 8 (lo) of the A fragments, every k step */
     uint32_t qf[KS][4];
     {
@@ -164,34 +224,82 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     float m = -INFINITY, l = 0.0f; /* head g's running max; this lane's share of its sum */
     const int mi = lane >> 3, mr = lane & 7;
     for (int i = 0; i < n_my; i++) {
-        issue(i + ASM_NS - 1);
-        cp_async_wait<ASM_NS - 1>();
+        issue(i + NS - 1);
+        cp_async_wait<NS - 1>();
         __syncwarp();
-        __half *ks = wbuf + (size_t)(i % ASM_NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+        __half *ks = Q8 ? wbuf : wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+        [[maybe_unused]] const unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>(); /* Q8 */
+        [[maybe_unused]] const __half *ksc = (const __half *)(raw + 32 * HD), *vsc = (const __half *)(raw + 33 * HD);
+        if constexpr (Q8) { /* the chunk's integers into the F16 chunk, swizzled as the F16 stages */
+#pragma unroll
+            for (int d = lane; d < HD; d += 32) { /* K row d: 16 keys */
+                uint4 h0, h1;
+                i8x16_to_half(*(const uint4 *)(raw + 16 * d), h0, h1);
+                const int sw = (d >> 2) & 1;
+                *(uint4 *)(ks + d * ATT_CK + 8 * sw) = h0;
+                *(uint4 *)(ks + d * ATT_CK + 8 * (1 ^ sw)) = h1;
+            }
+#pragma unroll
+            for (int u = lane; u < HD; u += 32) { /* V row j, dimensions 16 pp .. 16 pp + 15 */
+                uint4 h0, h1;
+                i8x16_to_half(*(const uint4 *)(raw + 16 * HD + 16 * u), h0, h1);
+                const int j = u / (HD / 16), pp = u % (HD / 16);
+                *(uint4 *)(vs + j * HD + 8 * ((2 * pp) ^ (j & VSW))) = h0;
+                *(uint4 *)(vs + j * HD + 8 * ((2 * pp + 1) ^ (j & VSW))) = h1;
+            }
+            __syncwarp();
+        }
         const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
         if (k0 + ATT_CK > nk) { /* V rows past the last key to 0: p = 0 there, but 0 times a stale NaN is not 0 */
             for (int u = (nk - k0) * (HD / 8) + lane; u < ATT_CK * (HD / 8); u += 32)
                 *(uint4 *)(vs + 8 * u) = make_uint4(0u, 0u, 0u, 0u);
             __syncwarp();
         }
-        float s[2][4] = {};
-#pragma unroll
-        for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
-            const int d = 16 * kk + 8 * (mi & 1) + mr;
-            uint32_t b[4];
-            amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
-            amma_f16(s[0], qf[kk], b[0], b[1]);
-            amma_f16(s[1], qf[kk], b[2], b[3]);
-        }
         float sc[4], mx = -INFINITY; /* keys k0 + 8 nt + 2 t4 + e at [2 nt + e] */
+        if constexpr (Q8) { /* per group of 32 dimensions: its scale times the dot with the integers */
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++)
+            for (int gk = 0; gk < NG; gk++) {
+                float s[2][4] = {};
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float v = s[nt][e] + s[nt][2 + e]; /* hi row + lo row */
-                sc[2 * nt + e] = k0 + 8 * nt + 2 * t4 + e < nk ? v : -INFINITY;
-                mx = fmaxf(mx, sc[2 * nt + e]);
+                for (int kk = 2 * gk; kk < 2 * gk + 2; kk++) {
+                    const int d = 16 * kk + 8 * (mi & 1) + mr;
+                    uint32_t b[4];
+                    amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
+                    amma_f16(s[0], qf[kk], b[0], b[1]);
+                    amma_f16(s[1], qf[kk], b[2], b[3]);
+                }
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++)
+                        acc[2 * nt + e] = fmaf(__half2float(ksc[gk * ATT_CK + 8 * nt + 2 * t4 + e]),
+                                               s[nt][e] + s[nt][2 + e], acc[2 * nt + e]);
             }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                sc[j] = k0 + 8 * (j >> 1) + 2 * t4 + (j & 1) < nk ? acc[j] : -INFINITY;
+                mx = fmaxf(mx, sc[j]);
+            }
+        } else {
+            float s[2][4] = {};
+#pragma unroll
+            for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
+                const int d = 16 * kk + 8 * (mi & 1) + mr;
+                uint32_t b[4];
+                amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
+                amma_f16(s[0], qf[kk], b[0], b[1]);
+                amma_f16(s[1], qf[kk], b[2], b[3]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const float v = s[nt][e] + s[nt][2 + e]; /* hi row + lo row */
+                    sc[2 * nt + e] = k0 + 8 * nt + 2 * t4 + e < nk ? v : -INFINITY;
+                    mx = fmaxf(mx, sc[2 * nt + e]);
+                }
+        }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mn = fmaxf(m, mx), corr = expf(m - mn); /* 0 on the warp's first chunk */
@@ -200,24 +308,48 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
 #pragma unroll
         for (int j = 0; j < 4; j++) p[j] = expf(sc[j] - mn), sum += p[j];
         l = __fmaf_rn(l, corr, sum);
-        uint32_t pa[4]; /* P's A fragment: row g p as f16 (hi), row g + 8 the rest (lo); keys 2 t4 (+ 8) */
+        [[maybe_unused]] uint32_t pa[4]; /* P's A fragment: row g p as f16 (hi), row g + 8 the rest (lo); keys 2 t4 (+ 8) */
 #pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
+        for (int nt = 0; nt < 2 && !Q8; nt++) {
             const __half h0 = __float2half_rn(p[2 * nt]), h1 = __float2half_rn(p[2 * nt + 1]);
             pa[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
             pa[2 * nt + 1] = amma_pack(p[2 * nt] - __half2float(h0), p[2 * nt + 1] - __half2float(h1));
         }
 #pragma unroll
         for (int dt = 0; dt < DT; dt++) o[dt][0] *= corr, o[dt][1] *= corr, o[dt][2] *= corr, o[dt][3] *= corr;
+        if constexpr (Q8) { /* per group of 32 dimensions (dp 2 gv, 2 gv + 1): weights p times the key's V scale */
 #pragma unroll
-        for (int dp = 0; dp < DT / 2; dp++) { /* matrices: keys 8 (mi & 1) + mr, dims 8 (2 dp + (mi >> 1)) .. */
-            const int j = 8 * (mi & 1) + mr;
-            uint32_t b[4];
-            amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
-            amma_f16(o[2 * dp], pa, b[0], b[1]);
-            amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
+            for (int gv = 0; gv < NG; gv++) {
+                uint32_t pg[4];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const int kb = 8 * nt + 2 * t4;
+                    const float w0 = __fmul_rn(p[2 * nt], __half2float(vsc[kb * NG + gv]));
+                    const float w1 = __fmul_rn(p[2 * nt + 1], __half2float(vsc[(kb + 1) * NG + gv]));
+                    const __half h0 = __float2half_rn(w0), h1 = __float2half_rn(w1);
+                    pg[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
+                    pg[2 * nt + 1] = amma_pack(w0 - __half2float(h0), w1 - __half2float(h1));
+                }
+#pragma unroll
+                for (int dp = 2 * gv; dp < 2 * gv + 2; dp++) {
+                    const int j = 8 * (mi & 1) + mr;
+                    uint32_t b[4];
+                    amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
+                    amma_f16(o[2 * dp], pg, b[0], b[1]);
+                    amma_f16(o[2 * dp + 1], pg, b[2], b[3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; dp++) { /* matrices: keys 8 (mi & 1) + mr, dims 8 (2 dp + (mi >> 1)) .. */
+                const int j = 8 * (mi & 1) + mr;
+                uint32_t b[4];
+                amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
+                amma_f16(o[2 * dp], pa, b[0], b[1]);
+                amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
+            }
         }
-        __syncwarp(); /* the stage is refilled ASM_NS - 1 chunks later */
+        __syncwarp(); /* the stage is refilled NS - 1 chunks later */
     }
     cp_async_wait<0>();
     l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -259,7 +391,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args 
     const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = a.hd;
     const int32_t nk = a.pos[t] + 1;
     const int ns = min(att_split_count(nk, a.split_min, a.split_chunks, a.split_max), a.split_z); /* min: never binds */
-    if (ns == 1) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma) */
+    if (ns == 1 && !a.k8) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma; 8-bit: its partial) */
     const int64_t p0 = ((int64_t)t * a.n_head + h) * a.split_z;
     const float *ml = a.part_ml + 2 * p0, *acc = a.part_acc + p0 * hd;
     if (warp == 0) { /* splits lane and lane + 32 */
@@ -299,6 +431,12 @@ static stg_status attention_split_setup(void) {
     ASM_SETUP(64)
     ASM_SETUP(128)
 #undef ASM_SETUP
+    CU(cudaFuncSetAttribute(k_attention_split_mma<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)asm_smem_bytes<64, true>()),
+       "attention (split) setup");
+    CU(cudaFuncSetAttribute(k_attention_split_mma<128, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)asm_smem_bytes<128, true>()),
+       "attention (split) setup");
     return ST_OK;
 }
 
@@ -315,7 +453,13 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     if (aa.fused) return fail(ST_EINVAL, "split attention: the head prep runs in k_qkv_post");
     aa.split_z = z, aa.stages = 2;
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_kv, (unsigned)z);
-    if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
+    if (aa.k8) { /* the 8-bit cache: head_dim 64 or 128 (stg_kv_create_typed) */
+        if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
+            return fail(ST_EUNSUPPORTED, "split attention (8-bit KV): head_dim %d", aa.hd);
+        if (aa.hd == 128)
+            launch_k(k_attention_split_mma<128, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true>(), st, aa);
+        else launch_k(k_attention_split_mma<64, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(), st, aa);
+    } else if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
     else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
     else launch_k(k_attention_split_mma<32>, grid, ATT_WARPS * 32, asm_smem_bytes<32>(), st, aa);
     LAUNCHED("attention (split)");

@@ -41,8 +41,10 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
     const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
-    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post */
-    const bool fuse = fuse_qkv && att_split <= 1;
+    /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post; so does every
+     * step on the 8-bit cache, whose decode always takes the split kernel (att_split >= 1 there) */
+    const bool q8 = kv->type == STG_KV_Q8_0;
+    const bool fuse = fuse_qkv && att_split <= 1 && !q8;
     launch_k(k_rmsnorm, T, RMS_THREADS, 0, st, s.x, nullptr, L.attn_norm.f(), s.xn, E, d.norm_eps, nq ? s.aq : nullptr, s.ad, s.as,
                                   take_combine(m));
     LAUNCHED("rmsnorm");
@@ -90,7 +92,13 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     qa.n_head = d.n_head, qa.n_kv = d.n_head_kv, qa.hd = d.head_dim, qa.rope_dim = d.rope_dim;
     qa.rope_type = d.rope_type, qa.block_size = kv->block_size, qa.eps = d.norm_eps;
     qa.scale = 1.0f / sqrtf((float)d.head_dim);
-    qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
+    if (q8) {
+        qa.kc = qa.vc = nullptr;
+        qa.k8 = kv->k8 + (int64_t)il * kv->layer_elems, qa.v8 = kv->v8 + (int64_t)il * kv->layer_elems;
+        qa.ks = kv->ks + (int64_t)il * (kv->layer_elems / 32), qa.vs = kv->vs + (int64_t)il * (kv->layer_elems / 32);
+    } else {
+        qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
+    }
     qa.kpart = qkv_parts ? g_kpart : nullptr, qa.kp_n = m->q_dim + 2 * m->kv_dim, qa.kp_t = T;
     if (!fuse) {
         launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)),
@@ -104,21 +112,26 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
+    aa.k8 = qa.k8, aa.v8 = qa.v8, aa.ks = qa.ks, aa.vs = qa.vs;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse ? 1 : 0, aa.qa = qa;
     aa.sinks = L.sinks.d ? L.sinks.f() : nullptr, aa.n_swa = oss_window(d, il); /* gpt-oss (step.cu: k_attention) */
     aa.pre = fuse ? 1 : 0;
-    if (il + 1 < kv->n_layer) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
+    if (il + 1 < kv->n_layer && !q8) /* the fused head prep's warp 3 prefetches the next layer's K / V into L2 */
         aa.kc_next = kv->k + (int64_t)(il + 1) * kv->layer_elems, aa.vc_next = kv->v + (int64_t)(il + 1) * kv->layer_elems;
-    if (att_split > 1) {
+    if (att_split > 1 || (q8 && fuse_qkv)) {
         aa.part_acc = s.apart, aa.part_ml = s.aml;
-        aa.split_min = g_set.att_split_min, aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = m->att_zmax;
+        /* att_split_min 0 ("never split") keeps every sequence of the 8-bit cache in one split */
+        aa.split_min = q8 && g_set.att_split_min < 1 ? INT32_MAX : g_set.att_split_min;
+        aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = m->att_zmax;
         CHECK(launch_attention_split(aa, T, att_split, st));
     } else if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
         if (g_att_mma_tiles > 0)
             CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles, g_att_mma_mode, st));
+    } else if (q8) {
+        return fail(ST_EUNSUPPORTED, "attention (8-bit KV): a step with neither the split kernel nor prefill tiles");
     } else {
         CHECK(launch_attention(aa, T, st));
     }

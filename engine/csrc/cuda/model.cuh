@@ -224,6 +224,9 @@ static void drop_graphs(stg_model *m) {
 struct stg_kv {
     stg_model *m;
     int32_t n_blocks, block_size, n_layer, kv_dim;
-    __half *k, *v;
-    int64_t layer_elems;
+    int32_t type;       /* STG_KV_F16 or STG_KV_Q8_0 */
+    __half *k, *v;      /* F16: [layer][block][kv_dim][block_size], [layer][block][block_size][kv_dim] */
+    int8_t *k8, *v8;    /* Q8_0: the values at those indices (kv_store) */
+    __half *ks, *vs;    /* Q8_0: a scale per 32 values, layer_elems / 32 per layer */
+    int64_t layer_elems; /* values per layer of K (and of V) */
 };

@@ -178,7 +178,10 @@ struct qkv_args {
     int32_t max_blocks, n_head, n_kv, hd, rope_dim, rope_type, block_size;
     float eps, scale;
     float mscale; /* RoPE's magnitude factor (YaRN; 1 without scaling): cos and sin are scaled by it, as the CPU's */
-    __half *kc, *vc; /* this layer's K / V arena */
+    __half *kc, *vc; /* this layer's K / V arena (the F16 cache) */
+    /* the 8-bit cache (STG_KV_Q8_0): this layer's values and F16 scales, kv.c's layout (kv_store_q8); NULL: F16 */
+    int8_t *k8 = nullptr, *v8 = nullptr;
+    __half *ks = nullptr, *vs = nullptr;
     /* q / k / v still as the split GEMM's 4 parts [4][kp_t][kp_n] over their stacked rows (the fused
      * decode attention adds them as k_ksplit_combine would: g_defer_combine); NULL: q, k, v */
     const float *kpart;
@@ -227,12 +230,39 @@ __device__ __forceinline__ void qkv_head(const qkv_args &a, int t, int kind, int
     }
 }
 
-/* K (kind 1) or V (kind 2) head hh of token t from v[hd] into its cache slot. */
+/* Q8_0's rule on the warp's 32 values x (one a lane), as kv.c's q8_group: d = max|x| / 127, q = round(x * (1 / d))
+ * (0 where d is 0), d kept as F16 (round to nearest even), so the cache holds the CPU's bytes for the same values. */
+__device__ __forceinline__ int8_t kv_q8_lane(float x, __half *d_out) {
+    const float amax = warp_max(fabsf(x));
+    const float d = __fdiv_rn(amax, 127.0f), id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    *d_out = __float2half_rn(d);
+    return (int8_t)roundf(__fmul_rn(x, id));
+}
+
+/* K (kind 1) or V (kind 2) head hh of token t from v[hd] into its cache slot. The 8-bit cache (a.k8; hd % 32 == 0)
+ * holds kv.c's layout: the values at the F16 layout's indices, K's scale of the 32 dimensions c..c+31 of slot s at
+ * [block][c / 32][s], V's at [block][s][c / 32]. */
 __device__ __forceinline__ void kv_store(const qkv_args &a, int t, int kind, int hh, const float *v, int lane) {
     const int kd = a.n_kv * a.hd, hd = a.hd;
     const int32_t p = a.pos[t];
     const int32_t blk = a.block_tables[(int64_t)a.seq[t] * a.max_blocks + p / a.block_size], slot = p % a.block_size;
     const int64_t kbase = (int64_t)blk * kd * a.block_size;
+    if (a.k8) { /* every lane in each pass: a group of 32 */
+        const int kd32 = kd / 32;
+        for (int i = lane; i < hd; i += 32) {
+            const int c = hh * hd + i;
+            __half d;
+            const int8_t q = kv_q8_lane(v[i], &d);
+            if (kind == 1) {
+                a.k8[kbase + (int64_t)c * a.block_size + slot] = q;
+                if (lane == 0) a.ks[((int64_t)blk * kd32 + c / 32) * a.block_size + slot] = d;
+            } else {
+                a.v8[kbase + (int64_t)slot * kd + c] = q;
+                if (lane == 0) a.vs[((int64_t)blk * a.block_size + slot) * kd32 + c / 32] = d;
+            }
+        }
+        return;
+    }
     for (int i = lane; i < hd; i += 32) {
         const int c = hh * hd + i;
         if (kind == 1) a.kc[kbase + (int64_t)c * a.block_size + slot] = __float2half_rn(v[i]);

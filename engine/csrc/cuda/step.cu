@@ -259,12 +259,18 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         }
     }
     /* split-KV decode at long context: whether from the step's longest sequence, the grid's depth from the padded
-     * table width (both in the graph's key) */
+     * table width (both in the graph's key). The 8-bit cache has no unsplit decode kernel: its decode steps of at
+     * most ATT_SPLIT_MAX_T tokens always take the split kernel (a sequence below att_split_min keys in one split),
+     * larger ones the prefill tiles, and its other steps never replay a graph (their tiles are eager). */
+    const bool q8 = kv->type == STG_KV_Q8_0;
+    if (q8 && T > ATT_SPLIT_MAX_T) fuse_qkv = false;
     int32_t max_keys = 0;
     for (int32_t i = 0; i < T; i++) max_keys = std::max(max_keys, b->pos[i] + 1);
     const int32_t att_split =
-        att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
-    if (att_split > 1) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
+        q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, m->att_zmax) : 1)
+           : att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
+    if (att_split > 1 || (q8 && fuse_qkv)) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
+    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv);
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -301,10 +307,12 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const bool oss = m->d.arch == ST_ARCH_GPT_OSS;
     const int tq = oss ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
-    const bool tiles_wanted = tq > 0 && !graphs_enabled(m, T);
-    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh) */
-    const int mma_mode = m->set.att_mma, tqm = mma_mode && !oss ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
-    if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
+    const bool tiles_wanted = tq > 0 && !graph;
+    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run */
+    const int mma_mode = q8 ? 2 : m->set.att_mma,
+              tqm = mma_mode && !oss ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
+    if (tiles_wanted && tqm)
+        att_split_tiles(b->seq, T, tq, tqm, q8 ? 1 : m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
     else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
     int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
     /* token_src after them (ensure_scratch leaves room for T more ints): only when a row uses it */
@@ -325,7 +333,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * shared: it would overwrite them before that step's wait reads them). */
     const int32_t le = m->set.layer_events;
     bool layer_events = true;
-    const bool sampled = le < 0 && graphs_enabled(m, T);
+    const bool sampled = le < 0 && graph;
     if (le >= 0) layer_events = le != 0;
     else if (sampled) {
         stg_model::split &sp = m->splits[T];
@@ -339,7 +347,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
-    g_gemm_fast = !graphs_enabled(m, T) && all_runs_long(b->seq, T, m->set.gemm_fast_min);
+    g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);
     g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on; /* see g_gemm_fast; hybrid: kernels follow copies */
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
@@ -348,7 +356,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     /* hybrid_overlap: the CPU share's thread runs from here until finish() (leaving early abandons the step) */
     hybrid_thread cpu_share(m);
     CHECK(cpu_share.start());
-    const stg_status src = graphs_enabled(m, T) ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
+    const stg_status src = graph ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     const bool mv_fed = m->mv_step != nullptr;
     m->mv_step = nullptr;

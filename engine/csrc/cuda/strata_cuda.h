@@ -121,6 +121,16 @@ int64_t stg_model_resident_experts(const stg_model *m);
 int32_t stg_model_graphs(const stg_model *m, int32_t *n_failed, char *note, int32_t note_len);
 
 stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out);
+/* The cache's element type: STG_KV_F16 (stg_kv_create's), or STG_KV_Q8_0, the CPU engine's 8-bit cache (kv.c,
+ * ST_KV_Q8_0): per group of 32 values of a token's K or V row, d = max|x| / 127 kept as F16 and q = round(x / d)
+ * as int8, in kv.c's layout (K values [layer][block][kv_dim][block_size] with scales [layer][block][kv_dim / 32]
+ * [block_size], V values [layer][block][block_size][kv_dim] with scales [layer][block][block_size][kv_dim / 32]),
+ * so the device holds the CPU's bytes for the same K / V. Decode reads it in the split kernel, prefill in the
+ * tensor-core kernel (docs/engine.md); ST_EUNSUPPORTED for models those do not take (head_dim other than 64 / 128,
+ * more than 8 query heads per kv head or not dividing 16, latent attention). */
+#define STG_KV_F16 0
+#define STG_KV_Q8_0 1
+stg_status stg_kv_create_typed(stg_model *m, int32_t n_blocks, int32_t block_size, int32_t type, stg_kv **out);
 void stg_kv_destroy(stg_kv *kv);
 int64_t stg_kv_bytes(const stg_kv *kv);
 

@@ -319,7 +319,7 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
     a.max_blocks = n_table, a.n_head = n_kv, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
     if (path == STG_PATH_REF) {
         CHECK(up(bsc, nullptr, sizeof(float) * (size_t)(nq * n_kv) * (size_t)(p0 + nq)));
-        k_attention_ref<<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
+        k_attention_ref<false><<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
         LAUNCHED("attention");
     } else {
         CHECK(attention_setup());
@@ -477,6 +477,127 @@ extern "C" stg_status stg_test_attention_oss(const float *sinks, int32_t n_head,
     if (sinks) g_oss_sinks.assign(sinks, sinks + n_head);
     g_oss_swa = n_swa;
     return ST_OK;
+}
+
+extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int32_t split_chunks, int32_t split_max,
+                                            const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
+                                            int32_t n_blocks, const int32_t *block_tables, int32_t n_seqs,
+                                            int32_t n_table, int32_t block_size, int32_t head_dim, int32_t n_head,
+                                            int32_t n_kv, const float *q, const int32_t *pos, const int32_t *seq,
+                                            int32_t n_tok, float *out, int32_t *n_splits) {
+    if (!k8 || !ks || !v8 || !vs || !block_tables || !q || !pos || !seq || !out || mode < 0 || mode > 2 ||
+        split_min < 0 || split_max > ATT_SPLIT_MAX || n_blocks < 1 || n_seqs < 1 || n_table < 1 || block_size < 16 ||
+        block_size % 16 || (head_dim != 64 && head_dim != 128) || n_kv < 1 || n_head < n_kv || n_head % n_kv ||
+        n_tok < 1)
+        return fail(ST_EINVAL, "attention (8-bit KV): bad arguments");
+    if (!att_split_ok(n_head, n_kv, head_dim) || !att_mma_tokens(n_head, n_kv, head_dim))
+        return fail(ST_EUNSUPPORTED, "attention (8-bit KV): n_head %d / n_kv %d", n_head, n_kv);
+    int32_t max_keys = 0;
+    std::vector<char> seen((size_t)n_seqs, 0);
+    for (int32_t i = 0; i < n_tok; i++) {
+        if (seq[i] < 0 || seq[i] >= n_seqs || pos[i] < 0 || pos[i] / block_size >= n_table)
+            return fail(ST_ERANGE, "attention (8-bit KV): token %d (sequence %d, position %d)", i, seq[i], pos[i]);
+        if (mode == 1 && seen[(size_t)seq[i]]++)
+            return fail(ST_EINVAL, "attention (8-bit KV): the split path takes one token per sequence");
+        if (mode == 2 && i > 0 && seq[i] == seq[i - 1] && pos[i] != pos[i - 1] + 1)
+            return fail(ST_EINVAL, "attention (8-bit KV): a sequence's prefill tokens are consecutive");
+        for (int32_t j = 0; j <= pos[i] / block_size; j++) {
+            const int32_t b = block_tables[(int64_t)seq[i] * n_table + j];
+            if (b < 0 || b >= n_blocks) return fail(ST_ERANGE, "attention (8-bit KV): block out of range");
+        }
+        max_keys = std::max(max_keys, pos[i] + 1);
+    }
+    CHECK(harness_device());
+    int n_sm = 0;
+    CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0), "harness");
+    const int32_t chunks = split_chunks > 0 ? split_chunks : ATT_SPLIT_CHUNKS;
+    const int32_t zmax = split_max > 0 ? split_max : att_split_zmax(n_sm, n_kv);
+    const int32_t smin = split_min > 0 ? split_min : INT32_MAX;
+    const int32_t z = att_split_bound((int64_t)n_table * block_size, chunks, zmax);
+    const int64_t kd = (int64_t)n_kv * head_dim, cache = (int64_t)n_blocks * block_size * kd;
+    const int64_t qd = (int64_t)n_head * head_dim, nout = (int64_t)n_tok * qd, rows = (int64_t)n_tok * n_head * z;
+    const int64_t n_bt = (int64_t)n_seqs * n_table;
+    std::vector<int32_t> ints((size_t)(3 * n_tok + n_bt));
+    for (int32_t i = 0; i < n_tok; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_tok + i)] = seq[i];
+    memcpy(&ints[(size_t)(2 * n_tok)], block_tables, sizeof(int32_t) * (size_t)n_bt);
+    int32_t n_qt = 0, n_mma = 0;
+    if (mode == 2)
+        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), att_mma_tokens(n_head, n_kv, head_dim), 1,
+                        &ints[(size_t)(2 * n_tok + n_bt)], &n_qt, &n_mma);
+    dbuf bk, bks, bv, bvs, bq, bo, bi, bsc, bpa, bpm;
+    CHECK(up(bk, k8, (size_t)cache));
+    CHECK(up(bks, ks, sizeof(uint16_t) * (size_t)(cache / 32)));
+    CHECK(up(bv, v8, (size_t)cache));
+    CHECK(up(bvs, vs, sizeof(uint16_t) * (size_t)(cache / 32)));
+    CHECK(up(bq, q, sizeof(float) * (size_t)nout));
+    CHECK(up(bo, nullptr, sizeof(float) * (size_t)nout));
+    CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
+    attn_args a = {};
+    a.q = bq.as<float>(), a.out = bo.as<float>();
+    a.k8 = bk.as<int8_t>(), a.ks = bks.as<__half>(), a.v8 = bv.as<int8_t>(), a.vs = bvs.as<__half>();
+    a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
+    a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
+    CHECK(attention_setup());
+    if (mode == 0) {
+        CHECK(up(bsc, nullptr, sizeof(float) * (size_t)n_tok * (size_t)n_head * (size_t)max_keys));
+        k_attention_ref<true><<<n_tok, n_head>>>(a, bsc.as<float>(), max_keys);
+        LAUNCHED("attention (8-bit KV, reference)");
+    } else if (mode == 1) {
+        CHECK(up(bpa, nullptr, sizeof(float) * (size_t)rows * (size_t)head_dim));
+        CHECK(up(bpm, nullptr, sizeof(float) * (size_t)rows * 2));
+        a.part_acc = bpa.as<float>(), a.part_ml = bpm.as<float>();
+        a.split_min = smin, a.split_chunks = chunks, a.split_max = zmax;
+        CHECK(launch_attention_split(a, n_tok, z, 0));
+    } else {
+        if (n_qt) return fail(ST_EINVAL, "attention (8-bit KV): query tiles in an mma-only tile list");
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, 2, 0));
+    }
+    CHECK(down(out, bo, sizeof(float) * (size_t)nout));
+    for (int32_t i = 0; n_splits && i < n_tok; i++)
+        n_splits[i] = mode == 1 ? att_split_count(pos[i] + 1, smin, chunks, zmax) : 1;
+    return ST_OK;
+}
+
+extern "C" stg_status stg_test_kv_store_q8(const float *k, const float *v, int32_t n_tok, int32_t n_kv,
+                                           int32_t head_dim, int32_t block_size, int32_t n_blocks, const int32_t *slots,
+                                           int8_t *k8, uint16_t *ks, int8_t *v8, uint16_t *vs) {
+    if (!k || !v || !slots || !k8 || !ks || !v8 || !vs || n_tok < 1 || n_kv < 1 || head_dim < 32 || head_dim % 32 ||
+        head_dim > 256 || block_size < 16 || block_size % 16 || n_blocks < 1)
+        return fail(ST_EINVAL, "kv store (8-bit): bad arguments");
+    for (int32_t i = 0; i < n_tok; i++)
+        if (slots[i] < 0 || slots[i] / block_size >= n_blocks) return fail(ST_ERANGE, "kv store (8-bit): slot %d", slots[i]);
+    CHECK(harness_device());
+    const int64_t kd = (int64_t)n_kv * head_dim, cache = (int64_t)n_blocks * block_size * kd;
+    /* token i: sequence i at position slots[i] % block_size of its one-block table {slots[i] / block_size} */
+    std::vector<int32_t> ints((size_t)(3 * n_tok));
+    for (int32_t i = 0; i < n_tok; i++)
+        ints[(size_t)i] = slots[i] % block_size, ints[(size_t)(n_tok + i)] = i, ints[(size_t)(2 * n_tok + i)] = slots[i] / block_size;
+    std::vector<float> qz((size_t)(n_tok * head_dim), 0.0f);
+    dbuf bq, bk, bv, bi, bk8, bks, bv8, bvs;
+    CHECK(up(bq, qz.data(), sizeof(float) * qz.size()));
+    CHECK(up(bk, k, sizeof(float) * (size_t)(n_tok * kd)));
+    CHECK(up(bv, v, sizeof(float) * (size_t)(n_tok * kd)));
+    CHECK(up(bi, ints.data(), sizeof(int32_t) * ints.size()));
+    CHECK(up(bk8, nullptr, (size_t)cache));
+    CHECK(up(bks, nullptr, sizeof(uint16_t) * (size_t)(cache / 32)));
+    CHECK(up(bv8, nullptr, (size_t)cache));
+    CHECK(up(bvs, nullptr, sizeof(uint16_t) * (size_t)(cache / 32)));
+    CU(cudaMemset(bk8.p, 0, (size_t)cache), "kv store (8-bit)");
+    CU(cudaMemset(bv8.p, 0, (size_t)cache), "kv store (8-bit)");
+    CU(cudaMemset(bks.p, 0, sizeof(uint16_t) * (size_t)(cache / 32)), "kv store (8-bit)");
+    CU(cudaMemset(bvs.p, 0, sizeof(uint16_t) * (size_t)(cache / 32)), "kv store (8-bit)");
+    qkv_args a = {};
+    a.q = bq.as<float>(), a.k = bk.as<float>(), a.v = bv.as<float>();
+    a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
+    a.max_blocks = 1, a.n_head = 1, a.n_kv = n_kv, a.hd = head_dim, a.rope_dim = 0, a.rope_type = 0;
+    a.block_size = block_size, a.eps = 1e-6f, a.scale = 1.0f;
+    a.k8 = bk8.as<int8_t>(), a.v8 = bv8.as<int8_t>(), a.ks = bks.as<__half>(), a.vs = bvs.as<__half>();
+    k_qkv_post<<<dim3((unsigned)n_tok, (unsigned)((1 + 2 * n_kv + QKV_WARPS - 1) / QKV_WARPS)), QKV_WARPS * 32>>>(a);
+    LAUNCHED("kv store (8-bit)");
+    CHECK(down(k8, bk8, (size_t)cache));
+    CHECK(down(ks, bks, sizeof(uint16_t) * (size_t)(cache / 32)));
+    CHECK(down(v8, bv8, (size_t)cache));
+    return down(vs, bvs, sizeof(uint16_t) * (size_t)(cache / 32));
 }
 
 extern "C" stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y) {

@@ -75,6 +75,24 @@ stg_status stg_test_attention_decode(int32_t split_min, int32_t split_chunks, in
  * of that many keys (0: none). The unsplit kernel only: a call with split_min > 0 is then ST_EINVAL, and
  * n_head must match the call's. */
 stg_status stg_test_attention_oss(const float *sinks, int32_t n_head, int32_t n_swa);
+/* Attention over the 8-bit cache (STG_KV_Q8_0, kv.c's layout over n_blocks blocks: k8 / v8 [n_blocks * block_size *
+ * n_kv * head_dim] int8, ks / vs [that / 32] F16 scales) for n_tok tokens (token i: sequence seq[i] at position
+ * pos[i], its keys 0..pos[i] through block_tables[seq[i] * n_table ..]; q[n_tok, n_head * head_dim] pre-scaled).
+ * mode 0: the reference (k_attention_ref, attn_q8_ref's arithmetic); 1: the split decode path (one token per
+ * sequence; split_min / split_chunks / split_max as stg_test_attention_decode's, split_min 0: every sequence in one
+ * split); 2: the tensor-core prefill kernel (a sequence's tokens consecutive). out[n_tok, n_head * head_dim];
+ * n_splits (may be NULL): the splits each token took (1 outside mode 1). head_dim 64 or 128. */
+stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int32_t split_chunks, int32_t split_max,
+                                 const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
+                                 int32_t n_blocks, const int32_t *block_tables, int32_t n_seqs, int32_t n_table,
+                                 int32_t block_size, int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
+                                 const int32_t *pos, const int32_t *seq, int32_t n_tok, float *out, int32_t *n_splits);
+/* K / V rows k, v [n_tok, n_kv * head_dim] written by k_qkv_post into an 8-bit cache of n_blocks blocks (token i at
+ * cache slot slots[i] = block * block_size + slot; no bias, norm or rotation): the cache's arrays (layout as
+ * stg_test_attention_q8's), every byte, for comparison with the CPU's (st_kv_q8_group). */
+stg_status stg_test_kv_store_q8(const float *k, const float *v, int32_t n_tok, int32_t n_kv, int32_t head_dim,
+                                int32_t block_size, int32_t n_blocks, const int32_t *slots, int8_t *k8, uint16_t *ks,
+                                int8_t *v8, uint16_t *vs);
 stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
 /* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
 stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
