@@ -10,11 +10,14 @@
  * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
  * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
  * a one-thread kernel that waits for the host to write the step's value and its row count into the layer's pinned
- * flag, event b, the CPU's rows scattered from device memory into pair_out, event c. The host, once it has computed
- * a layer's n rows, copies exactly those rows and their pair indices into device memory on a stream of its own (the
- * copy engine: the device's loads from mapped host memory ran at ~1.6 GB/s on the H200 machine, a copy at tens of
- * GB/s), waits for that copy alone and then writes the flag. The device never waits on anything else of the host
- * and the host never synchronises the device: it waits on the ready flag, s1 or its own copy. Who computes
+ * flag, event b, a copy of the pinned rows' region into device memory (the copy engine, queued on the compute stream
+ * behind the wait: the device's loads from mapped host memory ran at ~1.6 GB/s on the H200 machine, a copy at tens
+ * of GB/s) and the CPU's rows scattered from there into pair_out, event c. The region has room for every pair of
+ * the step (the copy is queued before the count is known); the layer's n rows and indices sit at its front. The
+ * host thread that computes makes no CUDA call between the device's wait and the flag: a call there could block
+ * behind the context's own synchronisation (lazy kernel loading by the queueing thread waits for the device, which
+ * waits for the flag). The device never waits on anything else of the host and the host never synchronises the
+ * device: it waits on the ready flag or s1 alone. Who computes
  * (stg_settings.hybrid_overlap): 1, a thread started for the step walks the layers while
  * the calling thread queues the whole step at once (the next layer's attention is already queued when a flag
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
@@ -22,9 +25,8 @@
  *
  * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
  *
- * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c, and the
- * part of the rows' copy r0..r1 that falls inside the wait), the wait (a..b less that part) and the rest (compute),
- * each summed from its own intervals. */
+ * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
+ * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals. */
 #include <time.h>
 
 #include <thread>
@@ -44,7 +46,7 @@ __global__ void k_slot_ids(const int32_t *ids, int32_t P, const int32_t *slot_of
 
 /* Wait until the host has written (want << 32) | n into *flag (pinned host memory, one 8-byte word: the step's
  * value and the layer's CPU row count arrive together), then leave n in *n (device memory) for the scatter. The
- * host writes the flag only once its rows' copy into device memory is complete. One thread. */
+ * host writes the flag only once its rows are in pinned memory (a system-scope acquire here). One thread. */
 __global__ void k_wait_flag(const unsigned long long *flag, uint32_t want, int32_t *n) {
     PDL_ENTER();
     for (;;) {
@@ -76,15 +78,15 @@ __global__ void k_to_host(const int32_t *ids, int32_t P, const float *xn, int64_
 
 #define SCATTER_THREADS 128
 
-/* Block r < *n: dst row idx[r] = rows row r, where rows holds n rows of E floats and then the n pair indices
- * (d_rows as the host copied it in). Blocks past the count return at once (the grid is every pair of the step:
- * it is queued before the count is known). */
-__global__ void k_scatter_rows(const float *rows, const int32_t *n, int64_t E, float *dst) {
+/* Block r < *n: dst row idx[r] = rows row r, where rows holds P rows of E floats and then P pair indices (d_rows
+ * as copied in; the layer's n at the front of each). Blocks past the count return at once (the grid is every pair
+ * of the step: it is queued before the count is known). */
+__global__ void k_scatter_rows(const float *rows, const int32_t *n, int64_t P, int64_t E, float *dst) {
     PDL_ENTER();
     const int32_t r = (int32_t)blockIdx.x;
     const int32_t cnt = *n;
     if (r >= cnt) return;
-    const int64_t at = ((const int32_t *)(rows + (int64_t)cnt * E))[r];
+    const int64_t at = ((const int32_t *)(rows + P * E))[r];
     const float *s = rows + (int64_t)r * E;
     float *d = dst + at * E;
     if ((E & 3) == 0) { /* rows of whole float4s, 16-byte aligned at both ends */
@@ -110,8 +112,7 @@ static stg_status host_mapped(hybrid &h, size_t bytes, void **out) {
     return ST_OK;
 }
 
-/* The placement at model creation (before upload): the mask, the slots, the CPU engine, the flags, the rows'
- * stream. */
+/* The placement at model creation (before upload): the mask, the slots, the CPU engine, the flags. */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu) {
     hybrid &h = m->hy;
     const int nL = m->d.n_layer, ne = m->d.n_expert;
@@ -143,7 +144,6 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
     CHECK(dalloc(m, &h.d_n, sizeof(int32_t)));
     CU(cudaMemset(h.d_n, 0, sizeof(int32_t)), "model_create: hybrid count");
-    CU(cudaStreamCreateWithFlags(&h.rows, cudaStreamNonBlocking), "model_create: hybrid stream");
     /* flags [nL] (8 bytes each, host -> device), then from the next 64-byte line ready [nL] (device -> host) */
     const size_t flag_bytes = ((size_t)nL * sizeof(uint64_t) + 63) / 64 * 64;
     const size_t bytes = flag_bytes + sizeof(uint32_t) * (size_t)nL;
@@ -167,7 +167,6 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T) {
     if (shexp) CHECK(dalloc_in(s.step_allocs, &h.d_shx, sizeof(float) * T * E));
     /* the CPU's rows and their pair indices (a float's room each) */
     CHECK(dalloc_in(s.step_allocs, &h.d_rows, sizeof(float) * P * (E + 1)));
-    if (h.rows) CU(cudaStreamSynchronize(h.rows), "hybrid: rows stream"); /* nothing of it may read the old rows */
     for (void *p : h.pinned) cudaFreeHost(p);
     h.pinned.clear();
     h.h_xn = h.h_rows = nullptr, h.h_ids = nullptr;
@@ -220,14 +219,14 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     m->hy.cur = nullptr;
     if (!m->hy.on) return ST_OK;
     const size_t nL = (size_t)m->d.n_layer;
-    std::vector<cudaEvent_t> *sets[7] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c, &hs.r0, &hs.r1};
+    std::vector<cudaEvent_t> *sets[5] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c};
     for (std::vector<cudaEvent_t> *v : sets)
         while (v->size() < nL) {
             cudaEvent_t e = nullptr;
             CU(cudaEventCreate(&e), "hybrid: events");
             v->push_back(e);
         }
-    hs.used.assign(nL, 0), hs.copied.assign(nL, 0);
+    hs.used.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
     hs.staged_layers = hs.staged_bytes = 0;
     staging_decide(m, T);
@@ -252,8 +251,8 @@ static void hybrid_release(stg_model *m, int il, uint32_t seq) {
 }
 
 /* The CPU's share of layer il (its s1 recorded): wait for xn and the routing, compute the pairs of experts the
- * device does not hold, copy the rows and their pair indices into device memory (the rows stream; the host waits
- * for that copy alone), write the flag with their count. */
+ * device does not hold into pinned memory with their pair indices (h_rows' layout), write the flag with their
+ * count. No CUDA call from here to the flag (the file's comment says why). */
 static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     hybrid &h = m->hy;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
@@ -283,26 +282,9 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     }
     hs.t_cpu += host_seconds() - t1;
     hs.cpu_pairs += n;
-    if (n > 0) { /* the n rows, then their pair indices, in one copy (k_scatter_rows' layout) */
-        memcpy(h.h_rows + (int64_t)n * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
-        const size_t bytes = sizeof(float) * (size_t)n * (size_t)(E + 1);
-        CU(cudaEventRecord(hs.r0[(size_t)il], h.rows), "hybrid: event");
-        CU(cudaMemcpyAsync(h.d_rows, h.h_rows, bytes, cudaMemcpyHostToDevice, h.rows), "hybrid: CPU rows");
-        CU(cudaEventRecord(hs.r1[(size_t)il], h.rows), "hybrid: event");
-        hs.copied[(size_t)il] = 1;
-        hs.pcie_h2d += (int64_t)bytes;
-        for (;;) {
-            const cudaError_t q = cudaEventQuery(hs.r1[(size_t)il]);
-            if (q == cudaSuccess) break;
-            if (q != cudaErrorNotReady) {
-                cudaGetLastError();
-                return fail(ST_EINVAL, "hybrid: layer %d: the CPU rows' copy: %s", il, cudaGetErrorString(q));
-            }
-#if defined(__x86_64__)
-            asm volatile("pause");
-#endif
-        }
-    }
+    /* the pair indices after room for every pair's row; the device copies the whole region (bytes counted here) */
+    if (n > 0) memcpy(h.h_rows + P * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
+    hs.pcie_h2d += (int64_t)sizeof(float) * P * (E + 1);
     hs.pcie_h2d += (int64_t)sizeof(uint64_t);
     hybrid_signal(h, il, hs.seq, n);
     return ST_OK;
@@ -424,8 +406,10 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
         }
     }
     CU(cudaEventRecord(hs.b[(size_t)il], st), "hybrid: event");
-    launch_k(k_scatter_rows, (unsigned)P, SCATTER_THREADS, 0, st, (const float *)h.d_rows, (const int32_t *)h.d_n, E,
-             m->s.pair_out);
+    CU(cudaMemcpyAsync(h.d_rows, h.h_rows, sizeof(float) * (size_t)(P * (E + 1)), cudaMemcpyHostToDevice, st),
+       "hybrid: CPU rows");
+    launch_k(k_scatter_rows, (unsigned)P, SCATTER_THREADS, 0, st, (const float *)h.d_rows, (const int32_t *)h.d_n, P,
+             E, m->s.pair_out);
     LAUNCHED("hybrid: CPU rows");
     CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
     hs.used[(size_t)il] = 1;
@@ -461,14 +445,7 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
         }
         gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
         pcie += el(hs.s0[il], hs.s1[il]) + el(hs.b[il], hs.c[il]);
-        double w = el(hs.a[il], hs.b[il]);
-        if (hs.copied[il]) { /* the rows' copy, where it falls inside the wait, is PCIe time, not idle time */
-            const double from = std::max(0.0, signed_el(hs.a[il], hs.r0[il]));
-            const double to = std::min(w, signed_el(hs.a[il], hs.r1[il]));
-            const double copy = std::max(0.0, to - from);
-            pcie += copy, w -= copy;
-        }
-        wait += w;
+        wait += el(hs.a[il], hs.b[il]);
         prev = hs.c[il];
     }
     gpu += el(prev, e1);

@@ -371,7 +371,6 @@ extern "C" void stg_model_destroy(stg_model *m) {
     if (!m) return;
     cudaSetDevice(m->device);
     if (m->stream) cudaStreamSynchronize(m->stream);
-    if (m->hy.rows) cudaStreamSynchronize(m->hy.rows);
     drop_graphs(m);
     staging_destroy(m);
     free_list(m->s.step_allocs);
@@ -381,13 +380,12 @@ extern "C" void stg_model_destroy(stg_model *m) {
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (void *p : m->hy.pinned) cudaFreeHost(p);
     if (m->hy.flags) cudaFreeHost(m->hy.flags);
-    if (m->hy.rows) cudaStreamDestroy(m->hy.rows);
     for (inflight &f : m->fl) {
         if (f.h_picks) cudaFreeHost(f.h_picks);
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c, &f.hy.r0, &f.hy.r1})
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
             for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);

@@ -65,12 +65,10 @@ struct graph_entry {
 
 /* A hybrid step's CPU share (hybrid.cu), per launched step. Per layer with a CPU share, five timed events on
  * the compute stream: s0 before xn and the routing go to the host, s1 after (the host waits on it), a before the
- * wait for the CPU's flag, b after it, c after the CPU's rows are scattered; and on the rows stream r0 / r1 around
- * the copy of the CPU's rows into device memory (where the layer had any); the host's sums beside them. */
+ * wait for the CPU's flag, b after it, c after the CPU's rows are copied in and scattered; the host's sums beside them. */
 struct hybrid_step {
-    std::vector<cudaEvent_t> s0, s1, a, b, c, r0, r1;
+    std::vector<cudaEvent_t> s0, s1, a, b, c;
     std::vector<char> used;   /* [n_layer] the layer's events were recorded */
-    std::vector<char> copied; /* [n_layer] r0 / r1 were recorded (the CPU had rows in the layer) */
     double t_cpu = 0.0;      /* seconds in the CPU engine's experts (with the pair lists) */
     double t_cpu_wait = 0.0; /* seconds the host waited for s1 (and, overlapped, for the layer to be queued) */
     int64_t cpu_pairs = 0;
@@ -116,17 +114,17 @@ struct hybrid {
     int32_t *d_slot = nullptr;     /* device [n_layer * n_expert]: expert -> slot, -1 not resident */
     stg_cpu_experts cpu = {};
     /* grown with the scratch (cap_t tokens): device slot ids, the shared expert's rows (computed while the CPU
-     * works) and the CPU's rows as copied in (d_rows: n rows of n_embd floats, then their n pair indices); pinned
-     * host copies of xn and topk_id, and the CPU's rows laid out as d_rows (h_rows) */
+     * works) and the CPU's rows as copied in (d_rows: room for every pair's row of n_embd floats, then every
+     * pair's index: the layer's n rows and n indices at the front of each); pinned host copies of xn and topk_id,
+     * and the CPU's rows laid out as d_rows (h_rows) */
     int32_t *sid = nullptr;
     float *d_shx = nullptr, *d_rows = nullptr;
     float *h_xn = nullptr, *h_rows = nullptr;
     int32_t *h_ids = nullptr;
     int32_t *d_n = nullptr; /* device: the CPU's row count of the layer being summed (k_wait_flag writes it) */
     std::vector<void *> pinned;
-    cudaStream_t rows = nullptr; /* the copies of the CPU's rows into d_rows (issued by the host once computed) */
     uint64_t *flags = nullptr; /* pinned [n_layer]: the host writes (seq << 32) | n when the layer's n rows are in
-                                * d_rows (the copy complete) */
+                                * h_rows (the device then copies h_rows into d_rows) */
     uint32_t *ready = nullptr; /* pinned [n_layer] (flags' allocation): the device writes a step's seq when the layer's
                                 * xn and routing are in h_xn / h_ids (hybrid_direct steps) */
     bool direct = false;       /* the step being queued is hybrid_direct */
