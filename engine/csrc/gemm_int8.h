@@ -254,6 +254,18 @@ static inline __attribute__((always_inline)) __m256 step4(int32_t type, const bl
         return _mm256_fmadd_ps(k->c, _mm256_loadu_ps(a->xs8 + b * 8), acc);
     }
 #endif
+#if !GEMM_VNNI
+    if (type == ST_TYPE_Q6_K) {
+        /* Codes <= 63: a maddubs pair is <= 2 * 63 * 127, so two rows' pairs are added in 16 bits
+         * (4 products, < 2^15) before one madd per two rows: the same exact sums, 2 fewer madds. */
+        for (int r = 0; r < MR; r++) p[r] = _mm256_maddubs_epi16(k->u[r], av);
+        const __m256i x01 = madd_ones(_mm256_add_epi16(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1])));
+        const __m256i x23 = madd_ones(_mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3])));
+        const __m256i red = _mm256_add_epi32(_mm256_unpacklo_epi64(x01, x23), _mm256_unpackhi_epi64(x01, x23));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(k->s, _mm256_broadcast_ss(a->d + b)), acc);
+        return _mm256_fmadd_ps(k->c, _mm256_loadu_ps(a->xs8 + b * 8), acc);
+    }
+#endif
     for (int r = 0; r < MR; r++)
         p[r] = dot4(k->u[r], type == ST_TYPE_Q8_0 ? _mm256_sign_epi8(av, k->sg[r]) : av);
 #ifdef USE_HADD
