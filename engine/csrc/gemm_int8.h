@@ -144,6 +144,45 @@ static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, c
     }
 }
 
+/* Q4_K, eight rows at once for the one-lane kernels: ks->s[j], ks->c[j] = lanes rows 0..7 of
+ * sub-block j, so the kernel takes each as one 256-bit load (the two 4-row unpacks it replaces
+ * cost a quarter of the one-token rate: twice the shuffles, and two 128-bit loads and an insert
+ * per vector). unpack_kscales' Q4_K steps on 256-bit registers whose 128-bit halves hold rows
+ * 0..3 and 4..7; per value the same float operations: d * sv, -dmin * mv, m - 0 * s. */
+static inline __attribute__((always_inline)) void unpack_kscales8_q4k(const uint8_t *const *rows, int64_t i,
+                                                                      kscales *ks) {
+    __m256i h[MR];
+    for (int r = 0; r < MR; r++)
+        h[r] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(rows[MR + r] + (size_t)i * sizeof(blk_q4_k))),
+                                _mm_loadu_si128((const __m128i *)(rows[r] + (size_t)i * sizeof(blk_q4_k))));
+    const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
+    const __m256i dd = _mm256_unpacklo_epi64(t0, t2), u0 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u1 = _mm256_unpacklo_epi64(t1, t3), u2 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
+    const __m256i s_lo = _mm256_and_si256(u0, m6), m_lo = _mm256_and_si256(u1, m6);
+    const __m256i s_hi = _mm256_or_si256(_mm256_and_si256(u2, m4),
+                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), m2), 4));
+    const __m256i m_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), m4),
+                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), m2), 4));
+    /* [d0 d1 d2 d3 | d4 d5 d6 d7] in the low 64 bits of each half, then both halves' in 128 bits */
+    const __m256i pick_dm = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                             0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i dm = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dd, pick_dm), 0xD8); /* [d0..7 | dmin0..7] */
+    const __m256 d8 = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    const __m256 nm8 = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)), _mm256_set1_ps(-0.0f)); /* -dmin */
+    for (int j = 0; j < 4; j++) {
+        const __m256i pick = _mm256_setr_epi8(j, -1, -1, -1, 4 + j, -1, -1, -1, 8 + j, -1, -1, -1, 12 + j, -1, -1, -1,
+                                              j, -1, -1, -1, 4 + j, -1, -1, -1, 8 + j, -1, -1, -1, 12 + j, -1, -1, -1);
+        for (int half = 0; half < 2; half++) { /* sub-blocks j and j + 4 */
+            const __m256 S = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half ? s_hi : s_lo, pick)));
+            const __m256 M = _mm256_mul_ps(nm8, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(half ? m_hi : m_lo, pick)));
+            _mm256_storeu_ps(ks->s[j + 4 * half], S);
+            _mm256_storeu_ps(ks->c[j + 4 * half], _mm256_sub_ps(M, _mm256_mul_ps(_mm256_setzero_ps(), S)));
+        }
+    }
+}
+
 static inline int is_kquant(int32_t type) { return type == ST_TYPE_Q4_K || type == ST_TYPE_Q5_K || type == ST_TYPE_Q6_K; }
 
 /* The f16 pair at the head of each row's block b (d, and m or padding): [d0 m0 d1 m1 ...]. */
@@ -211,6 +250,18 @@ static inline __attribute__((always_inline)) __m256 step4(int32_t type, const bl
         const __m256i x23 = _mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
         const __m256i red =
             madd_ones(_mm256_add_epi16(_mm256_unpacklo_epi64(x01, x23), _mm256_unpackhi_epi64(x01, x23)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(k->s, _mm256_broadcast_ss(a->d + b)), acc);
+        return _mm256_fmadd_ps(k->c, _mm256_loadu_ps(a->xs8 + b * 8), acc);
+    }
+#endif
+#if !GEMM_VNNI
+    if (type == ST_TYPE_Q6_K) {
+        /* Codes <= 63: a maddubs pair is <= 2 * 63 * 127, so two rows' pairs are added in 16 bits
+         * (4 products, < 2^15) before one madd per two rows: the same exact sums, 2 fewer madds. */
+        for (int r = 0; r < MR; r++) p[r] = _mm256_maddubs_epi16(k->u[r], av);
+        const __m256i x01 = madd_ones(_mm256_add_epi16(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1])));
+        const __m256i x23 = madd_ones(_mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3])));
+        const __m256i red = _mm256_add_epi32(_mm256_unpacklo_epi64(x01, x23), _mm256_unpackhi_epi64(x01, x23));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(k->s, _mm256_broadcast_ss(a->d + b)), acc);
         return _mm256_fmadd_ps(k->c, _mm256_loadu_ps(a->xs8 + b * 8), acc);
     }
@@ -361,11 +412,11 @@ static inline __attribute__((always_inline)) void load_blk8_q4(int32_t type, con
 
 /* Q4_K: the 32 packed bytes of sub-blocks j and j + 1 (j even) hold sub-block j in the low
  * nibbles and j + 1 in the high ones, element e at byte e; one 8x8 dword transpose of the
- * packed rows gives both sub-blocks' blk8 (kb[0], kb[1]). Scales from kscales as load_blk4. */
+ * packed rows gives both sub-blocks' blk8 (kb[0], kb[1]). Scales from unpack_kscales8_q4k. */
 static inline __attribute__((always_inline)) void load_blk8_q4k_pair(const uint8_t *const *rows, int64_t b,
                                                                      kscales *ks, blk8 *kb) {
     const int j = (int)(b % 8);
-    if (j == 0) unpack_kscales(ST_TYPE_Q4_K, rows, b / 8, &ks[0]), unpack_kscales(ST_TYPE_Q4_K, rows + MR, b / 8, &ks[1]);
+    if (j == 0) unpack_kscales8_q4k(rows, b / 8, ks);
     __m256i v[2 * MR];
     for (int r = 0; r < 2 * MR; r++)
         v[r] = _mm256_loadu_si256((const __m256i *)(((const blk_q4_k *)rows[r] + b / 8)->qs + 32 * (j / 2)));
@@ -373,12 +424,10 @@ static inline __attribute__((always_inline)) void load_blk8_q4k_pair(const uint8
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 8; c++)
         kb[0].w[c] = _mm256_and_si256(v[c], m4), kb[1].w[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2; i++) { /* one lane per row: the _hi halves equal the _lo ones */
         blk8 *k = &kb[i];
-        k->s_lo = _mm256_set_m128(_mm_loadu_ps(ks[1].s[j + i]), _mm_loadu_ps(ks[0].s[j + i]));
-        k->s_hi = _mm256_set_m128(_mm_loadu_ps(ks[1].s[j + i] + MR), _mm_loadu_ps(ks[0].s[j + i] + MR));
-        k->c_lo = _mm256_set_m128(_mm_loadu_ps(ks[1].c[j + i]), _mm_loadu_ps(ks[0].c[j + i]));
-        k->c_hi = _mm256_set_m128(_mm_loadu_ps(ks[1].c[j + i] + MR), _mm_loadu_ps(ks[0].c[j + i] + MR));
+        k->s_lo = k->s_hi = _mm256_loadu_ps(ks->s[j + i]);
+        k->c_lo = k->c_hi = _mm256_loadu_ps(ks->c[j + i]);
     }
 }
 
@@ -615,9 +664,12 @@ static inline __attribute__((always_inline)) void lane_fused(int32_t type, const
     kscales ks[2];
     for (int64_t b = 0; b < nb; b++) {
         blk8 k[2];
-        prefetch_slice(next, b, step);
         if (type == ST_TYPE_Q4_K) { /* sub-blocks in pairs */
-            prefetch_slice(next, b + 1, step);
+            /* the pair's slice of the next row block, 2 * step = 288 bytes: five fixed line
+             * requests cover it wherever it starts (prefetch_slice's loop, twice, cost 7% of the
+             * one-token rate with the rows in cache) */
+            const uint8_t *p = next + (size_t)b * step;
+            for (int l = 0; l < 5; l++) _mm_prefetch((const char *)(p + 64 * l), _MM_HINT_T0);
             load_blk8_q4k_pair(rows, b, ks, k);
             for (int i = 0; i < 2; i++)
                 for (int t = 0; t < NT; t++)
@@ -625,6 +677,7 @@ static inline __attribute__((always_inline)) void lane_fused(int32_t type, const
             b++;
             continue;
         }
+        prefetch_slice(next, b, step);
         load_blk8_q4(type, rows, b, &k[0]);
         for (int t = 0; t < NT; t++) acc[t] = lane_fma(sum8(k[0].w, a[t].q + b * QK), k[0].s_lo, k[0].c_lo, &a[t], b, acc[t]);
     }

@@ -113,19 +113,34 @@ static inline void k_halves(const lbstate *st, int j, lb8 *k) {
     k->pair = st->Tm[j];
 }
 
-/* Q2_K super-block i of the eight rows: scales and mins transposed, d and -dmin. */
+/* Q2_K super-block i of the eight rows: scales and mins transposed, d and -dmin. The 16 scale
+ * bytes of the eight rows are transposed packed (rows8_16: p[k] dword r = scale bytes 4k..4k+3
+ * of row r), then one byte shuffle per sub-block widens its two bytes to the int16 pair
+ * [sc_2j, sc_2j+1] of T[j] (before: each row widened to 16-bit and two 8x8 transposes, about
+ * twice the shuffles); d and dmin, adjacent f16, come in one dword per row. */
 static inline void q2k_super(const uint8_t *const *rows, int64_t i, lbstate *st) {
     const size_t o = (size_t)i * sizeof(blk_q2_k);
-    const __m256i m4 = _mm256_set1_epi16(0x0F);
-    for (int r = 0; r < 8; r++) {
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(rows[r] + o)));
-        st->T[r] = _mm256_and_si256(v, m4);
-        st->Tm[r] = _mm256_srli_epi16(v, 4);
+    __m256i p[4];
+    rows8_16(rows, o, p);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i even = _mm256_setr_epi8(0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1, 0, -1, 1, -1, 4, -1,
+                                          5, -1, 8, -1, 9, -1, 12, -1, 13, -1);
+    const __m256i odd = _mm256_add_epi8(even, _mm256_setr_epi8(2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                                               0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0));
+    for (int k = 0; k < 4; k++) {
+        const __m256i sc = _mm256_and_si256(p[k], m4), mn = _mm256_and_si256(_mm256_srli_epi16(p[k], 4), m4);
+        st->T[2 * k] = _mm256_shuffle_epi8(sc, even), st->T[2 * k + 1] = _mm256_shuffle_epi8(sc, odd);
+        st->Tm[2 * k] = _mm256_shuffle_epi8(mn, even), st->Tm[2 * k + 1] = _mm256_shuffle_epi8(mn, odd);
     }
-    transpose8x8_epi32(st->T);
-    transpose8x8_epi32(st->Tm);
-    st->S[0] = f16_rows8(rows, o + offsetof(blk_q2_k, d));
-    st->S[1] = _mm256_xor_ps(f16_rows8(rows, o + offsetof(blk_q2_k, dmin)), _mm256_set1_ps(-0.0f));
+    const size_t od = o + offsetof(blk_q2_k, d); /* dmin follows d */
+    const __m256i h = _mm256_setr_epi32((int)ld32(rows[0] + od), (int)ld32(rows[1] + od), (int)ld32(rows[2] + od),
+                                        (int)ld32(rows[3] + od), (int)ld32(rows[4] + od), (int)ld32(rows[5] + od),
+                                        (int)ld32(rows[6] + od), (int)ld32(rows[7] + od));
+    /* [d0..d3 dmin0..dmin3 | d4..d7 dmin4..dmin7] as 16-bit words, then [d0..d7 | dmin0..dmin7] */
+    const __m256i dm = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(h, 16)), 0xD8);
+    st->S[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(dm));
+    st->S[1] = _mm256_xor_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(dm, 1)), _mm256_set1_ps(-0.0f));
 }
 
 /* Q3_K: the 16 scales (sc - 32) of one row's block as int16, from the 16 bytes at offset 94
