@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", action="store_true",
                    help="an A/A run: the second side of every pair is a second connection straight to the lane, "
                         "not the gateway; its 'added' figures are the method's noise floor at that moment")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a line of the started gateway's config (TOML), e.g. sched_slice_ms=0, for an A/B")
     p.add_argument("--stages", action="store_true",
                    help="the started gateway logs per-stage times (trace_stages); their medians are reported")
     args = p.parse_args(argv)
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-gwbench-")))
             print("gateway_overhead: starting a lane and the gateway ...", flush=True)
             extra = ("count_locally = false\n" if args.count_via_lane else "") + \
-                ("trace_stages = true\n" if args.stages else "")
+                ("trace_stages = true\n" if args.stages else "") + "".join(line + "\n" for line in args.set)
             lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores, pids)
         retrieval, waited = wait_retrieval(gw_url, 600)
         counting = "unknown (a running stack)"
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report["machine"] = {**machine, "loadavg_after": load_after}
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
-                            "control": args.control,
+                            "control": args.control, "gateway_config": args.set,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
                             "retrieval_wait_s": round(waited, 2), "counted_by": counting}
         write_json(args.json, report)
