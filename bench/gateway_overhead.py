@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="an A/A run: the second side of every pair is a second connection straight to the lane, "
                         "not the gateway; its 'added' figures are the method's noise floor at that moment")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a line of the started gateway's config (TOML), e.g. sched_slice_ms=0, for an A/B")
+                   help="a line of the started gateway's config (TOML), e.g. log_batch_s=0, for an A/B")
     p.add_argument("--stages", action="store_true",
                    help="the started gateway logs per-stage times (trace_stages); their medians are reported")
     args = p.parse_args(argv)

@@ -39,31 +39,6 @@ EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 3
 LINGER_S = 2.0
 
 
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # the syscall's number (the C library has no wrapper)
-
-
-def shorten_slice(ms: float) -> bool:
-    """Ask the kernel for a CPU slice of ``ms`` for the calling thread, the event loop's (EEVDF, Linux 6.12+: a
-    task with a shorter slice gets an earlier deadline, so when a request or a lane's token wakes it on a busy
-    machine it preempts a long-running task instead of waiting out that task's slice; its share of the CPU is
-    unchanged). Its nice value is kept. False where the kernel or the machine cannot (an older kernel ignores it)."""
-    import ctypes
-    import platform
-    import struct
-
-    nr = _SCHED_SETATTR.get(platform.machine())
-    if nr is None or not sys.platform.startswith("linux"):
-        return False
-    # struct sched_attr (SCHED_ATTR_SIZE_VER0): size, policy (SCHED_OTHER), flags, nice, priority, runtime, ...
-    attr = ctypes.create_string_buffer(struct.pack("IIqiIQQQ", 48, 0, 0, os.getpriority(os.PRIO_PROCESS, 0), 0,
-                                                   int(ms * 1e6), 0, 0), 48)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(nr, 0, attr, 0) != 0:
-        log.warning("cannot set the event loop's CPU slice to %g ms: %s", ms, os.strerror(ctypes.get_errno()))
-        return False
-    return True
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway", description="Strata gateway: the public OpenAI-compatible face")
     p.add_argument("--config", type=Path, help="TOML gateway config (then STRATA_GATEWAY_* environment overrides)")
@@ -95,8 +70,6 @@ async def serve(config: GatewayConfig) -> int:
     # stall of the event loop measured on the 2-core VM, 2026-12-02)
     gc.collect()
     gc.freeze()
-    if config.sched_slice_ms > 0:
-        shorten_slice(config.sched_slice_ms)
     guard = app[GATEWAY].connections
     assert guard is not None and runner.server is not None
     guard.max_total = fit

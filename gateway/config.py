@@ -164,10 +164,6 @@ class GatewayConfig(BaseModel):
     metrics_public: bool = Field(False, description="True: /metrics answers without a key (else the admin key: "
                                  "its labels name lanes and keys' limits, its counters what clients did)")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
-    sched_slice_ms: float = Field(0.5, ge=0, le=100.0, description="the event loop thread's CPU slice (Linux "
-                                  "6.12+ EEVDF, sched_setattr; the kernel raises one below 0.1): a short one lets it "
-                                  "run as soon as a request or a lane's token wakes it on a busy machine (0: the "
-                                  "kernel's)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="per-key limits and their defaults")
     rag: RagConfig = Field(default_factory=RagConfig, description="documents and retrieval (docs/rag.md)")
