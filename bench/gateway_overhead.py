@@ -23,7 +23,12 @@ per-request cost this measures. The measured request
 names no session and no collections: the plain path (auth, window precheck, dispatch, relay).
 
 ``--stages`` turns on the started gateway's ``trace_stages`` and reports the median time of each of its
-stages and the lane's own TTFT for direct and relayed requests (from the two processes' logs);
+stages and the lane's own TTFT for direct and relayed requests (from the two processes' logs), and joins them
+to every measured pair by request id (the client, the gateway and the lane read the same monotonic clock):
+each gateway request cut into segments (client -> gateway, gateway in, via the lane, relay, -> client), the
+gateway's step-to-step times (median / p99), and the 5 worst pairs segment by segment, so a tail is traced
+to where it grew; ``--control`` is an A/A run, both sides of every pair straight to the lane, whose
+"added" figures are the method's own noise floor on the box at that moment;
 ``--count-via-lane`` starts the gateway with ``count_locally = false`` (the window precheck asks the
 lane's ``/tokenize``), for an A/B of the precheck.
 
@@ -48,6 +53,7 @@ the load of other processes hardly moves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import http.client
 import json
@@ -162,9 +168,12 @@ def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores:
 
 
 class Client:
-    """One keep-alive HTTP connection; ``stream()`` -> (ttft_s, total_s, text)."""
+    """One keep-alive HTTP connection; ``stream()`` -> (ttft_s, total_s, text). After each call ``sent`` is when
+    the request left (``time.monotonic()``, the clock the gateway's stage stamps use) and ``rid`` the request's id
+    as the lane logs it (``xrid``): the one sent with it (``prefix`` + a count), or, through the gateway (``key``
+    given), the gateway's own ``X-Request-Id``, which the gateway forwards to the lane."""
 
-    def __init__(self, base: str, key: str | None) -> None:
+    def __init__(self, base: str, key: str | None, prefix: str = "bench-") -> None:
         u = urlsplit(base)
         self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
         self.headers = {"Content-Type": "application/json"}
@@ -172,13 +181,21 @@ class Client:
             self.headers["Authorization"] = f"Bearer {key}"
         self.conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
         self.body = json.dumps(BODY).encode()
+        self.prefix = prefix
+        self.count = 0
+        self.sent = 0.0
+        self.rid = ""
 
     def stream(self) -> tuple[float, float, str]:
+        self.count += 1
+        rid = f"{self.prefix}{self.count}"
         t0 = time.perf_counter()
-        self.conn.request("POST", "/v1/chat/completions", body=self.body, headers=self.headers)
+        self.sent = time.monotonic()
+        self.conn.request("POST", "/v1/chat/completions", body=self.body, headers={**self.headers, "X-Request-Id": rid})
         r = self.conn.getresponse()
         if r.status != 200:
             raise SystemExit(f"gateway_overhead: HTTP {r.status}: {r.read()[:300]!r}")
+        self.rid = (r.headers.get("X-Request-Id") or rid) if "Authorization" in self.headers else rid
         ttft: float | None = None
         text = ""
         while True:
@@ -214,9 +231,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int, pids: dict[str, int] | None = None
-        ) -> dict[str, Any]:
-    direct, gateway = Client(lane_url, None), Client(gw_url, key)
+def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int, pids: dict[str, int] | None = None,
+        control: bool = False) -> dict[str, Any]:
+    """``n`` measured pairs. ``control``: the "gateway" side is a second connection straight to the lane (an A/A
+    run: every figure is then the method's own noise at that moment, what no gateway can go below)."""
+    direct = Client(lane_url, None, "bench-d")
+    gateway = Client(lane_url, None, "bench-c") if control else Client(gw_url, key)
     for _ in range(warmup):
         direct.stream()
         gateway.stream()
@@ -230,9 +250,11 @@ def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int, pids: dict[st
             res = {}
             for c in order:
                 ttft, total, _ = c.stream()
-                res["gw" if c is gateway else "direct"] = (ttft, total)
+                res["gw" if c is gateway else "direct"] = (ttft, total, c.sent, c.rid)
             samples.append({"direct_ttft_ms": res["direct"][0] * 1e3, "direct_total_ms": res["direct"][1] * 1e3,
-                            "gateway_ttft_ms": res["gw"][0] * 1e3, "gateway_total_ms": res["gw"][1] * 1e3})
+                            "gateway_ttft_ms": res["gw"][0] * 1e3, "gateway_total_ms": res["gw"][1] * 1e3,
+                            "gateway_first": i % 2 == 1, "direct_sent": res["direct"][2],
+                            "gateway_sent": res["gw"][2], "direct_id": res["direct"][3], "gateway_id": res["gw"][3]})
     finally:
         gc.enable()
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in (pids or {}).items()}
@@ -263,23 +285,73 @@ def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int, pids: dict[st
     return {"summary": summary, "samples": samples}
 
 
-def stage_report(tmp: Path, n: int) -> dict[str, Any]:
-    """Medians of the gateway's per-stage times (``trace_stages``: ms since the request arrived) over the last
-    ``n`` generation requests, and the mean TTFT the lane itself logged for direct and relayed requests (its log
-    has 1 ms resolution: means, not medians)."""
-    stages: dict[str, list[float]] = {}
-    lines = [ln for ln in (tmp / "gateway.log").read_text(errors="replace").splitlines() if " stages=" in ln][-n:]
-    for ln in lines:
-        for part in ln.split(" stages=", 1)[1].split()[0].split(","):
-            name, ms = part.rsplit(":", 1)
-            stages.setdefault(name, []).append(float(ms))
-    lane: dict[str, list[float]] = {"direct": [], "gateway": []}
+def _fields(line: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+def stage_report(tmp: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where each measured pair's time went, from the started gateway's ``trace_stages`` lines and the lane's
+    access log, joined by request id: the medians of the gateway's stages (ms since the request arrived: ``body``
+    read, prompt ``counted``, upstream ``post`` sent, lane ``headers`` back, the lane's first ``chunk`` read,
+    ``first_token`` written) and the lane's own TTFT (its log: 1 ms resolution) for direct and relayed requests;
+    then each gateway request cut into segments on the one monotonic clock: ``to_gateway`` (client send ->
+    the gateway's handler starts), ``gateway_in`` (-> upstream POST sent: auth, body, precheck), ``via_lane``
+    (-> the lane's first chunk read: the lane's own TTFT and both hops), ``relay`` (-> first token written),
+    ``to_client`` (-> the client read it); and ``added_outside_lane``: the pair's added TTFT less the difference
+    of the lane's own TTFTs of its two requests, the part the engine's variance does not explain (a diagnosis,
+    1 ms resolution: not the target). The 5 pairs with the largest added TTFT are listed segment by segment."""
+    gw: dict[str, tuple[float, dict[str, float]]] = {}
+    for ln in (tmp / "gateway.log").read_text(errors="replace").splitlines():
+        if " stages=" not in ln:
+            continue
+        f = _fields(ln)
+        stages = {name: float(ms) for name, ms in (part.rsplit(":", 1) for part in f["stages"].split(","))}
+        gw[f["id"]] = (float(f["t0"]), stages)
+    lane_ttft: dict[str, float] = {}
     for ln in (tmp / "lane.log").read_text(errors="replace").splitlines():
-        if "POST /v1/chat/completions" in ln and " ttft=" in ln:
-            ttft = float(ln.split(" ttft=", 1)[1].split()[0]) * 1000
-            lane["gateway" if "xrid=gw-" in ln else "direct"].append(ttft)
-    return {"gateway_stage_median_ms": {k: round(statistics.median(v), 3) for k, v in stages.items()},
-            "lane_ttft_mean_ms": {k: round(statistics.fmean(v[-n:]), 3) for k, v in lane.items() if v}}
+        if "POST /v1/chat/completions" in ln and " ttft=" in ln and " xrid=" in ln:
+            f = _fields(ln)
+            with contextlib.suppress(ValueError):
+                lane_ttft[f["xrid"]] = float(f["ttft"]) * 1000
+    stage_lists: dict[str, list[float]] = {}
+    seg_lists: dict[str, list[float]] = {}
+    step_lists: dict[str, list[float]] = {}  # from one stage to the next
+    rows = []
+    for i, smp in enumerate(samples):
+        g = gw.get(smp["gateway_id"])
+        if g is None:
+            continue
+        t0, st = g
+        prev, prev_ms = "arrival", 0.0
+        for name, ms in st.items():
+            stage_lists.setdefault(name, []).append(ms)
+            step_lists.setdefault(f"{prev}>{name}", []).append(ms - prev_ms)
+            prev, prev_ms = name, ms
+        to_gw = (t0 - smp["gateway_sent"]) * 1000
+        seg = {"to_gateway": to_gw, "gateway_in": st.get("post", float("nan")),
+               "via_lane": st.get("chunk", float("nan")) - st.get("post", float("nan")),
+               "relay": st.get("first_token", float("nan")) - st.get("chunk", float("nan")),
+               "to_client": smp["gateway_ttft_ms"] - to_gw - st.get("first_token", float("nan"))}
+        lg, ld = lane_ttft.get(smp["gateway_id"]), lane_ttft.get(smp["direct_id"])
+        if lg is not None and ld is not None:
+            seg["lane_ttft_gateway"], seg["lane_ttft_direct"] = lg, ld
+            seg["added_outside_lane"] = (smp["gateway_ttft_ms"] - lg) - (smp["direct_ttft_ms"] - ld)
+        for k, v in seg.items():
+            if v == v:  # not NaN
+                seg_lists.setdefault(k, []).append(v)
+        rows.append({"pair": i, "added_ttft_ms": smp["gateway_ttft_ms"] - smp["direct_ttft_ms"],
+                     "direct_ttft_ms": smp["direct_ttft_ms"], "gateway_first": smp["gateway_first"],
+                     **{k: round(v, 3) for k, v in seg.items()}})
+    worst = sorted(rows, key=lambda r: r["added_ttft_ms"], reverse=True)[:5]
+    return {"gateway_stage_median_ms": {k: round(statistics.median(v), 3) for k, v in stage_lists.items()},
+            "lane_ttft_mean_ms": {k: round(statistics.fmean(v), 3) for k, v in
+                                  (("direct", seg_lists.get("lane_ttft_direct", [])),
+                                   ("gateway", seg_lists.get("lane_ttft_gateway", []))) if v},
+            "segments_ms": {k: {"median": round(statistics.median(v), 3), "p99": round(_pct(v, 0.99), 3)}
+                            for k, v in seg_lists.items()},
+            "steps_ms": {k: {"median": round(statistics.median(v), 3), "p99": round(_pct(v, 0.99), 3)}
+                         for k, v in step_lists.items()},
+            "worst_pairs": worst, "pairs_joined": len(rows), "pairs": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                         "as before the local count: for an A/B of the window precheck")
     p.add_argument("--lane-cores", help="the started lane's cores (STRATA_LANE_CORES): 'auto' pins lane a to the "
                    "first half of the CPUs as `make run` does (default: unpinned, one engine thread per CPU)")
+    p.add_argument("--control", action="store_true",
+                   help="an A/A run: the second side of every pair is a second connection straight to the lane, "
+                        "not the gateway; its 'added' figures are the method's noise floor at that moment")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a line of the started gateway's config (TOML), e.g. log_batch_s=0, for an A/B")
     p.add_argument("--stages", action="store_true",
                    help="the started gateway logs per-stage times (trace_stages); their medians are reported")
     args = p.parse_args(argv)
@@ -309,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-gwbench-")))
             print("gateway_overhead: starting a lane and the gateway ...", flush=True)
             extra = ("count_locally = false\n" if args.count_via_lane else "") + \
-                ("trace_stages = true\n" if args.stages else "")
+                ("trace_stages = true\n" if args.stages else "") + "".join(line + "\n" for line in args.set)
             lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores, pids)
         retrieval, waited = wait_retrieval(gw_url, 600)
         counting = "unknown (a running stack)"
@@ -320,11 +397,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream); prompts counted by "
               f"{counting}", flush=True)
         machine = machine_info()  # before the pairs: it samples how busy the other processes keep the cores
-        report = run(lane_url, gw_url, key, args.n, args.warmup, pids)
+        if args.control:
+            print("gateway_overhead: A/A control: both sides of every pair go straight to the lane", flush=True)
+        report = run(lane_url, gw_url, key, args.n, args.warmup, pids, control=args.control)
         load_after = list(os.getloadavg())
-        if args.stages and not args.lane_url:
+        if args.stages and not args.lane_url and not args.control:
             time.sleep(0.5)  # the last access-log lines
-            report["stages"] = stage_report(tmp, args.n)
+            report["stages"] = stage_report(tmp, report["samples"])
     s = report["summary"]
     print(f"  TTFT median   direct {s['direct_ttft_median_ms']:8.2f} ms   gateway {s['gateway_ttft_median_ms']:8.2f} ms")
     print(f"  total median  direct {s['direct_total_median_ms']:8.2f} ms   gateway {s['gateway_total_median_ms']:8.2f} ms")
@@ -346,9 +425,17 @@ def main(argv: list[str] | None = None) -> int:
         print("  gateway stages, median ms since arrival: " +
               ", ".join(f"{k} {v:.2f}" for k, v in st["gateway_stage_median_ms"].items()))
         print("  lane's own TTFT, mean ms: " + ", ".join(f"{k} {v:.2f}" for k, v in st["lane_ttft_mean_ms"].items()))
+        print(f"  segments of the gateway's requests ({st['pairs_joined']} pairs joined), median / p99 ms: " +
+              ", ".join(f"{k} {v['median']:.2f} / {v['p99']:.2f}" for k, v in st["segments_ms"].items()))
+        print("  gateway steps, median / p99 ms: " +
+              ", ".join(f"{k} {v['median']:.2f} / {v['p99']:.2f}" for k, v in st["steps_ms"].items()))
+        for w in st["worst_pairs"]:
+            print("    worst pair " + " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in w.items()))
     if args.json:
         report["machine"] = {**machine, "loadavg_after": load_after}
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
+                            "control": args.control, "gateway_config": args.set,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
                             "retrieval_wait_s": round(waited, 2), "counted_by": counting}
         write_json(args.json, report)

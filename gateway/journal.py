@@ -97,14 +97,17 @@ class Journal:
                 self._fd = -1
             return self.seq
 
-    def _unlink(self, path: Path) -> None:
-        """Delete a segment whose rows are committed, first writing again into the current segment the lines of
-        rows still in progress that it holds (lock held)."""
+    def _carry(self, path: Path) -> Path:
+        """Write again into the current segment the lines of rows still in progress that ``path``, a segment whose
+        rows are committed, holds (lock held); ``path`` may then be deleted."""
         for rid, (where, line) in list(self._live.items()):
             if where == path:
                 self._live[rid] = (self._write(line), line)
                 self._carried += len(line)
-        path.unlink(missing_ok=True)
+        return path
+
+    def _unlink(self, path: Path) -> None:
+        self._carry(path).unlink(missing_ok=True)
 
     @property
     def in_progress(self) -> int:
@@ -113,16 +116,20 @@ class Journal:
 
     def committed(self, seq: int) -> None:
         """Every row up to number ``seq`` is in the database: full segments holding only such rows go."""
+        done: list[Path] = []
         with self._lock:
             while self._closed and self._closed[0][1] <= seq:
                 path, _ = self._closed.pop(0)
-                self._unlink(path)
+                done.append(self._carry(path))
             if self._fd >= 0 and seq >= self.seq and self._size - self._carried >= 64 * 1024:
                 # everything is written: start a new segment rather than let a quiet one grow
                 os.close(self._fd)
                 self._fd = -1
                 assert self._path is not None
-                self._unlink(self._path)
+                done.append(self._carry(self._path))
+        # deleted outside the lock: an unlink waits on the file system, and append (the event loop) takes the lock
+        for path in done:
+            path.unlink(missing_ok=True)
 
     def replay(self) -> list[dict[str, Any]]:
         """The rows an earlier process journaled (oldest first; a torn last line is skipped)."""

@@ -55,6 +55,8 @@ Kind = Literal["chat", "completion"]
 T = TypeVar("T")
 
 POLL_S = 0.25  # how often a waiting handler looks at its client's connection
+_NULL_USAGE = b',"usage":null}'  # the last member of a lane's stream chunk while the gateway asks for usage
+_FRAMING = 4096  # bytes a write may add beyond its data: the status line and headers with the first, chunk framing
 _EXTRAS = ("session_id", "collections", "citations")  # additive fields the lanes do not know
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
@@ -410,11 +412,13 @@ class _Call:
 
     async def _commit(self, lane: LaneRuntime) -> None:
         self._log_row(200, IN_PROGRESS)  # a stream is logged as in progress before its first byte leaves
+        self.trace.mark("logged")
         self.resp = _EventStream(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
         try:
             await self.resp.prepare(self.request)
         except ConnectionError:
             raise ClientGone from None
+        self.trace.mark("prepared")
 
     async def _send(self, aw: Awaitable[None]) -> None:
         """One write to the client's stream, within ``stream_write_timeout_s``: a client that stopped reading (its
@@ -432,11 +436,26 @@ class _Call:
         except ConnectionError:  # aiohttp's ClientConnectionResetError: the client hung up
             raise ClientGone from None
 
+    def _cannot_block(self, size: int) -> bool:
+        """Whether writing ``size`` more bytes to the client returns without waiting for it: its transport is not
+        paused and stays at or below its high-water mark after them (aiohttp waits for a drain only while the
+        transport is paused, which happens above that mark). Such a write needs no deadline."""
+        t = self.request.transport
+        if t is None or self.request.protocol.writing_paused:
+            return False
+        return t.get_write_buffer_size() + size + _FRAMING <= t.get_write_buffer_limits()[1]
+
     async def _write(self, lane: LaneRuntime, data: bytes) -> None:
         if self.resp is None:
             await self._commit(lane)
         assert self.resp is not None
-        await self._send(self.resp.write(data))
+        if self._cannot_block(len(data)):
+            try:  # the common write: no timer to arm and cancel per chunk
+                await self.resp.write(data)
+            except ConnectionError:
+                raise ClientGone from None
+        else:
+            await self._send(self.resp.write(data))
         self.last_write = time.monotonic()
 
     async def _send_chunk(self, lane: LaneRuntime, obj: dict[str, Any]) -> None:
@@ -593,7 +612,8 @@ class _Call:
                 return False  # the usage chunk we asked for ourselves
         if not self.client_usage and "usage" in obj:
             del obj["usage"]
-            out = _dumps(obj)
+            # the lane ends each chunk with the null usage the gateway asked for: cut from its bytes, not re-encoded
+            out = out[: -len(_NULL_USAGE)] + b"}" if usage is None and out.endswith(_NULL_USAGE) else _dumps(obj)
         if self.texts is not None:
             for ch in obj.get("choices") or []:
                 delta = ch.get("delta") if isinstance(ch.get("delta"), dict) else None

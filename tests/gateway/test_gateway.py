@@ -122,6 +122,26 @@ async def test_chat_non_stream_and_stream(client: openai.AsyncOpenAI, gw: GW, ht
     assert rows[1]["completion_tokens"] == resp.usage.completion_tokens  # greedy: the same answer
 
 
+async def test_stream_chunks_relayed_as_the_lane_wrote_them_less_the_usage(gw: GW, http: aiohttp.ClientSession,
+                                                                          lanes: dict[str, Lane]) -> None:
+    """Without stream_options the client's chunks are the lane's own bytes with the null usage member (which the
+    gateway asked the lane for) cut off: compact JSON, no "usage" key, every other member in the lane's order."""
+    body = {"model": "strata-default", "messages": QUESTION, "max_tokens": 6, "temperature": 0, "stream": True}
+    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth(ADMIN_KEY)) as r:
+        relayed = [ln.removeprefix("data: ") for ln in await sse(r) if ln.startswith("data: {")]
+    wanted = {**body, "stream_options": {"include_usage": True}}
+    async with http.post(lanes["a"].url + "/v1/chat/completions", json=wanted) as r:
+        direct = [ln.removeprefix("data: ") for ln in await sse(r) if ln.startswith("data: {")]
+    assert relayed and all('"usage"' not in ln for ln in relayed)
+    assert all(ln == json.dumps(json.loads(ln), ensure_ascii=False, separators=(",", ":")) for ln in relayed)
+    lane_chunks = [json.loads(ln) for ln in direct if json.loads(ln)["choices"]]  # the usage chunk is not relayed
+    assert all(c.pop("usage", 0) is None for c in lane_chunks)
+    for mine, theirs in zip([json.loads(ln) for ln in relayed], lane_chunks, strict=True):
+        for d in (mine, theirs):
+            d.pop("id"), d.pop("created")
+        assert list(mine) == list(theirs) and mine == theirs
+
+
 async def test_completions_stream_and_non_stream(client: openai.AsyncOpenAI) -> None:
     resp = await client.completions.create(model="strata-default", prompt="The capital of France is",
                                            max_tokens=8, temperature=0)
