@@ -253,12 +253,12 @@ def test_frame_profile_parts(paths: dict, mode: str) -> None:
                 assert st.t_pcie == 0 and st.pcie_bytes == 0 and st.t_gpu == st.t_total
                 continue
             # per layer: xn [16, E] and the routing to the host, the flag (8 bytes: the step's value and the CPU's
-            # row count), and back the CPU's rows with their indices
+            # row count), and back the rows' region (room for every pair's row and index: queued before the count)
             E, k = hp.n_embd, hp.n_expert_used
             assert hyb.resident is not None
             n_cpu_layers = int((hyb.resident.sum(axis=1) < hp.n_expert).sum())  # layers with a CPU share
-            cpu_pairs = round((1.0 - st.resident_hit_rate) * st.n_expert_tokens)
-            assert st.pcie_bytes == n_cpu_layers * (4 * N_SEQS * E + 4 * N_SEQS * k + 8) + cpu_pairs * (4 * E + 4)
+            pairs = N_SEQS * k
+            assert st.pcie_bytes == n_cpu_layers * (4 * N_SEQS * E + 4 * pairs + 8 + 4 * pairs * (E + 1))
             assert st.t_pcie > 0 and st.t_cpu_experts > 0 and st.t_cpu_wait >= 0
             if frac == 0.0:
                 assert st.resident_hit_rate == 0.0

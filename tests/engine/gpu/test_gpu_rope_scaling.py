@@ -27,7 +27,11 @@ from tests.engine.gpu._model_checks import check_batched, check_greedy
 
 pytestmark = requires_gpu
 
-TOL = 1e-3
+# GPU against CPU: the GPU's prefill attention runs on tensor cores (K and V as f16 in both engines; the scores in
+# f16 products), 1.1-2.6e-3 of max|ref| at head_dim 128 on the H200; the GPU model rule of _model_checks is 1e-2
+TOL = 5e-3
+# a comparison that sees the scaling: the unscaled (or file-only) model is further from the reference than this
+SEEN = 2e-2
 ORIG = 64
 FACTOR = 4.0
 PROMPT_LEN = 200
@@ -115,7 +119,7 @@ def test_scaled_model_gpu_matches_cpu_beyond_the_original_context(variant: tuple
         path, device="cuda:0", kv_tokens=512, rope=RopeOverrides(rope_scaling_type="none")
     ) as plain:
         off = np.asarray(plain.logits_for(prompt), np.float32)
-    assert rel_err(off[ORIG:], ref[ORIG:]) > 20 * TOL  # the comparison sees the scaling
+    assert rel_err(off[ORIG:], ref[ORIG:]) > SEEN  # the comparison sees the scaling
 
 
 def test_split_decode_of_a_scaled_model_matches_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,4 +153,4 @@ def test_lane_overrides_run_the_same_on_both_devices(tmp_path: Path) -> None:
     with Engine.open(path, device="cuda:0", kv_tokens=512) as file_only:
         base = np.asarray(file_only.logits_for(prompt), np.float32)
     assert rel_err(got, ref) <= TOL, rel_err(got, ref)
-    assert rel_err(base[32:], ref[32:]) > 10 * TOL  # the override did change the model
+    assert rel_err(base[32:], ref[32:]) > SEEN / 2  # the override did change the model
