@@ -49,7 +49,7 @@ def find_nvcc() -> str | None:
 
 def sources() -> list[Path]:
     return sorted(CUDA_SRC.glob("*.cu")) + sorted(CUDA_SRC.glob("*.cuh")) + sorted(CUDA_SRC.glob("*.h")) + [
-        ROOT / "engine" / "csrc" / "strata.h"]
+        ROOT / "engine" / "csrc" / n for n in ("strata.h", "rope_table.h", "iq_grids.h")]
 
 
 def up_to_date(target: Path = TARGET) -> bool:

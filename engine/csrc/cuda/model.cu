@@ -1,6 +1,7 @@
 /* Model upload and memory: devices, settings, shape checks, the weight arena, the KV cache, the step's
  * scratch and pinned host memory. */
 #include "model.cuh"
+#include "../rope_table.h" /* the rope table, model.c's own */
 
 /* ------------------------------------------------------------------ devices */
 
@@ -210,39 +211,6 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     return ST_OK;
 }
 
-/* YaRN's correction dimension (ggml_rope_yarn_corr_dim, in float as ggml computes it): model.c's. */
-static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
-    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * 3.14159265358979f)) / (2.0f * logf(base));
-}
-
-/* Each rotary pair's angle per position and the magnitude factor, rope scaling included: model.c's
- * rope_table operation for operation (the rule is in strata.h beside the rope_* fields), so both
- * engines rotate by the same floats. The descriptor is validated. */
-static void rope_table(const st_model_desc *d, float *inv_freq, float *mscale) {
-    const int n_dims = d->rope_dim;
-    const float fs = d->rope_freq_scale > 0.0f ? d->rope_freq_scale : 1.0f;
-    const float ext = d->rope_ext_factor;
-    float lo = 0.0f, hi = 0.0f, ms = d->rope_attn_factor > 0.0f ? d->rope_attn_factor : 1.0f;
-    if (ext != 0.0f) {
-        const float start = floorf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_fast, d->rope_base));
-        const float end = ceilf(yarn_corr_dim(n_dims, d->rope_n_ctx_orig, d->rope_beta_slow, d->rope_base));
-        lo = start > 0.0f ? start : 0.0f;
-        hi = end < (float)(n_dims - 1) ? end : (float)(n_dims - 1);
-        ms *= 1.0f + 0.1f * logf(1.0f / fs);
-    }
-    for (int i = 0; i < n_dims / 2; i++) {
-        const double extrap = 1.0 / pow((double)d->rope_base, (double)(2 * i) / (double)n_dims);
-        double mix = 0.0;
-        if (ext != 0.0f) {
-            const float span = hi - lo > 0.001f ? hi - lo : 0.001f;
-            float y = ((float)i - lo) / span;
-            y = y < 0.0f ? 0.0f : (y > 1.0f ? 1.0f : y);
-            mix = (double)((1.0f - y) * ext);
-        }
-        inv_freq[i] = (float)(extrap * ((double)fs * (1.0 - mix) + mix));
-    }
-    *mscale = ms;
-}
 
 /* A device allocation recorded in `list` (freed with it). */
 template <typename P> static stg_status dalloc_in(dlist &list, P **p, size_t n) {
