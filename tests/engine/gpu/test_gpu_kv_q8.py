@@ -10,11 +10,17 @@ applied in fp32) is held to 1e-3 of max|ref| of the reference, the rule of every
 the tensor-core prefill kernel over a cached prefix, whose K and V enter as f16(q * d) (one more f16 rounding of
 each value, like p's), within 2e-3.
 
-Model level (a random F32 model, head_dim 128, 4 query heads on 1 kv head): the GPU's logits on its 8-bit cache
-against the CPU engine's on its 8-bit cache within 1e-2 of max|ref| (the GPU-vs-CPU rule of test_gpu_models.py;
-the K / V the devices quantise differ in the last bits, which can move a value by one step of its group), greedy
-tokens identical up to the CPU's first near-tie (agreement printed), and the 8-bit cache's distance from the F16
-cache on the GPU printed (its accuracy). A model the 8-bit kernels do not take (head_dim 32) is refused.
+Model level (a random F32 MoE model, head_dim 128, 4 query heads on 1 kv head, prompts of 700, 40 and 1,500 tokens
+in prefill chunks of 256, so later chunks read an 8-bit prefix written by earlier steps): the GPU's logits on its 8-bit
+cache against the CPU engine's on its 8-bit cache. A max-norm bound cannot hold on this model: the K / V the devices
+quantise differ in the last bits, which moves a value by one step of its group now and then, and a top-2 routing
+near-tie turns that into a jump; on the CPU alone a relative change of 1e-5 in the layers' weights moves the 700-token
+logits by 0.18 of max|ref| (8-bit cache; 0.27 on the F16 cache), the 8-bit cache itself by 0.73 from the F16 cache.
+What a wrong read (block, scale, key count, a stale prefix) cannot avoid is moving most rows: so each prefill chunk's
+median row error (max|diff| of the row / max|ref|) is held to MODEL_MEDIAN_RATIO of the same chunk's median distance
+between the CPU's 8-bit and F16 caches (the quantisation's own effect), and argmax agreement to MODEL_AGREE; greedy
+tokens identical up to the CPU's first near-tie within the same noise. A model the 8-bit kernels do not take
+(head_dim 32) is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ pytestmark = requires_gpu
 REF_TOL = 1e-3  # any GPU attention vs the reference, of max|ref|
 PREFILL_TOL = 2e-3  # the prefill kernel: K and V rounded to f16 after their scale
 GPU_REF_TOL = 1e-5  # the GPU's reference kernel vs the CPU's
+# the model test (see the module docstring): per prefill chunk, the median row error GPU q8 vs CPU q8 as a share of
+# the 8-bit cache's own median effect (CPU q8 vs CPU f16); argmax agreement; the CPU's top-2 gap where greedy parts.
+# On the CPU, relative weight changes of 1e-5 / 3e-5 / 1e-4 give shares 0.06-0.10 / 0.11-0.20 / 0.24-0.35 and
+# agreement 0.97-1.0 / 0.96-0.975 / 0.92-0.975; a wrong read moves rows by the quantisation's effect or more (share >= 1)
+MODEL_MEDIAN_RATIO = 0.3
+MODEL_AGREE = 0.9
+MODEL_GREEDY_GAP = 5e-2
 
 
 def cpu_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -300,7 +313,11 @@ def test_q8_refuses_bad_arguments(g: tuple) -> None:
     ):  # the split path: one token a sequence
         run_q8(g, 1, c, 16, 128, 32, 4, q, pos, seq)
     with pytest.raises(AssertionError, match="bad arguments"):  # head_dim 32: no 8-bit kernels
-        run_q8(g, 0, c, 16, 32, 4, 4, q[:, : 4 * 32], pos, seq)
+        run_q8(g, 0, c, 16, 32, 4, 4, np.ascontiguousarray(q[:, : 4 * 32]), pos, seq)
+    with pytest.raises(AssertionError, match="consecutive"):  # the prefill path: positions in order
+        run_q8(g, 2, c, 16, 128, 32, 4, q, pos, seq)
+    with pytest.raises(AssertionError, match="position 48"):  # past the sequence's 3-block table
+        run_q8(g, 0, c, 16, 128, 32, 4, q, np.array([39, 48], np.int32), seq)
 
 
 # ------------------------------------------------------------------------------------------------ model level
@@ -323,34 +340,47 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+def row_errs(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Each row's max|got - ref| over max|ref| of the whole array."""
+    return np.abs(got - ref).max(-1) / max(float(np.abs(ref).max()), 1e-30)
+
+
 def test_gpu_q8_cache_matches_cpu_q8_cache(q8_model: Path) -> None:
     rng = np.random.default_rng(30)
     prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (700, 40, 1500)]
-    kw = dict(kv_tokens=4096, prefill_chunk=256)
+    chunk = 256
+    kw = dict(kv_tokens=4096, prefill_chunk=chunk)
     with (
         Engine.open(q8_model, threads=2, kv_type="q8_0", **kw) as cpu,
+        Engine.open(q8_model, threads=2, **kw) as cpu16,
         Engine.open(q8_model, device="cuda:0", kv_type="q8_0", **kw) as gpu,
         Engine.open(q8_model, device="cuda:0", **kw) as f16,
     ):
         assert gpu._gpu.kv_bytes == f16._gpu.kv_bytes * 17 // 32
         for p in prompts:
-            a, b, h = cpu.logits_for(p), gpu.logits_for(p), f16.logits_for(p)
-            e, e16 = rel_err(b, a), rel_err(b, h)
+            a, b, h, a16 = cpu.logits_for(p), gpu.logits_for(p), f16.logits_for(p), cpu16.logits_for(p)
+            r, quant, floor = row_errs(b, a), row_errs(a, a16), row_errs(h, a16)
             agree = float((a.argmax(-1) == b.argmax(-1)).mean())
             print(
-                f"{len(p)} tokens: GPU q8 vs CPU q8 {e:.2e} of max|ref| (argmax agreement {agree:.3f}); "
-                f"GPU q8 vs GPU f16 {e16:.2e}"
+                f"{len(p)} tokens: GPU q8 vs CPU q8 max {r.max():.2e} median {np.median(r):.2e} (argmax agreement "
+                f"{agree:.3f}); GPU f16 vs CPU f16 max {floor.max():.2e} median {np.median(floor):.2e}; "
+                f"CPU q8 vs CPU f16 max {quant.max():.2e} median {np.median(quant):.2e}; "
+                f"GPU q8 vs GPU f16 {rel_err(b, h):.2e}"
             )
-            assert e <= 1e-2, (
-                f"{len(p)}-token prompt: the GPU's 8-bit cache {e:.3e} of max|ref| from the CPU's"
-            )
+            for s in range(0, len(p), chunk):
+                got, want = float(np.median(r[s : s + chunk])), float(np.median(quant[s : s + chunk]))
+                assert got <= MODEL_MEDIAN_RATIO * want, (
+                    f"{len(p)}-token prompt, prefill chunk at {s}: the GPU's 8-bit cache a median {got:.3e} of "
+                    f"max|ref| from the CPU's, the 8-bit cache's own effect {want:.3e}"
+                )
+            assert agree >= MODEL_AGREE, f"{len(p)}-token prompt: argmax agreement {agree:.3f}"
             ta, tb = tokens_of(cpu, p, 32), tokens_of(gpu, p, 32)
             same = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y), len(ta))
             print(
                 f"  greedy: identical for {same} of 32 tokens; vs the GPU's f16 cache "
                 f"{sum(x == y for x, y in zip(tb, tokens_of(f16, p, 32), strict=True))} of 32 the same"
             )
-            check_greedy(cpu, gpu, p, exact=False)
+            check_greedy(cpu, gpu, p, exact=False, bound=MODEL_GREEDY_GAP)
 
 
 def test_gpu_q8_refuses_head_dim_32(tmp_path: Path) -> None:
