@@ -205,10 +205,10 @@ void st_route_token(const st_model_desc *d, const float *bias, float *r, float *
     if (gating == ST_GATING_SOFTMAX) {
         float mx = -INFINITY, sum = 0.0f;
         for (int e = 0; e < ne; e++) mx = r[e] > mx ? r[e] : mx;
-        for (int e = 0; e < ne; e++) sum += (r[e] = expf(r[e] - mx));
+        for (int e = 0; e < ne; e++) sum += (r[e] = st_expf_cr(r[e] - mx));
         for (int e = 0; e < ne; e++) r[e] /= sum;
     } else if (gating == ST_GATING_SIGMOID) {
-        for (int e = 0; e < ne; e++) r[e] = 1.0f / (1.0f + expf(-r[e]));
+        for (int e = 0; e < ne; e++) r[e] = 1.0f / (1.0f + st_expf_cr(-r[e]));
     }
     for (int e = 0; e < ne; e++) c[e] = bias ? r[e] + bias[e] : r[e];
     if (d->n_expert_group > 1) {
@@ -234,7 +234,7 @@ void st_route_token(const st_model_desc *d, const float *bias, float *r, float *
     if (gating == ST_GATING_SOFTMAX_WEIGHT) {
         float mx = -INFINITY, sum = 0.0f;
         for (int j = 0; j < k; j++) mx = w[j] > mx ? w[j] : mx;
-        for (int j = 0; j < k; j++) sum += (w[j] = expf(w[j] - mx));
+        for (int j = 0; j < k; j++) sum += (w[j] = st_expf_cr(w[j] - mx));
         for (int j = 0; j < k; j++) w[j] /= sum;
     }
 }

@@ -24,8 +24,9 @@ def tokens_of(eng: Engine, ids: list[int], n: int) -> list[int]:
     return eng.generate(ids, max_tokens=n, ignore_eos=True).token_ids
 
 
-def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool, note: str = "",
-                 bound: float = 1e-2) -> None:
+def check_greedy(
+    cpu: Engine, gpu: Engine, prompt: list[int], exact: bool, note: str = "", bound: float = 1e-2
+) -> None:
     """Greedy tokens identical for N_GREEDY steps, or until they first part at a near-tie of the
     oracle (cpu): there the GPU's token is within `bound` of max|logit| below the oracle's (so the
     oracle's own top-2 margin is too). Nothing is compared after it: a near-tie's continuations
@@ -38,9 +39,12 @@ def check_greedy(cpu: Engine, gpu: Engine, prompt: list[int], exact: bool, note:
     assert not exact, f"greedy tokens differ at step {i} on an F32 model"
     lg = cpu.logits_for(prompt + a[:i])[-1]  # a fresh sequence: no prefix-cache reuse
     gap, scale = float(lg[a[i]] - lg[b[i]]), float(np.abs(lg).max())
-    print(f"greedy identical for {i} steps; there the GPU's token is {gap / scale:.3e} of max|logit| below the CPU's")
-    assert 0 <= gap <= bound * scale, \
+    print(
+        f"greedy identical for {i} steps; there the GPU's token is {gap / scale:.3e} of max|logit| below the CPU's"
+    )
+    assert 0 <= gap <= bound * scale, (
         f"step {i}: GPU chose {b[i]}, CPU {a[i]} by a margin of {gap} (max|logit| {scale}, bound {bound:.3e}){note}"
+    )
 
 
 def check_batched(gpu: Engine, prompts: list[list[int]]) -> None:
@@ -59,14 +63,29 @@ def check_batched(gpu: Engine, prompts: list[list[int]]) -> None:
     assert st is not None and st.t_total > 0 and st.n_tokens >= 1
 
 
-def check_model(path: Path, prompts: list[list[int]], kv_tokens: int = 4096, exact: bool = False,
-                tol: float = 1e-2) -> None:
-    with Engine.open(path, threads=2, kv_tokens=kv_tokens) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=kv_tokens) as gpu:
+def check_model(
+    path: Path,
+    prompts: list[list[int]],
+    kv_tokens: int = 4096,
+    exact: bool = False,
+    tol: float = 1e-2,
+    rows: np.ndarray | None = None,
+) -> None:
+    """rows: a mask of prompts[0]'s positions whose logits are judged (None: all); the others are the oracle's
+    own near-ties (decisive_rows)."""
+    with (
+        Engine.open(path, threads=2, kv_tokens=kv_tokens) as cpu,
+        Engine.open(path, device="cuda:0", kv_tokens=kv_tokens) as gpu,
+    ):
         assert gpu.device.kind == "cuda"
         ref = cpu.logits_for(prompts[0])
         got = gpu.logits_for(prompts[0])
         assert got.shape == ref.shape
+        per_row = np.abs(got - ref).max(axis=-1) / np.abs(ref).max()
+        print("GPU vs CPU per position (of max|ref|):", " ".join(f"{e:.1e}" for e in per_row))
+        if rows is not None:
+            print("judged positions:", np.nonzero(rows)[0].tolist())
+            got, ref = got[rows], ref[rows]
         assert rel_err(got, ref) <= tol, rel_err(got, ref)
         check_greedy(cpu, gpu, prompts[0], exact)
         check_batched(gpu, prompts)

@@ -15,9 +15,11 @@ dense layer holds none), tokens equal to the CPU's.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -178,13 +180,44 @@ def test_glm4moe_f32_gpu_matches_cpu(tmp_path: Path, case: str) -> None:
     check_model(path, _prompts(), kv_tokens=KV_TOKENS, exact=True, tol=1e-2)
 
 
+def decisive_rows(path: Path, prompt: list[int], tol: float, eps: float = 1e-7, n: int = 3) -> np.ndarray:
+    """The positions of prompt whose CPU logits stay within tol of max|ref| when every attn_norm gain is
+    multiplied by 1 + eps * N(0, 1) (n draws). A change of that size moves the 8-bit activations' rounding, and
+    at a routing decision that is a near-tie at float precision (these small random files have some: the Q4_K
+    file's positions 12 and 24 jump by 0.17 and 0.24 at eps 1e-7, the others move by 1e-2 at most) it flips an
+    expert; float differences between the devices can flip it just the same, so only the other positions say
+    anything about the GPU."""
+    with Engine.open(path, threads=2, kv_tokens=KV_TOKENS) as cpu:
+        ref = np.asarray(cpu.logits_for(prompt))
+    worst = np.zeros(len(prompt))
+    for i in range(n):
+        moved = path.with_name(f"{path.stem}.moved{i}.gguf")
+        shutil.copyfile(path, moved)
+        reader = gguf.GGUFReader(moved, "r+")
+        rng = np.random.default_rng(i)
+        for t in reader.tensors:
+            if t.name.endswith(".attn_norm.weight"):
+                t.data[...] = t.data * (1.0 + eps * rng.standard_normal(t.data.shape)).astype(np.float32)
+        reader.data.flush()
+        del reader
+        with Engine.open(moved, threads=2, kv_tokens=KV_TOKENS) as cpu:
+            got = np.asarray(cpu.logits_for(prompt))
+        worst = np.maximum(worst, np.abs(got - ref).max(axis=-1) / np.abs(ref).max())
+    print("oracle moved per position:", " ".join(f"{e:.1e}" for e in worst))
+    return worst <= tol
+
+
 @pytest.mark.parametrize("kind", list(Q_CASES))
 def test_glm4moe_quantised_experts_gpu_matches_cpu(tmp_path: Path, kind: str) -> None:
+    """Logits judged at the positions where the oracle is decisive (decisive_rows), at least 3/4 of them."""
     kw = {**QSHAPE, **Q_CASES[kind]}
     dense = kw.get("n_dense_lead", 1)
     raw = _expert_blobs(kind, range(dense, dense + kw["n_moe"]), kw["seed"])
     path = make_glm4moe_gguf(tmp_path / f"glm4moe.{kind}.gguf", raw_overrides=raw, **kw)
-    check_model(path, _prompts(), kv_tokens=KV_TOKENS, exact=False, tol=2e-2)
+    prompts = _prompts()
+    rows = decisive_rows(path, prompts[0], 2e-2)
+    assert rows.mean() >= 0.75, f"the oracle is decisive at {rows.sum()} of {rows.size} positions only"
+    check_model(path, prompts, kv_tokens=KV_TOKENS, exact=False, tol=2e-2, rows=rows)
 
 
 def test_glm4moe_gpu_holds_no_nextn_layer(tmp_path: Path) -> None:
