@@ -337,6 +337,7 @@ def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         n_ff=128,
         n_expert=8,
         n_expert_used=2,
+        n_ctx=2048,  # the 1,500-token prompt and its greedy continuation fit the window
     )
 
 
