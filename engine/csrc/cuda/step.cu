@@ -301,7 +301,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && !graphs_enabled(m, T);
     /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cu) */
-    const int tqm = m->set.att_mma ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
+    const int tqm =
+        m->set.att_mma ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim, m->set.att_mma_rows) : 0;
     if (tiles_wanted && tqm) att_split_tiles(b->seq, T, tq, tqm, m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
     else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
     int64_t n_ints = 3 * T + NL + n_bt + n_tiles + n_mma;
@@ -334,7 +335,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
                         use_src ? s.ints + src_off : nullptr, att_split};
-    g_att_mma_tiles = fuse_qkv ? 0 : n_mma;
+    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_rows = m->set.att_mma_rows;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graphs_enabled(m, T) && all_runs_long(b->seq, T, m->set.gemm_fast_min);

@@ -334,12 +334,12 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
 
 /* Every query head of one sequence's nq tokens at positions p0.. (q[nq, n_head * hd], pre-scaled)
  * through k_attention (tile 0), k_attention_tile (tile 1, as an eager prefill step would run
- * it) or k_attention_mma (tile 2), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
+ * it) or k_attention_mma (tile 2: tiles of 64 rows, 3: of 128), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
 extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                                const int32_t *block_table, int32_t n_table, int32_t block_size,
                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
                                                int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
-    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 2 || n_blocks < 1 || block_size < 16 ||
+    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 3 || n_blocks < 1 || block_size < 16 ||
         block_size % 16 || head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
         p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
         return fail(ST_EINVAL, "attention heads: bad arguments");
@@ -355,7 +355,8 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     for (int i = 0; i < nq; i++) ints[(size_t)i] = p0 + i, ints[(size_t)(nq + i)] = 0;
     memcpy(&ints[(size_t)(2 * nq)], block_table, sizeof(int32_t) * n_table);
     int32_t n_tiles = 0, n_mma = 0;
-    if (tile >= 2) att_split_tiles(&ints[(size_t)nq], nq, tq, att_mma_tokens(n_head, n_kv, head_dim), 1,
+    const int rows = tile == 3 ? 128 : 64;
+    if (tile >= 2) att_split_tiles(&ints[(size_t)nq], nq, tq, att_mma_tokens(n_head, n_kv, head_dim, rows), 1,
                                    &ints[(size_t)(2 * nq + n_table)], &n_tiles, &n_mma);
     else if (tile) n_tiles = att_tiles(&ints[(size_t)nq], nq, tq, &ints[(size_t)(2 * nq + n_table)]);
     dbuf bk, bv, bq, bo, bi, baq, bad, bas;
@@ -376,7 +377,7 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     }
     CHECK(attention_setup());
     if (tile >= 2) {
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, rows, 0));
     } else if (tile) {
         a.stages = 2;
         CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
