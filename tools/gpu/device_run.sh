@@ -35,6 +35,17 @@ echo "builds: $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/build.log"
 # every GPU test: the GPU folder and the CPU-side checks of the GPU engine (their nvcc compile check
 # is CI's; the build above already compiled the same sources)
 gpu_tests=(tests/engine/gpu tests/engine/test_gpu_cpu_side.py -k "not compile")
+# lb: the benchmark's --llama-bin argument when .llama/bin-pack unpacks into /tmp/llama-build and loads here
+llama_from_pack() {
+  llama=/tmp/llama-build
+  lb=()
+  if [ -d .llama/bin-pack ] && bash tools/gpu/build_llama_cuda.sh .llama/bin-pack "$llama" > /tmp/llama-unpack.log 2>&1 \
+      && "$llama/bin/llama-bench" --help > /dev/null 2>&1; then
+    lb=(--llama-bin "$llama/bin")
+  else
+    echo "llama.cpp: no loadable .llama/bin-pack (tools/gpu/build_llama_cuda.sh): Strata only"
+  fi
+}
 what=${1:-tests}; shift || true
 case "$what" in
   verify)
@@ -79,14 +90,7 @@ case "$what" in
     python3 -m bench.engine_gpu "$@" 2>&1 | tee "$OUT/bench.log" | tail -40
     ;;
   depth)
-    llama=/tmp/llama-build
-    lb=()
-    if [ -d .llama/bin-pack ] && bash tools/gpu/build_llama_cuda.sh .llama/bin-pack "$llama" > /tmp/llama-unpack.log 2>&1 \
-        && "$llama/bin/llama-bench" --help > /dev/null 2>&1; then
-      lb=(--llama-bin "$llama/bin")
-    else
-      echo "llama.cpp: no loadable .llama/bin-pack (tools/gpu/build_llama_cuda.sh): Strata only"
-    fi
+    llama_from_pack
     depths=${1:-0,8192,32768}; shift || true
     set -o pipefail
     python3 -m bench.engine_gpu --depth "$depths" ${lb[@]+"${lb[@]}"} --json "$OUT/depth.json" "$@" 2>&1 \
@@ -94,14 +98,7 @@ case "$what" in
     ;;
   hybrid)
     # issue 29's benchmark (bench/engine_hybrid.py) beside llama.cpp from .llama/bin-pack; its log and JSON in $OUT
-    llama=/tmp/llama-build
-    lb=()
-    if [ -d .llama/bin-pack ] && bash tools/gpu/build_llama_cuda.sh .llama/bin-pack "$llama" > /tmp/llama-unpack.log 2>&1 \
-        && "$llama/bin/llama-bench" --help > /dev/null 2>&1; then
-      lb=(--llama-bin "$llama/bin")
-    else
-      echo "llama.cpp: no loadable .llama/bin-pack (tools/gpu/build_llama_cuda.sh): Strata only"
-    fi
+    llama_from_pack
     set -o pipefail
     python3 -m bench.engine_hybrid ${lb[@]+"${lb[@]}"} --json "$OUT/hybrid.json" "$@" 2>&1 | tee "$OUT/hybrid.log"
     ;;
