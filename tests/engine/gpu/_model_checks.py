@@ -24,6 +24,17 @@ def tokens_of(eng: Engine, ids: list[int], n: int) -> list[int]:
     return eng.generate(ids, max_tokens=n, ignore_eos=True).token_ids
 
 
+def decode_steps(eng: Engine, ids: list[int], n_pre: int) -> np.ndarray:
+    """ids[:n_pre] prefilled, then one decode step per remaining token: their logits [len - n_pre, n_vocab]."""
+    blocks = eng.blocks.allocate(-(-len(ids) // eng.block_size))
+    assert blocks is not None
+    try:
+        eng.prefill(ids[:n_pre], blocks)
+        return np.stack([eng.prefill([ids[p]], blocks, start=p) for p in range(n_pre, len(ids))])
+    finally:
+        eng.blocks.release(blocks)
+
+
 def check_greedy(
     cpu: Engine, gpu: Engine, prompt: list[int], exact: bool, note: str = "", bound: float = 1e-2
 ) -> None:

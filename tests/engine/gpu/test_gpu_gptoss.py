@@ -28,7 +28,7 @@ from engine.engine import Engine
 from tests.engine.gguf_factory import GLM_VOCAB, make_gptoss_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
 from tests.engine.gpu._kernel_helpers import gcheck, gptr
-from tests.engine.gpu._model_checks import check_model
+from tests.engine.gpu._model_checks import check_model, decode_steps
 from tests.engine.gpu.test_gpu_attention_split import decode_case, run_decode
 
 pytestmark = requires_gpu
@@ -63,17 +63,6 @@ def _prompts(seed: int = 42) -> list[list[int]]:
     return prompts
 
 
-def _decode_logits(eng: Engine, ids: list[int], n_pre: int) -> np.ndarray:
-    """ids[:n_pre] prefilled, then one decode step per remaining token: their logits [len - n_pre, n_vocab]."""
-    blocks = eng.blocks.allocate(-(-len(ids) // eng.block_size))
-    assert blocks is not None
-    try:
-        eng.prefill(ids[:n_pre], blocks)
-        return np.stack([eng.prefill([ids[p]], blocks, start=p) for p in range(n_pre, len(ids))])
-    finally:
-        eng.blocks.release(blocks)
-
-
 def test_gptoss_gpu_matches_cpu(variant: tuple[str, Path, float]) -> None:
     _, path, tol = variant
     check_model(path, _prompts(), kv_tokens=2048, tol=tol)
@@ -90,7 +79,7 @@ def test_gptoss_decode_steps_match_cpu(variant: tuple[str, Path, float]) -> None
     ):
         assert gpu.device.kind == "cuda"
         ref = np.asarray(cpu.logits_for(ids), np.float32)
-        got = _decode_logits(gpu, ids, 12)
+        got = decode_steps(gpu, ids, 12)
     err = rel_err(got, ref[12:])
     print(f"{name}: decode logits GPU vs CPU {err:.3e}")
     assert err <= tol
@@ -113,7 +102,7 @@ def test_gptoss_yarn_on_gpu_matches_cpu(tmp_path: Path) -> None:
         assert gpu.rope.active and gpu.rope.factor == 32.0
         ref = np.asarray(cpu.logits_for(ids), np.float32)
         got = np.asarray(gpu.logits_for(ids), np.float32)
-        dec = _decode_logits(gpu, ids, 70)
+        dec = decode_steps(gpu, ids, 70)
     print(f"yarn: prefill {rel_err(got, ref):.3e}, decode {rel_err(dec, ref[70:]):.3e}")
     assert rel_err(got, ref) <= 1e-2 and rel_err(got[64:], ref[64:]) <= 1e-2
     assert rel_err(dec, ref[70:]) <= 1e-2

@@ -23,7 +23,7 @@ from engine.engine import Engine
 from engine.rope import RopeOverrides
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._model_checks import check_batched, check_greedy
+from tests.engine.gpu._model_checks import check_batched, check_greedy, decode_steps
 
 pytestmark = requires_gpu
 
@@ -74,17 +74,6 @@ def _prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 128, n)]
 
 
-def _decode_logits(eng: Engine, ids: list[int], n_pre: int) -> np.ndarray:
-    """ids[:n_pre] prefilled, then one decode step per remaining token: their logits [len - n_pre, n_vocab]."""
-    blocks = eng.blocks.allocate(-(-len(ids) // eng.block_size))
-    assert blocks is not None
-    try:
-        eng.prefill(ids[:n_pre], blocks)
-        return np.stack([eng.prefill([ids[p]], blocks, start=p) for p in range(n_pre, len(ids))])
-    finally:
-        eng.blocks.release(blocks)
-
-
 @pytest.fixture(scope="module", params=VARIANTS, ids=[f"{a}-{k}-hd{h}" for a, k, h in VARIANTS])
 def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     arch, kind, hd = request.param
@@ -106,7 +95,7 @@ def test_scaled_model_gpu_matches_cpu_beyond_the_original_context(variant: tuple
             f"{path.name}: prefill logits GPU vs CPU {err:.3e}, beyond {ORIG}: {rel_err(got[ORIG:], ref[ORIG:]):.3e}"
         )
         assert err <= TOL and rel_err(got[ORIG:], ref[ORIG:]) <= TOL
-        dec = _decode_logits(gpu, prompt, 120)
+        dec = decode_steps(gpu, prompt, 120)
         derr = rel_err(dec, ref[120:])
         print(f"{path.name}: decode logits GPU vs CPU {derr:.3e}")
         assert derr <= TOL
@@ -132,7 +121,7 @@ def test_split_decode_of_a_scaled_model_matches_cpu(tmp_path: Path, monkeypatch:
         Engine.open(path, device="cuda:0", kv_tokens=512) as gpu,
     ):
         ref = np.asarray(cpu.logits_for(prompt), np.float32)
-        dec = _decode_logits(gpu, prompt, 180)
+        dec = decode_steps(gpu, prompt, 180)
         err = rel_err(dec, ref[180:])
         print(f"split decode logits GPU vs CPU {err:.3e}")
         assert err <= TOL
