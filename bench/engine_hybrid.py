@@ -125,8 +125,7 @@ def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int
     from engine.placement import engine_plan_params, plan
 
     mf = open_model(path)
-    # STRATA_GPU_HYBRID_STAGE >= 1: the staging ring (two whole layers) is a fixed part, as Engine.open plans it
-    slots = 2 * mf.hparams.n_expert if (gpu_settings.env_override("hybrid_stage") or 0) >= 1 else 0
+    slots = gpu_settings.staging_slots(mf.hparams.n_expert)  # a fixed part, as Engine.open plans it
     p = plan(mf, engine_plan_params(0, kv_tokens, block_size, prefill_chunk, staging_slots=slots))
     return (p.fixed_bytes + frac * p.routed_bytes) / GIB + 1e-3
 

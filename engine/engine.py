@@ -97,8 +97,7 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
 
     budget = int(gpu_budget_gb * 2**30)
     freqs, source = placement_frequencies(mf, placement) if mf.hparams.n_expert else (None, "")
-    # the GPU engine's staging ring (hybrid_stage): two slots of a whole layer's routed experts
-    slots = 2 * mf.hparams.n_expert if (gpu_settings.env_override("hybrid_stage") or 0) >= 1 else 0
+    slots = gpu_settings.staging_slots(mf.hparams.n_expert)
     p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots,
                                     kv_type=kv_type), freqs)
     if not p.fits:

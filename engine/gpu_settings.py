@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "env_override", "from_env"]
+__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "env_override", "from_env", "staging_slots"]
 
 # Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
 # (another build of the same sources, so that one device call can time two versions of a kernel).
@@ -102,3 +102,9 @@ def env_override(field: str, environ: dict[str, str] | None = None) -> int | Non
     got = apply_env(_Fields(), environ)
     value = getattr(got, field, None)
     return int(value) if value is not None else None
+
+
+def staging_slots(n_expert: int, environ: dict[str, str] | None = None) -> int:
+    """The expert slots the hybrid plan reserves for staging (staging.cu's ring: two whole layers' routed experts)
+    when ``hybrid_stage`` is set to at least 1 (the fewest tokens of a step that may stage); 0 otherwise."""
+    return 2 * n_expert if (env_override("hybrid_stage", environ) or 0) >= 1 else 0
