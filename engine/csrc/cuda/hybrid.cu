@@ -424,15 +424,14 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
         m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0};
         return;
     }
-    auto signed_el = [](cudaEvent_t x, cudaEvent_t y) -> double {
+    auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
         float ms = 0.0f;
         if (cudaEventElapsedTime(&ms, x, y) != cudaSuccess) {
             cudaGetLastError();
             return 0.0;
         }
-        return 1e-3 * ms;
+        return ms > 0.0f ? 1e-3 * ms : 0.0;
     };
-    auto el = [&](cudaEvent_t x, cudaEvent_t y) -> double { return std::max(0.0, signed_el(x, y)); };
     double gpu = 0.0, wait = 0.0, pcie = 0.0;
     cudaEvent_t prev = e0;
     for (size_t il = 0; il < hs.used.size(); il++) {
