@@ -20,7 +20,7 @@ llama.cpp runs with ``-ncmoe`` = (1 - F) x layers (the experts of the first laye
 GPU) and, at F = 0, ``-ot exps=CPU``. Its VRAM is read from nvidia-smi during the run (the peak, the driver's
 figure), Strata's from the engine's own account beside the budget.
 
-Figures per fraction: batch-1 decode tok/s, prefill tok/s of ``--prefill`` tokens, aggregate decode of each of
+Figures per fraction: batch-1 decode tok/s, prefill tok/s at each ``--prefill`` length, aggregate decode of each of
 ``--batch`` sequence counts (their 32-token prompts in steps of at most 512 tokens); Strata's frame profile of its last decode step (GPU compute, PCIe copies, GPU waiting
 on the CPU, CPU experts, CPU waiting on the GPU, GPU idle share, PCIe GB/s, resident hit rate); the floor: routed-expert bytes a decode token reads from RAM / the CPU's measured
 read bandwidth + the GPU's part (the plan's figures), with the share of it Strata reaches.
@@ -242,7 +242,8 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
         out["decode_b1_tok_s"], fr, out["wall_b1_ms"] = decode(1, args.steps)
         out["frame_b1_ms"] = fr
         out["resident_hit_rate_b1"] = fr["resident_hit_rate"]
-        out[f"prefill_{args.prefill}_tok_s"] = prefill(args.prefill)
+        for n in parse_ints(args.prefill):
+            out[f"prefill_{n}_tok_s"] = prefill(n)
         for nb in batches:
             rate, fr, wall = decode(nb, max(4, args.steps // 4))
             out[f"decode_b{nb}_tok_s"], out[f"frame_b{nb}_ms"], out[f"wall_b{nb}_ms"] = rate, fr, wall
@@ -303,7 +304,7 @@ def run_llama(bin_dir: Path, path: Path, frac: float, args: argparse.Namespace,
     threads = str(os.cpu_count() if args.cores is None else len(args.cores.split(",")))
     out: dict[str, Any] = {"fraction": frac, "placement": " ".join(place), "threads": threads}
     cmd = [str(bin_dir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "1", *place, "-t", threads,
-           "-p", str(args.prefill), "-n", str(args.steps), "-r", str(args.llama_reps), "-o", "json"]
+           "-p", ",".join(str(n) for n in parse_ints(args.prefill)), "-n", str(args.steps), "-r", str(args.llama_reps), "-o", "json"]
     with _VramPeak() as vram:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out["vram_peak_gib"] = vram.peak / 1024
@@ -372,7 +373,7 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
           f"); llama.cpp {ll.get('placement', '-')} VRAM {ll.get('vram_added_gib', float('nan')):.2f} GiB (its "
           f"process's peak; the GPU's {ll.get('vram_peak_gib', float('nan')):.2f})",
           flush=True)
-    keys = ["decode_b1_tok_s", f"prefill_{args.prefill}_tok_s"] + sorted(
+    keys = ["decode_b1_tok_s"] + [f"prefill_{n}_tok_s" for n in parse_ints(args.prefill)] + sorted(
         {k for k in list(s) + list(ll) if k.startswith("decode_b") and k.endswith("_tok_s") and k != "decode_b1_tok_s"},
         key=lambda k: int(k[len("decode_b"):-len("_tok_s")]))
     for k in keys:
@@ -392,10 +393,12 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
               f"{f['t_cpu_wait']:.2f}; PCIe {f['pcie_gb_s']:.1f} GB/s", flush=True)
     print(f"   floor b1 {s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached "
           f"{100 * s.get('floor_share_b1', 0):.0f}%), CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
-    sg = s.get(f"prefill_{args.prefill}_staging")
-    if sg:
-        pf = s[f"prefill_{args.prefill}_frame_ms"]
-        print(f"   prefill's last step: {pf['t_total']:.1f} ms = GPU {pf['t_gpu']:.1f} + PCIe {pf['t_pcie']:.1f} + "
+    for n in parse_ints(args.prefill):
+        sg = s.get(f"prefill_{n}_staging")
+        if not sg:
+            continue
+        pf = s[f"prefill_{n}_frame_ms"]
+        print(f"   prefill {n}'s last step: {pf['t_total']:.1f} ms = GPU {pf['t_gpu']:.1f} + PCIe {pf['t_pcie']:.1f} + "
               f"waiting {pf['t_gpu_wait']:.1f}; staged {sg['staged_layers']:.0f} layers, "
               f"{sg['staged_bytes'] / 2**20:.0f} MiB (rates: PCIe {sg['stage_pcie_gbs']:.1f} GB/s, GPU "
               f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s)", flush=True)
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32, help="batch-1 decode steps (the batch rows take a quarter)")
     ap.add_argument("--batch", default="8", help="comma-separated sequence counts of the aggregate decode rows")
-    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--prefill", default="512", help="comma-separated prompt lengths of the prefill rows")
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--experts", default="q4_k", choices=("q4_k", "q8_0"),
                     help="the routed experts' type (q8_0: ~32 GB at the Qwen3-30B-A3B shape)")
