@@ -73,14 +73,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from engine.gguf_model import open_model
+    from engine.gpu_settings import staging_slots
     from engine.inspect_model import render, render_hybrid
 
     mf = open_model(args.path)
+    slots = staging_slots(mf.hparams.n_expert) if args.staging_slots is None else args.staging_slots
     print(render(mf, args.ram, args.vram, args.ctx))
     if args.vram is not None and mf.hparams.n_expert:
         print(render_hybrid(mf, args.vram, ctx=args.ctx, seqs=args.seqs, placement=args.placement,
                             cpu_gbs=args.cpu_bw, gpu_gbs=args.gpu_bw, gpu=args.gpu, threads=args.threads,
-                            step_tokens=args.step_tokens, staging_slots=args.staging_slots, ram_gib=args.ram))
+                            step_tokens=args.step_tokens, staging_slots=slots, ram_gib=args.ram))
     return 0
 
 
@@ -148,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--gpu-bw", type=float, default=None, help="hybrid plan: GPU memory GB/s (default: --gpu's)")
     i.add_argument("--gpu", default=None, help="hybrid plan: GPU name for the bandwidth table (default RTX 4090D)")
     i.add_argument("--step-tokens", type=int, default=512, help="hybrid plan: largest step (the prefill chunk)")
-    i.add_argument("--staging-slots", type=int, default=0, help="hybrid plan: GPU slots for staged experts")
+    i.add_argument("--staging-slots", type=int, default=None,
+                   help="hybrid plan: GPU slots for staged experts (default: the engine's, two layers' experts "
+                        "unless STRATA_GPU_HYBRID_STAGE=0)")
     i.set_defaults(fn=cmd_inspect)
     b = msub.add_parser("build-default", help="build the embedded default model")
     b.add_argument("--force", action="store_true")

@@ -233,10 +233,12 @@ class CudaModel:
     resident: hybrid placement's [n_layer, n_expert] mask (1: the routed expert is uploaded); the others are
     computed by ``cpu`` = (st_model *, st_pool *) of the C engine on the same file (st_moe_pairs), which must
     outlive this model. None: every weight on the GPU. kv_type: the cache's values, "f16" or "q8_0" (the CPU
-    engine's 8-bit cache, the same bytes for the same K / V: stg_kv_create_typed)."""
+    engine's 8-bit cache, the same bytes for the same K / V: stg_kv_create_typed). settings_over: stg_settings fields
+    that the caller decides over the environment's (the plan's hybrid_stage 0 when it holds no staging ring)."""
 
     def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int, resident: Any = None,
-                 cpu: tuple[Any, Any] | None = None, kv_type: str = "f16") -> None:
+                 cpu: tuple[Any, Any] | None = None, kv_type: str = "f16",
+                 settings_over: dict[str, int] | None = None) -> None:
         from engine.native import ffi as cffi_cpu
         from engine.native import lib as lib_cpu
 
@@ -245,6 +247,8 @@ class CudaModel:
         self.library = lib_path()  # the build this model runs on
         self.index = index
         settings = gpu_settings.from_env(self.ffi, self.lib)
+        for field, value in (settings_over or {}).items():
+            setattr(settings, field, value)
         pm = self.ffi.new("stg_model **")
         f = self.ffi
         desc_p = f.cast("void *", _addr(cffi_cpu, desc))

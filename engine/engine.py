@@ -100,6 +100,8 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     slots = gpu_settings.staging_slots(mf.hparams.n_expert)
     p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots,
                                     kv_type=kv_type), freqs)
+    if not p.fits and slots:  # the staging ring is optional: without it, prefill computes on the CPU instead
+        p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, kv_type=kv_type), freqs)
     if not p.fits:
         what = ("its non-routed weights, " if mf.hparams.n_expert else "its weights, ") + \
             f"the KV cache for {kv_tokens} tokens, step buffers and the CUDA context reserve"
@@ -269,9 +271,11 @@ class Engine:
             from engine.cuda_backend import CudaModel
 
             try:
+                # a plan without the staging ring (a budget too small for it) turns staging off
+                no_ring = self.plan is not None and not self.plan.params.staging_slots
                 self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size, resident=self.resident,
                                       cpu=(self._model, self._pool) if self.resident is not None else None,
-                                      kv_type=kv_type)
+                                      kv_type=kv_type, settings_over={"hybrid_stage": 0} if no_ring else None)
             except BaseException:
                 lib.st_pool_destroy(self._pool)
                 lib.st_kv_destroy(self._kv)

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "apply_env", "env_override", "from_env", "staging_slots"]
+__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "HYBRID_STAGE_DEFAULT", "apply_env", "env_override", "from_env", "staging_slots"]
 
 # Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
 # (another build of the same sources, so that one device call can time two versions of a kernel).
@@ -63,7 +63,7 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_HYBRID_STAGE", "hybrid_stage",
              "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
              "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
-             "of VRAM; 64 keeps decode off it); 0 never"),
+             "of VRAM; 64, the default, keeps decode off it); 0 never"),
 )
 
 
@@ -104,7 +104,13 @@ def env_override(field: str, environ: dict[str, str] | None = None) -> int | Non
     return int(value) if value is not None else None
 
 
+# stg_settings_default's hybrid_stage (model.cu): steps of 64 tokens and more may stage, decode never does
+HYBRID_STAGE_DEFAULT = 64
+
+
 def staging_slots(n_expert: int, environ: dict[str, str] | None = None) -> int:
     """The expert slots the hybrid plan reserves for staging (staging.cu's ring: two whole layers' routed experts)
-    when ``hybrid_stage`` is set to at least 1 (the fewest tokens of a step that may stage); 0 otherwise."""
-    return 2 * n_expert if (env_override("hybrid_stage", environ) or 0) >= 1 else 0
+    when ``hybrid_stage`` (the fewest tokens of a step that may stage; the override, else the default) is at
+    least 1; 0 when it is 0."""
+    stage = env_override("hybrid_stage", environ)
+    return 2 * n_expert if (HYBRID_STAGE_DEFAULT if stage is None else stage) >= 1 else 0

@@ -157,9 +157,10 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
 
 
 def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """STRATA_GPU_HYBRID_STAGE=N >= 1 (steps of at least N tokens may stage): the hybrid plan holds the staging
-    ring (two whole layers' routed experts, 2 x n_expert x the largest expert) among its fixed parts, so fewer
-    experts are resident under one budget; unset or 0, no ring."""
+    """hybrid_stage = N >= 1 (steps of at least N tokens may stage; 64 by default): the hybrid plan holds the
+    staging ring (two whole layers' routed experts, 2 x n_expert x the largest expert) among its fixed parts, so
+    fewer experts are resident under one budget; 0, no ring; a budget that holds the rest but not the ring gets a
+    plan without it (the engine then turns staging off) rather than a refusal."""
     from engine.engine import _gpu_plan
     from engine.gguf_model import open_model
     from engine.placement import engine_plan_params, expert_bytes, plan
@@ -168,17 +169,17 @@ def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.M
     base = plan(mf, engine_plan_params(0, 64, 16, 512))
     ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
     budget = (base.fixed_bytes + ring + base.routed_bytes // 2 + 64) / 2**30
-    monkeypatch.delenv("STRATA_GPU_HYBRID_STAGE", raising=False)
-    got = _gpu_plan(mf, budget, 64, 16, 512, None)
-    assert got is not None and "staging slots" not in got[0].fixed
     monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "0")
     off = _gpu_plan(mf, budget, 64, 16, 512, None)
     assert off is not None and "staging slots" not in off[0].fixed
-    for floor in ("1", "64"):
+    for floor in ("", "1", "64"):  # "": the default
         monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", floor)
         staged = _gpu_plan(mf, budget, 64, 16, 512, None)
         assert staged is not None
-        assert staged[0].fixed["staging slots"] == ring and staged[0].n_resident < got[0].n_resident
+        assert staged[0].fixed["staging slots"] == ring and staged[0].n_resident < off[0].n_resident
+    monkeypatch.delenv("STRATA_GPU_HYBRID_STAGE")
+    tight = _gpu_plan(mf, (base.fixed_bytes + ring // 2) / 2**30, 64, 16, 512, None)
+    assert tight is not None and tight[0].params.staging_slots == 0 and "staging slots" not in tight[0].fixed
 
 
 @pytest.mark.parametrize(("threads", "env", "want"), [

@@ -113,6 +113,16 @@ def test_apply_env_parses_and_names_the_variable() -> None:
     assert gpu_settings.env_override("hybrid_stage", {}) is None
 
 
+def test_hybrid_plan_reserves_the_staging_ring_the_library_allocates() -> None:
+    """The plan's staging slots follow the library's default hybrid_stage (model.cu), which Python cannot read
+    before the library loads: the two must name the same value."""
+    model_cu = (CUDA / "model.cu").read_text()
+    assert re.search(r"s->hybrid_stage = (\d+);", model_cu).group(1) == str(gpu_settings.HYBRID_STAGE_DEFAULT)
+    assert gpu_settings.staging_slots(128, {}) == 256
+    assert gpu_settings.staging_slots(128, {"STRATA_GPU_HYBRID_STAGE": "0"}) == 0
+    assert gpu_settings.staging_slots(128, {"STRATA_GPU_HYBRID_STAGE": "1"}) == 256
+
+
 def test_no_cuda_source_over_800_lines() -> None:
     long = {p.name: n for p in CUDA.iterdir() if p.suffix in (".cu", ".cuh", ".h")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

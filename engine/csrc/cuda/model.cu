@@ -58,7 +58,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_mma_min = 64;
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
-    s->hybrid_stage = 0;
+    s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
 }
 
 static stg_status check_settings(const stg_settings *s) {
