@@ -691,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"],
                     help="with --depth: Strata's KV cache values (Engine.open's kv_type), llama.cpp's the same "
                          "(-ctk / -ctv)")
+    ap.add_argument("--depth-experts-cpu", action="store_true",
+                    help="with --depth: hybrid placement, every routed expert on the CPU (the fixed parts' budget); "
+                         "llama.cpp -ot exps=CPU")
     ap.add_argument("--depth-profile", action="store_true",
                     help="with --depth: a kernel-time table (graphs and PDL off, torch's profiler) at each depth "
                          "for the default and each --depth-knob")

@@ -161,7 +161,9 @@ def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], step
 
 def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
                knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False,
-               kv_type: str = "f16") -> dict:
+               kv_type: str = "f16", experts_cpu: bool = False) -> dict:
+    """Strata's rows; experts_cpu: hybrid placement with every routed expert on the CPU (the budget of the
+    fixed parts alone: bench/engine_hybrid.py's F = 0)."""
     from engine.engine import Engine
     from engine.gguf_model import open_model
     from engine.inspect_model import analyse
@@ -178,9 +180,16 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
         raise SystemExit(why)
     out: dict = {"kv_tokens": kv_tokens, "kv_bytes": kv_bytes, "n_seq": n_seq, "kv_type": kv_type, "strata": {}}
     rng = np.random.default_rng(30)
+    budget = None
+    if experts_cpu:
+        from bench.engine_hybrid import budget_for_fraction
+
+        budget = budget_for_fraction(path, 0.0, n_seq * kv_tokens, BLOCK_SIZE, 512, kv_type)
+        out["gpu_budget_gb"] = budget
+        print(f"hybrid placement: every routed expert on the CPU, gpu_budget_gb {budget:.2f}")
     try:
         eng = Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512,
-                          kv_type=kv_type)
+                          kv_type=kv_type, gpu_budget_gb=budget)
     except (RuntimeError, MemoryError) as e:
         raise SystemExit(f"--depth-batch {n_seq}: the engine with a KV cache of {n_seq} x {kv_tokens} tokens "
                          f"({n_seq * kv_bytes / 2**30:.2f} GiB) did not open: {e}") from e
@@ -234,11 +243,12 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
 
 
 def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0,
-              n_seq: int = 1, kv_type: str = "f16") -> dict[int, float]:
+              n_seq: int = 1, kv_type: str = "f16", experts_cpu: bool = False) -> dict[int, float]:
     """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth; with n_seq > 1
     llama-batched-bench -npp D -ntg 128 -npl n_seq (distinct prompts of D tokens: aggregate decode). kv_type q8_0:
-    llama.cpp's 8-bit cache as well (-ctk q8_0 -ctv q8_0)."""
-    ctk = ["-ctk", kv_type, "-ctv", kv_type] if kv_type != "f16" else []
+    llama.cpp's 8-bit cache as well (-ctk q8_0 -ctv q8_0). experts_cpu: the routed experts on the CPU
+    (-ot exps=CPU)."""
+    ctk = (["-ctk", kv_type, "-ctv", kv_type] if kv_type != "f16" else []) + (["-ot", "exps=CPU"] if experts_cpu else [])
     from bench.engine_gpu import llama_env, parse_batched_bench  # engine_gpu imports this module for --depth
 
     env = llama_env(bin_dir)
@@ -268,7 +278,9 @@ def print_table(res: dict) -> None:
     rows = res["strata"]
     base = rows.get(0, {}).get("tok_s")
     peer = res.get("llama_cpp") or {}
-    print(f"KV cache: {res.get('kv_type', 'f16')} (llama.cpp's the same)")
+    print(f"KV cache: {res.get('kv_type', 'f16')} (llama.cpp's the same)"
+          + (f"; routed experts on the CPU (gpu_budget_gb {res['gpu_budget_gb']:.2f}; llama.cpp -ot exps=CPU)"
+             if "gpu_budget_gb" in res else ""))
     print(f"{'depth':>8}{'Strata':>10}{'unsplit':>10}{'llama.cpp':>11}{'Strata/llama':>14}{'split gain':>12}"
           f"{'of depth 0':>12}{'step ms':>9}{'attn ms':>9}")
     for d, r in rows.items():
@@ -296,12 +308,13 @@ def main(args: Any, model_path: Path, build: Any) -> int:
     n_seq = getattr(args, "depth_batch", 1)
     kv_type = getattr(args, "kv_type", "f16")
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
-                     getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type)
+                     getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type,
+                     getattr(args, "depth_experts_cpu", False))
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
             res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq,
-                                         kv_type=kv_type)
+                                         kv_type=kv_type, experts_cpu=getattr(args, "depth_experts_cpu", False))
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
             print(f"llama.cpp not measured: {type(e).__name__}: {e}")
             res["llama_cpp"] = None

@@ -118,7 +118,8 @@ def fraction_for_budget(path: Path, budget_gb: float, kv_tokens: int, block_size
     return min(1.0, max(0.0, (budget_gb - lo) / (hi - lo)))
 
 
-def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int, prefill_chunk: int) -> float:
+def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int, prefill_chunk: int,
+                        kv_type: str = "f16") -> float:
     """gpu_budget_gb that leaves room for ``frac`` of the routed experts' bytes after the fixed parts."""
     from engine import gpu_settings
     from engine.gguf_model import open_model
@@ -126,7 +127,7 @@ def budget_for_fraction(path: Path, frac: float, kv_tokens: int, block_size: int
 
     mf = open_model(path)
     slots = gpu_settings.staging_slots(mf.hparams.n_expert)  # a fixed part, as Engine.open plans it
-    p = plan(mf, engine_plan_params(0, kv_tokens, block_size, prefill_chunk, staging_slots=slots))
+    p = plan(mf, engine_plan_params(0, kv_tokens, block_size, prefill_chunk, staging_slots=slots, kv_type=kv_type))
     return (p.fixed_bytes + frac * p.routed_bytes) / GIB + 1e-3
 
 
