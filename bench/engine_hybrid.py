@@ -97,10 +97,12 @@ class Deadline:
         self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
 
 
-def llama_placement(frac: float, layers: int) -> list[str]:
+def llama_placement(frac: float, layers: int, extra_layers: int = 0) -> list[str]:
     """llama.cpp's expert placement for a share ``frac`` of the routed experts on the GPU: the experts of the
-    first (1 - frac) x layers layers on the CPU (``-ncmoe``), all of them (``-ot exps=CPU``) at 0."""
-    ncmoe = round((1.0 - frac) * layers)
+    first (1 - frac) x layers layers on the CPU (``-ncmoe``), all of them (``-ot exps=CPU``) at 0;
+    ``extra_layers`` more layers' experts on the GPU (--llama-extra-layers: equal VRAM with Strata, whose
+    fixed parts hold the staging ring)."""
+    ncmoe = max(0, round((1.0 - frac) * layers) - extra_layers)
     return ["-ot", "exps=CPU"] if ncmoe >= layers else ["-ncmoe", str(ncmoe)]
 
 
@@ -300,7 +302,7 @@ def run_llama(bin_dir: Path, path: Path, frac: float, args: argparse.Namespace,
     each run given ``timeout_s`` (default --llama-timeout)."""
     env = llama_env(bin_dir)
     timeout = args.llama_timeout if timeout_s is None else timeout_s
-    place = llama_placement(frac, args.layers)
+    place = llama_placement(frac, args.layers, args.llama_extra_layers)
     batches = parse_ints(args.batch) if batches is None else batches
     threads = str(os.cpu_count() if args.cores is None else len(args.cores.split(",")))
     out: dict[str, Any] = {"fraction": frac, "placement": " ".join(place), "threads": threads}
@@ -438,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip rows that would end after this many seconds from the start (a device call's limit)")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's llama-bench / llama-batched-bench (CUDA build)")
     ap.add_argument("--llama-timeout", type=float, default=300.0)
+    ap.add_argument("--llama-extra-layers", type=int, default=0,
+                    help="llama.cpp keeps this many more layers' experts on the GPU than the fraction says (its "
+                         "VRAM up to Strata's, whose fixed parts hold the staging ring; with --llama-only)")
     ap.add_argument("--llama-reps", type=int, default=2, help="llama-bench repetitions")
     ap.add_argument("--strata-only", action="store_true")
     ap.add_argument("--llama-only", action="store_true", help="llama.cpp's rows alone (a device call of its own)")
@@ -482,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
                     r["llama"] = run_llama(Path(args.llama_bin), path, frac, args, batches,
                                            timeout_s=min(args.llama_timeout, max(30.0, dl.left())))
                 except (OSError, subprocess.SubprocessError) as e:  # a timeout: the row says so, the rest run
-                    r["llama"] = {"fraction": frac, "placement": " ".join(llama_placement(frac, args.layers)),
+                    r["llama"] = {"fraction": frac, "placement": " ".join(llama_placement(frac, args.layers, args.llama_extra_layers)),
                                   "error": f"{type(e).__name__}: {e}"}
                 dl.took("llama", time.monotonic() - t1)
             else:

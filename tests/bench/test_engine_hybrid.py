@@ -30,6 +30,7 @@ def test_llama_placement_matches_the_share_of_layers() -> None:
     assert llama_placement(0.5, 48) == ["-ncmoe", "24"]
     assert llama_placement(1.0, 48) == ["-ncmoe", "0"]
     assert llama_placement(0.01, 48) == ["-ot", "exps=CPU"]  # rounds to every layer on the CPU
+    assert llama_placement(0.0, 48, 2) == ["-ncmoe", "46"] and llama_placement(0.5, 48, 2) == ["-ncmoe", "22"]
 
 
 def test_prompt_steps_take_whole_prompts_up_to_the_chunk() -> None:
