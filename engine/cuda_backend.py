@@ -333,6 +333,7 @@ class CudaModel:
         _check(self.ffi, self.lib, self.lib.stg_model_memory(self._model, w, s), "memory")
         return {"weights": int(w[0]), "kv": int(self.lib.stg_kv_bytes(self._kv)), "scratch": int(s[0]),
                 "kv_host": int(self.lib.stg_kv_host_bytes(self._kv)),
+                "kv_stage": int(self.lib.stg_kv_stage_bytes(self._kv)),
                 "resident_experts": int(self.lib.stg_model_resident_experts(self._model))}
 
     def profile(self) -> dict[str, float]:

@@ -725,8 +725,10 @@ class Engine:
 
     def gpu_memory(self) -> dict[str, int]:
         """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and
-        resident experts), ``kv``, ``scratch`` (step buffers at their current size), and ``resident_experts``
-        (how many routed experts the GPU holds). The driver's figure adds the CUDA context."""
+        resident experts), ``kv`` (the VRAM tier of a tiered cache), ``kv_host`` (its pinned host tier; 0
+        untiered), ``kv_stage`` (VRAM slots staging host-tier blocks for prefill steps, grown on demand),
+        ``scratch`` (step buffers at their current size), and
+        ``resident_experts`` (how many routed experts the GPU holds). The driver's figure adds the CUDA context."""
         if self._gpu is None:
             raise EngineError("gpu_memory: the engine runs on the CPU")
         return self._gpu.memory()

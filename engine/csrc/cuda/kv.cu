@@ -147,6 +147,13 @@ extern "C" int64_t stg_kv_host_bytes(const stg_kv *kv) {
     return kv->type == STG_KV_Q8_0 ? 2 * (n + n / 32 * (int64_t)sizeof(__half)) : 2 * n * (int64_t)sizeof(__half);
 }
 
+extern "C" int64_t stg_kv_stage_bytes(const stg_kv *kv) {
+    if (!kv) return 0;
+    const int64_t blk = (int64_t)kv->block_size * kv->kv_dim;
+    const int64_t n = kv->type == STG_KV_Q8_0 ? 2 * (blk + blk / 32 * (int64_t)sizeof(__half)) : 2 * blk * (int64_t)sizeof(__half);
+    return n * kv->stage_cap;
+}
+
 /* Bytes of one block, every layer's K and V (and their scales): a move's and a host read's unit. */
 static int64_t kv_block_bytes(const stg_kv *kv) {
     const int64_t n = (int64_t)kv->block_size * kv->kv_dim * kv->n_layer;

@@ -59,6 +59,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 0;
+    s->kv_stream = 1;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -82,6 +83,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
+    RANGE(kv_stream, 0, 1)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",

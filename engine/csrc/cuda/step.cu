@@ -270,7 +270,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, m->att_zmax) : 1)
            : att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
     if (att_split > 1 || (q8 && fuse_qkv)) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
-    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv);
+    /* a tiered cache with kv_stream 0 stages every step's host blocks: eagerly (the slots change every step) */
+    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv) && (kv->n_host == 0 || m->set.kv_stream);
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -312,8 +313,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
             last[r] = std::max(last[r], b->pos[i] / kv->block_size), first[r] = std::min(first[r], b->pos[i] / kv->block_size);
         }
         /* a prefill-form step (eager, runs of one sequence's tokens: query tiles that each read every key) stages
-         * its host blocks in VRAM layer by layer; a decode step reads each host byte once and streams it */
-        const bool stage = !graph && !fuse_qkv;
+         * its host blocks in VRAM layer by layer; a decode step reads each host byte once and streams it (kv_stream
+         * 0: every step stages, graphs off above) */
+        const bool stage = !graph && (!fuse_qkv || !m->set.kv_stream);
         if (stage) kv->slot_of.assign((size_t)kv->n_host, -1), kv->list.clear(), kv->slot_w.clear();
         std::vector<int32_t> &wb = m->seq_wb;
         wb.clear();

@@ -65,6 +65,10 @@ typedef struct stg_settings {
                                * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
                                * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
                                * 0: never */
+    int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
+                               * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
+                               * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
+                               * graphs). Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -144,9 +148,11 @@ stg_status stg_kv_create_tiered(stg_model *m, int32_t n_dev, int32_t n_host, int
  * Errors: untiered cache -> ST_EINVAL; an id outside the cache -> ST_ERANGE. */
 stg_status stg_kv_swap(stg_kv *kv, int32_t a, int32_t b, int32_t copy_a, int32_t copy_b, uint64_t *bytes);
 void stg_kv_destroy(stg_kv *kv);
-/* Bytes the cache holds in VRAM, and in the host tier (0 untiered). */
+/* Bytes the cache holds in VRAM, in the host tier (0 untiered), and in VRAM staging slots for the host tier's
+ * blocks of a prefill-form step (grown on demand up to one layer of the whole host tier; 0 untiered). */
 int64_t stg_kv_bytes(const stg_kv *kv);
 int64_t stg_kv_host_bytes(const stg_kv *kv);
+int64_t stg_kv_stage_bytes(const stg_kv *kv);
 
 /* One step with st_forward's contract: batch is a const st_batch *, stats an
  * st_step_stats * (may be NULL); times come from CUDA events. With batch->out_tokens set the

@@ -67,26 +67,43 @@ def _steps(eng: Engine, prompt: list[int], table: list[int], feed: list[int]) ->
             assert eng.place_kv([table]) > 0
         out.append(eng.forward([t], [len(prompt) + i], [0], [table], [0]))
         host.append(eng.last_stats.kv_host_bytes)
+    # two tokens of the sequence: a graph-sized step that is not a decode (prefill kernels, host blocks streamed)
+    p = len(prompt) + len(feed)
+    out.append(eng.forward(feed[:2], [p, p + 1], [0, 0], [table], [0, 1]))
+    host.append(eng.last_stats.kv_host_bytes)
     return out + [np.asarray(host)]
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-@pytest.mark.parametrize("split_min", [0, 256])
-def test_tiny_vram_tier_bit_identical(model: Path, kv_type: str, split_min: int) -> None:
-    # split_min 0: F16 decodes with the unsplit kernel, the 8-bit cache with the split kernel in one split
+CASES = [(t, split_min, 1) for t in ("f16", "q8_0") for split_min in (0, 256)] + [
+    ("f16", 256, 0),
+    ("q8_0", 256, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("kv_type", "split_min", "stream"), CASES, ids=[f"{t}-split{m}-stream{s}" for t, m, s in CASES]
+)
+def test_tiny_vram_tier_bit_identical(model: Path, kv_type: str, split_min: int, stream: int) -> None:
+    """stream 0 (STRATA_GPU_KV_STREAM=0): every step stages its host blocks, decode too (eager, no graphs)."""
+    # split_min 0: F16 decodes with the unsplit kernel (prefill on the fp32 tiles), the 8-bit cache with the split
+    # kernel in one split
     rng = np.random.default_rng(30 + split_min)
     prompt = [int(t) for t in rng.integers(0, VOCAB, size=2100)]
     feed = [int(t) for t in rng.integers(0, VOCAB, size=6)]
     flat, tiered = _pair(model, kv_type)
     with flat, tiered:
+        env = {"STRATA_GPU_ATT_SPLIT_MIN": str(split_min), "STRATA_GPU_KV_STREAM": str(stream)}
+        # split_min 0 on F16: the fp32 prefill tiles too (the 8-bit cache's prefill is the tensor-core kernel)
+        if split_min == 0:
+            env["STRATA_GPU_ATT_MMA"] = "0"
         for e in (flat, tiered):
-            e._gpu.set_settings({"STRATA_GPU_ATT_SPLIT_MIN": str(split_min)})
+            e._gpu.set_settings(env)
         assert tiered._gpu.kv_bytes == flat._gpu.kv_bytes // (KV // HOT)  # 4 of the 512 blocks in VRAM
         assert (
             tiered._gpu.kv_host_bytes == flat._gpu.kv_bytes - tiered._gpu.kv_bytes
             and flat._gpu.kv_host_bytes == 0
         )
-        n = -(-(len(prompt) + len(feed)) // 16)
+        n = -(-(len(prompt) + len(feed) + 2) // 16)
         tf, tt = flat.blocks.allocate(n), tiered.blocks.allocate(n)
         assert tf == tt
         # the prompt lies mostly on the host
@@ -97,6 +114,8 @@ def test_tiny_vram_tier_bit_identical(model: Path, kv_type: str, split_min: int)
                 f"step {i}: the tiered cache's logits differ (max {np.abs(a - b).max():.3e})"
             )
         assert (want[-1] == 0).all() and (got[-1] > 0).all(), (want[-1], got[-1])
+        # prefill staged the host prefix in VRAM slots (one layer's, beside the budget); the untiered cache has none
+        assert tiered.gpu_memory()["kv_stage"] > 0 and flat.gpu_memory()["kv_stage"] == 0
         print(f"{kv_type}, att_split_min {split_min}: host bytes per step {got[-1].tolist()}")
 
 
