@@ -378,6 +378,10 @@ def run_tiers(path: Path, device: str, depth: int, n_seq: int, steps: int, budge
     rng = np.random.default_rng(30)
     prompts = [[int(x) for x in rng.integers(0, mf.hparams.n_vocab, size=depth)] for _ in range(n_seq)]
     tiered = _serve(path, device, prompts, steps, kv_tokens, kv_type, budget_gb)
+    n_dec = max(tiered["decode_tokens"], 1)
+    print(f"  tiered: decode {tiered['decode_tok_s']:.2f} tok/s ({tiered['decode_tokens']} tokens), prefill "
+          f"{tiered['prefill_s']:.0f} s; per decoded token {tiered['decode_host_bytes'] / n_dec / 2**30:.2f} GiB read "
+          f"from the host tier, {tiered['decode_moved_bytes'] / n_dec / 2**20:.2f} MiB moved", flush=True)
     full = _serve(path, device, prompts, steps, kv_tokens, kv_type, None)
     same = tiered["tokens"] == full["tokens"]
     n = max(tiered["decode_tokens"], 1)

@@ -167,3 +167,17 @@ def test_vram_budget_sets_the_hot_tier(model: Path) -> None:
         assert eng.kv_tiers is not None and eng.kv_tiers.n_hot == 10
         assert eng._gpu.kv_bytes == 10 * per_block
         assert eng._gpu.kv_host_bytes == (KV // 16 - 10) * per_block
+
+
+def test_admission_counts_both_tiers(model: Path) -> None:
+    """The window is both tiers' tokens (VRAM holds 64 of them); a prompt beyond it gets the typed context error
+    before any block is taken or moved."""
+    from engine.block_manager import KVCapacityError
+
+    with Engine.open(model, device="cuda:0", kv_tokens=1024, kv_hot_tokens=HOT) as eng:
+        assert eng.n_ctx == 1024 and eng.kv_tiers.n_hot * eng.block_size == HOT
+        sched = Scheduler(eng, SchedulerConfig())
+        free, moved = eng.blocks.num_free, eng.kv_tiers.moved_bytes
+        with pytest.raises(KVCapacityError, match="context window"):
+            sched.add([1] * eng.n_ctx, SamplingParams(max_tokens=4))
+        assert not sched.has_work() and eng.blocks.num_free == free and eng.kv_tiers.moved_bytes == moved
