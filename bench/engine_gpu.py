@@ -2,6 +2,7 @@
 
     python -m bench.engine_gpu [--layers 48] [--skew 1.0] [--quick] [--json out.json]
     python -m bench.engine_gpu --depth 0,8192,32768,131072 [--llama-bin DIR]   # decode at depth
+    python -m bench.engine_gpu --depth 131072 --depth-batch 2 --kv-budget-gb 4 --depth-steps 32   # KV tiers
     python -m bench.engine_gpu --arch gpt-oss [--llama-bin DIR]   # the synthetic gpt-oss-120b (2 of 36 layers)
     python -m bench.engine_gpu --arch glm4moe [--llama-bin DIR]   # the synthetic GLM-4.5-Air instead
 
@@ -700,6 +701,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth-knob", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
                     help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
                          "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)")
+    ap.add_argument("--kv-budget-gb", type=float, default=None, metavar="G",
+                    help="with --depth D (one depth) and --depth-batch N: the KV tiers' row instead: N concurrent "
+                         "requests of D-token prompts served by the scheduler with G GiB of VRAM KV (the rest in "
+                         "pinned host RAM), --depth-steps tokens each, against an unlimited budget: same tokens, "
+                         "decode tok/s, bytes read from the host tier and moved between tiers per token")
     args = ap.parse_args(argv)
     if args.arch:  # the synthetic file first: every mode below reads it
         from bench.synthetic_arch import describe
@@ -715,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.depth_steps < 1 or args.unsplit_steps < 0 or args.depth_reps < 1 or not 1 <= args.depth_batch <= 64:
             raise SystemExit("--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0, --depth-batch 1..64")
         args.depth_knobs = engine_gpu_depth.parse_knobs(args.depth_knob)
+        if args.kv_budget_gb is not None:
+            return engine_gpu_depth.main_tiers(args, _model_path(args), lambda p: _build(args, p))
         return engine_gpu_depth.main(args, _model_path(args), lambda p: _build(args, p))
     if args.prefill_only:
         return prefill_once(args, args.prefill_only)

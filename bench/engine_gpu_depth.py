@@ -22,6 +22,16 @@ per token: 2 x 2 bytes x layers x KV heads x head dim); where the device's free 
 weights the run stops with a message saying so. ``--kv-type q8_0`` runs Strata on its 8-bit KV cache (17/32 of
 the bytes) and llama.cpp with ``-ctk q8_0 -ctv q8_0``; the unsplit row then keeps every sequence in one split
 (the 8-bit cache has no unsplit kernel).
+
+``--kv-budget-gb G`` (with one ``--depth D`` and ``--depth-batch N``) is the KV tiers' row instead (issue 30: 4 GiB,
+two 128k requests): N requests of D random prompt tokens each, submitted together to one scheduler (its chunked
+prefill, its overlapped greedy decode, ``place_kv`` before every step; a first round of one token each, then the
+prompts and those tokens again from the prefix cache, so the N decode together), ``--depth-steps`` more tokens each on an
+engine whose VRAM holds G GiB of KV (``gpu_kv_budget_gb``; the rest of the N x (D + steps) tokens in pinned host
+RAM), then the same on an engine with the whole cache in VRAM. Printed: whether every request's tokens are the same,
+the decode tok/s of both (steps with no prefill in them: wall time of the scheduler's steps), the prefill time, and
+per decoded token the bytes read from the host tier (``StepStats.kv_host_bytes``) and moved between the tiers
+(``kv_moved_bytes``).
 """
 
 from __future__ import annotations
@@ -322,3 +332,116 @@ def main(args: Any, model_path: Path, build: Any) -> int:
         Path(args.json).write_text(json.dumps(res, indent=2))
     print_table(res)
     return 0
+
+
+def _serve(path: Path, device: str, prompts: list[list[int]], steps: int, kv_tokens: int, kv_type: str,
+           budget_gb: float | None) -> dict:
+    """The prompts as concurrent greedy requests on one scheduler, in two rounds so that their decode runs together
+    (the scheduler decodes a request as soon as its prefill ends, beside the other's prefill): each prompt for one
+    token, then each prompt and that token again (its blocks from the prefix cache) for `steps` tokens. Returns
+    their tokens, the prefill and decode wall times (a step with any prefill token counts as prefill), decode
+    tokens, host-tier and moved bytes (of the decode steps and of all)."""
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    with Engine.open(path, device=device, kv_tokens=kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512,
+                     kv_type=kv_type, gpu_kv_budget_gb=budget_gb) as eng:
+        hot = eng.kv_tiers.n_hot * eng.block_size if eng.kv_tiers is not None else eng.kv_tokens
+        mem = eng.gpu_memory() if eng._gpu is not None else {"kv": 0, "kv_host": 0}  # the CPU: its hot pool
+        print(f"  {'budget ' + format(budget_gb, 'g') + ' GiB' if budget_gb else 'unlimited'}: {hot} of "
+              f"{eng.kv_tokens} KV tokens hot (VRAM {mem['kv'] / 2**30:.2f} GiB; host tier "
+              f"{mem['kv_host'] / 2**30:.2f} GiB)", flush=True)
+        cfg = SchedulerConfig(max_batch_tokens=512, max_waiting_tokens=max(262_144, 2 * sum(map(len, prompts))))
+        sched = Scheduler(eng, cfg)
+        r = {"prefill_s": 0.0, "decode_s": 0.0, "decode_tokens": 0, "host_bytes": 0, "moved_bytes": 0,
+             "decode_host_bytes": 0, "decode_moved_bytes": 0, "hot_tokens": hot, "cached_tokens": 0}
+
+        def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+            rids = [sched.add(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                    for p in batch]
+            out: dict[str, list[int]] = {x: [] for x in rids}
+            t_last = time.perf_counter()
+            while sched.has_work():
+                for o in sched.step():
+                    out[o.request_id].extend(o.token_ids)
+                    if o.finished:
+                        r["cached_tokens"] += o.cached_tokens
+                now, rep = time.perf_counter(), sched.last_report
+                st = rep.stats if rep is not None else None
+                host, moved = (st.kv_host_bytes, st.kv_moved_bytes) if st is not None else (0, 0)
+                r["host_bytes"] += host
+                r["moved_bytes"] += moved
+                if rep is not None and rep.n_prefill == 0 and rep.n_decode > 0:
+                    r["decode_s"] += now - t_last
+                    r["decode_tokens"] += rep.n_decode
+                    r["decode_host_bytes"] += host
+                    r["decode_moved_bytes"] += moved
+                else:
+                    r["prefill_s"] += now - t_last
+                t_last = now
+            return [out[x] for x in rids]
+
+        firsts = run(prompts, 1)
+        rest = run([p + f for p, f in zip(prompts, firsts, strict=True)], steps)
+        r["tokens"] = [f + t for f, t in zip(firsts, rest, strict=True)]
+        r["decode_tok_s"] = r["decode_tokens"] / r["decode_s"] if r["decode_s"] > 0 else 0.0
+    return r
+
+
+def run_tiers(path: Path, device: str, depth: int, n_seq: int, steps: int, budget_gb: float,
+              kv_type: str = "f16") -> dict:
+    """--kv-budget-gb: the tiered run and the unlimited one on the same prompts (see the module's text)."""
+    from engine.gguf_model import open_model
+
+    mf = open_model(path)
+    # each request's blocks, and slack so that the second round's few new blocks evict no cached prefix
+    kv_tokens = -(-n_seq * (depth + steps + 4 * BLOCK_SIZE) // BLOCK_SIZE) * BLOCK_SIZE + 64 * BLOCK_SIZE
+    per = mf.hparams.kv_bytes_per_token_of(kv_type)
+    print(f"KV tiers: {n_seq} requests of {depth} prompt tokens + {steps} generated, {kv_type} KV "
+          f"({per / 1024:.0f} KiB per token, {kv_tokens * per / 2**30:.2f} GiB in all), VRAM budget {budget_gb:g} GiB",
+          flush=True)
+    rng = np.random.default_rng(30)
+    prompts = [[int(x) for x in rng.integers(0, mf.hparams.n_vocab, size=depth)] for _ in range(n_seq)]
+    tiered = _serve(path, device, prompts, steps, kv_tokens, kv_type, budget_gb)
+    n_dec = max(tiered["decode_tokens"], 1)
+    print(f"  tiered: decode {tiered['decode_tok_s']:.2f} tok/s ({tiered['decode_tokens']} tokens), prefill "
+          f"{tiered['prefill_s']:.0f} s; per decoded token {tiered['decode_host_bytes'] / n_dec / 2**30:.2f} GiB read "
+          f"from the host tier, {tiered['decode_moved_bytes'] / n_dec / 2**20:.2f} MiB moved", flush=True)
+    full = _serve(path, device, prompts, steps, kv_tokens, kv_type, None)
+    same = tiered["tokens"] == full["tokens"]
+    n = max(tiered["decode_tokens"], 1)
+    res = {"depth": depth, "n_seq": n_seq, "steps": steps, "kv_type": kv_type, "budget_gb": budget_gb,
+           "kv_tokens": kv_tokens, "same_tokens": same, "tiered": {k: v for k, v in tiered.items() if k != "tokens"},
+           "unlimited": {k: v for k, v in full.items() if k != "tokens"},
+           "host_bytes_per_token": tiered["decode_host_bytes"] / n,
+           "moved_bytes_per_token": tiered["decode_moved_bytes"] / n}
+    print(f"tokens {'the same' if same else 'DIFFER'} ({n_seq} x {steps + 1}; the second round found "
+          f"{tiered['cached_tokens']} prompt tokens cached, unlimited {full['cached_tokens']}); decode {tiered['decode_tok_s']:.2f} tok/s "
+          f"tiered (all {n_seq} requests) vs {full['decode_tok_s']:.2f} unlimited; prefill {tiered['prefill_s']:.0f} s "
+          f"vs {full['prefill_s']:.0f} s")
+    print(f"per decoded token: {res['host_bytes_per_token'] / 2**30:.2f} GiB read from the host tier, "
+          f"{res['moved_bytes_per_token'] / 2**20:.2f} MiB moved between tiers; over the whole run "
+          f"{tiered['host_bytes'] / 2**30:.1f} GiB read from host, {tiered['moved_bytes'] / 2**30:.2f} GiB moved")
+    if not same:
+        for i, (a, b) in enumerate(zip(tiered["tokens"], full["tokens"], strict=True)):
+            k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            print(f"  request {i}: first difference at token {k}")
+    return res
+
+
+def main_tiers(args: Any, model_path: Path, build: Any) -> int:
+    """bench.engine_gpu --depth D --depth-batch N --kv-budget-gb G: the KV tiers' row; exit status 1 when the tokens
+    differ."""
+    depths = parse_depths(args.depth)
+    if len(depths) != 1 or depths[0] < 1 or not args.kv_budget_gb > 0:
+        raise SystemExit("--kv-budget-gb: one --depth D >= 1 and a budget > 0 GiB")
+    if not model_path.exists():
+        model_path.parent.mkdir(parents=True, exist_ok=True)
+        build(model_path)
+    res = run_tiers(model_path, args.device, depths[0], getattr(args, "depth_batch", 1), args.depth_steps,
+                    args.kv_budget_gb, getattr(args, "kv_type", "f16"))
+    res["model"] = str(model_path)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0 if res["same_tokens"] else 1

@@ -233,11 +233,14 @@ class CudaModel:
     resident: hybrid placement's [n_layer, n_expert] mask (1: the routed expert is uploaded); the others are
     computed by ``cpu`` = (st_model *, st_pool *) of the C engine on the same file (st_moe_pairs), which must
     outlive this model. None: every weight on the GPU. kv_type: the cache's values, "f16" or "q8_0" (the CPU
-    engine's 8-bit cache, the same bytes for the same K / V: stg_kv_create_typed). settings_over: stg_settings fields
-    that the caller decides over the environment's (the plan's hybrid_stage 0 when it holds no staging ring)."""
+    engine's 8-bit cache, the same bytes for the same K / V: stg_kv_create_typed). n_host_blocks: the KV tiers
+    (stg_kv_create_tiered): the first n_blocks - n_host_blocks physical blocks in VRAM, the rest in pinned host
+    memory that the kernels read in place; ``kv_swap`` moves logical blocks between them. settings_over:
+    stg_settings fields that the caller decides over the environment's (the plan's hybrid_stage 0 when it holds
+    no staging ring)."""
 
     def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int, resident: Any = None,
-                 cpu: tuple[Any, Any] | None = None, kv_type: str = "f16",
+                 cpu: tuple[Any, Any] | None = None, kv_type: str = "f16", n_host_blocks: int = 0,
                  settings_over: dict[str, int] | None = None) -> None:
         from engine.native import ffi as cffi_cpu
         from engine.native import lib as lib_cpu
@@ -276,7 +279,12 @@ class CudaModel:
             self._model = None
             raise ValueError(f"kv_type must be one of {sorted(kv_types)}, got {kv_type!r}")
         self.kv_type = kv_type
-        rc = self.lib.stg_kv_create_typed(self._model, n_blocks, block_size, kv_types[kv_type], pk)
+        if not 0 <= n_host_blocks < n_blocks:
+            self.lib.stg_model_destroy(self._model)
+            self._model = None
+            raise ValueError(f"n_host_blocks must be in [0, {n_blocks}), got {n_host_blocks}")
+        rc = self.lib.stg_kv_create_tiered(self._model, n_blocks - n_host_blocks, n_host_blocks, block_size,
+                                           kv_types[kv_type], pk)
         if rc:
             self.lib.stg_model_destroy(self._model)
             self._model = None
@@ -286,7 +294,18 @@ class CudaModel:
         self._ticket = self.ffi.new("int64_t *")
         self._profile = self.ffi.new("stg_profile *")
         self.kv_bytes = int(self.lib.stg_kv_bytes(self._kv))
+        self.kv_host_bytes = int(self.lib.stg_kv_host_bytes(self._kv))
+        self._moved = self.ffi.new("uint64_t *")
         self.info = gpu_info(index)
+
+    def kv_swap(self, a: int, b: int, copy_a: bool, copy_b: bool) -> int:
+        """stg_kv_swap: logical blocks a and b exchange physical homes (their bytes copied as asked, queued on
+        the model's stream after the steps already launched); the bytes copied."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        _check(self.ffi, self.lib, self.lib.stg_kv_swap(self._kv, int(a), int(b), int(copy_a), int(copy_b),
+                                                        self._moved), "KV tier move")
+        return int(self._moved[0])
 
     def graph_status(self) -> tuple[int, int, str]:
         """(CUDA graphs cached, captures that failed, the last failure's message)."""
@@ -318,6 +337,8 @@ class CudaModel:
         w, s = self.ffi.new("int64_t *"), self.ffi.new("int64_t *")
         _check(self.ffi, self.lib, self.lib.stg_model_memory(self._model, w, s), "memory")
         return {"weights": int(w[0]), "kv": int(self.lib.stg_kv_bytes(self._kv)), "scratch": int(s[0]),
+                "kv_host": int(self.lib.stg_kv_host_bytes(self._kv)),
+                "kv_stage": int(self.lib.stg_kv_stage_bytes(self._kv)),
                 "resident_experts": int(self.lib.stg_model_resident_experts(self._model))}
 
     def profile(self) -> dict[str, float]:
@@ -330,7 +351,8 @@ class CudaModel:
                 "t_pcie": p.t_pcie, "t_cpu_wait": p.t_cpu_wait, "pairs_gpu": int(p.pairs_gpu),
                 "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes),
                 "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
-                "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s}
+                "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
+                "kv_host_bytes": int(p.kv_host_bytes)}
 
     def stage_info(self) -> dict[str, float]:
         """Staging (stg_settings.hybrid_stage): whether it is available on this model and its rates."""

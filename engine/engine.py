@@ -111,6 +111,13 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     return p, source
 
 
+def kv_hot_budget_tokens(mf: ModelFile, budget_gb: float, block_size: int, kv_type: str = "f16") -> int:
+    """The KV tiers' hot part for a VRAM budget (GiB, 2**30 bytes): the whole blocks of ``kv_type``'s bytes per
+    token that fit, at least one block."""
+    per_block = mf.hparams.kv_bytes_per_token_of(kv_type) * block_size
+    return max(1, int(budget_gb * 2**30) // per_block) * block_size
+
+
 class _StepIO:
     """A step's host-side arguments, kept across steps (Engine.forward fills them under the step
     lock): one st_batch and st_step_stats, one int32 buffer for the tokens, positions, sequence
@@ -208,6 +215,7 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.stage_cpu_pairs_s = float(profile.get("stage_cpu_pairs_s", 0.0))
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
+        out.kv_host_bytes = int(profile.get("kv_host_bytes", 0))
     return out
 
 
@@ -240,11 +248,9 @@ class Engine:
         cpu_threads = threads if not on_gpu or self.resident is not None else 1
         if self.resident is not None:
             cpu_threads = hybrid_pool_threads(threads)
-        # a tiered cache (CPU): the first n_hot blocks in the hot pool, the rest in the cold one
+        # a tiered cache: the first n_hot blocks in the hot pool (the GPU's VRAM; a separate allocation on the
+        # CPU), the rest in the cold one (pinned host memory on the GPU)
         n_hot = n_blocks if kv_hot_tokens is None else max(1, -(-kv_hot_tokens // block_size))
-        if n_hot < n_blocks and on_gpu:
-            lib.st_model_destroy(self._model)
-            raise UnsupportedError("KV tiers (kv_hot_tokens) run on the CPU engine only for now")
         n_hot = min(n_hot, n_blocks)
         pk = ffi.new("st_kv **")
         if kv_type not in KV_TYPES:
@@ -275,7 +281,8 @@ class Engine:
                 no_ring = self.plan is not None and not self.plan.params.staging_slots
                 self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size, resident=self.resident,
                                       cpu=(self._model, self._pool) if self.resident is not None else None,
-                                      kv_type=kv_type, settings_over={"hybrid_stage": 0} if no_ring else None)
+                                      kv_type=kv_type, n_host_blocks=n_blocks - n_hot,
+                                      settings_over={"hybrid_stage": 0} if no_ring else None)
             except BaseException:
                 lib.st_pool_destroy(self._pool)
                 lib.st_kv_destroy(self._kv)
@@ -287,7 +294,7 @@ class Engine:
         self.kv_tiers: KVTiers | None = None  # None: one tier (every block hot)
         if n_hot < n_blocks:
             bm = self.blocks
-            self.kv_tiers = KVTiers(n_hot, n_blocks - n_hot, self._kv_swap,
+            self.kv_tiers = KVTiers(n_hot, n_blocks - n_hot, self._gpu.kv_swap if self._gpu is not None else self._kv_swap,
                                     lambda b: bm.ref[b] > 0 or bm.block_digest[b] is not None)
         self._kv_moved = 0  # bytes moved between tiers since the last step's stats
         self._tokenizer: Any = None
@@ -370,7 +377,8 @@ class Engine:
              prefill_chunk: int = 512, max_model_len: int | None = None, device: str = "cpu",
              gpu_budget_gb: float | None = None,
              placement: str | os.PathLike[str] | PlacementFile | None = None,
-             rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> Engine:
+             rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16",
+             gpu_kv_budget_gb: float | None = None) -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
@@ -392,8 +400,12 @@ class Engine:
         scaled one under rope scaling, bounded by the KV capacity); beyond it quality is not promised.
 
         kv_hot_tokens: the hot tier's size in tokens (rounded up to blocks); the rest of the ``kv_tokens``
-        cache is the cold tier, a separate allocation. None: one tier. Blocks move between tiers only when the
-        scheduler asks (``place_kv``); outputs are bit-identical to the untiered cache's. CPU only for now.
+        cache is the cold tier, a separate allocation (on a GPU: pinned host RAM that the kernels read over PCIe,
+        docs/engine.md "KV tiers"). None: one tier. Blocks move between tiers only when the scheduler asks
+        (``place_kv``); outputs are bit-identical to the untiered cache's. Admission counts both tiers (the
+        block manager holds every block of ``kv_tokens``); a GPU budget plans the hot tier's bytes only.
+        gpu_kv_budget_gb: the GPU's KV tiers by bytes instead: the hot tier holds what fits in this many GiB of
+        VRAM at ``kv_type``'s bytes per token (whole blocks, at least one); not with ``kv_hot_tokens``.
 
         kv_type: "f16" (the default) or "q8_0": the 8-bit cache, Q8_0's rule per group of 32 values of a
         token's K or V (1.0625 bytes a value instead of 2; accuracy in docs/benchmarks.md). Untiered; on the CPU
@@ -417,6 +429,10 @@ class Engine:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if gpu_budget_gb is not None and not (gpu_budget_gb > 0 and gpu_budget_gb < float("inf")):
             raise ValueError(f"gpu_budget_gb must be a positive number of GiB, got {gpu_budget_gb}")
+        if gpu_kv_budget_gb is not None and not (gpu_kv_budget_gb > 0 and gpu_kv_budget_gb < float("inf")):
+            raise ValueError(f"gpu_kv_budget_gb must be a positive number of GiB, got {gpu_kv_budget_gb}")
+        if gpu_kv_budget_gb is not None and kv_hot_tokens is not None:
+            raise ValueError("give the KV tiers' hot part as kv_hot_tokens or gpu_kv_budget_gb, not both")
         if cores is not None:
             _check_cores(cores)
         asked = parse_device(device)  # a bad device string fails before the file is read
@@ -429,11 +445,15 @@ class Engine:
             device = "cpu"
         # the budget first: a request the GPU engine cannot serve is refused before any device is touched
         planned = None
+        if gpu_kv_budget_gb is not None:
+            kv_hot_tokens = kv_hot_budget_tokens(mf, gpu_kv_budget_gb, block_size, kv_type)
+        # the GPU's plan holds the hot tier only: the cold one is host RAM
+        vram_kv = kv_tokens if kv_hot_tokens is None else min(kv_tokens, kv_hot_tokens)
         if asked.kind == "cuda":
-            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement, kv_type)
+            planned = _gpu_plan(mf, gpu_budget_gb, vram_kv, block_size, prefill_chunk, placement, kv_type)
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
-            planned = _gpu_plan(mf, gpu_budget_gb, kv_tokens, block_size, prefill_chunk, placement, kv_type)
+            planned = _gpu_plan(mf, gpu_budget_gb, vram_kv, block_size, prefill_chunk, placement, kv_type)
         resident = None
         if planned is not None and mf.hparams.n_expert:
             from engine.placement import resident_mask
@@ -536,7 +556,7 @@ class Engine:
             st = io.stats
             if self._gpu is not None:
                 self._gpu.forward(b, st)
-                self.last_stats = _stats(st, self._gpu_profile(st))
+                self.last_stats = self._take_moved(_stats(st, self._gpu_profile(st)))
             else:
                 check(lib.st_forward(self._model, self._kv, self._pool, b, st), "forward")
                 self.last_stats = self._take_moved(_stats(st))
@@ -676,7 +696,8 @@ class Engine:
         if self._gpu is not None:
             st = self._io.stats
             self._gpu.wait(c_ticket, ptr(out, "int32_t *") if out.size else ffi.NULL, st)
-            stats = _stats(st, self._gpu_profile(st))
+            # the tier moves queued since the last waited step (between launches: before this one or the next)
+            stats = self._take_moved(_stats(st, self._gpu_profile(st)))
         return out, stats
 
     def wait(self, ticket: int) -> np.ndarray:
@@ -704,12 +725,15 @@ class Engine:
         if self.resident is not None:
             return self._gpu.profile()
         return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "t_pcie": 0.0, "t_cpu_wait": 0.0,
-                "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0}
+                "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0,
+                "kv_host_bytes": self._gpu.profile()["kv_host_bytes"] if self.kv_tiers is not None else 0}
 
     def gpu_memory(self) -> dict[str, int]:
         """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and
-        resident experts), ``kv``, ``scratch`` (step buffers at their current size), and ``resident_experts``
-        (how many routed experts the GPU holds). The driver's figure adds the CUDA context."""
+        resident experts), ``kv`` (the VRAM tier of a tiered cache), ``kv_host`` (its pinned host tier; 0
+        untiered), ``kv_stage`` (VRAM slots staging host-tier blocks for prefill steps, grown on demand),
+        ``scratch`` (step buffers at their current size), and
+        ``resident_experts`` (how many routed experts the GPU holds). The driver's figure adds the CUDA context."""
         if self._gpu is None:
             raise EngineError("gpu_memory: the engine runs on the CPU")
         return self._gpu.memory()

@@ -64,6 +64,9 @@ OVERRIDES: tuple[Override, ...] = (
              "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
              "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
              "of VRAM; 64, the default, keeps decode off it); 0 never"),
+    Override("STRATA_GPU_KV_STREAM", "kv_stream",
+             "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
+             "them in VRAM; 0 every step stages (no graphs)"),
 )
 
 

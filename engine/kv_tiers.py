@@ -4,7 +4,9 @@ The block manager hands out *logical* block ids (reference counts, prefix cache,
 none of them ever change when a block moves). A tiered cache keeps every logical block in one
 physical block of either pool: the hot tier (on the GPU engine, device memory; here a separate
 host allocation) or the cold tier (pinned host RAM there, host memory here). This module keeps
-that mapping (a permutation, mirrored by the C cache's own map) and decides the moves.
+that mapping (a permutation, mirrored by the C cache's own map) and decides the moves. The GPU engine's
+swap (``CudaModel.kv_swap``, stg_kv_swap) queues the copy on the device's stream, behind the steps already
+launched, so the scheduler may place between a launch and its wait.
 
 Between steps the scheduler hands ``place`` the block tables of the sequences of the next step.
 The hot tier is filled in priority order, as far as it goes:
@@ -60,7 +62,7 @@ class KVTiers:
             for b in t[: self.sink_blocks]:
                 out[b] = None
         for t in tables:
-            if len(out) + sum(1 for b in t if b not in out) > self.n_hot:
+            if len(t) > self.n_hot or len(out) + sum(1 for b in t if b not in out) > self.n_hot:
                 continue  # a whole sequence goes hot only if it fits entirely
             for b in t:
                 out[b] = None

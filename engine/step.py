@@ -55,6 +55,9 @@ class StepStats:
     stage_gpu_gbs: float = 0.0
     stage_cpu_pairs_s: float = 0.0
     kv_moved_bytes: int = 0  # KV bytes copied between the cache's tiers before this step (Engine.place_kv)
+    # the GPU's KV tiers: bytes of host-tier blocks the step read over PCIe (streamed in place by decode, staged
+    # into VRAM layer by layer by prefill-form steps, whose written blocks go back: those bytes too)
+    kv_host_bytes: int = 0
 
 
 class StepEngine(Protocol):

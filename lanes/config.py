@@ -85,8 +85,13 @@ class LaneConfig(BaseModel):
     kv_tokens: int = Field(8192, ge=16)
     kv_type: Literal["f16", "q8_0"] = Field("f16", description="the KV cache's values: f16, or q8_0 (8-bit with an F16 "
                                                                "scale per 32: 17/32 of the bytes; CPU and GPU engines)")
-    kv_hot_tokens: int | None = Field(None, ge=1, description="KV tiers: the hot tier's tokens, the rest of kv_tokens "
-                                                              "cold (CPU engine only; outputs unchanged); None: one tier")
+    kv_hot_tokens: int | None = Field(None, ge=1, description="KV tiers: the hot tier's tokens (VRAM on a GPU), the rest "
+                                                              "of kv_tokens cold (host RAM; outputs unchanged); None: "
+                                                              "one tier")
+    gpu_kv_budget_gb: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                           description="KV tiers by bytes: the VRAM (GiB) the hot tier may hold at "
+                                                       "kv_type's bytes per token, the rest of kv_tokens in pinned host "
+                                                       "RAM; not with kv_hot_tokens; None: one tier")
     max_model_len: int | None = Field(None, ge=2)
     # rope scaling overrides (None: the model file's), llama.cpp's context options: engine/rope.py
     rope_scaling_type: ScalingType | None = Field(None, description="--rope-scaling: none, linear or yarn")

@@ -57,7 +57,8 @@ def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
                        kv_tokens=config.kv_tokens, max_model_len=config.max_model_len,
                        block_size=config.block_size, prefill_chunk=config.prefill_chunk,
                        device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement,
-                       rope=config.rope_overrides(), kv_type=config.kv_type, kv_hot_tokens=config.kv_hot_tokens)
+                       rope=config.rope_overrides(), kv_type=config.kv_type, kv_hot_tokens=config.kv_hot_tokens,
+                       gpu_kv_budget_gb=config.gpu_kv_budget_gb)
 
 
 def pin_process(cores: Sequence[int]) -> None:

@@ -83,3 +83,31 @@ def test_llama_runs_with_the_same_kv_type(monkeypatch: pytest.MonkeyPatch, tmp_p
     for cmd in seen:
         tail = " ".join(cmd)
         assert ("-ctk q8_0 -ctv q8_0" in tail) == (kv_type == "q8_0"), tail
+
+
+def test_tiers_row_on_the_cpu_engine(tmp_path: Path) -> None:
+    """The --kv-budget-gb row's mechanics on the CPU engine (its tiers stand in for VRAM and host RAM): two requests
+    served with a budget of 3 blocks give the unlimited run's tokens, with blocks moved between the tiers; the JSON
+    says so and the exit status is 0."""
+    import json
+    from types import SimpleNamespace
+
+    from bench.engine_gpu_depth import main_tiers, run_tiers
+    from tests.engine.gguf_factory import make_random_gguf
+
+    path = make_random_gguf(tmp_path / "m.gguf", n_ctx=1024)
+    from engine.gguf_model import open_model
+
+    budget = 3 * 16 * open_model(path).hparams.kv_bytes_per_token / 2**30
+    res = run_tiers(path, "cpu", 150, 2, 5, budget)
+    assert res["same_tokens"] and res["tiered"]["hot_tokens"] == 48 and res["unlimited"]["moved_bytes"] == 0
+    assert res["tiered"]["moved_bytes"] > 0 and res["tiered"]["decode_tokens"] == 2 * 4
+    # the second round reads each prompt's full blocks from the prefix cache (both tiers), so the two decode together
+    assert res["tiered"]["cached_tokens"] == res["unlimited"]["cached_tokens"] == 2 * (150 // 16 * 16)
+    out = tmp_path / "tiers.json"
+    args = SimpleNamespace(depth="150", depth_batch=2, depth_steps=5, kv_budget_gb=budget, kv_type="f16", device="cpu",
+                           json=str(out))
+    assert main_tiers(args, path, lambda p: None) == 0
+    assert json.loads(out.read_text())["same_tokens"] is True
+    with pytest.raises(SystemExit):
+        main_tiers(SimpleNamespace(**{**vars(args), "depth": "100,200"}), path, lambda p: None)

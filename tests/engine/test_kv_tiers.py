@@ -137,3 +137,31 @@ def test_admission_counts_both_tiers(engines: tuple[Engine, Engine]) -> None:
     rid = sched.add(long[: tiered.n_ctx // 2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     done = sched.run_to_completion()
     assert len([t for o in done[rid] for t in o.token_ids]) == 2
+
+
+def test_wanted_skips_sequences_longer_than_the_hot_tier() -> None:
+    """A sequence with more blocks than the hot tier never goes hot whole (its window and sinks do), and a shorter
+    one after it still does."""
+    t = KVTiers(6, 30, lambda a, b, ca, cb: 0, lambda b: True, sink_blocks=1, window_blocks=1)
+    long, short = list(range(10, 20)), [3, 4]
+    assert t.wanted([long, short]) == [19, 4, 10, 3]
+
+
+def test_vram_budget_gives_the_hot_tier(tiny_path: Path) -> None:
+    """gpu_kv_budget_gb: the hot tier is the whole blocks of kv_type's bytes that fit (at least one), on either
+    engine (the CPU's hot pool stands for VRAM); not with kv_hot_tokens; a bad budget is refused."""
+    from engine.engine import kv_hot_budget_tokens
+
+    with Engine.open(tiny_path, threads=1, kv_tokens=64) as probe:
+        mf = probe.model_file
+    per = mf.hparams.kv_bytes_per_token_of("f16") * 16
+    assert kv_hot_budget_tokens(mf, 3.5 * per / 2**30, 16) == 48
+    assert kv_hot_budget_tokens(mf, 1e-12, 16) == 16  # at least one block
+    per8 = mf.hparams.kv_bytes_per_token_of("q8_0") * 16
+    assert kv_hot_budget_tokens(mf, 7 * per8 / 2**30, 16, "q8_0") == 7 * 16
+    with Engine.open(tiny_path, threads=1, kv_tokens=1024, gpu_kv_budget_gb=5 * per / 2**30) as eng:
+        assert eng.kv_tiers is not None and eng.kv_tiers.n_hot == 5
+    with pytest.raises(ValueError, match="not both"):
+        Engine.open(tiny_path, kv_tokens=1024, kv_hot_tokens=64, gpu_kv_budget_gb=1.0)
+    with pytest.raises(ValueError, match="gpu_kv_budget_gb"):
+        Engine.open(tiny_path, kv_tokens=1024, gpu_kv_budget_gb=0.0)

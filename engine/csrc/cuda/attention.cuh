@@ -13,6 +13,7 @@ struct attn_args {
      * Read by the split decode kernel, the tensor-core prefill kernel and the reference only. */
     const int8_t *k8 = nullptr, *v8 = nullptr;
     const __half *ks = nullptr, *vs = nullptr;
+    kv_host ht; /* a tiered cache's host arrays of this layer: physical blocks >= ht.n_dev (kv_blk) */
     const int32_t *pos, *seq, *block_tables;
     int32_t max_blocks, n_head, n_kv, hd, block_size;
     int32_t stages;                 /* 2: the next chunk's copies fly while this one is used */

@@ -57,8 +57,9 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
     auto issue = [&](int ci, int st, int32_t blk) {
         const int slot0 = (ci * ATT_CK) % bs;
         __half *ks = wbuf + (size_t)st * 2 * ATT_CK * hd, *vs = ks + ATT_CK * hd;
-        const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * hd) * bs + slot0;
-        const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * hd;
+        const int64_t per = (int64_t)kd * bs;
+        const __half *kg = kv_blk(a.kc, a.ht.kc, blk, a.ht.n_dev, per) + (int64_t)kvh * hd * bs + slot0;
+        const __half *vg = kv_blk(a.vc, a.ht.vc, blk, a.ht.n_dev, per) + (int64_t)slot0 * kd + (int64_t)kvh * hd;
         const int vp = hd / 8; /* 16-byte pieces per V row */
         if constexpr (HD > 0) {
 #pragma unroll
@@ -91,7 +92,7 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
     }
     float bw[4] = {}, bb[4] = {}; /* PREP: this warp's head norm weights and bias (lane + 32 k) */
     float rf0 = 0.0f, rf1 = 0.0f; /* PREP, warp 3: inv_freq[lane], inv_freq[lane + 32] */
-    int64_t kvo = -1; /* PREP, warps 1 / 2 of a kv group's first q head: the new K / V's offset in the cache (kv_store) */
+    __half *kvw = nullptr; /* PREP, warps 1 / 2 of a kv group's first q head: the new K / V's place in the cache (kv_store) */
     if constexpr (PREP) {
         static_assert(HD == 128 && HALF2, "PREP: the unrolled form only");
         if (warp < 3) {
@@ -104,8 +105,9 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
             }
             if (warp > 0 && h % (a.n_head / a.n_kv) == 0) {
                 const int32_t p = n_keys - 1, blk = bt[p / bs], slot = p % bs;
-                const int64_t kbase = (int64_t)blk * kd * bs, c = (int64_t)kvh * HD + lane;
-                kvo = warp == 1 ? kbase + c * bs + slot : kbase + (int64_t)slot * kd + c;
+                const int64_t per = (int64_t)kd * bs, c = (int64_t)kvh * HD + lane;
+                kvw = warp == 1 ? kv_blk(a.qa.kc, a.qa.ht.kc, blk, a.qa.ht.n_dev, per) + c * bs + slot
+                                : kv_blk(a.qa.vc, a.qa.ht.vc, blk, a.qa.ht.n_dev, per) + (int64_t)slot * kd + c;
             }
         } else { /* warp 3: RoPE's inv_freq (weights), the table before the wait where pre */
             const int np = a.qa.rope_dim / 2;
@@ -114,6 +116,7 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
                 const int G = a.n_head / a.n_kv;
                 for (int c = h % G; c < n_chunks; c += G) {
                     const int32_t blk = bt[c * ATT_CK / bs];
+                    if (blk >= a.ht.n_dev) continue; /* a host-tier block: not prefetched over PCIe */
                     const int slot0 = (c * ATT_CK) % bs;
                     const __half *kg = a.kc_next + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
                     const __half *vg = a.vc_next + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
@@ -182,7 +185,7 @@ __device__ __forceinline__ void att_decode_head(const attn_args &a, int t, int h
                     const int i = lane + 32 * k;
                     const __half hv = __float2half_rn(v[i]);
                     kvnew[warp - 1][i] = hv;
-                    if (kvo >= 0) (warp == 1 ? qa.kc : qa.vc)[kvo + (warp == 1 ? (int64_t)32 * k * bs : 32 * k)] = hv; /* kv_store */
+                    if (kvw) kvw[warp == 1 ? (int64_t)32 * k * bs : 32 * k] = hv; /* kv_store */
                 }
             }
         } else if (!pre) {
@@ -351,20 +354,21 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     const int32_t nk = a.pos[t] + 1;
     const int bs = a.block_size, kd32 = kd / 32;
+    const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
     float mx = -INFINITY;
     for (int32_t j = 0; j < nk; j++) {
         const int64_t blk = bt[j / bs], slot = j % bs;
         float acc = 0.0f;
         if constexpr (Q8) {
-            const int8_t *kp = a.k8 + (blk * kd + (int64_t)kvh * hd) * bs + slot;
-            const __half *sp = a.ks + (blk * kd32 + (int64_t)kvh * hd / 32) * bs + slot;
+            const int8_t *kp = kv_blk(a.k8, a.ht.k8, blk, nd, per) + (int64_t)kvh * hd * bs + slot;
+            const __half *sp = kv_blk(a.ks, a.ht.ks, blk, nd, per / 32) + (int64_t)kvh * hd / 32 * bs + slot;
             for (int g = 0; g < hd / 32; g++) {
                 float dot = 0.0f;
                 for (int d = 32 * g; d < 32 * g + 32; d++) dot = fmaf(q[d], (float)kp[(int64_t)d * bs], dot);
                 acc = fmaf(__half2float(sp[(int64_t)g * bs]), dot, acc);
             }
         } else {
-            const __half *kp = a.kc + (blk * kd + (int64_t)kvh * hd) * bs + slot;
+            const __half *kp = kv_blk(a.kc, a.ht.kc, blk, nd, per) + (int64_t)kvh * hd * bs + slot;
             for (int d = 0; d < hd; d++) acc = fmaf(q[d], __half2float(kp[(int64_t)d * bs]), acc);
         }
         s[j] = acc;
@@ -377,9 +381,11 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
         for (int d = 0; d < hd; d++) {
             float acc = 0.0f;
             for (int32_t j = 0; j < nk; j++) {
-                const int64_t row = (int64_t)bt[j / bs] * bs + j % bs;
-                const float ws = s[j] * __half2float(a.vs[row * kd32 + ((int64_t)kvh * hd + d) / 32]);
-                acc = fmaf(ws, (float)a.v8[row * kd + (int64_t)kvh * hd + d], acc);
+                const int64_t blk = bt[j / bs], slot = j % bs;
+                const __half *vsp = kv_blk(a.vs, a.ht.vs, blk, nd, per / 32) + slot * kd32;
+                const int8_t *vp = kv_blk(a.v8, a.ht.v8, blk, nd, per) + slot * kd;
+                const float ws = s[j] * __half2float(vsp[((int64_t)kvh * hd + d) / 32]);
+                acc = fmaf(ws, (float)vp[(int64_t)kvh * hd + d], acc);
             }
             o[d] = acc / sum;
         }
@@ -387,7 +393,7 @@ __global__ void k_attention_ref(attn_args a, float *scratch, int32_t max_keys) {
     for (int d = 0; d < hd; d++) {
         float acc = 0.0f;
         for (int32_t j = 0; j < nk; j++) {
-            const __half *vp = a.vc + ((int64_t)bt[j / a.block_size] * a.block_size + j % a.block_size) * kd + (int64_t)kvh * hd;
+            const __half *vp = kv_blk(a.vc, a.ht.vc, bt[j / bs], nd, per) + (int64_t)(j % bs) * kd + (int64_t)kvh * hd;
             acc = fmaf(s[j], __half2float(vp[d]), acc);
         }
         o[d] = acc / sum;

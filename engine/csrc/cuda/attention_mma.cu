@@ -134,6 +134,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 blk[c] = jb < max_keys ? bt[jb / bs] : 0, slot[c] = jb % bs;
             }
             constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
+            const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
             if constexpr (Q8) { /* every load of the stage first, then the converted stores */
                 constexpr int KR = HD / 16, VR = AMMA_BC * VPC / (AMMA_WARPS * 32), NG = HD / 32;
                 const int kd32 = kd / 32;
@@ -145,8 +146,9 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
                         const int d = (threadIdx.x >> 3) + 16 * r;
-                        kq[r] = *(const uint2 *)(a.k8 + ((int64_t)b * kd + (int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
-                        kscl[r] = *(const uint4 *)(a.ks + ((int64_t)b * kd32 + (int64_t)kvh * NG + d / 32) * bs + sl + 8 * kc_p);
+                        kq[r] = *(const uint2 *)(kv_blk(a.k8, a.ht.k8, b, nd, per) + ((int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
+                        kscl[r] = *(const uint4 *)(kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + ((int64_t)kvh * NG + d / 32) * bs +
+                                                   sl + 8 * kc_p);
                     }
 #pragma unroll
                     for (int r = 0; r < KR; r++)
@@ -161,8 +163,8 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                     if (j0 + j < max_keys) {
                         const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
                         const int sl = (c == 0 ? slot[0] : c == 1 ? slot[1] : c == 2 ? slot[2] : slot[3]) + (j & 15);
-                        vq[r] = *(const uint2 *)(a.v8 + ((int64_t)b * bs + sl) * kd + (int64_t)kvh * HD + 8 * pc);
-                        vsc[r] = a.vs[((int64_t)b * bs + sl) * kd32 + (int64_t)kvh * NG + pc / 4];
+                        vq[r] = *(const uint2 *)(kv_blk(a.v8, a.ht.v8, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD + 8 * pc);
+                        vsc[r] = kv_blk(a.vs, a.ht.vs, b, nd, per / 32)[(int64_t)sl * kd32 + (int64_t)kvh * NG + pc / 4];
                     }
                 }
 #pragma unroll
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
             if (j0 + 16 * kc_c < max_keys) { /* chunks past the last key stay stale: their scores are masked */
                 const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
                 const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
-                const __half *kg = a.kc + ((int64_t)b * kd + (int64_t)kvh * HD) * bs + sl + 8 * kc_p;
+                const __half *kg = kv_blk(a.kc, a.ht.kc, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
 #pragma unroll
                 for (int d = threadIdx.x >> 3; d < HD; d += AMMA_WARPS * 32 / 8)
                     cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 if (j0 + j < max_keys) {
                     const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
                     const int sl = (c == 0 ? slot[0] : c == 1 ? slot[1] : c == 2 ? slot[2] : slot[3]) + (j & 15);
-                    cp_async16(dst, a.vc + ((int64_t)b * bs + sl) * kd + (int64_t)kvh * HD + 8 * pc);
+                    cp_async16(dst, kv_blk(a.vc, a.ht.vc, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD + 8 * pc);
                 } else {
                     *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u); /* p = 0 there, and 0 * stale NaN would not be 0 */
                 }

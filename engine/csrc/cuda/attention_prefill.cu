@@ -72,8 +72,9 @@ template <int HD> __device__ __forceinline__ void att_tile_rows(const attn_args 
     auto issue = [&](int ci, int st, int32_t blk) {
         const int slot0 = (ci * ATT_CK) % bs;
         __half *ks = wbuf + (size_t)st * 2 * ATT_CK * HD, *vs = ks + ATT_CK * HD;
-        const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
-        const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
+        const int64_t per = (int64_t)kd * bs;
+        const __half *kg = kv_blk(a.kc, a.ht.kc, blk, a.ht.n_dev, per) + (int64_t)kvh * HD * bs + slot0;
+        const __half *vg = kv_blk(a.vc, a.ht.vc, blk, a.ht.n_dev, per) + (int64_t)slot0 * kd + (int64_t)kvh * HD;
         constexpr int vp = HD / 8;
         for (int it = lane; it < 2 * HD; it += 32) {
             const int d = it >> 1, pc = it & 1;

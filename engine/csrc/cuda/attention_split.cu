@@ -165,13 +165,14 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
             if (i % 32 == 0 && i > 0) load_blocks(i);
             const int32_t blk = __shfl_sync(0xffffffffu, blkv, i % 32), c = c_lo + warp + ATT_WARPS * i;
             const int slot0 = (c * ATT_CK) % bs;
+            const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
             if constexpr (Q8) {
                 unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>();
                 const int kd32 = kd / 32;
-                const int8_t *kg = a.k8 + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
-                const int8_t *vg = a.v8 + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
-                const __half *ksg = a.ks + ((int64_t)blk * kd32 + (int64_t)kvh * NG) * bs + slot0;
-                const __half *vsg = a.vs + ((int64_t)blk * bs + slot0) * kd32 + (int64_t)kvh * NG;
+                const int8_t *kg = kv_blk(a.k8, a.ht.k8, blk, nd, per) + (int64_t)kvh * HD * bs + slot0;
+                const int8_t *vg = kv_blk(a.v8, a.ht.v8, blk, nd, per) + (int64_t)slot0 * kd + (int64_t)kvh * HD;
+                const __half *ksg = kv_blk(a.ks, a.ht.ks, blk, nd, per / 32) + (int64_t)kvh * NG * bs + slot0;
+                const __half *vsg = kv_blk(a.vs, a.ht.vs, blk, nd, per / 32) + (int64_t)slot0 * kd32 + (int64_t)kvh * NG;
 #pragma unroll
                 for (int it = lane; it < HD; it += 32) { /* K row it; V row it / (HD / 16), its piece it % (HD / 16) */
                     cp_async16(raw + 16 * it, kg + (int64_t)it * bs);
@@ -184,8 +185,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
                 }
             } else {
                 __half *ks = wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-                const __half *kg = a.kc + ((int64_t)blk * kd + (int64_t)kvh * HD) * bs + slot0;
-                const __half *vg = a.vc + ((int64_t)blk * bs + slot0) * kd + (int64_t)kvh * HD;
+                const __half *kg = kv_blk(a.kc, a.ht.kc, blk, nd, per) + (int64_t)kvh * HD * bs + slot0;
+                const __half *vg = kv_blk(a.vc, a.ht.vc, blk, nd, per) + (int64_t)slot0 * kd + (int64_t)kvh * HD;
 #pragma unroll
                 for (int it = lane; it < 2 * HD; it += 32) {
                     const int d = it >> 1, pc = it & 1;

@@ -421,7 +421,7 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
                            int64_t pairs) {
     const staging &g = m->hy.stg;
     if (!m->hy.on) {
-        m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0};
+        m->profile = stg_profile{t_total, t_total, 0.0, 0.0, pairs, 0, 0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0};
         return;
     }
     auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
@@ -450,7 +450,7 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
     gpu += el(prev, e1);
     m->profile = stg_profile{t_total, gpu, hs.t_cpu, wait, pairs - hs.cpu_pairs, hs.cpu_pairs, hs.staged_bytes,
                              pcie, hs.t_cpu_wait, hs.pcie_d2h + hs.pcie_h2d, hs.staged_layers, g.pcie_gbs,
-                             g.gpu_gbs, g.cpu_pairs_s};
+                             g.gpu_gbs, g.cpu_pairs_s, 0};
 }
 
 /* Online re-placement (between steps): expert in_e of a partial layer takes the slot of its resident expert

@@ -99,6 +99,26 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     } else {
         qa.kc = kv->k + (int64_t)il * kv->layer_elems, qa.vc = kv->v + (int64_t)il * kv->layer_elems;
     }
+    if (kv->n_host > 0) { /* the host tier's arrays of this layer: physical blocks from n_dev on (kv_blk) */
+        const int64_t he = (int64_t)il * kv->host_elems;
+        qa.ht.n_dev = kv->n_dev;
+        if (q8) {
+            qa.ht.k8 = kv->hk8 + he, qa.ht.v8 = kv->hv8 + he;
+            qa.ht.ks = kv->hks + he / 32, qa.ht.vs = kv->hvs + he / 32;
+        } else {
+            qa.ht.kc = kv->hk + he, qa.ht.vc = kv->hv + he;
+        }
+        if (kv->st_n > 0) { /* a staged step (step.cu): this layer's host blocks into their VRAM slots, read there */
+            CHECK(kv_stage_layer(kv, il, 0, st));
+            unsigned char *sg = kv->stage;
+            if (q8) {
+                qa.ht.k8 = (int8_t *)(sg + kv->stage_off[0]), qa.ht.v8 = (int8_t *)(sg + kv->stage_off[1]);
+                qa.ht.ks = (__half *)(sg + kv->stage_off[2]), qa.ht.vs = (__half *)(sg + kv->stage_off[3]);
+            } else {
+                qa.ht.kc = (__half *)(sg + kv->stage_off[0]), qa.ht.vc = (__half *)(sg + kv->stage_off[1]);
+            }
+        }
+    }
     qa.kpart = qkv_parts ? g_kpart : nullptr, qa.kp_n = m->q_dim + 2 * m->kv_dim, qa.kp_t = T;
     if (!fuse) {
         launch_k(k_qkv_post, dim3((unsigned)T, (unsigned)((d.n_head + 2 * d.n_head_kv + QKV_WARPS - 1) / QKV_WARPS)),
@@ -112,7 +132,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
     aa.max_blocks = max_blocks, aa.n_head = d.n_head, aa.n_kv = d.n_head_kv, aa.hd = d.head_dim;
     aa.block_size = kv->block_size;
-    aa.k8 = qa.k8, aa.v8 = qa.v8, aa.ks = qa.ks, aa.vs = qa.vs;
+    aa.k8 = qa.k8, aa.v8 = qa.v8, aa.ks = qa.ks, aa.vs = qa.vs, aa.ht = qa.ht;
     aa.aq = fused_q ? s.aq : nullptr, aa.ad = s.ad, aa.as = s.as;
     aa.fused = fuse ? 1 : 0, aa.qa = qa;
     aa.sinks = L.sinks.d ? L.sinks.f() : nullptr, aa.n_swa = oss_window(d, il); /* gpt-oss (step.cu: k_attention) */
@@ -135,6 +155,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     } else {
         CHECK(launch_attention(aa, T, st));
     }
+    CHECK(kv_stage_layer(kv, il, 1, st)); /* a staged step: the slots it wrote back to their host blocks */
     stg_status rc = ST_OK;
     const acts_d ain = fused_q ? acts_d{s.aq, s.ad, s.as, s.att} : layer_acts(m, s.att, T, m->q_dim, oq, &rc);
     CHECK(rc);

@@ -59,6 +59,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
+    s->kv_stream = 1;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -82,6 +83,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
+    RANGE(kv_stream, 0, 1)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -485,97 +487,6 @@ extern "C" stg_status stg_host_alloc(int64_t bytes, void **out) {
 
 extern "C" void stg_host_free(void *p) {
     if (p && cudaFreeHost(p) != cudaSuccess) cudaGetLastError();
-}
-
-/* ------------------------------------------------------------------ KV cache */
-
-/* The 8-bit cache's conditions on a model (why, for the message; true where it runs): decode takes the split kernel
- * (att_split_ok, head_dim 64 or 128: its scales' 4- / 8-byte copies) and prefill the tensor-core kernel
- * (att_mma_tokens), both for every sequence; K and V heads of one size (no latent attention); every layer full
- * (kv.c's 8-bit cache takes no sliding window either). */
-static bool kv_q8_ok(const st_model_desc &d, const char **why) {
-    *why = nullptr;
-    if (d.kv_lora_rank > 0) *why = "latent attention (kv_lora_rank)";
-    else if (d.n_swa > 0) *why = "sliding-window layers";
-    else if (d.head_dim != 64 && d.head_dim != 128) *why = "head_dim other than 64 or 128";
-    else if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim) || !att_mma_tokens(d.n_head, d.n_head_kv, d.head_dim))
-        *why = "query heads per kv head not dividing 16 or above 8";
-    return *why == nullptr;
-}
-
-static void kv_free(stg_kv *kv) {
-    cudaFree(kv->k);
-    cudaFree(kv->v);
-    cudaFree(kv->k8);
-    cudaFree(kv->v8);
-    cudaFree(kv->ks);
-    cudaFree(kv->vs);
-    delete kv;
-}
-
-extern "C" stg_status stg_kv_create_typed(stg_model *m, int32_t n_blocks, int32_t block_size, int32_t type,
-                                          stg_kv **out) {
-    if (!m || !out) return fail(ST_EINVAL, "kv_create: NULL argument");
-    *out = nullptr;
-    if (n_blocks < 1 || block_size < 16 || block_size > 4096 || block_size % 16)
-        return fail(ST_EINVAL, "kv_create: n_blocks=%d block_size=%d invalid (block size: a multiple of 16)", n_blocks,
-                    block_size);
-    if (type != STG_KV_F16 && type != STG_KV_Q8_0) return fail(ST_EINVAL, "kv_create: KV type %d unknown", type);
-    const char *why = nullptr;
-    if (type == STG_KV_Q8_0 && !kv_q8_ok(m->d, &why))
-        return fail(ST_EUNSUPPORTED, "kv_create: the 8-bit KV cache on the GPU does not take this model: %s", why);
-    CU(cudaSetDevice(m->device), "kv_create");
-    stg_kv *kv = new stg_kv();
-    kv->m = m;
-    kv->n_blocks = n_blocks, kv->block_size = block_size, kv->n_layer = m->d.n_layer, kv->kv_dim = m->kv_dim;
-    kv->type = type;
-    kv->layer_elems = (int64_t)n_blocks * block_size * m->kv_dim;
-    const size_t n = (size_t)kv->layer_elems * (size_t)kv->n_layer;
-    bool ok;
-    if (type == STG_KV_Q8_0) {
-        ok = cudaMalloc(&kv->k8, n) == cudaSuccess && cudaMalloc(&kv->v8, n) == cudaSuccess &&
-             cudaMalloc(&kv->ks, n / 32 * sizeof(__half)) == cudaSuccess &&
-             cudaMalloc(&kv->vs, n / 32 * sizeof(__half)) == cudaSuccess;
-    } else {
-        ok = cudaMalloc(&kv->k, n * sizeof(__half)) == cudaSuccess && cudaMalloc(&kv->v, n * sizeof(__half)) == cudaSuccess;
-    }
-    if (!ok) {
-        cudaGetLastError();
-        const int64_t want = 2 * (type == STG_KV_Q8_0 ? (int64_t)(n + n / 32 * sizeof(__half)) : (int64_t)(n * sizeof(__half)));
-        kv_free(kv);
-        return fail(ST_ENOMEM, "kv_create: cannot allocate %lld bytes of KV cache in VRAM", (long long)want);
-    }
-    /* zeroed so a stray read of an unwritten slot is finite, as on the CPU (calloc) */
-    if (type == STG_KV_Q8_0)
-        ok = cudaMemset(kv->k8, 0, n) == cudaSuccess && cudaMemset(kv->v8, 0, n) == cudaSuccess &&
-             cudaMemset(kv->ks, 0, n / 32 * sizeof(__half)) == cudaSuccess &&
-             cudaMemset(kv->vs, 0, n / 32 * sizeof(__half)) == cudaSuccess;
-    else
-        ok = cudaMemset(kv->k, 0, n * sizeof(__half)) == cudaSuccess && cudaMemset(kv->v, 0, n * sizeof(__half)) == cudaSuccess;
-    if (!ok) {
-        kv_free(kv);
-        return fail(ST_EINVAL, "kv_create: cannot clear the KV cache");
-    }
-    *out = kv;
-    return ST_OK;
-}
-
-extern "C" stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg_kv **out) {
-    return stg_kv_create_typed(m, n_blocks, block_size, STG_KV_F16, out);
-}
-
-extern "C" void stg_kv_destroy(stg_kv *kv) {
-    if (!kv) return;
-    cudaSetDevice(kv->m->device);
-    cudaStreamSynchronize(kv->m->stream);
-    drop_graphs(kv->m); /* they point into this cache */
-    kv_free(kv);
-}
-
-extern "C" int64_t stg_kv_bytes(const stg_kv *kv) {
-    if (!kv) return 0;
-    const int64_t n = kv->layer_elems * kv->n_layer;
-    return kv->type == STG_KV_Q8_0 ? 2 * (n + n / 32 * (int64_t)sizeof(__half)) : 2 * n * (int64_t)sizeof(__half);
 }
 
 /* ------------------------------------------------------------------ scratch */

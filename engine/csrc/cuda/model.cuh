@@ -148,6 +148,7 @@ struct inflight {
     int32_t *h_picks = nullptr;             /* pinned [cap_picks]: the picks' copy */
     int64_t cap_picks = 0;
     int32_t *h_hist = nullptr; /* pinned [n_layer * n_expert]: the histogram's copy */
+    int64_t kv_host_bytes = 0; /* host-tier KV bytes its attention reads (stg_profile.kv_host_bytes) */
     hybrid_step hy;
 };
 
@@ -196,6 +197,8 @@ struct stg_model {
     const uint8_t *mv_step = nullptr;
     std::vector<int32_t> hist_h; /* the step's expert histogram, copied back with the logits */
     std::vector<char> seq_seen;  /* stg_forward's distinct-sequence check */
+    /* a tiered cache (step.cu): each row's last block a step reads and first it writes; the staging write-backs */
+    std::vector<int32_t> seq_last, seq_first, seq_wb;
     inflight fl[2];              /* launched steps, slot = ticket & 1 */
     int64_t next_ticket = 1;
     int32_t n_live = 0;
@@ -221,10 +224,31 @@ static void drop_graphs(stg_model *m) {
 
 struct stg_kv {
     stg_model *m;
-    int32_t n_blocks, block_size, n_layer, kv_dim;
+    int32_t n_blocks, block_size, n_layer, kv_dim; /* n_blocks: logical blocks, both tiers (n_dev + n_host) */
     int32_t type;       /* STG_KV_F16 or STG_KV_Q8_0 */
     __half *k, *v;      /* F16: [layer][block][kv_dim][block_size], [layer][block][block_size][kv_dim] */
     int8_t *k8, *v8;    /* Q8_0: the values at those indices (kv_store) */
     __half *ks, *vs;    /* Q8_0: a scale per 32 values, layer_elems / 32 per layer */
-    int64_t layer_elems; /* values per layer of K (and of V) */
+    int64_t layer_elems; /* values per layer of K (and of V) in VRAM: n_dev blocks */
+    /* the host tier (stg_kv_create_tiered; n_host 0: none): the same arrays for n_host blocks in pinned, mapped host
+     * memory (cudaHostAlloc, read by the kernels through kv_blk), host_elems values per layer; map[logical] the
+     * physical block (< n_dev: VRAM) that step.cu writes into the uploaded block tables; stg_kv_swap moves blocks */
+    int32_t n_dev = 0, n_host = 0;
+    __half *hk = nullptr, *hv = nullptr;
+    int8_t *hk8 = nullptr, *hv8 = nullptr;
+    __half *hks = nullptr, *hvs = nullptr;
+    int64_t host_elems = 0;
+    std::vector<int32_t> map;
+    /* staging (prefill-form steps of a tiered cache, step.cu): the step's host blocks gathered layer by layer into
+     * device slots before its attention (whose query tiles each read every key: streamed, a host block would cross
+     * PCIe once per tile), written back after it where the step wrote them. stage: stage_cap slots of every array
+     * (array i at stage_off[i]); d_list: (slot, host block) pairs, the gathers then the write-backs; st_n / st_wb:
+     * the step being queued's counts (0: the step streams) */
+    unsigned char *stage = nullptr;
+    int64_t stage_off[4] = {};
+    int32_t stage_cap = 0;
+    int32_t *d_list = nullptr;
+    int32_t st_n = 0, st_wb = 0;
+    std::vector<int32_t> slot_of, list; /* host block -> slot of the step being built; the pairs */
+    std::vector<char> slot_w;           /* slot -> written by the step (in the write-backs) */
 };

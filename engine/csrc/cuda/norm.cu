@@ -171,6 +171,24 @@ __device__ __forceinline__ void rope_pair(float *v, int i, int rope_dim, int rop
     v[b] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, cs));
 }
 
+/* The host tier of a tiered KV cache (stg_kv_create_tiered): one layer's arrays in pinned, mapped host memory, which
+ * the device reads and writes through their UVA addresses (over PCIe, as a kernel touches them). A block table entry
+ * is a physical block: below n_dev it lives in the device arrays (the attention arguments' kc / vc / k8 / ...), from
+ * n_dev on in these, at index blk - n_dev. An untiered cache keeps the defaults (every block on the device). */
+struct kv_host {
+    int32_t n_dev = INT32_MAX;
+    __half *kc = nullptr, *vc = nullptr;
+    int8_t *k8 = nullptr, *v8 = nullptr;
+    __half *ks = nullptr, *vs = nullptr;
+};
+/* The one address function of the KV tiers: the start of physical block blk (per elements a block) of an array whose
+ * device pool is dev and host pool host. Every kernel that reads or writes the cache goes through it. */
+template <class T, class U>
+__device__ __forceinline__ T *kv_blk(T *dev, U *host, int64_t blk, int32_t n_dev, int64_t per) {
+    T *h = host;
+    return blk < n_dev ? dev + blk * per : h + (blk - n_dev) * per;
+}
+
 struct qkv_args {
     float *q, *k, *v; /* [T, q_dim], [T, kv_dim] x2 */
     const float *bq, *bk, *bv, *q_norm, *k_norm, *inv_freq;
@@ -182,6 +200,7 @@ struct qkv_args {
     /* the 8-bit cache (STG_KV_Q8_0): this layer's values and F16 scales, kv.c's layout (kv_store_q8); NULL: F16 */
     int8_t *k8 = nullptr, *v8 = nullptr;
     __half *ks = nullptr, *vs = nullptr;
+    kv_host ht; /* the host tier's arrays of this layer (a tiered cache) */
     /* q / k / v still as the split GEMM's 4 parts [4][kp_t][kp_n] over their stacked rows (the fused
      * decode attention adds them as k_ksplit_combine would: g_defer_combine); NULL: q, k, v */
     const float *kpart;
@@ -246,27 +265,30 @@ __device__ __forceinline__ void kv_store(const qkv_args &a, int t, int kind, int
     const int kd = a.n_kv * a.hd, hd = a.hd;
     const int32_t p = a.pos[t];
     const int32_t blk = a.block_tables[(int64_t)a.seq[t] * a.max_blocks + p / a.block_size], slot = p % a.block_size;
-    const int64_t kbase = (int64_t)blk * kd * a.block_size;
+    const int64_t per = (int64_t)kd * a.block_size, nd = a.ht.n_dev;
     if (a.k8) { /* every lane in each pass: a group of 32 */
         const int kd32 = kd / 32;
+        int8_t *kb = kv_blk(a.k8, a.ht.k8, blk, nd, per), *vb = kv_blk(a.v8, a.ht.v8, blk, nd, per);
+        __half *ksb = kv_blk(a.ks, a.ht.ks, blk, nd, per / 32), *vsb = kv_blk(a.vs, a.ht.vs, blk, nd, per / 32);
         for (int i = lane; i < hd; i += 32) {
             const int c = hh * hd + i;
             __half d;
             const int8_t q = kv_q8_lane(v[i], &d);
             if (kind == 1) {
-                a.k8[kbase + (int64_t)c * a.block_size + slot] = q;
-                if (lane == 0) a.ks[((int64_t)blk * kd32 + c / 32) * a.block_size + slot] = d;
+                kb[(int64_t)c * a.block_size + slot] = q;
+                if (lane == 0) ksb[(int64_t)(c / 32) * a.block_size + slot] = d;
             } else {
-                a.v8[kbase + (int64_t)slot * kd + c] = q;
-                if (lane == 0) a.vs[((int64_t)blk * a.block_size + slot) * kd32 + c / 32] = d;
+                vb[(int64_t)slot * kd + c] = q;
+                if (lane == 0) vsb[(int64_t)slot * kd32 + c / 32] = d;
             }
         }
         return;
     }
+    __half *kb = kv_blk(a.kc, a.ht.kc, blk, nd, per), *vb = kv_blk(a.vc, a.ht.vc, blk, nd, per);
     for (int i = lane; i < hd; i += 32) {
         const int c = hh * hd + i;
-        if (kind == 1) a.kc[kbase + (int64_t)c * a.block_size + slot] = __float2half_rn(v[i]);
-        else a.vc[kbase + (int64_t)slot * kd + c] = __float2half_rn(v[i]);
+        if (kind == 1) kb[(int64_t)c * a.block_size + slot] = __float2half_rn(v[i]);
+        else vb[(int64_t)slot * kd + c] = __float2half_rn(v[i]);
     }
 }
 

@@ -270,7 +270,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, m->att_zmax) : 1)
            : att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
     if (att_split > 1 || (q8 && fuse_qkv)) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
-    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv);
+    /* a tiered cache with kv_stream 0 stages every step's host blocks: eagerly (the slots change every step) */
+    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv) && (kv->n_host == 0 || m->set.kv_stream);
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -300,6 +301,57 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     for (int32_t r = 0; r < b->n_seqs; r++) {
         memcpy(hbt + (int64_t)r * mb, b->block_tables + (int64_t)r * b->max_blocks, sizeof(int32_t) * b->max_blocks);
         for (int32_t c = b->max_blocks; c < mb; c++) hbt[(int64_t)r * mb + c] = -1;
+    }
+    f.kv_host_bytes = 0;
+    kv->st_n = kv->st_wb = 0;
+    if (kv->n_host > 0) { /* a tiered cache: the kernels see physical blocks (kv->map), host ones from n_dev on */
+        std::vector<int32_t> &last = m->seq_last, &first = m->seq_first;
+        last.assign((size_t)b->n_seqs, -1); /* each row's last block read by the step */
+        first.assign((size_t)b->n_seqs, INT32_MAX); /* and the first it writes */
+        for (int32_t i = 0; i < T; i++) {
+            const size_t r = (size_t)b->seq[i];
+            last[r] = std::max(last[r], b->pos[i] / kv->block_size), first[r] = std::min(first[r], b->pos[i] / kv->block_size);
+        }
+        /* a prefill-form step (eager, runs of one sequence's tokens: query tiles that each read every key) stages
+         * its host blocks in VRAM layer by layer; a decode step reads each host byte once and streams it (kv_stream
+         * 0: every step stages, graphs off above) */
+        const bool stage = !graph && (!fuse_qkv || !m->set.kv_stream);
+        if (stage) kv->slot_of.assign((size_t)kv->n_host, -1), kv->list.clear(), kv->slot_w.clear();
+        std::vector<int32_t> &wb = m->seq_wb;
+        wb.clear();
+        int64_t host_blocks = 0;
+        for (int32_t r = 0; r < b->n_seqs; r++)
+            for (int32_t c = 0; c < b->max_blocks; c++) {
+                int32_t &e = hbt[(int64_t)r * mb + c];
+                if (e < 0 || e >= kv->n_blocks) continue; /* past the row's blocks (validate_batch checked the rest) */
+                e = kv->map[(size_t)e];
+                if (c > last[(size_t)r] || e < kv->n_dev) continue;
+                if (!stage) {
+                    host_blocks++;
+                    continue;
+                }
+                int32_t &sl = kv->slot_of[(size_t)(e - kv->n_dev)];
+                if (sl < 0) {
+                    sl = (int32_t)(kv->list.size() / 2);
+                    kv->list.push_back(sl), kv->list.push_back(e - kv->n_dev);
+                    kv->slot_w.push_back(0);
+                }
+                if (c >= first[(size_t)r] && !kv->slot_w[(size_t)sl]) { /* written by the step: goes back after */
+                    kv->slot_w[(size_t)sl] = 1;
+                    wb.push_back(sl), wb.push_back(e - kv->n_dev);
+                }
+                e = kv->n_dev + sl;
+            }
+        if (stage && !kv->list.empty()) {
+            kv->st_n = (int32_t)(kv->list.size() / 2), kv->st_wb = (int32_t)(wb.size() / 2);
+            CHECK(kv_stage_room(kv, kv->st_n));
+            kv->list.insert(kv->list.end(), wb.begin(), wb.end());
+            CU(cudaMemcpyAsync(kv->d_list, kv->list.data(), sizeof(int32_t) * kv->list.size(), cudaMemcpyHostToDevice,
+                               st),
+               "forward: upload the staging list");
+            host_blocks = kv->st_n + kv->st_wb;
+        }
+        f.kv_host_bytes = host_blocks * kv_block_bytes(kv);
     }
     /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
@@ -441,6 +493,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
         }
     }
     hybrid_profile(m, f.hy, f.e0, f.e1, stt->t_total, pairs);
+    m->profile.kv_host_bytes = f.kv_host_bytes;
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

@@ -23,7 +23,8 @@
 #include "attention_mma.cu"     /* prefill attention on tensor cores */
 #include "attention_prefill.cu" /* prefill query tiles, attention_setup */
 #include "attention_split.cu"   /* split-KV decode: the grid, the combine */
-#include "model.cu"         /* devices, settings, upload, KV cache, scratch */
+#include "model.cu"         /* devices, settings, upload, scratch */
+#include "kv.cu"            /* the KV cache: its tiers (VRAM, pinned host), moves between them, staging */
 #include "gptoss.cu"        /* gpt-oss: its routing, clamped SwiGLU, expert and output biases, checks */
 #include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
 #include "staging.cu"       /* hybrid placement: experts staged over PCIe into a ring of two device slots */

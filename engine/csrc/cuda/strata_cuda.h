@@ -65,6 +65,10 @@ typedef struct stg_settings {
                                * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
                                * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
                                * 0: never */
+    int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
+                               * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
+                               * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
+                               * graphs). Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -131,8 +135,24 @@ stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg
 #define STG_KV_F16 0
 #define STG_KV_Q8_0 1
 stg_status stg_kv_create_typed(stg_model *m, int32_t n_blocks, int32_t block_size, int32_t type, stg_kv **out);
+/* A tiered cache (the CPU engine's st_kv_create_tiered on the device): n_dev blocks in VRAM and n_host in pinned,
+ * mapped host memory (cudaHostAlloc), addressed by logical ids 0 .. n_dev + n_host - 1 that start at physical
+ * block = id (ids below n_dev in VRAM). The kernels read and write host blocks in place over PCIe (the "streamed"
+ * choice of the tiers: no staging copy), so a step's tokens are the same whichever tier holds a block.
+ * stg_kv_create_typed is n_host = 0. ST_ENOMEM when either pool cannot be allocated. */
+stg_status stg_kv_create_tiered(stg_model *m, int32_t n_dev, int32_t n_host, int32_t block_size, int32_t type,
+                                stg_kv **out);
+/* st_kv_swap's contract on the device: swaps the physical homes of logical blocks a and b (every layer's K and V,
+ * and the 8-bit cache's scales), copying a's contents when copy_a and b's when copy_b. The copy is queued on the
+ * model's stream (after every step already launched, before every later one); *bytes (optional): bytes copied.
+ * Errors: untiered cache -> ST_EINVAL; an id outside the cache -> ST_ERANGE. */
+stg_status stg_kv_swap(stg_kv *kv, int32_t a, int32_t b, int32_t copy_a, int32_t copy_b, uint64_t *bytes);
 void stg_kv_destroy(stg_kv *kv);
+/* Bytes the cache holds in VRAM, in the host tier (0 untiered), and in VRAM staging slots for the host tier's
+ * blocks of a prefill-form step (grown on demand up to one layer of the whole host tier; 0 untiered). */
 int64_t stg_kv_bytes(const stg_kv *kv);
+int64_t stg_kv_host_bytes(const stg_kv *kv);
+int64_t stg_kv_stage_bytes(const stg_kv *kv);
 
 /* One step with st_forward's contract: batch is a const st_batch *, stats an
  * st_step_stats * (may be NULL); times come from CUDA events. With batch->out_tokens set the
@@ -175,6 +195,9 @@ typedef struct stg_profile {
      * at model creation, the CPU engine's routed pairs per second (0: staging unavailable or not rated) */
     int64_t staged_layers;
     double stage_pcie_gbs, stage_gpu_gbs, stage_cpu_pairs_s;
+    /* a tiered KV cache: bytes of host-tier blocks the step's attention read over PCIe (each block its sequence
+     * reads counted once: a decode step's exact figure, a lower bound for prefill tiles that reread it) */
+    int64_t kv_host_bytes;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by

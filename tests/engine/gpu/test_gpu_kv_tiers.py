@@ -1,0 +1,183 @@
+"""The GPU engine's KV tiers (stg_kv_create_tiered): a forced tiny VRAM tier (4 blocks) beside an untiered cache on
+the same model gives bitwise the same logits and greedy tokens, for the F16 and the 8-bit caches.
+
+What runs over host-tier blocks: prefill chunks whose prefix lies in pinned host memory (staged into VRAM layer by
+layer, their own written blocks written back), decode steps that stream host blocks in place (CUDA graphs, the
+split-KV kernel at a low att_split_min and, for F16, the unsplit kernel with the split off), blocks moved between the
+tiers by ``place_kv`` between steps, and two sequences served by the scheduler. The kernels are the untiered cache's,
+reading each block through one address function, so nothing may differ in any bit; the step statistics report the
+host bytes read (> 0 tiered, 0 untiered) and the bytes moved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.engine import Engine
+from engine.native import EngineError
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.gpu._env import requires_gpu
+
+pytestmark = requires_gpu
+
+VOCAB = 300
+HOT = 64  # tokens: 4 blocks of 16 in VRAM, far below the prompts
+KV = 8192
+CHUNK = 512
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 128, 4 query heads on 1 kv head: both caches' kernels take it (the 8-bit cache's split and mma kernels)
+    return make_random_gguf(
+        tmp_path_factory.mktemp("kvtiers") / "m.gguf",
+        n_vocab=VOCAB,
+        n_layer=2,
+        n_embd=512,
+        n_head=4,
+        n_head_kv=1,
+        n_ff=128,
+        n_expert=8,
+        n_expert_used=2,
+        n_ctx=KV,
+    )
+
+
+def _pair(model: Path, kv_type: str) -> tuple[Engine, Engine]:
+    kw = dict(device="cuda:0", kv_tokens=KV, prefill_chunk=CHUNK, kv_type=kv_type)
+    return Engine.open(model, **kw), Engine.open(model, kv_hot_tokens=HOT, **kw)
+
+
+def _steps(eng: Engine, prompt: list[int], table: list[int], feed: list[int]) -> list[np.ndarray]:
+    """Every prefill chunk's logits (all rows), then one decode step per fed token; the host bytes of each step."""
+    out, host = [], []
+    for s in range(0, len(prompt), CHUNK):
+        chunk = prompt[s : s + CHUNK]
+        pos = list(range(s, s + len(chunk)))
+        out.append(eng.forward(chunk, pos, [0] * len(chunk), [table], list(range(len(chunk)))))
+        host.append(eng.last_stats.kv_host_bytes)
+    for i, t in enumerate(feed):
+        if i == 2 and eng.kv_tiers is not None:
+            # sinks and the recent window into VRAM: blocks move mid-sequence
+            assert eng.place_kv([table]) > 0
+        out.append(eng.forward([t], [len(prompt) + i], [0], [table], [0]))
+        host.append(eng.last_stats.kv_host_bytes)
+    # two tokens of the sequence: a graph-sized step that is not a decode (prefill kernels, host blocks streamed)
+    p = len(prompt) + len(feed)
+    out.append(eng.forward(feed[:2], [p, p + 1], [0, 0], [table], [0, 1]))
+    host.append(eng.last_stats.kv_host_bytes)
+    return out + [np.asarray(host)]
+
+
+CASES = [(t, split_min, 1) for t in ("f16", "q8_0") for split_min in (0, 256)] + [
+    ("f16", 256, 0),
+    ("q8_0", 256, 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("kv_type", "split_min", "stream"), CASES, ids=[f"{t}-split{m}-stream{s}" for t, m, s in CASES]
+)
+def test_tiny_vram_tier_bit_identical(model: Path, kv_type: str, split_min: int, stream: int) -> None:
+    """stream 0 (STRATA_GPU_KV_STREAM=0): every step stages its host blocks, decode too (eager, no graphs)."""
+    # split_min 0: F16 decodes with the unsplit kernel (prefill on the fp32 tiles), the 8-bit cache with the split
+    # kernel in one split
+    rng = np.random.default_rng(30 + split_min)
+    prompt = [int(t) for t in rng.integers(0, VOCAB, size=2100)]
+    feed = [int(t) for t in rng.integers(0, VOCAB, size=6)]
+    flat, tiered = _pair(model, kv_type)
+    with flat, tiered:
+        env = {"STRATA_GPU_ATT_SPLIT_MIN": str(split_min), "STRATA_GPU_KV_STREAM": str(stream)}
+        # split_min 0 on F16: the fp32 prefill tiles too (the 8-bit cache's prefill is the tensor-core kernel)
+        if split_min == 0:
+            env["STRATA_GPU_ATT_MMA"] = "0"
+        for e in (flat, tiered):
+            e._gpu.set_settings(env)
+        assert tiered._gpu.kv_bytes == flat._gpu.kv_bytes // (KV // HOT)  # 4 of the 512 blocks in VRAM
+        assert (
+            tiered._gpu.kv_host_bytes == flat._gpu.kv_bytes - tiered._gpu.kv_bytes
+            and flat._gpu.kv_host_bytes == 0
+        )
+        n = -(-(len(prompt) + len(feed) + 2) // 16)
+        tf, tt = flat.blocks.allocate(n), tiered.blocks.allocate(n)
+        assert tf == tt
+        # the prompt lies mostly on the host
+        assert sum(not tiered.kv_tiers.is_hot(b) for b in tt) >= n - HOT // 16
+        want, got = _steps(flat, prompt, tf, feed), _steps(tiered, prompt, tt, feed)
+        for i, (a, b) in enumerate(zip(want[:-1], got[:-1], strict=True)):
+            assert np.array_equal(a, b), (
+                f"step {i}: the tiered cache's logits differ (max {np.abs(a - b).max():.3e})"
+            )
+        assert (want[-1] == 0).all() and (got[-1] > 0).all(), (want[-1], got[-1])
+        # prefill staged the host prefix in VRAM slots (one layer's, beside the budget); the untiered cache has none
+        assert tiered.gpu_memory()["kv_stage"] > 0 and flat.gpu_memory()["kv_stage"] == 0
+        print(f"{kv_type}, att_split_min {split_min}: host bytes per step {got[-1].tolist()}")
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_scheduler_two_sequences_same_tokens(model: Path, kv_type: str) -> None:
+    """Two long prompts served together (chunked prefill beside decode, moves between every step): the same greedy
+    tokens as the untiered cache, with bytes moved and host bytes read reported."""
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (1800, 1300)]
+
+    def run(eng: Engine) -> tuple[list[list[int]], int, int]:
+        sched = Scheduler(eng, SchedulerConfig(max_batch_tokens=CHUNK))
+        rids = [
+            sched.add(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts
+        ]
+        out: dict[str, list[int]] = {r: [] for r in rids}
+        moved = host = 0
+        while sched.has_work():
+            for o in sched.step():
+                out[o.request_id].extend(o.token_ids)
+            st = sched.last_report.stats if sched.last_report else None
+            if st is not None:
+                moved, host = moved + st.kv_moved_bytes, host + st.kv_host_bytes
+        return [out[r] for r in rids], moved, host
+
+    flat, tiered = _pair(model, kv_type)
+    with flat, tiered:
+        a, b = run(flat), run(tiered)
+    assert a[0] == b[0]
+    assert a[1] == 0 and a[2] == 0 and b[1] > 0 and b[2] > 0, (a[1:], b[1:])
+    print(f"{kv_type}: moved {b[1]} bytes, read {b[2]} host bytes over {sum(map(len, b[0]))} tokens")
+
+
+def test_swap_refuses_untiered_and_bad_ids(model: Path) -> None:
+    flat, tiered = _pair(model, "f16")
+    with flat, tiered:
+        with pytest.raises(EngineError, match="not tiered"):
+            flat._gpu.kv_swap(0, 1, True, True)
+        with pytest.raises(EngineError, match="outside"):
+            tiered._gpu.kv_swap(0, tiered.blocks.n_blocks, True, False)
+
+
+def test_vram_budget_sets_the_hot_tier(model: Path) -> None:
+    """gpu_kv_budget_gb: the hot tier is the whole blocks of the budget; the device holds exactly those bytes."""
+    with Engine.open(model, kv_tokens=64) as cpu:
+        per_block = cpu.hparams.kv_bytes_per_token * 16
+    budget = 10 * per_block / 2**30
+    with Engine.open(model, device="cuda:0", kv_tokens=KV, gpu_kv_budget_gb=budget) as eng:
+        assert eng.kv_tiers is not None and eng.kv_tiers.n_hot == 10
+        assert eng._gpu.kv_bytes == 10 * per_block
+        assert eng._gpu.kv_host_bytes == (KV // 16 - 10) * per_block
+
+
+def test_admission_counts_both_tiers(model: Path) -> None:
+    """The window is both tiers' tokens (VRAM holds 64 of them); a prompt beyond it gets the typed context error
+    before any block is taken or moved."""
+    from engine.block_manager import KVCapacityError
+
+    with Engine.open(model, device="cuda:0", kv_tokens=1024, kv_hot_tokens=HOT) as eng:
+        assert eng.n_ctx == 1024 and eng.kv_tiers.n_hot * eng.block_size == HOT
+        sched = Scheduler(eng, SchedulerConfig())
+        free, moved = eng.blocks.num_free, eng.kv_tiers.moved_bytes
+        with pytest.raises(KVCapacityError, match="context window"):
+            sched.add([1] * eng.n_ctx, SamplingParams(max_tokens=4))
+        assert not sched.has_work() and eng.blocks.num_free == free and eng.kv_tiers.moved_bytes == moved
