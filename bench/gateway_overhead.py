@@ -58,6 +58,7 @@ import gc
 import http.client
 import json
 import os
+import re
 import secrets
 import signal
 import statistics
@@ -118,6 +119,12 @@ def _local_count_ready(gateway_log: Path, timeout: float) -> str:
             return "the gateway (the lane's tokenizer, loaded)"
         time.sleep(0.25)
     return "the lane's /tokenize (the gateway has not loaded the lane's tokenizer)"
+
+
+def _event_loop(gateway_log: Path) -> str:
+    """The started gateway's event loop, as its start-up line names it."""
+    m = re.search(r"event loop (\w+)\)", gateway_log.read_text(errors="replace"))
+    return m.group(1) if m else "unknown"
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -389,13 +396,14 @@ def main(argv: list[str] | None = None) -> int:
                 ("trace_stages = true\n" if args.stages else "") + "".join(line + "\n" for line in args.set)
             lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores, pids)
         retrieval, waited = wait_retrieval(gw_url, 600)
-        counting = "unknown (a running stack)"
+        counting, loop = "unknown (a running stack)", "unknown (a running stack)"
         if not args.lane_url:
+            loop = _event_loop(tmp / "gateway.log")
             # the precheck counts in the gateway only once it has loaded the lane's tokenizer (in the background)
             counting = "the lane's /tokenize" if args.count_via_lane else _local_count_ready(tmp / "gateway.log", 60)
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream); prompts counted by "
-              f"{counting}", flush=True)
+              f"{counting}; the gateway's event loop: {loop}", flush=True)
         machine = machine_info()  # before the pairs: it samples how busy the other processes keep the cores
         if args.control:
             print("gateway_overhead: A/A control: both sides of every pair go straight to the lane", flush=True)
@@ -437,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
                             "control": args.control, "gateway_config": args.set,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
-                            "retrieval_wait_s": round(waited, 2), "counted_by": counting}
+                            "retrieval_wait_s": round(waited, 2), "counted_by": counting, "event_loop": loop}
         write_json(args.json, report)
         print(f"  wrote {args.json}")
     return 0
