@@ -56,6 +56,11 @@ async def serve(config: GatewayConfig) -> int:
     # the request-log writer commits on its own thread: an event loop waking for a client or a lane's token takes the
     # GIL back within this, not Python's 5 ms, which a wake-up on a busy box would add to its time to first token
     sys.setswitchinterval(config.switch_interval_ms / 1000)
+    if config.nice is not None:  # before any thread or child starts: they inherit it (the embedding child resets)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, config.nice)
+        except OSError as e:
+            log.warning("nice = %d not applied: %s (raising priority needs CAP_SYS_NICE)", config.nice, e.strerror or e)
     fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool
     try:
         app = create_app(config)
