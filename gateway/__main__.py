@@ -56,11 +56,8 @@ async def serve(config: GatewayConfig) -> int:
     # the request-log writer commits on its own thread: an event loop waking for a client or a lane's token takes the
     # GIL back within this, not Python's 5 ms, which a wake-up on a busy box would add to its time to first token
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    if config.nice is not None:  # before any thread or child starts: they inherit it (the embedding child resets)
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, config.nice)
-        except OSError as e:
-            log.warning("nice = %d not applied: %s (raising priority needs CAP_SYS_NICE)", config.nice, e.strerror or e)
+    if config.nice is not None:
+        set_nice(config.nice)
     fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool
     try:
         app = create_app(config)
@@ -142,6 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.log_level)
     with asyncio.Runner(loop_factory=loop_factory(config)) as runner:
         return runner.run(serve(config))
+
+
+def set_nice(value: int) -> None:
+    """The priority of every thread of the process (Linux keeps one per thread; the event loop's may have started
+    one before this), before the request-log writer, the workers and the embedding child start: they inherit it
+    (the embedding child's forkserver goes back to 0)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError as e:
+            log.warning("nice = %d not applied: %s (raising priority needs CAP_SYS_NICE)", value, e.strerror or e)
+            return
 
 
 def loop_factory(config: GatewayConfig) -> Callable[[], asyncio.AbstractEventLoop] | None:
