@@ -29,6 +29,9 @@ each gateway request cut into segments (client -> gateway, gateway in, via the l
 gateway's step-to-step times (median / p99), and the 5 worst pairs segment by segment, so a tail is traced
 to where it grew; ``--control`` is an A/A run, both sides of every pair straight to the lane, whose
 "added" figures are the method's own noise floor on the box at that moment;
+``--compare NAME=VALUE`` starts a second gateway (B) with that config line in front of the same lane, and every pair
+becomes a triple (direct, A, B, each of the 6 orders in turn): B's added TTFT against the same direct requests and
+B - A triple by triple, an A/B of a setting at the same moments of a busy box;
 ``--count-via-lane`` starts the gateway with ``count_locally = false`` (the window precheck asks the
 lane's ``/tokenize``), for an A/B of the precheck.
 
@@ -56,8 +59,10 @@ import argparse
 import contextlib
 import gc
 import http.client
+import itertools
 import json
 import os
+import re
 import secrets
 import signal
 import statistics
@@ -120,6 +125,12 @@ def _local_count_ready(gateway_log: Path, timeout: float) -> str:
     return "the lane's /tokenize (the gateway has not loaded the lane's tokenizer)"
 
 
+def _event_loop(gateway_log: Path) -> str:
+    """The started gateway's event loop, as its start-up line names it."""
+    m = re.search(r"event loop (\w+)\)", gateway_log.read_text(errors="replace"))
+    return m.group(1) if m else "unknown"
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -130,41 +141,58 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
+               STRATA_ADMIN_KEY=secrets.token_urlsafe(32))
+    return env
+
+
 def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores: str | None = None,
                 pids: dict[str, int] | None = None) -> tuple[str, str, str]:
     """One lane and the gateway as processes (``gateway_toml``: extra lines of its config; ``lane_cores``: the
     lane's ``cores``, e.g. ``auto`` as ``make run`` pins it); returns (lane url, gateway url, user key) and puts
     the two processes' ids in ``pids`` ("lane", "gateway")."""
-    py = sys.executable
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
-    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
-               STRATA_ADMIN_KEY=secrets.token_urlsafe(32))
+    env = _env()
     lane_env = {**env, "STRATA_LANE_CORES": lane_cores} if lane_cores else env
-    lane_port, gw_port = free_port(), free_port()
+    lane_port = free_port()
     lane_log = open(tmp / "lane.log", "wb")
     stack.callback(lane_log.close)
-    lane = subprocess.Popen([py, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=lane_env, cwd=REPO_ROOT,
-                            stdout=lane_log, stderr=subprocess.STDOUT)
+    lane = subprocess.Popen([sys.executable, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=lane_env,
+                            cwd=REPO_ROOT, stdout=lane_log, stderr=subprocess.STDOUT)
     stack.callback(_stop, lane)
-    db = f"sqlite:///{tmp / 'gateway.db'}"
-    conf = tmp / "gateway.toml"
-    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "{db}"\n{gateway_toml}\n'
-                    f'[[lanes]]\nname = "a"\nurl = "http://127.0.0.1:{lane_port}"\n')
-    gw_log = open(tmp / "gateway.log", "wb")
+    if pids is not None:
+        pids["lane"] = lane.pid
+    lane_url = f"http://127.0.0.1:{lane_port}"
+    gw_url, key = start_gateway(stack, tmp, lane_url, gateway_toml, pids, "gateway", wait_lane=True)
+    return lane_url, gw_url, key
+
+
+def start_gateway(stack: ExitStack, d: Path, lane_url: str, gateway_toml: str, pids: dict[str, int] | None,
+                  name: str, wait_lane: bool = False) -> tuple[str, str]:
+    """A gateway process in front of ``lane_url`` with its own config, SQLite database, journal and log in ``d``
+    (``gateway.log``); returns (its url, a user key) and puts its process id in ``pids[name]``."""
+    py, env = sys.executable, _env()
+    gw_port = free_port()
+    conf = d / "gateway.toml"
+    conf.write_text(f'host = "127.0.0.1"\nport = {gw_port}\ndb_url = "sqlite:///{d / "gateway.db"}"\n{gateway_toml}\n'
+                    f'[[lanes]]\nname = "a"\nurl = "{lane_url}"\n')
+    gw_log = open(d / "gateway.log", "wb")
     stack.callback(gw_log.close)
     gw = subprocess.Popen([py, "-m", "gateway", "--config", str(conf)], env=env, cwd=REPO_ROOT, stdout=gw_log,
                           stderr=subprocess.STDOUT)
     stack.callback(_stop, gw)
     if pids is not None:
-        pids.update(lane=lane.pid, gateway=gw.pid)
-    lane_url, gw_url = f"http://127.0.0.1:{lane_port}", f"http://127.0.0.1:{gw_port}"
-    _wait(lane_url + "/health", 180)
+        pids[name] = gw.pid
+    gw_url = f"http://127.0.0.1:{gw_port}"
+    if wait_lane:
+        _wait(lane_url + "/health", 180)
     _wait(gw_url + "/readyz", 60)
     r = subprocess.run([py, "-m", "gateway.keys", "--config", str(conf), "create", "--name", "bench"], env=env,
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise SystemExit(f"gateway_overhead: key creation failed: {r.stderr.strip()}")
-    return lane_url, gw_url, r.stdout.strip()
+    return gw_url, r.stdout.strip()
 
 
 class Client:
@@ -232,29 +260,40 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int, pids: dict[str, int] | None = None,
-        control: bool = False) -> dict[str, Any]:
+        control: bool = False, compare: tuple[str, str] | None = None) -> dict[str, Any]:
     """``n`` measured pairs. ``control``: the "gateway" side is a second connection straight to the lane (an A/A
-    run: every figure is then the method's own noise at that moment, what no gateway can go below)."""
+    run: every figure is then the method's own noise at that moment, what no gateway can go below). ``compare``:
+    (url, key) of a second gateway (B) in front of the same lane; each pair becomes a triple (direct, A, B in a
+    rotating order: each of the 6 orders once every 6 triples), and B's figures are read against the same direct
+    requests, and B - A triple by triple: an A/B of two gateways at the same moments of the box."""
     direct = Client(lane_url, None, "bench-d")
     gateway = Client(lane_url, None, "bench-c") if control else Client(gw_url, key)
+    other = Client(compare[0], compare[1]) if compare else None
+    sides = {"direct": direct, "gw": gateway, **({"cmp": other} if other else {})}
     for _ in range(warmup):
-        direct.stream()
-        gateway.stream()
-    samples: list[dict[str, float]] = []
+        for c in sides.values():
+            c.stream()
+    orders = list(itertools.permutations(sides))
+    samples: list[dict[str, Any]] = []
     cpu0 = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
     gc.collect()
     gc.disable()  # the client's own collections stay out of the pairs
     try:
         for i in range(n):
-            order = (direct, gateway) if i % 2 == 0 else (gateway, direct)
+            order = orders[i % len(orders)]
             res = {}
-            for c in order:
+            for side in order:
+                c = sides[side]
                 ttft, total, _ = c.stream()
-                res["gw" if c is gateway else "direct"] = (ttft, total, c.sent, c.rid)
-            samples.append({"direct_ttft_ms": res["direct"][0] * 1e3, "direct_total_ms": res["direct"][1] * 1e3,
-                            "gateway_ttft_ms": res["gw"][0] * 1e3, "gateway_total_ms": res["gw"][1] * 1e3,
-                            "gateway_first": i % 2 == 1, "direct_sent": res["direct"][2],
-                            "gateway_sent": res["gw"][2], "direct_id": res["direct"][3], "gateway_id": res["gw"][3]})
+                res[side] = (ttft, total, c.sent, c.rid)
+            smp = {"direct_ttft_ms": res["direct"][0] * 1e3, "direct_total_ms": res["direct"][1] * 1e3,
+                   "gateway_ttft_ms": res["gw"][0] * 1e3, "gateway_total_ms": res["gw"][1] * 1e3,
+                   "gateway_first": order.index("gw") < order.index("direct"), "direct_sent": res["direct"][2],
+                   "gateway_sent": res["gw"][2], "direct_id": res["direct"][3], "gateway_id": res["gw"][3]}
+            if "cmp" in res:
+                smp.update(compare_ttft_ms=res["cmp"][0] * 1e3, compare_total_ms=res["cmp"][1] * 1e3,
+                           order="/".join(order))
+            samples.append(smp)
     finally:
         gc.enable()
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in (pids or {}).items()}
@@ -278,10 +317,21 @@ def run(lane_url: str, gw_url: str, key: str, n: int, warmup: int, pids: dict[st
         "target_added_ttft_median_ms": TARGET_MEDIAN_MS,
         "target_added_ttft_p99_ms": TARGET_P99_MS,
     }
-    if "gateway" in cpu:  # every gateway request of the measured pairs; the lane served 2 per pair
+    if "gateway" in cpu:  # every gateway request of the measured pairs; the lane served 2 per pair (3: compare)
         summary["gateway_cpu_ms_per_request"] = cpu["gateway"] * 1e3 / n
+    if "compare" in cpu:
+        summary["compare_cpu_ms_per_request"] = cpu["compare"] * 1e3 / n
     if "lane" in cpu:
-        summary["lane_cpu_ms_per_request"] = cpu["lane"] * 1e3 / (2 * n)
+        summary["lane_cpu_ms_per_request"] = cpu["lane"] * 1e3 / (len(sides) * n)
+    if other is not None:
+        cmp_added = [s["compare_ttft_ms"] - s["direct_ttft_ms"] for s in samples]
+        b_minus_a = [s["compare_ttft_ms"] - s["gateway_ttft_ms"] for s in samples]
+        summary.update(compare_added_ttft_median_ms=statistics.median(cmp_added),
+                       compare_added_ttft_p95_ms=_pct(cmp_added, 0.95),
+                       compare_added_ttft_p99_ms=_pct(cmp_added, 0.99),
+                       compare_ttft_p99_ms=_pct([s["compare_ttft_ms"] for s in samples], 0.99),
+                       b_minus_a_ttft_median_ms=statistics.median(b_minus_a),
+                       b_minus_a_ttft_mean_ms=statistics.fmean(b_minus_a))
     return {"summary": summary, "samples": samples}
 
 
@@ -372,10 +422,17 @@ def main(argv: list[str] | None = None) -> int:
                         "not the gateway; its 'added' figures are the method's noise floor at that moment")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a line of the started gateway's config (TOML), e.g. log_batch_s=0, for an A/B")
+    p.add_argument("--compare", action="append", default=[], metavar="NAME=VALUE",
+                   help="start a second gateway B with this config line (instead of --set's) in front of the same "
+                        "lane: each pair becomes a triple (direct, A, B, rotating order) and B - A is reported "
+                        "triple by triple: an A/B at the same moments of a busy box")
     p.add_argument("--stages", action="store_true",
                    help="the started gateway logs per-stage times (trace_stages); their medians are reported")
     args = p.parse_args(argv)
     pids: dict[str, int] = {}
+    compare: tuple[str, str] | None = None
+    if args.compare and (args.lane_url or args.control):
+        p.error("--compare starts its own lane and two gateways (not with --lane-url or --control)")
     with ExitStack() as stack:
         if args.lane_url or args.gateway_url:
             key = args.key or os.environ.get("STRATA_API_KEY")
@@ -385,21 +442,33 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="strata-gwbench-")))
             print("gateway_overhead: starting a lane and the gateway ...", flush=True)
-            extra = ("count_locally = false\n" if args.count_via_lane else "") + \
-                ("trace_stages = true\n" if args.stages else "") + "".join(line + "\n" for line in args.set)
+            base = ("count_locally = false\n" if args.count_via_lane else "") + \
+                ("trace_stages = true\n" if args.stages else "")
+            extra = base + "".join(line + "\n" for line in args.set)
             lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores, pids)
+            if args.compare:
+                (tmp / "b").mkdir()
+                compare = start_gateway(stack, tmp / "b", lane_url, base + "".join(ln + "\n" for ln in args.compare),
+                                        pids, "compare")
         retrieval, waited = wait_retrieval(gw_url, 600)
-        counting = "unknown (a running stack)"
+        if compare is not None:
+            wait_retrieval(compare[0], 600)
+            if not args.count_via_lane:
+                _local_count_ready(tmp / "b" / "gateway.log", 60)
+            print(f"gateway_overhead: B, a second gateway ({compare[0]}, event loop "
+                  f"{_event_loop(tmp / 'b' / 'gateway.log')}) with {args.compare} instead of {args.set}", flush=True)
+        counting, loop = "unknown (a running stack)", "unknown (a running stack)"
         if not args.lane_url:
+            loop = _event_loop(tmp / "gateway.log")
             # the precheck counts in the gateway only once it has loaded the lane's tokenizer (in the background)
             counting = "the lane's /tokenize" if args.count_via_lane else _local_count_ready(tmp / "gateway.log", 60)
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream); prompts counted by "
-              f"{counting}", flush=True)
+              f"{counting}; the gateway's event loop: {loop}", flush=True)
         machine = machine_info()  # before the pairs: it samples how busy the other processes keep the cores
         if args.control:
             print("gateway_overhead: A/A control: both sides of every pair go straight to the lane", flush=True)
-        report = run(lane_url, gw_url, key, args.n, args.warmup, pids, control=args.control)
+        report = run(lane_url, gw_url, key, args.n, args.warmup, pids, control=args.control, compare=compare)
         load_after = list(os.getloadavg())
         if args.stages and not args.lane_url and not args.control:
             time.sleep(0.5)  # the last access-log lines
@@ -416,9 +485,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  TTFT p99          direct {s['direct_ttft_p99_ms']:8.2f} ms   gateway {s['gateway_ttft_p99_ms']:8.2f} ms   "
           f"difference of the tails {s['added_ttft_p99_of_tails_ms']:.2f} ms (reported, not the target)")
     print(f"  added time per request (median) {s['added_total_median_ms']:6.2f} ms")
+    if "compare_added_ttft_median_ms" in s:
+        print(f"  B: added TTFT median {s['compare_added_ttft_median_ms']:6.2f} ms, p95 "
+              f"{s['compare_added_ttft_p95_ms']:.2f}, p99 {s['compare_added_ttft_p99_ms']:.2f} ms per pair "
+              f"(against the same direct requests); TTFT p99 {s['compare_ttft_p99_ms']:.2f} ms")
+        print(f"  B - A, triple by triple: TTFT median {s['b_minus_a_ttft_median_ms']:+.2f} ms, mean "
+              f"{s['b_minus_a_ttft_mean_ms']:+.2f} ms")
     if "gateway_cpu_ms_per_request" in s:
         print(f"  CPU per request   gateway {s['gateway_cpu_ms_per_request']:.2f} ms (all its threads)   "
-              f"lane {s['lane_cpu_ms_per_request']:.2f} ms")
+              f"lane {s['lane_cpu_ms_per_request']:.2f} ms" +
+              (f"   B {s['compare_cpu_ms_per_request']:.2f} ms" if "compare_cpu_ms_per_request" in s else ""))
     print(f"  load average before {machine.get('loadavg')} after {[round(x, 2) for x in load_after]}")
     if "stages" in report:
         st = report["stages"]
@@ -435,9 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report["machine"] = {**machine, "loadavg_after": load_after}
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
-                            "control": args.control, "gateway_config": args.set,
+                            "control": args.control, "gateway_config": args.set, "compare_config": args.compare,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
-                            "retrieval_wait_s": round(waited, 2), "counted_by": counting}
+                            "retrieval_wait_s": round(waited, 2), "counted_by": counting, "event_loop": loop}
         write_json(args.json, report)
         print(f"  wrote {args.json}")
     return 0

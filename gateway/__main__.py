@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -52,6 +53,11 @@ async def serve(config: GatewayConfig) -> int:
     # every file the gateway and its children write is private whatever umask it was started with (supervisord's is
     # 022): the database, the journal, uploads, the documents' indexes hold key hashes and users' words
     os.umask(0o077)
+    # the request-log writer commits on its own thread: an event loop waking for a client or a lane's token takes the
+    # GIL back within this, not Python's 5 ms, which a wake-up on a busy box would add to its time to first token
+    sys.setswitchinterval(config.switch_interval_ms / 1000)
+    if config.nice is not None:
+        set_nice(config.nice)
     fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool
     try:
         app = create_app(config)
@@ -84,8 +90,8 @@ async def serve(config: GatewayConfig) -> int:
         await guard.stop()
         return EXIT_FAILED
     addrs = ", ".join(f"{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple))
-    log.info("gateway pid=%d listening on %s (open files up to %d, connections up to %d)", os.getpid(), addrs,
-             fd_limit, fit)
+    log.info("gateway pid=%d listening on %s (open files up to %d, connections up to %d, event loop %s)", os.getpid(),
+             addrs, fd_limit, fit, type(asyncio.get_running_loop()).__module__.split(".")[0])
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -131,7 +137,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata gateway: {e}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(config.log_level)
-    return asyncio.run(serve(config))
+    with asyncio.Runner(loop_factory=loop_factory(config)) as runner:
+        return runner.run(serve(config))
+
+
+def set_nice(value: int) -> None:
+    """The priority of every thread of the process (Linux keeps one per thread; the event loop's may have started
+    one before this), before the request-log writer, the workers and the embedding child start: they inherit it
+    (the embedding child's forkserver goes back to 0)."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+        except OSError as e:
+            log.warning("nice = %d not applied: %s (raising priority needs CAP_SYS_NICE)", value, e.strerror or e)
+            return
+
+
+def loop_factory(config: GatewayConfig) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when the config asks for it and it is installed (None: the standard library's)."""
+    if config.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("event_loop = uvloop but uvloop is not installed: the standard library's event loop serves")
+            return None
+        return uvloop.new_event_loop
+    return None
 
 
 if __name__ == "__main__":

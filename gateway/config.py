@@ -164,6 +164,18 @@ class GatewayConfig(BaseModel):
     metrics_public: bool = Field(False, description="True: /metrics answers without a key (else the admin key: "
                                  "its labels name lanes and keys' limits, its counters what clients did)")
     shutdown_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: in-flight requests get this long")
+    nice: int | None = Field(
+        None, ge=-20, le=19, description="python -m gateway's scheduling priority (os.setpriority at start, every "
+        "thread; the embedding model's process stays at 0 or above); below 0 needs CAP_SYS_NICE (else a warning). "
+        "None: inherited. A gateway above its lanes' priority waits less for a core on a busy box at each hop to the "
+        "first token")
+    switch_interval_ms: float = Field(
+        0.5, gt=0, le=100, description="python -m gateway's sys.setswitchinterval: how long another thread of the "
+        "process (the request-log writer, a worker) keeps the GIL while the event loop waits for it (Python's "
+        "default: 5)")
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop", description="python -m gateway's event loop: uvloop (libuv; less CPU per request and per hop on "
+        "the path to the first token), else the standard library's (also when uvloop is not installed)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="per-key limits and their defaults")
     rag: RagConfig = Field(default_factory=RagConfig, description="documents and retrieval (docs/rag.md)")

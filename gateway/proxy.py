@@ -181,6 +181,7 @@ class _Call:
         self.n_choices = min(n, 64) if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
         self.reservation: Reservation | None = None  # the tokens held against the key's tpm
         self.resp: web.StreamResponse | None = None  # the client's stream once its 200 went out
+        self.row_logged = False  # the stream's row is journaled as in progress (before its 200 goes out)
         self.first_sent = False  # a token reached the client: no failover any more
         self.last_write = trace.t0
         self.texts: dict[int, list[str]] | None = {} if key.log_prompts else None
@@ -410,9 +411,14 @@ class _Call:
                 row["error_type"] = error_type
             self.gw.store.record(row)
 
-    async def _commit(self, lane: LaneRuntime) -> None:
-        self._log_row(200, IN_PROGRESS)  # a stream is logged as in progress before its first byte leaves
+    def _log_in_progress(self) -> None:
+        self._log_row(200, IN_PROGRESS)
+        self.row_logged = True
         self.trace.mark("logged")
+
+    async def _commit(self, lane: LaneRuntime) -> None:
+        if not self.row_logged:  # a stream is logged as in progress before its first byte leaves
+            self._log_in_progress()
         self.resp = _EventStream(status=200, headers={**SSE_HEADERS, **self._headers(lane)})
         try:
             await self.resp.prepare(self.request)
@@ -503,6 +509,10 @@ class _Call:
                                   headers)
             if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
                 raise LaneFailure(lane.name, "status", f"lane {lane.name} did not answer with an event stream")
+            if self.resp is None:
+                # the lane took the stream and now prefills: the row is journaled in that wait, off the first
+                # token's path, and is still on disk before the client's first byte leaves
+                self._log_in_progress()
             content = up.content
             parser = _SSEParser()
             done = False

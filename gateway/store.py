@@ -14,8 +14,8 @@ Key material never reaches a row; prompt and response text only for keys with
 Every queued row is first appended to a local journal (gateway/journal.py) when one is
 given, so a row is on disk before its answer completes and survives a SIGKILL; the journal
 left by a dead process is written to the database at start (:meth:`RequestLog.replay`). A
-stream gets its row when its 200 goes out (``error_type`` ``in_progress``) and again at its
-end; a row still in progress at a restart is written as ``interrupted``. Writes replace a
+stream gets its row when the lane takes it, before its 200 goes out (``error_type`` ``in_progress``),
+and again at its end; a row still in progress at a restart is written as ``interrupted``. Writes replace a
 row with the same id (delete and insert in one transaction), so replays are idempotent.
 
 The queue holds at most ``log_queue_max`` rows: while the database is down rows wait there

@@ -56,6 +56,9 @@ if _in_forkserver_preload():
     _die_with_parent()
     if os.getppid() != _parent_pid:  # it died before the signal was armed
         os._exit(0)
+    # a gateway that raised its own priority (config nice < 0) does not lend it to the embedding model's work
+    if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
 
 # before transformers is imported (here in the forkserver): nothing is fetched, nothing is printed
 for _k, _v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),

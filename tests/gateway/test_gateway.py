@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -140,6 +141,30 @@ async def test_stream_chunks_relayed_as_the_lane_wrote_them_less_the_usage(gw: G
         for d in (mine, theirs):
             d.pop("id"), d.pop("created")
         assert list(mine) == list(theirs) and mine == theirs
+
+
+async def test_stream_row_journaled_while_the_lane_prefills(gw: GW, http: aiohttp.ClientSession, key: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A stream's in-progress row goes to the journal when the lane's 200 arrives, before its first chunk is
+    read (the journal's write is off the path to the first token), so it is on disk before the client's 200."""
+    caplog.set_level(logging.INFO, logger="strata.gateway")
+    cfg, store = gw.state.config, gw.state.store
+    assert store is not None and store.journal is not None
+    cfg.trace_stages = True
+    try:
+        body = {"model": "strata-default", "messages": QUESTION, "max_tokens": 2, "temperature": 0, "stream": True}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth(key)) as r:
+            assert r.status == 200
+            assert store.journal.in_progress >= 1  # its row, in progress, before the client read a byte of it
+            rid = r.headers["X-Request-Id"]
+            assert (await sse(r))[-1] == "data: [DONE]"
+    finally:
+        cfg.trace_stages = False
+    line = await eventually(lambda: next((rec.getMessage() for rec in caplog.records
+                                          if f"id={rid} " in rec.getMessage()), ""), bool, 5, "the access-log line")
+    stages = [part.split(":")[0] for part in line.split(" stages=")[1].split()[0].split(",")]
+    assert stages.index("headers") < stages.index("logged") < stages.index("chunk") < stages.index("first_token")
+    assert stages.index("logged") < stages.index("prepared")
 
 
 async def test_completions_stream_and_non_stream(client: openai.AsyncOpenAI) -> None:

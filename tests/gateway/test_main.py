@@ -4,6 +4,7 @@ admin key file must be private, SIGTERM lets a live stream finish and exits 0, l
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import signal
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.__main__ import loop_factory
+from gateway.config import GatewayConfig
 from tests.gateway.conftest import auth, running_lane
 from tests.http_helpers import REPO, child_env, child_server
 
@@ -59,9 +62,12 @@ async def test_sigterm_finishes_the_stream_then_exits_0(gateway_engines: tuple, 
     async with running_lane("a", gateway_engines[0]) as lane:
         env = _env(STRATA_GATEWAY_DB_URL=db, STRATA_GATEWAY_PORT="0", STRATA_GATEWAY_HOST="127.0.0.1",
                    STRATA_GATEWAY_LANES=json.dumps([{"name": "a", "url": lane.url}]),
-                   STRATA_GATEWAY_ADMIN_KEY_FILE=str(admin_file))
+                   STRATA_GATEWAY_ADMIN_KEY_FILE=str(admin_file), STRATA_GATEWAY_NICE="3")
         async with child_server("gateway", env=env, what="gateway") as gw:
             proc, url, log = gw.proc, gw.url, gw.log
+            # config nice: every thread of the process runs at it (lowering priority needs no privilege)
+            threads = list(Path(f"/proc/{proc.pid}/task").iterdir())
+            assert threads and all(int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) == 3 for t in threads)
             async with aiohttp.ClientSession() as s:
                 async with s.get(url + "/v1/admin/lanes", headers=auth("file-admin-key-0123456789")) as r:
                     assert r.status == 200 and (await r.json())["data"][0]["ready"]
@@ -85,3 +91,19 @@ async def test_sigterm_finishes_the_stream_then_exits_0(gateway_engines: tuple, 
     for part in ("status=200", "key=1", "lane=a", "stream=1", "completion_tokens=24", "ttft=", "dur="):
         assert part in req, (part, req)
     assert "got SIGTERM" in text and "stopped (exit 0)" in text
+    # the configured default, uvloop, serves wherever it is installed; else the standard library's loop, said once
+    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    assert f"event loop {loop})" in text
+    assert ("uvloop is not installed" in text) == (loop == "asyncio")
+
+
+async def test_loop_factory_follows_the_config() -> None:
+    assert loop_factory(GatewayConfig(event_loop="asyncio")) is None
+    if importlib.util.find_spec("uvloop") is not None:
+        factory = loop_factory(GatewayConfig())
+        assert factory is not None
+        loop = factory()
+        try:
+            assert type(loop).__module__.startswith("uvloop")
+        finally:
+            loop.close()
