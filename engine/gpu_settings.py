@@ -53,7 +53,7 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_GEMM_FAST_MIN", "gemm_fast_min",
              "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)"),
     Override("STRATA_GPU_ATT_MMA", "att_mma",
-             "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
+             "prefill attention on tensor cores: 1 on (q as f16, within tolerance), 0 off (fp32, bitwise)"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),

@@ -1,5 +1,6 @@
 /* Prefill attention on the tensor cores (flash style, online softmax): `mma.sync` m16n8k16
- * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged f16 KV cache.
+ * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged KV cache (F16, or
+ * 8-bit with Q8: see k_attention_mma).
  *
  * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
  * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
@@ -8,9 +9,11 @@
  * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
  * stage gains nothing).
  *
- * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
- * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
- * error at the fp32 accumulation's level, since K is f16 already in the cache. The
+ * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma rounded to
+ * one f16 (relative 2^-11 per element; K is f16 already in the F16 cache, and f16(q * d) from
+ * the 8-bit cache, a rounding of the same size as q's): on random heads the
+ * output stays within 1e-3 of the fp32 reference, and a peaked score of a few tens moves by
+ * about 1e-2 (splitting q as f16 hi + lo removes that error, and costs 9% of a 32k prefill). The
  * probabilities p = exp2(s * log2e - m) enter p.v rounded to f16 (relative 2^-11 at most
  * per weight; V is f16 already); the row sum l is taken over the fp32 p. Per row: online
  * max / rescale per 64-key stage, then out = acc / l. Rows are independent (an mma output
@@ -72,11 +75,11 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G); QSPLIT: q as f16 hi + lo.
+/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G).
  * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
  * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
  * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
-template <int HD, bool QSPLIT, bool Q8 = false>
+template <int HD, bool Q8 = false>
 __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
     constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = AMMA_NS;
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
     const bool active = wmax > 0;
 
     /* q fragments for the whole head dimension, kept in registers */
-    uint32_t qh[KS][4], ql[QSPLIT ? KS : 1][4];
+    uint32_t qh[KS][4];
     {
         const float *qr[2] = {nullptr, nullptr};
         const int rows[2] = {r_lo, r_hi};
@@ -112,9 +115,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
             for (int i = 0; i < 4; i++) { /* reg i: row (i & 1 ? g + 8 : g), cols 16 kk + 2t (+ 8 for i >= 2) */
                 const float *p = qr[i & 1];
                 const float2 x = p ? *(const float2 *)(p + 16 * kk + 2 * t4 + (i >= 2 ? 8 : 0)) : make_float2(0.0f, 0.0f);
-                const __half hx = __float2half_rn(x.x), hy = __float2half_rn(x.y);
-                qh[kk][i] = amma_pack(__half2float(hx), __half2float(hy));
-                if constexpr (QSPLIT) ql[kk][i] = amma_pack(x.x - __half2float(hx), x.y - __half2float(hy));
+                qh[kk][i] = amma_pack(x.x, x.y);
             }
     }
 
@@ -221,10 +222,6 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
                     uint32_t b[4];
                     amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
-                    if constexpr (QSPLIT) {
-                        amma_f16(s[2 * np], ql[kk], b[0], b[1]);
-                        amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
-                    }
                     amma_f16(s[2 * np], qh[kk], b[0], b[1]);
                     amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
                 }
@@ -311,7 +308,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
 /* ------------------------------------------------------------ host side */
 
 /* stg_settings.att_mma: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention);
- * 1 = tensor cores with q as one f16; 2 (default) = tensor cores with q as f16 hi + lo.
+ * 1 (default) = the tensor cores for the long runs.
  * att_mma_min: runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32
  * query-tile kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails
  * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
@@ -347,53 +344,37 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
 }
 
 static stg_status attention_mma_setup(void) {
-#define AMMA_SETUP(HD)                                                                                        \
-    CU(cudaFuncSetAttribute(k_attention_mma<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,            \
-                            (int)amma_smem_bytes<HD>()),                                                       \
-       "attention (mma) setup");                                                                              \
-    CU(cudaFuncSetAttribute(k_attention_mma<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,           \
-                            (int)amma_smem_bytes<HD>()),                                                       \
+    CU(cudaFuncSetAttribute(k_attention_mma<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)amma_smem_bytes<32>()),
        "attention (mma) setup");
-    AMMA_SETUP(32)
-    AMMA_SETUP(64)
-    AMMA_SETUP(128)
-#undef AMMA_SETUP
-    CU(cudaFuncSetAttribute(k_attention_mma<64, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CU(cudaFuncSetAttribute(k_attention_mma<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)amma_smem_bytes<64>()),
+       "attention (mma) setup");
+    CU(cudaFuncSetAttribute(k_attention_mma<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)amma_smem_bytes<128>()),
+       "attention (mma) setup");
+    CU(cudaFuncSetAttribute(k_attention_mma<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)amma_smem_bytes<64>()),
        "attention (mma) setup");
-    CU(cudaFuncSetAttribute(k_attention_mma<128, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CU(cudaFuncSetAttribute(k_attention_mma<128, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             (int)amma_smem_bytes<128>()),
        "attention (mma) setup");
     return ST_OK;
 }
 
-/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; the 8-bit cache (aa.k8) takes q as hi + lo
- * always. */
-static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
-                                       cudaStream_t st) {
+/* The F16 cache (head_dim 32, 64, 128) or the 8-bit cache (aa.k8: head_dim 64, 128). */
+static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, cudaStream_t st) {
     const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);
     if (aa.k8) {
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
-        if (aa.hd == 128) launch_k(k_attention_mma<128, true, true>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
-        else launch_k(k_attention_mma<64, true, true>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
+        if (aa.hd == 128) launch_k(k_attention_mma<128, true>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
+        else launch_k(k_attention_mma<64, true>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
         LAUNCHED("attention (mma tiles, 8-bit KV)");
         return ST_OK;
     }
-    const bool split = mode != 1;
-#define AMMA_LAUNCH(HD)                                                                                             \
-    if (split) launch_k(k_attention_mma<HD, true>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);            \
-    else launch_k(k_attention_mma<HD, false>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);
-    if (aa.hd == 128) {
-        AMMA_LAUNCH(128)
-    } else if (aa.hd == 64) {
-        AMMA_LAUNCH(64)
-    } else if (aa.hd == 32) {
-        AMMA_LAUNCH(32)
-    } else {
-        return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
-    }
-#undef AMMA_LAUNCH
+    if (aa.hd == 128) launch_k(k_attention_mma<128>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
+    else if (aa.hd == 64) launch_k(k_attention_mma<64>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
+    else if (aa.hd == 32) launch_k(k_attention_mma<32>, grid, block, amma_smem_bytes<32>(), st, aa, d_tiles);
+    else return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
     LAUNCHED("attention (mma tiles)");
     return ST_OK;
 }

@@ -54,7 +54,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->routed_mv_max = 4;
     s->routed_mv_groups = 8;
     s->gemm_fast_min = 64;
-    s->att_mma = 2;
+    s->att_mma = 1;
     s->att_mma_min = 64;
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
@@ -77,7 +77,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(routed_mv_max, 0, 64)
     RANGE(routed_mv_groups, 0, 1024)
     RANGE(gemm_fast_min, 0, INT32_MAX)
-    RANGE(att_mma, 0, 2)
+    RANGE(att_mma, 0, 1)
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)

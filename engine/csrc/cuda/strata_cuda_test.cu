@@ -333,13 +333,13 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
 }
 
 /* Every query head of one sequence's nq tokens at positions p0.. (q[nq, n_head * hd], pre-scaled)
- * through k_attention (tile 0) or k_attention_tile (tile 1, as an eager prefill step would run
- * it), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
+ * through k_attention (tile 0), k_attention_tile (tile 1, as an eager prefill step would run
+ * it) or k_attention_mma (tile 2), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
 extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                                const int32_t *block_table, int32_t n_table, int32_t block_size,
                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
                                                int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
-    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 3 || n_blocks < 1 || block_size < 16 ||
+    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 2 || n_blocks < 1 || block_size < 16 ||
         block_size % 16 || head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
         p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
         return fail(ST_EINVAL, "attention heads: bad arguments");
@@ -376,7 +376,7 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     }
     CHECK(attention_setup());
     if (tile >= 2) {
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, tile == 2 ? 2 : 1, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, 0));
     } else if (tile) {
         a.stages = 2;
         CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
@@ -550,7 +550,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         CHECK(launch_attention_split(a, n_tok, z, 0));
     } else {
         if (n_qt) return fail(ST_EINVAL, "attention (8-bit KV): query tiles in an mma-only tile list");
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, 2, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, 0));
     }
     CHECK(down(out, bo, sizeof(float) * (size_t)nout));
     for (int32_t i = 0; n_splits && i < n_tok; i++)

@@ -51,7 +51,7 @@ stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v
                               int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, float *out);
 /* Every query head of one sequence's nq tokens (q[nq, n_head * head_dim], pre-scaled) through the
  * decode kernel (tile 0), the prefill query-tile kernel (tile 1) or the tensor-core prefill kernel
- * (attention_mma.cuh: tile 2 with q as f16 hi + lo, tile 3 with q as one f16); out[nq, n_head * head_dim];
+ * (attention_mma.cu: tile 2); out[nq, n_head * head_dim];
  * aq/ad/as (all or none): also the output's 8-bit blocks. */
 stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                     const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,

@@ -8,7 +8,7 @@ the last bit); the split decode kernel (tensor cores: q and p as f16 hi + lo, th
 applied in fp32) is held to 1e-3 of max|ref| of the reference, the rule of every GPU attention kernel, at 1, 17 and
 4,099 cached tokens and 8 sequences of different lengths in one step, under the step's split rule and two others;
 the tensor-core prefill kernel over a cached prefix, whose K and V enter as f16(q * d) (one more f16 rounding of
-each value, like p's), within 2e-3.
+each value, like q's and p's), within 2e-3.
 
 Model level (a random F32 MoE model, head_dim 128, 4 query heads on 1 kv head, prompts of 700, 40 and 1,500 tokens
 in prefill chunks of 256, so later chunks read an 8-bit prefix written by earlier steps): the GPU's logits on its 8-bit
