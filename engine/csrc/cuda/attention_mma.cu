@@ -2,12 +2,16 @@
  * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged KV cache (F16, or
  * 8-bit with Q8: see k_attention_mma).
  *
- * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
- * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
- * rows (token, query head of the group) share every K/V stage; each of the 4 warps owns 16
- * rows (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside
- * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
- * stage gains nothing).
+ * Work split: one block per (query tile, kv head). A tile is a run of at most ROWS / G
+ * consecutive tokens of one sequence (G = query heads per kv head), so its ROWS = 16 W rows
+ * (token, query head of the group) share every K/V stage; each of the W warps owns 16 rows
+ * (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside one
+ * KV block since block sizes are multiples of 16), copied with cp.async into NS slots (NS - 1
+ * stages ahead of the one computed; one barrier a stage).
+ * stg_settings.att_mma_rows picks W: 4 (64 rows, two blocks an SM, two stages: a third gains
+ * nothing there) or 8 (128 rows, one block an SM, three stages): at depth every block streams
+ * the whole cached prefix of its kv head, so 128 rows halve the K/V bytes each SM pulls from L2
+ * per mma, with the same 8 warps an SM.
  *
  * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma rounded to
  * one f16 (relative 2^-11 per element; K is f16 already in the F16 cache, and f16(q * d) from
@@ -29,8 +33,6 @@
  * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
 #include "attention.cuh"
 
-#define AMMA_WARPS 4
-#define AMMA_ROWS (AMMA_WARPS * 16)
 #define AMMA_BC 64
 #define AMMA_KP (AMMA_BC + 8) /* padded K stage row (one dimension, halves): ldmatrix rows in distinct banks */
 
@@ -38,11 +40,11 @@ template <int HD> __host__ __device__ constexpr int amma_vp() { return HD + 8; }
 template <int HD> __host__ __device__ constexpr size_t amma_stage_halves() {
     return (size_t)HD * AMMA_KP + (size_t)AMMA_BC * amma_vp<HD>();
 }
-#define AMMA_NS 2 /* K/V stages in flight */
-template <int HD> constexpr size_t amma_smem_bytes() { return AMMA_NS * amma_stage_halves<HD>() * sizeof(__half); }
-/* the output rows are staged in the same memory at the end ([AMMA_ROWS][HD + 8] floats) */
-static_assert((size_t)AMMA_ROWS * (32 + 8) * 4 <= amma_smem_bytes<32>(), "output staging");
-static_assert((size_t)AMMA_ROWS * (128 + 8) * 4 <= amma_smem_bytes<128>(), "output staging");
+template <int W> __host__ __device__ constexpr int amma_ns() { return W == 8 ? 3 : 2; } /* K/V stages in flight */
+/* the K/V stages, and at the end the output rows in the same memory ([16 W][HD + 8] floats) */
+template <int HD, int W> constexpr size_t amma_smem_bytes() {
+    return std::max(amma_ns<W>() * amma_stage_halves<HD>() * sizeof(__half), (size_t)16 * W * (HD + 8) * sizeof(float));
+}
 
 __device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -75,20 +77,21 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G).
+/* tiles[i] = first_token * 256 + tokens (at most 16 W / G).
  * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
  * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
  * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
-template <int HD, bool Q8 = false>
-__global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args a, const int32_t *tiles) {
+template <int HD, int W, bool Q8 = false>
+__global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
-    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = AMMA_NS;
+    constexpr int AMMA_ROWS = 16 * W;
+    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = amma_ns<W>();
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ int32_t rn[AMMA_ROWS];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
     const int G = a.n_head / a.n_kv, kvh = blockIdx.y, kd = a.n_kv * HD, bs = a.block_size;
-    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 7, nrows = (tile & 127) * G;
+    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 8, nrows = (tile & 255) * G;
     if (threadIdx.x < AMMA_ROWS) rn[threadIdx.x] = (int)threadIdx.x < nrows ? a.pos[t0 + threadIdx.x / G] + 1 : 0;
     __syncthreads();
     int32_t max_keys = 0, wmax = 0, wmin = 0x7fffffff; /* keys seen by the block; by this warp's rows */
@@ -136,7 +139,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
             }
             constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
             if constexpr (Q8) { /* every load of the stage first, then the converted stores */
-                constexpr int KR = HD / 16, VR = AMMA_BC * VPC / (AMMA_WARPS * 32), NG = HD / 32;
+                constexpr int KR = HD / (4 * W), VR = AMMA_BC * VPC / (W * 32), NG = HD / 32; /* 4 W dimensions a pass */
                 const int kd32 = kd / 32;
                 if (j0 + 16 * kc_c < max_keys) {
                     const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
@@ -145,19 +148,19 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                     uint4 kscl[KR];
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
-                        const int d = (threadIdx.x >> 3) + 16 * r;
+                        const int d = (threadIdx.x >> 3) + 4 * W * r;
                         kq[r] = *(const uint2 *)(a.k8 + ((int64_t)b * kd + (int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
                         kscl[r] = *(const uint4 *)(a.ks + ((int64_t)b * kd32 + (int64_t)kvh * NG + d / 32) * bs + sl + 8 * kc_p);
                     }
 #pragma unroll
                     for (int r = 0; r < KR; r++)
-                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 16 * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
+                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 4 * W * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
                 }
                 uint2 vq[VR];
                 __half vsc[VR];
 #pragma unroll
                 for (int r = 0; r < VR; r++) {
-                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
+                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
                     vq[r] = make_uint2(0u, 0u), vsc[r] = __ushort_as_half((unsigned short)0);
                     if (j0 + j < max_keys) {
                         const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
@@ -168,7 +171,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 }
 #pragma unroll
                 for (int r = 0; r < VR; r++) { /* past the last key: zeros (q and d are 0 there) */
-                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC;
+                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC;
                     const __half2 d2 = __half2half2(vsc[r]);
                     *(uint4 *)(vs + j * VP + 8 * pc) = q8x8_scaled(vq[r], make_uint4(*(const uint32_t *)&d2, *(const uint32_t *)&d2,
                                                                                  *(const uint32_t *)&d2, *(const uint32_t *)&d2));
@@ -179,11 +182,11 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
                 const __half *kg = a.kc + ((int64_t)b * kd + (int64_t)kvh * HD) * bs + sl + 8 * kc_p;
 #pragma unroll
-                for (int d = threadIdx.x >> 3; d < HD; d += AMMA_WARPS * 32 / 8)
+                for (int d = threadIdx.x >> 3; d < HD; d += W * 32 / 8)
                     cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
             }
 #pragma unroll
-            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += AMMA_WARPS * 32) {
+            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += W * 32) {
                 const int j = i / VPC, pc = i % VPC, c = j >> 4;
                 __half *dst = vs + j * VP + 8 * pc;
                 if (j0 + j < max_keys) {
@@ -207,9 +210,9 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
 #pragma unroll
     for (int kt = 0; kt < NS - 1; kt++) issue(kt);
     for (int kt = 0; kt < n_kt; kt++) {
-        issue(kt + NS - 1);         /* into the slot read by the previous stage (past its barrier) */
-        cp_async_wait<NS - 1>();    /* stage kt's group is complete: NS - 1 newer groups may fly */
-        __syncthreads();
+        cp_async_wait<NS - 2>(); /* this thread's copies of stage kt are complete: NS - 2 newer groups may fly */
+        __syncthreads();         /* everyone's are, and every warp is past stage kt - 1: its slot is free */
+        issue(kt + NS - 1);      /* into that slot: one barrier a stage */
         const int j0 = kt * AMMA_BC;
         if (active && j0 < wmax) {
             const __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(), *vs = ks + HD * AMMA_KP;
@@ -275,15 +278,14 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 }
             }
         }
-        __syncthreads(); /* the slot is refilled by the next iteration's copies */
     }
-    cp_async_wait<0>(); /* only empty groups are left; the output rows reuse the stages */
+    cp_async_wait<0>(); /* only empty groups are left */
 #pragma unroll
     for (int o2 = 1; o2 <= 2; o2 <<= 1) {
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o2);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o2);
     }
-    /* every copy is done and every warp past its last stage: the stages become the output rows */
+    __syncthreads(); /* every copy is done and every warp past its last stage: the stages become the output rows */
     float *os = (float *)att_dyn;
     constexpr int OP = HD + 8; /* float2 stores of a half-warp in distinct banks */
     if (active) {
@@ -314,15 +316,15 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
  * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
  * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their tokens
  * are within tolerance (not bitwise) of what another chunking gives. */
-/* Tokens per mma tile for a model: head_dim 32, 64 or 128 and G = n_head / n_kv dividing 16
- * (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
-static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
-    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128)) return 0;
+/* Tokens per mma tile of `rows` rows (64 or 128) for a model: head_dim 32, 64 or 128 and G = n_head / n_kv
+ * dividing 16 (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
+static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd, int32_t rows) {
+    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128) || (rows != 64 && rows != 128)) return 0;
     const int G = n_head / n_kv;
-    return G <= 16 && 16 % G == 0 ? AMMA_ROWS / G : 0;
+    return G <= 16 && 16 % G == 0 ? rows / G : 0;
 }
 /* A step's prefill tiles: runs shorter than min_run as query tiles of tq tokens (first * 32 +
- * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 128 + count)
+ * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 256 + count)
  * in out[n_old, n_old + n_mma). At most T entries in all. */
 static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int32_t min_run, int32_t *out,
                             int32_t *n_old, int32_t *n_mma) {
@@ -333,7 +335,7 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
             while (j < T && seq[j] == seq[i]) j++;
             const bool long_run = j - i >= min_run;
             if (long_run == (pass == 1)) {
-                const int32_t step = long_run ? tqm : tq, mul = long_run ? 128 : 32;
+                const int32_t step = long_run ? tqm : tq, mul = long_run ? 256 : 32;
                 for (int32_t f = i; f < j; f += step) out[n++] = f * mul + std::min(step, j - f);
             }
             i = j;
@@ -344,37 +346,54 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
 }
 
 static stg_status attention_mma_setup(void) {
-    CU(cudaFuncSetAttribute(k_attention_mma<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)amma_smem_bytes<32>()),
+#define AMMA_SETUP(HD, W, Q8)                                                                                 \
+    CU(cudaFuncSetAttribute(k_attention_mma<HD, W, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize,          \
+                            (int)amma_smem_bytes<HD, W>()),                                                    \
        "attention (mma) setup");
-    CU(cudaFuncSetAttribute(k_attention_mma<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)amma_smem_bytes<64>()),
-       "attention (mma) setup");
-    CU(cudaFuncSetAttribute(k_attention_mma<128>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)amma_smem_bytes<128>()),
-       "attention (mma) setup");
-    CU(cudaFuncSetAttribute(k_attention_mma<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)amma_smem_bytes<64>()),
-       "attention (mma) setup");
-    CU(cudaFuncSetAttribute(k_attention_mma<128, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)amma_smem_bytes<128>()),
-       "attention (mma) setup");
+    AMMA_SETUP(32, 4, false)
+    AMMA_SETUP(64, 4, false)
+    AMMA_SETUP(128, 4, false)
+    AMMA_SETUP(32, 8, false)
+    AMMA_SETUP(64, 8, false)
+    AMMA_SETUP(128, 8, false)
+    AMMA_SETUP(64, 4, true)
+    AMMA_SETUP(128, 4, true)
+    AMMA_SETUP(64, 8, true)
+    AMMA_SETUP(128, 8, true)
+#undef AMMA_SETUP
     return ST_OK;
 }
 
-/* The F16 cache (head_dim 32, 64, 128) or the 8-bit cache (aa.k8: head_dim 64, 128). */
-static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, cudaStream_t st) {
-    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);
+/* The F16 cache (head_dim 32, 64, 128) or the 8-bit cache (aa.k8: head_dim 64, 128); rows: the tiles' rows (64 or
+ * 128, stg_settings.att_mma_rows; att_mma_tokens made the tiles for it). */
+static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int rows,
+                                       cudaStream_t st) {
+    if (rows != 64 && rows != 128) return fail(ST_EINVAL, "attention (mma): %d rows a tile", rows);
+    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block((unsigned)rows * 2);
+#define AMMA_LAUNCH(HD, Q8)                                                                                       \
+    if (rows == 128) launch_k(k_attention_mma<HD, 8, Q8>, grid, block, amma_smem_bytes<HD, 8>(), st, aa, d_tiles); \
+    else launch_k(k_attention_mma<HD, 4, Q8>, grid, block, amma_smem_bytes<HD, 4>(), st, aa, d_tiles);
     if (aa.k8) {
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
-        if (aa.hd == 128) launch_k(k_attention_mma<128, true>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
-        else launch_k(k_attention_mma<64, true>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
+        if (aa.hd == 128) {
+            AMMA_LAUNCH(128, true)
+        } else {
+            AMMA_LAUNCH(64, true)
+        }
         LAUNCHED("attention (mma tiles, 8-bit KV)");
         return ST_OK;
     }
-    if (aa.hd == 128) launch_k(k_attention_mma<128>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
-    else if (aa.hd == 64) launch_k(k_attention_mma<64>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
-    else if (aa.hd == 32) launch_k(k_attention_mma<32>, grid, block, amma_smem_bytes<32>(), st, aa, d_tiles);
-    else return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
+    if (aa.hd == 128) {
+        AMMA_LAUNCH(128, false)
+    } else if (aa.hd == 64) {
+        AMMA_LAUNCH(64, false)
+    } else if (aa.hd == 32) {
+        AMMA_LAUNCH(32, false)
+    } else {
+        return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
+    }
+#undef AMMA_LAUNCH
     LAUNCHED("attention (mma tiles)");
     return ST_OK;
 }

@@ -56,6 +56,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_fast_min = 64;
     s->att_mma = 1;
     s->att_mma_min = 64;
+    s->att_mma_rows = 64;
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 0;
@@ -79,10 +80,13 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 1)
     RANGE(att_mma_min, 1, INT32_MAX)
+    RANGE(att_mma_rows, 64, 128)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
 #undef RANGE
+    if (s->att_mma_rows != 64 && s->att_mma_rows != 128)
+        return fail(ST_EINVAL, "settings: att_mma_rows (%d) must be 64 or 128", (int)s->att_mma_rows);
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
                     (int)s->gemm_min_tokens, (int)s->routed_split_max);
@@ -498,7 +502,7 @@ static bool kv_q8_ok(const st_model_desc &d, const char **why) {
     if (d.kv_lora_rank > 0) *why = "latent attention (kv_lora_rank)";
     else if (d.n_swa > 0) *why = "sliding-window layers";
     else if (d.head_dim != 64 && d.head_dim != 128) *why = "head_dim other than 64 or 128";
-    else if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim) || !att_mma_tokens(d.n_head, d.n_head_kv, d.head_dim))
+    else if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim) || !att_mma_tokens(d.n_head, d.n_head_kv, d.head_dim, 64))
         *why = "query heads per kv head not dividing 16 or above 8";
     return *why == nullptr;
 }

@@ -51,6 +51,9 @@ typedef struct stg_settings {
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 on (q as f16; within
                                * tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
+    int32_t att_mma_rows;     /* rows (token x query head of a kv group) of a tensor-core attention tile: 64 (4 warps,
+                               * two blocks an SM) or 128 (8 warps, one block an SM, half the K/V traffic per row);
+                               * the same bits either way */
     int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
