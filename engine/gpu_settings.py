@@ -57,6 +57,8 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
     Override("STRATA_GPU_ATT_MMA_ROWS", "att_mma_rows",
              "rows of a tensor-core attention tile: 64 (4 warps) or 128 (8 warps); the same bits"),
+    Override("STRATA_GPU_ATT_MMA_WARP_ROWS", "att_mma_warp_rows",
+             "rows a warp of that tile: 16, or 32 with 128-row tiles (4 warps); the same bits"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",

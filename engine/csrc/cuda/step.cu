@@ -346,7 +346,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
                         use_src ? s.ints + src_off : nullptr, att_split};
-    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_rows = m->set.att_mma_rows;
+    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_rows = m->set.att_mma_rows,
+    g_att_mma_warp_rows = m->set.att_mma_warp_rows;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);

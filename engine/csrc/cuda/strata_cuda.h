@@ -54,6 +54,8 @@ typedef struct stg_settings {
     int32_t att_mma_rows;     /* rows (token x query head of a kv group) of a tensor-core attention tile: 64 (4 warps,
                                * two blocks an SM) or 128 (8 warps, one block an SM, half the K/V traffic per row);
                                * the same bits either way */
+    int32_t att_mma_warp_rows; /* rows a warp of that tile: 16, or 32 at 128 rows (4 warps of two m16 fragments, each
+                                * K / V fragment read from shared memory feeding both); the same bits */
     int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep

@@ -3,7 +3,7 @@
 Its arithmetic is f16 x f16 -> f32 (q and p rounded to f16), so it is
 held to the issue's tolerance (1e-3 of max|ref| of the CPU's attn_ref), not to the decode kernel's
 bits; a row's result must still not depend on which tile or step it ran in, nor on the tile's size
-(64 or 128 rows, STRATA_GPU_ATT_MMA_ROWS): bitwise. On whole
+(64 or 128 rows, STRATA_GPU_ATT_MMA_ROWS) or its rows a warp (16 or 32, STRATA_GPU_ATT_MMA_WARP_ROWS): bitwise. On whole
 models: runs of at least STRATA_GPU_ATT_MMA_MIN (64) tokens take it; logits within 1e-2 of the CPU,
 chunked prefill bitwise equal to whole prefill, and STRATA_GPU_ATT_MMA=0 brings back the fp32
 query-tile kernel.
@@ -25,7 +25,8 @@ from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cp
 
 pytestmark = requires_gpu
 
-MMA, MMA128 = 2, 3  # stg_test_attention_heads' `tile`: the tensor-core kernel, tiles of 64 / 128 rows
+# stg_test_attention_heads' `tile`: the tensor-core kernel, tiles of 64 / 128 rows (16 a warp) / 128 rows (32 a warp)
+MMA, MMA128, MMA128W = 2, 3, 4
 
 
 def cpu_heads(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, p0: int) -> np.ndarray:
@@ -65,8 +66,9 @@ def test_mma_attention_within_1e3_of_cpu_reference(g: tuple, hd: int, bs: int, n
     cq, cd, cs = cpu_quant(out)  # the fused output quantisation: the CPU's blocks of these floats
     assert np.array_equal(cq, aq) and np.array_equal(cd.view(np.uint32), ad.view(np.uint32)) and \
         np.array_equal(cs, as_)
-    out128, aq128 = attention_heads(g, MMA128, c, bs, hd, n_head, n_kv, q, p0)[:2]
-    assert np.array_equal(out128.view(np.uint32), out.view(np.uint32)) and np.array_equal(aq128, aq)
+    for tile in (MMA128, MMA128W):
+        out128, aq128 = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)[:2]
+        assert np.array_equal(out128.view(np.uint32), out.view(np.uint32)) and np.array_equal(aq128, aq), tile
 
 
 def test_mma_attention_sharp_scores(g: tuple) -> None:
@@ -89,21 +91,23 @@ def test_mma_row_does_not_depend_on_its_tile(g: tuple) -> None:
     c = attention_case(rng, hd, bs, n_kv, p0 + 45)
     q = (rng.standard_normal((45, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
     whole = attention_heads(g, MMA, c, bs, hd, n_head, n_kv, q, p0)[0]
-    for tile in (MMA, MMA128):
+    for tile in (MMA, MMA128, MMA128W):
         part = attention_heads(g, tile, c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[13:]), p0 + 13)[0]
         assert np.array_equal(whole[13:].view(np.uint32), part.view(np.uint32)), tile
 
 
 def test_mma_128_rows_at_depth_equals_64_rows(g: tuple) -> None:
     """A 512-token chunk over 6,000 cached keys (the prefill shape at depth): many stages per block, three in
-    flight with 128-row tiles; bitwise the 64-row tiles' output, within 1e-3 of the CPU reference."""
+    flight with 128-row tiles of 8 warps, two with 4 warps of 32 rows; bitwise the 64-row tiles' output, within 1e-3
+    of the CPU reference."""
     hd, bs, n_head, n_kv, nq, p0 = 128, 16, 32, 4, 512, 6000
     rng = np.random.default_rng(17)
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
     out64 = attention_heads(g, MMA, c, bs, hd, n_head, n_kv, q, p0)[0]
-    out128 = attention_heads(g, MMA128, c, bs, hd, n_head, n_kv, q, p0)[0]
-    assert np.array_equal(out128.view(np.uint32), out64.view(np.uint32))
+    for tile in (MMA128, MMA128W):
+        out128 = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)[0]
+        assert np.array_equal(out128.view(np.uint32), out64.view(np.uint32)), tile
     for lo, hi in ((0, 8), (248, 264), (504, 512)):  # the reference is slow: the first, middle and last tiles
         ref = cpu_heads(c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[lo:hi]), p0 + lo)
         err = rel_err(out64[lo:hi], ref)
@@ -136,6 +140,8 @@ def test_long_prompt_on_tensor_cores(model: Path) -> None:
         chunked = gpu.logits_for(prompt)
         gpu._gpu.set_settings({"STRATA_GPU_ATT_MMA_ROWS": "128"})
         rows128 = gpu.logits_for(prompt)  # tiles of 128 rows: the same bits
+        gpu._gpu.set_settings({"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_WARP_ROWS": "32"})
+        warp32 = gpu.logits_for(prompt)  # 4 warps of 32 rows: the same bits
         gpu._gpu.set_settings({"STRATA_GPU_ATT_MMA": "0"})
         old = gpu.logits_for(prompt)  # the fp32 query-tile kernel
         gpu._gpu.set_settings()
@@ -144,6 +150,7 @@ def test_long_prompt_on_tensor_cores(model: Path) -> None:
         assert err <= 1e-2
         assert np.array_equal(chunked.view(np.uint32), got.view(np.uint32))
         assert np.array_equal(rows128.view(np.uint32), got.view(np.uint32))
+        assert np.array_equal(warp32.view(np.uint32), got.view(np.uint32))
         assert not np.array_equal(old.view(np.uint32), got.view(np.uint32)), "the mma kernel did not run"
         assert rel_err(got, old) <= 1e-2  # run 35: 1.3e-3 on the dense model, whose fp32 GPU path is 1.3e-3 off too
         a = cpu.generate(prompt, max_tokens=16, ignore_eos=True).token_ids
