@@ -41,9 +41,9 @@ __all__ = ["Engine", "GenerationResult", "StepStats", "KVCapacityError", "Engine
 
 
 # Architectures the CUDA backend implements (engine/csrc/cuda/model.cu); "auto" runs the others on the CPU.
-GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "gpt-oss", "glm4moe"})
+GPU_ARCHES = frozenset({"llama", "qwen3moe", "qwen2moe", "gpt-oss", "glm4moe", "deepseek2"})
 # Architectures the GPU runs only with every routed expert on the device (no hybrid placement yet).
-GPU_WHOLE_ONLY = frozenset({"gpt-oss"})
+GPU_WHOLE_ONLY = frozenset({"gpt-oss", "deepseek2"})
 
 
 @dataclass
@@ -193,7 +193,7 @@ class GpuBudgetError(UnsupportedError):
 
 class HybridArchError(UnsupportedError):
     """device="cuda" with a gpu_budget_gb that leaves routed experts on the CPU, for an architecture whose GPU
-    engine has no hybrid placement yet (GPU_WHOLE_ONLY: gpt-oss)."""
+    engine has no hybrid placement yet (GPU_WHOLE_ONLY: gpt-oss, deepseek2)."""
 
 
 class StaleSourceError(EngineError):
@@ -391,7 +391,7 @@ class Engine:
         experts by routing frequency while they fit. Experts left out are computed on the CPU (this pool,
         ``cores``) from the mapped file: hybrid placement, ``resident`` the [n_layer, n_expert] mask. A budget
         the first parts do not fit raises GpuBudgetError before any device is touched; for an architecture in
-        GPU_WHOLE_ONLY (gpt-oss) a budget that leaves any expert out raises HybridArchError. The CPU ignores it.
+        GPU_WHOLE_ONLY (gpt-oss, deepseek2) a budget that leaves any expert out raises HybridArchError. The CPU ignores it.
         placement: the routing frequencies to place by (a placement file or its path: ``strata plan
         calibrate``); default: the model's default placement file beside it when it exists
         (``engine.placement.default_placement_path``), else uniform routing.

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 TOL = 1e-3  # max|delta| / max|ref|: the F32 parity tolerance of the architecture tests
 
@@ -133,18 +132,3 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, 
     return ids, w * scale, float(margin)
 
 
-def assert_cpu_only(path: Path, monkeypatch: Any) -> None:
-    """An architecture the CUDA backend does not run: with a GPU seen (resolve_device patched), an explicit
-    cuda:N is a typed error before any GPU is touched, and "auto" serves it on the CPU."""
-    import engine.engine as engine_mod
-    from engine.cuda_backend import DeviceSpec
-    from engine.engine import Engine
-    from engine.gguf_model import UnsupportedModelError
-
-    real = engine_mod.resolve_device
-    monkeypatch.setattr(engine_mod, "resolve_device",
-                        lambda d: DeviceSpec("cuda", 0) if d in ("auto", "cuda:0") else real(d))
-    with pytest.raises(UnsupportedModelError, match="runs on the CPU only"):
-        Engine.open(path, threads=1, kv_tokens=64, device="cuda:0")
-    with Engine.open(path, threads=1, kv_tokens=64, device="auto") as eng:
-        assert eng.device.kind == "cpu"

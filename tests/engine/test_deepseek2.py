@@ -40,7 +40,6 @@ from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
 from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
 from tests.engine.parity import (
     TOL,
-    assert_cpu_only,
     judge_greedy,
     llama_greedy,
     llama_logits,
@@ -317,9 +316,44 @@ def test_bad_deepseek2_files_are_typed_errors(kw: dict, cls: type, match: str, t
         Engine.open(path, threads=1, kv_tokens=64)
 
 
-def test_gpu_device_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA backend does not run deepseek2: an explicit cuda:N is a typed error before any GPU is
-    touched, and "auto" serves it on the CPU."""
+def test_gpu_devices(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """deepseek2 runs on the GPU engine (engine.engine.GPU_ARCHES; its parity with this engine is
+    tests/engine/gpu/test_gpu_deepseek2.py): an explicit cuda:N passes the architecture check and goes to the
+    device, whose absence (simulated here) is the typed DeviceUnavailableError, not the CPU-only refusal."""
+    import engine.engine as engine_mod
+    from engine.cuda_backend import DeviceUnavailableError
+
     if variant[0] != "v3":
         pytest.skip("one file is enough")
-    assert_cpu_only(variant[1], monkeypatch)
+
+    def no_device(device: str | None) -> None:
+        raise DeviceUnavailableError(f"{device}: no CUDA device (test)", "device")
+
+    monkeypatch.setattr(engine_mod, "resolve_device", no_device)
+    with pytest.raises(DeviceUnavailableError, match="no CUDA device"):
+        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
+
+
+def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU engine runs deepseek2 with every expert on the device only (engine.engine.GPU_WHOLE_ONLY): a budget
+    whose plan leaves a routed expert on the CPU is refused with a typed error before any GPU is touched."""
+    if variant[0] != "v3":
+        pytest.skip("one file is enough")
+    import engine.engine as engine_mod
+    import engine.placement as placement_mod
+    from engine.cuda_backend import DeviceSpec
+    from engine.engine import HybridArchError
+
+    real = engine_mod.resolve_device
+    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: DeviceSpec("cuda", 0) if d == "cuda:0" else real(d))
+    whole = placement_mod.resident_mask
+    dense = open_model(variant[1]).hparams.n_dense_lead
+
+    def partial(mf: Any, plan: Any) -> np.ndarray:
+        mask = whole(mf, plan).copy()
+        mask[dense, 0] = 0  # one expert of the first MoE layer left on the CPU
+        return mask
+
+    monkeypatch.setattr(placement_mod, "resident_mask", partial)
+    with pytest.raises(HybridArchError, match="every expert on the device"):
+        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0", gpu_budget_gb=1000.0)

@@ -56,7 +56,7 @@ static stg_status cuda_fail(cudaError_t e, const char *what) {
 
 #define QUANT_CASES(F)                                                                        \
     F(STG_Q4_0) F(STG_Q4_1) F(STG_Q5_0) F(STG_Q5_1) F(STG_Q8_0) F(STG_Q4_K) F(STG_Q5_K) F(STG_Q6_K) \
-    F(STG_Q3_K) F(STG_IQ2_XXS) F(STG_IQ2_XS) F(STG_IQ2_S) F(STG_IQ3_XXS) F(STG_IQ3_S) F(STG_IQ4_NL)    \
+    F(STG_Q2_K) F(STG_Q3_K) F(STG_IQ2_XXS) F(STG_IQ2_XS) F(STG_IQ2_S) F(STG_IQ3_XXS) F(STG_IQ3_S) F(STG_IQ4_NL)    \
     F(STG_IQ4_XS) F(STG_MXFP4)
 #define FLOAT_CASES(F) F(STG_F32) F(STG_F16) F(STG_BF16)
 

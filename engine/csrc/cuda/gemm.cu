@@ -200,11 +200,14 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                   "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
     static_assert(!FAST || (gemm_raw<T>() && CS > 0), "the prefill form: Q4_K with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
-    constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3) */
+    constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3, Q2_K) */
+    constexpr bool QM = has_m<T>(); /* Q2_K: per-16 minima (wm per row) against the activations' 16-sums (xh per pair) */
     extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
     __shared__ int wc[Q6 ? NW : 1][Q6 ? GK : 1][Q6 ? MM_BM : 1][2];
+    __shared__ int wm[QM ? NW : 1][QM ? GK : 1][QM ? MM_BM : 1][2];
+    __shared__ int xh[QM ? GK : 1][QM ? BN : 1][2];
     __shared__ int xs[GK][8][XP];
     __shared__ __align__(16) float xd[GK][BN];
     __shared__ __align__(16) float xsf[GK][BN]; /* ad * the activation sub-block sum (sub_acc), once per stage */
@@ -286,11 +289,11 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
         /* activations: 32 bytes (two 16-byte loads), the scale and the two 16-value sums */
         int4 xa[XE], xb[XE];
         float xdv[XE];
-        int xsv[XE];
+        int xsv[XE], xs0[XE];
 #pragma unroll
         for (int u = 0; u < XE; u++) {
             const int xkk = xkk0 + u * (128 / BN);
-            xa[u] = xb[u] = make_int4(0, 0, 0, 0), xdv[u] = 0.0f, xsv[u] = 0;
+            xa[u] = xb[u] = make_int4(0, 0, 0, 0), xdv[u] = 0.0f, xsv[u] = xs0[u] = 0;
             if (xkk >= GK) continue;
             const int qe = qtab[p][xkk], j = qe & 0xFFFF;
             if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
@@ -302,7 +305,8 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                     const int4 *src = (const int4 *)(a.aq + (int64_t)xrow * a.K + 32 * j);
                     xa[u] = src[0], xb[u] = src[1];
                     xdv[u] = a.ad[(int64_t)xrow * nsb + j];
-                    xsv[u] = a.as[(int64_t)xrow * (a.K / 16) + 2 * j] + a.as[(int64_t)xrow * (a.K / 16) + 2 * j + 1];
+                    xs0[u] = a.as[(int64_t)xrow * (a.K / 16) + 2 * j];
+                    xsv[u] = xs0[u] + a.as[(int64_t)xrow * (a.K / 16) + 2 * j + 1];
                 }
             }
         }
@@ -314,6 +318,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
             for (int i = 0; i < 8; i++) ws[w][kk][i][m] = sv[u].q[i];
             wA[w][kk][m] = sv[u].A, wB[w][kk][m] = sv[u].B;
             if constexpr (Q6) wc[Q6 ? w : 0][kk][m][0] = sv[u].c0, wc[Q6 ? w : 0][kk][m][1] = sv[u].c1;
+            if constexpr (QM) wm[QM ? w : 0][kk][m][0] = sv[u].m0, wm[QM ? w : 0][kk][m][1] = sv[u].m1;
         }
 #pragma unroll
         for (int u = 0; u < XE; u++) {
@@ -322,6 +327,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
             xs[xkk][0][xn] = xa[u].x, xs[xkk][1][xn] = xa[u].y, xs[xkk][2][xn] = xa[u].z, xs[xkk][3][xn] = xa[u].w;
             xs[xkk][4][xn] = xb[u].x, xs[xkk][5][xn] = xb[u].y, xs[xkk][6][xn] = xb[u].z, xs[xkk][7][xn] = xb[u].w;
             xd[xkk][xn] = xdv[u], xsf[xkk][xn] = __fmul_rn(xdv[u], (float)xsv[u]);
+            if constexpr (QM) xh[QM ? xkk : 0][QM ? xn : 0][0] = xs0[u], xh[QM ? xkk : 0][QM ? xn : 0][1] = xsv[u] - xs0[u];
         }
         __syncthreads();
         /* the next stage's bytes fly while this stage's mma work runs (every thread has
@@ -381,7 +387,12 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                     for (int o = 0; o < 4; o++) {
                         const int n = nb + 2 * t4 + (o & 1);
                         const float A = o < 2 ? Alo : Ahi, B = o < 2 ? Blo : Bhi;
-                        cur[w][nt][o] = sub_acc(cur[w][nt][o], xd[kk][n], A, B, d[o], xsf[kk][n]);
+                        float sf = xsf[kk][n];
+                        if constexpr (QM) { /* sub_dot's ad * (m0 * asum_lo + m1 * asum_hi): the row's minima */
+                            const int *mm = wm[QM ? w : 0][kk][o < 2 ? r_lo : r_hi], *hs = xh[QM ? kk : 0][QM ? n : 0];
+                            sf = __fmul_rn(xd[kk][n], (float)(mm[0] * hs[0] + mm[1] * hs[1]));
+                        }
+                        cur[w][nt][o] = sub_acc(cur[w][nt][o], xd[kk][n], A, B, d[o], sf);
                     }
                 }
             }

@@ -20,6 +20,13 @@ static bool kv_q8_ok(const st_model_desc &d, const char **why) {
     return *why == nullptr;
 }
 
+/* The bytes of a cache of n values per K (and V): both F16 or 8-bit with their scales; latent attention one F16 row
+ * per token (K only). */
+static int64_t kv_need(const stg_model *m, int32_t type, int64_t n) {
+    if (type == STG_KV_Q8_0) return 2 * (n + n / 32 * (int64_t)sizeof(__half));
+    return (m->d.kv_lora_rank > 0 ? 1 : 2) * n * (int64_t)sizeof(__half);
+}
+
 static void kv_free(stg_kv *kv) {
     cudaFree(kv->k);
     cudaFree(kv->v);
@@ -59,6 +66,8 @@ extern "C" stg_status stg_kv_create_tiered(stg_model *m, int32_t n_dev, int32_t 
     const char *why = nullptr;
     if (type == STG_KV_Q8_0 && !kv_q8_ok(m->d, &why))
         return fail(ST_EUNSUPPORTED, "kv_create: the 8-bit KV cache on the GPU does not take this model: %s", why);
+    if (n_host > 0 && m->d.kv_lora_rank > 0)
+        return fail(ST_EUNSUPPORTED, "kv_create: KV tiers on the GPU do not take latent attention (kv_lora_rank) yet");
     CU(cudaSetDevice(m->device), "kv_create");
     stg_kv *kv = new stg_kv();
     kv->m = m;
@@ -73,12 +82,14 @@ extern "C" stg_status stg_kv_create_tiered(stg_model *m, int32_t n_dev, int32_t 
         ok = cudaMalloc(&kv->k8, n) == cudaSuccess && cudaMalloc(&kv->v8, n) == cudaSuccess &&
              cudaMalloc(&kv->ks, n / 32 * sizeof(__half)) == cudaSuccess &&
              cudaMalloc(&kv->vs, n / 32 * sizeof(__half)) == cudaSuccess;
+    } else if (m->d.kv_lora_rank > 0) { /* latent attention: one row per token in k (mla.cu) */
+        ok = cudaMalloc(&kv->k, n * sizeof(__half)) == cudaSuccess;
     } else {
         ok = cudaMalloc(&kv->k, n * sizeof(__half)) == cudaSuccess && cudaMalloc(&kv->v, n * sizeof(__half)) == cudaSuccess;
     }
     if (!ok) {
         cudaGetLastError();
-        const int64_t want = 2 * (type == STG_KV_Q8_0 ? (int64_t)(n + n / 32 * sizeof(__half)) : (int64_t)(n * sizeof(__half)));
+        const int64_t want = kv_need(m, type, (int64_t)n);
         kv_free(kv);
         return fail(ST_ENOMEM, "kv_create: cannot allocate %lld bytes of KV cache in VRAM", (long long)want);
     }
@@ -88,7 +99,8 @@ extern "C" stg_status stg_kv_create_tiered(stg_model *m, int32_t n_dev, int32_t 
              cudaMemset(kv->ks, 0, n / 32 * sizeof(__half)) == cudaSuccess &&
              cudaMemset(kv->vs, 0, n / 32 * sizeof(__half)) == cudaSuccess;
     else
-        ok = cudaMemset(kv->k, 0, n * sizeof(__half)) == cudaSuccess && cudaMemset(kv->v, 0, n * sizeof(__half)) == cudaSuccess;
+        ok = cudaMemset(kv->k, 0, n * sizeof(__half)) == cudaSuccess &&
+             (!kv->v || cudaMemset(kv->v, 0, n * sizeof(__half)) == cudaSuccess);
     if (!ok) {
         kv_free(kv);
         return fail(ST_EINVAL, "kv_create: cannot clear the KV cache");
@@ -137,8 +149,7 @@ extern "C" void stg_kv_destroy(stg_kv *kv) {
 
 extern "C" int64_t stg_kv_bytes(const stg_kv *kv) {
     if (!kv) return 0;
-    const int64_t n = kv->layer_elems * kv->n_layer;
-    return kv->type == STG_KV_Q8_0 ? 2 * (n + n / 32 * (int64_t)sizeof(__half)) : 2 * n * (int64_t)sizeof(__half);
+    return kv_need(kv->m, kv->type, kv->layer_elems * kv->n_layer);
 }
 
 extern "C" int64_t stg_kv_host_bytes(const stg_kv *kv) {

@@ -32,9 +32,13 @@ static combine_args take_combine(stg_model *m) {
     return c;
 }
 
+static stg_status mla_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos, const int32_t *d_seq,
+                            const int32_t *d_bt, int32_t max_blocks); /* mla.cu */
+
 static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, const int32_t *d_pos,
                                   const int32_t *d_seq, const int32_t *d_bt, int32_t max_blocks, bool fuse_qkv,
                                   const int32_t *d_tiles, int32_t n_tiles, int32_t att_split) {
+    if (m->d.kv_lora_rank > 0) return mla_block(m, kv, il, T, d_pos, d_seq, d_bt, max_blocks); /* deepseek2: mla.cu */
     const dlayer &L = m->L[(size_t)il];
     scratch &s = m->s;
     const st_model_desc &d = m->d;

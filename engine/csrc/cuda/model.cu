@@ -159,7 +159,9 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     }
     if (d->n_expert < 0 || d->n_expert > 1024 || (d->n_expert > 0 && (d->n_expert_used < 1 || d->n_expert_used > d->n_expert)))
         return fail(ST_EINVAL, "model: expert_used_count %d invalid for expert_count %d", d->n_expert_used, d->n_expert);
-    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_GPT_OSS) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if (d->arch < ST_ARCH_LLAMA || d->arch > ST_ARCH_DEEPSEEK2) return fail(ST_EUNSUPPORTED, "model: arch %d", d->arch);
+    if ((d->arch == ST_ARCH_DEEPSEEK2) != (d->kv_lora_rank > 0))
+        return fail(ST_EINVAL, "model: latent attention (kv_lora_rank %d) is deepseek2's alone", d->kv_lora_rank);
     /* routing (moe.c's rules; router_sigmoid.cu runs them): softmax or sigmoid gating, expert groups */
     if (d->arch != ST_ARCH_GPT_OSS && (d->gating < 0 || d->gating > ST_GATING_SIGMOID)) /* gpt-oss: gptoss.cu */
         return fail(ST_EUNSUPPORTED, "model: gating function %d runs on the CPU only", d->gating);
@@ -179,16 +181,18 @@ static stg_status validate(stg_model *m, const st_layer *layers) {
     for (int il = 0; il < d->n_layer; il++) {
         const st_layer &l = layers[il];
         CHECK(check_t(l.attn_norm, "attn_norm", il, true, E, 1, 1, true));
-        CHECK(check_t(l.wq, "attn_q", il, true, E, m->q_dim, 1, false));
-        CHECK(check_t(l.wk, "attn_k", il, true, E, m->kv_dim, 1, false));
-        CHECK(check_t(l.wv, "attn_v", il, true, E, m->kv_dim, 1, false));
-        CHECK(check_t(l.wo, "attn_output", il, true, m->q_dim, E, 1, false));
-        CHECK(check_t(l.bq, "attn_q.bias", il, false, m->q_dim, 1, 1, true));
-        CHECK(check_t(l.bk, "attn_k.bias", il, false, m->kv_dim, 1, 1, true));
-        CHECK(check_t(l.bv, "attn_v.bias", il, false, m->kv_dim, 1, 1, true));
-        CHECK(check_t(l.q_norm, "attn_q_norm", il, d->arch == ST_ARCH_QWEN3MOE, d->head_dim, 1, 1, true));
-        CHECK(check_t(l.k_norm, "attn_k_norm", il, d->arch == ST_ARCH_QWEN3MOE || l.q_norm.data, d->head_dim, 1, 1, true));
         CHECK(check_t(l.ffn_norm, "ffn_norm", il, true, E, 1, 1, true));
+        if (d->kv_lora_rank == 0) { /* latent attention: its tensors are mla_validate's */
+            CHECK(check_t(l.wq, "attn_q", il, true, E, m->q_dim, 1, false));
+            CHECK(check_t(l.wk, "attn_k", il, true, E, m->kv_dim, 1, false));
+            CHECK(check_t(l.wv, "attn_v", il, true, E, m->kv_dim, 1, false));
+            CHECK(check_t(l.wo, "attn_output", il, true, m->q_dim, E, 1, false));
+            CHECK(check_t(l.bq, "attn_q.bias", il, false, m->q_dim, 1, 1, true));
+            CHECK(check_t(l.bk, "attn_k.bias", il, false, m->kv_dim, 1, 1, true));
+            CHECK(check_t(l.bv, "attn_v.bias", il, false, m->kv_dim, 1, 1, true));
+            CHECK(check_t(l.q_norm, "attn_q_norm", il, d->arch == ST_ARCH_QWEN3MOE, d->head_dim, 1, 1, true));
+            CHECK(check_t(l.k_norm, "attn_k_norm", il, d->arch == ST_ARCH_QWEN3MOE || l.q_norm.data, d->head_dim, 1, 1, true));
+        }
         const int first_moe = d->n_dense_lead; /* the first routed layer sets the expert widths */
         if (d->n_expert > 0 && il >= first_moe) {
             const int64_t ff = l.gate_exps.ne[1];
@@ -263,12 +267,14 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
                                   &s.k_norm, &s.ffn_norm, &s.ffn_gate, &s.ffn_up, &s.ffn_down, &s.gate_inp,
                                   &s.gate_exps, &s.up_exps, &s.down_exps, &s.gate_inp_shexp, &s.gate_shexp,
                                   &s.up_shexp, &s.down_shexp, &s.bo, &s.sinks, &s.gate_inp_b, &s.gate_exps_b,
-                                  &s.up_exps_b, &s.down_exps_b, &s.exp_probs_b};
+                                  &s.up_exps_b, &s.down_exps_b, &s.exp_probs_b, &s.wq_a, &s.q_a_norm, &s.wq_b,
+                                  &s.wkv_a, &s.kv_a_norm, &s.wkv_b, &s.wk_b, &s.wv_b};
         dtensor *dd[] = {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.bq, &l.bk, &l.bv, &l.q_norm,
                          &l.k_norm, &l.ffn_norm, &l.ffn_gate, &l.ffn_up, &l.ffn_down, &l.gate_inp,
                          &l.gate_exps, &l.up_exps, &l.down_exps, &l.gate_inp_shexp, &l.gate_shexp,
                          &l.up_shexp, &l.down_shexp, &l.bo, &l.sinks, &l.gate_inp_b, &l.gate_exps_b,
-                         &l.up_exps_b, &l.down_exps_b, &l.exp_probs_b};
+                         &l.up_exps_b, &l.down_exps_b, &l.exp_probs_b, &l.wq_a, &l.q_a_norm, &l.wq_b,
+                         &l.wkv_a, &l.kv_a_norm, &l.wkv_b, &l.wk_b, &l.wv_b};
         for (size_t i = 0; i < sizeof src / sizeof src[0]; i++) {
             if (partial_layer(m, il) && (dd[i] == &l.gate_exps || dd[i] == &l.up_exps || dd[i] == &l.down_exps))
                 continue; /* below */
@@ -400,16 +406,26 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
     m->d.layers = nullptr;
     m->q_dim = desc->n_head * desc->head_dim;
     m->kv_dim = desc->n_head_kv * desc->head_dim;
+    if (desc->kv_lora_rank > 0) { /* latent attention: model.cuh's q_dim / kv_dim */
+        const int32_t ck = desc->kv_lora_rank + desc->rope_dim;
+        m->q_dim = desc->n_head * std::max({ck, desc->head_dim, desc->head_dim_v});
+        m->kv_dim = ck;
+    }
     stg_status rc = validate(m, desc->layers);
     if (rc == ST_OK) rc = oss_validate(m, desc->layers);
+    if (rc == ST_OK && desc->kv_lora_rank > 0) rc = mla_validate(m, desc->layers);
     if (rc == ST_OK) m->att_zmax = att_split_zmax(n_sm, desc->n_head_kv);
     if (rc == ST_OK) rc = hybrid_setup(m, resident, cpu);
     if (rc == ST_OK && m->hy.on && desc->arch == ST_ARCH_GPT_OSS)
         rc = fail(ST_EUNSUPPORTED, "model_create: gpt-oss with experts left on the CPU (hybrid placement) is not "
                                    "supported on the GPU; place every expert on the device");
+    if (rc == ST_OK && m->hy.on && desc->arch == ST_ARCH_DEEPSEEK2)
+        rc = fail(ST_EUNSUPPORTED, "model_create: deepseek2 with experts left on the CPU (hybrid placement) is not "
+                                   "supported on the GPU yet; place every expert on the device");
     if (rc == ST_OK) rc = upload(m, desc->layers);
+    if (rc == ST_OK && desc->kv_lora_rank > 0) rc = mla_prepare(m);
     if (rc == ST_OK) {
-        m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp});
+        m->max_k = std::max({m->d.n_embd, m->q_dim, m->n_ff, m->n_ff_shexp, m->d.q_lora_rank});
         m->ff_max = std::max({m->n_ff, m->n_ff_exp, m->n_ff_shexp});
         std::vector<float> inv(m->d.rope_dim / 2);
         rope_table(&m->d, inv.data(), &m->rope_mscale);
@@ -564,6 +580,21 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
                       std::max<int64_t>({m->q_dim + 2 * m->kv_dim, E,
                                          d.n_expert ? (int64_t)d.n_expert_used * std::max<int64_t>(2 * m->n_ff_exp, E) : 0});
         CHECK(dalloc_in(s.step_allocs, &s.kpart, sizeof(float) * s.kpart_cap));
+        { /* latent attention's buffers (model.cuh); a byte each for the other architectures */
+            const bool mla = d.kv_lora_rank > 0;
+            const int64_t H = d.n_head, hd = d.head_dim, nope = hd - d.rope_dim;
+            const int64_t vd = d.head_dim_v > 0 ? d.head_dim_v : hd, ck = (int64_t)d.kv_lora_rank + d.rope_dim;
+            const int64_t ql = std::max(1, d.q_lora_rank);
+            CHECK(dalloc_in(s.step_allocs, &s.mq, mla ? sizeof(float) * T * H * hd : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mkv, mla ? sizeof(float) * T * ck : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mqa, mla ? sizeof(float) * T * ql : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mg, mla ? sizeof(float) * T * H * nope : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mo, mla ? sizeof(float) * T * H * vd : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mla_gexp, mla ? sizeof(int32_t) * H : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mla_gstart, mla ? sizeof(int32_t) * H : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mla_gcount, mla ? sizeof(int32_t) * H : 0));
+            CHECK(dalloc_in(s.step_allocs, &s.mla_list, mla ? sizeof(int32_t) * T * H : 0));
+        }
         CHECK(hybrid_scratch(m, T));
         if (!keep.empty())
             CU(cudaMemcpy(s.picks, keep.data(), sizeof(int32_t) * keep.size(), cudaMemcpyHostToDevice), "scratch");

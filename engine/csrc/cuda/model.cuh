@@ -18,6 +18,9 @@ struct dlayer {
         gate_exps, up_exps, down_exps, gate_inp_shexp, gate_shexp, up_shexp, down_shexp;
     dtensor bo, sinks, gate_inp_b, gate_exps_b, up_exps_b, down_exps_b; /* gpt-oss (gptoss.cu) */
     dtensor exp_probs_b; /* [n_expert] F32: the score-correction bias of rule routing (router_sigmoid.cu) */
+    /* deepseek2's latent attention (mla.cu; st_layer's fields): mla_kb the absorption matrix, wk_b or wkv_b's key
+     * rows transposed per head (F32 [n_head][kv_lora_rank][nope], made at upload) */
+    dtensor wq_a, q_a_norm, wq_b, wkv_a, kv_a_norm, wkv_b, wk_b, wv_b, mla_kb;
 };
 
 /* A list of device allocations freed together, and the bytes they hold (stg_model_memory). */
@@ -34,6 +37,12 @@ struct scratch {
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
     int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv; /* a mixed routed launch's matvec share (group_out) */
     float *kpart;      /* the split dense GEMM's parts (g_kpart) */
+    /* latent attention (mla.cu; allocated for deepseek2 only): mq [T, n_head * head_dim] the queries, mkv [T,
+     * kv_lora_rank + rope_dim] the new cache rows, mqa [T, q_lora_rank] the low-rank q, mg [T * n_head, nope] the
+     * scaled non-rotary query parts, mo [T, n_head * head_dim_v] the heads' expanded outputs; the per-head linears'
+     * groups (a group per head: mla_gexp / gstart / gcount [n_head], mla_list [T * n_head]) */
+    float *mq, *mkv, *mqa, *mg, *mo;
+    int32_t *mla_gexp, *mla_gstart, *mla_gcount, *mla_list;
     int64_t kpart_cap; /* floats */
     int32_t *h_ints; /* pinned host staging for the batch's index arrays: two slots of cap_ints (stg_step_launch's
                       * ticket parity), so that a step's upload may still be queued while the next one is filled */
@@ -160,6 +169,8 @@ struct stg_model {
     st_model_desc d;
     std::vector<dlayer> L;
     dtensor token_embd, output_norm, output;
+    /* latent attention: q_dim is n_head * max(kv_lora_rank + rope_dim, head_dim, head_dim_v) (the absorbed queries
+     * [T, n_head, ck] and every per-head row set fit s.q / s.att / s.aq) and kv_dim the cached row ck */
     int32_t q_dim, kv_dim, n_ff, n_ff_exp, n_ff_shexp, max_k, ff_max;
     uint8_t *arena = nullptr;
     int64_t arena_bytes = 0;
@@ -209,6 +220,9 @@ struct stg_model {
 
 /* gptoss.cu: the checks of gpt-oss's own tensors and routing (after validate's) */
 static stg_status oss_validate(const stg_model *m, const st_layer *layers);
+/* mla.cu: deepseek2's latent attention: the checks of its tensors, the absorption matrices (after the upload) */
+static stg_status mla_validate(const stg_model *m, const st_layer *layers);
+static stg_status mla_prepare(stg_model *m);
 /* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
 static stg_status hybrid_scratch(stg_model *m, int64_t T);
@@ -226,7 +240,8 @@ struct stg_kv {
     stg_model *m;
     int32_t n_blocks, block_size, n_layer, kv_dim; /* n_blocks: logical blocks, both tiers (n_dev + n_host) */
     int32_t type;       /* STG_KV_F16 or STG_KV_Q8_0 */
-    __half *k, *v;      /* F16: [layer][block][kv_dim][block_size], [layer][block][block_size][kv_dim] */
+    __half *k, *v;      /* F16: [layer][block][kv_dim][block_size], [layer][block][block_size][kv_dim]; latent
+                         * attention: k holds the rows [layer][block][block_size][kv_dim] (mla.cu), v NULL */
     int8_t *k8, *v8;    /* Q8_0: the values at those indices (kv_store) */
     __half *ks, *vs;    /* Q8_0: a scale per 32 values, layer_elems / 32 per layer */
     int64_t layer_elems; /* values per layer of K (and of V) in VRAM: n_dev blocks */

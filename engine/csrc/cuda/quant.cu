@@ -73,7 +73,7 @@ __device__ __forceinline__ float sub_dot(float acc, const sub_w &s, const int8_t
     hi = __dp4a(s.q[5], a1.y, hi);
     hi = __dp4a(s.q[6], a1.z, hi);
     hi = __dp4a(s.q[7], a1.w, hi);
-    return sub_acc(acc, ad, s.A, s.B, s.c0 * lo + s.c1 * hi, __fmul_rn(ad, (float)(as[0] + as[1])));
+    return sub_acc(acc, ad, s.A, s.B, s.c0 * lo + s.c1 * hi, __fmul_rn(ad, (float)(s.m0 * as[0] + s.m1 * as[1])));
 }
 
 /* Quantise rows x[R, K] into (q, d, s). */

@@ -8,6 +8,9 @@
  *   dot(sub-block) = ad * (A * (c0 * sum_lo(q*qa) + c1 * sum_hi(q*qa)) + B * asum).
  * Q4_0 / Q5_0 / Q8_0: A = d, B = 0.  Q4_1 / Q5_1: A = d, B = m (q unsigned).
  * Q4_K / Q5_K: A = d*sc, B = -(dmin*m).  Q6_K: A = d, c0/c1 = the two int8 scales.
+ * m0, m1 weigh the two 16-sums of the activations in the B term: B * (m0 * asum_lo + m1 * asum_hi).
+ * They are 1 for every type but Q2_K (A = d, B = -dmin, c0/c1 and m0/m1 the 4-bit scales and mins
+ * of its two 16-groups), whose minimum is per 16 elements.
  * This is the same integer arithmetic as quants.c's reference dots; only the float
  * rounding order of the scale products differs (<= 1 ulp per sub-block). */
 #pragma once
@@ -25,6 +28,7 @@
 #define STG_Q5_K 13
 #define STG_Q6_K 14
 #define STG_BF16 30
+#define STG_Q2_K 10
 #define STG_Q3_K 11
 #define STG_IQ2_XXS 16
 #define STG_IQ2_XS 17
@@ -44,6 +48,7 @@ template <> struct qt<STG_Q8_0> { static constexpr int BE = 32, BB = 34; };
 template <> struct qt<STG_Q4_K> { static constexpr int BE = 256, BB = 144; };
 template <> struct qt<STG_Q5_K> { static constexpr int BE = 256, BB = 176; };
 template <> struct qt<STG_Q6_K> { static constexpr int BE = 256, BB = 210; };
+template <> struct qt<STG_Q2_K> { static constexpr int BE = 256, BB = 84; };
 template <> struct qt<STG_Q3_K> { static constexpr int BE = 256, BB = 110; };
 template <> struct qt<STG_IQ2_XXS> { static constexpr int BE = 256, BB = 66; };
 template <> struct qt<STG_IQ2_XS> { static constexpr int BE = 256, BB = 74; };
@@ -62,7 +67,7 @@ static inline int stg_block_elems(int t) {
     case STG_F32: case STG_F16: case STG_BF16: return 1;
     case STG_Q4_0: case STG_Q4_1: case STG_Q5_0: case STG_Q5_1: case STG_Q8_0: case STG_IQ4_NL: case STG_MXFP4:
         return 32;
-    case STG_Q4_K: case STG_Q5_K: case STG_Q6_K: case STG_Q3_K: case STG_IQ2_XXS: case STG_IQ2_XS: case STG_IQ2_S:
+    case STG_Q4_K: case STG_Q5_K: case STG_Q6_K: case STG_Q2_K: case STG_Q3_K: case STG_IQ2_XXS: case STG_IQ2_XS: case STG_IQ2_S:
     case STG_IQ3_XXS: case STG_IQ3_S: case STG_IQ4_XS:
         return 256;
     default: return 0;
@@ -80,6 +85,7 @@ static inline int stg_block_bytes(int t) {
     case STG_Q4_K: return 144;
     case STG_Q5_K: return 176;
     case STG_Q6_K: return 210;
+    case STG_Q2_K: return 84;
     case STG_Q3_K: return 110;
     case STG_IQ2_XXS: return 66;
     case STG_IQ2_XS: return 74;
@@ -124,6 +130,7 @@ struct sub_w {
     int q[8];
     float A, B;
     int c0, c1;
+    int m0 = 1, m1 = 1; /* constants but for Q2_K: folded away in every other type's kernels */
 };
 
 /* Sub-block j (32 elements) of a weight row. */
@@ -429,8 +436,11 @@ __device__ uint8_t g_iq_ksigns[128];
 /* The types whose two 16-halves carry different integer scales (the GEMM's two m16n8k16 form). */
 template <int T> __host__ __device__ constexpr bool has_c() {
     return T == STG_Q6_K || T == STG_Q6_KW || T == STG_Q3_K || T == STG_IQ2_XXS || T == STG_IQ2_XS ||
-           T == STG_IQ2_S || T == STG_IQ3_XXS || T == STG_IQ3_S;
+           T == STG_IQ2_S || T == STG_IQ3_XXS || T == STG_IQ3_S || T == STG_Q2_K;
 }
+/* The types whose two 16-halves carry different minima (m0 / m1 not 1: the GEMM keeps them per row and the
+ * activations' two 16-sums per pair). */
+template <int T> __host__ __device__ constexpr bool has_m() { return T == STG_Q2_K; }
 
 __device__ __forceinline__ uint32_t ld_u32_1a(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -607,6 +617,37 @@ template <> __device__ __forceinline__ void deq_block<STG_Q3_K>(const uint8_t *b
         const float d0 = __fmul_rn(d, (float)c0), d1 = __fmul_rn(d, (float)c1);
         for (int l = 0; l < 32; l++)
             y[32 * sb + l] = __fmul_rn(l < 16 ? d0 : d1, (float)(int8_t)(q[l / 4] >> (8 * (l % 4))));
+    }
+}
+
+/* Q2_K (84 bytes: scales[16], qs[64], d, dmin): sub-block sb (0..7) is 16-groups 2 sb and 2 sb + 1; its codes
+ * are bits 2 (sb % 4) of bytes 32 (sb / 4) .. + 31 of qs (quants_lowbit.c k_low2). Blocks are 4-byte aligned
+ * (84 = 21 x 4, rows whole blocks, tensors 256-byte aligned). */
+__device__ __forceinline__ void q2k_sub(const uint8_t *b, int sb, sub_w &s) {
+    const uint8_t *qs = b + 16 + 32 * (sb >> 2);
+    const int sh = 2 * (sb & 3);
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = (int)((ld_u32_4a(qs + 4 * i) >> sh) & 0x03030303u);
+    const uint32_t g0 = b[2 * sb], g1 = b[2 * sb + 1];
+    s.c0 = (int)(g0 & 0xF), s.m0 = (int)(g0 >> 4), s.c1 = (int)(g1 & 0xF), s.m1 = (int)(g1 >> 4);
+}
+template <> __device__ __forceinline__ void unpack_sub<STG_Q2_K>(const uint8_t *row, int j, sub_w &s) {
+    const uint8_t *b = row + (int64_t)(j >> 3) * 84;
+    q2k_sub(b, j & 7, s);
+    s.A = ld_f16(b + 80), s.B = -ld_f16(b + 82);
+}
+/* deq_q2_k: dl * q - ml with dl = d * scale, ml = dmin * min per 16-group (no contraction) */
+template <> __device__ __forceinline__ void deq_block<STG_Q2_K>(const uint8_t *b, float *y) {
+    const float d = ld_f16(b + 80), dmin = ld_f16(b + 82);
+    for (int sb = 0; sb < 8; sb++) {
+        sub_w s;
+        q2k_sub(b, sb, s);
+        const float dl0 = __fmul_rn(d, (float)s.c0), ml0 = __fmul_rn(dmin, (float)s.m0);
+        const float dl1 = __fmul_rn(d, (float)s.c1), ml1 = __fmul_rn(dmin, (float)s.m1);
+        for (int l = 0; l < 32; l++) {
+            const float q = (float)((s.q[l / 4] >> (8 * (l % 4))) & 0xFF);
+            y[32 * sb + l] = l < 16 ? __fsub_rn(__fmul_rn(dl0, q), ml0) : __fsub_rn(__fmul_rn(dl1, q), ml1);
+        }
     }
 }
 

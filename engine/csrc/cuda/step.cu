@@ -249,7 +249,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     CHECK(ensure_scratch(m, T, NL, n_bt));
     /* q/k/v post-processing inside attention when no token reads another's new K/V of this
      * step: every token of a different sequence (decode). */
-    bool fuse_qkv = m->d.head_dim <= 256;
+    /* latent attention (mla.cu) prepares its queries and cache rows itself and takes one kernel at every step */
+    const bool mla = m->d.kv_lora_rank > 0;
+    bool fuse_qkv = m->d.head_dim <= 256 && !mla;
     if (fuse_qkv) {
         std::vector<char> &seen = m->seq_seen;
         seen.assign((size_t)b->n_seqs, 0);
@@ -267,7 +269,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     int32_t max_keys = 0;
     for (int32_t i = 0; i < T; i++) max_keys = std::max(max_keys, b->pos[i] + 1);
     const int32_t att_split =
-        q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, m->att_zmax) : 1)
+        mla ? 1
+        : q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, m->att_zmax) : 1)
            : att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
     if (att_split > 1 || (q8 && fuse_qkv)) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
     /* a tiered cache with kv_stream 0 stages every step's host blocks: eagerly (the slots change every step) */
@@ -357,12 +360,12 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
     /* gpt-oss's sinks and sliding windows are k_attention's alone (gptoss.cu): no query tiles */
     const bool oss = m->d.arch == ST_ARCH_GPT_OSS;
-    const int tq = oss ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
+    const int tq = oss || mla ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && !graph;
     /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cu); on the 8-bit cache every run,
      * whatever att_mma says (it has no fp32 query tiles) */
-    const int tqm = (m->set.att_mma || q8) && !oss
+    const int tqm = (m->set.att_mma || q8) && !oss && !mla
                         ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim, m->set.att_mma_rows)
                         : 0;
     if (tiles_wanted && tqm)

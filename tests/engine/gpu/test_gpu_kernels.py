@@ -28,8 +28,9 @@ from tests.engine.test_kernels import random_blocks  # the CPU harness's: both h
 
 pytestmark = requires_gpu
 
-# issue 32's types: the IQ codebooks (device copies of iq_grids.h), the 16-entry value tables, Q3_K's halves
-LOWBIT = ["Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4"]
+# issue 32's types: the IQ codebooks (device copies of iq_grids.h), the 16-entry value tables, Q3_K's halves,
+# Q2_K's per-16 minima
+LOWBIT = ["Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "MXFP4"]
 QUANT = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", *LOWBIT]
 FLOAT = ["F32", "F16", "BF16"]
 PATHS = {"ref": 0, "matvec": 1, "gemm": 2, "auto": 3}
@@ -37,13 +38,6 @@ PATHS = {"ref": 0, "matvec": 1, "gemm": 2, "auto": 3}
 
 def tid(name: str) -> int:
     return int(GGMLQuantizationType[name])
-
-
-def test_q2_k_refused_with_a_typed_error(g: tuple) -> None:
-    """Q2_K (a per-16 minimum: no place in the sub-block view yet) is refused, never computed wrong."""
-    raw = random_blocks("Q2_K", 256, np.random.default_rng(3))
-    out = np.zeros(256, np.float32)
-    assert g[1].stg_test_dequantize(tid("Q2_K"), gptr(g, raw), gptr(g, out, "float *"), 256) == 3  # ST_EUNSUPPORTED
 
 
 @pytest.mark.parametrize("name", QUANT + FLOAT)
@@ -181,7 +175,7 @@ def qkv_segments(g: tuple, name: str, n_tok: int) -> None:
 
 
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(70, 4, 8), (300, 8, 32), (5, 2, 8)])
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K", "IQ3_XXS", "Q3_K", "MXFP4", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K", "IQ3_XXS", "Q3_K", "Q2_K", "MXFP4", "IQ4_XS"])
 def test_routed_gemm_tiles_bitwise_equal_matvec(g: tuple, name: str, n_tok: int, k_used: int, n_expert: int) -> None:
     """Routed experts (grouped on the GPU, skewed popularity: groups of 1 to ~100 pairs): the GEMM
     (over the grouping's tile list where that is fewer blocks than the (largest group) x (groups)
