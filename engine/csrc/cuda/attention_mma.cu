@@ -1,26 +1,16 @@
 /* Prefill attention on the tensor cores (flash style, online softmax): `mma.sync` m16n8k16
- * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged KV cache (F16, or
- * 8-bit with Q8: see k_attention_mma).
+ * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged f16 KV cache.
  *
- * Work split: one block per (query tile, kv head). A tile is a run of at most ROWS / G
- * consecutive tokens of one sequence (G = query heads per kv head), so its ROWS = 16 W rows
- * (token, query head of the group) share every K/V stage; each of the W warps owns 16 rows
- * (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside one
- * KV block since block sizes are multiples of 16), copied with cp.async into NS slots (NS - 1
- * stages ahead of the one computed; one barrier a stage).
- * stg_settings.att_mma_rows picks W: 4 (64 rows, two blocks an SM, two stages: a third gains
- * nothing there) or 8 (128 rows, one block an SM, three stages): at depth every block streams
- * the whole cached prefix of its kv head, so 128 rows halve the K/V bytes each SM pulls from L2
- * per mma, with the same 8 warps an SM. att_mma_warp_rows 32 makes 128 rows 4 warps of 32 rows
- * (F = 2 fragments a warp, two blocks an SM): besides L2's half, each K / V fragment read from
- * shared memory (ldmatrix) feeds two rows' mma, which cuts the shared-memory bytes a stage
- * reads by 3/8 (q's fragments come from shared memory then).
+ * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
+ * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
+ * rows (token, query head of the group) share every K/V stage; each of the 4 warps owns 16
+ * rows (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside
+ * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
+ * stage gains nothing).
  *
- * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma rounded to
- * one f16 (relative 2^-11 per element; K is f16 already in the F16 cache, and f16(q * d) from
- * the 8-bit cache, a rounding of the same size as q's): on random heads the
- * output stays within 1e-3 of the fp32 reference, and a peaked score of a few tens moves by
- * about 1e-2 (splitting q as f16 hi + lo removes that error, and costs 9% of a 32k prefill). The
+ * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
+ * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
+ * error at the fp32 accumulation's level, since K is f16 already in the cache. The
  * probabilities p = exp2(s * log2e - m) enter p.v rounded to f16 (relative 2^-11 at most
  * per weight; V is f16 already); the row sum l is taken over the fp32 p. Per row: online
  * max / rescale per 64-key stage, then out = acc / l. Rows are independent (an mma output
@@ -36,6 +26,8 @@
  * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
 #include "attention.cuh"
 
+#define AMMA_WARPS 4
+#define AMMA_ROWS (AMMA_WARPS * 16)
 #define AMMA_BC 64
 #define AMMA_KP (AMMA_BC + 8) /* padded K stage row (one dimension, halves): ldmatrix rows in distinct banks */
 
@@ -43,13 +35,11 @@ template <int HD> __host__ __device__ constexpr int amma_vp() { return HD + 8; }
 template <int HD> __host__ __device__ constexpr size_t amma_stage_halves() {
     return (size_t)HD * AMMA_KP + (size_t)AMMA_BC * amma_vp<HD>();
 }
-template <int W> __host__ __device__ constexpr int amma_ns() { return W == 8 ? 3 : 2; } /* K/V stages in flight */
-/* the K/V stages (then, with F = 2, the q rows as f16, [16 W F][HD + 8]), and at the end the output rows in the same
- * memory ([16 W F][HD + 8] floats) */
-template <int HD, int W, int F> constexpr size_t amma_smem_bytes() {
-    return std::max((amma_ns<W>() * amma_stage_halves<HD>() + (F == 2 ? (size_t)16 * W * F * (HD + 8) : 0)) * sizeof(__half),
-                    (size_t)16 * W * F * (HD + 8) * sizeof(float));
-}
+#define AMMA_NS 2 /* K/V stages in flight */
+template <int HD> constexpr size_t amma_smem_bytes() { return AMMA_NS * amma_stage_halves<HD>() * sizeof(__half); }
+/* the output rows are staged in the same memory at the end ([AMMA_ROWS][HD + 8] floats) */
+static_assert((size_t)AMMA_ROWS * (32 + 8) * 4 <= amma_smem_bytes<32>(), "output staging");
+static_assert((size_t)AMMA_ROWS * (128 + 8) * 4 <= amma_smem_bytes<128>(), "output staging");
 
 __device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -60,14 +50,6 @@ __device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], 
 __device__ __forceinline__ void amma_ldsm_t(uint32_t (&r)[4], const __half *p) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s)
-                 : "memory");
-}
-/* four 8x8 b16 matrices (an m16k16 A fragment from row-major rows): lanes 8i..8i+7 give the row addresses of matrix i */
-__device__ __forceinline__ void amma_ldsm(uint32_t (&r)[4], const __half *p) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s)
                  : "memory");
@@ -90,47 +72,36 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-/* tiles[i] = first_token * 256 + tokens (at most 16 W F / G). F: m16 fragments (16 rows each) a warp. F = 1 keeps
- * the warp's q fragments in registers; F = 2 (32 rows a warp) stages q as f16 in shared memory (the same bits:
- * each element rounded once) and loads a fragment per 16 dimensions with ldmatrix, so that every K and V fragment a
- * warp loads from shared memory feeds two mma instead of one (the loads per mma halve; registers: o 128, s 64 at
- * head_dim 128). Each row's arithmetic is the same in every form: the same bits.
+/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G); QSPLIT: q as f16 hi + lo.
  * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
  * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
  * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
-template <int HD, int W, int F, bool Q8 = false>
-__global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_args a, const int32_t *tiles) {
+template <int HD, bool QSPLIT, bool Q8 = false>
+__global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
-    constexpr int WR = 16 * F, AMMA_ROWS = WR * W, QP = HD + 8; /* rows a warp, a block; padded q row (halves) */
-    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = amma_ns<W>();
+    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = AMMA_NS;
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ int32_t rn[AMMA_ROWS];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
     const int G = a.n_head / a.n_kv, kvh = blockIdx.y, kd = a.n_kv * HD, bs = a.block_size;
-    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 8, nrows = (tile & 255) * G;
+    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 7, nrows = (tile & 127) * G;
     if (threadIdx.x < AMMA_ROWS) rn[threadIdx.x] = (int)threadIdx.x < nrows ? a.pos[t0 + threadIdx.x / G] + 1 : 0;
     __syncthreads();
     int32_t max_keys = 0, wmax = 0, wmin = 0x7fffffff; /* keys seen by the block; by this warp's rows */
     for (int r = 0; r < AMMA_ROWS; r++) max_keys = max(max_keys, rn[r]);
-    for (int r = warp * WR; r < warp * WR + WR; r++)
+    for (int r = warp * 16; r < warp * 16 + 16; r++)
         if (rn[r] > 0) wmax = max(wmax, rn[r]), wmin = min(wmin, rn[r]);
-    int r_lo[F], r_hi[F];
-    int32_t lim_lo[F], lim_hi[F];
-#pragma unroll
-    for (int f = 0; f < F; f++) { /* padding rows (past the tile's tokens) see the warp's keys: finite, then discarded */
-        r_lo[f] = warp * WR + 16 * f + g, r_hi[f] = r_lo[f] + 8;
-        lim_lo[f] = rn[r_lo[f]] > 0 ? rn[r_lo[f]] : wmax, lim_hi[f] = rn[r_hi[f]] > 0 ? rn[r_hi[f]] : wmax;
-    }
+    const int r_lo = warp * 16 + g, r_hi = r_lo + 8;
+    /* padding rows (past the tile's tokens) see the warp's keys: finite, then discarded */
+    const int32_t lim_lo = rn[r_lo] > 0 ? rn[r_lo] : wmax, lim_hi = rn[r_hi] > 0 ? rn[r_hi] : wmax;
     const bool active = wmax > 0;
 
-    /* F = 1: q fragments for the whole head dimension, kept in registers; F = 2: the q rows as f16 after the stages
-     * (read after the stage loop's first barrier) */
-    [[maybe_unused]] uint32_t qh[F == 1 ? KS : 1][4];
-    [[maybe_unused]] __half *const qs = (__half *)att_dyn + (size_t)amma_ns<W>() * amma_stage_halves<HD>();
-    if constexpr (F == 1) {
+    /* q fragments for the whole head dimension, kept in registers */
+    uint32_t qh[KS][4], ql[QSPLIT ? KS : 1][4];
+    {
         const float *qr[2] = {nullptr, nullptr};
-        const int rows[2] = {r_lo[0], r_hi[0]};
+        const int rows[2] = {r_lo, r_hi};
 #pragma unroll
         for (int i = 0; i < 2; i++)
             if (rows[i] < nrows)
@@ -141,16 +112,10 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
             for (int i = 0; i < 4; i++) { /* reg i: row (i & 1 ? g + 8 : g), cols 16 kk + 2t (+ 8 for i >= 2) */
                 const float *p = qr[i & 1];
                 const float2 x = p ? *(const float2 *)(p + 16 * kk + 2 * t4 + (i >= 2 ? 8 : 0)) : make_float2(0.0f, 0.0f);
-                qh[kk][i] = amma_pack(x.x, x.y);
+                const __half hx = __float2half_rn(x.x), hy = __float2half_rn(x.y);
+                qh[kk][i] = amma_pack(__half2float(hx), __half2float(hy));
+                if constexpr (QSPLIT) ql[kk][i] = amma_pack(x.x - __half2float(hx), x.y - __half2float(hy));
             }
-    } else {
-        for (int i = threadIdx.x; i < AMMA_ROWS * (HD / 2); i += W * 32) {
-            const int r = i / (HD / 2), c = 2 * (i % (HD / 2));
-            const float2 x = r < nrows ? *(const float2 *)(a.q + (int64_t)(t0 + r / G) * a.n_head * HD +
-                                                           (int64_t)(kvh * G + r % G) * HD + c)
-                                       : make_float2(0.0f, 0.0f);
-            *(uint32_t *)(qs + r * QP + c) = amma_pack(x.x, x.y);
-        }
     }
 
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t0] * a.max_blocks;
@@ -171,7 +136,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
             constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
             const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
             if constexpr (Q8) { /* every load of the stage first, then the converted stores */
-                constexpr int KR = HD / (4 * W), VR = AMMA_BC * VPC / (W * 32), NG = HD / 32; /* 4 W dimensions a pass */
+                constexpr int KR = HD / 16, VR = AMMA_BC * VPC / (AMMA_WARPS * 32), NG = HD / 32;
                 const int kd32 = kd / 32;
                 if (j0 + 16 * kc_c < max_keys) {
                     const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
@@ -180,20 +145,20 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                     uint4 kscl[KR];
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
-                        const int d = (threadIdx.x >> 3) + 4 * W * r;
+                        const int d = (threadIdx.x >> 3) + 16 * r;
                         kq[r] = *(const uint2 *)(kv_blk(a.k8, a.ht.k8, b, nd, per) + ((int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
                         kscl[r] = *(const uint4 *)(kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + ((int64_t)kvh * NG + d / 32) * bs +
                                                    sl + 8 * kc_p);
                     }
 #pragma unroll
                     for (int r = 0; r < KR; r++)
-                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 4 * W * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
+                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 16 * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
                 }
                 uint2 vq[VR];
                 __half vsc[VR];
 #pragma unroll
                 for (int r = 0; r < VR; r++) {
-                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
+                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
                     vq[r] = make_uint2(0u, 0u), vsc[r] = __ushort_as_half((unsigned short)0);
                     if (j0 + j < max_keys) {
                         const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
@@ -204,7 +169,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                 }
 #pragma unroll
                 for (int r = 0; r < VR; r++) { /* past the last key: zeros (q and d are 0 there) */
-                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC;
+                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC;
                     const __half2 d2 = __half2half2(vsc[r]);
                     *(uint4 *)(vs + j * VP + 8 * pc) = q8x8_scaled(vq[r], make_uint4(*(const uint32_t *)&d2, *(const uint32_t *)&d2,
                                                                                  *(const uint32_t *)&d2, *(const uint32_t *)&d2));
@@ -215,11 +180,11 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                 const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
                 const __half *kg = kv_blk(a.kc, a.ht.kc, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
 #pragma unroll
-                for (int d = threadIdx.x >> 3; d < HD; d += W * 32 / 8)
+                for (int d = threadIdx.x >> 3; d < HD; d += AMMA_WARPS * 32 / 8)
                     cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
             }
 #pragma unroll
-            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += W * 32) {
+            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += AMMA_WARPS * 32) {
                 const int j = i / VPC, pc = i % VPC, c = j >> 4;
                 __half *dst = vs + j * VP + 8 * pc;
                 if (j0 + j < max_keys) {
@@ -235,131 +200,106 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
         cp_async_commit();
     };
 
-    float o[F][DT][4];
-    float m_lo[F], m_hi[F], l_lo[F], l_hi[F]; /* l: this thread's share of the row sum */
+    float o[DT][4];
 #pragma unroll
-    for (int f = 0; f < F; f++) {
-#pragma unroll
-        for (int i = 0; i < DT; i++) o[f][i][0] = o[f][i][1] = o[f][i][2] = o[f][i][3] = 0.0f;
-        m_lo[f] = m_hi[f] = -INFINITY, l_lo[f] = l_hi[f] = 0.0f;
-    }
+    for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f; /* l: this thread's share of the row sum */
     const int mi = lane >> 3, mr = lane & 7; /* ldmatrix: matrix and row this lane addresses */
 #pragma unroll
     for (int kt = 0; kt < NS - 1; kt++) issue(kt);
     for (int kt = 0; kt < n_kt; kt++) {
-        cp_async_wait<NS - 2>(); /* this thread's copies of stage kt are complete: NS - 2 newer groups may fly */
-        __syncthreads();         /* everyone's are, and every warp is past stage kt - 1: its slot is free */
-        issue(kt + NS - 1);      /* into that slot: one barrier a stage */
+        issue(kt + NS - 1);         /* into the slot read by the previous stage (past its barrier) */
+        cp_async_wait<NS - 1>();    /* stage kt's group is complete: NS - 1 newer groups may fly */
+        __syncthreads();
         const int j0 = kt * AMMA_BC;
         if (active && j0 < wmax) {
             const __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(), *vs = ks + HD * AMMA_KP;
-            float s[F][NT][4];
+            float s[NT][4];
 #pragma unroll
-            for (int f = 0; f < F; f++)
-#pragma unroll
-                for (int i = 0; i < NT; i++) s[f][i][0] = s[f][i][1] = s[f][i][2] = s[f][i][3] = 0.0f;
+            for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) {
-                uint32_t qf[F][4]; /* this warp's q fragments for dims 16kk..16kk+15 */
-#pragma unroll
-                for (int f = 0; f < F; f++) {
-                    if constexpr (F == 1) {
-#pragma unroll
-                        for (int i = 0; i < 4; i++) qf[f][i] = qh[kk][i];
-                    } else {
-                        amma_ldsm(qf[f], qs + (warp * WR + 16 * f + 8 * (mi & 1) + mr) * QP + 16 * kk + 8 * (mi >> 1));
-                    }
-                }
 #pragma unroll
                 for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
                     uint32_t b[4];
                     amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
-#pragma unroll
-                    for (int f = 0; f < F; f++) {
-                        amma_f16(s[f][2 * np], qf[f], b[0], b[1]);
-                        amma_f16(s[f][2 * np + 1], qf[f], b[2], b[3]);
+                    if constexpr (QSPLIT) {
+                        amma_f16(s[2 * np], ql[kk], b[0], b[1]);
+                        amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
                     }
+                    amma_f16(s[2 * np], qh[kk], b[0], b[1]);
+                    amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
                 }
             }
             /* causal / length mask (only where a row of the warp ends inside this stage), log2 domain */
             const bool mask = j0 + AMMA_BC > wmin;
-            uint32_t pa[F][NT / 2][4]; /* P as the A operand of p.v: S's C fragments, two n-tiles per k step */
+            float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
-            for (int f = 0; f < F; f++) {
-                float mx_lo = -INFINITY, mx_hi = -INFINITY;
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int key = j0 + 8 * nt + 2 * t4 + e;
-                        float v0 = s[f][nt][e] * LOG2E, v1 = s[f][nt][2 + e] * LOG2E;
-                        if (mask) {
-                            if (key >= lim_lo[f]) v0 = -INFINITY;
-                            if (key >= lim_hi[f]) v1 = -INFINITY;
-                        }
-                        s[f][nt][e] = v0, s[f][nt][2 + e] = v1;
-                        mx_lo = fmaxf(mx_lo, v0), mx_hi = fmaxf(mx_hi, v1);
+                for (int e = 0; e < 2; e++) {
+                    const int key = j0 + 8 * nt + 2 * t4 + e;
+                    float v0 = s[nt][e] * LOG2E, v1 = s[nt][2 + e] * LOG2E;
+                    if (mask) {
+                        if (key >= lim_lo) v0 = -INFINITY;
+                        if (key >= lim_hi) v1 = -INFINITY;
                     }
-#pragma unroll
-                for (int o2 = 1; o2 <= 2; o2 <<= 1) { /* the 4 lanes of a row */
-                    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o2));
-                    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o2));
+                    s[nt][e] = v0, s[nt][2 + e] = v1;
+                    mx_lo = fmaxf(mx_lo, v0), mx_hi = fmaxf(mx_hi, v1);
                 }
-                /* every row sees key 0 in stage 0, so the running max is finite from then on */
-                const float mn_lo = fmaxf(m_lo[f], mx_lo), mn_hi = fmaxf(m_hi[f], mx_hi);
-                const float c_lo = exp2f(m_lo[f] - mn_lo), c_hi = exp2f(m_hi[f] - mn_hi); /* 0 on the first stage */
-                m_lo[f] = mn_lo, m_hi[f] = mn_hi;
-                float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const float p0 = exp2f(s[f][nt][0] - mn_lo), p1 = exp2f(s[f][nt][1] - mn_lo);
-                    const float p2 = exp2f(s[f][nt][2] - mn_hi), p3 = exp2f(s[f][nt][3] - mn_hi);
-                    sum_lo += p0 + p1, sum_hi += p2 + p3;
-                    pa[f][nt / 2][(nt & 1) * 2] = amma_pack(p0, p1);
-                    pa[f][nt / 2][(nt & 1) * 2 + 1] = amma_pack(p2, p3);
-                }
-                l_lo[f] = fmaf(l_lo[f], c_lo, sum_lo), l_hi[f] = fmaf(l_hi[f], c_hi, sum_hi);
-#pragma unroll
-                for (int i = 0; i < DT; i++)
-                    o[f][i][0] *= c_lo, o[f][i][1] *= c_lo, o[f][i][2] *= c_hi, o[f][i][3] *= c_hi;
+            for (int o2 = 1; o2 <= 2; o2 <<= 1) { /* the 4 lanes of a row */
+                mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o2));
+                mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o2));
             }
+            /* every row sees key 0 in stage 0, so the running max is finite from then on */
+            const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+            const float c_lo = exp2f(m_lo - mn_lo), c_hi = exp2f(m_hi - mn_hi); /* 0 on the first stage */
+            m_lo = mn_lo, m_hi = mn_hi;
+            float sum_lo = 0.0f, sum_hi = 0.0f;
+            uint32_t pa[NT / 2][4]; /* P as the A operand of p.v: S's C fragments, two n-tiles per k step */
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const float p0 = exp2f(s[nt][0] - mn_lo), p1 = exp2f(s[nt][1] - mn_lo);
+                const float p2 = exp2f(s[nt][2] - mn_hi), p3 = exp2f(s[nt][3] - mn_hi);
+                sum_lo += p0 + p1, sum_hi += p2 + p3;
+                pa[nt / 2][(nt & 1) * 2] = amma_pack(p0, p1);
+                pa[nt / 2][(nt & 1) * 2 + 1] = amma_pack(p2, p3);
+            }
+            l_lo = fmaf(l_lo, c_lo, sum_lo), l_hi = fmaf(l_hi, c_hi, sum_hi);
+#pragma unroll
+            for (int i = 0; i < DT; i++) o[i][0] *= c_lo, o[i][1] *= c_lo, o[i][2] *= c_hi, o[i][3] *= c_hi;
 #pragma unroll
             for (int k2 = 0; k2 < NT / 2; k2++) {
 #pragma unroll
                 for (int dp = 0; dp < DT / 2; dp++) { /* dim n-tiles 2dp, 2dp + 1; keys 16k2..+7, +8..+15 */
                     uint32_t b[4];
                     amma_ldsm_t(b, vs + (16 * k2 + 8 * (mi & 1) + mr) * VP + 8 * (2 * dp + (mi >> 1)));
-#pragma unroll
-                    for (int f = 0; f < F; f++) {
-                        amma_f16(o[f][2 * dp], pa[f][k2], b[0], b[1]);
-                        amma_f16(o[f][2 * dp + 1], pa[f][k2], b[2], b[3]);
-                    }
+                    amma_f16(o[2 * dp], pa[k2], b[0], b[1]);
+                    amma_f16(o[2 * dp + 1], pa[k2], b[2], b[3]);
                 }
             }
         }
+        __syncthreads(); /* the slot is refilled by the next iteration's copies */
     }
-    cp_async_wait<0>(); /* only empty groups are left */
+    cp_async_wait<0>(); /* only empty groups are left; the output rows reuse the stages */
 #pragma unroll
-    for (int f = 0; f < F; f++)
-#pragma unroll
-        for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-            l_lo[f] += __shfl_xor_sync(0xffffffffu, l_lo[f], o2);
-            l_hi[f] += __shfl_xor_sync(0xffffffffu, l_hi[f], o2);
-        }
-    __syncthreads(); /* every copy is done and every warp past its last stage: the stages become the output rows */
+    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
+        l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o2);
+        l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o2);
+    }
+    /* every copy is done and every warp past its last stage: the stages become the output rows */
     float *os = (float *)att_dyn;
     constexpr int OP = HD + 8; /* float2 stores of a half-warp in distinct banks */
     if (active) {
 #pragma unroll
-        for (int f = 0; f < F; f++)
-#pragma unroll
-            for (int i = 0; i < DT; i++) {
-                *(float2 *)&os[r_lo[f] * OP + 8 * i + 2 * t4] = make_float2(o[f][i][0] / l_lo[f], o[f][i][1] / l_lo[f]);
-                *(float2 *)&os[r_hi[f] * OP + 8 * i + 2 * t4] = make_float2(o[f][i][2] / l_hi[f], o[f][i][3] / l_hi[f]);
-            }
+        for (int i = 0; i < DT; i++) {
+            *(float2 *)&os[r_lo * OP + 8 * i + 2 * t4] = make_float2(o[i][0] / l_lo, o[i][1] / l_lo);
+            *(float2 *)&os[r_hi * OP + 8 * i + 2 * t4] = make_float2(o[i][2] / l_hi, o[i][3] / l_hi);
+        }
     }
     __syncwarp();
-    for (int r = warp * WR; r < warp * WR + WR && r < nrows; r++) {
+    for (int r = warp * 16; r < warp * 16 + 16 && r < nrows; r++) {
         const int64_t row0 = (int64_t)(t0 + r / G) * a.n_head * HD + (int64_t)(kvh * G + r % G) * HD;
 #pragma unroll
         for (int d0 = 0; d0 < HD; d0 += 32) {
@@ -373,21 +313,21 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
 /* ------------------------------------------------------------ host side */
 
 /* stg_settings.att_mma: 0 = the fp32 query-tile kernel for every prefill run (bitwise k_attention);
- * 1 (default) = the tensor cores for the long runs.
+ * 1 = tensor cores with q as one f16; 2 (default) = tensor cores with q as f16 hi + lo.
  * att_mma_min: runs (consecutive tokens of one sequence in a step) shorter than this keep the fp32
  * query-tile kernel, whose rows are bitwise k_attention's: decode tokens, short prompts and the tails
  * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
  * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their tokens
  * are within tolerance (not bitwise) of what another chunking gives. */
-/* Tokens per mma tile of `rows` rows (64 or 128) for a model: head_dim 32, 64 or 128 and G = n_head / n_kv
- * dividing 16 (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
-static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd, int32_t rows) {
-    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128) || (rows != 64 && rows != 128)) return 0;
+/* Tokens per mma tile for a model: head_dim 32, 64 or 128 and G = n_head / n_kv dividing 16
+ * (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
+static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
+    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128)) return 0;
     const int G = n_head / n_kv;
-    return G <= 16 && 16 % G == 0 ? rows / G : 0;
+    return G <= 16 && 16 % G == 0 ? AMMA_ROWS / G : 0;
 }
 /* A step's prefill tiles: runs shorter than min_run as query tiles of tq tokens (first * 32 +
- * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 256 + count)
+ * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 128 + count)
  * in out[n_old, n_old + n_mma). At most T entries in all. */
 static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int32_t min_run, int32_t *out,
                             int32_t *n_old, int32_t *n_mma) {
@@ -398,7 +338,7 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
             while (j < T && seq[j] == seq[i]) j++;
             const bool long_run = j - i >= min_run;
             if (long_run == (pass == 1)) {
-                const int32_t step = long_run ? tqm : tq, mul = long_run ? 256 : 32;
+                const int32_t step = long_run ? tqm : tq, mul = long_run ? 128 : 32;
                 for (int32_t f = i; f < j; f += step) out[n++] = f * mul + std::min(step, j - f);
             }
             i = j;
@@ -409,53 +349,49 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
 }
 
 static stg_status attention_mma_setup(void) {
-#define AMMA_SETUP(HD, W, F, Q8)                                                                              \
-    CU(cudaFuncSetAttribute(k_attention_mma<HD, W, F, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize,       \
-                            (int)amma_smem_bytes<HD, W, F>()),                                                 \
+#define AMMA_SETUP(HD)                                                                                        \
+    CU(cudaFuncSetAttribute(k_attention_mma<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,            \
+                            (int)amma_smem_bytes<HD>()),                                                       \
+       "attention (mma) setup");                                                                              \
+    CU(cudaFuncSetAttribute(k_attention_mma<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,           \
+                            (int)amma_smem_bytes<HD>()),                                                       \
        "attention (mma) setup");
-#define AMMA_SETUP_FORMS(HD, Q8) AMMA_SETUP(HD, 4, 1, Q8) AMMA_SETUP(HD, 8, 1, Q8) AMMA_SETUP(HD, 4, 2, Q8)
-    AMMA_SETUP_FORMS(32, false)
-    AMMA_SETUP_FORMS(64, false)
-    AMMA_SETUP_FORMS(128, false)
-    AMMA_SETUP_FORMS(64, true)
-    AMMA_SETUP_FORMS(128, true)
-#undef AMMA_SETUP_FORMS
+    AMMA_SETUP(32)
+    AMMA_SETUP(64)
+    AMMA_SETUP(128)
 #undef AMMA_SETUP
+    CU(cudaFuncSetAttribute(k_attention_mma<64, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)amma_smem_bytes<64>()),
+       "attention (mma) setup");
+    CU(cudaFuncSetAttribute(k_attention_mma<128, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            (int)amma_smem_bytes<128>()),
+       "attention (mma) setup");
     return ST_OK;
 }
 
-/* The F16 cache (head_dim 32, 64, 128) or the 8-bit cache (aa.k8: head_dim 64, 128). rows: the tiles' rows (64 or
- * 128, stg_settings.att_mma_rows; att_mma_tokens made the tiles for it); warp_rows: 16 or 32 (32 at 128 rows only,
- * stg_settings.att_mma_warp_rows): 64 rows are 4 warps of 16, 128 rows 8 warps of 16 or 4 warps of 32. */
-static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int rows,
-                                       int warp_rows, cudaStream_t st) {
-    if ((rows != 64 && rows != 128) || (warp_rows != 16 && warp_rows != 32) || (warp_rows == 32 && rows != 128))
-        return fail(ST_EINVAL, "attention (mma): %d rows a tile, %d a warp", rows, warp_rows);
-    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block((unsigned)(rows / warp_rows) * 32);
-#define AMMA_LAUNCH(HD, Q8)                                                                                        \
-    if (warp_rows == 32)                                                                                           \
-        launch_k(k_attention_mma<HD, 4, 2, Q8>, grid, block, amma_smem_bytes<HD, 4, 2>(), st, aa, d_tiles);        \
-    else if (rows == 128)                                                                                          \
-        launch_k(k_attention_mma<HD, 8, 1, Q8>, grid, block, amma_smem_bytes<HD, 8, 1>(), st, aa, d_tiles);        \
-    else                                                                                                           \
-        launch_k(k_attention_mma<HD, 4, 1, Q8>, grid, block, amma_smem_bytes<HD, 4, 1>(), st, aa, d_tiles);
+/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; the 8-bit cache (aa.k8) takes q as hi + lo
+ * always. */
+static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
+                                       cudaStream_t st) {
+    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);
     if (aa.k8) {
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
-        if (aa.hd == 128) {
-            AMMA_LAUNCH(128, true)
-        } else {
-            AMMA_LAUNCH(64, true)
-        }
+        if (aa.hd == 128) launch_k(k_attention_mma<128, true, true>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
+        else launch_k(k_attention_mma<64, true, true>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
         LAUNCHED("attention (mma tiles, 8-bit KV)");
         return ST_OK;
     }
+    const bool split = mode != 1;
+#define AMMA_LAUNCH(HD)                                                                                             \
+    if (split) launch_k(k_attention_mma<HD, true>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);            \
+    else launch_k(k_attention_mma<HD, false>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);
     if (aa.hd == 128) {
-        AMMA_LAUNCH(128, false)
+        AMMA_LAUNCH(128)
     } else if (aa.hd == 64) {
-        AMMA_LAUNCH(64, false)
+        AMMA_LAUNCH(64)
     } else if (aa.hd == 32) {
-        AMMA_LAUNCH(32, false)
+        AMMA_LAUNCH(32)
     } else {
         return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
     }

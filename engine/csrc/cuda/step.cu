@@ -363,11 +363,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const int tq = oss || mla ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && !graph;
-    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cu); on the 8-bit cache every run,
-     * whatever att_mma says (it has no fp32 query tiles) */
-    const int tqm = (m->set.att_mma || q8) && !oss && !mla
-                        ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim, m->set.att_mma_rows)
-                        : 0;
+    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run */
+    const int mma_mode = q8 ? 2 : m->set.att_mma,
+              tqm = mma_mode && !oss && !mla ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim) : 0;
     if (tiles_wanted && tqm)
         att_split_tiles(b->seq, T, tq, tqm, q8 ? 1 : m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
     else if (tiles_wanted) n_tiles = att_tiles(b->seq, T, tq, hi + 3 * T + NL + n_bt);
@@ -401,8 +399,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
                         use_src ? s.ints + src_off : nullptr, att_split};
-    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_rows = m->set.att_mma_rows,
-    g_att_mma_warp_rows = m->set.att_mma_warp_rows;
+    g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);

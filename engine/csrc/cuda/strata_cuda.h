@@ -48,14 +48,9 @@ typedef struct stg_settings {
                                * device, decided every 32 steps; 0: every layer always keeps it) */
     int32_t gemm_fast_min;    /* steps whose every run of one sequence's tokens is this long take the prefill-form
                                * Q4_K GEMM (within rounding of the bitwise kernels; 0: never) */
-    int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 on (q as f16; within
-                               * tolerance of the fp32 kernel) */
+    int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
+                               * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
-    int32_t att_mma_rows;     /* rows (token x query head of a kv group) of a tensor-core attention tile: 64 (4 warps,
-                               * two blocks an SM) or 128 (8 warps, one block an SM, half the K/V traffic per row);
-                               * the same bits either way */
-    int32_t att_mma_warp_rows; /* rows a warp of that tile: 16, or 32 at 128 rows (4 warps of two m16 fragments, each
-                                * K / V fragment read from shared memory feeding both); the same bits */
     int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep

@@ -8,7 +8,7 @@ the last bit); the split decode kernel (tensor cores: q and p as f16 hi + lo, th
 applied in fp32) is held to 1e-3 of max|ref| of the reference, the rule of every GPU attention kernel, at 1, 17 and
 4,099 cached tokens and 8 sequences of different lengths in one step, under the step's split rule and two others;
 the tensor-core prefill kernel over a cached prefix, whose K and V enter as f16(q * d) (one more f16 rounding of
-each value, like q's and p's), within 2e-3.
+each value, like p's), within 2e-3.
 
 Model level (a random F32 MoE model, head_dim 128, 4 query heads on 1 kv head, prompts of 700, 40 and 1,500 tokens
 in prefill chunks of 256, so later chunks read an 8-bit prefix written by earlier steps): the GPU's logits on its 8-bit
@@ -289,9 +289,7 @@ def test_split_decode_on_q8_matches_reference(g: tuple, shape: str, cached: list
 @pytest.mark.parametrize(("p0", "n"), [(0, 300), (4000, 130), (17, 1)])
 def test_prefill_on_q8_matches_reference(g: tuple, p0: int, n: int) -> None:
     """A chunk of n tokens at positions p0.. of one sequence (its prefix p0 tokens cached) and a second
-    sequence's chunk in the same launch, through the tensor-core prefill kernel; its tiles of 128 rows (harness mode
-    3, STRATA_GPU_ATT_MMA_ROWS=128; mode 4 in 4 warps of 32 rows, STRATA_GPU_ATT_MMA_WARP_ROWS=32) give bitwise the
-    64-row tiles' output."""
+    sequence's chunk in the same launch, through the tensor-core prefill kernel."""
     hd, bs, n_head, n_kv = SHAPES["qwen3_30b"]
     rng = np.random.default_rng(p0 + n)
     c = decode_cache(rng, hd, bs, n_kv, [p0 + n, 90])
@@ -303,11 +301,6 @@ def test_prefill_on_q8_matches_reference(g: tuple, p0: int, n: int) -> None:
     e = rel_err(out, ref)
     print(f"prefill of {n} tokens after {p0}: {e:.2e} of max|ref|")
     assert e <= PREFILL_TOL, f"the prefill kernel on the 8-bit cache: {e:.3e} of max|ref| from the reference"
-    for mode in (3, 4):
-        out128, _ = run_q8(g, mode, c, bs, hd, n_head, n_kv, q, pos, seq)
-        assert np.array_equal(out128.view(np.uint32), out.view(np.uint32)), (
-            f"mode {mode}: 128-row tiles {rel_err(out128, out):.3e} of max|ref| from the 64-row tiles"
-        )
 
 
 def test_q8_refuses_bad_arguments(g: tuple) -> None:
