@@ -100,8 +100,10 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     slots = gpu_settings.staging_slots(mf.hparams.n_expert)
     p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots,
                                     kv_type=kv_type), freqs)
-    if not p.fits and slots:  # the staging ring is optional: without it, prefill computes on the CPU instead
-        p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, kv_type=kv_type), freqs)
+    if slots:  # the staging ring only where it fits and something is left to stage
+        bare = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, kv_type=kv_type), freqs)
+        if not p.fits or (bare.fits and bare.n_resident == bare.n_routed):
+            p = bare
     if not p.fits:
         what = ("its non-routed weights, " if mf.hparams.n_expert else "its weights, ") + \
             f"the KV cache for {kv_tokens} tokens, step buffers and the CUDA context reserve"

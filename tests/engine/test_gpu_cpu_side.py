@@ -156,7 +156,7 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
         assert not st.on_gpu and st.t_pcie == st.t_cpu_wait == 0 and st.pcie_bytes == st.staged_layers == 0
 
 
-def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staging_reserves_its_ring_in_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """hybrid_stage = N >= 1 (steps of at least N tokens may stage; 64 by default): the hybrid plan holds the
     staging ring (two whole layers' routed experts, 2 x n_expert x the largest expert) among its fixed parts, so
     fewer experts are resident under one budget; 0, no ring; a budget that holds the rest but not the ring gets a
@@ -165,10 +165,13 @@ def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.M
     from engine.gguf_model import open_model
     from engine.placement import engine_plan_params, expert_bytes, plan
 
-    mf = open_model(tiny)
+    # six layers: the ring (two layers' experts) leaves room for resident experts under a budget short of all
+    mf = open_model(make_random_gguf(tmp_path / "six.gguf", n_vocab=64, n_layer=6,
+                                     weight_type=GGMLQuantizationType.Q8_0))
     base = plan(mf, engine_plan_params(0, 64, 16, 512))
     ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
-    budget = (base.fixed_bytes + ring + base.routed_bytes // 2 + 64) / 2**30
+    assert base.routed_bytes > ring + int(expert_bytes(mf).max())  # room for experts beside the ring
+    budget = (base.fixed_bytes + base.routed_bytes - int(expert_bytes(mf).max())) / 2**30  # all experts but one
     monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "0")
     off = _gpu_plan(mf, budget, 64, 16, 512, None)
     assert off is not None and "staging slots" not in off[0].fixed
@@ -180,6 +183,9 @@ def test_staging_reserves_its_ring_in_the_plan(tiny: Path, monkeypatch: pytest.M
     monkeypatch.delenv("STRATA_GPU_HYBRID_STAGE")
     tight = _gpu_plan(mf, (base.fixed_bytes + ring // 2) / 2**30, 64, 16, 512, None)
     assert tight is not None and tight[0].params.staging_slots == 0 and "staging slots" not in tight[0].fixed
+    whole = _gpu_plan(mf, (base.fixed_bytes + base.routed_bytes + 64) / 2**30, 64, 16, 512, None)
+    assert whole is not None and whole[0].params.staging_slots == 0  # every expert resident: nothing to stage
+    assert whole[0].n_resident == whole[0].n_routed
 
 
 @pytest.mark.parametrize(("threads", "env", "want"), [

@@ -72,4 +72,6 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("name", IQ + WRITTEN)
 def test_lowbit_model_gpu_matches_cpu(tmp_path: Path, name: str, arch: str) -> None:
-    check_model(_model(tmp_path, name, arch), _prompts(), kv_tokens=1024, tol=TOL.get(name, 2e-2))
+    # a near-tie for greedy is one the logits rule allows to flip: up to TOL for the 2-bit types
+    check_model(_model(tmp_path, name, arch), _prompts(), kv_tokens=1024, tol=TOL.get(name, 2e-2),
+                tie=max(1e-2, TOL.get(name, 0.0)))
