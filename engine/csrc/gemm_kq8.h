@@ -13,8 +13,8 @@
  * The integer sums are exact and the float operations are the reference's, in its order (no
  * FMA), so every token count and row count gives the reference's bits.
  *
- * Tokens go in groups of up to four: each row's super-block is unpacked into registers once
- * per group. Bounds: the maddubs pairs (codes <= 63 against |a| <= 127) fit int16; the
+ * Tokens go in groups of eight (then four, then the rest): each row's super-block is unpacked
+ * into registers once per group. Bounds: the maddubs pairs (codes <= 63 against |a| <= 127) fit int16; the
  * super-block sums (< 2^28) fit int32. */
 #ifndef STRATA_GEMM_KQ8_H
 #define STRATA_GEMM_KQ8_H
@@ -24,7 +24,7 @@
 #include "internal.h"
 #include "quants_lowbit.h"
 
-#define KQ8_TP 4 /* tokens per pass */
+#define KQ8_TP 8 /* most tokens per pass */
 
 /* Byte shuffles broadcasting 16-bit lane j (0..7) of a 128-bit half to all 8 of its lanes. */
 static const uint8_t kq8_bcast16[8][32] __attribute__((aligned(32))) = {
@@ -255,14 +255,15 @@ static inline __attribute__((always_inline)) void gemm_kq8(int32_t type, const v
         const int rn = nr - r0 < 8 ? nr - r0 : 8;
         const uint8_t *rows[8];
         for (int r = 0; r < 8; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < rn ? r : 0)) * row_bytes;
-        for (int t0 = 0; t0 < nt; t0 += KQ8_TP) {
-            const int NT = nt - t0 < KQ8_TP ? nt - t0 : KQ8_TP;
+        for (int t0 = 0, NT; t0 < nt; t0 += NT) {
+            NT = nt - t0 >= 8 ? 8 : nt - t0 >= 4 ? 4 : nt - t0;
             __m256 acc[KQ8_TP];
             switch (NT) {
             case 1: kq8_pass(type, rows, nb, 1, a + t0, acc); break;
             case 2: kq8_pass(type, rows, nb, 2, a + t0, acc); break;
             case 3: kq8_pass(type, rows, nb, 3, a + t0, acc); break;
-            default: kq8_pass(type, rows, nb, 4, a + t0, acc); break;
+            case 4: kq8_pass(type, rows, nb, 4, a + t0, acc); break;
+            default: kq8_pass(type, rows, nb, 8, a + t0, acc); break;
             }
             for (int t = 0; t < NT; t++) {
                 float v[8];
