@@ -195,53 +195,73 @@ static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, 
 }
 
 /* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. */
+/* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. Super-blocks
+ * go in chunks of KQ8_ENTRIES / NT: each row runs through the chunk on its own (one stream at a time,
+ * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
+ * super-block, in order, the eight rows' sums are reduced and the float step taken. */
+#define KQ8_ENTRIES 32
 static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const uint8_t *const *rows, int64_t nb,
                                                            int NT, const act_row *a, __m256 *acc) {
+    const int CH = KQ8_ENTRIES / NT;
+    const size_t bs = type == ST_TYPE_Q4_K ? sizeof(blk_q4_k) : type == ST_TYPE_Q6_K ? sizeof(blk_q6_k)
+                                   : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k) : sizeof(blk_q3_k);
+    __m256i iv[KQ8_ENTRIES][8], mv[KQ8_ENTRIES][8];
+    __m128i mv4[KQ8_ENTRIES][8], b32[KQ8_ENTRIES];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nb; i++) {
-        __m256i iv[KQ8_TP][8], mv[KQ8_TP][8];
-        __m128i mv4[KQ8_TP][8], b32[KQ8_TP];
+    for (int64_t i0 = 0; i0 < nb; i0 += CH) {
+        const int ni = nb - i0 < CH ? (int)(nb - i0) : CH;
         if (type == ST_TYPE_Q4_K)
-            for (int t = 0; t < NT; t++) {
-                const __m256i bs = _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i));
-                b32[t] = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            }
+            for (int c = 0; c < ni; c++)
+                for (int t = 0; t < NT; t++) {
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * (i0 + c)));
+                    b32[c * NT + t] = _mm_hadd_epi16(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+                }
         for (int r = 0; r < 8; r++) {
-            __m256i is[KQ8_TP], ms[KQ8_TP];
-            __m128i ms4[KQ8_TP];
-            if (type == ST_TYPE_Q4_K) {
-                kq8_q4k_sb((const blk_q4_k *)rows[r] + i, i, NT, a, b32, is, ms4);
-                for (int t = 0; t < NT; t++) iv[t][r] = is[t], mv4[t][r] = ms4[t];
-            } else {
-                if (type == ST_TYPE_Q6_K) kq8_q6k_sb((const blk_q6_k *)rows[r] + i, i, NT, a, is, ms);
-                else if (type == ST_TYPE_Q2_K) kq8_q2k_sb((const blk_q2_k *)rows[r] + i, i, NT, a, is, ms);
-                else kq8_q3k_sb((const blk_q3_k *)rows[r] + i, i, NT, a, is, ms);
-                for (int t = 0; t < NT; t++) iv[t][r] = is[t], mv[t][r] = ms[t];
+            const uint8_t *row = rows[r] + (size_t)i0 * bs;
+            for (int c = 0; c < ni; c++) {
+                const int64_t i = i0 + c;
+                __m256i is[KQ8_TP], ms[KQ8_TP];
+                __m128i ms4[KQ8_TP];
+                if (type == ST_TYPE_Q4_K) {
+                    kq8_q4k_sb((const blk_q4_k *)row + c, i, NT, a, b32 + c * NT, is, ms4);
+                    for (int t = 0; t < NT; t++) iv[c * NT + t][r] = is[t], mv4[c * NT + t][r] = ms4[t];
+                } else {
+                    if (type == ST_TYPE_Q6_K) kq8_q6k_sb((const blk_q6_k *)row + c, i, NT, a, is, ms);
+                    else if (type == ST_TYPE_Q2_K) kq8_q2k_sb((const blk_q2_k *)row + c, i, NT, a, is, ms);
+                    else kq8_q3k_sb((const blk_q3_k *)row + c, i, NT, a, is, ms);
+                    for (int t = 0; t < NT; t++) iv[c * NT + t][r] = is[t], mv[c * NT + t][r] = ms[t];
+                }
             }
         }
-        if (type == ST_TYPE_Q4_K) {
-            const __m256 d = kq8_f16x8(rows, i, sizeof(blk_q4_k), 0), m = kq8_f16x8(rows, i, sizeof(blk_q4_k), 2);
-            for (int t = 0; t < NT; t++) {
-                const __m256 fi = _mm256_cvtepi32_ps(kq8_reduce8(iv[t])), fm = _mm256_cvtepi32_ps(kq8_reduce8x4(mv4[t]));
-                const __m256 x = _mm256_sub_ps(_mm256_mul_ps(d, fi), _mm256_mul_ps(m, fm));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
-            }
-        } else if (type == ST_TYPE_Q2_K) {
-            const __m256 d = kq8_f16x8(rows, i, sizeof(blk_q2_k), offsetof(blk_q2_k, d));
-            const __m256 m = kq8_f16x8(rows, i, sizeof(blk_q2_k), offsetof(blk_q2_k, dmin));
-            for (int t = 0; t < NT; t++) {
-                const __m256 fi = _mm256_cvtepi32_ps(kq8_reduce8(iv[t])), fm = _mm256_cvtepi32_ps(kq8_reduce8(mv[t]));
-                const __m256 x = _mm256_sub_ps(_mm256_mul_ps(d, fi), _mm256_mul_ps(m, fm));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
-            }
-        } else { /* Q6_K (offset 32) and Q3_K (offset 4): d * (isum - offset * msum) */
-            const int sh = type == ST_TYPE_Q6_K ? 5 : 2;
-            const __m256 d = type == ST_TYPE_Q6_K ? kq8_f16x8(rows, i, sizeof(blk_q6_k), offsetof(blk_q6_k, d))
-                                                  : kq8_f16x8(rows, i, sizeof(blk_q3_k), offsetof(blk_q3_k, d));
-            for (int t = 0; t < NT; t++) {
-                const __m256i tot = _mm256_sub_epi32(kq8_reduce8(iv[t]), _mm256_slli_epi32(kq8_reduce8(mv[t]), sh));
-                const __m256 x = _mm256_mul_ps(d, _mm256_cvtepi32_ps(tot));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+        for (int c = 0; c < ni; c++) {
+            const int64_t i = i0 + c;
+            if (type == ST_TYPE_Q4_K) {
+                const __m256 d = kq8_f16x8(rows, i, bs, 0), m = kq8_f16x8(rows, i, bs, 2);
+                for (int t = 0; t < NT; t++) {
+                    const __m256 fi = _mm256_cvtepi32_ps(kq8_reduce8(iv[c * NT + t]));
+                    const __m256 fm = _mm256_cvtepi32_ps(kq8_reduce8x4(mv4[c * NT + t]));
+                    const __m256 x = _mm256_sub_ps(_mm256_mul_ps(d, fi), _mm256_mul_ps(m, fm));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+                }
+            } else if (type == ST_TYPE_Q2_K) {
+                const __m256 d = kq8_f16x8(rows, i, bs, offsetof(blk_q2_k, d));
+                const __m256 m = kq8_f16x8(rows, i, bs, offsetof(blk_q2_k, dmin));
+                for (int t = 0; t < NT; t++) {
+                    const __m256 fi = _mm256_cvtepi32_ps(kq8_reduce8(iv[c * NT + t]));
+                    const __m256 fm = _mm256_cvtepi32_ps(kq8_reduce8(mv[c * NT + t]));
+                    const __m256 x = _mm256_sub_ps(_mm256_mul_ps(d, fi), _mm256_mul_ps(m, fm));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+                }
+            } else { /* Q6_K (offset 32) and Q3_K (offset 4): d * (isum - offset * msum) */
+                const int sh = type == ST_TYPE_Q6_K ? 5 : 2;
+                const __m256 d = kq8_f16x8(rows, i, bs, type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d)
+                                                                              : offsetof(blk_q3_k, d));
+                for (int t = 0; t < NT; t++) {
+                    const __m256i tot = _mm256_sub_epi32(kq8_reduce8(iv[c * NT + t]),
+                                                         _mm256_slli_epi32(kq8_reduce8(mv[c * NT + t]), sh));
+                    const __m256 x = _mm256_mul_ps(d, _mm256_cvtepi32_ps(tot));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+                }
             }
         }
     }
