@@ -200,6 +200,7 @@ static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, 
  * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
  * super-block, in order, the eight rows' sums are reduced and the float step taken. */
 #define KQ8_ENTRIES 32
+#define KQ8_AHEAD 6 /* super-blocks */
 static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const uint8_t *const *rows, int64_t nb,
                                                            int NT, const act_row *a, __m256 *acc) {
     const int CH = KQ8_ENTRIES / NT;
@@ -220,6 +221,10 @@ static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const u
             const uint8_t *row = rows[r] + (size_t)i0 * bs;
             for (int c = 0; c < ni; c++) {
                 const int64_t i = i0 + c;
+                /* the row's super-block KQ8_AHEAD on, one line per 64 bytes: from DRAM the hardware
+                 * prefetcher alone does not keep eight short row streams fed */
+                if (i + KQ8_AHEAD < nb)
+                    for (size_t o = 0; o < bs; o += 64) _mm_prefetch((const char *)(row + (c + KQ8_AHEAD) * bs + o), _MM_HINT_T0);
                 __m256i is[KQ8_TP], ms[KQ8_TP];
                 __m128i ms4[KQ8_TP];
                 if (type == ST_TYPE_Q4_K) {
