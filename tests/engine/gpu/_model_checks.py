@@ -11,6 +11,7 @@ import numpy as np
 from engine.engine import Engine
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, collect_text
+from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err
 
 N_GREEDY = 64
@@ -101,3 +102,10 @@ def check_model(
         assert rel_err(got, ref) <= tol, rel_err(got, ref)
         check_greedy(cpu, gpu, prompts[0], exact, bound=tie)
         check_batched(gpu, prompts)
+
+
+def write_hd128_moe(path: Path, n_ctx: int, n_vocab: int = 300) -> Path:
+    """A small MoE model at head_dim 128 with 4 query heads on 1 kv head: the 8-bit cache's split and tensor-core
+    kernels take it, as do the KV tiers' (test_gpu_kv_q8, test_gpu_kv_tiers)."""
+    return make_random_gguf(path, n_vocab=n_vocab, n_layer=2, n_embd=512, n_head=4, n_head_kv=1, n_ff=128,
+                            n_expert=8, n_expert_used=2, n_ctx=n_ctx)

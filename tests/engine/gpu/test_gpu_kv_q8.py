@@ -36,7 +36,7 @@ from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
 from tests.engine.gpu._kernel_helpers import gcheck, gptr
-from tests.engine.gpu._model_checks import check_greedy, tokens_of
+from tests.engine.gpu._model_checks import check_greedy, tokens_of, write_hd128_moe
 
 pytestmark = requires_gpu
 
@@ -327,18 +327,8 @@ VOCAB = 300
 
 @pytest.fixture(scope="module")
 def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_random_gguf(
-        tmp_path_factory.mktemp("kvq8") / "m.gguf",
-        n_vocab=VOCAB,
-        n_layer=2,
-        n_embd=512,
-        n_head=4,
-        n_head_kv=1,
-        n_ff=128,
-        n_expert=8,
-        n_expert_used=2,
-        n_ctx=2048,  # the 1,500-token prompt and its greedy continuation fit the window
-    )
+    # a window of 2,048: the 1,500-token prompt and its greedy continuation fit
+    return write_hd128_moe(tmp_path_factory.mktemp("kvq8") / "m.gguf", 2048, VOCAB)
 
 
 def row_errs(got: np.ndarray, ref: np.ndarray) -> np.ndarray:

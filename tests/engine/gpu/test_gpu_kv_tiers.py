@@ -20,8 +20,8 @@ from engine.engine import Engine
 from engine.native import EngineError
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import requires_gpu
+from tests.engine.gpu._model_checks import write_hd128_moe
 
 pytestmark = requires_gpu
 
@@ -33,19 +33,7 @@ CHUNK = 512
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # head_dim 128, 4 query heads on 1 kv head: both caches' kernels take it (the 8-bit cache's split and mma kernels)
-    return make_random_gguf(
-        tmp_path_factory.mktemp("kvtiers") / "m.gguf",
-        n_vocab=VOCAB,
-        n_layer=2,
-        n_embd=512,
-        n_head=4,
-        n_head_kv=1,
-        n_ff=128,
-        n_expert=8,
-        n_expert_used=2,
-        n_ctx=KV,
-    )
+    return write_hd128_moe(tmp_path_factory.mktemp("kvtiers") / "m.gguf", KV, VOCAB)
 
 
 def _pair(model: Path, kv_type: str) -> tuple[Engine, Engine]:
