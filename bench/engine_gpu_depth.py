@@ -309,22 +309,28 @@ def print_table(res: dict) -> None:
                   f"default), step {k['step_ms']:.2f} ms, attention {k['attn_ms']:.2f} ms")
 
 
-def main(args: Any, model_path: Path, build: Any) -> int:
-    """bench.engine_gpu --depth: build the file if missing (build(path)), measure, print, write --json."""
-    depths = parse_depths(args.depth)
+def _ensure_model(model_path: Path, build: Any) -> None:
+    """Write the synthetic model (build(path)) where it is missing."""
     if not model_path.exists():
         model_path.parent.mkdir(parents=True, exist_ok=True)
         build(model_path)
+
+
+def main(args: Any, model_path: Path, build: Any) -> int:
+    """bench.engine_gpu --depth: build the file if missing (build(path)), measure, print, write --json."""
+    depths = parse_depths(args.depth)
+    _ensure_model(model_path, build)
     n_seq = getattr(args, "depth_batch", 1)
     kv_type = getattr(args, "kv_type", "f16")
+    experts_cpu = getattr(args, "depth_experts_cpu", False)
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
                      getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type,
-                     getattr(args, "depth_experts_cpu", False))
+                     experts_cpu)
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
             res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq,
-                                         kv_type=kv_type, experts_cpu=getattr(args, "depth_experts_cpu", False))
+                                         kv_type=kv_type, experts_cpu=experts_cpu)
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
             print(f"llama.cpp not measured: {type(e).__name__}: {e}")
             res["llama_cpp"] = None
@@ -410,12 +416,11 @@ def run_tiers(path: Path, device: str, depth: int, n_seq: int, steps: int, budge
           f"from the host tier, {tiered['decode_moved_bytes'] / n_dec / 2**20:.2f} MiB moved", flush=True)
     full = _serve(path, device, prompts, steps, kv_tokens, kv_type, None)
     same = tiered["tokens"] == full["tokens"]
-    n = max(tiered["decode_tokens"], 1)
     res = {"depth": depth, "n_seq": n_seq, "steps": steps, "kv_type": kv_type, "budget_gb": budget_gb,
            "kv_tokens": kv_tokens, "same_tokens": same, "tiered": {k: v for k, v in tiered.items() if k != "tokens"},
            "unlimited": {k: v for k, v in full.items() if k != "tokens"},
-           "host_bytes_per_token": tiered["decode_host_bytes"] / n,
-           "moved_bytes_per_token": tiered["decode_moved_bytes"] / n}
+           "host_bytes_per_token": tiered["decode_host_bytes"] / n_dec,
+           "moved_bytes_per_token": tiered["decode_moved_bytes"] / n_dec}
     print(f"tokens {'the same' if same else 'DIFFER'} ({n_seq} x {steps + 1}; the second round found "
           f"{tiered['cached_tokens']} prompt tokens cached, unlimited {full['cached_tokens']}); decode {tiered['decode_tok_s']:.2f} tok/s "
           f"tiered (all {n_seq} requests) vs {full['decode_tok_s']:.2f} unlimited; prefill {tiered['prefill_s']:.0f} s "
@@ -436,9 +441,7 @@ def main_tiers(args: Any, model_path: Path, build: Any) -> int:
     depths = parse_depths(args.depth)
     if len(depths) != 1 or depths[0] < 1 or not args.kv_budget_gb > 0:
         raise SystemExit("--kv-budget-gb: one --depth D >= 1 and a budget > 0 GiB")
-    if not model_path.exists():
-        model_path.parent.mkdir(parents=True, exist_ok=True)
-        build(model_path)
+    _ensure_model(model_path, build)
     res = run_tiers(model_path, args.device, depths[0], getattr(args, "depth_batch", 1), args.depth_steps,
                     args.kv_budget_gb, getattr(args, "kv_type", "f16"))
     res["model"] = str(model_path)
