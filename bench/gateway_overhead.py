@@ -117,6 +117,14 @@ def wait_retrieval(gw_url: str, timeout: float) -> tuple[str, float]:
         time.sleep(0.25)
 
 
+def lane_info(lane_url: str) -> dict[str, Any]:
+    """What the lane says it serves and where it runs (``GET /v1/lane``): its model file, cores, engine threads,
+    device and engine build; the JSON report keeps it beside the figures."""
+    with urllib.request.urlopen(lane_url + "/v1/lane", timeout=10) as r:
+        info = json.loads(r.read())
+    return {k: info.get(k) for k in ("model", "cores", "threads", "device", "engine_build")}
+
+
 def _local_count_ready(gateway_log: Path, timeout: float) -> str:
     """Wait until the started gateway has loaded the lane's tokenizer (its log says so); what counts prompts."""
     deadline = time.monotonic() + timeout
@@ -489,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream); prompts counted by "
               f"{counting}; the gateway's event loop: {loop}", flush=True)
+        lane = lane_info(lane_url)
         machine = machine_info()  # before the pairs: it samples how busy the other processes keep the cores
         if args.control:
             print("gateway_overhead: A/A control: both sides of every pair go straight to the lane", flush=True)
@@ -538,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                             "control": args.control, "gateway_config": args.set, "compare_config": args.compare,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
                             "model": str(args.model) if args.model is not None else "the default model",
+                            "lane": lane,
                             "retrieval_wait_s": round(waited, 2), "counted_by": counting, "event_loop": loop}
         write_json(args.json, report)
         print(f"  wrote {args.json}")
