@@ -36,11 +36,25 @@ def test_the_lane_gets_the_model_and_cores_asked_for(tmp_path: Path, monkeypatch
     assert "STRATA_LANE_MODEL" not in plain and "STRATA_LANE_CORES" not in plain
 
 
-@pytest.mark.parametrize(("argv", "says"), [
-    (["--model", "no-such.gguf"], "no such file"),
-    (["--model", __file__, "--lane-url", "http://127.0.0.1:1", "--gateway-url", "http://127.0.0.1:2", "--key", "k"],
-     "not with --lane-url"),
-])
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "no-such.gguf"], "no such file"),
+        (
+            [
+                "--model",
+                __file__,
+                "--lane-url",
+                "http://127.0.0.1:1",
+                "--gateway-url",
+                "http://127.0.0.1:2",
+                "--key",
+                "k",
+            ],
+            "not with --lane-url",
+        ),
+    ],
+)
 def test_the_model_option_is_checked(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         go.main(argv)
@@ -49,16 +63,37 @@ def test_the_model_option_is_checked(argv: list[str], says: str, capsys: pytest.
 
 @pytest.mark.slow
 def test_a_short_run_against_a_given_model(tmp_path: Path) -> None:
-    model = build_synthetic_model(tmp_path / "small.gguf", shape=Shape(n_layer=2, n_embd=128, n_head=2, n_head_kv=1,
-                                                                        n_ff=64, n_expert=4, n_used=2))
+    model = build_synthetic_model(
+        tmp_path / "small.gguf",
+        shape=Shape(n_layer=2, n_embd=128, n_head=2, n_head_kv=1, n_ff=64, n_expert=4, n_used=2),
+    )
     out = tmp_path / "r.json"
     # documents and session memory off: no embedding model to load here, as on the device machine where it is
     # not installed (there the gateway turns them off itself)
-    assert go.main(["-n", "4", "--warmup", "1", "--model", str(model), "--set", "rag = { enabled = false }",
-                    "--set", "memory = { enabled = false }", "--json", str(out)]) == 0
+    assert (
+        go.main(
+            [
+                "-n",
+                "4",
+                "--warmup",
+                "1",
+                "--model",
+                str(model),
+                "--set",
+                "rag = { enabled = false }",
+                "--set",
+                "memory = { enabled = false }",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rep = json.loads(out.read_text())
     cfg, s = rep["config"], rep["summary"]
     assert cfg["lane"]["model"]["path"] == str(model) and cfg["model"] == str(model)
     assert cfg["retrieval"] == "off" and cfg["counted_by"].startswith("the gateway (the lane's tokenizer")
     assert s["n"] == len(rep["samples"]) == 4
-    assert all(0 < x["direct_ttft_ms"] <= x["direct_total_ms"] and 0 < x["gateway_ttft_ms"] for x in rep["samples"])
+    assert all(
+        0 < x["direct_ttft_ms"] <= x["direct_total_ms"] and 0 < x["gateway_ttft_ms"] for x in rep["samples"]
+    )

@@ -32,9 +32,14 @@ def test_the_default_shape_is_the_default_models(default_gguf: Path) -> None:
     md = read_metadata(default_gguf)
     s = SHAPES["default"]
     assert (s.n_layer, s.n_embd, s.n_head, s.n_head_kv, s.n_ff, s.n_expert, s.n_used) == (
-        md["llama.block_count"], md["llama.embedding_length"], md["llama.attention.head_count"],
-        md["llama.attention.head_count_kv"], md["llama.expert_feed_forward_length"], md["llama.expert_count"],
-        md["llama.expert_used_count"])
+        md["llama.block_count"],
+        md["llama.embedding_length"],
+        md["llama.attention.head_count"],
+        md["llama.attention.head_count_kv"],
+        md["llama.expert_feed_forward_length"],
+        md["llama.expert_count"],
+        md["llama.expert_used_count"],
+    )
     assert s.n_embd // s.n_head == md["llama.rope.dimension_count"]
 
 
@@ -45,16 +50,22 @@ def test_the_metadata_copy_holds_every_key_and_no_tensor(default_gguf: Path, met
     assert meta_gguf.stat().st_size < 3 << 20  # what tools/gpu/gateway_wheels.sh carries (gzipped: ~0.5 MB)
 
 
-def test_a_model_from_the_copy_has_the_default_models_tokenizer(default_gguf: Path, meta_gguf: Path,
-                                                                tmp_path: Path) -> None:
+def test_a_model_from_the_copy_has_the_default_models_tokenizer(
+    default_gguf: Path, meta_gguf: Path, tmp_path: Path
+) -> None:
     small = Shape(n_layer=2, n_embd=128, n_head=2, n_head_kv=1, n_ff=64, n_expert=4, n_used=2)
     out = build_synthetic_model(tmp_path / "m.gguf", meta_gguf, small)
     md, ref = read_metadata(out), read_metadata(default_gguf)
     same = set(md) - SHAPE_KEYS - {"GGUF.tensor_count"}
     assert same == set(ref) - SHAPE_KEYS - {"GGUF.tensor_count"}
     assert {k: md[k] for k in same} == {k: ref[k] for k in same}
-    assert (md["llama.block_count"], md["llama.embedding_length"], md["llama.attention.head_count"],
-            md["llama.attention.head_count_kv"], md["llama.expert_count"]) == (2, 128, 2, 1, 4)
+    assert (
+        md["llama.block_count"],
+        md["llama.embedding_length"],
+        md["llama.attention.head_count"],
+        md["llama.attention.head_count_kv"],
+        md["llama.expert_count"],
+    ) == (2, 128, 2, 1, 4)
     # the lane serves this document and names its digest: the gateway builds the very same tokenizer and template
     doc, digest = tokenizer_document(md)
     assert (doc, digest) == tokenizer_document(ref)
