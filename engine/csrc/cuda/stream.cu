@@ -35,12 +35,6 @@ static bool streamed_layer(const stg_model *m, int il) {
     return sr.now && hybrid_layer(m, il) && sr.n_on[(size_t)il] > 0;
 }
 
-/* Bytes of one expert's gate, up and down in layer il (each read once when the expert is hit at batch 1). */
-static int64_t expert_weight_bytes(const stg_model *m, int il) {
-    const dlayer &L = m->L[(size_t)il];
-    return L.gate_exps.expert_stride + L.up_exps.expert_stride + L.down_exps.expert_stride;
-}
-
 /* The layer's `on` row from `want` and the residency, and its device map (the stream synchronised by the caller,
  * or no step in flight). */
 static stg_status streaming_layer_map(stg_model *m, int il) {
