@@ -19,8 +19,9 @@
  * Access over PCIe: the matvec kernels read each weight row with 16-byte loads (unpack_sub's uint4 for Q4_K),
  * lanes over consecutive sub-blocks, so one warp instruction covers up to four consecutive 144-byte blocks; the
  * device does not cache mapped host memory the way it caches VRAM, so a kernel that passes over the same row
- * more than once (k_linear_q with more pairs in a group than NT per pass; the chunked gate/up matvec once per
- * pair) reads those bytes over the link again each time: at batch 1 every group holds one pair (one pass). */
+ * more than once (k_linear_q with more pairs in a group than NT per pass; k_linear_q_chunk and k_linear_q_rows
+ * once per pair of their group) reads those bytes over the link again each time: at batch 1 every group holds one
+ * pair (one pass); at 8 sequences the routed split's matvec share (groups of up to routed_mv_max pairs) rereads. */
 #include "model.cuh"
 
 /* Whether this step streams: the setting, a set with something in it, the range's device address. */
