@@ -613,27 +613,39 @@ def print_table(res: dict, peer: dict | None) -> None:
 
 def prefill_once(args: argparse.Namespace, n: int) -> int:
     """One n-token prefill after a 16-token warm-up (so that a profiler wrapped around the process
-    sees the 512-token step's kernels after the small step's), on the file the benchmark builds."""
+    sees the 512-token step's kernels after the small step's), on the file the benchmark builds; with --repeat R,
+    R of them. Each --prefill-knob adds a row of R prefills under its settings in the same process (one model load),
+    the rows taking turns prefill by prefill so that a drift of the machine spreads over all of them."""
+    from bench.engine_gpu_depth import parse_knobs
     from engine.engine import Engine
 
     path = _model_path(args)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         _build(args, path)
+    rows = [("default", None)] + [(label, {**os.environ, **knobs}) for label, knobs in parse_knobs(args.prefill_knob)]
     with Engine.open(path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512) as eng:
         ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
-        rates = []
-        for _ in range(max(1, args.repeat)):  # each on fresh blocks (no prefix reuse)
-            b = eng.blocks.allocate(-(-n // eng.block_size))
-            assert b is not None
-            eng.prefill(ids[:16], b)
-            t = time.perf_counter()
-            eng.prefill(ids, b)
-            rates.append(n / (time.perf_counter() - t))
-            eng.blocks.release(b)
+        rates: dict[str, list[float]] = {label: [] for label, _ in rows}
+        for _ in range(max(1, args.repeat)):
+            for label, environ in rows:
+                if len(rows) > 1 and eng._gpu:
+                    eng._gpu.set_settings(environ)  # None: the process environment's, as at open
+                b = eng.blocks.allocate(-(-n // eng.block_size))  # each on fresh blocks (no prefix reuse)
+                assert b is not None
+                eng.prefill(ids[:16], b)
+                t = time.perf_counter()
+                eng.prefill(ids, b)
+                rates[label].append(n / (time.perf_counter() - t))
+                eng.blocks.release(b)
         lib = eng._gpu.library.name if eng._gpu else "cpu"
-        print(f"prefill of {n} tokens ({lib}): median {float(np.median(rates)):.0f} tok/s over {len(rates)} "
-              f"({', '.join(f'{r:.0f}' for r in rates)})")
+        base = float(np.median(rates["default"]))
+        for label, _ in rows:
+            r = rates[label]
+            med = float(np.median(r))
+            vs = f", {med / base:.3f}x default" if label != "default" else ""
+            print(f"prefill of {n} tokens ({lib}, {label}): median {med:.0f} tok/s over {len(r)} "
+                  f"({', '.join(f'{x:.0f}' for x in r)}){vs}")
     return 0
 
 
@@ -675,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ncu-step", type=int, default=0, metavar="N",
                     help="load the model, prefill N prompts, run two decode steps of N sequences, then one more "
                          "inside cudaProfilerStart / Stop and exit (a target for ncu --profile-from-start off)")
+    ap.add_argument("--prefill-knob", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+                    help="with --prefill-only: also R prefills under these settings in the same process, taking turns "
+                         "with the default's (repeatable; e.g. rows128:STRATA_GPU_ATT_MMA_ROWS=128)")
     ap.add_argument("--repeat", type=int, default=1, metavar="R",
                     help="with --prefill-only: R prefills (each after its 16-token warm-up), the median printed; "
                          "STRATA_CUDA_LIB=other.so times another build the same way")
