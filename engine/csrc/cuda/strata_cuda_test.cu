@@ -524,9 +524,9 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
     for (int32_t i = 0; i < n_tok; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_tok + i)] = seq[i];
     memcpy(&ints[(size_t)(2 * n_tok)], block_tables, sizeof(int32_t) * (size_t)n_bt);
     int32_t n_qt = 0, n_mma = 0;
-    const int rows = mode == 3 ? 128 : 64;
+    const int mma_rows = mode == 3 ? 128 : 64; /* rows names the split path's partial rows here */
     if (mode >= 2)
-        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), att_mma_tokens(n_head, n_kv, head_dim, rows), 1,
+        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), att_mma_tokens(n_head, n_kv, head_dim, mma_rows), 1,
                         &ints[(size_t)(2 * n_tok + n_bt)], &n_qt, &n_mma);
     dbuf bk, bks, bv, bvs, bq, bo, bi, bsc, bpa, bpm;
     CHECK(up(bk, k8, (size_t)cache));
@@ -554,7 +554,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         CHECK(launch_attention_split(a, n_tok, z, 0));
     } else {
         if (n_qt) return fail(ST_EINVAL, "attention (8-bit KV): query tiles in an mma-only tile list");
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, amma_form{2, rows, 0}, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, amma_form{2, mma_rows, 0}, 0));
     }
     CHECK(down(out, bo, sizeof(float) * (size_t)nout));
     for (int32_t i = 0; n_splits && i < n_tok; i++)
