@@ -14,7 +14,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "HYBRID_STAGE_DEFAULT", "apply_env", "env_override", "from_env", "staging_slots"]
+__all__ = [
+    "LIBRARY_ENV",
+    "OVERRIDES",
+    "Override",
+    "HYBRID_STAGE_DEFAULT",
+    "apply_env",
+    "env_override",
+    "from_env",
+    "staging_slots",
+]
 
 # Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
 # (another build of the same sources, so that one device call can time two versions of a kernel).
@@ -29,49 +38,104 @@ class Override:
 
 
 OVERRIDES: tuple[Override, ...] = (
-    Override("STRATA_GPU_GRAPHS", "graphs",
-             "1: steps of at most 64 tokens replay a CUDA graph per shape; 0: plain launches"),
+    Override(
+        "STRATA_GPU_GRAPHS",
+        "graphs",
+        "1: steps of at most 64 tokens replay a CUDA graph per shape; 0: plain launches",
+    ),
     Override("STRATA_GPU_PDL", "pdl", "1: programmatic dependent launch on sm_90+; 0: off"),
-    Override("STRATA_GPU_LAYER_EVENTS", "layer_events",
-             "per-layer attention / FFN times: -1 sampled on graph steps, 0 never, 1 every step"),
-    Override("STRATA_GPU_GEMM_MIN", "gemm_min",
-             "expected pairs per expert from which the tensor-core GEMM replaces the matvec"),
-    Override("STRATA_GPU_GEMM_MIN_TOKENS", "gemm_min_tokens",
-             "routed layers of steps of at least this many tokens take the GEMM (0, 8, 16 or 24)"),
-    Override("STRATA_GPU_GEMM_DENSE_MIN", "gemm_dense_min",
-             "pairs from which a dense layer or the output head may take the GEMM"),
-    Override("STRATA_GPU_GEMM_WIDE_MIN", "gemm_wide_min", "blocks from which a dense GEMM takes the wider tiles"),
-    Override("STRATA_GPU_DENSE_SPLIT", "dense_split",
-             "tokens from which a small dense layer's GEMM splits its k loop (0: never)"),
-    Override("STRATA_GPU_ROUTED_SPLIT_MAX", "routed_split_max",
-             "routed gate/up GEMMs of at most this many tokens split their k loop (a multiple of 8, 0: never)"),
-    Override("STRATA_GPU_ROUTED_MV_MAX", "routed_mv_max",
-             "in steps whose routed layers take the GEMM, experts with at most this many pairs take the matvec"),
-    Override("STRATA_GPU_ROUTED_MV_GROUPS", "routed_mv_groups",
-             "a layer keeps that split while its recent decode steps average at least this many matvec-sized "
-             "experts (0: always)"),
-    Override("STRATA_GPU_GEMM_FAST_MIN", "gemm_fast_min",
-             "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)"),
-    Override("STRATA_GPU_ATT_MMA", "att_mma",
-             "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
-    Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
-    Override("STRATA_GPU_ATT_MMA_ROWS", "att_mma_rows",
-             "rows of a tensor-core attention tile: 64 (4 warps) or 128 (8 warps); the same bits"),
-    Override("STRATA_GPU_ATT_MMA_LEAN", "att_mma_lean",
-             "hi + lo tensor-core attention: 1 exp2 as one MUFU op, rescales skipped where no max moved; 2 also "
-             "each stage's P.V beside the next stage's softmax; 0 neither; the same bits"),
-    Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
-             "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
-    Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
-             "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
-             "0 queued layer by layer"),
-    Override("STRATA_GPU_HYBRID_STAGE", "hybrid_stage",
-             "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
-             "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
-             "of VRAM; 64, the default, keeps decode off it); 0 never"),
-    Override("STRATA_GPU_KV_STREAM", "kv_stream",
-             "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
-             "them in VRAM; 0 every step stages (no graphs)"),
+    Override(
+        "STRATA_GPU_LAYER_EVENTS",
+        "layer_events",
+        "per-layer attention / FFN times: -1 sampled on graph steps, 0 never, 1 every step",
+    ),
+    Override(
+        "STRATA_GPU_GEMM_MIN",
+        "gemm_min",
+        "expected pairs per expert from which the tensor-core GEMM replaces the matvec",
+    ),
+    Override(
+        "STRATA_GPU_GEMM_MIN_TOKENS",
+        "gemm_min_tokens",
+        "routed layers of steps of at least this many tokens take the GEMM (0, 8, 16 or 24)",
+    ),
+    Override(
+        "STRATA_GPU_GEMM_DENSE_MIN",
+        "gemm_dense_min",
+        "pairs from which a dense layer or the output head may take the GEMM",
+    ),
+    Override(
+        "STRATA_GPU_GEMM_WIDE_MIN", "gemm_wide_min", "blocks from which a dense GEMM takes the wider tiles"
+    ),
+    Override(
+        "STRATA_GPU_DENSE_SPLIT",
+        "dense_split",
+        "tokens from which a small dense layer's GEMM splits its k loop (0: never)",
+    ),
+    Override(
+        "STRATA_GPU_ROUTED_SPLIT_MAX",
+        "routed_split_max",
+        "routed gate/up GEMMs of at most this many tokens split their k loop (a multiple of 8, 0: never)",
+    ),
+    Override(
+        "STRATA_GPU_ROUTED_MV_MAX",
+        "routed_mv_max",
+        "in steps whose routed layers take the GEMM, experts with at most this many pairs take the matvec",
+    ),
+    Override(
+        "STRATA_GPU_ROUTED_MV_GROUPS",
+        "routed_mv_groups",
+        "a layer keeps that split while its recent decode steps average at least this many matvec-sized "
+        "experts (0: always)",
+    ),
+    Override(
+        "STRATA_GPU_GEMM_FAST_MIN",
+        "gemm_fast_min",
+        "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)",
+    ),
+    Override(
+        "STRATA_GPU_ATT_MMA",
+        "att_mma",
+        "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo",
+    ),
+    Override(
+        "STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"
+    ),
+    Override(
+        "STRATA_GPU_ATT_MMA_ROWS",
+        "att_mma_rows",
+        "rows of a tensor-core attention tile: 64 (4 warps) or 128 (8 warps); the same bits",
+    ),
+    Override(
+        "STRATA_GPU_ATT_MMA_LEAN",
+        "att_mma_lean",
+        "hi + lo tensor-core attention: 1 exp2 as one MUFU op, rescales skipped where no max moved; 2 also "
+        "each stage's P.V beside the next stage's softmax; 0 neither; the same bits",
+    ),
+    Override(
+        "STRATA_GPU_ATT_SPLIT_MIN",
+        "att_split_min",
+        "decode: sequences of at least this many keys spread their keys over several blocks (0: never)",
+    ),
+    Override(
+        "STRATA_GPU_HYBRID_OVERLAP",
+        "hybrid_overlap",
+        "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
+        "0 queued layer by layer",
+    ),
+    Override(
+        "STRATA_GPU_HYBRID_STAGE",
+        "hybrid_stage",
+        "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
+        "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
+        "of VRAM; 64, the default, keeps decode off it); 0 never",
+    ),
+    Override(
+        "STRATA_GPU_KV_STREAM",
+        "kv_stream",
+        "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
+        "them in VRAM; 0 every step stages (no graphs)",
+    ),
 )
 
 

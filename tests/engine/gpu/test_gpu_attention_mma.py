@@ -27,7 +27,16 @@ pytestmark = requires_gpu
 
 # stg_test_attention_heads' `tile` for the tensor-core kernel: 2 + (1: q as one f16, else hi + lo) + (2: tiles of 128
 # rows, else 64) + 4 x the lean level (STRATA_GPU_ATT_MMA_LEAN: 1 exp2 / rescale, 2 also P.V one stage behind)
-MMA_SPLIT, MMA_F16, MMA_SPLIT_128, MMA_F16_128, MMA_LEAN, MMA_LEAN_128, MMA_PIPE, MMA_PIPE_128 = 2, 3, 4, 5, 6, 8, 10, 12
+MMA_SPLIT, MMA_F16, MMA_SPLIT_128, MMA_F16_128, MMA_LEAN, MMA_LEAN_128, MMA_PIPE, MMA_PIPE_128 = (
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    12,
+)
 SPLIT_FORMS = (MMA_SPLIT_128, MMA_LEAN, MMA_LEAN_128, MMA_PIPE, MMA_PIPE_128)  # MMA_SPLIT's bits, each
 
 
@@ -40,23 +49,42 @@ def cpu_heads(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray,
         qh = np.ascontiguousarray(q[:, h * hd : (h + 1) * hd])
         rh = np.empty((nq, hd), np.float32)
         for i in range(0, nq, 16):
-            assert lib.st_attention(lib.ST_VARIANT_REF, ptr(k, "uint16_t *"), ptr(v, "uint16_t *"),
-                                    ptr(table, "int32_t *"), bs, hd, n_kv, h // (n_head // n_kv), ptr(qh[i:], "float *"),
-                                    min(16, nq - i), p0 + i, ptr(rh[i:], "float *")) == 0
+            assert (
+                lib.st_attention(
+                    lib.ST_VARIANT_REF,
+                    ptr(k, "uint16_t *"),
+                    ptr(v, "uint16_t *"),
+                    ptr(table, "int32_t *"),
+                    bs,
+                    hd,
+                    n_kv,
+                    h // (n_head // n_kv),
+                    ptr(qh[i:], "float *"),
+                    min(16, nq - i),
+                    p0 + i,
+                    ptr(rh[i:], "float *"),
+                )
+                == 0
+            )
         ref[:, h * hd : (h + 1) * hd] = rh
     return ref
 
 
-@pytest.mark.parametrize(("hd", "bs", "n_head", "n_kv", "nq", "p0"), [
-    (128, 16, 32, 4, 37, 0),  # Qwen3-30B-A3B's heads: 8 tokens per tile, a partial last tile
-    (128, 16, 32, 4, 70, 2000),  # a later chunk: 2,070 keys, a partial last 64-key stage
-    (128, 32, 32, 4, 20, 913),
-    (128, 16, 16, 1, 9, 300),  # 16 query heads per kv head: 4 tokens per tile
-    (64, 32, 8, 8, 19, 5),  # no grouping: 64 tokens per tile
-    (64, 48, 8, 4, 100, 77),  # blocks of 48: stages cross blocks at other offsets
-    (32, 16, 4, 2, 33, 64)])  # the small test models' shape
-def test_mma_attention_within_1e3_of_cpu_reference(g: tuple, hd: int, bs: int, n_head: int, n_kv: int, nq: int,
-                                                   p0: int) -> None:
+@pytest.mark.parametrize(
+    ("hd", "bs", "n_head", "n_kv", "nq", "p0"),
+    [
+        (128, 16, 32, 4, 37, 0),  # Qwen3-30B-A3B's heads: 8 tokens per tile, a partial last tile
+        (128, 16, 32, 4, 70, 2000),  # a later chunk: 2,070 keys, a partial last 64-key stage
+        (128, 32, 32, 4, 20, 913),
+        (128, 16, 16, 1, 9, 300),  # 16 query heads per kv head: 4 tokens per tile
+        (64, 32, 8, 8, 19, 5),  # no grouping: 64 tokens per tile
+        (64, 48, 8, 4, 100, 77),  # blocks of 48: stages cross blocks at other offsets
+        (32, 16, 4, 2, 33, 64),
+    ],
+)  # the small test models' shape
+def test_mma_attention_within_1e3_of_cpu_reference(
+    g: tuple, hd: int, bs: int, n_head: int, n_kv: int, nq: int, p0: int
+) -> None:
     rng = np.random.default_rng(hd * 7 + nq + p0)
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
@@ -67,11 +95,17 @@ def test_mma_attention_within_1e3_of_cpu_reference(g: tuple, hd: int, bs: int, n
         print(f"hd {hd} bs {bs} heads {n_head}/{n_kv} nq {nq} p0 {p0} tile {tile}: max err {err:.2e}")
         assert err <= 1e-3, (tile, err)
         cq, cd, cs = cpu_quant(out)  # the fused output quantisation: the CPU's blocks of these floats
-        assert np.array_equal(cq, aq) and np.array_equal(cd.view(np.uint32), ad.view(np.uint32)) and \
-            np.array_equal(cs, as_)
+        assert (
+            np.array_equal(cq, aq)
+            and np.array_equal(cd.view(np.uint32), ad.view(np.uint32))
+            and np.array_equal(cs, as_)
+        )
         for other in same:  # the other forms of the same arithmetic: the same bits
             o2, aq2 = attention_heads(g, other, c, bs, hd, n_head, n_kv, q, p0)[:2]
-            assert np.array_equal(o2.view(np.uint32), out.view(np.uint32)) and np.array_equal(aq2, aq), (tile, other)
+            assert np.array_equal(o2.view(np.uint32), out.view(np.uint32)) and np.array_equal(aq2, aq), (
+                tile,
+                other,
+            )
 
 
 def test_mma_attention_sharp_scores(g: tuple) -> None:
@@ -82,7 +116,10 @@ def test_mma_attention_sharp_scores(g: tuple) -> None:
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) * (16 / np.sqrt(hd))).astype(np.float32)
     ref = cpu_heads(c, bs, hd, n_head, n_kv, q, p0)
-    err = {t: rel_err(attention_heads(g, t, c, bs, hd, n_head, n_kv, q, p0)[0], ref) for t in (MMA_SPLIT, MMA_F16)}
+    err = {
+        t: rel_err(attention_heads(g, t, c, bs, hd, n_head, n_kv, q, p0)[0], ref)
+        for t in (MMA_SPLIT, MMA_F16)
+    }
     print(f"sharp scores: q split {err[MMA_SPLIT]:.2e}, q one f16 {err[MMA_F16]:.2e}")
     assert err[MMA_SPLIT] <= 1e-3
     assert err[MMA_F16] <= 2e-2
@@ -125,48 +162,74 @@ def test_mma_forms_at_depth_give_the_same_bits(g: tuple, scale: float) -> None:
 # query heads per kv head): dense, because in a random MoE a last-bit change flips near-tied expert
 # choices and the logits then move by far more than the attention did (run 34: 1.2e-2 on such a model
 # whose fp32 GPU path is already 3.9e-4 from the CPU; run 35, dense: 2.3e-3)
-@pytest.fixture(scope="module", params=[("qwen3moe", 128, 4, 2, 4), ("llama", 1024, 8, 1, 0)],
-                ids=["qwen3moe-hd32-G2", "dense-hd128-G8"])
+@pytest.fixture(
+    scope="module",
+    params=[("qwen3moe", 128, 4, 2, 4), ("llama", 1024, 8, 1, 0)],
+    ids=["qwen3moe-hd32-G2", "dense-hd128-G8"],
+)
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     arch, n_embd, n_head, n_kv, n_expert = request.param
-    return make_random_gguf(tmp_path_factory.mktemp("amma") / "m.gguf", arch=arch, qk_norm=arch == "qwen3moe",
-                            n_vocab=300, n_layer=2, n_embd=n_embd, n_head=n_head, n_head_kv=n_kv, n_ff=128,
-                            n_expert=n_expert, n_expert_used=2 if n_expert else 0,
-                            weight_type=GGMLQuantizationType.F32)
+    return make_random_gguf(
+        tmp_path_factory.mktemp("amma") / "m.gguf",
+        arch=arch,
+        qk_norm=arch == "qwen3moe",
+        n_vocab=300,
+        n_layer=2,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_kv,
+        n_ff=128,
+        n_expert=n_expert,
+        n_expert_used=2 if n_expert else 0,
+        weight_type=GGMLQuantizationType.F32,
+    )
 
 
 def test_long_prompt_on_tensor_cores(model: Path) -> None:
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 300, size=224)]
-    with Engine.open(model, threads=2, kv_tokens=1024) as cpu, \
-            Engine.open(model, device="cuda:0", kv_tokens=1024) as gpu:
+    with (
+        Engine.open(model, threads=2, kv_tokens=1024) as cpu,
+        Engine.open(model, device="cuda:0", kv_tokens=1024) as gpu,
+    ):
         ref = cpu.logits_for(prompt)
         got = gpu.logits_for(prompt)  # one 224-token step: the mma kernel
         err = rel_err(got, ref)
         whole_chunk = gpu.prefill_chunk
-        gpu.prefill_chunk = 112  # two eager 112-token steps (<= 64 would be a graph step): the mma kernel again
+        gpu.prefill_chunk = (
+            112  # two eager 112-token steps (<= 64 would be a graph step): the mma kernel again
+        )
         chunked = gpu.logits_for(prompt)
         gpu.prefill_chunk = whole_chunk
         forms = {}
-        for name, knobs in (("rows128", {"STRATA_GPU_ATT_MMA_ROWS": "128"}), ("lean", {"STRATA_GPU_ATT_MMA_LEAN": "1"}),
-                            ("lean128", {"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_LEAN": "1"}),
-                            ("pipe", {"STRATA_GPU_ATT_MMA_LEAN": "2"}),
-                            ("pipe128", {"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_LEAN": "2"})):
+        for name, knobs in (
+            ("rows128", {"STRATA_GPU_ATT_MMA_ROWS": "128"}),
+            ("lean", {"STRATA_GPU_ATT_MMA_LEAN": "1"}),
+            ("lean128", {"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_LEAN": "1"}),
+            ("pipe", {"STRATA_GPU_ATT_MMA_LEAN": "2"}),
+            ("pipe128", {"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_LEAN": "2"}),
+        ):
             gpu._gpu.set_settings(knobs)
             forms[name] = gpu.logits_for(prompt)  # the other forms of the mma kernel: the same bits
         gpu._gpu.set_settings({"STRATA_GPU_ATT_MMA": "0"})
         old = gpu.logits_for(prompt)  # the fp32 query-tile kernel
         gpu._gpu.set_settings()
-        print(f"logits vs CPU: mma {err:.2e}, fp32 tiles {rel_err(old, ref):.2e}; mma vs fp32 tiles "
-              f"{rel_err(got, old):.2e}")
+        print(
+            f"logits vs CPU: mma {err:.2e}, fp32 tiles {rel_err(old, ref):.2e}; mma vs fp32 tiles "
+            f"{rel_err(got, old):.2e}"
+        )
         assert err <= 1e-2
         assert np.array_equal(chunked.view(np.uint32), got.view(np.uint32))
         for name, lg in forms.items():
             assert np.array_equal(lg.view(np.uint32), got.view(np.uint32)), (name, rel_err(lg, got))
         assert not np.array_equal(old.view(np.uint32), got.view(np.uint32)), "the mma kernel did not run"
-        assert rel_err(got, old) <= 1e-2  # run 35: 1.3e-3 on the dense model, whose fp32 GPU path is 1.3e-3 off too
+        assert (
+            rel_err(got, old) <= 1e-2
+        )  # run 35: 1.3e-3 on the dense model, whose fp32 GPU path is 1.3e-3 off too
         a = cpu.generate(prompt, max_tokens=16, ignore_eos=True).token_ids
         b = gpu.generate(prompt, max_tokens=16, ignore_eos=True).token_ids
-        if a != b:  # a near-tie on the CPU (within 1e-2 of max|logit|) is the only excuse, as in test_gpu_models
+        if (
+            a != b
+        ):  # a near-tie on the CPU (within 1e-2 of max|logit|) is the only excuse, as in test_gpu_models
             i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
             lg = cpu.logits_for(prompt + a[:i])[-1]
             assert 0 <= float(lg[a[i]] - lg[b[i]]) <= 1e-2 * float(np.abs(lg).max()), (i, a, b)
