@@ -57,10 +57,28 @@ from engine import gpu_settings
 # The window the file declares: decode at depth reaches 131,072 tokens and more (Strata's KV is sized by the
 # benchmark, llama-bench's context by the depth; neither reads this but as the trained context).
 CONTEXT_LENGTH = 262144
-SHAPE = dict(n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128, n_expert_used=8,
-             n_ff_exp=768, n_vocab=151936)
-QUICK = dict(n_layer=4, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=32, n_expert_used=4,
-             n_ff_exp=512, n_vocab=8192)
+SHAPE = dict(
+    n_layer=48,
+    n_embd=2048,
+    n_head=32,
+    n_head_kv=4,
+    head_dim=128,
+    n_expert=128,
+    n_expert_used=8,
+    n_ff_exp=768,
+    n_vocab=151936,
+)
+QUICK = dict(
+    n_layer=4,
+    n_embd=1024,
+    n_head=16,
+    n_head_kv=4,
+    head_dim=64,
+    n_expert=32,
+    n_expert_used=4,
+    n_ff_exp=512,
+    n_vocab=8192,
+)
 
 
 def _q4k(rng: np.random.Generator, rows: int, k: int) -> np.ndarray:
@@ -97,7 +115,13 @@ def build_model(path: Path, shape: dict, skew: float, seed: int = 0, experts: st
     ex, ex_t = (_q4k, QT.Q4_K) if experts == "q4_k" else (_q8_0, QT.Q8_0)
     rng = np.random.default_rng(seed)
     tmp = path.with_suffix(".tmp")
-    L, E, H, KV, hd = shape["n_layer"], shape["n_embd"], shape["n_head"], shape["n_head_kv"], shape["head_dim"]
+    L, E, H, KV, hd = (
+        shape["n_layer"],
+        shape["n_embd"],
+        shape["n_head"],
+        shape["n_head_kv"],
+        shape["head_dim"],
+    )
     ne, k, ff, V = shape["n_expert"], shape["n_expert_used"], shape["n_ff_exp"], shape["n_vocab"]
     w = GGUFWriter(str(tmp), "qwen3moe")
     w.add_block_count(L)
@@ -196,8 +220,9 @@ def _model_path(args: argparse.Namespace) -> Path:
         from bench.synthetic_arch import default_path
 
         return Path(args.model_dir) / default_path(args.arch).name
-    return Path(args.model_dir) / (f"qwen3moe-synth-{_shape(args)['n_layer']}L-skew{args.skew:g}"
-                                   f"{'-quick' if args.quick else ''}.gguf")
+    return Path(args.model_dir) / (
+        f"qwen3moe-synth-{_shape(args)['n_layer']}L-skew{args.skew:g}{'-quick' if args.quick else ''}.gguf"
+    )
 
 
 def _build(args: argparse.Namespace, path: Path) -> Path:
@@ -242,8 +267,13 @@ def run(args: argparse.Namespace) -> dict:
     t_load = time.perf_counter() - t0
     V, bs = eng.hparams.n_vocab, eng.block_size
     rng = np.random.default_rng(1)
-    res: dict = {"model": str(path), "file_gib": path.stat().st_size / 2**30, "build_s": t_build, "load_s": t_load,
-                 "copy_bw_gbs": bw / 1e9}
+    res: dict = {
+        "model": str(path),
+        "file_gib": path.stat().st_size / 2**30,
+        "build_s": t_build,
+        "load_s": t_load,
+        "copy_bw_gbs": bw / 1e9,
+    }
     hist = np.zeros((eng.hparams.n_layer, eng.hparams.n_expert), np.int32)
 
     @contextlib.contextmanager
@@ -281,8 +311,9 @@ def run(args: argparse.Namespace) -> dict:
 
     gpu_ms: dict[str, float] = {}  # median device time of a timed decode step (st_step_stats.t_total)
 
-    def decode(n_seq: int, steps: int, prompt: int = 32, tag: str = "", prof: object = None,
-               pick: str = "device") -> tuple[float, object]:
+    def decode(
+        n_seq: int, steps: int, prompt: int = 32, tag: str = "", prof: object = None, pick: str = "device"
+    ) -> tuple[float, object]:
         """Aggregate decode tok/s of n_seq sequences, greedy: pick "device" takes each next token
         from the engine's own greedy pick (Engine.forward(greedy=True): the argmax on the GPU, only
         the ids copied back: what the scheduler does for greedy requests), "host" copies the logits
@@ -314,8 +345,15 @@ def run(args: argparse.Namespace) -> dict:
                             prof.start()  # type: ignore[attr-defined]
                         t = time.perf_counter()
                     # the first step's ids are the prefill's; then each from the step before, on the device
-                    nxt = eng.launch(last if s == 0 else zeros, [pos] * n_seq, seqs, tabs, rows,
-                                     token_src=None if s == 0 else rows, expert_hist=hist)
+                    nxt = eng.launch(
+                        last if s == 0 else zeros,
+                        [pos] * n_seq,
+                        seqs,
+                        tabs,
+                        rows,
+                        token_src=None if s == 0 else rows,
+                        expert_hist=hist,
+                    )
                     if ticket is not None:
                         eng.wait(ticket)
                         if s >= 3:
@@ -330,12 +368,24 @@ def run(args: argparse.Namespace) -> dict:
                         if prof is not None:
                             prof.start()  # type: ignore[attr-defined]
                         t = time.perf_counter()
-                    out = eng.forward(last, [pos] * n_seq, list(range(n_seq)), tabs, list(range(n_seq)),
-                                      expert_hist=hist, greedy=pick == "device")
+                    out = eng.forward(
+                        last,
+                        [pos] * n_seq,
+                        list(range(n_seq)),
+                        tabs,
+                        list(range(n_seq)),
+                        expert_hist=hist,
+                        greedy=pick == "device",
+                    )
                     if s >= 2:
                         step_t.append(eng.last_stats.t_total)
-                    last = out.tolist() if pick == "device" else [int(x) for x in out.argmax(axis=1)] \
-                        if pick == "host" else [int(x) for x in rng.integers(0, V, size=n_seq)]
+                    last = (
+                        out.tolist()
+                        if pick == "device"
+                        else [int(x) for x in out.argmax(axis=1)]
+                        if pick == "host"
+                        else [int(x) for x in rng.integers(0, V, size=n_seq)]
+                    )
                     pos += 1
             rate = n_seq * steps / (time.perf_counter() - t)
             if prof is not None:
@@ -354,8 +404,13 @@ def run(args: argparse.Namespace) -> dict:
         from engine.sampling import SamplingParams
         from engine.scheduler import OVERLAP_ENV, Scheduler, SchedulerConfig
 
-        sched = Scheduler(eng, SchedulerConfig(max_num_seqs=max(n_seq, 1), max_batch_tokens=max(2048, n_seq * prompt),
-                                               prefix_cache=False), environ={OVERLAP_ENV: "1" if overlap else "0"})
+        sched = Scheduler(
+            eng,
+            SchedulerConfig(
+                max_num_seqs=max(n_seq, 1), max_batch_tokens=max(2048, n_seq * prompt), prefix_cache=False
+            ),
+            environ={OVERLAP_ENV: "1" if overlap else "0"},
+        )
         sp = SamplingParams.parse(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
         for _ in range(n_seq):
             sched.add([int(x) for x in rng.integers(0, V, size=prompt)], sp)
@@ -375,11 +430,20 @@ def run(args: argparse.Namespace) -> dict:
     # waited; STRATA_OVERLAP=0 turns it off there too); on the CPU (a launch is the whole step) the device pick.
     from engine.scheduler import OVERLAP_ENV
 
-    head = "overlap" if (eng.device.kind == "cuda" and os.environ.get(OVERLAP_ENV, "1").strip() == "1") else "device"
+    head = (
+        "overlap"
+        if (eng.device.kind == "cuda" and os.environ.get(OVERLAP_ENV, "1").strip() == "1")
+        else "device"
+    )
     res["decode_headline_pick"] = head
-    print(f"decode headline rows (decode_b1/b8/b32_tok_s): pick={head!r}"
-          + (" (launch N+1 before wait N, as the scheduler); decode_bN_sync_tok_s: the device pick, each step waited"
-             if head == "overlap" else ""))
+    print(
+        f"decode headline rows (decode_b1/b8/b32_tok_s): pick={head!r}"
+        + (
+            " (launch N+1 before wait N, as the scheduler); decode_bN_sync_tok_s: the device pick, each step waited"
+            if head == "overlap"
+            else ""
+        )
+    )
 
     def split_layers(tag: str, n_seq: int) -> None:
         """The layers that kept the routed split after a decode row (the device's own decision)."""
@@ -408,12 +472,17 @@ def run(args: argparse.Namespace) -> dict:
             decode(n_seq, 4)
             prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
             decode(n_seq, 16, prof=prof)
-            tables.append(f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n" +
-                          prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
-                                                    max_name_column_width=width))
+            tables.append(
+                f"== {n_seq} sequence(s), 16 decode steps, graphs and PDL off\n"
+                + prof.key_averages().table(
+                    sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=width
+                )
+            )
         return tables
 
-    if args.ncu_step:  # one decode step of N sequences inside cudaProfilerStart / Stop (ncu --profile-from-start off)
+    if (
+        args.ncu_step
+    ):  # one decode step of N sequences inside cudaProfilerStart / Stop (ncu --profile-from-start off)
         decode(args.ncu_step, 1, prof=_ProfilerRange())
         eng.close()
         return res
@@ -425,22 +494,39 @@ def run(args: argparse.Namespace) -> dict:
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the defaults (graphs, PDL), the headline's path
             decode_rows(n_seq, steps)
         for n_seq, steps in ((1, 128), (8, 64), (32, 64)):  # the logits copied back, the argmax on the host
-            res[f"decode_b{n_seq}_host_argmax_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_host_argmax", pick="host")
-        if head != "overlap":  # launch N+1 before wait N beside the headline's device pick (the CPU, STRATA_OVERLAP=0)
+            res[f"decode_b{n_seq}_host_argmax_tok_s"], _ = decode(
+                n_seq, steps, tag=f"b{n_seq}_host_argmax", pick="host"
+            )
+        if (
+            head != "overlap"
+        ):  # launch N+1 before wait N beside the headline's device pick (the CPU, STRATA_OVERLAP=0)
             for n_seq, steps in ((1, 128), (8, 64), (32, 64)):
-                res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(n_seq, steps, tag=f"b{n_seq}_overlap", pick="overlap")
-        res["decode_b1_repeat_tok_s"], _ = decode(1, 128, tag="b1_repeat")  # the device pick again, after them
+                res[f"decode_b{n_seq}_overlap_tok_s"], _ = decode(
+                    n_seq, steps, tag=f"b{n_seq}_overlap", pick="overlap"
+                )
+        res["decode_b1_repeat_tok_s"], _ = decode(
+            1, 128, tag="b1_repeat"
+        )  # the device pick again, after them
         for k, (n_seq, steps) in enumerate(((1, 128), (8, 64), (32, 64), (1, 128))):  # the scheduler
             for m in ("sync", "overlap", "sync2"):  # STRATA_OVERLAP off / on / off again
-                res[f"sched_b{n_seq}_{m}{'_again' if k == 3 else ''}"] = sched_decode(n_seq, steps, m == "overlap")
-        print("scheduler decode tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items() if k.startswith("sched_")))
-        if args.lean:  # one row per --knob "N:ENV=V" (N sequences with the override ENV=V), e.g. another threshold
+                res[f"sched_b{n_seq}_{m}{'_again' if k == 3 else ''}"] = sched_decode(
+                    n_seq, steps, m == "overlap"
+                )
+        print(
+            "scheduler decode tok/s: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in res.items() if k.startswith("sched_"))
+        )
+        if (
+            args.lean
+        ):  # one row per --knob "N:ENV=V" (N sequences with the override ENV=V), e.g. another threshold
             names = {o.env for o in gpu_settings.OVERRIDES}
             for spec in args.knob or ["32:STRATA_GPU_GEMM_DENSE_MIN=64", "8:STRATA_GPU_ROUTED_SPLIT_MAX=0"]:
                 n_s, _, kv = spec.partition(":")
                 env, _, v = kv.partition("=")
                 if not n_s.isdigit() or env not in names or not v:
-                    raise SystemExit(f"--knob: expected N:ENV=VALUE with ENV one of {sorted(names)}, got {spec!r}")
+                    raise SystemExit(
+                        f"--knob: expected N:ENV=VALUE with ENV one of {sorted(names)}, got {spec!r}"
+                    )
                 tag = f"b{n_s}_{env.removeprefix('STRATA_GPU_').lower()}_{v}"
                 with settings(**{env: v}):
                     res[f"decode_{tag}_tok_s"], _ = decode(int(n_s), 128 if n_s == "1" else 64, tag=tag)
@@ -453,12 +539,20 @@ def run(args: argparse.Namespace) -> dict:
                 res["decode_b32_no_dense_split_tok_s"], _ = decode(32, 64, tag="b32_no_dense_split")
             with settings(STRATA_GPU_DENSE_SPLIT="8"):  # 8 sequences' dense layers on the split GEMM too
                 res["decode_b8_dense_split8_tok_s"], _ = decode(8, 64, tag="b8_dense_split8")
-        print("routed split layers: " + ", ".join(f"{k[20:]} {v}" for k, v in res.items()
-                                                   if k.startswith("routed_split_layers_")))
+        print(
+            "routed split layers: "
+            + ", ".join(f"{k[20:]} {v}" for k, v in res.items() if k.startswith("routed_split_layers_"))
+        )
         res["decode_step_gpu_ms"] = gpu_ms
         lib = eng._gpu.library.name if eng._gpu else "cpu"
-        print(f"decode ({lib}): " + ", ".join(f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"
-                                               for k, v in res.items() if k.startswith("decode_b")))
+        print(
+            f"decode ({lib}): "
+            + ", ".join(
+                f"{k[7:-6]} {v:.1f} tok/s ({gpu_ms.get(k[7:-6], float('nan')):.2f} ms)"
+                for k, v in res.items()
+                if k.startswith("decode_b")
+            )
+        )
         if tables:
             table = "\n".join(tables)
             print(table)
@@ -479,9 +573,12 @@ def run(args: argparse.Namespace) -> dict:
                 prefill(n_tok)
                 prof = tp.profile(activities=[tp.ProfilerActivity.CUDA])
                 prefill(n_tok, prof=prof)
-                tables.append(f"== prefill of {n_tok} tokens, graphs and PDL off\n" +
-                              prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
-                                                        max_name_column_width=60))
+                tables.append(
+                    f"== prefill of {n_tok} tokens, graphs and PDL off\n"
+                    + prof.key_averages().table(
+                        sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60
+                    )
+                )
         table = "\n".join(tables)
         print(table)
         if args.json:
@@ -491,7 +588,9 @@ def run(args: argparse.Namespace) -> dict:
         res["prefill_4096_tok_s"] = prefill(4096)
     hist[:] = 0
     st1 = decode_rows(1, 128)
-    res["decode_b1_stats_ms"] = {k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    res["decode_b1_stats_ms"] = {
+        k: 1e3 * getattr(st1, k) for k in ("t_total", "t_attn", "t_experts", "t_output")
+    }
     top = np.sort(hist.sum(axis=0))[::-1]
     res["top8_expert_share"] = float(top[:8].sum() / max(top.sum(), 1))
     res["graphs_cached_failed_note"] = eng._gpu.graph_status() if eng._gpu else None
@@ -504,7 +603,9 @@ def run(args: argparse.Namespace) -> dict:
     with settings(STRATA_GPU_PDL="0"):  # without programmatic dependent launch, for comparison
         res["decode_b1_no_pdl_tok_s"], _ = decode(1, 128, tag="b1_no_pdl")
     st8 = decode_rows(8, 64)
-    res["decode_b8_stats_ms"] = {k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    res["decode_b8_stats_ms"] = {
+        k: 1e3 * getattr(st8, k) for k in ("t_total", "t_attn", "t_experts", "t_output")
+    }
     st32 = decode_rows(32, 64)
     # the logits copied back and the argmax on the host, and random next tokens after the logits copy, as
     # llama-batched-bench feeds them
@@ -522,7 +623,9 @@ def run(args: argparse.Namespace) -> dict:
     with settings(STRATA_GPU_GEMM_DENSE_MIN="8"):
         res["decode_b8_dense_gemm_tok_s"], _ = decode(8, 32, tag="b8_dense_gemm")
         res["decode_b32_dense_gemm_tok_s"], _ = decode(32, 32, tag="b32_dense_gemm")
-    res["decode_b32_stats_ms"] = {k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")}
+    res["decode_b32_stats_ms"] = {
+        k: 1e3 * getattr(st32, k) for k in ("t_total", "t_attn", "t_experts", "t_output")
+    }
     res["decode_step_gpu_ms"] = gpu_ms
     bpt = bytes_per_token(eng.model_file)
     res["bytes_per_token_mib"] = bpt / 2**20
@@ -551,8 +654,11 @@ def parse_llama_bench(stdout: str) -> dict:
             out[f"prefill_{r['n_prompt']}_tok_s"] = float(r["avg_ts"])
         elif r["n_prompt"] == 0:
             out["decode_b1_tok_s"] = float(r["avg_ts"])
-        out.setdefault("build", f"{r.get('build_commit', '?')} ({r.get('build_number', '?')}), "
-                                f"{r.get('gpu_info', '?')}, backends {r.get('backends', '?')}")
+        out.setdefault(
+            "build",
+            f"{r.get('build_commit', '?')} ({r.get('build_number', '?')}), "
+            f"{r.get('gpu_info', '?')}, backends {r.get('backends', '?')}",
+        )
     return out
 
 
@@ -577,16 +683,52 @@ def run_llama(bin_dir: Path, model: Path, timeout_s: float = 420.0) -> dict:
     """
     env = llama_env(bin_dir)
     out: dict = {}
-    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "512,4096",
-           "-n", "128", "-r", "3", "-o", "json"]
+    cmd = [
+        str(bin_dir / "llama-bench"),
+        "-m",
+        str(model),
+        "-ngl",
+        "99",
+        "-fa",
+        "1",
+        "-p",
+        "512,4096",
+        "-n",
+        "128",
+        "-r",
+        "3",
+        "-o",
+        "json",
+    ]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     out["llama_bench_s"] = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({p.returncode}): {p.stderr[-2000:]}")
     out.update(parse_llama_bench(p.stdout))
-    cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-ngl", "99", "-fa", "on", "-c", "8192",
-           "-b", "2048", "-ub", "512", "-npp", "32", "-ntg", "64", "-npl", "8,32", "--output-format", "jsonl"]
+    cmd = [
+        str(bin_dir / "llama-batched-bench"),
+        "-m",
+        str(model),
+        "-ngl",
+        "99",
+        "-fa",
+        "on",
+        "-c",
+        "8192",
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        "32",
+        "-ntg",
+        "64",
+        "-npl",
+        "8,32",
+        "--output-format",
+        "jsonl",
+    ]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     out["llama_batched_bench_s"] = time.perf_counter() - t0
@@ -603,109 +745,223 @@ def print_table(res: dict, peer: dict | None) -> None:
         s = res.get(f"{k}_tok_s")
         p = (peer or {}).get(f"{k}_tok_s")
         ratio = f"{s / p:.2f}x" if s and p else "-"
-        print(f"{k:<22}{s if s else float('nan'):>12.1f}{p if p else float('nan'):>12.1f}{ratio:>8}"
-              f"{(f'{tgt:.2f}x' if tgt else '-'):>8}")
-    print(f"{'hbm_floor_b1':<22}{res.get('hbm_floor_tok_s', float('nan')):>12.1f}"
-          f"   (Strata reaches {100 * res.get('floor_share_b1', float('nan')):.1f}%"
-          + (f", llama.cpp {100 * peer['decode_b1_tok_s'] / res['hbm_floor_tok_s']:.1f}%)"
-             if peer and "decode_b1_tok_s" in peer and "hbm_floor_tok_s" in res else ")"))
+        print(
+            f"{k:<22}{s if s else float('nan'):>12.1f}{p if p else float('nan'):>12.1f}{ratio:>8}"
+            f"{(f'{tgt:.2f}x' if tgt else '-'):>8}"
+        )
+    print(
+        f"{'hbm_floor_b1':<22}{res.get('hbm_floor_tok_s', float('nan')):>12.1f}"
+        f"   (Strata reaches {100 * res.get('floor_share_b1', float('nan')):.1f}%"
+        + (
+            f", llama.cpp {100 * peer['decode_b1_tok_s'] / res['hbm_floor_tok_s']:.1f}%)"
+            if peer and "decode_b1_tok_s" in peer and "hbm_floor_tok_s" in res
+            else ")"
+        )
+    )
 
 
 def prefill_once(args: argparse.Namespace, n: int) -> int:
     """One n-token prefill after a 16-token warm-up (so that a profiler wrapped around the process
-    sees the 512-token step's kernels after the small step's), on the file the benchmark builds."""
+    sees the 512-token step's kernels after the small step's), on the file the benchmark builds; with --repeat R,
+    R of them. Each --prefill-knob adds a row of R prefills under its settings in the same process (one model load),
+    the rows taking turns prefill by prefill so that a drift of the machine spreads over all of them."""
+    from bench.engine_gpu_depth import parse_knobs
     from engine.engine import Engine
 
     path = _model_path(args)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         _build(args, path)
-    with Engine.open(path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512) as eng:
+    rows = [("default", None)] + [
+        (label, {**os.environ, **knobs}) for label, knobs in parse_knobs(args.prefill_knob)
+    ]
+    with Engine.open(
+        path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512
+    ) as eng:
         ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
-        rates = []
-        for _ in range(max(1, args.repeat)):  # each on fresh blocks (no prefix reuse)
-            b = eng.blocks.allocate(-(-n // eng.block_size))
-            assert b is not None
-            eng.prefill(ids[:16], b)
-            t = time.perf_counter()
-            eng.prefill(ids, b)
-            rates.append(n / (time.perf_counter() - t))
-            eng.blocks.release(b)
+        rates: dict[str, list[float]] = {label: [] for label, _ in rows}
+        for _ in range(max(1, args.repeat)):
+            for label, environ in rows:
+                if len(rows) > 1 and eng._gpu:
+                    eng._gpu.set_settings(environ)  # None: the process environment's, as at open
+                b = eng.blocks.allocate(-(-n // eng.block_size))  # each on fresh blocks (no prefix reuse)
+                assert b is not None
+                eng.prefill(ids[:16], b)
+                t = time.perf_counter()
+                eng.prefill(ids, b)
+                rates[label].append(n / (time.perf_counter() - t))
+                eng.blocks.release(b)
         lib = eng._gpu.library.name if eng._gpu else "cpu"
-        print(f"prefill of {n} tokens ({lib}): median {float(np.median(rates)):.0f} tok/s over {len(rates)} "
-              f"({', '.join(f'{r:.0f}' for r in rates)})")
+        base = float(np.median(rates["default"]))
+        for label, _ in rows:
+            r = rates[label]
+            med = float(np.median(r))
+            vs = f", {med / base:.3f}x default" if label != "default" else ""
+            print(
+                f"prefill of {n} tokens ({lib}, {label}): median {med:.0f} tok/s over {len(r)} "
+                f"({', '.join(f'{x:.0f}' for x in r)}){vs}"
+            )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GPU engine benchmark on a synthetic Qwen3-30B-A3B-shaped model")
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--arch", default=None, choices=["glm4moe", "gpt-oss", "deepseek2"],
-                    help="bench bench/synthetic_arch.py's model of this architecture (real layer shapes and quant mix, "
-                         "fewer layers; built under --model-dir on first use) instead of the Qwen3-30B-A3B-shaped one")
-    ap.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (0 = uniform)")
+    ap.add_argument(
+        "--arch",
+        default=None,
+        choices=["glm4moe", "gpt-oss", "deepseek2"],
+        help="bench bench/synthetic_arch.py's model of this architecture (real layer shapes and quant mix, "
+        "fewer layers; built under --model-dir on first use) instead of the Qwen3-30B-A3B-shaped one",
+    )
+    ap.add_argument(
+        "--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (0 = uniform)"
+    )
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--quick", action="store_true", help="a small model (smoke test)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", action="store_true", help="print the kernel times of decode at 1 and 32 sequences and of prefill at 512 and 4,096 tokens")
-    ap.add_argument("--profile-decode", action="store_true",
-                    help="only the kernel times of decode at 1 and 32 sequences (graphs and PDL off) and the "
-                         "decode rates at 1, 8 and 32 sequences (no prefill figures)")
-    ap.add_argument("--decode-only", action="store_true",
-                    help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM "
-                         "(a before/after of a decode change; STRATA_CUDA_LIB)")
-    ap.add_argument("--lean", action="store_true",
-                    help="with --decode-only: only 1, 8 and 32 sequences (the headline's path, the device's "
-                         "greedy pick each step waited when that is the overlap, then the host's argmax over "
-                         "copied logits), then one row per --knob (default: 32 "
-                         "sequences with the head on the GEMM from 64 pairs, and 8 without the routed split GEMM)")
-    ap.add_argument("--knob", action="append", metavar="N:ENV=VALUE",
-                    help="with --lean: also decode N sequences with the override ENV (engine/gpu_settings.py) "
-                         "set to VALUE (repeatable)")
-    ap.add_argument("--gemm-min", default="2,4,1000000",
-                    help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with")
-    ap.add_argument("--llama-bin", default=None,
-                    help="folder with llama.cpp's llama-bench and llama-batched-bench built with CUDA "
-                         "(tools/gpu/build_llama_cuda.sh): measured on the same file after Strata")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the kernel times of decode at 1 and 32 sequences and of prefill at 512 and 4,096 tokens",
+    )
+    ap.add_argument(
+        "--profile-decode",
+        action="store_true",
+        help="only the kernel times of decode at 1 and 32 sequences (graphs and PDL off) and the "
+        "decode rates at 1, 8 and 32 sequences (no prefill figures)",
+    )
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only the decode rates at 1, 8 and 32 sequences, also without the split dense GEMM "
+        "(a before/after of a decode change; STRATA_CUDA_LIB)",
+    )
+    ap.add_argument(
+        "--lean",
+        action="store_true",
+        help="with --decode-only: only 1, 8 and 32 sequences (the headline's path, the device's "
+        "greedy pick each step waited when that is the overlap, then the host's argmax over "
+        "copied logits), then one row per --knob (default: 32 "
+        "sequences with the head on the GEMM from 64 pairs, and 8 without the routed split GEMM)",
+    )
+    ap.add_argument(
+        "--knob",
+        action="append",
+        metavar="N:ENV=VALUE",
+        help="with --lean: also decode N sequences with the override ENV (engine/gpu_settings.py) "
+        "set to VALUE (repeatable)",
+    )
+    ap.add_argument(
+        "--gemm-min",
+        default="2,4,1000000",
+        help="STRATA_GPU_GEMM_MIN values to also time decode at 8 and 32 sequences with",
+    )
+    ap.add_argument(
+        "--llama-bin",
+        default=None,
+        help="folder with llama.cpp's llama-bench and llama-batched-bench built with CUDA "
+        "(tools/gpu/build_llama_cuda.sh): measured on the same file after Strata",
+    )
     ap.add_argument("--llama-only", action="store_true", help="build the model and measure llama.cpp only")
-    ap.add_argument("--build-only", action="store_true", help="only write the model file (if missing) and exit")
-    ap.add_argument("--prefill-only", type=int, default=0, metavar="N",
-                    help="load the model, warm up with 16 tokens, run one N-token prefill and exit (a target for ncu)")
-    ap.add_argument("--ncu-step", type=int, default=0, metavar="N",
-                    help="load the model, prefill N prompts, run two decode steps of N sequences, then one more "
-                         "inside cudaProfilerStart / Stop and exit (a target for ncu --profile-from-start off)")
-    ap.add_argument("--repeat", type=int, default=1, metavar="R",
-                    help="with --prefill-only: R prefills (each after its 16-token warm-up), the median printed; "
-                         "STRATA_CUDA_LIB=other.so times another build the same way")
-    ap.add_argument("--depth", default=None, metavar="D1,D2,...",
-                    help="decode at depth only: batch-1 decode tok/s after each number of tokens of context "
-                         "(e.g. 0,8192,32768,131072), Strata with and without the split-KV attention, and with "
-                         "--llama-bin llama-bench -p 0 -n 128 -d D beside it (bench/engine_gpu_depth.py)")
-    ap.add_argument("--depth-steps", type=int, default=128, help="with --depth: decode steps timed at each depth")
-    ap.add_argument("--unsplit-steps", type=int, default=32,
-                    help="with --depth: steps timed with the split-KV attention off (0: skip that row)")
+    ap.add_argument(
+        "--build-only", action="store_true", help="only write the model file (if missing) and exit"
+    )
+    ap.add_argument(
+        "--prefill-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="load the model, warm up with 16 tokens, run one N-token prefill and exit (a target for ncu)",
+    )
+    ap.add_argument(
+        "--ncu-step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="load the model, prefill N prompts, run two decode steps of N sequences, then one more "
+        "inside cudaProfilerStart / Stop and exit (a target for ncu --profile-from-start off)",
+    )
+    ap.add_argument(
+        "--prefill-knob",
+        action="append",
+        default=[],
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="with --prefill-only: also R prefills under these settings in the same process, taking turns "
+        "with the default's (repeatable; e.g. rows128:STRATA_GPU_ATT_MMA_ROWS=128)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --prefill-only: R prefills (each after its 16-token warm-up), the median printed; "
+        "STRATA_CUDA_LIB=other.so times another build the same way",
+    )
+    ap.add_argument(
+        "--depth",
+        default=None,
+        metavar="D1,D2,...",
+        help="decode at depth only: batch-1 decode tok/s after each number of tokens of context "
+        "(e.g. 0,8192,32768,131072), Strata with and without the split-KV attention, and with "
+        "--llama-bin llama-bench -p 0 -n 128 -d D beside it (bench/engine_gpu_depth.py)",
+    )
+    ap.add_argument(
+        "--depth-steps", type=int, default=128, help="with --depth: decode steps timed at each depth"
+    )
+    ap.add_argument(
+        "--unsplit-steps",
+        type=int,
+        default=32,
+        help="with --depth: steps timed with the split-KV attention off (0: skip that row)",
+    )
     ap.add_argument("--depth-reps", type=int, default=2, help="with --depth: llama-bench repetitions (-r)")
-    ap.add_argument("--depth-batch", type=int, default=1, metavar="N",
-                    help="with --depth: decode N sequences at each depth (aggregate tok/s; llama.cpp: "
-                         "llama-batched-bench -npl N)")
-    ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"],
-                    help="with --depth: Strata's KV cache values (Engine.open's kv_type), llama.cpp's the same "
-                         "(-ctk / -ctv)")
-    ap.add_argument("--depth-experts-cpu", action="store_true",
-                    help="with --depth: hybrid placement, every routed expert on the CPU (the fixed parts' budget); "
-                         "llama.cpp -ot exps=CPU")
-    ap.add_argument("--depth-profile", action="store_true",
-                    help="with --depth: a kernel-time table (graphs and PDL off, torch's profiler) at each depth "
-                         "for the default and each --depth-knob")
-    ap.add_argument("--depth-knob", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
-                    help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
-                         "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)")
-    ap.add_argument("--kv-budget-gb", type=float, default=None, metavar="G",
-                    help="with --depth D (one depth) and --depth-batch N: the KV tiers' row instead: N concurrent "
-                         "requests of D-token prompts served by the scheduler with G GiB of VRAM KV (the rest in "
-                         "pinned host RAM), --depth-steps tokens each, against an unlimited budget: same tokens, "
-                         "decode tok/s, bytes read from the host tier and moved between tiers per token")
+    ap.add_argument(
+        "--depth-batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --depth: decode N sequences at each depth (aggregate tok/s; llama.cpp: "
+        "llama-batched-bench -npl N)",
+    )
+    ap.add_argument(
+        "--kv-type",
+        default="f16",
+        choices=["f16", "q8_0"],
+        help="with --depth: Strata's KV cache values (Engine.open's kv_type), llama.cpp's the same "
+        "(-ctk / -ctv)",
+    )
+    ap.add_argument(
+        "--depth-experts-cpu",
+        action="store_true",
+        help="with --depth: hybrid placement, every routed expert on the CPU (the fixed parts' budget); "
+        "llama.cpp -ot exps=CPU",
+    )
+    ap.add_argument(
+        "--depth-profile",
+        action="store_true",
+        help="with --depth: a kernel-time table (graphs and PDL off, torch's profiler) at each depth "
+        "for the default and each --depth-knob",
+    )
+    ap.add_argument(
+        "--depth-knob",
+        action="append",
+        default=[],
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
+        "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)",
+    )
+    ap.add_argument(
+        "--kv-budget-gb",
+        type=float,
+        default=None,
+        metavar="G",
+        help="with --depth D (one depth) and --depth-batch N: the KV tiers' row instead: N concurrent "
+        "requests of D-token prompts served by the scheduler with G GiB of VRAM KV (the rest in "
+        "pinned host RAM), --depth-steps tokens each, against an unlimited budget: same tokens, "
+        "decode tok/s, bytes read from the host tier and moved between tiers per token",
+    )
     args = ap.parse_args(argv)
     if args.arch:  # the synthetic file first: every mode below reads it
         from bench.synthetic_arch import describe
@@ -718,8 +974,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.depth is not None:
         from bench import engine_gpu_depth
 
-        if args.depth_steps < 1 or args.unsplit_steps < 0 or args.depth_reps < 1 or not 1 <= args.depth_batch <= 64:
-            raise SystemExit("--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0, --depth-batch 1..64")
+        if (
+            args.depth_steps < 1
+            or args.unsplit_steps < 0
+            or args.depth_reps < 1
+            or not 1 <= args.depth_batch <= 64
+        ):
+            raise SystemExit(
+                "--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0, --depth-batch 1..64"
+            )
         args.depth_knobs = engine_gpu_depth.parse_knobs(args.depth_knob)
         if args.kv_budget_gb is not None:
             return engine_gpu_depth.main_tiers(args, _model_path(args), lambda p: _build(args, p))
@@ -753,7 +1016,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:<36}{v:>14.3f}")
     print_table(res, peer)
     return 0
-
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 /* Prefill attention on the tensor cores (flash style, online softmax): `mma.sync` m16n8k16
  * with f16 inputs and f32 accumulation for q.k and for p.v, over the paged f16 KV cache.
  *
- * Work split: one block per (query tile, kv head). A tile is a run of at most AMMA_ROWS / G
- * consecutive tokens of one sequence (G = query heads per kv head), so its AMMA_ROWS = 64
- * rows (token, query head of the group) share every K/V stage; each of the 4 warps owns 16
- * rows (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside
- * one KV block since block sizes are multiples of 16), double-buffered with cp.async (a third
- * stage gains nothing).
+ * Work split: one block per (query tile, kv head). A tile is a run of at most ROWS / G
+ * consecutive tokens of one sequence (G = query heads per kv head), so its ROWS = 16 W rows
+ * (token, query head of the group) share every K/V stage; each of the W warps owns 16 rows
+ * (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside one
+ * KV block since block sizes are multiples of 16), copied with cp.async into NS slots (NS - 1
+ * stages ahead of the one computed; one barrier a stage).
+ * stg_settings.att_mma_rows picks W: 4 (64 rows, two blocks an SM, two stages: a third gains
+ * nothing there) or 8 (128 rows, one block an SM, three stages): at depth every block streams
+ * the whole cached prefix of its kv head, so 128 rows halve the K/V bytes each SM pulls from L2
+ * per mma, with the same 8 warps an SM. Both give the same bits.
  *
  * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
  * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
@@ -26,8 +30,6 @@
  * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
 #include "attention.cuh"
 
-#define AMMA_WARPS 4
-#define AMMA_ROWS (AMMA_WARPS * 16)
 #define AMMA_BC 64
 #define AMMA_KP (AMMA_BC + 8) /* padded K stage row (one dimension, halves): ldmatrix rows in distinct banks */
 
@@ -35,11 +37,14 @@ template <int HD> __host__ __device__ constexpr int amma_vp() { return HD + 8; }
 template <int HD> __host__ __device__ constexpr size_t amma_stage_halves() {
     return (size_t)HD * AMMA_KP + (size_t)AMMA_BC * amma_vp<HD>();
 }
-#define AMMA_NS 2 /* K/V stages in flight */
-template <int HD> constexpr size_t amma_smem_bytes() { return AMMA_NS * amma_stage_halves<HD>() * sizeof(__half); }
-/* the output rows are staged in the same memory at the end ([AMMA_ROWS][HD + 8] floats) */
-static_assert((size_t)AMMA_ROWS * (32 + 8) * 4 <= amma_smem_bytes<32>(), "output staging");
-static_assert((size_t)AMMA_ROWS * (128 + 8) * 4 <= amma_smem_bytes<128>(), "output staging");
+/* K/V stage slots: NS - 1 stages in flight beside the one computed (PIPE: NS - 2, as a slot keeps its V one stage
+ * longer) */
+template <int W, bool PIPE> __host__ __device__ constexpr int amma_ns() { return (W == 8 ? 3 : 2) + (PIPE ? 1 : 0); }
+/* the K/V stages, and at the end the output rows in the same memory ([16 W][HD + 8] floats) */
+template <int HD, int W, bool PIPE = false> constexpr size_t amma_smem_bytes() {
+    return std::max(amma_ns<W, PIPE>() * amma_stage_halves<HD>() * sizeof(__half),
+                    (size_t)16 * W * (HD + 8) * sizeof(float));
+}
 
 __device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -53,6 +58,14 @@ __device__ __forceinline__ void amma_ldsm_t(uint32_t (&r)[4], const __half *p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s)
                  : "memory");
+}
+/* 2^x as the one MUFU operation (flush to zero): exp2f's bits wherever 2^x is a normal float (x >= -126); below
+ * that 0 instead of a subnormal, which neither an f16 p (its least subnormal is 2^-24) nor an fp32 row sum that
+ * already holds a p of 1 (every row's max key gives one) can see. exp2f (not -ftz) adds a compare and two scalings. */
+__device__ __forceinline__ float amma_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 __device__ __forceinline__ uint32_t amma_pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi); /* .x (low 16 bits) = lo */
@@ -72,20 +85,27 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-/* tiles[i] = first_token * 128 + tokens (at most AMMA_ROWS / G); QSPLIT: q as f16 hi + lo.
+/* tiles[i] = first_token * 256 + tokens (at most 16 W / G); QSPLIT: q as f16 hi + lo.
+ * LV (stg_settings.att_mma_lean; the F16 cache's hi + lo form): 1, exp2 as amma_ex2, and a stage whose keys move no
+ * row's max of the warp skips the output's rescale (a multiply by exactly 1); 2, also P.V one stage behind (PIPE:
+ * stage kt - 1's P.V queued beside stage kt's softmax, so a warp has tensor work while the softmax's chain of
+ * dependent steps runs; one more K/V slot, since a slot's V is read an iteration later). The same bits at every LV.
  * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
  * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
  * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
-template <int HD, bool QSPLIT, bool Q8 = false>
-__global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args a, const int32_t *tiles) {
+template <int HD, int W, bool QSPLIT, bool Q8 = false, int LV = 0>
+__global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
-    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = AMMA_NS;
+    constexpr int AMMA_ROWS = 16 * W;
+    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = amma_ns<W, LV == 2>();
+    constexpr bool PIPE = LV == 2;
+    constexpr int AHEAD = PIPE ? NS - 2 : NS - 1; /* stages issued ahead of the one computed */
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char att_dyn[];
     __shared__ int32_t rn[AMMA_ROWS];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
     const int G = a.n_head / a.n_kv, kvh = blockIdx.y, kd = a.n_kv * HD, bs = a.block_size;
-    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 7, nrows = (tile & 127) * G;
+    const int32_t tile = tiles[blockIdx.x], t0 = tile >> 8, nrows = (tile & 255) * G;
     if (threadIdx.x < AMMA_ROWS) rn[threadIdx.x] = (int)threadIdx.x < nrows ? a.pos[t0 + threadIdx.x / G] + 1 : 0;
     __syncthreads();
     int32_t max_keys = 0, wmax = 0, wmin = 0x7fffffff; /* keys seen by the block; by this warp's rows */
@@ -136,7 +156,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
             constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
             const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
             if constexpr (Q8) { /* every load of the stage first, then the converted stores */
-                constexpr int KR = HD / 16, VR = AMMA_BC * VPC / (AMMA_WARPS * 32), NG = HD / 32;
+                constexpr int KR = HD / (4 * W), VR = AMMA_BC * VPC / (W * 32), NG = HD / 32; /* 4 W dimensions a pass */
                 const int kd32 = kd / 32;
                 if (j0 + 16 * kc_c < max_keys) {
                     const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
@@ -145,20 +165,20 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                     uint4 kscl[KR];
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
-                        const int d = (threadIdx.x >> 3) + 16 * r;
+                        const int d = (threadIdx.x >> 3) + 4 * W * r;
                         kq[r] = *(const uint2 *)(kv_blk(a.k8, a.ht.k8, b, nd, per) + ((int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
                         kscl[r] = *(const uint4 *)(kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + ((int64_t)kvh * NG + d / 32) * bs +
                                                    sl + 8 * kc_p);
                     }
 #pragma unroll
                     for (int r = 0; r < KR; r++)
-                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 16 * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
+                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 4 * W * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
                 }
                 uint2 vq[VR];
                 __half vsc[VR];
 #pragma unroll
                 for (int r = 0; r < VR; r++) {
-                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
+                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
                     vq[r] = make_uint2(0u, 0u), vsc[r] = __ushort_as_half((unsigned short)0);
                     if (j0 + j < max_keys) {
                         const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
@@ -169,7 +189,7 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 }
 #pragma unroll
                 for (int r = 0; r < VR; r++) { /* past the last key: zeros (q and d are 0 there) */
-                    const int i = threadIdx.x + AMMA_WARPS * 32 * r, j = i / VPC, pc = i % VPC;
+                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC;
                     const __half2 d2 = __half2half2(vsc[r]);
                     *(uint4 *)(vs + j * VP + 8 * pc) = q8x8_scaled(vq[r], make_uint4(*(const uint32_t *)&d2, *(const uint32_t *)&d2,
                                                                                  *(const uint32_t *)&d2, *(const uint32_t *)&d2));
@@ -180,11 +200,11 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
                 const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
                 const __half *kg = kv_blk(a.kc, a.ht.kc, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
 #pragma unroll
-                for (int d = threadIdx.x >> 3; d < HD; d += AMMA_WARPS * 32 / 8)
+                for (int d = threadIdx.x >> 3; d < HD; d += W * 32 / 8)
                     cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
             }
 #pragma unroll
-            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += AMMA_WARPS * 32) {
+            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += W * 32) {
                 const int j = i / VPC, pc = i % VPC, c = j >> 4;
                 __half *dst = vs + j * VP + 8 * pc;
                 if (j0 + j < max_keys) {
@@ -205,90 +225,139 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
     for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f; /* l: this thread's share of the row sum */
     const int mi = lane >> 3, mr = lane & 7; /* ldmatrix: matrix and row this lane addresses */
+    auto ex2 = [](float x) { return LV >= 1 ? amma_ex2(x) : exp2f(x); };
+    /* S = q.k of the stage whose K is at ks */
+    auto qk = [&](const __half *ks, float (&s)[NT][4]) {
 #pragma unroll
-    for (int kt = 0; kt < NS - 1; kt++) issue(kt);
-    for (int kt = 0; kt < n_kt; kt++) {
-        issue(kt + NS - 1);         /* into the slot read by the previous stage (past its barrier) */
-        cp_async_wait<NS - 1>();    /* stage kt's group is complete: NS - 1 newer groups may fly */
-        __syncthreads();
-        const int j0 = kt * AMMA_BC;
-        if (active && j0 < wmax) {
-            const __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(), *vs = ks + HD * AMMA_KP;
-            float s[NT][4];
+        for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+        for (int kk = 0; kk < KS; kk++) {
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-#pragma unroll
-                for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
-                    uint32_t b[4];
-                    amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
-                    if constexpr (QSPLIT) {
-                        amma_f16(s[2 * np], ql[kk], b[0], b[1]);
-                        amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
-                    }
-                    amma_f16(s[2 * np], qh[kk], b[0], b[1]);
-                    amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
+            for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
+                uint32_t b[4];
+                amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
+                if constexpr (QSPLIT) {
+                    amma_f16(s[2 * np], ql[kk], b[0], b[1]);
+                    amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
                 }
-            }
-            /* causal / length mask (only where a row of the warp ends inside this stage), log2 domain */
-            const bool mask = j0 + AMMA_BC > wmin;
-            float mx_lo = -INFINITY, mx_hi = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int key = j0 + 8 * nt + 2 * t4 + e;
-                    float v0 = s[nt][e] * LOG2E, v1 = s[nt][2 + e] * LOG2E;
-                    if (mask) {
-                        if (key >= lim_lo) v0 = -INFINITY;
-                        if (key >= lim_hi) v1 = -INFINITY;
-                    }
-                    s[nt][e] = v0, s[nt][2 + e] = v1;
-                    mx_lo = fmaxf(mx_lo, v0), mx_hi = fmaxf(mx_hi, v1);
-                }
-#pragma unroll
-            for (int o2 = 1; o2 <= 2; o2 <<= 1) { /* the 4 lanes of a row */
-                mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o2));
-                mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o2));
-            }
-            /* every row sees key 0 in stage 0, so the running max is finite from then on */
-            const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-            const float c_lo = exp2f(m_lo - mn_lo), c_hi = exp2f(m_hi - mn_hi); /* 0 on the first stage */
-            m_lo = mn_lo, m_hi = mn_hi;
-            float sum_lo = 0.0f, sum_hi = 0.0f;
-            uint32_t pa[NT / 2][4]; /* P as the A operand of p.v: S's C fragments, two n-tiles per k step */
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const float p0 = exp2f(s[nt][0] - mn_lo), p1 = exp2f(s[nt][1] - mn_lo);
-                const float p2 = exp2f(s[nt][2] - mn_hi), p3 = exp2f(s[nt][3] - mn_hi);
-                sum_lo += p0 + p1, sum_hi += p2 + p3;
-                pa[nt / 2][(nt & 1) * 2] = amma_pack(p0, p1);
-                pa[nt / 2][(nt & 1) * 2 + 1] = amma_pack(p2, p3);
-            }
-            l_lo = fmaf(l_lo, c_lo, sum_lo), l_hi = fmaf(l_hi, c_hi, sum_hi);
-#pragma unroll
-            for (int i = 0; i < DT; i++) o[i][0] *= c_lo, o[i][1] *= c_lo, o[i][2] *= c_hi, o[i][3] *= c_hi;
-#pragma unroll
-            for (int k2 = 0; k2 < NT / 2; k2++) {
-#pragma unroll
-                for (int dp = 0; dp < DT / 2; dp++) { /* dim n-tiles 2dp, 2dp + 1; keys 16k2..+7, +8..+15 */
-                    uint32_t b[4];
-                    amma_ldsm_t(b, vs + (16 * k2 + 8 * (mi & 1) + mr) * VP + 8 * (2 * dp + (mi >> 1)));
-                    amma_f16(o[2 * dp], pa[k2], b[0], b[1]);
-                    amma_f16(o[2 * dp + 1], pa[k2], b[2], b[3]);
-                }
+                amma_f16(s[2 * np], qh[kk], b[0], b[1]);
+                amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
             }
         }
-        __syncthreads(); /* the slot is refilled by the next iteration's copies */
+    };
+    /* the online softmax of stage j0's scores: the running max and row sums move; P (f16, as p.v's A operand: S's C
+     * fragments, two n-tiles per k step) and the factor c that the output takes before P.V of this stage */
+    auto soft = [&](int j0, float (&s)[NT][4], uint32_t (&pa)[NT / 2][4], float &c_lo, float &c_hi) {
+        /* causal / length mask (only where a row of the warp ends inside this stage), log2 domain */
+        const bool mask = j0 + AMMA_BC > wmin;
+        float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = j0 + 8 * nt + 2 * t4 + e;
+                float v0 = s[nt][e] * LOG2E, v1 = s[nt][2 + e] * LOG2E;
+                if (mask) {
+                    if (key >= lim_lo) v0 = -INFINITY;
+                    if (key >= lim_hi) v1 = -INFINITY;
+                }
+                s[nt][e] = v0, s[nt][2 + e] = v1;
+                mx_lo = fmaxf(mx_lo, v0), mx_hi = fmaxf(mx_hi, v1);
+            }
+#pragma unroll
+        for (int o2 = 1; o2 <= 2; o2 <<= 1) { /* the 4 lanes of a row */
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o2));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o2));
+        }
+        /* every row sees key 0 in stage 0, so the running max is finite from then on */
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+        c_lo = ex2(m_lo - mn_lo), c_hi = ex2(m_hi - mn_hi); /* 0 on the first stage */
+        m_lo = mn_lo, m_hi = mn_hi;
+        float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const float p0 = ex2(s[nt][0] - mn_lo), p1 = ex2(s[nt][1] - mn_lo);
+            const float p2 = ex2(s[nt][2] - mn_hi), p3 = ex2(s[nt][3] - mn_hi);
+            sum_lo += p0 + p1, sum_hi += p2 + p3;
+            pa[nt / 2][(nt & 1) * 2] = amma_pack(p0, p1);
+            pa[nt / 2][(nt & 1) * 2 + 1] = amma_pack(p2, p3);
+        }
+        l_lo = fmaf(l_lo, c_lo, sum_lo), l_hi = fmaf(l_hi, c_hi, sum_hi);
+    };
+    auto rescale = [&](float c_lo, float c_hi) {
+        /* lean: at depth a row's max rarely moves, and a multiply by exactly 1 changes nothing */
+        if (LV == 0 || __any_sync(0xffffffffu, c_lo != 1.0f || c_hi != 1.0f)) {
+#pragma unroll
+            for (int i = 0; i < DT; i++) o[i][0] *= c_lo, o[i][1] *= c_lo, o[i][2] *= c_hi, o[i][3] *= c_hi;
+        }
+    };
+    /* o += P.V of the stage whose V is at vs */
+    auto pv = [&](const __half *vs, const uint32_t (&pa)[NT / 2][4]) {
+#pragma unroll
+        for (int k2 = 0; k2 < NT / 2; k2++) {
+#pragma unroll
+            for (int dp = 0; dp < DT / 2; dp++) { /* dim n-tiles 2dp, 2dp + 1; keys 16k2..+7, +8..+15 */
+                uint32_t b[4];
+                amma_ldsm_t(b, vs + (16 * k2 + 8 * (mi & 1) + mr) * VP + 8 * (2 * dp + (mi >> 1)));
+                amma_f16(o[2 * dp], pa[k2], b[0], b[1]);
+                amma_f16(o[2 * dp + 1], pa[k2], b[2], b[3]);
+            }
+        }
+    };
+    auto slot = [&](int kt) { return stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(); };
+    uint32_t pa[NT / 2][4]; /* PIPE: the previous stage's P, its P.V not yet added */
+    float cp_lo = 1.0f, cp_hi = 1.0f;
+    bool prev = false;
+#pragma unroll
+    for (int kt = 0; kt < AHEAD; kt++) issue(kt);
+    for (int kt = 0; kt < n_kt; kt++) {
+        cp_async_wait<AHEAD - 1>(); /* this thread's copies of stage kt are complete: AHEAD - 1 newer groups may fly */
+        __syncthreads(); /* everyone's are, and every warp is past stage kt - 1 (PIPE: past P.V of stage kt - 2) */
+        issue(kt + AHEAD); /* into the slot that frees: one barrier a stage */
+        const int j0 = kt * AMMA_BC;
+        const bool cur = active && j0 < wmax;
+        const __half *ks = slot(kt);
+        if constexpr (!PIPE) {
+            if (cur) {
+                float s[NT][4], c_lo, c_hi;
+                qk(ks, s);
+                soft(j0, s, pa, c_lo, c_hi);
+                rescale(c_lo, c_hi);
+                pv(ks + HD * AMMA_KP, pa);
+            }
+        } else { /* P.V of stage kt - 1 beside this stage's softmax: tensor work for the warp while it waits on the
+                  * softmax's chain; each row's o still takes rescale, P.V stage by stage in order (the same bits) */
+            const __half *vprev = slot(kt + NS - 1) + HD * AMMA_KP;
+            if (prev) rescale(cp_lo, cp_hi);
+            if (cur && prev) {
+                float s[NT][4];
+                uint32_t pn[NT / 2][4];
+                qk(ks, s);
+                pv(vprev, pa);
+                soft(j0, s, pn, cp_lo, cp_hi);
+#pragma unroll
+                for (int i = 0; i < NT / 2; i++) pa[i][0] = pn[i][0], pa[i][1] = pn[i][1], pa[i][2] = pn[i][2], pa[i][3] = pn[i][3];
+            } else if (cur) {
+                float s[NT][4];
+                qk(ks, s);
+                soft(j0, s, pa, cp_lo, cp_hi);
+            } else if (prev) {
+                pv(vprev, pa);
+            }
+            prev = cur;
+        }
     }
-    cp_async_wait<0>(); /* only empty groups are left; the output rows reuse the stages */
+    if (PIPE && prev) { /* the last stage's P.V (its V is still in its slot: nothing was issued past n_kt) */
+        rescale(cp_lo, cp_hi);
+        pv(slot(n_kt - 1) + HD * AMMA_KP, pa);
+    }
+    cp_async_wait<0>(); /* only empty groups are left */
 #pragma unroll
     for (int o2 = 1; o2 <= 2; o2 <<= 1) {
         l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o2);
         l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o2);
     }
-    /* every copy is done and every warp past its last stage: the stages become the output rows */
+    __syncthreads(); /* every copy is done and every warp past its last stage: the stages become the output rows */
     float *os = (float *)att_dyn;
     constexpr int OP = HD + 8; /* float2 stores of a half-warp in distinct banks */
     if (active) {
@@ -319,15 +388,16 @@ __global__ void __launch_bounds__(AMMA_WARPS * 32, 2) k_attention_mma(attn_args 
  * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
  * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their tokens
  * are within tolerance (not bitwise) of what another chunking gives. */
-/* Tokens per mma tile for a model: head_dim 32, 64 or 128 and G = n_head / n_kv dividing 16
- * (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
-static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
-    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128)) return 0;
+/* Tokens per mma tile of `rows` rows (64 or 128, stg_settings.att_mma_rows) for a model: head_dim 32, 64 or 128
+ * and G = n_head / n_kv dividing 16 (the short runs need the query-tile kernel, which takes the same shapes); 0
+ * otherwise. */
+static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd, int32_t rows) {
+    if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128) || (rows != 64 && rows != 128)) return 0;
     const int G = n_head / n_kv;
-    return G <= 16 && 16 % G == 0 ? AMMA_ROWS / G : 0;
+    return G <= 16 && 16 % G == 0 ? rows / G : 0;
 }
 /* A step's prefill tiles: runs shorter than min_run as query tiles of tq tokens (first * 32 +
- * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 128 + count)
+ * count) in out[0, n_old), then the longer runs as mma tiles of tqm tokens (first * 256 + count)
  * in out[n_old, n_old + n_mma). At most T entries in all. */
 static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int32_t min_run, int32_t *out,
                             int32_t *n_old, int32_t *n_mma) {
@@ -338,7 +408,7 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
             while (j < T && seq[j] == seq[i]) j++;
             const bool long_run = j - i >= min_run;
             if (long_run == (pass == 1)) {
-                const int32_t step = long_run ? tqm : tq, mul = long_run ? 128 : 32;
+                const int32_t step = long_run ? tqm : tq, mul = long_run ? 256 : 32;
                 for (int32_t f = i; f < j; f += step) out[n++] = f * mul + std::min(step, j - f);
             }
             i = j;
@@ -349,43 +419,68 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
 }
 
 static stg_status attention_mma_setup(void) {
-#define AMMA_SETUP(HD)                                                                                        \
-    CU(cudaFuncSetAttribute(k_attention_mma<HD, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,            \
-                            (int)amma_smem_bytes<HD>()),                                                       \
-       "attention (mma) setup");                                                                              \
-    CU(cudaFuncSetAttribute(k_attention_mma<HD, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,           \
-                            (int)amma_smem_bytes<HD>()),                                                       \
+#define AMMA_SETUP(HD, W, QS, Q8, LV)                                                                         \
+    CU(cudaFuncSetAttribute(k_attention_mma<HD, W, QS, Q8, LV>, cudaFuncAttributeMaxDynamicSharedMemorySize,   \
+                            (int)amma_smem_bytes<HD, W, LV == 2>()),                                           \
        "attention (mma) setup");
-    AMMA_SETUP(32)
-    AMMA_SETUP(64)
-    AMMA_SETUP(128)
+#define AMMA_SETUP_HD(HD, W)                                                                                  \
+    AMMA_SETUP(HD, W, false, false, 0)                                                                        \
+    AMMA_SETUP(HD, W, true, false, 0)                                                                         \
+    AMMA_SETUP(HD, W, true, false, 1)                                                                         \
+    AMMA_SETUP(HD, W, true, false, 2)
+    AMMA_SETUP_HD(32, 4)
+    AMMA_SETUP_HD(64, 4)
+    AMMA_SETUP_HD(128, 4)
+    AMMA_SETUP_HD(32, 8)
+    AMMA_SETUP_HD(64, 8)
+    AMMA_SETUP_HD(128, 8)
+    AMMA_SETUP(64, 4, true, true, 0)
+    AMMA_SETUP(128, 4, true, true, 0)
+    AMMA_SETUP(64, 8, true, true, 0)
+    AMMA_SETUP(128, 8, true, true, 0)
+#undef AMMA_SETUP_HD
 #undef AMMA_SETUP
-    CU(cudaFuncSetAttribute(k_attention_mma<64, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)amma_smem_bytes<64>()),
-       "attention (mma) setup");
-    CU(cudaFuncSetAttribute(k_attention_mma<128, true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)amma_smem_bytes<128>()),
-       "attention (mma) setup");
     return ST_OK;
 }
 
-/* mode: 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; the 8-bit cache (aa.k8) takes q as hi + lo
+/* Which tensor-core kernel a step's tiles take: mode 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma;
+ * rows 64 or 128 (att_mma_rows; att_mma_tokens made the tiles for it); lean 0, 1 or 2 (att_mma_lean, the kernel's
+ * LV) for the F16 cache's hi + lo form (the other forms have one kernel each). The 8-bit cache takes q as hi + lo
  * always. */
-static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
+struct amma_form {
+    int mode, rows, lean;
+};
+
+static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, amma_form f,
                                        cudaStream_t st) {
-    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block(AMMA_WARPS * 32);
+    if ((f.mode != 1 && f.mode != 2) || (f.rows != 64 && f.rows != 128) || f.lean < 0 || f.lean > 2)
+        return fail(ST_EINVAL, "attention (mma): mode %d, %d rows a tile, lean %d", f.mode, f.rows, f.lean);
+    const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block((unsigned)f.rows * 2);
+#define AMMA_W(HD, QS, Q8, LV)                                                                                    \
+    if (f.rows == 128)                                                                                            \
+        launch_k(k_attention_mma<HD, 8, QS, Q8, LV>, grid, block, amma_smem_bytes<HD, 8, LV == 2>(), st, aa, d_tiles); \
+    else launch_k(k_attention_mma<HD, 4, QS, Q8, LV>, grid, block, amma_smem_bytes<HD, 4, LV == 2>(), st, aa, d_tiles);
     if (aa.k8) {
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
-        if (aa.hd == 128) launch_k(k_attention_mma<128, true, true>, grid, block, amma_smem_bytes<128>(), st, aa, d_tiles);
-        else launch_k(k_attention_mma<64, true, true>, grid, block, amma_smem_bytes<64>(), st, aa, d_tiles);
+        if (aa.hd == 128) {
+            AMMA_W(128, true, true, 0)
+        } else {
+            AMMA_W(64, true, true, 0)
+        }
         LAUNCHED("attention (mma tiles, 8-bit KV)");
         return ST_OK;
     }
-    const bool split = mode != 1;
 #define AMMA_LAUNCH(HD)                                                                                             \
-    if (split) launch_k(k_attention_mma<HD, true>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);            \
-    else launch_k(k_attention_mma<HD, false>, grid, block, amma_smem_bytes<HD>(), st, aa, d_tiles);
+    if (f.mode == 1) {                                                                                              \
+        AMMA_W(HD, false, false, 0)                                                                                 \
+    } else if (f.lean == 2) {                                                                                       \
+        AMMA_W(HD, true, false, 2)                                                                                  \
+    } else if (f.lean == 1) {                                                                                       \
+        AMMA_W(HD, true, false, 1)                                                                                  \
+    } else {                                                                                                        \
+        AMMA_W(HD, true, false, 0)                                                                                  \
+    }
     if (aa.hd == 128) {
         AMMA_LAUNCH(128)
     } else if (aa.hd == 64) {
@@ -396,6 +491,7 @@ static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_til
         return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
     }
 #undef AMMA_LAUNCH
+#undef AMMA_W
     LAUNCHED("attention (mma tiles)");
     return ST_OK;
 }

@@ -221,10 +221,10 @@ static int att_tile_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
     const int G = n_head / n_kv;
     return G <= ATT_TR && ATT_TR % G == 0 ? ATT_TR / G : 0;
 }
-/* This step's mma tiles (attention_mma.cuh), after its n_tiles query tiles in d_tiles, and their q
- * mode; set per step by stg_forward (0 for graph steps). */
+/* This step's mma tiles (attention_mma.cu), after its n_tiles query tiles in d_tiles, and the kernel form they
+ * take (amma_form: q mode, rows, lean); set per step by stg_forward (0 tiles for graph steps). */
 static thread_local int32_t g_att_mma_tiles = 0;
-static thread_local int g_att_mma_mode = 2;
+static thread_local int g_att_mma_mode = 2, g_att_mma_rows = 64, g_att_mma_lean = 0;
 /* Tiles of a step: runs of consecutive tokens of one sequence, at most tq tokens each, packed
  * as first_token * 32 + count. Returns how many were written to out (at most T). */
 static int32_t att_tiles(const int32_t *seq, int32_t T, int tq, int32_t *out) {

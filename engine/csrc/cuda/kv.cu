@@ -15,7 +15,7 @@ static bool kv_q8_ok(const st_model_desc &d, const char **why) {
     if (d.kv_lora_rank > 0) *why = "latent attention (kv_lora_rank)";
     else if (d.n_swa > 0) *why = "sliding-window layers";
     else if (d.head_dim != 64 && d.head_dim != 128) *why = "head_dim other than 64 or 128";
-    else if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim) || !att_mma_tokens(d.n_head, d.n_head_kv, d.head_dim))
+    else if (!att_split_ok(d.n_head, d.n_head_kv, d.head_dim) || !att_mma_tokens(d.n_head, d.n_head_kv, d.head_dim, 64))
         *why = "query heads per kv head not dividing 16 or above 8";
     return *why == nullptr;
 }

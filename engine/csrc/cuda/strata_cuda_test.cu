@@ -333,13 +333,13 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
 }
 
 /* Every query head of one sequence's nq tokens at positions p0.. (q[nq, n_head * hd], pre-scaled)
- * through k_attention (tile 0) or k_attention_tile (tile 1, as an eager prefill step would run
- * it), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
+ * through k_attention (tile 0), k_attention_tile (tile 1, as an eager prefill step would run
+ * it) or k_attention_mma (tiles 2..13, below), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
 extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                                const int32_t *block_table, int32_t n_table, int32_t block_size,
                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
                                                int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
-    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 3 || n_blocks < 1 || block_size < 16 ||
+    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 13 || n_blocks < 1 || block_size < 16 ||
         block_size % 16 || head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
         p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
         return fail(ST_EINVAL, "attention heads: bad arguments");
@@ -355,7 +355,10 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     for (int i = 0; i < nq; i++) ints[(size_t)i] = p0 + i, ints[(size_t)(nq + i)] = 0;
     memcpy(&ints[(size_t)(2 * nq)], block_table, sizeof(int32_t) * n_table);
     int32_t n_tiles = 0, n_mma = 0;
-    if (tile >= 2) att_split_tiles(&ints[(size_t)nq], nq, tq, att_mma_tokens(n_head, n_kv, head_dim), 1,
+    /* tile 2..13: the tensor-core kernel; tile - 2 = (1: q as one f16, else hi + lo) + (2: 128 rows, else 64)
+     * + 4 * lean */
+    const amma_form form{(tile - 2) & 1 ? 1 : 2, (tile - 2) & 2 ? 128 : 64, (tile - 2) >> 2};
+    if (tile >= 2) att_split_tiles(&ints[(size_t)nq], nq, tq, att_mma_tokens(n_head, n_kv, head_dim, form.rows), 1,
                                    &ints[(size_t)(2 * nq + n_table)], &n_tiles, &n_mma);
     else if (tile) n_tiles = att_tiles(&ints[(size_t)nq], nq, tq, &ints[(size_t)(2 * nq + n_table)]);
     dbuf bk, bv, bq, bo, bi, baq, bad, bas;
@@ -376,7 +379,7 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     }
     CHECK(attention_setup());
     if (tile >= 2) {
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, tile == 2 ? 2 : 1, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, form, 0));
     } else if (tile) {
         a.stages = 2;
         CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
@@ -485,12 +488,12 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
                                             int32_t n_table, int32_t block_size, int32_t head_dim, int32_t n_head,
                                             int32_t n_kv, const float *q, const int32_t *pos, const int32_t *seq,
                                             int32_t n_tok, float *out, int32_t *n_splits) {
-    if (!k8 || !ks || !v8 || !vs || !block_tables || !q || !pos || !seq || !out || mode < 0 || mode > 2 ||
+    if (!k8 || !ks || !v8 || !vs || !block_tables || !q || !pos || !seq || !out || mode < 0 || mode > 3 ||
         split_min < 0 || split_max > ATT_SPLIT_MAX || n_blocks < 1 || n_seqs < 1 || n_table < 1 || block_size < 16 ||
         block_size % 16 || (head_dim != 64 && head_dim != 128) || n_kv < 1 || n_head < n_kv || n_head % n_kv ||
         n_tok < 1)
         return fail(ST_EINVAL, "attention (8-bit KV): bad arguments");
-    if (!att_split_ok(n_head, n_kv, head_dim) || !att_mma_tokens(n_head, n_kv, head_dim))
+    if (!att_split_ok(n_head, n_kv, head_dim) || !att_mma_tokens(n_head, n_kv, head_dim, 64))
         return fail(ST_EUNSUPPORTED, "attention (8-bit KV): n_head %d / n_kv %d", n_head, n_kv);
     int32_t max_keys = 0;
     std::vector<char> seen((size_t)n_seqs, 0);
@@ -499,7 +502,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
             return fail(ST_ERANGE, "attention (8-bit KV): token %d (sequence %d, position %d)", i, seq[i], pos[i]);
         if (mode == 1 && seen[(size_t)seq[i]]++)
             return fail(ST_EINVAL, "attention (8-bit KV): the split path takes one token per sequence");
-        if (mode == 2 && i > 0 && seq[i] == seq[i - 1] && pos[i] != pos[i - 1] + 1)
+        if (mode >= 2 && i > 0 && seq[i] == seq[i - 1] && pos[i] != pos[i - 1] + 1)
             return fail(ST_EINVAL, "attention (8-bit KV): a sequence's prefill tokens are consecutive");
         for (int32_t j = 0; j <= pos[i] / block_size; j++) {
             const int32_t b = block_tables[(int64_t)seq[i] * n_table + j];
@@ -521,8 +524,9 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
     for (int32_t i = 0; i < n_tok; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_tok + i)] = seq[i];
     memcpy(&ints[(size_t)(2 * n_tok)], block_tables, sizeof(int32_t) * (size_t)n_bt);
     int32_t n_qt = 0, n_mma = 0;
-    if (mode == 2)
-        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), att_mma_tokens(n_head, n_kv, head_dim), 1,
+    const int mma_rows = mode == 3 ? 128 : 64; /* rows names the split path's partial rows here */
+    if (mode >= 2)
+        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), att_mma_tokens(n_head, n_kv, head_dim, mma_rows), 1,
                         &ints[(size_t)(2 * n_tok + n_bt)], &n_qt, &n_mma);
     dbuf bk, bks, bv, bvs, bq, bo, bi, bsc, bpa, bpm;
     CHECK(up(bk, k8, (size_t)cache));
@@ -550,7 +554,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         CHECK(launch_attention_split(a, n_tok, z, 0));
     } else {
         if (n_qt) return fail(ST_EINVAL, "attention (8-bit KV): query tiles in an mma-only tile list");
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, 2, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, amma_form{2, mma_rows, 0}, 0));
     }
     CHECK(down(out, bo, sizeof(float) * (size_t)nout));
     for (int32_t i = 0; n_splits && i < n_tok; i++)

@@ -51,7 +51,8 @@ stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v
                               int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, float *out);
 /* Every query head of one sequence's nq tokens (q[nq, n_head * head_dim], pre-scaled) through the
  * decode kernel (tile 0), the prefill query-tile kernel (tile 1) or the tensor-core prefill kernel
- * (attention_mma.cuh: tile 2 with q as f16 hi + lo, tile 3 with q as one f16); out[nq, n_head * head_dim];
+ * (attention_mma.cu: tile 2 + f, f = 1 for q as one f16 (else hi + lo) + 2 for tiles of 128 rows (else 64) + 4 times
+ * the lean level (att_mma_lean, 0..2)); out[nq, n_head * head_dim];
  * aq/ad/as (all or none): also the output's 8-bit blocks. */
 stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                     const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
@@ -80,7 +81,8 @@ stg_status stg_test_attention_oss(const float *sinks, int32_t n_head, int32_t n_
  * pos[i], its keys 0..pos[i] through block_tables[seq[i] * n_table ..]; q[n_tok, n_head * head_dim] pre-scaled).
  * mode 0: the reference (k_attention_ref, attn_q8_ref's arithmetic); 1: the split decode path (one token per
  * sequence; split_min / split_chunks / split_max as stg_test_attention_decode's, split_min 0: every sequence in one
- * split); 2: the tensor-core prefill kernel (a sequence's tokens consecutive). out[n_tok, n_head * head_dim];
+ * split); 2: the tensor-core prefill kernel in tiles of 64 rows, 3: of 128 (a sequence's tokens consecutive).
+ * out[n_tok, n_head * head_dim];
  * n_splits (may be NULL): the splits each token took (1 outside mode 1). head_dim 64 or 128. */
 stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int32_t split_chunks, int32_t split_max,
                                  const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,

@@ -289,7 +289,8 @@ def test_split_decode_on_q8_matches_reference(g: tuple, shape: str, cached: list
 @pytest.mark.parametrize(("p0", "n"), [(0, 300), (4000, 130), (17, 1)])
 def test_prefill_on_q8_matches_reference(g: tuple, p0: int, n: int) -> None:
     """A chunk of n tokens at positions p0.. of one sequence (its prefix p0 tokens cached) and a second
-    sequence's chunk in the same launch, through the tensor-core prefill kernel."""
+    sequence's chunk in the same launch, through the tensor-core prefill kernel; its tiles of 128 rows (harness mode
+    3, STRATA_GPU_ATT_MMA_ROWS=128) give bitwise the 64-row tiles' output."""
     hd, bs, n_head, n_kv = SHAPES["qwen3_30b"]
     rng = np.random.default_rng(p0 + n)
     c = decode_cache(rng, hd, bs, n_kv, [p0 + n, 90])
@@ -301,6 +302,10 @@ def test_prefill_on_q8_matches_reference(g: tuple, p0: int, n: int) -> None:
     e = rel_err(out, ref)
     print(f"prefill of {n} tokens after {p0}: {e:.2e} of max|ref|")
     assert e <= PREFILL_TOL, f"the prefill kernel on the 8-bit cache: {e:.3e} of max|ref| from the reference"
+    out128, _ = run_q8(g, 3, c, bs, hd, n_head, n_kv, q, pos, seq)
+    assert np.array_equal(out128.view(np.uint32), out.view(np.uint32)), (
+        f"128-row tiles {rel_err(out128, out):.3e} of max|ref| from the 64-row tiles"
+    )
 
 
 def test_q8_refuses_bad_arguments(g: tuple) -> None:
