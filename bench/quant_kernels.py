@@ -9,6 +9,9 @@ cost (measured on one 256-element block) subtracted. Each figure is the median (
 or the best (``--stat best``, the default) of R runs, Strata and llama.cpp alternating, in GMAC/s
 (multiply-accumulates per CPU second / 1e9); the JSON keeps every run's figure.
 
+Q8_0_R8 (and Q4_1_R8) is Strata's repacked form of those types, the one its engine runs for every
+tensor of 8k rows, beside llama.cpp's plain Q8_0 (Q4_1) vec_dot.
+
 Usage: ``python -m bench.quant_kernels [--types IQ3_XXS,IQ2_XXS,...] [--n 8192]
 [--runs R] [--stat best|median] [--seconds 0.3] [--json OUT.json]``.
 """
@@ -41,7 +44,11 @@ DEFAULT_TYPES = [
     "Q4_K",
     "Q6_K",
     "Q8_0",
+    "Q8_0_R8",
 ]
+# the engine repacks Q4_1 / Q8_0 tensors of 8k rows at load (st_model_repack): these names measure
+# that form, beside llama.cpp's vec_dot of the plain type
+REPACKED = {"Q8_0_R8": "Q8_0", "Q4_1_R8": "Q4_1"}
 Q8K_BYTES = 4 + 256 + 2 * 16  # block_q8_K: float d, 256 int8, 16 int16 sums
 Q80_BYTES = 2 + 32  # block_q8_0: f16 d, 32 int8
 Q8_0_ACT = {"IQ4_NL", "MXFP4", "Q8_0", "Q4_0", "Q5_0"}  # ggml's vec_dot_type for these is Q8_0, else Q8_K
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gguf import GGMLQuantizationType
 
-    from engine.native import VARIANTS, available_variants
+    from engine.native import VARIANTS, available_variants, lib
 
     info = machine_info()
     variants = [v for v in available_variants() if v != "auto"]
@@ -148,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         {"machine": info, "n": args.n, "runs": args.runs, "stat": args.stat, "gmac_s": {}, "samples": {}},
     )
     for name in args.types.split(","):
-        tid = int(GGMLQuantizationType[name])
-        llama = llama_vec_dot(name, 8 * args.n)
+        plain = REPACKED.get(name, name)
+        tid = int(getattr(lib, f"ST_TYPE_{name}")) if name in REPACKED else int(GGMLQuantizationType[name])
+        llama = llama_vec_dot(plain, 8 * args.n)
         samples: dict[str, list[float]] = {}
         for _ in range(args.runs):
             for v in variants:

@@ -107,7 +107,9 @@ st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_
                             const float *d, const int32_t *sums, int64_t n, float *out);
 /* The micro-kernel's rate with its weights in cache, for benchmarks: 8 rows x n of `type`
  * (random codes, small scales) against nt (1..64) token rows, run until `seconds` of this
- * thread's CPU time have passed; *gmac_s = multiply-accumulates per CPU second / 1e9. */
+ * thread's CPU time have passed; *gmac_s = multiply-accumulates per CPU second / 1e9. The
+ * repacked types (ST_TYPE_Q4_1_R8, ST_TYPE_Q8_0_R8: the engine's form of those tensors) are
+ * accepted, their group built from random plain rows. */
 st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s);
 
 /* Attention of one head over caller-provided paged K/V (the layout of st_kv: K is

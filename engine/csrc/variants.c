@@ -272,7 +272,9 @@ static double thread_cpu_s(void) {
 st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s) {
     st_status rc = check_variant(variant);
     if (rc) return rc;
-    if (!st_type_supported(type) || st_type_is_float(type))
+    /* the repacked types (the engine runs every Q4_1 / Q8_0 tensor of 8k rows as these) from random plain rows */
+    const int32_t plain = type == ST_TYPE_Q4_1_R8 ? ST_TYPE_Q4_1 : type == ST_TYPE_Q8_0_R8 ? ST_TYPE_Q8_0 : type;
+    if (!st_type_supported(plain) || st_type_is_float(plain))
         return st_fail(ST_EUNSUPPORTED, "kernel_rate: type %d is not a supported quantised type", type);
     if (!gmac_s || n <= 0 || n > ST_MAX_ROW || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
         !(seconds > 0.0 && seconds <= 60.0))
@@ -293,6 +295,20 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     for (size_t i = 1; i < rb * ST_ROW_BLOCK; i += 2) w[i] &= 0x3b; /* f16 fields wherever they fall stay finite */
     if (type == ST_TYPE_MXFP4) /* E8M0 exponents near 2^-5 (random ones overflow or go subnormal: slow) */
         for (size_t i = 0; i < rb * ST_ROW_BLOCK; i += 17) w[i] = (uint8_t)(119 + i % 7);
+    if (plain != type) {
+        uint8_t *g = malloc(rb * ST_ROW_BLOCK);
+        if (!g) {
+            free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+            return st_fail(ST_ENOMEM, "kernel_rate: out of memory");
+        }
+        rc = plain == ST_TYPE_Q4_1 ? st_repack_q4_1(w, g, ST_ROW_BLOCK, n) : st_repack_q8_0(w, g, ST_ROW_BLOCK, n);
+        free(w);
+        w = g;
+        if (rc) {
+            free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+            return rc;
+        }
+    }
     act_row rows[ST_MAX_NT];
     for (int32_t t = 0; t < nt; t++) {
         for (int64_t i = 0; i < n; i++) r = r * 1664525u + 1013904223u, x[i] = (float)(r >> 8) / 16777216.0f - 0.5f;

@@ -830,6 +830,9 @@ def test_kernel_rate_runs_and_rejects_bad_arguments() -> None:
     out = ffi.new("double *")
     q41 = int(GGMLQuantizationType["Q4_1"])
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.01, out) == 0 and out[0] > 0
+    for repacked in (lib.ST_TYPE_Q4_1_R8, lib.ST_TYPE_Q8_0_R8):  # the engine's form of Q4_1 / Q8_0
+        assert lib.st_kernel_rate(repacked, VARIANTS["auto"], 256, 1, 0.01, out) == 0 and out[0] > 0
+        assert lib.st_kernel_rate(repacked, VARIANTS["auto"], 100, 1, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 100, 8, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 65, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.0, out) == lib.ST_EINVAL
