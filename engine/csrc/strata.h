@@ -83,6 +83,11 @@ st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32
 /* The same through one variant's quantiser (the step uses the current variant's); every
  * variant gives the bytes and floats of st_quantize_act. For the kernel harness. */
 st_status st_quantize_act_variant(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
+/* The per-256 quantisation the Q6_K kernels read (llama.cpp's Q8_K): n a positive
+ * multiple of 256; qs[n], d[n/256] (amax / 127 of each 256 values), bsums[n/16] (the sums of each 16
+ * qs). st_vec_dot_q and friends build this view from their per-32 inputs: x = qs * d (float
+ * products, per 32-block) quantised here. variant: as st_quantize_act_variant (same bytes on every one). */
+st_status st_quantize_act_k(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums);
 /* h = silu(g) * u elementwise through one variant (the expert FFN's gate); n >= 1. */
 st_status st_silu_mul_variant(int32_t variant, const float *g, const float *u, float *h, int64_t n);
 
