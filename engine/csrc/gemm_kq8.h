@@ -385,7 +385,8 @@ static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i 
 }
 
 static inline __attribute__((always_inline)) void kq8_many(int32_t type, const uint8_t *const *rows, int64_t nb,
-                                                           int nt, const act_row *a, float *out, int64_t ldo, int rn) {
+                                                           int nt, const act_row *a, float *out, int64_t ldo, int rn,
+                                                           const uint8_t *next) {
     const size_t bs = type == ST_TYPE_Q4_K ? sizeof(blk_q4_k) : type == ST_TYPE_Q6_K ? sizeof(blk_q6_k)
                                          : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k) : sizeof(blk_q3_k);
     const size_t doff = type == ST_TYPE_Q4_K ? 0 : type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d)
@@ -395,6 +396,9 @@ static inline __attribute__((always_inline)) void kq8_many(int32_t type, const u
     __m256 acc[ST_MAX_NT];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
+        /* the next row block's matching slice, as the per-32 kernels do (gemm_int8.h's prefetch_slice:
+         * a work tile's rows are one linear stream) */
+        prefetch_slice(next, i, 8 * bs);
         uint8_t codes[8][QK_K] __attribute__((aligned(32)));
         int16_t sc[8][16], mn[8][16];
         for (int r = 0; r < 8; r++) kq8_unpack_row(type, rows[r] + (size_t)i * bs, codes[r], sc[r], mn[r]);
@@ -443,7 +447,7 @@ static inline __attribute__((always_inline)) void gemm_kq8(int32_t type, const v
         const uint8_t *rows[8];
         for (int r = 0; r < 8; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < rn ? r : 0)) * row_bytes;
         if (nt >= kq8_many_min(type)) {
-            kq8_many(type, rows, nb, nt, a, out + r0, ldo, rn);
+            kq8_many(type, rows, nb, nt, a, out + r0, ldo, rn, (const uint8_t *)w + (size_t)(r0 + 8) * row_bytes);
             continue;
         }
         for (int t0 = 0, NT; t0 < nt; t0 += NT) {
