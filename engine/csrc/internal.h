@@ -106,7 +106,16 @@ typedef struct {
     const int32_t *s;
     const float *xs8;
     const float *xs;
+    /* The same row quantised per 256 (llama.cpp's Q8_K): qk[n], one scale dk[n/256], int16 sums
+     * bk[n/16]; NULL where n % 256. The k-quant kernels of st_type_q8k read this view only: with one
+     * scale per super-block their integer sums run over the whole super-block and the float step
+     * comes once per 256 weights instead of once per 32. */
+    const int8_t *qk;
+    const float *dk;
+    const int16_t *bk;
 } act_row;
+/* Whether the kernels of `type` read the per-256 view (act_row.qk) instead of the per-32 one. */
+static inline int st_type_q8k(int32_t type) { return type == ST_TYPE_Q6_K; }
 typedef void (*dot_q_fn)(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
                          int64_t ldo);
 
@@ -119,6 +128,15 @@ typedef void (*dot_q_fn)(const void *w, size_t row_bytes, int nr, int64_t n, int
             for (int t = 0; t < nt; t++)                                                                     \
                 dot_##T##_one((const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, a[t].s, n,         \
                               &out[t * ldo + r]);                                                            \
+    }
+/* The same for a type of st_type_q8k, whose one-row kernel dot_T_k8 reads the per-256 view. */
+#define DEF_REF_MULTI_K8(T)                                                                                  \
+    static void dot_##T##_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,  \
+                              float *out, int64_t ldo) {                                                     \
+        for (int r = 0; r < nr; r++)                                                                         \
+            for (int t = 0; t < nt; t++)                                                                     \
+                dot_##T##_k8((const uint8_t *)w + (size_t)r * row_bytes, a[t].qk, a[t].dk, a[t].bk, n,      \
+                             &out[t * ldo + r]);                                                             \
     }
 typedef void (*dot_f_fn)(const void *w, const float *x, int64_t n, float *out);
 
@@ -195,6 +213,13 @@ size_t st_row_bytes(int32_t type, int64_t n);
  * st_quantize_act_row is the scalar definition; st_quant_act() gives the current variant's
  * version (AVX2 where it runs), which produces the same bytes and floats. */
 void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs);
+/* The per-256 view (act_row.qk): per 256 values d = amax / 127 and q = round(x / d) (half away from
+ * zero, as above), bsums the sums of each 16 q. st_quant_act_k() is the variant's version (same
+ * bytes and floats). n % 256 == 0. */
+void st_quantize_act_k_row(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums);
+typedef void (*quant_act_k_fn)(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums);
+quant_act_k_fn st_quant_act_k_avx2(void);
+quant_act_k_fn st_quant_act_k(void);
 typedef void (*quant_act_fn)(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs);
 quant_act_fn st_quant_act_avx2(void);
 quant_act_fn st_quant_act(void);
@@ -300,6 +325,9 @@ typedef struct {
     const float *d;
     const int32_t *s;
     const float *xs8, *xs; /* derived views for the SIMD kernels (see above) */
+    const int8_t *qk;      /* the per-256 view (act_row.qk; NULL where K % 256) */
+    const float *dk;
+    const int16_t *bk;
     int64_t K;
 } acts;
 
@@ -324,6 +352,9 @@ typedef struct {
     float *ad, *ad4, *axs;     /* ad4: the xs8 view [T, max_k/4] */
     int32_t *as, *topk_id;     /* topk_id: [T, k] */
     float *h, *pair_out;       /* [P, ff] hidden, [P, E] expert output per pair */
+    int8_t *akq, *hkq;         /* the per-256 views of aq and hq (act_row.qk) */
+    float *akd, *hkd;
+    int16_t *akb, *hkb;
     int8_t *hq;                /* hidden, quantised: [P, ff] */
     float *hd, *hd4, *hxs;
     int32_t *hs, *pair_tok;    /* pair_tok: [P] token of each pair */
@@ -400,10 +431,17 @@ typedef struct {
     int8_t *q;
     float *d, *xs8, *xs;
     int32_t *s;
+    int8_t *qk;
+    float *dk;
+    int16_t *bk;
 } act_buf;
 
-static inline act_buf layer_buf(scratch *s) { return (act_buf){s->aq, s->ad, s->ad4, s->axs, s->as}; }
-static inline act_buf hidden_buf(scratch *s) { return (act_buf){s->hq, s->hd, s->hd4, s->hxs, s->hs}; }
+static inline act_buf layer_buf(scratch *s) {
+    return (act_buf){s->aq, s->ad, s->ad4, s->axs, s->as, s->akq, s->akd, s->akb};
+}
+static inline act_buf hidden_buf(scratch *s) {
+    return (act_buf){s->hq, s->hd, s->hd4, s->hxs, s->hs, s->hkq, s->hkd, s->hkb};
+}
 
 /* Float rows x[T, K] -> activations; quantised into `o` when the weights need it. */
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o);
@@ -424,7 +462,8 @@ static inline void make_tile(act_tile *tl, const acts *a, const int32_t *idx, in
     for (int i = 0; i < nt; i++) {
         const int64_t t = idx ? idx[i] : base + i;
         tl->rows[i] = (act_row){a->q + t * K, a->d + t * (K / QK), a->s + t * (K / 16), a->xs8 + t * (K / 4),
-                                a->xs + t * (K / QK)};
+                                a->xs + t * (K / QK), a->qk ? a->qk + t * K : NULL,
+                                a->qk ? a->dk + t * (K / QK_K) : NULL, a->qk ? a->bk + t * (K / 16) : NULL};
     }
 }
 

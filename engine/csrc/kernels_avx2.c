@@ -8,6 +8,7 @@
 #include "gemm_int8.h"
 #include "gemm_iq.h"
 #include "gemm_lowbit.h"
+#include "gemm_kq8.h"
 
 /* Float weights: 4 independent 8-wide accumulators, scalar tail. */
 #define DEF_DOT_F_AVX2(NAME, ELEM_T, LOAD8, CONV1)                                   \
@@ -38,6 +39,7 @@ DEF_DOT_F_AVX2(dot_bf16_avx2, uint16_t, LD_BF16, bf16_to_f32)
 
 dot_q_fn st_dot_q_avx2(int32_t type) {
     if (st_type_is_iq(type)) return gemm_iq_pick(type);
+    if (st_type_q8k(type)) return gemm_kq8_pick(type);
     return gemm_pick(type) ? gemm_pick(type) : gemm_pick_lowbit(type);
 }
 
@@ -82,6 +84,12 @@ static void quant_act_avx2(const float *x, int64_t n, int8_t *qs, float *d, int3
 }
 
 quant_act_fn st_quant_act_avx2(void) { return quant_act_avx2; }
+
+static void quant_act_k_avx2(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums) {
+    quant_act_k_avx2_impl(x, n, qs, d, bsums);
+}
+
+quant_act_k_fn st_quant_act_k_avx2(void) { return quant_act_k_avx2; }
 
 /* exp(x) for x in [-87.3, 88.3] (clamped): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in
  * two so n ln2 is exact), exp(r) by its Taylor series to r^7 (truncation < 1e-8 relative),
@@ -138,6 +146,7 @@ dot_f_fn st_dot_f_avx2(int32_t type) {
 #include "internal.h"
 dot_q_fn st_dot_q_avx2(int32_t type) { (void)type; return NULL; }
 quant_act_fn st_quant_act_avx2(void) { return NULL; }
+quant_act_k_fn st_quant_act_k_avx2(void) { return NULL; }
 silu_mul_fn st_silu_mul_avx2(void) { return NULL; }
 dot_f_fn st_dot_f_avx2(int32_t type) { (void)type; return NULL; }
 #endif

@@ -6,6 +6,7 @@
 #include "gemm_int8.h"
 #include "gemm_iq.h"
 #include "gemm_lowbit.h"
+#include "gemm_kq8.h"
 
 static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
@@ -36,6 +37,7 @@ DEF_DOT_F_AVX512(dot_bf16_avx512, uint16_t, LD16_BF16, bf16_to_f32)
 
 dot_q_fn st_dot_q_avx512(int32_t type) {
     if (st_type_is_iq(type)) return gemm_iq_pick(type);
+    if (st_type_q8k(type)) return gemm_kq8_pick(type);
     return gemm_pick(type) ? gemm_pick(type) : gemm_pick_lowbit(type);
 }
 

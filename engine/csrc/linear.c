@@ -19,6 +19,7 @@ typedef struct {
     int64_t K;
     act_buf o;
     quant_act_fn fn;
+    quant_act_k_fn fk; /* NULL: no per-256 view (K % 256) */
 } quant_ctx;
 
 static void quant_task(void *ctx, int64_t t, int thread) {
@@ -27,14 +28,17 @@ static void quant_task(void *ctx, int64_t t, int thread) {
     const int64_t K = c->K;
     c->fn(c->x + t * K, K, c->o.q + t * K, c->o.d + t * (K / QK), c->o.s + t * (K / 16),
           c->o.xs8 + t * (K / 4), c->o.xs + t * (K / QK));
+    if (c->fk) c->fk(c->x + t * K, K, c->o.qk + t * K, c->o.dk + t * (K / QK_K), c->o.bk + t * (K / 16));
 }
 
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
-    acts a = {x, NULL, NULL, NULL, NULL, NULL, K};
+    acts a = {.x = x, .K = K};
     if (need_q) {
-        quant_ctx c = {x, K, o, st_quant_act()};
+        const int k8 = K % QK_K == 0 && o.qk;
+        quant_ctx c = {x, K, o, st_quant_act(), k8 ? st_quant_act_k() : NULL};
         st_pool_run(pool, quant_task, &c, T);
         a.q = o.q, a.d = o.d, a.s = o.s, a.xs8 = o.xs8, a.xs = o.xs;
+        if (k8) a.qk = o.qk, a.dk = o.dk, a.bk = o.bk;
     }
     return a;
 }

@@ -478,7 +478,7 @@ void st_model_destroy(st_model *m) {
 static void scratch_free(scratch *s) {
     void *ptrs[] = {s->x, s->xn, s->q, s->k, s->v, s->att, s->tmp, s->router, s->topk_w, s->scores, s->gate_shexp,
                     s->aq, s->ad, s->ad4, s->axs, s->as, s->topk_id, s->h, s->pair_out, s->hq, s->hd, s->hd4,
-                    s->hxs, s->hs, s->pair_tok,
+                    s->hxs, s->hs, s->pair_tok, s->akq, s->akd, s->akb, s->hkq, s->hkd, s->hkb,
                     s->pairs_by_expert, s->expert_start, s->tiles, s->rtiles, s->split, s->parts,
                     (void *)s->left, s->logits, s->mqa, s->mq, s->mkv, s->mg, s->mo};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) free(ptrs[i]);
@@ -522,6 +522,12 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->ad4 = malloc(sizeof(float) * T * (K / 4 + 1));
         s->axs = malloc(sizeof(float) * T * (K / QK + 1)); /* xs: one float per 32-block */
         s->as = malloc(sizeof(int32_t) * T * (K / 16 + 1));
+        s->akq = malloc(T * K);
+        s->akd = malloc(sizeof(float) * T * (K / QK_K + 1));
+        s->akb = malloc(sizeof(int16_t) * T * (K / 16 + 1));
+        s->hkq = malloc(P * ffmax);
+        s->hkd = malloc(sizeof(float) * P * (ffmax / QK_K + 1));
+        s->hkb = malloc(sizeof(int16_t) * P * (ffmax / 16 + 1));
         s->h = malloc(sizeof(float) * P * ffmax);
         s->hq = malloc(P * ffmax);
         s->hd = malloc(sizeof(float) * P * (ffmax / QK + 1));
@@ -539,7 +545,8 @@ st_status st_scratch_ensure(st_model *m, size_t T, size_t n_threads, size_t ctx)
         s->cap_pairs = P;
         if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->att || !s->tmp || !s->router || !s->topk_w ||
             !s->topk_id || !s->gate_shexp || !s->aq || !s->ad || !s->as || !s->h || !s->hq || !s->hd || !s->hs ||
-            !s->ad4 || !s->axs || !s->hd4 || !s->hxs ||
+            !s->ad4 || !s->axs || !s->hd4 || !s->hxs || !s->akq || !s->akd || !s->akb || !s->hkq || !s->hkd ||
+            !s->hkb ||
             !s->pair_out || !s->pair_tok || !s->pairs_by_expert || !s->expert_start || !s->tiles || !s->rtiles ||
             !s->split || !mla_ok) {
             scratch_free(s);

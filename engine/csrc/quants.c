@@ -221,6 +221,25 @@ void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_
     }
 }
 
+void st_quantize_act_k_row(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums) {
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        const float *xb = x + b * QK_K;
+        float amax = 0.0f;
+        for (int l = 0; l < QK_K; l++) amax = fmaxf(amax, fabsf(xb[l]));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int32_t sum = 0;
+            for (int l = 0; l < 16; l++) {
+                const int8_t q = (int8_t)roundf(xb[16 * g + l] * id);
+                qs[b * QK_K + 16 * g + l] = q;
+                sum += q;
+            }
+            bsums[b * (QK_K / 16) + g] = (int16_t)sum;
+        }
+    }
+}
+
 st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums) {
     if (!x || !qs || !d || !sums || n <= 0 || n % QK)
         return st_fail(ST_EINVAL, "quantize_act: n=%lld must be a positive multiple of %d", (long long)n, QK);
@@ -338,25 +357,22 @@ static void dot_q5_k_one(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
-static void dot_q6_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+/* Q6_K on the per-256 view (act_row.qk): the exact integer sums of a whole super-block, then one
+ * float step per 256 weights:
+ *   Q6_K:  dk * (d * sum_g sc_g * sum((q - 32) a))
+ * The SIMD variants compute the same integers and the same float operations in this order. */
+static void dot_q6_k_k8(const void *w, const int8_t *a, const float *dk, const int16_t *bk, int64_t n, float *out) {
     const blk_q6_k *b = w;
-    (void)s;
+    (void)bk;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        const float dd = f16_to_f32(b[i].d);
-        for (int j = 0; j < 8; j++) {
-            const int64_t ab = 8 * i + j;
-            int32_t isum = 0;
-            for (int half = 0; half < 2; half++) { /* two 16-element scales per 32 */
-                int32_t part = 0;
-                for (int l = 0; l < 16; l++) {
-                    const int e = 32 * j + 16 * half + l;
-                    part += q6k_value(&b[i], e) * a[ab * QK + 16 * half + l];
-                }
-                isum += b[i].scales[2 * j + half] * part;
-            }
-            acc += dd * d[ab] * (float)isum;
+        int32_t isum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int32_t part = 0;
+            for (int l = 0; l < 16; l++) part += q6k_value(&b[i], 16 * g + l) * a[i * QK_K + 16 * g + l];
+            isum += b[i].scales[g] * part;
         }
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum);
     }
     *out = acc;
 }
@@ -368,7 +384,7 @@ DEF_REF_MULTI(q5_1)
 DEF_REF_MULTI(q8_0)
 DEF_REF_MULTI(q4_k)
 DEF_REF_MULTI(q5_k)
-DEF_REF_MULTI(q6_k)
+DEF_REF_MULTI_K8(q6_k)
 
 static void dot_f32_ref(const void *w, const float *x, int64_t n, float *out) {
     const float *v = w;

@@ -83,6 +83,11 @@ st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32
 /* The same through one variant's quantiser (the step uses the current variant's); every
  * variant gives the bytes and floats of st_quantize_act. For the kernel harness. */
 st_status st_quantize_act_variant(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums);
+/* The per-256 quantisation the Q6_K kernels read (llama.cpp's Q8_K): n a positive
+ * multiple of 256; qs[n], d[n/256] (amax / 127 of each 256 values), bsums[n/16] (the sums of each 16
+ * qs). st_vec_dot_q and friends build this view from their per-32 inputs: x = qs * d (float
+ * products, per 32-block) quantised here. variant: as st_quantize_act_variant (same bytes on every one). */
+st_status st_quantize_act_k(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums);
 /* h = silu(g) * u elementwise through one variant (the expert FFN's gate); n >= 1. */
 st_status st_silu_mul_variant(int32_t variant, const float *g, const float *u, float *h, int64_t n);
 
@@ -107,7 +112,9 @@ st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_
                             const float *d, const int32_t *sums, int64_t n, float *out);
 /* The micro-kernel's rate with its weights in cache, for benchmarks: 8 rows x n of `type`
  * (random codes, small scales) against nt (1..64) token rows, run until `seconds` of this
- * thread's CPU time have passed; *gmac_s = multiply-accumulates per CPU second / 1e9. */
+ * thread's CPU time have passed; *gmac_s = multiply-accumulates per CPU second / 1e9. The
+ * repacked types (ST_TYPE_Q4_1_R8, ST_TYPE_Q8_0_R8: the engine's form of those tensors) are
+ * accepted, their group built from random plain rows. */
 st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s);
 
 /* Attention of one head over caller-provided paged K/V (the layout of st_kv: K is

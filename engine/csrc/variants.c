@@ -85,6 +85,35 @@ static quant_act_fn quant_variant(int32_t variant) {
 
 quant_act_fn st_quant_act(void) { return quant_variant(g_variant); }
 
+static quant_act_k_fn quant_k_variant(int32_t variant) {
+    const quant_act_k_fn f = resolve(variant) != ST_VARIANT_REF ? st_quant_act_k_avx2() : NULL; /* AVX-512 too */
+    return f ? f : st_quantize_act_k_row;
+}
+
+quant_act_k_fn st_quant_act_k(void) { return quant_k_variant(g_variant); }
+
+st_status st_quantize_act_k(int32_t variant, const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums) {
+    const st_status rc = check_variant(variant);
+    if (rc) return rc;
+    if (!x || !qs || !d || !bsums || n <= 0 || n % QK_K)
+        return st_fail(ST_EINVAL, "quantize_act_k: n=%lld must be a positive multiple of %d", (long long)n, QK_K);
+    quant_k_variant(variant)(x, n, qs, d, bsums);
+    return ST_OK;
+}
+
+/* The per-256 view of nt per-32 activation rows (qs, d): x = q * d per element, quantised per 256
+ * by the reference quantiser into qk[nt * n], dk[nt * n/256], bk[nt * n/16]. */
+static void k_view_from_blocks(const int8_t *qs, const float *d, int64_t n, int nt, int8_t *qk, float *dk,
+                               int16_t *bk, float *x) {
+    for (int t = 0; t < nt; t++) {
+        const int8_t *q = qs + (size_t)t * (size_t)n;
+        const float *dt = d + (size_t)t * (size_t)(n / QK);
+        for (int64_t i = 0; i < n; i++) x[i] = (float)q[i] * dt[i / QK];
+        st_quantize_act_k_row(x, n, qk + (size_t)t * (size_t)n, dk + (size_t)t * (size_t)(n / QK_K),
+                              bk + (size_t)t * (size_t)(n / 16));
+    }
+}
+
 static silu_mul_fn silu_variant(int32_t variant) {
     const silu_mul_fn f = resolve(variant) != ST_VARIANT_REF ? st_silu_mul_avx2() : NULL; /* AVX-512 CPUs too */
     return f ? f : st_silu_mul_ref;
@@ -127,11 +156,16 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
     if (n > ST_MAX_ROW) return st_fail(ST_EINVAL, "%s: n=%lld exceeds %d", what, (long long)n, ST_MAX_ROW);
     float *xs8 = malloc(sizeof(float) * (size_t)nt * (size_t)(n / 4));
     float *xs = malloc(sizeof(float) * (size_t)nt * (size_t)(n / QK));
-    if (!xs8 || !xs) {
-        free(xs8);
-        free(xs);
+    const int k8 = n % QK_K == 0;
+    int8_t *qk = k8 ? malloc((size_t)nt * (size_t)n) : NULL;
+    float *dk = k8 ? malloc(sizeof(float) * (size_t)nt * (size_t)(n / QK_K)) : NULL;
+    int16_t *bk = k8 ? malloc(sizeof(int16_t) * (size_t)nt * (size_t)(n / 16)) : NULL;
+    float *xf = k8 ? malloc(sizeof(float) * (size_t)n) : NULL;
+    if (!xs8 || !xs || (k8 && (!qk || !dk || !bk || !xf))) {
+        free(xs8), free(xs), free(qk), free(dk), free(bk), free(xf);
         return st_fail(ST_ENOMEM, "%s: out of memory", what);
     }
+    if (k8) k_view_from_blocks(qs, d, n, nt, qk, dk, bk, xf);
     act_row rows[ST_MAX_NT];
     for (int32_t t = 0; t < nt; t++) {
         const float *dt = d + (size_t)t * (size_t)(n / QK);
@@ -142,14 +176,15 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
             for (int l = 0; l < 4; l++) x8[b * 8 + l] = x0, x8[b * 8 + 4 + l] = x1;
             x[b] = dt[b] * (float)(st[2 * b] + st[2 * b + 1]);
         }
-        rows[t] = (act_row){qs + (size_t)t * (size_t)n, dt, st, x8, x};
+        rows[t] = (act_row){qs + (size_t)t * (size_t)n, dt, st, x8, x, k8 ? qk + (size_t)t * (size_t)n : NULL,
+                            k8 ? dk + (size_t)t * (size_t)(n / QK_K) : NULL,
+                            k8 ? bk + (size_t)t * (size_t)(n / 16) : NULL};
     }
     float res[ST_MAX_NT * ST_ROW_BLOCK];
     pick_q(resolve(variant), type)(w, st_row_bytes(type, n), nr, n, nt, rows, res, ST_ROW_BLOCK);
     for (int32_t t = 0; t < nt; t++)
         for (int32_t r = 0; r < nr; r++) out[t * nr + r] = res[t * ST_ROW_BLOCK + r];
-    free(xs8);
-    free(xs);
+    free(xs8), free(xs), free(qk), free(dk), free(bk), free(xf);
     return ST_OK;
 }
 
@@ -272,7 +307,9 @@ static double thread_cpu_s(void) {
 st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s) {
     st_status rc = check_variant(variant);
     if (rc) return rc;
-    if (!st_type_supported(type) || st_type_is_float(type))
+    /* the repacked types (the engine runs every Q4_1 / Q8_0 tensor of 8k rows as these) from random plain rows */
+    const int32_t plain = type == ST_TYPE_Q4_1_R8 ? ST_TYPE_Q4_1 : type == ST_TYPE_Q8_0_R8 ? ST_TYPE_Q8_0 : type;
+    if (!st_type_supported(plain) || st_type_is_float(plain))
         return st_fail(ST_EUNSUPPORTED, "kernel_rate: type %d is not a supported quantised type", type);
     if (!gmac_s || n <= 0 || n > ST_MAX_ROW || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
         !(seconds > 0.0 && seconds <= 60.0))
@@ -284,8 +321,12 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     float *xs8 = malloc(sizeof(float) * (size_t)(n / 4) * (size_t)nt), *xs = malloc(sizeof(float) * (size_t)(n / QK) * (size_t)nt);
     int32_t *s = malloc(sizeof(int32_t) * (size_t)(n / 16) * (size_t)nt);
     float *x = malloc(sizeof(float) * (size_t)n);
-    if (!w || !q || !d || !xs8 || !xs || !s || !x) {
-        free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+    const int k8 = n % QK_K == 0;
+    int8_t *qk = malloc((size_t)n * (size_t)nt);
+    float *dk = malloc(sizeof(float) * (size_t)(n / QK_K + 1) * (size_t)nt);
+    int16_t *bk = malloc(sizeof(int16_t) * (size_t)(n / 16) * (size_t)nt);
+    if (!w || !q || !d || !xs8 || !xs || !s || !x || !qk || !dk || !bk) {
+        free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x), free(qk), free(dk), free(bk);
         return st_fail(ST_ENOMEM, "kernel_rate: out of memory");
     }
     uint32_t r = 12345u;
@@ -293,6 +334,20 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     for (size_t i = 1; i < rb * ST_ROW_BLOCK; i += 2) w[i] &= 0x3b; /* f16 fields wherever they fall stay finite */
     if (type == ST_TYPE_MXFP4) /* E8M0 exponents near 2^-5 (random ones overflow or go subnormal: slow) */
         for (size_t i = 0; i < rb * ST_ROW_BLOCK; i += 17) w[i] = (uint8_t)(119 + i % 7);
+    if (plain != type) {
+        uint8_t *g = malloc(rb * ST_ROW_BLOCK);
+        if (!g) {
+            free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+            return st_fail(ST_ENOMEM, "kernel_rate: out of memory");
+        }
+        rc = plain == ST_TYPE_Q4_1 ? st_repack_q4_1(w, g, ST_ROW_BLOCK, n) : st_repack_q8_0(w, g, ST_ROW_BLOCK, n);
+        free(w);
+        w = g;
+        if (rc) {
+            free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+            return rc;
+        }
+    }
     act_row rows[ST_MAX_NT];
     for (int32_t t = 0; t < nt; t++) {
         for (int64_t i = 0; i < n; i++) r = r * 1664525u + 1013904223u, x[i] = (float)(r >> 8) / 16777216.0f - 0.5f;
@@ -300,7 +355,11 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
         st_quantize_act_row(x, n, q + o * (size_t)n, d + o * (size_t)(n / QK), s + o * (size_t)(n / 16),
                             xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / QK));
         rows[t] = (act_row){q + o * (size_t)n, d + o * (size_t)(n / QK), s + o * (size_t)(n / 16),
-                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / QK)};
+                            xs8 + o * (size_t)(n / 4), xs + o * (size_t)(n / QK), NULL, NULL, NULL};
+        if (k8) {
+            st_quantize_act_k_row(x, n, qk + o * (size_t)n, dk + o * (size_t)(n / QK_K), bk + o * (size_t)(n / 16));
+            rows[t].qk = qk + o * (size_t)n, rows[t].dk = dk + o * (size_t)(n / QK_K), rows[t].bk = bk + o * (size_t)(n / 16);
+        }
     }
     const dot_q_fn f = pick_q(resolve(variant), type);
     float out[ST_MAX_NT * ST_ROW_BLOCK];
@@ -313,7 +372,7 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
         dt = thread_cpu_s() - t0;
     } while (dt < seconds);
     *gmac_s = (double)calls * ST_ROW_BLOCK * (double)n * nt / dt / 1e9;
-    free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
+    free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x), free(qk), free(dk), free(bk);
     return ST_OK;
 }
 

@@ -20,6 +20,7 @@ TINY_VOCAB = 300
 _RANDOM_BLOCK_SCALES: dict[GGMLQuantizationType, dict[int, float]] = {
     GGMLQuantizationType.Q2_K: {80: 1.0, 82: 1.5},
     GGMLQuantizationType.Q3_K: {108: 1.0},
+    GGMLQuantizationType.Q6_K: {208: 1.0},
     GGMLQuantizationType.IQ4_NL: {0: 1.0},
     GGMLQuantizationType.IQ4_XS: {0: 1.0},
 }

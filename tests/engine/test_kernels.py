@@ -21,6 +21,8 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": 
 # byte offsets of E8M0 exponents (kept near 2^-5, the size of the f16 scales above, in random blocks)
 E8M0_FIELDS = {"MXFP4": [0]}
 N = 256 * 12  # a multiple of every block size; an even and an odd count of 32-blocks below
+# the types whose kernels read the per-256 activation view (engine/csrc/internal.h, st_type_q8k)
+Q8K_TYPES = {"Q6_K"}
 
 
 def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -55,6 +57,28 @@ def quant_act(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qs, d, s = np.empty(n, np.int8), np.empty(n // 32, np.float32), np.empty(n // 16, np.int32)
     assert lib.st_quantize_act(ptr(x, "float *"), n, ptr(qs, "int8_t *"), ptr(d, "float *"), ptr(s, "int32_t *")) == 0
     return qs, d, s
+
+
+def quant_act_k(x: np.ndarray, variant: str = "ref") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = x.size
+    qs, d, b = np.empty(n, np.int8), np.empty(n // 256, np.float32), np.empty(n // 16, np.int16)
+    rc = lib.st_quantize_act_k(VARIANTS[variant], ptr(x, "float *"), n, ptr(qs, "int8_t *"), ptr(d, "float *"),
+                               ptr(b, "int16_t *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return qs, d, b
+
+
+def act_values(name: str, qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The activation values a kernel of `name` multiplies (float64), given the per-32 rows qs, d
+    ([n] or [nt, n]): q * d, or for the per-256 types that product (float32, as in C) quantised
+    again per 256, the view st_vec_dot_q builds for them."""
+    n = qs.shape[-1]
+    x = (qs.reshape(-1, n // 32, 32) * d.reshape(-1, n // 32, 1)).reshape(qs.shape)  # float32 products
+    if name not in Q8K_TYPES:
+        return x.astype(np.float64)
+    rows = [quant_act_k(np.ascontiguousarray(row, np.float32)) for row in x.reshape(-1, n)]
+    return np.stack([(q.reshape(-1, 256) * dk[:, None].astype(np.float64)).reshape(-1) for q, dk, _ in rows]).reshape(
+        qs.shape)
 
 
 @pytest.mark.parametrize("name", QUANT_TYPES + FLOAT_TYPES)
@@ -168,6 +192,38 @@ def test_activation_quantisation_every_variant_bitwise(variant: str) -> None:
                                        ptr(d, "float *"), ptr(s, "int32_t *")) == lib.ST_EINVAL
 
 
+def test_per_256_quantisation_matches_definition() -> None:
+    x = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    x[256:512] *= np.float32(1e-3)
+    qs, d, b = quant_act_k(x)
+    blocks = x.reshape(-1, 256)
+    np.testing.assert_allclose(d, np.abs(blocks).max(axis=1) / 127, rtol=1e-6)
+    np.testing.assert_array_equal(b, qs.reshape(-1, 16).astype(np.int32).sum(axis=1))
+    assert np.all(np.abs(qs.reshape(-1, 256) * d[:, None] - blocks) <= d[:, None] * 0.5 + 1e-7)
+    assert np.abs(qs).max() == 127
+    out = np.empty(8, np.int8)
+    assert lib.st_quantize_act_k(VARIANTS["ref"], ptr(x, "float *"), 128, ptr(out, "int8_t *"), ptr(d, "float *"),
+                                 ptr(b, "int16_t *")) == lib.ST_EINVAL
+
+
+@pytest.mark.parametrize("variant", available_variants())
+def test_per_256_quantisation_every_variant_bitwise(variant: str) -> None:
+    """Every variant's per-256 quantiser gives the reference's bytes, scales and sums, with exact .5
+    ties, an all-zero block and blocks of very different magnitudes."""
+    rng = np.random.default_rng(23)
+    x = rng.standard_normal(N).astype(np.float32)
+    x[:256] = 0.0
+    x[256:512] = (rng.integers(-254, 255, size=256) / 2).astype(np.float32)  # d = 1: exact halves
+    x[300] = 127.0
+    x[512:768] *= np.float32(1e-30)
+    x[768:1024] *= np.float32(3e4)
+    ref = quant_act_k(x)
+    got = quant_act_k(x, variant)
+    assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1].view(np.uint32), ref[1].view(np.uint32))
+    assert np.array_equal(got[2], ref[2])
+    assert np.array_equal(ref[0][256:512], np.trunc(x[256:512] + np.copysign(0.5, x[256:512])).astype(np.int8))
+
+
 GUARD = 64  # elements of sentinel after each buffer
 
 
@@ -223,7 +279,7 @@ def test_quantised_dot_every_variant(name: str, variant: str, n: int) -> None:
         x = rng.standard_normal(n).astype(np.float32)
         qs, d, s = quant_act(x)
         w = c_dequant(name, raw, n).astype(np.float64)
-        xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+        xa = act_values(name, qs, d)
         oracle = float(np.dot(w, xa))
         scale = float(np.abs(w * xa).sum())
         got = dot_q(name, variant, raw, qs, d, s, n)
@@ -306,7 +362,7 @@ def test_iq_dot_edge_blocks_every_variant(name: str, variant: str) -> None:
     for x in (np.ones(n, np.float32), np.where(np.arange(n) % 2, -1.0, 1.0).astype(np.float32),
               rng.standard_normal(n).astype(np.float32)):
         qs, d, s = quant_act(x)
-        xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+        xa = act_values(name, qs, d)
         oracle, scale = float(np.dot(w, xa)), float(np.abs(w * xa).sum())
         got, ref = dot_q(name, variant, blocks, qs, d, s, n), dot_q(name, "ref", blocks, qs, d, s, n)
         assert abs(got - oracle) <= 1e-4 * scale and abs(got - ref) <= 1e-4 * scale, (got, ref, oracle)
@@ -331,7 +387,7 @@ def test_extreme_codes_and_activations_every_variant(name: str, variant: str) ->
         for x in (np.ones(n), -np.ones(n), np.resize([1.0, -1.0], n), rng.standard_normal(n)):
             qs, d, s = quant_act(x.astype(np.float32))
             w = c_dequant(name, raw, n).astype(np.float64)
-            xa = (qs.reshape(-1, 32) * d[:, None].astype(np.float64)).reshape(-1)
+            xa = act_values(name, qs, d)
             # all-zero weights (MXFP4 codes 0 and 8): measured against the largest weight of these blocks
             scale = float(np.abs(w * xa).sum()) or float(np.abs(xa).sum()) * 0.01 * 127
             oracle = float(np.dot(w, xa))
@@ -379,7 +435,7 @@ def test_multi_token_dot_equals_alone_bitwise_every_variant(name: str, variant: 
         got = dot_q_tokens(name, variant, raw, qs[:nt].copy(), d[:nt].copy(), s[:nt].copy(), n)
         assert np.array_equal(got.view(np.uint32), alone[:nt].view(np.uint32)), (name, variant, nt)
         for t in range(nt):
-            xa = (qs[t].reshape(-1, 32) * d[t][:, None].astype(np.float64)).reshape(-1)
+            xa = act_values(name, qs[t], d[t])
             scale = float(np.abs(w * xa).sum())
             assert abs(float(got[t]) - ref[t]) <= 1e-4 * scale, (name, variant, nt, t)
 
@@ -422,7 +478,7 @@ def test_row_blocked_dot_equals_alone_bitwise_every_variant(name: str, variant: 
     ref = np.array([[dot_q(name, "ref", rows[r], qs[t], d[t], s[t], n) for r in range(nr_max)]
                     for t in range(nt_max)], np.float64)
     w = np.stack([c_dequant(name, r, n) for r in rows]).astype(np.float64)  # [nr, n]
-    xa = (qs.reshape(nt_max, -1, 32) * d[:, :, None].astype(np.float64)).reshape(nt_max, n)
+    xa = act_values(name, qs, d)
     scale = np.abs(xa) @ np.abs(w).T  # [nt, nr]: sum |w * a|
     assert np.all(np.abs(alone - ref) <= 1e-4 * scale), (name, variant)
     for nr in ROW_COUNTS:
@@ -830,6 +886,9 @@ def test_kernel_rate_runs_and_rejects_bad_arguments() -> None:
     out = ffi.new("double *")
     q41 = int(GGMLQuantizationType["Q4_1"])
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.01, out) == 0 and out[0] > 0
+    for repacked in (lib.ST_TYPE_Q4_1_R8, lib.ST_TYPE_Q8_0_R8):  # the engine's form of Q4_1 / Q8_0
+        assert lib.st_kernel_rate(repacked, VARIANTS["auto"], 256, 1, 0.01, out) == 0 and out[0] > 0
+        assert lib.st_kernel_rate(repacked, VARIANTS["auto"], 100, 1, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 100, 8, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 65, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.0, out) == lib.ST_EINVAL

@@ -41,13 +41,20 @@ int main(int argc, char **argv) {
     float *xs = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt), *d = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt);
     int8_t *q = malloc((size_t)K * (size_t)nt);
     int32_t *s = malloc(sizeof(int32_t) * (size_t)K / 16 * (size_t)nt);
+    int8_t *qk = malloc((size_t)K * (size_t)nt);
+    float *dk = malloc(sizeof(float) * ((size_t)K / 256 + 1) * (size_t)nt);
+    int16_t *bk = malloc(sizeof(int16_t) * (size_t)K / 16 * (size_t)nt);
     act_row a[ST_MAX_NT];
     for (int t = 0; t < nt; t++) {
         for (int i = 0; i < K; i++) x[i] = (float)rand() / (float)RAND_MAX - 0.5f;
         st_quantize_act_row(x, K, q + (size_t)t * K, d + (size_t)t * (K / 32), s + (size_t)t * (K / 16),
                             xs8 + (size_t)t * (K / 4), xs + (size_t)t * (K / 32));
         a[t] = (act_row){q + (size_t)t * K, d + (size_t)t * (K / 32), s + (size_t)t * (K / 16), xs8 + (size_t)t * (K / 4),
-                         xs + (size_t)t * (K / 32)};
+                         xs + (size_t)t * (K / 32), NULL, NULL, NULL};
+        if (K % 256 == 0) {
+            st_quantize_act_k_row(x, K, qk + (size_t)t * K, dk + (size_t)t * (K / 256), bk + (size_t)t * (K / 16));
+            a[t].qk = qk + (size_t)t * K, a[t].dk = dk + (size_t)t * (K / 256), a[t].bk = bk + (size_t)t * (K / 16);
+        }
     }
     float out[ST_MAX_NT * ST_ROW_BLOCK];
     const dot_q_fn f = st_dot_q(type);

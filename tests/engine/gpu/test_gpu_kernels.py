@@ -24,7 +24,11 @@ from tests.engine.gpu._kernel_helpers import (
     gptr,
     harness_settings,
 )
-from tests.engine.test_kernels import random_blocks  # the CPU harness's: both harnesses check the same bytes
+from tests.engine.test_kernels import (  # the CPU harness's: both harnesses check the same bytes
+    Q8K_TYPES,
+    c_dequant,
+    random_blocks,
+)
 
 pytestmark = requires_gpu
 
@@ -77,6 +81,12 @@ def cpu_linear(name: str, w: np.ndarray, rows: int, k: int, x: np.ndarray) -> np
                 out[t, r] = res[0]
         return out
     qs, d, s = cpu_quant(x)
+    if name in Q8K_TYPES:
+        # the CPU kernels of these types read a per-256 requantisation (st_quantize_act_k) and the GPU's the 8-bit
+        # blocks themselves: the float64 dot of the dequantised rows with those blocks
+        xa = (qs.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, k)
+        wd = np.stack([c_dequant(name, w[r * rb : (r + 1) * rb], k) for r in range(rows)]).astype(np.float64)
+        return (xa @ wd.T).astype(np.float32)
     for t in range(T):
         qp, dp, sp = ptr(qs[t], "int8_t *"), ptr(d[t], "float *"), ptr(s[t], "int32_t *")
         for r in range(rows):

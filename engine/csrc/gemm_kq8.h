@@ -1,0 +1,301 @@
+/* Q6_K against the per-256 activation view (act_row.qk, st_type_q8k), on 256-bit vectors; compiled
+ * into the AVX2 and the AVX-512 variant alike (the same instructions). Q6_K is the one k-quant that reads
+ * this view: Q4_K gained nothing from it at one token and lost 22% at 16-64 tokens, and it moved the
+ * Q2_K / Q3_K test models past their per-32 accuracy bound (docs/benchmarks.md, "Per-256 activations for
+ * the k-quants"; branch cpuk32 keeps those types' per-256 kernels), so they keep the per-32 kernels
+ * (gemm_int8.h, gemm_lowbit.h).
+ *
+ * One row's super-block at a time, as llama.cpp's vec_dot: the 6-bit codes (kept unsigned: the value
+ * is the code - 32) against the int8 activations with maddubs (u8 x s8 -> s16 pairs), the 16-bit
+ * pairs times the sub-block scale with madd into int32 lanes, summed over the whole super-block in
+ * integers; the offset 32 comes from the activation's int16 sums (one madd per row and super-block).
+ * The eight rows' lane vectors are then reduced with a hadd tree into one vector (lane r = row r) and
+ * the float step of quants.c's reference runs once per super-block for all eight rows:
+ *   acc += dk * (d * (isum - 32 * msum))
+ * The integer sums are exact and the float operations are the reference's, in its order (no FMA), so
+ * every token count and row count gives the reference's bits.
+ *
+ * Tokens go in groups of eight (then four, then the rest): each row's super-block is unpacked
+ * into registers once per group. Bounds: the maddubs pairs (codes <= 63 against |a| <= 127) fit int16; the
+ * super-block sums (< 2^28) fit int32. */
+#ifndef STRATA_GEMM_KQ8_H
+#define STRATA_GEMM_KQ8_H
+
+#include <immintrin.h>
+
+#include "internal.h"
+
+#define KQ8_TP 8 /* most tokens per pass */
+
+/* Q6_K: byte shuffles putting scale 2c in bytes 0..7 and 2c + 1 in bytes 8..15 (c = 0..7: the
+ * 32-element chunk), widened to int16 afterwards. */
+static const uint8_t kq8_q6sc[8][16] __attribute__((aligned(16))) = {
+#define KQ8_S(c) {2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, \
+                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1}
+    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3), KQ8_S(4), KQ8_S(5), KQ8_S(6), KQ8_S(7)
+#undef KQ8_S
+};
+
+/* Lane r of the result = the sum of the 8 lanes of v[r] (integers: exact in any order). */
+static inline __m256i kq8_reduce8(const __m256i *v) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* The eight rows' f16 at byte offset off of their super-block i, as floats. */
+static inline __m256 kq8_f16x8(const uint8_t *const *rows, int64_t i, size_t bs, size_t off) {
+    uint16_t h[8];
+    for (int r = 0; r < 8; r++) memcpy(&h[r], rows[r] + (size_t)i * bs + off, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* ---- Q6_K: one row's super-block against NT tokens; msum = sum_g sc_g * bsum_g ---- */
+static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, int64_t i, int NT,
+                                                             const act_row *a, __m256i *isum, __m256i *msum) {
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)b->scales);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    for (int t = 0; t < NT; t++) {
+        msum[t] = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
+        isum[t] = _mm256_setzero_si256();
+    }
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+        q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                               _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        for (int k = 0; k < 4; k++) {
+            const __m256i s = _mm256_cvtepi8_epi16(
+                _mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[4 * h + k])));
+            for (int t = 0; t < NT; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q[k], x)));
+            }
+        }
+    }
+}
+
+/* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. Super-blocks
+ * go in chunks of KQ8_ENTRIES / NT: each row runs through the chunk on its own (one stream at a time,
+ * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
+ * super-block, in order, the eight rows' sums are reduced and the float step taken. */
+#define KQ8_ENTRIES 32
+#define KQ8_AHEAD 6 /* super-blocks */
+static inline __attribute__((always_inline)) void kq8_pass(const uint8_t *const *rows, int64_t nb, int NT,
+                                                           const act_row *a, __m256 *acc) {
+    const int CH = KQ8_ENTRIES / NT;
+    const size_t bs = sizeof(blk_q6_k);
+    __m256i iv[KQ8_ENTRIES][8];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t i0 = 0; i0 < nb; i0 += CH) {
+        const int ni = nb - i0 < CH ? (int)(nb - i0) : CH;
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *row = rows[r] + (size_t)i0 * bs;
+            for (int c = 0; c < ni; c++) {
+                const int64_t i = i0 + c;
+                /* the row's super-block KQ8_AHEAD on, one line per 64 bytes: from DRAM the hardware
+                 * prefetcher alone does not keep eight short row streams fed */
+                if (i + KQ8_AHEAD < nb)
+                    for (size_t o = 0; o < bs; o += 64) _mm_prefetch((const char *)(row + (c + KQ8_AHEAD) * bs + o), _MM_HINT_T0);
+                __m256i is[KQ8_TP], ms[KQ8_TP];
+                kq8_q6k_sb((const blk_q6_k *)row + c, i, NT, a, is, ms);
+                /* the offset term folded in per lane (exact integers): one reduction, not two */
+                for (int t = 0; t < NT; t++) iv[c * NT + t][r] = _mm256_sub_epi32(is[t], _mm256_slli_epi32(ms[t], 5));
+            }
+        }
+        for (int c = 0; c < ni; c++) {
+            const int64_t i = i0 + c;
+            const __m256 d = kq8_f16x8(rows, i, bs, offsetof(blk_q6_k, d));
+            for (int t = 0; t < NT; t++) {
+                const __m256i tot = kq8_reduce8(iv[c * NT + t]); /* isum - 32 * msum, folded above */
+                const __m256 x = _mm256_mul_ps(d, _mm256_cvtepi32_ps(tot));
+                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+            }
+        }
+    }
+}
+
+/* ---- many tokens: the eight rows interleaved by 4-code groups ----
+ * A super-block of the eight rows is unpacked once for all tokens: unsigned codes in element order
+ * per row, transposed so that w[k] holds codes 4k..4k+3 of rows 0..7 (one 32-bit lane per row), and
+ * per 16-element group g the scale vector s[g] (each row's lane: its scale twice, int16) and per
+ * group pair the offset factor vector m[p] (each row's lane: its scales of groups 2p, 2p + 1). Per
+ * token, maddubs against the four activation bytes broadcast, madd by s[g]: the lanes accumulate
+ * each row's exact isum, and madd of m[p] with the token's two int16 sums its msum, the integers
+ * of the path above; the float step is its. */
+/* Tokens from which a call takes this path (kernel_bench, AVX2, best of 300: at 16 tokens +48% over
+ * the fused passes above). */
+#define KQ8_MANY_MIN 16
+
+/* Row r's super-block: codes[256] (unsigned, element order) and sc[16], its signed scale per 16-group. */
+static inline __attribute__((always_inline)) void kq8_unpack_row(const uint8_t *blk, uint8_t *codes, int16_t *sc) {
+    const blk_q6_k *b = (const blk_q6_k *)blk;
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+        uint8_t *c = codes + 128 * h;
+        _mm256_storeu_si256((__m256i *)c, _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                                          _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
+        _mm256_storeu_si256((__m256i *)(c + 32), _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                                                 _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
+        _mm256_storeu_si256((__m256i *)(c + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                                                 _mm256_and_si256(hb, m30)));
+        _mm256_storeu_si256((__m256i *)(c + 96),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+    }
+    for (int g = 0; g < 16; g++) sc[g] = b->scales[g];
+}
+
+/* U (1..4) tokens against one unpacked super-block i of the eight rows (kq8_many): each w[k] and
+ * s[g] loaded once for the U tokens. */
+static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i *w, const __m256i *s, const __m256i *m,
+                                                                  __m256 d, int64_t i, int U, const act_row *a,
+                                                                  __m256 *acc) {
+    __m256i is[4], ms[4];
+    for (int u = 0; u < U; u++) is[u] = _mm256_setzero_si256(), ms[u] = _mm256_setzero_si256();
+    for (int k = 0; k < 64; k++) {
+        const __m256i wk = _mm256_load_si256(w + k), sk = _mm256_load_si256(s + k / 4);
+        for (int u = 0; u < U; u++) {
+            int32_t x;
+            memcpy(&x, a[u].qk + QK_K * i + 4 * k, 4);
+            is[u] = _mm256_add_epi32(is[u], _mm256_madd_epi16(sk, _mm256_maddubs_epi16(wk, _mm256_set1_epi32(x))));
+        }
+    }
+    for (int p = 0; p < 8; p++)
+        for (int u = 0; u < U; u++) {
+            int32_t b2;
+            memcpy(&b2, a[u].bk + 16 * i + 2 * p, 4);
+            ms[u] = _mm256_add_epi32(ms[u], _mm256_madd_epi16(m[p], _mm256_set1_epi32(b2)));
+        }
+    for (int u = 0; u < U; u++) {
+        const __m256 xf = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(is[u], _mm256_slli_epi32(ms[u], 5))));
+        acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(_mm256_set1_ps(a[u].dk[i]), xf));
+    }
+}
+
+static inline __attribute__((always_inline)) void kq8_many(const uint8_t *const *rows, int64_t nb, int nt,
+                                                           const act_row *a, float *out, int64_t ldo, int rn,
+                                                           const uint8_t *next) {
+    const size_t bs = sizeof(blk_q6_k);
+    __m256 acc[ST_MAX_NT];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        /* the next row block's matching slice, as the per-32 kernels do (gemm_int8.h's prefetch_slice:
+         * a work tile's rows are one linear stream) */
+        prefetch_slice(next, i, 8 * bs);
+        uint8_t codes[8][QK_K] __attribute__((aligned(32)));
+        int16_t sc[8][16];
+        for (int r = 0; r < 8; r++) kq8_unpack_row(rows[r] + (size_t)i * bs, codes[r], sc[r]);
+        __m256i w[64] __attribute__((aligned(32))), s[16] __attribute__((aligned(32))), m[8];
+        for (int c = 0; c < 8; c++) {
+            __m256i v[8];
+            for (int r = 0; r < 8; r++) v[r] = _mm256_load_si256((const __m256i *)(codes[r] + 32 * c));
+            transpose8x8_epi32(v);
+            for (int q = 0; q < 8; q++) w[8 * c + q] = v[q];
+        }
+        for (int g = 0; g < 16; g++) {
+            int32_t l[8];
+            for (int r = 0; r < 8; r++) l[r] = (int32_t)(uint16_t)sc[r][g] * 0x10001;
+            s[g] = _mm256_loadu_si256((const __m256i *)l);
+        }
+        for (int p = 0; p < 8; p++) {
+            int32_t l[8];
+            for (int r = 0; r < 8; r++) l[r] = (int32_t)((uint32_t)(uint16_t)sc[r][2 * p] | ((uint32_t)(uint16_t)sc[r][2 * p + 1] << 16));
+            m[p] = _mm256_loadu_si256((const __m256i *)l);
+        }
+        const __m256 d = kq8_f16x8(rows, i, bs, offsetof(blk_q6_k, d));
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+            const int U = nt - t0 < 4 ? nt - t0 : 4;
+            switch (U) {
+            case 4: kq8_many_tokens(w, s, m, d, i, 4, a + t0, acc + t0); break;
+            case 3: kq8_many_tokens(w, s, m, d, i, 3, a + t0, acc + t0); break;
+            case 2: kq8_many_tokens(w, s, m, d, i, 2, a + t0, acc + t0); break;
+            default: kq8_many_tokens(w, s, m, d, i, 1, a + t0, acc + t0); break;
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[t]);
+        for (int r = 0; r < rn; r++) out[t * ldo + r] = v[r];
+    }
+}
+
+static void gemm_kq8_q6_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
+                          int64_t ldo) {
+    const int64_t nb = n / QK_K;
+    for (int r0 = 0; r0 < nr; r0 += 8) {
+        const int rn = nr - r0 < 8 ? nr - r0 : 8;
+        const uint8_t *rows[8];
+        for (int r = 0; r < 8; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < rn ? r : 0)) * row_bytes;
+        if (nt >= KQ8_MANY_MIN) {
+            kq8_many(rows, nb, nt, a, out + r0, ldo, rn, (const uint8_t *)w + (size_t)(r0 + 8) * row_bytes);
+            continue;
+        }
+        for (int t0 = 0, NT; t0 < nt; t0 += NT) {
+            NT = nt - t0 >= 8 ? 8 : nt - t0 >= 4 ? 4 : nt - t0;
+            __m256 acc[KQ8_TP];
+            switch (NT) {
+            case 1: kq8_pass(rows, nb, 1, a + t0, acc); break;
+            case 2: kq8_pass(rows, nb, 2, a + t0, acc); break;
+            case 3: kq8_pass(rows, nb, 3, a + t0, acc); break;
+            case 4: kq8_pass(rows, nb, 4, a + t0, acc); break;
+            default: kq8_pass(rows, nb, 8, a + t0, acc); break;
+            }
+            for (int t = 0; t < NT; t++) {
+                float v[8];
+                _mm256_storeu_ps(v, acc[t]);
+                for (int r = 0; r < rn; r++) out[(t0 + t) * ldo + r0 + r] = v[r];
+            }
+        }
+    }
+}
+
+static dot_q_fn gemm_kq8_pick(int32_t type) { return type == ST_TYPE_Q6_K ? gemm_kq8_q6_k : NULL; }
+
+/* The per-256 quantiser (st_quantize_act_k_row) with the per-32 one's vector operations: the same
+ * bytes and floats. */
+static inline void quant_act_k_avx2_impl(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        const float *xb = x + b * QK_K;
+        __m256 mx = _mm256_setzero_ps();
+        for (int k = 0; k < 32; k++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float db = _mm_cvtss_f32(m4) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int c = 0; c < 8; c++) { /* 32 values: two 16-sums */
+            __m256i q[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xb + 32 * c + 8 * k), _mm256_set1_ps(id));
+                const __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+                const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(s, t)), half, _CMP_GE_OQ);
+                q[k] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, s)))));
+            }
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(qs + b * QK_K + 32 * c), _mm256_permutevar8x32_epi32(p, order));
+            const __m256i h0 = _mm256_add_epi32(q[0], q[1]), h1 = _mm256_add_epi32(q[2], q[3]);
+            /* lanes: [h0 sums of 0..3 | 4..7] -> the two 16-sums */
+            const __m256i hh = _mm256_hadd_epi32(h0, h1); /* [h0 01, h0 23, h1 01, h1 23 | h0 45, h0 67, ...] */
+            const __m256i h2 = _mm256_hadd_epi32(hh, hh); /* [h0 0123, h1 0123, .. | h0 4567, h1 4567, ..] */
+            const __m128i sums = _mm_add_epi32(_mm256_castsi256_si128(h2), _mm256_extracti128_si256(h2, 1));
+            bsums[b * 16 + 2 * c] = (int16_t)_mm_cvtsi128_si32(sums);
+            bsums[b * 16 + 2 * c + 1] = (int16_t)_mm_extract_epi32(sums, 1);
+        }
+    }
+}
+
+#endif
