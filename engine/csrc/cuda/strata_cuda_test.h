@@ -111,5 +111,15 @@ stg_status stg_test_route_rule(const float *logits, int32_t n_tok, int32_t n_exp
  * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop), as the step runs
  * it (launched twice on the same counters). */
 stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out);
+/* deepseek2's latent attention over a paged cache of latent rows (mla.cu): kc[n_blocks][block_size][kl + rd] (F16
+ * bits), q[T, H, kl + rd] the absorbed queries (pre-scaled), token t of sequence seq[t] at position pos[t] attending
+ * keys 0 .. pos[t] through block_tables[n_seq][max_blocks]; out[T, H, kl]. G heads per block (1, 2, 4 or 8); ref 1:
+ * the reference kernel (k_mla_attention_ref), 0: the step's kernel (k_mla_attention). */
+stg_status stg_test_mla_attention(int32_t G, int32_t ref, const uint16_t *kc, int32_t n_blocks, int32_t block_size,
+                                  const int32_t *block_tables, int32_t max_blocks, int32_t n_seq, const float *q,
+                                  const int32_t *pos, const int32_t *seq, int32_t T, int32_t H, int32_t kl, int32_t rd,
+                                  float *out);
+/* The heads per block a step of T tokens gives k_mla_attention (H heads, rows of ck values). */
+int32_t stg_test_mla_att_g(int32_t T, int32_t H, int32_t ck);
 
 #endif
