@@ -306,7 +306,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.topk_w, go, 0};
         int nt = 1;
         while (nt < T) nt *= 2;
-        ra.pre = nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
+        ra.pre = nt > 2 ? 0 : a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : a.K <= ROUTER_PRE_WIDE * LIN_WARPS * WARP ? 2 : 0;
         switch (L.gate_inp.type) {
 #define CASE_RR(TY)                                                                                   \
     case TY:                                                                                          \

@@ -98,6 +98,9 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
                 return;
             }
         }
+        if constexpr (!SW) {
+            if (launch_short<T>(a, nt, max_groups, st)) return; /* rows of at most 16 sub-blocks */
+        }
         if constexpr (T == STG_Q6_K) {
             launch_mv<STG_Q6_KW, SW>(a, nt, grid, st); /* five 8-byte loads per 32-byte chunk (unpack_q6k_wide) */
             return;

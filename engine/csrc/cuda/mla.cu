@@ -105,9 +105,9 @@ struct mla_att_args {
 };
 
 /* The reference of k_mla_attention (the harness's, stg_test_mla_attention): the same arithmetic in the plainest
- * order of loads. Attention over the latent rows: a block per (token, G heads), keys 0 .. pos[t] of the token's sequence in chunks
- * of MLA_CH. Per chunk, each warp scores keys warp, warp + 4, ... for the G heads (lanes over the row's dimensions,
- * one load of each key value for all G queries, a fixed warp_sum tree); warp 0 then runs the online softmax per
+ * order of loads. Attention over the latent rows: a block per (token, G heads), keys 0 .. pos[t] of the token's
+ * sequence in chunks of MLA_CH. Per chunk, each warp scores keys warp, warp + 4, ... for the G heads (lanes over the
+ * row's dimensions, one load of each key value for all G queries, a fixed warp_sum tree); warp 0 then runs the online softmax per
  * head (the chunk's max, the rescale, exp, the sum over the chunk's keys by one fixed tree) and leaves the chunk's
  * probabilities in shared memory; every thread adds them times the latent values of its dimensions (key order).
  * The arithmetic of a (token, head) depends only on its own sequence's keys: the batch around it changes no bit. */

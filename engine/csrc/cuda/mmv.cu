@@ -63,6 +63,45 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
     }
 }
 
+/* The matvec of short rows (K / 32 <= L sub-blocks, L 4, 8 or 16: DeepSeek-V3's per-head attn_k_b of 128 and
+ * attn_v_b of 512 elements, small models) at one pair per pass: L lanes per row, 32 / L rows per warp (k_linear_q's
+ * warp per row leaves 28 of 32 lanes idle on a 4-sub-block row: 65,536 warps for attn_k_b's 128 heads). Lane j of a
+ * row takes sub-block j, the one k_linear_q's lane j takes, and the butterfly over the row's L lanes is k_linear_q's
+ * warp_sum with its all-zero upper lanes left out (x + 0 == x: a lane's sum starts at +0 and sub_dot's fmas never
+ * make -0 from it): the same bits. */
+template <int T, int L>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q_short(lin_args a) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, j = lane % L;
+    const int r = (blockIdx.x * LIN_WARPS + warp) * (WARP / L) + lane / L;
+    int e, start, count;
+    PDL_ENTER(); /* routed: the expert ids come from the predecessor */
+    if (!group_of(a.g, blockIdx.y, e, start, count)) return; /* uniform over the block */
+    const bool live = r < a.N && j < a.K / 32;
+    sub_w s;
+    if (live) unpack_sub<T>(a.w + e * a.expert_stride + (int64_t)r * a.row_bytes, j, s);
+    for (int pi = 0; pi < count; pi++) {
+        const int p = pair_at(a.g, start, pi);
+        const int64_t base = (int64_t)in_row(a.g, p) * a.K;
+        float acc = 0.0f;
+        if (live) acc = sub_dot(acc, s, a.aq + base + 32 * j, a.ad[base / 32 + j], a.as + base / 16 + 2 * j);
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (j == 0 && r < a.N) store_at(a, a.out + (int64_t)p * a.ldo + r, acc, 0.0f);
+    }
+}
+/* k_linear_q_short's launch where it applies (a plain launch of one pair per pass, no row segments, rows of at most
+ * 16 sub-blocks): false (nothing launched) elsewhere */
+template <int T> static bool launch_short(const lin_args &a, int nt, int max_groups, cudaStream_t st) {
+    const int nsb = a.K / 32;
+    if (nt != 1 || a.seg.n_seg >= 2 || nsb > 16) return false;
+    const int L = nsb <= 4 ? 4 : nsb <= 8 ? 8 : 16, rpb = LIN_WARPS * (WARP / L);
+    const dim3 grid((unsigned)((a.N + rpb - 1) / rpb), (unsigned)max_groups);
+    if (L == 4) launch_k(k_linear_q_short<T, 4>, grid, LIN_WARPS * WARP, 0, st, a);
+    else if (L == 8) launch_k(k_linear_q_short<T, 8>, grid, LIN_WARPS * WARP, 0, st, a);
+    else launch_k(k_linear_q_short<T, 16>, grid, LIN_WARPS * WARP, 0, st, a);
+    return true;
+}
+
 /* Float weights (F32/F16/BF16) against float activations: warp per row, lanes over elements. */
 template <int T, int NT, bool SW>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_f(lin_args a) {

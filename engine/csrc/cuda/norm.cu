@@ -76,6 +76,7 @@ __device__ __forceinline__ float combined(const combine_args &c, float x, int64_
 #define RMS_THREADS 1024 /* the block of every k_rmsnorm launch */
 #endif
 #define RMS_RN (2048 / RMS_THREADS) /* register slots: rows up to 2,048 elements */
+#define RMS_CH 4                    /* longer rows: elements (blocks) of a thread (warp) loaded at a time */
 __device__ __forceinline__ double warp_sum_d(double v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -109,15 +110,25 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
             }
             vr[k] = v;
         }
-    } else {
-        for (int64_t i = threadIdx.x; i < n; i += bd) {
-            float v = xr[i];
-            if (c.pair_out || c.kpart) {
-                v = combined(c, v, r, i, n);
-                if (!rows) xr[i] = v;
+    } else { /* RMS_CH elements of a thread at a time, every load of them before the first store (x and y may be
+              * one buffer, so loads after a store wait for it); the same values, ss in the same order */
+        for (int64_t i0 = threadIdx.x; i0 < n; i0 += (int64_t)RMS_CH * bd) {
+            float v[RMS_CH];
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                v[u] = 0.0f;
+                if (i < n) v[u] = c.pair_out || c.kpart ? combined(c, xr[i], r, i, n) : xr[i];
             }
-            yr[i] = v;
-            ss += (double)v * (double)v;
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                if (i < n) {
+                    if ((c.pair_out || c.kpart) && !rows) xr[i] = v[u];
+                    yr[i] = v[u];
+                    ss += (double)v[u] * (double)v[u];
+                }
+            }
         }
     }
     ss = warp_sum_d(ss);
@@ -141,14 +152,36 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
         return;
     }
     if (!aq) {
-        for (int64_t i = threadIdx.x; i < n; i += bd) yr[i] = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
+        for (int64_t i0 = threadIdx.x; i0 < n; i0 += (int64_t)RMS_CH * bd) {
+            float wv[RMS_CH], yv[RMS_CH];
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                if (i < n) wv[u] = w[i], yv[u] = yr[i];
+            }
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                if (i < n) yr[i] = __fmul_rn(wv[u], __fmul_rn(yv[u], scale));
+            }
+        }
         return;
     }
-    for (int64_t b = warp; b < nb; b += nw) {
-        const int64_t i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
-        const float v = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
-        yr[i] = v;
-        quant_block32(v, lane, aq + row * n + 32 * b, ad + row * nb + b, as + row * (n / 16) + 2 * b);
+    for (int64_t b0 = warp; b0 < nb; b0 += (int64_t)RMS_CH * nw) { /* RMS_CH blocks of a warp, loads first */
+        float wv[RMS_CH], yv[RMS_CH];
+#pragma unroll
+        for (int u = 0; u < RMS_CH; u++) {
+            const int64_t b = b0 + (int64_t)u * nw, i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
+            if (b < nb) wv[u] = w[i], yv[u] = yr[i];
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_CH; u++) {
+            const int64_t b = b0 + (int64_t)u * nw, i = 32 * b + lane;
+            if (b >= nb) break; /* warp-uniform */
+            const float v = __fmul_rn(wv[u], __fmul_rn(yv[u], scale));
+            yr[i] = v;
+            quant_block32(v, lane, aq + row * n + 32 * b, ad + row * nb + b, as + row * (n / 16) + 2 * b);
+        }
     }
 }
 

@@ -736,37 +736,4 @@ extern "C" stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, i
     return down(out, bo, sizeof(int32_t) * (size_t)rows);
 }
 
-extern "C" stg_status stg_test_mla_attention(int32_t G, int32_t ref, const uint16_t *kc, int32_t n_blocks,
-                                             int32_t block_size, const int32_t *block_tables, int32_t max_blocks,
-                                             int32_t n_seq, const float *q, const int32_t *pos, const int32_t *seq,
-                                             int32_t T, int32_t H, int32_t kl, int32_t rd, float *out) {
-    const int64_t ck = (int64_t)kl + rd;
-    if (!kc || !block_tables || !q || !pos || !seq || !out || n_blocks < 1 || block_size < 1 || max_blocks < 1 ||
-        n_seq < 1 || T < 1 || H < 1 || kl < 32 || kl % 32 || kl > MLA_MAX_KL || rd < 0 || (G != 1 && G != 2 && G != 4 && G != 8) ||
-        H % G || mla_att_smem(G, (int)ck) > MLA_SMEM_MAX)
-        return fail(ST_EINVAL, "mla attention: bad arguments");
-    for (int32_t t = 0; t < T; t++) {
-        if (seq[t] < 0 || seq[t] >= n_seq || pos[t] < 0 || pos[t] >= max_blocks * block_size)
-            return fail(ST_EINVAL, "mla attention: token %d at sequence %d position %d", t, seq[t], pos[t]);
-        for (int32_t b = 0; b <= pos[t] / block_size; b++) {
-            const int32_t blk = block_tables[(int64_t)seq[t] * max_blocks + b];
-            if (blk < 0 || blk >= n_blocks) return fail(ST_EINVAL, "mla attention: block %d out of range", blk);
-        }
-    }
-    CHECK(harness_device());
-    dbuf bk, bt, bq, bp, bs, bo;
-    CHECK(up(bk, kc, sizeof(__half) * (size_t)n_blocks * block_size * ck));
-    CHECK(up(bt, block_tables, sizeof(int32_t) * (size_t)n_seq * max_blocks));
-    CHECK(up(bq, q, sizeof(float) * (size_t)T * H * ck));
-    CHECK(up(bp, pos, sizeof(int32_t) * (size_t)T));
-    CHECK(up(bs, seq, sizeof(int32_t) * (size_t)T));
-    CHECK(up(bo, nullptr, sizeof(float) * (size_t)T * H * kl));
-    mla_att_args aa;
-    aa.q = bq.as<float>(), aa.out = bo.as<float>(), aa.kc = bk.as<__half>();
-    aa.pos = bp.as<int32_t>(), aa.seq = bs.as<int32_t>(), aa.block_tables = bt.as<int32_t>();
-    aa.max_blocks = max_blocks, aa.H = H, aa.ck = (int32_t)ck, aa.kl = kl, aa.block_size = block_size;
-    CHECK(mla_attention(0, aa, T, G, ref != 0));
-    return down(out, bo, sizeof(float) * (size_t)T * H * kl);
-}
-
-extern "C" int32_t stg_test_mla_att_g(int32_t T, int32_t H, int32_t ck) { return mla_att_g(T, H, ck); }
+#include "strata_cuda_test_arch.cu" /* the newer architectures' kernels and the long-row forms */

@@ -94,6 +94,10 @@ stg_status stg_test_kv_store_q8(const float *k, const float *v, int32_t n_tok, i
                                 int32_t block_size, int32_t n_blocks, const int32_t *slots, int8_t *k8, uint16_t *ks,
                                 int8_t *v8, uint16_t *vs);
 stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
+/* stg_test_rmsnorm's y and, from the same launch, its 8-bit blocks (qs[n_rows*n], d[/32], sums[/16]; n a multiple of
+ * 32), as a layer's norm feeding quantised weights runs it. */
+stg_status stg_test_rmsnorm_q(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y,
+                              int8_t *qs, float *d, int32_t *sums);
 /* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
 stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
                          int32_t rope_dim, int32_t rope_type, float rope_base);
@@ -121,5 +125,10 @@ stg_status stg_test_mla_attention(int32_t G, int32_t ref, const uint16_t *kc, in
                                   float *out);
 /* The heads per block a step of T tokens gives k_mla_attention (H heads, rows of ck values). */
 int32_t stg_test_mla_att_g(int32_t T, int32_t H, int32_t ck);
+/* A decode router's logits out[n_tok, n_rows] (n_tok 1 or 2, float weights w[n_rows, k], at most 1,024 rows) by
+ * f_rows_body (pre 0: k_linear_f_rows) or f_rows_pre with ROUTER_PRE (pre 1) or ROUTER_PRE_WIDE (pre 2) weights per
+ * thread, as k_router_route / k_router_route_rule run it; EINVAL where k is too long for the form. */
+stg_status stg_test_router_rows(int32_t type, int32_t pre, const void *w, int64_t n_rows, int64_t k, const float *x,
+                                int32_t n_tok, float *out);
 
 #endif
