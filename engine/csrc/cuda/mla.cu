@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(MLA_THREADS) k_mla_attention_ref(mla_att_args 
  * rows loaded before their FMAs (the same c = lane + 32 i order); the weighted sum over the chunk's values four keys
  * at a time, every value loaded before the FMAs (key order kept). A (token, head)'s bits depend on neither G nor the
  * batch, so mla_block picks G for the grid's size (mla_att_g). */
-#define MLA_SU 8
+#define MLA_SU 9 /* a lane's values of a row loaded at a time: 576 (DeepSeek-V3's kl + rd) in two */
 template <int G>
 __global__ void __launch_bounds__(MLA_THREADS) k_mla_attention(mla_att_args a) {
     PDL_ENTER();
