@@ -6,9 +6,13 @@ static stg_status embed(stg_model *m, const int32_t *tokens, const int32_t *src,
     const dtensor &t = m->token_embd;
     const int64_t E = m->d.n_embd;
     cudaStream_t st = m->stream;
+    const size_t smem = sizeof(float) * (size_t)E <= 48 * 1024 ? sizeof(float) * (size_t)E : 0; /* k_embed's staged */
     switch (t.type) {
-#define CASE_E(TY)                                                                         \
-    case TY: launch_k(k_embed<TY>, T, 128, 0, st, t.d, t.row_bytes, tokens, src, (const int32_t *)m->s.picks, E, m->s.x); break;
+#define CASE_E(TY)                                                                                         \
+    case TY:                                                                                               \
+        launch_k(k_embed<TY>, T, 128, smem, st, t.d, t.row_bytes, tokens, src, (const int32_t *)m->s.picks, E, m->s.x, \
+                 smem ? 1 : 0);                                                                            \
+        break;
         QUANT_CASES(CASE_E)
         FLOAT_CASES(CASE_E)
 #undef CASE_E

@@ -6,12 +6,25 @@
 /* Embedding rows: x[t, :] = dequant(table[tokens[t], :]); grid (T), block over blocks of the row. */
 /* src (optional, st_batch.token_src): token t's id is picks[src[t]] where src[t] >= 0 (the previous
  * step's greedy pick, still in the picks buffer in stream order), else tokens[t]. */
+/* staged (E floats of dynamic shared memory, the launch's choice where they fit 48 KB): each block dequantised into
+ * shared memory, then the row copied out. Why: deq_block's byte loads from the table and its float stores to x may
+ * alias as far as the compiler knows, so into x every load waits for the stores before it (a 256-element Q4_K block
+ * per thread, 28 threads at DeepSeek-V3's 7,168: ~20 us a token); into shared memory they are two address spaces.
+ * The same values. */
 template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes, const int32_t *tokens,
-                                         const int32_t *src, const int32_t *picks, int64_t E, float *x) {
+                                         const int32_t *src, const int32_t *picks, int64_t E, float *x, int staged) {
     PDL_ENTER();
+    extern __shared__ float emb_s[];
     const int t = blockIdx.x;
     const int32_t j = src ? src[t] : -1;
     const uint8_t *row = table + (int64_t)(j >= 0 ? picks[j] : tokens[t]) * row_bytes;
+    if (staged) {
+        for (int64_t b = threadIdx.x; b < E / qt<T>::BE; b += blockDim.x)
+            deq_block<T>(row + b * qt<T>::BB, emb_s + b * qt<T>::BE);
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < E; i += blockDim.x) x[(int64_t)t * E + i] = emb_s[i];
+        return;
+    }
     for (int64_t b = threadIdx.x; b < E / qt<T>::BE; b += blockDim.x)
         deq_block<T>(row + b * qt<T>::BB, x + (int64_t)t * E + b * qt<T>::BE);
 }
