@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
     }
     if (!aq) {
         for (int64_t i0 = threadIdx.x; i0 < n; i0 += (int64_t)RMS_CH * bd) {
-            float wv[RMS_CH], yv[RMS_CH];
+            float wv[RMS_CH] = {}, yv[RMS_CH] = {};
 #pragma unroll
             for (int u = 0; u < RMS_CH; u++) {
                 const int64_t i = i0 + (int64_t)u * bd;
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
         return;
     }
     for (int64_t b0 = warp; b0 < nb; b0 += (int64_t)RMS_CH * nw) { /* RMS_CH blocks of a warp, loads first */
-        float wv[RMS_CH], yv[RMS_CH];
+        float wv[RMS_CH] = {}, yv[RMS_CH] = {};
 #pragma unroll
         for (int u = 0; u < RMS_CH; u++) {
             const int64_t b = b0 + (int64_t)u * nw, i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
