@@ -2,8 +2,9 @@
  * the reference kernel (one thread per output) that the tests use as the oracle. */
 #include "linear.cuh"
 
-/* Matvec path: one warp per weight row, NT pairs per pass, lanes over 32-sub-blocks. */
-template <int T, int NT, bool SW>
+/* Matvec path: one warp per weight row, NT pairs per pass, lanes over 32-sub-blocks, U of a lane's sub-blocks
+ * unrolled (their loads in flight together; the same fma order at any U). */
+template <int T, int NT, bool SW, int U = 2>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int r0 = blockIdx.x * LIN_WARPS + warp;
@@ -34,7 +35,7 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_linear_q(lin_args a) {
             rows[t] = p0 + t < count ? in_row(a.g, pair_at(a.g, start, p0 + t)) : -1;
             acc[t] = acc2[t] = 0.0f;
         }
-#pragma unroll 2
+#pragma unroll (U)
         for (int j = lane; j < nsb; j += WARP) {
             sub_w s, s2;
             unpack_sub<T>(wrow, j, s);
@@ -176,7 +177,15 @@ __global__ void k_linear_ref(lin_args a) {
     }
 }
 
+/* A dense plain layer of few long rows at one pair (DeepSeek-V3's q_a and kv_a: 1,536 and 576 rows of 224
+ * sub-blocks): too few warps to hide the latency of 2 sub-blocks at a time, so a lane's first 8 are loaded together */
+#define MV_DEEP_MAX_N 4096
+#define MV_DEEP_MIN_SB 128
 template <int T, bool SW> static void launch_mv(const lin_args &a, int nt, dim3 grid, cudaStream_t st) {
+    if (!SW && nt == 1 && !a.g.gexp && a.seg.n_seg < 2 && a.N <= MV_DEEP_MAX_N && a.K / 32 >= MV_DEEP_MIN_SB) {
+        launch_k(k_linear_q<T, 1, false, 8>, grid, LIN_WARPS * 32, 0, st, a);
+        return;
+    }
     if (nt >= 8) launch_k(k_linear_q<T, 8, SW>, grid, LIN_WARPS * 32, 0, st, a);
     else if (nt >= 4) launch_k(k_linear_q<T, 4, SW>, grid, LIN_WARPS * 32, 0, st, a);
     else if (nt >= 2) launch_k(k_linear_q<T, 2, SW>, grid, LIN_WARPS * 32, 0, st, a);

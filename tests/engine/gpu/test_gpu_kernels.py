@@ -282,12 +282,14 @@ def test_head_and_down_decode_forms_bitwise_equal_gemm(g: tuple, k: int) -> None
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("k", [64, 128, 256, 512, 544])
-def test_short_rows_matvec_bitwise_equals_warp_per_row(g: tuple, name: str, k: int) -> None:
-    """Rows of at most 16 sub-blocks at one token (k_linear_q_short: 4, 8 or 16 lanes per row, as DeepSeek-V3's
-    per-head attn_k_b of 128 and attn_v_b of 512 elements run) give the bits of k_linear_q's warp per row (the same
-    row at two tokens: each token's sum is the one-token kernel's), within 1e-3 of the CPU reference; K 544 (17
-    sub-blocks) stays on k_linear_q. The row count ends inside a warp's rows."""
+@pytest.mark.parametrize("k", [64, 128, 256, 512, 544, 4096])
+def test_one_token_matvec_forms_bitwise_equal_warp_per_row(g: tuple, name: str, k: int) -> None:
+    """The one-token forms of a dense matvec give the bits of k_linear_q's warp per row with 2 sub-blocks a lane in
+    flight (the same rows at two tokens: each token's sum is the one-token kernel's), within 1e-3 of the CPU
+    reference: rows of at most 16 sub-blocks on k_linear_q_short (4, 8 or 16 lanes per row, as DeepSeek-V3's
+    per-head attn_k_b of 128 and attn_v_b of 512 elements run; K 544, 17 sub-blocks, stays on k_linear_q), few
+    long rows (K 4,096: 128 sub-blocks, 301 rows, as q_a / kv_a) on k_linear_q with 8 in flight. The row count
+    ends inside a warp's rows."""
     if k % 256 and name in ("Q4_K", "Q6_K"):
         pytest.skip("a K-quant row is whole 256-element blocks")
     rng = np.random.default_rng(k)
