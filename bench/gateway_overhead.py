@@ -6,8 +6,8 @@ the gateway, alternating, in one run.
     PYTHONPATH=. .venv/bin/python -m bench.gateway_overhead --lane-url http://127.0.0.1:8101 \\
         --gateway-url http://127.0.0.1:8080 --key sk-strata-...                  # a running stack
 
-Without URLs it starts one lane (``python -m lanes``, default model, 2048-token KV) and the
-gateway (``python -m gateway`` with a temp config that keeps the deployed defaults, health polls every
+Without URLs it starts one lane (``python -m lanes``, the default model or ``--model``'s GGUF, 2048-token KV)
+and the gateway (``python -m gateway`` with a temp config that keeps the deployed defaults, health polls every
 1 s and every protection included, a temp SQLite database and a random admin
 key in its environment) as real processes on free ports, creates a key with the keys CLI, and
 stops both at the end. Each pair of samples sends the identical request (``max_tokens`` 8,
@@ -19,8 +19,10 @@ memory) has loaded (``/readyz`` ``retrieval`` no longer ``loading``): the gatewa
 process after it starts (tens of seconds here). The gateway's event loop no longer stalls meanwhile
 (the child imports torch, not the gateway), but the child's load keeps a core busy, which on a small box
 slows lane and gateway alike: a start-up cost, reported separately as ``retrieval_wait_s``, not the
-per-request cost this measures. The measured request
-names no session and no collections: the plain path (auth, window precheck, dispatch, relay).
+per-request cost this measures. Where the embedding model's package is not installed (the device machine,
+tools/gpu/gateway_overhead.sh) the gateway starts with retrieval ``off`` (its log says why) and there is nothing
+to wait for. The measured request names no session and no collections: the plain path (auth, window precheck,
+dispatch, relay), which neither documents nor session memory touch.
 
 ``--stages`` turns on the started gateway's ``trace_stages`` and reports the median time of each of its
 stages and the lane's own TTFT for direct and relayed requests (from the two processes' logs), and joins them
@@ -115,6 +117,14 @@ def wait_retrieval(gw_url: str, timeout: float) -> tuple[str, float]:
         time.sleep(0.25)
 
 
+def lane_info(lane_url: str) -> dict[str, Any]:
+    """What the lane says it serves and where it runs (``GET /v1/lane``): its model file, cores, engine threads,
+    device and engine build; the JSON report keeps it beside the figures."""
+    with urllib.request.urlopen(lane_url + "/v1/lane", timeout=10) as r:
+        info = json.loads(r.read())
+    return {k: info.get(k) for k in ("model", "cores", "threads", "device", "engine_build")}
+
+
 def _local_count_ready(gateway_log: Path, timeout: float) -> str:
     """Wait until the started gateway has loaded the lane's tokenizer (its log says so); what counts prompts."""
     deadline = time.monotonic() + timeout
@@ -142,23 +152,37 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _env() -> dict[str, str]:
+    """The started processes' environment: no lane or gateway settings of the caller's, the repository first on
+    the import path and the caller's own entries after it (packages installed with ``--target``, as on the
+    device machine: tools/gpu/gateway_overhead.sh)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STRATA_LANE_", "STRATA_GATEWAY_"))}
-    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
+    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", STRATA_LANE_KV_TOKENS="2048",
                STRATA_ADMIN_KEY=secrets.token_urlsafe(32))
     return env
 
 
-def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores: str | None = None,
-                pids: dict[str, int] | None = None) -> tuple[str, str, str]:
-    """One lane and the gateway as processes (``gateway_toml``: extra lines of its config; ``lane_cores``: the
-    lane's ``cores``, e.g. ``auto`` as ``make run`` pins it); returns (lane url, gateway url, user key) and puts
-    the two processes' ids in ``pids`` ("lane", "gateway")."""
+def lane_env(lane_cores: str | None = None, model: Path | None = None) -> dict[str, str]:
+    """The started lane's environment: ``_env()`` with its cores and model when given."""
     env = _env()
-    lane_env = {**env, "STRATA_LANE_CORES": lane_cores} if lane_cores else env
+    if lane_cores:
+        env["STRATA_LANE_CORES"] = lane_cores
+    if model is not None:
+        env["STRATA_LANE_MODEL"] = str(Path(model).resolve())
+    return env
+
+
+def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores: str | None = None,
+                pids: dict[str, int] | None = None, model: Path | None = None) -> tuple[str, str, str]:
+    """One lane and the gateway as processes (``gateway_toml``: extra lines of its config; ``lane_cores``: the
+    lane's ``cores``, e.g. ``auto`` as ``make run`` pins it; ``model``: the GGUF the lane serves, default the
+    default model); returns (lane url, gateway url, user key) and puts the two processes' ids in ``pids``
+    ("lane", "gateway")."""
+    env = lane_env(lane_cores, model)
     lane_port = free_port()
     lane_log = open(tmp / "lane.log", "wb")
     stack.callback(lane_log.close)
-    lane = subprocess.Popen([sys.executable, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=lane_env,
+    lane = subprocess.Popen([sys.executable, "-m", "lanes", "--lane", "a", "--port", str(lane_port)], env=env,
                             cwd=REPO_ROOT, stdout=lane_log, stderr=subprocess.STDOUT)
     stack.callback(_stop, lane)
     if pids is not None:
@@ -417,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
                         "as before the local count: for an A/B of the window precheck")
     p.add_argument("--lane-cores", help="the started lane's cores (STRATA_LANE_CORES): 'auto' pins lane a to the "
                    "first half of the CPUs as `make run` does (default: unpinned, one engine thread per CPU)")
+    p.add_argument("--model", type=Path,
+                   help="the GGUF the started lane serves (default: the default model); on a machine without the "
+                        "default model's package, one of its shape, tokenizer and chat template "
+                        "(python -m bench.synthetic_moe --shape default, as tools/gpu/gateway_overhead.sh builds)")
     p.add_argument("--control", action="store_true",
                    help="an A/A run: the second side of every pair is a second connection straight to the lane, "
                         "not the gateway; its 'added' figures are the method's noise floor at that moment")
@@ -431,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pids: dict[str, int] = {}
     compare: tuple[str, str] | None = None
+    if args.model is not None and (args.lane_url or args.gateway_url):
+        p.error("--model is the started lane's (not with --lane-url / --gateway-url)")
+    if args.model is not None and not args.model.is_file():
+        p.error(f"--model {args.model}: no such file")
     if args.compare and (args.lane_url or args.control):
         p.error("--compare starts its own lane and two gateways (not with --lane-url or --control)")
     with ExitStack() as stack:
@@ -445,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             base = ("count_locally = false\n" if args.count_via_lane else "") + \
                 ("trace_stages = true\n" if args.stages else "")
             extra = base + "".join(line + "\n" for line in args.set)
-            lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores, pids)
+            lane_url, gw_url, key = start_stack(stack, tmp, extra, args.lane_cores, pids, args.model)
             if args.compare:
                 (tmp / "b").mkdir()
                 compare = start_gateway(stack, tmp / "b", lane_url, base + "".join(ln + "\n" for ln in args.compare),
@@ -465,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway_overhead: gateway retrieval {retrieval} (waited {waited:.1f}s for its embedding model); "
               f"{args.n} pairs, lane {lane_url} vs gateway {gw_url} (max_tokens 8, stream); prompts counted by "
               f"{counting}; the gateway's event loop: {loop}", flush=True)
+        lane = lane_info(lane_url)
         machine = machine_info()  # before the pairs: it samples how busy the other processes keep the cores
         if args.control:
             print("gateway_overhead: A/A control: both sides of every pair go straight to the lane", flush=True)
@@ -513,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         report["config"] = {"n": args.n, "warmup": args.warmup, "body": BODY, "retrieval": retrieval,
                             "control": args.control, "gateway_config": args.set, "compare_config": args.compare,
                             "count_via_lane": args.count_via_lane, "lane_cores": args.lane_cores,
+                            "model": str(args.model) if args.model is not None else "the default model",
+                            "lane": lane,
                             "retrieval_wait_s": round(waited, 2), "counted_by": counting, "event_loop": loop}
         write_json(args.json, report)
         print(f"  wrote {args.json}")

@@ -367,3 +367,74 @@ def test_glm4moe_plan_counts_the_forward_layers_only(tmp_path: Path) -> None:
     none = pl.plan(mf, pl.PlanParams(budget_bytes=p.fixed_bytes, cpu_read_gbs=50.0, gpu_read_gbs=3000.0))
     mask0 = pl.resident_mask(mf, none)
     assert none.n_resident == 0 and mask0[0].all() and not mask0[1:].any()
+
+
+def test_stream_share_balances_the_two_rates() -> None:
+    from engine.placement import stream_share
+
+    assert stream_share(55.0, 85.0) == pytest.approx(55.0 / 140.0)
+    assert stream_share(50.0, 50.0) == pytest.approx(0.5)
+    for bad in ((0.0, 80.0), (55.0, 0.0), (-1.0, 80.0), (float("nan"), 80.0), (55.0, float("inf"))):
+        assert stream_share(*bad) == 0.0
+
+
+def test_stream_set_takes_the_share_of_each_layers_non_resident_bytes() -> None:
+    from engine.placement import stream_set
+
+    n_layer, n_expert = 3, 8
+    resident = np.zeros((n_layer, n_expert), dtype=np.uint8)
+    resident[1, :4] = 1  # layer 1: half resident
+    resident[2, :] = 1  # layer 2: no CPU share, nothing to stream
+    eb = np.full((n_layer, n_expert), 1000, dtype=np.int64)
+    got = stream_set(None, resident, eb, 0.5)
+    assert got.dtype == np.uint8 and got.shape == (n_layer, n_expert)
+    assert got[0].sum() == 4 and got[1].sum() == 2 and got[2].sum() == 0
+    assert not (got.astype(bool) & resident.astype(bool)).any()  # never a resident expert
+    assert stream_set(None, resident, eb, 0.0).sum() == 0
+    full = stream_set(None, resident, eb, 1.0)
+    assert np.array_equal(full, 1 - resident)
+    # uniform bytes and routing: the streamed count is the share of the layer's non-resident experts, rounded
+    for share, want in ((0.25, 2), (0.4, 3), (0.6, 5), (0.9, 7)):
+        assert stream_set(None, resident, eb, share)[0].sum() == want
+
+
+def test_stream_set_weighs_frequency_and_bytes_and_keeps_hot_experts_on_the_cpu() -> None:
+    from engine.placement import stream_set
+
+    resident = np.zeros((1, 4), dtype=np.uint8)
+    eb = np.full((1, 4), 100, dtype=np.int64)
+    freqs = np.array([[0.1, 0.2, 0.3, 0.4]])
+    # the coldest first: 0.1 + 0.2 = 0.3 of the 1.0 expected; 0.3 more would pass 0.5 by more than half of it
+    got = stream_set(freqs, resident, eb, 0.3)
+    assert got.tolist() == [[1, 1, 0, 0]]
+    # bytes count: an expert twice as large weighs twice as much
+    eb2 = np.array([[100, 100, 100, 400]], dtype=np.int64)
+    got = stream_set(np.full((1, 4), 0.25), resident, eb2, 0.5)
+    assert (got[0] * eb2[0]).sum() <= 0.5 * eb2.sum() + 200
+    assert got[0, 3] == 0  # the big one would overshoot; the three small ones are 300 of 700
+    # a layer whose non-resident experts were never routed to: their bytes alone
+    got = stream_set(np.zeros((1, 4)), resident, eb, 0.5)
+    assert got.sum() == 2
+
+
+def test_stream_set_refuses_mismatched_shapes_and_bad_shares() -> None:
+    from engine.placement import PlacementError, stream_set
+
+    resident = np.zeros((2, 4), dtype=np.uint8)
+    with pytest.raises(PlacementError, match="must agree"):
+        stream_set(None, resident, np.ones((2, 3)), 0.5)
+    with pytest.raises(PlacementError, match="not a number"):
+        stream_set(None, resident, np.ones((2, 4)), float("nan"))
+
+
+def test_hybrid_stream_setting_reads_the_override() -> None:
+    from engine import gpu_settings
+
+    assert gpu_settings.hybrid_stream({}) == gpu_settings.HYBRID_STREAM_DEFAULT == 0
+    assert gpu_settings.hybrid_stream({"STRATA_GPU_HYBRID_STREAM": "-1"}) == -1
+    assert gpu_settings.hybrid_stream({"STRATA_GPU_HYBRID_STREAM": "40"}) == 40
+    for bad in ("101", "-2"):
+        with pytest.raises(ValueError, match="HYBRID_STREAM"):
+            gpu_settings.hybrid_stream({"STRATA_GPU_HYBRID_STREAM": bad})
+    with pytest.raises(ValueError, match="expected an integer"):
+        gpu_settings.hybrid_stream({"STRATA_GPU_HYBRID_STREAM": "0.5"})

@@ -1,0 +1,99 @@
+"""bench.gateway_overhead's own pieces: the started processes' environment (the caller's import path kept after
+the repository, as on the device machine where packages live in --target folders; the lane's model and cores),
+the ``--model`` option's checks, and one short run against a lane serving a small model of the default model's
+tokenizer and template (bench/synthetic_moe.py), as tools/gpu/gateway_overhead.sh runs it with the default shape."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import gateway_overhead as go
+from bench.common import REPO_ROOT
+from bench.synthetic_moe import Shape, build_synthetic_model
+
+
+def test_started_processes_keep_the_callers_import_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/gwsite", str(REPO_ROOT), "", "/tmp/site"]))
+    monkeypatch.setenv("STRATA_LANE_MODEL", "/somewhere/else.gguf")
+    monkeypatch.setenv("STRATA_GATEWAY_PORT", "1")
+    env = go._env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/tmp/gwsite", "/tmp/site"]
+    assert "STRATA_GATEWAY_PORT" not in env and env["STRATA_LANE_KV_TOKENS"] == "2048"
+    assert "STRATA_LANE_MODEL" not in env  # the caller's lane settings never leak into the started lane
+    monkeypatch.delenv("PYTHONPATH")
+    assert go._env()["PYTHONPATH"] == str(REPO_ROOT)
+
+
+def test_the_lane_gets_the_model_and_cores_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = go.lane_env("auto", Path("m.gguf"))
+    assert env["STRATA_LANE_MODEL"] == str(tmp_path / "m.gguf") and env["STRATA_LANE_CORES"] == "auto"
+    plain = go.lane_env()
+    assert "STRATA_LANE_MODEL" not in plain and "STRATA_LANE_CORES" not in plain
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--model", "no-such.gguf"], "no such file"),
+        (
+            [
+                "--model",
+                __file__,
+                "--lane-url",
+                "http://127.0.0.1:1",
+                "--gateway-url",
+                "http://127.0.0.1:2",
+                "--key",
+                "k",
+            ],
+            "not with --lane-url",
+        ),
+    ],
+)
+def test_the_model_option_is_checked(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        go.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_short_run_against_a_given_model(tmp_path: Path) -> None:
+    model = build_synthetic_model(
+        tmp_path / "small.gguf",
+        shape=Shape(n_layer=2, n_embd=128, n_head=2, n_head_kv=1, n_ff=64, n_expert=4, n_used=2),
+    )
+    out = tmp_path / "r.json"
+    # documents and session memory off: no embedding model to load here, as on the device machine where it is
+    # not installed (there the gateway turns them off itself)
+    assert (
+        go.main(
+            [
+                "-n",
+                "4",
+                "--warmup",
+                "1",
+                "--model",
+                str(model),
+                "--set",
+                "rag = { enabled = false }",
+                "--set",
+                "memory = { enabled = false }",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rep = json.loads(out.read_text())
+    cfg, s = rep["config"], rep["summary"]
+    assert cfg["lane"]["model"]["path"] == str(model) and cfg["model"] == str(model)
+    assert cfg["retrieval"] == "off" and cfg["counted_by"].startswith("the gateway (the lane's tokenizer")
+    assert s["n"] == len(rep["samples"]) == 4
+    assert all(
+        0 < x["direct_ttft_ms"] <= x["direct_total_ms"] and 0 < x["gateway_ttft_ms"] for x in rep["samples"]
+    )
