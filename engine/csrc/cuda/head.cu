@@ -7,28 +7,40 @@
 #define Q6_ROWS_MIN_N 65536
 
 /* The output head at batch 1 (a dense single-pair Q6_K matvec of at least Q6_ROWS_MIN_N rows: 255 MB a step at
- * Qwen3-30B's vocabulary) with each warp's Q6S_ROWS consecutive rows first copied into the block's shared memory by 16-byte cp.async (the span of 16-byte granules holding them, so
- * that every byte keeps its address mod 16), then k_linear_q_rows<STG_Q6_KW, R>'s loop run on the shared copy
- * (unpack_q6k_wide<true>: its five 8-byte loads per 32-byte chunk as ld.shared). Why: a lane's
- * 8-byte global loads of a 2-byte aligned block touch ~7-8 L1 lines per warp instruction for ~210 distinct bytes,
- * ~168 L1 wavefronts per 1,680-byte row (~107 us of the L1's data path over the head, about what the head takes, if
- * a wavefront is a line): the copy reads each line once, 512 contiguous bytes per instruction, and the shared loads
- * cost 1-2 wavefronts each (2-way bank conflicts between superblocks k and k + 2). The same bytes and the same unpack,
- * sub_dot chain and butterfly: the same bits. Shared memory: LIN_WARPS * q6s_span16(Q6S_ROWS) * 16. */
+ * Qwen3-30B's vocabulary, 760 MB at DeepSeek-V3's) with each warp's R consecutive rows first copied into the block's
+ * shared memory by 16-byte cp.async (the span of 16-byte granules holding them, so that every byte keeps its address
+ * mod 16), then k_linear_q_rows<STG_Q6_KW, R>'s loop run on the shared copy (unpack_q6k_wide<true>: its five 8-byte
+ * loads per 32-byte chunk as ld.shared). Why: a lane's 8-byte global loads of a 2-byte aligned block touch ~7-8 L1
+ * lines per warp instruction for ~210 distinct bytes, ~168 L1 wavefronts per 1,680-byte row (~107 us of the L1's data
+ * path over the head, about what the head takes, if a wavefront is a line): the copy reads each line once, 512
+ * contiguous bytes per instruction, and the shared loads cost 1-2 wavefronts each. The same bytes and the same
+ * unpack, sub_dot chain and butterfly: the same bits. R: Q6S_ROWS where the block's copies fit 48 KB, else fewer (the
+ * largest of 4, 2, 1 that fits: K 4,096 and 7,168 take 2). Rows need no 16-byte alignment (a row of K 7,168 is
+ * 5,880 bytes): the granule span keeps each byte's address mod 16, and the one granule that would reach past the
+ * weight's last byte is copied byte by byte (nothing past the weight is read). Shared memory:
+ * LIN_WARPS * q6s_span16(R) * 16. */
 #define Q6S_ROWS 4
 __host__ __device__ __forceinline__ int64_t q6s_span16(int R, int64_t row_bytes) { return (R * row_bytes + 47) / 16; }
-__global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
-    constexpr int R = Q6S_ROWS;
+template <int R> __global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
     extern __shared__ uint4 q6s[];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int rb = (blockIdx.x * LIN_WARPS + warp) * R; /* this warp's first row */
     const int nr = rb < a.N ? min(R, a.N - rb) : 0;
     const uintptr_t g0 = (uintptr_t)(a.w + (int64_t)rb * a.row_bytes), ga = g0 & ~(uintptr_t)15;
+    const uintptr_t wend = (uintptr_t)(a.w + (int64_t)a.N * a.row_bytes); /* past the weight's last byte */
     const int n16 = nr ? (int)((g0 + nr * a.row_bytes + 15 - ga) / 16) : 0;
     uint4 *sw = q6s + warp * q6s_span16(R, a.row_bytes);
     pdl_trigger();
     pdl_wait();
-    for (int i = lane; i < n16; i += WARP) cp_async16(sw + i, (const uint4 *)ga + i);
+    for (int i = lane; i < n16; i += WARP) {
+        const uintptr_t src = ga + 16 * (uintptr_t)i;
+        if (src + 16 <= wend) {
+            cp_async16(sw + i, (const void *)src);
+        } else { /* the weight's last, partial granule */
+            uint8_t *d = (uint8_t *)(sw + i);
+            for (int b = 0; b < 16 && src + b < wend; b++) d[b] = *(const uint8_t *)(src + b);
+        }
+    }
     cp_async_commit();
     int e, start, count;
     if (!nr || !group_of(a.g, blockIdx.y, e, start, count)) {
@@ -67,13 +79,24 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_q6_stage(lin_args a) {
     }
 }
 
-/* The output head's launch on k_q6_stage (a dense single group): false (nothing launched) when the weight or its
- * rows are not 16-byte aligned or the block's copies would need more than 48 KB of shared memory */
+/* The shared memory of k_q6_stage<R>'s block (LIN_WARPS warps of R rows each) */
+static inline int64_t q6s_smem(int R, int64_t row_bytes) { return (int64_t)LIN_WARPS * q6s_span16(R, row_bytes) * 16; }
+
+/* The output head's launch on k_q6_stage (a dense single group) with the most rows per warp (Q6S_ROWS, 2, 1) whose
+ * copies fit 48 KB of shared memory: false (nothing launched) when the weight is not 16-byte aligned (the first
+ * granule would start before it) or not even one row per warp fits */
 static bool launch_q6_stage(const lin_args &a, cudaStream_t st) {
-    const int64_t smem = (int64_t)LIN_WARPS * q6s_span16(Q6S_ROWS, a.row_bytes) * 16;
-    if (((uintptr_t)a.w & 15) || (a.row_bytes & 15) || smem > 48 * 1024) return false;
-    const dim3 g((unsigned)((a.N + LIN_WARPS * Q6S_ROWS - 1) / (LIN_WARPS * Q6S_ROWS)), 1u);
-    launch_k(k_q6_stage, g, LIN_WARPS * 32, (size_t)smem, st, a);
+    if ((uintptr_t)a.w & 15) return false;
+    const int R = q6s_smem(Q6S_ROWS, a.row_bytes) <= 48 * 1024 ? Q6S_ROWS
+                  : q6s_smem(2, a.row_bytes) <= 48 * 1024       ? 2
+                  : q6s_smem(1, a.row_bytes) <= 48 * 1024       ? 1
+                                                                : 0;
+    if (!R) return false;
+    const dim3 g((unsigned)((a.N + LIN_WARPS * R - 1) / (LIN_WARPS * R)), 1u);
+    const size_t smem = (size_t)q6s_smem(R, a.row_bytes);
+    if (R == Q6S_ROWS) launch_k(k_q6_stage<Q6S_ROWS>, g, LIN_WARPS * 32, smem, st, a);
+    else if (R == 2) launch_k(k_q6_stage<2>, g, LIN_WARPS * 32, smem, st, a);
+    else launch_k(k_q6_stage<1>, g, LIN_WARPS * 32, smem, st, a);
     return true;
 }
 

@@ -6,9 +6,13 @@ static stg_status embed(stg_model *m, const int32_t *tokens, const int32_t *src,
     const dtensor &t = m->token_embd;
     const int64_t E = m->d.n_embd;
     cudaStream_t st = m->stream;
+    const size_t smem = sizeof(float) * (size_t)E <= 48 * 1024 ? sizeof(float) * (size_t)E : 0; /* k_embed's staged */
     switch (t.type) {
-#define CASE_E(TY)                                                                         \
-    case TY: launch_k(k_embed<TY>, T, 128, 0, st, t.d, t.row_bytes, tokens, src, (const int32_t *)m->s.picks, E, m->s.x); break;
+#define CASE_E(TY)                                                                                         \
+    case TY:                                                                                               \
+        launch_k(k_embed<TY>, T, 128, smem, st, t.d, t.row_bytes, tokens, src, (const int32_t *)m->s.picks, E, m->s.x, \
+                 smem ? 1 : 0);                                                                            \
+        break;
         QUANT_CASES(CASE_E)
         FLOAT_CASES(CASE_E)
 #undef CASE_E
@@ -307,7 +311,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.topk_w, go, 0};
         int nt = 1;
         while (nt < T) nt *= 2;
-        ra.pre = nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
+        ra.pre = nt > 2 ? 0 : a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : a.K <= ROUTER_PRE_WIDE * LIN_WARPS * WARP ? 2 : 0;
         switch (L.gate_inp.type) {
 #define CASE_RR(TY)                                                                                   \
     case TY:                                                                                          \

@@ -76,15 +76,16 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
-        if constexpr (SW && (T == STG_Q4_K || T == STG_Q8_0)) {
+        if constexpr (SW && (T == STG_Q4_K || T == STG_Q8_0 || T == STG_IQ3_XXS)) {
             if (a.hq) { /* the routed gate/up of single-pair passes quantising its chunks in-block (linear()) */
                 launch_k(k_linear_q_chunk<T>, dim3((unsigned)(a.N / 32), (unsigned)max_groups), GU_CHUNK_WARPS * 32, 0,
                          st, a);
                 return;
             }
         }
-        if constexpr (T == STG_Q4_K && !SW) {
-            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: 8 rows per warp */
+        if constexpr ((T == STG_Q4_K || T == STG_IQ3_XXS) && !SW) {
+            /* routed single pairs: 8 rows per warp (IQ3_XXS: stg_settings.routed_rows) */
+            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2 && (T == STG_Q4_K || g_set.routed_rows)) {
                 const dim3 g((unsigned)((a.N + LIN_WARPS * 8 - 1) / (LIN_WARPS * 8)), grid.y);
                 launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
                 return;
@@ -97,6 +98,9 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
                 launch_k(k_linear_q_rows<STG_Q6_KW, 2>, g, LIN_WARPS * 32, 0, st, a);
                 return;
             }
+        }
+        if constexpr (!SW) {
+            if (launch_short<T>(a, nt, max_groups, st)) return; /* rows of at most 16 sub-blocks */
         }
         if constexpr (T == STG_Q6_K) {
             launch_mv<STG_Q6_KW, SW>(a, nt, grid, st); /* five 8-byte loads per 32-byte chunk (unpack_q6k_wide) */
@@ -214,7 +218,8 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     }
     /* a routed gate/up matvec of one pair per pass quantises its chunks in-block (k_linear_q_chunk) */
     const bool gu_chunk = fq && W2 && path == STG_PATH_MATVEC && !seg && g.gexp && expected <= 1 &&
-                          a.N % 32 == 0 && ldo == a.N && (W.type == STG_Q4_K || W.type == STG_Q8_0);
+                          a.N % 32 == 0 && ldo == a.N &&
+                          (W.type == STG_Q4_K || W.type == STG_Q8_0 || (W.type == STG_IQ3_XXS && g_set.routed_rows));
     if (gu_chunk) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s;
         *fq->done = true;

@@ -57,14 +57,19 @@ __device__ __forceinline__ void mla_rope(float *v, int32_t p, const mla_prep_arg
     __syncwarp();
 }
 
-/* A block per token: warp 0 normalises the latent (kv_a_norm), rotates k_pe and writes the row to the cache; every
- * warp takes heads h = warp, warp + MLA_PREP_WARPS, ...: rotates q_pe and writes the scaled parts (mla.c's loop). */
+/* A block per (token, MLA_PREP_WARPS heads) and one more per token for its cache row (grid (T, mla_prep_ny(H))):
+ * block y < ny - 1 gives warp w head h = y * MLA_PREP_WARPS + w: rotates q_pe and writes the scaled parts; block
+ * ny - 1's warp 0 normalises the latent (kv_a_norm), rotates k_pe and writes the row to the cache (mla.c's loop, each
+ * head's and the row's arithmetic as one warp of one block per token did it: the same bits, spread over H / 4 + 1
+ * blocks instead of one). */
+static inline unsigned mla_prep_ny(int64_t H) { return (unsigned)((H + MLA_PREP_WARPS - 1) / MLA_PREP_WARPS + 1); }
 __global__ void __launch_bounds__(MLA_PREP_WARPS * 32) k_mla_prep(mla_prep_args a) {
     PDL_ENTER();
-    extern __shared__ float mla_prep_s[]; /* [ck] the row, then [MLA_PREP_WARPS][hd] */
+    extern __shared__ float mla_prep_s[]; /* the row [ck] (the last block) or [MLA_PREP_WARPS][hd] */
     const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int32_t p = a.pos[t];
-    if (warp == 0) {
+    if (blockIdx.y == gridDim.y - 1) {
+        if (warp) return;
         float *row = mla_prep_s;
         for (int i = lane; i < a.ck; i += 32) row[i] = a.mkv[(int64_t)t * a.ck + i];
         __syncwarp();
@@ -73,18 +78,22 @@ __global__ void __launch_bounds__(MLA_PREP_WARPS * 32) k_mla_prep(mla_prep_args 
         const int32_t blk = a.block_tables[(int64_t)a.seq[t] * a.max_blocks + p / a.block_size];
         __half *dst = a.kc + ((int64_t)blk * a.block_size + p % a.block_size) * a.ck;
         for (int i = lane; i < a.ck; i += 32) dst[i] = __float2half_rn(row[i]);
+        return;
     }
-    float *v = mla_prep_s + a.ck + warp * a.hd;
-    for (int h = warp; h < a.H; h += MLA_PREP_WARPS) {
-        const float *src = a.mq + (int64_t)t * a.H * a.hd + (int64_t)h * a.hd;
-        for (int i = lane; i < a.hd; i += 32) v[i] = src[i];
-        __syncwarp();
-        mla_rope(v + a.nope, p, a, lane);
-        const int64_t r = (int64_t)t * a.H + h;
-        for (int i = lane; i < a.nope; i += 32) a.mg[r * a.nope + i] = __fmul_rn(v[i], a.scale);
-        for (int i = lane; i < a.rd; i += 32) a.qa[r * a.ck + a.kl + i] = __fmul_rn(v[a.nope + i], a.scale);
-        __syncwarp();
-    }
+    const int h = blockIdx.y * MLA_PREP_WARPS + warp;
+    if (h >= a.H) return;
+    float *v = mla_prep_s + warp * a.hd;
+    const float *src = a.mq + (int64_t)t * a.H * a.hd + (int64_t)h * a.hd;
+    for (int i = lane; i < a.hd; i += 32) v[i] = src[i];
+    __syncwarp();
+    mla_rope(v + a.nope, p, a, lane);
+    const int64_t r = (int64_t)t * a.H + h;
+    for (int i = lane; i < a.nope; i += 32) a.mg[r * a.nope + i] = __fmul_rn(v[i], a.scale);
+    for (int i = lane; i < a.rd; i += 32) a.qa[r * a.ck + a.kl + i] = __fmul_rn(v[a.nope + i], a.scale);
+}
+/* k_mla_prep's dynamic shared memory: the row or a block's heads, whichever is larger */
+static inline size_t mla_prep_smem(int64_t ck, int64_t hd) {
+    return sizeof(float) * (size_t)std::max(ck, (int64_t)MLA_PREP_WARPS * hd);
 }
 
 struct mla_att_args {
@@ -95,14 +104,15 @@ struct mla_att_args {
     int32_t max_blocks, H, ck, kl, block_size;
 };
 
-/* Attention over the latent rows: a block per (token, G heads), keys 0 .. pos[t] of the token's sequence in chunks
- * of MLA_CH. Per chunk, each warp scores keys warp, warp + 4, ... for the G heads (lanes over the row's dimensions,
- * one load of each key value for all G queries, a fixed warp_sum tree); warp 0 then runs the online softmax per
+/* The reference of k_mla_attention (the harness's, stg_test_mla_attention): the same arithmetic in the plainest
+ * order of loads. Attention over the latent rows: a block per (token, G heads), keys 0 .. pos[t] of the token's
+ * sequence in chunks of MLA_CH. Per chunk, each warp scores keys warp, warp + 4, ... for the G heads (lanes over the
+ * row's dimensions, one load of each key value for all G queries, a fixed warp_sum tree); warp 0 then runs the online softmax per
  * head (the chunk's max, the rescale, exp, the sum over the chunk's keys by one fixed tree) and leaves the chunk's
  * probabilities in shared memory; every thread adds them times the latent values of its dimensions (key order).
  * The arithmetic of a (token, head) depends only on its own sequence's keys: the batch around it changes no bit. */
 template <int G>
-__global__ void __launch_bounds__(MLA_THREADS) k_mla_attention(mla_att_args a) {
+__global__ void __launch_bounds__(MLA_THREADS) k_mla_attention_ref(mla_att_args a) {
     PDL_ENTER();
     extern __shared__ float mla_qs[]; /* [G][ck] */
     __shared__ float pr[G][MLA_CH];
@@ -189,6 +199,173 @@ __global__ void __launch_bounds__(MLA_THREADS) k_mla_attention(mla_att_args a) {
             if (c < kl) a.out[((int64_t)t * a.H + h0 + g) * kl + c] = __fdiv_rn(acc[g][i], l_s[g]);
         }
     }
+}
+
+/* k_mla_attention_ref's arithmetic, every (token, head) bit for bit, with the loads issued ahead of their use (the
+ * reference waits on one global load per latent dimension and key): the chunk's row offsets (block table looked up
+ * once per key) in shared memory; each warp scores two keys at a time (j and j + 4), a lane's MLA_SU values of both
+ * rows loaded before their FMAs (the same c = lane + 32 i order); the weighted sum over the chunk's values four keys
+ * at a time, every value loaded before the FMAs (key order kept). A (token, head)'s bits depend on neither G nor the
+ * batch, so mla_block picks G for the grid's size (mla_att_g). */
+#define MLA_SU 9 /* a lane's values of a row loaded at a time: 576 (DeepSeek-V3's kl + rd) in two */
+template <int G>
+__global__ void __launch_bounds__(MLA_THREADS) k_mla_attention(mla_att_args a) {
+    PDL_ENTER();
+    extern __shared__ float mla_qs[]; /* [G][ck] */
+    __shared__ float pr[G][MLA_CH];
+    __shared__ float corr_s[G], l_s[G];
+    __shared__ int64_t roff[MLA_CH];
+    constexpr int NW = MLA_THREADS / 32;
+    const int t = blockIdx.x, h0 = blockIdx.y * G, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int ck = a.ck, kl = a.kl, bs = a.block_size;
+    const float *qg = a.q + ((int64_t)t * a.H + h0) * ck;
+#pragma unroll 4
+    for (int i = tid; i < G * ck; i += MLA_THREADS) mla_qs[i] = qg[i];
+    const int32_t n_keys = a.pos[t] + 1;
+    const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
+    float acc[G][MLA_VMAX];
+    float M[G], L[G]; /* warp 0's running max and sum per head */
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        M[g] = -INFINITY, L[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_VMAX; i++) acc[g][i] = 0.0f;
+    }
+    for (int32_t k0 = 0; k0 < n_keys; k0 += MLA_CH) {
+        const int nk = min(MLA_CH, n_keys - k0);
+        for (int j = tid; j < nk; j += MLA_THREADS) {
+            const int32_t p = k0 + j;
+            roff[j] = ((int64_t)bt[p / bs] * bs + p % bs) * ck;
+        }
+        __syncthreads(); /* roff and (the first chunk) mla_qs written */
+        for (int j = warp; j < nk; j += 2 * NW) {
+            const int j2 = j + NW;
+            const bool two = j2 < nk;
+            const __half *r1 = a.kc + roff[j], *r2 = a.kc + roff[two ? j2 : j];
+            float d1[G], d2[G];
+#pragma unroll
+            for (int g = 0; g < G; g++) d1[g] = d2[g] = 0.0f;
+            for (int c0 = lane; c0 < ck; c0 += 32 * MLA_SU) {
+                float k1[MLA_SU], k2[MLA_SU];
+#pragma unroll
+                for (int u = 0; u < MLA_SU; u++) {
+                    const int c = c0 + 32 * u;
+                    k1[u] = c < ck ? __half2float(r1[c]) : 0.0f;
+                    k2[u] = c < ck ? __half2float(r2[c]) : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < MLA_SU; u++) {
+                    const int c = c0 + 32 * u;
+                    if (c < ck) {
+#pragma unroll
+                        for (int g = 0; g < G; g++) {
+                            const float qv = mla_qs[g * ck + c];
+                            d1[g] = fmaf(qv, k1[u], d1[g]);
+                            d2[g] = fmaf(qv, k2[u], d2[g]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                d1[g] = warp_sum(d1[g]);
+                d2[g] = warp_sum(d2[g]);
+                if (lane == 0) {
+                    pr[g][j] = d1[g];
+                    if (two) pr[g][j2] = d2[g];
+                }
+            }
+        }
+        __syncthreads();
+        if (warp == 0) {
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                const float s0 = lane < nk ? pr[g][lane] : -INFINITY, s1 = lane + 32 < nk ? pr[g][lane + 32] : -INFINITY;
+                const float mn = fmaxf(M[g], warp_max(fmaxf(s0, s1)));
+                const float corr = expf(M[g] - mn); /* 0 on the first chunk (M = -inf, mn finite) */
+                const float p0 = lane < nk ? expf(s0 - mn) : 0.0f, p1 = lane + 32 < nk ? expf(s1 - mn) : 0.0f;
+                pr[g][lane] = p0, pr[g][lane + 32] = p1;
+                L[g] = __fmaf_rn(L[g], corr, warp_sum(p0 + p1));
+                M[g] = mn;
+                if (lane == 0) corr_s[g] = corr;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float corr = corr_s[g];
+#pragma unroll
+            for (int i = 0; i < MLA_VMAX; i++) acc[g][i] *= corr;
+        }
+        for (int j0 = 0; j0 < nk; j0 += 4) {
+            float v[4][MLA_VMAX];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                const __half *row = a.kc + roff[min(j0 + jj, nk - 1)];
+#pragma unroll
+                for (int i = 0; i < MLA_VMAX; i++) {
+                    const int c = tid + MLA_THREADS * i;
+                    v[jj][i] = c < kl ? __half2float(row[c]) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++) {
+                if (j0 + jj >= nk) break;
+#pragma unroll
+                for (int i = 0; i < MLA_VMAX; i++) {
+                    const int c = tid + MLA_THREADS * i;
+                    if (c < kl) {
+#pragma unroll
+                        for (int g = 0; g < G; g++) acc[g][i] = fmaf(pr[g][j0 + jj], v[jj][i], acc[g][i]);
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* pr and roff are refilled by the next chunk */
+    }
+    if (warp == 0 && lane == 0) {
+#pragma unroll
+        for (int g = 0; g < G; g++) l_s[g] = L[g];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < MLA_VMAX; i++) {
+            const int c = tid + MLA_THREADS * i;
+            if (c < kl) a.out[((int64_t)t * a.H + h0 + g) * kl + c] = __fdiv_rn(acc[g][i], l_s[g]);
+        }
+    }
+}
+
+/* k_mla_attention's heads per block for T tokens of H heads: the most of 8, 4, 2, 1 that divides H, fits the default
+ * shared memory and still gives the grid MLA_ATT_BLOCKS blocks (a block reads each key row once for its G heads, so
+ * more heads per block read less, but at batch 1 DeepSeek-V3's 128 heads in blocks of 8 are 16 blocks: 16 of the
+ * GPU's SMs, each a serial pass over the keys); 1 where none gives that many. */
+#define MLA_ATT_BLOCKS 128
+static int mla_att_g(int64_t T, int64_t H, int64_t ck) {
+    for (int G = 8; G > 1; G /= 2)
+        if (H % G == 0 && mla_att_smem(G, (int)ck) <= MLA_SMEM_MAX && T * (H / G) >= MLA_ATT_BLOCKS) return G;
+    return 1;
+}
+
+/* k_mla_attention (ref false) or k_mla_attention_ref (true) with G heads per block over T tokens */
+static stg_status mla_attention(cudaStream_t st, const mla_att_args &aa, int32_t T, int G, bool ref) {
+    const dim3 grid((unsigned)T, (unsigned)(aa.H / G));
+    const size_t smem = mla_att_smem(G, aa.ck);
+    switch (G * 2 + (ref ? 1 : 0)) {
+    case 16: launch_k(k_mla_attention<8>, grid, MLA_THREADS, smem, st, aa); break;
+    case 8: launch_k(k_mla_attention<4>, grid, MLA_THREADS, smem, st, aa); break;
+    case 4: launch_k(k_mla_attention<2>, grid, MLA_THREADS, smem, st, aa); break;
+    case 2: launch_k(k_mla_attention<1>, grid, MLA_THREADS, smem, st, aa); break;
+    case 17: launch_k(k_mla_attention_ref<8>, grid, MLA_THREADS, smem, st, aa); break;
+    case 9: launch_k(k_mla_attention_ref<4>, grid, MLA_THREADS, smem, st, aa); break;
+    case 5: launch_k(k_mla_attention_ref<2>, grid, MLA_THREADS, smem, st, aa); break;
+    case 3: launch_k(k_mla_attention_ref<1>, grid, MLA_THREADS, smem, st, aa); break;
+    default: return fail(ST_EINVAL, "latent attention: %d heads per block", G);
+    }
+    LAUNCHED("latent attention");
+    return ST_OK;
 }
 
 /* The absorption matrix of a layer with wkv_b: kb[h][r][j] = W_UK_h[j][r], W_UK_h's rows being wkv_b's rows
@@ -327,7 +504,7 @@ static stg_status mla_block(stg_model *m, stg_kv *kv, int il, int32_t T, const i
     pa.H = (int32_t)H, pa.hd = (int32_t)hd, pa.nope = (int32_t)nope, pa.rd = (int32_t)rd, pa.kl = (int32_t)kl;
     pa.ck = (int32_t)ck, pa.rope_type = d.rope_type, pa.max_blocks = max_blocks, pa.block_size = kv->block_size;
     pa.eps = d.norm_eps, pa.scale = 1.0f / sqrtf((float)hd), pa.mscale = m->rope_mscale;
-    launch_k(k_mla_prep, T, MLA_PREP_WARPS * 32, sizeof(float) * (size_t)(ck + MLA_PREP_WARPS * hd), st, pa);
+    launch_k(k_mla_prep, dim3((unsigned)T, mla_prep_ny(H)), MLA_PREP_WARPS * 32, mla_prep_smem(ck, hd), st, pa);
     LAUNCHED("latent attention: prep");
     /* each head's q_nope into the latent space: s.q[t, h, 0 .. kl) */
     const dtensor &kb = L.mla_kb;
@@ -336,17 +513,7 @@ static stg_status mla_block(stg_model *m, stg_kv *kv, int il, int32_t T, const i
     aa.q = s.q, aa.out = s.att, aa.kc = pa.kc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
     aa.max_blocks = max_blocks, aa.H = (int32_t)H, aa.ck = (int32_t)ck, aa.kl = (int32_t)kl;
     aa.block_size = kv->block_size;
-    const int G = H % 8 == 0 && mla_att_smem(8, (int)ck) <= MLA_SMEM_MAX   ? 8
-                  : H % 4 == 0 && mla_att_smem(4, (int)ck) <= MLA_SMEM_MAX ? 4
-                  : H % 2 == 0 && mla_att_smem(2, (int)ck) <= MLA_SMEM_MAX ? 2
-                                                                           : 1;
-    const dim3 grid((unsigned)T, (unsigned)(H / G));
-    const size_t smem = mla_att_smem(G, (int)ck);
-    if (G == 8) launch_k(k_mla_attention<8>, grid, MLA_THREADS, smem, st, aa);
-    else if (G == 4) launch_k(k_mla_attention<4>, grid, MLA_THREADS, smem, st, aa);
-    else if (G == 2) launch_k(k_mla_attention<2>, grid, MLA_THREADS, smem, st, aa);
-    else launch_k(k_mla_attention<1>, grid, MLA_THREADS, smem, st, aa);
-    LAUNCHED("latent attention");
+    CHECK(mla_attention(st, aa, T, mla_att_g(T, H, ck), false));
     /* each head's latent output expanded to its value space: s.mo[T, H * vd] */
     if (L.wkv_b.d) { /* head h's value rows follow its nope key rows */
         const int64_t rb = L.wkv_b.row_bytes;

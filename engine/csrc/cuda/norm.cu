@@ -6,12 +6,25 @@
 /* Embedding rows: x[t, :] = dequant(table[tokens[t], :]); grid (T), block over blocks of the row. */
 /* src (optional, st_batch.token_src): token t's id is picks[src[t]] where src[t] >= 0 (the previous
  * step's greedy pick, still in the picks buffer in stream order), else tokens[t]. */
+/* staged (E floats of dynamic shared memory, the launch's choice where they fit 48 KB): each block dequantised into
+ * shared memory, then the row copied out. Why: deq_block's byte loads from the table and its float stores to x may
+ * alias as far as the compiler knows, so into x every load waits for the stores before it (a 256-element Q4_K block
+ * per thread, 28 threads at DeepSeek-V3's 7,168: ~20 us a token); into shared memory they are two address spaces.
+ * The same values. */
 template <int T> __global__ void k_embed(const uint8_t *table, int64_t row_bytes, const int32_t *tokens,
-                                         const int32_t *src, const int32_t *picks, int64_t E, float *x) {
+                                         const int32_t *src, const int32_t *picks, int64_t E, float *x, int staged) {
     PDL_ENTER();
+    extern __shared__ float emb_s[];
     const int t = blockIdx.x;
     const int32_t j = src ? src[t] : -1;
     const uint8_t *row = table + (int64_t)(j >= 0 ? picks[j] : tokens[t]) * row_bytes;
+    if (staged) {
+        for (int64_t b = threadIdx.x; b < E / qt<T>::BE; b += blockDim.x)
+            deq_block<T>(row + b * qt<T>::BB, emb_s + b * qt<T>::BE);
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < E; i += blockDim.x) x[(int64_t)t * E + i] = emb_s[i];
+        return;
+    }
     for (int64_t b = threadIdx.x; b < E / qt<T>::BE; b += blockDim.x)
         deq_block<T>(row + b * qt<T>::BB, x + (int64_t)t * E + b * qt<T>::BE);
 }
@@ -76,6 +89,7 @@ __device__ __forceinline__ float combined(const combine_args &c, float x, int64_
 #define RMS_THREADS 1024 /* the block of every k_rmsnorm launch */
 #endif
 #define RMS_RN (2048 / RMS_THREADS) /* register slots: rows up to 2,048 elements */
+#define RMS_CH 4                    /* longer rows: elements (blocks) of a thread (warp) loaded at a time */
 __device__ __forceinline__ double warp_sum_d(double v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -109,15 +123,25 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
             }
             vr[k] = v;
         }
-    } else {
-        for (int64_t i = threadIdx.x; i < n; i += bd) {
-            float v = xr[i];
-            if (c.pair_out || c.kpart) {
-                v = combined(c, v, r, i, n);
-                if (!rows) xr[i] = v;
+    } else { /* RMS_CH elements of a thread at a time, every load of them before the first store (x and y may be
+              * one buffer, so loads after a store wait for it); the same values, ss in the same order */
+        for (int64_t i0 = threadIdx.x; i0 < n; i0 += (int64_t)RMS_CH * bd) {
+            float v[RMS_CH];
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                v[u] = 0.0f;
+                if (i < n) v[u] = c.pair_out || c.kpart ? combined(c, xr[i], r, i, n) : xr[i];
             }
-            yr[i] = v;
-            ss += (double)v * (double)v;
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                if (i < n) {
+                    if ((c.pair_out || c.kpart) && !rows) xr[i] = v[u];
+                    yr[i] = v[u];
+                    ss += (double)v[u] * (double)v[u];
+                }
+            }
         }
     }
     ss = warp_sum_d(ss);
@@ -141,14 +165,36 @@ __global__ void __launch_bounds__(RMS_THREADS) k_rmsnorm(float *x, const int32_t
         return;
     }
     if (!aq) {
-        for (int64_t i = threadIdx.x; i < n; i += bd) yr[i] = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
+        for (int64_t i0 = threadIdx.x; i0 < n; i0 += (int64_t)RMS_CH * bd) {
+            float wv[RMS_CH] = {}, yv[RMS_CH] = {};
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                if (i < n) wv[u] = w[i], yv[u] = yr[i];
+            }
+#pragma unroll
+            for (int u = 0; u < RMS_CH; u++) {
+                const int64_t i = i0 + (int64_t)u * bd;
+                if (i < n) yr[i] = __fmul_rn(wv[u], __fmul_rn(yv[u], scale));
+            }
+        }
         return;
     }
-    for (int64_t b = warp; b < nb; b += nw) {
-        const int64_t i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
-        const float v = __fmul_rn(w[i], __fmul_rn(yr[i], scale));
-        yr[i] = v;
-        quant_block32(v, lane, aq + row * n + 32 * b, ad + row * nb + b, as + row * (n / 16) + 2 * b);
+    for (int64_t b0 = warp; b0 < nb; b0 += (int64_t)RMS_CH * nw) { /* RMS_CH blocks of a warp, loads first */
+        float wv[RMS_CH] = {}, yv[RMS_CH] = {};
+#pragma unroll
+        for (int u = 0; u < RMS_CH; u++) {
+            const int64_t b = b0 + (int64_t)u * nw, i = 32 * b + lane; /* == threadIdx.x + k * blockDim.x, as above */
+            if (b < nb) wv[u] = w[i], yv[u] = yr[i];
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_CH; u++) {
+            const int64_t b = b0 + (int64_t)u * nw, i = 32 * b + lane;
+            if (b >= nb) break; /* warp-uniform */
+            const float v = __fmul_rn(wv[u], __fmul_rn(yv[u], scale));
+            yr[i] = v;
+            quant_block32(v, lane, aq + row * n + 32 * b, ad + row * nb + b, as + row * (n / 16) + 2 * b);
+        }
     }
 }
 

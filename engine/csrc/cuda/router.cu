@@ -62,21 +62,26 @@ template <int T, int NT> __device__ __forceinline__ void f_rows_body(const lin_a
  * router): each activation read at its fma; XPRE = true (k_linear_f_rows_mlp, any NT): all NT x ROUTER_PRE of a
  * thread's activations of a pass loaded before the first fma. */
 #define ROUTER_PRE 16
-template <int T, int NT, bool XPRE = false> __device__ __forceinline__ void f_rows_pre(const lin_args &a) {
+/* A decode router of a longer row (K <= ROUTER_PRE_WIDE * LIN_WARPS * WARP: DeepSeek-V3's 7,168, GLM-4.5's 4,096):
+ * f_rows_pre with this many weights per thread (route_args.pre 2), rather than f_rows_body's loop, whose loads wait
+ * on the predecessor and come 16 at a time. The same chains: the same bits. */
+#define ROUTER_PRE_WIDE 64
+template <int T, int NT, bool XPRE = false, int PRE = ROUTER_PRE>
+__device__ __forceinline__ void f_rows_pre(const lin_args &a) {
     __shared__ float part[LIN_WARPS][NT];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int r = blockIdx.x;
     const uint8_t *wrow = a.w + (int64_t)r * a.row_bytes;
-    float wv[ROUTER_PRE];
+    float wv[PRE];
 #pragma unroll
-    for (int u = 0; u < ROUTER_PRE; u++) {
+    for (int u = 0; u < PRE; u++) {
         const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
         wv[u] = i < a.K ? wf<T>(wrow, i) : 0.0f;
     }
     pdl_wait();
     for (int p0 = (int)blockIdx.z * NT; p0 < a.g.n_pairs; p0 += (int)gridDim.z * NT) {
         int rows[NT];
-        float acc[NT], xv[NT][ROUTER_PRE]; /* xv: XPRE only */
+        float acc[NT], xv[NT][PRE]; /* xv: XPRE only */
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             rows[t] = p0 + t < a.g.n_pairs ? in_row(a.g, pair_at(a.g, 0, p0 + t)) : -1;
@@ -86,13 +91,13 @@ template <int T, int NT, bool XPRE = false> __device__ __forceinline__ void f_ro
 #pragma unroll
             for (int t = 0; t < NT; t++)
 #pragma unroll
-                for (int u = 0; u < ROUTER_PRE; u++) {
+                for (int u = 0; u < PRE; u++) {
                     const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
                     xv[t][u] = rows[t] >= 0 && i < a.K ? a.x[(int64_t)rows[t] * a.K + i] : 0.0f;
                 }
         }
 #pragma unroll
-        for (int u = 0; u < ROUTER_PRE; u++) {
+        for (int u = 0; u < PRE; u++) {
             const int i = warp * WARP + lane + u * LIN_WARPS * WARP;
             if (i < a.K) {
 #pragma unroll
@@ -451,14 +456,16 @@ struct route_args {
     int32_t *ids;
     float *w;
     group_out o;
-    int32_t pre; /* f_rows_pre (the host checks NT <= 2, K, a dense group) */
+    int32_t pre; /* f_rows_pre (the host checks NT <= 2, K, a dense group): 1 ROUTER_PRE, 2 ROUTER_PRE_WIDE weights */
 };
 template <int T, int NT>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
     pdl_trigger();
     extern __shared__ float rrs[];
     __shared__ int last;
-    if (NT <= 2 && r.pre) {
+    if (NT <= 2 && r.pre == 2) {
+        f_rows_pre<T, NT <= 2 ? NT : 1, false, ROUTER_PRE_WIDE>(a);
+    } else if (NT <= 2 && r.pre) {
         f_rows_pre<T, NT <= 2 ? NT : 1>(a);
     } else {
         pdl_wait();

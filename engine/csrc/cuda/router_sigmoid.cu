@@ -136,7 +136,9 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route_rule(lin_args
     pdl_trigger();
     extern __shared__ float rrl[];
     __shared__ int last;
-    if (NT <= 2 && r.pre) {
+    if (NT <= 2 && r.pre == 2) {
+        f_rows_pre<TY, NT <= 2 ? NT : 1, false, ROUTER_PRE_WIDE>(a);
+    } else if (NT <= 2 && r.pre) {
         f_rows_pre<TY, NT <= 2 ? NT : 1>(a);
     } else {
         pdl_wait();
@@ -195,7 +197,7 @@ static stg_status route_by_rule(stg_model *m, const dlayer &L, int32_t T, const 
         route_args ra = {m->route_counter, T, ne, k, s.topk_id, s.topk_w, go, 0};
         int nt = 1;
         while (nt < T) nt *= 2;
-        ra.pre = nt <= 2 && a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : 0;
+        ra.pre = nt > 2 ? 0 : a.K <= ROUTER_PRE * LIN_WARPS * WARP ? 1 : a.K <= ROUTER_PRE_WIDE * LIN_WARPS * WARP ? 2 : 0;
         switch (L.gate_inp.type) {
 #define CASE_RRR(TY)                                                                                   \
     case TY:                                                                                           \

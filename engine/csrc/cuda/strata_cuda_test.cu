@@ -739,3 +739,5 @@ extern "C" stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, i
     LAUNCHED("greedy pick");
     return down(out, bo, sizeof(int32_t) * (size_t)rows);
 }
+
+#include "strata_cuda_test_arch.cu" /* the newer architectures' kernels and the long-row forms */

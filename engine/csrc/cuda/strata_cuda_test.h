@@ -96,6 +96,10 @@ stg_status stg_test_kv_store_q8(const float *k, const float *v, int32_t n_tok, i
                                 int32_t block_size, int32_t n_blocks, const int32_t *slots, int8_t *k8, uint16_t *ks,
                                 int8_t *v8, uint16_t *vs);
 stg_status stg_test_rmsnorm(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y);
+/* stg_test_rmsnorm's y and, from the same launch, its 8-bit blocks (qs[n_rows*n], d[/32], sums[/16]; n a multiple of
+ * 32), as a layer's norm feeding quantised weights runs it. */
+stg_status stg_test_rmsnorm_q(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y,
+                              int8_t *qs, float *d, int32_t *sums);
 /* x[n_tok, n_heads * head_dim] rotated in place at positions pos[n_tok]. */
 stg_status stg_test_rope(float *x, const int32_t *pos, int32_t n_tok, int32_t n_heads, int32_t head_dim,
                          int32_t rope_dim, int32_t rope_type, float rope_base);
@@ -113,5 +117,20 @@ stg_status stg_test_route_rule(const float *logits, int32_t n_tok, int32_t n_exp
  * `misalign` floats (0..3) past a 16-byte boundary (1..3: the kernel's unaligned loop), as the step runs
  * it (launched twice on the same counters). */
 stg_status stg_test_argmax(const float *x, int32_t rows, int64_t n, int32_t misalign, int32_t *out);
+/* deepseek2's latent attention over a paged cache of latent rows (mla.cu): kc[n_blocks][block_size][kl + rd] (F16
+ * bits), q[T, H, kl + rd] the absorbed queries (pre-scaled), token t of sequence seq[t] at position pos[t] attending
+ * keys 0 .. pos[t] through block_tables[n_seq][max_blocks]; out[T, H, kl]. G heads per block (1, 2, 4 or 8); ref 1:
+ * the reference kernel (k_mla_attention_ref), 0: the step's kernel (k_mla_attention). */
+stg_status stg_test_mla_attention(int32_t G, int32_t ref, const uint16_t *kc, int32_t n_blocks, int32_t block_size,
+                                  const int32_t *block_tables, int32_t max_blocks, int32_t n_seq, const float *q,
+                                  const int32_t *pos, const int32_t *seq, int32_t T, int32_t H, int32_t kl, int32_t rd,
+                                  float *out);
+/* The heads per block a step of T tokens gives k_mla_attention (H heads, rows of ck values). */
+int32_t stg_test_mla_att_g(int32_t T, int32_t H, int32_t ck);
+/* A decode router's logits out[n_tok, n_rows] (n_tok 1 or 2, float weights w[n_rows, k], at most 1,024 rows) by
+ * f_rows_body (pre 0: k_linear_f_rows) or f_rows_pre with ROUTER_PRE (pre 1) or ROUTER_PRE_WIDE (pre 2) weights per
+ * thread, as k_router_route / k_router_route_rule run it; EINVAL where k is too long for the form. */
+stg_status stg_test_router_rows(int32_t type, int32_t pre, const void *w, int64_t n_rows, int64_t k, const float *x,
+                                int32_t n_tok, float *out);
 
 #endif

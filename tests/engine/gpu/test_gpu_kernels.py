@@ -255,13 +255,14 @@ def test_routed_split_quantisation_bitwise(g: tuple, n_tok: int, k_used: int, n_
         assert g[1].stg_test_routed_quant(*args) != 0
 
 
-@pytest.mark.parametrize("k", [256, 2048, 4096])
+@pytest.mark.parametrize("k", [256, 2048, 4096, 7168, 12288])
 def test_head_and_down_decode_forms_bitwise_equal_gemm(g: tuple, k: int) -> None:
     """The batch-1 forms of the output head and the routed down projection give the GEMM's bits (which are the
-    matvec's): a dense single-token Q6_K matvec of at least 65,536 rows (the head) on k_q6_stage where its rows
-    are 16-byte aligned and fit 48 KB of shared memory (K 2,048), else k_linear_q_rows<Q6_K wide, 2> (K 256:
-    210-byte rows; K 4,096: too large a copy), the row count ending inside a warp's rows; and a routed Q4_K
-    plain matvec of single-pair passes (1 or 2 tokens, 8 of 16 experts each) on k_linear_q_rows<Q4_K, 8>."""
+    matvec's): a dense single-token Q6_K matvec of at least 65,536 rows (the head) on k_q6_stage with the most rows
+    per warp whose copies fit 48 KB of shared memory (K 256: 4 rows of 210 bytes, not 16-byte aligned; K 2,048: 4;
+    K 4,096: 2; K 7,168, DeepSeek-V3's: 2 rows of 5,880 bytes, the weight's last 16-byte granule partial; K 12,288:
+    1), the row count ending inside a warp's rows; and a routed Q4_K plain matvec of single-pair passes (1 or 2
+    tokens, 8 of 16 experts each) on k_linear_q_rows<Q4_K, 8>."""
     rng = np.random.default_rng(k)
     rows = 65536 + 41
     w = random_blocks("Q6_K", rows * k, rng)
@@ -273,7 +274,7 @@ def test_head_and_down_decode_forms_bitwise_equal_gemm(g: tuple, k: int) -> None
                                        1, gptr(g, out, "float *")))
         outs.append(out)
     assert np.isfinite(outs[0]).all() and np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), k
-    if k == 4096:
+    if k >= 4096:
         return
     n_expert, rows, k_used = 16, 80, 8
     w = np.concatenate([random_blocks("Q4_K", rows * k, rng) for _ in range(n_expert)])
@@ -290,7 +291,109 @@ def test_head_and_down_decode_forms_bitwise_equal_gemm(g: tuple, k: int) -> None
         assert np.isfinite(outs[0]).all() and np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), n_tok
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "IQ4_NL", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("k", [64, 128, 256, 512, 544, 4096])
+def test_one_token_matvec_forms_bitwise_equal_warp_per_row(g: tuple, name: str, k: int) -> None:
+    """The one-token forms of a dense matvec give the bits of k_linear_q's warp per row with 2 sub-blocks a lane in
+    flight (the same rows at two tokens: each token's sum is the one-token kernel's), within 1e-3 of the CPU
+    reference: rows of at most 16 sub-blocks on k_linear_q_short (4, 8 or 16 lanes per row, as DeepSeek-V3's
+    per-head attn_k_b of 128 and attn_v_b of 512 elements run; K 544, 17 sub-blocks, stays on k_linear_q), few
+    long rows (K 4,096: 128 sub-blocks, 301 rows, as q_a / kv_a) on k_linear_q with 8 in flight. The row count
+    ends inside a warp's rows."""
+    if k % 256 and name in ("Q4_K", "Q6_K"):
+        pytest.skip("a K-quant row is whole 256-element blocks")
+    rng = np.random.default_rng(k)
+    rows = 301
+    w = random_blocks(name, rows * k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    outs = []
+    for xs in (x, np.repeat(x, 2, axis=0)):
+        out = np.full((len(xs), rows), np.nan, np.float32)
+        gcheck(g, g[1].stg_test_linear(tid(name), PATHS["matvec"], gptr(g, w), g[0].NULL, rows, k,
+                                       gptr(g, xs, "float *"), len(xs), gptr(g, out, "float *")))
+        outs.append(out)
+    assert np.isfinite(outs[0]).all()
+    for t in (0, 1):
+        assert np.array_equal(outs[0][0].view(np.uint32), outs[1][t].view(np.uint32)), (name, k, t)
+    assert rel_err(outs[0], cpu_linear(name, w, rows, k, x)) <= 1e-3
+
+
+def mla_attention(g: tuple, G: int, ref: int, case: tuple, q: np.ndarray, pos: np.ndarray, seq: np.ndarray,
+                  kl: int) -> np.ndarray:
+    """stg_test_mla_attention over ``case`` (kc, block tables, block size): the heads' latent outputs [T, H, kl]."""
+    kc, tables, bs = case
+    T, H, ck = q.shape
+    out = np.full((T, H, kl), np.nan, np.float32)
+    gcheck(g, g[1].stg_test_mla_attention(G, ref, gptr(g, kc, "uint16_t *"), kc.size // (bs * ck), bs,
+                                          gptr(g, tables, "int32_t *"), tables.shape[1], tables.shape[0],
+                                          gptr(g, q, "float *"), gptr(g, pos, "int32_t *"), gptr(g, seq, "int32_t *"),
+                                          T, H, kl, ck - kl, gptr(g, out, "float *")))
+    return out
+
+
+def test_mla_attention_bitwise_equals_reference(g: tuple) -> None:
+    """deepseek2's latent attention (k_mla_attention: loads ahead of use, two keys per warp) gives the reference
+    kernel's bits (k_mla_attention_ref) at every G (heads per block: 1, 2, 4, 8; a head's bits depend on none), over
+    3 sequences of a paged cache with tokens at positions inside the first 64-key chunk, at its end, at 64 and past
+    several chunks (the last chunk's key count not a multiple of 4 or 8); within 1e-4 of max|ref| of a float64
+    softmax over the f16 rows. And the G a step picks: 1 at batch 1 of DeepSeek-V3's 128 heads, 8 from 8 tokens."""
+    rng = np.random.default_rng(32)
+    H, kl, rd, bs, n_seq, max_blocks = 16, 512, 64, 16, 3, 12
+    ck = kl + rd
+    n_blocks = n_seq * max_blocks + 2
+    tables = rng.permutation(n_blocks)[: n_seq * max_blocks].astype(np.int32).reshape(n_seq, max_blocks)
+    kc16 = (rng.standard_normal((n_blocks, bs, ck)) * 0.5).astype(np.float16)
+    kc = kc16.view(np.uint16).reshape(-1)
+    pos = np.array([0, 5, 63, 64, 150, 190, 37], np.int32)
+    seq = np.array([0, 1, 2, 0, 1, 2, 0], np.int32)
+    T = pos.size
+    q = (rng.standard_normal((T, H, ck)) * 0.1).astype(np.float32)
+    case = (kc, tables, bs)
+    base = mla_attention(g, 8, 1, case, q, pos, seq, kl)
+    assert np.isfinite(base).all()
+    for G in (1, 2, 4, 8):
+        for ref in (0, 1):
+            got = mla_attention(g, G, ref, case, q, pos, seq, kl)
+            assert np.array_equal(got.view(np.uint32), base.view(np.uint32)), (G, ref)
+    rows = kc16.astype(np.float64)
+    for t in range(T):
+        keys = np.arange(pos[t] + 1)
+        kr = rows[tables[seq[t], keys // bs], keys % bs]  # [n_keys, ck]
+        sc = q[t].astype(np.float64) @ kr.T  # [H, n_keys]
+        p = np.exp(sc - sc.max(axis=1, keepdims=True))
+        want = (p / p.sum(axis=1, keepdims=True)) @ kr[:, :kl]
+        assert rel_err(base[t], want) <= 1e-4, t
+    att_g = g[1].stg_test_mla_att_g
+    assert [att_g(1, 128, 576), att_g(2, 128, 576), att_g(4, 128, 576), att_g(8, 128, 576), att_g(64, 128, 576)] == [
+        1, 2, 4, 8, 8]
+    assert att_g(64, 12, 576) == 4 and att_g(1, 12, 576) == 1
+
+
+@pytest.mark.parametrize("k", [768, 2048])
+def test_routed_iq3_rows_bitwise_equal_warp_per_row(g: tuple, k: int) -> None:
+    """IQ3_XXS routed experts at one pair per pass (DeepSeek-V3's and GLM-4.5's down projection at 1-2 tokens) on
+    k_linear_q_rows<IQ3_XXS, 8> (routed_rows 1) give the bits of k_linear_q (routed_rows 0) and of the GEMM; 83 rows
+    end inside a warp's 8."""
+    rng = np.random.default_rng(k + 3)
+    n_expert, rows, k_used = 16, 83, 8
+    w = np.concatenate([random_blocks("IQ3_XXS", rows * k, rng) for _ in range(n_expert)])
+    for n_tok in (1, 2):
+        x = rng.standard_normal((n_tok, k)).astype(np.float32)
+        ids = np.concatenate([rng.choice(n_expert, k_used, replace=False) for _ in range(n_tok)]).astype(np.int32)
+        outs = []
+        for path, rows_form in (("matvec", 1), ("matvec", 0), ("gemm", 1)):
+            out = np.full((ids.size, rows), np.nan, np.float32)
+            with harness_settings(g, routed_rows=rows_form):
+                gcheck(g, g[1].stg_test_routed_linear(tid("IQ3_XXS"), PATHS[path], gptr(g, w), g[0].NULL, n_expert,
+                                                      rows, k, gptr(g, x, "float *"), n_tok,
+                                                      gptr(g, ids, "int32_t *"), k_used, gptr(g, out, "float *")))
+            outs.append(out)
+        assert np.isfinite(outs[0]).all()
+        for out in outs[1:]:
+            assert np.array_equal(outs[0].view(np.uint32), out.view(np.uint32)), (k, n_tok)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ3_XXS"])
 @pytest.mark.parametrize("k", [768, 2048])
 def test_routed_chunk_quantisation_bitwise(g: tuple, name: str, k: int) -> None:
     """The routed gate/up matvec of one pair per pass quantising its own output a 32-row chunk at a time
@@ -347,6 +450,32 @@ def test_router_mlp_bitwise_equal_f_rows(g: tuple, name: str, k: int, n_tok: int
     assert np.isfinite(outs[0]).all() and np.array_equal(outs[0][:n_tok].view(np.uint32), outs[1].view(np.uint32))
 
 
+@pytest.mark.parametrize(("k", "n_tok"), [(2048, 1), (4096, 2), (7168, 1), (8192, 2), (7000, 1)])
+@pytest.mark.parametrize("name", FLOAT)
+def test_router_rows_pre_bitwise_equal_f_rows(g: tuple, name: str, k: int, n_tok: int) -> None:
+    """A decode router (1-2 tokens, 256 rows) with its weights loaded before the wait (f_rows_pre: ROUTER_PRE
+    weights per thread up to K 2,048, ROUTER_PRE_WIDE up to 8,192: DeepSeek-V3's 7,168, GLM-4.5's 4,096) gives
+    f_rows_body's bits (k_linear_f_rows); K 7,000 leaves part of the last stride empty; too long a K for a form is
+    refused."""
+    rng = np.random.default_rng(k + n_tok)
+    rows = 256
+    w = random_blocks(name, rows * k, rng)
+    x = rng.standard_normal((n_tok, k)).astype(np.float32)
+    outs = []
+    for pre in (0, 1, 2):
+        out = np.full((n_tok, rows), np.nan, np.float32)
+        rc = g[1].stg_test_router_rows(tid(name), pre, gptr(g, w), rows, k, gptr(g, x, "float *"), n_tok,
+                                       gptr(g, out, "float *"))
+        if pre == 1 and k > 2048:
+            assert rc != 0
+            continue
+        gcheck(g, rc)
+        outs.append(out)
+    assert np.isfinite(outs[0]).all()
+    for out in outs[1:]:
+        assert np.array_equal(outs[0].view(np.uint32), out.view(np.uint32)), (name, k, n_tok)
+
+
 @pytest.mark.parametrize(("hd", "bs", "n_kv", "nq", "p0"), [(64, 16, 2, 1, 0), (64, 16, 2, 1, 300),
                                                              (128, 32, 4, 1, 1000), (128, 16, 1, 16, 40),
                                                              (80, 16, 2, 7, 13), (256, 16, 1, 3, 64)])
@@ -396,16 +525,30 @@ def test_attention_tile_bitwise_equals_k_attention(g: tuple, hd: int, bs: int, n
         assert rel_err(o1[:, h * hd : (h + 1) * hd], ref) <= 1e-3
 
 
-def test_rmsnorm_matches_cpu_formula(g: tuple) -> None:
+@pytest.mark.parametrize("n", [576, 5000, 7168])
+def test_rmsnorm_matches_cpu_formula(g: tuple, n: int) -> None:
+    """k_rmsnorm against the CPU's formula: rows in registers (576) and longer ones (5,000, 7,168: DeepSeek-V3's
+    embedding, a chunk of RMS_CH elements per thread at a time, the last one partial); with the 8-bit blocks of the
+    same launch (n a multiple of 32) the same floats and the CPU's blocks of them."""
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((6, 576)).astype(np.float32) * 3
-    w = (1 + 0.2 * rng.standard_normal(576)).astype(np.float32)
+    x = rng.standard_normal((6, n)).astype(np.float32) * 3
+    w = (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)
     ss = (x.astype(np.float64) ** 2).sum(axis=1, keepdims=True)
-    scale = (1.0 / np.sqrt(ss / 576 + 1e-5)).astype(np.float32)
+    scale = (1.0 / np.sqrt(ss / n + 1e-5)).astype(np.float32)
     ref = w * (x * scale)  # float32 operations, the CPU's order
     out = np.empty_like(x)
-    gcheck(g, g[1].stg_test_rmsnorm(gptr(g, x, "float *"), gptr(g, w, "float *"), 6, 576, 1e-5, gptr(g, out, "float *")))
+    gcheck(g, g[1].stg_test_rmsnorm(gptr(g, x, "float *"), gptr(g, w, "float *"), 6, n, 1e-5, gptr(g, out, "float *")))
     assert rel_err(out, ref) <= 1e-6
+    if n % 32:
+        return
+    yq = np.full_like(x, np.nan)
+    qs, d, s = np.zeros((6, n), np.int8), np.zeros((6, n // 32), np.float32), np.zeros((6, n // 16), np.int32)
+    gcheck(g, g[1].stg_test_rmsnorm_q(gptr(g, x, "float *"), gptr(g, w, "float *"), 6, n, 1e-5,
+                                      gptr(g, yq, "float *"), gptr(g, qs, "int8_t *"), gptr(g, d, "float *"),
+                                      gptr(g, s, "int32_t *")))
+    assert np.array_equal(yq.view(np.uint32), out.view(np.uint32))
+    cq, cd, cs = cpu_quant(out)
+    assert np.array_equal(cq, qs) and np.array_equal(cd.view(np.uint32), d.view(np.uint32)) and np.array_equal(cs, s)
 
 
 @pytest.mark.parametrize("rope_type", [0, 2])
