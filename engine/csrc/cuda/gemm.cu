@@ -152,14 +152,17 @@ template <int T, bool SW, int BN = MM_BN> __host__ __device__ constexpr int gemm
  * same bits. Slots are an odd number of 8-byte chunks: a half-warp's 8-byte loads at one offset of 16
  * consecutive slots fall in 16 different bank pairs. */
 template <int T> __host__ __device__ constexpr bool gemm_stageable() {
-    return T == STG_Q8_0 || T == STG_IQ4_NL || T == STG_MXFP4 || T == STG_IQ3_XXS || T == STG_Q6_KW;
+    return T == STG_Q5_0 || T == STG_Q8_0 || T == STG_IQ4_NL || T == STG_MXFP4 || T == STG_IQ3_XXS ||
+           T == STG_IQ4_XS || T == STG_Q6_KW;
 }
 /* 8-byte chunks per weight slot (odd): whole 32-element blocks their window (BB bytes from any 2-byte aligned
  * offset, MXFP4's 17 from any offset),
- * IQ3_XXS d + qs + aux (1 + 2 + 2), Q6_K two 32-byte windows (ld32_2a's 5 chunks each), scales, d and a pad */
+ * IQ3_XXS d + qs + aux (1 + 2 + 2), IQ4_XS its 8-byte header and 16 bytes of codes, Q6_K two 32-byte windows
+ * (ld32_2a's 5 chunks each), scales, d and a pad */
 template <int T> __host__ __device__ constexpr int stage_chunks() {
     if constexpr (T == STG_Q6_KW) return 13;
     else if constexpr (T == STG_IQ3_XXS) return 5;
+    else if constexpr (T == STG_IQ4_XS) return 3;
     else if constexpr (gemm_stageable<T>()) return ((8 - (qt<T>::BB % 2 ? 1 : 2) + qt<T>::BB + 7) / 8) | 1;
     else return 0;
 }
@@ -207,6 +210,7 @@ template <int T> struct gstage_block {
         unpack_sub<T>(in_window(d, row + (int64_t)j * qt<T>::BB), 0, s);
     }
 };
+template <> struct gstage<STG_Q5_0> : gstage_block<STG_Q5_0> {};
 template <> struct gstage<STG_Q8_0> : gstage_block<STG_Q8_0> {};
 template <> struct gstage<STG_IQ4_NL> : gstage_block<STG_IQ4_NL> {};
 template <> struct gstage<STG_MXFP4> : gstage_block<STG_MXFP4> {};
@@ -236,6 +240,20 @@ template <> struct gstage<STG_IQ3_XXS> {
         }
         const int ls = (int)(aux >> 28);
         s.A = ld_f16(in_window(d, b)) * iq_f<STG_IQ3_XXS>(), s.B = 0.0f, s.c0 = s.c1 = 2 * ls + 1;
+    }
+};
+/* IQ4_XS (136-byte blocks, 8-byte aligned): d and the scales (bytes 0-7), sub-block ib's 16 bytes of codes */
+template <> struct gstage<STG_IQ4_XS> {
+    static __device__ __forceinline__ void issue(const uint8_t *row, int j, uint2 *d) {
+        const uint8_t *b = row + (int64_t)(j >> 3) * 136;
+        cp_async8(d, b), cp_async8(d + 1, b + 8 + 16 * (j & 7)), cp_async8(d + 2, b + 16 + 16 * (j & 7));
+    }
+    static __device__ __forceinline__ void unpack(const uint8_t *, int j, const uint2 *d, const uint32_t *, sub_w &s) {
+        const uint8_t *h = (const uint8_t *)d;
+        const uint2 v0 = d[1], v1 = d[2];
+        const uint32_t w[4] = {v0.x, v0.y, v1.x, v1.y};
+        nibbles16<0>(w, s.q);
+        s.A = __fmul_rn(ld_f16(h), (float)iq4xs_scale_d(h, j & 7)), s.B = 0.0f, s.c0 = s.c1 = 1;
     }
 };
 /* Q6_K (210-byte blocks): ql's and qh's 32 bytes (read as unpack_q6k_wide does, by ld32_2a_s), the two scales, d */
@@ -271,9 +289,10 @@ template <> struct gstage<STG_Q6_KW> {
 /* A Q4_K GEMM stage's bytes (schedule tab; the staged forms: positions qf .. qf + GK - 1 of those before
  * qlim, their entries computed here, the table holding only the next stage's) copied with cp.async into this
  * thread's own slots of the dynamic shared memory dyn: the same thread unpacks them, so its
- * cp.async.wait_group is all the ordering needed. Always one commit (an empty group past the end). Weight slot it = (weight, sub-block, row) as k_linear_gemm's fill;
- * activation slot NW * GK * MM_BM + (sub-block, pair) entry: 32 bytes of values, then the scale
- * and the two sums (entry tid + 128 u: sub-block xkk0 + u * 128 / BN, pair tid % BN). */
+ * cp.async.wait_group is all the ordering needed. Always one commit (an empty group past the end). Weight
+ * slot it = (weight, sub-block, row) as k_linear_gemm's fill; after the NW * GK * MM_BM weight slots the
+ * (sub-block, pair) entries: 32 bytes of values, then the scale and the two sums (entry tid + 128 u:
+ * sub-block xkk0 + u * 128 / BN, pair tid % BN). */
 template <int T, bool ST, bool SW, int BN>
 __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, uint4 *dyn, int tid, int m0,
                                            const uint8_t *wbase, const uint8_t *wbase2, int xkk0, int xrow, int nsb,

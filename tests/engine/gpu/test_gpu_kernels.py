@@ -138,7 +138,7 @@ def test_gemm_bitwise_equals_matvec(g: tuple, name: str, k: int, n_tok: int) -> 
 
 
 # the types whose GEMM has the staged form (stg_settings.gemm_stage)
-STAGED = ["Q8_0", "IQ4_NL", "MXFP4", "IQ3_XXS", "Q6_K"]
+STAGED = ["Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_XXS", "Q6_K"]
 
 
 @pytest.mark.parametrize("n_tok", [8, 32, 512])
