@@ -182,10 +182,6 @@ template <int T, bool SW, int BN, bool ST> __host__ __device__ constexpr int gem
 template <int T, bool SW, int BN, bool ST> __host__ __device__ constexpr int gemm_stage_bytes() {
     return gemm_stage_depth<T, SW, BN, ST>() * gemm_stage_buf<T, SW, BN, ST>();
 }
-__device__ __forceinline__ void cp_async8(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
-}
 /* the 8-byte chunks holding [p, p + n) from the boundary at or below p into dst[0 .. NMAX) (none past the last
  * chunk holding a byte of the range: never past the tensor's 8-byte aligned end) */
 template <int NMAX> __device__ __forceinline__ void stage_window(uint2 *dst, const uint8_t *p, int n) {
