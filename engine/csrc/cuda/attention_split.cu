@@ -96,10 +96,6 @@ template <int HD, bool Q8 = false> static constexpr size_t asm_smem_bytes() {
     }
 }
 
-__device__ __forceinline__ void cp_async8(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
-}
 /* 16 int8 values (one 16-byte word) as 16 exact halves (two words): each byte b xor 0x80 becomes the half
  * 1024 + (b + 128) (exponent of 1024, the byte as mantissa), minus 1152. */
 __device__ __forceinline__ void i8x16_to_half(const uint4 u, uint4 &h0, uint4 &h1) {

@@ -88,6 +88,10 @@ typedef struct stg_settings {
                                * 8 rows per warp (k_linear_q_rows), gate/up quantising its own output in 32-row
                                * chunks (k_linear_q_chunk); 0: a warp per row (k_linear_q) and k_quant_act. Same
                                * bits either way */
+    int32_t gemm_stage;       /* 1: the GEMMs of Q5_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS and Q6_K copy each k
+                               * stage's weight bytes to shared memory with cp.async during the previous stages'
+                               * mma work (as Q4_K's do); 0: loaded into registers at the start of each stage.
+                               * Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
