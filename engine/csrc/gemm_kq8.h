@@ -108,17 +108,22 @@ static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, 
     }
 }
 
-/* ---- Q3_K: codes kept unsigned (low two bits + 4 * high bit, 0..7; the value is that - 4),
- * msum = sum_g (sc_g - 32) * bsum_g ---- */
-static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, int64_t i, int NT,
-                                                             const act_row *a, __m256i *isum, __m256i *msum) {
+/* Q3_K: the 16 signed 6-bit scales (sc - 32, q3k_scale) of a block as int8, decoded 4 at a time. */
+static inline __m128i kq8_q3k_scales(const uint8_t *scales) {
     uint32_t aux[3], u[4];
-    memcpy(aux, b->scales, 12);
+    memcpy(aux, scales, 12);
     u[3] = ((aux[1] >> 4) & 0x0f0f0f0fu) | (((aux[2] >> 6) & 0x03030303u) << 4);
     u[2] = ((aux[0] >> 4) & 0x0f0f0f0fu) | (((aux[2] >> 4) & 0x03030303u) << 4);
     u[1] = (aux[1] & 0x0f0f0f0fu) | (((aux[2] >> 2) & 0x03030303u) << 4);
     u[0] = (aux[0] & 0x0f0f0f0fu) | ((aux[2] & 0x03030303u) << 4);
-    const __m128i sc8 = _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+    return _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+}
+
+/* ---- Q3_K: codes kept unsigned (low two bits + 4 * high bit, 0..7; the value is that - 4),
+ * msum = sum_g (sc_g - 32) * bsum_g ---- */
+static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, int64_t i, int NT,
+                                                             const act_row *a, __m256i *isum, __m256i *msum) {
+    const __m128i sc8 = kq8_q3k_scales(b->scales);
     const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
     for (int t = 0; t < NT; t++) {
         msum[t] = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
@@ -256,7 +261,9 @@ static inline __attribute__((always_inline)) void kq8_unpack_row(int32_t type, c
                                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3), hi));
             }
         }
-        for (int g = 0; g < 16; g++) sc[g] = mn[g] = (int16_t)q3k_scale(b->scales, g);
+        const __m256i s16 = _mm256_cvtepi8_epi16(kq8_q3k_scales(b->scales));
+        _mm256_storeu_si256((__m256i *)sc, s16);
+        _mm256_storeu_si256((__m256i *)mn, s16);
     }
 }
 
