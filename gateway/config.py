@@ -102,6 +102,9 @@ class GatewayConfig(BaseModel):
     db_url: str = Field(default_factory=default_db_url, description="any SQLAlchemy URL")
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
+    health_timeouts_to_unready: int = Field(3, ge=1, description="a ready lane leaves the rotation after this many "
+                                            "health polls in a row time out (a refused connection or an error "
+                                            "status takes it out at once): a busy host delays a poll, not a lane")
     request_timeout_s: float = Field(900.0, gt=0, description="a whole non-streaming upstream request")
     first_token_timeout_s: float = Field(120.0, gt=0, description="a stream's first token (and /tokenize)")
     stream_idle_timeout_s: float = Field(60.0, gt=0, description="a stream whose lane sends nothing this long")

@@ -97,6 +97,7 @@ class LaneRuntime:
     engine_build: str | None = None
     in_flight: int = 0
     failures: int = 0  # consecutive request failures
+    poll_timeouts: int = 0  # consecutive health polls that timed out
     ejected_mono: float = 0.0  # monotonic time the ejection ends
     last_error: str | None = None
     last_poll: float | None = None  # unix time
@@ -145,7 +146,7 @@ class Dispatcher:
     async def poll_lane(self, lane: LaneRuntime) -> None:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        ready, health, error = False, "unreachable", None
+        ready, health, error, timed_out = False, "unreachable", None, False
         try:
             async with self.session.get(lane.url + "/health", timeout=timeout) as r:
                 body = await r.json(content_type=None)
@@ -172,7 +173,15 @@ class Dispatcher:
                     error = str(body["error"])[:200]
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
             error = f"{type(e).__name__}: {e}"[:200]
+            timed_out = isinstance(e, TimeoutError)
         lane.last_poll = time.time()
+        lane.poll_timeouts = lane.poll_timeouts + 1 if timed_out else 0
+        if timed_out and lane.ready and lane.poll_timeouts < self.config.health_timeouts_to_unready:
+            # a slow answer from a lane that was ready: keep it until the timeouts repeat
+            log.info("lane=%s health poll timed out (%d of %d before it leaves)", lane.name, lane.poll_timeouts,
+                     self.config.health_timeouts_to_unready)
+            lane.last_error = error
+            return
         if ready != lane.ready or health != lane.health:
             level = logging.INFO if ready else logging.WARNING
             log.log(level, "lane=%s %s health=%s n_ctx=%s build=%s%s", lane.name, "ready" if ready else "not ready",

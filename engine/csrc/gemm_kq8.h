@@ -1,19 +1,19 @@
-/* Q6_K against the per-256 activation view (act_row.qk, st_type_q8k), on 256-bit vectors; compiled
- * into the AVX2 and the AVX-512 variant alike (the same instructions). Q6_K is the one k-quant that reads
- * this view: Q4_K gained nothing from it at one token and lost 22% at 16-64 tokens, and it moved the
- * Q2_K / Q3_K test models past their per-32 accuracy bound (docs/benchmarks.md, "Per-256 activations for
- * the k-quants"; branch cpuk32 keeps those types' per-256 kernels), so they keep the per-32 kernels
- * (gemm_int8.h, gemm_lowbit.h).
+/* Q6_K, Q2_K and Q3_K against the per-256 activation view (act_row.qk, st_type_q8k), on 256-bit
+ * vectors; compiled into the AVX2 and the AVX-512 variant alike (the same instructions). Q4_K keeps
+ * the per-32 kernels (gemm_int8.h): on the Zen 3 VM it gained nothing from this view at one token and
+ * lost 22% at 16-64 tokens (docs/benchmarks.md, "Per-256 activations for the k-quants").
  *
- * One row's super-block at a time, as llama.cpp's vec_dot: the 6-bit codes (kept unsigned: the value
- * is the code - 32) against the int8 activations with maddubs (u8 x s8 -> s16 pairs), the 16-bit
- * pairs times the sub-block scale with madd into int32 lanes, summed over the whole super-block in
- * integers; the offset 32 comes from the activation's int16 sums (one madd per row and super-block).
- * The eight rows' lane vectors are then reduced with a hadd tree into one vector (lane r = row r) and
- * the float step of quants.c's reference runs once per super-block for all eight rows:
- *   acc += dk * (d * (isum - 32 * msum))
- * The integer sums are exact and the float operations are the reference's, in its order (no FMA), so
- * every token count and row count gives the reference's bits.
+ * One row's super-block at a time, as llama.cpp's vec_dot: the codes against the int8
+ * activations with maddubs (u8 x s8 -> s16 pairs), the 16-bit pairs times the sub-block scale
+ * with madd into int32 lanes, summed over the whole super-block in integers. Q2_K's minimums and
+ * the offsets of Q6_K (32) and Q3_K (4) come from the activation's int16 sums (one madd per row and
+ * super-block). The eight rows' lane vectors are then reduced with a hadd tree into one
+ * vector (lane r = row r) and the float step of the reference (quants.c, quants_lowbit.c) runs once
+ * per super-block for all eight rows:
+ *   Q2_K        acc += dk * (d * isum - dmin * msum)
+ *   Q6_K, Q3_K  acc += dk * (d * (isum - off * msum))   (codes kept unsigned: off 32, 4)
+ * The integer sums are exact and the float operations are the reference's, in its order (no
+ * FMA), so every token count and row count gives the reference's bits.
  *
  * Tokens go in groups of eight (then four, then the rest): each row's super-block is unpacked
  * into registers once per group. Bounds: the maddubs pairs (codes <= 63 against |a| <= 127) fit int16; the
@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include "internal.h"
+#include "quants_lowbit.h"
 
 #define KQ8_TP 8 /* most tokens per pass */
 
@@ -82,17 +83,81 @@ static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, 
     }
 }
 
+/* ---- Q2_K: msum = sum_g m_g * bsum_g ---- */
+static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, int64_t i, int NT,
+                                                             const act_row *a, __m256i *isum, __m256i *msum) {
+    const __m128i sm8 = _mm_loadu_si128((const __m128i *)b->scales);
+    const __m128i sc8 = _mm_and_si128(sm8, _mm_set1_epi8(0xF));
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm8, 4), _mm_set1_epi8(0xF)));
+    for (int t = 0; t < NT; t++) {
+        msum[t] = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
+        isum[t] = _mm256_setzero_si256();
+    }
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+        for (int k = 0; k < 4; k++) { /* elements 128h + 32k + l: bits 2k of qs[32h + l], groups 8h + 2k (+1) */
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3);
+            const __m256i s = _mm256_cvtepu8_epi16(
+                _mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[4 * h + k])));
+            for (int t = 0; t < NT; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q, x)));
+            }
+        }
+    }
+}
+
+/* Q3_K: the 16 signed 6-bit scales (sc - 32, q3k_scale) of a block as int8, decoded 4 at a time. */
+static inline __m128i kq8_q3k_scales(const uint8_t *scales) {
+    uint32_t aux[3], u[4];
+    memcpy(aux, scales, 12);
+    u[3] = ((aux[1] >> 4) & 0x0f0f0f0fu) | (((aux[2] >> 6) & 0x03030303u) << 4);
+    u[2] = ((aux[0] >> 4) & 0x0f0f0f0fu) | (((aux[2] >> 4) & 0x03030303u) << 4);
+    u[1] = (aux[1] & 0x0f0f0f0fu) | (((aux[2] >> 2) & 0x03030303u) << 4);
+    u[0] = (aux[0] & 0x0f0f0f0fu) | ((aux[2] & 0x03030303u) << 4);
+    return _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+}
+
+/* ---- Q3_K: codes kept unsigned (low two bits + 4 * high bit, 0..7; the value is that - 4),
+ * msum = sum_g (sc_g - 32) * bsum_g ---- */
+static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, int64_t i, int NT,
+                                                             const act_row *a, __m256i *isum, __m256i *msum) {
+    const __m128i sc8 = kq8_q3k_scales(b->scales);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+    for (int t = 0; t < NT; t++) {
+        msum[t] = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
+        isum[t] = _mm256_setzero_si256();
+    }
+    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)b->hmask);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+        for (int k = 0; k < 4; k++) { /* high bit of element 128h + 32k + l: bit 4h + k of hmask[l] */
+            const int c = 4 * h + k;
+            const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, c), 2), four);
+            const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3), hi);
+            const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[c])));
+            for (int t = 0; t < NT; t++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q, x)));
+            }
+        }
+    }
+}
+
 /* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. Super-blocks
  * go in chunks of KQ8_ENTRIES / NT: each row runs through the chunk on its own (one stream at a time,
  * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
  * super-block, in order, the eight rows' sums are reduced and the float step taken. */
 #define KQ8_ENTRIES 32
 #define KQ8_AHEAD 6 /* super-blocks */
-static inline __attribute__((always_inline)) void kq8_pass(const uint8_t *const *rows, int64_t nb, int NT,
-                                                           const act_row *a, __m256 *acc) {
+static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const uint8_t *const *rows, int64_t nb,
+                                                           int NT, const act_row *a, __m256 *acc) {
     const int CH = KQ8_ENTRIES / NT;
-    const size_t bs = sizeof(blk_q6_k);
-    __m256i iv[KQ8_ENTRIES][8];
+    const size_t bs = type == ST_TYPE_Q6_K ? sizeof(blk_q6_k) : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k)
+                                                                   : sizeof(blk_q3_k);
+    __m256i iv[KQ8_ENTRIES][8], mv[KQ8_ENTRIES][8];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += CH) {
         const int ni = nb - i0 < CH ? (int)(nb - i0) : CH;
@@ -105,18 +170,35 @@ static inline __attribute__((always_inline)) void kq8_pass(const uint8_t *const 
                 if (i + KQ8_AHEAD < nb)
                     for (size_t o = 0; o < bs; o += 64) _mm_prefetch((const char *)(row + (c + KQ8_AHEAD) * bs + o), _MM_HINT_T0);
                 __m256i is[KQ8_TP], ms[KQ8_TP];
-                kq8_q6k_sb((const blk_q6_k *)row + c, i, NT, a, is, ms);
-                /* the offset term folded in per lane (exact integers): one reduction, not two */
-                for (int t = 0; t < NT; t++) iv[c * NT + t][r] = _mm256_sub_epi32(is[t], _mm256_slli_epi32(ms[t], 5));
+                if (type == ST_TYPE_Q6_K) kq8_q6k_sb((const blk_q6_k *)row + c, i, NT, a, is, ms);
+                else if (type == ST_TYPE_Q2_K) kq8_q2k_sb((const blk_q2_k *)row + c, i, NT, a, is, ms);
+                else kq8_q3k_sb((const blk_q3_k *)row + c, i, NT, a, is, ms);
+                if (type == ST_TYPE_Q2_K)
+                    for (int t = 0; t < NT; t++) iv[c * NT + t][r] = is[t], mv[c * NT + t][r] = ms[t];
+                else /* the offset term folded in per lane (exact integers): one reduction, not two */
+                    for (int t = 0; t < NT; t++)
+                        iv[c * NT + t][r] = _mm256_sub_epi32(is[t], _mm256_slli_epi32(ms[t], type == ST_TYPE_Q6_K ? 5 : 2));
             }
         }
         for (int c = 0; c < ni; c++) {
             const int64_t i = i0 + c;
-            const __m256 d = kq8_f16x8(rows, i, bs, offsetof(blk_q6_k, d));
-            for (int t = 0; t < NT; t++) {
-                const __m256i tot = kq8_reduce8(iv[c * NT + t]); /* isum - 32 * msum, folded above */
-                const __m256 x = _mm256_mul_ps(d, _mm256_cvtepi32_ps(tot));
-                acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+            if (type == ST_TYPE_Q2_K) {
+                const __m256 d = kq8_f16x8(rows, i, bs, offsetof(blk_q2_k, d));
+                const __m256 m = kq8_f16x8(rows, i, bs, offsetof(blk_q2_k, dmin));
+                for (int t = 0; t < NT; t++) {
+                    const __m256 fi = _mm256_cvtepi32_ps(kq8_reduce8(iv[c * NT + t]));
+                    const __m256 fm = _mm256_cvtepi32_ps(kq8_reduce8(mv[c * NT + t]));
+                    const __m256 x = _mm256_sub_ps(_mm256_mul_ps(d, fi), _mm256_mul_ps(m, fm));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+                }
+            } else { /* Q6_K (offset 32) and Q3_K (offset 4): d * (isum - offset * msum) */
+                const __m256 d = kq8_f16x8(rows, i, bs, type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d)
+                                                                              : offsetof(blk_q3_k, d));
+                for (int t = 0; t < NT; t++) {
+                    const __m256i tot = kq8_reduce8(iv[c * NT + t]); /* isum - offset * msum, folded above */
+                    const __m256 x = _mm256_mul_ps(d, _mm256_cvtepi32_ps(tot));
+                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
+                }
             }
         }
     }
@@ -126,41 +208,70 @@ static inline __attribute__((always_inline)) void kq8_pass(const uint8_t *const 
  * A super-block of the eight rows is unpacked once for all tokens: unsigned codes in element order
  * per row, transposed so that w[k] holds codes 4k..4k+3 of rows 0..7 (one 32-bit lane per row), and
  * per 16-element group g the scale vector s[g] (each row's lane: its scale twice, int16) and per
- * group pair the offset factor vector m[p] (each row's lane: its scales of groups 2p, 2p + 1). Per
+ * group pair the offset/minimum vector m[p] (each row's lane: its value of groups 2p, 2p + 1). Per
  * token, maddubs against the four activation bytes broadcast, madd by s[g]: the lanes accumulate
  * each row's exact isum, and madd of m[p] with the token's two int16 sums its msum, the integers
- * of the path above; the float step is its. */
-/* Tokens from which a call takes this path (kernel_bench, AVX2, best of 300: at 16 tokens +48% over
- * the fused passes above). */
+ * of the paths above; the float step is theirs. */
+/* Tokens from which a call takes this path (kernel_bench, AVX2, best of 300: at 16 tokens Q2_K, Q3_K and
+ * Q6_K gain 45%, 82%, 48% over the fused passes above). */
 #define KQ8_MANY_MIN 16
 
-/* Row r's super-block: codes[256] (unsigned, element order) and sc[16], its signed scale per 16-group. */
-static inline __attribute__((always_inline)) void kq8_unpack_row(const uint8_t *blk, uint8_t *codes, int16_t *sc) {
-    const blk_q6_k *b = (const blk_q6_k *)blk;
-    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-        uint8_t *c = codes + 128 * h;
-        _mm256_storeu_si256((__m256i *)c, _mm256_or_si256(_mm256_and_si256(l0, m4),
-                                                          _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
-        _mm256_storeu_si256((__m256i *)(c + 32), _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                                                 _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
-        _mm256_storeu_si256((__m256i *)(c + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                                                 _mm256_and_si256(hb, m30)));
-        _mm256_storeu_si256((__m256i *)(c + 96),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+/* Row r's super-block: codes[256] (unsigned, element order), sc[16] and mn[16] per 16-group (Q2_K:
+ * scale and minimum; Q6_K / Q3_K: the signed scale twice, the offset term's factor). */
+static inline __attribute__((always_inline)) void kq8_unpack_row(int32_t type, const uint8_t *blk, uint8_t *codes,
+                                                                 int16_t *sc, int16_t *mn) {
+    if (type == ST_TYPE_Q6_K) {
+        const blk_q6_k *b = (const blk_q6_k *)blk;
+        const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+            uint8_t *c = codes + 128 * h;
+            _mm256_storeu_si256((__m256i *)c, _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                                              _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
+            _mm256_storeu_si256((__m256i *)(c + 32), _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                                                     _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
+            _mm256_storeu_si256((__m256i *)(c + 64), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                                                     _mm256_and_si256(hb, m30)));
+            _mm256_storeu_si256((__m256i *)(c + 96),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
+        }
+        for (int g = 0; g < 16; g++) sc[g] = mn[g] = b->scales[g];
+    } else if (type == ST_TYPE_Q2_K) {
+        const blk_q2_k *b = (const blk_q2_k *)blk;
+        const __m256i m3 = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * k),
+                                    _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3));
+        }
+        for (int g = 0; g < 16; g++) sc[g] = b->scales[g] & 0xF, mn[g] = b->scales[g] >> 4;
+    } else {
+        const blk_q3_k *b = (const blk_q3_k *)blk;
+        const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)b->hmask);
+        for (int h = 0; h < 2; h++) {
+            const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+            for (int k = 0; k < 4; k++) {
+                const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, 4 * h + k), 2), four);
+                _mm256_storeu_si256((__m256i *)(codes + 128 * h + 32 * k),
+                                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3), hi));
+            }
+        }
+        const __m256i s16 = _mm256_cvtepi8_epi16(kq8_q3k_scales(b->scales));
+        _mm256_storeu_si256((__m256i *)sc, s16);
+        _mm256_storeu_si256((__m256i *)mn, s16);
     }
-    for (int g = 0; g < 16; g++) sc[g] = b->scales[g];
 }
 
 /* U (1..4) tokens against one unpacked super-block i of the eight rows (kq8_many): each w[k] and
  * s[g] loaded once for the U tokens. */
 static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i *w, const __m256i *s, const __m256i *m,
-                                                                  __m256 d, int64_t i, int U, const act_row *a,
-                                                                  __m256 *acc) {
+                                                                  __m256 d, __m256 dm, int with_min, int sh, int64_t i,
+                                                                  int U, const act_row *a, __m256 *acc) {
     __m256i is[4], ms[4];
     for (int u = 0; u < U; u++) is[u] = _mm256_setzero_si256(), ms[u] = _mm256_setzero_si256();
     for (int k = 0; k < 64; k++) {
@@ -178,15 +289,24 @@ static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i 
             ms[u] = _mm256_add_epi32(ms[u], _mm256_madd_epi16(m[p], _mm256_set1_epi32(b2)));
         }
     for (int u = 0; u < U; u++) {
-        const __m256 xf = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(is[u], _mm256_slli_epi32(ms[u], 5))));
+        __m256 xf;
+        if (with_min)
+            xf = _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(is[u])), _mm256_mul_ps(dm, _mm256_cvtepi32_ps(ms[u])));
+        else
+            xf = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(is[u], _mm256_slli_epi32(ms[u], sh))));
         acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(_mm256_set1_ps(a[u].dk[i]), xf));
     }
 }
 
-static inline __attribute__((always_inline)) void kq8_many(const uint8_t *const *rows, int64_t nb, int nt,
-                                                           const act_row *a, float *out, int64_t ldo, int rn,
+static inline __attribute__((always_inline)) void kq8_many(int32_t type, const uint8_t *const *rows, int64_t nb,
+                                                           int nt, const act_row *a, float *out, int64_t ldo, int rn,
                                                            const uint8_t *next) {
-    const size_t bs = sizeof(blk_q6_k);
+    const size_t bs = type == ST_TYPE_Q6_K ? sizeof(blk_q6_k) : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k)
+                                                                   : sizeof(blk_q3_k);
+    const size_t doff = type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d)
+                      : type == ST_TYPE_Q2_K ? offsetof(blk_q2_k, d) : offsetof(blk_q3_k, d);
+    const size_t moff = offsetof(blk_q2_k, dmin);
+    const int with_min = type == ST_TYPE_Q2_K, sh = type == ST_TYPE_Q6_K ? 5 : 2;
     __m256 acc[ST_MAX_NT];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nb; i++) {
@@ -194,8 +314,8 @@ static inline __attribute__((always_inline)) void kq8_many(const uint8_t *const 
          * a work tile's rows are one linear stream) */
         prefetch_slice(next, i, 8 * bs);
         uint8_t codes[8][QK_K] __attribute__((aligned(32)));
-        int16_t sc[8][16];
-        for (int r = 0; r < 8; r++) kq8_unpack_row(rows[r] + (size_t)i * bs, codes[r], sc[r]);
+        int16_t sc[8][16], mn[8][16];
+        for (int r = 0; r < 8; r++) kq8_unpack_row(type, rows[r] + (size_t)i * bs, codes[r], sc[r], mn[r]);
         __m256i w[64] __attribute__((aligned(32))), s[16] __attribute__((aligned(32))), m[8];
         for (int c = 0; c < 8; c++) {
             __m256i v[8];
@@ -210,17 +330,18 @@ static inline __attribute__((always_inline)) void kq8_many(const uint8_t *const 
         }
         for (int p = 0; p < 8; p++) {
             int32_t l[8];
-            for (int r = 0; r < 8; r++) l[r] = (int32_t)((uint32_t)(uint16_t)sc[r][2 * p] | ((uint32_t)(uint16_t)sc[r][2 * p + 1] << 16));
+            for (int r = 0; r < 8; r++) l[r] = (int32_t)((uint32_t)(uint16_t)mn[r][2 * p] | ((uint32_t)(uint16_t)mn[r][2 * p + 1] << 16));
             m[p] = _mm256_loadu_si256((const __m256i *)l);
         }
-        const __m256 d = kq8_f16x8(rows, i, bs, offsetof(blk_q6_k, d));
+        const __m256 d = kq8_f16x8(rows, i, bs, doff);
+        const __m256 dm = with_min ? kq8_f16x8(rows, i, bs, moff) : _mm256_setzero_ps();
         for (int t0 = 0; t0 < nt; t0 += 4) {
             const int U = nt - t0 < 4 ? nt - t0 : 4;
             switch (U) {
-            case 4: kq8_many_tokens(w, s, m, d, i, 4, a + t0, acc + t0); break;
-            case 3: kq8_many_tokens(w, s, m, d, i, 3, a + t0, acc + t0); break;
-            case 2: kq8_many_tokens(w, s, m, d, i, 2, a + t0, acc + t0); break;
-            default: kq8_many_tokens(w, s, m, d, i, 1, a + t0, acc + t0); break;
+            case 4: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 4, a + t0, acc + t0); break;
+            case 3: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 3, a + t0, acc + t0); break;
+            case 2: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 2, a + t0, acc + t0); break;
+            default: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 1, a + t0, acc + t0); break;
             }
         }
     }
@@ -231,26 +352,27 @@ static inline __attribute__((always_inline)) void kq8_many(const uint8_t *const 
     }
 }
 
-static void gemm_kq8_q6_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
+static inline __attribute__((always_inline)) void gemm_kq8(int32_t type, const void *w, size_t row_bytes, int nr,
+                                                           int64_t n, int nt, const act_row *a, float *out,
+                                                           int64_t ldo) {
     const int64_t nb = n / QK_K;
     for (int r0 = 0; r0 < nr; r0 += 8) {
         const int rn = nr - r0 < 8 ? nr - r0 : 8;
         const uint8_t *rows[8];
         for (int r = 0; r < 8; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < rn ? r : 0)) * row_bytes;
         if (nt >= KQ8_MANY_MIN) {
-            kq8_many(rows, nb, nt, a, out + r0, ldo, rn, (const uint8_t *)w + (size_t)(r0 + 8) * row_bytes);
+            kq8_many(type, rows, nb, nt, a, out + r0, ldo, rn, (const uint8_t *)w + (size_t)(r0 + 8) * row_bytes);
             continue;
         }
         for (int t0 = 0, NT; t0 < nt; t0 += NT) {
             NT = nt - t0 >= 8 ? 8 : nt - t0 >= 4 ? 4 : nt - t0;
             __m256 acc[KQ8_TP];
             switch (NT) {
-            case 1: kq8_pass(rows, nb, 1, a + t0, acc); break;
-            case 2: kq8_pass(rows, nb, 2, a + t0, acc); break;
-            case 3: kq8_pass(rows, nb, 3, a + t0, acc); break;
-            case 4: kq8_pass(rows, nb, 4, a + t0, acc); break;
-            default: kq8_pass(rows, nb, 8, a + t0, acc); break;
+            case 1: kq8_pass(type, rows, nb, 1, a + t0, acc); break;
+            case 2: kq8_pass(type, rows, nb, 2, a + t0, acc); break;
+            case 3: kq8_pass(type, rows, nb, 3, a + t0, acc); break;
+            case 4: kq8_pass(type, rows, nb, 4, a + t0, acc); break;
+            default: kq8_pass(type, rows, nb, 8, a + t0, acc); break;
             }
             for (int t = 0; t < NT; t++) {
                 float v[8];
@@ -261,7 +383,29 @@ static void gemm_kq8_q6_k(const void *w, size_t row_bytes, int nr, int64_t n, in
     }
 }
 
-static dot_q_fn gemm_kq8_pick(int32_t type) { return type == ST_TYPE_Q6_K ? gemm_kq8_q6_k : NULL; }
+static void gemm_kq8_q6_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
+                          int64_t ldo) {
+    gemm_kq8(ST_TYPE_Q6_K, w, row_bytes, nr, n, nt, a, out, ldo);
+}
+
+static void gemm_kq8_q2_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
+                          int64_t ldo) {
+    gemm_kq8(ST_TYPE_Q2_K, w, row_bytes, nr, n, nt, a, out, ldo);
+}
+
+static void gemm_kq8_q3_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
+                          int64_t ldo) {
+    gemm_kq8(ST_TYPE_Q3_K, w, row_bytes, nr, n, nt, a, out, ldo);
+}
+
+static dot_q_fn gemm_kq8_pick(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q6_K: return gemm_kq8_q6_k;
+    case ST_TYPE_Q2_K: return gemm_kq8_q2_k;
+    case ST_TYPE_Q3_K: return gemm_kq8_q3_k;
+    default: return NULL;
+    }
+}
 
 /* The per-256 quantiser (st_quantize_act_k_row) with the per-32 one's vector operations: the same
  * bytes and floats. */

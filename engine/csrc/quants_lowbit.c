@@ -86,50 +86,41 @@ void st_lowbit_dequantize_block(int32_t type, const void *blk, float *y) {
 }
 
 /* ---- reference dot kernels ----
- * Per 32-element activation block b (scale dx = d[b], int8 codes a), the exact integer sums
- * of the block, then the float scales:
- *   Q2_K:  dx * (d * sum_h sc_h * sum(q a) - dmin * sum_h m_h * sum16_h(a))   (h: the two 16-groups)
- *   Q3_K:  d * dx * sum_h (sc_h - 32) * sum(q a)
+ * Q2_K and Q3_K read the per-256 view (act_row.qk, scale dk per super-block, int16 sums bk per
+ * 16): the exact integer sums of the super-block (g: its 16 groups of 16), then one float step:
+ *   Q2_K:  dk * (d * sum_g sc_g * sum(q a) - dmin * sum_g m_g * bsum_g)
+ *   Q3_K:  dk * (d * sum_g (sc_g - 32) * sum(q a))
+ * The others, per 32-element activation block b (scale dx = d[b], int8 codes a):
  *   IQ4_NL, IQ4_XS, MXFP4:  s * dx * sum(v a), s the block's float scale (IQ4_XS: d * (ls - 32)). */
 
-static void dot_q2_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q2_k_k8(const void *w, const int8_t *a, const float *dk, const int16_t *bk, int64_t n, float *out) {
     const blk_q2_k *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        const float dd = f16_to_f32(b[i].d), dm = f16_to_f32(b[i].dmin);
-        for (int j = 0; j < 8; j++) {
-            const int64_t ab = 8 * i + j;
-            int32_t isum = 0, msum = 0;
-            for (int h = 0; h < 2; h++) {
-                const int g = 2 * j + h;
-                int32_t part = 0;
-                for (int l = 0; l < 16; l++) part += k_low2(b[i].qs, 16 * g + l) * a[ab * QK + 16 * h + l];
-                isum += (b[i].scales[g] & 0xF) * part;
-                msum += (b[i].scales[g] >> 4) * s[2 * ab + h];
-            }
-            acc += d[ab] * (dd * (float)isum - dm * (float)msum);
+        int32_t isum = 0, msum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int32_t part = 0;
+            for (int l = 0; l < 16; l++) part += k_low2(b[i].qs, 16 * g + l) * a[i * QK_K + 16 * g + l];
+            isum += (b[i].scales[g] & 0xF) * part;
+            msum += (b[i].scales[g] >> 4) * bk[16 * i + g];
         }
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum - f16_to_f32(b[i].dmin) * (float)msum);
     }
     *out = acc;
 }
 
-static void dot_q3_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_q3_k_k8(const void *w, const int8_t *a, const float *dk, const int16_t *bk, int64_t n, float *out) {
     const blk_q3_k *b = w;
-    (void)s;
+    (void)bk;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        const float dd = f16_to_f32(b[i].d);
-        for (int j = 0; j < 8; j++) {
-            const int64_t ab = 8 * i + j;
-            int32_t isum = 0;
-            for (int h = 0; h < 2; h++) {
-                const int g = 2 * j + h;
-                int32_t part = 0;
-                for (int l = 0; l < 16; l++) part += q3k_value(&b[i], 16 * g + l) * a[ab * QK + 16 * h + l];
-                isum += q3k_scale(b[i].scales, g) * part;
-            }
-            acc += dd * d[ab] * (float)isum;
+        int32_t isum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int32_t part = 0;
+            for (int l = 0; l < 16; l++) part += q3k_value(&b[i], 16 * g + l) * a[i * QK_K + 16 * g + l];
+            isum += q3k_scale(b[i].scales, g) * part;
         }
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum);
     }
     *out = acc;
 }
@@ -174,8 +165,8 @@ static void dot_mxfp4_one(const void *w, const int8_t *a, const float *d, const 
     *out = acc;
 }
 
-DEF_REF_MULTI(q2_k)
-DEF_REF_MULTI(q3_k)
+DEF_REF_MULTI_K8(q2_k)
+DEF_REF_MULTI_K8(q3_k)
 DEF_REF_MULTI(iq4_nl)
 DEF_REF_MULTI(iq4_xs)
 DEF_REF_MULTI(mxfp4)
