@@ -181,8 +181,17 @@ static inline __m256i kq8_iq4_values(void) {
  * bytes of sub-blocks 2h, 2h + 1 are taken as they lie: their low nibbles are elements 0..15 of
  * both sub-blocks (one per 128-bit lane), the high nibbles elements 16..31, so the activations are
  * loaded as the matching 16-byte pairs and one scale vector (lane halves 2h, 2h + 1) serves both. ---- */
-static inline __attribute__((always_inline)) void kq8_iq4xs_sb(const blk_iq4_xs *b, int64_t i, int NT,
-                                                               const act_row *a, __m256i *isum) {
+/* A super-block's activations x in the order kq8_iq4xs_sb multiplies them: xr[2h + k] = bytes
+ * 64h + 16k .. + 15 (low 128-bit lane) and 64h + 32 + 16k .. + 15 (high). Built once per token and
+ * super-block for the eight rows (the 16-byte pair loads had cost an insert per row). */
+static inline __attribute__((always_inline)) void kq8_iq4xs_acts(const int8_t *x, __m256i *xr) {
+    for (int h = 0; h < 4; h++)
+        for (int k = 0; k < 2; k++)
+            xr[2 * h + k] = _mm256_loadu2_m128i((const __m128i *)(x + 64 * h + 32 + 16 * k), (const __m128i *)(x + 64 * h + 16 * k));
+}
+
+static inline __attribute__((always_inline)) void kq8_iq4xs_sb(const blk_iq4_xs *b, int NT, const __m256i (*xr)[8],
+                                                               __m256i *isum) {
     const __m256i sc = _mm256_broadcastsi128_si256(kq8_iq4xs_scales(b));
     const __m256i values = kq8_iq4_values(), m4 = _mm256_set1_epi8(0xF);
     for (int t = 0; t < NT; t++) isum[t] = _mm256_setzero_si256();
@@ -193,11 +202,8 @@ static inline __attribute__((always_inline)) void kq8_iq4xs_sb(const blk_iq4_xs 
         const __m256i s = _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)kq8_w16[h]));
         for (int k = 0; k < 2; k++) {
             const __m256i u = _mm256_sign_epi8(v[k], v[k]);
-            for (int t = 0; t < NT; t++) {
-                const int8_t *x0 = a[t].qk + QK_K * i + 64 * h + 16 * k;
-                const __m256i x = _mm256_loadu2_m128i((const __m128i *)(x0 + 32), (const __m128i *)x0);
-                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(u, _mm256_sign_epi8(x, v[k]))));
-            }
+            for (int t = 0; t < NT; t++)
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(u, _mm256_sign_epi8(xr[t][2 * h + k], v[k]))));
         }
     }
 }
@@ -222,10 +228,13 @@ static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const u
                                                            int NT, const act_row *a, __m256 *acc) {
     const int CH = KQ8_ENTRIES / NT;
     const size_t bs = kq8_block_bytes(type);
-    __m256i iv[KQ8_ENTRIES][8], mv[KQ8_ENTRIES][8];
+    __m256i iv[KQ8_ENTRIES][8], mv[KQ8_ENTRIES][8], xr[KQ8_ENTRIES][8];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += CH) {
         const int ni = nb - i0 < CH ? (int)(nb - i0) : CH;
+        if (type == ST_TYPE_IQ4_XS)
+            for (int c = 0; c < ni; c++)
+                for (int t = 0; t < NT; t++) kq8_iq4xs_acts(a[t].qk + QK_K * (i0 + c), xr[c * NT + t]);
         for (int r = 0; r < 8; r++) {
             const uint8_t *row = rows[r] + (size_t)i0 * bs;
             for (int c = 0; c < ni; c++) {
@@ -238,7 +247,7 @@ static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const u
                 if (type == ST_TYPE_Q6_K) kq8_q6k_sb((const blk_q6_k *)row + c, i, NT, a, is, ms);
                 else if (type == ST_TYPE_Q2_K) kq8_q2k_sb((const blk_q2_k *)row + c, i, NT, a, is, ms);
                 else if (type == ST_TYPE_Q3_K) kq8_q3k_sb((const blk_q3_k *)row + c, i, NT, a, is, ms);
-                else kq8_iq4xs_sb((const blk_iq4_xs *)row + c, i, NT, a, is);
+                else kq8_iq4xs_sb((const blk_iq4_xs *)row + c, NT, (const __m256i (*)[8])xr[c * NT], is);
                 if (type == ST_TYPE_IQ4_XS)
                     for (int t = 0; t < NT; t++) iv[c * NT + t][r] = is[t];
                 else if (type == ST_TYPE_Q2_K)
