@@ -3,8 +3,8 @@ attention, routed experts, output head) run in the engine and agree with llama.c
 
 The oracle is llama.cpp (the pinned llama-cpp-python) twice: on the quantised file itself, and on
 its twin with every tensor dequantised to F32 by gguf-py (the exact model those bytes mean). Both
-engines quantise activations to 8 bits (Strata per 32 values, per 256 for Q6_K, Q2_K, Q3_K and IQ4_XS; llama.cpp
-per 32 or 256), which
+engines quantise activations to 8 bits (Strata per 32 values, per 256 for Q6_K, Q2_K, Q3_K and
+IQ4_XS; llama.cpp per 32 or 256), which
 moves logits by about 1% of their range on either side: the same for the existing types (Q8_0 is
 run as the control), so the F32 parity tolerance of 1e-3 cannot apply. The bounds below are set
 from that control: Strata within 2e-2 of the exact model (about what llama.cpp itself keeps on
@@ -36,7 +36,8 @@ from tests.engine.parity import judge_greedy, llama_file_logits, rel_err
 LOWBIT = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
 TOL_EXACT = 2e-2  # max|delta| / max|ref| against the dequantised F32 twin
 TOL_LLAMA = 4e-2  # against llama.cpp on the same quantised file
-PER_256 = {"Q2_K", "Q3_K", "IQ4_XS"}  # low-bit types with per-256 activations (engine/csrc/internal.h, st_type_q8k)
+# low-bit types with per-256 activations (engine/csrc/internal.h, st_type_q8k)
+PER_256 = {"Q2_K", "Q3_K", "IQ4_XS"}
 PROMPT_LEN = 24
 N_GREEDY = 16
 SHAPE = {"arch": "qwen3moe", "n_layer": 2, "n_embd": 256, "n_head": 4, "n_head_kv": 2, "n_ff": 256, "n_vocab": 128,
