@@ -176,11 +176,6 @@ static inline __m256i kq8_iq4_values(void) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl));
 }
 
-/* ---- IQ4_XS: the table values v (-127..113) against the activations as |v| times sign(a, v)
- * (maddubs pairs <= 2 * 127 * 127 < 2^15), madd by the sub-block's scale; no offset. The 32 code
- * bytes of sub-blocks 2h, 2h + 1 are taken as they lie: their low nibbles are elements 0..15 of
- * both sub-blocks (one per 128-bit lane), the high nibbles elements 16..31, so the activations are
- * loaded as the matching 16-byte pairs and one scale vector (lane halves 2h, 2h + 1) serves both. ---- */
 /* A super-block's activations x in the order kq8_iq4xs_sb multiplies them: xr[2h + k] = bytes
  * 64h + 16k .. + 15 (low 128-bit lane) and 64h + 32 + 16k .. + 15 (high). Built once per token and
  * super-block for the eight rows (the 16-byte pair loads had cost an insert per row). */
@@ -190,6 +185,12 @@ static inline __attribute__((always_inline)) void kq8_iq4xs_acts(const int8_t *x
             xr[2 * h + k] = _mm256_loadu2_m128i((const __m128i *)(x + 64 * h + 32 + 16 * k), (const __m128i *)(x + 64 * h + 16 * k));
 }
 
+/* ---- IQ4_XS: the table values v (-127..113) against the activations as |v| times sign(a, v)
+ * (maddubs pairs <= 2 * 127 * 127 < 2^15), madd by the sub-block's scale; no offset. The 32 code
+ * bytes of sub-blocks 2h, 2h + 1 are taken as they lie: their low nibbles are elements 0..15 of
+ * both sub-blocks (one per 128-bit lane), the high nibbles elements 16..31, so the activations are
+ * taken as the matching 16-byte pairs (kq8_iq4xs_acts) and one scale vector (lane halves 2h, 2h + 1)
+ * serves both. ---- */
 static inline __attribute__((always_inline)) void kq8_iq4xs_sb(const blk_iq4_xs *b, int NT, const __m256i (*xr)[8],
                                                                __m256i *isum) {
     const __m256i sc = _mm256_broadcastsi128_si256(kq8_iq4xs_scales(b));
@@ -208,10 +209,6 @@ static inline __attribute__((always_inline)) void kq8_iq4xs_sb(const blk_iq4_xs 
     }
 }
 
-/* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. Super-blocks
- * go in chunks of KQ8_ENTRIES / NT: each row runs through the chunk on its own (one stream at a time,
- * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
- * super-block, in order, the eight rows' sums are reduced and the float step taken. */
 static inline size_t kq8_block_bytes(int32_t type) {
     return type == ST_TYPE_Q6_K ? sizeof(blk_q6_k) : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k)
          : type == ST_TYPE_Q3_K ? sizeof(blk_q3_k) : sizeof(blk_iq4_xs);
@@ -222,6 +219,10 @@ static inline size_t kq8_d_offset(int32_t type) {
          : type == ST_TYPE_Q3_K ? offsetof(blk_q3_k, d) : offsetof(blk_iq4_xs, d);
 }
 
+/* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. Super-blocks
+ * go in chunks of KQ8_ENTRIES / NT: each row runs through the chunk on its own (one stream at a time,
+ * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
+ * super-block, in order, the eight rows' sums are reduced and the float step taken. */
 #define KQ8_ENTRIES 32
 #define KQ8_AHEAD 6 /* super-blocks */
 static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const uint8_t *const *rows, int64_t nb,
