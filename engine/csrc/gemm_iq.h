@@ -10,14 +10,16 @@
  *       IQ2_S and IQ3_S store those bytes, the ksigns types (IQ2_XXS, IQ2_XS, IQ3_XXS) a 7-bit
  *       index per byte whose 8th bit is the parity, computed for a whole super-block at once
  *       (iq_sign_bytes) instead of a table load per group.
- * Per token the activations take the signs (sign_epi8) and are multiplied with g into 32-bit
- * sums of 4 (maddubs + madd; vpdpbusd on the VNNI variant): |g * a| <= 62 * 127, a pair < 2^15,
- * so the sums are exact. Four rows' sums are reduced to one vector of (row, half) lanes - lanes
- * 0..3 rows 0..3 elements 0..15, lanes 4..7 the same rows' elements 16..31 - converted once and
- * scaled by the lane's d * F * k (iq_scales4, once per super-block: the integer sub-scale k
- * lives in the float scale, exact) times the activation block's dx. A (row, token) result is
- * lane r + lane 4 + r at the end; the operations on a lane depend only on its row and token, so
- * any number of rows or tokens gives the same bits (the harness checks it). */
+ * The activations are the per-256 view (act_row.qk, one scale dk per super-block, st_type_q8k), as
+ * llama.cpp's IQ vec_dots take Q8_K. Per token the activations take the signs (sign_epi8) and are
+ * multiplied with g into 32-bit sums of 4 (maddubs + madd; vpdpbusd on the VNNI variant):
+ * |g * a| <= 62 * 127, a pair < 2^15, so the sums are exact. Four rows' sums are reduced to one
+ * vector of (row, half) lanes - lanes 0..3 rows 0..3 elements 0..15, lanes 4..7 the same rows'
+ * elements 16..31 - multiplied by the lane's integer sub-scale k (iq_scales4, once per
+ * super-block) and summed in integers over the super-block (|sum| < 2^26); then each row's two
+ * halves are added and the reference's one float step per super-block taken,
+ * acc += dk * ((d * F) * isum). The operations on a lane depend only on its row and token, so any
+ * number of rows or tokens gives the reference's bits (the harness checks it). */
 #ifndef STRATA_GEMM_IQ_H
 #define STRATA_GEMM_IQ_H
 
@@ -190,12 +192,13 @@ static inline float iq_factor(int32_t type) {
     return type == ST_TYPE_IQ3_S ? 1.0f : type == ST_TYPE_IQ3_XXS ? 0.25f : 0.125f;
 }
 
-/* The float scale d * F * k of each (row, half) lane of the four rows' blocks ib = 0..7 of
- * super-block i: s[ib][r] for elements 0..15 of row r, s[ib][4 + r] for 16..31. Exact: d has 11
- * significant bits, k <= 31 five, F is a power of two. Taken once per super-block, so the
- * blocks themselves unpack only codes and signs. */
+/* The integer sub-scales k = 2 ls + 1 of each (row, half) lane of the four rows' blocks ib = 0..7
+ * of super-block i (k[ib] lane r: elements 0..15 of row r, lane 4 + r: 16..31), and d * F of each
+ * row (lanes r and 4 + r; exact: d has 11 significant bits, F is a power of two). Taken once per
+ * super-block, so the blocks themselves unpack only codes and signs. */
 typedef struct {
-    float s[8][8];
+    __m256i k[8];
+    __m256 df;
 } iq_scales;
 
 /* The integer sub-scales k of blocks ib = 0..7 of one row's super-block x as int32 lanes ib: lo
@@ -229,10 +232,8 @@ static inline __attribute__((always_inline)) void iq_kvals(int32_t type, const u
 
 static inline __attribute__((always_inline)) void iq_scales4(int32_t type, const uint8_t *const *rows, int64_t i,
                                                              size_t bb, iq_scales *S) {
-    /* The four rows at once (the scalar loop's 64 single-float stores, read back as vectors right
-     * after, had cost about a fifth of the kernel at one token): each row's k of blocks 0..7 as
-     * int32 lanes, an 8x8 dword transpose of [lo rows 0..3, hi rows 0..3] gives block ib's (row,
-     * half) lanes, then the scalar loop's float operations per lane: df * (float)(2k + 1). */
+    /* The four rows at once: each row's k of blocks 0..7 as int32 lanes, an 8x8 dword transpose of
+     * [lo rows 0..3, hi rows 0..3] gives block ib's (row, half) lanes. */
     const float f = iq_factor(type);
     __m256i v[8];
     float df[IQ_MR];
@@ -242,10 +243,9 @@ static inline __attribute__((always_inline)) void iq_scales4(int32_t type, const
         iq_kvals(type, x, &v[r], &v[IQ_MR + r]);
     }
     transpose8x8_epi32(v);
-    const __m256 d8 = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
+    S->df = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
     const __m256i one = _mm256_set1_epi32(1);
-    for (int ib = 0; ib < 8; ib++)
-        _mm256_storeu_ps(S->s[ib], _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(v[ib], 1), one))));
+    for (int ib = 0; ib < 8; ib++) S->k[ib] = _mm256_add_epi32(_mm256_slli_epi32(v[ib], 1), one);
 }
 
 /* The four rows' k * g * sign * qa sums of one block against one token, as (row, half) lanes. */
@@ -259,47 +259,53 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
 }
 
 /* Four rows (a short block repeats its last row; its results are dropped) against nt tokens;
- * NT > 0 fixes the token count at compile time (the accumulators then stay in registers). */
+ * NT > 0 fixes the token count at compile time (the accumulators then stay in registers). Per
+ * token the (row, half) lanes of a block, times k, are summed in integers over the super-block;
+ * then the two halves of each row are added and the reference's float step taken once:
+ * acc += dk * (d * F * isum). */
 static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const uint8_t *const *rows, size_t bb,
                                                            int64_t nb, int NT, int nt, const act_row *a, float *out,
                                                            int nr, int64_t ldo, const uint8_t *next) {
     const int n_tok = NT > 0 ? NT : nt;
     __m256 acc[ST_MAX_NT];
+    __m256i isum[ST_MAX_NT];
     for (int t = 0; t < n_tok; t++) acc[t] = _mm256_setzero_ps();
     iq_scales S;
     uint8_t sb[IQ_MR][32];
     uint16_t ix[IQ_MR][64];
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i = b / 8;
-        const int ib = (int)(b % 8);
-        if (ib == 0) {
-            iq_scales4(type, rows, i, bb, &S);
-            for (int r = 0; r < IQ_MR; r++) {
-                if (iq_ksign_type(type)) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
-                if (type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ2_S || type == ST_TYPE_IQ3_S)
-                    iq_indices(type, rows[r] + (size_t)i * bb, ix[r]);
-            }
+    for (int64_t i = 0; i < nb; i++) {
+        iq_scales4(type, rows, i, bb, &S);
+        for (int r = 0; r < IQ_MR; r++) {
+            if (iq_ksign_type(type)) iq_sign_bytes(type, rows[r] + (size_t)i * bb, sb[r]);
+            if (type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ2_S || type == ST_TYPE_IQ3_S)
+                iq_indices(type, rows[r] + (size_t)i * bb, ix[r]);
         }
-        prefetch_slice(next, b, IQ_MR * bb / 8);
-        iq_sub s[IQ_MR];
-        for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, sb[r], ix[r], ib, &s[r]);
-        const __m256 sv = _mm256_loadu_ps(S.s[ib]);
+        for (int t = 0; t < n_tok; t++) isum[t] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const int64_t b = 8 * i + ib;
+            prefetch_slice(next, b, IQ_MR * bb / 8);
+            iq_sub s[IQ_MR];
+            for (int r = 0; r < IQ_MR; r++) iq_load_sub(type, rows[r] + (size_t)i * bb, sb[r], ix[r], ib, &s[r]);
+            for (int t = 0; t < n_tok; t++)
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_mullo_epi32(iq_sums4(s, a[t].qk + b * QK), S.k[ib]));
+        }
         for (int t = 0; t < n_tok; t++) {
-            const __m256i red = iq_sums4(s, a[t].q + b * QK);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(red), _mm256_mul_ps(sv, _mm256_broadcast_ss(a[t].d + b)), acc[t]);
+            const __m256i tot = _mm256_add_epi32(isum[t], _mm256_permute2x128_si256(isum[t], isum[t], 0x01));
+            const __m256 x = _mm256_mul_ps(S.df, _mm256_cvtepi32_ps(tot));
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_broadcast_ss(a[t].dk + i), x));
         }
     }
     for (int t = 0; t < n_tok; t++) {
         float v[8];
         _mm256_storeu_ps(v, acc[t]);
-        for (int r = 0; r < nr; r++) out[t * ldo + r] = v[r] + v[IQ_MR + r];
+        for (int r = 0; r < nr; r++) out[t * ldo + r] = v[r];
     }
 }
 
 static inline __attribute__((always_inline)) void gemm_iq(int32_t type, const void *w, size_t row_bytes, int nr,
                                                           int64_t n, int nt, const act_row *a, float *out,
                                                           int64_t ldo) {
-    const int64_t nb = n / QK;
+    const int64_t nb = n / QK_K;
     const size_t bb = (size_t)st_iq_block_bytes(type);
     for (int r0 = 0; r0 < nr; r0 += IQ_MR) {
         const int nrr = nr - r0 < IQ_MR ? nr - r0 : IQ_MR;

@@ -1,4 +1,4 @@
-/* Q6_K, Q2_K and Q3_K against the per-256 activation view (act_row.qk, st_type_q8k), on 256-bit
+/* Q6_K, Q2_K, Q3_K and IQ4_XS against the per-256 activation view (act_row.qk, st_type_q8k), on 256-bit
  * vectors; compiled into the AVX2 and the AVX-512 variant alike (the same instructions). Q4_K keeps
  * the per-32 kernels (gemm_int8.h): on the Zen 3 VM it gained nothing from this view at one token and
  * lost 22% at 16-64 tokens (docs/benchmarks.md, "Per-256 activations for the k-quants").
@@ -7,11 +7,13 @@
  * activations with maddubs (u8 x s8 -> s16 pairs), the 16-bit pairs times the sub-block scale
  * with madd into int32 lanes, summed over the whole super-block in integers. Q2_K's minimums and
  * the offsets of Q6_K (32) and Q3_K (4) come from the activation's int16 sums (one madd per row and
- * super-block). The eight rows' lane vectors are then reduced with a hadd tree into one
+ * super-block; IQ4_XS has neither: its signed table values are multiplied as |v| times sign(a, v)).
+ * The eight rows' lane vectors are then reduced with a hadd tree into one
  * vector (lane r = row r) and the float step of the reference (quants.c, quants_lowbit.c) runs once
  * per super-block for all eight rows:
  *   Q2_K        acc += dk * (d * isum - dmin * msum)
  *   Q6_K, Q3_K  acc += dk * (d * (isum - off * msum))   (codes kept unsigned: off 32, 4)
+ *   IQ4_XS      acc += dk * (d * isum)                  (isum = sum_j (ls_j - 32) * sum(v a))
  * The integer sums are exact and the float operations are the reference's, in its order (no
  * FMA), so every token count and row count gives the reference's bits.
  *
@@ -146,6 +148,77 @@ static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, 
     }
 }
 
+/* IQ4_XS: the 8 signed sub-block scales (ls_j - 32) of a block as int16 lanes j: the low nibbles of
+ * scales_l (lane j: byte j / 2 times 16 or 1, then >> 4) and two bits of scales_h (its copy in lane
+ * j times 2^(14 - 2j), then >> 14). */
+static inline __m128i kq8_iq4xs_scales(const blk_iq4_xs *b) {
+    const __m128i l8 = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)ld32(b->scales_l)),
+                                        _mm_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1));
+    const __m128i lo = _mm_and_si128(_mm_srli_epi16(_mm_mullo_epi16(l8, _mm_setr_epi16(16, 1, 16, 1, 16, 1, 16, 1)), 4),
+                                     _mm_set1_epi16(0xF));
+    const __m128i hi = _mm_srli_epi16(_mm_mullo_epi16(_mm_set1_epi16((short)b->scales_h),
+                                                      _mm_setr_epi16(1 << 14, 1 << 12, 1 << 10, 1 << 8, 1 << 6, 1 << 4,
+                                                                     1 << 2, 1)), 14);
+    return _mm_sub_epi16(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi16(32));
+}
+
+/* IQ4_XS: byte shuffles putting int16 lane 2h of a 128-bit lane in bytes 0..15 and lane 2h + 1 in 16..31
+ * (h = 0..3: a sub-block pair). */
+static const uint8_t kq8_w16[4][32] __attribute__((aligned(32))) = {
+#define KQ8_W(j) 2 * (j), 2 * (j) + 1, 2 * (j), 2 * (j) + 1, 2 * (j), 2 * (j) + 1, 2 * (j), 2 * (j) + 1, \
+                 2 * (j), 2 * (j) + 1, 2 * (j), 2 * (j) + 1, 2 * (j), 2 * (j) + 1, 2 * (j), 2 * (j) + 1
+    {KQ8_W(0), KQ8_W(1)}, {KQ8_W(2), KQ8_W(3)}, {KQ8_W(4), KQ8_W(5)}, {KQ8_W(6), KQ8_W(7)}
+#undef KQ8_W
+};
+
+/* The IQ4 table in both 128-bit lanes. */
+static inline __m256i kq8_iq4_values(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4nl));
+}
+
+/* A super-block's activations x in the order kq8_iq4xs_sb multiplies them: xr[2h + k] = bytes
+ * 64h + 16k .. + 15 (low 128-bit lane) and 64h + 32 + 16k .. + 15 (high). Built once per token and
+ * super-block for the eight rows (the 16-byte pair loads had cost an insert per row). */
+static inline __attribute__((always_inline)) void kq8_iq4xs_acts(const int8_t *x, __m256i *xr) {
+    for (int h = 0; h < 4; h++)
+        for (int k = 0; k < 2; k++)
+            xr[2 * h + k] = _mm256_loadu2_m128i((const __m128i *)(x + 64 * h + 32 + 16 * k), (const __m128i *)(x + 64 * h + 16 * k));
+}
+
+/* ---- IQ4_XS: the table values v (-127..113) against the activations as |v| times sign(a, v)
+ * (maddubs pairs <= 2 * 127 * 127 < 2^15), madd by the sub-block's scale; no offset. The 32 code
+ * bytes of sub-blocks 2h, 2h + 1 are taken as they lie: their low nibbles are elements 0..15 of
+ * both sub-blocks (one per 128-bit lane), the high nibbles elements 16..31, so the activations are
+ * taken as the matching 16-byte pairs (kq8_iq4xs_acts) and one scale vector (lane halves 2h, 2h + 1)
+ * serves both. ---- */
+static inline __attribute__((always_inline)) void kq8_iq4xs_sb(const blk_iq4_xs *b, int NT, const __m256i (*xr)[8],
+                                                               __m256i *isum) {
+    const __m256i sc = _mm256_broadcastsi128_si256(kq8_iq4xs_scales(b));
+    const __m256i values = kq8_iq4_values(), m4 = _mm256_set1_epi8(0xF);
+    for (int t = 0; t < NT; t++) isum[t] = _mm256_setzero_si256();
+    for (int h = 0; h < 4; h++) {
+        const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+        const __m256i v[2] = {_mm256_shuffle_epi8(values, _mm256_and_si256(qb, m4)),
+                              _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4))};
+        const __m256i s = _mm256_shuffle_epi8(sc, _mm256_load_si256((const __m256i *)kq8_w16[h]));
+        for (int k = 0; k < 2; k++) {
+            const __m256i u = _mm256_sign_epi8(v[k], v[k]);
+            for (int t = 0; t < NT; t++)
+                isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(u, _mm256_sign_epi8(xr[t][2 * h + k], v[k]))));
+        }
+    }
+}
+
+static inline size_t kq8_block_bytes(int32_t type) {
+    return type == ST_TYPE_Q6_K ? sizeof(blk_q6_k) : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k)
+         : type == ST_TYPE_Q3_K ? sizeof(blk_q3_k) : sizeof(blk_iq4_xs);
+}
+
+static inline size_t kq8_d_offset(int32_t type) {
+    return type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d) : type == ST_TYPE_Q2_K ? offsetof(blk_q2_k, d)
+         : type == ST_TYPE_Q3_K ? offsetof(blk_q3_k, d) : offsetof(blk_iq4_xs, d);
+}
+
 /* NT tokens against eight rows (rows[r]; rows past nr repeat a valid row): acc[t] lane r. Super-blocks
  * go in chunks of KQ8_ENTRIES / NT: each row runs through the chunk on its own (one stream at a time,
  * as llama.cpp's vec_dot reads a row), its lane sums kept per (super-block, token); then per
@@ -155,12 +228,14 @@ static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, 
 static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const uint8_t *const *rows, int64_t nb,
                                                            int NT, const act_row *a, __m256 *acc) {
     const int CH = KQ8_ENTRIES / NT;
-    const size_t bs = type == ST_TYPE_Q6_K ? sizeof(blk_q6_k) : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k)
-                                                                   : sizeof(blk_q3_k);
-    __m256i iv[KQ8_ENTRIES][8], mv[KQ8_ENTRIES][8];
+    const size_t bs = kq8_block_bytes(type);
+    __m256i iv[KQ8_ENTRIES][8], mv[KQ8_ENTRIES][8], xr[KQ8_ENTRIES][8];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += CH) {
         const int ni = nb - i0 < CH ? (int)(nb - i0) : CH;
+        if (type == ST_TYPE_IQ4_XS)
+            for (int c = 0; c < ni; c++)
+                for (int t = 0; t < NT; t++) kq8_iq4xs_acts(a[t].qk + QK_K * (i0 + c), xr[c * NT + t]);
         for (int r = 0; r < 8; r++) {
             const uint8_t *row = rows[r] + (size_t)i0 * bs;
             for (int c = 0; c < ni; c++) {
@@ -172,8 +247,11 @@ static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const u
                 __m256i is[KQ8_TP], ms[KQ8_TP];
                 if (type == ST_TYPE_Q6_K) kq8_q6k_sb((const blk_q6_k *)row + c, i, NT, a, is, ms);
                 else if (type == ST_TYPE_Q2_K) kq8_q2k_sb((const blk_q2_k *)row + c, i, NT, a, is, ms);
-                else kq8_q3k_sb((const blk_q3_k *)row + c, i, NT, a, is, ms);
-                if (type == ST_TYPE_Q2_K)
+                else if (type == ST_TYPE_Q3_K) kq8_q3k_sb((const blk_q3_k *)row + c, i, NT, a, is, ms);
+                else kq8_iq4xs_sb((const blk_iq4_xs *)row + c, NT, (const __m256i (*)[8])xr[c * NT], is);
+                if (type == ST_TYPE_IQ4_XS)
+                    for (int t = 0; t < NT; t++) iv[c * NT + t][r] = is[t];
+                else if (type == ST_TYPE_Q2_K)
                     for (int t = 0; t < NT; t++) iv[c * NT + t][r] = is[t], mv[c * NT + t][r] = ms[t];
                 else /* the offset term folded in per lane (exact integers): one reduction, not two */
                     for (int t = 0; t < NT; t++)
@@ -191,9 +269,8 @@ static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const u
                     const __m256 x = _mm256_sub_ps(_mm256_mul_ps(d, fi), _mm256_mul_ps(m, fm));
                     acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_set1_ps(a[t].dk[i]), x));
                 }
-            } else { /* Q6_K (offset 32) and Q3_K (offset 4): d * (isum - offset * msum) */
-                const __m256 d = kq8_f16x8(rows, i, bs, type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d)
-                                                                              : offsetof(blk_q3_k, d));
+            } else { /* Q6_K (offset 32), Q3_K (offset 4), IQ4_XS (none): d * (isum - offset * msum) */
+                const __m256 d = kq8_f16x8(rows, i, bs, kq8_d_offset(type));
                 for (int t = 0; t < NT; t++) {
                     const __m256i tot = kq8_reduce8(iv[c * NT + t]); /* isum - offset * msum, folded above */
                     const __m256 x = _mm256_mul_ps(d, _mm256_cvtepi32_ps(tot));
@@ -215,6 +292,8 @@ static inline __attribute__((always_inline)) void kq8_pass(int32_t type, const u
 /* Tokens from which a call takes this path (kernel_bench, AVX2, best of 300: at 16 tokens Q2_K, Q3_K and
  * Q6_K gain 45%, 82%, 48% over the fused passes above). */
 #define KQ8_MANY_MIN 16
+/* IQ4_XS from 8 (kernel_bench, 8 x 8192, AVX2: 8 / 12 tokens 35.5 / 36.9 GMAC/s fused, 39.7 / 44.6 here) */
+#define KQ8_MANY_MIN_IQ4 8
 
 /* Row r's super-block: codes[256] (unsigned, element order), sc[16] and mn[16] per 16-group (Q2_K:
  * scale and minimum; Q6_K / Q3_K: the signed scale twice, the offset term's factor). */
@@ -249,6 +328,19 @@ static inline __attribute__((always_inline)) void kq8_unpack_row(int32_t type, c
                                     _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3));
         }
         for (int g = 0; g < 16; g++) sc[g] = b->scales[g] & 0xF, mn[g] = b->scales[g] >> 4;
+    } else if (type == ST_TYPE_IQ4_XS) { /* the signed table values; sc = ls - 32 per 16-group, no offset */
+        const blk_iq4_xs *b = (const blk_iq4_xs *)blk;
+        const __m256i values = kq8_iq4_values(), m4 = _mm256_set1_epi8(0xF);
+        for (int h = 0; h < 4; h++) {
+            const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+            const __m256i lo = _mm256_shuffle_epi8(values, _mm256_and_si256(qb, m4));
+            const __m256i hi = _mm256_shuffle_epi8(values, _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4));
+            _mm256_storeu_si256((__m256i *)(codes + 64 * h), _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i *)(codes + 64 * h + 32), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+        const __m128i s8 = kq8_iq4xs_scales(b);
+        _mm256_storeu_si256((__m256i *)sc, _mm256_setr_m128i(_mm_unpacklo_epi16(s8, s8), _mm_unpackhi_epi16(s8, s8)));
+        (void)mn;
     } else {
         const blk_q3_k *b = (const blk_q3_k *)blk;
         const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
@@ -269,20 +361,22 @@ static inline __attribute__((always_inline)) void kq8_unpack_row(int32_t type, c
 
 /* U (1..4) tokens against one unpacked super-block i of the eight rows (kq8_many): each w[k] and
  * s[g] loaded once for the U tokens. */
-static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i *w, const __m256i *s, const __m256i *m,
-                                                                  __m256 d, __m256 dm, int with_min, int sh, int64_t i,
-                                                                  int U, const act_row *a, __m256 *acc) {
+static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i *w, const __m256i *uw, const __m256i *s,
+                                                                  const __m256i *m, __m256 d, __m256 dm, int with_min,
+                                                                  int sh, int64_t i, int U, const act_row *a, __m256 *acc) {
     __m256i is[4], ms[4];
     for (int u = 0; u < U; u++) is[u] = _mm256_setzero_si256(), ms[u] = _mm256_setzero_si256();
     for (int k = 0; k < 64; k++) {
         const __m256i wk = _mm256_load_si256(w + k), sk = _mm256_load_si256(s + k / 4);
+        const __m256i uk = uw ? _mm256_load_si256(uw + k) : wk;
         for (int u = 0; u < U; u++) {
             int32_t x;
             memcpy(&x, a[u].qk + QK_K * i + 4 * k, 4);
-            is[u] = _mm256_add_epi32(is[u], _mm256_madd_epi16(sk, _mm256_maddubs_epi16(wk, _mm256_set1_epi32(x))));
+            const __m256i xv = uw ? _mm256_sign_epi8(_mm256_set1_epi32(x), wk) : _mm256_set1_epi32(x);
+            is[u] = _mm256_add_epi32(is[u], _mm256_madd_epi16(sk, _mm256_maddubs_epi16(uk, xv)));
         }
     }
-    for (int p = 0; p < 8; p++)
+    for (int p = 0; m && p < 8; p++)
         for (int u = 0; u < U; u++) {
             int32_t b2;
             memcpy(&b2, a[u].bk + 16 * i + 2 * p, 4);
@@ -301,10 +395,8 @@ static inline __attribute__((always_inline)) void kq8_many_tokens(const __m256i 
 static inline __attribute__((always_inline)) void kq8_many(int32_t type, const uint8_t *const *rows, int64_t nb,
                                                            int nt, const act_row *a, float *out, int64_t ldo, int rn,
                                                            const uint8_t *next) {
-    const size_t bs = type == ST_TYPE_Q6_K ? sizeof(blk_q6_k) : type == ST_TYPE_Q2_K ? sizeof(blk_q2_k)
-                                                                   : sizeof(blk_q3_k);
-    const size_t doff = type == ST_TYPE_Q6_K ? offsetof(blk_q6_k, d)
-                      : type == ST_TYPE_Q2_K ? offsetof(blk_q2_k, d) : offsetof(blk_q3_k, d);
+    const size_t bs = kq8_block_bytes(type), doff = kq8_d_offset(type);
+    const int sgn = type == ST_TYPE_IQ4_XS; /* signed codes (|w| times sign(a, w)) and no offset term */
     const size_t moff = offsetof(blk_q2_k, dmin);
     const int with_min = type == ST_TYPE_Q2_K, sh = type == ST_TYPE_Q6_K ? 5 : 2;
     __m256 acc[ST_MAX_NT];
@@ -316,19 +408,21 @@ static inline __attribute__((always_inline)) void kq8_many(int32_t type, const u
         uint8_t codes[8][QK_K] __attribute__((aligned(32)));
         int16_t sc[8][16], mn[8][16];
         for (int r = 0; r < 8; r++) kq8_unpack_row(type, rows[r] + (size_t)i * bs, codes[r], sc[r], mn[r]);
-        __m256i w[64] __attribute__((aligned(32))), s[16] __attribute__((aligned(32))), m[8];
+        __m256i w[64] __attribute__((aligned(32))), uw[64] __attribute__((aligned(32))), s[16] __attribute__((aligned(32))), m[8];
         for (int c = 0; c < 8; c++) {
             __m256i v[8];
             for (int r = 0; r < 8; r++) v[r] = _mm256_load_si256((const __m256i *)(codes[r] + 32 * c));
             transpose8x8_epi32(v);
             for (int q = 0; q < 8; q++) w[8 * c + q] = v[q];
+            if (sgn)
+                for (int q = 0; q < 8; q++) uw[8 * c + q] = _mm256_sign_epi8(v[q], v[q]);
         }
         for (int g = 0; g < 16; g++) {
             int32_t l[8];
             for (int r = 0; r < 8; r++) l[r] = (int32_t)(uint16_t)sc[r][g] * 0x10001;
             s[g] = _mm256_loadu_si256((const __m256i *)l);
         }
-        for (int p = 0; p < 8; p++) {
+        for (int p = 0; !sgn && p < 8; p++) {
             int32_t l[8];
             for (int r = 0; r < 8; r++) l[r] = (int32_t)((uint32_t)(uint16_t)mn[r][2 * p] | ((uint32_t)(uint16_t)mn[r][2 * p + 1] << 16));
             m[p] = _mm256_loadu_si256((const __m256i *)l);
@@ -338,10 +432,10 @@ static inline __attribute__((always_inline)) void kq8_many(int32_t type, const u
         for (int t0 = 0; t0 < nt; t0 += 4) {
             const int U = nt - t0 < 4 ? nt - t0 : 4;
             switch (U) {
-            case 4: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 4, a + t0, acc + t0); break;
-            case 3: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 3, a + t0, acc + t0); break;
-            case 2: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 2, a + t0, acc + t0); break;
-            default: kq8_many_tokens(w, s, m, d, dm, with_min, sh, i, 1, a + t0, acc + t0); break;
+            case 4: kq8_many_tokens(w, sgn ? uw : NULL, s, sgn ? NULL : m, d, dm, with_min, sh, i, 4, a + t0, acc + t0); break;
+            case 3: kq8_many_tokens(w, sgn ? uw : NULL, s, sgn ? NULL : m, d, dm, with_min, sh, i, 3, a + t0, acc + t0); break;
+            case 2: kq8_many_tokens(w, sgn ? uw : NULL, s, sgn ? NULL : m, d, dm, with_min, sh, i, 2, a + t0, acc + t0); break;
+            default: kq8_many_tokens(w, sgn ? uw : NULL, s, sgn ? NULL : m, d, dm, with_min, sh, i, 1, a + t0, acc + t0); break;
             }
         }
     }
@@ -360,7 +454,7 @@ static inline __attribute__((always_inline)) void gemm_kq8(int32_t type, const v
         const int rn = nr - r0 < 8 ? nr - r0 : 8;
         const uint8_t *rows[8];
         for (int r = 0; r < 8; r++) rows[r] = (const uint8_t *)w + (size_t)(r0 + (r < rn ? r : 0)) * row_bytes;
-        if (nt >= KQ8_MANY_MIN) {
+        if (nt >= (type == ST_TYPE_IQ4_XS ? KQ8_MANY_MIN_IQ4 : KQ8_MANY_MIN)) {
             kq8_many(type, rows, nb, nt, a, out + r0, ldo, rn, (const uint8_t *)w + (size_t)(r0 + 8) * row_bytes);
             continue;
         }
@@ -398,11 +492,17 @@ static void gemm_kq8_q3_k(const void *w, size_t row_bytes, int nr, int64_t n, in
     gemm_kq8(ST_TYPE_Q3_K, w, row_bytes, nr, n, nt, a, out, ldo);
 }
 
+static void gemm_kq8_iq4_xs(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
+                            int64_t ldo) {
+    gemm_kq8(ST_TYPE_IQ4_XS, w, row_bytes, nr, n, nt, a, out, ldo);
+}
+
 static dot_q_fn gemm_kq8_pick(int32_t type) {
     switch (type) {
     case ST_TYPE_Q6_K: return gemm_kq8_q6_k;
     case ST_TYPE_Q2_K: return gemm_kq8_q2_k;
     case ST_TYPE_Q3_K: return gemm_kq8_q3_k;
+    case ST_TYPE_IQ4_XS: return gemm_kq8_iq4_xs;
     default: return NULL;
     }
 }

@@ -1,4 +1,4 @@
-/* The SIMD kernels of IQ4_NL, IQ4_XS and MXFP4 (layouts: quants_lowbit.h; Q2_K and Q3_K read the
+/* The SIMD kernels of IQ4_NL and MXFP4 (layouts: quants_lowbit.h; Q2_K, Q3_K and IQ4_XS read the
  * per-256 activations, gemm_kq8.h), on
  * 256-bit vectors with 8-bit activations. Included by kernels_avx2.c (GEMM_VNNI 0: maddubs +
  * madd) and kernels_avx512.c (GEMM_VNNI 1: vpdpbusd where it pays) after gemm_int8.h, whose
@@ -15,9 +15,8 @@
  * token, so any row or token count gives the same bits (the harness checks batch invariance).
  *
  * Integer sums per type:
- *   IQ4_NL, IQ4_XS  table values v in -127..113: AVX2 multiplies |v| by sign(a, v) (maddubs
- *          pairs < 2^15, widened per pair); VNNI takes v + 128 unsigned, the offset corrected in
- *          float. IQ4_XS's 6-bit scale goes into S = d * (ls - 32).
+ *   IQ4_NL  table values v in -127..113: AVX2 multiplies |v| by sign(a, v) (maddubs pairs < 2^15,
+ *          widened per pair); VNNI takes v + 128 unsigned, the offset corrected in float.
  *   MXFP4  values v in -12..12 as v + 12 (unsigned; per half 16-bit sums, |sum| <= 8 * 24 * 127),
  *          the offset corrected in float. */
 #ifndef STRATA_GEMM_LOWBIT_H
@@ -33,11 +32,6 @@ typedef struct {
     __m256i u[8];         /* IQ4 on AVX2: |w| */
     __m256 S, M;          /* M: MXFP4, IQ4 on VNNI: -off * S, the offset's correction */
 } lb8;
-
-/* What a super-block of the eight rows shares between its sub-blocks. */
-typedef struct {
-    __m256 S[8]; /* IQ4_XS: the scale of each sub-block */
-} lbstate;
 
 static inline uint16_t ld16(const uint8_t *p) {
     uint16_t v;
@@ -87,44 +81,14 @@ static inline __m256i table16(const int8_t *t, int add) {
 /* The IQ4 table as the kernel multiplies it: signed (AVX2) or + 128 (VNNI). */
 static inline __m256i iq4_table(void) { return table16(kvalues_iq4nl, GEMM_VNNI ? 128 : 0); }
 
-/* IQ4_XS: S[ib] = d * (ls - 32) of each row, from [d, scales_h] and scales_l as dwords. */
-static inline void iq4xs_super(const uint8_t *const *rows, int64_t i, lbstate *st) {
-    const size_t o = (size_t)i * sizeof(blk_iq4_xs);
-    const __m256i h = _mm256_setr_epi32((int)ld32(rows[0] + o), (int)ld32(rows[1] + o), (int)ld32(rows[2] + o),
-                          (int)ld32(rows[3] + o), (int)ld32(rows[4] + o), (int)ld32(rows[5] + o),
-                          (int)ld32(rows[6] + o), (int)ld32(rows[7] + o));
-    const __m256i l = _mm256_setr_epi32((int)ld32(rows[0] + o + 4), (int)ld32(rows[1] + o + 4), (int)ld32(rows[2] + o + 4),
-                          (int)ld32(rows[3] + o + 4), (int)ld32(rows[4] + o + 4), (int)ld32(rows[5] + o + 4),
-                          (int)ld32(rows[6] + o + 4), (int)ld32(rows[7] + o + 4));
-    const __m256 d = f16_rows8(rows, o);
-    const __m256i sh = _mm256_srli_epi32(h, 16);
-    for (int ib = 0; ib < 8; ib++) {
-        const __m256i lo = _mm256_and_si256(_mm256_srl_epi32(l, _mm_cvtsi32_si128(4 * ib)), _mm256_set1_epi32(0xF));
-        const __m256i hi = _mm256_and_si256(_mm256_srl_epi32(sh, _mm_cvtsi32_si128(2 * ib)), _mm256_set1_epi32(3));
-        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
-        st->S[ib] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(ls));
-    }
-}
-
-/* Block b (32 elements) of the eight rows into k; st carries what a super-block shares. */
+/* Block b (32 elements) of the eight rows into k. */
 static inline __attribute__((always_inline)) void lb_unpack(int32_t type, const uint8_t *const *rows, int64_t b,
-                                                            lbstate *st, lb8 *k) {
-    const int j = (int)(b % 8);
-    const int64_t i = b / 8;
+                                                            lb8 *k) {
     switch (type) {
-    case ST_TYPE_IQ4_NL:
-    case ST_TYPE_IQ4_XS: {
-        size_t off;
-        if (type == ST_TYPE_IQ4_NL) {
-            off = (size_t)b * sizeof(blk_iq4_nl);
-            k->S = f16_rows8(rows, off);
-            off += offsetof(blk_iq4_nl, qs);
-        } else {
-            if (j == 0) iq4xs_super(rows, i, st);
-            off = (size_t)i * sizeof(blk_iq4_xs) + offsetof(blk_iq4_xs, qs) + 16 * (size_t)j;
-            k->S = st->S[j];
-        }
-        nibbles8(rows, off, iq4_table(), k->w);
+    case ST_TYPE_IQ4_NL: {
+        const size_t off = (size_t)b * sizeof(blk_iq4_nl);
+        k->S = f16_rows8(rows, off);
+        nibbles8(rows, off + offsetof(blk_iq4_nl, qs), iq4_table(), k->w);
 #if GEMM_VNNI
         k->M = _mm256_mul_ps(_mm256_set1_ps(-128.0f), k->S);
 #else
@@ -187,8 +151,6 @@ static inline __attribute__((always_inline)) __m256 lb_step(int32_t type, const 
 static inline __attribute__((always_inline)) void lb_pass(int32_t type, const uint8_t *const *rows, int64_t nb, int NT,
                                                           int nt, const act_row *a, __m256 *acc, const uint8_t *next,
                                                           size_t step) {
-    lbstate st;
-    memset(&st, 0, sizeof st); /* every field is set at its super-block start; this keeps the compiler sure of it */
     lb8 k;
     const int cnt = NT ? NT : nt;
     __m256 v[4];
@@ -196,7 +158,7 @@ static inline __attribute__((always_inline)) void lb_pass(int32_t type, const ui
     for (int t = 0; !NT && t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         prefetch_slice(next, b, step);
-        lb_unpack(type, rows, b, &st, &k);
+        lb_unpack(type, rows, b, &k);
         if (NT)
             for (int t = 0; t < NT; t++) v[t] = lb_step(type, &k, &a[t], b, v[t]);
         else
@@ -234,13 +196,11 @@ static inline __attribute__((always_inline)) void gemm_lowbit(int32_t type, cons
     }
 
 DEF_GEMM_LOWBIT(gemm_iq4_nl, ST_TYPE_IQ4_NL)
-DEF_GEMM_LOWBIT(gemm_iq4_xs, ST_TYPE_IQ4_XS)
 DEF_GEMM_LOWBIT(gemm_mxfp4, ST_TYPE_MXFP4)
 
 static dot_q_fn gemm_pick_lowbit(int32_t type) {
     switch (type) {
     case ST_TYPE_IQ4_NL: return gemm_iq4_nl;
-    case ST_TYPE_IQ4_XS: return gemm_iq4_xs;
     case ST_TYPE_MXFP4: return gemm_mxfp4;
     default: return NULL;
     }

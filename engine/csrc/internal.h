@@ -116,7 +116,9 @@ typedef struct {
 } act_row;
 /* Whether the kernels of `type` read the per-256 view (act_row.qk) instead of the per-32 one. */
 static inline int st_type_q8k(int32_t type) {
-    return type == ST_TYPE_Q6_K || type == ST_TYPE_Q2_K || type == ST_TYPE_Q3_K;
+    return type == ST_TYPE_Q6_K || type == ST_TYPE_Q2_K || type == ST_TYPE_Q3_K || type == ST_TYPE_IQ4_XS ||
+           type == ST_TYPE_IQ2_XXS || type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ2_S || type == ST_TYPE_IQ3_XXS ||
+           type == ST_TYPE_IQ3_S;
 }
 typedef void (*dot_q_fn)(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
                          int64_t ldo);

@@ -133,30 +133,27 @@ static inline float iq_f(int32_t type) {
     return type == ST_TYPE_IQ3_S ? 1.0f : type == ST_TYPE_IQ3_XXS ? 0.25f : 0.125f;
 }
 
-/* One row against one token: per 32-element block the exact integer sum
- * sum_h k_h * sum_{16} (+-g) * qa, then acc += (d * F) * dx * isum. */
-static void dot_iq_one(int32_t type, const uint8_t *w, const int8_t *a, const float *dx, int64_t n, float *out) {
+/* One row against one token on the per-256 activation view (act_row.qk, scale dk per super-block):
+ * the exact integer sum of the super-block, sum_ib sum_h k_h * sum_{16} (+-g) * qa, then one
+ * float step acc += dk * ((d * F) * isum) (|isum| <= 256 * 62 * 127 * 31 < 2^26). */
+static void dot_iq_k8(int32_t type, const uint8_t *w, const int8_t *a, const float *dk, int64_t n, float *out) {
     const size_t bb = (size_t)st_iq_block_bytes(type);
     const float f = iq_f(type);
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
         iq_parts p;
         iq_decode(type, w + (size_t)i * bb, &p);
-        const float df = p.d * f;
-        for (int ib = 0; ib < 8; ib++) {
-            const int64_t ab = 8 * i + ib;
-            int32_t isum = 0;
-            for (int h = 0; h < 2; h++) {
-                int32_t part = 0;
-                for (int l = 0; l < 16; l++) {
-                    const int e = 32 * ib + 16 * h + l;
-                    const int v = p.neg[e] ? -(int)p.g[e] : (int)p.g[e];
-                    part += v * a[ab * QK + 16 * h + l];
-                }
-                isum += (2 * p.ls[2 * ib + h] + 1) * part;
+        int32_t isum = 0;
+        for (int s16 = 0; s16 < QK_K / 16; s16++) {
+            int32_t part = 0;
+            for (int l = 0; l < 16; l++) {
+                const int e = 16 * s16 + l;
+                const int v = p.neg[e] ? -(int)p.g[e] : (int)p.g[e];
+                part += v * a[i * QK_K + e];
             }
-            acc += df * dx[ab] * (float)isum;
+            isum += (2 * p.ls[s16] + 1) * part;
         }
+        acc += dk[i] * ((p.d * f) * (float)isum);
     }
     *out = acc;
 }
@@ -166,7 +163,7 @@ static void dot_iq_one(int32_t type, const uint8_t *w, const int8_t *a, const fl
                      int64_t ldo) {                                                                                 \
         for (int r = 0; r < nr; r++)                                                                                \
             for (int t = 0; t < nt; t++)                                                                            \
-                dot_iq_one(TYPE, (const uint8_t *)w + (size_t)r * row_bytes, a[t].q, a[t].d, n, &out[t * ldo + r]); \
+                dot_iq_k8(TYPE, (const uint8_t *)w + (size_t)r * row_bytes, a[t].qk, a[t].dk, n, &out[t * ldo + r]); \
     }
 DEF_IQ_REF(dot_iq2_xxs_ref, ST_TYPE_IQ2_XXS)
 DEF_IQ_REF(dot_iq2_xs_ref, ST_TYPE_IQ2_XS)

@@ -86,12 +86,13 @@ void st_lowbit_dequantize_block(int32_t type, const void *blk, float *y) {
 }
 
 /* ---- reference dot kernels ----
- * Q2_K and Q3_K read the per-256 view (act_row.qk, scale dk per super-block, int16 sums bk per
+ * Q2_K, Q3_K and IQ4_XS read the per-256 view (act_row.qk, scale dk per super-block, int16 sums bk per
  * 16): the exact integer sums of the super-block (g: its 16 groups of 16), then one float step:
  *   Q2_K:  dk * (d * sum_g sc_g * sum(q a) - dmin * sum_g m_g * bsum_g)
  *   Q3_K:  dk * (d * sum_g (sc_g - 32) * sum(q a))
+ *   IQ4_XS: dk * (d * sum_j (ls_j - 32) * sum(v a))   (j: its 8 sub-blocks of 32)
  * The others, per 32-element activation block b (scale dx = d[b], int8 codes a):
- *   IQ4_NL, IQ4_XS, MXFP4:  s * dx * sum(v a), s the block's float scale (IQ4_XS: d * (ls - 32)). */
+ *   IQ4_NL, MXFP4:  s * dx * sum(v a), s the block's float scale. */
 
 static void dot_q2_k_k8(const void *w, const int8_t *a, const float *dk, const int16_t *bk, int64_t n, float *out) {
     const blk_q2_k *b = w;
@@ -141,17 +142,14 @@ static void dot_iq4_nl_one(const void *w, const int8_t *a, const float *d, const
     *out = acc;
 }
 
-static void dot_iq4_xs_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
+static void dot_iq4_xs_k8(const void *w, const int8_t *a, const float *dk, const int16_t *bk, int64_t n, float *out) {
     const blk_iq4_xs *b = w;
-    (void)s;
+    (void)bk;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        const float dd = f16_to_f32(b[i].d);
-        for (int j = 0; j < 8; j++) {
-            const int64_t ab = 8 * i + j;
-            const float sc = dd * (float)iq4xs_scale(&b[i], j);
-            acc += sc * d[ab] * (float)nibble_sum(b[i].qs + 16 * j, kvalues_iq4nl, a + ab * QK);
-        }
+        int32_t isum = 0;
+        for (int j = 0; j < 8; j++) isum += iq4xs_scale(&b[i], j) * nibble_sum(b[i].qs + 16 * j, kvalues_iq4nl, a + i * QK_K + QK * j);
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum);
     }
     *out = acc;
 }
@@ -168,7 +166,7 @@ static void dot_mxfp4_one(const void *w, const int8_t *a, const float *d, const 
 DEF_REF_MULTI_K8(q2_k)
 DEF_REF_MULTI_K8(q3_k)
 DEF_REF_MULTI(iq4_nl)
-DEF_REF_MULTI(iq4_xs)
+DEF_REF_MULTI_K8(iq4_xs)
 DEF_REF_MULTI(mxfp4)
 
 dot_q_fn st_dot_q_ref_lowbit(int32_t type) {

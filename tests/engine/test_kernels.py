@@ -22,7 +22,7 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": 
 E8M0_FIELDS = {"MXFP4": [0]}
 N = 256 * 12  # a multiple of every block size; an even and an odd count of 32-blocks below
 # the types whose kernels read the per-256 activation view (engine/csrc/internal.h, st_type_q8k)
-Q8K_TYPES = {"Q6_K", "Q2_K", "Q3_K"}
+Q8K_TYPES = {"Q6_K", "Q2_K", "Q3_K", "IQ4_XS", *IQ_TYPES}
 
 
 def random_blocks(name: str, n: int, rng: np.random.Generator) -> np.ndarray:

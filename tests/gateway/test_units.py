@@ -183,10 +183,10 @@ def test_ejection_and_panic() -> None:
 async def test_health_poll_timeouts_must_repeat_but_a_refusal_counts_at_once(unused_tcp_port: int) -> None:
     """A ready lane stays in rotation through ``health_timeouts_to_unready - 1`` slow polls (a loaded host),
     leaves on the last, and comes back on the next good poll; a refused connection takes it out at once."""
-    delay = {"s": 0.0}
+    answering = asyncio.Event()  # cleared: /health holds its answer until set
 
     async def health(_: web.Request) -> web.Response:
-        await asyncio.sleep(delay["s"])
+        await answering.wait()
         return web.json_response({"status": "ok"})
 
     async def models(_: web.Request) -> web.Response:
@@ -199,22 +199,24 @@ async def test_health_poll_timeouts_must_repeat_but_a_refusal_counts_at_once(unu
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
     cfg = GatewayConfig(lanes=[{"name": "a", "url": f"http://127.0.0.1:{unused_tcp_port}"}],  # type: ignore[list-item]
-                        health_timeout_s=0.2, health_timeouts_to_unready=3)
+                        health_timeout_s=1.0, health_timeouts_to_unready=3)
     d = Dispatcher(cfg, GatewayMetrics())
     lane = d.lanes["a"]
     async with aiohttp.ClientSession() as d.session:
         try:
+            answering.set()
             await d.poll_lane(lane)
             assert lane.ready and lane.n_ctx == 512
-            delay["s"] = 1.0
+            answering.clear()
             for expected in (True, True, False):
                 await d.poll_lane(lane)
                 assert lane.ready is expected and lane.last_error and "TimeoutError" in lane.last_error
             assert lane.health == "unreachable" and d.routable() == []
-            delay["s"] = 0.0
+            answering.set()
             await d.poll_lane(lane)
             assert lane.ready and lane.poll_timeouts == 0
         finally:
+            answering.set()
             await runner.cleanup()
         await d.poll_lane(lane)  # nothing listens now
         assert not lane.ready and lane.health == "unreachable"
