@@ -390,10 +390,12 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
 /* ------------------------------------------------------------------ repacking */
 
 /* STRATA_REPACK_Q4K=1 (an open A/B, off by default): Q4_K matrices are repacked too, and the copy
- * is advised into huge pages. The Q4_K_R8 kernel runs 1.2-1.3x the plain one at one token
- * (kernel_bench-style loops, in cache and streamed from huge pages), but on this VM's k-quant
- * default model the step's decode measured 2-5% slower with it and 7-15% slower with the copy in
- * 4 KiB pages (docs/benchmarks.md, "Q4_K repacked"), so it waits for the reference box. */
+ * is advised into huge pages. The Q4_K_R8 kernel runs 1.2-1.3x the plain one at one token, and
+ * the k-quant default model's one-thread decode 5-9% faster (docs/benchmarks.md, "Q4_K repacked");
+ * it stays off until measured where it matters: a large Q4_K model gets one private copy per lane
+ * (up to the cap below) and a long first step, and the hybrid engine, whose st_moe_pairs repacks
+ * the same tensors, stages experts from the file's pages (cudaHostRegister) that the repack drops
+ * from the process, a path only a GPU machine runs. */
 static int repack_q4k(void) {
     const char *env = getenv("STRATA_REPACK_Q4K");
     return env && env[0] == '1';
@@ -455,9 +457,9 @@ void st_model_repack(st_model *m) {
     }
     void *buf = (void *)(((uintptr_t)map + huge - 1) & ~(uintptr_t)(huge - 1));
 #ifdef MADV_HUGEPAGE
-    /* With the Q4_K copy only: the file's pages come partly in 2 MiB folios (ext4 here), and a Q4_K copy in
-     * 4 KiB pages streamed slower than the file layout it replaced; for the Q4_1 / Q8_0 copy alone the advice
-     * measured slower (docs/benchmarks.md). Advice only: without THP the copy keeps small pages. */
+    /* With the Q4_K copy (its A/B): streamed from huge pages the kernels read 10-20% faster on this VM
+     * (kernel_bench-style loops); the Q4_1 / Q8_0 copy alone keeps the measured default (small pages).
+     * Advice only: without THP the copy keeps small pages. */
     if (repack_q4k()) madvise(buf, total, MADV_HUGEPAGE);
 #endif
     const long page = sysconf(_SC_PAGESIZE);
