@@ -400,7 +400,8 @@ struct st_model {
     scratch s;
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */
-    size_t repack_bytes;
+    size_t repack_map_bytes; /* its length (the tensors start at its first 2 MiB boundary) */
+    size_t repack_bytes;  /* the repacked tensors' bytes */
     /* the last step's greedy picks (st_batch.token_src reads them): n_picks 0 = none */
     int32_t *picks, *tok_buf; /* tok_buf: a step's ids resolved through token_src */
     int32_t n_picks, cap_picks;
