@@ -79,7 +79,8 @@ def test_quantize_activations_per256_bitwise_equal_cpu(g: tuple) -> None:
     x[1, 256:512] = 0.0
     x[3, 512:768] *= 0.01
     x[3, 600] = -7.0
-    x[4, :256] = (np.arange(256) - 128).astype(np.float32) * np.float32(0.5)  # many q * id at exact .5
+    x[4, :256] = (np.arange(256) - 128).astype(np.float32) * np.float32(0.5)  # scale 1 (amax 127): x / d at
+    x[4, 0] = -127.0  # every half, rounded away from zero
     cq, cd, cs = cpu_quant_k(x)
     gq, gd, gs = np.empty_like(cq), np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32)
     gcheck(g, g[1].stg_test_quantize_act256(gptr(g, x, "float *"), T, K, gptr(g, gq, "int8_t *"),
