@@ -11,6 +11,12 @@
 /* the split GEMM's parts: KSPLIT x KSPLIT_MAX_T x the widest dense layer (scratch), set per step */
 static thread_local float *g_kpart = nullptr;
 static thread_local int64_t g_kpart_cap = 0; /* floats */
+/* linear()'s per-256 activation view (k_quant_act256) for the weights of a per-256 type: codes [cap], scales
+ * [cap / 32], sums [cap / 16]; set per step (the step's scratch) or by the harness */
+static thread_local int8_t *g_k256q = nullptr;
+static thread_local float *g_k256d = nullptr;
+static thread_local int32_t *g_k256s = nullptr;
+static thread_local int64_t g_k256_cap = 0; /* elements */
 /* At 16-64 tokens the split GEMMs of q / k / v (one segmented launch, decode steps whose q/k/v
  * post-processing runs inside attention) and of the output projection leave their 4 parts to their
  * consumers, which add them as k_ksplit_combine does (the fused attention's head prep; the FFN's RMSNorm,

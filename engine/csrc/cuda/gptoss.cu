@@ -153,7 +153,7 @@ static stg_status oss_ffn(stg_model *m, int il, int32_t T) {
     const int ne = d.n_expert, k = d.n_expert_used;
     const int32_t P = T * k;
     const int64_t E = d.n_embd, F = m->n_ff_exp;
-    const acts_d rin{s.aq, s.ad, s.as, s.xn};
+    const acts_d rin{s.aq, s.ad, s.as, s.xn, T};
     lin_groups g1 = {};
     g1.n_pairs = T;
     CHECK(linear(st, L.gate_inp, nullptr, g1, 1, T, T, rin, s.router, ne, MODE_STORE));
@@ -175,8 +175,7 @@ static stg_status oss_ffn(stg_model *m, int il, int32_t T) {
     launch_k(k_oss_glu, (unsigned)((P * F + 255) / 256), 256, 0, st, s.h, (const float *)s.h2,
              (const int32_t *)s.topk_id, L.gate_exps_b.f(), L.up_exps_b.f(), P, F);
     LAUNCHED("gpt-oss swiglu");
-    const bool down_q = !stg_is_float(L.down_exps.type);
-    if (down_q) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
+    if (stg_reads_q32(L.down_exps.type)) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs));
     lin_groups gd = ge;
     gd.in_map = nullptr; /* down reads the pair's own hidden row */
     CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, acts_d{s.hq, s.hd, s.hs, s.h}, s.pair_out, E,

@@ -48,7 +48,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
     const st_model_desc &d = m->d;
     cudaStream_t st = m->stream;
     const int64_t E = d.n_embd;
-    const bool nq = !stg_is_float(L.wq.type) || !stg_is_float(L.wk.type) || !stg_is_float(L.wv.type);
+    const bool nq = stg_reads_q32(L.wq.type) || stg_reads_q32(L.wk.type) || stg_reads_q32(L.wv.type);
     /* a decode step that splits its attention (attention_split.cu) prepares q / k / v with k_qkv_post; so does every
      * step on the 8-bit cache, whose decode always takes the split kernel (att_split >= 1 there) */
     const bool q8 = kv->type == STG_KV_Q8_0;
@@ -134,7 +134,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         LAUNCHED("qkv");
     }
     /* the output projection's 8-bit input comes out of the attention kernel itself */
-    const bool oq = !stg_is_float(L.wo.type);
+    const bool oq = stg_reads_q32(L.wo.type);
     const bool fused_q = oq && d.head_dim % 32 == 0;
     attn_args aa = {};
     aa.q = s.q, aa.out = s.att, aa.kc = qa.kc, aa.vc = qa.vc, aa.pos = d_pos, aa.seq = d_seq, aa.block_tables = d_bt;
@@ -191,7 +191,7 @@ static stg_status dense_ffn(stg_model *m, int32_t T, const dtensor &Wg, const dt
     bool fused = false;
     const fused_quant fq{s.hq, s.hd, s.hs, &fused};
     CHECK(swiglu(st, Wg, Wu, g, 1, T, T, in, s.h, F, s.h2, T, stg_is_float(Wd.type) ? nullptr : &fq));
-    if (!stg_is_float(Wd.type) && !fused) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
+    if (stg_reads_q32(Wd.type) && !fused) CHECK(quantize(st, s.h, T, F, s.hq, s.hd, s.hs));
     return linear(st, Wd, nullptr, g, 1, T, T, acts_d{s.hq, s.hd, s.hs, s.h}, out, E, MODE_STORE);
 }
 
@@ -224,7 +224,7 @@ static stg_status routed_experts(stg_model *m, const dlayer &L, int32_t T, int m
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
     const int32_t P = T * k;
     const int64_t E = m->d.n_embd;
-    const acts_d rin{s.aq, s.ad, s.as, s.xn};
+    const acts_d rin{s.aq, s.ad, s.as, s.xn, T};
     /* gate+up over every (token, expert) pair, grouped by expert: one launch (the GEMM's groups), and with
      * mv_max a second one, the matvec of the groups of at most mv_max pairs (routed_mv_max) */
     lin_groups ge = {};
@@ -239,7 +239,10 @@ static stg_status routed_experts(stg_model *m, const dlayer &L, int32_t T, int m
     const int64_t F = m->n_ff_exp;
     const acts_d ein = rin;
     const bool down_q = !stg_is_float(L.down_exps.type);
-    const acts_d hin{s.hq, s.hd, s.hs, s.h};
+    /* the down projection's input: with mv_max each stream makes the per-256 view (a per-256 type) of its own
+     * pairs' rows of h only (pair_mv 1: the matvec share's), the other stream still writing the rest */
+    const acts_d hin{s.hq, s.hd, s.hs, s.h, P, mv_max ? s.pair_mv : nullptr, 1};
+    const acts_d hin_mv{s.hq, s.hd, s.hs, s.h, P, s.pair_mv, 0};
     lin_groups gd = ge, gdm = gm;
     gd.in_map = gdm.in_map = nullptr; /* down reads the pair's own hidden row */
     if (mv_max) { /* the matvec share on the side stream, beside the GEMM's: disjoint rows of h, hq, pair_out */
@@ -250,14 +253,14 @@ static stg_status routed_experts(stg_model *m, const dlayer &L, int32_t T, int m
         CHECK(swiglu(m->side, L.gate_exps, L.up_exps, gm, max_groups, 1, T, ein, s.h, F, s.h2, P, &fq_mv,
                      STG_PATH_MATVEC));
         if (!fused_mv) return fail(ST_EINVAL, "experts: the matvec share did not quantise its output");
-        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin, s.pair_out, E, MODE_STORE,
+        CHECK(linear(m->side, L.down_exps, nullptr, gdm, max_groups, 1, T, hin_mv, s.pair_out, E, MODE_STORE,
                      STG_PATH_MATVEC));
         CU(cudaEventRecord(m->join, m->side), "experts: join");
     }
     bool fused = false;
     const fused_quant fq{s.hq, s.hd, s.hs, &fused};
     CHECK(swiglu(st, L.gate_exps, L.up_exps, ge, max_groups, expected, T, ein, s.h, F, s.h2, P, down_q ? &fq : nullptr));
-    if (down_q && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
+    if (stg_reads_q32(L.down_exps.type) && !fused) CHECK(quantize(st, s.h, P, F, s.hq, s.hd, s.hs, ge.pair_mv));
     CHECK(linear(st, L.down_exps, nullptr, gd, max_groups, expected, T, hin, s.pair_out, E, MODE_STORE));
     if (mv_max) CU(cudaStreamWaitEvent(st, m->join, 0), "experts: join");
     return ST_OK;
@@ -292,7 +295,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
         return ST_OK;
     }
     const int ne = d.n_expert, k = d.n_expert_used;
-    const acts_d rin{s.aq, s.ad, s.as, s.xn};
+    const acts_d rin{s.aq, s.ad, s.as, s.xn, T};
     lin_groups g1 = {};
     g1.n_pairs = T;
     const int32_t P = T * k;

@@ -166,6 +166,16 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     if (fq) *fq->done = false;
     if (max_groups < 1 || max_count < 1) return ST_OK;
     const bool q = !stg_is_float(W.type);
+    if (q && stg_type_k256(W.type)) {
+        /* the CPU's per-256 codes of x (st_type_q8k) in the per-32 layout: every kernel below reads them unchanged */
+        const int64_t rows = in.rows > 0 ? in.rows : g.in_map ? -1 : g.n_pairs;
+        if (rows < 0) return fail(ST_EINVAL, "linear: a per-256 type's launch with in_map needs acts_d.rows");
+        if (!in.x || !g_k256q || rows * a.K > g_k256_cap)
+            return fail(ST_EINVAL, "linear: per-256 view of %lld x %d: no floats or over the scratch (%lld)",
+                        (long long)rows, a.K, (long long)g_k256_cap);
+        CHECK(quantize256(st, in.x, rows, a.K, g_k256q, g_k256d, g_k256s, in.skip, in.skip_val));
+        a.aq = g_k256q, a.ad = g_k256d, a.as = g_k256s;
+    }
     if (g_gemm_fast && !W2 && !seg && W.type == STG_F32 && !g.gexp && max_groups == 1 &&
         a.N <= 1024 && a.K % RG_BK == 0 && (uintptr_t)W.d % 16 == 0 && (uintptr_t)in.x % 16 == 0 &&
         (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {

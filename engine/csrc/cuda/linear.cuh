@@ -105,9 +105,16 @@ __device__ __forceinline__ void seg_of(const lin_args &a, int r, const uint8_t *
     }
 }
 
+/* A launch's activations: the per-32 blocks (q, d, s) and the floats x they came from. linear() makes the
+ * per-256 view of x itself for a weight of a per-256 type (stg_type_k256), over `rows` rows of x (0: the
+ * launch's n_pairs, which a launch with in_map must not rely on); rows with skip[r] == skip_val (skip NULL: none)
+ * are another stream's launch's and left alone there. */
 struct acts_d {
     const int8_t *q;
     const float *d;
     const int32_t *s;
     const float *x;
+    int64_t rows = 0;
+    const int32_t *skip = nullptr;
+    int32_t skip_val = 0;
 };

@@ -456,7 +456,7 @@ static stg_status mla_heads(stg_model *m, const dtensor &W, const uint8_t *base,
                             int64_t rows, int32_t T, const float *x, float *out, int64_t ldo) {
     scratch &s = m->s;
     const int32_t H = m->d.n_head;
-    if (!stg_is_float(W.type)) CHECK(quantize(m->stream, x, (int64_t)T * H, n_in, s.aq, s.ad, s.as));
+    if (stg_reads_q32(W.type)) CHECK(quantize(m->stream, x, (int64_t)T * H, n_in, s.aq, s.ad, s.as));
     dtensor v = W;
     v.d = base, v.ne[0] = n_in, v.ne[1] = rows, v.ne[2] = H, v.ne[3] = 1;
     v.row_bytes = stg_row_bytes(W.type, n_in), v.expert_stride = head_bytes;
@@ -522,7 +522,7 @@ static stg_status mla_block(stg_model *m, stg_kv *kv, int il, int32_t T, const i
         CHECK(mla_heads(m, L.wv_b, L.wv_b.d, L.wv_b.expert_stride, kl, vd, T, s.att, s.mo, vd));
     }
     stg_status rc = ST_OK;
-    const acts_d ain = layer_acts(m, s.mo, T, H * vd, !stg_is_float(L.wo.type), &rc);
+    const acts_d ain = layer_acts(m, s.mo, T, H * vd, stg_reads_q32(L.wo.type), &rc);
     CHECK(rc);
     return linear(st, L.wo, nullptr, g, 1, T, T, ain, s.x, E, MODE_ADD);
 }

@@ -569,6 +569,10 @@ static stg_status ensure_scratch(stg_model *m, int64_t T, int64_t L, int64_t n_b
         CHECK(dalloc_in(s.step_allocs, &s.hq, (size_t)(P * F)));
         CHECK(dalloc_in(s.step_allocs, &s.hd, sizeof(float) * P * F / 32));
         CHECK(dalloc_in(s.step_allocs, &s.hs, sizeof(int32_t) * P * F / 16));
+        s.k_cap = std::max<int64_t>({T * K, P * F, L * E}); /* every launch input: xn / att / mo, h, the head's xl */
+        CHECK(dalloc_in(s.step_allocs, &s.kq, (size_t)s.k_cap));
+        CHECK(dalloc_in(s.step_allocs, &s.kd, sizeof(float) * s.k_cap / 32));
+        CHECK(dalloc_in(s.step_allocs, &s.ks, sizeof(int32_t) * s.k_cap / 16));
         CHECK(dalloc_in(s.step_allocs, &s.pair_out, sizeof(float) * P * E));
         CHECK(dalloc_in(s.step_allocs, &s.gsh, sizeof(float) * T));
         CHECK(dalloc_in(s.step_allocs, &s.xl, sizeof(float) * L * E));

@@ -37,6 +37,11 @@ struct scratch {
     int32_t *gtiles, *n_gtiles; /* the routed GEMM's tiles (group_pairs) */
     int32_t *mexp, *mstart, *mcount, *n_mgroups, *pair_mv; /* a mixed routed launch's matvec share (group_out) */
     float *kpart;      /* the split dense GEMM's parts (g_kpart) */
+    /* linear()'s per-256 activation view (g_k256q ...) of the largest activation matrix (aq's or hq's) */
+    int8_t *kq;
+    float *kd;
+    int32_t *ks;
+    int64_t k_cap; /* elements */
     /* latent attention (mla.cu; allocated for deepseek2 only): mq [T, n_head * head_dim] the queries, mkv [T,
      * kv_lora_rank + rope_dim] the new cache rows, mqa [T, q_lora_rank] the low-rank q, mg [T * n_head, nope] the
      * scaled non-rotary query parts, mo [T, n_head * head_dim_v] the heads' expanded outputs; the per-head linears'

@@ -54,6 +54,42 @@ __global__ void k_quant_act(const float *x, int64_t K, int64_t n_rows, int8_t *a
     quant_block32(x[r * K + b * 32 + lane], lane, aq + r * K + b * 32, ad + r * nb + b, as + r * (K / 16) + 2 * b);
 }
 
+/* The per-256 view (the CPU's st_quantize_act_k_row: one scale d = amax / 127 per 256 values, q = round(x / d))
+ * written in the per-32 layout every integer kernel reads: aq[R, K] the codes, ad[R, K/32] the group's scale
+ * repeated for its 8 blocks, as[R, K/16] the sums of 16. A kernel of a per-256 type (stg_type_k256) then
+ * computes sum_b A_b * d * isum_b, the CPU's per-256 product up to the order of the float additions. One warp
+ * per 256-group, lane l holding elements 8l .. 8l+7 (a sum of 16 is two lanes). Rows with skip[r] == skip_val
+ * (skip NULL: none) are another launch's and left alone. K % 256 == 0. */
+__global__ void k_quant_act256(const float *x, int64_t K, int64_t n_rows, int8_t *aq, float *ad, int32_t *as,
+                               const int32_t *skip, int32_t skip_val) {
+    PDL_ENTER();
+    const int64_t gw = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int64_t ng = K / 256;
+    if (gw >= n_rows * ng) return;
+    const int64_t r = gw / ng, c = gw % ng;
+    if (skip && skip[r] == skip_val) return;
+    const int64_t o = r * K + c * 256 + 8 * lane;
+    float v[8];
+    float m = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = x[o + i], m = fmaxf(m, fabsf(v[i]));
+    const float amax = warp_max(m); /* a maximum: exact in any order */
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int s = 0;
+    uint32_t w[2] = {0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int q = (int)roundf(v[i] * id);
+        s += q;
+        w[i / 4] |= (uint32_t)(uint8_t)(int8_t)q << (8 * (i % 4));
+    }
+    *(uint2 *)(aq + o) = make_uint2(w[0], w[1]); /* 8-byte aligned: K % 256 == 0 */
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if ((lane & 1) == 0) as[r * (K / 16) + c * 16 + lane / 2] = s;
+    if (lane < 8) ad[r * (K / 32) + c * 8 + lane] = d;
+}
+
 /* A sub-block's contribution added to acc: fma(A, ad * isum, fma(B, ad * asum, acc)), every
  * rounding explicit so that the matvec and the tensor-core GEMM (which must agree bitwise)
  * compile it identically. Two FMAs, one product and the conversion per output and sub-block
@@ -83,5 +119,16 @@ static stg_status quantize(cudaStream_t st, const float *x, int64_t R, int64_t K
     if (warps == 0) return ST_OK;
     launch_k(k_quant_act, (unsigned)((warps * 32 + 255) / 256), 256, 0, st, x, K, R, q, d, s, skip);
     LAUNCHED("quantize activations");
+    return ST_OK;
+}
+
+/* Rows x[R, K] into the per-256 view of (q, d, s) (k_quant_act256); rows with skip[r] == skip_val left alone. */
+static stg_status quantize256(cudaStream_t st, const float *x, int64_t R, int64_t K, int8_t *q, float *d, int32_t *s,
+                              const int32_t *skip = nullptr, int32_t skip_val = 1) {
+    if (K % 256) return fail(ST_EINVAL, "quantize256: K=%lld is not a multiple of 256", (long long)K);
+    const int64_t warps = R * (K / 256);
+    if (warps == 0) return ST_OK;
+    launch_k(k_quant_act256, (unsigned)((warps * 32 + 255) / 256), 256, 0, st, x, K, R, q, d, s, skip, skip_val);
+    LAUNCHED("quantize activations per 256");
     return ST_OK;
 }

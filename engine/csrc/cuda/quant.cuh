@@ -99,6 +99,15 @@ static inline int stg_block_bytes(int t) {
     }
 }
 static inline int stg_is_float(int t) { return t == STG_F32 || t == STG_F16 || t == STG_BF16; }
+/* The types whose products read the per-256 activation view (the CPU's st_type_q8k: the same set, so that the
+ * GPU's codes are the CPU's; linear() makes the view, k_quant_act256). */
+static inline int stg_type_k256(int t) {
+    return t == STG_Q6_K || t == STG_Q2_K || t == STG_Q3_K || t == STG_IQ4_XS || t == STG_IQ2_XXS ||
+           t == STG_IQ2_XS || t == STG_IQ2_S || t == STG_IQ3_XXS || t == STG_IQ3_S;
+}
+/* Whether a weight of type t reads the per-32 blocks (aq / hq): a quantised type of neither view above. A buffer
+ * whose only readers are per-256 or float weights skips its per-32 quantisation. */
+static inline int stg_reads_q32(int t) { return !stg_is_float(t) && !stg_type_k256(t); }
 static inline int64_t stg_row_bytes(int t, int64_t n) { return n / stg_block_elems(t) * stg_block_bytes(t); }
 
 __device__ __forceinline__ float ld_f16(const uint8_t *p) {

@@ -102,7 +102,7 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
     }
     CU(record(ev[3 * nL + 1], st, sh.capturing), "forward");
     if (sh.NL > 0) {
-        const bool nq = !stg_is_float(m->output.type);
+        const bool nq = stg_reads_q32(m->output.type);
         launch_k(k_rmsnorm, sh.NL, RMS_THREADS, 0, st, s.x, sh.d_lidx, m->output_norm.f(), s.xl, E, m->d.norm_eps,
                                           nq ? s.aq : nullptr, s.ad, s.as, take_combine(m));
         LAUNCHED("output norm");
@@ -407,6 +407,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);
     g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on; /* see g_gemm_fast; hybrid: kernels follow copies */
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
+    g_k256q = s.kq, g_k256d = s.kd, g_k256s = s.ks, g_k256_cap = s.k_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
     m->last_picks = 0; /* s.picks is this step's from here on */
     CHECK(hybrid_step_begin(m, f.hy, T));

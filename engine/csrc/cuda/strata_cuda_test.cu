@@ -68,6 +68,19 @@ static stg_status down(void *dst, const dbuf &b, size_t n) {
     CU(cudaMemcpy(dst, b.p, n, cudaMemcpyDeviceToHost), "harness download");
     return ST_OK;
 }
+/* linear()'s per-256 view scratch (g_k256q ...) for a launch over n activation elements, released (and the
+ * globals cleared) with the harness call. */
+struct k256_view {
+    dbuf q, d, s;
+    stg_status make(int64_t n) {
+        CHECK(up(q, nullptr, (size_t)n));
+        CHECK(up(d, nullptr, sizeof(float) * (size_t)n / 32));
+        CHECK(up(s, nullptr, sizeof(int32_t) * (size_t)n / 16));
+        g_k256q = q.as<int8_t>(), g_k256d = d.as<float>(), g_k256s = s.as<int32_t>(), g_k256_cap = n;
+        return ST_OK;
+    }
+    ~k256_view() { g_k256q = nullptr, g_k256d = nullptr, g_k256s = nullptr, g_k256_cap = 0; }
+};
 
 extern "C" stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
     const int be = stg_block_elems(type);
@@ -102,6 +115,20 @@ extern "C" stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64
     return down(sums, bs, sizeof(int32_t) * n / 16);
 }
 
+extern "C" stg_status stg_test_quantize_act256(const float *x, int64_t n_tok, int64_t k, int8_t *qs, float *d,
+                                               int32_t *sums) {
+    if (!x || !qs || !d || !sums || n_tok < 1 || k < 256 || k % 256)
+        return fail(ST_EINVAL, "quantize_act256: bad shape");
+    CHECK(harness_device());
+    dbuf bx, bq, bd, bs;
+    const size_t n = (size_t)(n_tok * k);
+    CHECK(up_acts(bx, bq, bd, bs, x, n_tok, k));
+    CHECK(quantize256(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
+    CHECK(down(qs, bq, n));
+    CHECK(down(d, bd, sizeof(float) * n / 32));
+    return down(sums, bs, sizeof(int32_t) * n / 16);
+}
+
 extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows,
                                       int64_t k, const float *x, int64_t n_tok, float *out) {
     const int be = stg_block_elems(type);
@@ -126,6 +153,8 @@ extern "C" stg_status stg_test_linear(int32_t type, int32_t path, const void *w,
     if (!stg_is_float(type)) CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     lin_groups g = {};
     g.n_pairs = (int32_t)n_tok;
+    k256_view kv;
+    CHECK(kv.make(n_tok * k));
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
     dbuf bp; /* the split GEMM's parts (dense_split decides whether the GEMM path splits) */
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * (size_t)(n_tok * n_rows)));
@@ -172,6 +201,8 @@ extern "C" stg_status stg_test_linear_seg(int32_t type, int32_t path, const void
     CHECK(quantize(0, bx.as<float>(), n_tok, k, bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>()));
     lin_groups g = {};
     g.n_pairs = (int32_t)n_tok;
+    k256_view kv;
+    CHECK(kv.make(n_tok * k));
     const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * (size_t)(n_tok * total)));
     g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * n_tok * total;
@@ -239,7 +270,9 @@ static stg_status routed_linear(int32_t type, int32_t path, const void *w, const
     g.tiles = gtiles, g.n_tiles = n_gtiles;
     g_gemm_fast = harness_fast(n_tok);
     const int max_groups = std::min(n_expert, P), expected = (P + n_expert - 1) / n_expert;
-    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>()};
+    k256_view kv;
+    CHECK(kv.make((int64_t)n_tok * k));
+    const acts_d in{bq.as<int8_t>(), bd.as<float>(), bs.as<int32_t>(), bx.as<float>(), n_tok};
     dbuf bp; /* a routed split's parts (routed_split_max decides whether the gate/up GEMM splits) */
     CHECK(up(bp, nullptr, sizeof(float) * KSPLIT * 2 * (size_t)P * (size_t)n_rows));
     g_kpart = bp.as<float>(), g_kpart_cap = KSPLIT * 2 * (int64_t)P * n_rows;

@@ -16,6 +16,10 @@ stg_status stg_test_set_settings(const stg_settings *s);
 stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n);
 /* x[n_tok, k] float rows -> 8-bit blocks like st_quantize_act: qs[n_tok*k], d[n_tok*k/32], sums[n_tok*k/16]. */
 stg_status stg_test_quantize_act(const float *x, int64_t n_tok, int64_t k, int8_t *qs, float *d, int32_t *sums);
+/* The same rows quantised per 256 like st_quantize_act_k (one scale per 256, codes round(x / d)) in the per-32
+ * layout the GPU kernels read: d[n_tok*k/32] each 256-group's scale 8 times, sums[n_tok*k/16] the sums of 16.
+ * k % 256 == 0. */
+stg_status stg_test_quantize_act256(const float *x, int64_t n_tok, int64_t k, int8_t *qs, float *d, int32_t *sums);
 /* out[n_tok, n_rows] = W[n_rows, k] . x[n_tok, k]^T (x quantised to 8 bits on the GPU for quant types);
  * with w2 (same type and shape) the fused gate/up form: out = silu(W . x) * (W2 . x). */
 stg_status stg_test_linear(int32_t type, int32_t path, const void *w, const void *w2, int64_t n_rows, int64_t k,

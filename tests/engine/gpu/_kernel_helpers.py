@@ -1,5 +1,5 @@
 """What the GPU kernel tests share (the library itself is the ``g`` fixture of conftest.py): pointers into
-it, its error text, the CPU's activation quantisation that the GPU's 8-bit blocks are compared with, and an
+it, its error text, the CPU's activation quantisations (per 32 and per 256) that the GPU's 8-bit blocks are compared with, and an
 attention case (a paged f16 cache) with the heads kernels' call on it."""
 
 from __future__ import annotations
@@ -45,6 +45,17 @@ def cpu_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for t in range(T):
         assert lib.st_quantize_act(ptr(x[t], "float *"), K, ptr(qs[t], "int8_t *"), ptr(d[t], "float *"),
                                    ptr(s[t], "int32_t *")) == 0
+    return qs, d, s
+
+
+def cpu_quant_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The CPU's per-256 view of each row of ``x`` [T, K] (st_quantize_act_k, the reference variant): codes
+    [T, K], one scale per 256 [T, K/256], sums of 16 [T, K/16] (int16)."""
+    T, K = x.shape
+    qs, d, s = np.empty((T, K), np.int8), np.empty((T, K // 256), np.float32), np.empty((T, K // 16), np.int16)
+    for t in range(T):
+        assert lib.st_quantize_act_k(lib.ST_VARIANT_REF, ptr(x[t], "float *"), K, ptr(qs[t], "int8_t *"),
+                                     ptr(d[t], "float *"), ptr(s[t], "int16_t *")) == 0
     return qs, d, s
 
 

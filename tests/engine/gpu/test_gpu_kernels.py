@@ -20,6 +20,7 @@ from tests.engine.gpu._kernel_helpers import (
     attention_case,
     attention_heads,
     cpu_quant,
+    cpu_quant_k,
     gcheck,
     gptr,
     harness_settings,
@@ -67,6 +68,32 @@ def test_quantize_activations_bitwise_equal_cpu(g: tuple) -> None:
     assert np.array_equal(cq, gq) and np.array_equal(cd.view(np.uint32), gd.view(np.uint32)) and np.array_equal(cs, gs)
 
 
+def test_quantize_activations_per256_bitwise_equal_cpu(g: tuple) -> None:
+    """k_quant_act256 (the view linear() makes for the per-256 types) gives st_quantize_act_k's codes, scales and
+    sums of 16 bit for bit, in the per-32 layout: each 256-group's scale in its 8 blocks' places. Rows of very
+    different ranges, an all-zero group (scale 0), a group whose largest value is negative, and exact halves of
+    the scale (round half away from zero)."""
+    rng = np.random.default_rng(5)
+    T, K = 6, 2048
+    x = (rng.standard_normal((T, K)) * rng.uniform(1e-3, 30, size=(T, 1))).astype(np.float32)
+    x[1, 256:512] = 0.0
+    x[3, 512:768] *= 0.01
+    x[3, 600] = -7.0
+    x[4, :256] = (np.arange(256) - 128).astype(np.float32) * np.float32(0.5)  # scale 1 (amax 127): x / d at
+    x[4, 0] = -127.0  # every half, rounded away from zero
+    cq, cd, cs = cpu_quant_k(x)
+    gq, gd, gs = np.empty_like(cq), np.empty((T, K // 32), np.float32), np.empty((T, K // 16), np.int32)
+    gcheck(g, g[1].stg_test_quantize_act256(gptr(g, x, "float *"), T, K, gptr(g, gq, "int8_t *"),
+                                            gptr(g, gd, "float *"), gptr(g, gs, "int32_t *")))
+    assert np.array_equal(cq, gq)
+    assert np.array_equal(np.repeat(cd, 8, axis=1).view(np.uint32), gd.view(np.uint32))
+    assert np.array_equal(cs.astype(np.int32), gs)
+    assert cd[1, 1] == 0.0 and not gq[1, 256:512].any()
+    bad = np.zeros((1, 288), np.float32)  # K % 256 != 0: a typed error
+    assert g[1].stg_test_quantize_act256(gptr(g, bad, "float *"), 1, 288, gptr(g, gq, "int8_t *"),
+                                         gptr(g, gd, "float *"), gptr(g, gs, "int32_t *")) != 0
+
+
 def cpu_linear(name: str, w: np.ndarray, rows: int, k: int, x: np.ndarray) -> np.ndarray:
     """The CPU reference kernels (variant ref) over the same 8-bit activations."""
     T = x.shape[0]
@@ -80,13 +107,14 @@ def cpu_linear(name: str, w: np.ndarray, rows: int, k: int, x: np.ndarray) -> np
                 assert lib.st_vec_dot_f(tid(name), lib.ST_VARIANT_REF, ptr(w[r * rb : (r + 1) * rb]), xp, k, res) == 0
                 out[t, r] = res[0]
         return out
-    qs, d, s = cpu_quant(x)
     if name in Q8K_TYPES:
-        # the CPU kernels of these types read a per-256 requantisation (st_quantize_act_k) and the GPU's the 8-bit
-        # blocks themselves: the float64 dot of the dequantised rows with those blocks
-        xa = (qs.reshape(T, -1, 32) * d[:, :, None].astype(np.float64)).reshape(T, k)
+        # the CPU's and the GPU's kernels of these types both read the per-256 view of x (st_quantize_act_k; the
+        # GPU's k_quant_act256 gives the same codes and scales): the float64 dot of the dequantised rows with it
+        qk, dk, _ = cpu_quant_k(x)
+        xa = (qk.reshape(T, -1, 256) * dk[:, :, None].astype(np.float64)).reshape(T, k)
         wd = np.stack([c_dequant(name, w[r * rb : (r + 1) * rb], k) for r in range(rows)]).astype(np.float64)
         return (xa @ wd.T).astype(np.float32)
+    qs, d, s = cpu_quant(x)
     for t in range(T):
         qp, dp, sp = ptr(qs[t], "int8_t *"), ptr(d[t], "float *"), ptr(s[t], "int32_t *")
         for r in range(rows):
