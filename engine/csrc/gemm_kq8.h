@@ -85,6 +85,17 @@ static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, 
     }
 }
 
+/* Q2_K, Q3_K: byte shuffles of eight int16 scales (in both 128-bit lanes) putting scale 2k in the low
+ * lane and 2k + 1 in the high lane (k = 0..3: the 32-element chunk of a half super-block). */
+static const uint8_t kq8_sc16[4][32] __attribute__((aligned(32))) = {
+#define KQ8_S(k) {4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+                  4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, \
+                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3}
+    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3)
+#undef KQ8_S
+};
+
 /* ---- Q2_K: msum = sum_g m_g * bsum_g ---- */
 static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, int64_t i, int NT,
                                                              const act_row *a, __m256i *isum, __m256i *msum) {
@@ -95,13 +106,14 @@ static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, 
         msum[t] = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
         isum[t] = _mm256_setzero_si256();
     }
-    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m3 = _mm256_set1_epi8(3), sc16 = _mm256_cvtepu8_epi16(sc8);
     for (int h = 0; h < 2; h++) {
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+        /* scales 8h..8h + 7 as int16 in both 128-bit lanes */
+        const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         for (int k = 0; k < 4; k++) { /* elements 128h + 32k + l: bits 2k of qs[32h + l], groups 8h + 2k (+1) */
-            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3);
-            const __m256i s = _mm256_cvtepu8_epi16(
-                _mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[4 * h + k])));
+            const __m256i q = k ? _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3) : _mm256_and_si256(qb, m3);
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_sc16[k]));
             for (int t = 0; t < NT; t++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q, x)));
@@ -123,17 +135,6 @@ static inline __m128i kq8_q3k_scales(const blk_q3_k *b) {
                                     _mm_set1_epi8(0x30));
     return _mm_sub_epi8(_mm_or_si128(l, h), _mm_set1_epi8(32));
 }
-
-/* Q3_K: byte shuffles of eight int16 scales (in both 128-bit lanes) putting scale 2k in the low
- * lane and 2k + 1 in the high lane (k = 0..3: the 32-element chunk of a half super-block). */
-static const uint8_t kq8_q3sc[4][32] __attribute__((aligned(32))) = {
-#define KQ8_S(k) {4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
-                  4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
-                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, \
-                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3}
-    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3)
-#undef KQ8_S
-};
 
 /* hmask bit c moved to bit 2 of each byte (one shift; the mask drops what crosses bytes). */
 static inline __m256i kq8_q3k_hi(__m256i hb, int c) {
@@ -162,7 +163,7 @@ static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, 
         for (int k = 0; k < 4; k++) { /* high bit of element 128h + 32k + l: bit 4h + k of hmask[l] */
             const __m256i lo = k ? _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3) : _mm256_and_si256(qb, m3);
             const __m256i q = _mm256_or_si256(lo, kq8_q3k_hi(hb, 4 * h + k));
-            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_q3sc[k]));
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_sc16[k]));
             for (int t = 0; t < NT; t++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q, x)));
