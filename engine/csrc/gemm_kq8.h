@@ -30,15 +30,6 @@
 
 #define KQ8_TP 8 /* most tokens per pass */
 
-/* Q6_K: byte shuffles putting scale 2c in bytes 0..7 and 2c + 1 in bytes 8..15 (c = 0..7: the
- * 32-element chunk), widened to int16 afterwards. */
-static const uint8_t kq8_q6sc[8][16] __attribute__((aligned(16))) = {
-#define KQ8_S(c) {2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, \
-                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1}
-    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3), KQ8_S(4), KQ8_S(5), KQ8_S(6), KQ8_S(7)
-#undef KQ8_S
-};
-
 /* Lane r of the result = the sum of the 8 lanes of v[r] (integers: exact in any order). */
 static inline __m256i kq8_reduce8(const __m256i *v) {
     const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
@@ -53,6 +44,18 @@ static inline __m256 kq8_f16x8(const uint8_t *const *rows, int64_t i, size_t bs,
     for (int r = 0; r < 8; r++) memcpy(&h[r], rows[r] + (size_t)i * bs + off, 2);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
+
+/* Q6_K, Q2_K, Q3_K: byte shuffles of eight int16 scales (in both 128-bit lanes) putting scale 2k in
+ * the low lane and 2k + 1 in the high lane (k = 0..3: the 32-element chunk of a half super-block):
+ * the scales are widened once per super-block and each chunk's pair is one in-lane shuffle. */
+static const uint8_t kq8_sc16[4][32] __attribute__((aligned(32))) = {
+#define KQ8_S(k) {4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+                  4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, \
+                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3}
+    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3)
+#undef KQ8_S
+};
 
 /* ---- Q6_K: one row's super-block against NT tokens; msum = sum_g sc_g * bsum_g ---- */
 static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, int64_t i, int NT,
@@ -74,9 +77,10 @@ static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, 
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        /* scales 8h..8h + 7 as int16 in both 128-bit lanes */
+        const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         for (int k = 0; k < 4; k++) {
-            const __m256i s = _mm256_cvtepi8_epi16(
-                _mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[4 * h + k])));
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_sc16[k]));
             for (int t = 0; t < NT; t++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q[k], x)));
@@ -84,17 +88,6 @@ static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, 
         }
     }
 }
-
-/* Q2_K, Q3_K: byte shuffles of eight int16 scales (in both 128-bit lanes) putting scale 2k in the low
- * lane and 2k + 1 in the high lane (k = 0..3: the 32-element chunk of a half super-block). */
-static const uint8_t kq8_sc16[4][32] __attribute__((aligned(32))) = {
-#define KQ8_S(k) {4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
-                  4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
-                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, \
-                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3}
-    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3)
-#undef KQ8_S
-};
 
 /* ---- Q2_K: msum = sum_g m_g * bsum_g ---- */
 static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, int64_t i, int NT,
