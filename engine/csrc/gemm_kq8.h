@@ -498,25 +498,16 @@ static inline __attribute__((always_inline)) void gemm_kq8(int32_t type, const v
     }
 }
 
-static void gemm_kq8_q6_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
-    gemm_kq8(ST_TYPE_Q6_K, w, row_bytes, nr, n, nt, a, out, ldo);
-}
-
-static void gemm_kq8_q2_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
-    gemm_kq8(ST_TYPE_Q2_K, w, row_bytes, nr, n, nt, a, out, ldo);
-}
-
-static void gemm_kq8_q3_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
-    gemm_kq8(ST_TYPE_Q3_K, w, row_bytes, nr, n, nt, a, out, ldo);
-}
-
-static void gemm_kq8_iq4_xs(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                            int64_t ldo) {
-    gemm_kq8(ST_TYPE_IQ4_XS, w, row_bytes, nr, n, nt, a, out, ldo);
-}
+/* One dot_q_fn per type: the type a constant, so each instance folds its branches. */
+#define DEF_GEMM_KQ8(name, TYPE)                                                                             \
+    static void name(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out, \
+                     int64_t ldo) {                                                                          \
+        gemm_kq8(TYPE, w, row_bytes, nr, n, nt, a, out, ldo);                                                \
+    }
+DEF_GEMM_KQ8(gemm_kq8_q6_k, ST_TYPE_Q6_K)
+DEF_GEMM_KQ8(gemm_kq8_q2_k, ST_TYPE_Q2_K)
+DEF_GEMM_KQ8(gemm_kq8_q3_k, ST_TYPE_Q3_K)
+DEF_GEMM_KQ8(gemm_kq8_iq4_xs, ST_TYPE_IQ4_XS)
 
 static dot_q_fn gemm_kq8_pick(int32_t type) {
     switch (type) {
