@@ -30,15 +30,6 @@
 
 #define KQ8_TP 8 /* most tokens per pass */
 
-/* Q6_K: byte shuffles putting scale 2c in bytes 0..7 and 2c + 1 in bytes 8..15 (c = 0..7: the
- * 32-element chunk), widened to int16 afterwards. */
-static const uint8_t kq8_q6sc[8][16] __attribute__((aligned(16))) = {
-#define KQ8_S(c) {2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, \
-                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1}
-    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3), KQ8_S(4), KQ8_S(5), KQ8_S(6), KQ8_S(7)
-#undef KQ8_S
-};
-
 /* Lane r of the result = the sum of the 8 lanes of v[r] (integers: exact in any order). */
 static inline __m256i kq8_reduce8(const __m256i *v) {
     const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
@@ -53,6 +44,18 @@ static inline __m256 kq8_f16x8(const uint8_t *const *rows, int64_t i, size_t bs,
     for (int r = 0; r < 8; r++) memcpy(&h[r], rows[r] + (size_t)i * bs + off, 2);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
+
+/* Q6_K, Q2_K, Q3_K: byte shuffles of eight int16 scales (in both 128-bit lanes) putting scale 2k in
+ * the low lane and 2k + 1 in the high lane (k = 0..3: the 32-element chunk of a half super-block):
+ * the scales are widened once per super-block and each chunk's pair is one in-lane shuffle. */
+static const uint8_t kq8_sc16[4][32] __attribute__((aligned(32))) = {
+#define KQ8_S(k) {4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+                  4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, 4 * k, 4 * k + 1, \
+                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, \
+                  4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3}
+    KQ8_S(0), KQ8_S(1), KQ8_S(2), KQ8_S(3)
+#undef KQ8_S
+};
 
 /* ---- Q6_K: one row's super-block against NT tokens; msum = sum_g sc_g * bsum_g ---- */
 static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, int64_t i, int NT,
@@ -74,9 +77,10 @@ static inline __attribute__((always_inline)) void kq8_q6k_sb(const blk_q6_k *b, 
         q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
         q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        /* scales 8h..8h + 7 as int16 in both 128-bit lanes */
+        const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         for (int k = 0; k < 4; k++) {
-            const __m256i s = _mm256_cvtepi8_epi16(
-                _mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[4 * h + k])));
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_sc16[k]));
             for (int t = 0; t < NT; t++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q[k], x)));
@@ -95,13 +99,14 @@ static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, 
         msum[t] = _mm256_madd_epi16(m16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
         isum[t] = _mm256_setzero_si256();
     }
-    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m3 = _mm256_set1_epi8(3), sc16 = _mm256_cvtepu8_epi16(sc8);
     for (int h = 0; h < 2; h++) {
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+        /* scales 8h..8h + 7 as int16 in both 128-bit lanes */
+        const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         for (int k = 0; k < 4; k++) { /* elements 128h + 32k + l: bits 2k of qs[32h + l], groups 8h + 2k (+1) */
-            const __m256i q = _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3);
-            const __m256i s = _mm256_cvtepu8_epi16(
-                _mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[4 * h + k])));
+            const __m256i q = k ? _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3) : _mm256_and_si256(qb, m3);
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_sc16[k]));
             for (int t = 0; t < NT; t++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q, x)));
@@ -110,36 +115,48 @@ static inline __attribute__((always_inline)) void kq8_q2k_sb(const blk_q2_k *b, 
     }
 }
 
-/* Q3_K: the 16 signed 6-bit scales (sc - 32, q3k_scale) of a block as int8, decoded 4 at a time. */
-static inline __m128i kq8_q3k_scales(const uint8_t *scales) {
-    uint32_t aux[3], u[4];
-    memcpy(aux, scales, 12);
-    u[3] = ((aux[1] >> 4) & 0x0f0f0f0fu) | (((aux[2] >> 6) & 0x03030303u) << 4);
-    u[2] = ((aux[0] >> 4) & 0x0f0f0f0fu) | (((aux[2] >> 4) & 0x03030303u) << 4);
-    u[1] = (aux[1] & 0x0f0f0f0fu) | (((aux[2] >> 2) & 0x03030303u) << 4);
-    u[0] = (aux[0] & 0x0f0f0f0fu) | ((aux[2] & 0x03030303u) << 4);
-    return _mm_sub_epi8(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]), _mm_set1_epi8(32));
+/* Q3_K: the 16 signed 6-bit scales (sc - 32, q3k_scale) of a block as int8, decoded in one vector:
+ * 32-bit lane j (scales 4j..4j+3) takes its low nibbles from word j & 1 of the 12 bytes shifted by
+ * 4 (j / 2) and its two high bits from word 2 shifted by 2j. The 16 bytes loaded end at the block's
+ * d (scales lie at bytes 2..13 of them), so the load stays inside the block. */
+static inline __m128i kq8_q3k_scales(const blk_q3_k *b) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b->scales + 14 - 16));
+    const __m128i lo = _mm_shuffle_epi8(v, _mm_setr_epi8(2, 3, 4, 5, 6, 7, 8, 9, 2, 3, 4, 5, 6, 7, 8, 9));
+    const __m128i hi = _mm_shuffle_epi8(v, _mm_setr_epi8(10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13, 10, 11, 12, 13));
+    const __m128i l = _mm_and_si128(_mm_srlv_epi32(lo, _mm_setr_epi32(0, 0, 4, 4)), _mm_set1_epi8(0x0f));
+    const __m128i h = _mm_and_si128(_mm_slli_epi32(_mm_srlv_epi32(hi, _mm_setr_epi32(0, 2, 4, 6)), 4),
+                                    _mm_set1_epi8(0x30));
+    return _mm_sub_epi8(_mm_or_si128(l, h), _mm_set1_epi8(32));
+}
+
+/* hmask bit c moved to bit 2 of each byte (one shift; the mask drops what crosses bytes). */
+static inline __m256i kq8_q3k_hi(__m256i hb, int c) {
+    const __m256i four = _mm256_set1_epi8(4);
+    if (c < 2) return _mm256_and_si256(_mm256_slli_epi16(hb, 2 - c), four);
+    if (c == 2) return _mm256_and_si256(hb, four);
+    return _mm256_and_si256(_mm256_srli_epi16(hb, c - 2), four);
 }
 
 /* ---- Q3_K: codes kept unsigned (low two bits + 4 * high bit, 0..7; the value is that - 4),
  * msum = sum_g (sc_g - 32) * bsum_g ---- */
 static inline __attribute__((always_inline)) void kq8_q3k_sb(const blk_q3_k *b, int64_t i, int NT,
                                                              const act_row *a, __m256i *isum, __m256i *msum) {
-    const __m128i sc8 = kq8_q3k_scales(b->scales);
+    const __m128i sc8 = kq8_q3k_scales(b);
     const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
     for (int t = 0; t < NT; t++) {
         msum[t] = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(a[t].bk + 16 * i)));
         isum[t] = _mm256_setzero_si256();
     }
-    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256i m3 = _mm256_set1_epi8(3);
     const __m256i hb = _mm256_loadu_si256((const __m256i *)b->hmask);
     for (int h = 0; h < 2; h++) {
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * h));
+        /* scales 8h..8h + 7 as int16 in both 128-bit lanes */
+        const __m256i sh = h ? _mm256_permute2x128_si256(sc16, sc16, 0x11) : _mm256_permute2x128_si256(sc16, sc16, 0x00);
         for (int k = 0; k < 4; k++) { /* high bit of element 128h + 32k + l: bit 4h + k of hmask[l] */
-            const int c = 4 * h + k;
-            const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hb, c), 2), four);
-            const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3), hi);
-            const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_load_si128((const __m128i *)kq8_q6sc[c])));
+            const __m256i lo = k ? _mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3) : _mm256_and_si256(qb, m3);
+            const __m256i q = _mm256_or_si256(lo, kq8_q3k_hi(hb, 4 * h + k));
+            const __m256i s = _mm256_shuffle_epi8(sh, _mm256_load_si256((const __m256i *)kq8_sc16[k]));
             for (int t = 0; t < NT; t++) {
                 const __m256i x = _mm256_loadu_si256((const __m256i *)(a[t].qk + QK_K * i + 128 * h + 32 * k));
                 isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(s, _mm256_maddubs_epi16(q, x)));
@@ -357,7 +374,7 @@ static inline __attribute__((always_inline)) void kq8_unpack_row(int32_t type, c
                                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qb, 2 * k), m3), hi));
             }
         }
-        const __m256i s16 = _mm256_cvtepi8_epi16(kq8_q3k_scales(b->scales));
+        const __m256i s16 = _mm256_cvtepi8_epi16(kq8_q3k_scales(b));
         _mm256_storeu_si256((__m256i *)sc, s16);
         _mm256_storeu_si256((__m256i *)mn, s16);
     }
@@ -481,25 +498,16 @@ static inline __attribute__((always_inline)) void gemm_kq8(int32_t type, const v
     }
 }
 
-static void gemm_kq8_q6_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
-    gemm_kq8(ST_TYPE_Q6_K, w, row_bytes, nr, n, nt, a, out, ldo);
-}
-
-static void gemm_kq8_q2_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
-    gemm_kq8(ST_TYPE_Q2_K, w, row_bytes, nr, n, nt, a, out, ldo);
-}
-
-static void gemm_kq8_q3_k(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                          int64_t ldo) {
-    gemm_kq8(ST_TYPE_Q3_K, w, row_bytes, nr, n, nt, a, out, ldo);
-}
-
-static void gemm_kq8_iq4_xs(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out,
-                            int64_t ldo) {
-    gemm_kq8(ST_TYPE_IQ4_XS, w, row_bytes, nr, n, nt, a, out, ldo);
-}
+/* One dot_q_fn per type: the type a constant, so each instance folds its branches. */
+#define DEF_GEMM_KQ8(name, TYPE)                                                                             \
+    static void name(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, float *out, \
+                     int64_t ldo) {                                                                          \
+        gemm_kq8(TYPE, w, row_bytes, nr, n, nt, a, out, ldo);                                                \
+    }
+DEF_GEMM_KQ8(gemm_kq8_q6_k, ST_TYPE_Q6_K)
+DEF_GEMM_KQ8(gemm_kq8_q2_k, ST_TYPE_Q2_K)
+DEF_GEMM_KQ8(gemm_kq8_q3_k, ST_TYPE_Q3_K)
+DEF_GEMM_KQ8(gemm_kq8_iq4_xs, ST_TYPE_IQ4_XS)
 
 static dot_q_fn gemm_kq8_pick(int32_t type) {
     switch (type) {

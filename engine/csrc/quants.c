@@ -464,35 +464,19 @@ static void row_from_group(const uint8_t *g, int r, int64_t n, size_t bs, int ha
 
 /* The references for repacked rows: each row's blocks rebuilt from its group (w is the start of the group of
  * nr <= 8 rows), then the plain type's reference. */
-static void dot_q8_0_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
-                            float *out, int64_t ldo) {
-    blk_q8_0 row[ST_MAX_ROW / QK];
-    for (int r = 0; r < nr; r++) {
-        row_from_group(w, r, n, sizeof(blk_q8_0), 1, QK, (uint8_t *)row);
-        for (int t = 0; t < nt; t++) dot_q8_0_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
+#define DEF_R8_REF(T, BLK, HALVES, BLOCK)                                                                    \
+    static void dot_##T##_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, \
+                                 float *out, int64_t ldo) {                                                  \
+        BLK row[ST_MAX_ROW / (BLOCK)];                                                                       \
+        for (int r = 0; r < nr; r++) {                                                                       \
+            row_from_group(w, r, n, sizeof(BLK), HALVES, BLOCK, (uint8_t *)row);                             \
+            for (int t = 0; t < nt; t++) dot_##T##_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);    \
+        }                                                                                                    \
+        (void)row_bytes;                                                                                     \
     }
-    (void)row_bytes;
-}
-
-static void dot_q4_1_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
-                            float *out, int64_t ldo) {
-    blk_q4_1 row[ST_MAX_ROW / QK];
-    for (int r = 0; r < nr; r++) {
-        row_from_group(w, r, n, sizeof(blk_q4_1), 2, QK, (uint8_t *)row);
-        for (int t = 0; t < nt; t++) dot_q4_1_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
-    }
-    (void)row_bytes;
-}
-
-static void dot_q4_k_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a,
-                            float *out, int64_t ldo) {
-    blk_q4_k row[ST_MAX_ROW / QK_K];
-    for (int r = 0; r < nr; r++) {
-        row_from_group(w, r, n, sizeof(blk_q4_k), 0, QK_K, (uint8_t *)row);
-        for (int t = 0; t < nt; t++) dot_q4_k_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);
-    }
-    (void)row_bytes;
-}
+DEF_R8_REF(q8_0, blk_q8_0, 1, QK)
+DEF_R8_REF(q4_1, blk_q4_1, 2, QK)
+DEF_R8_REF(q4_k, blk_q4_k, 0, QK_K)
 
 dot_q_fn st_dot_q_ref(int32_t type) {
     switch (type) {
