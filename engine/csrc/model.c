@@ -390,7 +390,7 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
 /* ------------------------------------------------------------------ repacking */
 
 /* STRATA_REPACK_Q4K=1 (an open A/B, off by default): Q4_K matrices are repacked too, and the copy
- * is advised into huge pages. The Q4_K_R8 kernel runs 1.2-1.3x the plain one at one token, and
+ * is advised into huge pages. The Q4_K_R8 kernel is 1.2-1.3x as fast as the plain one at one token, and
  * the k-quant default model's one-thread decode 5-9% faster (docs/benchmarks.md, "Q4_K repacked");
  * it stays off until measured where it matters: a large Q4_K model gets one private copy per lane
  * (up to the cap below) and a long first step, and the hybrid engine, whose st_moe_pairs repacks
