@@ -415,6 +415,11 @@ static inline int st_layer_is_moe(const st_model *m, int il) { return m->d.n_exp
  * ST_TYPE_Q4_1_R8 / ST_TYPE_Q8_0_R8 (once; STRATA_REPACK=0 disables it). Failure keeps the
  * file's tensors. */
 void st_model_repack(st_model *m);
+/* The repacked form of a plain type (-1: none), the plain type of a repacked one (any other type:
+ * itself), and the repack of plain rows of `type` (st_repack_q4_1 / _q8_0 / _q4_k). */
+int32_t st_r8_of(int32_t type);
+int32_t st_r8_plain(int32_t type);
+st_status st_repack_rows(int32_t type, const void *src, void *dst, int64_t rows, int64_t n);
 
 /* Grow the scratch buffers to hold T tokens (and their expert pairs), n_threads
  * attention rows of ctx floats. */

@@ -468,17 +468,13 @@ void st_model_repack(st_model *m) {
         st_tensor *t = list[i];
         uint8_t *dst = (uint8_t *)buf + off;
         const int64_t rows = t->ne[1] * t->ne[2] * t->ne[3]; /* shape checked: the repack cannot fail */
-        if (t->type == ST_TYPE_Q4_1) st_repack_q4_1(t->data, dst, rows, t->ne[0]);
-        else if (t->type == ST_TYPE_Q4_K) st_repack_q4_k(t->data, dst, rows, t->ne[0]);
-        else st_repack_q8_0(t->data, dst, rows, t->ne[0]);
+        st_repack_rows(t->type, t->data, dst, rows, t->ne[0]);
         /* drop the file pages wholly inside this tensor from the process (not from the file) */
         const uintptr_t lo = ((uintptr_t)t->data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
         const uintptr_t hi = ((uintptr_t)t->data + (uintptr_t)t->n_bytes) & ~((uintptr_t)page - 1);
         if (page > 0 && hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
         t->data = dst;
-        t->type = t->type == ST_TYPE_Q4_1   ? ST_TYPE_Q4_1_R8
-                  : t->type == ST_TYPE_Q4_K ? ST_TYPE_Q4_K_R8
-                                            : ST_TYPE_Q8_0_R8;
+        t->type = st_r8_of(t->type);
         off += (size_t)t->n_bytes;
     }
     free(list);

@@ -450,6 +450,33 @@ st_status st_repack_q4_k(const void *src, void *dst, int64_t rows, int64_t n) {
     return repack_checked("repack_q4_k", src, dst, rows, n, ST_TYPE_Q4_K, sizeof(blk_q4_k), 0);
 }
 
+int32_t st_r8_of(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q4_1: return ST_TYPE_Q4_1_R8;
+    case ST_TYPE_Q8_0: return ST_TYPE_Q8_0_R8;
+    case ST_TYPE_Q4_K: return ST_TYPE_Q4_K_R8;
+    default: return -1;
+    }
+}
+
+int32_t st_r8_plain(int32_t type) {
+    switch (type) {
+    case ST_TYPE_Q4_1_R8: return ST_TYPE_Q4_1;
+    case ST_TYPE_Q8_0_R8: return ST_TYPE_Q8_0;
+    case ST_TYPE_Q4_K_R8: return ST_TYPE_Q4_K;
+    default: return type;
+    }
+}
+
+st_status st_repack_rows(int32_t type, const void *src, void *dst, int64_t rows, int64_t n) {
+    switch (type) {
+    case ST_TYPE_Q4_1: return st_repack_q4_1(src, dst, rows, n);
+    case ST_TYPE_Q8_0: return st_repack_q8_0(src, dst, rows, n);
+    case ST_TYPE_Q4_K: return st_repack_q4_k(src, dst, rows, n);
+    default: return st_fail(ST_EUNSUPPORTED, "repack_rows: type %d has no repacked form", type);
+    }
+}
+
 /* The inverse of repack_rows8 for row r of a group (g is the group's start): its blocks in the file layout. */
 static void row_from_group(const uint8_t *g, int r, int64_t n, size_t bs, int halves, int64_t be, uint8_t *row) {
     const int words = (int)(bs - 2 * (size_t)halves) / 4;

@@ -147,7 +147,7 @@ static st_status dot_q_block(const char *what, int32_t type, int32_t variant, co
     st_status rc = check_variant(variant);
     if (rc) return rc;
     /* a repacked type reads a whole group of 8 rows: only where the caller passes row blocks */
-    if ((!st_type_supported(type) && !(group_ok && (type == ST_TYPE_Q4_1_R8 || type == ST_TYPE_Q8_0_R8 || type == ST_TYPE_Q4_K_R8))) ||
+    if ((!st_type_supported(type) && !(group_ok && st_r8_plain(type) != type)) ||
         st_type_is_float(type))
         return st_fail(ST_EUNSUPPORTED, "%s: type %d is not a supported quantised type", what, type);
     if (!w || !qs || !d || !sums || !out || n <= 0 || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
@@ -308,10 +308,7 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     st_status rc = check_variant(variant);
     if (rc) return rc;
     /* the repacked types (the engine runs every Q4_1 / Q8_0 tensor of 8k rows as these) from random plain rows */
-    const int32_t plain = type == ST_TYPE_Q4_1_R8   ? ST_TYPE_Q4_1
-                          : type == ST_TYPE_Q8_0_R8 ? ST_TYPE_Q8_0
-                          : type == ST_TYPE_Q4_K_R8 ? ST_TYPE_Q4_K
-                                                    : type;
+    const int32_t plain = st_r8_plain(type);
     if (!st_type_supported(plain) || st_type_is_float(plain))
         return st_fail(ST_EUNSUPPORTED, "kernel_rate: type %d is not a supported quantised type", type);
     if (!gmac_s || n <= 0 || n > ST_MAX_ROW || n % st_type_block_elems(type) || nt < 1 || nt > ST_MAX_NT ||
@@ -343,9 +340,7 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
             free(w), free(q), free(d), free(xs8), free(xs), free(s), free(x);
             return st_fail(ST_ENOMEM, "kernel_rate: out of memory");
         }
-        rc = plain == ST_TYPE_Q4_1   ? st_repack_q4_1(w, g, ST_ROW_BLOCK, n)
-             : plain == ST_TYPE_Q4_K ? st_repack_q4_k(w, g, ST_ROW_BLOCK, n)
-                                     : st_repack_q8_0(w, g, ST_ROW_BLOCK, n);
+        rc = st_repack_rows(plain, w, g, ST_ROW_BLOCK, n);
         free(w);
         w = g;
         if (rc) {
