@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from common.cpus import pin_process
 from common.http import setup_logging
 from gateway.app import create_app
 from gateway.auth import resolve_admin_key
@@ -56,6 +57,8 @@ async def serve(config: GatewayConfig) -> int:
     # the request-log writer commits on its own thread: an event loop waking for a client or a lane's token takes the
     # GIL back within this, not Python's 5 ms, which a wake-up on a busy box would add to its time to first token
     sys.setswitchinterval(config.switch_interval_ms / 1000)
+    if config.cores is not None:
+        pin_process(config.cores)  # before the request-log writer, the workers and the embedding child: they inherit it
     if config.nice is not None:
         set_nice(config.nice)
     fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool

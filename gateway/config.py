@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
+from common.cpus import parse_cpu_list
 from gateway.documents.config import RagConfig
 from memory.config import MemoryConfig
 
@@ -172,6 +173,10 @@ class GatewayConfig(BaseModel):
         "thread; the embedding model's process stays at 0 or above); below 0 needs CAP_SYS_NICE (else a warning). "
         "None: inherited. A gateway above its lanes' priority waits less for a core on a busy box at each hop to the "
         "first token")
+    cores: list[int] | None = Field(
+        None, description="CPU ids python -m gateway pins itself to at start, every thread (e.g. \"7,15\"); None: "
+        "unpinned. Cores the lanes' engine threads do not use keep the gateway's work on the path to the first token "
+        "from pre-empting an engine thread that the rest of its step waits for")
     switch_interval_ms: float = Field(
         0.5, gt=0, le=100, description="python -m gateway's sys.setswitchinterval: how long another thread of the "
         "process (the request-log writer, a worker) keeps the GIL while the event loop waits for it (Python's "
@@ -188,6 +193,26 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _upper(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
+
+    @field_validator("cores", mode="before")
+    @classmethod
+    def _cores_text(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):  # STRATA_GATEWAY_CORES=3 reads as a number
+            return [v]
+        return parse_cpu_list(v) if isinstance(v, str) else v
+
+    @field_validator("cores", mode="after")
+    @classmethod
+    def _cores_valid(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("empty core list (use null for no pinning)")
+            if any(c < 0 for c in v) or len(set(v)) != len(v):
+                raise ValueError("CPU ids must be distinct and >= 0")
+            outside = sorted(set(v) - set(range(os.cpu_count() or 1)))
+            if outside:
+                raise ValueError(f"CPU ids {outside} are outside this machine's CPUs 0-{(os.cpu_count() or 1) - 1}")
+        return v
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
+from common.cpus import parse_cpu_list
 from engine.rope import RopeOverrides, ScalingType
 from engine.scheduler import SchedulerConfig
 
@@ -36,23 +37,6 @@ _AUTO_HALF = {"a": 0, "b": 1}  # cores="auto": which half of the allowed CPUs a 
 
 class ConfigError(_BaseConfigError):
     """A bad lane configuration; the message is a single line naming the key and value."""
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """``"0-3,8"`` -> ``[0, 1, 2, 3, 8]`` (the taskset / cgroup cpulist syntax)."""
-    out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            raise ValueError(f"empty entry in CPU list {text!r}")
-        lo, sep, hi = part.partition("-")
-        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
-            raise ValueError(f"bad CPU list entry {part!r} (want N or N-M)")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"bad CPU range {part!r}")
-        out.extend(range(a, b + 1))
-    return out
 
 
 class LaneConfig(BaseModel):

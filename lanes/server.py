@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common.chat_formats import ChatFormat, format_for_architecture
 from common.chat_template import ChatTemplateError
+from common.cpus import pin_process
 from common.http import CLIENT_CLOSED, log_request, make_access_middleware, read_json
 from common.prompt import (
     chat_ids,
@@ -59,20 +60,6 @@ def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
                        device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement,
                        rope=config.rope_overrides(), kv_type=config.kv_type, kv_hot_tokens=config.kv_hot_tokens,
                        gpu_kv_budget_gb=config.gpu_kv_budget_gb)
-
-
-def pin_process(cores: Sequence[int]) -> None:
-    """Pin every thread of this process (threads started later inherit the mask)."""
-    os.sched_setaffinity(0, cores)
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # a thread that exited meanwhile
-            pass
 
 
 # ---------------------------------------------------------------------------------------- app

@@ -40,6 +40,9 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
     ({"STRATA_GATEWAY_LANES": '[{"name": "a", "url": "http://x:1"}, {"name": "a", "url": "http://y:1"}]'},
      "duplicate lane name"),
     ({"STRATA_GATEWAY_MIN_CLAMP_TOKENS": "0"}, "min_clamp_tokens=0"),
+    ({"STRATA_GATEWAY_CORES": "3-1"}, "bad CPU range '3-1'"),
+    ({"STRATA_GATEWAY_CORES": "0,0"}, "CPU ids must be distinct"),
+    ({"STRATA_GATEWAY_CORES": "4096"}, "outside this machine's CPUs"),
 ])
 def test_errors_are_one_line(env: dict[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -59,15 +60,19 @@ async def test_sigterm_finishes_the_stream_then_exits_0(gateway_engines: tuple, 
     admin_file = tmp_path / "admin.key"
     admin_file.write_text("file-admin-key-0123456789\n")
     admin_file.chmod(0o600)
+    pinned = max(os.sched_getaffinity(0))  # config cores: one CPU of ours
     async with running_lane("a", gateway_engines[0]) as lane:
         env = _env(STRATA_GATEWAY_DB_URL=db, STRATA_GATEWAY_PORT="0", STRATA_GATEWAY_HOST="127.0.0.1",
                    STRATA_GATEWAY_LANES=json.dumps([{"name": "a", "url": lane.url}]),
-                   STRATA_GATEWAY_ADMIN_KEY_FILE=str(admin_file), STRATA_GATEWAY_NICE="3")
+                   STRATA_GATEWAY_ADMIN_KEY_FILE=str(admin_file), STRATA_GATEWAY_NICE="3",
+                   STRATA_GATEWAY_CORES=str(pinned))
         async with child_server("gateway", env=env, what="gateway") as gw:
             proc, url, log = gw.proc, gw.url, gw.log
             # config nice: every thread of the process runs at it (lowering priority needs no privilege)
             threads = list(Path(f"/proc/{proc.pid}/task").iterdir())
             assert threads and all(int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) == 3 for t in threads)
+            # config cores: every thread is pinned to them
+            assert all(os.sched_getaffinity(int(t.name)) == {pinned} for t in threads)
             async with aiohttp.ClientSession() as s:
                 async with s.get(url + "/v1/admin/lanes", headers=auth("file-admin-key-0123456789")) as r:
                     assert r.status == 200 and (await r.json())["data"][0]["ready"]

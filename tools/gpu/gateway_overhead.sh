@@ -15,7 +15,8 @@
 # (every protection on, the deployed defaults): the A/A control first (--control: the method's own noise floor on
 # the machine), then the measured run with --stages. The gateway's embedding model is not installed there, so its
 # retrieval is "off" (the measured request touches neither documents nor session memory). COMPARE=1 adds the A/B
-# of the gateway's runtime (--compare 'event_loop="asyncio"' --compare switch_interval_ms=5). N (default 300)
+# of the gateway's runtime (--compare 'event_loop="asyncio"' --compare switch_interval_ms=5); any other COMPARE is
+# that A/B's bench.gateway_overhead options, split at spaces (COMPARE='--compare cores="8-15"'). N (default 300)
 # pairs per run; LANE_CORES (default auto) the lane's cores ("" leaves it unpinned, the benchmark's own default).
 # Back in $OUT: gw.log (every step's output), gw_control.json, gw_stages.json (and gw_compare.json).
 set -u
@@ -72,8 +73,10 @@ bench() {  # NAME, then bench.gateway_overhead's own options
 }
 bench control --control
 bench stages --stages
-if [ "${COMPARE:-0}" = 1 ]; then
-  bench compare --compare 'event_loop="asyncio"' --compare switch_interval_ms=5
-fi
+case "${COMPARE:-0}" in
+  0) ;;
+  1) bench compare --compare 'event_loop="asyncio"' --compare switch_interval_ms=5 ;;
+  *) read -r -a cmp <<< "$COMPARE"; bench compare "${cmp[@]}" ;;  # bench.gateway_overhead's options, e.g. --compare cores="8-15"
+esac
 el "done (exit $rc)"
 exit $rc
