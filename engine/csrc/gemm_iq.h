@@ -126,15 +126,19 @@ static inline __attribute__((always_inline)) void iq_indices(int32_t type, const
                                 _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 2 + 32 * k)), m9));
         return;
     }
-    const blk_iq2_s *b = (const blk_iq2_s *)x; /* index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8 */
+    /* IQ2_S, index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8. Word g takes byte qh[g / 4] (one
+     * shuffle of the eight qh bytes), times 2^(8 - 2 (g % 4)) its two bits sit at bits 8..9. */
+    const blk_iq2_s *b = (const blk_iq2_s *)x;
+    const __m256i qh = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)b->qh));
+    const __m256i mul = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4);
+    const __m256i m = _mm256_set1_epi16(0x300);
     for (int k = 0; k < 2; k++) {
         const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
-        const __m256i w = _mm256_set1_epi32((int)ld32(b->qh + 4 * k));
-        const __m256i h0 = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-        const __m256i h1 = _mm256_srlv_epi32(w, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
-        const __m256i m3 = _mm256_set1_epi32(3);
-        const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(h0, m3), _mm256_and_si256(h1, m3)), 0xD8);
-        _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_slli_epi16(h, 8)));
+        const __m256i sel = _mm256_setr_epi8(4 * k, -1, 4 * k, -1, 4 * k, -1, 4 * k, -1, 4 * k + 1, -1, 4 * k + 1, -1,
+                                             4 * k + 1, -1, 4 * k + 1, -1, 4 * k + 2, -1, 4 * k + 2, -1, 4 * k + 2, -1,
+                                             4 * k + 2, -1, 4 * k + 3, -1, 4 * k + 3, -1, 4 * k + 3, -1, 4 * k + 3, -1);
+        const __m256i h = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, sel), mul), m);
+        _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, h));
     }
 }
 
@@ -258,6 +262,64 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
     return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
+#if !GEMM_VNNI
+/* IQ2_S at one token (AVX2). Each row keeps its own int32 sums over the super-block: per block
+ * its maddubs pairs are widened by one madd whose operand is the block's sub-scales
+ * [k(lo) x 8 | k(hi) x 8] as int16 lanes, loaded from iq2s_kpair by the block's scale byte
+ * (|pair * k| <= 2 * 62 * 127 * 31 < 2^31), so neither the per-block reduction across rows nor a
+ * sub-scale transpose per super-block is needed; the four rows' sums are reduced once per
+ * super-block. The integers are the ones iq_rows4 sums, so the bits are the same. */
+#define IQ2S_K8(v) v, v, v, v, v, v, v, v
+#define IQ2S_KE(s) {IQ2S_K8(2 * ((s) & 15) + 1), IQ2S_K8(2 * ((s) >> 4) + 1)}
+#define IQ2S_KE4(s) IQ2S_KE(s), IQ2S_KE((s) + 1), IQ2S_KE((s) + 2), IQ2S_KE((s) + 3)
+#define IQ2S_KE16(s) IQ2S_KE4(s), IQ2S_KE4((s) + 4), IQ2S_KE4((s) + 8), IQ2S_KE4((s) + 12)
+#define IQ2S_KE64(s) IQ2S_KE16(s), IQ2S_KE16((s) + 16), IQ2S_KE16((s) + 32), IQ2S_KE16((s) + 48)
+static const int16_t iq2s_kpair[256][16] __attribute__((aligned(32))) = {IQ2S_KE64(0), IQ2S_KE64(64), IQ2S_KE64(128),
+                                                                          IQ2S_KE64(192)};
+
+static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *const *rows, size_t bb, int64_t nb,
+                                                               const act_row *a, float *out, int nr,
+                                                               const uint8_t *next) {
+    __m256 acc = _mm256_setzero_ps();
+    uint16_t ix[IQ_MR][32];
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *x[IQ_MR];
+        float df[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) {
+            x[r] = rows[r] + (size_t)i * bb;
+            df[r] = h2f((f16_t)(x[r][0] | (x[r][1] << 8))) * 0.125f;
+            iq_indices(ST_TYPE_IQ2_S, x[r], ix[r]);
+        }
+        __m256i s[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) s[r] = _mm256_setzero_si256();
+        for (int ib = 0; ib < 8; ib++) {
+            const int64_t b = 8 * i + ib;
+            prefetch_slice(next, b, IQ_MR * bb / 8);
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a->qk + b * QK));
+            for (int r = 0; r < IQ_MR; r++) {
+                const uint16_t *q = ix[r] + 4 * ib;
+                const __m256i g = _mm256_set_epi64x((long long)iq2s_grid[q[3]], (long long)iq2s_grid[q[2]],
+                                                    (long long)iq2s_grid[q[1]], (long long)iq2s_grid[q[0]]);
+                const __m256i sg = iq_signs_from_bits(ld32(x[r] + offsetof(blk_iq2_s, qs) + QK_K / 8 + 4 * ib));
+                const __m256i p = _mm256_maddubs_epi16(g, _mm256_sign_epi8(av, sg));
+                const __m256i k = _mm256_load_si256((const __m256i *)iq2s_kpair[x[r][offsetof(blk_iq2_s, scales) + ib]]);
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, k));
+            }
+        }
+        const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+        const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+        const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
+        const __m256 dfv = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
+        const __m256 xv = _mm256_mul_ps(dfv, _mm256_cvtepi32_ps(tot));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(a->dk + i), xv));
+    }
+    float v[8];
+    _mm256_storeu_ps(v, acc);
+    for (int r = 0; r < nr; r++) out[r] = v[r];
+}
+#endif
+
 /* Four rows (a short block repeats its last row; its results are dropped) against nt tokens;
  * NT > 0 fixes the token count at compile time (the accumulators then stay in registers). Per
  * token the (row, half) lanes of a block, times k, are summed in integers over the super-block;
@@ -266,6 +328,12 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
 static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const uint8_t *const *rows, size_t bb,
                                                            int64_t nb, int NT, int nt, const act_row *a, float *out,
                                                            int nr, int64_t ldo, const uint8_t *next) {
+#if !GEMM_VNNI
+    if (type == ST_TYPE_IQ2_S && NT == 1) {
+        iq2s_rows4_1(rows, bb, nb, a, out, nr, next);
+        return;
+    }
+#endif
     const int n_tok = NT > 0 ? NT : nt;
     __m256 acc[ST_MAX_NT];
     __m256i isum[ST_MAX_NT];
