@@ -38,6 +38,15 @@ static inline __m256i iq_signs_from_bits(uint32_t bits) {
     return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(1));
 }
 
+/* 32 sign bits -> 32 bytes: -1 where the bit is set, 0 where not (a blendv mask). */
+static inline __m256i iq_sign_mask(uint32_t bits) {
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                          3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+}
+
 /* Types whose signs are 7-bit indices into ksigns. */
 static inline int iq_ksign_type(int32_t type) {
     return type == ST_TYPE_IQ2_XXS || type == ST_TYPE_IQ2_XS || type == ST_TYPE_IQ3_XXS;
@@ -292,16 +301,19 @@ static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *co
         }
         __m256i s[IQ_MR];
         for (int r = 0; r < IQ_MR; r++) s[r] = _mm256_setzero_si256();
+        prefetch_slice(next, i, IQ_MR * bb);
         for (int ib = 0; ib < 8; ib++) {
             const int64_t b = 8 * i + ib;
-            prefetch_slice(next, b, IQ_MR * bb / 8);
             const __m256i av = _mm256_loadu_si256((const __m256i *)(a->qk + b * QK));
+            const __m256i nav = _mm256_sub_epi8(_mm256_setzero_si256(), av);
             for (int r = 0; r < IQ_MR; r++) {
-                const uint16_t *q = ix[r] + 4 * ib;
-                const __m256i g = _mm256_set_epi64x((long long)iq2s_grid[q[3]], (long long)iq2s_grid[q[2]],
-                                                    (long long)iq2s_grid[q[1]], (long long)iq2s_grid[q[0]]);
-                const __m256i sg = iq_signs_from_bits(ld32(x[r] + offsetof(blk_iq2_s, qs) + QK_K / 8 + 4 * ib));
-                const __m256i p = _mm256_maddubs_epi16(g, _mm256_sign_epi8(av, sg));
+                uint32_t q01, q23;
+                memcpy(&q01, ix[r] + 4 * ib, 4);
+                memcpy(&q23, ix[r] + 4 * ib + 2, 4);
+                const __m256i g = _mm256_set_epi64x((long long)iq2s_grid[q23 >> 16], (long long)iq2s_grid[q23 & 0xFFFF],
+                                                    (long long)iq2s_grid[q01 >> 16], (long long)iq2s_grid[q01 & 0xFFFF]);
+                const __m256i neg = iq_sign_mask(ld32(x[r] + offsetof(blk_iq2_s, qs) + QK_K / 8 + 4 * ib));
+                const __m256i p = _mm256_maddubs_epi16(g, _mm256_blendv_epi8(av, nav, neg));
                 const __m256i k = _mm256_load_si256((const __m256i *)iq2s_kpair[x[r][offsetof(blk_iq2_s, scales) + ib]]);
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, k));
             }
