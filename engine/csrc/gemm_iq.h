@@ -5,7 +5,8 @@
  * Per weight row and 32-element block the codebook is looked up once into two registers:
  *   g   32 unsigned grid magnitudes (<= 62): each group's 8 (IQ2: one 64-bit entry) or 4 (IQ3:
  *       one 32-bit entry) bytes, loaded by index from the generated tables (scalar loads: AVX2
- *       gathers measured slower at one token on the Zen 4 box);
+ *       gathers measured slower at one token on the Zen 4 box, and on the Zen 3 one for IQ2_S,
+ *       a third slower);
  *   sg  32 signs as bytes +1 / -1, from the block's four sign bytes by one shuffle and compare;
  *       IQ2_S and IQ3_S store those bytes, the ksigns types (IQ2_XXS, IQ2_XS, IQ3_XXS) a 7-bit
  *       index per byte whose 8th bit is the parity, computed for a whole super-block at once
@@ -19,7 +20,8 @@
  * super-block) and summed in integers over the super-block (|sum| < 2^26); then each row's two
  * halves are added and the reference's one float step per super-block taken,
  * acc += dk * ((d * F) * isum). The operations on a lane depend only on its row and token, so any
- * number of rows or tokens gives the reference's bits (the harness checks it). */
+ * number of rows or tokens gives the reference's bits (the harness checks it). IQ2_S at one token
+ * on AVX2 takes its own path with the same integers (iq2s_rows4_1). */
 #ifndef STRATA_GEMM_IQ_H
 #define STRATA_GEMM_IQ_H
 
@@ -29,15 +31,6 @@
 
 #define IQ_MR 4
 
-/* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
-static inline __m256i iq_signs_from_bits(uint32_t bits) {
-    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
-                                          3, 3, 3, 3, 3);
-    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
-    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(1));
-}
-
 /* 32 sign bits -> 32 bytes: -1 where the bit is set, 0 where not (a blendv mask). */
 static inline __m256i iq_sign_mask(uint32_t bits) {
     const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
@@ -45,6 +38,11 @@ static inline __m256i iq_sign_mask(uint32_t bits) {
     const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
     return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+}
+
+/* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
+static inline __m256i iq_signs_from_bits(uint32_t bits) {
+    return _mm256_or_si256(iq_sign_mask(bits), _mm256_set1_epi8(1));
 }
 
 /* Types whose signs are 7-bit indices into ksigns. */
@@ -272,12 +270,18 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
 }
 
 #if !GEMM_VNNI
-/* IQ2_S at one token (AVX2). Each row keeps its own int32 sums over the super-block: per block
- * its maddubs pairs are widened by one madd whose operand is the block's sub-scales
- * [k(lo) x 8 | k(hi) x 8] as int16 lanes, loaded from iq2s_kpair by the block's scale byte
- * (|pair * k| <= 2 * 62 * 127 * 31 < 2^31), so neither the per-block reduction across rows nor a
- * sub-scale transpose per super-block is needed; the four rows' sums are reduced once per
- * super-block. The integers are the ones iq_rows4 sums, so the bits are the same. */
+/* IQ2_S at one token (AVX2). There the kernel is bound by load-port and dispatch slots, not by
+ * the multiplies (Zen 3), so per row and block it spends as few of both as it can:
+ *  - each row keeps its own int32 sums over the super-block: its maddubs pairs are widened by one
+ *    madd whose operand is the block's sub-scales [k(lo) x 8 | k(hi) x 8] as int16 lanes, read
+ *    from iq2s_kpair by the block's scale byte with the madd, so neither iq_rows4's reduction
+ *    across rows and multiply per block nor its sub-scale transpose per super-block is needed;
+ *    the four rows' sums are reduced once per super-block;
+ *  - the signs are one blend between the token's activations and their negation (computed once
+ *    per block for the four rows; 0 - (-128) wraps as sign_epi8 does), by a mask of the sign bits;
+ *  - the grid indices (iq_indices, per super-block) are read two per 32-bit load.
+ * A madd lane is k times four products (|.| <= 31 * 4 * 62 * 127 < 2^20) and a super-block sums
+ * eight (< 2^23): exact, the integers iq_rows4 sums, so the same bits. */
 #define IQ2S_K8(v) v, v, v, v, v, v, v, v
 #define IQ2S_KE(s) {IQ2S_K8(2 * ((s) & 15) + 1), IQ2S_K8(2 * ((s) >> 4) + 1)}
 #define IQ2S_KE4(s) IQ2S_KE(s), IQ2S_KE((s) + 1), IQ2S_KE((s) + 2), IQ2S_KE((s) + 3)
@@ -306,7 +310,7 @@ static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *co
             const int64_t b = 8 * i + ib;
             const __m256i av = _mm256_loadu_si256((const __m256i *)(a->qk + b * QK));
             const __m256i nav = _mm256_sub_epi8(_mm256_setzero_si256(), av);
-            for (int r = 0; r < IQ_MR; r++) {
+            for (int r = 0; r < IQ_MR; r++) { /* one 32-bit load per two indices: a load each had cost more */
                 uint32_t q01, q23;
                 memcpy(&q01, ix[r] + 4 * ib, 4);
                 memcpy(&q23, ix[r] + 4 * ib + 2, 4);
