@@ -5,7 +5,8 @@
  * Per weight row and 32-element block the codebook is looked up once into two registers:
  *   g   32 unsigned grid magnitudes (<= 62): each group's 8 (IQ2: one 64-bit entry) or 4 (IQ3:
  *       one 32-bit entry) bytes, loaded by index from the generated tables (scalar loads: AVX2
- *       gathers measured slower at one token on the Zen 4 box);
+ *       gathers measured slower at one token on the Zen 4 box, and on the Zen 3 one for IQ2_S,
+ *       a third slower);
  *   sg  32 signs as bytes +1 / -1, from the block's four sign bytes by one shuffle and compare;
  *       IQ2_S and IQ3_S store those bytes, the ksigns types (IQ2_XXS, IQ2_XS, IQ3_XXS) a 7-bit
  *       index per byte whose 8th bit is the parity, computed for a whole super-block at once
@@ -19,7 +20,8 @@
  * super-block) and summed in integers over the super-block (|sum| < 2^26); then each row's two
  * halves are added and the reference's one float step per super-block taken,
  * acc += dk * ((d * F) * isum). The operations on a lane depend only on its row and token, so any
- * number of rows or tokens gives the reference's bits (the harness checks it). */
+ * number of rows or tokens gives the reference's bits (the harness checks it). IQ2_S at one token
+ * on AVX2 takes its own path with the same integers (iq2s_rows4_1). */
 #ifndef STRATA_GEMM_IQ_H
 #define STRATA_GEMM_IQ_H
 
@@ -29,13 +31,18 @@
 
 #define IQ_MR 4
 
-/* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
-static inline __m256i iq_signs_from_bits(uint32_t bits) {
+/* 32 sign bits -> 32 bytes: -1 where the bit is set, 0 where not (a blendv mask). */
+static inline __m256i iq_sign_mask(uint32_t bits) {
     const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
                                           3, 3, 3, 3, 3);
     const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
-    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel), _mm256_set1_epi8(1));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+}
+
+/* 32 sign bits -> 32 bytes: -1 where the bit is set, +1 where not. */
+static inline __m256i iq_signs_from_bits(uint32_t bits) {
+    return _mm256_or_si256(iq_sign_mask(bits), _mm256_set1_epi8(1));
 }
 
 /* Types whose signs are 7-bit indices into ksigns. */
@@ -126,15 +133,19 @@ static inline __attribute__((always_inline)) void iq_indices(int32_t type, const
                                 _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 2 + 32 * k)), m9));
         return;
     }
-    const blk_iq2_s *b = (const blk_iq2_s *)x; /* index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8 */
+    /* IQ2_S, index g: qs[g] | (qh[g / 4] >> 2 (g % 4) & 3) << 8. Word g takes byte qh[g / 4] (one
+     * shuffle of the eight qh bytes), times 2^(8 - 2 (g % 4)) its two bits sit at bits 8..9. */
+    const blk_iq2_s *b = (const blk_iq2_s *)x;
+    const __m256i qh = _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)b->qh));
+    const __m256i mul = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4);
+    const __m256i m = _mm256_set1_epi16(0x300);
     for (int k = 0; k < 2; k++) {
         const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16 * k)));
-        const __m256i w = _mm256_set1_epi32((int)ld32(b->qh + 4 * k));
-        const __m256i h0 = _mm256_srlv_epi32(w, _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-        const __m256i h1 = _mm256_srlv_epi32(w, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
-        const __m256i m3 = _mm256_set1_epi32(3);
-        const __m256i h = _mm256_permute4x64_epi64(_mm256_packus_epi32(_mm256_and_si256(h0, m3), _mm256_and_si256(h1, m3)), 0xD8);
-        _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, _mm256_slli_epi16(h, 8)));
+        const __m256i sel = _mm256_setr_epi8(4 * k, -1, 4 * k, -1, 4 * k, -1, 4 * k, -1, 4 * k + 1, -1, 4 * k + 1, -1,
+                                             4 * k + 1, -1, 4 * k + 1, -1, 4 * k + 2, -1, 4 * k + 2, -1, 4 * k + 2, -1,
+                                             4 * k + 2, -1, 4 * k + 3, -1, 4 * k + 3, -1, 4 * k + 3, -1, 4 * k + 3, -1);
+        const __m256i h = _mm256_and_si256(_mm256_mullo_epi16(_mm256_shuffle_epi8(qh, sel), mul), m);
+        _mm256_storeu_si256((__m256i *)(ix + 16 * k), _mm256_or_si256(lo, h));
     }
 }
 
@@ -258,6 +269,73 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
     return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
+#if !GEMM_VNNI
+/* IQ2_S at one token (AVX2). There the kernel is bound by load-port and dispatch slots, not by
+ * the multiplies (Zen 3), so per row and block it spends as few of both as it can:
+ *  - each row keeps its own int32 sums over the super-block: its maddubs pairs are widened by one
+ *    madd whose operand is the block's sub-scales [k(lo) x 8 | k(hi) x 8] as int16 lanes, read
+ *    from iq2s_kpair by the block's scale byte with the madd, so neither iq_rows4's reduction
+ *    across rows and multiply per block nor its sub-scale transpose per super-block is needed;
+ *    the four rows' sums are reduced once per super-block;
+ *  - the signs are one blend between the token's activations and their negation (computed once
+ *    per block for the four rows; 0 - (-128) wraps as sign_epi8 does), by a mask of the sign bits;
+ *  - the grid indices (iq_indices, per super-block) are read two per 32-bit load.
+ * A madd lane is k times four products (|.| <= 31 * 4 * 62 * 127 < 2^20) and a super-block sums
+ * eight (< 2^23): exact, the integers iq_rows4 sums, so the same bits. */
+#define IQ2S_K8(v) v, v, v, v, v, v, v, v
+#define IQ2S_KE(s) {IQ2S_K8(2 * ((s) & 15) + 1), IQ2S_K8(2 * ((s) >> 4) + 1)}
+#define IQ2S_KE4(s) IQ2S_KE(s), IQ2S_KE((s) + 1), IQ2S_KE((s) + 2), IQ2S_KE((s) + 3)
+#define IQ2S_KE16(s) IQ2S_KE4(s), IQ2S_KE4((s) + 4), IQ2S_KE4((s) + 8), IQ2S_KE4((s) + 12)
+#define IQ2S_KE64(s) IQ2S_KE16(s), IQ2S_KE16((s) + 16), IQ2S_KE16((s) + 32), IQ2S_KE16((s) + 48)
+static const int16_t iq2s_kpair[256][16] __attribute__((aligned(32))) = {IQ2S_KE64(0), IQ2S_KE64(64), IQ2S_KE64(128),
+                                                                          IQ2S_KE64(192)};
+
+static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *const *rows, size_t bb, int64_t nb,
+                                                               const act_row *a, float *out, int nr,
+                                                               const uint8_t *next) {
+    __m256 acc = _mm256_setzero_ps();
+    uint16_t ix[IQ_MR][32];
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *x[IQ_MR];
+        float df[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) {
+            x[r] = rows[r] + (size_t)i * bb;
+            df[r] = h2f((f16_t)(x[r][0] | (x[r][1] << 8))) * 0.125f;
+            iq_indices(ST_TYPE_IQ2_S, x[r], ix[r]);
+        }
+        __m256i s[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) s[r] = _mm256_setzero_si256();
+        prefetch_slice(next, i, IQ_MR * bb);
+        for (int ib = 0; ib < 8; ib++) {
+            const int64_t b = 8 * i + ib;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a->qk + b * QK));
+            const __m256i nav = _mm256_sub_epi8(_mm256_setzero_si256(), av);
+            for (int r = 0; r < IQ_MR; r++) { /* one 32-bit load per two indices: a load each had cost more */
+                uint32_t q01, q23;
+                memcpy(&q01, ix[r] + 4 * ib, 4);
+                memcpy(&q23, ix[r] + 4 * ib + 2, 4);
+                const __m256i g = _mm256_set_epi64x((long long)iq2s_grid[q23 >> 16], (long long)iq2s_grid[q23 & 0xFFFF],
+                                                    (long long)iq2s_grid[q01 >> 16], (long long)iq2s_grid[q01 & 0xFFFF]);
+                const __m256i neg = iq_sign_mask(ld32(x[r] + offsetof(blk_iq2_s, qs) + QK_K / 8 + 4 * ib));
+                const __m256i p = _mm256_maddubs_epi16(g, _mm256_blendv_epi8(av, nav, neg));
+                const __m256i k = _mm256_load_si256((const __m256i *)iq2s_kpair[x[r][offsetof(blk_iq2_s, scales) + ib]]);
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, k));
+            }
+        }
+        const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+        const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+        const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
+        const __m256 dfv = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
+        const __m256 xv = _mm256_mul_ps(dfv, _mm256_cvtepi32_ps(tot));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(a->dk + i), xv));
+    }
+    float v[8];
+    _mm256_storeu_ps(v, acc);
+    for (int r = 0; r < nr; r++) out[r] = v[r];
+}
+#endif
+
 /* Four rows (a short block repeats its last row; its results are dropped) against nt tokens;
  * NT > 0 fixes the token count at compile time (the accumulators then stay in registers). Per
  * token the (row, half) lanes of a block, times k, are summed in integers over the super-block;
@@ -266,6 +344,12 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
 static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const uint8_t *const *rows, size_t bb,
                                                            int64_t nb, int NT, int nt, const act_row *a, float *out,
                                                            int nr, int64_t ldo, const uint8_t *next) {
+#if !GEMM_VNNI
+    if (type == ST_TYPE_IQ2_S && NT == 1) {
+        iq2s_rows4_1(rows, bb, nb, a, out, nr, next);
+        return;
+    }
+#endif
     const int n_tok = NT > 0 ? NT : nt;
     __m256 acc[ST_MAX_NT];
     __m256i isum[ST_MAX_NT];
