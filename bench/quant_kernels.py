@@ -9,8 +9,8 @@ cost (measured on one 256-element block) subtracted. Each figure is the median (
 or the best (``--stat best``, the default) of R runs, Strata and llama.cpp alternating, in GMAC/s
 (multiply-accumulates per CPU second / 1e9); the JSON keeps every run's figure.
 
-Q8_0_R8, Q4_K_R8 (and Q4_1_R8) are Strata's repacked forms of those types, the ones its engine runs for
-every tensor of 8k rows, beside llama.cpp's plain Q8_0 (Q4_K, Q4_1) vec_dot.
+Q8_0_R8 (and Q4_1_R8) is Strata's repacked form of those types, the one its engine runs for every
+tensor of 8k rows, beside llama.cpp's plain Q8_0 (Q4_1) vec_dot.
 
 Both sides read the thread CPU clock only around many calls: on the Zen 3 VM that read is a system call
 of 1.3-1.6 us, as long as one 8 x 8192 one-token call (st_kernel_rate batches its calls for this).
@@ -45,14 +45,13 @@ DEFAULT_TYPES = [
     "IQ4_XS",
     "MXFP4",
     "Q4_K",
-    "Q4_K_R8",
     "Q6_K",
     "Q8_0",
     "Q8_0_R8",
 ]
 # the engine repacks Q4_1 / Q8_0 tensors of 8k rows at load (st_model_repack): these names measure
 # that form, beside llama.cpp's vec_dot of the plain type
-REPACKED = {"Q8_0_R8": "Q8_0", "Q4_1_R8": "Q4_1", "Q4_K_R8": "Q4_K"}
+REPACKED = {"Q8_0_R8": "Q8_0", "Q4_1_R8": "Q4_1"}
 Q8K_BYTES = 4 + 256 + 2 * 16  # block_q8_K: float d, 256 int8, 16 int16 sums
 Q80_BYTES = 2 + 32  # block_q8_0: f16 d, 32 int8
 Q8_0_ACT = {"IQ4_NL", "MXFP4", "Q8_0", "Q4_0", "Q5_0"}  # ggml's vec_dot_type for these is Q8_0, else Q8_K

@@ -149,10 +149,16 @@ static inline __attribute__((always_inline)) void unpack_kscales(int32_t type, c
  * cost a quarter of the one-token rate: twice the shuffles, and two 128-bit loads and an insert
  * per vector). unpack_kscales' Q4_K steps on 256-bit registers whose 128-bit halves hold rows
  * 0..3 and 4..7; per value the same float operations: d * sv, -dmin * mv, m - 0 * s. */
-/* The decoding half: dd, u0, u1, u2 hold header word 0..3 (d|dmin, the three scale words) of
- * rows 0..7 in dwords 0..7; ST_TYPE_Q4_K_R8 stores exactly these four vectors. */
-static inline __attribute__((always_inline)) void kscales8_q4k_words(__m256i dd, __m256i u0, __m256i u1, __m256i u2,
-                                                                     kscales *ks) {
+static inline __attribute__((always_inline)) void unpack_kscales8_q4k(const uint8_t *const *rows, int64_t i,
+                                                                      kscales *ks) {
+    __m256i h[MR];
+    for (int r = 0; r < MR; r++)
+        h[r] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(rows[MR + r] + (size_t)i * sizeof(blk_q4_k))),
+                                _mm_loadu_si128((const __m128i *)(rows[r] + (size_t)i * sizeof(blk_q4_k))));
+    const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
+    const __m256i dd = _mm256_unpacklo_epi64(t0, t2), u0 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u1 = _mm256_unpacklo_epi64(t1, t3), u2 = _mm256_unpackhi_epi64(t1, t3);
     const __m256i m6 = _mm256_set1_epi8(0x3f), m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(0x03);
     const __m256i s_lo = _mm256_and_si256(u0, m6), m_lo = _mm256_and_si256(u1, m6);
     const __m256i s_hi = _mm256_or_si256(_mm256_and_si256(u2, m4),
@@ -175,18 +181,6 @@ static inline __attribute__((always_inline)) void kscales8_q4k_words(__m256i dd,
             _mm256_storeu_ps(ks->c[j + 4 * half], _mm256_sub_ps(M, _mm256_mul_ps(_mm256_setzero_ps(), S)));
         }
     }
-}
-
-static inline __attribute__((always_inline)) void unpack_kscales8_q4k(const uint8_t *const *rows, int64_t i,
-                                                                      kscales *ks) {
-    __m256i h[MR];
-    for (int r = 0; r < MR; r++)
-        h[r] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(rows[MR + r] + (size_t)i * sizeof(blk_q4_k))),
-                                _mm_loadu_si128((const __m128i *)(rows[r] + (size_t)i * sizeof(blk_q4_k))));
-    const __m256i t0 = _mm256_unpacklo_epi32(h[0], h[1]), t1 = _mm256_unpackhi_epi32(h[0], h[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(h[2], h[3]), t3 = _mm256_unpackhi_epi32(h[2], h[3]);
-    kscales8_q4k_words(_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
-                       _mm256_unpackhi_epi64(t1, t3), ks);
 }
 
 static inline int is_kquant(int32_t type) { return type == ST_TYPE_Q4_K || type == ST_TYPE_Q5_K || type == ST_TYPE_Q6_K; }
@@ -419,23 +413,14 @@ static inline __attribute__((always_inline)) void load_blk8_q4(int32_t type, con
 /* Q4_K: the 32 packed bytes of sub-blocks j and j + 1 (j even) hold sub-block j in the low
  * nibbles and j + 1 in the high ones, element e at byte e; one 8x8 dword transpose of the
  * packed rows gives both sub-blocks' blk8 (kb[0], kb[1]). Scales from unpack_kscales8_q4k. */
-static inline __attribute__((always_inline)) void load_blk8_q4k_pair(int32_t type, const uint8_t *const *rows,
-                                                                     int64_t b, kscales *ks, blk8 *kb) {
+static inline __attribute__((always_inline)) void load_blk8_q4k_pair(const uint8_t *const *rows, int64_t b,
+                                                                     kscales *ks, blk8 *kb) {
     const int j = (int)(b % 8);
+    if (j == 0) unpack_kscales8_q4k(rows, b / 8, ks);
     __m256i v[2 * MR];
-    if (type == ST_TYPE_Q4_K_R8) { /* repacked at load: the transposed words by plain loads (strata.h) */
-        const uint8_t *g = rows[0] + (size_t)(b / 8) * ST_R8_ROWS * sizeof(blk_q4_k);
-        if (j == 0)
-            kscales8_q4k_words(_mm256_loadu_si256((const __m256i *)g), _mm256_loadu_si256((const __m256i *)(g + 32)),
-                               _mm256_loadu_si256((const __m256i *)(g + 64)),
-                               _mm256_loadu_si256((const __m256i *)(g + 96)), ks);
-        for (int c = 0; c < 8; c++) v[c] = _mm256_loadu_si256((const __m256i *)(g + 128 + 128 * j + 32 * c));
-    } else {
-        if (j == 0) unpack_kscales8_q4k(rows, b / 8, ks);
-        for (int r = 0; r < 2 * MR; r++)
-            v[r] = _mm256_loadu_si256((const __m256i *)(((const blk_q4_k *)rows[r] + b / 8)->qs + 32 * (j / 2)));
-        transpose8x8_epi32(v);
-    }
+    for (int r = 0; r < 2 * MR; r++)
+        v[r] = _mm256_loadu_si256((const __m256i *)(((const blk_q4_k *)rows[r] + b / 8)->qs + 32 * (j / 2)));
+    transpose8x8_epi32(v);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     for (int c = 0; c < 8; c++)
         kb[0].w[c] = _mm256_and_si256(v[c], m4), kb[1].w[c] = _mm256_and_si256(_mm256_srli_epi16(v[c], 4), m4);
@@ -521,9 +506,9 @@ static inline __attribute__((always_inline)) void unpack8(int32_t type, const ui
         prefetch_slice(next, b, step); /* lands while the tokens run */
         if (type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_1_R8) {
             load_blk8_q4(type, rows, b, &kb[b - b0]);
-        } else if (type == ST_TYPE_Q4_K || type == ST_TYPE_Q4_K_R8) { /* sub-blocks in pairs: b0, b1 even */
+        } else if (type == ST_TYPE_Q4_K) { /* sub-blocks in pairs: b0, b1 even */
             prefetch_slice(next, b + 1, step);
-            load_blk8_q4k_pair(type, rows, b, ks, &kb[b - b0]);
+            load_blk8_q4k_pair(rows, b, ks, &kb[b - b0]);
             b++;
         } else {
             load_blk8(type, rows, b, ks, &kb[b - b0]);
@@ -592,8 +577,7 @@ static inline __attribute__((always_inline)) void chunked8(int32_t type, const u
 #define LANE_FUSED_MAX 2 /* tokens up to which the fused path runs (3 tokens: a tie) */
 
 static inline int one_lane(int32_t type) {
-    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_K || type == ST_TYPE_Q4_1_R8 ||
-           type == ST_TYPE_Q4_K_R8;
+    return type == ST_TYPE_Q4_0 || type == ST_TYPE_Q4_1 || type == ST_TYPE_Q4_K || type == ST_TYPE_Q4_1_R8;
 }
 
 /* Exact integer sums of one 32-element block of the eight rows (blk8 chunks w[0..7]) against
@@ -680,13 +664,13 @@ static inline __attribute__((always_inline)) void lane_fused(int32_t type, const
     kscales ks[2];
     for (int64_t b = 0; b < nb; b++) {
         blk8 k[2];
-        if (type == ST_TYPE_Q4_K || type == ST_TYPE_Q4_K_R8) { /* sub-blocks in pairs */
+        if (type == ST_TYPE_Q4_K) { /* sub-blocks in pairs */
             /* the pair's slice of the next row block, 2 * step = 288 bytes: five fixed line
              * requests cover it wherever it starts (prefetch_slice's loop, twice, cost 7% of the
              * one-token rate with the rows in cache) */
             const uint8_t *p = next + (size_t)b * step;
             for (int l = 0; l < 5; l++) _mm_prefetch((const char *)(p + 64 * l), _MM_HINT_T0);
-            load_blk8_q4k_pair(type, rows, b, ks, k);
+            load_blk8_q4k_pair(rows, b, ks, k);
             for (int i = 0; i < 2; i++)
                 for (int t = 0; t < NT; t++)
                     acc[t] = lane_fma(sum8(k[i].w, a[t].q + (b + i) * QK), k[i].s_lo, k[i].c_lo, &a[t], b + i, acc[t]);
@@ -860,7 +844,6 @@ DEF_GEMM(gemm_q5_0, ST_TYPE_Q5_0)
 DEF_GEMM(gemm_q5_1, ST_TYPE_Q5_1)
 DEF_GEMM(gemm_q8_0, ST_TYPE_Q8_0)
 DEF_GEMM(gemm_q4_k, ST_TYPE_Q4_K)
-DEF_GEMM(gemm_q4_k_r8, ST_TYPE_Q4_K_R8)
 DEF_GEMM(gemm_q5_k, ST_TYPE_Q5_K)
 DEF_GEMM(gemm_q6_k, ST_TYPE_Q6_K)
 
@@ -874,7 +857,6 @@ static dot_q_fn gemm_pick(int32_t type) {
     case ST_TYPE_Q5_1: return gemm_q5_1;
     case ST_TYPE_Q8_0: return gemm_q8_0;
     case ST_TYPE_Q4_K: return gemm_q4_k;
-    case ST_TYPE_Q4_K_R8: return gemm_q4_k_r8;
     case ST_TYPE_Q5_K: return gemm_q5_k;
     case ST_TYPE_Q6_K: return gemm_q6_k;
     default: return NULL;

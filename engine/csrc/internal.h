@@ -400,8 +400,7 @@ struct st_model {
     scratch s;
     int repack_done;      /* st_model_repack ran (whatever it decided) */
     void *repack;         /* anonymous mapping holding the repacked tensors, or NULL */
-    size_t repack_map_bytes; /* its length (the tensors start at its first 2 MiB boundary) */
-    size_t repack_bytes;  /* the repacked tensors' bytes */
+    size_t repack_bytes;
     /* the last step's greedy picks (st_batch.token_src reads them): n_picks 0 = none */
     int32_t *picks, *tok_buf; /* tok_buf: a step's ids resolved through token_src */
     int32_t n_picks, cap_picks;
@@ -416,7 +415,7 @@ static inline int st_layer_is_moe(const st_model *m, int il) { return m->d.n_exp
  * file's tensors. */
 void st_model_repack(st_model *m);
 /* The repacked form of a plain type (-1: none), the plain type of a repacked one (any other type:
- * itself), and the repack of plain rows of `type` (st_repack_q4_1 / _q8_0 / _q4_k). */
+ * itself), and the repack of plain rows of `type` (st_repack_q4_1 / _q8_0). */
 int32_t st_r8_of(int32_t type);
 int32_t st_r8_plain(int32_t type);
 st_status st_repack_rows(int32_t type, const void *src, void *dst, int64_t rows, int64_t n);

@@ -389,24 +389,12 @@ st_status st_model_create(const st_model_desc *desc, st_model **out) {
 
 /* ------------------------------------------------------------------ repacking */
 
-/* STRATA_REPACK_Q4K=1 (an open A/B, off by default): Q4_K matrices are repacked too, and the copy
- * is advised into huge pages. The Q4_K_R8 kernel is 1.2-1.3x as fast as the plain one at one token, and
- * the k-quant default model's one-thread decode 5-9% faster (docs/benchmarks.md, "Q4_K repacked");
- * it stays off until measured where it matters: a large Q4_K model gets one private copy per lane
- * (up to the cap below) and a long first step, and the hybrid engine, whose st_moe_pairs repacks
- * the same tensors, stages experts from the file's pages (cudaHostRegister) that the repack drops
- * from the process, a path only a GPU machine runs. */
-static int repack_q4k(void) {
-    const char *env = getenv("STRATA_REPACK_Q4K");
-    return env && env[0] == '1';
-}
-
 static int repackable(const st_tensor *t) {
-    return t->data && (t->type == ST_TYPE_Q4_1 || t->type == ST_TYPE_Q8_0 || (t->type == ST_TYPE_Q4_K && repack_q4k())) &&
+    return t->data && (t->type == ST_TYPE_Q4_1 || t->type == ST_TYPE_Q8_0) &&
            t->ne[1] % ST_R8_ROWS == 0; /* no group spans two experts */
 }
 
-/* The tensors st_model_repack considers: every Q4_1, Q8_0 or Q4_K matrix the step reads through
+/* The tensors st_model_repack considers: every Q4_1 or Q8_0 matrix the step reads through
  * the quantised kernels (not token_embd, which is read row by row). */
 static int repack_list(st_model *m, st_tensor **out) {
     int n = 0;
@@ -423,13 +411,12 @@ static int repack_list(st_model *m, st_tensor **out) {
 
 /* Why: with plain Q4_1 the kernel gathers each 8-row block from eight rows 360-960 bytes
  * apart and transposes them; repacked, a row block is one contiguous stream of 160-byte
- * blocks loaded as is (same registers, same bits); Q4_K (STRATA_REPACK_Q4K=1) the same with its
- * scale words, which also saves the per-super-block transpose of the eight rows' headers. Resident memory stays
- * near the file's size: the repacked copy replaces the file pages, which are dropped from this
- * process (they stay in the page cache, reclaimable). The copy is private to the process while
+ * blocks loaded as is (same registers, same bits). Resident memory stays near the file's
+ * size: the repacked copy replaces the file pages, which are dropped from this process
+ * (they stay in the page cache, reclaimable). The copy is private to the process while
  * the file's pages are shared by every lane that maps it, so tensors are repacked, in list
- * order, only while the copy stays within an eighth of physical memory: a large model (its
- * Q4_K experts) keeps the shared file layout instead of one anonymous copy per lane. */
+ * order, only while the copy stays within an eighth of physical memory: a large model keeps
+ * the shared file layout for the rest instead of one anonymous copy per lane. */
 void st_model_repack(st_model *m) {
     if (m->repack_done) return;
     m->repack_done = 1;
@@ -448,20 +435,11 @@ void st_model_repack(st_model *m) {
         free(list);
         return;
     }
-    /* The copy starts on a 2 MiB boundary, so that huge pages can back it where advised (below). */
-    const size_t huge = (size_t)2 << 20, map_bytes = total + huge;
-    void *map = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (map == MAP_FAILED) { /* keep the file's tensors */
+    void *buf = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) { /* keep the file's tensors */
         free(list);
         return;
     }
-    void *buf = (void *)(((uintptr_t)map + huge - 1) & ~(uintptr_t)(huge - 1));
-#ifdef MADV_HUGEPAGE
-    /* With the Q4_K copy (its A/B): streamed from huge pages the kernels read 10-20% faster on this VM
-     * (kernel_bench-style loops); the Q4_1 / Q8_0 copy alone keeps the measured default (small pages).
-     * Advice only: without THP the copy keeps small pages. */
-    if (repack_q4k()) madvise(buf, total, MADV_HUGEPAGE);
-#endif
     const long page = sysconf(_SC_PAGESIZE);
     size_t off = 0;
     for (int i = 0; i < n; i++) {
@@ -478,8 +456,7 @@ void st_model_repack(st_model *m) {
         off += (size_t)t->n_bytes;
     }
     free(list);
-    m->repack = map;
-    m->repack_map_bytes = map_bytes;
+    m->repack = buf;
     m->repack_bytes = total;
 }
 
@@ -493,7 +470,7 @@ void st_model_destroy(st_model *m) {
     free(m->picks);
     free(m->tok_buf);
     free(m->inv_freq);
-    if (m->repack) munmap(m->repack, m->repack_map_bytes);
+    if (m->repack) munmap(m->repack, m->repack_bytes);
     free(m->layers);
     free(m->mla_kb);
     free(m->mla_kb_buf);

@@ -31,7 +31,7 @@ int32_t st_type_block_elems(int32_t type) {
     case ST_TYPE_F32: case ST_TYPE_F16: case ST_TYPE_BF16: return 1;
     case ST_TYPE_Q4_0: case ST_TYPE_Q4_1: case ST_TYPE_Q5_0: case ST_TYPE_Q5_1: case ST_TYPE_Q8_0: return QK;
     case ST_TYPE_Q4_1_R8: case ST_TYPE_Q8_0_R8: return QK;
-    case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: case ST_TYPE_Q4_K_R8: return QK_K;
+    case ST_TYPE_Q4_K: case ST_TYPE_Q5_K: case ST_TYPE_Q6_K: return QK_K;
     default: return st_type_is_iq(type) ? QK_K : st_lowbit_block_elems(type);
     }
 }
@@ -45,7 +45,7 @@ int32_t st_type_block_bytes(int32_t type) {
     case ST_TYPE_Q5_0: return sizeof(blk_q5_0);
     case ST_TYPE_Q5_1: return sizeof(blk_q5_1);
     case ST_TYPE_Q8_0: case ST_TYPE_Q8_0_R8: return sizeof(blk_q8_0);
-    case ST_TYPE_Q4_K: case ST_TYPE_Q4_K_R8: return sizeof(blk_q4_k);
+    case ST_TYPE_Q4_K: return sizeof(blk_q4_k);
     case ST_TYPE_Q5_K: return sizeof(blk_q5_k);
     case ST_TYPE_Q6_K: return sizeof(blk_q6_k);
     default: return st_type_is_iq(type) ? st_iq_block_bytes(type) : st_lowbit_block_bytes(type);
@@ -54,7 +54,7 @@ int32_t st_type_block_bytes(int32_t type) {
 
 /* The file types; the repacked ST_TYPE_*_R8 exist only after repacking. */
 int32_t st_type_supported(int32_t type) {
-    return type != ST_TYPE_Q4_1_R8 && type != ST_TYPE_Q8_0_R8 && type != ST_TYPE_Q4_K_R8 && st_type_block_elems(type) > 0;
+    return type != ST_TYPE_Q4_1_R8 && type != ST_TYPE_Q8_0_R8 && st_type_block_elems(type) > 0;
 }
 
 int st_type_is_float(int32_t type) {
@@ -407,17 +407,17 @@ static void dot_bf16_ref(const void *w, const float *x, int64_t n, float *out) {
     *out = acc;
 }
 
-/* One tensor's rows in groups of 8, block by block (the layout in strata.h): per block of `be` columns, each of
- * the block's `halves` f16 fields (d; for Q4_1 also m) of the eight rows side by side, then for each 4-byte
- * word j of the rest the eight rows' word j (Q4_K: no f16 fields apart, every word of the block so). */
+/* One tensor's rows in groups of 8, block by block (the layout in strata.h): per 32-column block, each of the
+ * block's `halves` f16 fields (d; for Q4_1 also m) of the eight rows side by side, then for each 4-byte word j
+ * of the codes the eight rows' word j. */
 static void repack_rows8(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n, int type, size_t bs,
-                         int halves, int64_t be) {
+                         int halves) {
     const size_t rb = st_row_bytes(type, n);
     const int words = (int)(bs - 2 * (size_t)halves) / 4;
     for (int64_t g = 0; g < rows; g += ST_R8_ROWS) {
         const uint8_t *in = src + (size_t)g * rb;
         uint8_t *out = dst + (size_t)g * rb;
-        for (int64_t b = 0; b < n / be; b++) {
+        for (int64_t b = 0; b < n / QK; b++) {
             uint8_t *o = out + (size_t)b * ST_R8_ROWS * bs;
             uint8_t *codes = o + 2 * ST_R8_ROWS * halves;
             for (int r = 0; r < ST_R8_ROWS; r++) {
@@ -431,10 +431,9 @@ static void repack_rows8(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t
 
 static st_status repack_checked(const char *what, const void *src, void *dst, int64_t rows, int64_t n, int type,
                                 size_t bs, int halves) {
-    const int64_t be = st_type_block_elems(type);
-    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < be || n % be || n > ST_MAX_ROW)
+    if (!src || !dst || rows < ST_R8_ROWS || rows % ST_R8_ROWS || n < QK || n % QK || n > ST_MAX_ROW)
         return st_fail(ST_EINVAL, "%s: bad arguments (rows=%lld n=%lld)", what, (long long)rows, (long long)n);
-    repack_rows8(src, dst, rows, n, type, bs, halves, be);
+    repack_rows8(src, dst, rows, n, type, bs, halves);
     return ST_OK;
 }
 
@@ -446,15 +445,10 @@ st_status st_repack_q8_0(const void *src, void *dst, int64_t rows, int64_t n) {
     return repack_checked("repack_q8_0", src, dst, rows, n, ST_TYPE_Q8_0, sizeof(blk_q8_0), 1);
 }
 
-st_status st_repack_q4_k(const void *src, void *dst, int64_t rows, int64_t n) {
-    return repack_checked("repack_q4_k", src, dst, rows, n, ST_TYPE_Q4_K, sizeof(blk_q4_k), 0);
-}
-
 int32_t st_r8_of(int32_t type) {
     switch (type) {
     case ST_TYPE_Q4_1: return ST_TYPE_Q4_1_R8;
     case ST_TYPE_Q8_0: return ST_TYPE_Q8_0_R8;
-    case ST_TYPE_Q4_K: return ST_TYPE_Q4_K_R8;
     default: return -1;
     }
 }
@@ -463,7 +457,6 @@ int32_t st_r8_plain(int32_t type) {
     switch (type) {
     case ST_TYPE_Q4_1_R8: return ST_TYPE_Q4_1;
     case ST_TYPE_Q8_0_R8: return ST_TYPE_Q8_0;
-    case ST_TYPE_Q4_K_R8: return ST_TYPE_Q4_K;
     default: return type;
     }
 }
@@ -472,15 +465,14 @@ st_status st_repack_rows(int32_t type, const void *src, void *dst, int64_t rows,
     switch (type) {
     case ST_TYPE_Q4_1: return st_repack_q4_1(src, dst, rows, n);
     case ST_TYPE_Q8_0: return st_repack_q8_0(src, dst, rows, n);
-    case ST_TYPE_Q4_K: return st_repack_q4_k(src, dst, rows, n);
     default: return st_fail(ST_EUNSUPPORTED, "repack_rows: type %d has no repacked form", type);
     }
 }
 
 /* The inverse of repack_rows8 for row r of a group (g is the group's start): its blocks in the file layout. */
-static void row_from_group(const uint8_t *g, int r, int64_t n, size_t bs, int halves, int64_t be, uint8_t *row) {
+static void row_from_group(const uint8_t *g, int r, int64_t n, size_t bs, int halves, uint8_t *row) {
     const int words = (int)(bs - 2 * (size_t)halves) / 4;
-    for (int64_t b = 0; b < n / be; b++) {
+    for (int64_t b = 0; b < n / QK; b++) {
         const uint8_t *p = g + (size_t)b * ST_R8_ROWS * bs;
         const uint8_t *codes = p + 2 * ST_R8_ROWS * halves;
         uint8_t *blk = row + (size_t)b * bs;
@@ -491,19 +483,18 @@ static void row_from_group(const uint8_t *g, int r, int64_t n, size_t bs, int ha
 
 /* The references for repacked rows: each row's blocks rebuilt from its group (w is the start of the group of
  * nr <= 8 rows), then the plain type's reference. */
-#define DEF_R8_REF(T, BLK, HALVES, BLOCK)                                                                    \
+#define DEF_R8_REF(T, BLK, HALVES)                                                                           \
     static void dot_##T##_r8_ref(const void *w, size_t row_bytes, int nr, int64_t n, int nt, const act_row *a, \
                                  float *out, int64_t ldo) {                                                  \
-        BLK row[ST_MAX_ROW / (BLOCK)];                                                                       \
+        BLK row[ST_MAX_ROW / QK];                                                                            \
         for (int r = 0; r < nr; r++) {                                                                       \
-            row_from_group(w, r, n, sizeof(BLK), HALVES, BLOCK, (uint8_t *)row);                             \
+            row_from_group(w, r, n, sizeof(BLK), HALVES, (uint8_t *)row);                                    \
             for (int t = 0; t < nt; t++) dot_##T##_one(row, a[t].q, a[t].d, a[t].s, n, &out[t * ldo + r]);    \
         }                                                                                                    \
         (void)row_bytes;                                                                                     \
     }
-DEF_R8_REF(q8_0, blk_q8_0, 1, QK)
-DEF_R8_REF(q4_1, blk_q4_1, 2, QK)
-DEF_R8_REF(q4_k, blk_q4_k, 0, QK_K)
+DEF_R8_REF(q8_0, blk_q8_0, 1)
+DEF_R8_REF(q4_1, blk_q4_1, 2)
 
 dot_q_fn st_dot_q_ref(int32_t type) {
     switch (type) {
@@ -511,7 +502,6 @@ dot_q_fn st_dot_q_ref(int32_t type) {
     case ST_TYPE_Q4_1: return dot_q4_1_ref;
     case ST_TYPE_Q4_1_R8: return dot_q4_1_r8_ref;
     case ST_TYPE_Q8_0_R8: return dot_q8_0_r8_ref;
-    case ST_TYPE_Q4_K_R8: return dot_q4_k_r8_ref;
     case ST_TYPE_Q5_0: return dot_q5_0_ref;
     case ST_TYPE_Q5_1: return dot_q5_1_ref;
     case ST_TYPE_Q8_0: return dot_q8_0_ref;

@@ -53,10 +53,6 @@ const char *st_last_error(void);
 /* Q8_0 rows repacked the same way (st_repack_q8_0): per group and block, 272 bytes: the eight
  * d (f16), then bytes 4j..4j+3 of rows 0..7 for j = 0..7. */
 #define ST_TYPE_Q8_0_R8 1008
-/* Q4_K rows repacked the same way (st_repack_q4_k): per group and 256-column super-block, 1152
- * bytes: for each 4-byte word k of the 144-byte block (k = 0..35: d and dmin, the three words
- * of 6-bit scales, then the 32 code words) the eight rows' word k side by side. */
-#define ST_TYPE_Q4_K_R8 1012
 #define ST_TYPE_BF16 30
 
 /* Kernel variants. AUTO picks the best the CPU supports. */
@@ -112,13 +108,12 @@ st_status st_vec_dot_q_tokens(int32_t type, int32_t variant, const void *w, int3
  * ST_TYPE_Q4_1_R8. */
 st_status st_repack_q4_1(const void *src, void *dst, int64_t rows, int64_t n);
 st_status st_repack_q8_0(const void *src, void *dst, int64_t rows, int64_t n);
-st_status st_repack_q4_k(const void *src, void *dst, int64_t rows, int64_t n);
 st_status st_vec_dot_q_rows(int32_t type, int32_t variant, const void *w, int32_t nr, int32_t nt, const int8_t *qs,
                             const float *d, const int32_t *sums, int64_t n, float *out);
 /* The micro-kernel's rate with its weights in cache, for benchmarks: 8 rows x n of `type`
  * (random codes, small scales) against nt (1..64) token rows, run until `seconds` of this
  * thread's CPU time have passed; *gmac_s = multiply-accumulates per CPU second / 1e9. The
- * repacked types (ST_TYPE_Q4_1_R8, ST_TYPE_Q8_0_R8, ST_TYPE_Q4_K_R8: the engine's form of those tensors) are
+ * repacked types (ST_TYPE_Q4_1_R8, ST_TYPE_Q8_0_R8: the engine's form of those tensors) are
  * accepted, their group built from random plain rows. */
 st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, double seconds, double *gmac_s);
 

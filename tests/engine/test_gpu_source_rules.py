@@ -20,7 +20,6 @@ MAX_LINES = 800
 C_GETENV = {
     "CUDA_VISIBLE_DEVICES": "named in the no-device message (strata_cuda's stg_device_count), not a setting",
     "STRATA_REPACK": "the CPU engine's repack off switch (model.c), the other side of test_kernels' repack oracle",
-    "STRATA_REPACK_Q4K": "the CPU engine's Q4_K repack (model.c), an open A/B: it goes with the switch",
 }
 REGISTRY = {o.env for o in gpu_settings.OVERRIDES} | {gpu_settings.LIBRARY_ENV}
 GPU_NAME = re.compile(r"STRATA_(?:GPU|CUDA)_[A-Z0-9_]+")

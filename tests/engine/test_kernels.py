@@ -487,25 +487,17 @@ def test_row_blocked_dot_equals_alone_bitwise_every_variant(name: str, variant: 
             assert np.array_equal(got.view(np.uint32), alone[:nt, :nr].view(np.uint32)), (name, variant, nr, nt)
 
 
-REPACKED = {
-    "Q4_1": ("ST_TYPE_Q4_1_R8", "st_repack_q4_1"),
-    "Q8_0": ("ST_TYPE_Q8_0_R8", "st_repack_q8_0"),
-    "Q4_K": ("ST_TYPE_Q4_K_R8", "st_repack_q4_k"),
-}
+REPACKED = {"Q4_1": ("ST_TYPE_Q4_1_R8", "st_repack_q4_1"), "Q8_0": ("ST_TYPE_Q8_0_R8", "st_repack_q8_0")}
 
 
 @pytest.mark.parametrize("variant", available_variants())
 @pytest.mark.parametrize("name", list(REPACKED))
-@pytest.mark.parametrize("size", ["odd", "even"])  # odd and even numbers of blocks
-def test_repacked_rows_equal_plain_bitwise_every_variant(variant: str, name: str, size: str) -> None:
+@pytest.mark.parametrize("n", [N - 256 + 32 * 3, 576])  # odd and even numbers of 32-blocks
+def test_repacked_rows_equal_plain_bitwise_every_variant(variant: str, name: str, n: int) -> None:
     """Rows repacked in groups of 8 (st_repack_*, what the model does at its first step) give
     exactly the plain rows' bits through the micro-kernel, for every row and token count; the
     plain rows are held to the reference by the tests above."""
     rtype, repack = getattr(lib, REPACKED[name][0]), getattr(lib, REPACKED[name][1])
-    if name == "Q4_K":  # super-blocks of 256: the one-token pair loop and the K-chunked many-token path
-        n = {"odd": 256 * 5, "even": 256 * 6}[size]
-    else:
-        n = {"odd": N - 256 + 32 * 3, "even": 576}[size]
     rng = np.random.default_rng(17)
     rows = 16
     raw = np.concatenate([random_blocks(name, n, rng) for _ in range(rows)])
@@ -894,7 +886,7 @@ def test_kernel_rate_runs_and_rejects_bad_arguments() -> None:
     out = ffi.new("double *")
     q41 = int(GGMLQuantizationType["Q4_1"])
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 256, 8, 0.01, out) == 0 and out[0] > 0
-    for repacked in (lib.ST_TYPE_Q4_1_R8, lib.ST_TYPE_Q8_0_R8, lib.ST_TYPE_Q4_K_R8):  # the engine's form
+    for repacked in (lib.ST_TYPE_Q4_1_R8, lib.ST_TYPE_Q8_0_R8):  # the engine's form of Q4_1 / Q8_0
         assert lib.st_kernel_rate(repacked, VARIANTS["auto"], 256, 1, 0.01, out) == 0 and out[0] > 0
         assert lib.st_kernel_rate(repacked, VARIANTS["auto"], 100, 1, 0.01, out) == lib.ST_EINVAL
     assert lib.st_kernel_rate(q41, VARIANTS["auto"], 100, 8, 0.01, out) == lib.ST_EINVAL

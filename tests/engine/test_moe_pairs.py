@@ -195,30 +195,3 @@ def test_moe_layer_routes_as_the_step_does(tmp_path: Path) -> None:
         _, routes, _ = e.moe_layer(0, xn)
         np.testing.assert_array_equal(hist[0], np.bincount(routes.reshape(-1), minlength=8))
         assert (hist > 0).sum() >= 4  # a real spread of experts, not one
-
-
-def test_q4_k_experts_repacked_give_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """STRATA_REPACK_Q4K=1 (an open A/B): the Q4_K experts are repacked at the first CPU call too
-    (ST_TYPE_Q4_K_R8) and the routed FFN and the pairs give the plain rows' bits at 1, 5 and 70 tokens."""
-    from engine.native import lib
-
-    arch, wt, extra = CASES["qwen3moe-q4_k"]
-    kw = {"n_embd": 64, "n_ff": 96, "n_expert": 8, "n_expert_used": 2, **extra}
-    kw["raw_overrides"] = _q4_k_experts(n_layer=2, n_expert=8, n_embd=kw["n_embd"], n_ff=kw["n_ff"])
-    path = make_random_gguf(tmp_path / "q4k.gguf", arch=arch, n_layer=2, weight_type=wt, seed=3, **kw)
-    out, repacked = {}, {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("STRATA_REPACK_Q4K", flag)
-        with Engine.open(path, threads=2, kv_tokens=64) as e:
-            hp, res = e.hparams, []
-            for T in (1, 5, 70):
-                x = np.random.default_rng(T).standard_normal((T, hp.n_embd)).astype(np.float32)
-                for layer in range(hp.n_layer):
-                    ref, ids, _ = e.moe_layer(layer, x)
-                    tok = np.repeat(np.arange(T, dtype=np.int32), hp.n_expert_used)
-                    res += [ref, e.moe_pairs(layer, x, tok, ids.reshape(-1))]
-            out[flag], repacked[flag] = res, lib.st_model_repacked_bytes(e._model)
-    q4k_bytes = sum(blob.nbytes for blob, _, _ in kw["raw_overrides"].values())
-    assert repacked["1"] - repacked["0"] == q4k_bytes  # every Q4_K expert tensor, nothing else added
-    for a, b in zip(out["0"], out["1"], strict=True):
-        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -4,8 +4,7 @@
  *       engine/csrc/tools/kernel_bench.c engine/csrc/{quants,quants_iq,quants_lowbit,kernels_avx2,kernels_avx512,variants,attention}.c -lm
  *   ./a.out VARIANT TYPE K N NT [R]     e.g. ./a.out 2 3 576 1536 16   (avx2, Q4_1, 1536x576, 16 tokens)
  * Variants: 1 ref, 2 avx2, 3 avx512; types: GGML numbering (2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K,
- * 10 Q2_K, 11 Q3_K, 16 IQ2_XXS, 17 IQ2_XS, 18 IQ3_XXS, 20 IQ4_NL, 21 IQ3_S, 22 IQ2_S, 23 IQ4_XS, 39 MXFP4;
- * 1012 Q4_K_R8: random Q4_K rows repacked as the engine does under STRATA_REPACK_Q4K=1, N a multiple of 8). */
+ * 10 Q2_K, 11 Q3_K, 16 IQ2_XXS, 17 IQ2_XS, 18 IQ3_XXS, 20 IQ4_NL, 21 IQ3_S, 22 IQ2_S, 23 IQ4_XS, 39 MXFP4). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -26,9 +25,7 @@ int main(int argc, char **argv) {
     }
     const int variant = atoi(argv[1]), type = atoi(argv[2]), K = atoi(argv[3]), N = atoi(argv[4]), nt = atoi(argv[5]);
     const int reps = argc > 6 ? atoi(argv[6]) : 20;
-    const int plain = type == ST_TYPE_Q4_K_R8 ? ST_TYPE_Q4_K : type;
-    if (st_set_variant(variant) != ST_OK || !st_type_supported(plain) || st_type_is_float(plain) || K <= 0 ||
-        (plain != type && N % 8) ||
+    if (st_set_variant(variant) != ST_OK || !st_type_supported(type) || st_type_is_float(type) || K <= 0 ||
         K % st_type_block_elems(type) || N <= 0 || nt < 1 || nt > ST_MAX_NT) {
         fprintf(stderr, "bad arguments: %s\n", st_last_error());
         return 2;
@@ -40,15 +37,6 @@ int main(int argc, char **argv) {
     for (size_t i = 1; i < rb * (size_t)N; i += 2) w[i] &= 0x3b; /* keep f16 fields finite wherever they fall */
     if (type == ST_TYPE_MXFP4) /* E8M0 exponents near 2^-5: random ones overflow or go subnormal, which is slow */
         for (size_t i = 0; i < rb * (size_t)N; i += sizeof(blk_mxfp4)) w[i] = (uint8_t)(119 + i % 7);
-    if (plain != type) {
-        uint8_t *g = malloc(rb * (size_t)N);
-        if (!g || st_repack_q4_k(w, g, N, K) != ST_OK) {
-            fprintf(stderr, "repack failed: %s\n", st_last_error());
-            return 2;
-        }
-        free(w);
-        w = g;
-    }
     float *x = malloc(sizeof(float) * (size_t)K), *xs8 = malloc(sizeof(float) * (size_t)K / 4 * (size_t)nt);
     float *xs = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt), *d = malloc(sizeof(float) * (size_t)K / 32 * (size_t)nt);
     int8_t *q = malloc((size_t)K * (size_t)nt);
