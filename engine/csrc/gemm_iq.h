@@ -20,8 +20,9 @@
  * super-block) and summed in integers over the super-block (|sum| < 2^26); then each row's two
  * halves are added and the reference's one float step per super-block taken,
  * acc += dk * ((d * F) * isum). The operations on a lane depend only on its row and token, so any
- * number of rows or tokens gives the reference's bits (the harness checks it). IQ2_S at one token
- * on AVX2 takes its own path with the same integers (iq2s_rows4_1). */
+ * number of rows or tokens gives the reference's bits (the harness checks it). IQ2_S, IQ3_XXS and
+ * IQ2_XXS at one token on AVX2 take their own paths with the same integers (iq2s_rows4_1,
+ * iq_xxs_rows4_1). */
 #ifndef STRATA_GEMM_IQ_H
 #define STRATA_GEMM_IQ_H
 
@@ -334,6 +335,85 @@ static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *co
     _mm256_storeu_ps(v, acc);
     for (int r = 0; r < nr; r++) out[r] = v[r];
 }
+
+/* IQ3_XXS and IQ2_XXS at one token (AVX2), the same plan as iq2s_rows4_1: per-row int32 sums, each
+ * block's maddubs pairs widened by one madd with its sub-scale k = 2 ls + 1 as int16 lanes (iq3xxs_k,
+ * read by the top nibble of the block's sign word), signs by blendv against the once-negated
+ * activations (the sign bytes from iq_sign_bytes once per super-block), a block's grid indices read by
+ * one load (IQ3_XXS: 8 in 64 bits, IQ2_XXS: 4 in 32) and their entries put together by unpacks
+ * (iq3xxs_grid4; on IQ3_XXS iq_load_sub's pairs in general registers measured slower here, as did a
+ * load per index or sub-scales by pshufb from a register), one prefetch pass per super-block. A madd
+ * lane is k times four products (|.| <= 31 * 4 * 62 * 127 < 2^20) and a super-block sums eight:
+ * exact, iq_rows4's integers. */
+#define IQ3XXS_K16(v) {v, v, v, v, v, v, v, v, v, v, v, v, v, v, v, v}
+static const int16_t iq3xxs_k[16][16] __attribute__((aligned(32))) = {
+    IQ3XXS_K16(1),  IQ3XXS_K16(3),  IQ3XXS_K16(5),  IQ3XXS_K16(7),  IQ3XXS_K16(9),  IQ3XXS_K16(11),
+    IQ3XXS_K16(13), IQ3XXS_K16(15), IQ3XXS_K16(17), IQ3XXS_K16(19), IQ3XXS_K16(21), IQ3XXS_K16(23),
+    IQ3XXS_K16(25), IQ3XXS_K16(27), IQ3XXS_K16(29), IQ3XXS_K16(31)};
+
+/* The four grid entries of the indices in the bytes of w, one 32-bit load each, as one vector. */
+static inline __attribute__((always_inline)) __m128i iq3xxs_grid4(uint32_t w) {
+    const __m128i g0 = _mm_cvtsi32_si128((int)iq3xxs_grid[w & 0xFF]), g1 = _mm_cvtsi32_si128((int)iq3xxs_grid[(w >> 8) & 0xFF]);
+    const __m128i g2 = _mm_cvtsi32_si128((int)iq3xxs_grid[(w >> 16) & 0xFF]), g3 = _mm_cvtsi32_si128((int)iq3xxs_grid[w >> 24]);
+    return _mm_unpacklo_epi64(_mm_unpacklo_epi32(g0, g1), _mm_unpacklo_epi32(g2, g3));
+}
+
+static inline __attribute__((always_inline)) void iq_xxs_rows4_1(int32_t type, const uint8_t *const *rows, size_t bb,
+                                                                 int64_t nb, const act_row *a, float *out, int nr,
+                                                                 const uint8_t *next) {
+    const int iq3 = type == ST_TYPE_IQ3_XXS;
+    __m256 acc = _mm256_setzero_ps();
+    uint8_t sb[IQ_MR][32];
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *x[IQ_MR];
+        float df[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) {
+            x[r] = rows[r] + (size_t)i * bb;
+            df[r] = h2f((f16_t)(x[r][0] | (x[r][1] << 8))) * (iq3 ? 0.25f : 0.125f);
+            iq_sign_bytes(type, x[r], sb[r]);
+        }
+        __m256i s[IQ_MR];
+        for (int r = 0; r < IQ_MR; r++) s[r] = _mm256_setzero_si256();
+        prefetch_slice(next, i, IQ_MR * bb);
+        for (int ib = 0; ib < 8; ib++) {
+            const int64_t b = 8 * i + ib;
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(a->qk + b * QK));
+            const __m256i nav = _mm256_sub_epi8(_mm256_setzero_si256(), av);
+            for (int r = 0; r < IQ_MR; r++) {
+                __m256i g;
+                if (iq3) {
+                    uint64_t w;
+                    memcpy(&w, x[r] + 2 + 8 * ib, 8);
+                    g = _mm256_inserti128_si256(_mm256_castsi128_si256(iq3xxs_grid4((uint32_t)w)),
+                                                iq3xxs_grid4((uint32_t)(w >> 32)), 1);
+                } else {
+                    const uint32_t w = ld32(x[r] + 2 + 8 * ib);
+                    const __m128i lo = _mm_unpacklo_epi64(_mm_cvtsi64_si128((long long)iq2xxs_grid[w & 0xFF]),
+                                                          _mm_cvtsi64_si128((long long)iq2xxs_grid[(w >> 8) & 0xFF]));
+                    const __m128i hi = _mm_unpacklo_epi64(_mm_cvtsi64_si128((long long)iq2xxs_grid[(w >> 16) & 0xFF]),
+                                                          _mm_cvtsi64_si128((long long)iq2xxs_grid[w >> 24]));
+                    g = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+                }
+                const __m256i neg = iq_sign_mask(ld32(sb[r] + 4 * ib));
+                const __m256i p = _mm256_maddubs_epi16(g, _mm256_blendv_epi8(av, nav, neg));
+                /* entry ls sits at byte 32 ls = 2 (scale byte & 0xF0): one and, no shifts */
+                const __m256i k = _mm256_load_si256(
+                    (const __m256i *)((const uint8_t *)iq3xxs_k + 2 * (x[r][iq3 ? 2 + QK_K / 4 + 4 * ib + 3 : 2 + 8 * ib + 7] & 0xF0)));
+                s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, k));
+            }
+        }
+        const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+        const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+        const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
+        const __m256 dfv = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
+        const __m256 xv = _mm256_mul_ps(dfv, _mm256_cvtepi32_ps(tot));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(a->dk + i), xv));
+    }
+    float v[8];
+    _mm256_storeu_ps(v, acc);
+    for (int r = 0; r < nr; r++) out[r] = v[r];
+}
 #endif
 
 /* Four rows (a short block repeats its last row; its results are dropped) against nt tokens;
@@ -347,6 +427,10 @@ static inline __attribute__((always_inline)) void iq_rows4(int32_t type, const u
 #if !GEMM_VNNI
     if (type == ST_TYPE_IQ2_S && NT == 1) {
         iq2s_rows4_1(rows, bb, nb, a, out, nr, next);
+        return;
+    }
+    if ((type == ST_TYPE_IQ3_XXS || type == ST_TYPE_IQ2_XXS) && NT == 1) {
+        iq_xxs_rows4_1(type, rows, bb, nb, a, out, nr, next);
         return;
     }
 #endif
