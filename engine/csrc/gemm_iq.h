@@ -291,6 +291,19 @@ static inline __attribute__((always_inline)) __m256i iq_sums4(const iq_sub *s, c
 static const int16_t iq2s_kpair[256][16] __attribute__((aligned(32))) = {IQ2S_KE64(0), IQ2S_KE64(64), IQ2S_KE64(128),
                                                                           IQ2S_KE64(192)};
 
+/* The one-token loops' end of a super-block: the four rows' int32 lanes summed per row (lanes 0-3 and
+ * again 4-7 hold rows 0-3), scaled by each row's super-block scale and the token's, added to acc. */
+static inline __attribute__((always_inline)) __m256 iq_rows4_add_superblock(__m256 acc, const __m256i s[IQ_MR],
+                                                                           const float df[IQ_MR], float dk) {
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+    const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+    const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
+    const __m256 dfv = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
+    const __m256 xv = _mm256_mul_ps(dfv, _mm256_cvtepi32_ps(tot));
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(dk), xv));
+}
+
 static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *const *rows, size_t bb, int64_t nb,
                                                                const act_row *a, float *out, int nr,
                                                                const uint8_t *next) {
@@ -323,13 +336,7 @@ static inline __attribute__((always_inline)) void iq2s_rows4_1(const uint8_t *co
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, k));
             }
         }
-        const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
-        const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
-        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
-        const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
-        const __m256 dfv = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
-        const __m256 xv = _mm256_mul_ps(dfv, _mm256_cvtepi32_ps(tot));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(a->dk + i), xv));
+        acc = iq_rows4_add_superblock(acc, s, df, a->dk[i]);
     }
     float v[8];
     _mm256_storeu_ps(v, acc);
@@ -402,13 +409,7 @@ static inline __attribute__((always_inline)) void iq_xxs_rows4_1(int32_t type, c
                 s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, k));
             }
         }
-        const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
-        const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
-        const __m256i h = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
-        const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
-        const __m256 dfv = _mm256_setr_ps(df[0], df[1], df[2], df[3], df[0], df[1], df[2], df[3]);
-        const __m256 xv = _mm256_mul_ps(dfv, _mm256_cvtepi32_ps(tot));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_broadcast_ss(a->dk + i), xv));
+        acc = iq_rows4_add_superblock(acc, s, df, a->dk[i]);
     }
     float v[8];
     _mm256_storeu_ps(v, acc);
