@@ -57,8 +57,10 @@ async def serve(config: GatewayConfig) -> int:
     # the request-log writer commits on its own thread: an event loop waking for a client or a lane's token takes the
     # GIL back within this, not Python's 5 ms, which a wake-up on a busy box would add to its time to first token
     sys.setswitchinterval(config.switch_interval_ms / 1000)
-    if config.cores is not None:
-        pin_process(config.cores)  # before the request-log writer, the workers and the embedding child: they inherit it
+    error = pin_cores(config)
+    if error is not None:
+        log.error("%s", error)
+        return EXIT_CONFIG
     if config.nice is not None:
         set_nice(config.nice)
     fd_limit, fit = raise_fd_limit(config)  # before anything opens files: the database, the lanes' pool
@@ -142,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.log_level)
     with asyncio.Runner(loop_factory=loop_factory(config)) as runner:
         return runner.run(serve(config))
+
+
+def pin_cores(config: GatewayConfig) -> str | None:
+    """Pin every thread to config.cores before the request-log writer, the workers and the embedding child start
+    (they inherit it); the error to report when the system refuses (e.g. CPUs outside the container's cpuset)."""
+    if config.cores is None:
+        return None
+    try:
+        pin_process(config.cores)
+    except OSError as e:
+        return f"cannot pin to cores {config.cores}: {e.strerror or e}"
+    return None
 
 
 def set_nice(value: int) -> None:

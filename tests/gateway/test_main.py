@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.__main__ import loop_factory
+from gateway.__main__ import loop_factory, pin_cores
 from gateway.config import GatewayConfig
 from tests.gateway.conftest import auth, running_lane
 from tests.http_helpers import REPO, child_env, child_server
@@ -112,3 +112,13 @@ async def test_loop_factory_follows_the_config() -> None:
             assert type(loop).__module__.startswith("uvloop")
         finally:
             loop.close()
+
+
+async def test_pin_cores_reports_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert pin_cores(GatewayConfig()) is None
+
+    def refuse(cores: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr("gateway.__main__.pin_process", refuse)
+    assert pin_cores(GatewayConfig(cores=[0])) == "cannot pin to cores [0]: Invalid argument"
