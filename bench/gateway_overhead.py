@@ -88,9 +88,14 @@ BODY = {"model": "strata-default", "messages": [{"role": "user", "content": "Nam
         "max_tokens": 8, "temperature": 0, "stream": True}
 
 
-def _wait(url: str, timeout: float) -> None:
+def _wait(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> None:
+    """Until ``url`` answers 200; a started ``proc`` that exits first ends the run at once with its log's tail."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log is not None else []
+            raise SystemExit(f"gateway_overhead: the process serving {url} exited ({proc.returncode}): "
+                             + " | ".join(tail))
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -188,12 +193,13 @@ def start_stack(stack: ExitStack, tmp: Path, gateway_toml: str = "", lane_cores:
     if pids is not None:
         pids["lane"] = lane.pid
     lane_url = f"http://127.0.0.1:{lane_port}"
-    gw_url, key = start_gateway(stack, tmp, lane_url, gateway_toml, pids, "gateway", wait_lane=True)
+    _wait(lane_url + "/health", 180, lane, tmp / "lane.log")
+    gw_url, key = start_gateway(stack, tmp, lane_url, gateway_toml, pids, "gateway")
     return lane_url, gw_url, key
 
 
 def start_gateway(stack: ExitStack, d: Path, lane_url: str, gateway_toml: str, pids: dict[str, int] | None,
-                  name: str, wait_lane: bool = False) -> tuple[str, str]:
+                  name: str) -> tuple[str, str]:
     """A gateway process in front of ``lane_url`` with its own config, SQLite database, journal and log in ``d``
     (``gateway.log``); returns (its url, a user key) and puts its process id in ``pids[name]``."""
     py, env = sys.executable, _env()
@@ -209,9 +215,7 @@ def start_gateway(stack: ExitStack, d: Path, lane_url: str, gateway_toml: str, p
     if pids is not None:
         pids[name] = gw.pid
     gw_url = f"http://127.0.0.1:{gw_port}"
-    if wait_lane:
-        _wait(lane_url + "/health", 180)
-    _wait(gw_url + "/readyz", 60)
+    _wait(gw_url + "/readyz", 60, gw, d / "gateway.log")
     r = subprocess.run([py, "-m", "gateway.keys", "--config", str(conf), "create", "--name", "bench"], env=env,
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     if r.returncode != 0:

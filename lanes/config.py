@@ -102,6 +102,8 @@ class LaneConfig(BaseModel):
     @field_validator("cores", mode="before")
     @classmethod
     def _cores_text(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):  # STRATA_LANE_CORES=3 reads as a number
+            return [v]
         if isinstance(v, str) and v.strip().lower() != "auto":
             return parse_cpu_list(v)
         return v.strip().lower() if isinstance(v, str) else v

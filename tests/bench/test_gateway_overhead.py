@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,16 @@ def test_the_lane_gets_the_model_and_cores_asked_for(tmp_path: Path, monkeypatch
     assert env["STRATA_LANE_MODEL"] == str(tmp_path / "m.gguf") and env["STRATA_LANE_CORES"] == "auto"
     plain = go.lane_env()
     assert "STRATA_LANE_MODEL" not in plain and "STRATA_LANE_CORES" not in plain
+
+
+def test_a_lane_that_exits_at_start_ends_the_run_with_its_reason(tmp_path: Path) -> None:
+    """A refused lane config (here a CPU the machine lacks) stops the run at once with the lane's own words,
+    not after the 180 s health wait."""
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e, ExitStack() as stack:
+        go.start_stack(stack, tmp_path, lane_cores="100000")
+    assert "exited (2)" in str(e.value) and "outside this machine's CPUs" in str(e.value)
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,14 @@ def test_file_then_env_then_overrides(tmp_path: Path) -> None:
     assert cfg.log_level == "DEBUG" and cfg.served_model_name == "big-moe"
 
 
+def test_one_cpu_from_the_environment_is_a_list() -> None:
+    """STRATA_LANE_CORES=0 decodes as the number 0 (environment values are JSON when they parse): one CPU."""
+    assert load_config(None, {"STRATA_LANE_CORES": "0"}, {}).cores == [0]
+    assert load_config(None, {"STRATA_LANE_CORES": "0"}, {}).engine_threads([0]) == 1
+    with pytest.raises(ConfigError, match="CPU ids must be >= 0"):
+        load_config(None, {"STRATA_LANE_CORES": "-1"}, {})
+
+
 def test_lane_presets() -> None:
     assert load_config(None, {}, {"name": "b"}).port == 8102
     assert load_config(None, {"STRATA_LANE_PORT": "9100"}, {"name": "b"}).port == 9100
