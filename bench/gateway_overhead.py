@@ -367,6 +367,23 @@ def _fields(line: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in line.split() if "=" in part)
 
 
+def lane_ttft_by_previous(samples: list[dict[str, Any]], lane_ttft: dict[str, float]) -> dict[str, float]:
+    """The lane's own TTFT (median ms) by what it served just before, in sending order: "gateway after gateway",
+    "gateway after direct", "direct after gateway", "direct after direct". The order alternates per pair, so each
+    holds about a quarter of the requests; a pattern here (one case slow) points at what the previous request
+    leaves behind (the gateway's work after a stream, an idle gap that lets the lane's threads sleep), not at the
+    request itself. Empty for triples (``--compare``)."""
+    if not samples or "compare_ttft_ms" in samples[0]:
+        return {}
+    seq = sorted([(s["direct_sent"], "direct", s["direct_id"]) for s in samples] +
+                 [(s["gateway_sent"], "gateway", s["gateway_id"]) for s in samples])
+    by: dict[str, list[float]] = {}
+    for (_, prev, _), (_, kind, rid) in itertools.pairwise(seq):
+        if rid in lane_ttft:
+            by.setdefault(f"{kind} after {prev}", []).append(lane_ttft[rid])
+    return {k: round(statistics.median(v), 2) for k, v in sorted(by.items())}
+
+
 def stage_report(tmp: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Where each measured pair's time went, from the started gateway's ``trace_stages`` lines and the lane's
     access log, joined by request id: the medians of the gateway's stages (ms since the request arrived: ``body``
@@ -425,6 +442,7 @@ def stage_report(tmp: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
             "lane_ttft_mean_ms": {k: round(statistics.fmean(v), 3) for k, v in
                                   (("direct", seg_lists.get("lane_ttft_direct", [])),
                                    ("gateway", seg_lists.get("lane_ttft_gateway", []))) if v},
+            "lane_ttft_by_previous_ms": lane_ttft_by_previous(samples, lane_ttft),
             "segments_ms": {k: {"median": round(statistics.median(v), 3), "p99": round(_pct(v, 0.99), 3)}
                             for k, v in seg_lists.items()},
             "steps_ms": {k: {"median": round(statistics.median(v), 3), "p99": round(_pct(v, 0.99), 3)}
@@ -538,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  gateway stages, median ms since arrival: " +
               ", ".join(f"{k} {v:.2f}" for k, v in st["gateway_stage_median_ms"].items()))
         print("  lane's own TTFT, mean ms: " + ", ".join(f"{k} {v:.2f}" for k, v in st["lane_ttft_mean_ms"].items()))
+        if st["lane_ttft_by_previous_ms"]:
+            print("  lane's own TTFT by the request before it, median ms: " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in st["lane_ttft_by_previous_ms"].items()))
         print(f"  segments of the gateway's requests ({st['pairs_joined']} pairs joined), median / p99 ms: " +
               ", ".join(f"{k} {v['median']:.2f} / {v['p99']:.2f}" for k, v in st["segments_ms"].items()))
         print("  gateway steps, median / p99 ms: " +

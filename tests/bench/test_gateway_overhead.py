@@ -109,3 +109,15 @@ def test_a_short_run_against_a_given_model(tmp_path: Path) -> None:
     assert all(
         0 < x["direct_ttft_ms"] <= x["direct_total_ms"] and 0 < x["gateway_ttft_ms"] for x in rep["samples"]
     )
+
+
+def test_lane_ttft_is_grouped_by_the_request_before_it() -> None:
+    """Requests in sending order G D | D G | G D: each lane TTFT lands under what the lane served just before."""
+    samples = [{"direct_sent": 2.0, "gateway_sent": 1.0, "direct_id": "d0", "gateway_id": "g0"},
+               {"direct_sent": 3.0, "gateway_sent": 4.0, "direct_id": "d1", "gateway_id": "g1"},
+               {"direct_sent": 6.0, "gateway_sent": 5.0, "direct_id": "d2", "gateway_id": "g2"}]
+    ttft = {"g0": 99.0, "d0": 6.0, "d1": 7.0, "g1": 8.0, "g2": 18.0, "d2": 5.0}
+    assert go.lane_ttft_by_previous(samples, ttft) == {
+        "direct after direct": 7.0, "direct after gateway": 5.5, "gateway after direct": 8.0,
+        "gateway after gateway": 18.0}
+    assert go.lane_ttft_by_previous([{**samples[0], "compare_ttft_ms": 1.0}], ttft) == {}
