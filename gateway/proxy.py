@@ -115,6 +115,26 @@ async def _race(request: web.Request, aw: Awaitable[T], timeout: float) -> T:
                 await task
 
 
+_END_WAIT_S = 1.0  # how long a finished stream's upstream may take to send its body's end (the chunked terminator)
+
+
+async def body_ended(up: aiohttp.ClientResponse, timeout: float = _END_WAIT_S) -> bool:
+    """Whether the upstream body reached its end, waiting up to ``timeout`` for it: a stream whose ``[DONE]`` was
+    read may still lack its terminator (the lane wrote them apart, so they came in two segments). Released before
+    the end, aiohttp closes the connection, and the next request pays a new one (and the lane a closed one); read
+    to the end, it goes back to the pool. Called after the client has its whole answer, so it costs the client
+    nothing."""
+    if up.content.at_eof():
+        return True
+    try:
+        async with asyncio.timeout(timeout):
+            while await up.content.readany():  # what a lane sends after [DONE] is dropped
+                pass
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return False
+    return up.content.at_eof()
+
+
 def _error_code(raw: bytes) -> str | None:
     """The ``code`` (else ``type``) of an OpenAI-shaped error body, for logs and the request log."""
     try:
@@ -572,7 +592,7 @@ class _Call:
                     assert self.resp is not None
                     with contextlib.suppress(ClientGone):
                         await self._send(self.resp.write_eof())
-                    clean = True
+                    clean = await body_ended(up)  # the connection back to the pool, not closed
                     return self.resp
         except LaneFailure as f:
             if not self.first_sent:

@@ -494,15 +494,17 @@ async def _stream(request: web.Request, st: LaneState, run: Run) -> web.StreamRe
             last_write = now
         else:
             failure = run.failure()
+            tail = b""
             if failure is not None:  # after a 200 the only way to say it is an SSE error event
                 request_info().error = failure.code
-                await resp.write(b"data: " + _dumps(failure.body()) + b"\n\n")
+                tail = b"data: " + _dumps(failure.body()) + b"\n\n"
             elif run.req.include_usage:
                 usage = run.chunk([])
                 usage["usage"] = run.usage()
-                await resp.write(b"data: " + _dumps(usage) + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                tail = b"data: " + _dumps(usage) + b"\n\n"
+            # the last events and the body's end in one write (one segment): a proxy that stops reading at [DONE]
+            # then finds the connection at its end and keeps it for the next request
+            await resp.write_eof(tail + b"data: [DONE]\n\n")
             gone = False
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the client hung up
         pass
@@ -511,8 +513,7 @@ async def _stream(request: web.Request, st: LaneState, run: Run) -> web.StreamRe
         request_info().error = "internal_error"
         with contextlib.suppress(Exception):
             err = APIError(500, "internal server error", code="internal_error")
-            await resp.write(b"data: " + _dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
-            await resp.write_eof()
+            await resp.write_eof(b"data: " + _dumps(err.body()) + b"\n\ndata: [DONE]\n\n")
             gone = False
     finally:
         run.close(gone)

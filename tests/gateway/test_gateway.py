@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from aiohttp import web_protocol
 
 from gateway.keys import KeySpec
 from tests.gateway.conftest import (
@@ -141,6 +142,29 @@ async def test_stream_chunks_relayed_as_the_lane_wrote_them_less_the_usage(gw: G
         for d in (mine, theirs):
             d.pop("id"), d.pop("created")
         assert list(mine) == list(theirs) and mine == theirs
+
+
+async def test_streams_keep_their_lane_connections(gw: GW, http: aiohttp.ClientSession, key: str,
+                                                  lanes: dict[str, Lane], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finished streams hand their upstream connections back to the gateway's pool: six streams in a row open
+    at most one new connection per lane (a connection closed at each [DONE] would cost every request a new one,
+    and the lane a closed one)."""
+    ports = {int(lane.url.rsplit(":", 1)[1]) for lane in lanes.values()}
+    opened: list[int] = []
+    made = web_protocol.RequestHandler.connection_made
+
+    def counting(self: web_protocol.RequestHandler, transport: asyncio.BaseTransport) -> None:
+        if transport.get_extra_info("sockname")[1] in ports:
+            opened.append(transport.get_extra_info("sockname")[1])
+        made(self, transport)
+
+    monkeypatch.setattr(web_protocol.RequestHandler, "connection_made", counting)
+    body = {"model": "strata-default", "messages": QUESTION, "max_tokens": 2, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    for _ in range(6):
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth(key)) as r:
+            assert r.status == 200 and (await sse(r))[-1] == "data: [DONE]"
+    assert len(opened) <= len(ports), opened
 
 
 async def test_stream_row_journaled_while_the_lane_prefills(gw: GW, http: aiohttp.ClientSession, key: str,

@@ -16,6 +16,7 @@ from gateway.errors import APIError
 from gateway.keys import KeyRecord
 from gateway.limits import Limiter
 from gateway.metrics import GatewayMetrics
+from gateway.proxy import body_ended
 from gateway.window import fit
 
 
@@ -220,3 +221,44 @@ async def test_health_poll_timeouts_must_repeat_but_a_refusal_counts_at_once(unu
             await runner.cleanup()
         await d.poll_lane(lane)  # nothing listens now
         assert not lane.ready and lane.health == "unreachable"
+
+
+async def test_a_finished_stream_keeps_its_upstream_connection(unused_tcp_port: int) -> None:
+    """An upstream that sends ``[DONE]`` and its chunked terminator apart (two writes, 50 ms between): released at
+    ``[DONE]``, aiohttp closes the connection and the next request opens another; read to the body's end first
+    (``body_ended``), the connection goes back to the pool. One that never ends is given up after the timeout."""
+    peers: list[int] = []
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername")[1])  # type: ignore[union-attr]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.05 if request.query.get("end") != "never" else 30)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/s", stream)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    url = f"http://127.0.0.1:{unused_tcp_port}/s"
+    try:
+        async with aiohttp.ClientSession() as session:
+            for wait_for_end in (False, False, True, True):
+                up = await session.get(url)
+                assert await up.content.readline() == b"data: [DONE]\n"
+                if wait_for_end:
+                    assert await body_ended(up)
+                up.release()
+            assert peers[0] != peers[1] != peers[2]  # released at [DONE]: a new connection each time
+            assert peers[3] == peers[2]  # read to its end: the same connection again
+            up = await session.get(url, params={"end": "never"})
+            assert await up.content.readline() == b"data: [DONE]\n"
+            t0 = time.monotonic()
+            assert not await body_ended(up, timeout=0.2)
+            assert time.monotonic() - t0 < 2
+            up.close()
+    finally:
+        await runner.cleanup()

@@ -6,6 +6,8 @@ import asyncio
 import os
 
 import aiohttp
+import pytest
+from aiohttp.http_writer import StreamWriter
 
 from engine.engine import Engine
 from lanes.server import EngineFactory
@@ -93,3 +95,22 @@ async def test_pings_while_waiting_for_first_token(engine_factory: EngineFactory
     first_data = next(i for i, ln in enumerate(events) if ln.startswith("data: "))
     assert first_data >= 1 and all(ln.startswith(": ping") for ln in events[:first_data])
     assert events[-1].strip() == "data: [DONE]"
+
+
+async def test_stream_ends_with_done_and_the_terminator_in_one_write(engine_factory: EngineFactory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream's usage chunk, ``[DONE]`` and the chunked body's end leave in one write (one segment), so they
+    arrive together: a proxy that stops at ``[DONE]`` finds the connection at its end and keeps it
+    (gateway/proxy.py body_ended). The lane's socket writes are recorded where aiohttp makes them."""
+    writes: list[bytes] = []
+    plain, lines = StreamWriter._write, StreamWriter._writelines
+    monkeypatch.setattr(StreamWriter, "_write", lambda self, c: (writes.append(bytes(c)), plain(self, c))[1])
+    monkeypatch.setattr(StreamWriter, "_writelines",
+                        lambda self, cs: (writes.append(b"".join(bytes(c) for c in cs)), lines(self, cs))[1])
+    async with running_lane(lane_config(), engine_factory) as lane, aiohttp.ClientSession() as s:
+        body = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with s.post(lane.url + "/v1/completions", json=body) as r:
+            assert (await r.read()).endswith(b"data: [DONE]\n\n")
+    last = [w for w in writes if b"[DONE]" in w]
+    assert len(last) == 1 and b'"usage":{' in last[0] and last[0].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
