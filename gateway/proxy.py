@@ -588,10 +588,13 @@ class _Call:
                             "id": self.trace.id, "object": "chat.completion.chunk", "created": int(time.time()),
                             "model": self.trace.model, "choices": [], "citations": rag_citations(self.rag)})
                     self._log_row(200)  # complete before the client learns it is
-                    await self._write(lane, b"data: [DONE]\n\n" if self.relay is None else await self.relay.end())
+                    end = b"data: [DONE]\n\n" if self.relay is None else await self.relay.end()
+                    if self.resp is None:
+                        await self._commit(lane)
                     assert self.resp is not None
-                    with contextlib.suppress(ClientGone):
-                        await self._send(self.resp.write_eof())
+                    # the last events and the body's end in one write, as the lane sends them: a client that stops
+                    # at [DONE] finds its connection at the end and can keep it
+                    await self._send(self.resp.write_eof(end))
                     clean = await body_ended(up)  # the connection back to the pool, not closed
                     return self.resp
         except LaneFailure as f:

@@ -13,6 +13,7 @@ import openai
 import pytest
 import pytest_asyncio
 from aiohttp import web_protocol
+from aiohttp.http_writer import StreamWriter
 
 from gateway.keys import KeySpec
 from tests.gateway.conftest import (
@@ -144,11 +145,16 @@ async def test_stream_chunks_relayed_as_the_lane_wrote_them_less_the_usage(gw: G
         assert list(mine) == list(theirs) and mine == theirs
 
 
-async def test_streams_keep_their_lane_connections(gw: GW, http: aiohttp.ClientSession, key: str,
-                                                  lanes: dict[str, Lane], monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_streams_keep_their_connections(gw: GW, http: aiohttp.ClientSession, key: str,
+                                             lanes: dict[str, Lane], monkeypatch: pytest.MonkeyPatch) -> None:
     """Finished streams hand their upstream connections back to the gateway's pool: six streams in a row open
     at most one new connection per lane (a connection closed at each [DONE] would cost every request a new one,
-    and the lane a closed one)."""
+    and the lane a closed one). The gateway ends its own streams as the lanes do, ``[DONE]`` and the chunked
+    terminator in one write (recorded at aiohttp's writer), so its clients can keep theirs too."""
+    writes: list[bytes] = []
+    lines = StreamWriter._writelines
+    monkeypatch.setattr(StreamWriter, "_writelines",
+                        lambda self, cs: (writes.append(b"".join(bytes(c) for c in cs)), lines(self, cs))[1])
     ports = {int(lane.url.rsplit(":", 1)[1]) for lane in lanes.values()}
     opened: list[int] = []
     made = web_protocol.RequestHandler.connection_made
@@ -165,6 +171,8 @@ async def test_streams_keep_their_lane_connections(gw: GW, http: aiohttp.ClientS
         async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth(key)) as r:
             assert r.status == 200 and (await sse(r))[-1] == "data: [DONE]"
     assert len(opened) <= len(ports), opened
+    ends = [w for w in writes if b"data: [DONE]" in w]
+    assert len(ends) == 12 and all(w.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") for w in ends)  # 6 lane, 6 gateway
 
 
 async def test_stream_row_journaled_while_the_lane_prefills(gw: GW, http: aiohttp.ClientSession, key: str,
