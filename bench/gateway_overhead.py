@@ -403,11 +403,14 @@ def stage_report(tmp: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
         stages = {name: float(ms) for name, ms in (part.rsplit(":", 1) for part in f["stages"].split(","))}
         gw[f["id"]] = (float(f["t0"]), stages)
     lane_ttft: dict[str, float] = {}
+    lane_conn: dict[str, int] = {}  # the request's ordinal on its connection at the lane (1: a new connection)
     for ln in (tmp / "lane.log").read_text(errors="replace").splitlines():
         if "POST /v1/chat/completions" in ln and " ttft=" in ln and " xrid=" in ln:
             f = _fields(ln)
             with contextlib.suppress(ValueError):
                 lane_ttft[f["xrid"]] = float(f["ttft"]) * 1000
+            with contextlib.suppress(KeyError, ValueError):
+                lane_conn[f["xrid"]] = int(f["conn"])
     stage_lists: dict[str, list[float]] = {}
     seg_lists: dict[str, list[float]] = {}
     step_lists: dict[str, list[float]] = {}  # from one stage to the next
@@ -443,6 +446,8 @@ def stage_report(tmp: Path, samples: list[dict[str, Any]]) -> dict[str, Any]:
                                   (("direct", seg_lists.get("lane_ttft_direct", [])),
                                    ("gateway", seg_lists.get("lane_ttft_gateway", []))) if v},
             "lane_ttft_by_previous_ms": lane_ttft_by_previous(samples, lane_ttft),
+            "gateway_requests_on_a_new_lane_connection": sum(
+                1 for smp in samples if lane_conn.get(smp["gateway_id"]) == 1),
             "segments_ms": {k: {"median": round(statistics.median(v), 3), "p99": round(_pct(v, 0.99), 3)}
                             for k, v in seg_lists.items()},
             "steps_ms": {k: {"median": round(statistics.median(v), 3), "p99": round(_pct(v, 0.99), 3)}
@@ -559,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         if st["lane_ttft_by_previous_ms"]:
             print("  lane's own TTFT by the request before it, median ms: " +
                   ", ".join(f"{k} {v:.1f}" for k, v in st["lane_ttft_by_previous_ms"].items()))
+        print(f"  the gateway's requests that reached the lane on a new connection: "
+              f"{st['gateway_requests_on_a_new_lane_connection']} of {st['pairs_joined']}")
         print(f"  segments of the gateway's requests ({st['pairs_joined']} pairs joined), median / p99 ms: " +
               ", ".join(f"{k} {v['median']:.2f} / {v['p99']:.2f}" for k, v in st["segments_ms"].items()))
         print("  gateway steps, median / p99 ms: " +

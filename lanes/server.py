@@ -235,6 +235,9 @@ def _finish(request: web.Request, info: RequestInfo, resp: web.StreamResponse | 
     fields = [f"lane={st.config.name}", f"{request.method} {request.path}", f"status={status}"]
     if info.xrid:
         fields.append(f"xrid={info.xrid}")
+    served = getattr(request.protocol, "_request_count", None)  # aiohttp's count of requests on this connection
+    if isinstance(served, int):
+        fields.append(f"conn={served}")  # 1: a new connection; more: kept alive (a proxy that keeps its pool)
     if info.error:
         fields.append(f"error={info.error}")
         st.metrics.errors.labels(code=info.error.split(" ", 1)[0]).inc()

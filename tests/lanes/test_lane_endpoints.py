@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import aiohttp
@@ -114,3 +115,16 @@ async def test_stream_ends_with_done_and_the_terminator_in_one_write(engine_fact
             assert (await r.read()).endswith(b"data: [DONE]\n\n")
     last = [w for w in writes if b"[DONE]" in w]
     assert len(last) == 1 and b'"usage":{' in last[0] and last[0].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+async def test_access_line_counts_the_requests_of_a_connection(engine_factory: EngineFactory,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """``conn=N``: the request's ordinal on its connection, 1 for a new one: a proxy that keeps its upstream
+    connections shows 2, 3, ... (bench.gateway_overhead counts the gateway's requests that came on a new one)."""
+    caplog.set_level(logging.INFO, logger="strata.lanes")
+    async with running_lane(lane_config(), engine_factory) as lane, aiohttp.ClientSession() as s:
+        for i in range(3):
+            async with s.post(lane.url + "/tokenize", json={"prompt": "Hi"}, headers={"X-Request-Id": f"c{i}"}) as r:
+                assert r.status == 200
+    lines = [rec.getMessage() for rec in caplog.records if "POST /tokenize" in rec.getMessage()]
+    assert [ln.split(" conn=")[1].split()[0] for ln in lines] == ["1", "2", "3"]
