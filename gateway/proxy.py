@@ -120,7 +120,7 @@ _END_WAIT_S = 1.0  # how long a finished stream's upstream may take to send its 
 
 async def body_ended(up: aiohttp.ClientResponse, timeout: float = _END_WAIT_S) -> bool:
     """Whether the upstream body reached its end, waiting up to ``timeout`` for it: a stream whose ``[DONE]`` was
-    read may still lack its terminator (the lane wrote them apart, so they came in two segments). Released before
+    read may still lack its terminator (an upstream that writes them apart sends two segments). Released before
     the end, aiohttp closes the connection, and the next request pays a new one (and the lane a closed one); read
     to the end, it goes back to the pool. Called after the client has its whole answer, so it costs the client
     nothing."""
