@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["parse_cpu_list", "pin_process"]
+__all__ = ["cpu_list_value", "parse_cpu_list", "pin_process"]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -23,6 +23,14 @@ def parse_cpu_list(text: str) -> list[int]:
             raise ValueError(f"bad CPU range {part!r}")
         out.extend(range(a, b + 1))
     return out
+
+
+def cpu_list_value(v: object) -> object:
+    """A config field's CPU list before validation: a number (an environment value decodes as JSON, so ``CORES=3``
+    arrives as 3) is that one CPU, a string the cpulist syntax; anything else as given."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    return parse_cpu_list(v) if isinstance(v, str) else v
 
 
 def pin_process(cores: Sequence[int]) -> None:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
-from common.cpus import parse_cpu_list
+from common.cpus import cpu_list_value
 from gateway.documents.config import RagConfig
 from memory.config import MemoryConfig
 
@@ -197,9 +197,7 @@ class GatewayConfig(BaseModel):
     @field_validator("cores", mode="before")
     @classmethod
     def _cores_text(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool):  # STRATA_GATEWAY_CORES=3 reads as a number
-            return [v]
-        return parse_cpu_list(v) if isinstance(v, str) else v
+        return cpu_list_value(v)
 
     @field_validator("cores", mode="after")
     @classmethod

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
-from common.cpus import parse_cpu_list
+from common.cpus import cpu_list_value, parse_cpu_list
 from engine.rope import RopeOverrides, ScalingType
 from engine.scheduler import SchedulerConfig
 
@@ -102,11 +102,9 @@ class LaneConfig(BaseModel):
     @field_validator("cores", mode="before")
     @classmethod
     def _cores_text(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool):  # STRATA_LANE_CORES=3 reads as a number
-            return [v]
-        if isinstance(v, str) and v.strip().lower() != "auto":
-            return parse_cpu_list(v)
-        return v.strip().lower() if isinstance(v, str) else v
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        return cpu_list_value(v)
 
     @field_validator("cores", mode="after")
     @classmethod
