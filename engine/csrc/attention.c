@@ -654,8 +654,9 @@ T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, 
  * share each K and V load and int8 conversion. A key past a query's end gets weight 0, whose
  * fma leaves the accumulator's bits unchanged, so a query's result does not depend on the
  * queries beside it (a tile gives each token its decode bits). Writes the unnormalised value
- * sums to o + g * o_stride, and the max and sum of each query to mx, sum. S: NB rows of
- * round_up(e[NB-1] - j0, 16) floats. Registers: 8 accumulators, 3 key vectors, 1 broadcast. */
+ * sums to o + g * o_stride, and the max and sum of each query to mx, sum. S: 2 * NB rows of
+ * round_up(e[NB-1] - j0, 16) floats (scores, then weights times scales). Registers: 8
+ * accumulators, 2 key or value vectors, 1 broadcast. */
 T256 static inline __attribute__((always_inline)) void q8_nb_256(const kv_view *kv, const float *q, int64_t q_stride,
                                                                  const int NB, int32_t j0, const int32_t *e, float *S,
                                                                  float *mx, float *sum, float *o, int64_t o_stride) {
@@ -675,9 +676,9 @@ T256 static inline __attribute__((always_inline)) void q8_nb_256(const kv_view *
             __m256 d0[4], d1[4];
             for (int g = 0; g < NB; g++) d0[g] = d1[g] = _mm256_setzero_ps();
             for (int d = 32 * gr; d < 32 * gr + 32; d++) {
-                const __m128i kk = _mm_loadu_si128((const __m128i *)(kb + (size_t)d * (size_t)bs));
-                const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(kk));
-                const __m256 k1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(kk, kk)));
+                const int8_t *kd = kb + (size_t)d * (size_t)bs;
+                const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)kd)));
+                const __m256 k1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(kd + 8))));
                 for (int g = 0; g < NB; g++) {
                     const __m256 qd = _mm256_set1_ps(q[g * q_stride + d]);
                     d0[g] = _mm256_fmadd_ps(qd, k0, d0[g]);
@@ -696,42 +697,64 @@ T256 static inline __attribute__((always_inline)) void q8_nb_256(const kv_view *
     }
     for (int g = 0; g < NB; g++) {
         float *Sg = S + g * rs;
-        const int32_t ng = e[g] - j0;
-        float m = -INFINITY;
-        for (int32_t j = 0; j < ng; j++) m = Sg[j] > m ? Sg[j] : m;
+        const int32_t ng = e[g] - j0, full = ng / 8 * 8;
+        __m256 mv = _mm256_set1_ps(-INFINITY); /* the max is the same in any order */
+        for (int32_t j = 0; j < full; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(Sg + j));
+        float mb[8], m = -INFINITY;
+        _mm256_storeu_ps(mb, mv);
+        for (int l = 0; l < 8; l++) m = mb[l] > m ? mb[l] : m;
+        for (int32_t j = full; j < ng; j++) m = Sg[j] > m ? Sg[j] : m;
         for (int32_t j = 0; j < ng; j += 8)
             _mm256_storeu_ps(Sg + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(Sg + j), _mm256_set1_ps(m))));
         for (int32_t j = ng; j < n; j++) Sg[j] = 0.0f; /* keys this query does not see */
-        float s = 0.0f;
-        for (int32_t j = 0; j < ng; j++) s += Sg[j];
-        mx[g] = m, sum[g] = s;
+        mx[g] = m;
     }
+    /* The sums, each sequential over keys (the reference's order); the queries' chains interleave.
+     * Past a query's end its terms are 0, which leave the sum's bits unchanged. */
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int32_t j = 0; j < n; j++)
+        for (int g = 0; g < NB; g++) s[g] += S[g * rs + j];
+    for (int g = 0; g < NB; g++) sum[g] = s[g];
+    /* Values, a group of 32 dimensions (one scale per key) at a time: W holds each query's weight
+     * times the key's scale (q8_add_value's ws), then two passes of 16 dimensions over the keys. */
+    float *W = S + NB * rs; /* NB rows of rs */
     const size_t vrow = (size_t)kv->v_dim, n_sc = (size_t)(kv->v_dim / 32), c0 = (size_t)kv->kvh * (size_t)kv->vd;
-    for (int c = 0; c < kv->vd; c += 16) { /* 16 dimensions (half a scale group) at a time */
-        __m256 a0[4], a1[4];
-        for (int g = 0; g < NB; g++) a0[g] = a1[g] = _mm256_setzero_ps();
-        for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
+    for (int c32 = 0; c32 < kv->vd; c32 += 32) {
+        for (int32_t j = j0; j < j1;) {
             const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
             const size_t row = (size_t)kv->bt[j / bs] * (size_t)bs + (size_t)(j % bs);
-            const int8_t *vb = kv->v8 + row * vrow + c0 + (size_t)c;
-            const f16_t *sr = kv->vs + row * n_sc + (c0 + (size_t)c) / 32;
-            const float *Sj = S + (j - j0);
+            const f16_t *sr = kv->vs + row * n_sc + (c0 + (size_t)c32) / 32;
             for (int32_t jj = 0; jj < jn; jj++) {
-                const __m128i vv = _mm_loadu_si128((const __m128i *)(vb + (size_t)jj * vrow));
-                const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(vv));
-                const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(vv, vv)));
-                const float sc = f16_to_f32(sr[(size_t)jj * n_sc]);
-                for (int g = 0; g < NB; g++) {
-                    const __m256 w = _mm256_set1_ps(Sj[g * rs + jj] * sc);
-                    a0[g] = _mm256_fmadd_ps(w, v0, a0[g]);
-                    a1[g] = _mm256_fmadd_ps(w, v1, a1[g]);
-                }
+                const float sc = _cvtsh_ss(sr[(size_t)jj * n_sc]);
+                for (int g = 0; g < NB; g++) W[g * rs + j - j0 + jj] = S[g * rs + j - j0 + jj] * sc;
             }
             j += jn;
         }
-        for (int g = 0; g < NB; g++) {
-            _mm256_storeu_ps(o + g * o_stride + c, a0[g]);
-            _mm256_storeu_ps(o + g * o_stride + c + 8, a1[g]);
+        for (int c = c32; c < c32 + 32; c += 16) {
+            __m256 a0[4], a1[4];
+            for (int g = 0; g < NB; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+            for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
+                const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
+                const size_t row = (size_t)kv->bt[j / bs] * (size_t)bs + (size_t)(j % bs);
+                const int8_t *vb = kv->v8 + row * vrow + c0 + (size_t)c;
+                const float *Wj = W + (j - j0);
+                for (int32_t jj = 0; jj < jn; jj++) {
+                    const int8_t *vr = vb + (size_t)jj * vrow;
+                    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)vr)));
+                    const __m256 v1 =
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vr + 8))));
+                    for (int g = 0; g < NB; g++) {
+                        const __m256 w = _mm256_broadcast_ss(Wj + g * rs + jj);
+                        a0[g] = _mm256_fmadd_ps(w, v0, a0[g]);
+                        a1[g] = _mm256_fmadd_ps(w, v1, a1[g]);
+                    }
+                }
+                j += jn;
+            }
+            for (int g = 0; g < NB; g++) {
+                _mm256_storeu_ps(o + g * o_stride + c, a0[g]);
+                _mm256_storeu_ps(o + g * o_stride + c + 8, a1[g]);
+            }
         }
     }
 }
