@@ -10,7 +10,12 @@ rounds: tok/s, and the attention block's ms per token from the steps' StepStats 
 projections, RoPE and the attention itself). The prefill speed of each
 stretch is printed too (tiles, unchanged by the split).
 
-``--kv-type q8_0`` runs the engine on its 8-bit KV cache (``f16`` the default).
+``--kv-type q8_0`` runs the engine on its 8-bit KV cache (``f16`` the default). ``--unfilled`` decodes at
+each depth without prefilling it, for a kernel as slow as the 8-bit cache's generic reference (about
+0.06 GB/s per thread), which would take an hour to prefill a few thousand tokens: its speed does not
+depend on the cached values, nor on where they are read from. The cache's unwritten pages may all
+map the kernel's one zero page, always in cache, so a kernel near memory bandwidth reads faster
+than it would from a filled cache: time those filled.
 
 ``--kernel`` measures the attention kernels alone instead, on one thread and random caches: one
 decode query's GQA group (``--group`` query heads of one KV head of ``--head-dim``) over D keys in
@@ -166,7 +171,7 @@ def time_decode(eng: Any, table: list[int], ids: Sequence[int], depth: int) -> t
 
 
 def run(model: Path, threads: int, depths: Sequence[int], n_tokens: int, rounds: int,
-        log: Callable[[str], None], kv_type: str = "f16") -> dict[str, Any]:
+        log: Callable[[str], None], kv_type: str = "f16", unfilled: bool = False) -> dict[str, Any]:
     from engine.engine import Engine
     from engine.native import ffi, lib, set_attn_split
 
@@ -186,7 +191,7 @@ def run(model: Path, threads: int, depths: Sequence[int], n_tokens: int, rounds:
                 time_decode(eng, table, ids[:2], 0)
             for depth in depths:
                 prefill_tok_s = float("nan")
-                if depth > filled:
+                if depth > filled and not unfilled:
                     log(f"prefill {filled} -> {depth} ...")
                     t0 = time.perf_counter()
                     eng.prefill(ids[filled:depth], table, filled)
@@ -219,7 +224,7 @@ def run(model: Path, threads: int, depths: Sequence[int], n_tokens: int, rounds:
         load_after = []
     return {"machine": machine, "load_after": load_after, "model": {"path": str(model), "shape": shape},
             "config": {"threads": threads, "depths": list(depths), "tokens": n_tokens, "rounds": rounds,
-                       "kv_type": kv_type},
+                       "kv_type": kv_type, "unfilled": unfilled},
             "rows": rows}
 
 
@@ -252,6 +257,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=16, help="decode steps per sample (default 16)")
     ap.add_argument("--rounds", type=int, default=3, help="samples per mode and depth (default 3)")
     ap.add_argument("--kv-type", choices=KV_TYPES, default="f16", help="the engine's KV cache (default f16)")
+    ap.add_argument("--unfilled", action="store_true",
+                    help="decode at each depth without prefilling it (the keys are whatever the cache holds): for "
+                    "timing kernels too slow to prefill to depth, e.g. the 8-bit cache's generic reference (unwritten "
+                    "pages may read from cache: not for kernels near memory bandwidth)")
     ap.add_argument("--kernel", action="store_true",
                     help="time the attention kernels alone (one thread, random caches): ref vs the selected variant")
     ap.add_argument("--head-dim", type=int, default=128, help="with --kernel: head dimensions (multiple of 32)")
@@ -295,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no such model file: {a.model}", file=sys.stderr)
         return 2
 
-    rep = run(a.model.resolve(), threads, depths, a.tokens, a.rounds, log, a.kv_type)
+    rep = run(a.model.resolve(), threads, depths, a.tokens, a.rounds, log, a.kv_type, a.unfilled)
     print(format_report(rep))
     if a.markdown:
         print("\n" + format_markdown(rep))
