@@ -20,7 +20,10 @@
  * order. Per query the partial kernel runs the decode kernel's operations over its chunk, so a
  * single chunk gives the unsplit result bit for bit; several chunks differ from it by the
  * rounding of the rescaling (docs/engine.md states the tolerance). Each variant has its
- * partial kernel (part_ref, part_256, part_512); the combine is one generic function. */
+ * partial kernel (part_ref, part_256, part_512); the combine is one generic function.
+ *
+ * The 8-bit cache (kv_view.k8) has its reference (attn_q8_ref, part_q8_ref) and one SIMD version,
+ * AVX2 (attn_q8_256, part_q8_256), which AVX-512 CPUs run too; its rule is under q8_nb_256. */
 #include <math.h>
 #include <stdlib.h>
 
