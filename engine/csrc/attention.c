@@ -20,7 +20,10 @@
  * order. Per query the partial kernel runs the decode kernel's operations over its chunk, so a
  * single chunk gives the unsplit result bit for bit; several chunks differ from it by the
  * rounding of the rescaling (docs/engine.md states the tolerance). Each variant has its
- * partial kernel (part_ref, part_256, part_512); the combine is one generic function. */
+ * partial kernel (part_ref, part_256, part_512); the combine is one generic function.
+ *
+ * The 8-bit cache (kv_view.k8) has its reference (attn_q8_ref, part_q8_ref) and one SIMD version,
+ * AVX2 (attn_q8_256, part_q8_256), which AVX-512 CPUs run too; its rule is under q8_nb_256. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -643,15 +646,179 @@ T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, 
     else attn_tile_256(kv, q, q_stride, nq, p0, out, o_stride, scratch);
 }
 
+/* ------------------------------------------------------------------ 8-bit cache: AVX2 */
+
+/* The 8-bit cache's kernel for NB (1..4) queries of one KV head over keys [j0, e[NB-1]), query g
+ * seeing keys [j0, e[g]) (ends nondecreasing; j0 a multiple of 16). Per query it runs the
+ * reference's operations in the reference's order (q8_score's fma chains over each group of 32
+ * dimensions and over the groups, the sequential max and sum over keys, q8_add_value's
+ * w * scale and fma chain over keys), with keys in vector lanes for the scores and dimensions
+ * in lanes for the values; only the exponential differs (exp256, ~1 ulp, for expf). The queries
+ * share each K and V load and int8 conversion. A key past a query's end gets weight 0, whose
+ * fma leaves the accumulator's bits unchanged, so a query's result does not depend on the
+ * queries beside it (a tile gives each token its decode bits). Writes the unnormalised value
+ * sums to o + g * o_stride, and the max and sum of each query to mx, sum. S: 2 * NB rows of
+ * round_up(e[NB-1] - j0, 16) floats (scores, then weights times scales). Registers: 8
+ * accumulators, 2 key or value vectors, 1 broadcast. */
+T256 static inline __attribute__((always_inline)) void q8_nb_256(const kv_view *kv, const float *q, int64_t q_stride,
+                                                                 const int NB, int32_t j0, const int32_t *e, float *S,
+                                                                 float *mx, float *sum, float *o, int64_t o_stride) {
+    const int hd = kv->hd;
+    const int32_t bs = kv->bs, j1 = e[NB - 1], n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
+    const size_t k_dim = (size_t)kv->n_kv * (size_t)hd, h0 = (size_t)kv->kvh * (size_t)hd;
+    for (int32_t oo = 0; oo < n; oo += LANES) { /* 16 keys of one block (a block holds whole groups of 16) */
+        const int32_t j = j0 + oo;
+        const size_t p = (size_t)kv->bt[j / bs], slot = (size_t)(j % bs);
+        const int8_t *kb = kv->k8 + p * (size_t)bs * k_dim + h0 * (size_t)bs + slot;             /* [hd][bs] */
+        const f16_t *sb = kv->ks + p * (size_t)bs * (k_dim / 32) + h0 / 32 * (size_t)bs + slot; /* [hd/32][bs] */
+        for (int g = 0; g < NB; g++) {
+            _mm256_storeu_ps(S + g * rs + oo, _mm256_setzero_ps());
+            _mm256_storeu_ps(S + g * rs + oo + 8, _mm256_setzero_ps());
+        }
+        for (int gr = 0; gr < hd / 32; gr++) {
+            __m256 d0[4], d1[4];
+            for (int g = 0; g < NB; g++) d0[g] = d1[g] = _mm256_setzero_ps();
+            for (int d = 32 * gr; d < 32 * gr + 32; d++) {
+                const int8_t *kd = kb + (size_t)d * (size_t)bs;
+                const __m256 k0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)kd)));
+                const __m256 k1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(kd + 8))));
+                for (int g = 0; g < NB; g++) {
+                    const __m256 qd = _mm256_set1_ps(q[g * q_stride + d]);
+                    d0[g] = _mm256_fmadd_ps(qd, k0, d0[g]);
+                    d1[g] = _mm256_fmadd_ps(qd, k1, d1[g]);
+                }
+            }
+            const f16_t *sg = sb + (size_t)gr * (size_t)bs;
+            const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+            const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 8)));
+            for (int g = 0; g < NB; g++) {
+                float *sp = S + g * rs + oo;
+                _mm256_storeu_ps(sp, _mm256_fmadd_ps(s0, d0[g], _mm256_loadu_ps(sp)));
+                _mm256_storeu_ps(sp + 8, _mm256_fmadd_ps(s1, d1[g], _mm256_loadu_ps(sp + 8)));
+            }
+        }
+    }
+    for (int g = 0; g < NB; g++) {
+        float *Sg = S + g * rs;
+        const int32_t ng = e[g] - j0, full = ng / 8 * 8;
+        __m256 mv = _mm256_set1_ps(-INFINITY); /* the max is the same in any order */
+        for (int32_t j = 0; j < full; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(Sg + j));
+        float mb[8], m = -INFINITY;
+        _mm256_storeu_ps(mb, mv);
+        for (int l = 0; l < 8; l++) m = mb[l] > m ? mb[l] : m;
+        for (int32_t j = full; j < ng; j++) m = Sg[j] > m ? Sg[j] : m;
+        for (int32_t j = 0; j < ng; j += 8)
+            _mm256_storeu_ps(Sg + j, exp256(_mm256_sub_ps(_mm256_loadu_ps(Sg + j), _mm256_set1_ps(m))));
+        for (int32_t j = ng; j < n; j++) Sg[j] = 0.0f; /* keys this query does not see */
+        mx[g] = m;
+    }
+    /* The sums, each sequential over keys (the reference's order); the queries' chains interleave.
+     * Past a query's end its terms are 0, which leave the sum's bits unchanged. */
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int32_t j = 0; j < n; j++)
+        for (int g = 0; g < NB; g++) s[g] += S[g * rs + j];
+    for (int g = 0; g < NB; g++) sum[g] = s[g];
+    /* Values, a group of 32 dimensions (one scale per key) at a time: W holds each query's weight
+     * times the key's scale (q8_add_value's ws), then two passes of 16 dimensions over the keys. */
+    float *W = S + NB * rs; /* NB rows of rs */
+    const size_t vrow = (size_t)kv->v_dim, n_sc = (size_t)(kv->v_dim / 32), c0 = (size_t)kv->kvh * (size_t)kv->vd;
+    for (int c32 = 0; c32 < kv->vd; c32 += 32) {
+        for (int32_t j = j0; j < j1;) {
+            const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
+            const size_t row = (size_t)kv->bt[j / bs] * (size_t)bs + (size_t)(j % bs);
+            const f16_t *sr = kv->vs + row * n_sc + (c0 + (size_t)c32) / 32;
+            for (int32_t jj = 0; jj < jn; jj++) {
+                const float sc = _cvtsh_ss(sr[(size_t)jj * n_sc]);
+                for (int g = 0; g < NB; g++) W[g * rs + j - j0 + jj] = S[g * rs + j - j0 + jj] * sc;
+            }
+            j += jn;
+        }
+        for (int c = c32; c < c32 + 32; c += 16) {
+            __m256 a0[4], a1[4];
+            for (int g = 0; g < NB; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+            for (int32_t j = j0; j < j1;) { /* keys in order, one block table lookup per block */
+                const int32_t jn = bs - j % bs < j1 - j ? bs - j % bs : j1 - j;
+                const size_t row = (size_t)kv->bt[j / bs] * (size_t)bs + (size_t)(j % bs);
+                const int8_t *vb = kv->v8 + row * vrow + c0 + (size_t)c;
+                const float *Wj = W + (j - j0);
+                for (int32_t jj = 0; jj < jn; jj++) {
+                    const int8_t *vr = vb + (size_t)jj * vrow;
+                    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)vr)));
+                    const __m256 v1 =
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(vr + 8))));
+                    for (int g = 0; g < NB; g++) {
+                        const __m256 w = _mm256_broadcast_ss(Wj + g * rs + jj);
+                        a0[g] = _mm256_fmadd_ps(w, v0, a0[g]);
+                        a1[g] = _mm256_fmadd_ps(w, v1, a1[g]);
+                    }
+                }
+                j += jn;
+            }
+            for (int g = 0; g < NB; g++) {
+                _mm256_storeu_ps(o + g * o_stride + c, a0[g]);
+                _mm256_storeu_ps(o + g * o_stride + c + 8, a1[g]);
+            }
+        }
+    }
+}
+
+/* q8_nb_256 with NB a constant in each inlined copy, so the accumulators stay in registers. */
+T256 static void q8_group_256(const kv_view *kv, const float *q, int64_t q_stride, int nb, int32_t j0,
+                              const int32_t *e, float *S, float *mx, float *sum, float *o, int64_t o_stride) {
+    switch (nb) {
+    case 1: q8_nb_256(kv, q, q_stride, 1, j0, e, S, mx, sum, o, o_stride); break;
+    case 2: q8_nb_256(kv, q, q_stride, 2, j0, e, S, mx, sum, o, o_stride); break;
+    case 3: q8_nb_256(kv, q, q_stride, 3, j0, e, S, mx, sum, o, o_stride); break;
+    default: q8_nb_256(kv, q, q_stride, 4, j0, e, S, mx, sum, o, o_stride); break;
+    }
+}
+
+/* Whole attention (attn_q8_ref's contract): queries four at a time, query i seeing keys
+ * 0..p0+i, then each output row divided by its sum as the reference does. */
+T256 static void attn_q8_256(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
+                             int64_t o_stride, float *scratch) {
+    for (int i = 0; i < nq; i += 4) {
+        const int nb = nq - i < 4 ? nq - i : 4;
+        int32_t e[4];
+        float mx[4], sum[4];
+        for (int g = 0; g < nb; g++) e[g] = p0 + i + g + 1;
+        float *oi = out + i * o_stride;
+        q8_group_256(kv, q + i * q_stride, q_stride, nb, 0, e, scratch, mx, sum, oi, o_stride);
+        for (int g = 0; g < nb; g++) {
+            const __m256 sv = _mm256_set1_ps(sum[g]);
+            for (int d = 0; d < kv->vd; d += 8)
+                _mm256_storeu_ps(oi + g * o_stride + d, _mm256_div_ps(_mm256_loadu_ps(oi + g * o_stride + d), sv));
+        }
+    }
+}
+
+/* Split partials (part_q8_ref's contract): the group's query heads four at a time over one chunk. */
+T256 static void part_q8_256(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
+                             float *part, float *scratch) {
+    const int64_t ps = kv->vd + 2;
+    const int32_t e[4] = {j1, j1, j1, j1};
+    for (int i = 0; i < nq; i += 4) {
+        const int nb = nq - i < 4 ? nq - i : 4;
+        float mx[4], sum[4];
+        float *pi = part + i * ps;
+        q8_group_256(kv, q + i * q_stride, q_stride, nb, j0, e, scratch, mx, sum, pi + 2, ps);
+        for (int g = 0; g < nb; g++) pi[g * ps] = mx[g], pi[g * ps + 1] = sum[g];
+    }
+}
+
 attn_fn st_attn_avx512(void) { return attn_avx512; }
 attn_fn st_attn_avx2(void) { return attn_avx2; }
 attn_part_fn st_attn_part_avx2(void) { return part_256; }
 attn_part_fn st_attn_part_avx512(void) { return part_512; }
+attn_fn st_attn_q8_avx2(void) { return attn_q8_256; }
+attn_part_fn st_attn_part_q8_avx2(void) { return part_q8_256; }
 #else
 attn_fn st_attn_avx512(void) { return NULL; }
 attn_fn st_attn_avx2(void) { return NULL; }
 attn_part_fn st_attn_part_avx2(void) { return NULL; }
 attn_part_fn st_attn_part_avx512(void) { return NULL; }
+attn_fn st_attn_q8_avx2(void) { return NULL; }
+attn_part_fn st_attn_part_q8_avx2(void) { return NULL; }
 #endif
 
 size_t st_attn_scratch_floats(int hd, int32_t max_keys) {

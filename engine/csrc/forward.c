@@ -198,8 +198,8 @@ void st_attention_tiles(st_model *m, st_kv *kv, st_pool *pool, const st_batch *b
     attn_plan plan;
     plan_layer(m, b, st_layer_swa(&m->d, il), L->sinks.data != NULL, st_pool_threads(pool), s->n_tiles, &plan);
     const int q8 = kv->type == ST_KV_Q8_0; /* the 8-bit cache: its own (generic) kernels */
-    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, q8 ? st_attn_q8_ref() : st_attn(), s->split,
-                   plan.n_split, plan.n_split_items, q8 ? st_attn_part_q8_ref() : st_attn_part(), s->parts, s->left};
+    attn_ctx ac = {m, kv, b, il, s->rtiles, s->scores, s->cap_ctx, q8 ? st_attn_q8() : st_attn(), s->split,
+                   plan.n_split, plan.n_split_items, q8 ? st_attn_part_q8() : st_attn_part(), s->parts, s->left};
     for (int32_t i = 0; i < plan.n_split; i++)
         for (int h = 0; h < m->c_n_kv; h++)
             atomic_store_explicit(&s->left[(size_t)i * (size_t)m->c_n_kv + (size_t)h], s->split[i].n_chunks,

@@ -181,9 +181,12 @@ size_t st_attn_scratch_floats(int hd, int32_t max_keys);
 typedef void (*attn_part_fn)(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                              float *part, float *scratch);
 attn_part_fn st_attn_part_ref(void);
-/* The same two over an 8-bit cache (kv_view.k8): generic C, the only variant (a SIMD one is not written yet). */
+/* The same two over an 8-bit cache (kv_view.k8): the generic reference and an AVX2 version (NULL
+ * without x86-64), which AVX-512 CPUs run too (no AVX-512 version is written: no machine to test it on). */
 attn_fn st_attn_q8_ref(void);
 attn_part_fn st_attn_part_q8_ref(void);
+attn_fn st_attn_q8_avx2(void);
+attn_part_fn st_attn_part_q8_avx2(void);
 attn_part_fn st_attn_part_avx2(void);
 attn_part_fn st_attn_part_avx512(void);
 /* Merges n_chunks partials of nq queries (chunk c's at parts + c * chunk_stride) in chunk
@@ -210,6 +213,8 @@ static inline int st_layer_swa(const st_model_desc *d, int il) {
 }
 attn_fn st_attn(void);
 attn_part_fn st_attn_part(void);
+attn_fn st_attn_q8(void);
+attn_part_fn st_attn_part_q8(void);
 int st_type_is_float(int32_t type);
 size_t st_row_bytes(int32_t type, int64_t n);
 

@@ -143,15 +143,16 @@ st_status st_attention_split_kv(int32_t variant, const uint16_t *k, const uint16
                                 int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv, int32_t kv_head,
                                 const float *q, int32_t nq, int32_t n_keys, int32_t chunk, const float *sink,
                                 float *out);
-/* Attention over an 8-bit cache's layout (ST_KV_Q8_0, generic C, the kernels st_forward uses for
- * it): k8 [block][n_kv][head_dim][block_size] int8 with ks [block][n_kv][head_dim/32][block_size]
+/* Attention over an 8-bit cache's layout (ST_KV_Q8_0) with the given variant's kernels (those
+ * st_forward uses for it: the generic reference, or AVX2 for any SIMD variant): k8 [block][n_kv][head_dim][block_size] int8 with ks [block][n_kv][head_dim/32][block_size]
  * F16 scales, v8 [block][block_size][n_kv * v_dim] with vs [block][block_size][n_kv * v_dim / 32].
  * chunk 0: nq (<= 16) queries at positions p0..p0+nq-1 (st_attention_kv's tile); chunk > 0 (a
  * multiple of 16): nq query heads at position p0, split into chunks of keys and combined
  * (st_attention_split_kv's). out [nq][v_dim]. head_dim, v_dim: multiples of 32. For the harness. */
-st_status st_attention_q8(const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
-                          const int32_t *block_table, int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv,
-                          int32_t kv_head, const float *q, int32_t nq, int32_t p0, int32_t chunk, float *out);
+st_status st_attention_q8(int32_t variant, const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
+                          const int32_t *block_table, int32_t block_size, int32_t head_dim, int32_t v_dim,
+                          int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, int32_t chunk,
+                          float *out);
 /* How st_forward splits decode attention: ST_SPLIT_AUTO, the rule of docs/engine.md (by the
  * query's keys and the pool's threads); ST_SPLIT_OFF, never (the per-head kernels: the
  * reference the split is tested and measured against); n >= 16, a multiple of 16: every decode

@@ -76,6 +76,21 @@ static attn_part_fn part_variant(int32_t variant) {
 
 attn_part_fn st_attn_part(void) { return part_variant(g_variant); }
 
+/* The 8-bit cache's kernels: the AVX2 version on every SIMD variant (AVX-512 CPUs too). */
+static attn_fn attn_q8_variant(int32_t variant) {
+    const attn_fn f = resolve(variant) != ST_VARIANT_REF ? st_attn_q8_avx2() : NULL;
+    return f ? f : st_attn_q8_ref();
+}
+
+attn_fn st_attn_q8(void) { return attn_q8_variant(g_variant); }
+
+static attn_part_fn part_q8_variant(int32_t variant) {
+    const attn_part_fn f = resolve(variant) != ST_VARIANT_REF ? st_attn_part_q8_avx2() : NULL;
+    return f ? f : st_attn_part_q8_ref();
+}
+
+attn_part_fn st_attn_part_q8(void) { return part_q8_variant(g_variant); }
+
 dot_q_fn st_dot_q(int32_t type) { return pick_q(resolve(g_variant), type); }
 
 static quant_act_fn quant_variant(int32_t variant) {
@@ -381,9 +396,10 @@ st_status st_kernel_rate(int32_t type, int32_t variant, int64_t n, int32_t nt, d
     return ST_OK;
 }
 
-st_status st_attention_q8(const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
-                          const int32_t *block_table, int32_t block_size, int32_t head_dim, int32_t v_dim, int32_t n_kv,
-                          int32_t kv_head, const float *q, int32_t nq, int32_t p0, int32_t chunk, float *out) {
+st_status st_attention_q8(int32_t variant, const int8_t *k8, const uint16_t *ks, const int8_t *v8, const uint16_t *vs,
+                          const int32_t *block_table, int32_t block_size, int32_t head_dim, int32_t v_dim,
+                          int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, int32_t chunk,
+                          float *out) {
     if (!k8 || !ks || !v8 || !vs || !block_table || !q || !out) return st_fail(ST_EINVAL, "attention_q8: NULL argument");
     if (block_size < ST_ATTN_TILE || block_size > ST_MAX_BLOCK_SIZE || block_size % ST_ATTN_TILE || head_dim < 32 ||
         head_dim > ST_MAX_HEAD_DIM || head_dim % 32 || v_dim < 32 || v_dim > head_dim || v_dim % 32 || n_kv < 1 ||
@@ -391,13 +407,15 @@ st_status st_attention_q8(const int8_t *k8, const uint16_t *ks, const int8_t *v8
         (chunk == 0 && nq > ST_ATTN_TILE) || (chunk != 0 && (nq > ST_MAX_HEADS || chunk < 16 || chunk % 16)))
         return st_fail(ST_EINVAL, "attention_q8: bad shape (bs=%d hd=%d vd=%d n_kv=%d kvh=%d nq=%d p0=%d chunk=%d)",
                        block_size, head_dim, v_dim, n_kv, kv_head, nq, p0, chunk);
+    const st_status rc = check_variant(variant);
+    if (rc) return rc;
     const kv_view view = {NULL, NULL, block_table, block_size, head_dim, v_dim, n_kv, n_kv * v_dim, kv_head,
                           INT32_MAX, NULL, NULL, k8, v8, (const f16_t *)ks, (const f16_t *)vs};
     const int32_t n_keys = p0 + (chunk ? 1 : nq);
     float *scratch = malloc(sizeof(float) * st_attn_scratch_floats(head_dim, n_keys));
     if (!scratch) return st_fail(ST_ENOMEM, "attention_q8: out of memory");
     if (!chunk) {
-        st_attn_q8_ref()(&view, q, head_dim, nq, p0, out, v_dim, scratch);
+        attn_q8_variant(variant)(&view, q, head_dim, nq, p0, out, v_dim, scratch);
         free(scratch);
         return ST_OK;
     }
@@ -408,9 +426,10 @@ st_status st_attention_q8(const int8_t *k8, const uint16_t *ks, const int8_t *v8
         free(scratch);
         return st_fail(ST_ENOMEM, "attention_q8: out of memory");
     }
+    const attn_part_fn fn = part_q8_variant(variant);
     for (int32_t c = 0; c < n_chunks; c++) {
         const int32_t j0 = c * chunk, j1 = n_keys - j0 < chunk ? n_keys : j0 + chunk;
-        st_attn_part_q8_ref()(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
+        fn(&view, q, head_dim, nq, j0, j1, parts + (size_t)c * stride, scratch);
     }
     st_attn_combine(parts, n_chunks, stride, nq, v_dim, NULL, out, v_dim);
     free(scratch), free(parts);

@@ -907,9 +907,10 @@ def q8_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(x.shape), d[..., 0].astype(np.float16)
 
 
+@pytest.mark.parametrize("variant", available_variants())
 @pytest.mark.parametrize(("nq", "p0", "chunk"), [(1, 0, 0), (16, 37, 0), (5, 100, 0), (1, 150, 16), (3, 190, 64),
                                                   (4, 0, 16)])
-def test_attention_q8_against_oracle(nq: int, p0: int, chunk: int) -> None:
+def test_attention_q8_against_oracle(variant: str, nq: int, p0: int, chunk: int) -> None:
     """st_attention_q8 (the 8-bit cache's tile and split kernels) against the float64 oracle over the dequantised
     values; the split equals the unsplit kernel within the split rule."""
     rng = np.random.default_rng(nq * 1000 + p0 + chunk)
@@ -926,9 +927,9 @@ def test_attention_q8_against_oracle(nq: int, p0: int, chunk: int) -> None:
     bt = rng.permutation(n_blocks).astype(np.int32)
     q = (rng.standard_normal((nq, hd)) * 0.3).astype(np.float32)
     out = np.zeros((nq, vd), np.float32)
-    rc = lib.st_attention_q8(ptr(k8, "int8_t *"), ptr(ks, "uint16_t *"), ptr(vq, "int8_t *"), ptr(vdq, "uint16_t *"),
-                             ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh, ptr(q, "float *"), nq, p0, chunk,
-                             ptr(out, "float *"))
+    rc = lib.st_attention_q8(VARIANTS[variant], ptr(k8, "int8_t *"), ptr(ks, "uint16_t *"), ptr(vq, "int8_t *"),
+                             ptr(vdq, "uint16_t *"), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh, ptr(q, "float *"), nq,
+                             p0, chunk, ptr(out, "float *"))
     assert rc == 0, ffi.string(lib.st_last_error())
     if chunk:
         ref = np.concatenate([attention_oracle(k_oracle, v_oracle, bt, bs, hd, kvh, q[i : i + 1], p0)
@@ -937,6 +938,71 @@ def test_attention_q8_against_oracle(nq: int, p0: int, chunk: int) -> None:
         ref = attention_oracle(k_oracle, v_oracle, bt, bs, hd, kvh, q, p0)
     assert np.abs(out - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
     z = np.zeros(1, np.int8)
-    assert lib.st_attention_q8(ptr(z, "int8_t *"), ptr(z, "uint16_t *"), ptr(z, "int8_t *"), ptr(z, "uint16_t *"),
-                               ptr(bt, "int32_t *"), bs, 48, 48, 1, 0, ptr(q, "float *"), 1, 0, 0,
-                               ptr(out, "float *")) == lib.ST_EINVAL  # head dims not multiples of 32
+    assert lib.st_attention_q8(VARIANTS[variant], ptr(z, "int8_t *"), ptr(z, "uint16_t *"), ptr(z, "int8_t *"),
+                               ptr(z, "uint16_t *"), ptr(bt, "int32_t *"), bs, 48, 48, 1, 0, ptr(q, "float *"), 1, 0,
+                               0, ptr(out, "float *")) == lib.ST_EINVAL  # head dims not multiples of 32
+    assert lib.st_attention_q8(99, ptr(k8, "int8_t *"), ptr(ks, "uint16_t *"), ptr(vq, "int8_t *"),
+                               ptr(vdq, "uint16_t *"), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh, ptr(q, "float *"),
+                               nq, p0, chunk, ptr(out, "float *")) == lib.ST_EINVAL  # no such variant
+
+
+def q8_cache(rng: np.random.Generator, n_blocks: int, bs: int, hd: int, vd: int, n_kv: int) -> tuple[np.ndarray, ...]:
+    """A random 8-bit cache in st_attention_q8's layout: k8, ks (F16 scales near 1/127), v8, vs."""
+    k8 = rng.integers(-127, 128, (n_blocks, n_kv, hd, bs), dtype=np.int8)
+    ks = (rng.uniform(0.2, 1.0, (n_blocks, n_kv, hd // 32, bs)) / 127).astype(np.float16)
+    v8 = rng.integers(-127, 128, (n_blocks, bs, n_kv * vd), dtype=np.int8)
+    vs = (rng.uniform(0.2, 1.0, (n_blocks, bs, n_kv * vd // 32)) / 127).astype(np.float16)
+    return k8, ks, v8, vs
+
+
+def attention_q8(variant: str, cache: tuple[np.ndarray, ...], bt: np.ndarray, bs: int, hd: int, vd: int, n_kv: int,
+                 kvh: int, q: np.ndarray, p0: int, chunk: int) -> np.ndarray:
+    """st_attention_q8 with one variant's kernels: a tile of queries at p0.. (chunk 0) or query heads at p0, split."""
+    k8, ks, v8, vs = cache
+    out = np.zeros((q.shape[0], vd), np.float32)
+    rc = lib.st_attention_q8(VARIANTS[variant], ptr(k8, "int8_t *"), ptr(ks, "uint16_t *"), ptr(v8, "int8_t *"),
+                             ptr(vs, "uint16_t *"), ptr(bt, "int32_t *"), bs, hd, vd, n_kv, kvh, ptr(q, "float *"),
+                             q.shape[0], p0, chunk, ptr(out, "float *"))
+    assert rc == 0, ffi.string(lib.st_last_error())
+    return out
+
+
+# The SIMD variant runs the reference's operations in its order except the exponential (a ~1 ulp
+# polynomial for expf): within 1e-5 of max|ref|.
+Q8_TOL = 1e-5
+
+
+@pytest.mark.parametrize("variant", [v for v in available_variants() if v != "ref"])
+@pytest.mark.parametrize(("hd", "vd", "group", "bs"), [(64, 64, 1, 16), (128, 128, 4, 16), (128, 128, 8, 64),
+                                                       (128, 64, 4, 32), (64, 64, 8, 256)])
+@pytest.mark.parametrize("cached", [1, 17, 4099])
+def test_attention_q8_variant_against_reference(variant: str, hd: int, vd: int, group: int, bs: int,
+                                                cached: int) -> None:
+    """The 8-bit cache's SIMD kernels against its reference after `cached` tokens: decode (one
+    query), a prefill tile of 16 causal queries, and the split partials of a GQA group (every
+    query head of one KV head, chunks of 64 and one chunk); the tile and the single chunk give
+    each query its decode bits."""
+    rng = np.random.default_rng(hd * 7 + group * 31 + bs + cached)
+    n_kv, kvh = 3, 2
+    n_blocks = -(-(cached + 16) // bs) + 1
+    cache = q8_cache(rng, n_blocks, bs, hd, vd, n_kv)
+    bt = rng.permutation(n_blocks).astype(np.int32)
+    q = (rng.standard_normal((16, hd)) * 0.5).astype(np.float32)
+
+    def close(got: np.ndarray, ref: np.ndarray) -> None:
+        assert np.abs(got - ref).max() <= Q8_TOL * np.abs(ref).max()
+
+    one = attention_q8(variant, cache, bt, bs, hd, vd, n_kv, kvh, q[:1].copy(), cached, 0)
+    close(one, attention_q8("ref", cache, bt, bs, hd, vd, n_kv, kvh, q[:1].copy(), cached, 0))
+    tile = attention_q8(variant, cache, bt, bs, hd, vd, n_kv, kvh, q, cached, 0)
+    close(tile, attention_q8("ref", cache, bt, bs, hd, vd, n_kv, kvh, q, cached, 0))
+    assert np.array_equal(tile[0], one[0])
+    last = attention_q8(variant, cache, bt, bs, hd, vd, n_kv, kvh, q[15:].copy(), cached + 15, 0)
+    assert np.array_equal(tile[15], last[0])
+    heads = q[:group].copy()
+    for chunk in (64, -(-(cached + 1) // 16) * 16):
+        split = attention_q8(variant, cache, bt, bs, hd, vd, n_kv, kvh, heads, cached, chunk)
+        close(split, attention_q8("ref", cache, bt, bs, hd, vd, n_kv, kvh, heads, cached, chunk))
+    for i in range(group):  # the last split is one chunk: each head's decode bits
+        alone = attention_q8(variant, cache, bt, bs, hd, vd, n_kv, kvh, heads[i : i + 1].copy(), cached, 0)
+        assert np.array_equal(split[i], alone[0]), i

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.engine import Engine
-from engine.native import EngineError, ffi, lib, set_attn_split
+from engine.native import VARIANTS, EngineError, available_variants, ffi, lib, set_attn_split
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.test_attention_split import LOGIT_TOL
 
@@ -99,3 +99,36 @@ def test_refusals(tiny_path: Path) -> None:
         Engine.open(tiny_path, threads=1, kv_tokens=256, kv_hot_tokens=64, kv_type="q8_0")
     with pytest.raises(ValueError, match="kv_type"):
         Engine.open(tiny_path, threads=1, kv_tokens=256, kv_type="q4")
+
+
+@pytest.mark.parametrize("variant", available_variants())
+def test_q8_batched_equal_alone_every_variant(tmp_path: Path, variant: str) -> None:
+    """Each kernel variant's 8-bit attention (the reference, or the AVX2 kernel every SIMD variant runs) is batch
+    invariant as the F16 path is (tests/engine/test_batching.py's rule): sequences prefilled together give the
+    logits they give alone, and a token decoded after its prompt gives its logits from inside the prompt."""
+    path = make_random_gguf(tmp_path / "m.gguf", n_embd=192, n_head=6, n_head_kv=2, n_vocab=160)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 160, size=int(n))] for n in (5, 37, 60)]
+    assert lib.st_set_variant(VARIANTS[variant]) == 0
+    try:
+        with Engine.open(path, threads=2, kv_tokens=1024, kv_type="q8_0") as eng:
+            alone = [eng.logits_for(p) for p in prompts]
+            tables = [eng.blocks.allocate(-(-(len(p) + 1) // eng.block_size)) for p in prompts]
+            tokens, pos, seq = [], [], []
+            for i, p in enumerate(prompts):
+                tokens += p
+                pos += list(range(len(p)))
+                seq += [i] * len(p)
+            batched = eng.forward(tokens, pos, seq, tables, list(range(len(tokens))))
+            p = prompts[-1]
+            last = eng.forward([p[-1]], [len(p) - 1], [0], [tables[-1]], [0])  # rewrites its own slot
+            for t in tables:
+                eng.blocks.release(t)
+    finally:
+        lib.st_set_variant(VARIANTS["auto"])
+    offset = 0
+    for p, ref in zip(prompts, alone, strict=True):
+        got = batched[offset : offset + len(p)]
+        offset += len(p)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert np.abs(last[0] - alone[-1][-1]).max() <= 1e-5 * np.abs(alone[-1][-1]).max()

@@ -214,6 +214,7 @@ def cpu_reference(
             oh = np.empty(hd, np.float32)
             assert (
                 lib.st_attention_q8(
+                    lib.ST_VARIANT_REF,
                     ptr(k8, "int8_t *"),
                     ptr(ks, "uint16_t *"),
                     ptr(v8, "int8_t *"),
