@@ -21,7 +21,7 @@ SUPPORT = {
     "tests/engine/gguf_factory.py",  # small random GGUF files
     "tests/engine/hf_models.py",  # small random Hugging Face MoE models converted to GGUF
     "tests/engine/parity.py",  # the parity tests' relative error, llama.cpp oracle, greedy judging, NumPy pieces
-    "tests/engine/sched_helpers.py",  # stepping a scheduler and collecting its outputs
+    "tests/engine/sched_helpers.py",  # stepping a scheduler and collecting its outputs; prompts prefilled together
     "tests/engine/gpu/_env.py",  # whether a GPU is there, the skip reason
     "tests/engine/gpu/_kernel_helpers.py",  # pointers into the CUDA test library, CPU references
     "tests/engine/gpu/_model_checks.py",  # a model on the GPU against the CPU engine: logits, greedy, batched

@@ -1,8 +1,13 @@
-"""Driving a Scheduler step by step in the engine's tests: each request's outputs gathered as they
-come, the preemptions counted."""
+"""Driving the engine in its tests: a Scheduler step by step (each request's outputs gathered as they come, the
+preemptions counted), and prompts prefilled together in one forward step."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.engine import Engine
 from engine.scheduler import RequestOutput, Scheduler
 
 
@@ -41,3 +46,24 @@ def abort_every_other(sched: Scheduler, rids: list[str], steps: int) -> tuple[di
     step_into(sched, out)  # the very next step frees them
     assert all(out[r][-1].finish_reason == "abort" for r in rids[::2])
     return out, used_before
+
+
+def prefill_together(eng: Engine, prompts: Sequence[Sequence[int]], spare: int = 0) -> tuple[np.ndarray, list]:
+    """The prompts in one forward step, each its own sequence on fresh blocks with room for ``spare`` more tokens:
+    every row's logits ([sum of the prompts' lengths, V], in prompt order) and the block tables, which the caller
+    hands back with ``release_tables``."""
+    tables = [eng.blocks.allocate(-(-(len(p) + spare) // eng.block_size)) for p in prompts]
+    tokens: list[int] = []
+    pos: list[int] = []
+    seq: list[int] = []
+    for i, p in enumerate(prompts):
+        tokens += p
+        pos += list(range(len(p)))
+        seq += [i] * len(p)
+    return eng.forward(tokens, pos, seq, tables, list(range(len(tokens)))), tables
+
+
+def release_tables(eng: Engine, tables: list) -> None:
+    """The blocks of ``prefill_together``'s tables back to the engine's block manager."""
+    for t in tables:
+        eng.blocks.release(t)

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType
 from engine.engine import Engine
 from engine.native import VARIANTS, available_variants, lib
 from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.sched_helpers import prefill_together, release_tables
 
 
 @pytest.fixture(scope="module", params=["F32", "Q8_0", "Q4_1"])
@@ -33,14 +34,8 @@ def test_eight_sequences_batched_equal_alone(model_path: Path, variant: str) -> 
     prompts = [list(rng.integers(0, 160, size=int(n))) for n in rng.integers(3, 40, size=8)]
     with Engine.open(model_path, threads=2, kv_tokens=1024) as eng:
         alone = [eng.logits_for(p) for p in prompts]  # [T_i, V] each
-        tables = [eng.blocks.allocate(-(-len(p) // eng.block_size)) for p in prompts]
-        tokens, pos, seq, want = [], [], [], []
-        for i, p in enumerate(prompts):
-            for j, t in enumerate(p):
-                tokens.append(t), pos.append(j), seq.append(i), want.append(len(tokens) - 1)
-        batched = eng.forward(tokens, pos, seq, tables, want)
-        for t in tables:
-            eng.blocks.release(t)
+        batched, tables = prefill_together(eng, prompts)
+        release_tables(eng, tables)
         assert eng.blocks.num_free == eng.blocks.n_blocks
     offset = 0
     for p, ref in zip(prompts, alone, strict=True):

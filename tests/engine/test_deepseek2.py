@@ -48,6 +48,7 @@ from tests.engine.parity import (
     route_ref,
     swiglu,
 )
+from tests.engine.sched_helpers import prefill_together, release_tables
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -232,15 +233,8 @@ def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     prompts = [[int(t) for t in rng.integers(0, DEEPSEEK_VOCAB, n)] for n in (3, 21, 9)]
     with Engine.open(path, threads=2, kv_tokens=512) as eng:
         alone = [eng.logits_for(p) for p in prompts]
-        tables = [eng.blocks.allocate(-(-len(p) // eng.block_size)) for p in prompts]
-        tokens, pos, seq = [], [], []
-        for i, p in enumerate(prompts):
-            tokens += p
-            pos += list(range(len(p)))
-            seq += [i] * len(p)
-        batched = eng.forward(tokens, pos, seq, tables, list(range(len(tokens))))
-        for t in tables:
-            eng.blocks.release(t)
+        batched, tables = prefill_together(eng, prompts)
+        release_tables(eng, tables)
     assert np.array_equal(batched, np.concatenate(alone))
 
 

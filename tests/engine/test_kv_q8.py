@@ -12,6 +12,7 @@ import pytest
 from engine.engine import Engine
 from engine.native import VARIANTS, EngineError, available_variants, ffi, lib, set_attn_split
 from tests.engine.gguf_factory import make_random_gguf
+from tests.engine.sched_helpers import prefill_together, release_tables
 from tests.engine.test_attention_split import LOGIT_TOL
 
 PROMPTS = [
@@ -113,17 +114,10 @@ def test_q8_batched_equal_alone_every_variant(tmp_path: Path, variant: str) -> N
     try:
         with Engine.open(path, threads=2, kv_tokens=1024, kv_type="q8_0") as eng:
             alone = [eng.logits_for(p) for p in prompts]
-            tables = [eng.blocks.allocate(-(-(len(p) + 1) // eng.block_size)) for p in prompts]
-            tokens, pos, seq = [], [], []
-            for i, p in enumerate(prompts):
-                tokens += p
-                pos += list(range(len(p)))
-                seq += [i] * len(p)
-            batched = eng.forward(tokens, pos, seq, tables, list(range(len(tokens))))
+            batched, tables = prefill_together(eng, prompts, spare=1)
             p = prompts[-1]
             last = eng.forward([p[-1]], [len(p) - 1], [0], [tables[-1]], [0])  # rewrites its own slot
-            for t in tables:
-                eng.blocks.release(t)
+            release_tables(eng, tables)
     finally:
         lib.st_set_variant(VARIANTS["auto"])
     offset = 0
