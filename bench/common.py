@@ -217,3 +217,15 @@ def write_json(path: str | os.PathLike[str], report: dict[str, Any]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(_jsonable(report), indent=2) + "\n", encoding="utf-8")
+
+
+def emit_report(report: dict[str, Any], text: str, markdown: str | None, json_path: str | os.PathLike[str] | None,
+                log: Callable[[str], None]) -> None:
+    """A benchmark's end: its text report on stdout, then its markdown table when one was asked for (``markdown``
+    not None), and the report as JSON at ``json_path`` when given (``write_json``; ``log`` names the file)."""
+    print(text)
+    if markdown is not None:
+        print("\n" + markdown)
+    if json_path:
+        write_json(json_path, report)
+        log(f"wrote {json_path}")

@@ -43,13 +43,13 @@ import numpy as np
 
 from bench.common import (
     affinity_cores,
+    emit_report,
     fmt_num,
     machine_info,
     markdown_table,
     median,
     ratio,
     text_table,
-    write_json,
 )
 
 MODES = ("off", "auto")
@@ -285,12 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("error: depths >= 0, rounds >= 1, --head-dim a multiple of 32, --group 1..64", file=sys.stderr)
             return 2
         rep = run_kernels(depths, a.head_dim, a.group, a.rounds, log)
-        print(format_kernel_report(rep))
-        if a.markdown:
-            print("\n" + format_kernel_markdown(rep))
-        if a.json:
-            write_json(a.json, rep)
-            log(f"wrote {a.json}")
+        emit_report(rep, format_kernel_report(rep), format_kernel_markdown(rep) if a.markdown else None, a.json, log)
         return 0
     threads = a.threads if a.threads is not None else len(affinity_cores())
     if not depths or min(depths) < 0 or threads < 1 or a.tokens < 1 or a.rounds < 1:
@@ -305,12 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     rep = run(a.model.resolve(), threads, depths, a.tokens, a.rounds, log, a.kv_type, a.unfilled)
-    print(format_report(rep))
-    if a.markdown:
-        print("\n" + format_markdown(rep))
-    if a.json:
-        write_json(a.json, rep)
-        log(f"wrote {a.json}")
+    emit_report(rep, format_report(rep), format_markdown(rep) if a.markdown else None, a.json, log)
     return 0
 
 

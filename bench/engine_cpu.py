@@ -52,6 +52,7 @@ import numpy as np
 
 from bench.common import (
     affinity_cores,
+    emit_report,
     fmt_num,
     machine_info,
     markdown_table,
@@ -59,7 +60,6 @@ from bench.common import (
     quiet_gc,
     ratio,
     text_table,
-    write_json,
 )
 
 PROMPT_TEXT = "The history of the printing press begins in"
@@ -658,12 +658,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     rep = run(cfg, log)
     rep["wall_s"] = time.perf_counter() - t0
-    print(format_report(rep))
-    if a.markdown:
-        print("\n" + format_markdown(rep))
-    if a.json:
-        write_json(a.json, rep)
-        log(f"wrote {a.json}")
+    emit_report(rep, format_report(rep), format_markdown(rep) if a.markdown else None, a.json, log)
     log(f"done in {rep['wall_s']:.1f} s")
     return 0
 
@@ -704,12 +699,8 @@ def main_arch(a: argparse.Namespace) -> int:
             rep["notes"].insert(0, describe(key))
             reports.append(rep)
             print(format_report(rep) + "\n", flush=True)
-    print(format_arch_summary(reports))
-    if a.markdown:
-        print("\n" + format_arch_markdown(reports))
-    if a.json:
-        write_json(a.json, {"benchmark": "engine_cpu --arch", "reports": reports})
-        log(f"wrote {a.json}")
+    emit_report({"benchmark": "engine_cpu --arch", "reports": reports}, format_arch_summary(reports),
+                format_arch_markdown(reports) if a.markdown else None, a.json, log)
     log(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
 
