@@ -357,8 +357,6 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     } else if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) {
         CHECK(routed_experts(m, L, T, mv_max));
     }
-    /* the streamed experts (stream.cu) after the resident ones, before the wait: both run while the CPU works */
-    if (cpu_share && streamed_layer(m, il)) CHECK(streaming_queue(m, il, T, mv_max));
     if (cpu_share) CHECK(hybrid_receive(m, il, T));
     if (!shexp) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0, route_scale(d)};

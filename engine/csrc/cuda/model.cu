@@ -61,7 +61,6 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
-    s->hybrid_stream = 0; /* an A/B until the GPU run: gpu_settings.HYBRID_STREAM_DEFAULT */
     s->kv_stream = 1;
     s->routed_rows = 1;
     s->gemm_stage = 1;
@@ -90,7 +89,6 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
-    RANGE(hybrid_stream, -1, 100)
     RANGE(kv_stream, 0, 1)
     RANGE(routed_rows, 0, 1)
     RANGE(gemm_stage, 0, 1)
@@ -373,7 +371,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c, &f.hy.d0, &f.hy.d1})
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
             for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);

@@ -71,15 +71,6 @@ typedef struct stg_settings {
                                * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
                                * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
                                * 0: never */
-    int32_t hybrid_stream;    /* hybrid placement: the streamed experts (stg_model_set_streamed: a static set of each
-                               * partial layer's non-resident experts) are computed at every step by the device's own
-                               * routed kernels reading their weights in place from the page-locked mapped file over
-                               * PCIe (zero-copy), concurrently with the CPU's share, which leaves their pairs out.
-                               * 0: never (the set is ignored); otherwise the set is used: -1 says the caller sized
-                               * it from the measured rates, 1..100 the share (%) it was sized for (the caller's
-                               * business: the library only tells 0 from the rest). The host range is page-locked
-                               * at model creation when this or hybrid_stage is set. Rows of streamed experts are
-                               * the device's (within tolerance of the CPU's) */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
@@ -221,12 +212,6 @@ typedef struct stg_profile {
     /* a tiered KV cache: bytes of host-tier blocks the step's attention read over PCIe (each block its sequence
      * reads counted once: a decode step's exact figure, a lower bound for prefill tiles that reread it) */
     int64_t kv_host_bytes;
-    /* streaming (stg_settings.hybrid_stream): routed pairs of streamed experts (in pairs_gpu), the bytes of their
-     * weights the device read over PCIe (each distinct streamed expert a step hits: its gate, up and down once),
-     * and the device's seconds in those layers' streamed launches (inside t_gpu; bytes / seconds is the achieved
-     * rate) */
-    int64_t stream_pairs, stream_bytes;
-    double t_stream;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
@@ -235,19 +220,6 @@ stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
 /* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
 stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
                                 double *cpu_pairs_s);
-
-/* Streaming's set: streamed[layer * n_expert + e] (0 or 1) asks that expert e of a partial layer be computed by
- * the device over PCIe while it is not resident (a resident expert's bit, or one of a layer without a CPU share,
- * takes effect only if re-placement moves it off the device); NULL clears the set. The set holds between calls
- * (stg_model_swap_expert keeps the bits); steps use it while stg_settings.hybrid_stream is not 0. ST_EINVAL: not a
- * hybrid model, values other than 0 / 1, steps in flight; ST_EUNSUPPORTED: a bit on a non-resident expert while the
- * host range is not page-locked and mapped (stg_model_stream_info's available 0) or its weights are not 32-byte
- * aligned in the file. */
-stg_status stg_model_set_streamed(stg_model *m, const uint8_t *streamed);
-/* Whether streaming is available (the partial layers' host range page-locked and mapped into the device's address
- * space), the host -> device GB/s measured at model creation (0 unavailable) and the experts the set streams now
- * (set bits on non-resident experts of partial layers). */
-stg_status stg_model_stream_info(const stg_model *m, int32_t *available, double *pcie_gbs, int64_t *n_streamed);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging
