@@ -58,12 +58,6 @@ class StepStats:
     # the GPU's KV tiers: bytes of host-tier blocks the step read over PCIe (streamed in place by decode, staged
     # into VRAM layer by layer by prefill-form steps, whose written blocks go back: those bytes too)
     kv_host_bytes: int = 0
-    # streaming (the GPU engine's hybrid_stream): pairs of streamed experts (the GPU's, in 1 - resident_hit_rate's
-    # share no longer the CPU's), the bytes of their weights the GPU read over PCIe, and its seconds in those
-    # launches (inside t_gpu): stream_bytes / t_stream is the achieved rate
-    stream_pairs: int = 0
-    stream_bytes: int = 0
-    t_stream: float = 0.0
 
 
 class StepEngine(Protocol):
