@@ -84,8 +84,7 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
             }
         }
         if constexpr ((T == STG_Q4_K || T == STG_IQ3_XXS) && !SW) {
-            /* routed single pairs: 8 rows per warp (IQ3_XXS: stg_settings.routed_rows) */
-            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2 && (T == STG_Q4_K || g_set.routed_rows)) {
+            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: 8 rows per warp */
                 const dim3 g((unsigned)((a.N + LIN_WARPS * 8 - 1) / (LIN_WARPS * 8)), grid.y);
                 launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
                 return;
@@ -229,7 +228,7 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     /* a routed gate/up matvec of one pair per pass quantises its chunks in-block (k_linear_q_chunk) */
     const bool gu_chunk = fq && W2 && path == STG_PATH_MATVEC && !seg && g.gexp && expected <= 1 &&
                           a.N % 32 == 0 && ldo == a.N &&
-                          (W.type == STG_Q4_K || W.type == STG_Q8_0 || (W.type == STG_IQ3_XXS && g_set.routed_rows));
+                          (W.type == STG_Q4_K || W.type == STG_Q8_0 || W.type == STG_IQ3_XXS);
     if (gu_chunk) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s;
         *fq->done = true;
