@@ -77,9 +77,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
              "them in VRAM; 0 every step stages (no graphs)"),
-    Override("STRATA_GPU_GEMM_STAGE", "gemm_stage",
-             "1: the Q5_0 / Q8_0 / IQ4_NL / IQ4_XS / MXFP4 / IQ3_XXS / Q6_K GEMMs copy each k stage's weights with "
-             "cp.async during the previous stages; 0: loaded into registers per stage (same bits)"),
 )
 
 

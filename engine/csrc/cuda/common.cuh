@@ -125,7 +125,7 @@ __device__ __forceinline__ void prefetch_l2_last(const void *p) {
     asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p));
 }
 
-/* Asynchronous global -> shared copies (the attention kernels, the GEMM's staged bytes). */
+/* Asynchronous global -> shared copies (the attention kernels, the Q4_K GEMM's stages). */
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");

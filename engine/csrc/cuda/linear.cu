@@ -51,28 +51,28 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
             const int bn = wide ? MM_BN_WIDE : MM_BN;
             const dim3 grid(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)a.ksplit);
             if (wide)
-                launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), grid, 128, gemm_smem<TG, false, MM_BN_WIDE>(),
+                launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<TG, false, MM_BN_WIDE>(),
                          st, a);
-            else launch_k(gemm_kernel<TG, false, MM_BN>(a.K), grid, 128, gemm_smem<TG, false, MM_BN>(), st, a);
+            else launch_k(gemm_kernel<TG, false, MM_BN>(a.K), grid, 128, gemm_raw_bytes<TG, false, MM_BN>(), st, a);
             const int64_t n = (int64_t)max_count * a.N;
             if (g_defer_combine && a.ksplit == KSPLIT) g_deferred = true; /* the consumer adds the parts */
             else
                 launch_k(k_ksplit_combine, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
                          max_count, a.N, a.out, a.ldo, a.mode, a.seg);
         } else if (listed < per_group) { /* a block per tile of group_pairs' list */
-            launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_smem<TG, SW, MM_BN>(),
+            launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<TG, SW, MM_BN>(),
                      st, a);
         } else if (!SW && !a.g.gexp && mt * wide >= g_set.gemm_wide_min) {
             /* a dense layer with enough tiles of 32 pairs: half the weight unpacking per mma */
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
             launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), dim3(mt, (unsigned)wide, 1), 128,
-                     gemm_smem<TG, false, MM_BN_WIDE>(), st, b);
+                     gemm_raw_bytes<TG, false, MM_BN_WIDE>(), st, b);
         } else {
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
             launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
-                     (unsigned)max_groups), 128, gemm_smem<TG, SW, MM_BN>(), st, b);
+                     (unsigned)max_groups), 128, gemm_raw_bytes<TG, SW, MM_BN>(), st, b);
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);

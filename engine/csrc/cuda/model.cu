@@ -63,7 +63,6 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->hybrid_stream = 0; /* an A/B until the GPU run: gpu_settings.HYBRID_STREAM_DEFAULT */
     s->kv_stream = 1;
-    s->gemm_stage = 1;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -91,7 +90,6 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(hybrid_stream, -1, 100)
     RANGE(kv_stream, 0, 1)
-    RANGE(gemm_stage, 0, 1)
 #undef RANGE
     if (s->att_mma_rows != 64 && s->att_mma_rows != 128)
         return fail(ST_EINVAL, "settings: att_mma_rows (%d) must be 64 or 128", (int)s->att_mma_rows);

@@ -84,10 +84,6 @@ typedef struct stg_settings {
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
                                * graphs). Same bits either way */
-    int32_t gemm_stage;       /* 1: the GEMMs of Q5_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS and Q6_K copy each k
-                               * stage's weight bytes to shared memory with cp.async during the previous stages'
-                               * mma work (as Q4_K's do); 0: loaded into registers at the start of each stage.
-                               * Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
