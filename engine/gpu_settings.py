@@ -56,11 +56,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA", "att_mma",
              "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
-    Override("STRATA_GPU_ATT_MMA_ROWS", "att_mma_rows",
-             "rows of a tensor-core attention tile: 64 (4 warps) or 128 (8 warps); the same bits"),
-    Override("STRATA_GPU_ATT_MMA_LEAN", "att_mma_lean",
-             "hi + lo tensor-core attention: 1 exp2 as one MUFU op, rescales skipped where no max moved; 2 also "
-             "each stage's P.V beside the next stage's softmax; 0 neither; the same bits"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",

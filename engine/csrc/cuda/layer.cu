@@ -157,8 +157,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
         if (g_att_mma_tiles > 0)
-            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles,
-                                       amma_form{g_att_mma_mode, g_att_mma_rows, g_att_mma_lean}, st));
+            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles, g_att_mma_mode, m->smem_optin, st));
     } else if (q8) {
         return fail(ST_EUNSUPPORTED, "attention (8-bit KV): a step with neither the split kernel nor prefill tiles");
     } else {

@@ -51,12 +51,6 @@ typedef struct stg_settings {
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
                                * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
-    int32_t att_mma_rows;     /* rows (token x query head of a kv group) of a tensor-core attention tile: 64 (4 warps,
-                               * two blocks an SM) or 128 (8 warps, one block an SM, half the K/V traffic per row);
-                               * the same bits either way */
-    int32_t att_mma_lean;     /* the F16 cache's hi + lo tensor-core attention: 1, exp2 as one MUFU op and a stage's
-                               * output rescale skipped where no row's max moved; 2, also each stage's P.V beside
-                               * the next stage's softmax; 0: neither. The same bits at every level */
     int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
