@@ -140,7 +140,8 @@ stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg
  * [block_size], V values [layer][block][block_size][kv_dim] with scales [layer][block][block_size][kv_dim / 32]),
  * so the device holds the CPU's bytes for the same K / V. Decode reads it in the split kernel, prefill in the
  * tensor-core kernel (docs/engine.md); ST_EUNSUPPORTED for models those do not take (head_dim other than 64 / 128,
- * more than 8 query heads per kv head or not dividing 16, latent attention). */
+ * more than 8 query heads per kv head or not dividing 16, latent attention) and for a device whose blocks cannot
+ * opt in to their shared memory (head_dim 128: 85,248 bytes; sm_89 allows 101,376). */
 #define STG_KV_F16 0
 #define STG_KV_Q8_0 1
 stg_status stg_kv_create_typed(stg_model *m, int32_t n_blocks, int32_t block_size, int32_t type, stg_kv **out);

@@ -34,21 +34,6 @@ extern "C" stg_status stg_test_set_settings(const stg_settings *s) {
     return ST_OK;
 }
 
-extern "C" stg_status stg_test_assume_smem_optin(int32_t bytes) {
-    if (bytes < 0) return fail(ST_EINVAL, "assume_smem_optin: %d bytes", bytes);
-    g_smem_optin_assumed = bytes;
-    return ST_OK;
-}
-
-extern "C" stg_status stg_test_attention_mma_form(int32_t head_dim, int32_t *rows, int32_t *pipe) {
-    if (!rows || !pipe) return fail(ST_EINVAL, "attention_mma_form: NULL argument");
-    const int n = stg_device_count();
-    if (n < 1) return n < 0 ? ST_EUNSUPPORTED : fail(ST_EUNSUPPORTED, "no CUDA device");
-    const amma_form f = amma_pick(head_dim, device_smem_optin(0));
-    *rows = f.rows, *pipe = f.pipe ? 1 : 0;
-    return ST_OK;
-}
-
 static stg_status harness_device(void) {
     if (!g_test_set_init) stg_test_set_settings(nullptr);
     g_pdl = false;
@@ -511,7 +496,7 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
         CHECK(up(bpm, nullptr, sizeof(float) * (size_t)rows * 2));
         a.part_acc = bpa.as<float>(), a.part_ml = bpm.as<float>();
         a.split_min = split_min, a.split_chunks = chunks, a.split_max = zmax;
-        CHECK(launch_attention_split(a, n_seq, z, 0));
+        CHECK(launch_attention_split(a, n_seq, z, device_smem_optin(0), 0));
     } else {
         CHECK(launch_attention(a, n_seq, 0));
     }
@@ -563,6 +548,8 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         max_keys = std::max(max_keys, pos[i] + 1);
     }
     CHECK(harness_device());
+    const int optin = device_smem_optin(0);
+    if (mode > 0) CHECK(kv_q8_device_check(head_dim, optin, "attention (8-bit KV)")); /* stg_kv_create_tiered's */
     int n_sm = 0;
     CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0), "harness");
     const int32_t chunks = split_chunks > 0 ? split_chunks : ATT_SPLIT_CHUNKS;
@@ -576,7 +563,6 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
     for (int32_t i = 0; i < n_tok; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_tok + i)] = seq[i];
     memcpy(&ints[(size_t)(2 * n_tok)], block_tables, sizeof(int32_t) * (size_t)n_bt);
     int32_t n_qt = 0, n_mma = 0;
-    const int optin = device_smem_optin(0);
     if (mode == 2) {
         const int tqm = att_mma_tokens(n_head, n_kv, head_dim, amma_pick(head_dim, optin).rows);
         if (!tqm) return fail(ST_EUNSUPPORTED, "attention (8-bit KV): no prefill form in %d bytes of shared memory", optin);
@@ -606,7 +592,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         CHECK(up(bpm, nullptr, sizeof(float) * (size_t)rows * 2));
         a.part_acc = bpa.as<float>(), a.part_ml = bpm.as<float>();
         a.split_min = smin, a.split_chunks = chunks, a.split_max = zmax;
-        CHECK(launch_attention_split(a, n_tok, z, 0));
+        CHECK(launch_attention_split(a, n_tok, z, optin, 0));
     } else {
         if (n_qt) return fail(ST_EINVAL, "attention (8-bit KV): query tiles in an mma-only tile list");
         CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, 2, optin, 0));

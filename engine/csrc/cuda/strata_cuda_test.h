@@ -19,6 +19,10 @@ stg_status stg_test_assume_smem_optin(int32_t bytes);
 /* The form of the tensor-core prefill attention a prefill step takes at head_dim under the (assumed) limit: rows 128
  * or 64 a tile (0: no form fits), pipe 1 where P.V runs one stage behind the softmax. */
 stg_status stg_test_attention_mma_form(int32_t head_dim, int32_t *rows, int32_t *pipe);
+/* The raw stages a warp of the 8-bit cache's split decode kernel takes at head_dim under the (assumed) limit: 4, 3
+ * (head_dim 128 where 4 do not fit: sm_89), 0 where none fits (the cache is then refused: ST_EUNSUPPORTED from
+ * stg_kv_create_tiered and from stg_test_attention_q8's modes 1 and 2). */
+int32_t stg_test_q8_split_stages(int32_t head_dim);
 
 stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n);
 /* x[n_tok, k] float rows -> 8-bit blocks like st_quantize_act: qs[n_tok*k], d[n_tok*k/32], sums[n_tok*k/16]. */
