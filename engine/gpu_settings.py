@@ -56,11 +56,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA", "att_mma",
              "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
-    Override("STRATA_GPU_ATT_MMA_ROWS", "att_mma_rows",
-             "rows of a tensor-core attention tile: 64 (4 warps) or 128 (8 warps); the same bits"),
-    Override("STRATA_GPU_ATT_MMA_LEAN", "att_mma_lean",
-             "hi + lo tensor-core attention: 1 exp2 as one MUFU op, rescales skipped where no max moved; 2 also "
-             "each stage's P.V beside the next stage's softmax; 0 neither; the same bits"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
@@ -73,12 +68,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
              "them in VRAM; 0 every step stages (no graphs)"),
-    Override("STRATA_GPU_ROUTED_ROWS", "routed_rows",
-             "1: IQ3_XXS routed experts at one pair per pass take Q4_K's decode forms (down 8 rows per warp, gate/up "
-             "quantising its output in chunks); 0: a warp per row"),
-    Override("STRATA_GPU_GEMM_STAGE", "gemm_stage",
-             "1: the Q5_0 / Q8_0 / IQ4_NL / IQ4_XS / MXFP4 / IQ3_XXS / Q6_K GEMMs copy each k stage's weights with "
-             "cp.async during the previous stages; 0: loaded into registers per stage (same bits)"),
 )
 
 

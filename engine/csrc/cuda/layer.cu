@@ -152,13 +152,12 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         /* att_split_min 0 ("never split") keeps every sequence of the 8-bit cache in one split */
         aa.split_min = q8 && g_set.att_split_min < 1 ? INT32_MAX : g_set.att_split_min;
         aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = m->att_zmax;
-        CHECK(launch_attention_split(aa, T, att_split, st));
+        CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st));
     } else if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
         if (g_att_mma_tiles > 0)
-            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles,
-                                       amma_form{g_att_mma_mode, g_att_mma_rows, g_att_mma_lean}, st));
+            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles, g_att_mma_mode, m->smem_optin, st));
     } else if (q8) {
         return fail(ST_EUNSUPPORTED, "attention (8-bit KV): a step with neither the split kernel nor prefill tiles");
     } else {

@@ -169,6 +169,7 @@ struct inflight {
 struct stg_model {
     int device;
     int cc_major = 0;
+    int smem_optin = 48 * 1024; /* shared memory a block may opt in to (device_smem_optin, at model creation) */
     int32_t att_zmax = 1; /* splits of one sequence at most in split-KV decode (att_split_zmax of the SM count) */
     stg_settings set; /* read when the model opens (stg_model_create), replaced by stg_model_set_settings */
     st_model_desc d;

@@ -51,12 +51,6 @@ typedef struct stg_settings {
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
                                * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
-    int32_t att_mma_rows;     /* rows (token x query head of a kv group) of a tensor-core attention tile: 64 (4 warps,
-                               * two blocks an SM) or 128 (8 warps, one block an SM, half the K/V traffic per row);
-                               * the same bits either way */
-    int32_t att_mma_lean;     /* the F16 cache's hi + lo tensor-core attention: 1, exp2 as one MUFU op and a stage's
-                               * output rescale skipped where no row's max moved; 2, also each stage's P.V beside
-                               * the next stage's softmax; 0: neither. The same bits at every level */
     int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
@@ -75,14 +69,6 @@ typedef struct stg_settings {
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
                                * graphs). Same bits either way */
-    int32_t routed_rows;      /* 1: IQ3_XXS routed experts at one pair per pass take the decode forms of Q4_K's: down
-                               * 8 rows per warp (k_linear_q_rows), gate/up quantising its own output in 32-row
-                               * chunks (k_linear_q_chunk); 0: a warp per row (k_linear_q) and k_quant_act. Same
-                               * bits either way */
-    int32_t gemm_stage;       /* 1: the GEMMs of Q5_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS and Q6_K copy each k
-                               * stage's weight bytes to shared memory with cp.async during the previous stages'
-                               * mma work (as Q4_K's do); 0: loaded into registers at the start of each stage.
-                               * Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -145,7 +131,8 @@ stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg
  * [block_size], V values [layer][block][block_size][kv_dim] with scales [layer][block][block_size][kv_dim / 32]),
  * so the device holds the CPU's bytes for the same K / V. Decode reads it in the split kernel, prefill in the
  * tensor-core kernel (docs/engine.md); ST_EUNSUPPORTED for models those do not take (head_dim other than 64 / 128,
- * more than 8 query heads per kv head or not dividing 16, latent attention). */
+ * more than 8 query heads per kv head or not dividing 16, latent attention) and for a device whose blocks cannot
+ * opt in to their shared memory (head_dim 128: 85,248 bytes; sm_89 allows 101,376). */
 #define STG_KV_F16 0
 #define STG_KV_Q8_0 1
 stg_status stg_kv_create_typed(stg_model *m, int32_t n_blocks, int32_t block_size, int32_t type, stg_kv **out);
