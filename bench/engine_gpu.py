@@ -945,6 +945,12 @@ def main(argv: list[str] | None = None) -> int:
         "for the default and each --depth-knob",
     )
     ap.add_argument(
+        "--depth-ncu",
+        action="store_true",
+        help="with --depth: at each depth one decode step (graphs and PDL off) inside cudaProfilerStart / Stop, "
+        "a target for ncu --profile-from-start off (tools/gpu/ncu_depth.sh)",
+    )
+    ap.add_argument(
         "--depth-knob",
         action="append",
         default=[],

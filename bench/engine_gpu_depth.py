@@ -75,11 +75,12 @@ def parse_knobs(items: list[str]) -> list[tuple[str, dict[str, str]]]:
 
 
 def kv_plan(bytes_per_token: int, depths: list[int], steps: int, unsplit_steps: int, n_knobs: int = 0,
-            profile: bool = False, block_size: int = 16) -> tuple[int, int]:
+            profile: bool = False, block_size: int = 16, ncu: bool = False) -> tuple[int, int]:
     """(KV tokens for one sequence, their bytes): the deepest depth plus every depth's decode steps, rounded up to
     whole blocks of block_size (so that N sequences' tables take exactly N times one's blocks of a cache of N times
     the tokens)."""
     per_depth = steps * (1 + n_knobs) + unsplit_steps + 4 * (2 + n_knobs) + (PROFILE_STEPS * (1 + n_knobs) if profile else 0)
+    per_depth += NCU_STEPS if ncu else 0
     tokens = max(depths) + len(depths) * per_depth + 64
     tokens = -(-tokens // block_size) * block_size
     return tokens, bytes_per_token * tokens
@@ -114,6 +115,7 @@ def _device_free_bytes(device: str) -> int | None:
 
 BLOCK_SIZE = 16  # the KV block size of the run
 PROFILE_STEPS = 16  # --depth-profile: steps a kernel table spans (4 warm-up, then 8 timed, each + 2 warm-up)
+NCU_STEPS = 3  # --depth-ncu: two warm-up steps and the one inside the profiler range
 
 
 def _kernel_table(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], env: dict[str, str],
@@ -132,6 +134,28 @@ def _kernel_table(eng: Any, tables: list[list[int]], pos: int, firsts: list[int]
     finally:
         eng._gpu.set_settings()
     return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70), pos
+
+
+def _ncu_step(eng: Any, tables: list[list[int]], pos: int, firsts: list[int]) -> int:
+    """One decode step inside cudaProfilerStart / Stop (a target for ncu --profile-from-start off) with graphs and
+    PDL off, after two warm-up steps under the same settings; returns the next position."""
+    from bench.engine_gpu import _ProfilerRange
+
+    eng._gpu.set_settings({**os.environ, "STRATA_GPU_GRAPHS": "0", "STRATA_GPU_PDL": "0"})
+    try:
+        pos = _decode(eng, tables, pos, firsts, 0)[3]  # _decode's two warm-up steps
+        rng = _ProfilerRange()
+        rng.start()
+        try:
+            nxt = eng.launch([0] * len(tables), [pos] * len(tables), list(range(len(tables))),
+                             [tb[: -(-(pos + 2) // eng.block_size)] for tb in tables], list(range(len(tables))),
+                             token_src=list(range(len(tables))))
+            eng.wait(nxt)
+        finally:
+            rng.stop()
+    finally:
+        eng._gpu.set_settings()
+    return pos + 1
 
 
 def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], steps: int) -> tuple[float, float, float, int]:
@@ -171,7 +195,7 @@ def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], step
 
 def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
                knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False,
-               kv_type: str = "f16", experts_cpu: bool = False) -> dict:
+               kv_type: str = "f16", experts_cpu: bool = False, ncu: bool = False) -> dict:
     """Strata's rows; experts_cpu: hybrid placement with every routed expert on the CPU (the budget of the
     fixed parts alone: bench/engine_hybrid.py's F = 0)."""
     from engine.engine import Engine
@@ -182,7 +206,7 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
     mf = open_model(path)
     report = analyse(mf)
     kv_tokens, kv_bytes = kv_plan(mf.hparams.kv_bytes_per_token_of(kv_type), depths, steps, unsplit_steps,
-                                  len(knobs), profile, BLOCK_SIZE)
+                                  len(knobs), profile, BLOCK_SIZE, ncu)
     print(f"decode at depth: {n_seq} sequence(s) of up to {kv_tokens} tokens, {kv_type} KV cache "
           f"{n_seq * kv_bytes / 2**30:.2f} GiB ({kv_bytes / kv_tokens / 1024:.0f} KiB per token)")
     why = kv_fit(n_seq, kv_tokens, kv_bytes, report.file_bytes, _device_free_bytes(device))
@@ -246,6 +270,8 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
                     table_text, pos = _kernel_table(eng, tables, pos, firsts, env)
                     print(f"== kernels at depth {d}, {label} ({n_seq} sequence(s), 8 steps, graphs and PDL off)\n"
                           + table_text)
+            if ncu and eng._gpu is not None:
+                pos = _ncu_step(eng, tables, pos, firsts)
             out["strata"][d] = row
         for tb in tables:
             eng.blocks.release(tb)
@@ -325,7 +351,7 @@ def main(args: Any, model_path: Path, build: Any) -> int:
     experts_cpu = getattr(args, "depth_experts_cpu", False)
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
                      getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type,
-                     experts_cpu)
+                     experts_cpu, getattr(args, "depth_ncu", False))
     res["model"] = str(model_path)
     if args.llama_bin:
         try:

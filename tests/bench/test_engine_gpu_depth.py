@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_gpu_depth import KV_RESERVE, kv_fit, kv_plan, parse_depths, parse_knobs
+from bench.engine_gpu_depth import KV_RESERVE, NCU_STEPS, kv_fit, kv_plan, parse_depths, parse_knobs
 from engine.block_manager import BlockManager
 
 
@@ -45,6 +45,15 @@ def test_kv_plan_holds_every_sequence_table(depths: list[int], steps: int, unspl
     tables = [blocks.allocate(tokens // 16) for _ in range(n_seq)]
     assert all(tb is not None for tb in tables)
     assert len({b for tb in tables for b in tb}) == n_seq * tokens // 16
+
+
+def test_kv_plan_counts_the_ncu_steps() -> None:
+    """--depth-ncu's two warm-up steps and its profiled one come on top of each depth's rows."""
+    per_token = 2 * 2 * 48 * 4 * 128
+    depths = [0, 131072]
+    plain, _ = kv_plan(per_token, depths, 64, 0, block_size=1)
+    with_ncu, _ = kv_plan(per_token, depths, 64, 0, block_size=1, ncu=True)
+    assert with_ncu - plain == len(depths) * NCU_STEPS == 6
 
 
 def test_kv_fit_names_the_shortfall() -> None:
