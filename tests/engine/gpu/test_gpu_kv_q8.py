@@ -26,6 +26,7 @@ tokens identical up to the CPU's first near-tie within the same noise. A model t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,21 +202,9 @@ def call_q8(
     )
 
 
-def run_q8(
-    g: tuple,
-    mode: int,
-    c: tuple,
-    bs: int,
-    hd: int,
-    n_head: int,
-    n_kv: int,
-    q: np.ndarray,
-    pos: np.ndarray,
-    seq: np.ndarray,
-    split: tuple[int, int, int] = (0, 0, 0),
-) -> tuple[np.ndarray, np.ndarray]:
-    """call_q8's output and splits per token, the status required to be ST_OK."""
-    rc, out, ns = call_q8(g, mode, c, bs, hd, n_head, n_kv, q, pos, seq, split)
+def run_q8(g: tuple, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
+    """call_q8's output and splits per token (call_q8's arguments), the status required to be ST_OK."""
+    rc, out, ns = call_q8(g, *args, **kwargs)
     gcheck(g, rc)
     return out, ns
 
