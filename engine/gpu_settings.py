@@ -77,6 +77,10 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
              "them in VRAM; 0 every step stages (no graphs)"),
+    Override("STRATA_GPU_KV_HOST_ATTN", "kv_host_attn",
+             "KV tiers: 1 split-KV decode steps have the CPU pool attend the host-tier blocks where they lie (its "
+             "partials merged as one more split; eager steps, within 1e-3 of the untiered logits), the GPU its VRAM "
+             "blocks; 0 (the default) host blocks streamed over PCIe"),
     Override("STRATA_GPU_ROUTED_ROWS", "routed_rows",
              "1: IQ3_XXS routed experts at one pair per pass take Q4_K's decode forms (down 8 rows per warp, gate/up "
              "quantising its output in chunks); 0: a warp per row"),

@@ -58,6 +58,10 @@ class StepStats:
     # the GPU's KV tiers: bytes of host-tier blocks the step read over PCIe (streamed in place by decode, staged
     # into VRAM layer by layer by prefill-form steps, whose written blocks go back: those bytes too)
     kv_host_bytes: int = 0
+    # kv_host_attn: bytes of host-tier blocks the CPU pool attended where they lie (not in kv_host_bytes: they did
+    # not cross PCIe) and the seconds it spent on them (st_attn_blocks_part, summed over layers)
+    kv_cpu_bytes: int = 0
+    t_cpu_attn: float = 0.0
     # streaming (the GPU engine's hybrid_stream): pairs of streamed experts (the GPU's, in 1 - resident_hit_rate's
     # share no longer the CPU's), the bytes of their weights the GPU read over PCIe, and its seconds in those
     # launches (inside t_gpu): stream_bytes / t_stream is the achieved rate

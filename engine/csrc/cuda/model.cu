@@ -63,6 +63,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->hybrid_stream = 0; /* an A/B until the GPU run: gpu_settings.HYBRID_STREAM_DEFAULT */
     s->kv_stream = 1;
+    s->kv_host_attn = 0;
     s->routed_rows = 1;
     s->gemm_stage = 1;
 }
@@ -92,6 +93,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(hybrid_stream, -1, 100)
     RANGE(kv_stream, 0, 1)
+    RANGE(kv_host_attn, 0, 1)
     RANGE(routed_rows, 0, 1)
     RANGE(gemm_stage, 0, 1)
 #undef RANGE
@@ -367,7 +369,8 @@ extern "C" void stg_model_destroy(stg_model *m) {
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (void *p : m->hy.pinned) cudaFreeHost(p);
-    if (m->hy.flags) cudaFreeHost(m->hy.flags);
+    host_sync_free(m->hy.sync);
+    host_attn_destroy(m);
     for (inflight &f : m->fl) {
         if (f.h_picks) cudaFreeHost(f.h_picks);
         if (f.h_hist) cudaFreeHost(f.h_hist);

@@ -11,6 +11,7 @@ host bytes read (> 0 tiered, 0 untiered) and the bytes moved.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,61 @@ def test_scheduler_two_sequences_same_tokens(model: Path, kv_type: str) -> None:
     assert a[0] == b[0]
     assert a[1] == 0 and a[2] == 0 and b[1] > 0 and b[2] > 0, (a[1:], b[1:])
     print(f"{kv_type}: moved {b[1]} bytes, read {b[2]} host bytes over {sum(map(len, b[0]))} tokens")
+
+
+HOST_ATTN_TOL = 1e-3  # of max |logit| of the untiered cache (docs/engine.md, "KV tiers on the GPU")
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_host_attn_within_tolerance(model: Path, kv_type: str, n_seq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_host_attn 1: the CPU pool attends the host-tier blocks of each decode step (split-KV at a low
+    att_split_min) while the GPU attends its VRAM blocks; over several decode steps of 1 and 2 sequences the logits
+    stay within HOST_ATTN_TOL of max |logit| of the untiered cache and the greedy tokens are its tokens; the step
+    statistics say the CPU read the host blocks (kv_cpu_bytes) and nothing crossed PCIe. Setting 0 on the same
+    engine then streams them again, bitwise the untiered logits."""
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
+    monkeypatch.setenv("STRATA_GPU_ATT_SPLIT_MIN", "256")
+    rng = np.random.default_rng(300 + n_seq)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (2100, 1700)[:n_seq]]
+    steps = 6
+    flat, tiered = _pair(model, kv_type)
+    with flat, tiered:
+        tables: list[list[list[int]]] = [[], []]
+        for e, tabs in zip((flat, tiered), tables, strict=True):
+            for p in prompts:
+                tabs.append(e.blocks.allocate(-(-(len(p) + steps + 1) // 16)))
+        assert tables[0] == tables[1]
+        last = []
+        for e, tabs in zip((flat, tiered), tables, strict=True):
+            for i, p in enumerate(prompts):  # each prompt alone, chunked (prefill steps stage the host blocks)
+                for s in range(0, len(p), CHUNK):
+                    chunk = p[s : s + CHUNK]
+                    out = e.forward(chunk, list(range(s, s + len(chunk))), [0] * len(chunk), [tabs[i]],
+                                    [len(chunk) - 1])
+                if e is flat:
+                    last.append(int(out[0].argmax()))
+        toks, pos = last, [len(p) for p in prompts]
+        seqs = list(range(n_seq))
+        for step in range(steps + 1):
+            # the recent window (each sequence's block being written) into VRAM, as the scheduler places
+            tiered.place_kv([t[: q // 16 + 1] for t, q in zip(tables[1], pos, strict=True)])
+            if step == steps:  # setting 0: streamed again, the untiered bits
+                tiered._gpu.set_settings({**os.environ, "STRATA_GPU_KV_HOST_ATTN": "0"})
+            a = flat.forward(toks, pos, seqs, tables[0], seqs)
+            b = tiered.forward(toks, pos, seqs, tables[1], seqs)
+            st = tiered.last_stats
+            if step == steps:
+                assert np.array_equal(a, b), f"setting 0: max {np.abs(a - b).max():.3e}"
+                assert st.kv_host_bytes > 0 and st.kv_cpu_bytes == 0
+                break
+            err = np.abs(a - b).max() / np.abs(a).max()
+            assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
+            assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+            assert st.kv_cpu_bytes > 0 and st.kv_host_bytes == 0, (st.kv_cpu_bytes, st.kv_host_bytes)
+            print(f"{kv_type}, {n_seq} sequence(s), step {step}: {err:.2e} of max |logit|, CPU read "
+                  f"{st.kv_cpu_bytes} host-tier bytes in {st.t_cpu_attn * 1e3:.2f} ms")
+            toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
 
 
 def test_swap_refuses_untiered_and_bad_ids(model: Path) -> None:
