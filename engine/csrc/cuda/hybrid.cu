@@ -6,7 +6,8 @@
  * weighted sum that follows (combine, st_forward's order of additions) sees every pair as the all-device
  * step does.
  *
- * Per layer with a CPU share the stream holds: event s0, xn and the routing to pinned memory (a decode-sized
+ * Per layer with a CPU share the stream holds (the handshake's kernels and words are host_sync.cu's, shared with
+ * kv_host_attn): event s0, xn and the routing to pinned memory (a decode-sized
  * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
  * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
  * a one-thread kernel that waits for the host to write the step's value and its row count into the layer's pinned
