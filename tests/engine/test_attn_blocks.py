@@ -12,11 +12,13 @@ pool, every kernel variant.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from engine.engine import Engine
 from engine.native import (
     EngineError,
     OutOfRangeError,
@@ -26,6 +28,7 @@ from engine.native import (
     ffi,
     lib,
 )
+from tests.engine.gguf_factory import make_random_gguf
 
 PART_TOL = 1e-5
 MERGE_TOL = 1e-5
@@ -202,3 +205,11 @@ def test_rate_probe(pool: Any, kv_type: str) -> None:
     assert 0.0 < gbs < 1e4
     with pytest.raises(EngineError):
         attn_blocks_gbs(pool, kv_type, 16, 128, 16, 2, 2, 0, seconds=0.05)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_engine_reports_its_pool_rate(tmp_path: Path, kv_type: str) -> None:
+    """Engine.cpu_attn_gbs: the probe at the model's own attention shape and KV type, on the engine's pool."""
+    path = make_random_gguf(tmp_path / "m.gguf", n_embd=128, n_head=4, n_head_kv=2)
+    with Engine.open(path, threads=2, kv_tokens=256, kv_type=kv_type) as eng:
+        assert 0.0 < eng.cpu_attn_gbs(n_keys=512, seconds=0.02) < 1e4
