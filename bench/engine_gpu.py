@@ -889,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
         help="with --prefill-only: also R prefills under these settings in the same process, taking turns "
-        "with the default's (repeatable; e.g. rows128:STRATA_GPU_ATT_MMA_ROWS=128)",
+        "with the default's (repeatable; e.g. q16:STRATA_GPU_ATT_MMA=1)",
     )
     ap.add_argument(
         "--repeat",

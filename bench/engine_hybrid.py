@@ -137,17 +137,12 @@ FRAME_KEYS = ("t_total", "t_gpu", "t_pcie", "t_gpu_wait", "t_cpu_experts", "t_cp
 
 
 def frame_ms(st: Any) -> dict[str, float]:
-    """A step's frame profile in ms (engine.step.StepStats), with the GPU's idle share (waiting on the CPU), the
-    PCIe rate of the CPU share's copies, and streaming's part (hybrid_stream: the GPU's ms in the streamed experts'
-    launches, inside t_gpu; their pairs and weight bytes read over PCIe, the achieved GB/s)."""
+    """A step's frame profile in ms (engine.step.StepStats), with the GPU's idle share (waiting on the CPU) and
+    the PCIe rate of the CPU share's copies."""
     out = {k: 1e3 * float(getattr(st, k, float("nan"))) for k in FRAME_KEYS}
     out["gpu_idle_share"] = out["t_gpu_wait"] / out["t_total"] if out["t_total"] > 0 else float("nan")
     pcie_b = float(getattr(st, "pcie_bytes", 0))
     out["pcie_gb_s"] = pcie_b / (out["t_pcie"] * 1e6) if out["t_pcie"] > 0 else float("nan")
-    out["t_stream"] = 1e3 * float(getattr(st, "t_stream", 0.0))
-    out["stream_pairs"] = float(getattr(st, "stream_pairs", 0))
-    out["stream_bytes"] = float(getattr(st, "stream_bytes", 0))
-    out["stream_gb_s"] = out["stream_bytes"] / (out["t_stream"] * 1e6) if out["t_stream"] > 0 else float("nan")
     return out
 
 
@@ -157,8 +152,7 @@ def mean_frame(stats: list[Any]) -> dict[str, float]:
     if not stats:
         return {}
     tot = {k: sum(float(getattr(st, k, float("nan"))) for st in stats) / len(stats) for k in FRAME_KEYS}
-    for k in ("pcie_bytes", "t_stream", "stream_pairs", "stream_bytes"):
-        tot[k] = sum(float(getattr(st, k, 0)) for st in stats) / len(stats)
+    tot["pcie_bytes"] = sum(float(getattr(st, "pcie_bytes", 0)) for st in stats) / len(stats)
     out = frame_ms(argparse.Namespace(**tot))
     out["resident_hit_rate"] = sum(float(getattr(st, "resident_hit_rate", float("nan"))) for st in stats) / len(stats)
     out["steps"] = float(len(stats))
@@ -194,8 +188,6 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
                        gpu_read_bytes_per_token=p.gpu_read_bytes_per_token)
         if eng._gpu is not None:
             out["engine_memory"] = eng._gpu.memory()
-        out["stream_share"] = float(getattr(eng, "stream_share", 0.0))  # hybrid_stream's set, and its inputs
-        out["stream_rates"] = dict(getattr(eng, "stream_rates", {}))
         V = eng.hparams.n_vocab
         rng = np.random.default_rng(1)
 
@@ -402,14 +394,6 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
               f"{f['t_gpu']:.2f} + PCIe {f['t_pcie']:.2f} + GPU waiting on CPU {f['t_gpu_wait']:.2f} (idle "
               f"{100 * f['gpu_idle_share']:.0f}%); CPU experts {f['t_cpu_experts']:.2f}, CPU waiting on GPU "
               f"{f['t_cpu_wait']:.2f}; PCIe {f['pcie_gb_s']:.1f} GB/s", flush=True)
-        if f.get("stream_pairs", 0) > 0:
-            print(f"      streamed: {f['stream_pairs']:.1f} pairs, {f['stream_bytes'] / 2**20:.1f} MiB over PCIe in "
-                  f"{f['t_stream']:.2f} ms of the GPU's part ({f['stream_gb_s']:.1f} GB/s)", flush=True)
-    if s.get("stream_share"):
-        r = s.get("stream_rates", {})
-        print(f"   streaming: share {s['stream_share']:.2f} of the non-resident bytes ({r.get('n_streamed', 0):.0f} "
-              f"experts; rates PCIe {r.get('pcie_gbs', 0):.1f} GB/s, CPU at batch 1 "
-              f"{r.get('cpu_gbs', float('nan')):.1f} GB/s)", flush=True)
     print(f"   floor b1 {s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached "
           f"{100 * s.get('floor_share_b1', 0):.0f}%), CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
     for n in parse_ints(args.prefill):
@@ -454,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                          "variables, e.g. nooverlap:STRATA_GPU_HYBRID_OVERLAP=0 (an A/B in the same call)")
     ap.add_argument("--knob-every", action="store_true",
                     help="each --knob row at every skew and fraction, right after that skew and fraction's own row "
-                         "(e.g. stream:STRATA_GPU_HYBRID_STREAM=-1 --strata-only: streaming's A/B across the table)")
+                         "(e.g. nooverlap:STRATA_GPU_HYBRID_OVERLAP=0 --strata-only: an A/B across the table)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="skip rows that would end after this many seconds from the start (a device call's limit)")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's llama-bench / llama-batched-bench (CUDA build)")

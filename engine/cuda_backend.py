@@ -256,7 +256,6 @@ class CudaModel:
             setattr(settings, field, value)
         pm = self.ffi.new("stg_model **")
         f = self.ffi
-        self._mask_shape = None if resident is None else tuple(resident.shape)
         desc_p = f.cast("void *", _addr(cffi_cpu, desc))
         if resident is None:
             rc = self.lib.stg_model_create(index, desc_p, settings, pm)
@@ -367,8 +366,7 @@ class CudaModel:
                 "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes),
                 "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
                 "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
-                "kv_host_bytes": int(p.kv_host_bytes), "stream_pairs": int(p.stream_pairs),
-                "stream_bytes": int(p.stream_bytes), "t_stream": p.t_stream, "kv_cpu_bytes": int(p.kv_cpu_bytes),
+                "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
                 "t_cpu_attn": p.t_cpu_attn}
 
     def stage_info(self) -> dict[str, float]:
@@ -379,34 +377,6 @@ class CudaModel:
         av, pcie, gpu, cpu = f.new("int32_t *"), f.new("double *"), f.new("double *"), f.new("double *")
         _check(f, self.lib, self.lib.stg_model_stage_info(self._model, av, pcie, gpu, cpu), "stage info")
         return {"available": bool(av[0]), "pcie_gbs": pcie[0], "gpu_gbs": gpu[0], "cpu_pairs_s": cpu[0]}
-
-    def stream_info(self) -> dict[str, float]:
-        """Streaming (stg_settings.hybrid_stream): whether the experts' host range is mapped for the device, the
-        PCIe GB/s measured at open, and how many experts the set streams now."""
-        if self._model is None:
-            raise EngineError("GPU model is closed")
-        f = self.ffi
-        av, pcie, n = f.new("int32_t *"), f.new("double *"), f.new("int64_t *")
-        _check(f, self.lib, self.lib.stg_model_stream_info(self._model, av, pcie, n), "stream info")
-        return {"available": bool(av[0]), "pcie_gbs": pcie[0], "n_streamed": int(n[0])}
-
-    def set_streamed(self, streamed: Any) -> None:
-        """stg_model_set_streamed: ``streamed`` [n_layer, n_expert] (0 / 1) the experts the device computes over
-        PCIe while they are not resident; None clears the set."""
-        if self._model is None:
-            raise EngineError("GPU model is closed")
-        f = self.ffi
-        if streamed is None:
-            _check(f, self.lib, self.lib.stg_model_set_streamed(self._model, f.NULL), "streamed set")
-            return
-        import numpy as np
-
-        mask = np.ascontiguousarray(streamed, dtype=np.uint8)
-        if self._mask_shape is None or mask.shape != self._mask_shape:
-            raise ValueError(f"streamed set of shape {mask.shape}; the model's resident mask is {self._mask_shape}")
-        keep = f.from_buffer(mask)
-        _check(f, self.lib, self.lib.stg_model_set_streamed(self._model, f.cast("const uint8_t *", keep)),
-               "streamed set")
 
     def swap_expert(self, layer: int, out_expert: int, in_expert: int) -> None:
         """Online re-placement (stg_model_swap_expert): ``in_expert`` takes ``out_expert``'s GPU slot."""

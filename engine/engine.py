@@ -223,11 +223,7 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.stage_pcie_gbs = float(profile.get("stage_pcie_gbs", 0.0))
         out.stage_gpu_gbs = float(profile.get("stage_gpu_gbs", 0.0))
         out.stage_cpu_pairs_s = float(profile.get("stage_cpu_pairs_s", 0.0))
-        out.stream_pairs = int(profile.get("stream_pairs", 0))
-        out.stream_bytes = int(profile.get("stream_bytes", 0))
-        out.t_stream = float(profile.get("t_stream", 0.0))
-        # the resident experts' share: streamed pairs are the GPU's but read their weights from host RAM
-        out.resident_hit_rate = (profile["pairs_gpu"] - out.stream_pairs) / pairs if pairs else 1.0
+        out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
         out.kv_host_bytes = int(profile.get("kv_host_bytes", 0))
         out.kv_cpu_bytes = int(profile.get("kv_cpu_bytes", 0))
@@ -242,10 +238,8 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16",
-                 routing_freqs: np.ndarray | None = None) -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> None:
         self.model_file = mf
-        self.routing_freqs = routing_freqs  # the plan's routing probabilities (None: uniform): streaming's order
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
         self.plan_source = plan_source  # where the plan's routing frequencies came from
@@ -337,15 +331,6 @@ class Engine:
             except BaseException:
                 self.close()
                 raise
-        # streaming (hybrid_stream): the share of the non-resident bytes the GPU reads over PCIe, and its inputs
-        self.stream_share = 0.0
-        self.stream_rates: dict[str, float] = {}
-        if self._gpu is not None and self.resident is not None:
-            try:
-                self.set_stream_share(None)
-            except BaseException:
-                self.close()
-                raise
 
     # online re-placement: the statistics' half-life (tokens) and the tokens a layer must have seen before its
     # experts move
@@ -381,81 +366,7 @@ class Engine:
                     resident[il, e_in] = 1
             finally:
                 self.resident = resident
-        if self.stream_share > 0:  # the streamed set re-sized for the new residency (same share)
-            self.set_stream_share(self.stream_share)
         return len(moves)
-
-    def set_stream_share(self, share: float | None) -> float:
-        """Streaming (issue 29's third home of an expert, the GPU engine's ``hybrid_stream``): size the static set
-        of non-resident experts the GPU computes at decode by reading their weights over PCIe while the CPU pool
-        computes the others, for ``share`` (0..1) of each layer's expected non-resident bytes
-        (``placement.stream_set``); None: the setting's (-1: ``placement.stream_share`` of the PCIe rate measured
-        at open and the CPU's batch-1 expert read rate measured here; 1..100: that share in percent; 0: none).
-        Steps in flight are waited first. Returns the share applied (0 on an engine without a CPU share, or where
-        the GPU cannot map the experts' host range); ``stream_rates`` keeps its inputs."""
-        if self._gpu is None or self.resident is None:
-            return 0.0
-        from engine import gpu_settings
-        from engine.placement import expert_bytes, stream_set, stream_share
-
-        info = self._gpu.stream_info()
-        rates: dict[str, float] = {"pcie_gbs": float(info["pcie_gbs"]), "available": float(info["available"])}
-        if share is None:
-            setting = gpu_settings.hybrid_stream()
-            rates["setting"] = float(setting)
-            if setting == -1 and info["available"]:
-                rates["cpu_gbs"] = self._cpu_decode_gbs()
-                share = stream_share(rates["pcie_gbs"], rates["cpu_gbs"])
-            else:
-                share = max(setting, 0) / 100.0
-        if not 0.0 <= share <= 1.0:
-            raise ValueError(f"stream share must be in [0, 1], got {share!r}")
-        if share > 0 and not info["available"]:
-            share = 0.0  # the range is not mapped (hybrid_stage and hybrid_stream 0 at open, or refused)
-        if getattr(self, "_expert_bytes", None) is None:
-            self._expert_bytes = expert_bytes(self.model_file)
-        freqs = self._routing.frequencies() if getattr(self, "_routing", None) is not None else self.routing_freqs
-        mask = stream_set(freqs, self.resident, self._expert_bytes, share) if share > 0 else None
-        with self._step_lock:
-            self._drain(0)
-            self._gpu.set_streamed(mask)
-        self.stream_share, self.stream_rates = share, rates
-        self.stream_rates["n_streamed"] = float(self._gpu.stream_info()["n_streamed"])
-        return share
-
-    def _cpu_decode_gbs(self, max_layers: int = 16) -> float:
-        """The CPU pool's read rate of routed expert weights at batch 1 (GB/s): one token on k distinct
-        non-resident experts (drawn uniformly) in each of up to ``max_layers`` partial layers, their expert bytes
-        over the calls' time (a first call on another layer wakes the pool; each call reads experts no earlier one
-        did, so they come from RAM as at decode)."""
-        assert self.resident is not None
-        hp = self.hparams
-        k = hp.n_expert_used
-        layers = [i for i in range(hp.n_layer) if self.resident[i].sum() < hp.n_expert]
-        if not layers:
-            return 0.0
-        from engine.placement import expert_bytes
-
-        if getattr(self, "_expert_bytes", None) is None:
-            self._expert_bytes = expert_bytes(self.model_file)
-        rng = np.random.default_rng(1)
-        x = rng.standard_normal((1, hp.n_embd)).astype(np.float32)
-        tok = np.zeros(k, dtype=np.int32)
-
-        def pick(il: int) -> np.ndarray:
-            off = np.flatnonzero(self.resident[il] == 0)
-            return rng.choice(off, size=min(k, off.size), replace=False).astype(np.int32)
-
-        warm = pick(layers[-1])
-        self.moe_pairs(layers[-1], x, tok[:warm.size], warm)
-        total_b, total_s = 0.0, 0.0
-        for il in layers[:max_layers]:
-            exp = pick(il)
-            t = time.perf_counter()
-            self.moe_pairs(il, x, tok[:exp.size], exp)
-            total_s += time.perf_counter() - t
-            total_b += float(self._expert_bytes[il, exp].sum())
-        return total_b / max(total_s, 1e-9) * 1e-9
 
     def _cpu_pairs_rate(self, tokens: int) -> float:
         """Staging's CPU rate, measured at start-up: routed (token, expert) pairs per second of ``st_moe_pairs``
@@ -573,14 +484,9 @@ class Engine:
                     lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
-        freqs = None
-        if resident is not None and not resident.all():  # streaming's order (Engine.set_stream_share)
-            from engine.placement import placement_frequencies
-
-            freqs = placement_frequencies(mf, placement)[0]
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
                    resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
-                   kv_type, freqs)
+                   kv_type)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "HYBRID_STAGE_DEFAULT", "HYBRID_STREAM_DEFAULT", "apply_env",
-           "env_override", "from_env", "hybrid_stream", "staging_slots"]
+__all__ = ["LIBRARY_ENV", "OVERRIDES", "Override", "HYBRID_STAGE_DEFAULT", "apply_env", "env_override", "from_env",
+           "staging_slots"]
 
 # Not a setting of a model but of the process: which build of the GPU engine cuda_backend.load() opens
 # (another build of the same sources, so that one device call can time two versions of a kernel).
@@ -56,11 +56,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA", "att_mma",
              "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
-    Override("STRATA_GPU_ATT_MMA_ROWS", "att_mma_rows",
-             "rows of a tensor-core attention tile: 64 (4 warps) or 128 (8 warps); the same bits"),
-    Override("STRATA_GPU_ATT_MMA_LEAN", "att_mma_lean",
-             "hi + lo tensor-core attention: 1 exp2 as one MUFU op, rescales skipped where no max moved; 2 also "
-             "each stage's P.V beside the next stage's softmax; 0 neither; the same bits"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
@@ -70,10 +65,6 @@ OVERRIDES: tuple[Override, ...] = (
              "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
              "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
              "of VRAM; 64, the default, keeps decode off it); 0 never"),
-    Override("STRATA_GPU_HYBRID_STREAM", "hybrid_stream",
-             "hybrid placement at decode: a static set of non-resident experts computed by the GPU reading their "
-             "weights over PCIe in place, beside the CPU's share: -1 the set sized from the measured rates, 1..100 "
-             "sized for that share (%) of the non-resident bytes, 0 (the default while its A/B is open) never"),
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
              "them in VRAM; 0 every step stages (no graphs)"),
@@ -81,12 +72,6 @@ OVERRIDES: tuple[Override, ...] = (
              "KV tiers: 1 split-KV decode steps have the CPU pool attend the host-tier blocks where they lie (its "
              "partials merged as one more split; eager steps, within 1e-3 of the untiered logits), the GPU its VRAM "
              "blocks; 0 (the default) host blocks streamed over PCIe"),
-    Override("STRATA_GPU_ROUTED_ROWS", "routed_rows",
-             "1: IQ3_XXS routed experts at one pair per pass take Q4_K's decode forms (down 8 rows per warp, gate/up "
-             "quantising its output in chunks); 0: a warp per row"),
-    Override("STRATA_GPU_GEMM_STAGE", "gemm_stage",
-             "1: the Q5_0 / Q8_0 / IQ4_NL / IQ4_XS / MXFP4 / IQ3_XXS / Q6_K GEMMs copy each k stage's weights with "
-             "cp.async during the previous stages; 0: loaded into registers per stage (same bits)"),
 )
 
 
@@ -137,18 +122,3 @@ def staging_slots(n_expert: int, environ: dict[str, str] | None = None) -> int:
     least 1; 0 when it is 0."""
     stage = env_override("hybrid_stage", environ)
     return 2 * n_expert if (HYBRID_STAGE_DEFAULT if stage is None else stage) >= 1 else 0
-
-
-# stg_settings_default's hybrid_stream (model.cu): off until the GPU run's A/B says streaming pays
-HYBRID_STREAM_DEFAULT = 0
-
-
-def hybrid_stream(environ: dict[str, str] | None = None) -> int:
-    """The ``hybrid_stream`` setting a model opened now gets (the override, else the default): -1 the streamed set
-    sized from the measured rates, 1..100 a share in percent, 0 off. A value outside [-1, 100] raises ValueError
-    (the library refuses it at model open too)."""
-    v = env_override("hybrid_stream", environ)
-    v = HYBRID_STREAM_DEFAULT if v is None else v
-    if not -1 <= v <= 100:
-        raise ValueError(f"STRATA_GPU_HYBRID_STREAM={v}: expected -1 (auto), 0 (off) or a share of 1..100 (%)")
-    return v

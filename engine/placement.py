@@ -45,7 +45,7 @@ __all__ = [
     "ModelIdentity", "RoutingStats", "PlacementFile", "GpuPlan", "PlanParams", "GPU_READ_GBS", "model_identity",
     "tensor_table_hash", "expert_bytes", "fixed_gpu_bytes", "plan", "measure_cpu_read_gbs", "gpu_read_gbs",
     "render_plan", "engine_plan_params", "engine_step_tokens", "default_placement_path", "placement_frequencies",
-    "resident_mask", "replacement_moves", "stream_share", "stream_set",
+    "resident_mask", "replacement_moves",
 ]
 
 PLACEMENT_FORMAT = "strata-placement"
@@ -674,55 +674,3 @@ def replacement_moves(freqs: np.ndarray, resident: np.ndarray, ebytes: np.ndarra
         moves.append((il, e_out, e_in))
         used += b
     return moves
-
-
-# ---------------------------------------------------------------- streaming (the third home of an expert)
-
-def stream_share(pcie_gbs: float, cpu_gbs: float) -> float:
-    """The share of a decode token's non-resident expert bytes that the GPU should read over PCIe (streaming,
-    ``hybrid_stream``) so that it and the CPU, reading the rest from RAM at the same time, finish together:
-    pcie / (pcie + cpu) for the two measured rates (GB/s). 0 when either rate is not positive or not finite."""
-    p, c = float(pcie_gbs), float(cpu_gbs)
-    if not (np.isfinite(p) and np.isfinite(c)) or p <= 0 or c <= 0:
-        return 0.0
-    return p / (p + c)
-
-
-def stream_set(freqs: np.ndarray | None, resident: np.ndarray, ebytes: np.ndarray, share: float) -> np.ndarray:
-    """[n_layer, n_expert] uint8: the streamed experts for ``share`` (0..1) of each layer's expected non-resident
-    expert bytes per token (frequency x bytes, summed over the layer's non-resident experts). Per layer, the
-    non-resident experts are taken least frequent first (ties by id) while the running sum stays within half an
-    expert of the target: at batch 1 any expert's bytes cross once whoever reads them, but an expert that several
-    of a step's tokens hit is read once by the CPU and once per pair by the device's single-pair kernels over the
-    link, so the CPU keeps the hotter ones. Per layer, not over the model: each layer's CPU share and streamed
-    share run side by side and the layer waits for both. freqs: routing probabilities (None: uniform); resident:
-    1 where the GPU holds the expert (those and layers without a CPU share stream nothing); share <= 0: none,
-    >= 1: every non-resident expert."""
-    res = np.asarray(resident).astype(bool)
-    n_layer, n_expert = res.shape
-    f = np.ones((n_layer, n_expert)) if freqs is None else np.asarray(freqs, dtype=np.float64)
-    eb = np.asarray(ebytes, dtype=np.float64)
-    if f.shape != res.shape or eb.shape != res.shape:
-        raise PlacementError(f"stream_set: freqs {f.shape}, resident {res.shape} and ebytes {eb.shape} must agree")
-    if not np.isfinite(share):
-        raise PlacementError(f"stream_set: share {share!r} is not a number")
-    out = np.zeros((n_layer, n_expert), dtype=np.uint8)
-    if share <= 0:
-        return out
-    for il in range(n_layer):
-        off = np.flatnonzero(~res[il] & (eb[il] > 0))
-        if off.size == 0:
-            continue
-        if share >= 1:
-            out[il, off] = 1
-            continue
-        w = np.maximum(f[il, off], 0.0) * eb[il, off]
-        if w.sum() <= 0:  # no routing measured to these experts: their bytes alone
-            w = eb[il, off].copy()
-        target = share * float(w.sum())
-        got = 0.0
-        for i in sorted(range(off.size), key=lambda i: (f[il, off[i]], off[i])):
-            if got + w[i] / 2 <= target:
-                out[il, off[i]] = 1
-                got += float(w[i])
-    return out

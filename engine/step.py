@@ -62,12 +62,6 @@ class StepStats:
     # not cross PCIe) and the seconds it spent on them (st_attn_blocks_part, summed over layers)
     kv_cpu_bytes: int = 0
     t_cpu_attn: float = 0.0
-    # streaming (the GPU engine's hybrid_stream): pairs of streamed experts (the GPU's, in 1 - resident_hit_rate's
-    # share no longer the CPU's), the bytes of their weights the GPU read over PCIe, and its seconds in those
-    # launches (inside t_gpu): stream_bytes / t_stream is the achieved rate
-    stream_pairs: int = 0
-    stream_bytes: int = 0
-    t_stream: float = 0.0
 
 
 class StepEngine(Protocol):

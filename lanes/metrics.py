@@ -164,10 +164,8 @@ class LaneMetrics:
             if part != "total":
                 self.last_step.labels(part=part).set(v)
         self.resident_hit.set(st.resident_hit_rate)
-        # streamed experts' pairs (hybrid_stream) are computed on the GPU although not resident
-        gpu = min(1.0, st.resident_hit_rate + st.stream_pairs / max(st.n_expert_tokens, 1))
-        self.expert_share.labels(device="gpu").set(gpu)
-        self.expert_share.labels(device="cpu").set(1.0 - gpu)
+        self.expert_share.labels(device="gpu").set(st.resident_hit_rate)
+        self.expert_share.labels(device="cpu").set(1.0 - st.resident_hit_rate)
         if st.pcie_bytes:
             self.pcie_bytes.inc(st.pcie_bytes)
         if st.staged_bytes:

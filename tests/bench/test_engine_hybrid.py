@@ -187,27 +187,6 @@ def test_main_runs_the_table_then_the_knobs_then_q8_and_skips_what_does_not_fit(
     assert len(got["skipped"]) >= 3 and any("Q8_0" in s for s in got["skipped"])
 
 
-def test_mean_frame_reports_the_streamed_share() -> None:
-    """Streaming's figures (hybrid_stream): the steps' mean streamed pairs and bytes, the GPU's ms in those
-    launches, and the achieved GB/s from the means; none streamed: 0 and no rate."""
-    import math
-    from types import SimpleNamespace
-
-    from bench.engine_hybrid import mean_frame
-
-    def step(t_stream: float, pairs: int, nbytes: int) -> SimpleNamespace:
-        return SimpleNamespace(t_total=0.012, t_gpu=0.009, t_pcie=0.001, t_gpu_wait=0.002, t_cpu_experts=0.006,
-                               t_cpu_wait=0.001, pcie_bytes=1000, resident_hit_rate=0.0, t_stream=t_stream,
-                               stream_pairs=pairs, stream_bytes=nbytes)
-
-    got = mean_frame([step(0.006, 150, 300_000_000), step(0.008, 170, 400_000_000)])
-    assert got["t_stream"] == pytest.approx(7.0) and got["stream_pairs"] == pytest.approx(160.0)
-    assert got["stream_bytes"] == pytest.approx(350_000_000)
-    assert got["stream_gb_s"] == pytest.approx(350_000_000 / 0.007 / 1e9)
-    off = mean_frame([step(0.0, 0, 0)])
-    assert off["stream_pairs"] == 0 and math.isnan(off["stream_gb_s"])
-
-
 def test_knob_every_puts_each_knob_beside_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--knob-every: each knob's row (Strata only, under its settings) right after every skew and fraction's own
     row, and no knob rows after the table."""
@@ -219,16 +198,16 @@ def test_knob_every_puts_each_knob_beside_every_row(tmp_path: Path, monkeypatch:
         return [eh.model_path(args.model_dir, args.layers, s, experts) for s in skews]
 
     def fake_strata(path, frac, args, budget=None, batches=None):  # noqa: ANN001, ANN202
-        calls.append((path.name, frac, os.environ.get("STRATA_GPU_HYBRID_STREAM")))
+        calls.append((path.name, frac, os.environ.get("STRATA_GPU_HYBRID_OVERLAP")))
         return {"fraction": frac, "decode_b1_tok_s": 50.0}
 
     monkeypatch.setattr(eh, "build_models", fake_build)
     monkeypatch.setattr(eh, "run_strata", fake_strata)
     monkeypatch.setattr(eh, "print_row", lambda row, args: None)
-    monkeypatch.delenv("STRATA_GPU_HYBRID_STREAM", raising=False)
+    monkeypatch.delenv("STRATA_GPU_HYBRID_OVERLAP", raising=False)
     assert eh.main(["--skews", "0,1", "--fractions", "0,0.5", "--strata-only", "--model-dir", str(tmp_path),
-                    "--knob", "stream:STRATA_GPU_HYBRID_STREAM=-1", "--knob-every"]) == 0
+                    "--knob", "nooverlap:STRATA_GPU_HYBRID_OVERLAP=0", "--knob-every"]) == 0
     s0, s1 = "qwen3moe-synth-48L-skew0.gguf", "qwen3moe-synth-48L-skew1.gguf"
-    assert calls == [(s0, 0.0, None), (s0, 0.0, "-1"), (s0, 0.5, None), (s0, 0.5, "-1"),
-                     (s1, 0.0, None), (s1, 0.0, "-1"), (s1, 0.5, None), (s1, 0.5, "-1")]
-    assert "STRATA_GPU_HYBRID_STREAM" not in os.environ
+    assert calls == [(s0, 0.0, None), (s0, 0.0, "0"), (s0, 0.5, None), (s0, 0.5, "0"),
+                     (s1, 0.0, None), (s1, 0.0, "0"), (s1, 0.5, None), (s1, 0.5, "0")]
+    assert "STRATA_GPU_HYBRID_OVERLAP" not in os.environ

@@ -211,13 +211,11 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
     assert f.typeof(ce.moe_pairs).cname.startswith("int32_t(*)(void *, void *, int32_t")
     p = f.new("stg_profile *")
     assert {"t_total", "t_gpu", "t_cpu_experts", "t_gpu_wait", "pairs_gpu", "pairs_cpu", "staged_bytes", "t_pcie",
-            "t_cpu_wait", "pcie_bytes", "staged_layers", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s",
-            "stream_pairs", "stream_bytes", "t_stream"} <= \
+            "t_cpu_wait", "pcie_bytes", "staged_layers", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s"} <= \
         {name for name, _ in f.typeof(p[0]).fields}
     text = cuda_backend.cdef_text()
     for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile",
-               "stg_model_set_stage_rate", "stg_model_stage_info", "stg_model_set_streamed", "stg_model_stream_info",
-               "stg_model_set_cpu_attn"):
+               "stg_model_set_stage_rate", "stg_model_stage_info", "stg_model_set_cpu_attn"):
         assert f"{fn}(" in text
 
 

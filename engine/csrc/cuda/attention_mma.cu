@@ -5,12 +5,15 @@
  * consecutive tokens of one sequence (G = query heads per kv head), so its ROWS = 16 W rows
  * (token, query head of the group) share every K/V stage; each of the W warps owns 16 rows
  * (one m16 fragment). Keys go in stages of AMMA_BC = 64 (four 16-key chunks, each inside one
- * KV block since block sizes are multiples of 16), copied with cp.async into NS slots (NS - 1
- * stages ahead of the one computed; one barrier a stage).
- * stg_settings.att_mma_rows picks W: 4 (64 rows, two blocks an SM, two stages: a third gains
- * nothing there) or 8 (128 rows, one block an SM, three stages): at depth every block streams
- * the whole cached prefix of its kv head, so 128 rows halve the K/V bytes each SM pulls from L2
- * per mma, with the same 8 warps an SM. Both give the same bits.
+ * KV block since block sizes are multiples of 16), copied with cp.async into NS slots (one
+ * barrier a stage). Each stage's P.V runs one stage behind, beside the next stage's softmax
+ * (PIPE), where the form's shared memory fits the device.
+ *
+ * Forms (amma_pick, by the device's opt-in shared memory a block; every form gives the same bits):
+ * W = 8 (128 rows, one block an SM, PIPE: 4 slots, 140 KiB at head_dim 128, sm_90) where it fits:
+ * at depth every block streams the whole cached prefix of its kv head, so 128 rows halve the K/V
+ * bytes each SM pulls from L2 per mma, with the 8 warps an SM of two 64-row blocks; else W = 4
+ * (64 rows) with PIPE (3 slots) or without it (2 slots: 70 KiB at head_dim 128, sm_89's 99 KiB).
  *
  * Arithmetic (not bitwise k_attention's): q is pre-scaled fp32; it enters the mma as f16, by
  * default split as q = hi + lo (two f16 each, two mma per fragment), which leaves the score
@@ -33,17 +36,25 @@
 #define AMMA_BC 64
 #define AMMA_KP (AMMA_BC + 8) /* padded K stage row (one dimension, halves): ldmatrix rows in distinct banks */
 
-template <int HD> __host__ __device__ constexpr int amma_vp() { return HD + 8; } /* padded V stage row */
-template <int HD> __host__ __device__ constexpr size_t amma_stage_halves() {
-    return (size_t)HD * AMMA_KP + (size_t)AMMA_BC * amma_vp<HD>();
+__host__ __device__ constexpr int amma_vp(int hd) { return hd + 8; } /* padded V stage row */
+/* one K/V stage: K [hd][AMMA_KP], then V [AMMA_BC][hd + 8] halves */
+__host__ __device__ constexpr size_t amma_stage_halves(int hd) {
+    return (size_t)hd * AMMA_KP + (size_t)AMMA_BC * amma_vp(hd);
 }
-/* K/V stage slots: NS - 1 stages in flight beside the one computed (PIPE: NS - 2, as a slot keeps its V one stage
- * longer) */
-template <int W, bool PIPE> __host__ __device__ constexpr int amma_ns() { return (W == 8 ? 3 : 2) + (PIPE ? 1 : 0); }
-/* the K/V stages, and at the end the output rows in the same memory ([16 W][HD + 8] floats) */
-template <int HD, int W, bool PIPE = false> constexpr size_t amma_smem_bytes() {
-    return std::max(amma_ns<W, PIPE>() * amma_stage_halves<HD>() * sizeof(__half),
-                    (size_t)16 * W * (HD + 8) * sizeof(float));
+/* K/V stage slots of W warps: NS - 1 stages in flight beside the one computed (PIPE: NS - 2, as a slot keeps its V
+ * one stage longer) */
+__host__ __device__ constexpr int amma_ns(int w, bool pipe) { return (w == 8 ? 3 : 2) + (pipe ? 1 : 0); }
+/* dynamic shared memory: the K/V stages, and at the end the output rows in the same memory ([16 W][hd + 8] floats) */
+constexpr size_t amma_smem_bytes(int hd, int w, bool pipe) {
+    const size_t stages = amma_ns(w, pipe) * amma_stage_halves(hd) * sizeof(__half);
+    const size_t rows = (size_t)16 * w * (hd + 8) * sizeof(float);
+    return stages > rows ? stages : rows;
+}
+/* static shared memory: the key count of each of the 16 W rows (rn) */
+constexpr size_t amma_static_bytes(int w) { return sizeof(int32_t) * 16 * w; }
+/* whether a form fits a block of a device that opts in to smem_optin bytes */
+constexpr bool amma_fits(int hd, int w, bool pipe, int smem_optin) {
+    return amma_smem_bytes(hd, w, pipe) + amma_static_bytes(w) <= (size_t)smem_optin;
 }
 
 __device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -86,23 +97,22 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
 }
 
 /* tiles[i] = first_token * 256 + tokens (at most 16 W / G); QSPLIT: q as f16 hi + lo.
- * LV (stg_settings.att_mma_lean; the F16 cache's hi + lo form): 1, exp2 as amma_ex2, and a stage whose keys move no
- * row's max of the warp skips the output's rescale (a multiply by exactly 1); 2, also P.V one stage behind (PIPE:
- * stage kt - 1's P.V queued beside stage kt's softmax, so a warp has tensor work while the softmax's chain of
- * dependent steps runs; one more K/V slot, since a slot's V is read an iteration later). The same bits at every LV.
+ * exp2 is amma_ex2, and a stage whose keys move no row's max of the warp skips the output's rescale (a multiply by
+ * exactly 1). PIPE: P.V one stage behind (stage kt - 1's P.V queued beside stage kt's softmax, so a warp has tensor
+ * work while the softmax's chain of dependent steps runs; one more K/V slot, since a slot's V is read an iteration
+ * later); without it each stage's P.V follows its own softmax. The same bits either way.
  * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
  * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
  * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
-template <int HD, int W, bool QSPLIT, bool Q8 = false, int LV = 0>
+template <int HD, int W, bool QSPLIT, bool Q8, bool PIPE>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
     constexpr int AMMA_ROWS = 16 * W;
-    constexpr int VP = amma_vp<HD>(), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = amma_ns<W, LV == 2>();
-    constexpr bool PIPE = LV == 2;
+    constexpr int VP = amma_vp(HD), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = amma_ns(W, PIPE);
     constexpr int AHEAD = PIPE ? NS - 2 : NS - 1; /* stages issued ahead of the one computed */
     constexpr float LOG2E = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char att_dyn[];
-    __shared__ int32_t rn[AMMA_ROWS];
+    __shared__ int32_t rn[AMMA_ROWS]; /* amma_static_bytes(W) */
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
     const int G = a.n_head / a.n_kv, kvh = blockIdx.y, kd = a.n_kv * HD, bs = a.block_size;
     const int32_t tile = tiles[blockIdx.x], t0 = tile >> 8, nrows = (tile & 255) * G;
@@ -145,7 +155,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
     const int kc_p = threadIdx.x & 1, kc_c = (threadIdx.x >> 1) & 3;
     auto issue = [&](int kt) { /* stage kt's copies into slot kt % NS, as one commit group (empty past the end) */
         if (kt < n_kt) {
-            __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(), *vs = ks + HD * AMMA_KP;
+            __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves(HD), *vs = ks + HD * AMMA_KP;
             const int j0 = kt * AMMA_BC;
             int32_t blk[4], slot[4]; /* the four 16-key chunks' KV blocks, loaded together, and first slots */
 #pragma unroll
@@ -225,7 +235,6 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
     for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f; /* l: this thread's share of the row sum */
     const int mi = lane >> 3, mr = lane & 7; /* ldmatrix: matrix and row this lane addresses */
-    auto ex2 = [](float x) { return LV >= 1 ? amma_ex2(x) : exp2f(x); };
     /* S = q.k of the stage whose K is at ks */
     auto qk = [&](const __half *ks, float (&s)[NT][4]) {
 #pragma unroll
@@ -271,13 +280,13 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
         }
         /* every row sees key 0 in stage 0, so the running max is finite from then on */
         const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
-        c_lo = ex2(m_lo - mn_lo), c_hi = ex2(m_hi - mn_hi); /* 0 on the first stage */
+        c_lo = amma_ex2(m_lo - mn_lo), c_hi = amma_ex2(m_hi - mn_hi); /* 0 on the first stage */
         m_lo = mn_lo, m_hi = mn_hi;
         float sum_lo = 0.0f, sum_hi = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const float p0 = ex2(s[nt][0] - mn_lo), p1 = ex2(s[nt][1] - mn_lo);
-            const float p2 = ex2(s[nt][2] - mn_hi), p3 = ex2(s[nt][3] - mn_hi);
+            const float p0 = amma_ex2(s[nt][0] - mn_lo), p1 = amma_ex2(s[nt][1] - mn_lo);
+            const float p2 = amma_ex2(s[nt][2] - mn_hi), p3 = amma_ex2(s[nt][3] - mn_hi);
             sum_lo += p0 + p1, sum_hi += p2 + p3;
             pa[nt / 2][(nt & 1) * 2] = amma_pack(p0, p1);
             pa[nt / 2][(nt & 1) * 2 + 1] = amma_pack(p2, p3);
@@ -285,8 +294,8 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
         l_lo = fmaf(l_lo, c_lo, sum_lo), l_hi = fmaf(l_hi, c_hi, sum_hi);
     };
     auto rescale = [&](float c_lo, float c_hi) {
-        /* lean: at depth a row's max rarely moves, and a multiply by exactly 1 changes nothing */
-        if (LV == 0 || __any_sync(0xffffffffu, c_lo != 1.0f || c_hi != 1.0f)) {
+        /* at depth a row's max rarely moves, and a multiply by exactly 1 changes nothing */
+        if (__any_sync(0xffffffffu, c_lo != 1.0f || c_hi != 1.0f)) {
 #pragma unroll
             for (int i = 0; i < DT; i++) o[i][0] *= c_lo, o[i][1] *= c_lo, o[i][2] *= c_hi, o[i][3] *= c_hi;
         }
@@ -304,7 +313,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
             }
         }
     };
-    auto slot = [&](int kt) { return stage0 + (size_t)(kt % NS) * amma_stage_halves<HD>(); };
+    auto slot = [&](int kt) { return stage0 + (size_t)(kt % NS) * amma_stage_halves(HD); };
     uint32_t pa[NT / 2][4]; /* PIPE: the previous stage's P, its P.V not yet added */
     float cp_lo = 1.0f, cp_hi = 1.0f;
     bool prev = false;
@@ -388,9 +397,23 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
  * that a graph step would compute, so that a short sequence's tokens do not depend on how it was
  * batched. Longer runs, where attention is worth the tensor cores, use the mma kernel: their tokens
  * are within tolerance (not bitwise) of what another chunking gives. */
-/* Tokens per mma tile of `rows` rows (64 or 128, stg_settings.att_mma_rows) for a model: head_dim 32, 64 or 128
- * and G = n_head / n_kv dividing 16 (the short runs need the query-tile kernel, which takes the same shapes); 0
- * otherwise. */
+/* The form a device takes (rows 128 or 64, PIPE): the first that fits a block of smem_optin bytes of opt-in shared
+ * memory (cudaDevAttrMaxSharedMemoryPerBlockOptin: the model's stg_model.smem_optin) of 128 rows with P.V one stage
+ * behind, 64 rows with it, 64 rows without it; rows 0 where none fits or head_dim is not 32, 64 or 128. head_dim
+ * 128: 140, 105 and 70 KiB (sm_90 takes the first, sm_89's 99 KiB the last); head_dim 64: 72, 54 and 36 KiB. */
+struct amma_form {
+    int rows;
+    bool pipe;
+};
+static amma_form amma_pick(int32_t hd, int smem_optin) {
+    if (hd != 32 && hd != 64 && hd != 128) return {0, false};
+    const amma_form forms[3] = {{128, true}, {64, true}, {64, false}};
+    for (const amma_form &f : forms)
+        if (amma_fits(hd, f.rows / 16, f.pipe, smem_optin)) return f;
+    return {0, false};
+}
+/* Tokens per mma tile of `rows` rows (64 or 128: amma_pick's) for a model: head_dim 32, 64 or 128 and G = n_head /
+ * n_kv dividing 16 (the short runs need the query-tile kernel, which takes the same shapes); 0 otherwise. */
 static int att_mma_tokens(int32_t n_head, int32_t n_kv, int32_t hd, int32_t rows) {
     if (n_kv < 1 || n_head % n_kv || (hd != 32 && hd != 64 && hd != 128) || (rows != 64 && rows != 128)) return 0;
     const int G = n_head / n_kv;
@@ -418,80 +441,74 @@ static void att_split_tiles(const int32_t *seq, int32_t T, int tq, int tqm, int3
     *n_mma = n - *n_old;
 }
 
-static stg_status attention_mma_setup(void) {
-#define AMMA_SETUP(HD, W, QS, Q8, LV)                                                                         \
-    CU(cudaFuncSetAttribute(k_attention_mma<HD, W, QS, Q8, LV>, cudaFuncAttributeMaxDynamicSharedMemorySize,   \
-                            (int)amma_smem_bytes<HD, W, LV == 2>()),                                           \
-       "attention (mma) setup");
-#define AMMA_SETUP_HD(HD, W)                                                                                  \
-    AMMA_SETUP(HD, W, false, false, 0)                                                                        \
-    AMMA_SETUP(HD, W, true, false, 0)                                                                         \
-    AMMA_SETUP(HD, W, true, false, 1)                                                                         \
-    AMMA_SETUP(HD, W, true, false, 2)
-    AMMA_SETUP_HD(32, 4)
-    AMMA_SETUP_HD(64, 4)
-    AMMA_SETUP_HD(128, 4)
-    AMMA_SETUP_HD(32, 8)
-    AMMA_SETUP_HD(64, 8)
-    AMMA_SETUP_HD(128, 8)
-    AMMA_SETUP(64, 4, true, true, 0)
-    AMMA_SETUP(128, 4, true, true, 0)
-    AMMA_SETUP(64, 8, true, true, 0)
-    AMMA_SETUP(128, 8, true, true, 0)
-#undef AMMA_SETUP_HD
+/* Every form that fits a block of smem_optin bytes opts in to its dynamic shared memory (amma_pick launches no
+ * other there). */
+static stg_status attention_mma_setup(int smem_optin) {
+#define AMMA_SETUP(HD, W, QS, Q8, PIPE)                                                                        \
+    if (amma_fits(HD, W, PIPE, smem_optin))                                                                    \
+        CU(cudaFuncSetAttribute(k_attention_mma<HD, W, QS, Q8, PIPE>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                (int)amma_smem_bytes(HD, W, PIPE)),                                             \
+           "attention (mma) setup");
+#define AMMA_SETUP_FORMS(HD, QS, Q8)                                                                           \
+    AMMA_SETUP(HD, 8, QS, Q8, true)                                                                            \
+    AMMA_SETUP(HD, 4, QS, Q8, true)                                                                            \
+    AMMA_SETUP(HD, 4, QS, Q8, false)
+    AMMA_SETUP_FORMS(32, false, false)
+    AMMA_SETUP_FORMS(32, true, false)
+    AMMA_SETUP_FORMS(64, false, false)
+    AMMA_SETUP_FORMS(64, true, false)
+    AMMA_SETUP_FORMS(128, false, false)
+    AMMA_SETUP_FORMS(128, true, false)
+    AMMA_SETUP_FORMS(64, true, true)
+    AMMA_SETUP_FORMS(128, true, true)
+#undef AMMA_SETUP_FORMS
 #undef AMMA_SETUP
     return ST_OK;
 }
 
-/* Which tensor-core kernel a step's tiles take: mode 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma;
- * rows 64 or 128 (att_mma_rows; att_mma_tokens made the tiles for it); lean 0, 1 or 2 (att_mma_lean, the kernel's
- * LV) for the F16 cache's hi + lo form (the other forms have one kernel each). The 8-bit cache takes q as hi + lo
- * always. */
-struct amma_form {
-    int mode, rows, lean;
-};
-
-static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, amma_form f,
-                                       cudaStream_t st) {
-    if ((f.mode != 1 && f.mode != 2) || (f.rows != 64 && f.rows != 128) || f.lean < 0 || f.lean > 2)
-        return fail(ST_EINVAL, "attention (mma): mode %d, %d rows a tile, lean %d", f.mode, f.rows, f.lean);
+/* A step's tensor-core tiles (d_tiles: n_tiles of att_mma_tokens' size for amma_pick(aa.hd, smem_optin).rows) on the
+ * form amma_pick gives: mode 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; the 8-bit cache takes q
+ * as hi + lo always. smem_optin: the model's stg_model.smem_optin (the harness: device_smem_optin's). */
+static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
+                                       int smem_optin, cudaStream_t st) {
+    if (mode != 1 && mode != 2) return fail(ST_EINVAL, "attention (mma): mode %d", mode);
+    const amma_form f = amma_pick(aa.hd, smem_optin);
+    if (!f.rows)
+        return fail(ST_EUNSUPPORTED, "attention (mma): no form of head_dim %d fits %d bytes of shared memory a block",
+                    aa.hd, smem_optin);
     const dim3 grid((unsigned)n_tiles, (unsigned)aa.n_kv), block((unsigned)f.rows * 2);
-#define AMMA_W(HD, QS, Q8, LV)                                                                                    \
-    if (f.rows == 128)                                                                                            \
-        launch_k(k_attention_mma<HD, 8, QS, Q8, LV>, grid, block, amma_smem_bytes<HD, 8, LV == 2>(), st, aa, d_tiles); \
-    else launch_k(k_attention_mma<HD, 4, QS, Q8, LV>, grid, block, amma_smem_bytes<HD, 4, LV == 2>(), st, aa, d_tiles);
+#define AMMA_F(HD, QS, Q8)                                                                                      \
+    if (f.rows == 128)                                                                                          \
+        launch_k(k_attention_mma<HD, 8, QS, Q8, true>, grid, block, amma_smem_bytes(HD, 8, true), st, aa, d_tiles); \
+    else if (f.pipe)                                                                                            \
+        launch_k(k_attention_mma<HD, 4, QS, Q8, true>, grid, block, amma_smem_bytes(HD, 4, true), st, aa, d_tiles); \
+    else launch_k(k_attention_mma<HD, 4, QS, Q8, false>, grid, block, amma_smem_bytes(HD, 4, false), st, aa, d_tiles);
     if (aa.k8) {
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
         if (aa.hd == 128) {
-            AMMA_W(128, true, true, 0)
+            AMMA_F(128, true, true)
         } else {
-            AMMA_W(64, true, true, 0)
+            AMMA_F(64, true, true)
         }
         LAUNCHED("attention (mma tiles, 8-bit KV)");
         return ST_OK;
     }
-#define AMMA_LAUNCH(HD)                                                                                             \
-    if (f.mode == 1) {                                                                                              \
-        AMMA_W(HD, false, false, 0)                                                                                 \
-    } else if (f.lean == 2) {                                                                                       \
-        AMMA_W(HD, true, false, 2)                                                                                  \
-    } else if (f.lean == 1) {                                                                                       \
-        AMMA_W(HD, true, false, 1)                                                                                  \
-    } else {                                                                                                        \
-        AMMA_W(HD, true, false, 0)                                                                                  \
+#define AMMA_MODE(HD)                                                                                          \
+    if (mode == 1) {                                                                                           \
+        AMMA_F(HD, false, false)                                                                               \
+    } else {                                                                                                   \
+        AMMA_F(HD, true, false)                                                                                \
     }
     if (aa.hd == 128) {
-        AMMA_LAUNCH(128)
+        AMMA_MODE(128)
     } else if (aa.hd == 64) {
-        AMMA_LAUNCH(64)
-    } else if (aa.hd == 32) {
-        AMMA_LAUNCH(32)
+        AMMA_MODE(64)
     } else {
-        return fail(ST_EUNSUPPORTED, "attention (mma): head_dim %d", aa.hd);
+        AMMA_MODE(32)
     }
-#undef AMMA_LAUNCH
-#undef AMMA_W
+#undef AMMA_MODE
+#undef AMMA_F
     LAUNCHED("attention (mma tiles)");
     return ST_OK;
 }

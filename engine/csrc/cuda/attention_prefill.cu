@@ -221,10 +221,10 @@ static int att_tile_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
     const int G = n_head / n_kv;
     return G <= ATT_TR && ATT_TR % G == 0 ? ATT_TR / G : 0;
 }
-/* This step's mma tiles (attention_mma.cu), after its n_tiles query tiles in d_tiles, and the kernel form they
- * take (amma_form: q mode, rows, lean); set per step by stg_forward (0 tiles for graph steps). */
+/* This step's mma tiles (attention_mma.cu), after its n_tiles query tiles in d_tiles, and their q mode
+ * (stg_settings.att_mma: 1 or 2); set per step by stg_forward (0 tiles for graph steps). */
 static thread_local int32_t g_att_mma_tiles = 0;
-static thread_local int g_att_mma_mode = 2, g_att_mma_rows = 64, g_att_mma_lean = 0;
+static thread_local int g_att_mma_mode = 2;
 /* Tiles of a step: runs of consecutive tokens of one sequence, at most tq tokens each, packed
  * as first_token * 32 + count. Returns how many were written to out (at most T). */
 static int32_t att_tiles(const int32_t *seq, int32_t T, int tq, int32_t *out) {
@@ -248,8 +248,10 @@ static stg_status launch_attention_tile(const attn_args &aa, const int32_t *d_ti
     return ST_OK;
 }
 
-static stg_status attention_split_setup(void); /* attention_split.cu */
-static stg_status attention_setup(void) { /* once per device, outside any capture; the GEMMs' too */
+static stg_status attention_split_setup(int smem_optin); /* attention_split.cu */
+/* Once per model (outside any capture), the GEMMs' too; smem_optin: the bytes of shared memory a block of the device
+ * may opt in to (stg_model.smem_optin): the forms above it are neither opted in nor launched. */
+static stg_status attention_setup(int smem_optin) {
     CHECK(gemm_setup());
     void (*const att_forms[])(attn_args) = {k_attention<false, 0>, k_attention<true, 0>, k_attention<true, 128>,
                                             k_attention<true, 128, true>};
@@ -261,6 +263,6 @@ static stg_status attention_setup(void) { /* once per device, outside any captur
        "attention setup");
     CU(cudaFuncSetAttribute(k_attention_tile<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM_MAX),
        "attention setup");
-    CHECK(attention_mma_setup());
-    return attention_split_setup();
+    CHECK(attention_mma_setup(smem_optin));
+    return attention_split_setup(smem_optin);
 }

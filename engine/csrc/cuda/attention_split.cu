@@ -78,22 +78,38 @@ static int32_t att_split_grid(const stg_settings &set, const st_model_desc &d, i
  * its bits and its speed alone. */
 #define ASM_NS 2 /* K/V chunk stages per warp (two blocks of 128 threads an SM with the static arrays) */
 /* Q8: raw stages per warp. A raw chunk is 34 HD bytes against the F16 chunk's 64 HD, so four of them keep about
- * the bytes in flight of the F16 kernel's two (the same copies outstanding per SM at the same occupancy). */
+ * the bytes in flight of the F16 kernel's two (the same copies outstanding per SM at the same occupancy). At
+ * head_dim 128 four take 102,656 bytes a block, over sm_89's 101,376: there the kernel takes three (85,248 bytes;
+ * the same arithmetic, so the same bits, with fewer copies in flight): asm_q8_stages. */
 #define ASM_Q8_NS 4
 template <int HD> __host__ __device__ constexpr size_t asm_stage_halves() { return 2u * ATT_CK * HD; }
 /* Q8 (the 8-bit cache): a chunk's raw stage, copied as the cache holds it: K values [HD][16], V values [16][HD],
  * K scales [HD / 32][16] and V scales [16][HD / 32] (F16): 34 HD bytes. */
 template <int HD> __host__ __device__ constexpr size_t asm_q8_raw_bytes() { return 34u * HD; }
-template <int HD, bool Q8 = false> static constexpr size_t asm_smem_bytes() {
+/* dynamic shared memory; QNS: the 8-bit form's raw stages a warp */
+template <int HD, bool Q8 = false, int QNS = ASM_Q8_NS> static constexpr size_t asm_smem_bytes() {
     constexpr size_t merge = (size_t)ATT_WARPS * 8 * (HD + 8) * sizeof(float);
-    if constexpr (Q8) { /* per warp: ASM_Q8_NS raw stages and one F16 chunk (the values as integers) */
-        return std::max((size_t)ATT_WARPS * (ASM_Q8_NS * asm_q8_raw_bytes<HD>() + asm_stage_halves<HD>() * sizeof(__half)),
+    if constexpr (Q8) { /* per warp: QNS raw stages and one F16 chunk (the values as integers) */
+        return std::max((size_t)ATT_WARPS * (QNS * asm_q8_raw_bytes<HD>() + asm_stage_halves<HD>() * sizeof(__half)),
                         merge);
     } else {
         constexpr size_t stages = (size_t)ATT_WARPS * ASM_NS * asm_stage_halves<HD>() * sizeof(__half);
         constexpr size_t tile = (size_t)ATT_WARPS * 2 * 2 * ATT_CK * HD * sizeof(__half); /* att_smem_bytes(HD, 2): att_decode_head */
         return std::max(stages, std::max(merge, tile));
     }
+}
+/* static shared memory: the warps' maxima and sums (wm, wl) */
+constexpr size_t asm_static_bytes() { return 2u * ATT_WARPS * 8 * sizeof(float); }
+/* whether the 8-bit form of QNS raw stages fits a block of a device that opts in to smem_optin bytes */
+template <int HD, int QNS> constexpr bool asm_q8_fits(int smem_optin) {
+    return asm_smem_bytes<HD, true, QNS>() + asm_static_bytes() <= (size_t)smem_optin;
+}
+/* The 8-bit form's raw stages a warp on such a device: ASM_Q8_NS where they fit, else 3 at head_dim 128 (sm_89);
+ * 0 where none fits (head_dim 64 needs 51,456 bytes, 128 85,248). */
+static int asm_q8_stages(int32_t hd, int smem_optin) {
+    if (hd == 64) return asm_q8_fits<64, ASM_Q8_NS>(smem_optin) ? ASM_Q8_NS : 0;
+    if (hd != 128) return 0;
+    return asm_q8_fits<128, ASM_Q8_NS>(smem_optin) ? ASM_Q8_NS : asm_q8_fits<128, 3>(smem_optin) ? 3 : 0;
 }
 
 /* 16 int8 values (one 16-byte word) as 16 exact halves (two words): each byte b xor 0x80 becomes the half
@@ -111,29 +127,31 @@ __device__ __forceinline__ void i8x16_to_half(const uint4 u, uint4 &h0, uint4 &h
     h0 = make_uint4(r[0], r[1], r[2], r[3]), h1 = make_uint4(r[4], r[5], r[6], r[7]);
 }
 
-/* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through ASM_Q8_NS stages,
+/* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through QNS stages,
  * their integer values turned into exact halves in the warp's F16 chunk (the F16 kernel's swizzled layout), and the
  * scales applied in fp32: a score is the sum over groups of 32 dimensions of the group's K scale times the mma's
  * dot of q (hi + lo) with the integers (kv.c's q8_score, in another order), and p.v takes, per group of 32
  * dimensions, p times the key's V scale as its weights (q8_add_value's w * d). A token of one split is one block
  * (z = 0) over all its chunks, normalised by the combine; there is no unsplit kernel on this cache. */
-template <int HD, bool Q8 = false>
+template <int HD, bool Q8 = false, int QNS = ASM_Q8_NS>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
     pdl_trigger();
     constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8, NG = HD / 32;
-    constexpr int NS = Q8 ? ASM_Q8_NS : ASM_NS; /* the warp's stages */
+    constexpr int NS = Q8 ? QNS : ASM_NS; /* the warp's stages */
     const int t = blockIdx.x, kvh = blockIdx.y;
     const int32_t nk = a.pos[t] + 1, nc = (nk + ATT_CK - 1) / ATT_CK;
     const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
     const int G = a.n_head / a.n_kv;
-    if (!Q8 && cps >= nc && !a.split_x) { /* one split: blocks z < G run the unsplit decode kernel's block of head z */
-        if ((int)blockIdx.z < G) {
-            const int h = (int)blockIdx.y * G + (int)blockIdx.z;
-            if constexpr (HD == 128) att_decode_head<true, 128, false>(a, t, h);
-            else if constexpr (HD == 64) att_decode_head<true, 0, false>(a, t, h);
-            else att_decode_head<false, 0, false>(a, t, h);
+    if constexpr (!Q8) { /* the 8-bit form has no unsplit kernel (nor its static shared memory: asm_static_bytes) */
+        if (cps >= nc && !a.split_x) { /* one split, no CPU split: blocks z < G run the unsplit kernel's head z */
+            if ((int)blockIdx.z < G) {
+                const int h = (int)blockIdx.y * G + (int)blockIdx.z;
+                if constexpr (HD == 128) att_decode_head<true, 128, false>(a, t, h);
+                else if constexpr (HD == 64) att_decode_head<true, 0, false>(a, t, h);
+                else att_decode_head<false, 0, false>(a, t, h);
+            }
+            return;
         }
-        return;
     }
     const int32_t c_lo = (int32_t)blockIdx.z * cps;
     if (c_lo >= nc) return; /* the whole block: no barrier reached yet */
@@ -141,7 +159,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t4 = lane & 3;
     const int kd = a.n_kv * HD, bs = a.block_size;
     extern __shared__ __align__(16) unsigned char att_dyn[];
-    __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8];
+    __shared__ float wm[ATT_WARPS][8], wl[ATT_WARPS][8]; /* asm_static_bytes() */
     const bool last = c_hi == nc;
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t] * a.max_blocks;
     /* F16: the warp's NS stages; Q8: its F16 chunk, then its NS raw stages */
@@ -420,21 +438,44 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args 
     }
 }
 
-static stg_status attention_split_setup(void) {
+/* The F16 forms (at most 64 KiB, within every targeted device's limit) and the 8-bit forms that fit a block of
+ * smem_optin bytes opt in to their dynamic shared memory (asm_q8_stages launches no other there). */
+static stg_status attention_split_setup(int smem_optin) {
 #define ASM_SETUP(HD)                                                                                        \
     CU(cudaFuncSetAttribute(k_attention_split_mma<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,           \
                             (int)asm_smem_bytes<HD>()),                                                       \
        "attention (split) setup");
+#define ASM_SETUP_Q8(HD, QNS)                                                                                \
+    if (asm_q8_fits<HD, QNS>(smem_optin))                                                                     \
+        CU(cudaFuncSetAttribute(k_attention_split_mma<HD, true, QNS>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                (int)asm_smem_bytes<HD, true, QNS>()),                                        \
+           "attention (split) setup");
     ASM_SETUP(32)
     ASM_SETUP(64)
     ASM_SETUP(128)
+    ASM_SETUP_Q8(64, ASM_Q8_NS)
+    ASM_SETUP_Q8(128, ASM_Q8_NS)
+    ASM_SETUP_Q8(128, 3)
+#undef ASM_SETUP_Q8
 #undef ASM_SETUP
-    CU(cudaFuncSetAttribute(k_attention_split_mma<64, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)asm_smem_bytes<64, true>()),
-       "attention (split) setup");
-    CU(cudaFuncSetAttribute(k_attention_split_mma<128, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            (int)asm_smem_bytes<128, true>()),
-       "attention (split) setup");
+    return ST_OK;
+}
+
+/* The 8-bit cache's kernels on a device whose blocks opt in to smem_optin bytes: a split decode form
+ * (asm_q8_stages) and a prefill form (amma_pick). stg_kv_create_tiered refuses the cache (and the harness its
+ * calls) with ST_EUNSUPPORTED where either is missing, instead of a launch failing in the first step. */
+static stg_status kv_q8_device_check(int32_t hd, int smem_optin, const char *what) {
+    if (!asm_q8_stages(hd, smem_optin))
+        return fail(ST_EUNSUPPORTED,
+                    "%s: the 8-bit KV cache's split decode kernel at head_dim %d needs %d bytes of shared memory a "
+                    "block; this device allows %d",
+                    what, hd, (int)(hd == 64 ? asm_smem_bytes<64, true>() : asm_smem_bytes<128, true, 3>()) +
+                                  (int)asm_static_bytes(), smem_optin);
+    if (!amma_pick(hd, smem_optin).rows)
+        return fail(ST_EUNSUPPORTED,
+                    "%s: the 8-bit KV cache's prefill kernel at head_dim %d needs %d bytes of shared memory a block; "
+                    "this device allows %d",
+                    what, hd, (int)(amma_smem_bytes(hd, 4, false) + amma_static_bytes(4)), smem_optin);
     return ST_OK;
 }
 
@@ -446,9 +487,10 @@ static stg_status launch_attention_combine(const attn_args &aa, int32_t n_tok, c
 
 /* The split kernel over grid (n_tok, n_kv, z) and, unless combine is false, the combine. aa: the layer's arguments
  * with part_acc / part_ml (room for n_tok * n_head * (z + split_x) rows) and split_min / split_chunks / split_max
- * set. The heads must take the split kernel (att_split_ok). */
-static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z, cudaStream_t st,
-                                         bool combine = true) {
+ * set. The heads must take the split kernel (att_split_ok). smem_optin: the model's stg_model.smem_optin (the 8-bit
+ * form's stages). */
+static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z, int smem_optin,
+                                         cudaStream_t st, bool combine = true) {
     if (z < 1 || z > ATT_SPLIT_MAX || aa.split_chunks < 1 || aa.split_max < 1 || aa.split_max > ATT_SPLIT_MAX ||
         !aa.part_acc || !aa.part_ml)
         return fail(ST_EINVAL, "split attention: %d splits, %d chunks each at least, at most %d splits", z,
@@ -463,9 +505,13 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     if (aa.k8) { /* the 8-bit cache: head_dim 64 or 128 (stg_kv_create_typed) */
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "split attention (8-bit KV): head_dim %d", aa.hd);
-        if (aa.hd == 128)
+        const int qns = asm_q8_stages(aa.hd, smem_optin);
+        if (!qns) return kv_q8_device_check(aa.hd, smem_optin, "split attention (8-bit KV)");
+        if (aa.hd == 64)
+            launch_k(k_attention_split_mma<64, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(), st, aa);
+        else if (qns == ASM_Q8_NS)
             launch_k(k_attention_split_mma<128, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true>(), st, aa);
-        else launch_k(k_attention_split_mma<64, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(), st, aa);
+        else launch_k(k_attention_split_mma<128, true, 3>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true, 3>(), st, aa);
     } else if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
     else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
     else launch_k(k_attention_split_mma<32>, grid, ATT_WARPS * 32, asm_smem_bytes<32>(), st, aa);

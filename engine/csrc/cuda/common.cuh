@@ -85,6 +85,22 @@ static void launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem,
  * launchers below; graphs are keyed by the fields that change what is captured (graph_entry). */
 static thread_local stg_settings g_set = {};
 
+/* The shared memory a block of `device` may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin, static and dynamic
+ * together: 227 KiB on sm_90, 99 KiB = 101,376 bytes on sm_89), which picks the forms of the kernels whose fast form
+ * needs more (the prefill attention's rows, the 8-bit cache's split decode stages). The kernel harness may assume a
+ * smaller limit (stg_test_assume_smem_optin: g_smem_optin_assumed > 0), so that one device runs every form; the
+ * engine's library never sets it. */
+static int g_smem_optin_assumed = 0;
+static int device_smem_optin(int device) {
+    if (g_smem_optin_assumed > 0) return g_smem_optin_assumed;
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+        cudaGetLastError();
+        v = 48 * 1024; /* every device's without opting in */
+    }
+    return v;
+}
+
 /* ------------------------------------------------------------------ device helpers */
 
 #define WARP 32
@@ -125,7 +141,7 @@ __device__ __forceinline__ void prefetch_l2_last(const void *p) {
     asm volatile("prefetch.global.L2::evict_last [%0];\n" ::"l"(p));
 }
 
-/* Asynchronous global -> shared copies (the attention kernels, the GEMM's staged bytes). */
+/* Asynchronous global -> shared copies (the attention kernels, the Q4_K GEMM's stages). */
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");

@@ -149,185 +149,36 @@ template <int T, bool SW, int BN = MM_BN> __host__ __device__ constexpr int gemm
     return gemm_raw<T>() ? 48 * ((SW ? 2 : 1) * gemm_gk<SW, BN>() * MM_BM + gemm_gk<SW, BN>() * BN) : 0;
 }
 
-/* The staged form of the other types' GEMMs (stg_settings.gemm_stage 1): like Q4_K's, a stage's weight bytes
- * are copied with cp.async while the previous stage's mma work runs, instead of loaded into registers at the
- * start of the stage, where their latency stalls every stage (the IQ3_XXS routed gate/up at 32 sequences ran
- * at about a sixth of its bytes' rate). A weight slot holds the 8-byte windows around the byte ranges that
- * sub-block j reads (each window keeps its global address mod 8, so the 2-byte and funnel-shifted loads read
- * the same words); the unpack is unpack_sub<T>'s integer arithmetic on them: the same q, c0, c1 and A, the
- * same bits. Slots are an odd number of 8-byte chunks: a half-warp's 8-byte loads at one offset of 16
- * consecutive slots fall in 16 different bank pairs. */
-template <int T> __host__ __device__ constexpr bool gemm_stageable() {
-    return T == STG_Q5_0 || T == STG_Q8_0 || T == STG_IQ4_NL || T == STG_MXFP4 || T == STG_IQ3_XXS ||
-           T == STG_IQ4_XS || T == STG_Q6_KW;
-}
-/* 8-byte chunks per weight slot (odd): whole 32-element blocks their window (BB bytes from any 2-byte aligned
- * offset, MXFP4's 17 from any offset),
- * IQ3_XXS d + qs + aux (1 + 2 + 2), IQ4_XS its 8-byte header and 16 bytes of codes, Q6_K two 32-byte windows
- * (ld32_2a's 5 chunks each), scales, d and a pad */
-template <int T> __host__ __device__ constexpr int stage_chunks() {
-    if constexpr (T == STG_Q6_KW) return 13;
-    else if constexpr (T == STG_IQ3_XXS) return 5;
-    else if constexpr (T == STG_IQ4_XS) return 3;
-    else if constexpr (gemm_stageable<T>()) return ((8 - (qt<T>::BB % 2 ? 1 : 2) + qt<T>::BB + 7) / 8) | 1;
-    else return 0;
-}
-/* bytes per weight slot of a GEMM that stages in dynamic shared memory (Q4_K: header and nibbles, 48) */
-template <int T, bool ST> __host__ __device__ constexpr int gemm_wbytes() {
-    return gemm_raw<T>() ? 48 : ST ? 8 * stage_chunks<T>() : 0;
-}
-/* one stage's copy (weights, then activations) */
-template <int T, bool SW, int BN, bool ST> __host__ __device__ constexpr int gemm_stage_buf() {
-    return gemm_wbytes<T, ST>() * (SW ? 2 : 1) * gemm_gk<SW, BN>() * MM_BM + 48 * gemm_gk<SW, BN>() * BN;
-}
-/* stages in flight: the staged forms whose two copies fit 64 KiB copy two stages ahead (two buffers; IQ3_XXS's
- * 12 bytes per sub-block leave a stage's copy small beside the memory latency), the others one */
-template <int T, bool SW, int BN, bool ST> __host__ __device__ constexpr int gemm_stage_depth() {
-    return ST && 2 * gemm_stage_buf<T, SW, BN, ST>() <= 65536 ? 2 : 1;
-}
-template <int T, bool SW, int BN, bool ST> __host__ __device__ constexpr int gemm_stage_bytes() {
-    return gemm_stage_depth<T, SW, BN, ST>() * gemm_stage_buf<T, SW, BN, ST>();
-}
-/* the 8-byte chunks holding [p, p + n) from the boundary at or below p into dst[0 .. NMAX) (none past the last
- * chunk holding a byte of the range: never past the tensor's 8-byte aligned end) */
-template <int NMAX> __device__ __forceinline__ void stage_window(uint2 *dst, const uint8_t *p, int n) {
-    const uintptr_t a = (uintptr_t)p, b = a & ~(uintptr_t)7;
-    const int c = (int)((a - b + (uintptr_t)n + 7) / 8);
-#pragma unroll
-    for (int i = 0; i < NMAX; i++)
-        if (i < c) cp_async8(dst + i, (const void *)(b + 8 * (uintptr_t)i));
-}
-/* global byte p's copy in its window src */
-__device__ __forceinline__ const uint8_t *in_window(const uint2 *src, const uint8_t *p) {
-    return (const uint8_t *)src + ((uintptr_t)p & 7);
-}
-template <int T> struct gstage;
-/* 32-element blocks: the block's window, unpacked in place by unpack_sub<T> */
-template <int T> struct gstage_block {
-    static __device__ __forceinline__ void issue(const uint8_t *row, int j, uint2 *d) {
-        stage_window<stage_chunks<T>()>(d, row + (int64_t)j * qt<T>::BB, qt<T>::BB);
-    }
-    static __device__ __forceinline__ void unpack(const uint8_t *row, int j, const uint2 *d, const uint32_t *,
-                                                  sub_w &s) {
-        unpack_sub<T>(in_window(d, row + (int64_t)j * qt<T>::BB), 0, s);
-    }
-};
-template <> struct gstage<STG_Q5_0> : gstage_block<STG_Q5_0> {};
-template <> struct gstage<STG_Q8_0> : gstage_block<STG_Q8_0> {};
-template <> struct gstage<STG_IQ4_NL> : gstage_block<STG_IQ4_NL> {};
-template <> struct gstage<STG_MXFP4> : gstage_block<STG_MXFP4> {};
-/* IQ3_XXS (98-byte blocks, 2-byte aligned): d, the 8 grid indices of sub-block ib, its sign / scale word
- * (iq_sub<STG_IQ3_XXS>); the grid from the block's shared copy, the sign bytes as ksigns holds them (the 7 bits,
- * bit 7 their parity) */
-template <> struct gstage<STG_IQ3_XXS> {
-    static __device__ __forceinline__ void issue(const uint8_t *row, int j, uint2 *d) {
-        const uint8_t *b = row + (int64_t)(j >> 3) * 98;
-        const int ib = j & 7;
-        stage_window<1>(d, b, 2);
-        stage_window<2>(d + 1, b + 2 + 8 * ib, 8);
-        stage_window<2>(d + 3, b + 66 + 4 * ib, 4);
-    }
-    static __device__ __forceinline__ void unpack(const uint8_t *row, int j, const uint2 *d, const uint32_t *grid,
-                                                  sub_w &s) {
-        const uint8_t *b = row + (int64_t)(j >> 3) * 98;
-        const int ib = j & 7;
-        const uint8_t *qp = in_window(d + 1, b + 2 + 8 * ib);
-        const uint32_t w0 = ld_u32_2a(qp), w1 = ld_u32_2a(qp + 4), aux = ld_u32_2a(in_window(d + 3, b + 66 + 4 * ib));
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const uint32_t s7 = (aux >> (7 * k)) & 127u, sg = s7 | ((__popc(s7) & 1u) << 7);
-            const uint32_t v = (k < 2 ? w0 : w1) >> (16 * (k & 1));
-            s.q[2 * k] = signed4(grid[v & 0xFFu], sg & 0xFu);
-            s.q[2 * k + 1] = signed4(grid[(v >> 8) & 0xFFu], sg >> 4);
-        }
-        const int ls = (int)(aux >> 28);
-        s.A = ld_f16(in_window(d, b)) * iq_f<STG_IQ3_XXS>(), s.B = 0.0f, s.c0 = s.c1 = 2 * ls + 1;
-    }
-};
-/* IQ4_XS (136-byte blocks, 8-byte aligned): d and the scales (bytes 0-7), sub-block ib's 16 bytes of codes */
-template <> struct gstage<STG_IQ4_XS> {
-    static __device__ __forceinline__ void issue(const uint8_t *row, int j, uint2 *d) {
-        const uint8_t *b = row + (int64_t)(j >> 3) * 136;
-        cp_async8(d, b), cp_async8(d + 1, b + 8 + 16 * (j & 7)), cp_async8(d + 2, b + 16 + 16 * (j & 7));
-    }
-    static __device__ __forceinline__ void unpack(const uint8_t *, int j, const uint2 *d, const uint32_t *, sub_w &s) {
-        const uint8_t *h = (const uint8_t *)d;
-        const uint2 v0 = d[1], v1 = d[2];
-        const uint32_t w[4] = {v0.x, v0.y, v1.x, v1.y};
-        nibbles16<0>(w, s.q);
-        s.A = __fmul_rn(ld_f16(h), (float)iq4xs_scale_d(h, j & 7)), s.B = 0.0f, s.c0 = s.c1 = 1;
-    }
-};
-/* Q6_K (210-byte blocks): ql's and qh's 32 bytes (read as unpack_q6k_wide does, by ld32_2a_s), the two scales, d */
-template <> struct gstage<STG_Q6_KW> {
-    static __device__ __forceinline__ void issue(const uint8_t *row, int j, uint2 *d) {
-        const uint8_t *b = row + (int64_t)(j >> 3) * 210;
-        const int sb = j & 7, h = sb >> 2, g = sb & 3;
-        stage_window<5>(d, b + 64 * h + ((g & 1) ? 32 : 0), 32);
-        stage_window<5>(d + 5, b + 128 + 32 * h, 32);
-        stage_window<1>(d + 10, b + 192 + 2 * sb, 2);
-        stage_window<1>(d + 11, b + 208, 2);
-    }
-    static __device__ __forceinline__ void unpack(const uint8_t *row, int j, const uint2 *d, const uint32_t *,
-                                                  sub_w &s) {
-        const uint8_t *b = row + (int64_t)(j >> 3) * 210;
-        const int sb = j & 7, h = sb >> 2, g = sb & 3;
-        uint32_t lw[8], hw[8];
-        ld32_2a_s(in_window(d, b + 64 * h + ((g & 1) ? 32 : 0)), lw);
-        ld32_2a_s(in_window(d + 5, b + 128 + 32 * h), hw);
-        const uint32_t sc = *(const uint16_t *)in_window(d + 10, b + 192 + 2 * sb);
-        s.A = ld_f16(in_window(d + 11, b + 208)), s.B = 0.0f;
-        s.c0 = (int)(int8_t)(sc & 0xFFu), s.c1 = (int)(int8_t)(sc >> 8);
-        const int lsh = g < 2 ? 0 : 4, hsh = 2 * g;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const uint32_t lo = (lw[i] >> lsh) & 0x0F0F0F0Fu;
-            const uint32_t hi = ((hw[i] >> hsh) & 0x03030303u) << 4;
-            s.q[i] = (int)__vsub4(lo | hi, 0x20202020u);
-        }
-    }
-};
-
-/* A Q4_K GEMM stage's bytes (schedule tab; the staged forms: positions qf .. qf + GK - 1 of those before
- * qlim, their entries computed here, the table holding only the next stage's) copied with cp.async into this
- * thread's own slots of the dynamic shared memory dyn: the same thread unpacks them, so its
- * cp.async.wait_group is all the ordering needed. Always one commit (an empty group past the end). Weight
- * slot it = (weight, sub-block, row) as k_linear_gemm's fill; after the NW * GK * MM_BM weight slots the
- * (sub-block, pair) entries: 32 bytes of values, then the scale and the two sums (entry tid + 128 u:
- * sub-block xkk0 + u * 128 / BN, pair tid % BN). */
-template <int T, bool ST, bool SW, int BN>
+/* A Q4_K GEMM stage's bytes (schedule tab) copied with cp.async into this thread's own slots of
+ * the dynamic shared memory: the same thread unpacks them, so its cp.async.wait_group is all
+ * the ordering needed. Weight slot it = (weight, sub-block, row) as k_linear_gemm's fill;
+ * activation slot NW * GK * MM_BM + (sub-block, pair) entry: 32 bytes of values, then the scale
+ * and the two sums (entry tid + 128 u: sub-block xkk0 + u * 128 / BN, pair tid % BN). */
+template <bool SW, int BN>
 __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, uint4 *dyn, int tid, int m0,
-                                           const uint8_t *wbase, const uint8_t *wbase2, int xkk0, int xrow, int nsb,
-                                           int qf, int qlim, int C) {
-    const auto entry = [&](int kk) { return ST ? gemm_qentry<false>(qf + kk, qlim, C, nsb) : tab[kk]; };
+                                           const uint8_t *wbase, const uint8_t *wbase2, int xkk0, int xrow, int nsb) {
     constexpr int GK = gemm_gk<SW, BN>(), WI = (SW ? 2 : 1) * GK * MM_BM / 128, XE = (GK * BN + 127) / 128;
-    constexpr int WB = gemm_wbytes<T, ST>();
 #pragma unroll
     for (int u = 0; u < WI; u++) {
         const int it = tid + 128 * u;
         const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
-        const int qe = entry(kk), j = qe & 0xFFFF, r = m0 + m;
+        const int qe = tab[kk], j = qe & 0xFFFF, r = m0 + m;
         if (qe >= 0 && j != 0xFFFF && r < a.N) {
-            const uint8_t *row = (w ? wbase2 : wbase) + (int64_t)r * a.row_bytes;
-            if constexpr (gemm_raw<T>()) {
-                const uint8_t *b = row + (int64_t)(j >> 3) * 144;
-                const uint8_t *qb = b + 16 + 32 * ((j & 7) >> 1);
-                uint4 *d = dyn + 3 * it;
-                cp_async16(d, b), cp_async16(d + 1, qb), cp_async16(d + 2, qb + 16);
-            } else {
-                gstage<T>::issue(row, j, (uint2 *)((uint8_t *)dyn + WB * it));
-            }
+            const uint8_t *b = (w ? wbase2 : wbase) + (int64_t)r * a.row_bytes + (int64_t)(j >> 3) * 144;
+            const uint8_t *qb = b + 16 + 32 * ((j & 7) >> 1);
+            uint4 *d = dyn + 3 * it;
+            cp_async16(d, b), cp_async16(d + 1, qb), cp_async16(d + 2, qb + 16);
         }
     }
 #pragma unroll
     for (int u = 0; u < XE; u++) {
         const int xkk = xkk0 + u * (128 / BN);
         if (xkk >= GK) break;
-        const int qe = entry(xkk), j = qe & 0xFFFF;
+        const int qe = tab[xkk], j = qe & 0xFFFF;
         if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
             const int8_t *src = a.aq + (int64_t)xrow * a.K + 32 * j;
             const int32_t *ss = a.as + (int64_t)xrow * (a.K / 16) + 2 * j;
-            uint4 *d = (uint4 *)((uint8_t *)dyn + WB * (SW ? 2 : 1) * GK * MM_BM) + 3 * (tid + 128 * u);
+            uint4 *d = dyn + 3 * ((SW ? 2 : 1) * GK * MM_BM + tid + 128 * u);
             int *dw = (int *)(d + 2);
             cp_async16(d, src), cp_async16(d + 1, src + 16);
             cp_async4(dw, a.ad + (int64_t)xrow * nsb + j), cp_async4(dw + 1, ss), cp_async4(dw + 2, ss + 1);
@@ -346,7 +197,7 @@ template <int BN, bool FAST, bool RS = false> __host__ __device__ constexpr int 
 /* RS: the routed split form of gate/up (linear(), ROUTED_SPLIT): its own instantiations, so that the
  * routed parts' epilogue adds no registers to any other form (compiled into every form, it raises them
  * by 20-50), at 3 blocks per SM (the split's blocks need the warps) */
-template <int T, bool SW, int BN, int CS, bool FAST = false, bool RS = false, bool ST = false>
+template <int T, bool SW, int BN, int CS, bool FAST = false, bool RS = false>
 __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear_gemm(lin_args a) {
     PDL_ENTER();
     constexpr int NW = SW ? 2 : 1, GK = gemm_gk<SW, BN>(); /* weights; sub-blocks per stage */
@@ -355,15 +206,9 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                   "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
     static_assert(!FAST || (gemm_raw<T>() && CS > 0), "the prefill form: Q4_K with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
-    static_assert(!ST || (gemm_stageable<T>() && !FAST && !RS), "ST: the staged form of gemm_stageable's types");
-    /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3, Q2_K); RAW: bytes staged with cp.async */
-    constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>() || ST;
-    constexpr int WB = gemm_wbytes<T, ST>(); /* bytes per weight slot of the staged copy */
-    /* stages in flight and the uint4s of one stage's copy (two: buffer p holds stage p's) */
-    constexpr int ND = gemm_stage_depth<T, SW, BN, ST>(), BUFQ = gemm_stage_buf<T, SW, BN, ST>() / 16;
+    constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3, Q2_K) */
     constexpr bool QM = has_m<T>(); /* Q2_K: per-16 minima (wm per row) against the activations' 16-sums (xh per pair) */
-    /* RAW: ND copies of [NW * GK * MM_BM][WB bytes] weight slots, then [GK * BN][3] activation entries */
-    extern __shared__ __align__(16) uint4 gemm_dyn[];
+    extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
     __shared__ float wA[NW][GK][MM_BM], wB[NW][GK][MM_BM];
     __shared__ int wc[Q6 ? NW : 1][Q6 ? GK : 1][Q6 ? MM_BM : 1][2];
@@ -374,9 +219,6 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
     __shared__ __align__(16) float xsf[GK][BN]; /* ad * the activation sub-block sum (sub_acc), once per stage */
     __shared__ int prow[BN];
     __shared__ int qtab[2][GK]; /* gemm_qentry of this stage's and the next stage's positions */
-    constexpr bool SGRID = ST && T == STG_IQ3_XXS; /* the IQ3_XXS grid's copy (random lookups: banks, not L1 lines) */
-    __shared__ uint32_t sgrid[SGRID ? 256 : 1];
-    (void)sgrid, (void)WB, (void)ND, (void)BUFQ;
     int e, start, count, n0;
     if ((BN == MM_BN || FAST) && a.g.tiles) { /* a block per tile of the groups (group_pairs' list, tiles of MM_BN) */
         const int32_t nt = *a.g.n_tiles, tl = a.g.tiles[blockIdx.y]; /* both loads in flight: the list has room */
@@ -420,29 +262,16 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
     if (tid < GK)
         qtab[0][tid] = gemm_qentry<FAST>(q_beg + tid, nq, C, nsb),
         qtab[1][tid] = gemm_qentry<FAST>(q_beg + GK + tid, nq, C, nsb);
-    if constexpr (SGRID) {
-        for (int i = tid; i < 256; i += 128) sgrid[i] = g_iq3xxs_grid[i];
-    }
     __syncthreads();
     constexpr int WI = NW * GK * MM_BM / 128; /* weight sub-blocks per thread */
     /* activations: (sub-block, pair) entries tid + 128 u, u < XE: pair xn, sub-blocks xkk0 + u * 128 / BN */
     const int xkk0 = tid / BN, xn = tid % BN;
     const int xrow = xkk0 < GK ? prow[xn] : -1;
-    if constexpr (RAW) {
-        gemm_issue<T, ST, SW, BN>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb, q_beg, q_end, C);
-        if constexpr (ND == 2)
-            gemm_issue<T, ST, SW, BN>(a, qtab[1], gemm_dyn + BUFQ, tid, m0, wbase, wbase2, xkk0, xrow, nsb, q_beg + GK,
-                                      q_end, C);
-    }
+    if constexpr (RAW) gemm_issue<SW, BN>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
     for (int q0 = q_beg, p = 0; q0 < q_end; q0 += GK, p ^= 1) {
         /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
          * every global load of the stage is issued before the first shared-memory store */
-        if constexpr (RAW) {
-            if constexpr (ND == 2) cp_async_wait<1>(); /* this stage's group; the next one's may fly on */
-            else cp_async_wait<0>();
-        }
-        uint4 *const buf = gemm_dyn + (ND == 2 ? p * BUFQ : 0); /* this stage's copy */
-        (void)buf;
+        if constexpr (RAW) cp_async_wait<0>();
         sub_w sv[WI];
 #pragma unroll
         for (int u = 0; u < WI; u++) {
@@ -451,12 +280,9 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
             const int qe = qtab[p][kk], j = qe & 0xFFFF, r = m0 + m;
             if (qe >= 0 && j != 0xFFFF && r < a.N) {
                 (void)w;
-                if constexpr (gemm_raw<T>()) {
-                    const uint4 *d = buf + 3 * it;
+                if constexpr (RAW) {
+                    const uint4 *d = gemm_dyn + 3 * it;
                     unpack_q4k(d[0], d[1], d[2], j & 7, sv[u]);
-                } else if constexpr (ST) {
-                    gstage<T>::unpack((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j,
-                                      (const uint2 *)((const uint8_t *)buf + WB * it), sgrid, sv[u]);
                 } else {
                     unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
                 }
@@ -478,7 +304,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
             const int qe = qtab[p][xkk], j = qe & 0xFFFF;
             if (qe >= 0 && j != 0xFFFF && xrow >= 0) {
                 if constexpr (RAW) {
-                    const int4 *d = (const int4 *)((const uint8_t *)buf + WB * NW * GK * MM_BM) + 3 * (tid + 128 * u);
+                    const int4 *d = (const int4 *)(gemm_dyn + 3 * (NW * GK * MM_BM + tid + 128 * u));
                     const int4 e2 = d[2];
                     xa[u] = d[0], xb[u] = d[1], xdv[u] = __int_as_float(e2.x), xsv[u] = e2.y + e2.z;
                 } else {
@@ -513,11 +339,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
         /* the next stage's bytes fly while this stage's mma work runs (every thread has
          * unpacked its slots of this stage before the barrier) */
         if constexpr (RAW) {
-            if constexpr (ND == 2) /* two stages on, into this stage's buffer (this thread's slots: consumed above) */
-                gemm_issue<T, ST, SW, BN>(a, qtab[p], buf, tid, m0, wbase, wbase2, xkk0, xrow, nsb, q0 + 2 * GK, q_end, C);
-            else if (q0 + GK < q_end)
-                gemm_issue<T, ST, SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb, q0 + GK,
-                                          q_end, C);
+            if (q0 + GK < q_end) gemm_issue<SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
         }
         /* stage sub-block kk's mma and float work into cur */
         auto kk_mma = [&](int kk) {
@@ -679,17 +501,7 @@ template <int T, bool SW, int BN> static gemm_fn gemm_kernel(int K) {
         if (C == 2) return k_linear_gemm<T, SW, BN, 2>;
         if (C == 4) return k_linear_gemm<T, SW, BN, 4>;
     }
-    if constexpr (gemm_stageable<T>()) {
-        if (g_set.gemm_stage) return k_linear_gemm<T, SW, BN, 0, false, false, true>;
-    }
     return k_linear_gemm<T, SW, BN, 0>;
-}
-/* the dynamic shared memory of gemm_kernel's pick */
-template <int T, bool SW, int BN> static int gemm_smem(void) {
-    if constexpr (gemm_stageable<T>()) {
-        if (g_set.gemm_stage) return gemm_stage_bytes<T, SW, BN, true>();
-    }
-    return gemm_raw_bytes<T, SW, BN>();
 }
 /* the routed split form of gate/up (Q4_K, C = 1, 2 or 4 only; NULL: no split for this K) */
 template <int T> static gemm_fn gemm_rs_kernel(int K) {
@@ -743,25 +555,7 @@ template <int T, bool SW, int BN> static stg_status gemm_setup_one(void) {
     }
     return ST_OK;
 }
-/* the staged forms (gemm_stage), whatever the setting now: a model's settings may change after setup */
-template <int T, bool SW, int BN> static stg_status gemm_setup_staged(void) {
-    if constexpr (gemm_stageable<T>()) {
-        const gemm_fn f = k_linear_gemm<T, SW, BN, 0, false, false, true>;
-        CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm_stage_bytes<T, SW, BN, true>()),
-           "gemm setup");
-        CU(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-           "gemm setup");
-    }
-    return ST_OK;
-}
 static stg_status gemm_setup(void) {
-#define SETUP_STAGED(T)                                 \
-    CHECK((gemm_setup_staged<T, false, MM_BN>()));      \
-    CHECK((gemm_setup_staged<T, false, MM_BN_WIDE>())); \
-    CHECK((gemm_setup_staged<T, true, MM_BN>()));
-    QUANT_CASES(SETUP_STAGED)
-    SETUP_STAGED(STG_Q6_KW)
-#undef SETUP_STAGED
 #define SETUP_GEMM(T)                                  \
     CHECK((gemm_setup_one<T, false, MM_BN>()));        \
     CHECK((gemm_setup_one<T, false, MM_BN_WIDE>()));   \

@@ -24,8 +24,7 @@
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.
  *
- * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it. A layer with streamed
- * experts (stream.cu) keeps its CPU share less their pairs, which the device computes between s1 and a.
+ * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
  *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
  * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals. */
@@ -159,7 +158,7 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     m->hy.cur = nullptr;
     if (!m->hy.on) return ST_OK;
     const size_t nL = (size_t)m->d.n_layer;
-    std::vector<cudaEvent_t> *sets[7] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c, &hs.d0, &hs.d1};
+    std::vector<cudaEvent_t> *sets[5] = {&hs.s0, &hs.s1, &hs.a, &hs.b, &hs.c};
     for (std::vector<cudaEvent_t> *v : sets)
         while (v->size() < nL) {
             cudaEvent_t e = nullptr;
@@ -167,12 +166,9 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
             v->push_back(e);
         }
     hs.used.assign(nL, 0);
-    hs.streamed.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
     hs.staged_layers = hs.staged_bytes = 0;
-    hs.stream_pairs = hs.stream_bytes = 0;
     staging_decide(m, T);
-    streaming_decide(m);
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
     m->hy.direct = hybrid_direct(m, T);
@@ -206,20 +202,12 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     const double t1 = host_seconds();
     hs.t_cpu_wait += t1 - t0;
     const uint8_t *res = h.resident.data() + (size_t)il * ne;
-    /* the streamed experts' pairs are the device's (stream.cu): counted, their distinct experts' bytes summed */
-    streaming &sr = h.str;
-    const uint8_t *str = sr.now && sr.n_on[(size_t)il] > 0 ? sr.on.data() + (size_t)il * ne : nullptr;
-    int32_t n = 0, n_str = 0, n_str_exp = 0;
+    int32_t n = 0;
     for (int64_t p = 0; p < P; p++) {
         const int32_t e = h.h_ids[p];
         if (e < 0 || e >= ne)
             return fail(ST_ERANGE, "hybrid: layer %d routed pair %lld to expert %d of %d", il, (long long)p, e, ne);
         if (res[e]) continue;
-        if (str && str[e]) {
-            n_str++;
-            if (!sr.seen[(size_t)e]) sr.seen[(size_t)e] = 1, n_str_exp++;
-            continue;
-        }
         h.pair_tok[(size_t)n] = (int32_t)(p / k), h.pair_exp[(size_t)n] = e, h.pair_idx[(size_t)n] = (int32_t)p;
         n++;
     }
@@ -233,13 +221,6 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     }
     hs.t_cpu += host_seconds() - t1;
     hs.cpu_pairs += n;
-    if (str) {
-        for (int64_t p = 0; p < P; p++) sr.seen[(size_t)h.h_ids[p]] = 0;
-        const dlayer &L = m->L[(size_t)il];
-        hs.stream_pairs += n_str;
-        hs.stream_bytes += (int64_t)n_str_exp *
-                           (L.gate_exps.expert_stride + L.up_exps.expert_stride + L.down_exps.expert_stride);
-    }
     /* the pair indices after room for every pair's row; the device copies the whole region (bytes counted here) */
     if (n > 0) memcpy(h.h_rows + P * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
     hs.pcie_h2d += (int64_t)sizeof(float) * P * (E + 1);
@@ -392,10 +373,9 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
         }
         return ms > 0.0f ? 1e-3 * ms : 0.0;
     };
-    double gpu = 0.0, wait = 0.0, pcie = 0.0, stream = 0.0;
+    double gpu = 0.0, wait = 0.0, pcie = 0.0;
     cudaEvent_t prev = e0;
     for (size_t il = 0; il < hs.used.size(); il++) {
-        if (hs.streamed[il]) stream += el(hs.d0[il], hs.d1[il]); /* part of the layer's compute (s1..a) */
         if (!hs.used[il]) continue;
         if (hs.used[il] == 2) { /* staged: the device waiting for the layer's copies */
             gpu += el(prev, hs.s0[il]);
@@ -416,7 +396,6 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
     p.t_pcie = pcie, p.t_cpu_wait = hs.t_cpu_wait, p.pcie_bytes = hs.pcie_d2h + hs.pcie_h2d;
     p.staged_layers = hs.staged_layers, p.stage_pcie_gbs = g.pcie_gbs, p.stage_gpu_gbs = g.gpu_gbs;
     p.stage_cpu_pairs_s = g.cpu_pairs_s;
-    p.stream_pairs = hs.stream_pairs, p.stream_bytes = hs.stream_bytes, p.t_stream = stream;
 }
 
 /* Online re-placement (between steps): expert in_e of a partial layer takes the slot of its resident expert
@@ -448,7 +427,7 @@ extern "C" stg_status stg_model_swap_expert(stg_model *m, int32_t layer, int32_t
            "swap_expert: weights");
     CU(cudaMemcpy(h.d_slot + row + in_e, &slot, sizeof slot, cudaMemcpyHostToDevice), "swap_expert: slot map");
     h.slot_of[row + in_e] = slot, h.resident[row + in_e] = 1;
-    return streaming_layer_map(m, layer); /* in_e off the streamed set, out_e on it if its bit asks */
+    return ST_OK;
 }
 
 extern "C" stg_status stg_step_profile(const stg_model *m, stg_profile *out) {

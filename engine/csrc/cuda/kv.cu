@@ -66,6 +66,7 @@ extern "C" stg_status stg_kv_create_tiered(stg_model *m, int32_t n_dev, int32_t 
     const char *why = nullptr;
     if (type == STG_KV_Q8_0 && !kv_q8_ok(m->d, &why))
         return fail(ST_EUNSUPPORTED, "kv_create: the 8-bit KV cache on the GPU does not take this model: %s", why);
+    if (type == STG_KV_Q8_0) CHECK(kv_q8_device_check(m->d.head_dim, m->smem_optin, "kv_create"));
     if (n_host > 0 && m->d.kv_lora_rank > 0)
         return fail(ST_EUNSUPPORTED, "kv_create: KV tiers on the GPU do not take latent attention (kv_lora_rank) yet");
     CU(cudaSetDevice(m->device), "kv_create");

@@ -156,18 +156,17 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = hx ? m->ha.zmax : m->att_zmax;
         if (hx) { /* the device's VRAM blocks (compacted tables, key counts as positions), then the CPU's split */
             aa.pos = m->ha.d_pos, aa.block_tables = m->ha.d_bt, aa.split_x = 1;
-            CHECK(launch_attention_split(aa, T, att_split, st, false));
+            CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st, false));
             CHECK(host_attn_join(m, il, aa, T, st));
             CHECK(launch_attention_combine(aa, T, st));
         } else {
-            CHECK(launch_attention_split(aa, T, att_split, st));
+            CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st));
         }
     } else if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));
         if (g_att_mma_tiles > 0)
-            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles,
-                                       amma_form{g_att_mma_mode, g_att_mma_rows, g_att_mma_lean}, st));
+            CHECK(launch_attention_mma(aa, d_tiles + n_tiles, g_att_mma_tiles, g_att_mma_mode, m->smem_optin, st));
     } else if (q8) {
         return fail(ST_EUNSUPPORTED, "attention (8-bit KV): a step with neither the split kernel nor prefill tiles");
     } else {
@@ -366,8 +365,6 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     } else if (!cpu_share || m->hy.n_slots[(size_t)il] > 0) {
         CHECK(routed_experts(m, L, T, mv_max));
     }
-    /* the streamed experts (stream.cu) after the resident ones, before the wait: both run while the CPU works */
-    if (cpu_share && streamed_layer(m, il)) CHECK(streaming_queue(m, il, T, mv_max));
     if (cpu_share) CHECK(hybrid_receive(m, il, T));
     if (!shexp) { /* added by the next RMSNorm (this order of additions is the CPU's) */
         m->pending = combine_args{s.pair_out, s.topk_w, k, d.expert_norm, nullptr, 0, route_scale(d)};

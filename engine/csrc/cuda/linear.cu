@@ -51,28 +51,28 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
             const int bn = wide ? MM_BN_WIDE : MM_BN;
             const dim3 grid(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)a.ksplit);
             if (wide)
-                launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), grid, 128, gemm_smem<TG, false, MM_BN_WIDE>(),
+                launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<TG, false, MM_BN_WIDE>(),
                          st, a);
-            else launch_k(gemm_kernel<TG, false, MM_BN>(a.K), grid, 128, gemm_smem<TG, false, MM_BN>(), st, a);
+            else launch_k(gemm_kernel<TG, false, MM_BN>(a.K), grid, 128, gemm_raw_bytes<TG, false, MM_BN>(), st, a);
             const int64_t n = (int64_t)max_count * a.N;
             if (g_defer_combine && a.ksplit == KSPLIT) g_deferred = true; /* the consumer adds the parts */
             else
                 launch_k(k_ksplit_combine, (unsigned)((n + 255) / 256), 256, 0, st, (const float *)a.kpart, a.ksplit,
                          max_count, a.N, a.out, a.ldo, a.mode, a.seg);
         } else if (listed < per_group) { /* a block per tile of group_pairs' list */
-            launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_smem<TG, SW, MM_BN>(),
+            launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)listed, 1), 128, gemm_raw_bytes<TG, SW, MM_BN>(),
                      st, a);
         } else if (!SW && !a.g.gexp && mt * wide >= g_set.gemm_wide_min) {
             /* a dense layer with enough tiles of 32 pairs: half the weight unpacking per mma */
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
             launch_k(gemm_kernel<TG, false, MM_BN_WIDE>(a.K), dim3(mt, (unsigned)wide, 1), 128,
-                     gemm_smem<TG, false, MM_BN_WIDE>(), st, b);
+                     gemm_raw_bytes<TG, false, MM_BN_WIDE>(), st, b);
         } else {
             lin_args b = a;
             b.g.tiles = b.g.n_tiles = nullptr;
             launch_k(gemm_kernel<TG, SW, MM_BN>(a.K), dim3(mt, (unsigned)((max_count + MM_BN - 1) / MM_BN),
-                     (unsigned)max_groups), 128, gemm_smem<TG, SW, MM_BN>(), st, b);
+                     (unsigned)max_groups), 128, gemm_raw_bytes<TG, SW, MM_BN>(), st, b);
         }
     } else {
         const dim3 grid((unsigned)((a.N + LIN_WARPS - 1) / LIN_WARPS), (unsigned)max_groups);
@@ -84,8 +84,7 @@ static void launch_q(const lin_args &a, int path, int nt, int max_groups, int ma
             }
         }
         if constexpr ((T == STG_Q4_K || T == STG_IQ3_XXS) && !SW) {
-            /* routed single pairs: 8 rows per warp (IQ3_XXS: stg_settings.routed_rows) */
-            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2 && (T == STG_Q4_K || g_set.routed_rows)) {
+            if (nt == 1 && a.g.gexp && a.seg.n_seg < 2) { /* routed single pairs: 8 rows per warp */
                 const dim3 g((unsigned)((a.N + LIN_WARPS * 8 - 1) / (LIN_WARPS * 8)), grid.y);
                 launch_k(k_linear_q_rows<T, 8>, g, LIN_WARPS * 32, 0, st, a);
                 return;
@@ -229,7 +228,7 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
     /* a routed gate/up matvec of one pair per pass quantises its chunks in-block (k_linear_q_chunk) */
     const bool gu_chunk = fq && W2 && path == STG_PATH_MATVEC && !seg && g.gexp && expected <= 1 &&
                           a.N % 32 == 0 && ldo == a.N &&
-                          (W.type == STG_Q4_K || W.type == STG_Q8_0 || (W.type == STG_IQ3_XXS && g_set.routed_rows));
+                          (W.type == STG_Q4_K || W.type == STG_Q8_0 || W.type == STG_IQ3_XXS);
     if (gu_chunk) {
         a.hq = fq->q, a.hd = fq->d, a.hs = fq->s;
         *fq->done = true;

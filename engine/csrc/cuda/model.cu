@@ -56,16 +56,11 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->gemm_fast_min = 64;
     s->att_mma = 2;
     s->att_mma_min = 64;
-    s->att_mma_rows = 64;
-    s->att_mma_lean = 0;
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
-    s->hybrid_stream = 0; /* an A/B until the GPU run: gpu_settings.HYBRID_STREAM_DEFAULT */
     s->kv_stream = 1;
     s->kv_host_attn = 0;
-    s->routed_rows = 1;
-    s->gemm_stage = 1;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -86,19 +81,12 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(gemm_fast_min, 0, INT32_MAX)
     RANGE(att_mma, 0, 2)
     RANGE(att_mma_min, 1, INT32_MAX)
-    RANGE(att_mma_rows, 64, 128)
-    RANGE(att_mma_lean, 0, 2)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
-    RANGE(hybrid_stream, -1, 100)
     RANGE(kv_stream, 0, 1)
     RANGE(kv_host_attn, 0, 1)
-    RANGE(routed_rows, 0, 1)
-    RANGE(gemm_stage, 0, 1)
 #undef RANGE
-    if (s->att_mma_rows != 64 && s->att_mma_rows != 128)
-        return fail(ST_EINVAL, "settings: att_mma_rows (%d) must be 64 or 128", (int)s->att_mma_rows);
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
                     (int)s->gemm_min_tokens, (int)s->routed_split_max);
@@ -376,7 +364,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c, &f.hy.d0, &f.hy.d1})
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
             for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
@@ -406,6 +394,7 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
     m->device = device;
     m->set = set;
     cudaDeviceGetAttribute(&m->cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    m->smem_optin = device_smem_optin(device);
     int n_sm = 0;
     cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, device);
     m->d = *desc;
@@ -444,7 +433,7 @@ extern "C" stg_status stg_model_create_hybrid(int32_t device, const void *vdesc,
         if (rc == ST_OK && cudaMemset(m->route_counter, 0, sizeof(int32_t)) != cudaSuccess)
             rc = fail(ST_EINVAL, "model_create: cannot clear the router counter");
     }
-    if (rc == ST_OK) rc = attention_setup();
+    if (rc == ST_OK) rc = attention_setup(m->smem_optin);
     if (rc == ST_OK && (cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess ||
                         cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking) != cudaSuccess))
         rc = fail(ST_EINVAL, "model_create: cannot create a CUDA stream");

@@ -82,17 +82,13 @@ struct graph_entry {
  * wait for the CPU's flag, b after it, c after the CPU's rows are copied in and scattered; the host's sums beside them. */
 struct hybrid_step {
     std::vector<cudaEvent_t> s0, s1, a, b, c;
-    std::vector<cudaEvent_t> d0, d1; /* around a layer's streamed experts (stream.cu), inside s1..a */
     std::vector<char> used;   /* [n_layer] the layer's events were recorded */
-    std::vector<char> streamed; /* [n_layer] its d0 / d1 were recorded */
     double t_cpu = 0.0;      /* seconds in the CPU engine's experts (with the pair lists) */
     double t_cpu_wait = 0.0; /* seconds the host waited for s1 (and, overlapped, for the layer to be queued) */
     int64_t cpu_pairs = 0;
     int64_t pcie_d2h = 0, pcie_h2d = 0; /* bytes to the host (the queueing thread's sum), back (the CPU's) */
     uint32_t seq = 0; /* the flag value of this step */
     int64_t staged_layers = 0, staged_bytes = 0; /* staging.cu: layers computed from staged weights, bytes copied */
-    int64_t stream_pairs = 0, stream_bytes = 0;  /* stream.cu: pairs of streamed experts, their weights' bytes (the
-                                                  * CPU share's thread counts them from the routing it reads) */
 };
 
 /* The overlapped step's CPU thread and the queueing thread: layers queued so far (s1 recorded), whether the
@@ -118,20 +114,6 @@ struct staging {
     double cpu_pairs_s = 0.0;             /* the CPU engine's routed pairs per second (stg_model_set_stage_rate) */
     std::vector<char> now;                /* [n_layer]: staged in the step being queued */
     int32_t next = 0;                     /* the ring's next slot */
-    const uint8_t *reg_dev = nullptr;     /* reg's address in the device's space (cudaHostGetDevicePointer) */
-};
-
-/* Streaming (stream.cu): a static set of each partial layer's non-resident experts that the device computes from
- * the registered host range over PCIe at every step (stg_settings.hybrid_stream not 0), beside the CPU's share. */
-struct streaming {
-    std::vector<uint8_t> want;   /* [n_layer * n_expert]: stg_model_set_streamed's bits */
-    std::vector<uint8_t> on;     /* [n_layer * n_expert]: want, on a non-resident expert of a partial layer */
-    std::vector<int32_t> n_on;   /* [n_layer]: experts of the layer in `on` */
-    int64_t n_total = 0;         /* every layer's n_on */
-    int32_t *d_map = nullptr;    /* device [n_layer * n_expert]: e where on, -1 elsewhere (allocated at the first
-                                  * set that streams something) */
-    bool now = false;            /* the step being queued streams (the setting, a set, a mapped range) */
-    std::vector<uint8_t> seen;   /* [n_expert]: the CPU share's thread's distinct streamed experts of a layer */
 };
 
 /* The per-layer handshake between the device and a host thread (host_sync.cu; hybrid placement's CPU share and
@@ -200,7 +182,6 @@ struct hybrid {
     hybrid_step *cur = nullptr;  /* the step being queued */
     hybrid_worker *worker = nullptr; /* the overlapped step's CPU thread, while it runs (NULL: inline) */
     staging stg;
-    streaming str;
     int32_t T = 0;                   /* the step's tokens (for the CPU thread) */
 };
 
@@ -225,6 +206,7 @@ struct inflight {
 struct stg_model {
     int device;
     int cc_major = 0;
+    int smem_optin = 48 * 1024; /* shared memory a block may opt in to (device_smem_optin, at model creation) */
     int32_t att_zmax = 1; /* splits of one sequence at most in split-KV decode (att_split_zmax of the SM count) */
     stg_settings set; /* read when the model opens (stg_model_create), replaced by stg_model_set_settings */
     st_model_desc d;
@@ -294,11 +276,6 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T);
 static stg_status staging_setup(stg_model *m, const st_layer *layers);
 static void staging_destroy(stg_model *m);
 static void staging_decide(stg_model *m, int32_t T); /* which layers the step of T tokens stages */
-/* stream.cu: the step's decision, the device's row of a layer after a re-placement */
-static void streaming_decide(stg_model *m);
-static stg_status streaming_layer_map(stg_model *m, int il);
-static bool streamed_layer(const stg_model *m, int il); /* the step computes the layer's streamed experts */
-static stg_status streaming_queue(stg_model *m, int il, int32_t T, int mv_max); /* (layer.cu's ffn_block) */
 
 static void drop_graphs(stg_model *m) {
     for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);

@@ -65,7 +65,7 @@ static stg_status timed_copy(stg_model *m, void *dst, const void *src, size_t by
 static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     hybrid &h = m->hy;
     staging &g = h.stg;
-    if (!h.on || (!m->set.hybrid_stage && !m->set.hybrid_stream)) return ST_OK; /* streaming reads the range too */
+    if (!h.on || !m->set.hybrid_stage) return ST_OK;
     const int nL = m->d.n_layer;
     uintptr_t lo = UINTPTR_MAX, hi = 0;
     int first = -1;
@@ -84,36 +84,21 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     /* the mapped file's pages are page-locked where they are: read-only, so the file's own mapping serves */
     const uintptr_t page = 4096;
     lo = lo / page * page, hi = (hi + page - 1) / page * page;
-    if (cudaHostRegister((void *)lo, (size_t)(hi - lo),
-                         cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterReadOnly) != cudaSuccess) {
+    if (cudaHostRegister((void *)lo, (size_t)(hi - lo), cudaHostRegisterPortable | cudaHostRegisterReadOnly) !=
+        cudaSuccess) {
         cudaGetLastError(); /* not on this platform or not allowed: staging stays off (the profile's rates are 0) */
         return ST_OK;
     }
     g.reg = (void *)lo;
-    /* the range's device address: streaming's kernels read the experts there (stream.cu) */
-    void *dev = nullptr;
-    if (cudaHostGetDevicePointer(&dev, g.reg, 0) == cudaSuccess) g.reg_dev = (const uint8_t *)dev;
-    else cudaGetLastError(); /* not mapped: streaming unavailable, staging's copies need no device address */
-    CU(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "staging: stream");
-    const dtensor &gt = m->L[(size_t)first].gate_exps;
-    const size_t bytes = (size_t)m->d.n_expert * (size_t)gt.expert_stride;
-    if (!m->set.hybrid_stage) { /* streaming alone: no ring, the PCIe rate into a buffer freed at once */
-        const size_t nb = std::min(bytes, (size_t)64 << 20);
-        void *tmp = nullptr;
-        CU(cudaMalloc(&tmp, nb), "streaming: the rate's buffer");
-        double t = 0.0;
-        const stg_status rc = timed_copy(m, tmp, h.host[(size_t)first * 3], nb, cudaMemcpyHostToDevice, &t);
-        cudaFree(tmp);
-        CHECK(rc);
-        if (t > 0.0) g.pcie_gbs = (double)nb / t * 1e-9;
-        return ST_OK;
-    }
     for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.slot[i], (size_t)g.slot_bytes));
+    CU(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "staging: stream");
     for (int i = 0; i < 2; i++) {
         CU(cudaEventCreateWithFlags(&g.staged[i], cudaEventDisableTiming), "staging: events");
         CU(cudaEventCreateWithFlags(&g.freed[i], cudaEventDisableTiming), "staging: events");
     }
     /* the rates: one partial layer's gate experts host -> slot 0, then slot 0 -> slot 1 */
+    const dtensor &gt = m->L[(size_t)first].gate_exps;
+    const size_t bytes = (size_t)m->d.n_expert * (size_t)gt.expert_stride;
     double t_h2d = 0.0, t_d2d = 0.0;
     CHECK(timed_copy(m, g.slot[0], h.host[(size_t)first * 3], bytes, cudaMemcpyHostToDevice, &t_h2d));
     CHECK(timed_copy(m, g.slot[1], g.slot[0], bytes, cudaMemcpyDeviceToDevice, &t_d2d));

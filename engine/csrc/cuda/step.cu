@@ -375,7 +375,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const bool tiles_wanted = tq > 0 && !graph;
     /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run */
     const int mma_mode = q8 ? 2 : m->set.att_mma,
-              tqm = mma_mode && !oss && !mla ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim, m->set.att_mma_rows)
+              tqm = mma_mode && !oss && !mla ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim,
+                                                              amma_pick(m->d.head_dim, m->smem_optin).rows)
                                              : 0;
     if (tiles_wanted && tqm)
         att_split_tiles(b->seq, T, tq, tqm, q8 ? 1 : m->set.att_mma_min, hi + 3 * T + NL + n_bt, &n_tiles, &n_mma);
@@ -412,7 +413,6 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
                         use_src ? s.ints + src_off : nullptr, att_split};
     g_att_mma_tiles = fuse_qkv ? 0 : n_mma, g_att_mma_mode = mma_mode;
-    g_att_mma_rows = m->set.att_mma_rows, g_att_mma_lean = m->set.att_mma_lean;
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);

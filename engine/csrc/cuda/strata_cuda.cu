@@ -30,6 +30,5 @@
 #include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
 #include "staging.cu"       /* hybrid placement: experts staged over PCIe into a ring of two device slots */
 #include "layer.cu"         /* the attention and FFN blocks of one layer */
-#include "stream.cu"        /* hybrid placement: streamed experts read by the device over PCIe in place */
 #include "mla.cu"           /* deepseek2's multi-head latent attention: the latent cache, absorbed queries */
 #include "step.cu"          /* a step: graphs, launch / wait, stg_forward */

@@ -51,12 +51,6 @@ typedef struct stg_settings {
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
                                * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */
-    int32_t att_mma_rows;     /* rows (token x query head of a kv group) of a tensor-core attention tile: 64 (4 warps,
-                               * two blocks an SM) or 128 (8 warps, one block an SM, half the K/V traffic per row);
-                               * the same bits either way */
-    int32_t att_mma_lean;     /* the F16 cache's hi + lo tensor-core attention: 1, exp2 as one MUFU op and a stage's
-                               * output rescale skipped where no row's max moved; 2, also each stage's P.V beside
-                               * the next stage's softmax; 0: neither. The same bits at every level */
     int32_t att_split_min;    /* split-KV decode: decode steps of at most 64 tokens whose longest sequence has at
                                * least this many keys spread each sequence of at least this many keys over
                                * several blocks (within tolerance of the unsplit kernel; shorter sequences keep
@@ -71,27 +65,10 @@ typedef struct stg_settings {
                                * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
                                * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
                                * 0: never */
-    int32_t hybrid_stream;    /* hybrid placement: the streamed experts (stg_model_set_streamed: a static set of each
-                               * partial layer's non-resident experts) are computed at every step by the device's own
-                               * routed kernels reading their weights in place from the page-locked mapped file over
-                               * PCIe (zero-copy), concurrently with the CPU's share, which leaves their pairs out.
-                               * 0: never (the set is ignored); otherwise the set is used: -1 says the caller sized
-                               * it from the measured rates, 1..100 the share (%) it was sized for (the caller's
-                               * business: the library only tells 0 from the rest). The host range is page-locked
-                               * at model creation when this or hybrid_stage is set. Rows of streamed experts are
-                               * the device's (within tolerance of the CPU's) */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
                                * graphs). Same bits either way */
-    int32_t routed_rows;      /* 1: IQ3_XXS routed experts at one pair per pass take the decode forms of Q4_K's: down
-                               * 8 rows per warp (k_linear_q_rows), gate/up quantising its own output in 32-row
-                               * chunks (k_linear_q_chunk); 0: a warp per row (k_linear_q) and k_quant_act. Same
-                               * bits either way */
-    int32_t gemm_stage;       /* 1: the GEMMs of Q5_0, Q8_0, IQ4_NL, IQ4_XS, MXFP4, IQ3_XXS and Q6_K copy each k
-                               * stage's weight bytes to shared memory with cp.async during the previous stages'
-                               * mma work (as Q4_K's do); 0: loaded into registers at the start of each stage.
-                               * Same bits either way */
     int32_t kv_host_attn;     /* a tiered KV cache with a CPU engine for it (stg_model_set_cpu_attn): 1, a split-KV
                                * decode step's host-tier blocks are attended by the CPU pool where they lie
                                * (st_attn_blocks_part) while the device's split kernel attends its VRAM blocks, the
@@ -178,7 +155,8 @@ stg_status stg_kv_create(stg_model *m, int32_t n_blocks, int32_t block_size, stg
  * [block_size], V values [layer][block][block_size][kv_dim] with scales [layer][block][block_size][kv_dim / 32]),
  * so the device holds the CPU's bytes for the same K / V. Decode reads it in the split kernel, prefill in the
  * tensor-core kernel (docs/engine.md); ST_EUNSUPPORTED for models those do not take (head_dim other than 64 / 128,
- * more than 8 query heads per kv head or not dividing 16, latent attention). */
+ * more than 8 query heads per kv head or not dividing 16, latent attention) and for a device whose blocks cannot
+ * opt in to their shared memory (head_dim 128: 85,248 bytes; sm_89 allows 101,376). */
 #define STG_KV_F16 0
 #define STG_KV_Q8_0 1
 stg_status stg_kv_create_typed(stg_model *m, int32_t n_blocks, int32_t block_size, int32_t type, stg_kv **out);
@@ -245,12 +223,6 @@ typedef struct stg_profile {
     /* a tiered KV cache: bytes of host-tier blocks the step's attention read over PCIe (each block its sequence
      * reads counted once: a decode step's exact figure, a lower bound for prefill tiles that reread it) */
     int64_t kv_host_bytes;
-    /* streaming (stg_settings.hybrid_stream): routed pairs of streamed experts (in pairs_gpu), the bytes of their
-     * weights the device read over PCIe (each distinct streamed expert a step hits: its gate, up and down once),
-     * and the device's seconds in those layers' streamed launches (inside t_gpu; bytes / seconds is the achieved
-     * rate) */
-    int64_t stream_pairs, stream_bytes;
-    double t_stream;
     /* kv_host_attn: bytes of host-tier blocks the CPU pool attended in the step (not in kv_host_bytes: they did not
      * cross PCIe) and the host's seconds in st_attn_blocks_part, summed over layers */
     int64_t kv_cpu_bytes;
@@ -263,19 +235,6 @@ stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
 /* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
 stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
                                 double *cpu_pairs_s);
-
-/* Streaming's set: streamed[layer * n_expert + e] (0 or 1) asks that expert e of a partial layer be computed by
- * the device over PCIe while it is not resident (a resident expert's bit, or one of a layer without a CPU share,
- * takes effect only if re-placement moves it off the device); NULL clears the set. The set holds between calls
- * (stg_model_swap_expert keeps the bits); steps use it while stg_settings.hybrid_stream is not 0. ST_EINVAL: not a
- * hybrid model, values other than 0 / 1, steps in flight; ST_EUNSUPPORTED: a bit on a non-resident expert while the
- * host range is not page-locked and mapped (stg_model_stream_info's available 0) or its weights are not 32-byte
- * aligned in the file. */
-stg_status stg_model_set_streamed(stg_model *m, const uint8_t *streamed);
-/* Whether streaming is available (the partial layers' host range page-locked and mapped into the device's address
- * space), the host -> device GB/s measured at model creation (0 unavailable) and the experts the set streams now
- * (set bits on non-resident experts of partial layers). */
-stg_status stg_model_stream_info(const stg_model *m, int32_t *available, double *pcie_gbs, int64_t *n_streamed);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging

@@ -355,7 +355,7 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
         k_attention_ref<false><<<nq, n_kv>>>(a, bsc.as<float>(), p0 + nq);
         LAUNCHED("attention");
     } else {
-        CHECK(attention_setup());
+        CHECK(attention_setup(device_smem_optin(0)));
         CHECK(launch_attention(a, nq, 0));
     }
     std::vector<float> o(qf.size());
@@ -367,12 +367,13 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
 
 /* Every query head of one sequence's nq tokens at positions p0.. (q[nq, n_head * hd], pre-scaled)
  * through k_attention (tile 0), k_attention_tile (tile 1, as an eager prefill step would run
- * it) or k_attention_mma (tiles 2..13, below), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
+ * it) or k_attention_mma (tile 2: q as f16 hi + lo, 3: as one f16; the form amma_pick gives the (assumed) opt-in
+ * limit), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
 extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                                const int32_t *block_table, int32_t n_table, int32_t block_size,
                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
                                                int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
-    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 13 || n_blocks < 1 || block_size < 16 ||
+    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 3 || n_blocks < 1 || block_size < 16 ||
         block_size % 16 || head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
         p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
         return fail(ST_EINVAL, "attention heads: bad arguments");
@@ -388,11 +389,14 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     for (int i = 0; i < nq; i++) ints[(size_t)i] = p0 + i, ints[(size_t)(nq + i)] = 0;
     memcpy(&ints[(size_t)(2 * nq)], block_table, sizeof(int32_t) * n_table);
     int32_t n_tiles = 0, n_mma = 0;
-    /* tile 2..13: the tensor-core kernel; tile - 2 = (1: q as one f16, else hi + lo) + (2: 128 rows, else 64)
-     * + 4 * lean */
-    const amma_form form{(tile - 2) & 1 ? 1 : 2, (tile - 2) & 2 ? 128 : 64, (tile - 2) >> 2};
-    if (tile >= 2) att_split_tiles(&ints[(size_t)nq], nq, tq, att_mma_tokens(n_head, n_kv, head_dim, form.rows), 1,
-                                   &ints[(size_t)(2 * nq + n_table)], &n_tiles, &n_mma);
+    const int optin = device_smem_optin(0);
+    if (tile >= 2) {
+        const int tqm = att_mma_tokens(n_head, n_kv, head_dim, amma_pick(head_dim, optin).rows);
+        if (!tqm)
+            return fail(ST_EUNSUPPORTED, "attention (mma): n_head %d / n_kv %d / head_dim %d in %d bytes of shared memory",
+                        n_head, n_kv, head_dim, optin);
+        att_split_tiles(&ints[(size_t)nq], nq, tq, tqm, 1, &ints[(size_t)(2 * nq + n_table)], &n_tiles, &n_mma);
+    }
     else if (tile) n_tiles = att_tiles(&ints[(size_t)nq], nq, tq, &ints[(size_t)(2 * nq + n_table)]);
     dbuf bk, bv, bq, bo, bi, baq, bad, bas;
     CHECK(up(bk, k, sizeof(uint16_t) * cache));
@@ -410,9 +414,9 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
         CHECK(up(bas, nullptr, sizeof(int32_t) * (size_t)nout / 16));
         a.aq = baq.as<int8_t>(), a.ad = bad.as<float>(), a.as = bas.as<int32_t>();
     }
-    CHECK(attention_setup());
+    CHECK(attention_setup(optin));
     if (tile >= 2) {
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, form, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, tile == 3 ? 1 : 2, optin, 0));
     } else if (tile) {
         a.stages = 2;
         CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
@@ -486,13 +490,13 @@ extern "C" stg_status stg_test_attention_decode(int32_t split_min, int32_t split
         CHECK(up(bas, nullptr, sizeof(int32_t) * (size_t)nout / 16));
         a.aq = baq.as<int8_t>(), a.ad = bad.as<float>(), a.as = bas.as<int32_t>();
     }
-    CHECK(attention_setup());
+    CHECK(attention_setup(device_smem_optin(0)));
     if (split_min) {
         CHECK(up(bpa, nullptr, sizeof(float) * (size_t)rows * (size_t)head_dim));
         CHECK(up(bpm, nullptr, sizeof(float) * (size_t)rows * 2));
         a.part_acc = bpa.as<float>(), a.part_ml = bpm.as<float>();
         a.split_min = split_min, a.split_chunks = chunks, a.split_max = zmax;
-        CHECK(launch_attention_split(a, n_seq, z, 0));
+        CHECK(launch_attention_split(a, n_seq, z, device_smem_optin(0), 0));
     } else {
         CHECK(launch_attention(a, n_seq, 0));
     }
@@ -521,7 +525,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
                                             int32_t n_table, int32_t block_size, int32_t head_dim, int32_t n_head,
                                             int32_t n_kv, const float *q, const int32_t *pos, const int32_t *seq,
                                             int32_t n_tok, float *out, int32_t *n_splits) {
-    if (!k8 || !ks || !v8 || !vs || !block_tables || !q || !pos || !seq || !out || mode < 0 || mode > 3 ||
+    if (!k8 || !ks || !v8 || !vs || !block_tables || !q || !pos || !seq || !out || mode < 0 || mode > 2 ||
         split_min < 0 || split_max > ATT_SPLIT_MAX || n_blocks < 1 || n_seqs < 1 || n_table < 1 || block_size < 16 ||
         block_size % 16 || (head_dim != 64 && head_dim != 128) || n_kv < 1 || n_head < n_kv || n_head % n_kv ||
         n_tok < 1)
@@ -544,6 +548,8 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         max_keys = std::max(max_keys, pos[i] + 1);
     }
     CHECK(harness_device());
+    const int optin = device_smem_optin(0);
+    if (mode > 0) CHECK(kv_q8_device_check(head_dim, optin, "attention (8-bit KV)")); /* stg_kv_create_tiered's */
     int n_sm = 0;
     CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0), "harness");
     const int32_t chunks = split_chunks > 0 ? split_chunks : ATT_SPLIT_CHUNKS;
@@ -557,10 +563,12 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
     for (int32_t i = 0; i < n_tok; i++) ints[(size_t)i] = pos[i], ints[(size_t)(n_tok + i)] = seq[i];
     memcpy(&ints[(size_t)(2 * n_tok)], block_tables, sizeof(int32_t) * (size_t)n_bt);
     int32_t n_qt = 0, n_mma = 0;
-    const int mma_rows = mode == 3 ? 128 : 64; /* rows names the split path's partial rows here */
-    if (mode >= 2)
-        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), att_mma_tokens(n_head, n_kv, head_dim, mma_rows), 1,
-                        &ints[(size_t)(2 * n_tok + n_bt)], &n_qt, &n_mma);
+    if (mode == 2) {
+        const int tqm = att_mma_tokens(n_head, n_kv, head_dim, amma_pick(head_dim, optin).rows);
+        if (!tqm) return fail(ST_EUNSUPPORTED, "attention (8-bit KV): no prefill form in %d bytes of shared memory", optin);
+        att_split_tiles(seq, n_tok, att_tile_tokens(n_head, n_kv, head_dim), tqm, 1, &ints[(size_t)(2 * n_tok + n_bt)],
+                        &n_qt, &n_mma);
+    }
     dbuf bk, bks, bv, bvs, bq, bo, bi, bsc, bpa, bpm;
     CHECK(up(bk, k8, (size_t)cache));
     CHECK(up(bks, ks, sizeof(uint16_t) * (size_t)(cache / 32)));
@@ -574,7 +582,7 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
     a.k8 = bk.as<int8_t>(), a.ks = bks.as<__half>(), a.v8 = bv.as<int8_t>(), a.vs = bvs.as<__half>();
     a.pos = bi.as<int32_t>(), a.seq = bi.as<int32_t>() + n_tok, a.block_tables = bi.as<int32_t>() + 2 * n_tok;
     a.max_blocks = n_table, a.n_head = n_head, a.n_kv = n_kv, a.hd = head_dim, a.block_size = block_size;
-    CHECK(attention_setup());
+    CHECK(attention_setup(optin));
     if (mode == 0) {
         CHECK(up(bsc, nullptr, sizeof(float) * (size_t)n_tok * (size_t)n_head * (size_t)max_keys));
         k_attention_ref<true><<<n_tok, n_head>>>(a, bsc.as<float>(), max_keys);
@@ -584,10 +592,10 @@ extern "C" stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int
         CHECK(up(bpm, nullptr, sizeof(float) * (size_t)rows * 2));
         a.part_acc = bpa.as<float>(), a.part_ml = bpm.as<float>();
         a.split_min = smin, a.split_chunks = chunks, a.split_max = zmax;
-        CHECK(launch_attention_split(a, n_tok, z, 0));
+        CHECK(launch_attention_split(a, n_tok, z, optin, 0));
     } else {
         if (n_qt) return fail(ST_EINVAL, "attention (8-bit KV): query tiles in an mma-only tile list");
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, amma_form{2, mma_rows, 0}, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * n_tok + n_bt, n_mma, 2, optin, 0));
     }
     CHECK(down(out, bo, sizeof(float) * (size_t)nout));
     for (int32_t i = 0; n_splits && i < n_tok; i++)

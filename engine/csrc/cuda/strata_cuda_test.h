@@ -12,6 +12,17 @@
 /* The settings every harness call runs under (NULL: stg_settings_default's with gemm_fast_min 0, the bitwise
  * kernels); ST_EINVAL when a field is out of range. */
 stg_status stg_test_set_settings(const stg_settings *s);
+/* The harness's calls (and models created through this library) assume that a block may opt in to `bytes` of shared
+ * memory instead of the device's limit (cudaDevAttrMaxSharedMemoryPerBlockOptin), so that one device runs the forms
+ * a smaller one takes (sm_89: 101,376); 0: the device's limit again. ST_EINVAL when negative. */
+stg_status stg_test_assume_smem_optin(int32_t bytes);
+/* The form of the tensor-core prefill attention a prefill step takes at head_dim under the (assumed) limit: rows 128
+ * or 64 a tile (0: no form fits), pipe 1 where P.V runs one stage behind the softmax. */
+stg_status stg_test_attention_mma_form(int32_t head_dim, int32_t *rows, int32_t *pipe);
+/* The raw stages a warp of the 8-bit cache's split decode kernel takes at head_dim under the (assumed) limit: 4, 3
+ * (head_dim 128 where 4 do not fit: sm_89), 0 where none fits (the cache is then refused: ST_EUNSUPPORTED from
+ * stg_kv_create_tiered and from stg_test_attention_q8's modes 1 and 2). */
+int32_t stg_test_q8_split_stages(int32_t head_dim);
 
 stg_status stg_test_dequantize(int32_t type, const void *src, float *dst, int64_t n);
 /* x[n_tok, k] float rows -> 8-bit blocks like st_quantize_act: qs[n_tok*k], d[n_tok*k/32], sums[n_tok*k/16]. */
@@ -55,8 +66,8 @@ stg_status stg_test_attention(int32_t path, const uint16_t *k, const uint16_t *v
                               int32_t n_kv, int32_t kv_head, const float *q, int32_t nq, int32_t p0, float *out);
 /* Every query head of one sequence's nq tokens (q[nq, n_head * head_dim], pre-scaled) through the
  * decode kernel (tile 0), the prefill query-tile kernel (tile 1) or the tensor-core prefill kernel
- * (attention_mma.cu: tile 2 + f, f = 1 for q as one f16 (else hi + lo) + 2 for tiles of 128 rows (else 64) + 4 times
- * the lean level (att_mma_lean, 0..2)); out[nq, n_head * head_dim];
+ * (attention_mma.cu: tile 2 with q as f16 hi + lo, 3 with q as one f16; its form is stg_test_attention_mma_form's);
+ * out[nq, n_head * head_dim];
  * aq/ad/as (all or none): also the output's 8-bit blocks. */
 stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                     const int32_t *block_table, int32_t n_table, int32_t block_size, int32_t head_dim,
@@ -85,7 +96,7 @@ stg_status stg_test_attention_oss(const float *sinks, int32_t n_head, int32_t n_
  * pos[i], its keys 0..pos[i] through block_tables[seq[i] * n_table ..]; q[n_tok, n_head * head_dim] pre-scaled).
  * mode 0: the reference (k_attention_ref, attn_q8_ref's arithmetic); 1: the split decode path (one token per
  * sequence; split_min / split_chunks / split_max as stg_test_attention_decode's, split_min 0: every sequence in one
- * split); 2: the tensor-core prefill kernel in tiles of 64 rows, 3: of 128 (a sequence's tokens consecutive).
+ * split); 2: the tensor-core prefill kernel in stg_test_attention_mma_form's form (a sequence's tokens consecutive).
  * out[n_tok, n_head * head_dim];
  * n_splits (may be NULL): the splits each token took (1 outside mode 1). head_dim 64 or 128. */
 stg_status stg_test_attention_q8(int32_t mode, int32_t split_min, int32_t split_chunks, int32_t split_max,

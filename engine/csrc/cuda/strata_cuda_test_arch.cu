@@ -1,5 +1,25 @@
 /* The kernel harness, continued (included by strata_cuda_test.cu): deepseek2's latent attention, the decode
- * router's weight preloads and RMSNorm with its 8-bit blocks, each against its reference form. */
+ * router's weight preloads and RMSNorm with its 8-bit blocks, each against its reference form; the assumed opt-in
+ * shared memory limit and the kernel forms it gives. */
+
+extern "C" stg_status stg_test_assume_smem_optin(int32_t bytes) {
+    if (bytes < 0) return fail(ST_EINVAL, "assume_smem_optin: %d bytes", bytes);
+    g_smem_optin_assumed = bytes;
+    return ST_OK;
+}
+
+extern "C" int32_t stg_test_q8_split_stages(int32_t head_dim) {
+    return stg_device_count() < 1 ? 0 : asm_q8_stages(head_dim, device_smem_optin(0));
+}
+
+extern "C" stg_status stg_test_attention_mma_form(int32_t head_dim, int32_t *rows, int32_t *pipe) {
+    if (!rows || !pipe) return fail(ST_EINVAL, "attention_mma_form: NULL argument");
+    const int n = stg_device_count();
+    if (n < 1) return n < 0 ? ST_EUNSUPPORTED : fail(ST_EUNSUPPORTED, "no CUDA device");
+    const amma_form f = amma_pick(head_dim, device_smem_optin(0));
+    *rows = f.rows, *pipe = f.pipe ? 1 : 0;
+    return ST_OK;
+}
 
 extern "C" stg_status stg_test_rmsnorm_q(const float *x, const float *w, int64_t n_rows, int64_t n, float eps, float *y,
                                          int8_t *qs, float *d, int32_t *sums) {

@@ -38,6 +38,37 @@ def harness_settings(g: tuple, **fields: int) -> Iterator[None]:
         gcheck(g, glib.stg_test_set_settings(gffi.NULL))
 
 
+@contextmanager
+def assumed_smem_optin(g: tuple, nbytes: int) -> Iterator[None]:
+    """Run the harness calls inside as on a device whose blocks may opt in to ``nbytes`` of shared memory
+    (stg_test_assume_smem_optin; 0: the device's own limit); the device's limit again afterwards."""
+    gcheck(g, g[1].stg_test_assume_smem_optin(nbytes))
+    try:
+        yield
+    finally:
+        gcheck(g, g[1].stg_test_assume_smem_optin(0))
+
+
+# opt-in limits that, assumed one after another, give every form of the tensor-core prefill attention on an H100 /
+# H200 (227 KiB: 0, the device's own): at head_dim 128 128 rows with P.V one stage behind (140 KiB), 64 rows with it
+# (105 KiB) and without it (70 KiB: sm_89's 101,376 bytes take it); at head_dim 64 (72, 54, 36 KiB) and 32 (38, 29,
+# 19 KiB) the same three at smaller limits
+MMA_LIMITS = (0, 110_000, 101_376, 74_000, 56_000, 40_000, 29_500, 20_000)
+
+
+def mma_forms(g: tuple, hd: int) -> dict[tuple[int, int], int]:
+    """The forms of the tensor-core prefill attention at head_dim ``hd`` that MMA_LIMITS give, (rows, pipe) -> the
+    first limit giving it (0 first: the device's own form); limits that fit no form are left out."""
+    rows, pipe = g[0].new("int32_t *"), g[0].new("int32_t *")
+    out: dict[tuple[int, int], int] = {}
+    for limit in MMA_LIMITS:
+        with assumed_smem_optin(g, limit):
+            gcheck(g, g[1].stg_test_attention_mma_form(hd, rows, pipe))
+        if rows[0]:
+            out.setdefault((int(rows[0]), int(pipe[0])), limit)
+    return out
+
+
 def cpu_quant(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The CPU's 8-bit blocks of each row of ``x`` [T, K]: codes [T, K], scales [T, K/32], sums [T, K/16]."""
     T, K = x.shape

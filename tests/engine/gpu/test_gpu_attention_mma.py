@@ -3,7 +3,8 @@
 Its arithmetic is f16 x f16 -> f32 (q split into two f16 by default, p rounded to f16), so it is
 held to the issue's tolerance (1e-3 of max|ref| of the CPU's attn_ref), not to the decode kernel's
 bits; a row's result must still not depend on which tile or step it ran in, nor on the kernel's form
-(tiles of 64 or 128 rows, STRATA_GPU_ATT_MMA_ROWS; the lean form, STRATA_GPU_ATT_MMA_LEAN): bitwise. On whole
+(128-row tiles with P.V one stage behind where the device's shared memory fits them, else 64-row tiles with or
+without it; the harness assumes smaller opt-in limits to run each form on one device): bitwise. On whole
 models: runs of at least STRATA_GPU_ATT_MMA_MIN (64) tokens take it; logits within 1e-2 of the CPU,
 chunked prefill bitwise equal to whole prefill, and STRATA_GPU_ATT_MMA=0 brings back the fp32
 query-tile kernel.
@@ -21,23 +22,51 @@ from engine.engine import Engine
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import attention_case, attention_heads, cpu_quant
+from tests.engine.gpu._kernel_helpers import (
+    assumed_smem_optin,
+    attention_case,
+    attention_heads,
+    cpu_quant,
+    gcheck,
+    mma_forms,
+)
 
 pytestmark = requires_gpu
 
-# stg_test_attention_heads' `tile` for the tensor-core kernel: 2 + (1: q as one f16, else hi + lo) + (2: tiles of 128
-# rows, else 64) + 4 x the lean level (STRATA_GPU_ATT_MMA_LEAN: 1 exp2 / rescale, 2 also P.V one stage behind)
-MMA_SPLIT, MMA_F16, MMA_SPLIT_128, MMA_F16_128, MMA_LEAN, MMA_LEAN_128, MMA_PIPE, MMA_PIPE_128 = (
-    2,
-    3,
-    4,
-    5,
-    6,
-    8,
-    10,
-    12,
-)
-SPLIT_FORMS = (MMA_SPLIT_128, MMA_LEAN, MMA_LEAN_128, MMA_PIPE, MMA_PIPE_128)  # MMA_SPLIT's bits, each
+# stg_test_attention_heads' `tile` for the tensor-core kernel: q as f16 hi + lo, q as one f16 (its form: the one the
+# device's opt-in shared memory, or the limit the harness assumes, gives: mma_forms)
+MMA_SPLIT, MMA_F16 = 2, 3
+
+
+def test_mma_forms_follow_the_shared_memory_limit(g: tuple) -> None:
+    """The form is the first of 128 rows with P.V one stage behind, 64 rows with it, 64 rows without it whose shared
+    memory (dynamic + static) fits the opt-in limit: sm_89's 101,376 bytes take the last at head_dim 128 and the
+    first at 64 and 32; every form is reachable under some limit."""
+    rows, pipe = g[0].new("int32_t *"), g[0].new("int32_t *")
+    want = {
+        (128, 143_872): (128, 1),
+        (128, 143_871): (64, 1),
+        (128, 107_776): (64, 1),
+        (128, 107_775): (64, 0),
+        (128, 101_376): (64, 0),
+        (128, 71_936): (64, 0),
+        (128, 71_935): (0, 0),
+        (64, 101_376): (128, 1),
+        (64, 74_240): (128, 1),
+        (64, 74_239): (64, 1),
+        (64, 37_120): (64, 0),
+        (32, 101_376): (128, 1),
+        (32, 39_424): (128, 1),
+        (32, 29_440): (64, 1),
+        (32, 19_712): (64, 0),
+        (80, 232_448): (0, 0),  # no form at head_dim 80
+    }
+    for (hd, limit), form in want.items():
+        with assumed_smem_optin(g, limit):
+            gcheck(g, g[1].stg_test_attention_mma_form(hd, rows, pipe))
+        assert (rows[0], pipe[0]) == form, (hd, limit, rows[0], pipe[0])
+    for hd in (32, 64, 128):
+        assert set(mma_forms(g, hd)) >= {(64, 1), (64, 0)}, hd
 
 
 def cpu_heads(c: tuple, bs: int, hd: int, n_head: int, n_kv: int, q: np.ndarray, p0: int) -> np.ndarray:
@@ -89,8 +118,9 @@ def test_mma_attention_within_1e3_of_cpu_reference(
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
     ref = cpu_heads(c, bs, hd, n_head, n_kv, q, p0)
-    for tile, same in ((MMA_SPLIT, SPLIT_FORMS), (MMA_F16, (MMA_F16_128,))):
-        out, aq, ad, as_ = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)
+    forms = mma_forms(g, hd)
+    for tile in (MMA_SPLIT, MMA_F16):
+        out, aq, ad, as_ = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)  # the device's own form
         err = rel_err(out, ref)
         print(f"hd {hd} bs {bs} heads {n_head}/{n_kv} nq {nq} p0 {p0} tile {tile}: max err {err:.2e}")
         assert err <= 1e-3, (tile, err)
@@ -100,11 +130,12 @@ def test_mma_attention_within_1e3_of_cpu_reference(
             and np.array_equal(cd.view(np.uint32), ad.view(np.uint32))
             and np.array_equal(cs, as_)
         )
-        for other in same:  # the other forms of the same arithmetic: the same bits
-            o2, aq2 = attention_heads(g, other, c, bs, hd, n_head, n_kv, q, p0)[:2]
+        for form, limit in forms.items():  # the other forms of the same arithmetic: the same bits
+            with assumed_smem_optin(g, limit):
+                o2, aq2 = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)[:2]
             assert np.array_equal(o2.view(np.uint32), out.view(np.uint32)) and np.array_equal(aq2, aq), (
                 tile,
-                other,
+                form,
             )
 
 
@@ -132,25 +163,29 @@ def test_mma_row_does_not_depend_on_its_tile(g: tuple) -> None:
     c = attention_case(rng, hd, bs, n_kv, p0 + 45)
     q = (rng.standard_normal((45, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
     whole = attention_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, q, p0)[0]
-    for tile in (MMA_SPLIT, *SPLIT_FORMS):
-        part = attention_heads(g, tile, c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[13:]), p0 + 13)[0]
-        assert np.array_equal(whole[13:].view(np.uint32), part.view(np.uint32)), tile
+    for form, limit in mma_forms(g, hd).items():
+        with assumed_smem_optin(g, limit):
+            part = attention_heads(
+                g, MMA_SPLIT, c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[13:]), p0 + 13
+            )[0]
+        assert np.array_equal(whole[13:].view(np.uint32), part.view(np.uint32)), form
 
 
 @pytest.mark.parametrize("scale", [1.0, 16.0])
 def test_mma_forms_at_depth_give_the_same_bits(g: tuple, scale: float) -> None:
-    """A 512-token chunk over 6,000 cached keys (the prefill shape at depth: many stages a block, three in flight
-    with 128-row tiles, a row's max moving in few of them): the 128-row and lean forms (each level) give bitwise
-    the default's output, which is within 1e-3 of the CPU reference; also with peaked scores (scale 16: the max
-    moves late and far, and many p underflow)."""
+    """A 512-token chunk over 6,000 cached keys (the prefill shape at depth: many stages a block, a row's max moving
+    in few of them): every form (the 64-row ones under assumed limits) gives bitwise the device's own form's output,
+    which is within 1e-3 of the CPU reference; also with peaked scores (scale 16: the max moves late and far, and
+    many p underflow)."""
     hd, bs, n_head, n_kv, nq, p0 = 128, 16, 32, 4, 512, 6000
     rng = np.random.default_rng(17)
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) * (scale / np.sqrt(hd))).astype(np.float32)
     base = attention_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, q, p0)[0]
-    for tile in SPLIT_FORMS:
-        out = attention_heads(g, tile, c, bs, hd, n_head, n_kv, q, p0)[0]
-        assert np.array_equal(out.view(np.uint32), base.view(np.uint32)), (tile, rel_err(out, base))
+    for form, limit in mma_forms(g, hd).items():
+        with assumed_smem_optin(g, limit):
+            out = attention_heads(g, MMA_SPLIT, c, bs, hd, n_head, n_kv, q, p0)[0]
+        assert np.array_equal(out.view(np.uint32), base.view(np.uint32)), (form, rel_err(out, base))
     for lo, hi in ((0, 8), (248, 264), (504, 512)):  # the reference is slow: the first, middle and last tiles
         ref = cpu_heads(c, bs, hd, n_head, n_kv, np.ascontiguousarray(q[lo:hi]), p0 + lo)
         err = rel_err(base[lo:hi], ref)
@@ -200,16 +235,6 @@ def test_long_prompt_on_tensor_cores(model: Path) -> None:
         )
         chunked = gpu.logits_for(prompt)
         gpu.prefill_chunk = whole_chunk
-        forms = {}
-        for name, knobs in (
-            ("rows128", {"STRATA_GPU_ATT_MMA_ROWS": "128"}),
-            ("lean", {"STRATA_GPU_ATT_MMA_LEAN": "1"}),
-            ("lean128", {"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_LEAN": "1"}),
-            ("pipe", {"STRATA_GPU_ATT_MMA_LEAN": "2"}),
-            ("pipe128", {"STRATA_GPU_ATT_MMA_ROWS": "128", "STRATA_GPU_ATT_MMA_LEAN": "2"}),
-        ):
-            gpu._gpu.set_settings(knobs)
-            forms[name] = gpu.logits_for(prompt)  # the other forms of the mma kernel: the same bits
         gpu._gpu.set_settings({"STRATA_GPU_ATT_MMA": "0"})
         old = gpu.logits_for(prompt)  # the fp32 query-tile kernel
         gpu._gpu.set_settings()
@@ -219,8 +244,6 @@ def test_long_prompt_on_tensor_cores(model: Path) -> None:
         )
         assert err <= 1e-2
         assert np.array_equal(chunked.view(np.uint32), got.view(np.uint32))
-        for name, lg in forms.items():
-            assert np.array_equal(lg.view(np.uint32), got.view(np.uint32)), (name, rel_err(lg, got))
         assert not np.array_equal(old.view(np.uint32), got.view(np.uint32)), "the mma kernel did not run"
         assert (
             rel_err(got, old) <= 1e-2

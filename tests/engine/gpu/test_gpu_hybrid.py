@@ -10,8 +10,7 @@ two tokens within `bound` of max|logit| (test_gpu_models.py's rule and reasons: 
 another order, which can move an 8-bit activation across a rounding step). The default model's bound is
 max(1e-2, the CPU's own auto-vs-reference kernel spread), as in test_gpu_models.py.
 
-Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRATA_GPU_HYBRID_STAGE); streaming
-(STRATA_GPU_HYBRID_STREAM: experts the GPU reads over PCIe in place beside the CPU's share); the
+Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRATA_GPU_HYBRID_STAGE); the
 overlapped and layer-by-layer steps' bits; a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
 the budget, and the model's own accounting matches the plan; the frame profile's parts; launch / wait with
 token_src on a hybrid model; bad resident masks are typed errors.
@@ -330,100 +329,6 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
             check_tokens(cpu, p, w, g, bound, f"{model} {qt} staged sequence {i}")
         hyb._gpu.set_stage_rate(1e12)
         assert np.array_equal(hyb.logits_for(prompts[0]), plain)
-
-
-STREAM_SHARES = {"half": "50", "all": "100"}  # STRATA_GPU_HYBRID_STREAM: the share (%) of the non-resident bytes
-
-
-@pytest.mark.parametrize("share", list(STREAM_SHARES), ids=list(STREAM_SHARES))
-@pytest.mark.parametrize("frac", ["0%", "30%"])
-@pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])
-def test_streaming_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.MonkeyPatch, model: str, qt: str,
-                               frac: str, share: str) -> None:
-    """Streaming (STRATA_GPU_HYBRID_STREAM, stream.cu): the experts' host range is mapped and rated at open; the
-    set takes the asked share of each partial layer's non-resident experts (all of them at 100%), never a
-    resident one; a decode step of 16 sequences computes the streamed experts' pairs on the device (counted, their
-    bytes read over PCIe, their time inside the GPU's part, the profile still adding up within 5%; at 100% the
-    CPU computes no pair); the logits and 64 greedy tokens of one sequence and of 16 batched stay within the
-    hybrid tests' tolerances of the CPU's (the streamed rows are the device's, as the resident experts' are);
-    the share back to 0 gives the unstreamed step's bits."""
-    path = paths[(model, qt)]
-    exact = qt == "f32"
-    prompts = prompts_for()
-    alone, batched = cpu_tokens[(model, qt)]
-    pf = random_placement(path)
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STREAM", "0")
-    with open_hybrid(path, FRACTIONS[frac], pf) as plain_eng:
-        plain = np.array(plain_eng.logits_for(prompts[0]), copy=True)
-        assert plain_eng.stream_share == 0.0 and plain_eng._gpu.stream_info()["n_streamed"] == 0
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STREAM", STREAM_SHARES[share])
-    with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, open_hybrid(path, FRACTIONS[frac], pf) as hyb:
-        hp = hyb.hparams
-        assert hyb.resident is not None
-        info = hyb._gpu.stream_info()
-        print(f"{model} {qt} {frac} {share}: streaming {info}, share {hyb.stream_share}, rates {hyb.stream_rates}")
-        assert info["available"] and info["pcie_gbs"] > 0
-        assert hyb.stream_share == int(STREAM_SHARES[share]) / 100
-        off = int((hyb.resident == 0).sum())
-        if share == "all":
-            assert info["n_streamed"] == off
-        else:
-            assert 0 < info["n_streamed"] < off
-        ref = cpu.logits_for(prompts[0])
-        got = np.array(hyb.logits_for(prompts[0]), copy=True)
-        err = rel_err(got, ref)
-        print(f"{model} {qt} {frac} {share}: streamed logits {err:.3e} of max|ref| from the CPU's, "
-              f"{rel_err(got, plain):.3e} from the unstreamed")
-        assert err <= (1e-3 if exact else 2e-2), err
-        for _ in range(2):  # the first step allocates; the second is judged
-            st, _ = decode_step_stats(hyb, prompts)
-        assert st is not None and st.n_expert_tokens == N_SEQS * hp.n_expert_used * hp.n_layer
-        parts = st.t_gpu + st.t_pcie + st.t_gpu_wait
-        gbs = st.stream_bytes / st.t_stream * 1e-9 if st.t_stream > 0 else 0.0
-        print(f"{model} {qt} {frac} {share}: total {st.t_total * 1e3:.3f} ms = GPU {st.t_gpu * 1e3:.3f} (streamed "
-              f"{st.t_stream * 1e3:.3f}: {st.stream_pairs} pairs, {st.stream_bytes} B, {gbs:.2f} GB/s) + PCIe "
-              f"{st.t_pcie * 1e3:.3f} + waiting {st.t_gpu_wait * 1e3:.3f}; CPU experts {st.t_cpu_experts * 1e3:.3f} ms; "
-              f"hit {st.resident_hit_rate:.3f}")
-        assert st.stream_pairs > 0 and st.stream_bytes > 0 and 0 < st.t_stream <= st.t_gpu
-        assert abs(parts - st.t_total) <= 0.05 * st.t_total, (parts, st.t_total)
-        pairs_cpu = round(st.n_expert_tokens * (1 - st.resident_hit_rate)) - st.stream_pairs
-        if share == "all":
-            assert pairs_cpu == 0, pairs_cpu
-        bound = 1e-3 if exact else 1e-2
-        check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"{model} {qt} {frac} streamed alone")
-        for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
-            check_tokens(cpu, p, w, g, bound, f"{model} {qt} {frac} streamed sequence {i}")
-        assert hyb.set_stream_share(0.0) == 0.0 and hyb._gpu.stream_info()["n_streamed"] == 0
-        assert np.array_equal(hyb.logits_for(prompts[0]), plain)
-        st = hyb.last_stats
-        assert st is not None and st.stream_pairs == 0 and st.stream_bytes == 0 and st.t_stream == 0
-
-
-def test_streamed_set_errors(paths: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """stg_model_set_streamed refuses values other than 0 / 1 (typed), a mask of another shape, and streaming on a
-    model whose experts' host range was not mapped at open (hybrid_stage and hybrid_stream 0)."""
-    path = paths[("mixtral", "q8_0")]
-    pf = random_placement(path)
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STREAM", "100")  # the range mapped at open whatever the plan's ring
-    with open_hybrid(path, 0.3, pf) as hyb:
-        assert hyb.resident is not None and hyb._gpu.stream_info()["available"]
-        bad = (hyb.resident == 0).astype(np.uint8)
-        bad[0, 0] = 2
-        with pytest.raises(EngineError, match=r"streamed\[0\]\[0\] = 2"):
-            hyb._gpu.set_streamed(bad)
-        with pytest.raises(ValueError, match="shape"):
-            hyb._gpu.set_streamed(np.zeros((1, 2), np.uint8))
-        hyb._gpu.set_streamed(1 - hyb.resident)  # resident bits are ignored; the rest stream
-        assert hyb._gpu.stream_info()["n_streamed"] == int((hyb.resident == 0).sum())
-        hyb._gpu.set_streamed(None)
-        assert hyb._gpu.stream_info()["n_streamed"] == 0
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "0")
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STREAM", "0")
-    with open_hybrid(path, 0.3, pf) as hyb:
-        assert hyb.resident is not None and not hyb._gpu.stream_info()["available"]
-        with pytest.raises(EngineError, match="not page-locked"):
-            hyb._gpu.set_streamed(1 - hyb.resident)
-        assert hyb.set_stream_share(0.5) == 0.0  # unavailable: nothing streams
 
 
 @pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])

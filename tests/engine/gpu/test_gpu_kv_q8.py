@@ -35,7 +35,7 @@ from engine.native import ffi as cffi
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import gcheck, gptr
+from tests.engine.gpu._kernel_helpers import assumed_smem_optin, gcheck, gptr, mma_forms
 from tests.engine.gpu._model_checks import check_greedy, tokens_of, write_hd128_moe
 
 pytestmark = requires_gpu
@@ -156,7 +156,7 @@ def decode_cache(rng: np.random.Generator, hd: int, bs: int, n_kv: int, n_keys: 
     return (n_blocks, tables, *cache_of(k, v, np.arange(n_slots, dtype=np.int32), n_blocks, bs, np_q8))
 
 
-def run_q8(
+def call_q8(
     g: tuple,
     mode: int,
     c: tuple,
@@ -168,12 +168,12 @@ def run_q8(
     pos: np.ndarray,
     seq: np.ndarray,
     split: tuple[int, int, int] = (0, 0, 0),
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """stg_test_attention_q8 over the cache ``c`` (decode_cache's): its status, the output and the splits per token."""
     n_blocks, tables, k8, ks, v8, vs = c
     out = np.full(q.shape, np.nan, np.float32)
     ns = np.zeros(len(pos), np.int32)
-    gcheck(
-        g,
+    return (
         g[1].stg_test_attention_q8(
             mode,
             *split,
@@ -196,7 +196,27 @@ def run_q8(
             gptr(g, out, "float *"),
             gptr(g, ns, "int32_t *"),
         ),
+        out,
+        ns,
     )
+
+
+def run_q8(
+    g: tuple,
+    mode: int,
+    c: tuple,
+    bs: int,
+    hd: int,
+    n_head: int,
+    n_kv: int,
+    q: np.ndarray,
+    pos: np.ndarray,
+    seq: np.ndarray,
+    split: tuple[int, int, int] = (0, 0, 0),
+) -> tuple[np.ndarray, np.ndarray]:
+    """call_q8's output and splits per token, the status required to be ST_OK."""
+    rc, out, ns = call_q8(g, mode, c, bs, hd, n_head, n_kv, q, pos, seq, split)
+    gcheck(g, rc)
     return out, ns
 
 
@@ -287,11 +307,49 @@ def test_split_decode_on_q8_matches_reference(g: tuple, shape: str, cached: list
             )
 
 
+def test_split_decode_on_q8_fits_a_99_kib_device(g: tuple) -> None:
+    """sm_89 (RTX 40xx) lets a block opt in to 101,376 bytes of shared memory, and the head_dim-128 split decode kernel
+    of the 8-bit cache takes 102,656 with four raw stages a warp: there it takes three (85,248 bytes), whose output
+    is bitwise the 4-stage form's under every split rule, at an assumed limit of 101,376 and of 85,248 bytes; at
+    85,247 no form fits and the cache is refused with ST_EUNSUPPORTED (stg_kv_create_tiered's check, which the
+    engine raises as UnsupportedError) instead of a failed launch."""
+    hd, bs, n_head, n_kv = SHAPES["qwen3_30b"]
+    cached = [300, 17, 4099, 1, 2000, 9000]
+    rng = np.random.default_rng(89)
+    pos = np.array(cached, np.int32)
+    seq = np.arange(len(cached), dtype=np.int32)
+    c = decode_cache(rng, hd, bs, n_kv, [p + 1 for p in cached])
+    q = (rng.standard_normal((len(cached), n_head * hd)) * (2.0 / np.sqrt(hd))).astype(np.float32)
+    assert g[1].stg_test_q8_split_stages(hd) == 4  # an H100 / H200's own limit (227 KiB)
+    assert g[1].stg_test_q8_split_stages(64) == 4
+    for form, split in FORMS.items():
+        base, ns = run_q8(g, 1, c, bs, hd, n_head, n_kv, q, pos, seq, split)
+        for limit in (101_376, 85_248):
+            with assumed_smem_optin(g, limit):
+                assert g[1].stg_test_q8_split_stages(hd) == 3, limit
+                assert g[1].stg_test_q8_split_stages(64) == 4, limit
+                out, ns3 = run_q8(g, 1, c, bs, hd, n_head, n_kv, q, pos, seq, split)
+            assert ns3.tolist() == ns.tolist(), (form, limit)
+            assert np.array_equal(out.view(np.uint32), base.view(np.uint32)), (
+                f"{form}, limit {limit}: 3 stages {rel_err(out, base):.3e} of max|ref| from 4"
+            )
+    with assumed_smem_optin(g, 85_247):
+        assert g[1].stg_test_q8_split_stages(hd) == 0
+        for mode in (1, 2):  # decode and prefill: the same refusal, before any launch
+            rc, out, _ = call_q8(g, mode, c, bs, hd, n_head, n_kv, q, pos, seq, FORMS["step_rule"])
+            msg = g[0].string(g[1].stg_last_error()).decode()
+            assert rc == lib.ST_EUNSUPPORTED, (mode, rc, msg)
+            assert "needs 85248 bytes of shared memory" in msg and "allows 85247" in msg, msg
+            assert np.isnan(out).all(), mode
+    assert g[1].stg_test_q8_split_stages(hd) == 4  # the device's own limit again
+
+
 @pytest.mark.parametrize(("p0", "n"), [(0, 300), (4000, 130), (17, 1)])
 def test_prefill_on_q8_matches_reference(g: tuple, p0: int, n: int) -> None:
     """A chunk of n tokens at positions p0.. of one sequence (its prefix p0 tokens cached) and a second
-    sequence's chunk in the same launch, through the tensor-core prefill kernel; its tiles of 128 rows (harness mode
-    3, STRATA_GPU_ATT_MMA_ROWS=128) give bitwise the 64-row tiles' output."""
+    sequence's chunk in the same launch, through the tensor-core prefill kernel in the device's own form (128-row
+    tiles with P.V one stage behind on an H100 / H200); every other form (64-row tiles with and without it, under
+    assumed opt-in limits: sm_89's 101,376 bytes take the last) gives bitwise its output."""
     hd, bs, n_head, n_kv = SHAPES["qwen3_30b"]
     rng = np.random.default_rng(p0 + n)
     c = decode_cache(rng, hd, bs, n_kv, [p0 + n, 90])
@@ -303,10 +361,14 @@ def test_prefill_on_q8_matches_reference(g: tuple, p0: int, n: int) -> None:
     e = rel_err(out, ref)
     print(f"prefill of {n} tokens after {p0}: {e:.2e} of max|ref|")
     assert e <= PREFILL_TOL, f"the prefill kernel on the 8-bit cache: {e:.3e} of max|ref| from the reference"
-    out128, _ = run_q8(g, 3, c, bs, hd, n_head, n_kv, q, pos, seq)
-    assert np.array_equal(out128.view(np.uint32), out.view(np.uint32)), (
-        f"128-row tiles {rel_err(out128, out):.3e} of max|ref| from the 64-row tiles"
-    )
+    forms = mma_forms(g, hd)
+    assert {(64, 1), (64, 0)} <= set(forms), forms
+    for form, limit in forms.items():
+        with assumed_smem_optin(g, limit):
+            other, _ = run_q8(g, 2, c, bs, hd, n_head, n_kv, q, pos, seq)
+        assert np.array_equal(other.view(np.uint32), out.view(np.uint32)), (
+            f"form {form} (assumed limit {limit}): {rel_err(other, out):.3e} of max|ref| from the device's own form"
+        )
 
 
 def test_q8_refuses_bad_arguments(g: tuple) -> None:
