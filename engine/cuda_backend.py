@@ -367,7 +367,8 @@ class CudaModel:
                 "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
                 "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
                 "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
-                "t_cpu_attn": p.t_cpu_attn}
+                "t_cpu_attn": p.t_cpu_attn, "kv_cpu_share": p.kv_cpu_share, "kv_cpu_gbs": p.kv_cpu_gbs,
+                "kv_pcie_gbs": p.kv_pcie_gbs}
 
     def stage_info(self) -> dict[str, float]:
         """Staging (stg_settings.hybrid_stage): whether it is available on this model and its rates."""

@@ -228,6 +228,9 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.kv_host_bytes = int(profile.get("kv_host_bytes", 0))
         out.kv_cpu_bytes = int(profile.get("kv_cpu_bytes", 0))
         out.t_cpu_attn = float(profile.get("t_cpu_attn", 0.0))
+        out.kv_cpu_share = float(profile.get("kv_cpu_share", 0.0))
+        out.kv_cpu_gbs = float(profile.get("kv_cpu_gbs", 0.0))
+        out.kv_pcie_gbs = float(profile.get("kv_pcie_gbs", 0.0))
     return out
 
 
@@ -745,7 +748,8 @@ class Engine:
         return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "t_pcie": 0.0, "t_cpu_wait": 0.0,
                 "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0,
                 "kv_host_bytes": tier.get("kv_host_bytes", 0), "kv_cpu_bytes": tier.get("kv_cpu_bytes", 0),
-                "t_cpu_attn": tier.get("t_cpu_attn", 0.0)}
+                "t_cpu_attn": tier.get("t_cpu_attn", 0.0), "kv_cpu_share": tier.get("kv_cpu_share", 0.0),
+                "kv_cpu_gbs": tier.get("kv_cpu_gbs", 0.0), "kv_pcie_gbs": tier.get("kv_pcie_gbs", 0.0)}
 
     def cpu_attn_gbs(self, n_keys: int = 32768, n_tok: int = 1, seconds: float = 0.2) -> float:
         """The pool's rate (GB/s of K and V) attending listed blocks at this model's attention shape and KV type

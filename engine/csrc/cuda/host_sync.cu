@@ -9,13 +9,22 @@
  *
  * kv_host_attn (stg_settings.kv_host_attn): in a split-KV decode step on a tiered cache whose tokens each read
  * some host-tier block and write none, every layer's attention is shared: k_to_host sends the layer's q (after
- * k_qkv_post) to the host, whose thread (host_attn_thread) has the CPU engine's pool attend each token's host-tier
- * blocks where they lie (st_attn_blocks_part) while the split kernel attends the VRAM blocks alone (a compacted
- * block table and key count per token, uploaded once per step); the device then waits for the layer's flag,
+ * k_qkv_post) to the host, whose thread (host_attn_thread) has the CPU engine's pool attend the CPU's share of each
+ * token's host-tier blocks where they lie (st_attn_blocks_part: a prefix of them in sequence order,
+ * kv_host_share) while the split kernel attends the VRAM blocks and the rest of the host blocks, read in place over
+ * PCIe as kv_host_attn 0 reads them (a compacted block table and key count per token, uploaded once per step), so
+ * that the CPU's and PCIe's rates add; the device then waits for the layer's flag,
  * copies the CPU's partials in, places each (token, head)'s as the split after the device's own
  * (k_host_part_place) and the combine merges them. Such steps are eager (the lists change every step) and run
  * without PDL (kernels follow host waits). Exactness: the CPU sums its keys in another order (its chunks, then a
- * merge), so logits are within rounding of the untiered cache's, not bitwise. */
+ * merge), so logits are within rounding of the untiered cache's (1e-3 of max |logit|), not bitwise; a step whose
+ * shares round to no CPU block (kv_host_share 0 among them) takes kv_host_attn 0's path, bitwise the untiered
+ * cache's.
+ *
+ * The measured share (kv_host_share -1) is r_cpu / (r_cpu + r_pcie), so that both sides finish together: r_cpu the
+ * running mean of the CPU's rate in its steps (kv_cpu_bytes / t_cpu_attn), r_pcie a host-to-device copy timed when
+ * the CPU engine is set (the rate zero-copy reads reach within a few percent on a PCIe link of its own); a rate not
+ * known yet counts as the other's (a share of one half). */
 #include <time.h>
 
 #include <thread>
@@ -117,6 +126,50 @@ __global__ void k_host_part_place(attn_args a, const float *part, int32_t T) {
     if (threadIdx.x == 0) a.part_ml[2 * prow] = part[2 * r], a.part_ml[2 * prow + 1] = part[2 * r + 1];
 }
 
+/* PCIe's host-to-device rate in GB/s: four 32 MiB copies from pinned memory on the model's stream (after one to
+ * warm up); 0 where the buffers cannot be had (the measured share then counts it as the CPU's rate). */
+static double pcie_probe_gbs(stg_model *m) {
+    const size_t n = (size_t)32 << 20;
+    void *h = nullptr, *dv = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    double gbs = 0.0;
+    if (cudaHostAlloc(&h, n, cudaHostAllocPortable) == cudaSuccess && cudaMalloc(&dv, n) == cudaSuccess &&
+        cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
+        memset(h, 0, n);
+        bool ok = cudaMemcpyAsync(dv, h, n, cudaMemcpyHostToDevice, m->stream) == cudaSuccess &&
+                  cudaEventRecord(e0, m->stream) == cudaSuccess;
+        for (int i = 0; i < 4 && ok; i++)
+            ok = cudaMemcpyAsync(dv, h, n, cudaMemcpyHostToDevice, m->stream) == cudaSuccess;
+        float ms = 0.0f;
+        if (ok && cudaEventRecord(e1, m->stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.0f)
+            gbs = 4.0 * (double)n / (1e-3 * (double)ms) / 1e9;
+    }
+    cudaStreamSynchronize(m->stream);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (dv) cudaFree(dv);
+    if (h) cudaFreeHost(h);
+    cudaGetLastError(); /* a failed probe leaves no error behind */
+    return gbs;
+}
+
+/* The CPU's share of the step's host-tier blocks (0..1): kv_host_share's percentage, or the measured rates' */
+static double host_attn_share(const stg_model *m) {
+    if (m->set.kv_host_share >= 0) return 0.01 * (double)m->set.kv_host_share;
+    const host_attn &ha = m->ha;
+    const double rc = ha.cpu_gbs > 0.0 ? ha.cpu_gbs : ha.pcie_gbs, rp = ha.pcie_gbs > 0.0 ? ha.pcie_gbs : rc;
+    return rc > 0.0 ? rc / (rc + rp) : 0.5;
+}
+
+/* After a kv_host_attn step: its CPU rate into the running mean (one eighth a step). */
+static void host_attn_account(stg_model *m) {
+    host_attn &ha = m->ha;
+    if (ha.bytes <= 0 || ha.t_cpu <= 0.0) return;
+    const double g = (double)ha.bytes / ha.t_cpu / 1e9;
+    ha.cpu_gbs = ha.cpu_gbs > 0.0 ? ha.cpu_gbs + (g - ha.cpu_gbs) * 0.125 : g;
+}
+
 extern "C" stg_status stg_model_set_cpu_attn(stg_model *m, const stg_cpu_attn *cpu) {
     if (!m) return fail(ST_EINVAL, "set_cpu_attn: NULL model");
     if (m->n_live > 0) return fail(ST_EINVAL, "set_cpu_attn: %d launched step(s) in flight", m->n_live);
@@ -135,6 +188,7 @@ extern "C" stg_status stg_model_set_cpu_attn(stg_model *m, const stg_cpu_attn *c
         ha.ev.push_back(e);
     }
     if (!ha.d_n) CHECK(dalloc(m, &ha.d_n, sizeof(int32_t)));
+    if (ha.pcie_gbs <= 0.0) ha.pcie_gbs = pcie_probe_gbs(m);
     ha.cpu = *cpu;
     return ST_OK;
 }
@@ -181,9 +235,10 @@ static stg_status host_attn_room(stg_model *m, int64_t T, int64_t n_bt) {
 
 /* Whether the step takes kv_host_attn (*take), and if so its lists and the device's tables in h_up (uploaded by
  * host_attn_upload). Blocks through kv->map (the step's physical ids: host ones from n_dev on); split: the step
- * takes the split kernel. A step takes it when every token reads some host-tier block and writes none (its last
- * block in VRAM): the CPU's keys are then whole blocks, the device's a prefix of VRAM blocks ending with the new
- * key. */
+ * takes the split kernel. A step takes it when no token writes a host-tier block (each one's last block in VRAM)
+ * and the CPU's share (host_attn_share) rounds to some block: token t's CPU blocks are the first
+ * round(share * n_host(t)) of its host blocks (whole blocks), the device's the others in order (VRAM and host,
+ * those read in place), ending with the new key. */
 static stg_status host_attn_plan(stg_model *m, const stg_kv *kv, const st_batch *b, int32_t mb, bool split,
                                  bool *take) {
     host_attn &ha = m->ha;
@@ -194,38 +249,48 @@ static stg_status host_attn_plan(stg_model *m, const stg_kv *kv, const st_batch 
         d.n_swa > 0 || d.arch == ST_ARCH_GPT_OSS || m->q_dim != d.n_head * d.head_dim ||
         b->n_tokens > ATT_SPLIT_MAX_T)
         return ST_OK;
+    const double share = host_attn_share(m);
+    if (share <= 0.0) return ST_OK;
     const int32_t T = b->n_tokens, bs = kv->block_size;
     auto phys = [&](int32_t t, int32_t c) { /* the physical block of token t's column c (validate_batch checked it) */
         return kv->map[(size_t)b->block_tables[(int64_t)b->seq[t] * b->max_blocks + c]];
     };
     ha.blk_off.assign(1, 0), ha.blocks.clear(), ha.n_keys.assign((size_t)T, 0);
+    int64_t n_gpu_host = 0; /* host blocks the device streams */
     for (int32_t t = 0; t < T; t++) {
         const int32_t last = b->pos[t] / bs;
         if (phys(t, last) >= kv->n_dev) return ST_OK; /* the step writes a host block: it streams */
         int32_t n_host = 0;
-        for (int32_t c = 0; c < last; c++)
-            if (phys(t, c) >= kv->n_dev) ha.blocks.push_back(phys(t, c) - kv->n_dev), n_host++;
-        ha.n_keys[(size_t)t] = n_host * bs;
+        for (int32_t c = 0; c < last; c++) n_host += phys(t, c) >= kv->n_dev;
+        const int32_t n_cpu = std::min(n_host, (int32_t)lround(share * (double)n_host));
+        for (int32_t c = 0, k = 0; c < last && k < n_cpu; c++)
+            if (phys(t, c) >= kv->n_dev) ha.blocks.push_back(phys(t, c) - kv->n_dev), k++;
+        ha.n_keys[(size_t)t] = n_cpu * bs;
         ha.blk_off.push_back((int32_t)ha.blocks.size());
+        n_gpu_host += n_host - n_cpu;
     }
-    if (ha.blocks.empty()) return ST_OK; /* it reads none */
+    if (ha.blocks.empty()) return ST_OK; /* the CPU's share holds no block: kv_host_attn 0's path */
     const int64_t n_bt = (int64_t)b->n_seqs * mb;
     CHECK(host_attn_room(m, T, n_bt));
-    /* the device's tables: each token's VRAM blocks in order (its sequence's row; decode: one token a row) */
+    /* the device's tables: each token's blocks in order less the CPU's (its sequence's row; decode: one token a
+     * row) */
     int32_t *bt = ha.h_up, *pos = ha.h_up + n_bt;
     for (int64_t i = 0; i < n_bt; i++) bt[i] = -1;
     for (int32_t t = 0; t < T; t++) {
-        const int32_t last = b->pos[t] / bs;
+        const int32_t last = b->pos[t] / bs, n_cpu = ha.n_keys[(size_t)t] / bs;
         int32_t *out = bt + (int64_t)b->seq[t] * mb, n = 0;
-        for (int32_t c = 0; c <= last; c++)
-            if (phys(t, c) < kv->n_dev) out[n++] = phys(t, c);
+        for (int32_t c = 0, k = 0; c <= last; c++) {
+            const bool host = phys(t, c) >= kv->n_dev;
+            if (!host || k++ >= n_cpu) out[n++] = phys(t, c);
+        }
         pos[t] = (n - 1) * bs + b->pos[t] % bs; /* the device's keys: n - 1 whole blocks and the last one's */
     }
     ha.n_bt = n_bt;
     if (++ha.seq == 0) ha.seq = 1; /* 0 is the flags' value before any step */
     ha.T = T, ha.now = true;
     ha.zmax = std::min(m->att_zmax, (int32_t)(ATT_SPLIT_MAX - 1));
-    ha.bytes = (int64_t)ha.blocks.size() * kv_block_bytes(kv), ha.t_cpu = ha.t_wait = 0.0;
+    ha.bytes = (int64_t)ha.blocks.size() * kv_block_bytes(kv), ha.gpu_bytes = n_gpu_host * kv_block_bytes(kv);
+    ha.share = (double)ha.blocks.size() / (double)(ha.blocks.size() + n_gpu_host), ha.t_cpu = ha.t_wait = 0.0;
     *take = true;
     return ST_OK;
 }

@@ -145,9 +145,13 @@ struct host_attn {
     int32_t *d_bt = nullptr, *d_pos = nullptr, *h_up = nullptr, *d_n = nullptr;
     int64_t cap_t = 0, cap_bt = 0, n_bt = 0; /* n_bt: the step's table entries */
     std::vector<cudaEvent_t> ev; /* [n_layer] after each layer's k_to_host (the host's fallback on its spin) */
-    /* the step's account: host-tier bytes the CPU attended, its seconds in st_attn_blocks_part and waiting */
-    int64_t bytes = 0;
-    double t_cpu = 0.0, t_wait = 0.0;
+    /* the step's account: host-tier bytes the CPU attended and those the device streams (its share), the CPU's
+     * seconds in st_attn_blocks_part and waiting, and its share of the host-tier bytes */
+    int64_t bytes = 0, gpu_bytes = 0;
+    double t_cpu = 0.0, t_wait = 0.0, share = 0.0;
+    /* the rates kv_host_share -1 weighs (GB/s, 0: not known): the CPU's running mean over its steps, PCIe's from a
+     * host-to-device copy timed by stg_model_set_cpu_attn */
+    double cpu_gbs = 0.0, pcie_gbs = 0.0;
     hybrid_worker *worker = nullptr; /* the step's CPU thread while it runs */
 };
 
@@ -200,6 +204,7 @@ struct inflight {
     int64_t kv_host_bytes = 0; /* host-tier KV bytes its attention reads (stg_profile.kv_host_bytes) */
     int64_t kv_cpu_bytes = 0;  /* kv_host_attn: host-tier bytes the CPU attended, its seconds (stg_profile) */
     double t_cpu_attn = 0.0;
+    double kv_cpu_share = 0.0; /* kv_host_attn: the CPU's share of the host-tier bytes */
     hybrid_step hy;
 };
 

@@ -274,8 +274,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                     : att_split_grid(m->set, m->d, z_max, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
     };
     int32_t att_split = split_depth(m->att_zmax);
-    /* kv_host_attn (host_sync.cu): the CPU attends the host-tier blocks as one more split (so the device keeps one
-     * split fewer at most); eager, without PDL, never staged */
+    /* kv_host_attn (host_sync.cu): the CPU attends its share of the host-tier blocks as one more split (so the
+     * device keeps one split fewer at most); eager, without PDL, never staged */
     bool hattn = false;
     CHECK(host_attn_plan(m, kv, b, mb, att_split > 1 || (q8 && fuse_qkv), &hattn));
     if (hattn) att_split = split_depth(m->ha.zmax);
@@ -363,9 +363,10 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                "forward: upload the staging list");
             host_blocks = kv->st_n + kv->st_wb;
         }
-        f.kv_host_bytes = hattn ? 0 : host_blocks * kv_block_bytes(kv); /* kv_host_attn: the CPU reads them */
+        /* kv_host_attn: the device streams its share of them, the CPU reads the rest */
+        f.kv_host_bytes = hattn ? m->ha.gpu_bytes : host_blocks * kv_block_bytes(kv);
     }
-    f.kv_cpu_bytes = hattn ? m->ha.bytes : 0, f.t_cpu_attn = 0.0;
+    f.kv_cpu_bytes = hattn ? m->ha.bytes : 0, f.t_cpu_attn = 0.0, f.kv_cpu_share = hattn ? m->ha.share : 0.0;
     /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
     /* gpt-oss's sinks and sliding windows are k_attention's alone (gptoss.cu): no query tiles */
@@ -448,6 +449,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     m->ha.now = false;
     CHECK(arc);
     f.t_cpu_attn = hattn ? m->ha.t_cpu : 0.0;
+    if (hattn) host_attn_account(m); /* the CPU's rate, for the next steps' share */
     f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
     f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
     f.mv = mv_fed;
@@ -519,6 +521,8 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
     hybrid_profile(m, f.hy, f.e0, f.e1, stt->t_total, pairs);
     m->profile.kv_host_bytes = f.kv_host_bytes;
     m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;
+    m->profile.kv_cpu_share = f.kv_cpu_share, m->profile.kv_cpu_gbs = m->ha.cpu_gbs;
+    m->profile.kv_pcie_gbs = m->ha.pcie_gbs;
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

@@ -76,6 +76,11 @@ typedef struct stg_settings {
                                * cache: another order of additions); such steps run eagerly, without PDL. A step that
                                * writes a host block, reads none, or runs hybrid placement or latent attention
                                * streams as with 0. 0: host blocks streamed over PCIe (kv_stream) */
+    int32_t kv_host_share;    /* kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks (a prefix of them
+                               * in sequence order, rounded to whole blocks); the device's split kernel reads the rest in
+                               * place over PCIe beside its VRAM blocks, so the two rates add. -1: measured,
+                               * r_cpu / (r_cpu + r_pcie) (stg_profile.kv_cpu_gbs / kv_pcie_gbs); 0: no CPU share (a
+                               * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -227,6 +232,10 @@ typedef struct stg_profile {
      * cross PCIe) and the host's seconds in st_attn_blocks_part, summed over layers */
     int64_t kv_cpu_bytes;
     double t_cpu_attn;
+    /* kv_host_attn: the CPU's share of the host-tier bytes the step read (kv_cpu_bytes over both), and the rates
+     * the measured share (kv_host_share -1) weighs: the CPU pool's (GB/s, a running mean of its steps' kv_cpu_bytes
+     * / t_cpu_attn; 0 before the first) and PCIe's (a host-to-device copy timed by stg_model_set_cpu_attn) */
+    double kv_cpu_share, kv_cpu_gbs, kv_pcie_gbs;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
