@@ -237,8 +237,19 @@ def test_gpu_cpu_attn_matches_the_c_engine_entry() -> None:
     assert gpu_args[0] == "void *" and cpu_args[0] == "struct st_pool *"
     assert gpu_args[1:] == [a.replace("struct st_pool *", "void *") for a in cpu_args[1:]]
     assert cpu_lib.ST_KV_F16 == 0 and cpu_lib.ST_KV_Q8_0 == 1  # STG_KV_F16 / STG_KV_Q8_0
-    assert {"kv_cpu_bytes", "t_cpu_attn"} <= {name for name, _ in f.typeof("stg_profile").fields}
-    assert "kv_host_attn" in {name for name, _ in f.typeof("stg_settings").fields}
+    assert {"kv_cpu_bytes", "t_cpu_attn", "kv_cpu_share", "kv_cpu_gbs", "kv_pcie_gbs"} <= \
+        {name for name, _ in f.typeof("stg_profile").fields}
+    assert {"kv_host_attn", "kv_host_share"} <= {name for name, _ in f.typeof("stg_settings").fields}
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, None), ({"STRATA_GPU_KV_HOST_SHARE": "-1"}, -1),
+                                           ({"STRATA_GPU_KV_HOST_SHARE": "0"}, 0),
+                                           ({"STRATA_GPU_KV_HOST_SHARE": "40"}, 40)])
+def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
+    """kv_host_attn's mixed form: STRATA_GPU_KV_HOST_SHARE sets kv_host_share (the CPU's %, -1 measured)."""
+    from engine import gpu_settings
+
+    assert gpu_settings.env_override("kv_host_share", env) == want
 
 
 @pytest.mark.parametrize(("env", "want"), [({}, False), ({"STRATA_GPU_KV_HOST_ATTN": "0"}, False),
