@@ -64,6 +64,7 @@ class StepStats:
     t_cpu_attn: float = 0.0
     # kv_host_attn's mixed form: the CPU's share of the host-tier bytes (kv_cpu_bytes / (kv_cpu_bytes +
     # kv_host_bytes)), and the rates the measured share weighs (GB/s): the CPU pool's running mean, PCIe's probe
+    # (in-place reads of mapped host memory)
     kv_cpu_share: float = 0.0
     kv_cpu_gbs: float = 0.0
     kv_pcie_gbs: float = 0.0

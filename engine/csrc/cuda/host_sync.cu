@@ -22,9 +22,9 @@
  * cache's.
  *
  * The measured share (kv_host_share -1) is r_cpu / (r_cpu + r_pcie), so that both sides finish together: r_cpu the
- * running mean of the CPU's rate in its steps (kv_cpu_bytes / t_cpu_attn), r_pcie a host-to-device copy timed when
- * the CPU engine is set (the rate zero-copy reads reach within a few percent on a PCIe link of its own); a rate not
- * known yet counts as the other's (a share of one half). */
+ * running mean of the CPU's rate in its steps (kv_cpu_bytes / t_cpu_attn), r_pcie a kernel's in-place reads of
+ * mapped host memory (k_pcie_probe, the split kernel's way to the host tier) timed when the CPU engine is set; a
+ * rate not known yet counts as the other's (a share of one half). */
 #include <time.h>
 
 #include <thread>
@@ -126,24 +126,44 @@ __global__ void k_host_part_place(attn_args a, const float *part, int32_t T) {
     if (threadIdx.x == 0) a.part_ml[2 * prow] = part[2 * r], a.part_ml[2 * prow + 1] = part[2 * r + 1];
 }
 
-/* PCIe's host-to-device rate in GB/s: four 32 MiB copies from pinned memory on the model's stream (after one to
- * warm up); 0 where the buffers cannot be had (the measured share then counts it as the CPU's rate). */
+/* Reads n 16-byte words of mapped host memory over PCIe in place (the host tier's zero-copy path), grid-stride;
+ * *out gets their XOR only where it is a value no page of zeros gives (so the reads are not dropped). */
+__global__ void k_pcie_probe(const uint4 *p, int64_t n, uint32_t *out) {
+    uint32_t x = 0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (x == 0x9e3779b9u) *out = x;
+}
+
+/* PCIe's rate for in-place reads in GB/s: k_pcie_probe over 64 MiB of pinned, mapped memory (the way the split
+ * kernel reads host-tier blocks), timed with events after one pass to warm up; 0 where the buffers cannot be had
+ * (the measured share then counts it as the CPU's rate). */
 static double pcie_probe_gbs(stg_model *m) {
-    const size_t n = (size_t)32 << 20;
-    void *h = nullptr, *dv = nullptr;
+    const size_t n = (size_t)64 << 20;
+    void *h = nullptr, *hd = nullptr;
+    uint32_t *dv = nullptr;
     cudaEvent_t e0 = nullptr, e1 = nullptr;
     double gbs = 0.0;
-    if (cudaHostAlloc(&h, n, cudaHostAllocPortable) == cudaSuccess && cudaMalloc(&dv, n) == cudaSuccess &&
+    if (cudaHostAlloc(&h, n, cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess &&
+        cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess && cudaMalloc(&dv, sizeof(uint32_t)) == cudaSuccess &&
         cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
         memset(h, 0, n);
-        bool ok = cudaMemcpyAsync(dv, h, n, cudaMemcpyHostToDevice, m->stream) == cudaSuccess &&
-                  cudaEventRecord(e0, m->stream) == cudaSuccess;
-        for (int i = 0; i < 4 && ok; i++)
-            ok = cudaMemcpyAsync(dv, h, n, cudaMemcpyHostToDevice, m->stream) == cudaSuccess;
+        int n_sm = 0;
+        cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, m->device);
+        const unsigned grid = (unsigned)std::max(1, 4 * n_sm);
+        const int64_t words = (int64_t)(n / sizeof(uint4));
+        k_pcie_probe<<<grid, 256, 0, m->stream>>>((const uint4 *)hd, words, dv);
+        bool ok = cudaEventRecord(e0, m->stream) == cudaSuccess;
+        for (int i = 0; i < 3 && ok; i++) {
+            k_pcie_probe<<<grid, 256, 0, m->stream>>>((const uint4 *)hd, words, dv);
+            ok = cudaGetLastError() == cudaSuccess;
+        }
         float ms = 0.0f;
         if (ok && cudaEventRecord(e1, m->stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
             cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.0f)
-            gbs = 4.0 * (double)n / (1e-3 * (double)ms) / 1e9;
+            gbs = 3.0 * (double)n / (1e-3 * (double)ms) / 1e9;
     }
     cudaStreamSynchronize(m->stream);
     if (e0) cudaEventDestroy(e0);
