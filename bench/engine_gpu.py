@@ -956,7 +956,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
         help="with --depth: one more decode row at each depth with these STRATA_GPU_* overrides "
-        "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024)",
+        "(repeatable; e.g. min1k:STRATA_GPU_ATT_SPLIT_MIN=1024); with --kv-budget-gb the tiered row again "
+        "under them (e.g. cpu:STRATA_GPU_KV_HOST_ATTN=1)",
     )
     ap.add_argument(
         "--kv-budget-gb",

@@ -31,7 +31,12 @@ engine whose VRAM holds G GiB of KV (``gpu_kv_budget_gb``; the rest of the N x (
 RAM), then the same on an engine with the whole cache in VRAM. Printed: whether every request's tokens are the same,
 the decode tok/s of both (steps with no prefill in them: wall time of the scheduler's steps), the prefill time, and
 per decoded token the bytes read from the host tier (``StepStats.kv_host_bytes``) and moved between the tiers
-(``kv_moved_bytes``).
+(``kv_moved_bytes``). Each ``--depth-knob`` reruns the tiered row under its overrides (the engine reopened with them
+in the environment), e.g. ``cpu:STRATA_GPU_KV_HOST_ATTN=1`` for kv_host_attn's A/B: its tok/s, whether its tokens
+are the unlimited run's (kv_host_attn is within 1e-3 of the logits, not bitwise: a near tie may flip; where they
+differ, each request's first difference with the unlimited logits' gap there, from a fresh prefill: ``tie_gaps``),
+the host-tier bytes per token the CPU attended and at what rate (``kv_cpu_bytes`` / ``t_cpu_attn``) and those the
+GPU streamed beside them (its mixed form: the CPU's share, the measured rates that chose it, kv_host_share).
 """
 
 from __future__ import annotations
@@ -387,7 +392,9 @@ def _serve(path: Path, device: str, prompts: list[list[int]], steps: int, kv_tok
         cfg = SchedulerConfig(max_batch_tokens=512, max_waiting_tokens=max(262_144, 2 * sum(map(len, prompts))))
         sched = Scheduler(eng, cfg)
         r = {"prefill_s": 0.0, "decode_s": 0.0, "decode_tokens": 0, "host_bytes": 0, "moved_bytes": 0,
-             "decode_host_bytes": 0, "decode_moved_bytes": 0, "hot_tokens": hot, "cached_tokens": 0}
+             "decode_host_bytes": 0, "decode_moved_bytes": 0, "decode_cpu_bytes": 0, "decode_t_cpu_attn": 0.0,
+             "kv_cpu_gbs": 0.0, "kv_pcie_gbs": 0.0,
+             "hot_tokens": hot, "cached_tokens": 0}
 
         def run(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
             rids = [sched.add(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -409,6 +416,10 @@ def _serve(path: Path, device: str, prompts: list[list[int]], steps: int, kv_tok
                     r["decode_tokens"] += rep.n_decode
                     r["decode_host_bytes"] += host
                     r["decode_moved_bytes"] += moved
+                    r["decode_cpu_bytes"] += st.kv_cpu_bytes if st is not None else 0
+                    r["decode_t_cpu_attn"] += st.t_cpu_attn if st is not None else 0.0
+                    if st is not None and st.kv_cpu_bytes > 0:
+                        r["kv_cpu_gbs"], r["kv_pcie_gbs"] = st.kv_cpu_gbs, st.kv_pcie_gbs
                 else:
                     r["prefill_s"] += now - t_last
                 t_last = now
@@ -421,9 +432,62 @@ def _serve(path: Path, device: str, prompts: list[list[int]], steps: int, kv_tok
     return r
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where two token lists differ (the shorter one's length where one continues the other)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def tie_gaps(path: Path, device: str, kv_tokens: int, kv_type: str, prompts: list[list[int]],
+             ref: list[list[int]], got: list[list[int]]) -> list[dict[str, Any]]:
+    """Where got's tokens first leave ref's (each request that differs): the unlimited cache's logits there (the
+    prompt and ref's tokens before it, prefilled afresh on an engine of its own): ``gap`` its pick's logit less
+    got's token's, ``top2`` its top-2 gap, both also as a share of max |logit| (``rel_gap``). A gap within
+    rounding of the logits (kv_host_attn: 1e-3 of max |logit|) is a near tie that another order of additions
+    may flip; a wider one points at a bug."""
+    from engine.engine import Engine
+
+    out: list[dict[str, Any]] = []
+    with Engine.open(path, device=device, kv_tokens=kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512,
+                     kv_type=kv_type) as eng:
+        for i, (p, a, b) in enumerate(zip(prompts, ref, got, strict=True)):
+            k = _first_difference(a, b)
+            if k >= min(len(a), len(b)):
+                continue
+            ctx = p + a[:k]
+            blocks = eng.blocks.allocate(-(-len(ctx) // BLOCK_SIZE))
+            if blocks is None:
+                raise SystemExit(f"tie_gaps: no room for {len(ctx)} tokens")
+            try:
+                logits = np.asarray(eng.prefill(ctx, blocks), dtype=np.float64)
+            finally:
+                eng.blocks.release(blocks)
+            top = np.sort(logits)[::-1]
+            scale = float(np.abs(logits).max()) or 1.0
+            gap = float(logits[a[k]] - logits[b[k]])
+            out.append({"request": i, "index": k, "ref": a[k], "got": b[k], "gap": gap, "top2": float(top[0] - top[1]),
+                        "rel_gap": gap / scale})
+    return out
+
+
+def _under_env(env: dict[str, str], fn: Any) -> Any:
+    """fn() with the process environment's STRATA_GPU_* overrides of ``env`` set (an engine reads its settings, and
+    sizes its pool, when it opens), restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_tiers(path: Path, device: str, depth: int, n_seq: int, steps: int, budget_gb: float,
-              kv_type: str = "f16") -> dict:
-    """--kv-budget-gb: the tiered run and the unlimited one on the same prompts (see the module's text)."""
+              kv_type: str = "f16", knobs: list[tuple[str, dict[str, str]]] | None = None) -> dict:
+    """--kv-budget-gb: the tiered run and the unlimited one on the same prompts (see the module's text); each
+    --depth-knob reruns the tiered row under its overrides (e.g. ``cpu:STRATA_GPU_KV_HOST_ATTN=1``)."""
     from engine.gguf_model import open_model
 
     mf = open_model(path)
@@ -456,8 +520,29 @@ def run_tiers(path: Path, device: str, depth: int, n_seq: int, steps: int, budge
           f"{tiered['host_bytes'] / 2**30:.1f} GiB read from host, {tiered['moved_bytes'] / 2**30:.2f} GiB moved")
     if not same:
         for i, (a, b) in enumerate(zip(tiered["tokens"], full["tokens"], strict=True)):
-            k = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-            print(f"  request {i}: first difference at token {k}")
+            print(f"  request {i}: first difference at token {_first_difference(a, b)}")
+    res["knobs"] = {}
+    for label, env in knobs or []:
+        print(f"  knob {label} ({', '.join(f'{k}={v}' for k, v in env.items())}):", flush=True)
+        row = _under_env(env, lambda: _serve(path, device, prompts, steps, kv_tokens, kv_type, budget_gb))
+        nd = max(row["decode_tokens"], 1)
+        row_same = row["tokens"] == full["tokens"]
+        cpu_gbs = row["decode_cpu_bytes"] / row["decode_t_cpu_attn"] / 1e9 if row["decode_t_cpu_attn"] > 0 else 0.0
+        moved = row["decode_host_bytes"] + row["decode_cpu_bytes"]
+        share = row["decode_cpu_bytes"] / moved if moved else 0.0
+        print(f"  {label}: decode {row['decode_tok_s']:.2f} tok/s tiered (default {tiered['decode_tok_s']:.2f}, "
+              f"unlimited {full['decode_tok_s']:.2f}); tokens {'the same' if row_same else 'DIFFER'}; per decoded "
+              f"token {row['decode_host_bytes'] / nd / 2**30:.2f} GiB over PCIe, {row['decode_cpu_bytes'] / nd / 2**30:.2f} "
+              f"GiB attended by the CPU ({cpu_gbs:.1f} GB/s in st_attn_blocks_part; CPU share {share:.1%}, the last "
+              f"step's measured rates: CPU {row['kv_cpu_gbs']:.1f} GB/s, PCIe probe {row['kv_pcie_gbs']:.1f} GB/s), "
+              f"{row['decode_moved_bytes'] / nd / 2**20:.2f} MiB moved", flush=True)
+        gaps = [] if row_same else tie_gaps(path, device, kv_tokens, kv_type, prompts, full["tokens"], row["tokens"])
+        for g in gaps:
+            print(f"    request {g['request']}: first difference at token {g['index']} ({g['got']} for {g['ref']}): "
+                  f"the unlimited logits' gap {g['gap']:.3e} ({g['rel_gap']:.2e} of max |logit|; top-2 gap "
+                  f"{g['top2']:.3e}): {'a near tie' if abs(g['rel_gap']) <= 1e-3 else 'NOT a near tie'}", flush=True)
+        res["knobs"][label] = {"env": env, "same_tokens": row_same, "cpu_gbs": cpu_gbs, "cpu_share": share,
+                               "tie_gaps": gaps, **{k: v for k, v in row.items() if k != "tokens"}}
     return res
 
 
@@ -469,7 +554,7 @@ def main_tiers(args: Any, model_path: Path, build: Any) -> int:
         raise SystemExit("--kv-budget-gb: one --depth D >= 1 and a budget > 0 GiB")
     _ensure_model(model_path, build)
     res = run_tiers(model_path, args.device, depths[0], getattr(args, "depth_batch", 1), args.depth_steps,
-                    args.kv_budget_gb, getattr(args, "kv_type", "f16"))
+                    args.kv_budget_gb, getattr(args, "kv_type", "f16"), getattr(args, "depth_knobs", None))
     res["model"] = str(model_path)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))

@@ -18,7 +18,7 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # (linear), experts (moe), latent attention (mla) and the step itself (forward). engine/csrc/cuda/ is not
 # built here.
 SOURCES = ["quants.c", "quants_iq.c", "quants_lowbit.c", "kernels_avx2.c", "kernels_avx512.c", "attention.c",
-           "variants.c", "pool.c", "model.c", "kv.c", "linear.c", "moe.c", "mla.c", "forward.c"]
+           "variants.c", "attn_blocks.c", "pool.c", "model.c", "kv.c", "linear.c", "moe.c", "mla.c", "forward.c"]
 CFLAGS = ["-O3", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra"]
 
 

@@ -235,13 +235,15 @@ class CudaModel:
     outlive this model. None: every weight on the GPU. kv_type: the cache's values, "f16" or "q8_0" (the CPU
     engine's 8-bit cache, the same bytes for the same K / V: stg_kv_create_typed). n_host_blocks: the KV tiers
     (stg_kv_create_tiered): the first n_blocks - n_host_blocks physical blocks in VRAM, the rest in pinned host
-    memory that the kernels read in place; ``kv_swap`` moves logical blocks between them. settings_over:
+    memory that the kernels read in place; ``kv_swap`` moves logical blocks between them. cpu_attn: the C engine's
+    st_pool * that attends the host tier under ``kv_host_attn`` (stg_model_set_cpu_attn; it must outlive this
+    model), or None (those steps stream). settings_over:
     stg_settings fields that the caller decides over the environment's (the plan's hybrid_stage 0 when it holds
     no staging ring)."""
 
     def __init__(self, desc: Any, index: int, n_blocks: int, block_size: int, resident: Any = None,
                  cpu: tuple[Any, Any] | None = None, kv_type: str = "f16", n_host_blocks: int = 0,
-                 settings_over: dict[str, int] | None = None) -> None:
+                 settings_over: dict[str, int] | None = None, cpu_attn: Any = None) -> None:
         from engine.native import ffi as cffi_cpu
         from engine.native import lib as lib_cpu
 
@@ -290,6 +292,18 @@ class CudaModel:
             self._model = None
             _check(self.ffi, self.lib, rc, f"cuda:{index}: KV cache")
         self._kv = pk[0]
+        if cpu_attn is not None and n_host_blocks > 0:
+            ca = f.new("stg_cpu_attn *")
+            ca.attn_blocks = f.cast("stg_attn_blocks_fn",
+                                    _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_attn_blocks_part")))
+            ca.last_error = f.cast("stg_last_error_fn", _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_last_error")))
+            ca.pool = f.cast("void *", _addr(cffi_cpu, cpu_attn))
+            rc = self.lib.stg_model_set_cpu_attn(self._model, ca)
+            if rc:
+                self.lib.stg_kv_destroy(self._kv)
+                self.lib.stg_model_destroy(self._model)
+                self._model = self._kv = None
+                _check(self.ffi, self.lib, rc, f"cuda:{index}: CPU attention")
         self.weight_bytes = int(self.lib.stg_model_weight_bytes(self._model))
         self._ticket = self.ffi.new("int64_t *")
         self._profile = self.ffi.new("stg_profile *")
@@ -352,7 +366,9 @@ class CudaModel:
                 "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes),
                 "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
                 "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
-                "kv_host_bytes": int(p.kv_host_bytes)}
+                "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
+                "t_cpu_attn": p.t_cpu_attn, "kv_cpu_share": p.kv_cpu_share, "kv_cpu_gbs": p.kv_cpu_gbs,
+                "kv_pcie_gbs": p.kv_pcie_gbs}
 
     def stage_info(self) -> dict[str, float]:
         """Staging (stg_settings.hybrid_stage): whether it is available on this model and its rates."""

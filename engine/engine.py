@@ -72,6 +72,14 @@ def hybrid_pool_threads(threads: int, environ: dict[str, str] | None = None) -> 
     return threads
 
 
+def kv_host_attn_on(environ: dict[str, str] | None = None) -> bool:
+    """Whether the environment turns on ``kv_host_attn`` (the CPU pool attending a tiered GPU cache's host tier):
+    the pool of such a lane then gets the lane's cores instead of one thread."""
+    from engine import gpu_settings
+
+    return bool(gpu_settings.env_override("kv_host_attn", environ))
+
+
 def _check_cores(cores: Sequence[int]) -> None:
     """A core list the pool can pin to: distinct ids of CPUs this machine has."""
     ids = list(cores)
@@ -218,6 +226,11 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
         out.kv_host_bytes = int(profile.get("kv_host_bytes", 0))
+        out.kv_cpu_bytes = int(profile.get("kv_cpu_bytes", 0))
+        out.t_cpu_attn = float(profile.get("t_cpu_attn", 0.0))
+        out.kv_cpu_share = float(profile.get("kv_cpu_share", 0.0))
+        out.kv_cpu_gbs = float(profile.get("kv_cpu_gbs", 0.0))
+        out.kv_pcie_gbs = float(profile.get("kv_pcie_gbs", 0.0))
     return out
 
 
@@ -254,6 +267,10 @@ class Engine:
         # CPU), the rest in the cold one (pinned host memory on the GPU)
         n_hot = n_blocks if kv_hot_tokens is None else max(1, -(-kv_hot_tokens // block_size))
         n_hot = min(n_hot, n_blocks)
+        # a tiered cache on the GPU under kv_host_attn: the pool attends the host tier (a core left to the thread
+        # that queues the step, as for hybrid placement)
+        if on_gpu and self.resident is None and n_hot < n_blocks and kv_host_attn_on():
+            cpu_threads = threads - 1 if threads > 2 else threads
         pk = ffi.new("st_kv **")
         if kv_type not in KV_TYPES:
             lib.st_model_destroy(self._model)
@@ -284,7 +301,8 @@ class Engine:
                 self._gpu = CudaModel(self._desc, self.device.index, n_blocks, block_size, resident=self.resident,
                                       cpu=(self._model, self._pool) if self.resident is not None else None,
                                       kv_type=kv_type, n_host_blocks=n_blocks - n_hot,
-                                      settings_over={"hybrid_stage": 0} if no_ring else None)
+                                      settings_over={"hybrid_stage": 0} if no_ring else None,
+                                      cpu_attn=self._pool if n_hot < n_blocks else None)
             except BaseException:
                 lib.st_pool_destroy(self._pool)
                 lib.st_kv_destroy(self._kv)
@@ -726,9 +744,22 @@ class Engine:
         it is the step itself (every pair on the GPU, nothing waited), without a call."""
         if self.resident is not None:
             return self._gpu.profile()
+        tier = self._gpu.profile() if self.kv_tiers is not None else {}
         return {"t_gpu": st.t_total, "t_cpu_experts": 0.0, "t_gpu_wait": 0.0, "t_pcie": 0.0, "t_cpu_wait": 0.0,
                 "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0,
-                "kv_host_bytes": self._gpu.profile()["kv_host_bytes"] if self.kv_tiers is not None else 0}
+                "kv_host_bytes": tier.get("kv_host_bytes", 0), "kv_cpu_bytes": tier.get("kv_cpu_bytes", 0),
+                "t_cpu_attn": tier.get("t_cpu_attn", 0.0), "kv_cpu_share": tier.get("kv_cpu_share", 0.0),
+                "kv_cpu_gbs": tier.get("kv_cpu_gbs", 0.0), "kv_pcie_gbs": tier.get("kv_pcie_gbs", 0.0)}
+
+    def cpu_attn_gbs(self, n_keys: int = 32768, n_tok: int = 1, seconds: float = 0.2) -> float:
+        """The pool's rate (GB/s of K and V) attending listed blocks at this model's attention shape and KV type
+        (st_attn_blocks_gbs: n_tok tokens of n_keys keys): the CPU side of kv_host_attn, beside the PCIe rate of
+        streaming the same blocks, for a choice between the two from measured rates."""
+        from engine.native import attn_blocks_gbs
+
+        hp = self.hparams
+        return attn_blocks_gbs(self._pool, self.kv_type, self.block_size, hp.head_dim, hp.n_head, hp.n_head_kv,
+                               n_tok, n_keys, seconds)
 
     def gpu_memory(self) -> dict[str, int]:
         """On a GPU, the bytes the engine's own allocations hold there: ``weights`` (non-routed tensors and

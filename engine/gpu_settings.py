@@ -68,6 +68,13 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 1 decode steps read host-tier blocks in place over PCIe (graphs kept), prefill steps stage "
              "them in VRAM; 0 every step stages (no graphs)"),
+    Override("STRATA_GPU_KV_HOST_ATTN", "kv_host_attn",
+             "KV tiers: 1 split-KV decode steps have the CPU pool attend the host-tier blocks where they lie (its "
+             "partials merged as one more split; eager steps, within 1e-3 of the untiered logits), the GPU its VRAM "
+             "blocks; 0 (the default) host blocks streamed over PCIe"),
+    Override("STRATA_GPU_KV_HOST_SHARE", "kv_host_share",
+             "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest streamed over PCIe by the "
+             "GPU in the same step; -1 (the default) from the measured rates, r_cpu / (r_cpu + r_pcie)"),
 )
 
 

@@ -58,6 +58,16 @@ class StepStats:
     # the GPU's KV tiers: bytes of host-tier blocks the step read over PCIe (streamed in place by decode, staged
     # into VRAM layer by layer by prefill-form steps, whose written blocks go back: those bytes too)
     kv_host_bytes: int = 0
+    # kv_host_attn: bytes of host-tier blocks the CPU pool attended where they lie (not in kv_host_bytes: they did
+    # not cross PCIe) and the seconds it spent on them (st_attn_blocks_part, summed over layers)
+    kv_cpu_bytes: int = 0
+    t_cpu_attn: float = 0.0
+    # kv_host_attn's mixed form: the CPU's share of the host-tier bytes (kv_cpu_bytes / (kv_cpu_bytes +
+    # kv_host_bytes)), and the rates the measured share weighs (GB/s): the CPU pool's running mean, PCIe's probe
+    # (in-place reads of mapped host memory)
+    kv_cpu_share: float = 0.0
+    kv_cpu_gbs: float = 0.0
+    kv_pcie_gbs: float = 0.0
 
 
 class StepEngine(Protocol):

@@ -404,6 +404,29 @@ st_status st_moe_layer(st_model *m, st_pool *pool, int32_t layer, int32_t T, con
 st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
                        const int32_t *pair_tok, const int32_t *pair_exp, float *out);
 
+/* Decode attention over listed blocks of one layer's paged cache (the GPU engine's host tier under
+ * stg_settings.kv_host_attn): token t (of n_tok) sees n_keys[t] keys, key j at slot j % block_size of block
+ * blocks[blk_off[t] + j / block_size] (blk_off [n_tok + 1], blk_off[0] = 0; blocks index the n_blocks blocks of
+ * k / v). Per (token, query head) row r = t * n_head + h: part_ml[2 r ..] = {max score, sum of exp(s - max)} and
+ * part_acc[r * head_dim ..] = the sum of exp(s - max) * v, not divided (a token without keys: {-inf, 0}, zeros),
+ * for a caller that merges them with partials of the token's other keys. q [n_tok][n_head][head_dim], scaled by
+ * 1/sqrt(head_dim); query head h reads KV head h / (n_head / n_kv). type ST_KV_F16: k, v F16 in st_kv's layout
+ * (K [block][n_kv][head_dim][block_size], V [block][block_size][n_kv * head_dim]), ks, vs NULL; ST_KV_Q8_0: int8
+ * values in that layout with the F16 scales of st_attention_q8 (head_dim a multiple of 32). The work: (token, KV
+ * head, chunk of keys) items of the current variant's split-decode partial kernels across pool (NULL: the calling
+ * thread), each chunk's partials then merged in order. Within rounding of one pass over the keys (another order
+ * of additions). */
+st_status st_attn_blocks_part(st_pool *pool, int32_t type, const void *k, const void *v, const uint16_t *ks,
+                              const uint16_t *vs, int32_t n_blocks, int32_t block_size, int32_t head_dim,
+                              int32_t n_head, int32_t n_kv, int32_t n_tok, const float *q, const int32_t *blk_off,
+                              const int32_t *blocks, const int32_t *n_keys, float *part_ml, float *part_acc);
+/* The pool's rate in st_attn_blocks_part (the measured figure a per-step choice between it and streaming the
+ * blocks to the GPU weighs): n_tok tokens of n_keys keys each over scattered blocks of a synthetic cache of that
+ * type and shape, calls repeated for `seconds` (0 < s <= 60) of wall time after a first one; *gbs = K and V bytes
+ * (with the 8-bit cache's scales) read per second / 1e9. */
+st_status st_attn_blocks_gbs(st_pool *pool, int32_t type, int32_t block_size, int32_t head_dim, int32_t n_head,
+                             int32_t n_kv, int32_t n_tok, int32_t n_keys, double seconds, double *gbs);
+
 /* Memory read bandwidth through the pool: every pool thread reads its share of a private buffer
  * of `bytes` (>= 1 MiB, at most 64 GiB) `passes` times (1..1000); *gb_s = the best pass's bytes /
  * wall seconds / 1e9. The hybrid planner's CPU figure (the rate experts stream from RAM). */

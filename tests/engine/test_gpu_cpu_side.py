@@ -215,8 +215,49 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
         {name for name, _ in f.typeof(p[0]).fields}
     text = cuda_backend.cdef_text()
     for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile",
-               "stg_model_set_stage_rate", "stg_model_stage_info"):
+               "stg_model_set_stage_rate", "stg_model_stage_info", "stg_model_set_cpu_attn"):
         assert f"{fn}(" in text
+
+
+def test_gpu_cpu_attn_matches_the_c_engine_entry() -> None:
+    """kv_host_attn's function pointer (stg_cpu_attn.attn_blocks) has the C engine's st_attn_blocks_part's
+    parameters, so the address cuda_backend casts is called as declared; the profile reports its bytes and time
+    and the settings carry the field."""
+    from cffi import FFI
+
+    from engine.native import ffi as cpu_ffi
+    from engine.native import lib as cpu_lib
+
+    f = FFI()
+    f.cdef(cuda_backend.cdef_text())
+    ca = f.new("stg_cpu_attn *")
+    gpu_args = [t.cname for t in f.typeof(ca.attn_blocks).args]
+    cpu_args = [t.cname for t in cpu_ffi.typeof(cpu_lib.st_attn_blocks_part).args]
+    assert len(gpu_args) == len(cpu_args) == 18
+    assert gpu_args[0] == "void *" and cpu_args[0] == "struct st_pool *"
+    assert gpu_args[1:] == [a.replace("struct st_pool *", "void *") for a in cpu_args[1:]]
+    assert cpu_lib.ST_KV_F16 == 0 and cpu_lib.ST_KV_Q8_0 == 1  # STG_KV_F16 / STG_KV_Q8_0
+    assert {"kv_cpu_bytes", "t_cpu_attn", "kv_cpu_share", "kv_cpu_gbs", "kv_pcie_gbs"} <= \
+        {name for name, _ in f.typeof("stg_profile").fields}
+    assert {"kv_host_attn", "kv_host_share"} <= {name for name, _ in f.typeof("stg_settings").fields}
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, None), ({"STRATA_GPU_KV_HOST_SHARE": "-1"}, -1),
+                                           ({"STRATA_GPU_KV_HOST_SHARE": "0"}, 0),
+                                           ({"STRATA_GPU_KV_HOST_SHARE": "40"}, 40)])
+def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
+    """kv_host_attn's mixed form: STRATA_GPU_KV_HOST_SHARE sets kv_host_share (the CPU's %, -1 measured)."""
+    from engine import gpu_settings
+
+    assert gpu_settings.env_override("kv_host_share", env) == want
+
+
+@pytest.mark.parametrize(("env", "want"), [({}, False), ({"STRATA_GPU_KV_HOST_ATTN": "0"}, False),
+                                           ({"STRATA_GPU_KV_HOST_ATTN": "1"}, True)])
+def test_kv_host_attn_gives_the_pool_the_lane_cores(env: dict[str, str], want: bool) -> None:
+    from engine.engine import kv_host_attn_on
+
+    assert kv_host_attn_on(env) is want
 
 
 def test_cores_outside_the_machine_are_refused(tiny: Path) -> None:

@@ -36,6 +36,9 @@ struct attn_args {
     int32_t split_min;    /* sequences of fewer keys stay in one split */
     int32_t split_chunks; /* chunks a split holds at least */
     int32_t split_max;    /* splits of one sequence at most */
+    int32_t split_x = 0;  /* 1: one more split per token after the device's (kv_host_attn: the CPU's partial of the
+                           * host-tier blocks, placed by k_host_part_place); split_z counts it (the stride), the
+                           * grid does not, and every token writes partials (no unsplit kernel's output) */
     /* gpt-oss (k_attention only): sinks [n_head] one logit per head joining each softmax's denominator (NULL:
      * none); n_swa > 0: a query at position p sees the keys p - n_swa + 1 .. p only (0: every earlier key) */
     const float *sinks;

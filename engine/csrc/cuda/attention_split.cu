@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     const int32_t cps = att_split_chunks(nk, a.split_min, a.split_chunks, a.split_max);
     const int G = a.n_head / a.n_kv;
     if constexpr (!Q8) { /* the 8-bit form has no unsplit kernel (nor its static shared memory: asm_static_bytes) */
-        if (cps >= nc) { /* one split: blocks z < G run the unsplit decode kernel's block of head z of the group */
+        if (cps >= nc && !a.split_x) { /* one split, no CPU split: blocks z < G run the unsplit kernel's head z */
             if ((int)blockIdx.z < G) {
                 const int h = (int)blockIdx.y * G + (int)blockIdx.z;
                 if constexpr (HD == 128) att_decode_head<true, 128, false>(a, t, h);
@@ -405,7 +405,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args 
     __shared__ float sL;
     const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = a.hd;
     const int32_t nk = a.pos[t] + 1;
-    const int ns = min(att_split_count(nk, a.split_min, a.split_chunks, a.split_max), a.split_z); /* min: never binds */
+    /* min: never binds; split_x: the CPU's split after the device's (kv_host_attn) */
+    const int ns = min(att_split_count(nk, a.split_min, a.split_chunks, a.split_max), a.split_z - a.split_x) + a.split_x;
     if (ns == 1 && !a.k8) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma; 8-bit: its partial) */
     const int64_t p0 = ((int64_t)t * a.n_head + h) * a.split_z;
     const float *ml = a.part_ml + 2 * p0, *acc = a.part_acc + p0 * hd;
@@ -478,10 +479,18 @@ static stg_status kv_q8_device_check(int32_t hd, int smem_optin, const char *wha
     return ST_OK;
 }
 
-/* The split kernel over grid (n_tok, n_kv, z) and the combine. aa: the layer's arguments with part_acc /
- * part_ml (room for n_tok * n_head * z rows) and split_min / split_chunks / split_max set. The heads must take the
- * split kernel (att_split_ok). smem_optin: the model's stg_model.smem_optin (the 8-bit form's stages). */
-static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z, int smem_optin, cudaStream_t st) {
+static stg_status launch_attention_combine(const attn_args &aa, int32_t n_tok, cudaStream_t st) {
+    launch_k(k_attention_combine, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, 0, st, aa);
+    LAUNCHED("attention (split combine)");
+    return ST_OK;
+}
+
+/* The split kernel over grid (n_tok, n_kv, z) and, unless combine is false, the combine. aa: the layer's arguments
+ * with part_acc / part_ml (room for n_tok * n_head * (z + split_x) rows) and split_min / split_chunks / split_max
+ * set. The heads must take the split kernel (att_split_ok). smem_optin: the model's stg_model.smem_optin (the 8-bit
+ * form's stages). */
+static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z, int smem_optin,
+                                         cudaStream_t st, bool combine = true) {
     if (z < 1 || z > ATT_SPLIT_MAX || aa.split_chunks < 1 || aa.split_max < 1 || aa.split_max > ATT_SPLIT_MAX ||
         !aa.part_acc || !aa.part_ml)
         return fail(ST_EINVAL, "split attention: %d splits, %d chunks each at least, at most %d splits", z,
@@ -489,7 +498,9 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     if (!att_split_ok(aa.n_head, aa.n_kv, aa.hd))
         return fail(ST_EUNSUPPORTED, "split attention: n_head %d / n_kv %d / head_dim %d", aa.n_head, aa.n_kv, aa.hd);
     if (aa.fused) return fail(ST_EINVAL, "split attention: the head prep runs in k_qkv_post");
-    aa.split_z = z, aa.stages = 2;
+    if (aa.split_x && z + aa.split_x > ATT_SPLIT_MAX)
+        return fail(ST_EINVAL, "split attention: %d splits and the CPU's exceed %d", z, ATT_SPLIT_MAX);
+    aa.split_z = z + aa.split_x, aa.stages = 2;
     const dim3 grid((unsigned)n_tok, (unsigned)aa.n_kv, (unsigned)z);
     if (aa.k8) { /* the 8-bit cache: head_dim 64 or 128 (stg_kv_create_typed) */
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
@@ -505,7 +516,5 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
     else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
     else launch_k(k_attention_split_mma<32>, grid, ATT_WARPS * 32, asm_smem_bytes<32>(), st, aa);
     LAUNCHED("attention (split)");
-    launch_k(k_attention_combine, dim3((unsigned)n_tok, (unsigned)aa.n_head), ATT_WARPS * 32, 0, st, aa);
-    LAUNCHED("attention (split combine)");
-    return ST_OK;
+    return combine ? launch_attention_combine(aa, n_tok, st) : ST_OK;
 }

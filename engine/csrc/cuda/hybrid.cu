@@ -6,7 +6,8 @@
  * weighted sum that follows (combine, st_forward's order of additions) sees every pair as the all-device
  * step does.
  *
- * Per layer with a CPU share the stream holds: event s0, xn and the routing to pinned memory (a decode-sized
+ * Per layer with a CPU share the stream holds (the handshake's kernels and words are host_sync.cu's, shared with
+ * kv_host_attn): event s0, xn and the routing to pinned memory (a decode-sized
  * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
  * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
  * a one-thread kernel that waits for the host to write the step's value and its row count into the layer's pinned
@@ -27,10 +28,6 @@
  *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
  * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals. */
-#include <time.h>
-
-#include <thread>
-
 #include "model.cuh"
 
 /* hybrid_direct's bound: a step's xn of at most this many floats (256 KB; 32 tokens of a 2,048-wide model) goes
@@ -42,38 +39,6 @@ __global__ void k_slot_ids(const int32_t *ids, int32_t P, const int32_t *slot_of
     PDL_ENTER();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < P) sid[i] = slot_of[ids[i]];
-}
-
-/* Wait until the host has written (want << 32) | n into *flag (pinned host memory, one 8-byte word: the step's
- * value and the layer's CPU row count arrive together), then leave n in *n (device memory) for the scatter. The
- * host writes the flag only once its rows are in pinned memory (a system-scope acquire here). One thread. */
-__global__ void k_wait_flag(const unsigned long long *flag, uint32_t want, int32_t *n) {
-    PDL_ENTER();
-    for (;;) {
-        unsigned long long v;
-        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-        if ((uint32_t)(v >> 32) == want) {
-            *n = (int32_t)(uint32_t)v;
-            break;
-        }
-        __nanosleep(256);
-    }
-}
-
-/* Decode-sized steps (hybrid_direct): the routing and xn written straight into pinned host memory by one block
- * (posted PCIe writes: no copy-engine round trip per array), then a system-scope fence and *ready = want, on which
- * the host spins (hybrid_wait_routing) instead of synchronising on an event. */
-__global__ void k_to_host(const int32_t *ids, int32_t P, const float *xn, int64_t n, int32_t *h_ids, float *h_xn,
-                          uint32_t *ready, uint32_t want) {
-    PDL_ENTER();
-    for (int i = threadIdx.x; i < P; i += blockDim.x) h_ids[i] = ids[i];
-    if ((n & 3) == 0)
-        for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x) ((float4 *)h_xn)[i] = ((const float4 *)xn)[i];
-    else
-        for (int64_t i = threadIdx.x; i < n; i += blockDim.x) h_xn[i] = xn[i];
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(ready), "r"(want) : "memory");
 }
 
 #define SCATTER_THREADS 128
@@ -96,12 +61,6 @@ __global__ void k_scatter_rows(const float *rows, const int32_t *n, int64_t P, i
     } else {
         for (int64_t i = threadIdx.x; i < E; i += blockDim.x) d[i] = s[i];
     }
-}
-
-static double host_seconds() {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* pinned host memory, mapped into every device's address space (k_to_host writes xn and the routing in place) */
@@ -144,14 +103,7 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
     CHECK(dalloc(m, &h.d_n, sizeof(int32_t)));
     CU(cudaMemset(h.d_n, 0, sizeof(int32_t)), "model_create: hybrid count");
-    /* flags [nL] (8 bytes each, host -> device), then from the next 64-byte line ready [nL] (device -> host) */
-    const size_t flag_bytes = ((size_t)nL * sizeof(uint64_t) + 63) / 64 * 64;
-    const size_t bytes = flag_bytes + sizeof(uint32_t) * (size_t)nL;
-    void *flags = nullptr;
-    CU(cudaHostAlloc(&flags, bytes, cudaHostAllocMapped | cudaHostAllocPortable), "model_create: hybrid flags");
-    memset(flags, 0, bytes);
-    h.flags = (uint64_t *)flags;
-    h.ready = (uint32_t *)((char *)flags + flag_bytes);
+    CHECK(host_sync_alloc(h.sync, nL, "model_create: hybrid flags"));
     return ST_OK;
 }
 
@@ -192,20 +144,7 @@ static stg_status hybrid_wait_routing(const hybrid &h, const hybrid_step &hs, in
         CU(cudaEventSynchronize(hs.s1[(size_t)il]), "hybrid: routing to the host");
         return ST_OK;
     }
-    for (uint32_t spins = 1;; spins++) {
-        if (__atomic_load_n(&h.ready[il], __ATOMIC_ACQUIRE) == hs.seq) return ST_OK;
-        if (spins % 512 == 0) {
-            const cudaError_t q = cudaEventQuery(hs.s1[(size_t)il]);
-            if (q == cudaSuccess) return ST_OK; /* s1 follows k_to_host: its writes are visible */
-            if (q != cudaErrorNotReady) {
-                cudaGetLastError();
-                return fail(ST_EINVAL, "hybrid: routing to the host: %s", cudaGetErrorString(q));
-            }
-        }
-#if defined(__x86_64__)
-        asm volatile("pause");
-#endif
-    }
+    return host_sync_wait(h.sync, il, hs.seq, hs.s1[(size_t)il], "hybrid: routing to the host");
 }
 
 /* A layer with a CPU share in the step being queued (a partial layer that this step does not stage). */
@@ -239,7 +178,7 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
 
 /* The host writes a layer's flag: the device's wait for it ends (its n rows, or none, are in place). */
 static void hybrid_signal(hybrid &h, int il, uint32_t seq, int32_t n) {
-    __atomic_store_n(&h.flags[il], ((uint64_t)seq << 32) | (uint32_t)n, __ATOMIC_RELEASE);
+    host_sync_signal(h.sync, il, seq, n);
 }
 
 /* A failed or abandoned step: no rows from layer il on, every flag written so that no wait queued for them
@@ -363,7 +302,7 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     CU(cudaEventRecord(hs.s0[(size_t)il], st), "hybrid: event");
     if (h.direct) {
         launch_k(k_to_host, 1, 1024, 0, st, (const int32_t *)s.topk_id, (int32_t)P, (const float *)s.xn, (int64_t)T * E,
-                 h.h_ids, h.h_xn, h.ready + il, hs.seq);
+                 h.h_ids, h.h_xn, h.sync.ready + il, hs.seq);
         LAUNCHED("hybrid: xn and routing to the host");
     } else {
         CU(cudaMemcpyAsync(h.h_ids, s.topk_id, sizeof(int32_t) * P, cudaMemcpyDeviceToHost, st), "hybrid: routing");
@@ -396,7 +335,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     cudaStream_t st = m->stream;
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
-    launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.flags + il), hs.seq, h.d_n);
+    launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.sync.flags + il), hs.seq, h.d_n);
     LAUNCHED("hybrid: wait for the CPU");
     if (!h.worker) {
         const stg_status rc = hybrid_cpu_layer(m, hs, il);

@@ -133,6 +133,8 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
                  QKV_WARPS * 32, 0, st, qa);
         LAUNCHED("qkv");
     }
+    const bool hx = m->ha.now; /* kv_host_attn (host_sync.cu): the CPU attends the host-tier blocks */
+    if (hx) CHECK(host_attn_send(m, il, T, st));
     /* the output projection's 8-bit input comes out of the attention kernel itself */
     const bool oq = stg_reads_q32(L.wo.type);
     const bool fused_q = oq && d.head_dim % 32 == 0;
@@ -151,8 +153,15 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         aa.part_acc = s.apart, aa.part_ml = s.aml;
         /* att_split_min 0 ("never split") keeps every sequence of the 8-bit cache in one split */
         aa.split_min = q8 && g_set.att_split_min < 1 ? INT32_MAX : g_set.att_split_min;
-        aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = m->att_zmax;
-        CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st));
+        aa.split_chunks = ATT_SPLIT_CHUNKS, aa.split_max = hx ? m->ha.zmax : m->att_zmax;
+        if (hx) { /* the device's VRAM blocks (compacted tables, key counts as positions), then the CPU's split */
+            aa.pos = m->ha.d_pos, aa.block_tables = m->ha.d_bt, aa.split_x = 1;
+            CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st, false));
+            CHECK(host_attn_join(m, il, aa, T, st));
+            CHECK(launch_attention_combine(aa, T, st));
+        } else {
+            CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st));
+        }
     } else if ((n_tiles > 0 || g_att_mma_tiles > 0) && !fuse_qkv) {
         aa.stages = 2;
         if (n_tiles > 0) CHECK(launch_attention_tile(aa, d_tiles, n_tiles, st));

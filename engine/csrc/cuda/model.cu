@@ -60,6 +60,8 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->hybrid_overlap = 1;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->kv_stream = 1;
+    s->kv_host_attn = 0;
+    s->kv_host_share = -1;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -84,6 +86,8 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(kv_stream, 0, 1)
+    RANGE(kv_host_attn, 0, 1)
+    RANGE(kv_host_share, -1, 100)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",
@@ -355,7 +359,8 @@ extern "C" void stg_model_destroy(stg_model *m) {
     for (void *p : m->allocs) cudaFree(p);
     if (m->s.h_ints) cudaFreeHost(m->s.h_ints);
     for (void *p : m->hy.pinned) cudaFreeHost(p);
-    if (m->hy.flags) cudaFreeHost(m->hy.flags);
+    host_sync_free(m->hy.sync);
+    host_attn_destroy(m);
     for (inflight &f : m->fl) {
         if (f.h_picks) cudaFreeHost(f.h_picks);
         if (f.h_hist) cudaFreeHost(f.h_hist);

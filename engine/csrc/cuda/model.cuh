@@ -116,6 +116,46 @@ struct staging {
     int32_t next = 0;                     /* the ring's next slot */
 };
 
+/* The per-layer handshake between the device and a host thread (host_sync.cu; hybrid placement's CPU share and
+ * kv_host_attn's): pinned, mapped words, flags[i] written by the host ((seq << 32) | n: layer i's results are in
+ * place, n of them) and waited on by k_wait_flag, ready[i] written by k_to_host (seq: layer i's inputs are in
+ * pinned memory) and spun on by the host. */
+struct host_sync {
+    uint64_t *flags = nullptr; /* [n] host -> device */
+    uint32_t *ready = nullptr; /* [n] device -> host, from the next 64-byte line (flags' allocation) */
+};
+static stg_status host_sync_alloc(host_sync &hs, int n, const char *what);
+static void host_sync_free(host_sync &hs);
+
+/* kv_host_attn (host_sync.cu's host_attn_*; layer.cu): the CPU pool attends a decode step's host-tier blocks while
+ * the device's split kernel attends its VRAM blocks; the CPU's partials join the combine as one more split. */
+struct host_attn {
+    stg_cpu_attn cpu = {};       /* stg_model_set_cpu_attn's (attn_blocks NULL: none) */
+    host_sync sync;              /* [n_layer] */
+    bool now = false;            /* the step being queued takes it */
+    uint32_t seq = 0;            /* the last such step's flag value */
+    int32_t T = 0, zmax = 1;     /* its tokens; its splits of one sequence at most (one left for the CPU's) */
+    /* per step, on the host: each token's host-tier blocks (host-local ids, in sequence order) and their keys */
+    std::vector<int32_t> blk_off, blocks, n_keys;
+    /* grown with the steps (host_attn_room): pinned, mapped h_q [cap_t * q_dim] (k_to_host writes a layer's q),
+     * pinned h_part [cap_t * n_head * (2 + head_dim)] the CPU's partials (ml rows, then acc rows) and their device
+     * copy d_part; the step's compacted VRAM block tables d_bt [cap_bt] and key counts as positions d_pos [cap_t]
+     * (uploaded from h_up) */
+    float *h_q = nullptr, *h_part = nullptr, *d_part = nullptr;
+    int32_t *d_bt = nullptr, *d_pos = nullptr, *h_up = nullptr, *d_n = nullptr;
+    int64_t cap_t = 0, cap_bt = 0, n_bt = 0; /* n_bt: the step's table entries */
+    std::vector<cudaEvent_t> ev; /* [n_layer] after each layer's k_to_host (the host's fallback on its spin) */
+    /* the step's account: host-tier bytes the CPU attended and those the device streams (its share), the CPU's
+     * seconds in st_attn_blocks_part and waiting, and its share of the host-tier bytes */
+    int64_t bytes = 0, gpu_bytes = 0;
+    double t_cpu = 0.0, t_wait = 0.0, share = 0.0;
+    /* the rates kv_host_share -1 weighs (GB/s, 0: not known): the CPU's running mean over its steps, PCIe's from a
+     * kernel's in-place reads of mapped host memory (k_pcie_probe) timed by
+     * stg_model_set_cpu_attn */
+    double cpu_gbs = 0.0, pcie_gbs = 0.0;
+    hybrid_worker *worker = nullptr; /* the step's CPU thread while it runs */
+};
+
 /* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer at
  * creation, moved by stg_model_swap_expert)
  * and the buffers through which the CPU engine computes the others. */
@@ -137,10 +177,10 @@ struct hybrid {
     int32_t *h_ids = nullptr;
     int32_t *d_n = nullptr; /* device: the CPU's row count of the layer being summed (k_wait_flag writes it) */
     std::vector<void *> pinned;
-    uint64_t *flags = nullptr; /* pinned [n_layer]: the host writes (seq << 32) | n when the layer's n rows are in
-                                * h_rows (the device then copies h_rows into d_rows) */
-    uint32_t *ready = nullptr; /* pinned [n_layer] (flags' allocation): the device writes a step's seq when the layer's
-                                * xn and routing are in h_xn / h_ids (hybrid_direct steps) */
+    /* [n_layer]: the host writes a flag (seq << 32) | n when the layer's n rows are in h_rows (the device then copies
+     * h_rows into d_rows); the device writes a step's seq into ready when the layer's xn and routing are in h_xn /
+     * h_ids (hybrid_direct steps) */
+    host_sync sync;
     bool direct = false;       /* the step being queued is hybrid_direct */
     uint32_t seq = 0;          /* the last launched step's flag value */
     std::vector<int32_t> pair_tok, pair_exp, pair_idx; /* the CPU pairs of a layer (st_moe_pairs), their pair rows */
@@ -163,6 +203,9 @@ struct inflight {
     int64_t cap_picks = 0;
     int32_t *h_hist = nullptr; /* pinned [n_layer * n_expert]: the histogram's copy */
     int64_t kv_host_bytes = 0; /* host-tier KV bytes its attention reads (stg_profile.kv_host_bytes) */
+    int64_t kv_cpu_bytes = 0;  /* kv_host_attn: host-tier bytes the CPU attended, its seconds (stg_profile) */
+    double t_cpu_attn = 0.0;
+    double kv_cpu_share = 0.0; /* kv_host_attn: the CPU's share of the host-tier bytes */
     hybrid_step hy;
 };
 
@@ -221,6 +264,7 @@ struct stg_model {
     int32_t n_live = 0;
     int32_t last_picks = 0; /* greedy picks in s.picks from the last launched step (token_src's bound); 0 none */
     hybrid hy;
+    host_attn ha;
     stg_profile profile = {}; /* the last waited step's (stg_step_profile) */
 };
 
@@ -229,6 +273,8 @@ static stg_status oss_validate(const stg_model *m, const st_layer *layers);
 /* mla.cu: deepseek2's latent attention: the checks of its tensors, the absorption matrices (after the upload) */
 static stg_status mla_validate(const stg_model *m, const st_layer *layers);
 static stg_status mla_prepare(stg_model *m);
+/* host_sync.cu: kv_host_attn's buffers, flags and events (at model destruction) */
+static void host_attn_destroy(stg_model *m);
 /* hybrid.cu: the placement (at model creation) and the CPU share's buffers (with the scratch) */
 static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_cpu_experts *cpu);
 static stg_status hybrid_scratch(stg_model *m, int64_t T);

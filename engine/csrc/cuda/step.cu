@@ -268,13 +268,22 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     if (q8 && T > ATT_SPLIT_MAX_T) fuse_qkv = false;
     int32_t max_keys = 0;
     for (int32_t i = 0; i < T; i++) max_keys = std::max(max_keys, b->pos[i] + 1);
-    const int32_t att_split =
-        mla ? 1
-        : q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, m->att_zmax) : 1)
-           : att_split_grid(m->set, m->d, m->att_zmax, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
-    if (att_split > 1 || (q8 && fuse_qkv)) CHECK(ensure_att_parts(m, (int64_t)T * att_split * m->d.n_head));
+    auto split_depth = [&](int32_t z_max) {
+        return mla  ? 1
+               : q8 ? (fuse_qkv ? att_split_bound((int64_t)mb * kv->block_size, ATT_SPLIT_CHUNKS, z_max) : 1)
+                    : att_split_grid(m->set, m->d, z_max, T, fuse_qkv, max_keys, (int64_t)mb * kv->block_size);
+    };
+    int32_t att_split = split_depth(m->att_zmax);
+    /* kv_host_attn (host_sync.cu): the CPU attends its share of the host-tier blocks as one more split (so the
+     * device keeps one split fewer at most); eager, without PDL, never staged */
+    bool hattn = false;
+    CHECK(host_attn_plan(m, kv, b, mb, att_split > 1 || (q8 && fuse_qkv), &hattn));
+    if (hattn) att_split = split_depth(m->ha.zmax);
+    if (att_split > 1 || (q8 && fuse_qkv))
+        CHECK(ensure_att_parts(m, (int64_t)T * (att_split + (hattn ? 1 : 0)) * m->d.n_head));
     /* a tiered cache with kv_stream 0 stages every step's host blocks: eagerly (the slots change every step) */
-    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv) && (kv->n_host == 0 || m->set.kv_stream);
+    const bool graph =
+        graphs_enabled(m, T) && (!q8 || fuse_qkv) && (kv->n_host == 0 || m->set.kv_stream) && !hattn;
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -318,7 +327,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         /* a prefill-form step (eager, runs of one sequence's tokens: query tiles that each read every key) stages
          * its host blocks in VRAM layer by layer; a decode step reads each host byte once and streams it (kv_stream
          * 0: every step stages, graphs off above) */
-        const bool stage = !graph && (!fuse_qkv || !m->set.kv_stream);
+        const bool stage = !graph && (!fuse_qkv || !m->set.kv_stream) && !hattn;
         if (stage) kv->slot_of.assign((size_t)kv->n_host, -1), kv->list.clear(), kv->slot_w.clear();
         std::vector<int32_t> &wb = m->seq_wb;
         wb.clear();
@@ -354,8 +363,10 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                "forward: upload the staging list");
             host_blocks = kv->st_n + kv->st_wb;
         }
-        f.kv_host_bytes = host_blocks * kv_block_bytes(kv);
+        /* kv_host_attn: the device streams its share of them, the CPU reads the rest */
+        f.kv_host_bytes = hattn ? m->ha.gpu_bytes : host_blocks * kv_block_bytes(kv);
     }
+    f.kv_cpu_bytes = hattn ? m->ha.bytes : 0, f.t_cpu_attn = 0.0, f.kv_cpu_share = hattn ? m->ha.share : 0.0;
     /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
      * the tile count), after the block tables (ensure_scratch leaves room for T more ints) */
     /* gpt-oss's sinks and sliding windows are k_attention's alone (gptoss.cu): no query tiles */
@@ -381,6 +392,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         n_ints += T;
     }
     CU(cudaMemcpyAsync(s.ints, hi, sizeof(int32_t) * n_ints, cudaMemcpyHostToDevice, st), "forward: upload batch");
+    if (hattn) CHECK(host_attn_upload(m));
     /* Per-layer events cost about 7% of a batch-1 decode step (96 record nodes in a 3.3 ms
      * graph), so graph-sized steps record them on the first step of each size and then
      * every LAYER_EVENT_PERIOD-th; the others report t_total (always measured) split by the
@@ -405,7 +417,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);
-    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on; /* see g_gemm_fast; hybrid: kernels follow copies */
+    /* see g_gemm_fast; hybrid and kv_host_attn: kernels follow copies and host waits */
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on && !hattn;
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     g_k256q = s.kq, g_k256d = s.kd, g_k256s = s.ks, g_k256_cap = s.k_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
@@ -414,6 +427,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     /* hybrid_overlap: the CPU share's thread runs from here until finish() (leaving early abandons the step) */
     hybrid_thread cpu_share(m);
     CHECK(cpu_share.start());
+    host_attn_thread cpu_attn(m, kv); /* kv_host_attn: the CPU's attention, its thread until finish() */
+    CHECK(cpu_attn.start());
     const stg_status src = graph ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
     g_pdl = false;
     const bool mv_fed = m->mv_step != nullptr;
@@ -430,6 +445,11 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
            "forward: histogram");
     CU(cudaEventRecord(f.e1, st), "forward");
     CHECK(cpu_share.finish());
+    const stg_status arc = cpu_attn.finish();
+    m->ha.now = false;
+    CHECK(arc);
+    f.t_cpu_attn = hattn ? m->ha.t_cpu : 0.0;
+    if (hattn) host_attn_account(m); /* the CPU's rate, for the next steps' share */
     f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
     f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
     f.mv = mv_fed;
@@ -500,6 +520,9 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
     }
     hybrid_profile(m, f.hy, f.e0, f.e1, stt->t_total, pairs);
     m->profile.kv_host_bytes = f.kv_host_bytes;
+    m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;
+    m->profile.kv_cpu_share = f.kv_cpu_share, m->profile.kv_cpu_gbs = m->ha.cpu_gbs;
+    m->profile.kv_pcie_gbs = m->ha.pcie_gbs;
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

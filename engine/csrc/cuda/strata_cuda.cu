@@ -26,6 +26,7 @@
 #include "model.cu"         /* devices, settings, upload, scratch */
 #include "kv.cu"            /* the KV cache: its tiers (VRAM, pinned host), moves between them, staging */
 #include "gptoss.cu"        /* gpt-oss: its routing, clamped SwiGLU, expert and output biases, checks */
+#include "host_sync.cu"     /* the device / host thread handshake per layer; kv_host_attn, the CPU attending the host tier */
 #include "hybrid.cu"        /* hybrid placement: slotted resident experts, the CPU share of a layer, the profile */
 #include "staging.cu"       /* hybrid placement: experts staged over PCIe into a ring of two device slots */
 #include "layer.cu"         /* the attention and FFN blocks of one layer */

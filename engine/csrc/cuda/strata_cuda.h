@@ -69,6 +69,18 @@ typedef struct stg_settings {
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
                                * graphs). Same bits either way */
+    int32_t kv_host_attn;     /* a tiered KV cache with a CPU engine for it (stg_model_set_cpu_attn): 1, a split-KV
+                               * decode step's host-tier blocks are attended by the CPU pool where they lie
+                               * (st_attn_blocks_part) while the device's split kernel attends its VRAM blocks, the
+                               * CPU's partials merged as one more split (within 1e-3 of max|logit| of the untiered
+                               * cache: another order of additions); such steps run eagerly, without PDL. A step that
+                               * writes a host block, reads none, or runs hybrid placement or latent attention
+                               * streams as with 0. 0: host blocks streamed over PCIe (kv_stream) */
+    int32_t kv_host_share;    /* kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks (a prefix of them
+                               * in sequence order, rounded to whole blocks); the device's split kernel reads the rest in
+                               * place over PCIe beside its VRAM blocks, so the two rates add. -1: measured,
+                               * r_cpu / (r_cpu + r_pcie) (stg_profile.kv_cpu_gbs / kv_pcie_gbs); 0: no CPU share (a
+                               * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -91,6 +103,20 @@ typedef struct stg_cpu_experts {
     void *pool;  /* st_pool *: the lane's cores */
 } stg_cpu_experts;
 
+/* kv_host_attn's CPU side: the C engine's st_attn_blocks_part (strata.h; called with pool on a thread of the
+ * device library's own, once per layer of a step that takes it) and its st_last_error. type is STG_KV_F16 /
+ * STG_KV_Q8_0 (the C engine's ST_KV_F16 / ST_KV_Q8_0: the same values and layouts). */
+typedef int32_t (*stg_attn_blocks_fn)(void *pool, int32_t type, const void *k, const void *v, const uint16_t *ks,
+                                      const uint16_t *vs, int32_t n_blocks, int32_t block_size, int32_t head_dim,
+                                      int32_t n_head, int32_t n_kv, int32_t n_tok, const float *q,
+                                      const int32_t *blk_off, const int32_t *blocks, const int32_t *n_keys,
+                                      float *part_ml, float *part_acc);
+typedef struct stg_cpu_attn {
+    stg_attn_blocks_fn attn_blocks;
+    stg_last_error_fn last_error;
+    void *pool; /* st_pool *: the lane's cores */
+} stg_cpu_attn;
+
 /* stg_model_create with only some routed experts on the device: resident[layer * n_expert + e] (0 or 1) says
  * whether expert e of the layer is uploaded; the device holds a layer's resident experts in slots (ascending
  * expert id; stg_model_swap_expert moves them later), and a step hands every (token, expert) pair of another expert to cpu->moe_pairs, whose rows join
@@ -106,6 +132,9 @@ stg_status stg_model_create_hybrid(int32_t device, const void *desc, const stg_s
  * model's bytes do not change. ST_EINVAL: not a hybrid model, out_e not resident or in_e resident, steps in
  * flight; ST_ERANGE: an index out of range. A failed copy leaves both experts on the CPU. */
 stg_status stg_model_swap_expert(stg_model *m, int32_t layer, int32_t out_e, int32_t in_e);
+/* The CPU engine that kv_host_attn's steps hand the host tier's attention to (all three fields; NULL clears it:
+ * those steps then stream). ST_EINVAL with steps in flight or a field missing. */
+stg_status stg_model_set_cpu_attn(stg_model *m, const stg_cpu_attn *cpu);
 /* Replace a model's settings between steps (drops its CUDA graphs; ST_EINVAL with steps in flight). */
 stg_status stg_model_set_settings(stg_model *m, const stg_settings *settings);
 void stg_model_destroy(stg_model *m);
@@ -199,6 +228,15 @@ typedef struct stg_profile {
     /* a tiered KV cache: bytes of host-tier blocks the step's attention read over PCIe (each block its sequence
      * reads counted once: a decode step's exact figure, a lower bound for prefill tiles that reread it) */
     int64_t kv_host_bytes;
+    /* kv_host_attn: bytes of host-tier blocks the CPU pool attended in the step (not in kv_host_bytes: they did not
+     * cross PCIe) and the host's seconds in st_attn_blocks_part, summed over layers */
+    int64_t kv_cpu_bytes;
+    double t_cpu_attn;
+    /* kv_host_attn: the CPU's share of the host-tier bytes the step read (kv_cpu_bytes over both), and the rates
+     * the measured share (kv_host_share -1) weighs: the CPU pool's (GB/s, a running mean of its steps' kv_cpu_bytes
+     * / t_cpu_attn; 0 before the first) and PCIe's (a kernel's in-place reads of mapped host memory, timed by
+     * stg_model_set_cpu_attn) */
+    double kv_cpu_share, kv_cpu_gbs, kv_pcie_gbs;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by

@@ -11,6 +11,7 @@ host bytes read (> 0 tiered, 0 untiered) and the bytes moved.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +136,119 @@ def test_scheduler_two_sequences_same_tokens(model: Path, kv_type: str) -> None:
     assert a[0] == b[0]
     assert a[1] == 0 and a[2] == 0 and b[1] > 0 and b[2] > 0, (a[1:], b[1:])
     print(f"{kv_type}: moved {b[1]} bytes, read {b[2]} host bytes over {sum(map(len, b[0]))} tokens")
+
+
+HOST_ATTN_TOL = 1e-3  # of max |logit| of the untiered cache (docs/engine.md, "KV tiers on the GPU")
+
+
+def _prefill_pair(flat: Engine, tiered: Engine, prompts: list[list[int]],
+                  steps: int) -> tuple[list[list[list[int]]], list[int], list[int]]:
+    """Each prompt alone on both engines, chunked (prefill steps stage the host blocks), in blocks for steps more
+    tokens: the two engines' tables (the same ids), the untiered engine's greedy tokens and the next positions."""
+    tables: list[list[list[int]]] = [[], []]
+    for e, tabs in zip((flat, tiered), tables, strict=True):
+        for p in prompts:
+            tabs.append(e.blocks.allocate(-(-(len(p) + steps + 1) // 16)))
+    assert tables[0] == tables[1]
+    last = []
+    for e, tabs in zip((flat, tiered), tables, strict=True):
+        for i, p in enumerate(prompts):
+            for s in range(0, len(p), CHUNK):
+                chunk = p[s : s + CHUNK]
+                out = e.forward(chunk, list(range(s, s + len(chunk))), [0] * len(chunk), [tabs[i]], [len(chunk) - 1])
+            if e is flat:
+                last.append(int(out[0].argmax()))
+    return tables, last, [len(p) for p in prompts]
+
+
+def _decode_pair(flat: Engine, tiered: Engine, tables: list[list[list[int]]], toks: list[int],
+                 pos: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """One decode step of every sequence on both engines, the tiered one's recent window (each sequence's block
+    being written) placed in VRAM first, as the scheduler places: both engines' logits."""
+    seqs = list(range(len(toks)))
+    tiered.place_kv([t[: q // 16 + 1] for t, q in zip(tables[1], pos, strict=True)])
+    return flat.forward(toks, pos, seqs, tables[0], seqs), tiered.forward(toks, pos, seqs, tables[1], seqs)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_host_attn_within_tolerance(model: Path, kv_type: str, n_seq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_host_attn 1 with the CPU's share at 100%: the CPU pool attends the host-tier blocks of each decode step
+    (split-KV at a low att_split_min) while the GPU attends its VRAM blocks; over several decode steps of 1 and 2
+    sequences the logits stay within HOST_ATTN_TOL of max |logit| of the untiered cache and the greedy tokens are
+    its tokens; the step statistics say the CPU read the host blocks (kv_cpu_bytes) and nothing crossed PCIe.
+    Setting 0 on the same engine then streams them again, bitwise the untiered logits, rerunning the first decode
+    step: the keys the steps under setting 1 wrote come from hidden states of the CPU's order of additions (a
+    rounding apart from the untiered cache's), so only a step that reads none of them can be bitwise."""
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", "100")
+    monkeypatch.setenv("STRATA_GPU_ATT_SPLIT_MIN", "256")
+    rng = np.random.default_rng(300 + n_seq)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (2100, 1700)[:n_seq]]
+    steps = 6
+    flat, tiered = _pair(model, kv_type)
+    with flat, tiered:
+        tables, toks, pos = _prefill_pair(flat, tiered, prompts, steps)
+        first = (toks, pos)
+        for step in range(steps):
+            a, b = _decode_pair(flat, tiered, tables, toks, pos)
+            st = tiered.last_stats
+            err = np.abs(a - b).max() / np.abs(a).max()
+            assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
+            assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+            assert st.kv_cpu_bytes > 0 and st.kv_host_bytes == 0, (st.kv_cpu_bytes, st.kv_host_bytes)
+            assert st.kv_cpu_share == 1.0
+            print(f"{kv_type}, {n_seq} sequence(s), step {step}: {err:.2e} of max |logit|, CPU read "
+                  f"{st.kv_cpu_bytes} host-tier bytes in {st.t_cpu_attn * 1e3:.2f} ms")
+            toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
+        # setting 0 on the first decode step again (its keys: the prompts' and its own)
+        tiered._gpu.set_settings({**os.environ, "STRATA_GPU_KV_HOST_ATTN": "0"})
+        a, b = _decode_pair(flat, tiered, tables, *first)
+        st = tiered.last_stats
+        assert np.array_equal(a, b), f"setting 0: max {np.abs(a - b).max():.3e}"
+        assert st.kv_host_bytes > 0 and st.kv_cpu_bytes == 0
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("share", [0, 50, -1])
+def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_host_attn 1's mixed form over two sequences: kv_host_share 50 has the CPU attend the first half of each
+    token's host-tier blocks (rounded to whole blocks) and the GPU stream the rest beside its VRAM blocks: both byte
+    counts > 0, their split the share, the logits within HOST_ATTN_TOL of the untiered cache's and its greedy
+    tokens. -1 takes the share from the measured rates (the PCIe probe's and, after the first step, the CPU's
+    running mean: both reported), strictly between 0 and 1 here. 0 gives the CPU no block: every step is
+    kv_host_attn 0's, bitwise the untiered logits, nothing attended by the CPU."""
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", str(share))
+    monkeypatch.setenv("STRATA_GPU_ATT_SPLIT_MIN", "256")
+    rng = np.random.default_rng(310)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (2100, 1700)]
+    steps = 5
+    flat, tiered = _pair(model, kv_type)
+    with flat, tiered:
+        tables, toks, pos = _prefill_pair(flat, tiered, prompts, steps)
+        for step in range(steps):
+            a, b = _decode_pair(flat, tiered, tables, toks, pos)
+            st = tiered.last_stats
+            if share == 0:
+                assert np.array_equal(a, b), f"step {step}: max {np.abs(a - b).max():.3e}"
+                assert st.kv_cpu_bytes == 0 and st.kv_host_bytes > 0 and st.kv_cpu_share == 0.0
+            else:
+                err = np.abs(a - b).max() / np.abs(a).max()
+                assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
+                assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+                assert st.kv_cpu_bytes > 0 and st.kv_host_bytes > 0, (st.kv_cpu_bytes, st.kv_host_bytes)
+                got = st.kv_cpu_bytes / (st.kv_cpu_bytes + st.kv_host_bytes)
+                assert got == pytest.approx(st.kv_cpu_share)
+                assert st.kv_pcie_gbs > 0
+                if share == 50:
+                    assert abs(got - 0.5) <= 0.02, got  # whole blocks of ~125 and ~100 per token
+                elif step > 0:
+                    assert st.kv_cpu_gbs > 0
+                    want = st.kv_cpu_gbs / (st.kv_cpu_gbs + st.kv_pcie_gbs)
+                    print(f"{kv_type}, step {step}: CPU {st.kv_cpu_gbs:.1f} GB/s, PCIe {st.kv_pcie_gbs:.1f} GB/s, "
+                          f"share {got:.3f} (measured rule {want:.3f} before this step's update)")
+            toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
 
 
 def test_swap_refuses_untiered_and_bad_ids(model: Path) -> None:
