@@ -23,8 +23,9 @@
  *
  * The measured share (kv_host_share -1) is r_cpu / (r_cpu + r_pcie), so that both sides finish together: r_cpu the
  * running mean of the CPU's rate in its steps (kv_cpu_bytes / t_cpu_attn), r_pcie a kernel's in-place reads of
- * mapped host memory (k_pcie_probe, the split kernel's way to the host tier) timed when the CPU engine is set; a
- * rate not known yet counts as the other's (a share of one half). */
+ * mapped host memory (k_pcie_probe, the split kernel's way to the host tier) timed at the first step that may take
+ * the CPU's share (not at open: a tiered cache with kv_host_attn 0 never pays for it); a rate not known yet counts
+ * as the other's (a share of one half). */
 #include <time.h>
 
 #include <thread>
@@ -208,7 +209,6 @@ extern "C" stg_status stg_model_set_cpu_attn(stg_model *m, const stg_cpu_attn *c
         ha.ev.push_back(e);
     }
     if (!ha.d_n) CHECK(dalloc(m, &ha.d_n, sizeof(int32_t)));
-    if (ha.pcie_gbs <= 0.0) ha.pcie_gbs = pcie_probe_gbs(m);
     ha.cpu = *cpu;
     return ST_OK;
 }
@@ -269,6 +269,10 @@ static stg_status host_attn_plan(stg_model *m, const stg_kv *kv, const st_batch 
         d.n_swa > 0 || d.arch == ST_ARCH_GPT_OSS || m->q_dim != d.n_head * d.head_dim ||
         b->n_tokens > ATT_SPLIT_MAX_T)
         return ST_OK;
+    if (!ha.pcie_probed) { /* outside any capture: the step's graph, if any, is captured after its plan */
+        ha.pcie_gbs = pcie_probe_gbs(m);
+        ha.pcie_probed = true;
+    }
     const double share = host_attn_share(m);
     if (share <= 0.0) return ST_OK;
     const int32_t T = b->n_tokens, bs = kv->block_size;

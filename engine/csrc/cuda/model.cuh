@@ -150,9 +150,10 @@ struct host_attn {
     int64_t bytes = 0, gpu_bytes = 0;
     double t_cpu = 0.0, t_wait = 0.0, share = 0.0;
     /* the rates kv_host_share -1 weighs (GB/s, 0: not known): the CPU's running mean over its steps, PCIe's from a
-     * kernel's in-place reads of mapped host memory (k_pcie_probe) timed by
-     * stg_model_set_cpu_attn */
+     * kernel's in-place reads of mapped host memory (k_pcie_probe) timed once, by the first step that may take the
+     * CPU's share (pcie_probed: not again, even where the probe found nothing) */
     double cpu_gbs = 0.0, pcie_gbs = 0.0;
+    bool pcie_probed = false;
     hybrid_worker *worker = nullptr; /* the step's CPU thread while it runs */
 };
 

@@ -234,8 +234,8 @@ typedef struct stg_profile {
     double t_cpu_attn;
     /* kv_host_attn: the CPU's share of the host-tier bytes the step read (kv_cpu_bytes over both), and the rates
      * the measured share (kv_host_share -1) weighs: the CPU pool's (GB/s, a running mean of its steps' kv_cpu_bytes
-     * / t_cpu_attn; 0 before the first) and PCIe's (a kernel's in-place reads of mapped host memory, timed by
-     * stg_model_set_cpu_attn) */
+     * / t_cpu_attn; 0 before the first) and PCIe's (a kernel's in-place reads of mapped host memory, timed once
+     * by the first step that may take the CPU's share) */
     double kv_cpu_share, kv_cpu_gbs, kv_pcie_gbs;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
