@@ -120,3 +120,31 @@ def test_tiers_row_on_the_cpu_engine(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["same_tokens"] is True
     with pytest.raises(SystemExit):
         main_tiers(SimpleNamespace(**{**vars(args), "depth": "100,200"}), path, lambda p: None)
+
+
+def test_tie_gaps_reports_the_rounding_floor(tmp_path: Path) -> None:
+    """tie_gaps on the CPU engine: a request whose tokens agree is skipped; one that differs gets the unlimited
+    logits' gaps there and the model's rounding floor (decode vs prefill of the same context): 0 where the CPU's
+    decode of a short context is bitwise its prefill tile, > 0 where the attention is split into chunks."""
+    import numpy as np
+
+    from bench.engine_gpu_depth import tie_gaps
+    from engine.native import get_attn_split, set_attn_split
+    from tests.engine.gguf_factory import make_random_gguf
+
+    path = make_random_gguf(tmp_path / "m.gguf", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_vocab=128,
+                            n_ctx=1024)
+    rng = np.random.default_rng(4)
+    prompts = [[int(x) for x in rng.integers(0, 128, size=300)] for _ in range(2)]
+    ref, got = [[5, 6, 7], [1, 2, 3]], [[5, 6, 8], [1, 2, 3]]
+    (g,) = tie_gaps(path, "cpu", 512, "f16", prompts, ref, got)
+    assert (g["request"], g["index"], g["ref"], g["got"]) == (0, 2, 7, 8)
+    assert g["top2"] >= 0 and g["rel_gap"] * g["gap"] >= 0 and abs(g["rel_gap"]) <= 2.0
+    assert g["floor"] == 0.0
+    before = get_attn_split()
+    set_attn_split(64)  # decode in chunks of 64 keys: another order of additions than the prefill tile's
+    try:
+        (g,) = tie_gaps(path, "cpu", 512, "f16", prompts, ref, got)
+    finally:
+        set_attn_split(before)
+    assert 0.0 < g["floor"] < 1e-4

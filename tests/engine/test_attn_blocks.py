@@ -213,3 +213,64 @@ def test_engine_reports_its_pool_rate(tmp_path: Path, kv_type: str) -> None:
     path = make_random_gguf(tmp_path / "m.gguf", n_embd=128, n_head=4, n_head_kv=2)
     with Engine.open(path, threads=2, kv_tokens=256, kv_type=kv_type) as eng:
         assert 0.0 < eng.cpu_attn_gbs(n_keys=512, seconds=0.02) < 1e4
+
+
+# The GPU bench's shapes (bench.engine_gpu's Qwen3-30B-A3B-shaped model at 2 x 32k under a 4 GiB VRAM tier): head_dim
+# 128, 8 query heads per KV head, 4 KV heads, blocks of 16; a decode step of two tokens where the first sequence lies
+# wholly in VRAM (no CPU keys) and the second has ~1,370 host-tier blocks scattered through the host pool (the
+# CPU-only form, kv_host_share 100) or a prefix of ~430 of them (the mixed form's ~32%).
+BIG_HD, BIG_HEAD, BIG_KV, BIG_BLOCKS = 128, 32, 4, 1500
+
+
+def big_cache(kv_type: str, seed: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """make_cache at the bench's shapes: kf [block, kv head, slot, dim], vf [block, slot, kv head, dim] (float32:
+    exact for F16 and for the 8-bit cache's int8 times an F16 scale, and half a float64 cache's memory)."""
+    rng = np.random.default_rng(seed)
+    nb, nkv, hd = BIG_BLOCKS, BIG_KV, BIG_HD
+    if kv_type == "f16":
+        k = rng.standard_normal((nb, nkv, hd, BS), dtype=np.float32).astype(np.float16)
+        v = rng.standard_normal((nb, BS, nkv * hd), dtype=np.float32).astype(np.float16)
+        return ({"k": k, "v": v, "ks": None, "vs": None}, k.astype(np.float32).transpose(0, 1, 3, 2),
+                v.astype(np.float32).reshape(nb, BS, nkv, hd))
+    k8 = rng.integers(-127, 128, size=(nb, nkv, hd, BS), dtype=np.int8)
+    v8 = rng.integers(-127, 128, size=(nb, BS, nkv * hd), dtype=np.int8)
+    ks = (rng.uniform(0.5, 1.5, size=(nb, nkv, hd // 32, BS)) / 127).astype(np.float16)
+    vs = (rng.uniform(0.5, 1.5, size=(nb, BS, nkv * hd // 32)) / 127).astype(np.float16)
+    kf = k8.astype(np.float32) * np.repeat(ks.astype(np.float32), 32, axis=2)
+    vf = v8.astype(np.float32) * np.repeat(vs.astype(np.float32), 32, axis=2)
+    return {"k": k8, "v": v8, "ks": ks, "vs": vs}, kf.transpose(0, 1, 3, 2), vf.reshape(nb, BS, nkv, hd)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_partials_at_the_gpu_bench_shapes(pool: Any, variant: str, kv_type: str) -> None:
+    """Two tokens as the GPU's first CPU-attended step of the 2 x 32k bench hands them over (token 0 without keys,
+    token 1 with 1,367 scattered blocks), then the mixed form's prefix (433 blocks) beside another token's: each
+    partial's (max, sum, output / sum) against float64 over the same keys, the keyless token {-inf, 0, zeros}."""
+    cache, kf, vf = big_cache(kv_type, 7)
+    rng = np.random.default_rng(8)
+    perm = [int(b) for b in rng.permutation(BIG_BLOCKS)]
+    G = BIG_HEAD // BIG_KV
+    for spec in ([([], 0), (perm[:1367], 1367 * BS)], [(perm[:433], 433 * BS), (perm[433:1000], 567 * BS)]):
+        # scores of a few units, as the bench's normalised q and k give (q pre-scaled by 1 / sqrt(head_dim))
+        q = (rng.standard_normal((len(spec), BIG_HEAD, BIG_HD)) * (1.5 if kv_type == "f16" else 3.5)
+             / np.sqrt(BIG_HD)).astype(np.float32)
+        off, blocks, nk = lists(spec)
+        ml, acc = attn_blocks_part(pool, kv_type, cache["k"], cache["v"], cache["ks"], cache["vs"], BIG_HD, BIG_HEAD,
+                                   BIG_KV, q, off, blocks, nk)
+        for t, (bl, n) in enumerate(spec):
+            if not bl:
+                assert np.isneginf(ml[t, :, 0]).all() and (ml[t, :, 1] == 0).all() and (acc[t] == 0).all()
+                continue
+            keys = np.concatenate([kf[b] for b in bl], axis=1)[:, :n]  # [kv head, key, dim]
+            vals = np.concatenate([vf[b].transpose(1, 0, 2) for b in bl], axis=1)[:, :n]
+            for h in range(BIG_HEAD):
+                sc = keys[h // G].astype(np.float64) @ q[t, h].astype(np.float64)
+                m = sc.max()
+                p = np.exp(sc - m)
+                s, a = p.sum(), p @ vals[h // G].astype(np.float64)
+                got_m = float(ml[t, h, 0])
+                assert abs(got_m - m) <= PART_TOL * max(1.0, abs(m)), (variant, t, h, got_m, m)
+                got_s = float(ml[t, h, 1]) * np.exp(got_m - m)  # the sum at the reference's max
+                assert abs(got_s - s) <= PART_TOL * s, (variant, t, h, got_s, s)
+                out, ref = acc[t, h].astype(np.float64) / float(ml[t, h, 1]), a / s
+                assert np.abs(out - ref).max() <= PART_TOL * np.abs(ref).max(), (variant, t, h)

@@ -283,3 +283,70 @@ def test_admission_counts_both_tiers(model: Path) -> None:
         with pytest.raises(KVCapacityError, match="context window"):
             sched.add([1] * eng.n_ctx, SamplingParams(max_tokens=4))
         assert not sched.has_work() and eng.blocks.num_free == free and eng.kv_tiers.moved_bytes == moved
+
+
+# The 2 x 32k bench's conditions (bench.engine_gpu --depth 32768 --depth-batch 2 --kv-budget-gb 4 with kv_host_attn 1)
+# at a fraction of its size, on a dense model of its attention shape (head_dim 128, 8 query heads per KV head): a
+# sequence wholly in VRAM beside one whose host-tier blocks the CPU attends, every one of them moved out of VRAM by
+# place_kv just before the step (the bench's first such step moves ~1,370 blocks so), many device splits (the
+# VRAM-resident sequence's 60+ splits and the CPU's keyless one fill the combine's 64), sequences of different
+# lengths. Dense, two layers: the logits follow the attention's rounding (in a deep random MoE a last-bit change
+# flips near-tied expert choices and moves the logits by 1e-3..1e-1 of max |logit|: docs/engine.md).
+BENCH_KV = 30_720
+BENCH_HOT = 17_600  # 1,100 blocks: either sequence whole, beside the other's window and sink
+BENCH_LENS = (16_400, 12_000)
+
+
+@pytest.fixture(scope="module")
+def dense_g8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.engine.gguf_factory import make_random_gguf
+
+    return make_random_gguf(tmp_path_factory.mktemp("kvtiers_g8") / "m.gguf", arch="llama", n_layer=2, n_embd=2048,
+                            n_head=16, n_head_kv=2, n_ff=256, n_expert=0, n_expert_used=0, n_vocab=VOCAB,
+                            n_ctx=BENCH_KV)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_host_attn_bench_conditions(dense_g8: Path, kv_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six decode steps of two sequences (16,400 and 12,000 prompt tokens; 1,100 blocks hot): before each, place_kv
+    puts one sequence wholly in VRAM and then the other, so that the second's blocks leave VRAM for the host tier
+    right before the step that has the CPU attend them (the sequences alternate); kv_host_share 100 for three steps,
+    then 50 (the mixed form: the device also streams host blocks). Each step's logits within HOST_ATTN_TOL of the
+    untiered cache's, its greedy tokens, the CPU's bytes > 0 and hundreds of just-moved blocks among its reads."""
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
+    monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", "100")
+    monkeypatch.delenv("STRATA_GPU_ATT_SPLIT_MIN", raising=False)  # the default, as the bench runs
+    rng = np.random.default_rng(320)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in BENCH_LENS]
+    steps = 6
+    kw = dict(device="cuda:0", kv_tokens=BENCH_KV, prefill_chunk=CHUNK, kv_type=kv_type)
+    flat, tiered = Engine.open(dense_g8, **kw), Engine.open(dense_g8, kv_hot_tokens=BENCH_HOT, **kw)
+    with flat, tiered:
+        tables, toks, pos = _prefill_pair(flat, tiered, prompts, steps)
+        kt = tiered.kv_tiers
+        for step in range(steps):
+            if step == 3:
+                tiered._gpu.set_settings({**os.environ, "STRATA_GPU_KV_HOST_SHARE": "50"})
+            used = [t[: q // 16 + 1] for t, q in zip(tables[1], pos, strict=True)]
+            whole, cold = (0, 1) if step % 2 == 0 else (1, 0)
+            tiered.place_kv([used[cold]])  # the cold-to-be sequence wholly in VRAM first
+            assert all(kt.is_hot(b) for b in used[cold])
+            moved = tiered.place_kv([used[whole], used[cold]])  # then the other: the first one's blocks go out
+            assert moved > 0 and all(kt.is_hot(b) for b in used[whole])
+            just_out = sum(not kt.is_hot(b) for b in used[cold])
+            assert just_out >= 300, just_out
+            seqs = [0, 1]
+            a = flat.forward(toks, pos, seqs, tables[0], seqs)
+            b = tiered.forward(toks, pos, seqs, tables[1], seqs)
+            st = tiered.last_stats
+            err = np.abs(a - b).max() / np.abs(a).max()
+            print(f"{kv_type}, step {step}: {err:.2e} of max |logit|; {just_out} blocks of sequence {cold} moved to "
+                  f"the host tier before the step; CPU share {st.kv_cpu_share:.2f}, {st.kv_cpu_bytes} bytes")
+            assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
+            assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+            assert st.kv_cpu_bytes > 0, st.kv_cpu_bytes
+            if step >= 3:
+                assert 0.0 < st.kv_cpu_share < 1.0 and st.kv_host_bytes > 0, (st.kv_cpu_share, st.kv_host_bytes)
+            else:
+                assert st.kv_cpu_share == 1.0 and st.kv_host_bytes == 0, (st.kv_cpu_share, st.kv_host_bytes)
+            toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
