@@ -11,7 +11,8 @@ another order, which can move an 8-bit activation across a rounding step). The d
 max(1e-2, the CPU's own auto-vs-reference kernel spread), as in test_gpu_models.py.
 
 Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRATA_GPU_HYBRID_STAGE); the
-overlapped and layer-by-layer steps' bits; a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
+overlapped and layer-by-layer steps' bits; the CPU's rows read in place (hybrid_rows_direct) against copied in, bit
+for bit; a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
 the budget, and the model's own accounting matches the plan; the frame profile's parts; launch / wait with
 token_src on a hybrid model; bad resident masks are typed errors.
 """
