@@ -252,6 +252,20 @@ def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
     assert gpu_settings.env_override("kv_host_share", env) == want
 
 
+@pytest.mark.parametrize(("env", "want"), [({}, None), ({"STRATA_GPU_HYBRID_ROWS_DIRECT": "0"}, 0),
+                                           ({"STRATA_GPU_HYBRID_ROWS_DIRECT": "1"}, 1)])
+def test_hybrid_rows_direct_override(env: dict[str, str], want: int | None) -> None:
+    """STRATA_GPU_HYBRID_ROWS_DIRECT sets stg_settings.hybrid_rows_direct (the header declares the field)."""
+    from cffi import FFI
+
+    from engine import gpu_settings
+
+    assert gpu_settings.env_override("hybrid_rows_direct", env) == want
+    f = FFI()
+    f.cdef(cuda_backend.cdef_text())
+    assert "hybrid_rows_direct" in {name for name, _ in f.typeof("stg_settings").fields}
+
+
 @pytest.mark.parametrize(("env", "want"), [({}, False), ({"STRATA_GPU_KV_HOST_ATTN": "0"}, False),
                                            ({"STRATA_GPU_KV_HOST_ATTN": "1"}, True)])
 def test_kv_host_attn_gives_the_pool_the_lane_cores(env: dict[str, str], want: bool) -> None:

@@ -14,7 +14,10 @@
  * flag, event b, a copy of the pinned rows' region into device memory (the copy engine, queued on the compute stream
  * behind the wait: the device's loads from mapped host memory ran at ~1.6 GB/s on the H200 machine, a copy at tens
  * of GB/s) and the CPU's rows scattered from there into pair_out, event c. The region has room for every pair of
- * the step (the copy is queued before the count is known); the layer's n rows and indices sit at its front. The
+ * the step (the copy is queued before the count is known); the layer's n rows and indices sit at its front. With
+ * stg_settings.hybrid_rows_direct a decode-sized step has one kernel between a and c instead (k_rows_direct: the
+ * pair indices worked out on the device before the wait, then the wait, then the layer's n rows read in place from
+ * the pinned region into pair_out; no event b). The
  * host thread that computes makes no CUDA call between the device's wait and the flag: a call there could block
  * behind the context's own synchronisation (lazy kernel loading by the queueing thread waits for the device, which
  * waits for the flag). The device never waits on anything else of the host and the host never synchronises the
@@ -27,7 +30,8 @@
  * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
  *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
- * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals. */
+ * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals; a k_rows_direct
+ * layer's a..c splits at block 0's own clock (its start to its seeing the flag: the wait; the rest: the rows). */
 #include "model.cuh"
 
 /* hybrid_direct's bound: a step's xn of at most this many floats (256 KB; 32 tokens of a 2,048-wide model) goes
@@ -60,6 +64,109 @@ __global__ void k_scatter_rows(const float *rows, const int32_t *n, int64_t P, i
         for (int64_t i = threadIdx.x; i < E / 4; i += blockDim.x) d4[i] = s4[i];
     } else {
         for (int64_t i = threadIdx.x; i < E; i += blockDim.x) d[i] = s[i];
+    }
+}
+
+/* hybrid_rows_direct's kernel: at most ROWS_BLOCKS blocks of ROWS_THREADS (each polls the flag itself), each thread
+ * with up to ROWS_VEC 16-byte loads in flight; a step takes it only where a block holds at most ROWS_MAX_AT rows
+ * (their pair indices in shared memory: 16 KB) */
+#define ROWS_BLOCKS 32
+#define ROWS_THREADS 256
+#define ROWS_VEC 4
+#define ROWS_MAX_AT 4096
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* hybrid_rows_direct: k_wait_flag, the rows' copy and k_scatter_rows as one kernel. Grid G = min(P, ROWS_BLOCKS)
+ * blocks of ROWS_THREADS, ceil(P / G) ints of dynamic shared memory. Before the wait, from device memory alone: the
+ * rank of each of the layer's CPU pairs (pair p with slot_of[ids[p]] = -1, in ascending p: hybrid_cpu_layer's
+ * order of the rows), block b keeping the pair index of each row r = b + j G in at_s[j] (so no index crosses PCIe
+ * after the flag). Then thread 0 polls the host's flag (a system-scope acquire, __nanosleep backoff) until it holds
+ * want, and after the block's barrier its threads copy rows r < n (the flag's count) from rows (pinned, mapped: row r
+ * at r E, written by the host before the flag) to dst row at_s[j]: all of a thread's loads (ROWS_VEC float4s across
+ * the block's rows) before its stores. Every block polls the flag itself: none waits on another, so the grid cannot
+ * deadlock whatever the scheduler runs first. ts (block 0): %globaltimer at its start and when it saw the flag. */
+__global__ void __launch_bounds__(ROWS_THREADS)
+    k_rows_direct(const unsigned long long *flag, uint32_t want, const int32_t *ids, const int32_t *slot_of,
+                  int32_t ne, int32_t P, const float *rows, int64_t E, float *dst, uint64_t *ts) {
+    PDL_ENTER();
+    extern __shared__ int32_t at_s[];
+    __shared__ int32_t warp_s[ROWS_THREADS / 32];
+    __shared__ int32_t n_s;
+    const int32_t G = (int32_t)gridDim.x, b = (int32_t)blockIdx.x, tid = (int32_t)threadIdx.x;
+    const uint64_t t_start = globaltimer_ns();
+    auto cpu_pair = [&](int32_t p) -> int32_t {
+        const int32_t e = ids[p];
+        return e >= 0 && e < ne && slot_of[e] < 0; /* the host rejects an id out of range (no rows) */
+    };
+    /* thread tid's pairs [p0, p1): their CPU pairs counted, then ranked by a block-wide exclusive scan */
+    const int32_t chunk = (P + ROWS_THREADS - 1) / ROWS_THREADS;
+    const int32_t p0 = min(P, tid * chunk), p1 = min(P, p0 + chunk);
+    int32_t c = 0;
+    for (int32_t p = p0; p < p1; p++) c += cpu_pair(p);
+    const int32_t lane = tid & 31, w = tid >> 5;
+    int32_t incl = c;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int32_t u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    if (lane == 31) warp_s[w] = incl;
+    __syncthreads();
+    if (w == 0) {
+        int32_t v = lane < ROWS_THREADS / 32 ? warp_s[lane] : 0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int32_t u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
+        }
+        if (lane < ROWS_THREADS / 32) warp_s[lane] = v;
+    }
+    __syncthreads();
+    int32_t r = incl - c + (w > 0 ? warp_s[w - 1] : 0);
+    const int32_t n_dev = warp_s[ROWS_THREADS / 32 - 1];
+    for (int32_t p = p0; p < p1; p++)
+        if (cpu_pair(p)) {
+            if (r % G == b) at_s[r / G] = p;
+            r++;
+        }
+    if (tid == 0) {
+        unsigned long long v;
+        unsigned ns = 32;
+        for (;;) {
+            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+            if ((uint32_t)(v >> 32) == want) break;
+            __nanosleep(ns);
+            if (ns < 256) ns <<= 1;
+        }
+        n_s = min((int32_t)(uint32_t)v, n_dev); /* equal but where the host gave up on the layer (0) */
+        if (b == 0) ts[0] = t_start, ts[1] = globaltimer_ns();
+    }
+    __syncthreads(); /* the flag's acquire (thread 0) before every thread's loads; at_s complete */
+    const int32_t n = n_s, mine = n > b ? (n - b + G - 1) / G : 0; /* this block's rows: b + j G, j < mine */
+    if ((E & 3) == 0) { /* rows of whole float4s, 16-byte aligned at both ends */
+        const int32_t n4 = (int32_t)(E / 4), total = mine * n4;
+        for (int32_t base = tid; base < total; base += ROWS_THREADS * ROWS_VEC) {
+            float4 v[ROWS_VEC];
+#pragma unroll
+            for (int k = 0; k < ROWS_VEC; k++) {
+                const int32_t f = base + k * ROWS_THREADS, j = f / n4;
+                if (f < total) v[k] = ((const float4 *)(rows + (int64_t)(b + j * G) * E))[f - j * n4];
+            }
+#pragma unroll
+            for (int k = 0; k < ROWS_VEC; k++) {
+                const int32_t f = base + k * ROWS_THREADS, j = f / n4;
+                if (f < total) ((float4 *)(dst + (int64_t)at_s[j] * E))[f - j * n4] = v[k];
+            }
+        }
+    } else {
+        const int32_t total = mine * (int32_t)E;
+        for (int32_t f = tid; f < total; f += ROWS_THREADS) {
+            const int32_t j = f / (int32_t)E, i = f - j * (int32_t)E;
+            dst[(int64_t)at_s[j] * E + i] = rows[(int64_t)(b + j * G) * E + i];
+        }
     }
 }
 
@@ -171,8 +278,18 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     staging_decide(m, T);
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
-    m->hy.direct = hybrid_direct(m, T);
-    m->hy.cur = &hs, m->hy.T = T;
+    hybrid &h = m->hy;
+    h.direct = hybrid_direct(m, T);
+    const int64_t P = (int64_t)T * m->d.n_expert_used, G = std::min<int64_t>(P, ROWS_BLOCKS);
+    h.rows_direct = h.direct && m->set.hybrid_rows_direct && P > 0 && (P + G - 1) / G <= ROWS_MAX_AT;
+    if (h.rows_direct && !hs.ts) {
+        void *p = nullptr;
+        CU(cudaHostAlloc(&p, sizeof(uint64_t) * 2 * nL, cudaHostAllocMapped | cudaHostAllocPortable),
+           "hybrid: profile stamps");
+        memset(p, 0, sizeof(uint64_t) * 2 * nL);
+        hs.ts = (uint64_t *)p;
+    }
+    h.cur = &hs, h.T = T;
     return ST_OK;
 }
 
@@ -221,9 +338,12 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     }
     hs.t_cpu += host_seconds() - t1;
     hs.cpu_pairs += n;
-    /* the pair indices after room for every pair's row; the device copies the whole region (bytes counted here) */
-    if (n > 0) memcpy(h.h_rows + P * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
-    hs.pcie_h2d += (int64_t)sizeof(float) * P * (E + 1);
+    if (h.rows_direct) { /* k_rows_direct reads the n rows in place (their indices are the device's own) */
+        hs.pcie_h2d += (int64_t)sizeof(float) * n * E;
+    } else { /* the pair indices after room for every pair's row; the device copies the whole region */
+        if (n > 0) memcpy(h.h_rows + P * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
+        hs.pcie_h2d += (int64_t)sizeof(float) * P * (E + 1);
+    }
     hs.pcie_h2d += (int64_t)sizeof(uint64_t);
     hybrid_signal(h, il, hs.seq, n);
     return ST_OK;
@@ -335,6 +455,25 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     cudaStream_t st = m->stream;
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
+    if (h.rows_direct) { /* the wait and the rows' reads in one kernel, then event c (no b) */
+        const int ne = m->d.n_expert;
+        const int64_t G = std::min<int64_t>(P, ROWS_BLOCKS);
+        launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
+                 (const unsigned long long *)(h.sync.flags + il), hs.seq, (const int32_t *)m->s.topk_id,
+                 (const int32_t *)(h.d_slot + (int64_t)il * ne), (int32_t)ne, (int32_t)P, (const float *)h.h_rows,
+                 E, m->s.pair_out, hs.ts + 2 * il);
+        LAUNCHED("hybrid: wait for the CPU and read its rows");
+        if (!h.worker) {
+            const stg_status rc = hybrid_cpu_layer(m, hs, il);
+            if (rc != ST_OK) {
+                hybrid_release(m, il, hs.seq);
+                return rc;
+            }
+        }
+        CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
+        hs.used[(size_t)il] = 3;
+        return ST_OK;
+    }
     launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.sync.flags + il), hs.seq, h.d_n);
     LAUNCHED("hybrid: wait for the CPU");
     if (!h.worker) {
@@ -384,8 +523,16 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
             continue;
         }
         gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
-        pcie += el(hs.s0[il], hs.s1[il]) + el(hs.b[il], hs.c[il]);
-        wait += el(hs.a[il], hs.b[il]);
+        pcie += el(hs.s0[il], hs.s1[il]);
+        if (hs.used[il] == 3) { /* k_rows_direct: a..c less block 0's wait (its own clock) is the rows' part */
+            const double ac = el(hs.a[il], hs.c[il]);
+            const uint64_t t0 = hs.ts[2 * il], t1 = hs.ts[2 * il + 1];
+            const double w = t1 >= t0 ? std::min(ac, 1e-9 * (double)(t1 - t0)) : 0.0;
+            wait += w, pcie += ac - w;
+        } else {
+            pcie += el(hs.b[il], hs.c[il]);
+            wait += el(hs.a[il], hs.b[il]);
+        }
         prev = hs.c[il];
     }
     gpu += el(prev, e1);

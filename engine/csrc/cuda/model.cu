@@ -58,6 +58,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_mma_min = 64;
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
+    s->hybrid_rows_direct = 0;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->kv_stream = 1;
     s->kv_host_attn = 0;
@@ -84,6 +85,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
+    RANGE(hybrid_rows_direct, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(kv_stream, 0, 1)
     RANGE(kv_host_attn, 0, 1)
@@ -368,6 +370,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.e1) cudaEventDestroy(f.e1);
         for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
             for (cudaEvent_t e : *v) cudaEventDestroy(e);
+        if (f.hy.ts) cudaFreeHost(f.hy.ts);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
     if (m->fork) cudaEventDestroy(m->fork);
