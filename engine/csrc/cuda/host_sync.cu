@@ -21,11 +21,23 @@
  * shares round to no CPU block (kv_host_share 0 among them) takes kv_host_attn 0's path, bitwise the untiered
  * cache's.
  *
- * The measured share (kv_host_share -1) is r_cpu / (r_cpu + r_pcie), so that both sides finish together: r_cpu the
- * running mean of the CPU's rate in its steps (kv_cpu_bytes / t_cpu_attn), r_pcie a kernel's in-place reads of
- * mapped host memory (k_pcie_probe, the split kernel's way to the host tier) timed at the first step that may take
- * the CPU's share (not at open: a tiered cache with kv_host_attn 0 never pays for it); a rate not known yet counts
- * as the other's (a share of one half). */
+ * With kv_stream 0 the device's share of the host-tier blocks is staged instead (the form host_attn_form 1): step.cu
+ * gives those blocks staging slots (the compacted tables name n_dev + slot, as a staged step's tables do) and each
+ * layer's gather (kv_stage_layer) is queued right after k_to_host, so that it runs while the CPU attends its own
+ * share; the split kernel then reads them in VRAM. Nothing is written back (such steps write no host block).
+ *
+ * The measured share (kv_host_share -1) is r_cpu / (r_cpu + r_dev), so that both sides finish together: r_cpu the
+ * running mean of the CPU's rate in its steps (kv_cpu_bytes / t_cpu_attn), r_dev the device's rate over its share of
+ * the host-tier bytes in the step's form. r_dev starts from a probe timed at the first step of the form that may take
+ * the CPU's share (not at open: a tiered cache with kv_host_attn 0 never pays for it): k_pcie_probe's in-place reads
+ * of mapped host memory (read in place), k_kv_stage's gathers of it into VRAM (staged). From then on it is the
+ * running mean (the first sample replaces the probe, then one eighth a step) of one layer's window a step: its
+ * host-tier bytes on the device over the time from its k_to_host to its k_wait_flag (the gather and the split kernel,
+ * or the split kernel reading in place), so it is what the device achieves there, not a streaming kernel's best
+ * (the in-place probe reads 64 MiB contiguously with every thread's loads in flight and overstates the split kernel,
+ * GPU run: 51 against ~32 GB/s). A layer whose device bytes are under DEV_SAMPLE_MIN gives no sample (there the
+ * launches and the VRAM blocks' time are most of the window). A rate not known yet counts as the other's (a share of
+ * one half). */
 #include <time.h>
 
 #include <thread>
@@ -175,12 +187,96 @@ static double pcie_probe_gbs(stg_model *m) {
     return gbs;
 }
 
+/* The staging gather's rate in GB/s: k_kv_stage copying 64 MiB of pinned, mapped memory into VRAM in pieces of the
+ * cache's block of one layer's K (a staged step's gathers), timed as pcie_probe_gbs times its reads; 0 where the
+ * buffers cannot be had. */
+static double stage_probe_gbs(stg_model *m, const stg_kv *kv) {
+    unsigned char *dev[4], *host[4];
+    int64_t per[4], dl[4], hl[4];
+    kv_arrays(kv, dev, host, per, dl, hl);
+    const int64_t blk = std::max<int64_t>(16, per[0] / 16 * 16);
+    const int32_t n = (int32_t)std::max<int64_t>(1, ((int64_t)64 << 20) / blk);
+    const size_t bytes = (size_t)n * (size_t)blk;
+    void *h = nullptr, *hd = nullptr, *d = nullptr;
+    int32_t *dlist = nullptr;
+    cudaEvent_t e0 = nullptr, e1 = nullptr;
+    double gbs = 0.0;
+    if (cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess &&
+        cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess && cudaMalloc(&d, bytes) == cudaSuccess &&
+        cudaMalloc(&dlist, sizeof(int32_t) * 2 * (size_t)n) == cudaSuccess && cudaEventCreate(&e0) == cudaSuccess &&
+        cudaEventCreate(&e1) == cudaSuccess) {
+        memset(h, 0, bytes);
+        std::vector<int32_t> list(2 * (size_t)n);
+        for (int32_t i = 0; i < n; i++) list[2 * (size_t)i] = i, list[2 * (size_t)i + 1] = n - 1 - i; /* (slot, block) */
+        kv_stage_args a = {};
+        a.host[0] = (unsigned char *)hd, a.stage[0] = (unsigned char *)d, a.per[0] = blk, a.list = dlist, a.dir = 0;
+        bool ok = cudaMemcpy(dlist, list.data(), sizeof(int32_t) * list.size(), cudaMemcpyHostToDevice) == cudaSuccess;
+        if (ok) k_kv_stage<<<dim3((unsigned)n, 1), 256, 0, m->stream>>>(a);
+        ok = ok && cudaEventRecord(e0, m->stream) == cudaSuccess;
+        for (int i = 0; i < 3 && ok; i++) {
+            k_kv_stage<<<dim3((unsigned)n, 1), 256, 0, m->stream>>>(a);
+            ok = cudaGetLastError() == cudaSuccess;
+        }
+        float ms = 0.0f;
+        if (ok && cudaEventRecord(e1, m->stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
+            cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.0f)
+            gbs = 3.0 * (double)bytes / (1e-3 * (double)ms) / 1e9;
+    }
+    cudaStreamSynchronize(m->stream);
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    if (dlist) cudaFree(dlist);
+    if (d) cudaFree(d);
+    if (h) cudaFreeHost(h);
+    cudaGetLastError(); /* a failed probe leaves no error behind */
+    return gbs;
+}
+
+/* The form of a kv_host_attn step's device share of the host-tier blocks: 0 read in place (kv_stream 1), 1 staged
+ * into VRAM (kv_stream 0; step.cu stages every eager step there, and kv_host_attn's steps are eager). */
+static int host_attn_form(const stg_model *m) { return m->set.kv_stream ? 0 : 1; }
+
 /* The CPU's share of the step's host-tier blocks (0..1): kv_host_share's percentage, or the measured rates' */
 static double host_attn_share(const stg_model *m) {
     if (m->set.kv_host_share >= 0) return 0.01 * (double)m->set.kv_host_share;
     const host_attn &ha = m->ha;
-    const double rc = ha.cpu_gbs > 0.0 ? ha.cpu_gbs : ha.pcie_gbs, rp = ha.pcie_gbs > 0.0 ? ha.pcie_gbs : rc;
+    const double r = ha.dev_gbs[host_attn_form(m)];
+    const double rc = ha.cpu_gbs > 0.0 ? ha.cpu_gbs : r, rp = r > 0.0 ? r : rc;
     return rc > 0.0 ? rc / (rc + rp) : 0.5;
+}
+
+#define DEV_SAMPLE_MIN ((int64_t)8 << 20) /* bytes: a timed layer's device share below this gives no rate sample */
+
+/* The step being queued (kv_host_attn, bytes: the host-tier bytes its device reads in all layers, staged or in
+ * place): whether it times layer n_layer / 2's window (one timed step pending at a time). */
+static void host_attn_time_plan(stg_model *m, int64_t bytes) {
+    host_attn &ha = m->ha;
+    ha.t_bytes = bytes / m->d.n_layer, ha.t_form = host_attn_form(m);
+    ha.t_now = ha.te[0] && ha.te[1] && ha.t_ticket == 0 && ha.t_bytes >= DEV_SAMPLE_MIN;
+}
+
+/* Layer il's window on the device's share: which 0 after its k_to_host, 1 before its k_wait_flag. */
+static stg_status host_attn_mark(stg_model *m, int il, int which, cudaStream_t st) {
+    host_attn &ha = m->ha;
+    if (!ha.t_now || il != m->d.n_layer / 2) return ST_OK;
+    CU(cudaEventRecord(ha.te[which], st), "kv_host_attn: the device's window");
+    return ST_OK;
+}
+
+/* At the wait of ticket (its events complete): the device's rate of its timed window into the running mean. */
+static void host_attn_timed(stg_model *m, int64_t ticket) {
+    host_attn &ha = m->ha;
+    if (ha.t_ticket == 0 || ha.t_ticket != ticket) return;
+    ha.t_ticket = 0;
+    float ms = 0.0f;
+    if (cudaEventElapsedTime(&ms, ha.te[0], ha.te[1]) != cudaSuccess || ms <= 0.0f) {
+        cudaGetLastError();
+        return;
+    }
+    const double g = (double)ha.t_bytes / (1e-3 * (double)ms) / 1e9;
+    double &r = ha.dev_gbs[ha.t_form];
+    r = ha.measured[ha.t_form] ? r + (g - r) * 0.125 : g;
+    ha.measured[ha.t_form] = true;
 }
 
 /* After a kv_host_attn step: its CPU rate into the running mean (one eighth a step). */
@@ -209,6 +305,8 @@ extern "C" stg_status stg_model_set_cpu_attn(stg_model *m, const stg_cpu_attn *c
         ha.ev.push_back(e);
     }
     if (!ha.d_n) CHECK(dalloc(m, &ha.d_n, sizeof(int32_t)));
+    for (cudaEvent_t &e : ha.te)
+        if (!e) CU(cudaEventCreate(&e), "set_cpu_attn: events");
     ha.cpu = *cpu;
     return ST_OK;
 }
@@ -228,6 +326,8 @@ static void host_attn_destroy(stg_model *m) {
     host_sync_free(ha.sync);
     for (cudaEvent_t e : ha.ev) cudaEventDestroy(e);
     ha.ev.clear();
+    for (cudaEvent_t &e : ha.te)
+        if (e) cudaEventDestroy(e), e = nullptr;
 }
 
 /* Room for a step of T tokens and n_bt block-table entries (the stream synchronised before anything is freed). */
@@ -258,20 +358,21 @@ static stg_status host_attn_room(stg_model *m, int64_t T, int64_t n_bt) {
  * takes the split kernel. A step takes it when no token writes a host-tier block (each one's last block in VRAM)
  * and the CPU's share (host_attn_share) rounds to some block: token t's CPU blocks are the first
  * round(share * n_host(t)) of its host blocks (whole blocks), the device's the others in order (VRAM and host,
- * those read in place), ending with the new key. */
+ * those read in place or, kv_stream 0, renamed to their staging slots by step.cu), ending with the new key. */
 static stg_status host_attn_plan(stg_model *m, const stg_kv *kv, const st_batch *b, int32_t mb, bool split,
                                  bool *take) {
     host_attn &ha = m->ha;
     *take = false;
-    ha.now = false;
+    ha.now = ha.t_now = false;
     const st_model_desc &d = m->d;
     if (kv->n_host < 1 || !m->set.kv_host_attn || !ha.cpu.attn_blocks || !split || m->hy.on || d.kv_lora_rank > 0 ||
         d.n_swa > 0 || d.arch == ST_ARCH_GPT_OSS || m->q_dim != d.n_head * d.head_dim ||
         b->n_tokens > ATT_SPLIT_MAX_T)
         return ST_OK;
-    if (!ha.pcie_probed) { /* outside any capture: the step's graph, if any, is captured after its plan */
-        ha.pcie_gbs = pcie_probe_gbs(m);
-        ha.pcie_probed = true;
+    const int form = host_attn_form(m);
+    if (!ha.probed[form]) { /* outside any capture: the step's graph, if any, is captured after its plan */
+        ha.dev_gbs[form] = form ? stage_probe_gbs(m, kv) : pcie_probe_gbs(m);
+        ha.probed[form] = true;
     }
     const double share = host_attn_share(m);
     if (share <= 0.0) return ST_OK;

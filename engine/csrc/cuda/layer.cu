@@ -117,7 +117,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
             qa.ht.kc = kv->hk + he, qa.ht.vc = kv->hv + he;
         }
         if (kv->st_n > 0) { /* a staged step (step.cu): this layer's host blocks into their VRAM slots, read there */
-            CHECK(kv_stage_layer(kv, il, 0, st));
+            if (!m->ha.now) CHECK(kv_stage_layer(kv, il, 0, st)); /* kv_host_attn's: after k_to_host, below */
             unsigned char *sg = kv->stage;
             if (q8) {
                 qa.ht.k8 = (int8_t *)(sg + kv->stage_off[0]), qa.ht.v8 = (int8_t *)(sg + kv->stage_off[1]);
@@ -134,7 +134,11 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         LAUNCHED("qkv");
     }
     const bool hx = m->ha.now; /* kv_host_attn (host_sync.cu): the CPU attends the host-tier blocks */
-    if (hx) CHECK(host_attn_send(m, il, T, st));
+    if (hx) { /* the device's share of the host blocks staged (kv_stream 0) while the CPU attends its own */
+        CHECK(host_attn_send(m, il, T, st));
+        CHECK(host_attn_mark(m, il, 0, st));
+        CHECK(kv_stage_layer(kv, il, 0, st));
+    }
     /* the output projection's 8-bit input comes out of the attention kernel itself */
     const bool oq = stg_reads_q32(L.wo.type);
     const bool fused_q = oq && d.head_dim % 32 == 0;
@@ -157,6 +161,7 @@ static stg_status attention_block(stg_model *m, stg_kv *kv, int il, int32_t T, c
         if (hx) { /* the device's VRAM blocks (compacted tables, key counts as positions), then the CPU's split */
             aa.pos = m->ha.d_pos, aa.block_tables = m->ha.d_bt, aa.split_x = 1;
             CHECK(launch_attention_split(aa, T, att_split, m->smem_optin, st, false));
+            CHECK(host_attn_mark(m, il, 1, st));
             CHECK(host_attn_join(m, il, aa, T, st));
             CHECK(launch_attention_combine(aa, T, st));
         } else {

@@ -152,11 +152,20 @@ struct host_attn {
      * seconds in st_attn_blocks_part and waiting, and its share of the host-tier bytes */
     int64_t bytes = 0, gpu_bytes = 0;
     double t_cpu = 0.0, t_wait = 0.0, share = 0.0;
-    /* the rates kv_host_share -1 weighs (GB/s, 0: not known): the CPU's running mean over its steps, PCIe's from a
-     * kernel's in-place reads of mapped host memory (k_pcie_probe) timed once, by the first step that may take the
-     * CPU's share (pcie_probed: not again, even where the probe found nothing) */
-    double cpu_gbs = 0.0, pcie_gbs = 0.0;
-    bool pcie_probed = false;
+    /* the rates kv_host_share -1 weighs (GB/s, 0: not known): the CPU's running mean over its steps, and the
+     * device's over its share of the host blocks, per form (host_attn_form: 0 read in place, kv_stream 1; 1 staged
+     * into VRAM, kv_stream 0): a probe's (k_pcie_probe's in-place reads, k_kv_stage's gathers) timed once, by the
+     * first step of the form that may take the CPU's share (probed: not again, even where the probe found nothing),
+     * then replaced by the running mean of the timed window of one layer a step (host_attn_mark, measured) */
+    double cpu_gbs = 0.0, dev_gbs[2] = {0.0, 0.0};
+    bool probed[2] = {false, false}, measured[2] = {false, false};
+    /* that window: te [2] timing events around layer n_layer / 2's device work on its share (after k_to_host, before
+     * k_wait_flag), recorded by the step being queued where t_now, read by the wait of t_ticket (0: none pending);
+     * t_bytes the host-tier bytes of that layer the device reads there, t_form its form */
+    cudaEvent_t te[2] = {nullptr, nullptr};
+    bool t_now = false;
+    int32_t t_form = 0;
+    int64_t t_ticket = 0, t_bytes = 0;
     hybrid_worker *worker = nullptr; /* the step's CPU thread while it runs */
 };
 

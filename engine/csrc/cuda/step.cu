@@ -275,7 +275,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     };
     int32_t att_split = split_depth(m->att_zmax);
     /* kv_host_attn (host_sync.cu): the CPU attends its share of the host-tier blocks as one more split (so the
-     * device keeps one split fewer at most); eager, without PDL, never staged */
+     * device keeps one split fewer at most); eager, without PDL; kv_stream 0 stages the device's share */
     bool hattn = false;
     CHECK(host_attn_plan(m, kv, b, mb, att_split > 1 || (q8 && fuse_qkv), &hattn));
     if (hattn) att_split = split_depth(m->ha.zmax);
@@ -326,9 +326,18 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         }
         /* a prefill-form step (eager, runs of one sequence's tokens: query tiles that each read every key) stages
          * its host blocks in VRAM layer by layer; a decode step reads each host byte once and streams it (kv_stream
-         * 0: every step stages, graphs off above) */
-        const bool stage = !graph && (!fuse_qkv || !m->set.kv_stream) && !hattn;
-        if (stage) kv->slot_of.assign((size_t)kv->n_host, -1), kv->list.clear(), kv->slot_w.clear();
+         * 0: every step stages, graphs off above; a kv_host_attn step only the device's share, below) */
+        const bool staged = !graph && (!fuse_qkv || !m->set.kv_stream), stage = staged && !hattn;
+        if (staged) kv->slot_of.assign((size_t)kv->n_host, -1), kv->list.clear(), kv->slot_w.clear();
+        auto slot_for = [&](int32_t e) { /* host block e's staging slot (e - n_dev), taken at its first read */
+            int32_t &sl = kv->slot_of[(size_t)(e - kv->n_dev)];
+            if (sl < 0) {
+                sl = (int32_t)(kv->list.size() / 2);
+                kv->list.push_back(sl), kv->list.push_back(e - kv->n_dev);
+                kv->slot_w.push_back(0);
+            }
+            return sl;
+        };
         std::vector<int32_t> &wb = m->seq_wb;
         wb.clear();
         int64_t host_blocks = 0;
@@ -342,19 +351,21 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                     host_blocks++;
                     continue;
                 }
-                int32_t &sl = kv->slot_of[(size_t)(e - kv->n_dev)];
-                if (sl < 0) {
-                    sl = (int32_t)(kv->list.size() / 2);
-                    kv->list.push_back(sl), kv->list.push_back(e - kv->n_dev);
-                    kv->slot_w.push_back(0);
-                }
+                const int32_t sl = slot_for(e);
                 if (c >= first[(size_t)r] && !kv->slot_w[(size_t)sl]) { /* written by the step: goes back after */
                     kv->slot_w[(size_t)sl] = 1;
                     wb.push_back(sl), wb.push_back(e - kv->n_dev);
                 }
                 e = kv->n_dev + sl;
             }
-        if (stage && !kv->list.empty()) {
+        if (staged && hattn) { /* the device's share (its compacted tables, host_attn_plan's) into staging slots */
+            host_blocks = 0;
+            for (int64_t i = 0; i < m->ha.n_bt; i++) {
+                int32_t &e = m->ha.h_up[i];
+                if (e >= kv->n_dev) e = kv->n_dev + slot_for(e);
+            }
+        }
+        if (staged && !kv->list.empty()) {
             kv->st_n = (int32_t)(kv->list.size() / 2), kv->st_wb = (int32_t)(wb.size() / 2);
             CHECK(kv_stage_room(kv, kv->st_n));
             kv->list.insert(kv->list.end(), wb.begin(), wb.end());
@@ -363,8 +374,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
                "forward: upload the staging list");
             host_blocks = kv->st_n + kv->st_wb;
         }
-        /* kv_host_attn: the device streams its share of them, the CPU reads the rest */
-        f.kv_host_bytes = hattn ? m->ha.gpu_bytes : host_blocks * kv_block_bytes(kv);
+        /* kv_host_attn: the device streams (or stages) its share of them, the CPU reads the rest */
+        f.kv_host_bytes = hattn && !staged ? m->ha.gpu_bytes : host_blocks * kv_block_bytes(kv);
+        if (hattn) host_attn_time_plan(m, f.kv_host_bytes); /* the device's rate over its share, for the next steps */
     }
     f.kv_cpu_bytes = hattn ? m->ha.bytes : 0, f.t_cpu_attn = 0.0, f.kv_cpu_share = hattn ? m->ha.share : 0.0;
     /* query tiles for prefill attention: eager steps only (a graph's grid could not follow
@@ -450,6 +462,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     CHECK(arc);
     f.t_cpu_attn = hattn ? m->ha.t_cpu : 0.0;
     if (hattn) host_attn_account(m); /* the CPU's rate, for the next steps' share */
+    if (hattn && m->ha.t_now) m->ha.t_ticket = tk, m->ha.t_now = false; /* its window read by its wait */
     f.live = true, f.ticket = tk, f.T = T, f.NL = NL, f.greedy = greedy;
     f.layer_events = layer_events, f.sampled = sampled, f.moe = moe, f.expert_hist = b->expert_hist;
     f.mv = mv_fed;
@@ -522,7 +535,8 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
     m->profile.kv_host_bytes = f.kv_host_bytes;
     m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;
     m->profile.kv_cpu_share = f.kv_cpu_share, m->profile.kv_cpu_gbs = m->ha.cpu_gbs;
-    m->profile.kv_pcie_gbs = m->ha.pcie_gbs;
+    host_attn_timed(m, ticket);
+    m->profile.kv_pcie_gbs = m->ha.dev_gbs[host_attn_form(m)];
     stt->n_tokens = f.T;
     stt->n_expert_tokens = pairs;
     stt->n_active_experts = active;

@@ -83,8 +83,9 @@ typedef struct stg_settings {
                                * streams as with 0. 0: host blocks streamed over PCIe (kv_stream) */
     int32_t kv_host_share;    /* kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks (a prefix of them
                                * in sequence order, rounded to whole blocks); the device's split kernel reads the rest in
-                               * place over PCIe beside its VRAM blocks, so the two rates add. -1: measured,
-                               * r_cpu / (r_cpu + r_pcie) (stg_profile.kv_cpu_gbs / kv_pcie_gbs); 0: no CPU share (a
+                               * place over PCIe (kv_stream 1) or staged into VRAM (kv_stream 0) beside its VRAM blocks,
+                               * so the two rates add. -1: measured, r_cpu / (r_cpu + r_dev) (stg_profile.kv_cpu_gbs /
+                               * kv_pcie_gbs); 0: no CPU share (a
                                * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
 } stg_settings;
 
@@ -239,8 +240,9 @@ typedef struct stg_profile {
     double t_cpu_attn;
     /* kv_host_attn: the CPU's share of the host-tier bytes the step read (kv_cpu_bytes over both), and the rates
      * the measured share (kv_host_share -1) weighs: the CPU pool's (GB/s, a running mean of its steps' kv_cpu_bytes
-     * / t_cpu_attn; 0 before the first) and PCIe's (a kernel's in-place reads of mapped host memory, timed once
-     * by the first step that may take the CPU's share) */
+     * / t_cpu_attn; 0 before the first) and the device's over its share in the current form (kv_stream 1 in place,
+     * 0 staged): a probe's, timed once by the first step of the form that may take the CPU's share, then the running
+     * mean of one timed layer a step (host_sync.cu) */
     double kv_cpu_share, kv_cpu_gbs, kv_pcie_gbs;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
