@@ -161,6 +161,15 @@ def _prefill_pair(flat: Engine, tiered: Engine, prompts: list[list[int]],
     return tables, last, [len(p) for p in prompts]
 
 
+def _host_read_bytes(tiered: Engine, tables: list[list[int]], pos: list[int]) -> int:
+    """The bytes (every layer's K and V) of the host-tier blocks that tokens at ``pos`` over ``tables`` read where
+    they are placed now: what the CPU's (kv_cpu_bytes) and the device's (kv_host_bytes: streamed or staged) shares
+    of a kv_host_attn step add up to (distinct sequences: no block read twice)."""
+    kt = tiered.kv_tiers
+    per_block = tiered._gpu.kv_bytes // kt.n_hot
+    return per_block * sum(not kt.is_hot(b) for t, q in zip(tables, pos, strict=True) for b in t[: q // 16 + 1])
+
+
 def _decode_pair(flat: Engine, tiered: Engine, tables: list[list[list[int]]], toks: list[int],
                  pos: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """One decode step of every sequence on both engines, the tiered one's recent window (each sequence's block
@@ -170,16 +179,20 @@ def _decode_pair(flat: Engine, tiered: Engine, tables: list[list[list[int]]], to
     return flat.forward(toks, pos, seqs, tables[0], seqs), tiered.forward(toks, pos, seqs, tables[1], seqs)
 
 
+@pytest.mark.parametrize("stream", [1, 0])
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("n_seq", [1, 2])
-def test_host_attn_within_tolerance(model: Path, kv_type: str, n_seq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_attn_within_tolerance(model: Path, kv_type: str, n_seq: int, stream: int,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """kv_host_attn 1 with the CPU's share at 100%: the CPU pool attends the host-tier blocks of each decode step
     (split-KV at a low att_split_min) while the GPU attends its VRAM blocks; over several decode steps of 1 and 2
     sequences the logits stay within HOST_ATTN_TOL of max |logit| of the untiered cache and the greedy tokens are
     its tokens; the step statistics say the CPU read the host blocks (kv_cpu_bytes) and nothing crossed PCIe.
     Setting 0 on the same engine then streams them again, bitwise the untiered logits, rerunning the first decode
     step: the keys the steps under setting 1 wrote come from hidden states of the CPU's order of additions (a
-    rounding apart from the untiered cache's), so only a step that reads none of them can be bitwise."""
+    rounding apart from the untiered cache's), so only a step that reads none of them can be bitwise. Under
+    kv_stream 0 (stream 0) the same: the device stages none (all host blocks are the CPU's), setting 0 stages them."""
+    monkeypatch.setenv("STRATA_GPU_KV_STREAM", str(stream))
     monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
     monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", "100")
     monkeypatch.setenv("STRATA_GPU_ATT_SPLIT_MIN", "256")
@@ -197,8 +210,9 @@ def test_host_attn_within_tolerance(model: Path, kv_type: str, n_seq: int, monke
             assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
             assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
             assert st.kv_cpu_bytes > 0 and st.kv_host_bytes == 0, (st.kv_cpu_bytes, st.kv_host_bytes)
+            assert st.kv_cpu_bytes == _host_read_bytes(tiered, tables[1], pos)
             assert st.kv_cpu_share == 1.0
-            print(f"{kv_type}, {n_seq} sequence(s), step {step}: {err:.2e} of max |logit|, CPU read "
+            print(f"stream {stream}, {kv_type}, {n_seq} sequence(s), step {step}: {err:.2e} of max |logit|, CPU read "
                   f"{st.kv_cpu_bytes} host-tier bytes in {st.t_cpu_attn * 1e3:.2f} ms")
             toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
         # setting 0 on the first decode step again (its keys: the prompts' and its own)
@@ -209,15 +223,21 @@ def test_host_attn_within_tolerance(model: Path, kv_type: str, n_seq: int, monke
         assert st.kv_host_bytes > 0 and st.kv_cpu_bytes == 0
 
 
+@pytest.mark.parametrize("stream", [1, 0])
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
 @pytest.mark.parametrize("share", [0, 50, -1])
-def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: int,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     """kv_host_attn 1's mixed form over two sequences: kv_host_share 50 has the CPU attend the first half of each
     token's host-tier blocks (rounded to whole blocks) and the GPU stream the rest beside its VRAM blocks: both byte
     counts > 0, their split the share, the logits within HOST_ATTN_TOL of the untiered cache's and its greedy
     tokens. -1 takes the share from the measured rates (the PCIe probe's and, after the first step, the CPU's
     running mean: both reported), strictly between 0 and 1 here. 0 gives the CPU no block: every step is
-    kv_host_attn 0's, bitwise the untiered logits, nothing attended by the CPU."""
+    kv_host_attn 0's, bitwise the untiered logits, nothing attended by the CPU. stream 0 (kv_stream 0): the
+    device's share is staged into VRAM (kv_host_bytes: the staged blocks; the rate weighed, the staging gather's),
+    the CPU's and the staged bytes adding up to the host blocks' the tokens read, and share 0 bitwise kv_host_attn
+    0's staged step (the step rerun under setting 0)."""
+    monkeypatch.setenv("STRATA_GPU_KV_STREAM", str(stream))
     monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
     monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", str(share))
     monkeypatch.setenv("STRATA_GPU_ATT_SPLIT_MIN", "256")
@@ -233,11 +253,19 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, monkeypatc
             if share == 0:
                 assert np.array_equal(a, b), f"step {step}: max {np.abs(a - b).max():.3e}"
                 assert st.kv_cpu_bytes == 0 and st.kv_host_bytes > 0 and st.kv_cpu_share == 0.0
+                # the same step under kv_host_attn 0 (its keys rewritten with the same bits): the same logits
+                seqs = list(range(len(toks)))
+                tiered._gpu.set_settings({**os.environ, "STRATA_GPU_KV_HOST_ATTN": "0"})
+                c = tiered.forward(toks, pos, seqs, tables[1], seqs)
+                tiered._gpu.set_settings(dict(os.environ))
+                assert np.array_equal(b, c), f"step {step}: kv_host_attn 0 max {np.abs(b - c).max():.3e}"
+                assert tiered.last_stats.kv_host_bytes == st.kv_host_bytes
             else:
                 err = np.abs(a - b).max() / np.abs(a).max()
                 assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
                 assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
                 assert st.kv_cpu_bytes > 0 and st.kv_host_bytes > 0, (st.kv_cpu_bytes, st.kv_host_bytes)
+                assert st.kv_cpu_bytes + st.kv_host_bytes == _host_read_bytes(tiered, tables[1], pos)
                 got = st.kv_cpu_bytes / (st.kv_cpu_bytes + st.kv_host_bytes)
                 assert got == pytest.approx(st.kv_cpu_share)
                 assert st.kv_pcie_gbs > 0
@@ -246,8 +274,9 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, monkeypatc
                 elif step > 0:
                     assert st.kv_cpu_gbs > 0
                     want = st.kv_cpu_gbs / (st.kv_cpu_gbs + st.kv_pcie_gbs)
-                    print(f"{kv_type}, step {step}: CPU {st.kv_cpu_gbs:.1f} GB/s, PCIe {st.kv_pcie_gbs:.1f} GB/s, "
-                          f"share {got:.3f} (measured rule {want:.3f} before this step's update)")
+                    print(f"stream {stream}, {kv_type}, step {step}: CPU {st.kv_cpu_gbs:.1f} GB/s, device "
+                          f"{st.kv_pcie_gbs:.1f} GB/s, share {got:.3f} (measured rule {want:.3f} after this step's "
+                          "update)")
             toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
 
 
@@ -306,13 +335,17 @@ def dense_g8(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             n_ctx=BENCH_KV)
 
 
+@pytest.mark.parametrize("stream", [1, 0])
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-def test_host_attn_bench_conditions(dense_g8: Path, kv_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_attn_bench_conditions(dense_g8: Path, kv_type: str, stream: int,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Six decode steps of two sequences (16,400 and 12,000 prompt tokens; 1,100 blocks hot): before each, place_kv
     puts one sequence wholly in VRAM and then the other, so that the second's blocks leave VRAM for the host tier
     right before the step that has the CPU attend them (the sequences alternate); kv_host_share 100 for three steps,
     then 50 (the mixed form: the device also streams host blocks). Each step's logits within HOST_ATTN_TOL of the
-    untiered cache's, its greedy tokens, the CPU's bytes > 0 and hundreds of just-moved blocks among its reads."""
+    untiered cache's, its greedy tokens, the CPU's bytes > 0 and hundreds of just-moved blocks among its reads. stream 0
+    (kv_stream 0): the device's share is staged into VRAM instead of read in place (the bench's mixstage row)."""
+    monkeypatch.setenv("STRATA_GPU_KV_STREAM", str(stream))
     monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
     monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", "100")
     monkeypatch.delenv("STRATA_GPU_ATT_SPLIT_MIN", raising=False)  # the default, as the bench runs
@@ -340,11 +373,12 @@ def test_host_attn_bench_conditions(dense_g8: Path, kv_type: str, monkeypatch: p
             b = tiered.forward(toks, pos, seqs, tables[1], seqs)
             st = tiered.last_stats
             err = np.abs(a - b).max() / np.abs(a).max()
-            print(f"{kv_type}, step {step}: {err:.2e} of max |logit|; {just_out} blocks of sequence {cold} moved to "
+            print(f"stream {stream}, {kv_type}, step {step}: {err:.2e} of max |logit|; {just_out} blocks of sequence {cold} moved to "
                   f"the host tier before the step; CPU share {st.kv_cpu_share:.2f}, {st.kv_cpu_bytes} bytes")
             assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
             assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
             assert st.kv_cpu_bytes > 0, st.kv_cpu_bytes
+            assert st.kv_cpu_bytes + st.kv_host_bytes == _host_read_bytes(tiered, tables[1], pos)
             if step >= 3:
                 assert 0.0 < st.kv_cpu_share < 1.0 and st.kv_host_bytes > 0, (st.kv_cpu_share, st.kv_host_bytes)
             else:
