@@ -547,7 +547,7 @@ def run_tiers(path: Path, device: str, depth: int, n_seq: int, steps: int, budge
               f"unlimited {full['decode_tok_s']:.2f}); tokens {'the same' if row_same else 'DIFFER'}; per decoded "
               f"token {row['decode_host_bytes'] / nd / 2**30:.2f} GiB over PCIe, {row['decode_cpu_bytes'] / nd / 2**30:.2f} "
               f"GiB attended by the CPU ({cpu_gbs:.1f} GB/s in st_attn_blocks_part; CPU share {share:.1%}, the last "
-              f"step's measured rates: CPU {row['kv_cpu_gbs']:.1f} GB/s, PCIe probe {row['kv_pcie_gbs']:.1f} GB/s), "
+              f"step's measured rates: CPU {row['kv_cpu_gbs']:.1f} GB/s, device (in place or staged) {row['kv_pcie_gbs']:.1f} GB/s), "
               f"{row['decode_moved_bytes'] / nd / 2**20:.2f} MiB moved", flush=True)
         gaps = [] if row_same else tie_gaps(path, device, kv_tokens, kv_type, prompts, full["tokens"], row["tokens"])
         for g in gaps:

@@ -75,10 +75,11 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_KV_HOST_ATTN", "kv_host_attn",
              "KV tiers: 1 split-KV decode steps have the CPU pool attend the host-tier blocks where they lie (its "
              "partials merged as one more split; eager steps, within 1e-3 of the untiered logits), the GPU its VRAM "
-             "blocks; 0 (the default) host blocks streamed over PCIe"),
+             "blocks (kv_stream 0: the GPU's share staged); 0 (the default) host blocks streamed over PCIe"),
     Override("STRATA_GPU_KV_HOST_SHARE", "kv_host_share",
-             "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest streamed over PCIe by the "
-             "GPU in the same step; -1 (the default) from the measured rates, r_cpu / (r_cpu + r_pcie)"),
+             "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest read by the GPU in the "
+             "same step (in place over PCIe, or staged into VRAM with kv_stream 0); -1 (the default) from the "
+             "measured rates, r_cpu / (r_cpu + r_dev)"),
 )
 
 

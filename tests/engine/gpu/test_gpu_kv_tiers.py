@@ -235,8 +235,9 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: in
     running mean: both reported), strictly between 0 and 1 here. 0 gives the CPU no block: every step is
     kv_host_attn 0's, bitwise the untiered logits, nothing attended by the CPU. stream 0 (kv_stream 0): the
     device's share is staged into VRAM (kv_host_bytes: the staged blocks; the rate weighed, the staging gather's),
-    the CPU's and the staged bytes adding up to the host blocks' the tokens read, and share 0 bitwise kv_host_attn
-    0's staged step (the step rerun under setting 0)."""
+    the CPU's and the staged bytes adding up to the host blocks' the tokens read, share 50 bitwise the in-place form's
+    (the step rerun under the other kv_stream) and share 0 bitwise kv_host_attn 0's staged step (the step rerun under
+    setting 0)."""
     monkeypatch.setenv("STRATA_GPU_KV_STREAM", str(stream))
     monkeypatch.setenv("STRATA_GPU_KV_HOST_ATTN", "1")
     monkeypatch.setenv("STRATA_GPU_KV_HOST_SHARE", str(share))
@@ -271,6 +272,14 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: in
                 assert st.kv_pcie_gbs > 0
                 if share == 50:
                     assert abs(got - 0.5) <= 0.02, got  # whole blocks of ~125 and ~100 per token
+                    # the other form of the device's share (staged / in place) rerun on the step: the same bits (the
+                    # same blocks in the same order through the same kernels; the step rewrites its keys unchanged)
+                    seqs = list(range(len(toks)))
+                    tiered._gpu.set_settings({**os.environ, "STRATA_GPU_KV_STREAM": str(1 - stream)})
+                    c = tiered.forward(toks, pos, seqs, tables[1], seqs)
+                    tiered._gpu.set_settings(dict(os.environ))
+                    assert np.array_equal(b, c), f"step {step}: kv_stream {1 - stream} max {np.abs(b - c).max():.3e}"
+                    assert tiered.last_stats.kv_cpu_bytes == st.kv_cpu_bytes
                 elif step > 0:
                     assert st.kv_cpu_gbs > 0
                     want = st.kv_cpu_gbs / (st.kv_cpu_gbs + st.kv_pcie_gbs)
