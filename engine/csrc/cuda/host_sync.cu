@@ -245,7 +245,7 @@ static double host_attn_share(const stg_model *m) {
     return rc > 0.0 ? rc / (rc + rp) : 0.5;
 }
 
-#define DEV_SAMPLE_MIN ((int64_t)8 << 20) /* bytes: a timed layer's device share below this gives no rate sample */
+#define DEV_SAMPLE_MIN ((int64_t)4 << 20) /* bytes: a timed layer's device share below this gives no rate sample */
 
 /* The step being queued (kv_host_attn, bytes: the host-tier bytes its device reads in all layers, staged or in
  * place): whether it times layer n_layer / 2's window (one timed step pending at a time). */

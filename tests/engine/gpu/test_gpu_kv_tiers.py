@@ -390,6 +390,10 @@ def test_host_attn_bench_conditions(dense_g8: Path, kv_type: str, stream: int,
             assert st.kv_cpu_bytes + st.kv_host_bytes == _host_read_bytes(tiered, tables[1], pos)
             if step >= 3:
                 assert 0.0 < st.kv_cpu_share < 1.0 and st.kv_host_bytes > 0, (st.kv_cpu_share, st.kv_host_bytes)
+                # the device's rate over its share (F16: ~5 MiB a layer, timed from the first such step on)
+                assert st.kv_pcie_gbs > 0
+                print(f"  device {st.kv_pcie_gbs:.1f} GB/s ({'in place' if stream else 'staged'}), CPU "
+                      f"{st.kv_cpu_gbs:.1f} GB/s")
             else:
                 assert st.kv_cpu_share == 1.0 and st.kv_host_bytes == 0, (st.kv_cpu_share, st.kv_host_bytes)
             toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
