@@ -18,7 +18,19 @@
  * the routed experts over the router's own grouping (every expert) with the slot as the weights, and releases
  * the slot. The copy of layer l+1 thus runs while layer l computes. Steps are queued whole (hybrid_overlap) or
  * layer by layer; both see the same decision. Rows of staged layers are the device's (within the GPU engine's
- * tolerances of the CPU's), so the decision can change a result: it is off by default. */
+ * tolerances of the CPU's), so the decision can change a result.
+ *
+ * Partial staging (stg_settings.hybrid_stage_split): the copy of layer l+1 starts before its routing is known,
+ * so a staged layer's split comes from a routing estimate (cnt: decayed pair counts per expert, from
+ * stg_model_set_stage_freq's prior and each waited step's histogram, staging_observe). Expected pairs of
+ * non-resident expert e = T x k x its share of the layer's counts; the coldest go to the CPU while their
+ * expected time stays under the copies of the rest (staging_split), the layer split where that beats both the
+ * whole layer staged and the CPU alone. A split layer has a CPU share (hybrid.cu's handshake): its pairs grouped
+ * by the step's map (d_map: the slot's experts, staged and resident, at their own index; the CPU's -1), the host
+ * computing the pairs the step really routes to the CPU's experts; the copy stream brings only the staged
+ * experts (and the resident ones from the arena), the compute stream waiting between w0 and w1. Each pair's row
+ * comes from the same kernels as in any other assignment and the combine adds by pair index, so the split moves
+ * results only within the GPU-vs-CPU tolerance. */
 #include "model.cuh"
 
 /* hybrid_stage_split's routing estimate: the weight (tokens) of its uniform start, the half-life (tokens) of what
@@ -179,7 +191,7 @@ static void staging_observe(stg_model *m, int32_t T, const int32_t *hist) {
 
 /* hybrid_stage_split for partial layer il of a step of T tokens: the CPU's experts (cpu[e] = 1, *n_cpu of the
  * layer's n_off non-resident ones) and the layer's expected seconds that way (max of the CPU's, the copies', the
- * device's copy of the whole layer). Expected pairs of a non-resident expert: T x k x its share of the layer's
+ * device's copies of the resident experts). Expected pairs of a non-resident expert: T x k x its share of the layer's
  * estimated pairs; the coldest (ties: lower id) go to the CPU while its expected time stays under the copy time of
  * the experts left to stage (so all of them only where the estimate expects none of their pairs). */
 static double staging_split(const stg_model *m, int il, int32_t T, int64_t per_expert, uint8_t *cpu, int *n_cpu_out) {
@@ -205,7 +217,7 @@ static double staging_split(const stg_model *m, int il, int32_t T, int64_t per_e
     *n_cpu_out = n_cpu;
     for (int i = 0; i < n_cpu; i++) cpu[off[(size_t)i].second] = 1;
     const double copy_s = (double)(n_off - n_cpu) * per_expert / pcie;
-    const double gpu_s = (double)ne * per_expert / (g.gpu_gbs * 1e9);
+    const double gpu_s = (double)(ne - n_off) * per_expert / (g.gpu_gbs * 1e9); /* the resident experts' copies */
     return std::max(std::max(pairs / g.cpu_pairs_s, copy_s), gpu_s);
 }
 
