@@ -368,7 +368,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c, &f.hy.w0, &f.hy.w1})
             for (cudaEvent_t e : *v) cudaEventDestroy(e);
     }
     for (cudaEvent_t e : m->ev) cudaEventDestroy(e);
