@@ -221,8 +221,8 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
         }
     }
     hs.t_cpu += host_seconds() - t1;
-    hs.cpu_pairs += n;
     if (staged_layer(m, il)) hs.split_cpu_pairs += n;
+    hs.cpu_pairs += n;
     /* the pair indices after room for every pair's row; the device copies the whole region (bytes counted here) */
     if (n > 0) memcpy(h.h_rows + P * E, h.pair_idx.data(), sizeof(int32_t) * (size_t)n);
     hs.pcie_h2d += (int64_t)sizeof(float) * P * (E + 1);
