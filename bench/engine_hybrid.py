@@ -237,7 +237,8 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
                 st = eng.last_stats  # the chunk's last step: its frame and what staging did
                 out[f"prefill_{n}_frame_ms"] = frame_ms(st)
                 out[f"prefill_{n}_staging"] = {k: float(getattr(st, k, 0)) for k in (
-                    "staged_layers", "staged_bytes", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s")}
+                    "staged_layers", "staged_bytes", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s",
+                    "stage_split_layers", "stage_gpu_experts", "stage_cpu_experts", "stage_cpu_pairs")}
                 return rate
             finally:
                 eng.blocks.release(b)
@@ -404,7 +405,10 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"   prefill {n}'s last step: {pf['t_total']:.1f} ms = GPU {pf['t_gpu']:.1f} + PCIe {pf['t_pcie']:.1f} + "
               f"waiting {pf['t_gpu_wait']:.1f}; staged {sg['staged_layers']:.0f} layers, "
               f"{sg['staged_bytes'] / 2**20:.0f} MiB (rates: PCIe {sg['stage_pcie_gbs']:.1f} GB/s, GPU "
-              f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s)", flush=True)
+              f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s); split "
+              f"(hybrid_stage_split) {sg.get('stage_split_layers', 0):.0f} layers: {sg.get('stage_gpu_experts', 0):.0f} "
+              f"experts staged, {sg.get('stage_cpu_experts', 0):.0f} on the CPU ({sg.get('stage_cpu_pairs', 0):.0f} "
+              f"pairs)", flush=True)
 
 
 # a row's guessed seconds before one of its kind has run (a fresh machine, files in the page cache)

@@ -366,6 +366,8 @@ class CudaModel:
                 "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes),
                 "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
                 "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
+                "stage_split_layers": int(p.stage_split_layers), "stage_gpu_experts": int(p.stage_gpu_experts),
+                "stage_cpu_experts": int(p.stage_cpu_experts), "stage_cpu_pairs": int(p.stage_cpu_pairs),
                 "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
                 "t_cpu_attn": p.t_cpu_attn, "kv_cpu_share": p.kv_cpu_share, "kv_cpu_gbs": p.kv_cpu_gbs,
                 "kv_pcie_gbs": p.kv_pcie_gbs}
@@ -392,6 +394,19 @@ class CudaModel:
             raise EngineError("GPU model is closed")
         _check(self.ffi, self.lib, self.lib.stg_model_set_stage_rate(self._model, float(cpu_pairs_per_s)),
                "stage rate")
+
+    def set_stage_freq(self, freqs: Any, weight_tokens: float = 4096.0) -> None:
+        """hybrid_stage_split's routing estimate (stg_model_set_stage_freq): ``freqs`` [n_layer, n_expert] (any
+        scale per layer; RoutingStats.frequencies) standing for ``weight_tokens`` tokens of routing, against which
+        the steps' own histograms count from here on."""
+        import numpy as np
+
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        f = np.ascontiguousarray(freqs, dtype=np.float32).reshape(-1)
+        buf = self.ffi.from_buffer("float[]", f)
+        _check(self.ffi, self.lib, self.lib.stg_model_set_stage_freq(self._model, buf, f.size, float(weight_tokens)),
+               "stage freq")
 
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""

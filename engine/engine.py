@@ -223,6 +223,10 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.stage_pcie_gbs = float(profile.get("stage_pcie_gbs", 0.0))
         out.stage_gpu_gbs = float(profile.get("stage_gpu_gbs", 0.0))
         out.stage_cpu_pairs_s = float(profile.get("stage_cpu_pairs_s", 0.0))
+        out.stage_split_layers = int(profile.get("stage_split_layers", 0))
+        out.stage_gpu_experts = int(profile.get("stage_gpu_experts", 0))
+        out.stage_cpu_experts = int(profile.get("stage_cpu_experts", 0))
+        out.stage_cpu_pairs = int(profile.get("stage_cpu_pairs", 0))
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
         out.kv_host_bytes = int(profile.get("kv_host_bytes", 0))
@@ -241,7 +245,8 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16",
+                 stage_freqs: np.ndarray | None = None) -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -331,6 +336,8 @@ class Engine:
         if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
             try:
                 self._gpu.set_stage_rate(self._cpu_pairs_rate(max(64, prefill_chunk)))
+                if stage_freqs is not None:  # hybrid_stage_split's estimate starts from the plan's frequencies
+                    self._gpu.set_stage_freq(stage_freqs, self.STAGE_FREQ_WEIGHT_TOKENS)
             except BaseException:
                 self.close()
                 raise
@@ -339,6 +346,9 @@ class Engine:
     # experts move
     REPLACE_HALF_LIFE_TOKENS = 4096.0
     REPLACE_MIN_LAYER_TOKENS = 64.0
+    # hybrid_stage_split: the tokens of routing a placement file's frequencies stand for in the GPU engine's estimate
+    # (the steps' own histograms then take over at its half-life, also 4,096 tokens)
+    STAGE_FREQ_WEIGHT_TOKENS = 4096.0
 
     def replace_experts(self, hist: np.ndarray, max_bytes: int) -> int:
         """Online re-placement between steps (issue 29): ``hist`` (a step's [n_layer, n_expert] routing counts)
@@ -487,9 +497,14 @@ class Engine:
                     lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
+        stage_freqs = None  # the placement file's frequencies (None: uniform routing) for hybrid_stage_split
+        if resident is not None and not resident.all():
+            from engine.placement import placement_frequencies
+
+            stage_freqs = placement_frequencies(mf, placement)[0]
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
                    resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
-                   kv_type)
+                   kv_type, stage_freqs)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:

@@ -283,3 +283,35 @@ def test_cores_outside_the_machine_are_refused(tiny: Path) -> None:
             Engine.open(tiny, cores=bad, kv_tokens=64)
     with Engine.open(tiny, cores=[0], kv_tokens=64) as eng:
         assert eng.cores == [0] and eng.threads == 1
+
+
+def test_hybrid_stage_split_is_declared_and_reported() -> None:
+    """hybrid_stage_split (staging.cu): the setting (0, whole layers, by default in model.cu), its override, the
+    routing estimate's entry point and the split's figures in the profile, carried into StepStats."""
+    import re
+    from types import SimpleNamespace
+
+    from cffi import FFI
+
+    from engine import gpu_settings
+    from engine.engine import _stats
+
+    f = FFI()
+    f.cdef(cuda_backend.cdef_text())
+    assert "hybrid_stage_split" in {name for name, _ in f.typeof("stg_settings").fields}
+    split = ("stage_split_layers", "stage_gpu_experts", "stage_cpu_experts", "stage_cpu_pairs")
+    assert set(split) <= {name for name, _ in f.typeof("stg_profile").fields}
+    assert "stg_model_set_stage_freq(" in cuda_backend.cdef_text()
+    model_cu = (Path(cuda_backend.__file__).parent / "csrc" / "cuda" / "model.cu").read_text()
+    assert re.search(r"s->hybrid_stage_split = (\d+);", model_cu).group(1) == "0"
+    assert "RANGE(hybrid_stage_split, 0, 1)" in model_cu
+    assert gpu_settings.env_override("hybrid_stage_split", {"STRATA_GPU_HYBRID_STAGE_SPLIT": "1"}) == 1
+    assert gpu_settings.env_override("hybrid_stage_split", {}) is None
+    st = SimpleNamespace(n_tokens=512, t_total=0.1, t_attn=0.0, t_experts=0.0, t_dense=0.0, t_output=0.0,
+                         n_expert_tokens=4096, n_active_experts=128, pool_idle_share=0.0)
+    profile = {"t_gpu": 0.05, "t_cpu_experts": 0.02, "t_gpu_wait": 0.0, "t_pcie": 0.05, "t_cpu_wait": 0.0,
+               "pcie_bytes": 1, "pairs_gpu": 4000, "pairs_cpu": 96, "staged_bytes": 10, "staged_layers": 2,
+               "stage_split_layers": 2, "stage_gpu_experts": 200, "stage_cpu_experts": 56, "stage_cpu_pairs": 96}
+    out = _stats(st, profile)
+    assert (out.stage_split_layers, out.stage_gpu_experts, out.stage_cpu_experts, out.stage_cpu_pairs) == \
+        (2, 200, 56, 96)

@@ -27,7 +27,9 @@
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.
  *
- * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
+ * A layer the step stages whole (staging.cu) has no CPU share: hybrid_layer is false for it. A staged layer split
+ * (hybrid_stage_split) has one: its pairs are grouped by the step's map (the slot's experts at their own index, the
+ * CPU's -1) and the host computes the pairs of the experts left to it.
  *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
  * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals; a k_rows_direct
@@ -254,10 +256,9 @@ static stg_status hybrid_wait_routing(const hybrid &h, const hybrid_step &hs, in
     return host_sync_wait(h.sync, il, hs.seq, hs.s1[(size_t)il], "hybrid: routing to the host");
 }
 
-/* A layer with a CPU share in the step being queued (a partial layer that this step does not stage). */
+/* A layer with a CPU share in the step being queued (a partial layer that this step does not stage whole). */
 static bool hybrid_layer(const stg_model *m, int il) {
-    const staging &g = m->hy.stg;
-    return partial_layer(m, il) && !((size_t)il < g.now.size() && g.now[(size_t)il]);
+    return partial_layer(m, il) && !staging_whole(m, il);
 }
 
 /* The launched step's events, sums and flag value (step_launch, before the layers are queued). */
@@ -275,7 +276,7 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     hs.used.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
     hs.staged_layers = hs.staged_bytes = 0;
-    staging_decide(m, T);
+    CHECK(staging_decide(m, hs, T));
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
     hybrid &h = m->hy;
@@ -318,7 +319,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     CHECK(hybrid_wait_routing(h, hs, il));
     const double t1 = host_seconds();
     hs.t_cpu_wait += t1 - t0;
-    const uint8_t *res = h.resident.data() + (size_t)il * ne;
+    const uint8_t *res = staging_device_mask(m, il); /* resident, or (a split layer) staged */
     int32_t n = 0;
     for (int64_t p = 0; p < P; p++) {
         const int32_t e = h.h_ids[p];
@@ -337,6 +338,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
         }
     }
     hs.t_cpu += host_seconds() - t1;
+    if (staged_layer(m, il)) hs.split_cpu_pairs += n;
     hs.cpu_pairs += n;
     if (h.rows_direct) { /* k_rows_direct reads the n rows in place (their indices are the device's own) */
         hs.pcie_h2d += (int64_t)sizeof(float) * n * E;
@@ -431,10 +433,11 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     CU(cudaEventRecord(hs.s1[(size_t)il], st), "hybrid: event");
     hs.pcie_d2h += (int64_t)sizeof(int32_t) * P + (int64_t)sizeof(float) * T * E;
     if (h.worker) h.worker->queued.store(il + 1, std::memory_order_release);
-    const int32_t n_slots = h.n_slots[(size_t)il];
+    const bool split = staged_layer(m, il); /* the staging slot's experts at their own index (staging.cu) */
+    const int32_t n_slots = split ? ne : h.n_slots[(size_t)il];
     if (n_slots == 0) return ST_OK;
     launch_k(k_slot_ids, (unsigned)((P + 255) / 256), 256, 0, st, (const int32_t *)s.topk_id, (int32_t)P,
-             (const int32_t *)(h.d_slot + (int64_t)il * ne), h.sid);
+             split ? staging_map(m, il) : (const int32_t *)(h.d_slot + (int64_t)il * ne), h.sid);
     LAUNCHED("hybrid: slots");
     /* the histogram is the expert grouping's (the router's launch counted every pair) */
     const group_out go = {s.gexp,   s.gstart, s.gcount, s.n_groups,  s.list,    s.pair_tok, nullptr, s.gtiles,

@@ -18,8 +18,25 @@
  * the routed experts over the router's own grouping (every expert) with the slot as the weights, and releases
  * the slot. The copy of layer l+1 thus runs while layer l computes. Steps are queued whole (hybrid_overlap) or
  * layer by layer; both see the same decision. Rows of staged layers are the device's (within the GPU engine's
- * tolerances of the CPU's), so the decision can change a result: it is off by default. */
+ * tolerances of the CPU's), so the decision can change a result.
+ *
+ * Partial staging (stg_settings.hybrid_stage_split): the copy of layer l+1 starts before its routing is known,
+ * so a staged layer's split comes from a routing estimate (cnt: decayed pair counts per expert, from
+ * stg_model_set_stage_freq's prior and each waited step's histogram, staging_observe). Expected pairs of
+ * non-resident expert e = T x k x its share of the layer's counts; the coldest go to the CPU while their
+ * expected time stays under the copies of the rest (staging_split), the layer split where that beats both the
+ * whole layer staged and the CPU alone. A split layer has a CPU share (hybrid.cu's handshake): its pairs grouped
+ * by the step's map (d_map: the slot's experts, staged and resident, at their own index; the CPU's -1), the host
+ * computing the pairs the step really routes to the CPU's experts; the copy stream brings only the staged
+ * experts (and the resident ones from the arena), the compute stream waiting between w0 and w1. Each pair's row
+ * comes from the same kernels as in any other assignment and the combine adds by pair index, so the split moves
+ * results only within the GPU-vs-CPU tolerance. */
 #include "model.cuh"
+
+/* hybrid_stage_split's routing estimate: the weight (tokens) of its uniform start, the half-life (tokens) of what
+ * the steps' histograms add (engine.Engine.REPLACE_HALF_LIFE_TOKENS, the re-placement statistics') */
+#define STAGE_PRIOR_TOKENS 16.0
+#define STAGE_HALF_LIFE_TOKENS 4096.0
 
 static int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -105,6 +122,10 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     if (t_h2d <= 0.0 || t_d2d <= 0.0) return ST_OK;
     g.pcie_gbs = (double)bytes / t_h2d * 1e-9;
     g.gpu_gbs = 2.0 * (double)bytes / t_d2d * 1e-9; /* a device copy reads and writes each byte */
+    /* hybrid_stage_split: the step's map on the device, the routing estimate uniform at a few tokens' weight */
+    const size_t n = (size_t)nL * (size_t)m->d.n_expert;
+    CHECK(dalloc(m, &g.d_map, n * sizeof(int32_t)));
+    g.cnt.assign(n, (double)STAGE_PRIOR_TOKENS * m->d.n_expert_used / m->d.n_expert);
     g.on = true;
     return ST_OK;
 }
@@ -138,13 +159,83 @@ extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *availabl
     return ST_OK;
 }
 
-/* Which partial layers this step of T tokens stages (before the layers are queued and the CPU thread starts). */
-static void staging_decide(stg_model *m, int32_t T) {
+extern "C" stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n, double weight_tokens) {
+    if (!m || !freq) return fail(ST_EINVAL, "set_stage_freq: NULL argument");
+    const int nL = m->d.n_layer, ne = m->d.n_expert, k = m->d.n_expert_used;
+    if (n != (int64_t)nL * ne) return fail(ST_EINVAL, "set_stage_freq: %lld values, the model has %d x %d", (long long)n, nL, ne);
+    if (!(weight_tokens > 0.0) || weight_tokens > 1e15)
+        return fail(ST_EINVAL, "set_stage_freq: a weight of %g tokens", weight_tokens);
+    if (m->n_live > 0) return fail(ST_EINVAL, "set_stage_freq: %d launched step(s) in flight", m->n_live);
+    for (int64_t i = 0; i < n; i++)
+        if (!(freq[i] >= 0.0f) || !std::isfinite(freq[i]))
+            return fail(ST_EINVAL, "set_stage_freq: frequency %g at %lld", (double)freq[i], (long long)i);
+    staging &g = m->hy.stg;
+    if (!g.on) return ST_OK; /* nothing stages: no estimate to keep */
+    for (int il = 0; il < nL; il++) {
+        const float *f = freq + (size_t)il * ne;
+        double sum = 0.0;
+        for (int e = 0; e < ne; e++) sum += f[e];
+        for (int e = 0; e < ne; e++) /* a layer's pairs: k per token */
+            g.cnt[(size_t)il * ne + e] = weight_tokens * k * (sum > 0.0 ? f[e] / sum : 1.0 / ne);
+    }
+    return ST_OK;
+}
+
+/* A waited step's histogram [n_layer * n_expert] (pairs per expert, T tokens) into the routing estimate. */
+static void staging_observe(stg_model *m, int32_t T, const int32_t *hist) {
+    staging &g = m->hy.stg;
+    if (!g.on || g.cnt.empty() || T <= 0) return;
+    const double decay = std::pow(0.5, (double)T / STAGE_HALF_LIFE_TOKENS);
+    for (size_t i = 0; i < g.cnt.size(); i++) g.cnt[i] = g.cnt[i] * decay + (double)hist[i];
+}
+
+/* hybrid_stage_split for partial layer il of a step of T tokens: the CPU's experts (cpu[e] = 1, *n_cpu of the
+ * layer's n_off non-resident ones) and the layer's expected seconds that way (max of the CPU's, the copies', the
+ * device's copies of the resident experts). Expected pairs of a non-resident expert: T x k x its share of the layer's
+ * estimated pairs; the coldest (ties: lower id) go to the CPU while its expected time stays under the copy time of
+ * the experts left to stage (so all of them only where the estimate expects none of their pairs). */
+static double staging_split(const stg_model *m, int il, int32_t T, int64_t per_expert, uint8_t *cpu, int *n_cpu_out) {
+    const staging &g = m->hy.stg;
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
+    const double *c = g.cnt.data() + (size_t)il * ne;
+    double sum = 0.0;
+    for (int e = 0; e < ne; e++) sum += c[e];
+    std::vector<std::pair<double, int>> off;
+    for (int e = 0; e < ne; e++)
+        if (!res[e]) off.push_back({(double)T * k * (sum > 0.0 ? c[e] / sum : 1.0 / ne), e});
+    std::sort(off.begin(), off.end());
+    const int n_off = (int)off.size();
+    const double pcie = g.pcie_gbs * 1e9;
+    double pairs = 0.0;
+    int n_cpu = 0;
+    while (n_cpu < n_off) {
+        const double more = pairs + off[(size_t)n_cpu].first;
+        if (more / g.cpu_pairs_s > (double)(n_off - n_cpu - 1) * per_expert / pcie) break;
+        pairs = more, n_cpu++;
+    }
+    *n_cpu_out = n_cpu;
+    for (int i = 0; i < n_cpu; i++) cpu[off[(size_t)i].second] = 1;
+    const double copy_s = (double)(n_off - n_cpu) * per_expert / pcie;
+    const double gpu_s = (double)(ne - n_off) * per_expert / (g.gpu_gbs * 1e9); /* the resident experts' copies */
+    return std::max(std::max(pairs / g.cpu_pairs_s, copy_s), gpu_s);
+}
+
+/* Which partial layers this step of T tokens stages, and with hybrid_stage_split which of their experts stay on
+ * the CPU (before the layers are queued and the CPU thread starts): the split layers' device mask and map, the
+ * map uploaded on the compute stream (stream order keeps it from a step still running). */
+static stg_status staging_decide(stg_model *m, hybrid_step &hs, int32_t T) {
     staging &g = m->hy.stg;
     const int nL = m->d.n_layer, ne = m->d.n_expert, k = m->d.n_expert_used;
     g.now.assign((size_t)nL, 0);
-    if (!g.on || !m->set.hybrid_stage || g.cpu_pairs_s <= 0.0) return; /* set_settings may turn it off */
-    if (T < m->set.hybrid_stage) return; /* the setting is the fewest tokens of a step that may stage */
+    g.split.assign((size_t)nL, 0);
+    hs.split_layers = hs.split_gpu_experts = hs.split_cpu_experts = hs.split_cpu_pairs = 0;
+    hs.split.assign((size_t)nL, 0);
+    if (!g.on || !m->set.hybrid_stage || g.cpu_pairs_s <= 0.0) return ST_OK; /* set_settings may turn it off */
+    if (T < m->set.hybrid_stage) return ST_OK; /* the setting is the fewest tokens of a step that may stage */
+    const bool split = m->set.hybrid_stage_split != 0;
+    if (split) g.dev.assign((size_t)nL * ne, 0), g.map.assign((size_t)nL * ne, -1);
+    std::vector<uint8_t> cpu((size_t)ne);
     for (int il = 0; il < nL; il++) {
         if (!partial_layer(m, il)) continue;
         const dlayer &L = m->L[(size_t)il];
@@ -154,7 +245,37 @@ static void staging_decide(stg_model *m, int32_t T) {
         const double copy_s = (double)off * per_expert / (g.pcie_gbs * 1e9);
         const double gpu_s = (double)ne * per_expert / (g.gpu_gbs * 1e9);
         g.now[(size_t)il] = std::max(copy_s, gpu_s) < cpu_s;
+        if (!split) continue;
+        std::fill(cpu.begin(), cpu.end(), 0);
+        int n_cpu = 0;
+        const double split_s = staging_split(m, il, T, per_expert, cpu.data(), &n_cpu);
+        if (n_cpu == 0) continue; /* the CPU takes nothing: the whole-layer rule */
+        if (n_cpu == off) { /* none of the layer's pairs expected off the device: no copies */
+            g.now[(size_t)il] = 0;
+            continue;
+        }
+        /* against the whole layer on the CPU by the estimate's pairs (the resident experts' pairs excluded) */
+        const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
+        const double *c = g.cnt.data() + (size_t)il * ne;
+        double sum = 0.0, sum_off = 0.0;
+        for (int e = 0; e < ne; e++) sum += c[e], sum_off += res[e] ? 0.0 : c[e];
+        const double cpu_all = (double)T * k * (sum > 0.0 ? sum_off / sum : (double)off / ne) / g.cpu_pairs_s;
+        if (!(split_s < std::min(cpu_all, g.now[(size_t)il] ? std::max(copy_s, gpu_s) : cpu_all))) continue;
+        g.now[(size_t)il] = 1, g.split[(size_t)il] = 1;
+        uint8_t *dev = g.dev.data() + (size_t)il * ne;
+        int32_t *map = g.map.data() + (size_t)il * ne;
+        for (int e = 0; e < ne; e++) {
+            dev[e] = !cpu[(size_t)e];
+            map[e] = dev[e] ? e : -1;
+            hs.split_gpu_experts += dev[e] && !res[e];
+            hs.split_cpu_experts += cpu[(size_t)e];
+        }
+        hs.split_layers++;
     }
+    if (hs.split_layers > 0)
+        CU(cudaMemcpyAsync(g.d_map, g.map.data(), sizeof(int32_t) * g.map.size(), cudaMemcpyHostToDevice, m->stream),
+           "staging: the step's expert map");
+    return ST_OK;
 }
 
 static bool staged_layer(const stg_model *m, int il) {
@@ -162,15 +283,79 @@ static bool staged_layer(const stg_model *m, int il) {
     return g.on && (size_t)il < g.now.size() && g.now[(size_t)il];
 }
 
+static bool split_layer(const stg_model *m, int il) {
+    const staging &g = m->hy.stg;
+    return staged_layer(m, il) && (size_t)il < g.split.size() && g.split[(size_t)il];
+}
+
+static bool staging_whole(const stg_model *m, int il) { return staged_layer(m, il) && !split_layer(m, il); }
+
+static const int32_t *staging_map(const stg_model *m, int il) {
+    return m->hy.stg.d_map + (size_t)il * m->d.n_expert;
+}
+
+static const uint8_t *staging_device_mask(const stg_model *m, int il) {
+    const size_t row = (size_t)il * m->d.n_expert;
+    return split_layer(m, il) ? m->hy.stg.dev.data() + row : m->hy.resident.data() + row;
+}
+
+/* Copies of one tensor of a staged layer into its slot on the copy stream, in runs of one kind (cls: 0 the CPU's,
+ * not copied; 1 over PCIe from the registered host range; 2 resident, device to device from consecutive arena
+ * slots), each expert at its own index; the bytes over PCIe added to *h2d. With batch (a split layer: its staged
+ * experts are scattered ids) and CUDA 13, the runs go in one cudaMemcpyBatchAsync instead of a call each. */
+static stg_status staging_copy(stg_model *m, int il, const dtensor &src, const uint8_t *host, uint8_t *dst,
+                               const uint8_t *cls, bool batch, int64_t *h2d) {
+    staging &g = m->hy.stg;
+    const int ne = m->d.n_expert;
+    const int64_t stride = src.expert_stride;
+    const int32_t *slot = m->hy.slot_of.data() + (size_t)il * ne;
+    std::vector<void *> dsts;
+    std::vector<const void *> srcs;
+    std::vector<size_t> sizes;
+    std::vector<cudaMemcpyKind> kinds;
+    for (int e = 0; e < ne;) { /* runs of one kind; resident ones only where their arena slots are consecutive */
+        int r = e + 1;
+        while (r < ne && cls[r] == cls[e] && (cls[e] != 2 || slot[r] == slot[e] + (r - e))) r++;
+        const size_t bytes = (size_t)(r - e) * (size_t)stride;
+        if (cls[e]) {
+            dsts.push_back(dst + e * stride);
+            srcs.push_back(cls[e] == 2 ? (const void *)(src.d + (int64_t)slot[e] * stride)
+                                       : (const void *)(host + e * stride));
+            sizes.push_back(bytes);
+            kinds.push_back(cls[e] == 2 ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice);
+            if (cls[e] == 1) *h2d += (int64_t)bytes;
+        }
+        e = r;
+    }
+    if (dsts.empty()) return ST_OK;
+#if CUDART_VERSION >= 13000
+    if (batch && dsts.size() > 1) {
+        cudaMemcpyAttributes attr = {};
+        attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+        size_t at = 0;
+        if (cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &at, 1, g.copy) ==
+            cudaSuccess)
+            return ST_OK;
+        cudaGetLastError(); /* refused (a platform without it): the runs one by one */
+    }
+#endif
+    for (size_t i = 0; i < dsts.size(); i++)
+        CU(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], kinds[i], g.copy), "staging: experts");
+    return ST_OK;
+}
+
 /* A staged layer, before its routed experts: the copies into the ring's next slot (after its last user is done)
- * on the copy stream, the compute stream waiting for them between the step's s0 and s1 of the layer, and *Ls,
- * the layer with the slot as its routed weights (every expert at its index). */
+ * on the copy stream, the compute stream waiting for them, and *Ls, the layer with the slot as its routed weights
+ * (every expert at its index). A whole layer's wait sits between the step's s0 and s1 of the layer (it has no CPU
+ * share); a split layer's (hybrid_stage_split: the CPU's experts not copied) between w0 and w1, its s0 / s1 being
+ * the CPU share's. */
 static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
     hybrid &h = m->hy;
     staging &g = h.stg;
     if (!h.cur) return fail(ST_EINVAL, "staging: layer %d queued outside a step", il);
     hybrid_step &hs = *h.cur;
     const int ne = m->d.n_expert;
+    const bool split = split_layer(m, il);
     const int j = g.next;
     g.next ^= 1;
     const dlayer &L = m->L[(size_t)il];
@@ -178,38 +363,57 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
     int64_t off[3];
     slot_layout(m, L, off);
     const uint8_t *res = h.resident.data() + (size_t)il * ne;
+    const uint8_t *dev = staging_device_mask(m, il);
+    std::vector<uint8_t> cls((size_t)ne);
+    for (int e = 0; e < ne; e++) cls[(size_t)e] = res[e] ? 2 : dev[e] || !split ? 1 : 0;
     CU(cudaStreamWaitEvent(g.copy, g.freed[j], 0), "staging: slot");
     dtensor *out[3] = {&Ls->gate_exps, &Ls->up_exps, &Ls->down_exps};
     const dtensor *src[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
     for (int i = 0; i < 3; i++) {
-        const int64_t stride = src[i]->expert_stride;
         uint8_t *dst = g.slot[j] + off[i];
-        const uint8_t *host = h.host[(size_t)il * 3 + i];
-        const int32_t *slot = h.slot_of.data() + (size_t)il * ne;
-        for (int e = 0; e < ne;) { /* runs of non-resident experts, and of resident ones in consecutive slots */
-            int r = e + 1;
-            while (r < ne && res[r] == res[e] && (!res[e] || slot[r] == slot[e] + (r - e))) r++;
-            const size_t bytes = (size_t)(r - e) * (size_t)stride;
-            if (res[e]) {
-                CU(cudaMemcpyAsync(dst + e * stride, src[i]->d + (int64_t)slot[e] * stride, bytes,
-                                   cudaMemcpyDeviceToDevice, g.copy), "staging: resident experts");
-            } else {
-                CU(cudaMemcpyAsync(dst + e * stride, host + e * stride, bytes, cudaMemcpyHostToDevice, g.copy),
-                   "staging: experts over PCIe");
-                hs.staged_bytes += (int64_t)bytes;
-            }
-            e = r;
-        }
+        CHECK(staging_copy(m, il, *src[i], h.host[(size_t)il * 3 + i], dst, cls.data(), split, &hs.staged_bytes));
         out[i]->d = dst;
         out[i]->ne[2] = ne;
     }
     CU(cudaEventRecord(g.staged[j], g.copy), "staging: event");
-    CU(cudaEventRecord(hs.s0[(size_t)il], m->stream), "staging: event");
-    CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
-    CU(cudaEventRecord(hs.s1[(size_t)il], m->stream), "staging: event");
-    hs.used[(size_t)il] = 2;
+    if (split) {
+        const size_t nL = (size_t)m->d.n_layer;
+        for (std::vector<cudaEvent_t> *v : {&hs.w0, &hs.w1})
+            while (v->size() < nL) {
+                cudaEvent_t e = nullptr;
+                CU(cudaEventCreate(&e), "staging: events");
+                v->push_back(e);
+            }
+        CU(cudaEventRecord(hs.w0[(size_t)il], m->stream), "staging: event");
+        CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
+        CU(cudaEventRecord(hs.w1[(size_t)il], m->stream), "staging: event");
+        hs.split[(size_t)il] = 1;
+    } else {
+        CU(cudaEventRecord(hs.s0[(size_t)il], m->stream), "staging: event");
+        CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
+        CU(cudaEventRecord(hs.s1[(size_t)il], m->stream), "staging: event");
+        hs.used[(size_t)il] = 2;
+    }
     hs.staged_layers++;
     return ST_OK;
+}
+
+/* A waited step's split layers in its frame profile (after hybrid_profile): each one's wait for its copies
+ * (w0..w1, inside the CPU share's s1..a, which hybrid_profile counted as compute) moves to t_pcie, and the
+ * split's figures. */
+static void staging_profile(stg_model *m, hybrid_step &hs) {
+    stg_profile &p = m->profile;
+    p.stage_split_layers = hs.split_layers, p.stage_gpu_experts = hs.split_gpu_experts;
+    p.stage_cpu_experts = hs.split_cpu_experts, p.stage_cpu_pairs = hs.split_cpu_pairs;
+    double wait = 0.0;
+    for (size_t il = 0; il < hs.split.size(); il++) {
+        if (!hs.split[il]) continue;
+        float ms = 0.0f;
+        if (cudaEventElapsedTime(&ms, hs.w0[il], hs.w1[il]) != cudaSuccess) cudaGetLastError();
+        else if (ms > 0.0f) wait += 1e-3 * ms;
+    }
+    wait = std::min(wait, p.t_gpu);
+    p.t_gpu -= wait, p.t_pcie += wait;
 }
 
 /* After a staged layer's routed experts: its slot is free for the layer two staged layers on. */

@@ -501,6 +501,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             if (f.expert_hist) f.expert_hist[i] += f.h_hist[i];
         }
         if (f.mv) mv_update(m, f.T, f.h_hist);
+        staging_observe(m, f.T, f.h_hist); /* hybrid_stage_split's routing estimate */
     }
     auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {
         float ms = 0.0f;
@@ -532,6 +533,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
         }
     }
     hybrid_profile(m, f.hy, f.e0, f.e1, stt->t_total, pairs);
+    staging_profile(m, f.hy);
     m->profile.kv_host_bytes = f.kv_host_bytes;
     m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;
     m->profile.kv_cpu_share = f.kv_cpu_share, m->profile.kv_cpu_gbs = m->ha.cpu_gbs;

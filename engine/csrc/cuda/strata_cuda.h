@@ -70,6 +70,13 @@ typedef struct stg_settings {
                                * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
                                * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
                                * 0: never */
+    int32_t hybrid_stage_split; /* hybrid_stage: 1, a staged layer leaves its coldest non-resident experts to the CPU
+                               * (the layer's CPU share, computed while the rest is copied and computed on the
+                               * device): before routing is known, expected pairs T x k x freq(e) from a routing
+                               * estimate (stg_model_set_stage_freq's prior, then each step's histogram), the
+                               * coldest first while the CPU's expected time stays under the copies of the rest;
+                               * only the staged experts' bytes cross PCIe. The pairs a step routes to those
+                               * experts run on the CPU whatever the estimate said. 0: whole layers */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
@@ -231,6 +238,9 @@ typedef struct stg_profile {
      * at model creation, the CPU engine's routed pairs per second (0: staging unavailable or not rated) */
     int64_t staged_layers;
     double stage_pcie_gbs, stage_gpu_gbs, stage_cpu_pairs_s;
+    /* hybrid_stage_split: staged layers that left experts to the CPU, the experts they staged over PCIe and those
+     * they left to the CPU (sums over those layers), and the CPU's pairs in them (part of pairs_cpu) */
+    int64_t stage_split_layers, stage_gpu_experts, stage_cpu_experts, stage_cpu_pairs;
     /* a tiered KV cache: bytes of host-tier blocks the step's attention read over PCIe (each block its sequence
      * reads counted once: a decode step's exact figure, a lower bound for prefill tiles that reread it) */
     int64_t kv_host_bytes;
@@ -249,6 +259,11 @@ stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
  * the caller at start-up (0: never stage). ST_EINVAL with steps in flight or a rate outside [0, 1e12]. */
 stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
+/* hybrid_stage_split's routing estimate: freq [n_layer * n_expert] (>= 0, finite; any scale, a layer's row is
+ * normalised; a row of zeros: uniform), standing for weight_tokens tokens of routing (> 0) against the steps'
+ * histograms that follow (half-life 4,096 tokens). Without a call the estimate starts uniform at 16 tokens'
+ * weight. ST_EINVAL with steps in flight, a wrong count or a bad value. */
+stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n, double weight_tokens);
 /* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
 stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
                                 double *cpu_pairs_s);

@@ -383,6 +383,88 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
         assert np.array_equal(hyb.logits_for(prompts[0]), plain)
 
 
+SPLIT_ENV = {"STRATA_GPU_HYBRID_STAGE": "16"}  # steps of 16 tokens and more may stage (the 40-token prompt does)
+
+
+@pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("mixtral", "f32"), ("qwen2moe", "q8_0")])
+def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.MonkeyPatch, model: str,
+                                   qt: str) -> None:
+    """hybrid_stage_split 1 (staging.cu): with the CPU rated slower than any copy every partial layer stages; a
+    routing estimate that expects none of a layer's pairs on half of its non-resident experts (the lower ids;
+    stg_model_set_stage_freq) leaves those to the CPU and stages the rest: the statistics show the split (its
+    layers, experts each way, the CPU's pairs: those the step really routed there) and staged bytes below the
+    whole layers' by exactly the CPU's experts' share; logits and greedy tokens within the staging test's
+    tolerances of the CPU's. An estimate that leaves the CPU nothing gives hybrid_stage_split 0's bits."""
+    from engine.placement import expert_bytes
+
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", SPLIT_ENV["STRATA_GPU_HYBRID_STAGE"])
+    path = paths[(model, qt)]
+    exact = qt == "f32"
+    prompts = prompts_for()
+    alone, batched = cpu_tokens[(model, qt)]
+    pf = random_placement(path)
+    mf = open_model(path)
+    hp = mf.hparams
+    ring = 2 * hp.n_expert * int(expert_bytes(mf).max())
+    budget = budget_gb(path, 0.3, pf) + ring / 2**30
+    with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, \
+            Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
+        assert hyb.resident is not None and hyb._gpu.stage_info()["available"]
+        offs = [np.flatnonzero(hyb.resident[il] == 0) for il in range(hp.n_layer)]
+        partial = sum(1 for o in offs if o.size)
+        cold = {il: o[: o.size // 2] for il, o in enumerate(offs) if o.size >= 2}  # the CPU's by the estimate
+        assert cold, [o.size for o in offs]
+        skewed = np.ones((hp.n_layer, hp.n_expert), np.float32)
+        for il, ids in cold.items():
+            skewed[il, ids] = 0.0
+        uniform = np.ones_like(skewed)
+        hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
+        # whole layers (hybrid_stage_split 0): the reference bytes and bits
+        hyb._gpu.set_settings(SPLIT_ENV)
+        whole = np.array(hyb.logits_for(prompts[0]), copy=True)
+        st = hyb.last_stats
+        assert st is not None and st.staged_layers == partial and st.stage_split_layers == 0
+        whole_bytes = st.staged_bytes
+        hyb._gpu.set_settings({**SPLIT_ENV, "STRATA_GPU_HYBRID_STAGE_SPLIT": "1"})
+        # the estimate leaves the CPU nothing: the whole-layer rule, bit for bit
+        hyb._gpu.set_stage_freq(uniform, 1e9)
+        same = hyb.logits_for(prompts[0])
+        st = hyb.last_stats
+        assert st is not None and st.staged_layers == partial and st.stage_split_layers == 0
+        assert st.staged_bytes == whole_bytes and hyb._gpu.profile()["pairs_cpu"] == 0
+        assert np.array_equal(same, whole), float(np.abs(same - whole).max())
+        # the skewed estimate: the cold half of each split layer's non-resident experts on the CPU
+        hyb._gpu.set_stage_freq(skewed, 1e9)
+        split = hyb.logits_for(prompts[0])
+        st = hyb.last_stats
+        assert st is not None
+        n_cpu = sum(ids.size for ids in cold.values())
+        n_gpu = sum(offs[il].size - ids.size for il, ids in cold.items())
+        n_off = sum(o.size for o in offs)
+        pairs_cpu = hyb._gpu.profile()["pairs_cpu"]
+        print(f"{model} {qt}: split {st.stage_split_layers} of {st.staged_layers} staged layers, experts "
+              f"{st.stage_gpu_experts} staged / {st.stage_cpu_experts} on the CPU ({st.stage_cpu_pairs} pairs of "
+              f"{pairs_cpu}); staged {st.staged_bytes} B of the whole layers' {whole_bytes} B")
+        assert st.staged_layers == partial and st.stage_split_layers == len(cold)
+        assert st.stage_cpu_experts == n_cpu and st.stage_gpu_experts == n_gpu
+        # every partial layer has one expert size: the bytes not copied are exactly the CPU's experts' share
+        assert 0 < st.staged_bytes < whole_bytes and st.staged_bytes * n_off == whole_bytes * (n_off - n_cpu)
+        assert st.stage_cpu_pairs > 0 and pairs_cpu == st.stage_cpu_pairs and st.t_cpu_experts > 0
+        assert 0.0 < st.resident_hit_rate < 1.0
+        assert abs(st.t_gpu + st.t_pcie + st.t_gpu_wait - st.t_total) <= 0.05 * st.t_total
+        ref = cpu.logits_for(prompts[0])
+        err, err_whole = rel_err(split, ref), rel_err(split, whole)
+        print(f"{model} {qt}: split logits {err:.3e} of max|ref| from the CPU's, {err_whole:.3e} from whole layers'")
+        assert err <= (1e-3 if exact else 2e-2), err
+        bound = 1e-3 if exact else 1e-2
+        # the estimate follows the steps' histograms from here on: whatever it splits, the tokens hold
+        hyb._gpu.set_stage_freq(skewed, 1e9)
+        check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"{model} {qt} split alone")
+        hyb._gpu.set_stage_freq(skewed, 1e9)
+        for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
+            check_tokens(cpu, p, w, g, bound, f"{model} {qt} split sequence {i}")
+
+
 @pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])
 def test_online_replacement_keeps_tokens_and_bytes(paths: dict, cpu_tokens: dict, model: str, qt: str) -> None:
     """Issue 29's test 2: online re-placement under a workload its placement file did not foresee (random
