@@ -463,7 +463,8 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
         const int64_t G = std::min<int64_t>(P, ROWS_BLOCKS);
         launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
                  (const unsigned long long *)(h.sync.flags + il), hs.seq, (const int32_t *)m->s.topk_id,
-                 (const int32_t *)(h.d_slot + (int64_t)il * ne), (int32_t)ne, (int32_t)P, (const float *)h.h_rows,
+                 staged_layer(m, il) ? staging_map(m, il) : (const int32_t *)(h.d_slot + (int64_t)il * ne), (int32_t)ne,
+                 (int32_t)P, (const float *)h.h_rows,
                  E, m->s.pair_out, hs.ts + 2 * il);
         LAUNCHED("hybrid: wait for the CPU and read its rows");
         if (!h.worker) {
