@@ -75,6 +75,9 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_KV_HOST_SHARE", "kv_host_share",
              "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest streamed over PCIe by the "
              "GPU in the same step; -1 (the default) from the measured rates, r_cpu / (r_cpu + r_pcie)"),
+    Override("STRATA_GPU_ATT_Q8_LEAN", "att_q8_lean",
+             "8-bit KV cache: 1 the split-KV decode kernel's lean form (fewer instructions a chunk of keys), 0 (the "
+             "default) the original; bitwise the same output"),
 )
 
 
