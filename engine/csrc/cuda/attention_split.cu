@@ -127,14 +127,68 @@ __device__ __forceinline__ void i8x16_to_half(const uint4 u, uint4 &h0, uint4 &h
     h0 = make_uint4(r[0], r[1], r[2], r[3]), h1 = make_uint4(r[4], r[5], r[6], r[7]);
 }
 
+/* The lean 8-bit form's helpers: x as an opaque value (the compiler keeps it in a register instead of computing it
+ * again where it is used), and shared-memory accesses at shared-window addresses (a base kept in a register plus a
+ * constant: one instruction each), the copies predicated instead of branched around. */
+template <class T> __device__ __forceinline__ T asm_keep(T x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+__device__ __forceinline__ void cp_async16_s(uint32_t s, const void *gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+/* N bytes (16, 8 or 4) where p */
+template <int N> __device__ __forceinline__ void cp_async_if(bool p, uint32_t s, const void *gmem) {
+    if constexpr (N == 16)
+        asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q cp.async.cg.shared.global [%0], [%1], 16;\n}\n" ::"r"(s),
+                     "l"(gmem), "r"((int)p)
+                     : "memory");
+    else
+        asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q cp.async.ca.shared.global [%0], [%1], %3;\n}\n" ::"r"(s),
+                     "l"(gmem), "r"((int)p), "n"(N)
+                     : "memory");
+}
+__device__ __forceinline__ uint4 lds128(uint32_t s) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(s)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t s) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(s) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t s) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(s) : "memory");
+    return v;
+}
+__device__ __forceinline__ void sts128(uint32_t s, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_t_s(uint32_t (&r)[4], uint32_t s) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s)
+                 : "memory");
+}
+/* The lean 8-bit form's swizzle of V's raw rows (HD bytes, 16-byte pieces): row j's piece p lies at piece p ^ vsw(j),
+ * so that the 8 rows of each ldmatrix (keys 8 h .. 8 h + 7, one piece) fall on 8 distinct 16-byte bank groups. */
+template <int HD> __device__ __forceinline__ int asm_lean_vsw(int j) { return HD == 128 ? (j & 7) : ((j >> 1) & 3); }
+
 /* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through QNS stages,
  * their integer values turned into exact halves in the warp's F16 chunk (the F16 kernel's swizzled layout), and the
  * scales applied in fp32: a score is the sum over groups of 32 dimensions of the group's K scale times the mma's
  * dot of q (hi + lo) with the integers (kv.c's q8_score, in another order), and p.v takes, per group of 32
  * dimensions, p times the key's V scale as its weights (q8_add_value's w * d). A token of one split is one block
  * (z = 0) over all its chunks, normalised by the combine; there is no unsplit kernel on this cache. */
-template <int HD, bool Q8 = false, int QNS = ASM_Q8_NS>
+template <int HD, bool Q8 = false, int QNS = ASM_Q8_NS, bool LEAN = false>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
+    static_assert(!LEAN || Q8, "the lean form is the 8-bit cache's");
     pdl_trigger();
     constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8, NG = HD / 32;
     constexpr int NS = Q8 ? QNS : ASM_NS; /* the warp's stages */
@@ -174,7 +228,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         const int i = i0 + lane;
         blkv = i < n_my ? bt[(c_lo + warp + ATT_WARPS * i) * ATT_CK / bs] : 0;
     };
-    auto issue = [&](int i) { /* chunk i of the warp into stage i % NS (an empty group past the end) */
+    [[maybe_unused]] auto issue_std = [&](int i) { /* chunk i of the warp into stage i % NS (an empty group past the end) */
         if (i < n_my) {
             if (i % 32 == 0 && i > 0) load_blocks(i);
             const int32_t blk = __shfl_sync(0xffffffffu, blkv, i % 32), c = c_lo + warp + ATT_WARPS * i;
@@ -212,6 +266,68 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         }
         cp_async_commit();
     };
+    /* LEAN: the same copies, addressed from per-lane offsets inside a KV block (launch_attention_split takes this form
+     * where a block's elements fit in int32) and from shared addresses fixed for the launch, kept in registers
+     * (asm_keep: computed once, not again each chunk); the chunk's first slot follows from the last one's (no
+     * division by the block size a chunk) and its stage from a counter. V's rows land XOR-swizzled by 16-byte piece
+     * (asm_lean_vsw), which the transposed ldmatrix of the raw bytes reads without bank conflicts. Lanes below
+     * HD / 16 copy K's scales, lanes 16 .. 31 V's (key lane - 16). */
+    constexpr int PPR = HD / 16, KR = HD / 32; /* V's 16-byte pieces a row; copies of K (and of V) a lane */
+    constexpr int VR = HD == 128 ? 2 : 1;      /* V's destination patterns (row j's swizzle repeats every VR) */
+    constexpr uint32_t RAWB = (uint32_t)asm_q8_raw_bytes<HD>();
+    [[maybe_unused]] const int32_t per32 = kd * bs, kdg = kd / 32, nd32 = a.ht.n_dev;
+    [[maybe_unused]] uint32_t ksrc[KR], vsrc[KR]; /* K row kvh HD + lane + 32 r; V row (lane + 32 r) / PPR, its piece */
+    [[maybe_unused]] uint32_t vdst[VR];           /* + 512 (r - r % VR): V's piece in the raw stage */
+    [[maybe_unused]] uint32_t ssrc = 0, smul = 0; /* the scales' elements inside the block; the slot's multiple */
+    [[maybe_unused]] uint32_t sraw = 0, kdst = 0, sdst = 0; /* the warp's raw stage 0; K's row lane in a stage; the scales' */
+    if constexpr (LEAN) {
+#pragma unroll
+        for (int r = 0; r < KR; r++) {
+            const int j = (lane + 32 * r) / PPR;
+            ksrc[r] = asm_keep((uint32_t)((kvh * HD + lane + 32 * r) * bs));
+            vsrc[r] = asm_keep((uint32_t)(j * kd + kvh * HD + 16 * (lane % PPR)));
+            if (r < VR) vdst[r] = asm_keep((uint32_t)(16 * HD + HD * j + 16 * ((lane % PPR) ^ asm_lean_vsw<HD>(j))));
+        }
+        const bool kl = lane < HD / 16;
+        const int sk = lane - ATT_CK;
+        ssrc = asm_keep((uint32_t)(kl ? (kvh * NG + (lane >> 1)) * bs + 8 * (lane & 1) : sk * kdg + kvh * NG));
+        smul = asm_keep((uint32_t)(kl ? 1 : kdg));
+        sdst = asm_keep((uint32_t)(kl ? 32 * HD + 16 * lane : 33 * HD + 2 * NG * sk));
+        sraw = asm_keep((uint32_t)__cvta_generic_to_shared(wraw));
+        kdst = asm_keep(16u * (uint32_t)lane);
+    }
+    [[maybe_unused]] int32_t islot = ((c_lo + warp) * ATT_CK) % bs; /* the next issued chunk's first slot */
+    [[maybe_unused]] const int32_t sstep = (ATT_WARPS * ATT_CK) % bs;
+    [[maybe_unused]] uint32_t ist = 0; /* the next issued chunk's stage (byte offset) */
+    [[maybe_unused]] auto issue_lean = [&](int i) { /* issue_std's copies of chunk i, chunks issued in order 0, 1, ... */
+        if (i < n_my) {
+            if (i % 32 == 0 && i > 0) load_blocks(i);
+            const int32_t blk = __shfl_sync(0xffffffffu, blkv, i & 31);
+            const bool dev = blk < nd32;
+            const int32_t b = dev ? blk : blk - nd32;
+            const int64_t e = (int64_t)b * per32, es = (int64_t)b * (per32 / 32);
+            const int8_t *kg = (dev ? a.k8 : a.ht.k8) + (e + islot);
+            const int8_t *vg = (dev ? a.v8 : a.ht.v8) + (e + islot * kd);
+            const uint32_t st = sraw + ist;
+#pragma unroll
+            for (int r = 0; r < KR; r++) {
+                cp_async16_s(st + kdst + 512 * r, kg + ksrc[r]);
+                cp_async16_s(st + vdst[r % VR] + 512 * (r - r % VR), vg + vsrc[r]);
+            }
+            const __half *sb = lane < HD / 16 ? (dev ? a.ks : a.ht.ks) : (dev ? a.vs : a.ht.vs);
+            const __half *sg = sb + (es + (ssrc + (uint32_t)islot * smul));
+            cp_async_if<16>(lane < HD / 16, st + sdst, sg);
+            cp_async_if<2 * NG>(lane >= ATT_CK, st + sdst, sg);
+        }
+        cp_async_commit();
+        islot += sstep;
+        if (islot >= bs) islot -= bs;
+        ist = ist == (NS - 1) * RAWB ? 0 : ist + RAWB;
+    };
+    [[maybe_unused]] auto issue = [&](int i) {
+        if constexpr (LEAN) issue_lean(i);
+        else issue_std(i);
+    };
     load_blocks(0);
     /* before the wait: the chunks that cannot hold the new key (only the last chunk does) */
     if (!last)
@@ -238,46 +354,203 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m = -INFINITY, l = 0.0f; /* head g's running max; this lane's share of its sum */
     const int mi = lane >> 3, mr = lane & 7;
-    for (int i = 0; i < n_my; i++) {
-        issue(i + NS - 1);
-        cp_async_wait<NS - 1>();
-        __syncwarp();
-        __half *ks = Q8 ? wbuf : wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-        [[maybe_unused]] const unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>(); /* Q8 */
-        [[maybe_unused]] const __half *ksc = (const __half *)(raw + 32 * HD), *vsc = (const __half *)(raw + 33 * HD);
-        if constexpr (Q8) { /* the chunk's integers into the F16 chunk, swizzled as the F16 stages */
+    if constexpr (LEAN) {
+        /* the original loop's arithmetic, value for value: K through the F16 chunk as there; V's integers straight
+         * from the raw stage into B fragments (ldmatrix.trans of the bytes as b16 pairs: a lane gets keys 2 t4,
+         * 2 t4 + 1 (+ 8) of two adjacent dimensions, split into the tile of even dimensions and the tile of odd
+         * ones), so o[2 P] holds dimensions 16 P + 4 t4 + {0, 2} and o[2 P + 1] 16 P + 4 t4 + {1, 3}, each the same
+         * sum of the same products as the original's; the rescale skipped where no row's max moved (a multiply by
+         * exactly 1: expf(0) is 1). Shared addresses: kept bases plus constants. */
+        const uint32_t sw16 = (uint32_t)__cvta_generic_to_shared(wbuf); /* the F16 chunk (K only here) */
+        const int ksw = (lane >> 2) & 1;                                  /* K row d = lane + 32 r's swizzle */
+        const uint32_t kst0 = asm_keep(sw16 + 32 * lane + 16 * ksw), kst1 = asm_keep(sw16 + 32 * lane + 16 * (1 - ksw));
+        /* K's ldmatrix: dims 16 kk + 8 (mi & 1) + mr, keys 8 (mi >> 1) .. (+ 512 kk bytes) */
+        const uint32_t kld = asm_keep(sw16 + 32 * (8 * (mi & 1) + mr) + 16 * ((mi >> 1) ^ ((mr >> 2) & 1)));
+        const int vj = 8 * (mi & 1) + mr; /* the V row (key) whose address this lane gives each ldmatrix */
+        uint32_t voffs[NG];               /* piece 2 gv + (mi >> 1) of row vj in a raw stage */
 #pragma unroll
-            for (int d = lane; d < HD; d += 32) { /* K row d: 16 keys */
-                uint4 h0, h1;
-                i8x16_to_half(*(const uint4 *)(raw + 16 * d), h0, h1);
-                const int sw = (d >> 2) & 1;
-                *(uint4 *)(ks + d * ATT_CK + 8 * sw) = h0;
-                *(uint4 *)(ks + d * ATT_CK + 8 * (1 ^ sw)) = h1;
-            }
+        for (int gv = 0; gv < NG; gv++)
+            voffs[gv] = asm_keep((uint32_t)(16 * HD + HD * vj + 16 * ((2 * gv + (mi >> 1)) ^ asm_lean_vsw<HD>(vj))));
+        /* the scales a lane reads: K's of keys 8 nt + 2 t4 (+ 1) (+ 32 gk + 16 nt bytes); V's of keys 2 t4, 2 t4 + 1
+         * (+ 8) (NG halves each: + 16 NG nt bytes) */
+        const uint32_t ksl = asm_keep((uint32_t)(32 * HD + 4 * t4)), vsl = asm_keep((uint32_t)(33 * HD + 4 * NG * t4));
+        const __half2 v_off = __half2half2(__ushort_as_half((unsigned short)0x6480)); /* 1152: i8x16_to_half's */
+        uint32_t cst = 0;                                                                /* chunk i's stage (bytes) */
+        for (int i = 0; i < n_my; i++) {
+            issue(i + NS - 1);
+            cp_async_wait<NS - 1>();
+            __syncwarp();
+            const uint32_t st = sraw + cst;
+            cst = cst == (NS - 1) * RAWB ? 0 : cst + RAWB;
 #pragma unroll
-            for (int u = lane; u < HD; u += 32) { /* V row j, dimensions 16 pp .. 16 pp + 15 */
+            for (int r = 0; r < KR; r++) { /* K row lane + 32 r: 16 keys */
                 uint4 h0, h1;
-                i8x16_to_half(*(const uint4 *)(raw + 16 * HD + 16 * u), h0, h1);
-                const int j = u / (HD / 16), pp = u % (HD / 16);
-                *(uint4 *)(vs + j * HD + 8 * ((2 * pp) ^ (j & VSW))) = h0;
-                *(uint4 *)(vs + j * HD + 8 * ((2 * pp + 1) ^ (j & VSW))) = h1;
+                i8x16_to_half(lds128(st + kdst + 512 * r), h0, h1);
+                sts128(kst0 + 1024 * r, h0);
+                sts128(kst1 + 1024 * r, h1);
             }
             __syncwarp();
-        }
-        const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
-        if (k0 + ATT_CK > nk) { /* V rows past the last key to 0: p = 0 there, but 0 times a stale NaN is not 0 */
-            for (int u = (nk - k0) * (HD / 8) + lane; u < ATT_CK * (HD / 8); u += 32)
-                *(uint4 *)(vs + 8 * u) = make_uint4(0u, 0u, 0u, 0u);
-            __syncwarp();
-        }
-        float sc[4], mx = -INFINITY; /* keys k0 + 8 nt + 2 t4 + e at [2 nt + e] */
-        if constexpr (Q8) { /* per group of 32 dimensions: its scale times the dot with the integers */
-            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
+            const bool tail = k0 + ATT_CK > nk;
+            float sc[4], mx = -INFINITY; /* keys k0 + 8 nt + 2 t4 + e at [2 nt + e] */
+            {
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int gk = 0; gk < NG; gk++) {
+                for (int gk = 0; gk < NG; gk++) {
+                    float s[2][4] = {};
+#pragma unroll
+                    for (int kk = 2 * gk; kk < 2 * gk + 2; kk++) {
+                        uint32_t b[4];
+                        ldsm_t_s(b, kld + 512 * kk);
+                        amma_f16(s[0], qf[kk], b[0], b[1]);
+                        amma_f16(s[1], qf[kk], b[2], b[3]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++) {
+                        const uint32_t kw = lds32(st + ksl + 32 * gk + 16 * nt); /* keys 8 nt + 2 t4, + 1 */
+                        const float2 kf = __half22float2(*(const __half2 *)&kw);
+#pragma unroll
+                        for (int e = 0; e < 2; e++)
+                            acc[2 * nt + e] = fmaf(e ? kf.y : kf.x, s[nt][e] + s[nt][2 + e], acc[2 * nt + e]);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) sc[j] = acc[j];
+                if (tail) /* keys past the last one: -inf (every key of the other chunks is below nk) */
+#pragma unroll
+                    for (int j = 0; j < 4; j++) sc[j] = k0 + 8 * (j >> 1) + 2 * t4 + (j & 1) < nk ? sc[j] : -INFINITY;
+#pragma unroll
+                for (int j = 0; j < 4; j++) mx = fmaxf(mx, sc[j]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m, mx), dm = m - mn;
+            /* a row whose max moved (or a NaN) in any lane: the full rescale; else corr is expf(0) = 1 everywhere */
+            const bool moved = __any_sync(0xffffffffu, dm != 0.0f);
+            m = mn;
+            float p[4], sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) p[j] = expf(sc[j] - mn), sum += p[j];
+            if (moved) {
+                const float corr = expf(dm); /* 0 on the warp's first chunk */
+                l = __fmaf_rn(l, corr, sum);
+#pragma unroll
+                for (int dt = 0; dt < DT; dt++) o[dt][0] *= corr, o[dt][1] *= corr, o[dt][2] *= corr, o[dt][3] *= corr;
+            } else {
+                l = __fmaf_rn(l, 1.0f, sum);
+            }
+            /* V: matrices (keys 0-7, piece 2 gv), (keys 8-15, piece 2 gv), (keys 0-7, piece 2 gv + 1), (8-15, ...) */
+            uint32_t vr[NG][4];
+#pragma unroll
+            for (int gv = 0; gv < NG; gv++) ldsm_t_s(vr[gv], st + voffs[gv]);
+            if (tail) { /* keys past the last one to 0 (the original zeroes their F16 rows: the same B values) */
+                const int nv = nk - k0;
+                const uint32_t m0 = (2 * t4 < nv ? 0x0000ffffu : 0u) | (2 * t4 + 1 < nv ? 0xffff0000u : 0u);
+                const uint32_t m1 = (2 * t4 + 8 < nv ? 0x0000ffffu : 0u) | (2 * t4 + 9 < nv ? 0xffff0000u : 0u);
+#pragma unroll
+                for (int gv = 0; gv < NG; gv++) vr[gv][0] &= m0, vr[gv][1] &= m1, vr[gv][2] &= m0, vr[gv][3] &= m1;
+            }
+            __half vsh[2][2][NG]; /* [nt][key 8 nt + 2 t4 (+ 1)][gv]: V's scales */
+#pragma unroll
+            for (int nt = 0; nt < 2; nt++) {
+                if constexpr (NG == 4) {
+                    const uint4 w = lds128(st + vsl + 16 * NG * nt);
+                    memcpy(vsh[nt], &w, sizeof(w));
+                } else {
+                    const uint2 w = lds64(st + vsl + 16 * NG * nt);
+                    memcpy(vsh[nt], &w, sizeof(w));
+                }
+            }
+#pragma unroll
+            for (int gv = 0; gv < NG; gv++) { /* weights p times the key's V scale, as the original */
+                uint32_t pg[4];
+#pragma unroll
+                for (int nt = 0; nt < 2; nt++) {
+                    const float w0 = __fmul_rn(p[2 * nt], __half2float(vsh[nt][0][gv]));
+                    const float w1 = __fmul_rn(p[2 * nt + 1], __half2float(vsh[nt][1][gv]));
+                    const __half h0 = __float2half_rn(w0), h1 = __float2half_rn(w1);
+                    pg[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
+                    pg[2 * nt + 1] = amma_pack(w0 - __half2float(h0), w1 - __half2float(h1));
+                }
+#pragma unroll
+                for (int q = 0; q < 2; q++) { /* piece P = 2 gv + q: bytes (key, dim) -> exact halves */
+                    uint32_t ev[2], od[2];
+#pragma unroll
+                    for (int h = 0; h < 2; h++) { /* keys 2 t4 (+ 8), 2 t4 + 1 (+ 8); dims 16 P + 2 g, + 1 */
+                        const uint32_t w = vr[gv][2 * q + h] ^ 0x80808080u;
+                        uint32_t lo = __byte_perm(w, 0x64646464u, 0x4240), hi = __byte_perm(w, 0x64646464u, 0x4341);
+                        const __half2 x = __hsub2(*(const __half2 *)&lo, v_off), y = __hsub2(*(const __half2 *)&hi, v_off);
+                        ev[h] = *(const uint32_t *)&x, od[h] = *(const uint32_t *)&y;
+                    }
+                    amma_f16(o[2 * (2 * gv + q)], pg, ev[0], ev[1]);
+                    amma_f16(o[2 * (2 * gv + q) + 1], pg, od[0], od[1]);
+                }
+            }
+            __syncwarp(); /* the stage is refilled NS - 1 chunks later */
+        }
+    } else {
+        for (int i = 0; i < n_my; i++) {
+            issue(i + NS - 1);
+            cp_async_wait<NS - 1>();
+            __syncwarp();
+            __half *ks = Q8 ? wbuf : wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+            [[maybe_unused]] const unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>(); /* Q8 */
+            [[maybe_unused]] const __half *ksc = (const __half *)(raw + 32 * HD), *vsc = (const __half *)(raw + 33 * HD);
+            if constexpr (Q8) { /* the chunk's integers into the F16 chunk, swizzled as the F16 stages */
+#pragma unroll
+                for (int d = lane; d < HD; d += 32) { /* K row d: 16 keys */
+                    uint4 h0, h1;
+                    i8x16_to_half(*(const uint4 *)(raw + 16 * d), h0, h1);
+                    const int sw = (d >> 2) & 1;
+                    *(uint4 *)(ks + d * ATT_CK + 8 * sw) = h0;
+                    *(uint4 *)(ks + d * ATT_CK + 8 * (1 ^ sw)) = h1;
+                }
+#pragma unroll
+                for (int u = lane; u < HD; u += 32) { /* V row j, dimensions 16 pp .. 16 pp + 15 */
+                    uint4 h0, h1;
+                    i8x16_to_half(*(const uint4 *)(raw + 16 * HD + 16 * u), h0, h1);
+                    const int j = u / (HD / 16), pp = u % (HD / 16);
+                    *(uint4 *)(vs + j * HD + 8 * ((2 * pp) ^ (j & VSW))) = h0;
+                    *(uint4 *)(vs + j * HD + 8 * ((2 * pp + 1) ^ (j & VSW))) = h1;
+                }
+                __syncwarp();
+            }
+            const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
+            if (k0 + ATT_CK > nk) { /* V rows past the last key to 0: p = 0 there, but 0 times a stale NaN is not 0 */
+                for (int u = (nk - k0) * (HD / 8) + lane; u < ATT_CK * (HD / 8); u += 32)
+                    *(uint4 *)(vs + 8 * u) = make_uint4(0u, 0u, 0u, 0u);
+                __syncwarp();
+            }
+            float sc[4], mx = -INFINITY; /* keys k0 + 8 nt + 2 t4 + e at [2 nt + e] */
+            if constexpr (Q8) { /* per group of 32 dimensions: its scale times the dot with the integers */
+                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int gk = 0; gk < NG; gk++) {
+                    float s[2][4] = {};
+#pragma unroll
+                    for (int kk = 2 * gk; kk < 2 * gk + 2; kk++) {
+                        const int d = 16 * kk + 8 * (mi & 1) + mr;
+                        uint32_t b[4];
+                        amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
+                        amma_f16(s[0], qf[kk], b[0], b[1]);
+                        amma_f16(s[1], qf[kk], b[2], b[3]);
+                    }
+#pragma unroll
+                    for (int nt = 0; nt < 2; nt++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++)
+                            acc[2 * nt + e] = fmaf(__half2float(ksc[gk * ATT_CK + 8 * nt + 2 * t4 + e]),
+                                                   s[nt][e] + s[nt][2 + e], acc[2 * nt + e]);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    sc[j] = k0 + 8 * (j >> 1) + 2 * t4 + (j & 1) < nk ? acc[j] : -INFINITY;
+                    mx = fmaxf(mx, sc[j]);
+                }
+            } else {
                 float s[2][4] = {};
 #pragma unroll
-                for (int kk = 2 * gk; kk < 2 * gk + 2; kk++) {
+                for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
                     const int d = 16 * kk + 8 * (mi & 1) + mr;
                     uint32_t b[4];
                     amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
@@ -287,84 +560,63 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++)
 #pragma unroll
-                    for (int e = 0; e < 2; e++)
-                        acc[2 * nt + e] = fmaf(__half2float(ksc[gk * ATT_CK + 8 * nt + 2 * t4 + e]),
-                                               s[nt][e] + s[nt][2 + e], acc[2 * nt + e]);
+                    for (int e = 0; e < 2; e++) {
+                        const float v = s[nt][e] + s[nt][2 + e]; /* hi row + lo row */
+                        sc[2 * nt + e] = k0 + 8 * nt + 2 * t4 + e < nk ? v : -INFINITY;
+                        mx = fmaxf(mx, sc[2 * nt + e]);
+                    }
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m, mx), corr = expf(m - mn); /* 0 on the warp's first chunk */
+            m = mn;
+            float p[4], sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) p[j] = expf(sc[j] - mn), sum += p[j];
+            l = __fmaf_rn(l, corr, sum);
+            [[maybe_unused]] uint32_t pa[4]; /* P's A fragment: row g p as f16 (hi), row g + 8 the rest (lo); keys 2 t4 (+ 8) */
+#pragma unroll
+            for (int nt = 0; nt < 2 && !Q8; nt++) {
+                const __half h0 = __float2half_rn(p[2 * nt]), h1 = __float2half_rn(p[2 * nt + 1]);
+                pa[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
+                pa[2 * nt + 1] = amma_pack(p[2 * nt] - __half2float(h0), p[2 * nt + 1] - __half2float(h1));
             }
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                sc[j] = k0 + 8 * (j >> 1) + 2 * t4 + (j & 1) < nk ? acc[j] : -INFINITY;
-                mx = fmaxf(mx, sc[j]);
-            }
-        } else {
-            float s[2][4] = {};
+            for (int dt = 0; dt < DT; dt++) o[dt][0] *= corr, o[dt][1] *= corr, o[dt][2] *= corr, o[dt][3] *= corr;
+            if constexpr (Q8) { /* per group of 32 dimensions (dp 2 gv, 2 gv + 1): weights p times the key's V scale */
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
-                const int d = 16 * kk + 8 * (mi & 1) + mr;
-                uint32_t b[4];
-                amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
-                amma_f16(s[0], qf[kk], b[0], b[1]);
-                amma_f16(s[1], qf[kk], b[2], b[3]);
-            }
+                for (int gv = 0; gv < NG; gv++) {
+                    uint32_t pg[4];
 #pragma unroll
-            for (int nt = 0; nt < 2; nt++)
+                    for (int nt = 0; nt < 2; nt++) {
+                        const int kb = 8 * nt + 2 * t4;
+                        const float w0 = __fmul_rn(p[2 * nt], __half2float(vsc[kb * NG + gv]));
+                        const float w1 = __fmul_rn(p[2 * nt + 1], __half2float(vsc[(kb + 1) * NG + gv]));
+                        const __half h0 = __float2half_rn(w0), h1 = __float2half_rn(w1);
+                        pg[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
+                        pg[2 * nt + 1] = amma_pack(w0 - __half2float(h0), w1 - __half2float(h1));
+                    }
 #pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const float v = s[nt][e] + s[nt][2 + e]; /* hi row + lo row */
-                    sc[2 * nt + e] = k0 + 8 * nt + 2 * t4 + e < nk ? v : -INFINITY;
-                    mx = fmaxf(mx, sc[2 * nt + e]);
+                    for (int dp = 2 * gv; dp < 2 * gv + 2; dp++) {
+                        const int j = 8 * (mi & 1) + mr;
+                        uint32_t b[4];
+                        amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
+                        amma_f16(o[2 * dp], pg, b[0], b[1]);
+                        amma_f16(o[2 * dp + 1], pg, b[2], b[3]);
+                    }
                 }
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m, mx), corr = expf(m - mn); /* 0 on the warp's first chunk */
-        m = mn;
-        float p[4], sum = 0.0f;
+            } else {
 #pragma unroll
-        for (int j = 0; j < 4; j++) p[j] = expf(sc[j] - mn), sum += p[j];
-        l = __fmaf_rn(l, corr, sum);
-        [[maybe_unused]] uint32_t pa[4]; /* P's A fragment: row g p as f16 (hi), row g + 8 the rest (lo); keys 2 t4 (+ 8) */
-#pragma unroll
-        for (int nt = 0; nt < 2 && !Q8; nt++) {
-            const __half h0 = __float2half_rn(p[2 * nt]), h1 = __float2half_rn(p[2 * nt + 1]);
-            pa[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
-            pa[2 * nt + 1] = amma_pack(p[2 * nt] - __half2float(h0), p[2 * nt + 1] - __half2float(h1));
-        }
-#pragma unroll
-        for (int dt = 0; dt < DT; dt++) o[dt][0] *= corr, o[dt][1] *= corr, o[dt][2] *= corr, o[dt][3] *= corr;
-        if constexpr (Q8) { /* per group of 32 dimensions (dp 2 gv, 2 gv + 1): weights p times the key's V scale */
-#pragma unroll
-            for (int gv = 0; gv < NG; gv++) {
-                uint32_t pg[4];
-#pragma unroll
-                for (int nt = 0; nt < 2; nt++) {
-                    const int kb = 8 * nt + 2 * t4;
-                    const float w0 = __fmul_rn(p[2 * nt], __half2float(vsc[kb * NG + gv]));
-                    const float w1 = __fmul_rn(p[2 * nt + 1], __half2float(vsc[(kb + 1) * NG + gv]));
-                    const __half h0 = __float2half_rn(w0), h1 = __float2half_rn(w1);
-                    pg[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
-                    pg[2 * nt + 1] = amma_pack(w0 - __half2float(h0), w1 - __half2float(h1));
-                }
-#pragma unroll
-                for (int dp = 2 * gv; dp < 2 * gv + 2; dp++) {
+                for (int dp = 0; dp < DT / 2; dp++) { /* matrices: keys 8 (mi & 1) + mr, dims 8 (2 dp + (mi >> 1)) .. */
                     const int j = 8 * (mi & 1) + mr;
                     uint32_t b[4];
                     amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
-                    amma_f16(o[2 * dp], pg, b[0], b[1]);
-                    amma_f16(o[2 * dp + 1], pg, b[2], b[3]);
+                    amma_f16(o[2 * dp], pa, b[0], b[1]);
+                    amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
                 }
             }
-        } else {
-#pragma unroll
-            for (int dp = 0; dp < DT / 2; dp++) { /* matrices: keys 8 (mi & 1) + mr, dims 8 (2 dp + (mi >> 1)) .. */
-                const int j = 8 * (mi & 1) + mr;
-                uint32_t b[4];
-                amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
-                amma_f16(o[2 * dp], pa, b[0], b[1]);
-                amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
-            }
+            __syncwarp(); /* the stage is refilled NS - 1 chunks later */
         }
-        __syncwarp(); /* the stage is refilled NS - 1 chunks later */
     }
     cp_async_wait<0>();
     l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -372,9 +624,17 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     if (t4 == 0) wm[warp][g] = m, wl[warp][g] = n_my > 0 ? l : 0.0f;
     __syncthreads(); /* every warp's copies are done: the stages become the merge buffer */
     float *os = (float *)att_dyn + (size_t)warp * 8 * OP; /* [ATT_WARPS][8][OP]: the warp's output rows */
+    if constexpr (LEAN) { /* o[2 P] dimensions 16 P + 4 t4 + {0, 2}, o[2 P + 1] + {1, 3} */
 #pragma unroll
-    for (int dt = 0; dt < DT; dt++)
-        *(float2 *)&os[g * OP + 8 * dt + 2 * t4] = make_float2(o[dt][0] + o[dt][2], o[dt][1] + o[dt][3]);
+        for (int P = 0; P < HD / 16; P++)
+            *(float4 *)&os[g * OP + 16 * P + 4 * t4] =
+                make_float4(o[2 * P][0] + o[2 * P][2], o[2 * P + 1][0] + o[2 * P + 1][2], o[2 * P][1] + o[2 * P][3],
+                            o[2 * P + 1][1] + o[2 * P + 1][3]);
+    } else {
+#pragma unroll
+        for (int dt = 0; dt < DT; dt++)
+            *(float2 *)&os[g * OP + 8 * dt + 2 * t4] = make_float2(o[dt][0] + o[dt][2], o[dt][1] + o[dt][3]);
+    }
     __syncthreads();
     const float *all = (const float *)att_dyn;
     for (int r = warp; r < G; r += ATT_WARPS) {
@@ -446,10 +706,14 @@ static stg_status attention_split_setup(int smem_optin) {
                             (int)asm_smem_bytes<HD>()),                                                       \
        "attention (split) setup");
 #define ASM_SETUP_Q8(HD, QNS)                                                                                \
-    if (asm_q8_fits<HD, QNS>(smem_optin))                                                                     \
+    if (asm_q8_fits<HD, QNS>(smem_optin)) {                                                                   \
         CU(cudaFuncSetAttribute(k_attention_split_mma<HD, true, QNS>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                 (int)asm_smem_bytes<HD, true, QNS>()),                                        \
-           "attention (split) setup");
+           "attention (split) setup");                                                                        \
+        CU(cudaFuncSetAttribute(k_attention_split_mma<HD, true, QNS, true>,                                   \
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)asm_smem_bytes<HD, true, QNS>()), \
+           "attention (split) setup");                                                                        \
+    }
     ASM_SETUP(32)
     ASM_SETUP(64)
     ASM_SETUP(128)
@@ -507,10 +771,21 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
             return fail(ST_EUNSUPPORTED, "split attention (8-bit KV): head_dim %d", aa.hd);
         const int qns = asm_q8_stages(aa.hd, smem_optin);
         if (!qns) return kv_q8_device_check(aa.hd, smem_optin, "split attention (8-bit KV)");
-        if (aa.hd == 64)
+        /* att_q8_lean: the lean form (bitwise the same output), where a block's elements fit its int32 offsets */
+        const bool lean = g_set.att_q8_lean && (int64_t)aa.n_kv * aa.hd * aa.block_size <= INT32_MAX;
+        if (aa.hd == 64 && lean)
+            launch_k(k_attention_split_mma<64, true, ASM_Q8_NS, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(),
+                     st, aa);
+        else if (aa.hd == 64)
             launch_k(k_attention_split_mma<64, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(), st, aa);
+        else if (qns == ASM_Q8_NS && lean)
+            launch_k(k_attention_split_mma<128, true, ASM_Q8_NS, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true>(),
+                     st, aa);
         else if (qns == ASM_Q8_NS)
             launch_k(k_attention_split_mma<128, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true>(), st, aa);
+        else if (lean)
+            launch_k(k_attention_split_mma<128, true, 3, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true, 3>(), st,
+                     aa);
         else launch_k(k_attention_split_mma<128, true, 3>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true, 3>(), st, aa);
     } else if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
     else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);
