@@ -61,7 +61,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->hybrid_rows_direct = 0;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->hybrid_stage_split = 0;
-    s->kv_stream = 1;
+    s->kv_stream = 0;
     s->kv_host_attn = 0;
     s->kv_host_share = -1;
     s->att_q8_lean = 0;

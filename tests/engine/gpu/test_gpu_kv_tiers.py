@@ -248,6 +248,7 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: in
     flat, tiered = _pair(model, kv_type)
     with flat, tiered:
         tables, toks, pos = _prefill_pair(flat, tiered, prompts, steps)
+        cpu_steps = 0
         for step in range(steps):
             a, b = _decode_pair(flat, tiered, tables, toks, pos)
             st = tiered.last_stats
@@ -265,6 +266,15 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: in
                 err = np.abs(a - b).max() / np.abs(a).max()
                 assert err <= HOST_ATTN_TOL, f"step {step}: {err:.3e} of max |logit|"
                 assert (a.argmax(-1) == b.argmax(-1)).all(), f"step {step}: greedy tokens differ"
+                if share == -1 and st.kv_cpu_bytes == 0:
+                    # the measured share rounds to no whole block of any token (the test model's CPU work is a
+                    # few microseconds a layer, so its measured rate is low): kv_host_attn 0's step, every host
+                    # block the device's (run 115: a share of 0.004 after four steps)
+                    assert st.kv_cpu_share == 0.0
+                    assert st.kv_host_bytes == _host_read_bytes(tiered, tables[1], pos)
+                    toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
+                    continue
+                cpu_steps += 1
                 assert st.kv_cpu_bytes > 0 and st.kv_host_bytes > 0, (st.kv_cpu_bytes, st.kv_host_bytes)
                 assert st.kv_cpu_bytes + st.kv_host_bytes == _host_read_bytes(tiered, tables[1], pos)
                 got = st.kv_cpu_bytes / (st.kv_cpu_bytes + st.kv_host_bytes)
@@ -287,6 +297,8 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: in
                           f"{st.kv_pcie_gbs:.1f} GB/s, share {got:.3f} (measured rule {want:.3f} after this step's "
                           "update)")
             toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
+        # the first step's share is one half (no rate measured yet counts as the other's): the CPU attends there
+        assert share == 0 or cpu_steps >= 1
 
 
 def test_swap_refuses_untiered_and_bad_ids(model: Path) -> None:
