@@ -61,10 +61,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",
              "hybrid placement: 1 the whole step queued at once, the CPU's experts on a thread of their own; "
              "0 queued layer by layer"),
-    Override("STRATA_GPU_HYBRID_ROWS_DIRECT", "hybrid_rows_direct",
-             "hybrid placement, decode-sized steps: 1 one kernel per layer waits for the CPU's flag and reads its "
-             "rows in place from pinned host memory; 0 (the default) a wait, a copy of the whole rows region and a "
-             "scatter (same bits)"),
     Override("STRATA_GPU_HYBRID_STAGE", "hybrid_stage",
              "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
              "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "

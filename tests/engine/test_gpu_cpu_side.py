@@ -252,20 +252,6 @@ def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
     assert gpu_settings.env_override("kv_host_share", env) == want
 
 
-@pytest.mark.parametrize(("env", "want"), [({}, None), ({"STRATA_GPU_HYBRID_ROWS_DIRECT": "0"}, 0),
-                                           ({"STRATA_GPU_HYBRID_ROWS_DIRECT": "1"}, 1)])
-def test_hybrid_rows_direct_override(env: dict[str, str], want: int | None) -> None:
-    """STRATA_GPU_HYBRID_ROWS_DIRECT sets stg_settings.hybrid_rows_direct (the header declares the field)."""
-    from cffi import FFI
-
-    from engine import gpu_settings
-
-    assert gpu_settings.env_override("hybrid_rows_direct", env) == want
-    f = FFI()
-    f.cdef(cuda_backend.cdef_text())
-    assert "hybrid_rows_direct" in {name for name, _ in f.typeof("stg_settings").fields}
-
-
 @pytest.mark.parametrize(("env", "want"), [({}, None), ({"STRATA_GPU_ATT_Q8_LEAN": "0"}, 0),
                                            ({"STRATA_GPU_ATT_Q8_LEAN": "1"}, 1)])
 def test_att_q8_lean_override(env: dict[str, str], want: int | None) -> None:

@@ -10,15 +10,15 @@
  * kv_host_attn): event s0, xn and the routing to pinned memory (a decode-sized
  * step: k_to_host's stores, then the layer's ready flag, on which the host spins; larger: copies), event s1 (the
  * host waits on ready or on it), the shared expert and the resident experts (they run while the CPU works), event a,
- * a one-thread kernel that waits for the host to write the step's value and its row count into the layer's pinned
- * flag, event b, a copy of the pinned rows' region into device memory (the copy engine, queued on the compute stream
- * behind the wait: the device's loads from mapped host memory ran at ~1.6 GB/s on the H200 machine, a copy at tens
- * of GB/s) and the CPU's rows scattered from there into pair_out, event c. The region has room for every pair of
- * the step (the copy is queued before the count is known); the layer's n rows and indices sit at its front. With
- * stg_settings.hybrid_rows_direct a decode-sized step has one kernel between a and c instead (k_rows_direct: the
- * pair indices worked out on the device before the wait, then the wait, then the layer's n rows read in place from
- * the pinned region into pair_out; no event b). The
- * host thread that computes makes no CUDA call between the device's wait and the flag: a call there could block
+ * then the CPU's rows into pair_out, event c. A decode-sized step (hybrid_direct) has one kernel between a and c
+ * (k_rows_direct: the pair indices worked out on the device before the wait, then the wait for the host to write
+ * the step's value and its row count into the layer's pinned flag, then the layer's n rows read in place from the
+ * pinned region into pair_out; no event b). A larger step has a one-thread kernel that waits for the flag, event b,
+ * a copy of the pinned rows' region into device memory (the copy engine, queued on the compute stream behind the
+ * wait: a large step's rows read in place from mapped host memory ran at ~1.6 GB/s on the H200 machine, a copy at
+ * tens of GB/s) and the CPU's rows scattered from there into pair_out. The region has room for every pair of the
+ * step (the copy is queued before the count is known); the layer's n rows and indices sit at its front. The host
+ * thread that computes makes no CUDA call between the device's wait and the flag: a call there could block
  * behind the context's own synchronisation (lazy kernel loading by the queueing thread waits for the device, which
  * waits for the flag). The device never waits on anything else of the host and the host never synchronises the
  * device: it waits on the ready flag or s1 alone. Who computes
@@ -69,9 +69,9 @@ __global__ void k_scatter_rows(const float *rows, const int32_t *n, int64_t P, i
     }
 }
 
-/* hybrid_rows_direct's kernel: at most ROWS_BLOCKS blocks of ROWS_THREADS (each polls the flag itself), each thread
- * with up to ROWS_VEC 16-byte loads in flight; a step takes it only where a block holds at most ROWS_MAX_AT rows
- * (their pair indices in shared memory: 16 KB) */
+/* k_rows_direct (hybrid_direct steps): at most ROWS_BLOCKS blocks of ROWS_THREADS (each polls the flag itself),
+ * each thread with up to ROWS_VEC 16-byte loads in flight; a step takes it only where a block holds at most
+ * ROWS_MAX_AT rows (their pair indices in shared memory: 16 KB) */
 #define ROWS_BLOCKS 32
 #define ROWS_THREADS 256
 #define ROWS_VEC 4
@@ -83,7 +83,7 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
     return t;
 }
 
-/* hybrid_rows_direct: k_wait_flag, the rows' copy and k_scatter_rows as one kernel. Grid G = min(P, ROWS_BLOCKS)
+/* hybrid_direct steps: k_wait_flag, the rows' copy and k_scatter_rows as one kernel. Grid G = min(P, ROWS_BLOCKS)
  * blocks of ROWS_THREADS, ceil(P / G) ints of dynamic shared memory. Before the wait, from device memory alone: the
  * rank of each of the layer's CPU pairs (pair p with slot_of[ids[p]] = -1, in ascending p: hybrid_cpu_layer's
  * order of the rows), block b keeping the pair index of each row r = b + j G in at_s[j] (so no index crosses PCIe
@@ -282,7 +282,7 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     hybrid &h = m->hy;
     h.direct = hybrid_direct(m, T);
     const int64_t P = (int64_t)T * m->d.n_expert_used, G = std::min<int64_t>(P, ROWS_BLOCKS);
-    h.rows_direct = h.direct && m->set.hybrid_rows_direct && P > 0 && (P + G - 1) / G <= ROWS_MAX_AT;
+    h.rows_direct = h.direct && P > 0 && (P + G - 1) / G <= ROWS_MAX_AT;
     if (h.rows_direct && !hs.ts) {
         void *p = nullptr;
         CU(cudaHostAlloc(&p, sizeof(uint64_t) * 2 * nL, cudaHostAllocMapped | cudaHostAllocPortable),

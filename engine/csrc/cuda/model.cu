@@ -58,7 +58,6 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_mma_min = 64;
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
-    s->hybrid_rows_direct = 0;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->hybrid_stage_split = 0;
     s->kv_stream = 0;
@@ -87,7 +86,6 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_mma_min, 1, INT32_MAX)
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
-    RANGE(hybrid_rows_direct, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(hybrid_stage_split, 0, 1)
     RANGE(kv_stream, 0, 1)

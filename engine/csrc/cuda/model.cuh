@@ -88,7 +88,7 @@ struct hybrid_step {
     int64_t cpu_pairs = 0;
     int64_t pcie_d2h = 0, pcie_h2d = 0; /* bytes to the host (the queueing thread's sum), back (the CPU's) */
     uint32_t seq = 0; /* the flag value of this step */
-    /* pinned, mapped [n_layer][2] (hybrid_rows_direct layers): the device's %globaltimer (ns) when k_rows_direct's
+    /* pinned, mapped [n_layer][2] (k_rows_direct layers): the device's %globaltimer (ns) when k_rows_direct's
      * block 0 starts and when it sees the layer's flag (the profile's wait inside a..c) */
     uint64_t *ts = nullptr;
     int64_t staged_layers = 0, staged_bytes = 0; /* staging.cu: layers computed from staged weights, bytes copied */
@@ -210,7 +210,7 @@ struct hybrid {
      * h_ids (hybrid_direct steps) */
     host_sync sync;
     bool direct = false;       /* the step being queued is hybrid_direct */
-    bool rows_direct = false;  /* ... and its rows come in by k_rows_direct (stg_settings.hybrid_rows_direct) */
+    bool rows_direct = false;  /* ... and its rows come in by k_rows_direct (a decode-sized step within ROWS_MAX_AT) */
     uint32_t seq = 0;          /* the last launched step's flag value */
     std::vector<int32_t> pair_tok, pair_exp, pair_idx; /* the CPU pairs of a layer (st_moe_pairs), their pair rows */
     hybrid_step *cur = nullptr;  /* the step being queued */

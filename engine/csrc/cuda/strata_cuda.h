@@ -59,11 +59,6 @@ typedef struct stg_settings {
                                * computes the CPU's experts, the device waiting on a host-written flag per layer
                                * (the GPU's work of the next layer is already queued); 0: the host queues layer by
                                * layer and computes each layer's CPU share in between. Same bits either way */
-    int32_t hybrid_rows_direct; /* hybrid placement, decode-sized steps (those whose xn goes to the host by the
-                               * device's own stores): 1: one kernel per layer waits for the host's flag and reads
-                               * the CPU's rows straight from mapped pinned memory into place (16-byte loads, only
-                               * the layer's rows; their pair indices worked out on the device); 0: a one-thread
-                               * wait, a copy-engine copy of the whole rows region, then a scatter. Same bits */
     int32_t hybrid_stage;     /* hybrid placement: N >= 1: a step of at least N tokens may compute a layer's
                                * non-resident experts on the device from copies staged over PCIe (a ring of two
                                * whole-layer slots) where the rates measured at start-up say that is faster than the

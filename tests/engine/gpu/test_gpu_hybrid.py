@@ -11,10 +11,10 @@ another order, which can move an 8-bit activation across a rounding step). The d
 max(1e-2, the CPU's own auto-vs-reference kernel spread), as in test_gpu_models.py.
 
 Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRATA_GPU_HYBRID_STAGE); the
-overlapped and layer-by-layer steps' bits; the CPU's rows read in place (hybrid_rows_direct) against copied in, bit
-for bit; a lane with such a budget serving a completion over HTTP; the VRAM a hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within
-the budget, and the model's own accounting matches the plan; the frame profile's parts; launch / wait with
-token_src on a hybrid model; bad resident masks are typed errors.
+overlapped and layer-by-layer steps' bits; a lane with such a budget serving a completion over HTTP; the VRAM a
+hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within the budget, and the
+model's own accounting matches the plan; the frame profile's parts; launch / wait with token_src on a hybrid
+model; bad resident masks are typed errors.
 """
 
 from __future__ import annotations
@@ -208,7 +208,6 @@ def test_default_model_hybrid_matches_cpu() -> None:
 
 
 OVERLAP = {"overlapped": "1", "layer by layer": "0"}  # stg_settings.hybrid_overlap
-ROWS = {"copy": "0", "direct": "1"}  # stg_settings.hybrid_rows_direct (decode-sized steps)
 
 
 def decode_step_stats(hyb: Engine, prompts: list[list[int]]) -> tuple[object, list[int]]:
@@ -225,43 +224,27 @@ def decode_step_stats(hyb: Engine, prompts: list[list[int]]) -> tuple[object, li
             hyb.blocks.release(t)
 
 
-def decode_step_logits(hyb: Engine, prompts: list[list[int]]) -> np.ndarray:
-    """Prefill each prompt, then one decode step of all of them at once: its logits (a copy)."""
-    tables = [list(hyb.blocks.allocate(4)) for _ in prompts]
-    try:
-        for i, p in enumerate(prompts):
-            hyb.forward(p, list(range(len(p))), [i] * len(p), tables, [len(p) - 1], greedy=True)
-        out = hyb.forward([5] * len(prompts), [len(p) for p in prompts], list(range(len(prompts))), tables,
-                          list(range(len(prompts))))
-        return np.array(out, copy=True)
-    finally:
-        for t in tables:
-            hyb.blocks.release(t)
-
-
-@pytest.mark.parametrize("rows", list(ROWS), ids=list(ROWS))
 @pytest.mark.parametrize("mode", list(OVERLAP), ids=list(OVERLAP))
-def test_frame_profile_parts(paths: dict, mode: str, rows: str) -> None:
+def test_frame_profile_parts(paths: dict, mode: str) -> None:
     """Issue 29's test 3: a hybrid step's profile parts on the device's timeline (computing, the CPU share's
     copies, waiting on the CPU), each summed from its own events, add up to the step's device time within 5%;
     CPU expert time and the host's wait on the device measured; the hit rate the share of pairs the resident
     experts took (strictly between 0 and 1 at 30% over 16 sequences), nothing staged; the whole model on the
-    GPU: hit rate 1, no CPU time, no copies, no wait. Both ways of running the CPU share, and both ways of bringing
-    its rows in (hybrid_rows_direct: the wait and the rows' reads in one kernel, split by its own clock)."""
+    GPU: hit rate 1, no CPU time, no copies, no wait. Both ways of running the CPU share; the decode step's rows
+    come in by k_rows_direct (the wait and the rows' reads in one kernel, split by its own clock)."""
     path = paths[("qwen2moe", "q8_0")]  # shared experts: they run while the CPU works
     pf = random_placement(path)
     prompts = prompts_for()
     for name, frac in FRACTIONS.items():
         with open_hybrid(path, frac, pf) as hyb:
-            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_OVERLAP": OVERLAP[mode],
-                                   "STRATA_GPU_HYBRID_ROWS_DIRECT": ROWS[rows]})
+            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_OVERLAP": OVERLAP[mode]})
             for _ in range(3):  # the first steps allocate; the last one is judged
                 st, _ = decode_step_stats(hyb, prompts)
             assert st is not None and st.n_tokens == N_SEQS and st.staged_bytes == 0 and st.on_gpu
             hp = hyb.hparams
             assert st.n_expert_tokens == N_SEQS * hp.n_expert_used * hp.n_layer
             parts = st.t_gpu + st.t_pcie + st.t_gpu_wait
-            print(f"{mode} {rows} {name}: total {st.t_total * 1e3:.3f} ms; GPU {st.t_gpu * 1e3:.3f} + PCIe "
+            print(f"{mode} {name}: total {st.t_total * 1e3:.3f} ms; GPU {st.t_gpu * 1e3:.3f} + PCIe "
                   f"{st.t_pcie * 1e3:.3f} + waiting {st.t_gpu_wait * 1e3:.3f} = {parts * 1e3:.3f}; CPU experts "
                   f"{st.t_cpu_experts * 1e3:.3f} ms, CPU waiting {st.t_cpu_wait * 1e3:.3f} ms; "
                   f"PCIe {st.pcie_bytes} B; hit {st.resident_hit_rate:.3f}")
@@ -272,18 +255,15 @@ def test_frame_profile_parts(paths: dict, mode: str, rows: str) -> None:
                 assert st.t_pcie == 0 and st.pcie_bytes == 0 and st.t_gpu == st.t_total
                 continue
             # per layer: xn [16, E] and the routing to the host, the flag (8 bytes: the step's value and the CPU's
-            # row count), and back the rows' region (room for every pair's row and index: queued before the count)
-            # or, read in place (rows_direct), the CPU's rows alone (their indices are the device's own)
+            # row count), and back the CPU's rows alone, read in place (k_rows_direct: their indices are the
+            # device's own)
             E, k = hp.n_embd, hp.n_expert_used
             assert hyb.resident is not None
             n_cpu_layers = int((hyb.resident.sum(axis=1) < hp.n_expert).sum())  # layers with a CPU share
             pairs = N_SEQS * k
             per_layer = 4 * N_SEQS * E + 4 * pairs + 8
-            if rows == "copy":
-                assert st.pcie_bytes == n_cpu_layers * (per_layer + 4 * pairs * (E + 1))
-            else:
-                cpu_pairs = st.n_expert_tokens - round(st.resident_hit_rate * st.n_expert_tokens)
-                assert st.pcie_bytes == n_cpu_layers * per_layer + 4 * E * cpu_pairs, (st.pcie_bytes, cpu_pairs)
+            cpu_pairs = st.n_expert_tokens - round(st.resident_hit_rate * st.n_expert_tokens)
+            assert st.pcie_bytes == n_cpu_layers * per_layer + 4 * E * cpu_pairs, (st.pcie_bytes, cpu_pairs)
             assert st.t_pcie > 0 and st.t_cpu_experts > 0 and st.t_cpu_wait >= 0
             if frac == 0.0:
                 assert st.resident_hit_rate == 0.0
@@ -307,33 +287,6 @@ def test_overlap_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str
         (la, ta), (lb, tb) = got.values()
         assert np.array_equal(la, lb), float(np.abs(la - lb).max())
         assert ta == tb
-
-
-@pytest.mark.parametrize(("model", "qt", "frac"), [("qwen2moe", "q8_0", "30%"), ("qwen2moe", "q8_0", "0%"),
-                                                   ("qwen3moe", "f32", "0%"), ("qwen3moe", "q8_0", "30%"),
-                                                   ("mixtral", "q8_0", "30%")])
-def test_rows_direct_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str) -> None:
-    """hybrid_rows_direct 1 (one kernel a layer waits for the CPU's flag and reads its rows in place, their pair
-    indices worked out on the device) against 0 (a wait, a copy of the rows' region, a scatter): the same logits bit
-    for bit (a prefill of 40 tokens and decode steps of 1 and 16 sequences: all decode-sized here, n_embd 128) and
-    the same greedy tokens of one sequence and of 16 batched, in both hybrid_overlap modes."""
-    path = paths[(model, qt)]
-    prompts = prompts_for()
-    with open_hybrid(path, FRACTIONS[frac], random_placement(path)) as hyb:
-        got: dict[tuple[str, str], tuple[list[np.ndarray], list[int], list[list[int]]]] = {}
-        for mode in OVERLAP:
-            for rows, v in ROWS.items():
-                hyb._gpu.set_settings({"STRATA_GPU_HYBRID_OVERLAP": OVERLAP[mode],
-                                       "STRATA_GPU_HYBRID_ROWS_DIRECT": v})
-                logits = [np.array(hyb.logits_for(prompts[0]), copy=True), decode_step_logits(hyb, prompts[:1]),
-                          decode_step_logits(hyb, prompts)]
-                got[(mode, rows)] = (logits, run_alone(hyb, prompts[0]), run_batched(hyb, prompts, 16))
-        ref_logits, ref_alone, ref_batched = got[("overlapped", "copy")]
-        for key, (logits, alone, batched) in got.items():
-            for what, a, b in zip(("prefill", "decode of 1", "decode of 16"), ref_logits, logits, strict=True):
-                assert a.shape == b.shape and np.array_equal(a, b), (key, what, float(np.abs(a - b).max()))
-            assert alone == ref_alone, key
-            assert batched == ref_batched, key
 
 
 @pytest.mark.parametrize(("model", "qt"), [("qwen2moe", "q8_0"), ("mixtral", "f32"), ("qwen3moe", "q8_0")])
