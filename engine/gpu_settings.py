@@ -81,9 +81,6 @@ OVERRIDES: tuple[Override, ...] = (
              "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest read by the GPU in the "
              "same step (in place over PCIe, or staged into VRAM with kv_stream 0); -1 (the default) from the "
              "measured rates, r_cpu / (r_cpu + r_dev)"),
-    Override("STRATA_GPU_ATT_Q8_LEAN", "att_q8_lean",
-             "8-bit KV cache: 1 the split-KV decode kernel's lean form (fewer instructions a chunk of keys), 0 (the "
-             "default) the original; bitwise the same output"),
 )
 
 

@@ -252,23 +252,6 @@ def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
     assert gpu_settings.env_override("kv_host_share", env) == want
 
 
-@pytest.mark.parametrize(("env", "want"), [({}, None), ({"STRATA_GPU_ATT_Q8_LEAN": "0"}, 0),
-                                           ({"STRATA_GPU_ATT_Q8_LEAN": "1"}, 1)])
-def test_att_q8_lean_override(env: dict[str, str], want: int | None) -> None:
-    """The 8-bit cache's lean split decode form: STRATA_GPU_ATT_Q8_LEAN sets att_q8_lean, a field of the settings
-    (default 0 in model.cu), so that bench.engine_gpu's --depth-knob can A/B it."""
-    from cffi import FFI
-
-    from engine import gpu_settings
-
-    assert gpu_settings.env_override("att_q8_lean", env) == want
-    f = FFI()
-    f.cdef(cuda_backend.cdef_text())
-    assert "att_q8_lean" in {name for name, _ in f.typeof("stg_settings").fields}
-    model_cu = (Path(cuda_backend.__file__).parent / "csrc" / "cuda" / "model.cu").read_text()
-    assert "s->att_q8_lean = 0;" in model_cu and "RANGE(att_q8_lean, 0, 1)" in model_cu
-
-
 @pytest.mark.parametrize(("env", "want"), [({}, False), ({"STRATA_GPU_KV_HOST_ATTN": "0"}, False),
                                            ({"STRATA_GPU_KV_HOST_ATTN": "1"}, True)])
 def test_kv_host_attn_gives_the_pool_the_lane_cores(env: dict[str, str], want: bool) -> None:

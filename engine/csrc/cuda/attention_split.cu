@@ -127,7 +127,7 @@ __device__ __forceinline__ void i8x16_to_half(const uint4 u, uint4 &h0, uint4 &h
     h0 = make_uint4(r[0], r[1], r[2], r[3]), h1 = make_uint4(r[4], r[5], r[6], r[7]);
 }
 
-/* The lean 8-bit form's helpers: x as an opaque value (the compiler keeps it in a register instead of computing it
+/* The 8-bit form's helpers: x as an opaque value (the compiler keeps it in a register instead of computing it
  * again where it is used), and shared-memory accesses at shared-window addresses (a base kept in a register plus a
  * constant: one instruction each), the copies predicated instead of branched around. */
 template <class T> __device__ __forceinline__ T asm_keep(T x) {
@@ -176,19 +176,19 @@ __device__ __forceinline__ void ldsm_t_s(uint32_t (&r)[4], uint32_t s) {
                  : "r"(s)
                  : "memory");
 }
-/* The lean 8-bit form's swizzle of V's raw rows (HD bytes, 16-byte pieces): row j's piece p lies at piece p ^ vsw(j),
+/* The 8-bit form's swizzle of V's raw rows (HD bytes, 16-byte pieces): row j's piece p lies at piece p ^ vsw(j),
  * so that the 8 rows of each ldmatrix (keys 8 h .. 8 h + 7, one piece) fall on 8 distinct 16-byte bank groups. */
-template <int HD> __device__ __forceinline__ int asm_lean_vsw(int j) { return HD == 128 ? (j & 7) : ((j >> 1) & 3); }
+template <int HD> __device__ __forceinline__ int asm_q8_vsw(int j) { return HD == 128 ? (j & 7) : ((j >> 1) & 3); }
 
 /* Q8 (the 8-bit cache, attn_args.k8): each warp's chunks are copied raw (asm_q8_raw_bytes) through QNS stages,
- * their integer values turned into exact halves in the warp's F16 chunk (the F16 kernel's swizzled layout), and the
- * scales applied in fp32: a score is the sum over groups of 32 dimensions of the group's K scale times the mma's
- * dot of q (hi + lo) with the integers (kv.c's q8_score, in another order), and p.v takes, per group of 32
- * dimensions, p times the key's V scale as its weights (q8_add_value's w * d). A token of one split is one block
+ * K's integer values turned into exact halves in the warp's F16 chunk (the F16 kernel's swizzled layout), V's read
+ * from the raw stage straight into the mma's fragments and turned into halves there, and the scales applied in
+ * fp32: a score is the sum over groups of 32 dimensions of the group's K scale times the mma's dot of q (hi + lo)
+ * with the integers (kv.c's q8_score, in another order), and p.v takes, per group of 32 dimensions, p times the
+ * key's V scale as its weights (q8_add_value's w * d). A token of one split is one block
  * (z = 0) over all its chunks, normalised by the combine; there is no unsplit kernel on this cache. */
-template <int HD, bool Q8 = false, int QNS = ASM_Q8_NS, bool LEAN = false>
+template <int HD, bool Q8 = false, int QNS = ASM_Q8_NS>
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_args a) {
-    static_assert(!LEAN || Q8, "the lean form is the 8-bit cache's");
     pdl_trigger();
     constexpr int KS = HD / 16, DT = HD / 8, VPC = HD / 8, VSW = (VPC >= 8 ? 8 : VPC) - 1, OP = HD + 8, NG = HD / 32;
     constexpr int NS = Q8 ? QNS : ASM_NS; /* the warp's stages */
@@ -228,50 +228,33 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         const int i = i0 + lane;
         blkv = i < n_my ? bt[(c_lo + warp + ATT_WARPS * i) * ATT_CK / bs] : 0;
     };
-    [[maybe_unused]] auto issue_std = [&](int i) { /* chunk i of the warp into stage i % NS (an empty group past the end) */
+    /* F16: chunk i of the warp into stage i % NS (an empty group past the end) */
+    [[maybe_unused]] auto issue_f16 = [&](int i) {
         if (i < n_my) {
             if (i % 32 == 0 && i > 0) load_blocks(i);
             const int32_t blk = __shfl_sync(0xffffffffu, blkv, i % 32), c = c_lo + warp + ATT_WARPS * i;
             const int slot0 = (c * ATT_CK) % bs;
             const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
-            if constexpr (Q8) {
-                unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>();
-                const int kd32 = kd / 32;
-                const int8_t *kg = kv_blk(a.k8, a.ht.k8, blk, nd, per) + (int64_t)kvh * HD * bs + slot0;
-                const int8_t *vg = kv_blk(a.v8, a.ht.v8, blk, nd, per) + (int64_t)slot0 * kd + (int64_t)kvh * HD;
-                const __half *ksg = kv_blk(a.ks, a.ht.ks, blk, nd, per / 32) + (int64_t)kvh * NG * bs + slot0;
-                const __half *vsg = kv_blk(a.vs, a.ht.vs, blk, nd, per / 32) + (int64_t)slot0 * kd32 + (int64_t)kvh * NG;
+            __half *ks = wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
+            const __half *kg = kv_blk(a.kc, a.ht.kc, blk, nd, per) + (int64_t)kvh * HD * bs + slot0;
+            const __half *vg = kv_blk(a.vc, a.ht.vc, blk, nd, per) + (int64_t)slot0 * kd + (int64_t)kvh * HD;
 #pragma unroll
-                for (int it = lane; it < HD; it += 32) { /* K row it; V row it / (HD / 16), its piece it % (HD / 16) */
-                    cp_async16(raw + 16 * it, kg + (int64_t)it * bs);
-                    cp_async16(raw + 16 * HD + 16 * it, vg + (int64_t)(it / (HD / 16)) * kd + 16 * (it % (HD / 16)));
-                }
-                if (lane < HD / 16) cp_async16(raw + 32 * HD + 16 * lane, ksg + (int64_t)(lane >> 1) * bs + 8 * (lane & 1));
-                if (lane < ATT_CK) {
-                    if constexpr (HD == 128) cp_async8(raw + 33 * HD + 8 * lane, vsg + (int64_t)lane * kd32);
-                    else cp_async4(raw + 33 * HD + 4 * lane, vsg + (int64_t)lane * kd32);
-                }
-            } else {
-                __half *ks = wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-                const __half *kg = kv_blk(a.kc, a.ht.kc, blk, nd, per) + (int64_t)kvh * HD * bs + slot0;
-                const __half *vg = kv_blk(a.vc, a.ht.vc, blk, nd, per) + (int64_t)slot0 * kd + (int64_t)kvh * HD;
-#pragma unroll
-                for (int it = lane; it < 2 * HD; it += 32) {
-                    const int d = it >> 1, pc = it & 1;
-                    cp_async16(ks + d * ATT_CK + 8 * (pc ^ ((d >> 2) & 1)), kg + (int64_t)d * bs + 8 * pc);
-                    const int j = it / VPC, pv = it % VPC;
-                    cp_async16(vs + j * HD + 8 * (pv ^ (j & VSW)), vg + (int64_t)j * kd + 8 * pv);
-                }
+            for (int it = lane; it < 2 * HD; it += 32) {
+                const int d = it >> 1, pc = it & 1;
+                cp_async16(ks + d * ATT_CK + 8 * (pc ^ ((d >> 2) & 1)), kg + (int64_t)d * bs + 8 * pc);
+                const int j = it / VPC, pv = it % VPC;
+                cp_async16(vs + j * HD + 8 * (pv ^ (j & VSW)), vg + (int64_t)j * kd + 8 * pv);
             }
         }
         cp_async_commit();
     };
-    /* LEAN: the same copies, addressed from per-lane offsets inside a KV block (launch_attention_split takes this form
-     * where a block's elements fit in int32) and from shared addresses fixed for the launch, kept in registers
-     * (asm_keep: computed once, not again each chunk); the chunk's first slot follows from the last one's (no
-     * division by the block size a chunk) and its stage from a counter. V's rows land XOR-swizzled by 16-byte piece
-     * (asm_lean_vsw), which the transposed ldmatrix of the raw bytes reads without bank conflicts. Lanes below
-     * HD / 16 copy K's scales, lanes 16 .. 31 V's (key lane - 16). */
+    /* Q8: the chunk's raw copies (K's HD rows of 16 bytes, V's 16 rows of HD bytes, then the scales), addressed from
+     * per-lane offsets inside a KV block (launch_attention_split checks that a block's elements fit in int32) and
+     * from shared addresses fixed for the launch, kept in registers (asm_keep: computed once, not again each
+     * chunk); the chunk's first slot follows from the last one's (no division by the block size a chunk) and its
+     * stage from a counter. V's rows land XOR-swizzled by 16-byte piece (asm_q8_vsw), which the transposed
+     * ldmatrix of the raw bytes reads without bank conflicts. Lanes below HD / 16 copy K's scales, lanes 16 .. 31
+     * V's (key lane - 16). */
     constexpr int PPR = HD / 16, KR = HD / 32; /* V's 16-byte pieces a row; copies of K (and of V) a lane */
     constexpr int VR = HD == 128 ? 2 : 1;      /* V's destination patterns (row j's swizzle repeats every VR) */
     constexpr uint32_t RAWB = (uint32_t)asm_q8_raw_bytes<HD>();
@@ -280,13 +263,13 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     [[maybe_unused]] uint32_t vdst[VR];           /* + 512 (r - r % VR): V's piece in the raw stage */
     [[maybe_unused]] uint32_t ssrc = 0, smul = 0; /* the scales' elements inside the block; the slot's multiple */
     [[maybe_unused]] uint32_t sraw = 0, kdst = 0, sdst = 0; /* the warp's raw stage 0; K's row lane in a stage; the scales' */
-    if constexpr (LEAN) {
+    if constexpr (Q8) {
 #pragma unroll
         for (int r = 0; r < KR; r++) {
             const int j = (lane + 32 * r) / PPR;
             ksrc[r] = asm_keep((uint32_t)((kvh * HD + lane + 32 * r) * bs));
             vsrc[r] = asm_keep((uint32_t)(j * kd + kvh * HD + 16 * (lane % PPR)));
-            if (r < VR) vdst[r] = asm_keep((uint32_t)(16 * HD + HD * j + 16 * ((lane % PPR) ^ asm_lean_vsw<HD>(j))));
+            if (r < VR) vdst[r] = asm_keep((uint32_t)(16 * HD + HD * j + 16 * ((lane % PPR) ^ asm_q8_vsw<HD>(j))));
         }
         const bool kl = lane < HD / 16;
         const int sk = lane - ATT_CK;
@@ -299,7 +282,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     [[maybe_unused]] int32_t islot = ((c_lo + warp) * ATT_CK) % bs; /* the next issued chunk's first slot */
     [[maybe_unused]] const int32_t sstep = (ATT_WARPS * ATT_CK) % bs;
     [[maybe_unused]] uint32_t ist = 0; /* the next issued chunk's stage (byte offset) */
-    [[maybe_unused]] auto issue_lean = [&](int i) { /* issue_std's copies of chunk i, chunks issued in order 0, 1, ... */
+    /* Q8: chunk i's copies (an empty group past the end); chunks are issued in order 0, 1, ... */
+    [[maybe_unused]] auto issue_q8 = [&](int i) {
         if (i < n_my) {
             if (i % 32 == 0 && i > 0) load_blocks(i);
             const int32_t blk = __shfl_sync(0xffffffffu, blkv, i & 31);
@@ -325,8 +309,8 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         ist = ist == (NS - 1) * RAWB ? 0 : ist + RAWB;
     };
     [[maybe_unused]] auto issue = [&](int i) {
-        if constexpr (LEAN) issue_lean(i);
-        else issue_std(i);
+        if constexpr (Q8) issue_q8(i);
+        else issue_f16(i);
     };
     load_blocks(0);
     /* before the wait: the chunks that cannot hold the new key (only the last chunk does) */
@@ -354,13 +338,14 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     for (int i = 0; i < DT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     float m = -INFINITY, l = 0.0f; /* head g's running max; this lane's share of its sum */
     const int mi = lane >> 3, mr = lane & 7;
-    if constexpr (LEAN) {
-        /* the original loop's arithmetic, value for value: K through the F16 chunk as there; V's integers straight
-         * from the raw stage into B fragments (ldmatrix.trans of the bytes as b16 pairs: a lane gets keys 2 t4,
-         * 2 t4 + 1 (+ 8) of two adjacent dimensions, split into the tile of even dimensions and the tile of odd
-         * ones), so o[2 P] holds dimensions 16 P + 4 t4 + {0, 2} and o[2 P + 1] 16 P + 4 t4 + {1, 3}, each the same
-         * sum of the same products as the original's; the rescale skipped where no row's max moved (a multiply by
-         * exactly 1: expf(0) is 1). Shared addresses: kept bases plus constants. */
+    if constexpr (Q8) {
+        /* per group of 32 dimensions, a score is its K scale times the mma's dot with the integers (K through the
+         * warp's F16 chunk, turned into exact halves there and read as the F16 loop reads its stage); V's integers
+         * go straight from the raw stage into B fragments (ldmatrix.trans of the bytes as b16 pairs: a lane gets keys
+         * 2 t4, 2 t4 + 1 (+ 8) of two adjacent dimensions, split into the tile of even dimensions and the tile of odd
+         * ones), so o[2 P] holds dimensions 16 P + 4 t4 + {0, 2} and o[2 P + 1] 16 P + 4 t4 + {1, 3}; p.v takes, per
+         * group of 32 dimensions, p times the key's V scale as its weights; the rescale is skipped where no row's
+         * max moved (a multiply by exactly 1: expf(0) is 1). Shared addresses: kept bases plus constants. */
         const uint32_t sw16 = (uint32_t)__cvta_generic_to_shared(wbuf); /* the F16 chunk (K only here) */
         const int ksw = (lane >> 2) & 1;                                  /* K row d = lane + 32 r's swizzle */
         const uint32_t kst0 = asm_keep(sw16 + 32 * lane + 16 * ksw), kst1 = asm_keep(sw16 + 32 * lane + 16 * (1 - ksw));
@@ -370,7 +355,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
         uint32_t voffs[NG];               /* piece 2 gv + (mi >> 1) of row vj in a raw stage */
 #pragma unroll
         for (int gv = 0; gv < NG; gv++)
-            voffs[gv] = asm_keep((uint32_t)(16 * HD + HD * vj + 16 * ((2 * gv + (mi >> 1)) ^ asm_lean_vsw<HD>(vj))));
+            voffs[gv] = asm_keep((uint32_t)(16 * HD + HD * vj + 16 * ((2 * gv + (mi >> 1)) ^ asm_q8_vsw<HD>(vj))));
         /* the scales a lane reads: K's of keys 8 nt + 2 t4 (+ 1) (+ 32 gk + 16 nt bytes); V's of keys 2 t4, 2 t4 + 1
          * (+ 8) (NG halves each: + 16 NG nt bytes) */
         const uint32_t ksl = asm_keep((uint32_t)(32 * HD + 4 * t4)), vsl = asm_keep((uint32_t)(33 * HD + 4 * NG * t4));
@@ -443,7 +428,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
             uint32_t vr[NG][4];
 #pragma unroll
             for (int gv = 0; gv < NG; gv++) ldsm_t_s(vr[gv], st + voffs[gv]);
-            if (tail) { /* keys past the last one to 0 (the original zeroes their F16 rows: the same B values) */
+            if (tail) { /* keys past the last one to 0: p = 0 there, but 0 times a stale NaN is not 0 */
                 const int nv = nk - k0;
                 const uint32_t m0 = (2 * t4 < nv ? 0x0000ffffu : 0u) | (2 * t4 + 1 < nv ? 0xffff0000u : 0u);
                 const uint32_t m1 = (2 * t4 + 8 < nv ? 0x0000ffffu : 0u) | (2 * t4 + 9 < nv ? 0xffff0000u : 0u);
@@ -462,7 +447,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
                 }
             }
 #pragma unroll
-            for (int gv = 0; gv < NG; gv++) { /* weights p times the key's V scale, as the original */
+            for (int gv = 0; gv < NG; gv++) { /* weights p times the key's V scale */
                 uint32_t pg[4];
 #pragma unroll
                 for (int nt = 0; nt < 2; nt++) {
@@ -493,28 +478,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
             issue(i + NS - 1);
             cp_async_wait<NS - 1>();
             __syncwarp();
-            __half *ks = Q8 ? wbuf : wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
-            [[maybe_unused]] const unsigned char *raw = wraw + (size_t)(i % NS) * asm_q8_raw_bytes<HD>(); /* Q8 */
-            [[maybe_unused]] const __half *ksc = (const __half *)(raw + 32 * HD), *vsc = (const __half *)(raw + 33 * HD);
-            if constexpr (Q8) { /* the chunk's integers into the F16 chunk, swizzled as the F16 stages */
-#pragma unroll
-                for (int d = lane; d < HD; d += 32) { /* K row d: 16 keys */
-                    uint4 h0, h1;
-                    i8x16_to_half(*(const uint4 *)(raw + 16 * d), h0, h1);
-                    const int sw = (d >> 2) & 1;
-                    *(uint4 *)(ks + d * ATT_CK + 8 * sw) = h0;
-                    *(uint4 *)(ks + d * ATT_CK + 8 * (1 ^ sw)) = h1;
-                }
-#pragma unroll
-                for (int u = lane; u < HD; u += 32) { /* V row j, dimensions 16 pp .. 16 pp + 15 */
-                    uint4 h0, h1;
-                    i8x16_to_half(*(const uint4 *)(raw + 16 * HD + 16 * u), h0, h1);
-                    const int j = u / (HD / 16), pp = u % (HD / 16);
-                    *(uint4 *)(vs + j * HD + 8 * ((2 * pp) ^ (j & VSW))) = h0;
-                    *(uint4 *)(vs + j * HD + 8 * ((2 * pp + 1) ^ (j & VSW))) = h1;
-                }
-                __syncwarp();
-            }
+            __half *ks = wbuf + (size_t)(i % NS) * asm_stage_halves<HD>(), *vs = ks + ATT_CK * HD;
             const int k0 = (c_lo + warp + ATT_WARPS * i) * ATT_CK;
             if (k0 + ATT_CK > nk) { /* V rows past the last key to 0: p = 0 there, but 0 times a stale NaN is not 0 */
                 for (int u = (nk - k0) * (HD / 8) + lane; u < ATT_CK * (HD / 8); u += 32)
@@ -522,32 +486,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
                 __syncwarp();
             }
             float sc[4], mx = -INFINITY; /* keys k0 + 8 nt + 2 t4 + e at [2 nt + e] */
-            if constexpr (Q8) { /* per group of 32 dimensions: its scale times the dot with the integers */
-                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int gk = 0; gk < NG; gk++) {
-                    float s[2][4] = {};
-#pragma unroll
-                    for (int kk = 2 * gk; kk < 2 * gk + 2; kk++) {
-                        const int d = 16 * kk + 8 * (mi & 1) + mr;
-                        uint32_t b[4];
-                        amma_ldsm_t(b, ks + d * ATT_CK + 8 * ((mi >> 1) ^ ((d >> 2) & 1)));
-                        amma_f16(s[0], qf[kk], b[0], b[1]);
-                        amma_f16(s[1], qf[kk], b[2], b[3]);
-                    }
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++)
-#pragma unroll
-                        for (int e = 0; e < 2; e++)
-                            acc[2 * nt + e] = fmaf(__half2float(ksc[gk * ATT_CK + 8 * nt + 2 * t4 + e]),
-                                                   s[nt][e] + s[nt][2 + e], acc[2 * nt + e]);
-                }
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    sc[j] = k0 + 8 * (j >> 1) + 2 * t4 + (j & 1) < nk ? acc[j] : -INFINITY;
-                    mx = fmaxf(mx, sc[j]);
-                }
-            } else {
+            {
                 float s[2][4] = {};
 #pragma unroll
                 for (int kk = 0; kk < KS; kk++) { /* matrices: dims 16 kk + 8 (mi & 1) .., keys 8 (mi >> 1) .. */
@@ -574,46 +513,21 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
 #pragma unroll
             for (int j = 0; j < 4; j++) p[j] = expf(sc[j] - mn), sum += p[j];
             l = __fmaf_rn(l, corr, sum);
-            [[maybe_unused]] uint32_t pa[4]; /* P's A fragment: row g p as f16 (hi), row g + 8 the rest (lo); keys 2 t4 (+ 8) */
+            uint32_t pa[4]; /* P's A fragment: row g p as f16 (hi), row g + 8 the rest (lo); keys 2 t4 (+ 8) */
 #pragma unroll
-            for (int nt = 0; nt < 2 && !Q8; nt++) {
+            for (int nt = 0; nt < 2; nt++) {
                 const __half h0 = __float2half_rn(p[2 * nt]), h1 = __float2half_rn(p[2 * nt + 1]);
                 pa[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
                 pa[2 * nt + 1] = amma_pack(p[2 * nt] - __half2float(h0), p[2 * nt + 1] - __half2float(h1));
             }
 #pragma unroll
             for (int dt = 0; dt < DT; dt++) o[dt][0] *= corr, o[dt][1] *= corr, o[dt][2] *= corr, o[dt][3] *= corr;
-            if constexpr (Q8) { /* per group of 32 dimensions (dp 2 gv, 2 gv + 1): weights p times the key's V scale */
-#pragma unroll
-                for (int gv = 0; gv < NG; gv++) {
-                    uint32_t pg[4];
-#pragma unroll
-                    for (int nt = 0; nt < 2; nt++) {
-                        const int kb = 8 * nt + 2 * t4;
-                        const float w0 = __fmul_rn(p[2 * nt], __half2float(vsc[kb * NG + gv]));
-                        const float w1 = __fmul_rn(p[2 * nt + 1], __half2float(vsc[(kb + 1) * NG + gv]));
-                        const __half h0 = __float2half_rn(w0), h1 = __float2half_rn(w1);
-                        pg[2 * nt] = amma_pack(__half2float(h0), __half2float(h1));
-                        pg[2 * nt + 1] = amma_pack(w0 - __half2float(h0), w1 - __half2float(h1));
-                    }
-#pragma unroll
-                    for (int dp = 2 * gv; dp < 2 * gv + 2; dp++) {
-                        const int j = 8 * (mi & 1) + mr;
-                        uint32_t b[4];
-                        amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
-                        amma_f16(o[2 * dp], pg, b[0], b[1]);
-                        amma_f16(o[2 * dp + 1], pg, b[2], b[3]);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int dp = 0; dp < DT / 2; dp++) { /* matrices: keys 8 (mi & 1) + mr, dims 8 (2 dp + (mi >> 1)) .. */
-                    const int j = 8 * (mi & 1) + mr;
-                    uint32_t b[4];
-                    amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
-                    amma_f16(o[2 * dp], pa, b[0], b[1]);
-                    amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
-                }
+            for (int dp = 0; dp < DT / 2; dp++) { /* matrices: keys 8 (mi & 1) + mr, dims 8 (2 dp + (mi >> 1)) .. */
+                const int j = 8 * (mi & 1) + mr;
+                uint32_t b[4];
+                amma_ldsm_t(b, vs + j * HD + 8 * ((2 * dp + (mi >> 1)) ^ (j & VSW)));
+                amma_f16(o[2 * dp], pa, b[0], b[1]);
+                amma_f16(o[2 * dp + 1], pa, b[2], b[3]);
             }
             __syncwarp(); /* the stage is refilled NS - 1 chunks later */
         }
@@ -624,7 +538,7 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
     if (t4 == 0) wm[warp][g] = m, wl[warp][g] = n_my > 0 ? l : 0.0f;
     __syncthreads(); /* every warp's copies are done: the stages become the merge buffer */
     float *os = (float *)att_dyn + (size_t)warp * 8 * OP; /* [ATT_WARPS][8][OP]: the warp's output rows */
-    if constexpr (LEAN) { /* o[2 P] dimensions 16 P + 4 t4 + {0, 2}, o[2 P + 1] + {1, 3} */
+    if constexpr (Q8) { /* o[2 P] dimensions 16 P + 4 t4 + {0, 2}, o[2 P + 1] + {1, 3} */
 #pragma unroll
         for (int P = 0; P < HD / 16; P++)
             *(float4 *)&os[g * OP + 16 * P + 4 * t4] =
@@ -710,9 +624,6 @@ static stg_status attention_split_setup(int smem_optin) {
         CU(cudaFuncSetAttribute(k_attention_split_mma<HD, true, QNS>, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                 (int)asm_smem_bytes<HD, true, QNS>()),                                        \
            "attention (split) setup");                                                                        \
-        CU(cudaFuncSetAttribute(k_attention_split_mma<HD, true, QNS, true>,                                   \
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)asm_smem_bytes<HD, true, QNS>()), \
-           "attention (split) setup");                                                                        \
     }
     ASM_SETUP(32)
     ASM_SETUP(64)
@@ -771,21 +682,14 @@ static stg_status launch_attention_split(attn_args &aa, int32_t n_tok, int32_t z
             return fail(ST_EUNSUPPORTED, "split attention (8-bit KV): head_dim %d", aa.hd);
         const int qns = asm_q8_stages(aa.hd, smem_optin);
         if (!qns) return kv_q8_device_check(aa.hd, smem_optin, "split attention (8-bit KV)");
-        /* att_q8_lean: the lean form (bitwise the same output), where a block's elements fit its int32 offsets */
-        const bool lean = g_set.att_q8_lean && (int64_t)aa.n_kv * aa.hd * aa.block_size <= INT32_MAX;
-        if (aa.hd == 64 && lean)
-            launch_k(k_attention_split_mma<64, true, ASM_Q8_NS, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(),
-                     st, aa);
-        else if (aa.hd == 64)
+        /* the kernel's copies address a KV block's elements with int32 offsets */
+        if ((int64_t)aa.n_kv * aa.hd * aa.block_size > INT32_MAX)
+            return fail(ST_EUNSUPPORTED, "split attention (8-bit KV): a KV block of %d x %d x %d elements", aa.n_kv,
+                        aa.hd, aa.block_size);
+        if (aa.hd == 64)
             launch_k(k_attention_split_mma<64, true>, grid, ATT_WARPS * 32, asm_smem_bytes<64, true>(), st, aa);
-        else if (qns == ASM_Q8_NS && lean)
-            launch_k(k_attention_split_mma<128, true, ASM_Q8_NS, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true>(),
-                     st, aa);
         else if (qns == ASM_Q8_NS)
             launch_k(k_attention_split_mma<128, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true>(), st, aa);
-        else if (lean)
-            launch_k(k_attention_split_mma<128, true, 3, true>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true, 3>(), st,
-                     aa);
         else launch_k(k_attention_split_mma<128, true, 3>, grid, ATT_WARPS * 32, asm_smem_bytes<128, true, 3>(), st, aa);
     } else if (aa.hd == 128) launch_k(k_attention_split_mma<128>, grid, ATT_WARPS * 32, asm_smem_bytes<128>(), st, aa);
     else if (aa.hd == 64) launch_k(k_attention_split_mma<64>, grid, ATT_WARPS * 32, asm_smem_bytes<64>(), st, aa);

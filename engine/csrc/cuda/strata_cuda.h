@@ -89,10 +89,6 @@ typedef struct stg_settings {
                                * so the two rates add. -1: measured, r_cpu / (r_cpu + r_dev) (stg_profile.kv_cpu_gbs /
                                * kv_pcie_gbs); 0: no CPU share (a
                                * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
-    int32_t att_q8_lean;      /* the 8-bit KV cache's split-KV decode kernel: 1, its lean form (V's integers straight
-                               * from the raw copies into the tensor-core fragments, copy addresses from per-lane
-                               * offsets, the output's rescale skipped where no row's max moved); 0, the original
-                               * form. Bitwise the same output either way (an A/B of speed) */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);

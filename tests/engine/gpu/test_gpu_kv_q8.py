@@ -36,7 +36,7 @@ from engine.native import ffi as cffi
 from engine.native import lib, ptr
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.gpu._env import rel_err, requires_gpu
-from tests.engine.gpu._kernel_helpers import assumed_smem_optin, gcheck, gptr, harness_settings, mma_forms
+from tests.engine.gpu._kernel_helpers import assumed_smem_optin, gcheck, gptr, mma_forms
 from tests.engine.gpu._model_checks import check_greedy, tokens_of, write_hd128_moe
 
 pytestmark = requires_gpu
@@ -334,8 +334,8 @@ def test_split_decode_on_q8_fits_a_99_kib_device(g: tuple) -> None:
 
 
 # block_size 48: chunks start at slots 0, 16 and 32 of a block
-LEAN_SHAPES = {**SHAPES, "bs48": (128, 48, 32, 4)}
-LEAN_CASES = [
+EDGE_SHAPES = {**SHAPES, "bs48": (128, 48, 32, 4)}
+EDGE_CASES = [
     ("qwen3_30b", [0]),
     ("qwen3_30b", [16]),
     ("qwen3_30b", [4098]),
@@ -347,36 +347,40 @@ LEAN_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("shape", "cached"), LEAN_CASES, ids=[f"{s}-{len(c)}seq-{max(c) + 1}" for s, c in LEAN_CASES]
+    ("shape", "cached"), EDGE_CASES, ids=[f"{s}-{len(c)}seq-{max(c) + 1}" for s, c in EDGE_CASES]
 )
-def test_split_decode_on_q8_lean_form_is_bitwise(g: tuple, shape: str, cached: list[int]) -> None:
-    """att_q8_lean 1 (the lean form of the 8-bit cache's split decode kernel: V's integers straight from the raw
-    copies into the tensor-core fragments, the output's rescale skipped where no row's max moved) gives bitwise the
-    original form's output, at 1, 17, 4,099 and 40,000 keys and in mixed batches, under every split rule, with four
-    raw stages and (head_dim 128) with sm_89's three; the outputs are within the reference's tolerance."""
-    hd, bs, n_head, n_kv = LEAN_SHAPES[shape]
+def test_split_decode_on_q8_stage_forms_match_reference(g: tuple, shape: str, cached: list[int]) -> None:
+    """The 8-bit cache's split decode kernel at 1, 17, 4,099 and 40,000 keys, in mixed batches and at block size
+    48, under every split rule: within the reference's tolerance with four raw stages, and (head_dim 128) sm_89's
+    three give bitwise the four's output."""
+    hd, bs, n_head, n_kv = EDGE_SHAPES[shape]
     rng = np.random.default_rng(sum(cached) + hd + bs)
     pos = np.array(cached, np.int32)
     seq = np.arange(len(cached), dtype=np.int32)
     c = decode_cache(rng, hd, bs, n_kv, [p + 1 for p in cached])
     q = (rng.standard_normal((len(cached), n_head * hd)) * (2.0 / np.sqrt(hd))).astype(np.float32)
     ref, _ = run_q8(g, 0, c, bs, hd, n_head, n_kv, q, pos, seq)
-    limits = [0] + ([101_376] if hd == 128 else [])  # the device's own stages (4); sm_89's 3
     for form, split in FORMS.items():
-        for limit in limits:
-            with assumed_smem_optin(g, limit):
-                base, ns = run_q8(g, 1, c, bs, hd, n_head, n_kv, q, pos, seq, split)
-                with harness_settings(g, att_q8_lean=1):
-                    lean, ns_lean = run_q8(g, 1, c, bs, hd, n_head, n_kv, q, pos, seq, split)
-            assert ns_lean.tolist() == ns.tolist(), (form, limit)
-            assert np.isfinite(base).all(), (form, limit)
-            bad = np.flatnonzero(lean.view(np.uint32) != base.view(np.uint32))
-            assert bad.size == 0, (
-                f"{form}, limit {limit}: {bad.size} of {base.size} values differ from the original form's (first at "
-                f"{bad[:4].tolist()}; {rel_err(lean, base):.3e} of max|out|)"
+        out, ns = run_q8(g, 1, c, bs, hd, n_head, n_kv, q, pos, seq, split)
+        want = [expected_splits(p + 1, *split) for p in cached]
+        assert ns.tolist() == want, f"{form}: splits per sequence {ns.tolist()}, the rule gives {want}"
+        assert np.isfinite(out).all(), form
+        for i, p in enumerate(cached):
+            e = rel_err(out[i], ref[i])
+            assert e <= REF_TOL, (
+                f"{form}, sequence {i} ({p} cached tokens): {e:.3e} of max|ref| from the reference"
             )
-            for i in range(len(cached)):
-                assert rel_err(lean[i], ref[i]) <= REF_TOL, (form, limit, i)
+        if hd != 128:
+            continue
+        with assumed_smem_optin(g, 101_376):  # sm_89: three raw stages
+            assert g[1].stg_test_q8_split_stages(hd) == 3
+            out3, ns3 = run_q8(g, 1, c, bs, hd, n_head, n_kv, q, pos, seq, split)
+        assert ns3.tolist() == ns.tolist(), form
+        bad = np.flatnonzero(out3.view(np.uint32) != out.view(np.uint32))
+        assert bad.size == 0, (
+            f"{form}: 3 stages differ from 4 in {bad.size} of {out.size} values (first at {bad[:4].tolist()}; "
+            f"{rel_err(out3, out):.3e} of max|out|)"
+        )
 
 
 @pytest.mark.parametrize(("p0", "n"), [(0, 300), (4000, 130), (17, 1)])
@@ -475,49 +479,6 @@ def test_gpu_q8_cache_matches_cpu_q8_cache(q8_model: Path) -> None:
                 f"{sum(x == y for x, y in zip(tb, tokens_of(f16, p, 32), strict=True))} of 32 the same"
             )
             check_greedy(cpu, gpu, p, exact=False, bound=MODEL_GREEDY_GAP)
-
-
-def test_gpu_q8_lean_decode_gives_the_same_logits(q8_model: Path) -> None:
-    """A model's decode steps on the 8-bit cache under att_q8_lean 1 give bitwise the logits of att_q8_lean 0: one
-    5,000-token sequence (split) and three short ones (one split) in one batch over four steps, graphs on and off."""
-    rng = np.random.default_rng(32)
-    lens = [5000, 3, 700, 1500]
-    steps = 4
-    with Engine.open(q8_model, device="cuda:0", kv_type="q8_0", kv_tokens=8192, prefill_chunk=512) as eng:
-        tables = [eng.blocks.allocate(-(-(n + steps + 2) // eng.block_size)) for n in lens]
-        for n, tb in zip(lens, tables, strict=True):
-            eng.prefill([int(t) for t in rng.integers(0, VOCAB, size=n)], tb)
-        feed = [[int(t) for t in rng.integers(0, VOCAB, size=steps)] for _ in lens]
-        rows = list(range(len(lens)))
-
-        def run(env: dict[str, str]) -> np.ndarray:
-            eng._gpu.set_settings(env)
-            try:
-                return np.stack(
-                    [
-                        eng.forward(
-                            [feed[r][s] for r in rows],
-                            [lens[r] + s for r in rows],
-                            rows,
-                            [tables[r] for r in rows],
-                            rows,
-                        )
-                        for s in range(steps)
-                    ]
-                )
-            finally:
-                eng._gpu.set_settings({})
-
-        base = run({})
-        assert np.isfinite(base).all()
-        for env in (
-            {"STRATA_GPU_ATT_Q8_LEAN": "1"},
-            {"STRATA_GPU_ATT_Q8_LEAN": "1", "STRATA_GPU_GRAPHS": "0"},
-        ):
-            lean = run(env)
-            assert np.array_equal(lean.view(np.uint32), base.view(np.uint32)), (
-                f"{env}: {rel_err(lean, base):.3e} of max|logit| from att_q8_lean 0"
-            )
 
 
 def test_gpu_q8_refuses_head_dim_32(tmp_path: Path) -> None:
