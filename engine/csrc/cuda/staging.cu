@@ -36,7 +36,7 @@
 /* hybrid_stage_split's routing estimate: the weight (tokens) of its uniform start, the half-life (tokens) of what
  * the steps' histograms add (engine.Engine.REPLACE_HALF_LIFE_TOKENS, the re-placement statistics'). The start
  * weighs as much as half a half-life, so that a few decode steps' histograms (8 pairs a token over 128 experts
- * leave most experts at 0) do not read as skew (docs/gpu-runs.md, session 25) */
+ * leave most experts at 0) do not read as skew */
 #define STAGE_PRIOR_TOKENS 2048.0
 #define STAGE_HALF_LIFE_TOKENS 4096.0
 
