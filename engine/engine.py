@@ -95,9 +95,10 @@ def _check_cores(cores: Sequence[int]) -> None:
 
 def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int, prefill_chunk: int,
               placement: str | os.PathLike[str] | PlacementFile | None,
-              kv_type: str = "f16") -> tuple[GpuPlan, str] | None:
-    """The hybrid plan of a GPU lane with a budget (see Engine.open) and where its frequencies came from; None
-    without a budget. GpuBudgetError when not even the parts every step needs fit."""
+              kv_type: str = "f16") -> tuple[GpuPlan, str, np.ndarray | None] | None:
+    """The hybrid plan of a GPU lane with a budget (see Engine.open), where its frequencies came from and the
+    frequencies themselves (None: uniform routing); None without a budget. GpuBudgetError when not even the parts
+    every step needs fit."""
     if gpu_budget_gb is None:
         return None
     from engine import gpu_settings
@@ -118,7 +119,7 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
         raise GpuBudgetError(
             f"gpu_budget_gb={gpu_budget_gb:g}: the GPU side of the model needs {p.fixed_bytes / 2**30:.2f} GiB "
             f"({what}); raise the budget, lower kv_tokens, or serve it on device='cpu'", lib.ST_EUNSUPPORTED)
-    return p, source
+    return p, source, freqs
 
 
 def kv_hot_budget_tokens(mf: ModelFile, budget_gb: float, block_size: int, kv_type: str = "f16") -> int:
@@ -497,11 +498,8 @@ class Engine:
                     lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
-        stage_freqs = None  # the placement file's frequencies (None: uniform routing) for hybrid_stage_split
-        if resident is not None and not resident.all():
-            from engine.placement import placement_frequencies
-
-            stage_freqs = placement_frequencies(mf, placement)[0]
+        # the placement file's frequencies (None: uniform routing) for hybrid_stage_split, as the plan read them
+        stage_freqs = planned[2] if planned is not None and resident is not None and not resident.all() else None
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
                    resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
                    kv_type, stage_freqs)

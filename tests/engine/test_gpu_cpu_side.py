@@ -141,7 +141,7 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
     half = (fixed + routed // 2 + 64) / 2**30
     got = _gpu_plan(mf, half, 64, 16, 512, None)
     assert got is not None
-    p, source = got
+    p, source, _ = got
     assert 0 < p.n_resident < p.n_routed and p.gpu_bytes <= half * 2**30 and "uniform" in source
     if NO_GPU is not None:  # a hybrid plan goes on to the device, which is missing here
         with pytest.raises(DeviceUnavailableError):
