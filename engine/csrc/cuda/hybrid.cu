@@ -261,6 +261,12 @@ static bool hybrid_layer(const stg_model *m, int il) {
     return partial_layer(m, il) && !staging_whole(m, il);
 }
 
+/* Layer il's expert -> slot map on the device for the step being queued (-1: the CPU's): the resident slots, or a
+ * staged layer's step map (the staging slot's experts at their own index, staging.cu) */
+static const int32_t *layer_slot_map(const stg_model *m, int il) {
+    return staged_layer(m, il) ? staging_map(m, il) : (const int32_t *)(m->hy.d_slot + (int64_t)il * m->d.n_expert);
+}
+
 /* The launched step's events, sums and flag value (step_launch, before the layers are queued). */
 static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     m->hy.cur = nullptr;
@@ -433,11 +439,10 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     CU(cudaEventRecord(hs.s1[(size_t)il], st), "hybrid: event");
     hs.pcie_d2h += (int64_t)sizeof(int32_t) * P + (int64_t)sizeof(float) * T * E;
     if (h.worker) h.worker->queued.store(il + 1, std::memory_order_release);
-    const bool split = staged_layer(m, il); /* the staging slot's experts at their own index (staging.cu) */
-    const int32_t n_slots = split ? ne : h.n_slots[(size_t)il];
+    const int32_t n_slots = staged_layer(m, il) ? ne : h.n_slots[(size_t)il]; /* staged: every expert's index */
     if (n_slots == 0) return ST_OK;
     launch_k(k_slot_ids, (unsigned)((P + 255) / 256), 256, 0, st, (const int32_t *)s.topk_id, (int32_t)P,
-             split ? staging_map(m, il) : (const int32_t *)(h.d_slot + (int64_t)il * ne), h.sid);
+             layer_slot_map(m, il), h.sid);
     LAUNCHED("hybrid: slots");
     /* the histogram is the expert grouping's (the router's launch counted every pair) */
     const group_out go = {s.gexp,   s.gstart, s.gcount, s.n_groups,  s.list,    s.pair_tok, nullptr, s.gtiles,
@@ -459,33 +464,27 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
     if (h.rows_direct) { /* the wait and the rows' reads in one kernel, then event c (no b) */
-        const int ne = m->d.n_expert;
         const int64_t G = std::min<int64_t>(P, ROWS_BLOCKS);
         launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
                  (const unsigned long long *)(h.sync.flags + il), hs.seq, (const int32_t *)m->s.topk_id,
-                 staged_layer(m, il) ? staging_map(m, il) : (const int32_t *)(h.d_slot + (int64_t)il * ne), (int32_t)ne,
-                 (int32_t)P, (const float *)h.h_rows,
-                 E, m->s.pair_out, hs.ts + 2 * il);
+                 layer_slot_map(m, il), (int32_t)m->d.n_expert, (int32_t)P, (const float *)h.h_rows, E,
+                 m->s.pair_out, hs.ts + 2 * il);
         LAUNCHED("hybrid: wait for the CPU and read its rows");
-        if (!h.worker) {
-            const stg_status rc = hybrid_cpu_layer(m, hs, il);
-            if (rc != ST_OK) {
-                hybrid_release(m, il, hs.seq);
-                return rc;
-            }
-        }
-        CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
-        hs.used[(size_t)il] = 3;
-        return ST_OK;
+    } else {
+        launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.sync.flags + il), hs.seq, h.d_n);
+        LAUNCHED("hybrid: wait for the CPU");
     }
-    launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.sync.flags + il), hs.seq, h.d_n);
-    LAUNCHED("hybrid: wait for the CPU");
     if (!h.worker) {
         const stg_status rc = hybrid_cpu_layer(m, hs, il);
         if (rc != ST_OK) {
             hybrid_release(m, il, hs.seq);
             return rc;
         }
+    }
+    if (h.rows_direct) {
+        CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
+        hs.used[(size_t)il] = 3;
+        return ST_OK;
     }
     CU(cudaEventRecord(hs.b[(size_t)il], st), "hybrid: event");
     CU(cudaMemcpyAsync(h.d_rows, h.h_rows, sizeof(float) * (size_t)(P * (E + 1)), cudaMemcpyHostToDevice, st),
