@@ -150,71 +150,16 @@ __global__ void k_pcie_probe(const uint4 *p, int64_t n, uint32_t *out) {
     if (x == 0x9e3779b9u) *out = x;
 }
 
-/* PCIe's rate for in-place reads in GB/s: k_pcie_probe over 64 MiB of pinned, mapped memory (the way the split
- * kernel reads host-tier blocks), timed with events after one pass to warm up; 0 where the buffers cannot be had
- * (the measured share then counts it as the CPU's rate). */
-static double pcie_probe_gbs(stg_model *m) {
-    const size_t n = (size_t)64 << 20;
-    void *h = nullptr, *hd = nullptr;
-    uint32_t *dv = nullptr;
+/* GB/s of launch() moving bytes a pass on the model's stream: one pass to warm up, then three timed with events;
+ * 0 where the events or a launch fail. The stream is synchronised and no error is left behind either way. */
+template <class F> static double timed_passes_gbs(stg_model *m, size_t bytes, F launch) {
     cudaEvent_t e0 = nullptr, e1 = nullptr;
     double gbs = 0.0;
-    if (cudaHostAlloc(&h, n, cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess &&
-        cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess && cudaMalloc(&dv, sizeof(uint32_t)) == cudaSuccess &&
-        cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
-        memset(h, 0, n);
-        int n_sm = 0;
-        cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, m->device);
-        const unsigned grid = (unsigned)std::max(1, 4 * n_sm);
-        const int64_t words = (int64_t)(n / sizeof(uint4));
-        k_pcie_probe<<<grid, 256, 0, m->stream>>>((const uint4 *)hd, words, dv);
+    if (cudaEventCreate(&e0) == cudaSuccess && cudaEventCreate(&e1) == cudaSuccess) {
+        launch();
         bool ok = cudaEventRecord(e0, m->stream) == cudaSuccess;
         for (int i = 0; i < 3 && ok; i++) {
-            k_pcie_probe<<<grid, 256, 0, m->stream>>>((const uint4 *)hd, words, dv);
-            ok = cudaGetLastError() == cudaSuccess;
-        }
-        float ms = 0.0f;
-        if (ok && cudaEventRecord(e1, m->stream) == cudaSuccess && cudaEventSynchronize(e1) == cudaSuccess &&
-            cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0.0f)
-            gbs = 3.0 * (double)n / (1e-3 * (double)ms) / 1e9;
-    }
-    cudaStreamSynchronize(m->stream);
-    if (e0) cudaEventDestroy(e0);
-    if (e1) cudaEventDestroy(e1);
-    if (dv) cudaFree(dv);
-    if (h) cudaFreeHost(h);
-    cudaGetLastError(); /* a failed probe leaves no error behind */
-    return gbs;
-}
-
-/* The staging gather's rate in GB/s: k_kv_stage copying 64 MiB of pinned, mapped memory into VRAM in pieces of the
- * cache's block of one layer's K (a staged step's gathers), timed as pcie_probe_gbs times its reads; 0 where the
- * buffers cannot be had. */
-static double stage_probe_gbs(stg_model *m, const stg_kv *kv) {
-    unsigned char *dev[4], *host[4];
-    int64_t per[4], dl[4], hl[4];
-    kv_arrays(kv, dev, host, per, dl, hl);
-    const int64_t blk = std::max<int64_t>(16, per[0] / 16 * 16);
-    const int32_t n = (int32_t)std::max<int64_t>(1, ((int64_t)64 << 20) / blk);
-    const size_t bytes = (size_t)n * (size_t)blk;
-    void *h = nullptr, *hd = nullptr, *d = nullptr;
-    int32_t *dlist = nullptr;
-    cudaEvent_t e0 = nullptr, e1 = nullptr;
-    double gbs = 0.0;
-    if (cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess &&
-        cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess && cudaMalloc(&d, bytes) == cudaSuccess &&
-        cudaMalloc(&dlist, sizeof(int32_t) * 2 * (size_t)n) == cudaSuccess && cudaEventCreate(&e0) == cudaSuccess &&
-        cudaEventCreate(&e1) == cudaSuccess) {
-        memset(h, 0, bytes);
-        std::vector<int32_t> list(2 * (size_t)n);
-        for (int32_t i = 0; i < n; i++) list[2 * (size_t)i] = i, list[2 * (size_t)i + 1] = n - 1 - i; /* (slot, block) */
-        kv_stage_args a = {};
-        a.host[0] = (unsigned char *)hd, a.stage[0] = (unsigned char *)d, a.per[0] = blk, a.list = dlist, a.dir = 0;
-        bool ok = cudaMemcpy(dlist, list.data(), sizeof(int32_t) * list.size(), cudaMemcpyHostToDevice) == cudaSuccess;
-        if (ok) k_kv_stage<<<dim3((unsigned)n, 1), 256, 0, m->stream>>>(a);
-        ok = ok && cudaEventRecord(e0, m->stream) == cudaSuccess;
-        for (int i = 0; i < 3 && ok; i++) {
-            k_kv_stage<<<dim3((unsigned)n, 1), 256, 0, m->stream>>>(a);
+            launch();
             ok = cudaGetLastError() == cudaSuccess;
         }
         float ms = 0.0f;
@@ -225,6 +170,58 @@ static double stage_probe_gbs(stg_model *m, const stg_kv *kv) {
     cudaStreamSynchronize(m->stream);
     if (e0) cudaEventDestroy(e0);
     if (e1) cudaEventDestroy(e1);
+    cudaGetLastError(); /* a failed probe leaves no error behind */
+    return gbs;
+}
+
+/* PCIe's rate for in-place reads in GB/s: k_pcie_probe over 64 MiB of pinned, mapped memory (the way the split
+ * kernel reads host-tier blocks), timed_passes_gbs; 0 where the buffers cannot be had (the measured share then
+ * counts it as the CPU's rate). */
+static double pcie_probe_gbs(stg_model *m) {
+    const size_t n = (size_t)64 << 20;
+    void *h = nullptr, *hd = nullptr;
+    uint32_t *dv = nullptr;
+    double gbs = 0.0;
+    if (cudaHostAlloc(&h, n, cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess &&
+        cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess && cudaMalloc(&dv, sizeof(uint32_t)) == cudaSuccess) {
+        memset(h, 0, n);
+        int n_sm = 0;
+        cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, m->device);
+        const unsigned grid = (unsigned)std::max(1, 4 * n_sm);
+        const int64_t words = (int64_t)(n / sizeof(uint4));
+        gbs = timed_passes_gbs(m, n, [&] { k_pcie_probe<<<grid, 256, 0, m->stream>>>((const uint4 *)hd, words, dv); });
+    }
+    cudaStreamSynchronize(m->stream);
+    if (dv) cudaFree(dv);
+    if (h) cudaFreeHost(h);
+    cudaGetLastError(); /* a failed probe leaves no error behind */
+    return gbs;
+}
+
+/* The staging gather's rate in GB/s: k_kv_stage copying 64 MiB of pinned, mapped memory into VRAM in pieces of the
+ * cache's block of one layer's K (a staged step's gathers), timed_passes_gbs; 0 where the buffers cannot be had. */
+static double stage_probe_gbs(stg_model *m, const stg_kv *kv) {
+    unsigned char *dev[4], *host[4];
+    int64_t per[4], dl[4], hl[4];
+    kv_arrays(kv, dev, host, per, dl, hl);
+    const int64_t blk = std::max<int64_t>(16, per[0] / 16 * 16);
+    const int32_t n = (int32_t)std::max<int64_t>(1, ((int64_t)64 << 20) / blk);
+    const size_t bytes = (size_t)n * (size_t)blk;
+    void *h = nullptr, *hd = nullptr, *d = nullptr;
+    int32_t *dlist = nullptr;
+    double gbs = 0.0;
+    if (cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable) == cudaSuccess &&
+        cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess && cudaMalloc(&d, bytes) == cudaSuccess &&
+        cudaMalloc(&dlist, sizeof(int32_t) * 2 * (size_t)n) == cudaSuccess) {
+        memset(h, 0, bytes);
+        std::vector<int32_t> list(2 * (size_t)n);
+        for (int32_t i = 0; i < n; i++) list[2 * (size_t)i] = i, list[2 * (size_t)i + 1] = n - 1 - i; /* (slot, block) */
+        kv_stage_args a = {};
+        a.host[0] = (unsigned char *)hd, a.stage[0] = (unsigned char *)d, a.per[0] = blk, a.list = dlist, a.dir = 0;
+        if (cudaMemcpy(dlist, list.data(), sizeof(int32_t) * list.size(), cudaMemcpyHostToDevice) == cudaSuccess)
+            gbs = timed_passes_gbs(m, bytes, [&] { k_kv_stage<<<dim3((unsigned)n, 1), 256, 0, m->stream>>>(a); });
+    }
+    cudaStreamSynchronize(m->stream);
     if (dlist) cudaFree(dlist);
     if (d) cudaFree(d);
     if (h) cudaFreeHost(h);
