@@ -35,9 +35,9 @@
  * host-tier bytes on the device over the time from its k_to_host to its k_wait_flag (the gather and the split kernel,
  * or the split kernel reading in place), so it is what the device achieves there, not a streaming kernel's best
  * (the in-place probe reads 64 MiB contiguously with every thread's loads in flight and overstates the split kernel,
- * GPU run: 51 against ~32 GB/s). A layer whose device bytes are under DEV_SAMPLE_MIN gives no sample (there the
- * launches and the VRAM blocks' time are most of the window). A rate not known yet counts as the other's (a share of
- * one half). */
+ * 51 against ~32 GB/s on the H100 machine). A layer whose device bytes are under DEV_SAMPLE_MIN gives no sample
+ * (there the launches and the VRAM blocks' time are most of the window). A rate not known yet counts as the
+ * other's (a share of one half). */
 #include <time.h>
 
 #include <thread>

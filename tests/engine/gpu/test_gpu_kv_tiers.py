@@ -269,7 +269,7 @@ def test_host_attn_mixed_share(model: Path, kv_type: str, share: int, stream: in
                 if share == -1 and st.kv_cpu_bytes == 0:
                     # the measured share rounds to no whole block of any token (the test model's CPU work is a
                     # few microseconds a layer, so its measured rate is low): kv_host_attn 0's step, every host
-                    # block the device's (run 115: a share of 0.004 after four steps)
+                    # block the device's
                     assert st.kv_cpu_share == 0.0
                     assert st.kv_host_bytes == _host_read_bytes(tiered, tables[1], pos)
                     toks, pos = [int(x) for x in a.argmax(-1)], [q + 1 for q in pos]
