@@ -372,6 +372,11 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
             skewed[il, ids] = 0.0
         uniform = np.ones_like(skewed)
         hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
+        # a bad estimate is refused with a typed error naming what is wrong, the model left serving
+        for bad, weight, what in ((uniform[:, :-1], 1e9, "values"), (-uniform, 1e9, "frequency"),
+                                  (uniform * np.nan, 1e9, "frequency"), (uniform, 0.0, "weight")):
+            with pytest.raises(EngineError, match=f"set_stage_freq: .*{what}"):
+                hyb._gpu.set_stage_freq(bad, weight)
         # whole layers (hybrid_stage_split 0): the reference bytes and bits
         hyb._gpu.set_settings(SPLIT_ENV)
         whole = np.array(hyb.logits_for(prompts[0]), copy=True)
