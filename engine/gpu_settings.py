@@ -81,6 +81,10 @@ OVERRIDES: tuple[Override, ...] = (
              "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest read by the GPU in the "
              "same step (in place over PCIe, or staged into VRAM with kv_stream 0); -1 (the default) from the "
              "measured rates, r_cpu / (r_cpu + r_dev)"),
+    Override("STRATA_GPU_HYBRID_PDL", "hybrid_pdl",
+             "hybrid placement, with STRATA_GPU_PDL 1 on sm_90+: 1 hybrid steps launch their kernels with "
+             "programmatic dependent launch (a kernel after a copy or an event wait without it); 0 (the default) "
+             "hybrid steps without it. Same bits either way"),
 )
 
 

@@ -301,3 +301,39 @@ def test_hybrid_stage_split_is_declared_and_reported() -> None:
     out = _stats(st, profile)
     assert (out.stage_split_layers, out.stage_gpu_experts, out.stage_cpu_experts, out.stage_cpu_pairs) == \
         (2, 200, 56, 96)
+
+
+def test_hybrid_pdl_is_declared_off_by_default() -> None:
+    """hybrid_pdl (hybrid.cu: programmatic dependent launch in hybrid steps): the setting (0 by default in model.cu,
+    so hybrid steps keep their measured form until a GPU A/B), its override, step.cu taking it for hybrid steps
+    only, and every copy or event wait that the hybrid step queues on the compute stream followed by pdl_cut
+    before the next launch (the kernel after it goes without the attribute)."""
+    import re
+
+    from cffi import FFI
+
+    from engine import gpu_settings
+
+    f = FFI()
+    f.cdef(cuda_backend.cdef_text())
+    assert "hybrid_pdl" in {name for name, _ in f.typeof("stg_settings").fields}
+    csrc = Path(cuda_backend.__file__).parent / "csrc" / "cuda"
+    model_cu = (csrc / "model.cu").read_text()
+    assert re.search(r"s->hybrid_pdl = (\d+);", model_cu).group(1) == "0"
+    assert "RANGE(hybrid_pdl, 0, 1)" in model_cu
+    assert gpu_settings.env_override("hybrid_pdl", {"STRATA_GPU_HYBRID_PDL": "1"}) == 1
+    assert gpu_settings.env_override("hybrid_pdl", {}) is None
+    step_cu = (csrc / "step.cu").read_text()
+    assert "(!m->hy.on || m->set.hybrid_pdl)" in step_cu
+    for name, fns, op in (("hybrid.cu", ("hybrid_send", "hybrid_receive"), r"cudaMemcpyAsync\("),
+                          ("staging.cu", ("staging_queue",), r"cudaStreamWaitEvent\(m->stream")):
+        text = (csrc / name).read_text()
+        for fn in fns:
+            start = text.index(f"static stg_status {fn}(")
+            body = text[start:text.index("\n}\n", start)]
+            ops = [m.end() for m in re.finditer(op, body)]
+            assert ops, (name, fn)
+            for at in ops:
+                rest = body[at:]
+                cut, launch = rest.find("pdl_cut("), rest.find("launch_k(")
+                assert cut >= 0 and (launch < 0 or cut < launch), f"{name} {fn}: a launch after {op} without pdl_cut"

@@ -63,17 +63,28 @@ static stg_status cuda_fail(cudaError_t e, const char *what) {
 /* ------------------------------------------------------------------ launches */
 
 /* Kernels of a step are launched with programmatic dependent launch where the device has
- * it (sm_90; g_pdl set per step from stg_settings.pdl): each may be scheduled while its
- * predecessor finishes, prefetching weights, and waits (griddepcontrol.wait) before touching
- * activations. Errors surface through cudaGetLastError (LAUNCHED). */
+ * it (sm_90; g_pdl set per step from stg_settings.pdl, and in hybrid steps hybrid_pdl): each may
+ * be scheduled while its predecessor finishes, prefetching weights, and waits
+ * (griddepcontrol.wait) before touching activations. Every kernel of a step waits in at least
+ * one block before it exits, so a kernel's completion implies its predecessors' (the hybrid
+ * handshake's host side relies on that: hybrid.cu). Errors surface through cudaGetLastError
+ * (LAUNCHED). */
 static thread_local bool g_pdl = false;
+/* The next launch on g_pdl_cut_st goes without the attribute (pdl_cut): it follows a copy or an
+ * event wait queued there, not a kernel (the runtime serialises such a launch in any case; this
+ * keeps it independent of that). Cleared by that launch and at every step's start. */
+static thread_local bool g_pdl_cut = false;
+static thread_local cudaStream_t g_pdl_cut_st = nullptr;
+static void pdl_cut(cudaStream_t st) { g_pdl_cut = true, g_pdl_cut_st = st; }
 template <typename... KArgs, typename... Args>
 static void launch_k(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid, cfg.blockDim = block, cfg.dynamicSmemBytes = smem, cfg.stream = st;
     cudaLaunchAttribute at[1];
     unsigned n = 0;
-    if (g_pdl) {
+    const bool cut = g_pdl_cut && g_pdl_cut_st == st;
+    if (cut) g_pdl_cut = false;
+    if (g_pdl && !cut) {
         at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         at[n++].val.programmaticStreamSerializationAllowed = 1;
     }

@@ -31,6 +31,20 @@
  * (hybrid_stage_split) has one: its pairs are grouped by the step's map (the slot's experts at their own index, the
  * CPU's -1) and the host computes the pairs of the experts left to it.
  *
+ * Programmatic dependent launch (stg_settings.hybrid_pdl, with pdl on sm_90): the step's kernels are launched as
+ * other steps' are (common.cuh), each triggering its dependents at entry and waiting (griddepcontrol.wait) before it
+ * reads anything a predecessor wrote; the event records stay between them. The handshake keeps its order through
+ * that. k_to_host waits before its stores and its ready flag, so the host reads a layer's xn and routing only once
+ * every earlier kernel is done; and since every kernel waits before it exits, layer l+1's ready flag (after which
+ * the host overwrites h_xn, h_ids and h_rows) comes after layer l's rows kernel has finished reading h_rows.
+ * k_rows_direct and k_wait_flag wait before they poll the host's flag: launched early, they sit in the wait (not
+ * polling) until the layer's device work is done, and block 0's clock starts after it. The kernels behind them are
+ * scheduled only once every block of theirs is resident (a dependent launches when each block of its predecessor
+ * has triggered or exited), so nothing launched early holds an SM that the polling kernel or anything before it
+ * still needs, and the flag's producer is the host, which needs no SM. A kernel that follows a copy (a larger
+ * step's xn and routing to the host, its CPU rows back) or an event wait (a staged layer's copies) is launched
+ * without the attribute (pdl_cut). Scheduling only: the same kernels read the same rows either way.
+ *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
  * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals; a k_rows_direct
  * layer's a..c splits at block 0's own clock (its start to its seeing the flag: the wait; the rest: the rows). */
@@ -435,6 +449,7 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     } else {
         CU(cudaMemcpyAsync(h.h_ids, s.topk_id, sizeof(int32_t) * P, cudaMemcpyDeviceToHost, st), "hybrid: routing");
         CU(cudaMemcpyAsync(h.h_xn, s.xn, sizeof(float) * T * E, cudaMemcpyDeviceToHost, st), "hybrid: xn");
+        pdl_cut(st); /* the next kernel follows the copies */
     }
     CU(cudaEventRecord(hs.s1[(size_t)il], st), "hybrid: event");
     hs.pcie_d2h += (int64_t)sizeof(int32_t) * P + (int64_t)sizeof(float) * T * E;
@@ -489,6 +504,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     CU(cudaEventRecord(hs.b[(size_t)il], st), "hybrid: event");
     CU(cudaMemcpyAsync(h.d_rows, h.h_rows, sizeof(float) * (size_t)(P * (E + 1)), cudaMemcpyHostToDevice, st),
        "hybrid: CPU rows");
+    pdl_cut(st); /* k_scatter_rows follows the copy */
     launch_k(k_scatter_rows, (unsigned)P, SCATTER_THREADS, 0, st, (const float *)h.d_rows, (const int32_t *)h.d_n, P,
              E, m->s.pair_out);
     LAUNCHED("hybrid: CPU rows");

@@ -388,11 +388,13 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
             }
         CU(cudaEventRecord(hs.w0[(size_t)il], m->stream), "staging: event");
         CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
+        pdl_cut(m->stream); /* the routed experts' first kernel follows the wait */
         CU(cudaEventRecord(hs.w1[(size_t)il], m->stream), "staging: event");
         hs.split[(size_t)il] = 1;
     } else {
         CU(cudaEventRecord(hs.s0[(size_t)il], m->stream), "staging: event");
         CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
+        pdl_cut(m->stream); /* the routed experts' first kernel follows the wait */
         CU(cudaEventRecord(hs.s1[(size_t)il], m->stream), "staging: event");
         hs.used[(size_t)il] = 2;
     }

@@ -429,8 +429,10 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);
-    /* see g_gemm_fast; hybrid and kv_host_attn: kernels follow copies and host waits */
-    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !m->hy.on && !hattn;
+    /* see g_gemm_fast. A hybrid step takes it with hybrid_pdl (hybrid.cu's top comment: where the handshake's
+     * kernels stand in it); kv_host_attn never (its kernels follow copies and host waits) */
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && (!m->hy.on || m->set.hybrid_pdl) && !hattn;
+    g_pdl_cut = false;
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     g_k256q = s.kq, g_k256d = s.kd, g_k256s = s.ks, g_k256_cap = s.k_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
@@ -442,7 +444,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     host_attn_thread cpu_attn(m, kv); /* kv_host_attn: the CPU's attention, its thread until finish() */
     CHECK(cpu_attn.start());
     const stg_status src = graph ? run_step_graph(m, kv, sh) : run_step(m, kv, sh);
-    g_pdl = false;
+    g_pdl = g_pdl_cut = false;
     const bool mv_fed = m->mv_step != nullptr;
     m->mv_step = nullptr;
     CHECK(src);

@@ -14,7 +14,8 @@ Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRA
 overlapped and layer-by-layer steps' bits; a lane with such a budget serving a completion over HTTP; the VRAM a
 hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within the budget, and the
 model's own accounting matches the plan; the frame profile's parts; launch / wait with token_src on a hybrid
-model; bad resident masks are typed errors.
+model; bad resident masks are typed errors; programmatic dependent launch in hybrid steps (STRATA_GPU_HYBRID_PDL)
+gives the same bits.
 """
 
 from __future__ import annotations
@@ -287,6 +288,99 @@ def test_overlap_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str
         (la, ta), (lb, tb) = got.values()
         assert np.array_equal(la, lb), float(np.abs(la - lb).max())
         assert ta == tb
+
+
+PDL = {"without": "0", "with": "1"}  # stg_settings.hybrid_pdl (programmatic dependent launch in hybrid steps)
+MIXED_SEQS, MIXED_LEN = 16, 36  # one step of 576 tokens (xn over HY_DIRECT_FLOATS: the copies' path), runs < 64
+
+
+def decode_logits(hyb: Engine, prompts: list[list[int]], steps: int = 4) -> tuple[np.ndarray, list[list[int]]]:
+    """Prefill each prompt (a step each), then `steps` decode steps of all of them at once, each feeding back its
+    rows' argmax: the logits [steps + 1, len(prompts), n_vocab] (the prefills' last rows first) and the tokens fed."""
+    n = len(prompts)
+    tables = [list(hyb.blocks.allocate(-(-(len(p) + steps) // hyb.block_size))) for p in prompts]
+    try:
+        last = [np.array(hyb.forward(p, list(range(len(p))), [i] * len(p), tables, [len(p) - 1])[0], copy=True)
+                for i, p in enumerate(prompts)]
+        rows, fed, pos = [np.stack(last)], [], [len(p) for p in prompts]
+        for _ in range(steps):
+            toks = [int(t) for t in np.argmax(rows[-1], axis=1)]
+            fed.append(toks)
+            rows.append(np.array(hyb.forward(toks, pos, list(range(n)), tables, list(range(n))), copy=True))
+            pos = [q + 1 for q in pos]
+        return np.stack(rows), fed
+    finally:
+        for t in tables:
+            hyb.blocks.release(t)
+
+
+def mixed_step_logits(hyb: Engine, prompts: list[list[int]]) -> np.ndarray:
+    """Every prompt's prefill in one step (runs shorter than gemm_fast_min: the bitwise kernels, a step that takes
+    PDL; over HY_DIRECT_FLOATS of xn: the copies to and from the host, k_wait_flag, k_scatter_rows): each one's
+    last row [len(prompts), n_vocab]."""
+    tables = [list(hyb.blocks.allocate(-(-len(p) // hyb.block_size))) for p in prompts]
+    try:
+        toks = [t for p in prompts for t in p]
+        pos = [j for p in prompts for j in range(len(p))]
+        seq = [i for i, p in enumerate(prompts) for _ in p]
+        ends = list(np.cumsum([len(p) for p in prompts]) - 1)
+        return np.array(hyb.forward(toks, pos, seq, tables, [int(e) for e in ends]), copy=True)
+    finally:
+        for t in tables:
+            hyb.blocks.release(t)
+
+
+@pytest.mark.parametrize("overlap", list(OVERLAP), ids=list(OVERLAP))
+@pytest.mark.parametrize(("model", "qt", "frac", "staged"),
+                         [("qwen3moe", "f32", "0%", False), ("qwen3moe", "q8_0", "0%", False),
+                          ("qwen2moe", "q8_0", "30%", False), ("mixtral", "q8_0", "30%", False),
+                          ("qwen2moe", "q8_0", "30%", True)],
+                         ids=["qwen3moe-f32-0%", "qwen3moe-q8_0-0%", "qwen2moe-q8_0-30%", "mixtral-q8_0-30%",
+                              "qwen2moe-q8_0-30%-staged"])
+def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyPatch, model: str, qt: str,
+                                        frac: str, staged: bool, overlap: str) -> None:
+    """hybrid_pdl (hybrid.cu: programmatic dependent launch in hybrid steps) changes scheduling only: with it and
+    without it the same logits bit for bit at batch 1 and 8 (prefill and four decode steps: k_to_host and
+    k_rows_direct's handshake), in one 576-token step of 16 prompts (the copies' handshake: k_wait_flag, then the
+    rows' copy and k_scatter_rows, launched without the attribute), and with every partial layer staged whole (the
+    routed experts after the staging wait; STRATA_GPU_HYBRID_STAGE=1 with the CPU rated slower than any copy), and
+    the same greedy tokens of 8 sequences through the scheduler (two steps in flight); both ways of running the CPU
+    share. Without staging the steps are kept off it (hybrid_stage 0), so that the mixed step takes the copies."""
+    from engine.placement import expert_bytes
+
+    path = paths[(model, qt)]
+    pf = random_placement(path)
+    rng = np.random.default_rng(5)
+    mixed = [[int(t) for t in rng.integers(3, VOCAB, size=MIXED_LEN)] for _ in range(MIXED_SEQS)]
+    prompts = prompts_for()
+    base = {"STRATA_GPU_HYBRID_OVERLAP": OVERLAP[overlap], "STRATA_GPU_HYBRID_STAGE": "1" if staged else "0"}
+    chunk = MIXED_SEQS * MIXED_LEN
+    ring = 0
+    if staged:  # the plan reserves the staging ring at open (the override), the budget holds it beside 30%
+        monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
+        mf = open_model(path)
+        ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
+    with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, prefill_chunk=chunk, placement=pf,
+                     gpu_budget_gb=budget_gb(path, FRACTIONS[frac], pf, chunk) + ring / 2**30) as hyb:
+        assert hyb.resident is not None
+        if staged:
+            assert hyb._gpu.stage_info()["available"]
+            hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer of every step staged
+        got: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        toks: dict[str, tuple[list[list[int]], list[list[int]], list[list[int]]]] = {}
+        for name, v in PDL.items():
+            hyb._gpu.set_settings({**base, "STRATA_GPU_HYBRID_PDL": v})
+            b1, fed1 = decode_logits(hyb, prompts[:1])
+            b8, fed8 = decode_logits(hyb, prompts[:8])
+            mx = mixed_step_logits(hyb, mixed)
+            st = hyb.last_stats
+            assert st is not None and st.n_tokens == chunk
+            assert (st.staged_layers > 0) == staged, st.staged_layers
+            got[name] = (b1, b8, mx)
+            toks[name] = (fed1, fed8, run_batched(hyb, prompts[:8], 16))
+        for what, a, b in zip(("batch 1", "batch 8", "one mixed step"), *got.values(), strict=True):
+            assert np.array_equal(a, b), (what, float(np.abs(a - b).max()))
+        assert toks["without"] == toks["with"]
 
 
 @pytest.mark.parametrize(("model", "qt"), [("qwen2moe", "q8_0"), ("mixtral", "f32"), ("qwen3moe", "q8_0")])
