@@ -395,17 +395,25 @@ class CudaModel:
         _check(self.ffi, self.lib, self.lib.stg_model_set_stage_rate(self._model, float(cpu_pairs_per_s)),
                "stage rate")
 
-    def set_stage_freq(self, freqs: Any, weight_tokens: float = 4096.0) -> None:
+    def set_split_costs(self, pair_s: float, expert_s: float) -> None:
+        """hybrid_stage_split's model of the CPU's time (stg_model_set_split_costs): seconds a routed pair and
+        seconds each expert a step touches adds beside its pairs."""
+        if self._model is None:
+            raise EngineError("GPU model is closed")
+        _check(self.ffi, self.lib, self.lib.stg_model_set_split_costs(self._model, float(pair_s), float(expert_s)),
+               "split costs")
+
+    def set_stage_freq(self, freqs: Any) -> None:
         """hybrid_stage_split's routing estimate (stg_model_set_stage_freq): ``freqs`` [n_layer, n_expert] (any
-        scale per layer; RoutingStats.frequencies) standing for ``weight_tokens`` tokens of routing, against which
-        the steps' own histograms count from here on."""
+        scale per layer; RoutingStats.frequencies) as the prior the steps' own histograms are weighed against
+        from here on."""
         import numpy as np
 
         if self._model is None:
             raise EngineError("GPU model is closed")
         f = np.ascontiguousarray(freqs, dtype=np.float32).reshape(-1)
         buf = self.ffi.from_buffer("float[]", f)
-        _check(self.ffi, self.lib, self.lib.stg_model_set_stage_freq(self._model, buf, f.size, float(weight_tokens)),
+        _check(self.ffi, self.lib, self.lib.stg_model_set_stage_freq(self._model, buf, f.size),
                "stage freq")
 
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:

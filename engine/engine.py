@@ -336,9 +336,11 @@ class Engine:
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
         if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
             try:
-                self._gpu.set_stage_rate(self._cpu_pairs_rate(max(64, prefill_chunk)))
-                if stage_freqs is not None:  # hybrid_stage_split's estimate starts from the plan's frequencies
-                    self._gpu.set_stage_freq(stage_freqs, self.STAGE_FREQ_WEIGHT_TOKENS)
+                rate, pair_s, expert_s = self._cpu_stage_costs(max(64, prefill_chunk))
+                self._gpu.set_stage_rate(rate)
+                self._gpu.set_split_costs(pair_s, expert_s)
+                if stage_freqs is not None:  # hybrid_stage_split's estimate: the plan's frequencies as its prior
+                    self._gpu.set_stage_freq(stage_freqs)
             except BaseException:
                 self.close()
                 raise
@@ -347,9 +349,6 @@ class Engine:
     # experts move
     REPLACE_HALF_LIFE_TOKENS = 4096.0
     REPLACE_MIN_LAYER_TOKENS = 64.0
-    # hybrid_stage_split: the tokens of routing a placement file's frequencies stand for in the GPU engine's estimate
-    # (the steps' own histograms then take over at its half-life, also 4,096 tokens)
-    STAGE_FREQ_WEIGHT_TOKENS = 4096.0
 
     def replace_experts(self, hist: np.ndarray, max_bytes: int) -> int:
         """Online re-placement between steps (issue 29): ``hist`` (a step's [n_layer, n_expert] routing counts)
@@ -382,24 +381,35 @@ class Engine:
                 self.resident = resident
         return len(moves)
 
-    def _cpu_pairs_rate(self, tokens: int) -> float:
-        """Staging's CPU rate, measured at start-up: routed (token, expert) pairs per second of ``st_moe_pairs``
-        over a chunk of ``tokens`` tokens in the first partial layer, each token on k distinct non-resident
-        experts drawn uniformly (the second of two calls: the first pages the experts in)."""
+    def _cpu_stage_costs(self, tokens: int) -> tuple[float, float, float]:
+        """Staging's CPU costs, measured at start-up with ``st_moe_pairs`` in the first partial layer, each token
+        on k distinct non-resident experts drawn uniformly: routed (token, expert) pairs per second over a chunk
+        of ``tokens`` tokens (the whole-layer decision's rate), and hybrid_stage_split's model, seconds a pair and
+        seconds each touched expert adds beside its pairs, from that chunk and a second one of about one pair an
+        expert (engine.placement.split_costs; each chunk timed on its second call, the first pages the experts
+        in)."""
         assert self.resident is not None
         hp = self.hparams
         k = hp.n_expert_used
         layer = next(i for i in range(hp.n_layer) if self.resident[i].sum() < hp.n_expert)
         off = np.flatnonzero(self.resident[layer] == 0)
         rng = np.random.default_rng(0)
-        x = rng.standard_normal((tokens, hp.n_embd)).astype(np.float32)
         per = min(k, off.size)
-        exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(tokens)]).reshape(-1)
-        tok = np.repeat(np.arange(tokens, dtype=np.int32), per)
-        self.moe_pairs(layer, x, tok, exp)
-        t = time.perf_counter()
-        self.moe_pairs(layer, x, tok, exp)
-        return tok.size / max(time.perf_counter() - t, 1e-9)
+
+        def timed(n_tok: int) -> tuple[float, int, int]:
+            x = rng.standard_normal((n_tok, hp.n_embd)).astype(np.float32)
+            exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(n_tok)]).reshape(-1)
+            tok = np.repeat(np.arange(n_tok, dtype=np.int32), per)
+            self.moe_pairs(layer, x, tok, exp)
+            t = time.perf_counter()
+            self.moe_pairs(layer, x, tok, exp)
+            return max(time.perf_counter() - t, 1e-9), tok.size, int(np.unique(exp).size)
+
+        from engine.placement import split_costs
+
+        big = timed(tokens)
+        pair_s, expert_s = split_costs(big, timed(max(1, off.size // per)))
+        return big[1] / big[0], pair_s, expert_s
 
     # ------------------------------------------------------------ lifecycle
     @classmethod

@@ -215,7 +215,8 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
         {name for name, _ in f.typeof(p[0]).fields}
     text = cuda_backend.cdef_text()
     for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile",
-               "stg_model_set_stage_rate", "stg_model_stage_info", "stg_model_set_cpu_attn"):
+               "stg_model_set_stage_rate", "stg_model_set_split_costs", "stg_model_stage_info",
+               "stg_model_set_cpu_attn"):
         assert f"{fn}(" in text
 
 

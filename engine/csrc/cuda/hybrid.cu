@@ -357,8 +357,20 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
             return fail(rc, "layer %d: the CPU engine's experts: %s", il, msg ? msg : "(no message)");
         }
     }
-    hs.t_cpu += host_seconds() - t1;
-    if (staged_layer(m, il)) hs.split_cpu_pairs += n;
+    const double dt = host_seconds() - t1;
+    hs.t_cpu += dt;
+    if (staged_layer(m, il) && n > 0) { /* a split layer: its CPU seconds, measured and by staging's model */
+        std::vector<uint8_t> seen((size_t)ne, 0);
+        int32_t touched = 0;
+        for (int32_t i = 0; i < n; i++) {
+            uint8_t &s = seen[(size_t)h.pair_exp[(size_t)i]];
+            touched += s == 0, s = 1;
+        }
+        hs.split_cpu_pairs += n, hs.split_cpu_s += dt;
+        const staging &g = m->hy.stg;
+        const double pair_s = g.split_pair_s > 0.0 ? g.split_pair_s : g.cpu_pairs_s > 0.0 ? 1.0 / g.cpu_pairs_s : 0.0;
+        hs.split_model_s += n * pair_s + touched * g.split_expert_s;
+    }
     hs.cpu_pairs += n;
     if (h.rows_direct) { /* k_rows_direct reads the n rows in place (their indices are the device's own) */
         hs.pcie_h2d += (int64_t)sizeof(float) * n * E;

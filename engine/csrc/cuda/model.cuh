@@ -96,6 +96,7 @@ struct hybrid_step {
      * to the CPU (sums over those layers), the CPU's pairs in them; w0 / w1 [n_layer] around such a layer's wait
      * for its copies (its s0 / s1 are the CPU share's) */
     int64_t split_layers = 0, split_gpu_experts = 0, split_cpu_experts = 0, split_cpu_pairs = 0;
+    double split_cpu_s = 0.0, split_model_s = 0.0; /* the CPU's seconds in split layers, measured and modelled */
     std::vector<cudaEvent_t> w0, w1;
     std::vector<char> split; /* [n_layer] the layer's w0 / w1 were recorded */
 };
@@ -121,13 +122,18 @@ struct staging {
     void *reg = nullptr; /* the page-locked (registered) host range holding those experts */
     double pcie_gbs = 0.0, gpu_gbs = 0.0; /* measured when the model opens */
     double cpu_pairs_s = 0.0;             /* the CPU engine's routed pairs per second (stg_model_set_stage_rate) */
+    double split_pair_s = 0.0, split_expert_s = 0.0; /* hybrid_stage_split: the CPU's seconds a pair and a touched
+                                                       * expert (stg_model_set_split_costs; 0: pairs at cpu_pairs_s) */
+    double split_scale = 1.0; /* hybrid_stage_split: measured over modelled CPU seconds of split layers (running) */
     std::vector<char> now;                /* [n_layer]: staged in the step being queued */
     int32_t next = 0;                     /* the ring's next slot */
-    /* hybrid_stage_split: the routing estimate, decayed pair counts [n_layer * n_expert] (a prior, then each
-     * waited step's histogram); per step being queued: split [n_layer] (a staged layer with a CPU share), dev
-     * [n_layer * n_expert] (1: the device computes the expert, resident or staged; split layers' rows only) and
-     * its map (expert e -> e, the slot's index, or -1: the CPU's) on the host and the device */
-    std::vector<double> cnt;
+    /* hybrid_stage_split: the routing estimate (staging_shares): prior [n_layer * n_expert] (each layer's shares,
+     * summing to 1), obs (the waited steps' histograms, decayed) and the decayed token weights obs_w1 = sum w,
+     * obs_w2 = sum w^2 (the noise of obs); per step being queued: split [n_layer] (a staged layer with a CPU
+     * share), dev [n_layer * n_expert] (1: the device computes the expert, resident or staged; split layers' rows
+     * only) and its map (expert e -> e, the slot's index, or -1: the CPU's) on the host and the device */
+    std::vector<double> prior, obs;
+    double obs_w1 = 0.0, obs_w2 = 0.0;
     std::vector<char> split;
     std::vector<uint8_t> dev;
     std::vector<int32_t> map;

@@ -21,24 +21,28 @@
  * tolerances of the CPU's), so the decision can change a result.
  *
  * Partial staging (stg_settings.hybrid_stage_split): the copy of layer l+1 starts before its routing is known,
- * so a staged layer's split comes from a routing estimate (cnt: decayed pair counts per expert, from
- * stg_model_set_stage_freq's prior and each waited step's histogram, staging_observe). Expected pairs of
- * non-resident expert e = T x k x its share of the layer's counts; the coldest go to the CPU while their
- * expected time stays under the copies of the rest (staging_split), the layer split where that beats both the
- * whole layer staged and the CPU alone. A split layer has a CPU share (hybrid.cu's handshake): its pairs grouped
- * by the step's map (d_map: the slot's experts, staged and resident, at their own index; the CPU's -1), the host
- * computing the pairs the step really routes to the CPU's experts; the copy stream brings only the staged
- * experts (and the resident ones from the arena), the compute stream waiting between w0 and w1. Each pair's row
- * comes from the same kernels as in any other assignment and the combine adds by pair index, so the split moves
- * results only within the GPU-vs-CPU tolerance. */
+ * so a staged layer's split comes from a routing estimate (staging_shares): each expert's share of the layer's
+ * pairs, shrunk from the observed shares (the waited steps' histograms, decayed) toward a prior (uniform, or
+ * stg_model_set_stage_freq's placement frequencies) by how far the observations stray from the prior beyond
+ * their counting noise (a James-Stein factor from the layer's chi-square): a few decode steps' histograms under
+ * uniform routing stay uniform, a skewed router shows within a step or two. Expected pairs of non-resident
+ * expert e = T x k x its share; the CPU's time for a set of experts = split_scale x (its expected pairs x
+ * split_pair_s + its experts' chances of being touched x split_expert_s) (the CPU engine's two costs, measured at
+ * start-up: stg_model_set_split_costs; split_scale the running ratio of the split layers' measured CPU seconds to that model's); the coldest
+ * go to the CPU while that stays under the copies of the rest (staging_split), the layer split where that beats
+ * both the whole layer staged and the CPU alone. A split layer has a CPU share (hybrid.cu's handshake): its pairs
+ * grouped by the step's map (d_map: the slot's experts, staged and resident, at their own index; the CPU's -1),
+ * the host computing the pairs the step really routes to the CPU's experts; the copy stream brings only the
+ * staged experts (and the resident ones from the arena), the compute stream waiting between w0 and w1. Each
+ * pair's row comes from the same kernels as in any other assignment and the combine adds by pair index, so the
+ * split moves results only within the GPU-vs-CPU tolerance. */
 #include "model.cuh"
 
-/* hybrid_stage_split's routing estimate: the weight (tokens) of its uniform start, the half-life (tokens) of what
- * the steps' histograms add (engine.Engine.REPLACE_HALF_LIFE_TOKENS, the re-placement statistics'). The start
- * weighs as much as half a half-life, so that a few decode steps' histograms (8 pairs a token over 128 experts
- * leave most experts at 0) do not read as skew */
-#define STAGE_PRIOR_TOKENS 2048.0
+/* hybrid_stage_split's routing estimate: the half-life (tokens) of the steps' histograms
+ * (engine.Engine.REPLACE_HALF_LIFE_TOKENS, the re-placement statistics'); split_scale's bounds */
 #define STAGE_HALF_LIFE_TOKENS 4096.0
+#define SPLIT_SCALE_MIN 0.25
+#define SPLIT_SCALE_MAX 8.0
 
 static int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -124,10 +128,12 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     if (t_h2d <= 0.0 || t_d2d <= 0.0) return ST_OK;
     g.pcie_gbs = (double)bytes / t_h2d * 1e-9;
     g.gpu_gbs = 2.0 * (double)bytes / t_d2d * 1e-9; /* a device copy reads and writes each byte */
-    /* hybrid_stage_split: the step's map on the device, the routing estimate uniform at a few tokens' weight */
+    /* hybrid_stage_split: the step's map on the device, the routing estimate's prior uniform, nothing observed */
     const size_t n = (size_t)nL * (size_t)m->d.n_expert;
     CHECK(dalloc(m, &g.d_map, n * sizeof(int32_t)));
-    g.cnt.assign(n, (double)STAGE_PRIOR_TOKENS * m->d.n_expert_used / m->d.n_expert);
+    g.prior.assign(n, 1.0 / m->d.n_expert);
+    g.obs.assign(n, 0.0);
+    g.obs_w1 = g.obs_w2 = 0.0;
     g.on = true;
     return ST_OK;
 }
@@ -153,6 +159,16 @@ extern "C" stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_pe
     return ST_OK;
 }
 
+extern "C" stg_status stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s) {
+    if (!m) return fail(ST_EINVAL, "set_split_costs: NULL model");
+    if (!(pair_s > 0.0) || pair_s > 1.0 || !(expert_s >= 0.0) || expert_s > 1.0)
+        return fail(ST_EINVAL, "set_split_costs: %g s a pair, %g s an expert", pair_s, expert_s);
+    if (m->n_live > 0) return fail(ST_EINVAL, "set_split_costs: %d launched step(s) in flight", m->n_live);
+    staging &g = m->hy.stg;
+    g.split_pair_s = pair_s, g.split_expert_s = expert_s, g.split_scale = 1.0;
+    return ST_OK;
+}
+
 extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs,
                                            double *gpu_gbs, double *cpu_pairs_s) {
     if (!m || !available || !pcie_gbs || !gpu_gbs || !cpu_pairs_s) return fail(ST_EINVAL, "stage_info: NULL argument");
@@ -161,12 +177,10 @@ extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *availabl
     return ST_OK;
 }
 
-extern "C" stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n, double weight_tokens) {
+extern "C" stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n) {
     if (!m || !freq) return fail(ST_EINVAL, "set_stage_freq: NULL argument");
-    const int nL = m->d.n_layer, ne = m->d.n_expert, k = m->d.n_expert_used;
+    const int nL = m->d.n_layer, ne = m->d.n_expert;
     if (n != (int64_t)nL * ne) return fail(ST_EINVAL, "set_stage_freq: %lld values, the model has %d x %d", (long long)n, nL, ne);
-    if (!(weight_tokens > 0.0) || weight_tokens > 1e15)
-        return fail(ST_EINVAL, "set_stage_freq: a weight of %g tokens", weight_tokens);
     if (m->n_live > 0) return fail(ST_EINVAL, "set_stage_freq: %d launched step(s) in flight", m->n_live);
     for (int64_t i = 0; i < n; i++)
         if (!(freq[i] >= 0.0f) || !std::isfinite(freq[i]))
@@ -177,50 +191,90 @@ extern "C" stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, 
         const float *f = freq + (size_t)il * ne;
         double sum = 0.0;
         for (int e = 0; e < ne; e++) sum += f[e];
-        for (int e = 0; e < ne; e++) /* a layer's pairs: k per token */
-            g.cnt[(size_t)il * ne + e] = weight_tokens * k * (sum > 0.0 ? f[e] / sum : 1.0 / ne);
+        for (int e = 0; e < ne; e++) g.prior[(size_t)il * ne + e] = sum > 0.0 ? f[e] / sum : 1.0 / ne;
     }
+    std::fill(g.obs.begin(), g.obs.end(), 0.0); /* the new prior stands until steps are observed */
+    g.obs_w1 = g.obs_w2 = 0.0;
     return ST_OK;
 }
 
-/* A waited step's histogram [n_layer * n_expert] (pairs per expert, T tokens) into the routing estimate. */
+/* A waited step's histogram [n_layer * n_expert] (pairs per expert, T tokens) into the routing estimate: the
+ * counts and both token weights decay by the half-life, the step's T tokens weigh 1 each. */
 static void staging_observe(stg_model *m, int32_t T, const int32_t *hist) {
     staging &g = m->hy.stg;
-    if (!g.on || g.cnt.empty() || T <= 0) return;
+    if (!g.on || g.obs.empty() || T <= 0) return;
     const double decay = std::pow(0.5, (double)T / STAGE_HALF_LIFE_TOKENS);
-    for (size_t i = 0; i < g.cnt.size(); i++) g.cnt[i] = g.cnt[i] * decay + (double)hist[i];
+    for (size_t i = 0; i < g.obs.size(); i++) g.obs[i] = g.obs[i] * decay + (double)hist[i];
+    g.obs_w1 = g.obs_w1 * decay + T, g.obs_w2 = g.obs_w2 * decay * decay + T;
+}
+
+/* Layer il's estimated routing shares share[ne] (summing to 1): prior + (1 - B) (observed - prior). With N the
+ * layer's observed (decayed) pairs, an expert's count has mean N prior_e and, counted as Poisson per token, variance
+ * N prior_e r, r = obs_w2 / obs_w1 (1 without decay). D = sum_e (obs_e - N prior_e)^2 / (N prior_e r) over the
+ * experts the prior expects is a chi-square of df = those experts - 1 when the routing follows the prior, and
+ * B = min(1, df / D) (James-Stein) keeps the prior where the observations are within their noise and follows them
+ * where they are not. Nothing observed: the prior. */
+static void staging_shares(const staging &g, int il, int ne, double *share) {
+    const double *pr = g.prior.data() + (size_t)il * ne, *ob = g.obs.data() + (size_t)il * ne;
+    double N = 0.0;
+    for (int e = 0; e < ne; e++) N += ob[e];
+    if (!(N > 0.0) || !(g.obs_w1 > 0.0)) {
+        std::copy(pr, pr + ne, share);
+        return;
+    }
+    const double r = g.obs_w2 / g.obs_w1;
+    double D = 0.0;
+    int df = -1;
+    for (int e = 0; e < ne; e++) {
+        if (!(pr[e] > 0.0)) continue;
+        const double mu = N * pr[e], d = ob[e] - mu;
+        D += d * d / (mu * r), df++;
+    }
+    const double B = D > 0.0 && df > 0 ? std::min(1.0, (double)df / D) : 1.0;
+    for (int e = 0; e < ne; e++) share[e] = pr[e] + (1.0 - B) * (ob[e] / N - pr[e]);
+}
+
+/* The split's CPU seconds for an expert expected to get `pairs` pairs of a step: its pairs, and its weights where
+ * it is touched at all (Poisson: 1 - e^-pairs), each at the CPU engine's measured cost (stg_model_set_split_costs;
+ * without it, pairs at the whole-layer rate), times split_scale. */
+static double split_cpu_seconds(const staging &g, double pairs) {
+    const double pair_s = g.split_pair_s > 0.0 ? g.split_pair_s : 1.0 / g.cpu_pairs_s;
+    return g.split_scale * (pairs * pair_s + (1.0 - std::exp(-pairs)) * g.split_expert_s);
 }
 
 /* hybrid_stage_split for partial layer il of a step of T tokens: the CPU's experts (cpu[e] = 1, *n_cpu of the
- * layer's n_off non-resident ones) and the layer's expected seconds that way (max of the CPU's, the copies', the
- * device's copies of the resident experts). Expected pairs of a non-resident expert: T x k x its share of the layer's
- * estimated pairs; the coldest (ties: lower id) go to the CPU while its expected time stays under the copy time of
- * the experts left to stage (so all of them only where the estimate expects none of their pairs). */
-static double staging_split(const stg_model *m, int il, int32_t T, int64_t per_expert, uint8_t *cpu, int *n_cpu_out) {
+ * layer's n_off non-resident ones), the layer's expected seconds that way (max of the CPU's, the copies', the
+ * device's copies of the resident experts) and *cpu_all_s, the CPU's expected seconds for every non-resident
+ * expert. Expected pairs of a non-resident expert: T x k x its estimated share; the coldest (ties: lower id) go to
+ * the CPU while its expected time stays under the copy time of the experts left to stage (so all of them only
+ * where the estimate expects none of their pairs). */
+static double staging_split(const stg_model *m, int il, int32_t T, int64_t per_expert, uint8_t *cpu, int *n_cpu_out,
+                            double *cpu_all_s) {
     const staging &g = m->hy.stg;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
     const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
-    const double *c = g.cnt.data() + (size_t)il * ne;
-    double sum = 0.0;
-    for (int e = 0; e < ne; e++) sum += c[e];
+    std::vector<double> share((size_t)ne);
+    staging_shares(g, il, ne, share.data());
     std::vector<std::pair<double, int>> off;
     for (int e = 0; e < ne; e++)
-        if (!res[e]) off.push_back({(double)T * k * (sum > 0.0 ? c[e] / sum : 1.0 / ne), e});
+        if (!res[e]) off.push_back({(double)T * k * share[(size_t)e], e});
     std::sort(off.begin(), off.end());
     const int n_off = (int)off.size();
     const double pcie = g.pcie_gbs * 1e9;
-    double pairs = 0.0;
+    double cpu_s = 0.0;
     int n_cpu = 0;
     while (n_cpu < n_off) {
-        const double more = pairs + off[(size_t)n_cpu].first;
-        if (more / g.cpu_pairs_s > (double)(n_off - n_cpu - 1) * per_expert / pcie) break;
-        pairs = more, n_cpu++;
+        const double more = cpu_s + split_cpu_seconds(g, off[(size_t)n_cpu].first);
+        if (more > (double)(n_off - n_cpu - 1) * per_expert / pcie) break;
+        cpu_s = more, n_cpu++;
     }
-    *n_cpu_out = n_cpu;
+    double all = cpu_s;
+    for (int i = n_cpu; i < n_off; i++) all += split_cpu_seconds(g, off[(size_t)i].first);
+    *n_cpu_out = n_cpu, *cpu_all_s = all;
     for (int i = 0; i < n_cpu; i++) cpu[off[(size_t)i].second] = 1;
     const double copy_s = (double)(n_off - n_cpu) * per_expert / pcie;
     const double gpu_s = (double)(ne - n_off) * per_expert / (g.gpu_gbs * 1e9); /* the resident experts' copies */
-    return std::max(std::max(pairs / g.cpu_pairs_s, copy_s), gpu_s);
+    return std::max(std::max(cpu_s, copy_s), gpu_s);
 }
 
 /* Which partial layers this step of T tokens stages, and with hybrid_stage_split which of their experts stay on
@@ -232,6 +286,7 @@ static stg_status staging_decide(stg_model *m, hybrid_step &hs, int32_t T) {
     g.now.assign((size_t)nL, 0);
     g.split.assign((size_t)nL, 0);
     hs.split_layers = hs.split_gpu_experts = hs.split_cpu_experts = hs.split_cpu_pairs = 0;
+    hs.split_cpu_s = hs.split_model_s = 0.0;
     hs.split.assign((size_t)nL, 0);
     if (!g.on || !m->set.hybrid_stage || g.cpu_pairs_s <= 0.0) return ST_OK; /* set_settings may turn it off */
     if (T < m->set.hybrid_stage) return ST_OK; /* the setting is the fewest tokens of a step that may stage */
@@ -250,19 +305,16 @@ static stg_status staging_decide(stg_model *m, hybrid_step &hs, int32_t T) {
         if (!split) continue;
         std::fill(cpu.begin(), cpu.end(), 0);
         int n_cpu = 0;
-        const double split_s = staging_split(m, il, T, per_expert, cpu.data(), &n_cpu);
+        double cpu_all = 0.0;
+        const double split_s = staging_split(m, il, T, per_expert, cpu.data(), &n_cpu, &cpu_all);
         if (n_cpu == 0) continue; /* the CPU takes nothing: the whole-layer rule */
         if (n_cpu == off) { /* none of the layer's pairs expected off the device: no copies */
             g.now[(size_t)il] = 0;
             continue;
         }
-        /* against the whole layer on the CPU by the estimate's pairs (the resident experts' pairs excluded) */
-        const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
-        const double *c = g.cnt.data() + (size_t)il * ne;
-        double sum = 0.0, sum_off = 0.0;
-        for (int e = 0; e < ne; e++) sum += c[e], sum_off += res[e] ? 0.0 : c[e];
-        const double cpu_all = (double)T * k * (sum > 0.0 ? sum_off / sum : (double)off / ne) / g.cpu_pairs_s;
+        /* against the whole layer on the CPU (the same model) and, where the whole-layer rule stages, staged */
         if (!(split_s < std::min(cpu_all, g.now[(size_t)il] ? std::max(copy_s, gpu_s) : cpu_all))) continue;
+        const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
         g.now[(size_t)il] = 1, g.split[(size_t)il] = 1;
         uint8_t *dev = g.dev.data() + (size_t)il * ne;
         int32_t *map = g.map.data() + (size_t)il * ne;
@@ -404,8 +456,13 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
 
 /* A waited step's split layers in its frame profile (after hybrid_profile): each one's wait for its copies
  * (w0..w1, inside the CPU share's s1..a, which hybrid_profile counted as compute) moves to t_pcie, and the
- * split's figures. */
+ * split's figures; split_scale follows the ratio of the CPU's measured seconds in them to the model's (a
+ * geometric running mean, bounded): the CPU's rate beside the copies' traffic, not the start-up measurement's. */
 static void staging_profile(stg_model *m, hybrid_step &hs) {
+    staging &g = m->hy.stg;
+    if (hs.split_cpu_pairs > 0 && hs.split_model_s > 0.0 && hs.split_cpu_s > 0.0)
+        g.split_scale = std::min(SPLIT_SCALE_MAX, std::max(SPLIT_SCALE_MIN,
+                                                           std::sqrt(g.split_scale * hs.split_cpu_s / hs.split_model_s)));
     stg_profile &p = m->profile;
     p.stage_split_layers = hs.split_layers, p.stage_gpu_experts = hs.split_gpu_experts;
     p.stage_cpu_experts = hs.split_cpu_experts, p.stage_cpu_pairs = hs.split_cpu_pairs;

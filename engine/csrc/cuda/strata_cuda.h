@@ -259,11 +259,16 @@ stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
  * the caller at start-up (0: never stage). ST_EINVAL with steps in flight or a rate outside [0, 1e12]. */
 stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
+/* hybrid_stage_split's model of the CPU's time: seconds a routed pair (> 0) and seconds each expert a step touches
+ * adds beside its pairs (>= 0), both at most 1, measured by the caller at start-up; it also resets the model's
+ * running correction (staging.cu's split_scale). Without a call: pairs at stg_model_set_stage_rate's rate only.
+ * ST_EINVAL with steps in flight or a value outside those bounds. */
+stg_status stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s);
 /* hybrid_stage_split's routing estimate: freq [n_layer * n_expert] (>= 0, finite; any scale, a layer's row is
- * normalised; a row of zeros: uniform), standing for weight_tokens tokens of routing (> 0) against the steps'
- * histograms that follow (half-life 4,096 tokens). Without a call the estimate starts uniform at 16 tokens'
- * weight. ST_EINVAL with steps in flight, a wrong count or a bad value. */
-stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n, double weight_tokens);
+ * normalised; a row of zeros: uniform) is the prior the steps' histograms are weighed against (staging.cu's
+ * staging_shares); what was observed before the call is dropped. Without a call the prior is uniform. ST_EINVAL
+ * with steps in flight, a wrong count or a bad value. */
+stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n);
 /* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
 stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
                                 double *cpu_pairs_s);

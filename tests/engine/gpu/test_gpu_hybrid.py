@@ -467,10 +467,13 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
         uniform = np.ones_like(skewed)
         hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
         # a bad estimate is refused with a typed error naming what is wrong, the model left serving
-        for bad, weight, what in ((uniform[:, :-1], 1e9, "values"), (-uniform, 1e9, "frequency"),
-                                  (uniform * np.nan, 1e9, "frequency"), (uniform, 0.0, "weight")):
+        for bad, what in ((uniform[:, :-1], "values"), (-uniform, "frequency"), (uniform * np.nan, "frequency")):
             with pytest.raises(EngineError, match=f"set_stage_freq: .*{what}"):
-                hyb._gpu.set_stage_freq(bad, weight)
+                hyb._gpu.set_stage_freq(bad)
+        for pair_s, expert_s in ((0.0, 0.0), (-1e-6, 0.0), (1e-6, -1.0), (float("nan"), 0.0), (1e-6, 2.0)):
+            with pytest.raises(EngineError, match="set_split_costs"):
+                hyb._gpu.set_split_costs(pair_s, expert_s)
+        hyb._gpu.set_split_costs(1.0, 0.0)  # the split's CPU at 1 s a pair: only experts expected to get none go there
         # whole layers (hybrid_stage_split 0): the reference bytes and bits
         hyb._gpu.set_settings(SPLIT_ENV)
         whole = np.array(hyb.logits_for(prompts[0]), copy=True)
@@ -479,14 +482,14 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
         whole_bytes = st.staged_bytes
         hyb._gpu.set_settings({**SPLIT_ENV, "STRATA_GPU_HYBRID_STAGE_SPLIT": "1"})
         # the estimate leaves the CPU nothing: the whole-layer rule, bit for bit
-        hyb._gpu.set_stage_freq(uniform, 1e9)
+        hyb._gpu.set_stage_freq(uniform)
         same = hyb.logits_for(prompts[0])
         st = hyb.last_stats
         assert st is not None and st.staged_layers == partial and st.stage_split_layers == 0
         assert st.staged_bytes == whole_bytes and hyb._gpu.profile()["pairs_cpu"] == 0
         assert np.array_equal(same, whole), float(np.abs(same - whole).max())
         # the skewed estimate: the cold half of each split layer's non-resident experts on the CPU
-        hyb._gpu.set_stage_freq(skewed, 1e9)
+        hyb._gpu.set_stage_freq(skewed)
         split = hyb.logits_for(prompts[0])
         st = hyb.last_stats
         assert st is not None
@@ -510,9 +513,9 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
         assert err <= (1e-3 if exact else 2e-2), err
         bound = 1e-3 if exact else 1e-2
         # the estimate follows the steps' histograms from here on: whatever it splits, the tokens hold
-        hyb._gpu.set_stage_freq(skewed, 1e9)
+        hyb._gpu.set_stage_freq(skewed)
         check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"{model} {qt} split alone")
-        hyb._gpu.set_stage_freq(skewed, 1e9)
+        hyb._gpu.set_stage_freq(skewed)
         for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
             check_tokens(cpu, p, w, g, bound, f"{model} {qt} split sequence {i}")
 
