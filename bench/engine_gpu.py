@@ -776,7 +776,7 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
         (label, {**os.environ, **knobs}) for label, knobs in parse_knobs(args.prefill_knob)
     ]
     with Engine.open(
-        path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=512
+        path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=args.prefill_chunk
     ) as eng:
         ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
         rates: dict[str, list[float]] = {label: [] for label, _ in rows}
@@ -798,7 +798,7 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
             med = float(np.median(r))
             vs = f", {med / base:.3f}x default" if label != "default" else ""
             print(
-                f"prefill of {n} tokens ({lib}, {label}): median {med:.0f} tok/s over {len(r)} "
+                f"prefill of {n} tokens in chunks of {args.prefill_chunk} ({lib}, {label}): median {med:.0f} tok/s over {len(r)} "
                 f"({', '.join(f'{x:.0f}' for x in r)}){vs}"
             )
     return 0
@@ -890,6 +890,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
         help="with --prefill-only: also R prefills under these settings in the same process, taking turns "
         "with the default's (repeatable; e.g. q16:STRATA_GPU_ATT_MMA=1)",
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        metavar="C",
+        help="with --prefill-only: the engine's prefill_chunk (tokens a step; llama.cpp's -ub is 512 by default)",
     )
     ap.add_argument(
         "--repeat",

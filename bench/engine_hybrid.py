@@ -168,7 +168,7 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
     from engine.engine import Engine
     from engine.placement import measure_cpu_read_gbs
 
-    kv, bs, chunk = args.kv_tokens, 16, 512
+    kv, bs, chunk = args.kv_tokens, 16, args.prefill_chunk
     budget = budget_gb if budget_gb is not None else budget_for_fraction(path, frac, kv, bs, chunk)
     batches = parse_ints(args.batch) if batches is None else batches
     cores = list(range(os.cpu_count() or 1)) if args.cores is None else [int(c) for c in args.cores.split(",")]
@@ -308,7 +308,8 @@ def run_llama(bin_dir: Path, path: Path, frac: float, args: argparse.Namespace,
     threads = str(os.cpu_count() if args.cores is None else len(args.cores.split(",")))
     out: dict[str, Any] = {"fraction": frac, "placement": " ".join(place), "threads": threads}
     cmd = [str(bin_dir / "llama-bench"), "-m", str(path), "-ngl", "99", "-fa", "1", *place, "-t", threads,
-           "-p", ",".join(str(n) for n in parse_ints(args.prefill)), "-n", str(args.steps), "-r", str(args.llama_reps), "-o", "json"]
+           "-p", ",".join(str(n) for n in parse_ints(args.prefill)), "-n", str(args.steps), "-r", str(args.llama_reps), "-o", "json",
+           *(["-b", str(args.prefill_chunk), "-ub", str(args.prefill_chunk)] if args.prefill_chunk != 512 else [])]
     with _VramPeak() as vram:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     out["vram_peak_gib"] = vram.peak / 1024
@@ -428,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32, help="batch-1 decode steps (the batch rows take a quarter)")
     ap.add_argument("--batch", default="8", help="comma-separated sequence counts of the aggregate decode rows")
     ap.add_argument("--prefill", default="512", help="comma-separated prompt lengths of the prefill rows")
+    ap.add_argument("--prefill-chunk", type=int, default=512,
+                    help="tokens a prefill step: Strata's prefill_chunk and (other than 512, llama-bench's default "
+                         "-ub) llama-bench's -b and -ub")
     ap.add_argument("--model-dir", default="/tmp/strata-bench")
     ap.add_argument("--experts", default="q4_k", choices=("q4_k", "q8_0"),
                     help="the routed experts' type (q8_0: ~32 GB at the Qwen3-30B-A3B shape)")
