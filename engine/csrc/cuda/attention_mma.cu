@@ -37,11 +37,11 @@
  * `mma.sync m16n8k32` on 8-bit inputs: one k32 mma covers 32 dimensions, so the lo term costs half the f16 mma it
  * replaces (a tile's q.k + p.v: 2.5 f16 mma units instead of 3). Per row, lo is scaled by 2^k (k from the row's
  * max|lo|, reduced over the 4 lanes of a quad, so that max|lo| 2^k lies in [128, 256): no saturation) and rounded
- * to e4m3; K is rounded from the staged f16 fragments in registers to e4m3 (QM 2: cvt.rn.satfinite, no scale) or
- * e5m2 (QM 3: f16's top byte, rounded half away from zero by an integer add of 0x80 to each half, then one byte
- * permute a register: no cvt). The lo mma runs first into the zeroed score fragment (whatever the 8-bit path's
- * accumulation keeps, it only rounds the lo term), the fragment is scaled back per row by 2^-k (exact), and the
- * hi f16 mma accumulates on top in fp32: no extra accumulators.
+ * to e4m3; K is converted from the staged f16 fragments in registers to e4m3 (QM 2: cvt.rn.satfinite, no scale) or
+ * e5m2 (QM 3: f16's top byte, truncated: one byte permute a register, no cvt, with the truncation's mean folded
+ * into the scale back). The lo mma runs first into the zeroed score fragment (whatever the 8-bit path's
+ * accumulation keeps, it only rounds the lo term), the fragment is scaled back per row by 2^-k (exact; QM 3: times
+ * AMMA_E5_TRUNC), and the hi f16 mma accumulates on top in fp32: no extra accumulators.
  * Layouts (PTX ISA, m16n8k32 .e4m3/.e5m2): A reg 0 row g, k-slots 4t..4t+3 (a byte each, the first in the low
  * byte); reg 1 row g+8, the same slots; reg 2 row g, slots 16+4t..; reg 3 row g+8, slots 16+4t..; B reg 0 slots
  * 4t..4t+3 of column (key) g, reg 1 slots 16+4t... A dot product only needs A and B to use the same
@@ -49,23 +49,29 @@
  * hold in each lane: slot 4t + r <- dim 2t + (r & 1) + 8 (r >> 1), slot 16 + 4t + r <- 16 + the same. So a lane
  * builds B reg 0 from its K fragments {b0, b1} of k16 step 2j (dims 2t, 2t+1, 2t+8, 2t+9) and reg 1 from step 2j+1,
  * and its A regs from the lo values of its own f16 A positions: no shuffle, no extra shared memory read.
- * Error of a score s = sum_i q_i K_i (K_i f16, exact in the cache; bounds elementwise, rms for random signs):
- *   q as one f16:   sum_i lo_i K_i, up to 2^-11 sum|q_i K_i|; rms ~ 0.3 2^-11 |q||K|-scale, the reference e1
- *   q as hi + lo:   lo rounded to f16, up to 2^-22 sum|q_i K_i|: the fp32 accumulation's level (~1e-6 e1)
- *   QM 2 (e4m3 lo, e4m3 K): lo_i's rounding up to 2^-4 |lo_i| (k puts every lo_i >= 2^-17 max|lo| in range; the
- *     rest, subnormal or flushed, is below 2^-18 max|lo| absolute); K's up to 2^-4 max(|K_i|, 2^-6) for
- *     |K_i| <= 464 (e4m3's subnormals below 2^-6 keep the absolute error under a normal element's), and
- *     |K_i| - 448 above (satfinite): that element's lo term is off by at most itself, i.e. never worse than q as
- *     one f16. Total up to 2^-3 (1 + 2^-5) e1 elementwise; rms ~0.04 e1 (each 3-bit rounding ~0.027 relative rms).
- *   QM 3 (e4m3 lo, e5m2 K): K's rounding up to 2^-3 |K_i| over f16's whole range (no scale: e5m2 is f16's top
- *     byte; |K_i| >= 61440 becomes inf, outside any cached K); up to 2^-3 + 2^-4 of e1, rms ~0.06 e1.
- * QM 2 is the tighter (K of normed heads lies in [2^-6, 448]); QM 3 converts with 3 integer operations a register
- * pair instead of 2 cvt and a permute. On the sharp-score case of test_gpu_attention_mma (max error ~1e-2 with q as
- * one f16) both predict 4e-4..6e-4, under the 1e-3 rule. The other way to convert K, once per stage into a shared
- * 8-bit copy, does 1/W of the conversions but needs a second barrier a stage between the conversion and the lo
- * mma (the copy of stage kt lands only at that stage's barrier) and 9 KiB a slot at head_dim 128, and the barrier
- * lines up the warps' softmax phases that PIPE spreads; in registers every warp converts the same K (a stage:
- * HD/32 x NT register pairs a warp, 128 cvt + 64 permutes at head_dim 128, against the 64 f16 mma saved), with no
+ * Error of a score s = sum_i q_i K_i (K_i f16, exact in the cache), e1 = q as one f16's (the term dropped):
+ *   q as one f16:   sum_i lo_i K_i, up to 2^-11 sum|q_i K_i| elementwise
+ *   q as hi + lo:   lo rounded to f16, up to 2^-22 sum|q_i K_i|: the fp32 accumulation's level
+ *   8-bit lo term:  sum_i (lo_i K_i - lo8_i K8_i). lo_i's e4m3 rounding is up to 2^-4 |lo_i| (k puts every
+ *     lo_i >= 2^-17 max|lo| in the normal range; the rest, subnormal or flushed, is under 2^-18 max|lo| absolute).
+ *     QM 2, K as e4m3 unscaled: up to 2^-4 max(|K_i|, 2^-6) for |K_i| <= 464 (the subnormals below 2^-6 keep the
+ *     absolute error under a normal element's) and |K_i| - 448 above (satfinite: that element's lo term is off by
+ *     at most itself, never worse than q as one f16); a K scale would only move that window, at a multiply an
+ *     element. QM 3, K as e5m2 (f16's range, no scale) truncated: K8_i / K_i in (0.8, 1], mean 0.9154 for
+ *     log-uniform mantissas (0.9160 uniform), so the scale back takes AMMA_E5_TRUNC = 1/0.9157 and the residual is
+ *     in [-0.126, +0.092] |K_i| (round-to-nearest e5m2: +-0.125) and zero-mean over random-signed lo_i.
+ *   Monte Carlo (128 dims, q and K normal, also at 16x the score scale; rms and max over 4,000 scores, in e1):
+ *     lo as e4m3 with K exact 0.024 (max 0.025); QM 2 0.036 (max 0.042); QM 3 0.060 (max 0.085); e5m2 rounded to
+ *     nearest 0.060 (max 0.067); e5m2 truncated without the factor 0.10 (max 0.14).
+ * QM 2 is the tighter (K of normed heads lies in [2^-6, 448]); QM 3 converts with one byte permute a register (64
+ * a stage at head_dim 128) instead of 2 cvt and a permute (192). A numpy model of test_gpu_attention_mma's
+ * sharp-score case (1,524 keys, scores x16, p rounded to f16; max error / max|ref|): q as one f16 1.5e-3, QM 2
+ * 0.9e-4, QM 3 1.1e-4, exact scores 0.9e-4 (p's rounding alone): the 8-bit lo term sits at that floor.
+ * The other way to convert K, once per stage into a shared 8-bit copy, does 1/W of the conversions but needs a
+ * second barrier a stage between the conversion and the lo mma (the copy of stage kt lands only at that stage's
+ * barrier) and 9 KiB a slot at head_dim 128, and the barrier lines up the warps' softmax phases that PIPE spreads;
+ * in registers every warp converts the same K (a stage: HD/32 x NT register pairs a warp; at head_dim 128, 128 cvt
+ * + 64 permutes (QM 2) or 64 permutes (QM 3) against 32 f16 mma saved net: 64 f16 replaced by 32 k32), with no
  * barrier and no shared memory. */
 #include "attention.cuh"
 
@@ -133,13 +139,15 @@ __device__ __forceinline__ uint32_t amma_e4m3x4(float x0, float x1, float x2, fl
 #endif
     return r;
 }
+/* 1 / E[K8 / K] of e5m2 K truncated from f16 (QM 3): the mantissa m in [1, 2) cut to 2 bits, t / m averages
+ * 0.9154 (log-uniform m) .. 0.9160 (uniform m); folded into the lo term's scale back */
+#define AMMA_E5_TRUNC 1.0921f
 /* two f16x2 registers (x0's halves in bytes 0, 1; x1's in 2, 3) as four 8-bit K values: e4m3 by cvt.rn.satfinite
- * (E5 false), or e5m2 as each half's top byte rounded half away from zero (E5: an integer add of 0x80 a half, whose
- * carry stays in its half for every non-NaN f16, then one byte permute) */
+ * (E5 false), or e5m2 as each half's top byte, truncated (E5: one byte permute; AMMA_E5_TRUNC undoes the mean) */
 template <bool E5> __device__ __forceinline__ uint32_t amma_k8(uint32_t x0, uint32_t x1) {
     uint32_t r = 0u;
     if constexpr (E5) {
-        r = __byte_perm(x0 + 0x00800080u, x1 + 0x00800080u, 0x7531);
+        r = __byte_perm(x0, x1, 0x7531);
     } else {
 #if AMMA_HAVE_F8
         asm("{.reg .b16 l, h;\n cvt.rn.satfinite.e4m3x2.f16x2 l, %1;\n cvt.rn.satfinite.e4m3x2.f16x2 h, %2;\n"
@@ -259,7 +267,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                 const int k = mx[r] > 0.0f ? min(max(7 - e, -126), 126) : 0;
                 sc[r] = __uint_as_float((uint32_t)(127 + k) << 23), back[r] = __uint_as_float((uint32_t)(127 - k) << 23);
             }
-            f8_lo = back[0], f8_hi = back[1];
+            f8_lo = E5 ? back[0] * AMMA_E5_TRUNC : back[0], f8_hi = E5 ? back[1] * AMMA_E5_TRUNC : back[1];
 #pragma unroll
             for (int j = 0; j < KS / 2; j++)
 #pragma unroll

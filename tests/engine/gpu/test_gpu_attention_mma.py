@@ -223,7 +223,8 @@ def test_f8lo_within_1e3_of_cpu_reference(
 ) -> None:
     """q's lo term through the 8-bit mma (K as e4m3, as e5m2): within 1e-3 of max|ref| of the CPU reference, as the
     f16 lo term; every form the same bits; on sm_89+ not tile 2's bits (the 8-bit path ran). Expected here
-    (unverified: no run yet): the f16 lo term's error plus ~0.04 (e4m3) / ~0.06 (e5m2) of q-as-one-f16's."""
+    (unverified: no run yet): the f16 lo term's error plus ~0.04 (K e4m3) / ~0.06 (K e5m2) of q-as-one-f16's score
+    error, i.e. about the f16 lo term's."""
     rng = np.random.default_rng(hd * 11 + nq + p0)
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
     q = (rng.standard_normal((nq, n_head * hd)) / np.sqrt(hd)).astype(np.float32)
@@ -257,8 +258,9 @@ def test_f8lo_within_1e3_of_cpu_reference(
 def test_f8lo_at_depth(g: tuple, nq: int, p0: int, scale: float) -> None:
     """The prefill shape at depth (a chunk over thousands of cached keys, up to bench's 32k), plain and peaked scores
     (scale 16: scores of a few tens, where q as one f16 is ~1e-2 off): the 8-bit lo term within 1e-3 of the CPU
-    reference on the first, middle and last tiles, and at most a quarter of q-as-one-f16's error where that is
-    above 4e-3. Expected here (unverified): ~4e-4..6e-4 at scale 16 (one f16: ~1e-2)."""
+    reference on the first, middle and last tiles, and at most half of q-as-one-f16's error where that is above
+    1e-3. Expected here (unverified; a numpy model of the sharp case at 1,524 keys): one f16 ~1.5e-3, the 8-bit lo
+    term ~1e-4, at the floor of p's f16 rounding, as the f16 lo term."""
     hd, bs, n_head, n_kv = 128, 16, 32, 4
     rng = np.random.default_rng(23 + p0)
     c = attention_case(rng, hd, bs, n_kv, p0 + nq)
@@ -270,8 +272,8 @@ def test_f8lo_at_depth(g: tuple, nq: int, p0: int, scale: float) -> None:
         print(f"scale {scale}, tokens {lo}-{hi} at depth {p0}: " + ", ".join(f"tile {t} {e:.2e}" for t, e in err.items()))
         for t in MMA_F8:
             assert err[t] <= 1e-3, (t, lo, err)
-            if err[MMA_F16] > 4e-3:
-                assert err[t] <= 0.25 * err[MMA_F16], (t, lo, err)
+            if err[MMA_F16] > 1e-3:
+                assert err[t] <= 0.5 * err[MMA_F16], (t, lo, err)
 
 
 # qwen3moe at head_dim 32 (the small test models); a dense llama at Qwen3-30B-A3B's head shape (128, 8
@@ -344,7 +346,7 @@ def test_long_prompt_f8lo(model: Path, f8lo: str) -> None:
     """STRATA_GPU_ATT_MMA_F8LO on a whole model, a 224-token prompt and one after 1,800 cached tokens (its chunks
     over a cached prefix): logits within 1e-2 of the CPU (the rule test_long_prompt_on_tensor_cores holds the f16 lo
     term to) and of the f16 lo term's; chunked prefill bitwise equal to whole prefill. Expected here (unverified):
-    within ~1e-3 of the f16 lo term's logits."""
+    within ~1e-3..2e-3 of the f16 lo term's logits (0.04-0.06 of q as one f16's 2.4e-2 on the dense model)."""
     rng = np.random.default_rng(7)
     short = [int(t) for t in rng.integers(0, 300, size=224)]
     deep = [int(t) for t in rng.integers(0, 300, size=2000)]
