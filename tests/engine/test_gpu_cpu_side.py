@@ -253,6 +253,22 @@ def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
     assert gpu_settings.env_override("kv_host_share", env) == want
 
 
+def test_att_mma_f8lo_setting() -> None:
+    """The 8-bit lo term of the tensor-core prefill attention: a field of stg_settings (cffi's view of the header)
+    that STRATA_GPU_ATT_MMA_F8LO sets; off unless set."""
+    from cffi import FFI
+
+    from engine import gpu_settings
+
+    f = FFI()
+    f.cdef(cuda_backend.cdef_text())
+    assert "att_mma_f8lo" in {name for name, _ in f.typeof("stg_settings").fields}
+    s = f.new("stg_settings *")
+    assert gpu_settings.apply_env(s, {"STRATA_GPU_ATT_MMA_F8LO": "2"}).att_mma_f8lo == 2
+    assert gpu_settings.env_override("att_mma_f8lo", {}) is None
+    assert gpu_settings.env_override("att_mma_f8lo", {"STRATA_GPU_ATT_MMA_F8LO": "1"}) == 1
+
+
 @pytest.mark.parametrize(("env", "want"), [({}, False), ({"STRATA_GPU_KV_HOST_ATTN": "0"}, False),
                                            ({"STRATA_GPU_KV_HOST_ATTN": "1"}, True)])
 def test_kv_host_attn_gives_the_pool_the_lane_cores(env: dict[str, str], want: bool) -> None:
@@ -304,10 +320,9 @@ def test_hybrid_stage_split_is_declared_and_reported() -> None:
         (2, 200, 56, 96)
 
 
-def test_hybrid_pdl_is_declared_off_by_default() -> None:
-    """hybrid_pdl (hybrid.cu: programmatic dependent launch in hybrid steps): the setting (0 by default in model.cu,
-    so hybrid steps keep their measured form until a GPU A/B), its override, step.cu taking it for hybrid steps
-    only, and every copy or event wait that the hybrid step queues on the compute stream followed by pdl_cut
+def test_hybrid_steps_take_pdl_with_cuts_after_copies() -> None:
+    """Programmatic dependent launch in hybrid steps (hybrid.cu's top comment): step.cu does not exclude hybrid
+    steps, and every copy or event wait that the hybrid step queues on the compute stream is followed by pdl_cut
     before the next launch (the kernel after it goes without the attribute)."""
     import re
 
@@ -317,15 +332,12 @@ def test_hybrid_pdl_is_declared_off_by_default() -> None:
 
     f = FFI()
     f.cdef(cuda_backend.cdef_text())
-    assert "hybrid_pdl" in {name for name, _ in f.typeof("stg_settings").fields}
+    assert "hybrid_pdl" not in {name for name, _ in f.typeof("stg_settings").fields}
+    assert gpu_settings.env_override("hybrid_pdl", {"STRATA_GPU_HYBRID_PDL": "1"}) is None
     csrc = Path(cuda_backend.__file__).parent / "csrc" / "cuda"
-    model_cu = (csrc / "model.cu").read_text()
-    assert re.search(r"s->hybrid_pdl = (\d+);", model_cu).group(1) == "0"
-    assert "RANGE(hybrid_pdl, 0, 1)" in model_cu
-    assert gpu_settings.env_override("hybrid_pdl", {"STRATA_GPU_HYBRID_PDL": "1"}) == 1
-    assert gpu_settings.env_override("hybrid_pdl", {}) is None
     step_cu = (csrc / "step.cu").read_text()
-    assert "(!m->hy.on || m->set.hybrid_pdl)" in step_cu
+    g_pdl = re.search(r"\n\s*g_pdl = (m->cc_major[^;]*);", step_cu).group(1)
+    assert "m->set.pdl" in g_pdl and "hy.on" not in g_pdl, g_pdl
     for name, fns, op in (("hybrid.cu", ("hybrid_send", "hybrid_receive"), r"cudaMemcpyAsync\("),
                           ("staging.cu", ("staging_queue",), r"cudaStreamWaitEvent\(m->stream")):
         text = (csrc / name).read_text()

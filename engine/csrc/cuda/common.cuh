@@ -63,7 +63,7 @@ static stg_status cuda_fail(cudaError_t e, const char *what) {
 /* ------------------------------------------------------------------ launches */
 
 /* Kernels of a step are launched with programmatic dependent launch where the device has
- * it (sm_90; g_pdl set per step from stg_settings.pdl, and in hybrid steps hybrid_pdl): each may
+ * it (sm_90; g_pdl set per step from stg_settings.pdl): each may
  * be scheduled while its predecessor finishes, prefetching weights, and waits
  * (griddepcontrol.wait) before touching activations. Every kernel of a step waits in at least
  * one block before it exits, so a kernel's completion implies its predecessors' (the hybrid

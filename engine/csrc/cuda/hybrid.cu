@@ -31,7 +31,7 @@
  * (hybrid_stage_split) has one: its pairs are grouped by the step's map (the slot's experts at their own index, the
  * CPU's -1) and the host computes the pairs of the experts left to it.
  *
- * Programmatic dependent launch (stg_settings.hybrid_pdl, with pdl on sm_90): the step's kernels are launched as
+ * Programmatic dependent launch (stg_settings.pdl, on sm_90): the step's kernels are launched as
  * other steps' are (common.cuh), each triggering its dependents at entry and waiting (griddepcontrol.wait) before it
  * reads anything a predecessor wrote; the event records stay between them. The handshake keeps its order through
  * that. k_to_host waits before its stores and its ready flag, so the host reads a layer's xn and routing only once

@@ -199,10 +199,13 @@ extern "C" stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, 
 }
 
 /* A waited step's histogram [n_layer * n_expert] (pairs per expert, T tokens) into the routing estimate: the
- * counts and both token weights decay by the half-life, the step's T tokens weigh 1 each. */
+ * counts and both token weights decay by the half-life, the step's T tokens weigh 1 each. Only steps that may
+ * stage (T >= hybrid_stage) count: a decode step's tokens are each sequence's next one, whose routing follows
+ * the sequence's last (greedy decoding can repeat a token outright), so a few of them are not the independent
+ * draws the estimate's noise model assumes and read as skew that a prompt's tokens do not have. */
 static void staging_observe(stg_model *m, int32_t T, const int32_t *hist) {
     staging &g = m->hy.stg;
-    if (!g.on || g.obs.empty() || T <= 0) return;
+    if (!g.on || g.obs.empty() || T <= 0 || T < m->set.hybrid_stage) return;
     const double decay = std::pow(0.5, (double)T / STAGE_HALF_LIFE_TOKENS);
     for (size_t i = 0; i < g.obs.size(); i++) g.obs[i] = g.obs[i] * decay + (double)hist[i];
     g.obs_w1 = g.obs_w1 * decay + T, g.obs_w2 = g.obs_w2 * decay * decay + T;

@@ -386,8 +386,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const int tq = oss || mla ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && !graph;
-    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run */
-    const int mma_mode = q8 ? 2 : m->set.att_mma,
+    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run;
+     * launch_attention_mma's mode: att_mma 2 with att_mma_f8lo 1 or 2 is 3 or 4 */
+    const int mma_mode = q8 ? 2 : m->set.att_mma == 2 && m->set.att_mma_f8lo ? 2 + m->set.att_mma_f8lo : m->set.att_mma,
               tqm = mma_mode && !oss && !mla ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim,
                                                               amma_pick(m->d.head_dim, m->smem_optin).rows)
                                              : 0;
@@ -429,9 +430,9 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_set = m->set;
     g_defer_combine = g_deferred = false;
     g_gemm_fast = !graph && all_runs_long(b->seq, T, m->set.gemm_fast_min);
-    /* see g_gemm_fast. A hybrid step takes it with hybrid_pdl (hybrid.cu's top comment: where the handshake's
-     * kernels stand in it); kv_host_attn never (its kernels follow copies and host waits) */
-    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && (!m->hy.on || m->set.hybrid_pdl) && !hattn;
+    /* see g_gemm_fast. Hybrid steps take it too (hybrid.cu's top comment: where the handshake's kernels stand in
+     * it); kv_host_attn never (its kernels follow copies and host waits) */
+    g_pdl = m->cc_major >= 9 && m->set.pdl && !g_gemm_fast && !hattn;
     g_pdl_cut = false;
     g_kpart = s.kpart, g_kpart_cap = s.kpart_cap;
     g_k256q = s.kq, g_k256d = s.kd, g_k256s = s.ks, g_k256_cap = s.k_cap;

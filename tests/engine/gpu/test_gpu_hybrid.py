@@ -290,7 +290,7 @@ def test_overlap_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str
         assert ta == tb
 
 
-PDL = {"without": "0", "with": "1"}  # stg_settings.hybrid_pdl (programmatic dependent launch in hybrid steps)
+PDL = {"without": "0", "with": "1"}  # stg_settings.pdl (programmatic dependent launch), which hybrid steps take
 MIXED_SEQS, MIXED_LEN = 16, 36  # one step of 576 tokens (xn over HY_DIRECT_FLOATS: the copies' path), runs < 64
 
 
@@ -339,7 +339,7 @@ def mixed_step_logits(hyb: Engine, prompts: list[list[int]]) -> np.ndarray:
                               "qwen2moe-q8_0-30%-staged"])
 def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyPatch, model: str, qt: str,
                                         frac: str, staged: bool, overlap: str) -> None:
-    """hybrid_pdl (hybrid.cu: programmatic dependent launch in hybrid steps) changes scheduling only: with it and
+    """Programmatic dependent launch in hybrid steps (pdl; hybrid.cu's top comment) changes scheduling only: with it and
     without it the same logits bit for bit at batch 1 and 8 (prefill and four decode steps: k_to_host and
     k_rows_direct's handshake), in one 576-token step of 16 prompts (the copies' handshake: k_wait_flag, then the
     rows' copy and k_scatter_rows, launched without the attribute), and with every partial layer staged whole (the
@@ -369,7 +369,7 @@ def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyP
         got: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         toks: dict[str, tuple[list[list[int]], list[list[int]], list[list[int]]]] = {}
         for name, v in PDL.items():
-            hyb._gpu.set_settings({**base, "STRATA_GPU_HYBRID_PDL": v})
+            hyb._gpu.set_settings({**base, "STRATA_GPU_PDL": v})
             b1, fed1 = decode_logits(hyb, prompts[:1])
             b8, fed8 = decode_logits(hyb, prompts[:8])
             mx = mixed_step_logits(hyb, mixed)
