@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--threads", type=int, default=None, help="hybrid plan: threads of the RAM probe (default: all cores)")
     i.add_argument("--gpu-bw", type=float, default=None, help="hybrid plan: GPU memory GB/s (default: --gpu's)")
     i.add_argument("--gpu", default=None, help="hybrid plan: GPU name for the bandwidth table (default RTX 4090D)")
-    i.add_argument("--step-tokens", type=int, default=512, help="hybrid plan: largest step (the prefill chunk)")
+    i.add_argument("--step-tokens", type=int, default=2048,
+                   help="hybrid plan: largest step, a lane's max(prefill_chunk, scheduler.max_batch_tokens) "
+                        "(default 2048: a GPU lane's)")
     i.add_argument("--staging-slots", type=int, default=None,
                    help="hybrid plan: GPU slots for staged experts (default: the engine's, two layers' experts "
                         "unless STRATA_GPU_HYBRID_STAGE=0)")

@@ -93,12 +93,12 @@ def _check_cores(cores: Sequence[int]) -> None:
         raise ValueError(f"cores: {bad} outside this machine's CPUs 0-{n_cpu - 1}")
 
 
-def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int, prefill_chunk: int,
+def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int, step_tokens: int,
               placement: str | os.PathLike[str] | PlacementFile | None,
               kv_type: str = "f16") -> tuple[GpuPlan, str, np.ndarray | None] | None:
     """The hybrid plan of a GPU lane with a budget (see Engine.open), where its frequencies came from and the
     frequencies themselves (None: uniform routing); None without a budget. GpuBudgetError when not even the parts
-    every step needs fit."""
+    every step needs fit. ``step_tokens``: the largest step, whose buffers the plan counts."""
     if gpu_budget_gb is None:
         return None
     from engine import gpu_settings
@@ -107,10 +107,10 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
     budget = int(gpu_budget_gb * 2**30)
     freqs, source = placement_frequencies(mf, placement) if mf.hparams.n_expert else (None, "")
     slots = gpu_settings.staging_slots(mf.hparams.n_expert)
-    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, staging_slots=slots,
+    p = plan(mf, engine_plan_params(budget, kv_tokens, block_size, step_tokens, staging_slots=slots,
                                     kv_type=kv_type), freqs)
     if slots:  # the staging ring only where it fits and something is left to stage
-        bare = plan(mf, engine_plan_params(budget, kv_tokens, block_size, prefill_chunk, kv_type=kv_type), freqs)
+        bare = plan(mf, engine_plan_params(budget, kv_tokens, block_size, step_tokens, kv_type=kv_type), freqs)
         if not p.fits or (bare.fits and bare.n_resident == bare.n_routed):
             p = bare
     if not p.fits:
@@ -419,7 +419,7 @@ class Engine:
              gpu_budget_gb: float | None = None,
              placement: str | os.PathLike[str] | PlacementFile | None = None,
              rope: RopeOverrides | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16",
-             gpu_kv_budget_gb: float | None = None) -> Engine:
+             gpu_kv_budget_gb: float | None = None, step_tokens: int | None = None) -> Engine:
         """Open a GGUF model (the embedded default model when path is None).
 
         device: "cpu", "cuda:N" (weights and KV cache in that GPU's memory) or "auto" (cuda:0
@@ -448,6 +448,9 @@ class Engine:
         gpu_kv_budget_gb: the GPU's KV tiers by bytes instead: the hot tier holds what fits in this many GiB of
         VRAM at ``kv_type``'s bytes per token (whole blocks, at least one); not with ``kv_hot_tokens``.
 
+        step_tokens: the most tokens a caller's step holds (a lane's scheduler.max_batch_tokens); a GPU budget
+        plans step buffers for max(prefill_chunk, step_tokens) tokens (None: prefill_chunk, Engine.prefill's pieces).
+
         kv_type: "f16" (the default) or "q8_0": the 8-bit cache, Q8_0's rule per group of 32 values of a
         token's K or V (1.0625 bytes a value instead of 2; accuracy in docs/benchmarks.md). Untiered; on the CPU
         read by generic C kernels (slower attention than the F16 cache's SIMD ones); on the GPU the same bytes,
@@ -463,6 +466,9 @@ class Engine:
             path = build_default_model(default_model_path())
         if kv_tokens < 1 or block_size < 1 or prefill_chunk < 1:
             raise ValueError("kv_tokens, block_size and prefill_chunk must be positive")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be positive, got {step_tokens}")
+        plan_tokens = max(prefill_chunk, step_tokens or 0)  # the largest step the GPU's step buffers hold
         n_threads = threads if threads is not None else _default_threads(cores)
         if n_threads < 1:
             raise ValueError(f"threads must be >= 1, got {n_threads}")
@@ -491,10 +497,10 @@ class Engine:
         # the GPU's plan holds the hot tier only: the cold one is host RAM
         vram_kv = kv_tokens if kv_hot_tokens is None else min(kv_tokens, kv_hot_tokens)
         if asked.kind == "cuda":
-            planned = _gpu_plan(mf, gpu_budget_gb, vram_kv, block_size, prefill_chunk, placement, kv_type)
+            planned = _gpu_plan(mf, gpu_budget_gb, vram_kv, block_size, plan_tokens, placement, kv_type)
         spec = resolve_device(device)
         if spec.kind == "cuda" and asked.kind != "cuda":  # "auto" that found a GPU
-            planned = _gpu_plan(mf, gpu_budget_gb, vram_kv, block_size, prefill_chunk, placement, kv_type)
+            planned = _gpu_plan(mf, gpu_budget_gb, vram_kv, block_size, plan_tokens, placement, kv_type)
         resident = None
         if planned is not None and mf.hparams.n_expert:
             from engine.placement import resident_mask

@@ -584,8 +584,9 @@ def render_plan(p: GpuPlan, n_expert: int, source: str = "uniform routing", max_
 # ---------------------------------------------------------------- what Engine.open places
 
 def engine_step_tokens(prefill_chunk: int) -> int:
-    """Tokens the GPU engine's step buffers grow to for steps of up to ``prefill_chunk`` tokens: they grow to
-    at least twice their last size, up to 512 tokens (engine/csrc/cuda/model.cu, ensure_scratch)."""
+    """Tokens the GPU engine's step buffers grow to for steps of up to ``prefill_chunk`` tokens (Engine.open: the
+    larger of its prefill_chunk and step_tokens, a lane's max_batch_tokens): they grow to at least twice their
+    last size, up to 512 tokens (engine/csrc/cuda/model.cu, ensure_scratch)."""
     return max(prefill_chunk, 512)
 
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from common.config import ConfigError as _BaseConfigError
 from common.config import decode_env, read_toml
@@ -27,12 +27,18 @@ from common.cpus import cpu_list_value, parse_cpu_list
 from engine.rope import RopeOverrides, ScalingType
 from engine.scheduler import SchedulerConfig
 
-__all__ = ["ENV_PREFIX", "LANE_PORTS", "ConfigError", "LaneConfig", "decode_env", "load_config", "parse_cpu_list",
-           "read_toml"]
+__all__ = ["CPU_STEP_DEFAULTS", "ENV_PREFIX", "GPU_STEP_DEFAULTS", "LANE_PORTS", "ConfigError", "LaneConfig",
+           "decode_env", "load_config", "parse_cpu_list", "read_toml"]
 
 ENV_PREFIX = "STRATA_LANE_"
 LANE_PORTS = {"a": 8101, "b": 8102}  # the --lane presets; any other name keeps the default port
 _AUTO_HALF = {"a": 0, "b": 1}  # cores="auto": which half of the allowed CPUs a lane takes
+# step sizes a lane takes unless its configuration sets them: (prefill_chunk, scheduler.max_batch_tokens).
+# The CPU's keep other sequences' decode latency low between prefill chunks; a GPU step is far more efficient
+# with more tokens (hybrid placement re-copies the staged experts every step of >= 64 tokens): 2048, vLLM's
+# online-serving max_num_batched_tokens (docs/operations.md, "Step sizes")
+CPU_STEP_DEFAULTS = (512, 256)
+GPU_STEP_DEFAULTS = (2048, 2048)
 
 
 class ConfigError(_BaseConfigError):
@@ -98,6 +104,37 @@ class LaneConfig(BaseModel):
         False, description="object schemas (tool parameters, json_schema) that do not say additionalProperties: "
                            "false closes them (OpenAI strict mode's rule), true leaves them open; a request may "
                            "say its own with the field of the same name")
+
+    @model_validator(mode="after")
+    def _gpu_steps(self) -> LaneConfig:
+        # a device that names a GPU takes the GPU's step sizes now; "auto" is resolved where the engine opens
+        # (lanes/server.py: with_step_defaults)
+        if self.device.startswith("cuda"):
+            self._set_step_defaults(GPU_STEP_DEFAULTS)
+        return self
+
+    def _set_step_defaults(self, defaults: tuple[int, int]) -> None:
+        """Set the step sizes the configuration left unset (model_fields_set), leaving them unset."""
+        chunk, batch = defaults
+        if "prefill_chunk" not in self.model_fields_set:
+            self.__dict__["prefill_chunk"] = chunk  # not __setattr__: that would mark the field set
+        if "max_batch_tokens" not in self.scheduler.model_fields_set and self.scheduler.max_batch_tokens != batch:
+            sched = self.scheduler.model_copy(update={"max_batch_tokens": batch})  # a copy: the caller's object stays
+            sched.__pydantic_fields_set__.discard("max_batch_tokens")
+            self.__dict__["scheduler"] = sched
+
+    def with_step_defaults(self, gpu: bool) -> LaneConfig:
+        """This configuration with the step sizes of the device the engine runs on (``gpu``: a GPU) where the
+        configuration did not set them: prefill_chunk and scheduler.max_batch_tokens, CPU_STEP_DEFAULTS or
+        GPU_STEP_DEFAULTS. Explicit values always win."""
+        cfg = self.model_copy(deep=True)
+        cfg._set_step_defaults(GPU_STEP_DEFAULTS if gpu else CPU_STEP_DEFAULTS)
+        return cfg
+
+    def step_tokens(self) -> int:
+        """The most tokens one engine step may hold: the scheduler's max_batch_tokens (decode rows and prefill
+        chunks together), or prefill_chunk (Engine.prefill's pieces) when larger; the GPU plan's step buffers."""
+        return max(self.prefill_chunk, self.scheduler.max_batch_tokens)
 
     @field_validator("cores", mode="before")
     @classmethod

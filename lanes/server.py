@@ -44,7 +44,7 @@ from lanes.metrics import LaneMetrics
 from lanes.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from lanes.state import STATE, EngineFactory, LaneState
 
-__all__ = ["STATE", "EngineFactory", "LaneState", "create_app", "drain", "open_engine", "pin_process"]
+__all__ = ["STATE", "EngineFactory", "LaneState", "create_app", "drain", "open_engine", "pin_process", "step_config"]
 
 log = logging.getLogger("strata.lanes")
 
@@ -52,11 +52,24 @@ _QUIET_PATHS = frozenset({"/health", "/metrics", "/v1/models"})  # polled by the
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
+def step_config(config: LaneConfig) -> LaneConfig:
+    """``config`` with the step sizes of the device it names (LaneConfig.with_step_defaults): "auto" resolved
+    as Engine.open resolves it (a GPU when one is usable), before the engine's GPU plan counts step buffers."""
+    if config.device != "auto":
+        return config  # "cpu" and "cuda..." take their defaults in LaneConfig itself
+    from engine.cuda_backend import resolve_device
+
+    return config.with_step_defaults(resolve_device("auto").kind == "cuda")
+
+
 def open_engine(config: LaneConfig, cores: list[int] | None) -> Engine:
-    """The default engine factory: the configured model (or the embedded default) on `cores`."""
+    """The default engine factory: the configured model (or the embedded default) on `cores`; the GPU plan's
+    step buffers hold the largest step the scheduler sends (LaneConfig.step_tokens)."""
+    config = step_config(config)
     return Engine.open(config.model, threads=config.engine_threads(cores), cores=cores,
                        kv_tokens=config.kv_tokens, max_model_len=config.max_model_len,
                        block_size=config.block_size, prefill_chunk=config.prefill_chunk,
+                       step_tokens=config.step_tokens(),
                        device=config.engine_device(), gpu_budget_gb=config.gpu_budget_gb, placement=config.placement,
                        rope=config.rope_overrides(), kv_type=config.kv_type, kv_hot_tokens=config.kv_hot_tokens,
                        gpu_kv_budget_gb=config.gpu_kv_budget_gb)
@@ -139,6 +152,8 @@ async def _load_engine(st: LaneState) -> None:
         st.cores = cores
         engine = await asyncio.to_thread(st.engine_factory, cfg, cores)
         st.engine = engine
+        # the step sizes of the device the engine runs on (device "auto"; a model that only the CPU runs)
+        cfg = st.config = cfg.with_step_defaults(getattr(getattr(engine, "device", None), "kind", "cpu") == "cuda")
         st.build_id, st.model_info, st.template_error, doc = await asyncio.to_thread(_warm_up, engine)
         st.chat_format = chat_format_of(engine)
         st.tokenizer_doc, st.tokenizer_digest = doc if doc is not None else (None, None)

@@ -156,6 +156,30 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
         assert not st.on_gpu and st.t_pcie == st.t_cpu_wait == 0 and st.pcie_bytes == st.staged_layers == 0
 
 
+def test_gpu_budget_counts_the_largest_step(tiny: Path) -> None:
+    """Engine.open's step_tokens (a lane's scheduler.max_batch_tokens): the plan's step buffers hold
+    max(prefill_chunk, step_tokens) tokens, so a budget that fits 512-token steps but not 4096-token ones
+    refuses a caller that sends 4096-token steps."""
+    from engine.engine import GpuBudgetError
+    from engine.gguf_model import open_model
+    from engine.placement import engine_plan_params, plan
+
+    mf = open_model(tiny)
+    small = plan(mf, engine_plan_params(0, 64, 16, 512)).fixed_bytes
+    large = plan(mf, engine_plan_params(0, 64, 16, 4096)).fixed_bytes
+    assert large > small
+    between = (small + large) / 2 / 2**30
+    with pytest.raises(GpuBudgetError, match="raise the budget"):
+        Engine.open(tiny, device="cuda:0", gpu_budget_gb=between, kv_tokens=64, step_tokens=4096)
+    with pytest.raises(GpuBudgetError, match="raise the budget"):
+        Engine.open(tiny, device="cuda:0", gpu_budget_gb=between, kv_tokens=64, prefill_chunk=4096, step_tokens=64)
+    with pytest.raises(ValueError, match="step_tokens"):
+        Engine.open(tiny, device="cuda:0", gpu_budget_gb=between, kv_tokens=64, step_tokens=0)
+    if NO_GPU is not None:  # 512-token steps fit: the plan goes on to the device, which is missing here
+        with pytest.raises(DeviceUnavailableError):
+            Engine.open(tiny, device="cuda:0", gpu_budget_gb=between, kv_tokens=64, step_tokens=256)
+
+
 def test_staging_reserves_its_ring_in_the_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """hybrid_stage = N >= 1 (steps of at least N tokens may stage; 64 by default): the hybrid plan holds the
     staging ring (two whole layers' routed experts, 2 x n_expert x the largest expert) among its fixed parts, so

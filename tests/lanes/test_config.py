@@ -145,3 +145,71 @@ def test_placement_reaches_the_engine(tmp_path: Path, monkeypatch: pytest.Monkey
     assert server.open_engine(cfg, None) == "engine"
     assert seen["placement"] == Path("/srv/m.gguf.placement.json") and seen["gpu_budget_gb"] == 20
     assert seen["device"] == "cuda:0"
+    assert seen["prefill_chunk"] == 2048 and seen["step_tokens"] == 2048  # a GPU lane's step sizes
+
+
+def test_gpu_lanes_take_gpu_step_sizes(tmp_path: Path) -> None:
+    """A device naming a GPU takes prefill_chunk and scheduler.max_batch_tokens 2048 where the configuration
+    does not set them; a CPU lane keeps 512 and 256; explicit values (file, environment, override) win."""
+    cpu = load_config(None, {})
+    assert (cpu.prefill_chunk, cpu.scheduler.max_batch_tokens, cpu.step_tokens()) == (512, 256, 512)
+    for dev in ("cuda", "cuda:1"):
+        gpu = load_config(None, {"STRATA_LANE_DEVICE": dev})
+        assert (gpu.prefill_chunk, gpu.scheduler.max_batch_tokens, gpu.step_tokens()) == (2048, 2048, 2048)
+        assert {"prefill_chunk", "scheduler"}.isdisjoint(gpu.model_fields_set)  # still defaults, not set
+    auto = load_config(None, {"STRATA_LANE_DEVICE": "auto"})  # resolved where the engine opens
+    assert (auto.prefill_chunk, auto.scheduler.max_batch_tokens) == (512, 256)
+    f = tmp_path / "lane.toml"
+    f.write_text('device = "cuda"\nprefill_chunk = 512\n[scheduler]\nmax_num_seqs = 8\n')
+    cfg = load_config(f, {})
+    assert (cfg.prefill_chunk, cfg.scheduler.max_batch_tokens, cfg.scheduler.max_num_seqs) == (512, 2048, 8)
+    f.write_text('device = "cuda"\n[scheduler]\nmax_batch_tokens = 256\n')
+    cfg = load_config(f, {})
+    assert (cfg.prefill_chunk, cfg.scheduler.max_batch_tokens, cfg.step_tokens()) == (2048, 256, 2048)
+    cfg = load_config(None, {"STRATA_LANE_DEVICE": "cuda", "STRATA_LANE_SCHEDULER__MAX_BATCH_TOKENS": "4096"},
+                      {"prefill_chunk": 1024})
+    assert (cfg.prefill_chunk, cfg.scheduler.max_batch_tokens, cfg.step_tokens()) == (1024, 4096, 4096)
+    # explicit CPU values stay on a CPU lane too, and the defaults there are untouched by a GPU's
+    cfg = load_config(None, {"STRATA_LANE_PREFILL_CHUNK": "128"})
+    assert (cfg.prefill_chunk, cfg.scheduler.max_batch_tokens) == (128, 256)
+
+
+def test_step_defaults_follow_the_engines_device() -> None:
+    """with_step_defaults: the unset step sizes of the device the engine runs on, either way; set ones stay;
+    the caller's SchedulerConfig is not changed."""
+    from engine.scheduler import SchedulerConfig
+
+    auto = LaneConfig(device="auto")
+    gpu = auto.with_step_defaults(True)
+    assert (gpu.prefill_chunk, gpu.scheduler.max_batch_tokens) == (2048, 2048)
+    assert (auto.prefill_chunk, auto.scheduler.max_batch_tokens) == (512, 256)
+    back = gpu.with_step_defaults(False)  # "auto" on a model only the CPU runs
+    assert (back.prefill_chunk, back.scheduler.max_batch_tokens) == (512, 256)
+    sched = SchedulerConfig(max_num_seqs=4)
+    cfg = LaneConfig(device="cuda", prefill_chunk=300, scheduler=sched)
+    assert (cfg.prefill_chunk, cfg.scheduler.max_batch_tokens, cfg.scheduler.max_num_seqs) == (300, 2048, 4)
+    assert sched.max_batch_tokens == 256
+    cpu = cfg.with_step_defaults(False)
+    assert (cpu.prefill_chunk, cpu.scheduler.max_batch_tokens) == (300, 256)
+    fixed = LaneConfig(device="cuda", scheduler=SchedulerConfig(max_batch_tokens=64))
+    assert fixed.with_step_defaults(False).scheduler.max_batch_tokens == 64
+    assert fixed.with_step_defaults(True).scheduler.max_batch_tokens == 64
+
+
+def test_open_engine_resolves_auto_step_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device "auto": open_engine resolves the device as Engine.open does and plans the GPU's step sizes; the
+    step buffers cover max(prefill_chunk, max_batch_tokens)."""
+    from engine import cuda_backend
+    from engine.cuda_backend import DeviceSpec
+    from lanes import server
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(server.Engine, "open", lambda *a, **kw: seen.update(kw) or "engine")
+    for kind, want in (("cuda", (2048, 2048)), ("cpu", (512, 512))):
+        monkeypatch.setattr(cuda_backend, "resolve_device",
+                            lambda d, kind=kind: DeviceSpec("cuda", 0) if kind == "cuda" else DeviceSpec("cpu"))
+        server.open_engine(LaneConfig(device="auto"), None)
+        assert (seen["prefill_chunk"], seen["step_tokens"], seen["device"]) == (*want, "auto")
+    cfg = LaneConfig(prefill_chunk=256, scheduler={"max_batch_tokens": 1024})  # a CPU lane that set them
+    server.open_engine(cfg, None)
+    assert (seen["prefill_chunk"], seen["step_tokens"]) == (256, 1024)

@@ -671,7 +671,8 @@ async def test_hybrid_lane_serves_over_http(tmp_path: Path) -> None:
     hf_dir, _ = H.MAKERS["qwen3moe"](tmp_path / "qwen3moe")
     path = H.to_gguf(hf_dir, tmp_path / "qwen3moe.q8_0.gguf", "q8_0")
     pf_path = random_placement(path).save(tmp_path / "qwen3moe.placement.json")
-    budget = budget_gb(path, 0.3, PlacementFile.load(pf_path), kv_tokens=LANE_KV)
+    step = lane_config(model=path, device="cuda").step_tokens()  # a GPU lane's largest step: what its plan counts
+    budget = budget_gb(path, 0.3, PlacementFile.load(pf_path), prefill_chunk=step, kv_tokens=LANE_KV)
     body = {"model": "strata-default", "prompt": "hello there", "max_tokens": 12, "temperature": 0}
     cfg = lane_config(model=path, device="cuda", gpu=0, gpu_budget_gb=budget, placement=pf_path)
     async with running_lane(cfg, None) as lane, aiohttp.ClientSession() as s:
