@@ -336,7 +336,9 @@ class Engine:
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
         if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
             try:
-                rate, pair_s, expert_s = self._cpu_stage_costs(max(64, prefill_chunk))
+                # at most 512 tokens: the whole-layer decision's rate at the step size its threshold is measured for
+                # (a GPU lane's 2,048-token chunk puts ~4x the pairs on each expert and reads the CPU as faster)
+                rate, pair_s, expert_s = self._cpu_stage_costs(max(64, min(prefill_chunk, 512)))
                 self._gpu.set_stage_rate(rate)
                 self._gpu.set_split_costs(pair_s, expert_s)
                 if stage_freqs is not None:  # hybrid_stage_split's estimate: the plan's frequencies as its prior
