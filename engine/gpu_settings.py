@@ -56,9 +56,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_ATT_MMA", "att_mma",
              "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),
-    Override("STRATA_GPU_ATT_MMA_F8LO", "att_mma_f8lo",
-             "att_mma 2 on the f16 KV cache: 1 q's lo term by an 8-bit mma (lo and K as e4m3), 2 the same with K "
-             "as e5m2, f16's top byte (sm_89+); 0 (the default) lo as f16"),
     Override("STRATA_GPU_ATT_SPLIT_MIN", "att_split_min",
              "decode: sequences of at least this many keys spread their keys over several blocks (0: never)"),
     Override("STRATA_GPU_HYBRID_OVERLAP", "hybrid_overlap",

@@ -277,22 +277,6 @@ def test_kv_host_share_override(env: dict[str, str], want: int | None) -> None:
     assert gpu_settings.env_override("kv_host_share", env) == want
 
 
-def test_att_mma_f8lo_setting() -> None:
-    """The 8-bit lo term of the tensor-core prefill attention: a field of stg_settings (cffi's view of the header)
-    that STRATA_GPU_ATT_MMA_F8LO sets; off unless set."""
-    from cffi import FFI
-
-    from engine import gpu_settings
-
-    f = FFI()
-    f.cdef(cuda_backend.cdef_text())
-    assert "att_mma_f8lo" in {name for name, _ in f.typeof("stg_settings").fields}
-    s = f.new("stg_settings *")
-    assert gpu_settings.apply_env(s, {"STRATA_GPU_ATT_MMA_F8LO": "2"}).att_mma_f8lo == 2
-    assert gpu_settings.env_override("att_mma_f8lo", {}) is None
-    assert gpu_settings.env_override("att_mma_f8lo", {"STRATA_GPU_ATT_MMA_F8LO": "1"}) == 1
-
-
 @pytest.mark.parametrize(("env", "want"), [({}, False), ({"STRATA_GPU_KV_HOST_ATTN": "0"}, False),
                                            ({"STRATA_GPU_KV_HOST_ATTN": "1"}, True)])
 def test_kv_host_attn_gives_the_pool_the_lane_cores(env: dict[str, str], want: bool) -> None:

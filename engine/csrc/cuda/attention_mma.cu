@@ -30,49 +30,7 @@
  * B {b0,b1} rows (k) 2t, 2t+1, col (n) g; {b2,b3} rows 2t+8, 2t+9; C/D {c0,c1} row g, cols 2t,
  * 2t+1; {c2,c3} row g+8. K is staged as the cache holds it, [dim][key], V as [key][dim]; both
  * B operands then come from `ldmatrix .trans` (thread (g, t) of an 8x8 matrix gets its
- * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly.
- *
- * The 8-bit lo term (stg_settings.att_mma_f8lo 1 or 2, QM 2 or 3; sm_89+, else the f16 lo term): q = hi + lo with
- * hi f16 as above and lo = q - hi (exact in fp32, |lo| <= 2^-11 |q| elementwise up to f16's subnormals) taken by
- * `mma.sync m16n8k32` on 8-bit inputs: one k32 mma covers 32 dimensions, so the lo term costs half the f16 mma it
- * replaces (a tile's q.k + p.v: 2.5 f16 mma units instead of 3). Per row, lo is scaled by 2^k (k from the row's
- * max|lo|, reduced over the 4 lanes of a quad, so that max|lo| 2^k lies in [128, 256): no saturation) and rounded
- * to e4m3; K is converted from the staged f16 fragments in registers to e4m3 (QM 2: cvt.rn.satfinite, no scale) or
- * e5m2 (QM 3: f16's top byte, truncated: one byte permute a register, no cvt, with the truncation's mean folded
- * into the scale back). The lo mma runs first into the zeroed score fragment (whatever the 8-bit path's
- * accumulation keeps, it only rounds the lo term), the fragment is scaled back per row by 2^-k (exact; QM 3: times
- * AMMA_E5_TRUNC), and the hi f16 mma accumulates on top in fp32: no extra accumulators.
- * Layouts (PTX ISA, m16n8k32 .e4m3/.e5m2): A reg 0 row g, k-slots 4t..4t+3 (a byte each, the first in the low
- * byte); reg 1 row g+8, the same slots; reg 2 row g, slots 16+4t..; reg 3 row g+8, slots 16+4t..; B reg 0 slots
- * 4t..4t+3 of column (key) g, reg 1 slots 16+4t... A dot product only needs A and B to use the same
- * dimension -> slot map, and the one taken is what the f16 fragments of two k16 steps (dims 32j..32j+31) already
- * hold in each lane: slot 4t + r <- dim 2t + (r & 1) + 8 (r >> 1), slot 16 + 4t + r <- 16 + the same. So a lane
- * builds B reg 0 from its K fragments {b0, b1} of k16 step 2j (dims 2t, 2t+1, 2t+8, 2t+9) and reg 1 from step 2j+1,
- * and its A regs from the lo values of its own f16 A positions: no shuffle, no extra shared memory read.
- * Error of a score s = sum_i q_i K_i (K_i f16, exact in the cache), e1 = q as one f16's (the term dropped):
- *   q as one f16:   sum_i lo_i K_i, up to 2^-11 sum|q_i K_i| elementwise
- *   q as hi + lo:   lo rounded to f16, up to 2^-22 sum|q_i K_i|: the fp32 accumulation's level
- *   8-bit lo term:  sum_i (lo_i K_i - lo8_i K8_i). lo_i's e4m3 rounding is up to 2^-4 |lo_i| (k puts every
- *     lo_i >= 2^-17 max|lo| in the normal range; the rest, subnormal or flushed, is under 2^-18 max|lo| absolute).
- *     QM 2, K as e4m3 unscaled: up to 2^-4 max(|K_i|, 2^-6) for |K_i| <= 464 (the subnormals below 2^-6 keep the
- *     absolute error under a normal element's) and |K_i| - 448 above (satfinite: that element's lo term is off by
- *     at most itself, never worse than q as one f16); a K scale would only move that window, at a multiply an
- *     element. QM 3, K as e5m2 (f16's range, no scale) truncated: K8_i / K_i in (0.8, 1], mean 0.9154 for
- *     log-uniform mantissas (0.9160 uniform), so the scale back takes AMMA_E5_TRUNC = 1/0.9157 and the residual is
- *     in [-0.126, +0.092] |K_i| (round-to-nearest e5m2: +-0.125) and zero-mean over random-signed lo_i.
- *   Monte Carlo (128 dims, q and K normal, also at 16x the score scale; rms and max over 4,000 scores, in e1):
- *     lo as e4m3 with K exact 0.024 (max 0.025); QM 2 0.036 (max 0.042); QM 3 0.060 (max 0.085); e5m2 rounded to
- *     nearest 0.060 (max 0.067); e5m2 truncated without the factor 0.10 (max 0.14).
- * QM 2 is the tighter (K of normed heads lies in [2^-6, 448]); QM 3 converts with one byte permute a register (64
- * a stage at head_dim 128) instead of 2 cvt and a permute (192). A numpy model of test_gpu_attention_mma's
- * sharp-score case (1,524 keys, scores x16, p rounded to f16; max error / max|ref|): q as one f16 1.5e-3, QM 2
- * 0.9e-4, QM 3 1.1e-4, exact scores 0.9e-4 (p's rounding alone): the 8-bit lo term sits at that floor.
- * The other way to convert K, once per stage into a shared 8-bit copy, does 1/W of the conversions but needs a
- * second barrier a stage between the conversion and the lo mma (the copy of stage kt lands only at that stage's
- * barrier) and 9 KiB a slot at head_dim 128, and the barrier lines up the warps' softmax phases that PIPE spreads;
- * in registers every warp converts the same K (a stage: HD/32 x NT register pairs a warp; at head_dim 128, 128 cvt
- * + 64 permutes (QM 2) or 64 permutes (QM 3) against 32 f16 mma saved net: 64 f16 replaced by 32 k32), with no
- * barrier and no shared memory. */
+ * elements (2t, g) and (2t+1, g)), and S's C fragments are P's A fragments directly. */
 #include "attention.cuh"
 
 #define AMMA_BC 64
@@ -103,62 +61,6 @@ __device__ __forceinline__ void amma_f16(float (&d)[4], const uint32_t (&a)[4], 
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-/* the 8-bit lo term (QM 2, 3) where the device has 8-bit mma: sm_89+; else the f16 lo term */
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define AMMA_HAVE_F8 1
-#else
-#define AMMA_HAVE_F8 0
-#endif
-/* d += a.b, m16n8k32, A e4m3, B e4m3 (E5: e5m2), fp32 accumulation (layouts: the header comment) */
-template <bool E5>
-__device__ __forceinline__ void amma_f8(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if AMMA_HAVE_F8
-    if constexpr (E5)
-        asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e5m2.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    (void)d, (void)a, (void)b0, (void)b1; /* not reached: QM 2 and 3 take the f16 lo term below sm_89 */
-#endif
-}
-/* four floats rounded to e4m3 (satfinite) in one register, x0 in the low byte */
-__device__ __forceinline__ uint32_t amma_e4m3x4(float x0, float x1, float x2, float x3) {
-    uint32_t r = 0u;
-#if AMMA_HAVE_F8
-    asm("{.reg .b16 l, h;\n cvt.rn.satfinite.e4m3x2.f32 l, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 h, %4, %3;\n"
-        " mov.b32 %0, {l, h};}\n"
-        : "=r"(r)
-        : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
-#else
-    (void)x0, (void)x1, (void)x2, (void)x3;
-#endif
-    return r;
-}
-/* 1 / E[K8 / K] of e5m2 K truncated from f16 (QM 3): the mantissa m in [1, 2) cut to 2 bits, t / m averages
- * 0.9154 (log-uniform m) .. 0.9160 (uniform m); folded into the lo term's scale back */
-#define AMMA_E5_TRUNC 1.0921f
-/* two f16x2 registers (x0's halves in bytes 0, 1; x1's in 2, 3) as four 8-bit K values: e4m3 by cvt.rn.satfinite
- * (E5 false), or e5m2 as each half's top byte, truncated (E5: one byte permute; AMMA_E5_TRUNC undoes the mean) */
-template <bool E5> __device__ __forceinline__ uint32_t amma_k8(uint32_t x0, uint32_t x1) {
-    uint32_t r = 0u;
-    if constexpr (E5) {
-        r = __byte_perm(x0, x1, 0x7531);
-    } else {
-#if AMMA_HAVE_F8
-        asm("{.reg .b16 l, h;\n cvt.rn.satfinite.e4m3x2.f16x2 l, %1;\n cvt.rn.satfinite.e4m3x2.f16x2 h, %2;\n"
-            " mov.b32 %0, {l, h};}\n"
-            : "=r"(r)
-            : "r"(x0), "r"(x1));
-#else
-        (void)x0, (void)x1;
-#endif
-    }
-    return r;
 }
 /* four 8x8 b16 matrices, transposed: lanes 8i..8i+7 give the row addresses of matrix i */
 __device__ __forceinline__ void amma_ldsm_t(uint32_t (&r)[4], const __half *p) {
@@ -194,8 +96,7 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
     return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-/* tiles[i] = first_token * 256 + tokens (at most 16 W / G); QM: q as one f16 (0), as f16 hi + lo (1), as f16 hi and
- * an 8-bit lo term (2: K as e4m3, 3: K as e5m2; sm_89+, else 1's arithmetic: the header comment).
+/* tiles[i] = first_token * 256 + tokens (at most 16 W / G); QSPLIT: q as f16 hi + lo.
  * exp2 is amma_ex2, and a stage whose keys move no row's max of the warp skips the output's rescale (a multiply by
  * exactly 1). PIPE: P.V one stage behind (stage kt - 1's P.V queued beside stage kt's softmax, so a warp has tensor
  * work while the softmax's chain of dependent steps runs; one more K/V slot, since a slot's V is read an iteration
@@ -203,11 +104,9 @@ __device__ __forceinline__ uint4 q8x8_scaled(uint2 q, uint4 sc) {
  * Q8 (the 8-bit cache, attn_args.k8; HD 64 or 128): each stage's K and V enter shared memory as f16(q * d), the
  * integer times its group's scale rounded once to f16 (relative 2^-11 at most, as p's rounding), loaded into
  * registers and stored converted instead of the asynchronous copies; the arithmetic after that is the F16 cache's. */
-template <int HD, int W, int QM, bool Q8, bool PIPE>
+template <int HD, int W, bool QSPLIT, bool Q8, bool PIPE>
 __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_args a, const int32_t *tiles) {
     PDL_ENTER();
-    constexpr bool F8 = QM >= 2 && AMMA_HAVE_F8, E5 = QM == 3, QSPLIT = QM == 1 || (QM >= 2 && !F8);
-    static_assert(HD % 32 == 0 || !F8, "the 8-bit lo term takes 32 dimensions an mma");
     constexpr int AMMA_ROWS = 16 * W;
     constexpr int VP = amma_vp(HD), NT = AMMA_BC / 8, KS = HD / 16, DT = HD / 8, NS = amma_ns(W, PIPE);
     constexpr int AHEAD = PIPE ? NS - 2 : NS - 1; /* stages issued ahead of the one computed */
@@ -228,12 +127,9 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
     const int32_t lim_lo = rn[r_lo] > 0 ? rn[r_lo] : wmax, lim_hi = rn[r_hi] > 0 ? rn[r_hi] : wmax;
     const bool active = wmax > 0;
 
-    /* q fragments for the whole head dimension, kept in registers; F8: the lo term's A fragments (k32 step j: dims
-     * 32j.., the slots of the header comment) and the factors 2^-k of rows g and g + 8 that undo its scale */
-    uint32_t qh[KS][4], ql[QSPLIT ? KS : 1][4], q8[F8 ? KS / 2 : 1][4];
-    float f8_lo = 1.0f, f8_hi = 1.0f;
+    /* q fragments for the whole head dimension, kept in registers */
+    uint32_t qh[KS][4], ql[QSPLIT ? KS : 1][4];
     {
-        float lf[F8 ? KS : 1][4][2]; /* F8: lo = q - hi, exact in fp32, in the f16 A fragments' places */
         const float *qr[2] = {nullptr, nullptr};
         const int rows[2] = {r_lo, r_hi};
 #pragma unroll
@@ -249,34 +145,7 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                 const __half hx = __float2half_rn(x.x), hy = __float2half_rn(x.y);
                 qh[kk][i] = amma_pack(__half2float(hx), __half2float(hy));
                 if constexpr (QSPLIT) ql[kk][i] = amma_pack(x.x - __half2float(hx), x.y - __half2float(hy));
-                if constexpr (F8) lf[kk][i][0] = x.x - __half2float(hx), lf[kk][i][1] = x.y - __half2float(hy);
             }
-        if constexpr (F8) {
-            float mx[2] = {0.0f, 0.0f}, sc[2], back[2]; /* rows g, g + 8: max|lo| over the quad (the whole row) */
-#pragma unroll
-            for (int kk = 0; kk < KS; kk++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) mx[i & 1] = fmaxf(mx[i & 1], fmaxf(fabsf(lf[kk][i][0]), fabsf(lf[kk][i][1])));
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                /* max|lo| = m 2^e, m in [1, 2): k = 7 - e puts it in [128, 256), under e4m3's 448 (clamped so that
-                 * 2^k and 2^-k are normal floats; a zero row keeps k = 0) */
-                const int e = (int)((__float_as_uint(mx[r]) >> 23) & 255u) - 127;
-                const int k = mx[r] > 0.0f ? min(max(7 - e, -126), 126) : 0;
-                sc[r] = __uint_as_float((uint32_t)(127 + k) << 23), back[r] = __uint_as_float((uint32_t)(127 - k) << 23);
-            }
-            f8_lo = E5 ? back[0] * AMMA_E5_TRUNC : back[0], f8_hi = E5 ? back[1] * AMMA_E5_TRUNC : back[1];
-#pragma unroll
-            for (int j = 0; j < KS / 2; j++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) { /* reg i: row (i & 1 ? g + 8 : g), k16 step 2j + (i >> 1) */
-                    const float(&x)[4][2] = lf[2 * j + (i >> 1)];
-                    const float c = sc[i & 1];
-                    q8[j][i] = amma_e4m3x4(x[i & 1][0] * c, x[i & 1][1] * c, x[2 + (i & 1)][0] * c, x[2 + (i & 1)][1] * c);
-                }
-        }
     }
 
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t0] * a.max_blocks;
@@ -370,42 +239,18 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
     auto qk = [&](const __half *ks, float (&s)[NT][4]) {
 #pragma unroll
         for (int i = 0; i < NT; i++) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-        if constexpr (F8) { /* per key n-tile pair: its K fragments of every k16 step, read once; the 8-bit lo term
-                             * first, scaled back, then hi on top */
 #pragma unroll
-            for (int np = 0; np < NT / 2; np++) {
-                uint32_t b[KS][4];
+        for (int kk = 0; kk < KS; kk++) {
 #pragma unroll
-                for (int kk = 0; kk < KS; kk++)
-                    amma_ldsm_t(b[kk], ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
-#pragma unroll
-                for (int j = 0; j < KS / 2; j++) {
-                    amma_f8<E5>(s[2 * np], q8[j], amma_k8<E5>(b[2 * j][0], b[2 * j][1]),
-                                amma_k8<E5>(b[2 * j + 1][0], b[2 * j + 1][1]));
-                    amma_f8<E5>(s[2 * np + 1], q8[j], amma_k8<E5>(b[2 * j][2], b[2 * j][3]),
-                                amma_k8<E5>(b[2 * j + 1][2], b[2 * j + 1][3]));
+            for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
+                uint32_t b[4];
+                amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
+                if constexpr (QSPLIT) {
+                    amma_f16(s[2 * np], ql[kk], b[0], b[1]);
+                    amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
                 }
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    s[2 * np + h][0] *= f8_lo, s[2 * np + h][1] *= f8_lo, s[2 * np + h][2] *= f8_hi, s[2 * np + h][3] *= f8_hi;
-#pragma unroll
-                    for (int kk = 0; kk < KS; kk++) amma_f16(s[2 * np + h], qh[kk], b[kk][2 * h], b[kk][2 * h + 1]);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-#pragma unroll
-                for (int np = 0; np < NT / 2; np++) { /* key n-tiles 2np, 2np + 1; dims 16kk..+7, +8..+15 */
-                    uint32_t b[4];
-                    amma_ldsm_t(b, ks + (16 * kk + 8 * (mi & 1) + mr) * AMMA_KP + 8 * (2 * np + (mi >> 1)));
-                    if constexpr (QSPLIT) {
-                        amma_f16(s[2 * np], ql[kk], b[0], b[1]);
-                        amma_f16(s[2 * np + 1], ql[kk], b[2], b[3]);
-                    }
-                    amma_f16(s[2 * np], qh[kk], b[0], b[1]);
-                    amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
-                }
+                amma_f16(s[2 * np], qh[kk], b[0], b[1]);
+                amma_f16(s[2 * np + 1], qh[kk], b[2], b[3]);
             }
         }
     };
@@ -608,29 +453,25 @@ static stg_status attention_mma_setup(int smem_optin) {
     AMMA_SETUP(HD, 8, QS, Q8, true)                                                                            \
     AMMA_SETUP(HD, 4, QS, Q8, true)                                                                            \
     AMMA_SETUP(HD, 4, QS, Q8, false)
-#define AMMA_SETUP_QM(HD)                                                                                      \
-    AMMA_SETUP_FORMS(HD, 0, false)                                                                             \
-    AMMA_SETUP_FORMS(HD, 1, false)                                                                             \
-    AMMA_SETUP_FORMS(HD, 2, false)                                                                             \
-    AMMA_SETUP_FORMS(HD, 3, false)
-    AMMA_SETUP_QM(32)
-    AMMA_SETUP_QM(64)
-    AMMA_SETUP_QM(128)
-    AMMA_SETUP_FORMS(64, 1, true)
-    AMMA_SETUP_FORMS(128, 1, true)
-#undef AMMA_SETUP_QM
+    AMMA_SETUP_FORMS(32, false, false)
+    AMMA_SETUP_FORMS(32, true, false)
+    AMMA_SETUP_FORMS(64, false, false)
+    AMMA_SETUP_FORMS(64, true, false)
+    AMMA_SETUP_FORMS(128, false, false)
+    AMMA_SETUP_FORMS(128, true, false)
+    AMMA_SETUP_FORMS(64, true, true)
+    AMMA_SETUP_FORMS(128, true, true)
 #undef AMMA_SETUP_FORMS
 #undef AMMA_SETUP
     return ST_OK;
 }
 
 /* A step's tensor-core tiles (d_tiles: n_tiles of att_mma_tokens' size for amma_pick(aa.hd, smem_optin).rows) on the
- * form amma_pick gives: mode 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; 3 or 4 (q as f16 hi and
- * an 8-bit lo term, K as e4m3 or e5m2: att_mma 2 with att_mma_f8lo 1 or 2; QM 2, 3); the 8-bit cache takes q as
- * hi + lo always. smem_optin: the model's stg_model.smem_optin (the harness: device_smem_optin's). */
+ * form amma_pick gives: mode 1 (q as f16) or 2 (q as f16 hi + lo), as stg_settings.att_mma; the 8-bit cache takes q
+ * as hi + lo always. smem_optin: the model's stg_model.smem_optin (the harness: device_smem_optin's). */
 static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_tiles, int32_t n_tiles, int mode,
                                        int smem_optin, cudaStream_t st) {
-    if (mode < 1 || mode > 4) return fail(ST_EINVAL, "attention (mma): mode %d", mode);
+    if (mode != 1 && mode != 2) return fail(ST_EINVAL, "attention (mma): mode %d", mode);
     const amma_form f = amma_pick(aa.hd, smem_optin);
     if (!f.rows)
         return fail(ST_EUNSUPPORTED, "attention (mma): no form of head_dim %d fits %d bytes of shared memory a block",
@@ -646,22 +487,18 @@ static stg_status launch_attention_mma(const attn_args &aa, const int32_t *d_til
         if (!aa.v8 || !aa.ks || !aa.vs || (aa.hd != 64 && aa.hd != 128))
             return fail(ST_EUNSUPPORTED, "attention (mma, 8-bit KV): head_dim %d", aa.hd);
         if (aa.hd == 128) {
-            AMMA_F(128, 1, true)
+            AMMA_F(128, true, true)
         } else {
-            AMMA_F(64, 1, true)
+            AMMA_F(64, true, true)
         }
         LAUNCHED("attention (mma tiles, 8-bit KV)");
         return ST_OK;
     }
 #define AMMA_MODE(HD)                                                                                          \
     if (mode == 1) {                                                                                           \
-        AMMA_F(HD, 0, false)                                                                                   \
-    } else if (mode == 2) {                                                                                    \
-        AMMA_F(HD, 1, false)                                                                                   \
-    } else if (mode == 3) {                                                                                    \
-        AMMA_F(HD, 2, false)                                                                                   \
+        AMMA_F(HD, false, false)                                                                               \
     } else {                                                                                                   \
-        AMMA_F(HD, 3, false)                                                                                   \
+        AMMA_F(HD, true, false)                                                                                \
     }
     if (aa.hd == 128) {
         AMMA_MODE(128)

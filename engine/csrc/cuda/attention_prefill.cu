@@ -222,8 +222,7 @@ static int att_tile_tokens(int32_t n_head, int32_t n_kv, int32_t hd) {
     return G <= ATT_TR && ATT_TR % G == 0 ? ATT_TR / G : 0;
 }
 /* This step's mma tiles (attention_mma.cu), after its n_tiles query tiles in d_tiles, and their q mode
- * (launch_attention_mma's: stg_settings.att_mma 1 or 2, or 3 or 4 with att_mma_f8lo); set per step by stg_forward
- * (0 tiles for graph steps). */
+ * (stg_settings.att_mma: 1 or 2); set per step by stg_forward (0 tiles for graph steps). */
 static thread_local int32_t g_att_mma_tiles = 0;
 static thread_local int g_att_mma_mode = 2;
 /* Tiles of a step: runs of consecutive tokens of one sequence, at most tq tokens each, packed

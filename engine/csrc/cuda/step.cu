@@ -386,9 +386,8 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     const int tq = oss || mla ? 0 : att_tile_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim);
     int32_t n_tiles = 0, n_mma = 0;
     const bool tiles_wanted = tq > 0 && !graph;
-    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run;
-     * launch_attention_mma's mode: att_mma 2 with att_mma_f8lo 1 or 2 is 3 or 4 */
-    const int mma_mode = q8 ? 2 : m->set.att_mma == 2 && m->set.att_mma_f8lo ? 2 + m->set.att_mma_f8lo : m->set.att_mma,
+    /* runs of at least att_mma_min tokens on the tensor cores (attention_mma.cuh); on the 8-bit cache every run */
+    const int mma_mode = q8 ? 2 : m->set.att_mma,
               tqm = mma_mode && !oss && !mla ? att_mma_tokens(m->d.n_head, m->d.n_head_kv, m->d.head_dim,
                                                               amma_pick(m->d.head_dim, m->smem_optin).rows)
                                              : 0;

@@ -89,11 +89,6 @@ typedef struct stg_settings {
                                * so the two rates add. -1: measured, r_cpu / (r_cpu + r_dev) (stg_profile.kv_cpu_gbs /
                                * kv_pcie_gbs); 0: no CPU share (a
                                * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
-    int32_t att_mma_f8lo;     /* att_mma 2 on the f16 KV cache: 1, q's lo term through an 8-bit mma (m16n8k32, lo as
-                               * e4m3 scaled per row, K as e4m3) and hi as f16 on top; 2, the same with K as e5m2
-                               * (f16's top byte, truncated, the mean compensated);
-                               * sm_89+ (elsewhere 0's arithmetic). Within tolerance of 0's (attention_mma.cu: the
-                               * error analysis). 0: lo as f16 */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);

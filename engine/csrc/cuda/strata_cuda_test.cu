@@ -367,14 +367,13 @@ extern "C" stg_status stg_test_attention(int32_t path, const uint16_t *k, const 
 
 /* Every query head of one sequence's nq tokens at positions p0.. (q[nq, n_head * hd], pre-scaled)
  * through k_attention (tile 0), k_attention_tile (tile 1, as an eager prefill step would run
- * it) or k_attention_mma (tile 2: q as f16 hi + lo, 3: as one f16, 4: as f16 hi and an 8-bit lo term with K as e4m3,
- * 5: the same with K as e5m2 (stg_settings.att_mma_f8lo 1, 2); the form amma_pick gives the (assumed) opt-in
+ * it) or k_attention_mma (tile 2: q as f16 hi + lo, 3: as one f16; the form amma_pick gives the (assumed) opt-in
  * limit), out[nq, n_head * hd]; with aq/ad/as also the output's 8-bit blocks (hd % 32 == 0). */
 extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, const uint16_t *v, int32_t n_blocks,
                                                const int32_t *block_table, int32_t n_table, int32_t block_size,
                                                int32_t head_dim, int32_t n_head, int32_t n_kv, const float *q,
                                                int32_t nq, int32_t p0, float *out, int8_t *aq, float *ad, int32_t *as) {
-    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 5 || n_blocks < 1 || block_size < 16 ||
+    if (!k || !v || !block_table || !q || !out || tile < 0 || tile > 3 || n_blocks < 1 || block_size < 16 ||
         block_size % 16 || head_dim < 16 || head_dim % 16 || head_dim > 256 || n_kv < 1 || n_head < n_kv || n_head % n_kv || nq < 1 ||
         p0 < 0 || (p0 + nq - 1) / block_size >= n_table || ((aq || ad || as) && (!aq || !ad || !as || head_dim % 32)))
         return fail(ST_EINVAL, "attention heads: bad arguments");
@@ -417,7 +416,7 @@ extern "C" stg_status stg_test_attention_heads(int32_t tile, const uint16_t *k, 
     }
     CHECK(attention_setup(optin));
     if (tile >= 2) {
-        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, tile == 3 ? 1 : tile == 2 ? 2 : tile - 1, optin, 0));
+        CHECK(launch_attention_mma(a, bi.as<int32_t>() + 2 * nq + n_table, n_mma, tile == 3 ? 1 : 2, optin, 0));
     } else if (tile) {
         a.stages = 2;
         CHECK(launch_attention_tile(a, bi.as<int32_t>() + 2 * nq + n_table, n_tiles, 0));
