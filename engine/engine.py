@@ -336,7 +336,11 @@ class Engine:
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
         if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
             try:
-                rate, pair_s, expert_s, contention = self._cpu_stage_costs(max(64, prefill_chunk))
+                from engine import gpu_settings
+
+                # the split's contention measurement (a copy load) only where the split is on at open
+                rate, pair_s, expert_s, contention = self._cpu_stage_costs(
+                    max(64, prefill_chunk), contention=bool(gpu_settings.env_override("hybrid_stage_split")))
                 self._gpu.set_stage_rate(rate)
                 self._gpu.set_split_costs(pair_s, expert_s, contention)
                 if stage_freqs is not None:  # hybrid_stage_split's estimate: the plan's frequencies as its prior
@@ -386,14 +390,14 @@ class Engine:
     SPLIT_CONTENTION_BOUNDS = (1.0, 8.0)
     SPLIT_LOAD_MIN_MS, SPLIT_LOAD_MAX_MS = 20.0, 2000.0
 
-    def _cpu_stage_costs(self, tokens: int) -> tuple[float, float, float, float]:
+    def _cpu_stage_costs(self, tokens: int, contention: bool = True) -> tuple[float, float, float, float]:
         """Staging's CPU costs, measured at start-up with ``st_moe_pairs`` in the first partial layer, each token
         on k distinct non-resident experts drawn uniformly: routed (token, expert) pairs per second over a chunk
         of ``tokens`` tokens (the whole-layer decision's rate), and hybrid_stage_split's model, seconds a pair and
         seconds each touched expert adds beside its pairs, from that chunk and a second one of about one pair an
         expert (engine.placement.split_costs; each chunk timed on its second call, the first pages the experts
-        in), and the start of the model's correction: the big chunk's time beside a copy load over PCIe
-        (``_split_contention``) over its quiet time."""
+        in), and the start of the model's correction: with ``contention``, the big chunk's time beside a copy load
+        over PCIe (``_split_contention``) over its quiet time, else 1."""
         assert self.resident is not None
         hp = self.hparams
         k = hp.n_expert_used
@@ -421,8 +425,8 @@ class Engine:
         big_args = chunk(tokens)
         big = timed(big_args)
         pair_s, expert_s = split_costs(big, timed(chunk(max(1, off.size // per))))
-        contention = self._split_contention(lambda: once(*big_args), big[0])
-        return big[1] / big[0], pair_s, expert_s, contention
+        scale = self._split_contention(lambda: once(*big_args), big[0]) if contention else 1.0
+        return big[1] / big[0], pair_s, expert_s, scale
 
     def _split_contention(self, run: Callable[[], float], quiet_s: float) -> float:
         """The CPU's slowdown while staging's copies read host memory: ``run`` (the big chunk of
