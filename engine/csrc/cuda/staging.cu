@@ -28,10 +28,11 @@
  * uniform routing stay uniform, a skewed router shows within a step or two. Expected pairs of non-resident
  * expert e = T x k x its share; the CPU's time for a set of experts = split_scale x (its expected pairs x
  * split_pair_s + its experts' chances of being touched x split_expert_s) (the CPU engine's two costs, measured at
- * start-up: stg_model_set_split_costs; split_scale the running ratio of the split layers' measured CPU seconds to that model's,
- * starting at the CPU's measured slowdown beside a copy load: stg_model_stage_load queues host -> slot copies of the
- * partial layers' experts on the copy stream while the caller times the CPU engine, since the DMA engine's reads of
- * host memory slow the CPU's reads of the same memory; the whole-layer rule keeps the quiet rate); the coldest
+ * start-up: stg_model_set_split_costs; split_scale the running ratio of the split layers' measured CPU seconds to
+ * that model's, starting at the CPU's measured slowdown beside a copy load, since the DMA engine's reads of host
+ * memory slow the CPU's reads of the same memory: stg_model_stage_load queues host -> slot copies of the partial
+ * layers' experts on the copy stream while the caller times the CPU engine, stg_model_stage_load_wait waits them;
+ * the whole-layer rule keeps the quiet rate); the coldest
  * go to the CPU while that stays under the copies of the rest (staging_split), the layer split where that beats
  * both the whole layer staged and the CPU alone. A split layer has a CPU share (hybrid.cu's handshake): its pairs
  * grouped by the step's map (d_map: the slot's experts, staged and resident, at their own index; the CPU's -1),
