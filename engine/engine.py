@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -336,11 +336,15 @@ class Engine:
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
         if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
             try:
+                from engine import gpu_settings
+
                 # at most 512 tokens: the whole-layer decision's rate at the step size its threshold is measured for
-                # (a GPU lane's 2,048-token chunk puts ~4x the pairs on each expert and reads the CPU as faster)
-                rate, pair_s, expert_s = self._cpu_stage_costs(max(64, min(prefill_chunk, 512)))
+                # (a GPU lane's 2,048-token chunk puts ~4x the pairs on each expert and reads the CPU as faster); the
+                # split's contention measurement (a copy load) only where the split is on at open
+                rate, pair_s, expert_s, contention = self._cpu_stage_costs(
+                    max(64, min(prefill_chunk, 512)), contention=bool(gpu_settings.env_override("hybrid_stage_split")))
                 self._gpu.set_stage_rate(rate)
-                self._gpu.set_split_costs(pair_s, expert_s)
+                self._gpu.set_split_costs(pair_s, expert_s, contention)
                 if stage_freqs is not None:  # hybrid_stage_split's estimate: the plan's frequencies as its prior
                     self._gpu.set_stage_freq(stage_freqs)
             except BaseException:
@@ -383,13 +387,19 @@ class Engine:
                 self.resident = resident
         return len(moves)
 
-    def _cpu_stage_costs(self, tokens: int) -> tuple[float, float, float]:
+    # the split's start-up contention measurement: its bounds (the ratio's, those of split_scale's start) and the
+    # copy load's length in quiet chunk times (the ratio's bound: the load outlasts a chunk that much slower)
+    SPLIT_CONTENTION_BOUNDS = (1.0, 8.0)
+    SPLIT_LOAD_MIN_MS, SPLIT_LOAD_MAX_MS = 20.0, 2000.0
+
+    def _cpu_stage_costs(self, tokens: int, contention: bool = True) -> tuple[float, float, float, float]:
         """Staging's CPU costs, measured at start-up with ``st_moe_pairs`` in the first partial layer, each token
         on k distinct non-resident experts drawn uniformly: routed (token, expert) pairs per second over a chunk
         of ``tokens`` tokens (the whole-layer decision's rate), and hybrid_stage_split's model, seconds a pair and
         seconds each touched expert adds beside its pairs, from that chunk and a second one of about one pair an
         expert (engine.placement.split_costs; each chunk timed on its second call, the first pages the experts
-        in)."""
+        in), and the start of the model's correction: with ``contention``, the big chunk's time beside a copy load
+        over PCIe (``_split_contention``) over its quiet time, else 1."""
         assert self.resident is not None
         hp = self.hparams
         k = hp.n_expert_used
@@ -398,20 +408,42 @@ class Engine:
         rng = np.random.default_rng(0)
         per = min(k, off.size)
 
-        def timed(n_tok: int) -> tuple[float, int, int]:
+        def chunk(n_tok: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             x = rng.standard_normal((n_tok, hp.n_embd)).astype(np.float32)
             exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(n_tok)]).reshape(-1)
-            tok = np.repeat(np.arange(n_tok, dtype=np.int32), per)
-            self.moe_pairs(layer, x, tok, exp)
+            return x, np.repeat(np.arange(n_tok, dtype=np.int32), per), exp
+
+        def once(x: np.ndarray, tok: np.ndarray, exp: np.ndarray) -> float:
             t = time.perf_counter()
             self.moe_pairs(layer, x, tok, exp)
-            return max(time.perf_counter() - t, 1e-9), tok.size, int(np.unique(exp).size)
+            return max(time.perf_counter() - t, 1e-9)
+
+        def timed(args: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[float, int, int]:
+            self.moe_pairs(layer, *args)
+            return once(*args), args[1].size, int(np.unique(args[2]).size)
 
         from engine.placement import split_costs
 
-        big = timed(tokens)
-        pair_s, expert_s = split_costs(big, timed(max(1, off.size // per)))
-        return big[1] / big[0], pair_s, expert_s
+        big_args = chunk(tokens)
+        big = timed(big_args)
+        pair_s, expert_s = split_costs(big, timed(chunk(max(1, off.size // per))))
+        scale = self._split_contention(lambda: once(*big_args), big[0]) if contention else 1.0
+        return big[1] / big[0], pair_s, expert_s, scale
+
+    def _split_contention(self, run: Callable[[], float], quiet_s: float) -> float:
+        """The CPU's slowdown while staging's copies read host memory: ``run`` (the big chunk of
+        ``_cpu_stage_costs``, returning its seconds) timed beside a copy load on the staging copy stream
+        (``CudaModel.stage_load``: the non-resident experts into the ring's slots, lasting the bound's multiple of
+        ``quiet_s``) over ``quiet_s``, within SPLIT_CONTENTION_BOUNDS. The load is waited before returning, also
+        when ``run`` raises; the copies only overwrite the ring's slots, which every staged layer rewrites."""
+        lo, hi = self.SPLIT_CONTENTION_BOUNDS
+        ms = min(self.SPLIT_LOAD_MAX_MS, max(self.SPLIT_LOAD_MIN_MS, 1e3 * hi * quiet_s))
+        self._gpu.stage_load(ms)
+        try:
+            loaded_s = run()
+        finally:
+            self._gpu.stage_load_wait()
+        return min(hi, max(lo, loaded_s / quiet_s))
 
     # ------------------------------------------------------------ lifecycle
     @classmethod

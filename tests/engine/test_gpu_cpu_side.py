@@ -240,8 +240,11 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
     text = cuda_backend.cdef_text()
     for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile",
                "stg_model_set_stage_rate", "stg_model_set_split_costs", "stg_model_stage_info",
-               "stg_model_set_cpu_attn"):
+               "stg_model_set_cpu_attn", "stg_model_stage_load", "stg_model_stage_load_wait"):
         assert f"{fn}(" in text
+    # hybrid_stage_split's start-up contention: split_scale's start beside the two costs, and readable back
+    assert "stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s, double scale)" in text
+    assert "double *cpu_pairs_s, double *split_scale)" in text
 
 
 def test_gpu_cpu_attn_matches_the_c_engine_entry() -> None:
@@ -358,3 +361,63 @@ def test_hybrid_steps_take_pdl_with_cuts_after_copies() -> None:
                 rest = body[at:]
                 cut, launch = rest.find("pdl_cut("), rest.find("launch_k(")
                 assert cut >= 0 and (launch < 0 or cut < launch), f"{name} {fn}: a launch after {op} without pdl_cut"
+
+
+class _FakeLoadGpu:
+    """CudaModel's copy-load entries, recording the calls (Engine._split_contention's side of them)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, float]] = []
+
+    def stage_load(self, ms: float) -> int:
+        self.calls.append(("load", ms))
+        return 1
+
+    def stage_load_wait(self) -> float:
+        self.calls.append(("wait", 0.0))
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("quiet_s", "loaded_s", "want_ms", "want"), [
+    (0.034, 0.061, 272.0, 0.061 / 0.034),  # a pp512 chunk 1.8x slower beside the copies
+    (0.034, 0.020, 272.0, 1.0),            # faster under load (noise): no correction below 1
+    (0.001, 0.100, 20.0, 8.0),             # a tiny chunk: the load's floor, the ratio's bound
+    (1.0, 1.5, 2000.0, 1.5),               # a long chunk: the load's ceiling
+])
+def test_split_contention_times_the_chunk_beside_a_waited_load(quiet_s: float, loaded_s: float, want_ms: float,
+                                                                want: float) -> None:
+    """hybrid_stage_split's start (Engine._split_contention): the copy load lasts 8 quiet chunk times (20-2000 ms),
+    the chunk is timed while it runs, the load is waited before returning, and the ratio is bounded to [1, 8]."""
+    from engine.engine import Engine
+
+    eng = Engine.__new__(Engine)
+    gpu = _FakeLoadGpu()
+    eng._gpu = gpu
+    order: list[str] = []
+
+    def run() -> float:
+        order.append(gpu.calls[-1][0])
+        return loaded_s
+
+    assert eng._split_contention(run, quiet_s) == pytest.approx(want)
+    assert order == ["load"] and [c for c, _ in gpu.calls] == ["load", "wait"]
+    assert gpu.calls[0][1] == pytest.approx(want_ms)
+
+
+def test_split_contention_waits_the_load_when_the_chunk_fails() -> None:
+    """A chunk that raises still leaves the copy load waited (Engine.open closes the engine after it)."""
+    from engine.engine import Engine
+
+    eng = Engine.__new__(Engine)
+    gpu = _FakeLoadGpu()
+    eng._gpu = gpu
+
+    def run() -> float:
+        raise RuntimeError("chunk")
+
+    with pytest.raises(RuntimeError, match="chunk"):
+        eng._split_contention(run, 0.01)
+    assert [c for c, _ in gpu.calls] == ["load", "wait"]

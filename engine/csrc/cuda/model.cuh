@@ -125,6 +125,10 @@ struct staging {
     double split_pair_s = 0.0, split_expert_s = 0.0; /* hybrid_stage_split: the CPU's seconds a pair and a touched
                                                        * expert (stg_model_set_split_costs; 0: pairs at cpu_pairs_s) */
     double split_scale = 1.0; /* hybrid_stage_split: measured over modelled CPU seconds of split layers (running) */
+    /* stg_model_stage_load: the copy load's bounding events on the copy stream (created by its first call) and
+     * whether one is queued and not yet waited */
+    cudaEvent_t load0 = nullptr, load1 = nullptr;
+    bool loading = false;
     std::vector<char> now;                /* [n_layer]: staged in the step being queued */
     int32_t next = 0;                     /* the ring's next slot */
     /* hybrid_stage_split: the routing estimate (staging_shares): prior [n_layer * n_expert] (each layer's shares,

@@ -28,7 +28,11 @@
  * uniform routing stay uniform, a skewed router shows within a step or two. Expected pairs of non-resident
  * expert e = T x k x its share; the CPU's time for a set of experts = split_scale x (its expected pairs x
  * split_pair_s + its experts' chances of being touched x split_expert_s) (the CPU engine's two costs, measured at
- * start-up: stg_model_set_split_costs; split_scale the running ratio of the split layers' measured CPU seconds to that model's); the coldest
+ * start-up: stg_model_set_split_costs; split_scale the running ratio of the split layers' measured CPU seconds to
+ * that model's, starting at the CPU's measured slowdown beside a copy load, since the DMA engine's reads of host
+ * memory slow the CPU's reads of the same memory: stg_model_stage_load queues host -> slot copies of the partial
+ * layers' experts on the copy stream while the caller times the CPU engine, stg_model_stage_load_wait waits them;
+ * the whole-layer rule keeps the quiet rate); the coldest
  * go to the CPU while that stays under the copies of the rest (staging_split), the layer split where that beats
  * both the whole layer staged and the CPU alone. A split layer has a CPU share (hybrid.cu's handshake): its pairs
  * grouped by the step's map (d_map: the slot's experts, staged and resident, at their own index; the CPU's -1),
@@ -43,6 +47,9 @@
 #define STAGE_HALF_LIFE_TOKENS 4096.0
 #define SPLIT_SCALE_MIN 0.25
 #define SPLIT_SCALE_MAX 8.0
+/* stg_model_stage_load's bounds: its duration (ms) and the copies it queues */
+#define STAGE_LOAD_MAX_MS 2000.0
+#define STAGE_LOAD_MAX_COPIES 65536
 
 static int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -145,6 +152,8 @@ static void staging_destroy(stg_model *m) {
         if (g.staged[i]) cudaEventDestroy(g.staged[i]);
         if (g.freed[i]) cudaEventDestroy(g.freed[i]);
     }
+    if (g.load0) cudaEventDestroy(g.load0);
+    if (g.load1) cudaEventDestroy(g.load1);
     if (g.copy) cudaStreamDestroy(g.copy);
     if (g.reg) cudaHostUnregister(g.reg);
     g = staging{};
@@ -159,21 +168,90 @@ extern "C" stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_pe
     return ST_OK;
 }
 
-extern "C" stg_status stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s) {
+extern "C" stg_status stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s, double scale) {
     if (!m) return fail(ST_EINVAL, "set_split_costs: NULL model");
     if (!(pair_s > 0.0) || pair_s > 1.0 || !(expert_s >= 0.0) || expert_s > 1.0)
         return fail(ST_EINVAL, "set_split_costs: %g s a pair, %g s an expert", pair_s, expert_s);
+    if (!(scale >= SPLIT_SCALE_MIN) || scale > SPLIT_SCALE_MAX)
+        return fail(ST_EINVAL, "set_split_costs: scale %g outside [%g, %g]", scale, SPLIT_SCALE_MIN, SPLIT_SCALE_MAX);
     if (m->n_live > 0) return fail(ST_EINVAL, "set_split_costs: %d launched step(s) in flight", m->n_live);
     staging &g = m->hy.stg;
-    g.split_pair_s = pair_s, g.split_expert_s = expert_s, g.split_scale = 1.0;
+    g.split_pair_s = pair_s, g.split_expert_s = expert_s, g.split_scale = scale;
     return ST_OK;
 }
 
 extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs,
-                                           double *gpu_gbs, double *cpu_pairs_s) {
-    if (!m || !available || !pcie_gbs || !gpu_gbs || !cpu_pairs_s) return fail(ST_EINVAL, "stage_info: NULL argument");
+                                           double *gpu_gbs, double *cpu_pairs_s, double *split_scale) {
+    if (!m || !available || !pcie_gbs || !gpu_gbs || !cpu_pairs_s || !split_scale)
+        return fail(ST_EINVAL, "stage_info: NULL argument");
     const staging &g = m->hy.stg;
     *available = g.on ? 1 : 0, *pcie_gbs = g.pcie_gbs, *gpu_gbs = g.gpu_gbs, *cpu_pairs_s = g.cpu_pairs_s;
+    *split_scale = g.split_scale;
+    return ST_OK;
+}
+
+/* A copy load on the copy stream (the caller times the CPU engine beside it: the split's CPU rate while the copies
+ * read host memory): the partial layers' routed tensors from the registered host range into the ring's slots,
+ * whole tensors, layer after layer, the slots alternating, as many as last about ms milliseconds at the measured
+ * PCIe rate (at most STAGE_LOAD_MAX_COPIES copies; *bytes the bytes queued). The copies first wait on both slots'
+ * freed events (any step's last use of the slot); a step queued later copies behind them on the same stream and
+ * its compute waits on its own staged events, so no step reads what the load writes. Returns once queued. */
+extern "C" stg_status stg_model_stage_load(stg_model *m, double ms, int64_t *bytes) {
+    if (!m || !bytes) return fail(ST_EINVAL, "stage_load: NULL argument");
+    hybrid &h = m->hy;
+    staging &g = h.stg;
+    if (!g.on || !(g.pcie_gbs > 0.0)) return fail(ST_EINVAL, "stage_load: staging is not available on this model");
+    if (!(ms > 0.0) || ms > STAGE_LOAD_MAX_MS)
+        return fail(ST_EINVAL, "stage_load: %g ms (0 < ms <= %g)", ms, STAGE_LOAD_MAX_MS);
+    if (m->n_live > 0) return fail(ST_EINVAL, "stage_load: %d launched step(s) in flight", m->n_live);
+    if (g.loading) return fail(ST_EINVAL, "stage_load: a load is running (stg_model_stage_load_wait first)");
+    if (!g.load0) CU(cudaEventCreate(&g.load0), "stage_load: events");
+    if (!g.load1) CU(cudaEventCreate(&g.load1), "stage_load: events");
+    for (int i = 0; i < 2; i++) CU(cudaStreamWaitEvent(g.copy, g.freed[i], 0), "stage_load: slot");
+    CU(cudaEventRecord(g.load0, g.copy), "stage_load: event");
+    g.loading = true; /* from here stg_model_stage_load_wait waits for what is queued, also after an error */
+    const double want = ms * 1e-3 * g.pcie_gbs * 1e9;
+    const int nL = m->d.n_layer;
+    int64_t done = 0;
+    int copies = 0, j = 0;
+    stg_status rc = ST_OK;
+    while (rc == ST_OK && (double)done < want && copies < STAGE_LOAD_MAX_COPIES) {
+        for (int il = 0; il < nL && rc == ST_OK && (double)done < want && copies < STAGE_LOAD_MAX_COPIES; il++) {
+            if (!partial_layer(m, il)) continue;
+            const dlayer &L = m->L[(size_t)il];
+            const dtensor *t[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
+            int64_t off[3];
+            slot_layout(m, L, off);
+            for (int i = 0; i < 3 && (double)done < want && copies < STAGE_LOAD_MAX_COPIES; i++) {
+                const size_t n = (size_t)m->d.n_expert * (size_t)t[i]->expert_stride;
+                const cudaError_t e = cudaMemcpyAsync(g.slot[j] + off[i], h.host[(size_t)il * 3 + i], n,
+                                                      cudaMemcpyHostToDevice, g.copy);
+                if (e != cudaSuccess) {
+                    rc = cuda_fail(e, "stage_load: a copy");
+                    break;
+                }
+                done += (int64_t)n, copies++;
+            }
+            j ^= 1;
+        }
+        if (copies == 0) break; /* no partial layer (staging would be off): nothing to copy */
+    }
+    const cudaError_t e = cudaEventRecord(g.load1, g.copy);
+    if (rc == ST_OK && e != cudaSuccess) rc = cuda_fail(e, "stage_load: event");
+    *bytes = done;
+    return rc;
+}
+
+/* The end of stg_model_stage_load's copies (the host waits for the copy stream); *seconds their time on it. */
+extern "C" stg_status stg_model_stage_load_wait(stg_model *m, double *seconds) {
+    if (!m || !seconds) return fail(ST_EINVAL, "stage_load_wait: NULL argument");
+    staging &g = m->hy.stg;
+    if (!g.loading) return fail(ST_EINVAL, "stage_load_wait: no load queued (stg_model_stage_load)");
+    g.loading = false;
+    CU(cudaStreamSynchronize(g.copy), "stage_load_wait: the copies");
+    float ms = 0.0f;
+    CU(cudaEventElapsedTime(&ms, g.load0, g.load1), "stage_load_wait: event");
+    *seconds = 1e-3 * ms;
     return ST_OK;
 }
 

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from engine import gpu_settings
 from engine.engine import Engine
 from engine.gguf_model import open_model
 from engine.native import VARIANTS, EngineError, _variant_from_env, lib
@@ -410,6 +411,8 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
         info = hyb._gpu.stage_info()
         print(f"{model} {qt}: staging {info}")
         assert info["available"] and info["pcie_gbs"] > 0 and info["gpu_gbs"] > 0 and info["cpu_pairs_s"] > 0
+        if not gpu_settings.env_override("hybrid_stage_split"):
+            assert info["split_scale"] == 1.0  # no split at open: no contention load, the correction starts at 1
         hyb._gpu.set_stage_rate(1e12)  # the CPU faster than any copy: today's path
         plain = np.array(hyb.logits_for(prompts[0]), copy=True)
         assert hyb.last_stats is not None and hyb.last_stats.staged_layers == 0
@@ -473,7 +476,8 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
         for pair_s, expert_s in ((0.0, 0.0), (-1e-6, 0.0), (1e-6, -1.0), (float("nan"), 0.0), (1e-6, 2.0)):
             with pytest.raises(EngineError, match="set_split_costs"):
                 hyb._gpu.set_split_costs(pair_s, expert_s)
-        hyb._gpu.set_split_costs(1.0, 0.0)  # the split's CPU at 1 s a pair: only experts expected to get none go there
+        # the split's CPU at 1 s a pair, no contention correction: only experts expected to get none go there
+        hyb._gpu.set_split_costs(1.0, 0.0, 1.0)
         # whole layers (hybrid_stage_split 0): the reference bytes and bits
         hyb._gpu.set_settings(SPLIT_ENV)
         whole = np.array(hyb.logits_for(prompts[0]), copy=True)
@@ -518,6 +522,55 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
         hyb._gpu.set_stage_freq(skewed)
         for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
             check_tokens(cpu, p, w, g, bound, f"{model} {qt} split sequence {i}")
+
+
+def test_staging_copy_load_sets_the_split_scale(paths: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hybrid_stage_split's start (engine.Engine._split_contention): with the split on at open, Engine.open times
+    the CPU beside a copy load on the staging copy stream (stg_model_stage_load) and starts split_scale at that
+    slowdown, within [1, 8]; the load's entries refuse a bad duration, a second load before the wait and a wait with nothing queued, a model
+    without staging refuses the load, set_split_costs refuses a scale outside [0.25, 8] (the scale kept), and a
+    load between steps leaves a fully staged step's logits bit for bit."""
+    from engine.placement import expert_bytes
+
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE_SPLIT", "1")
+    path = paths[("qwen3moe", "q8_0")]
+    prompts = prompts_for()
+    pf = random_placement(path)
+    mf = open_model(path)
+    ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
+    with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget_gb(path, 0.3, pf) + ring / 2**30,
+                     placement=pf) as hyb:
+        info = hyb._gpu.stage_info()
+        print(f"staging at open: {info}")
+        assert info["available"] and 1.0 <= info["split_scale"] <= 8.0, info
+        start = info["split_scale"]
+        for bad in (0.0, 0.2, 9.0, float("nan")):
+            with pytest.raises(EngineError, match="set_split_costs: scale"):
+                hyb._gpu.set_split_costs(1e-6, 0.0, bad)
+        assert hyb._gpu.stage_info()["split_scale"] == start
+        for bad in (0.0, -1.0, float("nan"), 2001.0):
+            with pytest.raises(EngineError, match="stage_load: "):
+                hyb._gpu.stage_load(bad)
+        with pytest.raises(EngineError, match="stage_load_wait: no load"):
+            hyb._gpu.stage_load_wait()
+        # whole layers (the split's choice follows the steps it observes): every partial layer staged, the CPU
+        # slower than any copy
+        hyb._gpu.set_settings({"STRATA_GPU_HYBRID_STAGE": "1"})
+        hyb._gpu.set_stage_rate(1e-3)
+        ref = np.array(hyb.logits_for(prompts[0]), copy=True)
+        assert hyb.last_stats is not None and hyb.last_stats.staged_layers > 0
+        assert hyb._gpu.stage_load(5.0) > 0
+        with pytest.raises(EngineError, match="stage_load: a load is running"):
+            hyb._gpu.stage_load(5.0)
+        assert hyb._gpu.stage_load_wait() > 0.0
+        got = hyb.logits_for(prompts[0])
+        assert np.array_equal(got, ref), float(np.abs(got - ref).max())
+    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "0")
+    with open_hybrid(path, 0.3, pf) as plain:  # no ring reserved: staging off
+        assert plain.resident is not None and not plain._gpu.stage_info()["available"]
+        with pytest.raises(EngineError, match="stage_load: staging is not available"):
+            plain._gpu.stage_load(5.0)
 
 
 @pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])
