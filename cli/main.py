@@ -78,7 +78,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     mf = open_model(args.path)
     slots = staging_slots(mf.hparams.n_expert) if args.staging_slots is None else args.staging_slots
-    print(render(mf, args.ram, args.vram, args.ctx))
+    print(render(mf, args.ram, args.vram, args.ctx, args.step_tokens))
     if args.vram is not None and mf.hparams.n_expert:
         print(render_hybrid(mf, args.vram, ctx=args.ctx, seqs=args.seqs, placement=args.placement,
                             cpu_gbs=args.cpu_bw, gpu_gbs=args.gpu_bw, gpu=args.gpu, threads=args.threads,
@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--gpu-bw", type=float, default=None, help="hybrid plan: GPU memory GB/s (default: --gpu's)")
     i.add_argument("--gpu", default=None, help="hybrid plan: GPU name for the bandwidth table (default RTX 4090D)")
     i.add_argument("--step-tokens", type=int, default=2048,
-                   help="hybrid plan: largest step, a lane's max(prefill_chunk, scheduler.max_batch_tokens) "
-                        "(default 2048: a GPU lane's)")
+                   help="the VRAM lines and the hybrid plan: the largest step, a lane's max(prefill_chunk, "
+                        "scheduler.max_batch_tokens) (default 2048: a GPU lane's)")
     i.add_argument("--staging-slots", type=int, default=None,
                    help="hybrid plan: GPU slots for staged experts (default: the engine's, two layers' experts "
                         "unless STRATA_GPU_HYBRID_STAGE=0)")

@@ -154,13 +154,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 def tier_tokens(mf: ModelFile, ram_gib: float | None, vram_gib: float | None,
-                kv_bytes_per_token: int | None = None) -> tuple[int | None, int | None]:
+                kv_bytes_per_token: int | None = None, step_tokens: int = 512) -> tuple[int | None, int | None]:
     """KV tokens each tier holds for the budgets (None where no budget is given): the hot tier, VRAM less the
-    dense weights and the step buffers (the hybrid layout: routed experts in RAM); the cold tier, RAM less the
+    dense weights and the step buffers for `step_tokens` (the hybrid layout: routed experts in RAM); the cold tier, RAM less the
     whole file (the mapped weights). A lane's window is bounded by their sum (admission counts both tiers)."""
     r = analyse(mf)
     per = kv_bytes_per_token or r.kv_bytes_per_token
-    hot = None if vram_gib is None else max(0, int(vram_gib * GIB) - r.dense_bytes - step_buffer_bytes(mf.hparams)) // per
+    steps = step_buffer_bytes(mf.hparams, step_tokens)
+    hot = None if vram_gib is None else max(0, int(vram_gib * GIB) - r.dense_bytes - steps) // per
     cold = None if ram_gib is None else max(0, int(ram_gib * GIB) - r.file_bytes) // per
     return hot, cold
 
@@ -172,7 +173,9 @@ def _kv_q8_line(mf: ModelFile, f16_per_token: int, ctx: int) -> str:
             f"{GIB // max(per, 1):,} tokens a GiB, F16 {GIB // max(f16_per_token, 1):,})")
 
 
-def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None) -> str:
+def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: int | None,
+           step_tokens: int = 512) -> str:
+    """The model's report; the VRAM lines count the GPU engine's step buffers for steps of `step_tokens`."""
     r = analyse(mf)
     hp = mf.hparams
     ctx = ctx or hp.rope.window(hp.n_ctx_train)  # the scaled window under rope scaling
@@ -207,12 +210,12 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         lines.append(f"VRAM {vram_gib:g} GiB    {verdict}: dense weights + KV = {_fmt_bytes(need)} (hybrid: experts in RAM)"
                      + (f"; {_fmt_bytes(spare)} left for resident experts" if spare > 0 else ""))
     if vram_gib is not None:
-        need = gpu_bytes(mf, kv)
+        need = gpu_bytes(mf, kv, step_tokens)
         verdict = "fits" if need <= vram_gib * GIB else "does NOT fit"
         lines.append(f"VRAM {vram_gib:g} GiB    {verdict}: all weights + KV + step buffers = {_fmt_bytes(need)} "
                      f"(device cuda: the whole model on the GPU)")
     if ram_gib is not None or vram_gib is not None:
-        hot, cold = tier_tokens(mf, ram_gib, vram_gib)
+        hot, cold = tier_tokens(mf, ram_gib, vram_gib, step_tokens=step_tokens)
         parts = ([f"hot (VRAM {vram_gib:g} GiB after dense weights and step buffers) {hot:,} tokens"]
                  if hot is not None else [])
         parts += [f"cold (RAM {ram_gib:g} GiB after the weights) {cold:,} tokens"] if cold is not None else []
@@ -220,7 +223,7 @@ def render(mf: ModelFile, ram_gib: float | None, vram_gib: float | None, ctx: in
         lines.append(f"KV tiers        {_fmt_bytes(r.kv_bytes_per_token)} per token: " + "; ".join(parts)
                      + f"; {total:,} tokens in all = {total // ctx:,} sequences at context {ctx}")
         if vram_gib is not None:
-            hot8, _ = tier_tokens(mf, None, vram_gib, mf.hparams.kv_bytes_per_token_of("q8_0"))
+            hot8, _ = tier_tokens(mf, None, vram_gib, mf.hparams.kv_bytes_per_token_of("q8_0"), step_tokens)
             lines.append(f"KV tiers q8_0   hot (VRAM {vram_gib:g} GiB) {hot8:,} tokens with kv_type q8_0")
     lines.append("supported types " + ", ".join(SUPPORTED_TYPES.values()))
     return "\n".join(lines)

@@ -23,6 +23,11 @@ def test_tier_tokens_and_line(tiny_path: Path) -> None:
     assert f"cold (RAM 1 GiB after the weights) {cold:,} tokens" in out
     assert f"{hot + cold:,} tokens in all = {(hot + cold) // 1024:,} sequences at context 1024" in out
     assert "KV tiers" not in render(mf, None, None, 1024)
+    # a GPU lane's 2,048-token steps: larger step buffers, fewer hot tokens, in the tier line and the whole-model line
+    hot2k, _ = tier_tokens(mf, None, 0.5, step_tokens=2048)
+    assert hot2k == (int(0.5 * GIB) - r.dense_bytes - step_buffer_bytes(mf.hparams, 2048)) // r.kv_bytes_per_token
+    assert hot2k < hot
+    assert f"step buffers) {hot2k:,} tokens" in render(mf, None, 0.5, 1024, 2048)
 
 
 def test_q8_kv_figures(tiny_path: Path) -> None:
