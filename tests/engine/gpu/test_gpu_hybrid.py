@@ -91,6 +91,14 @@ def budget_gb(path: Path, frac: float, pf: PlacementFile | None, prefill_chunk: 
     return (base.fixed_bytes + int(frac * base.routed_bytes) + 64) / 2**30
 
 
+def staging_ring_bytes(path: Path) -> int:
+    """The plan's staging slots: two whole layers' routed experts (the budget of a staging test holds them)."""
+    from engine.placement import expert_bytes
+
+    mf = open_model(path)
+    return 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
+
+
 def open_hybrid(path: Path, frac: float, pf: PlacementFile, **kw: object) -> Engine:
     eng = Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget_gb(path, frac, pf),
                       placement=pf, **kw)  # type: ignore[arg-type]
@@ -347,7 +355,6 @@ def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyP
     routed experts after the staging wait; STRATA_GPU_HYBRID_STAGE=1 with the CPU rated slower than any copy), and
     the same greedy tokens of 8 sequences through the scheduler (two steps in flight); both ways of running the CPU
     share. Without staging the steps are kept off it (hybrid_stage 0), so that the mixed step takes the copies."""
-    from engine.placement import expert_bytes
 
     path = paths[(model, qt)]
     pf = random_placement(path)
@@ -359,8 +366,7 @@ def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyP
     ring = 0
     if staged:  # the plan reserves the staging ring at open (the override), the budget holds it beside 30%
         monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
-        mf = open_model(path)
-        ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
+        ring = staging_ring_bytes(path)
     with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, prefill_chunk=chunk, placement=pf,
                      gpu_budget_gb=budget_gb(path, FRACTIONS[frac], pf, chunk) + ring / 2**30) as hyb:
         assert hyb.resident is not None
@@ -391,7 +397,6 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
     rated slower than any copy every partial layer of every step is staged (no CPU pairs, its bytes counted,
     the profile still adding up) and the logits and greedy tokens stay within the hybrid tests' tolerances of
     the CPU's; rated faster than any copy, nothing is staged and the logits are the unstaged step's bits."""
-    from engine.placement import expert_bytes
 
     monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
     path = paths[(model, qt)]
@@ -399,9 +404,8 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
     prompts = prompts_for()
     alone, batched = cpu_tokens[(model, qt)]
     pf = random_placement(path)
-    mf = open_model(path)
-    hp = mf.hparams
-    ring = 2 * hp.n_expert * int(expert_bytes(mf).max())  # the plan's staging slots: two whole layers
+    hp = open_model(path).hparams
+    ring = staging_ring_bytes(path)
     budget = budget_gb(path, 0.3, pf) + ring / 2**30
     with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, \
             Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
@@ -445,7 +449,6 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
     layers, experts each way, the CPU's pairs: those the step really routed there) and staged bytes below the
     whole layers' by exactly the CPU's experts' share; logits and greedy tokens within the staging test's
     tolerances of the CPU's. An estimate that leaves the CPU nothing gives hybrid_stage_split 0's bits."""
-    from engine.placement import expert_bytes
 
     monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", SPLIT_ENV["STRATA_GPU_HYBRID_STAGE"])
     path = paths[(model, qt)]
@@ -453,10 +456,8 @@ def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: p
     prompts = prompts_for()
     alone, batched = cpu_tokens[(model, qt)]
     pf = random_placement(path)
-    mf = open_model(path)
-    hp = mf.hparams
-    ring = 2 * hp.n_expert * int(expert_bytes(mf).max())
-    budget = budget_gb(path, 0.3, pf) + ring / 2**30
+    hp = open_model(path).hparams
+    budget = budget_gb(path, 0.3, pf) + staging_ring_bytes(path) / 2**30
     with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, \
             Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
         assert hyb.resident is not None and hyb._gpu.stage_info()["available"]
@@ -530,16 +531,14 @@ def test_staging_copy_load_sets_the_split_scale(paths: dict, monkeypatch: pytest
     slowdown, within [1, 8]; the load's entries refuse a bad duration, a second load before the wait and a wait with nothing queued, a model
     without staging refuses the load, set_split_costs refuses a scale outside [0.25, 8] (the scale kept), and a
     load between steps leaves a fully staged step's logits bit for bit."""
-    from engine.placement import expert_bytes
 
     monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
     monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE_SPLIT", "1")
     path = paths[("qwen3moe", "q8_0")]
     prompts = prompts_for()
     pf = random_placement(path)
-    mf = open_model(path)
-    ring = 2 * mf.hparams.n_expert * int(expert_bytes(mf).max())
-    with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget_gb(path, 0.3, pf) + ring / 2**30,
+    with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS,
+                     gpu_budget_gb=budget_gb(path, 0.3, pf) + staging_ring_bytes(path) / 2**30,
                      placement=pf) as hyb:
         info = hyb._gpu.stage_info()
         print(f"staging at open: {info}")
