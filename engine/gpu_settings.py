@@ -70,6 +70,10 @@ OVERRIDES: tuple[Override, ...] = (
              "routing estimate: the placement file's frequencies, then the steps' own) to the CPU while the CPU's "
              "expected time stays under the copies of the rest, only those copied over PCIe; 0 (the default) whole "
              "layers"),
+    Override("STRATA_GPU_HYBRID_EVENTS", "hybrid_events",
+             "hybrid placement: 1 decode-sized steps record their per-layer and frame events on one step in 64 "
+             "(the others: the GPU's wait from its own clock, the rest split as the last measured step's); 0 (the "
+             "default) every step"),
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 0 (the default) every step stages the host-tier blocks it reads into VRAM (no graphs); 1 "
              "decode steps read them in place over PCIe (graphs kept), prefill steps stage them"),

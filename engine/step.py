@@ -74,6 +74,9 @@ class StepStats:
     kv_cpu_share: float = 0.0
     kv_cpu_gbs: float = 0.0
     kv_pcie_gbs: float = 0.0
+    # whether t_gpu and t_pcie come from the step's own events (False under hybrid_events 1 between two sampled
+    # steps: t_gpu_wait from the GPU's clock, the rest split as the last measured step of its size split it)
+    frame_measured: bool = True
 
 
 class StepEngine(Protocol):

@@ -41,6 +41,9 @@ _FRAME_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.
 # cpu_experts and cpu_wait run beside them
 FRAME_PARTS = (("total", "t_total"), ("gpu", "t_gpu"), ("pcie", "t_pcie"), ("gpu_wait", "t_gpu_wait"),
                ("cpu_experts", "t_cpu_experts"), ("cpu_wait", "t_cpu_wait"))
+# the parts a step without its own frame events estimates (StepStats.frame_measured False): the histograms take
+# them from measured steps only
+ESTIMATED_PARTS = frozenset({"gpu", "pcie"})
 
 
 @dataclass
@@ -160,7 +163,8 @@ class LaneMetrics:
     def _gpu_frame(self, st: StepStats) -> None:
         for part, field in FRAME_PARTS:
             v = float(getattr(st, field))
-            self.frame.labels(part=part).observe(v)
+            if st.frame_measured or part not in ESTIMATED_PARTS:
+                self.frame.labels(part=part).observe(v)
             if part != "total":
                 self.last_step.labels(part=part).set(v)
         self.resident_hit.set(st.resident_hit_rate)

@@ -57,6 +57,26 @@ def test_gpu_frame_profile_is_exported_by_part() -> None:
     assert got[("strata_last_step_seconds", (("part", "gpu_wait"),))] == st.t_gpu_wait
 
 
+def test_estimated_frame_parts_stay_out_of_the_histograms() -> None:
+    # hybrid_events 1: a step between two sampled ones estimates its compute / PCIe split; the histograms count
+    # those two parts from measured steps only, the clock-measured parts from every step
+    m = LaneMetrics("A")
+    measured, estimated = gpu_stats(), gpu_stats()
+    estimated.frame_measured = False
+    estimated.t_gpu, estimated.t_pcie = 0.0030, 0.0007
+    m.on_step(report(measured))
+    m.on_step(report(estimated))
+    got = samples(m)
+    for part, field in FRAME_PARTS:
+        key = (("part", part),)
+        if part in ("gpu", "pcie"):
+            assert got[("strata_frame_seconds_count", key)] == 1
+            assert abs(got[("strata_frame_seconds_sum", key)] - getattr(measured, field)) < 1e-12
+        else:
+            assert got[("strata_frame_seconds_count", key)] == 2
+    assert got[("strata_last_step_seconds", (("part", "gpu"),))] == 0.0030  # the gauge: the last step as reported
+
+
 def test_cpu_step_leaves_the_frame_profile_alone() -> None:
     m = LaneMetrics("A")
     st = StepStats(n_tokens=4, t_total=0.02, t_attn=0.005, t_experts=0.012, t_dense=0.0, t_output=0.003,

@@ -281,8 +281,10 @@ static const int32_t *layer_slot_map(const stg_model *m, int il) {
     return staged_layer(m, il) ? staging_map(m, il) : (const int32_t *)(m->hy.d_slot + (int64_t)il * m->d.n_expert);
 }
 
-/* The launched step's events, sums and flag value (step_launch, before the layers are queued). */
-static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
+/* The launched step's events, sums and flag value (step_launch, before the layers are queued). events: whether
+ * the step records its frame's events (hybrid_events sampling); a step that stages a layer, or whose rows come
+ * back by copies, records them whatever it says (their waits and copies are timed by them alone). */
+static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T, bool events) {
     m->hy.cur = nullptr;
     if (!m->hy.on) return ST_OK;
     const size_t nL = (size_t)m->d.n_layer;
@@ -303,6 +305,9 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T) {
     h.direct = hybrid_direct(m, T);
     const int64_t P = (int64_t)T * m->d.n_expert_used, G = std::min<int64_t>(P, ROWS_BLOCKS);
     h.rows_direct = h.direct && P > 0 && (P + G - 1) / G <= ROWS_MAX_AT;
+    bool staged = false;
+    for (const uint8_t v : h.stg.now) staged = staged || v != 0;
+    hs.events = events || staged || !h.rows_direct;
     if (h.rows_direct && !hs.ts) {
         void *p = nullptr;
         CU(cudaHostAlloc(&p, sizeof(uint64_t) * 2 * nL, cudaHostAllocMapped | cudaHostAllocPortable),
@@ -453,7 +458,7 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     cudaStream_t st = m->stream;
     const int ne = m->d.n_expert, k = m->d.n_expert_used;
     const int64_t E = m->d.n_embd, P = (int64_t)T * k;
-    CU(cudaEventRecord(hs.s0[(size_t)il], st), "hybrid: event");
+    if (hs.events) CU(cudaEventRecord(hs.s0[(size_t)il], st), "hybrid: event");
     if (h.direct) {
         launch_k(k_to_host, 1, 1024, 0, st, (const int32_t *)s.topk_id, (int32_t)P, (const float *)s.xn, (int64_t)T * E,
                  h.h_ids, h.h_xn, h.sync.ready + il, hs.seq);
@@ -489,7 +494,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     hybrid_step &hs = *h.cur;
     cudaStream_t st = m->stream;
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
-    CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
+    if (hs.events) CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
     if (h.rows_direct) { /* the wait and the rows' reads in one kernel, then event c (no b) */
         const int64_t G = std::min<int64_t>(P, ROWS_BLOCKS);
         launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
@@ -509,7 +514,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
         }
     }
     if (h.rows_direct) {
-        CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
+        if (hs.events) CU(cudaEventRecord(hs.c[(size_t)il], st), "hybrid: event");
         hs.used[(size_t)il] = 3;
         return ST_OK;
     }
@@ -525,16 +530,21 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     return ST_OK;
 }
 
-/* The waited step's frame profile (step_wait, after its end event e1; e0 its start). */
-static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, cudaEvent_t e1, double t_total,
-                           int64_t pairs) {
+/* The waited step's frame profile (step_wait, after its end event e1; e0 its start; T its tokens). A step without
+ * its frame's events (hybrid_events) takes the device's wait from k_rows_direct's clock (block 0: its start to its
+ * seeing the flag, as a measured step's wait inside a..c) and splits the rest into compute and PCIe as the last
+ * measured step of its size did. */
+static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaEvent_t e0, cudaEvent_t e1,
+                           double t_total, int64_t pairs) {
     const staging &g = m->hy.stg;
     if (!m->hy.on) {
         m->profile = stg_profile{};
         m->profile.t_total = m->profile.t_gpu = t_total;
         m->profile.pairs_gpu = pairs;
+        m->profile.measured = 1;
         return;
     }
+    stg_model::split &sp = m->splits[T];
     auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
         float ms = 0.0f;
         if (cudaEventElapsedTime(&ms, x, y) != cudaSuccess) {
@@ -545,7 +555,16 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
     };
     double gpu = 0.0, wait = 0.0, pcie = 0.0;
     cudaEvent_t prev = e0;
-    for (size_t il = 0; il < hs.used.size(); il++) {
+    for (size_t il = 0; il < hs.used.size() && !hs.events; il++) { /* every used layer is a k_rows_direct one */
+        if (hs.used[il] != 3) continue;
+        const uint64_t t0 = hs.ts[2 * il], t1 = hs.ts[2 * il + 1];
+        if (t1 >= t0) wait += 1e-9 * (double)(t1 - t0);
+    }
+    if (!hs.events) {
+        wait = std::min(wait, t_total);
+        gpu = (t_total - wait) * sp.hy_gpu, pcie = t_total - wait - gpu;
+    }
+    for (size_t il = 0; il < hs.used.size() && hs.events; il++) {
         if (!hs.used[il]) continue;
         if (hs.used[il] == 2) { /* staged: the device waiting for the layer's copies */
             gpu += el(prev, hs.s0[il]);
@@ -566,9 +585,13 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, cudaEvent_t e0, 
         }
         prev = hs.c[il];
     }
-    gpu += el(prev, e1);
+    if (hs.events) {
+        gpu += el(prev, e1);
+        if (gpu + pcie > 0.0) sp.hy_gpu = gpu / (gpu + pcie), sp.hy_have = true;
+    }
     stg_profile &p = m->profile;
     p = stg_profile{};
+    p.measured = hs.events ? 1 : 0;
     p.t_total = t_total, p.t_gpu = gpu, p.t_cpu_experts = hs.t_cpu, p.t_gpu_wait = wait;
     p.pairs_gpu = pairs - hs.cpu_pairs, p.pairs_cpu = hs.cpu_pairs, p.staged_bytes = hs.staged_bytes;
     p.t_pcie = pcie, p.t_cpu_wait = hs.t_cpu_wait, p.pcie_bytes = hs.pcie_d2h + hs.pcie_h2d;

@@ -411,10 +411,12 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * shares of the last measured step of their size. layer_events 1: every step; 0: never
      * (then t_attn / t_experts / t_dense stay 0). Eager steps always record them.
      * A step launched while one that records them is in flight records none (the events are
-     * shared: it would overwrite them before that step's wait reads them). */
+     * shared: it would overwrite them before that step's wait reads them). hybrid_events 1: a decode-sized hybrid
+     * step (eager) samples them as a graph step does, and its frame events (hybrid.cu) likewise. */
     const int32_t le = m->set.layer_events;
     bool layer_events = true;
-    const bool sampled = le < 0 && graph;
+    const bool hy_sample = m->hy.on && m->set.hybrid_events && hybrid_direct(m, T);
+    const bool sampled = le < 0 && (graph || hy_sample);
     if (le >= 0) layer_events = le != 0;
     else if (sampled) {
         stg_model::split &sp = m->splits[T];
@@ -422,6 +424,12 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         sp.steps++;
     }
     if (other.live && other.layer_events) layer_events = false;
+    bool hy_events = true; /* the hybrid frame's events (per launched step: no other step shares them) */
+    if (hy_sample) {
+        stg_model::split &sp = m->splits[T];
+        hy_events = !sp.hy_have || sp.hy_steps % LAYER_EVENT_PERIOD == 0;
+        sp.hy_steps++;
+    }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
                         use_src ? s.ints + src_off : nullptr, att_split};
@@ -437,7 +445,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     g_k256q = s.kq, g_k256d = s.kd, g_k256s = s.ks, g_k256_cap = s.k_cap;
     m->mv_step = g_gemm_fast ? nullptr : mv_mask(m, T);
     m->last_picks = 0; /* s.picks is this step's from here on */
-    CHECK(hybrid_step_begin(m, f.hy, T));
+    CHECK(hybrid_step_begin(m, f.hy, T, hy_events));
     /* hybrid_overlap: the CPU share's thread runs from here until finish() (leaving early abandons the step) */
     hybrid_thread cpu_share(m);
     CHECK(cpu_share.start());
@@ -534,7 +542,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             }
         }
     }
-    hybrid_profile(m, f.hy, f.e0, f.e1, stt->t_total, pairs);
+    hybrid_profile(m, f.hy, f.T, f.e0, f.e1, stt->t_total, pairs);
     staging_profile(m, f.hy);
     m->profile.kv_host_bytes = f.kv_host_bytes;
     m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;

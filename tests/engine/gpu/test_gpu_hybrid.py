@@ -14,8 +14,8 @@ Also: online re-placement between steps (tokens, bytes); staging over PCIe (STRA
 overlapped and layer-by-layer steps' bits; a lane with such a budget serving a completion over HTTP; the VRAM a
 hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within the budget, and the
 model's own accounting matches the plan; the frame profile's parts; launch / wait with token_src on a hybrid
-model; bad resident masks are typed errors; programmatic dependent launch in hybrid steps (STRATA_GPU_HYBRID_PDL)
-gives the same bits.
+model; bad resident masks are typed errors; programmatic dependent launch in hybrid steps (STRATA_GPU_PDL)
+gives the same bits; sampled frame events (STRATA_GPU_HYBRID_EVENTS) give the same bits and an account that adds up.
 """
 
 from __future__ import annotations
@@ -388,6 +388,42 @@ def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyP
         for what, a, b in zip(("batch 1", "batch 8", "one mixed step"), *got.values(), strict=True):
             assert np.array_equal(a, b), (what, float(np.abs(a - b).max()))
         assert toks["without"] == toks["with"]
+
+
+@pytest.mark.parametrize(("model", "qt", "frac"), [("qwen2moe", "q8_0", "30%"), ("qwen3moe", "f32", "0%")])
+def test_hybrid_events_sampled(paths: dict, model: str, qt: str, frac: str) -> None:
+    """hybrid_events 1 (decode-sized hybrid steps record their frame and per-layer events on the first step of
+    their size and then one in 64) changes what is timed only: the same logits bit for bit as 0 at batch 1 and 8;
+    of the one-token decode steps the first and the 65th are measured (stg_profile.measured), the others take the
+    device's wait from k_rows_direct's clock (above 0: the CPU's experts take longer than the shared expert) and
+    split the rest as the measured step did, so their parts add up to the step's device time."""
+    path = paths[(model, qt)]
+    prompts = prompts_for()
+    with open_hybrid(path, FRACTIONS[frac], random_placement(path)) as hyb:
+        got = {}
+        for v in ("0", "1"):
+            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_EVENTS": v})
+            got[v] = (decode_logits(hyb, prompts[:1])[0], decode_logits(hyb, prompts[:8])[0])
+        for a, b in zip(*got.values(), strict=True):
+            assert np.array_equal(a, b), float(np.abs(a - b).max())
+        hyb._gpu.set_settings({"STRATA_GPU_HYBRID_EVENTS": "1"})
+        tables = [list(hyb.blocks.allocate(-(-(len(prompts[0]) + 80) // hyb.block_size)))]
+        try:
+            ids = prompts[0]
+            hyb.forward(ids, list(range(len(ids))), [0] * len(ids), tables, [len(ids) - 1])
+            measured: list[bool] = []
+            for i in range(70):
+                hyb.forward([7], [len(ids) + i], [0], tables, [0], greedy=True)
+                st = hyb.last_stats
+                assert st is not None and st.on_gpu
+                measured.append(st.frame_measured)
+                parts = st.t_gpu + st.t_pcie + st.t_gpu_wait
+                assert abs(parts - st.t_total) <= 0.05 * st.t_total, (i, parts, st.t_total)
+                assert st.t_gpu > 0 and st.t_gpu_wait > 0 and st.t_pcie >= 0 and st.t_cpu_experts > 0, i
+        finally:
+            hyb.blocks.release(tables[0])
+        # one-token steps 0-3 of the sampling ran in decode_logits above (the first measured), so here the 64th
+        assert measured == [i == 60 for i in range(70)], measured
 
 
 @pytest.mark.parametrize(("model", "qt"), [("qwen2moe", "q8_0"), ("mixtral", "f32"), ("qwen3moe", "q8_0")])
