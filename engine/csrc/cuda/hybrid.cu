@@ -47,7 +47,9 @@
  *
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
  * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals; a k_rows_direct
- * layer's a..c splits at block 0's own clock (its start to its seeing the flag: the wait; the rest: the rows). */
+ * layer's a..c splits at block 0's own clock (its start to its seeing the flag: the wait; the rest: the rows).
+ * Each record ends the next kernel's early launch, so with hybrid_events a decode-sized step records s0, a and c
+ * (s1 always: the host's wait checks it) only when sampled; the others' wait comes from the same clock alone. */
 #include "model.cuh"
 
 /* hybrid_direct's bound: a step's xn of at most this many floats (256 KB; 32 tokens of a 2,048-wide model) goes
@@ -544,7 +546,8 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaE
         m->profile.measured = 1;
         return;
     }
-    stg_model::split &sp = m->splits[T];
+    /* the sampled sizes' shares (decode-sized steps only: the map stays as small as the graph cache's) */
+    stg_model::split *sp = hybrid_direct(m, T) ? &m->splits[T] : nullptr;
     auto el = [](cudaEvent_t x, cudaEvent_t y) -> double {
         float ms = 0.0f;
         if (cudaEventElapsedTime(&ms, x, y) != cudaSuccess) {
@@ -562,7 +565,7 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaE
     }
     if (!hs.events) {
         wait = std::min(wait, t_total);
-        gpu = (t_total - wait) * sp.hy_gpu, pcie = t_total - wait - gpu;
+        gpu = (t_total - wait) * (sp ? sp->hy_gpu : 1.0), pcie = t_total - wait - gpu;
     }
     for (size_t il = 0; il < hs.used.size() && hs.events; il++) {
         if (!hs.used[il]) continue;
@@ -587,7 +590,7 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaE
     }
     if (hs.events) {
         gpu += el(prev, e1);
-        if (gpu + pcie > 0.0) sp.hy_gpu = gpu / (gpu + pcie), sp.hy_have = true;
+        if (sp && gpu + pcie > 0.0) sp->hy_gpu = gpu / (gpu + pcie), sp->hy_have = true;
     }
     stg_profile &p = m->profile;
     p = stg_profile{};
