@@ -370,7 +370,7 @@ class CudaModel:
                 "stage_cpu_experts": int(p.stage_cpu_experts), "stage_cpu_pairs": int(p.stage_cpu_pairs),
                 "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
                 "t_cpu_attn": p.t_cpu_attn, "kv_cpu_share": p.kv_cpu_share, "kv_cpu_gbs": p.kv_cpu_gbs,
-                "kv_pcie_gbs": p.kv_pcie_gbs, "measured": int(p.measured)}
+                "kv_pcie_gbs": p.kv_pcie_gbs, "measured": int(p.measured), "kv_form": int(p.kv_form)}
 
     def stage_info(self) -> dict[str, float]:
         """Staging (stg_settings.hybrid_stage): whether it is available on this model, its rates and

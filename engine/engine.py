@@ -237,6 +237,7 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.kv_cpu_gbs = float(profile.get("kv_cpu_gbs", 0.0))
         out.kv_pcie_gbs = float(profile.get("kv_pcie_gbs", 0.0))
         out.frame_measured = bool(profile.get("measured", 1))
+        out.kv_form = int(profile.get("kv_form", -1))
     return out
 
 

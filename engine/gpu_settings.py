@@ -76,7 +76,8 @@ OVERRIDES: tuple[Override, ...] = (
              "default) every step"),
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 0 (the default) every step stages the host-tier blocks it reads into VRAM (no graphs); 1 "
-             "decode steps read them in place over PCIe (graphs kept), prefill steps stage them"),
+             "decode steps read them in place over PCIe (graphs kept), prefill steps stage them; -1 each decode step "
+             "takes the form its recent steps of the same size measured faster"),
     Override("STRATA_GPU_KV_HOST_ATTN", "kv_host_attn",
              "KV tiers: 1 split-KV decode steps have the CPU pool attend the host-tier blocks where they lie (its "
              "partials merged as one more split; eager steps, within 1e-3 of the untiered logits), the GPU its VRAM "

@@ -77,6 +77,9 @@ class StepStats:
     # whether t_gpu and t_pcie come from the step's own events (False under hybrid_events 1 between two sampled
     # steps: t_gpu_wait from the GPU's clock, the rest split as the last measured step of its size split it)
     frame_measured: bool = True
+    # a tiered KV cache on the GPU: the step read its host-tier blocks in place (1) or staged them into VRAM (0);
+    # -1 it read none (kv_stream -1 picks the form of each decode step by the two forms' measured times)
+    kv_form: int = -1
 
 
 class StepEngine(Protocol):

@@ -230,8 +230,8 @@ static double stage_probe_gbs(stg_model *m, const stg_kv *kv) {
 }
 
 /* The form of a kv_host_attn step's device share of the host-tier blocks: 0 read in place (kv_stream 1), 1 staged
- * into VRAM (kv_stream 0; step.cu stages every eager step there, and kv_host_attn's steps are eager). */
-static int host_attn_form(const stg_model *m) { return m->set.kv_stream ? 0 : 1; }
+ * into VRAM (kv_stream 0 or -1; step.cu stages every eager step there, and kv_host_attn's steps are eager). */
+static int host_attn_form(const stg_model *m) { return m->set.kv_stream == 1 ? 0 : 1; }
 
 /* The CPU's share of the step's host-tier blocks (0..1): kv_host_share's percentage, or the measured rates' */
 static double host_attn_share(const stg_model *m) {

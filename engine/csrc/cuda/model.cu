@@ -89,7 +89,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(hybrid_stage_split, 0, 1)
     RANGE(hybrid_events, 0, 1)
-    RANGE(kv_stream, 0, 1)
+    RANGE(kv_stream, -1, 1)
     RANGE(kv_host_attn, 0, 1)
     RANGE(kv_host_share, -1, 100)
 #undef RANGE
@@ -495,6 +495,7 @@ extern "C" stg_status stg_model_set_settings(stg_model *m, const stg_settings *s
     drop_graphs(m); /* captured under the old settings */
     m->set = *settings;
     m->mv_mean.clear(), m->mv_on.clear(), m->mv_seen.clear(); /* measured under the old ones */
+    m->kv_forms.clear();
     return ST_OK;
 }
 

@@ -246,7 +246,21 @@ struct inflight {
     int64_t kv_cpu_bytes = 0;  /* kv_host_attn: host-tier bytes the CPU attended, its seconds (stg_profile) */
     double t_cpu_attn = 0.0;
     double kv_cpu_share = 0.0; /* kv_host_attn: the CPU's share of the host-tier bytes */
+    int32_t kv_form = -1;      /* a tiered step: 1 host blocks read in place, 0 staged, -1 none read */
+    int32_t kv_pick = -1;      /* kv_stream -1: the form kv_form_pick chose (its time feeds kv_forms); -1 none */
     hybrid_step hy;
+};
+
+/* kv_stream -1 (step.cu, kv_form_pick): per decode step size T on a tiered cache, the running mean step time of
+ * each form (1 in place, 0 staged) over its timed steps, the steps of each form still to skip before timing one
+ * (its first: scratch and graph capture), the steps since the last look at the other form, and how many steps of
+ * the other form are left in that look. */
+struct kv_form_state {
+    double t[2] = {0.0, 0.0};
+    int32_t n[2] = {0, 0};
+    int32_t skip[2] = {1, 1};
+    int64_t since = 0;
+    int32_t look = 0;
 };
 
 struct stg_model {
@@ -292,6 +306,7 @@ struct stg_model {
         double hy_gpu = 1.0;
     };
     std::map<int32_t, split> splits;
+    std::map<int32_t, kv_form_state> kv_forms; /* kv_stream -1, by decode step size */
     /* routed_mv_groups, per decode-sized step size T (rows of n_layer, T = 0..GRAPH_MAX_TOKENS): each layer's
      * running mean of the experts the split puts on the matvec (-1: no step yet), the layers that keep the split
      * (re-decided every MV_DECIDE steps of that size, so graphs are re-captured seldom) and the steps since; mv_step

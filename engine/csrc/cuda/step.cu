@@ -130,6 +130,35 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
 /* a hybrid model's steps are queued layer by layer by the host (hybrid.cu): never a graph */
 static bool graphs_enabled(const stg_model *m, int32_t T) { return T <= GRAPH_MAX_TOKENS && m->set.graphs && !m->hy.on; }
 
+#define KV_FORM_TIMED 3    /* kv_stream -1: timed steps of each form before the faster one is kept */
+#define KV_FORM_PERIOD 64  /* steps between two looks at the other form */
+#define KV_FORM_EWMA 0.25  /* a new step time's weight in its form's running mean */
+
+/* kv_stream -1: the form (1 in place, 0 staged) of a decode step of T tokens on a tiered cache. Until both forms
+ * have KV_FORM_TIMED timed steps, the one with fewer; then the faster by its running mean. Every KV_FORM_PERIOD
+ * steps the other form is timed afresh (its first step skipped again), since a step's host-tier bytes grow with
+ * its sequences and so move the two forms' times apart. */
+static int kv_form_pick(stg_model *m, int32_t T) {
+    kv_form_state &s = m->kv_forms[T];
+    if (s.n[0] < KV_FORM_TIMED || s.n[1] < KV_FORM_TIMED) return s.n[1] < s.n[0] ? 1 : 0;
+    const int best = s.t[1] < s.t[0] ? 1 : 0;
+    if (++s.since % KV_FORM_PERIOD == 0) s.n[1 - best] = 0, s.skip[1 - best] = 1; /* the next steps time it */
+    return best;
+}
+
+/* A waited kv_stream -1 step: its device time t into its form's running mean (after the form's skipped steps). */
+static void kv_form_observe(stg_model *m, int32_t T, int form, double t) {
+    const auto it = m->kv_forms.find(T);
+    if (it == m->kv_forms.end() || (form != 0 && form != 1) || !(t > 0.0)) return;
+    kv_form_state &s = it->second;
+    if (s.skip[form] > 0) {
+        s.skip[form]--;
+        return;
+    }
+    s.t[form] = s.n[form] == 0 ? t : (1.0 - KV_FORM_EWMA) * s.t[form] + KV_FORM_EWMA * t;
+    if (s.n[form] < KV_FORM_TIMED) s.n[form]++;
+}
+
 #define MV_DECIDE 32 /* decode steps of one size between two decisions of the routed split (mv_update) */
 #define MV_FIRST 4   /* and before the first one */
 
@@ -281,9 +310,11 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     if (hattn) att_split = split_depth(m->ha.zmax);
     if (att_split > 1 || (q8 && fuse_qkv))
         CHECK(ensure_att_parts(m, (int64_t)T * (att_split + (hattn ? 1 : 0)) * m->d.n_head));
-    /* a tiered cache with kv_stream 0 stages every step's host blocks: eagerly (the slots change every step) */
-    const bool graph =
-        graphs_enabled(m, T) && (!q8 || fuse_qkv) && (kv->n_host == 0 || m->set.kv_stream) && !hattn;
+    /* a tiered cache with kv_stream 0 stages every step's host blocks: eagerly (the slots change every step); -1
+     * picks a decode step's form by the two forms' measured times (kv_form_pick), other steps stage */
+    const bool kv_timed = m->set.kv_stream < 0 && kv->n_host > 0 && fuse_qkv && !hattn;
+    const int kv_stream = kv_timed ? kv_form_pick(m, T) : m->set.kv_stream < 0 ? 0 : m->set.kv_stream;
+    const bool graph = graphs_enabled(m, T) && (!q8 || fuse_qkv) && (kv->n_host == 0 || kv_stream) && !hattn;
     scratch &s = m->s;
     s.cur_seq_rows = b->n_seqs;
     cudaStream_t st = m->stream;
@@ -315,6 +346,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         for (int32_t c = b->max_blocks; c < mb; c++) hbt[(int64_t)r * mb + c] = -1;
     }
     f.kv_host_bytes = 0;
+    f.kv_form = -1, f.kv_pick = kv_timed ? kv_stream : -1;
     kv->st_n = kv->st_wb = 0;
     if (kv->n_host > 0) { /* a tiered cache: the kernels see physical blocks (kv->map), host ones from n_dev on */
         std::vector<int32_t> &last = m->seq_last, &first = m->seq_first;
@@ -327,7 +359,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         /* a prefill-form step (eager, runs of one sequence's tokens: query tiles that each read every key) stages
          * its host blocks in VRAM layer by layer; a decode step reads each host byte once and streams it (kv_stream
          * 0: every step stages, graphs off above; a kv_host_attn step only the device's share, below) */
-        const bool staged = !graph && (!fuse_qkv || !m->set.kv_stream), stage = staged && !hattn;
+        const bool staged = !graph && (!fuse_qkv || !kv_stream), stage = staged && !hattn;
         if (staged) kv->slot_of.assign((size_t)kv->n_host, -1), kv->list.clear(), kv->slot_w.clear();
         auto slot_for = [&](int32_t e) { /* host block e's staging slot (e - n_dev), taken at its first read */
             int32_t &sl = kv->slot_of[(size_t)(e - kv->n_dev)];
@@ -376,6 +408,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
         }
         /* kv_host_attn: the device streams (or stages) its share of them, the CPU reads the rest */
         f.kv_host_bytes = hattn && !staged ? m->ha.gpu_bytes : host_blocks * kv_block_bytes(kv);
+        f.kv_form = f.kv_host_bytes > 0 ? (staged ? 0 : 1) : -1;
         if (hattn) host_attn_time_plan(m, f.kv_host_bytes); /* the device's rate over its share, for the next steps */
     }
     f.kv_cpu_bytes = hattn ? m->ha.bytes : 0, f.t_cpu_attn = 0.0, f.kv_cpu_share = hattn ? m->ha.share : 0.0;
@@ -544,7 +577,8 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
     }
     hybrid_profile(m, f.hy, f.T, f.e0, f.e1, stt->t_total, pairs);
     staging_profile(m, f.hy);
-    m->profile.kv_host_bytes = f.kv_host_bytes;
+    m->profile.kv_host_bytes = f.kv_host_bytes, m->profile.kv_form = f.kv_form;
+    if (f.kv_pick >= 0) kv_form_observe(m, f.T, f.kv_pick, stt->t_total);
     m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;
     m->profile.kv_cpu_share = f.kv_cpu_share, m->profile.kv_cpu_gbs = m->ha.cpu_gbs;
     host_attn_timed(m, ticket);

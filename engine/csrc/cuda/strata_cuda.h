@@ -81,7 +81,9 @@ typedef struct stg_settings {
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
-                               * graphs). Same bits either way */
+                               * graphs); -1: each decode step takes the form its recent steps of the same size
+                               * measured faster (both forms timed at first and the other one again every 64
+                               * steps; stg_profile.kv_form), other steps stage. Same bits either way */
     int32_t kv_host_attn;     /* a tiered KV cache with a CPU engine for it (stg_model_set_cpu_attn): 1, a split-KV
                                * decode step's host-tier blocks are attended by the CPU pool where they lie
                                * (st_attn_blocks_part) while the device's split kernel attends its VRAM blocks, the
@@ -259,6 +261,8 @@ typedef struct stg_profile {
      * sampled ones): t_gpu_wait from k_rows_direct's clock, t_gpu and t_pcie the rest split as the last measured
      * step of its size split it */
     int32_t measured;
+    /* a tiered KV cache: the step read its host-tier blocks in place (1) or staged them into VRAM (0); -1 none */
+    int32_t kv_form;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by

@@ -66,6 +66,8 @@ def _steps(eng: Engine, prompt: list[int], table: list[int], feed: list[int]) ->
 CASES = [(t, split_min, 1) for t in ("f16", "q8_0") for split_min in (0, 256)] + [
     ("f16", 256, 0),
     ("q8_0", 256, 0),
+    ("f16", 256, -1),
+    ("q8_0", 256, -1),
 ]
 
 
@@ -73,7 +75,8 @@ CASES = [(t, split_min, 1) for t in ("f16", "q8_0") for split_min in (0, 256)] +
     ("kv_type", "split_min", "stream"), CASES, ids=[f"{t}-split{m}-stream{s}" for t, m, s in CASES]
 )
 def test_tiny_vram_tier_bit_identical(model: Path, kv_type: str, split_min: int, stream: int) -> None:
-    """stream 0 (STRATA_GPU_KV_STREAM=0): every step stages its host blocks, decode too (eager, no graphs)."""
+    """stream 0 (STRATA_GPU_KV_STREAM=0): every step stages its host blocks, decode too (eager, no graphs); -1: each
+    decode step takes a form by the two forms' measured times (its first steps try both)."""
     # split_min 0: F16 decodes with the unsplit kernel (prefill on the fp32 tiles), the 8-bit cache with the split
     # kernel in one split
     rng = np.random.default_rng(30 + split_min)
@@ -106,6 +109,31 @@ def test_tiny_vram_tier_bit_identical(model: Path, kv_type: str, split_min: int,
         # prefill staged the host prefix in VRAM slots (one layer's, beside the budget); the untiered cache has none
         assert tiered.gpu_memory()["kv_stage"] > 0 and flat.gpu_memory()["kv_stage"] == 0
         print(f"{kv_type}, att_split_min {split_min}: host bytes per step {got[-1].tolist()}")
+
+
+def test_kv_stream_per_step_tries_both_forms_then_keeps_one(model: Path) -> None:
+    """kv_stream -1: a decode step's form (stg_profile.kv_form: 1 in place, 0 staged) alternates while the two
+    forms are timed (each form's first step skipped, three timed each: 0, 0, 1, 1, 0, 1, 0, 1), then one form, the
+    faster by the running means, until the 64th step looks at the other again."""
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, VOCAB, size=1500)]
+    with Engine.open(model, device="cuda:0", kv_tokens=KV, prefill_chunk=CHUNK, kv_hot_tokens=HOT) as eng:
+        eng._gpu.set_settings({"STRATA_GPU_KV_STREAM": "-1"})
+        table = eng.blocks.allocate(-(-(len(prompt) + 40) // 16))
+        for s in range(0, len(prompt), CHUNK):
+            chunk = prompt[s : s + CHUNK]
+            eng.forward(chunk, list(range(s, s + len(chunk))), [0] * len(chunk), [table], [len(chunk) - 1])
+            assert eng.last_stats.kv_form in (0, -1)  # prefill steps stage
+        forms, times = [], []
+        for i in range(30):
+            eng.forward([int(rng.integers(0, VOCAB))], [len(prompt) + i], [0], [table], [0])
+            st = eng.last_stats
+            assert st.kv_host_bytes > 0
+            forms.append(st.kv_form)
+            times.append(st.t_total)
+        print(f"forms {forms}; ms {[round(t * 1e3, 3) for t in times]}")
+        assert forms[:8] == [0, 0, 1, 1, 0, 1, 0, 1], forms
+        assert len(set(forms[8:])) == 1, forms
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
