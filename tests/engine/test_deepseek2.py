@@ -37,18 +37,14 @@ from gguf import GGMLQuantizationType
 
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
-from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
-from tests.engine.parity import (
-    TOL,
-    judge_greedy,
-    llama_greedy,
-    llama_logits,
-    rel_err,
-    rms,
-    route_ref,
-    swiglu,
+from tests.engine.arch_checks import (
+    check_batched_equals_alone,
+    check_cuda_open_reaches_the_device,
+    check_greedy_matches_llama,
+    check_hybrid_placement_refused,
 )
-from tests.engine.sched_helpers import prefill_together, release_tables
+from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
+from tests.engine.parity import TOL, llama_logits, rel_err, rms, route_ref, swiglu
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -210,17 +206,7 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
 
 
 def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None:
-    _, path = variant
-    prompt = _prompt(99, 16)
-    with Engine.open(path, threads=2, kv_tokens=256) as eng:
-        gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY, ignore_eos=True).token_ids]
-        assert len(gen) == N_GREEDY
-        seq = prompt + gen[:-1]
-        ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    theirs = llama_logits(llama, seq)  # llama.cpp's logits behind every greedy step, on the engine's continuation
-    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):  # no tie met: llama.cpp's own greedy run is the same
-        assert gen == llama_greedy(llama, prompt, N_GREEDY)
+    check_greedy_matches_llama(variant[1], llama, _prompt(99, 16), N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
@@ -229,13 +215,7 @@ def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     name, path = variant
     if name not in ("v3", "v2"):
         pytest.skip("the two attention forms are enough")
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(0, DEEPSEEK_VOCAB, n)] for n in (3, 21, 9)]
-    with Engine.open(path, threads=2, kv_tokens=512) as eng:
-        alone = [eng.logits_for(p) for p in prompts]
-        batched, tables = prefill_together(eng, prompts)
-        release_tables(eng, tables)
-    assert np.array_equal(batched, np.concatenate(alone))
+    check_batched_equals_alone(path, DEEPSEEK_VOCAB)
 
 
 def test_split_and_unsplit_files_give_the_same_logits(tmp_path: Path) -> None:
@@ -314,18 +294,9 @@ def test_gpu_devices(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch)
     """deepseek2 runs on the GPU engine (engine.engine.GPU_ARCHES; its parity with this engine is
     tests/engine/gpu/test_gpu_deepseek2.py): an explicit cuda:N passes the architecture check and goes to the
     device, whose absence (simulated here) is the typed DeviceUnavailableError, not the CPU-only refusal."""
-    import engine.engine as engine_mod
-    from engine.cuda_backend import DeviceUnavailableError
-
     if variant[0] != "v3":
         pytest.skip("one file is enough")
-
-    def no_device(device: str | None) -> None:
-        raise DeviceUnavailableError(f"{device}: no CUDA device (test)", "device")
-
-    monkeypatch.setattr(engine_mod, "resolve_device", no_device)
-    with pytest.raises(DeviceUnavailableError, match="no CUDA device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
+    check_cuda_open_reaches_the_device(variant[1], monkeypatch)
 
 
 def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,21 +304,5 @@ def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkey
     whose plan leaves a routed expert on the CPU is refused with a typed error before any GPU is touched."""
     if variant[0] != "v3":
         pytest.skip("one file is enough")
-    import engine.engine as engine_mod
-    import engine.placement as placement_mod
-    from engine.cuda_backend import DeviceSpec
-    from engine.engine import HybridArchError
-
-    real = engine_mod.resolve_device
-    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: DeviceSpec("cuda", 0) if d == "cuda:0" else real(d))
-    whole = placement_mod.resident_mask
-    dense = open_model(variant[1]).hparams.n_dense_lead
-
-    def partial(mf: Any, plan: Any) -> np.ndarray:
-        mask = whole(mf, plan).copy()
-        mask[dense, 0] = 0  # one expert of the first MoE layer left on the CPU
-        return mask
-
-    monkeypatch.setattr(placement_mod, "resident_mask", partial)
-    with pytest.raises(HybridArchError, match="every expert on the device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0", gpu_budget_gb=1000.0)
+    # one expert of the first MoE layer left on the CPU
+    check_hybrid_placement_refused(variant[1], monkeypatch, open_model(variant[1]).hparams.n_dense_lead)

@@ -31,18 +31,13 @@ import pytest
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, create_native_model, open_model
 from engine.native import ffi, lib, ptr
-from tests.engine.gguf_factory import GLM_VOCAB, make_glm4moe_gguf
-from tests.engine.parity import (
-    TOL,
-    judge_greedy,
-    llama_greedy,
-    llama_logits,
-    rel_err,
-    rms,
-    route_ref,
-    swiglu,
+from tests.engine.arch_checks import (
+    check_batched_equals_alone,
+    check_cuda_open_reaches_the_device,
+    check_greedy_matches_llama,
 )
-from tests.engine.sched_helpers import prefill_together, release_tables
+from tests.engine.gguf_factory import GLM_VOCAB, make_glm4moe_gguf
+from tests.engine.parity import TOL, llama_logits, rel_err, rms, route_ref, swiglu
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -173,32 +168,14 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
 
 
 def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None:
-    _, path = variant
     prompt = [int(t) for t in np.random.default_rng(99).integers(0, GLM_VOCAB, 16)]
-    with Engine.open(path, threads=2, kv_tokens=256) as eng:
-        gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY, ignore_eos=True).token_ids]
-        assert len(gen) == N_GREEDY
-        seq = prompt + gen[:-1]
-        ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    # llama.cpp's logits behind every greedy step, on the engine's own continuation
-    theirs = llama_logits(llama, seq)
-    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):
-        # No tie met: llama.cpp's own greedy decoding (its KV cache, one token at a time) is the same.
-        assert gen == llama_greedy(llama, prompt, N_GREEDY)
+    check_greedy_matches_llama(variant[1], llama, prompt, N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     """Dense lead, routed layers and the router's rule give every sequence in a mixed step the
     logits it gets alone, bit for bit (as tests/engine/test_batching.py checks for the others)."""
-    _, path = variant
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(0, GLM_VOCAB, n)] for n in (3, 21, 9)]
-    with Engine.open(path, threads=2, kv_tokens=512) as eng:
-        alone = [eng.logits_for(p) for p in prompts]
-        batched, tables = prefill_together(eng, prompts)
-        release_tables(eng, tables)
-    assert np.array_equal(batched, np.concatenate(alone))
+    check_batched_equals_alone(variant[1], GLM_VOCAB)
 
 
 def test_nextn_layer_is_kept_not_run(variant: tuple[str, Path]) -> None:
@@ -344,12 +321,4 @@ def test_gpu_devices(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch)
     """glm4moe runs on the GPU engine (engine.engine.GPU_ARCHES; its parity with this engine is
     tests/engine/gpu/test_gpu_glm4moe.py): an explicit cuda:N passes the architecture check and goes to the
     device, whose absence (simulated here) is the typed DeviceUnavailableError, not the CPU-only refusal."""
-    import engine.engine as engine_mod
-    from engine.cuda_backend import DeviceUnavailableError
-
-    def no_device(device: str | None) -> None:
-        raise DeviceUnavailableError(f"{device}: no CUDA device (test)", "device")
-
-    monkeypatch.setattr(engine_mod, "resolve_device", no_device)
-    with pytest.raises(DeviceUnavailableError, match="no CUDA device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
+    check_cuda_open_reaches_the_device(variant[1], monkeypatch)
