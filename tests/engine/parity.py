@@ -132,3 +132,26 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, 
     return ids, w * scale, float(margin)
 
 
+def shared_and_routed_ffn(h: np.ndarray, t: dict[str, np.ndarray], p: str, k: int, gating: int, n_group: int,
+                          n_group_used: int, norm: bool, scale: float, *, relative: bool = False,
+                          routed: bool = True) -> tuple[np.ndarray, float]:
+    """The FFN of a MoE layer with a shared expert (glm4moe, deepseek2) on rows h [T, n_embd]: the shared
+    expert, plus per token the routed experts route_ref chooses (router ``p + ffn_gate_inp``, score-correction
+    bias ``p + exp_probs_b`` where the file has one) times their weights, added in choice order; ``routed``
+    False leaves them out (to show they matter). Returns (the FFN's output [T, n_embd], the smallest decision
+    margin of the tokens' routing)."""
+    out = swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"], t[p + "ffn_down_shexp.weight"])
+    router = h @ t[p + "ffn_gate_inp.weight"].T
+    margin = np.inf
+    for i in range(len(h)):
+        sel, w, m = route_ref(router[i], t.get(p + "exp_probs_b.bias"), k, gating, n_group, n_group_used, norm,
+                              scale, relative=relative)
+        margin = min(margin, m)
+        if not routed:
+            continue
+        for e, we in zip(sel, w, strict=True):
+            out[i] += we * swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
+                                  t[p + "ffn_down_exps.weight"][e])
+    return out, float(margin)
+
+

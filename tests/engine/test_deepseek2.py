@@ -44,7 +44,7 @@ from tests.engine.arch_checks import (
     check_hybrid_placement_refused,
 )
 from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
-from tests.engine.parity import TOL, llama_logits, rel_err, rms, route_ref, swiglu
+from tests.engine.parity import TOL, llama_logits, rel_err, rms, shared_and_routed_ffn, swiglu
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -133,18 +133,10 @@ class RefModel:
             if il < self.dense:
                 x = x + swiglu(h, t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"])
                 continue
-            out = swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"], t[p + "ffn_down_shexp.weight"])
-            router = h @ t[p + "ffn_gate_inp.weight"].T
-            for i in range(T):
-                sel, w, margin = route_ref(router[i], t.get(p + "exp_probs_b.bias"), self.k, self.gating,
-                                           self.n_group, self.n_group_used, self.norm, self.scale,
-                                           relative=self.gating == 1)
-                self.margin = min(self.margin, margin)
-                if self.zero_experts:
-                    continue
-                for e, we in zip(sel, w, strict=True):
-                    out[i] += we * swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
-                                          t[p + "ffn_down_exps.weight"][e])
+            out, margin = shared_and_routed_ffn(h, t, p, self.k, self.gating, self.n_group, self.n_group_used,
+                                                self.norm, self.scale, relative=self.gating == 1,
+                                                routed=not self.zero_experts)
+            self.margin = min(self.margin, margin)
             x = x + out
         return rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
 
