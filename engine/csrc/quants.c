@@ -135,8 +135,9 @@ static void deq_k45(f16_t d16, f16_t dmin16, const uint8_t *scales, const uint8_
 static void deq_q4_k(const blk_q4_k *b, float *y) { deq_k45(b->d, b->dmin, b->scales, b->qs, NULL, y); }
 static void deq_q5_k(const blk_q5_k *b, float *y) { deq_k45(b->d, b->dmin, b->scales, b->qs, b->qh, y); }
 
-/* Q6_K element e of a 128-element half: low 4 bits from ql, high 2 bits from qh. */
-static inline int q6k_value(const blk_q6_k *b, int e) {
+/* Q6_K code e (g16_fn): in its 128-element half, low 4 bits from ql, high 2 bits from qh; and group g's scale. */
+static inline int q6k_value(const void *blk, int e) {
+    const blk_q6_k *b = blk;
     const int h = e / 128, r = e % 128, g = r / 32, l = r % 32;
     const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
     const int lo = (g & 1) ? ql[32 + l] : ql[l];
@@ -145,13 +146,9 @@ static inline int q6k_value(const blk_q6_k *b, int e) {
     return (low4 | (high2 << 4)) - 32;
 }
 
-static void deq_q6_k(const blk_q6_k *b, float *y) {
-    const float d = f16_to_f32(b->d);
-    for (int s = 0; s < QK_K / 16; s++) {
-        const float ds = d * (float)b->scales[s];
-        for (int l = 0; l < 16; l++) y[16 * s + l] = ds * (float)q6k_value(b, 16 * s + l);
-    }
-}
+static inline int q6k_scale(const void *blk, int g) { return ((const blk_q6_k *)blk)->scales[g]; }
+
+static void deq_q6_k(const blk_q6_k *b, float *y) { g16_dequant(b, q6k_value, q6k_scale, f16_to_f32(b->d), y); }
 
 st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
     const int32_t be = st_type_block_elems(type);
@@ -340,15 +337,8 @@ static void dot_q6_k_k8(const void *w, const int8_t *a, const float *dk, const i
     const blk_q6_k *b = w;
     (void)bk;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int32_t isum = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            int32_t part = 0;
-            for (int l = 0; l < 16; l++) part += q6k_value(&b[i], 16 * g + l) * a[i * QK_K + 16 * g + l];
-            isum += b[i].scales[g] * part;
-        }
-        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum);
-    }
+    for (int64_t i = 0; i < n / QK_K; i++)
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)g16_sum(&b[i], q6k_value, q6k_scale, a + i * QK_K));
     *out = acc;
 }
 
