@@ -1,13 +1,16 @@
 """What the parity tests of the architectures and quant types share: the relative error logits are
 judged by, llama.cpp (the pinned llama-cpp-python) as the oracle, greedy decoding judged up to the
-first near-tie, and the NumPy pieces of the float64 reference passes (RMSNorm, llama.cpp's router).
+first near-tie, and the NumPy pieces of the float64 reference passes (a GGUF's tensors and metadata,
+RMSNorm, SwiGLU, llama.cpp's router, the MoE FFN with a shared expert).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 TOL = 1e-3  # max|delta| / max|ref|: the F32 parity tolerance of the architecture tests
@@ -77,6 +80,21 @@ def judge_greedy(gen: list[int], ref_seq: np.ndarray, start: int, tol: float, wh
 
 
 # ---------------------------------------------------------------------------------------------- NumPy pieces
+
+
+def read_gguf_f64(path: Path, arch: str) -> tuple[dict[str, np.ndarray], Callable[..., Any]]:
+    """What a NumPy reference model reads from a GGUF: every tensor dequantised to float64 in its logical shape
+    (NumPy order, [rows, cols]), and kv(key, default=None), the value of metadata key ``arch.key`` (``default``
+    where the file lacks it)."""
+    r = gguf.GGUFReader(path)
+
+    def kv(key: str, default: Any = None) -> Any:
+        f = r.get_field(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
+    t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+         .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+    return t, kv
 
 
 def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -30,7 +30,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -44,7 +43,7 @@ from tests.engine.arch_checks import (
     check_hybrid_placement_refused,
 )
 from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
-from tests.engine.parity import TOL, llama_logits, rel_err, rms, shared_and_routed_ffn, swiglu
+from tests.engine.parity import TOL, llama_logits, read_gguf_f64, rel_err, rms, shared_and_routed_ffn, swiglu
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -65,14 +64,7 @@ class RefModel:
     does; zero_experts drops the routed experts (to show they matter)."""
 
     def __init__(self, path: Path) -> None:
-        r = gguf.GGUFReader(path)
-
-        def kv(key: str, default: Any = None) -> Any:
-            f = r.get_field(f"deepseek2.{key}")
-            return default if f is None else f.contents()
-
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-                  .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+        self.t, kv = read_gguf_f64(path, "deepseek2")
         self.n_layer, self.n_head = kv("block_count"), kv("attention.head_count")
         self.split = kv("attention.key_length_mla") is not None
         self.hd = kv("attention.key_length_mla") or kv("attention.key_length")

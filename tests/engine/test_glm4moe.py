@@ -24,7 +24,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 
@@ -37,7 +36,16 @@ from tests.engine.arch_checks import (
     check_greedy_matches_llama,
 )
 from tests.engine.gguf_factory import GLM_VOCAB, make_glm4moe_gguf
-from tests.engine.parity import TOL, llama_logits, rel_err, rms, route_ref, shared_and_routed_ffn, swiglu
+from tests.engine.parity import (
+    TOL,
+    llama_logits,
+    read_gguf_f64,
+    rel_err,
+    rms,
+    route_ref,
+    shared_and_routed_ffn,
+    swiglu,
+)
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -59,14 +67,7 @@ class RefModel:
     """The glm4moe forward pass in float64, from the GGUF's own tensors and metadata."""
 
     def __init__(self, path: Path) -> None:
-        r = gguf.GGUFReader(path)
-
-        def kv(key: str, default: Any = None) -> Any:
-            f = r.get_field(f"glm4moe.{key}")
-            return default if f is None else f.contents()
-
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-                  .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+        self.t, kv = read_gguf_f64(path, "glm4moe")
         self.n_layer = kv("block_count") - kv("nextn_predict_layers", 0)
         self.n_head, self.n_head_kv = kv("attention.head_count"), kv("attention.head_count_kv")
         self.hd, self.rope_dim = kv("attention.key_length"), kv("rope.dimension_count")

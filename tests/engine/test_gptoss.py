@@ -24,7 +24,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
@@ -37,7 +36,7 @@ from tests.engine.arch_checks import (
     check_hybrid_placement_refused,
 )
 from tests.engine.gguf_factory import GLM_VOCAB, make_gptoss_gguf
-from tests.engine.parity import TOL, llama_file_logits, llama_logits, rel_err, rms
+from tests.engine.parity import TOL, llama_file_logits, llama_logits, read_gguf_f64, rel_err, rms
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -58,14 +57,7 @@ class RefModel:
     single features off (to show each one matters) or round K and V to F16 (the engine's cache)."""
 
     def __init__(self, path: Path) -> None:
-        r = gguf.GGUFReader(path)
-
-        def kv(key: str, default: Any = None) -> Any:
-            f = r.get_field(f"gpt-oss.{key}")
-            return default if f is None else f.contents()
-
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-                  .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+        self.t, kv = read_gguf_f64(path, "gpt-oss")
         self.n_layer = kv("block_count")
         self.n_head, self.n_head_kv, self.hd = kv("attention.head_count"), kv("attention.head_count_kv"), \
             kv("attention.key_length")
