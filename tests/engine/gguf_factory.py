@@ -6,7 +6,7 @@ the HF parity tests build their models through engine.convert_hf instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -144,8 +144,8 @@ def _gating_keys(gating: int | None, weights_scale: float | None, weights_norm: 
     return keys
 
 
-def _finish(w: GGUFWriter, path: Path) -> Path:
-    """Write the header, metadata and tensors, close the file; `path`."""
+def finish_gguf(w: GGUFWriter, path: Path) -> Path:
+    """Write the header, metadata and tensors of `w` and close it; `path` (the file it writes)."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -190,11 +190,7 @@ def make_random_gguf(
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            _add_metadata(w, {key: value})
+    add_metadata(w, metadata or {})
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_freq_base(10000.0)
@@ -255,7 +251,7 @@ def make_random_gguf(
             add(p + "ffn_gate.weight", mat(n_ff, n_embd))
             add(p + "ffn_up.weight", mat(n_ff, n_embd))
             add(p + "ffn_down.weight", mat(n_embd, n_ff))
-    return _finish(w, path)
+    return finish_gguf(w, path)
 
 
 # ---------------------------------------------------------------------------------------------- glm4moe
@@ -317,21 +313,20 @@ def glm_vocab_metadata(chat_template: str | None = None) -> dict[str, object]:
     return md
 
 
-def _add_metadata(w: GGUFWriter, md: dict[str, object]) -> None:
-    from gguf import GGUFValueType as V
-
+def add_metadata(w: GGUFWriter, md: Mapping[str, object]) -> None:
+    """Write metadata keys by their values' Python types: bool, int (as uint32), float (as F32), str, and any
+    other iterable as an array of its items."""
     for key, value in md.items():
         if isinstance(value, bool):
             w.add_bool(key, value)
         elif isinstance(value, int):
             w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
         else:
-            raise TypeError(f"{key}: {type(value).__name__}")
-    del V
+            w.add_array(key, list(value))  # type: ignore[call-overload]
 
 
 def make_glm4moe_gguf(
@@ -397,7 +392,7 @@ def make_glm4moe_gguf(
         keys[key] = ("u", value)
     _add_arch_keys(w, arch, keys, drop_keys)
     if vocab:  # llama.cpp needs it; the engine does not
-        _add_metadata(w, glm_vocab_metadata(chat_template))
+        add_metadata(w, glm_vocab_metadata(chat_template))
     mat, gain = _scaled_normals(rng)
 
     def add(name: str, data: np.ndarray, quant: bool = True) -> None:
@@ -445,7 +440,7 @@ def make_glm4moe_gguf(
             add(p + "nextn.hnorm.weight", gain(n_embd), quant=False)
             add(p + "nextn.shared_head_head.weight", mat(n_vocab, n_embd, scale=0.2))
             add(p + "nextn.shared_head_norm.weight", gain(n_embd), quant=False)
-    return _finish(w, path)
+    return finish_gguf(w, path)
 
 
 def make_gptoss_gguf(
@@ -492,7 +487,7 @@ def make_gptoss_gguf(
     }
     _add_arch_keys(w, arch, keys, drop_keys)
     _add_extra_md(w, extra_md)
-    _add_metadata(w, glm_vocab_metadata(chat_template))
+    add_metadata(w, glm_vocab_metadata(chat_template))
     n_vocab = GLM_VOCAB
     mat, gain = _scaled_normals(rng)
 
@@ -526,7 +521,7 @@ def make_gptoss_gguf(
         add(p + "ffn_gate_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
         add(p + "ffn_up_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
         add(p + "ffn_down_exps.bias", mat(n_expert, n_embd, scale=0.1))
-    return _finish(w, path)
+    return finish_gguf(w, path)
 
 
 # ---------------------------------------------------------------------------------------------- deepseek2
@@ -632,7 +627,7 @@ def make_deepseek2_gguf(
     _add_arch_keys(w, arch, keys, drop_keys)
     _add_extra_md(w, extra_md)
     if vocab:  # llama.cpp needs it; the engine does not
-        _add_metadata(w, deepseek_vocab_metadata())
+        add_metadata(w, deepseek_vocab_metadata())
     n_vocab = DEEPSEEK_VOCAB
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
@@ -686,4 +681,4 @@ def make_deepseek2_gguf(
             add(p + "ffn_gate_shexp.weight", mat(fs, n_embd))
             add(p + "ffn_up_shexp.weight", mat(fs, n_embd))
             add(p + "ffn_down_shexp.weight", mat(n_embd, fs))
-    return _finish(w, path)
+    return finish_gguf(w, path)
