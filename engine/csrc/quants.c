@@ -182,13 +182,21 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
 }
 
 /* ---- activation quantisation: int8 per 32-block, float scale, int sums per 16 ---- */
+
+/* The int8 scale of a block of n activations, max|x| / 127, stored to *d; returns its inverse (0 for an
+ * all-zero block), which the codes round(x * inverse) use. */
+static inline float act_scale(const float *x, int n, float *d) {
+    float amax = 0.0f;
+    for (int l = 0; l < n; l++) amax = fmaxf(amax, fabsf(x[l]));
+    const float db = amax / 127.0f;
+    *d = db;
+    return db != 0.0f ? 1.0f / db : 0.0f;
+}
+
 void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs) {
     for (int64_t b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
+        const float id = act_scale(xb, QK, &d[b]), db = d[b];
         int32_t s0 = 0, s1 = 0;
         for (int l = 0; l < QK; l++) {
             const int8_t q = (int8_t)roundf(xb[l] * id);
@@ -207,10 +215,7 @@ void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_
 void st_quantize_act_k_row(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums) {
     for (int64_t b = 0; b < n / QK_K; b++) {
         const float *xb = x + b * QK_K;
-        float amax = 0.0f;
-        for (int l = 0; l < QK_K; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
+        const float id = act_scale(xb, QK_K, &d[b]);
         for (int g = 0; g < QK_K / 16; g++) {
             int32_t sum = 0;
             for (int l = 0; l < 16; l++) {
