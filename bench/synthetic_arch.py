@@ -34,7 +34,7 @@ from gguf.quants import dequantize
 
 from tests.engine.gguf_factory import (
     _RANDOM_BLOCK_SCALES,
-    _add_metadata,
+    add_metadata,
     deepseek_vocab_metadata,
     glm_vocab_metadata,
 )
@@ -296,11 +296,11 @@ def write_arch(a: Arch, out: Path, seed: int = SEED) -> Path:
     try:
         w.add_name(f"synthetic {a.model} ({a.layers_kept} layers)")
         md: dict[str, Any] = {f"{a.arch}.{k}": v for k, v in a.keys.items() if not isinstance(v, float)}
-        _add_metadata(w, md)
+        add_metadata(w, md)
         for k, v in a.keys.items():
             if isinstance(v, float):
                 w.add_float32(f"{a.arch}.{k}", v)
-        _add_metadata(w, a.vocab)
+        add_metadata(w, a.vocab)
         for t in a.tensors:
             dtype = np.float32 if t.qtype == T.F32 else np.uint8
             shape = t.shape if t.qtype == T.F32 else (*t.shape[:-1], t.row_bytes)
