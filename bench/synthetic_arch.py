@@ -34,7 +34,7 @@ from gguf.quants import dequantize
 
 from tests.engine.gguf_factory import (
     _RANDOM_BLOCK_SCALES,
-    _add_metadata,
+    add_metadata,
     deepseek_vocab_metadata,
     glm_vocab_metadata,
 )
@@ -172,8 +172,7 @@ def glm45_air(n_dense: int = 1, n_moe: int = 4) -> Arch:
                  "leading_dense_block_count": n_dense, "nextn_predict_layers": 0, "vocab_size": nv,
                  "expert_gating_func": 2, "expert_weights_scale": 1.0, "expert_weights_norm": True})
     ts = a.tensors
-    ts += [Tensor("token_embd.weight", (nv, e), T.Q4_K, 1.0), Tensor("output_norm.weight", (e,), T.F32),
-           Tensor("output.weight", (nv, e), T.Q6_K, 4.0 / math.sqrt(e))]
+    ts += _embedding_and_head(nv, e, T.Q4_K, T.Q6_K)
     for i in range(n_dense + n_moe):
         p = f"blk.{i}."
         ts += [Tensor(p + "attn_norm.weight", (e,), T.F32),
@@ -196,8 +195,7 @@ def gpt_oss_120b(n_layer: int = 2) -> Arch:
                  "rope.freq_base": 150000.0, "attention.layer_norm_rms_epsilon": 1e-5, "expert_count": ne,
                  "expert_used_count": 4, "expert_feed_forward_length": fe, "attention.sliding_window": 128})
     ts = a.tensors
-    ts += [Tensor("token_embd.weight", (nv, e), T.Q8_0, 1.0), Tensor("output_norm.weight", (e,), T.F32),
-           Tensor("output.weight", (nv, e), T.Q8_0, 4.0 / math.sqrt(e))]
+    ts += _embedding_and_head(nv, e, T.Q8_0, T.Q8_0)
     for i in range(n_layer):
         p = f"blk.{i}."
         ts += [Tensor(p + "attn_norm.weight", (e,), T.F32),
@@ -227,8 +225,7 @@ def deepseek_v3(n_dense: int = 1, n_moe: int = 1) -> Arch:
                  "expert_gating_func": 2, "expert_weights_scale": 2.5, "expert_weights_norm": True,
                  "expert_group_count": 8, "expert_group_used_count": 4})
     ts = a.tensors
-    ts += [Tensor("token_embd.weight", (nv, e), T.Q4_K, 1.0), Tensor("output_norm.weight", (e,), T.F32),
-           Tensor("output.weight", (nv, e), T.Q6_K, 4.0 / math.sqrt(e))]
+    ts += _embedding_and_head(nv, e, T.Q4_K, T.Q6_K)
     for i in range(n_dense + n_moe):
         p = f"blk.{i}."
         ts += [Tensor(p + "attn_norm.weight", (e,), T.F32),
@@ -246,6 +243,14 @@ def deepseek_v3(n_dense: int = 1, n_moe: int = 1) -> Arch:
             continue
         ts += _sigmoid_moe(p, ne, fe, e)
     return a
+
+
+def _embedding_and_head(nv: int, e: int, emb_type: GGMLQuantizationType,
+                        out_type: GGMLQuantizationType) -> list[Tensor]:
+    """The token embedding (std 1, in emb_type), the output norm and the output head (logits of std ~4, in
+    out_type) of a vocabulary of nv tokens and width e."""
+    return [Tensor("token_embd.weight", (nv, e), emb_type, 1.0), Tensor("output_norm.weight", (e,), T.F32),
+            Tensor("output.weight", (nv, e), out_type, 4.0 / math.sqrt(e))]
 
 
 def _biased_attention(p: str, e: int, nh: int, nkv: int, hd: int, qtype: GGMLQuantizationType,
@@ -296,11 +301,11 @@ def write_arch(a: Arch, out: Path, seed: int = SEED) -> Path:
     try:
         w.add_name(f"synthetic {a.model} ({a.layers_kept} layers)")
         md: dict[str, Any] = {f"{a.arch}.{k}": v for k, v in a.keys.items() if not isinstance(v, float)}
-        _add_metadata(w, md)
+        add_metadata(w, md)
         for k, v in a.keys.items():
             if isinstance(v, float):
                 w.add_float32(f"{a.arch}.{k}", v)
-        _add_metadata(w, a.vocab)
+        add_metadata(w, a.vocab)
         for t in a.tensors:
             dtype = np.float32 if t.qtype == T.F32 else np.uint8
             shape = t.shape if t.qtype == T.F32 else (*t.shape[:-1], t.row_bytes)

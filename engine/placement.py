@@ -583,22 +583,23 @@ def render_plan(p: GpuPlan, n_expert: int, source: str = "uniform routing", max_
 
 # ---------------------------------------------------------------- what Engine.open places
 
-def engine_step_tokens(prefill_chunk: int) -> int:
-    """Tokens the GPU engine's step buffers grow to for steps of up to ``prefill_chunk`` tokens (Engine.open: the
-    larger of its prefill_chunk and step_tokens, a lane's max_batch_tokens): they grow to at least twice their
-    last size, up to 512 tokens (engine/csrc/cuda/model.cu, ensure_scratch)."""
-    return max(prefill_chunk, 512)
+def engine_step_tokens(step_tokens: int) -> int:
+    """Tokens the GPU engine's step buffers grow to for steps of up to ``step_tokens`` tokens (the largest step;
+    Engine.open passes the larger of its prefill_chunk and step_tokens, a lane's max_batch_tokens): they grow to
+    at least twice their last size, up to 512 tokens (engine/csrc/cuda/model.cu, ensure_scratch)."""
+    return max(step_tokens, 512)
 
 
-def engine_plan_params(budget_bytes: int, kv_tokens: int, block_size: int, prefill_chunk: int,
+def engine_plan_params(budget_bytes: int, kv_tokens: int, block_size: int, step_tokens: int,
                        reserve_bytes: int = 640 * MIB, staging_slots: int = 0, kv_type: str = "f16") -> PlanParams:
     """The plan request of ``Engine.open(device="cuda:N", gpu_budget_gb=...)``: the KV cache of the engine
-    (kv_tokens rounded up to whole blocks, as one sequence's worth), step buffers for
-    :func:`engine_step_tokens`, the reserve. The bandwidths feed only the plan's prediction, which opening
-    a model does not use: they are set to 1 GB/s. ``staging_slots``: experts' worth of VRAM for the staging
-    ring (the GPU engine's hybrid_stage: two whole layers, 2 x n_expert). ``kv_type``: the cache's values."""
+    (kv_tokens rounded up to whole blocks, as one sequence's worth), step buffers for the largest step of
+    ``step_tokens`` tokens (:func:`engine_step_tokens`), the reserve. The bandwidths feed only the plan's
+    prediction, which opening a model does not use: they are set to 1 GB/s. ``staging_slots``: experts' worth
+    of VRAM for the staging ring (the GPU engine's hybrid_stage: two whole layers, 2 x n_expert). ``kv_type``:
+    the cache's values."""
     n_ctx = -(-kv_tokens // block_size) * block_size
-    return PlanParams(budget_bytes=budget_bytes, n_ctx=n_ctx, n_seqs=1, step_tokens=engine_step_tokens(prefill_chunk),
+    return PlanParams(budget_bytes=budget_bytes, n_ctx=n_ctx, n_seqs=1, step_tokens=engine_step_tokens(step_tokens),
                       reserve_bytes=reserve_bytes, staging_slots=staging_slots, cpu_read_gbs=1.0, gpu_read_gbs=1.0,
                       kv_type=kv_type)
 

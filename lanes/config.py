@@ -114,13 +114,15 @@ class LaneConfig(BaseModel):
         return self
 
     def _set_step_defaults(self, defaults: tuple[int, int]) -> None:
-        """Set the step sizes the configuration left unset (model_fields_set), leaving them unset."""
+        """Set the step sizes the configuration left unset (model_fields_set), leaving them unset. The values go
+        into __dict__ (pydantic's field storage): assignment and model_copy(update=...) would mark them set, and
+        pydantic v2 has no call that sets a field as a default."""
         chunk, batch = defaults
         if "prefill_chunk" not in self.model_fields_set:
-            self.__dict__["prefill_chunk"] = chunk  # not __setattr__: that would mark the field set
+            self.__dict__["prefill_chunk"] = chunk
         if "max_batch_tokens" not in self.scheduler.model_fields_set and self.scheduler.max_batch_tokens != batch:
-            sched = self.scheduler.model_copy(update={"max_batch_tokens": batch})  # a copy: the caller's object stays
-            sched.__pydantic_fields_set__.discard("max_batch_tokens")
+            sched = self.scheduler.model_copy()  # a copy: the caller's object stays
+            sched.__dict__["max_batch_tokens"] = batch
             self.__dict__["scheduler"] = sched
 
     def with_step_defaults(self, gpu: bool) -> LaneConfig:

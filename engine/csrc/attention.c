@@ -268,6 +268,18 @@ int32_t st_attn_split_mode(void) { return g_split_mode; }
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+/* KERNEL(NB, ...) with NB the constant 1, 2, 3 or 4 (nb above 4 calls it with 4): each inlined copy of an
+ * always_inline kernel over NB queries keeps its accumulators in registers. */
+#define CALL_WITH_NB(nb, KERNEL, ...)           \
+    do {                                        \
+        switch ((nb) < 4 ? (nb) : 4) {          \
+        case 1: KERNEL(1, __VA_ARGS__); break;  \
+        case 2: KERNEL(2, __VA_ARGS__); break;  \
+        case 3: KERNEL(3, __VA_ARGS__); break;  \
+        default: KERNEL(4, __VA_ARGS__); break; \
+        }                                       \
+    } while (0)
+
 /* ------------------------------------------------------------------ AVX-512 */
 
 #define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
@@ -369,9 +381,9 @@ T512 static void attn_one_512(const kv_view *kv, const float *q, float *out, int
  * operations of attn_one_512 on the chunk, so each lane's fma chains are the same; the queries
  * share each K and V load and conversion. S: NB rows of round_up(j1 - j0, 16) floats. NB is a
  * constant in each inlined copy, so the accumulators stay in registers. */
-T512 static inline __attribute__((always_inline)) void part_512_nb(const kv_view *kv, const float *q,
-                                                                   int64_t q_stride, const int NB, int32_t j0,
-                                                                   int32_t j1, float *part, float *S) {
+T512 static inline __attribute__((always_inline)) void part_512_nb(const int NB, const kv_view *kv, const float *q,
+                                                                   int64_t q_stride, int32_t j0, int32_t j1,
+                                                                   float *part, float *S) {
     const int hd = kv->hd, bs = kv->bs, ps = kv->vd + 2; /* a partial: max, sum, vd values */
     const int32_t n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
     for (int32_t o = 0; o < n; o += LANES) {
@@ -418,16 +430,8 @@ T512 static inline __attribute__((always_inline)) void part_512_nb(const kv_view
 T512 static void part_512(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                           float *part, float *scratch) {
     const size_t ps = (size_t)(kv->vd + 2);
-    for (int i = 0; i < nq; i += 4) {
-        const float *qi = q + i * q_stride;
-        float *pi = part + (size_t)i * ps;
-        switch (nq - i < 4 ? nq - i : 4) {
-        case 1: part_512_nb(kv, qi, q_stride, 1, j0, j1, pi, scratch); break;
-        case 2: part_512_nb(kv, qi, q_stride, 2, j0, j1, pi, scratch); break;
-        case 3: part_512_nb(kv, qi, q_stride, 3, j0, j1, pi, scratch); break;
-        default: part_512_nb(kv, qi, q_stride, 4, j0, j1, pi, scratch); break;
-        }
-    }
+    for (int i = 0; i < nq; i += 4)
+        CALL_WITH_NB(nq - i, part_512_nb, kv, q + i * q_stride, q_stride, j0, j1, part + (size_t)i * ps, scratch);
 }
 
 T512 static void attn_avx512(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
@@ -565,9 +569,9 @@ T256 static void attn_one_256(const kv_view *kv, const float *q, float *out, int
 /* The partials of NB (1..4) queries over keys [j0, j1) (j0 a multiple of 16): per query the
  * operations of attn_one_256 on the chunk (each lane's fma chains unchanged); the queries share
  * each K and V load and conversion, 16 keys (two vectors) at a time. S as part_512_nb's. */
-T256 static inline __attribute__((always_inline)) void part_256_nb(const kv_view *kv, const float *q,
-                                                                   int64_t q_stride, const int NB, int32_t j0,
-                                                                   int32_t j1, float *part, float *S) {
+T256 static inline __attribute__((always_inline)) void part_256_nb(const int NB, const kv_view *kv, const float *q,
+                                                                   int64_t q_stride, int32_t j0, int32_t j1,
+                                                                   float *part, float *S) {
     const int hd = kv->hd, bs = kv->bs, ps = kv->vd + 2; /* a partial: max, sum, vd values */
     const int32_t n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
     for (int32_t o = 0; o < n; o += LANES) { /* 16 keys of one block (a block holds whole groups of 16) */
@@ -628,16 +632,8 @@ T256 static inline __attribute__((always_inline)) void part_256_nb(const kv_view
 T256 static void part_256(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t j0, int32_t j1,
                           float *part, float *scratch) {
     const size_t ps = (size_t)(kv->vd + 2);
-    for (int i = 0; i < nq; i += 4) {
-        const float *qi = q + i * q_stride;
-        float *pi = part + (size_t)i * ps;
-        switch (nq - i < 4 ? nq - i : 4) {
-        case 1: part_256_nb(kv, qi, q_stride, 1, j0, j1, pi, scratch); break;
-        case 2: part_256_nb(kv, qi, q_stride, 2, j0, j1, pi, scratch); break;
-        case 3: part_256_nb(kv, qi, q_stride, 3, j0, j1, pi, scratch); break;
-        default: part_256_nb(kv, qi, q_stride, 4, j0, j1, pi, scratch); break;
-        }
-    }
+    for (int i = 0; i < nq; i += 4)
+        CALL_WITH_NB(nq - i, part_256_nb, kv, q + i * q_stride, q_stride, j0, j1, part + (size_t)i * ps, scratch);
 }
 
 T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, int nq, int32_t p0, float *out,
@@ -660,9 +656,10 @@ T256 static void attn_avx2(const kv_view *kv, const float *q, int64_t q_stride, 
  * sums to o + g * o_stride, and the max and sum of each query to mx, sum. S: 2 * NB rows of
  * round_up(e[NB-1] - j0, 16) floats (scores, then weights times scales). Registers: 8
  * accumulators, 2 key or value vectors, 1 broadcast. */
-T256 static inline __attribute__((always_inline)) void q8_nb_256(const kv_view *kv, const float *q, int64_t q_stride,
-                                                                 const int NB, int32_t j0, const int32_t *e, float *S,
-                                                                 float *mx, float *sum, float *o, int64_t o_stride) {
+T256 static inline __attribute__((always_inline)) void q8_nb_256(const int NB, const kv_view *kv, const float *q,
+                                                                 int64_t q_stride, int32_t j0, const int32_t *e,
+                                                                 float *S, float *mx, float *sum, float *o,
+                                                                 int64_t o_stride) {
     const int hd = kv->hd;
     const int32_t bs = kv->bs, j1 = e[NB - 1], n = j1 - j0, rs = (n + LANES - 1) / LANES * LANES;
     const size_t k_dim = (size_t)kv->n_kv * (size_t)hd, h0 = (size_t)kv->kvh * (size_t)hd;
@@ -765,12 +762,7 @@ T256 static inline __attribute__((always_inline)) void q8_nb_256(const kv_view *
 /* q8_nb_256 with NB a constant in each inlined copy, so the accumulators stay in registers. */
 T256 static void q8_group_256(const kv_view *kv, const float *q, int64_t q_stride, int nb, int32_t j0,
                               const int32_t *e, float *S, float *mx, float *sum, float *o, int64_t o_stride) {
-    switch (nb) {
-    case 1: q8_nb_256(kv, q, q_stride, 1, j0, e, S, mx, sum, o, o_stride); break;
-    case 2: q8_nb_256(kv, q, q_stride, 2, j0, e, S, mx, sum, o, o_stride); break;
-    case 3: q8_nb_256(kv, q, q_stride, 3, j0, e, S, mx, sum, o, o_stride); break;
-    default: q8_nb_256(kv, q, q_stride, 4, j0, e, S, mx, sum, o, o_stride); break;
-    }
+    CALL_WITH_NB(nb, q8_nb_256, kv, q, q_stride, j0, e, S, mx, sum, o, o_stride);
 }
 
 /* Whole attention (attn_q8_ref's contract): queries four at a time, query i seeing keys

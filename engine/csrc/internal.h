@@ -142,6 +142,28 @@ typedef void (*dot_q_fn)(const void *w, size_t row_bytes, int nr, int64_t n, int
                 dot_##T##_k8((const uint8_t *)w + (size_t)r * row_bytes, a[t].qk, a[t].dk, a[t].bk, n,      \
                              &out[t * ldo + r]);                                                             \
     }
+/* The types whose super-block is 16 groups of 16 codes with an integer scale per group (Q6_K, Q3_K; Q2_K's
+ * scale part): code(blk, e) is code e (0..255) of the block, scale(blk, g) the scale of group g. g16_sum is
+ * their references' exact integer sum against a[0..255], sum_g scale_g * sum_l code_(16 g + l) a_(16 g + l);
+ * g16_dequant writes y[e] = (d * scale_g) * code_e, gguf-py's order. */
+typedef int (*g16_fn)(const void *blk, int i);
+
+static inline int32_t g16_sum(const void *blk, g16_fn code, g16_fn scale, const int8_t *a) {
+    int32_t isum = 0;
+    for (int g = 0; g < QK_K / 16; g++) {
+        int32_t part = 0;
+        for (int l = 0; l < 16; l++) part += code(blk, 16 * g + l) * a[16 * g + l];
+        isum += scale(blk, g) * part;
+    }
+    return isum;
+}
+
+static inline void g16_dequant(const void *blk, g16_fn code, g16_fn scale, float d, float *y) {
+    for (int g = 0; g < QK_K / 16; g++) {
+        const float dg = d * (float)scale(blk, g);
+        for (int l = 0; l < 16; l++) y[16 * g + l] = dg * (float)code(blk, 16 * g + l);
+    }
+}
 typedef void (*dot_f_fn)(const void *w, const float *x, int64_t n, float *out);
 
 dot_q_fn st_dot_q_ref(int32_t type);

@@ -66,20 +66,14 @@ size_t st_row_bytes(int32_t type, int64_t n) {
 }
 
 /* ---- dequantisation (reference; the only implementation) ---- */
-static void deq_q4_0(const blk_q4_0 *b, float *y) {
-    const float d = f16_to_f32(b->d);
-    for (int l = 0; l < QK / 2; l++) {
-        y[l] = d * (float)((b->qs[l] & 0xF) - 8);
-        y[l + QK / 2] = d * (float)((b->qs[l] >> 4) - 8);
-    }
-}
 
-static void deq_q4_1(const blk_q4_1 *b, float *y) {
-    const float d = f16_to_f32(b->d), m = f16_to_f32(b->m);
-    for (int l = 0; l < QK / 2; l++) {
-        y[l] = d * (float)(b->qs[l] & 0xF) + m;
-        y[l + QK / 2] = d * (float)(b->qs[l] >> 4) + m;
-    }
+/* Code l (0..31) of a 32-block of 4-bit codes (Q4_0, Q4_1): the low nibble of qs[l], from 16 on the high
+ * nibble of qs[l - 16]. */
+static inline int q4_code(const uint8_t *qs, int l) { return l < 16 ? qs[l] & 0xF : qs[l - 16] >> 4; }
+
+/* Code l of a Q5_0 / Q5_1 block: q4_code with bit l of qh as the fifth bit. */
+static inline int q5_code(const uint8_t *qs, uint32_t qh, int l) {
+    return q4_code(qs, l) | (int)((qh >> l) & 1) << 4;
 }
 
 static inline uint32_t load_u32(const uint8_t *p) {
@@ -88,26 +82,26 @@ static inline uint32_t load_u32(const uint8_t *p) {
     return v;
 }
 
+static void deq_q4_0(const blk_q4_0 *b, float *y) {
+    const float d = f16_to_f32(b->d);
+    for (int l = 0; l < QK; l++) y[l] = d * (float)(q4_code(b->qs, l) - 8);
+}
+
+static void deq_q4_1(const blk_q4_1 *b, float *y) {
+    const float d = f16_to_f32(b->d), m = f16_to_f32(b->m);
+    for (int l = 0; l < QK; l++) y[l] = d * (float)q4_code(b->qs, l) + m;
+}
+
 static void deq_q5_0(const blk_q5_0 *b, float *y) {
     const float d = f16_to_f32(b->d);
     const uint32_t qh = load_u32(b->qh);
-    for (int l = 0; l < QK / 2; l++) {
-        const int q0 = (b->qs[l] & 0xF) | (((qh >> l) & 1) << 4);
-        const int q1 = (b->qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
-        y[l] = d * (float)(q0 - 16);
-        y[l + QK / 2] = d * (float)(q1 - 16);
-    }
+    for (int l = 0; l < QK; l++) y[l] = d * (float)(q5_code(b->qs, qh, l) - 16);
 }
 
 static void deq_q5_1(const blk_q5_1 *b, float *y) {
     const float d = f16_to_f32(b->d), m = f16_to_f32(b->m);
     const uint32_t qh = load_u32(b->qh);
-    for (int l = 0; l < QK / 2; l++) {
-        const int q0 = (b->qs[l] & 0xF) | (((qh >> l) & 1) << 4);
-        const int q1 = (b->qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
-        y[l] = d * (float)q0 + m;
-        y[l + QK / 2] = d * (float)q1 + m;
-    }
+    for (int l = 0; l < QK; l++) y[l] = d * (float)q5_code(b->qs, qh, l) + m;
 }
 
 static void deq_q8_0(const blk_q8_0 *b, float *y) {
@@ -115,42 +109,35 @@ static void deq_q8_0(const blk_q8_0 *b, float *y) {
     for (int l = 0; l < QK; l++) y[l] = (float)b->qs[l] * d;
 }
 
-static void deq_q4_k(const blk_q4_k *b, float *y) {
-    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
-    for (int c = 0; c < 4; c++) { /* 64 elements: low nibbles then high nibbles */
-        uint8_t sc, m;
-        get_scale_min_k4(2 * c, b->scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        get_scale_min_k4(2 * c + 1, b->scales, &sc, &m);
-        const float d2 = d * (float)sc, m2 = dmin * (float)m;
-        const uint8_t *q = b->qs + 32 * c;
-        for (int l = 0; l < 32; l++) y[64 * c + l] = d1 * (float)(q[l] & 0xF) - m1;
-        for (int l = 0; l < 32; l++) y[64 * c + 32 + l] = d2 * (float)(q[l] >> 4) - m2;
+/* Q4_K / Q5_K super-blocks: 8 sub-blocks j of 32 codes, sub-block j in nibble j % 2 of qs[32 * (j / 2) ..]
+ * (Q5_K: bit j of qh[l] is code l's fifth bit; qh NULL for Q4_K), each with the scale d * sc_j and the minimum
+ * dmin * m_j (k45_scale: the reference's products, the dequantisation's and the dot kernels' alike). */
+static inline int k45_code(const uint8_t *qs, const uint8_t *qh, int j, int l) {
+    const int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 0xF;
+    return qh ? q | (((qh[l] >> j) & 1) << 4) : q;
+}
+
+static inline void k45_scale(const uint8_t *scales, int j, float d, float dmin, float *dj, float *mj) {
+    uint8_t sc, m;
+    get_scale_min_k4(j, scales, &sc, &m);
+    *dj = d * (float)sc, *mj = dmin * (float)m;
+}
+
+static void deq_k45(f16_t d16, f16_t dmin16, const uint8_t *scales, const uint8_t *qs, const uint8_t *qh, float *y) {
+    const float d = f16_to_f32(d16), dmin = f16_to_f32(dmin16);
+    for (int j = 0; j < 8; j++) {
+        float dj, mj;
+        k45_scale(scales, j, d, dmin, &dj, &mj);
+        for (int l = 0; l < 32; l++) y[32 * j + l] = dj * (float)k45_code(qs, qh, j, l) - mj;
     }
 }
 
-static void deq_q5_k(const blk_q5_k *b, float *y) {
-    const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
-    for (int c = 0; c < 4; c++) {
-        uint8_t sc, m;
-        get_scale_min_k4(2 * c, b->scales, &sc, &m);
-        const float d1 = d * (float)sc, m1 = dmin * (float)m;
-        get_scale_min_k4(2 * c + 1, b->scales, &sc, &m);
-        const float d2 = d * (float)sc, m2 = dmin * (float)m;
-        const uint8_t *q = b->qs + 32 * c;
-        for (int l = 0; l < 32; l++) {
-            const int h = (b->qh[l] >> (2 * c)) & 1;
-            y[64 * c + l] = d1 * (float)((q[l] & 0xF) | (h << 4)) - m1;
-        }
-        for (int l = 0; l < 32; l++) {
-            const int h = (b->qh[l] >> (2 * c + 1)) & 1;
-            y[64 * c + 32 + l] = d2 * (float)((q[l] >> 4) | (h << 4)) - m2;
-        }
-    }
-}
+static void deq_q4_k(const blk_q4_k *b, float *y) { deq_k45(b->d, b->dmin, b->scales, b->qs, NULL, y); }
+static void deq_q5_k(const blk_q5_k *b, float *y) { deq_k45(b->d, b->dmin, b->scales, b->qs, b->qh, y); }
 
-/* Q6_K element e of a 128-element half: low 4 bits from ql, high 2 bits from qh. */
-static inline int q6k_value(const blk_q6_k *b, int e) {
+/* Q6_K code e (g16_fn): in its 128-element half, low 4 bits from ql, high 2 bits from qh; and group g's scale. */
+static inline int q6k_value(const void *blk, int e) {
+    const blk_q6_k *b = blk;
     const int h = e / 128, r = e % 128, g = r / 32, l = r % 32;
     const uint8_t *ql = b->ql + 64 * h, *qh = b->qh + 32 * h;
     const int lo = (g & 1) ? ql[32 + l] : ql[l];
@@ -159,13 +146,9 @@ static inline int q6k_value(const blk_q6_k *b, int e) {
     return (low4 | (high2 << 4)) - 32;
 }
 
-static void deq_q6_k(const blk_q6_k *b, float *y) {
-    const float d = f16_to_f32(b->d);
-    for (int s = 0; s < QK_K / 16; s++) {
-        const float ds = d * (float)b->scales[s];
-        for (int l = 0; l < 16; l++) y[16 * s + l] = ds * (float)q6k_value(b, 16 * s + l);
-    }
-}
+static inline int q6k_scale(const void *blk, int g) { return ((const blk_q6_k *)blk)->scales[g]; }
+
+static void deq_q6_k(const blk_q6_k *b, float *y) { g16_dequant(b, q6k_value, q6k_scale, f16_to_f32(b->d), y); }
 
 st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
     const int32_t be = st_type_block_elems(type);
@@ -199,13 +182,21 @@ st_status st_dequantize(int32_t type, const void *src, float *dst, int64_t n) {
 }
 
 /* ---- activation quantisation: int8 per 32-block, float scale, int sums per 16 ---- */
+
+/* The int8 scale of a block of n activations, max|x| / 127, stored to *d; returns its inverse (0 for an
+ * all-zero block), which the codes round(x * inverse) use. */
+static inline float act_scale(const float *x, int n, float *d) {
+    float amax = 0.0f;
+    for (int l = 0; l < n; l++) amax = fmaxf(amax, fabsf(x[l]));
+    const float db = amax / 127.0f;
+    *d = db;
+    return db != 0.0f ? 1.0f / db : 0.0f;
+}
+
 void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_t *sums, float *xs8, float *xs) {
     for (int64_t b = 0; b < n / QK; b++) {
         const float *xb = x + b * QK;
-        float amax = 0.0f;
-        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
+        const float id = act_scale(xb, QK, &d[b]), db = d[b];
         int32_t s0 = 0, s1 = 0;
         for (int l = 0; l < QK; l++) {
             const int8_t q = (int8_t)roundf(xb[l] * id);
@@ -224,10 +215,7 @@ void st_quantize_act_row(const float *x, int64_t n, int8_t *qs, float *d, int32_
 void st_quantize_act_k_row(const float *x, int64_t n, int8_t *qs, float *d, int16_t *bsums) {
     for (int64_t b = 0; b < n / QK_K; b++) {
         const float *xb = x + b * QK_K;
-        float amax = 0.0f;
-        for (int l = 0; l < QK_K; l++) amax = fmaxf(amax, fabsf(xb[l]));
-        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-        d[b] = db;
+        const float id = act_scale(xb, QK_K, &d[b]);
         for (int g = 0; g < QK_K / 16; g++) {
             int32_t sum = 0;
             for (int l = 0; l < 16; l++) {
@@ -254,55 +242,51 @@ st_status st_quantize_act(const float *x, int64_t n, int8_t *qs, float *d, int32
  * The SIMD variants compute exactly these integer sums, only faster. */
 static inline int32_t sum32(const int32_t *s16, int64_t blk) { return s16[2 * blk] + s16[2 * blk + 1]; }
 
+/* The integer sums of one 32-block of Q4_0 / Q4_1 codes and of Q5_0 / Q5_1 codes against a[0..31]. */
+static inline int32_t q4_sum(const uint8_t *qs, const int8_t *a) {
+    int32_t isum = 0;
+    for (int l = 0; l < QK; l++) isum += q4_code(qs, l) * a[l];
+    return isum;
+}
+
+static inline int32_t q5_sum(const uint8_t *qs, const uint8_t *qh, const int8_t *a) {
+    const uint32_t h = load_u32(qh);
+    int32_t isum = 0;
+    for (int l = 0; l < QK; l++) isum += q5_code(qs, h, l) * a[l];
+    return isum;
+}
+
 static void dot_q4_0_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q4_0 *b = w;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK; i++) {
-        int32_t isum = 0;
-        for (int l = 0; l < 16; l++) isum += (b[i].qs[l] & 0xF) * a[i * QK + l] + (b[i].qs[l] >> 4) * a[i * QK + 16 + l];
-        acc += f16_to_f32(b[i].d) * d[i] * (float)(isum - 8 * sum32(s, i));
-    }
+    for (int64_t i = 0; i < n / QK; i++)
+        acc += f16_to_f32(b[i].d) * d[i] * (float)(q4_sum(b[i].qs, a + i * QK) - 8 * sum32(s, i));
     *out = acc;
 }
 
 static void dot_q4_1_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q4_1 *b = w;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK; i++) {
-        int32_t isum = 0;
-        for (int l = 0; l < 16; l++) isum += (b[i].qs[l] & 0xF) * a[i * QK + l] + (b[i].qs[l] >> 4) * a[i * QK + 16 + l];
-        acc += d[i] * (f16_to_f32(b[i].d) * (float)isum + f16_to_f32(b[i].m) * (float)sum32(s, i));
-    }
+    for (int64_t i = 0; i < n / QK; i++)
+        acc += d[i] * (f16_to_f32(b[i].d) * (float)q4_sum(b[i].qs, a + i * QK) +
+                       f16_to_f32(b[i].m) * (float)sum32(s, i));
     *out = acc;
 }
 
 static void dot_q5_0_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q5_0 *b = w;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK; i++) {
-        const uint32_t qh = load_u32(b[i].qh);
-        int32_t isum = 0;
-        for (int l = 0; l < 16; l++) {
-            isum += ((b[i].qs[l] & 0xF) | (((qh >> l) & 1) << 4)) * a[i * QK + l];
-            isum += ((b[i].qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * a[i * QK + 16 + l];
-        }
-        acc += f16_to_f32(b[i].d) * d[i] * (float)(isum - 16 * sum32(s, i));
-    }
+    for (int64_t i = 0; i < n / QK; i++)
+        acc += f16_to_f32(b[i].d) * d[i] * (float)(q5_sum(b[i].qs, b[i].qh, a + i * QK) - 16 * sum32(s, i));
     *out = acc;
 }
 
 static void dot_q5_1_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q5_1 *b = w;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK; i++) {
-        const uint32_t qh = load_u32(b[i].qh);
-        int32_t isum = 0;
-        for (int l = 0; l < 16; l++) {
-            isum += ((b[i].qs[l] & 0xF) | (((qh >> l) & 1) << 4)) * a[i * QK + l];
-            isum += ((b[i].qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * a[i * QK + 16 + l];
-        }
-        acc += d[i] * (f16_to_f32(b[i].d) * (float)isum + f16_to_f32(b[i].m) * (float)sum32(s, i));
-    }
+    for (int64_t i = 0; i < n / QK; i++)
+        acc += d[i] * (f16_to_f32(b[i].d) * (float)q5_sum(b[i].qs, b[i].qh, a + i * QK) +
+                       f16_to_f32(b[i].m) * (float)sum32(s, i));
     *out = acc;
 }
 
@@ -318,42 +302,35 @@ static void dot_q8_0_one(const void *w, const int8_t *a, const float *d, const i
     *out = acc;
 }
 
+/* One Q4_K / Q5_K super-block (k45_code's layout) against activation blocks ab0 .. ab0 + 7 (sub-block j against
+ * block ab0 + j): acc plus its 8 terms, added in sub-block order. */
+static inline float dot_k45(float acc, f16_t d16, f16_t dmin16, const uint8_t *scales, const uint8_t *qs,
+                            const uint8_t *qh, const int8_t *a, const float *d, const int32_t *s, int64_t ab0) {
+    const float dd = f16_to_f32(d16), dm = f16_to_f32(dmin16);
+    for (int j = 0; j < 8; j++) {
+        float dj, mj;
+        k45_scale(scales, j, dd, dm, &dj, &mj);
+        const int64_t ab = ab0 + j;
+        int32_t isum = 0;
+        for (int l = 0; l < 32; l++) isum += k45_code(qs, qh, j, l) * a[ab * QK + l];
+        acc += d[ab] * (dj * (float)isum - mj * (float)sum32(s, ab));
+    }
+    return acc;
+}
+
 static void dot_q4_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q4_k *b = w;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        const float dd = f16_to_f32(b[i].d), dm = f16_to_f32(b[i].dmin);
-        for (int j = 0; j < 8; j++) { /* sub-block j = activation block 8i+j */
-            uint8_t sc, m;
-            get_scale_min_k4(j, b[i].scales, &sc, &m);
-            const uint8_t *q = b[i].qs + 32 * (j / 2);
-            const int shift = (j & 1) * 4;
-            const int64_t ab = 8 * i + j;
-            int32_t isum = 0;
-            for (int l = 0; l < 32; l++) isum += ((q[l] >> shift) & 0xF) * a[ab * QK + l];
-            acc += d[ab] * (dd * (float)sc * (float)isum - dm * (float)m * (float)sum32(s, ab));
-        }
-    }
+    for (int64_t i = 0; i < n / QK_K; i++)
+        acc = dot_k45(acc, b[i].d, b[i].dmin, b[i].scales, b[i].qs, NULL, a, d, s, 8 * i);
     *out = acc;
 }
 
 static void dot_q5_k_one(const void *w, const int8_t *a, const float *d, const int32_t *s, int64_t n, float *out) {
     const blk_q5_k *b = w;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        const float dd = f16_to_f32(b[i].d), dm = f16_to_f32(b[i].dmin);
-        for (int j = 0; j < 8; j++) {
-            uint8_t sc, m;
-            get_scale_min_k4(j, b[i].scales, &sc, &m);
-            const uint8_t *q = b[i].qs + 32 * (j / 2);
-            const int shift = (j & 1) * 4;
-            const int64_t ab = 8 * i + j;
-            int32_t isum = 0;
-            for (int l = 0; l < 32; l++)
-                isum += (((q[l] >> shift) & 0xF) | (((b[i].qh[l] >> j) & 1) << 4)) * a[ab * QK + l];
-            acc += d[ab] * (dd * (float)sc * (float)isum - dm * (float)m * (float)sum32(s, ab));
-        }
-    }
+    for (int64_t i = 0; i < n / QK_K; i++)
+        acc = dot_k45(acc, b[i].d, b[i].dmin, b[i].scales, b[i].qs, b[i].qh, a, d, s, 8 * i);
     *out = acc;
 }
 
@@ -365,15 +342,8 @@ static void dot_q6_k_k8(const void *w, const int8_t *a, const float *dk, const i
     const blk_q6_k *b = w;
     (void)bk;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int32_t isum = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            int32_t part = 0;
-            for (int l = 0; l < 16; l++) part += q6k_value(&b[i], 16 * g + l) * a[i * QK_K + 16 * g + l];
-            isum += b[i].scales[g] * part;
-        }
-        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum);
-    }
+    for (int64_t i = 0; i < n / QK_K; i++)
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)g16_sum(&b[i], q6k_value, q6k_scale, a + i * QK_K));
     *out = acc;
 }
 

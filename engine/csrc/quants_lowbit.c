@@ -31,6 +31,11 @@ int32_t st_lowbit_block_bytes(int32_t type) {
  * 2 * ((e % 128) / 32). */
 static inline int k_low2(const uint8_t *qs, int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3; }
 
+/* Q2_K's codes and the scale part of its groups (g16_fn): the scale in the low nibble of scales[g], the
+ * minimum in the high one. */
+static inline int q2k_code(const void *blk, int e) { return k_low2(((const blk_q2_k *)blk)->qs, e); }
+static inline int q2k_scale(const void *blk, int g) { return ((const blk_q2_k *)blk)->scales[g] & 0xF; }
+
 static void deq_q2_k(const blk_q2_k *b, float *y) {
     const float d = f16_to_f32(b->d), dmin = f16_to_f32(b->dmin);
     for (int g = 0; g < QK_K / 16; g++) {
@@ -39,18 +44,16 @@ static void deq_q2_k(const blk_q2_k *b, float *y) {
     }
 }
 
-/* Q3_K element e: low two bits as Q2_K, minus 4 unless bit e / 32 of hmask[e % 32] is set. */
-static inline int q3k_value(const blk_q3_k *b, int e) {
+/* Q3_K code e (g16_fn): low two bits as Q2_K, minus 4 unless bit e / 32 of hmask[e % 32] is set; and group
+ * g's scale (q3k_scale). */
+static inline int q3k_value(const void *blk, int e) {
+    const blk_q3_k *b = blk;
     return k_low2(b->qs, e) - (((b->hmask[e % 32] >> (e / 32)) & 1) ? 0 : 4);
 }
 
-static void deq_q3_k(const blk_q3_k *b, float *y) {
-    const float d = f16_to_f32(b->d);
-    for (int g = 0; g < QK_K / 16; g++) {
-        const float dl = d * (float)q3k_scale(b->scales, g);
-        for (int l = 0; l < 16; l++) y[16 * g + l] = dl * (float)q3k_value(b, 16 * g + l);
-    }
-}
+static inline int q3k_group_scale(const void *blk, int g) { return q3k_scale(((const blk_q3_k *)blk)->scales, g); }
+
+static void deq_q3_k(const blk_q3_k *b, float *y) { g16_dequant(b, q3k_value, q3k_group_scale, f16_to_f32(b->d), y); }
 
 /* 16 bytes of 4-bit indices: element l in the low nibble of byte l, element 16 + l in the high. */
 static inline void deq_nibbles(const uint8_t *qs, const int8_t *table, float d, float *y) {
@@ -98,13 +101,9 @@ static void dot_q2_k_k8(const void *w, const int8_t *a, const float *dk, const i
     const blk_q2_k *b = w;
     float acc = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        int32_t isum = 0, msum = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            int32_t part = 0;
-            for (int l = 0; l < 16; l++) part += k_low2(b[i].qs, 16 * g + l) * a[i * QK_K + 16 * g + l];
-            isum += (b[i].scales[g] & 0xF) * part;
-            msum += (b[i].scales[g] >> 4) * bk[16 * i + g];
-        }
+        const int32_t isum = g16_sum(&b[i], q2k_code, q2k_scale, a + i * QK_K);
+        int32_t msum = 0;
+        for (int g = 0; g < QK_K / 16; g++) msum += (b[i].scales[g] >> 4) * bk[16 * i + g];
         acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum - f16_to_f32(b[i].dmin) * (float)msum);
     }
     *out = acc;
@@ -114,15 +113,8 @@ static void dot_q3_k_k8(const void *w, const int8_t *a, const float *dk, const i
     const blk_q3_k *b = w;
     (void)bk;
     float acc = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int32_t isum = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            int32_t part = 0;
-            for (int l = 0; l < 16; l++) part += q3k_value(&b[i], 16 * g + l) * a[i * QK_K + 16 * g + l];
-            isum += q3k_scale(b[i].scales, g) * part;
-        }
-        acc += dk[i] * (f16_to_f32(b[i].d) * (float)isum);
-    }
+    for (int64_t i = 0; i < n / QK_K; i++)
+        acc += dk[i] * (f16_to_f32(b[i].d) * (float)g16_sum(&b[i], q3k_value, q3k_group_scale, a + i * QK_K));
     *out = acc;
 }
 

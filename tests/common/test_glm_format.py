@@ -32,7 +32,13 @@ from tokenizers.models import BPE
 
 from common.chat_template import ChatTemplate
 from common.tokenizer import Tokenizer
-from tests.engine.gguf_factory import GLM_SPECIALS, glm_vocab_metadata, make_glm4moe_gguf
+from tests.engine.gguf_factory import (
+    GLM_SPECIALS,
+    add_metadata,
+    finish_gguf,
+    glm_vocab_metadata,
+    make_glm4moe_gguf,
+)
 
 # GLM-4.5's pre-tokenizer regex as its tokenizer.json writes it (case-insensitive contractions).
 GLM_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -71,23 +77,8 @@ def _fuzz(n: int, seed: int) -> list[str]:
 def _write_gguf(path: Path, md: dict[str, Any]) -> None:
     """A tensor-less GGUF with metadata ``md``: enough for llama.cpp's vocab-only load."""
     w = gguf.GGUFWriter(str(path), arch=str(md["general.architecture"]))
-    for key, value in md.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, list(value))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    add_metadata(w, {k: v for k, v in md.items() if not k.startswith("GGUF.") and k != "general.architecture"})
+    finish_gguf(w, path)
 
 
 def _glm_reference(md: dict[str, Any]) -> HFTokenizer:

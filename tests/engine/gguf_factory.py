@@ -6,6 +6,7 @@ the HF parity tests build their models through engine.convert_hf instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,91 @@ def random_quant_blob(qtype: GGMLQuantizationType, shape: tuple[int, ...], std: 
     return raw.reshape(*shape[:-1], shape[-1] // block * type_size)
 
 
+# A tensor written as given: (raw bytes, logical shape, type).
+RawTensor = tuple[np.ndarray, tuple[int, ...], GGMLQuantizationType]
+# The types stored as random valid blocks (random_quant_blob) rather than quantised data.
+_RANDOM_IQ = (GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ2_XXS)
+
+
+def _add_tensor(w: GGUFWriter, rng: np.random.Generator, name: str, data: np.ndarray,
+                qtype: GGMLQuantizationType = GGMLQuantizationType.F32, omit: tuple[str, ...] = (),
+                raw_overrides: dict[str, RawTensor] | None = None) -> None:
+    """Add tensor `name` to `w`: nothing when it is in `omit`, its `raw_overrides` entry as given, else `data`
+    as F32 or in `qtype` (random_quant_blob for _RANDOM_IQ, random_quantized for the rest)."""
+    if name in omit:
+        return
+    if raw_overrides and name in raw_overrides:
+        blob, shape, raw_type = raw_overrides[name]
+        w.add_tensor(name, blob, raw_shape=shape, raw_dtype=raw_type)
+    elif qtype == GGMLQuantizationType.F32:
+        w.add_tensor(name, data)
+    else:
+        q = (random_quant_blob(qtype, data.shape, float(data.std()), rng) if qtype in _RANDOM_IQ
+             else random_quantized(data, qtype, rng))
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def _scaled_normals(rng: np.random.Generator) -> tuple[Callable[..., np.ndarray], Callable[[int], np.ndarray]]:
+    """(mat, gain): mat(*shape, scale=0.08) normal float32 values of std `scale`; gain(n) n norm weights 1 + N(0, 0.2)."""
+    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def gain(n: int) -> np.ndarray:
+        return (1.0 + mat(n, scale=0.2)).astype(np.float32)
+
+    return mat, gain
+
+
+def _add_arch_keys(w: GGUFWriter, arch: str, keys: dict[str, tuple[str, object]], drop_keys: tuple[str, ...]) -> None:
+    """Write `keys` (name without the ``arch.`` prefix: (kind, value), kind "u" uint32, "f" float32, "b" bool)
+    but those in `drop_keys`."""
+    for key, (kind, value) in keys.items():
+        if key in drop_keys:
+            continue
+        if kind == "u":
+            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
+        elif kind == "f":
+            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
+        else:
+            w.add_bool(f"{arch}.{key}", bool(value))
+
+
+def _add_extra_md(w: GGUFWriter, extra_md: dict[str, object] | None) -> None:
+    """Write full metadata keys: a str as a string, a float as F32, anything else as uint32."""
+    for key, value in (extra_md or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, int(value))  # type: ignore[arg-type]
+
+
+def _gating_keys(gating: int | None, weights_scale: float | None, weights_norm: bool | None, n_group: int,
+                 n_group_used: int) -> dict[str, tuple[str, object]]:
+    """The MoE gating keys for _add_arch_keys: None (or n_group 0 for the group keys) leaves a key out."""
+    keys: dict[str, tuple[str, object]] = {}
+    if gating is not None:
+        keys["expert_gating_func"] = ("u", gating)
+    if weights_scale is not None:
+        keys["expert_weights_scale"] = ("f", weights_scale)
+    if weights_norm is not None:
+        keys["expert_weights_norm"] = ("b", weights_norm)
+    if n_group:
+        keys["expert_group_count"] = ("u", n_group)
+        keys["expert_group_used_count"] = ("u", n_group_used)
+    return keys
+
+
+def finish_gguf(w: GGUFWriter, path: Path) -> Path:
+    """Write the header, metadata and tensors of `w` and close it; `path` (the file it writes)."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def make_random_gguf(
     path: Path,
     *,
@@ -83,7 +169,7 @@ def make_random_gguf(
     seed: int = 0,
     overrides: dict[str, np.ndarray] | None = None,
     omit: tuple[str, ...] = (),
-    raw_overrides: dict[str, tuple[np.ndarray, tuple[int, ...], GGMLQuantizationType]] | None = None,
+    raw_overrides: dict[str, RawTensor] | None = None,
     qkv_bias: bool = False,
     qk_norm: bool = False,
     n_ff_shexp: int = 0,
@@ -104,11 +190,7 @@ def make_random_gguf(
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
     w.add_feed_forward_length(n_ff)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            _add_metadata(w, {key: value})
+    add_metadata(w, metadata or {})
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_freq_base(10000.0)
@@ -129,23 +211,13 @@ def make_random_gguf(
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
 
-    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    mat, _ = _scaled_normals(rng)
 
     def add(name: str, data: np.ndarray, quant: bool = True) -> None:
-        if name in omit:
-            return
-        if raw_overrides and name in raw_overrides:
-            blob, shape, qtype = raw_overrides[name]
-            w.add_tensor(name, blob, raw_shape=shape, raw_dtype=qtype)
-            return
         if overrides and name in overrides:
             data = overrides[name]
-        if quant and weight_type != GGMLQuantizationType.F32 and data.ndim >= 2:
-            q = random_quantized(data, weight_type, rng)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=weight_type)
-        else:
-            w.add_tensor(name, data)
+        qtype = weight_type if quant and data.ndim >= 2 else GGMLQuantizationType.F32
+        _add_tensor(w, rng, name, data, qtype, omit, raw_overrides)
 
     add("token_embd.weight", mat(n_vocab, n_embd, scale=0.5))
     add("output_norm.weight", (1.0 + mat(n_embd)).astype(np.float32), quant=False)
@@ -179,11 +251,7 @@ def make_random_gguf(
             add(p + "ffn_gate.weight", mat(n_ff, n_embd))
             add(p + "ffn_up.weight", mat(n_ff, n_embd))
             add(p + "ffn_down.weight", mat(n_embd, n_ff))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 # ---------------------------------------------------------------------------------------------- glm4moe
@@ -245,21 +313,20 @@ def glm_vocab_metadata(chat_template: str | None = None) -> dict[str, object]:
     return md
 
 
-def _add_metadata(w: GGUFWriter, md: dict[str, object]) -> None:
-    from gguf import GGUFValueType as V
-
+def add_metadata(w: GGUFWriter, md: Mapping[str, object]) -> None:
+    """Write metadata keys by their values' Python types: bool, int (as uint32), float (as F32), str, and any
+    other iterable as an array of its items."""
     for key, value in md.items():
         if isinstance(value, bool):
             w.add_bool(key, value)
         elif isinstance(value, int):
             w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)
-        elif isinstance(value, list):
-            w.add_array(key, value)
         else:
-            raise TypeError(f"{key}: {type(value).__name__}")
-    del V
+            w.add_array(key, list(value))  # type: ignore[call-overload]
 
 
 def make_glm4moe_gguf(
@@ -292,7 +359,7 @@ def make_glm4moe_gguf(
     drop_keys: tuple[str, ...] = (),
     extra_keys: dict[str, int] | None = None,
     omit: tuple[str, ...] = (),
-    raw_overrides: dict[str, tuple[np.ndarray, tuple[int, ...], GGMLQuantizationType]] | None = None,
+    raw_overrides: dict[str, RawTensor] | None = None,
 ) -> Path:
     """A random ``glm4moe`` GGUF in llama.cpp's names and layout (GLM-4.5 / Air in miniature):
     head_dim * heads != n_embd, partial rotary (rope_dim < head_dim), q/k/v biases, optional q/k
@@ -320,47 +387,17 @@ def make_glm4moe_gguf(
         "leading_dense_block_count": ("u", n_dense_lead), "nextn_predict_layers": ("u", n_nextn),
         "vocab_size": ("u", n_vocab),
     }
-    if gating is not None:
-        keys["expert_gating_func"] = ("u", gating)
-    if weights_scale is not None:
-        keys["expert_weights_scale"] = ("f", weights_scale)
-    if weights_norm is not None:
-        keys["expert_weights_norm"] = ("b", weights_norm)
-    if n_group:
-        keys["expert_group_count"] = ("u", n_group)
-        keys["expert_group_used_count"] = ("u", n_group_used)
+    keys |= _gating_keys(gating, weights_scale, weights_norm, n_group, n_group_used)
     for key, value in (extra_keys or {}).items():
         keys[key] = ("u", value)
-    for key, (kind, value) in keys.items():
-        if key in drop_keys:
-            continue
-        if kind == "u":
-            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
-        elif kind == "f":
-            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
-        else:
-            w.add_bool(f"{arch}.{key}", bool(value))
+    _add_arch_keys(w, arch, keys, drop_keys)
     if vocab:  # llama.cpp needs it; the engine does not
-        _add_metadata(w, glm_vocab_metadata(chat_template))
-
-    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def gain(n: int) -> np.ndarray:
-        return (1.0 + mat(n, scale=0.2)).astype(np.float32)
+        add_metadata(w, glm_vocab_metadata(chat_template))
+    mat, gain = _scaled_normals(rng)
 
     def add(name: str, data: np.ndarray, quant: bool = True) -> None:
-        if name in omit:
-            return
-        if raw_overrides and name in raw_overrides:
-            blob, shape, qtype = raw_overrides[name]
-            w.add_tensor(name, blob, raw_shape=shape, raw_dtype=qtype)
-            return
-        if quant and weight_type != GGMLQuantizationType.F32 and data.ndim >= 2:
-            q = quantize(data, weight_type)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=weight_type)
-        else:
-            w.add_tensor(name, data)
+        qtype = weight_type if quant and data.ndim >= 2 else GGMLQuantizationType.F32
+        _add_tensor(w, rng, name, data, qtype, omit, raw_overrides)
 
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     add("token_embd.weight", mat(n_vocab, n_embd, scale=0.5))
@@ -403,11 +440,7 @@ def make_glm4moe_gguf(
             add(p + "nextn.hnorm.weight", gain(n_embd), quant=False)
             add(p + "nextn.shared_head_head.weight", mat(n_vocab, n_embd, scale=0.2))
             add(p + "nextn.shared_head_norm.weight", gain(n_embd), quant=False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 def make_gptoss_gguf(
@@ -452,37 +485,14 @@ def make_gptoss_gguf(
         "expert_count": ("u", n_expert), "expert_used_count": ("u", n_expert_used),
         "expert_feed_forward_length": ("u", n_ff_exp), "attention.sliding_window": ("u", sliding_window),
     }
-    for key, (kind, value) in keys.items():
-        if key in drop_keys:
-            continue
-        if kind == "u":
-            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
-        else:
-            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
-    for key, value in (extra_md or {}).items():
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, int(value))  # type: ignore[arg-type]
-    _add_metadata(w, glm_vocab_metadata(chat_template))
+    _add_arch_keys(w, arch, keys, drop_keys)
+    _add_extra_md(w, extra_md)
+    add_metadata(w, glm_vocab_metadata(chat_template))
     n_vocab = GLM_VOCAB
-
-    def mat(*shape: int, scale: float = 0.08) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def gain(n: int) -> np.ndarray:
-        return (1.0 + mat(n, scale=0.2)).astype(np.float32)
+    mat, gain = _scaled_normals(rng)
 
     def add(name: str, data: np.ndarray, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
-        if name in omit:
-            return
-        if qtype != GGMLQuantizationType.F32:
-            q = quantize(data, qtype)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, data)
+        _add_tensor(w, rng, name, data, qtype, omit)
 
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     add("token_embd.weight", mat(n_vocab, n_embd, scale=0.5))
@@ -511,11 +521,7 @@ def make_gptoss_gguf(
         add(p + "ffn_gate_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
         add(p + "ffn_up_exps.bias", mat(n_expert, n_ff_exp, scale=0.5))
         add(p + "ffn_down_exps.bias", mat(n_expert, n_embd, scale=0.1))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 # ---------------------------------------------------------------------------------------------- deepseek2
@@ -617,33 +623,11 @@ def make_deepseek2_gguf(
     else:
         keys |= {"attention.head_count_kv": ("u", n_head), "attention.key_length": ("u", head_dim),
                  "attention.value_length": ("u", v_head_dim)}
-    if gating is not None:
-        keys["expert_gating_func"] = ("u", gating)
-    if weights_scale is not None:
-        keys["expert_weights_scale"] = ("f", weights_scale)
-    if weights_norm is not None:
-        keys["expert_weights_norm"] = ("b", weights_norm)
-    if n_group:
-        keys["expert_group_count"] = ("u", n_group)
-        keys["expert_group_used_count"] = ("u", n_group_used)
-    for key, (kind, value) in keys.items():
-        if key in drop_keys:
-            continue
-        if kind == "u":
-            w.add_uint32(f"{arch}.{key}", int(value))  # type: ignore[arg-type]
-        elif kind == "f":
-            w.add_float32(f"{arch}.{key}", float(value))  # type: ignore[arg-type]
-        else:
-            w.add_bool(f"{arch}.{key}", bool(value))
-    for key, value in (extra_md or {}).items():
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, int(value))  # type: ignore[arg-type]
+    keys |= _gating_keys(gating, weights_scale, weights_norm, n_group, n_group_used)
+    _add_arch_keys(w, arch, keys, drop_keys)
+    _add_extra_md(w, extra_md)
     if vocab:  # llama.cpp needs it; the engine does not
-        _add_metadata(w, deepseek_vocab_metadata())
+        add_metadata(w, deepseek_vocab_metadata())
     n_vocab = DEEPSEEK_VOCAB
 
     def mat(*shape: int, gain: float = 1.0) -> np.ndarray:
@@ -653,16 +637,7 @@ def make_deepseek2_gguf(
         return (1.0 + rng.standard_normal(n) * 0.2).astype(np.float32)
 
     def add(name: str, data: np.ndarray, qtype: GGMLQuantizationType = GGMLQuantizationType.F32) -> None:
-        if name in omit:
-            return
-        if qtype in (GGMLQuantizationType.IQ3_XXS, GGMLQuantizationType.IQ2_XXS):
-            blob = random_quant_blob(qtype, data.shape, float(data.std()), rng)
-            w.add_tensor(name, blob, raw_shape=blob.shape, raw_dtype=qtype)
-        elif qtype != GGMLQuantizationType.F32:
-            q = random_quantized(data, qtype, rng)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, data)
+        _add_tensor(w, rng, name, data, qtype, omit)
 
     add("token_embd.weight", (rng.standard_normal((n_vocab, n_embd))).astype(np.float32))
     add("output_norm.weight", gain(n_embd))
@@ -706,8 +681,4 @@ def make_deepseek2_gguf(
             add(p + "ffn_gate_shexp.weight", mat(fs, n_embd))
             add(p + "ffn_up_shexp.weight", mat(fs, n_embd))
             add(p + "ffn_down_shexp.weight", mat(n_embd, fs))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)

@@ -1,13 +1,16 @@
 """What the parity tests of the architectures and quant types share: the relative error logits are
 judged by, llama.cpp (the pinned llama-cpp-python) as the oracle, greedy decoding judged up to the
-first near-tie, and the NumPy pieces of the float64 reference passes (RMSNorm, llama.cpp's router).
+first near-tie, and the NumPy pieces of the float64 reference passes (a GGUF's tensors and metadata,
+RMSNorm, SwiGLU, llama.cpp's router, the MoE FFN with a shared expert).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 TOL = 1e-3  # max|delta| / max|ref|: the F32 parity tolerance of the architecture tests
@@ -79,6 +82,21 @@ def judge_greedy(gen: list[int], ref_seq: np.ndarray, start: int, tol: float, wh
 # ---------------------------------------------------------------------------------------------- NumPy pieces
 
 
+def read_gguf_f64(path: Path, arch: str) -> tuple[dict[str, np.ndarray], Callable[..., Any]]:
+    """What a NumPy reference model reads from a GGUF: every tensor dequantised to float64 in its logical shape
+    (NumPy order, [rows, cols]), and kv(key, default=None), the value of metadata key ``arch.key`` (``default``
+    where the file lacks it)."""
+    r = gguf.GGUFReader(path)
+
+    def kv(key: str, default: Any = None) -> Any:
+        f = r.get_field(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
+    t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
+         .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+    return t, kv
+
+
 def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis, times the gain w."""
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -130,5 +148,28 @@ def route_ref(logits: np.ndarray, bias: np.ndarray | None, k: int, gating: int, 
     if norm:
         w = w / max(w.sum(), 6.103515625e-5)
     return ids, w * scale, float(margin)
+
+
+def shared_and_routed_ffn(h: np.ndarray, t: dict[str, np.ndarray], p: str, k: int, gating: int, n_group: int,
+                          n_group_used: int, norm: bool, scale: float, *, relative: bool = False,
+                          routed: bool = True) -> tuple[np.ndarray, float]:
+    """The FFN of a MoE layer with a shared expert (glm4moe, deepseek2) on rows h [T, n_embd]: the shared
+    expert, plus per token the routed experts route_ref chooses (router ``p + ffn_gate_inp``, score-correction
+    bias ``p + exp_probs_b`` where the file has one) times their weights, added in choice order; ``routed``
+    False leaves them out (to show they matter). Returns (the FFN's output [T, n_embd], the smallest decision
+    margin of the tokens' routing)."""
+    out = swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"], t[p + "ffn_down_shexp.weight"])
+    router = h @ t[p + "ffn_gate_inp.weight"].T
+    margin = np.inf
+    for i in range(len(h)):
+        sel, w, m = route_ref(router[i], t.get(p + "exp_probs_b.bias"), k, gating, n_group, n_group_used, norm,
+                              scale, relative=relative)
+        margin = min(margin, m)
+        if not routed:
+            continue
+        for e, we in zip(sel, w, strict=True):
+            out[i] += we * swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
+                                  t[p + "ffn_down_exps.weight"][e])
+    return out, float(margin)
 
 

@@ -30,25 +30,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
-from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
-from tests.engine.parity import (
-    TOL,
-    judge_greedy,
-    llama_greedy,
-    llama_logits,
-    rel_err,
-    rms,
-    route_ref,
-    swiglu,
+from tests.engine.arch_checks import (
+    check_batched_equals_alone,
+    check_cuda_open_reaches_the_device,
+    check_greedy_matches_llama,
+    check_hybrid_placement_refused,
 )
-from tests.engine.sched_helpers import prefill_together, release_tables
+from tests.engine.gguf_factory import DEEPSEEK_VOCAB, make_deepseek2_gguf
+from tests.engine.parity import TOL, llama_logits, read_gguf_f64, rel_err, rms, shared_and_routed_ffn, swiglu
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -69,14 +64,7 @@ class RefModel:
     does; zero_experts drops the routed experts (to show they matter)."""
 
     def __init__(self, path: Path) -> None:
-        r = gguf.GGUFReader(path)
-
-        def kv(key: str, default: Any = None) -> Any:
-            f = r.get_field(f"deepseek2.{key}")
-            return default if f is None else f.contents()
-
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-                  .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+        self.t, kv = read_gguf_f64(path, "deepseek2")
         self.n_layer, self.n_head = kv("block_count"), kv("attention.head_count")
         self.split = kv("attention.key_length_mla") is not None
         self.hd = kv("attention.key_length_mla") or kv("attention.key_length")
@@ -137,18 +125,10 @@ class RefModel:
             if il < self.dense:
                 x = x + swiglu(h, t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"])
                 continue
-            out = swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"], t[p + "ffn_down_shexp.weight"])
-            router = h @ t[p + "ffn_gate_inp.weight"].T
-            for i in range(T):
-                sel, w, margin = route_ref(router[i], t.get(p + "exp_probs_b.bias"), self.k, self.gating,
-                                           self.n_group, self.n_group_used, self.norm, self.scale,
-                                           relative=self.gating == 1)
-                self.margin = min(self.margin, margin)
-                if self.zero_experts:
-                    continue
-                for e, we in zip(sel, w, strict=True):
-                    out[i] += we * swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
-                                          t[p + "ffn_down_exps.weight"][e])
+            out, margin = shared_and_routed_ffn(h, t, p, self.k, self.gating, self.n_group, self.n_group_used,
+                                                self.norm, self.scale, relative=self.gating == 1,
+                                                routed=not self.zero_experts)
+            self.margin = min(self.margin, margin)
             x = x + out
         return rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
 
@@ -210,17 +190,7 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
 
 
 def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None:
-    _, path = variant
-    prompt = _prompt(99, 16)
-    with Engine.open(path, threads=2, kv_tokens=256) as eng:
-        gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY, ignore_eos=True).token_ids]
-        assert len(gen) == N_GREEDY
-        seq = prompt + gen[:-1]
-        ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    theirs = llama_logits(llama, seq)  # llama.cpp's logits behind every greedy step, on the engine's continuation
-    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):  # no tie met: llama.cpp's own greedy run is the same
-        assert gen == llama_greedy(llama, prompt, N_GREEDY)
+    check_greedy_matches_llama(variant[1], llama, _prompt(99, 16), N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
@@ -229,13 +199,7 @@ def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     name, path = variant
     if name not in ("v3", "v2"):
         pytest.skip("the two attention forms are enough")
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(0, DEEPSEEK_VOCAB, n)] for n in (3, 21, 9)]
-    with Engine.open(path, threads=2, kv_tokens=512) as eng:
-        alone = [eng.logits_for(p) for p in prompts]
-        batched, tables = prefill_together(eng, prompts)
-        release_tables(eng, tables)
-    assert np.array_equal(batched, np.concatenate(alone))
+    check_batched_equals_alone(path, DEEPSEEK_VOCAB)
 
 
 def test_split_and_unsplit_files_give_the_same_logits(tmp_path: Path) -> None:
@@ -314,18 +278,9 @@ def test_gpu_devices(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch)
     """deepseek2 runs on the GPU engine (engine.engine.GPU_ARCHES; its parity with this engine is
     tests/engine/gpu/test_gpu_deepseek2.py): an explicit cuda:N passes the architecture check and goes to the
     device, whose absence (simulated here) is the typed DeviceUnavailableError, not the CPU-only refusal."""
-    import engine.engine as engine_mod
-    from engine.cuda_backend import DeviceUnavailableError
-
     if variant[0] != "v3":
         pytest.skip("one file is enough")
-
-    def no_device(device: str | None) -> None:
-        raise DeviceUnavailableError(f"{device}: no CUDA device (test)", "device")
-
-    monkeypatch.setattr(engine_mod, "resolve_device", no_device)
-    with pytest.raises(DeviceUnavailableError, match="no CUDA device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
+    check_cuda_open_reaches_the_device(variant[1], monkeypatch)
 
 
 def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -333,21 +288,5 @@ def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkey
     whose plan leaves a routed expert on the CPU is refused with a typed error before any GPU is touched."""
     if variant[0] != "v3":
         pytest.skip("one file is enough")
-    import engine.engine as engine_mod
-    import engine.placement as placement_mod
-    from engine.cuda_backend import DeviceSpec
-    from engine.engine import HybridArchError
-
-    real = engine_mod.resolve_device
-    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: DeviceSpec("cuda", 0) if d == "cuda:0" else real(d))
-    whole = placement_mod.resident_mask
-    dense = open_model(variant[1]).hparams.n_dense_lead
-
-    def partial(mf: Any, plan: Any) -> np.ndarray:
-        mask = whole(mf, plan).copy()
-        mask[dense, 0] = 0  # one expert of the first MoE layer left on the CPU
-        return mask
-
-    monkeypatch.setattr(placement_mod, "resident_mask", partial)
-    with pytest.raises(HybridArchError, match="every expert on the device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0", gpu_budget_gb=1000.0)
+    # one expert of the first MoE layer left on the CPU
+    check_hybrid_placement_refused(variant[1], monkeypatch, open_model(variant[1]).hparams.n_dense_lead)

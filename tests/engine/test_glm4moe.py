@@ -24,25 +24,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, create_native_model, open_model
 from engine.native import ffi, lib, ptr
+from tests.engine.arch_checks import (
+    check_batched_equals_alone,
+    check_cuda_open_reaches_the_device,
+    check_greedy_matches_llama,
+)
 from tests.engine.gguf_factory import GLM_VOCAB, make_glm4moe_gguf
 from tests.engine.parity import (
     TOL,
-    judge_greedy,
-    llama_greedy,
     llama_logits,
+    read_gguf_f64,
     rel_err,
     rms,
     route_ref,
+    shared_and_routed_ffn,
     swiglu,
 )
-from tests.engine.sched_helpers import prefill_together, release_tables
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -64,14 +67,7 @@ class RefModel:
     """The glm4moe forward pass in float64, from the GGUF's own tensors and metadata."""
 
     def __init__(self, path: Path) -> None:
-        r = gguf.GGUFReader(path)
-
-        def kv(key: str, default: Any = None) -> Any:
-            f = r.get_field(f"glm4moe.{key}")
-            return default if f is None else f.contents()
-
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-                  .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+        self.t, kv = read_gguf_f64(path, "glm4moe")
         self.n_layer = kv("block_count") - kv("nextn_predict_layers", 0)
         self.n_head, self.n_head_kv = kv("attention.head_count"), kv("attention.head_count_kv")
         self.hd, self.rope_dim = kv("attention.key_length"), kv("rope.dimension_count")
@@ -118,16 +114,9 @@ class RefModel:
             if il < self.dense:
                 x = x + swiglu(h, t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"])
                 continue
-            out = swiglu(h, t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"],
-                         t[p + "ffn_down_shexp.weight"])
-            router = h @ t[p + "ffn_gate_inp.weight"].T
-            for i in range(T):
-                sel, w, margin = route_ref(router[i], t.get(p + "exp_probs_b.bias"), self.k, self.gating,
-                                           self.n_group, self.n_group_used, self.norm, self.scale)
-                self.margin = min(self.margin, margin)
-                for e, we in zip(sel, w, strict=True):
-                    out[i] += we * swiglu(h[i], t[p + "ffn_gate_exps.weight"][e], t[p + "ffn_up_exps.weight"][e],
-                                          t[p + "ffn_down_exps.weight"][e])
+            out, margin = shared_and_routed_ffn(h, t, p, self.k, self.gating, self.n_group, self.n_group_used,
+                                                self.norm, self.scale)
+            self.margin = min(self.margin, margin)
             x = x + out
         return rms(x, t["output_norm.weight"], self.eps) @ t["output.weight"].T
 
@@ -173,32 +162,14 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
 
 
 def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None:
-    _, path = variant
     prompt = [int(t) for t in np.random.default_rng(99).integers(0, GLM_VOCAB, 16)]
-    with Engine.open(path, threads=2, kv_tokens=256) as eng:
-        gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY, ignore_eos=True).token_ids]
-        assert len(gen) == N_GREEDY
-        seq = prompt + gen[:-1]
-        ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    # llama.cpp's logits behind every greedy step, on the engine's own continuation
-    theirs = llama_logits(llama, seq)
-    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):
-        # No tie met: llama.cpp's own greedy decoding (its KV cache, one token at a time) is the same.
-        assert gen == llama_greedy(llama, prompt, N_GREEDY)
+    check_greedy_matches_llama(variant[1], llama, prompt, N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     """Dense lead, routed layers and the router's rule give every sequence in a mixed step the
     logits it gets alone, bit for bit (as tests/engine/test_batching.py checks for the others)."""
-    _, path = variant
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(0, GLM_VOCAB, n)] for n in (3, 21, 9)]
-    with Engine.open(path, threads=2, kv_tokens=512) as eng:
-        alone = [eng.logits_for(p) for p in prompts]
-        batched, tables = prefill_together(eng, prompts)
-        release_tables(eng, tables)
-    assert np.array_equal(batched, np.concatenate(alone))
+    check_batched_equals_alone(variant[1], GLM_VOCAB)
 
 
 def test_nextn_layer_is_kept_not_run(variant: tuple[str, Path]) -> None:
@@ -344,12 +315,4 @@ def test_gpu_devices(variant: tuple[str, Path], monkeypatch: pytest.MonkeyPatch)
     """glm4moe runs on the GPU engine (engine.engine.GPU_ARCHES; its parity with this engine is
     tests/engine/gpu/test_gpu_glm4moe.py): an explicit cuda:N passes the architecture check and goes to the
     device, whose absence (simulated here) is the typed DeviceUnavailableError, not the CPU-only refusal."""
-    import engine.engine as engine_mod
-    from engine.cuda_backend import DeviceUnavailableError
-
-    def no_device(device: str | None) -> None:
-        raise DeviceUnavailableError(f"{device}: no CUDA device (test)", "device")
-
-    monkeypatch.setattr(engine_mod, "resolve_device", no_device)
-    with pytest.raises(DeviceUnavailableError, match="no CUDA device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0")
+    check_cuda_open_reaches_the_device(variant[1], monkeypatch)

@@ -24,24 +24,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
 from engine.engine import Engine
 from engine.gguf_model import GGUFError, UnsupportedModelError, open_model
-from tests.engine.gguf_factory import GLM_VOCAB, make_gptoss_gguf
-from tests.engine.parity import (
-    TOL,
-    judge_greedy,
-    llama_file_logits,
-    llama_greedy,
-    llama_logits,
-    rel_err,
-    rms,
+from tests.engine.arch_checks import (
+    check_batched_equals_alone,
+    check_greedy_matches_llama,
+    check_hybrid_placement_refused,
 )
-from tests.engine.sched_helpers import prefill_together, release_tables
+from tests.engine.gguf_factory import GLM_VOCAB, make_gptoss_gguf
+from tests.engine.parity import TOL, llama_file_logits, llama_logits, read_gguf_f64, rel_err, rms
 
 PROMPT_LEN = 32
 N_GREEDY = 64
@@ -62,14 +57,7 @@ class RefModel:
     single features off (to show each one matters) or round K and V to F16 (the engine's cache)."""
 
     def __init__(self, path: Path) -> None:
-        r = gguf.GGUFReader(path)
-
-        def kv(key: str, default: Any = None) -> Any:
-            f = r.get_field(f"gpt-oss.{key}")
-            return default if f is None else f.contents()
-
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64)
-                  .reshape(tuple(reversed([int(d) for d in t.shape]))) for t in r.tensors}
+        self.t, kv = read_gguf_f64(path, "gpt-oss")
         self.n_layer = kv("block_count")
         self.n_head, self.n_head_kv, self.hd = kv("attention.head_count"), kv("attention.head_count_kv"), \
             kv("attention.key_length")
@@ -189,30 +177,14 @@ def test_logits_match_llama_cpp_and_numpy(variant: tuple[str, Path], llama: Any)
 
 
 def test_greedy_matches_llama_cpp(variant: tuple[str, Path], llama: Any) -> None:
-    _, path = variant
     prompt = [int(t) for t in np.random.default_rng(99).integers(0, GLM_VOCAB, 16)]
-    with Engine.open(path, threads=2, kv_tokens=256) as eng:
-        gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY, ignore_eos=True).token_ids]
-        assert len(gen) == N_GREEDY
-        seq = prompt + gen[:-1]
-        ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    theirs = llama_logits(llama, seq)
-    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    if judge_greedy(gen, theirs, len(prompt) - 1, TOL):  # no tie met: llama.cpp's own greedy run is the same
-        assert gen == llama_greedy(llama, prompt, N_GREEDY)
+    check_greedy_matches_llama(variant[1], llama, prompt, N_GREEDY)
 
 
 def test_batched_sequences_equal_alone(variant: tuple[str, Path]) -> None:
     """Sliding and full layers, sinks and the routing give every sequence in a mixed step the
     logits it gets alone, bit for bit."""
-    _, path = variant
-    rng = np.random.default_rng(5)
-    prompts = [[int(t) for t in rng.integers(0, GLM_VOCAB, n)] for n in (3, 21, 9)]
-    with Engine.open(path, threads=2, kv_tokens=512) as eng:
-        alone = [eng.logits_for(p) for p in prompts]
-        batched, tables = prefill_together(eng, prompts)
-        release_tables(eng, tables)
-    assert np.array_equal(batched, np.concatenate(alone))
+    check_batched_equals_alone(variant[1], GLM_VOCAB)
 
 
 def test_yarn_rotary_scaling_matches_llama_cpp(tmp_path: Path) -> None:
@@ -284,23 +256,7 @@ def test_gpu_hybrid_placement_is_a_typed_error(variant: tuple[str, Path], monkey
     tests/engine/gpu/test_gpu_gptoss.py)."""
     if variant[0] != "f32":
         pytest.skip("one file is enough")
-    import engine.engine as engine_mod
-    import engine.placement as placement_mod
-    from engine.cuda_backend import DeviceSpec
-    from engine.engine import HybridArchError
-
-    real = engine_mod.resolve_device
-    monkeypatch.setattr(engine_mod, "resolve_device", lambda d: DeviceSpec("cuda", 0) if d == "cuda:0" else real(d))
-    whole = placement_mod.resident_mask
-
-    def partial(mf: Any, plan: Any) -> np.ndarray:
-        mask = whole(mf, plan).copy()
-        mask[0, 0] = 0  # one expert of layer 0 left on the CPU
-        return mask
-
-    monkeypatch.setattr(placement_mod, "resident_mask", partial)
-    with pytest.raises(HybridArchError, match="every expert on the device"):
-        Engine.open(variant[1], threads=1, kv_tokens=64, device="cuda:0", gpu_budget_gb=1000.0)
+    check_hybrid_placement_refused(variant[1], monkeypatch, 0)  # one expert of layer 0 left on the CPU
 
 
 def test_inspect_shows_the_gptoss_fields(variant: tuple[str, Path]) -> None:

@@ -272,7 +272,7 @@ def test_engine_plan_params_and_the_cpu_rows_part(files: dict[str, Path]) -> Non
     expert where the model has one)."""
     mf = open_model(files["a"])
     hp = mf.hparams
-    p = pl.engine_plan_params(10 << 30, kv_tokens=100, block_size=16, prefill_chunk=256)
+    p = pl.engine_plan_params(10 << 30, kv_tokens=100, block_size=16, step_tokens=256)
     assert p.n_ctx == 112 and p.n_seqs == 1 and p.step_tokens == 512 and p.budget_bytes == 10 << 30
     assert pl.engine_plan_params(1, 100, 16, 2048).step_tokens == 2048
     got = pl.plan(mf, p)

@@ -23,6 +23,7 @@ from engine.gguf_model import GGUFError, UnsupportedModelError, build_desc, open
 from engine.native import ffi, lib
 from engine.rope import RopeOverrides
 from lanes.config import LaneConfig
+from tests.engine.arch_checks import check_greedy_matches_llama
 from tests.engine.gguf_factory import make_random_gguf
 from tests.engine.parity import llama_logits, open_llama, rel_err
 
@@ -73,30 +74,7 @@ def test_logits_match_llama_cpp_beyond_the_original_context(variant: tuple[str, 
 
 
 def test_greedy_matchesopen_llama(variant: tuple[str, str, Path], llama: Any) -> None:
-    _, _, path = variant
-    prompt = _prompt(PROMPT_LEN - N_GREEDY, seed=2)
-    with Engine.open(path, threads=2, kv_tokens=512) as eng:
-        gen = [int(t) for t in eng.generate(prompt, max_tokens=N_GREEDY, ignore_eos=True).token_ids]
-        assert len(gen) == N_GREEDY
-        seq = prompt + gen[:-1]
-        ours = np.asarray(eng.logits_for(seq), dtype=np.float32)
-    theirs = llama_logits(llama, seq)
-    assert rel_err(ours[len(prompt) - 1:], theirs[len(prompt) - 1:]) <= TOL
-    tie_ok = 2 * TOL * float(np.abs(theirs).max())
-    for step, tok in enumerate(gen):
-        row = theirs[len(prompt) - 1 + step]
-        best = int(row.argmax())
-        if tok != best:  # only where llama.cpp itself is within tolerance of a tie
-            assert float(row[best] - row[tok]) <= tie_ok, f"greedy step {step}: {tok} instead of {best}"
-            return
-    llama.reset()  # no tie met: llama.cpp's own token-by-token greedy decoding gives the same tokens
-    llama.eval(prompt)
-    theirs_gen = []
-    for _ in range(N_GREEDY):
-        tok = int(np.argmax(llama.scores[llama.n_tokens - 1]))
-        theirs_gen.append(tok)
-        llama.eval([tok])
-    assert gen == theirs_gen
+    check_greedy_matches_llama(variant[2], llama, _prompt(PROMPT_LEN - N_GREEDY, seed=2), N_GREEDY, kv_tokens=512)
 
 
 @pytest.mark.parametrize(("lane", "llama_kw"), [
