@@ -78,6 +78,9 @@ typedef struct stg_settings {
                                * k_rows_direct's own clock and split the rest into compute and PCIe as the last
                                * measured step of their size did (stg_profile.measured 0). 0: every step records
                                * them (each record ends a kernel's early launch). Same bits either way */
+    int32_t hybrid_poll;      /* hybrid placement, a decode-sized step's k_rows_direct: 1, one block polls the layer's
+                               * host flag over PCIe and hands it to the others in device memory; 0, every block
+                               * (up to 32) polls it. Same bits either way */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
