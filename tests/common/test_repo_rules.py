@@ -18,6 +18,7 @@ TESTS = REPO / "tests"
 SUPPORT = {
     "tests/http_helpers.py",  # a real gateway / lane over HTTP for the tests that speak to one
     "tests/pg.py",  # the PostgreSQL server the postgres tests use
+    "tests/engine/arch_checks.py",  # the new architectures' shared checks: greedy vs llama.cpp, mixed steps, devices
     "tests/engine/gguf_factory.py",  # small random GGUF files
     "tests/engine/hf_models.py",  # small random Hugging Face MoE models converted to GGUF
     "tests/engine/parity.py",  # the parity tests' relative error, llama.cpp oracle, greedy judging, NumPy pieces

@@ -415,6 +415,8 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
  * on an error or an abandoned queue, every later flag written (hybrid_release). */
 static void hybrid_worker_run(stg_model *m, hybrid_step *hs, hybrid_worker *w) {
     int il = 0;
+    const stg_cpu_experts &cpu = m->hy.cpu;
+    if (m->set.hybrid_pin && cpu.pin_caller) cpu.pin_caller(cpu.pool); /* best effort, as the workers' pinning */
     if (cudaSetDevice(m->device) != cudaSuccess) {
         cudaGetLastError();
         w->rc = fail(ST_EINVAL, "hybrid: the CPU thread could not select device %d", m->device);

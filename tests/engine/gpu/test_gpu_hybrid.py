@@ -16,7 +16,8 @@ hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) s
 model's own accounting matches the plan; the frame profile's parts; launch / wait with token_src on a hybrid
 model; bad resident masks are typed errors; programmatic dependent launch in hybrid steps (STRATA_GPU_PDL)
 gives the same bits; sampled frame events (STRATA_GPU_HYBRID_EVENTS) give the same bits and an account that adds up;
-one poller of the CPU's flag (STRATA_GPU_HYBRID_POLL) gives the same bits.
+one poller of the CPU's flag (STRATA_GPU_HYBRID_POLL) and the CPU-share thread pinned (STRATA_GPU_HYBRID_PIN)
+give the same bits.
 """
 
 from __future__ import annotations
@@ -427,18 +428,20 @@ def test_hybrid_events_sampled(paths: dict, model: str, qt: str, frac: str) -> N
         assert measured == [i == 60 for i in range(70)], measured
 
 
+@pytest.mark.parametrize("knob", ["STRATA_GPU_HYBRID_POLL", "STRATA_GPU_HYBRID_PIN"])
 @pytest.mark.parametrize(("model", "qt", "frac"), [("qwen2moe", "q8_0", "30%"), ("mixtral", "f32", "0%")])
-def test_hybrid_poll_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str) -> None:
+def test_hybrid_poll_and_pin_give_the_same_bits(paths: dict, model: str, qt: str, frac: str, knob: str) -> None:
     """hybrid_poll 1 (one block of k_rows_direct polls the CPU's flag, the others its copy in device memory, block
-    indices taken in start order) changes who waits only: the same logits bit for bit as 0 at batch 1 and 8 and in
-    a 16-sequence decode through the scheduler (several launches of the kernel per layer over the steps: the
-    counter wraps back each time), with the frame's wait still measured."""
+    indices taken in start order) changes who waits only, hybrid_pin 1 (the CPU-share thread on the pool's first
+    core) where it runs: each gives the same logits bit for bit as 0 at batch 1 and 8 and in a 16-sequence decode
+    through the scheduler (several launches of the kernel per layer over the steps: the counter wraps back each
+    time), with the frame's wait still measured."""
     path = paths[(model, qt)]
     prompts = prompts_for()
     with open_hybrid(path, FRACTIONS[frac], random_placement(path)) as hyb:
         got = {}
         for v in ("0", "1"):
-            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_POLL": v})
+            hyb._gpu.set_settings({knob: v})
             b1, _ = decode_logits(hyb, prompts[:1])
             b8, _ = decode_logits(hyb, prompts[:8])
             assert hyb.last_stats is not None and hyb.last_stats.t_gpu_wait > 0
