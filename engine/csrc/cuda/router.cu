@@ -458,10 +458,10 @@ struct route_args {
     group_out o;
     int32_t pre; /* f_rows_pre (the host checks NT <= 2, K, a dense group): 1 ROUTER_PRE, 2 ROUTER_PRE_WIDE weights */
 };
+/* The fused router kernels' first half: this block's router row for every token (k_linear_f_rows' arithmetic), then
+ * whether this block finished last, the one that routes and groups (every block's logits visible to it). */
 template <int T, int NT>
-__global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
-    pdl_trigger();
-    extern __shared__ float rrs[];
+__device__ __forceinline__ bool router_rows_then_last(const lin_args &a, const route_args &r) {
     __shared__ int last;
     if (NT <= 2 && r.pre == 2) {
         f_rows_pre<T, NT <= 2 ? NT : 1, false, ROUTER_PRE_WIDE>(a);
@@ -475,8 +475,16 @@ __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, r
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(r.counter, 1) == (int)gridDim.x - 1;
     __syncthreads();
-    if (!last) return;
+    if (!last) return false;
     __threadfence();
+    return true;
+}
+
+template <int T, int NT>
+__global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route(lin_args a, route_args r) {
+    pdl_trigger();
+    extern __shared__ float rrs[];
+    if (!router_rows_then_last<T, NT>(a, r)) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float *lg = rrs + LIN_WARPS * r.ne + 2 * r.ne; /* [T][ne] logits, read past L1 */
     for (int i = threadIdx.x; i < r.T * r.ne; i += blockDim.x) lg[i] = __ldcg(a.out + i);

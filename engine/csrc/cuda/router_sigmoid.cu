@@ -135,21 +135,7 @@ template <int TY, int NT>
 __global__ void __launch_bounds__(LIN_WARPS * WARP) k_router_route_rule(lin_args a, route_args r, route_rule rr) {
     pdl_trigger();
     extern __shared__ float rrl[];
-    __shared__ int last;
-    if (NT <= 2 && r.pre == 2) {
-        f_rows_pre<TY, NT <= 2 ? NT : 1, false, ROUTER_PRE_WIDE>(a);
-    } else if (NT <= 2 && r.pre) {
-        f_rows_pre<TY, NT <= 2 ? NT : 1>(a);
-    } else {
-        pdl_wait();
-        f_rows_body<TY, NT>(a);
-    }
-    __threadfence(); /* this block's logits visible before it is counted */
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(r.counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!router_rows_then_last<TY, NT>(a, r)) return;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int32_t scr = rule_scratch(rr);
     int32_t *gsh = (int32_t *)(rrl + LIN_WARPS * scr);
