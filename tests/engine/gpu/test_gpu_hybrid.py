@@ -397,8 +397,8 @@ def test_hybrid_events_sampled(paths: dict, model: str, qt: str, frac: str) -> N
     """hybrid_events 1 (decode-sized hybrid steps record their frame and per-layer events on the first step of
     their size and then one in 64) changes what is timed only: the same logits bit for bit as 0 at batch 1 and 8;
     of the one-token decode steps the first and the 65th are measured (stg_profile.measured), the others take the
-    device's wait from k_rows_direct's clock (above 0: the CPU's experts take longer than the shared expert) and
-    split the rest as the measured step did, so their parts add up to the step's device time."""
+    device's wait from k_rows_direct's clock (above 0 over the steps: the CPU's experts take longer than the shared
+    expert) and split the rest as the measured step did, so their parts add up to the step's device time."""
     path = paths[(model, qt)]
     prompts = prompts_for()
     with open_hybrid(path, FRACTIONS[frac], random_placement(path)) as hyb:
@@ -414,16 +414,20 @@ def test_hybrid_events_sampled(paths: dict, model: str, qt: str, frac: str) -> N
             ids = prompts[0]
             hyb.forward(ids, list(range(len(ids))), [0] * len(ids), tables, [len(ids) - 1])
             measured: list[bool] = []
+            waits: list[float] = []
             for i in range(70):
                 hyb.forward([7], [len(ids) + i], [0], tables, [0], greedy=True)
                 st = hyb.last_stats
                 assert st is not None and st.on_gpu
                 measured.append(st.frame_measured)
+                waits.append(st.t_gpu_wait)
                 parts = st.t_gpu + st.t_pcie + st.t_gpu_wait
                 assert abs(parts - st.t_total) <= 0.05 * st.t_total, (i, parts, st.t_total)
-                assert st.t_gpu > 0 and st.t_gpu_wait > 0 and st.t_pcie >= 0 and st.t_cpu_experts > 0, i
+                # a step whose token the resident experts take whole waits only for the CPU's empty flag
+                assert st.t_gpu > 0 and st.t_gpu_wait >= 0 and st.t_pcie >= 0 and st.t_cpu_experts > 0, i
         finally:
             hyb.blocks.release(tables[0])
+        assert sum(waits) > 0, waits
         # one-token steps 0-3 of the sampling ran in decode_logits above (the first measured), so here the 64th
         assert measured == [i == 60 for i in range(70)], measured
 
@@ -444,7 +448,9 @@ def test_hybrid_poll_and_pin_give_the_same_bits(paths: dict, model: str, qt: str
             hyb._gpu.set_settings({knob: v})
             b1, _ = decode_logits(hyb, prompts[:1])
             b8, _ = decode_logits(hyb, prompts[:8])
-            assert hyb.last_stats is not None and hyb.last_stats.t_gpu_wait > 0
+            st = hyb.last_stats
+            # at 0% every pair of the 8-token step is the CPU's: the device waits on its rows
+            assert st is not None and st.t_gpu_wait >= 0 and (frac != "0%" or st.t_gpu_wait > 0)
             got[v] = (b1, b8, run_batched(hyb, prompts, 24))
         (a1, a8, at), (c1, c8, ct) = got.values()
         assert np.array_equal(a1, c1), float(np.abs(a1 - c1).max())
