@@ -395,9 +395,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
             touched += s == 0, s = 1;
         }
         hs.split_cpu_pairs += n, hs.split_cpu_s += dt;
-        const staging &g = m->hy.stg;
-        const double pair_s = g.split_pair_s > 0.0 ? g.split_pair_s : g.cpu_pairs_s > 0.0 ? 1.0 / g.cpu_pairs_s : 0.0;
-        hs.split_model_s += n * pair_s + touched * g.split_expert_s;
+        hs.split_model_s += split_model_seconds(m->hy.stg, n, touched);
     }
     hs.cpu_pairs += n;
     if (h.rows_direct) { /* k_rows_direct reads the n rows in place (their indices are the device's own) */
@@ -579,39 +577,38 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaE
         }
         return ms > 0.0f ? 1e-3 * ms : 0.0;
     };
-    double gpu = 0.0, wait = 0.0, pcie = 0.0;
-    cudaEvent_t prev = e0;
-    for (size_t il = 0; il < hs.used.size() && !hs.events; il++) { /* every used layer is a k_rows_direct one */
-        if (hs.used[il] != 3) continue;
+    /* k_rows_direct layer il's wait by block 0's own clock: its start to its seeing the flag */
+    auto clock_wait = [&hs](size_t il) -> double {
         const uint64_t t0 = hs.ts[2 * il], t1 = hs.ts[2 * il + 1];
-        if (t1 >= t0) wait += 1e-9 * (double)(t1 - t0);
-    }
-    if (!hs.events) {
+        return t1 >= t0 ? 1e-9 * (double)(t1 - t0) : 0.0;
+    };
+    double gpu = 0.0, wait = 0.0, pcie = 0.0;
+    if (!hs.events) { /* every used layer is a k_rows_direct one */
+        for (size_t il = 0; il < hs.used.size(); il++)
+            if (hs.used[il] == 3) wait += clock_wait(il);
         wait = std::min(wait, t_total);
         gpu = (t_total - wait) * (sp ? sp->hy_gpu : 1.0), pcie = t_total - wait - gpu;
-    }
-    for (size_t il = 0; il < hs.used.size() && hs.events; il++) {
-        if (!hs.used[il]) continue;
-        if (hs.used[il] == 2) { /* staged: the device waiting for the layer's copies */
-            gpu += el(prev, hs.s0[il]);
+    } else {
+        cudaEvent_t prev = e0;
+        for (size_t il = 0; il < hs.used.size(); il++) {
+            if (!hs.used[il]) continue;
+            if (hs.used[il] == 2) { /* staged: the device waiting for the layer's copies */
+                gpu += el(prev, hs.s0[il]);
+                pcie += el(hs.s0[il], hs.s1[il]);
+                prev = hs.s1[il];
+                continue;
+            }
+            gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
             pcie += el(hs.s0[il], hs.s1[il]);
-            prev = hs.s1[il];
-            continue;
+            if (hs.used[il] == 3) { /* k_rows_direct: a..c less block 0's wait is the rows' part */
+                const double ac = el(hs.a[il], hs.c[il]), w = std::min(ac, clock_wait(il));
+                wait += w, pcie += ac - w;
+            } else {
+                pcie += el(hs.b[il], hs.c[il]);
+                wait += el(hs.a[il], hs.b[il]);
+            }
+            prev = hs.c[il];
         }
-        gpu += el(prev, hs.s0[il]) + el(hs.s1[il], hs.a[il]);
-        pcie += el(hs.s0[il], hs.s1[il]);
-        if (hs.used[il] == 3) { /* k_rows_direct: a..c less block 0's wait (its own clock) is the rows' part */
-            const double ac = el(hs.a[il], hs.c[il]);
-            const uint64_t t0 = hs.ts[2 * il], t1 = hs.ts[2 * il + 1];
-            const double w = t1 >= t0 ? std::min(ac, 1e-9 * (double)(t1 - t0)) : 0.0;
-            wait += w, pcie += ac - w;
-        } else {
-            pcie += el(hs.b[il], hs.c[il]);
-            wait += el(hs.a[il], hs.b[il]);
-        }
-        prev = hs.c[il];
-    }
-    if (hs.events) {
         gpu += el(prev, e1);
         if (sp && gpu + pcie > 0.0) sp->hy_gpu = gpu / (gpu + pcie), sp->hy_have = true;
     }

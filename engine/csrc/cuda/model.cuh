@@ -145,6 +145,15 @@ struct staging {
     int32_t *d_map = nullptr;
 };
 
+/* hybrid_stage_split's model of the CPU's seconds for `pairs` routed pairs over `touched` experts: each at the CPU
+ * engine's measured cost (stg_model_set_split_costs; without it, pairs at the whole-layer rate cpu_pairs_s). The
+ * split's plan (staging_split, with split_scale and expected counts) and the measured steps' correction of
+ * split_scale (hybrid_cpu_layer, with the counts that ran) both read it. */
+static inline double split_model_seconds(const staging &g, double pairs, double touched) {
+    const double pair_s = g.split_pair_s > 0.0 ? g.split_pair_s : g.cpu_pairs_s > 0.0 ? 1.0 / g.cpu_pairs_s : 0.0;
+    return pairs * pair_s + touched * g.split_expert_s;
+}
+
 /* The per-layer handshake between the device and a host thread (host_sync.cu; hybrid placement's CPU share and
  * kv_host_attn's): pinned, mapped words, flags[i] written by the host ((seq << 32) | n: layer i's results are in
  * place, n of them) and waited on by k_wait_flag, ready[i] written by k_to_host (seq: layer i's inputs are in

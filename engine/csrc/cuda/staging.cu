@@ -316,11 +316,9 @@ static void staging_shares(const staging &g, int il, int ne, double *share) {
 }
 
 /* The split's CPU seconds for an expert expected to get `pairs` pairs of a step: its pairs, and its weights where
- * it is touched at all (Poisson: 1 - e^-pairs), each at the CPU engine's measured cost (stg_model_set_split_costs;
- * without it, pairs at the whole-layer rate), times split_scale. */
+ * it is touched at all (Poisson: 1 - e^-pairs), by split_model_seconds, times split_scale. */
 static double split_cpu_seconds(const staging &g, double pairs) {
-    const double pair_s = g.split_pair_s > 0.0 ? g.split_pair_s : 1.0 / g.cpu_pairs_s;
-    return g.split_scale * (pairs * pair_s + (1.0 - std::exp(-pairs)) * g.split_expert_s);
+    return g.split_scale * split_model_seconds(g, pairs, 1.0 - std::exp(-pairs));
 }
 
 /* hybrid_stage_split for partial layer il of a step of T tokens: the CPU's experts (cpu[e] = 1, *n_cpu of the

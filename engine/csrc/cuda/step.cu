@@ -125,6 +125,14 @@ static stg_status run_step(stg_model *m, stg_kv *kv, const step_shape &sh) {
 }
 
 #define LAYER_EVENT_PERIOD 64 /* graph-sized steps: per-layer events on one step in 64 (each such step +0.2 ms at batch 1) */
+
+/* A sampled kind of step (have: one has been measured; steps: those launched so far): whether this one records its
+ * events, the first until one is measured and then one in LAYER_EVENT_PERIOD. */
+static bool sample_events(bool have, int64_t &steps) {
+    const bool now = !have || steps % LAYER_EVENT_PERIOD == 0;
+    steps++;
+    return now;
+}
 #define GRAPH_CACHE 64
 
 /* a hybrid model's steps are queued layer by layer by the host (hybrid.cu): never a graph */
@@ -453,15 +461,13 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
     if (le >= 0) layer_events = le != 0;
     else if (sampled) {
         stg_model::split &sp = m->splits[T];
-        layer_events = !sp.have || sp.steps % LAYER_EVENT_PERIOD == 0;
-        sp.steps++;
+        layer_events = sample_events(sp.have, sp.steps);
     }
     if (other.live && other.layer_events) layer_events = false;
     bool hy_events = true; /* the hybrid frame's events (per launched step: no other step shares them) */
     if (hy_sample) {
         stg_model::split &sp = m->splits[T];
-        hy_events = !sp.hy_have || sp.hy_steps % LAYER_EVENT_PERIOD == 0;
-        sp.hy_steps++;
+        hy_events = sample_events(sp.hy_have, sp.hy_steps);
     }
     const step_shape sh{T,     NL, mb, s.ints, s.ints + T, s.ints + 2 * T, s.ints + 3 * T, s.ints + 3 * T + NL,
                         false, layer_events, fuse_qkv, s.ints + 3 * T + NL + n_bt, fuse_qkv ? 0 : n_tiles, greedy,
