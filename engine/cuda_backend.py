@@ -270,8 +270,6 @@ class CudaModel:
             ce.last_error = f.cast("stg_last_error_fn", _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_last_error")))
             ce.model = f.cast("void *", _addr(cffi_cpu, cpu[0]))
             ce.pool = f.cast("void *", _addr(cffi_cpu, cpu[1]))
-            ce.pin_caller = f.cast("stg_pin_caller_fn",
-                                   _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_pool_pin_caller")))
             keep = f.from_buffer(mask)
             rc = self.lib.stg_model_create_hybrid(index, desc_p, settings, f.cast("const uint8_t *", keep), ce, pm)
         _check(self.ffi, self.lib, rc, f"cuda:{index}: model")

@@ -814,7 +814,8 @@ class Engine:
                 "pairs_gpu": int(st.n_expert_tokens), "pairs_cpu": 0, "staged_bytes": 0, "pcie_bytes": 0,
                 "kv_host_bytes": tier.get("kv_host_bytes", 0), "kv_cpu_bytes": tier.get("kv_cpu_bytes", 0),
                 "t_cpu_attn": tier.get("t_cpu_attn", 0.0), "kv_cpu_share": tier.get("kv_cpu_share", 0.0),
-                "kv_cpu_gbs": tier.get("kv_cpu_gbs", 0.0), "kv_pcie_gbs": tier.get("kv_pcie_gbs", 0.0)}
+                "kv_cpu_gbs": tier.get("kv_cpu_gbs", 0.0), "kv_pcie_gbs": tier.get("kv_pcie_gbs", 0.0),
+                "kv_form": tier.get("kv_form", -1)}
 
     def cpu_attn_gbs(self, n_keys: int = 32768, n_tok: int = 1, seconds: float = 0.2) -> float:
         """The pool's rate (GB/s of K and V) attending listed blocks at this model's attention shape and KV type

@@ -74,12 +74,6 @@ OVERRIDES: tuple[Override, ...] = (
              "hybrid placement: 1 decode-sized steps record their per-layer and frame events on one step in 64 "
              "(the others: the GPU's wait from its own clock, the rest split as the last measured step's); 0 (the "
              "default) every step"),
-    Override("STRATA_GPU_HYBRID_POLL", "hybrid_poll",
-             "hybrid placement: 1 one block of a decode step's rows kernel polls the CPU's flag over PCIe and hands it "
-             "to the others in device memory; 0 (the default) every block polls it"),
-    Override("STRATA_GPU_HYBRID_PIN", "hybrid_pin",
-             "hybrid placement: 1 the step's CPU-share thread pins itself to the pool's first core (the one its "
-             "workers leave to the caller); 0 (the default) it runs where the scheduler puts it"),
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: 0 (the default) every step stages the host-tier blocks it reads into VRAM (no graphs); 1 "
              "decode steps read them in place over PCIe (graphs kept), prefill steps stage them; -1 each decode step "

@@ -49,7 +49,6 @@ struct st_pool {
     void *ctx;
     int64_t n_items;
     double busy0, total; /* the caller's (worker 0's) busy time; region wall x n_threads */
-    int caller_core;     /* cores[0] (-1: no core list): st_pool_pin_caller's */
 };
 
 static double mono_s(void) {
@@ -113,7 +112,6 @@ st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_core
     st_pool *p = calloc(1, sizeof *p);
     if (!p) return st_fail(ST_ENOMEM, "pool_create: out of memory");
     p->n_threads = n_threads;
-    p->caller_core = cores ? cores[0] : -1;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     p->threads = calloc((size_t)n_threads, sizeof *p->threads);
@@ -150,12 +148,6 @@ void st_pool_destroy(st_pool *p) {
 }
 
 int32_t st_pool_threads(const st_pool *p) { return p ? p->n_threads : 0; }
-
-st_status st_pool_pin_caller(st_pool *p) {
-    if (!p) return st_fail(ST_EINVAL, "pool_pin_caller: NULL pool");
-    pin_self(p->caller_core);
-    return ST_OK;
-}
 
 void st_pool_run(st_pool *p, st_task_fn fn, void *ctx, int64_t n_items) {
     if (n_items <= 0) return;

@@ -175,10 +175,6 @@ typedef struct st_pool st_pool;
 st_status st_pool_create(int32_t n_threads, const int32_t *cores, int32_t n_cores, st_pool **out);
 void st_pool_destroy(st_pool *pool);
 int32_t st_pool_threads(const st_pool *pool);
-/* Pins the calling thread to the pool's cores[0] (the caller's core; best effort, as the workers' pinning): for a
- * thread other than the pool's owner that runs its regions, e.g. the GPU engine's CPU-share thread of a hybrid
- * step. ST_OK and nothing done for a pool created without a core list. */
-st_status st_pool_pin_caller(st_pool *pool);
 
 /* ---- model -------------------------------------------------------------------- */
 /* A weight tensor inside the model file's mapping. n_bytes must equal the size its

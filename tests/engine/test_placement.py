@@ -5,7 +5,6 @@ budgets and frequencies)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -255,35 +254,6 @@ def test_ram_read_probe() -> None:
                 check(lib.st_mem_read_gbs(pp[0], n, passes, out), "probe")
     finally:
         lib.st_pool_destroy(pp[0])
-
-
-def test_pool_pin_caller_pins_the_calling_thread_to_the_first_core() -> None:
-    """st_pool_pin_caller (the hybrid step's CPU-share thread under hybrid_pin): the calling thread ends up on the
-    pool's cores[0] alone; a pool without a core list leaves it where it was; a NULL pool is a typed error."""
-    import threading
-
-    from engine.native import check, ffi, lib
-
-    allowed = sorted(os.sched_getaffinity(0))
-    cores = [allowed[-1], allowed[0]]  # cores[0]: the caller's
-    got: dict[str, set[int]] = {}
-
-    def on_thread(pool: object, key: str) -> None:  # a thread of its own: the test process keeps its affinity
-        check(lib.st_pool_pin_caller(pool), "pin")
-        got[key] = os.sched_getaffinity(0)
-
-    for key, arr in (("pinned", ffi.new("int32_t[]", cores)), ("free", ffi.NULL)):
-        pp = ffi.new("st_pool **")
-        check(lib.st_pool_create(2, arr, 2 if arr != ffi.NULL else 0, pp), "pool")
-        try:
-            t = threading.Thread(target=on_thread, args=(pp[0], key))
-            t.start()
-            t.join()
-        finally:
-            lib.st_pool_destroy(pp[0])
-    assert got["pinned"] == {cores[0]} and got["free"] == set(allowed)
-    assert lib.st_pool_pin_caller(ffi.NULL) != 0
-    assert os.sched_getaffinity(0) == set(allowed)
 
 
 def test_gpu_table() -> None:

@@ -107,24 +107,16 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
  * want, and after the block's barrier its threads copy rows r < n (the flag's count) from rows (pinned, mapped: row r
  * at r E, written by the host before the flag) to dst row at_s[j]: all of a thread's loads (ROWS_VEC float4s across
  * the block's rows) before its stores. Every block polls the flag itself: none waits on another, so the grid cannot
- * deadlock whatever the scheduler runs first. ts (block 0): %globaltimer at its start and when it saw the flag.
- * poll (hybrid_poll 1; NULL: 0): the layer's {block counter, go word} in device memory. Each block takes its index b
- * from the counter in the order blocks start (atomicInc wraps it back to 0 for the next launch), so block 0 is
- * running before any block waits on it; block 0 alone polls the host's flag and copies it into the go word
- * (release at gpu scope), on which the others spin in L2: one poller of host memory instead of G, whose reads each
- * cross PCIe and snoop the CPU's caches while the CPU computes the layer's experts. */
+ * deadlock whatever the scheduler runs first. ts (block 0): %globaltimer at its start and when it saw the flag. */
 __global__ void __launch_bounds__(ROWS_THREADS)
     k_rows_direct(const unsigned long long *flag, uint32_t want, const int32_t *ids, const int32_t *slot_of,
-                  int32_t ne, int32_t P, const float *rows, int64_t E, float *dst, uint64_t *ts, rows_poll *poll) {
+                  int32_t ne, int32_t P, const float *rows, int64_t E, float *dst, uint64_t *ts) {
     PDL_ENTER();
     extern __shared__ int32_t at_s[];
     __shared__ int32_t warp_s[ROWS_THREADS / 32];
-    __shared__ int32_t n_s, b_s;
-    const int32_t G = (int32_t)gridDim.x, tid = (int32_t)threadIdx.x;
+    __shared__ int32_t n_s;
+    const int32_t G = (int32_t)gridDim.x, b = (int32_t)blockIdx.x, tid = (int32_t)threadIdx.x;
     const uint64_t t_start = globaltimer_ns();
-    if (poll && tid == 0) b_s = (int32_t)atomicInc(&poll->ctr, (unsigned)(G - 1));
-    if (poll) __syncthreads();
-    const int32_t b = poll ? b_s : (int32_t)blockIdx.x;
     auto cpu_pair = [&](int32_t p) -> int32_t {
         const int32_t e = ids[p];
         return e >= 0 && e < ne && slot_of[e] < 0; /* the host rejects an id out of range (no rows) */
@@ -161,22 +153,11 @@ __global__ void __launch_bounds__(ROWS_THREADS)
     if (tid == 0) {
         unsigned long long v;
         unsigned ns = 32;
-        if (poll && b > 0) { /* block 0's copy of the flag, then the host's writes made visible here too */
-            for (;;) {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(&poll->go) : "memory");
-                if ((uint32_t)(v >> 32) == want) break;
-                __nanosleep(ns);
-                if (ns < 128) ns <<= 1;
-            }
-            __threadfence_system();
-        } else {
-            for (;;) {
-                asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-                if ((uint32_t)(v >> 32) == want) break;
-                __nanosleep(ns);
-                if (ns < 256) ns <<= 1;
-            }
-            if (poll) asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(&poll->go), "l"(v) : "memory");
+        for (;;) {
+            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
+            if ((uint32_t)(v >> 32) == want) break;
+            __nanosleep(ns);
+            if (ns < 256) ns <<= 1;
         }
         n_s = min((int32_t)(uint32_t)v, n_dev); /* equal but where the host gave up on the layer (0) */
         if (b == 0) ts[0] = t_start, ts[1] = globaltimer_ns();
@@ -247,8 +228,6 @@ static stg_status hybrid_setup(stg_model *m, const uint8_t *resident, const stg_
     CU(cudaMemcpy(h.d_slot, slot.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice), "model_create: slot map");
     CHECK(dalloc(m, &h.d_n, sizeof(int32_t)));
     CU(cudaMemset(h.d_n, 0, sizeof(int32_t)), "model_create: hybrid count");
-    CHECK(dalloc(m, &h.d_poll, (size_t)nL * sizeof(rows_poll)));
-    CU(cudaMemset(h.d_poll, 0, (size_t)nL * sizeof(rows_poll)), "model_create: hybrid poll words");
     CHECK(host_sync_alloc(h.sync, nL, "model_create: hybrid flags"));
     return ST_OK;
 }
@@ -413,8 +392,6 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
  * on an error or an abandoned queue, every later flag written (hybrid_release). */
 static void hybrid_worker_run(stg_model *m, hybrid_step *hs, hybrid_worker *w) {
     int il = 0;
-    const stg_cpu_experts &cpu = m->hy.cpu;
-    if (m->set.hybrid_pin && cpu.pin_caller) cpu.pin_caller(cpu.pool); /* best effort, as the workers' pinning */
     if (cudaSetDevice(m->device) != cudaSuccess) {
         cudaGetLastError();
         w->rc = fail(ST_EINVAL, "hybrid: the CPU thread could not select device %d", m->device);
@@ -523,7 +500,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
         launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
                  (const unsigned long long *)(h.sync.flags + il), hs.seq, (const int32_t *)m->s.topk_id,
                  layer_slot_map(m, il), (int32_t)m->d.n_expert, (int32_t)P, (const float *)h.h_rows, E,
-                 m->s.pair_out, hs.ts + 2 * il, m->set.hybrid_poll ? h.d_poll + il : nullptr);
+                 m->s.pair_out, hs.ts + 2 * il);
         LAUNCHED("hybrid: wait for the CPU and read its rows");
     } else {
         launch_k(k_wait_flag, 1, 1, 0, st, (const unsigned long long *)(h.sync.flags + il), hs.seq, h.d_n);

@@ -207,13 +207,6 @@ struct host_attn {
 /* Hybrid placement (hybrid.cu): which routed experts the device holds (in slots, ascending expert id per layer at
  * creation, moved by stg_model_swap_expert)
  * and the buffers through which the CPU engine computes the others. */
-/* hybrid_poll (hybrid.cu, k_rows_direct): a layer's block counter and the device's copy of its host flag */
-struct rows_poll {
-    unsigned int ctr;
-    unsigned int pad;
-    unsigned long long go;
-};
-
 struct hybrid {
     bool on = false;              /* some routed expert is not resident */
     std::vector<uint8_t> resident; /* [n_layer * n_expert] */
@@ -231,7 +224,6 @@ struct hybrid {
     float *h_xn = nullptr, *h_rows = nullptr;
     int32_t *h_ids = nullptr;
     int32_t *d_n = nullptr; /* device: the CPU's row count of the layer being summed (k_wait_flag writes it) */
-    rows_poll *d_poll = nullptr; /* device [n_layer]: k_rows_direct's block counter and go word (hybrid_poll) */
     std::vector<void *> pinned;
     /* [n_layer]: the host writes a flag (seq << 32) | n when the layer's n rows are in h_rows (the device then copies
      * h_rows into d_rows); the device writes a step's seq into ready when the layer's xn and routing are in h_xn /

@@ -78,13 +78,6 @@ typedef struct stg_settings {
                                * k_rows_direct's own clock and split the rest into compute and PCIe as the last
                                * measured step of their size did (stg_profile.measured 0). 0: every step records
                                * them (each record ends a kernel's early launch). Same bits either way */
-    int32_t hybrid_poll;      /* hybrid placement, a decode-sized step's k_rows_direct: 1, one block polls the layer's
-                               * host flag over PCIe and hands it to the others in device memory; 0, every block
-                               * (up to 32) polls it. Same bits either way */
-    int32_t hybrid_pin;       /* hybrid placement, hybrid_overlap 1: 1, the step's CPU-share thread (the pool's caller
-                               * in its regions) pins itself to the pool's first core (stg_cpu_experts.pin_caller),
-                               * the one the pool's workers leave to the caller; 0, it runs where the scheduler puts
-                               * it. Same bits either way */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
@@ -119,13 +112,11 @@ stg_status stg_model_create(int32_t device, const void *desc, const stg_settings
 typedef int32_t (*stg_moe_pairs_fn)(void *model, void *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
                                     const int32_t *pair_tok, const int32_t *pair_exp, float *out);
 typedef const char *(*stg_last_error_fn)(void);
-typedef int32_t (*stg_pin_caller_fn)(void *pool);
 typedef struct stg_cpu_experts {
     stg_moe_pairs_fn moe_pairs;
     stg_last_error_fn last_error;
     void *model; /* st_model * opened on the same file (the same mapping as desc's tensors) */
     void *pool;  /* st_pool *: the lane's cores */
-    stg_pin_caller_fn pin_caller; /* the C engine's st_pool_pin_caller, or NULL (hybrid_pin then does nothing) */
 } stg_cpu_experts;
 
 /* kv_host_attn's CPU side: the C engine's st_attn_blocks_part (strata.h; called with pool on a thread of the
