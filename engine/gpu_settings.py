@@ -70,14 +70,10 @@ OVERRIDES: tuple[Override, ...] = (
              "routing estimate: the placement file's frequencies, then the steps' own) to the CPU while the CPU's "
              "expected time stays under the copies of the rest, only those copied over PCIe; 0 (the default) whole "
              "layers"),
-    Override("STRATA_GPU_HYBRID_EVENTS", "hybrid_events",
-             "hybrid placement: 1 decode-sized steps record their per-layer and frame events on one step in 64 "
-             "(the others: the GPU's wait from its own clock, the rest split as the last measured step's); 0 (the "
-             "default) every step"),
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
-             "KV tiers: 0 (the default) every step stages the host-tier blocks it reads into VRAM (no graphs); 1 "
-             "decode steps read them in place over PCIe (graphs kept), prefill steps stage them; -1 each decode step "
-             "takes the form its recent steps of the same size measured faster"),
+             "KV tiers: -1 (the default) each decode step takes the form its recent steps of the same size measured "
+             "faster; 0 every step stages the host-tier blocks it reads into VRAM (no graphs); 1 decode steps read "
+             "them in place over PCIe (graphs kept), prefill steps stage them"),
     Override("STRATA_GPU_KV_HOST_ATTN", "kv_host_attn",
              "KV tiers: 1 split-KV decode steps have the CPU pool attend the host-tier blocks where they lie (its "
              "partials merged as one more split; eager steps, within 1e-3 of the untiered logits), the GPU its VRAM "

@@ -74,8 +74,8 @@ class StepStats:
     kv_cpu_share: float = 0.0
     kv_cpu_gbs: float = 0.0
     kv_pcie_gbs: float = 0.0
-    # whether t_gpu and t_pcie come from the step's own events (False under hybrid_events 1 between two sampled
-    # steps: t_gpu_wait from the GPU's clock, the rest split as the last measured step of its size split it)
+    # whether t_gpu and t_pcie come from the step's own events (False for a decode-sized hybrid step between two
+    # sampled ones: t_gpu_wait from the GPU's clock, the rest split as the last measured step of its size split it)
     frame_measured: bool = True
     # a tiered KV cache on the GPU: the step read its host-tier blocks in place (1) or staged them into VRAM (0);
     # -1 it read none (kv_stream -1 picks the form of each decode step by the two forms' measured times)

@@ -58,7 +58,7 @@ def test_gpu_frame_profile_is_exported_by_part() -> None:
 
 
 def test_estimated_frame_parts_stay_out_of_the_histograms() -> None:
-    # hybrid_events 1: a step between two sampled ones estimates its compute / PCIe split; the histograms count
+    # a decode-sized hybrid step between two sampled ones estimates its compute / PCIe split; the histograms count
     # those two parts from measured steps only, the clock-measured parts from every step
     m = LaneMetrics("A")
     measured, estimated = gpu_stats(), gpu_stats()

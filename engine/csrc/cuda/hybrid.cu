@@ -48,7 +48,7 @@
  * The frame profile comes from those events: the device's time splits into the copies (s0..s1, b..c: the rows'
  * copy and scatter), the wait (a..b) and the rest (compute), each summed from its own intervals; a k_rows_direct
  * layer's a..c splits at block 0's own clock (its start to its seeing the flag: the wait; the rest: the rows).
- * Each record ends the next kernel's early launch, so with hybrid_events a decode-sized step records s0, a and c
+ * Each record ends the next kernel's early launch, so a decode-sized step records s0, a and c
  * (s1 always: the host's wait checks it) only when sampled; the others' wait comes from the same clock alone. */
 #include "model.cuh"
 
@@ -284,7 +284,7 @@ static const int32_t *layer_slot_map(const stg_model *m, int il) {
 }
 
 /* The launched step's events, sums and flag value (step_launch, before the layers are queued). events: whether
- * the step records its frame's events (hybrid_events sampling); a step that stages a layer, or whose rows come
+ * the step records its frame's events (sampled: step.cu); a step that stages a layer, or whose rows come
  * back by copies, records them whatever it says (their waits and copies are timed by them alone). */
 static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T, bool events) {
     m->hy.cur = nullptr;
@@ -531,7 +531,7 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
 }
 
 /* The waited step's frame profile (step_wait, after its end event e1; e0 its start; T its tokens). A step without
- * its frame's events (hybrid_events) takes the device's wait from k_rows_direct's clock (block 0: its start to its
+ * its frame's events (sampled out) takes the device's wait from k_rows_direct's clock (block 0: its start to its
  * seeing the flag, as a measured step's wait inside a..c) and splits the rest into compute and PCIe as the last
  * measured step of its size did. */
 static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaEvent_t e0, cudaEvent_t e1,

@@ -60,8 +60,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->hybrid_overlap = 1;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
     s->hybrid_stage_split = 0;
-    s->hybrid_events = 0;
-    s->kv_stream = 0;
+    s->kv_stream = -1;
     s->kv_host_attn = 0;
     s->kv_host_share = -1;
 }
@@ -88,7 +87,6 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
     RANGE(hybrid_stage_split, 0, 1)
-    RANGE(hybrid_events, 0, 1)
     RANGE(kv_stream, -1, 1)
     RANGE(kv_host_attn, 0, 1)
     RANGE(kv_host_share, -1, 100)

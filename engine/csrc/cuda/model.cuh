@@ -83,7 +83,7 @@ struct graph_entry {
 struct hybrid_step {
     std::vector<cudaEvent_t> s0, s1, a, b, c;
     std::vector<char> used;   /* [n_layer] the layer's handshake was queued (1 copies, 2 staged, 3 k_rows_direct) */
-    bool events = true;       /* s0, a, b, c recorded (hybrid_events 1 leaves them out of most decode steps; s1 always) */
+    bool events = true;       /* s0, a, b, c recorded (sampling leaves them out of most decode steps; s1 always) */
     double t_cpu = 0.0;      /* seconds in the CPU engine's experts (with the pair lists) */
     double t_cpu_wait = 0.0; /* seconds the host waited for s1 (and, overlapped, for the layer to be queued) */
     int64_t cpu_pairs = 0;
@@ -308,7 +308,7 @@ struct stg_model {
         int64_t steps = 0;
         bool have = false;
         double attn = 0.0, experts = 0.0, dense = 0.0;
-        /* hybrid_events 1: decode-sized hybrid steps of this size launched, whether one has measured its frame, and
+        /* decode-sized hybrid steps of this size launched, whether one has measured its frame, and
          * that frame's compute share of the device's time outside its waits for the CPU (t_gpu / (t_gpu + t_pcie)) */
         int64_t hy_steps = 0;
         bool hy_have = false;

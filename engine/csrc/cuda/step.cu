@@ -452,11 +452,12 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * shares of the last measured step of their size. layer_events 1: every step; 0: never
      * (then t_attn / t_experts / t_dense stay 0). Eager steps always record them.
      * A step launched while one that records them is in flight records none (the events are
-     * shared: it would overwrite them before that step's wait reads them). hybrid_events 1: a decode-sized hybrid
-     * step (eager) samples them as a graph step does, and its frame events (hybrid.cu) likewise. */
+     * shared: it would overwrite them before that step's wait reads them). A decode-sized hybrid step (eager)
+     * samples them as a graph step does, and its frame events (hybrid.cu) likewise: each record ends the next
+     * kernel's early launch (GPU run 123: batch 1 +1 to +8%); layer_events 1 records both on every step. */
     const int32_t le = m->set.layer_events;
     bool layer_events = true;
-    const bool hy_sample = m->hy.on && m->set.hybrid_events && hybrid_direct(m, T);
+    const bool hy_sample = m->hy.on && le != 1 && hybrid_direct(m, T);
     const bool sampled = le < 0 && (graph || hy_sample);
     if (le >= 0) layer_events = le != 0;
     else if (sampled) {

@@ -33,7 +33,9 @@ stg_status stg_device_info(int32_t device, char *name, int32_t name_len, int64_t
 typedef struct stg_settings {
     int32_t graphs;           /* 1: steps of at most 64 tokens replay a CUDA graph per shape (0: plain launches) */
     int32_t pdl;              /* 1: programmatic dependent launch on sm_90+ (never in prefill-form steps) */
-    int32_t layer_events;     /* per-layer attention / FFN times: -1 sampled on graph steps, 0 never, 1 every step */
+    int32_t layer_events;     /* per-layer attention / FFN times: -1 sampled on graph steps and decode-sized hybrid
+                               * steps (with the hybrid frame's events), 0 never, 1 every step (and every hybrid
+                               * frame measured) */
     int32_t gemm_min;         /* expected pairs per group from which the tensor-core GEMM replaces the matvec (>= 1) */
     int32_t gemm_min_tokens;  /* routed layers of steps of at least this many tokens take the GEMM (0, 8, 16, 24) */
     int32_t gemm_dense_min;   /* pairs from which a single-group launch (a dense layer, the head) may take the GEMM */
@@ -72,12 +74,6 @@ typedef struct stg_settings {
                                * coldest first while the CPU's expected time stays under the copies of the rest;
                                * only the staged experts' bytes cross PCIe. The pairs a step routes to those
                                * experts run on the CPU whatever the estimate said. 0: whole layers */
-    int32_t hybrid_events;    /* hybrid placement: 1, a decode-sized step (its xn handed over by k_to_host) records
-                               * its per-layer and frame-profile events on the first step of its size and then one
-                               * in 64, as graph steps do (layer_events -1); the others take the device's wait from
-                               * k_rows_direct's own clock and split the rest into compute and PCIe as the last
-                               * measured step of their size did (stg_profile.measured 0). 0: every step records
-                               * them (each record ends a kernel's early launch). Same bits either way */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
@@ -257,7 +253,7 @@ typedef struct stg_profile {
      * 0 staged): a probe's, timed once by the first step of the form that may take the CPU's share, then the running
      * mean of one timed layer a step (host_sync.cu) */
     double kv_cpu_share, kv_cpu_gbs, kv_pcie_gbs;
-    /* 1: t_gpu, t_pcie and t_gpu_wait come from the step's own events; 0 (hybrid_events 1, a step between two
+    /* 1: t_gpu, t_pcie and t_gpu_wait come from the step's own events; 0 (a decode-sized hybrid step between two
      * sampled ones): t_gpu_wait from k_rows_direct's clock, t_gpu and t_pcie the rest split as the last measured
      * step of its size split it */
     int32_t measured;

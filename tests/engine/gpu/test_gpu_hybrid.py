@@ -15,7 +15,7 @@ overlapped and layer-by-layer steps' bits; a lane with such a budget serving a c
 hybrid lane holds by the driver's figure (cudaMemGetInfo from a fresh process) stays within the budget, and the
 model's own accounting matches the plan; the frame profile's parts; launch / wait with token_src on a hybrid
 model; bad resident masks are typed errors; programmatic dependent launch in hybrid steps (STRATA_GPU_PDL)
-gives the same bits; sampled frame events (STRATA_GPU_HYBRID_EVENTS) give the same bits and an account that adds up.
+gives the same bits; sampled frame events give the same bits as every step's and an account that adds up.
 """
 
 from __future__ import annotations
@@ -247,10 +247,12 @@ def test_frame_profile_parts(paths: dict, mode: str) -> None:
     prompts = prompts_for()
     for name, frac in FRACTIONS.items():
         with open_hybrid(path, frac, pf) as hyb:
-            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_OVERLAP": OVERLAP[mode]})
+            # every step's frame from its own events (the default samples decode-sized ones)
+            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_OVERLAP": OVERLAP[mode], "STRATA_GPU_LAYER_EVENTS": "1"})
             for _ in range(3):  # the first steps allocate; the last one is judged
                 st, _ = decode_step_stats(hyb, prompts)
             assert st is not None and st.n_tokens == N_SEQS and st.staged_bytes == 0 and st.on_gpu
+            assert st.frame_measured
             hp = hyb.hparams
             assert st.n_expert_tokens == N_SEQS * hp.n_expert_used * hp.n_layer
             parts = st.t_gpu + st.t_pcie + st.t_gpu_wait
@@ -392,21 +394,21 @@ def test_hybrid_pdl_gives_the_same_bits(paths: dict, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize(("model", "qt", "frac"), [("qwen2moe", "q8_0", "30%"), ("qwen3moe", "f32", "0%")])
 def test_hybrid_events_sampled(paths: dict, model: str, qt: str, frac: str) -> None:
-    """hybrid_events 1 (decode-sized hybrid steps record their frame and per-layer events on the first step of
-    their size and then one in 64) changes what is timed only: the same logits bit for bit as 0 at batch 1 and 8;
-    of the one-token decode steps the first and the 65th are measured (stg_profile.measured), the others take the
-    device's wait from k_rows_direct's clock (above 0 over the steps: the CPU's experts take longer than the shared
-    expert) and split the rest as the measured step did, so their parts add up to the step's device time."""
+    """Decode-sized hybrid steps record their frame and per-layer events on the first step of their size and then
+    one in 64 (layer_events -1, the default), which changes what is timed only: the same logits bit for bit as
+    layer_events 1 (every step measured) at batch 1 and 8; of the one-token decode steps the first and the 65th
+    are measured (stg_profile.measured), the others take the device's wait from k_rows_direct's clock (above 0
+    over the steps: the CPU's experts take longer than the shared expert) and split the rest as the measured step
+    did, so their parts add up to the step's device time."""
     path = paths[(model, qt)]
     prompts = prompts_for()
     with open_hybrid(path, FRACTIONS[frac], random_placement(path)) as hyb:
         got = {}
-        for v in ("0", "1"):
-            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_EVENTS": v})
+        for v in ("1", "-1"):  # every step measured first: it leaves the sampling's step counts alone
+            hyb._gpu.set_settings({"STRATA_GPU_LAYER_EVENTS": v})
             got[v] = (decode_logits(hyb, prompts[:1])[0], decode_logits(hyb, prompts[:8])[0])
         for a, b in zip(*got.values(), strict=True):
             assert np.array_equal(a, b), float(np.abs(a - b).max())
-        hyb._gpu.set_settings({"STRATA_GPU_HYBRID_EVENTS": "1"})
         tables = [list(hyb.blocks.allocate(-(-(len(prompts[0]) + 80) // hyb.block_size)))]
         try:
             ids = prompts[0]
