@@ -454,7 +454,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * A step launched while one that records them is in flight records none (the events are
      * shared: it would overwrite them before that step's wait reads them). A decode-sized hybrid step (eager)
      * samples them as a graph step does, and its frame events (hybrid.cu) likewise: each record ends the next
-     * kernel's early launch (GPU run 123: batch 1 +1 to +8%); layer_events 1 records both on every step. */
+     * kernel's early launch; layer_events 1 records both on every step. */
     const int32_t le = m->set.layer_events;
     bool layer_events = true;
     const bool hy_sample = m->hy.on && le != 1 && hybrid_direct(m, T);
