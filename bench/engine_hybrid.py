@@ -188,11 +188,6 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
                        gpu_read_bytes_per_token=p.gpu_read_bytes_per_token)
         if eng._gpu is not None:
             out["engine_memory"] = eng._gpu.memory()
-        # hybrid_stage_split's correction of the CPU's modelled time: its start (the contention measured at open
-        # with the split on, else 1) and, per prefill below, where the steps took it
-        staging_on = eng._gpu is not None and eng.resident is not None and eng._gpu.stage_info()["available"]
-        if staging_on:
-            out["split_scale_open"] = eng._gpu.stage_info()["split_scale"]
         V = eng.hparams.n_vocab
         rng = np.random.default_rng(1)
 
@@ -242,10 +237,7 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
                 st = eng.last_stats  # the chunk's last step: its frame and what staging did
                 out[f"prefill_{n}_frame_ms"] = frame_ms(st)
                 out[f"prefill_{n}_staging"] = {k: float(getattr(st, k, 0)) for k in (
-                    "staged_layers", "staged_bytes", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s",
-                    "stage_split_layers", "stage_gpu_experts", "stage_cpu_experts", "stage_cpu_pairs")}
-                if staging_on:
-                    out[f"prefill_{n}_staging"]["split_scale"] = eng._gpu.stage_info()["split_scale"]
+                    "staged_layers", "staged_bytes", "stage_pcie_gbs", "stage_gpu_gbs", "stage_cpu_pairs_s")}
                 return rate
             finally:
                 eng.blocks.release(b)
@@ -413,11 +405,7 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"   prefill {n}'s last step: {pf['t_total']:.1f} ms = GPU {pf['t_gpu']:.1f} + PCIe {pf['t_pcie']:.1f} + "
               f"waiting {pf['t_gpu_wait']:.1f}; staged {sg['staged_layers']:.0f} layers, "
               f"{sg['staged_bytes'] / 2**20:.0f} MiB (rates: PCIe {sg['stage_pcie_gbs']:.1f} GB/s, GPU "
-              f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s); split "
-              f"(hybrid_stage_split) {sg.get('stage_split_layers', 0):.0f} layers: {sg.get('stage_gpu_experts', 0):.0f} "
-              f"experts staged, {sg.get('stage_cpu_experts', 0):.0f} on the CPU ({sg.get('stage_cpu_pairs', 0):.0f} "
-              f"pairs), split_scale {s.get('split_scale_open', 1.0):.2f} at open, "
-              f"{sg.get('split_scale', 1.0):.2f} after", flush=True)
+              f"{sg['stage_gpu_gbs']:.0f} GB/s, CPU {sg['stage_cpu_pairs_s']:.0f} pairs/s)", flush=True)
 
 
 # a row's guessed seconds before one of its kind has run (a fresh machine, files in the page cache)

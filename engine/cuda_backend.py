@@ -366,42 +366,18 @@ class CudaModel:
                 "pairs_cpu": int(p.pairs_cpu), "staged_bytes": int(p.staged_bytes), "pcie_bytes": int(p.pcie_bytes),
                 "staged_layers": int(p.staged_layers), "stage_pcie_gbs": p.stage_pcie_gbs,
                 "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
-                "stage_split_layers": int(p.stage_split_layers), "stage_gpu_experts": int(p.stage_gpu_experts),
-                "stage_cpu_experts": int(p.stage_cpu_experts), "stage_cpu_pairs": int(p.stage_cpu_pairs),
                 "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
                 "t_cpu_attn": p.t_cpu_attn, "kv_cpu_share": p.kv_cpu_share, "kv_cpu_gbs": p.kv_cpu_gbs,
                 "kv_pcie_gbs": p.kv_pcie_gbs, "measured": int(p.measured), "kv_form": int(p.kv_form)}
 
     def stage_info(self) -> dict[str, float]:
-        """Staging (stg_settings.hybrid_stage): whether it is available on this model, its rates and
-        hybrid_stage_split's running correction of the CPU's modelled time (``split_scale``)."""
+        """Staging (stg_settings.hybrid_stage): whether it is available on this model and its rates."""
         if self._model is None:
             raise EngineError("GPU model is closed")
         f = self.ffi
         av, pcie, gpu, cpu = f.new("int32_t *"), f.new("double *"), f.new("double *"), f.new("double *")
-        scale = f.new("double *")
-        _check(f, self.lib, self.lib.stg_model_stage_info(self._model, av, pcie, gpu, cpu, scale), "stage info")
-        return {"available": bool(av[0]), "pcie_gbs": pcie[0], "gpu_gbs": gpu[0], "cpu_pairs_s": cpu[0],
-                "split_scale": scale[0]}
-
-    def stage_load(self, ms: float) -> int:
-        """A copy load on the staging copy stream (stg_model_stage_load): host -> device copies of the non-resident
-        experts into the ring's slots lasting about ``ms`` milliseconds at the measured PCIe rate, queued and not
-        waited (``stage_load_wait``). Returns the bytes queued."""
-        if self._model is None:
-            raise EngineError("GPU model is closed")
-        out = self.ffi.new("int64_t *")
-        _check(self.ffi, self.lib, self.lib.stg_model_stage_load(self._model, float(ms), out), "stage load")
-        return int(out[0])
-
-    def stage_load_wait(self) -> float:
-        """Waits for ``stage_load``'s copies (stg_model_stage_load_wait); returns their seconds on the copy
-        stream."""
-        if self._model is None:
-            raise EngineError("GPU model is closed")
-        out = self.ffi.new("double *")
-        _check(self.ffi, self.lib, self.lib.stg_model_stage_load_wait(self._model, out), "stage load wait")
-        return float(out[0])
+        _check(f, self.lib, self.lib.stg_model_stage_info(self._model, av, pcie, gpu, cpu), "stage info")
+        return {"available": bool(av[0]), "pcie_gbs": pcie[0], "gpu_gbs": gpu[0], "cpu_pairs_s": cpu[0]}
 
     def swap_expert(self, layer: int, out_expert: int, in_expert: int) -> None:
         """Online re-placement (stg_model_swap_expert): ``in_expert`` takes ``out_expert``'s GPU slot."""
@@ -416,28 +392,6 @@ class CudaModel:
             raise EngineError("GPU model is closed")
         _check(self.ffi, self.lib, self.lib.stg_model_set_stage_rate(self._model, float(cpu_pairs_per_s)),
                "stage rate")
-
-    def set_split_costs(self, pair_s: float, expert_s: float, scale: float = 1.0) -> None:
-        """hybrid_stage_split's model of the CPU's time (stg_model_set_split_costs): seconds a routed pair,
-        seconds each expert a step touches adds beside its pairs, and the start of the model's running correction
-        (``scale`` in [0.25, 8]: the CPU's slowdown beside the copies; 1 none)."""
-        if self._model is None:
-            raise EngineError("GPU model is closed")
-        _check(self.ffi, self.lib, self.lib.stg_model_set_split_costs(self._model, float(pair_s), float(expert_s),
-                                                                      float(scale)), "split costs")
-
-    def set_stage_freq(self, freqs: Any) -> None:
-        """hybrid_stage_split's routing estimate (stg_model_set_stage_freq): ``freqs`` [n_layer, n_expert] (any
-        scale per layer; RoutingStats.frequencies) as the prior the steps' own histograms are weighed against
-        from here on."""
-        import numpy as np
-
-        if self._model is None:
-            raise EngineError("GPU model is closed")
-        f = np.ascontiguousarray(freqs, dtype=np.float32).reshape(-1)
-        buf = self.ffi.from_buffer("float[]", f)
-        _check(self.ffi, self.lib, self.lib.stg_model_set_stage_freq(self._model, buf, f.size),
-               "stage freq")
 
     def host_array(self, shape: tuple[int, ...], dtype: Any) -> Any:
         """A numpy array in page-locked host memory, for a step's logits (see _PinnedPool)."""

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,10 +95,10 @@ def _check_cores(cores: Sequence[int]) -> None:
 
 def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_size: int, step_tokens: int,
               placement: str | os.PathLike[str] | PlacementFile | None,
-              kv_type: str = "f16") -> tuple[GpuPlan, str, np.ndarray | None] | None:
-    """The hybrid plan of a GPU lane with a budget (see Engine.open), where its frequencies came from and the
-    frequencies themselves (None: uniform routing); None without a budget. GpuBudgetError when not even the parts
-    every step needs fit. ``step_tokens``: the largest step, whose buffers the plan counts."""
+              kv_type: str = "f16") -> tuple[GpuPlan, str] | None:
+    """The hybrid plan of a GPU lane with a budget (see Engine.open) and where its frequencies came from; None
+    without a budget. GpuBudgetError when not even the parts every step needs fit. ``step_tokens``: the largest
+    step, whose buffers the plan counts."""
     if gpu_budget_gb is None:
         return None
     from engine import gpu_settings
@@ -119,7 +119,7 @@ def _gpu_plan(mf: ModelFile, gpu_budget_gb: float | None, kv_tokens: int, block_
         raise GpuBudgetError(
             f"gpu_budget_gb={gpu_budget_gb:g}: the GPU side of the model needs {p.fixed_bytes / 2**30:.2f} GiB "
             f"({what}); raise the budget, lower kv_tokens, or serve it on device='cpu'", lib.ST_EUNSUPPORTED)
-    return p, source, freqs
+    return p, source
 
 
 def kv_hot_budget_tokens(mf: ModelFile, budget_gb: float, block_size: int, kv_type: str = "f16") -> int:
@@ -224,10 +224,6 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.stage_pcie_gbs = float(profile.get("stage_pcie_gbs", 0.0))
         out.stage_gpu_gbs = float(profile.get("stage_gpu_gbs", 0.0))
         out.stage_cpu_pairs_s = float(profile.get("stage_cpu_pairs_s", 0.0))
-        out.stage_split_layers = int(profile.get("stage_split_layers", 0))
-        out.stage_gpu_experts = int(profile.get("stage_gpu_experts", 0))
-        out.stage_cpu_experts = int(profile.get("stage_cpu_experts", 0))
-        out.stage_cpu_pairs = int(profile.get("stage_cpu_pairs", 0))
         out.resident_hit_rate = profile["pairs_gpu"] / pairs if pairs else 1.0
         out.staged_bytes = int(profile["staged_bytes"])
         out.kv_host_bytes = int(profile.get("kv_host_bytes", 0))
@@ -248,8 +244,7 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16",
-                 stage_freqs: np.ndarray | None = None) -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -338,17 +333,9 @@ class Engine:
         self._last_step = 0  # the id of the last step run (forward or launch): token_src's source
         if self._gpu is not None and self.resident is not None and self._gpu.stage_info()["available"]:
             try:
-                from engine import gpu_settings
-
                 # at most 512 tokens: the whole-layer decision's rate at the step size its threshold is measured for
-                # (a GPU lane's 2,048-token chunk puts ~4x the pairs on each expert and reads the CPU as faster); the
-                # split's contention measurement (a copy load) only where the split is on at open
-                rate, pair_s, expert_s, contention = self._cpu_stage_costs(
-                    max(64, min(prefill_chunk, 512)), contention=bool(gpu_settings.env_override("hybrid_stage_split")))
-                self._gpu.set_stage_rate(rate)
-                self._gpu.set_split_costs(pair_s, expert_s, contention)
-                if stage_freqs is not None:  # hybrid_stage_split's estimate: the plan's frequencies as its prior
-                    self._gpu.set_stage_freq(stage_freqs)
+                # (a GPU lane's 2,048-token chunk puts ~4x the pairs on each expert and reads the CPU as faster)
+                self._gpu.set_stage_rate(self._cpu_pairs_rate(max(64, min(prefill_chunk, 512))))
             except BaseException:
                 self.close()
                 raise
@@ -389,63 +376,24 @@ class Engine:
                 self.resident = resident
         return len(moves)
 
-    # the split's start-up contention measurement: its bounds (the ratio's, those of split_scale's start) and the
-    # copy load's length in quiet chunk times (the ratio's bound: the load outlasts a chunk that much slower)
-    SPLIT_CONTENTION_BOUNDS = (1.0, 8.0)
-    SPLIT_LOAD_MIN_MS, SPLIT_LOAD_MAX_MS = 20.0, 2000.0
-
-    def _cpu_stage_costs(self, tokens: int, contention: bool = True) -> tuple[float, float, float, float]:
-        """Staging's CPU costs, measured at start-up with ``st_moe_pairs`` in the first partial layer, each token
-        on k distinct non-resident experts drawn uniformly: routed (token, expert) pairs per second over a chunk
-        of ``tokens`` tokens (the whole-layer decision's rate), and hybrid_stage_split's model, seconds a pair and
-        seconds each touched expert adds beside its pairs, from that chunk and a second one of about one pair an
-        expert (engine.placement.split_costs; each chunk timed on its second call, the first pages the experts
-        in), and the start of the model's correction: with ``contention``, the big chunk's time beside a copy load
-        over PCIe (``_split_contention``) over its quiet time, else 1."""
+    def _cpu_pairs_rate(self, tokens: int) -> float:
+        """Staging's CPU rate, measured at start-up: routed (token, expert) pairs per second of ``st_moe_pairs``
+        over a chunk of ``tokens`` tokens in the first partial layer, each token on k distinct non-resident
+        experts drawn uniformly (the second of two calls: the first pages the experts in)."""
         assert self.resident is not None
         hp = self.hparams
         k = hp.n_expert_used
         layer = next(i for i in range(hp.n_layer) if self.resident[i].sum() < hp.n_expert)
         off = np.flatnonzero(self.resident[layer] == 0)
         rng = np.random.default_rng(0)
+        x = rng.standard_normal((tokens, hp.n_embd)).astype(np.float32)
         per = min(k, off.size)
-
-        def chunk(n_tok: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            x = rng.standard_normal((n_tok, hp.n_embd)).astype(np.float32)
-            exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(n_tok)]).reshape(-1)
-            return x, np.repeat(np.arange(n_tok, dtype=np.int32), per), exp
-
-        def once(x: np.ndarray, tok: np.ndarray, exp: np.ndarray) -> float:
-            t = time.perf_counter()
-            self.moe_pairs(layer, x, tok, exp)
-            return max(time.perf_counter() - t, 1e-9)
-
-        def timed(args: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[float, int, int]:
-            self.moe_pairs(layer, *args)
-            return once(*args), args[1].size, int(np.unique(args[2]).size)
-
-        from engine.placement import split_costs
-
-        big_args = chunk(tokens)
-        big = timed(big_args)
-        pair_s, expert_s = split_costs(big, timed(chunk(max(1, off.size // per))))
-        scale = self._split_contention(lambda: once(*big_args), big[0]) if contention else 1.0
-        return big[1] / big[0], pair_s, expert_s, scale
-
-    def _split_contention(self, run: Callable[[], float], quiet_s: float) -> float:
-        """The CPU's slowdown while staging's copies read host memory: ``run`` (the big chunk of
-        ``_cpu_stage_costs``, returning its seconds) timed beside a copy load on the staging copy stream
-        (``CudaModel.stage_load``: the non-resident experts into the ring's slots, lasting the bound's multiple of
-        ``quiet_s``) over ``quiet_s``, within SPLIT_CONTENTION_BOUNDS. The load is waited before returning, also
-        when ``run`` raises; the copies only overwrite the ring's slots, which every staged layer rewrites."""
-        lo, hi = self.SPLIT_CONTENTION_BOUNDS
-        ms = min(self.SPLIT_LOAD_MAX_MS, max(self.SPLIT_LOAD_MIN_MS, 1e3 * hi * quiet_s))
-        self._gpu.stage_load(ms)
-        try:
-            loaded_s = run()
-        finally:
-            self._gpu.stage_load_wait()
-        return min(hi, max(lo, loaded_s / quiet_s))
+        exp = np.stack([rng.choice(off, size=per, replace=False) for _ in range(tokens)]).reshape(-1)
+        tok = np.repeat(np.arange(tokens, dtype=np.int32), per)
+        self.moe_pairs(layer, x, tok, exp)
+        t = time.perf_counter()
+        self.moe_pairs(layer, x, tok, exp)
+        return tok.size / max(time.perf_counter() - t, 1e-9)
 
     # ------------------------------------------------------------ lifecycle
     @classmethod
@@ -550,11 +498,9 @@ class Engine:
                     lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
-        # the placement file's frequencies (None: uniform routing) for hybrid_stage_split, as the plan read them
-        stage_freqs = planned[2] if planned is not None and resident is not None and not resident.all() else None
         return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
                    resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
-                   kv_type, stage_freqs)
+                   kv_type)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:

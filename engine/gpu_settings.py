@@ -65,11 +65,6 @@ OVERRIDES: tuple[Override, ...] = (
              "hybrid placement: N >= 1 a step of at least N tokens may stage a layer's non-resident experts over "
              "PCIe and compute them on the GPU where the measured rates say it is faster (two whole-layer slots "
              "of VRAM; 64, the default, keeps decode off it); 0 never"),
-    Override("STRATA_GPU_HYBRID_STAGE_SPLIT", "hybrid_stage_split",
-             "hybrid placement, with staging: 1 a staged layer leaves its coldest non-resident experts (by the "
-             "routing estimate: the placement file's frequencies, then the steps' own) to the CPU while the CPU's "
-             "expected time stays under the copies of the rest, only those copied over PCIe; 0 (the default) whole "
-             "layers"),
     Override("STRATA_GPU_KV_STREAM", "kv_stream",
              "KV tiers: -1 (the default) each decode step takes the form its recent steps of the same size measured "
              "faster; 0 every step stages the host-tier blocks it reads into VRAM (no graphs); 1 decode steps read "

@@ -676,20 +676,3 @@ def replacement_moves(freqs: np.ndarray, resident: np.ndarray, ebytes: np.ndarra
         moves.append((il, e_out, e_in))
         used += b
     return moves
-
-
-def split_costs(big: tuple[float, int, int], small: tuple[float, int, int]) -> tuple[float, float]:
-    """hybrid_stage_split's model of the CPU's time from two timed ``st_moe_pairs`` calls, each (seconds, pairs,
-    experts touched): a chunk of many pairs an expert and one of about one. With t = experts x cost an expert +
-    pairs x cost a pair, the two costs (seconds) solved over both calls; where noise makes either part negative
-    (or the calls are proportional), pairs only at the large chunk's rate and no cost an expert."""
-    (t_b, p_b, u_b), (t_s, p_s, u_s) = big, small
-    if t_b <= 0.0 or p_b <= 0:
-        raise ValueError(f"split_costs: a chunk of {p_b} pairs in {t_b} s")
-    det = u_b * p_s - u_s * p_b
-    if det != 0:
-        per_expert = (t_b * p_s - t_s * p_b) / det
-        per_pair = (u_b * t_s - u_s * t_b) / det
-        if per_expert >= 0.0 and 0.0 < per_pair <= 1.0:
-            return per_pair, min(per_expert, 1.0)
-    return t_b / p_b, 0.0

@@ -54,12 +54,6 @@ class StepStats:
     stage_pcie_gbs: float = 0.0
     stage_gpu_gbs: float = 0.0
     stage_cpu_pairs_s: float = 0.0
-    # hybrid_stage_split: staged layers that left their coldest experts to the CPU, the experts those layers staged
-    # over PCIe and those they left to the CPU (sums over the layers), the CPU's routed pairs in them
-    stage_split_layers: int = 0
-    stage_gpu_experts: int = 0
-    stage_cpu_experts: int = 0
-    stage_cpu_pairs: int = 0
     kv_moved_bytes: int = 0  # KV bytes copied between the cache's tiers before this step (Engine.place_kv)
     # the GPU's KV tiers: bytes of host-tier blocks the step read over PCIe (streamed in place by decode, staged
     # into VRAM layer by layer by prefill-form steps, whose written blocks go back: those bytes too)

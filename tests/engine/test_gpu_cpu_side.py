@@ -141,7 +141,7 @@ def test_gpu_budget_is_planned_before_any_device_is_touched(tiny: Path) -> None:
     half = (fixed + routed // 2 + 64) / 2**30
     got = _gpu_plan(mf, half, 64, 16, 512, None)
     assert got is not None
-    p, source, _ = got
+    p, source = got
     assert 0 < p.n_resident < p.n_routed and p.gpu_bytes <= half * 2**30 and "uniform" in source
     if NO_GPU is not None:  # a hybrid plan goes on to the device, which is missing here
         with pytest.raises(DeviceUnavailableError):
@@ -239,12 +239,8 @@ def test_gpu_header_declares_the_hybrid_entry_points() -> None:
         {name for name, _ in f.typeof(p[0]).fields}
     text = cuda_backend.cdef_text()
     for fn in ("stg_model_create_hybrid", "stg_model_memory", "stg_model_resident_experts", "stg_step_profile",
-               "stg_model_set_stage_rate", "stg_model_set_split_costs", "stg_model_stage_info",
-               "stg_model_set_cpu_attn", "stg_model_stage_load", "stg_model_stage_load_wait"):
+               "stg_model_set_stage_rate", "stg_model_stage_info", "stg_model_set_cpu_attn"):
         assert f"{fn}(" in text
-    # hybrid_stage_split's start-up contention: split_scale's start beside the two costs, and readable back
-    assert "stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s, double scale)" in text
-    assert "double *cpu_pairs_s, double *split_scale)" in text
 
 
 def test_gpu_cpu_attn_matches_the_c_engine_entry() -> None:
@@ -299,38 +295,6 @@ def test_cores_outside_the_machine_are_refused(tiny: Path) -> None:
         assert eng.cores == [0] and eng.threads == 1
 
 
-def test_hybrid_stage_split_is_declared_and_reported() -> None:
-    """hybrid_stage_split (staging.cu): the setting (0, whole layers, by default in model.cu), its override, the
-    routing estimate's entry point and the split's figures in the profile, carried into StepStats."""
-    import re
-    from types import SimpleNamespace
-
-    from cffi import FFI
-
-    from engine import gpu_settings
-    from engine.engine import _stats
-
-    f = FFI()
-    f.cdef(cuda_backend.cdef_text())
-    assert "hybrid_stage_split" in {name for name, _ in f.typeof("stg_settings").fields}
-    split = ("stage_split_layers", "stage_gpu_experts", "stage_cpu_experts", "stage_cpu_pairs")
-    assert set(split) <= {name for name, _ in f.typeof("stg_profile").fields}
-    assert "stg_model_set_stage_freq(" in cuda_backend.cdef_text()
-    model_cu = (Path(cuda_backend.__file__).parent / "csrc" / "cuda" / "model.cu").read_text()
-    assert re.search(r"s->hybrid_stage_split = (\d+);", model_cu).group(1) == "0"
-    assert "RANGE(hybrid_stage_split, 0, 1)" in model_cu
-    assert gpu_settings.env_override("hybrid_stage_split", {"STRATA_GPU_HYBRID_STAGE_SPLIT": "1"}) == 1
-    assert gpu_settings.env_override("hybrid_stage_split", {}) is None
-    st = SimpleNamespace(n_tokens=512, t_total=0.1, t_attn=0.0, t_experts=0.0, t_dense=0.0, t_output=0.0,
-                         n_expert_tokens=4096, n_active_experts=128, pool_idle_share=0.0)
-    profile = {"t_gpu": 0.05, "t_cpu_experts": 0.02, "t_gpu_wait": 0.0, "t_pcie": 0.05, "t_cpu_wait": 0.0,
-               "pcie_bytes": 1, "pairs_gpu": 4000, "pairs_cpu": 96, "staged_bytes": 10, "staged_layers": 2,
-               "stage_split_layers": 2, "stage_gpu_experts": 200, "stage_cpu_experts": 56, "stage_cpu_pairs": 96}
-    out = _stats(st, profile)
-    assert (out.stage_split_layers, out.stage_gpu_experts, out.stage_cpu_experts, out.stage_cpu_pairs) == \
-        (2, 200, 56, 96)
-
-
 def test_hybrid_steps_take_pdl_with_cuts_after_copies() -> None:
     """Programmatic dependent launch in hybrid steps (hybrid.cu's top comment): step.cu does not exclude hybrid
     steps, and every copy or event wait that the hybrid step queues on the compute stream is followed by pdl_cut
@@ -361,63 +325,3 @@ def test_hybrid_steps_take_pdl_with_cuts_after_copies() -> None:
                 rest = body[at:]
                 cut, launch = rest.find("pdl_cut("), rest.find("launch_k(")
                 assert cut >= 0 and (launch < 0 or cut < launch), f"{name} {fn}: a launch after {op} without pdl_cut"
-
-
-class _FakeLoadGpu:
-    """CudaModel's copy-load entries, recording the calls (Engine._split_contention's side of them)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, float]] = []
-
-    def stage_load(self, ms: float) -> int:
-        self.calls.append(("load", ms))
-        return 1
-
-    def stage_load_wait(self) -> float:
-        self.calls.append(("wait", 0.0))
-        return 0.0
-
-    def close(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize(("quiet_s", "loaded_s", "want_ms", "want"), [
-    (0.034, 0.061, 272.0, 0.061 / 0.034),  # a pp512 chunk 1.8x slower beside the copies
-    (0.034, 0.020, 272.0, 1.0),            # faster under load (noise): no correction below 1
-    (0.001, 0.100, 20.0, 8.0),             # a tiny chunk: the load's floor, the ratio's bound
-    (1.0, 1.5, 2000.0, 1.5),               # a long chunk: the load's ceiling
-])
-def test_split_contention_times_the_chunk_beside_a_waited_load(quiet_s: float, loaded_s: float, want_ms: float,
-                                                                want: float) -> None:
-    """hybrid_stage_split's start (Engine._split_contention): the copy load lasts 8 quiet chunk times (20-2000 ms),
-    the chunk is timed while it runs, the load is waited before returning, and the ratio is bounded to [1, 8]."""
-    from engine.engine import Engine
-
-    eng = Engine.__new__(Engine)
-    gpu = _FakeLoadGpu()
-    eng._gpu = gpu
-    order: list[str] = []
-
-    def run() -> float:
-        order.append(gpu.calls[-1][0])
-        return loaded_s
-
-    assert eng._split_contention(run, quiet_s) == pytest.approx(want)
-    assert order == ["load"] and [c for c, _ in gpu.calls] == ["load", "wait"]
-    assert gpu.calls[0][1] == pytest.approx(want_ms)
-
-
-def test_split_contention_waits_the_load_when_the_chunk_fails() -> None:
-    """A chunk that raises still leaves the copy load waited (Engine.open closes the engine after it)."""
-    from engine.engine import Engine
-
-    eng = Engine.__new__(Engine)
-    gpu = _FakeLoadGpu()
-    eng._gpu = gpu
-
-    def run() -> float:
-        raise RuntimeError("chunk")
-
-    with pytest.raises(RuntimeError, match="chunk"):
-        eng._split_contention(run, 0.01)
-    assert [c for c, _ in gpu.calls] == ["load", "wait"]

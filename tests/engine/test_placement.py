@@ -367,22 +367,3 @@ def test_glm4moe_plan_counts_the_forward_layers_only(tmp_path: Path) -> None:
     none = pl.plan(mf, pl.PlanParams(budget_bytes=p.fixed_bytes, cpu_read_gbs=50.0, gpu_read_gbs=3000.0))
     mask0 = pl.resident_mask(mf, none)
     assert none.n_resident == 0 and mask0[0].all() and not mask0[1:].any()
-
-
-def test_split_costs_solves_the_cpu_model_and_falls_back_on_noise() -> None:
-    """hybrid_stage_split's CPU model from two timed chunks: exact times of t = experts x c_e + pairs x c_p give
-    c_e and c_p back; times no such model explains (a negative part) give pairs only at the large chunk's rate."""
-    from engine.placement import split_costs
-
-    c_e, c_p = 24e-6, 6e-6
-    big, small = (128, 4096), (128, 128)  # (experts touched, pairs)
-    t = [u * c_e + p * c_p for u, p in (big, small)]
-    pair_s, expert_s = split_costs((t[0], big[1], big[0]), (t[1], small[1], small[0]))
-    assert pair_s == pytest.approx(c_p, rel=1e-9) and expert_s == pytest.approx(c_e, rel=1e-9)
-    # the small chunk faster per pair than the large one: no positive cost an expert explains it
-    pair_s, expert_s = split_costs((0.03, 4096, 128), (1e-4, 128, 100))
-    assert (pair_s, expert_s) == (pytest.approx(0.03 / 4096), 0.0)
-    # proportional chunks (no second point): pairs only
-    assert split_costs((0.02, 4096, 128), (0.01, 2048, 64)) == (pytest.approx(0.02 / 4096), 0.0)
-    with pytest.raises(ValueError, match="split_costs"):
-        split_costs((0.0, 4096, 128), (1e-3, 128, 100))

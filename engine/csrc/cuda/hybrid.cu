@@ -27,9 +27,7 @@
  * is written); 0, the calling thread computes each layer's share between queueing its wait and its rows.
  * The same kernels read the same rows either way: the bits do not depend on the mode.
  *
- * A layer the step stages whole (staging.cu) has no CPU share: hybrid_layer is false for it. A staged layer split
- * (hybrid_stage_split) has one: its pairs are grouped by the step's map (the slot's experts at their own index, the
- * CPU's -1) and the host computes the pairs of the experts left to it.
+ * A layer the step stages (staging.cu) has no CPU share: hybrid_layer is false for it.
  *
  * Programmatic dependent launch (stg_settings.pdl, on sm_90): the step's kernels are launched as
  * other steps' are (common.cuh), each triggering its dependents at entry and waiting (griddepcontrol.wait) before it
@@ -272,15 +270,9 @@ static stg_status hybrid_wait_routing(const hybrid &h, const hybrid_step &hs, in
     return host_sync_wait(h.sync, il, hs.seq, hs.s1[(size_t)il], "hybrid: routing to the host");
 }
 
-/* A layer with a CPU share in the step being queued (a partial layer that this step does not stage whole). */
+/* A layer with a CPU share in the step being queued (a partial layer that this step does not stage). */
 static bool hybrid_layer(const stg_model *m, int il) {
-    return partial_layer(m, il) && !staging_whole(m, il);
-}
-
-/* Layer il's expert -> slot map on the device for the step being queued (-1: the CPU's): the resident slots, or a
- * staged layer's step map (the staging slot's experts at their own index, staging.cu) */
-static const int32_t *layer_slot_map(const stg_model *m, int il) {
-    return staged_layer(m, il) ? staging_map(m, il) : (const int32_t *)(m->hy.d_slot + (int64_t)il * m->d.n_expert);
+    return partial_layer(m, il) && !staged_layer(m, il);
 }
 
 /* The launched step's events, sums and flag value (step_launch, before the layers are queued). events: whether
@@ -300,7 +292,7 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T, bo
     hs.used.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
     hs.staged_layers = hs.staged_bytes = 0;
-    CHECK(staging_decide(m, hs, T));
+    staging_decide(m, T);
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
     hybrid &h = m->hy;
@@ -346,7 +338,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     CHECK(hybrid_wait_routing(h, hs, il));
     const double t1 = host_seconds();
     hs.t_cpu_wait += t1 - t0;
-    const uint8_t *res = staging_device_mask(m, il); /* resident, or (a split layer) staged */
+    const uint8_t *res = h.resident.data() + (size_t)il * ne;
     int32_t n = 0;
     for (int64_t p = 0; p < P; p++) {
         const int32_t e = h.h_ids[p];
@@ -364,18 +356,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
             return fail(rc, "layer %d: the CPU engine's experts: %s", il, msg ? msg : "(no message)");
         }
     }
-    const double dt = host_seconds() - t1;
-    hs.t_cpu += dt;
-    if (staged_layer(m, il) && n > 0) { /* a split layer: its CPU seconds, measured and by staging's model */
-        std::vector<uint8_t> seen((size_t)ne, 0);
-        int32_t touched = 0;
-        for (int32_t i = 0; i < n; i++) {
-            uint8_t &s = seen[(size_t)h.pair_exp[(size_t)i]];
-            touched += s == 0, s = 1;
-        }
-        hs.split_cpu_pairs += n, hs.split_cpu_s += dt;
-        hs.split_model_s += split_model_seconds(m->hy.stg, n, touched);
-    }
+    hs.t_cpu += host_seconds() - t1;
     hs.cpu_pairs += n;
     if (h.rows_direct) { /* k_rows_direct reads the n rows in place (their indices are the device's own) */
         hs.pcie_h2d += (int64_t)sizeof(float) * n * E;
@@ -471,10 +452,10 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     CU(cudaEventRecord(hs.s1[(size_t)il], st), "hybrid: event");
     hs.pcie_d2h += (int64_t)sizeof(int32_t) * P + (int64_t)sizeof(float) * T * E;
     if (h.worker) h.worker->queued.store(il + 1, std::memory_order_release);
-    const int32_t n_slots = staged_layer(m, il) ? ne : h.n_slots[(size_t)il]; /* staged: every expert's index */
+    const int32_t n_slots = h.n_slots[(size_t)il];
     if (n_slots == 0) return ST_OK;
     launch_k(k_slot_ids, (unsigned)((P + 255) / 256), 256, 0, st, (const int32_t *)s.topk_id, (int32_t)P,
-             layer_slot_map(m, il), h.sid);
+             (const int32_t *)(h.d_slot + (int64_t)il * ne), h.sid);
     LAUNCHED("hybrid: slots");
     /* the histogram is the expert grouping's (the router's launch counted every pair) */
     const group_out go = {s.gexp,   s.gstart, s.gcount, s.n_groups,  s.list,    s.pair_tok, nullptr, s.gtiles,
@@ -496,10 +477,11 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     if (hs.events) CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
     if (h.rows_direct) { /* the wait and the rows' reads in one kernel, then event c (no b) */
+        const int ne = m->d.n_expert;
         const int64_t G = std::min<int64_t>(P, ROWS_BLOCKS);
         launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
                  (const unsigned long long *)(h.sync.flags + il), hs.seq, (const int32_t *)m->s.topk_id,
-                 layer_slot_map(m, il), (int32_t)m->d.n_expert, (int32_t)P, (const float *)h.h_rows, E,
+                 (const int32_t *)(h.d_slot + (int64_t)il * ne), (int32_t)ne, (int32_t)P, (const float *)h.h_rows, E,
                  m->s.pair_out, hs.ts + 2 * il);
         LAUNCHED("hybrid: wait for the CPU and read its rows");
     } else {

@@ -362,8 +362,7 @@ static stg_status ffn_block(stg_model *m, int il, int32_t T) {
     float *shx = cpu_share ? m->hy.d_shx : s.pair_out;
     if (cpu_share) CHECK(hybrid_send(m, il, T, mv_max));
     if (cpu_share && shexp) CHECK(shared_expert(m, L, T, shx));
-    if (staged_layer(m, il)) { /* the device's experts from the staging ring's slot (staging.cu): every expert (no
-                                * CPU share), or a split layer's staged and resident ones (the CPU's share beside) */
+    if (staged_layer(m, il)) { /* every expert from the staging ring's slot (staging.cu), no CPU share */
         dlayer Ls;
         CHECK(staging_queue(m, il, &Ls));
         CHECK(routed_experts(m, Ls, T, mv_max));

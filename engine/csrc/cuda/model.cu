@@ -59,7 +59,6 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->att_split_min = 512;
     s->hybrid_overlap = 1;
     s->hybrid_stage = 64; /* gpu_settings.HYBRID_STAGE_DEFAULT */
-    s->hybrid_stage_split = 0;
     s->kv_stream = -1;
     s->kv_host_attn = 0;
     s->kv_host_share = -1;
@@ -86,7 +85,6 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(att_split_min, 0, INT32_MAX)
     RANGE(hybrid_overlap, 0, 1)
     RANGE(hybrid_stage, 0, INT32_MAX)
-    RANGE(hybrid_stage_split, 0, 1)
     RANGE(kv_stream, -1, 1)
     RANGE(kv_host_attn, 0, 1)
     RANGE(kv_host_share, -1, 100)
@@ -368,7 +366,7 @@ extern "C" void stg_model_destroy(stg_model *m) {
         if (f.h_hist) cudaFreeHost(f.h_hist);
         if (f.e0) cudaEventDestroy(f.e0);
         if (f.e1) cudaEventDestroy(f.e1);
-        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c, &f.hy.w0, &f.hy.w1})
+        for (std::vector<cudaEvent_t> *v : {&f.hy.s0, &f.hy.s1, &f.hy.a, &f.hy.b, &f.hy.c})
             for (cudaEvent_t e : *v) cudaEventDestroy(e);
         if (f.hy.ts) cudaFreeHost(f.hy.ts);
     }

@@ -93,13 +93,6 @@ struct hybrid_step {
      * block 0 starts and when it sees the layer's flag (the profile's wait inside a..c) */
     uint64_t *ts = nullptr;
     int64_t staged_layers = 0, staged_bytes = 0; /* staging.cu: layers computed from staged weights, bytes copied */
-    /* hybrid_stage_split (staging.cu): staged layers with a CPU share, their experts staged over PCIe and those left
-     * to the CPU (sums over those layers), the CPU's pairs in them; w0 / w1 [n_layer] around such a layer's wait
-     * for its copies (its s0 / s1 are the CPU share's) */
-    int64_t split_layers = 0, split_gpu_experts = 0, split_cpu_experts = 0, split_cpu_pairs = 0;
-    double split_cpu_s = 0.0, split_model_s = 0.0; /* the CPU's seconds in split layers, measured and modelled */
-    std::vector<cudaEvent_t> w0, w1;
-    std::vector<char> split; /* [n_layer] the layer's w0 / w1 were recorded */
 };
 
 /* The overlapped step's CPU thread and the queueing thread: layers queued so far (s1 recorded), whether the
@@ -123,36 +116,9 @@ struct staging {
     void *reg = nullptr; /* the page-locked (registered) host range holding those experts */
     double pcie_gbs = 0.0, gpu_gbs = 0.0; /* measured when the model opens */
     double cpu_pairs_s = 0.0;             /* the CPU engine's routed pairs per second (stg_model_set_stage_rate) */
-    double split_pair_s = 0.0, split_expert_s = 0.0; /* hybrid_stage_split: the CPU's seconds a pair and a touched
-                                                       * expert (stg_model_set_split_costs; 0: pairs at cpu_pairs_s) */
-    double split_scale = 1.0; /* hybrid_stage_split: measured over modelled CPU seconds of split layers (running) */
-    /* stg_model_stage_load: the copy load's bounding events on the copy stream (created by its first call) and
-     * whether one is queued and not yet waited */
-    cudaEvent_t load0 = nullptr, load1 = nullptr;
-    bool loading = false;
     std::vector<char> now;                /* [n_layer]: staged in the step being queued */
     int32_t next = 0;                     /* the ring's next slot */
-    /* hybrid_stage_split: the routing estimate (staging_shares): prior [n_layer * n_expert] (each layer's shares,
-     * summing to 1), obs (the waited steps' histograms, decayed) and the decayed token weights obs_w1 = sum w,
-     * obs_w2 = sum w^2 (the noise of obs); per step being queued: split [n_layer] (a staged layer with a CPU
-     * share), dev [n_layer * n_expert] (1: the device computes the expert, resident or staged; split layers' rows
-     * only) and its map (expert e -> e, the slot's index, or -1: the CPU's) on the host and the device */
-    std::vector<double> prior, obs;
-    double obs_w1 = 0.0, obs_w2 = 0.0;
-    std::vector<char> split;
-    std::vector<uint8_t> dev;
-    std::vector<int32_t> map;
-    int32_t *d_map = nullptr;
 };
-
-/* hybrid_stage_split's model of the CPU's seconds for `pairs` routed pairs over `touched` experts: each at the CPU
- * engine's measured cost (stg_model_set_split_costs; without it, pairs at the whole-layer rate cpu_pairs_s). The
- * split's plan (staging_split, with split_scale and expected counts) and the measured steps' correction of
- * split_scale (hybrid_cpu_layer, with the counts that ran) both read it. */
-static inline double split_model_seconds(const staging &g, double pairs, double touched) {
-    const double pair_s = g.split_pair_s > 0.0 ? g.split_pair_s : g.cpu_pairs_s > 0.0 ? 1.0 / g.cpu_pairs_s : 0.0;
-    return pairs * pair_s + touched * g.split_expert_s;
-}
 
 /* The per-layer handshake between the device and a host thread (host_sync.cu; hybrid placement's CPU share and
  * kv_host_attn's): pinned, mapped words, flags[i] written by the host ((seq << 32) | n: layer i's results are in
@@ -350,12 +316,8 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T);
 /* staging.cu: the ring, the registration and the rates (at model creation, the streams made); its teardown */
 static stg_status staging_setup(stg_model *m, const st_layer *layers);
 static void staging_destroy(stg_model *m);
-/* which layers the step of T tokens stages, and (hybrid_stage_split) which of their experts stay on the CPU */
-static stg_status staging_decide(stg_model *m, hybrid_step &hs, int32_t T);
-static bool staged_layer(const stg_model *m, int il);  /* staged in the step being queued (with or without a CPU share) */
-static bool staging_whole(const stg_model *m, int il); /* staged without a CPU share */
-static const int32_t *staging_map(const stg_model *m, int il); /* a split layer's device map (expert -> slot, -1) */
-static const uint8_t *staging_device_mask(const stg_model *m, int il); /* [n_expert]: 1 where the device computes */
+static void staging_decide(stg_model *m, int32_t T); /* which layers the step of T tokens stages */
+static bool staged_layer(const stg_model *m, int il); /* staged in the step being queued */
 
 static void drop_graphs(stg_model *m) {
     for (graph_entry &g : m->graphs) cudaGraphExecDestroy(g.exec);

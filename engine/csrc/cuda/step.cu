@@ -454,7 +454,7 @@ static stg_status step_launch(stg_model *m, stg_kv *kv, const st_batch *b, int64
      * A step launched while one that records them is in flight records none (the events are
      * shared: it would overwrite them before that step's wait reads them). A decode-sized hybrid step (eager)
      * samples them as a graph step does, and its frame events (hybrid.cu) likewise: each record ends the next
-     * kernel's early launch (GPU run 123: batch 1 +1 to +8%); layer_events 1 records both on every step. */
+     * kernel's early launch; layer_events 1 records both on every step. */
     const int32_t le = m->set.layer_events;
     bool layer_events = true;
     const bool hy_sample = m->hy.on && le != 1 && hybrid_direct(m, T);
@@ -551,7 +551,6 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             if (f.expert_hist) f.expert_hist[i] += f.h_hist[i];
         }
         if (f.mv) mv_update(m, f.T, f.h_hist);
-        staging_observe(m, f.T, f.h_hist); /* hybrid_stage_split's routing estimate */
     }
     auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {
         float ms = 0.0f;
@@ -583,7 +582,6 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
         }
     }
     hybrid_profile(m, f.hy, f.T, f.e0, f.e1, stt->t_total, pairs);
-    staging_profile(m, f.hy);
     m->profile.kv_host_bytes = f.kv_host_bytes, m->profile.kv_form = f.kv_form;
     if (f.kv_pick >= 0) kv_form_observe(m, f.T, f.kv_pick, stt->t_total);
     m->profile.kv_cpu_bytes = f.kv_cpu_bytes, m->profile.t_cpu_attn = f.t_cpu_attn;

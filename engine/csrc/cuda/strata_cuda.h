@@ -67,13 +67,6 @@ typedef struct stg_settings {
                                * CPU (stg_model_set_stage_rate); the host range holding them is page-locked at model
                                * creation. Rows of staged layers are the device's (within tolerance of the CPU's).
                                * 0: never */
-    int32_t hybrid_stage_split; /* hybrid_stage: 1, a staged layer leaves its coldest non-resident experts to the CPU
-                               * (the layer's CPU share, computed while the rest is copied and computed on the
-                               * device): before routing is known, expected pairs T x k x freq(e) from a routing
-                               * estimate (stg_model_set_stage_freq's prior, then each step's histogram), the
-                               * coldest first while the CPU's expected time stays under the copies of the rest;
-                               * only the staged experts' bytes cross PCIe. The pairs a step routes to those
-                               * experts run on the CPU whatever the estimate said. 0: whole layers */
     int32_t kv_stream;        /* a tiered KV cache (stg_kv_create_tiered): 1: decode and graph-sized steps read
                                * host-tier blocks in place over PCIe (zero-copy, graphs kept) and only prefill-form
                                * steps stage them into VRAM; 0: every step that reads one stages (eagerly, no
@@ -237,9 +230,6 @@ typedef struct stg_profile {
      * at model creation, the CPU engine's routed pairs per second (0: staging unavailable or not rated) */
     int64_t staged_layers;
     double stage_pcie_gbs, stage_gpu_gbs, stage_cpu_pairs_s;
-    /* hybrid_stage_split: staged layers that left experts to the CPU, the experts they staged over PCIe and those
-     * they left to the CPU (sums over those layers), and the CPU's pairs in them (part of pairs_cpu) */
-    int64_t stage_split_layers, stage_gpu_experts, stage_cpu_experts, stage_cpu_pairs;
     /* a tiered KV cache: bytes of host-tier blocks the step's attention read over PCIe (each block its sequence
      * reads counted once: a decode step's exact figure, a lower bound for prefill tiles that reread it) */
     int64_t kv_host_bytes;
@@ -264,28 +254,9 @@ stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by
  * the caller at start-up (0: never stage). ST_EINVAL with steps in flight or a rate outside [0, 1e12]. */
 stg_status stg_model_set_stage_rate(stg_model *m, double cpu_pairs_per_s);
-/* hybrid_stage_split's model of the CPU's time: seconds a routed pair (> 0) and seconds each expert a step touches
- * adds beside its pairs (>= 0), both at most 1, measured by the caller at start-up, and the start of the model's
- * running correction (staging.cu's split_scale, in [0.25, 8]: the CPU's slowdown while the copies read host
- * memory, stg_model_stage_load's measurement; 1 none). Without a call: pairs at stg_model_set_stage_rate's rate
- * only. ST_EINVAL with steps in flight or a value outside those bounds. */
-stg_status stg_model_set_split_costs(stg_model *m, double pair_s, double expert_s, double scale);
-/* A copy load for timing the CPU beside staging's copies: host -> device copies of the partial layers' experts into
- * the staging ring's slots on the copy stream, about ms milliseconds (0 < ms <= 2000) of them at the measured PCIe
- * rate, *bytes the bytes queued; returns at once. stg_model_stage_load_wait waits for them (*seconds: their time on
- * the copy stream) and must follow before the next load; steps queued meanwhile run after the copies. ST_EINVAL
- * where staging is unavailable, with steps in flight, a bad duration or a load not yet waited (wait: none queued). */
-stg_status stg_model_stage_load(stg_model *m, double ms, int64_t *bytes);
-stg_status stg_model_stage_load_wait(stg_model *m, double *seconds);
-/* hybrid_stage_split's routing estimate: freq [n_layer * n_expert] (>= 0, finite; any scale, a layer's row is
- * normalised; a row of zeros: uniform) is the prior the steps' histograms are weighed against (staging.cu's
- * staging_shares); what was observed before the call is dropped. Without a call the prior is uniform. ST_EINVAL
- * with steps in flight, a wrong count or a bad value. */
-stg_status stg_model_set_stage_freq(stg_model *m, const float *freq, int64_t n);
-/* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked), its rates and
- * hybrid_stage_split's running correction (split_scale: the CPU's measured over modelled seconds). */
+/* Whether staging is available (hybrid_stage set, some layer partial, its host range page-locked) and its rates. */
 stg_status stg_model_stage_info(const stg_model *m, int32_t *available, double *pcie_gbs, double *gpu_gbs,
-                                double *cpu_pairs_s, double *split_scale);
+                                double *cpu_pairs_s);
 
 /* Page-locked host memory (cudaHostAlloc, portable to every device): a step whose logits
  * buffer is such memory copies them by DMA instead of through the driver's own staging

@@ -32,7 +32,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine import gpu_settings
 from engine.engine import Engine
 from engine.gguf_model import open_model
 from engine.native import VARIANTS, EngineError, _variant_from_env, lib
@@ -457,8 +456,6 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
         info = hyb._gpu.stage_info()
         print(f"{model} {qt}: staging {info}")
         assert info["available"] and info["pcie_gbs"] > 0 and info["gpu_gbs"] > 0 and info["cpu_pairs_s"] > 0
-        if not gpu_settings.env_override("hybrid_stage_split"):
-            assert info["split_scale"] == 1.0  # no split at open: no contention load, the correction starts at 1
         hyb._gpu.set_stage_rate(1e12)  # the CPU faster than any copy: today's path
         plain = np.array(hyb.logits_for(prompts[0]), copy=True)
         assert hyb.last_stats is not None and hyb.last_stats.staged_layers == 0
@@ -477,141 +474,6 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
             check_tokens(cpu, p, w, g, bound, f"{model} {qt} staged sequence {i}")
         hyb._gpu.set_stage_rate(1e12)
         assert np.array_equal(hyb.logits_for(prompts[0]), plain)
-
-
-SPLIT_ENV = {"STRATA_GPU_HYBRID_STAGE": "16"}  # steps of 16 tokens and more may stage (the 40-token prompt does)
-
-
-@pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("mixtral", "f32"), ("qwen2moe", "q8_0")])
-def test_staging_split_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.MonkeyPatch, model: str,
-                                   qt: str) -> None:
-    """hybrid_stage_split 1 (staging.cu): with the CPU rated slower than any copy every partial layer stages; a
-    routing estimate that expects none of a layer's pairs on half of its non-resident experts (the lower ids;
-    stg_model_set_stage_freq) leaves those to the CPU and stages the rest: the statistics show the split (its
-    layers, experts each way, the CPU's pairs: those the step really routed there) and staged bytes below the
-    whole layers' by exactly the CPU's experts' share; logits and greedy tokens within the staging test's
-    tolerances of the CPU's. An estimate that leaves the CPU nothing gives hybrid_stage_split 0's bits."""
-
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", SPLIT_ENV["STRATA_GPU_HYBRID_STAGE"])
-    path = paths[(model, qt)]
-    exact = qt == "f32"
-    prompts = prompts_for()
-    alone, batched = cpu_tokens[(model, qt)]
-    pf = random_placement(path)
-    hp = open_model(path).hparams
-    budget = budget_gb(path, 0.3, pf) + staging_ring_bytes(path) / 2**30
-    with Engine.open(path, kv_tokens=KV_TOKENS) as cpu, \
-            Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
-        assert hyb.resident is not None and hyb._gpu.stage_info()["available"]
-        offs = [np.flatnonzero(hyb.resident[il] == 0) for il in range(hp.n_layer)]
-        partial = sum(1 for o in offs if o.size)
-        cold = {il: o[: o.size // 2] for il, o in enumerate(offs) if o.size >= 2}  # the CPU's by the estimate
-        assert cold, [o.size for o in offs]
-        skewed = np.ones((hp.n_layer, hp.n_expert), np.float32)
-        for il, ids in cold.items():
-            skewed[il, ids] = 0.0
-        uniform = np.ones_like(skewed)
-        hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
-        # a bad estimate is refused with a typed error naming what is wrong, the model left serving
-        for bad, what in ((uniform[:, :-1], "values"), (-uniform, "frequency"), (uniform * np.nan, "frequency")):
-            with pytest.raises(EngineError, match=f"set_stage_freq: .*{what}"):
-                hyb._gpu.set_stage_freq(bad)
-        for pair_s, expert_s in ((0.0, 0.0), (-1e-6, 0.0), (1e-6, -1.0), (float("nan"), 0.0), (1e-6, 2.0)):
-            with pytest.raises(EngineError, match="set_split_costs"):
-                hyb._gpu.set_split_costs(pair_s, expert_s)
-        # the split's CPU at 1 s a pair, no contention correction: only experts expected to get none go there
-        hyb._gpu.set_split_costs(1.0, 0.0, 1.0)
-        # whole layers (hybrid_stage_split 0): the reference bytes and bits
-        hyb._gpu.set_settings(SPLIT_ENV)
-        whole = np.array(hyb.logits_for(prompts[0]), copy=True)
-        st = hyb.last_stats
-        assert st is not None and st.staged_layers == partial and st.stage_split_layers == 0
-        whole_bytes = st.staged_bytes
-        hyb._gpu.set_settings({**SPLIT_ENV, "STRATA_GPU_HYBRID_STAGE_SPLIT": "1"})
-        # the estimate leaves the CPU nothing: the whole-layer rule, bit for bit
-        hyb._gpu.set_stage_freq(uniform)
-        same = hyb.logits_for(prompts[0])
-        st = hyb.last_stats
-        assert st is not None and st.staged_layers == partial and st.stage_split_layers == 0
-        assert st.staged_bytes == whole_bytes and hyb._gpu.profile()["pairs_cpu"] == 0
-        assert np.array_equal(same, whole), float(np.abs(same - whole).max())
-        # the skewed estimate: the cold half of each split layer's non-resident experts on the CPU
-        hyb._gpu.set_stage_freq(skewed)
-        split = hyb.logits_for(prompts[0])
-        st = hyb.last_stats
-        assert st is not None
-        n_cpu = sum(ids.size for ids in cold.values())
-        n_gpu = sum(offs[il].size - ids.size for il, ids in cold.items())
-        n_off = sum(o.size for o in offs)
-        pairs_cpu = hyb._gpu.profile()["pairs_cpu"]
-        print(f"{model} {qt}: split {st.stage_split_layers} of {st.staged_layers} staged layers, experts "
-              f"{st.stage_gpu_experts} staged / {st.stage_cpu_experts} on the CPU ({st.stage_cpu_pairs} pairs of "
-              f"{pairs_cpu}); staged {st.staged_bytes} B of the whole layers' {whole_bytes} B")
-        assert st.staged_layers == partial and st.stage_split_layers == len(cold)
-        assert st.stage_cpu_experts == n_cpu and st.stage_gpu_experts == n_gpu
-        # every partial layer has one expert size: the bytes not copied are exactly the CPU's experts' share
-        assert 0 < st.staged_bytes < whole_bytes and st.staged_bytes * n_off == whole_bytes * (n_off - n_cpu)
-        assert st.stage_cpu_pairs > 0 and pairs_cpu == st.stage_cpu_pairs and st.t_cpu_experts > 0
-        assert 0.0 < st.resident_hit_rate < 1.0
-        assert abs(st.t_gpu + st.t_pcie + st.t_gpu_wait - st.t_total) <= 0.05 * st.t_total
-        ref = cpu.logits_for(prompts[0])
-        err, err_whole = rel_err(split, ref), rel_err(split, whole)
-        print(f"{model} {qt}: split logits {err:.3e} of max|ref| from the CPU's, {err_whole:.3e} from whole layers'")
-        assert err <= (1e-3 if exact else 2e-2), err
-        bound = 1e-3 if exact else 1e-2
-        # the estimate follows the steps' histograms from here on: whatever it splits, the tokens hold
-        hyb._gpu.set_stage_freq(skewed)
-        check_tokens(cpu, prompts[0], alone, run_alone(hyb, prompts[0]), bound, f"{model} {qt} split alone")
-        hyb._gpu.set_stage_freq(skewed)
-        for i, (p, w, g) in enumerate(zip(prompts, batched, run_batched(hyb, prompts), strict=True)):
-            check_tokens(cpu, p, w, g, bound, f"{model} {qt} split sequence {i}")
-
-
-def test_staging_copy_load_sets_the_split_scale(paths: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """hybrid_stage_split's start (engine.Engine._split_contention): with the split on at open, Engine.open times
-    the CPU beside a copy load on the staging copy stream (stg_model_stage_load) and starts split_scale at that
-    slowdown, within [1, 8]; the load's entries refuse a bad duration, a second load before the wait and a wait with nothing queued, a model
-    without staging refuses the load, set_split_costs refuses a scale outside [0.25, 8] (the scale kept), and a
-    load between steps leaves a fully staged step's logits bit for bit."""
-
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "1")
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE_SPLIT", "1")
-    path = paths[("qwen3moe", "q8_0")]
-    prompts = prompts_for()
-    pf = random_placement(path)
-    with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS,
-                     gpu_budget_gb=budget_gb(path, 0.3, pf) + staging_ring_bytes(path) / 2**30,
-                     placement=pf) as hyb:
-        info = hyb._gpu.stage_info()
-        print(f"staging at open: {info}")
-        assert info["available"] and 1.0 <= info["split_scale"] <= 8.0, info
-        start = info["split_scale"]
-        for bad in (0.0, 0.2, 9.0, float("nan")):
-            with pytest.raises(EngineError, match="set_split_costs: scale"):
-                hyb._gpu.set_split_costs(1e-6, 0.0, bad)
-        assert hyb._gpu.stage_info()["split_scale"] == start
-        for bad in (0.0, -1.0, float("nan"), 2001.0):
-            with pytest.raises(EngineError, match="stage_load: "):
-                hyb._gpu.stage_load(bad)
-        with pytest.raises(EngineError, match="stage_load_wait: no load"):
-            hyb._gpu.stage_load_wait()
-        # whole layers (the split's choice follows the steps it observes): every partial layer staged, the CPU
-        # slower than any copy
-        hyb._gpu.set_settings({"STRATA_GPU_HYBRID_STAGE": "1"})
-        hyb._gpu.set_stage_rate(1e-3)
-        ref = np.array(hyb.logits_for(prompts[0]), copy=True)
-        assert hyb.last_stats is not None and hyb.last_stats.staged_layers > 0
-        assert hyb._gpu.stage_load(5.0) > 0
-        with pytest.raises(EngineError, match="stage_load: a load is running"):
-            hyb._gpu.stage_load(5.0)
-        assert hyb._gpu.stage_load_wait() > 0.0
-        got = hyb.logits_for(prompts[0])
-        assert np.array_equal(got, ref), float(np.abs(got - ref).max())
-    monkeypatch.setenv("STRATA_GPU_HYBRID_STAGE", "0")
-    with open_hybrid(path, 0.3, pf) as plain:  # no ring reserved: staging off
-        assert plain.resident is not None and not plain._gpu.stage_info()["available"]
-        with pytest.raises(EngineError, match="stage_load: staging is not available"):
-            plain._gpu.stage_load(5.0)
 
 
 @pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])
