@@ -159,6 +159,23 @@ def mean_frame(stats: list[Any]) -> dict[str, float]:
     return out
 
 
+# the CPU's read rate behind every row's floor: one median of READ_PROBES probes per core set and process, so that
+# rows and knob A/Bs of a call share one floor (single probes between rows varied 128-148 GB/s on the GPU machine)
+READ_PROBES = 5
+_read_gbs: dict[tuple[int, ...], float] = {}
+
+
+def cpu_read_gbs(cores: list[int], probe: Any = None) -> float:
+    """RAM read GB/s on these cores (engine.placement.measure_cpu_read_gbs, the median of READ_PROBES probes), measured
+    once per core set and process."""
+    key = tuple(cores)
+    if key not in _read_gbs:
+        if probe is None:
+            from engine.placement import measure_cpu_read_gbs as probe
+        _read_gbs[key] = float(np.median([probe(cores=cores) for _ in range(READ_PROBES)]))
+    return _read_gbs[key]
+
+
 def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: float | None = None,
                batches: list[int] | None = None) -> dict[str, Any]:
     """Strata's row. Its VRAM by the driver is the device's free memory before the model opens (this process's
@@ -166,7 +183,6 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
     poller's processes would take cores from the pinned pool)."""
     from engine.cuda_backend import gpu_info
     from engine.engine import Engine
-    from engine.placement import measure_cpu_read_gbs
 
     kv, bs, chunk = args.kv_tokens, 16, args.prefill_chunk
     budget = budget_gb if budget_gb is not None else budget_for_fraction(path, frac, kv, bs, chunk)
@@ -253,7 +269,7 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
         out["vram_held_gib"] = (free0 - gpu_info(gpu).free_bytes) / GIB  # the driver's figure, beside the context
     finally:
         eng.close()
-    gbs = measure_cpu_read_gbs(cores=cores)
+    gbs = cpu_read_gbs(cores)
     out["cpu_read_gbs"] = gbs
     if "ram_bytes_per_token" in out:
         gpu_s = out["frame_b1_ms"]["t_gpu"] / 1e3

@@ -1,6 +1,6 @@
 """bench/engine_hybrid.py's CPU-side logic: llama.cpp's placement at equal VRAM, the budget for a share of the
 routed experts and its inverse, the prompt steps, the deadline that keeps a device call under its limit, the
-knobs' environment (the GPU rows run on the device only)."""
+knobs' environment, the CPU read rate behind the floor (the GPU rows run on the device only)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import bench.engine_hybrid as eh
 from bench.engine_hybrid import (
     Deadline,
     _Env,
@@ -211,3 +212,21 @@ def test_knob_every_puts_each_knob_beside_every_row(tmp_path: Path, monkeypatch:
     assert calls == [(s0, 0.0, None), (s0, 0.0, "0"), (s0, 0.5, None), (s0, 0.5, "0"),
                      (s1, 0.0, None), (s1, 0.0, "0"), (s1, 0.5, None), (s1, 0.5, "0")]
     assert "STRATA_GPU_HYBRID_OVERLAP" not in os.environ
+
+
+def test_cpu_read_rate_is_one_median_per_core_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row's floor divides by the same CPU read rate: the median of READ_PROBES probes, taken once per core
+    set (a second row on the same cores probes nothing; other cores get their own median)."""
+    monkeypatch.setattr(eh, "_read_gbs", {})
+    readings = iter([140.0, 128.0, 133.0, 148.0, 131.0, 60.0, 70.0, 65.0, 80.0, 50.0])
+    calls: list[list[int]] = []
+
+    def probe(cores: list[int]) -> float:
+        calls.append(cores)
+        return next(readings)
+
+    assert eh.cpu_read_gbs([0, 1, 2], probe) == 133.0
+    assert eh.cpu_read_gbs([0, 1, 2], probe) == 133.0
+    assert len(calls) == eh.READ_PROBES and all(c == [0, 1, 2] for c in calls)
+    assert eh.cpu_read_gbs([3], probe) == 65.0
+    assert len(calls) == 2 * eh.READ_PROBES
