@@ -275,6 +275,11 @@ static bool hybrid_layer(const stg_model *m, int il) {
     return partial_layer(m, il) && !staged_layer(m, il);
 }
 
+/* Layer il's expert -> resident slot map on the device (-1: the CPU's expert) */
+static const int32_t *layer_slot_map(const stg_model *m, int il) {
+    return m->hy.d_slot + (int64_t)il * m->d.n_expert;
+}
+
 /* The launched step's events, sums and flag value (step_launch, before the layers are queued). events: whether
  * the step records its frame's events (sampled: step.cu); a step that stages a layer, or whose rows come
  * back by copies, records them whatever it says (their waits and copies are timed by them alone). */
@@ -437,7 +442,7 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     if (!h.cur) return fail(ST_EINVAL, "hybrid: layer %d queued outside a step", il);
     hybrid_step &hs = *h.cur;
     cudaStream_t st = m->stream;
-    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    const int k = m->d.n_expert_used;
     const int64_t E = m->d.n_embd, P = (int64_t)T * k;
     if (hs.events) CU(cudaEventRecord(hs.s0[(size_t)il], st), "hybrid: event");
     if (h.direct) {
@@ -455,7 +460,7 @@ static stg_status hybrid_send(stg_model *m, int il, int32_t T, int mv_max) {
     const int32_t n_slots = h.n_slots[(size_t)il];
     if (n_slots == 0) return ST_OK;
     launch_k(k_slot_ids, (unsigned)((P + 255) / 256), 256, 0, st, (const int32_t *)s.topk_id, (int32_t)P,
-             (const int32_t *)(h.d_slot + (int64_t)il * ne), h.sid);
+             layer_slot_map(m, il), h.sid);
     LAUNCHED("hybrid: slots");
     /* the histogram is the expert grouping's (the router's launch counted every pair) */
     const group_out go = {s.gexp,   s.gstart, s.gcount, s.n_groups,  s.list,    s.pair_tok, nullptr, s.gtiles,
@@ -477,11 +482,10 @@ static stg_status hybrid_receive(stg_model *m, int il, int32_t T) {
     const int64_t E = m->d.n_embd, P = (int64_t)T * m->d.n_expert_used;
     if (hs.events) CU(cudaEventRecord(hs.a[(size_t)il], st), "hybrid: event");
     if (h.rows_direct) { /* the wait and the rows' reads in one kernel, then event c (no b) */
-        const int ne = m->d.n_expert;
         const int64_t G = std::min<int64_t>(P, ROWS_BLOCKS);
         launch_k(k_rows_direct, (unsigned)G, ROWS_THREADS, sizeof(int32_t) * (size_t)((P + G - 1) / G), st,
                  (const unsigned long long *)(h.sync.flags + il), hs.seq, (const int32_t *)m->s.topk_id,
-                 (const int32_t *)(h.d_slot + (int64_t)il * ne), (int32_t)ne, (int32_t)P, (const float *)h.h_rows, E,
+                 layer_slot_map(m, il), (int32_t)m->d.n_expert, (int32_t)P, (const float *)h.h_rows, E,
                  m->s.pair_out, hs.ts + 2 * il);
         LAUNCHED("hybrid: wait for the CPU and read its rows");
     } else {
