@@ -52,7 +52,7 @@ OVERRIDES: tuple[Override, ...] = (
              "a layer keeps that split while its recent decode steps average at least this many matvec-sized "
              "experts (0: always)"),
     Override("STRATA_GPU_GEMM_FAST_MIN", "gemm_fast_min",
-             "runs of this many tokens of one sequence take the prefill-form Q4_K GEMM (0: never)"),
+             "runs of this many tokens of one sequence take the prefill-form Q4_K and Q8_0 GEMMs (0: never)"),
     Override("STRATA_GPU_ATT_MMA", "att_mma",
              "prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi + lo"),
     Override("STRATA_GPU_ATT_MMA_MIN", "att_mma_min", "runs of at least this many tokens take the tensor cores"),

@@ -24,9 +24,10 @@ static thread_local int64_t g_k256_cap = 0; /* elements */
  * skip the combine; g_deferred says it did. */
 static thread_local bool g_defer_combine = false, g_deferred = false;
 
-/* The prefill form of the Q4_K GEMM (k_linear_gemm's FAST: one float sum per output in the walk order
+/* The prefill form of the Q4_K and Q8_0 GEMMs (k_linear_gemm's FAST: one float sum per output in the walk order
  * instead of the matvec's butterfly tree, so tiles of 32 or 64 pairs fit the registers; within rounding
- * of the matvec, not bitwise). An eager step takes it for every Q4_K layer but the output head (row
+ * of the matvec, not bitwise; Q4_K stages its bytes with cp.async, Q8_0's 34-byte blocks are loaded at the start
+ * of each stage as the bitwise form loads them). An eager step takes it for every such layer but the output head (row
  * lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the launch's size) when each of its tokens
  * belongs to a run of at least gemm_fast_min consecutive tokens of one sequence: a long prompt's tokens
  * then get the same bits whether it is prefilled whole or in chunks of at least that many tokens; a step
@@ -142,6 +143,8 @@ __host__ __device__ constexpr int trailing_ones(int r) { return (r & 1) ? 1 + tr
  * (the block's d / dmin / scales and the 32 bytes of nibbles) and per (sub-block, pair)
  * (32 bytes of 8-bit values, the scale, the two 16-value sums). Set up by gemm_setup. */
 template <int T> __host__ __device__ constexpr bool gemm_raw() { return T == STG_Q4_K; }
+/* the types with a prefill form (FAST): its float work is the plain types' (no half-scales, no minima) */
+template <int T> __host__ __device__ constexpr bool gemm_fast_type() { return T == STG_Q4_K || T == STG_Q8_0; }
 /* sub-blocks per k stage: 8 for the plain form's 16 / 32 pairs, 4 for the gate/up form and the prefill
  * form's 64 pairs (3 blocks' shared memory per SM) */
 template <bool SW, int BN> __host__ __device__ constexpr int gemm_gk() { return SW || BN == MM_BN_FAST ? 4 : 8; }
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
     constexpr int NT = BN / 8, XE = (GK * BN + 127) / 128, XP = mm_xp<BN>(); /* n-tiles; activation entries */
     static_assert(BN == MM_BN || (BN == MM_BN_WIDE && !SW) || (FAST && (BN == MM_BN_WIDE || BN == MM_BN_FAST)),
                   "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
-    static_assert(!FAST || (gemm_raw<T>() && CS > 0), "the prefill form: Q4_K with C = 1, 2 or 4");
+    static_assert(!FAST || (gemm_fast_type<T>() && CS > 0), "the prefill form: Q4_K or Q8_0 with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
     constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3, Q2_K) */
     constexpr bool QM = has_m<T>(); /* Q2_K: per-16 minima (wm per row) against the activations' 16-sums (xh per pair) */
@@ -513,17 +516,17 @@ template <int T> static gemm_fn gemm_rs_kernel(int K) {
     }
     return nullptr;
 }
-template <bool SW, int BN> static gemm_fn gemm_fast_kernel(int K) {
+template <int T, bool SW, int BN> static gemm_fn gemm_fast_kernel(int K) {
     const int C = (K / 32 + 31) / 32;
-    if (C == 1) return k_linear_gemm<STG_Q4_K, SW, BN, 1, true>;
-    if (C == 2) return k_linear_gemm<STG_Q4_K, SW, BN, 2, true>;
-    return k_linear_gemm<STG_Q4_K, SW, BN, 4, true>;
+    if (C == 1) return k_linear_gemm<T, SW, BN, 1, true>;
+    if (C == 2) return k_linear_gemm<T, SW, BN, 2, true>;
+    return k_linear_gemm<T, SW, BN, 4, true>;
 }
-/* The prefill form (g_gemm_fast): routed launches over group_pairs' tile list (64 pairs from 32
+/* The prefill form (g_gemm_fast) of a T layer: routed launches over group_pairs' tile list (64 pairs from 32
  * expected per group), dense ones over a grid of 64-pair tiles where that still gives gemm_wide_min
  * blocks, else 32. */
-template <bool SW> static void launch_fast(const lin_args &a, int max_groups, int max_count, int expected,
-                                           cudaStream_t st) {
+template <int T, bool SW> static void launch_fast_t(const lin_args &a, int max_groups, int max_count, int expected,
+                                                    cudaStream_t st) {
     const unsigned mt = (unsigned)((a.N + MM_BM - 1) / MM_BM);
     const bool listed = a.g.gexp && a.g.tiles;
     int bn;
@@ -537,8 +540,14 @@ template <bool SW> static void launch_fast(const lin_args &a, int max_groups, in
         grid = dim3(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)max_groups);
     }
     if (bn == MM_BN_FAST)
-        launch_k(gemm_fast_kernel<SW, MM_BN_FAST>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_FAST>(), st, b);
-    else launch_k(gemm_fast_kernel<SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<STG_Q4_K, SW, MM_BN_WIDE>(), st, b);
+        launch_k(gemm_fast_kernel<T, SW, MM_BN_FAST>(a.K), grid, 128, gemm_raw_bytes<T, SW, MM_BN_FAST>(), st, b);
+    else launch_k(gemm_fast_kernel<T, SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<T, SW, MM_BN_WIDE>(), st, b);
+}
+/* type: a gemm_fast_type (gemm_fast_layer checked it) */
+template <bool SW> static void launch_fast(int type, const lin_args &a, int max_groups, int max_count, int expected,
+                                           cudaStream_t st) {
+    if (type == STG_Q8_0) launch_fast_t<STG_Q8_0, SW>(a, max_groups, max_count, expected, st);
+    else launch_fast_t<STG_Q4_K, SW>(a, max_groups, max_count, expected, st);
 }
 
 /* The GEMMs that stage bytes in dynamic shared memory (gemm_raw): their size opted in (with the
@@ -550,6 +559,23 @@ template <int T, bool SW, int BN> static stg_status gemm_setup_one(void) {
             CU(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, gemm_raw_bytes<T, SW, BN>()),
                "gemm setup");
             CU(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+               "gemm setup");
+        }
+    }
+    return ST_OK;
+}
+/* The prefill form of type T (CS = 1, 2, 4): its dynamic shared memory (Q4_K's staged bytes; none for Q8_0) and
+ * the largest carve-out, so that 3 blocks fit an SM. */
+template <int T> static stg_status gemm_fast_setup(void) {
+    for (const int K : {1024, 2048, 4096}) {
+        const gemm_fn fs[4] = {gemm_fast_kernel<T, false, MM_BN_WIDE>(K), gemm_fast_kernel<T, false, MM_BN_FAST>(K),
+                               gemm_fast_kernel<T, true, MM_BN_WIDE>(K), gemm_fast_kernel<T, true, MM_BN_FAST>(K)};
+        const int bytes[4] = {gemm_raw_bytes<T, false, MM_BN_WIDE>(), gemm_raw_bytes<T, false, MM_BN_FAST>(),
+                              gemm_raw_bytes<T, true, MM_BN_WIDE>(), gemm_raw_bytes<T, true, MM_BN_FAST>()};
+        for (int i = 0; i < 4; i++) {
+            if (bytes[i] > 0)
+                CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes[i]), "gemm setup");
+            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
                "gemm setup");
         }
     }
@@ -570,16 +596,7 @@ static stg_status gemm_setup(void) {
         CU(cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
            "gemm setup");
     }
-    for (const int K : {1024, 2048, 4096}) { /* the prefill form: CS = 1, 2, 4 */
-        const gemm_fn fs[4] = {gemm_fast_kernel<false, MM_BN_WIDE>(K), gemm_fast_kernel<false, MM_BN_FAST>(K),
-                               gemm_fast_kernel<true, MM_BN_WIDE>(K), gemm_fast_kernel<true, MM_BN_FAST>(K)};
-        const int bytes[4] = {gemm_raw_bytes<STG_Q4_K, false, MM_BN_WIDE>(), gemm_raw_bytes<STG_Q4_K, false, MM_BN_FAST>(),
-                              gemm_raw_bytes<STG_Q4_K, true, MM_BN_WIDE>(), gemm_raw_bytes<STG_Q4_K, true, MM_BN_FAST>()};
-        for (int i = 0; i < 4; i++) {
-            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes[i]), "gemm setup");
-            CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-               "gemm setup");
-        }
-    }
+    CHECK(gemm_fast_setup<STG_Q4_K>());
+    CHECK(gemm_fast_setup<STG_Q8_0>());
     return ST_OK;
 }

@@ -3,7 +3,7 @@
 #include "model.cuh"
 
 static bool gemm_fast_layer(const dtensor &W) {
-    if (W.type != STG_Q4_K) return false;
+    if (W.type != STG_Q4_K && W.type != STG_Q8_0) return false; /* gemm_fast_type */
     const int64_t C = (W.ne[0] / 32 + 31) / 32;
     return C == 1 || C == 2 || C == 4;
 }
@@ -191,8 +191,8 @@ static stg_status linear(cudaStream_t st, const dtensor &W, const dtensor *W2, c
         return true;
     };
     if (g_gemm_fast && gemm_fast_layer(W) && whole_tiles() && (path == STG_PATH_AUTO || path == STG_PATH_GEMM)) {
-        if (W2) launch_fast<true>(a, max_groups, max_count, expected, st);
-        else launch_fast<false>(a, max_groups, max_count, expected, st);
+        if (W2) launch_fast<true>(W.type, a, max_groups, max_count, expected, st);
+        else launch_fast<false>(W.type, a, max_groups, max_count, expected, st);
         LAUNCHED("linear (prefill form)");
         return ST_OK;
     }

@@ -49,7 +49,7 @@ typedef struct stg_settings {
                                * steps average at least this many experts on the matvec (routing measured on the
                                * device, decided every 32 steps; 0: every layer always keeps it) */
     int32_t gemm_fast_min;    /* steps whose every run of one sequence's tokens is this long take the prefill-form
-                               * Q4_K GEMM (within rounding of the bitwise kernels; 0: never) */
+                               * Q4_K and Q8_0 GEMMs (within rounding of the bitwise kernels; 0: never) */
     int32_t att_mma;          /* prefill attention on tensor cores: 0 off (fp32, bitwise), 1 q as f16, 2 q as f16 hi+lo
                                * (within tolerance of the fp32 kernel) */
     int32_t att_mma_min;      /* runs of at least this many tokens take the tensor-core attention (>= 1) */

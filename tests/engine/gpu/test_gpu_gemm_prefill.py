@@ -1,4 +1,4 @@
-"""The prefill form of the Q4_K GEMM (k_linear_gemm's FAST: one float sum per output in the k walk's
+"""The prefill form of the Q4_K and Q8_0 GEMMs (k_linear_gemm's FAST: one float sum per output in the k walk's
 order instead of the matvec's butterfly tree, tiles of 32 or 64 pairs).
 
 It is not bitwise equal to the matvec, so it is held to rounding of it (and to the issue's 1e-3 of
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, quants
 
 from engine.default_model import quantize_q4_k
 from engine.engine import Engine
@@ -32,12 +32,14 @@ from tests.engine.gpu.test_gpu_kernels import PATHS, cpu_linear, random_blocks, 
 pytestmark = requires_gpu
 
 Q4_K = tid("Q4_K")
+FAST_TYPES = ["Q4_K", "Q8_0"]  # the types with a prefill form (gemm.cu's gemm_fast_type)
 ROUND = 1e-5  # the prefill form against the matvec: another order of the same fp32 additions
 
 
-def dense(g: tuple, w: np.ndarray, w2: np.ndarray | None, rows: int, k: int, x: np.ndarray, path: str) -> np.ndarray:
+def dense(g: tuple, w: np.ndarray, w2: np.ndarray | None, rows: int, k: int, x: np.ndarray, path: str,
+          qtype: str = "Q4_K") -> np.ndarray:
     out = np.full((x.shape[0], rows), np.nan, np.float32)
-    gcheck(g, g[1].stg_test_linear(Q4_K, PATHS[path], gptr(g, w), g[0].NULL if w2 is None else gptr(g, w2), rows, k,
+    gcheck(g, g[1].stg_test_linear(tid(qtype), PATHS[path], gptr(g, w), g[0].NULL if w2 is None else gptr(g, w2), rows, k,
                                    gptr(g, x, "float *"), x.shape[0], gptr(g, out, "float *")))
     assert np.isfinite(out).all()
     return out
@@ -47,39 +49,41 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", FAST_TYPES)
 @pytest.mark.parametrize(("k", "n_tok"), [(768, 70), (2048, 133), (4096, 40)])  # C = 1, 2, 4; partial tiles
-def test_dense_prefill_form(g: tuple, k: int, n_tok: int) -> None:
+def test_dense_prefill_form(g: tuple, qtype: str, k: int, n_tok: int) -> None:
     """Plain and gate/up forms: within rounding of the matvec and 1e-3 of the CPU; a token's row the same bits
     in a launch of fewer tokens and with 64-pair tiles from the first block (gemm_wide_min 1)."""
     rng = np.random.default_rng(k + n_tok)
     rows = 200  # 64-row blocks: a partial last one
-    w, w2 = random_blocks("Q4_K", rows * k, rng), random_blocks("Q4_K", rows * k, rng)
+    w, w2 = random_blocks(qtype, rows * k, rng), random_blocks(qtype, rows * k, rng)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     for second in (None, w2):
-        plain = dense(g, w, second, rows, k, x, "matvec")
+        plain = dense(g, w, second, rows, k, x, "matvec", qtype)
         with harness_settings(g, gemm_fast_min=1):
-            fast = dense(g, w, second, rows, k, x, "gemm")
-            part = dense(g, w, second, rows, k, np.ascontiguousarray(x[5:]), "gemm")  # other tiles, other neighbours
+            fast = dense(g, w, second, rows, k, x, "gemm", qtype)
+            part = dense(g, w, second, rows, k, np.ascontiguousarray(x[5:]), "gemm", qtype)  # other tiles, neighbours
         with harness_settings(g, gemm_fast_min=1, gemm_wide_min=1):  # the 64-pair tiles from the first block
-            wide = dense(g, w, second, rows, k, x, "gemm")
+            wide = dense(g, w, second, rows, k, x, "gemm", qtype)
         err = rel_err(fast, plain)
-        print(f"k {k} tokens {n_tok} swiglu {second is not None}: prefill form vs matvec {err:.1e}")
+        print(f"{qtype} k {k} tokens {n_tok} swiglu {second is not None}: prefill form vs matvec {err:.1e}")
         assert err <= ROUND, err
         assert not same_bits(fast, plain), "the prefill form did not run"
         assert same_bits(fast[5:], part) and same_bits(fast, wide)
         if second is None and k == 768:
-            assert rel_err(fast, cpu_linear("Q4_K", w, rows, k, x)) <= 1e-3
+            assert rel_err(fast, cpu_linear(qtype, w, rows, k, x)) <= 1e-3
 
 
+@pytest.mark.parametrize("qtype", FAST_TYPES)
 @pytest.mark.parametrize(("n_tok", "k_used", "n_expert"), [(300, 8, 32), (70, 4, 8)])
-def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int) -> None:
+def test_routed_prefill_form(g: tuple, qtype: str, n_tok: int, k_used: int, n_expert: int) -> None:
     """Routed experts (skewed groups of 1 to ~100 pairs) over the tile list (its every 2nd / 4th entry taking
     the next ones): within rounding of the matvec, and a pair's row the same bits when fewer tokens share the
     launch (other groups, other tiles)."""
     rng = np.random.default_rng(n_tok * n_expert + 1)
     rows, k = 96, 512
-    w = random_blocks("Q4_K", n_expert * rows * k, rng)
-    w2 = random_blocks("Q4_K", n_expert * rows * k, rng)
+    w = random_blocks(qtype, n_expert * rows * k, rng)
+    w2 = random_blocks(qtype, n_expert * rows * k, rng)
     x = rng.standard_normal((n_tok, k)).astype(np.float32)
     pop = 1.0 / np.arange(1, n_expert + 1)
     ids = np.stack([rng.choice(n_expert, k_used, replace=False, p=pop / pop.sum()) for _ in range(n_tok)])
@@ -88,7 +92,7 @@ def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int) -
 
     def run(second: np.ndarray | None, path: str, n: int) -> np.ndarray:
         out = np.full((n * k_used, rows), np.nan, np.float32)
-        gcheck(g, g[1].stg_test_routed_linear(Q4_K, PATHS[path], gptr(g, w),
+        gcheck(g, g[1].stg_test_routed_linear(tid(qtype), PATHS[path], gptr(g, w),
                                               g[0].NULL if second is None else gptr(g, second), n_expert, rows, k,
                                               gptr(g, x, "float *"), n, gptr(g, ids, "int32_t *"), k_used,
                                               gptr(g, out, "float *")))
@@ -101,7 +105,7 @@ def test_routed_prefill_form(g: tuple, n_tok: int, k_used: int, n_expert: int) -
         with harness_settings(g, gemm_fast_min=1):
             fast, part = run(second, "gemm", n_tok), run(second, "gemm", n_tok - 7)
         err = rel_err(fast, plain)
-        print(f"routed {n_tok} x {k_used} of {n_expert} swiglu {second is not None}: vs matvec {err:.1e}")
+        print(f"{qtype} routed {n_tok} x {k_used} of {n_expert} swiglu {second is not None}: vs matvec {err:.1e}")
         assert err <= ROUND, err
         assert not same_bits(fast, plain), "the prefill form did not run"
         assert same_bits(fast[: part.shape[0]], part)
@@ -116,9 +120,9 @@ def test_harness_keeps_bitwise_kernels_by_default(g: tuple) -> None:
     assert same_bits(dense(g, w, None, rows, k, x, "gemm"), dense(g, w, None, rows, k, x, "matvec"))
 
 
-@pytest.fixture(scope="module")
-def q4k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-layer dense llama whose matrices are Q4_K (rows of 1,024 and 512: C = 1), head_dim 128, 8
+@pytest.fixture(scope="module", params=FAST_TYPES)
+def fast_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer dense llama whose matrices are Q4_K or Q8_0 (rows of 1,024 and 512: C = 1), head_dim 128, 8
     query heads per kv head; dense, since in a random MoE a last-bit change flips near-tied expert choices
     (test_gpu_attention_mma.py). Even so, each 8-bit re-quantisation of the activations turns a last-bit
     difference into a step of 1/127 of a block's largest value: on this model the CPU's own reference and
@@ -132,8 +136,10 @@ def q4k_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "ffn_gate": (n_ff, n_embd, 0.08), "ffn_up": (n_ff, n_embd, 0.08), "ffn_down": (n_embd, n_ff, 0.08)}
     raw = {}
     for name, (r, c, scale) in shapes.items():
-        blob = quantize_q4_k((rng.standard_normal((r, c)) * scale).astype(np.float32))
-        raw[f"blk.0.{name}.weight"] = (blob, blob.shape, GGMLQuantizationType.Q4_K)
+        f = (rng.standard_normal((r, c)) * scale).astype(np.float32)
+        qt = GGMLQuantizationType[request.param]
+        blob = quantize_q4_k(f) if request.param == "Q4_K" else quants.quantize(f, qt)
+        raw[f"blk.0.{name}.weight"] = (blob, blob.shape, qt)
     return make_random_gguf(tmp_path_factory.mktemp("pf") / "m.gguf", arch="llama", n_vocab=300, n_layer=1,
                             n_embd=n_embd, n_head=n_head, n_head_kv=n_kv, n_ff=n_ff, n_expert=0, n_expert_used=0,
                             raw_overrides=raw)
@@ -150,10 +156,10 @@ def cpu_variant_spread(cpu: Engine, prompt: list[int], ref: np.ndarray) -> float
     return rel_err(plain, ref)
 
 
-def test_long_prompt_on_the_prefill_form(q4k_model: Path) -> None:
+def test_long_prompt_on_the_prefill_form(fast_model: Path) -> None:
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, size=224)]
-    with Engine.open(q4k_model, threads=2, kv_tokens=1024) as cpu, \
-            Engine.open(q4k_model, device="cuda:0", kv_tokens=1024) as gpu:
+    with Engine.open(fast_model, threads=2, kv_tokens=1024) as cpu, \
+            Engine.open(fast_model, device="cuda:0", kv_tokens=1024) as gpu:
         ref = cpu.logits_for(prompt)
         spread = cpu_variant_spread(cpu, prompt, ref)
         got = gpu.logits_for(prompt)  # one 224-token step: the prefill form
