@@ -475,9 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     knobs = parse_knobs(args.knob)
     skews = parse_floats(args.skews) if args.skews is not None else [args.skew]
-    if args.build_only:
-        for sk in skews:
-            path = _model(args, sk)
+    if args.build_only:  # one skew here; several side by side (build_models: a process each)
+        paths = [_model(args, skews[0])] if len(skews) == 1 else build_models(args, skews, args.experts)
+        for path in paths:
             print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB", flush=True)
         return 0
     dl = Deadline(args.deadline_s)

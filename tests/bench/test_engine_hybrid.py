@@ -107,6 +107,35 @@ def test_knobs_must_name_settings() -> None:
         main(["--knob", "x:STRATA_GPU_NOT_A_SETTING=1", "--model-dir", "/nonexistent", "--build-only"])
 
 
+def test_build_only_builds_several_skews_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--build-only with several skews starts a builder process per missing file at once (build_models), then
+    names each file; one skew builds in this process."""
+    started: list[list[str]] = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, cmd: list[str]) -> None:
+            started.append(cmd)
+            model_path(str(tmp_path), 2, float(cmd[cmd.index("--skew") + 1]), "q4_k").write_bytes(b"x" * 1024)
+
+        def wait(self) -> int:
+            assert len(started) == 2, "the second builder starts before the first is waited for"
+            return 0
+
+    monkeypatch.setattr(eh.subprocess, "Popen", Proc)
+    assert main(["--build-only", "--skews", "1,0", "--layers", "2", "--model-dir", str(tmp_path)]) == 0
+    assert [c[c.index("--skew") + 1] for c in started] == ["1", "0"]
+    out = capsys.readouterr().out
+    assert "skew1.gguf" in out and "skew0.gguf" in out
+    built: list[float] = []
+    monkeypatch.setattr(eh, "build_model", lambda path, shape, skew, experts: (built.append(skew),
+                                                                               path.write_bytes(b"y")))
+    assert main(["--build-only", "--skew", "0.5", "--layers", "2", "--model-dir", str(tmp_path)]) == 0
+    assert built == [0.5] and len(started) == 2
+
+
 def test_mean_frame_averages_the_steps_parts() -> None:
     """The decode rows' frame is the mean of their steps' parts (ms), its idle share and PCIe rate from those
     means; the hit rate the steps' mean."""
