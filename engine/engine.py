@@ -818,6 +818,30 @@ class Engine:
                 outs.append(out)
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][0]
 
+    def warm_up(self, tokens: int | None = None) -> float:
+        """One prefill step and one greedy decode step on KV blocks taken and given back, so that a lane's first
+        request does not pay for first-use work: on a GPU, the lazy loading of the kernels a step runs, the step
+        buffers' growth to a whole prefill step (with a hybrid model's pinned row buffers) and the batch-1 decode
+        graph's capture; on the CPU, the pool's first wake-up and the first touch of the mapped weights a step
+        reads. ``tokens``: the prefill step's size (default: ``prefill_chunk`` on a GPU, 16 on the CPU), cut to
+        what the free blocks hold. Passes no expert histogram (placement statistics unchanged) and publishes
+        nothing in the prefix cache. Seconds taken; 0.0 when no block is free."""
+        t0 = time.perf_counter()
+        n = tokens if tokens is not None else (self.prefill_chunk if self._gpu is not None else 16)
+        n = min(max(1, n), self.prefill_chunk, self.blocks.num_free * self.block_size - 1)
+        if n < 1:
+            return 0.0
+        table = self.blocks.allocate(-(-(n + 1) // self.block_size))
+        if table is None:  # taken meanwhile by another caller of this engine
+            return 0.0
+        try:
+            ids = [i % self.hparams.n_vocab for i in range(1, n + 1)]
+            self.prefill(ids, table)
+            self.forward([ids[-1]], [n], [0], [table], [0], greedy=True)
+        finally:
+            self.blocks.release(table)
+        return time.perf_counter() - t0
+
     def logits_for(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits at every position of a fresh sequence: [T, n_vocab] (oracle tests)."""
         if not token_ids:

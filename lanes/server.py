@@ -135,6 +135,13 @@ def _warm_up(engine: Engine) -> tuple[str, dict[str, Any] | None, str | None, tu
         template_error = str(e)
     md = getattr(getattr(engine, "model_file", None), "metadata", None)
     doc = tokenizer_document(md) if isinstance(md, Mapping) else None  # the gateway counts with it
+    # a prefill step and a decode step now (kernels loaded, step buffers grown, the decode graph captured), not in
+    # the first request; a failure here is logged and left to the requests, which report their own errors
+    try:
+        took = engine.warm_up()
+        log.info("lane engine warmed up in %.0f ms", 1e3 * took)
+    except Exception as e:  # noqa: BLE001 - any engine error; the lane still serves what it can
+        log.warning("lane engine warm-up failed: %s: %s", type(e).__name__, e)
     return build, info, template_error, doc
 
 

@@ -41,6 +41,19 @@ async def test_lane_reports_configured_affinity(engine_factory: EngineFactory) -
     assert os.sched_getaffinity(0) == before  # restored when the app stops
 
 
+async def test_lane_warms_its_engine_before_ready(engine_factory: EngineFactory, lane_engine: Engine,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A loading lane runs the engine's warm-up (a prefill and a decode step) before it turns ready, and gives
+    every block back."""
+    steps = lane_engine.last_step
+    with caplog.at_level(logging.INFO, logger="strata.lanes"):
+        async with running_lane(lane_config(name="w"), engine_factory) as lane:
+            assert lane.state.status == "ready"
+            assert lane_engine.last_step >= steps + 2
+            assert lane_engine.blocks.num_free == lane_engine.blocks.n_blocks
+    assert any("warmed up in" in r.getMessage() for r in caplog.records)
+
+
 async def test_auto_cores_split(engine_factory: EngineFactory) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     async with running_lane(lane_config(name="b", cores="auto"), engine_factory) as lane:
