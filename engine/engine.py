@@ -252,6 +252,7 @@ class Engine:
         self.hparams = mf.hparams
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
+        self.step_tokens = prefill_chunk  # the largest step a caller sends (Engine.open's step_tokens; warm_up's size)
         self.threads = threads
         self.cores = list(cores) if cores else None
         # a file the C checks refuse raises GGUFError carrying the C message
@@ -498,9 +499,11 @@ class Engine:
                     lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
-        return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                   resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
-                   kv_type)
+        eng = cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
+                  resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
+                  kv_type)
+        eng.step_tokens = plan_tokens
+        return eng
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
@@ -819,16 +822,16 @@ class Engine:
         return np.concatenate(outs, axis=0) if all_logits else outs[-1][0]
 
     def warm_up(self, tokens: int | None = None) -> float:
-        """One prefill step and one greedy decode step on KV blocks taken and given back, so that a lane's first
-        request does not pay for first-use work: on a GPU, the lazy loading of the kernels a step runs, the step
-        buffers' growth to a whole prefill step (with a hybrid model's pinned row buffers) and the batch-1 decode
-        graph's capture; on the CPU, the pool's first wake-up and the first touch of the mapped weights a step
-        reads. ``tokens``: the prefill step's size (default: ``prefill_chunk`` on a GPU, 16 on the CPU), cut to
-        what the free blocks hold. Passes no expert histogram (placement statistics unchanged) and publishes
-        nothing in the prefix cache. Seconds taken; 0.0 when no block is free."""
+        """One step of ``tokens`` prompt tokens and one greedy decode step on KV blocks taken and given back, so that
+        a lane's first request does not pay for first-use work: on a GPU, the lazy loading of the kernels a step
+        runs, the step buffers' growth to the largest step (with a hybrid model's pinned row buffers) and the
+        batch-1 decode graph's capture; on the CPU, the pool's first wake-up and the first touch of the mapped
+        weights a step reads. ``tokens`` defaults to ``step_tokens`` on a GPU (the largest step its buffers are
+        planned for) and 16 on the CPU, cut to what the free blocks hold. Passes no expert histogram (placement
+        statistics unchanged) and publishes nothing in the prefix cache. Seconds taken; 0.0 when no block is free."""
         t0 = time.perf_counter()
-        n = tokens if tokens is not None else (self.prefill_chunk if self._gpu is not None else 16)
-        n = min(max(1, n), self.prefill_chunk, self.blocks.num_free * self.block_size - 1)
+        n = tokens if tokens is not None else (self.step_tokens if self._gpu is not None else 16)
+        n = min(max(1, n), self.step_tokens, self.blocks.num_free * self.block_size - 1)
         if n < 1:
             return 0.0
         table = self.blocks.allocate(-(-(n + 1) // self.block_size))
@@ -836,7 +839,7 @@ class Engine:
             return 0.0
         try:
             ids = [i % self.hparams.n_vocab for i in range(1, n + 1)]
-            self.prefill(ids, table)
+            self.forward(ids, list(range(n)), [0] * n, [table], [n - 1], greedy=True)
             self.forward([ids[-1]], [n], [0], [table], [0], greedy=True)
         finally:
             self.blocks.release(table)

@@ -16,17 +16,17 @@ def test_warm_up_runs_two_steps_and_leaves_the_engine_as_it_was(eng: Engine) -> 
     free, steps = eng.blocks.num_free, eng.last_step
     took = eng.warm_up()
     assert took > 0.0
-    assert eng.last_step == steps + 2  # the prefill step (16 tokens on the CPU: one step) and the decode step
+    assert eng.last_step == steps + 2  # a 16-token step (the CPU's size) and the decode step
     assert eng.blocks.num_free == free
     assert eng.blocks.take_prefix(list(range(1, 17))) == []  # its tokens were not published
     assert np.array_equal(eng.logits_for(prompt).view(np.uint32), before.view(np.uint32))
 
 
 def test_warm_up_fits_what_the_cache_holds(eng: Engine) -> None:
-    """A size over prefill_chunk or the free blocks is cut to them; with no block free it does nothing."""
+    """A size over step_tokens or the free blocks is cut to them; with no block free it does nothing."""
     free = eng.blocks.num_free
     steps = eng.last_step
-    assert eng.warm_up(tokens=10**6) > 0.0  # cut to prefill_chunk: one step, then the decode step
+    assert eng.warm_up(tokens=10**6) > 0.0  # cut to step_tokens (prefill_chunk here): one step, then the decode step
     assert eng.last_step == steps + 2 and eng.blocks.num_free == free
     held = eng.blocks.allocate(free)
     assert held is not None
