@@ -243,12 +243,12 @@ def run_strata(path: Path, frac: float, args: argparse.Namespace, budget_gb: flo
                     eng.blocks.release(tb)
 
         def prefill(n: int) -> float:
+            # a step of the timed run's size first (on blocks of its own), so that the step buffers (and the
+            # hybrid's pinned row buffers) grow there and not in the timed run, as llama-bench warms up first
+            eng.warm_up(n)
             b = blocks(n)
             try:
                 ids = [int(t) for t in rng.integers(0, V, n)]
-                # warm-up: one step of the timed run's size, so that the step buffers (and the hybrid's pinned row
-                # buffers) grow here and not in the timed run, as llama-bench warms up before its repetitions
-                eng.prefill(ids[: min(n, eng.prefill_chunk)], b)
                 t = time.perf_counter()
                 eng.prefill(ids, b)
                 rate = n / (time.perf_counter() - t)

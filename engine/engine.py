@@ -244,7 +244,8 @@ class Engine:
                  block_size: int, prefill_chunk: int, max_model_len: int | None = None,
                  device: DeviceSpec | None = None, gpu_budget_gb: float | None = None,
                  resident: np.ndarray | None = None, plan: GpuPlan | None = None, plan_source: str = "",
-                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16") -> None:
+                 rope: RopeParams | None = None, kv_hot_tokens: int | None = None, kv_type: str = "f16",
+                 step_tokens: int | None = None) -> None:
         self.model_file = mf
         self.gpu_budget_gb = gpu_budget_gb  # the GPU memory a lane may hold, GiB (2**30 bytes)
         self.plan = plan  # a GPU lane with a budget: what sits where (engine.placement.plan)
@@ -252,7 +253,8 @@ class Engine:
         self.hparams = mf.hparams
         self.block_size = block_size
         self.prefill_chunk = prefill_chunk
-        self.step_tokens = prefill_chunk  # the largest step a caller sends (Engine.open's step_tokens; warm_up's size)
+        # the largest step a caller sends: the GPU plan's step buffers (Engine.open) and warm_up's size
+        self.step_tokens = max(prefill_chunk, step_tokens or 0)
         self.threads = threads
         self.cores = list(cores) if cores else None
         # a file the C checks refuse raises GGUFError carrying the C message
@@ -499,11 +501,9 @@ class Engine:
                     lib.ST_EUNSUPPORTED)
         if kv_hot_tokens is not None and kv_hot_tokens < 1:
             raise ValueError(f"kv_hot_tokens must be >= 1, got {kv_hot_tokens}")
-        eng = cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
-                  resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
-                  kv_type)
-        eng.step_tokens = plan_tokens
-        return eng
+        return cls(mf, n_threads, cores, kv_tokens, block_size, prefill_chunk, max_model_len, spec, gpu_budget_gb,
+                   resident, planned[0] if planned else None, planned[1] if planned else "", rp, kv_hot_tokens,
+                   kv_type, plan_tokens)
 
     def close(self) -> None:
         if getattr(self, "_gpu", None) is not None:
