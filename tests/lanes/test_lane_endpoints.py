@@ -54,6 +54,25 @@ async def test_lane_warms_its_engine_before_ready(engine_factory: EngineFactory,
     assert any("warmed up in" in r.getMessage() for r in caplog.records)
 
 
+async def test_lane_starts_when_its_warm_up_fails(engine_factory: EngineFactory, lane_engine: Engine,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A warm-up that raises is logged at WARNING with its error, and the lane still turns ready and serves."""
+
+    def broken(tokens: int | None = None) -> float:
+        raise RuntimeError("no device memory for the warm-up step")
+
+    monkeypatch.setattr(lane_engine, "warm_up", broken)
+    with caplog.at_level(logging.INFO, logger="strata.lanes"):
+        async with running_lane(lane_config(name="w"), engine_factory) as lane, aiohttp.ClientSession() as s:
+            assert lane.state.status == "ready"
+            async with s.post(lane.url + "/v1/completions",
+                              json={"prompt": "hello", "max_tokens": 2, "temperature": 0}) as r:
+                assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 2
+    warn = [r for r in caplog.records if r.levelno == logging.WARNING and "warm-up failed" in r.getMessage()]
+    assert len(warn) == 1 and "RuntimeError: no device memory" in warn[0].getMessage()
+
+
 async def test_auto_cores_split(engine_factory: EngineFactory) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     async with running_lane(lane_config(name="b", cores="auto"), engine_factory) as lane:
