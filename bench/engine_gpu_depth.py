@@ -200,9 +200,9 @@ def _decode(eng: Any, tables: list[list[int]], pos: int, firsts: list[int], step
 
 def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_steps: int,
                knobs: list[tuple[str, dict[str, str]]] | None = None, n_seq: int = 1, profile: bool = False,
-               kv_type: str = "f16", experts_cpu: bool = False, ncu: bool = False) -> dict:
+               kv_type: str = "f16", experts_cpu: bool = False, ncu: bool = False, ubatch: int = 512) -> dict:
     """Strata's rows; experts_cpu: hybrid placement with every routed expert on the CPU (the budget of the
-    fixed parts alone: bench/engine_hybrid.py's F = 0)."""
+    fixed parts alone: bench/engine_hybrid.py's F = 0); ubatch: the prefill's step size (tokens)."""
     from engine.engine import Engine
     from engine.gguf_model import open_model
     from engine.inspect_model import analyse
@@ -223,12 +223,12 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
     if experts_cpu:
         from bench.engine_hybrid import budget_for_fraction
 
-        budget = budget_for_fraction(path, 0.0, n_seq * kv_tokens, BLOCK_SIZE, 512, kv_type)
+        budget = budget_for_fraction(path, 0.0, n_seq * kv_tokens, BLOCK_SIZE, ubatch, kv_type)
         out["gpu_budget_gb"] = budget
         print(f"hybrid placement: every routed expert on the CPU, gpu_budget_gb {budget:.2f}")
     try:
-        eng = Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=BLOCK_SIZE, prefill_chunk=512,
-                          kv_type=kv_type, gpu_budget_gb=budget)
+        eng = Engine.open(path, device=device, kv_tokens=n_seq * kv_tokens, block_size=BLOCK_SIZE,
+                          prefill_chunk=ubatch, kv_type=kv_type, gpu_budget_gb=budget)
     except (RuntimeError, MemoryError) as e:
         raise SystemExit(f"--depth-batch {n_seq}: the engine with a KV cache of {n_seq} x {kv_tokens} tokens "
                          f"({n_seq * kv_bytes / 2**30:.2f} GiB) did not open: {e}") from e
@@ -284,8 +284,9 @@ def run_strata(path: Path, device: str, depths: list[int], steps: int, unsplit_s
 
 
 def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_s: float = 540.0,
-              n_seq: int = 1, kv_type: str = "f16", experts_cpu: bool = False) -> dict[int, float]:
-    """llama-bench -p 0 -n 128 -d D (flash attention on, all layers on the GPU): tg tok/s by depth; with n_seq > 1
+              n_seq: int = 1, kv_type: str = "f16", experts_cpu: bool = False, ubatch: int = 512) -> dict[int, float]:
+    """llama-bench -p 0 -n 128 -d D -ub ubatch (flash attention on, all layers on the GPU): tg tok/s by depth (the
+    step size moves only the time to fill the cache to depth D); with n_seq > 1
     llama-batched-bench -npp D -ntg 128 -npl n_seq (distinct prompts of D tokens: aggregate decode). kv_type q8_0:
     llama.cpp's 8-bit cache as well (-ctk q8_0 -ctv q8_0). experts_cpu: the routed experts on the CPU
     (-ot exps=CPU)."""
@@ -298,7 +299,7 @@ def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_
         for d in depths:
             npp = max(d, 32)
             cmd = [str(bin_dir / "llama-batched-bench"), "-m", str(model), "-ngl", "99", "-fa", "on", "-c",
-                   str(n_seq * (npp + 128) + 256), "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", "128",
+                   str(n_seq * (npp + 128) + 256), "-b", str(max(2048, ubatch)), "-ub", str(ubatch), "-npp", str(npp), "-ntg", "128",
                    "-npl", str(n_seq), "--output-format", "jsonl", *ctk]
             print("llama.cpp: " + " ".join(cmd))
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -307,7 +308,8 @@ def run_llama(bin_dir: Path, model: Path, depths: list[int], reps: int, timeout_
             got[d] = parse_batched_bench(p.stdout + "\n" + p.stderr)[f"decode_b{n_seq}_tok_s"]
         return got
     cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-ngl", "99", "-fa", "1", "-p", "0", "-n", "128",
-           "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-o", "json", *ctk]
+           "-d", ",".join(str(d) for d in depths), "-r", str(reps), "-b", str(max(2048, ubatch)), "-ub", str(ubatch),
+           "-o", "json", *ctk]
     print("llama.cpp: " + " ".join(cmd))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if p.returncode != 0:
@@ -356,12 +358,13 @@ def main(args: Any, model_path: Path, build: Any) -> int:
     experts_cpu = getattr(args, "depth_experts_cpu", False)
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
                      getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type,
-                     experts_cpu, getattr(args, "depth_ncu", False))
+                     experts_cpu, getattr(args, "depth_ncu", False), getattr(args, "depth_ubatch", 512))
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
             res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq,
-                                         kv_type=kv_type, experts_cpu=experts_cpu)
+                                         kv_type=kv_type, experts_cpu=experts_cpu,
+                                         ubatch=getattr(args, "depth_ubatch", 512))
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
             print(f"llama.cpp not measured: {type(e).__name__}: {e}")
             res["llama_cpp"] = None
