@@ -454,9 +454,24 @@ class GpuPlan(BaseModel):
     cpu_only_tok_s: float  # the whole model read from RAM per token, for comparison
 
 
+def layer_fill_rank(n_layer: int) -> np.ndarray:
+    """[n_layer] int64: the order in which layers take experts of equal score (0 first). The layers ranked last,
+    those a budget leaves without resident experts when frequencies tie (uniform routing), are spread over the
+    depth instead of being the last layers: a prefill step stages such a layer whole over PCIe into a ring of two
+    slots (the GPU engine's hybrid_stage), so its copies run while the resident layers before it compute, where
+    a block of consecutive staged layers leaves the copies of all but two of them on the step's critical path.
+    The order: bit-reversed positions counted from the last layer (layers n-1, n/2-1, 3n/4-1, n/4-1, ...: every
+    tail of the ranking is spread evenly), reversed."""
+    bits = max(1, (n_layer - 1).bit_length())
+    last_first = [n_layer - 1 - r for r in (int(f"{i:0{bits}b}"[::-1], 2) for i in range(1 << bits)) if r < n_layer]
+    rank = np.empty(n_layer, dtype=np.int64)
+    rank[last_first[::-1]] = np.arange(n_layer)
+    return rank
+
+
 def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> GpuPlan:
     """The GPU side of a hybrid lane: the fixed parts, then resident experts by expected tokens saved per
-    byte (frequency / expert bytes, highest first; ties by layer then expert id) while they fit. freqs:
+    byte (frequency / expert bytes, highest first; ties by layer_fill_rank, then expert id) while they fit. freqs:
     [n_layer, n_expert] routing probabilities (RoutingStats.frequencies); None: uniform. The result never
     holds more than the budget: gpu_bytes <= budget_bytes whenever fits, and nothing is resident otherwise."""
     hp = mf.hparams
@@ -481,7 +496,8 @@ def plan(mf: ModelFile, params: PlanParams, freqs: np.ndarray | None = None) -> 
     if fits:
         cand = np.argwhere(ebytes > 0)
         score = f[cand[:, 0], cand[:, 1]] / ebytes[cand[:, 0], cand[:, 1]]
-        order = np.lexsort((cand[:, 1], cand[:, 0], -score))  # score desc, then layer, then expert
+        # score desc, then the layers' fill rank, then expert id
+        order = np.lexsort((cand[:, 1], layer_fill_rank(hp.n_layer)[cand[:, 0]], -score))
         smallest = int(ebytes[ebytes > 0].min()) if (ebytes > 0).any() else 0
         for i in order:
             if left < smallest:

@@ -119,11 +119,12 @@ def test_unreadable_files_are_typed_errors(files: dict[str, Path], tmp_path: Pat
 
 # ---------------------------------------------------------------- the plan
 
-def _synthetic(rng: np.random.Generator) -> ModelFile:
+def _synthetic(rng: np.random.Generator, n_layer: int | None = None, expert_type: Q | None = None) -> ModelFile:
     """A model's tensor table without its weights (the plan reads names, types, shapes and byte counts):
-    random shapes, quant types per layer, tied or separate head, shared experts or not."""
+    random shapes, quant types per layer (every layer's experts in expert_type where given), tied or separate
+    head, shared experts or not; n_layer layers where given, else a random count."""
     types = {Q.Q4_0: (32, 18), Q.Q8_0: (32, 34), Q.Q4_K: (256, 144), Q.Q6_K: (256, 210), Q.F16: (1, 2)}
-    n_layer = int(rng.integers(1, 48))
+    n_layer = int(rng.integers(1, 48)) if n_layer is None else n_layer
     n_embd = 256 * int(rng.integers(1, 16))
     n_ff = 256 * int(rng.integers(1, 12))
     n_expert = int(rng.choice([4, 8, 16, 64, 128]))
@@ -143,7 +144,7 @@ def _synthetic(rng: np.random.Generator) -> ModelFile:
     if rng.integers(0, 2):
         add("output.weight", (n_embd, n_vocab), Q.Q6_K)
     for il in range(n_layer):
-        qt = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16][int(rng.integers(0, 5))]
+        qt = [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16][int(rng.integers(0, 5))] if expert_type is None else expert_type
         p = f"blk.{il}."
         for nm, shape in (("attn_q", (n_embd, n_head * hd)), ("attn_k", (n_embd, n_kv * hd)),
                           ("attn_v", (n_embd, n_kv * hd)), ("attn_output", (n_head * hd, n_embd))):
@@ -211,6 +212,40 @@ def test_budget_is_never_exceeded_and_the_fill_is_greedy() -> None:
         total = float(f.sum())
         assert p.hit_rate == pytest.approx(float(f[res].sum()) / total if total else 0.0)
         assert p.predicted_tok_s >= p.cpu_only_tok_s * (1 - 1e-9) > 0  # the GPU's bandwidth is the higher here
+
+
+def test_layer_fill_rank_leaves_spread_layers_without_experts() -> None:
+    """Ties go to layers in layer_fill_rank's order: a permutation whose last k layers (those a budget leaves
+    without resident experts) are spread over the depth for every k, never a block at the end."""
+    for n in (1, 2, 3, 5, 48, 61, 94):
+        rank = pl.layer_fill_rank(n)
+        assert sorted(rank.tolist()) == list(range(n))
+        order = np.argsort(rank)
+        for k in range(1, n + 1):
+            left = np.sort(order[n - k:])
+            gaps = np.diff(np.concatenate(([-1], left, [n])))
+            assert gaps.max() <= 2 * -(-n // k) + 1, (n, k, left)
+    assert pl.layer_fill_rank(2).tolist() == [0, 1]  # two layers: the lower first, as before
+    order48 = np.argsort(pl.layer_fill_rank(48))
+    assert sorted(order48[-16:].tolist()) == [3, 7, 11, 13, 15, 19, 23, 27, 29, 31, 35, 37, 39, 43, 45, 47]
+
+
+def test_uniform_plan_spreads_the_layers_left_on_the_cpu() -> None:
+    """Uniform routing, equal layers, room for about two thirds of the experts: whole layers stay on the CPU (a
+    partial one at the boundary), and they are spread over the depth (no two staged layers adjacent), where
+    the greedy fill by layer index would leave the last third of the layers."""
+    mf = _synthetic(np.random.default_rng(7), n_layer=48, expert_type=Q.Q4_K)
+    eb = pl.expert_bytes(mf)
+    params = pl.PlanParams(budget_bytes=0, n_ctx=4096, cpu_read_gbs=100.0, gpu_read_gbs=4000.0)
+    fixed = pl.plan(mf, params).fixed_bytes
+    p = pl.plan(mf, params.model_copy(update={"budget_bytes": fixed + int(eb.sum() * 0.685)}))
+    per_layer = np.array([len(r) for r in p.resident])
+    ne = mf.hparams.n_expert
+    assert ((per_layer == 0) | (per_layer == ne)).sum() >= 47  # whole layers but one
+    cpu_layers = np.flatnonzero(per_layer < ne)
+    assert 14 <= len(cpu_layers) <= 16
+    assert np.diff(cpu_layers).min() >= 2 and cpu_layers.max() == 47 and cpu_layers.min() <= 5
+    assert p.n_resident == int(per_layer.sum())
 
 
 def test_plan_extremes_and_uniform_order(files: dict[str, Path]) -> None:
@@ -309,7 +344,7 @@ def test_placement_frequencies_come_from_the_file_then_the_default_then_uniform(
     eb = int(pl.expert_bytes(mf)[0, 0])
     want = pl.PlanParams(budget_bytes=p.fixed_bytes + 3 * eb, cpu_read_gbs=1, gpu_read_gbs=1)
     mask = pl.resident_mask(mf, pl.plan(mf, want, other.frequencies()))
-    assert mask.dtype == np.uint8  # the three most used (ties: lower layer, then lower id)
+    assert mask.dtype == np.uint8  # the three most used (ties: layer_fill_rank, then lower id)
     np.testing.assert_array_equal(mask, [[0, 1, 1, 0], [0, 0, 1, 0]])
 
 
