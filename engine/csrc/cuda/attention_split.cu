@@ -571,43 +571,45 @@ __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_split_mma(attn_arg
 
 /* Merge of a (token, head)'s splits: M = max of the splits' maxima, each split weighed by
  * exp(max_s - M), the weighed sums added in a fixed tree, the outputs in split order, divided by that sum;
- * a token of one split has no partials (k_attention_split_mma wrote its output). A thread owns one output
- * dimension (head_dim <= 128 = the block's threads) and issues the loads of all its splits' values at once, while
- * each warp works out the splits' weights itself (lanes s and s + 32 hold split s's and s + 32's): one round trip
- * to L2 a layer instead of one per batch of splits, and no barrier. The same arithmetic in the same order as a
- * loop over the splits. */
+ * a token of one split has no partials (k_attention_split_mma wrote its output). Every load of the splits'
+ * (max, sum) and outputs is issued at once (at most ATT_SPLIT_MAX, one or two a lane / thread). */
 __global__ void __launch_bounds__(ATT_WARPS * 32) k_attention_combine(attn_args a) {
     PDL_ENTER();
+    __shared__ float sc[ATT_SPLIT_MAX];
+    __shared__ float sL;
     const int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = a.hd;
-    const int d0 = warp * 32, d = d0 + lane;
-    if (d0 >= hd) return; /* warp-uniform: head_dim is a multiple of 32 */
     const int32_t nk = a.pos[t] + 1;
     /* min: never binds; split_x: the CPU's split after the device's (kv_host_attn) */
     const int ns = min(att_split_count(nk, a.split_min, a.split_chunks, a.split_max), a.split_z - a.split_x) + a.split_x;
     if (ns == 1 && !a.k8) return; /* the unsplit kernel's blocks wrote it (k_attention_split_mma; 8-bit: its partial) */
     const int64_t p0 = ((int64_t)t * a.n_head + h) * a.split_z;
     const float *ml = a.part_ml + 2 * p0, *acc = a.part_acc + p0 * hd;
-    float x[ATT_SPLIT_MAX]; /* split s's value of dimension d */
+    if (warp == 0) { /* splits lane and lane + 32 */
+        const bool h0 = lane < ns, h1 = lane + 32 < ns;
+        const float m0 = h0 ? ml[2 * lane] : -INFINITY, l0 = h0 ? ml[2 * lane + 1] : 0.0f;
+        const float m1 = h1 ? ml[2 * (lane + 32)] : -INFINITY, l1 = h1 ? ml[2 * (lane + 32) + 1] : 0.0f;
+        const float M = warp_max(fmaxf(m0, m1));
+        const float s0 = h0 ? expf(m0 - M) : 0.0f, s1 = h1 ? expf(m1 - M) : 0.0f;
+        if (h0) sc[lane] = s0;
+        if (h1) sc[lane + 32] = s1;
+        float L = __fmaf_rn(l1, s1, l0 * s0);
 #pragma unroll
-    for (int s = 0; s < ATT_SPLIT_MAX; s++) x[s] = s < ns ? acc[(int64_t)s * hd + d] : 0.0f;
-    const bool h0 = lane < ns, h1 = lane + 32 < ns; /* splits lane and lane + 32 */
-    const float m0 = h0 ? ml[2 * lane] : -INFINITY, l0 = h0 ? ml[2 * lane + 1] : 0.0f;
-    const float m1 = h1 ? ml[2 * (lane + 32)] : -INFINITY, l1 = h1 ? ml[2 * (lane + 32) + 1] : 0.0f;
-    const float M = warp_max(fmaxf(m0, m1));
-    const float s0 = h0 ? expf(m0 - M) : 0.0f, s1 = h1 ? expf(m1 - M) : 0.0f;
-    float L = __fmaf_rn(l1, s1, l0 * s0);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-    float v = 0.0f;
-#pragma unroll
-    for (int s = 0; s < ATT_SPLIT_MAX; s++) {
-        if (s >= ns) break; /* warp-uniform */
-        v = __fmaf_rn(x[s], __shfl_sync(0xffffffffu, s < 32 ? s0 : s1, s & 31), v);
+        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+        if (lane == 0) sL = L;
     }
-    v = __fdiv_rn(v, L);
+    __syncthreads();
     const int64_t row0 = ((int64_t)t * a.n_head + h) * hd;
-    a.out[row0 + d] = v;
-    if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
+    for (int d0 = warp * 32; d0 < hd; d0 += ATT_WARPS * 32) { /* a warp per 32 dimensions */
+        const int d = d0 + lane;
+        float v = 0.0f;
+        if (d < hd) {
+#pragma unroll 16
+            for (int s = 0; s < ns; s++) v = __fmaf_rn(acc[(int64_t)s * hd + d], sc[s], v);
+            v = __fdiv_rn(v, sL);
+            a.out[row0 + d] = v;
+        }
+        if (a.aq) quant_block32(v, lane, a.aq + row0 + d0, a.ad + (row0 + d0) / 32, a.as + (row0 + d0) / 16);
+    }
 }
 
 /* The F16 forms (at most 64 KiB, within every targeted device's limit) and the 8-bit forms that fit a block of
