@@ -575,17 +575,16 @@ def render_plan(p: GpuPlan, n_expert: int, source: str = "uniform routing", max_
                  f"({_fmt(pr.budget_bytes - p.gpu_bytes)} unused)")
     lines.append(f"  in RAM        {p.n_routed - p.n_resident} routed experts, "
                  f"{_fmt(p.routed_bytes - p.resident_bytes)} (computed on the CPU from the mmap)")
-    runs: list[tuple[int, int, list[int]]] = []  # consecutive layers with the same resident set
+    # layers with the same resident set, in order of their first layer (a uniform plan: every expert, none, and
+    # the one layer at the budget's edge)
+    groups: dict[tuple[int, ...], list[int]] = {}
     for il, ids in enumerate(p.resident):
-        if runs and runs[-1][2] == ids and runs[-1][1] == il - 1:
-            runs[-1] = (runs[-1][0], il, ids)
-        else:
-            runs.append((il, il, ids))
-    for a, b, ids in runs[:max_layer_lines]:
-        name = f"layer {a}" if a == b else f"layers {a}-{b}"
-        lines.append(f"  {name:<13} {len(ids):>4}/{n_expert} resident" + (f": {_ranges(ids)}" if ids else ""))
-    if len(runs) > max_layer_lines:
-        lines.append(f"  ...           {len(runs) - max_layer_lines} more runs of layers")
+        groups.setdefault(tuple(ids), []).append(il)
+    for ids, layers in list(groups.items())[:max_layer_lines]:
+        name = f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}"
+        lines.append(f"  {name:<13} {len(ids):>4}/{n_expert} resident" + (f": {_ranges(list(ids))}" if ids else ""))
+    if len(groups) > max_layer_lines:
+        lines.append(f"  ...           {len(groups) - max_layer_lines} more sets of layers")
     lines += [
         f"  hit rate      {100 * p.hit_rate:.1f}% of routed pairs expected on resident experts",
         f"  per token     {_fmt(p.ram_bytes_per_token)} of expert weights read from RAM, "

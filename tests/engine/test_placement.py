@@ -246,6 +246,14 @@ def test_uniform_plan_spreads_the_layers_left_on_the_cpu() -> None:
     assert 14 <= len(cpu_layers) <= 16
     assert np.diff(cpu_layers).min() >= 2 and cpu_layers.max() == 47 and cpu_layers.min() <= 5
     assert p.n_resident == int(per_layer.sum())
+    # `strata model inspect` groups the layers by resident set: all, none, and the one at the budget's edge
+    text = pl.render_plan(p, ne)
+    groups = [ln for ln in text.splitlines() if ln.startswith("  layer")]
+    assert len(groups) == 3, text
+    none_line = next(ln for ln in groups if f" 0/{ne} resident" in ln)
+    cpu_whole = [int(x) for x in np.flatnonzero(per_layer == 0)]
+    assert none_line.split()[1] == ",".join(str(x) for x in cpu_whole)  # single layers, no two adjacent
+    assert "more sets of layers" not in text
 
 
 def test_plan_extremes_and_uniform_order(files: dict[str, Path]) -> None:
