@@ -481,6 +481,10 @@ static inline act_buf hidden_buf(scratch *s) {
 
 /* Float rows x[T, K] -> activations; quantised into `o` when the weights need it. */
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o);
+/* st_make_acts's result without the quantisation, which st_quant_act_row then does a row at a time (row t of x into
+ * row t of o: the same bits as st_make_acts) */
+acts st_acts_view(const float *x, int64_t K, int need_q, act_buf o);
+void st_quant_act_row(const float *x, int64_t K, act_buf o, int64_t t);
 
 /* A tile of up to ST_MAX_NT activation rows: idx[i] (or base + i when idx is NULL).
  * Built once per tile, then dotted with every weight row of a work item. */

@@ -31,16 +31,27 @@ static void quant_task(void *ctx, int64_t t, int thread) {
     if (c->fk) c->fk(c->x + t * K, K, c->o.qk + t * K, c->o.dk + t * (K / QK_K), c->o.bk + t * (K / 16));
 }
 
-acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
+acts st_acts_view(const float *x, int64_t K, int need_q, act_buf o) {
     acts a = {.x = x, .K = K};
+    if (need_q) {
+        a.q = o.q, a.d = o.d, a.s = o.s, a.xs8 = o.xs8, a.xs = o.xs;
+        if (K % QK_K == 0 && o.qk) a.qk = o.qk, a.dk = o.dk, a.bk = o.bk;
+    }
+    return a;
+}
+
+void st_quant_act_row(const float *x, int64_t K, act_buf o, int64_t t) {
+    const quant_ctx c = {x, K, o, st_quant_act(), K % QK_K == 0 && o.qk ? st_quant_act_k() : NULL};
+    quant_task((void *)&c, t, 0);
+}
+
+acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
     if (need_q) {
         const int k8 = K % QK_K == 0 && o.qk;
         quant_ctx c = {x, K, o, st_quant_act(), k8 ? st_quant_act_k() : NULL};
         st_pool_run(pool, quant_task, &c, T);
-        a.q = o.q, a.d = o.d, a.s = o.s, a.xs8 = o.xs8, a.xs = o.xs;
-        if (k8) a.qk = o.qk, a.dk = o.dk, a.bk = o.bk;
     }
-    return a;
+    return st_acts_view(x, K, need_q, o);
 }
 
 typedef struct {

@@ -6,10 +6,18 @@
  * (gate and up fused in one pass), and work items are sized so that a hot expert is
  * cut into thin row slices while a cold one gets a few wide ones. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 /* One group = one expert's weights and the (token, slot) pairs routed to it. */
 typedef struct {
@@ -35,6 +43,10 @@ typedef struct {
     acts hin;            /* h rows, quantised */
     float *pair_out;     /* [P, E] */
     int oai;             /* gpt-oss's clamped SwiGLU instead of silu(g) * u */
+    int32_t n_gu;        /* items [0, n_gu) are gate / up, the rest down */
+    act_buf hbuf;        /* where h's rows are quantised (hin's buffers) */
+    _Atomic int32_t *left;  /* [group]: gate / up items not yet done */
+    _Atomic int32_t *ready; /* [group]: 1 once the group's h rows are whole (and quantised) */
 } ffn_ctx;
 
 /* gpt-oss's activation (llama.cpp's swiglu_oai with alpha 1.702, limit 7): the gate clamped
@@ -127,6 +139,30 @@ static void ffn_down_task(void *vctx, int64_t item, int thread) {
     }
 }
 
+/* Both halves in one pool region: gate / up items first, then down items. A group's down items wait for its h
+ * rows: the thread that finishes the group's last gate / up item quantises them (when down reads 8-bit rows) and
+ * publishes the group. The pool hands items out in order, so every gate / up item is taken before any down item
+ * and a waiting thread only waits on work in progress; meanwhile the others go on with the next groups' down rows,
+ * where two regions made every thread wait at a barrier for the slowest gate / up item (and for a region of the
+ * quantisation between them). Each row is computed by the same calls as in two regions: the same bits. */
+static void ffn_fused_task(void *vctx, int64_t item, int thread) {
+    const ffn_ctx *c = vctx;
+    const int32_t g = c->items[item].group;
+    if (item < c->n_gu) {
+        ffn_gate_up_task(vctx, item, thread);
+        if (atomic_fetch_sub_explicit(&c->left[g], 1, memory_order_acq_rel) == 1) { /* the group's last */
+            if (c->hin.q) {
+                const ffn_group *gr = &c->groups[g];
+                for (int32_t i = 0; i < gr->n_pairs; i++) st_quant_act_row(c->h, c->n_ff, c->hbuf, gr->pairs[i]);
+            }
+            atomic_store_explicit(&c->ready[g], 1, memory_order_release);
+        }
+    } else {
+        while (!atomic_load_explicit(&c->ready[g], memory_order_acquire)) CPU_RELAX();
+        ffn_down_task(vctx, item, thread);
+    }
+}
+
 /* Build (group, row-range) tiles: each carries about the same rows x pairs of work, and its
  * weights (bytes_per_row per row) fit in half of L2 (st_tile_rows). Workers take them one
  * at a time from the pool's atomic counter, so whoever finishes early steals the next. */
@@ -156,17 +192,25 @@ static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups
     const int64_t n_ff = tg->ne[1], E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
     const int64_t widest = n_ff > E ? n_ff : E;
-    ffn_item *items = malloc(sizeof(ffn_item) * (size_t)n_groups * (size_t)(widest / 8 + 2));
-    if (!items) return st_fail(ST_ENOMEM, "forward: out of memory (expert items)");
+    (void)n_pairs; /* h's rows are quantised group by group (ffn_fused_task) */
+    const size_t per_phase = (size_t)n_groups * (size_t)(widest / 8 + 2);
+    ffn_item *items = malloc(sizeof(ffn_item) * 2 * per_phase);
+    _Atomic int32_t *flags = malloc(sizeof(_Atomic int32_t) * 2 * (size_t)n_groups);
+    if (!items || !flags) {
+        free(items), free(flags);
+        return st_fail(ST_ENOMEM, "forward: out of memory (expert items)");
+    }
+    const act_buf hb = hidden_buf(s);
     ffn_ctx c = {groups, items, tg->type, tu->type, td->type, st_row_bytes(tg->type, tg->ne[0]),
                  st_row_bytes(tu->type, tu->ne[0]), st_row_bytes(td->type, td->ne[0]), n_ff, E, *in, s->pair_tok,
-                 s->h, {0}, pair_out, oai};
-    int32_t n = build_items(groups, n_groups, n_ff, nt, c.rbg + c.rbu, items);
-    st_pool_run(pool, ffn_gate_up_task, &c, n);
-    c.hin = st_make_acts(pool, s->h, n_pairs, n_ff, !st_type_is_float(td->type), hidden_buf(s));
-    n = build_items(groups, n_groups, E, nt, c.rbd, items);
-    st_pool_run(pool, ffn_down_task, &c, n);
-    free(items);
+                 s->h, st_acts_view(s->h, n_ff, !st_type_is_float(td->type), hb), pair_out, oai, 0, hb,
+                 flags, flags + n_groups};
+    c.n_gu = build_items(groups, n_groups, n_ff, nt, c.rbg + c.rbu, items);
+    const int32_t n_down = build_items(groups, n_groups, E, nt, c.rbd, items + c.n_gu);
+    for (int32_t g = 0; g < n_groups; g++) atomic_init(&c.left[g], 0), atomic_init(&c.ready[g], 0);
+    for (int32_t i = 0; i < c.n_gu; i++) atomic_fetch_add_explicit(&c.left[items[i].group], 1, memory_order_relaxed);
+    st_pool_run(pool, ffn_fused_task, &c, (int64_t)c.n_gu + n_down);
+    free(items), free(flags);
     return ST_OK;
 }
 

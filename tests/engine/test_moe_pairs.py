@@ -195,3 +195,29 @@ def test_moe_layer_routes_as_the_step_does(tmp_path: Path) -> None:
         _, routes, _ = e.moe_layer(0, xn)
         np.testing.assert_array_equal(hist[0], np.bincount(routes.reshape(-1), minlength=8))
         assert (hist > 0).sum() >= 4  # a real spread of experts, not one
+
+
+@pytest.mark.parametrize("case", ["llama-f32", "qwen3moe-q4_k", "qwen2moe-q5_0"])
+def test_routed_ffn_bits_do_not_depend_on_the_pools_threads(case: str, tmp_path: Path) -> None:
+    """The grouped FFN runs gate / up and down in one pool region, a group's down items waiting for the thread
+    that finishes its last gate / up item (and quantises its h rows): one thread takes every item in order, six
+    on this machine's cores interleave them and wait. Each row is the same calls on the same inputs either way,
+    so the routed FFN's output and the step's logits are bitwise the same for 1, 2, 3 and 6 threads, at a
+    decode-sized and a prefill-sized batch."""
+    arch, wt, extra = CASES[case]
+    kw = {"n_embd": 64, "n_ff": 96, "n_expert": 8, "n_expert_used": 2, **extra}
+    if case.endswith("q4_k"):
+        kw["raw_overrides"] = _q4_k_experts(n_layer=2, n_expert=8, n_embd=kw["n_embd"], n_ff=kw["n_ff"])
+    path = make_random_gguf(tmp_path / f"{case}.gguf", arch=arch, n_layer=2, weight_type=wt, seed=5, **kw)
+    rng = np.random.default_rng(9)
+    prompt = [int(t) for t in rng.integers(0, 100, 40)]
+    got: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
+    for threads in (1, 2, 3, 6):
+        with Engine.open(path, threads=threads, kv_tokens=64) as e:
+            layers = [e.moe_layer(0, rng_x)[0] for rng_x in (
+                np.random.default_rng(1).standard_normal((T, e.hparams.n_embd)).astype(np.float32) for T in (1, 37))]
+            got[threads] = (layers, np.asarray(e.logits_for(prompt)))
+    for threads in (2, 3, 6):
+        for a, b in zip(got[1][0], got[threads][0], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{threads} threads")
+        np.testing.assert_array_equal(got[1][1], got[threads][1], err_msg=f"{threads} threads")
