@@ -183,16 +183,15 @@ static int32_t build_items(const ffn_group *groups, int32_t n_groups, int64_t ro
 }
 
 /* The grouped FFN: for every group, h = silu(x Wg) * (x Wu) over its pairs, then
- * pair_out = h Wd. Pair p reads token row pair_tok[p] of `in`; h and pair_out are
- * indexed by pair. */
+ * pair_out = h Wd (ffn_fused_task: one pool region). Pair p reads token row pair_tok[p] of `in`; h and
+ * pair_out are indexed by pair; rows of pairs in no group are left as they are. */
 static st_status ffn_grouped(st_model *m, st_pool *pool, const ffn_group *groups, int32_t n_groups,
                              const st_tensor *tg, const st_tensor *tu, const st_tensor *td, const acts *in,
-                             int64_t n_pairs, float *pair_out, int oai) {
+                             float *pair_out, int oai) {
     scratch *s = &m->s;
     const int64_t n_ff = tg->ne[1], E = m->d.n_embd;
     const int nt = st_pool_threads(pool);
     const int64_t widest = n_ff > E ? n_ff : E;
-    (void)n_pairs; /* h's rows are quantised group by group (ffn_fused_task) */
     const size_t per_phase = (size_t)n_groups * (size_t)(widest / 8 + 2);
     ffn_item *items = malloc(sizeof(ffn_item) * 2 * per_phase);
     _Atomic int32_t *flags = malloc(sizeof(_Atomic int32_t) * 2 * (size_t)n_groups);
@@ -221,7 +220,7 @@ st_status st_ffn_all_tokens(st_model *m, st_pool *pool, const st_tensor *gate, c
     const int need_q = !st_type_is_float(gate->type) || !st_type_is_float(up->type); /* types may differ */
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
     const ffn_group g = {gate->data, up->data, down->data, s->pairs_by_expert, (int32_t)T, NULL, NULL, NULL};
-    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, T, s->pair_out, 0);
+    return ffn_grouped(m, pool, &g, 1, gate, up, down, &in, s->pair_out, 0);
 }
 
 /* The top k of c[0..n) into ids[0..k) (largest first, lowest index on ties; -inf entries are
@@ -427,7 +426,7 @@ static st_status routed_ffn(st_model *m, st_pool *pool, int il, int64_t T, int32
     const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
     const acts in = st_make_acts(pool, s->xn, T, m->d.n_embd, need_q, layer_buf(s));
     const st_status rc =
-        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, T * k, s->pair_out,
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, s->pair_out,
                     m->d.arch == ST_ARCH_GPT_OSS);
     free(fill);
     free(groups);
@@ -526,7 +525,7 @@ st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, con
     const int need_q = !st_type_is_float(L->gate_exps.type) || !st_type_is_float(L->up_exps.type);
     const acts in = st_make_acts(pool, x, T, m->d.n_embd, need_q, layer_buf(s));
     const st_status rc =
-        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, n_pairs, out,
+        ffn_grouped(m, pool, groups, n_groups, &L->gate_exps, &L->up_exps, &L->down_exps, &in, out,
                     m->d.arch == ST_ARCH_GPT_OSS);
     free(fill);
     free(groups);
