@@ -356,15 +356,15 @@ def main(args: Any, model_path: Path, build: Any) -> int:
     n_seq = getattr(args, "depth_batch", 1)
     kv_type = getattr(args, "kv_type", "f16")
     experts_cpu = getattr(args, "depth_experts_cpu", False)
+    ubatch = getattr(args, "depth_ubatch", 512)
     res = run_strata(model_path, args.device, depths, args.depth_steps, args.unsplit_steps,
                      getattr(args, "depth_knobs", None), n_seq, getattr(args, "depth_profile", False), kv_type,
-                     experts_cpu, getattr(args, "depth_ncu", False), getattr(args, "depth_ubatch", 512))
+                     experts_cpu, getattr(args, "depth_ncu", False), ubatch)
     res["model"] = str(model_path)
     if args.llama_bin:
         try:
             res["llama_cpp"] = run_llama(Path(args.llama_bin), model_path, depths, args.depth_reps, n_seq=n_seq,
-                                         kv_type=kv_type, experts_cpu=experts_cpu,
-                                         ubatch=getattr(args, "depth_ubatch", 512))
+                                         kv_type=kv_type, experts_cpu=experts_cpu, ubatch=ubatch)
         except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
             print(f"llama.cpp not measured: {type(e).__name__}: {e}")
             res["llama_cpp"] = None

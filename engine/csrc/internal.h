@@ -10,6 +10,13 @@
 
 #include "strata.h"
 
+/* one step of a spin-wait (the pool's workers, a grouped FFN's down items): the x86 pause hint */
+#if defined(__x86_64__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
 st_status st_fail(st_status code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #define QK 32    /* block size of the legacy quants and of the activation blocks */

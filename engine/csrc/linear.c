@@ -40,15 +40,19 @@ acts st_acts_view(const float *x, int64_t K, int need_q, act_buf o) {
     return a;
 }
 
+/* the quantisation of rows of x into o: the per-256 view too where K allows it and o has room */
+static quant_ctx quant_ctx_of(const float *x, int64_t K, act_buf o) {
+    return (quant_ctx){x, K, o, st_quant_act(), K % QK_K == 0 && o.qk ? st_quant_act_k() : NULL};
+}
+
 void st_quant_act_row(const float *x, int64_t K, act_buf o, int64_t t) {
-    const quant_ctx c = {x, K, o, st_quant_act(), K % QK_K == 0 && o.qk ? st_quant_act_k() : NULL};
-    quant_task((void *)&c, t, 0);
+    quant_ctx c = quant_ctx_of(x, K, o);
+    quant_task(&c, t, 0);
 }
 
 acts st_make_acts(st_pool *pool, const float *x, int64_t T, int64_t K, int need_q, act_buf o) {
     if (need_q) {
-        const int k8 = K % QK_K == 0 && o.qk;
-        quant_ctx c = {x, K, o, st_quant_act(), k8 ? st_quant_act_k() : NULL};
+        quant_ctx c = quant_ctx_of(x, K, o);
         st_pool_run(pool, quant_task, &c, T);
     }
     return st_acts_view(x, K, need_q, o);

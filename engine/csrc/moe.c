@@ -12,13 +12,6 @@
 
 #include "internal.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#else
-#define CPU_RELAX() ((void)0)
-#endif
-
 /* One group = one expert's weights and the (token, slot) pairs routed to it. */
 typedef struct {
     const uint8_t *wg, *wu, *wd;

@@ -15,13 +15,6 @@
 
 #include "internal.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#else
-#define CPU_RELAX() ((void)0)
-#endif
-
 #define SPIN_BEFORE_SLEEP 200000 /* pause iterations (~a few ms) before sleeping */
 
 struct st_pool;
