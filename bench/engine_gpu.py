@@ -1004,7 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
             or not 1 <= args.depth_batch <= 64
         ):
             raise SystemExit(
-                "--depth-steps and --depth-reps must be >= 1, --unsplit-steps >= 0, --depth-batch 1..64"
+                "--depth-steps, --depth-reps and --depth-ubatch must be >= 1, --unsplit-steps >= 0, "
+                "--depth-batch 1..64"
             )
         args.depth_knobs = engine_gpu_depth.parse_knobs(args.depth_knob)
         if args.kv_budget_gb is not None:

@@ -66,6 +66,42 @@ def test_kv_fit_names_the_shortfall() -> None:
     assert why is not None and "--depth-batch 8" in why and "96.00 GiB" in why and "117.00 GiB" in why and "100.00 GiB free" in why
 
 
+@pytest.mark.parametrize(("ubatch", "n_seq"), [(512, 1), (2048, 1), (4096, 8)])
+def test_llama_fills_the_cache_in_the_same_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ubatch: int,
+                                                 n_seq: int) -> None:
+    """--depth-ubatch N: llama.cpp's -ub N (and a -b that holds it) in both its commands, as Strata's prefill_chunk."""
+    import json
+    import subprocess
+
+    from bench import engine_gpu_depth as D
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess:
+        seen.append(cmd)
+        if "llama-bench" in cmd[0]:
+            return subprocess.CompletedProcess(cmd, 0, json.dumps([{"n_depth": 0, "n_gen": 128, "avg_ts": 1.0}]), "")
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"pp": 0, "tg": 128, "pl": n_seq, "speed_tg": 1.0}), "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    D.run_llama(tmp_path, tmp_path / "m.gguf", [0], 1, n_seq=n_seq, ubatch=ubatch)
+    assert seen
+    for cmd in seen:
+        assert cmd[cmd.index("-ub") + 1] == str(ubatch) and cmd[cmd.index("-b") + 1] == str(max(2048, ubatch)), cmd
+
+
+def test_depth_ubatch_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import engine_gpu_depth as D
+    from bench.engine_gpu import main
+
+    def never(*_: object) -> int:
+        raise AssertionError("the depth run started with --depth-ubatch 0")
+
+    monkeypatch.setattr(D, "main", never)
+    with pytest.raises(SystemExit, match="--depth-ubatch must be >= 1"):
+        main(["--depth", "0", "--depth-ubatch", "0"])
+
+
 @pytest.mark.parametrize(("kv_type", "n_seq"), [("f16", 1), ("q8_0", 1), ("q8_0", 8)])
 def test_llama_runs_with_the_same_kv_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kv_type: str,
                                           n_seq: int) -> None:
