@@ -524,3 +524,108 @@ st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, con
     free(groups);
     return rc;
 }
+
+/* ------------------------------------------------------------------ expert prefetch */
+
+#define PREFETCH_PIECE ((int64_t)16 << 10) /* bytes an item reads: the latency a raised stop can add */
+
+typedef struct {
+    const uint8_t *p;
+    int64_t n;
+} byte_range;
+
+typedef struct {
+    uint64_t sum; /* the loads' sum, so that they cannot be dropped */
+    int64_t bytes;
+    char pad[48]; /* each thread's counters on a cache line of their own */
+} prefetch_sink;
+
+typedef struct {
+    const byte_range *ranges;
+    int32_t n_ranges;
+    const int64_t *first; /* [n_ranges + 1]: the first piece of each range */
+    const uint32_t *stop;
+    uint32_t stop_value;
+    prefetch_sink *sink; /* [pool threads] */
+} prefetch_ctx;
+
+/* Expert e's weights in a [.., .., n_expert] tensor. */
+static byte_range expert_range(const st_tensor *t, int e) {
+    return (byte_range){expert_ptr(t, e), (int64_t)t->ne[1] * (int64_t)st_row_bytes(t->type, t->ne[0])};
+}
+
+static void prefetch_task(void *vctx, int64_t item, int thread) {
+    prefetch_ctx *c = vctx;
+    if (c->stop && __atomic_load_n(c->stop, __ATOMIC_ACQUIRE) == c->stop_value) return;
+    int32_t r = 0; /* the range holding piece `item` (a handful of ranges: a linear search) */
+    while (r + 1 < c->n_ranges && c->first[r + 1] <= item) r++;
+    const int64_t off = (item - c->first[r]) * PREFETCH_PIECE;
+    const int64_t n = c->ranges[r].n - off < PREFETCH_PIECE ? c->ranges[r].n - off : PREFETCH_PIECE;
+    const uint64_t *w = (const uint64_t *)(const void *)(c->ranges[r].p + off);
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0; /* one word a 64-byte line: the line is what is wanted */
+    int64_t i = 0;
+    const int64_t lines = n / 64;
+    for (; i + 4 <= lines; i += 4) s0 += w[8 * i], s1 += w[8 * (i + 1)], s2 += w[8 * (i + 2)], s3 += w[8 * (i + 3)];
+    for (; i < lines; i++) s0 += w[8 * i];
+    c->sink[thread].sum += s0 + s1 + s2 + s3;
+    c->sink[thread].bytes += n;
+}
+
+st_status st_moe_prefetch(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, const uint8_t *skip,
+                          const uint32_t *stop, uint32_t stop_value, int32_t *ids, int64_t *bytes) {
+    const char *what = "st_moe_prefetch";
+    if (bytes) *bytes = 0;
+    CHECK(moe_entry_check(what, m, pool, layer, T, x, 0));
+    const st_layer *L = &m->layers[layer];
+    if (!L->gate_inp.data) return st_fail(ST_EINVAL, "%s: layer %d has no router", what, layer);
+    const int ne = m->d.n_expert, k = m->d.n_expert_used;
+    if (stop && __atomic_load_n(stop, __ATOMIC_ACQUIRE) == stop_value) { /* too late to be of use */
+        if (ids) memset(ids, 0xff, sizeof(int32_t) * (size_t)T * (size_t)k);
+        return ST_OK;
+    }
+    scratch *s = &m->s;
+    /* the layer's router and routing rule on x, as route() takes them */
+    const acts rin = st_make_acts(pool, x, T, m->d.n_embd, !st_type_is_float(L->gate_inp.type), layer_buf(s));
+    st_linear(pool, &L->gate_inp, &rin, NULL, T, s->router, ne); /* [T, n_expert] */
+    st_add_bias(s->router, &L->gate_inp_b, T, ne);
+    float *c = malloc(sizeof(float) * 2 * (size_t)ne);
+    int32_t *pick = malloc(sizeof(int32_t) * (size_t)T * (size_t)k);
+    float *w = malloc(sizeof(float) * (size_t)k);
+    byte_range *ranges = malloc(sizeof(byte_range) * 3 * (size_t)ne);
+    int64_t *first = malloc(sizeof(int64_t) * (3 * (size_t)ne + 1));
+    const int nt = st_pool_threads(pool) > 0 ? st_pool_threads(pool) : 1;
+    prefetch_sink *sink = calloc((size_t)nt, sizeof(prefetch_sink));
+    if (!c || !pick || !w || !ranges || !first || !sink) {
+        free(c), free(pick), free(w), free(ranges), free(first), free(sink);
+        return st_fail(ST_ENOMEM, "%s: out of memory", what);
+    }
+    for (int32_t t = 0; t < T; t++) st_route_token(&m->d, L->exp_probs_b.data, s->router + (size_t)t * ne, c, c + ne,
+                                                   pick + (size_t)t * k, w);
+    if (ids) memcpy(ids, pick, sizeof(int32_t) * (size_t)T * (size_t)k);
+    /* the experts to read, each once: by choice rank (every token's first choice, then its second, ...), so that
+     * the likeliest are read first; their gate and up halves (what the FFN reads first), then their down halves */
+    uint8_t seen[ST_MAX_EXPERTS] = {0};
+    int32_t order[ST_MAX_EXPERTS], n_exp = 0;
+    for (int j = 0; j < k; j++)
+        for (int32_t t = 0; t < T; t++) {
+            const int32_t e = pick[(size_t)t * k + j];
+            if (seen[e] || (skip && skip[e])) continue;
+            seen[e] = 1, order[n_exp++] = e;
+        }
+    /* gate and up of every expert before any down: the order the FFN reads them in */
+    int32_t n_ranges = 0;
+    const st_tensor *gu[2] = {&L->gate_exps, &L->up_exps};
+    for (int32_t i = 0; i < n_exp; i++)
+        for (int h = 0; h < 2; h++)
+            if (gu[h]->data) ranges[n_ranges++] = expert_range(gu[h], order[i]);
+    for (int32_t i = 0; i < n_exp; i++) ranges[n_ranges++] = expert_range(&L->down_exps, order[i]);
+    first[0] = 0;
+    for (int32_t r = 0; r < n_ranges; r++) first[r + 1] = first[r] + (ranges[r].n + PREFETCH_PIECE - 1) / PREFETCH_PIECE;
+    prefetch_ctx ctx = {ranges, n_ranges, first, stop, stop_value, sink};
+    if (n_ranges > 0) st_pool_run(pool, prefetch_task, &ctx, first[n_ranges]);
+    int64_t got = 0;
+    for (int i = 0; i < nt; i++) got += sink[i].bytes;
+    if (bytes) *bytes = got;
+    free(c), free(pick), free(w), free(ranges), free(first), free(sink);
+    return ST_OK;
+}

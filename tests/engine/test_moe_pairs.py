@@ -221,3 +221,53 @@ def test_routed_ffn_bits_do_not_depend_on_the_pools_threads(case: str, tmp_path:
         for a, b in zip(got[1][0], got[threads][0], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{threads} threads")
         np.testing.assert_array_equal(got[1][1], got[threads][1], err_msg=f"{threads} threads")
+
+
+def _expert_bytes(eng: Engine, layer: int) -> int:
+    """One routed expert's gate, up and down weights in bytes, from the file's tensor sizes."""
+    tensors = eng.model_file.tensors
+    return sum(np.asarray(tensors[f"blk.{layer}.ffn_{h}_exps.weight"].data).nbytes // eng.hparams.n_expert
+               for h in ("gate", "up", "down"))
+
+
+def test_prefetch_predicts_the_routing_its_layer_takes_and_reads_those_experts(eng: Engine) -> None:
+    """st_moe_prefetch's prediction is the layer's own routing of the same input; it reads each predicted expert
+    once, leaves out the skipped ones, and changes no result."""
+    hp = eng.hparams
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((3, hp.n_embd)).astype(np.float32)
+    before, ids, _ = eng.moe_layer(1, x)
+    pred, got = eng.moe_prefetch(1, x)
+    np.testing.assert_array_equal(np.sort(pred, axis=1), np.sort(ids, axis=1))
+    experts = set(ids.reshape(-1).tolist())
+    per = _expert_bytes(eng, 1)
+    # whole 16 KiB pieces, each read up to its last whole cache line: within one piece per tensor of the exact sum
+    assert len(experts) * per - 3 * len(experts) * 64 <= got <= len(experts) * per
+    skip = np.zeros(hp.n_expert, np.uint8)
+    skip[sorted(experts)[0]] = 1
+    _, got_skip = eng.moe_prefetch(1, x, skip=skip)
+    assert abs(got_skip - (len(experts) - 1) * per) <= 3 * len(experts) * 64
+    np.testing.assert_array_equal(eng.moe_layer(1, x)[0], before)
+
+
+def test_prefetch_stops_once_the_flag_holds_its_value(eng: Engine) -> None:
+    hp = eng.hparams
+    x = np.random.default_rng(9).standard_normal((2, hp.n_embd)).astype(np.float32)
+    flag = np.array([7], np.uint32)
+    ids, got = eng.moe_prefetch(0, x, stop=flag, stop_value=7)
+    assert got == 0 and (ids == -1).all()
+    ids, got = eng.moe_prefetch(0, x, stop=flag, stop_value=8)  # another value: no stop
+    assert got > 0 and ((ids >= 0) & (ids < hp.n_expert)).all()
+
+
+def test_prefetch_bad_input_is_a_typed_error(eng: Engine) -> None:
+    hp = eng.hparams
+    x = np.zeros((1, hp.n_embd), np.float32)
+    with pytest.raises(OutOfRangeError, match="layer"):
+        eng.moe_prefetch(hp.n_layer, x)
+    with pytest.raises(ValueError, match="one entry per expert"):
+        eng.moe_prefetch(0, x, skip=[0])
+    with pytest.raises(ValueError, match="uint32"):
+        eng.moe_prefetch(0, x, stop=np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="float32"):
+        eng.moe_prefetch(0, np.zeros((1, hp.n_embd + 1), np.float32))
