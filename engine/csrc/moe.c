@@ -544,6 +544,7 @@ typedef struct {
     const byte_range *ranges;
     int32_t n_ranges;
     const int64_t *first; /* [n_ranges + 1]: the first piece of each range */
+    int64_t n_items;
     const uint32_t *stop;
     uint32_t stop_value;
     prefetch_sink *sink; /* [pool threads] */
@@ -554,21 +555,25 @@ static byte_range expert_range(const st_tensor *t, int e) {
     return (byte_range){expert_ptr(t, e), (int64_t)t->ne[1] * (int64_t)st_row_bytes(t->type, t->ne[0])};
 }
 
+/* Item i of n reads pieces i, i + n, i + 2n, ... (one item a thread: a raised stop ends every thread's reads after
+ * its current piece, where an item a piece would have each remaining one pass the pool's shared counter) */
 static void prefetch_task(void *vctx, int64_t item, int thread) {
     prefetch_ctx *c = vctx;
-    if (c->stop && __atomic_load_n(c->stop, __ATOMIC_ACQUIRE) == c->stop_value) return;
-    int32_t r = 0; /* the range holding piece `item` (a handful of ranges: a linear search) */
-    while (r + 1 < c->n_ranges && c->first[r + 1] <= item) r++;
-    const int64_t off = (item - c->first[r]) * PREFETCH_PIECE;
-    const int64_t n = c->ranges[r].n - off < PREFETCH_PIECE ? c->ranges[r].n - off : PREFETCH_PIECE;
-    const uint64_t *w = (const uint64_t *)(const void *)(c->ranges[r].p + off);
-    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0; /* one word a 64-byte line: the line is what is wanted */
-    int64_t i = 0;
-    const int64_t lines = n / 64;
-    for (; i + 4 <= lines; i += 4) s0 += w[8 * i], s1 += w[8 * (i + 1)], s2 += w[8 * (i + 2)], s3 += w[8 * (i + 3)];
-    for (; i < lines; i++) s0 += w[8 * i];
-    c->sink[thread].sum += s0 + s1 + s2 + s3;
-    c->sink[thread].bytes += n;
+    int32_t r = 0; /* the range holding the piece (pieces rise: the cursor only moves on) */
+    for (int64_t piece = item; piece < c->first[c->n_ranges]; piece += c->n_items) {
+        if (c->stop && __atomic_load_n(c->stop, __ATOMIC_ACQUIRE) == c->stop_value) return;
+        while (c->first[r + 1] <= piece) r++;
+        const int64_t off = (piece - c->first[r]) * PREFETCH_PIECE;
+        const int64_t n = c->ranges[r].n - off < PREFETCH_PIECE ? c->ranges[r].n - off : PREFETCH_PIECE;
+        const uint64_t *w = (const uint64_t *)(const void *)(c->ranges[r].p + off);
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0; /* one word a 64-byte line: the line is what is wanted */
+        int64_t i = 0;
+        const int64_t lines = n / 64;
+        for (; i + 4 <= lines; i += 4) s0 += w[8 * i], s1 += w[8 * (i + 1)], s2 += w[8 * (i + 2)], s3 += w[8 * (i + 3)];
+        for (; i < lines; i++) s0 += w[8 * i];
+        c->sink[thread].sum += s0 + s1 + s2 + s3;
+        c->sink[thread].bytes += n;
+    }
 }
 
 st_status st_moe_prefetch(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, const uint8_t *skip,
@@ -621,8 +626,9 @@ st_status st_moe_prefetch(st_model *m, st_pool *pool, int32_t layer, int32_t T, 
     for (int32_t i = 0; i < n_exp; i++) ranges[n_ranges++] = expert_range(&L->down_exps, order[i]);
     first[0] = 0;
     for (int32_t r = 0; r < n_ranges; r++) first[r + 1] = first[r] + (ranges[r].n + PREFETCH_PIECE - 1) / PREFETCH_PIECE;
-    prefetch_ctx ctx = {ranges, n_ranges, first, stop, stop_value, sink};
-    if (n_ranges > 0) st_pool_run(pool, prefetch_task, &ctx, first[n_ranges]);
+    const int64_t n_items = first[n_ranges] < nt ? first[n_ranges] : nt;
+    prefetch_ctx ctx = {ranges, n_ranges, first, n_items, stop, stop_value, sink};
+    if (n_ranges > 0) st_pool_run(pool, prefetch_task, &ctx, n_items);
     int64_t got = 0;
     for (int i = 0; i < nt; i++) got += sink[i].bytes;
     if (bytes) *bytes = got;
