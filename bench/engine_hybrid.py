@@ -152,11 +152,8 @@ def mean_frame(stats: list[Any]) -> dict[str, float]:
     if not stats:
         return {}
     tot = {k: sum(float(getattr(st, k, float("nan"))) for st in stats) / len(stats) for k in FRAME_KEYS}
-    for k in ("pcie_bytes", "prefetch_bytes", "prefetch_pairs", "prefetch_hits"):
-        tot[k] = sum(float(getattr(st, k, 0)) for st in stats) / len(stats)
+    tot["pcie_bytes"] = sum(float(getattr(st, "pcie_bytes", 0)) for st in stats) / len(stats)
     out = frame_ms(argparse.Namespace(**tot))
-    out["prefetch_mb"] = tot["prefetch_bytes"] / 1e6
-    out["prefetch_hit_rate"] = tot["prefetch_hits"] / tot["prefetch_pairs"] if tot["prefetch_pairs"] else float("nan")
     out["resident_hit_rate"] = sum(float(getattr(st, "resident_hit_rate", float("nan"))) for st in stats) / len(stats)
     out["steps"] = float(len(stats))
     return out
@@ -416,9 +413,6 @@ def print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
               f"{f['t_gpu']:.2f} + PCIe {f['t_pcie']:.2f} + GPU waiting on CPU {f['t_gpu_wait']:.2f} (idle "
               f"{100 * f['gpu_idle_share']:.0f}%); CPU experts {f['t_cpu_experts']:.2f}, CPU waiting on GPU "
               f"{f['t_cpu_wait']:.2f}; PCIe {f['pcie_gb_s']:.1f} GB/s", flush=True)
-        if f.get("prefetch_mb"):
-            print(f"     read ahead {f['prefetch_mb']:.1f} MB a step, predicted pairs chosen "
-                  f"{100 * f['prefetch_hit_rate']:.0f}%", flush=True)
     print(f"   floor b1 {s.get('floor_b1_tok_s', float('nan')):.1f} tok/s (reached "
           f"{100 * s.get('floor_share_b1', 0):.0f}%), CPU read {s['cpu_read_gbs']:.1f} GB/s", flush=True)
     for n in parse_ints(args.prefill):

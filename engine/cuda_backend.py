@@ -270,8 +270,6 @@ class CudaModel:
             ce.last_error = f.cast("stg_last_error_fn", _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_last_error")))
             ce.model = f.cast("void *", _addr(cffi_cpu, cpu[0]))
             ce.pool = f.cast("void *", _addr(cffi_cpu, cpu[1]))
-            ce.prefetch = f.cast("stg_moe_prefetch_fn",
-                                 _addr(cffi_cpu, cffi_cpu.addressof(lib_cpu, "st_moe_prefetch")))
             keep = f.from_buffer(mask)
             rc = self.lib.stg_model_create_hybrid(index, desc_p, settings, f.cast("const uint8_t *", keep), ce, pm)
         _check(self.ffi, self.lib, rc, f"cuda:{index}: model")
@@ -370,9 +368,7 @@ class CudaModel:
                 "stage_gpu_gbs": p.stage_gpu_gbs, "stage_cpu_pairs_s": p.stage_cpu_pairs_s,
                 "kv_host_bytes": int(p.kv_host_bytes), "kv_cpu_bytes": int(p.kv_cpu_bytes),
                 "t_cpu_attn": p.t_cpu_attn, "kv_cpu_share": p.kv_cpu_share, "kv_cpu_gbs": p.kv_cpu_gbs,
-                "kv_pcie_gbs": p.kv_pcie_gbs, "measured": int(p.measured), "kv_form": int(p.kv_form),
-                "prefetch_bytes": int(p.prefetch_bytes), "prefetch_pairs": int(p.prefetch_pairs),
-                "prefetch_hits": int(p.prefetch_hits)}
+                "kv_pcie_gbs": p.kv_pcie_gbs, "measured": int(p.measured), "kv_form": int(p.kv_form)}
 
     def stage_info(self) -> dict[str, float]:
         """Staging (stg_settings.hybrid_stage): whether it is available on this model and its rates."""

@@ -234,9 +234,6 @@ def _stats(st: Any, profile: dict[str, float] | None = None) -> StepStats:
         out.kv_pcie_gbs = float(profile.get("kv_pcie_gbs", 0.0))
         out.frame_measured = bool(profile.get("measured", 1))
         out.kv_form = int(profile.get("kv_form", -1))
-        out.prefetch_bytes = int(profile.get("prefetch_bytes", 0))
-        out.prefetch_pairs = int(profile.get("prefetch_pairs", 0))
-        out.prefetch_hits = int(profile.get("prefetch_hits", 0))
     return out
 
 
@@ -659,28 +656,6 @@ class Engine:
                                    ptr(tok, "int32_t *") if n else ffi.NULL, ptr(exp, "int32_t *") if n else ffi.NULL,
                                    ptr(out, "float *") if n else ffi.NULL), "moe_pairs")
         return out
-
-    def moe_prefetch(self, layer: int, x: np.ndarray, skip: Sequence[int] | np.ndarray | None = None,
-                     stop: np.ndarray | None = None, stop_value: int = 0) -> tuple[np.ndarray, int]:
-        """Warm the caches with the experts layer ``layer`` is predicted to take for x (``st_moe_prefetch``: its
-        router on x); ``skip`` [n_expert] marks experts not to read, ``stop`` (a uint32 array of one) ends the reads
-        once it holds ``stop_value``. Returns the predicted ids [T, k] and the bytes read."""
-        x = self._moe_input(layer, x)
-        hp = self.hparams
-        sk = None if skip is None else np.ascontiguousarray(skip, dtype=np.uint8).reshape(-1)
-        if sk is not None and sk.size != hp.n_expert:
-            raise ValueError(f"skip must have one entry per expert ({hp.n_expert}), not {sk.size}")
-        if stop is not None and (stop.dtype != np.uint32 or stop.size != 1 or not stop.flags.c_contiguous):
-            raise ValueError("stop must be a contiguous uint32 array of one element")
-        ids = np.empty((x.shape[0], hp.n_expert_used), np.int32)
-        got = ffi.new("int64_t *")
-        with self._step_lock:
-            self._drain(0)
-            check(lib.st_moe_prefetch(self._model, self._pool, int(layer), x.shape[0], ptr(x, "float *"),
-                                      ffi.NULL if sk is None else ptr(sk, "uint8_t *"),
-                                      ffi.NULL if stop is None else ptr(stop, "uint32_t *"), int(stop_value),
-                                      ptr(ids, "int32_t *"), got), "moe_prefetch")
-        return ids, int(got[0])
 
     def _check_step(self, tokens: Sequence[int], pos: Sequence[int], seq: Sequence[int],
                     token_src: Sequence[int] | None) -> None:

@@ -77,9 +77,6 @@ OVERRIDES: tuple[Override, ...] = (
              "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest read by the GPU in the "
              "same step (in place over PCIe, or staged into VRAM with kv_stream 0); -1 (the default) from the "
              "measured rates, r_cpu / (r_cpu + r_dev)"),
-    Override("STRATA_GPU_HYBRID_PREFETCH", "hybrid_prefetch",
-             "hybrid placement, decode: 1 the CPU pool reads the experts the next CPU layer is predicted to take "
-             "(its router on this layer's input) while the GPU runs that layer's attention; 0 (the default) off"),
 )
 
 

@@ -74,11 +74,6 @@ class StepStats:
     # a tiered KV cache on the GPU: the step read its host-tier blocks in place (1) or staged them into VRAM (0);
     # -1 it read none (kv_stream -1 picks the form of each decode step by the two forms' measured times)
     kv_form: int = -1
-    # the GPU engine's hybrid_prefetch: expert bytes the CPU pool read ahead in the step, the non-resident (token,
-    # expert) pairs it predicted for the layers it read for, and how many of them the routing chose
-    prefetch_bytes: int = 0
-    prefetch_pairs: int = 0
-    prefetch_hits: int = 0
 
 
 class StepEngine(Protocol):

@@ -403,16 +403,6 @@ st_status st_moe_layer(st_model *m, st_pool *pool, int32_t layer, int32_t T, con
  * meaningful; n_pairs <= T x n_expert. n_pairs = 0 does nothing. */
 st_status st_moe_pairs(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
                        const int32_t *pair_tok, const int32_t *pair_exp, float *out);
-/* Warms the caches with the routed experts that layer `layer` is predicted to take (the hybrid GPU engine's CPU
- * share, while the device runs the layer's attention): the layer's own router and routing rule applied to x
- * [T, n_embd] (an earlier layer's FFN input, the nearest the caller has) give each token's top-k, written to
- * ids[T, k] when ids is not NULL; the pool then reads the weights of those experts with skip[e] == 0 (skip: NULL,
- * or [n_expert], e.g. the device's own), every gate and up half before the down halves, the likeliest experts
- * first, in pieces of 16 KiB, until *stop equals stop_value (stop may be NULL: read them all). Already equal at
- * the call: nothing is read and ids are -1. Reads only: no result of any step changes. *bytes (when not NULL):
- * the bytes read. */
-st_status st_moe_prefetch(st_model *m, st_pool *pool, int32_t layer, int32_t T, const float *x, const uint8_t *skip,
-                          const uint32_t *stop, uint32_t stop_value, int32_t *ids, int64_t *bytes);
 
 /* Decode attention over listed blocks of one layer's paged cache (the GPU engine's host tier under
  * stg_settings.kv_host_attn): token t (of n_tok) sees n_keys[t] keys, key j at slot j % block_size of block

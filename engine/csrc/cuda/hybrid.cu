@@ -297,8 +297,6 @@ static stg_status hybrid_step_begin(stg_model *m, hybrid_step &hs, int32_t T, bo
     hs.used.assign(nL, 0);
     hs.t_cpu = hs.t_cpu_wait = 0.0, hs.cpu_pairs = hs.pcie_d2h = hs.pcie_h2d = 0;
     hs.staged_layers = hs.staged_bytes = 0;
-    hs.pf_bytes = hs.pf_pairs = hs.pf_hits = 0;
-    m->hy.pf_layer = -1;
     staging_decide(m, T);
     if (++m->hy.seq == 0) m->hy.seq = 1; /* 0 is the flags' value before any step */
     hs.seq = m->hy.seq;
@@ -333,50 +331,6 @@ static void hybrid_release(stg_model *m, int il, uint32_t seq) {
         if (hybrid_layer(m, j)) hybrid_signal(h, j, seq, 0);
 }
 
-#define PF_MAX_T 8 /* hybrid_prefetch: the largest step that reads ahead (its xn is copied before each flag) */
-
-/* Whether the step's CPU thread reads ahead (stg_settings.hybrid_prefetch): an overlapped decode-sized step of at
- * most PF_MAX_T tokens, with the C engine's st_moe_prefetch given. */
-static bool prefetch_on(const stg_model *m) {
-    const hybrid &h = m->hy;
-    return m->set.hybrid_prefetch && h.worker && h.direct && h.cpu.prefetch && h.T <= PF_MAX_T;
-}
-
-/* After layer il's flag: the pool reads the experts that the next layer with a CPU share is predicted to take
- * (its router on layer il's xn) until that layer's routing arrives (its ready word holds the step's seq). A failed
- * read-ahead is not the step's error: it only warms caches. */
-static void hybrid_prefetch(stg_model *m, hybrid_step &hs, int il) {
-    hybrid &h = m->hy;
-    int j = il + 1;
-    while (j < m->d.n_layer && !hybrid_layer(m, j)) j++;
-    if (j >= m->d.n_layer) return;
-    h.pf_ids.resize((size_t)h.T * m->d.n_expert_used);
-    int64_t bytes = 0;
-    const int32_t rc = h.cpu.prefetch(h.cpu.model, h.cpu.pool, j, h.T, h.pf_x.data(),
-                                      h.resident.data() + (size_t)j * m->d.n_expert, h.sync.ready + j, hs.seq,
-                                      h.pf_ids.data(), &bytes);
-    if (rc != ST_OK) return;
-    h.pf_layer = j;
-    hs.pf_bytes += bytes;
-}
-
-/* The read-ahead's account at layer il (its routing in h_ids): the predicted non-resident pairs and how many the
- * routing chose. */
-static void prefetch_score(stg_model *m, hybrid_step &hs, int il) {
-    hybrid &h = m->hy;
-    if (h.pf_layer != il) return;
-    h.pf_layer = -1;
-    const int k = m->d.n_expert_used;
-    const uint8_t *res = h.resident.data() + (size_t)il * m->d.n_expert;
-    for (int32_t t = 0; t < h.T; t++)
-        for (int a = 0; a < k; a++) {
-            const int32_t e = h.pf_ids[(size_t)t * k + a];
-            if (e < 0 || e >= m->d.n_expert || res[e]) continue;
-            hs.pf_pairs++;
-            for (int b = 0; b < k; b++) hs.pf_hits += h.h_ids[(size_t)t * k + b] == e;
-        }
-}
-
 /* The CPU's share of layer il (its s1 recorded): wait for xn and the routing, compute the pairs of experts the
  * device does not hold into pinned memory with their pair indices (h_rows' layout), write the flag with their
  * count. No CUDA call from here to the flag (the file's comment says why). */
@@ -389,7 +343,6 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
     CHECK(hybrid_wait_routing(h, hs, il));
     const double t1 = host_seconds();
     hs.t_cpu_wait += t1 - t0;
-    prefetch_score(m, hs, il);
     const uint8_t *res = h.resident.data() + (size_t)il * ne;
     int32_t n = 0;
     for (int64_t p = 0; p < P; p++) {
@@ -417,9 +370,7 @@ static stg_status hybrid_cpu_layer(stg_model *m, hybrid_step &hs, int il) {
         hs.pcie_h2d += (int64_t)sizeof(float) * P * (E + 1);
     }
     hs.pcie_h2d += (int64_t)sizeof(uint64_t);
-    if (prefetch_on(m)) h.pf_x.assign(h.h_xn, h.h_xn + (size_t)T * E); /* the flag lets the device overwrite h_xn */
     hybrid_signal(h, il, hs.seq, n);
-    if (prefetch_on(m)) hybrid_prefetch(m, hs, il);
     return ST_OK;
 }
 
@@ -632,7 +583,6 @@ static void hybrid_profile(stg_model *m, const hybrid_step &hs, int32_t T, cudaE
     p.t_pcie = pcie, p.t_cpu_wait = hs.t_cpu_wait, p.pcie_bytes = hs.pcie_d2h + hs.pcie_h2d;
     p.staged_layers = hs.staged_layers, p.stage_pcie_gbs = g.pcie_gbs, p.stage_gpu_gbs = g.gpu_gbs;
     p.stage_cpu_pairs_s = g.cpu_pairs_s;
-    p.prefetch_bytes = hs.pf_bytes, p.prefetch_pairs = hs.pf_pairs, p.prefetch_hits = hs.pf_hits;
 }
 
 /* Online re-placement (between steps): expert in_e of a partial layer takes the slot of its resident expert

@@ -93,7 +93,6 @@ struct hybrid_step {
      * block 0 starts and when it sees the layer's flag (the profile's wait inside a..c) */
     uint64_t *ts = nullptr;
     int64_t staged_layers = 0, staged_bytes = 0; /* staging.cu: layers computed from staged weights, bytes copied */
-    int64_t pf_bytes = 0, pf_pairs = 0, pf_hits = 0; /* hybrid_prefetch: bytes read ahead; predicted pairs, chosen */
 };
 
 /* The overlapped step's CPU thread and the queueing thread: layers queued so far (s1 recorded), whether the
@@ -204,11 +203,6 @@ struct hybrid {
     hybrid_worker *worker = nullptr; /* the overlapped step's CPU thread, while it runs (NULL: inline) */
     staging stg;
     int32_t T = 0;                   /* the step's tokens (for the CPU thread) */
-    /* hybrid_prefetch (the CPU thread's): the last CPU layer's xn, kept before its flag lets the device overwrite
-     * h_xn; the layer the pool read ahead for (-1 none) and the routing it predicted there [T * k] */
-    std::vector<float> pf_x;
-    int32_t pf_layer = -1;
-    std::vector<int32_t> pf_ids;
 };
 
 /* A launched step (stg_step_launch) until its stg_step_wait: two slots, by ticket parity. */

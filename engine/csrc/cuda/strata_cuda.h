@@ -86,10 +86,6 @@ typedef struct stg_settings {
                                * so the two rates add. -1: measured, r_cpu / (r_cpu + r_dev) (stg_profile.kv_cpu_gbs /
                                * kv_pcie_gbs); 0: no CPU share (a
                                * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
-    int32_t hybrid_prefetch;  /* hybrid placement, overlapped decode-sized steps (stg_cpu_experts.prefetch given): 1,
-                               * once the CPU thread has handed a layer's rows over, the pool reads the experts the
-                               * next layer with a CPU share is predicted to take (its router on this layer's input)
-                               * into the caches until that layer's routing arrives; 0 off. Same bits either way */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
@@ -105,16 +101,11 @@ stg_status stg_model_create(int32_t device, const void *desc, const stg_settings
 typedef int32_t (*stg_moe_pairs_fn)(void *model, void *pool, int32_t layer, int32_t T, const float *x, int32_t n_pairs,
                                     const int32_t *pair_tok, const int32_t *pair_exp, float *out);
 typedef const char *(*stg_last_error_fn)(void);
-/* the C engine's st_moe_prefetch (stg_settings.hybrid_prefetch) */
-typedef int32_t (*stg_moe_prefetch_fn)(void *model, void *pool, int32_t layer, int32_t T, const float *x,
-                                       const uint8_t *skip, const uint32_t *stop, uint32_t stop_value, int32_t *ids,
-                                       int64_t *bytes);
 typedef struct stg_cpu_experts {
     stg_moe_pairs_fn moe_pairs;
     stg_last_error_fn last_error;
     void *model; /* st_model * opened on the same file (the same mapping as desc's tensors) */
     void *pool;  /* st_pool *: the lane's cores */
-    stg_moe_prefetch_fn prefetch; /* NULL: no prefetch whatever hybrid_prefetch says */
 } stg_cpu_experts;
 
 /* kv_host_attn's CPU side: the C engine's st_attn_blocks_part (strata.h; called with pool on a thread of the
@@ -258,9 +249,6 @@ typedef struct stg_profile {
     int32_t measured;
     /* a tiered KV cache: the step read its host-tier blocks in place (1) or staged them into VRAM (0); -1 none */
     int32_t kv_form;
-    /* hybrid_prefetch: the expert bytes the pool read ahead, the non-resident (token, expert) pairs predicted for
-     * the layers it read for, and how many of those the routing then chose */
-    int64_t prefetch_bytes, prefetch_pairs, prefetch_hits;
 } stg_profile;
 stg_status stg_step_profile(const stg_model *m, stg_profile *out);
 /* Staging's CPU rate: the CPU engine's routed (token, expert) pairs per second at a prefill chunk, measured by

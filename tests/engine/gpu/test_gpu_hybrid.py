@@ -300,39 +300,6 @@ def test_overlap_gives_the_same_bits(paths: dict, model: str, qt: str, frac: str
         assert ta == tb
 
 
-@pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "f32"), ("qwen2moe", "q8_0")])
-def test_prefetch_gives_the_same_bits_and_reads_ahead(paths: dict, model: str, qt: str) -> None:
-    """hybrid_prefetch 1: after each layer's rows, the CPU pool reads the experts the next layer is predicted to
-    take until that layer's routing arrives. The logits are those of hybrid_prefetch 0 bit for bit; a one-token
-    decode step reads ahead and scores its predictions; a step over PF_MAX_T tokens (16 sequences) does not."""
-    path = paths[(model, qt)]
-    prompts = prompts_for()
-    with open_hybrid(path, FRACTIONS["0%"], random_placement(path)) as hyb:
-        got = []
-        for v in ("0", "1"):
-            hyb._gpu.set_settings({"STRATA_GPU_HYBRID_PREFETCH": v})
-            got.append(decode_logits(hyb, prompts[:2]))
-        (la, ta), (lb, tb) = got
-        assert np.array_equal(la, lb), float(np.abs(la - lb).max())
-        assert ta == tb
-        hyb._gpu.set_settings({"STRATA_GPU_HYBRID_PREFETCH": "1"})
-        hp = hyb.hparams
-        read = pairs = hits = 0
-        for _ in range(8):  # one-token decode steps
-            st, _ = decode_step_stats(hyb, prompts[:1])
-            # each layer after the first may be read ahead for (0% resident: each has a CPU share), unless its
-            # routing arrived before the pool started; a prediction is k pairs of the one token
-            assert st.prefetch_pairs % hp.n_expert_used == 0
-            assert st.prefetch_pairs <= (hp.n_layer - 1) * hp.n_expert_used
-            assert 0 <= st.prefetch_hits <= st.prefetch_pairs and st.prefetch_bytes >= 0
-            assert st.prefetch_bytes == 0 or st.prefetch_pairs > 0
-            read, pairs, hits = read + st.prefetch_bytes, pairs + st.prefetch_pairs, hits + st.prefetch_hits
-        print(f"{model}: read ahead {read} B in 8 steps, {hits} of {pairs} predicted pairs chosen")
-        assert pairs > 0  # the CPU thread predicted before the device's routing came at least once in 8 steps
-        st16, _ = decode_step_stats(hyb, prompts)
-        assert st16.prefetch_bytes == 0 and st16.prefetch_pairs == 0
-
-
 PDL = {"without": "0", "with": "1"}  # stg_settings.pdl (programmatic dependent launch), which hybrid steps take
 MIXED_SEQS, MIXED_LEN = 16, 36  # one step of 576 tokens (xn over HY_DIRECT_FLOATS: the copies' path), runs < 64
 
