@@ -77,6 +77,10 @@ OVERRIDES: tuple[Override, ...] = (
              "kv_host_attn 1: the CPU's share (%) of each token's host-tier blocks, the rest read by the GPU in the "
              "same step (in place over PCIe, or staged into VRAM with kv_stream 0); -1 (the default) from the "
              "measured rates, r_cpu / (r_cpu + r_dev)"),
+    Override("STRATA_GPU_HYBRID_STAGE_SKIP", "hybrid_stage_skip",
+             "staging: N >= 1 a staged layer copies only the non-resident experts the routing so far expects at "
+             "least N / 1000 hits of in the step, the device reading any other the step uses from the page-locked "
+             "file (the same bits); 0 (the default) every one copied"),
 )
 
 

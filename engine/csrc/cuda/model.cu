@@ -62,6 +62,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->kv_stream = -1;
     s->kv_host_attn = 0;
     s->kv_host_share = -1;
+    s->hybrid_stage_skip = 0;
 }
 
 static stg_status check_settings(const stg_settings *s) {
@@ -88,6 +89,7 @@ static stg_status check_settings(const stg_settings *s) {
     RANGE(kv_stream, -1, 1)
     RANGE(kv_host_attn, 0, 1)
     RANGE(kv_host_share, -1, 100)
+    RANGE(hybrid_stage_skip, 0, 1000000)
 #undef RANGE
     if (s->gemm_min_tokens % 8 || s->routed_split_max % 8)
         return fail(ST_EINVAL, "settings: gemm_min_tokens (%d) and routed_split_max (%d) must be multiples of 8",

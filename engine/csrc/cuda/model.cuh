@@ -118,6 +118,15 @@ struct staging {
     double cpu_pairs_s = 0.0;             /* the CPU engine's routed pairs per second (stg_model_set_stage_rate) */
     std::vector<char> now;                /* [n_layer]: staged in the step being queued */
     int32_t next = 0;                     /* the ring's next slot */
+    /* hybrid_stage_skip: the routing seen so far (pairs per layer and expert, summed over the waited steps, and
+     * their tokens); per partial layer of the step being queued, which experts its copies bring (want, [n_layer *
+     * n_expert]); per slot, the device's copy of that mask (have[j], [n_expert]); the registered range's device
+     * address (the same bytes as reg) */
+    std::vector<double> seen;
+    double seen_tokens = 0.0;
+    std::vector<uint8_t> want;
+    uint8_t *have[2] = {nullptr, nullptr};
+    const uint8_t *reg_dev = nullptr;
 };
 
 /* The per-layer handshake between the device and a host thread (host_sync.cu; hybrid placement's CPU share and
@@ -317,6 +326,7 @@ static stg_status hybrid_scratch(stg_model *m, int64_t T);
 static stg_status staging_setup(stg_model *m, const st_layer *layers);
 static void staging_destroy(stg_model *m);
 static void staging_decide(stg_model *m, int32_t T); /* which layers the step of T tokens stages */
+static void staging_observe(stg_model *m, int32_t T, const int32_t *hist); /* a waited step's routing [n_layer * ne] */
 static bool staged_layer(const stg_model *m, int il); /* staged in the step being queued */
 
 static void drop_graphs(stg_model *m) {

@@ -18,7 +18,13 @@
  * the routed experts over the router's own grouping (every expert) with the slot as the weights, and releases
  * the slot. The copy of layer l+1 thus runs while layer l computes. Steps are queued whole (hybrid_overlap) or
  * layer by layer; both see the same decision. Rows of staged layers are the device's (within the GPU engine's
- * tolerances of the CPU's), so the decision can change a result. */
+ * tolerances of the CPU's), so the decision can change a result.
+ *
+ * hybrid_stage_skip (an A/B): the copies leave out the non-resident experts that the routing seen so far (each
+ * waited step's histogram, staging_observe) expects too seldom in a step of T tokens (staging_want); the slot's
+ * mask of what came is set on the copy stream before the copies (k_set_have), and after the compute stream's wait
+ * k_fill_missing reads any expert the step's grouping takes but the copies left out from the page-locked file
+ * (registered mapped) into the slot. The experts then read the same bytes as after whole copies: the same bits. */
 #include "model.cuh"
 
 static int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
@@ -84,12 +90,24 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     /* the mapped file's pages are page-locked where they are: read-only, so the file's own mapping serves */
     const uintptr_t page = 4096;
     lo = lo / page * page, hi = (hi + page - 1) / page * page;
-    if (cudaHostRegister((void *)lo, (size_t)(hi - lo), cudaHostRegisterPortable | cudaHostRegisterReadOnly) !=
-        cudaSuccess) {
-        cudaGetLastError(); /* not on this platform or not allowed: staging stays off (the profile's rates are 0) */
-        return ST_OK;
+    /* mapped too, so that the device can read an expert the copies left out (hybrid_stage_skip); where that is not
+     * allowed, registered without it (hybrid_stage_skip then copies every expert) */
+    const unsigned flags = cudaHostRegisterPortable | cudaHostRegisterReadOnly;
+    bool mapped = cudaHostRegister((void *)lo, (size_t)(hi - lo), flags | cudaHostRegisterMapped) == cudaSuccess;
+    if (!mapped) {
+        cudaGetLastError();
+        if (cudaHostRegister((void *)lo, (size_t)(hi - lo), flags) != cudaSuccess) {
+            cudaGetLastError(); /* not on this platform or not allowed: staging stays off (the profile's rates are 0) */
+            return ST_OK;
+        }
     }
     g.reg = (void *)lo;
+    void *dev = nullptr;
+    if (mapped && cudaHostGetDevicePointer(&dev, (void *)lo, 0) == cudaSuccess) g.reg_dev = (const uint8_t *)dev;
+    cudaGetLastError();
+    const size_t nh = (size_t)nL * (size_t)m->d.n_expert;
+    g.seen.assign(nh, 0.0), g.want.assign(nh, 1);
+    for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.have[i], (size_t)m->d.n_expert));
     for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.slot[i], (size_t)g.slot_bytes));
     CU(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "staging: stream");
     for (int i = 0; i < 2; i++) {
@@ -138,6 +156,34 @@ extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *availabl
     return ST_OK;
 }
 
+/* A waited step of T tokens: its pairs per layer and expert join the routing seen so far (halved now and then, so
+ * that recent steps weigh more). */
+static void staging_observe(stg_model *m, int32_t T, const int32_t *hist) {
+    staging &g = m->hy.stg;
+    if (!g.on || g.seen.empty() || T < 1) return;
+    if (g.seen_tokens > (double)(1 << 20)) {
+        for (double &v : g.seen) v *= 0.5;
+        g.seen_tokens *= 0.5;
+    }
+    for (size_t i = 0; i < g.seen.size(); i++) g.seen[i] += hist[i];
+    g.seen_tokens += T;
+}
+
+/* hybrid_stage_skip: which experts of staged layer il the step of T tokens copies (want): the resident ones (device
+ * to device, cheap), and the others where the routing seen so far expects at least skip / 1000 hits in the step.
+ * Without a step's worth of tokens seen, every one. */
+static void staging_want(stg_model *m, int il, int32_t T) {
+    staging &g = m->hy.stg;
+    const int ne = m->d.n_expert;
+    const int32_t skip = m->set.hybrid_stage_skip;
+    const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
+    uint8_t *want = g.want.data() + (size_t)il * ne;
+    const bool judge = skip > 0 && g.reg_dev && g.seen_tokens >= (double)T;
+    const double *seen = g.seen.data() + (size_t)il * ne;
+    for (int e = 0; e < ne; e++)
+        want[e] = !judge || res[e] || 1000.0 * (double)T * seen[e] / g.seen_tokens >= (double)skip;
+}
+
 /* Which partial layers this step of T tokens stages (before the layers are queued and the CPU thread starts). */
 static void staging_decide(stg_model *m, int32_t T) {
     staging &g = m->hy.stg;
@@ -154,6 +200,7 @@ static void staging_decide(stg_model *m, int32_t T) {
         const double copy_s = (double)off * per_expert / (g.pcie_gbs * 1e9);
         const double gpu_s = (double)ne * per_expert / (g.gpu_gbs * 1e9);
         g.now[(size_t)il] = std::max(copy_s, gpu_s) < cpu_s;
+        if (g.now[(size_t)il]) staging_want(m, il, T);
     }
 }
 
@@ -163,23 +210,25 @@ static bool staged_layer(const stg_model *m, int il) {
 }
 
 /* Copies of one tensor of a staged layer into its slot on the copy stream, in runs of one kind (not resident: over
- * PCIe from the registered host range; resident: device to device from consecutive arena slots), each expert at
- * its own index; the bytes over PCIe added to *h2d. */
+ * PCIe from the registered host range; resident: device to device from consecutive arena slots; left out by
+ * hybrid_stage_skip: none), each expert at its own index; the bytes over PCIe added to *h2d. */
 static stg_status staging_copy(stg_model *m, int il, const dtensor &src, const uint8_t *host, uint8_t *dst,
                                int64_t *h2d) {
     staging &g = m->hy.stg;
     const int ne = m->d.n_expert;
     const int64_t stride = src.expert_stride;
-    const uint8_t *res = m->hy.resident.data() + (size_t)il * ne;
+    const uint8_t *res = m->hy.resident.data() + (size_t)il * ne, *want = g.want.data() + (size_t)il * ne;
     const int32_t *slot = m->hy.slot_of.data() + (size_t)il * ne;
+    auto kind = [&](int e) { return res[e] ? 2 : want[e] ? 1 : 0; };
     for (int e = 0; e < ne;) { /* runs of one kind; resident ones only where their arena slots are consecutive */
+        const int k = kind(e);
         int r = e + 1;
-        while (r < ne && res[r] == res[e] && (!res[e] || slot[r] == slot[e] + (r - e))) r++;
+        while (r < ne && kind(r) == k && (k != 2 || slot[r] == slot[e] + (r - e))) r++;
         const size_t bytes = (size_t)(r - e) * (size_t)stride;
-        if (res[e]) {
+        if (k == 2) {
             CU(cudaMemcpyAsync(dst + e * stride, src.d + (int64_t)slot[e] * stride, bytes, cudaMemcpyDeviceToDevice,
                                g.copy), "staging: experts");
-        } else {
+        } else if (k == 1) {
             CU(cudaMemcpyAsync(dst + e * stride, host + e * stride, bytes, cudaMemcpyHostToDevice, g.copy),
                "staging: experts");
             *h2d += (int64_t)bytes;
@@ -188,6 +237,45 @@ static stg_status staging_copy(stg_model *m, int il, const dtensor &src, const u
     }
     return ST_OK;
 }
+
+/* hybrid_stage_skip: which experts a slot's copies brought (have[e] = bit e of w), set on the copy stream before
+ * them. The mask travels as the launch's argument, so the host may reuse its own copy at once. */
+struct have_bits {
+    uint32_t w[32]; /* n_expert <= 1024 */
+};
+__global__ void k_set_have(uint8_t *have, int32_t ne, have_bits b) {
+    for (int e = threadIdx.x; e < ne; e += blockDim.x) have[e] = (uint8_t)((b.w[e >> 5] >> (e & 31)) & 1u);
+}
+
+/* hybrid_stage_skip: the experts of a staged layer the step's routing takes (its grouping: gexp[0 .. *n_groups))
+ * that the copies left out, read into the slot from the page-locked file (src: its device address) by the whole
+ * grid, 16 bytes a thread at a time where the tensors allow it. */
+struct fill_args {
+    const uint8_t *src[3];
+    uint8_t *dst[3];
+    int64_t stride[3];
+    const int32_t *gexp, *n_groups;
+    const uint8_t *have;
+};
+__global__ void k_fill_missing(fill_args a) {
+    const int32_t ng = *a.n_groups;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, nth = (int64_t)gridDim.x * blockDim.x;
+    for (int32_t gi = 0; gi < ng; gi++) {
+        const int32_t e = a.gexp[gi];
+        if (a.have[e]) continue;
+        for (int i = 0; i < 3; i++) {
+            const uint8_t *s = a.src[i] + (int64_t)e * a.stride[i];
+            uint8_t *d = a.dst[i] + (int64_t)e * a.stride[i];
+            if (((uintptr_t)s | (uintptr_t)d | (uintptr_t)a.stride[i]) % 16 == 0) {
+                for (int64_t j = tid; j < a.stride[i] / 16; j += nth) ((uint4 *)d)[j] = ((const uint4 *)s)[j];
+            } else {
+                for (int64_t j = tid; j < a.stride[i]; j += nth) d[j] = s[j];
+            }
+        }
+    }
+}
+
+#define FILL_BLOCKS 64 /* k_fill_missing's grid: enough loads in flight to stream from host memory */
 
 /* A staged layer, before its routed experts: the copies into the ring's next slot (after its last user is done)
  * on the copy stream, the compute stream waiting for them between the step's s0 and s1 of the layer (it has no
@@ -205,6 +293,14 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
     int64_t off[3];
     slot_layout(m, L, off);
     CU(cudaStreamWaitEvent(g.copy, g.freed[j], 0), "staging: slot");
+    const bool skip = m->set.hybrid_stage_skip > 0 && g.reg_dev;
+    if (skip) {
+        have_bits b = {};
+        const uint8_t *want = g.want.data() + (size_t)il * ne;
+        for (int e = 0; e < ne; e++) b.w[e >> 5] |= (uint32_t)want[e] << (e & 31);
+        k_set_have<<<1, 256, 0, g.copy>>>(g.have[j], ne, b);
+        CU(cudaGetLastError(), "staging: mask");
+    }
     dtensor *out[3] = {&Ls->gate_exps, &Ls->up_exps, &Ls->down_exps};
     const dtensor *src[3] = {&L.gate_exps, &L.up_exps, &L.down_exps};
     for (int i = 0; i < 3; i++) {
@@ -216,7 +312,16 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
     CU(cudaEventRecord(g.staged[j], g.copy), "staging: event");
     CU(cudaEventRecord(hs.s0[(size_t)il], m->stream), "staging: event");
     CU(cudaStreamWaitEvent(m->stream, g.staged[j], 0), "staging: wait");
-    pdl_cut(m->stream); /* the routed experts' first kernel follows the wait */
+    pdl_cut(m->stream); /* the next kernel follows the wait */
+    if (skip) { /* the experts the routing takes that the copies left out (timed with the copies: s0..s1) */
+        fill_args a = {};
+        for (int i = 0; i < 3; i++)
+            a.src[i] = g.reg_dev + (h.host[(size_t)il * 3 + i] - (const uint8_t *)g.reg), a.dst[i] = g.slot[j] + off[i],
+            a.stride[i] = src[i]->expert_stride;
+        a.gexp = m->s.gexp, a.n_groups = m->s.n_groups, a.have = g.have[j];
+        launch_k(k_fill_missing, FILL_BLOCKS, 256, 0, m->stream, a);
+        LAUNCHED("staging: experts left out");
+    }
     CU(cudaEventRecord(hs.s1[(size_t)il], m->stream), "staging: event");
     hs.used[(size_t)il] = 2;
     hs.staged_layers++;

@@ -550,6 +550,7 @@ static stg_status step_wait(stg_model *m, int64_t ticket, int32_t *out_tokens, s
             pairs += f.h_hist[i], active += f.h_hist[i] > 0;
             if (f.expert_hist) f.expert_hist[i] += f.h_hist[i];
         }
+        staging_observe(m, f.T, f.h_hist);
         if (f.mv) mv_update(m, f.T, f.h_hist);
     }
     auto elapsed = [](cudaEvent_t a, cudaEvent_t b) -> double {

@@ -86,6 +86,12 @@ typedef struct stg_settings {
                                * so the two rates add. -1: measured, r_cpu / (r_cpu + r_dev) (stg_profile.kv_cpu_gbs /
                                * kv_pcie_gbs); 0: no CPU share (a
                                * step whose shares round to no block takes exactly kv_host_attn 0's path, bitwise) */
+    int32_t hybrid_stage_skip; /* staging (hybrid_stage): N >= 1, a staged layer's non-resident expert is copied only
+                               * where the routing of the steps so far expects at least N / 1000 hits of it in the
+                               * step (its hits a token x the step's tokens); an expert the step's routing then
+                               * takes although it was left out is read into its slot by the device from the
+                               * page-locked file before the experts run, so the slot holds the same bytes for every
+                               * expert the step uses: the same bits as copying them all. 0: every one copied */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);

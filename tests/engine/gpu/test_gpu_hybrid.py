@@ -476,6 +476,38 @@ def test_staging_matches_cpu(paths: dict, cpu_tokens: dict, monkeypatch: pytest.
         assert np.array_equal(hyb.logits_for(prompts[0]), plain)
 
 
+@pytest.mark.parametrize(("model", "qt"), [("qwen2moe", "q8_0"), ("qwen3moe", "f32")])
+def test_staging_skip_gives_the_same_bits(paths: dict, model: str, qt: str) -> None:
+    """hybrid_stage_skip: a staged layer copies only the experts the routing seen so far expects in the step, and
+    the device reads any other expert the step takes from the page-locked file before the experts run. The slot
+    then holds the same bytes for every expert used, so the logits are those of copying every expert, bit for bit:
+    with a threshold no expert meets (every used one read by the device, nothing copied over PCIe) and with a
+    moderate one (fewer bytes copied, the rest read where used)."""
+    path = paths[(model, qt)]
+    prompt = prompts_for()[0]
+    pf = random_placement(path)
+    budget = budget_gb(path, 0.3, pf) + staging_ring_bytes(path) / 2**30
+    stage = {"STRATA_GPU_HYBRID_STAGE": "1"}
+    with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
+        hyb._gpu.set_settings(stage)
+        hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
+        full = np.array(hyb.logits_for(prompt), copy=True)  # also the routing seen before the next steps
+        st = hyb.last_stats
+        assert st is not None and st.staged_layers > 0 and st.staged_bytes > 0
+        full_bytes, copied = st.staged_bytes, {}
+        for skip in ("1000000", "50", "1000000"):
+            hyb._gpu.set_settings({**stage, "STRATA_GPU_HYBRID_STAGE_SKIP": skip})
+            hyb._gpu.set_stage_rate(1e-3)
+            got = hyb.logits_for(prompt)
+            st = hyb.last_stats
+            assert st is not None and st.staged_layers > 0
+            copied[skip] = st.staged_bytes
+            print(f"{model} {qt}: skip {skip}: {st.staged_bytes} of {full_bytes} B over PCIe")
+            assert np.array_equal(got, full), (skip, float(np.abs(got - full).max()))
+        assert copied["1000000"] == 0  # no expert expected 1,000 hits: every used one read by the device
+        assert copied["50"] <= full_bytes
+
+
 @pytest.mark.parametrize(("model", "qt"), [("qwen3moe", "q8_0"), ("qwen2moe", "f32")])
 def test_online_replacement_keeps_tokens_and_bytes(paths: dict, cpu_tokens: dict, model: str, qt: str) -> None:
     """Issue 29's test 2: online re-placement under a workload its placement file did not foresee (random
