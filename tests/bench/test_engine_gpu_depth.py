@@ -66,24 +66,33 @@ def test_kv_fit_names_the_shortfall() -> None:
     assert why is not None and "--depth-batch 8" in why and "96.00 GiB" in why and "117.00 GiB" in why and "100.00 GiB free" in why
 
 
-@pytest.mark.parametrize(("ubatch", "n_seq"), [(512, 1), (2048, 1), (4096, 8)])
-def test_llama_fills_the_cache_in_the_same_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ubatch: int,
-                                                 n_seq: int) -> None:
-    """--depth-ubatch N: llama.cpp's -ub N (and a -b that holds it) in both its commands, as Strata's prefill_chunk."""
+def _fake_llama(monkeypatch: pytest.MonkeyPatch, n_seq: int) -> list[list[str]]:
+    """llama.cpp's two binaries replaced by canned JSON (llama-bench: 300 tok/s at depth 0; llama-batched-bench:
+    1,000 tok/s over n_seq sequences); returns the list their commands are recorded in."""
     import json
     import subprocess
-
-    from bench import engine_gpu_depth as D
 
     seen: list[list[str]] = []
 
     def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess:
         seen.append(cmd)
         if "llama-bench" in cmd[0]:
-            return subprocess.CompletedProcess(cmd, 0, json.dumps([{"n_depth": 0, "n_gen": 128, "avg_ts": 1.0}]), "")
-        return subprocess.CompletedProcess(cmd, 0, json.dumps({"pp": 0, "tg": 128, "pl": n_seq, "speed_tg": 1.0}), "")
+            out = json.dumps([{"n_depth": 0, "n_gen": 128, "avg_ts": 300.0}])
+        else:
+            out = json.dumps({"pp": 0, "tg": 128, "pl": n_seq, "speed_tg": 1000.0})
+        return subprocess.CompletedProcess(cmd, 0, out, "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
+    return seen
+
+
+@pytest.mark.parametrize(("ubatch", "n_seq"), [(512, 1), (2048, 1), (4096, 8)])
+def test_llama_fills_the_cache_in_the_same_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ubatch: int,
+                                                 n_seq: int) -> None:
+    """--depth-ubatch N: llama.cpp's -ub N (and a -b that holds it) in both its commands, as Strata's prefill_chunk."""
+    from bench import engine_gpu_depth as D
+
+    seen = _fake_llama(monkeypatch, n_seq)
     D.run_llama(tmp_path, tmp_path / "m.gguf", [0], 1, n_seq=n_seq, ubatch=ubatch)
     assert seen
     for cmd in seen:
@@ -106,22 +115,9 @@ def test_depth_ubatch_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_llama_runs_with_the_same_kv_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kv_type: str,
                                           n_seq: int) -> None:
     """--kv-type q8_0: llama.cpp's own 8-bit cache beside Strata's (-ctk q8_0 -ctv q8_0), f16 as before."""
-    import json
-    import subprocess
-
     from bench import engine_gpu_depth as D
 
-    seen: list[list[str]] = []
-
-    def fake_run(cmd: list[str], **_: object) -> subprocess.CompletedProcess:
-        seen.append(cmd)
-        if "llama-bench" in cmd[0]:
-            out = json.dumps([{"n_depth": 0, "n_gen": 128, "avg_ts": 300.0}])
-        else:
-            out = json.dumps({"pp": 0, "tg": 128, "pl": n_seq, "speed_tg": 1000.0})
-        return subprocess.CompletedProcess(cmd, 0, out, "")
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
+    seen = _fake_llama(monkeypatch, n_seq)
     got = D.run_llama(tmp_path, tmp_path / "m.gguf", [0], 1, n_seq=n_seq, kv_type=kv_type)
     assert got == {0: 300.0 if n_seq == 1 else 1000.0}
     assert seen, "llama.cpp was not run"
