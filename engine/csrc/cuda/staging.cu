@@ -157,10 +157,10 @@ extern "C" stg_status stg_model_stage_info(const stg_model *m, int32_t *availabl
 }
 
 /* A waited step of T tokens: its pairs per layer and expert join the routing seen so far (halved now and then, so
- * that recent steps weigh more). */
+ * that recent steps weigh more). Counted only while hybrid_stage_skip is on: every decode step passes here. */
 static void staging_observe(stg_model *m, int32_t T, const int32_t *hist) {
     staging &g = m->hy.stg;
-    if (!g.on || g.seen.empty() || T < 1) return;
+    if (!g.on || g.seen.empty() || T < 1 || m->set.hybrid_stage_skip <= 0) return;
     if (g.seen_tokens > (double)(1 << 20)) {
         for (double &v : g.seen) v *= 0.5;
         g.seen_tokens *= 0.5;
@@ -293,11 +293,12 @@ static stg_status staging_queue(stg_model *m, int il, dlayer *Ls) {
     int64_t off[3];
     slot_layout(m, L, off);
     CU(cudaStreamWaitEvent(g.copy, g.freed[j], 0), "staging: slot");
-    const bool skip = m->set.hybrid_stage_skip > 0 && g.reg_dev;
+    /* hybrid_stage_skip left some expert out of the copies: the mask and the fill (else neither is queued) */
+    have_bits b = {};
+    bool skip = false;
+    const uint8_t *want = g.want.data() + (size_t)il * ne;
+    for (int e = 0; e < ne; e++) b.w[e >> 5] |= (uint32_t)want[e] << (e & 31), skip = skip || !want[e];
     if (skip) {
-        have_bits b = {};
-        const uint8_t *want = g.want.data() + (size_t)il * ne;
-        for (int e = 0; e < ne; e++) b.w[e >> 5] |= (uint32_t)want[e] << (e & 31);
         k_set_have<<<1, 256, 0, g.copy>>>(g.have[j], ne, b);
         CU(cudaGetLastError(), "staging: mask");
     }
