@@ -80,7 +80,7 @@ OVERRIDES: tuple[Override, ...] = (
     Override("STRATA_GPU_HYBRID_STAGE_SKIP", "hybrid_stage_skip",
              "staging: N >= 1 a staged layer copies only the non-resident experts the routing so far expects at "
              "least N / 1000 hits of in the step, the device reading any other the step uses from the page-locked "
-             "file (the same bits); 0 (the default) every one copied"),
+             "file (the same bits; 50, the default: 0.05 hits); 0 every one copied"),
 )
 
 

@@ -62,7 +62,7 @@ extern "C" void stg_settings_default(stg_settings *s) {
     s->kv_stream = -1;
     s->kv_host_attn = 0;
     s->kv_host_share = -1;
-    s->hybrid_stage_skip = 0;
+    s->hybrid_stage_skip = 50; /* gpu_settings' table: expected hits >= 0.05 */
 }
 
 static stg_status check_settings(const stg_settings *s) {

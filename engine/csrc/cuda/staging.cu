@@ -20,7 +20,7 @@
  * layer by layer; both see the same decision. Rows of staged layers are the device's (within the GPU engine's
  * tolerances of the CPU's), so the decision can change a result.
  *
- * hybrid_stage_skip (an A/B): the copies leave out the non-resident experts that the routing seen so far (each
+ * hybrid_stage_skip (default 50: 0.05 expected hits): the copies leave out the non-resident experts that the routing seen so far (each
  * waited step's histogram, staging_observe) expects too seldom in a step of T tokens (staging_want); the slot's
  * mask of what came is set on the copy stream before the copies (k_set_have), and after the compute stream's wait
  * k_fill_missing reads any expert the step's grouping takes but the copies left out from the page-locked file

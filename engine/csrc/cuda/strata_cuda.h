@@ -91,7 +91,8 @@ typedef struct stg_settings {
                                * step (its hits a token x the step's tokens); an expert the step's routing then
                                * takes although it was left out is read into its slot by the device from the
                                * page-locked file before the experts run, so the slot holds the same bytes for every
-                               * expert the step uses: the same bits as copying them all. 0: every one copied */
+                               * expert the step uses: the same bits as copying them all. 50 (0.05 hits) by default;
+                               * 0: every one copied */
 } stg_settings;
 
 void stg_settings_default(stg_settings *s);
