@@ -151,21 +151,27 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
     const int32_t *bt = a.block_tables + (int64_t)a.seq[t0] * a.max_blocks;
     const int n_kt = (max_keys + AMMA_BC - 1) / AMMA_BC;
     __half *const stage0 = (__half *)att_dyn;
-    /* K of stage kt: HD rows x 4 chunks x 2 pieces of 16 bytes; a thread keeps its chunk and piece */
-    const int kc_p = threadIdx.x & 1, kc_c = (threadIdx.x >> 1) & 3;
+    /* A stage is four 16-key chunks, each inside one KV block. A thread copies into one chunk, kc_c: K's HD rows x
+     * 2 pieces of 16 bytes (its piece kc_p), and V's 16 rows x HD / 8 pieces, the chunk's W * 8 threads taking
+     * every (W * 8)-th piece from kc_v on. So a thread reads one block-table entry a stage, loaded a stage ahead
+     * (b_next), and its copies share one base address per cache. */
+    const int kc_p = threadIdx.x & 1, kc_c = (threadIdx.x >> 1) & 3, kc_v = kc_p | ((threadIdx.x >> 3) << 1);
+    const int bs_sh = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1; /* block sizes are powers of two but for tests */
+    auto chunk_block = [&](int jc) { return bs_sh >= 0 ? jc >> bs_sh : jc / bs; }; /* the block index of key jc */
+    int32_t b_next = 16 * kc_c < max_keys ? bt[chunk_block(16 * kc_c)] : 0; /* stage 0's, then each next one's */
     auto issue = [&](int kt) { /* stage kt's copies into slot kt % NS, as one commit group (empty past the end) */
         if (kt < n_kt) {
             __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves(HD), *vs = ks + HD * AMMA_KP;
             const int j0 = kt * AMMA_BC;
-            int32_t blk[4], slot[4]; /* the four 16-key chunks' KV blocks, loaded together, and first slots */
-#pragma unroll
-            for (int c = 0; c < 4; c++) {
-                const int jb = j0 + 16 * c;
-                blk[c] = jb < max_keys ? bt[jb / bs] : 0, slot[c] = jb % bs;
-            }
             constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
             const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
             if constexpr (Q8) { /* every load of the stage first, then the converted stores */
+                int32_t blk[4], slot[4]; /* the four 16-key chunks' KV blocks, loaded together, and first slots */
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    const int jb = j0 + 16 * c;
+                    blk[c] = jb < max_keys ? bt[jb / bs] : 0, slot[c] = jb % bs;
+                }
                 constexpr int KR = HD / (4 * W), VR = AMMA_BC * VPC / (W * 32), NG = HD / 32; /* 4 W dimensions a pass */
                 const int kd32 = kd / 32;
                 if (j0 + 16 * kc_c < max_keys) {
@@ -205,26 +211,27 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                                                                                  *(const uint32_t *)&d2, *(const uint32_t *)&d2));
                 }
             } else {
-            if (j0 + 16 * kc_c < max_keys) { /* chunks past the last key stay stale: their scores are masked */
-                const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
-                const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
-                const __half *kg = kv_blk(a.kc, a.ht.kc, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
+                constexpr int KR = HD / (4 * W), VR = 16 * VPC / (8 * W); /* a thread's K and V copies */
+                const int jc = j0 + 16 * kc_c, nv = max_keys - jc; /* the chunk's first key; its keys: min(16, nv) */
+                const int32_t b = b_next;                          /* block 0 where nv <= 0: only zeros come then */
+                b_next = jc + AMMA_BC < max_keys ? bt[chunk_block(jc + AMMA_BC)] : 0;
+                const int sl = jc - chunk_block(jc) * bs;
+                if (nv > 0) { /* K of keys past the last stays stale: their scores are masked */
+                    const __half *kg = kv_blk(a.kc, a.ht.kc, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
 #pragma unroll
-                for (int d = threadIdx.x >> 3; d < HD; d += W * 32 / 8)
-                    cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
-            }
-#pragma unroll
-            for (int i = threadIdx.x; i < AMMA_BC * VPC; i += W * 32) {
-                const int j = i / VPC, pc = i % VPC, c = j >> 4;
-                __half *dst = vs + j * VP + 8 * pc;
-                if (j0 + j < max_keys) {
-                    const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
-                    const int sl = (c == 0 ? slot[0] : c == 1 ? slot[1] : c == 2 ? slot[2] : slot[3]) + (j & 15);
-                    cp_async16(dst, kv_blk(a.vc, a.ht.vc, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD + 8 * pc);
-                } else {
-                    *(uint4 *)dst = make_uint4(0u, 0u, 0u, 0u); /* p = 0 there, and 0 * stale NaN would not be 0 */
+                    for (int r = 0; r < KR; r++) {
+                        const int d = (threadIdx.x >> 3) + 4 * W * r;
+                        cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
+                    }
                 }
-            }
+                const __half *vg = kv_blk(a.vc, a.ht.vc, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD;
+                __half *const vrow = vs + 16 * kc_c * VP;
+#pragma unroll
+                for (int r = 0; r < VR; r++) { /* V rows past the last key are zeros: p = 0 there, and 0 * stale NaN
+                                                * would not be 0 */
+                    const int e = kc_v + 8 * W * r, jj = e / VPC, pc = e % VPC;
+                    cp_async16_or_zero(vrow + jj * VP + 8 * pc, vg + (int64_t)jj * kd + 8 * pc, jj < nv);
+                }
             }
         }
         cp_async_commit();
