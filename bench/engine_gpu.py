@@ -776,7 +776,8 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
         (label, {**os.environ, **knobs}) for label, knobs in parse_knobs(args.prefill_knob)
     ]
     with Engine.open(
-        path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=args.prefill_chunk
+        path, device=args.device, kv_tokens=max(8192, n + 16), block_size=16, prefill_chunk=args.prefill_chunk,
+        kv_type=args.kv_type,
     ) as eng:
         ids = [int(t) for t in np.random.default_rng(1).integers(0, eng.hparams.n_vocab, size=n)]
         rates: dict[str, list[float]] = {label: [] for label, _ in rows}
@@ -798,7 +799,7 @@ def prefill_once(args: argparse.Namespace, n: int) -> int:
             med = float(np.median(r))
             vs = f", {med / base:.3f}x default" if label != "default" else ""
             print(
-                f"prefill of {n} tokens in chunks of {args.prefill_chunk} ({lib}, {label}): median {med:.0f} tok/s over {len(r)} "
+                f"prefill of {n} tokens in chunks of {args.prefill_chunk} ({lib}, {args.kv_type} KV, {label}): median {med:.0f} tok/s over {len(r)} "
                 f"({', '.join(f'{x:.0f}' for x in r)}){vs}"
             )
     return 0
@@ -944,8 +945,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-type",
         default="f16",
         choices=["f16", "q8_0"],
-        help="with --depth: Strata's KV cache values (Engine.open's kv_type), llama.cpp's the same "
-        "(-ctk / -ctv)",
+        help="with --depth or --prefill-only: Strata's KV cache values (Engine.open's kv_type); with --depth "
+        "llama.cpp's the same (-ctk / -ctv)",
     )
     ap.add_argument(
         "--depth-experts-cpu",

@@ -162,73 +162,60 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
     auto issue = [&](int kt) { /* stage kt's copies into slot kt % NS, as one commit group (empty past the end) */
         if (kt < n_kt) {
             __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves(HD), *vs = ks + HD * AMMA_KP;
-            const int j0 = kt * AMMA_BC;
-            constexpr int VPC = HD / 8; /* 16-byte pieces per V row */
+            constexpr int VPC = HD / 8, KR = HD / (4 * W), VR = 16 * VPC / (8 * W); /* a thread's K and V copies */
             const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
+            const int jc = kt * AMMA_BC + 16 * kc_c, nv = max_keys - jc; /* the chunk's first key; its keys: min(16, nv) */
+            const int32_t b = b_next; /* block 0 where nv <= 0: nothing is read from it then */
+            b_next = jc + AMMA_BC < max_keys ? bt[chunk_block(jc + AMMA_BC)] : 0;
+            const int sl = jc - chunk_block(jc) * bs;
+            __half *const krow = ks + 16 * kc_c + 8 * kc_p, *const vrow = vs + 16 * kc_c * VP;
+            /* K of keys past the last stays stale (their scores are masked); V rows past it are zeros (p = 0 there,
+             * and 0 * stale NaN would not be 0) */
             if constexpr (Q8) { /* every load of the stage first, then the converted stores */
-                int32_t blk[4], slot[4]; /* the four 16-key chunks' KV blocks, loaded together, and first slots */
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    const int jb = j0 + 16 * c;
-                    blk[c] = jb < max_keys ? bt[jb / bs] : 0, slot[c] = jb % bs;
-                }
-                constexpr int KR = HD / (4 * W), VR = AMMA_BC * VPC / (W * 32), NG = HD / 32; /* 4 W dimensions a pass */
+                constexpr int NG = HD / 32;
                 const int kd32 = kd / 32;
-                if (j0 + 16 * kc_c < max_keys) {
-                    const int32_t b = kc_c == 0 ? blk[0] : kc_c == 1 ? blk[1] : kc_c == 2 ? blk[2] : blk[3];
-                    const int sl = kc_c == 0 ? slot[0] : kc_c == 1 ? slot[1] : kc_c == 2 ? slot[2] : slot[3];
-                    uint2 kq[KR];
-                    uint4 kscl[KR];
+                uint2 kq[KR], vq[VR];
+                uint4 kscl[KR];
+                __half vsc[VR];
+                if (nv > 0) {
+                    const int8_t *kg = kv_blk(a.k8, a.ht.k8, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
+                    const __half *kg_s = kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + (int64_t)kvh * NG * bs + sl + 8 * kc_p;
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
                         const int d = (threadIdx.x >> 3) + 4 * W * r;
-                        kq[r] = *(const uint2 *)(kv_blk(a.k8, a.ht.k8, b, nd, per) + ((int64_t)kvh * HD + d) * bs + sl + 8 * kc_p);
-                        kscl[r] = *(const uint4 *)(kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + ((int64_t)kvh * NG + d / 32) * bs +
-                                                   sl + 8 * kc_p);
+                        kq[r] = *(const uint2 *)(kg + (int64_t)d * bs), kscl[r] = *(const uint4 *)(kg_s + (d / 32) * bs);
                     }
-#pragma unroll
-                    for (int r = 0; r < KR; r++)
-                        *(uint4 *)(ks + ((threadIdx.x >> 3) + 4 * W * r) * AMMA_KP + 16 * kc_c + 8 * kc_p) = q8x8_scaled(kq[r], kscl[r]);
                 }
-                uint2 vq[VR];
-                __half vsc[VR];
+                const int8_t *vg = kv_blk(a.v8, a.ht.v8, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD;
+                const __half *vg_s = kv_blk(a.vs, a.ht.vs, b, nd, per / 32) + (int64_t)sl * kd32 + (int64_t)kvh * NG;
 #pragma unroll
                 for (int r = 0; r < VR; r++) {
-                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC, c = j >> 4;
+                    const int e = kc_v + 8 * W * r, jj = e / VPC, pc = e % VPC;
                     vq[r] = make_uint2(0u, 0u), vsc[r] = __ushort_as_half((unsigned short)0);
-                    if (j0 + j < max_keys) {
-                        const int32_t b = c == 0 ? blk[0] : c == 1 ? blk[1] : c == 2 ? blk[2] : blk[3];
-                        const int sl = (c == 0 ? slot[0] : c == 1 ? slot[1] : c == 2 ? slot[2] : slot[3]) + (j & 15);
-                        vq[r] = *(const uint2 *)(kv_blk(a.v8, a.ht.v8, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD + 8 * pc);
-                        vsc[r] = kv_blk(a.vs, a.ht.vs, b, nd, per / 32)[(int64_t)sl * kd32 + (int64_t)kvh * NG + pc / 4];
-                    }
+                    if (jj < nv) vq[r] = *(const uint2 *)(vg + (int64_t)jj * kd + 8 * pc), vsc[r] = vg_s[jj * kd32 + pc / 4];
                 }
+                if (nv > 0)
 #pragma unroll
-                for (int r = 0; r < VR; r++) { /* past the last key: zeros (q and d are 0 there) */
-                    const int i = threadIdx.x + W * 32 * r, j = i / VPC, pc = i % VPC;
-                    const __half2 d2 = __half2half2(vsc[r]);
-                    *(uint4 *)(vs + j * VP + 8 * pc) = q8x8_scaled(vq[r], make_uint4(*(const uint32_t *)&d2, *(const uint32_t *)&d2,
-                                                                                 *(const uint32_t *)&d2, *(const uint32_t *)&d2));
+                    for (int r = 0; r < KR; r++)
+                        *(uint4 *)(krow + ((threadIdx.x >> 3) + 4 * W * r) * AMMA_KP) = q8x8_scaled(kq[r], kscl[r]);
+#pragma unroll
+                for (int r = 0; r < VR; r++) { /* zeros past the last key (q and d are 0 there) */
+                    const int e = kc_v + 8 * W * r;
+                    const uint32_t d2 = __half_as_ushort(vsc[r]) * 0x10001u;
+                    *(uint4 *)(vrow + (e / VPC) * VP + 8 * (e % VPC)) = q8x8_scaled(vq[r], make_uint4(d2, d2, d2, d2));
                 }
             } else {
-                constexpr int KR = HD / (4 * W), VR = 16 * VPC / (8 * W); /* a thread's K and V copies */
-                const int jc = j0 + 16 * kc_c, nv = max_keys - jc; /* the chunk's first key; its keys: min(16, nv) */
-                const int32_t b = b_next;                          /* block 0 where nv <= 0: only zeros come then */
-                b_next = jc + AMMA_BC < max_keys ? bt[chunk_block(jc + AMMA_BC)] : 0;
-                const int sl = jc - chunk_block(jc) * bs;
-                if (nv > 0) { /* K of keys past the last stays stale: their scores are masked */
+                if (nv > 0) {
                     const __half *kg = kv_blk(a.kc, a.ht.kc, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
                         const int d = (threadIdx.x >> 3) + 4 * W * r;
-                        cp_async16(ks + d * AMMA_KP + 16 * kc_c + 8 * kc_p, kg + (int64_t)d * bs);
+                        cp_async16(krow + d * AMMA_KP, kg + (int64_t)d * bs);
                     }
                 }
                 const __half *vg = kv_blk(a.vc, a.ht.vc, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD;
-                __half *const vrow = vs + 16 * kc_c * VP;
 #pragma unroll
-                for (int r = 0; r < VR; r++) { /* V rows past the last key are zeros: p = 0 there, and 0 * stale NaN
-                                                * would not be 0 */
+                for (int r = 0; r < VR; r++) {
                     const int e = kc_v + 8 * W * r, jj = e / VPC, pc = e % VPC;
                     cp_async16_or_zero(vrow + jj * VP + 8 * pc, vg + (int64_t)jj * kd + 8 * pc, jj < nv);
                 }
