@@ -13,8 +13,8 @@ secs=(--section SpeedOfLight --section Occupancy --section LaunchStats --section
       --section SchedulerStats)
 # the pipe utilisation and instruction-mix tables (charts in the GUI) only with --print-details all
 "$NCU" --help 2>/dev/null | grep -q -- --print-details && secs+=(--print-details all)
-# the prefill form: k_linear_gemm<Q4_K (12), SW, BN 32 / 64, CS, FAST = true>, as ncu demangles it
-FAST='k_linear_gemm<(\(int\))?12, (\(bool\))?[01], (\(int\))?(32|64), (\(int\))?[124], (\(bool\))?(1|true)>'
+# the prefill form: k_linear_gemm<Q4_K (12), SW, BN 32 / 64, CS, FAST = true, RS = false>, as ncu demangles it
+FAST='k_linear_gemm<(\(int\))?12, (\(bool\))?[01], (\(int\))?(32|64), (\(int\))?[124], (\(bool\))?(1|true), (\(bool\))?(0|false)>'
 export STRATA_GPU_PDL=0 STRATA_GPU_GRAPHS=0
 {
   echo "== 512-token prefill step, layer 0: q, k + v, attention, o, router, gate/up, down"

@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
             __half *ks = stage0 + (size_t)(kt % NS) * amma_stage_halves(HD), *vs = ks + HD * AMMA_KP;
             constexpr int VPC = HD / 8, KR = HD / (4 * W), VR = 16 * VPC / (8 * W); /* a thread's K and V copies */
             const int64_t per = (int64_t)kd * bs, nd = a.ht.n_dev;
-            const int jc = kt * AMMA_BC + 16 * kc_c, nv = max_keys - jc; /* the chunk's first key; its keys: min(16, nv) */
+            /* the chunk's first key; its keys: min(16, nv) */
+            const int jc = kt * AMMA_BC + 16 * kc_c, nv = max_keys - jc;
             const int32_t b = b_next; /* block 0 where nv <= 0: nothing is read from it then */
             b_next = jc + AMMA_BC < max_keys ? bt[chunk_block(jc + AMMA_BC)] : 0;
             const int sl = jc - chunk_block(jc) * bs;
@@ -179,11 +180,13 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                 __half vsc[VR];
                 if (nv > 0) {
                     const int8_t *kg = kv_blk(a.k8, a.ht.k8, b, nd, per) + (int64_t)kvh * HD * bs + sl + 8 * kc_p;
-                    const __half *kg_s = kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + (int64_t)kvh * NG * bs + sl + 8 * kc_p;
+                    const __half *kg_s =
+                        kv_blk(a.ks, a.ht.ks, b, nd, per / 32) + (int64_t)kvh * NG * bs + sl + 8 * kc_p;
 #pragma unroll
                     for (int r = 0; r < KR; r++) {
                         const int d = (threadIdx.x >> 3) + 4 * W * r;
-                        kq[r] = *(const uint2 *)(kg + (int64_t)d * bs), kscl[r] = *(const uint4 *)(kg_s + (d / 32) * bs);
+                        kq[r] = *(const uint2 *)(kg + (int64_t)d * bs);
+                        kscl[r] = *(const uint4 *)(kg_s + (d / 32) * bs);
                     }
                 }
                 const int8_t *vg = kv_blk(a.v8, a.ht.v8, b, nd, per) + (int64_t)sl * kd + (int64_t)kvh * HD;
@@ -192,7 +195,8 @@ __global__ void __launch_bounds__(W * 32, W == 8 ? 1 : 2) k_attention_mma(attn_a
                 for (int r = 0; r < VR; r++) {
                     const int e = kc_v + 8 * W * r, jj = e / VPC, pc = e % VPC;
                     vq[r] = make_uint2(0u, 0u), vsc[r] = __ushort_as_half((unsigned short)0);
-                    if (jj < nv) vq[r] = *(const uint2 *)(vg + (int64_t)jj * kd + 8 * pc), vsc[r] = vg_s[jj * kd32 + pc / 4];
+                    if (jj < nv)
+                        vq[r] = *(const uint2 *)(vg + (int64_t)jj * kd + 8 * pc), vsc[r] = vg_s[jj * kd32 + pc / 4];
                 }
                 if (nv > 0)
 #pragma unroll

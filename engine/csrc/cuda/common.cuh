@@ -160,7 +160,8 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
 /* the same, copying the 16 bytes where full and writing 16 zero bytes otherwise (src-size 0: gmem is not read) */
 __device__ __forceinline__ void cp_async16_or_zero(void *smem, const void *gmem, bool full) {
     const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16u : 0u) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16u : 0u)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async4(void *smem, const void *gmem) {
