@@ -26,8 +26,8 @@ static thread_local bool g_defer_combine = false, g_deferred = false;
 
 /* The prefill form of the Q4_K and Q8_0 GEMMs (k_linear_gemm's FAST: one float sum per output in the walk order
  * instead of the matvec's butterfly tree, so tiles of 32 or 64 pairs fit the registers; within rounding
- * of the matvec, not bitwise; Q4_K stages its bytes with cp.async, Q8_0's 34-byte blocks are loaded at the start
- * of each stage as the bitwise form loads them). An eager step takes it for every such layer but the output head (row
+ * of the matvec, not bitwise; both stage their bytes with cp.async a stage ahead: Q4_K as its bitwise forms do, Q8_0
+ * each 34-byte block as the 48-byte window of three aligned 16-byte pieces that holds it). An eager step takes it for every such layer but the output head (row
  * lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the launch's size) when each of its tokens
  * belongs to a run of at least gemm_fast_min consecutive tokens of one sequence: a long prompt's tokens
  * then get the same bits whether it is prefilled whole or in chunks of at least that many tokens; a step
@@ -148,16 +148,22 @@ template <int T> __host__ __device__ constexpr bool gemm_fast_type() { return T 
 /* sub-blocks per k stage: 8 for the plain form's 16 / 32 pairs, 4 for the gate/up form and the prefill
  * form's 64 pairs (3 blocks' shared memory per SM) */
 template <bool SW, int BN> __host__ __device__ constexpr int gemm_gk() { return SW || BN == MM_BN_FAST ? 4 : 8; }
-template <int T, bool SW, int BN = MM_BN> __host__ __device__ constexpr int gemm_raw_bytes() {
-    return gemm_raw<T>() ? 48 * ((SW ? 2 : 1) * gemm_gk<SW, BN>() * MM_BM + gemm_gk<SW, BN>() * BN) : 0;
+/* the forms that stage their bytes: gemm_raw's types, and Q8_0's prefill form */
+template <int T, bool FAST> __host__ __device__ constexpr bool gemm_staged() {
+    return gemm_raw<T>() || (FAST && T == STG_Q8_0);
+}
+template <int T, bool SW, int BN = MM_BN, bool FAST = false> __host__ __device__ constexpr int gemm_raw_bytes() {
+    return gemm_staged<T, FAST>() ? 48 * ((SW ? 2 : 1) * gemm_gk<SW, BN>() * MM_BM + gemm_gk<SW, BN>() * BN) : 0;
 }
 
-/* A Q4_K GEMM stage's bytes (schedule tab) copied with cp.async into this thread's own slots of
+/* A staged GEMM stage's bytes (schedule tab) copied with cp.async into this thread's own slots of
  * the dynamic shared memory: the same thread unpacks them, so its cp.async.wait_group is all
- * the ordering needed. Weight slot it = (weight, sub-block, row) as k_linear_gemm's fill;
- * activation slot NW * GK * MM_BM + (sub-block, pair) entry: 32 bytes of values, then the scale
- * and the two sums (entry tid + 128 u: sub-block xkk0 + u * 128 / BN, pair tid % BN). */
-template <bool SW, int BN>
+ * the ordering needed. Weight slot it = (weight, sub-block, row) as k_linear_gemm's fill: Q4_K's block
+ * header and the 32 bytes of nibbles, Q8_0's block in its 16-byte-aligned 48-byte window (up to 14 bytes
+ * past a tensor's end are read: the arena and the staging slots leave room); activation slot NW * GK * MM_BM
+ * + (sub-block, pair) entry: 32 bytes of values, then the scale and the two sums (entry tid + 128 u: sub-block
+ * xkk0 + u * 128 / BN, pair tid % BN). */
+template <int T, bool SW, int BN>
 __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, uint4 *dyn, int tid, int m0,
                                            const uint8_t *wbase, const uint8_t *wbase2, int xkk0, int xrow, int nsb) {
     constexpr int GK = gemm_gk<SW, BN>(), WI = (SW ? 2 : 1) * GK * MM_BM / 128, XE = (GK * BN + 127) / 128;
@@ -167,10 +173,15 @@ __device__ __forceinline__ void gemm_issue(const lin_args &a, const int *tab, ui
         const int w = it / (GK * MM_BM), rem = it % (GK * MM_BM), kk = rem / MM_BM, m = rem % MM_BM;
         const int qe = tab[kk], j = qe & 0xFFFF, r = m0 + m;
         if (qe >= 0 && j != 0xFFFF && r < a.N) {
-            const uint8_t *b = (w ? wbase2 : wbase) + (int64_t)r * a.row_bytes + (int64_t)(j >> 3) * 144;
-            const uint8_t *qb = b + 16 + 32 * ((j & 7) >> 1);
+            const uint8_t *row = (w ? wbase2 : wbase) + (int64_t)r * a.row_bytes;
             uint4 *d = dyn + 3 * it;
-            cp_async16(d, b), cp_async16(d + 1, qb), cp_async16(d + 2, qb + 16);
+            if constexpr (T == STG_Q8_0) {
+                const uint8_t *win = (const uint8_t *)((uintptr_t)(row + 34 * (int64_t)j) & ~(uintptr_t)15);
+                cp_async16(d, win), cp_async16(d + 1, win + 16), cp_async16(d + 2, win + 32);
+            } else {
+                const uint8_t *b = row + (int64_t)(j >> 3) * 144, *qb = b + 16 + 32 * ((j & 7) >> 1);
+                cp_async16(d, b), cp_async16(d + 1, qb), cp_async16(d + 2, qb + 16);
+            }
         }
     }
 #pragma unroll
@@ -209,7 +220,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                   "BN: 16, or 32 for the plain form; the prefill form 32 or 64");
     static_assert(!FAST || (gemm_fast_type<T>() && CS > 0), "the prefill form: Q4_K or Q8_0 with C = 1, 2 or 4");
     static_assert(CS == 0 || CS == 1 || CS == 2 || CS == 4, "CS: 0 (any K), or C = 1, 2, 4 sub-blocks per residue");
-    constexpr bool Q6 = has_c<T>(), RAW = gemm_raw<T>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3, Q2_K) */
+    constexpr bool Q6 = has_c<T>(), RAW = gemm_staged<T, FAST>(); /* Q6: halves with their own integer scales (Q6_K, Q3_K, IQ2/IQ3, Q2_K) */
     constexpr bool QM = has_m<T>(); /* Q2_K: per-16 minima (wm per row) against the activations' 16-sums (xh per pair) */
     extern __shared__ __align__(16) uint4 gemm_dyn[]; /* RAW: [NW * GK * MM_BM + GK * BN][3] */
     __shared__ int ws[NW][GK][8][MM_WP];
@@ -270,7 +281,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
     /* activations: (sub-block, pair) entries tid + 128 u, u < XE: pair xn, sub-blocks xkk0 + u * 128 / BN */
     const int xkk0 = tid / BN, xn = tid % BN;
     const int xrow = xkk0 < GK ? prow[xn] : -1;
-    if constexpr (RAW) gemm_issue<SW, BN>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
+    if constexpr (RAW) gemm_issue<T, SW, BN>(a, qtab[0], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
     for (int q0 = q_beg, p = 0; q0 < q_end; q0 += GK, p ^= 1) {
         /* stage GK sub-blocks of the canonical sequence (q -> residue rev5(q / C), round q % C):
          * every global load of the stage is issued before the first shared-memory store */
@@ -285,7 +296,11 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                 (void)w;
                 if constexpr (RAW) {
                     const uint4 *d = gemm_dyn + 3 * it;
-                    unpack_q4k(d[0], d[1], d[2], j & 7, sv[u]);
+                    if constexpr (T == STG_Q8_0) /* the block's offset into its window */
+                        unpack_q8_0_window(d[0], d[1], d[2],
+                                           (int)((uintptr_t)((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes + 34 * (int64_t)j) & 15),
+                                           sv[u]);
+                    else unpack_q4k(d[0], d[1], d[2], j & 7, sv[u]);
                 } else {
                     unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
                 }
@@ -342,7 +357,7 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
         /* the next stage's bytes fly while this stage's mma work runs (every thread has
          * unpacked its slots of this stage before the barrier) */
         if constexpr (RAW) {
-            if (q0 + GK < q_end) gemm_issue<SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
+            if (q0 + GK < q_end) gemm_issue<T, SW, BN>(a, qtab[p ^ 1], gemm_dyn, tid, m0, wbase, wbase2, xkk0, xrow, nsb);
         }
         /* stage sub-block kk's mma and float work into cur */
         auto kk_mma = [&](int kk) {
@@ -540,8 +555,8 @@ template <int T, bool SW> static void launch_fast_t(const lin_args &a, int max_g
         grid = dim3(mt, (unsigned)((max_count + bn - 1) / bn), (unsigned)max_groups);
     }
     if (bn == MM_BN_FAST)
-        launch_k(gemm_fast_kernel<T, SW, MM_BN_FAST>(a.K), grid, 128, gemm_raw_bytes<T, SW, MM_BN_FAST>(), st, b);
-    else launch_k(gemm_fast_kernel<T, SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<T, SW, MM_BN_WIDE>(), st, b);
+        launch_k(gemm_fast_kernel<T, SW, MM_BN_FAST>(a.K), grid, 128, gemm_raw_bytes<T, SW, MM_BN_FAST, true>(), st, b);
+    else launch_k(gemm_fast_kernel<T, SW, MM_BN_WIDE>(a.K), grid, 128, gemm_raw_bytes<T, SW, MM_BN_WIDE, true>(), st, b);
 }
 /* type: a gemm_fast_type (gemm_fast_layer checked it) */
 template <bool SW> static void launch_fast(int type, const lin_args &a, int max_groups, int max_count, int expected,
@@ -564,14 +579,14 @@ template <int T, bool SW, int BN> static stg_status gemm_setup_one(void) {
     }
     return ST_OK;
 }
-/* The prefill form of type T (CS = 1, 2, 4): its dynamic shared memory (Q4_K's staged bytes; none for Q8_0) and
- * the largest carve-out, so that 3 blocks fit an SM. */
+/* The prefill form of type T (CS = 1, 2, 4): its dynamic shared memory (the staged bytes) and the largest
+ * carve-out, so that 3 blocks fit an SM. */
 template <int T> static stg_status gemm_fast_setup(void) {
     for (const int K : {1024, 2048, 4096}) {
         const gemm_fn fs[4] = {gemm_fast_kernel<T, false, MM_BN_WIDE>(K), gemm_fast_kernel<T, false, MM_BN_FAST>(K),
                                gemm_fast_kernel<T, true, MM_BN_WIDE>(K), gemm_fast_kernel<T, true, MM_BN_FAST>(K)};
-        const int bytes[4] = {gemm_raw_bytes<T, false, MM_BN_WIDE>(), gemm_raw_bytes<T, false, MM_BN_FAST>(),
-                              gemm_raw_bytes<T, true, MM_BN_WIDE>(), gemm_raw_bytes<T, true, MM_BN_FAST>()};
+        const int bytes[4] = {gemm_raw_bytes<T, false, MM_BN_WIDE, true>(), gemm_raw_bytes<T, false, MM_BN_FAST, true>(),
+                              gemm_raw_bytes<T, true, MM_BN_WIDE, true>(), gemm_raw_bytes<T, true, MM_BN_FAST, true>()};
         for (int i = 0; i < 4; i++) {
             if (bytes[i] > 0)
                 CU(cudaFuncSetAttribute(fs[i], cudaFuncAttributeMaxDynamicSharedMemorySize, bytes[i]), "gemm setup");

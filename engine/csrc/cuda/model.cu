@@ -304,7 +304,7 @@ static stg_status upload(stg_model *m, const st_layer *layers) {
             total += (tensor_bytes(*src[i]) / m->d.n_expert * m->hy.n_slots[(size_t)il] + 255) / 256 * 256;
         }
     }
-    CHECK(dalloc(m, &m->arena, (size_t)total));
+    CHECK(dalloc(m, &m->arena, (size_t)(total + STG_WEIGHT_TAIL)));
     m->arena_bytes = total;
     for (const slotted &p : parts) {
         const st_tensor *t = p.t;

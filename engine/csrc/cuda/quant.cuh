@@ -193,6 +193,31 @@ template <> __device__ __forceinline__ void unpack_sub<STG_Q8_0>(const uint8_t *
 #pragma unroll
     for (int i = 0; i < 8; i++) s.q[i] = (int)ld_u32_2a(b + 2 + 4 * i);
 }
+/* Bytes allocated past the last weight of a device buffer (the arena, a staging slot, a test's upload): the GEMM's
+ * staged Q8_0 windows (unpack_q8_0_window) read up to 14 bytes past a block. */
+#define STG_WEIGHT_TAIL 256
+/* A Q8_0 block from the 48 bytes of the 16-byte-aligned window that holds it (three aligned pieces always do: a
+ * block is 34 bytes, at an even offset o = 0, 2, ..., 14 into its window), O = o: the GEMM's prefill form, which
+ * stages the windows with cp.async. The same values as unpack_sub<STG_Q8_0> reading the block in place. */
+template <int O> __device__ __forceinline__ void unpack_q8_0_at(const uint32_t (&w)[12], sub_w &s) {
+    constexpr int QW = (O + 2) >> 2, SH = ((O + 2) & 3) * 8; /* the values' first word and the shift into it */
+    s.A = __half2float(__ushort_as_half((unsigned short)(w[O >> 2] >> (8 * (O & 3))))), s.B = 0.0f, s.c0 = s.c1 = 1;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s.q[i] = SH ? (int)__funnelshift_r(w[QW + i], w[QW + i + 1], SH) : (int)w[QW + i];
+}
+__device__ __forceinline__ void unpack_q8_0_window(uint4 v0, uint4 v1, uint4 v2, int o, sub_w &s) {
+    const uint32_t w[12] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w, v2.x, v2.y, v2.z, v2.w};
+    switch (o) { /* uniform across a warp where rows are whole 16-byte pieces (K a multiple of 256) */
+    case 0: unpack_q8_0_at<0>(w, s); break;
+    case 2: unpack_q8_0_at<2>(w, s); break;
+    case 4: unpack_q8_0_at<4>(w, s); break;
+    case 6: unpack_q8_0_at<6>(w, s); break;
+    case 8: unpack_q8_0_at<8>(w, s); break;
+    case 10: unpack_q8_0_at<10>(w, s); break;
+    case 12: unpack_q8_0_at<12>(w, s); break;
+    default: unpack_q8_0_at<14>(w, s); break;
+    }
+}
 /* Scale and min j of a K-quant block from its 12 packed bytes held in 3 words (no byte loads). */
 __device__ __forceinline__ void scale_min_k4_w(int j, uint32_t s0, uint32_t s1, uint32_t s2, int &d, int &m) {
     /* words picked by selects, not an array indexed at run time (the GEMM's j comes from

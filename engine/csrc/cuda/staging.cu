@@ -20,11 +20,12 @@
  * layer by layer; both see the same decision. Rows of staged layers are the device's (within the GPU engine's
  * tolerances of the CPU's), so the decision can change a result.
  *
- * hybrid_stage_skip (default 50: 0.05 expected hits): the copies leave out the non-resident experts that the routing seen so far (each
- * waited step's histogram, staging_observe) expects too seldom in a step of T tokens (staging_want); the slot's
- * mask of what came is set on the copy stream before the copies (k_set_have), and after the compute stream's wait
- * k_fill_missing reads any expert the step's grouping takes but the copies left out from the page-locked file
- * (registered mapped) into the slot. The experts then read the same bytes as after whole copies: the same bits. */
+ * hybrid_stage_skip (default 50: 0.05 expected hits): the copies leave out the non-resident experts that the
+ * routing seen so far (each waited step's histogram, staging_observe) expects too seldom in a step of T tokens
+ * (staging_want); the slot's mask of what came is set on the copy stream before the copies (k_set_have), and after
+ * the compute stream's wait k_fill_missing reads any expert the step's grouping takes but the copies left out from
+ * the page-locked file (registered mapped) into the slot. The experts then read the same bytes as after whole
+ * copies: the same bits. */
 #include "model.cuh"
 
 static int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
@@ -108,7 +109,7 @@ static stg_status staging_setup(stg_model *m, const st_layer *layers) {
     const size_t nh = (size_t)nL * (size_t)m->d.n_expert;
     g.seen.assign(nh, 0.0), g.want.assign(nh, 1);
     for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.have[i], (size_t)m->d.n_expert));
-    for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.slot[i], (size_t)g.slot_bytes));
+    for (int i = 0; i < 2; i++) CHECK(dalloc(m, &g.slot[i], (size_t)(g.slot_bytes + STG_WEIGHT_TAIL)));
     CU(cudaStreamCreateWithFlags(&g.copy, cudaStreamNonBlocking), "staging: stream");
     for (int i = 0; i < 2; i++) {
         CU(cudaEventCreateWithFlags(&g.staged[i], cudaEventDisableTiming), "staging: events");
