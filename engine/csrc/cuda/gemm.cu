@@ -27,10 +27,10 @@ static thread_local bool g_defer_combine = false, g_deferred = false;
 /* The prefill form of the Q4_K and Q8_0 GEMMs (k_linear_gemm's FAST: one float sum per output in the walk order
  * instead of the matvec's butterfly tree, so tiles of 32 or 64 pairs fit the registers; within rounding
  * of the matvec, not bitwise; both stage their bytes with cp.async a stage ahead: Q4_K as its bitwise forms do, Q8_0
- * each 34-byte block as the 48-byte window of three aligned 16-byte pieces that holds it). An eager step takes it for every such layer but the output head (row
- * lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the launch's size) when each of its tokens
- * belongs to a run of at least gemm_fast_min consecutive tokens of one sequence: a long prompt's tokens
- * then get the same bits whether it is prefilled whole or in chunks of at least that many tokens; a step
+ * each 34-byte block as the 48-byte window of three aligned 16-byte pieces that holds it). An eager step takes it
+ * for every such layer but the output head (row lengths with C = 1, 2 or 4 sub-blocks per residue, whatever the
+ * launch's size) when each of its tokens belongs to a run of at least gemm_fast_min consecutive tokens of one
+ * sequence: a long prompt's tokens then get the same bits whether it is prefilled whole or in chunks of at least that many tokens; a step
  * that also holds short runs (decode tokens) keeps the bitwise kernels for all its tokens. Such steps
  * also run the F32 routers on k_router_gemm, k and v as one row-segmented launch (k and v alone are 8 row
  * tiles each), and no programmatic dependent launch: each GEMM's next launch would put its blocks on the
@@ -296,11 +296,12 @@ __global__ void __launch_bounds__(128, gemm_min_blocks<BN, FAST, RS>()) k_linear
                 (void)w;
                 if constexpr (RAW) {
                     const uint4 *d = gemm_dyn + 3 * it;
-                    if constexpr (T == STG_Q8_0) /* the block's offset into its window */
-                        unpack_q8_0_window(d[0], d[1], d[2],
-                                           (int)((uintptr_t)((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes + 34 * (int64_t)j) & 15),
-                                           sv[u]);
-                    else unpack_q4k(d[0], d[1], d[2], j & 7, sv[u]);
+                    if constexpr (T == STG_Q8_0) { /* the block's offset into its window */
+                        const uint8_t *blk = (w ? wbase2 : wbase) + (int64_t)r * a.row_bytes + 34 * (int64_t)j;
+                        unpack_q8_0_window(d[0], d[1], d[2], (int)((uintptr_t)blk & 15), sv[u]);
+                    } else {
+                        unpack_q4k(d[0], d[1], d[2], j & 7, sv[u]);
+                    }
                 } else {
                     unpack_sub<T>((w ? wbase2 : wbase) + (int64_t)r * a.row_bytes, j, sv[u]);
                 }
