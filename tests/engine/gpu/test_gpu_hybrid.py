@@ -489,7 +489,7 @@ def test_staging_skip_gives_the_same_bits(paths: dict, model: str, qt: str) -> N
     budget = budget_gb(path, 0.3, pf) + staging_ring_bytes(path) / 2**30
     stage = {"STRATA_GPU_HYBRID_STAGE": "1"}
     with Engine.open(path, device="cuda:0", kv_tokens=KV_TOKENS, gpu_budget_gb=budget, placement=pf) as hyb:
-        hyb._gpu.set_settings(stage)
+        hyb._gpu.set_settings({**stage, "STRATA_GPU_HYBRID_STAGE_SKIP": "0"})  # the reference: every expert copied
         hyb._gpu.set_stage_rate(1e-3)  # the CPU slower than any copy: every partial layer staged
         full = np.array(hyb.logits_for(prompt), copy=True)
         st = hyb.last_stats
